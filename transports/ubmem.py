@@ -1,0 +1,533 @@
+"""UBMEM backend: load/store into peers' MPI-3 shared-memory windows (transports §3).
+
+Inside one node every window is an ``MPI_Win_allocate_shared`` segment per rank, mapped by
+all ranks of the node; peers read and write it through zero-copy torch / numpy views.
+
+Memory ordering (transports §3.2): a release is "copy data → ``Win.Sync()`` → store the
+signal", an acquire is "observe the signal → ``Win.Sync()`` → read". ``Win.Sync`` is a full
+memory barrier in MPICH, which also orders the weakly ordered streaming stores that large
+``memcpy`` calls use.
+
+Signals (§3.3) are int64 words in per-source slots: ``slot[s][src]`` on a target is written
+only by ``src``, with one aligned 8-byte store of a value that only grows, so receivers wait
+for "≥ expected" and nothing is ever cleaned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import sys
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from .base import State, Team, WaitPolicy, resolve_timeout
+from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
+                     TransportConfigError, TransportPoisoned, TransportRuntimeError, TransportTimeout,
+                     TransportUnsupported)
+from .link_model import LinkStats
+from .topology import ChannelKind, Topology
+
+_CONTROL_ALIGN = 4096
+_REASON_BYTES = 256
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_forgotten_transports():
+    # atexit runs before mpi4py finalizes MPI, so collective frees are still legal here.
+    for tp in list(_LIVE):
+        try:
+            tp.destroy(force=True, timeout_s=5.0)
+        except Exception:
+            pass
+
+
+class SymmetricWindow:
+    """A window of the same size on every rank of a node: ``[control | data]`` per rank.
+
+    Control region (int64 words): abort flags ``[world]``, abort reasons ``[world, 256 B]``,
+    barrier slots ``[len(Team), world]``, signal slots ``[num_slots, world]``, padded to 4 KiB.
+    API offsets are offsets into the data region. Create with
+    :meth:`UbmemTransport.create_window`.
+
+    Attributes:
+        name: label used in error messages.
+        nbytes: size of the data region in bytes (same on every rank).
+        num_slots: number of signal slots.
+    """
+
+    def __init__(self, tp: "UbmemTransport", name: str, nbytes: int, num_slots: int):
+        from mpi4py import MPI
+
+        self.name, self.nbytes, self.num_slots = name, int(nbytes), int(num_slots)
+        world = tp.topology.world_size
+        self._world = world
+        self._abort_off = 0
+        self._reason_off = world
+        self._barrier_off = self._reason_off + world * (_REASON_BYTES // 8)
+        self._slot_off = self._barrier_off + len(Team) * world
+        ctl_words = self._slot_off + self.num_slots * world
+        self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self._win = MPI.Win.Allocate_shared(self.control_bytes + self.nbytes, 1, info=info, comm=tp.node_comm)
+        except MPI.Exception as exc:
+            raise TransportRuntimeError(
+                f"rank {tp.topology.rank}: Allocate_shared of window '{name}' "
+                f"({self.control_bytes + self.nbytes} B) failed: {exc.Get_error_string()}") from None
+        finally:
+            info.Free()
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._locked = True
+        topo = tp.topology
+        # World rank -> mpi4py buffer of its whole segment (node peers only).
+        self._bufs = {}
+        for p in topo.node_ranks():
+            buf, _ = self._win.Shared_query(topo.local_rank_of(p))
+            self._bufs[p] = buf
+        self._baseline_refs = {p: sys.getrefcount(b) for p, b in self._bufs.items()}
+        self._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in self._bufs.items()}
+        self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
+                      if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
+        self._ctl[topo.rank][:] = 0
+        self.sync()
+
+    # -- views ---------------------------------------------------------------
+    def sync(self) -> None:
+        """``MPI_Win_sync``: a full memory barrier for this window's shared memory."""
+        self._win.Sync()
+
+    def signals(self, slot: int) -> np.ndarray:
+        """This rank's signal words of ``slot``, ``[world]`` int64 (entry ``src`` written only by ``src``)."""
+        base = self._slot_off + slot * self._world
+        return self._ctl[self._rank_self][base:base + self._world]
+
+    def _release_views(self) -> None:
+        self._ctl.clear()
+        self._data.clear()
+
+    def _live_view_count(self) -> int:
+        """Storages still referencing the segments (torch/numpy views held outside this object)."""
+        gc.collect()
+        return sum(sys.getrefcount(b) - self._baseline_refs[p] for p, b in self._bufs.items())
+
+
+class UbmemTransport:
+    """Transport over MPI shared-memory windows for ranks of one node (the UBMEM channel).
+
+    Implements the contract of transports §2.2 for SELF and UBMEM pairs: ``put``, ``get``,
+    ``signal``, ``put_with_signal``, ``wait_until``, ``fence``, ``flush``, ``barrier``,
+    ``progress``, ``abort`` and ``destroy``; plus zero-copy ``peer_view`` for load/store
+    data paths. Pairs on different nodes (URMA) are refused with
+    :class:`~transports.errors.TransportUnsupported` until the URMA backend exists.
+
+    Args:
+        comm: mpi4py intracommunicator (all ranks call collectively).
+        ranks_per_node: simulated node size (see :meth:`Topology.from_comm`).
+        timeout_s: default deadline of blocking ops (argument, ``$DEEPEP_ASCEND_TIMEOUT_S``, 100 s).
+    Raises:
+        TransportConfigError: on every rank, when the topology is invalid or spans nodes.
+    """
+
+    def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.comm = comm.Dup()
+        self.topology = Topology.from_comm(self.comm, ranks_per_node)
+        topo = self.topology
+        if topo.num_nodes > 1:
+            self.comm.Free()
+            raise TransportConfigError(
+                f"rank {topo.rank}: {topo.num_nodes} nodes of {topo.ranks_per_node} ranks need the URMA "
+                f"backend, which this build does not have yet; run on one node")
+        self.node_comm = self.comm.Split(color=topo.node, key=topo.rank)
+        self.stats = LinkStats(topo.world_size)
+        from mpi4py import MPI
+        shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
+        self.wait_policy = WaitPolicy(local_ranks=shared.Get_size())
+        shared.Free()
+        self.state = State.OPEN
+        self._windows = []
+        self._shadow = {}  # (window id, slot, dst) -> last value stored
+        self._barrier_gen = [0] * len(Team)
+        self._poison_reason = ""
+        self._internal = None
+        self._internal = self.create_window("barrier", 0, 0)
+        _LIVE.add(self)
+
+    # -- lifetime --------------------------------------------------------------
+    def _check_open(self, op: str) -> None:
+        if self.state is State.OPEN:
+            return
+        if self.state is State.CLOSED:
+            raise TransportClosed(f"rank {self.topology.rank}: {op} called after destroy()")
+        raise TransportPoisoned(f"rank {self.topology.rank}: {op} refused: the transport failed earlier "
+                                f"({self._poison_reason}); destroy it and build a new one")
+
+    def _poison(self, reason: str) -> None:
+        if self.state is State.OPEN:
+            self.state = State.POISONED
+            self._poison_reason = reason
+
+    def create_window(self, name: str, nbytes: int, num_slots: int) -> SymmetricWindow:
+        """Collectively allocate a window with ``nbytes`` of data and ``num_slots`` signal slots.
+
+        Raises:
+            TransportArgumentError: sizes negative or different between ranks (on every rank).
+        """
+        self._check_open("create_window")
+        from mpi4py import MPI
+        sizes = self.comm.allreduce((int(nbytes), int(num_slots)), op=MPI.MAX), \
+            self.comm.allreduce((-int(nbytes), -int(num_slots)), op=MPI.MAX)
+        if sizes[0] != (-sizes[1][0], -sizes[1][1]) or nbytes < 0 or num_slots < 0:
+            raise TransportArgumentError(
+                f"rank {self.topology.rank}: create_window('{name}'): ranks disagree on (nbytes, num_slots) "
+                f"or a value is negative: this rank {(nbytes, num_slots)}, max {sizes[0]}, "
+                f"min {(-sizes[1][0], -sizes[1][1])}")
+        win = SymmetricWindow(self, name, nbytes, num_slots)
+        win._rank_self = self.topology.rank
+        self._windows.append(win)
+        self.node_comm.Barrier()  # every control region is zeroed before anyone signals
+        return win
+
+    def destroy(self, force: bool = False, timeout_s: float | None = None) -> None:
+        """Collectively free every window and communicator; idempotent.
+
+        Args:
+            force: skip the live-view check (views then dangle; use only at exit).
+            timeout_s: deadline of the closing barrier; if a peer never arrives, collective
+                frees are skipped (the mappings die with the process) and the timeout is raised.
+        Raises:
+            TransportBusy: some rank still holds tensor views of window memory (on every rank;
+                the transport stays usable).
+            TransportTimeout: a peer did not reach destroy.
+        """
+        if self.state is State.CLOSED:
+            return
+        from mpi4py import MPI
+        poisoned = self.state is State.POISONED
+        for win in self._windows:
+            win._release_views()
+        busy = 0 if force else sum(w._live_view_count() for w in self._windows)
+        # One collective decision: refuse if any rank has live views; skip collective frees if
+        # any rank is poisoned (a peer may be gone, and a partial Free would hang the others).
+        flags = np.array([busy, int(poisoned)], dtype=np.int64)
+        total = np.zeros(2, dtype=np.int64)
+        deadline = time.monotonic() + (resolve_timeout(timeout_s) if timeout_s is not None else self.timeout_s)
+        req = self.comm.Iallreduce(flags, total, op=MPI.MAX)
+        pauses = self.wait_policy.pauses()
+        while not req.Test():
+            if time.monotonic() > deadline:
+                self.state = State.CLOSED
+                _LIVE.discard(self)
+                raise TransportTimeout("destroy", self.topology.rank, ["(unknown: a peer never called destroy)"],
+                                       time.monotonic() - deadline + (self.timeout_s if timeout_s is None else timeout_s))
+            time.sleep(next(pauses))
+        if total[0] > 0:
+            self._restore_views()
+            raise TransportBusy(
+                f"rank {self.topology.rank}: destroy refused: tensor views of window memory are still alive "
+                f"({busy} on this rank; windows {[w.name for w in self._windows]}); drop them (e.g. results of "
+                f"get_local_buffer_tensor) and call destroy() again, or pass force=True at exit")
+        if total[1]:
+            self.state = State.CLOSED
+            _LIVE.discard(self)
+            return
+        for win in reversed(self._windows):
+            if win._locked:
+                win._win.Unlock_all()
+            win._bufs.clear()
+            win._win.Free()
+        self._windows.clear()
+        self.node_comm.Free()
+        self.comm.Free()
+        self.state = State.CLOSED
+        _LIVE.discard(self)
+
+    def _restore_views(self) -> None:
+        for win in self._windows:
+            ctl_words = win._slot_off + win.num_slots * win._world
+            win._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in win._bufs.items()}
+            win._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=win.nbytes, offset=win.control_bytes)
+                         if win.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in win._bufs.items()}
+
+    # -- argument checks ----------------------------------------------------------
+    def _peer(self, op: str, win: SymmetricWindow, peer: int) -> ChannelKind:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.topology.world_size:
+            raise TransportArgumentError(
+                f"rank {self.topology.rank}: {op}(win='{win.name}'): peer rank {peer!r} outside "
+                f"[0, {self.topology.world_size})")
+        kind = self.topology.kind(self.topology.rank, int(peer))
+        if kind is ChannelKind.URMA:
+            raise TransportUnsupported(
+                f"rank {self.topology.rank}: {op}(win='{win.name}'): rank {peer} is on another node (URMA); "
+                f"the UBMEM backend reaches only ranks of node {self.topology.node}")
+        return kind
+
+    def _range(self, op: str, win: SymmetricWindow, peer: int, offset: int, nbytes: int) -> None:
+        if not isinstance(offset, (int, np.integer)) or offset < 0 or nbytes < 0 or offset + nbytes > win.nbytes:
+            raise TransportArgumentError(
+                f"rank {self.topology.rank}: {op}(win='{win.name}', peer {peer}): byte range "
+                f"[{offset}, {offset}+{nbytes}) outside the data region of {win.nbytes} B")
+
+    def _slot(self, op: str, win: SymmetricWindow, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < win.num_slots:
+            raise TransportArgumentError(
+                f"rank {self.topology.rank}: {op}(win='{win.name}'): signal slot {slot!r} outside "
+                f"[0, {win.num_slots})")
+
+    @staticmethod
+    def _as_bytes(op: str, rank: int, t: torch.Tensor, what: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            raise TransportArgumentError(
+                f"rank {rank}: {op}: {what} must be a contiguous CPU torch.Tensor, got "
+                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else f' (device {t.device}, contiguous={t.is_contiguous()})'}")
+        return t.reshape(-1).view(torch.uint8)
+
+    # -- data ----------------------------------------------------------------
+    def peer_view(self, win: SymmetricWindow, peer: int, offset: int, nbytes: int,
+                  dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Zero-copy 1-D view of ``nbytes`` of ``peer``'s data region from byte ``offset``.
+
+        Loads and stores through it are not counted; use :meth:`record_fetch` / :meth:`record_put`.
+        Raises:
+            TransportUnsupported: ``peer`` is on another node.
+            TransportArgumentError: bad peer, range, or ``nbytes`` not a multiple of the dtype size.
+        """
+        self._check_open("peer_view")
+        self._peer("peer_view", win, peer)
+        self._range("peer_view", win, peer, offset, nbytes)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if nbytes % itemsize or offset % itemsize:
+            raise TransportArgumentError(
+                f"rank {self.topology.rank}: peer_view(win='{win.name}', peer {peer}): offset {offset} and "
+                f"nbytes {nbytes} must be multiples of {dtype}'s size {itemsize}")
+        return win._data[int(peer)][offset:offset + nbytes].view(dtype)
+
+    def local_view(self, win: SymmetricWindow, offset: int, nbytes: int, dtype: torch.dtype = torch.uint8):
+        """Zero-copy view of this rank's own data region (see :meth:`peer_view`)."""
+        return self.peer_view(win, self.topology.rank, offset, nbytes, dtype)
+
+    def record_put(self, peer: int, nbytes: int) -> None:
+        """Count ``nbytes`` stored through a view into ``peer``'s window."""
+        self.stats.record_put(self.topology.kind(self.topology.rank, peer), peer, nbytes)
+
+    def record_fetch(self, peer: int, nbytes: int) -> None:
+        """Count ``nbytes`` loaded through a view from ``peer``'s window (data moved peer → us)."""
+        self.stats.record_fetch(self.topology.kind(self.topology.rank, peer), peer, nbytes)
+
+    def put(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor) -> None:
+        """Copy the contiguous tensor ``src`` into ``dst``'s data region at byte ``offset``.
+
+        Returns when ``src`` may be reused; visible to ``dst`` after :meth:`flush` or a later
+        ordered signal. Zero-byte puts are counted no-ops.
+        Raises:
+            TransportArgumentError: before any byte is written, for a bad peer, range or source.
+        """
+        self._check_open("put")
+        kind = self._peer("put", win, dst)
+        data = self._as_bytes("put", self.topology.rank, src, "src")
+        self._range("put", win, dst, offset, data.numel())
+        if data.numel():
+            win._data[int(dst)][offset:offset + data.numel()].copy_(data)
+        self.stats.record_put(kind, int(dst), data.numel())
+
+    def get(self, win: SymmetricWindow, src: int, offset: int, out: torch.Tensor) -> None:
+        """Copy ``out.nbytes`` bytes from ``src``'s data region at ``offset`` into ``out``.
+
+        Sees what ``src`` released before the call.
+        Raises:
+            TransportArgumentError: bad peer, range, or ``out`` not a contiguous CPU tensor.
+        """
+        self._check_open("get")
+        kind = self._peer("get", win, src)
+        dest = self._as_bytes("get", self.topology.rank, out, "out")
+        self._range("get", win, src, offset, dest.numel())
+        win.sync()
+        if dest.numel():
+            dest.copy_(win._data[int(src)][offset:offset + dest.numel()])
+        self.stats.record_fetch(kind, int(src), dest.numel())
+
+    # -- signals -----------------------------------------------------------------
+    def signal(self, win: SymmetricWindow, dst: int, slot: int, add: int = 1, ordered: bool = True) -> int:
+        """Add ``add`` to ``slot[slot][me]`` on ``dst``; returns the new value.
+
+        ``ordered``: release with respect to earlier stores to ``dst`` (a memory barrier first).
+        Raises:
+            TransportArgumentError: bad peer or slot, or ``add`` not a non-negative int64.
+        """
+        self._check_open("signal")
+        kind = self._peer("signal", win, dst)
+        self._slot("signal", win, slot)
+        if not isinstance(add, (int, np.integer)) or add < 0 or add >= 2 ** 62:
+            raise TransportArgumentError(f"rank {self.topology.rank}: signal(win='{win.name}'): add={add!r} must "
+                                         f"be a non-negative int below 2**62 (signals only grow)")
+        key = (id(win), slot, int(dst))
+        value = self._shadow.get(key, 0) + int(add)
+        self._shadow[key] = value
+        if ordered:
+            win.sync()
+        win._ctl[int(dst)][win._slot_off + slot * win._world + self.topology.rank] = value
+        self.stats.record_signal(kind, int(dst))
+        return value
+
+    def put_with_signal(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor,
+                        slot: int, add: int = 1) -> int:
+        """:meth:`put` then an ordered :meth:`signal`: an observer of the increment sees the data."""
+        self._peer("put_with_signal", win, dst)
+        self._slot("put_with_signal", win, slot)
+        self.put(win, dst, offset, src)
+        return self.signal(win, dst, slot, add, ordered=True)
+
+    def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
+        """Current value of ``slot[slot][src]`` in this rank's window (no waiting)."""
+        self._slot("read_signal", win, slot)
+        return int(win.signals(slot)[src])
+
+    def wait_until(self, win: SymmetricWindow, slot: int, srcs, values, timeout_s: float | None = None,
+                   phase: str = "", on_timeout: str = "raise"):
+        """Wait until ``slot[slot][src] >= value`` for every ``src`` (acquire).
+
+        Args:
+            srcs: ranks to wait for (sequence of ints).
+            values: one expected value per src, or a scalar for all.
+            timeout_s: deadline (default: the transport's).
+            phase: label for the error message.
+            on_timeout: ``"raise"`` or ``"return"`` (return the list of pending ranks instead).
+        Returns:
+            ``[]`` when every signal arrived, else (``on_timeout="return"``) the pending ranks.
+        Raises:
+            TransportTimeout: a signal did not arrive in time (poisons the transport).
+            TransportAborted: a peer aborted (poisons the transport).
+        """
+        self._check_open("wait_until")
+        self._slot("wait_until", win, slot)
+        srcs = np.asarray(srcs, dtype=np.int64).reshape(-1)
+        need = np.broadcast_to(np.asarray(values, dtype=np.int64), srcs.shape)
+        words = win.signals(slot)
+
+        def done():
+            return bool(np.all(words[srcs] >= need))
+
+        pending = self._wait(done, "wait_until", win, phase, timeout_s, on_timeout,
+                             lambda: [(int(s), int(n), int(words[s])) for s, n in zip(srcs, need) if words[s] < n],
+                             slot)
+        win.sync()
+        return pending
+
+    def _wait(self, done, op, win, phase, timeout_s, on_timeout, pending_fn, slot=None):
+        if done():
+            return []
+        timeout = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
+        start = time.monotonic()
+        polls = 0
+        for pause in self.wait_policy.pauses():
+            if done():
+                return []
+            polls += 1
+            if polls % 8 == 0 or pause > 0:
+                self._check_abort(op, phase)
+                elapsed = time.monotonic() - start
+                if elapsed > timeout:
+                    pending = pending_fn()
+                    if on_timeout == "return":
+                        return [p for p, _, _ in pending]
+                    exc = TransportTimeout(op, self.topology.rank, [p for p, _, _ in pending], elapsed, phase=phase,
+                                           slot=slot, expected=[n for _, n, _ in pending],
+                                           observed=[o for _, _, o in pending])
+                    self._poison(str(exc))
+                    raise exc
+            if pause > 0:
+                time.sleep(pause)
+
+    def _check_abort(self, op: str, phase: str = "") -> None:
+        ctl = self._internal._ctl[self.topology.rank]
+        flags = ctl[:self.topology.world_size]
+        if flags.any():
+            peer = int(np.flatnonzero(flags)[0])
+            off = self._internal._reason_off + peer * (_REASON_BYTES // 8)
+            reason = ctl[off:off + _REASON_BYTES // 8].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+            self._poison(f"peer rank {peer} aborted: {reason}")
+            raise TransportAborted(self.topology.rank, peer, reason, op=f"{op}({phase})" if phase else op)
+
+    def check_abort(self) -> None:
+        """Raise :class:`TransportAborted` if any peer has aborted."""
+        self._check_abort("check_abort")
+
+    def abort(self, reason: str) -> None:
+        """Tell every reachable peer that this rank failed, then poison this transport.
+
+        Peers blocked in (or later entering) a wait raise ``TransportAborted(peer=this rank)``.
+        Never raises.
+        """
+        if self.state is State.CLOSED:
+            return
+        me = self.topology.rank
+        text = f"{reason}".encode("utf-8")[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
+        words = np.frombuffer(text, dtype=np.int64)
+        win = self._internal
+        for p in self.topology.node_ranks():
+            if p == me:
+                continue
+            ctl = win._ctl.get(p)
+            if ctl is None:
+                continue
+            off = win._reason_off + me * (_REASON_BYTES // 8)
+            ctl[off:off + len(words)] = words
+            win.sync()
+            ctl[win._abort_off + me] = 1
+        win.sync()
+        self._poison(f"this rank aborted: {reason}")
+
+    # -- ordering and synchronisation ----------------------------------------------
+    def fence(self) -> None:
+        """Local full memory barrier (``MPI_Win_sync``)."""
+        self._internal.sync()
+
+    def flush(self, dst: int | None = None) -> None:
+        """Make this rank's stores to ``dst`` (or to all) visible; for UBMEM a memory barrier."""
+        self._check_open("flush")
+        self.fence()
+
+    def progress(self) -> None:
+        """Advance MPI; UBMEM needs none, kept for the contract (URMA targets must call it)."""
+
+    def team_ranks(self, team: Team) -> list:
+        topo = self.topology
+        if team is Team.WORLD:
+            return list(range(topo.world_size))
+        if team is Team.NODE:
+            return list(topo.node_ranks())
+        return [topo.rail_peer(topo.rank, n) for n in range(topo.num_nodes)]
+
+    def barrier(self, team: Team = Team.WORLD, timeout_s: float | None = None, phase: str = "barrier") -> None:
+        """Wait until every member of ``team`` arrived; earlier stores are then visible to all.
+
+        Uses growing generation counters in the transport's own slots (no MPI call).
+        Raises:
+            TransportTimeout: naming the members that did not arrive.
+        """
+        self._check_open("barrier")
+        team = Team(team)
+        members = self.team_ranks(team)
+        self._barrier_gen[team] += 1
+        gen = self._barrier_gen[team]
+        win = self._internal
+        win.sync()
+        me = self.topology.rank
+        row = win._barrier_off + team * win._world
+        for p in members:
+            win._ctl[p][row + me] = gen
+        words = win._ctl[me][row:row + win._world]
+        idx = np.asarray(members, dtype=np.int64)
+
+        def pending():
+            return [(int(p), gen, int(words[p])) for p in idx if words[p] < gen]
+
+        self._wait(lambda: bool(np.all(words[idx] >= gen)), "barrier", win, f"{phase}, team {team.name}",
+                   timeout_s, "raise", pending)
+        win.sync()
