@@ -1,0 +1,15 @@
+"""deepep_ascend: DeepEP's expert-parallel Buffer on CPU ranks over MPI, simulating Ascend 950 channels.
+
+Public surface mirrors ``deep_ep``: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`,
+:class:`EventHandle`, ``topk_idx_t``.
+"""
+
+from .buffer import Buffer
+from .config import Config
+from .event import EventHandle, EventOverlap
+from .intranode import ConsensusError
+from .layout import topk_idx_t
+
+__version__ = "0.1.0"
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "ConsensusError", "topk_idx_t", "__version__"]

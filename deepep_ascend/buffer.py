@@ -1,0 +1,695 @@
+"""``deepep_ascend.Buffer``: DeepEP's ``deep_ep.Buffer`` on CPU ranks over MPI (spec §2-§4, §8).
+
+The Buffer checks arguments, picks the path, and owns its transport, its UBMEM window and its
+worker; data movement lives in :mod:`deepep_ascend.intranode`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import warnings
+import weakref
+
+import torch
+
+from transports import ChannelKind, LinkStats, TransportError, create_transport
+
+from .config import Config, combine_config, dispatch_config
+from .event import EventHandle, EventOverlap, Worker
+from .intranode import (NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
+                        dtype_code)
+from .layout import dispatch_layout, recv_channel_prefix, topk_idx_t
+
+_BUFFER_IDS = itertools.count(1)
+_HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
+_UNDESTROYED = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_undestroyed():
+    for buf in list(_UNDESTROYED):
+        if buf.runtime is not None:
+            warnings.warn(f"deepep_ascend.Buffer(rank {buf.rank}) was built with explicitly_destroy=True but "
+                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning)
+
+
+def _register_handle(handle_tensor: torch.Tensor, info) -> None:
+    key = id(handle_tensor)
+    _HANDLES[key] = info
+    weakref.finalize(handle_tensor, _HANDLES.pop, key, None)
+
+
+def _mpi_comm_of(group, comm):
+    """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator."""
+    from mpi4py import MPI
+
+    if isinstance(group, MPI.Comm):
+        return group
+    if group is None:
+        if comm is None:
+            raise ValueError("Buffer: pass a torch.distributed ProcessGroup or an mpi4py communicator as `group`, "
+                             "or group=None with comm=<mpi4py communicator>")
+        if not isinstance(comm, MPI.Intracomm):
+            raise ValueError(f"Buffer: `comm` must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        return comm
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        # Under mpiexec the torch world rank is the MPI world rank (deepep_ascend.dist sets it up so).
+        world = MPI.COMM_WORLD
+        if dist.get_rank() != world.Get_rank() or dist.get_world_size() != world.Get_size():
+            raise ValueError(
+                f"Buffer: torch.distributed rank/size ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI "
+                f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
+                f"rank and size, or pass comm=")
+        ranks = dist.get_process_group_ranks(group)
+        sub = world.Create_group(world.Get_group().Incl(ranks))
+        if sub.Get_rank() != group.rank():
+            raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")
+        return sub
+    raise ValueError(f"Buffer: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
+                     f"got {type(group).__name__}")
+
+
+class _Rejected(Exception):
+    """Local validation failure: carries the exception to raise on this rank after the consensus round."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _check(cond: bool, exc_type, message: str) -> None:
+    if not cond:
+        raise _Rejected(exc_type(message))
+
+
+def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
+    _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    _check(t.device.type == "cpu", ValueError, f"`{name}` must be a CPU tensor, got device {t.device}")
+    if dtype is not None:
+        _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None:
+        _check(t.dim() == ndim, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        _check(tuple(t.shape) == tuple(shape), ValueError,
+               f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+class Buffer:
+    """Expert-parallel communication buffer; mirrors ``deep_ep.Buffer`` (DeepEP 2.1.0, V1 API).
+
+    Normal (high-throughput) mode inside one node is implemented here: ``get_dispatch_layout``,
+    ``dispatch`` (BF16 or FP8, with/without top-k, cached through a handle, ``expert_alignment``,
+    ``num_worst_tokens``, async), and ``combine`` (bias, combined top-k weights, async). Ranks
+    exchange data through one UBMEM window of ``num_nvl_bytes`` bytes per rank, allocated once;
+    payloads larger than the window stream through it in rounds.
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup (torch ranks must equal MPI ranks, as under
+            ``mpiexec`` with :mod:`deepep_ascend.dist`), an mpi4py communicator, or ``None`` with ``comm``.
+        num_nvl_bytes: bytes of the UBMEM (intranode) window per rank, a multiple of 128
+            (alias ``num_ubmem_bytes``). See :meth:`get_normal_buffer_size_hint`.
+        num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``); internode and
+            low-latency modes are not built yet, so it must be 0.
+        low_latency_mode: not built yet; ``True`` raises ``NotImplementedError``.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink: accepted
+            for DeepEP compatibility (checked as DeepEP does; no effect in normal mode).
+        explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
+        comm: mpi4py communicator used when ``group`` is None.
+        ranks_per_node: simulated node size (default: the shared-memory domain); more than one
+            node needs the URMA backend, not built yet.
+        timeout_s: deadline of every wait in seconds; default ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100.
+    Raises:
+        ValueError: no usable group/comm, conflicting aliases, bad ``timeout_s``.
+        RuntimeError: DeepEP's constructor checks (128-byte multiples, sizes, unsupported modes).
+        transports.TransportConfigError: invalid ``ranks_per_node`` (same error on every rank).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, *, num_ubmem_bytes: int | None = None, num_urma_bytes: int | None = None,
+                 ranks_per_node: int | None = None, timeout_s: float | None = None):
+        if num_ubmem_bytes is not None:
+            if num_nvl_bytes not in (0, num_ubmem_bytes):
+                raise ValueError(f"Buffer: num_nvl_bytes={num_nvl_bytes} and its alias num_ubmem_bytes="
+                                 f"{num_ubmem_bytes} disagree")
+            num_nvl_bytes = num_ubmem_bytes
+        if num_urma_bytes is not None:
+            if num_rdma_bytes not in (0, num_urma_bytes):
+                raise ValueError(f"Buffer: num_rdma_bytes={num_rdma_bytes} and its alias num_urma_bytes="
+                                 f"{num_urma_bytes} disagree")
+            num_rdma_bytes = num_urma_bytes
+        mpi_comm = _mpi_comm_of(group, comm)
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0 or value % 128:
+                raise RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+        if low_latency_mode:
+            raise NotImplementedError("Buffer: low_latency_mode=True is not built yet in deepep_ascend "
+                                      "(normal mode only)")
+        if num_rdma_bytes:
+            raise RuntimeError("Buffer: num_rdma_bytes > 0 needs the internode or low-latency mode, not built yet; "
+                               "pass num_rdma_bytes=0")
+        self.rank = mpi_comm.Get_rank()
+        self.group_size = mpi_comm.Get_size()
+        self.group = group if group is not None else mpi_comm
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._uid = next(_BUFFER_IDS)
+        self._calls = 0
+        self._last_traffic = None
+        self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
+        try:
+            self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
+        except Exception:
+            self.runtime.destroy(force=True)
+            raise
+        self._engine = IntranodeEngine(self.runtime, self._win) if self._win is not None else None
+        self._worker = Worker(f"deepep_ascend-{self._uid}")
+        if explicitly_destroy:
+            _UNDESTROYED.add(self)
+
+    # -- lifetime ----------------------------------------------------------------
+    def destroy(self) -> None:
+        """Collectively free the window, the transport and the worker (needs ``explicitly_destroy=True``).
+
+        Raises:
+            AssertionError: the Buffer was built without ``explicitly_destroy``.
+            transports.TransportBusy: tensors from :meth:`get_local_buffer_tensor` are still alive.
+        """
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        if self.runtime is None:
+            return
+        self._worker.drain()
+        self._engine = None
+        self.runtime.destroy()
+        self._worker.shutdown()
+        self._win = None
+        self.runtime = None
+        _UNDESTROYED.discard(self)
+
+    def _check_usable(self, op: str) -> None:
+        if self.runtime is None:
+            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        if self._engine is None:
+            raise RuntimeError(f"Buffer.{op}: this Buffer has no UBMEM window (num_nvl_bytes=0); build it with "
+                               f"num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(...) or a DeepEP config hint")
+
+    # -- static helpers ------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """FP8 paths are available (always True on CPU; mirrors ``deep_ep.Buffer.is_sm90_compiled``)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the class-wide ``num_sms``; channels per rank are ``num_sms // 2`` (see :class:`Config`).
+
+        Raises:
+            AssertionError: ``new_num_sms`` is odd.
+        """
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded now on the caller's thread (complete: CPU work before it has run)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch config (``AssertionError`` for rank counts outside its table)."""
+        return dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended combine config (``AssertionError`` for rank counts outside its table)."""
+        return combine_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
+                                    num_experts: int = 0, x_itemsize: int = 2, num_scale_cols: int = 0) -> int:
+        """``num_nvl_bytes`` for which normal-mode calls of up to ``num_max_tokens_per_rank`` tokens never chunk.
+
+        Worst case: every rank sends all its tokens to one rank. Any smaller window of at least
+        a few rows also works: payloads then stream through it in rounds. FP8 dispatch: pass
+        ``x_itemsize=1`` and ``num_scale_cols = hidden // 128``. Returns bytes, a multiple of 128.
+        """
+        size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                         num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
+        return -(-size // 128) * 128
+
+    def get_comm_stream(self) -> Worker:
+        """The Buffer's worker, the CPU analogue of DeepEP's communication stream."""
+        return self._worker
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A zero-copy view of this rank's UBMEM window from byte ``offset``.
+
+        Returns 1-D of ``(num_nvl_bytes - offset) // itemsize`` elements, or the first
+        ``size.numel()`` of them reshaped to ``size``. Drop the view before :meth:`destroy`.
+        Raises:
+            RuntimeError: no window, ``use_rdma_buffer`` (no URMA window yet), or out of range.
+        """
+        if use_rdma_buffer:
+            raise RuntimeError("Buffer.get_local_buffer_tensor: this Buffer has no RDMA (URMA) buffer")
+        self._check_usable("get_local_buffer_tensor")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = (self.num_nvl_bytes - offset) // itemsize
+        if size is not None:
+            count = torch.Size(size).numel()
+        if offset < 0 or count < 0 or offset + count * itemsize > self.num_nvl_bytes or offset % itemsize:
+            raise RuntimeError(f"Buffer.get_local_buffer_tensor: offset {offset} B and {count} x {dtype} do not fit "
+                               f"the {self.num_nvl_bytes} B buffer (offset must be a multiple of {itemsize})")
+        view = self.runtime.local_view(self._win, offset, count * itemsize, dtype)
+        return view if size is None else view.view(size)
+
+    def get_traffic(self, lifetime: bool = False) -> dict:
+        """Bytes moved by this rank's operations, per channel kind: ``{'SELF': n, 'UBMEM': n, 'URMA': n}``.
+
+        Each transfer is counted once, by the rank whose load or store moved it (here, receivers
+        gathering from the sender's window); SELF is data a rank routes to itself. ``lifetime``:
+        since construction; else the last completed dispatch/combine.
+        """
+        if lifetime:
+            return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
+        if self._last_traffic is None:
+            return {k.name: 0 for k in ChannelKind}
+        return LinkStats.bytes_by_kind(self._last_traffic)
+
+    # -- layout ----------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (spec §4.1).
+
+        Args:
+            topk_idx: ``[N, K]`` ``topk_idx_t`` (int64), values in ``[-1, num_experts)``, -1 = none.
+            num_experts: ``E``, a positive multiple of the number of ranks.
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None (one node),
+            num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
+        Raises:
+            TypeError / ValueError: bad dtype, shape or values (nothing is communicated).
+            RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``.
+        """
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        try:
+            self._check_topk_idx(topk_idx, num_experts)
+        except _Rejected as rej:
+            raise rej.exc from None
+        if not async_finish:
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
+            return ntpr, None, ntpe, itr, EventOverlap()
+        n = topk_idx.size(0)
+        ntpr = torch.empty(self.group_size, dtype=torch.int32)
+        ntpe = torch.empty(num_experts, dtype=torch.int32)
+        itr = torch.empty(n, self.group_size, dtype=torch.bool)
+
+        def work():
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            for out, value in zip((ntpr, ntpe, itr), dispatch_layout(topk_idx, num_experts, self.group_size)):
+                out.copy_(value)
+
+        fut = self._worker.submit(work)
+        return ntpr, None, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
+
+    # -- argument checks -----------------------------------------------------------------
+    @staticmethod
+    def _check_stream_args(previous_event, async_finish, allocate_on_comm_stream) -> None:
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise RuntimeError("allocate_on_comm_stream=True requires previous_event and async_finish=True")
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+
+    def _check_topk_idx(self, topk_idx, num_experts) -> None:
+        _check(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.group_size == 0, ValueError,
+               f"num_experts must be a positive multiple of the number of ranks ({self.group_size}), got {num_experts!r}")
+        _check_tensor(topk_idx, "topk_idx", ndim=2)
+        _check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
+               f"got {topk_idx.dtype}")
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            _check(lo >= -1 and hi < num_experts, ValueError,
+                   f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+
+    def _check_x(self, x):
+        """Returns ``(data, scales)`` after checking BF16/any-dtype ``x`` or the FP8 tuple."""
+        if isinstance(x, (tuple, list)):
+            _check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) pair, got {len(x)} items")
+            data, scales = x
+            _check_tensor(data, "x[0] (FP8 data)", ndim=2)
+            _check(data.element_size() == 1, TypeError,
+                   f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
+            hidden = data.size(1)
+            _check(hidden % 128 == 0, ValueError,
+                   f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
+            _check_tensor(scales, "x[1] (scales)", ndim=2)
+            _check(scales.dtype in (torch.float32, torch.int32), TypeError,
+                   f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
+            want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
+            _check(tuple(scales.shape) == (data.size(0), want), ValueError,
+                   f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
+                   f"{scales.dtype}, got {tuple(scales.shape)}")
+            return data, scales
+        _check_tensor(x, "x", ndim=2)
+        _check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
+        return x, None
+
+    def _check_handle(self, handle, config: Config, op: str):
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
+               f"`handle` must be the 6-tuple returned by an intranode dispatch, got "
+               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
+        r, c = self.group_size, config.num_channels
+        names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head")
+        for t, name in zip(handle, names):
+            _check_tensor(t, f"handle.{name}")
+        prefix, cpm, rcpm, src_idx, itr, send_head = handle
+        n = itr.size(0) if itr.dim() == 2 else -1
+        expected = ((torch.int32, (r, r)), (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)),
+                    (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)), (torch.int32, (src_idx.numel(),)),
+                    (torch.bool, (n, r)), (torch.int32, (n, r)))
+        for t, name, (dtype, shape) in zip(handle, names, expected):
+            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
+                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks, got {t.dtype} {tuple(t.shape)}")
+        info = _HANDLES.get(id(prefix))
+        _check(info is None or info[0] == self._uid, ValueError,
+               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
+        _check(cpm.size(1) == c, ValueError,
+               f"`handle` has {cpm.size(1)} channels but {op}'s config has {c} (num_sms={config.num_sms}); the "
+               f"config's num_sms must match the dispatch that made the handle")
+        _check(int(prefix[-1, self.rank]) <= src_idx.numel(), ValueError,
+               "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
+        return info[1] if info is not None else -1
+
+    def _config(self, config, which):
+        if config is None:
+            try:
+                return which(self.group_size)
+            except AssertionError:  # rank counts outside DeepEP's table: DeepEP's defaults
+                return Config(Buffer.num_sms)
+        if not isinstance(config, Config):
+            raise _Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
+        return config
+
+    # -- execution -----------------------------------------------------------------------
+    def _protocol(self, op: int, build, async_finish: bool, previous_event, extra, comm_before_outputs: bool):
+        """Validate with ``build`` (returns a generator or raises ``_Rejected``), then run it.
+
+        A rejection still takes part in the call's first round, so every rank raises.
+        """
+        self._calls += 1
+        call_id = self._calls
+        try:
+            gen = build(call_id)
+        except Exception as err:  # nothing shared was touched: reject in the first round, then raise
+            exc = err.exc if isinstance(err, _Rejected) else err
+            self._worker.drain()
+            try:
+                self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            except ConsensusError:
+                pass
+            raise exc from None
+        if comm_before_outputs or not async_finish:
+            self._worker.drain()
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+        before = self.runtime.stats.snapshot()
+        outputs = self._guard(lambda: next(gen))
+
+        def finish(before=before):
+            if not comm_before_outputs:
+                if previous_event is not None and previous_event.event is not None:
+                    previous_event.event.current_stream_wait()
+                before = self.runtime.stats.snapshot()
+            self._guard(lambda: [None for _ in gen])
+            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+
+        if async_finish:
+            fut = self._worker.submit(finish)
+            return outputs, EventOverlap(EventHandle(fut), extra + tuple(t for t in _flatten(outputs)))
+        finish()
+        return outputs, EventOverlap()
+
+    def _guard(self, fn):
+        """Run a protocol step; on an unexpected failure, abort so peers fail fast instead of hanging."""
+        try:
+            return fn()
+        except ConsensusError:
+            raise
+        except TransportError:
+            raise
+        except BaseException as exc:
+            if self.runtime is not None:
+                self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+
+    # -- dispatch ------------------------------------------------------------------------
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (spec §4.2-4.5).
+
+        Args:
+            x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
+                ``(data [N, H] float8_e4m3fn, scales [N, H/128] float32 | [N, ceil(H/512)] int32)``,
+                scales of any strides; FP8 needs ``H % 128 == 0``.
+            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args).
+            num_tokens_per_rank: ``[R]`` int32, from :meth:`get_dispatch_layout`.
+            num_tokens_per_rdma_rank: ``None`` (one node).
+            is_token_in_rank: ``[N, R]`` bool.
+            num_tokens_per_expert: ``[E]`` int32.
+            topk_idx: ``[N, K]`` int64 with -1 for none; with ``topk_weights`` ``[N, K]`` float32, or neither.
+            expert_alignment: each count of ``num_recv_tokens_per_expert_list`` is rounded up to it.
+            num_worst_tokens: if > 0 (needs top-k), outputs have exactly this many rows
+                (zero rows, expert id -1 after the real ones) and the list is ``[]``.
+            config: a :class:`Config` (default :meth:`get_dispatch_config`); ``num_sms // 2`` channels.
+            previous_event, async_finish, allocate_on_comm_stream: as in DeepEP; with
+                ``async_finish`` the data movement runs on the Buffer's worker and the returned
+                event must be waited on before using the outputs.
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+            ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
+            ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
+            float32 (0 where -1); a list of ``L`` ints; the 6-tuple handle (spec §4.3). Rows are
+            grouped by source rank, then source token order. Cached: ``(recv_x, None, None, None, None, event)``.
+        Raises:
+            TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
+                fault its own error, the others a ``ValueError`` naming it).
+            RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count, DeepEP's
+                stream-argument checks.
+            TimeoutError: a peer did not take part in time (``transports.TransportTimeout``).
+        """
+        self._check_usable("dispatch")
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        if handle is not None:
+            return self._cached_dispatch(x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                                         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+        r = self.group_size
+        ctx = {}
+
+        def build(call_id):
+            cfg = self._config(config, Buffer.get_dispatch_config)
+            data, scales = self._check_x(x)
+            n = data.size(0)
+            _check(num_tokens_per_rank is not None and is_token_in_rank is not None
+                   and num_tokens_per_expert is not None, ValueError,
+                   "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
+                   "(from get_dispatch_layout), or a handle")
+            _check(num_tokens_per_rdma_rank is None, ValueError,
+                   "num_tokens_per_rdma_rank must be None on one node")
+            _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
+            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(n, r))
+            _check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
+            num_experts = num_tokens_per_expert.numel()
+            _check(num_experts > 0 and num_experts % r == 0, ValueError,
+                   f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, "
+                   f"got {num_experts}")
+            _check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
+                   "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
+            _check((topk_idx is None) == (topk_weights is None), ValueError,
+                   "`topk_idx` and `topk_weights` must be given together or not at all")
+            if topk_idx is not None:
+                self._check_topk_idx(topk_idx, num_experts)
+                _check(topk_idx.size(0) == n, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {n}")
+                _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+                ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
+                _check(torch.equal(itr, is_token_in_rank), ValueError,
+                       "`is_token_in_rank` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+                _check(torch.equal(ntpe, num_tokens_per_expert), ValueError,
+                       "`num_tokens_per_expert` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+            else:
+                _check(bool((num_tokens_per_expert >= 0).all()), ValueError, "`num_tokens_per_expert` has negatives")
+            _check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
+                   f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+            _check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
+                   f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+            _check(num_worst_tokens == 0 or topk_idx is not None, ValueError,
+                   "num_worst_tokens > 0 needs topk_idx and topk_weights")
+            xb = data.size(1) * data.element_size()
+            regions = self._engine.dispatch_regions(xb, 4 * scales.size(1) if scales is not None else 0,
+                                                    topk_idx.size(1) if topk_idx is not None else 0, num_experts,
+                                                    cached=False)
+            _check(regions.capacity >= 1, ValueError,
+                   f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+                   f"half-window; see Buffer.get_normal_buffer_size_hint")
+            ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
+            return self._engine.dispatch(
+                call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
+                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, -1),
+                topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_expert=num_tokens_per_expert,
+                num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
+                sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+
+        outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event,
+                                        (x, topk_idx, topk_weights), comm_before_outputs=True)
+        recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
+        prefix, cpm, send_head, recv_src_idx, ntok, num_recv = parts
+        data, scales, cfg = ctx["data"], ctx["scales"], ctx["cfg"]
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            if event.event is not None:
+                event.current_stream_wait()
+            raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
+                               f"tokens this rank received")
+        if event.event is not None:
+            # The receiver-side channel matrix needs recv_src_idx, complete only after the data phase.
+            rcpm = torch.zeros(r, cfg.num_channels, dtype=torch.int32)
+            fill = lambda: rcpm.copy_(recv_channel_prefix(recv_src_idx, _starts(prefix, self.rank), ntok,
+                                                          cfg.num_channels))
+            event.register_hook_after_wait(fill)
+        else:
+            rcpm = recv_channel_prefix(recv_src_idx, _starts(prefix, self.rank), ntok, cfg.num_channels)
+        handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+        _register_handle(prefix, (self._uid, ctx["call_id"], cfg.num_channels))
+        recv_x = recv_x_bytes.view(data.dtype)
+        if scales is not None:
+            recv_x = (recv_x, recv_scales.view(scales.dtype))
+        return recv_x, recv_topk, recv_w, recv_list, handle, event
+
+    def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert):
+        ctx = {}
+
+        def build(call_id):
+            _check(topk_idx is None and topk_weights is None, AssertionError,
+                   "cached dispatch (handle=...) takes no topk_idx / topk_weights")
+            _check(num_tokens_per_rank is None and is_token_in_rank is None and num_tokens_per_expert is None,
+                   ValueError, "cached dispatch (handle=...) takes no layout tensors")
+            cfg = self._config(config, Buffer.get_dispatch_config)
+            handle_id = self._check_handle(handle, cfg, "dispatch")
+            data, scales = self._check_x(x)
+            n = data.size(0)
+            _check(n == handle[4].size(0), ValueError,
+                   f"`x` has {n} tokens but the handle was made for {handle[4].size(0)}")
+            xb = data.size(1) * data.element_size()
+            regions = self._engine.dispatch_regions(xb, 4 * scales.size(1) if scales is not None else 0, 0, 0,
+                                                    cached=True)
+            _check(regions.capacity >= 1, ValueError,
+                   f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B")
+            ctx.update(data=data, scales=scales)
+            return self._engine.cached_dispatch(
+                call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
+                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, -1),
+                rank_prefix_matrix=handle[0], recv_src_idx=handle[3], is_token_in_rank=handle[4],
+                num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
+                sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+
+        (recv_x_bytes, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
+                                                             (x,), comm_before_outputs=False)
+        recv_x = recv_x_bytes.view(ctx["data"].dtype)
+        if ctx["scales"] is not None:
+            recv_x = (recv_x, recv_scales.view(ctx["scales"].dtype))
+        return recv_x, None, None, None, None, event
+
+    # -- combine ---------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (spec §4.6).
+
+        Per original token: ``acc = f32(bias0) + f32(bias1)`` (missing = 0), then ``acc += f32(row)``
+        for each rank that received it, in ascending rank order; output ``bf16(acc)``. No
+        weights are applied to ``x``.
+
+        Args:
+            x: ``[len(handle.recv_src_idx), H]`` bfloat16, rows in dispatch order (rows past the
+                real received count, from ``num_worst_tokens``, are ignored).
+            handle: the dispatch's 6-tuple handle.
+            topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
+            bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.
+            config: default :meth:`get_combine_config`; must have the handle's channel count.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
+        Returns:
+            ``(combined_x [N, H] bf16, combined_topk_weights [N, K'] float32 | None, event)``.
+        Raises:
+            TypeError / ValueError: bad arguments or a handle from another Buffer/config, on any
+                rank (every rank raises).
+            TimeoutError: a peer did not take part in time.
+        """
+        self._check_usable("combine")
+        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+
+        def build(call_id):
+            cfg = self._config(config, Buffer.get_combine_config)
+            handle_id = self._check_handle(handle, cfg, "combine")
+            rows, n = handle[3].numel(), handle[4].size(0)
+            _check_tensor(x, "x", torch.bfloat16, ndim=2)
+            _check(x.size(0) == rows, ValueError,
+                   f"`x` must have one row per received token ({rows}, len(handle.recv_src_idx)), got {x.size(0)}")
+            hidden = x.size(1)
+            if topk_weights is not None:
+                _check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
+                _check(topk_weights.size(0) == rows, ValueError,
+                       f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
+            biases = bias if isinstance(bias, (tuple, list)) else (bias, None)
+            _check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+            for i, b in enumerate(biases):
+                if b is not None:
+                    _check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, hidden))
+            if biases[0] is None:
+                biases = (biases[1], None)
+            regions = self._engine.combine_regions(2 * hidden, topk_weights.size(1) if topk_weights is not None else -1)
+            _check(regions.capacity >= self.group_size, ValueError,
+                   f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
+                   f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
+            return self._engine.combine(
+                call_id=call_id, x=x.contiguous(),
+                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                bias=None if biases[0] is None else biases, rank_prefix_matrix=handle[0], recv_src_idx=handle[3],
+                is_token_in_rank=handle[4], num_channels=cfg.num_channels, handle_id=handle_id)
+
+        (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
+                                                        (x, topk_weights, bias), comm_before_outputs=False)
+        return combined, combined_w, event
+
+
+def _starts(prefix: torch.Tensor, rank: int) -> list:
+    """Row boundaries of each source's block in this rank's received rows: ``R + 1`` ints."""
+    return [0] + prefix[:, rank].tolist()
+
+
+def _flatten(outputs):
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (tuple, list)):
+            yield from _flatten(o)

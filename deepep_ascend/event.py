@@ -1,0 +1,105 @@
+"""Events and the communication worker: the CPU analogue of CUDA events and DeepEP's comm stream.
+
+Each :class:`~deepep_ascend.Buffer` owns one worker thread (a single-thread executor, FIFO
+like a stream). ``async_finish=True`` calls queue their data movement there and return at
+once; torch releases the GIL inside its copy kernels, so the caller's compute really runs
+while tokens move. An :class:`EventHandle` is a point on that worker (a future) or, from
+:meth:`Buffer.capture`, a point on the caller's own thread, which on a CPU is complete by
+the time it is recorded.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class EventHandle:
+    """Mirror of ``deep_ep.EventHandle``: records "now" on the calling thread.
+
+    Args:
+        future: internal; the completion of a task on a Buffer's worker.
+    """
+
+    def __init__(self, future: Future | None = None):
+        self._future = future
+
+    def is_done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def current_stream_wait(self) -> None:
+        """Block the caller until the event completed; re-raises the task's exception, if any."""
+        if self._future is not None:
+            self._future.result()
+
+
+class EventOverlap:
+    """Mirror of ``deep_ep.EventOverlap``: an optional event plus tensors kept alive until the wait.
+
+    Returned by every ``Buffer`` call; it holds an event only for ``async_finish=True`` calls.
+    Usable as ``with event: ...`` (waits on exit only if it holds an event) and as
+    ``with event(release_handle=True): ...``.
+
+    Args:
+        event: an :class:`EventHandle` or ``None``.
+        extra_tensors: tensors (inputs/outputs of the async call) kept alive until the wait.
+    """
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._hook = None
+        self._release_on_exit = False
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Wait for the event, run the hook set by :meth:`register_hook_after_wait`, and clear it.
+
+        Raises:
+            AssertionError: the overlap holds no event (as in DeepEP).
+            Exception: whatever the asynchronous call raised on the worker.
+        """
+        assert self.event is not None, "EventOverlap.current_stream_wait: no event to wait for"
+        self.event.current_stream_wait()
+        self.extra_tensors = None
+        if self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook) -> None:
+        """Run ``hook()`` once after the next successful wait (one hook at a time)."""
+        assert self._hook is None, "EventOverlap: a hook is already registered"
+        self._hook = hook
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        self._release_on_exit = release_handle
+        return self
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        release, self._release_on_exit = self._release_on_exit, False
+        if self.event is not None:
+            self.current_stream_wait(release_handle=release)
+
+
+class Worker:
+    """A FIFO single-thread executor: the Buffer's "communication stream"."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._last: Future | None = None
+
+    def submit(self, fn, *args) -> Future:
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait for every queued task; re-raises the exception of the last one, if any."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,485 @@
+"""Normal-mode dispatch and combine inside one UBMEM domain (spec §4), over the transport's window.
+
+Protocol (one rank's view; every rank runs the same steps for every call):
+
+* The window's data region is split into two halves. Each rank *stages* its outgoing data in
+  its **own** window, one *chunk* per half, alternating halves; every peer then *pulls* what
+  it needs straight from there with a gather (``index_select(..., out=)``) into its output
+  tensors. So a token crosses the channel once per destination rank, and a token bound to
+  several ranks is staged once (DeepEP copies it once per destination instead).
+* Signals (transport slots, monotonic counters): ``READY`` (sender → receivers: a chunk is
+  staged) and ``CONSUMED`` (receiver → sender: done reading it). Before staging into a half,
+  a sender waits until every peer consumed the chunk that half held before; that chunk is
+  normally long consumed, so a call costs one real synchronisation (the first ``READY``).
+  Nothing is ever cleaned: every rank counts the chunks of every rank, identically.
+* Chunk 0 of every call carries a header (operation, shapes, dtypes, handle id, a status
+  word and an error message) and small per-rank vectors (counts). Every rank checks every
+  header after the first ``READY``: a rank whose arguments were rejected stages only its
+  header with an error status, and then **every** rank raises the same ``ValueError`` while
+  the protocol stays consistent (the Buffer remains usable). This also catches ranks that
+  disagree on ``hidden``, dtypes, ``num_experts`` or handles.
+* Payloads larger than a half stream through in rounds: dispatch rounds cover ``q`` tokens
+  of each sender; combine rounds cover ``q`` tokens of each *origin*, so each origin sums all
+  contributions to a token in the same round, in ascending source rank (bit-exact order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .layout import combine_round_tokens, recv_channel_prefix, send_layout
+
+READY, CONSUMED = 0, 1
+NUM_SLOTS = 2
+HEADER_BYTES = 1024
+_ALIGN = 128
+_MSG_WORD, _MSG_BYTES = 32, 768
+
+OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
+_OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
+# Header words (int64).
+(W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
+ W_CHANNELS, W_WCOLS) = range(14)
+_MAGIC = 0xDEE9A5
+_CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS)
+_WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
+               W_SBYTES: "bytes per row of the FP8 scales", W_SDTYPE: "scales dtype",
+               W_TOPK: "num_topk (-1 = no top-k)", W_NEXP: "num_experts",
+               W_HANDLE: "handle (id of the dispatch that made it)", W_CHANNELS: "channels (config.num_sms // 2)",
+               W_WCOLS: "topk_weights columns (-1 = none)"}
+
+_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
+
+
+def dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
+
+
+def _align(x: int) -> int:
+    return -(-x // _ALIGN) * _ALIGN
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ConsensusError(ValueError):
+    """Every rank raises this when any rank's arguments were rejected or ranks disagree."""
+
+
+class _Regions:
+    """Byte layout of one half: header, small int32 vectors, then one array per row field."""
+
+    def __init__(self, half_bytes: int, vec_ints: int, row_fields):
+        self.vec_off = HEADER_BYTES
+        self.rows_off = HEADER_BYTES + _align(4 * vec_ints)
+        self.row_bytes = sum(row_fields)
+        self.capacity = max(0, (half_bytes - self.rows_off - _ALIGN * len(row_fields)) // max(1, self.row_bytes))
+        self.field_offs, off = [], self.rows_off
+        for nbytes in row_fields:
+            self.field_offs.append(off)
+            off += _align(self.capacity * nbytes)
+
+    @staticmethod
+    def min_half_bytes(vec_ints: int, row_fields, rows: int) -> int:
+        return HEADER_BYTES + _align(4 * vec_ints) + sum(_align(rows * b) for b in row_fields)
+
+
+class IntranodeEngine:
+    """Runs normal-mode calls for one Buffer over its transport ``tp`` and UBMEM window ``win``.
+
+    Each public method is a generator: the first ``next()`` returns the output tensors (after
+    the count exchange for a non-cached dispatch, before any communication otherwise); running
+    it to the end completes the data movement. The Buffer runs the rest inline or on its worker.
+    """
+
+    def __init__(self, tp, win):
+        self.tp, self.win = tp, win
+        self.rank = tp.topology.rank
+        self.num_ranks = tp.topology.world_size
+        self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
+        self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
+        self.peers = [p for p in range(self.num_ranks) if p != self.rank]
+
+    # -- sizing ------------------------------------------------------------------
+    def dispatch_regions(self, xb, sb, k, num_experts, cached):
+        fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
+        return _Regions(self.half_bytes, self.num_ranks + num_experts, fields)
+
+    def combine_regions(self, xb, wcols):
+        return _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)])
+
+    @staticmethod
+    def size_hint(num_tokens, xb, sb, k, num_experts, num_ranks, combine_xb, wcols) -> int:
+        """Window bytes for which calls of up to ``num_tokens`` tokens per rank never chunk (worst case)."""
+        disp = _Regions.min_half_bytes(num_ranks + num_experts,
+                                       [xb, sb, 8 * k, 4 * k, num_ranks], num_tokens) + _ALIGN * 5
+        comb = _Regions.min_half_bytes(num_ranks, [combine_xb, 4 * wcols], num_ranks * num_tokens) + _ALIGN * 2
+        return 2 * max(disp, comb)
+
+    # -- primitives ----------------------------------------------------------------
+    def _half(self, p):
+        return (self.staged[p] % 2) * self.half_bytes
+
+    def _view(self, p, off, nbytes, dtype=torch.uint8):
+        return self.tp.peer_view(self.win, p, self._half(p) + off, nbytes, dtype)
+
+    def _begin_stage(self, phase):
+        """Wait until every peer consumed the chunk this rank's next half held before."""
+        seq = self.staged[self.rank]
+        if seq >= 2 and self.peers:
+            self.tp.wait_until(self.win, CONSUMED, self.peers, seq - 1, phase=f"{phase}: reuse of staging half")
+
+    def _publish(self):
+        for p in self.peers:
+            self.tp.signal(self.win, p, READY, ordered=True)
+
+    def _await(self, sources, phase):
+        peers = [s for s in sources if s != self.rank]
+        if peers:
+            self.tp.wait_until(self.win, READY, peers, [self.staged[s] + 1 for s in peers], phase=phase)
+
+    def _consume(self, sources):
+        for s in sources:
+            if s != self.rank:
+                self.tp.signal(self.win, s, CONSUMED, ordered=True)
+            self.staged[s] += 1
+
+    def _write_header(self, words: dict, message: str = ""):
+        hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64).numpy()
+        hdr[:_MSG_WORD] = 0
+        hdr[W_MAGIC] = _MAGIC
+        for k, v in words.items():
+            hdr[k] = v
+        text = message.encode("utf-8")[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
+        hdr[_MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
+
+    def _read_headers(self):
+        return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64).numpy().copy() for p in range(self.num_ranks)])
+
+    def _consensus(self, headers, op, call_id):
+        """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
+        problems = []
+        for p in range(self.num_ranks):
+            h = headers[p]
+            if h[W_MAGIC] != _MAGIC or h[W_CALL] != call_id:
+                problems.append(f"rank {p} is in a different call (call #{h[W_CALL]}, op {_OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
+                                f"than this one (call #{call_id}, {_OP_NAMES[op]})")
+            elif h[W_STATUS]:
+                msg = h[_MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                problems.append(f"rank {p} rejected its arguments: {msg}")
+        if not problems:
+            for w in _CONSENSUS_WORDS:
+                values = headers[:, w]
+                if (values != values[0]).any():
+                    problems.append(f"ranks disagree on {_WORD_NAMES[w]}: " + ", ".join(
+                        f"rank {p}: {int(v)}" for p, v in enumerate(values)))
+        if problems:
+            raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
+
+    def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
+        """Stage chunk 0 (header, vector, rows), exchange READY, check the consensus.
+
+        Returns the stacked headers ``[R, 128]`` int64. On a consensus failure, consumes chunk 0
+        of every rank (so counters stay aligned) and raises :class:`ConsensusError`.
+        """
+        self._begin_stage(phase)
+        words = {**words, W_CALL: call_id, W_OP: op, W_STATUS: int(error is not None)}
+        if error is None and vec is not None and vec.numel():
+            self._view(self.rank, HEADER_BYTES, 4 * vec.numel(), torch.int32).copy_(vec)
+        if error is None:
+            stage_rows()
+        self._write_header(words, error or "")
+        self._publish()
+        self._await(range(self.num_ranks), phase)
+        headers = self._read_headers()
+        try:
+            self._consensus(headers, op, call_id)
+        except ConsensusError:
+            self._consume(range(self.num_ranks))
+            raise
+        return headers
+
+    def _record(self, peer, nbytes):
+        if nbytes:
+            self.tp.record_fetch(peer, nbytes)
+
+    # -- dispatch ------------------------------------------------------------------------
+    def reject(self, op, call_id, message):
+        """Take part in chunk 0 of a call with an error status; raises ConsensusError (on every rank)."""
+        self._round0(op, call_id, {}, None, lambda: None, message, f"{_OP_NAMES[op]} call #{call_id}")
+        raise AssertionError("unreachable: the consensus check raises")  # pragma: no cover
+
+    def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                 num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, num_channels,
+                 handle_id, xdtype, sdtype):
+        """Non-cached dispatch (spec §4.2, §4.4). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
+
+        Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle_parts)``; ``recv_x_bytes`` has
+        ``max(N_recv, num_worst_tokens)`` rows.
+        """
+        me, nr = self.rank, self.num_ranks
+        n, xb = x.shape
+        sb = scales.shape[1] if scales is not None else 0
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        regions = self.dispatch_regions(xb, sb, k, num_experts, cached=False)
+        q = max(1, regions.capacity)
+        words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
+                 W_TOPK: k if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
+                 W_CHANNELS: num_channels, W_WCOLS: -1}
+        vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
+
+        def stage(rnd):
+            lo, hi = rnd * q, min(n, (rnd + 1) * q)
+            m = hi - lo
+            if m <= 0:
+                return
+            fo = regions.field_offs
+            self._view(me, fo[0], m * xb).view(m, xb).copy_(x[lo:hi])
+            if sb:
+                self._view(me, fo[1], m * sb).view(m, sb).copy_(scales[lo:hi])
+            if k:
+                self._view(me, fo[2], m * k * 8, torch.int64).view(m, k).copy_(topk_idx[lo:hi])
+                self._view(me, fo[3], m * k * 4, torch.float32).view(m, k).copy_(topk_weights[lo:hi])
+            self._view(me, fo[4], m * nr, torch.bool).view(m, nr).copy_(is_token_in_rank[lo:hi])
+
+        phase = f"dispatch call #{call_id}"
+        headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0), None, phase)
+
+        ntok = headers[:, W_NTOK].astype(np.int64)
+        rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
+        vecs = torch.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).clone()
+                            for p in range(nr)])
+        counts = vecs[:, :nr]  # counts[s][j]: tokens s sends to j
+        rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
+        num_recv = int(rank_prefix_matrix[nr - 1, me])
+        local = num_experts // nr
+        per_expert = vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=torch.int64)
+        if num_worst_tokens:
+            recv_list = []
+        else:
+            recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
+        rows = max(num_recv, num_worst_tokens)
+        recv_x = torch.empty(rows, xb, dtype=torch.uint8)
+        recv_scales = torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None
+        recv_topk = torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None
+        recv_w = torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None
+        recv_src_idx = torch.empty(rows, dtype=torch.int32)
+        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (spec §4.4)
+            for t in (recv_x, recv_scales, recv_w, recv_src_idx):
+                if t is not None:
+                    t[num_recv:].zero_()
+            if recv_topk is not None:
+                recv_topk[num_recv:].fill_(-1)
+        channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
+        yield (recv_x, recv_scales, recv_topk, recv_w, recv_list,
+               (rank_prefix_matrix, channel_prefix_matrix, send_head, recv_src_idx, ntok, num_recv))
+
+        cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
+        for rnd in range(max(rounds)):
+            if rnd:
+                if rounds[me] > rnd:
+                    self._begin_stage(phase)
+                    stage(rnd)
+                    self._publish()
+                self._await([s for s in range(nr) if rounds[s] > rnd], phase)
+            active = [s for s in range(nr) if rounds[s] > rnd]
+            for s in active:
+                m = min(q, int(ntok[s]) - rnd * q)
+                if m <= 0:
+                    continue
+                fo = regions.field_offs
+                mask = self._view(s, fo[4], m * nr, torch.bool).view(m, nr)[:, me]
+                idx = torch.nonzero(mask).squeeze(1)
+                c, got = cursor[s], idx.numel()
+                if not got:
+                    continue
+                torch.index_select(self._view(s, fo[0], m * xb).view(m, xb), 0, idx, out=recv_x[c:c + got])
+                if sb:
+                    torch.index_select(self._view(s, fo[1], m * sb).view(m, sb), 0, idx, out=recv_scales[c:c + got])
+                if k:
+                    torch.index_select(self._view(s, fo[2], m * k * 8, torch.int64).view(m, k), 0, idx,
+                                       out=recv_topk[c:c + got])
+                    torch.index_select(self._view(s, fo[3], m * k * 4, torch.float32).view(m, k), 0, idx,
+                                       out=recv_w[c:c + got])
+                torch.add(idx, rnd * q, out=recv_src_idx[c:c + got])
+                cursor[s] = c + got
+                self._record(s, got * (xb + sb + 12 * k))
+            self._consume(active)
+        for s in range(nr):
+            if cursor[s] != int(rank_prefix_matrix[s, me]):
+                start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
+                raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
+                                   f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
+        if recv_topk is not None and num_recv:
+            ids = recv_topk[:num_recv]
+            foreign = (ids < me * local) | (ids >= (me + 1) * local)
+            ids.sub_(me * local).masked_fill_(foreign, -1)
+            recv_w[:num_recv].masked_fill_(foreign, 0.0)
+
+    # -- cached dispatch ---------------------------------------------------------------
+    def cached_dispatch(self, *, call_id, x, scales, rank_prefix_matrix, recv_src_idx, is_token_in_rank,
+                        num_channels, handle_id, xdtype, sdtype):
+        """Dispatch through a handle (spec §4.5): same routing, no counting. Yields ``(recv_x, recv_scales)``."""
+        me, nr = self.rank, self.num_ranks
+        n, xb = x.shape
+        sb = scales.shape[1] if scales is not None else 0
+        regions = self.dispatch_regions(xb, sb, 0, 0, cached=True)
+        q = max(1, regions.capacity)
+        words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1}
+        vec = is_token_in_rank.sum(0, dtype=torch.int32)
+        rows = recv_src_idx.numel()
+        num_recv = int(rank_prefix_matrix[nr - 1, me])
+        recv_x = torch.zeros(rows, xb, dtype=torch.uint8) if rows > num_recv else torch.empty(rows, xb, dtype=torch.uint8)
+        recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
+        yield recv_x, recv_scales
+
+        def stage(rnd):
+            lo, hi = rnd * q, min(n, (rnd + 1) * q)
+            if hi > lo:
+                self._view(me, regions.field_offs[0], (hi - lo) * xb).view(hi - lo, xb).copy_(x[lo:hi])
+                if sb:
+                    self._view(me, regions.field_offs[1], (hi - lo) * sb).view(hi - lo, sb).copy_(scales[lo:hi])
+
+        phase = f"cached dispatch call #{call_id}"
+        headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0), None, phase)
+        self._check_counts(rank_prefix_matrix, phase)
+        ntok = headers[:, W_NTOK].astype(np.int64)
+        rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
+        src = recv_src_idx[:num_recv].to(torch.int64)
+        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        for rnd in range(max(rounds)):
+            if rnd:
+                if rounds[me] > rnd:
+                    self._begin_stage(phase)
+                    stage(rnd)
+                    self._publish()
+                self._await([s for s in range(nr) if rounds[s] > rnd], phase)
+            active = [s for s in range(nr) if rounds[s] > rnd]
+            for s in active:
+                m = min(q, int(ntok[s]) - rnd * q)
+                block = src[starts[s]:starts[s + 1]]
+                lo, hi = torch.searchsorted(block, torch.tensor([rnd * q, rnd * q + max(m, 0)])).tolist()
+                if hi <= lo:
+                    continue
+                idx = block[lo:hi] - rnd * q
+                a, b = starts[s] + lo, starts[s] + hi
+                torch.index_select(self._view(s, regions.field_offs[0], m * xb).view(m, xb), 0, idx, out=recv_x[a:b])
+                if sb:
+                    torch.index_select(self._view(s, regions.field_offs[1], m * sb).view(m, sb), 0, idx,
+                                       out=recv_scales[a:b])
+                self._record(s, (hi - lo) * (xb + sb))
+            self._consume(active)
+
+    def _check_counts(self, rank_prefix_matrix, phase):
+        """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""
+        nr = self.num_ranks
+        sent = torch.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).clone() for p in range(nr)])
+        expected = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
+        if not torch.equal(sent.to(torch.int64), expected):
+            self._consume(range(nr))
+            raise ConsensusError(
+                f"{phase}: the handles passed on different ranks do not describe the same dispatch "
+                f"(tokens each rank's handle sends: {sent.tolist()}; this rank's handle expects {expected.tolist()})")
+
+    # -- combine -----------------------------------------------------------------------
+    def combine(self, *, call_id, x, topk_weights, bias, rank_prefix_matrix, recv_src_idx, is_token_in_rank,
+                num_channels, handle_id):
+        """Combine (spec §4.6): unweighted float32 sum over receiving ranks, ascending rank, one rounding.
+
+        ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
+        """
+        me, nr = self.rank, self.num_ranks
+        hidden = x.shape[1]
+        xb = 2 * hidden
+        wcols = topk_weights.shape[1] if topk_weights is not None else -1
+        regions = self.combine_regions(xb, wcols)
+        n = is_token_in_rank.shape[0]
+        num_recv = int(rank_prefix_matrix[nr - 1, me])
+        combined = torch.empty(n, hidden, dtype=torch.bfloat16)
+        combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
+        yield combined, combined_w
+
+        counts = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
+        q = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
+        src = recv_src_idx[:num_recv].to(torch.int64)
+        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        xrows = x[:num_recv].view(torch.uint8)
+        words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols}
+
+        def stage(rnd):
+            """Stage, for every origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q)."""
+            lo_t, hi_t = rnd * q, (rnd + 1) * q
+            spans = []
+            for s in range(nr):
+                block = src[starts[s]:starts[s + 1]]
+                lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
+                spans.append((starts[s] + lo, starts[s] + hi))
+            sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
+            self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
+            total = int(sizes.sum())
+            if not total:
+                return
+            xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb)
+            wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
+                    if wcols > 0 else None)
+            if spans[0][0] == 0 and spans[-1][1] == num_recv and total == num_recv:
+                xdst.copy_(xrows)  # one round: the rows are already in origin order
+                if wdst is not None:
+                    wdst.copy_(topk_weights[:num_recv])
+                return
+            pos = 0
+            for a, b in spans:
+                if b > a:
+                    xdst[pos:pos + b - a].copy_(xrows[a:b])
+                    if wdst is not None:
+                        wdst[pos:pos + b - a].copy_(topk_weights[a:b])
+                    pos += b - a
+
+        phase = f"combine call #{call_id}"
+        # Chunk 0's vector is written by stage(0); the sent-count check below uses the handle instead.
+        headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
+        ntok = headers[:, W_NTOK].astype(np.int64)
+        num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
+        bias_sum = None
+        if bias is not None:
+            bias_sum = bias[0].float() if bias[1] is None else bias[0].float() + bias[1].float()
+        for rnd in range(num_rounds):
+            if rnd:
+                self._begin_stage(phase)
+                stage(rnd)
+                self._publish()
+                self._await(range(nr), phase)
+            lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
+            m = max(0, hi_t - lo_t)
+            acc = bias_sum[lo_t:hi_t].clone() if bias_sum is not None else torch.zeros(m, hidden, dtype=torch.float32)
+            wacc = torch.zeros(m, max(wcols, 0), dtype=torch.float32) if combined_w is not None else None
+            for j in range(nr):  # ascending source rank: DeepEP's summation order
+                sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32)
+                cnt = int(sizes[me])
+                mask_idx = torch.nonzero(is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
+                if (0 if mask_idx is None else mask_idx.numel()) != cnt:
+                    raise RuntimeError(
+                        f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
+                        f"but the handle routed {0 if mask_idx is None else mask_idx.numel()} there; the handles "
+                        f"passed on different ranks do not match")
+                if not cnt:
+                    continue
+                off = int(sizes[:me].sum())
+                rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
+                acc.index_add_(0, mask_idx, rows.float())
+                if wacc is not None and wcols > 0:
+                    wrows = self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4,
+                                       torch.float32).view(cnt, wcols)
+                    wacc.index_add_(0, mask_idx, wrows)
+                self._record(j, cnt * (xb + 4 * max(wcols, 0)))
+            if m:
+                combined[lo_t:hi_t].copy_(acc)
+                if combined_w is not None:
+                    combined_w[lo_t:hi_t].copy_(wacc)
+            self._consume(range(nr))

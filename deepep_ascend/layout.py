@@ -1,0 +1,106 @@
+"""Routing → counts, masks and prefix matrices (spec §4.1, §4.3). Pure torch, never communicates.
+
+Duplicate experts in one ``topk_idx`` row (the same expert listed twice) follow DeepEP's
+counting everywhere: each (token, slot) pair counts once for its expert in
+``num_tokens_per_expert``, a token counts once per rank in ``num_tokens_per_rank``, and each
+slot is delivered as its own ``recv_topk_idx`` entry (so a combine of ``recv_topk_weights``
+returns both weights). Nothing is merged or rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+topk_idx_t = torch.int64
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """Counts of a routing; mirrors the computation of ``deep_ep.Buffer.get_dispatch_layout``.
+
+    Args:
+        topk_idx: ``[N, K]`` integer tensor, values in ``[-1, num_experts)`` (-1 = no expert).
+        num_experts: ``E``, divisible by ``num_ranks``.
+        num_ranks: ``R``.
+    Returns:
+        ``num_tokens_per_rank [R]`` int32 (tokens with at least one expert on rank j, once each),
+        ``num_tokens_per_expert [E]`` int32 ((token, slot) pairs per expert),
+        ``is_token_in_rank [N, R]`` bool.
+    """
+    n = topk_idx.size(0)
+    num_local = num_experts // num_ranks
+    idx = topk_idx.to(torch.int64)
+    valid = idx >= 0
+    experts = idx[valid]
+    num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+    rows = torch.arange(n, dtype=torch.int64).unsqueeze(1).expand_as(idx)[valid]
+    is_token_in_rank = torch.zeros(n, num_ranks, dtype=torch.bool)
+    is_token_in_rank.view(-1)[rows * num_ranks + experts // num_local] = True
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+
+
+def channel_of_tokens(num_tokens: int, num_channels: int) -> torch.Tensor:
+    """``[N]`` int64 channel of each token: channel ``c`` owns ``[c·q, min((c+1)·q, N))``, ``q = ceil(N/C)``."""
+    q = max(1, -(-num_tokens // num_channels))
+    return torch.arange(num_tokens, dtype=torch.int64) // q
+
+
+def send_layout(is_token_in_rank: torch.Tensor, num_channels: int):
+    """Sender-side handle entries: ``channel_prefix_matrix [R, C]`` int32 and ``send_head [N, R]`` int32.
+
+    ``channel_prefix_matrix[j][c]`` = this rank's tokens for rank ``j`` in channels ``0..c``
+    (inclusive); ``send_head[t][j]`` = position of token ``t`` in the sequence of its channel's
+    tokens for rank ``j``, or -1 if not sent (spec §4.3).
+    """
+    n, r = is_token_in_rank.shape
+    sent = is_token_in_rank.to(torch.int32)
+    channel = channel_of_tokens(n, num_channels)
+    per_channel = torch.zeros(num_channels, r, dtype=torch.int32).index_add_(0, channel, sent)
+    channel_prefix = per_channel.cumsum(0, dtype=torch.int32)
+    before_channel = (channel_prefix - per_channel)[channel]  # [N, R] tokens of earlier channels
+    position = sent.cumsum(0, dtype=torch.int32) - sent - before_channel
+    send_head = torch.where(is_token_in_rank, position, torch.full_like(position, -1))
+    return channel_prefix.t().contiguous(), send_head
+
+
+def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per_source, num_channels: int):
+    """Receiver-side ``recv_channel_prefix_matrix [R, C]`` int32: start of channel ``c`` in source ``s``'s block.
+
+    Args:
+        recv_src_idx: ``[N_recv]`` int32 source token index of each received row.
+        block_starts: ``R + 1`` ints, rows of source ``s`` are ``[block_starts[s], block_starts[s+1])``.
+        num_tokens_per_source: ``R`` ints, ``N`` of each source (fixes its channel size).
+    """
+    r = len(num_tokens_per_source)
+    out = torch.zeros(r, num_channels, dtype=torch.int32)
+    for s in range(r):  # one vectorised pass per source rank
+        block = recv_src_idx[block_starts[s]:block_starts[s + 1]].to(torch.int64)
+        q = max(1, -(-int(num_tokens_per_source[s]) // num_channels))
+        counts = torch.bincount(block // q, minlength=num_channels)[:num_channels]
+        out[s] = (counts.cumsum(0) - counts).to(torch.int32)
+    return out
+
+
+def combine_round_tokens(recv_counts: torch.Tensor, capacity_rows: int, max_tokens: int) -> int:
+    """Largest per-origin token range ``q`` such that every rank stages at most ``capacity_rows`` rows.
+
+    In combine round ``k`` rank ``j`` stages, for every origin ``s``, its rows for tokens
+    ``[k·q, (k+1)·q)`` of ``s``: at most ``min(q, M[s][j])`` rows, ``M = recv_counts [R, R]``
+    (``M[s][j]`` tokens sent from ``s`` to ``j``). All ranks hold the same ``M`` (from the
+    handle), so all pick the same ``q``. Returns at least 1 (caller checks the capacity).
+    """
+    hi = max(1, max_tokens)
+    if int(recv_counts.sum(0).max()) <= capacity_rows:
+        return hi
+
+    def rows(q):
+        return int(recv_counts.clamp(max=q).sum(0).max())
+
+    lo = 1
+    while lo < hi:  # largest q with rows(q) <= capacity, by bisection on a monotone function
+        mid = (lo + hi + 1) // 2
+        if rows(mid) <= capacity_rows:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
