@@ -415,6 +415,9 @@ class Buffer:
         """
         self._calls += 1
         call_id = self._calls
+        if previous_event is not None and previous_event.event is not None:
+            # Arguments are validated by value, so they must be complete: wait for their producer.
+            previous_event.event.current_stream_wait()
         try:
             gen = build(call_id)
         except Exception as err:  # nothing shared was touched: reject in the first round, then raise
@@ -427,15 +430,11 @@ class Buffer:
             raise exc from None
         if comm_before_outputs or not async_finish:
             self._worker.drain()
-            if previous_event is not None and previous_event.event is not None:
-                previous_event.event.current_stream_wait()
         before = self.runtime.stats.snapshot()
         outputs = self._guard(lambda: next(gen))
 
         def finish(before=before):
             if not comm_before_outputs:
-                if previous_event is not None and previous_event.event is not None:
-                    previous_event.event.current_stream_wait()
                 before = self.runtime.stats.snapshot()
             self._guard(lambda: [None for _ in gen])
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)

@@ -35,6 +35,7 @@ NUM_SLOTS = 2
 HEADER_BYTES = 1024
 _ALIGN = 128
 _MSG_WORD, _MSG_BYTES = 32, 768
+_COMBINE_BLOCK_BYTES = 4 << 20  # float32 accumulator block of combine, sized for the cache
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
@@ -446,9 +447,9 @@ class IntranodeEngine:
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
-        bias_sum = None
-        if bias is not None:
-            bias_sum = bias[0].float() if bias[1] is None else bias[0].float() + bias[1].float()
+        block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
+        acc = torch.empty(block, hidden, dtype=torch.float32)  # reused: no page faults per block
+        tmp = torch.empty(block, hidden, dtype=torch.float32)
         for rnd in range(num_rounds):
             if rnd:
                 self._begin_stage(phase)
@@ -457,29 +458,48 @@ class IntranodeEngine:
                 self._await(range(nr), phase)
             lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
             m = max(0, hi_t - lo_t)
-            acc = bias_sum[lo_t:hi_t].clone() if bias_sum is not None else torch.zeros(m, hidden, dtype=torch.float32)
-            wacc = torch.zeros(m, max(wcols, 0), dtype=torch.float32) if combined_w is not None else None
-            for j in range(nr):  # ascending source rank: DeepEP's summation order
+            edges = torch.arange(0, m + block, block).clamp_(max=m)
+            sources = []  # per rank j: (rows of j for this rank [cnt, H] bf16, token ids, block bounds)
+            for j in range(nr):
                 sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32)
                 cnt = int(sizes[me])
-                mask_idx = torch.nonzero(is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
-                if (0 if mask_idx is None else mask_idx.numel()) != cnt:
+                tokens = torch.nonzero(is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
+                if (0 if tokens is None else tokens.numel()) != cnt:
                     raise RuntimeError(
                         f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
-                        f"but the handle routed {0 if mask_idx is None else mask_idx.numel()} there; the handles "
+                        f"but the handle routed {0 if tokens is None else tokens.numel()} there; the handles "
                         f"passed on different ranks do not match")
                 if not cnt:
                     continue
                 off = int(sizes[:me].sum())
                 rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
-                acc.index_add_(0, mask_idx, rows.float())
-                if wacc is not None and wcols > 0:
-                    wrows = self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4,
-                                       torch.float32).view(cnt, wcols)
-                    wacc.index_add_(0, mask_idx, wrows)
+                wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4,
+                                    torch.float32).view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
+                sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist()))
                 self._record(j, cnt * (xb + 4 * max(wcols, 0)))
-            if m:
-                combined[lo_t:hi_t].copy_(acc)
-                if combined_w is not None:
-                    combined_w[lo_t:hi_t].copy_(wacc)
+            if combined_w is not None:  # weights are small: one pass per source, ascending rank
+                wout = combined_w[lo_t:hi_t]
+                wout.zero_()
+                for _, wrows, tokens, _ in sources:
+                    if wrows is not None:
+                        wout.index_add_(0, tokens, wrows)
+            # Tokens in cache-sized blocks: acc = bias, then += each source's rows in ascending rank.
+            for b in range(len(edges) - 1):
+                a_t, b_t = int(edges[b]), int(edges[b + 1])
+                if b_t <= a_t:
+                    continue
+                blk = acc[:b_t - a_t]
+                if bias is not None:  # f32(bias0) + f32(bias1), exactly as DeepEP
+                    blk.copy_(bias[0][lo_t + a_t:lo_t + b_t])
+                    if bias[1] is not None:
+                        blk.add_(bias[1][lo_t + a_t:lo_t + b_t])
+                else:
+                    blk.zero_()
+                for rows, _, tokens, bounds in sources:
+                    lo, hi = bounds[b], bounds[b + 1]
+                    if hi > lo:
+                        t = tmp[:hi - lo]
+                        t.copy_(rows[lo:hi])
+                        blk.index_add_(0, tokens[lo:hi] - a_t, t)
+                combined[lo_t + a_t:lo_t + b_t].copy_(blk)
             self._consume(range(nr))
