@@ -35,7 +35,7 @@ NUM_SLOTS = 2
 HEADER_BYTES = 1024
 _ALIGN = 128
 _MSG_WORD, _MSG_BYTES = 32, 768
-_COMBINE_BLOCK_BYTES = 4 << 20  # float32 accumulator block of combine, sized for the cache
+_COMBINE_BLOCK_BYTES = 2 << 20  # float32 accumulator block of combine: stays in cache
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
