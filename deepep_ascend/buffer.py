@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from transports import ChannelKind, LinkStats, TransportError, create_transport
+from transports import ChannelKind, LinkStats, TransportAborted, create_transport
 
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
@@ -407,6 +407,8 @@ class Buffer:
                 return Config(Buffer.num_sms)
         if not isinstance(config, Config):
             raise _Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
+        _check(config.num_channels >= 1, ValueError,
+               f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
         return config
 
     # -- execution -----------------------------------------------------------------------
@@ -451,11 +453,9 @@ class Buffer:
         """Run a protocol step; on an unexpected failure, abort so peers fail fast instead of hanging."""
         try:
             return fn()
-        except ConsensusError:
+        except (ConsensusError, TransportAborted):
             raise
-        except TransportError:
-            raise
-        except BaseException as exc:
+        except BaseException as exc:  # incl. our own timeout: the peers waiting on us learn at once
             if self.runtime is not None:
                 self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise

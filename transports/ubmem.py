@@ -95,6 +95,7 @@ class SymmetricWindow:
         self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
                       if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
         self._ctl[topo.rank][:] = 0
+        self._ctl_mv = memoryview(self._ctl[topo.rank]).cast("B").cast("q")
         self.sync()
 
     # -- views ---------------------------------------------------------------
@@ -108,6 +109,7 @@ class SymmetricWindow:
         return self._ctl[self._rank_self][base:base + self._world]
 
     def _release_views(self) -> None:
+        self._ctl_mv.release()
         self._ctl.clear()
         self._data.clear()
 
@@ -252,6 +254,7 @@ class UbmemTransport:
         for win in self._windows:
             ctl_words = win._slot_off + win.num_slots * win._world
             win._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in win._bufs.items()}
+            win._ctl_mv = memoryview(win._ctl[self.topology.rank]).cast("B").cast("q")
             win._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=win.nbytes, offset=win.control_bytes)
                          if win.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in win._bufs.items()}
 
@@ -301,7 +304,7 @@ class UbmemTransport:
         self._check_open("peer_view")
         self._peer("peer_view", win, peer)
         self._range("peer_view", win, peer, offset, nbytes)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if nbytes % itemsize or offset % itemsize:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: peer_view(win='{win.name}', peer {peer}): offset {offset} and "
@@ -406,16 +409,25 @@ class UbmemTransport:
         """
         self._check_open("wait_until")
         self._slot("wait_until", win, slot)
-        srcs = np.asarray(srcs, dtype=np.int64).reshape(-1)
-        need = np.broadcast_to(np.asarray(values, dtype=np.int64), srcs.shape)
-        words = win.signals(slot)
+        srcs = [int(s) for s in srcs]
+        need = [int(v) for v in values] if isinstance(values, (list, tuple, np.ndarray)) else [int(values)] * len(srcs)
+        if len(need) != len(srcs):
+            raise TransportArgumentError(f"rank {self.topology.rank}: wait_until(win='{win.name}'): {len(srcs)} "
+                                         f"sources but {len(need)} values")
+        for s in srcs:
+            if not 0 <= s < self.topology.world_size:
+                raise TransportArgumentError(f"rank {self.topology.rank}: wait_until(win='{win.name}'): source rank "
+                                             f"{s} outside [0, {self.topology.world_size})")
+        # memoryview items read as Python ints in ~0.3 us, far cheaper than numpy fancy indexing.
+        base = win._slot_off + slot * win._world
+        words = win._ctl_mv[base:base + win._world]
+        pairs = list(zip(srcs, need))
 
         def done():
-            return bool(np.all(words[srcs] >= need))
+            return all(words[s] >= n for s, n in pairs)
 
         pending = self._wait(done, "wait_until", win, phase, timeout_s, on_timeout,
-                             lambda: [(int(s), int(n), int(words[s])) for s, n in zip(srcs, need) if words[s] < n],
-                             slot)
+                             lambda: [(s, n, int(words[s])) for s, n in pairs if words[s] < n], slot)
         win.sync()
         return pending
 
