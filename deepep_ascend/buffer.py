@@ -18,7 +18,6 @@ from transports import ChannelKind, LinkStats, TransportAborted, create_transpor
 
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
-from .host import enable_malloc_cache
 from .intranode import (NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, recv_channel_prefix, topk_idx_t
@@ -167,7 +166,6 @@ class Buffer:
         self.allow_mnnvl = allow_mnnvl
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        enable_malloc_cache()
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
         self._last_traffic = None

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import combine_round_tokens, recv_channel_prefix, send_layout
+from . import host
+from .layout import combine_round_tokens, send_layout
 
 READY, CONSUMED = 0, 1
 NUM_SLOTS = 2
@@ -264,7 +265,7 @@ class IntranodeEngine:
         else:
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
         rows = max(num_recv, num_worst_tokens)
-        recv_x = torch.empty(rows, xb, dtype=torch.uint8)
+        recv_x = host.empty((rows, xb), torch.uint8)
         recv_scales = torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None
         recv_topk = torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None
         recv_w = torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None
@@ -335,7 +336,9 @@ class IntranodeEngine:
         vec = is_token_in_rank.sum(0, dtype=torch.int32)
         rows = recv_src_idx.numel()
         num_recv = int(rank_prefix_matrix[nr - 1, me])
-        recv_x = torch.zeros(rows, xb, dtype=torch.uint8) if rows > num_recv else torch.empty(rows, xb, dtype=torch.uint8)
+        recv_x = host.empty((rows, xb), torch.uint8)
+        if rows > num_recv:
+            recv_x[num_recv:].zero_()
         recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
         yield recv_x, recv_scales
 
@@ -401,7 +404,7 @@ class IntranodeEngine:
         regions = self.combine_regions(xb, wcols)
         n = is_token_in_rank.shape[0]
         num_recv = int(rank_prefix_matrix[nr - 1, me])
-        combined = torch.empty(n, hidden, dtype=torch.bfloat16)
+        combined = host.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 
