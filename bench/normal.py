@@ -1,0 +1,423 @@
+"""Normal-mode (DeepEP V1) dispatch + combine benchmark, with the baselines a user would pick instead.
+
+Run one process per rank::
+
+    mpiexec -n 4 python -m bench.normal                       # DeepSeek-V3-like default, BF16
+    mpiexec -n 4 python -m bench.normal --fp8 --json out.json # FP8 dispatch, BF16 combine
+    mpiexec -n 2 python -m bench.normal --tokens 512 --hidden 2048 --baselines-only
+
+Workload (default shaped like DeepSeek-V3, as DeepEP's published V1 numbers): 4096 tokens per
+rank, hidden 7168, 256 experts, top-8; ``x = randn`` (BF16), routing = top-k of
+``randn(N, E).abs() + 1`` and weights ``randn(N, K).abs()``, from a generator seeded
+``seed * 65536 + rank`` (``--seed``, default 0); ``torch.set_num_threads(1)`` on every rank.
+``--routing FILE`` replays a saved ``topk_idx`` trace instead (format: ``bench/common.py``
+docstring — ``.npz``/``.pt`` with ``topk_idx`` ``[T, K]`` or ``[S, T, K]``, ``T`` = global tokens
+split evenly over the ranks, ids in ``[-1, E)``, optional ``num_experts`` and ``topk_weights``;
+``--routing-step`` picks ``S``; the tokens per rank and top-k come from the file).
+``--save-routing FILE`` writes the routing a run used in that format.
+
+Systems, each doing the same round trip on the same data (dispatch → identity "experts" →
+combine with the received weights), one after another:
+
+* ``deepep_ascend``: ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``;
+* ``mpi_alltoallv``: order tokens by destination, ``Alltoall`` counts, ``Alltoallv`` rows
+  (payload, then packed top-k ids / weights / FP8 scales), back with ``Alltoallv``, float32
+  ``index_add_`` by ascending source rank, one BF16 cast;
+* ``gloo_all_to_all``: the same over ``torch.distributed`` gloo ``all_to_all_single``;
+* ``memcpy roofline``: one ``copy_`` of each rank's dispatch bytes and one of its combine bytes.
+
+All systems' outputs are compared bit for bit against the MPI pipeline (layout, ``recv_x`` [and
+scales], ``recv_topk_idx``, ``recv_topk_weights``, per-expert counts, ``combined_x``,
+``combined_topk_weights``); ``calc_diff`` is printed too. A mismatch is reported (``[check] ...
+MISMATCH``) and makes the exit code 1; performance targets are reported, never asserted.
+
+Timing: barrier before each timed op, ``time.perf_counter`` around it, the max over ranks per
+iteration, median (min, max) over ``--iters`` after ``--warmup``. Round trip = dispatch + combine
+per iteration (layout timed apart, as DeepEP does).
+
+Bandwidths (GB = 1e9 B, ``bench.common``): **logical** = rank-mean of
+``N_recv * (hidden bytes + top-k bytes)`` / time (V2 formula, own tokens included);
+**bottleneck** = max over ranks of ``N_recv * hidden bytes`` / time (V1 formula: a token once per
+destination rank; FP8 bytes = BF16 x (1 + 4/128) / 2). ``sent`` = bytes sent per channel kind
+(``Buffer.get_traffic()``; baselines: SELF vs peers computed from their counts), max over ranks.
+
+Output (rank 0): one ``[config]`` line with the workload fingerprint (equal fingerprint = same
+inputs bit for bit), one line per system and phase, ``[check]`` lines, ``[summary]`` ratios
+(round-trip speedup over the faster peer pipeline; round trip / roofline) with the targets
+(2 ranks: >= 5x and <= 2.5x; 4 and 8 ranks: >= 3x), and ``[memory]``. ``--json FILE`` writes
+all of it, including per-iteration times.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench import common as C
+
+SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
+SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
+TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}
+DEFAULT_NVL_BYTES = 1 << 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.normal", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096, or from --routing)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-topk", type=int, default=None, help="top-k (default 8, or from --routing)")
+    p.add_argument("--num-experts", type=int, default=None, help="experts (default 256, or from --routing)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (per rank: seed*65536+rank)")
+    p.add_argument("--routing", metavar="FILE", help="replay a topk_idx trace (.npz/.pt, see bench/common.py)")
+    p.add_argument("--routing-step", type=int, default=0, help="step of a [S, T, K] trace (default 0)")
+    p.add_argument("--save-routing", metavar="FILE", help="write the routing used (.npz/.pt)")
+    p.add_argument("--fp8", action="store_true", help="dispatch the FP8 tuple (e4m3 + float32 scales); combine stays BF16")
+    p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--baselines-only", action="store_true", help="skip deepep_ascend (same as --systems mpi,gloo,roofline)")
+    p.add_argument("--nvl-bytes", type=int, default=None,
+                   help="Buffer num_nvl_bytes (default: Buffer's size hint if it has one, else 1 GiB)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar on rank 0")
+    a = p.parse_args(argv)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    if a.baselines_only:
+        systems = [s for s in systems if s != "deepep_ascend"]
+    a.systems = systems
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return a
+
+
+def choose_nvl_bytes(Buffer, args, num_ranks: int) -> tuple[int, str]:
+    """``num_nvl_bytes`` for the Buffer: ``--nvl-bytes``, else the Buffer's normal-mode size hint
+    (called with whichever of the workload's parameters its signature names), else 1 GiB."""
+    if args.nvl_bytes is not None:
+        return args.nvl_bytes, "--nvl-bytes"
+    hint = getattr(Buffer, "get_normal_buffer_size_hint", None)
+    if hint is not None:
+        known = dict(num_tokens=args.tokens, num_max_tokens_per_rank=args.tokens, num_tokens_per_rank=args.tokens,
+                     hidden=args.hidden, num_topk=args.num_topk, num_experts=args.num_experts,
+                     num_ranks=num_ranks, group_size=num_ranks, world_size=num_ranks,
+                     use_fp8=args.fp8, fp8=args.fp8, use_fp8_dispatch=args.fp8,
+                     x_itemsize=1 if args.fp8 else 2, num_scale_cols=args.hidden // 128 if args.fp8 else 0)
+        try:
+            params = inspect.signature(hint).parameters
+            kw = {k: known[k] for k in params if k in known}
+            missing = [k for k, v in params.items() if v.default is inspect.Parameter.empty and k not in kw]
+            if not missing:
+                return int(hint(**kw)), f"Buffer.get_normal_buffer_size_hint({', '.join(f'{k}={v}' for k, v in kw.items())})"
+        except (TypeError, ValueError) as e:  # unknown signature: fall back, but say so
+            return DEFAULT_NVL_BYTES, f"default (size hint failed: {e})"
+    return DEFAULT_NVL_BYTES, "default 1 GiB"
+
+
+def destroy_buffer(buf, root: bool) -> None:
+    """``buf.destroy()`` if it has one (collective); a failure is reported, not raised."""
+    if not hasattr(buf, "destroy"):
+        return
+    try:
+        buf.destroy()
+    except Exception as e:  # noqa: BLE001
+        if root:
+            print(f"[bench.normal] Buffer.destroy() raised {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def build_workload(args, comm):
+    rank, R = comm.Get_rank(), comm.Get_size()
+    routing = weights = None
+    source, label = "random", f"random (seed {args.seed})"
+    if args.routing:
+        routing, weights, meta = C.load_routing(args.routing, rank, R, args.routing_step, args.num_experts)
+        for name, val in (("tokens", meta["tokens_per_rank"]), ("num_topk", meta["num_topk"])):
+            given = getattr(args, name)
+            if given is not None and given != val:
+                raise SystemExit(f"--{name.replace('_', '-')} {given} disagrees with the trace ({val})")
+            setattr(args, name, val)
+        args.num_experts = meta["num_experts"]
+        source = f"trace:{meta['digest']}"  # content, not file name, enters the fingerprint
+        label = f"trace {os.path.basename(args.routing)} step {meta['step']}/{meta['num_steps']} [{meta['digest']}]"
+    args.tokens = 4096 if args.tokens is None else args.tokens
+    args.num_topk = 8 if args.num_topk is None else args.num_topk
+    args.num_experts = 256 if args.num_experts is None else args.num_experts
+    wl = C.make_workload(args.tokens, args.hidden, args.num_topk, args.num_experts, rank, R, seed=args.seed,
+                         fp8=args.fp8, routing=routing, routing_weights=weights, routing_source=source)
+    return wl, label
+
+
+def system_report(res: C.RoundTripResult, comm, args) -> dict:
+    """Collective: byte counts of every rank → bandwidths for one system (same dict on all ranks)."""
+    H, K, fp8 = args.hidden, args.num_topk, args.fp8
+    n_recv = comm.allgather(res.num_recv_tokens)
+    traffic = comm.allgather(res.traffic)
+    out = {"name": res.name, "num_recv_tokens_per_rank": n_recv,
+           "timings": {k: v.as_dict() for k, v in res.timings.items()}, "phases": {}}
+    for phase in ("dispatch", "combine"):
+        t = res.timings[phase].median
+        logical = [C.logical_bytes(n, H, K, fp8, phase) for n in n_recv]
+        bottle = [C.bottleneck_bytes(n, H, fp8 and phase == "dispatch") for n in n_recv]
+        kinds = {}
+        per_rank = [tr[phase] for tr in traffic]
+        if all(x is not None for x in per_rank):
+            for kind in sorted({k for x in per_rank for k in x}):
+                vals = [int(x.get(kind, 0)) for x in per_rank]
+                kinds[kind] = dict(bytes_per_rank=vals, max_bytes=max(vals),
+                                   max_gbps=C.gbps(max(vals), t))
+        brank = int(np.argmax(bottle))
+        out["phases"][phase] = dict(
+            median_s=t, logical_bytes_per_rank=logical, bottleneck_bytes_per_rank=bottle,
+            logical_gbps=C.gbps(sum(logical) / len(logical), t),
+            bottleneck_gbps=C.gbps(bottle[brank], t), bottleneck_rank=brank, sent_by_kind=kinds)
+    return out
+
+
+def fmt_kinds(kinds: dict) -> str:
+    if not kinds:
+        return "sent: n/a"
+    return "sent/rank max: " + ", ".join(
+        f"{k} {C.fmt_bytes(v['max_bytes'])}" + (f" ({v['max_gbps']:.2f} GB/s)" if v["max_bytes"] else "")
+        for k, v in kinds.items())
+
+
+def print_system(rep: dict, res: C.RoundTripResult):
+    name = rep["name"]
+    print(f"[layout]   {name:<16}: {res.timings['layout'].fmt()}")
+    for phase in ("dispatch", "combine"):
+        ph = rep["phases"][phase]
+        print(f"[{phase}]{' ' * (9 - len(phase))}{name:<16}: {res.timings[phase].fmt()} | "
+              f"logical {ph['logical_gbps']:7.2f} GB/s | bottleneck {ph['bottleneck_gbps']:7.2f} GB/s "
+              f"(rank {ph['bottleneck_rank']}) | {fmt_kinds(ph['sent_by_kind'])}")
+    print(f"[roundtrip]{name:<16}: {res.timings['round_trip'].fmt()}")
+
+
+def fmt_check(ref: str, name: str, chk: dict) -> str:
+    disp = [k for k in chk if k.startswith("dispatch.")]
+    bad_disp = [k.split(".", 1)[1] for k in disp if not chk[k]]
+    parts = [f"layout {'ok' if chk['layout'] else 'MISMATCH'}",
+             "dispatch outputs bitwise " + ("ok" if not bad_disp else "MISMATCH in " + ",".join(bad_disp))]
+    if chk["combined_x_bitwise"]:
+        parts.append("combined_x bitwise ok")
+    elif chk["combined_x_equal_values"]:
+        parts.append("combined_x equal values but not bits (signed zeros)")
+    else:
+        parts.append(f"combined_x MISMATCH (calc_diff {chk['combined_x_calc_diff']:.3g})")
+    parts.append("combined_topk_weights bitwise " + ("ok" if chk["combined_topk_weights_bitwise"] else
+                                                    f"MISMATCH (calc_diff {chk['combined_topk_weights_calc_diff']:.3g})"))
+    return f"[check]    {name} vs {ref}: " + "; ".join(parts)
+
+
+def check_ok(chk: dict) -> bool:
+    return all(v for k, v in chk.items() if isinstance(v, bool) and k != "combined_x_equal_values")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank, R = comm.Get_rank(), comm.Get_size()
+    root = rank == 0
+    sampler = C.MemorySampler().start() if root else None
+
+    Buffer = None
+    if "deepep_ascend" in args.systems:
+        try:
+            from deepep_ascend import Buffer
+        except Exception as e:  # noqa: BLE001 — report any import failure the same way
+            if root:
+                print(f"[bench.normal] cannot import deepep_ascend ({type(e).__name__}: {e}); "
+                      f"use --baselines-only to run the baselines alone", file=sys.stderr)
+            return 2
+
+    wl, routing_label = build_workload(args, comm)
+    fp = C.comm_fingerprint(wl, comm)
+    if args.save_routing:
+        idx = comm.gather(wl.topk_idx.numpy(), root=0)
+        w = comm.gather(wl.topk_weights.numpy(), root=0)
+        if root:
+            C.save_routing(args.save_routing, np.concatenate(idx), args.num_experts, np.concatenate(w))
+
+    if root:
+        print(f"[config]   ranks {R} | tokens/rank {args.tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
+              f"experts {args.num_experts} | dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
+              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | "
+              f"fingerprint {fp}", flush=True)
+
+    bar = None
+    if root and not args.no_progress:
+        try:
+            from tqdm import tqdm
+            n_sys = sum(s in args.systems for s in ("deepep_ascend", "mpi", "gloo"))
+            bar = tqdm(total=n_sys * (args.iters + args.warmup), desc="bench.normal", unit="it",
+                       leave=False, file=sys.stderr, disable=None)
+        except ImportError:
+            bar = None
+    progress = (lambda i: bar.update(1)) if bar is not None else None
+
+    results: dict[str, C.RoundTripResult] = {}
+    extra: dict = {}
+    if "deepep_ascend" in args.systems:
+        nvl_bytes, why = choose_nvl_bytes(Buffer, args, R)
+        extra["num_nvl_bytes"], extra["num_nvl_bytes_source"] = nvl_bytes, why
+        try:
+            buf = Buffer(group=None, num_nvl_bytes=nvl_bytes, comm=comm, explicitly_destroy=True)
+        except TypeError:
+            buf = Buffer(group=None, num_nvl_bytes=nvl_bytes, comm=comm)
+        results["deepep_ascend"] = C.run_round_trip(C.BufferSystem(buf), wl, comm, args.iters, args.warmup,
+                                                    progress=progress)
+        extra["buffer_memory"] = comm.gather(C.memory_snapshot(), root=0)
+        destroy_buffer(buf, root)  # free its windows before the baselines run: peak memory = max, not sum
+        buf = None
+    if "mpi" in args.systems:
+        results["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, progress=progress)
+    group = None
+    if "gloo" in args.systems:
+        group = C.init_gloo(comm)
+        results["gloo_all_to_all"] = C.gloo_all_to_all_roundtrip(wl, comm, args.iters, args.warmup, group=group,
+                                                                 progress=progress)
+    if bar is not None:
+        bar.close()
+
+    reports = {name: system_report(res, comm, args) for name, res in results.items()}
+    roof = roof_fresh = None
+    if "roofline" in args.systems:
+        n_recv = n_recv_for(results, wl, args, comm)
+        d_bytes = C.logical_bytes(n_recv, args.hidden, args.num_topk, args.fp8, "dispatch")
+        c_bytes = C.logical_bytes(n_recv, args.hidden, args.num_topk, False, "combine")
+        roof = C.memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)
+        roof_fresh = C.memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_dst=True)
+        extra["roofline_bytes"] = comm.gather(dict(dispatch=d_bytes, combine=c_bytes), root=0)
+
+    # correctness: everything against the MPI pipeline (or the first system run)
+    ref_name = "mpi_alltoallv" if "mpi_alltoallv" in results else next(iter(results), None)
+    checks = {}
+    for name, res in results.items():
+        if name != ref_name:
+            checks[name] = C.compare_outputs(results[ref_name], res, comm)
+    ok = all(check_ok(c) for c in checks.values())
+
+    mem = comm.gather(C.memory_snapshot(), root=0)
+    if group is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+    if root:
+        machine = sampler.stop()
+        for name, res in results.items():
+            print_system(reports[name], res)
+        if roof is not None:
+            rb = extra["roofline_bytes"]
+            print(f"[roofline] {'memcpy':<16}: dispatch {roof['dispatch'].fmt()} "
+                  f"({C.gbps(max(b['dispatch'] for b in rb), roof['dispatch'].median):.2f} GB/s) | "
+                  f"combine {roof['combine'].fmt()} "
+                  f"({C.gbps(max(b['combine'] for b in rb), roof['combine'].median):.2f} GB/s)")
+            print(f"[roundtrip]{'memcpy roofline':<16}: {roof['round_trip'].fmt()}")
+            print(f"[roofline] {'clone (fresh)':<16}: dispatch {roof_fresh['dispatch'].fmt()} | combine "
+                  f"{roof_fresh['combine'].fmt()} | round trip {roof_fresh['round_trip'].fmt()} "
+                  f"(same bytes into newly allocated tensors: page-fault cost)")
+        for name, chk in checks.items():
+            print(fmt_check(ref_name, name, chk))
+        summary = summarize(results, roof, R, roof_fresh)
+        for line in summary["lines"]:
+            print(line)
+        peak_rss = [m["peak_rss"] for m in mem]
+        print(f"[memory]   peak RSS/rank max {C.fmt_bytes(max(peak_rss))} (sum {C.fmt_bytes(sum(peak_rss))}, "
+              f"incl. touched shared windows) | /dev/shm peak {C.fmt_bytes(machine['peak_shm'])} | machine used "
+              f"peak {C.fmt_bytes(machine['peak_used'])} of {C.fmt_bytes(machine['mem_total'])} "
+              f"(at start {C.fmt_bytes(machine['start_used'])})", flush=True)
+        if args.json:
+            doc = dict(
+                benchmark="bench.normal", fingerprint=fp, workload=dict(wl.params, routing_label=routing_label), argv=sys.argv[1:],
+                num_ranks=R, iters=args.iters, warmup=args.warmup,
+                env=dict(torch=torch.__version__, mpi=MPI.Get_library_version().splitlines()[0],
+                         python=platform.python_version(), host=platform.node(), cpus=os.cpu_count(),
+                         time=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+                systems=reports,
+                roofline=None if roof is None else dict(
+                    timings={k: v.as_dict() for k, v in roof.items()},
+                    timings_fresh_dst={k: v.as_dict() for k, v in roof_fresh.items()},
+                    bytes_per_rank=extra["roofline_bytes"]),
+                checks=dict(reference=ref_name, results=checks, all_ok=ok),
+                summary={k: v for k, v in summary.items() if k != "lines"},
+                memory=dict(per_rank_end=mem, machine=machine, after_buffer=extra.get("buffer_memory")),
+                buffer=dict(num_nvl_bytes=extra.get("num_nvl_bytes"), source=extra.get("num_nvl_bytes_source")))
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"[json]     wrote {args.json}")
+    return 0 if ok else 1
+
+
+def n_recv_for(results, wl, args, comm) -> int:
+    """This rank's N_recv for the roofline: from any system's result, else from the layout."""
+    for res in results.values():
+        return res.num_recv_tokens
+    itir = C.reference_layout(wl.topk_idx, args.num_experts, comm.Get_size())[3]
+    counts = itir.sum(0).numpy().astype(np.int64)
+    recv = np.empty_like(counts)
+    comm.Alltoall(counts, recv)
+    return int(recv.sum())
+
+
+def summarize(results: dict, roof, R: int, roof_fresh=None) -> dict:
+    """Ratios on the median round trip (dispatch + combine), with the targets for this R."""
+    rt = {n: r.timings["round_trip"].median for n, r in results.items()}
+    out = {"round_trip_median_s": dict(rt), "lines": []}
+    if roof is not None:
+        out["round_trip_median_s"]["memcpy_roofline"] = roof["round_trip"].median
+    if roof_fresh is not None:
+        out["round_trip_median_s"]["clone_roofline_fresh_dst"] = roof_fresh["round_trip"].median
+    out["lines"].append("[summary]  round trip (dispatch + combine, median): " + " | ".join(
+        f"{n} {v * 1e3:.3f} ms" for n, v in out["round_trip_median_s"].items()))
+    peers = {n: v for n, v in rt.items() if n != "deepep_ascend"}
+    target = TARGETS.get(R, {})
+    if peers:
+        fastest = min(peers, key=peers.get)
+        out["faster_peer"] = fastest
+        if "deepep_ascend" in rt:
+            sp = peers[fastest] / rt["deepep_ascend"]
+            out["speedup_over_faster_peer"] = sp
+            tgt = target.get("speedup")
+            verdict = "" if tgt is None else f" (target >= {tgt:g}x at {R} ranks: {'met' if sp >= tgt else 'MISSED'})"
+            out["lines"].append(f"[summary]  deepep_ascend speedup over the faster peer ({fastest}): {sp:.2f}x{verdict}")
+        out["lines"].append("[summary]  peers: " + " | ".join(
+            f"{n} / faster peer {v / peers[fastest]:.2f}x" for n, v in peers.items()))
+    if roof is not None and roof["round_trip"].median > 0:
+        rr = {n: v / roof["round_trip"].median for n, v in rt.items()}
+        out["round_trip_over_roofline"] = rr
+        tgt = target.get("roofline")
+        parts = []
+        for n, v in rr.items():
+            verdict = ""
+            if n == "deepep_ascend" and tgt is not None:
+                verdict = f" (target <= {tgt:g}x: {'met' if v <= tgt else 'MISSED'})"
+            parts.append(f"{n} {v:.2f}x{verdict}")
+        out["lines"].append("[summary]  round trip / memcpy roofline: " + " | ".join(parts))
+    return out
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI as _MPI
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+    except BaseException:  # a rank that dies must not leave its peers hanging in a collective
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        _MPI.COMM_WORLD.Abort(1)
+    C.finish(_MPI.COMM_WORLD, code)
