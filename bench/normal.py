@@ -50,7 +50,6 @@ all of it, including per-iteration times.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -65,7 +64,6 @@ from bench import common as C
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
 TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}
-DEFAULT_NVL_BYTES = 1 << 30
 
 
 def parse_args(argv=None):
@@ -87,7 +85,7 @@ def parse_args(argv=None):
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--baselines-only", action="store_true", help="skip deepep_ascend (same as --systems mpi,gloo,roofline)")
     p.add_argument("--nvl-bytes", type=int, default=None,
-                   help="Buffer num_nvl_bytes (default: Buffer's size hint if it has one, else 1 GiB)")
+                   help="Buffer num_nvl_bytes (default: Buffer.get_normal_buffer_size_hint, no chunking)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar on rank 0")
     a = p.parse_args(argv)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -103,32 +101,17 @@ def parse_args(argv=None):
 
 
 def choose_nvl_bytes(Buffer, args, num_ranks: int) -> tuple[int, str]:
-    """``num_nvl_bytes`` for the Buffer: ``--nvl-bytes``, else the Buffer's normal-mode size hint
-    (called with whichever of the workload's parameters its signature names), else 1 GiB."""
+    """``num_nvl_bytes``: ``--nvl-bytes``, else the size for which the workload never chunks."""
     if args.nvl_bytes is not None:
         return args.nvl_bytes, "--nvl-bytes"
-    hint = getattr(Buffer, "get_normal_buffer_size_hint", None)
-    if hint is not None:
-        known = dict(num_tokens=args.tokens, num_max_tokens_per_rank=args.tokens, num_tokens_per_rank=args.tokens,
-                     hidden=args.hidden, num_topk=args.num_topk, num_experts=args.num_experts,
-                     num_ranks=num_ranks, group_size=num_ranks, world_size=num_ranks,
-                     use_fp8=args.fp8, fp8=args.fp8, use_fp8_dispatch=args.fp8,
-                     x_itemsize=1 if args.fp8 else 2, num_scale_cols=args.hidden // 128 if args.fp8 else 0)
-        try:
-            params = inspect.signature(hint).parameters
-            kw = {k: known[k] for k in params if k in known}
-            missing = [k for k, v in params.items() if v.default is inspect.Parameter.empty and k not in kw]
-            if not missing:
-                return int(hint(**kw)), f"Buffer.get_normal_buffer_size_hint({', '.join(f'{k}={v}' for k, v in kw.items())})"
-        except (TypeError, ValueError) as e:  # unknown signature: fall back, but say so
-            return DEFAULT_NVL_BYTES, f"default (size hint failed: {e})"
-    return DEFAULT_NVL_BYTES, "default 1 GiB"
+    nbytes = Buffer.get_normal_buffer_size_hint(
+        args.tokens, args.hidden, num_ranks, num_topk=args.num_topk, num_experts=args.num_experts,
+        x_itemsize=1 if args.fp8 else 2, num_scale_cols=args.hidden // 128 if args.fp8 else 0)
+    return nbytes, "Buffer.get_normal_buffer_size_hint"
 
 
 def destroy_buffer(buf, root: bool) -> None:
-    """``buf.destroy()`` if it has one (collective); a failure is reported, not raised."""
-    if not hasattr(buf, "destroy"):
-        return
+    """``buf.destroy()`` (collective); a failure is reported, not raised."""
     try:
         buf.destroy()
     except Exception as e:  # noqa: BLE001
