@@ -349,8 +349,8 @@ class Buffer:
 
     def _check_x(self, x):
         """Returns ``(data, scales)`` after checking BF16/any-dtype ``x`` or the FP8 tuple."""
-        if isinstance(x, (tuple, list)):
-            _check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) pair, got {len(x)} items")
+        if isinstance(x, tuple):
+            _check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
             data, scales = x
             _check_tensor(data, "x[0] (FP8 data)", ndim=2)
             _check(data.element_size() == 1, TypeError,
@@ -552,7 +552,7 @@ class Buffer:
             ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
             return self._engine.dispatch(
                 call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
-                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, -1),
+                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, 4 * scales.size(1)),
                 topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
                 num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_expert=num_tokens_per_expert,
                 num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
@@ -607,7 +607,7 @@ class Buffer:
             ctx.update(data=data, scales=scales)
             return self._engine.cached_dispatch(
                 call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
-                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, -1),
+                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, 4 * scales.size(1)),
                 rank_prefix_matrix=handle[0], recv_src_idx=handle[3], is_token_in_rank=handle[4],
                 num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)

@@ -90,7 +90,8 @@ class SymmetricWindow:
         for p in topo.node_ranks():
             buf, _ = self._win.Shared_query(topo.local_rank_of(p))
             self._bufs[p] = buf
-        self._baseline_refs = {p: sys.getrefcount(b) for p, b in self._bufs.items()}
+        del buf
+        self._baseline_refs = self._buffer_refs()
         self._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in self._bufs.items()}
         self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
                       if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
@@ -116,7 +117,12 @@ class SymmetricWindow:
     def _live_view_count(self) -> int:
         """Storages still referencing the segments (torch/numpy views held outside this object)."""
         gc.collect()
-        return sum(sys.getrefcount(b) - self._baseline_refs[p] for p, b in self._bufs.items())
+        return sum(now - base for now, base in zip(self._buffer_refs(), self._baseline_refs))
+
+    def _buffer_refs(self) -> list:
+        # Each torch/numpy view holds one reference to the buffer it was made from; compared with
+        # the count taken by this same code before any view existed, the excess is the live views.
+        return [sys.getrefcount(b) for b in self._bufs.values()]
 
 
 class UbmemTransport:
