@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Normal-mode benchmark: NP ranks (default 4) of `python -m bench.normal`, extra args passed on.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
+
+bash "$REPO_ROOT/scripts/setup.sh"
+use_wheel_mpiexec
+exec mpiexec -n "${NP:-4}" "$PYTHON_BIN" -m bench.normal "$@"

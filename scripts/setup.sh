@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a machine for deepep_ascend: CPU torch, the package (editable) with its
+# test and bench extras, and the MPICH wheel's mpiexec. A fast no-op when all is in place.
+#
+# Environment:
+#   PYTHON                       interpreter to install into (default: python, else python3)
+#   DEEPEP_ASCEND_TORCH_VERSION  torch version to install if torch is missing (default 2.13.0)
+#   DEEPEP_ASCEND_TORCH_INDEX    index URL for torch, e.g. https://download.pytorch.org/whl/cpu
+#                                (a plain PyPI `torch` is the multi-GB CUDA build)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON
+
+# 1. torch (CPU build), before the package so its `torch>=2.1` is already satisfied.
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: installing torch ${DEEPEP_ASCEND_TORCH_VERSION:-2.13.0}" \
+         "${DEEPEP_ASCEND_TORCH_INDEX:+from $DEEPEP_ASCEND_TORCH_INDEX}" >&2
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pip install "torch==${DEEPEP_ASCEND_TORCH_VERSION:-2.13.0}" \
+        ${DEEPEP_ASCEND_TORCH_INDEX:+--index-url "$DEEPEP_ASCEND_TORCH_INDEX"}
+fi
+
+# 2. The package, editable, with extras: reinstall only if something is missing, or the
+#    installed distribution is not an editable install of *this* checkout, or one of the
+#    repo's packages is not importable from outside the repo (new top-level package).
+needs_install() {
+    (cd / && "$PYTHON" - "$REPO_ROOT" <<'PY'
+import importlib.metadata as md, importlib.util, json, os, sys
+root = os.path.realpath(sys.argv[1])
+why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib")
+       if importlib.util.find_spec(m) is None]
+try:
+    dist = md.distribution("deepep_ascend")
+    url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if not url.get("dir_info", {}).get("editable"):
+        why.append("deepep_ascend not installed editable")
+    elif os.path.realpath(url.get("url", "").removeprefix("file://")) != root:
+        why.append(f"deepep_ascend installed from {url.get('url')}, not {root}")
+except md.PackageNotFoundError:
+    why.append("deepep_ascend not installed")
+for pkg in ("deepep_ascend", "transports", "bench"):
+    if os.path.isfile(os.path.join(root, pkg, "__init__.py")):
+        spec = importlib.util.find_spec(pkg)
+        where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None
+        if where != os.path.join(root, pkg):
+            why.append(f"{pkg} resolves to {where}")
+if why:
+    print("setup: (re)installing because: " + "; ".join(why), file=sys.stderr)
+    sys.exit(0)
+sys.exit(1)
+PY
+    )
+}
+if needs_install; then
+    "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench]"
+fi
+
+# 3. mpiexec: the one from the mpich wheel (matches mpi4py's libmpi). scripts/test.sh and
+#    scripts/bench.sh put its directory first on PATH; report what a bare `mpiexec` runs.
+wheel="$(mpich_wheel_mpiexec)"
+onpath="$(resolved_path_mpiexec)"
+if [[ -z "$wheel" ]]; then
+    echo "setup: ERROR: the mpich wheel provides no mpiexec" >&2
+    exit 1
+fi
+if [[ "$onpath" == "$wheel" ]]; then
+    echo "setup: ok; mpiexec = $wheel (mpich wheel)" >&2
+else
+    echo "setup: ok; mpich wheel mpiexec = $wheel; WARNING: bare 'mpiexec' on PATH runs" \
+         "${onpath:-nothing}; scripts/test.sh and scripts/bench.sh use the wheel's" >&2
+fi

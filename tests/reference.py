@@ -1,0 +1,424 @@
+"""Pure-torch, single-process reference of DeepEP V1 normal-mode semantics (the test oracle).
+
+Every function takes *all* ranks' inputs (gathered into one process, e.g. with
+``mpi_utils.gather_all``) and computes what one rank must observe, following
+``spec/deepep-buffer-api.md`` §4.1 (layout), §4.4 (dispatch), §4.6 (combine), §4.8 (FP8 cast) and
+§9 (``calc_diff``). It is written with plain loops and simple torch ops, for clarity rather than
+speed, and deliberately does not import ``deepep_ascend``: it must stay an independent oracle.
+
+Conventions (spec §0): ``R`` ranks, expert ``e`` lives on rank ``e // L`` with local id ``e % L``
+(``L = E / R``); ``-1`` in ``topk_idx`` means "no expert".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "RefDispatch",
+    "align_up",
+    "calc_diff",
+    "per_token_cast_back",
+    "per_token_cast_to_fp8",
+    "ref_combine",
+    "ref_dispatch",
+    "ref_dispatch_layout",
+    "ref_rank_prefix_matrix",
+    "ref_recv_rows",
+]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_GROUP = 128  # channels per scale
+
+
+def align_up(x: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` that is >= ``x``."""
+    return (x + alignment - 1) // alignment * alignment
+
+
+def _check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
+    if topk_idx.dim() != 2:
+        raise ValueError(
+            f"topk_idx must be 2-D [N, K], got shape {tuple(topk_idx.shape)}"
+        )
+    if topk_idx.numel():
+        bad = (topk_idx < -1) | (topk_idx >= num_experts)
+        if bool(bad.any()):
+            raise ValueError(
+                f"topk_idx values must be -1 or in [0, {num_experts}), got "
+                f"{topk_idx[bad][:5].tolist()}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.1 layout
+
+
+def ref_dispatch_layout(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    ranks_per_node: int | None = None,
+):
+    """Reference of ``Buffer.get_dispatch_layout`` for one rank's ``topk_idx [N, K]``.
+
+    Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R/rpn] int32 | None,
+    num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``:
+
+    * ``num_tokens_per_rank[j]``: tokens with at least one expert on rank ``j`` (each token once);
+    * ``num_tokens_per_expert[e]``: (token, slot) pairs selecting ``e`` — a token listing ``e``
+      twice counts twice;
+    * ``num_tokens_per_rdma_rank[b]``: tokens with at least one expert on node ``b``. ``None``
+      unless there is more than one node: DeepEP's rule (``ranks_per_node=None``) is nodes of 8
+      ranks and the per-node count only when ``R > 8``; pass ``ranks_per_node`` for simulated
+      nodes.
+    """
+    if num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts={num_experts} not divisible by num_ranks={num_ranks}"
+        )
+    _check_topk_idx(topk_idx, num_experts)
+    L = num_experts // num_ranks
+    N = topk_idx.size(0)
+
+    counts = [0] * num_experts
+    in_rank = [[False] * num_ranks for _ in range(N)]
+    for t, row in enumerate(topk_idx.tolist()):
+        for e in row:
+            if e >= 0:
+                counts[e] += 1  # every (token, slot) pair
+                in_rank[t][e // L] = True  # each token once per rank
+    num_tokens_per_expert = torch.tensor(counts, dtype=torch.int32)
+    is_token_in_rank = torch.tensor(in_rank, dtype=torch.bool).reshape(N, num_ranks)
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
+
+    rpn = 8 if ranks_per_node is None else ranks_per_node
+    num_nodes = max(1, num_ranks // rpn)
+    if num_nodes > 1 and (ranks_per_node is not None or num_ranks > 8):
+        is_token_in_node = is_token_in_rank.view(N, num_nodes, rpn).any(dim=2)
+        num_tokens_per_rdma_rank = is_token_in_node.sum(dim=0).to(torch.int32)
+    else:
+        num_tokens_per_rdma_rank = None
+    return (
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        num_tokens_per_expert,
+        is_token_in_rank,
+    )
+
+
+def ref_rank_prefix_matrix(is_token_in_ranks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``P [R, R] int32``, ``P[i][j] = Σ_{k ≤ i}`` tokens rank ``k`` sends to rank ``j`` (§4.3)."""
+    R = len(is_token_in_ranks)
+    P = torch.zeros(R, R, dtype=torch.int32)
+    running = torch.zeros(R, dtype=torch.int32)
+    for i in range(R):
+        running = running + is_token_in_ranks[i].sum(dim=0).to(torch.int32)
+        P[i] = running
+    return P
+
+
+def ref_recv_rows(
+    is_token_in_ranks: Sequence[torch.Tensor], rank: int
+) -> list[tuple[int, int]]:
+    """The ``(source rank, source token)`` of each row ``rank`` receives, in dispatch order:
+    source rank ascending (including ``rank`` itself), then source token index ascending (§4.4).
+    """
+    rows = []
+    for s, mask in enumerate(is_token_in_ranks):
+        for t, to_rank in enumerate(mask[:, rank].tolist()):
+            if to_rank:
+                rows.append((s, t))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.4 dispatch
+
+
+class RefDispatch(NamedTuple):
+    """Expected results of a normal (non-cached) ``Buffer.dispatch`` on one rank."""
+
+    recv_x: (
+        torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    )  # [N_recv, H] (or (data, scales))
+    recv_topk_idx: torch.Tensor | None  # [N_recv, K] local expert id or -1
+    recv_topk_weights: torch.Tensor | None  # [N_recv, K] float32, 0.0 where idx == -1
+    num_recv_tokens_per_expert_list: list[
+        int
+    ]  # L ints, aligned up ([] with num_worst_tokens)
+    rank_prefix_matrix: torch.Tensor  # [R, R] int32 (handle[0], every column)
+    recv_src_idx: torch.Tensor  # [N_recv] int32 (handle[3])
+    recv_src_rank: (
+        torch.Tensor
+    )  # [N_recv] int32 source rank of each row (not in DeepEP's API)
+    is_token_in_rank: (
+        torch.Tensor
+    )  # [N_rank, R] bool of this rank's own tokens (handle[4])
+    num_recv_tokens: int  # real number of received rows (before worst-case padding)
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Byte copies of rows ``rows`` of a 2-D tensor, result contiguous (any dtype, any strides)."""
+    return t.index_select(0, torch.tensor(rows, dtype=torch.long)).contiguous()
+
+
+def ref_dispatch(
+    xs: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    topk_idxs: Sequence[torch.Tensor],
+    topk_weights_list: Sequence[torch.Tensor] | None,
+    num_experts: int,
+    rank: int,
+    expert_alignment: int = 1,
+    is_token_in_ranks: Sequence[torch.Tensor] | None = None,
+    num_worst_tokens: int = 0,
+) -> RefDispatch:
+    """What ``rank`` receives from a normal dispatch, given every rank's inputs (lists by rank).
+
+    * ``xs[s]``: rank ``s``'s ``x``, a ``[N_s, H]`` tensor (any dtype) or an
+      ``(data [N_s, H] float8_e4m3fn, scales [N_s, S])`` tuple (scales of any strides);
+    * ``topk_idxs[s]``: ``[N_s, K]`` expert ids or ``-1`` (routing and per-expert counts);
+    * ``topk_weights_list``: ``[N_s, K]`` float32 per rank, or ``None`` for a dispatch without
+      top-k (then ``recv_topk_idx``/``recv_topk_weights`` are ``None``);
+    * ``is_token_in_ranks``: optional routing masks overriding the ones derived from
+      ``topk_idxs`` (as when the caller passes its own ``is_token_in_rank``);
+    * ``num_worst_tokens = W > 0``: outputs padded to ``W`` rows (trailing ``recv_topk_idx`` = -1,
+      all other trailing values 0 — the port's choice for DeepEP's uninitialised rows),
+      ``num_recv_tokens_per_expert_list == []``; ``W`` below the real count raises ``ValueError``.
+
+    Rows: grouped by source rank ascending, then source token index ascending; ``recv_x`` rows
+    are byte copies and received scales are contiguous. ``recv_topk_idx`` is ``e - rank*L`` where
+    expert ``e`` is on ``rank``, else -1 (dtype of the input ids); ``recv_topk_weights`` is the
+    original weight where that index is >= 0, exactly 0.0 elsewhere. The list has ``L`` entries
+    ``align_up(Σ_s num_tokens_per_expert_s[rank*L + i], expert_alignment)``.
+    """
+    R = len(xs)
+    if len(topk_idxs) != R or (
+        topk_weights_list is not None and len(topk_weights_list) != R
+    ):
+        raise ValueError(
+            "xs, topk_idxs and topk_weights_list must have one entry per rank"
+        )
+    if not 0 <= rank < R:
+        raise ValueError(f"rank={rank} out of range for {R} ranks")
+    L = num_experts // R
+    layouts = [ref_dispatch_layout(idx, num_experts, R) for idx in topk_idxs]
+    masks = (
+        list(is_token_in_ranks)
+        if is_token_in_ranks is not None
+        else [lay[3] for lay in layouts]
+    )
+
+    rows = ref_recv_rows(masks, rank)
+    n_recv = len(rows)
+    if num_worst_tokens and num_worst_tokens < n_recv:
+        raise ValueError(
+            f"num_worst_tokens={num_worst_tokens} < received tokens {n_recv}"
+        )
+
+    # recv_x: byte copies, source after source
+    def gather(per_rank: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = [
+            _take_rows(per_rank[s], [t for (ss, t) in rows if ss == s])
+            for s in range(R)
+        ]
+        return torch.cat(parts, dim=0).contiguous()
+
+    is_fp8 = isinstance(xs[0], tuple)
+    if is_fp8:
+        recv_x = (gather([x[0] for x in xs]), gather([x[1] for x in xs]))
+    else:
+        recv_x = gather(xs)
+
+    recv_topk_idx = recv_topk_weights = None
+    if topk_weights_list is not None:
+        K = topk_idxs[0].size(1)
+        idx_lists = [idx.tolist() for idx in topk_idxs]
+        w_lists = [w.to(torch.float32).tolist() for w in topk_weights_list]
+        idx_rows, w_rows = [], []
+        for s, t in rows:
+            idx_row, w_row = [], []
+            for k in range(K):
+                e = idx_lists[s][t][k]
+                if (
+                    e >= 0 and e // L == rank
+                ):  # expert on this rank: local id, keep weight
+                    idx_row.append(e - rank * L)
+                    w_row.append(w_lists[s][t][k])
+                else:
+                    idx_row.append(-1)
+                    w_row.append(0.0)
+            idx_rows.append(idx_row)
+            w_rows.append(w_row)
+        recv_topk_idx = torch.tensor(idx_rows, dtype=topk_idxs[0].dtype).reshape(
+            n_recv, K
+        )
+        recv_topk_weights = torch.tensor(w_rows, dtype=torch.float32).reshape(n_recv, K)
+
+    num_recv_tokens_per_expert_list = []
+    for i in range(L):
+        total = sum(int(lay[2][rank * L + i]) for lay in layouts)
+        num_recv_tokens_per_expert_list.append(align_up(total, expert_alignment))
+
+    recv_src_idx = torch.tensor([t for (_, t) in rows], dtype=torch.int32)
+    recv_src_rank = torch.tensor([s for (s, _) in rows], dtype=torch.int32)
+
+    if num_worst_tokens:
+        pad = num_worst_tokens - n_recv
+
+        def padded(t: torch.Tensor, value=0) -> torch.Tensor:
+            return torch.cat(
+                [t, torch.full((pad, *t.shape[1:]), value, dtype=t.dtype)], dim=0
+            )
+
+        recv_x = (padded(recv_x[0]), padded(recv_x[1])) if is_fp8 else padded(recv_x)
+        if recv_topk_idx is not None:
+            recv_topk_idx = padded(recv_topk_idx, -1)
+            recv_topk_weights = padded(recv_topk_weights)
+        recv_src_idx = padded(recv_src_idx)
+        recv_src_rank = padded(recv_src_rank, -1)
+        num_recv_tokens_per_expert_list = []
+
+    return RefDispatch(
+        recv_x=recv_x,
+        recv_topk_idx=recv_topk_idx,
+        recv_topk_weights=recv_topk_weights,
+        num_recv_tokens_per_expert_list=num_recv_tokens_per_expert_list,
+        rank_prefix_matrix=ref_rank_prefix_matrix(masks),
+        recv_src_idx=recv_src_idx,
+        recv_src_rank=recv_src_rank,
+        is_token_in_rank=masks[rank].clone(),
+        num_recv_tokens=n_recv,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.6 combine
+
+
+def _split_bias(bias):
+    if bias is None:
+        return None, None
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, (tuple, list)) and len(bias) == 2:
+        return bias[0], bias[1]
+    raise TypeError("bias must be None, a tensor or a 2-tuple of tensors")
+
+
+def ref_combine(
+    xs: Sequence[torch.Tensor],
+    is_token_in_ranks: Sequence[torch.Tensor],
+    rank: int,
+    bias=None,
+    topk_weights: Sequence[torch.Tensor] | None = None,
+):
+    """What the origin ``rank`` gets back from a normal ``Buffer.combine`` (§4.6).
+
+    * ``xs[s]``: rank ``s``'s combine input ``[>= N_recv_s, H]`` bf16, in rank ``s``'s dispatch
+      row order (worst-case extra rows are ignored);
+    * ``is_token_in_ranks[s]``: rank ``s``'s routing mask ``[N_s, R]`` of the dispatch whose
+      handle is used — it fixes each receiver's row order (:func:`ref_recv_rows`);
+    * ``bias``: ``None``, a tensor, or a 2-tuple (entries may be ``None``), each ``[N_rank, H]``;
+    * ``topk_weights``: per-rank ``[>= N_recv_s, K']`` float32, or ``None``.
+
+    Per original token ``t`` of ``rank``, per element: ``acc = f32(bias0) + f32(bias1)`` (missing
+    → 0.0), then for each rank ``s`` that received ``t``, ascending ``s``, ``acc += f32(row)``;
+    output ``acc.to(bfloat16)`` (round to nearest even). No weights are applied to ``x``.
+    Weights: ``Σ_s w_s[row]`` in float32 starting from 0.0, ascending ``s``.
+    Returns ``(combined_x [N_rank, H] bf16, combined_topk_weights [N_rank, K'] float32 | None)``.
+    """
+    R = len(xs)
+    if len(is_token_in_ranks) != R:
+        raise ValueError("xs and is_token_in_ranks must have one entry per rank")
+    mask = is_token_in_ranks[rank]
+    N = mask.size(0)
+    H = xs[0].size(1)
+
+    b0, b1 = _split_bias(bias)
+    zeros = torch.zeros(N, H, dtype=torch.float32)
+    acc = (zeros if b0 is None else b0.to(torch.float32)) + (
+        zeros if b1 is None else b1.to(torch.float32)
+    )
+    w_acc = None
+    if topk_weights is not None:
+        w_acc = torch.zeros(N, topk_weights[0].size(1), dtype=torch.float32)
+
+    # One pass per receiver s, ascending: every element gets its partials added in ascending-s
+    # order, each a single float32 add. Receiver s holds this rank's tokens (in token order)
+    # right after the tokens of all lower source ranks (dispatch order, §4.4).
+    for s in range(R):
+        tokens = torch.nonzero(mask[:, s], as_tuple=False).flatten()  # ascending t
+        first = sum(int(is_token_in_ranks[k][:, s].sum()) for k in range(rank))
+        rows = torch.arange(first, first + tokens.numel())
+        acc[tokens] = acc[tokens] + xs[s].index_select(0, rows).to(torch.float32)
+        if w_acc is not None:
+            w_acc[tokens] = w_acc[tokens] + topk_weights[s].index_select(0, rows).to(
+                torch.float32
+            )
+    return acc.to(torch.bfloat16), w_acc
+
+
+# ----------------------------------------------------------------------------------------------
+# §9 calc_diff, §4.8 FP8
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepEP's similarity distance: ``1 − 2·Σ(x+1)(y+1) / Σ[(x+1)² + (y+1)²]`` in float64."""
+    x, y = x.double() + 1, y.double() + 1
+    denominator = (x * x + y * y).sum()
+    sim = 2 * (x * y).sum() / denominator
+    return (1 - sim).item()
+
+
+def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's per-token, per-128-channel FP8 cast (§4.8).
+
+    ``x [N, H]`` (bf16 or float32). Each group of 128 channels (the last zero-padded) gets
+    ``amax = max(max|x|, 1e-4)``; ``data = e4m3(x · (448/amax))``, ``scale = amax / 448``.
+    Returns ``(data [N, H] float8_e4m3fn, scales [N, ceil(H/128)] float32)``, both contiguous.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [N, H], got shape {tuple(x.shape)}")
+    N, H = x.shape
+    S = math.ceil(H / FP8_GROUP)
+    padded = torch.zeros(N, S * FP8_GROUP, dtype=torch.float32)
+    padded[:, :H] = x.to(torch.float32)
+    groups = padded.view(N, S, FP8_GROUP)
+    amax = groups.abs().amax(dim=2).clamp(min=1e-4)  # [N, S] float32
+    data = (groups * (FP8_MAX / amax).unsqueeze(2)).to(torch.float8_e4m3fn)
+    data = data.view(N, S * FP8_GROUP)[:, :H].contiguous()
+    scales = (amax / FP8_MAX).contiguous()
+    return data, scales
+
+
+def _ue8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """Unpack int32 UE8M0 scales (4 exponent bytes per int32, little-endian) to float32."""
+    N, P = scales.shape
+    raw = scales.contiguous().view(torch.uint8).view(N, P * 4).to(torch.int32)
+    return torch.pow(
+        torch.tensor(2.0, dtype=torch.float32), (raw - 127).to(torch.float32)
+    )
+
+
+def per_token_cast_back(
+    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of :func:`per_token_cast_to_fp8`: ``data · scale`` per 128-channel group.
+
+    ``scales`` float32 ``[N, ceil(H/128)]`` (any strides), or int32 packed UE8M0 (§6.4: byte ``b``
+    means ``2^(b−127)``, groups ``4p..4p+3`` in int32 ``p``). Returns ``[N, H]`` of ``dtype``.
+    """
+    N, H = data.shape
+    S = math.ceil(H / FP8_GROUP)
+    if scales.dtype == torch.int32:
+        scales = _ue8m0_to_float(scales)
+    scales = scales.to(torch.float32)[:, :S]
+    padded = torch.zeros(N, S * FP8_GROUP, dtype=torch.float32)
+    padded[:, :H] = data.to(torch.float32)
+    out = padded.view(N, S, FP8_GROUP) * scales.unsqueeze(2)
+    return out.view(N, S * FP8_GROUP)[:, :H].to(dtype)
