@@ -204,6 +204,24 @@ class IntranodeEngine:
             raise
         return headers
 
+    def _rounds(self, rounds, stage, phase):
+        """Yield ``(round, active sources)`` for rounds 0.. of a call whose chunk 0 is exchanged.
+
+        ``rounds[s]`` = chunks rank ``s`` stages in this call. Before yielding round ``k > 0`` this
+        stages this rank's chunk ``k`` and waits for the active sources' chunks; after the body
+        it marks them consumed.
+        """
+        for rnd in range(max(rounds)):
+            active = [s for s in range(self.num_ranks) if rounds[s] > rnd]
+            if rnd:
+                if rounds[self.rank] > rnd:
+                    self._begin_stage(phase)
+                    stage(rnd)
+                    self._publish()
+                self._await(active, phase)
+            yield rnd, active
+            self._consume(active)
+
     def _record(self, peer, nbytes):
         if nbytes:
             self.tp.record_fetch(peer, nbytes)
@@ -281,14 +299,7 @@ class IntranodeEngine:
                (rank_prefix_matrix, channel_prefix_matrix, send_head, recv_src_idx, ntok, num_recv))
 
         cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
-        for rnd in range(max(rounds)):
-            if rnd:
-                if rounds[me] > rnd:
-                    self._begin_stage(phase)
-                    stage(rnd)
-                    self._publish()
-                self._await([s for s in range(nr) if rounds[s] > rnd], phase)
-            active = [s for s in range(nr) if rounds[s] > rnd]
+        for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
                 m = min(q, int(ntok[s]) - rnd * q)
                 if m <= 0:
@@ -310,7 +321,6 @@ class IntranodeEngine:
                 torch.add(idx, rnd * q, out=recv_src_idx[c:c + got])
                 cursor[s] = c + got
                 self._record(s, got * (xb + sb + 12 * k))
-            self._consume(active)
         for s in range(nr):
             if cursor[s] != int(rank_prefix_matrix[s, me]):
                 start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
@@ -356,14 +366,7 @@ class IntranodeEngine:
         rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
-        for rnd in range(max(rounds)):
-            if rnd:
-                if rounds[me] > rnd:
-                    self._begin_stage(phase)
-                    stage(rnd)
-                    self._publish()
-                self._await([s for s in range(nr) if rounds[s] > rnd], phase)
-            active = [s for s in range(nr) if rounds[s] > rnd]
+        for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
                 m = min(q, int(ntok[s]) - rnd * q)
                 block = src[starts[s]:starts[s + 1]]
@@ -377,7 +380,6 @@ class IntranodeEngine:
                     torch.index_select(self._view(s, regions.field_offs[1], m * sb).view(m, sb), 0, idx,
                                        out=recv_scales[a:b])
                 self._record(s, (hi - lo) * (xb + sb))
-            self._consume(active)
 
     def _check_counts(self, rank_prefix_matrix, phase):
         """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""
@@ -453,12 +455,7 @@ class IntranodeEngine:
         block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
         acc = torch.empty(block, hidden, dtype=torch.float32)  # reused: no page faults per block
         tmp = torch.empty(block, hidden, dtype=torch.float32)
-        for rnd in range(num_rounds):
-            if rnd:
-                self._begin_stage(phase)
-                stage(rnd)
-                self._publish()
-                self._await(range(nr), phase)
+        for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
             m = max(0, hi_t - lo_t)
             edges = torch.arange(0, m + block, block).clamp_(max=m)
@@ -505,4 +502,3 @@ class IntranodeEngine:
                         t.copy_(rows[lo:hi])
                         blk.index_add_(0, tokens[lo:hi] - a_t, t)
                 combined[lo_t + a_t:lo_t + b_t].copy_(blk)
-            self._consume(range(nr))
