@@ -29,12 +29,13 @@ class TransportUnsupported(TransportError):
 class TransportTimeout(TransportError, TimeoutError):
     """A blocking operation passed its deadline.
 
-    Attributes: ``op``, ``rank``, ``pending_peers`` (ranks that had not arrived), ``slot``,
+    Attributes: ``op``, ``rank``, ``window``, ``pending_peers`` (ranks that had not arrived), ``slot``,
     ``expected`` / ``observed`` (per pending peer), ``elapsed`` (seconds), ``phase``.
     """
 
-    def __init__(self, op, rank, pending_peers, elapsed, phase="", slot=None, expected=None, observed=None):
-        self.op, self.rank, self.phase, self.slot = op, rank, phase, slot
+    def __init__(self, op, rank, pending_peers, elapsed, phase="", slot=None, expected=None, observed=None,
+                 window=None):
+        self.op, self.rank, self.phase, self.slot, self.window = op, rank, phase, slot, window
         self.pending_peers = list(pending_peers)
         self.expected, self.observed, self.elapsed = expected, observed, elapsed
         where = f" in phase '{phase}'" if phase else ""
@@ -43,8 +44,9 @@ class TransportTimeout(TransportError, TimeoutError):
         if expected is not None and observed is not None:
             detail = " (" + ", ".join(
                 f"rank {p}: have {o}, need {e}" for p, e, o in zip(self.pending_peers, expected, observed)) + ")"
+        win = f"(win='{window}')" if window else ""
         super().__init__(
-            f"rank {rank}: {op}{where}{slot_txt} timed out after {elapsed:.1f} s waiting for "
+            f"rank {rank}: {op}{win}{where}{slot_txt} timed out after {elapsed:.1f} s waiting for "
             f"rank(s) {self.pending_peers}{detail}. A peer is slow, crashed, or did not enter the "
             f"same collective call; raise DEEPEP_ASCEND_TIMEOUT_S if it is only slow.")
 

@@ -91,13 +91,18 @@ class SymmetricWindow:
             buf, _ = self._win.Shared_query(topo.local_rank_of(p))
             self._bufs[p] = buf
         del buf
-        self._baseline_refs = self._buffer_refs()
+        # Control words are read through numpy/memoryview slices that error tracebacks may keep
+        # alive; they belong to the baseline, so only data views count as "live" at destroy.
         self._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in self._bufs.items()}
-        self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
-                      if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
         self._ctl[topo.rank][:] = 0
         self._ctl_mv = memoryview(self._ctl[topo.rank]).cast("B").cast("q")
+        self._baseline_refs = self._buffer_refs()
+        self._make_data_views()
         self.sync()
+
+    def _make_data_views(self) -> None:
+        self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
+                      if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
 
     # -- views ---------------------------------------------------------------
     def sync(self) -> None:
@@ -107,16 +112,13 @@ class SymmetricWindow:
     def signals(self, slot: int) -> np.ndarray:
         """This rank's signal words of ``slot``, ``[world]`` int64 (entry ``src`` written only by ``src``)."""
         base = self._slot_off + slot * self._world
-        return self._ctl[self._rank_self][base:base + self._world]
+        return self._ctl[self._rank_self][base:base + self._world].copy()
 
     def _release_views(self) -> None:
-        self._ctl_mv.release()
-        self._ctl.clear()
         self._data.clear()
 
     def _live_view_count(self) -> int:
-        """Storages still referencing the segments (torch/numpy views held outside this object)."""
-        gc.collect()
+        """Storages still referencing the segments (data views held outside this object)."""
         return sum(now - base for now, base in zip(self._buffer_refs(), self._baseline_refs))
 
     def _buffer_refs(self) -> list:
@@ -145,7 +147,11 @@ class UbmemTransport:
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
         self.timeout_s = resolve_timeout(timeout_s)
         self.comm = comm.Dup()
-        self.topology = Topology.from_comm(self.comm, ranks_per_node)
+        try:
+            self.topology = Topology.from_comm(self.comm, ranks_per_node)
+        except BaseException:
+            self.comm.Free()
+            raise
         topo = self.topology
         if topo.num_nodes > 1:
             self.comm.Free()
@@ -163,6 +169,7 @@ class UbmemTransport:
         self._shadow = {}  # (window id, slot, dst) -> last value stored
         self._barrier_gen = [0] * len(Team)
         self._poison_reason = ""
+        self._aborted = False
         self._internal = None
         self._internal = self.create_window("barrier", 0, 0)
         _LIVE.add(self)
@@ -188,14 +195,14 @@ class UbmemTransport:
             TransportArgumentError: sizes negative or different between ranks (on every rank).
         """
         self._check_open("create_window")
-        from mpi4py import MPI
-        sizes = self.comm.allreduce((int(nbytes), int(num_slots)), op=MPI.MAX), \
-            self.comm.allreduce((-int(nbytes), -int(num_slots)), op=MPI.MAX)
-        if sizes[0] != (-sizes[1][0], -sizes[1][1]) or nbytes < 0 or num_slots < 0:
+        ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (nbytes, num_slots))
+        mine = (int(nbytes), int(num_slots)) if ok else None
+        everyone = self.comm.allgather(mine)  # decided together: a bad value on one rank fails all
+        if any(v is None for v in everyone) or len(set(everyone)) != 1:
             raise TransportArgumentError(
-                f"rank {self.topology.rank}: create_window('{name}'): ranks disagree on (nbytes, num_slots) "
-                f"or a value is negative: this rank {(nbytes, num_slots)}, max {sizes[0]}, "
-                f"min {(-sizes[1][0], -sizes[1][1])}")
+                f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots) must be the same "
+                f"non-negative ints on every rank; got (rank i at index i) "
+                f"{[v if v is not None else 'invalid' for v in everyone]}")
         win = SymmetricWindow(self, name, nbytes, num_slots)
         win._rank_self = self.topology.rank
         self._windows.append(win)
@@ -220,7 +227,12 @@ class UbmemTransport:
         poisoned = self.state is State.POISONED
         for win in self._windows:
             win._release_views()
-        busy = 0 if force else sum(w._live_view_count() for w in self._windows)
+        busy = 0
+        if not force:
+            busy = sum(w._live_view_count() for w in self._windows)
+            if busy:  # reference cycles may hold views that are already unreachable
+                gc.collect()
+                busy = sum(w._live_view_count() for w in self._windows)
         # One collective decision: refuse if any rank has live views; skip collective frees if
         # any rank is poisoned (a peer may be gone, and a partial Free would hang the others).
         flags = np.array([busy, int(poisoned)], dtype=np.int64)
@@ -230,6 +242,8 @@ class UbmemTransport:
         pauses = self.wait_policy.pauses()
         while not req.Test():
             if time.monotonic() > deadline:
+                # A peer that comes later must not free collectively against our abandoned request.
+                self.abort("gave up waiting for the peers in destroy()")
                 self.state = State.CLOSED
                 _LIVE.discard(self)
                 raise TransportTimeout("destroy", self.topology.rank, ["(unknown: a peer never called destroy)"],
@@ -241,13 +255,16 @@ class UbmemTransport:
                 f"rank {self.topology.rank}: destroy refused: tensor views of window memory are still alive "
                 f"({busy} on this rank; windows {[w.name for w in self._windows]}); drop them (e.g. results of "
                 f"get_local_buffer_tensor) and call destroy() again, or pass force=True at exit")
-        if total[1]:
+        if total[1] or self._internal._ctl[self.topology.rank][:self.topology.world_size].any():
+            # Some rank is poisoned or gave up: a collective free could wait for a dead peer.
             self.state = State.CLOSED
             _LIVE.discard(self)
             return
         for win in reversed(self._windows):
             if win._locked:
                 win._win.Unlock_all()
+            win._ctl_mv.release()
+            win._ctl.clear()
             win._bufs.clear()
             win._win.Free()
         self._windows.clear()
@@ -258,11 +275,7 @@ class UbmemTransport:
 
     def _restore_views(self) -> None:
         for win in self._windows:
-            ctl_words = win._slot_off + win.num_slots * win._world
-            win._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in win._bufs.items()}
-            win._ctl_mv = memoryview(win._ctl[self.topology.rank]).cast("B").cast("q")
-            win._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=win.nbytes, offset=win.control_bytes)
-                         if win.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in win._bufs.items()}
+            win._make_data_views()
 
     # -- argument checks ----------------------------------------------------------
     def _peer(self, op: str, win: SymmetricWindow, peer: int) -> ChannelKind:
@@ -288,6 +301,11 @@ class UbmemTransport:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): signal slot {slot!r} outside "
                 f"[0, {win.num_slots})")
+
+    def _add(self, op: str, win: SymmetricWindow, add) -> None:
+        if not isinstance(add, (int, np.integer)) or isinstance(add, bool) or add < 0 or add >= 2 ** 62:
+            raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): add={add!r} must "
+                                         f"be a non-negative int below 2**62 (signals only grow)")
 
     @staticmethod
     def _as_bytes(op: str, rank: int, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -372,9 +390,7 @@ class UbmemTransport:
         self._check_open("signal")
         kind = self._peer("signal", win, dst)
         self._slot("signal", win, slot)
-        if not isinstance(add, (int, np.integer)) or add < 0 or add >= 2 ** 62:
-            raise TransportArgumentError(f"rank {self.topology.rank}: signal(win='{win.name}'): add={add!r} must "
-                                         f"be a non-negative int below 2**62 (signals only grow)")
+        self._add("signal", win, add)
         key = (id(win), slot, int(dst))
         value = self._shadow.get(key, 0) + int(add)
         self._shadow[key] = value
@@ -389,12 +405,15 @@ class UbmemTransport:
         """:meth:`put` then an ordered :meth:`signal`: an observer of the increment sees the data."""
         self._peer("put_with_signal", win, dst)
         self._slot("put_with_signal", win, slot)
+        self._add("put_with_signal", win, add)
         self.put(win, dst, offset, src)
         return self.signal(win, dst, slot, add, ordered=True)
 
     def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
         """Current value of ``slot[slot][src]`` in this rank's window (no waiting)."""
+        self._check_open("read_signal")
         self._slot("read_signal", win, slot)
+        self._peer("read_signal", win, src)
         return int(win.signals(slot)[src])
 
     def wait_until(self, win: SymmetricWindow, slot: int, srcs, values, timeout_s: float | None = None,
@@ -415,6 +434,12 @@ class UbmemTransport:
         """
         self._check_open("wait_until")
         self._slot("wait_until", win, slot)
+        if on_timeout not in ("raise", "return"):
+            raise TransportArgumentError(f"rank {self.topology.rank}: wait_until: on_timeout must be 'raise' or "
+                                         f"'return', got {on_timeout!r}")
+        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in srcs):
+            raise TransportArgumentError(f"rank {self.topology.rank}: wait_until(win='{win.name}'): source ranks "
+                                         f"must be ints, got {list(srcs)!r}")
         srcs = [int(s) for s in srcs]
         need = [int(v) for v in values] if isinstance(values, (list, tuple, np.ndarray)) else [int(values)] * len(srcs)
         if len(need) != len(srcs):
@@ -455,6 +480,7 @@ class UbmemTransport:
                     if on_timeout == "return":
                         return [p for p, _, _ in pending]
                     exc = TransportTimeout(op, self.topology.rank, [p for p, _, _ in pending], elapsed, phase=phase,
+                                           window=win.name,
                                            slot=slot, expected=[n for _, n, _ in pending],
                                            observed=[o for _, _, o in pending])
                     self._poison(str(exc))
@@ -474,6 +500,7 @@ class UbmemTransport:
 
     def check_abort(self) -> None:
         """Raise :class:`TransportAborted` if any peer has aborted."""
+        self._check_open("check_abort")
         self._check_abort("check_abort")
 
     def abort(self, reason: str) -> None:
@@ -482,8 +509,9 @@ class UbmemTransport:
         Peers blocked in (or later entering) a wait raise ``TransportAborted(peer=this rank)``.
         Never raises.
         """
-        if self.state is State.CLOSED:
-            return
+        if self.state is State.CLOSED or self._aborted:
+            return  # peers keep the first reason
+        self._aborted = True
         me = self.topology.rank
         text = f"{reason}".encode("utf-8")[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
         words = np.frombuffer(text, dtype=np.int64)
@@ -504,11 +532,15 @@ class UbmemTransport:
     # -- ordering and synchronisation ----------------------------------------------
     def fence(self) -> None:
         """Local full memory barrier (``MPI_Win_sync``)."""
+        if self.state is State.CLOSED:
+            raise TransportClosed(f"rank {self.topology.rank}: fence called after destroy()")
         self._internal.sync()
 
     def flush(self, dst: int | None = None) -> None:
         """Make this rank's stores to ``dst`` (or to all) visible; for UBMEM a memory barrier."""
         self._check_open("flush")
+        if dst is not None:
+            self._peer("flush", self._internal, dst)
         self.fence()
 
     def progress(self) -> None:
@@ -530,7 +562,11 @@ class UbmemTransport:
             TransportTimeout: naming the members that did not arrive.
         """
         self._check_open("barrier")
-        team = Team(team)
+        try:
+            team = Team(team)
+        except ValueError:
+            raise TransportArgumentError(f"rank {self.topology.rank}: barrier: team {team!r} is not one of "
+                                         f"{[t.name for t in Team]}") from None
         members = self.team_ranks(team)
         self._barrier_gen[team] += 1
         gen = self._barrier_gen[team]
