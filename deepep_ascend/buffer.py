@@ -14,11 +14,11 @@ import weakref
 
 import torch
 
-from transports import ChannelKind, LinkStats, TransportAborted, create_transport
+from transports import ChannelKind, LinkStats, TransportAborted, TransportTimeout, create_transport
 
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
-from .intranode import (NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
+from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, recv_channel_prefix, topk_idx_t
 
@@ -205,6 +205,10 @@ class Buffer:
         if self._engine is None:
             raise RuntimeError(f"Buffer.{op}: this Buffer has no UBMEM window (num_nvl_bytes=0); build it with "
                                f"num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(...) or a DeepEP config hint")
+        if self._engine.half_bytes < HEADER_BYTES + 128:
+            raise ValueError(f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} is too small for any call (each "
+                             f"half-window needs {HEADER_BYTES} B of header plus rows); see "
+                             f"Buffer.get_normal_buffer_size_hint")
 
     # -- static helpers ------------------------------------------------------------
     @staticmethod
@@ -304,8 +308,10 @@ class Buffer:
             TypeError / ValueError: bad dtype, shape or values (nothing is communicated).
             RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``.
         """
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        if self.runtime is None:
+            raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
         try:
+            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             self._check_topk_idx(topk_idx, num_experts)
         except _Rejected as rej:
             raise rej.exc from None
@@ -331,10 +337,11 @@ class Buffer:
     # -- argument checks -----------------------------------------------------------------
     @staticmethod
     def _check_stream_args(previous_event, async_finish, allocate_on_comm_stream) -> None:
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise RuntimeError("allocate_on_comm_stream=True requires previous_event and async_finish=True")
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        """DeepEP's stream-argument checks; raise ``_Rejected`` (inside a call's validation)."""
+        _check(not allocate_on_comm_stream or (previous_event is not None and async_finish), RuntimeError,
+               "allocate_on_comm_stream=True requires previous_event and async_finish=True")
+        _check(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
+               f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
 
     def _check_topk_idx(self, topk_idx, num_experts) -> None:
         _check(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.group_size == 0, ValueError,
@@ -410,17 +417,19 @@ class Buffer:
         return config
 
     # -- execution -----------------------------------------------------------------------
-    def _protocol(self, op: int, build, async_finish: bool, previous_event, extra, comm_before_outputs: bool):
+    def _protocol(self, op: int, build, async_finish: bool, previous_event, allocate_on_comm_stream: bool, extra,
+                  comm_before_outputs: bool):
         """Validate with ``build`` (returns a generator or raises ``_Rejected``), then run it.
 
         A rejection still takes part in the call's first round, so every rank raises.
         """
         self._calls += 1
         call_id = self._calls
-        if previous_event is not None and previous_event.event is not None:
+        if isinstance(previous_event, EventOverlap) and previous_event.event is not None:
             # Arguments are validated by value, so they must be complete: wait for their producer.
             previous_event.event.current_stream_wait()
         try:
+            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             gen = build(call_id)
         except Exception as err:  # nothing shared was touched: reject in the first round, then raise
             exc = err.exc if isinstance(err, _Rejected) else err
@@ -453,7 +462,11 @@ class Buffer:
             return fn()
         except (ConsensusError, TransportAborted):
             raise
-        except BaseException as exc:  # incl. our own timeout: the peers waiting on us learn at once
+        except TransportTimeout as exc:  # peers learn at once, as a TimeoutError naming the same ranks
+            if self.runtime is not None:
+                self.runtime.abort(f"rank {self.rank}: {exc}", pending_peers=exc.pending_peers)
+            raise
+        except BaseException as exc:
             if self.runtime is not None:
                 self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
@@ -497,10 +510,10 @@ class Buffer:
             TimeoutError: a peer did not take part in time (``transports.TransportTimeout``).
         """
         self._check_usable("dispatch")
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if handle is not None:
             return self._cached_dispatch(x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
-                                         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+                                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert)
         r = self.group_size
         ctx = {}
 
@@ -559,7 +572,7 @@ class Buffer:
                 num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)
 
-        outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event,
+        outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)
         recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
         prefix, cpm, send_head, recv_src_idx, ntok, num_recv = parts
@@ -585,7 +598,7 @@ class Buffer:
         return recv_x, recv_topk, recv_w, recv_list, handle, event
 
     def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
-                         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert):
+                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert):
         ctx = {}
 
         def build(call_id):
@@ -613,7 +626,7 @@ class Buffer:
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)
 
         (recv_x_bytes, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
-                                                             (x,), comm_before_outputs=False)
+                                                             allocate_on_comm_stream, (x,), comm_before_outputs=False)
         recv_x = recv_x_bytes.view(ctx["data"].dtype)
         if ctx["scales"] is not None:
             recv_x = (recv_x, recv_scales.view(ctx["scales"].dtype))
@@ -645,7 +658,6 @@ class Buffer:
             TimeoutError: a peer did not take part in time.
         """
         self._check_usable("combine")
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
 
         def build(call_id):
             cfg = self._config(config, Buffer.get_combine_config)
@@ -677,7 +689,8 @@ class Buffer:
                 is_token_in_rank=handle[4], num_channels=cfg.num_channels, handle_id=handle_id)
 
         (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
-                                                        (x, topk_weights, bias), comm_before_outputs=False)
+                                                        allocate_on_comm_stream, (x, topk_weights, bias),
+                                                        comm_before_outputs=False)
         return combined, combined_w, event
 
 

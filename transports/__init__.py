@@ -6,7 +6,7 @@ See ``shared/spec/transports.md`` for the contract this package implements.
 
 from .base import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, Team, WaitPolicy, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
-                     TransportConfigError, TransportError, TransportPoisoned, TransportRuntimeError,
+                     TransportConfigError, TransportError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
 from .link_model import LinkStats
 from .topology import RANKS_PER_NODE_ENV, ChannelKind, Topology
@@ -30,6 +30,6 @@ __all__ = [
     "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "SymmetricWindow", "UbmemTransport",
     "create_transport", "State", "Team", "WaitPolicy", "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
-    "TransportTimeout", "TransportAborted", "TransportPoisoned", "TransportClosed", "TransportBusy",
+    "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",
     "TransportRuntimeError",
 ]

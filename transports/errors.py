@@ -59,6 +59,20 @@ class TransportAborted(TransportError):
         super().__init__(f"rank {rank}: {op + ': ' if op else ''}peer rank {peer} aborted: {reason}")
 
 
+class TransportPeerTimeout(TransportAborted, TimeoutError):
+    """A peer aborted because *it* timed out; ``pending_peers`` are the ranks that peer waited for.
+
+    Lets every rank of a job report the same missing ranks as a ``TimeoutError``, fast, instead
+    of each rank waiting out its own deadline.
+    """
+
+    def __init__(self, rank, peer, reason, pending_peers, op=""):
+        self.pending_peers = list(pending_peers)
+        super().__init__(rank, peer, reason, op=op)
+        self.args = (f"rank {rank}: {op + ': ' if op else ''}peer rank {peer} timed out waiting for rank(s) "
+                     f"{self.pending_peers}: {reason}",)
+
+
 class TransportPoisoned(TransportError):
     """The transport failed earlier (timeout, abort, MPI error) and refuses further operations."""
 

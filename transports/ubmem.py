@@ -26,13 +26,14 @@ import torch
 
 from .base import State, Team, WaitPolicy, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
-                     TransportConfigError, TransportPoisoned, TransportRuntimeError, TransportTimeout,
-                     TransportUnsupported)
+                     TransportConfigError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
+                     TransportTimeout, TransportUnsupported)
 from .link_model import LinkStats
 from .topology import ChannelKind, Topology
 
 _CONTROL_ALIGN = 4096
 _REASON_BYTES = 256
+_ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
 _LIVE = weakref.WeakSet()
 
 
@@ -496,23 +497,33 @@ class UbmemTransport:
             off = self._internal._reason_off + peer * (_REASON_BYTES // 8)
             reason = ctl[off:off + _REASON_BYTES // 8].tobytes().rstrip(b"\0").decode("utf-8", "replace")
             self._poison(f"peer rank {peer} aborted: {reason}")
-            raise TransportAborted(self.topology.rank, peer, reason, op=f"{op}({phase})" if phase else op)
+            where = f"{op}({phase})" if phase else op
+            if flags[peer] == _ABORT_TIMEOUT:
+                pending, _, reason = reason.partition(";")
+                raise TransportPeerTimeout(self.topology.rank, peer, reason,
+                                           [int(p) for p in pending.split(",") if p], op=where)
+            raise TransportAborted(self.topology.rank, peer, reason, op=where)
 
     def check_abort(self) -> None:
         """Raise :class:`TransportAborted` if any peer has aborted."""
         self._check_open("check_abort")
         self._check_abort("check_abort")
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, pending_peers=None) -> None:
         """Tell every reachable peer that this rank failed, then poison this transport.
 
-        Peers blocked in (or later entering) a wait raise ``TransportAborted(peer=this rank)``.
-        Never raises.
+        Peers blocked in (or later entering) a wait raise ``TransportAborted(peer=this rank)``;
+        with ``pending_peers`` (this rank timed out waiting for them) they raise
+        :class:`TransportPeerTimeout`, a ``TimeoutError`` naming those ranks. Never raises.
         """
         if self.state is State.CLOSED or self._aborted:
             return  # peers keep the first reason
         self._aborted = True
         me = self.topology.rank
+        flag = 1
+        if pending_peers is not None:
+            flag = _ABORT_TIMEOUT
+            reason = ",".join(str(int(p)) for p in pending_peers) + ";" + f"{reason}"
         text = f"{reason}".encode("utf-8")[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
         words = np.frombuffer(text, dtype=np.int64)
         win = self._internal
@@ -525,7 +536,7 @@ class UbmemTransport:
             off = win._reason_off + me * (_REASON_BYTES // 8)
             ctl[off:off + len(words)] = words
             win.sync()
-            ctl[win._abort_off + me] = 1
+            ctl[win._abort_off + me] = flag
         win.sync()
         self._poison(f"this rank aborted: {reason}")
 

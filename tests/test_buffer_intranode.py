@@ -1,0 +1,317 @@
+"""Buffer normal intranode mode vs the pure-torch reference, at any rank count (issue §4).
+
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/test_buffer_intranode.py`` (N = 1, 2, 4, 8).
+
+Comparison rules (see ``buffer_helpers.run_case``):
+
+* data movement (``recv_x``, FP8 data and scales, ``recv_topk_idx``/``weights``, cached
+  dispatch, handle entries, layout) is compared **bit for bit** with ``tests/reference.py``;
+* combine is also compared **bitwise**: the reference sums ``f32(bias0) + f32(bias1)``, then each
+  receiving rank's row in ascending rank order, in float32, rounding once to bf16 — the order the
+  library implements — so no tolerance is needed anywhere in this file;
+* handle entries 1, 2, 5 are computed independently in ``buffer_helpers`` from the masks.
+
+Every test is collective (same calls in the same order on every rank).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from buffer_helpers import (
+    BF16,
+    Case,
+    Checker,
+    bits,
+    coll,
+    make_topk_idx,
+    make_x,
+    run_case,
+)
+from mpi_utils import gather_all, world
+from reference import ref_combine, ref_dispatch
+
+from deepep_ascend import Buffer
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
+
+CASES = [
+    Case("uniform_h128_e16_k4"),
+    Case("skewed_every_token_to_one_rank", tokens=24, hidden=256, experts=32, topk=4, routing="skewed"),
+    Case("skewed_e8_k8", tokens=16, experts=8, topk=8, routing="skewed", bias="one"),
+    Case("rank_with_zero_tokens", tokens=20, experts=16, topk=3, zero_rank=True, cached=True, bias="pair"),
+    Case("rows_all_minus1", tokens=30, experts=64, topk=6, routing="allneg", bias="one", cached=True),
+    Case("h2048_e64_k8_align128", tokens=12, hidden=2048, experts=64, topk=8, align=128),
+    Case("h7168_e256_k8_few_tokens", tokens=3, hidden=7168, experts=256, topk=8, bias="pair"),
+    Case("h200_not_div_128_bf16_k1_e8", tokens=20, hidden=200, experts=8, topk=1, cached=True),
+    Case("e128_k2_align4", tokens=24, experts=128, topk=2, align=4),
+    Case("k5_align128", tokens=20, experts=32, topk=5, align=128),
+    Case("num_worst_tokens", tokens=16, experts=16, topk=4, worst=True, bias="one"),
+    Case("num_worst_tokens_cached_async", tokens=10, experts=32, topk=2, worst=True, cached=True, use_async=True),
+    Case("cached_new_data_bias_pair", tokens=28, cached=True, bias="pair"),
+    Case("async_previous_event", tokens=24, use_async=True, cached=True, bias="pair_first_none"),
+    Case("fp8_column_major_scales", tokens=24, hidden=256, x_kind="fp8", cached=True),
+    Case("fp8_async_h512", tokens=12, hidden=512, x_kind="fp8", use_async=True, bias="one"),
+    Case("fp8_rank_with_zero_tokens", tokens=10, hidden=256, experts=16, topk=4, x_kind="fp8", zero_rank=True,
+         cached=True),
+    Case("fp8_ue8m0_int32_scales", tokens=12, hidden=1024, experts=32, topk=4, x_kind="fp8_ue8m0"),
+    Case("bias_one_tensor", tokens=16, bias="one"),
+    Case("bias_pair", tokens=16, bias="pair"),
+    Case("no_topk", tokens=24, with_topk=False, cached=True),
+    Case("x_float32_bytes", tokens=16, hidden=64, x_kind="f32", cached=True),
+    Case("config_num_sms_8", tokens=40, num_sms=8, cached=True),
+    Case("config_num_sms_2_one_channel", tokens=9, num_sms=2, zero_rank=True),
+]
+
+
+def _hint(num_ranks, cases):
+    return max(Buffer.get_normal_buffer_size_hint(**c.hint_args(num_ranks)) for c in cases)
+
+
+@pytest.fixture(scope="module")
+def buf():
+    comm = world()
+    b = Buffer(None, _hint(comm.Get_size(), CASES), comm=comm, explicitly_destroy=True)
+    yield b
+    b.destroy()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_dispatch_combine_vs_reference(buf, comm, case):
+    chk = run_case(buf, comm, case, seed=CASES.index(case))
+    chk.finish(case.name)
+
+
+def test_get_dispatch_layout_outputs(buf, comm):
+    """Layout alone: exact values, int32/bool dtypes, None for the RDMA count, sync and async."""
+    from reference import ref_dispatch_layout
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    chk = Checker(r)
+    gen = torch.Generator().manual_seed(77 + r)
+    for kind, n, e, k in (("uniform", 40, 16, 4), ("allneg", 9, 8, 8), ("skewed", 5, 256, 3), ("uniform", 0, 32, 2)):
+        idx = make_topk_idx(kind, n, e, k, r, R, gen)
+        e_ntpr, _, e_ntpe, e_itr = ref_dispatch_layout(idx, e, R)
+        for async_finish in (False, True):
+            ntpr, rdma, ntpe, itr, ev = buf.get_dispatch_layout(idx, e, async_finish=async_finish)
+            if async_finish:
+                chk.check(ev.event is not None, "async layout: no event")
+                ev.current_stream_wait()
+            tag = f"{kind} n={n} E={e} K={k} async={async_finish}"
+            chk.check(rdma is None, f"{tag}: num_tokens_per_rdma_rank must be None")
+            chk.same_bits(ntpr, e_ntpr, f"{tag}: num_tokens_per_rank")
+            chk.same_bits(ntpe, e_ntpe, f"{tag}: num_tokens_per_expert")
+            chk.same_bits(itr, e_itr, f"{tag}: is_token_in_rank")
+    chk.finish("layout")
+
+
+def test_many_round_trips_without_cleaning(buf, comm):
+    """200 consecutive dispatch/combine round trips, varying N and routing, nothing cleaned.
+
+    Every iteration is checked locally (combine of the received rows == bf16(count · x),
+    combined weights == originals); iterations 0, 50, 100, 150 and 199 also against the
+    reference. Every 10th iteration uses async calls; every 4th adds a cached dispatch.
+    All 200 iterations run inside one collective guard; the gathers for the reference come after.
+    """
+    r, R = comm.Get_rank(), comm.Get_size()
+    chk = Checker(r)
+    E, K, H = 16, 2, 128
+    inputs = []
+    for it in range(200):
+        gen = torch.Generator().manual_seed(10_000 + it * 17 + r)
+        n = (it * 5 + r * 3) % 13  # 0..12 tokens, differing by rank and iteration
+        idx = make_topk_idx("uniform" if it % 4 else "allneg", n, E, K, r, R, gen)
+        inputs.append((idx, torch.rand(n, K, generator=gen), torch.randn(n, H, generator=gen).to(BF16)))
+
+    def loop():
+        results = []
+        for it, (idx, w, x) in enumerate(inputs):
+            use_async = it % 10 == 9
+            ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+            kw = dict(async_finish=True, previous_event=Buffer.capture(), allocate_on_comm_stream=True) \
+                if use_async else {}
+            out = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                               topk_idx=idx, topk_weights=w, **kw)
+            if use_async:
+                out[5].current_stream_wait()
+            cached = None
+            if it % 4 == 1:
+                cached = buf.dispatch(x * 2, handle=out[4], **kw)
+                if use_async:
+                    cached[5].current_stream_wait()
+            comb = buf.combine(out[0], out[4], topk_weights=out[2], **kw)
+            if use_async:
+                comb[2].current_stream_wait()
+            results.append((itr, out, cached, comb))
+        return results
+
+    results = coll(loop, what="200 round trips")
+    for it, ((idx, w, x), (itr, out, cached, comb)) in enumerate(zip(inputs, results)):
+        expect = (x.float() * itr.sum(1, keepdim=True).float() + 0.0).to(BF16)  # + 0.0: no -0.0
+        chk.check(torch.equal(bits(comb[0]), bits(expect)), f"iteration {it}: combined != bf16(count * x)")
+        chk.check(torch.equal(comb[1], torch.where(idx >= 0, w, torch.zeros_like(w))),
+                  f"iteration {it}: combined weights != originals")
+        if cached is not None:
+            chk.check(torch.equal(bits(cached[0]), bits(out[0] * 2)), f"iteration {it}: cached dispatch of 2x")
+        if it % 50 == 0 or it == 199:
+            xs, idxs, ws = gather_all(x), gather_all(idx), gather_all(w)
+            ref = ref_dispatch(xs, idxs, ws, E, r)
+            chk.same_bits(out[0], ref.recv_x, f"iteration {it}: recv_x")
+            chk.same_bits(out[1], ref.recv_topk_idx, f"iteration {it}: recv_topk_idx")
+            chk.same_bits(out[2], ref.recv_topk_weights, f"iteration {it}: recv_topk_weights")
+            chk.same_bits(out[4][0], ref.rank_prefix_matrix, f"iteration {it}: rank_prefix_matrix")
+            chk.same_bits(out[4][3], ref.recv_src_idx, f"iteration {it}: recv_src_idx")
+            ys, itrs, rws = gather_all(out[0]), gather_all(itr), gather_all(out[2])
+            e_comb, e_w = ref_combine(ys, itrs, r, topk_weights=rws)
+            chk.same_bits(comb[0], e_comb, f"iteration {it}: combined_x")
+            chk.same_bits(comb[1], e_w, f"iteration {it}: combined weights")
+    chk.finish("200 round trips")
+
+
+def _ring_inputs(r, R, n, E, K, H, gen):
+    idx = make_topk_idx("ring", n, E, K, r, R, gen)
+    return idx, torch.rand(n, K, generator=gen)
+
+
+def test_get_traffic_matches_hand_computed_bytes(buf, comm):
+    """Known routing: token t of rank s goes to ranks s and s+1 (mod R), K = 2, N_s = 10 + s.
+
+    Bytes are counted by the receiver of each transfer (``get_traffic`` docstring): per received
+    row, dispatch ``H·itemsize + scale bytes + 12·K``, cached dispatch ``H·itemsize + scale
+    bytes``, combine (at the origin) ``2H + 4·K'``. Rows a rank routes to itself are SELF, the
+    rest UBMEM; nothing is URMA on one node.
+    """
+    r, R = comm.Get_rank(), comm.Get_size()
+    chk = Checker(r)
+    E, K, H = 16, 2, 256
+    n = 10 + r
+    prev = (r - 1) % R
+    n_prev = 10 + prev
+    gen = torch.Generator().manual_seed(5 + r)
+    idx, w = _ring_inputs(r, R, n, E, K, H, gen)
+
+    def expect(row_self, row_other, own_rows, other_rows):
+        return {"SELF": own_rows * row_self, "UBMEM": other_rows * row_other if R > 1 else 0, "URMA": 0}
+
+    lifetime0 = buf.get_traffic(lifetime=True)
+    total = {"SELF": 0, "UBMEM": 0, "URMA": 0}
+    for kind in ("bf16", "fp8"):
+        x, _ = make_x(kind, n, H, gen)
+        itemsize, sb = (2, 0) if kind == "bf16" else (1, 4 * (H // 128))
+
+        def go(x=x, kind=kind):
+            ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+            out = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                               topk_idx=idx, topk_weights=w)
+            t_disp = buf.get_traffic()
+            cached = buf.dispatch(x, handle=out[4])
+            t_cached = buf.get_traffic()
+            recv_bf16 = out[0] if kind == "bf16" else out[0][0].to(BF16)
+            buf.combine(recv_bf16, out[4], topk_weights=out[2])
+            t_comb = buf.get_traffic()
+            del cached
+            return t_disp, t_cached, t_comb
+
+        t_disp, t_cached, t_comb = coll(go, what=f"traffic {kind}")
+        other_rows = n_prev if R > 1 else 0
+        e_disp = expect(H * itemsize + sb + 12 * K, H * itemsize + sb + 12 * K, n, other_rows)
+        e_cached = expect(H * itemsize + sb, H * itemsize + sb, n, other_rows)
+        e_comb = expect(2 * H + 4 * K, 2 * H + 4 * K, n, n if R > 1 else 0)
+        chk.check(t_disp == e_disp, f"{kind} dispatch traffic {t_disp} != expected {e_disp}")
+        chk.check(t_cached == e_cached, f"{kind} cached dispatch traffic {t_cached} != expected {e_cached}")
+        chk.check(t_comb == e_comb, f"{kind} combine traffic {t_comb} != expected {e_comb}")
+        for t in (e_disp, e_cached, e_comb):
+            for k2 in total:
+                total[k2] += t[k2]
+    lifetime1 = buf.get_traffic(lifetime=True)
+    delta = {k2: lifetime1[k2] - lifetime0[k2] for k2 in lifetime1}
+    chk.check(delta == total, f"lifetime traffic grew by {delta}, expected the sum of the calls {total}")
+    chk.finish("traffic")
+
+
+# ----------------------------------------------------------------------------------------------
+# buffer sizing: the hint, a much smaller buffer streaming in rounds, a buffer too small
+
+
+def _align(x):
+    return -(-x // 128) * 128
+
+
+def _just_above_minimum(R, E, H, K, itemsize=2, scale_bytes=0):
+    """A window a couple of rows above the smallest that works (window layout of intranode.py).
+
+    Half-window = 1024 B header + 128-aligned int32 vector + one 128-aligned array per row
+    field; dispatch needs >= 1 row (fields x, scales, topk idx, weights, mask), combine >= R rows.
+    """
+    disp = 1024 + _align(4 * (R + E)) + 128 * 5 + 2 * (H * itemsize + scale_bytes + 12 * K + R)
+    comb = 1024 + _align(4 * R) + 128 * 2 + (R + 1) * (2 * H + 4 * K)
+    return 2 * _align(max(disp, comb))
+
+
+STREAM_CASES = [
+    Case("stream_bf16", tokens=24, hidden=256, experts=16, topk=4, cached=True, bias="pair"),
+    Case("stream_fp8_worst_async", tokens=8, hidden=256, experts=16, topk=4, x_kind="fp8", cached=True,
+         worst=True, use_async=True),
+]
+
+
+def test_size_hint_buffer_and_much_smaller_streaming_buffer(comm):
+    """A Buffer of exactly ``get_normal_buffer_size_hint`` works in one round; one just above the
+    minimum gives bit-identical results (both equal the reference) while streaming in many rounds."""
+    R = comm.Get_size()
+    hint = _hint(R, STREAM_CASES)
+    small = _just_above_minimum(R, 16, 256, 4)
+    assert small * 4 <= hint, f"test setup: small={small} B is not much smaller than the hint {hint} B"
+    payload = STREAM_CASES[0].tokens * (256 * 2 + 12 * 4)  # one rank's dispatch rows, bytes
+    assert payload > small, f"test setup: payload {payload} B fits the small buffer ({small} B)"
+    chk = Checker(comm.Get_rank())
+    signals = {}
+    for name, nbytes in (("hint", hint), ("small", small)):
+        b = Buffer(None, nbytes, comm=comm, explicitly_destroy=True)
+        try:
+            s0 = int(b.runtime.stats.signals.sum())
+            for i, case in enumerate(STREAM_CASES):
+                run_case(b, comm, case, seed=900 + i, chk=chk)
+            signals[name] = int(b.runtime.stats.signals.sum()) - s0
+        finally:
+            coll(b.destroy, what=f"destroy {name} buffer")
+    if R > 1:  # more rounds, more READY/CONSUMED signals: the small buffer really streamed
+        chk.check(signals["small"] > 3 * signals["hint"], f"signals hint/small: {signals}: the small buffer "
+                  f"did not stream in rounds")
+    chk.finish("hint and small buffers")
+
+
+@pytest.mark.parametrize("nbytes", [2048], ids=["header_only_2048B"])
+def test_buffer_too_small_for_one_row_raises_everywhere(comm, nbytes):
+    """A window with room for the header but no row: ValueError on every rank, naming the size hint."""
+    from buffer_helpers import all_ranks_ok, capture
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    b = Buffer(None, nbytes, comm=comm, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(3 + r)
+    idx = make_topk_idx("uniform", 8, 16, 2, r, R, gen)
+    w = torch.rand(8, 2, generator=gen)
+    x = torch.randn(8, 128, generator=gen).to(BF16)
+    ntpr, _, ntpe, itr, _ = b.get_dispatch_layout(idx, 16)
+    _, exc = capture(lambda: b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w))
+    ok = isinstance(exc, ValueError) and "too small" in str(exc) and "get_normal_buffer_size_hint" in str(exc)
+    coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, ok, f"dispatch on a {nbytes} B buffer: expected ValueError naming the hint, got {exc!r}")
+
+
+def test_buffer_below_header_size_raises_clear_error(comm):
+    from buffer_helpers import all_ranks_ok, capture
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    b = Buffer(None, 128, comm=comm, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(3 + r)
+    idx = make_topk_idx("uniform", 8, 16, 2, r, R, gen)
+    w = torch.rand(8, 2, generator=gen)
+    x = torch.randn(8, 128, generator=gen).to(BF16)
+    ntpr, _, ntpe, itr, _ = b.get_dispatch_layout(idx, 16)
+    _, exc = capture(lambda: b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w))
+    ok = isinstance(exc, ValueError) and "too small" in str(exc)
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"dispatch on a 128 B buffer: got {exc!r}; destroy: {dexc!r}")
