@@ -418,29 +418,36 @@ class IntranodeEngine:
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols}
 
+        own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
+
         def stage(rnd):
-            """Stage, for every origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q)."""
+            """Stage, for every other origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q).
+
+            The count vector lists every origin (own included); the rows of origins ``s != me``
+            follow one another in ascending ``s``.
+            """
             lo_t, hi_t = rnd * q, (rnd + 1) * q
             spans = []
             for s in range(nr):
                 block = src[starts[s]:starts[s + 1]]
                 lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
                 spans.append((starts[s] + lo, starts[s] + hi))
+            own_span[0] = spans[me]
             sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
             self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
-            total = int(sizes.sum())
+            total = int(sizes.sum()) - int(sizes[me])
             if not total:
                 return
             xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb)
             wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
                     if wcols > 0 else None)
-            if spans[0][0] == 0 and spans[-1][1] == num_recv and total == num_recv:
-                xdst.copy_(xrows)  # one round: the rows are already in origin order
-                if wdst is not None:
-                    wdst.copy_(topk_weights[:num_recv])
-                return
+            # Consecutive spans are contiguous in x (rows are in origin order): merge them, so one
+            # round costs at most two copies, around this rank's own rows.
+            pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])] if total == num_recv - int(
+                sizes[me]) and spans[0][0] == 0 and spans[-1][1] == num_recv else \
+                [span for s, span in enumerate(spans) if s != me]
             pos = 0
-            for a, b in spans:
+            for a, b in pieces:
                 if b > a:
                     xdst[pos:pos + b - a].copy_(xrows[a:b])
                     if wdst is not None:
@@ -471,10 +478,15 @@ class IntranodeEngine:
                         f"passed on different ranks do not match")
                 if not cnt:
                     continue
-                off = int(sizes[:me].sum())
-                rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
-                wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4,
-                                    torch.float32).view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
+                if j == me:
+                    a, b = own_span[0]
+                    rows = x[a:b]
+                    wrows = topk_weights[a:b] if combined_w is not None and wcols > 0 else None
+                else:
+                    off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)
+                    rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
+                    wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
+                             .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
                 sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist()))
                 self._record(j, cnt * (xb + 4 * max(wcols, 0)))
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
