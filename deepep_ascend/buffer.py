@@ -459,7 +459,8 @@ class Buffer:
     def _guard(self, fn):
         """Run a protocol step; on an unexpected failure, abort so peers fail fast instead of hanging."""
         try:
-            return fn()
+            with torch.no_grad():  # the data plane is not differentiable (as DeepEP's kernels)
+                return fn()
         except (ConsensusError, TransportAborted):
             raise
         except TransportTimeout as exc:  # peers learn at once, as a TimeoutError naming the same ranks

@@ -501,16 +501,29 @@ class IntranodeEngine:
                 if b_t <= a_t:
                     continue
                 blk = acc[:b_t - a_t]
-                if bias is not None:  # f32(bias0) + f32(bias1), exactly as DeepEP
+                empty = bias is None  # blk holds no value yet: it stands for +0.0 everywhere
+                if not empty:  # f32(bias0) + f32(bias1), a missing one being +0.0, exactly as DeepEP
                     blk.copy_(bias[0][lo_t + a_t:lo_t + b_t])
                     if bias[1] is not None:
                         blk.add_(bias[1][lo_t + a_t:lo_t + b_t])
-                else:
-                    blk.zero_()
+                    else:
+                        blk.add_(0.0)
                 for rows, _, tokens, bounds in sources:
                     lo, hi = bounds[b], bounds[b + 1]
-                    if hi > lo:
+                    if hi - lo == b_t - a_t:  # the source holds every token of the block: one pass
+                        if empty:  # +0.0 + row (turns -0.0 into +0.0, as the sum from zero does)
+                            torch.add(rows[lo:hi], 0.0, out=blk)
+                        else:
+                            blk.add_(rows[lo:hi])
+                    elif hi > lo:
+                        if empty:
+                            blk.zero_()
                         t = tmp[:hi - lo]
                         t.copy_(rows[lo:hi])
                         blk.index_add_(0, tokens[lo:hi] - a_t, t)
+                    else:
+                        continue
+                    empty = False
+                if empty:
+                    blk.zero_()
                 combined[lo_t + a_t:lo_t + b_t].copy_(blk)

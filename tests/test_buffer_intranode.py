@@ -315,3 +315,27 @@ def test_buffer_below_header_size_raises_clear_error(comm):
     ok = isinstance(exc, ValueError) and "too small" in str(exc)
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"dispatch on a 128 B buffer: got {exc!r}; destroy: {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias):
+    """Combine sums from +0.0 (or the bias) in float32: -0.0 rows give +0.0, as in DeepEP and the
+    reference, on both the whole-block and the indexed accumulation paths."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, n, H = 4 * R, 64, 256
+    gen = torch.Generator().manual_seed(r)
+    idx = torch.randperm(E, generator=gen)[:2].repeat(n, 1)  # same two experts for every token
+    idx[n // 2:, 1] = -1  # the second half reaches fewer ranks: indexed path
+    every = torch.arange(R).repeat_interleave(E // R)  # expert -> rank
+    idx[::3, 0] = (torch.nonzero(every == r)[0] if R > 1 else 0)  # some tokens stay home
+    w = torch.rand(n, 2, generator=gen)
+    x = torch.full((n, H), -0.0, dtype=torch.bfloat16)
+    x[::5] = torch.randn(len(range(0, n, 5)), H, generator=gen).bfloat16()
+    bias = torch.full((n, H), -0.0, dtype=torch.bfloat16) if with_bias else None
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                             num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    combined, _, _ = buf.combine(recv_x, handle, bias=bias)
+    expected = ref_combine(gather_all(recv_x), gather_all(itr), r, bias, None)[0]
+    assert torch.equal(combined.view(torch.int16), expected.view(torch.int16))  # bitwise, sign of zero included
