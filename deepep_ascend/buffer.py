@@ -20,7 +20,7 @@ from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
 from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
-from .layout import dispatch_layout, recv_channel_prefix, topk_idx_t
+from .layout import dispatch_layout, topk_idx_t
 
 _BUFFER_IDS = itertools.count(1)
 _HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
@@ -375,6 +375,7 @@ class Buffer:
             return data, scales
         _check_tensor(x, "x", ndim=2)
         _check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
+        _check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
         return x, None
 
     def _check_handle(self, handle, config: Config, op: str):
@@ -529,6 +530,9 @@ class Buffer:
             _check(num_tokens_per_rdma_rank is None, ValueError,
                    "num_tokens_per_rdma_rank must be None on one node")
             _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
+            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
+            _check(is_token_in_rank.size(0) == n, ValueError,
+                   f"`x` has {n} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
             _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(n, r))
             _check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
             num_experts = num_tokens_per_expert.numel()
@@ -565,8 +569,8 @@ class Buffer:
                    f"half-window; see Buffer.get_normal_buffer_size_hint")
             ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
             return self._engine.dispatch(
-                call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
-                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, 4 * scales.size(1)),
+                call_id=call_id, x=_as_rows_of_bytes(data),
+                scales=None if scales is None else _as_rows_of_bytes(scales),
                 topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
                 num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_expert=num_tokens_per_expert,
                 num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
@@ -576,21 +580,13 @@ class Buffer:
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)
         recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
-        prefix, cpm, send_head, recv_src_idx, ntok, num_recv = parts
+        prefix, cpm, rcpm, send_head, recv_src_idx, num_recv = parts
         data, scales, cfg = ctx["data"], ctx["scales"], ctx["cfg"]
         if num_worst_tokens and num_recv > num_worst_tokens:
             if event.event is not None:
                 event.current_stream_wait()
             raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
                                f"tokens this rank received")
-        if event.event is not None:
-            # The receiver-side channel matrix needs recv_src_idx, complete only after the data phase.
-            rcpm = torch.zeros(r, cfg.num_channels, dtype=torch.int32)
-            fill = lambda: rcpm.copy_(recv_channel_prefix(recv_src_idx, _starts(prefix, self.rank), ntok,
-                                                          cfg.num_channels))
-            event.register_hook_after_wait(fill)
-        else:
-            rcpm = recv_channel_prefix(recv_src_idx, _starts(prefix, self.rank), ntok, cfg.num_channels)
         handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
         _register_handle(prefix, (self._uid, ctx["call_id"], cfg.num_channels))
         recv_x = recv_x_bytes.view(data.dtype)
@@ -620,8 +616,8 @@ class Buffer:
                    f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B")
             ctx.update(data=data, scales=scales)
             return self._engine.cached_dispatch(
-                call_id=call_id, x=data.contiguous().view(torch.uint8).view(n, xb),
-                scales=None if scales is None else scales.contiguous().view(torch.uint8).view(n, 4 * scales.size(1)),
+                call_id=call_id, x=_as_rows_of_bytes(data),
+                scales=None if scales is None else _as_rows_of_bytes(scales),
                 rank_prefix_matrix=handle[0], recv_src_idx=handle[3], is_token_in_rank=handle[4],
                 num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)
@@ -695,9 +691,14 @@ class Buffer:
         return combined, combined_w, event
 
 
-def _starts(prefix: torch.Tensor, rank: int) -> list:
-    """Row boundaries of each source's block in this rank's received rows: ``R + 1`` ints."""
-    return [0] + prefix[:, rank].tolist()
+def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` tensor of any strides -> contiguous ``[n, m * itemsize]`` uint8 (a view when possible).
+
+    Goes through 1-D so that size-1 dims with odd strides (e.g. a transposed ``[1, n]`` scale
+    tensor, which torch calls contiguous) do not block the byte view.
+    """
+    n, m = t.shape
+    return t.contiguous().reshape(-1).view(torch.uint8).view(n, m * t.element_size())
 
 
 def _flatten(outputs):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import host
-from .layout import combine_round_tokens, send_layout
+from .layout import combine_round_tokens, recv_channel_prefix, send_layout
 
 READY, CONSUMED = 0, 1
 NUM_SLOTS = 2
@@ -295,8 +295,10 @@ class IntranodeEngine:
             if recv_topk is not None:
                 recv_topk[num_recv:].fill_(-1)
         channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
+        recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
         yield (recv_x, recv_scales, recv_topk, recv_w, recv_list,
-               (rank_prefix_matrix, channel_prefix_matrix, send_head, recv_src_idx, ntok, num_recv))
+               (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_src_idx,
+                num_recv))
 
         cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
@@ -326,6 +328,8 @@ class IntranodeEngine:
                 start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
                 raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
+        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        recv_channel_prefix_matrix.copy_(recv_channel_prefix(recv_src_idx, starts, ntok, num_channels))
         if recv_topk is not None and num_recv:
             ids = recv_topk[:num_recv]
             foreign = (ids < me * local) | (ids >= (me + 1) * local)

@@ -464,6 +464,8 @@ class UbmemTransport:
         return pending
 
     def _wait(self, done, op, win, phase, timeout_s, on_timeout, pending_fn, slot=None):
+        # Abort first: a late rank must not take a signal from a call its peers abandoned.
+        self._check_abort(op, phase)
         if done():
             return []
         timeout = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
