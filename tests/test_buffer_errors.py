@@ -531,3 +531,24 @@ def test_destroyed_buffer_refuses_get_dispatch_layout(comm, lifetime_buf):
     idx, _, _ = _small_inputs(comm.Get_rank(), comm.Get_size())
     _, exc = capture(lambda: b.get_dispatch_layout(idx, E))
     all_ranks_ok(comm, isinstance(exc, RuntimeError) and "destroyed" in str(exc), f"got {exc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_late_rank_raises_instead_of_reading_an_abandoned_call(comm):
+    """The last rank arrives after its peers timed out and aborted: its dispatch must raise (their
+    READY signals of the abandoned call are set), never return their stale rows."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    late = R - 1
+    b = Buffer(None, 1 << 16, comm=comm, explicitly_destroy=True, timeout_s=1)
+    idx, w, x = _small_inputs(r, R)
+    ntpr, _, ntpe, itr, _ = b.get_dispatch_layout(idx, E)
+    if r == late:
+        comm.Barrier()  # the others have timed out and aborted by now
+    _, exc = capture(lambda: b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w))
+    if r != late:
+        comm.Barrier()
+    comm.Barrier()
+    capture(b.destroy)
+    all_ranks_ok(comm, isinstance(exc, TimeoutError) and late in getattr(exc, "pending_peers", []),
+                 f"rank {r}: expected a TimeoutError naming rank {late}, got {exc!r}")

@@ -339,3 +339,29 @@ def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias):
     combined, _, _ = buf.combine(recv_x, handle, bias=bias)
     expected = ref_combine(gather_all(recv_x), gather_all(itr), r, bias, None)[0]
     assert torch.equal(combined.view(torch.int16), expected.view(torch.int16))  # bitwise, sign of zero included
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fp8_single_scale_column_and_chained_async_handle(buf, comm):
+    """hidden 128: the FP8 scales have one column; allocated [1, N] and transposed (DeepGEMM's
+    column-major layout) they must be accepted. An async dispatch whose event is only consumed as
+    combine's previous_event must still leave a complete handle (entry 2 included)."""
+    from reference import per_token_cast_to_fp8
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, n, H = 4 * R, 40, 128
+    gen = torch.Generator().manual_seed(7 + r)
+    idx = torch.randn(n, E, generator=gen).topk(2, dim=1).indices
+    w = torch.rand(n, 2, generator=gen)
+    x = torch.randn(n, H, generator=gen).bfloat16()
+    data, scales = per_token_cast_to_fp8(x)
+    col_major = scales.t().contiguous().t()  # [n, 1] with strides (1, n)
+    layout = buf.get_dispatch_layout(idx, E)
+    kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+              topk_idx=idx, topk_weights=w)
+    (rx, rs), *_, sync_handle, _ = buf.dispatch((data, col_major), **kw)
+    (rx2, rs2), *_, handle, ev = buf.dispatch((data, scales), async_finish=True, **kw)
+    y, _, _ = buf.combine(torch.zeros(rx2.shape, dtype=torch.bfloat16), handle, previous_event=ev)  # sync
+    ok = torch.equal(rx.view(torch.uint8), rx2.view(torch.uint8)) and torch.equal(rs, rs2)
+    ok = ok and all(torch.equal(a, b) for a, b in zip(sync_handle, handle))
+    assert ok and bool((y == 0).all())
