@@ -57,7 +57,7 @@ def _mpi_comm_of(group, comm):
     import torch.distributed as dist
 
     if isinstance(group, dist.ProcessGroup):
-        # Under mpiexec the torch world rank is the MPI world rank (deepep_ascend.dist sets it up so).
+        # Under mpiexec the torch world rank must be the MPI world rank (initialise it so).
         world = MPI.COMM_WORLD
         if dist.get_rank() != world.Get_rank() or dist.get_world_size() != world.Get_size():
             raise ValueError(
@@ -109,7 +109,8 @@ class Buffer:
 
     Args:
         group: a ``torch.distributed`` ProcessGroup (torch ranks must equal MPI ranks, as under
-            ``mpiexec`` with :mod:`deepep_ascend.dist`), an mpi4py communicator, or ``None`` with ``comm``.
+            ``mpiexec`` when torch.distributed is initialised with the MPI rank and size), an mpi4py
+            communicator, or ``None`` with ``comm``.
         num_nvl_bytes: bytes of the UBMEM (intranode) window per rank, a multiple of 128
             (alias ``num_ubmem_bytes``). See :meth:`get_normal_buffer_size_hint`.
         num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``); internode and
@@ -122,6 +123,11 @@ class Buffer:
         ranks_per_node: simulated node size (default: the shared-memory domain); more than one
             node needs the URMA backend, not built yet.
         timeout_s: deadline of every wait in seconds; default ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100.
+    Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
+    sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
+    abort leaves the Buffer failed: later calls raise ``transports.TransportPoisoned`` at once;
+    build a new Buffer (destroying the old one needs ``explicitly_destroy=True``).
+
     Raises:
         ValueError: no usable group/comm, conflicting aliases, bad ``timeout_s``.
         RuntimeError: DeepEP's constructor checks (128-byte multiples, sizes, unsupported modes).
@@ -305,8 +311,12 @@ class Buffer:
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None (one node),
             num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
         Raises:
-            TypeError / ValueError: bad dtype, shape or values (nothing is communicated).
-            RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``.
+            TypeError / ValueError: bad dtype, shape or values. This call does not communicate, so
+                only this rank raises; its peers then wait in their next ``dispatch`` until the
+                deadline and raise ``TimeoutError`` naming this rank (pass the bad ``topk_idx`` to
+                ``dispatch`` itself and every rank raises at once).
+            RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``;
+                the Buffer was destroyed.
         """
         if self.runtime is None:
             raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
@@ -509,7 +519,10 @@ class Buffer:
                 fault its own error, the others a ``ValueError`` naming it).
             RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count, DeepEP's
                 stream-argument checks.
-            TimeoutError: a peer did not take part in time (``transports.TransportTimeout``).
+            TimeoutError: a peer did not take part in time (``transports.TransportTimeout``, or
+                ``transports.TransportPeerTimeout`` when a peer gave up first; both name the ranks).
+            transports.TransportAborted: a peer failed inside the call; ``TransportPoisoned``: this
+                Buffer failed earlier.
         """
         self._check_usable("dispatch")
         if handle is not None:
@@ -652,7 +665,9 @@ class Buffer:
         Raises:
             TypeError / ValueError: bad arguments or a handle from another Buffer/config, on any
                 rank (every rank raises).
-            TimeoutError: a peer did not take part in time.
+            RuntimeError: the handles passed on different ranks come from different dispatches.
+            TimeoutError: a peer did not take part in time (see :meth:`dispatch`).
+            transports.TransportAborted / TransportPoisoned: as in :meth:`dispatch`.
         """
         self._check_usable("combine")
 
