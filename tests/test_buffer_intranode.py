@@ -365,3 +365,29 @@ def test_fp8_single_scale_column_and_chained_async_handle(buf, comm):
     ok = torch.equal(rx.view(torch.uint8), rx2.view(torch.uint8)) and torch.equal(rs, rs2)
     ok = ok and all(torch.equal(a, b) for a, b in zip(sync_handle, handle))
     assert ok and bool((y == 0).all())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_duplicate_experts_in_a_row_follow_deepep(buf, comm):
+    """The documented rule for a token listing the same expert twice: counted per (token, slot),
+    delivered as two recv_topk_idx entries, its row sent once per rank; combined weights return
+    both weights. Compared with the reference on every output."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, n, H, K = 4 * R, 30, 64, 4
+    gen = torch.Generator().manual_seed(31 + r)
+    idx = torch.randint(0, E, (n, K), generator=gen)
+    idx[:, 1] = idx[:, 0]  # every row repeats its first expert
+    idx[::4, 2:] = -1
+    w = torch.rand(n, K, generator=gen)
+    x = torch.randn(n, H, generator=gen).bfloat16()
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
+    ref = ref_dispatch(gather_all(x), gather_all(idx), gather_all(w), E, r)
+    assert torch.equal(ntpe, torch.bincount(idx[idx >= 0], minlength=E).int())
+    assert torch.equal(recv_x, ref.recv_x) and torch.equal(recv_idx, ref.recv_topk_idx)
+    assert torch.equal(recv_w, ref.recv_topk_weights) and counts == ref.num_recv_tokens_per_expert_list
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    exp_x, exp_w = ref_combine(gather_all(recv_x), gather_all(itr), r, None, gather_all(recv_w))
+    assert torch.equal(combined, exp_x) and torch.equal(combined_w, exp_w)
+    assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
