@@ -445,11 +445,10 @@ class IntranodeEngine:
             xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb)
             wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
                     if wcols > 0 else None)
-            # Consecutive spans are contiguous in x (rows are in origin order): merge them, so one
-            # round costs at most two copies, around this rank's own rows.
-            pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])] if total == num_recv - int(
-                sizes[me]) and spans[0][0] == 0 and spans[-1][1] == num_recv else \
-                [span for s, span in enumerate(spans) if s != me]
+            pieces = [span for s, span in enumerate(spans) if s != me]
+            if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
+                # Adjacent spans (always so in a single round): two copies, around the own rows.
+                pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
             pos = 0
             for a, b in pieces:
                 if b > a:
@@ -459,7 +458,7 @@ class IntranodeEngine:
                     pos += b - a
 
         phase = f"combine call #{call_id}"
-        # Chunk 0's vector is written by stage(0); the sent-count check below uses the handle instead.
+        # stage() writes the per-origin row counts; each origin checks its count against its handle.
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
