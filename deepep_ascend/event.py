@@ -10,7 +10,7 @@ the time it is recorded.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 
 class EventHandle:
@@ -96,10 +96,12 @@ class Worker:
         return self._last
 
     def drain(self) -> None:
-        """Wait for every queued task; re-raises the exception of the last one, if any."""
+        """Wait for every queued task. A task's exception belongs to its event (raised by
+        ``current_stream_wait``), so it is not raised again here: a failure that leaves the
+        Buffer unusable poisons its transport, and the next call says so."""
         last, self._last = self._last, None
         if last is not None:
-            last.result()
+            wait([last])
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -104,6 +104,7 @@ class IntranodeEngine:
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
+        self._scratch = None  # combine's float32 blocks, reused across calls
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached):
@@ -221,6 +222,13 @@ class IntranodeEngine:
                 self._await(active, phase)
             yield rnd, active
             self._consume(active)
+
+    def _combine_scratch(self, hidden: int):
+        """Two float32 ``[block, hidden]`` blocks (accumulator, converted rows), kept across calls."""
+        if self._scratch is None or self._scratch[0].size(1) != hidden:
+            block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
+            self._scratch = (torch.empty(block, hidden), torch.empty(block, hidden))
+        return self._scratch
 
     def _record(self, peer, nbytes):
         if nbytes:
@@ -462,9 +470,8 @@ class IntranodeEngine:
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
-        block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
-        acc = torch.empty(block, hidden, dtype=torch.float32)  # reused: no page faults per block
-        tmp = torch.empty(block, hidden, dtype=torch.float32)
+        acc, tmp = self._combine_scratch(hidden)
+        block = acc.size(0)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
             m = max(0, hi_t - lo_t)

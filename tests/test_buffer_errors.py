@@ -40,22 +40,22 @@ E, K, H = 16, 4, 128
 BAD_RANK = 1
 
 
-@pytest.fixture(scope="module")
-def buf():
+def _module_buffer():
     comm = world()
     b = Buffer(None, Buffer.get_normal_buffer_size_hint(16, 256, comm.Get_size(), K, E), comm=comm,
                explicitly_destroy=True)
     yield b
     b.destroy()
+
+
+@pytest.fixture(scope="module")
+def buf():
+    yield from _module_buffer()
 
 
 @pytest.fixture(scope="module")
 def other_buf():
-    comm = world()
-    b = Buffer(None, Buffer.get_normal_buffer_size_hint(16, 256, comm.Get_size(), K, E), comm=comm,
-               explicitly_destroy=True)
-    yield b
-    b.destroy()
+    yield from _module_buffer()
 
 
 class Ctx:

@@ -560,6 +560,7 @@ class UbmemTransport:
         """Advance MPI; UBMEM needs none, kept for the contract (URMA targets must call it)."""
 
     def team_ranks(self, team: Team) -> list:
+        """World ranks of ``team`` (every rank, this rank's node, or its rail), ascending."""
         topo = self.topology
         if team is Team.WORLD:
             return list(range(topo.world_size))
