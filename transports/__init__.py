@@ -1,4 +1,4 @@
-"""Simulated Ascend 950 interconnect over MPI: topology, the channel contract, UBMEM.
+"""Simulated Ascend 950 interconnect over MPI: topology, the channel contract, UBMEM and URMA.
 
 ``transports`` moves bytes and monotonic signals between ranks; it knows nothing of tokens.
 See ``shared/spec/transports.md`` for the contract this package implements.
@@ -10,24 +10,29 @@ from .errors import (TransportAborted, TransportArgumentError, TransportBusy, Tr
                      TransportTimeout, TransportUnsupported)
 from .link_model import LinkStats
 from .topology import RANKS_PER_NODE_ENV, ChannelKind, Topology
-from .ubmem import SymmetricWindow, UbmemTransport
+from .ubmem import SymmetricWindow, Transport, UbmemTransport
 
 
-def create_transport(comm, ranks_per_node=None, timeout_s=None):
-    """Collectively build the transport for ``comm``'s topology (UBMEM inside one node).
+def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
+    """Collectively build the transport for ``comm``'s topology, any number of (simulated) nodes.
+
+    Pairs on one node use UBMEM (load/store into MPI shared memory), pairs on different nodes
+    URMA (one-sided MPI RMA on the same segments); see :class:`Transport`.
 
     Args:
         comm: mpi4py intracommunicator.
-        ranks_per_node: simulated node size, else ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the host.
+        ranks_per_node: simulated node size (row-major: ``rank = node * rpn + local``), else
+            ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the host's shared-memory domain.
         timeout_s: default deadline of blocking operations, in seconds.
     Raises:
-        TransportConfigError: invalid topology, or more than one node (URMA not built yet).
+        TransportConfigError: invalid topology (same error on every rank), or, with more than
+            one node, MPI's RMA windows are not ``MPI_WIN_UNIFIED``.
     """
-    return UbmemTransport(comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
+    return Transport(comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
 
 
 __all__ = [
-    "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "SymmetricWindow", "UbmemTransport",
+    "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "SymmetricWindow", "Transport", "UbmemTransport",
     "create_transport", "State", "Team", "WaitPolicy", "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",

@@ -3,7 +3,7 @@
 A :class:`Transport` moves bytes and monotonic signals between ranks through symmetric
 windows. It knows ranks, byte ranges and counters, never tokens. Backends: UBMEM
 (:mod:`transports.ubmem`, load/store inside a node over MPI shared memory); URMA
-(one-sided RMA between nodes) is not built yet.
+(one-sided MPI RMA between nodes, :mod:`transports.urma`).
 """
 
 from __future__ import annotations

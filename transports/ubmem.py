@@ -1,7 +1,10 @@
-"""UBMEM backend: load/store into peers' MPI-3 shared-memory windows (transports §3).
+"""The transport (every pair kind) and its UBMEM backend: load/store into peers' MPI-3
+shared-memory windows (transports §3); pairs on different nodes go through
+:mod:`transports.urma` (one-sided MPI RMA, §4).
 
 Inside one node every window is an ``MPI_Win_allocate_shared`` segment per rank, mapped by
-all ranks of the node; peers read and write it through zero-copy torch / numpy views.
+all ranks of the node; peers read and write it through zero-copy torch / numpy views. With more
+than one node the same segment is also exposed world-wide as an RMA window for URMA peers.
 
 Memory ordering (transports §3.2): a release is "copy data → ``Win.Sync()`` → store the
 signal", an acquire is "observe the signal → ``Win.Sync()`` → read". ``Win.Sync`` is a full
@@ -26,10 +29,11 @@ import torch
 
 from .base import State, Team, WaitPolicy, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
-                     TransportConfigError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
+                     TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
 from .link_model import LinkStats
 from .topology import ChannelKind, Topology
+from .urma import Progress, RmaWindow
 
 _CONTROL_ALIGN = 4096
 _REASON_BYTES = 256
@@ -48,12 +52,16 @@ def _destroy_forgotten_transports():
 
 
 class SymmetricWindow:
-    """A window of the same size on every rank of a node: ``[control | data]`` per rank.
+    """A window of the same size on every rank: ``[control | data]`` per rank.
 
     Control region (int64 words): abort flags ``[world]``, abort reasons ``[world, 256 B]``,
     barrier slots ``[len(Team), world]``, signal slots ``[num_slots, world]``, padded to 4 KiB.
-    API offsets are offsets into the data region. Create with
-    :meth:`UbmemTransport.create_window`.
+    API offsets are offsets into the data region. Create with :meth:`Transport.create_window`.
+
+    Each rank's segment is node-shared (UBMEM peers map it); with more than one node it is also
+    an RMA window over the world (``_rma``, a :class:`~transports.urma.RmaWindow`) whose byte
+    displacements are offsets into the segment: control word ``w`` at ``8 * w``, data byte ``o``
+    at ``control_bytes + o``.
 
     Attributes:
         name: label used in error messages.
@@ -61,7 +69,7 @@ class SymmetricWindow:
         num_slots: number of signal slots.
     """
 
-    def __init__(self, tp: "UbmemTransport", name: str, nbytes: int, num_slots: int):
+    def __init__(self, tp: "Transport", name: str, nbytes: int, num_slots: int):
         from mpi4py import MPI
 
         self.name, self.nbytes, self.num_slots = name, int(nbytes), int(num_slots)
@@ -86,6 +94,17 @@ class SymmetricWindow:
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._locked = True
         topo = tp.topology
+        self._rma = None
+        if topo.num_nodes > 1:
+            own, _ = self._win.Shared_query(topo.local_rank)
+            try:
+                self._rma = RmaWindow(own, tp.comm, topo.rank, name)
+            except BaseException:
+                del own
+                self._win.Unlock_all()
+                self._win.Free()
+                raise
+            del own
         # World rank -> mpi4py buffer of its whole segment (node peers only).
         self._bufs = {}
         for p in topo.node_ranks():
@@ -115,6 +134,16 @@ class SymmetricWindow:
         base = self._slot_off + slot * self._world
         return self._ctl[self._rank_self][base:base + self._world].copy()
 
+    def slot_disp(self, slot: int, src: int) -> int:
+        """RMA byte displacement of signal word ``slot[slot][src]``."""
+        return 8 * (self._slot_off + slot * self._world + src)
+
+    def acquire(self) -> None:
+        """Acquire fence after observing a signal: ``Win.Sync`` on the shared and the RMA window."""
+        if self._rma is not None:
+            self._rma.sync()
+        self._win.Sync()
+
     def _release_views(self) -> None:
         self._data.clear()
 
@@ -128,21 +157,22 @@ class SymmetricWindow:
         return [sys.getrefcount(b) for b in self._bufs.values()]
 
 
-class UbmemTransport:
-    """Transport over MPI shared-memory windows for ranks of one node (the UBMEM channel).
+class Transport:
+    """Transport for every pair kind: SELF, UBMEM (same node, load/store) and URMA (other node, RMA).
 
-    Implements the contract of transports §2.2 for SELF and UBMEM pairs: ``put``, ``get``,
-    ``signal``, ``put_with_signal``, ``wait_until``, ``fence``, ``flush``, ``barrier``,
-    ``progress``, ``abort`` and ``destroy``; plus zero-copy ``peer_view`` for load/store
-    data paths. Pairs on different nodes (URMA) are refused with
-    :class:`~transports.errors.TransportUnsupported` until the URMA backend exists.
+    Implements the contract of transports §2.2: ``put``, ``get``, ``signal``,
+    ``put_with_signal``, ``wait_until``, ``fence``, ``flush``, ``barrier``, ``progress``,
+    ``abort`` and ``destroy``, for any pair; plus zero-copy ``peer_view`` for load/store data
+    paths inside a node (a URMA peer raises :class:`~transports.errors.TransportUnsupported`).
+    ``UbmemTransport`` is the same class (its name before the URMA backend existed).
 
     Args:
         comm: mpi4py intracommunicator (all ranks call collectively).
         ranks_per_node: simulated node size (see :meth:`Topology.from_comm`).
         timeout_s: default deadline of blocking ops (argument, ``$DEEPEP_ASCEND_TIMEOUT_S``, 100 s).
     Raises:
-        TransportConfigError: on every rank, when the topology is invalid or spans nodes.
+        TransportConfigError: on every rank, when the topology is invalid (or, with more than one
+            node, MPI's RMA windows lack the unified memory model).
     """
 
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
@@ -154,12 +184,8 @@ class UbmemTransport:
             self.comm.Free()
             raise
         topo = self.topology
-        if topo.num_nodes > 1:
-            self.comm.Free()
-            raise TransportConfigError(
-                f"rank {topo.rank}: {topo.num_nodes} nodes of {topo.ranks_per_node} ranks need the URMA "
-                f"backend, which this build does not have yet; run on one node")
         self.node_comm = self.comm.Split(color=topo.node, key=topo.rank)
+        self._progress = Progress(self.comm)
         self.stats = LinkStats(topo.world_size)
         from mpi4py import MPI
         shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
@@ -172,7 +198,15 @@ class UbmemTransport:
         self._poison_reason = ""
         self._aborted = False
         self._internal = None
-        self._internal = self.create_window("barrier", 0, 0)
+        try:
+            self._internal = self.create_window("barrier", 0, 0)
+        except BaseException:  # e.g. no unified memory model: free what was built, on every rank
+            self._progress.free()
+            self.node_comm.Free()
+            self.comm.Free()
+            self.state = State.CLOSED
+            raise
+        self._urma_peers = [p for p in range(topo.world_size) if topo.kind(topo.rank, p) is ChannelKind.URMA]
         _LIVE.add(self)
 
     # -- lifetime --------------------------------------------------------------
@@ -226,6 +260,12 @@ class UbmemTransport:
             return
         from mpi4py import MPI
         poisoned = self.state is State.POISONED
+        if not poisoned:
+            try:  # our URMA puts complete before peers free their windows (a poisoned peer may be gone)
+                self._flush_rma(None)
+            except TransportRuntimeError as exc:
+                self._poison(str(exc))
+                poisoned = True
         for win in self._windows:
             win._release_views()
         busy = 0
@@ -241,7 +281,7 @@ class UbmemTransport:
         deadline = time.monotonic() + (resolve_timeout(timeout_s) if timeout_s is not None else self.timeout_s)
         req = self.comm.Iallreduce(flags, total, op=MPI.MAX)
         pauses = self.wait_policy.pauses()
-        while not req.Test():
+        while not req.Test():  # Test drives MPI progress, so peers' URMA traffic keeps landing
             if time.monotonic() > deadline:
                 # A peer that comes later must not free collectively against our abandoned request.
                 self.abort("gave up waiting for the peers in destroy()")
@@ -262,6 +302,9 @@ class UbmemTransport:
             _LIVE.discard(self)
             return
         for win in reversed(self._windows):
+            if win._rma is not None:  # the world exposure first: it maps the shared segment
+                win._rma.free()
+                win._rma = None
             if win._locked:
                 win._win.Unlock_all()
             win._ctl_mv.release()
@@ -269,6 +312,7 @@ class UbmemTransport:
             win._bufs.clear()
             win._win.Free()
         self._windows.clear()
+        self._progress.free()
         self.node_comm.Free()
         self.comm.Free()
         self.state = State.CLOSED
@@ -279,16 +323,17 @@ class UbmemTransport:
             win._make_data_views()
 
     # -- argument checks ----------------------------------------------------------
-    def _peer(self, op: str, win: SymmetricWindow, peer: int) -> ChannelKind:
+    def _peer(self, op: str, win: SymmetricWindow, peer: int, views: bool = False) -> ChannelKind:
+        """Validate ``peer``; its channel kind. ``views``: load/store access needed (no URMA)."""
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.topology.world_size:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): peer rank {peer!r} outside "
                 f"[0, {self.topology.world_size})")
         kind = self.topology.kind(self.topology.rank, int(peer))
-        if kind is ChannelKind.URMA:
+        if views and kind is ChannelKind.URMA:
             raise TransportUnsupported(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): rank {peer} is on another node (URMA); "
-                f"the UBMEM backend reaches only ranks of node {self.topology.node}")
+                f"load/store views reach only ranks of node {self.topology.node}: use put/get")
         return kind
 
     def _range(self, op: str, win: SymmetricWindow, peer: int, offset: int, nbytes: int) -> None:
@@ -327,7 +372,7 @@ class UbmemTransport:
             TransportArgumentError: bad peer, range, or ``nbytes`` not a multiple of the dtype size.
         """
         self._check_open("peer_view")
-        self._peer("peer_view", win, peer)
+        self._peer("peer_view", win, peer, views=True)
         self._range("peer_view", win, peer, offset, nbytes)
         itemsize = dtype.itemsize
         if nbytes % itemsize or offset % itemsize:
@@ -348,20 +393,33 @@ class UbmemTransport:
         """Count ``nbytes`` loaded through a view from ``peer``'s window (data moved peer → us)."""
         self.stats.record_fetch(self.topology.kind(self.topology.rank, peer), peer, nbytes)
 
+    def _urma(self, fn, *args):
+        """Run an RMA step; an MPI failure poisons the transport (TransportRuntimeError propagates)."""
+        try:
+            return fn(*args)
+        except TransportRuntimeError as exc:
+            self._poison(str(exc))
+            raise
+
     def put(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor) -> None:
-        """Copy the contiguous tensor ``src`` into ``dst``'s data region at byte ``offset``.
+        """Copy the contiguous tensor ``src`` (any dtype/shape; its bytes) into ``dst``'s data region at byte ``offset``.
 
         Returns when ``src`` may be reused; visible to ``dst`` after :meth:`flush` or a later
-        ordered signal. Zero-byte puts are counted no-ops.
+        ordered signal. Zero-byte puts are counted no-ops. SELF/UBMEM: a copy into the peer's
+        segment; URMA: ``MPI_Put`` + ``Flush_local``.
         Raises:
             TransportArgumentError: before any byte is written, for a bad peer, range or source.
+            TransportRuntimeError: the MPI call failed (the transport is poisoned).
         """
         self._check_open("put")
         kind = self._peer("put", win, dst)
         data = self._as_bytes("put", self.topology.rank, src, "src")
         self._range("put", win, dst, offset, data.numel())
         if data.numel():
-            win._data[int(dst)][offset:offset + data.numel()].copy_(data)
+            if kind is ChannelKind.URMA:
+                self._urma(win._rma.put, int(dst), win.control_bytes + offset, data.detach().numpy())
+            else:
+                win._data[int(dst)][offset:offset + data.numel()].copy_(data)
         self.stats.record_put(kind, int(dst), data.numel())
 
     def get(self, win: SymmetricWindow, src: int, offset: int, out: torch.Tensor) -> None:
@@ -375,18 +433,26 @@ class UbmemTransport:
         kind = self._peer("get", win, src)
         dest = self._as_bytes("get", self.topology.rank, out, "out")
         self._range("get", win, src, offset, dest.numel())
-        win.sync()
-        if dest.numel():
-            dest.copy_(win._data[int(src)][offset:offset + dest.numel()])
+        if kind is ChannelKind.URMA:
+            if dest.numel():
+                self._urma(win._rma.get, int(src), win.control_bytes + offset, dest.detach().numpy())
+        else:
+            win.sync()
+            if dest.numel():
+                dest.copy_(win._data[int(src)][offset:offset + dest.numel()])
         self.stats.record_fetch(kind, int(src), dest.numel())
 
     # -- signals -----------------------------------------------------------------
     def signal(self, win: SymmetricWindow, dst: int, slot: int, add: int = 1, ordered: bool = True) -> int:
         """Add ``add`` to ``slot[slot][me]`` on ``dst``; returns the new value.
 
-        ``ordered``: release with respect to earlier stores to ``dst`` (a memory barrier first).
+        ``ordered``: release with respect to earlier puts to ``dst`` (UBMEM: a memory barrier
+        first; URMA: ``Flush(dst)`` of this window's unflushed puts). UBMEM stores the writer's
+        running value (single writer per word); URMA is ``MPI_Accumulate(SUM, INT64_T)`` +
+        ``Flush(dst)``, so the increment is applied at ``dst`` when this returns.
         Raises:
             TransportArgumentError: bad peer or slot, or ``add`` not a non-negative int64.
+            TransportRuntimeError: the MPI call failed (the transport is poisoned).
         """
         self._check_open("signal")
         kind = self._peer("signal", win, dst)
@@ -394,32 +460,57 @@ class UbmemTransport:
         self._add("signal", win, add)
         key = (id(win), slot, int(dst))
         value = self._shadow.get(key, 0) + int(add)
+        if kind is ChannelKind.URMA:
+            self._urma(win._rma.signal, int(dst), win.slot_disp(slot, self.topology.rank), int(add), ordered)
+        else:
+            if ordered:
+                win.sync()
+            win._ctl[int(dst)][win._slot_off + slot * win._world + self.topology.rank] = value
         self._shadow[key] = value
-        if ordered:
-            win.sync()
-        win._ctl[int(dst)][win._slot_off + slot * win._world + self.topology.rank] = value
         self.stats.record_signal(kind, int(dst))
         return value
 
     def put_with_signal(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor,
                         slot: int, add: int = 1) -> int:
-        """:meth:`put` then an ordered :meth:`signal`: an observer of the increment sees the data."""
-        self._peer("put_with_signal", win, dst)
+        """:meth:`put` then an ordered :meth:`signal`: an observer of the increment sees the data.
+
+        Returns the new signal value. URMA: ``Put`` → ``Flush`` → ``Accumulate`` → ``Flush``.
+        Raises: as :meth:`put` and :meth:`signal`, before anything is written.
+        """
+        kind = self._peer("put_with_signal", win, dst)
         self._slot("put_with_signal", win, slot)
         self._add("put_with_signal", win, add)
-        self.put(win, dst, offset, src)
-        return self.signal(win, dst, slot, add, ordered=True)
+        if kind is not ChannelKind.URMA:
+            self.put(win, dst, offset, src)
+            return self.signal(win, dst, slot, add, ordered=True)
+        self._check_open("put")
+        data = self._as_bytes("put", self.topology.rank, src, "src")
+        self._range("put", win, dst, offset, data.numel())
+        dst = int(dst)
+        key = (id(win), slot, dst)
+        value = self._shadow.get(key, 0) + int(add)
+        self._urma(win._rma.put, dst, win.control_bytes + offset, data.detach().numpy(),
+                   win.slot_disp(slot, self.topology.rank), int(add))
+        self._shadow[key] = value
+        self.stats.record_put(kind, dst, data.numel())
+        self.stats.record_signal(kind, dst)
+        return value
 
     def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
-        """Current value of ``slot[slot][src]`` in this rank's window (no waiting)."""
+        """Current value of ``slot[slot][src]`` in this rank's window (no waiting; int)."""
         self._check_open("read_signal")
         self._slot("read_signal", win, slot)
         self._peer("read_signal", win, src)
+        self.progress()
         return int(win.signals(slot)[src])
 
     def wait_until(self, win: SymmetricWindow, slot: int, srcs, values, timeout_s: float | None = None,
                    phase: str = "", on_timeout: str = "raise"):
         """Wait until ``slot[slot][src] >= value`` for every ``src`` (acquire).
+
+        Sources may be on any node; the loop drives MPI progress so URMA signals land, and ends
+        with ``Win.Sync`` on the shared and the RMA window: data released by the observed
+        signals may then be read with loads (and re-published to node peers with UBMEM signals).
 
         Args:
             srcs: ranks to wait for (sequence of ints).
@@ -460,7 +551,7 @@ class UbmemTransport:
 
         pending = self._wait(done, "wait_until", win, phase, timeout_s, on_timeout,
                              lambda: [(s, n, int(words[s])) for s, n in pairs if words[s] < n], slot)
-        win.sync()
+        win.acquire()
         return pending
 
     def _wait(self, done, op, win, phase, timeout_s, on_timeout, pending_fn, slot=None):
@@ -471,11 +562,17 @@ class UbmemTransport:
         timeout = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
         start = time.monotonic()
         polls = 0
+        # URMA traffic to this rank lands only while it is inside MPI (active messages over TCP).
+        poke = self._progress.poke if self._urma_peers else None
         for pause in self.wait_policy.pauses():
             if done():
                 return []
             polls += 1
             if polls % 8 == 0 or pause > 0:
+                if poke is not None:
+                    poke()
+                    if done():
+                        return []
                 self._check_abort(op, phase)
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:
@@ -529,18 +626,26 @@ class UbmemTransport:
         text = f"{reason}".encode("utf-8")[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
         words = np.frombuffer(text, dtype=np.int64)
         win = self._internal
+        off = win._reason_off + me * (_REASON_BYTES // 8)
+        self._poison(f"this rank aborted: {reason}")
         for p in self.topology.node_ranks():
             if p == me:
                 continue
             ctl = win._ctl.get(p)
             if ctl is None:
                 continue
-            off = win._reason_off + me * (_REASON_BYTES // 8)
             ctl[off:off + len(words)] = words
             win.sync()
             ctl[win._abort_off + me] = flag
         win.sync()
-        self._poison(f"this rank aborted: {reason}")
+        # Other nodes: reason, Flush, then the flag (one accumulate on a word only we write).
+        # Blocks until each peer's MPI acknowledges; a peer MPI reports as failed is skipped.
+        raw = np.frombuffer(text, dtype=np.uint8)
+        for p in self._urma_peers:
+            try:
+                win._rma.put(p, 8 * off, raw, signal_disp=8 * (win._abort_off + me), add=flag)
+            except Exception:  # noqa: BLE001 - never raises: the other peers must still hear of it
+                pass
 
     # -- ordering and synchronisation ----------------------------------------------
     def fence(self) -> None:
@@ -550,14 +655,36 @@ class UbmemTransport:
         self._internal.sync()
 
     def flush(self, dst: int | None = None) -> None:
-        """Make this rank's stores to ``dst`` (or to all) visible; for UBMEM a memory barrier."""
+        """Complete this rank's puts to ``dst`` (or to all) at the target and fence.
+
+        UBMEM: a memory barrier; URMA: ``MPI_Win_flush(dst)`` / ``flush_all`` on every window
+        with unflushed puts.
+        Raises:
+            TransportArgumentError: ``dst`` outside ``[0, world)``.
+            TransportRuntimeError: the MPI call failed (the transport is poisoned).
+        """
         self._check_open("flush")
         if dst is not None:
             self._peer("flush", self._internal, dst)
+            dst = int(dst)
+        self._flush_rma(dst)
         self.fence()
 
+    def _flush_rma(self, dst: int | None) -> None:
+        if dst is not None and self.topology.kind(self.topology.rank, dst) is not ChannelKind.URMA:
+            return
+        for win in self._windows:
+            if win._rma is not None and win._rma.dirty:
+                self._urma(win._rma.flush, dst)
+
     def progress(self) -> None:
-        """Advance MPI; UBMEM needs none, kept for the contract (URMA targets must call it)."""
+        """Advance MPI once so incoming URMA puts and signals land (``Iprobe`` on a private communicator).
+
+        Every wait of the transport already calls it; call it from loops that poll window memory
+        by other means. A no-op after :meth:`destroy`.
+        """
+        if self.state is not State.CLOSED:
+            self._progress.poke(force=True)
 
     def team_ranks(self, team: Team) -> list:
         """World ranks of ``team`` (every rank, this rank's node, or its rail), ascending."""
@@ -569,11 +696,15 @@ class UbmemTransport:
         return [topo.rail_peer(topo.rank, n) for n in range(topo.num_nodes)]
 
     def barrier(self, team: Team = Team.WORLD, timeout_s: float | None = None, phase: str = "barrier") -> None:
-        """Wait until every member of ``team`` arrived; earlier stores are then visible to all.
+        """Wait until every member of ``team`` arrived; earlier stores and puts are then visible to all.
 
-        Uses growing generation counters in the transport's own slots (no MPI call).
+        Uses growing generation counters in the transport's own slots: a store for node members,
+        ``Accumulate(+1)`` for members on other nodes (after flushing this rank's URMA puts); no
+        collective MPI call.
         Raises:
+            TransportArgumentError: ``team`` is not a :class:`Team`.
             TransportTimeout: naming the members that did not arrive.
+            TransportRuntimeError: an MPI call failed (the transport is poisoned).
         """
         self._check_open("barrier")
         try:
@@ -585,11 +716,19 @@ class UbmemTransport:
         self._barrier_gen[team] += 1
         gen = self._barrier_gen[team]
         win = self._internal
+        self._flush_rma(None)
         win.sync()
         me = self.topology.rank
         row = win._barrier_off + team * win._world
+        remote = []
         for p in members:
-            win._ctl[p][row + me] = gen
+            ctl = win._ctl.get(p)
+            if ctl is None:
+                remote.append(p)
+            else:
+                ctl[row + me] = gen
+        if remote:  # +1 per generation: the word then equals gen, as the stores above
+            self._urma(win._rma.signal_many, remote, 8 * (row + me), 1)
         words = win._ctl[me][row:row + win._world]
         idx = np.asarray(members, dtype=np.int64)
 
@@ -598,4 +737,8 @@ class UbmemTransport:
 
         self._wait(lambda: bool(np.all(words[idx] >= gen)), "barrier", win, f"{phase}, team {team.name}",
                    timeout_s, "raise", pending)
-        win.sync()
+        win.acquire()
+
+
+#: The class's name from before it handled URMA pairs; kept so existing callers keep working.
+UbmemTransport = Transport

@@ -1,0 +1,196 @@
+"""URMA backend: one-sided MPI RMA between nodes (transports §4.1, option A).
+
+Each :class:`~transports.ubmem.SymmetricWindow` of a job with more than one node exposes its
+rank's node-shared segment (``[control | data]``) a second time, world-wide, with
+``MPI_Win_create``; peers on other nodes reach it only through this RMA window, peers on the
+same node keep load/store access (UBMEM). The two access paths never write the same word: a
+signal word ``slot[s][src]`` is written only by ``src``, with stores if ``src`` shares the node
+and with RMA accumulates otherwise.
+
+Operations (all on a passive-target epoch opened by ``Lock_all(MODE_NOCHECK)`` for the window's
+life; displacements are byte offsets into the segment, ``disp_unit`` 1):
+
+- put = ``Put`` → ``Flush_local`` (source reusable; remote completion at the next flush);
+- put with signal = ``Put`` → ``Flush`` → ``Accumulate(SUM)`` → ``Flush``: MPI orders
+  accumulates among themselves but not a put against an accumulate, hence the middle flush;
+- signal = [``Flush`` if the window has unflushed puts to ``dst``] → ``Accumulate`` → ``Flush``;
+- get = ``Get`` → ``Flush``.
+
+Signals use ``MPI_INT64_T`` on both sides (MPICH rejects numpy's default ``MPI_LONG`` against an
+``INT64_T`` target) and only ``MPI_SUM``, matching the ``accumulate_ops=same_op_no_op`` hint.
+
+Targets read their control words with plain loads, which the ``MPI_WIN_UNIFIED`` memory model
+allows (a window reporting the separate model is refused). Over active-message transports
+(UCX/TCP) an RMA operation lands only while the target is inside MPI, so every wait loop of the
+transport calls :meth:`Progress.poke` (``Iprobe`` on a private communicator).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .errors import TransportConfigError, TransportRuntimeError
+
+#: ``progress()`` calls closer together than this are skipped (transports §3.4: ~100 µs).
+PROGRESS_INTERVAL_S = 100e-6
+
+
+def _memory_model(win) -> int:
+    """The window's ``MPI_WIN_MODEL`` attribute (a function so tests can pretend otherwise)."""
+    return win.model
+
+
+class Progress:
+    """Drives MPI progress for incoming RMA traffic: ``Iprobe`` on a private duplicate of ``comm``.
+
+    Nothing is ever sent on the duplicate, so the probe matches nothing; its only effect is
+    one pass of MPICH's progress engine, which applies pending active-message puts and
+    accumulates targeting this rank.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()
+        self._last = 0.0
+
+    def poke(self, force: bool = False) -> None:
+        """One progress pass, unless the previous one is younger than ~100 µs (``force`` ignores that)."""
+        now = time.monotonic()
+        if force or now - self._last >= PROGRESS_INTERVAL_S:
+            self._last = now
+            self.comm.Iprobe()
+
+    def free(self) -> None:
+        self.comm.Free()
+
+
+class RmaWindow:
+    """The world-wide RMA exposure of one rank's segment of a symmetric window.
+
+    Args:
+        segment: this rank's segment (buffer protocol object, e.g. from ``Shared_query``), exposed
+            as is: displacements are byte offsets into it.
+        comm: the world communicator (collective call).
+        rank: this rank (for messages). name: the window's label (for messages).
+    Raises:
+        TransportConfigError: on every rank, when any rank's window is not ``MPI_WIN_UNIFIED``
+            (the RMA window is freed first).
+        TransportRuntimeError: ``MPI_Win_create`` failed.
+    """
+
+    def __init__(self, segment, comm, rank: int, name: str):
+        from mpi4py import MPI
+
+        self.name, self.rank = name, rank
+        self.dirty = set()  # ranks with puts not yet flushed to remote completion
+        self._one = np.zeros(1, dtype=np.int64)  # origin buffer of accumulates (flushed before reuse)
+        info = MPI.Info.Create()
+        info.Set("accumulate_ops", "same_op_no_op")
+        try:
+            self.win = MPI.Win.Create(segment, 1, info=info, comm=comm)
+        except MPI.Exception as exc:
+            raise TransportRuntimeError(
+                f"rank {rank}: MPI_Win_create of window '{name}' for URMA failed: {exc.Get_error_string()}") from None
+        finally:
+            info.Free()
+        unified = int(_memory_model(self.win) == MPI.WIN_UNIFIED)
+        if comm.allreduce(unified, op=MPI.MIN) == 0:
+            self.win.Free()
+            raise TransportConfigError(
+                f"rank {rank}: window '{name}': MPI reports the separate memory model (MPI_WIN_SEPARATE) on "
+                f"some rank; the URMA backend needs MPI_WIN_UNIFIED because targets read their signal words "
+                f"with plain loads (on this rank: {'unified' if unified else 'separate'})")
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self._MPI = MPI
+
+    def _fail(self, op: str, peer, exc) -> TransportRuntimeError:
+        return TransportRuntimeError(f"rank {self.rank}: {op}(win='{self.name}', peer {peer}) over URMA failed: "
+                                     f"{exc.Get_error_string()}")
+
+    def put(self, dst: int, disp: int, src: np.ndarray, signal_disp: int | None = None, add: int = 0) -> None:
+        """``Put`` the uint8 array ``src`` at byte ``disp`` of ``dst``; with ``signal_disp``, add ``add`` there after.
+
+        Without a signal: ``Flush_local`` (``src`` reusable, ``dst`` marked dirty). With one:
+        ``Flush(dst)`` → ``Accumulate`` → ``Flush(dst)`` (remote completion of both).
+        """
+        MPI = self._MPI
+        try:
+            if src.size:
+                self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
+            if signal_disp is None:
+                if src.size:
+                    self.win.Flush_local(dst)
+                    self.dirty.add(dst)
+                return
+            self.win.Flush(dst)
+            self.dirty.discard(dst)
+            self._accumulate(dst, signal_disp, add)
+        except MPI.Exception as exc:
+            raise self._fail("put_with_signal" if signal_disp is not None else "put", dst, exc) from None
+
+    def signal(self, dst: int, disp: int, add: int, ordered: bool) -> None:
+        """Atomically add ``add`` to the int64 word at byte ``disp`` of ``dst``; remote complete on return.
+
+        ``ordered``: earlier puts to ``dst`` on this window complete remotely first (release).
+        """
+        MPI = self._MPI
+        try:
+            if ordered and dst in self.dirty:
+                self.win.Flush(dst)
+                self.dirty.discard(dst)
+            self._accumulate(dst, disp, add)
+        except MPI.Exception as exc:
+            raise self._fail("signal", dst, exc) from None
+
+    def signal_many(self, dsts, disp: int, add: int) -> None:
+        """Add ``add`` to the word at byte ``disp`` of every rank in ``dsts``, then one ``Flush_all``.
+
+        Unordered with respect to earlier puts: flush them first (the barrier does).
+        """
+        MPI = self._MPI
+        try:
+            self._one[0] = add  # every accumulate reads the same origin word until the flush
+            for dst in dsts:
+                self.win.Accumulate([self._one, MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
+            self.win.Flush_all()
+        except MPI.Exception as exc:
+            raise self._fail("barrier", list(dsts), exc) from None
+
+    def _accumulate(self, dst: int, disp: int, add: int) -> None:
+        MPI = self._MPI
+        self._one[0] = add
+        self.win.Accumulate([self._one, MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
+        self.win.Flush(dst)
+
+    def get(self, src: int, disp: int, out: np.ndarray) -> None:
+        """Read ``out.size`` bytes at byte ``disp`` of ``src`` into the uint8 array ``out`` (``Get`` → ``Flush``)."""
+        MPI = self._MPI
+        try:
+            self.win.Get([out, MPI.BYTE], src, target=[disp, out.size, MPI.BYTE])
+            self.win.Flush(src)
+        except MPI.Exception as exc:
+            raise self._fail("get", src, exc) from None
+
+    def flush(self, dst: int | None = None) -> None:
+        """Remote completion of this rank's puts to ``dst`` (``None``: to every rank)."""
+        MPI = self._MPI
+        try:
+            if dst is None:
+                if self.dirty:
+                    self.win.Flush_all()
+                    self.dirty.clear()
+            elif dst in self.dirty:
+                self.win.Flush(dst)
+                self.dirty.discard(dst)
+        except MPI.Exception as exc:
+            raise self._fail("flush", "all" if dst is None else dst, exc) from None
+
+    def sync(self) -> None:
+        """``MPI_Win_sync`` on the RMA window (acquire side, together with the shared window's)."""
+        self.win.Sync()
+
+    def free(self) -> None:
+        """Collective: end the epoch and free the RMA window (before the segment's shared window)."""
+        self.win.Unlock_all()
+        self.win.Free()
