@@ -9,7 +9,11 @@ from .config import Config
 from .event import EventHandle, EventOverlap
 from .intranode import ConsensusError
 from .layout import topk_idx_t
+from . import grouped_gemm, quant  # DeepGEMM-aligned codecs and grouped GEMMs
+from .grouped_gemm import *  # noqa: F401,F403
+from .quant import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "ConsensusError", "topk_idx_t", "__version__"]
+__all__ += quant.__all__ + grouped_gemm.__all__

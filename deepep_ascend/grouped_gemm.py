@@ -1,0 +1,797 @@
+"""DeepGEMM-aligned grouped GEMMs on CPU torch (mega-moe.md §3).
+
+Naming (DeepGEMM): the first letter is A's storage (``n`` = ``[M, K]``, ``t`` = ``[K, M]``), the
+second B's (``t`` = ``[N, K]``, ``n`` = ``[K, N]``); every variant computes
+``D[M, N] (+)= op(A) @ op(B)``, so ``_nt`` is ``A @ B.T``. Results are written into ``d`` in
+place (any strides); the functions return ``None`` like DeepGEMM.
+
+Math. BF16: ``d = bf16(A @ B.T)`` with float32 accumulation (torch's CPU bf16 matmul). FP8/FP4:
+each operand is a ``(data, sf)`` pair and is dequantized first, ``deq[mn, k] = value(data[mn,
+k]) * sf[mn // gran_mn, k // gran_k]`` in float32 (FP4 values from the e2m1 table), then
+``d = bf16(deq(A) @ deq(B).T)``. When both dequantized operands are exactly representable in
+bf16 (power-of-two UE8M0 scales) the product runs as a bf16 matmul with float32 accumulation,
+which is exact emulation of block-scaled MMA; otherwise (legacy float32 scales) in float32.
+Weights (B) are dequantized once and cached by tensor identity and version
+(:func:`deepep_ascend.quant.dequantize_weights`). K-grouped results accumulate in float32.
+
+Scale factors (``recipe``): ``(gran_m_a, gran_n_b, gran_k)`` or per operand ``recipe_a`` /
+``recipe_b`` = ``(gran_mn, gran_k)``. Without a recipe it is inferred per operand: float32 A
+scales are per token at 128 (``(1, 128)``); float32 B scales ``[G, ceil(N/128), ceil(K/128)]``
+are 128×128 blocks, ``[G, N, ceil(K/128)]`` per row; packed UE8M0 (int32) scales are per row
+at ``gran_k`` 128 for FP8 data and 32 for FP4 data, unless only the other granularity matches
+the scale width. Scales are logical ``[..., MN, K-groups]`` whatever the data storage (``nn``
+B scales are ``[G, N, ...]``).
+
+Layouts:
+
+* **m-grouped contiguous**: ``a [M, K]``, ``b [G, N, K]`` (``nt``) or ``[G, K, N]`` (``nn``),
+  ``d`` bf16 ``[M, N]``. ``grouped_layout`` int32 ``[M]``: ``g`` marks a row of group ``g``,
+  ``-1`` a padding row (written as zeros); each group is one contiguous run starting at a
+  multiple of :func:`get_mk_alignment_for_contiguous_layout` (``ValueError`` otherwise). With
+  ``use_psum_layout``: int32 ``[G]`` non-decreasing exclusive ends; group ``g`` covers
+  ``[align(end[g-1]), end[g])``; other rows are untouched except ``[end[g], align(end[g]))``,
+  zeroed when ``ensure_zero_padding``.
+* **m-grouped masked** (DeepEP low-latency layout): ``a [G, Mmax, K]``, ``b [G, N, K]``,
+  ``d [G, Mmax, N]``, ``masked_m`` int32 ``[G]``: ``d[g, :masked_m[g]] = a[g, :masked_m[g]] @
+  b[g].T``; rows past ``masked_m[g]`` are untouched; ``expected_m`` is a hint.
+* **k-grouped** (weight gradients): ``tn``: ``a [ΣK, M]``, ``b [ΣK, N]``; ``nt``: ``a [M, ΣK]``,
+  ``b [N, ΣK]``; ``d``/``c`` float32 ``[G, M, N]``: ``d[g] = c[g] + A_g^T B_g`` over group
+  ``g``'s K segment (``c=None`` means zeros; ``c`` may alias ``d``).
+
+``compiled_dims``, ``disable_ue8m0_cast``, ``expected_m`` and ``expected_m_for_psum_layout`` are
+accepted for API parity and do not change results. Bad shapes, dtypes or layouts raise
+``ValueError``/``TypeError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .quant import (
+    _dequantize_operand,
+    _to_exact_bf16,
+    align,
+    ceil_div,
+    dequantize_weights,
+)
+
+__all__ = [
+    "bf16_gemm_nn",
+    "bf16_gemm_nt",
+    "bf16_gemm_tn",
+    "bf16_gemm_tt",
+    "bf16_m_grouped_gemm_nt_masked",
+    "fp8_fp4_gemm_nn",
+    "fp8_fp4_gemm_nt",
+    "fp8_fp4_gemm_tn",
+    "fp8_fp4_gemm_tt",
+    "fp8_gemm_nn",
+    "fp8_gemm_nt",
+    "fp8_gemm_tn",
+    "fp8_gemm_tt",
+    "fp8_m_grouped_gemm_nt_masked",
+    "get_k_alignment_for_contiguous_layout",
+    "get_m_alignment_for_contiguous_layout",
+    "get_mk_alignment_for_contiguous_layout",
+    "get_theoretical_mk_alignment_for_contiguous_layout",
+    "k_grouped_bf16_gemm_tn_contiguous",
+    "k_grouped_fp8_gemm_nt_contiguous",
+    "k_grouped_fp8_gemm_tn_contiguous",
+    "m_grouped_bf16_gemm_nn_contiguous",
+    "m_grouped_bf16_gemm_nt_contiguous",
+    "m_grouped_bf16_gemm_nt_masked",
+    "m_grouped_fp8_fp4_gemm_nn_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_masked",
+    "m_grouped_fp8_gemm_nn_contiguous",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "set_mk_alignment_for_contiguous_layout",
+]
+
+BF16 = torch.bfloat16
+FP32 = torch.float32
+_FP8 = torch.float8_e4m3fn
+
+# ----------------------------------------------------------------------------------------------
+# alignment
+
+_mk_alignment = 128
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """Rows (m-grouped) or K (k-grouped) per group are aligned to this; default 128."""
+    return _mk_alignment
+
+
+def set_mk_alignment_for_contiguous_layout(new_value: int) -> None:
+    """Set the contiguous-layout alignment (a positive int; ``ValueError`` otherwise)."""
+    global _mk_alignment
+    if not isinstance(new_value, int) or isinstance(new_value, bool) or new_value <= 0:
+        raise ValueError(f"new_value must be a positive int, got {new_value!r}")
+    _mk_alignment = new_value
+
+
+def get_theoretical_mk_alignment_for_contiguous_layout(
+    expected_m: int | None = None,
+) -> int:
+    """The alignment the kernels would pick for ``expected_m``; on CPU the current value."""
+    return _mk_alignment
+
+
+get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _tensor(name, t, dtypes=None, dim=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(
+            f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}"
+        )
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _pair(name, p) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(p, (tuple, list)) or len(p) != 2:
+        raise TypeError(f"{name} must be a (data, sf) pair, got {type(p).__name__}")
+    data, sf = p
+    _tensor(f"{name}[0] (data)", data, (_FP8, torch.int8, torch.uint8))
+    _tensor(f"{name}[1] (sf)", sf, (FP32, torch.int32))
+    return data, sf
+
+
+def _int_list(name, t, length=None) -> list[int]:
+    _tensor(name, t, (torch.int32, torch.int64), 1)
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name} must have {length} entries, got {t.numel()}")
+    return [int(v) for v in t.tolist()]
+
+
+def _k_of(data: torch.Tensor, k_dim: int = -1) -> int:
+    """Logical K of an operand stored K-major: FP4 packs two values per byte."""
+    return data.size(k_dim) * (2 if data.dtype in (torch.int8, torch.uint8) else 1)
+
+
+def _resolve_grans(a, b, recipe, recipe_a, recipe_b, k, n, num_b_dims):
+    """((gran_m_a, gran_k_a), (gran_n_b, gran_k_b)) from the recipe or the scales."""
+    (a_data, a_sf), (b_data, b_sf) = a, b
+
+    def infer(data, sf, mn_extent, is_b):
+        fp4 = data.dtype != _FP8
+        if sf.dtype == FP32:
+            if is_b and sf.dim() == num_b_dims and sf.size(-2) != mn_extent:
+                return (128, 128)
+            return (1, 128)
+        words = sf.size(-1)
+        pref, other = (32, 128) if fp4 else (128, 32)
+        for g in (pref, other):
+            if ceil_div(ceil_div(k, g), 4) == words:
+                return (1, g)
+        return (1, pref)
+
+    if recipe_a is not None or recipe_b is not None:
+        ga = (
+            tuple(recipe_a)
+            if recipe_a is not None
+            else infer(a_data, a_sf, None, False)
+        )
+        gb = tuple(recipe_b) if recipe_b is not None else infer(b_data, b_sf, n, True)
+    elif recipe is not None:
+        recipe = tuple(recipe)
+        if len(recipe) != 3:
+            raise ValueError(
+                f"recipe must be (gran_m_a, gran_n_b, gran_k), got {recipe}"
+            )
+        ga, gb = (recipe[0], recipe[2]), (recipe[1], recipe[2])
+    else:
+        ga, gb = infer(a_data, a_sf, None, False), infer(b_data, b_sf, n, True)
+    for name, g in (("recipe_a", ga), ("recipe_b", gb)):
+        if len(g) != 2 or any(not isinstance(v, int) or v <= 0 for v in g):
+            raise ValueError(f"{name} must be (gran_mn, gran_k) positive ints, got {g}")
+    return ga, gb
+
+
+def _matmul_bf16_out(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x @ w_t`` with float32 accumulation; float32 operands go through a float32 matmul."""
+    if x.dtype == BF16 and w_t.dtype == BF16:
+        return torch.matmul(x, w_t)
+    return torch.matmul(x.float(), w_t.float()).to(BF16)
+
+
+class _Operands:
+    """Per-group access to A rows and B weights, bf16 or FP8/FP4 (dequantized)."""
+
+    def __init__(
+        self, a, b, kind: str, b_layout: str, recipe=None, recipe_a=None, recipe_b=None
+    ):
+        self.fp8 = kind == "fp8"
+        self.b_layout = b_layout  # "nt": b [G, N, K]; "nn": b [G, K, N]
+        if self.fp8:
+            self.a_data, self.a_sf = _pair("a", a)
+            self.b_data, self.b_sf = _pair("b", b)
+            if self.a_data.dtype != _FP8:
+                raise TypeError(f"a[0] must be float8_e4m3fn, got {self.a_data.dtype}")
+            if b_layout == "nn" and self.b_data.dtype != _FP8:
+                raise TypeError("packed FP4 B is only supported with the nt layout")
+            self.a_t, self.b_t = self.a_data, self.b_data
+        else:
+            self.a_t = _tensor("a", a, (BF16,))
+            self.b_t = _tensor("b", b, (BF16,))
+        self.k = _k_of(self.a_t)
+        bk = _k_of(self.b_t, -1 if b_layout == "nt" else -2)
+        if self.b_t.dim() != 3:
+            raise ValueError(
+                f"b must be 3-D [G, N, K] / [G, K, N], got shape {tuple(self.b_t.shape)}"
+            )
+        if bk != self.k:
+            raise ValueError(f"K mismatch: a has K={self.k}, b has K={bk}")
+        self.g = self.b_t.size(0)
+        self.n = self.b_t.size(1) if b_layout == "nt" else self.b_t.size(2)
+        if self.fp8:
+            self.ga, self.gb = _resolve_grans(
+                (self.a_data, self.a_sf),
+                (self.b_data, self.b_sf),
+                recipe,
+                recipe_a,
+                recipe_b,
+                self.k,
+                self.n,
+                3,
+            )
+            if self.ga[0] != 1:
+                raise ValueError(
+                    f"A scales must be per row (gran_m 1), got recipe_a {self.ga}"
+                )
+            self._b_deq = None
+
+    def weight_t(self, g: int) -> torch.Tensor:
+        """``B[g]`` as ``[K, N]`` (bf16 or float32)."""
+        if not self.fp8:
+            return self.b_t[g].t() if self.b_layout == "nt" else self.b_t[g]
+        if self._b_deq is None:
+            self._b_deq = dequantize_weights(
+                self.b_data,
+                self.b_sf,
+                self.gb[0],
+                self.gb[1],
+                k_major=self.b_layout == "nt",
+            )
+        return self._b_deq[g].t()
+
+    def rows(self, a_data, a_sf=None) -> torch.Tensor:
+        if not self.fp8:
+            return a_data
+        return _to_exact_bf16(_dequantize_operand(a_data, a_sf, 1, self.ga[1], "a"))
+
+
+def _check_d(d, shape, dtypes=(BF16,)):
+    _tensor("d", d, dtypes)
+    if tuple(d.shape) != tuple(shape):
+        raise ValueError(f"d must have shape {tuple(shape)}, got {tuple(d.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# m-grouped contiguous
+
+
+def _contiguous_runs(layout: list[int], m: int, num_groups: int, use_psum: bool):
+    """[(group, start, end)] for groups with rows, plus [(start, end)] padding ranges to zero."""
+    alignment = _mk_alignment
+    runs, zero = [], []
+    if use_psum:
+        prev = 0
+        for g, end in enumerate(layout):
+            start = align(prev, alignment)
+            if end < prev:
+                raise ValueError(
+                    f"grouped_layout (psum) must be non-decreasing, got {layout}"
+                )
+            if end != prev and end < start:
+                raise ValueError(
+                    f"grouped_layout (psum): group {g} ends at {end}, before its aligned start {start}"
+                )
+            if end > m:
+                raise ValueError(f"grouped_layout (psum): end {end} exceeds M={m}")
+            if end > start:
+                runs.append((g, start, end))
+            zero.append((end, min(align(end, alignment), m)))
+            prev = end
+        return runs, zero
+    t = torch.tensor(layout, dtype=torch.int64)
+    if m and bool(((t < -1) | (t >= num_groups)).any()):
+        raise ValueError(f"grouped_layout values must be -1 or in [0, {num_groups})")
+    if m == 0:
+        return runs, zero
+    vals, counts = torch.unique_consecutive(t, return_counts=True)
+    ends = torch.cumsum(counts, 0).tolist()
+    seen = set()
+    for v, e, c in zip(vals.tolist(), ends, counts.tolist()):
+        s = e - c
+        if v < 0:
+            zero.append((s, e))
+            continue
+        if v in seen:
+            raise ValueError(f"grouped_layout: group {v} is not one contiguous run")
+        if s % alignment:
+            raise ValueError(
+                f"grouped_layout: group {v} starts at row {s}, not a multiple of the alignment "
+                f"{alignment} (get_mk_alignment_for_contiguous_layout)"
+            )
+        seen.add(v)
+        runs.append((v, s, e))
+    return runs, zero
+
+
+def _m_grouped_contiguous(
+    ops: _Operands, d, grouped_layout, use_psum_layout, ensure_zero_padding
+):
+    m = ops.a_t.size(0)
+    if ops.a_t.dim() != 2:
+        raise ValueError(f"a must be 2-D [M, K], got shape {tuple(ops.a_t.shape)}")
+    _check_d(d, (m, ops.n))
+    if use_psum_layout:
+        layout = _int_list("grouped_layout", grouped_layout, ops.g)
+    else:
+        layout = _int_list("grouped_layout", grouped_layout, m)
+    runs, zero = _contiguous_runs(layout, m, ops.g, use_psum_layout)
+    if ops.fp8 and ops.a_sf.size(0) != m:
+        raise ValueError(
+            f"a[1] (sf) must have {m} rows, got shape {tuple(ops.a_sf.shape)}"
+        )
+    for g, s, e in runs:
+        x = ops.rows(ops.a_t[s:e], ops.a_sf[s:e] if ops.fp8 else None)
+        d[s:e] = _matmul_bf16_out(x, ops.weight_t(g))
+    if ensure_zero_padding or not use_psum_layout:
+        for s, e in zero:
+            if e > s:
+                d[s:e] = 0
+
+
+def m_grouped_bf16_gemm_nt_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    compiled_dims="nk",
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+    expected_m_for_psum_layout=None,
+) -> None:
+    """``d[rows of g] = bf16(a[rows] @ b[g].T)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[G, N, K]``,
+    ``d`` bf16 ``[M, N]``, ``grouped_layout`` int32 ``[M]`` (or ``[G]`` psum ends)."""
+    ops = _Operands(a, b, "bf16", "nt")
+    _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
+
+
+def m_grouped_bf16_gemm_nn_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    compiled_dims="nk",
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+) -> None:
+    """As :func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` bf16 ``[G, K, N]``: ``a @ b[g]``."""
+    ops = _Operands(a, b, "bf16", "nn")
+    _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
+
+
+def m_grouped_fp8_fp4_gemm_nt_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+    expected_m_for_psum_layout=None,
+) -> None:
+    """FP8/FP4 m-grouped contiguous GEMM: ``a = (e4m3 [M, K], sf)``, ``b = (e4m3 [G, N, K] or
+    FP4 int8 [G, N, K/2], sf)``, ``d`` bf16 ``[M, N]``; ``d = bf16(deq(a) @ deq(b[g]).T)``."""
+    ops = _Operands(a, b, "fp8", "nt", recipe, recipe_a, recipe_b)
+    _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
+
+
+def m_grouped_fp8_fp4_gemm_nn_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+) -> None:
+    """As the ``nt`` variant with FP8 ``b = (e4m3 [G, K, N], sf [G, N-logical, K-groups])``."""
+    ops = _Operands(a, b, "fp8", "nn", recipe, recipe_a, recipe_b)
+    _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
+
+
+m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous
+m_grouped_fp8_gemm_nn_contiguous = m_grouped_fp8_fp4_gemm_nn_contiguous
+
+
+# ----------------------------------------------------------------------------------------------
+# m-grouped masked
+
+
+def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
+    if ops.a_t.dim() != 3 or ops.a_t.size(0) != ops.g:
+        raise ValueError(
+            f"a must be [G={ops.g}, Mmax, K], got shape {tuple(ops.a_t.shape)}"
+        )
+    mmax = ops.a_t.size(1)
+    _check_d(d, (ops.g, mmax, ops.n))
+    counts = _int_list("masked_m", masked_m, ops.g)
+    if any(c < 0 or c > mmax for c in counts):
+        raise ValueError(f"masked_m entries must be in [0, {mmax}], got {counts}")
+    if (
+        not isinstance(expected_m, int)
+        or isinstance(expected_m, bool)
+        or expected_m < 0
+    ):
+        raise ValueError(
+            f"expected_m must be a non-negative int (a hint), got {expected_m!r}"
+        )
+    if ops.fp8 and tuple(ops.a_sf.shape[:2]) != (ops.g, mmax):
+        raise ValueError(
+            f"a[1] (sf) must be [G, Mmax, ...], got shape {tuple(ops.a_sf.shape)}"
+        )
+    for g, c in enumerate(counts):
+        if c:
+            x = ops.rows(ops.a_t[g, :c], ops.a_sf[g, :c] if ops.fp8 else None)
+            d[g, :c] = _matmul_bf16_out(x, ops.weight_t(g))
+
+
+def m_grouped_bf16_gemm_nt_masked(
+    a, b, d, masked_m, expected_m, compiled_dims="nk"
+) -> None:
+    """``d[g, :masked_m[g]] = bf16(a[g, :masked_m[g]] @ b[g].T)``; ``a`` bf16 ``[G, Mmax, K]``,
+    ``b`` bf16 ``[G, N, K]``, ``d`` bf16 ``[G, Mmax, N]``; other rows of ``d`` untouched."""
+    _m_grouped_masked(_Operands(a, b, "bf16", "nt"), d, masked_m, expected_m)
+
+
+def m_grouped_fp8_fp4_gemm_nt_masked(
+    a,
+    b,
+    d,
+    masked_m,
+    expected_m,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+) -> None:
+    """FP8/FP4 masked grouped GEMM: ``a = (e4m3 [G, Mmax, K], sf [G, Mmax, ...])``,
+    ``b = (e4m3 [G, N, K] or FP4 int8 [G, N, K/2], sf)``; as the bf16 masked variant."""
+    ops = _Operands(a, b, "fp8", "nt", recipe, recipe_a, recipe_b)
+    _m_grouped_masked(ops, d, masked_m, expected_m)
+
+
+m_grouped_fp8_gemm_nt_masked = m_grouped_fp8_fp4_gemm_nt_masked
+fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_fp4_gemm_nt_masked
+bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked
+
+
+# ----------------------------------------------------------------------------------------------
+# k-grouped
+
+
+def _k_segments(
+    ks_cpu, grouped_layout, use_psum_layout, total_k
+) -> list[tuple[int, int]]:
+    if grouped_layout is not None:
+        layout = _int_list("grouped_layout", grouped_layout)
+    else:
+        layout = None
+    if use_psum_layout:
+        if layout is None:
+            raise ValueError("use_psum_layout=True needs grouped_layout (psum ends)")
+        segs, prev = [], 0
+        for g, end in enumerate(layout):
+            start = align(prev, _mk_alignment)
+            if end < prev or (end != prev and end < start):
+                raise ValueError(
+                    f"grouped_layout (psum) invalid at group {g}: {layout}"
+                )
+            segs.append((start, max(start, end)) if end != prev else (start, start))
+            prev = end
+        ks = [e - s for s, e in segs]
+        if ks_cpu is not None and [int(v) for v in ks_cpu] != ks:
+            raise ValueError(
+                f"ks_cpu {list(ks_cpu)} disagrees with grouped_layout {layout}"
+            )
+    else:
+        if ks_cpu is None:
+            if layout is None:
+                raise ValueError("ks_cpu or grouped_layout is required")
+            ks = layout
+        else:
+            if not isinstance(ks_cpu, Sequence) or not all(
+                isinstance(v, int) for v in ks_cpu
+            ):
+                raise TypeError(f"ks_cpu must be a list of ints, got {ks_cpu!r}")
+            ks = list(ks_cpu)
+            if layout is not None and layout != ks:
+                raise ValueError(f"ks_cpu {ks} disagrees with grouped_layout {layout}")
+        if any(v < 0 for v in ks):
+            raise ValueError(f"ks must be non-negative, got {ks}")
+        segs, off = [], 0
+        for v in ks:
+            segs.append((off, off + v))
+            off += v
+    if segs and segs[-1][1] > total_k:
+        raise ValueError(
+            f"K segments end at {segs[-1][1]}, beyond the operands' K={total_k}"
+        )
+    return segs
+
+
+def _k_grouped(a_t, b_t, d, c, segs, gran_k=None):
+    """``a_t [ΣK, M]``, ``b_t [ΣK, N]`` float32 (or bf16) K-major views; float32 accumulation."""
+    m, n = a_t.size(1), b_t.size(1)
+    g = len(segs)
+    _check_d(d, (g, m, n), (FP32,))
+    if c is not None:
+        _tensor("c", c, (FP32,))
+        if tuple(c.shape) != (g, m, n):
+            raise ValueError(f"c must have shape {(g, m, n)}, got {tuple(c.shape)}")
+    for i, (s, e) in enumerate(segs):
+        if gran_k is not None and (s % gran_k or (e - s) % gran_k):
+            raise ValueError(
+                f"group {i}'s K segment [{s}, {e}) is not a multiple of gran_k={gran_k}"
+            )
+        acc = torch.matmul(a_t[s:e].t().float(), b_t[s:e].float())
+        d[i] = acc if c is None else c[i] + acc
+
+
+def k_grouped_bf16_gemm_tn_contiguous(
+    a,
+    b,
+    d,
+    ks_cpu,
+    grouped_layout,
+    c=None,
+    compiled_dims="mn",
+    use_psum_layout=False,
+) -> None:
+    """``d[g] = c[g] + a[seg_g].T @ b[seg_g]`` in float32; ``a`` bf16 ``[ΣK, M]``, ``b`` bf16
+    ``[ΣK, N]``, ``d``/``c`` float32 ``[G, M, N]``; ``ks_cpu`` per-group K (list of ints, 0
+    allowed) and ``grouped_layout`` int32 ``[G]`` the same Ks (or psum ends)."""
+    _tensor("a", a, (BF16,), 2)
+    _tensor("b", b, (BF16,), 2)
+    if a.size(0) != b.size(0):
+        raise ValueError(
+            f"a and b must have the same ΣK rows, got {a.size(0)} and {b.size(0)}"
+        )
+    segs = _k_segments(ks_cpu, grouped_layout, use_psum_layout, a.size(0))
+    _k_grouped(a, b, d, c, segs)
+
+
+def _per_channel_deq(name, pair, gran_k, k_axis):
+    data, sf = _pair(name, pair)
+    if data.dtype != _FP8 or sf.dtype != FP32:
+        raise TypeError(f"{name} must be (float8_e4m3fn data, float32 per-channel sf)")
+    if data.dim() != 2:
+        raise ValueError(f"{name}[0] must be 2-D, got shape {tuple(data.shape)}")
+    dk = data if k_axis == 0 else data.t()  # [ΣK, MN]
+    want = (ceil_div(dk.size(0), gran_k), dk.size(1))
+    sk = sf if k_axis == 0 else sf.t()
+    if tuple(sk.shape) != want:
+        raise ValueError(
+            f"{name}[1] (sf) must be {'[ΣK/gran_k, MN]' if k_axis == 0 else '[MN, ΣK/gran_k]'}"
+            f" = {want if k_axis == 0 else want[::-1]}, got {tuple(sf.shape)}"
+        )
+    return dk.float() * sk.repeat_interleave(gran_k, dim=0)[: dk.size(0)]
+
+
+def _k_grouped_fp8(a, b, d, ks_cpu, grouped_layout, c, recipe, use_psum_layout, k_axis):
+    recipe = tuple(recipe)
+    if len(recipe) != 3 or recipe[0] != 1 or recipe[1] != 1:
+        raise ValueError(f"k-grouped FP8 needs recipe (1, 1, gran_k), got {recipe}")
+    gran_k = recipe[2]
+    a_t = _per_channel_deq("a", a, gran_k, k_axis)
+    b_t = _per_channel_deq("b", b, gran_k, k_axis)
+    if a_t.size(0) != b_t.size(0):
+        raise ValueError(
+            f"a and b must have the same ΣK, got {a_t.size(0)} and {b_t.size(0)}"
+        )
+    segs = _k_segments(ks_cpu, grouped_layout, use_psum_layout, a_t.size(0))
+    _k_grouped(a_t, b_t, d, c, segs, gran_k)
+
+
+def k_grouped_fp8_gemm_tn_contiguous(
+    a,
+    b,
+    d,
+    ks_cpu,
+    grouped_layout,
+    c=None,
+    recipe=(1, 1, 128),
+    compiled_dims="mn",
+    use_psum_layout=False,
+) -> None:
+    """FP8 k-grouped, ``tn``: ``a = (e4m3 [ΣK, M], sf float32 [ΣK/gran_k, M])``, ``b = (e4m3
+    [ΣK, N], sf [ΣK/gran_k, N])`` (:func:`per_channel_cast_to_fp8`); per-group K must be a
+    multiple of ``gran_k`` so scales restart per group. ``d[g] = c[g] + deq(a)_g^T deq(b)_g``."""
+    _k_grouped_fp8(a, b, d, ks_cpu, grouped_layout, c, recipe, use_psum_layout, 0)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(
+    a,
+    b,
+    d,
+    ks_cpu,
+    grouped_layout,
+    c=None,
+    recipe=(1, 1, 128),
+    compiled_dims="mn",
+    use_psum_layout=False,
+) -> None:
+    """FP8 k-grouped, ``nt``: ``a = (e4m3 [M, ΣK], sf [M, ΣK/gran_k])``, ``b = (e4m3 [N, ΣK],
+    sf [N, ΣK/gran_k])``; same result as the ``tn`` variant on the transposed operands."""
+    _k_grouped_fp8(a, b, d, ks_cpu, grouped_layout, c, recipe, use_psum_layout, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# dense (G = 1)
+
+
+def _dense_out(x, w_t, d, c):
+    m, n = x.size(0), w_t.size(1)
+    _check_d(d, (m, n), (BF16, FP32))
+    if c is not None:
+        _tensor("c", c, (FP32,))
+        if tuple(c.shape) != (m, n):
+            raise ValueError(f"c must have shape {(m, n)}, got {tuple(c.shape)}")
+    if d.dtype == BF16 and c is None:
+        d.copy_(_matmul_bf16_out(x, w_t))
+        return
+    acc = torch.matmul(x.float(), w_t.float())
+    d.copy_(acc if c is None else c + acc)
+
+
+def _bf16_dense(a, b, d, c, layout):
+    _tensor("a", a, (BF16,), 2)
+    _tensor("b", b, (BF16,), 2)
+    x = a if layout[0] == "n" else a.t()
+    w_t = b.t() if layout[1] == "t" else b
+    if x.size(1) != w_t.size(0):
+        raise ValueError(
+            f"K mismatch: op(a) is {tuple(x.shape)}, op(b) is {tuple(w_t.shape)}"
+        )
+    _dense_out(x, w_t, d, c)
+
+
+def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk") -> None:
+    """``d = a @ b.T (+ c)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[N, K]``, ``d`` bf16/fp32."""
+    _bf16_dense(a, b, d, c, "nt")
+
+
+def bf16_gemm_nn(a, b, d, c=None, compiled_dims="nk") -> None:
+    """``d = a @ b (+ c)``; ``a`` ``[M, K]``, ``b`` ``[K, N]``."""
+    _bf16_dense(a, b, d, c, "nn")
+
+
+def bf16_gemm_tn(a, b, d, c=None, compiled_dims="mn") -> None:
+    """``d = a.T @ b (+ c)``; ``a`` ``[K, M]``, ``b`` ``[K, N]``."""
+    _bf16_dense(a, b, d, c, "tn")
+
+
+def bf16_gemm_tt(a, b, d, c=None, compiled_dims="mn") -> None:
+    """``d = a.T @ b.T (+ c)``; ``a`` ``[K, M]``, ``b`` ``[N, K]``."""
+    _bf16_dense(a, b, d, c, "tt")
+
+
+def _fp8_dense(a, b, d, c, layout, recipe, recipe_a, recipe_b):
+    a_data, a_sf = _pair("a", a)
+    b_data, b_sf = _pair("b", b)
+    if a_data.dim() != 2 or b_data.dim() != 2:
+        raise ValueError("a[0] and b[0] must be 2-D")
+    # logical K-major views [M, K] / [N, K]; scales are logical [MN, K-groups]
+    a_km = a_data if layout[0] == "n" else a_data.t()
+    b_km = b_data if layout[1] == "t" else b_data.t()
+    if layout != "nt" and (a_data.dtype != _FP8 or b_data.dtype != _FP8):
+        raise TypeError(
+            "packed FP4 operands are only supported K-major (the nt layout)"
+        )
+    k = _k_of(a_km)
+    if _k_of(b_km) != k:
+        raise ValueError(f"K mismatch: a has K={k}, b has K={_k_of(b_km)}")
+    ga, gb = _resolve_grans(
+        (a_km, a_sf), (b_km, b_sf), recipe, recipe_a, recipe_b, k, b_km.size(0), 2
+    )
+    x = _to_exact_bf16(_dequantize_operand(a_km, a_sf, ga[0], ga[1], "a"))
+    w = dequantize_weights(b_data, b_sf, gb[0], gb[1], k_major=layout[1] == "t")
+    _dense_out(
+        x if x.dtype == w.dtype else x.float(),
+        w.t() if x.dtype == w.dtype else w.t().float(),
+        d,
+        c,
+    )
+
+
+def fp8_fp4_gemm_nt(
+    a,
+    b,
+    d,
+    c=None,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+) -> None:
+    """``d = deq(a) @ deq(b).T (+ c)``; ``a = (e4m3 [M, K], sf)``, ``b = (e4m3 [N, K] or FP4
+    int8 [N, K/2], sf)``; ``d`` bf16 or float32."""
+    _fp8_dense(a, b, d, c, "nt", recipe, recipe_a, recipe_b)
+
+
+def fp8_fp4_gemm_nn(
+    a,
+    b,
+    d,
+    c=None,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+) -> None:
+    """``d = deq(a) @ deq(b) (+ c)``; ``b = (e4m3 [K, N], sf logical [N, K-groups])``."""
+    _fp8_dense(a, b, d, c, "nn", recipe, recipe_a, recipe_b)
+
+
+def fp8_fp4_gemm_tn(
+    a,
+    b,
+    d,
+    c=None,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="mn",
+    disable_ue8m0_cast=False,
+) -> None:
+    """``d = deq(a).T @ deq(b) (+ c)``; ``a = (e4m3 [K, M], sf logical [M, K-groups])``."""
+    _fp8_dense(a, b, d, c, "tn", recipe, recipe_a, recipe_b)
+
+
+def fp8_fp4_gemm_tt(
+    a,
+    b,
+    d,
+    c=None,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="mn",
+    disable_ue8m0_cast=False,
+) -> None:
+    """``d = deq(a).T @ deq(b).T (+ c)``."""
+    _fp8_dense(a, b, d, c, "tt", recipe, recipe_a, recipe_b)
+
+
+fp8_gemm_nt = fp8_fp4_gemm_nt
+fp8_gemm_nn = fp8_fp4_gemm_nn
+fp8_gemm_tn = fp8_fp4_gemm_tn
+fp8_gemm_tt = fp8_fp4_gemm_tt

@@ -1,0 +1,845 @@
+"""FP8 / FP4 codecs and UE8M0 scale packings, bit-exact with DeepGEMM and DeepEP.
+
+Spec: ``mega-moe.md`` §4 (formats, recipes, packings) and ``deepep-buffer-api.md`` §4.8 / §6.4
+(DeepEP's FP8 casts). Every function is vectorized torch on CPU; none loops over elements.
+
+Formats
+-------
+* **e4m3** (``torch.float8_e4m3fn``): max 448, no inf. Values are clamped to ±448 and then cast
+  with round-to-nearest-even (torch's CPU cast is RNE and saturating).
+* **UE8M0**: one byte ``b`` meaning ``2**(b - 127)``; 255 is NaN, 0 is ``2**-127``.
+  ``ceil_to_ue8m0`` rounds a float32 *up* to a power of two from its bits (exponent, +1 if any
+  mantissa bit is set, byte clamped to [1, 254]).
+* **Packed UE8M0 (DeepGEMM / DeepEP)**: four exponent bytes per int32, little-endian: byte ``j``
+  of word ``c`` is K-group ``4c + j``. A group count that is not a multiple of 4 is padded with
+  byte 127 (1.0). GEMM operands store it MN-major (``stride(-2) == 1``,
+  ``stride(-1) == get_tma_aligned_size(MN, 4)``).
+* **Packed UE8M0 pairs (Ascend)**: two exponent bytes per int16 (byte ``j`` of word ``c`` is
+  K-group ``2c + j``), MN-major with ``stride(-1) == get_tma_aligned_size(MN, 2)`` (our choice:
+  the same 16-byte rule). :func:`pack_ue8m0_pairs_mn_major` returns an input already in that
+  form unchanged (the same tensor object).
+* **FP4 e2m1** (MXFP4): magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} with codes 0..7, bit 3 the sign.
+  Encoding counts the thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that ``|x|`` *strictly*
+  exceeds (ties go to the smaller magnitude: 0.75 → 0.5, 1.75 → 1.5, 3.5 → 3) and saturates at 6;
+  a value that encodes to magnitude 0 never carries the sign (no −0 code). Two codes per byte,
+  element ``2i`` in the low nibble, stored as int8 ``[..., K/2]``. torch's
+  ``float4_e2m1fn_x2`` is storage-only on CPU (no casts, no indexing), so it is accepted only as
+  an input to :func:`unpack_fp4` (viewed as bytes).
+
+Two FP8 per-token recipes exist upstream and differ in rare last-bit cases:
+
+* DeepGEMM (``per_token_cast_to_fp8``, ``per_block_cast_to_fp8``, ...; mega-moe.md §4):
+  ``sf = amax / 448`` (optionally ``ceil_to_ue8m0``), ``data = e4m3(x * (1 / sf))``.
+* DeepEP (:func:`low_latency_cast_to_fp8`, deepep-buffer-api.md §6.4, and with
+  ``scale_style='deepep'`` the normal-mode helper of §4.8): ``data = e4m3(x * (448 / amax))``;
+  the LL kernel stores ``amax * f32(1/448)`` and with ``round_scale`` derives the power of two
+  from those bits.
+
+Power-of-two scales make dequantized FP8/FP4 values exact in bf16 (barring underflow below bf16's
+smallest subnormal), which is what :func:`dequantize_weights` checks before returning a cached
+bf16 copy; otherwise it returns float32.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "FP4_E2M1_MAX",
+    "FP8_E4M3_MAX",
+    "align",
+    "cast_back_from_fp4",
+    "cast_to_e4m3",
+    "ceil_div",
+    "ceil_to_ue8m0",
+    "clear_dequantized_weight_cache",
+    "dequantize_e2m1",
+    "dequantize_weights",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_mn_major_tma_aligned_tensor",
+    "get_tma_aligned_size",
+    "low_latency_cast_to_fp8",
+    "pack_fp4",
+    "pack_ue8m0_pairs_mn_major",
+    "pack_ue8m0_to_int",
+    "per_block_cast_back",
+    "per_block_cast_to_fp8",
+    "per_channel_cast_to_fp8",
+    "per_token_cast_back",
+    "per_token_cast_to_fp4",
+    "per_token_cast_to_fp8",
+    "quantize_e2m1",
+    "set_dequantized_weight_cache",
+    "transform_sf_into_required_layout",
+    "ue8m0_bytes",
+    "unpack_fp4",
+    "unpack_ue8m0_from_int",
+]
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+_AMAX_FLOOR = 1e-4
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_UE8M0_PAD_BYTE = 127  # upstream pads packed groups with 1.0
+_INT_DTYPES_FOR_UE8M0 = (torch.int32, torch.int16, torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+
+def ceil_div(x: int, y: int) -> int:
+    """``ceil(x / y)`` for non-negative ints."""
+    return (x + y - 1) // y
+
+
+def align(x: int, y: int) -> int:
+    """Smallest multiple of ``y`` that is ``>= x``."""
+    return ceil_div(x, y) * y
+
+
+def get_tma_aligned_size(mn: int, element_size: int) -> int:
+    """MN extent padded to 16 bytes: ``align(mn, 16 // element_size)`` (DeepGEMM's TMA rule).
+
+    Raises ``ValueError`` if ``element_size`` does not divide 16.
+    """
+    if element_size <= 0 or 16 % element_size != 0:
+        raise ValueError(f"element_size must divide 16, got {element_size}")
+    return align(mn, 16 // element_size)
+
+
+def _check_tensor(name: str, t, dtypes=None, dims=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({want}), got {t.dtype}")
+    if dims is not None and t.dim() not in dims:
+        raise ValueError(
+            f"{name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _check_gran(name: str, gran: int) -> int:
+    if not isinstance(gran, int) or isinstance(gran, bool) or gran <= 0:
+        raise ValueError(f"{name} must be a positive int, got {gran!r}")
+    return gran
+
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Clamp to ±448, then cast to ``float8_e4m3fn`` with round-to-nearest-even (NaN stays NaN)."""
+    _check_tensor("x", x, _FLOAT_INPUTS)
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """Round ``|x|`` up to a power of two, from the float32 bits (mega-moe.md §4, DeepEP §6.4).
+
+    ``e = exponent(|x|) + (1 if any mantissa bit else 0)``, clamped to [1, 254]; returns float32
+    ``2**(e - 127)`` with ``x``'s shape. So ``0`` gives ``2**-126`` (the clamp) and values at or
+    above ``2**127`` give ``2**127``. Raises ``TypeError`` for a non-floating tensor.
+    """
+    _check_tensor("x", x, _FLOAT_INPUTS)
+    bits = x.abs().float().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp.clamp(1, 254) << 23).view(torch.float32)
+
+
+def ue8m0_bytes(sf: torch.Tensor) -> torch.Tensor:
+    """Exponent bytes (uint8, ``b = e + 127``) of float32 powers of two ``2**e``, same shape.
+
+    Raises ``TypeError`` unless ``sf`` is float32 and ``ValueError`` if an element is not a
+    positive normal power of two (mantissa bits set, zero, negative, subnormal, inf or NaN);
+    round with :func:`ceil_to_ue8m0` first.
+    """
+    _check_tensor("sf", sf, (torch.float32,))
+    bits = sf.contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    bad = ((bits & 0x7FFFFF) != 0) | (bits < 0) | (exp == 0) | (exp == 255)
+    if bool(bad.any()):
+        raise ValueError(
+            f"sf must hold positive normal powers of two to be stored as UE8M0; got e.g. "
+            f"{sf.reshape(-1)[bad.reshape(-1)][:4].tolist()} (use ceil_to_ue8m0)"
+        )
+    return exp.to(torch.uint8)
+
+
+def _ue8m0_byte_to_float(b: torch.Tensor) -> torch.Tensor:
+    """uint8 exponent bytes -> float32 ``2**(b-127)`` (0 -> 2**-127 subnormal, 255 -> NaN)."""
+    b32 = b.to(torch.int32)
+    f = (b32 << 23).view(torch.float32)
+    f = torch.where(b32 == 0, torch.tensor(2.0**-127, dtype=torch.float32), f)
+    return torch.where(b32 == 255, torch.tensor(float("nan"), dtype=torch.float32), f)
+
+
+def _pack_bytes(b: torch.Tensor, per_word: int) -> torch.Tensor:
+    """uint8 ``[..., G]`` -> int32 (4 per word) or int16 (2 per word) ``[..., ceil(G/per_word)]``,
+    little-endian, padded with byte 127; contiguous row-major."""
+    g = b.size(-1)
+    padded_g = align(g, per_word)
+    if padded_g != g:
+        pad = torch.full(
+            (*b.shape[:-1], padded_g - g), _UE8M0_PAD_BYTE, dtype=torch.uint8
+        )
+        b = torch.cat([b, pad], dim=-1)
+    dtype = torch.int32 if per_word == 4 else torch.int16
+    return b.contiguous().view(dtype)
+
+
+def pack_ue8m0_to_int(x: torch.Tensor) -> torch.Tensor:
+    """Pack float32 power-of-two scales ``[..., G]`` into int32 ``[..., ceil(G/4)]`` (row-major).
+
+    Four exponent bytes per int32, little-endian (byte ``j`` of word ``c`` is group ``4c + j``);
+    when ``G % 4 != 0`` the missing bytes are 127 (DeepGEMM's helper requires ``G % 4 == 0``;
+    mega-moe.md §4 pads). Raises ``TypeError``/``ValueError`` as :func:`ue8m0_bytes` and for a
+    0-dim input.
+    """
+    _check_tensor("x", x, (torch.float32,))
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the group axis)")
+    return _pack_bytes(ue8m0_bytes(x), 4)
+
+
+def unpack_ue8m0_from_int(packed_sf: torch.Tensor) -> torch.Tensor:
+    """Inverse of the packings: int32 ``[..., W]`` -> float32 ``[..., 4W]``, int16 ``[..., W]``
+    -> float32 ``[..., 2W]``, uint8 bytes ``[..., W]`` -> ``[..., W]``. Any strides (MN-major is
+    fine). Pad groups come back as 1.0; slice to the real group count. Byte 0 decodes to
+    ``2**-127`` and byte 255 to NaN (spec §4). Raises ``TypeError`` for other dtypes.
+    """
+    _check_tensor("packed_sf", packed_sf, _INT_DTYPES_FOR_UE8M0)
+    if packed_sf.dim() == 0:
+        raise ValueError("packed_sf must have at least one dim")
+    b = packed_sf.contiguous().view(torch.uint8)
+    return _ue8m0_byte_to_float(b)
+
+
+def _mn_major(t: torch.Tensor, element_size: int) -> torch.Tensor:
+    """Same values as ``t [..., MN, C]``, stored with ``stride(-2) == 1`` and ``stride(-1) ==
+    get_tma_aligned_size(MN, element_size)`` (batch dims outermost, unpadded)."""
+    mn, c = t.shape[-2], t.shape[-1]
+    aligned = get_tma_aligned_size(mn, element_size)
+    buf = torch.zeros((*t.shape[:-2], c, aligned), dtype=t.dtype)
+    out = buf.transpose(-1, -2)[..., :mn, :]
+    out.copy_(t)
+    return out
+
+
+def _is_mn_major(t: torch.Tensor, element_size: int) -> bool:
+    mn = t.shape[-2]
+    return t.stride(-2) == 1 and (
+        t.shape[-1] <= 1 or t.stride(-1) == get_tma_aligned_size(mn, element_size)
+    )
+
+
+def get_mn_major_tma_aligned_tensor(sf: torch.Tensor) -> torch.Tensor:
+    """float32 scales ``[MN, G]`` or ``[B, MN, G]`` in MN-major TMA-aligned storage (same values):
+    ``stride(-2) == 1``, ``stride(-1) == get_tma_aligned_size(MN, 4)``. Returns ``sf`` itself if
+    it is already stored that way. Raises ``TypeError`` (dtype) / ``ValueError`` (dims).
+    """
+    _check_tensor("sf", sf, (torch.float32,), (2, 3))
+    return sf if _is_mn_major(sf, 4) else _mn_major(sf, 4)
+
+
+def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor) -> torch.Tensor:
+    """float32 power-of-two scales ``[MN, G]`` / ``[B, MN, G]`` -> packed UE8M0 int32
+    ``[..., MN, ceil(G/4)]``, MN-major TMA-aligned (``stride(-2) == 1``,
+    ``stride(-1) == get_tma_aligned_size(MN, 4)``). Raises as :func:`pack_ue8m0_to_int`.
+    """
+    _check_tensor("sf", sf, (torch.float32,), (2, 3))
+    return _mn_major(pack_ue8m0_to_int(sf), 4)
+
+
+def pack_ue8m0_pairs_mn_major(sf: torch.Tensor) -> torch.Tensor:
+    """Ascend's 16-bit packing: two UE8M0 bytes per int16, MN-major (mega-moe.md §4).
+
+    ``sf`` ``[MN, G]`` or ``[B, MN, G]``, one of:
+
+    * int16 stored MN-major (``stride(-2) == 1``): already packed, returned as is (same object);
+    * float32 powers of two (one per group);
+    * uint8 exponent bytes (one per group);
+    * int32 DeepGEMM-packed words (four groups each; re-paired, ``W`` words -> ``2W`` pairs).
+
+    Returns int16 ``[..., MN, ceil(G/2)]`` with ``stride(-2) == 1`` and
+    ``stride(-1) == get_tma_aligned_size(MN, 2)``; byte ``j`` of word ``c`` is group ``2c + j``,
+    an odd group count is padded with byte 127. Raises ``TypeError`` for other dtypes,
+    ``ValueError`` for bad dims or non-power-of-two float scales.
+    """
+    _check_tensor(
+        "sf", sf, (torch.int16, torch.float32, torch.uint8, torch.int32), (2, 3)
+    )
+    if sf.dtype == torch.int16:
+        return sf if sf.stride(-2) == 1 or sf.shape[-2] <= 1 else _mn_major(sf, 2)
+    if sf.dtype == torch.float32:
+        b = ue8m0_bytes(sf)
+    elif sf.dtype == torch.int32:
+        b = sf.contiguous().view(torch.uint8)
+    else:
+        b = sf
+    return _mn_major(_pack_bytes(b, 2), 2)
+
+
+def transform_sf_into_required_layout(
+    sf: torch.Tensor,
+    mn: int,
+    k: int,
+    recipe: Sequence[int],
+    num_groups: int | None = None,
+    is_sfa: bool | None = None,
+    disable_ue8m0_cast: bool = False,
+    psum_layout=None,
+) -> torch.Tensor:
+    """Put scales into the layout DeepGEMM's GEMMs take (CPU subset of DeepGEMM's helper).
+
+    ``recipe`` is ``(gran_mn, gran_k)``, or ``(gran_m_a, gran_n_b, gran_k)`` with ``is_sfa``
+    choosing A's or B's ``gran_mn``. ``sf`` is ``[MN', G]`` or, with ``num_groups``,
+    ``[num_groups, MN', G]``:
+
+    * float32, ``gran_mn == 1``, ``disable_ue8m0_cast=False``: powers of two ``[.., mn,
+      ceil(k/gran_k)]`` -> packed UE8M0 int32 MN-major
+      (:func:`get_mn_major_tma_aligned_packed_ue8m0_tensor`). Non-powers of two raise
+      ``ValueError`` (upstream would silently truncate the mantissa).
+    * float32, ``gran_mn == 1``, ``disable_ue8m0_cast=True``: float32 MN-major TMA-aligned.
+    * float32, ``gran_mn > 1`` (block weight scales ``[.., ceil(mn/gran_mn), ceil(k/gran_k)]``):
+      returned unchanged.
+    * int32 (already packed, ``[.., mn, ceil(ceil(k/gran_k)/4)]``): MN-major TMA-aligned (the
+      same tensor if already so).
+
+    ``psum_layout`` is accepted and ignored. Raises ``ValueError`` on shape or recipe mismatch,
+    ``TypeError`` on dtype.
+    """
+    _check_tensor("sf", sf, (torch.float32, torch.int32), (2, 3))
+    recipe = tuple(recipe)
+    if len(recipe) == 3:
+        if is_sfa is None:
+            raise ValueError(
+                "a 3-element recipe needs is_sfa to pick A's or B's granularity"
+            )
+        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    elif len(recipe) == 2:
+        gran_mn, gran_k = recipe
+    else:
+        raise ValueError(f"recipe must have 2 or 3 entries, got {recipe}")
+    _check_gran("recipe gran_mn", gran_mn)
+    _check_gran("recipe gran_k", gran_k)
+    want_dims = 3 if num_groups is not None else 2
+    if sf.dim() != want_dims or (num_groups is not None and sf.size(0) != num_groups):
+        raise ValueError(
+            f"sf must be {'[num_groups, MN, G]' if num_groups is not None else '[MN, G]'}"
+            f" (num_groups={num_groups}), got shape {tuple(sf.shape)}"
+        )
+    groups = ceil_div(k, gran_k)
+    if sf.dtype == torch.int32:
+        if gran_mn != 1:
+            raise ValueError("packed UE8M0 (int32) scales need gran_mn == 1")
+        want = (mn, ceil_div(groups, 4))
+        if tuple(sf.shape[-2:]) != want:
+            raise ValueError(
+                f"packed sf must be [..., {want[0]}, {want[1]}], got {tuple(sf.shape)}"
+            )
+        return sf if _is_mn_major(sf, 4) else _mn_major(sf, 4)
+    want = (ceil_div(mn, gran_mn), groups)
+    if tuple(sf.shape[-2:]) != want:
+        raise ValueError(
+            f"sf must be [..., {want[0]}, {want[1]}], got {tuple(sf.shape)}"
+        )
+    if gran_mn != 1:
+        return sf
+    if disable_ue8m0_cast:
+        return get_mn_major_tma_aligned_tensor(sf)
+    return get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 casts
+
+
+def _float_rows(name: str, x: torch.Tensor, min_dims: int = 2) -> torch.Tensor:
+    _check_tensor(name, x, _FLOAT_INPUTS)
+    if x.dim() < min_dims:
+        raise ValueError(
+            f"{name} must have at least {min_dims} dims, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def _group_last_dim(x: torch.Tensor, gran: int) -> torch.Tensor:
+    """float32 ``[..., K]`` zero-padded and viewed as ``[..., ceil(K/gran), gran]``."""
+    k = x.size(-1)
+    kp = align(k, gran)
+    xf = x.float()
+    if kp != k:
+        xf = torch.nn.functional.pad(xf, (0, kp - k))
+    return xf.reshape(*x.shape[:-1], kp // gran, gran)
+
+
+def per_token_cast_to_fp8(
+    x: torch.Tensor,
+    use_ue8m0: bool = False,
+    gran_k: int = 128,
+    use_packed_ue8m0: bool = False,
+    *,
+    scale_style: str = "deepgemm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 cast, one scale per ``gran_k`` channels (DeepGEMM's argument order).
+
+    ``x`` ``[..., M, K]`` float (bf16/fp16/fp32/fp64), computed in float32. Per row and group
+    (the last one zero-padded): ``amax = max(max|x|, 1e-4)``, ``sf = amax / 448``, with
+    ``use_ue8m0`` ``sf = ceil_to_ue8m0(sf)``; ``data = e4m3(x * (1 / sf))`` (clamped to ±448, RNE).
+    ``scale_style='deepep'`` instead multiplies by ``448 / amax`` (DeepEP's helper, §4.8; only
+    without ``use_ue8m0``); the stored ``sf`` is the same.
+
+    Returns ``(data [..., M, K] float8_e4m3fn, sf)`` with ``sf`` float32 ``[..., M,
+    ceil(K/gran_k)]``, or with ``use_packed_ue8m0`` (needs ``use_ue8m0``) int32 ``[..., M,
+    ceil(ceil(K/gran_k)/4)]`` row-major (see :func:`pack_ue8m0_to_int`;
+    :func:`get_mn_major_tma_aligned_packed_ue8m0_tensor` gives the GEMM layout).
+    Raises ``TypeError`` for a non-float ``x``, ``ValueError`` for < 2 dims, a bad ``gran_k`` or
+    inconsistent flags.
+    """
+    _float_rows("x", x)
+    _check_gran("gran_k", gran_k)
+    if use_packed_ue8m0 and not use_ue8m0:
+        raise ValueError("use_packed_ue8m0=True requires use_ue8m0=True")
+    if scale_style not in ("deepgemm", "deepep"):
+        raise ValueError(
+            f"scale_style must be 'deepgemm' or 'deepep', got {scale_style!r}"
+        )
+    if scale_style == "deepep" and use_ue8m0:
+        raise ValueError(
+            "scale_style='deepep' has no UE8M0 variant; use low_latency_cast_to_fp8"
+        )
+    k = x.size(-1)
+    g = _group_last_dim(x, gran_k)
+    amax = g.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR)
+    sf = amax / FP8_E4M3_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    mult = (FP8_E4M3_MAX / amax) if scale_style == "deepep" else (1.0 / sf)
+    data = cast_to_e4m3(g * mult.unsqueeze(-1))
+    data = data.reshape(*x.shape[:-1], -1)[..., :k].contiguous()
+    return data, (pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf)
+
+
+def low_latency_cast_to_fp8(
+    x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP low-latency dispatch's FP8 cast, bit-exact (deepep-buffer-api.md §6.4).
+
+    ``x`` ``[..., N, H]`` float; per token and 128 channels (last group zero-padded),
+    ``amax = max(1e-4, max|x|)`` in float32 and ``r = amax * f32(1/448)``:
+
+    * ``round_scale=False``: ``data = e4m3(x * (448 / amax))``, scale ``r`` (may differ by one
+      ulp from ``amax / 448``);
+    * ``round_scale=True``: ``k = ceil(log2(r))`` from ``r``'s bits (:func:`ceil_to_ue8m0`),
+      ``data = e4m3(x * 2**-k)``, scale ``2**k``;
+    * ``use_ue8m0`` (requires ``round_scale``): scales as packed UE8M0 int32
+      ``[..., N, ceil(H/512)]``, byte ``k + 127``, groups ``4p..4p+3`` in word ``p``.
+
+    Returns ``(data [..., N, H] e4m3, scales)``, scales float32 ``[..., N, ceil(H/128)]`` or int32,
+    row-major (DeepEP hands them out column-major: ``get_mn_major_tma_aligned_tensor`` /
+    a transpose gives that layout). Raises ``ValueError`` for ``use_ue8m0`` without
+    ``round_scale`` (DeepEP: ``RuntimeError``), ``TypeError``/``ValueError`` for bad ``x``.
+    """
+    _float_rows("x", x)
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0=True requires round_scale=True")
+    k = x.size(-1)
+    g = _group_last_dim(x, 128)
+    amax = g.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR)
+    r = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    if round_scale:
+        sf = ceil_to_ue8m0(r)
+        mult = 1.0 / sf  # exact: a power of two
+    else:
+        sf = r
+        mult = FP8_E4M3_MAX / amax
+    data = (
+        cast_to_e4m3(g * mult.unsqueeze(-1))
+        .reshape(*x.shape[:-1], -1)[..., :k]
+        .contiguous()
+    )
+    return data, (pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
+
+
+def per_channel_cast_to_fp8(
+    x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP8 cast (K-grouped weight-gradient operands): one scale per column and
+    ``gran_k`` rows. ``x`` ``[K, N]`` float with ``K % gran_k == 0``; same math as
+    :func:`per_token_cast_to_fp8` along dim 0. Returns ``(data [K, N] e4m3, sf float32
+    [K/gran_k, N])``. Raises ``TypeError``/``ValueError`` (dims, ``K % gran_k``).
+    """
+    _check_tensor("x", x, _FLOAT_INPUTS, (2,))
+    _check_gran("gran_k", gran_k)
+    if x.size(0) % gran_k:
+        raise ValueError(f"x.size(0)={x.size(0)} must be a multiple of gran_k={gran_k}")
+    data, sf = per_token_cast_to_fp8(x.t(), use_ue8m0, gran_k)
+    return data.t().contiguous(), sf.t().contiguous()
+
+
+def per_block_cast_to_fp8(
+    x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block FP8 cast of weights: one scale per ``gran_k × gran_k`` tile.
+
+    ``x`` ``[..., N, K]`` float (e.g. ``[E, N, K]``); tiles at the edges are zero-padded for the
+    amax. ``sf = max(amax, 1e-4) / 448`` per tile (``ceil_to_ue8m0`` with ``use_ue8m0``),
+    ``data = e4m3(x * (1 / sf))``. Returns ``(data [..., N, K] e4m3, sf float32 [...,
+    ceil(N/gran_k), ceil(K/gran_k)])``. Raises ``TypeError``/``ValueError`` for bad input.
+    """
+    _float_rows("x", x)
+    _check_gran("gran_k", gran_k)
+    n, k = x.shape[-2], x.shape[-1]
+    np_, kp = align(n, gran_k), align(k, gran_k)
+    xf = torch.nn.functional.pad(x.float(), (0, kp - k, 0, np_ - n))
+    v = xf.reshape(*x.shape[:-2], np_ // gran_k, gran_k, kp // gran_k, gran_k)
+    amax = v.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR)
+    sf = amax / FP8_E4M3_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    data = cast_to_e4m3(v * (1.0 / sf)).reshape(*x.shape[:-2], np_, kp)[..., :n, :k]
+    return data.contiguous(), sf.reshape(*x.shape[:-2], np_ // gran_k, kp // gran_k)
+
+
+def _scales_as_float(name: str, sf: torch.Tensor) -> torch.Tensor:
+    if sf.dtype in _INT_DTYPES_FOR_UE8M0:
+        return unpack_ue8m0_from_int(sf)
+    if sf.dtype != torch.float32:
+        raise TypeError(
+            f"{name} must be float32 or packed UE8M0 (int32/int16/uint8), got {sf.dtype}"
+        )
+    return sf
+
+
+def _expand(
+    sf: torch.Tensor, mn: int, k: int, gran_mn: int, gran_k: int
+) -> torch.Tensor:
+    """float32 ``[..., >=ceil(mn/gran_mn), >=ceil(k/gran_k)]`` -> ``[..., mn, k]``."""
+    i = torch.arange(mn) // gran_mn
+    j = torch.arange(k) // gran_k
+    return sf.index_select(-2, i).index_select(-1, j)
+
+
+def per_token_cast_back(
+    x_fp8: torch.Tensor,
+    x_scales: torch.Tensor,
+    gran_k: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Inverse of the per-token casts: ``data * scale`` per ``gran_k``-channel group.
+
+    ``x_fp8`` ``[..., M, K]`` e4m3; ``x_scales`` float32 ``[..., M, >= ceil(K/gran_k)]`` or
+    packed UE8M0 (int32 four per word, int16 pairs, uint8 bytes), any strides (row- or
+    MN-major). Computed in float32 and returned as ``dtype`` (bf16 by default, as DeepEP's
+    helper). Raises ``TypeError`` for wrong dtypes, ``ValueError`` for mismatched shapes.
+    """
+    _check_tensor("x_fp8", x_fp8, (torch.float8_e4m3fn,))
+    _check_tensor("x_scales", x_scales)
+    _check_gran("gran_k", gran_k)
+    if x_fp8.dim() < 2 or x_scales.dim() != x_fp8.dim():
+        raise ValueError(
+            f"x_fp8 [..., M, K] and x_scales [..., M, S] need the same >= 2 dims, got "
+            f"{tuple(x_fp8.shape)} and {tuple(x_scales.shape)}"
+        )
+    m, k = x_fp8.shape[-2], x_fp8.shape[-1]
+    sf = _scales_as_float("x_scales", x_scales)
+    if tuple(sf.shape[:-1]) != tuple(x_fp8.shape[:-1]) or sf.size(-1) < ceil_div(
+        k, gran_k
+    ):
+        raise ValueError(
+            f"x_scales shape {tuple(x_scales.shape)} does not fit x_fp8 {tuple(x_fp8.shape)} "
+            f"at gran_k={gran_k}"
+        )
+    return (x_fp8.float() * _expand(sf, m, k, 1, gran_k)).to(dtype)
+
+
+def per_block_cast_back(
+    x_fp8: torch.Tensor,
+    sf: torch.Tensor,
+    gran_k: int = 128,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`per_block_cast_to_fp8`: ``x_fp8 [..., N, K]`` e4m3 times its tile scale
+    ``sf`` float32 ``[..., ceil(N/gran_k), ceil(K/gran_k)]``, returned as ``dtype``.
+    Raises ``TypeError``/``ValueError`` on bad input."""
+    _check_tensor("x_fp8", x_fp8, (torch.float8_e4m3fn,))
+    _check_tensor("sf", sf, (torch.float32,))
+    n, k = x_fp8.shape[-2], x_fp8.shape[-1]
+    want = (*x_fp8.shape[:-2], ceil_div(n, gran_k), ceil_div(k, gran_k))
+    if tuple(sf.shape) != want:
+        raise ValueError(f"sf must have shape {want}, got {tuple(sf.shape)}")
+    return (x_fp8.float() * _expand(sf, n, k, gran_k, gran_k)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP4 e2m1
+
+
+def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Encode (already scaled) values as e2m1 codes, uint8 0..15, same shape.
+
+    Magnitude index = number of thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 strictly below
+    ``|x|`` (ties to the smaller magnitude, saturation at 6); bit 3 is the sign, set only for a
+    negative ``x`` with a nonzero magnitude. NaN input gives an unspecified code.
+    """
+    _check_tensor("x", x, _FLOAT_INPUTS)
+    ax = x.float().abs().clamp_max(FP4_E2M1_MAX)
+    idx = torch.bucketize(ax, torch.tensor(_E2M1_THRESHOLDS, dtype=torch.float32))
+    code = idx.to(torch.uint8)
+    neg = (x < 0) & (idx != 0)
+    return code | (neg.to(torch.uint8) << 3)
+
+
+def dequantize_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8/int8, low 4 bits used) -> float32 values (code 8, "−0", gives +0)."""
+    _check_tensor("codes", codes, (torch.uint8, torch.int8))
+    c = codes.to(torch.int32) & 0xF
+    lut = torch.tensor(
+        _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32
+    )
+    lut[8] = 0.0
+    return lut[c]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., K]`` (K even) into int8 ``[..., K/2]``: element ``2i`` in the low
+    nibble, ``2i+1`` in the high nibble. Raises ``TypeError``/``ValueError`` on bad input."""
+    _check_tensor("codes", codes, (torch.uint8, torch.int8))
+    if codes.dim() == 0 or codes.size(-1) % 2:
+        raise ValueError(
+            f"codes' last dim must be even, got shape {tuple(codes.shape)}"
+        )
+    c = codes.to(torch.uint8) & 0xF
+    pairs = c.reshape(*c.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: int8/uint8 (or torch ``float4_e2m1fn_x2`` storage)
+    ``[..., W]`` -> uint8 codes ``[..., 2W]``. Raises ``TypeError`` for other dtypes."""
+    _check_tensor("packed", packed, (torch.int8, torch.uint8, torch.float4_e2m1fn_x2))
+    if packed.dim() == 0:
+        raise ValueError("packed must have at least one dim")
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)
+
+
+def per_token_cast_to_fp4(
+    x: torch.Tensor,
+    use_ue8m0: bool = True,
+    gran_k: int = 128,
+    use_packed_ue8m0: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP4 e2m1 cast with one scale per ``gran_k`` elements (MXFP4: ``gran_k=32``).
+
+    ``x`` ``[..., M, K]`` float, ``K`` even. Per row and group (last one zero-padded):
+    ``amax = max(max|x|, 1e-4)``, ``sf = amax / 6`` (``ceil_to_ue8m0`` with ``use_ue8m0``),
+    codes = :func:`quantize_e2m1` of ``x * (1 / sf)``. Returns ``(packed int8 [..., M, K/2],
+    sf)`` with ``sf`` float32 ``[..., M, ceil(K/gran_k)]`` or, with ``use_packed_ue8m0``, int32
+    ``[..., M, ceil(ceil(K/gran_k)/4)]``. DeepGEMM has no default for ``use_ue8m0``; ours is
+    ``True`` (MX). Raises ``TypeError``/``ValueError`` on bad input.
+    """
+    _float_rows("x", x)
+    _check_gran("gran_k", gran_k)
+    if x.size(-1) % 2:
+        raise ValueError(f"x's last dim must be even for FP4 packing, got {x.size(-1)}")
+    if use_packed_ue8m0 and not use_ue8m0:
+        raise ValueError("use_packed_ue8m0=True requires use_ue8m0=True")
+    k = x.size(-1)
+    g = _group_last_dim(x, gran_k)
+    amax = g.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR)
+    sf = amax / FP4_E2M1_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    codes = quantize_e2m1(g * (1.0 / sf).unsqueeze(-1)).reshape(*x.shape[:-1], -1)[
+        ..., :k
+    ]
+    return pack_fp4(codes), (pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf)
+
+
+def cast_back_from_fp4(
+    packed: torch.Tensor,
+    sf: torch.Tensor,
+    gran_k: int = 128,
+    use_packed_ue8m0: bool = False,
+) -> torch.Tensor:
+    """Dequantize packed FP4: int8 ``[..., M, K/2]`` with ``sf`` float32 ``[..., M,
+    >= ceil(K/gran_k)]`` or packed UE8M0 int (detected by dtype; ``use_packed_ue8m0`` is
+    accepted for DeepGEMM parity and must then agree). Returns float32 ``[..., M, K]``.
+    Raises ``TypeError``/``ValueError`` on bad input.
+    """
+    _check_tensor("packed", packed, (torch.int8, torch.uint8, torch.float4_e2m1fn_x2))
+    _check_tensor("sf", sf)
+    _check_gran("gran_k", gran_k)
+    if use_packed_ue8m0 and sf.dtype not in _INT_DTYPES_FOR_UE8M0:
+        raise TypeError(f"use_packed_ue8m0=True needs an integer sf, got {sf.dtype}")
+    vals = dequantize_e2m1(unpack_fp4(packed))
+    m, k = vals.shape[-2], vals.shape[-1]
+    s = _scales_as_float("sf", sf)
+    if tuple(s.shape[:-1]) != tuple(vals.shape[:-1]) or s.size(-1) < ceil_div(
+        k, gran_k
+    ):
+        raise ValueError(
+            f"sf shape {tuple(sf.shape)} does not fit packed {tuple(packed.shape)} at gran_k={gran_k}"
+        )
+    return vals * _expand(s, m, k, 1, gran_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# dequantized weights (cached)
+
+
+def _dequantize_operand(
+    data: torch.Tensor,
+    sf: torch.Tensor,
+    gran_mn: int,
+    gran_k: int,
+    name: str = "operand",
+) -> torch.Tensor:
+    """float32 ``[..., MN, K]`` of an FP8 (e4m3 ``[..., MN, K]``) or FP4 (int8 ``[..., MN, K/2]``)
+    operand with float32 scales ``[..., ceil(MN/gran_mn), ceil(K/gran_k)]`` or packed UE8M0
+    ``[..., MN, >= ceil(ceil(K/gran_k)/per_word)]`` (then ``gran_mn`` must be 1)."""
+    if data.dtype == torch.float8_e4m3fn:
+        vals = data.float()
+    elif data.dtype in (torch.int8, torch.uint8):
+        vals = dequantize_e2m1(unpack_fp4(data))
+    else:
+        raise TypeError(
+            f"{name} data must be float8_e4m3fn or int8 (packed FP4), got {data.dtype}"
+        )
+    mn, k = vals.shape[-2], vals.shape[-1]
+    if sf.dim() != vals.dim():
+        raise ValueError(
+            f"{name} scales {tuple(sf.shape)} must have the dims of data {tuple(data.shape)}"
+        )
+    if sf.dtype in _INT_DTYPES_FOR_UE8M0:
+        if gran_mn != 1:
+            raise ValueError(
+                f"{name}: packed UE8M0 scales need gran_mn == 1, got {gran_mn}"
+            )
+        s = unpack_ue8m0_from_int(sf)
+        ok = (
+            s.shape[-2] == mn
+            and s.size(-1) >= ceil_div(k, gran_k)
+            and s.size(-1) - ceil_div(k, gran_k) < 4
+        )
+    elif sf.dtype == torch.float32:
+        s = sf
+        ok = tuple(s.shape[-2:]) == (ceil_div(mn, gran_mn), ceil_div(k, gran_k))
+    else:
+        raise TypeError(
+            f"{name} scales must be float32 or packed UE8M0 int32, got {sf.dtype}"
+        )
+    if not ok or tuple(s.shape[:-2]) != tuple(vals.shape[:-2]):
+        raise ValueError(
+            f"{name} scales shape {tuple(sf.shape)} does not fit data {tuple(data.shape)} "
+            f"with granularity ({gran_mn}, {gran_k})"
+        )
+    return vals * _expand(s, mn, k, gran_mn, gran_k)
+
+
+def _to_exact_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as bf16 if every value is exactly representable, else ``x`` (float32)."""
+    b = x.to(torch.bfloat16)
+    return b if torch.equal(b.float(), x) else x
+
+
+_cache_lock = threading.Lock()
+_cache: collections.OrderedDict = collections.OrderedDict()
+_cache_enabled = True
+_CACHE_MAX_ENTRIES = 64
+
+
+def set_dequantized_weight_cache(enabled: bool) -> None:
+    """Enable (default) or disable the cache of :func:`dequantize_weights`; disabling clears it."""
+    global _cache_enabled
+    _cache_enabled = bool(enabled)
+    if not enabled:
+        clear_dequantized_weight_cache()
+
+
+def clear_dequantized_weight_cache() -> None:
+    """Drop every cached dequantized weight copy."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def dequantize_weights(
+    data: torch.Tensor,
+    sf: torch.Tensor,
+    gran_mn: int = 1,
+    gran_k: int = 128,
+    cache: bool = True,
+    k_major: bool = True,
+) -> torch.Tensor:
+    """Dequantize FP8/FP4 weights ``[..., N, K]`` once, returning bf16 when that is exact.
+
+    ``k_major=False`` means ``data`` is stored ``[..., K, N]`` (FP8 only); the result is still
+    the logical ``[..., N, K]`` (a transposed view) and the scales stay logical ``[..., N, ...]``.
+
+    ``data`` e4m3 ``[..., N, K]`` or packed FP4 int8 ``[..., N, K/2]``; ``sf`` float32
+    ``[..., ceil(N/gran_mn), ceil(K/gran_k)]`` (e.g. 128×128 blocks) or packed UE8M0 (``gran_mn``
+    1). The float32 product ``data * scale`` is returned as bf16 if every value survives the
+    bf16 round trip (always the case for power-of-two scales without underflow), else as float32
+    (legacy float32 scales: mega-moe.md §4 says dequantize to fp32).
+
+    With ``cache`` (and the module cache enabled) the result is cached keyed by the identity and
+    version counter of ``data`` and ``sf`` (an in-place write invalidates it; entries die with the
+    tensors; at most 64 entries, LRU). Raises ``TypeError``/``ValueError`` on bad input.
+    """
+    _check_tensor("data", data)
+    _check_tensor("sf", sf)
+    _check_gran("gran_mn", gran_mn)
+    _check_gran("gran_k", gran_k)
+    use_cache = cache and _cache_enabled
+    key = None
+    if use_cache:
+        key = (id(data), id(sf), gran_mn, gran_k, k_major)
+        with _cache_lock:
+            hit = _cache.get(key)
+            if hit is not None:
+                dref, sref, dver, sver, out = hit
+                if (
+                    dref() is data
+                    and sref() is sf
+                    and dver == data._version
+                    and sver == sf._version
+                ):
+                    _cache.move_to_end(key)
+                    return out
+                del _cache[key]
+    logical = data if k_major else data.transpose(-1, -2)
+    out = _to_exact_bf16(_dequantize_operand(logical, sf, gran_mn, gran_k, "weights"))
+    if use_cache:
+        with _cache_lock:
+            _cache[key] = (
+                weakref.ref(data),
+                weakref.ref(sf),
+                data._version,
+                sf._version,
+                out,
+            )
+            while len(_cache) > _CACHE_MAX_ENTRIES:
+                _cache.popitem(last=False)
+        weakref.finalize(data, _drop, key)
+    return out
+
+
+def _drop(key) -> None:
+    with _cache_lock:
+        entry = _cache.get(key)
+        if entry is not None and entry[0]() is None:
+            del _cache[key]
