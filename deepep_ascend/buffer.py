@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import warnings
 import weakref
 
@@ -18,6 +17,7 @@ from transports import ChannelKind, LinkStats, TransportAborted, TransportTimeou
 
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
+from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, topk_idx_t
@@ -158,9 +158,6 @@ class Buffer:
         if low_latency_mode:
             raise NotImplementedError("Buffer: low_latency_mode=True is not built yet in deepep_ascend "
                                       "(normal mode only)")
-        if num_rdma_bytes:
-            raise RuntimeError("Buffer: num_rdma_bytes > 0 needs the internode or low-latency mode, not built yet; "
-                               "pass num_rdma_bytes=0")
         self.rank = mpi_comm.Get_rank()
         self.group_size = mpi_comm.Get_size()
         self.group = group if group is not None else mpi_comm
@@ -176,12 +173,25 @@ class Buffer:
         self._calls = 0
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
+        topo = self.runtime.topology
+        self.num_nodes, self.ranks_per_node = topo.num_nodes, topo.ranks_per_node
+        self._internode = self.num_nodes > 1
+        if num_rdma_bytes and not self._internode:
+            self.runtime.destroy(force=True)
+            raise RuntimeError(f"Buffer: num_rdma_bytes > 0 needs more than one node (here one node of "
+                               f"{self.ranks_per_node} ranks; low-latency mode is not built yet); pass num_rdma_bytes=0")
         try:
             self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
+            self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
+                              if num_rdma_bytes else None)
         except Exception:
             self.runtime.destroy(force=True)
             raise
-        self._engine = IntranodeEngine(self.runtime, self._win) if self._win is not None else None
+        if self._internode:
+            self._engine = (InternodeEngine(self.runtime, self._win, self._urma_win)
+                            if self._win is not None and self._urma_win is not None else None)
+        else:
+            self._engine = IntranodeEngine(self.runtime, self._win) if self._win is not None else None
         self._worker = Worker(f"deepep_ascend-{self._uid}")
         if explicitly_destroy:
             _UNDESTROYED.add(self)
@@ -201,17 +211,22 @@ class Buffer:
         self._engine = None
         self.runtime.destroy()
         self._worker.shutdown()
-        self._win = None
+        self._win = self._urma_win = None
         self.runtime = None
         _UNDESTROYED.discard(self)
 
     def _check_usable(self, op: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        if self._internode and self._engine is None:
+            raise RuntimeError(
+                f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, which "
+                f"needs both windows: num_nvl_bytes={self.num_nvl_bytes} and num_rdma_bytes={self.num_rdma_bytes} "
+                f"(size them with Buffer.get_normal_buffer_size_hint and get_normal_rdma_buffer_size_hint)")
         if self._engine is None:
             raise RuntimeError(f"Buffer.{op}: this Buffer has no UBMEM window (num_nvl_bytes=0); build it with "
                                f"num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(...) or a DeepEP config hint")
-        if self._engine.half_bytes < HEADER_BYTES + 128:
+        if not self._internode and self._engine.half_bytes < HEADER_BYTES + 128:
             raise ValueError(f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} is too small for any call (each "
                              f"half-window needs {HEADER_BYTES} B of header plus rows); see "
                              f"Buffer.get_normal_buffer_size_hint")
@@ -249,16 +264,39 @@ class Buffer:
 
     @staticmethod
     def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
-                                    num_experts: int = 0, x_itemsize: int = 2, num_scale_cols: int = 0) -> int:
+                                    num_experts: int = 0, x_itemsize: int = 2, num_scale_cols: int = 0,
+                                    ranks_per_node: int | None = None) -> int:
         """``num_nvl_bytes`` for which normal-mode calls of up to ``num_max_tokens_per_rank`` tokens never chunk.
 
         Worst case: every rank sends all its tokens to one rank. Any smaller window of at least
         a few rows also works: payloads then stream through it in rounds. FP8 dispatch: pass
-        ``x_itemsize=1`` and ``num_scale_cols = hidden // 128``. Returns bytes, a multiple of 128.
+        ``x_itemsize=1`` and ``num_scale_cols = hidden // 128``. ``ranks_per_node`` below
+        ``num_ranks`` sizes the internode path (then also see
+        :meth:`get_normal_rdma_buffer_size_hint`). Returns bytes, a multiple of 128.
         """
+        if ranks_per_node is not None and ranks_per_node < num_ranks:
+            return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                              2 * hidden, num_topk)[0]
         size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
                                          num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
         return -(-size // 128) * 128
+
+    @staticmethod
+    def get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                         ranks_per_node: int, num_topk: int = 0, num_experts: int = 0,
+                                         x_itemsize: int = 2, num_scale_cols: int = 0) -> int:
+        """``num_rdma_bytes`` (URMA window) for which internode calls of that many tokens never chunk.
+
+        The URMA window holds, per half, one box per node for what the rail peer there sends
+        (dispatch: each token once per node; combine: one partial row per token). Returns 0 for
+        one node. Bytes, a multiple of 128; arguments as :meth:`get_normal_buffer_size_hint`.
+        """
+        if ranks_per_node >= num_ranks:
+            return 0
+        return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                          num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                          2 * hidden, num_topk)[1]
 
     def get_comm_stream(self) -> Worker:
         """The Buffer's worker, the CPU analogue of DeepEP's communication stream."""
@@ -308,8 +346,9 @@ class Buffer:
             topk_idx: ``[N, K]`` ``topk_idx_t`` (int64), values in ``[-1, num_experts)``, -1 = none.
             num_experts: ``E``, a positive multiple of the number of ranks.
         Returns:
-            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None (one node),
-            num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [num_nodes] int32 (tokens with
+            an expert on each node; ``None`` on one node), num_tokens_per_expert [E] int32,
+            is_token_in_rank [N, R] bool, event)``.
         Raises:
             TypeError / ValueError: bad dtype, shape or values. This call does not communicate, so
                 only this rank raises; its peers then wait in their next ``dispatch`` until the
@@ -329,20 +368,30 @@ class Buffer:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
             ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
-            return ntpr, None, ntpe, itr, EventOverlap()
+            return ntpr, self._tokens_per_node(itr), ntpe, itr, EventOverlap()
         n = topk_idx.size(0)
         ntpr = torch.empty(self.group_size, dtype=torch.int32)
         ntpe = torch.empty(num_experts, dtype=torch.int32)
         itr = torch.empty(n, self.group_size, dtype=torch.bool)
+        ntpn = torch.empty(self.num_nodes, dtype=torch.int32) if self._internode else None
 
         def work():
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
             for out, value in zip((ntpr, ntpe, itr), dispatch_layout(topk_idx, num_experts, self.group_size)):
                 out.copy_(value)
+            if ntpn is not None:
+                ntpn.copy_(self._tokens_per_node(itr))
 
         fut = self._worker.submit(work)
-        return ntpr, None, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
+        return ntpr, ntpn, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
+
+    def _tokens_per_node(self, is_token_in_rank):
+        """``num_tokens_per_rdma_rank [num_nodes]`` int32: tokens with an expert on each node (None: one node)."""
+        if not self._internode:
+            return None
+        n = is_token_in_rank.size(0)
+        return is_token_in_rank.view(n, self.num_nodes, self.ranks_per_node).any(2).sum(0, dtype=torch.int32)
 
     # -- argument checks -----------------------------------------------------------------
     @staticmethod
@@ -388,7 +437,44 @@ class Buffer:
         _check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
         return x, None
 
+    _INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                         "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+                         "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+                         "send_rdma_head", "send_nvl_head")
+
+    def _check_internode_handle(self, handle, config: Config, op: str):
+        """Validate a 10-entry internode handle (spec §5); returns the id of the dispatch that made it."""
+        names = self._INTERNODE_HANDLE
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 10, ValueError,
+               f"`handle` must be the 10-tuple returned by an internode dispatch ({self.num_nodes} nodes), got "
+               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
+        for t, name in zip(handle, names):
+            _check_tensor(t, f"handle.{name}")
+        r, g, p = self.group_size, self.num_nodes, self.ranks_per_node
+        c = handle[1].size(1) if handle[1].dim() == 2 else -1
+        n = handle[0].size(0) if handle[0].dim() == 2 else -1
+        rows = handle[7].size(0) if handle[7].dim() == 2 else -1
+        n_fwd = int(handle[4][-1]) if handle[4].numel() == g and handle[4].dtype == torch.int32 else -1
+        expected = ((torch.bool, (n, r)), (torch.int32, (g, c)), (torch.int32, (r, c)), (torch.int32, (g, c)),
+                    (torch.int32, (g,)), (torch.int32, (r, c)), (torch.int32, (r,)), (torch.uint8, (rows, 8)),
+                    (torch.int32, (n, g)), (torch.int32, (n_fwd, p)))
+        for t, name, (dtype, shape) in zip(handle, names, expected):
+            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
+                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks in {g} nodes, got {t.dtype} "
+                   f"{tuple(t.shape)}")
+        info = _HANDLES.get(id(handle[6]))
+        _check(info is None or info[0] == self._uid, ValueError,
+               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
+        _check(c == config.num_channels, ValueError,
+               f"`handle` has {c} channels but {op}'s config has {config.num_channels} (num_sms={config.num_sms}); "
+               f"the config's num_sms must match the dispatch that made the handle")
+        _check(int(handle[6][-1]) <= rows, ValueError,
+               "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
+        return info[1] if info is not None else -1
+
     def _check_handle(self, handle, config: Config, op: str):
+        if self._internode:
+            return self._check_internode_handle(handle, config, op)
         _check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
                f"`handle` must be the 6-tuple returned by an intranode dispatch, got "
                f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
@@ -497,7 +583,8 @@ class Buffer:
                 scales of any strides; FP8 needs ``H % 128 == 0``.
             handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args).
             num_tokens_per_rank: ``[R]`` int32, from :meth:`get_dispatch_layout`.
-            num_tokens_per_rdma_rank: ``None`` (one node).
+            num_tokens_per_rdma_rank: ``[num_nodes]`` int32 from :meth:`get_dispatch_layout` when the
+                ranks span several nodes (the internode path), else ``None``.
             is_token_in_rank: ``[N, R]`` bool.
             num_tokens_per_expert: ``[E]`` int32.
             topk_idx: ``[N, K]`` int64 with -1 for none; with ``topk_weights`` ``[N, K]`` float32, or neither.
@@ -540,8 +627,15 @@ class Buffer:
                    and num_tokens_per_expert is not None, ValueError,
                    "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
                    "(from get_dispatch_layout), or a handle")
-            _check(num_tokens_per_rdma_rank is None, ValueError,
-                   "num_tokens_per_rdma_rank must be None on one node")
+            if self._internode:
+                _check(num_tokens_per_rdma_rank is not None, ValueError,
+                       f"internode dispatch ({self.num_nodes} nodes) needs num_tokens_per_rdma_rank "
+                       f"(from get_dispatch_layout)")
+                _check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32,
+                              shape=(self.num_nodes,))
+            else:
+                _check(num_tokens_per_rdma_rank is None, ValueError,
+                       "num_tokens_per_rdma_rank must be None on one node")
             _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
             _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
             _check(is_token_in_rank.size(0) == n, ValueError,
@@ -554,6 +648,10 @@ class Buffer:
                    f"got {num_experts}")
             _check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
                    "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
+            if self._internode:
+                _check(torch.equal(num_tokens_per_rdma_rank, self._tokens_per_node(is_token_in_rank)), ValueError,
+                       "`num_tokens_per_rdma_rank` does not match is_token_in_rank (tokens with an expert on each "
+                       "node; use get_dispatch_layout's outputs)")
             _check((topk_idx is None) == (topk_weights is None), ValueError,
                    "`topk_idx` and `topk_weights` must be given together or not at all")
             if topk_idx is not None:
@@ -574,13 +672,26 @@ class Buffer:
             _check(num_worst_tokens == 0 or topk_idx is not None, ValueError,
                    "num_worst_tokens > 0 needs topk_idx and topk_weights")
             xb = data.size(1) * data.element_size()
-            regions = self._engine.dispatch_regions(xb, 4 * scales.size(1) if scales is not None else 0,
-                                                    topk_idx.size(1) if topk_idx is not None else 0, num_experts,
-                                                    cached=False)
+            sb = 4 * scales.size(1) if scales is not None else 0
+            k = topk_idx.size(1) if topk_idx is not None else 0
+            ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
+            if self._internode:
+                _check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=False) >= 1, ValueError,
+                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
+                       f"Buffer.get_normal_rdma_buffer_size_hint")
+                return self._engine.dispatch(
+                    call_id=call_id, x=_as_rows_of_bytes(data),
+                    scales=None if scales is None else _as_rows_of_bytes(scales),
+                    topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
+                    num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+                    num_tokens_per_expert=num_tokens_per_expert, num_experts=num_experts,
+                    expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                    num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
+                    sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+            regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=False)
             _check(regions.capacity >= 1, ValueError,
                    f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
                    f"half-window; see Buffer.get_normal_buffer_size_hint")
-            ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
             return self._engine.dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
                 scales=None if scales is None else _as_rows_of_bytes(scales),
@@ -592,16 +703,21 @@ class Buffer:
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)
-        recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
-        prefix, cpm, rcpm, send_head, recv_src_idx, num_recv = parts
         data, scales, cfg = ctx["data"], ctx["scales"], ctx["cfg"]
+        if self._internode:
+            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv = outputs
+            key = handle[6]
+        else:
+            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
+            prefix, cpm, rcpm, send_head, recv_src_idx, num_recv = parts
+            handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+            key = prefix
         if num_worst_tokens and num_recv > num_worst_tokens:
             if event.event is not None:
                 event.current_stream_wait()
             raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
                                f"tokens this rank received")
-        handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
-        _register_handle(prefix, (self._uid, ctx["call_id"], cfg.num_channels))
+        _register_handle(key, (self._uid, ctx["call_id"], cfg.num_channels))
         recv_x = recv_x_bytes.view(data.dtype)
         if scales is not None:
             recv_x = (recv_x, recv_scales.view(scales.dtype))
@@ -620,14 +736,22 @@ class Buffer:
             handle_id = self._check_handle(handle, cfg, "dispatch")
             data, scales = self._check_x(x)
             n = data.size(0)
-            _check(n == handle[4].size(0), ValueError,
-                   f"`x` has {n} tokens but the handle was made for {handle[4].size(0)}")
+            itr = handle[0] if self._internode else handle[4]
+            _check(n == itr.size(0), ValueError, f"`x` has {n} tokens but the handle was made for {itr.size(0)}")
             xb = data.size(1) * data.element_size()
-            regions = self._engine.dispatch_regions(xb, 4 * scales.size(1) if scales is not None else 0, 0, 0,
-                                                    cached=True)
+            sb = 4 * scales.size(1) if scales is not None else 0
+            ctx.update(data=data, scales=scales)
+            if self._internode:
+                _check(self._engine.dispatch_capacity(xb, sb, 0, 0, cached=True) >= 1, ValueError,
+                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box")
+                return self._engine.cached_dispatch(
+                    call_id=call_id, x=_as_rows_of_bytes(data),
+                    scales=None if scales is None else _as_rows_of_bytes(scales), handle=tuple(handle),
+                    num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
+                    sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+            regions = self._engine.dispatch_regions(xb, sb, 0, 0, cached=True)
             _check(regions.capacity >= 1, ValueError,
                    f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B")
-            ctx.update(data=data, scales=scales)
             return self._engine.cached_dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
                 scales=None if scales is None else _as_rows_of_bytes(scales),
@@ -674,10 +798,13 @@ class Buffer:
         def build(call_id):
             cfg = self._config(config, Buffer.get_combine_config)
             handle_id = self._check_handle(handle, cfg, "combine")
-            rows, n = handle[3].numel(), handle[4].size(0)
+            if self._internode:
+                rows, n, rows_name = handle[7].size(0), handle[0].size(0), "len(handle.recv_src_meta)"
+            else:
+                rows, n, rows_name = handle[3].numel(), handle[4].size(0), "len(handle.recv_src_idx)"
             _check_tensor(x, "x", torch.bfloat16, ndim=2)
             _check(x.size(0) == rows, ValueError,
-                   f"`x` must have one row per received token ({rows}, len(handle.recv_src_idx)), got {x.size(0)}")
+                   f"`x` must have one row per received token ({rows}, {rows_name}), got {x.size(0)}")
             hidden = x.size(1)
             if topk_weights is not None:
                 _check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
@@ -690,7 +817,19 @@ class Buffer:
                     _check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, hidden))
             if biases[0] is None:
                 biases = (biases[1], None)
-            regions = self._engine.combine_regions(2 * hidden, topk_weights.size(1) if topk_weights is not None else -1)
+            wcols = topk_weights.size(1) if topk_weights is not None else -1
+            if self._internode:
+                _check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
+                       f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
+                       f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
+                       f"per UBMEM half-window and one partial row per node box; see "
+                       f"Buffer.get_normal_buffer_size_hint")
+                return self._engine.combine(
+                    call_id=call_id, x=x.contiguous(),
+                    topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                    bias=None if biases[0] is None else biases, handle=tuple(handle),
+                    num_channels=cfg.num_channels, handle_id=handle_id)
+            regions = self._engine.combine_regions(2 * hidden, wcols)
             _check(regions.capacity >= self.group_size, ValueError,
                    f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
                    f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")

@@ -71,6 +71,37 @@ class ConsensusError(ValueError):
     """Every rank raises this when any rank's arguments were rejected or ranks disagree."""
 
 
+def consensus_problems(headers, op, call_id, ranks=None) -> list:
+    """Why the ranks of ``headers`` cannot run this call together (empty list: they can).
+
+    ``headers``: ``[n, 128]`` int64 header words, one row per rank (message from word 32);
+    ``ranks``: the world rank of each row (default ``0..n-1``).
+    """
+    ranks = list(range(headers.shape[0])) if ranks is None else list(ranks)
+    problems = []
+    for p, h in zip(ranks, headers):
+        if h[W_MAGIC] != _MAGIC or h[W_CALL] != call_id:
+            problems.append(f"rank {p} is in a different call (call #{h[W_CALL]}, op {_OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
+                            f"than this one (call #{call_id}, {_OP_NAMES[op]})")
+        elif h[W_STATUS]:
+            msg = h[_MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+            problems.append(f"rank {p} rejected its arguments: {msg}")
+    if not problems:
+        for w in _CONSENSUS_WORDS:
+            values = headers[:, w]
+            if (values != values[0]).any():
+                problems.append(f"ranks disagree on {_WORD_NAMES[w]}: " + ", ".join(
+                    f"rank {p}: {int(v)}" for p, v in zip(ranks, values)))
+    return problems
+
+
+def check_consensus(headers, op, call_id):
+    """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
+    problems = consensus_problems(headers, op, call_id)
+    if problems:
+        raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
+
+
 class _Regions:
     """Byte layout of one half: header, small int32 vectors, then one array per row field."""
 
@@ -162,26 +193,6 @@ class IntranodeEngine:
     def _read_headers(self):
         return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64).numpy().copy() for p in range(self.num_ranks)])
 
-    def _consensus(self, headers, op, call_id):
-        """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
-        problems = []
-        for p in range(self.num_ranks):
-            h = headers[p]
-            if h[W_MAGIC] != _MAGIC or h[W_CALL] != call_id:
-                problems.append(f"rank {p} is in a different call (call #{h[W_CALL]}, op {_OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
-                                f"than this one (call #{call_id}, {_OP_NAMES[op]})")
-            elif h[W_STATUS]:
-                msg = h[_MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")
-                problems.append(f"rank {p} rejected its arguments: {msg}")
-        if not problems:
-            for w in _CONSENSUS_WORDS:
-                values = headers[:, w]
-                if (values != values[0]).any():
-                    problems.append(f"ranks disagree on {_WORD_NAMES[w]}: " + ", ".join(
-                        f"rank {p}: {int(v)}" for p, v in enumerate(values)))
-        if problems:
-            raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
-
     def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
         """Stage chunk 0 (header, vector, rows), exchange READY, check the consensus.
 
@@ -199,7 +210,7 @@ class IntranodeEngine:
         self._await(range(self.num_ranks), phase)
         headers = self._read_headers()
         try:
-            self._consensus(headers, op, call_id)
+            check_consensus(headers, op, call_id)
         except ConsensusError:
             self._consume(range(self.num_ranks))
             raise

@@ -206,6 +206,70 @@ def expected_recv_channel_prefix(itrs, rank: int, num_channels: int) -> torch.Te
     return out
 
 
+INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                    "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                    "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head")
+
+
+def expected_internode_handle(itrs, rank: int, rpn: int, num_channels: int, ref) -> dict:
+    """The internode handle of ``rank`` (spec §5, entries as documented in ``deepep_ascend.internode``),
+    computed with plain loops from every rank's routing mask ``itrs`` and the reference dispatch ``ref``."""
+    R = len(itrs)
+    G, node, local = R // rpn, rank // rpn, rank % rpn
+    itr = itrs[rank]
+    n = itr.size(0)
+    in_node = itr.view(n, G, rpn).any(2)
+    out = {"is_token_in_rank": itr}
+    out["rdma_channel_prefix_matrix"] = expected_send_layout(in_node, num_channels)[0]
+    out["gbl_channel_prefix_matrix"] = expected_send_layout(itr, num_channels)[0]
+    head = torch.full((n, G), -1, dtype=torch.int32)
+    for c in range(G):
+        pos = 0
+        for t in range(n):
+            if bool(in_node[t, c]):
+                head[t, c] = pos
+                pos += 1
+    out["send_rdma_head"] = head
+    gbl = ref.rank_prefix_matrix[:, rank].clone()
+    out["recv_gbl_rank_prefix_sum"] = gbl
+    starts = [0] + gbl.tolist()
+    rel = expected_recv_channel_prefix(itrs, rank, num_channels)
+    out["recv_gbl_channel_prefix_matrix"] = rel + torch.tensor(starts[:R], dtype=torch.int32).unsqueeze(1)
+    rows = ref.recv_src_idx.numel()
+    meta = torch.zeros(rows, 2, dtype=torch.int32)
+    meta[:, 0] = ref.recv_src_idx
+    num_recv = starts[-1]
+    for s in range(R):
+        meta[starts[s]:starts[s + 1], 1] = s // rpn
+    meta[num_recv:] = 0
+    out["recv_src_meta"] = meta.view(torch.uint8).view(rows, 8)
+    fwd_counts, nvl_rows, rdma_cpm = [], [], torch.zeros(G, num_channels, dtype=torch.int32)
+    for a in range(G):  # tokens of rail source (a, local) this rank forwards
+        src_itr = itrs[a * rpn + local]
+        ns = src_itr.size(0)
+        q = max(1, -(-ns // num_channels))
+        mine = src_itr[:, node * rpn:(node + 1) * rpn]
+        seen = [0] * rpn
+        count = 0
+        for t in range(ns):
+            if bool(mine[t].any()):
+                count += 1
+                rdma_cpm[a, t // q:] += 1
+                row = []
+                for j in range(rpn):
+                    if bool(mine[t, j]):
+                        row.append(seen[j])
+                        seen[j] += 1
+                    else:
+                        row.append(-1)
+                nvl_rows.append(row)
+        fwd_counts.append(count)
+    out["recv_rdma_rank_prefix_sum"] = torch.tensor(fwd_counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out["recv_rdma_channel_prefix_matrix"] = rdma_cpm
+    out["send_nvl_head"] = torch.tensor(nvl_rows, dtype=torch.int32).view(-1, rpn)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # one full case: layout, dispatch, cached dispatch, combine, all against the reference
 
@@ -287,15 +351,20 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
         lay = buf.get_dispatch_layout(idx, E)
         chk.check(lay[4].event is None, "sync get_dispatch_layout returned an event")
     ntpr, ntprdma, ntpe, itr, _ = lay
-    e_ntpr, _, e_ntpe, e_itr = ref_dispatch_layout(idx, E, R)
+    internode = buf.num_nodes > 1
+    rpn = buf.ranks_per_node
+    e_ntpr, e_ntprdma, e_ntpe, e_itr = ref_dispatch_layout(idx, E, R, ranks_per_node=rpn)
     chk.same_bits(ntpr, e_ntpr, "layout num_tokens_per_rank")
-    chk.check(ntprdma is None, "layout num_tokens_per_rdma_rank must be None on one node")
+    if internode:
+        chk.same_bits(ntprdma, e_ntprdma, "layout num_tokens_per_rdma_rank")
+    else:
+        chk.check(ntprdma is None, "layout num_tokens_per_rdma_rank must be None on one node")
     chk.same_bits(ntpe, e_ntpe, "layout num_tokens_per_expert")
     chk.same_bits(itr, e_itr, "layout is_token_in_rank")
 
     # -- dispatch
-    kwargs = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
-                  expert_alignment=case.align, config=cfg)
+    kwargs = dict(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprdma, is_token_in_rank=itr,
+                  num_tokens_per_expert=ntpe, expert_alignment=case.align, config=cfg)
     if case.with_topk:
         kwargs.update(topk_idx=idx, topk_weights=w)
     worst = 0
@@ -338,16 +407,20 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
         counts = [int((recv_idx == i).sum()) for i in range(L)]
         chk.check(counts == unaligned, f"local expert id counts {counts} != unaligned list {unaligned}")
 
-    # -- handle (spec §4.3)
-    chk.check(isinstance(handle, tuple) and len(handle) == 6, "handle must be a 6-tuple")
-    prefix, cpm, rcpm, src_idx, h_itr, send_head = handle
-    chk.same_bits(prefix, ref.rank_prefix_matrix, "handle.rank_prefix_matrix (whole matrix)")
-    chk.same_bits(src_idx, ref.recv_src_idx, "handle.recv_src_idx")
-    chk.same_bits(h_itr, ref.is_token_in_rank, "handle.is_token_in_rank")
-    e_cpm, e_send_head = expected_send_layout(itr, num_channels)
-    chk.same_bits(cpm, e_cpm, "handle.channel_prefix_matrix")
-    chk.same_bits(send_head, e_send_head, "handle.send_head")
-    chk.same_bits(rcpm, expected_recv_channel_prefix(itrs, r, num_channels), "handle.recv_channel_prefix_matrix")
+    if internode:  # spec §5: the 10-entry handle
+        chk.check(isinstance(handle, tuple) and len(handle) == 10, "internode handle must be a 10-tuple")
+        for name, got in expected_internode_handle(itrs, r, rpn, num_channels, ref).items():
+            chk.same_bits(handle[INTERNODE_HANDLE.index(name)], got, f"handle.{name}")
+    else:  # spec §4.3
+        chk.check(isinstance(handle, tuple) and len(handle) == 6, "handle must be a 6-tuple")
+        prefix, cpm, rcpm, src_idx, h_itr, send_head = handle
+        chk.same_bits(prefix, ref.rank_prefix_matrix, "handle.rank_prefix_matrix (whole matrix)")
+        chk.same_bits(src_idx, ref.recv_src_idx, "handle.recv_src_idx")
+        chk.same_bits(h_itr, ref.is_token_in_rank, "handle.is_token_in_rank")
+        e_cpm, e_send_head = expected_send_layout(itr, num_channels)
+        chk.same_bits(cpm, e_cpm, "handle.channel_prefix_matrix")
+        chk.same_bits(send_head, e_send_head, "handle.send_head")
+        chk.same_bits(rcpm, expected_recv_channel_prefix(itrs, r, num_channels), "handle.recv_channel_prefix_matrix")
 
     # -- cached dispatch with new data (spec §4.5)
     if case.cached:
@@ -399,7 +472,7 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
     combined, combined_w, _ = coll(do_combine, what=f"{case.name}: combine")
     ys = gather_all(y)
     rws = gather_all(recv_w) if recv_w is not None else None
-    e_comb, e_w = ref_combine(ys, itrs, r, bias=bias, topk_weights=rws)
+    e_comb, e_w = ref_combine(ys, itrs, r, bias=bias, topk_weights=rws, ranks_per_node=rpn if internode else None)
     chk.same_bits(combined, e_comb, "combined_x (bitwise: same float32 order as the reference)")
     chk.same_bits(combined_w, e_w, "combined_topk_weights")
     if case.with_topk:

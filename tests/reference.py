@@ -316,6 +316,7 @@ def ref_combine(
     rank: int,
     bias=None,
     topk_weights: Sequence[torch.Tensor] | None = None,
+    ranks_per_node: int | None = None,
 ):
     """What the origin ``rank`` gets back from a normal ``Buffer.combine`` (§4.6).
 
@@ -330,6 +331,11 @@ def ref_combine(
     → 0.0), then for each rank ``s`` that received ``t``, ascending ``s``, ``acc += f32(row)``;
     output ``acc.to(bfloat16)`` (round to nearest even). No weights are applied to ``x``.
     Weights: ``Σ_s w_s[row]`` in float32 starting from 0.0, ascending ``s``.
+
+    ``ranks_per_node`` below ``R`` gives the internode rule (§5), two roundings: per node ``c``
+    (ranks ``c·rpn .. (c+1)·rpn - 1``) that received ``t``, ``partial_c = bf16(0.0 + Σ f32(row))``
+    ascending rank; then ``acc = f32(bias0) + f32(bias1)``, ``acc += f32(partial_c)`` ascending
+    ``c``, output ``bf16(acc)``. Weights: the same two float32 sums, never rounded.
     Returns ``(combined_x [N_rank, H] bf16, combined_topk_weights [N_rank, K'] float32 | None)``.
     """
     R = len(xs)
@@ -348,6 +354,9 @@ def ref_combine(
     if topk_weights is not None:
         w_acc = torch.zeros(N, topk_weights[0].size(1), dtype=torch.float32)
 
+    if ranks_per_node is not None and ranks_per_node < R:
+        return _ref_combine_two_level(xs, is_token_in_ranks, rank, acc, w_acc, topk_weights, ranks_per_node)
+
     # One pass per receiver s, ascending: every element gets its partials added in ascending-s
     # order, each a single float32 add. Receiver s holds this rank's tokens (in token order)
     # right after the tokens of all lower source ranks (dispatch order, §4.4).
@@ -360,6 +369,30 @@ def ref_combine(
             w_acc[tokens] = w_acc[tokens] + topk_weights[s].index_select(0, rows).to(
                 torch.float32
             )
+    return acc.to(torch.bfloat16), w_acc
+
+
+def _ref_combine_two_level(xs, is_token_in_ranks, rank, acc, w_acc, topk_weights, rpn):
+    """Internode combine of :func:`ref_combine`: node partials rounded to bf16, then the origin's sum."""
+    R = len(xs)
+    mask = is_token_in_ranks[rank]
+    N, H = acc.shape
+    for c in range(R // rpn):
+        part = torch.zeros(N, H, dtype=torch.float32)
+        wpart = None if w_acc is None else torch.zeros_like(w_acc)
+        reached = torch.zeros(N, dtype=torch.bool)
+        for s in range(c * rpn, (c + 1) * rpn):
+            tokens = torch.nonzero(mask[:, s], as_tuple=False).flatten()
+            first = sum(int(is_token_in_ranks[k][:, s].sum()) for k in range(rank))
+            rows = torch.arange(first, first + tokens.numel())
+            part[tokens] = part[tokens] + xs[s].index_select(0, rows).to(torch.float32)
+            if wpart is not None:
+                wpart[tokens] = wpart[tokens] + topk_weights[s].index_select(0, rows).to(torch.float32)
+            reached[tokens] = True
+        tokens = torch.nonzero(reached, as_tuple=False).flatten()
+        acc[tokens] = acc[tokens] + part[tokens].to(torch.bfloat16).to(torch.float32)
+        if w_acc is not None:
+            w_acc[tokens] = w_acc[tokens] + wpart[tokens]
     return acc.to(torch.bfloat16), w_acc
 
 
