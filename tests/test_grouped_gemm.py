@@ -1,0 +1,295 @@
+"""Grouped GEMMs in deepep_ascend.grouped_gemm (mega-moe.md §3): hand-computed cases, layouts
+(contiguous with -1 padding, psum, masked, k-grouped), BF16/FP8/FP4 against a per-group float64
+reference, and bad inputs.
+
+Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
+Tolerance: outputs are bf16 rounded once from float32 accumulation, so each element is within
+2^-8 relative (half a bf16 ulp is 2^-9, plus float32 accumulation noise) of the float64 result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepep_ascend as dg
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+E4M3 = torch.float8_e4m3fn
+SENTINEL = 7.0
+
+
+@pytest.fixture
+def alignment():
+    """Small row alignment for hand-sized layouts; restored afterwards."""
+    old = dg.get_mk_alignment_for_contiguous_layout()
+    dg.set_mk_alignment_for_contiguous_layout(4)
+    yield 4
+    dg.set_mk_alignment_for_contiguous_layout(old)
+
+
+def close_to(d: torch.Tensor, ref64: torch.Tensor, rtol: float = 2.0**-8) -> bool:
+    scale = ref64.abs().max().item() if ref64.numel() else 1.0
+    return bool(((d.double() - ref64).abs() <= rtol * ref64.abs() + 1e-6 * scale).all())
+
+
+def layout_from_counts(counts, alignment):
+    rows = []
+    for g, c in enumerate(counts):
+        rows += [g] * c + [-1] * (dg.align(c, alignment) - c)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_alignment_helpers():
+    assert dg.get_mk_alignment_for_contiguous_layout() == 128
+    assert dg.get_m_alignment_for_contiguous_layout() == 128
+    assert dg.get_k_alignment_for_contiguous_layout() == 128
+    assert dg.get_theoretical_mk_alignment_for_contiguous_layout(64) == 128
+    with pytest.raises(ValueError, match="new_value"):
+        dg.set_mk_alignment_for_contiguous_layout(0)
+
+
+def test_contiguous_bf16_hand_case(alignment):
+    a = torch.tensor([[1, 2], [3, 4], [9, 9], [9, 9], [1, -1], [9, 9], [9, 9], [9, 9]], dtype=BF16)
+    b = torch.tensor([[[1, 0], [0, 1], [1, 1]], [[2, 0], [0, 2], [1, -1]]], dtype=BF16)  # [2,3,2]
+    layout = torch.tensor([0, 0, -1, -1, 1, -1, -1, -1], dtype=torch.int32)
+    d = torch.full((8, 3), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout)
+    want = [[1, 2, 3], [3, 4, 7], [0, 0, 0], [0, 0, 0], [2, -2, 2]] + [[0, 0, 0]] * 3
+    assert d.tolist() == want  # padding rows (-1) come out as zeros
+    d2 = torch.full((8, 3), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nn_contiguous(a, b.transpose(1, 2).contiguous(), d2, layout)
+    assert d2.tolist() == want
+
+
+def test_contiguous_psum_layout_and_zero_padding(alignment):
+    a = torch.ones(10, 2, dtype=BF16)
+    b = torch.tensor([[[1, 1]], [[2, 3]]], dtype=BF16)  # N = 1: group 0 -> 2, group 1 -> 5
+    ends = torch.tensor([3, 6], dtype=torch.int32)  # group 0: rows [0,3), group 1: [4,6)
+    d = torch.full((10, 1), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, ends, use_psum_layout=True)
+    assert d.flatten().tolist() == [2, 2, 2, 0, 5, 5, 0, 0, SENTINEL, SENTINEL]
+    d = torch.full((10, 1), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(
+        a, b, d, ends, use_psum_layout=True, ensure_zero_padding=False
+    )
+    assert d.flatten().tolist() == [2, 2, 2, SENTINEL, 5, 5] + [SENTINEL] * 4
+    # an empty group may repeat the previous end (unaligned) or its aligned start
+    d = torch.full((10, 1), SENTINEL, dtype=BF16)
+    b3 = torch.cat([b, b[:1]])
+    dg.m_grouped_bf16_gemm_nt_contiguous(
+        a, b3, d, torch.tensor([3, 3, 6], dtype=torch.int32), use_psum_layout=True
+    )
+    assert d.flatten().tolist()[:6] == [2, 2, 2, 0, 2, 2]
+
+
+def test_contiguous_bf16_against_float64(alignment):
+    g = torch.Generator().manual_seed(0)
+    counts = [5, 0, 9, 1]
+    layout = layout_from_counts(counts, alignment)
+    m, n, k = layout.numel(), 24, 64
+    a = torch.randn(m, k, generator=g).to(BF16)
+    b = torch.randn(len(counts), n, k, generator=g).to(BF16)
+    d = torch.full((m, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout)
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    for i, grp in enumerate(layout.tolist()):
+        if grp >= 0:
+            ref[i] = b[grp].double() @ a[i].double()
+    assert close_to(d, ref)
+
+
+def test_masked_bf16_leaves_rows_past_masked_m():
+    g = torch.Generator().manual_seed(1)
+    G, mmax, n, k = 3, 6, 8, 32
+    a = torch.randn(G, mmax, k, generator=g).to(BF16)
+    b = torch.randn(G, n, k, generator=g).to(BF16)
+    masked_m = torch.tensor([2, 0, 6], dtype=torch.int32)
+    d = torch.full((G, mmax, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m=3)
+    for grp, c in enumerate(masked_m.tolist()):
+        assert close_to(d[grp, :c], a[grp, :c].double() @ b[grp].double().T)
+        assert bool((d[grp, c:] == SENTINEL).all())
+    assert dg.bf16_m_grouped_gemm_nt_masked is dg.m_grouped_bf16_gemm_nt_masked
+
+
+def test_fp8_hand_case():
+    # A: ones with scale 2^-3 (UE8M0 byte 124); B: ones with scale 2^1 -> 128 * 2^-3 * 2 = 32
+    a_data = torch.ones(1, 128).to(E4M3)
+    a_sf = torch.tensor([[0x7F7F7F7C]], dtype=torch.int32)
+    b_data = torch.ones(1, 2, 128).to(E4M3)
+    b_data.view(torch.uint8)[0, 1, :64] = 0xB8  # -1 in half of row 1 -> 0
+    b_sf = torch.tensor([[[0x7F7F7F80], [0x7F7F7F80]]], dtype=torch.int32)
+    d = torch.zeros(1, 1, 2, dtype=BF16)
+    dg.m_grouped_fp8_gemm_nt_masked(
+        (a_data.unsqueeze(0), a_sf.unsqueeze(0)), (b_data, b_sf), d,
+        torch.tensor([1], dtype=torch.int32), 1, recipe=(1, 1, 128),
+    )  # fmt: skip
+    assert d.flatten().tolist() == [32.0, 0.0]
+
+
+def _deq_rows(data, sf_float, gran):
+    """Independent dequantization: e4m3 -> float64 times the per-(row, gran) float scale."""
+    k = data.size(-1)
+    return data.double() * sf_float.double().repeat_interleave(gran, dim=-1)[..., :k]
+
+
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_fp8_contiguous_against_float64(ue8m0):
+    g = torch.Generator().manual_seed(2)
+    counts = [3, 130 - 128]  # alignment 128: rows [0,3) group 0, [128,130) group 1
+    layout = layout_from_counts(counts, 128)
+    m, n, k, G = layout.numel(), 16, 256, 2
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(G, n, k, generator=g)
+    a = dg.per_token_cast_to_fp8(x, ue8m0, 128, ue8m0)  # packed int32 when ue8m0
+    b = dg.per_block_cast_to_fp8(w, ue8m0)
+    d = torch.full((m, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout)
+    a_sf = dg.unpack_ue8m0_from_int(a[1])[:, :2] if ue8m0 else a[1]
+    a64 = _deq_rows(a[0], a_sf, 128)
+    b64 = b[0].double() * b[1].double().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    for i, grp in enumerate(layout.tolist()):
+        if grp >= 0:
+            ref[i] = b64[grp] @ a64[i]
+    assert close_to(d, ref)
+    # the same through the psum layout and through the nn variant
+    d2 = torch.full((m, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_fp8_fp4_gemm_nt_contiguous(
+        a, b, d2, torch.tensor([3, 130], dtype=torch.int32), use_psum_layout=True
+    )
+    assert torch.equal(d2, d)
+    d3 = torch.full((m, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_fp8_gemm_nn_contiguous(a, (b[0].transpose(1, 2).contiguous(), b[1]), d3, layout)
+    assert torch.equal(d3, d)
+
+
+def test_fp8_x_fp4_masked_mx_recipe():
+    g = torch.Generator().manual_seed(3)
+    G, mmax, n, k = 2, 4, 8, 64
+    x = torch.randn(G, mmax, k, generator=g)
+    w = torch.randn(G, n, k, generator=g)
+    a = dg.per_token_cast_to_fp8(x, True, 32, True)
+    b = dg.per_token_cast_to_fp4(w, True, 32, True)
+    assert b[0].dtype == torch.int8 and b[0].shape == (G, n, k // 2)
+    d = torch.full((G, mmax, n), SENTINEL, dtype=BF16)
+    dg.m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, torch.tensor([4, 1], dtype=torch.int32), 2,
+                                        recipe=(1, 1, 32))
+    a64 = _deq_rows(a[0], dg.unpack_ue8m0_from_int(a[1])[..., :2], 32)
+    b64 = dg.cast_back_from_fp4(b[0], b[1], 32).double()
+    assert close_to(d[0], a64[0] @ b64[0].T)
+    assert close_to(d[1, :1], a64[1, :1] @ b64[1].T)
+    assert bool((d[1, 1:] == SENTINEL).all())
+
+
+def test_k_grouped_bf16_against_float64():
+    g = torch.Generator().manual_seed(4)
+    ks = [128, 0, 256]
+    m, n = 3, 5
+    a = torch.randn(sum(ks), m, generator=g).to(BF16)
+    b = torch.randn(sum(ks), n, generator=g).to(BF16)
+    c = torch.randn(3, m, n, generator=g)
+    d = c.clone()  # c aliases d
+    dg.k_grouped_bf16_gemm_tn_contiguous(a, b, d, ks, torch.tensor(ks, dtype=torch.int32), c=d)
+    offs = [0, 128, 128, 384]
+    for grp in range(3):
+        s, e = offs[grp], offs[grp + 1]
+        ref = c[grp].double() + a[s:e].double().T @ b[s:e].double()
+        assert torch.allclose(d[grp].double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(d[1], c[1])  # K = 0: just c
+    d2 = torch.zeros(3, m, n)
+    dg.k_grouped_bf16_gemm_tn_contiguous(
+        a, b, d2, None, torch.tensor([128, 128, 384], dtype=torch.int32), use_psum_layout=True
+    )
+    assert torch.allclose(d2, d - c, rtol=1e-5, atol=1e-4)
+
+
+def test_k_grouped_fp8_tn_and_nt():
+    g = torch.Generator().manual_seed(5)
+    ks = [128, 256]
+    m, n = 4, 3
+    x = torch.randn(sum(ks), m, generator=g)
+    y = torch.randn(sum(ks), n, generator=g)
+    a = dg.per_channel_cast_to_fp8(x, True)
+    b = dg.per_channel_cast_to_fp8(y, True)
+    d = torch.zeros(2, m, n)
+    dg.k_grouped_fp8_gemm_tn_contiguous(a, b, d, ks, torch.tensor(ks, dtype=torch.int32))
+    a64 = a[0].double() * a[1].double().repeat_interleave(128, 0)
+    b64 = b[0].double() * b[1].double().repeat_interleave(128, 0)
+    assert torch.allclose(d[0].double(), a64[:128].T @ b64[:128], rtol=1e-5, atol=1e-4)
+    assert torch.allclose(d[1].double(), a64[128:].T @ b64[128:], rtol=1e-5, atol=1e-4)
+    d_nt = torch.zeros(2, m, n)
+    a_nt = (a[0].t().contiguous(), a[1].t().contiguous())
+    b_nt = (b[0].t().contiguous(), b[1].t().contiguous())
+    dg.k_grouped_fp8_gemm_nt_contiguous(a_nt, b_nt, d_nt, ks, torch.tensor(ks, dtype=torch.int32))
+    assert torch.equal(d_nt, d)
+
+
+def test_dense_variants():
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(4, 64, generator=g).to(BF16)
+    b = torch.randn(6, 64, generator=g).to(BF16)
+    c = torch.randn(4, 6, generator=g)
+    d = torch.empty(4, 6)
+    dg.bf16_gemm_nt(a, b, d, c=c)
+    assert torch.allclose(d.double(), c.double() + a.double() @ b.double().T, rtol=1e-5, atol=1e-4)
+    d2 = torch.empty(4, 6, dtype=BF16)
+    dg.bf16_gemm_tt(a.t().contiguous(), b, d2)
+    assert close_to(d2, a.double() @ b.double().T)
+    # legacy float32 scales (1x128 A, 128x128 B): computed in float32
+    af = dg.per_token_cast_to_fp8(a.float())
+    bf = dg.per_block_cast_to_fp8(b.float())
+    d3 = torch.empty(4, 6, dtype=BF16)
+    dg.fp8_gemm_nt(af, bf, d3)
+    ref = _deq_rows(af[0], af[1], 128) @ (bf[0].double() * bf[1].double().item()).T
+    assert close_to(d3, ref)
+
+
+def test_bad_inputs_raise_clear_errors(alignment):
+    a = torch.ones(8, 2, dtype=BF16)
+    b = torch.ones(2, 3, 2, dtype=BF16)
+    d = torch.zeros(8, 3, dtype=BF16)
+    ok = torch.tensor([0, 0, -1, -1, 1, 1, 1, -1], dtype=torch.int32)
+    with pytest.raises(TypeError, match="a must have dtype"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a.float(), b, d, ok)
+    with pytest.raises(TypeError, match="d must have dtype"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d.float(), ok)
+    with pytest.raises(ValueError, match="d must have shape"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d[:7], ok)
+    with pytest.raises(ValueError, match="K mismatch"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, torch.ones(2, 3, 4, dtype=BF16), d, ok)
+    with pytest.raises(ValueError, match="one contiguous run"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(
+            a, b, d, torch.tensor([0, 0, -1, -1, 1, 1, 0, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="alignment"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(
+            a, b, d, torch.tensor([0, 0, -1, 1, 1, -1, -1, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="-1 or in"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(
+            a, b, d, torch.tensor([0, 0, -1, -1, 2, -1, -1, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="grouped_layout must have"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, ok[:5])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(
+            a, b, d, torch.tensor([4, 3], dtype=torch.int32), use_psum_layout=True)
+    with pytest.raises(ValueError, match="masked_m"):
+        dg.m_grouped_bf16_gemm_nt_masked(
+            a.view(2, 4, 2), b, torch.zeros(2, 4, 3, dtype=BF16),
+            torch.tensor([5, 0], dtype=torch.int32), 1)
+    with pytest.raises(TypeError, match="pair"):
+        dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, ok)
+    x8 = torch.zeros(8, 128).to(E4M3)
+    with pytest.raises(ValueError, match="scales shape"):
+        dg.m_grouped_fp8_gemm_nt_contiguous(
+            (x8, torch.ones(8, 2)), (torch.zeros(2, 3, 128).to(E4M3), torch.ones(2, 1, 1)),
+            d, ok)
+    with pytest.raises(ValueError, match="gran_k"):
+        dg.k_grouped_fp8_gemm_tn_contiguous(
+            dg.per_channel_cast_to_fp8(torch.ones(256, 2)),
+            dg.per_channel_cast_to_fp8(torch.ones(256, 2)),
+            torch.zeros(2, 2, 2), [64, 192], torch.tensor([64, 192], dtype=torch.int32))
+    with pytest.raises(ValueError, match="disagrees"):
+        dg.k_grouped_bf16_gemm_tn_contiguous(
+            a, a, torch.zeros(1, 2, 2), [8], torch.tensor([4], dtype=torch.int32))

@@ -1,0 +1,306 @@
+"""Codecs in deepep_ascend.quant: bit patterns derived by hand from mega-moe.md §4 and
+deepep-buffer-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad inputs.
+
+Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference
+import torch
+
+import deepep_ascend as dg
+
+F32 = torch.float32
+E4M3 = torch.float8_e4m3fn
+
+
+def i32(u: int) -> int:
+    """An unsigned 32-bit pattern as the signed int32 torch stores."""
+    return u - (1 << 32) if u >= 1 << 31 else u
+
+
+def e4m3_bytes(t: torch.Tensor) -> list:
+    return t.view(torch.uint8).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0
+
+
+def test_ceil_to_ue8m0_from_the_bits():
+    x = torch.tensor([1.0, 1.5, 2.0, 3.0, 0.25, 0.3, -3.0, 0.0, 2.0**-130, 2.0**127 * 1.5])
+    want = [1.0, 2.0, 2.0, 4.0, 0.25, 0.5, 4.0, 2.0**-126, 2.0**-126, 2.0**127]
+    # 0 -> exponent byte 0 clamped to 1; a subnormal has exponent 0 plus a mantissa bit -> 1;
+    # 1.5 * 2^127 would need byte 255 -> clamped to 254.
+    assert dg.ceil_to_ue8m0(x).tolist() == want
+    with pytest.raises(TypeError, match="x"):
+        dg.ceil_to_ue8m0(torch.tensor([1, 2]))
+
+
+def test_ue8m0_bytes_and_int32_packing():
+    sf = torch.tensor([[1.0, 2.0, 0.5, 8.0, 2.0**-7]])
+    assert dg.ue8m0_bytes(sf).tolist() == [[127, 128, 126, 130, 120]]
+    packed = dg.pack_ue8m0_to_int(sf)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 2)
+    # little-endian: byte j of word c is group 4c+j; groups 5..7 are padding (127 = 1.0)
+    assert packed.tolist() == [[i32(0x827E807F), i32(0x7F7F7F78)]]
+    back = dg.unpack_ue8m0_from_int(packed)
+    assert back.tolist() == [[1.0, 2.0, 0.5, 8.0, 2.0**-7, 1.0, 1.0, 1.0]]
+    # byte 0 is 2^-127 (subnormal), 255 is NaN (spec §4)
+    special = dg.unpack_ue8m0_from_int(torch.tensor([[0, 255]], dtype=torch.uint8))
+    assert special[0, 0].item() == 2.0**-127 and torch.isnan(special[0, 1])
+    with pytest.raises(ValueError, match="powers of two"):
+        dg.pack_ue8m0_to_int(torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="powers of two"):
+        dg.pack_ue8m0_to_int(torch.tensor([0.0]))
+    with pytest.raises(TypeError, match="packed_sf"):
+        dg.unpack_ue8m0_from_int(torch.tensor([1.0]))
+
+
+def test_mn_major_tma_aligned_layouts():
+    exps = torch.arange(25, dtype=F32).reshape(5, 5) - 12  # exponents -12..12
+    sf = torch.pow(2.0, exps)
+    packed = dg.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+    assert packed.shape == (5, 2) and packed.stride() == (1, 8)  # align(5, 4) = 8
+    assert torch.equal(packed, dg.pack_ue8m0_to_int(sf))
+    assert (packed[0, 0].item() & 0xFF) == 127 - 12  # group 0 of row 0 in the low byte
+    fl = dg.get_mn_major_tma_aligned_tensor(sf)
+    assert fl.stride() == (1, 8) and torch.equal(fl, sf)
+    assert dg.get_mn_major_tma_aligned_tensor(fl) is fl
+    batched = dg.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf.expand(3, 5, 5))
+    assert batched.shape == (3, 5, 2) and batched.stride() == (16, 1, 8)
+    assert dg.get_tma_aligned_size(5, 4) == 8 and dg.get_tma_aligned_size(5, 2) == 8
+    assert dg.get_tma_aligned_size(9, 1) == 16
+
+
+def test_ascend_pair_packing():
+    sf = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 1.0], [8.0, 1.0, 2.0]])
+    pairs = dg.pack_ue8m0_pairs_mn_major(sf)
+    assert pairs.dtype == torch.int16 and pairs.shape == (3, 2) and pairs.stride() == (1, 8)
+    # row 0: bytes 127,128 | 129,pad 127 -> 0x807F, 0x7F81
+    assert pairs[0].tolist() == [0x807F - 0x10000, 0x7F81]
+    assert pairs[1].tolist() == [0x7D7E, 0x7F7F]
+    assert dg.pack_ue8m0_pairs_mn_major(pairs) is pairs  # already packed: reused as is
+    # from DeepGEMM int32 words (4 groups each, padded with 127): the same pairs, plus pad pairs
+    from_int = dg.pack_ue8m0_pairs_mn_major(dg.pack_ue8m0_to_int(sf))
+    assert torch.equal(from_int, pairs)
+    assert dg.unpack_ue8m0_from_int(pairs)[:, :3].tolist() == sf.tolist()
+    with pytest.raises(TypeError, match="sf"):
+        dg.pack_ue8m0_pairs_mn_major(torch.ones(2, 2, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+
+
+def test_e4m3_rounding_and_saturation():
+    x = torch.tensor([448.0, 224.0, -1.0, 0.3, 17.0, 19.0, 1000.0, -1000.0, 464.0])
+    # 0.3 -> 0.3125 (0 0101 010); 17 ties to even 16 (0 1011 000); 19 ties to even 20
+    # (0 1011 010); beyond 448 saturates to 448 (0x7E) / -448 (0xFE).
+    assert e4m3_bytes(dg.cast_to_e4m3(x)) == [0x7E, 0x76, 0xB8, 0x2A, 0x58, 0x5A, 0x7E, 0xFE, 0x7E]
+
+
+def test_per_token_cast_hand_values():
+    x = torch.zeros(2, 130)
+    x[0, :6] = torch.tensor([448.0, 224.0, -1.0, 0.3, 17.0, 19.0])
+    x[0, 128:] = torch.tensor([3.5, -7.0])  # partial last group (2 of 128 channels)
+    data, sf = dg.per_token_cast_to_fp8(x)
+    assert data.dtype == E4M3 and data.shape == (2, 130) and sf.shape == (2, 2)
+    # amax 448 -> scale 1; amax 7 -> 7/448 = 2^-6, data = x * 64; row 1 all zero -> 1e-4 floor
+    assert sf[0].tolist() == [1.0, 2.0**-6]
+    assert torch.equal(sf[1], torch.tensor([1e-4, 1e-4]) / 448.0)
+    assert e4m3_bytes(data[0, :6]) == [0x7E, 0x76, 0xB8, 0x2A, 0x58, 0x5A]
+    assert e4m3_bytes(data[0, 128:]) == [0x76, 0xFE]  # 224, -448
+    assert e4m3_bytes(data[1]) == [0] * 130
+    back = dg.per_token_cast_back(data, sf, dtype=F32)
+    assert back[0, :6].tolist() == [448.0, 224.0, -1.0, 0.3125, 16.0, 20.0]
+    assert back[0, 128:].tolist() == [3.5, -7.0]
+
+
+def test_per_token_cast_ue8m0_hand_values():
+    x = torch.zeros(1, 256)
+    x[0, 0] = 449.0  # 449/448 > 1 -> scale 2 (byte 128); 449/2 = 224.5 -> 224
+    x[0, 128] = -7.0  # 7/448 = 2^-6 exactly -> byte 121
+    data, sf = dg.per_token_cast_to_fp8(x, use_ue8m0=True)
+    assert sf.tolist() == [[2.0, 2.0**-6]]
+    assert e4m3_bytes(data[0, [0, 128]]) == [0x76, 0xFE]
+    _, packed = dg.per_token_cast_to_fp8(x, True, 128, True)
+    assert packed.tolist() == [[i32(0x7F7F7980)]]
+    # gran 32 (MX): 8 groups -> 2 words; empty groups: 1e-4/448 = 2^-22.09 -> 2^-22 (byte 105)
+    _, packed32 = dg.per_token_cast_to_fp8(x, True, 32, True)
+    assert packed32.tolist() == [[i32(0x69696980), i32(0x69696979)]]
+    assert torch.equal(
+        dg.per_token_cast_back(data, packed), dg.per_token_cast_back(data, sf)
+    )
+
+
+def test_per_token_cast_matches_reference_oracle():
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 300, generator=g) * 3).to(torch.bfloat16)
+    data, sf = dg.per_token_cast_to_fp8(x, scale_style="deepep")
+    rdata, rsf = reference.per_token_cast_to_fp8(x)
+    assert torch.equal(data.view(torch.uint8), rdata.view(torch.uint8))
+    assert torch.equal(sf, rsf)
+    assert torch.equal(dg.per_token_cast_back(data, sf), reference.per_token_cast_back(rdata, rsf))
+    # round trip error: half an e4m3 ulp (2^-4 relative) of the group amax at most
+    back = dg.per_token_cast_back(*dg.per_token_cast_to_fp8(x.float()), dtype=F32)
+    assert ((back - x.float()).abs() <= x.float().abs() / 16 + 1e-6).all()
+
+
+def test_low_latency_cast_deepep_rules():
+    x = torch.zeros(2, 512)
+    x[0, 0] = 3.0
+    x[1, 0] = 448.0
+    x[1, 128] = 7.0
+    data, sf = dg.low_latency_cast_to_fp8(x)
+    # 3 * f32(1/448): f32(1/448) = 0x1.24924ap-9; 3 * that = 0x1.b6db6f(p-8) exactly, a tie at
+    # fp32 precision -> even 0x1.b6db70p-8, one ulp above 3/448 = 0x1.b6db6ep-8.
+    assert sf[0, 0].item() == float.fromhex("0x1.b6db70p-8")
+    assert sf[0, 0].item() != torch.tensor(3.0 / 448.0, dtype=F32).item()
+    assert e4m3_bytes(data[0, :1]) == [0x7E]  # 3 * (448/3) = 448
+    assert sf[1, :2].tolist() == [1.0, 2.0**-6]
+    d_r, s_r = dg.low_latency_cast_to_fp8(x, round_scale=True)
+    # ceil(log2(0x1.b6db70p-8)) = -7 -> data 3 * 128 = 384 (0 1111 100)
+    assert s_r[0, 0].item() == 2.0**-7 and e4m3_bytes(d_r[0, :1]) == [0x7C]
+    _, s_u = dg.low_latency_cast_to_fp8(x, round_scale=True, use_ue8m0=True)
+    assert s_u.dtype == torch.int32 and s_u.shape == (2, 1)
+    # row 1: groups 448 -> 2^0 (127), 7 -> 2^-6 (121), zero groups -> 2^-22 (105)
+    assert s_u[1].tolist() == [i32(0x6969797F)]
+    with pytest.raises(ValueError, match="round_scale"):
+        dg.low_latency_cast_to_fp8(x, use_ue8m0=True)
+
+
+def test_per_block_cast_hand_values():
+    x = torch.zeros(130, 129)
+    x[0, 0] = 448.0
+    x[129, 128] = -7.0  # the corner tile (rows 128-129, column 128)
+    x[5, 128] = 0.75  # tile (0, 1): amax 0.75 -> 0.75/448
+    x[6, 128] = 0.3  # 0.3 * 448/0.75 = 179.2 -> e4m3 176; 176 * f32(0.75/448) is not a bf16
+    data, sf = dg.per_block_cast_to_fp8(x)
+    assert sf.shape == (2, 2)
+    assert sf[0, 0].item() == 1.0 and sf[1, 1].item() == 2.0**-6
+    assert sf[0, 1].item() == torch.tensor(0.75 / 448.0, dtype=F32).item()
+    assert e4m3_bytes(data[[0, 129, 5], [0, 128, 128]]) == [0x7E, 0xFE, 0x7E]
+    _, sfu = dg.per_block_cast_to_fp8(x, use_ue8m0=True)
+    assert sfu[0, 1].item() == 2.0**-9  # 0.75/448 = 2^-9.2 -> 2^-9
+    back = dg.per_block_cast_back(data, sf)
+    assert back[0, 0].item() == 448.0 and back[129, 128].item() == -7.0
+    w = dg.dequantize_weights(data, sf, 128, 128, cache=False)
+    assert w.dtype == F32  # legacy float32 scales: not exact in bf16 -> float32
+    assert torch.equal(w, back)
+    # batched weights [E, N, K]
+    _, sf3 = dg.per_block_cast_to_fp8(x.expand(2, 130, 129), use_ue8m0=True)
+    assert sf3.shape == (2, 2, 2) and torch.equal(sf3[1], sfu)
+
+
+def test_per_channel_cast():
+    x = torch.zeros(256, 3)
+    x[3, 1] = 14.0
+    data, sf = dg.per_channel_cast_to_fp8(x, use_ue8m0=True)
+    assert sf.shape == (2, 3) and sf[0, 1].item() == 2.0**-5  # 14/448 = 2^-5
+    assert e4m3_bytes(data[3, 1:2]) == [0x7E]
+    with pytest.raises(ValueError, match="gran_k"):
+        dg.per_channel_cast_to_fp8(torch.zeros(100, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# FP4
+
+
+def test_e2m1_codes_ties_and_saturation():
+    vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert dg.quantize_e2m1(vals).tolist() == list(range(8))
+    assert dg.quantize_e2m1(-vals[1:]).tolist() == list(range(9, 16))
+    # ties go to the smaller magnitude; 100 saturates; -0 and tiny negatives have no sign bit
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 100.0, -0.0, -0.2, -0.26])
+    assert dg.quantize_e2m1(ties).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 7, 0, 0, 9]
+    assert dg.dequantize_e2m1(torch.arange(16, dtype=torch.uint8)).tolist() == [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    ]  # fmt: skip
+    codes = dg.quantize_e2m1(torch.tensor([1.0, -3.0, 6.0, 0.5]))  # 2, 13, 7, 1
+    packed = dg.pack_fp4(codes)
+    assert packed.dtype == torch.int8 and packed.view(torch.uint8).tolist() == [0xD2, 0x17]
+    assert dg.unpack_fp4(packed).tolist() == [2, 13, 7, 1]
+    # torch's float4_e2m1fn_x2 is storage only: accepted as raw bytes
+    assert dg.unpack_fp4(packed.view(torch.uint8).view(torch.float4_e2m1fn_x2)).tolist() == [
+        2, 13, 7, 1,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="even"):
+        dg.pack_fp4(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_per_token_cast_to_fp4_hand_values():
+    x = torch.zeros(1, 64)
+    x[0, :8] = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, -4.0, 6.0])  # amax 6 -> scale 1
+    x[0, 32] = 7.0  # amax 7: 7/6 -> scale 2 (byte 128); 7/2 = 3.5 ties down to 3 -> code 5
+    x[0, 33] = -1.75  # -0.875 -> 1.0 (above 0.75) -> code 10
+    packed, sf = dg.per_token_cast_to_fp4(x, use_ue8m0=True, gran_k=32)
+    assert sf.tolist() == [[1.0, 2.0]] and packed.shape == (1, 32)
+    assert packed.view(torch.uint8)[0, :4].tolist() == [0x10, 0x32, 0x54, 0x7E]
+    assert packed.view(torch.uint8)[0, 16].item() == 0xA5
+    _, sfp = dg.per_token_cast_to_fp4(x, True, 32, True)
+    assert sfp.tolist() == [[i32(0x7F7F807F)]]
+    back = dg.cast_back_from_fp4(packed, sfp, 32, use_packed_ue8m0=True)
+    assert back[0, :8].tolist() == x[0, :8].tolist()
+    assert back[0, 32:34].tolist() == [6.0, -2.0]
+    # exactness: dequantized FP4 weights with UE8M0 scales come back as bf16
+    w = dg.dequantize_weights(packed.unsqueeze(0), sfp.unsqueeze(0), 1, 32, cache=False)
+    assert w.dtype == torch.bfloat16 and torch.equal(w[0].float(), back)
+    with pytest.raises(ValueError, match="even"):
+        dg.per_token_cast_to_fp4(torch.zeros(1, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# layouts, cache, errors
+
+
+def test_transform_sf_into_required_layout():
+    sf = torch.pow(2.0, -torch.arange(12, dtype=F32)).reshape(3, 4)  # k = 128 at gran 32
+    out = dg.transform_sf_into_required_layout(sf, 3, 128, (1, 32))
+    assert out.dtype == torch.int32 and out.shape == (3, 1) and out.stride(-2) == 1
+    assert torch.equal(out, dg.pack_ue8m0_to_int(sf))
+    assert dg.transform_sf_into_required_layout(out, 3, 128, (1, 32)) is out
+    fl = dg.transform_sf_into_required_layout(sf, 3, 128, (1, 1, 32), is_sfa=True,
+                                              disable_ue8m0_cast=True)
+    assert fl.dtype == F32 and fl.stride() == (1, 4)
+    block = torch.rand(2, 3)
+    assert dg.transform_sf_into_required_layout(block, 256, 384, (128, 128)) is block
+    g3 = dg.transform_sf_into_required_layout(sf.expand(2, 3, 4), 3, 128, (1, 32), num_groups=2)
+    assert g3.shape == (2, 3, 1)
+    with pytest.raises(ValueError, match="powers of two"):
+        dg.transform_sf_into_required_layout(sf * 3, 3, 128, (1, 32))
+    with pytest.raises(ValueError, match="sf must be"):
+        dg.transform_sf_into_required_layout(sf, 3, 256, (1, 32))
+
+
+def test_dequantized_weight_cache_identity_and_version():
+    w = torch.ones(2, 4, 128)
+    data, sf = dg.per_token_cast_to_fp8(w, True, 128)
+    first = dg.dequantize_weights(data, sf, 1, 128)
+    assert first.dtype == torch.bfloat16 and bool((first == 1).all())
+    assert dg.dequantize_weights(data, sf, 1, 128) is first  # cached
+    data.view(torch.uint8)[0, 0, 0] = 0x76  # in-place write bumps the version: 224 * 2^-8
+    again = dg.dequantize_weights(data, sf, 1, 128)
+    assert again is not first and again[0, 0, 0].item() == 224.0 * sf[0, 0, 0].item()
+    dg.clear_dequantized_weight_cache()
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="x"):
+        dg.per_token_cast_to_fp8(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x"):
+        dg.per_token_cast_to_fp8(torch.ones(4))
+    with pytest.raises(ValueError, match="use_packed_ue8m0"):
+        dg.per_token_cast_to_fp8(torch.ones(2, 4), False, 128, True)
+    with pytest.raises(ValueError, match="gran_k"):
+        dg.per_token_cast_to_fp8(torch.ones(2, 4), gran_k=0)
+    with pytest.raises(TypeError, match="x_fp8"):
+        dg.per_token_cast_back(torch.ones(2, 4), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="x_scales"):
+        dg.per_token_cast_back(torch.zeros(2, 256).to(E4M3), torch.ones(2, 1))
+    with pytest.raises(TypeError, match="packed"):
+        dg.unpack_fp4(torch.ones(2))
+    with pytest.raises(ValueError, match="scales"):
+        dg.dequantize_weights(torch.zeros(1, 4, 256).to(E4M3), torch.ones(1, 4, 1), cache=False)
