@@ -90,7 +90,7 @@ class _Dispatch(torch.autograd.Function):
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("deepep_ascend.autograd.dispatch: a cached dispatch (handle=...) takes "
                                  "topk_idx=None and topk_weights=None")
-            recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, handle=handle, **kwargs)
+            recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(x, handle=handle, **kwargs)
         ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, _num_sms(buffer, config)
         ctx.has_weights = topk_weights is not None
         ctx.x_rows = x.size(0)

@@ -1,0 +1,145 @@
+"""``deepep_ascend.autograd``: differentiable dispatch/combine against the pure-torch reference.
+
+Data are small integers (``x``, gradients) and quarter-integers (weights), so every sum is exact
+in bf16/float32 and forward and backward are compared **bit for bit** with ``tests/reference.py``
+(the backward of dispatch is a combine of the gradients, the backward of combine a dispatch of
+them: the reference computes both from every rank's gathered tensors). Routing: uniform with
+-1 slots, and skewed (every token to one rank's experts, so the other ranks receive nothing);
+with more than one rank, the last rank has no tokens at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from buffer_helpers import BF16, Checker, all_ranks_ok, coll, make_topk_idx
+from mpi_utils import gather_all, world
+from reference import ref_combine, ref_dispatch
+
+from deepep_ascend import Buffer
+from deepep_ascend import autograd as ag
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
+
+E, K, H = 16, 3, 32
+
+
+@pytest.fixture(scope="module")
+def buf():
+    comm = world()
+    b = coll(lambda: Buffer(comm, Buffer.get_normal_buffer_size_hint(24, H, comm.Get_size(), K, E),
+                            explicitly_destroy=True), what="Buffer()")
+    yield b
+    coll(b.destroy, what="destroy")
+
+
+def _ints(shape, lo, hi, gen, dtype=torch.float32):
+    return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+
+
+def _masked(w, idx):
+    return torch.where(idx >= 0, w, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_dispatch_combine_grads_exact(buf, comm, routing):
+    """Forward outputs and the gradients of x and topk_weights, through dispatch → expert (a power-of-two
+    scale per rank) → combine with and without weights, equal the reference bit for bit; a rank with no
+    tokens (sent or received) gets zero-size / zero gradients, never None."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 0 if (R > 1 and r == R - 1) else 9 + 2 * r
+    gen = torch.Generator().manual_seed(77 + r)
+    idx = make_topk_idx(routing, n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    w0 = _ints((n, K), 1, 8, gen) / 4
+    scale = 2.0 ** (r % 3 - 1)
+    rows_max = 24 * R
+    A = _ints((rows_max, H), -3, 4, gen)  # d loss / d recv_x (direct term)
+    B = _ints((rows_max, K), -3, 4, gen) / 4  # d loss / d recv_topk_weights (direct term)
+    C = _ints((n, H), -3, 4, gen)  # d loss / d combined_x
+    D = _ints((n, K), -3, 4, gen) / 4  # d loss / d combined_topk_weights
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        recv_x, recv_idx, recv_w, counts, handle = ag.dispatch(buf, x, idx, w, E)
+        m = recv_x.size(0)
+        y = (recv_x.float() * scale).to(BF16)
+        combined, combined_w = ag.combine(buf, y, handle, topk_weights=recv_w)
+        loss = ((recv_x.float() * A[:m]).sum() + (recv_w * B[:m]).sum()
+                + (combined.float() * C).sum() + (combined_w * D).sum())
+        loss.backward()
+        return x, w, recv_x, recv_idx, recv_w, counts, handle, combined, combined_w
+
+    x, w, recv_x, recv_idx, recv_w, counts, handle, combined, combined_w = coll(run, what="autograd round trip")
+    chk = Checker(r)
+    xs, idxs, ws = gather_all(x0), gather_all(idx), gather_all(w0)
+    itrs = gather_all(handle[4])
+    refs = [ref_dispatch(xs, idxs, ws, E, s) for s in range(R)]
+    ref = refs[r]
+    chk.same_bits(recv_x.detach(), ref.recv_x, "recv_x")
+    chk.same_bits(recv_idx, ref.recv_topk_idx, "recv_topk_idx")
+    chk.same_bits(recv_w.detach(), ref.recv_topk_weights, "recv_topk_weights")
+    chk.check(counts == ref.num_recv_tokens_per_expert_list, "num_recv_tokens_per_expert_list")
+    scales = [2.0 ** (s % 3 - 1) for s in range(R)]
+    outs = [(refs[s].recv_x.float() * scales[s]).to(BF16) for s in range(R)]
+    e_comb, e_cw = ref_combine(outs, itrs, r, topk_weights=[refs[s].recv_topk_weights for s in range(R)])
+    chk.same_bits(combined.detach(), e_comb, "combined_x")
+    chk.same_bits(combined_w.detach(), e_cw, "combined_topk_weights")
+    # Backward. Receiver s: d recv_x = A + scale_s * (cached dispatch of bf16(C)); d recv_w = B + dispatch of D.
+    Cs, Ds = gather_all(C.to(BF16)), gather_all(D)
+    g_rx, g_rw = [], []
+    for s in range(R):
+        m = refs[s].num_recv_tokens
+        A_s, B_s = comm.bcast((A, B) if r == s else None, root=s)  # rank s's direct gradient terms
+        disp_c = ref_dispatch(Cs, idxs, None, E, s).recv_x.float()
+        disp_d = ref_dispatch(Ds, idxs, None, E, s).recv_x
+        g_rx.append(A_s[:m] + (disp_c * scales[s]).to(BF16).float())
+        g_rw.append(_masked(B_s[:m] + disp_d, refs[s].recv_topk_idx))
+    e_gx, e_gw = ref_combine([g.to(BF16) for g in g_rx], itrs, r, topk_weights=g_rw)
+    chk.check(x.grad is not None and w.grad is not None, "a gradient is None")
+    chk.same_bits(x.grad, e_gx, "x.grad")
+    chk.same_bits(w.grad, e_gw, "topk_weights.grad")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def test_cached_dispatch_and_plain_combine(buf, comm):
+    """dispatch(handle=...) (cached, no top-k) and combine without weights: exact adjoints of each other."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 6 + r
+    gen = torch.Generator().manual_seed(5 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    g0 = _ints((n, H), -2, 3, gen, BF16)
+
+    def run():
+        _, _, _, _, handle = ag.dispatch(buf, x0, idx, torch.ones(n, K), E)
+        x = g0.clone().requires_grad_(True)
+        recv, ridx, rw, counts, h2 = ag.dispatch(buf, x, None, None, None, handle=handle)
+        out, cw = ag.combine(buf, recv, handle)
+        (out.float() * 1.0).sum().backward()
+        return handle, x, recv, ridx, rw, counts, h2, cw
+
+    handle, x, recv, ridx, rw, counts, h2, cw = coll(run, what="cached dispatch under autograd")
+    chk = Checker(r)
+    itrs, idxs = gather_all(handle[4]), gather_all(idx)
+    chk.check(ridx is None and rw is None and counts is None and cw is None, "cached outputs must be None")
+    chk.same_bits(recv.detach(), ref_dispatch(gather_all(g0), idxs, None, E, r).recv_x, "cached recv_x")
+    # d/dx of sum(combine(dispatch(x))) = (ranks reached) per row, via combine then dispatch of ones.
+    reached = itrs[r].sum(1, keepdim=True).to(torch.float32)
+    chk.same_bits(x.grad, (torch.ones(n, H) * reached).to(BF16), "x.grad = ranks reached")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def test_refuses_non_bf16_and_async(buf):
+    """float32 / FP8 x and async keywords are refused locally, before any communication."""
+    x = torch.zeros(2, H)
+    idx = torch.zeros(2, K, dtype=torch.int64)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.dispatch(buf, x, idx, torch.ones(2, K), E)
+    with pytest.raises(TypeError, match="not differentiable"):
+        ag.dispatch(buf, (x.to(torch.float8_e4m3fn), torch.ones(2, 1)), idx, torch.ones(2, K), E)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.dispatch(buf, x.to(BF16), idx, torch.ones(2, K), E, async_finish=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.combine(buf, x, None)
