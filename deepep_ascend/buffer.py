@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import traceback
 import warnings
 import weakref
 
@@ -558,16 +559,22 @@ class Buffer:
         try:
             with torch.no_grad():  # the data plane is not differentiable (as DeepEP's kernels)
                 return fn()
-        except (ConsensusError, TransportAborted):
-            raise
-        except TransportTimeout as exc:  # peers learn at once, as a TimeoutError naming the same ranks
-            if self.runtime is not None:
-                self.runtime.abort(f"rank {self.rank}: {exc}", pending_peers=exc.pending_peers)
-            raise
         except BaseException as exc:
-            if self.runtime is not None:
-                self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            # The engine's finished frames hold views of window memory; a caller keeping the
+            # exception would otherwise keep them alive and make destroy() refuse (TransportBusy).
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
+            self._abort_on(exc)
             raise
+
+    def _abort_on(self, exc: BaseException) -> None:
+        """Abort the peers for an unexpected failure (not for a consensus error or a peer's abort)."""
+        if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted)):
+            return
+        if isinstance(exc, TransportTimeout):  # peers learn at once, as a TimeoutError naming the same ranks
+            self.runtime.abort(f"rank {self.rank}: {exc}", pending_peers=exc.pending_peers)
+        else:
+            self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
 
     # -- dispatch ------------------------------------------------------------------------
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

@@ -385,3 +385,44 @@ class CollectiveOutcomePlugin:
         if not self.is_collective(item):
             return (yield)
         return (yield from self._phase(item, "teardown"))
+
+
+# ----------------------------------------------------------------------------------------------
+# child jobs: a test (in the 1-rank run) launching its own ``mpiexec``
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` of the MPI mpi4py runs on (the ``mpich`` wheel's, else the one on PATH)."""
+    import shutil
+    import sysconfig
+
+    wheel = os.path.join(sysconfig.get_path("scripts"), "mpiexec")
+    return wheel if os.path.exists(wheel) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def child_env(repo: str, **extra) -> dict:
+    """This process's environment without the launcher's variables (a child job must not join ours)."""
+    drop = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PYTEST_", "OMPI_", "PMIX_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def run_child_job(n: int, args: Sequence[str], repo: str, timeout_s: float = 120.0, **extra_env) -> tuple[int, str]:
+    """Run ``mpiexec -n n <args>`` in its own session; kill the whole group on timeout.
+
+    Returns ``(exit status, combined stdout and stderr)``.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([mpiexec_path(), "-n", str(n), *args], cwd=repo, env=child_env(repo, **extra_env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n[parent] killed the child job after {timeout_s} s"
+    return proc.returncode, out

@@ -22,10 +22,10 @@ from buffer_helpers import (
     BF16,
     Case,
     Checker,
-    bits,
     coll,
     make_topk_idx,
     make_x,
+    many_round_trips,
     run_case,
 )
 from mpi_utils import gather_all, world
@@ -106,66 +106,8 @@ def test_get_dispatch_layout_outputs(buf, comm):
 
 
 def test_many_round_trips_without_cleaning(buf, comm):
-    """200 consecutive dispatch/combine round trips, varying N and routing, nothing cleaned.
-
-    Every iteration is checked locally (combine of the received rows == bf16(count · x),
-    combined weights == originals); iterations 0, 50, 100, 150 and 199 also against the
-    reference. Every 10th iteration uses async calls; every 4th adds a cached dispatch.
-    All 200 iterations run inside one collective guard; the gathers for the reference come after.
-    """
-    r, R = comm.Get_rank(), comm.Get_size()
-    chk = Checker(r)
-    E, K, H = 16, 2, 128
-    inputs = []
-    for it in range(200):
-        gen = torch.Generator().manual_seed(10_000 + it * 17 + r)
-        n = (it * 5 + r * 3) % 13  # 0..12 tokens, differing by rank and iteration
-        idx = make_topk_idx("uniform" if it % 4 else "allneg", n, E, K, r, R, gen)
-        inputs.append((idx, torch.rand(n, K, generator=gen), torch.randn(n, H, generator=gen).to(BF16)))
-
-    def loop():
-        results = []
-        for it, (idx, w, x) in enumerate(inputs):
-            use_async = it % 10 == 9
-            ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
-            kw = dict(async_finish=True, previous_event=Buffer.capture(), allocate_on_comm_stream=True) \
-                if use_async else {}
-            out = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
-                               topk_idx=idx, topk_weights=w, **kw)
-            if use_async:
-                out[5].current_stream_wait()
-            cached = None
-            if it % 4 == 1:
-                cached = buf.dispatch(x * 2, handle=out[4], **kw)
-                if use_async:
-                    cached[5].current_stream_wait()
-            comb = buf.combine(out[0], out[4], topk_weights=out[2], **kw)
-            if use_async:
-                comb[2].current_stream_wait()
-            results.append((itr, out, cached, comb))
-        return results
-
-    results = coll(loop, what="200 round trips")
-    for it, ((idx, w, x), (itr, out, cached, comb)) in enumerate(zip(inputs, results)):
-        expect = (x.float() * itr.sum(1, keepdim=True).float() + 0.0).to(BF16)  # + 0.0: no -0.0
-        chk.check(torch.equal(bits(comb[0]), bits(expect)), f"iteration {it}: combined != bf16(count * x)")
-        chk.check(torch.equal(comb[1], torch.where(idx >= 0, w, torch.zeros_like(w))),
-                  f"iteration {it}: combined weights != originals")
-        if cached is not None:
-            chk.check(torch.equal(bits(cached[0]), bits(out[0] * 2)), f"iteration {it}: cached dispatch of 2x")
-        if it % 50 == 0 or it == 199:
-            xs, idxs, ws = gather_all(x), gather_all(idx), gather_all(w)
-            ref = ref_dispatch(xs, idxs, ws, E, r)
-            chk.same_bits(out[0], ref.recv_x, f"iteration {it}: recv_x")
-            chk.same_bits(out[1], ref.recv_topk_idx, f"iteration {it}: recv_topk_idx")
-            chk.same_bits(out[2], ref.recv_topk_weights, f"iteration {it}: recv_topk_weights")
-            chk.same_bits(out[4][0], ref.rank_prefix_matrix, f"iteration {it}: rank_prefix_matrix")
-            chk.same_bits(out[4][3], ref.recv_src_idx, f"iteration {it}: recv_src_idx")
-            ys, itrs, rws = gather_all(out[0]), gather_all(itr), gather_all(out[2])
-            e_comb, e_w = ref_combine(ys, itrs, r, topk_weights=rws)
-            chk.same_bits(comb[0], e_comb, f"iteration {it}: combined_x")
-            chk.same_bits(comb[1], e_w, f"iteration {it}: combined weights")
-    chk.finish("200 round trips")
+    """200 consecutive round trips, nothing cleaned (see ``buffer_helpers.many_round_trips``)."""
+    many_round_trips(buf, comm).finish("200 round trips")
 
 
 def _ring_inputs(r, R, n, E, K, H, gen):
