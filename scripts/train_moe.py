@@ -93,6 +93,9 @@ def parse_args(argv=None):
     a("--n-group", type=int, default=1, help="expert groups for group-limited routing (1 = off)")
     a("--topk-group", type=int, default=1, help="groups kept per token with --n-group > 1")
     a("--routed-scaling", type=float, default=1.0, help="routed_scaling_factor")
+    a("--experts-impl", choices=("loop", "grouped"), default="loop",
+      help="routed experts: float32 matmul per local expert (default; fastest on CPU) or the BF16 grouped GEMMs "
+           "of deepep_ascend.grouped_gemm (about 7x slower here: CPU bf16 matmuls)")
     a("--aux-loss", type=float, default=0.01, help="balance-loss coefficient (0 = off)")
     a("--lr", type=float, default=3e-3)
     a("--warmup", type=int, default=20, help="linear warm-up steps; then cosine decay to 10%% at --steps")
@@ -190,7 +193,7 @@ class Block(nn.Module):
         self.moe = MoE(buffer, d, args.expert_dim, args.experts, args.topk, num_shared_experts=args.shared,
                        seed=args.seed * 1000 + layer, score_func=args.score_func, n_group=args.n_group,
                        topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling,
-                       aux_loss_alpha=args.aux_loss)
+                       aux_loss_alpha=args.aux_loss, experts_impl=args.experts_impl)
 
     def forward(self, x):
         b, s, d = x.shape
