@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from tp_helpers import TIMEOUT_S, destroy_quietly, make_transport
-from transports import (RANKS_PER_NODE_ENV, ChannelKind, Topology, TransportConfigError, TransportError,
-                        create_transport)
+from transports import (RANKS_PER_NODE_ENV, ChannelKind, Topology, Transport, TransportConfigError,
+                        TransportError, UbmemTransport, create_transport)
 
 # Expected kind matrices for 8 ranks: S = SELF, U = UBMEM (same node), R = URMA (other node).
 KIND_8_RPN2 = """
@@ -187,27 +187,26 @@ def test_from_comm_env_var_differs_between_ranks(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# create_transport: one node only (URMA not built)
+# create_transport: any number of nodes (UBMEM inside, URMA across)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_create_transport_refuses_multiple_nodes(monkeypatch):
+def test_create_transport_any_number_of_nodes(monkeypatch):
     monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
     comm = MPI.COMM_WORLD
-    for rpn in [d for d in range(1, comm.size) if comm.size % d == 0]:  # every split into >1 node
-        with pytest.raises(TransportConfigError) as ei:
-            create_transport(comm, ranks_per_node=rpn, timeout_s=TIMEOUT_S)
-        assert "URMA" in str(ei.value), str(ei.value)
-        _same_error_everywhere(ei.value)
+    n = comm.size
+    for rpn in [d for d in range(1, n + 1) if n % d == 0]:
+        tp = make_transport(ranks_per_node=rpn)
+        try:
+            assert tp.topology == Topology(world_size=n, rank=comm.rank, ranks_per_node=rpn)
+            assert isinstance(tp, Transport) and Transport is UbmemTransport
+            tp.barrier()
+        finally:
+            destroy_quietly(tp)
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "1")  # same through the environment
-    with pytest.raises(TransportConfigError) as ei:
-        create_transport(comm, timeout_s=TIMEOUT_S)
-    _same_error_everywhere(ei.value)
-    # Nothing collective was left half-done: a valid transport still builds and works.
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
-    tp = make_transport(ranks_per_node=comm.size)
+    tp = make_transport()
     try:
-        assert tp.topology.num_nodes == 1
+        assert tp.topology.num_nodes == n
         tp.barrier()
     finally:
         destroy_quietly(tp)
@@ -246,11 +245,36 @@ def _leaked_dups(spy) -> int:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_multi_node_refusal_frees_its_communicator():
+def test_separate_memory_model_refused_and_freed(monkeypatch):
+    """URMA needs MPI_WIN_UNIFIED (targets load their slots): refused on every rank, nothing leaked."""
+    from mpi4py import MPI as _MPI
+
+    import transports.urma as urma_mod
+
+    me = MPI.COMM_WORLD.rank
+    # Only the last rank's window pretends to be separate: the decision must still be collective.
+    monkeypatch.setattr(urma_mod, "_memory_model",
+                        lambda win: _MPI.WIN_SEPARATE if me == MPI.COMM_WORLD.size - 1 else win.model)
     spy = _DupSpy(MPI.COMM_WORLD)
-    with pytest.raises(TransportConfigError):
+    with pytest.raises(TransportConfigError) as ei:
         create_transport(spy, ranks_per_node=1, timeout_s=TIMEOUT_S)
+    assert "MPI_WIN_UNIFIED" in str(ei.value), str(ei.value)
     assert _leaked_dups(spy) == 0
+    # And a later user window on a good transport is refused the same way, leaving it usable.
+    monkeypatch.setattr(urma_mod, "_memory_model", lambda win: win.model)
+    tp = make_transport(ranks_per_node=1)
+    try:
+        monkeypatch.setattr(urma_mod, "_memory_model",
+                            lambda win: _MPI.WIN_SEPARATE if me == 0 else win.model)
+        with pytest.raises(TransportConfigError):
+            tp.create_window("separate", 64, 1)
+        monkeypatch.setattr(urma_mod, "_memory_model", lambda win: win.model)
+        win = tp.create_window("unified", 64, 1)
+        tp.signal(win, (me + 1) % tp.topology.world_size, 0)
+        assert tp.wait_until(win, 0, [(me - 1) % tp.topology.world_size], 1) == []
+        tp.barrier()
+    finally:
+        destroy_quietly(tp)
 
 
 @pytest.mark.mpi(min_size=1)
