@@ -12,6 +12,7 @@ from .layout import topk_idx_t
 from . import grouped_gemm, quant  # DeepGEMM-aligned codecs and grouped GEMMs
 from .grouped_gemm import *  # noqa: F401,F403
 from .quant import *  # noqa: F401,F403
+from . import autograd, dist, moe  # noqa: F401,E402  training: deepep_ascend.autograd.dispatch/combine, dist, moe.MoE
 
 __version__ = "0.1.0"
 
