@@ -756,8 +756,10 @@ def dispatch_digests(out) -> dict:
 
 
 def layout_digest(layout) -> str:
+    """Digest of ``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; the per-node
+    count (``layout[1]``, internode only) is left out so that one-node pipelines compare."""
     h = hashlib.blake2b(digest_size=16)
-    for t in layout:
+    for t in (layout[0], layout[2], layout[3]):
         tensor_digest(t if t is None else t.to(torch.int64 if t.dtype != torch.bool else torch.bool), h)
     return h.hexdigest()
 
@@ -808,12 +810,17 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
     return res
 
 
-def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm) -> dict:
+def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roundings: bool = False) -> dict:
     """Check ``other`` against ``ref`` on every rank (collective; same answer on all ranks).
 
     Returns ``{layout, dispatch: {component: bool}, combined_x_bitwise, combined_x_equal_values,
     combined_topk_weights_bitwise, combined_x_calc_diff, combined_topk_weights_calc_diff}``;
     booleans are ANDed over ranks, ``calc_diff`` values are the maximum over ranks (0 = equal).
+    ``two_roundings``: ``other`` is DeepEP's internode combine, which rounds each node's partial
+    sum to BF16 before the final sum (spec §5) while ``ref`` rounds once, so ``combined_x`` may
+    differ in the last bits by design: it is then accepted when ``calc_diff < 1e-4``
+    (``combined_x_two_roundings``) — the test suite checks that path bit for bit against a
+    two-rounding reference.
     """
     from mpi4py import MPI
 
@@ -838,6 +845,9 @@ def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm) -> dict:
     comm.Allreduce(dv, dv_all, op=MPI.MAX)
     out = {n: bool(v) for n, v in zip(names, ok_all)}
     out.update({n: float(v) for n, v in zip(sorted(diffs), dv_all)})
+    if two_roundings:
+        out["combined_x_two_roundings"] = out["combined_x_calc_diff"] < 1e-4
+        out["combined_x_bitwise"] = out["combined_x_equal_values"] = None  # not expected: reported apart
     return out
 
 
