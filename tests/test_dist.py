@@ -68,7 +68,7 @@ def test_buffer_on_ep_subgroup(comm):
     ep = W // 2 if W % 2 == 0 and W >= 4 else W
     g = coll(ep_dist.build_groups, ep, what="build_groups")
     E, K, H, n = 4 * ep, 2, 16, 5 + r
-    buf = coll(lambda: Buffer(g.ep_group, Buffer.get_normal_buffer_size_hint(n + W, H, ep, K, E),
+    buf = coll(lambda: Buffer(g.ep_group, Buffer.get_normal_buffer_size_hint(5 + W, H, ep, K, E),
                               explicitly_destroy=True), what="Buffer(ep_group)")
     chk = Checker(r)
     try:
