@@ -48,7 +48,6 @@ step ``N`` as an interruption would.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -126,13 +125,12 @@ def parse_args(argv=None):
 def stdlib_files() -> list[str]:
     """The standard library's ``.py`` files in sorted order (no site-packages, no test directories)."""
     root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
     out = []
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(path, root).split(os.sep)
-        if any(part in ("site-packages", "dist-packages", "test", "tests") for part in rel[:-1]):
-            continue
-        out.append(path)
-    return out
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in skip]
+        out += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    return sorted(out, key=lambda p: os.path.relpath(p, root).split(os.sep))
 
 
 def load_stdlib_bytes(max_mb: float) -> torch.Tensor:

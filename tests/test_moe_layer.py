@@ -213,3 +213,17 @@ def test_training_smoke_checkpoint_and_trace(comm):
     chk.check(meta["num_steps"] == 8 and meta["num_topk"] == 2 and meta["num_experts"] == 2 * R
               and tuple(idx.shape) == (64, 2), f"trace meta {meta}, shape {tuple(idx.shape)}")  # steps 0,2,4,5 x 2 layers
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
+
+
+def test_stdlib_corpus_loads():
+    """The real-text corpus of scripts/train_moe.py: stdlib .py files, no site-packages, bytes of Python."""
+    tm = _train_module()
+    files = tm.stdlib_files()
+    assert files and not any("site-packages" in f for f in files)
+    data = tm.load_stdlib_bytes(0.05)
+    assert data.dtype == torch.uint8 and data.numel() == 50_000
+    text = bytes(data[:20_000].tolist()).decode("utf-8", errors="replace")
+    assert "def " in text and "import " in text
+    x, y = tm.get_batch(data, 3, 16, seed=0, step=5, rank=1)
+    x2, y2 = tm.get_batch(data, 3, 16, seed=0, step=5, rank=1)
+    assert torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])
