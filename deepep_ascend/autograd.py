@@ -44,7 +44,7 @@ import torch
 
 from .config import Config
 
-__all__ = ["dispatch", "combine"]
+__all__ = ["combine", "dispatch"]
 
 _BF16 = torch.bfloat16
 # Buffer.dispatch keyword arguments that dispatch() passes through (the rest are refused: the

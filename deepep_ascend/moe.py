@@ -44,7 +44,7 @@ try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.grouped_gemm), when p
 except ImportError:  # pragma: no cover - older checkouts
     _gg = None
 
-__all__ = ["MoE", "MoEGate", "LocalExperts", "SwiGLU", "expert_init_generator", "is_expert_param"]
+__all__ = ["LocalExperts", "MoE", "MoEGate", "SwiGLU", "expert_init_generator", "is_expert_param"]
 
 _BF16 = torch.bfloat16
 

@@ -59,15 +59,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run from a checkout: this repository's package first
     sys.path.insert(0, _ROOT)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as tdist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
 
-from deepep_ascend import Buffer  # noqa: E402
-from deepep_ascend import dist as ep_dist  # noqa: E402
-from deepep_ascend.moe import MoE, is_expert_param  # noqa: E402
+from deepep_ascend import Buffer
+from deepep_ascend import dist as ep_dist
+from deepep_ascend.moe import MoE, is_expert_param
 
 # Arguments that define the model (checked on resume).
 MODEL_ARGS = ("d_model", "layers", "heads", "seq", "experts", "topk", "expert_dim", "shared", "score_func",

@@ -116,6 +116,7 @@ def test_cached_dispatch_and_plain_combine(buf, comm):
         _, _, _, _, handle = ag.dispatch(buf, x0, idx, torch.ones(n, K), E)
         x = g0.clone().requires_grad_(True)
         recv, ridx, rw, counts, h2 = ag.dispatch(buf, x, None, None, None, handle=handle)
+        assert h2 is handle
         out, cw = ag.combine(buf, recv, handle)
         (out.float() * 1.0).sum().backward()
         return handle, x, recv, ridx, rw, counts, h2, cw

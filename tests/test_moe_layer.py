@@ -74,7 +74,7 @@ def ref_gate(h, weight, score_func, top_k, n_group=1, topk_group=1, routed_scali
 
 def ref_expert(x, w1, w3, w2, bf16_gemm: bool):
     if bf16_gemm:  # the grouped path: bf16 operands and activation, float32 accumulation
-        b = lambda t: t.to(BF16).float()  # noqa: E731
+        b = lambda t: t.to(BF16).float()
         h1, h3 = b(b(x) @ b(w1).t()), b(b(x) @ b(w3).t())
         return b(b(F.silu(h1) * h3) @ b(w2).t())
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
@@ -225,5 +225,5 @@ def test_stdlib_corpus_loads():
     text = bytes(data[:20_000].tolist()).decode("utf-8", errors="replace")
     assert "def " in text and "import " in text
     x, y = tm.get_batch(data, 3, 16, seed=0, step=5, rank=1)
-    x2, y2 = tm.get_batch(data, 3, 16, seed=0, step=5, rank=1)
+    x2, _ = tm.get_batch(data, 3, 16, seed=0, step=5, rank=1)
     assert torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])
