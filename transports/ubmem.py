@@ -97,6 +97,8 @@ class SymmetricWindow:
         self._rma = None
         if topo.num_nodes > 1:
             own, _ = self._win.Shared_query(topo.local_rank)
+            # Zero our control words before any peer can reach them over RMA.
+            np.frombuffer(own, dtype=np.int64, count=self.control_bytes // 8)[:] = 0
             try:
                 self._rma = RmaWindow(own, tp.comm, topo.rank, name)
             except BaseException:
@@ -241,7 +243,8 @@ class Transport:
         win = SymmetricWindow(self, name, nbytes, num_slots)
         win._rank_self = self.topology.rank
         self._windows.append(win)
-        self.node_comm.Barrier()  # every control region is zeroed before anyone signals
+        # Every control region is zeroed before anyone signals; URMA peers signal from other nodes.
+        (self.comm if win._rma is not None else self.node_comm).Barrier()
         return win
 
     def destroy(self, force: bool = False, timeout_s: float | None = None) -> None:
