@@ -4,12 +4,14 @@ Launched as ``mpiexec -n 4 python nested_urma_tcp.py`` with ``MPIR_CVAR_NUM_CLIQ
 MPIR_CVAR_CLIQUES_BY_BLOCK=1 UCX_TLS=tcp,self`` and ``DEEPEP_ASCEND_RANKS_PER_NODE=2``: MPICH
 treats ranks {0, 1} and {2, 3} as two hosts and carries RMA between them over UCX/TCP active
 messages, which land only while the target is inside MPI (transports §4.1, §4.3). Not a test
-module (no ``test_`` prefix). Each rank prints ``<rank> URMA-TCP-OK <seconds>`` when every check
-passed; any failure raises (non-zero exit, mpiexec ends the job).
+module (no ``test_`` prefix). When every check passed, each rank writes ``<rank> URMA-TCP-OK
+<seconds>`` to ``$DEEPEP_ASCEND_NESTED_REPORT/rank<r>.txt`` (a file: mpiexec interleaves the
+ranks' output mid-line); any failure raises (non-zero exit, mpiexec ends the job).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -107,7 +109,10 @@ def main() -> None:
             check(tp.state is State.POISONED, "not poisoned")
     comm.Barrier()
     tp.destroy()
-    print(f"{me} URMA-TCP-OK {time.monotonic() - t0:.2f}", flush=True)
+    line = f"{me} URMA-TCP-OK {time.monotonic() - t0:.2f}\n"
+    sys.stdout.write(line)
+    with open(os.path.join(os.environ["DEEPEP_ASCEND_NESTED_REPORT"], f"rank{me}.txt"), "w") as f:
+        f.write(line)
 
 
 if __name__ == "__main__":
