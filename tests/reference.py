@@ -455,3 +455,111 @@ def per_token_cast_back(
     padded[:, :H] = data.to(torch.float32)
     out = padded.view(N, S, FP8_GROUP) * scales.unsqueeze(2)
     return out.view(N, S * FP8_GROUP)[:, :H].to(dtype)
+
+
+# ==============================================================================================
+# MegaMoE (mega-moe.md §2) — independent of deepep_ascend: plain torch over all ranks' inputs
+# ==============================================================================================
+
+_MEGA_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mega_calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """mega-moe.md §2 metric: ``1 − 2Σab / Σ(a² + b²)`` in float64 (0 for two all-zero tensors)."""
+    a, b = a.double(), b.double()
+    den = (a * a + b * b).sum()
+    return 0.0 if float(den) == 0 else float(1 - 2 * (a * b).sum() / den)
+
+
+def mega_ue8m0_bytes_to_float(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (any int dtype, values 0..254) → float32 ``2^(b−127)`` (float64 power, exact)."""
+    return torch.pow(2.0, b.to(torch.float64) - 127).to(torch.float32)
+
+
+def mega_unpack_int32_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., W]`` (four little-endian exponent bytes per int, any strides) → float32 ``[..., 4W]``."""
+    raw = sf.contiguous().view(torch.uint8).reshape(*sf.shape[:-1], 4 * sf.shape[-1])
+    return mega_ue8m0_bytes_to_float(raw)
+
+
+def mega_fp4_to_float(packed: torch.Tensor) -> torch.Tensor:
+    """int8 ``[..., K/2]`` (element 2i in the low nibble, bit 3 = sign) → float32 ``[..., K]``."""
+    u = packed.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([u & 0xF, u >> 4], -1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    mag = torch.tensor(_MEGA_E2M1, dtype=torch.float32)[codes & 7]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def mega_dequant_fp4_weights(data: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """Untransformed FP4 weights ``(int8 [.., N, K/2], int32 [.., N, K/128])`` → float32 ``[.., N, K]``."""
+    vals = mega_fp4_to_float(data)
+    scale = mega_unpack_int32_ue8m0(sf)
+    return vals * scale.repeat_interleave(32, dim=-1)[..., : vals.shape[-1]]
+
+
+def mega_dequant_x(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
+    """``X`` of §2 step 1: bf16 ``x`` as float32, or e4m3 ``x`` times its UE8M0 scale per 32 channels."""
+    if x_sf is None:
+        return x.float()
+    return x.float() * mega_unpack_int32_ue8m0(x_sf).repeat_interleave(32, dim=-1)[:, : x.shape[1]]
+
+
+def _mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool) -> torch.Tensor:
+    """Steps 3-5: bf16 rounding, clamp, ``silu(g)·u·w`` in fp32, then fp8 (UE8M0 per 32) or bf16 → float32."""
+    g, u = h[:, :inter].to(torch.bfloat16), h[:, inter:].to(torch.bfloat16)
+    if clamp is not None:
+        c = float(torch.tensor(float(clamp)).to(torch.bfloat16))
+        g = g.float().clamp(max=c)
+        u = u.float().clamp(-c, c)
+    g, u = g.float(), u.float()
+    a = g / (1 + torch.exp(-g)) * u * w.unsqueeze(1)
+    if not fp8:
+        return a.to(torch.bfloat16).float()
+    n = a.shape[0]
+    grp = a.reshape(n, inter // 32, 32)
+    amax = grp.abs().amax(-1).clamp(min=1e-4).double()
+    s = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0))).float().unsqueeze(-1)
+    q = (grp / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return (q * s).reshape(n, inter)
+
+
+def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None):
+    """Every rank's ``y`` of MegaMoE (mega-moe.md §2), from all ranks' inputs in one process.
+
+    Args:
+        xs: per rank ``[T_r, H]`` bf16 or e4m3; x_sfs: per rank int32 ``[T_r, H/128]`` or None (bf16).
+        topk_idxs, topk_weights: per rank ``[T_r, K]`` int64 / float32.
+        w1, w2: float32 **untransformed** weights of all ``E`` experts, ``[E, 2I, H]`` (gate rows
+            first) and ``[E, H, I]`` (already dequantized).
+        clamp: ``None`` or the activation clamp; shared: ``None`` or float32 ``(w1s [2·S·I, H],
+            w2s [H, S·I])`` (weight 1, same activation, added after the routed terms).
+    Returns: per rank bf16 ``[T_r, H]``. Pairs are grouped by expert (fp32 matmuls), each output
+    ``o_k`` rounded to bf16, summed in fp32 in ascending ``k``, then the shared term, rounded once.
+    """
+    fp8 = x_sfs[0] is not None
+    inter = w2.shape[2]
+    outs = []
+    for r, x in enumerate(xs):
+        t, k = topk_idxs[r].shape
+        hid = x.shape[1]
+        X = mega_dequant_x(x, x_sfs[r] if fp8 else None)
+        o = torch.zeros(t, k, hid)
+        idx, wts = topk_idxs[r], topk_weights[r]
+        for e in torch.unique(idx[idx >= 0]).tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            h = X[tok] @ w1[e].t()
+            a = _mega_swiglu(h, inter, wts[tok, slot], clamp, fp8)
+            o[tok, slot] = (a @ w2[e].t()).to(torch.bfloat16).float()
+        acc = torch.zeros(t, hid)
+        for j in range(k):
+            acc = acc + o[:, j]
+        if shared is not None:
+            w1s, w2s = shared
+            a = _mega_swiglu(X @ w1s.t(), w2s.shape[1], torch.ones(t), clamp, fp8)
+            acc = acc + (a @ w2s.t()).to(torch.bfloat16).float()
+        outs.append(acc.to(torch.bfloat16))
+    return outs
+
+
+__all__ += ["mega_calc_diff", "mega_dequant_fp4_weights", "mega_dequant_x", "mega_fp4_to_float",
+            "mega_unpack_int32_ue8m0", "ref_mega_moe"]

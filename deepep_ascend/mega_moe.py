@@ -1,0 +1,843 @@
+"""MegaMoE on CPU ranks: DeepGEMM's fused dispatch → L1 GEMM → SwiGLU → L2 GEMM → combine (mega-moe.md).
+
+Public surface (DeepGEMM 2.6 names, exported at the package top level):
+
+* :func:`get_symm_buffer_for_mega_moe` → :class:`SymmBuffer` (views ``x``, ``x_sf``, ``topk_idx``,
+  ``topk_weights`` that callers fill before every call, plus scratch views kept for parity);
+* :func:`transform_weights_for_mega_moe` (upstream's L1 interleave and scale-factor order);
+* :func:`bf16_mega_moe` and :func:`fp8_fp4_mega_moe`, writing ``y [num_tokens, hidden]`` bf16.
+
+How a call runs (design.md "mega_moe.py"; mega-moe.md §5, CPU design)
+-----------------------------------------------------------------------
+Everything moves through the normal-mode :class:`deepep_ascend.Buffer` that the symmetric buffer
+owns (``sym_buffer.ep_buffer``); no low-latency path is used.
+
+1. **Validation, then consensus.** Each rank checks its own arguments (shapes, dtypes, sizes,
+   ``num_tokens <= num_max_tokens_per_rank``, expert ids, weights against the buffer) *before*
+   anything moves, then one small all-gather on the buffer's communicator carries each rank's
+   verdict and its per-expert pair counts. If any rank failed, every rank raises: the failing
+   rank its own error (``TypeError``/``ValueError``), the others a
+   :class:`deepep_ascend.ConsensusError` (a ``ValueError``) naming it. The buffer stays usable.
+2. **Pairs, not tokens.** Every valid (token, k) slot is one dispatched row (upstream's
+   convention: a token routed twice to one rank is sent twice). So each returned row of the
+   combine has exactly one contributor, the Buffer's float32 combine sum is exact, and the final
+   reduction can follow the reference: ``y = bf16(Σ_k o_k [+ shared])`` in ascending ``k``.
+3. **Expert waves.** Local experts are cut into waves of ``num_experts_per_wave`` (same on every
+   rank; default from the all-gathered counts: about 256 received rows per wave, at least 3
+   waves when there are at least 3 local experts; keyword ``num_experts_per_wave`` or
+   ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``). Wave ``w`` dispatches the pairs whose local
+   expert id (``e % E_l``) lies in the wave. Received rows are sorted (stably) by expert, so
+   the order is expert, source rank, token, k (mega-moe.md §5).
+4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
+   (:func:`m_grouped_bf16_gemm_nt_contiguous` with ``use_psum_layout=True``; group starts
+   aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped).
+   L1 and L2 run as bf16 GEMMs with float32 accumulation on exact bf16 copies of the
+   (un-transformed, for FP4 dequantized) weights, cached by tensor identity and version
+   (switch: :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
+   dequantized per row before L1 (exact in bf16).
+5. **Pipeline.** The caller's thread computes, the Buffer's worker communicates
+   (``async_finish=True`` + :class:`~deepep_ascend.EventOverlap`); torch's GEMMs and copies
+   release the GIL. Per wave ``w``::
+
+        wait dispatch(w) ─ L1(w) ║ worker: combine(w-1)
+        issue dispatch(w+1) ─ SwiGLU(w), L2(w) ║ worker: dispatch(w+1) data
+        issue combine(w)
+
+   and the shared expert (if any) runs while the last combine is in flight. With
+   ``overlap=False`` (keyword) the same waves run with synchronous calls, one stage after the
+   other (the in-library baseline; same row partitions, so the same ``y`` bit for bit).
+
+Math (mega-moe.md §2): ``X`` = ``x`` (bf16) or e4m3 × UE8M0 per 32 channels; ``h = W1[e] @ X``
+(fp32 accumulation); ``g = bf16(h[:I])``, ``u = bf16(h[I:])``; clamp ``c``: ``g = min(g, bf16(c))``,
+``u = clamp(u, -bf16(c), bf16(c))`` in bf16; ``a = silu(g) · u · w`` in fp32 with
+``silu(g) = g / (1 + exp(-g))`` (``fast_math=True``: ``g · (1 / (1 + exp(-g)))``); fp8 path:
+``â = e4m3(a / s) · s`` with ``s = ceil_to_ue8m0(max(amax, 1e-4) / 448)`` per 32 channels, bf16
+path ``â = bf16(a)``; ``o = bf16(W2[e] @ â)``; ``y = bf16(Σ_k o_k + shared)`` in fp32, ascending k.
+
+Shared experts (mega-moe.md §1.4, DeepGEMM-Ascend parity): ``num_shared_experts`` S on the
+buffer; ``shared_l1_weights`` ``[2·S·I, H]`` (gate rows ``0..S·I-1``, then up rows; **not**
+transformed) and ``shared_l2_weights`` ``[H, S·I]``, as bf16 tensors (bf16 op) or ``(data, sf)``
+pairs (fp8 op: packed FP4 int8 ``[.., K/2]`` or e4m3 ``[.., K]`` data with packed UE8M0 int32
+scales per 32 along K). Computed locally for all tokens with the same activation (clamp,
+SwiGLU, weight 1, fp8 requantisation on the fp8 path) and added after the routed terms.
+
+Tracing: every call leaves ``sym_buffer.last_trace`` (a :class:`MegaMoETrace`) with per-wave
+compute intervals on the caller and communication intervals on the worker;
+:meth:`MegaMoETrace.overlap` measures how much worker activity ran under compute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import quant as _q
+from .buffer import Buffer, _mpi_comm_of
+from .grouped_gemm import get_mk_alignment_for_contiguous_layout, m_grouped_bf16_gemm_nt_contiguous
+from .intranode import ConsensusError
+
+__all__ = [
+    "SymmBuffer",
+    "bf16_mega_moe",
+    "fp8_fp4_mega_moe",
+    "get_symm_buffer_for_mega_moe",
+    "transform_weights_for_mega_moe",
+]
+
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+_TOKEN_ALIGN = 384  # LCM of upstream's block-M candidates (mega-moe.md §1.1)
+_VIEW_ALIGN = 64
+_INTERLEAVE = 8
+_SF_GRAN = 32
+_WAVE_ROWS = 256
+_MIN_WAVES = 3
+_MAX_WINDOW_BYTES = 256 << 20
+_WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+# ----------------------------------------------------------------------------------------------
+# symmetric buffer
+
+
+class SymmBuffer:
+    """The symmetric buffer of one rank (``deep_gemm.get_symm_buffer_for_mega_moe``'s result).
+
+    Attributes:
+        group: the group given to the constructor; ``ep_buffer``: the normal-mode
+            :class:`~deepep_ascend.Buffer` that moves the rows; ``num_ranks``, ``rank``.
+        num_experts, num_topk, hidden, intermediate_hidden, num_shared_experts, mma_type,
+        activation: the constructor's arguments; ``num_local_experts = num_experts // num_ranks``.
+        num_max_tokens_per_rank: rounded up to a multiple of 384 (upstream's rule).
+        num_ring_tokens: rows of the scratch ``l1_acts``/``l2_acts`` views (free on CPU).
+        buffer: flat int8 tensor backing every view (private memory; rows move through the
+            ``ep_buffer``'s UBMEM window).
+        x: ``[Tmax, H]`` bf16 (``bf16xbf16``) or float8_e4m3fn (``fp8xfp4``).
+        x_sf: ``[Tmax, H/128]`` int32, four UE8M0 bytes (one per 32 channels) per int, row-major
+            (fp8 only; ``None`` for bf16).
+        topk_idx: ``[Tmax, K]`` int64 global expert ids, -1 = masked slot.
+        topk_weights: ``[Tmax, K]`` float32 (ignored where ``topk_idx`` is -1).
+        l1_acts, l1_acts_sf, l2_acts, l2_acts_sf: scratch for parity (contents unspecified).
+        last_trace: :class:`MegaMoETrace` of the last call (``None`` before the first).
+    """
+
+    def __init__(self, group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                 mma_type, activation, num_shared_experts, timeout_s=None):
+        self.group = group
+        self.num_ranks, self.rank = comm.Get_size(), comm.Get_rank()
+        self.num_experts, self.num_topk = num_experts, num_topk
+        self.hidden, self.intermediate_hidden = hidden, intermediate_hidden
+        self.num_local_experts = num_experts // self.num_ranks
+        self.num_max_tokens_per_rank = _align(max(1, num_max_tokens_per_rank), _TOKEN_ALIGN)
+        self.mma_type, self.activation = mma_type, activation
+        self.num_shared_experts = num_shared_experts
+        self.is_fp8 = mma_type == "fp8xfp4"
+        tmax, h, i = self.num_max_tokens_per_rank, hidden, intermediate_hidden
+        self.num_ring_tokens = _align(min(tmax * num_topk * self.num_ranks, 2 * _TOKEN_ALIGN), _TOKEN_ALIGN)
+        ring = self.num_ring_tokens
+        act_dtype = FP8 if self.is_fp8 else BF16
+        specs = [("x", (tmax, h), act_dtype)]
+        if self.is_fp8:
+            specs.append(("x_sf", (tmax, h // 128), torch.int32))
+        specs += [("topk_idx", (tmax, num_topk), torch.int64), ("topk_weights", (tmax, num_topk), torch.float32),
+                  ("l1_acts", (ring, h), act_dtype), ("l2_acts", (ring, i), act_dtype)]
+        if self.is_fp8:
+            specs += [("l1_acts_sf", (ring, h // 128), torch.int32), ("l2_acts_sf", (ring, i // 128), torch.int32)]
+        offsets, total = [], 0
+        for name, shape, dtype in specs:
+            offsets.append(total)
+            total = _align(total + math.prod(shape) * dtype.itemsize, _VIEW_ALIGN)
+        self.buffer = torch.zeros(total, dtype=torch.int8)
+        for (name, shape, dtype), off in zip(specs, offsets):
+            n = math.prod(shape) * dtype.itemsize
+            view = self.buffer[off:off + n].view(dtype).view(shape)
+            if name.endswith("_sf") and name.startswith("l"):  # MN-major scratch scales (parity)
+                view = self.buffer[off:off + n].view(dtype).view(shape[::-1]).t()
+            setattr(self, name, view)
+        if not self.is_fp8:
+            self.x_sf = self.l1_acts_sf = self.l2_acts_sf = None
+        # Rows moved per dispatch: one per (token, k) pair of a wave; the window streams larger waves.
+        row_bytes = h + h // 32 if self.is_fp8 else 2 * h
+        pairs = max(1, tmax * num_topk)
+        nbytes = Buffer.get_normal_buffer_size_hint(pairs, row_bytes // (1 if self.is_fp8 else 2), self.num_ranks,
+                                                    1, num_experts, 1 if self.is_fp8 else 2)
+        per_pair = max(1, nbytes // pairs)
+        nbytes = min(nbytes, max(_align(_MAX_WINDOW_BYTES // 2, 128), 128 * per_pair))
+        nbytes = max(nbytes, Buffer.get_normal_buffer_size_hint(64, row_bytes // (1 if self.is_fp8 else 2),
+                                                                 self.num_ranks, 1, num_experts,
+                                                                 1 if self.is_fp8 else 2))
+        self._comm = comm.Dup()
+        self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+        self.last_trace = None
+        self._destroyed = False
+
+    def destroy(self) -> None:
+        """Collectively free the Buffer (its window and worker) and the views' memory."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.ep_buffer.destroy()
+        self._comm.Free()
+        self.buffer = torch.empty(0, dtype=torch.int8)
+        for name in ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"):
+            setattr(self, name, None)
+
+    def __repr__(self) -> str:
+        return (f"SymmBuffer(rank {self.rank}/{self.num_ranks}, {self.mma_type}, E={self.num_experts}, "
+                f"Tmax={self.num_max_tokens_per_rank}, K={self.num_topk}, H={self.hidden}, "
+                f"I={self.intermediate_hidden}, shared={self.num_shared_experts})")
+
+
+def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                                 intermediate_hidden: int, use_fp8_dispatch=None, mma_type: str = "fp8xfp4",
+                                 activation: str = "swiglu", *, num_shared_experts: int = 0,
+                                 timeout_s: float | None = None) -> SymmBuffer:
+    """Collective: the symmetric buffer of MegaMoE (mirrors ``deep_gemm.get_symm_buffer_for_mega_moe``).
+
+    Args:
+        group: an mpi4py communicator or a ``torch.distributed`` ProcessGroup (as
+            :class:`~deepep_ascend.Buffer`); every rank passes the same other arguments.
+        num_experts: ``E``, a multiple of the group size; num_topk: ``K <= 32``.
+        num_max_tokens_per_rank: capacity per rank, rounded up to a multiple of 384.
+        hidden, intermediate_hidden: ``H``, ``I``. ``fp8xfp4`` needs ``H % 128 == 0`` and
+            ``I % 128 == 0``; ``bf16xbf16`` needs ``I % 8 == 0`` (the L1 interleave).
+        use_fp8_dispatch: deprecated alias of ``mma_type == 'fp8xfp4'`` (warns; must agree).
+        mma_type: ``'fp8xfp4'`` or ``'bf16xbf16'``; activation: ``'swiglu'`` only.
+        num_shared_experts: 0-2 shared experts (keyword-only; DeepGEMM-Ascend extension).
+        timeout_s: deadline of the Buffer's waits (default ``$DEEPEP_ASCEND_TIMEOUT_S``).
+    Raises:
+        AssertionError: the checks of mega-moe.md §1.1 (same on every rank: same arguments).
+        ValueError: bad ``group``.
+    """
+    assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
+    assert mma_type in ("fp8xfp4", "bf16xbf16"), f"MegaMoE: mma_type must be 'fp8xfp4' or 'bf16xbf16', got {mma_type!r}"
+    if use_fp8_dispatch is not None:
+        warnings.warn("get_symm_buffer_for_mega_moe: use_fp8_dispatch is deprecated; use mma_type",
+                      DeprecationWarning, stacklevel=2)
+        assert bool(use_fp8_dispatch) == (mma_type == "fp8xfp4"), (
+            f"MegaMoE: use_fp8_dispatch={use_fp8_dispatch} disagrees with mma_type={mma_type!r}")
+    for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                    ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+        assert isinstance(v, int) and v >= (0 if name == "num_max_tokens_per_rank" else 1), (
+            f"MegaMoE: {name} must be a positive int, got {v!r}")
+    assert num_topk <= 32, f"MegaMoE: num_topk must be <= 32, got {num_topk}"
+    assert isinstance(num_shared_experts, int) and 0 <= num_shared_experts <= 2, (
+        f"MegaMoE: num_shared_experts must be 0, 1 or 2, got {num_shared_experts!r}")
+    if mma_type == "fp8xfp4":
+        assert hidden % 128 == 0 and intermediate_hidden % 128 == 0, (
+            f"MegaMoE fp8xfp4: hidden ({hidden}) and intermediate_hidden ({intermediate_hidden}) must be multiples "
+            f"of 128")
+    else:
+        assert intermediate_hidden % _INTERLEAVE == 0, (
+            f"MegaMoE bf16xbf16: intermediate_hidden ({intermediate_hidden}) must be a multiple of {_INTERLEAVE} "
+            f"(the L1 gate/up interleave)")
+    comm = _mpi_comm_of(group, None)
+    assert num_experts % comm.Get_size() == 0, (
+        f"MegaMoE: num_experts ({num_experts}) must be a multiple of the group size ({comm.Get_size()})")
+    return SymmBuffer(group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, mma_type,
+                      activation, num_shared_experts, timeout_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# weight transform
+
+
+def _l1_perm(i: int) -> torch.Tensor:
+    """Row order of upstream's L1 interleave: gate 0-7, up 0-7, gate 8-15, up 8-15, ... (index into rows)."""
+    blocks = torch.arange(i // _INTERLEAVE).unsqueeze(1) * _INTERLEAVE + torch.arange(_INTERLEAVE)
+    return torch.stack([blocks, blocks + i], 1).reshape(-1)
+
+
+def _sf_perm(n: int) -> torch.Tensor:
+    """Within each 128-row group, row ``32i + j`` moves to ``4j + i`` (new position p holds old row perm[p])."""
+    p = torch.arange(n)
+    local = p % 128
+    return p - local + 32 * (local % 4) + local // 4
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return inv
+
+
+def _rows(t: torch.Tensor, perm: torch.Tensor, mn_major: bool) -> torch.Tensor:
+    out = t.index_select(-2, perm)
+    return _q._mn_major(out, out.element_size()) if mn_major else out.contiguous()
+
+
+def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, where="transform_weights_for_mega_moe"):
+    """Validate local-expert weights; returns ``(E_l, H, I)``. Raises TypeError / ValueError."""
+    if kind == "bf16":
+        for name, t in (("l1_weights", l1), ("l2_weights", l2)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: bf16 `{name}` must be a torch.Tensor, got {type(t).__name__} "
+                                f"(an (data, sf) pair is the fp8xfp4 format)")
+            if t.dtype != BF16:
+                raise TypeError(f"{where}: `{name}` must be bfloat16, got {t.dtype}")
+            if t.dim() != 3:
+                raise ValueError(f"{where}: `{name}` must be 3-D, got shape {tuple(t.shape)}")
+        e, two_i, h = l1.shape
+        i = two_i // 2
+        if two_i % 2 or tuple(l2.shape) != (e, h, i):
+            raise ValueError(f"{where}: l1_weights {tuple(l1.shape)} [E_l, 2I, H] and l2_weights {tuple(l2.shape)} "
+                             f"[E_l, H, I] do not match")
+    else:
+        for name, p in (("l1_weights", l1), ("l2_weights", l2)):
+            if not (isinstance(p, (tuple, list)) and len(p) == 2):
+                raise TypeError(f"{where}: fp8xfp4 `{name}` must be an (int8 data, int32 sf) pair, got "
+                                f"{type(p).__name__}")
+            data, sf = p
+            if not isinstance(data, torch.Tensor) or data.dtype != torch.int8:
+                raise TypeError(f"{where}: `{name}[0]` must be int8 (FP4 packed two per byte), got "
+                                f"{getattr(data, 'dtype', type(data).__name__)}")
+            if not isinstance(sf, torch.Tensor) or sf.dtype != torch.int32:
+                raise TypeError(f"{where}: `{name}[1]` must be int32 (packed UE8M0), got "
+                                f"{getattr(sf, 'dtype', type(sf).__name__)}")
+            if data.dim() != 3 or sf.dim() != 3:
+                raise ValueError(f"{where}: `{name}` data and sf must be 3-D, got {tuple(data.shape)} and "
+                                 f"{tuple(sf.shape)}")
+        e, two_i, h2 = l1[0].shape
+        h, i = 2 * h2, two_i // 2
+        if h % 128 or i % 128 or two_i % 2:
+            raise ValueError(f"{where}: fp8xfp4 needs H % 128 == 0 and I % 128 == 0, got H={h}, I={i} "
+                             f"(l1 data {tuple(l1[0].shape)})")
+        want = {"l1 data": (e, 2 * i, h // 2), "l1 sf": (e, 2 * i, h // 128),
+                "l2 data": (e, h, i // 2), "l2 sf": (e, h, i // 128)}
+        got = {"l1 data": tuple(l1[0].shape), "l1 sf": tuple(l1[1].shape),
+               "l2 data": tuple(l2[0].shape), "l2 sf": tuple(l2[1].shape)}
+        for k in want:
+            if want[k] != got[k]:
+                raise ValueError(f"{where}: {k} must be {want[k]} for E_l={e}, H={h}, I={i}, got {got[k]}")
+    if i % _INTERLEAVE:
+        raise ValueError(f"{where}: I={i} must be a multiple of {_INTERLEAVE} (the L1 gate/up interleave)")
+    for name, want, got in (("local experts", num_local, e), ("hidden", hidden, h), ("intermediate_hidden", inter, i)):
+        if want is not None and want != got:
+            raise ValueError(f"{where}: weights have {name}={got}, the buffer has {want}")
+    return e, h, i
+
+
+def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "swiglu"):
+    """Reorder local-expert weights as upstream does; same shapes, dtypes and container types.
+
+    bf16: ``l1 [E_l, 2I, H]`` (rows ``0..I-1`` gate, ``I..2I-1`` up), ``l2 [E_l, H, I]``.
+    fp8xfp4: ``l1 = (int8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])``,
+    ``l2 = (int8 [E_l, H, I/2], int32 [E_l, H, I/128])`` (FP4 packed two per byte; UE8M0 per 32
+    along K, four per int; MN-major or row-major scales, returned MN-major).
+
+    Upstream's order, reproduced exactly: (1) L1 rows interleaved in blocks of 8 (gate 0-7, up
+    0-7, gate 8-15, ...), L1 scale rows likewise; (2) fp8 path, L1 and L2 scales: in each
+    128-row group row ``32i + j`` moves to ``4j + i``; (3) L2 data unchanged (the same tensor).
+    Returns ``(l1, l2)``. Raises ``TypeError``/``ValueError`` on bad input (see module docs).
+    """
+    if activation != "swiglu":
+        raise ValueError(f"transform_weights_for_mega_moe: activation must be 'swiglu', got {activation!r}")
+    kind = "bf16" if isinstance(l1_weights, torch.Tensor) else "fp8"
+    _e, _h, i = _check_weights(kind, l1_weights, l2_weights)
+    perm = _l1_perm(i)
+    if kind == "bf16":
+        return l1_weights.index_select(-2, perm).contiguous(), l2_weights
+    d1, s1 = l1_weights
+    d2, s2 = l2_weights
+    s1_t = _rows(s1.index_select(-2, perm), _sf_perm(2 * i), True)
+    s2_t = _rows(s2, _sf_perm(s2.size(-2)), True)
+    return (type(l1_weights)((d1.index_select(-2, perm).contiguous(), s1_t)),
+            type(l2_weights)((d2, s2_t)))
+
+
+# Cache of exact bf16, un-transformed weights keyed by identity and version of the transformed tensors.
+_W_LOCK = threading.Lock()
+_W_CACHE: OrderedDict = OrderedDict()
+_W_CACHE_MAX = 8
+
+
+def _untransformed_bf16(kind: str, l1, l2):
+    """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` bf16 in the natural order (gate rows, then up rows)."""
+    tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
+    key = (kind,) + tuple(id(t) for t in tensors)
+    use = _q._cache_enabled
+    if use:
+        with _W_LOCK:
+            hit = _W_CACHE.get(key)
+            if hit is not None:
+                refs, versions, out = hit
+                if all(r() is t for r, t in zip(refs, tensors)) and versions == tuple(t._version for t in tensors):
+                    _W_CACHE.move_to_end(key)
+                    return out
+                del _W_CACHE[key]
+    if kind == "bf16":
+        i = l1.size(-2) // 2
+        w1 = l1.index_select(-2, _inverse(_l1_perm(i))).contiguous()
+        w2 = l2.contiguous()
+    else:
+        (d1, s1), (d2, s2) = l1, l2
+        i = d1.size(-2) // 2
+        inv = _inverse(_l1_perm(i))
+        s1_nat = s1.index_select(-2, _inverse(_sf_perm(2 * i))).index_select(-2, inv)
+        s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
+        w1 = _q._dequantize_operand(d1.index_select(-2, inv), s1_nat.contiguous(), 1, _SF_GRAN, "l1_weights").to(BF16)
+        w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
+    out = (w1, w2)
+    if use:
+        with _W_LOCK:
+            _W_CACHE[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), out)
+            while len(_W_CACHE) > _W_CACHE_MAX:
+                _W_CACHE.popitem(last=False)
+    return out
+
+
+def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
+    """Validate and return bf16 ``(w1 [2·S·I, H], w2 [H, S·I])`` of the shared experts (natural order)."""
+    if kind == "bf16":
+        for name, t, shape in (("shared_l1_weights", s1, (2 * si, h)), ("shared_l2_weights", s2, (h, si))):
+            if not isinstance(t, torch.Tensor) or t.dtype != BF16:
+                raise TypeError(f"{where}: `{name}` must be a bfloat16 tensor, got {getattr(t, 'dtype', type(t))}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{where}: `{name}` must be {shape}, got {tuple(t.shape)}")
+        return s1, s2
+    out = []
+    for name, p, (n, k) in (("shared_l1_weights", s1, (2 * si, h)), ("shared_l2_weights", s2, (h, si))):
+        if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)):
+            raise TypeError(f"{where}: `{name}` must be a (data, sf) pair of tensors, got {type(p).__name__}")
+        data, sf = p
+        if data.dtype == torch.int8:
+            want = (n, k // 2)
+        elif data.dtype == FP8:
+            want = (n, k)
+        else:
+            raise TypeError(f"{where}: `{name}[0]` must be int8 (packed FP4) or float8_e4m3fn, got {data.dtype}")
+        if sf.dtype != torch.int32:
+            raise TypeError(f"{where}: `{name}[1]` must be int32 packed UE8M0, got {sf.dtype}")
+        if tuple(data.shape) != want or tuple(sf.shape) != (n, k // 128):
+            raise ValueError(f"{where}: `{name}` must be data {want} and sf {(n, k // 128)}, got "
+                             f"{tuple(data.shape)} and {tuple(sf.shape)}")
+        out.append(_q.dequantize_weights(data, sf, 1, _SF_GRAN).to(BF16))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# trace
+
+
+@dataclass
+class MegaMoETrace:
+    """Timeline of one call (``time.perf_counter`` seconds).
+
+    ``compute``: ``(stage, wave, start, end)`` on the caller (stages ``l1``, ``act``, ``l2``,
+    ``shared``, ``reduce``); ``comm``: ``(op, wave, issue_start, issue_end, worker_start,
+    worker_end)``: the caller-side part of each Buffer call (validation, the counts round, and in
+    ``overlap=False`` everything) and the worker-side part (data movement; ``worker_*`` equal
+    ``issue_end`` when synchronous).
+    """
+
+    overlap_mode: bool
+    num_waves: int
+    experts_per_wave: int
+    start: float = 0.0
+    end: float = 0.0
+    compute: list = field(default_factory=list)
+    comm: list = field(default_factory=list)
+
+    def stage_times(self) -> dict:
+        """Seconds per stage: ``dispatch``/``combine`` (caller part + worker part), ``l1``, ``act``, ``l2``, ..."""
+        out: dict = {}
+        for stage, _w, s, e in self.compute:
+            out[stage] = out.get(stage, 0.0) + e - s
+        for op, _w, s0, e0, s1, e1 in self.comm:
+            out[op] = out.get(op, 0.0) + (e0 - s0) + (e1 - s1)
+        return out
+
+    def overlap(self) -> dict:
+        """``worker_busy`` (s), ``hidden`` (worker time under caller compute, s), ``fraction`` = hidden / busy,
+        ``compute`` (s), ``total`` (s)."""
+        busy = _union([(c[4], c[5]) for c in self.comm if c[5] > c[4]])
+        comp = _union([(s, e) for _st, _w, s, e in self.compute])
+        hidden = _intersection(busy, comp)
+        b = sum(e - s for s, e in busy)
+        return dict(worker_busy=b, hidden=hidden, fraction=hidden / b if b > 0 else 0.0,
+                    compute=sum(e - s for s, e in comp), total=self.end - self.start)
+
+
+def _union(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [tuple(x) for x in out]
+
+
+def _intersection(a, b) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l2, recipe, op):
+    """Local checks (raise TypeError/ValueError); returns the validated pieces."""
+    if not isinstance(sb, SymmBuffer):
+        raise TypeError(f"{op}: `sym_buffer` must come from get_symm_buffer_for_mega_moe, got {type(sb).__name__}")
+    if sb._destroyed:
+        raise RuntimeError(f"{op}: the symmetric buffer was destroyed")
+    want_mma = "bf16xbf16" if kind == "bf16" else "fp8xfp4"
+    if sb.mma_type != want_mma:
+        raise ValueError(f"{op} needs a buffer built with mma_type={want_mma!r}, this one has {sb.mma_type!r}")
+    if activation != "swiglu":
+        raise ValueError(f"{op}: activation must be 'swiglu', got {activation!r}")
+    if recipe is not None and tuple(recipe) != (1, 1, 32):
+        raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
+    if clamp is not None:
+        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0:
+            raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
+    if y.dtype != BF16:
+        raise TypeError(f"{op}: `y` must be bfloat16, got {y.dtype}")
+    if y.dim() != 2 or y.size(1) != sb.hidden:
+        raise ValueError(f"{op}: `y` must be [num_tokens, {sb.hidden}], got {tuple(y.shape)}")
+    if not y.is_contiguous():
+        raise ValueError(f"{op}: `y` must be contiguous")
+    t = y.size(0)
+    if t > sb.num_max_tokens_per_rank:
+        raise ValueError(f"{op}: num_tokens = y.size(0) = {t} exceeds num_max_tokens_per_rank "
+                         f"({sb.num_max_tokens_per_rank}, aligned to 384)")
+    _check_weights(kind, l1, l2, sb.num_local_experts, sb.hidden, sb.intermediate_hidden, op)
+    if stats is not None:
+        if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32:
+            raise TypeError(f"{op}: cumulative_local_expert_recv_stats must be an int32 tensor, got "
+                            f"{getattr(stats, 'dtype', type(stats).__name__)}")
+        if tuple(stats.shape) != (sb.num_local_experts,):
+            raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be [{sb.num_local_experts}], got "
+                             f"{tuple(stats.shape)}")
+    s = sb.num_shared_experts
+    if s == 0 and (shared_l1 is not None or shared_l2 is not None):
+        raise ValueError(f"{op}: shared expert weights given but the buffer has num_shared_experts=0")
+    shared = None
+    if s:
+        if shared_l1 is None or shared_l2 is None:
+            raise ValueError(f"{op}: the buffer has num_shared_experts={s}: pass shared_l1_weights and "
+                             f"shared_l2_weights")
+        shared = _shared_bf16(kind, shared_l1, shared_l2, sb.hidden, s * sb.intermediate_hidden, op)
+    idx = sb.topk_idx[:t]
+    if t:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= sb.num_experts:
+            raise ValueError(f"{op}: topk_idx[:{t}] values must lie in [-1, {sb.num_experts}), got min {lo}, "
+                             f"max {hi}")
+    return t, shared
+
+
+def _dequant_x(kind, sb, data, sf_bytes):
+    """bf16 rows of received activations: bf16 as is; fp8: e4m3 × UE8M0 per 32 channels (exact)."""
+    if kind == "bf16":
+        return data
+    n, h = data.shape
+    scale = _q._ue8m0_byte_to_float(sf_bytes.reshape(n, h // _SF_GRAN))
+    return (data.float().view(n, h // _SF_GRAN, _SF_GRAN) * scale.unsqueeze(-1)).view(n, h).to(BF16)
+
+
+def _activation(kind, h, i, weights, clamp, fast_math):
+    """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input bf16 ``[N, I]``."""
+    g, u = h[:, :i], h[:, i:]
+    if clamp is not None:
+        c = torch.tensor(float(clamp), dtype=BF16)
+        g = torch.minimum(g, c)
+        u = torch.maximum(torch.minimum(u, c), -c)
+    gf = g.float()
+    denom = 1.0 + torch.exp(-gf)
+    silu = gf * torch.reciprocal(denom) if fast_math else gf / denom
+    a = silu * u.float() * weights.unsqueeze(1)
+    if kind == "bf16":
+        return a.to(BF16)
+    n = a.size(0)
+    grp = a.view(n, i // _SF_GRAN, _SF_GRAN)
+    s = _q.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / _q.FP8_E4M3_MAX).unsqueeze(-1)
+    return (_q.cast_to_e4m3(grp / s).float() * s).view(n, i).to(BF16)
+
+
+def _experts_per_wave(sb, counts, override):
+    el = sb.num_local_experts
+    if override is None:
+        env = os.environ.get(_WAVE_ENV)
+        override = int(env) if env else None
+    if override is not None:
+        if not isinstance(override, int) or override < 1:
+            raise ValueError(f"num_experts_per_wave must be a positive int, got {override!r}")
+        return min(override, el)
+    total = int(counts.sum())
+    avg = total / max(1, sb.num_experts)  # received rows per local expert, averaged over ranks
+    epw = max(1, math.ceil(_WAVE_ROWS / max(avg, 1e-9)))
+    return max(1, min(epw, math.ceil(el / _MIN_WAVES)))
+
+
+def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,
+         shared_l1, shared_l2, overlap, num_experts_per_wave, op):
+    sb = sym_buffer
+    me = getattr(sb, "rank", 0)
+    err, counts, t, shared = None, None, 0, None
+    try:
+        t, shared = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_clamp, shared_l1,
+                              shared_l2, recipe, op)
+        idx = sb.topk_idx[:t]
+        valid = idx >= 0
+        counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
+        if num_experts_per_wave is not None and (not isinstance(num_experts_per_wave, int) or num_experts_per_wave < 1):
+            raise ValueError(f"{op}: num_experts_per_wave must be a positive int, got {num_experts_per_wave!r}")
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
+        err = exc
+    if not isinstance(sb, SymmBuffer) or sb._destroyed:
+        raise err
+    gathered = sb._comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
+                                   None if counts is None else counts.numpy()))
+    bad = [(r, m) for r, (m, _c) in enumerate(gathered) if m is not None]
+    if err is not None:
+        raise err
+    if bad:
+        raise ConsensusError(f"rank {me}: {op} was rejected on rank(s) {[r for r, _ in bad]}: "
+                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
+    cmat = torch.stack([torch.from_numpy(c) for _m, c in gathered])  # [R, E] pairs each rank sends per expert
+
+    el, k, h, i = sb.num_local_experts, sb.num_topk, sb.hidden, sb.intermediate_hidden
+    epw = _experts_per_wave(sb, cmat, num_experts_per_wave)
+    num_waves = -(-el // epw)
+    trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
+    w1, w2 = _untransformed_bf16(kind, l1_weights, l2_weights)
+    buf = sb.ep_buffer
+    worker = buf.get_comm_stream()
+    now = time.perf_counter
+
+    # This rank's pairs per wave, in (token, k) order.
+    idx = sb.topk_idx[:t].reshape(-1)
+    wts = sb.topk_weights[:t].reshape(-1)
+    pair = torch.nonzero(idx >= 0).squeeze(1)
+    e_of = idx.index_select(0, pair)
+    wave_of = torch.remainder(e_of, el) // epw
+    if kind == "bf16":
+        xrows = sb.x[:t]
+    else:  # one row of bytes per token: e4m3 data, then its H/32 UE8M0 bytes
+        xrows = torch.cat([sb.x[:t].view(torch.uint8), sb.x_sf[:t].contiguous().view(torch.uint8)], 1)
+    waves = []
+    for w in range(num_waves):
+        sel = pair[wave_of == w]
+        waves.append((sel, idx.index_select(0, sel).unsqueeze(1).contiguous(),
+                      wts.index_select(0, sel).unsqueeze(1).contiguous()))
+
+    def dispatch(w):
+        sel, tidx, tw = waves[w]
+        rows = xrows.index_select(0, torch.div(sel, k, rounding_mode="floor"))
+        ntpr, ntprr, ntpe, itr, _ = buf.get_dispatch_layout(tidx, sb.num_experts)
+        s0 = now()
+        out = buf.dispatch(rows, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=itr,
+                           num_tokens_per_expert=ntpe, topk_idx=tidx, topk_weights=tw, async_finish=overlap)
+        return out, _mark("dispatch", w, s0)
+
+    def _mark(op_name, w, s0):
+        e0 = now()
+        rec = [op_name, w, s0, e0, e0, e0]
+        trace.comm.append(rec)
+        if overlap:  # the worker runs FIFO: a marker queued now records when this op's data movement ended
+            rec[5] = float("nan")
+
+            def done(rec=rec):
+                rec[5] = time.perf_counter()
+            worker.submit(done)
+        return rec
+
+    slots = torch.zeros(t * k, h, dtype=BF16)
+    align = get_mk_alignment_for_contiguous_layout()
+    pending = []  # (wave, combined, event)
+
+    def compute_l1(w, recv):
+        recv_x, recv_idx, recv_w = recv[0], recv[1], recv[2]
+        n = recv_idx.size(0)
+        e0 = w * epw
+        ne = min(epw, el - e0)
+        local = recv_idx[:, 0] - e0
+        order = torch.argsort(local, stable=True)
+        cnt = torch.bincount(local, minlength=ne).tolist() if n else [0] * ne
+        starts, ends, end = [], [], 0
+        for c in cnt:
+            s = _align(end, align)
+            starts.append(s)
+            end = s + c
+            ends.append(end)
+        pos = (torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)]) if n
+               else torch.empty(0, dtype=torch.int64))
+        if kind == "bf16":
+            xs = recv_x.index_select(0, order)
+        else:
+            xs = _dequant_x(kind, sb, recv_x[:, :h].index_select(0, order).view(FP8),
+                            recv_x[:, h:].index_select(0, order))
+        a = torch.zeros(end, h, dtype=BF16)
+        a.index_copy_(0, pos, xs)
+        hh = torch.empty(end, 2 * i, dtype=BF16)
+        ends_t = torch.tensor(ends, dtype=torch.int32)
+        m_grouped_bf16_gemm_nt_contiguous(a, w1[e0:e0 + ne], hh, ends_t, use_psum_layout=True)
+        return dict(n=n, order=order, pos=pos, end=end, ends_t=ends_t, e0=e0, ne=ne,
+                    h=hh.index_select(0, pos), ws=recv_w[:, 0].index_select(0, order))
+
+    def compute_act(st):
+        st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math)
+
+    def compute_l2(st):
+        a2 = torch.zeros(st["end"], i, dtype=BF16)
+        a2.index_copy_(0, st["pos"], st["act"])
+        o = torch.empty(st["end"], h, dtype=BF16)
+        m_grouped_bf16_gemm_nt_contiguous(a2, w2[st["e0"]:st["e0"] + st["ne"]], o, st["ends_t"],
+                                          use_psum_layout=True)
+        out = torch.empty(st["n"], h, dtype=BF16)
+        out.index_copy_(0, st["order"], o.index_select(0, st["pos"]))
+        return out
+
+    def timed(stage, w, fn, *args):
+        s0 = now()
+        r = fn(*args)
+        trace.compute.append((stage, w, s0, now()))
+        return r
+
+    def combine(w, o, handle):
+        s0 = now()
+        combined, _cw, ev = buf.combine(o, handle, async_finish=overlap)
+        _mark("combine", w, s0)
+        pending.append((w, combined, ev))
+
+    try:
+        cur = dispatch(0)
+        for w in range(num_waves):
+            (recv_x, recv_idx, recv_w, _lst, handle, ev), _rec = cur
+            if ev.event is not None:
+                ev.current_stream_wait()
+            st = timed("l1", w, compute_l1, w, (recv_x, recv_idx, recv_w))
+            if w + 1 < num_waves:
+                cur = dispatch(w + 1)
+            timed("act", w, compute_act, st)
+            o = timed("l2", w, compute_l2, st)
+            combine(w, o, handle)
+        shared_out = None
+        if shared is not None:
+            shared_out = timed("shared", -1, _shared_expert, kind, sb, t, shared, activation_clamp, fast_math)
+        for w, combined, ev in pending:
+            if ev.event is not None:
+                ev.current_stream_wait()
+    except BaseException:
+        buf.get_comm_stream().drain()
+        raise
+    worker.drain()
+
+    s0 = now()
+    for w, combined, _ev in pending:
+        slots.index_copy_(0, waves[w][0], combined)
+    acc = torch.zeros(t, h, dtype=torch.float32)
+    sv = slots.view(t, k, h)
+    for j in range(k):
+        acc += sv[:, j]
+    if shared_out is not None:
+        acc += shared_out
+    y.copy_(acc)
+    trace.compute.append(("reduce", -1, s0, now()))
+    if stats is not None:
+        stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)
+    if os.environ.get("DG_COMM_KERNEL_DEBUG", "0") not in ("", "0"):
+        sb.buffer.zero_()
+    prev_end = -math.inf
+    for rec in trace.comm:  # worker-side start: when issued, or when the op before it left the worker
+        if overlap:
+            rec[4] = max(rec[3], prev_end)
+            prev_end = rec[5]
+    trace.end = now()
+    sb.last_trace = trace
+
+
+def _shared_expert(kind, sb, t, shared, clamp, fast_math):
+    """Shared experts on all ``t`` local tokens: bf16 ``[t, H]`` (weight 1, same activation)."""
+    w1s, w2s = shared
+    si = w2s.size(1)
+    if kind == "bf16":
+        x = sb.x[:t]
+    else:
+        x = _dequant_x(kind, sb, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8))
+    h = torch.matmul(x, w1s.t())
+    a = _activation(kind, h, si, torch.ones(t), clamp, fast_math)
+    return torch.matmul(a, w2s.t())
+
+
+def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                  activation: str = "swiglu", activation_clamp=None, fast_math: bool = True, *,
+                  shared_l1_weights=None, shared_l2_weights=None, overlap: bool = True,
+                  num_experts_per_wave: int | None = None) -> None:
+    """Fused BF16 MoE over the EP group (mirrors ``deep_gemm.bf16_mega_moe``); collective, synchronous.
+
+    Reads ``sym_buffer.x[:T]``, ``topk_idx[:T]``, ``topk_weights[:T]`` with ``T = y.size(0)``
+    (may differ per rank, 0 allowed) and writes ``y [T, H]`` bf16 in place.
+
+    Args:
+        y: bf16 ``[T, H]``, contiguous, output only; ``T <= sym_buffer.num_max_tokens_per_rank``.
+        l1_weights, l2_weights: this rank's experts after :func:`transform_weights_for_mega_moe`:
+            bf16 ``[E_l, 2I, H]`` and ``[E_l, H, I]``.
+        sym_buffer: from :func:`get_symm_buffer_for_mega_moe` with ``mma_type='bf16xbf16'``.
+        cumulative_local_expert_recv_stats: optional int32 ``[E_l]``; each call adds the (token, k)
+            pairs received per local expert from all ranks (masked slots not counted).
+        activation: ``'swiglu'``; activation_clamp: ``None`` or ``c >= 0`` (see module docs);
+        fast_math: reciprocal form of the sigmoid.
+        shared_l1_weights, shared_l2_weights: keyword-only; bf16 ``[2·S·I, H]`` / ``[H, S·I]``
+            when the buffer has ``num_shared_experts = S > 0`` (not transformed).
+        overlap: keyword-only; ``False`` runs the same waves with synchronous communication.
+        num_experts_per_wave: keyword-only wave size (default: see module docs).
+    Raises:
+        TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
+            :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves.
+        TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`.
+    """
+    _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
+         activation_clamp, fast_math, None, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,
+         "bf16_mega_moe")
+
+
+def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
+                     recipe=(1, 1, 32), activation: str = "swiglu", activation_clamp=None, fast_math: bool = True, *,
+                     shared_l1_weights=None, shared_l2_weights=None, overlap: bool = True,
+                     num_experts_per_wave: int | None = None) -> None:
+    """Fused FP8×FP4 MoE over the EP group (mirrors ``deep_gemm.fp8_fp4_mega_moe``); collective, synchronous.
+
+    Reads ``sym_buffer.x[:T]`` (e4m3), ``x_sf[:T]`` (int32, four UE8M0 bytes per int, one per 32
+    channels), ``topk_idx[:T]``, ``topk_weights[:T]``; writes ``y [T, H]`` bf16 in place.
+
+    Args:
+        l1_weights, l2_weights: transformed ``(int8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` and
+            ``(int8 [E_l, H, I/2], int32 [E_l, H, I/128])`` (FP4 e2m1 + UE8M0 per 32 along K).
+        recipe: must be ``(1, 1, 32)``.
+        shared_l1_weights, shared_l2_weights: keyword-only ``(data, sf)`` pairs, see module docs.
+        Others as :func:`bf16_mega_moe`.
+    Raises:
+        as :func:`bf16_mega_moe`.
+    """
+    _run("fp8", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
+         activation_clamp, fast_math, recipe, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,
+         "fp8_fp4_mega_moe")
