@@ -1,0 +1,377 @@
+"""MegaMoE (``deepep_ascend.mega_moe``, mega-moe.md) against the single-process reference.
+
+Every rank generates *all* experts' weights from one seed (untransformed, so the reference sees
+them as mega-moe.md §2 states them), keeps its local slice, transforms it and calls the op; the
+inputs (``x``, ``x_sf``, ``topk_idx``, ``topk_weights``) are all-gathered and
+``reference.ref_mega_moe`` computes every rank's ``y`` in plain torch. Tolerances (§2):
+``calc_diff < 1e-6`` (bf16) and ``< 1e-5`` (fp8×fp4). Token counts differ per rank and the last
+rank of a multi-rank job has none; 20 % of slots are masked; routing is skewed (the last
+``E/4`` experts receive nothing, a token may list an expert twice).
+
+Overlap is checked by structure, never by time: the trace of a multi-wave call must show the
+next wave's dispatch issued between this wave's L1 and L2 and each combine issued before the next
+wave's L1 (so the worker has that communication in flight while the caller computes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from buffer_helpers import all_ranks_ok, capture, coll
+from mpi_utils import gather_all, world
+from reference import mega_calc_diff, mega_dequant_fp4_weights, ref_mega_moe
+
+import deepep_ascend as dea
+from deepep_ascend import ConsensusError
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
+
+E_PER_RANK, K, TMAX = 4, 3, 40
+H_BF16, I_BF16 = 64, 32
+H_FP8, I_FP8 = 128, 128
+BF16 = torch.bfloat16
+
+
+def _num_tokens(rank, size):
+    if size > 1 and rank == size - 1:
+        return 0
+    return 17 + 7 * rank
+
+
+def _routing(gen, t, num_experts):
+    """Skewed: the last quarter of experts gets nothing; 20 % masked; duplicates allowed."""
+    hot = max(1, num_experts - num_experts // 4)
+    idx = torch.randint(0, hot, (t, K), generator=gen)
+    idx[torch.rand(t, K, generator=gen) < 0.2] = -1
+    w = torch.rand(t, K, generator=gen) + 0.25
+    w[idx < 0] = 1e6  # ignored where idx = -1
+    return idx, w
+
+
+def _weights(kind, num_experts, hidden, inter, seed, width=None):
+    """All experts' weights: (op weights of all experts, float32 untransformed for the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    n1 = 2 * (width or inter)
+    if kind == "bf16":
+        w1 = (torch.randn(num_experts, n1, hidden, generator=g) / hidden ** 0.5).to(BF16)
+        w2 = (torch.randn(num_experts, hidden, n1 // 2, generator=g) / inter ** 0.5).to(BF16)
+        return (w1, w2), (w1.float(), w2.float())
+    out, ref = [], []
+    for n, k in ((n1, hidden), (hidden, n1 // 2)):
+        data = torch.randint(-128, 128, (num_experts, n, k // 2), generator=g, dtype=torch.int8)
+        sf_bytes = torch.randint(121, 125, (num_experts, n, k // 32), generator=g, dtype=torch.uint8)
+        sf = sf_bytes.view(torch.int32)  # [E, n, k/128], four little-endian bytes per int
+        out.append((data, sf))
+        ref.append(mega_dequant_fp4_weights(data, sf))
+    return tuple(out), tuple(ref)
+
+
+def _local(kind, w, rank, el):
+    sl = slice(rank * el, (rank + 1) * el)
+    if kind == "bf16":
+        return w[0][sl].contiguous(), w[1][sl].contiguous()
+    mn = [dea.transform_sf_into_required_layout(s[sl].contiguous(), s.shape[1], 2 * d.shape[2],
+                                                (1, 32), num_groups=el)
+          for d, s in w]
+    return (w[0][0][sl].contiguous(), mn[0]), (w[1][0][sl].contiguous(), mn[1])
+
+
+def _shared(kind, hidden, inter, s, seed):
+    (w1, w2), (r1, r2) = _weights(kind, 1, hidden, inter, seed, width=s * inter)
+    if kind == "bf16":
+        return (w1[0], w2[0]), (r1[0], r2[0])
+    return ((w1[0][0], w1[1][0]), (w2[0][0], w2[1][0])), (r1[0], r2[0])
+
+
+class _Env:
+    """A symmetric buffer per (kind, shared), built once per module."""
+
+    def __init__(self):
+        self.bufs = {}
+
+    def get(self, kind, shared):
+        key = (kind, shared)
+        if key not in self.bufs:
+            comm = world()
+            h, i = (H_BF16, I_BF16) if kind == "bf16" else (H_FP8, I_FP8)
+            self.bufs[key] = coll(dea.get_symm_buffer_for_mega_moe, comm, E_PER_RANK * comm.Get_size(), TMAX, K, h,
+                                  i, mma_type="bf16xbf16" if kind == "bf16" else "fp8xfp4",
+                                  num_shared_experts=shared, what="get_symm_buffer_for_mega_moe")
+        return self.bufs[key]
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = _Env()
+    yield e
+    for b in e.bufs.values():
+        coll(b.destroy, what="destroy")
+
+
+def _fill(kind, buf, seed, rank, size):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    t = _num_tokens(rank, size)
+    h = buf.hidden
+    if kind == "bf16":
+        buf.x[:t] = torch.randn(t, h, generator=g).to(BF16)
+        x_sf = None
+    else:
+        buf.x[:t] = (torch.randn(t, h, generator=g) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+        x_sf = torch.randint(124, 130, (t, h // 32), generator=g, dtype=torch.uint8).view(torch.int32)
+        buf.x_sf[:t] = x_sf
+    idx, w = _routing(g, t, buf.num_experts)
+    buf.topk_idx[:t] = idx
+    buf.topk_weights[:t] = w
+    return t
+
+
+def _gathered_inputs(buf, t, fp8):
+    xs = gather_all(buf.x[:t])
+    sfs = gather_all(buf.x_sf[:t]) if fp8 else [None] * len(xs)
+    return xs, sfs, gather_all(buf.topk_idx[:t]), gather_all(buf.topk_weights[:t])
+
+
+def _call(kind, y, l1, l2, buf, stats=None, **kw):
+    fn = dea.bf16_mega_moe if kind == "bf16" else dea.fp8_fp4_mega_moe
+    return fn(y, l1, l2, buf, stats, **kw)
+
+
+CASES = [  # (kind, clamp, shared experts)
+    ("bf16", None, 0),
+    ("bf16", 0.75, 1),
+    ("fp8", None, 1),
+    ("fp8", 10.0, 0),
+]
+
+
+@pytest.mark.parametrize("kind,clamp,shared", CASES, ids=[f"{k}-clamp{c}-shared{s}" for k, c, s in CASES])
+def test_matches_reference(env, comm, kind, clamp, shared):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, shared)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = _weights(kind, buf.num_experts, h, i, seed=7)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
+    kw = {}
+    sref = None
+    if shared:
+        (s1, s2), sref = _shared(kind, h, i, shared, seed=11)
+        kw = dict(shared_l1_weights=s1, shared_l2_weights=s2)
+    t = _fill(kind, buf, seed=3, rank=rank, size=size)
+    stats0 = torch.randint(0, 100, (el,), dtype=torch.int32)
+    stats = stats0.clone()
+    y = torch.full((t, h), float("nan"), dtype=BF16)
+    coll(_call, kind, y, l1, l2, buf, stats, activation_clamp=clamp, **kw, what=f"{kind}_mega_moe")
+    xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref)[rank]
+    diff = mega_calc_diff(y.float(), exp.float())
+    tol = 1e-6 if kind == "bf16" else 1e-5
+    all_idx = torch.cat(idxs).reshape(-1)
+    exp_stats = stats0 + torch.bincount(all_idx[all_idx >= 0], minlength=buf.num_experts)[
+        rank * el:(rank + 1) * el].to(torch.int32)
+    masked_rows = (buf.topk_idx[:t] < 0).all(1) if not shared else torch.zeros(t, dtype=torch.bool)
+    ok = (not torch.isnan(y.float()).any() and diff < tol and torch.equal(stats, exp_stats)
+          and bool((y[masked_rows] == 0).all()))
+    all_ranks_ok(comm, ok, f"{kind} clamp={clamp} shared={shared}: calc_diff {diff:.3g} (tol {tol}), "
+                           f"stats {stats.tolist()} vs {exp_stats.tolist()}")
+    if clamp is not None:  # the clamp must matter for these inputs
+        y2 = torch.empty_like(y)
+        coll(_call, kind, y2, l1, l2, buf, None, activation_clamp=None, **kw, what="unclamped")
+        exp2 = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref)[rank]
+        changed = comm.allreduce(int(not torch.equal(exp2, exp)))
+        all_ranks_ok(comm, mega_calc_diff(y2.float(), exp2.float()) < tol and changed > 0,
+                     "unclamped call / clamp has an effect somewhere")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_fused_equals_unfused_and_repeatable(env, comm, kind):
+    """Same waves with synchronous communication (overlap=False) give the same y bit for bit; so does a rerun."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, 0)
+    w, _ = _weights(kind, buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, buf.num_local_experts))
+    t = _fill(kind, buf, seed=9, rank=rank, size=size)
+    ys = []
+    for overlap in (True, False, True):
+        y = torch.empty(t, buf.hidden, dtype=BF16)
+        coll(_call, kind, y, l1, l2, buf, None, overlap=overlap, num_experts_per_wave=1, what="mega_moe")
+        ys.append(y)
+    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+                 and torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16)), "fused == unfused == rerun")
+
+
+def test_overlap_structure(env, comm):
+    """Trace order of a 4-wave call: the worker has wave w+1's dispatch in flight during wave w's SwiGLU/L2 and
+    combine(w) queued before L1(w+1) starts; every worker marker fired."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get("bf16", 0)
+    w, _ = _weights("bf16", buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, buf.num_local_experts))
+    t = _fill("bf16", buf, seed=2, rank=rank, size=size)
+    y = torch.empty(t, buf.hidden, dtype=BF16)
+    coll(dea.bf16_mega_moe, y, l1, l2, buf, num_experts_per_wave=1, what="bf16_mega_moe")
+    tr = buf.last_trace
+    comp = {(s, wv): (a, b) for s, wv, a, b in tr.compute}
+    disp = {wv: c for c in tr.comm if c[0] == "dispatch" for wv in [c[1]]}
+    comb = {wv: c for c in tr.comm if c[0] == "combine" for wv in [c[1]]}
+    n = tr.num_waves
+    ok = n == buf.num_local_experts == 4 and sorted(disp) == sorted(comb) == list(range(n))
+    for wv in range(n - 1):
+        ok = ok and comp[("l1", wv)][1] <= disp[wv + 1][2] and disp[wv + 1][3] <= comp[("act", wv)][0]
+        ok = ok and comb[wv][3] <= comp[("l1", wv + 1)][0]
+    ok = ok and all(c[5] == c[5] and c[5] >= c[4] >= c[3] for c in tr.comm)  # markers fired (not NaN), in order
+    ov = tr.overlap()
+    ok = ok and 0.0 <= ov["fraction"] <= 1.0 and ov["hidden"] <= ov["worker_busy"] + 1e-9
+    all_ranks_ok(comm, ok, f"pipeline structure (trace {tr})")
+
+
+def test_transform_order():
+    """Upstream's order, shapes, dtypes and containers; MN-major scales."""
+    e, h, i = 2, 128, 128
+    l1 = torch.arange(e * 2 * i, dtype=torch.float32).view(e, 2 * i, 1).expand(e, 2 * i, 8).to(BF16).contiguous()
+    l2 = torch.zeros(e, 8, i, dtype=BF16)
+    t1, t2 = dea.transform_weights_for_mega_moe(l1, l2)
+    assert t1.shape == l1.shape and t1.dtype == BF16 and t2 is l2
+    rows = t1[0, :, 0].float().long().tolist()
+    assert rows[:32] == list(range(0, 8)) + list(range(i, i + 8)) + list(range(8, 16)) + list(range(i + 8, i + 16))
+    d1 = torch.arange(e * 2 * i, dtype=torch.int64).remainder(128).to(torch.int8).view(e, 2 * i, 1).expand(
+        e, 2 * i, h // 2).contiguous()
+    s1 = torch.arange(e * 2 * i, dtype=torch.int32).view(e, 2 * i, 1).expand(e, 2 * i, h // 128).contiguous()
+    d2 = torch.zeros(e, h, i // 2, dtype=torch.int8)
+    s2 = torch.arange(e * h, dtype=torch.int32).view(e, h, 1).contiguous()
+    (td1, ts1), (td2, ts2) = dea.transform_weights_for_mega_moe((d1, s1), (d2, s2))
+    assert td1.shape == d1.shape and td1.dtype == torch.int8 and td2 is d2
+    assert ts1.shape == s1.shape and ts1.dtype == torch.int32 and ts1.stride(-2) == 1
+    assert ts2.shape == s2.shape and ts2.stride(-2) == 1
+    inter = [r for b in range(i // 8) for r in (list(range(8 * b, 8 * b + 8)) + list(range(i + 8 * b, i + 8 * b + 8)))]
+    assert td1[0, :, 0].tolist() == [r % 128 for r in inter]
+    for p in range(2 * i):  # new row 4j+i of each 128-group holds old (interleaved) row 32i+j
+        g, loc = divmod(p, 128)
+        assert int(ts1[0, p, 0]) == inter[128 * g + 32 * (loc % 4) + loc // 4]
+    assert [int(v) for v in ts2[1, :8, 0]] == [h + 32 * (q % 4) + q // 4 for q in range(8)]
+
+
+def test_constructor_checks(comm):
+    """mega-moe.md §1.1 asserts, raised identically on every rank before anything collective."""
+    size = comm.Get_size()
+    bad = [dict(hidden=100), dict(intermediate_hidden=100), dict(num_topk=33), dict(activation="gelu"),
+           dict(mma_type="fp16"), dict(use_fp8_dispatch=False), dict(mma_type="bf16xbf16", intermediate_hidden=12)]
+    if size > 1:
+        bad.append(dict(num_experts=size + 1))
+    for over in bad:
+        args = dict(num_experts=4 * size, num_max_tokens_per_rank=8, num_topk=2, hidden=128, intermediate_hidden=128)
+        args.update(over)
+        with pytest.warns(DeprecationWarning) if "use_fp8_dispatch" in over else _nullctx():
+            _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(comm, **args))
+        assert isinstance(exc, AssertionError), (over, exc)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_capacity_rounding(env):
+    buf = env.get("bf16", 0)
+    assert buf.num_max_tokens_per_rank == 384 and buf.x.shape == (384, H_BF16) and buf.topk_idx.dtype == torch.int64
+    assert buf.buffer.dtype == torch.int8 and buf.x.untyped_storage().data_ptr() == buf.buffer.untyped_storage().data_ptr()
+    fbuf = env.get("fp8", 0)
+    assert fbuf.x.dtype == torch.float8_e4m3fn and fbuf.x_sf.shape == (384, H_FP8 // 128)
+    assert fbuf.x_sf.dtype == torch.int32 and fbuf.topk_weights.dtype == torch.float32
+
+
+def _expect_everywhere(comm, fn, bad_rank, exc_type, what):
+    """``fn`` must raise on every rank: ``exc_type`` on ``bad_rank`` (all ranks if None), ConsensusError elsewhere."""
+    _, exc = capture(fn)
+    me = comm.Get_rank()
+    if bad_rank is None or bad_rank == me:
+        ok = isinstance(exc, exc_type)
+    else:
+        ok = isinstance(exc, ConsensusError) and f"rank(s) [{bad_rank}]" in str(exc)
+    all_ranks_ok(comm, ok, f"{what}: got {type(exc).__name__}: {exc}")
+
+
+def test_errors_on_every_rank(env, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = size - 1
+    buf = env.get("bf16", 0)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = _weights("bf16", buf.num_experts, h, i, seed=7)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, el))
+    t = _fill("bf16", buf, seed=4, rank=rank, size=size)
+    y = torch.empty(t, h, dtype=BF16)
+    call = dea.bf16_mega_moe
+    # mismatched weight shapes (every rank)
+    _expect_everywhere(comm, lambda: call(y, l1[:, :, :h - 8].contiguous(), l2, buf), None, ValueError,
+                       "l1 hidden mismatch")
+    _expect_everywhere(comm, lambda: call(y, l1[:el - 1].contiguous(), l2[:el - 1].contiguous(), buf), None,
+                       ValueError, "local expert count")
+    # wrong dtype on the last rank only
+    bad_l2 = l2.float() if rank == last else l2
+    _expect_everywhere(comm, lambda: call(y, l1, bad_l2, buf), last, TypeError, "l2 dtype on the last rank")
+    # tokens beyond num_max_tokens_per_rank on rank 0 only
+    big = torch.empty(buf.num_max_tokens_per_rank + 1, h, dtype=BF16) if rank == 0 else y
+    _expect_everywhere(comm, lambda: call(big, l1, l2, buf), 0, ValueError, "too many tokens on rank 0")
+    # wrong y dtype, bad expert ids on the last rank
+    _expect_everywhere(comm, lambda: call(y.float() if rank == last else y, l1, l2, buf), last, TypeError, "y dtype")
+    saved = buf.topk_idx[0].clone()
+    if rank == last:
+        buf.topk_idx[0, 0] = buf.num_experts
+    yy = torch.empty(max(t, 1) if rank == last else t, h, dtype=BF16)
+    _expect_everywhere(comm, lambda: call(yy, l1, l2, buf), last, ValueError, "expert id out of range")
+    buf.topk_idx[0] = saved
+    # the fp8 op on a bf16 buffer, a wrong recipe, bf16 weights to the fp8 op, stats of the wrong shape
+    _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(y, l1, l2, buf), None, ValueError, "fp8 op, bf16 buffer")
+    fbuf = env.get("fp8", 0)
+    fw, _ = _weights("fp8", fbuf.num_experts, H_FP8, I_FP8, seed=1)
+    f1, f2 = dea.transform_weights_for_mega_moe(*_local("fp8", fw, rank, el))
+    fy = torch.empty(0, H_FP8, dtype=BF16)
+    _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(fy, f1, f2, fbuf, recipe=(1, 128, 128)), None, ValueError,
+                       "recipe")
+    _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(fy, (f1[0].view(torch.uint8), f1[1]), f2, fbuf), None,
+                       TypeError, "fp4 data dtype")
+    _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(el + 1, dtype=torch.int32)), None, ValueError,
+                       "stats shape")
+    _expect_everywhere(comm, lambda: call(y, l1, l2, buf, shared_l1_weights=l1[0]), None, ValueError,
+                       "shared weights without shared experts")
+    # transform rejects sizes its layout cannot take
+    _, exc = capture(lambda: dea.transform_weights_for_mega_moe(torch.zeros(1, 12, 8, dtype=BF16),
+                                                                torch.zeros(1, 8, 6, dtype=BF16)))
+    assert isinstance(exc, ValueError), exc
+    # the buffer still works after all that
+    stats = torch.zeros(el, dtype=torch.int32)
+    coll(call, y, l1, l2, buf, stats, what="after errors")
+    xs, sfs, idxs, wts = _gathered_inputs(buf, t, False)
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref)[rank]
+    all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < 1e-6, "call after rejected calls")
+
+
+def test_process_group(comm):
+    """``group`` may be a torch ProcessGroup (gloo, initialised from the MPI launch)."""
+    from deepep_ascend import dist as ep_dist
+
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        coll(ep_dist.init_distributed, what="init_distributed")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    group = tdist.new_group(list(range(size)))
+    buf = coll(dea.get_symm_buffer_for_mega_moe, group, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16",
+               what="symm buffer on a ProcessGroup")
+    try:
+        w, wref = _weights("bf16", 2 * size, 64, 16, seed=3)
+        l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
+        g = torch.Generator().manual_seed(rank)
+        t = 5
+        buf.x[:t] = torch.randn(t, 64, generator=g).to(BF16)
+        buf.topk_idx[:t] = torch.randint(0, 2 * size, (t, 2), generator=g)
+        buf.topk_weights[:t] = torch.rand(t, 2, generator=g)
+        y = torch.empty(t, 64, dtype=BF16)
+        coll(dea.bf16_mega_moe, y, l1, l2, buf, what="bf16_mega_moe on a ProcessGroup")
+        xs, sfs, idxs, wts = _gathered_inputs(buf, t, False)
+        exp = ref_mega_moe(xs, sfs, idxs, wts, *wref)[rank]
+        all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < 1e-6, "ProcessGroup result")
+    finally:
+        coll(buf.destroy, what="destroy")
