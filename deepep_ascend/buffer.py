@@ -22,6 +22,7 @@ from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, topk_idx_t
+from . import low_latency as ll_mod
 
 _BUFFER_IDS = itertools.count(1)
 _HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
@@ -114,9 +115,11 @@ class Buffer:
             communicator, or ``None`` with ``comm``.
         num_nvl_bytes: bytes of the UBMEM (intranode) window per rank, a multiple of 128
             (alias ``num_ubmem_bytes``). See :meth:`get_normal_buffer_size_hint`.
-        num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``); internode and
-            low-latency modes are not built yet, so it must be 0.
-        low_latency_mode: not built yet; ``True`` raises ``NotImplementedError``.
+        num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``): the internode
+            boxes, or with ``low_latency_mode`` the LL window (see
+            :meth:`get_low_latency_rdma_size_hint`).
+        low_latency_mode: build the low-latency window from ``num_rdma_bytes`` (any number of
+            nodes); the ``low_latency_*`` methods then work (see :mod:`deepep_ascend.low_latency`).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink: accepted
             for DeepEP compatibility (checked as DeepEP does; no effect in normal mode).
         explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
@@ -141,7 +144,8 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, num_ubmem_bytes: int | None = None, num_urma_bytes: int | None = None,
-                 ranks_per_node: int | None = None, timeout_s: float | None = None):
+                 ranks_per_node: int | None = None, timeout_s: float | None = None,
+                 allow_ubmem_for_low_latency_mode: bool | None = None):
         if num_ubmem_bytes is not None:
             if num_nvl_bytes not in (0, num_ubmem_bytes):
                 raise ValueError(f"Buffer: num_nvl_bytes={num_nvl_bytes} and its alias num_ubmem_bytes="
@@ -152,13 +156,12 @@ class Buffer:
                 raise ValueError(f"Buffer: num_rdma_bytes={num_rdma_bytes} and its alias num_urma_bytes="
                                  f"{num_urma_bytes} disagree")
             num_rdma_bytes = num_urma_bytes
+        if allow_ubmem_for_low_latency_mode is not None:  # Ascend alias of allow_nvlink_for_low_latency_mode
+            allow_nvlink_for_low_latency_mode = bool(allow_ubmem_for_low_latency_mode)
         mpi_comm = _mpi_comm_of(group, comm)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0 or value % 128:
                 raise RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
-        if low_latency_mode:
-            raise NotImplementedError("Buffer: low_latency_mode=True is not built yet in deepep_ascend "
-                                      "(normal mode only)")
         self.rank = mpi_comm.Get_rank()
         self.group_size = mpi_comm.Get_size()
         self.group = group if group is not None else mpi_comm
@@ -177,14 +180,15 @@ class Buffer:
         topo = self.runtime.topology
         self.num_nodes, self.ranks_per_node = topo.num_nodes, topo.ranks_per_node
         self._internode = self.num_nodes > 1
-        if num_rdma_bytes and not self._internode:
+        if num_rdma_bytes and not self._internode and not low_latency_mode:
             self.runtime.destroy(force=True)
             raise RuntimeError(f"Buffer: num_rdma_bytes > 0 needs more than one node (here one node of "
-                               f"{self.ranks_per_node} ranks; low-latency mode is not built yet); pass num_rdma_bytes=0")
+                               f"{self.ranks_per_node} ranks) unless low_latency_mode=True; pass num_rdma_bytes=0")
         try:
             self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
             self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
-                              if num_rdma_bytes else None)
+                              if num_rdma_bytes and not low_latency_mode else None)
+            self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
         except Exception:
             self.runtime.destroy(force=True)
             raise
@@ -209,7 +213,7 @@ class Buffer:
         if self.runtime is None:
             return
         self._worker.drain()
-        self._engine = None
+        self._engine = self._ll = None
         self.runtime.destroy()
         self._worker.shutdown()
         self._win = self._urma_win = None
@@ -850,6 +854,289 @@ class Buffer:
                                                         allocate_on_comm_stream, (x, topk_weights, bias),
                                                         comm_before_outputs=False)
         return combined, combined_w, event
+
+    # ==================================================================================
+    # Low-latency mode (spec §6, §7): argument checks here, data movement in low_latency.py
+    # ==================================================================================
+    def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool):
+        """Constructor branch of ``low_latency_mode=True``: the LL windows from ``num_rdma_bytes``."""
+        self.nvshmem_qp_depth = ll_mod.QP_DEPTH
+        return ll_mod.LowLatencyEngine(self.runtime, num_rdma_bytes, allow_ubmem, self.enable_shrink)
+
+    def _ll_usable(self, op: str):
+        if self.runtime is None:
+            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        if getattr(self, "_ll", None) is None:
+            raise RuntimeError(f"Buffer.{op}: this Buffer was not built in low-latency mode; build it with "
+                               f"low_latency_mode=True and num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
+        return self._ll
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use (spec §6.8).
+
+        Both halves of ``[signals align_up(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
+        with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
+        (DeepEP's rounding). A Buffer with fewer bytes refuses such calls (``ValueError``).
+        """
+        return ll_mod.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _ll_layout(self, m, hidden, num_experts, op):
+        lay = ll_mod.Layout(m, hidden, num_experts, self.group_size)
+        need = ll_mod.size_hint(m, hidden, self.group_size, num_experts)
+        _check(self.num_rdma_bytes >= need, ValueError,
+               f"{op}: num_rdma_bytes={self.num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
+               f"H={hidden}, R={self.group_size}, E={num_experts}) = {need} B that this call needs")
+        return lay
+
+    def _ll_check_routing(self, topk_idx, num_experts, m, rows_name, rows):
+        self._check_topk_idx(topk_idx, num_experts)
+        _check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
+        _check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
+        _check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
+               f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+        _check(m <= self.nvshmem_qp_depth // 2 - 1, AssertionError,
+               f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
+               f"{self.nvshmem_qp_depth // 2 - 1} (spec §6.7)")
+        _check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+        if topk_idx.numel() and topk_idx.size(1) > 1:
+            srt = topk_idx.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            _check(not bool(dup.any()), ValueError,
+                   "`topk_idx` lists an expert twice in one row (each token selects distinct experts)")
+
+    def _ll_check_handle(self, handle):
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 5, ValueError,
+               "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
+        src_info, layout_range, m, hidden, num_experts = handle
+        _check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
+               f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
+        r = self.group_size
+        _check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
+        L = num_experts // r
+        _check_tensor(src_info, "handle.src_info", torch.int32, shape=(L, r * m))
+        _check_tensor(layout_range, "handle.layout_range", torch.int64, shape=(L, r))
+        cnt, beg = layout_range & 0xFFFFFFFF, layout_range >> 32
+        _check(bool((cnt <= m).all()) and bool((beg + cnt <= r * m).all()) and bool((beg >= 0).all()), ValueError,
+               "`handle.layout_range` is not (begin << 32 | count) with count <= M and begin + count <= R*M")
+        return m, hidden, num_experts, L
+
+    def _ll_run(self, op, validate, issue, async_finish, return_recv_hook, keep):
+        """Validate (every rank learns of a rejection), issue the sends, then receive now, on the
+        worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``."""
+        ll = self._ll
+        self._worker.drain()
+        try:
+            _check(not (async_finish and return_recv_hook), RuntimeError,
+                   "async_finish and return_recv_hook cannot both be set (spec §6.5)")
+            args = validate()
+        except _Rejected as rej:
+            exc = rej.exc
+            if ll.pending_hook is None:  # tell the peers, who then raise too (the Buffer stays usable)
+                try:
+                    self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
+                except Exception:  # noqa: BLE001 - the peers' failure is reported by their own calls
+                    pass
+            raise exc from None
+        pending = self._guard(lambda: issue(*args))
+        if return_recv_hook:
+            ll.pending_hook = ll.calls - 1
+            state = {"called": False}
+
+            def hook():
+                if state["called"]:
+                    raise RuntimeError(f"rank {self.rank}: this low-latency receive hook was already called "
+                                       f"(call it exactly once, spec §6.5)")
+                state["called"] = True
+                ll.pending_hook = None
+                self._guard(pending.receive)
+
+            return pending.outputs, EventOverlap(), hook
+        if async_finish:
+            fut = self._worker.submit(lambda: self._guard(pending.receive))
+            return pending.outputs, EventOverlap(EventHandle(fut), keep + tuple(_flatten(pending.outputs))), None
+        self._guard(pending.receive)
+        return pending.outputs, EventOverlap(), None
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (spec §6.2).
+
+        No collective and no count exchange: each rank writes its rows into the receivers'
+        windows and signals once per receiver; a receiver waits for every (live) source.
+
+        Args:
+            x: ``[N, H]`` bfloat16, ``N <= M`` (any ``H``; FP8 needs ``H % 128 == 0``).
+            topk_idx: ``[N, K]`` int64, ``-1`` = none, distinct experts per row.
+            num_max_dispatch_tokens_per_rank: ``M``, the same on every rank (``<= 511``).
+            num_experts: ``E``, a multiple of the number of ranks ``R``; ``L = E / R``.
+            cumulative_local_expert_recv_stats: optional ``[L]`` int32, ``+= recv_count``.
+            dispatch_wait_recv_cost_stats: optional ``[R]`` int64; entry ``s`` += **nanoseconds**
+                from the start of the receive until source ``s``'s signal was seen (polling
+                granularity <= 1 ms; DeepEP counts GPU cycles).
+            use_fp8, round_scale, use_ue8m0: the cast of spec §6.4 (``use_ue8m0`` needs
+                ``round_scale`` and ``H % 512 == 0``).
+            async_finish: the receive runs on the Buffer's worker; wait on the event.
+            return_recv_hook: only the sends run now; call the returned hook once to receive. Until
+                then no other LL call may be issued (two halves: receive ``k``, then issue ``k+1``).
+        Returns:
+            ``(recv_x, recv_count [L] int32, handle, event, hook)``: ``recv_x`` bf16 ``[L, R·M, H]``
+            or ``(e4m3 [L, R·M, H], scales)`` with scales float32 ``[L, R·M, H/128]`` or int32
+            ``[L, R·M, H/512]`` (UE8M0), column-major in the last two dims; rows of expert ``e``
+            from source ``s`` ascending, then tokens/slots ascending; rows past ``recv_count`` are 0.
+            ``handle = (src_info [L, R·M] int32, layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
+        Raises:
+            TypeError / ValueError / AssertionError / RuntimeError: bad arguments (DeepEP's classes);
+                the rank at fault raises its error, every other rank a ``ConsensusError``
+                (``LowLatencyRefused``) naming it, also when ranks disagree on ``M``/``H``/``E``.
+            RuntimeError: no LL window, a pending hook, or (the Buffer stays usable) all of the above.
+            TimeoutError: a source missed the deadline (without ``enable_shrink``; names the rank).
+        """
+        ll = self._ll_usable("low_latency_dispatch")
+        r = self.group_size
+
+        def validate():
+            _check_tensor(x, "x", torch.bfloat16, ndim=2)
+            n, hidden = x.shape
+            self._ll_check_routing(topk_idx, num_experts, num_max_dispatch_tokens_per_rank, "x", n)
+            _check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
+            _check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (spec §6.4)")
+            _check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
+            _check(not use_fp8 or hidden % 128 == 0, ValueError,
+                   f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
+            _check(not use_ue8m0 or hidden % 512 == 0, ValueError,
+                   f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
+            L = num_experts // r
+            if cumulative_local_expert_recv_stats is not None:
+                _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
+                              shape=(L,))
+            if dispatch_wait_recv_cost_stats is not None:
+                _check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
+                              shape=(r,))
+            lay = self._ll_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts, "low_latency_dispatch")
+            return (lay,)
+
+        def issue(lay):
+            return ll.dispatch(x.contiguous(), topk_idx.contiguous(), lay, bool(use_fp8), bool(round_scale),
+                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+
+        (recv_x, recv_count, handle), event, hook = self._ll_run(ll_mod.OP_DISPATCH, validate, issue, async_finish,
+                                                                 return_recv_hook, (x, topk_idx))
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (spec §6.3).
+
+        Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
+        ``acc += f32(y_j) * w[t][j]``; output ``bf16(acc)``.
+
+        Args:
+            x: ``[L, R·M, H]`` bfloat16 in the dispatch's layout (with ``zero_copy`` only its shape
+                is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
+            topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
+            handle: the dispatch's handle.
+            use_logfmt: accepted; rows travel as bf16 (spec §6.3 allows it; exact either way).
+            zero_copy: see above (not with ``use_logfmt``).
+            out: optional ``[N, H]`` bf16 written and returned.
+            combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
+        Returns:
+            ``(combined_x [N, H] bf16, event, hook)``.
+        Raises:
+            as :meth:`low_latency_dispatch`; ``ConsensusError`` (``LowLatencyRefused``) when the rows
+            returned do not match this rank's ``topk_idx`` (another dispatch's routing or handle).
+        """
+        ll = self._ll_usable("low_latency_combine")
+        r = self.group_size
+
+        def validate():
+            m, hidden, num_experts, L = self._ll_check_handle(handle)
+            _check_tensor(x, "x", torch.bfloat16, shape=(L, r * m, hidden))
+            _check_tensor(topk_idx, "topk_idx", ndim=2)
+            self._ll_check_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0))
+            _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+            _check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+            if out is not None:
+                _check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
+                _check(out.is_contiguous(), ValueError, "`out` must be contiguous")
+            if combine_wait_recv_cost_stats is not None:
+                _check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
+            lay = self._ll_layout(m, hidden, num_experts, "low_latency_combine")
+            return (lay,)
+
+        def issue(lay):
+            return ll.combine(None if zero_copy else x.contiguous(), topk_idx.contiguous(),
+                              topk_weights.contiguous(), handle, lay, bool(zero_copy), out,
+                              combine_wait_recv_cost_stats)
+
+        (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
+                                                (x, topk_idx, topk_weights))
+        return combined, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """bf16 ``[L, R·M, H]`` view of the send buffer the **next** LL call uses (spec §6.6b).
+
+        Fill it, then call ``low_latency_combine(..., zero_copy=True)`` as the very next LL call
+        (another LL call in between is refused: its data would sit in the other half). The view
+        is window memory: drop it before :meth:`destroy`.
+        """
+        ll = self._ll_usable("get_next_low_latency_combine_buffer")
+        try:
+            m, hidden, num_experts, _ = self._ll_check_handle(handle)
+            lay = self._ll_layout(m, hidden, num_experts, "get_next_low_latency_combine_buffer")
+        except _Rejected as rej:
+            raise rej.exc from None
+        return ll.combine_buffer(lay)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Barrier of the live ranks; nothing to zero (signals are monotonic epochs, spec §6.1).
+
+        Accepted for DeepEP compatibility and harmless anywhere between LL calls. With
+        ``enable_shrink`` a rank missing the deadline is masked.
+        """
+        ll = self._ll_usable("clean_low_latency_buffer")
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                        ("num_experts", num_experts)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
+        if ll.pending_hook is not None:
+            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook} still awaits its hook")
+        self._worker.drain()
+        self._guard(ll.clean)
+
+    def _ll_shrink(self, op: str):
+        ll = self._ll_usable(op)
+        if not self.enable_shrink:
+            raise RuntimeError(f"Buffer.{op}: needs enable_shrink=True")
+        return ll
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view (spec §7)."""
+        ll = self._ll_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size or rank_to_mask == self.rank:
+            raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be a peer rank in "
+                             f"[0, {self.group_size}) other than this rank ({self.rank}), got {rank_to_mask!r}")
+        ll.mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy this rank's mask (1 = masked) into ``mask_status``, an int32 tensor of ``R`` elements."""
+        ll = self._ll_shrink("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 \
+                or mask_status.numel() != self.group_size:
+            raise ValueError(f"low_latency_query_mask_buffer: mask_status must be an int32 tensor of "
+                             f"{self.group_size} elements")
+        mask_status.view(-1).copy_(ll.mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every peer (spec §7)."""
+        self._ll_shrink("low_latency_clean_mask_buffer").mask.zero_()
 
 
 def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:

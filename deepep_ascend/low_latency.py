@@ -1,0 +1,488 @@
+"""Low-latency (LL) dispatch and combine: DeepEP's fixed-slot, signal-driven mode (spec §6, §7).
+
+Every rank sends straight to the owner of each expert; nothing is exchanged before the data
+(no collective, no count round): each sender writes its rows into **fixed slots** of the
+receiver's window and then its per-expert **counts** with one **signal**. The receiver waits for
+one signal per source, reads the counts and unpacks. Two halves alternate call by call (spec
+§6.6); signals only grow (transports §3.3), so nothing is ever cleaned.
+
+Windows (each rank's segment is node-shared, and world-exposed for RMA with several nodes):
+
+* ``ll`` (``num_rdma_bytes``): half ``h`` at ``h * (num_rdma_bytes // 2)``. A call with
+  ``(M, H, E)`` lays a half out exactly as spec §6.8 sizes it, with ``S = ceil(H/128)``,
+  ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``:
+
+  ``[sig: align_up(4E, 128) | send: max(M·d, E·M·c) | recv: E·M·max(d, c)]``
+
+  - *sig*: int32 counts ``[R sources][L local experts]``, each row written by its source;
+  - *send*: dispatch: this rank's messages ``[N, d]`` (the FP8 cast done once per token);
+    combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
+    (:meth:`LowLatencyEngine.combine_buffer`);
+  - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
+    ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
+    ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots).
+
+  A message is ``[int32 source token index | 12 zero bytes | payload]``, payload bf16 ``2H`` B,
+  or FP8 ``H`` B + scales (``4S`` B float32, or ``H/128`` B packed UE8M0).
+* ``ll_ctl`` (``2·R·256`` B, independent of the call): one 256-byte header per (half, source):
+  call number, operation, status, ``M``, ``H``, ``E``, FP8 flags and, for a refused call, the
+  refusing rank's message. Signal slots ``0``/``1`` (one per half) and ``2`` (clean's barrier).
+
+Ordering: data and count puts, then (URMA) ``flush(dst)``, then the header with
+``put_with_signal`` on ``ll_ctl`` — an observer of the signal sees all of it. Same-node
+peers are written with direct stores into their mapped window when ``allow_ubmem`` (DeepEP's
+``allow_nvlink_for_low_latency_mode``), else through ``put`` like remote peers.
+
+Double buffer safety: a rank issues call ``k+1`` only after its receive of call ``k`` (the
+hook rule); every call signals every (unmasked) peer; so a peer writing half ``k % 2`` again
+(call ``k+2``) has received call ``k+1`` from this rank, which this rank sent after finishing
+its receive of call ``k``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from transports import ChannelKind, TransportTimeout
+
+from .intranode import ConsensusError
+from .quant import low_latency_cast_to_fp8
+
+OP_DISPATCH, OP_COMBINE = 1, 2
+_OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
+SLOT_CLEAN = 2
+NUM_CTL_SLOTS = 3
+HDR_BYTES = 256
+_MSG_OFF = 32
+MSG_HEADER = 16  # bytes before the payload in a dispatch message
+F_FP8, F_UE8M0 = 1, 2
+#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, spec §6.7).
+QP_DEPTH = 1024
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Spec §6.8, exactly: bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
+
+    ``S = ceil(H/128)`` (= ``H/128`` for DeepEP's sizes), ``d = 16 + max(2H, H + 4S)``,
+    ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
+    ``sig = align_up(4E, 128)``; ``total = 2(send + recv + sig)``; ``(total // 128 + 1)·128``.
+    """
+    s = -(-hidden // 128)
+    d = 16 + max(2 * hidden, hidden + 4 * s)
+    c = 4 * s + 2 * hidden
+    send = max(m * d, num_experts * m * c)
+    recv = num_experts * m * max(d, c)
+    sig = align_up(4 * num_experts, 128)
+    total = 2 * (send + recv + sig)
+    return (total // 128 + 1) * 128
+
+
+class Layout:
+    """Byte layout of one half for a call with ``(M, H, E)`` on ``R`` ranks (see the module doc)."""
+
+    def __init__(self, m, hidden, num_experts, num_ranks):
+        self.M, self.H, self.E, self.R = m, hidden, num_experts, num_ranks
+        self.L = num_experts // num_ranks
+        self.S = -(-hidden // 128)
+        self.d = MSG_HEADER + max(2 * hidden, hidden + 4 * self.S)
+        self.c = 4 * self.S + 2 * hidden
+        self.sig = align_up(4 * num_experts, 128)
+        self.send_off = self.sig
+        self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
+        self.end = self.recv_off + num_experts * m * max(self.d, self.c)
+
+
+def zeros(shape, dtype) -> torch.Tensor:
+    """Zero-filled tensor; large ones from an anonymous mapping, so untouched pages cost nothing.
+
+    LL outputs (``[L, R·M, H]``) are mostly padding: zeroing them would cost more than the call.
+    """
+    shape = torch.Size(shape)
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < (1 << 20):
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+class LowLatencyRefused(ConsensusError):
+    """The call completed its signals but was refused: a rank rejected its arguments, ranks
+    disagree on ``M``/``H``/``E``/FP8 flags, or counts do not match the handle. The Buffer
+    stays usable (every rank consumed the same call)."""
+
+
+class Pending:
+    """An LL call whose sends are issued; :meth:`receive` waits for the sources and unpacks."""
+
+    def __init__(self, receive, outputs):
+        self._receive = receive
+        self.outputs = outputs
+
+    def receive(self):
+        fn, self._receive = self._receive, None
+        fn()
+        return self.outputs
+
+
+class LowLatencyEngine:
+    """Runs LL calls for one Buffer.
+
+    Args:
+        tp: the transport. nbytes: ``num_rdma_bytes`` (the ``ll`` window).
+        allow_ubmem: same-node peers by direct stores (else ``put``).
+        shrink: mask peers that miss the deadline instead of raising.
+    """
+
+    def __init__(self, tp, nbytes: int, allow_ubmem: bool, shrink: bool):
+        topo = tp.topology
+        self.tp = tp
+        self.rank, self.R = topo.rank, topo.world_size
+        self.win = tp.create_window("ll", nbytes, 0)
+        self.ctl = tp.create_window("ll_ctl", 2 * self.R * HDR_BYTES, NUM_CTL_SLOTS)
+        self.nbytes = nbytes
+        self.half = nbytes // 2
+        self.kinds = [topo.kind(self.rank, p) for p in range(self.R)]
+        self.direct = [k is ChannelKind.SELF or (k is ChannelKind.UBMEM and allow_ubmem) for k in self.kinds]
+        self.shrink = shrink
+        self.mask = torch.zeros(self.R, dtype=torch.int32)
+        self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
+        self.half_calls = [0, 0]
+        self.cleans = 0
+        self.pending_hook = None  # call number awaiting its hook
+        self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
+
+    # -- helpers -----------------------------------------------------------------------
+    def live_peers(self):
+        return [p for p in range(self.R) if not self.mask[p]]
+
+    def order(self):
+        """Destinations starting after this rank (spreads the load), masked ones left out."""
+        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
+
+    def fits(self, lay: Layout) -> bool:
+        return lay.end <= self.half
+
+    def combine_buffer(self, lay: Layout) -> torch.Tensor:
+        """bf16 ``[L, R·M, H]`` view of the send region of the half the next call uses."""
+        h = self.calls % 2
+        self.zero_copy_for = self.calls
+        return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
+                                  torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
+
+    def _header(self, seq, op, status, lay, flags, message=None):
+        hdr = torch.zeros(HDR_BYTES if message else 16, dtype=torch.uint8)
+        w = hdr[:16].view(torch.int64)
+        w[0] = (seq << 16) | (flags << 8) | (op << 4) | status
+        w[1] = ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0
+        if message:
+            text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
+            hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return hdr
+
+    def _signal(self, dst, h, hdr):
+        """Publish to ``dst``: everything written to it before, then the header, then the signal."""
+        if self.kinds[dst] is ChannelKind.URMA:
+            self.tp.flush(dst)
+        self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
+
+    def begin(self):
+        """Number and half of a new call (checks the hook rule first)."""
+        if self.pending_hook is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: LL call #{self.pending_hook} still awaits its receive hook; call the hook "
+                f"before issuing another low-latency call (only two LL buffers: receive k, then issue k+1, "
+                f"spec §6.6)")
+        seq = self.calls
+        self.calls += 1
+        return seq, seq % 2
+
+    def reject(self, op, message):
+        """Refuse a call on every rank: headers with an error status to every live peer, then raise."""
+        seq, h = self.begin()
+        hdr = self._header(seq, op, 1, None, 0, message)
+        for dst in self.order():
+            self._signal(dst, h, hdr)
+        self.half_calls[h] += 1  # the refused call is consumed here too (peers count it)
+        # Wait for the others' signals too (their data is discarded): the double-buffer rule
+        # needs this rank's next call to follow its receive of this one.
+        self._wait_sources(h, self.half_calls[h], f"{_OP_NAMES[op]} call #{seq} (refused here)", None)
+
+    # -- waiting -----------------------------------------------------------------------
+    def _wait_sources(self, slot, need, phase, cost, peers=None):
+        """Wait until ``slot`` holds ``need`` from every live source (or ``peers``); shrink mode masks late ones.
+
+        ``cost`` (``[R]`` int64 or None) += nanoseconds from the start of the wait until each
+        source's signal was observed (granularity: one polling slice, at most 1 ms).
+        Raises:
+            transports.TransportTimeout: (not in shrink mode) naming the ranks past the deadline.
+        """
+        pending = self.live_peers() if peers is None else [p for p in peers if not self.mask[p]]
+        t0 = time.monotonic_ns()
+        timeout = self.tp.timeout_s
+        slice_s = 2e-4
+        while pending:
+            left = timeout - (time.monotonic_ns() - t0) / 1e9
+            if left <= 0:
+                if self.shrink:
+                    warnings.warn(f"rank {self.rank}: {phase}: rank(s) {pending} missed the {timeout:g} s deadline; "
+                                  f"masked (shrink mode)", RuntimeWarning, stacklevel=3)
+                    self.mask[pending] = 1
+                    return
+                observed = [self.tp.read_signal(self.ctl, slot, p) for p in pending]
+                raise TransportTimeout("wait_until", self.rank, pending, (time.monotonic_ns() - t0) / 1e9,
+                                       phase=phase, window=self.ctl.name, slot=slot, expected=[need] * len(pending),
+                                       observed=observed)
+            still = self.tp.wait_until(self.ctl, slot, pending, need, timeout_s=min(slice_s, left), phase=phase,
+                                       on_timeout="return")
+            if cost is not None:
+                arrived = [p for p in pending if p not in still]
+                if arrived:
+                    cost[arrived] += time.monotonic_ns() - t0
+            pending = still
+            slice_s = min(2 * slice_s, 1e-3)
+
+    def _check_headers(self, h, seq, op, lay, flags):
+        """Every live source's header against ours; refusals and disagreements raise on every rank."""
+        view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
+        words = view[:, :16].clone().view(torch.int64).numpy()
+        problems = []
+        live = self.live_peers()
+        for s in live:
+            w0 = int(words[s, 0])
+            if w0 >> 16 != seq or (w0 >> 4) & 0xF != op:
+                problems.append(f"rank {s} is in a different LL call (call #{w0 >> 16}, "
+                                f"{_OP_NAMES.get((w0 >> 4) & 0xF, '?')}) than this one (#{seq}, {_OP_NAMES[op]})")
+            elif w0 & 0xF:
+                msg = view[s, _MSG_OFF:].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                problems.append(f"rank {s} rejected its arguments: {msg}")
+        if not problems:
+            mine = ((int(words[self.rank, 0]) >> 8) & 0xFF, int(words[self.rank, 1]))
+            for s in live:
+                theirs = ((int(words[s, 0]) >> 8) & 0xFF, int(words[s, 1]))
+                if theirs != mine:
+                    problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0): " + ", ".join(
+                        f"rank {p}: {_describe(words[p])}" for p in live))
+                    break
+        if problems:
+            raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq} refused on every rank: "
+                                    + "; ".join(problems))
+
+    # -- dispatch ----------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats):
+        """Issue the sends of a dispatch; returns a :class:`Pending` whose receive fills the outputs."""
+        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
+        n, k = topk_idx.shape
+        seq, h = self.begin()
+        base = h * self.half
+        flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
+        # Messages: [int32 token | 12 B | payload], the FP8 cast once per token (spec §6.4).
+        if use_fp8:
+            data, scales = low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+            pay = [data.view(torch.uint8), scales.contiguous().view(torch.uint8).view(n, -1)]
+        else:
+            pay = [x.view(torch.uint8).view(n, 2 * H)]
+        mb = MSG_HEADER + sum(p.size(1) for p in pay)  # message bytes = slot stride (<= d)
+        rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
+        rows[:, :MSG_HEADER].zero_()
+        rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
+        off = MSG_HEADER
+        for p in pay:
+            rows[:, off:off + p.size(1)].copy_(p)
+            off += p.size(1)
+        # Routing: (token, slot) pairs grouped by expert, tokens then slots ascending in each.
+        flat = topk_idx.reshape(-1)
+        valid = flat >= 0
+        if bool(self.mask.any()):
+            valid &= self.mask[(flat.clamp(min=0) // L)] == 0
+        pos = torch.nonzero(valid).squeeze(1)
+        experts = flat[pos]
+        order = torch.argsort(experts, stable=True)
+        experts = experts[order]
+        tok = pos[order] // k
+        counts = torch.bincount(experts, minlength=E)
+        starts = torch.cumsum(counts, 0) - counts
+        counts32 = counts.to(torch.int32)
+        for dst in self.order():
+            lo, hi = int(starts[dst * L]), int(starts[dst * L + L - 1] + counts[dst * L + L - 1])
+            cnt = counts32[dst * L:(dst + 1) * L]
+            if hi > lo:
+                t = tok[lo:hi]
+                le = experts[lo:hi] - dst * L
+                i = torch.arange(hi - lo) - (starts[dst * L:(dst + 1) * L] - lo)[le]
+                if self.direct[dst]:
+                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb)
+                    recv.view(L, R, M, mb)[:, me].index_put_((le, i), rows.index_select(0, t))
+                    self.tp.record_put(dst, (hi - lo) * mb)
+                else:
+                    gathered = rows.index_select(0, t)
+                    nz = torch.nonzero(cnt).squeeze(1).tolist()
+                    for e in nz:
+                        a = int(starts[dst * L + e]) - lo
+                        c = int(cnt[e])
+                        self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + me) * M) * mb,
+                                    gathered[a:a + c])
+            self._put_counts(dst, base, cnt, L)
+            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
+        self.half_calls[h] += 1
+        need = self.half_calls[h]
+
+        # Outputs (allocated now, filled by the receive).
+        xdtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        recv_x = zeros((L, R * M, H), xdtype)
+        recv_scales = None
+        if use_fp8:
+            sc = zeros((L, H // 512, R * M), torch.int32) if use_ue8m0 else zeros((L, lay.S, R * M), torch.float32)
+            recv_scales = sc.transpose(1, 2)  # DeepEP: column-major in the last two dims
+        recv_count = torch.zeros(L, dtype=torch.int32)
+        src_info = zeros((L, R * M), torch.int32)
+        layout_range = torch.zeros(L, R, dtype=torch.int64)
+        phase = f"low_latency_dispatch call #{seq}"
+        sb = pay[1].size(1) if use_fp8 else 0
+
+        def receive():
+            self._wait_sources(h, need, phase, wait_stats)
+            self._check_headers(h, seq, OP_DISPATCH, lay, flags)
+            live = torch.tensor([not m for m in self.mask.tolist()])
+            cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
+            cnt[:, ~live] = 0
+            if bool((cnt > M).any()) or bool((cnt < 0).any()):
+                raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
+            begin = torch.cumsum(cnt, 1) - cnt
+            recv_count.copy_(cnt.sum(1))
+            layout_range.copy_((begin.to(torch.int64) << 32) | cnt.to(torch.int64))
+            total = int(recv_count.sum())
+            if total:
+                blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+                f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
+                e_idx = f // (R * M)
+                s_idx = (f // M) % R
+                dpos = begin[e_idx, s_idx].to(torch.int64) + f % M
+                msgs = blocks.index_select(0, f)
+                src_info.index_put_((e_idx, dpos), msgs[:, :4].contiguous().view(torch.int32).view(-1))
+                xb = H * recv_x.element_size()
+                recv_x.view(torch.uint8).view(L, R * M, xb).index_put_((e_idx, dpos), msgs[:, MSG_HEADER:MSG_HEADER + xb])
+                if recv_scales is not None:
+                    vals = msgs[:, MSG_HEADER + xb:MSG_HEADER + xb + sb].contiguous().view(recv_scales.dtype)
+                    recv_scales.index_put_((e_idx, dpos), vals)
+            if cum_stats is not None:
+                cum_stats.add_(recv_count)
+
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
+        return Pending(receive, outputs)
+
+    def _put_counts(self, dst, base, cnt, L):
+        off = base + self.rank * L * 4
+        if self.direct[dst]:
+            self.tp.peer_view(self.win, dst, off, 4 * L, torch.int32).copy_(cnt)
+            self.tp.record_put(dst, 4 * L)
+        else:
+            self.tp.put(self.win, dst, off, cnt.contiguous())
+
+    def _read_counts(self, base, L):
+        return self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L).clone()
+
+    # -- combine -----------------------------------------------------------------------
+    def combine(self, x, topk_idx, topk_weights, handle, lay: Layout, zero_copy, out, wait_stats):
+        """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``."""
+        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
+        layout_range = handle[1]
+        if zero_copy and self.zero_copy_for is not None and self.zero_copy_for != self.calls:
+            seq = self.calls
+            raise RuntimeError(f"rank {me}: low_latency_combine(zero_copy=True) is call #{seq}, but the buffer from "
+                               f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for} "
+                               f"(another LL call ran in between, so the data is in the other half); get the "
+                               f"buffer right before the combine")
+        seq, h = self.begin()
+        self.zero_copy_for = None
+        base = h * self.half
+        src = (self.tp.local_view(self.win, base + lay.send_off, L * R * M * 2 * H, torch.bfloat16).view(L, R * M, H)
+               if zero_copy else x)
+        cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
+        beg_all = (layout_range >> 32).to(torch.int64)
+        for dst in self.order():
+            cnt = cnt_all[:, dst].contiguous()
+            nz = torch.nonzero(cnt).squeeze(1).tolist()
+            if nz:
+                if self.direct[dst]:
+                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
+                    slots = recv.view(E, M, H)[me * L:(me + 1) * L]
+                    c = cnt[nz].to(torch.int64)
+                    le = torch.repeat_interleave(torch.tensor(nz), c)
+                    i = torch.arange(int(c.sum())) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+                    slots.index_put_((le, i), src[le, beg_all[le, dst] + i])
+                    self.tp.record_put(dst, int(c.sum()) * 2 * H)
+                else:
+                    for e in nz:
+                        b, c = int(beg_all[e, dst]), int(cnt[e])
+                        self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
+            self._put_counts(dst, base, cnt, L)
+            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, 0))
+        self.half_calls[h] += 1
+        need = self.half_calls[h]
+
+        n, k = topk_idx.shape
+        combined = out if out is not None else torch.empty(n, H, dtype=torch.bfloat16)
+        phase = f"low_latency_combine call #{seq}"
+
+        def receive():
+            self._wait_sources(h, need, phase, wait_stats)
+            self._check_headers(h, seq, OP_COMBINE, lay, 0)
+            flat = topk_idx.reshape(-1)
+            valid = flat >= 0
+            owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
+            valid &= owner_live
+            pos = torch.nonzero(valid).squeeze(1)
+            experts = flat[pos]
+            order = torch.argsort(experts, stable=True)
+            sorted_e = experts[order]
+            counts = torch.bincount(sorted_e, minlength=E)
+            got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
+            live_e = (self.mask == 0).repeat_interleave(L)
+            bad = torch.nonzero((got != counts) & live_e).squeeze(1)
+            if bad.numel():
+                g = int(bad[0])
+                raise LowLatencyRefused(
+                    f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
+                    f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
+                    f"made the handle, on every rank")
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_e = torch.empty_like(pos)
+            rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
+            rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
+            acc = torch.zeros(n, H, dtype=torch.float32)
+            slot_j = pos % k
+            tok = pos // k
+            for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
+                sel = torch.nonzero(slot_j == j).squeeze(1)
+                if not sel.numel():
+                    continue
+                y = rows.index_select(0, experts[sel] * M + rank_in_e[sel]).float()
+                y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
+                acc.index_add_(0, tok[sel], y)
+            combined.copy_(acc)
+
+        return Pending(receive, (combined,))
+
+    # -- clean ---------------------------------------------------------------------------
+    def clean(self):
+        """Barrier of the live ranks on the clean slot (shrink mode masks those missing the deadline)."""
+        self.cleans += 1
+        peers = [p for p in self.order() if p != self.rank]
+        for dst in peers:
+            self.tp.signal(self.ctl, dst, SLOT_CLEAN)
+        self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
+
+
+def _describe(w) -> str:
+    w0, w1 = int(w[0]), int(w[1])
+    flags = (w0 >> 8) & 0xFF
+    return (f"M={w1 & 0xFFFF}, H={w1 >> 32}, E={(w1 >> 16) & 0xFFFF}, use_fp8={bool(flags & F_FP8)}, "
+            f"use_ue8m0={bool(flags & F_UE8M0)}")
