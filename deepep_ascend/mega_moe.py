@@ -31,10 +31,14 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
 4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
    (:func:`m_grouped_bf16_gemm_nt_contiguous` with ``use_psum_layout=True``; group starts
    aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped).
-   L1 and L2 run as bf16 GEMMs with float32 accumulation on exact bf16 copies of the
-   (un-transformed, for FP4 dequantized) weights, cached by tensor identity and version
+   L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
+   (un-transformed, for FP4 dequantized) weights cached by tensor identity and version
    (switch: :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
-   dequantized per row before L1 (exact in bf16).
+   dequantized per row before L1 (exact in bf16). The engine (:func:`gemm_engine`) is that
+   grouped bf16 GEMM where the CPU has native bf16 (AMX / AVX512-BF16), else one float32
+   matmul per expert on the same values (same math, only the summation order may differ; the
+   cache then holds float32, ``12·H·I`` bytes per expert instead of ``6·H·I``): on the AVX2-only
+   EPYC of this VM torch's bf16 matmul ran at 0.4-7 GFLOP/s against 17-44 for float32.
 5. **Pipeline.** The caller's thread computes, the Buffer's worker communicates
    (``async_finish=True`` + :class:`~deepep_ascend.EventOverlap`); torch's GEMMs and copies
    release the GIL. Per wave ``w``::
@@ -102,6 +106,48 @@ _WAVE_ROWS = 256
 _MIN_WAVES = 3
 _MAX_WINDOW_BYTES = 256 << 20
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
+_GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
+
+
+def gemm_engine() -> str:
+    """``'bf16'`` (the library's m-grouped bf16 GEMMs) or ``'fp32'`` (float32 matmuls of the same bf16 values).
+
+    ``$DEEPEP_ASCEND_MEGA_MOE_GEMM`` forces one; by default ``'bf16'`` where the CPU multiplies
+    bf16 natively (AMX tiles or AVX512-BF16), else ``'fp32'``. Both compute exact products of
+    bf16 operands with float32 accumulation and one bf16 rounding (only the summation order may
+    differ); without native bf16, torch's bf16 matmul is 10-100x slower than its float32 one.
+    """
+    env = os.environ.get(_GEMM_ENV, "").strip().lower()
+    if env in ("bf16", "fp32"):
+        return env
+    if env:
+        raise ValueError(f"${_GEMM_ENV} must be 'bf16' or 'fp32', got {env!r}")
+    cpu = getattr(torch, "cpu", None)
+    native = False
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(cpu, probe, None)
+        try:
+            native = native or bool(fn and fn())
+        except Exception:  # noqa: BLE001 - a missing probe means no native bf16
+            pass
+    return "bf16" if native else "fp32"
+
+
+def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
+    """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from ``align(end[g-1])`` to
+    ``end[g]``) times ``w[g].T``. ``bf16``: :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: one float32
+    matmul per group on the bf16 values (``w`` float32). Padding rows are unspecified."""
+    d = torch.empty(a.size(0), w.size(1), dtype=BF16)
+    if engine == "bf16":
+        m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
+        return d
+    align, prev = get_mk_alignment_for_contiguous_layout(), 0
+    for g, end in enumerate(ends):
+        start = _align(prev, align)
+        if end > start:
+            d[start:end] = torch.matmul(a[start:end].float(), w[g].t())
+        prev = end
+    return d
 
 
 def _align(x: int, a: int) -> int:
@@ -363,10 +409,11 @@ _W_CACHE: OrderedDict = OrderedDict()
 _W_CACHE_MAX = 8
 
 
-def _untransformed_bf16(kind: str, l1, l2):
-    """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` bf16 in the natural order (gate rows, then up rows)."""
+def _untransformed(kind: str, l1, l2, engine: str):
+    """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
+    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
-    key = (kind,) + tuple(id(t) for t in tensors)
+    key = (kind, engine) + tuple(id(t) for t in tensors)
     use = _q._cache_enabled
     if use:
         with _W_LOCK:
@@ -389,7 +436,7 @@ def _untransformed_bf16(kind: str, l1, l2):
         s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
         w1 = _q._dequantize_operand(d1.index_select(-2, inv), s1_nat.contiguous(), 1, _SF_GRAN, "l1_weights").to(BF16)
         w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
-    out = (w1, w2)
+    out = (w1, w2) if engine == "bf16" else (w1.float(), w2.float())
     if use:
         with _W_LOCK:
             _W_CACHE[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), out)
@@ -628,7 +675,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     epw = _experts_per_wave(sb, cmat, num_experts_per_wave)
     num_waves = -(-el // epw)
     trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
-    w1, w2 = _untransformed_bf16(kind, l1_weights, l2_weights)
+    engine = gemm_engine()
+    w1, w2 = _untransformed(kind, l1_weights, l2_weights, engine)
     buf = sb.ep_buffer
     worker = buf.get_comm_stream()
     now = time.perf_counter
@@ -697,10 +745,9 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
                             recv_x[:, h:].index_select(0, order))
         a = torch.zeros(end, h, dtype=BF16)
         a.index_copy_(0, pos, xs)
-        hh = torch.empty(end, 2 * i, dtype=BF16)
         ends_t = torch.tensor(ends, dtype=torch.int32)
-        m_grouped_bf16_gemm_nt_contiguous(a, w1[e0:e0 + ne], hh, ends_t, use_psum_layout=True)
-        return dict(n=n, order=order, pos=pos, end=end, ends_t=ends_t, e0=e0, ne=ne,
+        hh = _grouped_nt(engine, a, w1[e0:e0 + ne], ends, ends_t)
+        return dict(n=n, order=order, pos=pos, end=end, ends=ends, ends_t=ends_t, e0=e0, ne=ne,
                     h=hh.index_select(0, pos), ws=recv_w[:, 0].index_select(0, order))
 
     def compute_act(st):
@@ -709,9 +756,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     def compute_l2(st):
         a2 = torch.zeros(st["end"], i, dtype=BF16)
         a2.index_copy_(0, st["pos"], st["act"])
-        o = torch.empty(st["end"], h, dtype=BF16)
-        m_grouped_bf16_gemm_nt_contiguous(a2, w2[st["e0"]:st["e0"] + st["ne"]], o, st["ends_t"],
-                                          use_psum_layout=True)
+        o = _grouped_nt(engine, a2, w2[st["e0"]:st["e0"] + st["ne"]], st["ends"], st["ends_t"])
         out = torch.empty(st["n"], h, dtype=BF16)
         out.index_copy_(0, st["order"], o.index_select(0, st["pos"]))
         return out
@@ -742,7 +787,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
             combine(w, o, handle)
         shared_out = None
         if shared is not None:
-            shared_out = timed("shared", -1, _shared_expert, kind, sb, t, shared, activation_clamp, fast_math)
+            shared_out = timed("shared", -1, _shared_expert, kind, sb, t, shared, activation_clamp, fast_math,
+                               engine)
         for w, combined, ev in pending:
             if ev.event is not None:
                 ev.current_stream_wait()
@@ -775,7 +821,14 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     sb.last_trace = trace
 
 
-def _shared_expert(kind, sb, t, shared, clamp, fast_math):
+def _dense_nt(engine, a, w):
+    """bf16 ``a @ w.T`` with float32 accumulation (engine as :func:`gemm_engine`)."""
+    if engine == "bf16":
+        return torch.matmul(a, w.t())
+    return torch.matmul(a.float(), w.float().t()).to(BF16)
+
+
+def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine):
     """Shared experts on all ``t`` local tokens: bf16 ``[t, H]`` (weight 1, same activation)."""
     w1s, w2s = shared
     si = w2s.size(1)
@@ -783,9 +836,9 @@ def _shared_expert(kind, sb, t, shared, clamp, fast_math):
         x = sb.x[:t]
     else:
         x = _dequant_x(kind, sb, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8))
-    h = torch.matmul(x, w1s.t())
+    h = _dense_nt(engine, x, w1s)
     a = _activation(kind, h, si, torch.ones(t), clamp, fast_math)
-    return torch.matmul(a, w2s.t())
+    return _dense_nt(engine, a, w2s)
 
 
 def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
