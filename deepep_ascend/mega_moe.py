@@ -23,9 +23,12 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    combine has exactly one contributor, the Buffer's float32 combine sum is exact, and the final
    reduction can follow the reference: ``y = bf16(Σ_k o_k [+ shared])`` in ascending ``k``.
 3. **Expert waves.** Local experts are cut into waves of ``num_experts_per_wave`` (same on every
-   rank; default from the all-gathered counts: about 256 received rows per wave, at least 3
-   waves when there are at least 3 local experts; keyword ``num_experts_per_wave`` or
-   ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``). Wave ``w`` dispatches the pairs whose local
+   rank; keyword ``num_experts_per_wave`` or ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``). The
+   default, from the all-gathered counts, is ``min(4, E_l, rows // 256)`` waves (at least one),
+   ``rows`` being the pairs a rank receives on average: at least about 256 rows per wave, and 3-4
+   waves once there are enough rows. Measured here, every wave costs a few ms of cross-rank
+   synchronisation per dispatch and combine (waiting for the slowest rank included), so more
+   waves than that lost more than they hid. Wave ``w`` dispatches the pairs whose local
    expert id (``e % E_l``) lies in the wave. Received rows are sorted (stably) by expert, so
    the order is expert, source rank, token, k (mega-moe.md §5).
 4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
@@ -103,7 +106,7 @@ _VIEW_ALIGN = 64
 _INTERLEAVE = 8
 _SF_GRAN = 32
 _WAVE_ROWS = 256
-_MIN_WAVES = 3
+_MAX_WAVES = 4
 _MAX_WINDOW_BYTES = 256 << 20
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
@@ -630,6 +633,7 @@ def _activation(kind, h, i, weights, clamp, fast_math):
 
 
 def _experts_per_wave(sb, counts, override):
+    """Wave size in local experts, the same on every rank (from the all-gathered counts ``[R, E]``)."""
     el = sb.num_local_experts
     if override is None:
         env = os.environ.get(_WAVE_ENV)
@@ -638,10 +642,9 @@ def _experts_per_wave(sb, counts, override):
         if not isinstance(override, int) or override < 1:
             raise ValueError(f"num_experts_per_wave must be a positive int, got {override!r}")
         return min(override, el)
-    total = int(counts.sum())
-    avg = total / max(1, sb.num_experts)  # received rows per local expert, averaged over ranks
-    epw = max(1, math.ceil(_WAVE_ROWS / max(avg, 1e-9)))
-    return max(1, min(epw, math.ceil(el / _MIN_WAVES)))
+    rows = int(counts.sum()) / sb.num_ranks  # rows each rank receives, on average
+    waves = max(1, min(_MAX_WAVES, el, int(rows // _WAVE_ROWS)))
+    return -(-el // waves)
 
 
 def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,

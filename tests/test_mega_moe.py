@@ -136,16 +136,16 @@ def _call(kind, y, l1, l2, buf, stats=None, **kw):
     return fn(y, l1, l2, buf, stats, **kw)
 
 
-CASES = [  # (kind, clamp, shared experts)
-    ("bf16", None, 0),
-    ("bf16", 0.75, 1),
-    ("fp8", None, 1),
-    ("fp8", 10.0, 0),
+CASES = [  # (kind, clamp, shared experts, experts per wave: None = the library's default)
+    ("bf16", None, 0, 1),
+    ("bf16", 0.75, 1, None),
+    ("fp8", None, 1, 3),
+    ("fp8", 10.0, 0, 1),
 ]
 
 
-@pytest.mark.parametrize("kind,clamp,shared", CASES, ids=[f"{k}-clamp{c}-shared{s}" for k, c, s in CASES])
-def test_matches_reference(env, comm, kind, clamp, shared):
+@pytest.mark.parametrize("kind,clamp,shared,epw", CASES, ids=[f"{k}-clamp{c}-shared{s}-epw{e}" for k, c, s, e in CASES])
+def test_matches_reference(env, comm, kind, clamp, shared, epw):
     rank, size = comm.Get_rank(), comm.Get_size()
     buf = env.get(kind, shared)
     el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
@@ -160,7 +160,8 @@ def test_matches_reference(env, comm, kind, clamp, shared):
     stats0 = torch.randint(0, 100, (el,), dtype=torch.int32)
     stats = stats0.clone()
     y = torch.full((t, h), float("nan"), dtype=BF16)
-    coll(_call, kind, y, l1, l2, buf, stats, activation_clamp=clamp, **kw, what=f"{kind}_mega_moe")
+    coll(_call, kind, y, l1, l2, buf, stats, activation_clamp=clamp, num_experts_per_wave=epw, **kw,
+         what=f"{kind}_mega_moe")
     xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
     exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref)[rank]
     diff = mega_calc_diff(y.float(), exp.float())

@@ -1,0 +1,422 @@
+"""MegaMoE benchmark: the fused call against the unfused sequence, in the same run (mega-moe.md §5).
+
+Run one process per rank::
+
+    mpiexec -n 4 python -m bench.mega_moe                          # preset cpu-pro-mini, fp8xfp4
+    mpiexec -n 2 python -m bench.mega_moe --preset cpu-comm-heavy --mma bf16
+    mpiexec -n 2 python -m bench.mega_moe --tokens 256 --hidden 512 --inter 256 --experts 16 --json out.json
+
+Presets (mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test: top-6, one shared expert):
+``cpu-pro-mini`` E 96, K 6, H 1024, I 512, T 512 per rank; ``cpu-comm-heavy`` E 96, K 6, H 2048,
+I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0`` drops the shared
+expert. Inputs: ``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing =
+top-k of random scores, weights ``rand``; expert weights random (fp8: random FP4 nibbles, UE8M0
+scales around 2^-5), from ``--seed``.
+
+Systems, interleaved in every iteration on the same inputs:
+
+* ``fused``: :func:`deepep_ascend.fp8_fp4_mega_moe` / ``bf16_mega_moe`` (expert waves; the
+  Buffer's worker moves wave w+1 and combines wave w-1 while the caller computes wave w);
+* ``serial``: the same call with ``overlap=False`` (same waves, synchronous communication);
+* ``unfused``: the sequence a user writes from the public ops, one stage after the other —
+  ``Buffer.dispatch`` of tokens (DeepEP style, a token once per rank), expansion to the
+  m-grouped contiguous psum layout, ``m_grouped_bf16_gemm_nt_contiguous`` (L1), SwiGLU × weight
+  (+ FP8 requantisation), grouped L2, per-token fp32 sum of the local slots, ``Buffer.combine``,
+  shared expert. Timed end to end (``t_baseline``) and per stage with a barrier before each
+  (``Σt_stage``; stages dispatch, l1, act, l2, combine, shared).
+* ``torch matmul``: one plain bf16 ``[N_pairs, H] @ [H, 2I]`` and ``[N_pairs, I] @ [I, H]`` (the
+  same total GEMM shape) for the grouped-GEMM throughput ratio.
+
+Timing: barrier, ``time.perf_counter``; ``--warmup`` (>= 2) then ``--iters`` (>= 5); per rank
+the median and min over iterations; printed as mean over ranks and max over ranks (upstream
+convention). Derived: speedup ``Σt_stage / t_fused`` and ``t_baseline / t_fused``, hidden time
+``Σt_stage − t_fused``, overlap efficiency ``hidden / min(t_comm, t_compute)`` (from the stage
+times), and from the fused call's own trace the **overlap fraction** = worker (communication)
+time spent while the caller computed / total worker time. TFLOPS ``= 2·N_pairs·3·H·I / t`` (routed
+pairs received, shared FLOPs separate). GB/s = cross-rank bytes / ``t_fused`` with dispatch
+``H·elem (+ H/32 + 4 fp8 / + 4 bf16)`` and combine ``2H`` bytes per pair (upstream's per-pair
+convention), printed with and without self-rank pairs. Correctness first: ``fused`` vs
+``serial`` bit for bit and ``fused`` vs ``unfused`` by calc_diff (the unfused path rounds each
+rank's partial sum to bf16 once more, so it is not bitwise). Targets (reported, not asserted):
+fused ≤ 0.85× the separate stages at 4 ranks; grouped GEMM ≥ 70 % of the plain matmul.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import deepep_ascend as dea
+from bench import common as C
+from deepep_ascend import mega_moe as M
+
+PRESETS = {
+    "cpu-pro-mini": dict(experts=96, topk=6, hidden=1024, inter=512, tokens=512),
+    "cpu-comm-heavy": dict(experts=96, topk=6, hidden=2048, inter=128, tokens=1024),
+    "tiny": dict(experts=16, topk=4, hidden=256, inter=128, tokens=128),
+}
+BF16 = torch.bfloat16
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.mega_moe", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-pro-mini")
+    p.add_argument("--mma", choices=("fp8", "bf16"), default="fp8", help="fp8xfp4 (default) or bf16xbf16")
+    for name in ("tokens", "hidden", "inter", "experts", "topk"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
+    p.add_argument("--shared", type=int, default=1, help="shared experts (default 1)")
+    p.add_argument("--clamp", type=float, default=10.0, help="activation_clamp (default 10; <0 = None)")
+    p.add_argument("--experts-per-wave", type=int, default=None, help="fused wave size (default: library's)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default max(1, cores // ranks))")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.iters, args.warmup = max(1, args.iters), max(0, args.warmup)
+    return args
+
+
+def make_weights(args, rank, el):
+    g = torch.Generator().manual_seed(args.seed * 7919 + 1000 + rank)
+    h, i = args.hidden, args.inter
+
+    def fp4(e, n, k):
+        data = torch.randint(-128, 128, (e, n, k // 2), generator=g, dtype=torch.int8)
+        sf = torch.randint(120, 124, (e, n, k // 32), generator=g, dtype=torch.uint8).view(torch.int32)
+        return data, sf
+
+    if args.mma == "bf16":
+        l1 = (torch.randn(el, 2 * i, h, generator=g) / h ** 0.5).to(BF16)
+        l2 = (torch.randn(el, h, i, generator=g) / i ** 0.5).to(BF16)
+        shared = None
+        if args.shared:
+            si = args.shared * i
+            shared = ((torch.randn(2 * si, h, generator=g) / h ** 0.5).to(BF16),
+                      (torch.randn(h, si, generator=g) / si ** 0.5).to(BF16))
+        return (l1, l2), dea.transform_weights_for_mega_moe(l1, l2), shared
+    raw1, raw2 = fp4(el, 2 * i, h), fp4(el, h, i)
+    l1 = (raw1[0], dea.transform_sf_into_required_layout(raw1[1], 2 * i, h, (1, 32), num_groups=el))
+    l2 = (raw2[0], dea.transform_sf_into_required_layout(raw2[1], h, i, (1, 32), num_groups=el))
+    shared = None
+    if args.shared:
+        si = args.shared * i
+        s1, s2 = fp4(1, 2 * si, h), fp4(1, h, si)
+        shared = ((s1[0][0], s1[1][0]), (s2[0][0], s2[1][0]))
+    return (l1, l2), dea.transform_weights_for_mega_moe(l1, l2), shared
+
+
+def fill_inputs(args, buf, rank):
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    t, h = args.tokens, args.hidden
+    x = torch.randn(t, h, generator=g)
+    if args.mma == "bf16":
+        buf.x[:t] = x.to(BF16)
+    else:
+        data, sf = dea.per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
+        buf.x[:t] = data
+        buf.x_sf[:t] = sf
+    scores = torch.rand(t, args.experts, generator=g)
+    buf.topk_idx[:t] = scores.topk(args.topk, dim=1).indices
+    buf.topk_weights[:t] = torch.rand(t, args.topk, generator=g)
+
+
+class Unfused:
+    """The stage-by-stage sequence from public ops (see module docstring); ``stages`` in order."""
+
+    def __init__(self, args, buf, w_nat, shared):
+        self.args, self.buf, self.ep = args, buf, buf.ep_buffer
+        self.kind = args.mma
+        h, i = args.hidden, args.inter
+        if self.kind == "bf16":
+            self.w1, self.w2 = w_nat
+        else:
+            (d1, s1), (d2, s2) = w_nat
+            self.w1 = dea.dequantize_weights(d1, s1, 1, 32).to(BF16)
+            self.w2 = dea.dequantize_weights(d2, s2, 1, 32).to(BF16)
+        self.shared = None
+        if shared is not None:
+            if self.kind == "bf16":
+                self.shared = shared
+            else:
+                self.shared = tuple(dea.dequantize_weights(d, s, 1, 32).to(BF16) for d, s in shared)
+        self.engine = M.gemm_engine()
+        if self.engine == "fp32":
+            self.w1, self.w2 = self.w1.float(), self.w2.float()
+        self.h, self.i = h, i
+        self.clamp = None if args.clamp < 0 else args.clamp
+        self.st = {}
+
+    def _act(self, hh, w):
+        i = hh.size(1) // 2
+        g, u = hh[:, :i], hh[:, i:]
+        if self.clamp is not None:
+            c = torch.tensor(self.clamp, dtype=BF16)
+            g, u = torch.minimum(g, c), torch.maximum(torch.minimum(u, c), -c)
+        a = torch.nn.functional.silu(g.float()) * u.float() * w.unsqueeze(1)
+        if self.kind == "bf16":
+            return a.to(BF16)
+        n = a.size(0)
+        grp = a.view(n, i // 32, 32)
+        s = dea.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / 448.0).unsqueeze(-1)
+        return (dea.cast_to_e4m3(grp / s).float() * s).view(n, i).to(BF16)
+
+    def dispatch(self):
+        b, t = self.buf, self.args.tokens
+        idx, wts = b.topk_idx[:t], b.topk_weights[:t]
+        if self.kind == "bf16":
+            x = b.x[:t]
+        else:
+            x = torch.cat([b.x[:t].view(torch.uint8), b.x_sf[:t].view(torch.uint8)], 1)
+        ntpr, ntprr, ntpe, itr, _ = self.ep.get_dispatch_layout(idx, b.num_experts)
+        rx, ridx, rw, _lst, handle, _ev = self.ep.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr,
+                                                           is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                                           topk_idx=idx, topk_weights=wts)
+        self.st.update(rx=rx, ridx=ridx, rw=rw, handle=handle)
+
+    def l1(self):
+        st, h = self.st, self.h
+        ridx = st["ridx"]
+        flat = ridx.reshape(-1)
+        k = ridx.size(1)
+        el = self.buf.num_local_experts
+        cnt = torch.bincount(flat[flat >= 0], minlength=el).tolist()
+        order = torch.argsort(flat, stable=True)[flat.numel() - sum(cnt):]
+        rows = torch.div(order, k, rounding_mode="floor")
+        align = dea.get_mk_alignment_for_contiguous_layout()
+        starts, ends, end = [], [], 0
+        for c in cnt:
+            s = -(-end // align) * align
+            starts.append(s)
+            end = s + c
+            ends.append(end)
+        pos = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)])
+        rx = st["rx"].index_select(0, rows)
+        if self.kind != "bf16":
+            n = rx.size(0)
+            sc = torch.pow(2.0, rx[:, h:].to(torch.float32) - 127).view(n, h // 32, 1)
+            rx = (rx[:, :h].view(torch.float8_e4m3fn).float().view(n, h // 32, 32) * sc).view(n, h).to(BF16)
+        a = torch.zeros(end, h, dtype=BF16)
+        a.index_copy_(0, pos, rx)
+        ends_t = torch.tensor(ends, dtype=torch.int32)
+        hh = M._grouped_nt(self.engine, a, self.w1, ends, ends_t)
+        st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, hh=hh.index_select(0, pos),
+                  w=st["rw"].reshape(-1).index_select(0, order))
+
+    def act(self):
+        self.st["a"] = self._act(self.st["hh"], self.st["w"])
+
+    def l2(self):
+        st = self.st
+        a2 = torch.zeros(st["end"], self.i, dtype=BF16)
+        a2.index_copy_(0, st["pos"], st["a"])
+        o = M._grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])
+        part = torch.zeros(st["rx"].size(0), self.h).index_add_(0, st["rows"], o.index_select(0, st["pos"]).float())
+        st["part"] = part.to(BF16)
+
+    def combine(self):
+        self.st["y"], _w, _ev = self.ep.combine(self.st["part"], self.st["handle"])
+
+    def shared_expert(self):
+        if self.shared is None:
+            return
+        b, t = self.buf, self.args.tokens
+        if self.kind == "bf16":
+            x = b.x[:t]
+        else:
+            sc = torch.pow(2.0, b.x_sf[:t].contiguous().view(torch.uint8).to(torch.float32) - 127)
+            x = (b.x[:t].float().view(t, -1, 32) * sc.unsqueeze(-1)).view(t, -1).to(BF16)
+        w1s, w2s = self.shared
+        a = self._act(M._dense_nt(self.engine, x, w1s), torch.ones(t))
+        self.st["y"] = (self.st["y"].float() + M._dense_nt(self.engine, a, w2s).float()).to(BF16)
+
+    stages = ("dispatch", "l1", "act", "l2", "combine", "shared")
+
+    def stage_fns(self):
+        return {"dispatch": self.dispatch, "l1": self.l1, "act": self.act, "l2": self.l2, "combine": self.combine,
+                "shared": self.shared_expert}
+
+    def run(self):
+        for fn in self.stage_fns().values():
+            fn()
+        return self.st["y"]
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, R = comm.Get_rank(), comm.Get_size()
+    cores = os.cpu_count() or 1
+    threads = args.threads or max(1, cores // R)
+    torch.set_num_threads(threads)
+    if args.experts % R:
+        args.experts = -(-args.experts // R) * R
+    buf = dea.get_symm_buffer_for_mega_moe(comm, args.experts, args.tokens, args.topk, args.hidden, args.inter,
+                                           mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
+                                           num_shared_experts=args.shared)
+    el = buf.num_local_experts
+    w_nat, (l1, l2), shared = make_weights(args, rank, el)
+    fill_inputs(args, buf, rank)
+    t = args.tokens
+    clamp = None if args.clamp < 0 else args.clamp
+    op = dea.bf16_mega_moe if args.mma == "bf16" else dea.fp8_fp4_mega_moe
+    kw = dict(activation_clamp=clamp, num_experts_per_wave=args.experts_per_wave)
+    if shared is not None:
+        kw.update(shared_l1_weights=shared[0], shared_l2_weights=shared[1])
+    y_fused = torch.empty(t, args.hidden, dtype=BF16)
+    y_serial = torch.empty_like(y_fused)
+    unf = Unfused(args, buf, w_nat, shared)
+
+    # counts: pairs received (all-gathered topk_idx), self-rank pairs
+    idx = buf.topk_idx[:t]
+    cnt = torch.bincount(idx[idx >= 0], minlength=args.experts).numpy().astype(np.int64)
+    allc = np.array(comm.allgather(cnt))  # [R, E]
+    per_rank_dst = allc.reshape(R, R, el).sum(2)  # [src, dst] pairs
+    n_pairs_recv = int(per_rank_dst[:, rank].sum())
+    n_pairs_self = int(per_rank_dst[rank, rank])
+    n_pairs_sent = int(per_rank_dst[rank].sum())
+
+    times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("mm_l1", "mm_l2")}
+    fractions, hidden_s, busy_s, waves = [], [], [], None
+    engine = M.gemm_engine()
+    mm_dtype = BF16 if engine == "bf16" else torch.float32  # the plain matmul the engine stands for
+    mm_a1 = torch.randn(n_pairs_recv, args.hidden).to(mm_dtype)
+    mm_b1 = torch.randn(2 * args.inter, args.hidden).to(mm_dtype).t()
+    mm_a2 = torch.randn(n_pairs_recv, args.inter).to(mm_dtype)
+    mm_b2 = torch.randn(args.hidden, args.inter).to(mm_dtype).t()
+
+    def timed(name, fn):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        return dt
+
+    for it in range(args.warmup + args.iters):
+        rec = {}
+        rec["fused"] = timed("fused", lambda: op(y_fused, l1, l2, buf, **kw))
+        tr = buf.last_trace
+        ov = tr.overlap()
+        waves = (tr.num_waves, tr.experts_per_wave)
+        rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
+        rec["unfused"] = timed("unfused", unf.run)
+        for name, fn in unf.stage_fns().items():
+            rec[name] = timed(name, fn)
+        rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
+        rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
+        if it >= args.warmup:
+            for k, v in rec.items():
+                times[k].append(v)
+            fractions.append(ov["fraction"])
+            hidden_s.append(ov["hidden"])
+            busy_s.append(ov["worker_busy"])
+
+    # correctness
+    bitwise = bool(torch.equal(y_fused.view(torch.int16), y_serial.view(torch.int16)))
+    diff = C.calc_diff(y_fused.float(), unf.st["y"].float()) if t else 0.0
+    checks = comm.gather((bitwise, diff), root=0)
+    buf.destroy()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mins = {k: min(v) for k, v in times.items()}
+    loc = dict(med=med, min=mins, fraction=statistics.median(fractions), hidden=statistics.median(hidden_s),
+               busy=statistics.median(busy_s), pairs_recv=n_pairs_recv, pairs_self=n_pairs_self,
+               pairs_sent=n_pairs_sent)
+    allr = comm.gather(loc, root=0)
+    if rank != 0:
+        return 0
+
+    def agg(key, field="med"):
+        vals = [r[field][key] for r in allr]
+        return sum(vals) / len(vals), max(vals)
+
+    def line(name, key):
+        (mean, mx), (mmin, _) = agg(key), agg(key, "min")
+        return f"  {name:<22} median {mean * 1e3:9.3f} ms (mean over ranks), {mx * 1e3:9.3f} ms (max); min {mmin * 1e3:.3f} ms"
+
+    h, i = args.hidden, args.inter
+    load = os.getloadavg()
+    elem = 1 if args.mma == "fp8" else 2
+    disp_b = h * elem + (h // 32 if args.mma == "fp8" else 0) + 4
+    pairs_recv = sum(r["pairs_recv"] for r in allr) / R
+    pairs_cross = sum(r["pairs_recv"] - r["pairs_self"] for r in allr) / R
+    flops = 2 * pairs_recv * 3 * h * i
+    shared_flops = 2 * args.tokens * 3 * h * i * args.shared
+    t_fused = agg("fused")[0]
+    sum_stage = sum(agg(s)[0] for s in Unfused.stages)
+    t_comm = agg("dispatch")[0] + agg("combine")[0]
+    t_comp = sum_stage - t_comm
+    hidden = sum_stage - t_fused
+    out = []
+    out.append(f"[config] ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
+               f"{load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: E {args.experts} "
+               f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
+               f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend Buffer normal mode (UBMEM shm), "
+               f"iters {args.iters} (+{args.warmup} warm-up)")
+    out.append(f"[check] fused == serial (overlap=False) bitwise: {all(c[0] for c in checks)}; fused vs unfused "
+               f"calc_diff max {max(c[1] for c in checks):.2e} (unfused rounds each rank's partial once more)")
+    out.append("[time]")
+    out.append(line("fused", "fused"))
+    out.append(line("serial (overlap=False)", "serial"))
+    out.append(line("unfused end to end", "unfused"))
+    for s in Unfused.stages:
+        out.append(line(f"  stage {s}", s))
+    out.append(f"  {'Σ stages':<22} {sum_stage * 1e3:9.3f} ms (comm {t_comm * 1e3:.3f}, compute {t_comp * 1e3:.3f})")
+    mmn = "bf16" if M.gemm_engine() == "bf16" else "fp32"
+    out.append(line(f"torch {mmn} mm L1 shape", "mm_l1"))
+    out.append(line(f"torch {mmn} mm L2 shape", "mm_l2"))
+    ratio = t_fused / sum_stage if sum_stage else float("nan")
+    tgt = " (target <= 0.85 at 4 ranks: " + ("met" if ratio <= 0.85 else "MISSED") + ")" if R == 4 else ""
+    out.append(f"[summary] fused / Σ stages {ratio:.3f}{tgt}; fused / unfused end to end "
+               f"{t_fused / agg('unfused')[0]:.3f}; fused / serial {t_fused / agg('serial')[0]:.3f}")
+    eff = hidden / min(t_comm, t_comp) if min(t_comm, t_comp) > 0 else float("nan")
+    out.append(f"[summary] hidden time Σ stages − fused {hidden * 1e3:.3f} ms; overlap efficiency "
+               f"hidden / min(comm, compute) {eff:.2f}")
+    fr = [r["fraction"] for r in allr]
+    out.append(f"[overlap] fused trace: worker (communication) time under caller compute / worker time: mean "
+               f"{sum(fr) / R:.2f} (per rank {', '.join(f'{f:.2f}' for f in fr)}); worker busy "
+               f"{sum(r['busy'] for r in allr) / R * 1e3:.3f} ms, hidden {sum(r['hidden'] for r in allr) / R * 1e3:.3f} ms")
+    gemm = agg("l1")[0] + agg("l2")[0]
+    mm = agg("mm_l1")[0] + agg("mm_l2")[0]
+    gtgt = "met" if gemm and mm / gemm >= 0.7 else "MISSED"
+    out.append(f"[gemm] routed {flops / 1e9:.2f} GFLOP/rank (+ shared {shared_flops / 1e9:.2f}); fused "
+               f"{flops / t_fused / 1e12:.3f} TFLOPS (routed only); grouped stages l1+l2 {flops / gemm / 1e12:.3f} "
+               f"TFLOPS (incl. layout/dequant); plain torch mm {flops / mm / 1e12:.3f} TFLOPS; grouped / plain "
+               f"{mm / gemm:.2f} (target >= 0.70: {gtgt})")
+    bytes_all = pairs_recv * (disp_b + 2 * h)
+    bytes_cross = pairs_cross * (disp_b + 2 * h)
+    out.append(f"[comm] per pair: dispatch {disp_b} B + combine {2 * h} B (per-pair convention); fused "
+               f"{C.gbps(bytes_cross, t_fused):.2f} GB/s cross-rank, {C.gbps(bytes_all, t_fused):.2f} GB/s with "
+               f"self-rank pairs; upstream convention N_recv*3H: {C.gbps(pairs_recv * 3 * h, t_fused):.2f} GB/s")
+    print("\n".join(out), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), ranks=allr, lines=out), f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI as _MPI
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+    except BaseException:  # a rank that dies must not leave its peers hanging in a collective
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        _MPI.COMM_WORLD.Abort(1)
+    C.finish(_MPI.COMM_WORLD, code)
