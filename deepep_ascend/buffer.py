@@ -926,6 +926,10 @@ class Buffer:
         """Validate (every rank learns of a rejection), issue the sends, then receive now, on the
         worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``."""
         ll = self._ll
+        if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
+            raise RuntimeError(
+                f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
+                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, spec §6.6)")
         self._worker.drain()
         try:
             _check(not (async_finish and return_recv_hook), RuntimeError,
@@ -933,11 +937,10 @@ class Buffer:
             args = validate()
         except _Rejected as rej:
             exc = rej.exc
-            if ll.pending_hook is None:  # tell the peers, who then raise too (the Buffer stays usable)
-                try:
-                    self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
-                except Exception:  # noqa: BLE001 - the peers' failure is reported by their own calls
-                    pass
+            try:  # tell the peers, who then raise too (the Buffer stays usable)
+                self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
+            except Exception:  # noqa: BLE001 - the peers' failure is reported by their own calls
+                pass
             raise exc from None
         pending = self._guard(lambda: issue(*args))
         if return_recv_hook:
@@ -1063,6 +1066,8 @@ class Buffer:
             self._ll_check_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0))
             _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
             _check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+            stale = ll.stale_zero_copy() if zero_copy else None
+            _check(stale is None, RuntimeError, stale or "")
             if out is not None:
                 _check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
                 _check(out.is_contiguous(), ValueError, "`out` must be contiguous")

@@ -177,6 +177,14 @@ class LowLatencyEngine:
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
                                   torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
 
+    def stale_zero_copy(self):
+        """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
+        if self.zero_copy_for is None or self.zero_copy_for == self.calls:
+            return None
+        return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls}, but the buffer from "
+                f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for} (another LL "
+                f"call ran in between, so that data is in the other half); get the buffer right before the combine")
+
     def _header(self, seq, op, status, lay, flags, message=None):
         hdr = torch.zeros(HDR_BYTES if message else 16, dtype=torch.uint8)
         w = hdr[:16].view(torch.int64)
@@ -394,12 +402,6 @@ class LowLatencyEngine:
         """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``."""
         me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
         layout_range = handle[1]
-        if zero_copy and self.zero_copy_for is not None and self.zero_copy_for != self.calls:
-            seq = self.calls
-            raise RuntimeError(f"rank {me}: low_latency_combine(zero_copy=True) is call #{seq}, but the buffer from "
-                               f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for} "
-                               f"(another LL call ran in between, so the data is in the other half); get the "
-                               f"buffer right before the combine")
         seq, h = self.begin()
         self.zero_copy_for = None
         base = h * self.half

@@ -29,6 +29,10 @@ __all__ = [
     "ref_dispatch_layout",
     "ref_rank_prefix_matrix",
     "ref_recv_rows",
+    "RefLowLatencyDispatch",
+    "ref_ll_cast_fp8",
+    "ref_ll_combine",
+    "ref_ll_dispatch",
 ]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -563,3 +567,134 @@ def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=
 
 __all__ += ["mega_calc_diff", "mega_dequant_fp4_weights", "mega_dequant_x", "mega_fp4_to_float",
             "mega_unpack_int32_ue8m0", "ref_mega_moe"]
+
+
+# ==============================================================================================
+# Low-latency mode (spec §6.2-§6.4, §7): per-expert fixed slots, FP8 cast with round_scale/UE8M0
+
+
+class RefLowLatencyDispatch(NamedTuple):
+    """What rank ``rank`` must receive from ``low_latency_dispatch`` (rows past the counts are 0)."""
+
+    recv_x: torch.Tensor  # [L, R*M, H] bf16 or float8_e4m3fn
+    recv_scales: torch.Tensor | None  # [L, R*M, S] float32 or [L, R*M, H/512] int32 (row-major here)
+    recv_count: torch.Tensor  # [L] int32
+    src_info: torch.Tensor  # [L, R*M] int32
+    layout_range: torch.Tensor  # [L, R] int64, begin << 32 | count
+
+
+def ref_ll_cast_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False):
+    """DeepEP LL dispatch's per-token FP8 cast (spec §6.4), written with plain per-group loops.
+
+    Returns ``(data [N, H] e4m3, scales)``: float32 ``[N, H/128]``, or with ``use_ue8m0`` int32
+    ``[N, H/512]`` (byte ``k + 127`` of group ``4p + i`` at byte ``i`` of word ``p``).
+    """
+    n, h = x.shape
+    s = h // FP8_GROUP
+    inv448 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    data = torch.empty(n, h, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(n, s, dtype=torch.float32)
+    exps = torch.empty(n, s, dtype=torch.int32)
+    for g in range(s):
+        grp = x[:, g * FP8_GROUP:(g + 1) * FP8_GROUP].float()
+        amax = grp.abs().amax(dim=1).clamp(min=1e-4)
+        r = amax * inv448
+        if round_scale:
+            bits = r.view(torch.int32)
+            exp = ((bits >> 23) & 0xFF) - 127
+            k = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2 r) from the float bits
+            scale = torch.pow(torch.tensor(2.0), k.float())
+            data[:, g * FP8_GROUP:(g + 1) * FP8_GROUP] = (grp * (1.0 / scale).unsqueeze(1)).to(torch.float8_e4m3fn)
+            scales[:, g] = scale
+            exps[:, g] = k
+        else:
+            data[:, g * FP8_GROUP:(g + 1) * FP8_GROUP] = (grp * (FP8_MAX / amax).unsqueeze(1)).to(torch.float8_e4m3fn)
+            scales[:, g] = r
+    if use_ue8m0:
+        if not round_scale:
+            raise ValueError("use_ue8m0 requires round_scale")
+        packed = (exps + 127).to(torch.uint8).contiguous().view(torch.int32)  # 4 bytes -> one int32
+        return data, packed
+    return data, scales
+
+
+def ref_ll_dispatch(
+    xs: Sequence[torch.Tensor],
+    topk_idxs: Sequence[torch.Tensor],
+    rank: int,
+    num_experts: int,
+    num_max_tokens: int,
+    use_fp8: bool = False,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+    masked: Sequence[int] = (),
+) -> RefLowLatencyDispatch:
+    """Reference of ``low_latency_dispatch`` on ``rank`` from every rank's bf16 ``x`` and ``topk_idx``.
+
+    Local expert ``e`` (global ``rank * L + e``) receives one row per (source, token, slot) that
+    selects it, sources ascending, then tokens, then slots; sources in ``masked`` send nothing.
+    """
+    R = len(xs)
+    L = num_experts // R
+    M = num_max_tokens
+    H = xs[0].shape[1]
+    if use_fp8:
+        casts = [ref_ll_cast_fp8(x, round_scale, use_ue8m0) for x in xs]
+        recv_x = torch.zeros(L, R * M, H, dtype=torch.float8_e4m3fn)
+        recv_scales = torch.zeros(L, R * M, casts[0][1].shape[1], dtype=casts[0][1].dtype)
+    else:
+        recv_x = torch.zeros(L, R * M, H, dtype=torch.bfloat16)
+        recv_scales = None
+    recv_count = torch.zeros(L, dtype=torch.int32)
+    src_info = torch.zeros(L, R * M, dtype=torch.int32)
+    layout_range = torch.zeros(L, R, dtype=torch.int64)
+    for e in range(L):
+        g = rank * L + e
+        row = 0
+        for s in range(R):
+            begin = row
+            if s not in masked:
+                idx = topk_idxs[s]
+                for t in range(idx.shape[0]):
+                    for j in range(idx.shape[1]):
+                        if int(idx[t, j]) != g:
+                            continue
+                        if use_fp8:
+                            recv_x[e, row] = casts[s][0][t]
+                            recv_scales[e, row] = casts[s][1][t]
+                        else:
+                            recv_x[e, row] = xs[s][t]
+                        src_info[e, row] = t
+                        row += 1
+            layout_range[e, s] = (begin << 32) | (row - begin)
+        recv_count[e] = row
+    return RefLowLatencyDispatch(recv_x, recv_scales, recv_count, src_info, layout_range)
+
+
+def ref_ll_combine(
+    expert_out,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    hidden: int,
+    masked: Sequence[int] = (),
+) -> torch.Tensor:
+    """Reference of ``low_latency_combine`` for one rank's tokens (spec §6.3).
+
+    ``expert_out(t, e)`` is the bf16 ``[H]`` row expert ``e`` produced for this rank's token ``t``.
+    Per token: float32 ``acc = 0``; slots in order, skipping -1 and experts of masked ranks,
+    ``acc = acc + f32(y) * w``; result ``bf16(acc)`` (zeros without a valid slot).
+    """
+    L = num_experts // num_ranks
+    n, k = topk_idx.shape
+    out = torch.zeros(n, hidden, dtype=torch.float32)
+    for t in range(n):
+        acc = torch.zeros(hidden, dtype=torch.float32)
+        for j in range(k):
+            e = int(topk_idx[t, j])
+            if e < 0 or e // L in masked:
+                continue
+            acc = acc + expert_out(t, e).float() * topk_weights[t, j]
+        out[t] = acc
+    return out.to(torch.bfloat16)
