@@ -260,8 +260,9 @@ def test_low_latency_dispatch_combine_vs_reference(bufs, comm, cfg, case):
 # many calls, both halves, nothing cleaned
 
 
-def test_300_calls_changing_shapes_without_cleaning(bufs, comm):
-    """300 consecutive LL calls (150 dispatch + combine pairs) alternating the two halves, with
+def test_many_calls_changing_shapes_without_cleaning(bufs, comm):
+    """300 consecutive LL calls (150 dispatch + combine pairs; 80 calls at 4-8 ranks, for the time
+    budget) alternating the two halves, with
     hidden, token count, top-k and BF16/FP8 changing every call, on the two-node Buffer (one node
     at R=1); invariant 13: per-expert sums of the received rows match the senders' (order-free)."""
     buf = _buf(bufs, "nodes" if comm.Get_size() >= 2 else "ubmem")
@@ -270,7 +271,7 @@ def test_300_calls_changing_shapes_without_cleaning(bufs, comm):
     shapes = [(128, 5, 2, True), (256, 16, 3, False), (200, 1, 1, False), (512, 32, 4, True), (384, 0, 2, False)]
     L = 2
     E = L * R
-    iters = 150 if R <= 4 else 60
+    iters = 150 if R <= 2 else 40
     for it in range(iters):
         H, n, k, fp8 = shapes[it % len(shapes)]
         fp8 = fp8 and H % 128 == 0
@@ -526,7 +527,7 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(bufs, comm):
 # ----------------------------------------------------------------------------------------------
 # shrink mode and missing ranks
 
-SHRINK_TIMEOUT_S = 3.0
+SHRINK_TIMEOUT_S = 1.5 if world().Get_size() <= 4 else 2.0  # deadline of the missing-rank tests
 
 
 @pytest.mark.mpi(min_size=2)
