@@ -397,9 +397,13 @@ def main(argv=None) -> int:
                f"{mm / gemm:.2f} (target >= 0.70: {gtgt})")
     bytes_all = pairs_recv * (disp_b + 2 * h)
     bytes_cross = pairs_cross * (disp_b + 2 * h)
-    out.append(f"[comm] per pair: dispatch {disp_b} B + combine {2 * h} B (per-pair convention); fused "
-               f"{C.gbps(bytes_cross, t_fused):.2f} GB/s cross-rank, {C.gbps(bytes_all, t_fused):.2f} GB/s with "
-               f"self-rank pairs; upstream convention N_recv*3H: {C.gbps(pairs_recv * 3 * h, t_fused):.2f} GB/s")
+    t_c = agg("dispatch")[0] + agg("combine")[0]
+    out.append(f"[comm] per pair: dispatch {disp_b} B + combine {2 * h} B (per-pair convention), "
+               f"{bytes_cross / 1e6:.2f} MB cross-rank per rank per call ({bytes_all / 1e6:.2f} MB with self-rank "
+               f"pairs): over t_fused {C.gbps(bytes_cross, t_fused):.4f} GB/s cross-rank, "
+               f"{C.gbps(bytes_all, t_fused):.4f} GB/s with self; upstream convention N_recv*3H "
+               f"{C.gbps(pairs_recv * 3 * h, t_fused):.4f} GB/s; unfused dispatch+combine stages alone "
+               f"{C.gbps(bytes_all, t_c) if t_c else float('nan'):.3f} GB/s (token-deduplicated bytes are fewer)")
     print("\n".join(out), flush=True)
     if args.json:
         with open(args.json, "w") as f:
