@@ -376,3 +376,30 @@ def test_process_group(comm):
         all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < 1e-6, "ProcessGroup result")
     finally:
         coll(buf.destroy, what="destroy")
+
+
+def test_debug_mode_zeroes_buffer(env, comm, monkeypatch):
+    """``DG_COMM_KERNEL_DEBUG=1`` zeroes the whole symmetric buffer after the call (callers refill inputs)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get("bf16", 0)
+    w, _ = _weights("bf16", buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, buf.num_local_experts))
+    t = _fill("bf16", buf, seed=6, rank=rank, size=size)
+    y = torch.empty(t, buf.hidden, dtype=BF16)
+    monkeypatch.setenv("DG_COMM_KERNEL_DEBUG", "1")
+    coll(dea.bf16_mega_moe, y, l1, l2, buf, what="bf16_mega_moe (debug)")
+    all_ranks_ok(comm, not bool(buf.buffer.any()) and (t == 0 or bool(y.float().abs().sum() > 0)),
+                 "buffer zeroed, y written")
+
+
+def test_trace_overlap_arithmetic():
+    """``MegaMoETrace.overlap``: worker intervals intersected with compute intervals (hand-computed)."""
+    from deepep_ascend.mega_moe import MegaMoETrace
+
+    tr = MegaMoETrace(True, 2, 1, start=0.0, end=10.0)
+    tr.compute = [("l1", 0, 1.0, 3.0), ("l2", 0, 4.0, 6.0), ("l1", 1, 5.0, 7.0)]  # union [1,3] + [4,7]
+    tr.comm = [["dispatch", 1, 0.5, 0.6, 0.6, 2.0], ["combine", 0, 6.0, 6.1, 6.1, 9.0]]  # busy 1.4 + 2.9
+    ov = tr.overlap()
+    assert abs(ov["worker_busy"] - 4.3) < 1e-9 and abs(ov["hidden"] - (1.0 + 0.9)) < 1e-9
+    assert abs(ov["fraction"] - 1.9 / 4.3) < 1e-9 and abs(ov["compute"] - 5.0) < 1e-9
+    assert tr.stage_times()["dispatch"] == pytest.approx(0.1 + 1.4)
