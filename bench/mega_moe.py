@@ -193,7 +193,7 @@ class Unfused:
         cnt = torch.bincount(flat[flat >= 0], minlength=el).tolist()
         order = torch.argsort(flat, stable=True)[flat.numel() - sum(cnt):]
         rows = torch.div(order, k, rounding_mode="floor")
-        align = dea.get_mk_alignment_for_contiguous_layout()
+        align = M._layout_alignment(self.engine)  # the grouped GEMM's alignment, or 1 for the fp32 engine
         starts, ends, end = [], [], 0
         for c in cnt:
             s = -(-end // align) * align
@@ -206,11 +206,16 @@ class Unfused:
             n = rx.size(0)
             sc = torch.pow(2.0, rx[:, h:].to(torch.float32) - 127).view(n, h // 32, 1)
             rx = (rx[:, :h].view(torch.float8_e4m3fn).float().view(n, h // 32, 32) * sc).view(n, h).to(BF16)
-        a = torch.zeros(end, h, dtype=BF16)
-        a.index_copy_(0, pos, rx)
+        padded = end != rx.size(0)
+        if padded:
+            a = torch.zeros(end, h, dtype=BF16)
+            a.index_copy_(0, pos, rx)
+        else:
+            a = rx
         ends_t = torch.tensor(ends, dtype=torch.int32)
         hh = M._grouped_nt(self.engine, a, self.w1, ends, ends_t)
-        st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, hh=hh.index_select(0, pos),
+        st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, padded=padded,
+                  hh=hh.index_select(0, pos) if padded else hh,
                   w=st["rw"].reshape(-1).index_select(0, order))
 
     def act(self):
@@ -218,10 +223,14 @@ class Unfused:
 
     def l2(self):
         st = self.st
-        a2 = torch.zeros(st["end"], self.i, dtype=BF16)
-        a2.index_copy_(0, st["pos"], st["a"])
+        if st["padded"]:
+            a2 = torch.zeros(st["end"], self.i, dtype=BF16)
+            a2.index_copy_(0, st["pos"], st["a"])
+        else:
+            a2 = st["a"]
         o = M._grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])
-        part = torch.zeros(st["rx"].size(0), self.h).index_add_(0, st["rows"], o.index_select(0, st["pos"]).float())
+        o = o.index_select(0, st["pos"]) if st["padded"] else o
+        part = torch.zeros(st["rx"].size(0), self.h).index_add_(0, st["rows"], o.float())
         st["part"] = part.to(BF16)
 
     def combine(self):

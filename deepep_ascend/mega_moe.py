@@ -33,7 +33,8 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    the order is expert, source rank, token, k (mega-moe.md §5).
 4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
    (:func:`m_grouped_bf16_gemm_nt_contiguous` with ``use_psum_layout=True``; group starts
-   aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped).
+   aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped; with
+   the float32 engine below the alignment is 1, i.e. the rows sorted by expert, unpadded).
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
    (un-transformed, for FP4 dequantized) weights cached by tensor identity and version
    (switch: :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
@@ -136,25 +137,33 @@ def gemm_engine() -> str:
     return "bf16" if native else "fp32"
 
 
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def _layout_alignment(engine: str) -> int:
+    """Row alignment of each expert's group: the grouped GEMM's (``bf16``) or 1 (``fp32``: no padding rows)."""
+    return get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
+
+
 def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
-    """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from ``align(end[g-1])`` to
-    ``end[g]``) times ``w[g].T``. ``bf16``: :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: one float32
-    matmul per group on the bf16 values (``w`` float32). Padding rows are unspecified."""
-    d = torch.empty(a.size(0), w.size(1), dtype=BF16)
+    """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from
+    ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``. ``bf16``:
+    :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: one float32 matmul per group on the bf16 values
+    (``w`` float32), one rounding to bf16 at the end. Padding rows are unspecified."""
     if engine == "bf16":
+        d = torch.empty(a.size(0), w.size(1), dtype=BF16)
         m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
         return d
-    align, prev = get_mk_alignment_for_contiguous_layout(), 0
+    af = a.float()
+    df = torch.empty(a.size(0), w.size(1), dtype=torch.float32)
+    align, prev = _layout_alignment(engine), 0
     for g, end in enumerate(ends):
         start = _align(prev, align)
         if end > start:
-            d[start:end] = torch.matmul(a[start:end].float(), w[g].t())
+            torch.matmul(af[start:end], w[g].t(), out=df[start:end])
         prev = end
-    return d
-
-
-def _align(x: int, a: int) -> int:
-    return -(-x // a) * a
+    return df.to(BF16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,7 +731,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         return rec
 
     slots = torch.zeros(t * k, h, dtype=BF16)
-    align = get_mk_alignment_for_contiguous_layout()
+    align = _layout_alignment(engine)
     pending = []  # (wave, combined, event)
 
     def compute_l1(w, recv):
@@ -739,29 +748,36 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
             starts.append(s)
             end = s + c
             ends.append(end)
-        pos = (torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)]) if n
-               else torch.empty(0, dtype=torch.int64))
+        padded = end != n
+        pos = (torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)]) if n and padded
+               else torch.arange(n))
         if kind == "bf16":
             xs = recv_x.index_select(0, order)
         else:
             xs = _dequant_x(kind, sb, recv_x[:, :h].index_select(0, order).view(FP8),
                             recv_x[:, h:].index_select(0, order))
-        a = torch.zeros(end, h, dtype=BF16)
-        a.index_copy_(0, pos, xs)
+        if padded:
+            a = torch.zeros(end, h, dtype=BF16)
+            a.index_copy_(0, pos, xs)
+        else:
+            a = xs
         ends_t = torch.tensor(ends, dtype=torch.int32)
         hh = _grouped_nt(engine, a, w1[e0:e0 + ne], ends, ends_t)
-        return dict(n=n, order=order, pos=pos, end=end, ends=ends, ends_t=ends_t, e0=e0, ne=ne,
-                    h=hh.index_select(0, pos), ws=recv_w[:, 0].index_select(0, order))
+        return dict(n=n, order=order, pos=pos, end=end, padded=padded, ends=ends, ends_t=ends_t, e0=e0, ne=ne,
+                    h=hh.index_select(0, pos) if padded else hh, ws=recv_w[:, 0].index_select(0, order))
 
     def compute_act(st):
         st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math)
 
     def compute_l2(st):
-        a2 = torch.zeros(st["end"], i, dtype=BF16)
-        a2.index_copy_(0, st["pos"], st["act"])
+        if st["padded"]:
+            a2 = torch.zeros(st["end"], i, dtype=BF16)
+            a2.index_copy_(0, st["pos"], st["act"])
+        else:
+            a2 = st["act"]
         o = _grouped_nt(engine, a2, w2[st["e0"]:st["e0"] + st["ne"]], st["ends"], st["ends_t"])
         out = torch.empty(st["n"], h, dtype=BF16)
-        out.index_copy_(0, st["order"], o.index_select(0, st["pos"]))
+        out.index_copy_(0, st["order"], o.index_select(0, st["pos"]) if st["padded"] else o)
         return out
 
     def timed(stage, w, fn, *args):
