@@ -1,0 +1,239 @@
+"""Low-latency (DeepEP LL) dispatch + combine benchmark, with the same-run peer pipelines.
+
+Run one process per rank::
+
+    mpiexec -n 4 python -m bench.low_latency                    # decode shape, FP8 dispatch, BF16 combine
+    mpiexec -n 4 python -m bench.low_latency --ranks-per-node 2 # two simulated nodes (URMA between them)
+    mpiexec -n 2 python -m bench.low_latency --bf16 --tokens 64 --no-ubmem --json out.json
+
+Workload: DeepEP's LL decode shape (spec §11: 128 tokens per rank, hidden 7168, top-8 of 256
+experts; FP8 dispatch, BF16 combine), ``bench.common.make_workload`` (``x = randn``, routing =
+top-k of ``randn.abs() + 1``, weights ``randn.abs()``), ``M = tokens``. The "experts" are the
+identity (FP8 rows cast back to BF16).
+
+Measured, each as the max over ranks per iteration, median and p99 over ``--iters``:
+
+* ``dispatch`` / ``combine`` / round trip of ``low_latency_dispatch`` / ``low_latency_combine``;
+* hook mode: ``send`` (the call returns after issuing its sends) and ``recv`` (the hook);
+* overlap: send, then a matmul calibrated to last as long as the round trip, then the hook,
+  for dispatch and combine; reported against ``max(communication, compute)``;
+* the peer pipelines a user would write instead, on the same workload (``bench.common``:
+  MPI ``Alltoallv`` and torch gloo ``all_to_all_single``, per destination *rank* with an
+  unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement).
+
+Bandwidth (GB = 1e9 B): DeepEP's LL formula (spec §11) per valid selection — dispatch
+``H + H/32 + 16`` B (FP8) or ``2H + 16`` B (BF16), combine ``2H`` B — over the call time; and
+per channel kind (SELF / UBMEM / URMA) the bytes this rank's calls moved
+(``Buffer.runtime.stats``) over the time. Performance targets are reported, never asserted:
+round trip >= 5x faster than the faster peer pipeline at 4 ranks; overlapped total <= 1.3x the
+longer of communication and compute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench import common as C
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.low_latency", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank = num_max_dispatch_tokens_per_rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-topk", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (URMA across nodes)")
+    p.add_argument("--no-ubmem", action="store_true",
+                   help="allow_nvlink_for_low_latency_mode=False: same-node peers through put, not stores")
+    p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
+    p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
+    a = p.parse_args(argv)
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return a
+
+
+def p99(t: C.Timing) -> float:
+    return float(np.percentile(t.times, 99)) if t.times else float("nan")
+
+
+def us(t: C.Timing) -> str:
+    return f"median {t.median * 1e6:9.1f} us  p99 {p99(t) * 1e6:9.1f} us"
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+
+    from deepep_ascend import Buffer
+    from deepep_ascend.low_latency import zeros as ll_zeros
+    from transports import LinkStats
+
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, R = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    N, H, K, E = args.tokens, args.hidden, args.num_topk, args.num_experts
+    fp8 = not args.bf16
+    wl = C.make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=False)
+    nbytes = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
+    buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
+                 ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
+    out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8,
+                          ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
+                          num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
+                          fingerprint=C.comm_fingerprint(wl, comm))}
+    st = {}
+
+    def experts(recv_x, recv_count):
+        """Identity experts; FP8 rows cast back to BF16 (only the valid rows: the rest is padding)."""
+        if not fp8:
+            return recv_x
+        data, scales = recv_x
+        y = ll_zeros(data.shape, torch.bfloat16)
+        for e, c in enumerate(recv_count.tolist()):
+            if c:
+                y[e, :c] = C.per_token_cast_back(data[e, :c], scales[e, :c].contiguous())
+        return y
+
+    def dispatch():
+        st["d"] = buf.low_latency_dispatch(wl.x, wl.topk_idx, N, E, use_fp8=fp8)
+
+    def make_y():
+        st["y"] = experts(st["d"][0], st["d"][1])
+
+    def combine():
+        st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2])
+
+    # Correctness once: identity experts, so combined ≈ x · Σ w (spec §9 invariant 12).
+    dispatch(), make_y(), combine()
+    approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True)
+    diff = comm.allreduce(C.calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
+    out["check"] = dict(calc_diff=diff, bound=9e-4 if fp8 else 1e-5, ok=diff < (9e-4 if fp8 else 1e-5))
+
+    before = buf.runtime.stats.snapshot()
+    t = C.time_phases([("dispatch", dispatch), (None, make_y), ("combine", combine)], comm, args.iters, args.warmup)
+    moved = LinkStats.bytes_by_kind(LinkStats.diff(buf.runtime.stats.snapshot(), before))
+    calls = args.iters + args.warmup
+    t["round_trip"] = t["dispatch"] + t["combine"]
+
+    # Hook mode: the send / receive split.
+    def d_send():
+        st["d"] = buf.low_latency_dispatch(wl.x, wl.topk_idx, N, E, use_fp8=fp8, return_recv_hook=True)
+
+    def d_recv():
+        st["d"][4]()
+
+    def c_send():
+        st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2], return_recv_hook=True)
+
+    def c_recv():
+        st["c"][2]()
+
+    th = C.time_phases([("d_send", d_send), ("d_recv", d_recv), (None, make_y), ("c_send", c_send),
+                        ("c_recv", c_recv)], comm, args.iters, args.warmup)
+
+    # Overlap: a compute as long as one call's communication between its send and its hook.
+    comm_s = t["round_trip"].median / 2
+    a = torch.randn(256, 256)
+    reps = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ a
+        el = time.perf_counter() - t0
+        if el >= comm_s or reps > 1 << 16:
+            break
+        reps *= 2
+    reps = comm.allreduce(max(1, int(reps * comm_s / max(el, 1e-9))), op=MPI.MAX)
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    tc = C.time_phases([("compute", compute)], comm, args.iters, args.warmup)["compute"]
+
+    def overlapped_dispatch():
+        d_send(), compute(), d_recv()
+
+    def overlapped_combine():
+        c_send(), compute(), c_recv()
+
+    to = C.time_phases([("dispatch", overlapped_dispatch), (None, make_y), ("combine", overlapped_combine)], comm,
+                       args.iters, args.warmup)
+    overlap_total = (to["dispatch"] + to["combine"]).median
+    longer = max(t["round_trip"].median, 2 * tc.median)
+
+    # DeepEP's LL byte formula (spec §11), this rank's valid selections.
+    sel = int((wl.topk_idx >= 0).sum())
+    d_bytes = sel * ((H + H // 32 + 16) if fp8 else (2 * H + 16))
+    c_bytes = sel * 2 * H
+    out["ll"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in {**t, **th}.items()}
+    out["bandwidth_GBps"] = dict(dispatch=C.gbps(d_bytes, t["dispatch"].median),
+                                 combine=C.gbps(c_bytes, t["combine"].median),
+                                 per_kind={k: C.gbps(v / calls, t["round_trip"].median) for k, v in moved.items()})
+    out["overlap"] = dict(compute_per_call_s=tc.median, total_s=overlap_total, longer_s=longer,
+                          ratio=overlap_total / longer, target=1.3)
+
+    # Same-run baselines on the same workload.
+    base = {}
+    if not args.no_baselines:
+        wl_b = C.make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=fp8)
+        base["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+        C.init_gloo(comm)
+        base["gloo_all_to_all"] = C.gloo_all_to_all_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+    out["baselines"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in base.items()}
+    if base:
+        faster = min(v.median for v in base.values())
+        out["summary"] = dict(speedup_vs_faster_pipeline=faster / t["round_trip"].median, target=5.0)
+
+    if rank == 0:
+        c = out["config"]
+        print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
+              f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, BF16 combine, same-node peers by "
+              f"{'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {C.fmt_bytes(nbytes)}, "
+              f"fingerprint {c['fingerprint']}")
+        print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "
+              f"{'ok' if out['check']['ok'] else 'MISMATCH'}")
+        bw = out["bandwidth_GBps"]
+        print(f"[ll]     dispatch   {us(t['dispatch'])}  {bw['dispatch']:7.2f} GB/s (LL formula)")
+        print(f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula)")
+        print(f"[ll]     round trip {us(t['round_trip'])}")
+        print("[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()))
+        print(f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}")
+        print(f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}")
+        o = out["overlap"]
+        print(f"[overlap] compute {o['compute_per_call_s'] * 1e6:.1f} us per call; send+compute+hook total "
+              f"{o['total_s'] * 1e6:.1f} us vs longer of (comm, compute) {o['longer_s'] * 1e6:.1f} us: "
+              f"{o['ratio']:.2f}x (target <= 1.3x)")
+        for k, v in base.items():
+            print(f"[base]   {k:16s} round trip {us(v)}  ({v.median / t['round_trip'].median:.1f}x the LL round trip)")
+        if base:
+            s = out["summary"]
+            print(f"[summary] LL round trip is {s['speedup_vs_faster_pipeline']:.1f}x faster than the faster peer "
+                  f"pipeline (target >= 5x at 4 ranks)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    st.clear()
+    wl = None
+    buf.destroy()
+    if base:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0 if out["check"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI
+
+    C.finish(MPI.COMM_WORLD, main())
