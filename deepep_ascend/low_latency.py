@@ -113,6 +113,54 @@ def zeros(shape, dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _storage_users(t: torch.Tensor) -> int | None:
+    """Tensors (views included) sharing ``t``'s storage, or None if torch does not tell."""
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # minus the temporary storage object
+    except Exception:  # noqa: BLE001 - private API: no reuse without it
+        return None
+
+
+class OutputPool:
+    """Reuses the storage of LL outputs the caller has dropped: the CPU stand-in for PyTorch's
+    CUDA caching allocator, which makes DeepEP's fresh ``[L, R·M, H]`` outputs free on a GPU.
+
+    Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
+    never touched); a recycled one only needs the rows its last user saw zeroed again. An
+    entry is reused only when no tensor (the returned view or any view of it) still shares its
+    storage, so results a caller keeps are never overwritten.
+    """
+
+    MAX_PER_KEY = 4
+
+    def __init__(self):
+        self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
+
+    def get(self, shape, dtype, channels_first=False):
+        """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
+        ``(e, count)`` runs written so that the next user gets them zeroed."""
+        store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
+        key = (store, dtype)
+        entries = self._entries.setdefault(key, [])
+        for ent in entries:
+            if _storage_users(ent[0]) == 1:
+                base, written = ent
+                for e, c in written:
+                    (base[e, :, :c] if channels_first else base[e, :c]).zero_()
+                ent[1] = []
+                break
+        else:
+            ent = [zeros(store, dtype), []]
+            if _storage_users(ent[0]) == 1:
+                entries.append(ent)
+                if len(entries) > self.MAX_PER_KEY:
+                    entries.pop(0)
+        ent[1] = [(e, shape[1]) for e in range(shape[0])]  # until the writer reports its runs: all of it
+        view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
+        return view, ent
+
+
 class LowLatencyRefused(ConsensusError):
     """The call completed its signals but was refused: a rank rejected its arguments, ranks
     disagree on ``M``/``H``/``E``/FP8 flags, or counts do not match the handle. The Buffer
@@ -158,6 +206,7 @@ class LowLatencyEngine:
         self.cleans = 0
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
+        self.pool = OutputPool()
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self):
@@ -346,13 +395,14 @@ class LowLatencyEngine:
 
         # Outputs (allocated now, filled by the receive).
         xdtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = zeros((L, R * M, H), xdtype)
-        recv_scales = None
-        if use_fp8:
-            sc = zeros((L, H // 512, R * M), torch.int32) if use_ue8m0 else zeros((L, lay.S, R * M), torch.float32)
-            recv_scales = sc.transpose(1, 2)  # DeepEP: column-major in the last two dims
+        recv_x, written_x = self.pool.get((L, R * M, H), xdtype)
+        recv_scales, written_s = None, None
+        if use_fp8:  # DeepEP: scales column-major in the last two dims
+            recv_scales, written_s = self.pool.get(
+                (L, R * M, H // 512 if use_ue8m0 else lay.S), torch.int32 if use_ue8m0 else torch.float32,
+                channels_first=True)
         recv_count = torch.zeros(L, dtype=torch.int32)
-        src_info = zeros((L, R * M), torch.int32)
+        src_info, written_i = self.pool.get((L, R * M), torch.int32)
         layout_range = torch.zeros(L, R, dtype=torch.int64)
         phase = f"low_latency_dispatch call #{seq}"
         sb = pay[1].size(1) if use_fp8 else 0
@@ -386,6 +436,10 @@ class LowLatencyEngine:
                         recv_scales[e, :c].copy_(m[:, MSG_HEADER + xb:MSG_HEADER + xb + sb].contiguous()
                                                  .view(recv_scales.dtype))
                     a += c
+                runs = [(e, c) for e, c in enumerate(recv_count.tolist()) if c]
+                for ent in (written_x, written_s, written_i):
+                    if ent is not None:
+                        ent[1] = runs
             if cum_stats is not None:
                 cum_stats.add_(recv_count)
 
