@@ -89,7 +89,10 @@ import torch
 
 from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
-from .grouped_gemm import get_mk_alignment_for_contiguous_layout, m_grouped_bf16_gemm_nt_contiguous
+from .grouped_gemm import (
+    get_mk_alignment_for_contiguous_layout,
+    m_grouped_bf16_gemm_nt_contiguous,
+)
 from .intranode import ConsensusError
 
 __all__ = [
@@ -376,9 +379,9 @@ def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, w
                 "l2 data": (e, h, i // 2), "l2 sf": (e, h, i // 128)}
         got = {"l1 data": tuple(l1[0].shape), "l1 sf": tuple(l1[1].shape),
                "l2 data": tuple(l2[0].shape), "l2 sf": tuple(l2[1].shape)}
-        for k in want:
-            if want[k] != got[k]:
-                raise ValueError(f"{where}: {k} must be {want[k]} for E_l={e}, H={h}, I={i}, got {got[k]}")
+        for k, shape in want.items():
+            if shape != got[k]:
+                raise ValueError(f"{where}: {k} must be {shape} for E_l={e}, H={h}, I={i}, got {got[k]}")
     if i % _INTERLEAVE:
         raise ValueError(f"{where}: I={i} must be a multiple of {_INTERLEAVE} (the L1 gate/up interleave)")
     for name, want, got in (("local experts", num_local, e), ("hidden", hidden, h), ("intermediate_hidden", inter, i)):
@@ -572,9 +575,8 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         raise ValueError(f"{op}: activation must be 'swiglu', got {activation!r}")
     if recipe is not None and tuple(recipe) != (1, 1, 32):
         raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
-    if clamp is not None:
-        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0:
-            raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0):
+        raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
     if y.dtype != BF16:

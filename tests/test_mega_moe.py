@@ -233,7 +233,7 @@ def test_transform_order():
     t1, t2 = dea.transform_weights_for_mega_moe(l1, l2)
     assert t1.shape == l1.shape and t1.dtype == BF16 and t2 is l2
     rows = t1[0, :, 0].float().long().tolist()
-    assert rows[:32] == list(range(0, 8)) + list(range(i, i + 8)) + list(range(8, 16)) + list(range(i + 8, i + 16))
+    assert rows[:32] == list(range(8)) + list(range(i, i + 8)) + list(range(8, 16)) + list(range(i + 8, i + 16))
     d1 = torch.arange(e * 2 * i, dtype=torch.int64).remainder(128).to(torch.int8).view(e, 2 * i, 1).expand(
         e, 2 * i, h // 2).contiguous()
     s1 = torch.arange(e * 2 * i, dtype=torch.int32).view(e, 2 * i, 1).expand(e, 2 * i, h // 128).contiguous()
@@ -262,7 +262,7 @@ def test_constructor_checks(comm):
         args = dict(num_experts=4 * size, num_max_tokens_per_rank=8, num_topk=2, hidden=128, intermediate_hidden=128)
         args.update(over)
         with pytest.warns(DeprecationWarning) if "use_fp8_dispatch" in over else _nullctx():
-            _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(comm, **args))
+            _, exc = capture(lambda args=args: dea.get_symm_buffer_for_mega_moe(comm, **args))
         assert isinstance(exc, AssertionError), (over, exc)
 
 
@@ -351,9 +351,9 @@ def test_errors_on_every_rank(env, comm):
 
 def test_process_group(comm):
     """``group`` may be a torch ProcessGroup (gloo, initialised from the MPI launch)."""
-    from deepep_ascend import dist as ep_dist
-
     import torch.distributed as tdist
+
+    from deepep_ascend import dist as ep_dist
 
     if not tdist.is_initialized():
         coll(ep_dist.init_distributed, what="init_distributed")
