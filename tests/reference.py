@@ -29,11 +29,8 @@ __all__ = [
     "ref_dispatch_layout",
     "ref_rank_prefix_matrix",
     "ref_recv_rows",
-    "RefLowLatencyDispatch",
-    "ref_ll_cast_fp8",
-    "ref_ll_combine",
-    "ref_ll_dispatch",
 ]
+__all__ += ["RefLowLatencyDispatch", "ref_ll_cast_fp8", "ref_ll_combine", "ref_ll_dispatch"]  # low-latency section
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_GROUP = 128  # channels per scale
@@ -527,7 +524,7 @@ def _mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool)
     return (q * s).reshape(n, inter)
 
 
-def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None):
+def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None, ranks=None):
     """Every rank's ``y`` of MegaMoE (mega-moe.md §2), from all ranks' inputs in one process.
 
     Args:
@@ -537,6 +534,7 @@ def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=
             first) and ``[E, H, I]`` (already dequantized).
         clamp: ``None`` or the activation clamp; shared: ``None`` or float32 ``(w1s [2·S·I, H],
             w2s [H, S·I])`` (weight 1, same activation, added after the routed terms).
+        ranks: compute only these ranks' outputs (others ``None``); default all.
     Returns: per rank bf16 ``[T_r, H]``. Pairs are grouped by expert (fp32 matmuls), each output
     ``o_k`` rounded to bf16, summed in fp32 in ascending ``k``, then the shared term, rounded once.
     """
@@ -544,6 +542,9 @@ def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=
     inter = w2.shape[2]
     outs = []
     for r, x in enumerate(xs):
+        if ranks is not None and r not in ranks:
+            outs.append(None)
+            continue
         t, k = topk_idxs[r].shape
         hid = x.shape[1]
         X = mega_dequant_x(x, x_sfs[r] if fp8 else None)

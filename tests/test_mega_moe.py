@@ -163,7 +163,7 @@ def test_matches_reference(env, comm, kind, clamp, shared, epw):
     coll(_call, kind, y, l1, l2, buf, stats, activation_clamp=clamp, num_experts_per_wave=epw, **kw,
          what=f"{kind}_mega_moe")
     xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
-    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref)[rank]
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank])[rank]
     diff = mega_calc_diff(y.float(), exp.float())
     tol = 1e-6 if kind == "bf16" else 1e-5
     all_idx = torch.cat(idxs).reshape(-1)
@@ -177,7 +177,7 @@ def test_matches_reference(env, comm, kind, clamp, shared, epw):
     if clamp is not None:  # the clamp must matter for these inputs
         y2 = torch.empty_like(y)
         coll(_call, kind, y2, l1, l2, buf, None, activation_clamp=None, **kw, what="unclamped")
-        exp2 = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref)[rank]
+        exp2 = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref, ranks=[rank])[rank]
         changed = comm.allreduce(int(not torch.equal(exp2, exp)))
         all_ranks_ok(comm, mega_calc_diff(y2.float(), exp2.float()) < tol and changed > 0,
                      "unclamped call / clamp has an effect somewhere")
@@ -345,7 +345,7 @@ def test_errors_on_every_rank(env, comm):
     stats = torch.zeros(el, dtype=torch.int32)
     coll(call, y, l1, l2, buf, stats, what="after errors")
     xs, sfs, idxs, wts = _gathered_inputs(buf, t, False)
-    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref)[rank]
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, ranks=[rank])[rank]
     all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < 1e-6, "call after rejected calls")
 
 
@@ -372,7 +372,7 @@ def test_process_group(comm):
         y = torch.empty(t, 64, dtype=BF16)
         coll(dea.bf16_mega_moe, y, l1, l2, buf, what="bf16_mega_moe on a ProcessGroup")
         xs, sfs, idxs, wts = _gathered_inputs(buf, t, False)
-        exp = ref_mega_moe(xs, sfs, idxs, wts, *wref)[rank]
+        exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, ranks=[rank])[rank]
         all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < 1e-6, "ProcessGroup result")
     finally:
         coll(buf.destroy, what="destroy")
