@@ -16,13 +16,13 @@ import torch
 
 from transports import ChannelKind, LinkStats, TransportAborted, TransportTimeout, create_transport
 
+from . import low_latency as ll_mod
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, topk_idx_t
-from . import low_latency as ll_mod
 
 _BUFFER_IDS = itertools.count(1)
 _HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
@@ -121,7 +121,10 @@ class Buffer:
         low_latency_mode: build the low-latency window from ``num_rdma_bytes`` (any number of
             nodes); the ``low_latency_*`` methods then work (see :mod:`deepep_ascend.low_latency`).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink: accepted
-            for DeepEP compatibility (checked as DeepEP does; no effect in normal mode).
+            for DeepEP compatibility (checked as DeepEP does; no effect in normal mode). In
+            low-latency mode ``allow_nvlink_for_low_latency_mode`` (alias
+            ``allow_ubmem_for_low_latency_mode``) lets same-node peers be written with stores
+            instead of ``put``, and ``enable_shrink`` masks peers that miss the deadline.
         explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
         comm: mpi4py communicator used when ``group`` is None.
         ranks_per_node: simulated node size (default: the shared-memory domain); more than one
@@ -939,7 +942,7 @@ class Buffer:
             exc = rej.exc
             try:  # tell the peers, who then raise too (the Buffer stays usable)
                 self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
-            except Exception:  # noqa: BLE001 - the peers' failure is reported by their own calls
+            except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
                 pass
             raise exc from None
         pending = self._guard(lambda: issue(*args))

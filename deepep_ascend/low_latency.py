@@ -45,7 +45,6 @@ import mmap
 import time
 import warnings
 
-import numpy as np
 import torch
 
 from transports import ChannelKind, TransportTimeout
@@ -282,6 +281,10 @@ class LowLatencyEngine:
             transports.TransportTimeout: (not in shrink mode) naming the ranks past the deadline.
         """
         pending = self.live_peers() if peers is None else [p for p in peers if not self.mask[p]]
+        if cost is None and not self.shrink:  # one wait: no slicing overhead
+            if pending:
+                self.tp.wait_until(self.ctl, slot, pending, need, phase=phase)
+            return
         t0 = time.monotonic_ns()
         timeout = self.tp.timeout_s
         slice_s = 2e-4

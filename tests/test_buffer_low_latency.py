@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from buffer_helpers import BF16, Checker, all_ranks_ok, bits, capture, coll
-from mpi_utils import gather_all, world
+from mpi_utils import world
 from reference import calc_diff, per_token_cast_back, ref_ll_combine, ref_ll_dispatch
 
 from deepep_ascend import Buffer, ConsensusError
@@ -340,7 +340,7 @@ def test_hook_returns_before_peers_send_and_overlaps_compute(bufs, comm):
     if not torch.equal(bits(recv_x), bits(ref.recv_x)) or not torch.equal(cnt, ref.recv_count):
         errors.append("hooked dispatch differs from the reference")
     w = torch.rand(idx.shape)
-    combined, ev, hook = buf.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
+    combined, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
     a = torch.tanh(a @ a)
     hook()
     exp = ref_ll_combine(lambda t, g: x[t], idx, w, E, R, H)
