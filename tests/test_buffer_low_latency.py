@@ -489,9 +489,10 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(bufs, comm):
         _, exc = capture(lambda: buf.low_latency_dispatch(x[:, :128] if r == 0 else x, idx, M, E, use_fp8=False))
         if not (isinstance(exc, ConsensusError) and "disagree" in str(exc)):
             errors.append(f"disagreeing hidden: {exc!r}")
-        _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, M + (r == 0), E, use_fp8=False))
-        if not (isinstance(exc, ConsensusError) and "disagree" in str(exc)):
-            errors.append(f"disagreeing M: {exc!r}")
+        for what, m_, e_ in (("M", M + (r == 0), E), ("num_experts", M, E + R * (r == 0))):
+            _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, m_, e_, use_fp8=False))  # noqa: B023
+            if not (isinstance(exc, ConsensusError) and "disagree" in str(exc)):
+                errors.append(f"disagreeing {what}: {exc!r}")
     # Combine refusals.
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     w = torch.ones(idx.shape)
