@@ -59,7 +59,9 @@ def capture(fn):
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a tensor (any dtype, including float8 and bool), flattened."""
-    t = t.contiguous()
+    # A fresh copy with standard strides: .contiguous() keeps odd strides of size-1 dims, which
+    # torch calls contiguous but refuses to view as another element size.
+    t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 

@@ -433,7 +433,9 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _ue8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     """Unpack int32 UE8M0 scales (4 exponent bytes per int32, little-endian) to float32."""
     N, P = scales.shape
-    raw = scales.contiguous().view(torch.uint8).view(N, P * 4).to(torch.int32)
+    # A fresh standard-strided copy: .contiguous() keeps odd strides of size-1 dims (e.g. a
+    # column-major [N, 1]), which torch then refuses to view as bytes.
+    raw = torch.empty(N, P, dtype=scales.dtype).copy_(scales).view(torch.uint8).view(N, P * 4).to(torch.int32)
     return torch.pow(
         torch.tensor(2.0, dtype=torch.float32), (raw - 127).to(torch.float32)
     )

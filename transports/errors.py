@@ -29,25 +29,39 @@ class TransportUnsupported(TransportError):
 class TransportTimeout(TransportError, TimeoutError):
     """A blocking operation passed its deadline.
 
-    Attributes: ``op``, ``rank``, ``window``, ``pending_peers`` (ranks that had not arrived), ``slot``,
-    ``expected`` / ``observed`` (per pending peer), ``elapsed`` (seconds), ``phase``.
+    Attributes: ``op``, ``rank``, ``window``, ``waited_for`` (ranks whose signal did not arrive),
+    ``pending_peers`` (the ranks the failure is attributed to: ``waited_for``, except that a node
+    peer that was itself blocked is replaced by the ranks it waited for, see ``blocked_on``),
+    ``slot``, ``expected`` / ``observed`` (per ``waited_for`` rank), ``elapsed`` (seconds), ``phase``.
     """
 
     def __init__(self, op, rank, pending_peers, elapsed, phase="", slot=None, expected=None, observed=None,
-                 window=None):
+                 window=None, blocked_on=None):
         self.op, self.rank, self.phase, self.slot, self.window = op, rank, phase, slot, window
-        self.pending_peers = list(pending_peers)
+        self.waited_for = list(pending_peers)
         self.expected, self.observed, self.elapsed = expected, observed, elapsed
+        # blocked_on: {waited-for node peer: ranks it was itself waiting for}; then pending_peers
+        # are the ranks at the end of those chains (the likely missing ones), waited_for the direct ones.
+        self.blocked_on = dict(blocked_on or {})
+        if self.blocked_on:
+            roots = [q for p in self.waited_for for q in self.blocked_on.get(p, [p])]
+            self.pending_peers = sorted(dict.fromkeys(roots))
+        else:
+            self.pending_peers = list(self.waited_for)
         where = f" in phase '{phase}'" if phase else ""
         slot_txt = f", slot {slot}" if slot is not None else ""
         detail = ""
         if expected is not None and observed is not None:
             detail = " (" + ", ".join(
-                f"rank {p}: have {o}, need {e}" for p, e, o in zip(self.pending_peers, expected, observed)) + ")"
+                f"rank {p}: have {o}, need {e}" for p, e, o in zip(self.waited_for, expected, observed)) + ")"
+        chain = ""
+        if self.blocked_on:
+            chain = "; " + "; ".join(f"rank {p} was itself waiting for rank(s) {q}" for p, q in self.blocked_on.items()) \
+                + f", so the missing rank(s) are likely {self.pending_peers}"
         win = f"(win='{window}')" if window else ""
         super().__init__(
             f"rank {rank}: {op}{win}{where}{slot_txt} timed out after {elapsed:.1f} s waiting for "
-            f"rank(s) {self.pending_peers}{detail}. A peer is slow, crashed, or did not enter the "
+            f"rank(s) {self.waited_for}{detail}{chain}. A peer is slow, crashed, or did not enter the "
             f"same collective call; raise DEEPEP_ASCEND_TIMEOUT_S if it is only slow.")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import time
 import weakref
@@ -33,12 +34,17 @@ from .errors import (TransportAborted, TransportArgumentError, TransportBusy, Tr
                      TransportTimeout, TransportUnsupported)
 from .link_model import LinkStats
 from .topology import ChannelKind, Topology
-from .urma import Progress, RmaWindow
+from .urma import Progress, RmaWindow, allocate_node_shared
 
 _CONTROL_ALIGN = 4096
 _REASON_BYTES = 256
 _ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
 _LIVE = weakref.WeakSet()
+#: How a multi-node window is exposed for URMA: ``"allocate"`` (default: one ``MPI_Win_allocate``
+#: window whose same-host segments are mapped with ``MPI_Win_shared_query``) or ``"create"``
+#: (node-shared ``MPI_Win_allocate_shared`` segments exposed again with ``MPI_Win_create``, the
+#: fallback for MPIs that cannot share ``MPI_Win_allocate`` memory). Read at window creation.
+URMA_EXPOSURE_ENV = "DEEPEP_ASCEND_URMA_EXPOSURE"
 
 
 @atexit.register
@@ -55,13 +61,18 @@ class SymmetricWindow:
     """A window of the same size on every rank: ``[control | data]`` per rank.
 
     Control region (int64 words): abort flags ``[world]``, abort reasons ``[world, 256 B]``,
-    barrier slots ``[len(Team), world]``, signal slots ``[num_slots, world]``, padded to 4 KiB.
+    barrier slots ``[len(Team), world]``, waiting-for flags ``[world]`` (the ranks this rank is
+    blocked on, published for its node peers' timeout diagnostics), signal slots
+    ``[num_slots, world]``, padded to 4 KiB.
     API offsets are offsets into the data region. Create with :meth:`Transport.create_window`.
 
     Each rank's segment is node-shared (UBMEM peers map it); with more than one node it is also
     an RMA window over the world (``_rma``, a :class:`~transports.urma.RmaWindow`) whose byte
     displacements are offsets into the segment: control word ``w`` at ``8 * w``, data byte ``o``
-    at ``control_bytes + o``.
+    at ``control_bytes + o``. That window is one ``MPI_Win_allocate`` over the world whose node
+    peers' segments are mapped with ``MPI_Win_shared_query`` (same-host RMA is then a direct
+    copy, see :func:`~transports.urma.allocate_node_shared`); ``$DEEPEP_ASCEND_URMA_EXPOSURE=create``
+    (or an MPI that cannot share that memory) uses node-shared segments exposed with ``MPI_Win_create``.
 
     Attributes:
         name: label used in error messages.
@@ -70,7 +81,6 @@ class SymmetricWindow:
     """
 
     def __init__(self, tp: "Transport", name: str, nbytes: int, num_slots: int):
-        from mpi4py import MPI
 
         self.name, self.nbytes, self.num_slots = name, int(nbytes), int(num_slots)
         world = tp.topology.world_size
@@ -78,24 +88,27 @@ class SymmetricWindow:
         self._abort_off = 0
         self._reason_off = world
         self._barrier_off = self._reason_off + world * (_REASON_BYTES // 8)
-        self._slot_off = self._barrier_off + len(Team) * world
+        self._waitfor_off = self._barrier_off + len(Team) * world  # [world]: 1 = this rank waits for it
+        self._slot_off = self._waitfor_off + world
         ctl_words = self._slot_off + self.num_slots * world
         self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")
-        try:
-            self._win = MPI.Win.Allocate_shared(self.control_bytes + self.nbytes, 1, info=info, comm=tp.node_comm)
-        except MPI.Exception as exc:
-            raise TransportRuntimeError(
-                f"rank {tp.topology.rank}: Allocate_shared of window '{name}' "
-                f"({self.control_bytes + self.nbytes} B) failed: {exc.Get_error_string()}") from None
-        finally:
-            info.Free()
-        self._win.Lock_all(MPI.MODE_NOCHECK)
-        self._locked = True
         topo = tp.topology
+        total = self.control_bytes + self.nbytes
         self._rma = None
-        if topo.num_nodes > 1:
+        self._rma_is_win = False  # the RMA window is self._win itself (MPI_Win_allocate exposure)
+        # World rank -> mpi4py buffer of its whole segment (node peers only).
+        self._bufs = {}
+        allocated = None
+        if topo.num_nodes > 1 and os.environ.get(URMA_EXPOSURE_ENV, "allocate") != "create":
+            allocated = allocate_node_shared(total, tp.comm, list(topo.node_ranks()), topo.rank, name)
+        if allocated is not None:  # one MPI_Win_allocate window serves both UBMEM views and URMA
+            self._win, self._bufs = allocated
+            self._locked = True
+            self._rma = RmaWindow(None, tp.comm, topo.rank, name, win=self._win)
+            self._rma_is_win = True
+        else:
+            self._create_shared(tp, name, total)
+        if topo.num_nodes > 1 and self._rma is None:
             own, _ = self._win.Shared_query(topo.local_rank)
             # Zero our control words before any peer can reach them over RMA.
             np.frombuffer(own, dtype=np.int64, count=self.control_bytes // 8)[:] = 0
@@ -107,12 +120,9 @@ class SymmetricWindow:
                 self._win.Free()
                 raise
             del own
-        # World rank -> mpi4py buffer of its whole segment (node peers only).
-        self._bufs = {}
-        for p in topo.node_ranks():
-            buf, _ = self._win.Shared_query(topo.local_rank_of(p))
-            self._bufs[p] = buf
-        del buf
+        if not self._bufs:
+            for p in topo.node_ranks():
+                self._bufs[p], _ = self._win.Shared_query(topo.local_rank_of(p))
         # Control words are read through numpy/memoryview slices that error tracebacks may keep
         # alive; they belong to the baseline, so only data views count as "live" at destroy.
         self._ctl = {p: np.frombuffer(b, dtype=np.int64, count=ctl_words) for p, b in self._bufs.items()}
@@ -121,6 +131,23 @@ class SymmetricWindow:
         self._baseline_refs = self._buffer_refs()
         self._make_data_views()
         self.sync()
+
+    def _create_shared(self, tp, name: str, total: int) -> None:
+        """The node-shared segment of every rank: ``MPI_Win_allocate_shared`` over the node."""
+        from mpi4py import MPI
+
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self._win = MPI.Win.Allocate_shared(total, 1, info=info, comm=tp.node_comm)
+        except MPI.Exception as exc:
+            raise TransportRuntimeError(
+                f"rank {tp.topology.rank}: Allocate_shared of window '{name}' ({total} B) failed: "
+                f"{exc.Get_error_string()}") from None
+        finally:
+            info.Free()
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._locked = True
 
     def _make_data_views(self) -> None:
         self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
@@ -305,9 +332,9 @@ class Transport:
             _LIVE.discard(self)
             return
         for win in reversed(self._windows):
-            if win._rma is not None:  # the world exposure first: it maps the shared segment
+            if win._rma is not None and not win._rma_is_win:  # the world exposure first: it maps the segment
                 win._rma.free()
-                win._rma = None
+            win._rma = None
             if win._locked:
                 win._win.Unlock_all()
             win._ctl_mv.release()
@@ -564,6 +591,63 @@ class Transport:
             return []
         timeout = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
         start = time.monotonic()
+        self._publish_waitfor([p for p, _, _ in pending_fn()])
+        # Cleared only when the wait ends normally: after a timeout or an abort the words keep
+        # showing what this rank was blocked on, for the peers that time out after it.
+        pending = self._wait_loop(done, op, win, phase, timeout, start, on_timeout, pending_fn, slot)
+        self._publish_waitfor([])
+        return pending
+
+    def _publish_waitfor(self, ranks) -> None:
+        """Show node peers which ranks this rank is blocked on (all zero: not waiting)."""
+        words = self._internal._ctl[self.topology.rank]
+        off = self._internal._waitfor_off
+        words[off:off + self.topology.world_size] = 0
+        if ranks:
+            words[np.asarray(ranks, dtype=np.int64) + off] = 1
+
+    def _waitfor_of(self, q: int):
+        """Rank ``q``'s published waiting-for flags ``[world]``: a load for node peers, an ``Rget``
+        (at most 0.5 s) for other nodes; ``None`` if unreadable."""
+        internal, world = self._internal, self.topology.world_size
+        off = internal._waitfor_off
+        if q in internal._ctl:
+            return internal._ctl[q][off:off + world].copy()
+        if internal._rma is None:
+            return None
+        out = np.zeros(world, dtype=np.int64)
+        return out if internal._rma.try_get(q, 8 * off, out.view(np.uint8), 0.5) else None
+
+    def _blocked_on(self, ranks) -> dict:
+        """``{waited-for rank: ranks at the end of its chain}`` for the ``ranks`` this rank timed out on.
+
+        Follows the waiting-for flags each rank publishes (loads inside the node, ``Rget`` across);
+        a rank that waits for nobody (or cannot be read) ends a chain. Chains that loop back to
+        this rank or between themselves (a mutual wait) are cut; ranks not blocked are left out.
+        """
+        me = self.topology.rank
+        out = {}
+        for p in ranks:
+            if p == me:
+                continue
+            seen, frontier, leaves = {me, p}, [p], []
+            while frontier:
+                q = frontier.pop()
+                flags = self._waitfor_of(q)
+                nxt = [] if flags is None else [int(r) for r in np.flatnonzero(flags)]
+                if not nxt:
+                    if q != p:
+                        leaves.append(q)
+                    continue
+                for r in nxt:
+                    if r not in seen:
+                        seen.add(r)
+                        frontier.append(r)
+            if leaves:
+                out[p] = sorted(leaves)
+        return out
+
+    def _wait_loop(self, done, op, win, phase, timeout, start, on_timeout, pending_fn, slot):
         polls = 0
         # URMA traffic to this rank lands only while it is inside MPI (active messages over TCP).
         poke = self._progress.poke if self._urma_peers else None
@@ -582,10 +666,11 @@ class Transport:
                     pending = pending_fn()
                     if on_timeout == "return":
                         return [p for p, _, _ in pending]
-                    exc = TransportTimeout(op, self.topology.rank, [p for p, _, _ in pending], elapsed, phase=phase,
+                    waited = [p for p, _, _ in pending]
+                    exc = TransportTimeout(op, self.topology.rank, waited, elapsed, phase=phase,
                                            window=win.name,
                                            slot=slot, expected=[n for _, n, _ in pending],
-                                           observed=[o for _, _, o in pending])
+                                           observed=[o for _, _, o in pending], blocked_on=self._blocked_on(waited))
                     self._poison(str(exc))
                     raise exc
             if pause > 0:

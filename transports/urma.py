@@ -65,26 +65,75 @@ class Progress:
         self.comm.Free()
 
 
+def allocate_node_shared(nbytes: int, comm, node_ranks, rank: int, name: str):
+    """``MPI_Win_allocate`` over ``comm`` whose segments node peers can also map, or ``None``.
+
+    Preferred exposure of a window of a multi-node job: MPICH places ``MPI_Win_allocate``
+    memory of ranks on the same host in shared memory, so RMA between them is a direct copy by
+    the origin (no target progress needed: a 4 MiB ``Put`` + ``Flush`` took 0.3 ms with the target
+    asleep, against 580 ms through ``MPI_Win_create``'d memory, which MPICH serves with active
+    messages applied only while the target is inside MPI), and ``MPI_Win_shared_query``
+    (allowed on any window by MPI 4.0) gives the node peers' segments for UBMEM views. Returns
+    ``(win, {world rank: buffer of its segment})`` for the ranks of ``node_ranks``, locked
+    (``Lock_all(MODE_NOCHECK)``), or ``None`` on every rank if any rank cannot map a node peer's
+    segment (another MPI): the caller then uses node-shared windows plus :class:`RmaWindow`.
+    """
+    from mpi4py import MPI
+
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")
+    info.Set("accumulate_ops", "same_op_no_op")
+    try:
+        win = MPI.Win.Allocate(nbytes, 1, info=info, comm=comm)
+    except MPI.Exception as exc:
+        raise TransportRuntimeError(f"rank {rank}: MPI_Win_allocate of window '{name}' ({nbytes} B) failed: "
+                                    f"{exc.Get_error_string()}") from None
+    finally:
+        info.Free()
+    bufs = {}
+    try:
+        for p in node_ranks:
+            buf, _ = win.Shared_query(p)
+            if buf.nbytes < nbytes:
+                break
+            bufs[p] = buf
+    except MPI.Exception:
+        pass
+    ok = len(bufs) == len(node_ranks) and _memory_model(win) == MPI.WIN_UNIFIED
+    if comm.allreduce(int(ok), op=MPI.MIN) == 0:
+        bufs.clear()
+        win.Free()
+        return None
+    win.Lock_all(MPI.MODE_NOCHECK)
+    return win, bufs
+
+
 class RmaWindow:
     """The world-wide RMA exposure of one rank's segment of a symmetric window.
 
     Args:
         segment: this rank's segment (buffer protocol object, e.g. from ``Shared_query``), exposed
-            as is: displacements are byte offsets into it.
+            as is with ``MPI_Win_create``: displacements are byte offsets into it. Ignored with ``win``.
         comm: the world communicator (collective call).
         rank: this rank (for messages). name: the window's label (for messages).
+        win: an ``MPI_Win_allocate`` window already locked (from :func:`allocate_node_shared`) to
+            drive instead of creating one; :meth:`free` then frees it.
     Raises:
         TransportConfigError: on every rank, when any rank's window is not ``MPI_WIN_UNIFIED``
             (the RMA window is freed first).
         TransportRuntimeError: ``MPI_Win_create`` failed.
     """
 
-    def __init__(self, segment, comm, rank: int, name: str):
+    def __init__(self, segment, comm, rank: int, name: str, win=None):
         from mpi4py import MPI
 
         self.name, self.rank = name, rank
         self.dirty = set()  # ranks with puts not yet flushed to remote completion
         self._one = np.zeros(1, dtype=np.int64)  # origin buffer of accumulates (flushed before reuse)
+        self._MPI = MPI
+        if win is not None:
+            self.win = win
+            return
         info = MPI.Info.Create()
         info.Set("accumulate_ops", "same_op_no_op")
         try:
@@ -102,7 +151,6 @@ class RmaWindow:
                 f"some rank; the URMA backend needs MPI_WIN_UNIFIED because targets read their signal words "
                 f"with plain loads (on this rank: {'unified' if unified else 'separate'})")
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        self._MPI = MPI
 
     def _fail(self, op: str, peer, exc) -> TransportRuntimeError:
         return TransportRuntimeError(f"rank {self.rank}: {op}(win='{self.name}', peer {peer}) over URMA failed: "
@@ -171,6 +219,24 @@ class RmaWindow:
             self.win.Flush(src)
         except MPI.Exception as exc:
             raise self._fail("get", src, exc) from None
+
+    def try_get(self, src: int, disp: int, out: np.ndarray, timeout_s: float) -> bool:
+        """``Rget`` of ``out.size`` bytes, polled until ``timeout_s``; False if it did not complete.
+
+        For diagnostics after a failure (the peer may be gone): never blocks past the deadline; an
+        unfinished request is abandoned (the transport is poisoned by then and skips the frees).
+        """
+        MPI = self._MPI
+        try:
+            req = self.win.Rget([out, MPI.BYTE], src, target=[disp, out.size, MPI.BYTE])
+            deadline = time.monotonic() + timeout_s
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(1e-4)
+            return True
+        except MPI.Exception:
+            return False
 
     def flush(self, dst: int | None = None) -> None:
         """Remote completion of this rank's puts to ``dst`` (``None``: to every rank)."""

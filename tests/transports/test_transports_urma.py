@@ -596,3 +596,35 @@ def test_urma_over_tcp():
         shutil.rmtree(report, ignore_errors=True)
     assert proc.returncode == 0, out[-4000:]
     assert done == [[str(r), "URMA-TCP-OK"] for r in range(4)], out[-4000:]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("rpn", HALF, ids=lambda d: f"rpn{d}")
+@pytest.mark.parametrize("exposure", ["allocate", "create"])
+def test_both_window_exposures_move_data_and_signals(rpn, exposure, monkeypatch):
+    """Default: one MPI_Win_allocate window (same-host segments shared via MPI_Win_shared_query);
+    ``$DEEPEP_ASCEND_URMA_EXPOSURE=create``: node-shared segments exposed with MPI_Win_create.
+    Both carry puts with signals, gets and barriers across nodes and UBMEM views inside a node."""
+    monkeypatch.setenv("DEEPEP_ASCEND_URMA_EXPOSURE", exposure)
+    tp = make_transport(ranks_per_node=rpn)
+    try:
+        me, n = tp.topology.rank, tp.topology.world_size
+        dst, src = (me + rpn) % n, (me - rpn) % n
+        win = tp.create_window(f"exposure_{exposure}", 2 * 4096, 1)
+        assert win._rma is not None and win._rma_is_win == (exposure == "allocate"), \
+            f"exposure {exposure}: RMA window is the allocated one: {win._rma_is_win}"
+        for i in range(1, 4):
+            tp.put_with_signal(win, dst, 0, ramp(4096, me * 31 + i), 0)
+            tp.wait_until(win, 0, [src], i, phase=f"round {i}")
+            _assert_bytes(tp.local_view(win, 0, 4096), ramp(4096, src * 31 + i), f"{exposure} round {i}")
+            tp.barrier()  # nobody overwrites before everyone checked
+        out = torch.empty(4096, dtype=torch.uint8)
+        tp.get(win, dst, 0, out)
+        _assert_bytes(out, ramp(4096, ((dst - rpn) % n) * 31 + 3), f"{exposure}: get from rank {dst}")
+        peer = tp.topology.node * rpn + (tp.topology.local_rank + 1) % rpn
+        view = tp.peer_view(win, peer, 0, 4096)  # UBMEM load from a node peer's segment
+        _assert_bytes(view.clone(), ramp(4096, ((peer - rpn) % n) * 31 + 3), f"{exposure}: view of rank {peer}")
+        del view
+        tp.barrier()
+    finally:
+        destroy_quietly(tp)
