@@ -45,7 +45,8 @@ import torch
 from . import host
 from .intranode import (_MSG_BYTES, _MSG_WORD, _OP_NAMES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, W_CALL,
                         W_CHANNELS, W_HANDLE, W_MAGIC, W_NEXP, W_NTOK, W_OP, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK,
-                        W_WCOLS, W_XBYTES, W_XDTYPE, _MAGIC, ConsensusError, consensus_problems, dtype_code)
+                        W_WCOLS, W_XBYTES, W_XDTYPE, _MAGIC, CombineScratch, ConsensusError, accumulate_rows,
+                        consensus_problems, dtype_code)
 from .layout import recv_channel_prefix, send_layout
 
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
@@ -101,6 +102,7 @@ class InternodeEngine:
         self.n_half = (ubmem_win.nbytes // 2) // _ALIGN * _ALIGN
         self.seq = 0  # rounds run so far; identical on every rank
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
+        self._scratch = CombineScratch()
 
     # -- sizing ----------------------------------------------------------------------
     def _dispatch_vec_ints(self, num_experts: int) -> int:
@@ -674,8 +676,7 @@ class InternodeEngine:
             self._write_header(blk, {W_ROWS: m})
             valid = sel[f_lo:f_hi] >= 0
             if m:
-                acc = torch.zeros(m, hidden)
-                wacc = torch.zeros(m, w) if w else None
+                sources, wsources = [], []
                 for p in range(P):
                     cnt = counts[p]
                     pos = torch.nonzero(valid[:, p]).squeeze(1)
@@ -688,15 +689,20 @@ class InternodeEngine:
                         continue
                     total = int(self._stage(peers[p], 0, HDR, torch.int64)[W_ROWS])
                     poffs, _ = _offsets(rows_off, total, row_fields)
-                    rows = self._stage(peers[p], poffs[1] + begins[p] * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
-                    acc.index_add_(0, pos, rows.float())
+                    sources.append((self._stage(peers[p], poffs[1] + begins[p] * xb, cnt * xb).view(cnt, xb)
+                                    .view(torch.bfloat16), pos))
                     if w:
-                        wacc.index_add_(0, pos, self._stage(peers[p], poffs[0] + begins[p] * 4 * w, cnt * 4 * w,
-                                                            torch.float32).view(cnt, w))
+                        wsources.append((self._stage(peers[p], poffs[0] + begins[p] * 4 * w, cnt * 4 * w,
+                                                     torch.float32).view(cnt, w), pos))
                     self._record(peers[p], cnt * (xb + 4 * w))
-                blk[offs[1]:offs[1] + m * xb].view(torch.bfloat16).view(m, hidden).copy_(acc)
+                # Node partial: float32 from +0.0 in ascending local rank, rounded to bf16 into the block.
+                acc, tmp = self._scratch.get(hidden)
+                accumulate_rows(blk[offs[1]:offs[1] + m * xb].view(torch.bfloat16).view(m, hidden), sources, acc, tmp)
                 if w:
-                    blk[offs[0]:offs[0] + m * 4 * w].view(torch.float32).view(m, w).copy_(wacc)
+                    wout = blk[offs[0]:offs[0] + m * 4 * w].view(torch.float32).view(m, w)
+                    wout.zero_()
+                    for wrows, pos in wsources:
+                        wout.index_add_(0, pos, wrows)
             else:
                 for p in range(P):
                     if counts[p]:
@@ -712,11 +718,8 @@ class InternodeEngine:
             m = max(0, hi_t - lo_t)
             if not m:
                 return
-            acc = torch.zeros(m, hidden)
-            if bias is not None:
-                acc.copy_(bias[0][lo_t:hi_t])
-                acc.add_(bias[1][lo_t:hi_t] if bias[1] is not None else 0.0)
-            wacc = torch.zeros(m, w) if combined_w is not None else None
+            sources = []
+            wacc = combined_w[lo_t:hi_t].zero_() if combined_w is not None else None
             for c in range(G):
                 head = send_rdma_head[lo_t:hi_t, c]
                 tok = torch.nonzero(head >= 0).squeeze(1)
@@ -729,13 +732,12 @@ class InternodeEngine:
                     continue
                 offs, end = _offsets(HDR, rows, row_fields)
                 blk = self._box(me, c, 0, end)
-                acc.index_add_(0, tok, blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden).float())
+                sources.append((blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), tok))
                 if wacc is not None and w:
                     wacc.index_add_(0, tok, blk[offs[0]:offs[0] + rows * 4 * w].view(torch.float32).view(rows, w))
-
-            combined[lo_t:hi_t].copy_(acc)
-            if combined_w is not None:
-                combined_w[lo_t:hi_t].copy_(wacc)
+            # The origin: f32(bias0) + f32(bias1), then the node partials in ascending node, one rounding.
+            acc, tmp = self._scratch.get(hidden)
+            accumulate_rows(combined[lo_t:hi_t], sources, acc, tmp, bias, lo_t)
 
         gen = self._combine_rounds(call_id=call_id, words=words, n=n, q=q, error=None, stage=stage, forward=forward,
                                    reduce=reduce)

@@ -102,6 +102,70 @@ def check_consensus(headers, op, call_id):
         raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
 
 
+def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None) -> None:
+    """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
+
+    ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
+    adds to ``out[tokens[i]]``, ``tokens`` ascending in ``[0, m)``; ``bias``: ``None`` (the sum
+    starts from +0.0) or a pair whose rows ``bias_offset + t`` go with ``out[t]`` (second may be
+    None). Works through cache-sized blocks of the float32 scratch ``acc`` ``[block, H]`` (``tmp``
+    the same size converts scattered rows), one rounding at the end, so every element gets its
+    additions in exactly the order of ``sources`` (DeepEP's ascending rank). ``edges``/``bounds``:
+    block edges and each source's ``searchsorted`` of them, if the caller has them.
+    """
+    m = out.size(0)
+    block = acc.size(0)
+    if edges is None:
+        edges = torch.arange(0, m + block, block).clamp_(max=m)
+    if bounds is None:
+        bounds = [torch.searchsorted(tokens, edges).tolist() for _, tokens in sources]
+    for b in range(len(edges) - 1):
+        a_t, b_t = int(edges[b]), int(edges[b + 1])
+        if b_t <= a_t:
+            continue
+        blk = acc[:b_t - a_t]
+        empty = bias is None  # blk holds no value yet: it stands for +0.0 everywhere
+        if not empty:  # f32(bias0) + f32(bias1), a missing one being +0.0, exactly as DeepEP
+            blk.copy_(bias[0][bias_offset + a_t:bias_offset + b_t])
+            if bias[1] is not None:
+                blk.add_(bias[1][bias_offset + a_t:bias_offset + b_t])
+            else:
+                blk.add_(0.0)
+        for (rows, tokens), bnd in zip(sources, bounds):
+            lo, hi = bnd[b], bnd[b + 1]
+            if hi - lo == b_t - a_t:  # the source holds every token of the block: one pass
+                if empty:  # +0.0 + row (turns -0.0 into +0.0, as the sum from zero does)
+                    torch.add(rows[lo:hi], 0.0, out=blk)
+                else:
+                    blk.add_(rows[lo:hi])
+            elif hi > lo:
+                if empty:
+                    blk.zero_()
+                t = tmp[:hi - lo]
+                t.copy_(rows[lo:hi])
+                blk.index_add_(0, tokens[lo:hi] - a_t, t)
+            else:
+                continue
+            empty = False
+        if empty:
+            blk.zero_()
+        out[a_t:b_t].copy_(blk)
+
+
+class CombineScratch:
+    """Two float32 ``[block, hidden]`` blocks for :func:`accumulate_rows` (accumulator, converted
+    rows), ~2 MiB each so a block stays in cache; kept across calls (fresh memory costs page faults)."""
+
+    def __init__(self):
+        self._bufs = None
+
+    def get(self, hidden: int):
+        if self._bufs is None or self._bufs[0].size(1) != hidden:
+            block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
+            self._bufs = (torch.empty(block, hidden), torch.empty(block, hidden))
+        return self._bufs
+
+
 class _Regions:
     """Byte layout of one half: header, small int32 vectors, then one array per row field."""
 
@@ -135,7 +199,7 @@ class IntranodeEngine:
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
-        self._scratch = None  # combine's float32 blocks, reused across calls
+        self._scratch = CombineScratch()
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached):
@@ -233,13 +297,6 @@ class IntranodeEngine:
                 self._await(active, phase)
             yield rnd, active
             self._consume(active)
-
-    def _combine_scratch(self, hidden: int):
-        """Two float32 ``[block, hidden]`` blocks (accumulator, converted rows), kept across calls."""
-        if self._scratch is None or self._scratch[0].size(1) != hidden:
-            block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
-            self._scratch = (torch.empty(block, hidden), torch.empty(block, hidden))
-        return self._scratch
 
     def _record(self, peer, nbytes):
         if nbytes:
@@ -481,7 +538,7 @@ class IntranodeEngine:
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
-        acc, tmp = self._combine_scratch(hidden)
+        acc, tmp = self._scratch.get(hidden)
         block = acc.size(0)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
@@ -516,35 +573,5 @@ class IntranodeEngine:
                 for _, wrows, tokens, _ in sources:
                     if wrows is not None:
                         wout.index_add_(0, tokens, wrows)
-            # Tokens in cache-sized blocks: acc = bias, then += each source's rows in ascending rank.
-            for b in range(len(edges) - 1):
-                a_t, b_t = int(edges[b]), int(edges[b + 1])
-                if b_t <= a_t:
-                    continue
-                blk = acc[:b_t - a_t]
-                empty = bias is None  # blk holds no value yet: it stands for +0.0 everywhere
-                if not empty:  # f32(bias0) + f32(bias1), a missing one being +0.0, exactly as DeepEP
-                    blk.copy_(bias[0][lo_t + a_t:lo_t + b_t])
-                    if bias[1] is not None:
-                        blk.add_(bias[1][lo_t + a_t:lo_t + b_t])
-                    else:
-                        blk.add_(0.0)
-                for rows, _, tokens, bounds in sources:
-                    lo, hi = bounds[b], bounds[b + 1]
-                    if hi - lo == b_t - a_t:  # the source holds every token of the block: one pass
-                        if empty:  # +0.0 + row (turns -0.0 into +0.0, as the sum from zero does)
-                            torch.add(rows[lo:hi], 0.0, out=blk)
-                        else:
-                            blk.add_(rows[lo:hi])
-                    elif hi > lo:
-                        if empty:
-                            blk.zero_()
-                        t = tmp[:hi - lo]
-                        t.copy_(rows[lo:hi])
-                        blk.index_add_(0, tokens[lo:hi] - a_t, t)
-                    else:
-                        continue
-                    empty = False
-                if empty:
-                    blk.zero_()
-                combined[lo_t + a_t:lo_t + b_t].copy_(blk)
+            accumulate_rows(combined[lo_t:hi_t], [(rows, tokens) for rows, _, tokens, _ in sources], acc, tmp,
+                            bias, lo_t, edges=edges, bounds=[bounds for _, _, _, bounds in sources])
