@@ -192,11 +192,14 @@ class LowLatencyEngine:
         topo = tp.topology
         self.tp = tp
         self.rank, self.R = topo.rank, topo.world_size
-        self.win = tp.create_window("ll", nbytes, 0)
-        self.ctl = tp.create_window("ll_ctl", 2 * self.R * HDR_BYTES, NUM_CTL_SLOTS)
+        # Without allow_ubmem, node peers go over URMA too (DeepEP's LL mode without NVLink).
+        self.win = tp.create_window("ll", nbytes, 0, force_urma=not allow_ubmem)
+        self.ctl = tp.create_window("ll_ctl", 2 * self.R * HDR_BYTES, NUM_CTL_SLOTS, force_urma=not allow_ubmem)
         self.nbytes = nbytes
         self.half = nbytes // 2
-        self.kinds = [topo.kind(self.rank, p) for p in range(self.R)]
+        self.kinds = [topo.kind(self.rank, p) if allow_ubmem or p == self.rank else
+                      (ChannelKind.URMA if topo.kind(self.rank, p) is not ChannelKind.SELF else ChannelKind.SELF)
+                      for p in range(self.R)]
         self.direct = [k is ChannelKind.SELF or (k is ChannelKind.UBMEM and allow_ubmem) for k in self.kinds]
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)

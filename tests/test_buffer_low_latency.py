@@ -411,6 +411,36 @@ def test_stats_accumulate(bufs, comm):
                            f"{cw.tolist()}")
 
 
+@pytest.mark.parametrize("cfg", ["ubmem", "put"])
+def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
+    """On one node, ``allow_nvlink_for_low_latency_mode=True`` moves peers' rows as UBMEM stores;
+    ``False`` sends them over URMA (the windows are ``force_urma``), as DeepEP's LL mode without
+    NVLink uses RDMA inside a node. Rows a rank keeps for itself are SELF either way."""
+    buf = _buf(bufs, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 16, 128
+    x, idx = make_inputs(5, r, R, 8, H, E, 2)
+
+    def delta(before):
+        after = buf.get_traffic(lifetime=True)
+        return {k: after[k] - before[k] for k in after}
+
+    def go():
+        t0 = buf.get_traffic(lifetime=True)
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        t_disp = delta(t0)
+        t1 = buf.get_traffic(lifetime=True)
+        buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle)
+        return t_disp, delta(t1)
+
+    t_disp, t_comb = coll(go, what=f"{cfg} round trip")
+    peer_kind, other = ("UBMEM", "URMA") if cfg == "ubmem" else ("URMA", "UBMEM")
+    to_peers = bool(((idx >= 0) & (idx // 2 != r)).any())
+    ok = all(t[other] == 0 for t in (t_disp, t_comb)) and (R == 1 or not to_peers or t_disp[peer_kind] > 0)
+    all_ranks_ok(comm, ok, f"{cfg}: dispatch traffic {t_disp}, combine traffic {t_comb}: peers' rows must be "
+                           f"{peer_kind}, none {other}")
+
+
 # ----------------------------------------------------------------------------------------------
 # sizes and bad input
 

@@ -78,11 +78,14 @@ class SymmetricWindow:
         name: label used in error messages.
         nbytes: size of the data region in bytes (same on every rank).
         num_slots: number of signal slots.
+        force_urma: node peers too are reached over URMA (no load/store views of them), like
+            DeepEP's low-latency mode without NVLink; the RMA exposure then exists on one node too.
     """
 
-    def __init__(self, tp: "Transport", name: str, nbytes: int, num_slots: int):
+    def __init__(self, tp: "Transport", name: str, nbytes: int, num_slots: int, force_urma: bool = False):
 
         self.name, self.nbytes, self.num_slots = name, int(nbytes), int(num_slots)
+        self.force_urma = bool(force_urma)
         world = tp.topology.world_size
         self._world = world
         self._abort_off = 0
@@ -99,7 +102,8 @@ class SymmetricWindow:
         # World rank -> mpi4py buffer of its whole segment (node peers only).
         self._bufs = {}
         allocated = None
-        if topo.num_nodes > 1 and os.environ.get(URMA_EXPOSURE_ENV, "allocate") != "create":
+        rma = topo.num_nodes > 1 or self.force_urma
+        if rma and os.environ.get(URMA_EXPOSURE_ENV, "allocate") != "create":
             allocated = allocate_node_shared(total, tp.comm, list(topo.node_ranks()), topo.rank, name)
         if allocated is not None:  # one MPI_Win_allocate window serves both UBMEM views and URMA
             self._win, self._bufs = allocated
@@ -108,7 +112,7 @@ class SymmetricWindow:
             self._rma_is_win = True
         else:
             self._create_shared(tp, name, total)
-        if topo.num_nodes > 1 and self._rma is None:
+        if rma and self._rma is None:
             own, _ = self._win.Shared_query(topo.local_rank)
             # Zero our control words before any peer can reach them over RMA.
             np.frombuffer(own, dtype=np.int64, count=self.control_bytes // 8)[:] = 0
@@ -226,6 +230,7 @@ class Transport:
         self._barrier_gen = [0] * len(Team)
         self._poison_reason = ""
         self._aborted = False
+        self._forced_urma = False  # some window reaches node peers over URMA (waits drive progress)
         self._internal = None
         try:
             self._internal = self.create_window("barrier", 0, 0)
@@ -252,22 +257,26 @@ class Transport:
             self.state = State.POISONED
             self._poison_reason = reason
 
-    def create_window(self, name: str, nbytes: int, num_slots: int) -> SymmetricWindow:
+    def create_window(self, name: str, nbytes: int, num_slots: int, force_urma: bool = False) -> SymmetricWindow:
         """Collectively allocate a window with ``nbytes`` of data and ``num_slots`` signal slots.
 
+        ``force_urma``: puts, gets and signals to node peers on this window go over URMA too (and
+        are counted so); load/store views of node peers are refused (transports §2.1).
         Raises:
             TransportArgumentError: sizes negative or different between ranks (on every rank).
         """
         self._check_open("create_window")
         ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (nbytes, num_slots))
-        mine = (int(nbytes), int(num_slots)) if ok else None
+        mine = (int(nbytes), int(num_slots), bool(force_urma)) if ok else None
         everyone = self.comm.allgather(mine)  # decided together: a bad value on one rank fails all
         if any(v is None for v in everyone) or len(set(everyone)) != 1:
             raise TransportArgumentError(
-                f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots) must be the same "
+                f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots, force_urma) must be the same "
                 f"non-negative ints on every rank; got (rank i at index i) "
                 f"{[v if v is not None else 'invalid' for v in everyone]}")
-        win = SymmetricWindow(self, name, nbytes, num_slots)
+        win = SymmetricWindow(self, name, nbytes, num_slots, force_urma=force_urma)
+        if win.force_urma:
+            self._forced_urma = True  # waits drive MPI progress from now on
         win._rank_self = self.topology.rank
         self._windows.append(win)
         # Every control region is zeroed before anyone signals; URMA peers signal from other nodes.
@@ -360,9 +369,12 @@ class Transport:
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): peer rank {peer!r} outside "
                 f"[0, {self.topology.world_size})")
         kind = self.topology.kind(self.topology.rank, int(peer))
+        if kind is ChannelKind.UBMEM and win.force_urma:
+            kind = ChannelKind.URMA
         if views and kind is ChannelKind.URMA:
+            where = "is reached over URMA only (force_urma window)" if win.force_urma else "is on another node (URMA)"
             raise TransportUnsupported(
-                f"rank {self.topology.rank}: {op}(win='{win.name}'): rank {peer} is on another node (URMA); "
+                f"rank {self.topology.rank}: {op}(win='{win.name}'): rank {peer} {where}; "
                 f"load/store views reach only ranks of node {self.topology.node}: use put/get")
         return kind
 
@@ -650,7 +662,7 @@ class Transport:
     def _wait_loop(self, done, op, win, phase, timeout, start, on_timeout, pending_fn, slot):
         polls = 0
         # URMA traffic to this rank lands only while it is inside MPI (active messages over TCP).
-        poke = self._progress.poke if self._urma_peers else None
+        poke = self._progress.poke if (self._urma_peers or self._forced_urma) else None
         for pause in self.wait_policy.pauses():
             if done():
                 return []
