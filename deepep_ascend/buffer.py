@@ -693,19 +693,13 @@ class Buffer:
                 _check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=False) >= 1, ValueError,
                        f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
                        f"Buffer.get_normal_rdma_buffer_size_hint")
-                return self._engine.dispatch(
-                    call_id=call_id, x=_as_rows_of_bytes(data),
-                    scales=None if scales is None else _as_rows_of_bytes(scales),
-                    topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
-                    num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-                    num_tokens_per_expert=num_tokens_per_expert, num_experts=num_experts,
-                    expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                    num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
-                    sdtype=dtype_code(scales.dtype) if scales is not None else 0)
-            regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=False)
-            _check(regions.capacity >= 1, ValueError,
-                   f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
-                   f"half-window; see Buffer.get_normal_buffer_size_hint")
+                path_args = dict(num_tokens_per_rdma_rank=num_tokens_per_rdma_rank)
+            else:
+                regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=False)
+                _check(regions.capacity >= 1, ValueError,
+                       f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+                       f"half-window; see Buffer.get_normal_buffer_size_hint")
+                path_args = {}
             return self._engine.dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
                 scales=None if scales is None else _as_rows_of_bytes(scales),
@@ -713,7 +707,7 @@ class Buffer:
                 num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_expert=num_tokens_per_expert,
                 num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                 num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
-                sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+                sdtype=dtype_code(scales.dtype) if scales is not None else 0, **path_args)
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)

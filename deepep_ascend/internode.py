@@ -282,6 +282,17 @@ class InternodeEngine:
             self._end_round()
             k += 1
 
+    def _source_blocks(self, rows_off, fields):
+        """This round's non-empty dispatch blocks, by ascending source rank ``s = (a, l)``: each is
+        box ``a`` of forwarder ``f = (our node, l)``. Yields ``(s, a, f, rows, field offsets, block view)``."""
+        for s in range(self.num_ranks):
+            a, ls = divmod(s, self.P)
+            f = self.node_base + ls
+            m = int(self._box(f, a, 0, HDR, torch.int64)[W_ROWS])
+            if m:
+                offs, end = _offsets(rows_off, m, fields)
+                yield s, a, f, m, offs, self._box(f, a, 0, end)
+
     def _read_dispatch_headers(self, op, call_id, vec):
         """Round 0: every source's header (and count vector) from its forwarder's box, ``[R, 128]``."""
         headers = np.zeros((self.num_ranks, 128), dtype=np.int64)
@@ -369,14 +380,7 @@ class InternodeEngine:
         def receive(rnd, cap, vec_bytes):
             rx, rs, rt, rw, meta = st["recv_x"], st["recv_scales"], st["recv_topk"], st["recv_w"], st["recv_src_meta"]
             meta32 = meta.view(torch.int32)
-            for s in range(R):
-                a, ls = divmod(s, P)
-                f = self.node_base + ls
-                m = int(self._box(f, a, 0, HDR, torch.int64)[W_ROWS])
-                if not m:
-                    continue
-                offs, end = _offsets(HDR + vec_bytes, m, fields)
-                blk = self._box(f, a, 0, end)
+            for s, a, f, m, offs, blk in self._source_blocks(HDR + vec_bytes, fields):
                 mask = blk[offs[5]:offs[5] + P * m].view(torch.bool).view(m, P)
                 src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
                 if f == me:  # as forwarder: what we forward from node a, for the handle
@@ -495,14 +499,7 @@ class InternodeEngine:
             return max(1, max(_ceil_div(int(t), cap) for t in headers[:, W_NTOK]))
 
         def receive(rnd, cap, vec_bytes):
-            for s in range(R):
-                a, ls = divmod(s, P)
-                f = self.node_base + ls
-                m = int(self._box(f, a, 0, HDR, torch.int64)[W_ROWS])
-                if not m:
-                    continue
-                offs, end = _offsets(HDR, m, fields)
-                blk = self._box(f, a, 0, end)
+            for s, a, f, m, offs, blk in self._source_blocks(HDR, fields):
                 idx = torch.nonzero(blk[offs[2]:offs[2] + P * m].view(torch.bool).view(m, P)[:, self.local]).squeeze(1)
                 got, c0 = idx.numel(), cursor[s]
                 if c0 + got > starts[s + 1]:

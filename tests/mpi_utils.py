@@ -401,8 +401,9 @@ def mpiexec_path() -> str:
 
 
 def child_env(repo: str, **extra) -> dict:
-    """This process's environment without the launcher's variables (a child job must not join ours)."""
-    drop = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PYTEST_", "OMPI_", "PMIX_")
+    """This process's environment without the launcher's variables (a child job must not join ours)
+    and without MPICH/UCX tuning (``MPIR_CVAR_*``, ``UCX_*``): a child gets those only from ``extra``."""
+    drop = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PYTEST_", "OMPI_", "PMIX_", "MPIR_CVAR_", "UCX_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)

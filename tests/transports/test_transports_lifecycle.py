@@ -14,10 +14,7 @@ import gc
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 
@@ -26,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 import transports.ubmem as ubmem_mod
+from mpi_utils import run_child_job
 from tp_helpers import destroy_quietly, make_transport, pattern, proc_shm_mappings
 from transports import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, TransportBusy, TransportClosed, WaitPolicy,
                         resolve_timeout)
@@ -244,30 +242,9 @@ one_rank_only = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                                    reason="launches its own mpiexec; runs in the 1-rank job only")
 
 
-def _mpiexec() -> str:
-    wheel = os.path.join(sysconfig.get_path("scripts"), "mpiexec")
-    return wheel if os.path.exists(wheel) else (shutil.which("mpiexec") or "mpiexec")
-
-
-def _child_env(**extra) -> dict:
-    drop = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PYTEST_", "OMPI_", "PMIX_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
-
-
 def _run(args, timeout_s=120.0, **extra_env):
     """Run ``mpiexec -n 2 <args>`` in its own session; kill the whole group on timeout."""
-    proc = subprocess.Popen([_mpiexec(), "-n", "2", *args], cwd=REPO, env=_child_env(**extra_env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out += f"\n[parent] killed the child job after {timeout_s} s"
-    return proc.returncode, out
+    return run_child_job(2, args, REPO, timeout_s, **extra_env)
 
 
 def _read_reports(report_dir: str) -> list:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 
@@ -25,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
+from mpi_utils import run_child_job
 from tp_helpers import (
     MIB,
     destroy_quietly,
@@ -560,31 +558,15 @@ def test_lifecycle_multi_node_no_leak():
 # the real network path: a nested 4-rank job, two simulated nodes over UCX/TCP (1-rank run only)
 
 
-def _mpiexec() -> str:
-    wheel = os.path.join(sysconfig.get_path("scripts"), "mpiexec")
-    return wheel if os.path.exists(wheel) else (shutil.which("mpiexec") or "mpiexec")
-
-
 @pytest.mark.skipif(N != 1, reason="launches its own mpiexec -n 4; runs in the 1-rank job only")
 def test_urma_over_tcp():
-    drop = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PYTEST_", "OMPI_", "PMIX_", "MPIR_CVAR_",
-            "UCX_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     report = tempfile.mkdtemp(prefix="nested_urma_tcp_")
     # UCX_LOG_LEVEL: the poisoned transport of the timeout check is never freed (by design), and
     # UCX lists its registrations at exit as warnings.
-    env.update(MPIR_CVAR_NUM_CLIQUES="2", MPIR_CVAR_CLIQUES_BY_BLOCK="1", UCX_TLS="tcp,self", UCX_LOG_LEVEL="error",
-               DEEPEP_ASCEND_RANKS_PER_NODE="2", DEEPEP_ASCEND_TIMEOUT_S="30", DEEPEP_ASCEND_NESTED_REPORT=report)
-    proc = subprocess.Popen([_mpiexec(), "-n", "4", sys.executable, os.path.join(HERE, "nested_urma_tcp.py")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out += "\n[parent] killed the child job after 150 s"
+    rc, out = run_child_job(4, [sys.executable, os.path.join(HERE, "nested_urma_tcp.py")], REPO, 150.0,
+                            MPIR_CVAR_NUM_CLIQUES="2", MPIR_CVAR_CLIQUES_BY_BLOCK="1", UCX_TLS="tcp,self",
+                            UCX_LOG_LEVEL="error", DEEPEP_ASCEND_RANKS_PER_NODE="2", DEEPEP_ASCEND_TIMEOUT_S="30",
+                            DEEPEP_ASCEND_NESTED_REPORT=report)
     try:
         done = []
         for r in range(4):
@@ -594,7 +576,7 @@ def test_urma_over_tcp():
                     done.append(f.read().split()[:2])
     finally:
         shutil.rmtree(report, ignore_errors=True)
-    assert proc.returncode == 0, out[-4000:]
+    assert rc == 0, out[-4000:]
     assert done == [[str(r), "URMA-TCP-OK"] for r in range(4)], out[-4000:]
 
 
