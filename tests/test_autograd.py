@@ -6,6 +6,10 @@ in bf16/float32 and forward and backward are compared **bit for bit** with ``tes
 them: the reference computes both from every rank's gathered tensors). Routing: uniform with
 -1 slots, and skewed (every token to one rank's experts, so the other ranks receive nothing);
 with more than one rank, the last rank has no tokens at all.
+
+Low-latency pair (end of file): gradients against a dense float64 ``torch.autograd`` model of the
+same math built on one process from every rank's gathered inputs (exact with integer-valued
+data; ``calc_diff`` / tolerance with normal data).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 import torch
 from buffer_helpers import BF16, Checker, all_ranks_ok, coll, make_topk_idx
 from mpi_utils import gather_all, world
-from reference import ref_combine, ref_dispatch
+from reference import calc_diff, ref_combine, ref_dispatch, ref_ll_dispatch
 
 from deepep_ascend import Buffer
 from deepep_ascend import autograd as ag
@@ -144,3 +148,131 @@ def test_refuses_non_bf16_and_async(buf):
         ag.dispatch(buf, x.to(BF16), idx, torch.ones(2, K), E, async_finish=True)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.combine(buf, x, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# low-latency pair
+
+LL_M = 12  # num_max_dispatch_tokens_per_rank
+
+
+@pytest.fixture(scope="module")
+def ll_buf():
+    comm = world()
+    b = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(LL_M, H, comm.Get_size(), E),
+                            low_latency_mode=True, explicitly_destroy=True), what="LL Buffer()")
+    yield b
+    coll(b.destroy, what="destroy LL buffer")
+
+
+def _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L):
+    """float64 autograd model: slot (s, t, j) -> expert g = idx_s[t, j] on rank d = g // L, row p of
+    local expert e (sources ascending, then tokens); loss = sum(A_d[e, p] * x_s[t]) +
+    sum_t C_s[t] * sum_j w_s[t, j] * scale_g * x_s[t]. Returns the gradients of every rank's x and w."""
+    X = [x.double().requires_grad_(True) for x in xs]
+    W = [w.double().requires_grad_(True) for w in ws]
+    rows = [[0] * L for _ in range(R)]  # next row per (d, e)
+    loss = torch.zeros((), dtype=torch.float64)
+    for g in range(R * L):
+        d, e = divmod(g, L)
+        for s in range(R):
+            for t, j in (idxs[s] == g).nonzero().tolist():
+                p = rows[d][e]
+                rows[d][e] += 1
+                loss = loss + (As[d][e, p].double() * X[s][t]).sum()
+                loss = loss + (Cs[s][t].double() * X[s][t]).sum() * W[s][t, j] * scales[g]
+    loss.backward()
+    return ([v.grad if v.grad is not None else torch.zeros_like(v) for v in X],
+            [v.grad if v.grad is not None else torch.zeros_like(v) for v in W])
+
+
+@pytest.mark.parametrize("routing,wgrad,data", [("uniform", True, "ints"), ("skewed", True, "ints"),
+                                                ("uniform", False, "ints"), ("uniform", True, "normal")])
+def test_ll_dispatch_combine_grads(ll_buf, comm, routing, wgrad, data):
+    """LL dispatch -> expert (a power-of-two scale per expert) -> LL combine: forward outputs and the
+    gradients of x and topk_weights against the dense float64 model, bit for bit with integer data
+    (every intermediate exact), within bf16 tolerance with normal data. The last rank (R > 1) has no
+    tokens and gets zero-size gradients; without weight gradients the third backward call is skipped."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    L = E // R
+    n = 0 if (R > 1 and r == R - 1) else min(LL_M, 7 + r)
+    gen = torch.Generator().manual_seed(311 + r)
+    idx = make_topk_idx(routing, n, E, K, r, R, gen)
+    if data == "ints":  # magnitudes keep every bf16 value exact (see the module docstring)
+        x0 = _ints((n, H), -4, 5, gen, BF16)
+        w0 = _ints((n, K), 1, 5, gen) / 4
+        A = _ints((L, R * LL_M, H), -2, 3, gen)  # d loss / d recv_x (direct term, padding rows too)
+        C = _ints((n, H), -2, 3, gen)  # d loss / d combined_x
+    else:
+        x0 = torch.randn(n, H, generator=gen).to(BF16)
+        w0 = torch.rand(n, K, generator=gen)
+        A = torch.randn(L, R * LL_M, H, generator=gen).to(BF16).float()
+        C = torch.randn(n, H, generator=gen).to(BF16).float()
+    scales = [2.0 ** (g % 3 - 1) for g in range(E)]
+    my_scales = torch.tensor(scales[r * L:(r + 1) * L]).view(L, 1, 1)
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(wgrad)
+        recv_x, count, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+        rf = recv_x.float()
+        y = (rf * my_scales).to(BF16)
+        out = ag.low_latency_combine(ll_buf, y, idx, w, handle)
+        ((rf * A).sum() + (out.float() * C).sum()).backward()
+        return x, w, recv_x, count, out
+
+    x, w, recv_x, count, out = coll(run, what="LL autograd round trip")
+    chk = Checker(r)
+    xs, idxs, ws = gather_all(x0), gather_all(idx), gather_all(w0)
+    As, Cs = gather_all(A), gather_all(C)
+    ref = ref_ll_dispatch(xs, idxs, r, E, LL_M)
+    chk.same_bits(recv_x.detach(), ref.recv_x, "recv_x")
+    chk.same_bits(count, ref.recv_count, "recv_count")
+    gX, gW = _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L)
+    # Forward combine: float32 sum of f32(y) * w in top-k order, one rounding.
+    exp_out = torch.zeros(n, H)
+    for t, j in (idx >= 0).nonzero().tolist():
+        g = int(idx[t, j])
+        exp_out[t] += (x0[t].float() * scales[g]).to(BF16).float() * w0[t, j]
+    chk.same_bits(out.detach(), exp_out.to(BF16), "combined_x")
+    chk.check(x.grad is not None and x.grad.dtype == BF16 and x.grad.shape == (n, H), "x.grad dtype/shape")
+    if data == "ints":
+        chk.check(lambda: torch.equal(x.grad.double(), gX[r]), "x.grad != dense reference")
+    elif n:
+        chk.check(lambda: calc_diff(x.grad, gX[r]) < 1e-4, "x.grad: calc_diff >= 1e-4")
+    if wgrad:
+        chk.check(w.grad is not None and w.grad.dtype == torch.float32, "w.grad dtype")
+        if data == "ints":
+            chk.check(lambda: torch.equal(w.grad.double(), gW[r]), "topk_weights.grad != dense reference")
+        else:  # f32 dot of the same bf16 rows vs float64: summation rounding only (a lost mid/lo part: 4e-3)
+            chk.check(lambda: torch.allclose(w.grad.double(), gW[r], rtol=1e-5, atol=1e-5),
+                      "topk_weights.grad: not within 1e-5 of the dense reference")
+        chk.check(lambda: bool((w.grad[idx < 0] == 0).all()), "w.grad of -1 slots must be 0")
+    else:
+        chk.check(w.grad is None, "w.grad must stay None")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def test_ll_split3_is_exact():
+    """The weight gradient's float32 -> three bf16 parts split sums back exactly (local)."""
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(4096, generator=gen) * torch.pow(2.0, torch.randint(-90, 90, (4096,), generator=gen).float())
+    v = torch.cat([v, torch.tensor([0.0, -0.0, 1.0, -3.0, 65504.0, 1e30, 1.0000001, 2.0 ** -100])])
+    hi, mid, lo = ag._split3(v)
+    assert torch.equal((hi.float() + mid.float()) + lo.float(), v)
+
+
+def test_ll_refusals(ll_buf):
+    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused locally, before any call."""
+    x = torch.zeros(2, H, dtype=BF16, requires_grad=True)
+    idx = torch.zeros(2, K, dtype=torch.int64)
+    with pytest.raises(TypeError, match="use_fp8=False"):
+        ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.low_latency_dispatch(ll_buf, torch.zeros(2, H, requires_grad=True), idx, LL_M, E, use_fp8=False)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.low_latency_combine(ll_buf, x, idx, torch.ones(2, K), None, zero_copy=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.low_latency_combine(ll_buf, torch.zeros(2, H), idx, torch.ones(2, K), None)
