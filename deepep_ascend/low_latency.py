@@ -436,10 +436,12 @@ class LowLatencyEngine:
                     if not c:
                         continue
                     m = msgs[a:a + c]
-                    src_info[e, :c].copy_(m[:, :4].contiguous().view(torch.int32).view(-1))
+                    # Fresh standard-strided bytes: a [1, n] slice of odd row stride counts as contiguous
+                    # to torch but cannot be viewed as int32/float32.
+                    src_info[e, :c].copy_(_bytes_copy(m[:, :4]).view(torch.int32).view(-1))
                     rx[e, :c].copy_(m[:, MSG_HEADER:MSG_HEADER + xb])
                     if recv_scales is not None:
-                        recv_scales[e, :c].copy_(m[:, MSG_HEADER + xb:MSG_HEADER + xb + sb].contiguous()
+                        recv_scales[e, :c].copy_(_bytes_copy(m[:, MSG_HEADER + xb:MSG_HEADER + xb + sb])
                                                  .view(recv_scales.dtype))
                     a += c
                 runs = [(e, c) for e, c in enumerate(recv_count.tolist()) if c]
@@ -546,6 +548,11 @@ class LowLatencyEngine:
         for dst in peers:
             self.tp.signal(self.ctl, dst, SLOT_CLEAN)
         self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
+
+
+def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh, standard-strided copy of the uint8 matrix ``t`` (viewable as any element size)."""
+    return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:

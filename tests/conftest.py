@@ -278,6 +278,8 @@ def pytest_collectreport(report):
 
 
 def _combine_status(statuses: list[int]) -> int:
+    # A rank that drifted into another collective hands back a non-status object: count it as a failure.
+    statuses = [s if isinstance(s, int) else 1 for s in statuses]
     bad = [s for s in statuses if s not in (0, 5)]
     if bad:
         return max(bad)

@@ -441,6 +441,28 @@ def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
                            f"{peer_kind}, none {other}")
 
 
+def test_odd_hidden_with_one_row_per_expert(comm):
+    """hidden 129 (messages not a multiple of 4 bytes) and one row per expert: the received row,
+    its source info and the combine are exact (a [1, n] byte slice of odd stride once could not
+    be viewed as int32)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    H, M, E = 129, 8, 2 * R
+    b = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+               explicitly_destroy=True)
+    x = (torch.arange(H, dtype=torch.float32) + r).unsqueeze(0).to(torch.bfloat16)
+    idx = torch.tensor([[(2 * r + 2) % E, -1]])
+    try:
+        recv_x, cnt, handle, _, _ = coll(lambda: b.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+        src = (r - 1) % R  # the rank whose token lands on our first local expert
+        ok = cnt.tolist() == [1, 0] and torch.equal(recv_x[0, 0], (torch.arange(H, dtype=torch.float32) + src)
+                                                    .to(torch.bfloat16))
+        y, _, _ = coll(lambda: b.low_latency_combine(recv_x, idx, torch.ones(1, 2), handle), what="combine")
+        ok = ok and torch.equal(y, x)
+    finally:
+        coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, ok, f"odd hidden: counts {cnt.tolist()}")
+
+
 # ----------------------------------------------------------------------------------------------
 # sizes and bad input
 
