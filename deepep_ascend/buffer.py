@@ -234,6 +234,11 @@ class Buffer:
         if self._engine is None:
             raise RuntimeError(f"Buffer.{op}: this Buffer has no UBMEM window (num_nvl_bytes=0); build it with "
                                f"num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(...) or a DeepEP config hint")
+        if self._internode and not self._engine.windows_hold_headers():
+            raise ValueError(
+                f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small "
+                f"for the internode path's headers alone ({self._engine.min_window_bytes()}); see "
+                f"Buffer.get_normal_buffer_size_hint and get_normal_rdma_buffer_size_hint")
         if not self._internode and self._engine.half_bytes < HEADER_BYTES + 128:
             raise ValueError(f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} is too small for any call (each "
                              f"half-window needs {HEADER_BYTES} B of header plus rows); see "
@@ -578,10 +583,13 @@ class Buffer:
         """Abort the peers for an unexpected failure (not for a consensus error or a peer's abort)."""
         if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted)):
             return
+        text = str(exc)
+        if not text.startswith(f"rank {self.rank}:"):
+            text = f"rank {self.rank}: {type(exc).__name__}: {text}"
         if isinstance(exc, TransportTimeout):  # peers learn at once, as a TimeoutError naming the same ranks
-            self.runtime.abort(f"rank {self.rank}: {exc}", pending_peers=exc.pending_peers)
+            self.runtime.abort(text, pending_peers=exc.pending_peers)
         else:
-            self.runtime.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            self.runtime.abort(text)
 
     # -- dispatch ------------------------------------------------------------------------
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

@@ -105,6 +105,15 @@ class InternodeEngine:
         self._scratch = CombineScratch()
 
     # -- sizing ----------------------------------------------------------------------
+    def windows_hold_headers(self) -> bool:
+        """Each node box holds a header and an error message, each staging half its header (no rows yet)."""
+        return self.box >= HDR + _MSG_BYTES and self.n_half >= STAGE_HDR + _a8(8 * self.num_ranks)
+
+    def min_window_bytes(self) -> str:
+        """The smallest window sizes for which :meth:`windows_hold_headers` holds, as text."""
+        box = -(-(HDR + _MSG_BYTES) // _ALIGN) * _ALIGN
+        stage = -(-(STAGE_HDR + _a8(8 * self.num_ranks)) // _ALIGN) * _ALIGN
+        return f"at least num_nvl_bytes={2 * stage} and num_rdma_bytes={2 * self.G * box}, plus rows"
     def _dispatch_vec_ints(self, num_experts: int) -> int:
         return self.num_ranks + num_experts + self.G
 

@@ -282,3 +282,24 @@ def test_rank_on_another_node_missing_times_out_naming_it(comm, op):
     comm.Barrier()
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"{op} with rank {missing} missing: {detail}; destroy: {dexc!r}")
+
+
+def test_windows_too_small_for_headers_raise_clearly_everywhere(comm):
+    """A URMA window whose node boxes cannot hold a header and an error message: every rank raises
+    a ValueError naming both size hints before anything moves (it once raised an out-of-range put
+    from the rejection path itself); the Buffer still destroys cleanly."""
+    from buffer_helpers import all_ranks_ok, capture
+
+    rpn = _two_nodes(comm)
+    r, R = comm.Get_rank(), comm.Get_size()
+    b = Buffer(None, 8192, 1024, comm=comm, explicitly_destroy=True, ranks_per_node=rpn)
+    gen = torch.Generator().manual_seed(11 + r)
+    idx = make_topk_idx("uniform", 4, 16, 2, r, R, gen)
+    ntpr, ntprdma, ntpe, itr, _ = b.get_dispatch_layout(idx, 16)
+    _, exc = capture(lambda: b.dispatch(torch.randn(4, 64).to(BF16), num_tokens_per_rank=ntpr,
+                                        num_tokens_per_rdma_rank=ntprdma, is_token_in_rank=itr,
+                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=torch.rand(4, 2)))
+    ok = isinstance(exc, ValueError) and "get_normal_rdma_buffer_size_hint" in str(exc)
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"tiny windows: expected ValueError naming the hints, got {exc!r}; "
+                                            f"destroy: {dexc!r}")

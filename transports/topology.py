@@ -95,11 +95,13 @@ class Topology:
         from mpi4py import MPI
 
         rank, size = comm.Get_rank(), comm.Get_size()
+        source = "ranks_per_node"
         if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
+            source = f"${RANKS_PER_NODE_ENV}"
             try:
                 ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
             except ValueError:
-                ranks_per_node = -1
+                ranks_per_node = os.environ[RANKS_PER_NODE_ENV]  # reported as given
         shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
             host_leader = shared.allreduce(rank, op=MPI.MIN)
@@ -121,7 +123,7 @@ class Topology:
                     error = ("hosts hold unequal or non-contiguous blocks of ranks; place the same number "
                              "of consecutive ranks on every host or pass ranks_per_node")
             elif not isinstance(rpn, int) or rpn <= 0 or size % rpn:
-                error = f"ranks_per_node={rpn} must be a positive divisor of the world size {size}"
+                error = f"{source}={rpn!r} must be a positive int dividing the world size {size}"
             else:
                 for node in range(size // rpn):
                     members = hosts[node * rpn:(node + 1) * rpn]

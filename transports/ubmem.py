@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import os
 import sys
 import time
@@ -40,6 +41,7 @@ _CONTROL_ALIGN = 4096
 _REASON_BYTES = 256
 _ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
 _LIVE = weakref.WeakSet()
+_SERIALS = itertools.count()
 #: How a multi-node window is exposed for URMA: ``"allocate"`` (default: one ``MPI_Win_allocate``
 #: window whose same-host segments are mapped with ``MPI_Win_shared_query``) or ``"create"``
 #: (node-shared ``MPI_Win_allocate_shared`` segments exposed again with ``MPI_Win_create``, the
@@ -49,8 +51,11 @@ URMA_EXPOSURE_ENV = "DEEPEP_ASCEND_URMA_EXPOSURE"
 
 @atexit.register
 def _destroy_forgotten_transports():
-    # atexit runs before mpi4py finalizes MPI, so collective frees are still legal here.
-    for tp in list(_LIVE):
+    # atexit runs before mpi4py finalizes MPI, so collective frees are still legal here. Newest
+    # first, in creation order, which is the same on every rank (creation is collective): a
+    # WeakSet's iteration order differs between processes, and mismatched collective frees of two
+    # transports hung the job at exit.
+    for tp in sorted(_LIVE, key=lambda t: t._serial, reverse=True):
         try:
             tp.destroy(force=True, timeout_s=5.0)
         except Exception:
@@ -241,6 +246,7 @@ class Transport:
             self.state = State.CLOSED
             raise
         self._urma_peers = [p for p in range(topo.world_size) if topo.kind(topo.rank, p) is ChannelKind.URMA]
+        self._serial = next(_SERIALS)
         _LIVE.add(self)
 
     # -- lifetime --------------------------------------------------------------

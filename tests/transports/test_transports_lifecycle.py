@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 
 import transports.ubmem as ubmem_mod
-from mpi_utils import run_child_job
+from mpi_utils import run_child_job, world
 from tp_helpers import destroy_quietly, make_transport, pattern, proc_shm_mappings
 from transports import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, TransportBusy, TransportClosed, WaitPolicy,
                         resolve_timeout)
@@ -336,3 +336,29 @@ def test_late_destroy_does_not_hang():
     assert [(r, v) for r, k, v in lines if k == "EARLY"] == [(0, "timeout")], out[-3000:]
     late = [v for r, k, v in lines if k == "LATE-DONE"]
     assert late, "the late rank never returned from destroy():\n" + out[-3000:]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_exit_hook_destroys_forgotten_transports_in_the_same_order_everywhere(monkeypatch):
+    """The atexit hook frees forgotten transports newest first by creation serial, identical on
+    every rank (a WeakSet's own order differs between processes, and mismatched collective frees
+    of two transports hung jobs at exit)."""
+    from transports import ubmem
+
+    a, b = make_transport(), make_transport()
+    order = []
+    for tp in (a, b):
+        monkeypatch.setattr(tp, "destroy", lambda force=False, timeout_s=None, tp=tp: order.append(tp._serial))
+    live = [tp for tp in ubmem._LIVE if tp not in (a, b)]
+    for tp in live:  # other tests' transports are not this test's to free
+        ubmem._LIVE.discard(tp)
+    try:
+        ubmem._destroy_forgotten_transports()
+    finally:
+        for tp in live:
+            ubmem._LIVE.add(tp)
+    monkeypatch.undo()
+    everyone = world().allgather([s - a._serial for s in order])
+    destroy_quietly(b)
+    destroy_quietly(a)
+    assert order == [b._serial, a._serial] and all(o == everyone[0] for o in everyone), everyone
