@@ -45,7 +45,7 @@ import torch
 from . import host
 from .intranode import (_MSG_BYTES, _MSG_WORD, _OP_NAMES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, W_CALL,
                         W_CHANNELS, W_HANDLE, W_MAGIC, W_NEXP, W_NTOK, W_OP, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK,
-                        W_WCOLS, W_XBYTES, W_XDTYPE, _MAGIC, CombineScratch, ConsensusError, accumulate_rows,
+                        W_WCOLS, W_XBYTES, W_XDTYPE, _MAGIC, CombineScratch, accumulate_rows, consensus_error,
                         consensus_problems, dtype_code)
 from .layout import recv_channel_prefix, send_layout
 
@@ -232,9 +232,6 @@ class InternodeEngine:
         if nbytes:
             self.tp.record_fetch(peer, nbytes)
 
-    def _raise(self, op, problems):
-        raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
-
     # -- dispatch ------------------------------------------------------------------------
     def reject(self, op, call_id, message):
         """Take part in round 0 of a call with an error status; raises ConsensusError (on every rank)."""
@@ -284,7 +281,7 @@ class InternodeEngine:
                 problems = consensus_problems(headers, op, call_id)
                 if problems:
                     self._end_round()
-                    self._raise(op, problems)
+                    raise consensus_error(op, problems)
                 rounds = on_headers(headers, vecs, cap)
                 yield
             receive(k, cap, vec_bytes if with_vec else 0)
@@ -508,7 +505,7 @@ class InternodeEngine:
             return max(1, max(_ceil_div(int(t), cap) for t in headers[:, W_NTOK]))
 
         def receive(rnd, cap, vec_bytes):
-            for s, a, f, m, offs, blk in self._source_blocks(HDR, fields):
+            for s, _, f, m, offs, blk in self._source_blocks(HDR, fields):
                 idx = torch.nonzero(blk[offs[2]:offs[2] + P * m].view(torch.bool).view(m, P)[:, self.local]).squeeze(1)
                 got, c0 = idx.numel(), cursor[s]
                 if c0 + got > starts[s + 1]:
@@ -589,7 +586,7 @@ class InternodeEngine:
                         bad.append(f"rank {self.rails[c]} is in a different call (call #{h[W_CALL]})")
                 if bad:
                     self._end_round()
-                    raise ConsensusError("combine refused on every rank: " + "; ".join(dict.fromkeys(bad)))
+                    raise consensus_error(OP_COMBINE, list(dict.fromkeys(bad)))
                 rounds = max(1, _ceil_div(max(int(h[W_AUX]) for h in heads), q))
                 yield
             reduce(k)

@@ -95,11 +95,16 @@ def consensus_problems(headers, op, call_id, ranks=None) -> list:
     return problems
 
 
+def consensus_error(op, problems) -> ConsensusError:
+    """The error every rank raises for ``problems`` (from :func:`consensus_problems`) in a call of ``op``."""
+    return ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
+
+
 def check_consensus(headers, op, call_id):
     """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
     problems = consensus_problems(headers, op, call_id)
     if problems:
-        raise ConsensusError(f"{_OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
+        raise consensus_error(op, problems)
 
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None) -> None:
