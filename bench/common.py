@@ -986,3 +986,23 @@ def finish(comm, code: int = 0) -> None:
         comm.Barrier()
     finally:
         os._exit(code)
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Entry point of a benchmark under ``mpiexec``: run ``main()`` and leave by :func:`finish`.
+
+    A ``SystemExit`` becomes the exit code; any other exception prints its traceback and aborts
+    the job (``MPI_Abort``), so a rank that dies never leaves its peers hanging in a collective.
+    """
+    from mpi4py import MPI
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    finish(MPI.COMM_WORLD, code)

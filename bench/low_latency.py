@@ -233,6 +233,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mpi4py import MPI
-
-    C.finish(MPI.COMM_WORLD, main())
+    C.run_main(main)

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -421,15 +420,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mpi4py import MPI as _MPI
-
-    try:
-        code = main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
-    except BaseException:  # a rank that dies must not leave its peers hanging in a collective
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        _MPI.COMM_WORLD.Abort(1)
-    C.finish(_MPI.COMM_WORLD, code)
+    C.run_main(main)
