@@ -103,11 +103,12 @@ def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
 class Buffer:
     """Expert-parallel communication buffer; mirrors ``deep_ep.Buffer`` (DeepEP 2.1.0, V1 API).
 
-    Normal (high-throughput) mode inside one node is implemented here: ``get_dispatch_layout``,
-    ``dispatch`` (BF16 or FP8, with/without top-k, cached through a handle, ``expert_alignment``,
-    ``num_worst_tokens``, async), and ``combine`` (bias, combined top-k weights, async). Ranks
-    exchange data through one UBMEM window of ``num_nvl_bytes`` bytes per rank, allocated once;
-    payloads larger than the window stream through it in rounds.
+    Normal (high-throughput) mode: ``get_dispatch_layout``, ``dispatch`` (BF16 or FP8, with/without
+    top-k, cached through a handle, ``expert_alignment``, ``num_worst_tokens``, async) and
+    ``combine`` (bias, combined top-k weights, async), inside one node through the UBMEM window
+    (:mod:`deepep_ascend.intranode`) or, with more than one node, by DeepEP's two hops through the
+    URMA and UBMEM windows (:mod:`deepep_ascend.internode`). Windows are allocated once; payloads
+    larger than them stream through in rounds. Low-latency mode: the ``low_latency_*`` methods.
 
     Args:
         group: a ``torch.distributed`` ProcessGroup (torch ranks must equal MPI ranks, as under
@@ -127,8 +128,9 @@ class Buffer:
             instead of ``put``, and ``enable_shrink`` masks peers that miss the deadline.
         explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
         comm: mpi4py communicator used when ``group`` is None.
-        ranks_per_node: simulated node size (default: the shared-memory domain); more than one
-            node needs the URMA backend, not built yet.
+        ranks_per_node: simulated node size (default: ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
+            shared-memory domain); fewer than the ranks takes the internode path, which needs
+            ``num_rdma_bytes`` too (see :meth:`get_normal_rdma_buffer_size_hint`).
         timeout_s: deadline of every wait in seconds; default ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100.
     Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
     sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
@@ -304,6 +306,7 @@ class Buffer:
         The URMA window holds, per half, one box per node for what the rail peer there sends
         (dispatch: each token once per node; combine: one partial row per token). Returns 0 for
         one node. Bytes, a multiple of 128; arguments as :meth:`get_normal_buffer_size_hint`.
+        Plays the part of DeepEP's ``Config.get_rdma_buffer_size_hint`` (whose layout differs).
         """
         if ranks_per_node >= num_ranks:
             return 0
