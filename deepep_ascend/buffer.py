@@ -12,6 +12,7 @@ import traceback
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 from transports import ChannelKind, LinkStats, TransportAborted, TransportTimeout, create_transport
@@ -345,13 +346,31 @@ class Buffer:
 
         Each transfer is counted once, by the rank whose load or store moved it (here, receivers
         gathering from the sender's window); SELF is data a rank routes to itself. ``lifetime``:
-        since construction; else the last completed dispatch/combine.
+        since construction; else the last completed dispatch/combine/low-latency call.
+        Per peer and per message: :meth:`get_link_stats`.
         """
         if lifetime:
             return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
         if self._last_traffic is None:
             return {k.name: 0 for k in ChannelKind}
         return LinkStats.bytes_by_kind(self._last_traffic)
+
+    def get_link_stats(self, lifetime: bool = False) -> dict:
+        """This rank's link counters per (channel kind, peer), for the link model and projections.
+
+        Returns ``{field: np.ndarray int64 [len(ChannelKind), num_ranks]}`` (a copy) with fields
+        ``bytes_put`` (stored into the peer), ``bytes_fetched`` (loaded from the peer), ``puts``,
+        ``gets``, ``signals``, ``atomics``; rows indexed by ``transports.ChannelKind`` (SELF,
+        UBMEM, URMA). ``lifetime``: since construction; else the last completed dispatch /
+        combine / low-latency call (zeros before the first). Gather every rank's with
+        ``transports.gather_link_stats`` and pass the result to ``transports.project``.
+        No DeepEP counterpart (DeepEP exposes no per-link counters).
+        """
+        if lifetime:
+            return self.runtime.stats.snapshot()
+        if self._last_traffic is None:
+            return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
+        return {k: v.copy() for k, v in self._last_traffic.items()}
 
     # -- layout ----------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
@@ -950,7 +969,13 @@ class Buffer:
             except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
                 pass
             raise exc from None
+        before = self.runtime.stats.snapshot()
         pending = self._guard(lambda: issue(*args))
+
+        def receive():
+            self._guard(pending.receive)
+            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+
         if return_recv_hook:
             ll.pending_hook = ll.calls - 1
             state = {"called": False}
@@ -961,13 +986,13 @@ class Buffer:
                                        f"(call it exactly once, spec §6.5)")
                 state["called"] = True
                 ll.pending_hook = None
-                self._guard(pending.receive)
+                receive()
 
             return pending.outputs, EventOverlap(), hook
         if async_finish:
-            fut = self._worker.submit(lambda: self._guard(pending.receive))
+            fut = self._worker.submit(receive)
             return pending.outputs, EventOverlap(EventHandle(fut), keep + tuple(_flatten(pending.outputs))), None
-        self._guard(pending.receive)
+        receive()
         return pending.outputs, EventOverlap(), None
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

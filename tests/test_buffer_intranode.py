@@ -115,6 +115,50 @@ def _ring_inputs(r, R, n, E, K, H, gen):
     return idx, torch.rand(n, K, generator=gen)
 
 
+def test_link_stats_per_peer_and_projection(buf, comm):
+    """Same ring routing, one BF16 dispatch: ``get_link_stats`` has the bytes per (kind, peer) —
+    rank r loads ``N_prev`` rows from ``r - 1`` over UBMEM and keeps its ``N_r`` own rows (SELF) —
+    and ``transports.project`` of every rank's counters gives the hand-computed time: with zero
+    latency the busiest UBMEM port moves ``max_s N_s = 9 + R`` rows, received by rank 0 (its
+    first maximum; rank R-1 sends as many)."""
+    from transports import ChannelKind, gather_link_stats, project
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, K, H = 16, 2, 256
+    n, n_prev, prev = 10 + r, 10 + (r - 1) % R, (r - 1) % R
+    gen = torch.Generator().manual_seed(11 + r)
+    idx, w = _ring_inputs(r, R, n, E, K, H, gen)
+    x = torch.randn(n, H, generator=gen).to(BF16)
+    row = 2 * H + 12 * K
+
+    def go():
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                     topk_idx=idx, topk_weights=w)
+        return buf.get_link_stats()
+
+    stats = coll(go, what="dispatch")
+    want_fetched = torch.zeros(len(ChannelKind), R, dtype=torch.int64)
+    want_fetched[ChannelKind.SELF, r] = n * row
+    if R > 1:
+        want_fetched[ChannelKind.UBMEM, prev] = n_prev * row
+    chk = Checker(r)
+    chk.check(torch.equal(torch.from_numpy(stats["bytes_fetched"]), want_fetched),
+              f"bytes_fetched {stats['bytes_fetched'].tolist()} != {want_fetched.tolist()}")
+    chk.check(not stats["bytes_put"][ChannelKind.URMA].any() and not stats["bytes_fetched"][ChannelKind.URMA].any(),
+              "URMA bytes on one node")
+    proj = project(gather_link_stats(stats, comm), "SELF=1000:0,UBMEM=1:0")
+    if R > 1:
+        want = dict(rank=0, kind="UBMEM", direction="received", bytes=(9 + R) * row)
+        chk.check(proj["bottleneck"] == want, f"bottleneck {proj['bottleneck']} != {want}")
+        chk.check(abs(proj["time_s"] - (9 + R) * row / 1e9) <= 1e-15, f"time {proj['time_s']}")
+    else:
+        chk.check(proj["bottleneck"] == dict(rank=0, kind="SELF", direction="sent", bytes=n * row),
+                  f"bottleneck {proj['bottleneck']}")
+        chk.check(abs(proj["time_s"] - n * row / 1000e9) <= 1e-15, f"time {proj['time_s']}")
+    chk.finish("link stats")
+
+
 def test_get_traffic_matches_hand_computed_bytes(buf, comm):
     """Known routing: token t of rank s goes to ranks s and s+1 (mod R), K = 2, N_s = 10 + s.
 

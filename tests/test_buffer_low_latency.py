@@ -415,7 +415,8 @@ def test_stats_accumulate(bufs, comm):
 def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
     """On one node, ``allow_nvlink_for_low_latency_mode=True`` moves peers' rows as UBMEM stores;
     ``False`` sends them over URMA (the windows are ``force_urma``), as DeepEP's LL mode without
-    NVLink uses RDMA inside a node. Rows a rank keeps for itself are SELF either way."""
+    NVLink uses RDMA inside a node. Rows a rank keeps for itself are SELF either way. The
+    last-call counters (``get_traffic()``) equal the lifetime delta, the hook's part included."""
     buf = _buf(bufs, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H = 2 * R, 16, 128
@@ -427,16 +428,19 @@ def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
 
     def go():
         t0 = buf.get_traffic(lifetime=True)
-        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        t_disp = delta(t0)
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+        hook()
+        t_disp, last_disp = delta(t0), buf.get_traffic()
         t1 = buf.get_traffic(lifetime=True)
         buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle)
-        return t_disp, delta(t1)
+        return t_disp, delta(t1), last_disp, buf.get_traffic()
 
-    t_disp, t_comb = coll(go, what=f"{cfg} round trip")
+    t_disp, t_comb, last_disp, last_comb = coll(go, what=f"{cfg} round trip")
     peer_kind, other = ("UBMEM", "URMA") if cfg == "ubmem" else ("URMA", "UBMEM")
     to_peers = bool(((idx >= 0) & (idx // 2 != r)).any())
     ok = all(t[other] == 0 for t in (t_disp, t_comb)) and (R == 1 or not to_peers or t_disp[peer_kind] > 0)
+    # get_traffic() of an LL call (hook mode included) is what the call moved, send to receive.
+    ok = ok and last_disp == t_disp and last_comb == t_comb
     all_ranks_ok(comm, ok, f"{cfg}: dispatch traffic {t_disp}, combine traffic {t_comb}: peers' rows must be "
                            f"{peer_kind}, none {other}")
 

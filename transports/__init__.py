@@ -8,7 +8,8 @@ from .base import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, Team, WaitPolicy, resol
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportConfigError, TransportError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
-from .link_model import LinkStats
+from .link_model import (PROFILES, LinkEmulator, LinkProfile, LinkSpec, LinkStats, emulator_from_env,
+                         gather_link_stats, get_profile, project)
 from .topology import RANKS_PER_NODE_ENV, ChannelKind, Topology
 from .ubmem import SymmetricWindow, Transport, UbmemTransport
 
@@ -32,7 +33,8 @@ def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
 
 
 __all__ = [
-    "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "SymmetricWindow", "Transport", "UbmemTransport",
+    "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
+    "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport", "UbmemTransport",
     "create_transport", "State", "Team", "WaitPolicy", "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",

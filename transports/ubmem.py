@@ -33,7 +33,7 @@ from .base import State, Team, WaitPolicy, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
-from .link_model import LinkStats
+from .link_model import LinkEmulator, LinkStats, emulator_from_env
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared
 
@@ -215,6 +215,7 @@ class Transport:
 
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
         self.timeout_s = resolve_timeout(timeout_s)
+        emulator = emulator_from_env()  # None unless $DEEPEP_ASCEND_LINK_EMULATION asks (checked before any MPI call)
         self.comm = comm.Dup()
         try:
             self.topology = Topology.from_comm(self.comm, ranks_per_node)
@@ -225,6 +226,7 @@ class Transport:
         self.node_comm = self.comm.Split(color=topo.node, key=topo.rank)
         self._progress = Progress(self.comm)
         self.stats = LinkStats(topo.world_size)
+        self.stats.emulator = emulator
         from mpi4py import MPI
         shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
         self.wait_policy = WaitPolicy(local_ranks=shared.Get_size())
@@ -437,6 +439,15 @@ class Transport:
         """Count ``nbytes`` stored through a view into ``peer``'s window."""
         self.stats.record_put(self.topology.kind(self.topology.rank, peer), peer, nbytes)
 
+    def set_link_emulator(self, emulator: "LinkEmulator | None") -> None:
+        """Emulate slower links from now on (see :class:`~transports.link_model.LinkEmulator`), or stop (``None``).
+
+        Local: each rank sets its own; give every rank the same profile and scale.
+        """
+        if emulator is not None and not isinstance(emulator, LinkEmulator):
+            raise TypeError(f"set_link_emulator: expected a LinkEmulator or None, got {type(emulator).__name__}")
+        self.stats.emulator = emulator
+
     def record_fetch(self, peer: int, nbytes: int) -> None:
         """Count ``nbytes`` loaded through a view from ``peer``'s window (data moved peer → us)."""
         self.stats.record_fetch(self.topology.kind(self.topology.rank, peer), peer, nbytes)
@@ -537,11 +548,12 @@ class Transport:
         dst = int(dst)
         key = (id(win), slot, dst)
         value = self._shadow.get(key, 0) + int(add)
+        # Counted (and, under link emulation, delayed) before the signal lands, as a slow link would.
+        self.stats.record_put(kind, dst, data.numel())
+        self.stats.record_signal(kind, dst)
         self._urma(win._rma.put, dst, win.control_bytes + offset, data.detach().numpy(),
                    win.slot_disp(slot, self.topology.rank), int(add))
         self._shadow[key] = value
-        self.stats.record_put(kind, dst, data.numel())
-        self.stats.record_signal(kind, dst)
         return value
 
     def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
