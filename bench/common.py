@@ -128,6 +128,22 @@ def bottleneck_bytes(num_tokens: int, hidden: int, fp8: bool = False) -> int:
     return int(num_tokens) * bytes_per_token(hidden, fp8)
 
 
+def low_latency_bytes(num_selections: int, hidden: int, fp8: bool = True, phase: str = "dispatch") -> int:
+    """Bytes of one low-latency call on one rank, DeepEP's LL formula (spec §11).
+
+    ``num_selections``: this rank's valid ``topk_idx`` entries (a token counts once per selected
+    expert). Per selection: dispatch ``H + H/32 + 16`` (FP8: e4m3 row, float32 scale per 128
+    channels, 16 B of source info) or ``2H + 16`` (BF16); combine ``2H`` (BF16 rows back).
+    """
+    if phase == "dispatch":
+        per = (hidden + hidden // 32 + 16) if fp8 else (2 * hidden + 16)
+    elif phase == "combine":
+        per = 2 * hidden
+    else:
+        raise ValueError(f"phase must be 'dispatch' or 'combine', got {phase!r}")
+    return int(num_selections) * per
+
+
 def gbps(nbytes: float, seconds: float) -> float:
     """GB/s with GB = 1e9 B; ``nan`` for a non-positive time."""
     return nbytes / GB / seconds if seconds > 0 else float("nan")
@@ -508,6 +524,10 @@ class BufferSystem:
         get = getattr(self.buf, "get_traffic", None)
         return dict(get(lifetime=False)) if get is not None else None
 
+    def link_stats(self) -> Optional[dict]:
+        get = getattr(self.buf, "get_link_stats", None)
+        return get() if get is not None else None
+
 
 def _as_byte_rows(t: torch.Tensor) -> torch.Tensor:
     """Contiguous ``[n, ...]`` → ``[n, row_bytes]`` uint8 view (also for ``n == 0``)."""
@@ -743,6 +763,7 @@ class RoundTripResult:
     combined_topk_weights: Optional[torch.Tensor]
     traffic: dict  # 'dispatch' / 'combine' → {kind: bytes sent by this rank} or None
     layout_digest: str
+    link_stats: Optional[dict] = None  # 'dispatch' / 'combine' → Buffer.get_link_stats() of the last call
 
 
 def dispatch_digests(out) -> dict:
@@ -786,15 +807,17 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
     def dispatch():
         st["d"] = system.dispatch(x, st["layout"], wl.topk_idx, wl.topk_weights)
 
+    link_stats = getattr(system, "link_stats", lambda: None)
+
     def after_dispatch():
-        st["t_d"] = system.traffic()
+        st["t_d"], st["s_d"] = system.traffic(), link_stats()
         st["y"] = experts(st["d"][0])
 
     def combine():
         st["c"] = system.combine(st["y"], st["d"][4], st["d"][2])
 
     def after_combine():
-        st["t_c"] = system.traffic()
+        st["t_c"], st["s_c"] = system.traffic(), link_stats()
 
     phases = [(None, reset), ("layout", layout), ("dispatch", dispatch), (None, after_dispatch),
               ("combine", combine), (None, after_combine)]
@@ -805,7 +828,8 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
         name=system.name, timings=t, num_recv_tokens=_split(d[0])[0].size(0),
         dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
         combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(), traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
-        layout_digest=layout_digest(st["layout"]))
+        layout_digest=layout_digest(st["layout"]),
+        link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
     st.clear()
     return res
 
@@ -971,6 +995,92 @@ class MemorySampler:
         self._t.join()
         return dict(mem_total=self.mem_total, start_used=self.mem_total - self.start_available,
                     peak_used=self.mem_total - self.min_available, peak_shm=self.max_shm)
+
+
+# -- link model: emulation and projection (transports.link_model) ------------------------------
+
+def add_link_args(p) -> None:
+    """``--link-profile``, ``--link-emulation``, ``--link-scale`` (checked by :func:`link_setup`)."""
+    g = p.add_argument_group("link model (transports.link_model; README 'Link model')")
+    g.add_argument("--link-profile", default="ascend950", metavar="NAME|SPEC",
+                   help="profile of the projection and of the emulation: ascend950 (default), ascend950_scaleout, "
+                        "none (no projection), or explicit 'UBMEM=GBPS:US,URMA=GBPS:US[,SELF=GBPS:US]'")
+    g.add_argument("--link-emulation", choices=("none", "delay"), default="none",
+                   help="delay: slow deepep_ascend's UBMEM/URMA transfers to the profile x --link-scale "
+                        "(SIMULATION, labelled in every output; the MPI/gloo peers are not slowed)")
+    g.add_argument("--link-scale", type=float, default=1e-3,
+                   help="time scale of the emulation (default 1e-3: bandwidths x 1e-3, latencies x 1e3)")
+
+
+def link_setup(p, args):
+    """``(profile, emulator or None)`` from :func:`add_link_args`' options; ``p.error`` on bad values."""
+    from transports import LinkEmulator, get_profile
+
+    try:
+        profile = get_profile(args.link_profile)
+        emulator = None
+        if args.link_emulation == "delay":
+            if not profile.links:
+                raise ValueError("--link-emulation delay needs a --link-profile with links (not 'none')")
+            emulator = LinkEmulator(profile, args.link_scale)
+    except ValueError as exc:
+        p.error(f"--link-profile/--link-scale: {exc}")
+    return profile, emulator
+
+
+def link_model_doc(profile, emulator) -> dict:
+    """The ``link_model`` entry of a benchmark's JSON: what was emulated (if anything) and projected."""
+    return dict(emulation="none" if emulator is None else "delay", profile=profile.name,
+                scale=None if emulator is None else emulator.scale,
+                label="measured on this host, links not emulated" if emulator is None else emulator.label,
+                profile_links=profile.as_dict()["links"])
+
+
+def project_phases(link_stats: Optional[dict], comm, profile, formula_bytes: dict) -> Optional[dict]:
+    """Collective: :func:`transports.project` of each phase's gathered counters on ``profile``.
+
+    ``link_stats``: phase → this rank's ``Buffer.get_link_stats()`` of one call (``None`` on
+    every rank: no projection). ``formula_bytes``: phase → this rank's bytes under the
+    benchmark's byte formula; ``formula_GBps`` = their max over ranks / the projected time,
+    comparable with the measured GB/s of the same formula. ``None`` for a profile without links.
+    """
+    from transports import gather_link_stats, project
+
+    if link_stats is None or not profile.links:
+        return None
+    from mpi4py import MPI
+
+    out = dict(profile=profile.name, links={k: dict(GBps=v.GBps, latency_us=v.latency_us)
+                                            for k, v in profile.links.items()})
+    for phase, snap in link_stats.items():
+        p = project(gather_link_stats(snap, comm), profile)
+        fb = comm.allreduce(int(formula_bytes[phase]), op=MPI.MAX)
+        p["formula_bytes"] = fb
+        p["formula_GBps"] = gbps(fb, p["time_s"])
+        out[phase] = p
+    out["round_trip_s"] = sum(out[ph]["time_s"] for ph in link_stats)
+    return out
+
+
+def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulator=None) -> list:
+    """``[project]`` lines: per phase the projected time, bottleneck port and formula GB/s next to
+    ``measured`` (phase → ``(median_s, GB/s by the same formula)``); under emulation, also the
+    projected time dilated by ``1 / scale``, the floor the emulated links put under the measured time."""
+    if proj is None:
+        return []
+    lines = []
+    for phase, (t_meas, gb_meas) in measured.items():
+        p = proj[phase]
+        b = p["bottleneck"]
+        where = "nothing sent" if b is None else (
+            f"bottleneck rank {b['rank']} {b['kind']} {b['direction']} {fmt_bytes(b['bytes'])} "
+            f"({p['bottleneck_GBps']:.1f} GB/s)")
+        lines.append(f"[project]  {phase:<8} on {proj['profile']} (model of the counted traffic, not measured): "
+                     f"{p['time_s'] * 1e6:.1f} us, {where} | {formula} {p['formula_GBps']:.1f} GB/s projected "
+                     f"vs {gb_meas:.2f} GB/s measured ({t_meas * 1e3:.3f} ms)")
+        if emulator is not None and emulator.profile.name == proj["profile"]:
+            lines[-1] += f" | emulated links alone: {p['time_s'] / emulator.scale * 1e3:.3f} ms"
+    return lines
 
 
 def finish(comm, code: int = 0) -> None:

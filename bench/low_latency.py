@@ -24,7 +24,10 @@ Measured, each as the max over ranks per iteration, median and p99 over ``--iter
 Bandwidth (GB = 1e9 B): DeepEP's LL formula (spec §11) per valid selection — dispatch
 ``H + H/32 + 16`` B (FP8) or ``2H + 16`` B (BF16), combine ``2H`` B — over the call time; and
 per channel kind (SELF / UBMEM / URMA) the bytes this rank's calls moved
-(``Buffer.runtime.stats``) over the time. Performance targets are reported, never asserted:
+(``Buffer.runtime.stats``) over the time. ``[project]`` lines: the time one call's counted
+traffic would take on ``--link-profile``'s links (a model; README "Link model"), with the LL
+formula's GB/s at that time next to the measured one; ``--link-emulation delay`` slows the LL
+calls' links (SIMULATION, labelled; the peers are not slowed). Performance targets are reported, never asserted:
 round trip >= 5x faster than the faster peer pipeline at 4 ranks; overlapped total <= 1.3x the
 longer of communication and compute.
 """
@@ -56,7 +59,10 @@ def parse_args(argv=None):
                    help="allow_nvlink_for_low_latency_mode=False: same-node peers through put, not stores")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
     p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with bench.normal (no bar here)")
+    C.add_link_args(p)
     a = p.parse_args(argv)
+    a.profile, a.emulator = C.link_setup(p, a)
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     return a
@@ -87,6 +93,9 @@ def main(argv=None) -> int:
     nbytes = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
     buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
+    if args.emulator is not None:
+        buf.runtime.set_link_emulator(args.emulator)
+    emulator = buf.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
@@ -174,8 +183,16 @@ def main(argv=None) -> int:
 
     # DeepEP's LL byte formula (spec §11), this rank's valid selections.
     sel = int((wl.topk_idx >= 0).sum())
-    d_bytes = sel * ((H + H // 32 + 16) if fp8 else (2 * H + 16))
-    c_bytes = sel * 2 * H
+    d_bytes, c_bytes = (C.low_latency_bytes(sel, H, fp8, ph) for ph in ("dispatch", "combine"))
+
+    # Projection: one more (untimed) round trip, counters per call, on --link-profile's links.
+    dispatch()
+    s_d = buf.get_link_stats()
+    make_y(), combine()
+    s_c = buf.get_link_stats()
+    out["link_model"] = C.link_model_doc(args.profile, emulator)
+    out["projection"] = C.project_phases({"dispatch": s_d, "combine": s_c}, comm, args.profile,
+                                         {"dispatch": d_bytes, "combine": c_bytes})
     out["ll"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in {**t, **th}.items()}
     out["bandwidth_GBps"] = dict(dispatch=C.gbps(d_bytes, t["dispatch"].median),
                                  combine=C.gbps(c_bytes, t["combine"].median),
@@ -197,6 +214,8 @@ def main(argv=None) -> int:
 
     if rank == 0:
         c = out["config"]
+        if emulator is not None:
+            print(f"[link]   {emulator.label} -- the [ll]/[hook]/[overlap] lines are EMULATED, the peers are not")
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, BF16 combine, same-node peers by "
               f"{'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {C.fmt_bytes(nbytes)}, "
@@ -208,6 +227,10 @@ def main(argv=None) -> int:
         print(f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula)")
         print(f"[ll]     round trip {us(t['round_trip'])}")
         print("[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()))
+        for line in C.projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
+                                                           "combine": (t["combine"].median, bw["combine"])},
+                                       "LL formula", emulator):
+            print(line)
         print(f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}")
         print(f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}")
         o = out["overlap"]

@@ -41,6 +41,14 @@ Bandwidths (GB = 1e9 B, ``bench.common``): **logical** = rank-mean of
 destination rank; FP8 bytes = BF16 x (1 + 4/128) / 2). ``sent`` = bytes sent per channel kind
 (``Buffer.get_traffic()``; baselines: SELF vs peers computed from their counts), max over ranks.
 
+Link model (``transports.link_model``, README "Link model"): ``[project]`` lines give, per phase,
+the time deepep_ascend's *counted* traffic would take on ``--link-profile``'s links (default
+``ascend950``; ``none`` = no projection) with the bottleneck port, and the V1 bottleneck GB/s
+at that time next to the measured one — a model, never a measurement. ``--link-emulation delay``
+(``--link-scale``, default 1e-3) slows deepep_ascend's UBMEM/URMA transfers to the profile
+(SIMULATION: a ``[link]`` line says so and its lines are marked ``[EMULATED links]``; the peers
+run unslowed).
+
 Output (rank 0): one ``[config]`` line with the workload fingerprint (equal fingerprint = same
 inputs bit for bit), one line per system and phase, ``[check]`` lines, ``[summary]`` ratios
 (round-trip speedup over the faster peer pipeline; round trip / roofline) with the targets
@@ -92,7 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--rdma-bytes", type=int, default=None,
                    help="Buffer num_rdma_bytes, internode only (default: Buffer.get_normal_rdma_buffer_size_hint)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar on rank 0")
+    C.add_link_args(p)
     a = p.parse_args(argv)
+    a.profile, a.emulator = C.link_setup(p, a)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -299,11 +309,18 @@ def main(argv=None) -> int:
 
     results: dict[str, C.RoundTripResult] = {}
     extra: dict = {}
+    emulator = None
     if "deepep_ascend" in args.systems:
         nvl_bytes, rdma_bytes, why = choose_buffer_bytes(Buffer, args, R)
         extra["num_nvl_bytes"], extra["num_rdma_bytes"], extra["num_nvl_bytes_source"] = nvl_bytes, rdma_bytes, why
         buf = Buffer(group=None, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes, comm=comm,
                      explicitly_destroy=True, ranks_per_node=args.ranks_per_node)
+        if args.emulator is not None:
+            buf.runtime.set_link_emulator(args.emulator)
+        emulator = buf.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
+        if root and emulator is not None:
+            print(f"[link]     {emulator.label} -- deepep_ascend lines below are EMULATED, the peers are not",
+                  flush=True)
         results["deepep_ascend"] = C.run_round_trip(C.BufferSystem(buf), wl, comm, args.iters, args.warmup,
                                                     progress=progress)
         extra["two_hop"] = two_hop_report(wl, args, comm, results["deepep_ascend"].traffic)
@@ -321,6 +338,13 @@ def main(argv=None) -> int:
         bar.close()
 
     reports = {name: system_report(res, comm, args) for name, res in results.items()}
+    if emulator is not None:
+        reports["deepep_ascend"]["name"] += " [EMULATED links]"
+    projection = None
+    if "deepep_ascend" in results:
+        n_recv = results["deepep_ascend"].num_recv_tokens
+        projection = C.project_phases(results["deepep_ascend"].link_stats, comm, args.profile, {
+            ph: C.bottleneck_bytes(n_recv, args.hidden, args.fp8 and ph == "dispatch") for ph in ("dispatch", "combine")})
     roof = roof_fresh = None
     if "roofline" in args.systems:
         n_recv = n_recv_for(results, wl, args, comm)
@@ -367,6 +391,11 @@ def main(argv=None) -> int:
                   f"+ headers) -> {'equal' if t['measured'] == t['theoretical'] else 'DIFFERENT'} | "
                   f"{th['urma_bytes_per_token']:.1f} B/token | direct routing would send "
                   f"{t['remote_ranks']} rows for {t['remote_nodes']}: dedup {th['dedup_ratio']:.2f}x")
+        if projection is not None:
+            ph = reports["deepep_ascend"]["phases"]
+            for line in C.projection_lines(projection, {k: (ph[k]["median_s"], ph[k]["bottleneck_gbps"]) for k in ph},
+                                           "V1 bottleneck", emulator):
+                print(line)
         for name, chk in checks.items():
             print(fmt_check(ref_name, name, chk))
         summary = summarize(results, roof, R, roof_fresh)
@@ -394,7 +423,8 @@ def main(argv=None) -> int:
                 memory=dict(per_rank_end=mem, machine=machine, after_buffer=extra.get("buffer_memory")),
                 buffer=dict(num_nvl_bytes=extra.get("num_nvl_bytes"), num_rdma_bytes=extra.get("num_rdma_bytes"),
                             ranks_per_node=args.ranks_per_node, source=extra.get("num_nvl_bytes_source")),
-                two_hop=extra.get("two_hop"))
+                two_hop=extra.get("two_hop"), link_model=C.link_model_doc(args.profile, emulator),
+                projection=projection)
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
             print(f"[json]     wrote {args.json}")
