@@ -1,0 +1,904 @@
+#!/usr/bin/env python
+"""Bandwidth sweeps: run ``bench.normal`` / ``bench.low_latency`` over a grid of configurations.
+
+Usage (from anywhere; the benchmarks run from the repository root)::
+
+    python scripts/sweep_bandwidth.py --preset smoke --out /tmp/sweep      # 2 tiny points (CI)
+    python scripts/sweep_bandwidth.py --preset small --out sweeps/small    # a few minutes here
+    python scripts/sweep_bandwidth.py --preset default --out sweeps/dsv3 --ranks 4,8
+    python scripts/sweep_bandwidth.py --preset small --out d --tokens 256,512 --mode normal --dry-run
+
+Every configuration (mode × ranks × ranks per node × tokens × hidden × top-k × experts × dtype)
+is one ``mpiexec -n R python -m bench.<mode> --json FILE ...`` job, launched with the ``mpiexec``
+of the ``mpich`` wheel (the one mpi4py's libmpi belongs to; else ``mpiexec`` on PATH), from the
+repository root, ``PYTHONPATH`` = the root, ``OMP_NUM_THREADS=1``, in its own process group and
+with a per-run ``--timeout`` (the group is killed, the row recorded as failed, the sweep goes on).
+The child's output goes to ``DIR/logs/<config>.log``.
+
+Presets (explicit axes override the preset's values; ``--mode`` picks which modes run):
+
+* ``smoke``: normal mode, 2 ranks, one node, tokens 64 and 128, hidden 256, top-2 of 8 experts,
+  BF16, 3 iterations: two points, seconds.
+* ``small``: 4 ranks as 1 node and as 2 nodes x 2; normal mode at 128-1024 tokens, low-latency
+  at 64-256 tokens; hidden 1024, top-4 of 16 experts, BF16, 5 iterations: 14 points, a few
+  minutes on a 2-core machine.
+* ``default``: DeepSeek-V3 shape (hidden 7168, top-8 of 256 experts), 4 ranks as 1 and 2
+  nodes; normal at 512-4096 tokens, low-latency at 16-128 tokens (its window grows with
+  tokens x hidden x experts): longer (about an hour on 2 cores).
+* ``full``: 2, 4 and 8 ranks, nodes of 2 and 4, hidden 2048 and 7168, BF16 and FP8: hours.
+
+Outputs in ``--out DIR`` (rewritten atomically after every configuration, so a killed sweep
+keeps what it measured; rerunning with the same ``DIR`` skips configurations already ``ok``,
+``--no-resume`` measures them again):
+
+* ``results.csv`` / ``results.json`` (``{"columns": [...], "rows": [...]}``): one row per
+  configuration; columns in :data:`COLUMNS` (see the README section "Bandwidth sweeps").
+* ``gbps_vs_size.png``: GB/s vs tokens per rank, per mode, for the formula bandwidths and per
+  channel kind (SELF / UBMEM / URMA bytes moved per second);
+* ``peers.png``: deepep_ascend vs the MPI ``Alltoallv`` and gloo ``all_to_all_single``
+  pipelines on the same axes;
+* ``projected_vs_measured.png``: the benchmarks' projection onto a link profile (a model,
+  labelled as such) next to the measured GB/s; emulated runs are labelled ``EMULATED``.
+
+GB = 1e9 B. The GB/s come from the benchmarks' JSON, computed there with ``bench.common``'s
+byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode); the sweep
+only derives the per-kind round-trip rates, with ``bench.common.gbps``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import importlib.metadata
+import io
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench import common as C  # noqa: E402  (byte formulas and gbps: one implementation)
+
+MODES = ("normal", "low_latency")
+MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency"}
+KINDS = ("SELF", "UBMEM", "URMA")
+PEERS = ("mpi_alltoallv", "gloo_all_to_all")
+PHASES = ("dispatch", "combine")
+LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
+DEFAULT_LINK_PROFILE = "ascend950"
+
+# ----------------------------------------------------------------------------------------------
+# Presets: per mode, the axes (lists) of its grid; plus iterations and the per-run timeout.
+# ----------------------------------------------------------------------------------------------
+
+PRESETS = {
+    "smoke": dict(
+        about="2 points: normal mode, 2 ranks, tokens 64/128, hidden 256, top-2 of 8 experts (seconds)",
+        iters=3, warmup=1, timeout=120.0,
+        modes={"normal": dict(ranks=[2], ranks_per_node=[None], tokens=[64, 128], hidden=[256], num_topk=[2],
+                              num_experts=[8], dtype=["bf16"])}),
+    "small": dict(
+        about="14 points: 4 ranks as 1 node and 2x2; normal 128-1024 tokens, low-latency 64-256 (a few minutes)",
+        iters=5, warmup=1, timeout=300.0,
+        modes={"normal": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[128, 256, 512, 1024], hidden=[1024],
+                              num_topk=[4], num_experts=[16], dtype=["bf16"]),
+               "low_latency": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[64, 128, 256], hidden=[1024],
+                                   num_topk=[4], num_experts=[16], dtype=["bf16"])}),
+    "default": dict(
+        about="DeepSeek-V3 shape, 4 ranks as 1 and 2 nodes; normal 512-4096 tokens, LL 16-128 (about an hour)",
+        iters=10, warmup=2, timeout=1800.0,
+        modes={"normal": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[512, 1024, 2048, 4096], hidden=[7168],
+                              num_topk=[8], num_experts=[256], dtype=["bf16"]),
+               "low_latency": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[16, 32, 64, 128], hidden=[7168],
+                                   num_topk=[8], num_experts=[256], dtype=["bf16"])}),
+    "full": dict(
+        about="2/4/8 ranks, nodes of 2 and 4, hidden 2048/7168, BF16 and FP8 (hours)",
+        iters=10, warmup=2, timeout=3600.0,
+        modes={"normal": dict(ranks=[2, 4, 8], ranks_per_node=[None, 2, 4], tokens=[256, 512, 1024, 2048],
+                              hidden=[2048, 7168], num_topk=[8], num_experts=[256], dtype=["bf16", "fp8"]),
+               "low_latency": dict(ranks=[2, 4, 8], ranks_per_node=[None, 2, 4], tokens=[16, 32, 64, 128],
+                                   hidden=[2048, 7168], num_topk=[8], num_experts=[256], dtype=["bf16", "fp8"])}),
+}
+AXES = ("ranks", "ranks_per_node", "tokens", "hidden", "num_topk", "num_experts", "dtype")
+
+# ----------------------------------------------------------------------------------------------
+# Row columns (CSV order). Empty cell = not measured / not reported by that benchmark.
+# ----------------------------------------------------------------------------------------------
+
+CONFIG_FIELDS = ["mode", "ranks", "ranks_per_node", "nodes", "tokens", "hidden", "num_topk", "num_experts", "dtype",
+                 "iters", "warmup", "seed", "peers", "link_profile", "link_emulation", "link_scale"]
+COLUMNS = (
+    ["config_key"] + CONFIG_FIELDS
+    + ["status", "error", "returncode", "wall_s", "fingerprint", "version", "git_commit", "hostname", "timestamp",
+       "gbps_formula", "checks_ok"]
+    + [f"{p}_{m}" for p in PHASES for m in ("s", "bytes", "gbps", "logical_gbps")]
+    + ["round_trip_s"]
+    + [f"{p}_{k}_{m}" for p in PHASES for k in KINDS for m in ("bytes", "gbps")]
+    + [f"rt_{k}_gbps" for k in KINDS]
+    + [f"{peer}_{m}" for peer in PEERS for m in ("round_trip_s", "dispatch_gbps", "combine_gbps")]
+    + ["roofline_round_trip_s", "speedup_over_faster_peer"]
+    + ["link_label", "proj_profile", "proj_links", "proj_round_trip_s"]
+    + [f"proj_{p}_{m}" for p in PHASES for m in ("s", "gbps", "formula_bytes", "bottleneck_kind", "bottleneck_direction",
+                                                   "bottleneck_rank", "bottleneck_bytes", "bottleneck_link_gbps")]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One benchmark run. ``ranks_per_node=None``: one node (all ranks)."""
+
+    mode: str
+    ranks: int
+    ranks_per_node: Optional[int]
+    tokens: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    dtype: str
+    iters: int
+    warmup: int
+    seed: int = 0
+    peers: bool = True
+    link_profile: Optional[str] = DEFAULT_LINK_PROFILE
+    link_emulation: Optional[str] = None
+    link_scale: Optional[float] = None
+
+    @property
+    def nodes(self) -> int:
+        return self.ranks // self.ranks_per_node if self.ranks_per_node else 1
+
+    @property
+    def key(self) -> str:
+        """Stable, readable identity of the configuration (the resume key)."""
+        topo = f"{self.nodes}x{self.ranks_per_node}" if self.ranks_per_node else "1node"
+        k = (f"{self.mode}-R{self.ranks}-{topo}-T{self.tokens}-H{self.hidden}-K{self.num_topk}-E{self.num_experts}"
+             f"-{self.dtype}-it{self.iters}w{self.warmup}-s{self.seed}")
+        if not self.peers:
+            k += "-nopeers"
+        k += f"-proj_{self.link_profile or 'none'}"
+        if self.link_emulation and self.link_emulation != "none":
+            k += f"-emu_{self.link_emulation}x{'default' if self.link_scale is None else f'{self.link_scale:g}'}"
+        return k
+
+    def fields(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["nodes"] = self.nodes
+        return {f: d[f] for f in CONFIG_FIELDS}
+
+    def invalid(self) -> Optional[str]:
+        """Why this combination cannot run, or None."""
+        if self.num_experts % self.ranks:
+            return f"num_experts {self.num_experts} is not a multiple of ranks {self.ranks}"
+        if self.num_topk > self.num_experts:
+            return f"num_topk {self.num_topk} > num_experts {self.num_experts}"
+        if self.ranks_per_node and self.ranks % self.ranks_per_node:
+            return f"ranks_per_node {self.ranks_per_node} does not divide ranks {self.ranks}"
+        if self.dtype == "fp8" and self.hidden % C.FP8_BLOCK:
+            return f"fp8 needs hidden % {C.FP8_BLOCK} == 0 (hidden {self.hidden})"
+        if self.mode == "low_latency" and self.tokens > LL_MAX_TOKENS:
+            return f"low_latency needs tokens <= {LL_MAX_TOKENS} (tokens {self.tokens})"
+        return None
+
+    def bench_args(self, json_path: str, supported: set) -> list:
+        """The benchmark's command-line options (``supported``: the options its ``--help`` lists)."""
+        a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
+             "--num-experts", self.num_experts, "--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
+        if self.ranks_per_node:
+            a += ["--ranks-per-node", self.ranks_per_node]
+        if self.mode == "normal":
+            a += ["--fp8"] if self.dtype == "fp8" else []
+            if not self.peers:
+                a += ["--systems", "deepep_ascend,roofline"]
+        else:
+            a += ["--bf16"] if self.dtype == "bf16" else []
+            if not self.peers:
+                a += ["--no-baselines"]
+        if "--no-progress" in supported:
+            a += ["--no-progress"]
+        if "--link-profile" in supported:  # the benchmarks' default is ascend950: 'none' must be said
+            a += ["--link-profile", self.link_profile or "none"]
+        if self.link_emulation and self.link_emulation != "none":
+            a += ["--link-emulation", self.link_emulation]
+            if self.link_scale is not None:
+                a += ["--link-scale", self.link_scale]
+        return [str(x) for x in a]
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment: mpiexec, child env, provenance
+# ----------------------------------------------------------------------------------------------
+
+
+def mpich_wheel_mpiexec() -> Optional[str]:
+    """The ``mpiexec`` shipped by the ``mpich`` wheel (scripts/common.sh ``mpich_wheel_mpiexec``)."""
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == "mpiexec" and f.parent.name == "bin":
+            return os.path.realpath(dist.locate_file(f))
+    return None
+
+
+def find_mpiexec() -> str:
+    """The wheel's ``mpiexec`` (what ``use_wheel_mpiexec`` puts first on PATH), else ``mpiexec`` on PATH."""
+    wheel = mpich_wheel_mpiexec()
+    if wheel and os.path.exists(wheel):
+        return wheel
+    found = shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("sweep_bandwidth: no mpiexec: install the mpich wheel (pip install mpich) or put one on PATH")
+    return found
+
+
+_LAUNCHER_PREFIXES = ("PMI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_", "PMIX_")
+# Set by the configuration, never inherited: topology and link emulation/profile.
+_CONFIG_ENV = ("DEEPEP_ASCEND_RANKS_PER_NODE", "DEEPEP_ASCEND_LINK_PROFILE", "DEEPEP_ASCEND_LINK_EMULATION",
+               "DEEPEP_ASCEND_LINK_SCALE")
+
+
+def child_env() -> dict:
+    """Environment of a benchmark job: ours minus an enclosing MPI launch's variables (a child job must
+    not join it) and the library variables a configuration sets (:data:`_CONFIG_ENV`), plus
+    ``PYTHONPATH`` = repository root first and ``OMP_NUM_THREADS=1``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _CONFIG_ENV}
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def library_version() -> str:
+    try:
+        return importlib.metadata.version("deepep_ascend")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            import deepep_ascend
+            return str(deepep_ascend.__version__)
+        except Exception:  # noqa: BLE001
+            return ""
+
+
+def git_commit() -> str:
+    """``HEAD`` of the checkout (12 hex digits), ``+dirty`` if tracked files differ; "" without git."""
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return ""
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def bench_options(module: str, env: dict) -> set:
+    """The ``--options`` a benchmark's ``--help`` lists (checked once per module)."""
+    try:
+        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one configuration
+# ----------------------------------------------------------------------------------------------
+
+
+def run_config(cfg: Config, mpiexec: str, env: dict, supported: set, timeout: float, log_dir: str) -> tuple:
+    """Run one benchmark job. Returns ``(doc or None, returncode or None, error text, wall seconds)``."""
+    fd, json_path = tempfile.mkstemp(prefix="sweep_", suffix=".json")
+    os.close(fd)
+    os.unlink(json_path)  # the benchmark creates it: its absence means no result
+    cmd = [mpiexec, "-n", str(cfg.ranks), sys.executable, "-m", MODULES[cfg.mode]] + cfg.bench_args(json_path, supported)
+    log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9._+-]", "_", cfg.key) + ".log")
+    t0 = time.perf_counter()
+    err, rc = "", None
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            err = f"timeout after {timeout:g} s (process group killed)"
+        except BaseException:  # KeyboardInterrupt: no orphaned ranks
+            kill_group(proc)
+            raise
+    wall = time.perf_counter() - t0
+    doc = None
+    try:
+        with open(json_path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        if not err:
+            err = f"exit {rc}, no JSON result ({type(e).__name__})"
+    finally:
+        if os.path.exists(json_path):
+            os.unlink(json_path)
+    if not err and rc != 0:
+        err = f"exit {rc}"
+    if err:
+        err += ": " + log_tail(log_path)
+    return doc, rc, err, wall
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's process group, SIGKILL it if still alive after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(path: str, n: int = 400) -> str:
+    """The last ``n`` characters of a job's log, on one line (for the ``error`` column)."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    return " | ".join(lines)[-n:] + f" (log: {path})"
+
+
+def _get(d, *path):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def _rt_kind_gbps(phases: dict, round_trip_s: Optional[float]) -> dict:
+    """normal: per kind, the busiest rank's dispatch + combine bytes over the round-trip median."""
+    out = {}
+    if not round_trip_s:
+        return out
+    for k in KINDS:
+        per = [_get(phases, p, "sent_by_kind", k, "bytes_per_rank") for p in PHASES]
+        if all(isinstance(v, list) for v in per):
+            out[k] = C.gbps(max(a + b for a, b in zip(*per)), round_trip_s)
+    return out
+
+
+def measured_fields(mode: str, doc: dict) -> dict:
+    """Row fields from a benchmark's JSON (missing blocks leave their columns empty)."""
+    r: dict = {}
+    if mode == "normal":
+        sysd = _get(doc, "systems", "deepep_ascend") or {}
+        r["fingerprint"] = doc.get("fingerprint")
+        r["gbps_formula"] = "V1 bottleneck (busiest rank); logical = V2"
+        r["checks_ok"] = _get(doc, "checks", "all_ok")
+        phases = sysd.get("phases", {})
+        for p in PHASES:
+            ph = phases.get(p, {})
+            r[f"{p}_s"] = ph.get("median_s")
+            r[f"{p}_gbps"] = ph.get("bottleneck_gbps")
+            r[f"{p}_logical_gbps"] = ph.get("logical_gbps")
+            b, i = ph.get("bottleneck_bytes_per_rank"), ph.get("bottleneck_rank")
+            r[f"{p}_bytes"] = b[i] if isinstance(b, list) and isinstance(i, int) and 0 <= i < len(b) else None
+            for k in KINDS:
+                kd = _get(ph, "sent_by_kind", k) or {}
+                r[f"{p}_{k}_bytes"], r[f"{p}_{k}_gbps"] = kd.get("max_bytes"), kd.get("max_gbps")
+        r["round_trip_s"] = _get(sysd, "timings", "round_trip", "median_s")
+        for k, v in _rt_kind_gbps(phases, r["round_trip_s"]).items():
+            r[f"rt_{k}_gbps"] = v
+        for peer in PEERS:
+            pd = _get(doc, "systems", peer) or {}
+            r[f"{peer}_round_trip_s"] = _get(pd, "timings", "round_trip", "median_s")
+            for p in PHASES:
+                r[f"{peer}_{p}_gbps"] = _get(pd, "phases", p, "bottleneck_gbps")
+        r["roofline_round_trip_s"] = _get(doc, "roofline", "timings", "round_trip", "median_s")
+        r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_over_faster_peer")
+    else:
+        r["fingerprint"] = _get(doc, "config", "fingerprint")
+        r["gbps_formula"] = "DeepEP LL formula (rank 0); per kind: rank 0"
+        r["checks_ok"] = _get(doc, "check", "ok")
+        for p in PHASES:
+            r[f"{p}_s"] = _get(doc, "ll", p, "median_s")
+            r[f"{p}_gbps"] = _get(doc, "bandwidth_GBps", p)
+        r["round_trip_s"] = _get(doc, "ll", "round_trip", "median_s")
+        for k, v in (_get(doc, "bandwidth_GBps", "per_kind") or {}).items():
+            if k in KINDS:
+                r[f"rt_{k}_gbps"] = v
+        for peer in PEERS:
+            r[f"{peer}_round_trip_s"] = _get(doc, "baselines", peer, "median_s")
+        r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_vs_faster_pipeline")
+    lm = doc.get("link_model") or {}
+    if lm:
+        r["link_emulation"] = lm.get("emulation")
+        r["link_scale"] = lm.get("scale")
+        r["link_label"] = lm.get("label")
+    pj = doc.get("projection") or {}
+    if pj:
+        r["proj_profile"] = pj.get("profile")
+        r["proj_links"] = json.dumps(pj["links"], sort_keys=True) if pj.get("links") is not None else None
+        r["proj_round_trip_s"] = pj.get("round_trip_s")
+        for p in PHASES:
+            pp = pj.get(p) or {}
+            r[f"proj_{p}_s"] = pp.get("time_s")
+            r[f"proj_{p}_gbps"] = pp.get("formula_GBps")
+            r[f"proj_{p}_bottleneck_link_gbps"] = pp.get("bottleneck_GBps")
+            r[f"proj_{p}_formula_bytes"] = pp.get("formula_bytes")
+            for f in ("kind", "direction", "rank", "bytes"):
+                r[f"proj_{p}_bottleneck_{f}"] = _get(pp, "bottleneck", f)
+    return r
+
+
+def make_row(cfg: Config, doc, rc, err: str, wall: float, prov: dict) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(config_key=cfg.key, **cfg.fields(), **prov)
+    row.update(returncode=rc, wall_s=wall, timestamp=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+    if doc is not None:
+        row.update(measured_fields(cfg.mode, doc))
+    if not err and doc is not None and row.get("checks_ok") is False:
+        err = "benchmark reported a correctness check failure"
+    if not err and not (isinstance(row.get("round_trip_s"), (int, float)) and row["round_trip_s"] > 0):
+        err = "benchmark JSON has no round-trip time"
+    row["status"] = "failed" if err else "ok"
+    row["error"] = err or None
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Results: load, merge, atomic write
+# ----------------------------------------------------------------------------------------------
+
+
+def load_results(out_dir: str) -> list:
+    """Rows of ``DIR/results.json`` (empty if absent)."""
+    path = os.path.join(out_dir, "results.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        doc = json.load(f)
+    return list(doc.get("rows", []))
+
+
+def done_keys(rows: Iterable[dict]) -> set:
+    """Config keys whose row is ``ok`` (skipped on resume)."""
+    return {r["config_key"] for r in rows if r.get("status") == "ok"}
+
+
+def merge_row(rows: list, row: dict) -> list:
+    """Replace the row with the same key, else append."""
+    out = [r for r in rows if r.get("config_key") != row["config_key"]]
+    for i, r in enumerate(rows):
+        if r.get("config_key") == row["config_key"]:
+            out.insert(i, row)
+            return out
+    return out + [row]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _finite(v):
+    """NaN / inf (e.g. a GB/s over a zero time) become None: strict JSON, empty CSV cell."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _cell(v):
+    return "" if v is None else (repr(v) if isinstance(v, float) else v)
+
+
+def write_results(out_dir: str, rows: list) -> None:
+    """``results.json`` and ``results.csv`` (columns: :data:`COLUMNS`, then any extra keys), each atomically."""
+    cols = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
+    norm = [{c: _finite(r.get(c)) for c in cols} for r in rows]
+    _atomic_write(os.path.join(out_dir, "results.json"),
+                  json.dumps({"columns": cols, "rows": norm}, indent=1, default=str, allow_nan=False) + "\n")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for r in norm:
+        w.writerow([_cell(r[c]) for c in cols])
+    _atomic_write(os.path.join(out_dir, "results.csv"), buf.getvalue())
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------
+
+
+def _num(v) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _group_label(r: dict) -> str:
+    topo = f"{r['nodes']}x{r['ranks_per_node']}" if r.get("ranks_per_node") else "1 node"
+    emu = " EMULATED" if r.get("link_emulation") not in (None, "", "none") else ""
+    return (f"R{r['ranks']} {topo}, H{r['hidden']}, top-{r['num_topk']}/{r['num_experts']}, "
+            f"{str(r['dtype']).upper()}{emu}")
+
+
+def _series(rows: list, field: str) -> dict:
+    """``{group label: (tokens[], values[])}`` sorted by tokens, rows without the field left out."""
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["tokens"]):
+        v = _num(r.get(field))
+        if v is not None and v > 0:
+            xs, ys = out.setdefault(_group_label(r), ([], []))
+            xs.append(r["tokens"])
+            ys.append(v)
+    return out
+
+
+def _finish_axes(ax, title: str, ylabel: str, empty_note: str = "no data") -> None:
+    """Titles, units, plain-number ticks at the measured sizes; log y only when values span > 20x."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel(ylabel)
+    if not ax.lines:
+        ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes, fontsize=8, wrap=True)
+        return
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    xs = sorted({float(x) for ln in ax.lines for x in ln.get_xdata()})
+    ys = [float(y) for ln in ax.lines for y in ln.get_ydata()]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if max(ys) > 20 * min(ys):
+        ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_ylim(0, max(ys) * 1.15)
+    ax.yaxis.set_major_formatter(plain)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def make_plots(out_dir: str, rows: list) -> list:
+    """Regenerate the three PNGs from every ``ok`` row; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or ["normal"]
+    by_mode = {m: [r for r in ok if r["mode"] == m] for m in modes}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    paths = []
+
+    palette: dict = {}
+
+    def color_of(label):  # one colour per configuration group across all three figures
+        return palette.setdefault(label, colors[len(palette) % len(colors)])
+
+    # (1) GB/s vs size per mode and channel kind
+    cols = [("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")] + \
+           [(f"rt_{k}_gbps", f"{k} bytes moved / round trip") for k in KINDS]
+    fig, axes = plt.subplots(len(modes), len(cols), figsize=(4.2 * len(cols), 3.6 * len(modes)), squeeze=False)
+    for i, m in enumerate(modes):
+        formula = "V1 bottleneck bytes" if m == "normal" else "DeepEP LL-formula bytes"
+        for j, (field, what) in enumerate(cols):
+            ax = axes[i][j]
+            for label, (xs, ys) in _series(by_mode[m], field).items():
+                ax.plot(xs, ys, marker="o", color=color_of(label), label=label)
+            sub = formula if j < 2 else ("busiest rank" if m == "normal" else "rank 0")
+            _finish_axes(ax, f"{m}: {what}\n({sub})", "GB/s (1 GB = 1e9 B)", "none moved" if j >= 2 else "no data")
+    fig.suptitle("deepep_ascend measured bandwidth vs size, per mode and channel kind (median over iterations)")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "gbps_vs_size.png", plt))
+
+    # (2) deepep_ascend vs the peers on the same axes
+    styles = {"deepep_ascend": "-", "mpi_alltoallv": "--", "gloo_all_to_all": ":"}
+    panels = []
+    if "normal" in by_mode:
+        panels += [("normal", p, "GB/s (V1 bottleneck bytes, 1 GB = 1e9 B)") for p in PHASES]
+    for m in modes:
+        panels.append((m, "round_trip", "round trip, ms (median)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (m, what, ylabel) in zip(axes[0], panels):
+        for system, ls in styles.items():
+            if what == "round_trip":
+                field = "round_trip_s" if system == "deepep_ascend" else f"{system}_round_trip_s"
+            else:
+                field = f"{what}_gbps" if system == "deepep_ascend" else f"{system}_{what}_gbps"
+            for label, (xs, ys) in _series(by_mode[m], field).items():
+                if what == "round_trip":
+                    ys = [y * 1e3 for y in ys]
+                ax.plot(xs, ys, ls, marker="o" if system == "deepep_ascend" else ".", color=color_of(label),
+                        label=f"{system}: {label}")
+        _finish_axes(ax, f"{m}: {what.replace('_', ' ')}", ylabel)
+    fig.suptitle("deepep_ascend (solid) vs the peer pipelines MPI Alltoallv (dashed) and gloo all_to_all_single "
+                 "(dotted): same workload, same run", fontsize=10)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "peers.png", plt))
+
+    # (3) projected vs measured
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4.0 * len(modes)), squeeze=False)
+    for i, m in enumerate(modes):
+        for j, p in enumerate(PHASES):
+            ax = axes[i][j]
+            profiles = sorted({str(r["proj_profile"]) for r in by_mode[m] if r.get("proj_profile")})
+            for label, (xs, ys) in _series(by_mode[m], f"{p}_gbps").items():
+                tag = "measured, EMULATED links" if "EMULATED" in label else "measured"
+                ax.plot(xs, ys, "-", marker="o", color=color_of(label), label=f"{tag}: {label}")
+            for prof in profiles:
+                rows_p = [r for r in by_mode[m] if str(r.get("proj_profile")) == prof]
+                for label, (xs, ys) in _series(rows_p, f"proj_{p}_gbps").items():
+                    ax.plot(xs, ys, "--", marker="^", color=color_of(label),
+                            label=f"projected on {prof} (model): {label}")
+            _finish_axes(ax, f"{m} {p}: measured vs projected GB/s (same formula bytes)", "GB/s (1 GB = 1e9 B)")
+            if not profiles:
+                ax.text(0.02, 0.02, "no projection in the benchmark JSON", transform=ax.transAxes, fontsize=7)
+    fig.suptitle("Projected (link-model, not measured) vs measured bandwidth")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "projected_vs_measured.png", plt))
+    return paths
+
+
+def _save(fig, out_dir: str, name: str, plt) -> str:
+    path = os.path.join(out_dir, name)
+    tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def _list(p, name: str, text: str, conv) -> list:
+    vals = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        try:
+            vals.append(conv(tok))
+        except ValueError as e:
+            p.error(f"{name}: bad value {tok!r} ({e})")
+    if not vals:
+        p.error(f"{name}: empty list")
+    return list(dict.fromkeys(vals))  # order kept, duplicates dropped
+
+
+def _pos_int(tok: str) -> int:
+    v = int(tok)
+    if v <= 0:
+        raise ValueError("must be a positive integer")
+    return v
+
+
+def _rpn(tok: str) -> Optional[int]:
+    if tok.lower() in ("0", "none", "1node"):
+        return None
+    return _pos_int(tok)
+
+
+def _mode(tok: str) -> str:
+    if tok == "mega_moe":
+        raise ValueError("not supported yet: bench.mega_moe's --json has no workload fingerprint or GB/s fields")
+    if tok not in MODES:
+        raise ValueError(f"choose from {', '.join(MODES)}")
+    return tok
+
+
+def _dtype(tok: str) -> str:
+    tok = tok.lower()
+    if tok not in ("bf16", "fp8"):
+        raise ValueError("choose from bf16, fp8")
+    return tok
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/sweep_bandwidth.py", description=__doc__.split("\n")[0],
+                                epilog="Presets:\n" + "\n".join(f"  {k:8s} {v['about']}" for k, v in PRESETS.items()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="the grid to start from (default small)")
+    p.add_argument("--out", metavar="DIR", help="output directory (results.csv, results.json, PNGs, logs/)")
+    p.add_argument("--mode", help="comma list out of normal,low_latency (default: the preset's modes)")
+    p.add_argument("--tokens", help="tokens per rank, comma list (e.g. 512,1024)")
+    p.add_argument("--hidden", help="hidden sizes, comma list")
+    p.add_argument("--num-topk", help="top-k values, comma list")
+    p.add_argument("--num-experts", help="expert counts, comma list")
+    p.add_argument("--ranks", help="mpiexec -n values, comma list")
+    p.add_argument("--ranks-per-node", help="simulated node sizes, comma list; 0 or none = one node")
+    p.add_argument("--dtype", help="dispatch dtypes, comma list out of bf16,fp8 (combine is BF16)")
+    p.add_argument("--fp8", dest="dtype", action="store_const", const="fp8", help="same as --dtype fp8")
+    p.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="same as --dtype bf16")
+    p.add_argument("--iters", type=int, help="timed iterations per run (default: the preset's)")
+    p.add_argument("--warmup", type=int, help="untimed iterations first (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--no-peers", action="store_true", help="skip the MPI / gloo peer pipelines (faster)")
+    p.add_argument("--link-profile", default=DEFAULT_LINK_PROFILE,
+                   help=f"projection profile passed to the benchmarks (default {DEFAULT_LINK_PROFILE}; 'none' = "
+                        f"no projection); passed only to benchmarks whose --help lists --link-profile")
+    p.add_argument("--link-emulation", choices=("none", "delay"), default="none",
+                   help="emulate the profile's links in the benchmark (rows and plots say EMULATED)")
+    p.add_argument("--link-scale", type=float, help="emulation scale passed as --link-scale")
+    p.add_argument("--timeout", type=float, help="seconds per run before its process group is killed "
+                                                 "(default: the preset's)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip configurations already ok in DIR/results.json (default: --resume)")
+    p.add_argument("--dry-run", action="store_true", help="print the configurations and commands, run nothing")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    a = p.parse_args(argv)
+    preset = PRESETS[a.preset]
+    if not a.out and not a.dry_run:
+        p.error("--out DIR is required (unless --dry-run)")
+    a.iters = preset["iters"] if a.iters is None else a.iters
+    a.warmup = preset["warmup"] if a.warmup is None else a.warmup
+    if a.iters < 1:
+        p.error(f"--iters must be >= 1, got {a.iters}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    a.timeout = preset["timeout"] if a.timeout is None else a.timeout
+    if not a.timeout > 0:
+        p.error(f"--timeout must be positive, got {a.timeout}")
+    if a.link_scale is not None and not a.link_scale > 0:
+        p.error(f"--link-scale must be positive, got {a.link_scale}")
+    if a.link_scale is not None and a.link_emulation == "none":
+        p.error("--link-scale needs --link-emulation delay")
+    a.link_profile = None if str(a.link_profile).lower() in ("", "none") else a.link_profile
+    if a.link_emulation != "none" and a.link_profile is None:
+        p.error("--link-emulation needs a --link-profile to emulate")
+    modes = _list(p, "--mode", a.mode, _mode) if a.mode else list(preset["modes"])
+    override = {}
+    for axis, conv in (("tokens", _pos_int), ("hidden", _pos_int), ("num_topk", _pos_int),
+                       ("num_experts", _pos_int), ("ranks", _pos_int), ("ranks_per_node", _rpn), ("dtype", _dtype)):
+        text = getattr(a, axis)
+        if text is not None:
+            override[axis] = _list(p, "--" + axis.replace("_", "-"), text, conv)
+    configs, skipped = [], []
+    first = next(iter(preset["modes"].values()))
+    for m in modes:
+        axes = dict(preset["modes"].get(m, first), **override)
+        for vals in itertools.product(*(axes[k] for k in AXES)):
+            d = dict(zip(AXES, vals))
+            if d["ranks_per_node"] is not None and d["ranks_per_node"] == d["ranks"]:
+                d["ranks_per_node"] = None  # a node of all ranks is the one-node case
+            cfg = Config(mode=m, iters=a.iters, warmup=a.warmup, seed=a.seed, peers=not a.no_peers,
+                         link_profile=a.link_profile,
+                         link_emulation=None if a.link_emulation == "none" else a.link_emulation,
+                         link_scale=a.link_scale, **d)
+            why = cfg.invalid()
+            if why:
+                skipped.append((cfg, why))
+            elif cfg not in configs:
+                configs.append(cfg)
+    if not configs:
+        p.error("no valid configuration: " + "; ".join(sorted({w for _, w in skipped}))
+                + " (check --tokens/--hidden/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
+    a.configs, a.invalid = configs, skipped
+    return a, p
+
+
+def _terminate(signum, frame):
+    """SIGTERM → SystemExit, so the running job's process group is killed on the way out."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args, parser = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    env = child_env()
+    supported = {}
+    for m in sorted({c.mode for c in args.configs}):
+        supported[m] = bench_options(MODULES[m], env)
+        if not supported[m]:
+            print(f"[sweep] warning: could not read `python -m {MODULES[m]} --help`", file=sys.stderr)
+        if args.link_emulation != "none" and "--link-emulation" not in supported[m]:
+            parser.error(f"--link-emulation: {MODULES[m]} does not accept --link-emulation (yet)")
+        if args.link_profile and "--link-profile" not in supported[m]:
+            print(f"[sweep] note: {MODULES[m]} has no --link-profile yet: no projection columns for {m} rows")
+    # A benchmark without --link-profile makes no projection: the effective configuration says so
+    # (its key too, so that a rerun after the benchmark gains it measures the projection).
+    args.configs = [c if c.link_profile is None or "--link-profile" in supported[c.mode]
+                    else dataclasses.replace(c, link_profile=None) for c in args.configs]
+    for cfg, why in args.invalid:
+        print(f"[sweep] skipping invalid combination {cfg.key}: {why}")
+
+    prev = load_results(args.out) if args.out else []
+    done = done_keys(prev) if args.resume else set()
+    todo = [c for c in args.configs if c.key not in done]
+    n_skip = len(args.configs) - len(todo)
+    print(f"[sweep] preset {args.preset}: {len(args.configs)} configurations; {n_skip} already ok in "
+          f"{os.path.join(args.out, 'results.json') if args.out else '-'} (skipped), {len(todo)} to run; "
+          f"timeout {args.timeout:g} s per run", flush=True)
+
+    mpiexec = find_mpiexec() if not args.dry_run else (mpich_wheel_mpiexec() or shutil.which("mpiexec") or "mpiexec")
+    if args.dry_run:
+        for c in args.configs:
+            state = "skip (ok)" if c.key in done else "run"
+            cmd = [mpiexec, "-n", str(c.ranks), sys.executable, "-m", MODULES[c.mode]] + c.bench_args(
+                "<tmp.json>", supported.get(c.mode, set()))
+            print(f"{state:10s} {c.key}\n           {' '.join(cmd)}")
+        return 0
+
+    out_dir = os.path.abspath(args.out)
+    log_dir = os.path.join(out_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    prov = dict(version=library_version(), git_commit=git_commit(), hostname=socket.gethostname())
+    rows = prev
+    try:
+        from tqdm import tqdm
+    except ImportError:  # bench extra missing: plain loop
+        tqdm = None
+    bar = tqdm(total=len(todo), desc="sweep", unit="run", disable=None, file=sys.stderr) if tqdm else None
+    say = bar.write if bar is not None else print
+    n_ok = n_fail = 0
+    t_start = time.perf_counter()
+    try:
+        for cfg in todo:
+            if bar is not None:
+                bar.set_postfix_str(cfg.key, refresh=True)
+            doc, rc, err, wall = run_config(cfg, mpiexec, env, supported.get(cfg.mode, set()), args.timeout, log_dir)
+            row = make_row(cfg, doc, rc, err, wall, prov)
+            rows = merge_row(rows, row)
+            write_results(out_dir, rows)
+            if row["status"] == "ok":
+                n_ok += 1
+                proj = _num(row.get("proj_dispatch_gbps"))
+                say(f"[ok]     {cfg.key}: dispatch {row['dispatch_s'] * 1e3:.3f} ms {row['dispatch_gbps']:.3f} GB/s | "
+                    f"combine {row['combine_s'] * 1e3:.3f} ms {row['combine_gbps']:.3f} GB/s"
+                    + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
+                    + f" | {wall:.1f} s")
+            else:
+                n_fail += 1
+                say(f"[failed] {cfg.key}: {row['error']}")
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    plots = []
+    try:
+        plots = make_plots(out_dir, rows)
+    except ImportError as e:
+        print(f"[sweep] no plots: {e} (pip install matplotlib, or the package's bench extra)", file=sys.stderr)
+    print(f"[sweep] done in {time.perf_counter() - t_start:.1f} s: ran {len(todo)} (ok {n_ok}, failed {n_fail}), "
+          f"skipped {n_skip} already ok; results {os.path.join(out_dir, 'results.csv')} and results.json"
+          + (f"; plots {', '.join(os.path.basename(x) for x in plots)}" if plots else ""), flush=True)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

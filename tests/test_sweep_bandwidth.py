@@ -1,0 +1,209 @@
+"""``scripts/sweep_bandwidth.py`` (issue 7): the two-point preset end to end, resume, and its row logic.
+
+The end-to-end test runs in the 1-rank job only: the script launches its own ``mpiexec -n 2``
+benchmark jobs. It checks the CSV, the JSON and the PNGs, that the numbers are real and
+consistent (GB/s = bytes / time with ``bench.common.gbps``), and that a second run with the same
+``--out`` skips both configurations (asserted on the script's own count, never on time).
+The other tests exercise keys, resume, CSV/JSON writing and the CLI without MPI.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from mpi_utils import child_env, world
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+SCRIPT = os.path.join(REPO, "scripts", "sweep_bandwidth.py")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("sweep_bandwidth", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sweep_bandwidth", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_sweep(args, timeout_s=240.0):
+    """Run the script as a user would (outside our MPI job); SIGTERM then SIGKILL on timeout."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, *args], cwd=REPO, env=child_env(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script kills its running benchmark job on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        out += f"\n[test] killed the sweep after {timeout_s} s"
+    return proc.returncode, out
+
+
+@pytest.fixture
+def out_tmp():
+    """A private temporary directory (not pytest's tmp_path: concurrent ranks race on its cleanup)."""
+    d = tempfile.mkdtemp(prefix="sweep_bw_test_")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _f(v) -> float:
+    return float(v) if v not in ("", None) else float("nan")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(420)
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_smoke_preset_end_to_end_then_resumes(out_tmp):
+    from bench.common import gbps
+
+    out_dir = out_tmp / "sweep"
+    rc, log = _run_sweep(["--preset", "smoke", "--out", str(out_dir)])
+    assert rc == 0, f"sweep exited {rc}:\n{log[-4000:]}"
+
+    with open(out_dir / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2, rows
+    assert sorted(int(r["tokens"]) for r in rows) == [64, 128]
+    for r in rows:
+        assert r["status"] == "ok" and not r["error"], r
+        assert r["mode"] == "normal" and r["ranks"] == "2" and r["hidden"] == "256", r
+        assert re.fullmatch(r"[0-9a-f]{12}", r["fingerprint"]), r["fingerprint"]
+        assert r["version"] and r["hostname"] and r["timestamp"] and r["checks_ok"] == "True", r
+        for phase in ("dispatch", "combine"):
+            t, nbytes, bw = _f(r[f"{phase}_s"]), _f(r[f"{phase}_bytes"]), _f(r[f"{phase}_gbps"])
+            assert t > 0 and nbytes > 0 and bw > 0, (phase, r)
+            # V1 bottleneck bytes of this workload: N_recv * 2 * hidden, a whole number of rows
+            assert nbytes % (2 * 256) == 0, nbytes
+            assert math.isclose(bw, gbps(nbytes, t), rel_tol=1e-9), (phase, bw, nbytes, t)
+            for kind in ("SELF", "UBMEM"):
+                kb, kg = _f(r[f"{phase}_{kind}_bytes"]), _f(r[f"{phase}_{kind}_gbps"])
+                assert kb > 0 and math.isclose(kg, gbps(kb, t), rel_tol=1e-9), (phase, kind, r)
+            assert _f(r[f"{phase}_URMA_bytes"]) == 0  # one node: nothing crosses URMA
+            if r["proj_profile"]:  # the benchmark's projection: formula bytes over the projected time
+                pt, pb = _f(r[f"proj_{phase}_s"]), _f(r[f"proj_{phase}_formula_bytes"])
+                assert pt > 0 and pb == nbytes, (phase, r)
+                assert math.isclose(_f(r[f"proj_{phase}_gbps"]), gbps(pb, pt), rel_tol=1e-6), (phase, r)
+        assert _f(r["round_trip_s"]) > 0
+        for peer in ("mpi_alltoallv", "gloo_all_to_all"):
+            assert _f(r[f"{peer}_round_trip_s"]) > 0 and _f(r[f"{peer}_dispatch_gbps"]) > 0, (peer, r)
+
+    with open(out_dir / "results.json") as f:
+        doc = json.load(f)
+    assert [r["config_key"] for r in doc["rows"]] == [r["config_key"] for r in rows]
+    assert doc["columns"] == list(rows[0].keys())
+    for jr, cr in zip(doc["rows"], rows):
+        assert jr["status"] == "ok" and jr["fingerprint"] == cr["fingerprint"]
+        assert jr["dispatch_s"] == float(cr["dispatch_s"]) and jr["dispatch_bytes"] == int(cr["dispatch_bytes"])
+
+    for name in ("gbps_vs_size.png", "peers.png", "projected_vs_measured.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, (name, len(data))
+    assert len(os.listdir(out_dir / "logs")) == 2
+
+    rc, log2 = _run_sweep(["--preset", "smoke", "--out", str(out_dir)])
+    assert rc == 0, f"resumed sweep exited {rc}:\n{log2[-4000:]}"
+    assert "ran 0 (ok 0, failed 0), skipped 2 already ok" in log2, log2[-2000:]
+    with open(out_dir / "results.json") as f:
+        assert json.load(f)["rows"] == doc["rows"]  # nothing re-measured
+
+
+# ------------------------------------------------------------------------------------------------
+# Without MPI: keys, resume, CSV/JSON, CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_normal_doc(t_d=0.002, t_c=0.004, n_bytes=51200):
+    phase = lambda t: dict(  # noqa: E731
+        median_s=t, bottleneck_bytes_per_rank=[n_bytes, n_bytes // 2], bottleneck_rank=0,
+        bottleneck_gbps=n_bytes / 1e9 / t, logical_gbps=1.0,
+        sent_by_kind={"SELF": dict(bytes_per_rank=[100, 50], max_bytes=100, max_gbps=100 / 1e9 / t),
+                      "UBMEM": dict(bytes_per_rank=[300, 400], max_bytes=400, max_gbps=400 / 1e9 / t),
+                      "URMA": dict(bytes_per_rank=[0, 0], max_bytes=0, max_gbps=0.0)})
+    rt = dict(median_s=t_d + t_c)
+    return dict(fingerprint="0123456789ab", checks=dict(all_ok=True), summary=dict(speedup_over_faster_peer=1.5),
+                systems=dict(deepep_ascend=dict(timings=dict(round_trip=rt), phases=dict(dispatch=phase(t_d),
+                                                                                         combine=phase(t_c))),
+                             mpi_alltoallv=dict(timings=dict(round_trip=dict(median_s=0.01)),
+                                                phases=dict(dispatch=dict(bottleneck_gbps=0.5)))))
+
+
+def test_keys_resume_and_result_files(out_tmp):
+    tmp_path = out_tmp
+    sw = _module()
+    a, _ = sw.parse_args(["--preset", "smoke", "--out", str(tmp_path)])
+    assert len(a.configs) == 2 and len({c.key for c in a.configs}) == 2
+    again, _ = sw.parse_args(["--preset", "smoke", "--out", str(tmp_path)])
+    assert [c.key for c in again.configs] == [c.key for c in a.configs]  # stable across invocations
+    c0, c1 = a.configs
+    assert c0.key == "normal-R2-1node-T64-H256-K2-E8-bf16-it3w1-s0-proj_ascend950"
+    prov = dict(version="0.1.0", git_commit="abc", hostname="h")
+
+    ok = sw.make_row(c0, _fake_normal_doc(), 0, "", 1.0, prov)
+    assert ok["status"] == "ok" and ok["dispatch_bytes"] == 51200 and ok["fingerprint"] == "0123456789ab"
+    # per-kind round-trip rate: busiest rank's dispatch + combine bytes over the round trip
+    assert math.isclose(ok["rt_UBMEM_gbps"], 800 / 1e9 / 0.006) and math.isclose(ok["rt_SELF_gbps"], 200 / 1e9 / 0.006)
+    assert ok["proj_profile"] is None  # no projection block: empty columns, not an error
+    bad = sw.make_row(c1, None, None, "timeout after 5 s (process group killed)", 5.0, prov)
+    assert bad["status"] == "failed" and "timeout" in bad["error"]
+    nan_row = dict(ok, config_key="x", dispatch_gbps=float("nan"))
+
+    rows = sw.merge_row(sw.merge_row(sw.merge_row([], ok), bad), nan_row)
+    sw.write_results(str(tmp_path), rows)
+    assert sw.load_results(str(tmp_path)) == [dict(r, dispatch_gbps=None) if r is nan_row else r for r in rows]
+    assert sw.done_keys(sw.load_results(str(tmp_path))) == {c0.key, "x"}  # the failed row reruns
+    with open(tmp_path / "results.csv", newline="") as f:
+        got = list(csv.reader(f))
+    assert got[0] == list(sw.COLUMNS) and len(got) == 4
+    assert got[3][got[0].index("dispatch_gbps")] == ""  # NaN → empty cell
+
+    # a rerun's row replaces the old one in place
+    fixed = dict(bad, status="ok", error=None)
+    merged = sw.merge_row(rows, fixed)
+    assert [r["config_key"] for r in merged] == [r["config_key"] for r in rows] and merged[1]["status"] == "ok"
+
+
+def test_cli_axes_override_and_errors(capsys):
+    sw = _module()
+    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "low_latency", "--tokens", "64,1024",
+                          "--ranks", "2,4", "--ranks-per-node", "none,2,4", "--fp8", "--hidden", "512"])
+    keys = {c.key for c in a.configs}
+    # tokens 1024 > 511 is not a low-latency size; rpn 4 does not fit 2 ranks and is one node at 4
+    assert all(c.mode == "low_latency" and c.tokens == 64 and c.dtype == "fp8" for c in a.configs)
+    assert len(keys) == 3 and {(c.ranks, c.ranks_per_node) for c in a.configs} == {(2, None), (4, None), (4, 2)}
+    ll = next(c for c in a.configs if c.ranks_per_node == 2)
+    argv = ll.bench_args("f.json", {"--no-progress", "--link-profile"})
+    assert "--bf16" not in argv and argv[argv.index("--ranks-per-node") + 1] == "2"
+    assert argv[argv.index("--link-profile") + 1] == "ascend950"
+    normal = sw.Config("normal", 2, None, 64, 256, 2, 8, "fp8", 1, 0, link_profile=None)
+    assert "--fp8" in normal.bench_args("f", set()) and "--link-profile" not in normal.bench_args("f", set())
+    assert normal.bench_args("f", {"--link-profile"})[-2:] == ["--link-profile", "none"]
+
+    for argv, needle in ((["--tokens", "64,x"], "--tokens"), (["--ranks", "0"], "--ranks"),
+                         (["--mode", "mega_moe"], "--mode"), (["--mode", "decode"], "--mode"),
+                         (["--num-experts", "6", "--ranks", "4"], "no valid configuration"),
+                         (["--iters", "0"], "--iters"), (["--dtype", "fp4"], "--dtype")):
+        with pytest.raises(SystemExit) as e:
+            sw.parse_args(["--preset", "smoke", "--out", "d", *argv])
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        sw.parse_args(["--preset", "smoke"])  # --out is required unless --dry-run
+    assert "--out" in capsys.readouterr().err
