@@ -78,7 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default max(1, cores // ranks))")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with bench.normal (no bar here)")
+    C.add_link_args(p)
     args = p.parse_args(argv)
+    args.profile, args.emulator = C.link_setup(p, args)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -274,6 +277,9 @@ def main(argv=None) -> int:
     buf = dea.get_symm_buffer_for_mega_moe(comm, args.experts, args.tokens, args.topk, args.hidden, args.inter,
                                            mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
                                            num_shared_experts=args.shared)
+    if args.emulator is not None:
+        buf.ep_buffer.runtime.set_link_emulator(args.emulator)
+    emulator = buf.ep_buffer.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
     el = buf.num_local_experts
     w_nat, (l1, l2), shared = make_weights(args, rank, el)
     fill_inputs(args, buf, rank)
@@ -335,6 +341,19 @@ def main(argv=None) -> int:
     bitwise = bool(torch.equal(y_fused.view(torch.int16), y_serial.view(torch.int16)))
     diff = C.calc_diff(y_fused.float(), unf.st["y"].float()) if t else 0.0
     checks = comm.gather((bitwise, diff), root=0)
+
+    # Link counters of one more fused call (untimed): per channel kind, and projected on --link-profile.
+    from transports import LinkStats
+
+    elem = 1 if args.mma == "fp8" else 2
+    disp_b = args.hidden * elem + (args.hidden // 32 if args.mma == "fp8" else 0) + 4
+    stats = buf.ep_buffer.runtime.stats
+    before = stats.snapshot()
+    op(y_fused, l1, l2, buf, **kw)
+    moved = LinkStats.diff(stats.snapshot(), before)
+    by_kind = comm.gather(LinkStats.bytes_by_kind(moved), root=0)
+    projection = C.project_phases({"fused": moved}, comm, args.profile,
+                                  {"fused": n_pairs_recv * (disp_b + 2 * args.hidden)})
     buf.destroy()
 
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -356,8 +375,6 @@ def main(argv=None) -> int:
 
     h, i = args.hidden, args.inter
     load = os.getloadavg()
-    elem = 1 if args.mma == "fp8" else 2
-    disp_b = h * elem + (h // 32 if args.mma == "fp8" else 0) + 4
     pairs_recv = sum(r["pairs_recv"] for r in allr) / R
     pairs_cross = sum(r["pairs_recv"] - r["pairs_self"] for r in allr) / R
     flops = 2 * pairs_recv * 3 * h * i
@@ -368,6 +385,8 @@ def main(argv=None) -> int:
     t_comp = sum_stage - t_comm
     hidden = sum_stage - t_fused
     out = []
+    if emulator is not None:
+        out.append(f"[link] {emulator.label} -- the fused/serial/unfused times are EMULATED")
     out.append(f"[config] ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
                f"{load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: E {args.experts} "
                f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
@@ -412,10 +431,18 @@ def main(argv=None) -> int:
                f"{C.gbps(bytes_all, t_fused):.4f} GB/s with self; upstream convention N_recv*3H "
                f"{C.gbps(pairs_recv * 3 * h, t_fused):.4f} GB/s; unfused dispatch+combine stages alone "
                f"{C.gbps(bytes_all, t_c) if t_c else float('nan'):.3f} GB/s (token-deduplicated bytes are fewer)")
+    out.append("[comm] one fused call, moved per channel kind (max over ranks): " + ", ".join(
+        f"{k} {C.fmt_bytes(max(b[k] for b in by_kind))}" for k in by_kind[0]))
+    out += C.projection_lines(projection, {"fused": (t_fused, C.gbps(max(r["pairs_recv"] for r in allr)
+                                                                      * (disp_b + 2 * h), t_fused))},
+                              "per-pair bytes", emulator)
     print("\n".join(out), flush=True)
     if args.json:
+        doc = dict(args={k: v for k, v in vars(args).items() if k not in ("profile", "emulator")}, ranks=allr,
+                   lines=out, traffic_by_kind=by_kind, link_model=C.link_model_doc(args.profile, emulator),
+                   projection=projection)
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), ranks=allr, lines=out), f, indent=1, default=str)
+            json.dump(doc, f, indent=1, default=str)
     return 0
 
 
