@@ -15,7 +15,9 @@ Model: bytes → embedding (+ learned positions) → ``--layers`` × [RMSNorm �
 → RMSNorm → :class:`deepep_ascend.moe.MoE`] → RMSNorm → byte logits. The MoE block is DeepSeek's:
 gate (softmax or sigmoid, optional group-limited routing), ``--experts`` routed SwiGLU experts
 (``--topk`` per token) spread over the EP group, one shared expert; tokens travel with
-``deepep_ascend.autograd.dispatch`` / ``combine`` (one ``Buffer`` for all layers).
+``deepep_ascend.autograd.dispatch`` / ``combine`` (one ``Buffer`` for all layers), or with
+``--moe-mode low_latency`` with ``low_latency_dispatch`` / ``low_latency_combine`` (a
+``low_latency_mode`` Buffer; ``num_max_dispatch_tokens_per_rank`` = ``--batch`` x ``--seq``, at most 511).
 
 Parallelism: every rank is one EP rank (``--ep``, default all ranks) and one data-parallel
 replica: it draws its own batch (``--batch`` sequences of ``--seq`` bytes, from a generator
@@ -95,6 +97,9 @@ def parse_args(argv=None):
     a("--experts-impl", choices=("loop", "grouped"), default="loop",
       help="routed experts: float32 matmul per local expert (default; fastest on CPU) or the BF16 grouped GEMMs "
            "of deepep_ascend.grouped_gemm (about 7x slower here: CPU bf16 matmuls)")
+    a("--moe-mode", choices=("normal", "low_latency"), default="normal",
+      help="EP communication: normal dispatch/combine (default) or the low-latency pair "
+           "(--batch x --seq tokens per rank at most 511)")
     a("--aux-loss", type=float, default=0.01, help="balance-loss coefficient (0 = off)")
     a("--lr", type=float, default=3e-3)
     a("--warmup", type=int, default=20, help="linear warm-up steps; then cosine decay to 10%% at --steps")
@@ -191,7 +196,8 @@ class Block(nn.Module):
         self.moe = MoE(buffer, d, args.expert_dim, args.experts, args.topk, num_shared_experts=args.shared,
                        seed=args.seed * 1000 + layer, score_func=args.score_func, n_group=args.n_group,
                        topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling,
-                       aux_loss_alpha=args.aux_loss, experts_impl=args.experts_impl)
+                       aux_loss_alpha=args.aux_loss, experts_impl=args.experts_impl, mode=args.moe_mode,
+                       num_max_dispatch_tokens_per_rank=args.batch * args.seq if args.moe_mode == "low_latency" else None)
 
     def forward(self, x):
         b, s, d = x.shape
@@ -295,9 +301,17 @@ class Trainer:
         if args.experts % self.groups.ep_size:
             raise SystemExit(f"--experts {args.experts} must be a multiple of the EP size {self.groups.ep_size}")
         tokens = args.batch * args.seq
-        nbytes = Buffer.get_normal_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, args.topk,
-                                                    args.experts)
-        self.buffer = Buffer(self.groups.ep_group, nbytes, explicitly_destroy=True)
+        if args.moe_mode == "low_latency":
+            if tokens > 511:
+                raise SystemExit(f"--moe-mode low_latency: --batch x --seq = {tokens} tokens per rank exceeds the "
+                                 f"low-latency limit num_max_dispatch_tokens_per_rank <= 511")
+            nbytes = MoE.get_low_latency_rdma_size_hint(tokens, args.d_model, self.groups.ep_size, args.experts,
+                                                        args.topk)
+            self.buffer = Buffer(self.groups.ep_group, 0, nbytes, low_latency_mode=True, explicitly_destroy=True)
+        else:
+            nbytes = Buffer.get_normal_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, args.topk,
+                                                        args.experts)
+            self.buffer = Buffer(self.groups.ep_group, nbytes, explicitly_destroy=True)
         self.data = data
         n_val = max(args.seq + 2, data.numel() // 50)
         self.train_data, self.val_data = data[:-n_val], data[-n_val:]
