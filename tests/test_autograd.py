@@ -10,6 +10,9 @@ with more than one rank, the last rank has no tokens at all.
 Low-latency pair (end of file): gradients against a dense float64 ``torch.autograd`` model of the
 same math built on one process from every rank's gathered inputs (exact with integer-valued
 data; ``calc_diff`` / tolerance with normal data).
+
+Both pairs: the adjoint identity ``Σ <op(v), u> == Σ <v, grad_v>`` of each op's backward against
+its own forward (no reference involved), exact with integer data.
 """
 
 from __future__ import annotations
@@ -251,6 +254,61 @@ def test_ll_dispatch_combine_grads(ll_buf, comm, routing, wgrad, data):
     else:
         chk.check(w.grad is None, "w.grad must stay None")
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def _dot(a, b) -> float:
+    return float((a.detach().double() * b.detach().double()).sum())
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_backward_is_the_adjoint_of_forward(buf, ll_buf, comm, mode):
+    """Gradcheck-style, without a reference: each op's backward is the adjoint of its own forward.
+    Dispatch and combine are linear, so for a loss ``<op(v), u>`` autograd's ``grad_v`` must satisfy
+    ``Σ_ranks <op(v), u> == Σ_ranks <v, grad_v>``; LL combine is bilinear in ``(y, w)``, so
+    ``<out, g> == <y, y.grad> == <w, w.grad>``; normal combine carries weights linearly too.
+    Integer-valued data: every value and sum is exact, so the identities hold exactly. Uniform
+    routing with -1 slots; the last rank (R > 1) has no tokens."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    ll = mode == "low_latency"
+    n = 0 if (R > 1 and r == R - 1) else min(LL_M, 5 + r)
+    gen = torch.Generator().manual_seed(41 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x = _ints((n, H), -4, 5, gen, BF16).requires_grad_(True)
+    w = (_ints((n, K), 1, 5, gen) / 4).requires_grad_(True)
+
+    def run():
+        sums = {}
+        if ll:  # dispatch: x -> packed rows
+            recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+            A = _ints(tuple(recv_x.shape), -3, 4, gen)
+            (recv_x.float() * A).sum().backward()
+            sums["dispatch"] = (_dot(recv_x, A), _dot(x, x.grad))
+            # combine: bilinear in (packed y, w)
+            y = _ints(tuple(recv_x.shape), -3, 4, gen, BF16).requires_grad_(True)
+            out = ag.low_latency_combine(ll_buf, y, idx, w, handle)
+            G = _ints((n, H), -2, 3, gen)
+            (out.float() * G).sum().backward()
+            sums["combine"] = (_dot(out, G), _dot(y, y.grad))
+            sums["combine weights"] = (_dot(out, G), _dot(w, w.grad))
+        else:  # dispatch: (x, w) -> (recv_x, recv_w)
+            recv_x, _, recv_w, _, handle = ag.dispatch(buf, x, idx, w, E)
+            A = _ints(tuple(recv_x.shape), -3, 4, gen)
+            B = _ints(tuple(recv_w.shape), -3, 4, gen) / 4
+            ((recv_x.float() * A).sum() + (recv_w * B).sum()).backward()
+            sums["dispatch"] = (_dot(recv_x, A) + _dot(recv_w, B), _dot(x, x.grad) + _dot(w, w.grad))
+            # combine: (y, v) -> (out, combined v), linear
+            y = _ints(tuple(recv_x.shape), -3, 4, gen, BF16).requires_grad_(True)
+            v = (_ints(tuple(recv_w.shape), -3, 4, gen) / 4).requires_grad_(True)
+            out, out_v = ag.combine(buf, y, handle, topk_weights=v)
+            G, D = _ints((n, H), -2, 3, gen), _ints((n, K), -2, 3, gen) / 4
+            ((out.float() * G).sum() + (out_v * D).sum()).backward()
+            sums["combine"] = (_dot(out, G) + _dot(out_v, D), _dot(y, y.grad) + _dot(v, v.grad))
+        return sums
+
+    sums = coll(run, what=f"{mode} adjoint round trip")
+    totals = {k: (comm.allreduce(a), comm.allreduce(b)) for k, (a, b) in sorted(sums.items())}
+    bad = {k: t for k, t in totals.items() if t[0] != t[1]}
+    all_ranks_ok(comm, not bad, f"<op(v), u> != <v, grad_v> (sums over ranks): {bad}")
 
 
 def test_ll_split3_is_exact():
