@@ -287,13 +287,30 @@ def git_commit() -> str:
 
 
 def bench_options(module: str, env: dict) -> set:
-    """The ``--options`` a benchmark's ``--help`` lists (checked once per module)."""
+    """The ``--options`` a benchmark's ``--help`` lists (checked once per module).
+
+    In-process (``parse_args(["--help"])`` with stdout captured: the benchmarks import neither MPI
+    nor anything torch-free at module level, and torch is loaded already), else a subprocess.
+    """
+    import contextlib
+    import importlib
+
+    text = ""
     try:
-        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return set()
-    return set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
+        mod = importlib.import_module(module)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+            mod.parse_args(["--help"])
+        text = buf.getvalue()
+    except Exception:  # noqa: BLE001 - fall back to asking a fresh interpreter
+        text = ""
+    if "--json" not in text:
+        try:
+            text = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError):
+            return set()
+    return set(re.findall(r"--[a-z][a-z0-9-]*", text))
 
 
 # ----------------------------------------------------------------------------------------------
