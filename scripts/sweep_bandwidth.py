@@ -379,7 +379,8 @@ def log_tail(path: str, n: int = 400) -> str:
             text = f.read()
     except OSError:
         return ""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    noise = ("$ ", "=", "YOUR APPLICATION TERMINATED", "This typically refers", "Please see the FAQ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(noise)]
     return " | ".join(lines)[-n:] + f" (log: {path})"
 
 
