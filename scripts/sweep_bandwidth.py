@@ -24,7 +24,7 @@ Presets (explicit axes override the preset's values; ``--mode`` picks which mode
   minutes on a 2-core machine.
 * ``default``: DeepSeek-V3 shape (hidden 7168, top-8 of 256 experts), 4 ranks as 1 and 2
   nodes; normal at 512-4096 tokens, low-latency at 16-128 tokens (its window grows with
-  tokens x hidden x experts): longer (about an hour on 2 cores).
+  tokens x hidden x experts): longer (estimated, not measured: half an hour to an hour on 2 cores).
 * ``full``: 2, 4 and 8 ranks, nodes of 2 and 4, hidden 2048 and 7168, BF16 and FP8: hours.
 
 Outputs in ``--out DIR`` (rewritten atomically after every configuration, so a killed sweep
@@ -98,7 +98,7 @@ PRESETS = {
                "low_latency": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[64, 128, 256], hidden=[1024],
                                    num_topk=[4], num_experts=[16], dtype=["bf16"])}),
     "default": dict(
-        about="DeepSeek-V3 shape, 4 ranks as 1 and 2 nodes; normal 512-4096 tokens, LL 16-128 (about an hour)",
+        about="DeepSeek-V3 shape, 4 ranks as 1 and 2 nodes; normal 512-4096 tokens, LL 16-128 (estimated 0.5-1 h)",
         iters=10, warmup=2, timeout=1800.0,
         modes={"normal": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[512, 1024, 2048, 4096], hidden=[7168],
                               num_topk=[8], num_experts=[256], dtype=["bf16"]),
@@ -493,9 +493,12 @@ def load_results(out_dir: str) -> list:
     path = os.path.join(out_dir, "results.json")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        doc = json.load(f)
-    return list(doc.get("rows", []))
+    try:
+        with open(path) as f:
+            return list(json.load(f)["rows"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"sweep_bandwidth: {path} is not a results file of this script ({type(e).__name__}: {e}); "
+                         f"move it away or pick another --out") from None
 
 
 def done_keys(rows: Iterable[dict]) -> set:
