@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from mpi_utils import gather_all, run_collectively
+from mpi_utils import gather_all, run_collectively, world
 from reference import (
     per_token_cast_back,
     per_token_cast_to_fp8,
@@ -25,6 +25,8 @@ from reference import (
     ref_dispatch,
     ref_dispatch_layout,
 )
+
+from deepep_ascend import Buffer
 
 BF16 = torch.bfloat16
 
@@ -37,6 +39,16 @@ def coll(fn, *args, what=None, **kwargs):
     """Run a communicating library call on every rank; if it fails on any rank, raise on all."""
     __tracebackhide__ = True
     return run_collectively(fn, *args, what=what or getattr(fn, "__name__", "call"), **kwargs)
+
+
+def ll_buffer_fixture(m: int, hidden: int, num_experts: int):
+    """Body of a module-scoped low-latency Buffer fixture (``yield from``): a Buffer on the world
+    communicator sized for LL calls of ``(M, H, E)``, built and destroyed collectively."""
+    comm = world()
+    b = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, comm.Get_size(), num_experts),
+                            low_latency_mode=True, explicitly_destroy=True), what="LL Buffer()")
+    yield b
+    coll(b.destroy, what="destroy LL buffer")
 
 
 def all_ranks_ok(comm, ok: bool, what: str) -> None:

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from buffer_helpers import BF16, Checker, all_ranks_ok, coll, make_topk_idx
+from buffer_helpers import (
+    BF16,
+    Checker,
+    all_ranks_ok,
+    coll,
+    ll_buffer_fixture,
+    make_topk_idx,
+)
 from mpi_utils import gather_all, world
 from reference import calc_diff, ref_combine, ref_dispatch, ref_ll_dispatch
 
@@ -161,11 +168,7 @@ LL_M = 12  # num_max_dispatch_tokens_per_rank
 
 @pytest.fixture(scope="module")
 def ll_buf():
-    comm = world()
-    b = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(LL_M, H, comm.Get_size(), E),
-                            low_latency_mode=True, explicitly_destroy=True), what="LL Buffer()")
-    yield b
-    coll(b.destroy, what="destroy LL buffer")
+    yield from ll_buffer_fixture(LL_M, H, E)
 
 
 def _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L):

@@ -33,7 +33,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from buffer_helpers import BF16, Checker, all_ranks_ok, capture, coll
+from buffer_helpers import BF16, Checker, all_ranks_ok, capture, coll, ll_buffer_fixture
 from mpi_utils import gather_all, only_sizes, world
 
 from deepep_ascend import Buffer
@@ -65,11 +65,7 @@ def buf():
 
 @pytest.fixture(scope="module")
 def ll_buf():
-    comm = world()
-    b = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(LL_M, H, comm.Get_size(), E),
-                            low_latency_mode=True, explicitly_destroy=True), what="LL Buffer()")
-    yield b
-    coll(b.destroy, what="destroy LL buffer")
+    yield from ll_buffer_fixture(LL_M, H, E)
 
 
 def make_layer(buf, ll_buf, mode, cfg, skew=False, **kw):
@@ -319,7 +315,7 @@ def test_gate_gradcheck_float64(case):
     w = gate.weight.detach().clone().requires_grad_(True)
 
     def weights(x, w):
-        idx, tw = torch.func.functional_call(gate, {"weight": w}, (x,))
+        _, tw = torch.func.functional_call(gate, {"weight": w}, (x,))
         assert tw.dtype == torch.float64
         return tw
 
