@@ -373,7 +373,7 @@ class MoE(nn.Module):
     Example (low-latency path, every rank)::
 
         M = 128  # tokens per rank and forward, at most
-        buffer = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, group.size(), E),
+        buffer = Buffer(group, 0, MoE.get_low_latency_rdma_size_hint(M, H, group.size(), E, K),
                         low_latency_mode=True)
         moe = MoE(buffer, H, I, E, K, num_max_dispatch_tokens_per_rank=M)   # mode from the Buffer
         y = moe(x)              # x [..., H] with at most M tokens
@@ -478,7 +478,7 @@ class MoE(nn.Module):
                 raise ValueError(f"MoE (low-latency): this batch has {h.size(0)} tokens on EP rank {self.buffer.rank}, "
                                  f"more than num_max_dispatch_tokens_per_rank={m}; send smaller batches, or build "
                                  f"the layer with a larger M (and the Buffer with "
-                                 f"get_low_latency_rdma_size_hint(M, ...))") from exc
+                                 f"MoE.get_low_latency_rdma_size_hint(M, ...))") from exc
             raise
         y = self.experts.forward_packed(recv_x, recv_count)
         return ep_autograd.low_latency_combine(self.buffer, y.to(_BF16), topk_idx, topk_weights, handle)

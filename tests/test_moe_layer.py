@@ -225,6 +225,9 @@ def test_low_latency_layer_refusals_and_too_many_tokens(buf, ll_buf, comm):
     if r == R - 1:
         chk.check(isinstance(exc, ValueError) and f"{LL_M + 1} tokens" in str(exc)
                   and f"num_max_dispatch_tokens_per_rank={LL_M}" in str(exc), f"error on the rank at fault: {exc!r}")
+    else:  # the Buffer's consensus error names the rank at fault and its reason
+        chk.check(f"rank {R - 1}" in str(exc) and f"num_max_dispatch_tokens_per_rank={LL_M}" in str(exc),
+                  f"error on a peer: {exc!r}")
     out = coll(lambda: layer(torch.randn(LL_M, H)), what="LL forward after the refusal")
     chk.check(out.shape == (LL_M, H) and bool(out.isfinite().all()), "forward after the refusal")
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
