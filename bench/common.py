@@ -1065,7 +1065,8 @@ def project_phases(link_stats: Optional[dict], comm, profile, formula_bytes: dic
 def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulator=None) -> list:
     """``[project]`` lines: per phase the projected time, bottleneck port and formula GB/s next to
     ``measured`` (phase → ``(median_s, GB/s by the same formula)``); under emulation, also the
-    projected time dilated by ``1 / scale``, the floor the emulated links put under the measured time."""
+    projected time dilated by ``1 / scale``, what the emulated links alone model (see
+    :class:`transports.LinkEmulator`)."""
     if proj is None:
         return []
     lines = []
@@ -1079,7 +1080,7 @@ def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulato
                      f"{p['time_s'] * 1e6:.1f} us, {where} | {formula} {p['formula_GBps']:.1f} GB/s projected "
                      f"vs {gb_meas:.2f} GB/s measured ({t_meas * 1e3:.3f} ms)")
         if emulator is not None and emulator.profile.name == proj["profile"]:
-            lines[-1] += f" | emulated links alone: {p['time_s'] / emulator.scale * 1e3:.3f} ms"
+            lines[-1] += f" | projected / link scale: {p['time_s'] / emulator.scale * 1e3:.3f} ms"
     return lines
 
 

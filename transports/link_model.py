@@ -135,7 +135,7 @@ _UB_BASIS = ("assumption from press reports of the Ascend 950 SuperPoD UBL128 de
              "3.2 Tb/s network; no primary spec found), consistent with DeepEP-Ascend's README: EP8 dispatch "
              "373-375 GB/s, combine 345-347 GB/s on 950DT called 90-95 % of the payload limit")
 _SELF = LinkSpec(4000.0, 0.0, 0, "950DT HBM 4 TB/s (HiZQ 2.0), Huawei Connect 2025")
-_UBMEM = LinkSpec(400.0, 1.0, 1 << 20, _UB_BASIS + "; latency: assumption (CloudMatrix384 quotes < 1 us over UB)")
+_UBMEM = LinkSpec(400.0, 1.0, 0, _UB_BASIS + "; latency: assumption (CloudMatrix384 quotes < 1 us over UB)")
 
 #: Built-in profiles. ``ascend950``: simulated nodes are boards inside one supernode, URMA runs
 #: over the supernode's UB Clos. ``ascend950_scaleout``: simulated nodes are separate supernodes,
@@ -144,12 +144,12 @@ PROFILES: dict[str, LinkProfile] = {
     "none": LinkProfile("none", {}, "no link model"),
     "ascend950": LinkProfile("ascend950", {
         "SELF": _SELF, "UBMEM": _UBMEM,
-        "URMA": LinkSpec(400.0, 2.0, 1 << 20, "URMA inside the supernode (UB Clos): " + _UB_BASIS
+        "URMA": LinkSpec(400.0, 2.0, 0, "URMA inside the supernode (UB Clos): " + _UB_BASIS
                          + "; latency: assumption"),
     }, "Ascend 950 supernode: UBMEM between boards' NPUs, URMA inside the same supernode"),
     "ascend950_scaleout": LinkProfile("ascend950_scaleout", {
         "SELF": _SELF, "UBMEM": _UBMEM,
-        "URMA": LinkSpec(50.0, 5.0, 1 << 20, "assumption: 400 Gb/s scale-out NIC per NPU (UBoE/RoCE; CloudMatrix384's "
+        "URMA": LinkSpec(50.0, 5.0, 0, "assumption: 400 Gb/s scale-out NIC per NPU (UBoE/RoCE; CloudMatrix384's "
                          "RDMA plane is 400 Gb/s per NPU; DeepEP's CX7 ~ 50 GB/s); latency: assumption"),
     }, "Ascend 950 supernodes joined by scale-out: UBMEM inside a supernode, URMA between supernodes"),
 }
@@ -204,9 +204,11 @@ class LinkEmulator:
     transfer of ``n`` bytes waits until the bucket has held ``n`` bytes, then every message waits
     ``latency_us / scale`` more. The wait is a sleep inside the recording call, so it delays the
     issuing rank exactly where the real link would (a store before its signal, a gather before
-    the rank goes on). SELF (local memory) is never slowed. ``scale < 1`` dilates time: the
-    emulated run takes about ``1/scale`` times the profile's projected time when the links are
-    the bottleneck; choose it so the emulated links are slower than this host's memory copies
+    the rank goes on). SELF (local memory) is never slowed. With ``burst_bytes = 0`` (the
+    built-in profiles) a rank's emulated transfers take ``issued bytes / rate + messages x
+    latency``: :func:`project`'s port time for its own traffic, dilated by ``1/scale`` (the
+    projection also charges a port for what peers push into it, which the emulation does not).
+    ``scale < 1`` dilates time; choose it so the emulated links are slower than this host's memory copies
     (``scale=1e-3`` makes ``ascend950``'s UBMEM 0.4 GB/s).
 
     Attributes:
