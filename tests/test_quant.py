@@ -304,3 +304,151 @@ def test_bad_inputs_name_the_argument():
         dg.unpack_fp4(torch.ones(2))
     with pytest.raises(ValueError, match="scales"):
         dg.dequantize_weights(torch.zeros(1, 4, 256).to(E4M3), torch.ones(1, 4, 1), cache=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# LogFMT-10 (deepep-buffer-api.md §6.3)
+
+BF16 = torch.bfloat16
+
+
+def _logfmt_scalar(group: list) -> tuple:
+    """Spec §6.3 by hand for one group of floats (bf16 values): ``(use, [(code, sign, value)])``,
+    la/lb rounded to float32 as the codec stores them, the code formula in float32 steps."""
+    import math
+
+    import numpy as np
+
+    f32 = np.float32
+    mags = [abs(a) for a in group]
+    nz = [a for a in mags if a > 0]
+    if not nz:
+        return False, None
+    la = f32(math.log2(max(mags)))
+    lb = max(f32(math.log2(min(nz))), f32(la - f32(32)))
+    if not (la < 0 and lb < la):
+        return False, None
+    step = f32(f32(la - lb) / f32(510))
+    rho = f32(2 - math.log2((1 + 2.0 ** float(step)) / 2) / float(step))
+    out = []
+    for a in group:
+        q = -math.inf if a == 0 else float(f32(f32(f32(f32(math.log2(abs(a))) - lb) / step) + rho))
+        c = min(511, math.floor(max(q, 0)))
+        v = 0.0 if c == 0 else 2.0 ** ((c - 1) * float(step) + float(lb))
+        out.append((c, int(math.copysign(1, a) < 0), -v if a < 0 else v))
+    return True, out
+
+
+def _logfmt_values(body: torch.Tensor) -> list:
+    """The 128 ten-bit values of one group's 160 body bytes (value j at bits 10j.., LSB first)."""
+    w = int.from_bytes(bytes(body.tolist()), "little")
+    return [(w >> (10 * j)) & 0x3FF for j in range(128)]
+
+
+def test_logfmt10_hand_values_and_bit_layout():
+    # amax 0.5 (la = -1), amin 2^-11 (lb = -11): step = 10/510 = 1/51, rho ~ 1.4983.
+    g = torch.full((128,), 2.0**-8)  # (-8 + 11) * 51 = 153 (+ rho) -> code 154
+    g[:6] = torch.tensor([0.5, -(2.0**-11), 0.0, 2.0**-6, 2.0**-6 * (1 + 2.0**-7), -(2.0**-6) * (1 - 2.0**-8)])
+    x = g.to(BF16).view(1, 128)
+    body, meta, tail = dg.logfmt10_encode(x)
+    assert body.shape == (1, 1, 160) and body.dtype == torch.uint8 and tail.shape == (0, 96)
+    assert meta.view(torch.int16).tolist() == [[[0x3F00, 0x3A00]]]  # bf16 bits of 0.5 and 2^-11
+    # 0.5 -> 511; -2^-11 -> 1 | sign; 0 -> 0; 2^-6 -> 255 + rho -> 256; 2^-6·(1 + 2^-7):
+    # 255 + 51·log2(1.0078) = 255.57, + rho -> 257 (past the linear midpoint of levels 256, 257);
+    # -2^-6·(1 - 2^-8): 254.71 + rho -> 256 (nearest level 2^-6).
+    assert _logfmt_values(body[0, 0])[:7] == [511, 0x200 | 1, 0, 256, 257, 0x200 | 256, 154]
+    # First quad (511, 513, 0, 256) = 0x1FF | 0x201 << 10 | 0x100 << 30 = 0x40000805FF, little-endian.
+    assert body[0, 0, :5].tolist() == [0xFF, 0x05, 0x08, 0x00, 0x40]
+    y = dg.logfmt10_decode(body, meta, tail)
+    want = torch.tensor([0.5, -(2.0**-11), 0.0, 2.0**-6, 2.0**-6 * 2 ** (1 / 51), -(2.0**-6), 2.0**-8])
+    assert y.dtype == F32 and y.shape == (1, 128)
+    assert torch.allclose(y[0, :7], want, rtol=2e-6, atol=0) and torch.equal(y[0, 7:], y[0, 6].expand(121))
+    assert dg.logfmt10_wire_bytes(meta).tolist() == [164]  # 1.25·128 + 128/32
+
+
+def test_logfmt10_bf16_fallback_groups_are_exact():
+    rows = torch.full((6, 128), 0.01)
+    rows[0, 5] = 1.0  # la = 0: not < 0
+    rows[1] = 0.25
+    rows[1, ::2] = -0.25  # equal magnitudes: lb == la
+    rows[2] = 0.0  # all zero: la = lb = -inf
+    rows[3, 7] = float("nan")
+    rows[4, 9] = -float("inf")
+    rows[5, 0] = 0.5  # LogFMT: lb = log2(0.01) < la = -1
+    x = rows.to(BF16)
+    body, meta, tail = dg.logfmt10_encode(x)
+    assert dg.logfmt10_group_mask(meta).view(-1).tolist() == [False] * 5 + [True]
+    raw = x.view(torch.uint8).view(6, 256)
+    assert torch.equal(body[:5, 0], raw[:5, :160]) and torch.equal(tail, raw[:5, 160:])
+    assert dg.logfmt10_wire_bytes(meta).view(-1).tolist() == [260] * 5 + [164]
+    y = dg.logfmt10_decode(body, meta, tail)
+    assert torch.equal(y[:5].to(BF16).view(torch.int16), x[:5].view(torch.int16))  # NaN bits too
+    assert torch.allclose(y[5], x[5].float(), rtol=0.007, atol=0)
+
+
+def test_logfmt10_zeros_signs_and_clipped_lb():
+    g = torch.linspace(-0.4, 0.4, 128)
+    g[::9] = 0.0
+    g[1] = -0.0
+    x = g.to(BF16).view(1, 1, 128)  # leading dims are kept
+    body, meta, tail = dg.logfmt10_encode(x)
+    assert body.shape == (1, 1, 1, 160) and meta.shape == (1, 1, 1, 2)
+    nz = x.float().abs()[x.float() != 0]
+    assert meta.float().view(-1).tolist() == [0.400390625, nz.min().item()]  # amin skips the zeros
+    y = dg.logfmt10_decode(body, meta, tail).view(-1)
+    assert ((y == 0) == (x.view(-1).float() == 0)).all() and not (y.signbit() & (y == 0)).any()
+    assert (y.sign() == x.view(-1).float().sign()).all()
+    # lb clipped to la - 32: 2^-40 is below every level and decodes to 0; 2^-33 to 2^lb.
+    c = torch.full((128,), 0.3)
+    c[0], c[1], c[2] = 0.5, 2.0**-40, 2.0**-33
+    body, meta, tail = dg.logfmt10_encode(c.to(BF16).view(1, 128))
+    y = dg.logfmt10_decode(body, meta, tail)[0]
+    assert y[1].item() == 0.0 and abs(y[2].item() / 2.0**-33 - 1) < 1e-6
+
+
+def test_logfmt10_matches_the_scalar_formula_and_error_bound():
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 512, generator=gen) * torch.rand(6, 1, generator=gen) * 0.2).to(BF16)
+    x[0, :5] = 0
+    x[1, 130] = 2.0**-50  # clips lb
+    body, meta, tail = dg.logfmt10_encode(x)
+    y = dg.logfmt10_decode(body, meta, tail)
+    use = dg.logfmt10_group_mask(meta)
+    # Every element of a few groups against the spec's formula evaluated one value at a time.
+    for r, gi in ((0, 0), (1, 1), (2, 2), (5, 3)):
+        ok, want = _logfmt_scalar(x[r, gi * 128:(gi + 1) * 128].float().tolist())
+        assert ok == bool(use[r, gi])
+        codes = _logfmt_values(body[r, gi])
+        assert codes == [c | s << 9 for c, s, _ in want]
+        got = y[r, gi * 128:(gi + 1) * 128]
+        assert torch.allclose(got, torch.tensor([v for _, _, v in want], dtype=F32), rtol=3e-7, atol=0)
+    # Round trip: half a level, (2^step - 1) / (2^step + 1), relative, where |x| >= 2^lb.
+    m = meta.double()
+    la = m[..., 0].log2()
+    lb = torch.maximum(m[..., 1].log2(), la - 32)
+    step = ((la - lb) / 510).repeat_interleave(128, dim=1)
+    bound = (2**step - 1) / (2**step + 1) * (1 + 1e-5)
+    xd = x.double()
+    inside = xd.abs() >= (2**lb).repeat_interleave(128, dim=1)
+    assert bool(use.all())
+    assert ((y.double() - xd).abs() <= bound * xd.abs())[inside].all()
+    assert ((y.double() - xd).abs() <= 2**lb.repeat_interleave(128, dim=1))[~inside].all()
+    # Encoding rows one at a time gives the same bytes, decoding them the same bits.
+    parts = [dg.logfmt10_encode(x[i:i + 1]) for i in range(6)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), body)
+    assert torch.equal(torch.cat([dg.logfmt10_decode(*p) for p in parts]), y)
+
+
+def test_logfmt10_bad_inputs():
+    with pytest.raises(TypeError, match="x"):
+        dg.logfmt10_encode(torch.zeros(2, 128))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dg.logfmt10_encode(torch.zeros(2, 100, dtype=BF16))
+    body, meta, tail = dg.logfmt10_encode(torch.zeros(2, 256, dtype=BF16))
+    assert tail.shape == (4, 96) and dg.logfmt10_decode(body, meta, tail).abs().sum() == 0
+    with pytest.raises(ValueError, match="tail"):
+        dg.logfmt10_decode(body, meta, tail[:3])
+    with pytest.raises(ValueError, match="meta"):
+        dg.logfmt10_decode(body, meta[:1], tail)
+    with pytest.raises(TypeError, match="body"):
+        dg.logfmt10_decode(body.float(), meta, tail)
