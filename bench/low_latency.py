@@ -190,6 +190,9 @@ def main(argv=None) -> int:
     s_d = buf.get_link_stats()
     make_y(), combine()
     s_c = buf.get_link_stats()
+    out["bytes"] = dict(formula="DeepEP LL (bench.common.low_latency_bytes)", dispatch_per_rank=comm.allgather(d_bytes),
+                        combine_per_rank=comm.allgather(c_bytes), calls=calls,
+                        moved_by_kind_per_rank=comm.allgather({k: int(v) for k, v in moved.items()}))
     out["link_model"] = C.link_model_doc(args.profile, emulator)
     out["projection"] = C.project_phases({"dispatch": s_d, "combine": s_c}, comm, args.profile,
                                          {"dispatch": d_bytes, "combine": c_bytes})

@@ -284,6 +284,11 @@ def main(argv=None) -> int:
     w_nat, (l1, l2), shared = make_weights(args, rank, el)
     fill_inputs(args, buf, rank)
     t = args.tokens
+    digest = "|".join(C.tensor_digest(v[:t]) for v in (buf.x, buf.topk_idx, buf.topk_weights)
+                      + ((buf.x_sf,) if args.mma == "fp8" else ()))
+    fp = C.fingerprint(dict(benchmark="bench.mega_moe", experts=args.experts, topk=args.topk, hidden=args.hidden,
+                            inter=args.inter, tokens=t, mma=args.mma, shared=args.shared, seed=args.seed, ranks=R),
+                       comm.allgather(digest))
     clamp = None if args.clamp < 0 else args.clamp
     op = dea.bf16_mega_moe if args.mma == "bf16" else dea.fp8_fp4_mega_moe
     kw = dict(activation_clamp=clamp, num_experts_per_wave=args.experts_per_wave)
@@ -387,7 +392,7 @@ def main(argv=None) -> int:
     out = []
     if emulator is not None:
         out.append(f"[link] {emulator.label} -- the fused/serial/unfused times are EMULATED")
-    out.append(f"[config] ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
+    out.append(f"[config] fingerprint {fp} | ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
                f"{load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: E {args.experts} "
                f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
                f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend Buffer normal mode (UBMEM shm), "
@@ -438,9 +443,20 @@ def main(argv=None) -> int:
                               "per-pair bytes", emulator)
     print("\n".join(out), flush=True)
     if args.json:
-        doc = dict(args={k: v for k, v in vars(args).items() if k not in ("profile", "emulator")}, ranks=allr,
+        doc = dict(benchmark="bench.mega_moe", fingerprint=fp,
+                   args={k: v for k, v in vars(args).items() if k not in ("profile", "emulator")}, ranks=allr,
                    lines=out, traffic_by_kind=by_kind, link_model=C.link_model_doc(args.profile, emulator),
-                   projection=projection)
+                   projection=projection,
+                   times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
+                                sum_stages=sum_stage, comm_stages=t_comm),
+                   bandwidth_GBps=dict(
+                       formula="per pair: dispatch H*elem + scales + 4 B, combine 2H B; over t_fused (mean over ranks)",
+                       bytes_with_self=bytes_all, bytes_cross_rank=bytes_cross,
+                       fused_with_self=C.gbps(bytes_all, t_fused), fused_cross_rank=C.gbps(bytes_cross, t_fused),
+                       unfused_comm_stages=C.gbps(bytes_all, t_c) if t_c else None),
+                   tflops=dict(fused_routed=flops / t_fused / 1e12, grouped_stages=flops / gemm / 1e12 if gemm else None,
+                               plain_mm=flops / mm / 1e12 if mm else None),
+                   summary=dict(fused_over_sum_stages=ratio, grouped_over_plain_mm=mm / gemm if gemm else None))
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
     return 0
