@@ -349,7 +349,8 @@ class LowLatencyEngine:
         # Messages: [int32 token | 12 B | payload], the FP8 cast once per token (spec §6.4).
         if use_fp8:
             data, scales = low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
-            pay = [data.view(torch.uint8), scales.contiguous().view(torch.uint8).view(n, -1)]
+            sb = scales.size(-1) * scales.element_size()  # (n may be 0: no -1 in the view)
+            pay = [data.view(torch.uint8), scales.contiguous().view(torch.uint8).view(n, sb)]
         else:
             pay = [x.view(torch.uint8).view(n, 2 * H)]
         mb = MSG_HEADER + sum(p.size(1) for p in pay)  # message bytes = slot stride (<= d)

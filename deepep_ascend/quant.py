@@ -441,7 +441,7 @@ def per_token_cast_to_fp8(
         sf = ceil_to_ue8m0(sf)
     mult = (FP8_E4M3_MAX / amax) if scale_style == "deepep" else (1.0 / sf)
     data = cast_to_e4m3(g * mult.unsqueeze(-1))
-    data = data.reshape(*x.shape[:-1], -1)[..., :k].contiguous()
+    data = data.reshape(*x.shape[:-1], g.size(-2) * g.size(-1))[..., :k].contiguous()
     return data, (pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf)
 
 
@@ -480,7 +480,7 @@ def low_latency_cast_to_fp8(
         mult = FP8_E4M3_MAX / amax
     data = (
         cast_to_e4m3(g * mult.unsqueeze(-1))
-        .reshape(*x.shape[:-1], -1)[..., :k]
+        .reshape(*x.shape[:-1], g.size(-2) * g.size(-1))[..., :k]
         .contiguous()
     )
     return data, (pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
@@ -1013,7 +1013,7 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     use, lb, step, rho, _ = _logfmt_params(amax, amin)
     raw = xb.view(torch.uint8)  # [g, 256]: the BF16 bytes
     sel = torch.nonzero(use).squeeze(1)
-    every = sel.numel() == g
+    every = g > 0 and sel.numel() == g
     body = None if every else raw[:, :LOGFMT_BODY_BYTES].clone()
     if sel.numel():
         m, xs = (mag, xb) if every else (mag.index_select(0, sel), xb.index_select(0, sel))
@@ -1074,7 +1074,7 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
         )
     flat = body.reshape(g, LOGFMT_BODY_BYTES)
     sel = torch.nonzero(use).squeeze(1)
-    every = sel.numel() == g
+    every = g > 0 and sel.numel() == g
     out = None if every else torch.empty(g, LOGFMT_GROUP, dtype=torch.float32)
     if sel.numel():
         if not every:
@@ -1112,4 +1112,4 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
             out[sel] = dec
     if nfb:
         out[fb] = torch.cat([body.reshape(g, LOGFMT_BODY_BYTES)[fb], tail], 1).view(torch.bfloat16).float()
-    return out.view(*lead, -1)
+    return out.view(*lead, body.size(-2) * LOGFMT_GROUP)

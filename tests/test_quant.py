@@ -444,6 +444,9 @@ def test_logfmt10_bad_inputs():
         dg.logfmt10_encode(torch.zeros(2, 128))
     with pytest.raises(ValueError, match="multiple of 128"):
         dg.logfmt10_encode(torch.zeros(2, 100, dtype=BF16))
+    body, meta, tail = dg.logfmt10_encode(torch.zeros(0, 256, dtype=BF16))
+    assert (body.shape, meta.shape, tail.shape) == ((0, 2, 160), (0, 2, 2), (0, 96))
+    assert dg.logfmt10_decode(body, meta, tail).shape == (0, 256)
     body, meta, tail = dg.logfmt10_encode(torch.zeros(2, 256, dtype=BF16))
     assert tail.shape == (4, 96) and dg.logfmt10_decode(body, meta, tail).abs().sum() == 0
     with pytest.raises(ValueError, match="tail"):
