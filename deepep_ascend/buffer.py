@@ -1078,7 +1078,13 @@ class Buffer:
                 is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
             topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
             handle: the dispatch's handle.
-            use_logfmt: accepted; rows travel as bf16 (spec §6.3 allows it; exact either way).
+            use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
+                128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
+                bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1`` or equal
+                magnitudes travels as BF16 (96 more bytes). Lossy: each value within
+                ``(2**step - 1) / (2**step + 1)`` relative of itself (``step = (log2 amax -
+                log2 amin) / 510`` of its group, amin clipped to ``amax·2**-32``), decoded to
+                float32 before the weighted sum. See :func:`deepep_ascend.quant.logfmt10_encode`.
             zero_copy: see above (not with ``use_logfmt``).
             out: optional ``[N, H]`` bf16 written and returned.
             combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.
@@ -1099,6 +1105,8 @@ class Buffer:
             self._ll_check_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0))
             _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
             _check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+            _check(not use_logfmt or hidden % 128 == 0, ValueError,
+                   f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
             stale = ll.stale_zero_copy() if zero_copy else None
             _check(stale is None, RuntimeError, stale or "")
             if out is not None:
@@ -1112,7 +1120,7 @@ class Buffer:
         def issue(lay):
             return ll.combine(None if zero_copy else x.contiguous(), topk_idx.contiguous(),
                               topk_weights.contiguous(), handle, lay, bool(zero_copy), out,
-                              combine_wait_recv_cost_stats)
+                              combine_wait_recv_cost_stats, bool(use_logfmt))
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
                                                 (x, topk_idx, topk_weights))

@@ -20,7 +20,15 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
     (:meth:`LowLatencyEngine.combine_buffer`);
   - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
     ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
-    ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots).
+    ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
+    with ``use_logfmt`` (``H % 128 == 0``): a fixed slot of ``M·c`` bytes per global expert
+    ``g`` at ``g·M·c``, as three regions
+    ``[meta: M·4S | body: M·160S | tail: M·S·96]`` (:func:`~deepep_ascend.quant.logfmt10_encode`'s
+    wire format: row ``i``'s metadata and body at ``i·4S`` / ``i·160S`` of theirs, the 96-byte
+    tails of the BF16 groups packed from the tail region's start, rows then groups). A row
+    sends ``1.25H + H/32`` bytes (spec §11) plus 96 per group that falls back to BF16, so
+    ``c = 4S + 2H``, the hint's combine message, is exactly the slot of a row whose groups all
+    fall back: the hint covers any data and nothing more.
 
   A message is ``[int32 source token index | 12 zero bytes | payload]``, payload bf16 ``2H`` B,
   or FP8 ``H`` B + scales (``4S`` B float32, or ``H/128`` B packed UE8M0).
@@ -50,7 +58,8 @@ import torch
 from transports import ChannelKind, TransportTimeout
 
 from .intranode import ConsensusError
-from .quant import low_latency_cast_to_fp8
+from .quant import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
+                    logfmt10_group_mask, low_latency_cast_to_fp8)
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
@@ -59,7 +68,7 @@ NUM_CTL_SLOTS = 3
 HDR_BYTES = 256
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
-F_FP8, F_UE8M0 = 1, 2
+F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
 #: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, spec §6.7).
 QP_DEPTH = 1024
 
@@ -98,6 +107,10 @@ class Layout:
         self.send_off = self.sig
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
+        # LogFMT combine slot (H % 128 == 0): [meta M·4S | body M·160S | tail M·S·96] = M·c bytes.
+        self.lf_body_off = m * LOGFMT_META_BYTES * self.S
+        self.lf_tail_off = self.lf_body_off + m * LOGFMT_BODY_BYTES * self.S
+        self.lf_slot = m * self.c
 
 
 def zeros(shape, dtype) -> torch.Tensor:
@@ -331,7 +344,7 @@ class LowLatencyEngine:
             for s in live:
                 theirs = ((int(words[s, 0]) >> 8) & 0xFF, int(words[s, 1]))
                 if theirs != mine:
-                    problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0): " + ", ".join(
+                    problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0, use_logfmt): " + ", ".join(
                         f"rank {p}: {_describe(words[p])}" for p in live))
                     break
         if problems:
@@ -467,21 +480,28 @@ class LowLatencyEngine:
         return self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L).clone()
 
     # -- combine -----------------------------------------------------------------------
-    def combine(self, x, topk_idx, topk_weights, handle, lay: Layout, zero_copy, out, wait_stats):
-        """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``."""
+    def combine(self, x, topk_idx, topk_weights, handle, lay: Layout, zero_copy, out, wait_stats, use_logfmt=False):
+        """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
+
+        ``use_logfmt``: rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to
+        float32 before the weighted sum."""
         me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
         layout_range = handle[1]
         seq, h = self.begin()
         self.zero_copy_for = None
         base = h * self.half
+        flags = F_LOGFMT if use_logfmt else 0
         src = (self.tp.local_view(self.win, base + lay.send_off, L * R * M * 2 * H, torch.bfloat16).view(L, R * M, H)
                if zero_copy else x)
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
         beg_all = (layout_range >> 32).to(torch.int64)
+        enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
         for dst in self.order():
             cnt = cnt_all[:, dst].contiguous()
             nz = torch.nonzero(cnt).squeeze(1).tolist()
-            if nz:
+            if enc is not None:
+                self._send_logfmt(dst, enc, lay, base)
+            elif nz:
                 if self.direct[dst]:  # rows [b, b + c) of expert e are one run, stored into slot me * L + e
                     recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
                     slots = recv.view(E, M, H)
@@ -494,7 +514,7 @@ class LowLatencyEngine:
                         b, c = int(beg_all[e, dst]), int(cnt[e])
                         self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
             self._put_counts(dst, base, cnt, L)
-            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, 0))
+            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
         self.half_calls[h] += 1
         need = self.half_calls[h]
 
@@ -504,7 +524,7 @@ class LowLatencyEngine:
 
         def receive():
             self._wait_sources(h, need, phase, wait_stats)
-            self._check_headers(h, seq, OP_COMBINE, lay, 0)
+            self._check_headers(h, seq, OP_COMBINE, lay, flags)
             flat = topk_idx.reshape(-1)
             valid = flat >= 0
             owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
@@ -526,7 +546,12 @@ class LowLatencyEngine:
             starts = torch.cumsum(counts, 0) - counts
             rank_in_e = torch.empty_like(pos)
             rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
-            rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
+            if use_logfmt:  # every received row decoded once, in (expert, row) order
+                decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
+                row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
+                row_of[order] = torch.arange(pos.numel())
+            else:
+                rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
             acc = torch.zeros(n, H, dtype=torch.float32)
             slot_j = pos % k
             tok = pos // k
@@ -534,12 +559,82 @@ class LowLatencyEngine:
                 sel = torch.nonzero(slot_j == j).squeeze(1)
                 if not sel.numel():
                     continue
-                y = rows.index_select(0, experts[sel] * M + rank_in_e[sel]).float()
+                if use_logfmt:
+                    y = decoded.index_select(0, row_of[sel])
+                else:
+                    y = rows.index_select(0, experts[sel] * M + rank_in_e[sel]).float()
                 y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
                 acc.index_add_(0, tok[sel], y)
             combined.copy_(acc)
 
         return Pending(receive, (combined,))
+
+    def _encode_logfmt(self, src, cnt_all, beg_all, lay: Layout):
+        """The rows of every run (local expert ``e``, live destination ``s``: rows
+        ``[beg, beg + cnt)`` of ``src[e]``) LogFMT-10 encoded once, runs in ``(e, s)`` order.
+        Returns ``(meta, body, tail, first, runs, tail_first)``: int32 views of the wire parts,
+        each run's first row and row count, and each row's first tail (one past the end too)."""
+        R, L, M, H = self.R, lay.L, lay.M, lay.H
+        cnt = cnt_all.clone()
+        cnt[:, self.mask.bool()] = 0
+        runs = cnt.view(-1).to(torch.int64)
+        first = torch.cumsum(runs, 0) - runs
+        offs = (torch.arange(L).unsqueeze(1) * (R * M) + beg_all).view(-1)
+        rows = torch.repeat_interleave(offs - first, runs) + torch.arange(int(runs.sum()))
+        body, meta, tail = logfmt10_encode(src.reshape(L * R * M, H).index_select(0, rows))
+        fb_rows = (~logfmt10_group_mask(meta)).sum(1)
+        tail_first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(fb_rows, 0)]).tolist()
+        # int32 views (every offset and size is a multiple of 4 bytes): copies move 4 bytes at a time
+        return (meta.view(torch.int32), body.view(torch.int32), tail.view(torch.int32), first.tolist(),
+                runs.tolist(), tail_first)
+
+    def _send_logfmt(self, dst, enc, lay: Layout, base):
+        """Store (same node, ``allow_ubmem``) or put each of ``dst``'s runs as its metadata, body
+        and BF16 tails straight into slot ``me·L + e`` of ``dst``: one copy per hop, nothing
+        staged in the window."""
+        me, R, L, S = self.rank, self.R, lay.L, lay.S
+        meta, body, tail, first, runs, tail_first = enc
+        slot0 = base + lay.recv_off + me * L * lay.lf_slot
+        peer = self.tp.peer_view(self.win, dst, slot0, L * lay.lf_slot, torch.int32) if self.direct[dst] else None
+        nbytes = 0
+        for e in range(L):
+            c, a = runs[e * R + dst], first[e * R + dst]
+            if not c:
+                continue
+            t0, t1 = tail_first[a], tail_first[a + c]
+            for off, part, size in ((0, meta[a:a + c], c * LOGFMT_META_BYTES * S),
+                                    (lay.lf_body_off, body[a:a + c], c * LOGFMT_BODY_BYTES * S),
+                                    (lay.lf_tail_off, tail[t0:t1], (t1 - t0) * LOGFMT_TAIL_BYTES)):
+                if not size:
+                    continue
+                off += e * lay.lf_slot
+                if peer is not None:
+                    peer[off // 4:(off + size) // 4].copy_(part.reshape(-1))
+                else:
+                    self.tp.put(self.win, dst, slot0 + off, part)
+                nbytes += size
+        if peer is not None and nbytes:
+            self.tp.record_put(dst, nbytes)
+
+    def _receive_logfmt(self, base, lay: Layout, slot_g, slot_i):
+        """float32 ``[P, H]``: the received LogFMT rows ``(slot_g[p], slot_i[p])``, given in slot
+        order (experts ascending, rows ascending within each: every received row once)."""
+        E, M, S = lay.E, lay.M, lay.S
+        region = self.tp.local_view(self.win, base + lay.recv_off, E * lay.lf_slot, torch.int32).view(E, -1)
+        mw, bw, tw = LOGFMT_META_BYTES * S // 4, LOGFMT_BODY_BYTES * S // 4, LOGFMT_TAIL_BYTES // 4
+        meta = region[:, :M * mw].view(E, M, mw)[slot_g, slot_i].view(torch.bfloat16).view(-1, S, 2)
+        b0 = lay.lf_body_off // 4
+        body = region[:, b0:b0 + M * bw].view(E, M, bw)[slot_g, slot_i].view(torch.uint8).view(-1, S, LOGFMT_BODY_BYTES)
+        fb = ~logfmt10_group_mask(meta)
+        fb_row = fb.sum(1)
+        # The BF16 groups' tails: packed per slot in (row, group) order from the tail region's start.
+        per_slot = torch.zeros(E, dtype=torch.int64).index_add_(0, slot_g, fb_row)
+        slot_first = torch.cumsum(per_slot, 0) - per_slot
+        fb_slot = slot_g[torch.nonzero(fb)[:, 0]]
+        t0 = lay.lf_tail_off // 4
+        tails = region[:, t0:t0 + M * S * tw].view(E, M * S, tw)
+        tail = tails[fb_slot, torch.arange(fb_slot.numel()) - slot_first[fb_slot]].view(torch.uint8)
+        return logfmt10_decode(body, meta, tail.view(-1, LOGFMT_TAIL_BYTES))
 
     # -- clean ---------------------------------------------------------------------------
     def clean(self):
@@ -574,4 +669,4 @@ def _describe(w) -> str:
     w0, w1 = int(w[0]), int(w[1])
     flags = (w0 >> 8) & 0xFF
     return (f"M={w1 & 0xFFFF}, H={w1 >> 32}, E={(w1 >> 16) & 0xFFFF}, use_fp8={bool(flags & F_FP8)}, "
-            f"use_ue8m0={bool(flags & F_UE8M0)}")
+            f"use_ue8m0={bool(flags & F_UE8M0)}, use_logfmt={bool(flags & F_LOGFMT)}")

@@ -5,7 +5,9 @@ Each case runs on three Buffers: one node with UBMEM stores (default), one node 
 ``allow_nvlink_for_low_latency_mode=False`` (the ``put`` path), and two simulated nodes
 (``ranks_per_node = R/2``: peers on the other node over URMA). Dispatch outputs are compared bit
 for bit (FP8 data and scales included), combine bit for bit with the reference's float32
-accumulation and with spec §9's ``calc_diff`` bounds (invariants 10-14).
+accumulation and with spec §9's ``calc_diff`` bounds (invariants 10-14); a LogFMT-10 combine bit
+for bit with the reference applied to the codec's round trip of each expert row, and within the
+codec's error bound of the BF16 combine.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from buffer_helpers import BF16, Checker, all_ranks_ok, bits, capture, coll
 from mpi_utils import world
 from reference import calc_diff, per_token_cast_back, ref_ll_combine, ref_ll_dispatch
 
-from deepep_ascend import Buffer, ConsensusError
+from deepep_ascend import Buffer, ConsensusError, logfmt10_decode, logfmt10_encode, logfmt10_wire_bytes
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
 
@@ -66,17 +68,24 @@ def _buf(bufs, cfg):
 # inputs
 
 
-def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pattern=False):
+def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pattern=False, logfmt=False):
     """``(x [n, H] bf16, topk_idx [n, K] int64)`` of rank ``rank``, reproducible on any rank.
 
     ``uniform``: top-k of random scores, then 10 random slots set to -1 (spec §9); ``allneg``:
     also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``: spec
-    §9's ``x``: ``rank - 128`` with the last 128 columns = token index.
+    §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values for a
+    LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
+    (times 16: ``|x| >= 1``, BF16) and the last group of every third token (zero, BF16).
     """
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     if pattern:
         x = torch.full((n, hidden), float(rank - 128))
         x[:, -128:] = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+        x = x.to(BF16)
+    elif logfmt:
+        x = torch.randn(n, hidden, generator=gen) * 0.1
+        x[::2, :128] *= 16
+        x[1::3, -128:] = 0
         x = x.to(BF16)
     else:
         x = (torch.randn(n, hidden, generator=gen) * 2).to(BF16)
@@ -94,6 +103,15 @@ def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pat
     if routing == "allneg":
         idx[::3] = -1
     return x, idx.contiguous()
+
+
+#: LogFMT-10's largest relative error, for any group: half a level at the largest step, 32/510.
+LOGFMT_MAX_REL = (2 ** (32 / 510) - 1) / (2 ** (32 / 510) + 1)
+
+
+def logfmt_round_trip(row):
+    """float32 ``[H]``: the bf16 row through LogFMT-10 (what the receiver sums)."""
+    return logfmt10_decode(*logfmt10_encode(row.view(1, -1)))[0]
 
 
 def _scale_of(g):
@@ -137,6 +155,7 @@ class Case:
     zero_rank: bool = False
     mode: str = "sync"  # sync | async | hook
     pattern: bool = False
+    logfmt: bool = False  # LogFMT-10 combine (and make_inputs' logfmt values)
 
     def __str__(self):
         return self.name
@@ -149,6 +168,8 @@ CASES = [
     Case("fp8_ue8m0_packed", fp8=True, round_scale=True, ue8m0=True, hidden=512, tokens=9, m=9),
     Case("bf16_h200_rows_all_minus1_zero_rank", hidden=200, routing="allneg", zero_rank=True),
     Case("every_token_to_one_expert_n_eq_m", routing="one", tokens=32, m=32, topk=2),
+    Case("bf16_logfmt_combine_hook", logfmt=True, mode="hook", hidden=384),
+    Case("fp8_logfmt_combine_async_zero_rank", fp8=True, logfmt=True, mode="async", zero_rank=True, epr=4, topk=4),
 ]
 
 
@@ -167,7 +188,7 @@ def run_ll_case(buf, comm, case: Case, seed: int, chk: Checker, masked=()):
     r, R = comm.Get_rank(), comm.Get_size()
     E, L, M, H, K = case.epr * R, case.epr, case.m, case.hidden, case.topk
     ns = [0 if (case.zero_rank and s == R - 1) else case.tokens for s in range(R)]
-    inputs = [make_inputs(seed, s, R, ns[s], H, E, K, case.routing, case.pattern) for s in range(R)]
+    inputs = [make_inputs(seed, s, R, ns[s], H, E, K, case.routing, case.pattern, case.logfmt) for s in range(R)]
     x, idx = inputs[r]
     cum = torch.zeros(L, dtype=torch.int32)
     wait = torch.zeros(R, dtype=torch.int64)
@@ -230,15 +251,28 @@ def run_ll_case(buf, comm, case: Case, seed: int, chk: Checker, masked=()):
     w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(seed + 7 * r))
 
     def combine():
-        out = buf.low_latency_combine(y, idx, w, handle, async_finish=case.mode == "async",
+        out = buf.low_latency_combine(y, idx, w, handle, use_logfmt=case.logfmt, async_finish=case.mode == "async",
                                       return_recv_hook=case.mode == "hook")
         _finish(out[1], out[2], case.mode)
         return out[0]
 
     combined = coll(combine, what=f"{case.name}: combine")
-    exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, case.fp8, case.round_scale, case.ue8m0), idx, w, E, R,
-                         H, masked=masked)
+
+    def expert_row(t, g):
+        return ref_expert_row(x[t], g, case.fp8, case.round_scale, case.ue8m0)
+
+    exp = ref_ll_combine((lambda t, g: logfmt_round_trip(expert_row(t, g))) if case.logfmt else expert_row, idx, w,
+                         E, R, H, masked=masked)
     chk.same_bits(combined, exp, f"{case.name}: combined_x")
+    if case.logfmt and combined.numel():  # against the BF16 combine (the reference without the codec)
+        plain = ref_ll_combine(expert_row, idx, w, E, R, H, masked=masked).float()
+        mass = ref_ll_combine(lambda t, g: expert_row(t, g).abs(), idx, w.abs(), E, R, H, masked=masked).float()
+        err = (combined.float() - plain).abs()
+        bound = mass * LOGFMT_MAX_REL + (combined.float().abs() + plain.abs()) * 2.0**-8  # + both bf16 roundings
+        diff = calc_diff(combined.float(), plain)
+        chk.check(bool((err <= bound).all()) and diff < 1e-5 and bool((err > 0).any()),
+                  f"{case.name}: LogFMT vs BF16 combine: max error/bound "
+                  f"{float((err / bound.clamp(min=1e-30)).max())}, calc_diff {diff}")
     if case.pattern:  # invariant 12 with identity-like experts: combined ≈ x · Σ_valid w · scale
         scale = torch.tensor([[_scale_of(int(g)) if g >= 0 else 0.0 for g in row] for row in idx])
         approx = x.float() * (w * scale).sum(1, keepdim=True)
@@ -445,6 +479,39 @@ def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
                            f"{peer_kind}, none {other}")
 
 
+@pytest.mark.parametrize("cfg", _configs())
+def test_logfmt_combine_traffic_is_the_spec_formula(bufs, comm, cfg):
+    """Spec §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
+    with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
+    falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
+    count bytes and a 16-byte header to every peer (self included). Counted by
+    ``get_traffic()`` over every channel kind, the rank's own rows included."""
+    buf = _buf(bufs, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, L, M, H, K = 2 * R, 2, 16, 512, 3
+    ins = [make_inputs(8, s, R, 10, H, E, K, logfmt=True) for s in range(R)]
+    x, idx = ins[r]
+    rows = sum(int((i[1] // L == r).sum()) for i in ins)  # selections of this rank's experts: the rows it returns
+    tiny = (make_inputs(8, r, R, 10, H, E, K)[0].float() / 64).to(BF16)  # 0 < |x| < 1: every group LogFMT
+
+    def go():
+        out = []
+        for data in (tiny, x):
+            recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(data, idx, M, E, use_fp8=False)
+            for logfmt in ((False, True) if data is tiny else (True,)):
+                buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, use_logfmt=logfmt)
+                out.append(sum(buf.get_traffic().values()))
+            sent = torch.cat([recv_x[e, :int(cnt[e])] for e in range(L)])
+        return out, int(logfmt10_wire_bytes(logfmt10_encode(sent)[1]).sum())
+
+    (bf16, lf, lf_mixed), mixed_bytes = coll(go, what=f"{cfg} LogFMT traffic")
+    fixed = R * (4 * L + 16)
+    want = (rows * 2 * H + fixed, rows * (H * 5 // 4 + H // 32) + fixed, mixed_bytes + fixed)
+    all_ranks_ok(comm, (bf16, lf, lf_mixed) == want and mixed_bytes > rows * (H * 5 // 4 + H // 32),
+                 f"{cfg}: combine bytes (BF16, LogFMT, LogFMT with BF16 groups) {(bf16, lf, lf_mixed)} != {want} "
+                 f"for {rows} rows of H={H}")
+
+
 def test_odd_hidden_with_one_row_per_expert(comm):
     """hidden 129 (messages not a multiple of 4 bytes) and one row per expert: the received row,
     its source info and the combine are exact (a [1, n] byte slice of odd stride once could not
@@ -558,13 +625,19 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(bufs, comm):
         ("zero_copy + logfmt", lambda: buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True,
                                                                  use_logfmt=True), RuntimeError),
         ("bad handle", lambda: buf.low_latency_combine(recv_x, idx, w, handle[:3]), ValueError),
+        ("logfmt hidden 200", lambda: buf.low_latency_combine(recv_x[:, :, :200], idx, w,
+                                                              (*handle[:3], 200, E), use_logfmt=True), ValueError),
     ]:
         _, exc = capture(call)
         if type(exc) is not want:
             errors.append(f"{name}: expected {want.__name__}, got {exc!r}")
     combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)
-    if not torch.equal(combined, (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)):
+    if not torch.equal(combined, (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)):  # |x| >= 1: BF16 groups
         errors.append("use_logfmt combine differs")
+    if R >= 2:  # ranks disagreeing on use_logfmt: every rank raises, the Buffer stays usable
+        _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, w, handle, use_logfmt=r == 0))
+        if not (isinstance(exc, ConsensusError) and "use_logfmt" in str(exc)):
+            errors.append(f"disagreeing use_logfmt: {exc!r}")
     if not _roundtrip_ok(buf, comm, seed=11):
         errors.append("round trip after the refusals failed")
     normal = Buffer(None, 1 << 16, 0, comm=comm, explicitly_destroy=True)
