@@ -41,8 +41,9 @@ keeps what it measured; rerunning with the same ``DIR`` skips configurations alr
   labelled as such) next to the measured GB/s; emulated runs are labelled ``EMULATED``.
 
 GB = 1e9 B. The GB/s come from the benchmarks' JSON, computed there with ``bench.common``'s
-byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode); the sweep
-only derives the per-kind round-trip rates, with ``bench.common.gbps``.
+byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode), except where
+the sweep takes the busiest rank's bytes from the JSON (low-latency formula GB/s, the per-kind
+rates), always with ``bench.common.gbps``.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ COLUMNS = (
     + [f"{p}_{m}" for p in PHASES for m in ("s", "bytes", "gbps", "logical_gbps")]
     + ["round_trip_s"]
     + [f"{p}_{k}_{m}" for p in PHASES for k in KINDS for m in ("bytes", "gbps")]
-    + [f"rt_{k}_gbps" for k in KINDS]
+    + [f"rt_{k}_{m}" for k in KINDS for m in ("bytes", "gbps")]
     + [f"{peer}_{m}" for peer in PEERS for m in ("round_trip_s", "dispatch_gbps", "combine_gbps")]
     + ["roofline_round_trip_s", "speedup_over_faster_peer"]
     + ["link_label", "proj_profile", "proj_links", "proj_round_trip_s"]
@@ -392,20 +393,34 @@ def _get(d, *path):
     return d
 
 
-def _rt_kind_gbps(phases: dict, round_trip_s: Optional[float]) -> dict:
-    """normal: per kind, the busiest rank's dispatch + combine bytes over the round-trip median."""
-    out = {}
-    if not round_trip_s:
+def _rt_kinds(per_rank: Optional[list], seconds: Optional[float], calls: int = 1) -> dict:
+    """``rt_<KIND>_bytes`` / ``rt_<KIND>_gbps``: per channel kind, the busiest rank's bytes of one round
+    trip (``per_rank``: a ``{kind: bytes}`` per rank, over ``calls`` round trips) and those bytes over
+    ``seconds`` (the round trip's median)."""
+    out: dict = {}
+    if not isinstance(per_rank, list) or not per_rank or not calls:
         return out
     for k in KINDS:
-        per = [_get(phases, p, "sent_by_kind", k, "bytes_per_rank") for p in PHASES]
-        if all(isinstance(v, list) for v in per):
-            out[k] = C.gbps(max(a + b for a, b in zip(*per)), round_trip_s)
+        vals = [d.get(k) for d in per_rank if isinstance(d, dict)]
+        if len(vals) != len(per_rank) or not all(isinstance(v, (int, float)) for v in vals):
+            continue
+        b = max(vals) / calls
+        if b.is_integer():
+            b = int(b)
+        out[f"rt_{k}_bytes"] = b
+        if seconds:
+            out[f"rt_{k}_gbps"] = C.gbps(b, seconds)
     return out
 
 
 def measured_fields(mode: str, doc: dict) -> dict:
-    """Row fields from a benchmark's JSON (missing blocks leave their columns empty)."""
+    """Row fields from a benchmark's JSON (missing blocks leave their columns empty).
+
+    normal: the busiest rank's V1 bottleneck bytes and GB/s as ``bench.normal`` computes them.
+    low_latency: ``bytes``' LL-formula bytes, max over ranks, over the phase medians (which are
+    already the max over ranks per iteration). Both ``rt_<KIND>_*``: the busiest rank's bytes of
+    one round trip per channel kind, over its time.
+    """
     r: dict = {}
     if mode == "normal":
         sysd = _get(doc, "systems", "deepep_ascend") or {}
@@ -424,8 +439,11 @@ def measured_fields(mode: str, doc: dict) -> dict:
                 kd = _get(ph, "sent_by_kind", k) or {}
                 r[f"{p}_{k}_bytes"], r[f"{p}_{k}_gbps"] = kd.get("max_bytes"), kd.get("max_gbps")
         r["round_trip_s"] = _get(sysd, "timings", "round_trip", "median_s")
-        for k, v in _rt_kind_gbps(phases, r["round_trip_s"]).items():
-            r[f"rt_{k}_gbps"] = v
+        sent = {(p, k): _get(phases, p, "sent_by_kind", k, "bytes_per_rank") for p in PHASES for k in KINDS}
+        if all(isinstance(v, list) for v in sent.values()):  # per rank: dispatch + combine bytes of each kind
+            n_ranks = min(len(v) for v in sent.values())
+            r.update(_rt_kinds([{k: sum(sent[p, k][i] for p in PHASES) for k in KINDS} for i in range(n_ranks)],
+                               r["round_trip_s"]))
         for peer in PEERS:
             pd = _get(doc, "systems", peer) or {}
             r[f"{peer}_round_trip_s"] = _get(pd, "timings", "round_trip", "median_s")
@@ -435,15 +453,19 @@ def measured_fields(mode: str, doc: dict) -> dict:
         r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_over_faster_peer")
     else:
         r["fingerprint"] = _get(doc, "config", "fingerprint")
-        r["gbps_formula"] = "DeepEP LL formula (rank 0); per kind: rank 0"
+        r["gbps_formula"] = "DeepEP LL formula (busiest rank); per kind: busiest rank"
         r["checks_ok"] = _get(doc, "check", "ok")
+        b = doc.get("bytes") or {}
         for p in PHASES:
-            r[f"{p}_s"] = _get(doc, "ll", p, "median_s")
-            r[f"{p}_gbps"] = _get(doc, "bandwidth_GBps", p)
+            t, per = _get(doc, "ll", p, "median_s"), b.get(f"{p}_per_rank")
+            r[f"{p}_s"] = t
+            if isinstance(per, list) and per:
+                r[f"{p}_bytes"] = max(per)
+                r[f"{p}_gbps"] = C.gbps(r[f"{p}_bytes"], t) if t else None
         r["round_trip_s"] = _get(doc, "ll", "round_trip", "median_s")
-        for k, v in (_get(doc, "bandwidth_GBps", "per_kind") or {}).items():
-            if k in KINDS:
-                r[f"rt_{k}_gbps"] = v
+        calls = b.get("calls")
+        if isinstance(calls, int) and calls > 0:  # moved_by_kind_per_rank covers `calls` round trips
+            r.update(_rt_kinds(b.get("moved_by_kind_per_rank"), r["round_trip_s"], calls))
         for peer in PEERS:
             r[f"{peer}_round_trip_s"] = _get(doc, "baselines", peer, "median_s")
         r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_vs_faster_pipeline")
@@ -629,12 +651,12 @@ def make_plots(out_dir: str, rows: list) -> list:
            [(f"rt_{k}_gbps", f"{k} bytes moved / round trip") for k in KINDS]
     fig, axes = plt.subplots(len(modes), len(cols), figsize=(4.2 * len(cols), 3.6 * len(modes)), squeeze=False)
     for i, m in enumerate(modes):
-        formula = "V1 bottleneck bytes" if m == "normal" else "DeepEP LL-formula bytes"
+        formula = "V1 bottleneck bytes" if m == "normal" else "DeepEP LL-formula bytes, busiest rank"
         for j, (field, what) in enumerate(cols):
             ax = axes[i][j]
             for label, (xs, ys) in _series(by_mode[m], field).items():
                 ax.plot(xs, ys, marker="o", color=color_of(label), label=label)
-            sub = formula if j < 2 else ("busiest rank" if m == "normal" else "rank 0")
+            sub = formula if j < 2 else "busiest rank"
             _finish_axes(ax, f"{m}: {what}\n({sub})", "GB/s (1 GB = 1e9 B)", "none moved" if j >= 2 else "no data")
     fig.suptitle("deepep_ascend measured bandwidth vs size, per mode and channel kind (median over iterations)")
     fig.tight_layout()

@@ -4,7 +4,8 @@ The end-to-end test runs in the 1-rank job only: the script launches its own ``m
 benchmark jobs. It checks the CSV, the JSON and the PNGs, that the numbers are real and
 consistent (GB/s = bytes / time with ``bench.common.gbps``), and that a second run with the same
 ``--out`` skips both configurations (asserted on the script's own count, never on time).
-The other tests exercise keys, resume, CSV/JSON writing and the CLI without MPI.
+The other tests exercise keys, resume, CSV/JSON writing, the CLI and the low-latency row
+extraction (from JSON recorded from the benchmark, trimmed), without MPI.
 """
 
 from __future__ import annotations
@@ -207,3 +208,81 @@ def test_cli_axes_override_and_errors(capsys):
     with pytest.raises(SystemExit):
         sw.parse_args(["--preset", "smoke"])  # --out is required unless --dry-run
     assert "--out" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Row extraction from recorded benchmark JSON (trimmed; no MPI)
+# ------------------------------------------------------------------------------------------------
+
+# Recorded without emulation, projected on ascend950 (its links; their sources trimmed).
+LINK_MODEL = {"emulation": "none", "profile": "ascend950", "scale": None,
+              "label": "measured on this host, links not emulated"}
+ASCEND950_LINKS = {"SELF": {"GBps": 4000.0, "latency_us": 0.0}, "UBMEM": {"GBps": 400.0, "latency_us": 1.0},
+                   "URMA": {"GBps": 400.0, "latency_us": 2.0}}
+
+
+def _proj_phase(time_s, bottleneck, bottleneck_gbps, formula_bytes, formula_gbps):
+    """One phase of a benchmark's ``projection`` (``bottleneck``: rank, kind, direction, bytes; no ports)."""
+    return {"time_s": time_s, "bottleneck": dict(zip(("rank", "kind", "direction", "bytes"), bottleneck)),
+            "bottleneck_GBps": bottleneck_gbps, "formula_bytes": formula_bytes, "formula_GBps": formula_gbps}
+
+
+# `mpiexec -n 2 python -m bench.low_latency --tokens 32 --hidden 512 --num-experts 16 --num-topk 4
+#  --iters 2 --no-baselines --json F` (warm-up 3: `calls` 5), trimmed.
+LOW_LATENCY_DOC = {
+    "config": {"fingerprint": "e385fdb45416"},
+    "check": {"calc_diff": 0.00031407832797358815, "bound": 0.0009, "ok": True},
+    "bytes": {"dispatch_per_rank": [69632, 69632], "combine_per_rank": [131072, 131072], "calls": 5,
+              "moved_by_kind_per_rank": [{"SELF": 533600, "UBMEM": 496480, "URMA": 0},
+                                         {"SELF": 494400, "UBMEM": 484480, "URMA": 0}]},
+    "ll": {"dispatch": {"median_s": 0.030541479000021354}, "combine": {"median_s": 0.039934811500643264},
+           "round_trip": {"median_s": 0.07047629050066462}},
+    "bandwidth_GBps": {"dispatch": 0.002279915782727854, "combine": 0.0032821489591327788,
+                       "per_kind": {"SELF": 0.0015142681211207276, "UBMEM": 0.0014089277300862425, "URMA": 0.0}},
+    "baselines": {},
+    "link_model": LINK_MODEL,
+    "projection": {"profile": "ascend950", "links": ASCEND950_LINKS,
+                   "dispatch": _proj_phase(4.08852e-06, (0, "UBMEM", "received", 35408), 8.660346531263148, 69632,
+                                           17.03110171895943),
+                   "combine": _proj_phase(4.1665199999999995e-06, (0, "UBMEM", "sent", 66608), 15.986482724191893,
+                                          131072, 31.458387335234207),
+                   "round_trip_s": 8.255039999999999e-06},
+}
+
+PROV = dict(version="0.1.0", git_commit="abc", hostname="h")
+KINDS = ("SELF", "UBMEM", "URMA")
+
+
+def test_low_latency_row_uses_the_byte_fields():
+    from bench.common import gbps
+
+    sw = _module()
+    doc = LOW_LATENCY_DOC
+    cfg = sw.Config("low_latency", 2, None, 32, 512, 4, 16, "fp8", 2, 3, peers=False)
+    row = sw.make_row(cfg, doc, 0, "", 1.0, PROV)
+    assert row["status"] == "ok" and row["checks_ok"] is True and row["fingerprint"] == "e385fdb45416"
+    b = doc["bytes"]
+    for p in ("dispatch", "combine"):
+        assert row[f"{p}_s"] == doc["ll"][p]["median_s"]
+        assert row[f"{p}_bytes"] == max(b[f"{p}_per_rank"])  # the busiest rank, like normal rows
+        assert row[f"{p}_gbps"] == gbps(row[f"{p}_bytes"], row[f"{p}_s"])
+        assert math.isclose(row[f"{p}_gbps"], doc["bandwidth_GBps"][p], rel_tol=1e-12)  # equal bytes on every rank
+        assert row[f"proj_{p}_formula_bytes"] == row[f"{p}_bytes"]
+    assert row["round_trip_s"] == doc["ll"]["round_trip"]["median_s"]
+    # per kind: the busiest rank's bytes per round trip (moved over `calls` round trips) / the round trip
+    assert (row["rt_SELF_bytes"], row["rt_UBMEM_bytes"], row["rt_URMA_bytes"]) == (106720, 99296, 0)
+    for k in KINDS:
+        assert row[f"rt_{k}_bytes"] == max(r[k] for r in b["moved_by_kind_per_rank"]) / b["calls"]
+        assert row[f"rt_{k}_gbps"] == gbps(row[f"rt_{k}_bytes"], row["round_trip_s"])
+        assert math.isclose(row[f"rt_{k}_gbps"], doc["bandwidth_GBps"]["per_kind"][k], rel_tol=1e-12)  # rank 0
+    # one round trip's bytes = the projection's counted dispatch + combine bytes of the busiest UBMEM sender
+    assert row["rt_UBMEM_bytes"] == 32688 + 66608
+
+    # busiest rank, not rank 0: with the ranks swapped and rank 1 heavier, the columns follow the max
+    swapped = json.loads(json.dumps(doc))
+    sb = swapped["bytes"]
+    sb["moved_by_kind_per_rank"].reverse()
+    sb["dispatch_per_rank"] = [69632, 69632 + 536]
+    row2 = sw.make_row(cfg, swapped, 0, "", 1.0, PROV)
+    assert row2["dispatch_bytes"] == 69632 + 536
+    assert all(row2[f"rt_{k}_bytes"] == row[f"rt_{k}_bytes"] for k in KINDS)
