@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Bandwidth sweeps: run ``bench.normal`` / ``bench.low_latency`` over a grid of configurations.
+"""Bandwidth sweeps: run ``bench.normal`` / ``bench.low_latency`` / ``bench.mega_moe`` over a grid of configurations.
 
 Usage (from anywhere; the benchmarks run from the repository root)::
 
@@ -7,25 +7,36 @@ Usage (from anywhere; the benchmarks run from the repository root)::
     python scripts/sweep_bandwidth.py --preset small --out sweeps/small    # a few minutes here
     python scripts/sweep_bandwidth.py --preset default --out sweeps/dsv3 --ranks 4,8
     python scripts/sweep_bandwidth.py --preset small --out d --tokens 256,512 --mode normal --dry-run
+    python scripts/sweep_bandwidth.py --preset small --out mm --mode mega_moe --inter 128,256
 
-Every configuration (mode × ranks × ranks per node × tokens × hidden × top-k × experts × dtype)
-is one ``mpiexec -n R python -m bench.<mode> --json FILE ...`` job, launched with the ``mpiexec``
+Every configuration (mode × ranks × ranks per node × tokens × hidden × [inter] × top-k × experts ×
+dtype) is one ``mpiexec -n R python -m bench.<mode> --json FILE ...`` job, launched with the ``mpiexec``
 of the ``mpich`` wheel (the one mpi4py's libmpi belongs to; else ``mpiexec`` on PATH), from the
 repository root, ``PYTHONPATH`` = the root, ``OMP_NUM_THREADS=1``, in its own process group and
 with a per-run ``--timeout`` (the group is killed, the row recorded as failed, the sweep goes on).
 The child's output goes to ``DIR/logs/<config>.log``.
 
-Presets (explicit axes override the preset's values; ``--mode`` picks which modes run):
+Presets (explicit axes override the preset's values; ``--mode`` picks which modes run; every
+preset has a ``mega_moe`` grid, run by default except in ``smoke``):
 
 * ``smoke``: normal mode, 2 ranks, one node, tokens 64 and 128, hidden 256, top-2 of 8 experts,
-  BF16, 3 iterations: two points, seconds.
+  BF16, 3 iterations: two points, seconds. (``--mode mega_moe``: the same sizes, inter 128, FP8.)
 * ``small``: 4 ranks as 1 node and as 2 nodes x 2; normal mode at 128-1024 tokens, low-latency
-  at 64-256 tokens; hidden 1024, top-4 of 16 experts, BF16, 5 iterations: 14 points, a few
-  minutes on a 2-core machine.
+  at 64-256 tokens; hidden 1024, top-4 of 16 experts, BF16; MegaMoE (one node) at 64-256 tokens,
+  ``bench.mega_moe``'s tiny shape (hidden 256, inter 128, top-4 of 16, FP8xFP4); 5 iterations:
+  17 points, a few minutes on a 2-core machine.
 * ``default``: DeepSeek-V3 shape (hidden 7168, top-8 of 256 experts), 4 ranks as 1 and 2
   nodes; normal at 512-4096 tokens, low-latency at 16-128 tokens (its window grows with
-  tokens x hidden x experts): longer (estimated, not measured: half an hour to an hour on 2 cores).
-* ``full``: 2, 4 and 8 ranks, nodes of 2 and 4, hidden 2048 and 7168, BF16 and FP8: hours.
+  tokens x hidden x experts); MegaMoE at ``bench.mega_moe``'s cpu-pro-mini shape (hidden 1024,
+  inter 512, top-6 of 96: DeepSeek-V3's own expert weights do not fit in CPU memory per rank),
+  128-512 tokens: longer (estimated, not measured: half an hour to an hour on 2 cores).
+* ``full``: 2, 4 and 8 ranks, nodes of 2 and 4, hidden 2048 and 7168, BF16 and FP8; MegaMoE at
+  hidden 1024/2048 x inter 128/512, top-6 of 96, FP8xFP4 and BF16: hours.
+
+MegaMoE rows run on one node only (``bench.mega_moe`` has no ``--ranks-per-node``: a
+``ranks_per_node`` is listed as an impossible combination), without peer pipelines; ``--inter``
+is their intermediate size and the dtype axis their ``--mma`` (``fp8`` = FP8xFP4, ``bf16`` =
+BF16xBF16); one shared expert (the benchmark's default).
 
 Outputs in ``--out DIR`` (rewritten atomically after every configuration, so a killed sweep
 keeps what it measured; rerunning with the same ``DIR`` skips configurations already ``ok``,
@@ -33,17 +44,18 @@ keeps what it measured; rerunning with the same ``DIR`` skips configurations alr
 
 * ``results.csv`` / ``results.json`` (``{"columns": [...], "rows": [...]}``): one row per
   configuration; columns in :data:`COLUMNS` (see the README section "Bandwidth sweeps").
-* ``gbps_vs_size.png``: GB/s vs tokens per rank, per mode, for the formula bandwidths and per
-  channel kind (SELF / UBMEM / URMA bytes moved per second);
+* ``gbps_vs_size.png``: GB/s vs tokens per rank, per mode, for the formula bandwidths (MegaMoE:
+  the fused call's per-pair bytes, with and without self-rank pairs) and per channel kind
+  (SELF / UBMEM / URMA bytes moved per second);
 * ``peers.png``: deepep_ascend vs the MPI ``Alltoallv`` and gloo ``all_to_all_single``
   pipelines on the same axes;
 * ``projected_vs_measured.png``: the benchmarks' projection onto a link profile (a model,
   labelled as such) next to the measured GB/s; emulated runs are labelled ``EMULATED``.
 
 GB = 1e9 B. The GB/s come from the benchmarks' JSON, computed there with ``bench.common``'s
-byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode), except where
-the sweep takes the busiest rank's bytes from the JSON (low-latency formula GB/s, the per-kind
-rates), always with ``bench.common.gbps``.
+byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode; MegaMoE's
+per-pair bytes), except where the sweep takes the busiest rank's bytes from the JSON
+(low-latency formula GB/s, the per-kind rates), always with ``bench.common.gbps``.
 """
 from __future__ import annotations
 
@@ -73,53 +85,77 @@ if REPO not in sys.path:
 
 from bench import common as C  # noqa: E402  (byte formulas and gbps: one implementation)
 
-MODES = ("normal", "low_latency")
-MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency"}
+MODES = ("normal", "low_latency", "mega_moe")
+MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency", "mega_moe": "bench.mega_moe"}
 KINDS = ("SELF", "UBMEM", "URMA")
 PEERS = ("mpi_alltoallv", "gloo_all_to_all")
 PHASES = ("dispatch", "combine")
+PROJ_PHASES = PHASES + ("fused",)  # the benchmarks' projection phases (mega_moe: one, "fused")
+MMA = {"fp8": "fp8xfp4", "bf16": "bf16xbf16"}  # mega_moe: the dtype axis is the MMA type
 LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
 DEFAULT_LINK_PROFILE = "ascend950"
 
 # ----------------------------------------------------------------------------------------------
-# Presets: per mode, the axes (lists) of its grid; plus iterations and the per-run timeout.
+# Presets: per mode, the axes (lists) of its grid; the modes run by default (``default_modes``,
+# else all of them); iterations and the per-run timeout.
 # ----------------------------------------------------------------------------------------------
 
 PRESETS = {
     "smoke": dict(
         about="2 points: normal mode, 2 ranks, tokens 64/128, hidden 256, top-2 of 8 experts (seconds)",
-        iters=3, warmup=1, timeout=120.0,
+        iters=3, warmup=1, timeout=120.0, default_modes=["normal"],
         modes={"normal": dict(ranks=[2], ranks_per_node=[None], tokens=[64, 128], hidden=[256], num_topk=[2],
-                              num_experts=[8], dtype=["bf16"])}),
+                              num_experts=[8], dtype=["bf16"]),
+               # only with --mode mega_moe (CI runs the two normal points)
+               "mega_moe": dict(ranks=[2], ranks_per_node=[None], tokens=[64, 128], hidden=[256], inter=[128],
+                                num_topk=[2], num_experts=[8], dtype=["fp8"])}),
     "small": dict(
-        about="14 points: 4 ranks as 1 node and 2x2; normal 128-1024 tokens, low-latency 64-256 (a few minutes)",
+        about="17 points: 4 ranks as 1 node and 2x2; normal 128-1024 tokens, low-latency 64-256; "
+              "MegaMoE tiny shape 64-256 (a few minutes)",
         iters=5, warmup=1, timeout=300.0,
         modes={"normal": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[128, 256, 512, 1024], hidden=[1024],
                               num_topk=[4], num_experts=[16], dtype=["bf16"]),
                "low_latency": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[64, 128, 256], hidden=[1024],
-                                   num_topk=[4], num_experts=[16], dtype=["bf16"])}),
+                                   num_topk=[4], num_experts=[16], dtype=["bf16"]),
+               # bench.mega_moe's "tiny" preset shape (about 10 s a point here)
+               "mega_moe": dict(ranks=[4], ranks_per_node=[None], tokens=[64, 128, 256], hidden=[256], inter=[128],
+                                num_topk=[4], num_experts=[16], dtype=["fp8"])}),
     "default": dict(
-        about="DeepSeek-V3 shape, 4 ranks as 1 and 2 nodes; normal 512-4096 tokens, LL 16-128 (estimated 0.5-1 h)",
+        about="DeepSeek-V3 shape, 4 ranks as 1 and 2 nodes; normal 512-4096 tokens, LL 16-128; MegaMoE "
+              "cpu-pro-mini shape 128-512 (estimated 0.5-1 h)",
         iters=10, warmup=2, timeout=1800.0,
         modes={"normal": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[512, 1024, 2048, 4096], hidden=[7168],
                               num_topk=[8], num_experts=[256], dtype=["bf16"]),
                "low_latency": dict(ranks=[4], ranks_per_node=[None, 2], tokens=[16, 32, 64, 128], hidden=[7168],
-                                   num_topk=[8], num_experts=[256], dtype=["bf16"])}),
+                                   num_topk=[8], num_experts=[256], dtype=["bf16"]),
+               # bench.mega_moe's "cpu-pro-mini" shape: DeepSeek-V3's experts (H 7168, I 2048) would not fit
+               "mega_moe": dict(ranks=[4], ranks_per_node=[None], tokens=[128, 256, 512], hidden=[1024], inter=[512],
+                                num_topk=[6], num_experts=[96], dtype=["fp8"])}),
     "full": dict(
-        about="2/4/8 ranks, nodes of 2 and 4, hidden 2048/7168, BF16 and FP8 (hours)",
+        about="2/4/8 ranks, nodes of 2 and 4, hidden 2048/7168, BF16 and FP8; MegaMoE H 1024/2048 x I 128/512 (hours)",
         iters=10, warmup=2, timeout=3600.0,
         modes={"normal": dict(ranks=[2, 4, 8], ranks_per_node=[None, 2, 4], tokens=[256, 512, 1024, 2048],
                               hidden=[2048, 7168], num_topk=[8], num_experts=[256], dtype=["bf16", "fp8"]),
                "low_latency": dict(ranks=[2, 4, 8], ranks_per_node=[None, 2, 4], tokens=[16, 32, 64, 128],
-                                   hidden=[2048, 7168], num_topk=[8], num_experts=[256], dtype=["bf16", "fp8"])}),
+                                   hidden=[2048, 7168], num_topk=[8], num_experts=[256], dtype=["bf16", "fp8"]),
+               "mega_moe": dict(ranks=[2, 4, 8], ranks_per_node=[None], tokens=[128, 256, 512, 1024],
+                                hidden=[1024, 2048], inter=[128, 512], num_topk=[6], num_experts=[96],
+                                dtype=["fp8", "bf16"])}),
 }
-AXES = ("ranks", "ranks_per_node", "tokens", "hidden", "num_topk", "num_experts", "dtype")
+AXES = ("ranks", "ranks_per_node", "tokens", "hidden", "inter", "num_topk", "num_experts", "dtype")
 
 # ----------------------------------------------------------------------------------------------
 # Row columns (CSV order). Empty cell = not measured / not reported by that benchmark.
 # ----------------------------------------------------------------------------------------------
 
-CONFIG_FIELDS = ["mode", "ranks", "ranks_per_node", "nodes", "tokens", "hidden", "num_topk", "num_experts", "dtype",
+# mega_moe rows: bench.mega_moe's times (mean over ranks of the per-rank medians), its per-pair GB/s
+# (with self-rank pairs = the main number, cross-rank only), routed TFLOPS and summary ratios.
+MEGA_MOE_COLUMNS = ["fused_s", "fused_bytes", "fused_gbps", "fused_cross_rank_bytes", "fused_cross_rank_gbps",
+                    "fused_tflops", "fused_over_sum_stages", "grouped_over_plain_mm", "serial_s", "unfused_s",
+                    "sum_stages_s", "comm_stages_s"]
+
+CONFIG_FIELDS = ["mode", "ranks", "ranks_per_node", "nodes", "tokens", "hidden", "inter", "num_topk", "num_experts",
+                 "dtype",
                  "iters", "warmup", "seed", "peers", "link_profile", "link_emulation", "link_scale"]
 COLUMNS = (
     ["config_key"] + CONFIG_FIELDS
@@ -129,17 +165,21 @@ COLUMNS = (
     + ["round_trip_s"]
     + [f"{p}_{k}_{m}" for p in PHASES for k in KINDS for m in ("bytes", "gbps")]
     + [f"rt_{k}_{m}" for k in KINDS for m in ("bytes", "gbps")]
+    + MEGA_MOE_COLUMNS
     + [f"{peer}_{m}" for peer in PEERS for m in ("round_trip_s", "dispatch_gbps", "combine_gbps")]
     + ["roofline_round_trip_s", "speedup_over_faster_peer"]
     + ["link_label", "proj_profile", "proj_links", "proj_round_trip_s"]
-    + [f"proj_{p}_{m}" for p in PHASES for m in ("s", "gbps", "formula_bytes", "bottleneck_kind", "bottleneck_direction",
-                                                   "bottleneck_rank", "bottleneck_bytes", "bottleneck_link_gbps")]
+    + [f"proj_{p}_{m}" for p in PROJ_PHASES
+       for m in ("s", "gbps", "formula_bytes", "bottleneck_kind", "bottleneck_direction", "bottleneck_rank",
+                 "bottleneck_bytes", "bottleneck_link_gbps")]
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One benchmark run. ``ranks_per_node=None``: one node (all ranks)."""
+    """One benchmark run. ``ranks_per_node=None``: one node (all ranks). ``inter``: MegaMoE's
+    intermediate size (``None`` in the other modes); in mega_moe mode ``dtype`` is the MMA type
+    (:data:`MMA`) and ``peers`` is False (the benchmark has none)."""
 
     mode: str
     ranks: int
@@ -156,6 +196,7 @@ class Config:
     link_profile: Optional[str] = DEFAULT_LINK_PROFILE
     link_emulation: Optional[str] = None
     link_scale: Optional[float] = None
+    inter: Optional[int] = None
 
     @property
     def nodes(self) -> int:
@@ -165,9 +206,11 @@ class Config:
     def key(self) -> str:
         """Stable, readable identity of the configuration (the resume key)."""
         topo = f"{self.nodes}x{self.ranks_per_node}" if self.ranks_per_node else "1node"
-        k = (f"{self.mode}-R{self.ranks}-{topo}-T{self.tokens}-H{self.hidden}-K{self.num_topk}-E{self.num_experts}"
-             f"-{self.dtype}-it{self.iters}w{self.warmup}-s{self.seed}")
-        if not self.peers:
+        mm = self.mode == "mega_moe"
+        k = (f"{self.mode}-R{self.ranks}-{topo}-T{self.tokens}-H{self.hidden}" + (f"-I{self.inter}" if mm else "")
+             + f"-K{self.num_topk}-E{self.num_experts}-{MMA.get(self.dtype, self.dtype) if mm else self.dtype}"
+             f"-it{self.iters}w{self.warmup}-s{self.seed}")
+        if not self.peers and not mm:  # mega_moe has no peers to skip
             k += "-nopeers"
         k += f"-proj_{self.link_profile or 'none'}"
         if self.link_emulation and self.link_emulation != "none":
@@ -191,19 +234,33 @@ class Config:
             return f"fp8 needs hidden % {C.FP8_BLOCK} == 0 (hidden {self.hidden})"
         if self.mode == "low_latency" and self.tokens > LL_MAX_TOKENS:
             return f"low_latency needs tokens <= {LL_MAX_TOKENS} (tokens {self.tokens})"
+        if self.mode == "mega_moe":  # get_symm_buffer_for_mega_moe's checks; one node only
+            if self.ranks_per_node:
+                return "mega_moe runs on one node only (bench.mega_moe has no --ranks-per-node)"
+            if self.num_topk > 32:
+                return f"mega_moe needs num_topk <= 32 (num_topk {self.num_topk})"
+            if self.dtype == "fp8" and self.inter % 128:
+                return f"mega_moe fp8xfp4 needs inter % 128 == 0 (inter {self.inter})"
+            if self.dtype == "bf16" and self.inter % 8:
+                return f"mega_moe bf16xbf16 needs inter % 8 == 0 (inter {self.inter})"
         return None
 
     def bench_args(self, json_path: str, supported: set) -> list:
         """The benchmark's command-line options (``supported``: the options its ``--help`` lists)."""
-        a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
-             "--num-experts", self.num_experts, "--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
+        if self.mode == "mega_moe":
+            a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--inter", self.inter,
+                 "--experts", self.num_experts, "--topk", self.num_topk, "--mma", self.dtype]
+        else:
+            a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
+                 "--num-experts", self.num_experts]
+        a += ["--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
         if self.ranks_per_node:
             a += ["--ranks-per-node", self.ranks_per_node]
         if self.mode == "normal":
             a += ["--fp8"] if self.dtype == "fp8" else []
             if not self.peers:
                 a += ["--systems", "deepep_ascend,roofline"]
-        else:
+        elif self.mode == "low_latency":
             a += ["--bf16"] if self.dtype == "bf16" else []
             if not self.peers:
                 a += ["--no-baselines"]
@@ -396,7 +453,7 @@ def _get(d, *path):
 def _rt_kinds(per_rank: Optional[list], seconds: Optional[float], calls: int = 1) -> dict:
     """``rt_<KIND>_bytes`` / ``rt_<KIND>_gbps``: per channel kind, the busiest rank's bytes of one round
     trip (``per_rank``: a ``{kind: bytes}`` per rank, over ``calls`` round trips) and those bytes over
-    ``seconds`` (the round trip's median)."""
+    ``seconds`` (the round trip's median; mega_moe: the fused call's)."""
     out: dict = {}
     if not isinstance(per_rank, list) or not per_rank or not calls:
         return out
@@ -418,8 +475,9 @@ def measured_fields(mode: str, doc: dict) -> dict:
 
     normal: the busiest rank's V1 bottleneck bytes and GB/s as ``bench.normal`` computes them.
     low_latency: ``bytes``' LL-formula bytes, max over ranks, over the phase medians (which are
-    already the max over ranks per iteration). Both ``rt_<KIND>_*``: the busiest rank's bytes of
-    one round trip per channel kind, over its time.
+    already the max over ranks per iteration). mega_moe: ``bench.mega_moe``'s own GB/s, TFLOPS
+    and ratios. Everywhere ``rt_<KIND>_*``: the busiest rank's bytes of one round trip (mega_moe:
+    one fused call) per channel kind, over its time.
     """
     r: dict = {}
     if mode == "normal":
@@ -451,7 +509,7 @@ def measured_fields(mode: str, doc: dict) -> dict:
                 r[f"{peer}_{p}_gbps"] = _get(pd, "phases", p, "bottleneck_gbps")
         r["roofline_round_trip_s"] = _get(doc, "roofline", "timings", "round_trip", "median_s")
         r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_over_faster_peer")
-    else:
+    elif mode == "low_latency":
         r["fingerprint"] = _get(doc, "config", "fingerprint")
         r["gbps_formula"] = "DeepEP LL formula (busiest rank); per kind: busiest rank"
         r["checks_ok"] = _get(doc, "check", "ok")
@@ -469,6 +527,22 @@ def measured_fields(mode: str, doc: dict) -> dict:
         for peer in PEERS:
             r[f"{peer}_round_trip_s"] = _get(doc, "baselines", peer, "median_s")
         r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_vs_faster_pipeline")
+    elif mode == "mega_moe":
+        r["fingerprint"] = doc.get("fingerprint")
+        r["gbps_formula"] = ("MegaMoE per pair: dispatch H*elem + scales + 4 B, combine 2H B (mean over ranks) / "
+                             "fused time (mean over ranks); per kind: busiest rank's bytes of one fused call")
+        r["checks_ok"] = None  # bench.mega_moe's JSON has no correctness field (its [check] line is text only)
+        ts, bw = doc.get("times_s") or {}, doc.get("bandwidth_GBps") or {}
+        for col, key in (("fused_s", "fused"), ("serial_s", "serial"), ("unfused_s", "unfused"),
+                         ("sum_stages_s", "sum_stages"), ("comm_stages_s", "comm_stages")):
+            r[col] = ts.get(key)
+        for col, key in (("fused_bytes", "bytes_with_self"), ("fused_gbps", "fused_with_self"),
+                         ("fused_cross_rank_bytes", "bytes_cross_rank"), ("fused_cross_rank_gbps", "fused_cross_rank")):
+            r[col] = bw.get(key)
+        r["fused_tflops"] = _get(doc, "tflops", "fused_routed")
+        r["fused_over_sum_stages"] = _get(doc, "summary", "fused_over_sum_stages")
+        r["grouped_over_plain_mm"] = _get(doc, "summary", "grouped_over_plain_mm")
+        r.update(_rt_kinds(doc.get("traffic_by_kind"), r["fused_s"]))
     lm = doc.get("link_model") or {}
     if lm:
         r["link_emulation"] = lm.get("emulation")
@@ -479,7 +553,7 @@ def measured_fields(mode: str, doc: dict) -> dict:
         r["proj_profile"] = pj.get("profile")
         r["proj_links"] = json.dumps(pj["links"], sort_keys=True) if pj.get("links") is not None else None
         r["proj_round_trip_s"] = pj.get("round_trip_s")
-        for p in PHASES:
+        for p in PROJ_PHASES:
             pp = pj.get(p) or {}
             r[f"proj_{p}_s"] = pp.get("time_s")
             r[f"proj_{p}_gbps"] = pp.get("formula_GBps")
@@ -498,8 +572,9 @@ def make_row(cfg: Config, doc, rc, err: str, wall: float, prov: dict) -> dict:
         row.update(measured_fields(cfg.mode, doc))
     if not err and doc is not None and row.get("checks_ok") is False:
         err = "benchmark reported a correctness check failure"
-    if not err and not (isinstance(row.get("round_trip_s"), (int, float)) and row["round_trip_s"] > 0):
-        err = "benchmark JSON has no round-trip time"
+    t_col = "fused_s" if cfg.mode == "mega_moe" else "round_trip_s"
+    if not err and not (isinstance(row.get(t_col), (int, float)) and row[t_col] > 0):
+        err = "benchmark JSON has no " + ("fused-call time" if cfg.mode == "mega_moe" else "round-trip time")
     row["status"] = "failed" if err else "ok"
     row["error"] = err or None
     return row
@@ -586,6 +661,9 @@ def _num(v) -> Optional[float]:
 def _group_label(r: dict) -> str:
     topo = f"{r['nodes']}x{r['ranks_per_node']}" if r.get("ranks_per_node") else "1 node"
     emu = " EMULATED" if r.get("link_emulation") not in (None, "", "none") else ""
+    if r.get("mode") == "mega_moe":
+        return (f"R{r['ranks']} {topo}, H{r['hidden']} I{r.get('inter')}, top-{r['num_topk']}/{r['num_experts']}, "
+                f"{MMA.get(str(r['dtype']), str(r['dtype'])).upper()}{emu}")
     return (f"R{r['ranks']} {topo}, H{r['hidden']}, top-{r['num_topk']}/{r['num_experts']}, "
             f"{str(r['dtype']).upper()}{emu}")
 
@@ -629,6 +707,20 @@ def _finish_axes(ax, title: str, ylabel: str, empty_note: str = "no data") -> No
     ax.legend(fontsize=6)
 
 
+# Per mode, the formula-bandwidth panels of gbps_vs_size.png ((field, title), ...), their byte formula,
+# and the phases of projected_vs_measured.png ((measured field, projected phase), ...).
+_FORMULA_PANELS = {
+    "normal": ([("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")], "V1 bottleneck bytes"),
+    "low_latency": ([("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")],
+                    "DeepEP LL-formula bytes, busiest rank"),
+    "mega_moe": ([("fused_gbps", "fused call, with self-rank pairs"),
+                  ("fused_cross_rank_gbps", "fused call, cross-rank")], "per-pair bytes, mean over ranks"),
+}
+_PROJ_PANELS = {"normal": [("dispatch_gbps", "dispatch"), ("combine_gbps", "combine")],
+                "low_latency": [("dispatch_gbps", "dispatch"), ("combine_gbps", "combine")],
+                "mega_moe": [("fused_gbps", "fused")]}
+
+
 def make_plots(out_dir: str, rows: list) -> list:
     """Regenerate the three PNGs from every ``ok`` row; returns their paths."""
     import matplotlib
@@ -647,11 +739,12 @@ def make_plots(out_dir: str, rows: list) -> list:
         return palette.setdefault(label, colors[len(palette) % len(colors)])
 
     # (1) GB/s vs size per mode and channel kind
-    cols = [("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")] + \
-           [(f"rt_{k}_gbps", f"{k} bytes moved / round trip") for k in KINDS]
-    fig, axes = plt.subplots(len(modes), len(cols), figsize=(4.2 * len(cols), 3.6 * len(modes)), squeeze=False)
+    ncols = 2 + len(KINDS)
+    fig, axes = plt.subplots(len(modes), ncols, figsize=(4.2 * ncols, 3.6 * len(modes)), squeeze=False)
     for i, m in enumerate(modes):
-        formula = "V1 bottleneck bytes" if m == "normal" else "DeepEP LL-formula bytes, busiest rank"
+        formula_panels, formula = _FORMULA_PANELS[m]
+        per_call = "fused call" if m == "mega_moe" else "round trip"
+        cols = formula_panels + [(f"rt_{k}_gbps", f"{k} bytes moved / {per_call}") for k in KINDS]
         for j, (field, what) in enumerate(cols):
             ax = axes[i][j]
             for label, (xs, ys) in _series(by_mode[m], field).items():
@@ -662,38 +755,49 @@ def make_plots(out_dir: str, rows: list) -> list:
     fig.tight_layout()
     paths.append(_save(fig, out_dir, "gbps_vs_size.png", plt))
 
-    # (2) deepep_ascend vs the peers on the same axes
+    # (2) deepep_ascend vs the peers on the same axes (mega_moe has no peer pipelines)
     styles = {"deepep_ascend": "-", "mpi_alltoallv": "--", "gloo_all_to_all": ":"}
     panels = []
     if "normal" in by_mode:
         panels += [("normal", p, "GB/s (V1 bottleneck bytes, 1 GB = 1e9 B)") for p in PHASES]
     for m in modes:
-        panels.append((m, "round_trip", "round trip, ms (median)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, (m, what, ylabel) in zip(axes[0], panels):
-        for system, ls in styles.items():
-            if what == "round_trip":
-                field = "round_trip_s" if system == "deepep_ascend" else f"{system}_round_trip_s"
-            else:
-                field = f"{what}_gbps" if system == "deepep_ascend" else f"{system}_{what}_gbps"
-            for label, (xs, ys) in _series(by_mode[m], field).items():
+        if m != "mega_moe":
+            panels.append((m, "round_trip", "round trip, ms (median)"))
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+        for ax, (m, what, ylabel) in zip(axes[0], panels):
+            for system, ls in styles.items():
                 if what == "round_trip":
-                    ys = [y * 1e3 for y in ys]
-                ax.plot(xs, ys, ls, marker="o" if system == "deepep_ascend" else ".", color=color_of(label),
-                        label=f"{system}: {label}")
-        _finish_axes(ax, f"{m}: {what.replace('_', ' ')}", ylabel)
-    fig.suptitle("deepep_ascend (solid) vs the peer pipelines MPI Alltoallv (dashed) and gloo all_to_all_single "
-                 "(dotted): same workload, same run", fontsize=10)
-    fig.tight_layout()
+                    field = "round_trip_s" if system == "deepep_ascend" else f"{system}_round_trip_s"
+                else:
+                    field = f"{what}_gbps" if system == "deepep_ascend" else f"{system}_{what}_gbps"
+                for label, (xs, ys) in _series(by_mode[m], field).items():
+                    if what == "round_trip":
+                        ys = [y * 1e3 for y in ys]
+                    ax.plot(xs, ys, ls, marker="o" if system == "deepep_ascend" else ".", color=color_of(label),
+                            label=f"{system}: {label}")
+            _finish_axes(ax, f"{m}: {what.replace('_', ' ')}", ylabel)
+        fig.suptitle("deepep_ascend (solid) vs the peer pipelines MPI Alltoallv (dashed) and gloo all_to_all_single "
+                     "(dotted): same workload, same run", fontsize=10)
+        fig.tight_layout()
+    else:  # only mega_moe rows
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "No peer comparison: these rows are all mega_moe,\n"
+                          "and bench.mega_moe runs no peer pipelines.", ha="center", va="center", transform=ax.transAxes)
     paths.append(_save(fig, out_dir, "peers.png", plt))
 
     # (3) projected vs measured
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4.0 * len(modes)), squeeze=False)
     for i, m in enumerate(modes):
-        for j, p in enumerate(PHASES):
+        profiles = sorted({str(r["proj_profile"]) for r in by_mode[m] if r.get("proj_profile")})
+        for j in range(2):
             ax = axes[i][j]
-            profiles = sorted({str(r["proj_profile"]) for r in by_mode[m] if r.get("proj_profile")})
-            for label, (xs, ys) in _series(by_mode[m], f"{p}_gbps").items():
+            if j >= len(_PROJ_PANELS[m]):
+                ax.axis("off")  # mega_moe: one phase, the fused call
+                continue
+            field, p = _PROJ_PANELS[m][j]
+            for label, (xs, ys) in _series(by_mode[m], field).items():
                 tag = "measured, EMULATED links" if "EMULATED" in label else "measured"
                 ax.plot(xs, ys, "-", marker="o", color=color_of(label), label=f"{tag}: {label}")
             for prof in profiles:
@@ -701,7 +805,9 @@ def make_plots(out_dir: str, rows: list) -> list:
                 for label, (xs, ys) in _series(rows_p, f"proj_{p}_gbps").items():
                     ax.plot(xs, ys, "--", marker="^", color=color_of(label),
                             label=f"projected on {prof} (model): {label}")
-            _finish_axes(ax, f"{m} {p}: measured vs projected GB/s (same formula bytes)", "GB/s (1 GB = 1e9 B)")
+            same = ("same per-pair formula; measured: mean over ranks,\nprojected: busiest rank" if m == "mega_moe"
+                    else "same formula bytes")
+            _finish_axes(ax, f"{m} {p}: measured vs projected GB/s\n({same})", "GB/s (1 GB = 1e9 B)")
             if not profiles:
                 ax.text(0.02, 0.02, "no projection in the benchmark JSON", transform=ax.transAxes, fontsize=7)
     fig.suptitle("Projected (link-model, not measured) vs measured bandwidth")
@@ -753,8 +859,6 @@ def _rpn(tok: str) -> Optional[int]:
 
 
 def _mode(tok: str) -> str:
-    if tok == "mega_moe":
-        raise ValueError("not supported yet: bench.mega_moe's --json has no workload fingerprint or GB/s fields")
     if tok not in MODES:
         raise ValueError(f"choose from {', '.join(MODES)}")
     return tok
@@ -773,20 +877,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="the grid to start from (default small)")
     p.add_argument("--out", metavar="DIR", help="output directory (results.csv, results.json, PNGs, logs/)")
-    p.add_argument("--mode", help="comma list out of normal,low_latency (default: the preset's modes)")
+    p.add_argument("--mode", help="comma list out of normal,low_latency,mega_moe (default: the preset's modes)")
     p.add_argument("--tokens", help="tokens per rank, comma list (e.g. 512,1024)")
     p.add_argument("--hidden", help="hidden sizes, comma list")
+    p.add_argument("--inter", help="MegaMoE intermediate sizes, comma list (mega_moe rows only)")
     p.add_argument("--num-topk", help="top-k values, comma list")
     p.add_argument("--num-experts", help="expert counts, comma list")
     p.add_argument("--ranks", help="mpiexec -n values, comma list")
     p.add_argument("--ranks-per-node", help="simulated node sizes, comma list; 0 or none = one node")
-    p.add_argument("--dtype", help="dispatch dtypes, comma list out of bf16,fp8 (combine is BF16)")
+    p.add_argument("--dtype", help="dispatch dtypes, comma list out of bf16,fp8 (combine is BF16); "
+                                   "mega_moe: the MMA type, fp8 = fp8xfp4, bf16 = bf16xbf16")
     p.add_argument("--fp8", dest="dtype", action="store_const", const="fp8", help="same as --dtype fp8")
     p.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="same as --dtype bf16")
     p.add_argument("--iters", type=int, help="timed iterations per run (default: the preset's)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--no-peers", action="store_true", help="skip the MPI / gloo peer pipelines (faster)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip the MPI / gloo peer pipelines (faster; mega_moe has none)")
     p.add_argument("--link-profile", default=DEFAULT_LINK_PROFILE,
                    help=f"projection profile passed to the benchmarks (default {DEFAULT_LINK_PROFILE}; 'none' = "
                         f"no projection); passed only to benchmarks whose --help lists --link-profile")
@@ -823,9 +930,11 @@ def parse_args(argv=None):
     a.link_profile = None if str(a.link_profile).lower() in ("", "none") else a.link_profile
     if a.link_emulation != "none" and a.link_profile is None:
         p.error("--link-emulation needs a --link-profile to emulate")
-    modes = _list(p, "--mode", a.mode, _mode) if a.mode else list(preset["modes"])
+    modes = _list(p, "--mode", a.mode, _mode) if a.mode else list(preset.get("default_modes", preset["modes"]))
+    if a.inter is not None and "mega_moe" not in modes:
+        p.error("--inter applies to mega_moe rows only: add --mode mega_moe")
     override = {}
-    for axis, conv in (("tokens", _pos_int), ("hidden", _pos_int), ("num_topk", _pos_int),
+    for axis, conv in (("tokens", _pos_int), ("hidden", _pos_int), ("inter", _pos_int), ("num_topk", _pos_int),
                        ("num_experts", _pos_int), ("ranks", _pos_int), ("ranks_per_node", _rpn), ("dtype", _dtype)):
         text = getattr(a, axis)
         if text is not None:
@@ -834,11 +943,14 @@ def parse_args(argv=None):
     first = next(iter(preset["modes"].values()))
     for m in modes:
         axes = dict(preset["modes"].get(m, first), **override)
+        if m != "mega_moe":
+            axes["inter"] = [None]
         for vals in itertools.product(*(axes[k] for k in AXES)):
             d = dict(zip(AXES, vals))
             if d["ranks_per_node"] is not None and d["ranks_per_node"] == d["ranks"]:
                 d["ranks_per_node"] = None  # a node of all ranks is the one-node case
-            cfg = Config(mode=m, iters=a.iters, warmup=a.warmup, seed=a.seed, peers=not a.no_peers,
+            cfg = Config(mode=m, iters=a.iters, warmup=a.warmup, seed=a.seed,
+                         peers=not a.no_peers and m != "mega_moe",
                          link_profile=a.link_profile,
                          link_emulation=None if a.link_emulation == "none" else a.link_emulation,
                          link_scale=a.link_scale, **d)
@@ -849,9 +961,27 @@ def parse_args(argv=None):
                 configs.append(cfg)
     if not configs:
         p.error("no valid configuration: " + "; ".join(sorted({w for _, w in skipped}))
-                + " (check --tokens/--hidden/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
+                + " (check --tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
     a.configs, a.invalid = configs, skipped
     return a, p
+
+
+def ok_summary(row: dict) -> str:
+    """One line of an ``ok`` row's main numbers (empty columns shown as ``-``)."""
+    def f(col, scale=1.0, fmt=".3f"):
+        v = _num(row.get(col))
+        return "-" if v is None else format(v * scale, fmt)
+
+    if row["mode"] == "mega_moe":
+        text = (f"fused {f('fused_s', 1e3)} ms, {f('fused_gbps', fmt='.4f')} GB/s with self-rank pairs "
+                f"({f('fused_cross_rank_gbps', fmt='.4f')} cross-rank), {f('fused_tflops', fmt='.4f')} TFLOPS, "
+                f"fused / sum of stages {f('fused_over_sum_stages', fmt='.2f')}")
+        proj = _num(row.get("proj_fused_gbps"))
+        return text + (f" | projected fused {proj:.1f} GB/s (model)" if proj is not None else "")
+    text = (f"dispatch {f('dispatch_s', 1e3)} ms {f('dispatch_gbps')} GB/s | "
+            f"combine {f('combine_s', 1e3)} ms {f('combine_gbps')} GB/s")
+    proj = _num(row.get("proj_dispatch_gbps"))
+    return text + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
 
 
 def _terminate(signum, frame):
@@ -919,11 +1049,7 @@ def main(argv=None) -> int:
             write_results(out_dir, rows)
             if row["status"] == "ok":
                 n_ok += 1
-                proj = _num(row.get("proj_dispatch_gbps"))
-                say(f"[ok]     {cfg.key}: dispatch {row['dispatch_s'] * 1e3:.3f} ms {row['dispatch_gbps']:.3f} GB/s | "
-                    f"combine {row['combine_s'] * 1e3:.3f} ms {row['combine_gbps']:.3f} GB/s"
-                    + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
-                    + f" | {wall:.1f} s")
+                say(f"[ok]     {cfg.key}: {ok_summary(row)} | {wall:.1f} s")
             else:
                 n_fail += 1
                 say(f"[failed] {cfg.key}: {row['error']}")

@@ -4,8 +4,8 @@ The end-to-end test runs in the 1-rank job only: the script launches its own ``m
 benchmark jobs. It checks the CSV, the JSON and the PNGs, that the numbers are real and
 consistent (GB/s = bytes / time with ``bench.common.gbps``), and that a second run with the same
 ``--out`` skips both configurations (asserted on the script's own count, never on time).
-The other tests exercise keys, resume, CSV/JSON writing, the CLI and the low-latency row
-extraction (from JSON recorded from the benchmark, trimmed), without MPI.
+The other tests exercise keys, resume, CSV/JSON writing, the CLI, the low-latency and MegaMoE
+row extraction (from JSON recorded from the benchmarks, trimmed) and the plots, without MPI.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_cli_axes_override_and_errors(capsys):
     assert normal.bench_args("f", {"--link-profile"})[-2:] == ["--link-profile", "none"]
 
     for argv, needle in ((["--tokens", "64,x"], "--tokens"), (["--ranks", "0"], "--ranks"),
-                         (["--mode", "mega_moe"], "--mode"), (["--mode", "decode"], "--mode"),
+                         (["--inter", "128"], "--inter"), (["--mode", "decode"], "--mode"),
                          (["--num-experts", "6", "--ranks", "4"], "no valid configuration"),
                          (["--iters", "0"], "--iters"), (["--dtype", "fp4"], "--dtype")):
         with pytest.raises(SystemExit) as e:
@@ -214,7 +214,7 @@ def test_cli_axes_override_and_errors(capsys):
 # Row extraction from recorded benchmark JSON (trimmed; no MPI)
 # ------------------------------------------------------------------------------------------------
 
-# Recorded without emulation, projected on ascend950 (its links; their sources trimmed).
+# Both recorded without emulation, projected on ascend950 (its links; their sources trimmed).
 LINK_MODEL = {"emulation": "none", "profile": "ascend950", "scale": None,
               "label": "measured on this host, links not emulated"}
 ASCEND950_LINKS = {"SELF": {"GBps": 4000.0, "latency_us": 0.0}, "UBMEM": {"GBps": 400.0, "latency_us": 1.0},
@@ -226,6 +226,27 @@ def _proj_phase(time_s, bottleneck, bottleneck_gbps, formula_bytes, formula_gbps
     return {"time_s": time_s, "bottleneck": dict(zip(("rank", "kind", "direction", "bytes"), bottleneck)),
             "bottleneck_GBps": bottleneck_gbps, "formula_bytes": formula_bytes, "formula_GBps": formula_gbps}
 
+
+# `mpiexec -n 2 python -m bench.mega_moe --preset tiny --iters 2 --warmup 1 --json F`, trimmed
+# (no per-rank timings, lines, ports or link sources).
+MEGA_MOE_DOC = {
+    "benchmark": "bench.mega_moe",
+    "fingerprint": "2ef8f5bcf8a5",
+    "times_s": {"fused": 0.3037249730014082, "serial": 0.2610372107501462, "unfused": 0.15859239174915274,
+                "sum_stages": 0.11654729424935795, "comm_stages": 0.0648562744991068},
+    "bandwidth_GBps": {"bytes_with_self": 399360.0, "bytes_cross_rank": 197730.0,
+                       "fused_with_self": 0.001314873769033633, "fused_cross_rank": 0.0006510166024414569,
+                       "unfused_comm_stages": 0.006157615482608394},
+    "tflops": {"fused_routed": 0.0003314291051053391, "grouped_stages": 0.003935062569785125,
+               "plain_mm": 0.009270953414415093},
+    "summary": {"fused_over_sum_stages": 2.6060233740954604, "grouped_over_plain_mm": 0.4244506895770427},
+    "traffic_by_kind": [{"SELF": 208820, "UBMEM": 198224, "URMA": 0}, {"SELF": 198576, "UBMEM": 201292, "URMA": 0}],
+    "link_model": LINK_MODEL,
+    "projection": {"profile": "ascend950", "links": ASCEND950_LINKS,
+                   "fused": _proj_phase(1.850323e-05, (0, "UBMEM", "sent", 201292), 10.878749277828788, 409500,
+                                        22.131271134823486),
+                   "round_trip_s": 1.850323e-05},
+}
 
 # `mpiexec -n 2 python -m bench.low_latency --tokens 32 --hidden 512 --num-experts 16 --num-topk 4
 #  --iters 2 --no-baselines --json F` (warm-up 3: `calls` 5), trimmed.
@@ -251,6 +272,58 @@ LOW_LATENCY_DOC = {
 
 PROV = dict(version="0.1.0", git_commit="abc", hostname="h")
 KINDS = ("SELF", "UBMEM", "URMA")
+
+
+def _mega_moe_config(sw, tokens=128):
+    return sw.Config("mega_moe", 2, None, tokens, 256, 4, 16, "fp8", 2, 1, peers=False, inter=128)
+
+
+def test_mega_moe_row_from_recorded_json():
+    from bench.common import gbps
+
+    sw = _module()
+    doc = MEGA_MOE_DOC
+    cfg = _mega_moe_config(sw)
+    assert cfg.key == "mega_moe-R2-1node-T128-H256-I128-K4-E16-fp8xfp4-it2w1-s0-proj_ascend950"
+    row = sw.make_row(cfg, doc, 0, "", 1.0, PROV)
+    assert row["status"] == "ok" and row["error"] is None, row
+    assert row["mode"] == "mega_moe" and row["inter"] == 128 and row["dtype"] == "fp8" and row["peers"] is False
+    assert row["fingerprint"] == doc["fingerprint"] and row["checks_ok"] is None  # no check field in its JSON
+    times, bw = doc["times_s"], doc["bandwidth_GBps"]
+    for col, key in (("fused_s", "fused"), ("serial_s", "serial"), ("unfused_s", "unfused"),
+                     ("sum_stages_s", "sum_stages"), ("comm_stages_s", "comm_stages")):
+        assert row[col] == times[key], col
+    # GB/s: with self-rank pairs is the main number, cross-rank another column; both bytes / fused time
+    assert row["fused_bytes"] == bw["bytes_with_self"] and row["fused_gbps"] == bw["fused_with_self"]
+    assert row["fused_cross_rank_bytes"] == bw["bytes_cross_rank"]
+    assert row["fused_cross_rank_gbps"] == bw["fused_cross_rank"]
+    assert math.isclose(row["fused_gbps"], gbps(row["fused_bytes"], row["fused_s"]), rel_tol=1e-12)
+    assert math.isclose(row["fused_cross_rank_gbps"], gbps(row["fused_cross_rank_bytes"], row["fused_s"]),
+                        rel_tol=1e-12)
+    assert row["fused_tflops"] == doc["tflops"]["fused_routed"]
+    assert row["fused_over_sum_stages"] == doc["summary"]["fused_over_sum_stages"]
+    assert row["grouped_over_plain_mm"] == doc["summary"]["grouped_over_plain_mm"]
+    # per kind: the busiest rank's bytes of one fused call (SELF: rank 0, UBMEM: rank 1 here) over its time
+    assert (row["rt_SELF_bytes"], row["rt_UBMEM_bytes"], row["rt_URMA_bytes"]) == (208820, 201292, 0)
+    for k in KINDS:
+        assert row[f"rt_{k}_bytes"] == max(r[k] for r in doc["traffic_by_kind"])
+        assert row[f"rt_{k}_gbps"] == gbps(row[f"rt_{k}_bytes"], row["fused_s"]), k
+    # projection: phase "fused"
+    pf = doc["projection"]["fused"]
+    assert row["proj_profile"] == "ascend950" and row["proj_round_trip_s"] == doc["projection"]["round_trip_s"]
+    assert row["proj_fused_s"] == pf["time_s"] and row["proj_fused_gbps"] == pf["formula_GBps"]
+    assert row["proj_fused_formula_bytes"] == pf["formula_bytes"]
+    assert row["proj_fused_bottleneck_link_gbps"] == pf["bottleneck_GBps"]
+    assert [row[f"proj_fused_bottleneck_{f}"] for f in ("kind", "direction", "rank", "bytes")] == [
+        "UBMEM", "sent", 0, 201292]
+    assert math.isclose(row["proj_fused_gbps"], gbps(pf["formula_bytes"], pf["time_s"]), rel_tol=1e-9)
+    # the normal / low-latency columns stay empty
+    assert all(row[c] is None for c in ("dispatch_s", "combine_s", "round_trip_s", "dispatch_gbps", "proj_dispatch_s",
+                                        "mpi_alltoallv_round_trip_s"))
+    assert "fused 303.725 ms" in sw.ok_summary(row) and "projected fused 22.1 GB/s" in sw.ok_summary(row)
+
+    no_time = sw.make_row(cfg, {k: v for k, v in doc.items() if k != "times_s"}, 0, "", 1.0, PROV)
+    assert no_time["status"] == "failed" and "no fused-call time" in no_time["error"]
 
 
 def test_low_latency_row_uses_the_byte_fields():
@@ -286,3 +359,56 @@ def test_low_latency_row_uses_the_byte_fields():
     row2 = sw.make_row(cfg, swapped, 0, "", 1.0, PROV)
     assert row2["dispatch_bytes"] == 69632 + 536
     assert all(row2[f"rt_{k}_bytes"] == row[f"rt_{k}_bytes"] for k in KINDS)
+
+
+def test_cli_mega_moe_mode():
+    sw = _module()
+    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "mega_moe"])
+    assert [c.tokens for c in a.configs] == [64, 128, 256] and not a.invalid
+    for c in a.configs:
+        assert (c.mode, c.ranks, c.ranks_per_node, c.hidden, c.inter, c.dtype, c.peers) == (
+            "mega_moe", 4, None, 256, 128, "fp8", False)
+    argv = a.configs[0].bench_args("f.json", {"--no-progress", "--link-profile"})
+    opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert opt["--inter"] == "128" and opt["--mma"] == "fp8" and opt["--experts"] == "16" and opt["--topk"] == "4"
+    assert opt["--tokens"] == "64" and opt["--link-profile"] == "ascend950" and "--no-progress" in argv
+    assert not {"--num-topk", "--num-experts", "--ranks-per-node", "--bf16", "--fp8", "--no-baselines"} & set(argv)
+
+    # the dtype axis is the MMA type; ranks-per-node and impossible sizes are listed, not run
+    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "mega_moe,normal", "--tokens", "64",
+                          "--ranks-per-node", "none,2", "--inter", "128,192", "--dtype", "fp8,bf16"])
+    mm = [c for c in a.configs if c.mode == "mega_moe"]
+    assert {(c.inter, c.dtype) for c in mm} == {(128, "fp8"), (128, "bf16"), (192, "bf16")}
+    assert {c.key.split("-")[8] for c in mm} == {"fp8xfp4", "bf16xbf16"}
+    assert all(c.ranks_per_node is None for c in mm) and all(c.inter is None for c in a.configs if c.mode == "normal")
+    for c in mm:
+        argv = c.bench_args("f", set())
+        assert argv[argv.index("--mma") + 1] == c.dtype and argv[argv.index("--inter") + 1] == str(c.inter)
+    why = {c.key: w for c, w in a.invalid}
+    assert sum("one node only" in w for w in why.values()) == 4  # 2 inter x 2 dtypes at 2x2
+    assert any("inter % 128" in w for w in why.values())
+    assert len([c for c in a.configs if c.mode == "normal"]) == 4  # 2 dtypes x 2 topologies: unchanged
+
+    # smoke stays two normal points (CI); its mega_moe grid runs only when asked for
+    assert [c.mode for c in sw.parse_args(["--preset", "smoke", "--out", "d"])[0].configs] == ["normal", "normal"]
+    a, _ = sw.parse_args(["--preset", "smoke", "--out", "d", "--mode", "mega_moe"])
+    assert [(c.tokens, c.inter) for c in a.configs] == [(64, 128), (128, 128)]
+    for name in sw.PRESETS:  # every preset has a runnable mega_moe grid, nothing in it impossible
+        a, _ = sw.parse_args(["--preset", name, "--dry-run", "--mode", "mega_moe"])
+        assert a.configs and not a.invalid and all(c.inter for c in a.configs), name
+
+
+def test_plots_with_mega_moe_rows(out_tmp):
+    pytest.importorskip("matplotlib")
+    sw = _module()
+    rows = [sw.make_row(_mega_moe_config(sw, t), MEGA_MOE_DOC, 0, "", 1.0, PROV) for t in (64, 128)]
+    out = out_tmp / "mm_only"
+    out.mkdir()
+    names = [os.path.basename(p) for p in sw.make_plots(str(out), rows)]  # mega_moe only: no peers panel to draw
+    assert names == ["gbps_vs_size.png", "peers.png", "projected_vs_measured.png"]
+    ll = sw.make_row(sw.Config("low_latency", 2, None, 32, 512, 4, 16, "fp8", 2, 3), LOW_LATENCY_DOC, 0, "", 1.0, PROV)
+    normal = sw.make_row(sw.Config("normal", 2, None, 64, 256, 2, 8, "bf16", 3, 1), _fake_normal_doc(), 0, "", 1.0,
+                         PROV)
+    for p in sw.make_plots(str(out_tmp), rows + [ll, normal]):
+        data = Path(p).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, p
