@@ -907,6 +907,24 @@ def _exp2_f64(v: torch.Tensor) -> torch.Tensor:
     return (1.0 + _expm1_f64((v - n) * _LN2, 14)) * scale
 
 
+_logfmt_lut = None
+
+
+def _logfmt_luts():
+    """Decode lookup tables: ``spread`` int32 ``[256, 4]`` (a top-bits byte -> its four values'
+    bits 8-9, in place), and for each 10-bit value ``v = c | sign << 9`` the int64 indices
+    ``hi_of[v]`` / ``lo_of[v]`` into the per-group tables of :func:`logfmt10_decode`: with
+    ``c' = c + 31``, ``hi = c' >> 5`` (+17 for the sign; 0 only for ``c = 0``), ``lo = c' & 31``."""
+    global _logfmt_lut
+    if _logfmt_lut is None:
+        b = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        spread = ((b >> torch.tensor([0, 2, 4, 6], dtype=torch.int32)) & 3) << 8
+        v = torch.arange(1024, dtype=torch.int64)
+        c = (v & 0x1FF) + 31
+        _logfmt_lut = (spread.contiguous(), (c >> 5) + (v >> 9) * 17, c & 31)
+    return _logfmt_lut
+
+
 def _logfmt_params(amax_bits: torch.Tensor, amin_bits: torch.Tensor):
     """Per group, from the metadata's bf16 magnitude bits (int16): ``(use, lb, step, rho, em1)``.
 
@@ -983,9 +1001,10 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     * ``meta`` bf16 ``[..., S, 2]``: ``(amax, amin)`` per group, 4 bytes, ``H/32`` per row.
       The metadata is exact and both ends derive ``la, lb, step, rho`` from it with the same
       arithmetic, so it costs no precision beyond the 9-bit codes.
-    * ``body`` uint8 ``[..., S, 160]``: a LogFMT group's 128 values at 10 bits each, value
-      ``j`` at bits ``10j .. 10j+9`` of the 160 bytes read as one little-endian bit string
-      (4 values in 5 bytes); a BF16 group's first 160 bytes.
+    * ``body`` uint8 ``[..., S, 160]``: a LogFMT group's 128 values at 10 bits each, in two
+      planes: byte ``j`` holds value ``j``'s low 8 bits, and byte ``128 + j // 4`` its top two
+      (code bit 8, sign) at bits ``2·(j % 4)`` and ``2·(j % 4) + 1``; a BF16 group's first 160
+      bytes.
     * ``tail`` uint8 ``[F, 96]``: the last 96 bytes of each of the ``F`` BF16 groups, in
       row-major order (rows, then groups).
 
@@ -1023,12 +1042,10 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         q.sub_(lb[:, None]).div_(step[:, None]).add_(rho[:, None]).clamp_(0, 511)
         v = q.to(torch.int32)  # truncation = floor for q >= 0; -inf (a zero) was clamped to 0
         v.bitwise_or_(((xs >> 15) & 0x200).view(v.shape))  # sign bit (arithmetic shift of int16)
-        v = v.view(-1, 4)
-        packed = torch.empty(v.size(0), 5, dtype=torch.uint8)  # 4 values in 5 bytes, little-endian
-        low = v[:, 0] | (v[:, 1] << 10) | (v[:, 2] << 20) | (v[:, 3] << 30)  # bits 0..31 (wraps)
-        packed[:, :4] = low.view(torch.uint8).view(-1, 4)
-        packed[:, 4] = v[:, 3] >> 2  # bits 32..39
-        packed = packed.view(-1, LOGFMT_BODY_BYTES)
+        packed = torch.empty(v.size(0), LOGFMT_BODY_BYTES, dtype=torch.uint8)
+        packed[:, :LOGFMT_GROUP] = v  # low 8 bits (the cast wraps)
+        top = (v >> 8).view(-1, 32, 4)  # code bit 8, sign
+        packed[:, LOGFMT_GROUP:] = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
         if every:
             body = packed
         else:
@@ -1042,9 +1059,9 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
 
     LogFMT groups: code ``c > 0`` gives ``sign · 2**((c - 1)·step + lb)``, ``c = 0`` gives
     ``0`` (positive). The power is the product of two per-group float32 tables,
-    ``2**(lb + (32·(c >> 5) - 1)·step)`` and ``2**(step·(c & 31))`` (float64, rounded once),
-    so it is within 1.5 float32 ulp of the exact power, and an element's value depends only
-    on its group's bytes (the same bits whatever batch it is decoded in). BF16 groups decode
+    ``2**(lb + 32·k·step)`` and ``2**(l·step)`` with ``c - 1 = 32k + l`` (each from float64,
+    rounded once), so it is within 1.5 float32 ulp of the exact power, and an element's value
+    depends only on its group's bytes (the same bits whatever batch it is decoded in). BF16 groups decode
     exactly. Relative error of a LogFMT element with ``|x| >= 2**lb``: at most
     ``(2**step - 1) / (2**step + 1)`` (half a level, in linear terms) plus float32 rounding;
     below ``2**lb`` (a clipped ``lb``) the error is at most ``2**lb``.
@@ -1080,32 +1097,23 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
         if not every:
             flat, lb, em1 = flat.index_select(0, sel), lb[sel], em1[sel]
         n = flat.size(0)
-        quads = flat.view(n * 32, 5)  # 4 values in 5 bytes
-        low = torch.empty(n * 32, 4, dtype=torch.uint8)
-        low.copy_(quads[:, :4])
-        low = low.view(torch.int32).view(-1)
-        top = quads[:, 4].to(torch.int32) << 2
-        # value(c) = 2**(lb + (c-1)·step) = coarse[c >> 5] · fine[c & 31]; coarse has the sign
-        # bit's 16 negative entries too. Tables flattened, so lookups are index_select.
+        spread, hi_of, lo_of = _logfmt_luts()
+        v = spread.index_select(0, flat[:, LOGFMT_GROUP:].reshape(-1).to(torch.int32)).view(n, LOGFMT_GROUP)
+        v |= flat[:, :LOGFMT_GROUP]  # the 10-bit values
+        v = v.view(-1)
+        hi = hi_of.index_select(0, v).view(n, LOGFMT_GROUP)
+        lo = lo_of.index_select(0, v).view(n, LOGFMT_GROUP)
+        # value(c) = 2**(lb + (c-1)·step) = coarse[hi] · fine[lo] with coarse[h] =
+        # 2**(lb + 32·(h-1)·step) (h = 1..16), coarse[0] = 0, the negatives at 17 + h, and
+        # fine[l] = 2**(l·step): two lookups and a multiply per value.
         p = 1.0 + em1.unsqueeze(1)  # 2**step
-        fine = torch.cat([torch.ones(n, 1, dtype=torch.float64), p.expand(n, 31)], 1).cumprod(1)
-        p32 = fine[:, 31:] * p
-        coarse = torch.cat([torch.ones(n, 1, dtype=torch.float64), p32.expand(n, 15)], 1).cumprod(1)
-        coarse = coarse * (_exp2_f64(lb.double()).unsqueeze(1) / p)
-        coarse = torch.cat([coarse, -coarse], 1).float().view(-1)
-        fine = fine.float().view(-1)
-        base = torch.arange(0, 32 * n, 32, dtype=torch.int32).repeat_interleave(32)
-        ci = torch.empty(n * 32, 4, dtype=torch.int32)
-        fi = torch.empty(n * 32, 4, dtype=torch.int32)
-        zero = torch.empty(n * 32, 4, dtype=torch.bool)
-        for i, v in enumerate(
-            (low & 0x3FF, (low >> 10) & 0x3FF, (low >> 20) & 0x3FF, ((low >> 30) & 3) | top)
-        ):  # the four values of each quad
-            torch.add(v >> 5, base, out=ci[:, i])
-            torch.add(v & 31, base, out=fi[:, i])
-            torch.eq(v & 0x1FF, 0, out=zero[:, i])
-        dec = coarse.index_select(0, ci.view(-1)).mul_(fine.index_select(0, fi.view(-1)))
-        dec = dec.masked_fill_(zero.view(-1), 0.0).view(n, LOGFMT_GROUP)
+        ones = torch.ones(n, 1, dtype=torch.float64)
+        fine = torch.cat([ones, p.expand(n, 31)], 1).cumprod(1)
+        coarse = torch.cat([ones, (fine[:, 31:] * p).expand(n, 15)], 1).cumprod(1)  # 2**(32·step·k)
+        coarse = coarse * _exp2_f64(lb.double()).unsqueeze(1)
+        zero = torch.zeros(n, 1, dtype=torch.float64)
+        coarse = torch.cat([zero, coarse, zero, -coarse], 1).float()
+        dec = coarse.gather(1, hi).mul_(fine.float().gather(1, lo))
         if every:
             out = dec
         else:

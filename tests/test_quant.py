@@ -340,9 +340,10 @@ def _logfmt_scalar(group: list) -> tuple:
 
 
 def _logfmt_values(body: torch.Tensor) -> list:
-    """The 128 ten-bit values of one group's 160 body bytes (value j at bits 10j.., LSB first)."""
-    w = int.from_bytes(bytes(body.tolist()), "little")
-    return [(w >> (10 * j)) & 0x3FF for j in range(128)]
+    """The 128 ten-bit values of one group's 160 body bytes: value j's low 8 bits in byte j, its
+    top two bits at bits 2(j % 4) of byte 128 + j // 4."""
+    b = body.tolist()
+    return [b[j] | ((b[128 + j // 4] >> (2 * (j % 4))) & 3) << 8 for j in range(128)]
 
 
 def test_logfmt10_hand_values_and_bit_layout():
@@ -357,8 +358,9 @@ def test_logfmt10_hand_values_and_bit_layout():
     # 255 + 51·log2(1.0078) = 255.57, + rho -> 257 (past the linear midpoint of levels 256, 257);
     # -2^-6·(1 - 2^-8): 254.71 + rho -> 256 (nearest level 2^-6).
     assert _logfmt_values(body[0, 0])[:7] == [511, 0x200 | 1, 0, 256, 257, 0x200 | 256, 154]
-    # First quad (511, 513, 0, 256) = 0x1FF | 0x201 << 10 | 0x100 << 30 = 0x40000805FF, little-endian.
-    assert body[0, 0, :5].tolist() == [0xFF, 0x05, 0x08, 0x00, 0x40]
+    # Values 0-3 (0x1FF, 0x201, 0, 0x100): low bytes FF 01 00 00; top bits 1, 2, 0, 1 in byte 128
+    # as 1 | 2 << 2 | 0 << 4 | 1 << 6 = 0x49.
+    assert body[0, 0, :4].tolist() == [0xFF, 0x01, 0x00, 0x00] and body[0, 0, 128].item() == 0x49
     y = dg.logfmt10_decode(body, meta, tail)
     want = torch.tensor([0.5, -(2.0**-11), 0.0, 2.0**-6, 2.0**-6 * 2 ** (1 / 51), -(2.0**-6), 2.0**-8])
     assert y.dtype == F32 and y.shape == (1, 128)
