@@ -37,7 +37,8 @@ pairs received, shared FLOPs separate). GB/s = cross-rank bytes / ``t_fused`` wi
 ``H·elem (+ H/32 + 4 fp8 / + 4 bf16)`` and combine ``2H`` bytes per pair (upstream's per-pair
 convention), printed with and without self-rank pairs. Correctness first: ``fused`` vs
 ``serial`` bit for bit and ``fused`` vs ``unfused`` by calc_diff (the unfused path rounds each
-rank's partial sum to bf16 once more, so it is not bitwise). Targets (reported, not asserted):
+rank's partial sum to bf16 once more, so it is not bitwise; bound 1e-3); a failed check prints
+``MISMATCH``, is ``check.ok = false`` in the JSON and makes the exit code 1. Targets (reported, not asserted):
 fused ≤ 0.85× the separate stages at 4 ranks; grouped GEMM ≥ 70 % of the plain matmul.
 """
 from __future__ import annotations
@@ -54,6 +55,8 @@ import torch
 import deepep_ascend as dea
 from bench import common as C
 from deepep_ascend import mega_moe as M
+
+CHECK_BOUND = 1e-3  # fused vs unfused calc_diff: one extra bf16 rounding is ~1e-5; a wrong row gives ~1
 
 PRESETS = {
     "cpu-pro-mini": dict(experts=96, topk=6, hidden=1024, inter=512, tokens=512),
@@ -397,8 +400,12 @@ def main(argv=None) -> int:
                f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
                f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend Buffer normal mode (UBMEM shm), "
                f"iters {args.iters} (+{args.warmup} warm-up)")
-    out.append(f"[check] fused == serial (overlap=False) bitwise: {all(c[0] for c in checks)}; fused vs unfused "
-               f"calc_diff max {max(c[1] for c in checks):.2e} (unfused rounds each rank's partial once more)")
+    check = dict(fused_equals_serial=all(c[0] for c in checks), calc_diff_vs_unfused=max(c[1] for c in checks),
+                 bound=CHECK_BOUND)
+    check["ok"] = check["fused_equals_serial"] and check["calc_diff_vs_unfused"] < CHECK_BOUND
+    out.append(f"[check] fused == serial (overlap=False) bitwise: {check['fused_equals_serial']}; fused vs unfused "
+               f"calc_diff max {check['calc_diff_vs_unfused']:.2e} (bound {CHECK_BOUND:g}; unfused rounds each rank's "
+               f"partial once more) -> {'ok' if check['ok'] else 'MISMATCH'}")
     out.append("[time]")
     out.append(line("fused", "fused"))
     out.append(line("serial (overlap=False)", "serial"))
@@ -449,9 +456,11 @@ def main(argv=None) -> int:
                    projection=projection,
                    times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
                                 sum_stages=sum_stage, comm_stages=t_comm),
+                   check=check,
                    bandwidth_GBps=dict(
                        formula="per pair: dispatch H*elem + scales + 4 B, combine 2H B; over t_fused (mean over ranks)",
                        bytes_with_self=bytes_all, bytes_cross_rank=bytes_cross,
+                       bytes_with_self_busiest_rank=max(r["pairs_recv"] for r in allr) * (disp_b + 2 * h),
                        fused_with_self=C.gbps(bytes_all, t_fused), fused_cross_rank=C.gbps(bytes_cross, t_fused),
                        unfused_comm_stages=C.gbps(bytes_all, t_c) if t_c else None),
                    tflops=dict(fused_routed=flops / t_fused / 1e12, grouped_stages=flops / gemm / 1e12 if gemm else None,
@@ -459,7 +468,7 @@ def main(argv=None) -> int:
                    summary=dict(fused_over_sum_stages=ratio, grouped_over_plain_mm=mm / gemm if gemm else None))
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
-    return 0
+    return 0 if check["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -531,7 +531,7 @@ def measured_fields(mode: str, doc: dict) -> dict:
         r["fingerprint"] = doc.get("fingerprint")
         r["gbps_formula"] = ("MegaMoE per pair: dispatch H*elem + scales + 4 B, combine 2H B (mean over ranks) / "
                              "fused time (mean over ranks); per kind: busiest rank's bytes of one fused call")
-        r["checks_ok"] = None  # bench.mega_moe's JSON has no correctness field (its [check] line is text only)
+        r["checks_ok"] = _get(doc, "check", "ok")  # fused == serial bitwise and fused vs unfused calc_diff
         ts, bw = doc.get("times_s") or {}, doc.get("bandwidth_GBps") or {}
         for col, key in (("fused_s", "fused"), ("serial_s", "serial"), ("unfused_s", "unfused"),
                          ("sum_stages_s", "sum_stages"), ("comm_stages_s", "comm_stages")):
