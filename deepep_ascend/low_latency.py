@@ -21,14 +21,14 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
   - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
     ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
     ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
-    with ``use_logfmt`` (``H % 128 == 0``): a fixed slot of ``M·c`` bytes per global expert
-    ``g`` at ``g·M·c``, as three regions
-    ``[meta: M·4S | body: M·160S | tail: M·S·96]`` (:func:`~deepep_ascend.quant.logfmt10_encode`'s
-    wire format: row ``i``'s metadata and body at ``i·4S`` / ``i·160S`` of theirs, the 96-byte
-    tails of the BF16 groups packed from the tail region's start, rows then groups). A row
-    sends ``1.25H + H/32`` bytes (spec §11) plus 96 per group that falls back to BF16, so
-    ``c = 4S + 2H``, the hint's combine message, is exactly the slot of a row whose groups all
-    fall back: the hint covers any data and nothing more.
+    with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.quant.logfmt10_encode`'s wire
+    format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
+    same fixed slots, row ``(g, i)``'s metadata at ``(g·M + i)·4S`` of the first, its body at
+    ``(g·M + i)·160S`` of the second, and slot ``g``'s BF16-group tails packed (rows, then
+    groups) from ``g·M·S·96`` of the third. A row sends ``1.25H + H/32`` bytes (spec §11) plus
+    96 per group that falls back to BF16; the regions total ``E·M·c`` with ``c = 4S + 2H``, the
+    hint's combine message, which is what rows whose groups all fall back fill: the hint covers
+    any data and nothing more.
 
   A message is ``[int32 source token index | 12 zero bytes | payload]``, payload bf16 ``2H`` B,
   or FP8 ``H`` B + scales (``4S`` B float32, or ``H/128`` B packed UE8M0).
@@ -107,10 +107,12 @@ class Layout:
         self.send_off = self.sig
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
-        # LogFMT combine slot (H % 128 == 0): [meta M·4S | body M·160S | tail M·S·96] = M·c bytes.
-        self.lf_body_off = m * LOGFMT_META_BYTES * self.S
-        self.lf_tail_off = self.lf_body_off + m * LOGFMT_BODY_BYTES * self.S
-        self.lf_slot = m * self.c
+        # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
+        self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
+                                                    LOGFMT_TAIL_BYTES * self.S)  # per row
+        self.lf_body_off = num_experts * m * self.lf_meta
+        self.lf_tail_off = self.lf_body_off + num_experts * m * self.lf_body
+        self.lf_end = self.lf_tail_off + num_experts * m * self.lf_tail
 
 
 def zeros(shape, dtype) -> torch.Tensor:
@@ -590,28 +592,28 @@ class LowLatencyEngine:
 
     def _send_logfmt(self, dst, enc, lay: Layout, base):
         """Store (same node, ``allow_ubmem``) or put each of ``dst``'s runs as its metadata, body
-        and BF16 tails straight into slot ``me·L + e`` of ``dst``: one copy per hop, nothing
-        staged in the window."""
-        me, R, L, S = self.rank, self.R, lay.L, lay.S
+        and BF16 tails straight into slot ``me·L + e`` of ``dst``'s three regions: one copy per
+        hop, nothing staged in the window."""
+        me, R, L, M = self.rank, self.R, lay.L, lay.M
         meta, body, tail, first, runs, tail_first = enc
-        slot0 = base + lay.recv_off + me * L * lay.lf_slot
-        peer = self.tp.peer_view(self.win, dst, slot0, L * lay.lf_slot, torch.int32) if self.direct[dst] else None
+        region = base + lay.recv_off
+        peer = self.tp.peer_view(self.win, dst, region, lay.lf_end, torch.int32) if self.direct[dst] else None
         nbytes = 0
         for e in range(L):
             c, a = runs[e * R + dst], first[e * R + dst]
             if not c:
                 continue
             t0, t1 = tail_first[a], tail_first[a + c]
-            for off, part, size in ((0, meta[a:a + c], c * LOGFMT_META_BYTES * S),
-                                    (lay.lf_body_off, body[a:a + c], c * LOGFMT_BODY_BYTES * S),
-                                    (lay.lf_tail_off, tail[t0:t1], (t1 - t0) * LOGFMT_TAIL_BYTES)):
+            g = me * L + e
+            for off, part, size in ((g * M * lay.lf_meta, meta[a:a + c], c * lay.lf_meta),
+                                    (lay.lf_body_off + g * M * lay.lf_body, body[a:a + c], c * lay.lf_body),
+                                    (lay.lf_tail_off + g * M * lay.lf_tail, tail[t0:t1], (t1 - t0) * LOGFMT_TAIL_BYTES)):
                 if not size:
                     continue
-                off += e * lay.lf_slot
                 if peer is not None:
                     peer[off // 4:(off + size) // 4].copy_(part.reshape(-1))
                 else:
-                    self.tp.put(self.win, dst, slot0 + off, part)
+                    self.tp.put(self.win, dst, region + off, part)
                 nbytes += size
         if peer is not None and nbytes:
             self.tp.record_put(dst, nbytes)
@@ -620,21 +622,20 @@ class LowLatencyEngine:
         """float32 ``[P, H]``: the received LogFMT rows ``(slot_g[p], slot_i[p])``, given in slot
         order (experts ascending, rows ascending within each: every received row once)."""
         E, M, S = lay.E, lay.M, lay.S
-        region = self.tp.local_view(self.win, base + lay.recv_off, E * lay.lf_slot, torch.int32).view(E, -1)
-        mw, bw, tw = LOGFMT_META_BYTES * S // 4, LOGFMT_BODY_BYTES * S // 4, LOGFMT_TAIL_BYTES // 4
-        meta = region[:, :M * mw].view(E, M, mw)[slot_g, slot_i].view(torch.bfloat16).view(-1, S, 2)
-        b0 = lay.lf_body_off // 4
-        body = region[:, b0:b0 + M * bw].view(E, M, bw)[slot_g, slot_i].view(torch.uint8).view(-1, S, LOGFMT_BODY_BYTES)
+        region = self.tp.local_view(self.win, base + lay.recv_off, lay.lf_end, torch.int32)
+        rows = slot_g * M + slot_i
+        meta = region[:lay.lf_body_off // 4].view(E * M, -1).index_select(0, rows)
+        meta = meta.view(torch.bfloat16).view(-1, S, 2)
+        body = region[lay.lf_body_off // 4:lay.lf_tail_off // 4].view(E * M, -1).index_select(0, rows)
+        body = body.view(torch.uint8).view(-1, S, LOGFMT_BODY_BYTES)
         fb = ~logfmt10_group_mask(meta)
-        fb_row = fb.sum(1)
-        # The BF16 groups' tails: packed per slot in (row, group) order from the tail region's start.
-        per_slot = torch.zeros(E, dtype=torch.int64).index_add_(0, slot_g, fb_row)
+        # The BF16 groups' tails: slot g's packed (rows, then groups) from tail g·M·S.
+        per_slot = torch.zeros(E, dtype=torch.int64).index_add_(0, slot_g, fb.sum(1))
         slot_first = torch.cumsum(per_slot, 0) - per_slot
         fb_slot = slot_g[torch.nonzero(fb)[:, 0]]
-        t0 = lay.lf_tail_off // 4
-        tails = region[:, t0:t0 + M * S * tw].view(E, M * S, tw)
-        tail = tails[fb_slot, torch.arange(fb_slot.numel()) - slot_first[fb_slot]].view(torch.uint8)
-        return logfmt10_decode(body, meta, tail.view(-1, LOGFMT_TAIL_BYTES))
+        at = fb_slot * (M * S) + torch.arange(fb_slot.numel()) - slot_first[fb_slot]
+        tail = region[lay.lf_tail_off // 4:].view(E * M * S, -1).index_select(0, at)
+        return logfmt10_decode(body, meta, tail.view(torch.uint8))
 
     # -- clean ---------------------------------------------------------------------------
     def clean(self):

@@ -1025,7 +1025,7 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     mag = xb & 0x7FFF  # bf16 magnitudes order like their bits (NaN above inf)
     if g:
         amax = mag.amax(1)
-        amin = torch.where(amax == 0, 0, mag.masked_fill(mag == 0, 0x7FFF).amin(1))
+        amin = torch.where(amax == 0, 0, ((mag - 1) & 0x7FFF).amin(1) + 1)  # 0 -> 0x7FFF: skips zeros
     else:
         amax = amin = mag.new_zeros(0)
     meta = torch.stack([amax, amin], 1).view(torch.bfloat16)
@@ -1049,8 +1049,8 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         if every:
             body = packed
         else:
-            body[sel] = packed
-    tail = raw[~use, LOGFMT_BODY_BYTES:].contiguous()
+            body.index_copy_(0, sel, packed)
+    tail = raw.index_select(0, torch.nonzero(~use).squeeze(1))[:, LOGFMT_BODY_BYTES:].contiguous()
     return body.view(*lead, s, LOGFMT_BODY_BYTES), meta.view(*lead, s, 2), tail
 
 
@@ -1117,7 +1117,9 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
         if every:
             out = dec
         else:
-            out[sel] = dec
+            out.index_copy_(0, sel, dec)
     if nfb:
-        out[fb] = torch.cat([body.reshape(g, LOGFMT_BODY_BYTES)[fb], tail], 1).view(torch.bfloat16).float()
+        fbi = torch.nonzero(fb).squeeze(1)
+        raw = torch.cat([body.reshape(g, LOGFMT_BODY_BYTES).index_select(0, fbi), tail], 1)
+        out.index_copy_(0, fbi, raw.view(torch.bfloat16).float())
     return out.view(*lead, body.size(-2) * LOGFMT_GROUP)
