@@ -540,7 +540,9 @@ def test_odd_hidden_with_one_row_per_expert(comm):
 
 def test_size_hint_formula_and_refusals(comm):
     """The hint is spec §6.8's formula; a Buffer of exactly the hint runs the call; one byte less
-    is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank."""
+    is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank.
+    At exactly the hint, every slot full (each of M tokens to every expert) and every LogFMT group
+    falling back to BF16 (the most a LogFMT combine writes) still fits."""
     R = comm.Get_size()
     M, H, E = 128, 7168, 288
     S, d, c = H // 128, 16 + max(2 * H, H + 4 * (H // 128)), 4 * (H // 128) + 2 * H
@@ -560,6 +562,14 @@ def test_size_hint_formula_and_refusals(comm):
             good = exc is None if ok else (isinstance(exc, ValueError) and "get_low_latency_rdma_size_hint" in str(exc))
             if not good:
                 errors.append(f"{nbytes} B, fp8={fp8}: {exc!r}")
+        if ok:
+            g = torch.Generator().manual_seed(comm.Get_rank())
+            big = ((1 + torch.rand(m, h, generator=g)) * (torch.randint(0, 2, (m, h), generator=g) * 2 - 1)).to(BF16)
+            every = torch.arange(e).expand(m, e).contiguous()
+            recv_x, _, handle, _, _ = b.low_latency_dispatch(big, every, m, e, use_fp8=False)
+            y, _, _ = b.low_latency_combine(recv_x, every, torch.ones(m, e), handle, use_logfmt=True)
+            if not torch.equal(y, (big.float() * e).to(BF16)):
+                errors.append("full slots, LogFMT all BF16 groups: combine differs")
         coll(b.destroy, what="destroy")
     all_ranks_ok(comm, not errors, f"size refusals: {errors}")
 
