@@ -1080,11 +1080,13 @@ class Buffer:
             handle: the dispatch's handle.
             use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
                 128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
-                bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1`` or equal
-                magnitudes travels as BF16 (96 more bytes). Lossy: each value within
-                ``(2**step - 1) / (2**step + 1)`` relative of itself (``step = (log2 amax -
-                log2 amin) / 510`` of its group, amin clipped to ``amax·2**-32``), decoded to
-                float32 before the weighted sum. See :func:`deepep_ascend.quant.logfmt10_encode`.
+                bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1``, equal
+                magnitudes or no nonzero value travels as BF16 (96 more bytes, exact). Lossy
+                otherwise: a value within ``(2**step - 1) / (2**step + 1)`` (< 2.2%) of itself,
+                ``step = (log2 amax - log2 amin) / 510`` of its group with ``amin`` the smallest
+                nonzero magnitude, clipped to ``amax·2**-32`` (below that a value may become 0);
+                decoded to float32 before the weighted sum. All ranks must pass the same value.
+                See :func:`deepep_ascend.quant.logfmt10_encode` for the wire format.
             zero_copy: see above (not with ``use_logfmt``).
             out: optional ``[N, H]`` bf16 written and returned.
             combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.
