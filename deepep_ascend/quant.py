@@ -635,7 +635,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
             f"codes' last dim must be even, got shape {tuple(codes.shape)}"
         )
     c = codes.to(torch.uint8) & 0xF
-    pairs = c.reshape(*c.shape[:-1], -1, 2)
+    pairs = c.reshape(*c.shape[:-1], c.size(-1) // 2, 2)  # explicit: -1 is ambiguous with zero rows
     return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int8)
 
 
@@ -646,7 +646,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dim() == 0:
         raise ValueError("packed must have at least one dim")
     b = packed.contiguous().view(torch.uint8)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], 2 * b.size(-1))
 
 
 def per_token_cast_to_fp4(
@@ -676,9 +676,7 @@ def per_token_cast_to_fp4(
     sf = amax / FP4_E2M1_MAX
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
-    codes = quantize_e2m1(g * (1.0 / sf).unsqueeze(-1)).reshape(*x.shape[:-1], -1)[
-        ..., :k
-    ]
+    codes = quantize_e2m1(g * (1.0 / sf).unsqueeze(-1)).reshape(*x.shape[:-1], g.size(-2) * g.size(-1))[..., :k]
     return pack_fp4(codes), (pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf)
 
 

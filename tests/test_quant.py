@@ -457,3 +457,16 @@ def test_logfmt10_bad_inputs():
         dg.logfmt10_decode(body, meta[:1], tail)
     with pytest.raises(TypeError, match="body"):
         dg.logfmt10_decode(body.float(), meta, tail)
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (2, 0, 256)])
+def test_casts_of_zero_rows(shape):
+    """A rank with no tokens: every cast and its inverse keep the (empty) shapes (an ambiguous
+    ``reshape(0, -1)`` once crashed them)."""
+    x = torch.zeros(shape)
+    data, sf = dg.per_token_cast_to_fp8(x, use_ue8m0=True)
+    assert data.shape == shape and sf.shape == (*shape[:-1], 2)
+    packed, sf4 = dg.per_token_cast_to_fp4(x, gran_k=32, use_packed_ue8m0=True)
+    assert packed.shape == (*shape[:-1], 128) and sf4.shape == (*shape[:-1], 2)
+    assert dg.unpack_fp4(packed).shape == shape and dg.pack_fp4(dg.unpack_fp4(packed)).shape == packed.shape
+    assert dg.cast_back_from_fp4(packed, sf4, gran_k=32, use_packed_ue8m0=True).shape == shape
