@@ -128,17 +128,20 @@ def bottleneck_bytes(num_tokens: int, hidden: int, fp8: bool = False) -> int:
     return int(num_tokens) * bytes_per_token(hidden, fp8)
 
 
-def low_latency_bytes(num_selections: int, hidden: int, fp8: bool = True, phase: str = "dispatch") -> int:
+def low_latency_bytes(num_selections: int, hidden: int, fp8: bool = True, phase: str = "dispatch",
+                      logfmt: bool = False) -> int:
     """Bytes of one low-latency call on one rank, DeepEP's LL formula (spec §11).
 
     ``num_selections``: this rank's valid ``topk_idx`` entries (a token counts once per selected
     expert). Per selection: dispatch ``H + H/32 + 16`` (FP8: e4m3 row, float32 scale per 128
-    channels, 16 B of source info) or ``2H + 16`` (BF16); combine ``2H`` (BF16 rows back).
+    channels, 16 B of source info) or ``2H + 16`` (BF16); combine ``2H`` (BF16 rows back) or,
+    with ``logfmt``, ``1.25H + H/32`` (LogFMT-10; groups that fall back to BF16 cost more on
+    the wire, which the traffic counters show).
     """
     if phase == "dispatch":
         per = (hidden + hidden // 32 + 16) if fp8 else (2 * hidden + 16)
     elif phase == "combine":
-        per = 2 * hidden
+        per = (hidden * 5 // 4 + hidden // 32) if logfmt else 2 * hidden
     else:
         raise ValueError(f"phase must be 'dispatch' or 'combine', got {phase!r}")
     return int(num_selections) * per
