@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     out["bytes"] = dict(formula="DeepEP LL (bench.common.low_latency_bytes)", dispatch_per_rank=comm.allgather(d_bytes),
                         combine_per_rank=comm.allgather(c_bytes), calls=calls,
                         moved_by_kind_per_rank=comm.allgather({k: int(v) for k, v in moved.items()}))
+    out["bytes"]["one_call_by_kind_rank0"] = {ph: LinkStats.bytes_by_kind(sn) for ph, sn in (("dispatch", s_d),
+                                                                                           ("combine", s_c))}
     out["link_model"] = C.link_model_doc(args.profile, emulator)
     out["projection"] = C.project_phases({"dispatch": s_d, "combine": s_c}, comm, args.profile,
                                          {"dispatch": d_bytes, "combine": c_bytes})
@@ -242,6 +244,9 @@ def main(argv=None) -> int:
         print(f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula)")
         print(f"[ll]     round trip {us(t['round_trip'])}")
         print("[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()))
+        print("[ll]     bytes of one call on rank 0: " + " | ".join(
+            f"{ph} " + ", ".join(f"{k} {v:,}" for k, v in kinds.items())
+            for ph, kinds in out["bytes"]["one_call_by_kind_rank0"].items()))
         for line in C.projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
                                                            "combine": (t["combine"].median, bw["combine"])},
                                        "LL formula", emulator):
