@@ -89,6 +89,12 @@ def _check(cond: bool, exc_type, message: str) -> None:
         raise _Rejected(exc_type(message))
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with standard strides. torch calls any zero-element tensor contiguous, so
+    ``contiguous()`` keeps e.g. the stride 0 of an expanded gradient, which byte views refuse."""
+    return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+
+
 def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
     _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     _check(t.device.type == "cpu", ValueError, f"`{name}` must be a CPU tensor, got device {t.device}")
@@ -1057,7 +1063,7 @@ class Buffer:
             return (lay,)
 
         def issue(lay):
-            return ll.dispatch(x.contiguous(), topk_idx.contiguous(), lay, bool(use_fp8), bool(round_scale),
+            return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
                                bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
         (recv_x, recv_count, handle), event, hook = self._ll_run(ll_mod.OP_DISPATCH, validate, issue, async_finish,
@@ -1120,8 +1126,8 @@ class Buffer:
             return (lay,)
 
         def issue(lay):
-            return ll.combine(None if zero_copy else x.contiguous(), topk_idx.contiguous(),
-                              topk_weights.contiguous(), handle, lay, bool(zero_copy), out,
+            return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
+                              _dense(topk_weights), handle, lay, bool(zero_copy), out,
                               combine_wait_recv_cost_stats, bool(use_logfmt))
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,

@@ -337,3 +337,29 @@ def test_ll_refusals(ll_buf):
         ag.low_latency_combine(ll_buf, x, idx, torch.ones(2, K), None, zero_copy=True)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.low_latency_combine(ll_buf, torch.zeros(2, H), idx, torch.ones(2, K), None)
+
+
+def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):
+    """``combined.sum().backward()``: autograd hands the LL combine's backward an expanded
+    (stride-0) gradient, which on the rank with no tokens is a zero-row tensor that ``contiguous()``
+    leaves at stride 0 (it once crashed the dispatch inside backward). Identity experts, integer
+    data: ``x.grad[t] = sum of its valid weights``, ``w.grad[t, j] = sum of x[t]`` (0 for -1 slots)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 0 if (R > 1 and r == R - 1) else 5
+    gen = torch.Generator().manual_seed(53 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    w0 = _ints((n, K), 1, 5, gen) / 4
+
+    def run():
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+        ag.low_latency_combine(ll_buf, recv_x, idx, w, handle).sum().backward()
+        return x.grad, w.grad
+
+    gx, gw = coll(run, what="LL round trip, sum() loss")
+    valid = idx >= 0
+    want_gx = (w0 * valid).sum(1, keepdim=True).expand(n, H).to(BF16)
+    want_gw = x0.float().sum(1, keepdim=True).expand(n, K) * valid
+    ok = gx.shape == (n, H) and torch.equal(gx, want_gx) and torch.equal(gw, want_gw)
+    all_ranks_ok(comm, ok, f"rank {r}: x.grad {gx.shape} / w.grad differ from sum(w) / sum(x)")
