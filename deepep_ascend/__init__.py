@@ -13,7 +13,7 @@ from . import grouped_gemm, quant  # DeepGEMM-aligned codecs and grouped GEMMs
 from .grouped_gemm import *  # noqa: F401,F403
 from .quant import *  # noqa: F401,F403
 from . import mega_moe  # DeepGEMM's MegaMoE over the normal-mode Buffer
-from .mega_moe import *
+from .mega_moe import *  # noqa: F401,F403
 from . import autograd, dist, moe  # noqa: F401,E402  training: deepep_ascend.autograd.dispatch/combine, dist, moe.MoE
 
 __version__ = "0.1.0"

@@ -303,3 +303,23 @@ def test_windows_too_small_for_headers_raise_clearly_everywhere(comm):
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"tiny windows: expected ValueError naming the hints, got {exc!r}; "
                                             f"destroy: {dexc!r}")
+
+
+def test_low_latency_buffer_refuses_the_normal_internode_path_clearly(comm):
+    """``low_latency_mode=True`` gives ``num_rdma_bytes`` to the low-latency calls, so across nodes
+    the normal path has no URMA window: every rank refuses dispatch with an error that says so and
+    points at a second Buffer (it once claimed both windows were missing while both were set)."""
+    from buffer_helpers import all_ranks_ok, capture
+
+    rpn = _two_nodes(comm)
+    r, R = comm.Get_rank(), comm.Get_size()
+    b = Buffer(None, 1 << 16, Buffer.get_low_latency_rdma_size_hint(8, 128, R, 2 * R), low_latency_mode=True,
+               comm=comm, explicitly_destroy=True, ranks_per_node=rpn)
+    idx = make_topk_idx("uniform", 4, 2 * R, 2, r, R, torch.Generator().manual_seed(r))
+    ntpr, ntprdma, ntpe, itr, _ = b.get_dispatch_layout(idx, 2 * R)
+    _, exc = capture(lambda: b.dispatch(torch.randn(4, 128).to(BF16), num_tokens_per_rank=ntpr,
+                                        num_tokens_per_rdma_rank=ntprdma, is_token_in_rank=itr,
+                                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=torch.rand(4, 2)))
+    ok = isinstance(exc, RuntimeError) and "low_latency_mode=False" in str(exc)
+    b.destroy()
+    all_ranks_ok(comm, ok, f"expected a RuntimeError pointing at a second Buffer, got {exc!r}")
