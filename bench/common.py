@@ -1012,7 +1012,8 @@ def add_link_args(p) -> None:
                    help="delay: slow deepep_ascend's UBMEM/URMA transfers to the profile x --link-scale "
                         "(SIMULATION, labelled in every output; the MPI/gloo peers are not slowed)")
     g.add_argument("--link-scale", type=float, default=1e-3,
-                   help="time scale of the emulation (default 1e-3: bandwidths x 1e-3, latencies x 1e3)")
+                   help="time scale of --link-emulation delay (default 1e-3: bandwidths x 1e-3, latencies x 1e3); "
+                        "unused without it")
 
 
 def link_setup(p, args):
@@ -1081,7 +1082,8 @@ def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulato
             f"({p['bottleneck_GBps']:.1f} GB/s)")
         lines.append(f"[project]  {phase:<8} on {proj['profile']} (model of the counted traffic, not measured): "
                      f"{p['time_s'] * 1e6:.1f} us, {where} | {formula} {p['formula_GBps']:.1f} GB/s projected "
-                     f"vs {gb_meas:.2f} GB/s measured ({t_meas * 1e3:.3f} ms)")
+                     f"vs {gb_meas:.2f} GB/s measured{' on EMULATED links' if emulator is not None else ''} "
+                     f"({t_meas * 1e3:.3f} ms)")
         if emulator is not None and emulator.profile.name == proj["profile"]:
             lines[-1] += f" | projected / link scale: {p['time_s'] / emulator.scale * 1e3:.3f} ms"
     return lines

@@ -372,7 +372,7 @@ class Buffer:
 
         Returns ``{field: np.ndarray int64 [len(ChannelKind), num_ranks]}`` (a copy) with fields
         ``bytes_put`` (stored into the peer), ``bytes_fetched`` (loaded from the peer), ``puts``,
-        ``gets``, ``signals``, ``atomics``; rows indexed by ``transports.ChannelKind`` (SELF,
+        ``gets``, ``signals``; rows indexed by ``transports.ChannelKind`` (SELF,
         UBMEM, URMA). ``lifetime``: since construction; else the last completed dispatch /
         combine / low-latency call (zeros before the first). Gather every rank's with
         ``transports.gather_link_stats`` and pass the result to ``transports.project``.

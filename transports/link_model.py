@@ -28,7 +28,7 @@ import numpy as np
 
 from .topology import ChannelKind
 
-_FIELDS = ("bytes_put", "bytes_fetched", "puts", "gets", "signals", "atomics")
+_FIELDS = ("bytes_put", "bytes_fetched", "puts", "gets", "signals")
 
 
 class LinkStats:
@@ -37,7 +37,7 @@ class LinkStats:
     Attributes (each ``np.ndarray[len(ChannelKind), world_size]`` of int64):
         bytes_put: bytes this rank stored into ``peer``'s memory.
         bytes_fetched: bytes this rank loaded from ``peer``'s memory (data moved peer → this rank).
-        puts, gets, signals, atomics: message counts.
+        puts, gets, signals: message counts (a URMA signal is one ``MPI_Accumulate``).
 
     Every recorded transfer also goes through ``emulator`` when one is set (see
     :class:`LinkEmulator`): counting and emulation happen at the same single point.
@@ -320,7 +320,7 @@ def project(matrices: dict, profile: "str | LinkProfile") -> dict:
         raise ValueError(f"link matrices must be [world, {len(ChannelKind)}, world], got {put.shape}")
     flow = put + np.asarray(matrices["bytes_fetched"], dtype=np.float64).transpose(2, 1, 0)  # [src, kind, dst]
     sent, received = flow.sum(axis=2), flow.sum(axis=0).T  # [rank, kind]
-    msgs = sum(np.asarray(matrices[f], dtype=np.float64) for f in ("puts", "gets", "signals", "atomics")).sum(axis=2)
+    msgs = sum(np.asarray(matrices[f], dtype=np.float64) for f in ("puts", "gets", "signals")).sum(axis=2)
     best = dict(time_s=0.0, bottleneck=None, bottleneck_GBps=float("nan"))
     ports = {}
     for kind in ChannelKind:

@@ -24,6 +24,7 @@ import itertools
 import os
 import sys
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -33,7 +34,7 @@ from .base import State, Team, WaitPolicy, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
-from .link_model import LinkEmulator, LinkStats, emulator_from_env
+from .link_model import EMULATION_ENV, LinkEmulator, LinkStats, emulator_from_env
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared
 
@@ -227,6 +228,8 @@ class Transport:
         self._progress = Progress(self.comm)
         self.stats = LinkStats(topo.world_size)
         self.stats.emulator = emulator
+        if emulator is not None and topo.rank == 0:  # results of this run are not plain measurements: say so once
+            warnings.warn(f"${EMULATION_ENV}: {emulator.label}", RuntimeWarning, stacklevel=3)
         from mpi4py import MPI
         shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
         self.wait_policy = WaitPolicy(local_ranks=shared.Get_size())
