@@ -1116,9 +1116,11 @@ def run_main(main: Callable[[], int]) -> None:
         code = main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
-    except BaseException:
+    except BaseException as e:
         import traceback
-        traceback.print_exc()
+        # One write (the first peer's Abort may kill this rank mid-print), the error line first.
+        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # Abort may return before the launcher's kill arrives: never fall through to finish()
     finish(MPI.COMM_WORLD, code)
