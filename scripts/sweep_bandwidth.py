@@ -95,6 +95,19 @@ MMA = {"fp8": "fp8xfp4", "bf16": "bf16xbf16"}  # mega_moe: the dtype axis is the
 LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
 DEFAULT_LINK_PROFILE = "ascend950"
 
+
+def _bench_default_link_scale() -> float:
+    """The benchmarks' ``--link-scale`` default (all three take it from ``bench.common.add_link_args``)."""
+    q = argparse.ArgumentParser(add_help=False)
+    C.add_link_args(q)
+    return float(q.get_default("link_scale"))
+
+
+# An emulated configuration without --link-scale runs at this scale: its key and row say the value,
+# so that the default and an explicit --link-scale of the same value are one configuration.
+DEFAULT_LINK_SCALE = _bench_default_link_scale()
+EMULATED_TAG = " EMULATED"  # plot labels of rows measured with emulated links
+
 # ----------------------------------------------------------------------------------------------
 # Presets: per mode, the axes (lists) of its grid; the modes run by default (``default_modes``,
 # else all of them); iterations and the per-run timeout.
@@ -214,8 +227,13 @@ class Config:
             k += "-nopeers"
         k += f"-proj_{self.link_profile or 'none'}"
         if self.link_emulation and self.link_emulation != "none":
-            k += f"-emu_{self.link_emulation}x{'default' if self.link_scale is None else f'{self.link_scale:g}'}"
+            k += f"-emu_{self.link_emulation}x{self.effective_link_scale:g}"
         return k
+
+    @property
+    def effective_link_scale(self) -> float:
+        """The emulation scale the benchmark runs at (its default when ``link_scale`` is None)."""
+        return DEFAULT_LINK_SCALE if self.link_scale is None else self.link_scale
 
     def fields(self) -> dict:
         d = dataclasses.asdict(self)
@@ -658,9 +676,13 @@ def _num(v) -> Optional[float]:
     return f if math.isfinite(f) else None
 
 
+def _emulated(r: dict) -> bool:
+    return r.get("link_emulation") not in (None, "", "none")
+
+
 def _group_label(r: dict) -> str:
     topo = f"{r['nodes']}x{r['ranks_per_node']}" if r.get("ranks_per_node") else "1 node"
-    emu = " EMULATED" if r.get("link_emulation") not in (None, "", "none") else ""
+    emu = EMULATED_TAG if _emulated(r) else ""
     if r.get("mode") == "mega_moe":
         return (f"R{r['ranks']} {topo}, H{r['hidden']} I{r.get('inter')}, top-{r['num_topk']}/{r['num_experts']}, "
                 f"{MMA.get(str(r['dtype']), str(r['dtype'])).upper()}{emu}")
@@ -774,11 +796,16 @@ def make_plots(out_dir: str, rows: list) -> list:
                 for label, (xs, ys) in _series(by_mode[m], field).items():
                     if what == "round_trip":
                         ys = [y * 1e3 for y in ys]
+                    # only deepep_ascend's links are emulated: a peer measured in an emulated run is not
+                    # slowed, so its label drops the tag (its colour stays that of its run's group)
+                    shown = label if system == "deepep_ascend" else label.replace(EMULATED_TAG, "")
                     ax.plot(xs, ys, ls, marker="o" if system == "deepep_ascend" else ".", color=color_of(label),
-                            label=f"{system}: {label}")
+                            label=f"{system}: {shown}")
             _finish_axes(ax, f"{m}: {what.replace('_', ' ')}", ylabel)
+        emu_note = ("\nEMULATED: deepep_ascend's links slowed to the profile; the MPI and gloo peers are never slowed"
+                    if any(_emulated(r) for m, _, _ in panels for r in by_mode[m]) else "")
         fig.suptitle("deepep_ascend (solid) vs the peer pipelines MPI Alltoallv (dashed) and gloo all_to_all_single "
-                     "(dotted): same workload, same run", fontsize=10)
+                     "(dotted): same workload, same run" + emu_note, fontsize=10)
         fig.tight_layout()
     else:  # only mega_moe rows
         fig, ax = plt.subplots(figsize=(6, 2))
@@ -908,6 +935,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_out_dir(p, out: str) -> None:
+    """``p.error`` unless ``out`` is a directory or can be created as one."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"--out {out}: exists and is not a directory")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"--out {out}: {parent} is not a directory")
+
+
 def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
@@ -923,13 +962,26 @@ def parse_args(argv=None):
     a.timeout = preset["timeout"] if a.timeout is None else a.timeout
     if not a.timeout > 0:
         p.error(f"--timeout must be positive, got {a.timeout}")
-    if a.link_scale is not None and not a.link_scale > 0:
-        p.error(f"--link-scale must be positive, got {a.link_scale}")
+    if a.link_scale is not None and not (math.isfinite(a.link_scale) and a.link_scale > 0):
+        p.error(f"--link-scale must be a finite number > 0, got {a.link_scale}")
     if a.link_scale is not None and a.link_emulation == "none":
         p.error("--link-scale needs --link-emulation delay")
     a.link_profile = None if str(a.link_profile).lower() in ("", "none") else a.link_profile
     if a.link_emulation != "none" and a.link_profile is None:
         p.error("--link-emulation needs a --link-profile to emulate")
+    if a.link_profile is not None:  # checked here as the benchmarks check it, not once per failed job
+        from transports import get_profile
+
+        try:
+            profile = get_profile(a.link_profile)
+        except ValueError as e:
+            p.error(f"--link-profile: {e}")
+        if a.link_emulation != "none" and not profile.links:
+            p.error(f"--link-emulation: profile {a.link_profile!r} has no links to emulate")
+    if a.link_emulation != "none" and a.link_scale is None:
+        a.link_scale = DEFAULT_LINK_SCALE  # the benchmarks' default, said explicitly (config key, row, command)
+    if a.out:
+        _check_out_dir(p, a.out)
     modes = _list(p, "--mode", a.mode, _mode) if a.mode else list(preset.get("default_modes", preset["modes"]))
     if a.inter is not None and "mega_moe" not in modes:
         p.error("--inter applies to mega_moe rows only: add --mode mega_moe")
@@ -967,21 +1019,27 @@ def parse_args(argv=None):
 
 
 def ok_summary(row: dict) -> str:
-    """One line of an ``ok`` row's main numbers (empty columns shown as ``-``)."""
+    """One line of an ``ok`` row's main numbers (empty columns shown as ``-``), starting with
+    ``EMULATED links (profile x scale)`` when the benchmark ran with emulated links."""
     def f(col, scale=1.0, fmt=".3f"):
         v = _num(row.get(col))
         return "-" if v is None else format(v * scale, fmt)
 
+    emu = ""
+    if _emulated(row):
+        scale = _num(row.get("link_scale"))
+        emu = (f"EMULATED links ({row.get('link_profile') or '?'}" + (f" x {scale:g}" if scale is not None else "")
+               + ") | ")
     if row["mode"] == "mega_moe":
         text = (f"fused {f('fused_s', 1e3)} ms, {f('fused_gbps', fmt='.4f')} GB/s with self-rank pairs "
                 f"({f('fused_cross_rank_gbps', fmt='.4f')} cross-rank), {f('fused_tflops', fmt='.4f')} TFLOPS, "
                 f"fused / sum of stages {f('fused_over_sum_stages', fmt='.2f')}")
         proj = _num(row.get("proj_fused_gbps"))
-        return text + (f" | projected fused {proj:.1f} GB/s (model)" if proj is not None else "")
+        return emu + text + (f" | projected fused {proj:.1f} GB/s (model)" if proj is not None else "")
     text = (f"dispatch {f('dispatch_s', 1e3)} ms {f('dispatch_gbps')} GB/s | "
             f"combine {f('combine_s', 1e3)} ms {f('combine_gbps')} GB/s")
     proj = _num(row.get("proj_dispatch_gbps"))
-    return text + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
+    return emu + text + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
 
 
 def _terminate(signum, frame):

@@ -10,6 +10,7 @@ row extraction (from JSON recorded from the benchmarks, trimmed) and the plots, 
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -180,6 +181,19 @@ def test_keys_resume_and_result_files(out_tmp):
     merged = sw.merge_row(rows, fixed)
     assert [r["config_key"] for r in merged] == [r["config_key"] for r in rows] and merged[1]["status"] == "ok"
 
+    # emulation without --link-scale runs at the benchmarks' default scale, and is keyed by its value:
+    # an explicit --link-scale of that value is the same configuration (resume skips it)
+    from bench.common import add_link_args
+
+    q = argparse.ArgumentParser()
+    add_link_args(q)
+    assert sw.DEFAULT_LINK_SCALE == q.get_default("link_scale") == 1e-3
+    emu = ["--preset", "smoke", "--out", str(tmp_path), "--link-emulation", "delay"]
+    by_default = [c.key for c in sw.parse_args(emu)[0].configs]
+    assert by_default == [c.key for c in sw.parse_args(emu + ["--link-scale", "1e-3"])[0].configs]
+    assert by_default == [k + "-emu_delayx0.001" for k in (c0.key, c1.key)]
+    assert by_default != [c.key for c in sw.parse_args(emu + ["--link-scale", "2e-3"])[0].configs]
+
 
 def test_cli_axes_override_and_errors(capsys):
     sw = _module()
@@ -200,7 +214,12 @@ def test_cli_axes_override_and_errors(capsys):
     for argv, needle in ((["--tokens", "64,x"], "--tokens"), (["--ranks", "0"], "--ranks"),
                          (["--inter", "128"], "--inter"), (["--mode", "decode"], "--mode"),
                          (["--num-experts", "6", "--ranks", "4"], "no valid configuration"),
-                         (["--iters", "0"], "--iters"), (["--dtype", "fp4"], "--dtype")):
+                         (["--iters", "0"], "--iters"), (["--dtype", "fp4"], "--dtype"),
+                         # link profiles are checked here, as the benchmarks check them, not per failed job
+                         (["--link-profile", "garbage"], "--link-profile: link profile 'garbage'"),
+                         (["--link-profile", "UBMEM=abc"], "--link-profile: link profile 'UBMEM=abc'"),
+                         (["--link-emulation", "delay", "--link-scale", "0"], "--link-scale"),
+                         (["--link-emulation", "delay", "--link-scale", "inf"], "--link-scale")):
         with pytest.raises(SystemExit) as e:
             sw.parse_args(["--preset", "smoke", "--out", "d", *argv])
         assert e.value.code == 2
@@ -208,6 +227,32 @@ def test_cli_axes_override_and_errors(capsys):
     with pytest.raises(SystemExit):
         sw.parse_args(["--preset", "smoke"])  # --out is required unless --dry-run
     assert "--out" in capsys.readouterr().err
+    with tempfile.NamedTemporaryFile() as f:  # --out an existing file (or under one): an error, not a traceback
+        for out, needle in ((f.name, "exists and is not a directory"), (os.path.join(f.name, "sub"),
+                                                                         f"{f.name} is not a directory")):
+            with pytest.raises(SystemExit) as e:
+                sw.parse_args(["--preset", "smoke", "--out", out, "--dry-run"])
+            assert e.value.code == 2 and needle in capsys.readouterr().err, out
+
+
+def test_main_console_lines_and_exit_status(out_tmp, monkeypatch, capsys):
+    """``main`` with the benchmark job faked (no MPI): emulated ``[ok]`` lines say EMULATED; a run
+    whose configurations all failed exits non-zero."""
+    sw = _module()
+    monkeypatch.setattr(sw, "bench_options", lambda module, env: {"--json", "--no-progress", "--link-profile",
+                                                                  "--link-emulation", "--link-scale"})
+    monkeypatch.setattr(sw, "find_mpiexec", lambda: "mpiexec")
+    monkeypatch.setattr(sw, "make_plots", lambda out_dir, rows: [])
+    monkeypatch.setattr(sw.signal, "signal", lambda *a: None)  # leave the test process's SIGTERM alone
+    emulated = dict(_fake_normal_doc(), link_model=dict(emulation="delay", profile="ascend950", scale=1e-3,
+                                                        label="SIMULATION: ..."))
+    monkeypatch.setattr(sw, "run_config", lambda cfg, *a: (emulated, 0, "", 1.0))
+    assert sw.main(["--preset", "smoke", "--out", str(out_tmp / "emu"), "--link-emulation", "delay"]) == 0
+    ok = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[ok]")]
+    assert len(ok) == 2 and all(": EMULATED links (ascend950 x 0.001) | dispatch" in ln for ln in ok), ok
+    monkeypatch.setattr(sw, "run_config", lambda cfg, *a: (None, 2, "exit 2, no JSON result", 1.0))
+    assert sw.main(["--preset", "smoke", "--out", str(out_tmp / "failed")]) == 1
+    assert "ran 2 (ok 0, failed 2)" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,7 +447,7 @@ def test_cli_mega_moe_mode():
 
 
 @pytest.mark.skipif(world().Get_size() != 1, reason="plotting costs ~10 s; the 1-rank job covers it")
-def test_plots_with_mega_moe_rows(out_tmp):
+def test_plots_with_mega_moe_rows(out_tmp, monkeypatch):
     pytest.importorskip("matplotlib")
     sw = _module()
     rows = [sw.make_row(_mega_moe_config(sw, t), MEGA_MOE_DOC, 0, "", 1.0, PROV) for t in (64, 128)]
@@ -413,6 +458,21 @@ def test_plots_with_mega_moe_rows(out_tmp):
     ll = sw.make_row(sw.Config("low_latency", 2, None, 32, 512, 4, 16, "fp8", 2, 3), LOW_LATENCY_DOC, 0, "", 1.0, PROV)
     normal = sw.make_row(sw.Config("normal", 2, None, 64, 256, 2, 8, "bf16", 3, 1), _fake_normal_doc(), 0, "", 1.0,
                          PROV)
-    for p in sw.make_plots(str(out_tmp), rows + [ll, normal]):
+    emulated = dict(normal, link_emulation="delay", link_scale=1e-3)
+    legends = {}
+
+    save = sw._save
+
+    def record_and_save(fig, out_dir, name, plt):  # the legends, then the PNG as the script writes it
+        legends[name] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        return save(fig, out_dir, name, plt)
+
+    monkeypatch.setattr(sw, "_save", record_and_save)
+    for p in sw.make_plots(str(out_tmp), rows + [ll, normal, emulated]):
         data = Path(p).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, p
+    # peers.png: only deepep_ascend's links are emulated; the MPI / gloo peers are never labelled EMULATED
+    peers = legends["peers.png"]
+    assert any(t.startswith("deepep_ascend: ") and t.endswith("BF16 EMULATED") for t in peers), peers
+    assert any(t.startswith("mpi_alltoallv: ") for t in peers), peers
+    assert not [t for t in peers if "EMULATED" in t and not t.startswith("deepep_ascend: ")], peers
