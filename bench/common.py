@@ -1090,18 +1090,16 @@ def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulato
 
 
 def finish(comm, code: int = 0) -> None:
-    """The benchmark exit path: flush, final barrier, ``os._exit`` without ``MPI.Finalize``.
+    """The benchmark exit path: flush, final barrier, ``os._exit`` without ``MPI.Finalize``
+    (``transports.process.exit_job``, which also unlinks MPICH's shared segment).
 
     design.md: with the MPICH wheel, ``Finalize`` then ``os._exit`` made mpiexec report a bad
     termination in ~3 % of clean runs; a final barrier then ``os._exit`` gave none in 100.
     Destroy Buffers and process groups before calling this (atexit handlers do not run).
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        comm.Barrier()
-    finally:
-        os._exit(code)
+    from transports.process import exit_job
+
+    exit_job(code, comm)
 
 
 def run_main(main: Callable[[], int]) -> None:

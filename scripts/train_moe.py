@@ -71,6 +71,7 @@ from deepep_ascend import Buffer
 from deepep_ascend import dist as ep_dist
 from deepep_ascend.moe import MoE, is_expert_param
 
+from transports.process import exit_job
 # Arguments that define the model (checked on resume).
 MODEL_ARGS = ("d_model", "layers", "heads", "seq", "experts", "topk", "expert_dim", "shared", "score_func",
               "n_group", "topk_group", "routed_scaling", "seed")
@@ -565,11 +566,8 @@ def main(argv=None) -> None:
         comm.Abort(1)
     if tdist.is_initialized():
         tdist.destroy_process_group()
-    # Exit path of design.md: barrier, then os._exit without MPI_Finalize.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    comm.Barrier()
-    os._exit(code)
+    # Exit path of design.md: barrier, then os._exit without MPI_Finalize (MPICH's segment unlinked).
+    exit_job(code, comm)
 
 
 if __name__ == "__main__":

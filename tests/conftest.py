@@ -364,29 +364,11 @@ def _exit_without_finalize() -> None:
         MPI = _mpi()
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Barrier()
-            _unlink_mpich_segments()
+            from transports.process import release_mpich_shm
+
+            release_mpich_shm()
     finally:
         os._exit(status)
-
-
-def _unlink_mpich_segments() -> None:
-    """Remove MPICH's per-node ``/dev/shm/mpich_shm_*`` segment, which only ``MPI_Finalize`` unlinks.
-
-    Safe after the barrier: every rank of the job has mapped it (unlinking keeps the mappings), and
-    no later process opens it by name. Without this, each suite run would leave ~1 MiB per rank in RAM.
-    """
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if "/dev/shm/mpich_shm_" in line}
-    except OSError:
-        return
-    for path in paths:
-        if path.endswith("(deleted)"):
-            continue
-        try:
-            os.unlink(path)
-        except OSError:
-            pass  # another rank of the node unlinked it first
 
 
 # Registered at import, i.e. before anything the tests import: atexit runs handlers last-in
