@@ -39,12 +39,13 @@ replays it.
 
 Checkpoints (``--save-dir DIR``, every ``--save-every`` steps and at the end) go to
 ``DIR/step{N:06d}/``: ``dense.pt`` written by rank 0 (non-expert weights, their AdamW state, the
-step, the model arguments) and ``experts_ep{r}.pt`` per EP rank (its experts and their AdamW
-state); ``DIR/latest`` names the newest. ``--resume DIR`` (or a step directory) loads them (same
-model arguments and EP size) and continues at the saved step; learning rate and data depend
-only on the step, so the resumed losses equal those of an uninterrupted run (bit for bit on the
-same rank count: every reduction here has a fixed order). ``--stop-at N`` ends the run after
-step ``N`` as an interruption would.
+step, the run's ``--steps``, the model arguments) and ``experts_ep{r}.pt`` per EP rank (its
+experts and their AdamW state); ``DIR/latest`` names the newest. ``--resume DIR`` (or a step
+directory) loads them (same model arguments and EP size; otherwise, or if a file is missing,
+every rank exits with status 2 and the reason) and continues at the saved step; learning rate
+and data depend only on the step, so the resumed losses equal those of an uninterrupted run
+(bit for bit on the same rank count: every reduction here has a fixed order). ``--stop-at N``
+ends the run after step ``N`` as an interruption would.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ from torch import nn
 from deepep_ascend import Buffer
 from deepep_ascend import dist as ep_dist
 from deepep_ascend.moe import MoE, is_expert_param
-
 from transports.process import exit_job
+
 # Arguments that define the model (checked on resume).
 MODEL_ARGS = ("d_model", "layers", "heads", "seq", "experts", "topk", "expert_dim", "shared", "score_func",
               "n_group", "topk_group", "routed_scaling", "seed")
@@ -121,7 +122,50 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
         p.error("--steps, --batch >= 1 and --seq >= 2")
+    if args.resume:
+        try:
+            checkpoint_dir(args.resume)
+        except ValueError as e:
+            p.error(str(e))
     return args
+
+
+def checkpoint_dir(path: str) -> str:
+    """The step directory ``--resume path`` names: ``path`` itself if it holds ``dense.pt``, else the
+    one its ``latest`` file names. Raises ValueError (naming ``path``) if there is no checkpoint."""
+    if not os.path.exists(path):
+        raise ValueError(f"--resume {path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume {path}: not a directory (give a step directory or a --save-dir)")
+    if os.path.exists(os.path.join(path, "dense.pt")):
+        return path
+    latest = os.path.join(path, "latest")
+    if not os.path.exists(latest):
+        raise ValueError(f"--resume {path}: no checkpoint there (neither dense.pt nor latest)")
+    with open(latest) as f:
+        step_dir = os.path.join(path, f.read().strip())
+    if not os.path.exists(os.path.join(step_dir, "dense.pt")):
+        raise ValueError(f"--resume {path}: latest names {step_dir}, which has no dense.pt")
+    return step_dir
+
+
+def checkpoint_mismatch(directory: str, dense: dict, experts: dict, experts_file: str, model_args: dict,
+                        ep_size: int) -> str | None:
+    """Why this rank cannot resume from the loaded ``dense.pt`` / ``experts_file`` state, or None."""
+    saved_args = dense["model_args"]
+    if saved_args != model_args:
+        diff = {k: (saved_args.get(k), model_args.get(k)) for k in sorted(set(saved_args) | set(model_args))
+                if saved_args.get(k) != model_args.get(k)}
+        return f"--resume {directory}: model arguments differ from the checkpoint's (saved, now): {diff}"
+    if experts["step"] != dense["step"]:
+        return (f"--resume {directory}: dense.pt was saved at step {dense['step']} but {experts_file} at step "
+                f"{experts['step']}: files of different checkpoints")
+    if experts["ep_size"] != ep_size:
+        total = f" of a {dense['steps']}-step run" if "steps" in dense else ""
+        return (f"--resume {directory}: checkpoint saved at step {dense['step']}{total} with EP size "
+                f"{experts['ep_size']}; this run has EP size {ep_size} (each EP rank's experts are saved "
+                f"separately: resume with the same EP size)")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,7 +473,7 @@ class Trainer:
         state = self.model.state_dict()
         if self.rank == 0:
             dense = {k: v for k, v in state.items() if not is_expert_param(k)}
-            _atomic_save(dict(model=dense, opt=self.opt_dense.state_dict(), step=self.step,
+            _atomic_save(dict(model=dense, opt=self.opt_dense.state_dict(), step=self.step, steps=self.args.steps,
                               model_args=self._model_args(), ep_size=self.groups.ep_size, world=self.world),
                          os.path.join(directory, "dense.pt"))
         if self.groups.expert_dp_rank == 0:
@@ -445,20 +489,34 @@ class Trainer:
         tdist.barrier()
         return directory
 
-    def load(self, directory: str):
-        if not os.path.exists(os.path.join(directory, "dense.pt")) and os.path.exists(os.path.join(directory, "latest")):
-            with open(os.path.join(directory, "latest")) as f:
-                directory = os.path.join(directory, f.read().strip())
-        dense = torch.load(os.path.join(directory, "dense.pt"), map_location="cpu", weights_only=True)
-        experts = torch.load(os.path.join(directory, f"experts_ep{self.groups.ep_rank}.pt"), map_location="cpu",
-                             weights_only=True)
-        if dense["model_args"] != self._model_args():
-            diff = {k: (v, self._model_args()[k]) for k, v in dense["model_args"].items()
-                    if self._model_args().get(k) != v}
-            raise SystemExit(f"--resume {directory}: model arguments differ from the checkpoint's: {diff}")
-        if experts["ep_size"] != self.groups.ep_size or experts["step"] != dense["step"]:
-            raise SystemExit(f"--resume {directory}: saved with EP size {experts['ep_size']} at step "
-                             f"{experts['step']}/{dense['step']}; now EP size {self.groups.ep_size}")
+    def load(self, path: str):
+        """Collective: load the checkpoint ``path`` names (:func:`checkpoint_dir`). If any rank cannot
+        (missing or unreadable file, other model arguments, EP size or step), every rank raises
+        ``SystemExit`` with the first such rank's reason."""
+        err = None
+        try:
+            directory = checkpoint_dir(path)
+            experts_file = f"experts_ep{self.groups.ep_rank}.pt"
+            state = {}
+            for name in ("dense.pt", experts_file):
+                try:
+                    state[name] = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
+                except OSError as e:
+                    raise ValueError(f"--resume {path}: cannot read {os.path.join(directory, name)}: "
+                                     f"{e.strerror or e}") from None
+                except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
+                    raise ValueError(f"--resume {path}: cannot load {os.path.join(directory, name)}: "
+                                     f"{type(e).__name__}: {e}") from None
+            dense, experts = state["dense.pt"], state[experts_file]
+            err = checkpoint_mismatch(directory, dense, experts, experts_file, self._model_args(),
+                                      self.groups.ep_size)
+        except ValueError as e:
+            err = str(e)
+        errors = self.comm.allgather(err)  # every rank refuses, or none
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            r, e = bad[0]
+            raise SystemExit(e + (f" (on rank {r})" if any(x != e for x in errors) else ""))
         self.model.load_state_dict({**dense["model"], **experts["model"]}, strict=True)
         self.opt_dense.load_state_dict(dense["opt"])
         self.opt_expert.load_state_dict(experts["opt"])
@@ -533,10 +591,10 @@ def run(args, comm=None, data: torch.Tensor | None = None) -> dict:
                       tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
                       step_times=times, trace_shape=trace_shape)
         if root and losses:
-            head = sum(losses[:5]) / len(losses[:5])
-            tail = sum(losses[-10:]) / len(losses[-10:])
+            head, tail = losses[:5], losses[-10:]
             print(f"[train_moe] loss {losses[0]:.4f} (step {first + 1}) -> {losses[-1]:.4f} (step {tr.step}); "
-                  f"mean of first 5 {head:.4f}, last 10 {tail:.4f}; validation {val:.4f}; "
+                  f"mean of first {len(head)} {sum(head) / len(head):.4f}, last {len(tail)} "
+                  f"{sum(tail) / len(tail):.4f}; validation {val:.4f}; "
                   f"{result['tokens_per_s']:,.0f} tokens/s ({tr.world} ranks)", flush=True)
             if trace_shape is not None:
                 print(f"[train_moe] routing trace {args.save_trace}: topk_idx {trace_shape} "
