@@ -356,17 +356,11 @@ def _exit_without_finalize() -> None:
     if os.environ.get("DEEPEP_ASCEND_TEST_EXIT_MODE", "barrier") == "finalize":
         return  # for measurements: the interpreter's normal exit, mpi4py calls MPI_Finalize
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001, S110 - exiting anyway
-        pass
-    try:
         MPI = _mpi()
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.COMM_WORLD.Barrier()
-            from transports.process import release_mpich_shm
+            from transports.process import exit_job
 
-            release_mpich_shm()
+            exit_job(status, MPI.COMM_WORLD)  # flush, barrier, unlink MPICH's segment, os._exit
     finally:
         os._exit(status)
 
