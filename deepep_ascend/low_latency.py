@@ -124,7 +124,10 @@ def zeros(shape, dtype) -> torch.Tensor:
     nbytes = shape.numel() * dtype.itemsize
     if nbytes < (1 << 20):
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    # A tensor on the mapping's storage, not a view of the uint8 one: a view keeps its base alive
+    # (``_base``), so the storage would always look shared and OutputPool would never reuse it.
+    storage = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def _storage_users(t: torch.Tensor) -> int | None:
@@ -395,18 +398,16 @@ class LowLatencyEngine:
             if hi > lo:
                 t = tok[lo:hi]
                 gathered = _wide(rows).index_select(0, t)  # ordered by local expert, then token/slot
-                nz = torch.nonzero(cnt).squeeze(1).tolist()
-                firsts = (starts[dst * L:(dst + 1) * L] - lo).tolist()
-                if self.direct[dst]:  # store each expert's run straight into slot (e, me) of dst
-                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb)
-                    for e in nz:
-                        a, c = firsts[e], int(cnt[e])
-                        o = ((e * R + me) * M) * mb
-                        dv = _wide(recv[o:o + c * mb].view(c, mb))  # (same element type on both sides)
-                        dv.copy_(gathered[a:a + c].view(torch.uint8).view(dv.dtype))
+                if self.direct[dst]:  # one scatter: row j of local expert e's run -> slot (e, me), row j
+                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+                    slot_rows = ((experts[lo:hi] - dst * L) * R + me) * M + (
+                        torch.arange(hi - lo) - (starts[experts[lo:hi]] - lo))
+                    dv = _wide(recv)
+                    dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
                     self.tp.record_put(dst, (hi - lo) * mb)
-                else:
-                    for e in nz:
+                else:  # one put per expert run (contiguous at both ends)
+                    firsts = (starts[dst * L:(dst + 1) * L] - lo).tolist()
+                    for e in torch.nonzero(cnt).squeeze(1).tolist():
                         a, c = firsts[e], int(cnt[e])
                         self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + me) * M) * mb,
                                     gathered[a:a + c])
@@ -445,21 +446,28 @@ class LowLatencyEngine:
                 blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
                 f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
                 msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb], by expert, source, row
+                # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
+                e_of = f // (R * M)
+                row_of = torch.arange(total) - (torch.cumsum(recv_count, 0) - recv_count).to(torch.int64)[e_of]
+                dst_rows = e_of * (R * M) + row_of
                 xb = H * recv_x.element_size()
-                rx = recv_x.view(torch.uint8).view(L, R * M, xb)
-                a = 0
-                for e, c in enumerate(recv_count.tolist()):  # expert e's rows are one run of msgs
-                    if not c:
-                        continue
-                    m = msgs[a:a + c]
-                    # Fresh standard-strided bytes: a [1, n] slice of odd row stride counts as contiguous
-                    # to torch but cannot be viewed as int32/float32.
-                    src_info[e, :c].copy_(_bytes_copy(m[:, :4]).view(torch.int32).view(-1))
-                    rx[e, :c].copy_(m[:, MSG_HEADER:MSG_HEADER + xb])
-                    if recv_scales is not None:
-                        recv_scales[e, :c].copy_(_bytes_copy(m[:, MSG_HEADER + xb:MSG_HEADER + xb + sb])
-                                                 .view(recv_scales.dtype))
-                    a += c
+                # One scatter per output in the widest element type dividing every field: torch copies
+                # column slices element by element (byte-wise copies were ~95 % of the receive).
+                w = _common_width(mb, MSG_HEADER, xb, sb)
+                mw = msgs.view(_INT_OF_WIDTH[w])
+                rx = recv_x.view(torch.uint8).view(L * R * M, xb).view(_INT_OF_WIDTH[w])
+                rx.index_copy_(0, dst_rows, mw[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+                info = (msgs.view(torch.int32)[:, 0] if mb % 4 == 0
+                        else _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1))
+                src_info.view(-1).index_copy_(0, dst_rows, info)
+                if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
+                    sc = msgs.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4]
+                    # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
+                    sw = sc.size(1)
+                    flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
+                            + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
+                    recv_scales.transpose(1, 2).view(-1).index_copy_(
+                        0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
                 runs = [(e, c) for e, c in enumerate(recv_count.tolist()) if c]
                 for ent in (written_x, written_s, written_i):
                     if ent is not None:
@@ -650,6 +658,14 @@ class LowLatencyEngine:
 def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
     """A fresh, standard-strided copy of the uint8 matrix ``t`` (viewable as any element size)."""
     return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
+
+
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _common_width(*sizes: int) -> int:
+    """Largest of 8, 4, 2, 1 bytes dividing every size (field offsets and widths of a message)."""
+    return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in sizes))
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:

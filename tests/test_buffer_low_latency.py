@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from buffer_helpers import BF16, Checker, all_ranks_ok, bits, capture, coll
-from mpi_utils import world
+from mpi_utils import gather_all, world
 from reference import calc_diff, per_token_cast_back, ref_ll_combine, ref_ll_dispatch
 
 from deepep_ascend import Buffer, ConsensusError, logfmt10_decode, logfmt10_encode, logfmt10_wire_bytes
@@ -741,3 +741,41 @@ def test_missing_rank_without_shrink_times_out_naming_it(comm):
     comm.Barrier()
     _, dexc = capture(buf.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"missing rank {missing}: {detail}; destroy {dexc!r}")
+
+
+def test_outputs_recycled_only_once_dropped(comm):
+    """Dispatch outputs (``[L, R·M, H]`` and the FP8 scales) come from a pool: a result the caller
+    keeps is never written by later calls, a dropped one is reused (same storage; large outputs
+    once never were) and its rows beyond ``recv_count`` read as zero again after a call that
+    wrote more rows. FP8 recv_x is 512 KiB x R: a torch tensor at 1 rank, a zero mapping above."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 64, 4096
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x_big, idx_big = make_inputs(71, r, R, M, H, E, 2)
+    x_small, idx_small = make_inputs(72, r, R, 3, H, E, 2)
+
+    def call(x, idx):
+        return buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+
+    kept = coll(call, x_big, idx_big, what="dispatch kept")
+    kept_x, kept_s = kept[0][0].clone(), kept[0][1].clone()
+    first = coll(call, x_big, idx_big, what="dispatch dropped")
+    ptr = first[0][0].data_ptr()
+    del first
+    again = coll(call, x_small, idx_small, what="dispatch after a drop")
+    (data, scales), count = again[0], again[1]
+    chk = Checker(r)
+    chk.check(torch.equal(kept[0][0].view(torch.uint8), kept_x.view(torch.uint8))
+              and torch.equal(kept[0][1], kept_s), "a kept result was overwritten by a later call")
+    # White-box: an equal address alone could be a fresh mapping at the freed one's place.
+    pooled = {ent[0].data_ptr() for ents in buf._ll.pool._entries.values() for ent in ents}
+    chk.check(data.data_ptr() == ptr and ptr in pooled, "the dropped result's storage was not reused")
+    pad = torch.arange(R * M).unsqueeze(0) >= count.unsqueeze(1)  # [L, R*M] rows past recv_count
+    chk.check(not data.view(torch.uint8)[pad].any() and not scales[pad].any(),
+              "recycled output: rows past recv_count are not zero")
+    ref = ref_ll_dispatch(gather_all(x_small), gather_all(idx_small), r, E, M, True)
+    chk.check(torch.equal(count, ref.recv_count), "recv_count")
+    del kept, again, data, scales
+    coll(buf.destroy, what="destroy")
+    chk.finish("output pool")
