@@ -340,7 +340,8 @@ def load_routing(path: str, rank: int, num_ranks: int, step: int = 0,
         raise ValueError(f"routing trace {path!r}: topk_idx must be [T, K] or [S, T, K], got {idx.shape}")
     num_steps, total, k = idx.shape
     if not 0 <= step < num_steps:
-        raise ValueError(f"routing trace {path!r}: step {step} outside [0, {num_steps})")
+        raise ValueError(f"routing trace {path!r}: row {step} (--routing-step) outside [0, {num_steps}) "
+                         f"(a [S, T, K] trace's rows; train_moe writes one per (step, layer))")
     if total % num_ranks:
         raise ValueError(f"routing trace {path!r}: {total} tokens do not split over {num_ranks} ranks")
     file_e = int(np.asarray(d["num_experts"])) if "num_experts" in d else None
@@ -1119,6 +1120,9 @@ def run_main(main: Callable[[], int]) -> None:
         # One write (the first peer's Abort may kill this rank mid-print), the error line first.
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.flush()
+        from transports.process import release_mpich_shm
+
+        release_mpich_shm()  # Abort skips every exit path: unlink MPICH's segment first (mappings survive)
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)  # Abort may return before the launcher's kill arrives: never fall through to finish()
     finish(MPI.COMM_WORLD, code)

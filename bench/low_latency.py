@@ -240,31 +240,33 @@ def main(argv=None) -> int:
         print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "
               f"{'ok' if out['check']['ok'] else 'MISMATCH'}")
         bw = out["bandwidth_GBps"]
-        print(f"[ll]     dispatch   {us(t['dispatch'])}  {bw['dispatch']:7.2f} GB/s (LL formula)")
-        print(f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula)")
-        print(f"[ll]     round trip {us(t['round_trip'])}")
-        print("[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()))
-        print("[ll]     bytes of one call on rank 0: " + " | ".join(
-            f"{ph} " + ", ".join(f"{k} {v:,}" for k, v in kinds.items())
-            for ph, kinds in out["bytes"]["one_call_by_kind_rank0"].items()))
-        for line in C.projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
-                                                           "combine": (t["combine"].median, bw["combine"])},
-                                       "LL formula", emulator):
-            print(line)
-        print(f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}")
-        print(f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}")
+        emu = " [EMULATED links]" if emulator is not None else ""  # on every line an emulated run affects
+        lines = [f"[ll]     dispatch   {us(t['dispatch'])}  {bw['dispatch']:7.2f} GB/s (LL formula){emu}",
+                 f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula){emu}",
+                 f"[ll]     round trip {us(t['round_trip'])}{emu}",
+                 "[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()) + emu,
+                 "[ll]     bytes of one call on rank 0: " + " | ".join(
+                     f"{ph} " + ", ".join(f"{k} {v:,}" for k, v in kinds.items())
+                     for ph, kinds in out["bytes"]["one_call_by_kind_rank0"].items())]
+        lines += C.projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
+                                                        "combine": (t["combine"].median, bw["combine"])},
+                                    "LL formula", emulator)
         o = out["overlap"]
-        print(f"[overlap] compute {o['compute_per_call_s'] * 1e6:.1f} us per call; send+compute+hook total "
-              f"{o['total_s'] * 1e6:.1f} us vs longer of (comm, compute) {o['longer_s'] * 1e6:.1f} us: "
-              f"{o['ratio']:.2f}x (target <= 1.3x)")
+        lines += [f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}{emu}",
+                  f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}{emu}",
+                  f"[overlap] compute {o['compute_per_call_s'] * 1e6:.1f} us per call; send+compute+hook total "
+                  f"{o['total_s'] * 1e6:.1f} us vs longer of (comm, compute) {o['longer_s'] * 1e6:.1f} us: "
+                  f"{o['ratio']:.2f}x" + (" (target <= 1.3x)" if emulator is None else emu)]
+        peer_note = " (LL on EMULATED links; peers not slowed)" if emulator is not None else ""
         for k, v in base.items():
-            print(f"[base]   {k:16s} round trip {us(v)}  ({v.median / t['round_trip'].median:.1f}x the LL round trip)")
+            lines.append(f"[base]   {k:16s} round trip {us(v)}  ({v.median / t['round_trip'].median:.2f}x the LL "
+                         f"round trip{peer_note})")
         if base:
-            s = out["summary"]
+            sp = out["summary"]["speedup_vs_faster_pipeline"]
             tgt = " (target >= 5x at 4 ranks)" if R == 4 and emulator is None else ""
-            emu = " [LL on EMULATED links; peers not slowed]" if emulator is not None else ""
-            print(f"[summary] LL round trip is {s['speedup_vs_faster_pipeline']:.1f}x faster than the faster peer "
-                  f"pipeline{tgt}{emu}")
+            how = f"{sp:.2f}x faster than" if sp >= 1 else f"{1 / sp:.2f}x slower than"
+            lines.append(f"[summary] LL round trip is {how} the faster peer pipeline{tgt}{peer_note}")
+        print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

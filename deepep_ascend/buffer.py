@@ -235,7 +235,7 @@ class Buffer:
     def _check_usable(self, op: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
-        if self._internode and self._engine is None and self._ll is not None and self._win is not None:
+        if self._internode and self._engine is None and self._ll is not None:
             raise RuntimeError(
                 f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, whose "
                 f"URMA window this Buffer does not have: with low_latency_mode=True, num_rdma_bytes serves the "
