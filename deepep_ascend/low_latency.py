@@ -506,22 +506,21 @@ class LowLatencyEngine:
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
         beg_all = (layout_range >> 32).to(torch.int64)
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
+        cnt_rows, beg_rows = cnt_all.t().tolist(), beg_all.t().tolist()  # [R][L] ints: no per-run indexing
         for dst in self.order():
             cnt = cnt_all[:, dst].contiguous()
-            nz = torch.nonzero(cnt).squeeze(1).tolist()
+            runs = [(e, b, c) for e, (b, c) in enumerate(zip(beg_rows[dst], cnt_rows[dst])) if c]
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
-            elif nz:
+            elif runs:
                 if self.direct[dst]:  # rows [b, b + c) of expert e are one run, stored into slot me * L + e
                     recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
                     slots = recv.view(E, M, H)
-                    for e in nz:
-                        b, c = int(beg_all[e, dst]), int(cnt[e])
+                    for e, b, c in runs:
                         slots[me * L + e, :c].copy_(src[e, b:b + c])
-                    self.tp.record_put(dst, int(cnt.sum()) * 2 * H)
+                    self.tp.record_put(dst, sum(c for _, _, c in runs) * 2 * H)
                 else:
-                    for e in nz:
-                        b, c = int(beg_all[e, dst]), int(cnt[e])
+                    for e, b, c in runs:
                         self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
             self._put_counts(dst, base, cnt, L)
             self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
