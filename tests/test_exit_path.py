@@ -22,7 +22,9 @@ from transports.process import exit_job
 comm = MPI.COMM_WORLD
 comm.Barrier()
 paths = sorted({l.split(None, 5)[5].strip() for l in open("/proc/self/maps") if "/dev/shm/mpich_shm_" in l})
-print("MAPPED", comm.Get_rank(), " ".join(p for p in paths if not p.endswith("(deleted)")), flush=True)
+every = comm.gather([p for p in paths if not p.endswith("(deleted)")], root=0)
+if comm.Get_rank() == 0:  # one writer: ranks printing at once interleave on the shared stdout
+    print("MAPPED", len(every), " ".join(sorted({p for ps in every for p in ps})), flush=True)
 exit_job(0, comm)
 """
 
@@ -32,8 +34,9 @@ exit_job(0, comm)
 def test_exit_job_leaves_no_mpich_segment():
     rc, out = run_child_job(2, [sys.executable, "-c", CHILD], REPO, timeout_s=120)
     assert rc == 0, out[-3000:]
-    mapped = {p for line in re.findall(r"^MAPPED \d+ (.*)$", out, re.M) for p in line.split()}
-    assert len(re.findall(r"^MAPPED", out, re.M)) == 2, out[-3000:]
+    found = re.findall(r"^MAPPED (\d+) ?(.*)$", out, re.M)
+    assert len(found) == 1 and found[0][0] == "2", out[-3000:]
+    mapped = set(found[0][1].split())
     if not mapped:
         pytest.skip("this MPI maps no /dev/shm/mpich_shm_* segment")
     assert not [p for p in mapped if os.path.exists(p)], f"left behind: {mapped}"
