@@ -93,6 +93,13 @@ def _check_bf16(x, op: str, backward: str = "Buffer.combine") -> None:
                         f"x.bfloat16() (differentiable)")
 
 
+def _check_kwargs(kwargs, allowed, op: str) -> None:
+    bad = sorted(set(kwargs) - set(allowed))
+    if bad:
+        raise TypeError(f"deepep_ascend.autograd.{op}: unsupported keyword(s) {bad}; allowed: {list(allowed)} "
+                        f"(the autograd path is synchronous)")
+
+
 class _Dispatch(torch.autograd.Function):
     """Inputs ``(x, topk_weights | None, buffer, topk_idx, num_experts, kwargs, out)``; returns
     ``(recv_x, recv_topk_weights)`` (the latter an empty placeholder without top-k) and fills
@@ -193,10 +200,7 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weight
         TypeError: non-bf16 or FP8 ``x``; an unsupported keyword. Otherwise as ``Buffer.dispatch``
             (collective errors), in the forward and the backward pass.
     """
-    bad = sorted(set(dispatch_kwargs) - set(_DISPATCH_KWARGS))
-    if bad:
-        raise TypeError(f"deepep_ascend.autograd.dispatch: unsupported keyword(s) {bad}; allowed: "
-                        f"{list(_DISPATCH_KWARGS)} (the autograd path is synchronous)")
+    _check_kwargs(dispatch_kwargs, _DISPATCH_KWARGS, "dispatch")
     _check_bf16(x, "dispatch")
     out = {}
     recv_x, recv_w = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
@@ -234,13 +238,6 @@ def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None =
 _LL_DISPATCH_KWARGS = ("cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
                        "round_scale", "use_ue8m0")
 _LL_COMBINE_KWARGS = ("use_logfmt", "combine_wait_recv_cost_stats")
-
-
-def _check_kwargs(kwargs, allowed, op: str) -> None:
-    bad = sorted(set(kwargs) - set(allowed))
-    if bad:
-        raise TypeError(f"deepep_ascend.autograd.{op}: unsupported keyword(s) {bad}; allowed: {list(allowed)} "
-                        f"(the autograd path is synchronous)")
 
 
 def _ll_valid_rows(handle) -> torch.Tensor:
