@@ -247,9 +247,10 @@ def _ll_valid_rows(handle) -> torch.Tensor:
     return torch.arange(src_info.size(1)).unsqueeze(0) < count.unsqueeze(1)
 
 
-def _ll_same_slots(h_fwd, h_bwd) -> None:
-    if not (torch.equal(h_fwd[1], h_bwd[1]) and torch.equal(h_fwd[0][_ll_valid_rows(h_fwd)],
-                                                            h_bwd[0][_ll_valid_rows(h_bwd)])):
+def _ll_same_slots(h_fwd, h_bwd, valid: torch.Tensor) -> None:
+    """Raise unless ``h_bwd`` has ``h_fwd``'s slots: same per-expert ranges (``handle[1]``), so the same
+    valid rows (``valid = _ll_valid_rows(h_fwd)``), and the same source of every valid row."""
+    if not (torch.equal(h_fwd[1], h_bwd[1]) and torch.equal(h_fwd[0][valid], h_bwd[0][valid])):
         raise RuntimeError("deepep_ascend.autograd.low_latency_combine backward: the dispatch of the gradient did "
                            "not land in the forward handle's slots (were ranks masked between forward and "
                            "backward, or is `topk_idx` not the dispatch's?)")
@@ -314,7 +315,8 @@ class _LLCombine(torch.autograd.Function):
         # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
         g = grad_combined.to(_BF16).contiguous()
         recv_g, _, h_g, _, _ = buffer.low_latency_dispatch(g, topk_idx, m, num_experts, use_fp8=False)
-        _ll_same_slots(handle, h_g)
+        valid = _ll_valid_rows(handle)  # [L, R·M]
+        _ll_same_slots(handle, h_g, valid)
         # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
         idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
         cols = _ll_narrow_cols(k)  # 3K rounded up to a multiple of 4 (8-byte rows)
@@ -322,12 +324,11 @@ class _LLCombine(torch.autograd.Function):
                           torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
         recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
                                                               use_fp8=False)
-        _ll_same_slots(handle, h_m)
+        _ll_same_slots(handle, h_m, valid)
         recv_meta = recv_meta.view(torch.int16)  # [L, R·M, 3K]
         slot_w = recv_meta[..., :2 * k].contiguous().view(torch.float32)  # [L, R·M, K]
         slot_e = recv_meta[..., 2 * k:3 * k].to(torch.int32) & 0xFFFF
         experts = (buffer.rank * L + torch.arange(L, dtype=torch.int32)).view(L, 1, 1)
-        valid = _ll_valid_rows(handle)
         j = (slot_e == experts).to(torch.int8).argmax(-1, keepdim=True)  # [L, R·M, 1]: the slot's top-k column
         wj = slot_w.gather(-1, j).masked_fill(~valid.unsqueeze(-1), 0.0)  # [L, R·M, 1]
         g32 = recv_g.float()
