@@ -373,15 +373,19 @@ class Transport:
             win._make_data_views()
 
     # -- argument checks ----------------------------------------------------------
+    def channel_kind(self, win: SymmetricWindow, peer: int) -> ChannelKind:
+        """The channel this rank's operations on ``win`` use to reach ``peer``: the topology's
+        (SELF / UBMEM / URMA), except that a ``force_urma`` window reaches node peers over URMA."""
+        kind = self.topology.kind(self.topology.rank, int(peer))
+        return ChannelKind.URMA if kind is ChannelKind.UBMEM and win.force_urma else kind
+
     def _peer(self, op: str, win: SymmetricWindow, peer: int, views: bool = False) -> ChannelKind:
         """Validate ``peer``; its channel kind. ``views``: load/store access needed (no URMA)."""
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.topology.world_size:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): peer rank {peer!r} outside "
                 f"[0, {self.topology.world_size})")
-        kind = self.topology.kind(self.topology.rank, int(peer))
-        if kind is ChannelKind.UBMEM and win.force_urma:
-            kind = ChannelKind.URMA
+        kind = self.channel_kind(win, int(peer))
         if views and kind is ChannelKind.URMA:
             where = "is reached over URMA only (force_urma window)" if win.force_urma else "is on another node (URMA)"
             raise TransportUnsupported(
