@@ -215,10 +215,8 @@ class LowLatencyEngine:
         self.ctl = tp.create_window("ll_ctl", 2 * self.R * HDR_BYTES, NUM_CTL_SLOTS, force_urma=not allow_ubmem)
         self.nbytes = nbytes
         self.half = nbytes // 2
-        self.kinds = [topo.kind(self.rank, p) if allow_ubmem or p == self.rank else
-                      (ChannelKind.URMA if topo.kind(self.rank, p) is not ChannelKind.SELF else ChannelKind.SELF)
-                      for p in range(self.R)]
-        self.direct = [k is ChannelKind.SELF or (k is ChannelKind.UBMEM and allow_ubmem) for k in self.kinds]
+        self.kinds = [tp.channel_kind(self.win, p) for p in range(self.R)]
+        self.direct = [k is not ChannelKind.URMA for k in self.kinds]  # load/store reach: SELF, UBMEM
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
@@ -670,15 +668,11 @@ def _common_width(*sizes: int) -> int:
 def _wide(rows: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` uint8 rows (contiguous rows) viewed with the widest integer type that divides
     them: torch's row gathers and copies run per element, so 8-byte elements are ~3x faster."""
-    m = rows.size(1)
-    for dt in (torch.int64, torch.int32, torch.int16):
-        k = dt.itemsize
-        if m % k == 0 and rows.data_ptr() % k == 0 and (rows.stride(0) % k == 0 or rows.size(0) <= 1):
-            try:
-                return rows.view(dt)
-            except RuntimeError:
-                break
-    return rows
+    w = _common_width(rows.size(1), rows.data_ptr(), rows.stride(0) if rows.size(0) > 1 else 0)
+    try:
+        return rows.view(_INT_OF_WIDTH[w]) if w > 1 else rows
+    except RuntimeError:  # a layout torch will not reinterpret: stay bytes
+        return rows
 
 
 def _describe(w) -> str:
