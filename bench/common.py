@@ -529,6 +529,8 @@ class BufferSystem:
         return dict(get(lifetime=False)) if get is not None else None
 
     def link_stats(self) -> Optional[dict]:
+        """``Buffer.get_link_stats()`` (per peer and channel kind, bytes and messages of the last
+        call), or ``None`` for a Buffer without link counters."""
         get = getattr(self.buf, "get_link_stats", None)
         return get() if get is not None else None
 
@@ -1031,6 +1033,15 @@ def link_setup(p, args):
     except ValueError as exc:
         p.error(f"--link-profile/--link-scale: {exc}")
     return profile, emulator
+
+
+def use_link_emulator(runtime, emulator):
+    """Install ``emulator`` (from :func:`link_setup`; ``None`` = leave as is) on a Buffer's
+    ``runtime`` and return the emulator that runtime now uses: ``emulator``, or the one
+    ``$DEEPEP_ASCEND_LINK_EMULATION`` installed, or ``None`` (links not emulated)."""
+    if emulator is not None:
+        runtime.set_link_emulator(emulator)
+    return runtime.stats.emulator
 
 
 def link_model_doc(profile, emulator) -> dict:

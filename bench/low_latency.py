@@ -101,9 +101,7 @@ def main(argv=None) -> int:
     nbytes = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
     buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
-    if args.emulator is not None:
-        buf.runtime.set_link_emulator(args.emulator)
-    emulator = buf.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
+    emulator = C.use_link_emulator(buf.runtime, args.emulator)
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,

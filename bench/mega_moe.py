@@ -280,9 +280,7 @@ def main(argv=None) -> int:
     buf = dea.get_symm_buffer_for_mega_moe(comm, args.experts, args.tokens, args.topk, args.hidden, args.inter,
                                            mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
                                            num_shared_experts=args.shared)
-    if args.emulator is not None:
-        buf.ep_buffer.runtime.set_link_emulator(args.emulator)
-    emulator = buf.ep_buffer.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
+    emulator = C.use_link_emulator(buf.ep_buffer.runtime, args.emulator)
     el = buf.num_local_experts
     w_nat, (l1, l2), shared = make_weights(args, rank, el)
     fill_inputs(args, buf, rank)

@@ -320,9 +320,7 @@ def main(argv=None) -> int:
         extra["num_nvl_bytes"], extra["num_rdma_bytes"], extra["num_nvl_bytes_source"] = nvl_bytes, rdma_bytes, why
         buf = Buffer(group=None, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes, comm=comm,
                      explicitly_destroy=True, ranks_per_node=args.ranks_per_node)
-        if args.emulator is not None:
-            buf.runtime.set_link_emulator(args.emulator)
-        emulator = buf.runtime.stats.emulator  # --link-emulation, or $DEEPEP_ASCEND_LINK_EMULATION
+        emulator = C.use_link_emulator(buf.runtime, args.emulator)
         if root and emulator is not None:
             print(f"[link]     {emulator.label} -- deepep_ascend lines below are EMULATED, the peers are not",
                   flush=True)
