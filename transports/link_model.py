@@ -86,7 +86,7 @@ class LinkStats:
 
     def gather(self, comm) -> dict:
         """Collective: ``{field: array[world, kind, world]}``, row ``r`` = rank ``r``'s counters."""
-        return {name: np.stack(comm.allgather(getattr(self, name))) for name in _FIELDS}
+        return gather_link_stats(self.snapshot(), comm)
 
 
 # -- profiles --------------------------------------------------------------------------------
