@@ -353,13 +353,14 @@ def main(argv=None) -> int:
 
     elem = 1 if args.mma == "fp8" else 2
     disp_b = args.hidden * elem + (args.hidden // 32 if args.mma == "fp8" else 0) + 4
+    pair_b = disp_b + 2 * args.hidden  # one (token, expert) pair: dispatch + combine bytes
     stats = buf.ep_buffer.runtime.stats
     before = stats.snapshot()
     op(y_fused, l1, l2, buf, **kw)
     moved = LinkStats.diff(stats.snapshot(), before)
     by_kind = comm.gather(LinkStats.bytes_by_kind(moved), root=0)
     projection = C.project_phases({"fused": moved}, comm, args.profile,
-                                  {"fused": n_pairs_recv * (disp_b + 2 * args.hidden)})
+                                  {"fused": n_pairs_recv * pair_b})
     buf.destroy()
 
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -432,8 +433,9 @@ def main(argv=None) -> int:
                f"{flops / t_fused / 1e12:.3f} TFLOPS (routed only); grouped stages l1+l2 {flops / gemm / 1e12:.3f} "
                f"TFLOPS (incl. layout/dequant); plain torch mm {flops / mm / 1e12:.3f} TFLOPS; grouped / plain "
                f"{mm / gemm:.2f} (target >= 0.70: {gtgt})")
-    bytes_all = pairs_recv * (disp_b + 2 * h)
-    bytes_cross = pairs_cross * (disp_b + 2 * h)
+    bytes_all = pairs_recv * pair_b
+    bytes_cross = pairs_cross * pair_b
+    bytes_busiest = max(r["pairs_recv"] for r in allr) * pair_b
     t_c = agg("dispatch")[0] + agg("combine")[0]
     out.append(f"[comm] per pair: dispatch {disp_b} B + combine {2 * h} B (per-pair convention), "
                f"{bytes_cross / 1e6:.2f} MB cross-rank per rank per call ({bytes_all / 1e6:.2f} MB with self-rank "
@@ -443,8 +445,7 @@ def main(argv=None) -> int:
                f"{C.gbps(bytes_all, t_c) if t_c else float('nan'):.3f} GB/s (token-deduplicated bytes are fewer)")
     out.append("[comm] one fused call, moved per channel kind (max over ranks): " + ", ".join(
         f"{k} {C.fmt_bytes(max(b[k] for b in by_kind))}" for k in by_kind[0]))
-    out += C.projection_lines(projection, {"fused": (t_fused, C.gbps(max(r["pairs_recv"] for r in allr)
-                                                                      * (disp_b + 2 * h), t_fused))},
+    out += C.projection_lines(projection, {"fused": (t_fused, C.gbps(bytes_busiest, t_fused))},
                               "per-pair bytes", emulator)
     print("\n".join(out), flush=True)
     if args.json:
@@ -458,7 +459,7 @@ def main(argv=None) -> int:
                    bandwidth_GBps=dict(
                        formula="per pair: dispatch H*elem + scales + 4 B, combine 2H B; over t_fused (mean over ranks)",
                        bytes_with_self=bytes_all, bytes_cross_rank=bytes_cross,
-                       bytes_with_self_busiest_rank=max(r["pairs_recv"] for r in allr) * (disp_b + 2 * h),
+                       bytes_with_self_busiest_rank=bytes_busiest,
                        fused_with_self=C.gbps(bytes_all, t_fused), fused_cross_rank=C.gbps(bytes_cross, t_fused),
                        unfused_comm_stages=C.gbps(bytes_all, t_c) if t_c else None),
                    tflops=dict(fused_routed=flops / t_fused / 1e12, grouped_stages=flops / gemm / 1e12 if gemm else None,
