@@ -22,7 +22,8 @@ import time
 import torch
 
 
-def main() -> None:
+def main() -> int:
+    """Run the put loop (collective over exactly 2 ranks); rank 0 prints the result line. Returns 0."""
     p = argparse.ArgumentParser(prog="python -m bench.urma_put", description=__doc__.split("\n")[0])
     p.add_argument("--bytes", type=int, default=4 << 20, help="payload per put (default 4 MiB)")
     p.add_argument("--iters", type=int, default=10)
@@ -31,6 +32,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from transports import create_transport
+    from transports.ubmem import URMA_EXPOSURE_ENV
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
@@ -52,12 +54,15 @@ def main() -> None:
     if r == 0:
         times = times[1:]  # the first put also maps the target's pages
         med = statistics.median(times)
-        print(f"[urma_put] exposure {os.environ.get('DEEPEP_ASCEND_URMA_EXPOSURE', 'allocate')} | "
+        print(f"[urma_put] exposure {os.environ.get(URMA_EXPOSURE_ENV, 'allocate')} | "
               f"{args.bytes} B x {args.iters} | median {med * 1e3:.3f} ms (min {min(times) * 1e3:.3f}) | "
               f"{args.bytes / med / 1e9:.2f} GB/s", flush=True)
     del win
     tp.destroy()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from bench import common as C
+
+    C.run_main(main)  # the benchmarks' exit path (barrier, os._exit; MPI_Abort if a rank raises)
