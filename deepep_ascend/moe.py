@@ -296,13 +296,8 @@ class LocalExperts(nn.Module):
         if num_local != self.num_local or recv_count.shape != (num_local,):
             raise ValueError(f"LocalExperts.forward_packed: expected recv_x [{self.num_local}, Mmax, H] and "
                              f"recv_count [{self.num_local}], got {tuple(recv_x.shape)} and {tuple(recv_count.shape)}")
-        if self.impl == "grouped":
-            masked_m = recv_count.to(torch.int32)
-            a = recv_x.to(_BF16)
-            h1 = _MaskedLinear.apply(a, self.w1, masked_m)
-            h3 = _MaskedLinear.apply(a, self.w3, masked_m)
-            act = (F.silu(h1.float()) * h3.float()).to(_BF16)  # padding rows: silu(0) * 0 = 0
-            return _MaskedLinear.apply(act, self.w2, masked_m).float()
+        if self.impl == "grouped":  # padding rows: silu(0) * 0 = 0 through every GEMM
+            return self._grouped_swiglu(_MaskedLinear, recv_x.to(_BF16), recv_count.to(torch.int32)).float()
         xs = recv_x.to(self._loop_dtype(recv_x))
         # One matmul chain per local expert on its valid rows, zero-padded back to Mmax rows.
         return torch.stack([F.pad(self._swiglu(e, xs[e, :c]), (0, 0, 0, mmax - c))
@@ -321,10 +316,15 @@ class LocalExperts(nn.Module):
             torch.empty(0, dtype=torch.int64)
         ends_t = torch.tensor(ends, dtype=torch.int32)
         a = xs.new_zeros(end, xs.size(1)).index_copy(0, pos, xs)
-        h1 = _GroupedLinear.apply(a, self.w1, ends_t)
-        h3 = _GroupedLinear.apply(a, self.w3, ends_t)
+        return self._grouped_swiglu(_GroupedLinear, a, ends_t).index_select(0, pos).float()
+
+    def _grouped_swiglu(self, linear, a: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+        """bf16 SwiGLU of bf16 ``a`` through ``linear`` (:class:`_GroupedLinear` with psum ``ends``, or
+        :class:`_MaskedLinear` with ``masked_m``): ``w2(silu(w1 a) * w3 a)``, the product in float32."""
+        h1 = linear.apply(a, self.w1, layout)
+        h3 = linear.apply(a, self.w3, layout)
         act = (F.silu(h1.float()) * h3.float()).to(_BF16)
-        return _GroupedLinear.apply(act, self.w2, ends_t).index_select(0, pos).float()
+        return linear.apply(act, self.w2, layout)
 
 
 class MoE(nn.Module):
