@@ -1048,7 +1048,7 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
             body = packed
         else:
             body.index_copy_(0, sel, packed)
-    tail = raw.index_select(0, torch.nonzero(~use).squeeze(1))[:, LOGFMT_BODY_BYTES:].contiguous()
+    tail = raw[:, LOGFMT_BODY_BYTES:].index_select(0, torch.nonzero(~use).squeeze(1))  # one copy, contiguous
     return body.view(*lead, s, LOGFMT_BODY_BYTES), meta.view(*lead, s, 2), tail
 
 
