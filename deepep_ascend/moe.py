@@ -291,6 +291,8 @@ class LocalExperts(nn.Module):
         Returns:
             ``[L, Mmax, H]`` float32 (float64 on the float64 ``"loop"`` path): row ``p < recv_count[e]``
             is ``expert_e(recv_x[e, p])``; padding rows are 0 and get no gradient.
+        Raises:
+            ValueError: ``recv_x`` not ``[num_local, Mmax, H]`` or ``recv_count`` not ``[num_local]``.
         """
         num_local, mmax, _ = recv_x.shape
         if num_local != self.num_local or recv_count.shape != (num_local,):

@@ -970,7 +970,9 @@ def logfmt10_group_mask(meta: torch.Tensor) -> torch.Tensor:
 
 def logfmt10_wire_bytes(meta: torch.Tensor) -> torch.Tensor:
     """int64 ``[...]``: bytes each row takes on the wire, ``4S + 160·(LogFMT groups) + 256·(BF16
-    groups)``: ``1.25H + H/32`` when every group is LogFMT (spec §11), at most ``2H + H/32``."""
+    groups)``: ``1.25H + H/32`` when every group is LogFMT (spec §11), at most ``2H + H/32``.
+    ``meta`` as :func:`logfmt10_encode` returns it (bf16 ``[..., S, 2]``); raises as
+    :func:`logfmt10_group_mask`."""
     use = logfmt10_group_mask(meta)
     s = use.size(-1)
     return (LOGFMT_META_BYTES + LOGFMT_BODY_BYTES) * s + LOGFMT_TAIL_BYTES * (~use).sum(-1)
