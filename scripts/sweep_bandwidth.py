@@ -236,6 +236,7 @@ class Config:
         return DEFAULT_LINK_SCALE if self.link_scale is None else self.link_scale
 
     def fields(self) -> dict:
+        """The configuration's :data:`CONFIG_FIELDS` columns of a row (``nodes`` derived)."""
         d = dataclasses.asdict(self)
         d["nodes"] = self.nodes
         return {f: d[f] for f in CONFIG_FIELDS}
@@ -338,6 +339,7 @@ def child_env() -> dict:
 
 
 def library_version() -> str:
+    """``deepep_ascend``'s installed version, else its ``__version__``; "" if neither is found."""
     try:
         return importlib.metadata.version("deepep_ascend")
     except importlib.metadata.PackageNotFoundError:
@@ -583,6 +585,10 @@ def measured_fields(mode: str, doc: dict) -> dict:
 
 
 def make_row(cfg: Config, doc, rc, err: str, wall: float, prov: dict) -> dict:
+    """One results row (every :data:`COLUMNS` key) from :func:`run_config`'s ``(doc, rc, err, wall)``
+    and the provenance ``prov``. ``status`` is ``failed`` (with ``error``) if the job failed, its
+    JSON reports a failed correctness check, or it has no positive time (round trip; mega_moe:
+    fused call); else ``ok``."""
     row = dict.fromkeys(COLUMNS)
     row.update(config_key=cfg.key, **cfg.fields(), **prov)
     row.update(returncode=rc, wall_s=wall, timestamp=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
@@ -948,6 +954,9 @@ def _check_out_dir(p, out: str) -> None:
 
 
 def parse_args(argv=None):
+    """``(args, parser)``: the options, checked (``parser.error`` on bad values), with
+    ``args.configs`` (the valid :class:`Config` list, in grid order, duplicates dropped) and
+    ``args.invalid`` (``(Config, reason)`` of the impossible combinations)."""
     p = build_parser()
     a = p.parse_args(argv)
     preset = PRESETS[a.preset]
