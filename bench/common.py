@@ -1130,10 +1130,7 @@ def run_main(main: Callable[[], int]) -> None:
         import traceback
         # One write (the first peer's Abort may kill this rank mid-print), the error line first.
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        from transports.process import release_mpich_shm
+        from transports.process import abort_job
 
-        release_mpich_shm()  # Abort skips every exit path: unlink MPICH's segment first (mappings survive)
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # Abort may return before the launcher's kill arrives: never fall through to finish()
+        abort_job(MPI.COMM_WORLD, 1)  # never falls through to finish()
     finish(MPI.COMM_WORLD, code)

@@ -70,7 +70,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +83,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import common as C  # noqa: E402  (byte formulas and gbps: one implementation)
+from transports.process import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
 
 MODES = ("normal", "low_latency", "mega_moe")
 MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency", "mega_moe": "bench.mega_moe"}
@@ -299,24 +299,9 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 
 
-def mpich_wheel_mpiexec() -> Optional[str]:
-    """The ``mpiexec`` shipped by the ``mpich`` wheel (scripts/common.sh ``mpich_wheel_mpiexec``)."""
-    try:
-        dist = importlib.metadata.distribution("mpich")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if f.name == "mpiexec" and f.parent.name == "bin":
-            return os.path.realpath(dist.locate_file(f))
-    return None
-
-
 def find_mpiexec() -> str:
     """The wheel's ``mpiexec`` (what ``use_wheel_mpiexec`` puts first on PATH), else ``mpiexec`` on PATH."""
-    wheel = mpich_wheel_mpiexec()
-    if wheel and os.path.exists(wheel):
-        return wheel
-    found = shutil.which("mpiexec")
+    found = mpiexec_path()
     if not found:
         raise SystemExit("sweep_bandwidth: no mpiexec: install the mpich wheel (pip install mpich) or put one on PATH")
     return found
@@ -1084,7 +1069,7 @@ def main(argv=None) -> int:
           f"{os.path.join(args.out, 'results.json') if args.out else '-'} (skipped), {len(todo)} to run; "
           f"timeout {args.timeout:g} s per run", flush=True)
 
-    mpiexec = find_mpiexec() if not args.dry_run else (mpich_wheel_mpiexec() or shutil.which("mpiexec") or "mpiexec")
+    mpiexec = find_mpiexec() if not args.dry_run else (mpiexec_path() or "mpiexec")
     if args.dry_run:
         for c in args.configs:
             state = "skip (ok)" if c.key in done else "run"

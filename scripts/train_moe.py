@@ -71,7 +71,7 @@ from torch import nn
 from deepep_ascend import Buffer
 from deepep_ascend import dist as ep_dist
 from deepep_ascend.moe import MoE, is_expert_param
-from transports.process import exit_job, release_mpich_shm
+from transports.process import abort_job, exit_job
 
 # Arguments that define the model (checked on resume).
 MODEL_ARGS = ("d_model", "layers", "heads", "seq", "experts", "topk", "expert_dim", "shared", "score_func",
@@ -621,9 +621,7 @@ def main(argv=None) -> None:
         import traceback
 
         traceback.print_exc()
-        release_mpich_shm()  # Abort skips the exit path: unlink MPICH's segment first (mappings survive)
-        comm.Abort(1)
-        os._exit(1)
+        abort_job(comm, 1)
     if tdist.is_initialized():
         tdist.destroy_process_group()
     # Exit path of design.md: barrier, then os._exit without MPI_Finalize (MPICH's segment unlinked).

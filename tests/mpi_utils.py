@@ -392,12 +392,10 @@ class CollectiveOutcomePlugin:
 
 
 def mpiexec_path() -> str:
-    """The ``mpiexec`` of the MPI mpi4py runs on (the ``mpich`` wheel's, else the one on PATH)."""
-    import shutil
-    import sysconfig
+    """The ``mpiexec`` of the MPI mpi4py runs on (``transports.process.mpiexec_path``)."""
+    from transports.process import mpiexec_path as find
 
-    wheel = os.path.join(sysconfig.get_path("scripts"), "mpiexec")
-    return wheel if os.path.exists(wheel) else (shutil.which("mpiexec") or "mpiexec")
+    return find() or "mpiexec"
 
 
 def child_env(repo: str, **extra) -> dict:

@@ -44,3 +44,34 @@ def exit_job(code: int, comm) -> None:
         release_mpich_shm()
     finally:
         os._exit(code)
+
+
+def abort_job(comm, code: int = 1) -> None:
+    """A rank's exit after an unrecoverable error: unlink MPICH's segment (``MPI_Abort`` skips
+    every exit path; the peers' mappings survive), ``MPI_Abort(comm, code)``, and ``os._exit``
+    should Abort return before the launcher's kill arrives. Never returns."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        release_mpich_shm()
+        comm.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def mpiexec_path() -> str | None:
+    """The ``mpiexec`` matching mpi4py's MPI: the ``mpich`` wheel's (what ``scripts/common.sh``
+    ``use_wheel_mpiexec`` puts first on PATH), else the one on PATH; ``None`` if there is none."""
+    import importlib.metadata
+    import shutil
+
+    try:
+        dist = importlib.metadata.distribution("mpich")
+        for f in dist.files or ():
+            if f.name == "mpiexec" and f.parent.name == "bin":
+                path = os.path.realpath(dist.locate_file(f))
+                if os.path.exists(path):
+                    return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return shutil.which("mpiexec")
