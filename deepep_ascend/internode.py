@@ -103,6 +103,7 @@ class InternodeEngine:
         self.seq = 0  # rounds run so far; identical on every rank
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
         self._scratch = CombineScratch()
+        self.outputs = host.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
 
     # -- sizing ----------------------------------------------------------------------
     def windows_hold_headers(self) -> bool:
@@ -362,7 +363,7 @@ class InternodeEngine:
             fwd_counts = V[[a * P + self.local for a in range(G)], R + num_experts + self.node].to(torch.int64)
             rows = max(num_recv, num_worst_tokens)
             out = dict(
-                recv_x=host.empty((rows, xb), torch.uint8),
+                recv_x=self.outputs.empty((rows, xb), torch.uint8),
                 recv_scales=torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None,
                 recv_topk=torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None,
                 recv_w=torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None,
@@ -485,7 +486,7 @@ class InternodeEngine:
         in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1}
-        recv_x = host.empty((rows, xb), torch.uint8)
+        recv_x = self.outputs.empty((rows, xb), torch.uint8)
         if rows > num_recv:
             recv_x[num_recv:].zero_()
         recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
@@ -608,7 +609,7 @@ class InternodeEngine:
         recv_src_meta, send_rdma_head, send_nvl_head = handle[7], handle[8], handle[9]
         n = is_token_in_rank.size(0)
         num_recv = int(gbl_prefix[-1])
-        combined = host.empty((n, hidden), torch.bfloat16)
+        combined = self.outputs.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 

@@ -57,6 +57,7 @@ import torch
 
 from transports import ChannelKind, TransportTimeout
 
+from . import host
 from .intranode import ConsensusError
 from .quant import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
                     logfmt10_group_mask, low_latency_cast_to_fp8)
@@ -130,14 +131,6 @@ def zeros(shape, dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def _storage_users(t: torch.Tensor) -> int | None:
-    """Tensors (views included) sharing ``t``'s storage, or None if torch does not tell."""
-    try:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # minus the temporary storage object
-    except Exception:  # noqa: BLE001 - private API: no reuse without it
-        return None
-
-
 class OutputPool:
     """Reuses the storage of LL outputs the caller has dropped: the CPU stand-in for PyTorch's
     CUDA caching allocator, which makes DeepEP's fresh ``[L, R·M, H]`` outputs free on a GPU.
@@ -161,7 +154,7 @@ class OutputPool:
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
         for ent in entries:
-            if _storage_users(ent[0]) == 1:
+            if host.storage_users(ent[0]) == 1:
                 base, written = ent
                 for e, c in written:
                     (base[e, :, :c] if channels_first else base[e, :c]).zero_()
@@ -169,7 +162,7 @@ class OutputPool:
                 break
         else:
             ent = [zeros(store, dtype), []]
-            if _storage_users(ent[0]) == 1:
+            if host.storage_users(ent[0]) == 1:
                 entries.append(ent)
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)

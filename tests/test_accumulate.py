@@ -1,0 +1,109 @@
+"""Single-process checks of ``intranode.accumulate_rows``, the combine's reduction kernel.
+
+It takes shortcuts (one BF16 ``add`` for blocks covered by exactly two sources, a float32 chain
+started from a copy instead of ``+0.0``, no sign-of-zero pass after a clean source); each must
+give the bits of the plain float32 chain from ``+0.0`` in source order, signed zeros and
+infinities included; a NaN stays a NaN (torch's BF16 arithmetic returns the canonical NaN, its
+float32-to-BF16 cast keeps the payload, so payloads may differ). The reference below is that
+chain, written independently of the kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from deepep_ascend.intranode import accumulate_rows
+
+BF16 = torch.bfloat16
+SPECIALS = [0.0] + [-0.0] * 4 + [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, -1e-40, 1.0, -1.0]
+
+
+def _rows(g, n, hidden, specials=True):
+    """Random BF16 rows; a third of the elements are special values, -0.0 the most common."""
+    x = torch.randn(n, hidden, generator=g) * 2.0 ** torch.randint(-20, 20, (n, 1), generator=g)
+    if specials:
+        pick = torch.randint(0, 3 * len(SPECIALS), (n, hidden), generator=g)
+        sp = torch.tensor(SPECIALS + [0.0] * (2 * len(SPECIALS)))[pick]
+        x = torch.where(pick < len(SPECIALS), sp, x)
+    return x.to(BF16)
+
+
+def _reference(m, hidden, sources, bias):
+    acc = torch.zeros(m, hidden)
+    if bias is not None:
+        b0, b1 = bias
+        acc = b0.float() + (torch.zeros(m, hidden) if b1 is None else b1.float())
+    for rows, tokens in sources:
+        for i, t in enumerate(tokens.tolist()):  # one row at a time: the order is the point here
+            acc[t] += rows[i].float()
+    return acc.to(BF16)
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+def _same(out, expected):
+    """Same NaN positions; every other element bit for bit."""
+    nan = expected.isnan()
+    return torch.equal(out.isnan(), nan) and torch.equal(_bits(out)[~nan], _bits(expected)[~nan])
+
+
+@pytest.mark.parametrize("num_sources,coverage,bias_kind", list(itertools.product(
+    [0, 1, 2, 3, 4], ["full", "partial", "mixed"], [None, "one", "pair"])))
+def test_accumulate_rows_bitwise(num_sources, coverage, bias_kind):
+    g = torch.Generator().manual_seed(1000 * num_sources + len(coverage) * 10 + len(bias_kind or ""))
+    m, hidden, block = 23, 40, 4  # several blocks, a short last one
+    sources, clean = [], []
+    for s in range(num_sources):
+        if coverage == "full" or (coverage == "mixed" and s % 2 == 0):
+            tokens = torch.arange(m)
+        else:
+            tokens = torch.nonzero(torch.rand(m, generator=g) < 0.6).squeeze(1)
+        rows = _rows(g, tokens.numel(), hidden)
+        is_clean = s % 2 == 1
+        if is_clean:  # what a staging rank sends: + 0.0 turns -0.0 into +0.0
+            rows = torch.add(rows, 0.0)
+            assert not (_bits(rows) == -32768).any()
+        sources.append((rows, tokens))
+        clean.append(is_clean)
+    bias = None
+    if bias_kind == "one":
+        bias = (_rows(g, m + 3, hidden)[3:], None)
+    elif bias_kind == "pair":
+        bias = (_rows(g, m + 3, hidden)[3:], _rows(g, m + 3, hidden)[3:])
+    expected = _reference(m, hidden, sources, bias)
+    for flags in (None, clean):
+        out = torch.full((m, hidden), 7.0, dtype=BF16)
+        acc, tmp = torch.empty(block, hidden), torch.empty(block, hidden)
+        accumulate_rows(out, sources, acc, tmp, bias, clean=flags)
+        assert _same(out, expected), (
+            f"clean={flags}: {int((_bits(out) != _bits(expected)).sum())} of {out.numel()} elements differ")
+
+
+def test_accumulate_rows_all_negative_zero_gives_positive_zero():
+    """Two sources that are -0.0 everywhere: the BF16 add alone would give -0.0, DeepEP's +0.0 start gives +0.0."""
+    m, hidden = 6, 16
+    neg = torch.full((m, hidden), -0.0, dtype=BF16)
+    tokens = torch.arange(m)
+    for n in (1, 2, 3):
+        out = torch.empty(m, hidden, dtype=BF16)
+        accumulate_rows(out, [(neg, tokens)] * n, torch.empty(4, hidden), torch.empty(4, hidden))
+        assert (_bits(out) == 0).all(), f"{n} sources of -0.0 must sum to +0.0"
+
+
+def test_accumulate_rows_three_sources_round_once():
+    """1 + 2^-8 + 2^-8: the float32 chain gives 1 + 2^-7; rounding after each BF16 add (ties to
+    even) would give 1.0 twice. Three sources must not take the two-source BF16 shortcut."""
+    hidden = 8
+    tokens = torch.arange(1)
+    one = torch.full((1, hidden), 1.0, dtype=BF16)
+    half_ulp = torch.full((1, hidden), 2.0 ** -8, dtype=BF16)
+    out = torch.empty(1, hidden, dtype=BF16)
+    accumulate_rows(out, [(one, tokens), (half_ulp, tokens), (half_ulp, tokens)],
+                    torch.empty(4, hidden), torch.empty(4, hidden))
+    assert (out.float() == 1.0 + 2.0 ** -7).all()
+    assert (torch.add(torch.add(one, half_ulp), half_ulp).float() == 1.0).all()  # what the shortcut would give
