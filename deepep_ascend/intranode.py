@@ -133,6 +133,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     m, hidden = out.shape
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
+    if bias is None and _sum_two_by_runs(out, sources, clean):
+        return
     if edges is None:
         edges = torch.arange(0, m + block, block).clamp_(max=m)
     if bounds is None:
@@ -196,6 +198,46 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
         if signed_zero:
             blk.add_(0.0)
         dst.copy_(blk)
+
+
+def _sum_two_by_runs(out, sources, clean, max_run_fraction: float = 1 / 64) -> bool:
+    """:func:`accumulate_rows` without bias for at most two non-empty sources, one torch call per
+    run of tokens with the same sources (both: one BF16 ``add``; one: a copy; none: zeros).
+
+    At two ranks nearly every token has both sources, so a whole round is a few dozen long runs
+    instead of a per-block gather of each partial source. Returns False (nothing written) when
+    it does not apply or the runs are more than ``max_run_fraction`` of the tokens.
+    """
+    live = [(rows, tokens, cl) for (rows, tokens), cl in zip(sources, clean) if tokens.numel()]
+    m = out.size(0)
+    if len(live) > 2 or not m:
+        return False
+    code = torch.zeros(m, dtype=torch.int8)
+    for bit, (_, tokens, _) in enumerate(live):
+        code[tokens] += 1 << bit
+    starts = torch.nonzero(code[1:] != code[:-1]).squeeze(1).add_(1)
+    if starts.numel() + 1 > max(8, int(m * max_run_fraction)):
+        return False
+    bounds = [0] + starts.tolist() + [m]
+    codes = code[bounds[:-1]].tolist()
+    # position of the first row of each run in each source: tokens before the run start
+    firsts = [torch.searchsorted(tokens, torch.tensor(bounds[:-1])).tolist() for _, tokens, _ in live]
+    for r, c in enumerate(codes):
+        t0, t1 = bounds[r], bounds[r + 1]
+        dst = out[t0:t1]
+        segs = [(rows[firsts[i][r]:firsts[i][r] + t1 - t0], cl) for i, (rows, _, cl) in enumerate(live) if c >> i & 1]
+        if not segs:
+            dst.zero_()
+        elif len(segs) == 1:
+            if segs[0][1]:
+                dst.copy_(segs[0][0])
+            else:
+                torch.add(segs[0][0], 0.0, out=dst)
+        else:
+            torch.add(segs[0][0], segs[1][0], out=dst)
+            if not (segs[0][1] or segs[1][1]):
+                dst.add_(0.0)
+    return True
 
 
 class CombineScratch:

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from deepep_ascend.intranode import accumulate_rows
+from deepep_ascend.intranode import _sum_two_by_runs, accumulate_rows
 
 BF16 = torch.bfloat16
 SPECIALS = [0.0] + [-0.0] * 4 + [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, -1e-40, 1.0, -1.0]
@@ -107,3 +107,26 @@ def test_accumulate_rows_three_sources_round_once():
                     torch.empty(4, hidden), torch.empty(4, hidden))
     assert (out.float() == 1.0 + 2.0 ** -7).all()
     assert (torch.add(torch.add(one, half_ulp), half_ulp).float() == 1.0).all()  # what the shortcut would give
+
+
+@pytest.mark.parametrize("missing0,missing1", [(0, 0), (0, 5), (3, 4), (300, 2), (300, 300)])
+def test_two_sources_by_runs(missing0, missing1):
+    """The run-wise path (two ranks' common case): long runs of tokens with both sources, a few
+    with one or none; bitwise equal to the float32 chain, and it must take the path."""
+    g = torch.Generator().manual_seed(missing0 * 1000 + missing1)
+    m, hidden = 300, 24
+    sources = []
+    for missing in (missing0, missing1):
+        keep = torch.ones(m, dtype=torch.bool)
+        keep[torch.randperm(m, generator=g)[:missing]] = False
+        tokens = torch.nonzero(keep).squeeze(1)
+        sources.append((_rows(g, tokens.numel(), hidden), tokens))
+    expected = _reference(m, hidden, sources, None)
+    for flags in ([False, False], [False, True]):
+        rows1 = sources[1][0]
+        srcs = [sources[0], (torch.add(rows1, 0.0) if flags[1] else rows1, sources[1][1])]
+        out = torch.full((m, hidden), 7.0, dtype=BF16)
+        assert _sum_two_by_runs(out, srcs, flags, max_run_fraction=1 / 8)
+        assert _same(out, expected)
+    if missing0 < m and missing1 < m:  # three or four sources with rows: not this path
+        assert not _sum_two_by_runs(out, sources * 2, [False] * 4)
