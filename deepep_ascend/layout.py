@@ -81,17 +81,23 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
     return out
 
 
+ALL_TOKENS = 1 << 62  # a round range covering any token count (still an int64)
+
+
 def combine_round_tokens(recv_counts: torch.Tensor, capacity_rows: int, max_tokens: int) -> int:
     """Largest per-origin token range ``q`` such that every rank stages at most ``capacity_rows`` rows.
 
     In combine round ``k`` rank ``j`` stages, for every origin ``s``, its rows for tokens
     ``[k·q, (k+1)·q)`` of ``s``: at most ``min(q, M[s][j])`` rows, ``M = recv_counts [R, R]``
     (``M[s][j]`` tokens sent from ``s`` to ``j``). All ranks hold the same ``M`` (from the
-    handle), so all pick the same ``q``. Returns at least 1 (caller checks the capacity).
+    handle), so all pick the same ``q``. Returns at least 1 (caller checks the capacity), and
+    :data:`ALL_TOKENS` when every rank's rows fit at once: one round, however many tokens an
+    origin has (an origin may have more tokens than any count in ``M``; a ``q`` of the largest
+    count would then cost a second round, a full synchronisation, for the last few tokens).
     """
-    hi = max(1, max_tokens)
     if int(recv_counts.sum(0).max()) <= capacity_rows:
-        return hi
+        return ALL_TOKENS
+    hi = max(1, max_tokens)
 
     def rows(q):
         return int(recv_counts.clamp(max=q).sum(0).max())
