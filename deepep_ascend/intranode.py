@@ -121,16 +121,14 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     per source, True if its rows hold no ``-0.0`` (lets the sign-of-zero fix-up below be skipped).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
-    become the canonical one): a block with at most two sources and no bias is one BF16 ``add``
-    — torch computes a BF16 sum in float32 and rounds once, and the float32 sum of two BF16
-    values is that same float32 value; a source missing some of the block's tokens is first
-    scattered into zeros (``x + 0.0 == x``). A float32 chain may start from a copy of its first
-    row instead of ``+0.0 + row``. Both differ from the reference only where every term is
-    ``-0.0`` (the reference's ``+0.0`` start gives ``+0.0``), which one ``+ 0.0`` repairs unless
-    a term that covers the whole block is known clean. Measured (2 ranks, 4096 x 7168, top-8):
-    the two-source BF16 path takes ~1/3 of the float32 chain's time.
+    become the canonical one): without bias, at most two sources whose tokens form long runs go
+    through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
+    float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value).
+    The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
+    from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
+    ``+0.0``), which one ``+ 0.0`` repairs unless a term covering those tokens is known clean.
     """
-    m, hidden = out.shape
+    m = out.size(0)
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
     if bias is None and _sum_two_by_runs(out, sources, clean):
@@ -143,50 +141,22 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
         a_t, b_t = int(edges[b]), int(edges[b + 1])
         if b_t <= a_t:
             continue
-        dst = out[a_t:b_t]
         parts = [(rows[bnd[b]:bnd[b + 1]], tokens[bnd[b]:bnd[b + 1]], bnd[b + 1] - bnd[b] == b_t - a_t, cl)
                  for (rows, tokens), bnd, cl in zip(sources, bounds, clean) if bnd[b + 1] > bnd[b]]
-        if bias is None and len(parts) <= 2:
-            # A partial source is spread over the block in a BF16 scratch (half of ``tmp`` each),
-            # zeros where it has no row: + (+0.0) leaves a sum unchanged. A gather (row memcpy)
-            # then a fill of the few missing rows: index_copy_ copies element by element, 3x slower.
-            whole = []
-            for i, (rows, tokens, full, _) in enumerate(parts):
-                if not full:
-                    pos = torch.full((b_t - a_t,), -1, dtype=torch.int64)
-                    pos[tokens - a_t] = torch.arange(tokens.numel())
-                    missing = torch.nonzero(pos < 0).squeeze(1)
-                    scratch = tmp.view(-1).view(torch.bfloat16)[i * block * hidden:][:(b_t - a_t) * hidden]
-                    rows = torch.index_select(rows, 0, pos.clamp_(min=0), out=scratch.view(b_t - a_t, hidden))
-                    rows.index_fill_(0, missing, 0)
-                whole.append(rows)
-            if not parts:
-                dst.zero_()
-            elif len(parts) == 1:
-                if parts[0][3]:
-                    dst.copy_(whole[0])
-                else:
-                    torch.add(whole[0], 0.0, out=dst)
-            else:
-                torch.add(whole[0], whole[1], out=dst)
-                if not (parts[0][3] or parts[1][3]):
-                    dst.add_(0.0)
-            continue
         blk = acc[:b_t - a_t]
+        signed_zero = False  # blk may hold a -0.0 that the reference's +0.0 start would not
         if bias is not None:  # f32(bias0) + f32(bias1), a missing one being +0.0, exactly as DeepEP
             blk.copy_(bias[0][bias_offset + a_t:bias_offset + b_t])
             if bias[1] is not None:
                 blk.add_(bias[1][bias_offset + a_t:bias_offset + b_t])
             else:
                 blk.add_(0.0)
-            signed_zero = False
-        elif parts[0][2]:
-            blk.copy_(parts[0][0])  # keeps a -0.0 that +0.0 + row would not: repaired below if need be
+        elif parts and parts[0][2]:
+            blk.copy_(parts[0][0])
             signed_zero = not parts[0][3]
             parts = parts[1:]
         else:
             blk.zero_()
-            signed_zero = False
         for rows, tokens, full, cl in parts:
             if full:
                 blk.add_(rows)
@@ -197,22 +167,23 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
                 blk.index_add_(0, tokens - a_t, t)
         if signed_zero:
             blk.add_(0.0)
-        dst.copy_(blk)
+        out[a_t:b_t].copy_(blk)
 
 
 def _sum_two_by_runs(out, sources, clean, max_run_fraction: float = 1 / 64) -> bool:
     """:func:`accumulate_rows` without bias for at most two non-empty sources, one torch call per
     run of tokens with the same sources (both: one BF16 ``add``; one: a copy; none: zeros).
 
-    At two ranks nearly every token has both sources, so a whole round is a few dozen long runs
-    instead of a per-block gather of each partial source. Returns False (nothing written) when
-    it does not apply or the runs are more than ``max_run_fraction`` of the tokens.
+    At two ranks nearly every token has both sources, so a whole round is a few dozen long runs,
+    with no float32 pass and no gather of a source that misses a few tokens. Returns False
+    (nothing written) when it does not apply or there are more runs than ``max_run_fraction``
+    of the tokens (or 8).
     """
     live = [(rows, tokens, cl) for (rows, tokens), cl in zip(sources, clean) if tokens.numel()]
     m = out.size(0)
     if len(live) > 2 or not m:
         return False
-    code = torch.zeros(m, dtype=torch.int8)
+    code = torch.zeros(m, dtype=torch.int8)  # bit i set: source i has a row for the token
     for bit, (_, tokens, _) in enumerate(live):
         code[tokens] += 1 << bit
     starts = torch.nonzero(code[1:] != code[:-1]).squeeze(1).add_(1)
@@ -228,11 +199,10 @@ def _sum_two_by_runs(out, sources, clean, max_run_fraction: float = 1 / 64) -> b
         segs = [(rows[firsts[i][r]:firsts[i][r] + t1 - t0], cl) for i, (rows, _, cl) in enumerate(live) if c >> i & 1]
         if not segs:
             dst.zero_()
+        elif len(segs) == 1 and segs[0][1]:
+            dst.copy_(segs[0][0])
         elif len(segs) == 1:
-            if segs[0][1]:
-                dst.copy_(segs[0][0])
-            else:
-                torch.add(segs[0][0], 0.0, out=dst)
+            torch.add(segs[0][0], 0.0, out=dst)
         else:
             torch.add(segs[0][0], segs[1][0], out=dst)
             if not (segs[0][1] or segs[1][1]):
