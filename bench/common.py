@@ -1102,12 +1102,10 @@ def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulato
 
 
 def finish(comm, code: int = 0) -> None:
-    """The benchmark exit path: flush, final barrier, ``os._exit`` without ``MPI.Finalize``
-    (``transports.process.exit_job``, which also unlinks MPICH's shared segment).
-
-    design.md: with the MPICH wheel, ``Finalize`` then ``os._exit`` made mpiexec report a bad
-    termination in ~3 % of clean runs; a final barrier then ``os._exit`` gave none in 100.
-    Destroy Buffers and process groups before calling this (atexit handlers do not run).
+    """The benchmark exit path (``transports.process.exit_job``): flush, final barrier,
+    ``MPI_Finalize``, the C library's ``exit(code)``. Not ``os._exit``, which skips MPICH's PMI
+    finalize hook and lets mpiexec kill late ranks (see ``transports.process``).
+    Destroy Buffers and process groups before calling this (Python atexit handlers do not run).
     """
     from transports.process import exit_job
 

@@ -65,4 +65,4 @@ def main() -> int:
 if __name__ == "__main__":
     from bench import common as C
 
-    C.run_main(main)  # the benchmarks' exit path (barrier, os._exit; MPI_Abort if a rank raises)
+    C.run_main(main)  # the benchmarks' exit path (barrier, MPI_Finalize, exit; MPI_Abort if a rank raises)

@@ -624,7 +624,7 @@ def main(argv=None) -> None:
         abort_job(comm, 1)
     if tdist.is_initialized():
         tdist.destroy_process_group()
-    # Exit path of design.md: barrier, then os._exit without MPI_Finalize (MPICH's segment unlinked).
+    # The project's exit path: barrier, MPI_Finalize, C exit (transports.process).
     exit_job(code, comm)
 
 

@@ -21,13 +21,14 @@ What this file adds to pytest + pytest-mpi:
   itself (e.g. a non-collective test that failed on rank 3 only) with the log paths; all ranks
   exit with the same status.
 * **Exit path**: after pytest has finished (terminal summary printed, cleanups done), each rank
-  flushes, waits at ``MPI.COMM_WORLD.Barrier()`` and calls ``os._exit(status)`` without
-  ``MPI_Finalize`` (design.md: with the MPICH wheel, Finalize + ``os._exit`` gave spurious
-  "bad termination" reports in ~3% of runs). Measured here, 4 ranks, trivial test file, 2
-  loaded cores: this path 75/75 clean runs; the plain interpreter exit with mpi4py's Finalize
-  (``DEEPEP_ASCEND_TEST_EXIT_MODE=finalize``, kept for re-measuring) 35/35 clean. The status
-  is the same on every rank (gathered at session end). Runs from ``atexit`` so that cleanup
-  handlers registered later (e.g. by the library, to free its windows) still run before it.
+  leaves through ``transports.process.exit_job``: flush, ``MPI.COMM_WORLD.Barrier()``,
+  ``MPI_Finalize``, then the C library's ``exit(status)`` (Python's teardown is skipped). Not
+  ``os._exit``: MPICH sends PMI's finalize from a C exit hook, and a rank that skips it makes
+  hydra SIGKILL every rank still alive; CI's 8-rank run once passed every test and still failed
+  with "EXIT CODE: 9" that way (``tests/test_exit_path.py`` reproduces it). The plain interpreter
+  exit (``DEEPEP_ASCEND_TEST_EXIT_MODE=finalize``, kept for re-measuring) is also clean. The
+  status is the same on every rank (gathered at session end). Runs from ``atexit`` so that
+  cleanup handlers registered later (e.g. by the library, to free its windows) still run before it.
 
 Fixtures: ``comm``, ``rank``, ``world_size`` (see ``mpi_utils``).
 """
@@ -337,7 +338,7 @@ def pytest_unconfigure(config):
     status = getattr(session, "exitstatus", None)
     _S.exit_status = int(status) if status is not None else None
     if _S.mpi_active and _S.err_fd is not None:
-        # Backstop: a hang between here and os._exit (thread joins, exit barrier) kills the rank.
+        # Backstop: a hang between here and the process exit (exit barrier, MPI_Finalize) kills the rank.
         _S.watchdog.arm(_EXIT_WATCHDOG_S, "exit after the test session")
 
 
@@ -348,8 +349,8 @@ def pytest_sessionstart(session):
     session.config.stash[_SESSION_KEY] = session
 
 
-def _exit_without_finalize() -> None:
-    """atexit: flush, barrier, ``os._exit(status)`` — skipping ``MPI_Finalize`` (see module doc)."""
+def _exit_job_at_exit() -> None:
+    """atexit: flush, barrier, ``MPI_Finalize``, C ``exit(status)`` (see module doc)."""
     status = _S.exit_status
     if status is None or not _S.mpi_active:
         return  # pytest did not finish normally here (or MPI unused): default exit path
@@ -360,11 +361,11 @@ def _exit_without_finalize() -> None:
         if MPI.Is_initialized() and not MPI.Is_finalized():
             from transports.process import exit_job
 
-            exit_job(status, MPI.COMM_WORLD)  # flush, barrier, unlink MPICH's segment, os._exit
+            exit_job(status, MPI.COMM_WORLD)  # flush, barrier, MPI_Finalize, C exit
     finally:
         os._exit(status)
 
 
 # Registered at import, i.e. before anything the tests import: atexit runs handlers last-in
 # first-out, so the library's own exit handlers run first, then this one ends the process.
-atexit.register(_exit_without_finalize)
+atexit.register(_exit_job_at_exit)

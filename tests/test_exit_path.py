@@ -1,8 +1,13 @@
-"""The project's exit path (``transports.process.exit_job``: barrier, then ``os._exit`` without
-``MPI_Finalize``, design.md) leaves none of MPICH's ``/dev/shm/mpich_shm_*`` segments behind, which
-only ``MPI_Finalize`` would unlink (every benchmark run and sweep point once leaked ~2-8 MB of RAM).
+"""The project's exit path (``transports.process.exit_job``: barrier, ``MPI_Finalize``, the C
+library's ``exit``):
 
-Runs in the 1-rank job: a 2-rank child job prints the segments it maps, then exits; they must be gone.
+* it leaves none of MPICH's ``/dev/shm/mpich_shm_*`` segments behind (every benchmark run and sweep
+  point once leaked ~2-8 MB of RAM);
+* a rank that is late after the final barrier is not killed by the launcher. With ``os._exit``
+  (no PMI finalize) hydra took the first rank's exit for a crash and SIGKILLed the others: CI's
+  8-rank run once passed every test and still failed with "EXIT CODE: 9".
+
+Runs in the 1-rank job: child jobs launched with their own ``mpiexec``.
 """
 
 from __future__ import annotations
@@ -40,3 +45,34 @@ def test_exit_job_leaves_no_mpich_segment():
     if not mapped:
         pytest.skip("this MPI maps no /dev/shm/mpich_shm_* segment")
     assert not [p for p in mapped if os.path.exists(p)], f"left behind: {mapped}"
+
+
+SLOW_CHILD = """
+import time
+from mpi4py import MPI
+from transports.process import exit_job
+
+class LateAfterBarrier:
+    # COMM_WORLD whose Barrier returns late on rank 1: a rank descheduled right after the final barrier
+    def __init__(self, comm):
+        self.comm = comm
+    def Barrier(self):
+        self.comm.Barrier()
+        if self.comm.Get_rank() == 1:
+            time.sleep(1.0)
+            print("LATE-RANK-ALIVE", flush=True)  # missing if the launcher killed it meanwhile
+
+print("RANK-DONE", MPI.COMM_WORLD.Get_rank(), flush=True)
+exit_job(0, LateAfterBarrier(MPI.COMM_WORLD))
+"""
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_exit_job_late_rank_is_not_killed():
+    # With os._exit the launcher killed the late rank in every run of this job (mpiexec's exit
+    # status was sometimes still 0: hydra presets the status of the ranks it kills that way).
+    rc, out = run_child_job(3, [sys.executable, "-c", SLOW_CHILD], REPO, timeout_s=120)
+    assert rc == 0 and "BAD TERMINATION" not in out, out[-3000:]
+    assert sorted(re.findall(r"^RANK-DONE (\d+)$", out, re.M)) == ["0", "1", "2"], out[-3000:]
+    assert "LATE-RANK-ALIVE" in out, "the late rank was killed after the barrier:\n" + out[-3000:]

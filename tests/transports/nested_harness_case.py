@@ -5,8 +5,8 @@
 Not collected by the normal suite (no ``test_`` file prefix). The test builds a transport with a
 window and forgets it (the transports atexit hook destroys it), then writes the ``/dev/shm``
 files this rank maps to ``$DEEPEP_ASCEND_NESTED_REPORT/rank<r>.json``; the parent checks which
-of them survive the job, i.e. what the harness's exit path (barrier + ``os._exit`` without
-``MPI_Finalize``) leaves behind.
+of them survive the job, i.e. what the harness's exit path (``transports.process.exit_job``)
+leaves behind.
 """
 
 from __future__ import annotations
