@@ -47,6 +47,7 @@ bf16 copy; otherwise it returns float32.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -469,8 +470,29 @@ def low_latency_cast_to_fp8(
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True requires round_scale=True")
     k = x.size(-1)
-    g = _group_last_dim(x, 128)
-    amax = g.abs().amax(dim=-1).clamp(min=_AMAX_FLOOR)
+    kp = align(k, 128)
+    g = torch.nn.functional.pad(x.float(), (0, kp - k)) if kp != k else x.to(torch.float32, copy=True)
+    data = torch.empty(g.shape, dtype=torch.float8_e4m3fn)
+    sf = low_latency_cast_to_fp8_(g.reshape(*x.shape[:-1], kp // 128, 128), data, round_scale)
+    data = data[..., :k].contiguous() if kp != k else data
+    return data, (pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
+
+
+def low_latency_cast_to_fp8_(groups: torch.Tensor, data_out: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
+    """In-place core of :func:`low_latency_cast_to_fp8`, for callers that own scratch memory.
+
+    ``groups`` float32 ``[..., S, 128]`` (overwritten: scaled and clamped in place);
+    ``data_out`` ``float8_e4m3fn`` with ``groups``' elements as ``[..., S·128]`` (any row
+    stride, e.g. the data field of window messages) receives the e4m3 values. Returns the float32
+    scales ``[..., S]`` (powers of two with ``round_scale``). The same bits as
+    :func:`low_latency_cast_to_fp8` had with ``|x|.amax()``: ``max(max, -min)`` is ``max|x|``,
+    and the multiply, clamp and RNE cast are the same float32 operations. A group holding a NaN
+    gets the canonical NaN as ``amax`` (``|x|.amax()`` would carry an input NaN's payload into
+    the scale; a NaN either way).
+    """
+    lo, hi = torch.aminmax(groups, dim=-1)
+    amax = torch.maximum(hi, lo.neg_())
+    amax.masked_fill_(amax.isnan(), math.nan).clamp_(min=_AMAX_FLOOR)  # NaN groups: canonical NaN
     r = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     if round_scale:
         sf = ceil_to_ue8m0(r)
@@ -478,12 +500,9 @@ def low_latency_cast_to_fp8(
     else:
         sf = r
         mult = FP8_E4M3_MAX / amax
-    data = (
-        cast_to_e4m3(g * mult.unsqueeze(-1))
-        .reshape(*x.shape[:-1], g.size(-2) * g.size(-1))[..., :k]
-        .contiguous()
-    )
-    return data, (pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
+    groups.mul_(mult.unsqueeze(-1)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    data_out.copy_(groups.view(data_out.shape))
+    return sf
 
 
 def per_channel_cast_to_fp8(

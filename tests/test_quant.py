@@ -172,6 +172,53 @@ def test_low_latency_cast_deepep_rules():
         dg.low_latency_cast_to_fp8(x, use_ue8m0=True)
 
 
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_low_latency_cast_matches_reference_and_in_place_core(round_scale, use_ue8m0):
+    # Magnitudes 1e-8..1e8, zeros, -0.0 groups, +-inf and NaN; the public cast and the in-place
+    # core (what low_latency_dispatch runs, writing into strided message rows) against the
+    # per-group oracle: every data byte equal except NaNs, which must only be NaN (their sign
+    # follows torch's reduction path, which differs with the layout), and the infinities (below).
+    g = torch.Generator().manual_seed(7)
+    n, h = 24, 1024
+    x = (torch.randn(n, h, generator=g) * torch.logspace(-8, 8, n).unsqueeze(1)).to(torch.bfloat16)
+    x[1, :128] = 0.0
+    x[2, 128:256] = -0.0
+    x[3, 7], x[4, 300], x[5, 9] = float("inf"), -float("inf"), float("nan")
+    ref_d, ref_s = reference.ref_ll_cast_fp8(x, round_scale, use_ue8m0)
+
+    inf = x.isinf()
+    finite = x.isfinite().view(n, h // 128, 128).all(-1)  # [n, groups]
+
+    def check(d, s):
+        d8, r8 = d.view(torch.uint8), ref_d.view(torch.uint8)
+        nan8 = ((r8 & 0x7F) == 0x7F) & ~inf  # e4m3fn NaN: S.1111.111
+        assert torch.equal(((d8 & 0x7F) == 0x7F) & ~inf, nan8) and torch.equal(d8[~nan8 & ~inf], r8[~nan8 & ~inf])
+        assert int(nan8.sum()) >= 1  # the NaN input stays NaN (without round_scale its whole group does)
+        # +-inf itself: scale 2^127 keeps it infinite and DeepEP's saturating cast gives +-448
+        # (the oracle has no saturation); without round_scale inf * (448 / inf) is NaN.
+        if round_scale:
+            assert d8[inf].tolist() == [0x7E, 0xFE]
+        else:
+            assert bool(((d8[inf] & 0x7F) == 0x7F).all())
+        # scales of groups holding inf/NaN differ from the oracle's (ceil_to_ue8m0 clamps at 2^127)
+        if use_ue8m0:
+            s, ref = s.contiguous().view(torch.uint8).view(n, -1), ref_s.contiguous().view(torch.uint8).view(n, -1)
+        else:
+            ref = ref_s
+        assert torch.equal(s[finite], ref[finite])
+
+    check(*dg.low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
+    msgs = torch.full((n, 16 + h + 64), 0xAB, dtype=torch.uint8)  # data field at a row stride
+    groups = x.float().view(n, h // 128, 128)
+    sf = dg.quant.low_latency_cast_to_fp8_(groups, msgs[:, 16:16 + h].view(torch.float8_e4m3fn), round_scale)
+    check(msgs[:, 16:16 + h].view(torch.float8_e4m3fn), dg.pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
+    assert bool((msgs[:, :16] == 0xAB).all()) and bool((msgs[:, 16 + h:] == 0xAB).all())  # nothing outside
+    src = torch.randn(3, 128)
+    kept = src.clone()
+    dg.low_latency_cast_to_fp8(src)
+    assert torch.equal(src, kept)  # a float32 input is not scaled in place
+
+
 def test_per_block_cast_hand_values():
     x = torch.zeros(130, 129)
     x[0, 0] = 448.0
