@@ -219,6 +219,7 @@ class LowLatencyEngine:
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
         self._cast_scratch = torch.empty(0)  # float32 rows of the FP8 cast, grown on demand
+        self._combine_bufs = None  # see _combine_scratch
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self):
@@ -472,6 +473,13 @@ class LowLatencyEngine:
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
         return Pending(receive, outputs)
 
+    def _combine_scratch(self, n, H):
+        """``(acc, products)`` float32 and ``gathered`` BF16 ``[n, H]`` views of scratch kept
+        across calls: fresh ``[n, H]`` temporaries per top-k slot cost page faults on every call."""
+        if self._combine_bufs is None or self._combine_bufs[0].numel() < n * H:
+            self._combine_bufs = (torch.empty(n * H), torch.empty(n * H), torch.empty(n * H, dtype=torch.bfloat16))
+        return tuple(b[:n * H].view(n, H) for b in self._combine_bufs)
+
     def _put_counts(self, dst, base, cnt, L):
         off = base + self.rank * L * 4
         if self.direct[dst]:
@@ -555,19 +563,27 @@ class LowLatencyEngine:
                 row_of[order] = torch.arange(pos.numel())
             else:
                 rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
-            acc = torch.zeros(n, H, dtype=torch.float32)
+            acc, y_all, g_all = self._combine_scratch(n, H)
+            acc.zero_()
             slot_j = pos % k
             tok = pos // k
             for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
                 sel = torch.nonzero(slot_j == j).squeeze(1)
-                if not sel.numel():
+                cnt = sel.numel()
+                if not cnt:
                     continue
+                y = y_all[:cnt]
                 if use_logfmt:
-                    y = decoded.index_select(0, row_of[sel])
+                    torch.index_select(decoded, 0, row_of[sel], out=y)
                 else:
-                    y = rows.index_select(0, experts[sel] * M + rank_in_e[sel]).float()
+                    g = g_all[:cnt]
+                    torch.index_select(rows, 0, experts[sel] * M + rank_in_e[sel], out=g)
+                    y.copy_(g)
                 y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
-                acc.index_add_(0, tok[sel], y)
+                if cnt == n:  # every token has slot j (tokens ascend within a slot): a dense add
+                    acc.add_(y)
+                else:
+                    acc.index_add_(0, tok[sel], y)
             combined.copy_(acc)
 
         return Pending(receive, (combined,))

@@ -490,8 +490,7 @@ def low_latency_cast_to_fp8_(groups: torch.Tensor, data_out: torch.Tensor, round
     gets the canonical NaN as ``amax`` (``|x|.amax()`` would carry an input NaN's payload into
     the scale; a NaN either way).
     """
-    lo, hi = torch.aminmax(groups, dim=-1)
-    amax = torch.maximum(hi, lo.neg_())
+    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())  # (aminmax: 15x slower)
     amax.masked_fill_(amax.isnan(), math.nan).clamp_(min=_AMAX_FLOOR)  # NaN groups: canonical NaN
     r = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     if round_scale:
