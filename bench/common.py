@@ -1101,6 +1101,23 @@ def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulato
     return lines
 
 
+def int_at_least(lo: int):
+    """argparse ``type=``: an int >= ``lo``, else argparse's usage error (exit 2) on every rank."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
 def finish(comm, code: int = 0) -> None:
     """The benchmark exit path (``transports.process.exit_job``): flush, final barrier,
     ``MPI_Finalize``, the C library's ``exit(code)``. Not ``os._exit``, which skips MPICH's PMI

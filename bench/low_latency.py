@@ -51,12 +51,12 @@ LOGFMT_CALC_DIFF = 1e-4  # LogFMT-10's relative error is <= 2.2 % per value (qua
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.low_latency", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank = num_max_dispatch_tokens_per_rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-topk", type=int, default=8)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tokens", type=C.int_at_least(1), default=128, help="tokens per rank = num_max_dispatch_tokens_per_rank")
+    p.add_argument("--hidden", type=C.int_at_least(1), default=7168)
+    p.add_argument("--num-topk", type=C.int_at_least(1), default=8)
+    p.add_argument("--num-experts", type=C.int_at_least(1), default=256)
+    p.add_argument("--iters", type=C.int_at_least(1), default=30)
+    p.add_argument("--warmup", type=C.int_at_least(0), default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (URMA across nodes)")

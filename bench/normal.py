@@ -80,12 +80,12 @@ TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(spe
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.normal", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096, or from --routing)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-topk", type=int, default=None, help="top-k (default 8, or from --routing)")
-    p.add_argument("--num-experts", type=int, default=None, help="experts (default 256, or from --routing)")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--tokens", type=C.int_at_least(1), default=None, help="tokens per rank (default 4096, or from --routing)")
+    p.add_argument("--hidden", type=C.int_at_least(1), default=7168)
+    p.add_argument("--num-topk", type=C.int_at_least(1), default=None, help="top-k (default 8, or from --routing)")
+    p.add_argument("--num-experts", type=C.int_at_least(1), default=None, help="experts (default 256, or from --routing)")
+    p.add_argument("--iters", type=C.int_at_least(1), default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=C.int_at_least(0), default=2, help="untimed iterations first (default 2)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (per rank: seed*65536+rank)")
     p.add_argument("--routing", metavar="FILE", help="replay a topk_idx trace (.npz/.pt, see bench/common.py)")
     p.add_argument("--routing-step", type=int, default=0,
