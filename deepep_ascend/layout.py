@@ -29,7 +29,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     n = topk_idx.size(0)
     num_local = num_experts // num_ranks
     # -1 becomes expert E, i.e. rank R: one extra bin and one extra column, dropped at the end
-    # (no boolean indexing; 2.5x faster at 4096 x 8).
+    # (a bincount and a scatter, no boolean indexing).
     experts = torch.where(topk_idx >= 0, topk_idx.to(torch.int64), num_experts)
     num_tokens_per_expert = torch.bincount(experts.view(-1), minlength=num_experts + 1)[:num_experts].to(torch.int32)
     in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool)

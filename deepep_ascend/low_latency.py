@@ -49,6 +49,7 @@ its receive of call ``k``.
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 import warnings
@@ -218,8 +219,7 @@ class LowLatencyEngine:
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
-        self._cast_scratch = torch.empty(0)  # float32 rows of the FP8 cast, grown on demand
-        self._combine_bufs = None  # see _combine_scratch
+        self._scratch_bufs = {}  # name -> flat tensor, see _scratch
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self):
@@ -359,15 +359,14 @@ class LowLatencyEngine:
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         # Messages: [int32 token | 12 B | payload], the FP8 cast once per token (spec §6.4),
         # written straight into the messages from a float32 scratch kept across calls.
-        sb = (4 * -(-H // 512) if use_ue8m0 else 4 * lay.S) if use_fp8 else 0
+        sw = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # scale words per token
+        sb = 4 * sw
         mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb  # message bytes = slot stride (<= d)
         rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
         rows[:, :MSG_HEADER].zero_()
         rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
         if use_fp8:
-            if self._cast_scratch.numel() < n * H:
-                self._cast_scratch = torch.empty(n * H, dtype=torch.float32)
-            xf = self._cast_scratch[:n * H].view(n, H)
+            xf = self._scratch("cast", (n, H), torch.float32)
             xf.copy_(x)
             sf = low_latency_cast_to_fp8_(xf.view(n, H // 128, 128),
                                           rows[:, MSG_HEADER:MSG_HEADER + H].view(torch.float8_e4m3fn), round_scale)
@@ -418,7 +417,7 @@ class LowLatencyEngine:
         recv_scales, written_s = None, None
         if use_fp8:  # DeepEP: scales column-major in the last two dims
             recv_scales, written_s = self.pool.get(
-                (L, R * M, H // 512 if use_ue8m0 else lay.S), torch.int32 if use_ue8m0 else torch.float32,
+                (L, R * M, sw), torch.int32 if use_ue8m0 else torch.float32,
                 channels_first=True)
         recv_count = torch.zeros(L, dtype=torch.int32)
         src_info, written_i = self.pool.get((L, R * M), torch.int32)
@@ -473,12 +472,14 @@ class LowLatencyEngine:
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
         return Pending(receive, outputs)
 
-    def _combine_scratch(self, n, H):
-        """``(acc, products)`` float32 and ``gathered`` BF16 ``[n, H]`` views of scratch kept
-        across calls: fresh ``[n, H]`` temporaries per top-k slot cost page faults on every call."""
-        if self._combine_bufs is None or self._combine_bufs[0].numel() < n * H:
-            self._combine_bufs = (torch.empty(n * H), torch.empty(n * H), torch.empty(n * H, dtype=torch.bfloat16))
-        return tuple(b[:n * H].view(n, H) for b in self._combine_bufs)
+    def _scratch(self, name, shape, dtype):
+        """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
+        calls: fresh temporaries of this size cost page faults on every call."""
+        numel = math.prod(shape)
+        buf = self._scratch_bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._scratch_bufs[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
 
     def _put_counts(self, dst, base, cnt, L):
         off = base + self.rank * L * 4
@@ -563,8 +564,9 @@ class LowLatencyEngine:
                 row_of[order] = torch.arange(pos.numel())
             else:
                 rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
-            acc, y_all, g_all = self._combine_scratch(n, H)
-            acc.zero_()
+            acc = self._scratch("acc", (n, H), torch.float32).zero_()
+            y_all = self._scratch("products", (n, H), torch.float32)
+            g_all = self._scratch("gathered", (n, H), torch.bfloat16)
             slot_j = pos % k
             tok = pos // k
             for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding

@@ -389,11 +389,12 @@ def _float_rows(name: str, x: torch.Tensor, min_dims: int = 2) -> torch.Tensor:
     return x
 
 
-def _group_last_dim(x: torch.Tensor, gran: int) -> torch.Tensor:
-    """float32 ``[..., K]`` zero-padded and viewed as ``[..., ceil(K/gran), gran]``."""
+def _group_last_dim(x: torch.Tensor, gran: int, copy: bool = False) -> torch.Tensor:
+    """float32 ``[..., K]`` zero-padded and viewed as ``[..., ceil(K/gran), gran]``; ``copy``:
+    never ``x``'s own storage (for callers that scale the groups in place)."""
     k = x.size(-1)
     kp = align(k, gran)
-    xf = x.float()
+    xf = x.to(torch.float32, copy=copy)
     if kp != k:
         xf = torch.nn.functional.pad(xf, (0, kp - k))
     return xf.reshape(*x.shape[:-1], kp // gran, gran)
@@ -470,27 +471,34 @@ def low_latency_cast_to_fp8(
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True requires round_scale=True")
     k = x.size(-1)
-    kp = align(k, 128)
-    g = torch.nn.functional.pad(x.float(), (0, kp - k)) if kp != k else x.to(torch.float32, copy=True)
-    data = torch.empty(g.shape, dtype=torch.float8_e4m3fn)
-    sf = low_latency_cast_to_fp8_(g.reshape(*x.shape[:-1], kp // 128, 128), data, round_scale)
-    data = data[..., :k].contiguous() if kp != k else data
+    g = _group_last_dim(x, 128, copy=True)
+    data = torch.empty(*x.shape[:-1], g.size(-2) * 128, dtype=torch.float8_e4m3fn)
+    sf = low_latency_cast_to_fp8_(g, data, round_scale)
+    data = data[..., :k].contiguous() if data.size(-1) != k else data
     return data, (pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
 
 
 def low_latency_cast_to_fp8_(groups: torch.Tensor, data_out: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
-    """In-place core of :func:`low_latency_cast_to_fp8`, for callers that own scratch memory.
+    """In-place core of :func:`low_latency_cast_to_fp8` (the cast inside DeepEP's
+    ``low_latency_dispatch``, deepep-buffer-api.md §6.4), for callers that own scratch memory.
 
-    ``groups`` float32 ``[..., S, 128]`` (overwritten: scaled and clamped in place);
-    ``data_out`` ``float8_e4m3fn`` with ``groups``' elements as ``[..., S·128]`` (any row
-    stride, e.g. the data field of window messages) receives the e4m3 values. Returns the float32
-    scales ``[..., S]`` (powers of two with ``round_scale``). The same bits as
-    :func:`low_latency_cast_to_fp8` had with ``|x|.amax()``: ``max(max, -min)`` is ``max|x|``,
-    and the multiply, clamp and RNE cast are the same float32 operations. A group holding a NaN
-    gets the canonical NaN as ``amax`` (``|x|.amax()`` would carry an input NaN's payload into
-    the scale; a NaN either way).
+    Args:
+        groups: float32 ``[..., S, 128]``, contiguous in the last dim; overwritten (scaled and
+            clamped in place).
+        data_out: ``float8_e4m3fn`` holding ``groups``' elements as ``[..., S·128]``, any row
+            stride (e.g. the data field of window messages); receives the e4m3 values.
+        round_scale: power-of-two scales (``ceil_to_ue8m0``), as in the public cast.
+    Returns:
+        float32 scales ``[..., S]``.
+    Raises:
+        RuntimeError (from torch) if ``data_out`` cannot hold ``groups``' elements.
+
+    Same bits as ``|x|.amax()`` gave: ``max(max, -min)`` is ``max|x|``, and the multiply, clamp
+    and RNE cast are the same float32 operations. A group holding a NaN gets the canonical NaN
+    as ``amax`` (``|x|.amax()`` would carry an input NaN's payload into the scale).
     """
-    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())  # (aminmax: 15x slower)
+    # amax and amin separately: torch.aminmax over 128-element groups is far slower on CPU.
+    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())
     amax.masked_fill_(amax.isnan(), math.nan).clamp_(min=_AMAX_FLOOR)  # NaN groups: canonical NaN
     r = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     if round_scale:
