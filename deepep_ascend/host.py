@@ -100,10 +100,9 @@ class OutputPool:
         if nbytes < _MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
-            free = [b for b in self._blocks if b.numel() >= nbytes and storage_users(b) == 1]
-            if free:
-                blk = min(free, key=torch.Tensor.numel)
-                self._blocks.remove(blk)
+            free = [i for i, b in enumerate(self._blocks) if b.numel() >= nbytes and storage_users(b) == 1]
+            if free:  # by index: list.remove would compare tensors with ==
+                blk = self._blocks.pop(min(free, key=lambda i: self._blocks[i].numel()))
             else:
                 blk = _block(-(-(nbytes + nbytes // 8) // HUGE_PAGE) * HUGE_PAGE)
                 if storage_users(blk) != 1:

@@ -54,3 +54,22 @@ def test_output_pool_small_and_growing_requests():
     assert big.numel() == 64 * MB and _ptr(big) != ptr
     big[-1] = 7  # the whole requested range is writable
     assert int(big[-1]) == 7
+
+
+def test_output_pool_best_fit_among_blocks_of_different_sizes():
+    """The best-fit block is taken out of the pool by identity: comparing tensors of different sizes
+    (list.remove's ==) raised "The size of tensor a must match" once a larger free block came first."""
+    if host.storage_users(torch.empty(1)) is None:
+        return
+    pool = host.OutputPool(max_blocks=4)
+    big = pool.empty((32 * MB,), torch.uint8)
+    small = pool.empty((8 * MB,), torch.uint8)
+    ptr_big, ptr_small = _ptr(big), _ptr(small)
+    del big, small  # both free: the 32 MiB block comes first in the pool, the 8 MiB one fits best
+    t = pool.empty((6 * MB,), torch.uint8)
+    assert _ptr(t) == ptr_small
+    u = pool.empty((16 * MB,), torch.uint8)  # the remaining free block
+    assert _ptr(u) == ptr_big
+    t.fill_(1)
+    u.fill_(2)
+    assert int(t.sum()) == 6 * MB and int(u[-1]) == 2
