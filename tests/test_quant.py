@@ -6,6 +6,8 @@ Single-process and tiny: every rank of the MPI suite runs them independently (no
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import reference
 import torch
@@ -100,6 +102,37 @@ def test_e4m3_rounding_and_saturation():
     # 0.3 -> 0.3125 (0 0101 010); 17 ties to even 16 (0 1011 000); 19 ties to even 20
     # (0 1011 010); beyond 448 saturates to 448 (0x7E) / -448 (0xFE).
     assert e4m3_bytes(dg.cast_to_e4m3(x)) == [0x7E, 0x76, 0xB8, 0x2A, 0x58, 0x5A, 0x7E, 0xFE, 0x7E]
+
+
+def _e4m3_value(code: int) -> float:
+    """The e4m3fn value of one byte from its fields (independent of torch's cast)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> 3) & 0xF, code & 0x7
+    if e == 0xF and m == 0x7:
+        return math.nan
+    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "bytes"])
+def test_e4m3_to_float_every_code(layout):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = torch.tensor([_e4m3_value(c) for c in range(256)], dtype=torch.float64)
+    assert want[0x38] == 1.0 and want[0x7E] == 448.0 and want[0x01] == 2.0 ** -9 and want[0x80] == 0.0
+    grid = codes.view(16, 16)
+    x = {"contiguous": grid.view(torch.float8_e4m3fn), "transposed": grid.t().view(torch.float8_e4m3fn),
+         "bytes": grid.view(torch.int8)}[layout]
+    got = dg.e4m3_to_float(x)
+    expect = (want.view(16, 16).t() if layout == "transposed" else want.view(16, 16)).float()
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    nan = expect.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 2
+    assert torch.equal(got[~nan].view(torch.int32), expect[~nan].view(torch.int32))  # signed zeros too
+    out = torch.full(x.shape, 7.0)
+    assert dg.e4m3_to_float(x, out=out) is out and torch.equal(out.isnan(), nan)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        dg.e4m3_to_float(torch.zeros(4))
+    with pytest.raises(ValueError, match="out must be float32"):
+        dg.e4m3_to_float(x, out=torch.empty(3))
 
 
 def test_per_token_cast_hand_values():
@@ -517,3 +550,12 @@ def test_casts_of_zero_rows(shape):
     assert packed.shape == (*shape[:-1], 128) and sf4.shape == (*shape[:-1], 2)
     assert dg.unpack_fp4(packed).shape == shape and dg.pack_fp4(dg.unpack_fp4(packed)).shape == packed.shape
     assert dg.cast_back_from_fp4(packed, sf4, gran_k=32, use_packed_ue8m0=True).shape == shape
+
+
+def test_fp8_decode_benchmark_checks_bits(capsys):
+    """``python -m bench.fp8_decode`` (the README's figure) compares its two decoders bit for bit."""
+    from bench import fp8_decode
+
+    assert fp8_decode.main(["--rows", "4", "--hidden", "96", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "same bits as torch's cast (random codes, and every code incl. NaN): True" in out
