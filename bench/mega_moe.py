@@ -66,6 +66,16 @@ PRESETS = {
 BF16 = torch.bfloat16
 
 
+def _wave_list(text: str) -> list:
+    try:
+        waves = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
+    if any(w < 1 for w in waves):
+        raise argparse.ArgumentTypeError(f"wave counts must be >= 1, got {text!r}")
+    return waves
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.mega_moe", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--shared", type=int, default=1, help="shared experts (default 1)")
     p.add_argument("--clamp", type=float, default=10.0, help="activation_clamp (default 10; <0 = None)")
     p.add_argument("--experts-per-wave", type=int, default=None, help="fused wave size (default: library's)")
+    p.add_argument("--compare-waves", type=_wave_list, default=[], metavar="N,N,...",
+                   help="also time the fused call cut into these numbers of waves, interleaved with the rest")
     p.add_argument("--iters", type=C.int_at_least(1), default=5)
     p.add_argument("--warmup", type=C.int_at_least(0), default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -174,7 +186,7 @@ class Unfused:
         n = a.size(0)
         grp = a.view(n, i // 32, 32)
         s = dea.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / 448.0).unsqueeze(-1)
-        return (dea.cast_to_e4m3(grp / s).float() * s).view(n, i).to(BF16)
+        return (dea.e4m3_to_float(dea.cast_to_e4m3(grp / s)) * s).view(n, i).to(BF16)
 
     def dispatch(self):
         b, t = self.buf, self.args.tokens
@@ -207,10 +219,8 @@ class Unfused:
             ends.append(end)
         pos = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)])
         rx = st["rx"].index_select(0, rows)
-        if self.kind != "bf16":
-            n = rx.size(0)
-            sc = torch.pow(2.0, rx[:, h:].to(torch.float32) - 127).view(n, h // 32, 1)
-            rx = (rx[:, :h].view(torch.float8_e4m3fn).float().view(n, h // 32, 32) * sc).view(n, h).to(BF16)
+        if self.kind != "bf16":  # e4m3 data, then one UE8M0 byte per 32 channels
+            rx = dea.per_token_cast_back(rx[:, :h].view(torch.float8_e4m3fn), rx[:, h:], gran_k=32)
         padded = end != rx.size(0)
         if padded:
             a = torch.zeros(end, h, dtype=BF16)
@@ -248,8 +258,7 @@ class Unfused:
         if self.kind == "bf16":
             x = b.x[:t]
         else:
-            sc = torch.pow(2.0, b.x_sf[:t].contiguous().view(torch.uint8).to(torch.float32) - 127)
-            x = (b.x[:t].float().view(t, -1, 32) * sc.unsqueeze(-1)).view(t, -1).to(BF16)
+            x = dea.per_token_cast_back(b.x[:t], b.x_sf[:t], gran_k=32)
         w1s, w2s = self.shared
         a = self._act(M._dense_nt(self.engine, x, w1s), torch.ones(t))
         self.st["y"] = (self.st["y"].float() + M._dense_nt(self.engine, a, w2s).float()).to(BF16)
@@ -297,6 +306,7 @@ def main(argv=None) -> int:
         kw.update(shared_l1_weights=shared[0], shared_l2_weights=shared[1])
     y_fused = torch.empty(t, args.hidden, dtype=BF16)
     y_serial = torch.empty_like(y_fused)
+    y_waves = torch.empty_like(y_fused)
     unf = Unfused(args, buf, w_nat, shared)
 
     # counts: pairs received (all-gathered topk_idx), self-rank pairs
@@ -308,7 +318,11 @@ def main(argv=None) -> int:
     n_pairs_self = int(per_rank_dst[rank, rank])
     n_pairs_sent = int(per_rank_dst[rank].sum())
 
-    times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("mm_l1", "mm_l2")}
+    wave_runs = {}  # label -> experts per wave, for --compare-waves
+    for nw in args.compare_waves:
+        epw = -(-el // min(nw, el))
+        wave_runs[f"fused, {-(-el // epw)} wave(s)"] = epw
+    times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("mm_l1", "mm_l2") + tuple(wave_runs)}
     fractions, hidden_s, busy_s, waves = [], [], [], None
     engine = M.gemm_engine()
     mm_dtype = BF16 if engine == "bf16" else torch.float32  # the plain matmul the engine stands for
@@ -331,6 +345,8 @@ def main(argv=None) -> int:
         ov = tr.overlap()
         waves = (tr.num_waves, tr.experts_per_wave)
         rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
+        for label, epw in wave_runs.items():
+            rec[label] = timed(label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
         rec["unfused"] = timed("unfused", unf.run)
         for name, fn in unf.stage_fns().items():
             rec[name] = timed(name, fn)
@@ -407,6 +423,8 @@ def main(argv=None) -> int:
                f"partial once more) -> {'ok' if check['ok'] else 'MISMATCH'}")
     out.append("[time]")
     out.append(line("fused", "fused"))
+    for label in wave_runs:
+        out.append(line(label, label))
     out.append(line("serial (overlap=False)", "serial"))
     out.append(line("unfused end to end", "unfused"))
     for s in Unfused.stages:
@@ -454,6 +472,7 @@ def main(argv=None) -> int:
                    lines=out, traffic_by_kind=by_kind, link_model=C.link_model_doc(args.profile, emulator),
                    projection=projection,
                    times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
+                                fused_by_waves={label: agg(label)[0] for label in wave_runs},
                                 sum_stages=sum_stage, comm_stages=t_comm),
                    check=check,
                    bandwidth_GBps=dict(

@@ -24,13 +24,15 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    reduction can follow the reference: ``y = bf16(Σ_k o_k [+ shared])`` in ascending ``k``.
 3. **Expert waves.** Local experts are cut into waves of ``num_experts_per_wave`` (same on every
    rank; keyword ``num_experts_per_wave`` or ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``). The
-   default, from the all-gathered counts, is ``min(4, E_l, rows // 256)`` waves (at least one),
-   ``rows`` being the pairs a rank receives on average: at least about 256 rows per wave, and 3-4
-   waves once there are enough rows. Measured here, every wave costs a few ms of cross-rank
-   synchronisation per dispatch and combine (waiting for the slowest rank included), so more
-   waves than that lost more than they hid. Wave ``w`` dispatches the pairs whose local
-   expert id (``e % E_l``) lies in the wave. Received rows are sorted (stably) by expert, so
-   the order is expert, source rank, token, k (mega-moe.md §5).
+   default, from the all-gathered counts, is one wave per 24 MiB that a rank moves (dispatch and
+   combine bytes of the pairs it receives, on average), rounded, between 1 and ``min(4, E_l)``.
+   Every wave costs a cross-rank synchronisation per dispatch and combine (waiting for the
+   slowest rank included) and hides only its share of the data movement, so small payloads run
+   as one wave. Measured here (``python -m bench.mega_moe --compare-waves 1,2,4``; README):
+   ``cpu-pro-mini`` (9.5 MB per rank) ran as fast with one wave as with two and slower with four;
+   ``cpu-comm-heavy`` (50 MB) ran 25-32 % slower with one wave than with two. Wave ``w``
+   dispatches the pairs whose local expert id (``e % E_l``) lies in the wave. Received rows are
+   sorted (stably) by expert, so the order is expert, source rank, token, k (mega-moe.md §5).
 4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
    (:func:`m_grouped_bf16_gemm_nt_contiguous` with ``use_psum_layout=True``; group starts
    aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped; with
@@ -38,7 +40,9 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
    (un-transformed, for FP4 dequantized) weights cached by tensor identity and version
    (switch: :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
-   dequantized per row before L1 (exact in bf16). The engine (:func:`gemm_engine`) is that
+   dequantized per row before L1 (exact in bf16; e4m3 decoded by :func:`deepep_ascend.e4m3_to_float`,
+   and the float32 engine takes L1's and L2's inputs as float32 holding those bf16 values, with
+   no bf16 round trip). The engine (:func:`gemm_engine`) is that
    grouped bf16 GEMM where the CPU has native bf16 (AMX / AVX512-BF16), else one float32
    matmul per expert on the same values (same math, only the summation order may differ; the
    cache then holds float32, ``12·H·I`` bytes per expert instead of ``6·H·I``): on the AVX2-only
@@ -51,7 +55,8 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
         issue dispatch(w+1) ─ SwiGLU(w), L2(w) ║ worker: dispatch(w+1) data
         issue combine(w)
 
-   and the shared expert (if any) runs while the last combine is in flight. With
+   and the shared expert (if any) runs while the last combine is in flight (with one wave, that
+   is the only overlap: the dispatch is waited for at once). With
    ``overlap=False`` (keyword) the same waves run with synchronous calls, one stage after the
    other (the in-library baseline; same row partitions, so the same ``y`` bit for bit).
 
@@ -109,11 +114,13 @@ _TOKEN_ALIGN = 384  # LCM of upstream's block-M candidates (mega-moe.md §1.1)
 _VIEW_ALIGN = 64
 _INTERLEAVE = 8
 _SF_GRAN = 32
-_WAVE_ROWS = 256
+_WAVE_BYTES = 24 << 20  # rows a rank moves (dispatch + combine) per wave by default; see _experts_per_wave
 _MAX_WAVES = 4
 _MAX_WINDOW_BYTES = 256 << 20
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
+# e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
+_MIN_EXACT_SF_BYTE = 3
 
 
 def gemm_engine() -> str:
@@ -149,11 +156,17 @@ def _layout_alignment(engine: str) -> int:
     return get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
 
 
+def _operand_dtype(engine: str) -> torch.dtype:
+    """dtype of GEMM operands: bf16, or float32 holding bf16 values for the ``fp32`` engine (no round trip)."""
+    return BF16 if engine == "bf16" else torch.float32
+
+
 def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
     """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from
     ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``. ``bf16``:
     :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: one float32 matmul per group on the bf16 values
-    (``w`` float32), one rounding to bf16 at the end. Padding rows are unspecified."""
+    (``a`` bf16 or float32 holding bf16 values, ``w`` float32), one rounding to bf16 at the end. Padding
+    rows are unspecified."""
     if engine == "bf16":
         d = torch.empty(a.size(0), w.size(1), dtype=BF16)
         m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
@@ -615,32 +628,43 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
     return t, shared
 
 
-def _dequant_x(kind, sb, data, sf_bytes):
-    """bf16 rows of received activations: bf16 as is; fp8: e4m3 × UE8M0 per 32 channels (exact)."""
+def _dequant_x(kind, data, sf_bytes, dtype=BF16):
+    """Received activations ``[n, H]`` as ``dtype``: bf16, or float32 holding the same bf16 values
+    (what the fp32 engine multiplies). bf16 rows as they are; fp8: e4m3 × UE8M0 per 32 channels,
+    exact in bf16 unless a scale byte is below ``_MIN_EXACT_SF_BYTE`` (then rounded through bf16)."""
     if kind == "bf16":
-        return data
+        return data if dtype == BF16 else data.float()
     n, h = data.shape
+    vals = _q.e4m3_to_float(data)
     scale = _q._ue8m0_byte_to_float(sf_bytes.reshape(n, h // _SF_GRAN))
-    return (data.float().view(n, h // _SF_GRAN, _SF_GRAN) * scale.unsqueeze(-1)).view(n, h).to(BF16)
+    vals.view(n, h // _SF_GRAN, _SF_GRAN).mul_(scale.unsqueeze(-1))
+    if dtype == BF16:
+        return vals.to(BF16)
+    if sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE:
+        return vals.to(BF16).float()
+    return vals
 
 
-def _activation(kind, h, i, weights, clamp, fast_math):
-    """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input bf16 ``[N, I]``."""
+def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
+    """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
+    (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order."""
     g, u = h[:, :i], h[:, i:]
     if clamp is not None:
         c = torch.tensor(float(clamp), dtype=BF16)
         g = torch.minimum(g, c)
         u = torch.maximum(torch.minimum(u, c), -c)
     gf = g.float()
-    denom = 1.0 + torch.exp(-gf)
-    silu = gf * torch.reciprocal(denom) if fast_math else gf / denom
-    a = silu * u.float() * weights.unsqueeze(1)
+    denom = torch.neg(gf).exp_().add_(1.0)
+    a = denom.reciprocal_().mul_(gf) if fast_math else torch.div(gf, denom, out=denom)
+    a.mul_(u).mul_(weights.unsqueeze(1))
     if kind == "bf16":
-        return a.to(BF16)
+        a = a.to(BF16)
+        return a if dtype == BF16 else a.float()
     n = a.size(0)
     grp = a.view(n, i // _SF_GRAN, _SF_GRAN)
     s = _q.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / _q.FP8_E4M3_MAX).unsqueeze(-1)
-    return (_q.cast_to_e4m3(grp / s).float() * s).view(n, i).to(BF16)
+    q = _q.e4m3_to_float(_q.cast_to_e4m3(grp.div_(s))).mul_(s).view(n, i)  # e4m3 × UE8M0: exact in bf16
+    return q.to(BF16) if dtype == BF16 else q
 
 
 def _experts_per_wave(sb, counts, override):
@@ -654,7 +678,8 @@ def _experts_per_wave(sb, counts, override):
             raise ValueError(f"num_experts_per_wave must be a positive int, got {override!r}")
         return min(override, el)
     rows = int(counts.sum()) / sb.num_ranks  # rows each rank receives, on average
-    waves = max(1, min(_MAX_WAVES, el, int(rows // _WAVE_ROWS)))
+    row_bytes = (sb.hidden + sb.hidden // _SF_GRAN if sb.is_fp8 else 2 * sb.hidden) + 2 * sb.hidden
+    waves = max(1, min(_MAX_WAVES, el, round(rows * row_bytes / _WAVE_BYTES)))
     return -(-el // waves)
 
 
@@ -734,6 +759,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
 
     slots = torch.zeros(t * k, h, dtype=BF16)
     align = _layout_alignment(engine)
+    op_dtype = _operand_dtype(engine)
     pending = []  # (wave, combined, event)
 
     def compute_l1(w, recv):
@@ -756,8 +782,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         if kind == "bf16":
             xs = recv_x.index_select(0, order)
         else:
-            xs = _dequant_x(kind, sb, recv_x[:, :h].index_select(0, order).view(FP8),
-                            recv_x[:, h:].index_select(0, order))
+            xs = _dequant_x(kind, recv_x[:, :h].index_select(0, order).view(FP8),
+                            recv_x[:, h:].index_select(0, order), op_dtype)
         if padded:
             a = torch.zeros(end, h, dtype=BF16)
             a.index_copy_(0, pos, xs)
@@ -769,7 +795,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
                     h=hh.index_select(0, pos) if padded else hh, ws=recv_w[:, 0].index_select(0, order))
 
     def compute_act(st):
-        st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math)
+        st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math, op_dtype)
 
     def compute_l2(st):
         if st["padded"]:
@@ -843,7 +869,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
 
 
 def _dense_nt(engine, a, w):
-    """bf16 ``a @ w.T`` with float32 accumulation (engine as :func:`gemm_engine`)."""
+    """bf16 ``a @ w.T`` with float32 accumulation (engine as :func:`gemm_engine`; ``a`` as :func:`_operand_dtype`)."""
     if engine == "bf16":
         return torch.matmul(a, w.t())
     return torch.matmul(a.float(), w.float().t()).to(BF16)
@@ -856,9 +882,9 @@ def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine):
     if kind == "bf16":
         x = sb.x[:t]
     else:
-        x = _dequant_x(kind, sb, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8))
+        x = _dequant_x(kind, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8), _operand_dtype(engine))
     h = _dense_nt(engine, x, w1s)
-    a = _activation(kind, h, si, torch.ones(t), clamp, fast_math)
+    a = _activation(kind, h, si, torch.ones(t), clamp, fast_math, _operand_dtype(engine))
     return _dense_nt(engine, a, w2s)
 
 

@@ -403,3 +403,33 @@ def test_trace_overlap_arithmetic():
     assert abs(ov["worker_busy"] - 4.3) < 1e-9 and abs(ov["hidden"] - (1.0 + 0.9)) < 1e-9
     assert abs(ov["fraction"] - 1.9 / 4.3) < 1e-9 and abs(ov["compute"] - 5.0) < 1e-9
     assert tr.stage_times()["dispatch"] == pytest.approx(0.1 + 1.4)
+
+
+def test_default_wave_count_follows_bytes_moved(monkeypatch):
+    """Default waves = round(bytes a rank moves / 24 MiB), clamped to [1, min(4, E_l)]; a keyword or the
+    environment variable overrides it. Pure function of the all-gathered counts: every rank agrees."""
+    from types import SimpleNamespace
+
+    from deepep_ascend import mega_moe as mm
+
+    monkeypatch.delenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", raising=False)
+
+    def epw(pairs_per_rank, hidden, fp8, ranks=4, el=24, override=None):
+        sb = SimpleNamespace(num_local_experts=el, num_ranks=ranks, hidden=hidden, is_fp8=fp8)
+        counts = torch.zeros(ranks, el * ranks, dtype=torch.int64)
+        counts[:, 0] = pairs_per_rank  # only the total matters
+        return mm._experts_per_wave(sb, counts, override)
+
+    # fp8, H 1024: (1024 + 32 + 2048) B per pair; 3072 pairs = 9.5 MB -> one wave of all 24 experts
+    assert epw(3072, 1024, True) == 24
+    # bf16, H 2048: 8192 B per pair; 6144 pairs = 50 MB -> 2.0 -> 2 waves of 12
+    assert epw(6144, 2048, False) == 12
+    # 11264 pairs = 92 MB -> 3.67 -> 4 waves of 6; 10x more stays at 4
+    assert epw(11264, 2048, False) == 6 and epw(112640, 2048, False) == 6
+    assert epw(112640, 2048, False, el=2) == 1  # never more waves than local experts
+    assert epw(0, 1024, True) == 24
+    assert epw(3072, 1024, True, override=5) == 5 and epw(3072, 1024, True, override=99) == 24
+    monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", "3")
+    assert epw(3072, 1024, True) == 3
+    with pytest.raises(ValueError, match="positive int"):
+        epw(3072, 1024, True, override=0)
