@@ -30,7 +30,7 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    slowest rank included) and hides only its share of the data movement, so small payloads run
    as one wave. Measured here (``python -m bench.mega_moe --compare-waves 1,2,4``; README):
    ``cpu-pro-mini`` (9.5 MB per rank) ran as fast with one wave as with two and slower with four;
-   ``cpu-comm-heavy`` (50 MB) ran 25-32 % slower with one wave than with two. Wave ``w``
+   ``cpu-comm-heavy`` (50 MB) ran 23-35 % slower with one wave than with two. Wave ``w``
    dispatches the pairs whose local expert id (``e % E_l``) lies in the wave. Received rows are
    sorted (stably) by expert, so the order is expert, source rank, token, k (mega-moe.md §5).
 4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
