@@ -48,6 +48,7 @@ def test_exit_job_leaves_no_mpich_segment():
 
 
 SLOW_CHILD = """
+import os
 import time
 from mpi4py import MPI
 from transports.process import exit_job
@@ -60,9 +61,10 @@ class LateAfterBarrier:
         self.comm.Barrier()
         if self.comm.Get_rank() == 1:
             time.sleep(1.0)
-            print("LATE-RANK-ALIVE", flush=True)  # missing if the launcher killed it meanwhile
+            os.write(1, b"LATE-RANK-ALIVE\\n")  # missing if the launcher killed it meanwhile
 
-print("RANK-DONE", MPI.COMM_WORLD.Get_rank(), flush=True)
+# One write(2) per line: print() pieces from different ranks interleaved mid-line in one run
+os.write(1, f"RANK-DONE {MPI.COMM_WORLD.Get_rank()}\\n".encode())
 exit_job(0, LateAfterBarrier(MPI.COMM_WORLD))
 """
 
