@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         lines += [f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}{emu}",
                   f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}{emu}",
                   f"[overlap] compute {o['compute_per_call_s'] * 1e6:.1f} us per call (communication "
-                  f"{o['comm_per_call_s'] * 1e6:.1f} us per call); send+compute+hook total "
+                  f"{o['comm_per_call_s'] * 1e6:.1f} us per call); per round trip (2 calls): send+compute+hook "
                   f"{o['total_s'] * 1e6:.1f} us vs longer of (comm, compute) {o['longer_s'] * 1e6:.1f} us: "
                   f"{o['ratio']:.2f}x" + ((" (target <= 1.3x: " + ("met" if o["ratio"] <= 1.3 else "MISSED") + ")")
                                           if emulator is None else emu)]

@@ -667,15 +667,30 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
     return q.to(BF16) if dtype == BF16 else q
 
 
+def _wave_override(num_experts_per_wave, op: str):
+    """The wave size asked for on this rank: the keyword, else ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``,
+    else ``None`` (the default rule). Raises ``ValueError`` naming the keyword or the variable."""
+    if num_experts_per_wave is not None:
+        if isinstance(num_experts_per_wave, bool) or not isinstance(num_experts_per_wave, int) or num_experts_per_wave < 1:
+            raise ValueError(f"{op}: num_experts_per_wave must be a positive int, got {num_experts_per_wave!r}")
+        return num_experts_per_wave
+    env = os.environ.get(_WAVE_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{op}: ${_WAVE_ENV} must be a positive int, got {env!r}")
+    return value
+
+
 def _experts_per_wave(sb, counts, override):
-    """Wave size in local experts, the same on every rank (from the all-gathered counts ``[R, E]``)."""
+    """Wave size in local experts, the same on every rank: ``override`` (from :func:`_wave_override`, equal on
+    every rank) capped at ``E_l``, else the default rule from the all-gathered counts ``[R, E]``."""
     el = sb.num_local_experts
-    if override is None:
-        env = os.environ.get(_WAVE_ENV)
-        override = int(env) if env else None
     if override is not None:
-        if not isinstance(override, int) or override < 1:
-            raise ValueError(f"num_experts_per_wave must be a positive int, got {override!r}")
         return min(override, el)
     rows = int(counts.sum()) / sb.num_ranks  # rows each rank receives, on average
     row_bytes = (sb.hidden + sb.hidden // _SF_GRAN if sb.is_fp8 else 2 * sb.hidden) + 2 * sb.hidden
@@ -687,31 +702,35 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
          shared_l1, shared_l2, overlap, num_experts_per_wave, op):
     sb = sym_buffer
     me = getattr(sb, "rank", 0)
-    err, counts, t, shared = None, None, 0, None
+    err, counts, t, shared, override = None, None, 0, None, None
     try:
         t, shared = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_clamp, shared_l1,
                               shared_l2, recipe, op)
         idx = sb.topk_idx[:t]
         valid = idx >= 0
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
-        if num_experts_per_wave is not None and (not isinstance(num_experts_per_wave, int) or num_experts_per_wave < 1):
-            raise ValueError(f"{op}: num_experts_per_wave must be a positive int, got {num_experts_per_wave!r}")
+        override = _wave_override(num_experts_per_wave, op)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
         err = exc
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
     gathered = sb._comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                   None if counts is None else counts.numpy()))
-    bad = [(r, m) for r, (m, _c) in enumerate(gathered) if m is not None]
+                                   None if counts is None else counts.numpy(), override))
+    bad = [(r, m) for r, (m, _c, _o) in enumerate(gathered) if m is not None]
     if err is not None:
         raise err
     if bad:
         raise ConsensusError(f"rank {me}: {op} was rejected on rank(s) {[r for r, _ in bad]}: "
                              + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    cmat = torch.stack([torch.from_numpy(c) for _m, c in gathered])  # [R, E] pairs each rank sends per expert
+    overrides = [o for _m, _c, o in gathered]
+    if len(set(overrides)) > 1:  # every rank sees the same list, so every rank raises the same error
+        raise ValueError(f"rank {me}: {op}: ranks disagree on num_experts_per_wave (keyword, else ${_WAVE_ENV}; "
+                         f"None = default): " + ", ".join(f"rank {r}: {o}" for r, o in enumerate(overrides))
+                         + "; every rank must ask for the same wave size")
+    cmat = torch.stack([torch.from_numpy(c) for _m, c, _o in gathered])  # [R, E] pairs each rank sends per expert
 
     el, k, h, i = sb.num_local_experts, sb.num_topk, sb.hidden, sb.intermediate_hidden
-    epw = _experts_per_wave(sb, cmat, num_experts_per_wave)
+    epw = _experts_per_wave(sb, cmat, override)
     num_waves = -(-el // epw)
     trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
     engine = gemm_engine()
@@ -909,10 +928,12 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
         shared_l1_weights, shared_l2_weights: keyword-only; bf16 ``[2·S·I, H]`` / ``[H, S·I]``
             when the buffer has ``num_shared_experts = S > 0`` (not transformed).
         overlap: keyword-only; ``False`` runs the same waves with synchronous communication.
-        num_experts_per_wave: keyword-only wave size (default: see module docs).
+        num_experts_per_wave: keyword-only wave size (default: see module docs); every rank must ask for
+            the same one (keyword, else ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``).
     Raises:
         TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
-            :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves.
+            :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves; ranks
+            asking for different wave sizes: ``ValueError`` on every rank.
         TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`.
     """
     _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,

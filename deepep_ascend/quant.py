@@ -157,27 +157,35 @@ def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_to_float(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 values of ``float8_e4m3fn`` codes, bit for bit as ``x.float()`` (NaN codes give NaN).
+    """float32 values of ``float8_e4m3fn`` codes, bit for bit as ``x.float()`` (NaN codes included).
 
     Torch's CPU cast from e4m3 converts one element at a time (~5 ns each here); this one moves
     the code's sign, exponent and mantissa bits into a float16 whose exponent bias is 8 less
     (subnormals included), lets the vectorised float16 → float32 conversion run, and rescales by
-    ``2**8`` (exact). ``x`` any shape (``float8_e4m3fn``, or its bytes as int8/uint8); ``out``
-    optional float32 of the same shape (written and returned). Raises ``TypeError``/``ValueError``
-    for a wrong dtype or shape.
+    ``2**8`` (exact); NaN codes cost one more masked pass. ``x`` any shape and strides
+    (``float8_e4m3fn``, or its bytes as int8/uint8); ``out`` optional float32 of the same shape, not
+    overlapping itself (written and returned). Raises ``TypeError`` for a non-tensor or a wrong
+    dtype of ``x``, ``ValueError`` for a wrong ``out``.
     """
-    if x.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
-        raise TypeError(f"x must be float8_e4m3fn (or its int8/uint8 bytes), got {x.dtype}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+        raise TypeError(f"x must be a float8_e4m3fn tensor (or its int8/uint8 bytes), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != tuple(x.shape):
-        raise ValueError(f"out must be float32 {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+    elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    if x.dim() == 0:  # the NaN pass indexes by position: give it one dimension
+        e4m3_to_float(x.reshape(1), out.view(1))
+        return out
     b = x.view(torch.int8)
     half = b.to(torch.int16)  # sign-extended: bit 15 is the sign
     half.bitwise_left_shift_(7).bitwise_and_(-0x8000 | 0x3F80)  # S.EEEE.MMM -> S.0EEEE.MMM0000000
     out.copy_(half.view(torch.float16)).mul_(256.0)
     if b.numel() and (int(b.max()) == 127 or int(b.view(torch.uint8).max()) == 255):  # 0x7F / 0xFF: NaN
-        out.masked_fill_(torch.bitwise_or(b, -128) == -1, float("nan"))  # both codes | 0x80 == 0xFF
+        where = (torch.bitwise_or(b, -128) == -1).nonzero(as_tuple=True)  # both codes | 0x80 == 0xFF
+        nan_bits = torch.where(b[where] < 0, -0x100000, 0x7FF00000).to(torch.int32)  # torch's: 0xFFF00000, 0x7FF00000
+        out.view(torch.int32).index_put_(where, nan_bits)
     return out
 
 

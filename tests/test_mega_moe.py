@@ -337,6 +337,13 @@ def test_errors_on_every_rank(env, comm):
                        "stats shape")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, shared_l1_weights=l1[0]), None, ValueError,
                        "shared weights without shared experts")
+    # wave sizes: a bad one on the last rank, then ranks asking for different ones (every rank: ValueError)
+    _expect_everywhere(comm, lambda: call(y, l1, l2, buf, num_experts_per_wave=0 if rank == last else 1), last,
+                       ValueError, "num_experts_per_wave 0 on the last rank")
+    if size > 1:
+        _, exc = capture(lambda: call(y, l1, l2, buf, num_experts_per_wave=1 if rank == 0 else 2))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on num_experts_per_wave" in str(exc)
+                     and "rank 0: 1" in str(exc) and "rank 1: 2" in str(exc), f"mismatched wave sizes: {exc!r}")
     # transform rejects sizes its layout cannot take
     _, exc = capture(lambda: dea.transform_weights_for_mega_moe(torch.zeros(1, 12, 8, dtype=BF16),
                                                                 torch.zeros(1, 8, 6, dtype=BF16)))
@@ -407,7 +414,7 @@ def test_trace_overlap_arithmetic():
 
 def test_default_wave_count_follows_bytes_moved(monkeypatch):
     """Default waves = round(bytes a rank moves / 24 MiB), clamped to [1, min(4, E_l)]; a keyword or the
-    environment variable overrides it. Pure function of the all-gathered counts: every rank agrees."""
+    environment variable overrides it (checked, naming which). Pure function of the all-gathered counts."""
     from types import SimpleNamespace
 
     from deepep_ascend import mega_moe as mm
@@ -429,7 +436,13 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
     assert epw(112640, 2048, False, el=2) == 1  # never more waves than local experts
     assert epw(0, 1024, True) == 24
     assert epw(3072, 1024, True, override=5) == 5 and epw(3072, 1024, True, override=99) == 24
+    assert mm._wave_override(None, "op") is None and mm._wave_override(4, "op") == 4
     monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", "3")
-    assert epw(3072, 1024, True) == 3
-    with pytest.raises(ValueError, match="positive int"):
-        epw(3072, 1024, True, override=0)
+    assert mm._wave_override(None, "op") == 3 and mm._wave_override(5, "op") == 5  # the keyword wins
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="num_experts_per_wave must be a positive int"):
+            mm._wave_override(bad, "op")
+    for env in ("0", "abc", "-2"):
+        monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", env)
+        with pytest.raises(ValueError, match=r"\$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE must be a positive int"):
+            mm._wave_override(None, "op")

@@ -127,12 +127,22 @@ def test_e4m3_to_float_every_code(layout):
     nan = expect.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 2
     assert torch.equal(got[~nan].view(torch.int32), expect[~nan].view(torch.int32))  # signed zeros too
+    torch_bits = x.view(torch.float8_e4m3fn).float().view(torch.int32)  # NaN payloads: torch's own cast
+    assert torch.equal(got.view(torch.int32)[nan], torch_bits[nan])
     out = torch.full(x.shape, 7.0)
-    assert dg.e4m3_to_float(x, out=out) is out and torch.equal(out.isnan(), nan)
+    assert dg.e4m3_to_float(x, out=out) is out and torch.equal(out.view(torch.int32), got.view(torch.int32))
+    for code in (0x7F, 0xFF, 0x80):  # 0-d: NaN payloads and -0.0 as torch's cast
+        one = torch.tensor([code], dtype=torch.int32).to(torch.uint8)[0].view(torch.float8_e4m3fn)
+        assert dg.e4m3_to_float(one).shape == () and torch.equal(dg.e4m3_to_float(one).view(torch.int32),
+                                                                  one.float().view(torch.int32))
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         dg.e4m3_to_float(torch.zeros(4))
-    with pytest.raises(ValueError, match="out must be float32"):
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        dg.e4m3_to_float([1, 2])
+    with pytest.raises(ValueError, match="out must be a float32 tensor"):
         dg.e4m3_to_float(x, out=torch.empty(3))
+    with pytest.raises(ValueError, match="out must be a float32 tensor"):
+        dg.e4m3_to_float(x, out="abc")
 
 
 def test_per_token_cast_hand_values():
