@@ -70,13 +70,9 @@ BF16 = torch.bfloat16
 
 
 def _wave_list(text: str) -> list:
-    try:
-        waves = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
-    if any(w < 1 for w in waves):
-        raise argparse.ArgumentTypeError(f"wave counts must be >= 1, got {text!r}")
-    return waves
+    """argparse ``type=``: comma-separated wave counts, each an int >= 1 (``bench.common.int_at_least``)."""
+    positive = C.int_at_least(1)
+    return [positive(v) for v in text.split(",")]
 
 
 def parse_args(argv=None):

@@ -151,6 +151,11 @@ def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
+def _dispatch_row_bytes(hidden: int, is_fp8: bool) -> int:
+    """Bytes of one dispatched pair row: e4m3 data then one UE8M0 byte per 32 channels, or bf16."""
+    return hidden + hidden // _SF_GRAN if is_fp8 else 2 * hidden
+
+
 def _layout_alignment(engine: str) -> int:
     """Row alignment of each expert's group: the grouped GEMM's (``bf16``) or 1 (``fp32``: no padding rows)."""
     return get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
@@ -243,7 +248,7 @@ class SymmBuffer:
         if not self.is_fp8:
             self.x_sf = self.l1_acts_sf = self.l2_acts_sf = None
         # Rows moved per dispatch: one per (token, k) pair of a wave; the window streams larger waves.
-        row_bytes = h + h // 32 if self.is_fp8 else 2 * h
+        row_bytes = _dispatch_row_bytes(h, self.is_fp8)
         pairs = max(1, tmax * num_topk)
         nbytes = Buffer.get_normal_buffer_size_hint(pairs, row_bytes // (1 if self.is_fp8 else 2), self.num_ranks,
                                                     1, num_experts, 1 if self.is_fp8 else 2)
@@ -630,19 +635,14 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
 
 def _dequant_x(kind, data, sf_bytes, dtype=BF16):
     """Received activations ``[n, H]`` as ``dtype``: bf16, or float32 holding the same bf16 values
-    (what the fp32 engine multiplies). bf16 rows as they are; fp8: e4m3 × UE8M0 per 32 channels,
-    exact in bf16 unless a scale byte is below ``_MIN_EXACT_SF_BYTE`` (then rounded through bf16)."""
+    (what the fp32 engine multiplies). bf16 rows as they are; fp8: e4m3 × UE8M0 bytes ``[n, H/32]``
+    (:func:`deepep_ascend.per_token_cast_back`), exact in bf16 unless a scale byte is below
+    ``_MIN_EXACT_SF_BYTE`` (then rounded through bf16)."""
     if kind == "bf16":
         return data if dtype == BF16 else data.float()
-    n, h = data.shape
-    vals = _q.e4m3_to_float(data)
-    scale = _q._ue8m0_byte_to_float(sf_bytes.reshape(n, h // _SF_GRAN))
-    vals.view(n, h // _SF_GRAN, _SF_GRAN).mul_(scale.unsqueeze(-1))
-    if dtype == BF16:
-        return vals.to(BF16)
-    if sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE:
-        return vals.to(BF16).float()
-    return vals
+    if dtype == BF16 or (sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE):
+        return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, BF16).to(dtype)
+    return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, torch.float32)
 
 
 def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
@@ -693,7 +693,7 @@ def _experts_per_wave(sb, counts, override):
     if override is not None:
         return min(override, el)
     rows = int(counts.sum()) / sb.num_ranks  # rows each rank receives, on average
-    row_bytes = (sb.hidden + sb.hidden // _SF_GRAN if sb.is_fp8 else 2 * sb.hidden) + 2 * sb.hidden
+    row_bytes = _dispatch_row_bytes(sb.hidden, sb.is_fp8) + 2 * sb.hidden  # + the bf16 row combined back
     waves = max(1, min(_MAX_WAVES, el, round(rows * row_bytes / _WAVE_BYTES)))
     return -(-el // waves)
 
