@@ -13,8 +13,10 @@ What this file adds to pytest + pytest-mpi:
   size are skipped locally on every rank without communication.
 * **Watchdog**: each test (setup + call + teardown) must finish within
   ``DEEPEP_ASCEND_TEST_WATCHDOG_S`` seconds (default 300; ``@pytest.mark.watchdog(s)`` overrides).
-  Past the deadline the rank prints the test id and all Python thread tracebacks to its real
-  stderr and exits with status 3 (mpiexec then ends the job): a hang is a failure, not a stuck CI.
+  Past the deadline the rank prints the test id, what the kernel says each other rank on its host
+  is doing (``/proc``: state, wait channel and system call per thread, so a rank that prints
+  nothing itself is still located) and all Python thread tracebacks to its real stderr, and exits
+  with status 3 (mpiexec then ends the job): a hang is a failure, not a stuck CI.
 * **Rank-0 output**: with more than one rank, ranks != 0 write pytest's terminal output to
   ``$DEEPEP_ASCEND_TEST_LOG_DIR`` (default ``<tmp>/deepep_ascend_tests/<job>/rank<r>.log``).
   At session end every rank's failures are gathered and rank 0 prints those it did not see
@@ -94,6 +96,7 @@ class _Watchdog:
     def __init__(self, fd: int, my_rank: int):
         self._fd = fd
         self._rank = my_rank
+        self.peers: list[tuple[int, str, int]] = []  # (rank, host, pid) of every rank, set after MPI is up
         self._cv = threading.Condition()
         self._deadline: float | None = None
         self._what = ""
@@ -144,9 +147,55 @@ class _Watchdog:
             )
             try:
                 os.write(self._fd, msg.encode())
+                os.write(self._fd, _peer_states(self.peers, self._rank).encode())
             finally:
                 time.sleep(self.GRACE_S)
                 os._exit(3)
+
+
+def _peer_states(peers, me: int) -> str:
+    """What the kernel says each other rank on this host is doing (``/proc``): scheduler state,
+    where it sleeps, and the system call its threads are in. A rank that prints nothing when its
+    watchdog fires (blocked writing its output, stopped, or in uninterruptible sleep) is still
+    described by its peers."""
+    host = os.uname().nodename
+    lines = []
+    for r, h, pid in peers:
+        if r == me or h != host:
+            continue
+        try:
+            state = _proc_field(f"/proc/{pid}/status", "State:")
+            threads = []
+            for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                base = f"/proc/{pid}/task/{tid}"
+                wchan = _read_small(f"{base}/wchan") or "-"
+                syscall = (_read_small(f"{base}/syscall") or "?").split()
+                call = syscall[0] + (f"(fd {int(syscall[1], 16)})" if syscall[0] in ("0", "1") and len(syscall) > 1 else "")
+                threads.append(f"{tid}:{_proc_field(f'{base}/status', 'State:')[:1]}/{wchan}/syscall {call}")
+            lines.append(f"[watchdog]   rank {r} (pid {pid}): {state}; threads " + ", ".join(threads))
+        except OSError as exc:
+            lines.append(f"[watchdog]   rank {r} (pid {pid}): /proc unreadable ({exc.strerror})")
+    return ("[watchdog] rank %d sees its peers (syscall 0/1 = read/write):\n" % me + "\n".join(lines) + "\n") if lines else ""
+
+
+def _read_small(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read(256).strip()
+    except OSError:
+        return ""
+
+
+def _proc_field(path: str, key: str) -> str:
+    for line in _read_small_lines(path):
+        if line.startswith(key):
+            return line[len(key):].strip()
+    return "?"
+
+
+def _read_small_lines(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read(4096).splitlines()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,6 +243,8 @@ def pytest_configure(config):
     _S.mpi_active = True
     _S.err_fd = os.dup(2)  # capture is suspended here, so fd 2 is the real stderr
     _S.watchdog = _Watchdog(_S.err_fd, _S.rank)
+    _S.watchdog.peers = [(r, h, pid) for r, (h, pid) in
+                         enumerate(MPI.COMM_WORLD.allgather((os.uname().nodename, os.getpid())))]
     config.pluginmanager.register(
         mpi_utils.CollectiveOutcomePlugin(MPI.COMM_WORLD),
         "deepep-ascend-collective-outcome",
