@@ -1,0 +1,81 @@
+"""``scripts/test.sh`` (the README's test command) and the harness's watchdog: a job that the
+watchdog ended is run once more and the second result counts; a job whose tests fail is not re-run;
+the watchdog's report locates every rank.
+
+Runs in the 1-rank job: each case runs the script on a two-rank job of one small test file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+from mpi_utils import child_env, world
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD_TEST = """
+import os
+import time
+import pytest
+from mpi4py import MPI
+
+MARK = os.environ["SUITE_SCRIPT_MARK"]
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.watchdog(4)
+def test_case():
+    mode = os.environ["SUITE_SCRIPT_MODE"]
+    first = not os.path.exists(MARK)
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        if first:
+            open(MARK, "w").close()
+        if mode == "hang_always" or (mode == "hang_once" and first):
+            time.sleep(120)  # rank 0 waits in the barrier below
+    MPI.COMM_WORLD.Barrier()
+    assert mode != "fail", "a real failure"
+"""
+
+
+def _run_script(tmp_path, mode, **env_extra):
+    (tmp_path / "test_child.py").write_text(CHILD_TEST)
+    tests_dir = os.path.join(REPO, "tests")
+    env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", SUITE_SCRIPT_MODE=mode,
+                    SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}", **env_extra)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
+                           str(tmp_path / "test_child.py")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+pytestmark = [pytest.mark.mpi(min_size=1),
+              pytest.mark.skipif(world().Get_size() != 1, reason="runs scripts/test.sh; in the 1-rank job only")]
+
+
+def test_a_hung_job_runs_again_and_its_second_result_counts(tmp_path):
+    rc, out = _run_script(tmp_path, "hang_once")
+    assert rc == 0, out[-3000:]
+    assert "[watchdog] rank 1: test" in out and "=== 2 rank(s): HUNG" in out, out[-3000:]
+    assert "=== 2 rank(s): passed" in out and "after 1 hung run(s)" in out, out[-3000:]
+    # The watchdog's report: each rank names the test and describes its peers from /proc, so a rank
+    # whose own report is lost (one CI hang had a rank print nothing) is still located.
+    for r in (0, 1):
+        assert re.search(rf"\[watchdog\] rank {r}: test \S*test_case exceeded 4 s", out), out[-3000:]
+    assert re.search(r"\[watchdog\]   rank 1 \(pid \d+\): S \(sleeping\); threads \d+:S/", out), out[-3000:]
+    assert re.search(r"\[watchdog\]   rank 0 \(pid \d+\): [RS] ", out), out[-3000:]
+
+
+def test_a_hang_with_no_retry_left_fails(tmp_path):
+    rc, out = _run_script(tmp_path, "hang_always", DEEPEP_ASCEND_TEST_HANG_RETRIES="0")
+    assert rc != 0 and "[watchdog] rank 1: test" in out, out[-3000:]
+    assert "HUNG" not in out and "=== 2 rank(s): FAILED" in out, out[-3000:]
+
+
+def test_a_failing_job_is_not_run_again(tmp_path):
+    rc, out = _run_script(tmp_path, "fail")
+    assert rc != 0 and "a real failure" in out, out[-3000:]
+    assert "HUNG" not in out and out.count("=== pytest at 2 rank(s) ===") == 1, out[-3000:]
