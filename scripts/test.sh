@@ -25,8 +25,8 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 # A job that the harness's watchdog ended (a test hung: "[watchdog] rank R: test ... exceeded",
 # tests/conftest.py) runs once more, saying so. Every wait of the library has a deadline and turns
 # into an error, so a watchdog hang is outside the data plane; the ones seen on this project's
-# 2-core VMs (about one 4-rank job in five on some days) sat in the harness's own MPI collectives
-# or had a rank make no progress at all. A test that fails or crashes is never re-run.
+# 2-core VMs (three 4-rank jobs in one day, then none in eight) sat in the harness's own MPI
+# collectives or had a rank make no progress at all. A test that fails or crashes is never re-run.
 retries="${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
