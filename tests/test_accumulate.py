@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from deepep_ascend.intranode import _sum_two_by_runs, accumulate_rows
+from deepep_ascend.intranode import _sum_two_by_runs, accumulate_rows, two_source_run_limit
 
 BF16 = torch.bfloat16
 SPECIALS = [0.0] + [-0.0] * 4 + [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, -1e-40, 1.0, -1.0]
@@ -126,7 +126,30 @@ def test_two_sources_by_runs(missing0, missing1):
         rows1 = sources[1][0]
         srcs = [sources[0], (torch.add(rows1, 0.0) if flags[1] else rows1, sources[1][1])]
         out = torch.full((m, hidden), 7.0, dtype=BF16)
-        assert _sum_two_by_runs(out, srcs, flags, max_run_fraction=1 / 8)
+        assert _sum_two_by_runs(out, srcs, flags, max_runs=m)
         assert _same(out, expected)
     if missing0 < m and missing1 < m:  # three or four sources with rows: not this path
         assert not _sum_two_by_runs(out, sources * 2, [False] * 4)
+
+
+def test_two_source_run_limit_follows_the_work_per_run():
+    """The run-wise path is taken while its per-run overhead stays below the float32 chain's cost:
+    the limit grows with ``m * hidden``. At 2 ranks on DeepSeek-V3 shapes (4096 tokens, hidden
+    7168) a rank whose tokens miss one rank ~35 times has ~70 runs; the old limit (m / 64 = 64)
+    sent such a rank to the float32 chain."""
+    assert two_source_run_limit(4096, 7168) >= 500
+    assert two_source_run_limit(300, 24) == 8
+    g = torch.Generator().manual_seed(5)
+    m, hidden = 512, 2048  # limit 32 runs
+    limit = two_source_run_limit(m, hidden)
+    for missing, taken in ((6, True), (60, False)):  # <= 2 * 6 + 1 runs; ~120 runs
+        sources = []
+        for _ in range(2):
+            keep = torch.ones(m, dtype=torch.bool)
+            keep[torch.randperm(m, generator=g)[:missing]] = False
+            tokens = torch.nonzero(keep).squeeze(1)
+            sources.append((_rows(g, tokens.numel(), hidden), tokens))
+        out = torch.empty(m, hidden, dtype=BF16)
+        assert _sum_two_by_runs(out, sources, [False, False]) is taken, (missing, limit)
+        if taken:
+            assert _same(out, _reference(m, hidden, sources, None))
