@@ -24,9 +24,9 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 
 # A job that the harness's watchdog ended (a test hung: "[watchdog] rank R: test ... exceeded",
 # tests/conftest.py) runs once more, saying so. Every wait of the library has a deadline and turns
-# into an error, so a watchdog hang is outside the data plane; the ones seen on this project's
-# 2-core VMs (three 4-rank jobs in one day, then none in eight) sat in the harness's own MPI
-# collectives or had a rank make no progress at all. A test that fails or crashes is never re-run.
+# into an error, so a watchdog hang is outside its data plane; the ones seen before were tests
+# slowed 100x by ranks spinning in MPICH's blocking collectives (README, "Two commands"), which
+# the harness no longer does. A test that fails or crashes is never re-run.
 retries="${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT

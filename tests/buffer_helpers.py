@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from mpi_utils import gather_all, run_collectively, world
+from mpi_utils import allgather_object, gather_all, run_collectively, world
 from reference import (
     per_token_cast_back,
     per_token_cast_to_fp8,
@@ -54,7 +54,7 @@ def ll_buffer_fixture(m: int, hidden: int, num_experts: int):
 def all_ranks_ok(comm, ok: bool, what: str) -> None:
     """Raise AssertionError on every rank unless ``ok`` holds on every rank (names the bad ranks)."""
     __tracebackhide__ = True
-    oks = comm.allgather(bool(ok))
+    oks = allgather_object(bool(ok), comm)
     bad = [r for r, o in enumerate(oks) if not o]
     assert not bad, f"{what}: failed on rank(s) {bad}"
 

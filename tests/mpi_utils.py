@@ -29,6 +29,7 @@ __all__ = [
     "CollectiveOutcomePlugin",
     "RankFailure",
     "allgather_object",
+    "wait",
     "comm",
     "describe_exception",
     "format_failures",
@@ -122,9 +123,45 @@ def only_sizes(*sizes: int, reason: str | None = None):
 # gathering
 
 
+def wait(req) -> None:
+    """Complete the MPI request ``req`` without spinning the CPU away from the other ranks.
+
+    MPICH's blocking calls poll and ``sched_yield`` until they complete. When ranks outnumber
+    cores that starves the rank everyone waits for: in one 4-rank suite run on 2 cores the
+    waiting ranks took ~90 % of the CPU, ~80 % of it inside ``sched_yield`` (``perf``), the
+    working rank ~9 %, and single tests ran 100-170x slower than in quiet runs (the MoE layer's
+    low-latency test 170 s against 1 s). So the harness waits as the library's own waits do
+    (``transports.base.WaitPolicy``): poll, then sleep, when oversubscribed.
+    """
+    if req.Test():
+        return
+    import time
+
+    from transports.base import WaitPolicy
+
+    local = int(os.environ.get("MPI_LOCALNRANKS", world_nranks()))
+    for pause in WaitPolicy(local_ranks=local).pauses():
+        if req.Test():
+            return
+        if pause:
+            time.sleep(pause)
+
+
 def allgather_object(obj: Any, comm=None) -> list:
-    """Pickle-based all-gather of a small Python object; list indexed by rank."""
-    return (comm or world()).allgather(obj)
+    """All-gather of a picklable Python object; list indexed by rank. Waits with :func:`wait`."""
+    import pickle
+
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = comm or world()
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes))
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+    wait(comm.Iallgatherv(data, [recv, (sizes.tolist(), displs.tolist()), MPI.BYTE]))
+    return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs.tolist(), sizes.tolist())]
 
 
 def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
@@ -152,8 +189,8 @@ def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
         if t.numel()
         else torch.empty(0, dtype=torch.uint8)
     )
-    meta = comm.allgather(
-        (tuple(t.shape), str(t.dtype).removeprefix("torch."), raw.numel())
+    meta = allgather_object(
+        (tuple(t.shape), str(t.dtype).removeprefix("torch."), raw.numel()), comm
     )
     counts = [m[2] for m in meta]
     displs = [0] * len(counts)
@@ -161,7 +198,7 @@ def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
         displs[i] = displs[i - 1] + counts[i - 1]
     recv = np.empty(sum(counts), dtype=np.uint8)
     send = raw.numpy()
-    comm.Allgatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE])
+    wait(comm.Iallgatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]))
     recv_t = torch.from_numpy(recv)
     out = []
     for (shape, dtype_name, nbytes), off in zip(meta, displs):
@@ -264,7 +301,7 @@ def sync_outcome(
     """
     comm = comm or world()
     mine = describe_exception(exc) if is_failure(exc) else None
-    gathered = comm.allgather(mine)
+    gathered = allgather_object(mine, comm)
     return [RankFailure(r, e) for r, e in enumerate(gathered) if e is not None]
 
 
