@@ -7,11 +7,12 @@
 #   DEEPEP_ASCEND_SUITE_TIMEOUT_S    wall limit of one mpiexec run (default 1200)
 #   DEEPEP_ASCEND_TEST_RANKS         rank counts to run (default "1 2 4 8")
 #   DEEPEP_ASCEND_TEST_HANG_RETRIES  re-runs of a rank count whose job the harness's watchdog ended (default 1)
+#   DEEPEP_ASCEND_SKIP_SETUP=1       skip scripts/setup.sh (everything already installed)
 #   UCX_LOG_LEVEL                    exported (default error; see below)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
 
-bash "$REPO_ROOT/scripts/setup.sh"
+[[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec
 
 export DEEPEP_ASCEND_TIMEOUT_S="${DEEPEP_ASCEND_TIMEOUT_S:-20}"

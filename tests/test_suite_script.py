@@ -43,7 +43,7 @@ def test_case():
 def _run_script(tmp_path, mode, **env_extra):
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
     tests_dir = os.path.join(REPO, "tests")
-    env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", SUITE_SCRIPT_MODE=mode,
+    env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", DEEPEP_ASCEND_SKIP_SETUP="1", SUITE_SCRIPT_MODE=mode,
                     SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}", **env_extra)
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
