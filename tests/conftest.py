@@ -150,6 +150,10 @@ class _Watchdog:
                 os.write(self._fd, _peer_states(self.peers, self._rank).encode())
             finally:
                 time.sleep(self.GRACE_S)
+                # os._exit skips MPI_Finalize, the only thing that unlinks MPICH's /dev/shm segment
+                from transports.process import release_mpich_shm
+
+                release_mpich_shm()
                 os._exit(3)
 
 

@@ -40,6 +40,10 @@ def test_case():
 """
 
 
+def _mpich_segments() -> set:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")} if os.path.isdir("/dev/shm") else set()
+
+
 def _run_script(tmp_path, mode, **env_extra):
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
     tests_dir = os.path.join(REPO, "tests")
@@ -50,6 +54,14 @@ def _run_script(tmp_path, mode, **env_extra):
                            str(tmp_path / "test_child.py")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_segment_left():
+    """A job the watchdog ended leaves no MPICH segment in /dev/shm (it skips MPI_Finalize)."""
+    before = _mpich_segments()
+    yield
+    assert not _mpich_segments() - before
 
 
 pytestmark = [pytest.mark.mpi(min_size=1),
