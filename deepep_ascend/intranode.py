@@ -108,7 +108,7 @@ def check_consensus(headers, op, call_id):
 
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None,
-                    clean=None) -> None:
+                    clean=None, max_runs: int | None = None) -> None:
     """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
 
     ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
@@ -119,6 +119,7 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     additions in exactly the order of ``sources`` (DeepEP's ascending rank). ``edges``/``bounds``:
     block edges and each source's ``searchsorted`` of them, if the caller has them. ``clean``:
     per source, True if its rows hold no ``-0.0`` (lets the sign-of-zero fix-up below be skipped).
+    ``max_runs``: passed to :func:`_sum_two_by_runs` (0 forces the float32 chain; ``bench.combine_sum``).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
@@ -131,7 +132,7 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     m = out.size(0)
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
-    if bias is None and _sum_two_by_runs(out, sources, clean):
+    if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
         return
     if edges is None:
         edges = torch.arange(0, m + block, block).clamp_(max=m)
@@ -173,9 +174,10 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
 def two_source_run_limit(m: int, hidden: int) -> int:
     """Most runs for which :func:`_sum_two_by_runs` beats the float32 chain on ``[m, hidden]``.
 
-    Measured on the development VM: a run costs ~9-12 µs of Python and torch call overhead, and
-    the run-wise sum saves ~0.6 ns per element over the float32 chain, so the two break even
-    near ``m * hidden / 15000`` runs; half of that keeps a margin. (The limit used to be
+    Measured on the development VM (``python -m bench.combine_sum``, two runs): a run costs
+    9-10 µs of Python and torch call overhead, and the run-wise sum saves 0.6-0.7 ns per element
+    over the float32 chain, so the two break even near ``m * hidden / 15000`` runs; half of that
+    keeps a margin. (The limit used to be
     ``m / 64``: at 2 ranks on DeepSeek-V3 shapes one rank's ~70 runs fell to the float32 chain
     and its combine took 2.5x as long as its peer's.)
     """

@@ -153,3 +153,14 @@ def test_two_source_run_limit_follows_the_work_per_run():
         assert _sum_two_by_runs(out, sources, [False, False]) is taken, (missing, limit)
         if taken:
             assert _same(out, _reference(m, hidden, sources, None))
+
+
+def test_combine_sum_benchmark_checks_bits(capsys):
+    """``python -m bench.combine_sum`` (the figures behind ``two_source_run_limit``) times both
+    paths on the same inputs and checks they give the same bits."""
+    from bench import combine_sum
+
+    assert combine_sum.main(["--tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[case]") == 2 and "same bits True" in out and "[fit]" in out
+    assert "both paths give the same bits in every case: True" in out

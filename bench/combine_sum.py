@@ -1,0 +1,83 @@
+"""Combine's two-source sum: the run-wise BF16 path against the float32 chain, by number of runs.
+
+    python -m bench.combine_sum [--tokens 4096] [--hidden 7168] [--missing 16,64,256,1024] [--iters 5]
+
+One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
+``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
+``-0.0``) as combine marks the rows a peer staged. For each case it times
+``intranode.accumulate_rows`` twice on the same inputs: the run-wise path forced on
+(``max_runs=tokens``) and forced off (``max_runs=0``, the float32 chain), checks that both give the
+same bits, and prints the run count, both medians, the cost per run of the run-wise path, and
+which one :func:`~deepep_ascend.intranode.two_source_run_limit` picks. Its last line fits the two
+costs (least squares: run-wise = a + b * runs, chain = c) and prints the break-even run count
+against the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench import common as C
+from bench.alloc import _median_ms
+from deepep_ascend import intranode as I
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.combine_sum", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=C.int_at_least(1), default=4096)
+    ap.add_argument("--hidden", type=C.int_at_least(1), default=7168)
+    ap.add_argument("--missing", default="16,64,256,1024", help="comma-separated tokens each source misses")
+    ap.add_argument("--iters", type=C.int_at_least(1), default=5)
+    args = ap.parse_args(argv)
+    missing = [C.int_at_least(0)(v) for v in args.missing.split(",")]
+    torch.set_num_threads(1)
+    m, h = args.tokens, args.hidden
+    g = torch.Generator().manual_seed(0)
+    out_runs = torch.empty(m, h, dtype=torch.bfloat16)
+    out_chain = torch.empty_like(out_runs)
+    acc, tmp = I.CombineScratch().get(h)
+    limit = I.two_source_run_limit(m, h)
+    print(f"[config] {m} tokens x hidden {h}, two sources, 1 thread, median of {args.iters}; "
+          f"two_source_run_limit = {limit} runs")
+    points, same = [], True
+    for miss in missing:
+        sources = []
+        for _ in range(2):
+            keep = torch.ones(m, dtype=torch.bool)
+            keep[torch.randperm(m, generator=g)[:min(miss, m)]] = False
+            tokens = torch.nonzero(keep).squeeze(1)
+            sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
+        code = torch.zeros(m, dtype=torch.int8)
+        for bit, (_, tokens) in enumerate(sources):
+            code[tokens] += 1 << bit
+        runs = int((code[1:] != code[:-1]).sum()) + 1
+        kw = dict(clean=[False, True])  # as in combine: own rows as given, the peer's staged with + 0.0
+        t_runs = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, **kw), args.iters)
+        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, **kw), args.iters)
+        ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
+        same &= ok
+        points.append((runs, t_runs, t_chain))
+        pick = "run-wise" if runs <= limit else "float32 chain"
+        print(f"[case]   missing {miss:5d}: {runs:5d} runs | run-wise {t_runs:8.2f} ms | float32 chain "
+              f"{t_chain:8.2f} ms | {t_runs / runs * 1e3:7.1f} us per run | limit picks {pick} | same bits {ok}")
+    if len(points) >= 2:
+        n = len(points)
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        a = my - b * mx
+        c = sum(p[2] for p in points) / n
+        even = (c - a) / b if b > 0 else float("inf")
+        saved = (c - a) / (m * h) * 1e6
+        print(f"[fit]    run-wise {a:.2f} ms + {b * 1e3:.1f} us/run; float32 chain {c:.2f} ms "
+              f"({saved:.2f} ns/element more than the run-wise base); break-even ~{even:.0f} runs "
+              f"= m*hidden/{m * h / even:.0f}; limit {limit} = m*hidden/{m * h / limit:.0f}")
+    print(f"[check]  both paths give the same bits in every case: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
