@@ -127,11 +127,11 @@ def wait(req) -> None:
     """Complete the MPI request ``req`` without spinning the CPU away from the other ranks.
 
     MPICH's blocking calls poll and ``sched_yield`` until they complete. When ranks outnumber
-    cores that starves the rank everyone waits for: in one 4-rank suite run on 2 cores the
-    waiting ranks took ~90 % of the CPU, ~80 % of it inside ``sched_yield`` (``perf``), the
-    working rank ~9 %, and single tests ran 100-170x slower than in quiet runs (the MoE layer's
-    low-latency test 170 s against 1 s). So the harness waits as the library's own waits do
-    (``transports.base.WaitPolicy``): poll, then sleep, when oversubscribed.
+    cores that starves the rank everyone waits for: in 4-rank suite runs on 2 cores the waiting
+    ranks took most of the CPU (``perf``: mostly inside ``sched_yield``) and single tests ran
+    100-170x slower than in quiet runs (the MoE layer's low-latency test 170 s against 1 s). So
+    the harness waits as the library's own waits do (``transports.base.WaitPolicy``): poll, then
+    sleep, when oversubscribed.
     """
     if req.Test():
         return
