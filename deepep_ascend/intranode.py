@@ -178,8 +178,8 @@ def two_source_run_limit(m: int, hidden: int) -> int:
     9-10 µs of Python and torch call overhead, and the run-wise sum saves 0.6-0.7 ns per element
     over the float32 chain, so the two break even near ``m * hidden / 15000`` runs; half of that
     keeps a margin. (The limit used to be
-    ``m / 64``: at 2 ranks on DeepSeek-V3 shapes one rank's ~70 runs fell to the float32 chain
-    and its combine took 2.5x as long as its peer's.)
+    ``m / 64``: at 2 ranks on DeepSeek-V3 shapes a rank whose tokens miss the other rank a few
+    dozen times fell to the float32 chain, about twice as slow there.)
     """
     return max(8, m * hidden // 32768)
 

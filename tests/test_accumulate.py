@@ -135,7 +135,7 @@ def test_two_sources_by_runs(missing0, missing1):
 def test_two_source_run_limit_follows_the_work_per_run():
     """The run-wise path is taken while its per-run overhead stays below the float32 chain's cost:
     the limit grows with ``m * hidden``. At 2 ranks on DeepSeek-V3 shapes (4096 tokens, hidden
-    7168) a rank whose tokens miss one rank ~35 times has ~70 runs; the old limit (m / 64 = 64)
+    7168) a rank whose tokens miss one rank a few dozen times has ~65+ runs; the old limit (m / 64 = 64)
     sent such a rank to the float32 chain."""
     assert two_source_run_limit(4096, 7168) >= 500
     assert two_source_run_limit(300, 24) == 8
