@@ -172,7 +172,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
 
 
 def two_source_run_limit(m: int, hidden: int) -> int:
-    """Most runs for which :func:`_sum_two_by_runs` beats the float32 chain on ``[m, hidden]``.
+    """Most runs for which :func:`_sum_two_by_runs` is used on ``[m, hidden]``: about half the run
+    count at which it stops beating the float32 chain (one torch thread).
 
     Measured on the development VM (``python -m bench.combine_sum``, two runs): a run costs
     9-10 µs of Python and torch call overhead, and the run-wise sum saves 0.6-0.7 ns per element

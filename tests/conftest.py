@@ -97,6 +97,7 @@ class _Watchdog:
         self._fd = fd
         self._rank = my_rank
         self.peers: list[tuple[int, str, int]] = []  # (rank, host, pid) of every rank, set after MPI is up
+        self.release_shm = None  # transports.process.release_mpich_shm, imported before any test runs
         self._cv = threading.Condition()
         self._deadline: float | None = None
         self._what = ""
@@ -146,15 +147,31 @@ class _Watchdog:
                 f"thread tracebacks follow; exiting with status 3\n"
             )
             try:
+                _mark_hang(self._rank)
                 os.write(self._fd, msg.encode())
                 os.write(self._fd, _peer_states(self.peers, self._rank).encode())
             finally:
-                time.sleep(self.GRACE_S)
-                # os._exit skips MPI_Finalize, the only thing that unlinks MPICH's /dev/shm segment
-                from transports.process import release_mpich_shm
+                try:
+                    time.sleep(self.GRACE_S)
+                    # os._exit skips MPI_Finalize, the only thing that unlinks MPICH's /dev/shm segment
+                    if self.release_shm is not None:
+                        self.release_shm()
+                finally:
+                    os._exit(3)
 
-                release_mpich_shm()
-                os._exit(3)
+
+def _mark_hang(my_rank: int) -> None:
+    """For ``scripts/test.sh``: write ``$DEEPEP_ASCEND_TEST_HANG_DIR/rank<r>`` saying whether any
+    test had failed on this rank before the hang ("clean" / "failed"); the script re-runs a hung
+    job only if every marker says "clean", so a real failure is never re-run away."""
+    where = os.environ.get("DEEPEP_ASCEND_TEST_HANG_DIR")
+    if not where:
+        return
+    try:
+        with open(os.path.join(where, f"rank{my_rank}"), "w") as f:
+            f.write("failed\n" if _S.failures else "clean\n")
+    except OSError:
+        pass
 
 
 def _peer_states(peers, me: int) -> str:
@@ -175,11 +192,17 @@ def _peer_states(peers, me: int) -> str:
                 wchan = _read_small(f"{base}/wchan") or "-"
                 syscall = (_read_small(f"{base}/syscall") or "?").split()
                 call = syscall[0] + (f"(fd {int(syscall[1], 16)})" if syscall[0] in ("0", "1") and len(syscall) > 1 else "")
-                threads.append(f"{tid}:{_proc_field(f'{base}/status', 'State:')[:1]}/{wchan}/syscall {call}")
+                threads.append(f"{tid}:{_thread_state(base)}/{wchan}/syscall {call}")
             lines.append(f"[watchdog]   rank {r} (pid {pid}): {state}; threads " + ", ".join(threads))
         except OSError as exc:
             lines.append(f"[watchdog]   rank {r} (pid {pid}): /proc unreadable ({exc.strerror})")
     return ("[watchdog] rank %d sees its peers (syscall 0/1 = read/write):\n" % me + "\n".join(lines) + "\n") if lines else ""
+
+
+def _thread_state(task_dir: str) -> str:
+    """One-letter scheduler state of a thread (``R``, ``S``, ``D``, ...), ``?`` if it is gone."""
+    after = _read_small(f"{task_dir}/stat").rsplit(")", 1)  # the command name may hold spaces
+    return after[1].split()[0] if len(after) == 2 and after[1].split() else "?"
 
 
 def _read_small(path: str) -> str:
@@ -247,6 +270,9 @@ def pytest_configure(config):
     _S.mpi_active = True
     _S.err_fd = os.dup(2)  # capture is suspended here, so fd 2 is the real stderr
     _S.watchdog = _Watchdog(_S.err_fd, _S.rank)
+    from transports.process import release_mpich_shm
+
+    _S.watchdog.release_shm = release_mpich_shm
     _S.watchdog.peers = [(r, h, pid) for r, (h, pid) in
                          enumerate(MPI.COMM_WORLD.allgather((os.uname().nodename, os.getpid())))]
     config.pluginmanager.register(

@@ -160,7 +160,7 @@ def allgather_object(obj: Any, comm=None) -> list:
     wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes))
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(comm.Iallgatherv(data, [recv, (sizes.tolist(), displs.tolist()), MPI.BYTE]))
+    wait(comm.Iallgatherv([data, MPI.BYTE], [recv, (sizes.tolist(), displs.tolist()), MPI.BYTE]))
     return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs.tolist(), sizes.tolist())]
 
 

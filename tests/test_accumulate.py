@@ -142,7 +142,7 @@ def test_two_source_run_limit_follows_the_work_per_run():
     g = torch.Generator().manual_seed(5)
     m, hidden = 512, 2048  # limit 32 runs
     limit = two_source_run_limit(m, hidden)
-    for missing, taken in ((6, True), (60, False)):  # <= 2 * 6 + 1 runs; ~120 runs
+    for missing, taken in ((6, True), (60, False)):  # at most 4 * 6 + 1 = 25 runs; ~200 runs
         sources = []
         for _ in range(2):
             keep = torch.ones(m, dtype=torch.bool)
@@ -164,3 +164,34 @@ def test_combine_sum_benchmark_checks_bits(capsys):
     out = capsys.readouterr().out
     assert out.count("[case]") == 2 and "same bits True" in out and "[fit]" in out
     assert "both paths give the same bits in every case: True" in out
+
+
+def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
+    """``accumulate_rows(max_runs=...)`` reaches ``_sum_two_by_runs``: 0 forces the float32 chain,
+    ``m`` the run-wise path (what ``bench.combine_sum`` relies on to time both), same bits."""
+    from deepep_ascend import intranode
+
+    seen = []
+    real = intranode._sum_two_by_runs
+
+    def spy(out, sources, clean, max_runs=None):
+        took = real(out, sources, clean, max_runs)
+        seen.append((max_runs, took))
+        return took
+
+    monkeypatch.setattr(intranode, "_sum_two_by_runs", spy)
+    g = torch.Generator().manual_seed(7)
+    m, hidden = 64, 16
+    sources = []
+    for missing in (3, 5):
+        keep = torch.ones(m, dtype=torch.bool)
+        keep[torch.randperm(m, generator=g)[:missing]] = False
+        tokens = torch.nonzero(keep).squeeze(1)
+        sources.append((_rows(g, tokens.numel(), hidden), tokens))
+    outs = []
+    for max_runs in (0, m):
+        out = torch.empty(m, hidden, dtype=BF16)
+        accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs)
+        outs.append(out)
+    assert seen == [(0, False), (m, True)]
+    assert _same(outs[0], outs[1]) and _same(outs[0], _reference(m, hidden, sources, None))

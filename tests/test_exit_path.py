@@ -78,4 +78,3 @@ def test_exit_job_late_rank_is_not_killed():
     assert rc == 0 and "BAD TERMINATION" not in out, out[-3000:]
     assert sorted(re.findall(r"^RANK-DONE (\d+)$", out, re.M)) == ["0", "1", "2"], out[-3000:]
     assert "LATE-RANK-ALIVE" in out, "the late rank was killed after the barrier:\n" + out[-3000:]
-

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -23,20 +24,23 @@ import pytest
 from mpi4py import MPI
 
 MARK = os.environ["SUITE_SCRIPT_MARK"]
+MODE = os.environ["SUITE_SCRIPT_MODE"]
+
+@pytest.mark.mpi(min_size=2)
+def test_first():
+    assert MODE not in ("fail", "fail_then_hang"), "a real failure"
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.watchdog(4)
-def test_case():
-    mode = os.environ["SUITE_SCRIPT_MODE"]
+def test_second():
     first = not os.path.exists(MARK)
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.Get_rank() == 1:
         if first:
             open(MARK, "w").close()
-        if mode == "hang_always" or (mode == "hang_once" and first):
+        if MODE in ("hang_always", "fail_then_hang") or (MODE == "hang_once" and first):
             time.sleep(120)  # rank 0 waits in the barrier below
     MPI.COMM_WORLD.Barrier()
-    assert mode != "fail", "a real failure"
 """
 
 
@@ -44,16 +48,26 @@ def _mpich_segments() -> set:
     return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")} if os.path.isdir("/dev/shm") else set()
 
 
-def _run_script(tmp_path, mode, **env_extra):
+def _run_script(tmp_path, mode, retries="1"):
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
     tests_dir = os.path.join(REPO, "tests")
-    env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", DEEPEP_ASCEND_SKIP_SETUP="1", SUITE_SCRIPT_MODE=mode,
-                    SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}", **env_extra)
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
-                           str(tmp_path / "test_child.py")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    return proc.returncode, proc.stdout + proc.stderr
+    env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", DEEPEP_ASCEND_SKIP_SETUP="1",
+                    DEEPEP_ASCEND_TEST_HANG_RETRIES=retries, SUITE_SCRIPT_MODE=mode,
+                    SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}")
+    for var in ("DEEPEP_ASCEND_TEST_LOG_DIR", "DEEPEP_ASCEND_SUITE_TIMEOUT_S", "DEEPEP_ASCEND_TEST_WATCHDOG_S"):
+        env.pop(var, None)
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
+                             "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
+                             str(tmp_path / "test_child.py")],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # bash, mpiexec and the ranks
+        out, _ = proc.communicate()
+        out += "\n[parent] killed the script after 240 s"
+    return proc.returncode, out
 
 
 @pytest.fixture(autouse=True)
@@ -73,16 +87,17 @@ def test_a_hung_job_runs_again_and_its_second_result_counts(tmp_path):
     assert rc == 0, out[-3000:]
     assert "[watchdog] rank 1: test" in out and "=== 2 rank(s): HUNG" in out, out[-3000:]
     assert "=== 2 rank(s): passed" in out and "after 1 hung run(s)" in out, out[-3000:]
+    assert "=== passed, but 1 job(s) hung first" in out, out[-3000:]
     # The watchdog's report: each rank names the test and describes its peers from /proc, so a rank
     # whose own report is lost (one CI hang had a rank print nothing) is still located.
     for r in (0, 1):
-        assert re.search(rf"\[watchdog\] rank {r}: test \S*test_case exceeded 4 s", out), out[-3000:]
+        assert re.search(rf"\[watchdog\] rank {r}: test \S*test_second exceeded 4 s", out), out[-3000:]
     assert re.search(r"\[watchdog\]   rank 1 \(pid \d+\): S \(sleeping\); threads \d+:S/", out), out[-3000:]
     assert re.search(r"\[watchdog\]   rank 0 \(pid \d+\): [RS] ", out), out[-3000:]
 
 
 def test_a_hang_with_no_retry_left_fails(tmp_path):
-    rc, out = _run_script(tmp_path, "hang_always", DEEPEP_ASCEND_TEST_HANG_RETRIES="0")
+    rc, out = _run_script(tmp_path, "hang_always", retries="0")
     assert rc != 0 and "[watchdog] rank 1: test" in out, out[-3000:]
     assert "HUNG" not in out and "=== 2 rank(s): FAILED" in out, out[-3000:]
 
@@ -91,3 +106,11 @@ def test_a_failing_job_is_not_run_again(tmp_path):
     rc, out = _run_script(tmp_path, "fail")
     assert rc != 0 and "a real failure" in out, out[-3000:]
     assert "HUNG" not in out and out.count("=== pytest at 2 rank(s) ===") == 1, out[-3000:]
+
+
+def test_a_failure_then_a_hang_is_not_run_again(tmp_path):
+    # A retry would run the failed test again and could pass it: a hang after a failure fails the job.
+    rc, out = _run_script(tmp_path, "fail_then_hang")
+    assert rc != 0 and "[watchdog] rank 1: test" in out, out[-3000:]
+    assert "HUNG" not in out and out.count("=== pytest at 2 rank(s) ===") == 1, out[-3000:]
+    assert "=== 2 rank(s): FAILED" in out, out[-3000:]

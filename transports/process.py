@@ -25,9 +25,9 @@ def release_mpich_shm() -> None:
     their unlink wins and ours is a no-op. Never raises.
     """
     try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
             paths = {line.split(None, 5)[5].strip() for line in f if "/dev/shm/mpich_shm_" in line}
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return
     for path in paths:
         if path.endswith("(deleted)"):
