@@ -205,24 +205,21 @@ def _thread_state(task_dir: str) -> str:
     return after[1].split()[0] if len(after) == 2 and after[1].split() else "?"
 
 
-def _read_small(path: str) -> str:
+def _read_small(path: str, size: int = 256) -> str:
+    """The first ``size`` characters of a /proc file, stripped; "" if it cannot be read."""
     try:
         with open(path) as f:
-            return f.read(256).strip()
+            return f.read(size).strip()
     except OSError:
         return ""
 
 
 def _proc_field(path: str, key: str) -> str:
-    for line in _read_small_lines(path):
+    """The value of line ``key`` of a /proc status file; "?" if absent or unreadable."""
+    for line in _read_small(path, 4096).splitlines():
         if line.startswith(key):
             return line[len(key):].strip()
     return "?"
-
-
-def _read_small_lines(path: str) -> list[str]:
-    with open(path) as f:
-        return f.read(4096).splitlines()
 
 
 # ----------------------------------------------------------------------------------------------

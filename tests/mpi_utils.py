@@ -29,7 +29,6 @@ __all__ = [
     "CollectiveOutcomePlugin",
     "RankFailure",
     "allgather_object",
-    "wait",
     "comm",
     "describe_exception",
     "format_failures",
@@ -41,6 +40,7 @@ __all__ = [
     "run_collectively",
     "skip_unless_size",
     "sync_outcome",
+    "wait",
     "world",
     "world_nranks",
     "world_rank",
@@ -147,21 +147,29 @@ def wait(req) -> None:
             time.sleep(pause)
 
 
+def _allgatherv_bytes(data, counts: list, comm) -> list:
+    """Every rank's ``uint8`` array ``data`` (``counts[r]`` bytes on rank ``r``, known everywhere),
+    as views of one receive buffer, in rank order. Waits with :func:`wait`."""
+    import numpy as np
+    from mpi4py import MPI
+
+    displs = [0] + np.cumsum(counts[:-1]).tolist() if counts else []
+    recv = np.empty(sum(counts), dtype=np.uint8)
+    wait(comm.Iallgatherv([data, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]))
+    return [recv[d:d + n] for d, n in zip(displs, counts)]
+
+
 def allgather_object(obj: Any, comm=None) -> list:
     """All-gather of a picklable Python object; list indexed by rank. Waits with :func:`wait`."""
     import pickle
 
     import numpy as np
-    from mpi4py import MPI
 
     comm = comm or world()
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     sizes = np.zeros(comm.Get_size(), dtype=np.int64)
     wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes))
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(comm.Iallgatherv([data, MPI.BYTE], [recv, (sizes.tolist(), displs.tolist()), MPI.BYTE]))
-    return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs.tolist(), sizes.tolist())]
+    return [pickle.loads(part.tobytes()) for part in _allgatherv_bytes(data, sizes.tolist(), comm)]
 
 
 def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
@@ -173,9 +181,6 @@ def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
     inputs are made contiguous first. The local rank's entry is a copy, not ``tensor`` itself.
     Collective: every rank must call it in the same order.
     """
-    import numpy as np
-    from mpi4py import MPI
-
     comm = comm or world()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(
@@ -192,20 +197,12 @@ def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:
     meta = allgather_object(
         (tuple(t.shape), str(t.dtype).removeprefix("torch."), raw.numel()), comm
     )
-    counts = [m[2] for m in meta]
-    displs = [0] * len(counts)
-    for i in range(1, len(counts)):
-        displs[i] = displs[i - 1] + counts[i - 1]
-    recv = np.empty(sum(counts), dtype=np.uint8)
-    send = raw.numpy()
-    wait(comm.Iallgatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]))
-    recv_t = torch.from_numpy(recv)
+    parts = _allgatherv_bytes(raw.numpy(), [m[2] for m in meta], comm)
     out = []
-    for (shape, dtype_name, nbytes), off in zip(meta, displs):
+    for (shape, dtype_name, nbytes), part in zip(meta, parts):
         dtype = getattr(torch, dtype_name)
-        chunk = recv_t[off : off + nbytes].clone()
         out.append(
-            chunk.view(dtype).reshape(shape)
+            torch.from_numpy(part).clone().view(dtype).reshape(shape)
             if nbytes
             else torch.empty(shape, dtype=dtype)
         )
