@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from bench import common as C
@@ -49,10 +50,7 @@ def main(argv=None) -> int:
             keep[torch.randperm(m, generator=g)[:min(miss, m)]] = False
             tokens = torch.nonzero(keep).squeeze(1)
             sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
-        code = torch.zeros(m, dtype=torch.int8)
-        for bit, (_, tokens) in enumerate(sources):
-            code[tokens] += 1 << bit
-        runs = int((code[1:] != code[:-1]).sum()) + 1
+        runs = I.source_runs(m, [tokens for _, tokens in sources])[1].numel() + 1
         kw = dict(clean=[False, True])  # as in combine: own rows as given, the peer's staged with + 0.0
         t_runs = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, **kw), args.iters)
         t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, **kw), args.iters)
@@ -62,14 +60,9 @@ def main(argv=None) -> int:
         pick = "run-wise" if runs <= limit else "float32 chain"
         print(f"[case]   missing {miss:5d}: {runs:5d} runs | run-wise {t_runs:8.2f} ms | float32 chain "
               f"{t_chain:8.2f} ms | {t_runs / runs * 1e3:7.1f} us per run | limit picks {pick} | same bits {ok}")
-    if len(points) >= 2:
-        n = len(points)
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        mx, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-        a = my - b * mx
-        c = sum(p[2] for p in points) / n
+    if len({p[0] for p in points}) >= 2:
+        b, a = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)  # run-wise = a + b * runs
+        c = float(np.mean([p[2] for p in points]))
         even = (c - a) / b if b > 0 else float("inf")
         saved = (c - a) / (m * h) * 1e6
         print(f"[fit]    run-wise {a:.2f} ms + {b * 1e3:.1f} us/run; float32 chain {c:.2f} ms "

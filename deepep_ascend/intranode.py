@@ -185,6 +185,19 @@ def two_source_run_limit(m: int, hidden: int) -> int:
     return max(8, m * hidden // 32768)
 
 
+def source_runs(m: int, token_lists) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of tokens ``[0, m)`` covered by the same sources (at most 7).
+
+    ``token_lists``: per source, the int64 token ids it has a row for. Returns ``code`` ``[m]`` int8
+    (bit ``i`` set: source ``i`` has the token) and ``starts`` int64, the first token of every run
+    but the first (so there are ``starts.numel() + 1`` runs).
+    """
+    code = torch.zeros(m, dtype=torch.int8)
+    for bit, tokens in enumerate(token_lists):
+        code[tokens] += 1 << bit
+    return code, torch.nonzero(code[1:] != code[:-1]).squeeze(1).add_(1)
+
+
 def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
     """:func:`accumulate_rows` without bias for at most two non-empty sources, one torch call per
     run of tokens with the same sources (both: one BF16 ``add``; one: a copy; none: zeros).
@@ -198,10 +211,7 @@ def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
     m = out.size(0)
     if len(live) > 2 or not m:
         return False
-    code = torch.zeros(m, dtype=torch.int8)  # bit i set: source i has a row for the token
-    for bit, (_, tokens, _) in enumerate(live):
-        code[tokens] += 1 << bit
-    starts = torch.nonzero(code[1:] != code[:-1]).squeeze(1).add_(1)
+    code, starts = source_runs(m, [tokens for _, tokens, _ in live])
     if starts.numel() + 1 > (two_source_run_limit(m, out.size(1)) if max_runs is None else max_runs):
         return False
     bounds = [0] + starts.tolist() + [m]
