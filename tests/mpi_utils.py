@@ -442,20 +442,23 @@ def child_env(repo: str, **extra) -> dict:
     return env
 
 
-def run_child_job(n: int, args: Sequence[str], repo: str, timeout_s: float = 120.0, **extra_env) -> tuple[int, str]:
-    """Run ``mpiexec -n n <args>`` in its own session; kill the whole group on timeout.
-
-    Returns ``(exit status, combined stdout and stderr)``.
-    """
+def run_child_command(args: Sequence[str], repo: str, env: dict, timeout_s: float = 120.0) -> tuple[int, str]:
+    """Run ``args`` in ``repo`` with exactly ``env``, in its own session; kill the whole group
+    (launcher and ranks) on timeout. Returns ``(exit status, combined stdout and stderr)``."""
     import signal
     import subprocess
 
-    proc = subprocess.Popen([mpiexec_path(), "-n", str(n), *args], cwd=repo, env=child_env(repo, **extra_env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(list(args), cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        out += f"\n[parent] killed the child job after {timeout_s} s"
+        out += f"\n[parent] killed the child after {timeout_s} s"
     return proc.returncode, out
+
+
+def run_child_job(n: int, args: Sequence[str], repo: str, timeout_s: float = 120.0, **extra_env) -> tuple[int, str]:
+    """Run ``mpiexec -n n <args>`` (:func:`run_child_command`, environment from :func:`child_env`)."""
+    return run_child_command([mpiexec_path(), "-n", str(n), *args], repo, child_env(repo, **extra_env), timeout_s)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 
 import pytest
-from mpi_utils import child_env, world
+from mpi_utils import child_env, run_child_command, world
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,18 +54,9 @@ def _run_script(tmp_path, mode, retries="1"):
                     SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}")
     for var in ("DEEPEP_ASCEND_TEST_LOG_DIR", "DEEPEP_ASCEND_SUITE_TIMEOUT_S", "DEEPEP_ASCEND_TEST_WATCHDOG_S"):
         env.pop(var, None)
-    proc = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
-                             "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
-                             str(tmp_path / "test_child.py")],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # bash, mpiexec and the ranks
-        out, _ = proc.communicate()
-        out += "\n[parent] killed the script after 240 s"
-    return proc.returncode, out
+    return run_child_command(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
+                              "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-p", "conftest",
+                              str(tmp_path / "test_child.py")], REPO, env, timeout_s=240)
 
 
 @pytest.fixture(autouse=True)
