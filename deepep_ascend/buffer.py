@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import traceback
 import warnings
 import weakref
@@ -15,7 +16,7 @@ import weakref
 import numpy as np
 import torch
 
-from transports import ChannelKind, LinkStats, TransportAborted, TransportTimeout, create_transport
+from transports import ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportTimeout, create_transport
 
 from . import low_latency as ll_mod
 from .config import Config, combine_config, dispatch_config
@@ -25,6 +26,8 @@ from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE,
                         dtype_code)
 from .layout import dispatch_layout, topk_idx_t
 
+#: Bytes of each rank's recv_x landing segment (default: ``num_nvl_bytes``; 0: none). See :class:`Buffer`.
+LANDING_BYTES_ENV = "DEEPEP_ASCEND_LANDING_BYTES"
 _BUFFER_IDS = itertools.count(1)
 _HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
 _UNDESTROYED = weakref.WeakSet()
@@ -201,6 +204,7 @@ class Buffer:
             self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
                               if num_rdma_bytes and not low_latency_mode else None)
             self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
+            self._landing = self._landing_build() if self._win is not None and not self._internode else None
         except Exception:
             self.runtime.destroy(force=True)
             raise
@@ -208,10 +212,25 @@ class Buffer:
             self._engine = (InternodeEngine(self.runtime, self._win, self._urma_win)
                             if self._win is not None and self._urma_win is not None else None)
         else:
-            self._engine = IntranodeEngine(self.runtime, self._win) if self._win is not None else None
+            self._engine = IntranodeEngine(self.runtime, self._win, self._landing) if self._win is not None else None
         self._worker = Worker(f"deepep_ascend-{self._uid}")
         if explicitly_destroy:
             _UNDESTROYED.add(self)
+
+    def _landing_build(self):
+        """The node's recv_x landing segments (collective), sized by ``$DEEPEP_ASCEND_LANDING_BYTES``."""
+        raw = os.environ.get(LANDING_BYTES_ENV)
+        nbytes = self.num_nvl_bytes
+        if raw is not None:
+            try:
+                nbytes = int(raw)
+            except ValueError:
+                nbytes = raw  # rejected by create_segment on every rank of the node, then below
+        try:
+            return self.runtime.create_segment("recv_x", nbytes)
+        except TransportArgumentError as exc:
+            raise ValueError(f"Buffer: ${LANDING_BYTES_ENV} must be a non-negative integer number of bytes ({exc})") \
+                from None
 
     # -- lifetime ----------------------------------------------------------------
     def destroy(self) -> None:
@@ -226,6 +245,9 @@ class Buffer:
             return
         self._worker.drain()
         self._engine = self._ll = None
+        if self._landing is not None:
+            self._landing.release()  # recv_x tensors the caller still holds keep their memory
+            self._landing = None
         self.runtime.destroy()
         self._worker.shutdown()
         self._win = self._urma_win = None

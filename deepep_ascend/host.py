@@ -112,3 +112,42 @@ class OutputPool:
             self._blocks.append(blk)
             return torch.empty(0, dtype=dtype).set_(blk.untyped_storage(), blk.storage_offset() // dtype.itemsize,
                                                      shape)
+
+
+class SegmentPool:
+    """Outputs placed in this rank's :class:`~transports.segment.SharedSegment`, where node peers
+    can store into them directly (normal dispatch's ``recv_x``).
+
+    A block is a tensor with a storage of its own over a byte range of the segment; the range is
+    free again once no tensor (the one handed out, or any view of it) uses that storage, the rule of
+    :class:`OutputPool`. Allocation is in two steps because peers must learn where to store before
+    the size is known: :meth:`largest_free` names a range (advertised to the peers), :meth:`take`
+    claims the first bytes of it. Without storage use counts nothing is ever free again (the caller
+    then falls back to private outputs). Thread-safe.
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, segment, rank: int):
+        self.segment, self.rank = segment, rank
+        self.nbytes = segment.sizes.get(rank, 0)
+        self._live: list[tuple[int, int, torch.Tensor]] = []  # (offset, nbytes, block)
+        self._lock = threading.Lock()
+
+    def largest_free(self) -> tuple[int, int]:
+        """``(offset, nbytes)`` of the largest range no live output uses (``nbytes`` 0: none)."""
+        with self._lock:
+            self._live = [b for b in self._live if storage_users(b[2]) != 1]
+            best, pos = (0, 0), 0
+            for start, end in sorted((o, o + n) for o, n, _ in self._live) + [(self.nbytes, self.nbytes)]:
+                if start - pos > best[1]:
+                    best = (pos, start - pos)
+                pos = max(pos, -(-end // self.ALIGN) * self.ALIGN)
+            return best
+
+    def take(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A ``[nbytes]`` uint8 tensor over bytes ``[offset, offset + nbytes)``, in use until dropped."""
+        block = self.segment.view(self.rank, offset, nbytes)
+        with self._lock:
+            self._live.append((offset, nbytes, block))
+        return torch.empty(0, dtype=torch.uint8).set_(block.untyped_storage(), 0, (nbytes,))

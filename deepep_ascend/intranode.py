@@ -31,8 +31,8 @@ import torch
 from . import host
 from .layout import combine_round_tokens, recv_channel_prefix, send_layout
 
-READY, CONSUMED = 0, 1
-NUM_SLOTS = 2
+READY, CONSUMED, XDATA = 0, 1, 2
+NUM_SLOTS = 3
 HEADER_BYTES = 1024
 _ALIGN = 128
 _MSG_WORD, _MSG_BYTES = 32, 768
@@ -42,7 +42,7 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
- W_CHANNELS, W_WCOLS) = range(14)
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS) = range(17)
 _MAGIC = 0xDEE9A5
 _CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS)
 _WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
@@ -275,8 +275,13 @@ class IntranodeEngine:
     it to the end completes the data movement. The Buffer runs the rest inline or on its worker.
     """
 
-    def __init__(self, tp, win):
+    def __init__(self, tp, win, segment=None):
         self.tp, self.win = tp, win
+        self.segment = segment  # SharedSegment of the node (recv_x landing ranges), or None
+        self.landing = host.SegmentPool(segment, tp.topology.rank) if segment is not None else None
+        self._predict_direct = True  # identical on every rank: did the last dispatch fit the landing ranges?
+        self._xdata_calls = 0  # dispatches so far that sent x after the headers (XDATA rounds), identical everywhere
+        self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (see _dispatch_x)
         self.rank = tp.topology.rank
         self.num_ranks = tp.topology.world_size
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
@@ -386,6 +391,74 @@ class IntranodeEngine:
         if nbytes:
             self.tp.record_fetch(peer, nbytes)
 
+    # -- direct stores into the receivers' recv_x -------------------------------------------
+    def _advertise(self, rows: int | None = None, xb: int = 0):
+        """Header words naming where peers may store this rank's ``recv_x`` (a free range of its
+        landing segment), and that range ``(offset, nbytes)`` or None. ``rows``: known already
+        (cached dispatch): advertise exactly ``rows * xb`` bytes, or nothing if they do not fit."""
+        if self.landing is None:
+            return {W_LAND_BYTES: -1}, None
+        off, cap = self.landing.largest_free()
+        if rows is not None:
+            if not 0 < rows * xb <= cap:
+                return {W_LAND_BYTES: -1}, None
+            cap = rows * xb
+        return {W_LAND_OFF: off, W_LAND_BYTES: cap}, (off, cap)
+
+    def _recv_x(self, advertised, rows: int, xb: int) -> torch.Tensor:
+        """``recv_x`` ``[rows, xb]`` uint8: at the start of the advertised range if it fits (the rule
+        :meth:`_direct_plan` assumes on every rank), else from the private output pool."""
+        if advertised is not None and 0 < rows * xb <= advertised[1]:
+            return self.landing.take(advertised[0], rows * xb).view(rows, xb)
+        return self.outputs.empty((rows, xb), torch.uint8)
+
+    def _direct_plan(self, headers, rows, xb: int, one_round: bool):
+        """Where each rank's ``recv_x`` starts in its segment, if senders can store straight into
+        all of them: the call is one round and every rank's ``rows[j] * xb`` bytes fit the range
+        it advertised. Else None. Every rank computes the same answer (from headers and counts)."""
+        if not one_round:
+            return None
+        plan = []
+        for j in range(self.num_ranks):
+            need, cap = rows[j] * xb, int(headers[j, W_LAND_BYTES])
+            if need and not 0 <= need <= cap:
+                return None
+            plan.append(int(headers[j, W_LAND_OFF]))
+        return plan
+
+    def _store_direct(self, x, is_token_in_rank, rank_prefix_matrix, plan):
+        """Gather this rank's rows for every receiver ``j`` straight into ``j``'s ``recv_x`` (at the
+        rows ``rank_prefix_matrix`` gives this rank there), then raise ``XDATA`` at every peer.
+        This is the only copy of ``x`` (the staged path copies it twice: stage, then gather)."""
+        me, nr = self.rank, self.num_ranks
+        n, xb = x.shape
+        for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
+            mask = is_token_in_rank[:, j]
+            idx = torch.nonzero(mask).squeeze(1)
+            cnt = idx.numel()
+            if not cnt:
+                continue
+            start = int(rank_prefix_matrix[me - 1, j]) if me else 0
+            dst = self.segment.view(j, plan[j] + start * xb, cnt * xb).view(cnt, xb)
+            if cnt == n:
+                dst.copy_(x)
+            else:
+                torch.index_select(x, 0, idx, out=dst)
+        for p in self.peers:
+            self.tp.signal(self.win, p, XDATA, ordered=True)
+
+    def _send_late_x(self, stage_x):
+        """The dispatch predicted direct stores that do not fit: stage ``x`` of round 0 now (same half
+        as its headers) and raise ``XDATA`` at every peer."""
+        stage_x()
+        for p in self.peers:
+            self.tp.signal(self.win, p, XDATA, ordered=True)
+
+    def _await_xdata(self, phase):
+        self._xdata_calls += 1
+        if self.peers:
+            self.tp.wait_until(self.win, XDATA, self.peers, self._xdata_calls, phase=f"{phase}: x rows")
+
     # -- dispatch ------------------------------------------------------------------------
     def reject(self, op, call_id, message):
         """Take part in chunk 0 of a call with an error status; raises ConsensusError (on every rank)."""
@@ -409,16 +482,22 @@ class IntranodeEngine:
         q = max(1, regions.capacity)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: k if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
-                 W_CHANNELS: num_channels, W_WCOLS: -1}
+                 W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens}
         vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
+        predicted = self._predict_direct
+        land_words, advertised = self._advertise()
+        words.update(land_words)
 
-        def stage(rnd):
+        def stage(rnd, with_x=True, only_x=False):
             lo, hi = rnd * q, min(n, (rnd + 1) * q)
             m = hi - lo
             if m <= 0:
                 return
             fo = regions.field_offs
-            self._view(me, fo[0], m * xb).view(m, xb).copy_(x[lo:hi])
+            if with_x:
+                self._view(me, fo[0], m * xb).view(m, xb).copy_(x[lo:hi])
+            if only_x:
+                return
             if sb:
                 self._view(me, fo[1], m * sb).view(m, sb).copy_(scales[lo:hi])
             if k:
@@ -427,7 +506,7 @@ class IntranodeEngine:
             self._view(me, fo[4], m * nr, torch.bool).view(m, nr).copy_(is_token_in_rank[lo:hi])
 
         phase = f"dispatch call #{call_id}"
-        headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0), None, phase)
+        headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None, phase)
 
         ntok = headers[:, W_NTOK].astype(np.int64)
         rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
@@ -443,7 +522,12 @@ class IntranodeEngine:
         else:
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
         rows = max(num_recv, num_worst_tokens)
-        recv_x = self.outputs.empty((rows, xb), torch.uint8)
+        recv_x = self._recv_x(advertised, rows, xb)
+        plan = self._direct_plan(headers, [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS]))
+                                           for j in range(nr)], xb, max(rounds) == 1)
+        direct = predicted and plan is not None
+        self._predict_direct = plan is not None
+        self.last_x_path = "direct" if direct else "late" if predicted else "staged"
         recv_scales = torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None
         recv_topk = torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None
         recv_w = torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None
@@ -460,6 +544,11 @@ class IntranodeEngine:
                (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_src_idx,
                 num_recv))
 
+        if direct:
+            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
+        elif predicted:
+            self._send_late_x(lambda: stage(0, only_x=True))
+            self._await_xdata(phase)
         cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
@@ -472,7 +561,8 @@ class IntranodeEngine:
                 c, got = cursor[s], idx.numel()
                 if not got:
                     continue
-                torch.index_select(self._view(s, fo[0], m * xb).view(m, xb), 0, idx, out=recv_x[c:c + got])
+                if not direct:
+                    torch.index_select(self._view(s, fo[0], m * xb).view(m, xb), 0, idx, out=recv_x[c:c + got])
                 if sb:
                     torch.index_select(self._view(s, fo[1], m * sb).view(m, sb), 0, idx, out=recv_scales[c:c + got])
                 if k:
@@ -482,7 +572,9 @@ class IntranodeEngine:
                                        out=recv_w[c:c + got])
                 torch.add(idx, rnd * q, out=recv_src_idx[c:c + got])
                 cursor[s] = c + got
-                self._record(s, got * (xb + sb + 12 * k))
+                self._record(s, got * (xb + sb + 12 * k))  # counted by the receiver, however the rows came
+        if direct:
+            self._await_xdata(phase)
         for s in range(nr):
             if cursor[s] != int(rank_prefix_matrix[s, me]):
                 start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
@@ -505,29 +597,44 @@ class IntranodeEngine:
         sb = scales.shape[1] if scales is not None else 0
         regions = self.dispatch_regions(xb, sb, 0, 0, cached=True)
         q = max(1, regions.capacity)
-        words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
-                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1}
-        vec = is_token_in_rank.sum(0, dtype=torch.int32)
         rows = recv_src_idx.numel()
+        words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows}
+        vec = is_token_in_rank.sum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
-        recv_x = self.outputs.empty((rows, xb), torch.uint8)
+        predicted = self._predict_direct
+        land_words, advertised = self._advertise(rows, xb)
+        words.update(land_words)
+        recv_x = self._recv_x(advertised, rows, xb)
         if rows > num_recv:
             recv_x[num_recv:].zero_()
         recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
         yield recv_x, recv_scales
 
-        def stage(rnd):
+        def stage(rnd, with_x=True, only_x=False):
             lo, hi = rnd * q, min(n, (rnd + 1) * q)
             if hi > lo:
-                self._view(me, regions.field_offs[0], (hi - lo) * xb).view(hi - lo, xb).copy_(x[lo:hi])
-                if sb:
+                if with_x:
+                    self._view(me, regions.field_offs[0], (hi - lo) * xb).view(hi - lo, xb).copy_(x[lo:hi])
+                if sb and not only_x:
                     self._view(me, regions.field_offs[1], (hi - lo) * sb).view(hi - lo, sb).copy_(scales[lo:hi])
 
         phase = f"cached dispatch call #{call_id}"
-        headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0), None, phase)
+        headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None,
+                               phase)
         self._check_counts(rank_prefix_matrix, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
+        plan = self._direct_plan(headers, [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS]))
+                                           for j in range(nr)], xb, max(rounds) == 1)
+        direct = predicted and plan is not None
+        self._predict_direct = plan is not None
+        self.last_x_path = "direct" if direct else "late" if predicted else "staged"
+        if direct:
+            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
+        elif predicted:
+            self._send_late_x(lambda: stage(0, only_x=True))
+            self._await_xdata(phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
@@ -539,11 +646,15 @@ class IntranodeEngine:
                     continue
                 idx = block[lo:hi] - rnd * q
                 a, b = starts[s] + lo, starts[s] + hi
-                torch.index_select(self._view(s, regions.field_offs[0], m * xb).view(m, xb), 0, idx, out=recv_x[a:b])
+                if not direct:
+                    torch.index_select(self._view(s, regions.field_offs[0], m * xb).view(m, xb), 0, idx,
+                                       out=recv_x[a:b])
                 if sb:
                     torch.index_select(self._view(s, regions.field_offs[1], m * sb).view(m, sb), 0, idx,
                                        out=recv_scales[a:b])
                 self._record(s, (hi - lo) * (xb + sb))
+        if direct:
+            self._await_xdata(phase)
 
     def _check_counts(self, rank_prefix_matrix, phase):
         """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""

@@ -35,6 +35,7 @@ from .errors import (TransportAborted, TransportArgumentError, TransportBusy, Tr
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
 from .link_model import EMULATION_ENV, LinkEmulator, LinkStats, emulator_from_env
+from .segment import SharedSegment
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared
 
@@ -293,6 +294,20 @@ class Transport:
         # Every control region is zeroed before anyone signals; URMA peers signal from other nodes.
         (self.comm if win._rma is not None else self.node_comm).Barrier()
         return win
+
+    def create_segment(self, name: str, nbytes: int) -> SharedSegment:
+        """Collectively (over the node) map a :class:`~transports.segment.SharedSegment` of ``nbytes``
+        on this rank (0: none; sizes may differ between ranks) and every node peer's.
+
+        Unlike a window it is not freed by :meth:`destroy`: tensors made from it stay valid until
+        they are dropped. No signal slots; pair it with a window for ordering (a signal's release
+        fence orders stores to any memory).
+        Raises:
+            TransportArgumentError: ``nbytes`` is not a non-negative int on some rank of the node (on every rank).
+            TransportRuntimeError: some rank of the node could not create or map its segment (on every rank).
+        """
+        self._check_open("create_segment")
+        return SharedSegment(self, name, nbytes)
 
     def destroy(self, force: bool = False, timeout_s: float | None = None) -> None:
         """Collectively free every window and communicator; idempotent.

@@ -1,0 +1,156 @@
+"""Dispatch storing ``x`` straight into the receivers' ``recv_x`` (landing segments) and its fallbacks.
+
+Each rank's ``recv_x`` lives in its landing segment when it fits; senders then gather their rows
+straight into it ("direct"). Otherwise ``x`` is staged in the senders' windows and gathered by the
+receivers ("staged"), or, when the ranks predicted direct stores that did not fit, staged after
+the headers ("late"). Every path must give the reference's bytes, outputs the caller keeps must
+never be overwritten, and they must stay valid after ``destroy()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from buffer_helpers import BF16, all_ranks_ok, capture, coll, make_topk_idx
+from mpi_utils import allgather_object, gather_all
+
+from deepep_ascend import Buffer
+from deepep_ascend.buffer import LANDING_BYTES_ENV
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
+
+N, H, K = 48, 256, 4
+
+
+def _inputs(comm, seed):
+    r, R = comm.Get_rank(), comm.Get_size()
+    gen = torch.Generator().manual_seed(seed * 101 + r)
+    E = 8 * R
+    idx = make_topk_idx("uniform", N, E, K, r, R, gen)
+    return torch.randn(N, H, generator=gen).to(BF16), idx, torch.rand(N, K, generator=gen), E
+
+
+def _expected(x, itr, comm):
+    """Rows this rank receives: every source rank in order, its tokens routed here in order."""
+    r = comm.Get_rank()
+    return torch.cat([xs[m[:, r]] for xs, m in zip(gather_all(x, comm), gather_all(itr, comm))])
+
+
+def _dispatch(buf, x, idx, w, E):
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+    out = coll(lambda: buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                    topk_idx=idx, topk_weights=w), what="dispatch")
+    return out[0], out[4], itr
+
+
+def _same_paths(comm, paths, what):
+    everyone = allgather_object(paths, comm)
+    all_ranks_ok(comm, all(p == everyone[0] for p in everyone), f"{what}: ranks took different paths: {everyone}")
+
+
+def _hint(R):
+    return Buffer.get_normal_buffer_size_hint(N, H, R, K, 8 * R)
+
+
+def test_kept_outputs_are_never_overwritten_and_paths_follow_the_landing_room(comm):
+    """Keep every recv_x: direct stores while the landing segment has room, then a late call (the
+    ranks predicted room that was gone), then staged calls; drop them all: staged once (the
+    prediction catches up), then direct again. Every kept output keeps its bytes throughout."""
+    buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
+    try:
+        kept, paths = [], []
+        for i in range(12):
+            x, idx, w, E = _inputs(comm, i)
+            recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
+            kept.append((recv_x, _expected(x, itr, comm), handle))
+            paths.append(buf._engine.last_x_path)
+        bad = [i for i, (got, exp, _) in enumerate(kept) if not torch.equal(got.view(torch.int16), exp.view(torch.int16))]
+        first_late = paths.index("late") if "late" in paths else len(paths)
+        ok = (not bad and paths[0] == "direct" and set(paths[:first_late]) == {"direct"} and first_late < len(paths)
+              and set(paths[first_late + 1:]) == {"staged"})
+        all_ranks_ok(comm, ok, f"kept outputs: paths {paths}, outputs overwritten or wrong at calls {bad}")
+        _same_paths(comm, paths, "kept outputs")
+
+        # cached dispatch lands too, and a cached call on a full segment falls back
+        x, _, _, _ = _inputs(comm, 99)
+        got = coll(lambda: buf.dispatch(x, handle=kept[0][2])[0], what="cached dispatch, segment full")
+        _, exp_itr = kept[0][2][4], kept[0][2][4]
+        all_ranks_ok(comm, torch.equal(got.view(torch.int16), _expected(x, exp_itr, comm).view(torch.int16))
+                     and buf._engine.last_x_path == "staged", f"cached dispatch on a full segment: "
+                     f"{buf._engine.last_x_path}")
+        handle = kept[0][2]
+        del kept, got
+        gc.collect()
+        after = []
+        for i in range(3):
+            x, _, _, _ = _inputs(comm, 200 + i)
+            got = coll(lambda: buf.dispatch(x, handle=handle)[0], what="cached dispatch after dropping")
+            ok = torch.equal(got.view(torch.int16), _expected(x, handle[4], comm).view(torch.int16))
+            after.append((buf._engine.last_x_path, ok))
+        all_ranks_ok(comm, after == [("staged", True), ("direct", True), ("direct", True)],
+                     f"cached dispatches after dropping the outputs: {after}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+def test_recv_x_outlives_destroy_and_no_segment_file_is_left(comm):
+    buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
+    x, idx, w, E = _inputs(comm, 7)
+    recv_x, _, itr = _dispatch(buf, x, idx, w, E)
+    path = buf._engine.last_x_path
+    expected = _expected(x, itr, comm)
+    coll(buf.destroy, what="destroy with recv_x alive")
+    gc.collect()
+    recv_x.add_(0)  # still mapped and writable
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"deepep_ascend.{os.getpid()}.")]
+    all_ranks_ok(comm, path == "direct" and torch.equal(recv_x.view(torch.int16), expected.view(torch.int16))
+                 and not leftovers, f"recv_x after destroy: path {path}, files left {leftovers}")
+
+
+@pytest.mark.parametrize("landing", ["0", "4096"], ids=["no_landing", "landing_too_small"])
+def test_without_room_dispatch_stages_and_matches_the_reference(comm, monkeypatch, landing):
+    """No landing segment, or one too small for any recv_x: the first call is late (the ranks start
+    out predicting direct stores), later ones staged; non-cached and cached alike give the reference."""
+    monkeypatch.setenv(LANDING_BYTES_ENV, landing)
+    buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
+    try:
+        paths, ok = [], True
+        for i in range(3):
+            x, idx, w, E = _inputs(comm, 300 + i)
+            recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
+            ok = ok and torch.equal(recv_x.view(torch.int16), _expected(x, itr, comm).view(torch.int16))
+            paths.append(buf._engine.last_x_path)
+            x2, _, _, _ = _inputs(comm, 400 + i)
+            got = coll(lambda: buf.dispatch(x2, handle=handle)[0], what="cached dispatch")
+            ok = ok and torch.equal(got.view(torch.int16), _expected(x2, itr, comm).view(torch.int16))
+            paths.append(buf._engine.last_x_path)
+        all_ranks_ok(comm, ok and paths == ["late"] + ["staged"] * 5, f"{LANDING_BYTES_ENV}={landing}: paths {paths}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+def test_streaming_window_takes_the_late_then_staged_path(comm):
+    """A window far smaller than the payload streams in rounds; direct stores need one round."""
+    R = comm.Get_size()
+    small = 2 * (1024 + 128 * 6 + 4 * (2 * H + 12 * K + R))  # room for about 4 rows per half
+    buf = Buffer(None, -(-small // 128) * 128, comm=comm, explicitly_destroy=True)
+    try:
+        paths, ok = [], True
+        for i in range(2):
+            x, idx, w, E = _inputs(comm, 500 + i)
+            recv_x, _, itr = _dispatch(buf, x, idx, w, E)
+            ok = ok and torch.equal(recv_x.view(torch.int16), _expected(x, itr, comm).view(torch.int16))
+            paths.append(buf._engine.last_x_path)
+        all_ranks_ok(comm, ok and paths == ["late", "staged"], f"streaming window: paths {paths}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+def test_bad_landing_size_is_a_clear_error_on_every_rank(comm, monkeypatch):
+    monkeypatch.setenv(LANDING_BYTES_ENV, "lots")
+    _, exc = capture(lambda: Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True))
+    all_ranks_ok(comm, isinstance(exc, ValueError) and LANDING_BYTES_ENV in str(exc) and "'lots'" in str(exc),
+                 f"bad ${LANDING_BYTES_ENV}: got {exc!r}")

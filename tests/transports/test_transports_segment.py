@@ -1,0 +1,62 @@
+"""SharedSegment: node-shared memory whose tensors outlive the transport (transports.segment)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from transports import TransportArgumentError
+
+
+def _files_of_this_process():
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"deepep_ascend.{os.getpid()}.")]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_segment_stores_reach_the_owner_and_sizes_may_differ(shared_tp):
+    tp = shared_tp
+    me, n = tp.topology.rank, tp.topology.world_size
+    seg = tp.create_segment("seg", 4096 * (me + 1))  # a different size on every rank
+    assert seg.sizes == {p: 4096 * (p + 1) for p in range(n)}
+    assert _files_of_this_process() == []  # unlinked once every peer mapped them
+    for p in range(n):  # every rank stores its code into every rank's segment, at its own offset
+        seg.view(p, 8 * me, 8).fill_(me + 1)
+    tp.barrier()  # a barrier orders the stores before the reads below
+    own = seg.view(me, 0, 8 * n).view(n, 8)
+    assert torch.equal(own, torch.arange(1, n + 1, dtype=torch.uint8).unsqueeze(1).expand(n, 8))
+    # the last byte of every peer's segment is reachable, one byte further is not
+    for p in range(n):
+        assert seg.view(p, 4096 * (p + 1) - 1, 1).numel() == 1
+        with pytest.raises(TransportArgumentError, match=f"rank {p}: byte range"):
+            seg.view(p, 4096 * (p + 1) - 1, 2)
+    with pytest.raises(TransportArgumentError, match="not a rank of this node"):
+        seg.view(n, 0, 1)
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_segment_bad_size_fails_on_every_rank(shared_tp):
+    tp = shared_tp
+    me, n = tp.topology.rank, tp.topology.world_size
+    with pytest.raises(TransportArgumentError, match=f"rank {n - 1}: nbytes must be a non-negative int"):
+        tp.create_segment("bad", -1 if me == n - 1 else 4096)
+    assert _files_of_this_process() == []  # the good ranks' files were unlinked too
+    empty = tp.create_segment("none", 0)
+    assert empty.sizes == dict.fromkeys(range(n), 0)
+    with pytest.raises(TransportArgumentError):
+        empty.view(me, 0, 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_segment_tensors_outlive_destroy_and_release(tp):
+    me, n = tp.topology.rank, tp.topology.world_size
+    seg = tp.create_segment("keep", 1 << 16)
+    kept = seg.view((me + 1) % n, 0, 1 << 16).view(torch.int32)
+    kept.copy_(torch.arange(1 << 14, dtype=torch.int32) * (me + 1))
+    seg.release()
+    del seg
+    tp.destroy()  # the segment is not a window: destroy does not refuse, and does not unmap it
+    gc.collect()
+    assert torch.equal(kept, torch.arange(1 << 14, dtype=torch.int32) * (me + 1))

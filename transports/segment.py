@@ -1,0 +1,105 @@
+"""Node-shared memory whose lifetime is that of its tensors, not of the transport.
+
+A :class:`~transports.ubmem.SymmetricWindow` is freed by ``destroy()`` (``MPI_Win_free`` unmaps
+it), so a tensor that views it must be gone first. Memory that a library hands to its caller as an
+ordinary output (DeepEP's ``recv_x``) cannot promise that. A :class:`SharedSegment` is a POSIX
+shared-memory file per rank (``/dev/shm``, as MPICH's own segments), mapped by every rank of the
+node: each mapping is a Python ``mmap`` that every tensor made from it keeps alive
+(``torch.frombuffer`` holds a reference), so a tensor stays valid however long the caller keeps
+it, and the memory goes when the last tensor does. The files are unlinked as soon as every peer has
+mapped them, so nothing outlives the processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from .errors import TransportArgumentError, TransportRuntimeError
+
+_SHM_DIR = "/dev/shm"
+_SERIALS = itertools.count()
+
+
+class SharedSegment:
+    """This rank's and its node peers' segments (build with :meth:`Transport.create_segment`).
+
+    Attributes:
+        name: label used in file names and errors.
+        sizes: world rank -> size in bytes of that node peer's segment (0: it has none).
+    """
+
+    def __init__(self, tp, name: str, nbytes: int):
+        topo = tp.topology
+        self.name, self.rank = name, topo.rank
+        path, error, fd = None, None, -1
+        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0:
+            error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
+        nbytes = int(nbytes)
+        if nbytes:
+            path = os.path.join(_SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                # Reserve the pages now: a full tmpfs is then an error here, not a SIGBUS on a later store.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                error = f"rank {self.rank}: cannot create {nbytes} B of shared memory at {path}: {exc}"
+        try:
+            everyone = tp.node_comm.allgather((path, nbytes, error))
+            errors = [e for _, _, e in everyone if e]
+            if errors:
+                kind = TransportArgumentError if all("nbytes must be" in e for e in errors) else TransportRuntimeError
+                raise kind(f"rank {self.rank}: create_segment('{name}') failed on the node: "
+                                            + "; ".join(errors))
+            self.sizes, self._maps = {}, {}
+            for p, (peer_path, size, _) in zip(topo.node_ranks(), everyone):
+                self.sizes[p] = size
+                if size:
+                    self._maps[p] = self._map(peer_path, size, fd if p == self.rank else -1)
+            tp.node_comm.Barrier()  # every peer has mapped every file: the names can go
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    def _map(self, path: str, size: int, fd: int) -> mmap.mmap:
+        own = fd >= 0
+        if not own:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise TransportRuntimeError(f"rank {self.rank}: create_segment('{self.name}'): cannot map "
+                                            f"{path}: {exc}") from None
+        try:
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            if not own:
+                os.close(fd)
+
+    def view(self, peer: int, offset: int, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 tensor over bytes ``[offset, offset + nbytes)`` of ``peer``'s segment.
+
+        The tensor has a storage of its own that keeps the mapping alive (see the module doc).
+        Raises:
+            TransportArgumentError: ``peer`` has no segment here, or the range is outside it.
+        """
+        size = self.sizes.get(peer, 0)
+        if peer not in self._maps or offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise TransportArgumentError(
+                f"rank {self.rank}: segment '{self.name}' of rank {peer}: byte range [{offset}, {offset}+{nbytes}) "
+                f"outside its {size} B" + ("" if peer in self.sizes else " (not a rank of this node)"))
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def release(self) -> None:
+        """Drop this object's mappings; tensors made by :meth:`view` keep theirs until they go."""
+        self._maps.clear()
