@@ -142,6 +142,13 @@ class Buffer:
             shared-memory domain); fewer than the ranks takes the internode path, which needs
             ``num_rdma_bytes`` too (see :meth:`get_normal_rdma_buffer_size_hint`).
         timeout_s: deadline of every wait in seconds; default ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100.
+
+    On one node, each rank also maps a **landing segment** of ``$DEEPEP_ASCEND_LANDING_BYTES``
+    bytes (default ``num_nvl_bytes``; 0: none; reserved in ``/dev/shm`` at construction). Normal
+    dispatch places ``recv_x`` there when it fits, so senders store their rows straight into it
+    (:mod:`deepep_ascend.intranode`). ``recv_x`` is still an ordinary tensor to the caller: its
+    range is reused only after the caller drops every view of it, and it stays valid after
+    :meth:`destroy`.
     Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
     sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
     abort leaves the Buffer failed: later calls raise ``transports.TransportPoisoned`` at once;

@@ -21,6 +21,23 @@ Protocol (one rank's view; every rank runs the same steps for every call):
 * Payloads larger than a half stream through in rounds: dispatch rounds cover ``q`` tokens
   of each sender; combine rounds cover ``q`` tokens of each *origin*, so each origin sums all
   contributions to a token in the same round, in ascending source rank (bit-exact order).
+
+Dispatch's ``x`` rows (the bulk of its bytes) need not be staged at all. Each rank's ``recv_x``
+is placed, when it fits, in its **landing segment** (a :class:`transports.SharedSegment` the
+Buffer maps once; the tensor keeps its memory alive after ``destroy()``), and chunk 0's header
+advertises the free range it will use. After the headers every rank knows every receiver's row
+count, hence where each of its rows goes, and decides identically:
+
+* **direct**: the call is one round and every ``recv_x`` fits its advertised range. Each sender
+  gathers its rows straight into every receiver's ``recv_x`` (one copy instead of stage + gather)
+  and raises ``XDATA``; receivers still gather the small fields from the staged chunk.
+* **staged**: ``x`` goes through the window with the rest, as above.
+
+Chunk 0 is staged before the decision, so whether it holds ``x`` follows a prediction every rank
+makes alike: direct if the previous dispatch could have been. A wrong "direct" guess (``late``)
+stages ``x`` of chunk 0 after the headers and raises ``XDATA``; receivers wait for it, then
+gather as in the staged path. Ranks that keep many outputs alive, windows that stream, or
+``$DEEPEP_ASCEND_LANDING_BYTES=0`` make dispatch staged (after at most one late call).
 """
 
 from __future__ import annotations
@@ -281,7 +298,7 @@ class IntranodeEngine:
         self.landing = host.SegmentPool(segment, tp.topology.rank) if segment is not None else None
         self._predict_direct = True  # identical on every rank: did the last dispatch fit the landing ranges?
         self._xdata_calls = 0  # dispatches so far that sent x after the headers (XDATA rounds), identical everywhere
-        self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (see _dispatch_x)
+        self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
         self.rank = tp.topology.rank
         self.num_ranks = tp.topology.world_size
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
