@@ -954,6 +954,23 @@ def _meminfo() -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) and torch's vector capability, e.g.
+    ``"Intel(R) Xeon(R) Processor (torch AVX512)"``: the development VM's host changes, and with it what is fast."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        cap = "?"
+    return f"{name or platform.processor() or 'unknown CPU'} (torch {cap})"
+
+
 def memory_snapshot() -> dict:
     """This process's memory and the machine's, in bytes: ``rss``, ``peak_rss`` (includes touched
     shared-memory pages), ``shm_used`` (``/dev/shm``), ``mem_total``, ``mem_available``."""

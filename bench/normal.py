@@ -299,7 +299,7 @@ def main(argv=None) -> int:
         print(f"[config]   ranks {R}{nodes} | tokens/rank {args.tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
               f"experts {args.num_experts} | dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
               f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | "
-              f"fingerprint {fp}", flush=True)
+              f"fingerprint {fp} | cpu {C.cpu_model()}", flush=True)
 
     bar = None
     if root and not args.no_progress:
@@ -413,7 +413,7 @@ def main(argv=None) -> int:
             doc = dict(
                 benchmark="bench.normal", fingerprint=fp, workload=dict(wl.params, routing_label=routing_label), argv=sys.argv[1:],
                 num_ranks=R, iters=args.iters, warmup=args.warmup,
-                env=dict(torch=torch.__version__, mpi=MPI.Get_library_version().splitlines()[0],
+                env=dict(torch=torch.__version__, cpu=C.cpu_model(), mpi=MPI.Get_library_version().splitlines()[0],
                          python=platform.python_version(), host=platform.node(), cpus=os.cpu_count(),
                          time=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
                 systems=reports,
