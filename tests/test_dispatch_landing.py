@@ -46,13 +46,34 @@ def _dispatch(buf, x, idx, w, E):
     return out[0], out[4], itr
 
 
-def _same_paths(comm, paths, what):
+def _check_same_paths(comm, paths, what):
     everyone = allgather_object(paths, comm)
     all_ranks_ok(comm, all(p == everyone[0] for p in everyone), f"{what}: ranks took different paths: {everyone}")
 
 
 def _hint(R):
     return Buffer.get_normal_buffer_size_hint(N, H, R, K, 8 * R)
+
+
+def _same(got, expected) -> bool:
+    return torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def _dispatches(buf, comm, seeds, cached=False):
+    """Dispatch each seed's inputs (with ``cached``, then once more through the handle with new
+    ``x``); the paths taken, and whether every ``recv_x`` matched the reference."""
+    paths, ok = [], True
+    for seed in seeds:
+        x, idx, w, E = _inputs(comm, seed)
+        recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
+        ok = _same(recv_x, _expected(x, itr, comm)) and ok  # _expected is collective: always run it
+        paths.append(buf._engine.last_x_path)
+        if cached:
+            x2 = _inputs(comm, seed + 100)[0]
+            got = coll(lambda: buf.dispatch(x2, handle=handle)[0], what="cached dispatch")
+            ok = _same(got, _expected(x2, itr, comm)) and ok
+            paths.append(buf._engine.last_x_path)
+    return paths, ok
 
 
 def test_kept_outputs_are_never_overwritten_and_paths_follow_the_landing_room(comm):
@@ -67,28 +88,27 @@ def test_kept_outputs_are_never_overwritten_and_paths_follow_the_landing_room(co
             recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
             kept.append((recv_x, _expected(x, itr, comm), handle))
             paths.append(buf._engine.last_x_path)
-        bad = [i for i, (got, exp, _) in enumerate(kept) if not torch.equal(got.view(torch.int16), exp.view(torch.int16))]
+        bad = [i for i, (got, exp, _) in enumerate(kept) if not _same(got, exp)]
         first_late = paths.index("late") if "late" in paths else len(paths)
         ok = (not bad and paths[0] == "direct" and set(paths[:first_late]) == {"direct"} and first_late < len(paths)
               and set(paths[first_late + 1:]) == {"staged"})
         all_ranks_ok(comm, ok, f"kept outputs: paths {paths}, outputs overwritten or wrong at calls {bad}")
-        _same_paths(comm, paths, "kept outputs")
+        _check_same_paths(comm, paths, "kept outputs")
 
-        # cached dispatch lands too, and a cached call on a full segment falls back
-        x, _, _, _ = _inputs(comm, 99)
-        got = coll(lambda: buf.dispatch(x, handle=kept[0][2])[0], what="cached dispatch, segment full")
-        _, exp_itr = kept[0][2][4], kept[0][2][4]
-        all_ranks_ok(comm, torch.equal(got.view(torch.int16), _expected(x, exp_itr, comm).view(torch.int16))
+        # a cached dispatch on the full segment is staged too; after dropping the outputs it lands again
+        handle = kept[0][2]
+        x = _inputs(comm, 99)[0]
+        got = coll(lambda: buf.dispatch(x, handle=handle)[0], what="cached dispatch, segment full")
+        all_ranks_ok(comm, _same(got, _expected(x, handle[4], comm))
                      and buf._engine.last_x_path == "staged", f"cached dispatch on a full segment: "
                      f"{buf._engine.last_x_path}")
-        handle = kept[0][2]
         del kept, got
         gc.collect()
         after = []
         for i in range(3):
             x, _, _, _ = _inputs(comm, 200 + i)
             got = coll(lambda: buf.dispatch(x, handle=handle)[0], what="cached dispatch after dropping")
-            ok = torch.equal(got.view(torch.int16), _expected(x, handle[4], comm).view(torch.int16))
+            ok = _same(got, _expected(x, handle[4], comm))
             after.append((buf._engine.last_x_path, ok))
         all_ranks_ok(comm, after == [("staged", True), ("direct", True), ("direct", True)],
                      f"cached dispatches after dropping the outputs: {after}")
@@ -106,7 +126,7 @@ def test_recv_x_outlives_destroy_and_no_segment_file_is_left(comm):
     gc.collect()
     recv_x.add_(0)  # still mapped and writable
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"deepep_ascend.{os.getpid()}.")]
-    all_ranks_ok(comm, path == "direct" and torch.equal(recv_x.view(torch.int16), expected.view(torch.int16))
+    all_ranks_ok(comm, path == "direct" and _same(recv_x, expected)
                  and not leftovers, f"recv_x after destroy: path {path}, files left {leftovers}")
 
 
@@ -117,16 +137,7 @@ def test_without_room_dispatch_stages_and_matches_the_reference(comm, monkeypatc
     monkeypatch.setenv(LANDING_BYTES_ENV, landing)
     buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
     try:
-        paths, ok = [], True
-        for i in range(3):
-            x, idx, w, E = _inputs(comm, 300 + i)
-            recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
-            ok = ok and torch.equal(recv_x.view(torch.int16), _expected(x, itr, comm).view(torch.int16))
-            paths.append(buf._engine.last_x_path)
-            x2, _, _, _ = _inputs(comm, 400 + i)
-            got = coll(lambda: buf.dispatch(x2, handle=handle)[0], what="cached dispatch")
-            ok = ok and torch.equal(got.view(torch.int16), _expected(x2, itr, comm).view(torch.int16))
-            paths.append(buf._engine.last_x_path)
+        paths, ok = _dispatches(buf, comm, range(300, 303), cached=True)
         all_ranks_ok(comm, ok and paths == ["late"] + ["staged"] * 5, f"{LANDING_BYTES_ENV}={landing}: paths {paths}")
     finally:
         coll(buf.destroy, what="destroy")
@@ -138,12 +149,7 @@ def test_streaming_window_takes_the_late_then_staged_path(comm):
     small = 2 * (1024 + 128 * 6 + 4 * (2 * H + 12 * K + R))  # room for about 4 rows per half
     buf = Buffer(None, -(-small // 128) * 128, comm=comm, explicitly_destroy=True)
     try:
-        paths, ok = [], True
-        for i in range(2):
-            x, idx, w, E = _inputs(comm, 500 + i)
-            recv_x, _, itr = _dispatch(buf, x, idx, w, E)
-            ok = ok and torch.equal(recv_x.view(torch.int16), _expected(x, itr, comm).view(torch.int16))
-            paths.append(buf._engine.last_x_path)
+        paths, ok = _dispatches(buf, comm, range(500, 502))
         all_ranks_ok(comm, ok and paths == ["late", "staged"], f"streaming window: paths {paths}")
     finally:
         coll(buf.destroy, what="destroy")
