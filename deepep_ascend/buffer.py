@@ -16,7 +16,8 @@ import weakref
 import numpy as np
 import torch
 
-from transports import ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportTimeout, create_transport
+from transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
+                        TransportTimeout, create_transport)
 
 from . import low_latency as ll_mod
 from .config import Config, combine_config, dispatch_config
@@ -147,7 +148,8 @@ class Buffer:
     bytes (default ``num_nvl_bytes``; 0: none; reserved in ``/dev/shm`` at construction). Normal
     dispatch places ``recv_x`` there when it fits, so senders store their rows straight into it
     (:mod:`deepep_ascend.intranode`). ``recv_x`` is still an ordinary tensor to the caller: its
-    range is reused only after the caller drops every view of it, and it stays valid after
+    range is reused only after the caller drops every tensor viewing it (a bare ``untyped_storage()``
+    object does not count), and it stays valid after
     :meth:`destroy`.
     Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
     sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
@@ -238,6 +240,9 @@ class Buffer:
         except TransportArgumentError as exc:
             raise ValueError(f"Buffer: ${LANDING_BYTES_ENV} must be a non-negative integer number of bytes ({exc})") \
                 from None
+        except TransportRuntimeError as exc:
+            raise RuntimeError(f"Buffer: the recv_x landing segments (${LANDING_BYTES_ENV}, default num_nvl_bytes) "
+                               f"could not be created: {exc}; set ${LANDING_BYTES_ENV} lower, or 0 for none") from None
 
     # -- lifetime ----------------------------------------------------------------
     def destroy(self) -> None:

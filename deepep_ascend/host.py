@@ -120,7 +120,8 @@ class SegmentPool:
 
     A block is a tensor with a storage of its own over a byte range of the segment; the range is
     free again once no tensor (the one handed out, or any view of it) uses that storage, the rule of
-    :class:`OutputPool`. Allocation is in two steps because peers must learn where to store before
+    :class:`OutputPool` (a bare ``UntypedStorage`` object held alone does not count: torch's use
+    count does not see it). Allocation is in two steps because peers must learn where to store before
     the size is known: :meth:`largest_free` names a range (advertised to the peers), :meth:`take`
     claims the first bytes of it. Without storage use counts nothing is ever free again (the caller
     then falls back to private outputs). Thread-safe.

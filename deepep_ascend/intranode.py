@@ -34,7 +34,8 @@ count, hence where each of its rows goes, and decides identically:
 * **staged**: ``x`` goes through the window with the rest, as above.
 
 Chunk 0 is staged before the decision, so whether it holds ``x`` follows a prediction every rank
-makes alike: direct if the previous dispatch could have been. A wrong "direct" guess (``late``)
+makes alike: direct if the previous dispatch could have been (at first: if every rank has a
+landing segment). A wrong "direct" guess (``late``)
 stages ``x`` of chunk 0 after the headers and raises ``XDATA``; receivers wait for it, then
 gather as in the staged path. Ranks that keep many outputs alive, windows that stream, or
 ``$DEEPEP_ASCEND_LANDING_BYTES=0`` make dispatch staged (after at most one late call).
@@ -294,13 +295,16 @@ class IntranodeEngine:
 
     def __init__(self, tp, win, segment=None):
         self.tp, self.win = tp, win
-        self.segment = segment  # SharedSegment of the node (recv_x landing ranges), or None
-        self.landing = host.SegmentPool(segment, tp.topology.rank) if segment is not None else None
-        self._predict_direct = True  # identical on every rank: did the last dispatch fit the landing ranges?
-        self._xdata_calls = 0  # dispatches so far that sent x after the headers (XDATA rounds), identical everywhere
-        self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
         self.rank = tp.topology.rank
         self.num_ranks = tp.topology.world_size
+        self.segment = segment  # SharedSegment of the node (recv_x landing ranges), or None
+        own = segment is not None and segment.sizes.get(self.rank, 0) > 0
+        self.landing = host.SegmentPool(segment, self.rank) if own else None
+        # Identical on every rank: could the last dispatch store directly? At first: does every rank
+        # have a landing segment (segment.sizes lists them all: one node)?
+        self._predict_direct = segment is not None and all(segment.sizes.get(p, 0) > 0 for p in range(self.num_ranks))
+        self._xdata_calls = 0  # dispatches so far that sent x after the headers (XDATA rounds), identical everywhere
+        self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
@@ -619,7 +623,6 @@ class IntranodeEngine:
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows}
         vec = is_token_in_rank.sum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
-        predicted = self._predict_direct
         land_words, advertised = self._advertise(rows, xb)
         words.update(land_words)
         recv_x = self._recv_x(advertised, rows, xb)
@@ -627,6 +630,9 @@ class IntranodeEngine:
             recv_x[num_recv:].zero_()
         recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
         yield recv_x, recv_scales
+        # Read only now: an async cached dispatch runs the part above on the caller's thread while
+        # earlier calls may still run on the worker (which updates the prediction in call order).
+        predicted = self._predict_direct
 
         def stage(rnd, with_x=True, only_x=False):
             lo, hi = rnd * q, min(n, (rnd + 1) * q)

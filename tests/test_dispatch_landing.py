@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -130,15 +131,16 @@ def test_recv_x_outlives_destroy_and_no_segment_file_is_left(comm):
                  and not leftovers, f"recv_x after destroy: path {path}, files left {leftovers}")
 
 
-@pytest.mark.parametrize("landing", ["0", "4096"], ids=["no_landing", "landing_too_small"])
-def test_without_room_dispatch_stages_and_matches_the_reference(comm, monkeypatch, landing):
-    """No landing segment, or one too small for any recv_x: the first call is late (the ranks start
-    out predicting direct stores), later ones staged; non-cached and cached alike give the reference."""
+@pytest.mark.parametrize("landing, first", [("0", "staged"), ("4096", "late")], ids=["no_landing", "landing_too_small"])
+def test_without_room_dispatch_stages_and_matches_the_reference(comm, monkeypatch, landing, first):
+    """No landing segment (every call staged), or one too small for any recv_x (the first call is
+    late: the ranks start out predicting direct stores, since every rank has a segment; later ones
+    staged); non-cached and cached alike give the reference."""
     monkeypatch.setenv(LANDING_BYTES_ENV, landing)
     buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
     try:
         paths, ok = _dispatches(buf, comm, range(300, 303), cached=True)
-        all_ranks_ok(comm, ok and paths == ["late"] + ["staged"] * 5, f"{LANDING_BYTES_ENV}={landing}: paths {paths}")
+        all_ranks_ok(comm, ok and paths == [first] + ["staged"] * 5, f"{LANDING_BYTES_ENV}={landing}: paths {paths}")
     finally:
         coll(buf.destroy, what="destroy")
 
@@ -151,6 +153,34 @@ def test_streaming_window_takes_the_late_then_staged_path(comm):
     try:
         paths, ok = _dispatches(buf, comm, range(500, 502))
         all_ranks_ok(comm, ok and paths == ["late", "staged"], f"streaming window: paths {paths}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+def test_async_cached_dispatches_agree_on_the_path_when_one_rank_lags(comm):
+    """Two async cached dispatches in a row, one that streams (no direct stores), then one that
+    fits, and the last rank busy in between: its first call may still run on its worker when the
+    second begins. Every rank must take the same paths (the prediction is read on the worker, in
+    call order) and both outputs must be right."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True)
+    try:
+        x, idx, w, E = _inputs(comm, 600)
+        _, handle, itr = _dispatch(buf, x, idx, w, E)
+        gen = torch.Generator().manual_seed(601 + r)
+        big = torch.randn(N, 1024, dtype=torch.float64, generator=gen)  # 8 KiB rows: streams in rounds
+        small = torch.randn(N, H, generator=gen).to(BF16)
+        expected = [_expected(big, itr, comm), _expected(small, itr, comm)]
+        comm.Barrier()
+        first, _, _, _, _, ev1 = buf.dispatch(big, handle=handle, async_finish=True)
+        if r == R - 1:
+            time.sleep(0.3)
+        second, _, _, _, _, ev2 = buf.dispatch(small, handle=handle, async_finish=True)
+        _, exc = capture(lambda: (ev1.current_stream_wait(), ev2.current_stream_wait()))
+        path = buf._engine.last_x_path
+        ok = exc is None and _same(first.view(torch.int16), expected[0]) and _same(second, expected[1])
+        all_ranks_ok(comm, ok and path == "staged", f"async cached dispatches: path {path}, error {exc!r}")
+        _check_same_paths(comm, [path], "async cached dispatches")
     finally:
         coll(buf.destroy, what="destroy")
 

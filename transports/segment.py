@@ -36,48 +36,55 @@ class SharedSegment:
     def __init__(self, tp, name: str, nbytes: int):
         topo = tp.topology
         self.name, self.rank = name, topo.rank
+        self.sizes, self._maps = {}, {}
         path, error, fd = None, None, -1
         if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0:
             error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
         nbytes = int(nbytes)
-        if nbytes:
-            path = os.path.join(_SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                # Reserve the pages now: a full tmpfs is then an error here, not a SIGBUS on a later store.
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                error = f"rank {self.rank}: cannot create {nbytes} B of shared memory at {path}: {exc}"
         try:
+            if nbytes:
+                path = os.path.join(_SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    # Reserve the pages now: a full tmpfs is then an error here, not a SIGBUS on a later store.
+                    os.posix_fallocate(fd, 0, nbytes)
+                except (OSError, OverflowError) as exc:  # OverflowError: more bytes than off_t holds
+                    error = f"rank {self.rank}: cannot create {nbytes} B of shared memory at {path}: {exc}"
+            # Every step that can fail on one rank is followed by a collective that tells all of them.
             everyone = tp.node_comm.allgather((path, nbytes, error))
-            errors = [e for _, _, e in everyone if e]
-            if errors:
-                kind = TransportArgumentError if all("nbytes must be" in e for e in errors) else TransportRuntimeError
-                raise kind(f"rank {self.rank}: create_segment('{name}') failed on the node: "
-                                            + "; ".join(errors))
-            self.sizes, self._maps = {}, {}
+            self._raise_if(everyone)
+            error = None
             for p, (peer_path, size, _) in zip(topo.node_ranks(), everyone):
                 self.sizes[p] = size
-                if size:
-                    self._maps[p] = self._map(peer_path, size, fd if p == self.rank else -1)
-            tp.node_comm.Barrier()  # every peer has mapped every file: the names can go
+                try:
+                    if size and error is None:
+                        self._maps[p] = self._map(peer_path, size, fd if p == self.rank else -1)
+                except (OSError, OverflowError, ValueError) as exc:
+                    error = f"rank {self.rank}: cannot map the segment of rank {p} ({size} B): {exc}"
+            # This allgather is also the barrier after which every peer has mapped every file.
+            self._raise_if(tp.node_comm.allgather((None, 0, error)))
+        except BaseException:
+            self.release()
+            raise
         finally:
             if fd >= 0:
                 os.close(fd)
             if path is not None:
                 try:
-                    os.unlink(path)
+                    os.unlink(path)  # mapped everywhere (or failed everywhere): the name can go
                 except OSError:
                     pass
+
+    def _raise_if(self, everyone) -> None:
+        errors = [e for _, _, e in everyone if e]
+        if errors:
+            kind = TransportArgumentError if all("nbytes must be" in e for e in errors) else TransportRuntimeError
+            raise kind(f"rank {self.rank}: create_segment('{self.name}') failed on the node: " + "; ".join(errors))
 
     def _map(self, path: str, size: int, fd: int) -> mmap.mmap:
         own = fd >= 0
         if not own:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as exc:
-                raise TransportRuntimeError(f"rank {self.rank}: create_segment('{self.name}'): cannot map "
-                                            f"{path}: {exc}") from None
+            fd = os.open(path, os.O_RDWR)
         try:
             return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from transports import TransportArgumentError
+from transports import TransportArgumentError, TransportRuntimeError
 
 
 def _files_of_this_process():
@@ -43,6 +43,9 @@ def test_segment_bad_size_fails_on_every_rank(shared_tp):
     with pytest.raises(TransportArgumentError, match=f"rank {n - 1}: nbytes must be a non-negative int"):
         tp.create_segment("bad", -1 if me == n - 1 else 4096)
     assert _files_of_this_process() == []  # the good ranks' files were unlinked too
+    with pytest.raises(TransportRuntimeError, match=f"rank {n - 1}: cannot create {1 << 80} B"):
+        tp.create_segment("huge", 1 << 80 if me == n - 1 else 4096)  # beyond off_t: OverflowError inside
+    assert _files_of_this_process() == []
     empty = tp.create_segment("none", 0)
     assert empty.sizes == dict.fromkeys(range(n), 0)
     with pytest.raises(TransportArgumentError):
