@@ -468,12 +468,26 @@ class IntranodeEngine:
         for p in self.peers:
             self.tp.signal(self.win, p, XDATA, ordered=True)
 
-    def _send_late_x(self, stage_x):
-        """The dispatch predicted direct stores that do not fit: stage ``x`` of round 0 now (same half
-        as its headers) and raise ``XDATA`` at every peer."""
-        stage_x()
-        for p in self.peers:
-            self.tp.signal(self.win, p, XDATA, ordered=True)
+    def _send_x(self, headers, rank_prefix_matrix, one_round: bool, predicted: bool, x, is_token_in_rank,
+                stage_x0, phase) -> bool:
+        """After the headers of a dispatch: choose how ``x`` moves (module doc), alike on every rank,
+        and send it. Direct: store into the receivers' ``recv_x`` (returns True). Late (chunk 0 went
+        without ``x`` on a wrong guess): ``stage_x0()`` now, raise ``XDATA``, wait for the peers'.
+        Staged: nothing more to do here. Updates the prediction for the next dispatch."""
+        nr = self.num_ranks
+        rows = [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS])) for j in range(nr)]
+        plan = self._direct_plan(headers, rows, x.shape[1], one_round)
+        self._predict_direct = plan is not None
+        direct = predicted and plan is not None
+        self.last_x_path = "direct" if direct else "late" if predicted else "staged"
+        if direct:
+            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
+        elif predicted:
+            stage_x0()  # into the half chunk 0 is in: this rank's staged count has not moved on yet
+            for p in self.peers:
+                self.tp.signal(self.win, p, XDATA, ordered=True)
+            self._await_xdata(phase)
+        return direct
 
     def _await_xdata(self, phase):
         self._xdata_calls += 1
@@ -544,11 +558,6 @@ class IntranodeEngine:
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
         rows = max(num_recv, num_worst_tokens)
         recv_x = self._recv_x(advertised, rows, xb)
-        plan = self._direct_plan(headers, [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS]))
-                                           for j in range(nr)], xb, max(rounds) == 1)
-        direct = predicted and plan is not None
-        self._predict_direct = plan is not None
-        self.last_x_path = "direct" if direct else "late" if predicted else "staged"
         recv_scales = torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None
         recv_topk = torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None
         recv_w = torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None
@@ -565,11 +574,8 @@ class IntranodeEngine:
                (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_src_idx,
                 num_recv))
 
-        if direct:
-            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
-        elif predicted:
-            self._send_late_x(lambda: stage(0, only_x=True))
-            self._await_xdata(phase)
+        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
+                              lambda: stage(0, only_x=True), phase)
         cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
@@ -648,16 +654,8 @@ class IntranodeEngine:
         self._check_counts(rank_prefix_matrix, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
         rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
-        plan = self._direct_plan(headers, [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS]))
-                                           for j in range(nr)], xb, max(rounds) == 1)
-        direct = predicted and plan is not None
-        self._predict_direct = plan is not None
-        self.last_x_path = "direct" if direct else "late" if predicted else "staged"
-        if direct:
-            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
-        elif predicted:
-            self._send_late_x(lambda: stage(0, only_x=True))
-            self._await_xdata(phase)
+        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
+                              lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
