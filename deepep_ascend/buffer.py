@@ -151,6 +151,7 @@ class Buffer:
     range is reused only after the caller drops every tensor viewing it (a bare ``untyped_storage()``
     object does not count), and it stays valid after
     :meth:`destroy`.
+
     Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
     sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
     abort leaves the Buffer failed: later calls raise ``transports.TransportPoisoned`` at once;

@@ -124,7 +124,9 @@ class SegmentPool:
     count does not see it). Allocation is in two steps because peers must learn where to store before
     the size is known: :meth:`largest_free` names a range (advertised to the peers), :meth:`take`
     claims the first bytes of it. Without storage use counts nothing is ever free again (the caller
-    then falls back to private outputs). Thread-safe.
+    then falls back to private outputs). Each method is thread-safe, but a :meth:`largest_free` /
+    :meth:`take` pair must not interleave with another pair (the Buffer allocates on the caller's
+    thread only).
     """
 
     ALIGN = 4096

@@ -43,6 +43,8 @@ gather as in the staged path. Ranks that keep many outputs alive, windows that s
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -60,14 +62,16 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
- W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS) = range(17)
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX) = range(18)
 _MAGIC = 0xDEE9A5
-_CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS)
+_CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
+                    W_PREFIX)
 _WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
                W_SBYTES: "bytes per row of the FP8 scales", W_SDTYPE: "scales dtype",
                W_TOPK: "num_topk (-1 = no top-k)", W_NEXP: "num_experts",
                W_HANDLE: "handle (id of the dispatch that made it)", W_CHANNELS: "channels (config.num_sms // 2)",
-               W_WCOLS: "topk_weights columns (-1 = none)"}
+               W_WCOLS: "topk_weights columns (-1 = none)",
+               W_PREFIX: "the handle's rank prefix matrix (CRC-32 of its bytes)"}
 
 _DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
@@ -83,6 +87,12 @@ def _align(x: int) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def prefix_checksum(rank_prefix_matrix: torch.Tensor) -> int:
+    """CRC-32 of a handle's ``[R, R]`` rank prefix matrix: a header word every rank must agree on,
+    so that handles that differ between ranks are refused on every rank, not on some."""
+    return zlib.crc32(rank_prefix_matrix.to(torch.int32).contiguous().numpy().tobytes())
 
 
 class ConsensusError(ValueError):
@@ -454,19 +464,26 @@ class IntranodeEngine:
         me, nr = self.rank, self.num_ranks
         n, xb = x.shape
         for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
-            mask = is_token_in_rank[:, j]
-            idx = torch.nonzero(mask).squeeze(1)
+            idx = torch.nonzero(is_token_in_rank[:, j]).squeeze(1)
             cnt = idx.numel()
+            start = int(rank_prefix_matrix[me - 1, j]) if me else 0
+            if cnt != int(rank_prefix_matrix[me, j]) - start:  # never store outside j's rows for this rank
+                raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {cnt} tokens to rank {j}, but the "
+                                   f"counts exchanged for this call say {int(rank_prefix_matrix[me, j]) - start} "
+                                   f"(was it changed before the call finished?)")
             if not cnt:
                 continue
-            start = int(rank_prefix_matrix[me - 1, j]) if me else 0
             dst = self.segment.view(j, plan[j] + start * xb, cnt * xb).view(cnt, xb)
             if cnt == n:
                 dst.copy_(x)
             else:
                 torch.index_select(x, 0, idx, out=dst)
-        for p in self.peers:
-            self.tp.signal(self.win, p, XDATA, ordered=True)
+        self._raise_xdata()
+
+    def _raise_xdata(self):
+        """``XDATA`` at every peer, after one release fence for all of them."""
+        for i, p in enumerate(self.peers):
+            self.tp.signal(self.win, p, XDATA, ordered=i == 0)
 
     def _send_x(self, headers, rank_prefix_matrix, one_round: bool, predicted: bool, x, is_token_in_rank,
                 stage_x0, phase) -> bool:
@@ -484,8 +501,7 @@ class IntranodeEngine:
             self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
         elif predicted:
             stage_x0()  # into the half chunk 0 is in: this rank's staged count has not moved on yet
-            for p in self.peers:
-                self.tp.signal(self.win, p, XDATA, ordered=True)
+            self._raise_xdata()
             self._await_xdata(phase)
         return direct
 
@@ -626,7 +642,8 @@ class IntranodeEngine:
         q = max(1, regions.capacity)
         rows = recv_src_idx.numel()
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
-                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows}
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows,
+                 W_PREFIX: prefix_checksum(rank_prefix_matrix)}
         vec = is_token_in_rank.sum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
         land_words, advertised = self._advertise(rows, xb)
@@ -711,7 +728,8 @@ class IntranodeEngine:
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
-                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols}
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
+                 W_PREFIX: prefix_checksum(rank_prefix_matrix)}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
 

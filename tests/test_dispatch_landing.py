@@ -185,6 +185,38 @@ def test_async_cached_dispatches_agree_on_the_path_when_one_rank_lags(comm):
         coll(buf.destroy, what="destroy")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_handles_that_differ_between_ranks_are_refused_on_every_rank(comm):
+    """Unregistered handle copies (ids -1 everywhere) from two different dispatches, one on rank 0
+    and the other elsewhere: cached dispatch and combine raise ConsensusError on every rank (their
+    rank prefix matrices differ), so no rank waits for another's rows; the Buffer stays usable and
+    its next dispatch lands directly."""
+    from deepep_ascend import ConsensusError
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True)
+    try:
+        handles = []
+        for seed in (700, 701):
+            x, idx, w, E = _inputs(comm, seed)
+            if seed == 701:
+                idx = idx.roll(1, dims=0)  # another routing: other counts, another prefix matrix
+            handles.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in _dispatch(buf, x, idx, w, E)[1]))
+        mine = handles[0] if r == 0 else handles[1]
+        x = _inputs(comm, 702)[0]
+        _, exc = capture(lambda: buf.dispatch(x, handle=mine))
+        rows = int(mine[0][-1, r])
+        _, cexc = capture(lambda: buf.combine(torch.zeros(mine[3].numel(), H, dtype=BF16)[:max(rows, 0)], mine))
+        ok = all(isinstance(e, ConsensusError) and "rank prefix matrix" in str(e) for e in (exc, cexc))
+        what = f"mismatched handles: cached dispatch raised {exc!r}, combine {cexc!r}"
+        del exc, cexc  # their tracebacks hold the refused call's frames, whose recv_x holds landing room
+        all_ranks_ok(comm, ok, what)
+        paths, ok = _dispatches(buf, comm, [703, 704])
+        all_ranks_ok(comm, ok and paths == ["direct", "direct"], f"after the refused calls: paths {paths}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
 def test_bad_landing_size_is_a_clear_error_on_every_rank(comm, monkeypatch):
     monkeypatch.setenv(LANDING_BYTES_ENV, "lots")
     _, exc = capture(lambda: Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True))

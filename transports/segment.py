@@ -37,7 +37,7 @@ class SharedSegment:
         topo = tp.topology
         self.name, self.rank = name, topo.rank
         self.sizes, self._maps = {}, {}
-        path, error, fd = None, None, -1
+        path, error, fd, created = None, None, -1, False
         if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0:
             error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
         nbytes = int(nbytes)
@@ -46,9 +46,10 @@ class SharedSegment:
                 path = os.path.join(_SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    created = True
                     # Reserve the pages now: a full tmpfs is then an error here, not a SIGBUS on a later store.
                     os.posix_fallocate(fd, 0, nbytes)
-                except (OSError, OverflowError) as exc:  # OverflowError: more bytes than off_t holds
+                except Exception as exc:  # noqa: BLE001 - any failure must reach the peers (OverflowError: > off_t)
                     error = f"rank {self.rank}: cannot create {nbytes} B of shared memory at {path}: {exc}"
             # Every step that can fail on one rank is followed by a collective that tells all of them.
             everyone = tp.node_comm.allgather((path, nbytes, error))
@@ -59,7 +60,7 @@ class SharedSegment:
                 try:
                     if size and error is None:
                         self._maps[p] = self._map(peer_path, size, fd if p == self.rank else -1)
-                except (OSError, OverflowError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure must reach the peers
                     error = f"rank {self.rank}: cannot map the segment of rank {p} ({size} B): {exc}"
             # This allgather is also the barrier after which every peer has mapped every file.
             self._raise_if(tp.node_comm.allgather((None, 0, error)))
@@ -69,7 +70,7 @@ class SharedSegment:
         finally:
             if fd >= 0:
                 os.close(fd)
-            if path is not None:
+            if created:  # never another process's file (EEXIST: a stale name from a reused pid)
                 try:
                     os.unlink(path)  # mapped everywhere (or failed everywhere): the name can go
                 except OSError:
@@ -99,6 +100,8 @@ class SharedSegment:
             TransportArgumentError: ``peer`` has no segment here, or the range is outside it.
         """
         size = self.sizes.get(peer, 0)
+        if size and not self._maps:
+            raise TransportArgumentError(f"rank {self.rank}: segment '{self.name}': view after release()")
         if peer not in self._maps or offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise TransportArgumentError(
                 f"rank {self.rank}: segment '{self.name}' of rank {peer}: byte range [{offset}, {offset}+{nbytes}) "

@@ -303,8 +303,11 @@ class Transport:
         they are dropped. No signal slots; pair it with a window for ordering (a signal's release
         fence orders stores to any memory).
         Raises:
-            TransportArgumentError: ``nbytes`` is not a non-negative int on some rank of the node (on every rank).
-            TransportRuntimeError: some rank of the node could not create or map its segment (on every rank).
+            TransportArgumentError: ``nbytes`` is not a non-negative int on some rank of the node, and
+                every failing rank failed so (on every rank).
+            TransportRuntimeError: some rank of the node could not create or map its segment (on every
+                rank; also when other ranks had a bad ``nbytes``). No file is left unless a process dies
+                between creating and unlinking it.
         """
         self._check_open("create_segment")
         return SharedSegment(self, name, nbytes)
