@@ -44,6 +44,7 @@ import gc
 import hashlib
 import json
 import os
+import platform
 import resource
 import socket
 import statistics
@@ -963,7 +964,6 @@ def cpu_model() -> str:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    import platform
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except AttributeError:

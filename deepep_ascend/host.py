@@ -69,10 +69,15 @@ def storage_users(t: torch.Tensor) -> int | None:
         return None
 
 
+def _alias(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A new tensor (not a view: no ``_base``) of ``dtype`` and ``shape`` on ``t``'s storage, from ``t``'s offset."""
+    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), t.storage_offset() * t.element_size() // dtype.itemsize,
+                                            shape)
+
+
 def _block(nbytes: int) -> torch.Tensor:
     """A ``[nbytes]`` uint8 tensor from :func:`empty` that is not a view (owns its storage alone)."""
-    t = empty((nbytes,), torch.uint8)
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset(), (nbytes,))
+    return _alias(empty((nbytes,), torch.uint8), torch.uint8, (nbytes,))
 
 
 class OutputPool:
@@ -110,8 +115,7 @@ class OutputPool:
                 if len(self._blocks) >= self.max_blocks:
                     self._blocks.pop(0)
             self._blocks.append(blk)
-            return torch.empty(0, dtype=dtype).set_(blk.untyped_storage(), blk.storage_offset() // dtype.itemsize,
-                                                     shape)
+            return _alias(blk, dtype, shape)
 
 
 class SegmentPool:
@@ -153,4 +157,4 @@ class SegmentPool:
         block = self.segment.view(self.rank, offset, nbytes)
         with self._lock:
             self._live.append((offset, nbytes, block))
-        return torch.empty(0, dtype=torch.uint8).set_(block.untyped_storage(), 0, (nbytes,))
+        return _alias(block, torch.uint8, (nbytes,))

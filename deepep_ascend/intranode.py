@@ -677,6 +677,9 @@ class IntranodeEngine:
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
+                if direct and not sb:  # one round, nothing staged to gather: only count the rows received
+                    self._record(s, (starts[s + 1] - starts[s]) * xb)
+                    continue
                 m = min(q, int(ntok[s]) - rnd * q)
                 block = src[starts[s]:starts[s + 1]]
                 lo, hi = torch.searchsorted(block, torch.tensor([rnd * q, rnd * q + max(m, 0)])).tolist()

@@ -38,7 +38,8 @@ class SharedSegment:
         self.name, self.rank = name, topo.rank
         self.sizes, self._maps = {}, {}
         path, error, fd, created = None, None, -1, False
-        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0:
+        bad_arg = not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0
+        if bad_arg:
             error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
         nbytes = int(nbytes)
         try:
@@ -52,10 +53,10 @@ class SharedSegment:
                 except Exception as exc:  # noqa: BLE001 - any failure must reach the peers (OverflowError: > off_t)
                     error = f"rank {self.rank}: cannot create {nbytes} B of shared memory at {path}: {exc}"
             # Every step that can fail on one rank is followed by a collective that tells all of them.
-            everyone = tp.node_comm.allgather((path, nbytes, error))
+            everyone = tp.node_comm.allgather((path, nbytes, error, bad_arg))
             self._raise_if(everyone)
             error = None
-            for p, (peer_path, size, _) in zip(topo.node_ranks(), everyone):
+            for p, (peer_path, size, _, _) in zip(topo.node_ranks(), everyone):
                 self.sizes[p] = size
                 try:
                     if size and error is None:
@@ -63,7 +64,7 @@ class SharedSegment:
                 except Exception as exc:  # noqa: BLE001 - any failure must reach the peers
                     error = f"rank {self.rank}: cannot map the segment of rank {p} ({size} B): {exc}"
             # This allgather is also the barrier after which every peer has mapped every file.
-            self._raise_if(tp.node_comm.allgather((None, 0, error)))
+            self._raise_if(tp.node_comm.allgather((None, 0, error, False)))
         except BaseException:
             self.release()
             raise
@@ -77,9 +78,10 @@ class SharedSegment:
                     pass
 
     def _raise_if(self, everyone) -> None:
-        errors = [e for _, _, e in everyone if e]
+        """Raise on every rank if any entry ``(path, nbytes, error, bad_arg)`` of the node holds an error."""
+        errors = [e for _, _, e, _ in everyone if e]
         if errors:
-            kind = TransportArgumentError if all("nbytes must be" in e for e in errors) else TransportRuntimeError
+            kind = TransportArgumentError if all(bad for _, _, e, bad in everyone if e) else TransportRuntimeError
             raise kind(f"rank {self.rank}: create_segment('{self.name}') failed on the node: " + "; ".join(errors))
 
     def _map(self, path: str, size: int, fd: int) -> mmap.mmap:
