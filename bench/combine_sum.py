@@ -1,6 +1,7 @@
 """Combine's two-source sum: the run-wise BF16 path against the float32 chain, by number of runs.
 
     python -m bench.combine_sum [--tokens 4096] [--hidden 7168] [--missing 16,64,256,1024] [--iters 5]
+                                [--sources 3,4,8] [--num-topk 8]
 
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
 ``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
@@ -11,6 +12,12 @@ same bits, and prints the run count, both medians, the cost per run of the run-w
 which one :func:`~deepep_ascend.intranode.two_source_run_limit` picks. Its last line fits the two
 costs (least squares: run-wise = a + b * runs, chain = c) and prints the break-even run count
 against the limit.
+
+Then, for each ``--sources`` count ``S`` (what an origin of an ``S``-rank combine sees), ``S``
+sources that each hold a token with the probability that top-``--num-topk`` routing over ``S``
+equal ranks reaches a rank, ``1 - (1 - 1/S)^k``: it times ``accumulate_rows`` with the float32
+chain (``bags=False``) and with :func:`~deepep_ascend.intranode._sum_by_bags` (the default for
+three or more sources), checks both give the same bits, and prints both medians.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=C.int_at_least(1), default=7168)
     ap.add_argument("--missing", default="16,64,256,1024", help="comma-separated tokens each source misses")
     ap.add_argument("--iters", type=C.int_at_least(1), default=5)
+    ap.add_argument("--sources", default="3,4,8", help="comma-separated source counts for the many-source cases")
+    ap.add_argument("--num-topk", type=C.int_at_least(1), default=8)
     args = ap.parse_args(argv)
     missing = [C.int_at_least(0)(v) for v in args.missing.split(",")]
+    many = [C.int_at_least(1)(v) for v in args.sources.split(",")] if args.sources else []
     torch.set_num_threads(1)
     m, h = args.tokens, args.hidden
     g = torch.Generator().manual_seed(0)
@@ -68,7 +78,21 @@ def main(argv=None) -> int:
         print(f"[fit]    run-wise {a:.2f} ms + {b * 1e3:.1f} us/run; float32 chain {c:.2f} ms "
               f"({saved:.2f} ns/element more than the run-wise base); break-even ~{even:.0f} runs "
               f"= m*hidden/{m * h / even:.0f}; limit {limit} = m*hidden/{m * h / limit:.0f}")
-    print(f"[check]  both paths give the same bits in every case: {same}")
+    for num in many:
+        present = 1.0 - (1.0 - 1.0 / num) ** args.num_topk
+        sources = []
+        for _ in range(num):
+            tokens = torch.nonzero(torch.rand(m, generator=g) < present).squeeze(1)
+            sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
+        rows = sum(tokens.numel() for _, tokens in sources)
+        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, bags=False), args.iters)
+        t_bags = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, bags=True), args.iters)
+        ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
+        same &= ok
+        print(f"[bags]   {num} sources, each with a token at p = {present:.2f} ({rows / m:.2f} rows per token): "
+              f"float32 chain {t_chain:8.2f} ms | embedding_bag {t_bags:8.2f} ms | "
+              f"chain / bags {t_chain / t_bags:5.2f}x | same bits {ok}")
+    print(f"[check]  all paths give the same bits in every case: {same}")
     return 0 if same else 1
 
 

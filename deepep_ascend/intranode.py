@@ -136,7 +136,7 @@ def check_consensus(headers, op, call_id):
 
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None,
-                    clean=None, max_runs: int | None = None) -> None:
+                    clean=None, max_runs: int | None = None, bags: bool | None = None) -> None:
     """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
 
     ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
@@ -148,11 +148,14 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     block edges and each source's ``searchsorted`` of them, if the caller has them. ``clean``:
     per source, True if its rows hold no ``-0.0`` (lets the sign-of-zero fix-up below be skipped).
     ``max_runs``: passed to :func:`_sum_two_by_runs` (0 forces the float32 chain; ``bench.combine_sum``).
+    ``bags``: :func:`_sum_by_bags` for three or more sources without bias if None (the default),
+    also for fewer if True, never if False (``bench.combine_sum`` times the paths against each other).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
     through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
-    float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value).
+    float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value);
+    three or more through :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
     The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
     from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
     ``+0.0``), which one ``+ 0.0`` repairs unless a term covering those tokens is known clean.
@@ -161,6 +164,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
     if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
+        return
+    if bias is None and bags is not False and _sum_by_bags(out, sources, acc, force=bags is True):
         return
     if edges is None:
         edges = torch.arange(0, m + block, block).clamp_(max=m)
@@ -260,6 +265,57 @@ def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
             torch.add(segs[0][0], segs[1][0], out=dst)
             if not (segs[0][1] or segs[1][1]):
                 dst.add_(0.0)
+    return True
+
+
+def _sum_by_bags(out, sources, scratch, force: bool = False) -> bool:
+    """:func:`accumulate_rows` without bias as ``embedding_bag(mode="sum")`` over float32 rows.
+
+    ``scratch`` ``[R, H]`` float32. Tokens go in blocks of ``R // S`` (``S`` sources with rows):
+    each source's rows of the block are converted into ``scratch`` (one pass, in cache), then one
+    ``embedding_bag`` sums every token's bag (its rows in source order) into float32, which is
+    rounded once into ``out``. ``embedding_bag`` adds a bag's rows one after the other to a +0.0
+    start, in the order of ``indices``: the reference's float32 chain, signed zeros included, in
+    a single pass that keeps each token's sum in registers (the chain reads and writes its
+    accumulator once per source). Returns False (nothing written) for fewer than three sources
+    with rows unless ``force``.
+    """
+    live = [(rows, tokens) for rows, tokens in sources if tokens.numel()]
+    m, hidden = out.shape
+    if len(live) < (1 if force else 3) or not m:
+        return False
+    S = len(live)
+    B = max(1, scratch.size(0) // S)  # tokens per block: S * B rows always fit the scratch
+    edges = torch.arange(0, m + B, B).clamp_(max=m)
+    nb = edges.numel() - 1
+    bounds = torch.stack([torch.searchsorted(tokens, edges) for _, tokens in live])  # [S, nb + 1]
+    cnt = bounds.diff(dim=1)  # [S, nb] rows of each source in each block
+    base = cnt.cumsum(0) - cnt  # [S, nb] where each source's rows start in the block's scratch
+    pos, keys = [], []
+    for j, (_, tokens) in enumerate(live):
+        blk = tokens // B
+        pos.append(base[j][blk] + torch.arange(tokens.numel()) - bounds[j][blk])
+        keys.append(tokens * S + j)
+    order = torch.argsort(torch.cat(keys))  # by token, then source: each bag in ascending source order
+    indices = torch.cat(pos)[order]
+    starts = torch.searchsorted(torch.cat(keys)[order], torch.arange(m) * S)  # first entry of each token's bag
+    first = starts[edges[:-1]].tolist() + [indices.numel()]  # first entry of each block
+    offsets = starts - torch.repeat_interleave(starts[edges[:-1]], edges.diff())  # bag offsets within a block
+    bl, cl, bs = bounds.tolist(), cnt.tolist(), base.tolist()
+    el = edges.tolist()
+    for b in range(nb):
+        a_t, b_t = el[b], el[b + 1]
+        n = 0
+        for j, (rows, _) in enumerate(live):
+            c = cl[j][b]
+            if c:
+                scratch[bs[j][b]:bs[j][b] + c].copy_(rows[bl[j][b]:bl[j][b] + c])
+                n = bs[j][b] + c
+        if not n:
+            out[a_t:b_t].zero_()
+            continue
+        out[a_t:b_t].copy_(torch.nn.functional.embedding_bag(
+            indices[first[b]:first[b + 1]], scratch[:n], offsets[a_t:b_t], mode="sum"))
     return True
 
 
@@ -735,6 +791,10 @@ class IntranodeEngine:
                  W_PREFIX: prefix_checksum(rank_prefix_matrix)}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
+        # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
+        # most tokens have three or more sources (summed by bags, indifferent to -0.0) and the
+        # cleaning add costs nearly three plain copies.
+        clean_staging = nr == 2
 
         def stage(rnd):
             """Stage, for every other origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q).
@@ -764,9 +824,12 @@ class IntranodeEngine:
             pos = 0
             for a, b in pieces:
                 if b > a:
-                    # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
-                    # spares the origin a sign-of-zero pass over the sum (accumulate_rows).
-                    torch.add(x[a:b], 0.0, out=xdst[pos:pos + b - a].view(torch.bfloat16))
+                    if clean_staging:
+                        # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
+                        # spares the origin a sign-of-zero pass over a two-source sum (accumulate_rows).
+                        torch.add(x[a:b], 0.0, out=xdst[pos:pos + b - a].view(torch.bfloat16))
+                    else:
+                        xdst[pos:pos + b - a].view(torch.bfloat16).copy_(x[a:b])
                     if wdst is not None:
                         wdst[pos:pos + b - a].copy_(topk_weights[a:b])
                     pos += b - a
@@ -803,7 +866,8 @@ class IntranodeEngine:
                     rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
                     wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
                              .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
-                sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(), j != me))
+                sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
+                                j != me and clean_staging))
                 self._record(j, cnt * (xb + 4 * max(wcols, 0)))
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
                 wout = combined_w[lo_t:hi_t]

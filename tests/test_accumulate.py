@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from deepep_ascend.intranode import _sum_two_by_runs, accumulate_rows, two_source_run_limit
+from deepep_ascend.intranode import _sum_by_bags, _sum_two_by_runs, accumulate_rows, two_source_run_limit
 
 BF16 = torch.bfloat16
 SPECIALS = [0.0] + [-0.0] * 4 + [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, -1e-40, 1.0, -1.0]
@@ -156,14 +156,16 @@ def test_two_source_run_limit_follows_the_work_per_run():
 
 
 def test_combine_sum_benchmark_checks_bits(capsys):
-    """``python -m bench.combine_sum`` (the figures behind ``two_source_run_limit``) times both
-    paths on the same inputs and checks they give the same bits."""
+    """``python -m bench.combine_sum`` (the figures behind ``two_source_run_limit`` and the
+    embedding_bag path) times the paths on the same inputs and checks they give the same bits."""
     from bench import combine_sum
 
-    assert combine_sum.main(["--tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1"]) == 0
+    assert combine_sum.main(["--tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1",
+                             "--sources", "3,5"]) == 0
     out = capsys.readouterr().out
     assert out.count("[case]") == 2 and "same bits True" in out and "[fit]" in out
-    assert "both paths give the same bits in every case: True" in out
+    assert out.count("[bags]") == 2 and "same bits False" not in out
+    assert "all paths give the same bits in every case: True" in out
 
 
 def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
@@ -195,3 +197,70 @@ def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
         outs.append(out)
     assert seen == [(0, False), (m, True)]
     assert _same(outs[0], outs[1]) and _same(outs[0], _reference(m, hidden, sources, None))
+
+
+@pytest.mark.parametrize("num_sources,scratch_rows,hidden", [(1, 3, 40), (2, 5, 40), (3, 7, 7), (5, 64, 40),
+                                                             (8, 9, 24)])
+def test_sum_by_bags_bitwise(num_sources, scratch_rows, hidden):
+    """The embedding_bag path on any number of sources and block size (scratch_rows // sources
+    tokens per block, a short last block), tokens that no source has, all-specials rows: the
+    float32 chain from +0.0 in source order, bit for bit."""
+    g = torch.Generator().manual_seed(num_sources * 100 + scratch_rows)
+    m = 29
+    sources = []
+    for j in range(num_sources):
+        keep = torch.rand(m, generator=g) < 0.7
+        keep[:3] = False  # tokens 0-2: no source at all (+0.0)
+        keep[3] = True  # token 3: every source
+        tokens = torch.nonzero(keep).squeeze(1)
+        sources.append((_rows(g, tokens.numel(), hidden), tokens))
+    out = torch.full((m, hidden), 7.0, dtype=BF16)
+    assert _sum_by_bags(out, sources, torch.empty(scratch_rows, hidden), force=True)
+    assert _same(out, _reference(m, hidden, sources, None))
+    assert (_bits(out[:3]) == 0).all()
+
+
+def test_sum_by_bags_adds_in_source_order():
+    """Order matters in float32. 1 + 2^-8 + 2^-24 + 2^-24 loses both 2^-24 (ties to even) and
+    rounds to BF16 1.0 (a tie again); 2^-24 + 2^-24 + 2^-8 + 1 keeps them and rounds up to
+    1 + 2^-7. Token 0 has its sources in the first order, token 1 in the second."""
+    hidden = 4
+    tokens = torch.arange(2)
+    col = [(1.0, 2.0 ** -24), (2.0 ** -8, 2.0 ** -24), (2.0 ** -24, 2.0 ** -8), (2.0 ** -24, 1.0)]
+    sources = [(torch.tensor([[a] * hidden, [b] * hidden], dtype=BF16), tokens) for a, b in col]
+    out = torch.empty(2, hidden, dtype=BF16)
+    assert _sum_by_bags(out, sources, torch.empty(8, hidden))
+    assert (out[0].float() == 1.0).all() and (out[1].float() == 1.0 + 2.0 ** -7).all()
+    assert _same(out, _reference(2, hidden, sources, None))
+
+
+def test_accumulate_rows_takes_bags_for_three_or_more_sources_without_bias(monkeypatch):
+    """accumulate_rows sends three or more sources without bias to _sum_by_bags (same bits as the
+    float32 chain, ``bags=False``); with bias, or with two sources, it does not."""
+    from deepep_ascend import intranode
+
+    taken = []
+    real = intranode._sum_by_bags
+
+    def spy(out, sources, scratch, force=False):
+        took = real(out, sources, scratch, force)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(intranode, "_sum_by_bags", spy)
+    g = torch.Generator().manual_seed(11)
+    m, hidden = 50, 16
+    sources = []
+    for _ in range(4):
+        tokens = torch.nonzero(torch.rand(m, generator=g) < 0.8).squeeze(1)
+        sources.append((_rows(g, tokens.numel(), hidden), tokens))
+    bias = (_rows(g, m, hidden), None)
+    scratch = (torch.empty(12, hidden), torch.empty(12, hidden))
+    for srcs, b, expect in ((sources, None, [True]), (sources[:3], None, [True]), (sources, bias, []),
+                            (sources[:2], None, [False])):
+        taken.clear()
+        out = torch.empty(m, hidden, dtype=BF16)
+        accumulate_rows(out, srcs, *scratch, b, max_runs=0)
+        chain = torch.empty(m, hidden, dtype=BF16)
+        accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False)
+        assert taken[:1] == expect[:1] and _same(out, chain) and _same(out, _reference(m, hidden, srcs, b))
