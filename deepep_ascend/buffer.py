@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
-                        TransportTimeout, create_transport)
+                        TransportTimeout, create_transport, quiet_barrier)
 
 from . import low_latency as ll_mod
 from .config import Config, combine_config, dispatch_config
@@ -72,6 +72,8 @@ def _mpi_comm_of(group, comm):
                 f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
                 f"rank and size, or pass comm=")
         ranks = dist.get_process_group_ranks(group)
+        if sorted(ranks) == list(range(world.Get_size())):
+            quiet_barrier(world)  # MPI_Comm_create_group would spin while a late rank is still working
         sub = world.Create_group(world.Get_group().Incl(ranks))
         if sub.Get_rank() != group.rank():
             raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch.distributed as tdist
 
+from transports import quiet_barrier
+
 __all__ = ["ParallelGroups", "build_groups", "init_distributed", "mpi_comm_of", "world_comm"]
 
 _COMMS: dict = {}  # group id (torch group name / ranks) -> mpi4py communicator
@@ -61,6 +63,7 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 600.0, comm=None,
             raise RuntimeError(f"init_distributed: torch.distributed is initialised with rank/size "
                                f"{tdist.get_rank()}/{tdist.get_world_size()}, MPI has {rank}/{size}")
         return rank, size
+    quiet_barrier(comm)  # the first collective: ranks that arrive early must not spin (transports.quiet_barrier)
     hosts = comm.allgather(socket.gethostname())
     one_host = len(set(hosts)) == 1 and master_addr is None
     port = None

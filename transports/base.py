@@ -58,6 +58,24 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def quiet_barrier(comm) -> None:
+    """Wait until every rank of ``comm`` arrives, polling ``MPI_Ibarrier`` and sleeping as
+    :class:`WaitPolicy` does, instead of entering a blocking collective at once.
+
+    MPICH's blocking collectives wait in a ``sched_yield`` loop; when ranks outnumber cores, ranks
+    that arrive early take most of the CPU from the one still working toward the call (a 4-rank
+    test once ran past its 180 s watchdog with three ranks in ``MPI_Comm_create_group`` and the
+    fourth still making its data). Called before the first collective of a construction, where
+    ranks arrive furthest apart; the blocking collectives after it then find everyone there.
+    Like those collectives it has no deadline (a rank may legitimately spend minutes loading
+    data first).
+    """
+    req = comm.Ibarrier()
+    pauses = WaitPolicy(local_ranks=comm.Get_size()).pauses()
+    while not req.Test():
+        time.sleep(next(pauses))
+
+
 class WaitPolicy:
     """How a waiting rank spends its time (transports §3.4).
 

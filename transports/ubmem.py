@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from .base import State, Team, WaitPolicy, resolve_timeout
+from .base import State, Team, WaitPolicy, quiet_barrier, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
@@ -218,6 +218,7 @@ class Transport:
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
         self.timeout_s = resolve_timeout(timeout_s)
         emulator = emulator_from_env()  # None unless $DEEPEP_ASCEND_LINK_EMULATION asks (checked before any MPI call)
+        quiet_barrier(comm)  # ranks arrive unevenly; the blocking collectives below would spin meanwhile
         self.comm = comm.Dup()
         try:
             self.topology = Topology.from_comm(self.comm, ranks_per_node)
