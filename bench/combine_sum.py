@@ -16,13 +16,16 @@ against the limit.
 Then, for each ``--sources`` count ``S`` (what an origin of an ``S``-rank combine sees), ``S``
 sources that each hold a token with the probability that top-``--num-topk`` routing over ``S``
 equal ranks reaches a rank, ``1 - (1 - 1/S)^k``: it times ``accumulate_rows`` with the float32
-chain (``bags=False``) and with :func:`~deepep_ascend.intranode._sum_by_bags` (the default for
-three or more sources), checks both give the same bits, and prints both medians.
+chain (``bags=False``) and with :func:`~deepep_ascend.intranode._sum_by_bags` forced (the default
+for three or more sources while a block holds ``_BAG_MIN_TOKENS`` tokens), the two alternating,
+checks both give the same bits, and prints both medians and the tokens per block.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -30,6 +33,20 @@ import torch
 from bench import common as C
 from bench.alloc import _median_ms
 from deepep_ascend import intranode as I
+
+
+def _interleaved_medians_ms(fns, iters: int) -> list:
+    """Median ms of each of ``fns``, timed in alternation (one warm-up call each), so that the
+    host's drift during the run hits every path alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def main(argv=None) -> int:
@@ -85,11 +102,13 @@ def main(argv=None) -> int:
             tokens = torch.nonzero(torch.rand(m, generator=g) < present).squeeze(1)
             sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
         rows = sum(tokens.numel() for _, tokens in sources)
-        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, bags=False), args.iters)
-        t_bags = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, bags=True), args.iters)
+        t_chain, t_bags = _interleaved_medians_ms(
+            [lambda: I.accumulate_rows(out_chain, sources, acc, tmp, bags=False),
+             lambda: I.accumulate_rows(out_runs, sources, acc, tmp, bags=True)], args.iters)
         ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
         same &= ok
-        print(f"[bags]   {num} sources, each with a token at p = {present:.2f} ({rows / m:.2f} rows per token): "
+        print(f"[bags]   {num} sources, each with a token at p = {present:.2f} ({rows / m:.2f} rows per token, "
+              f"{acc.size(0) // num} tokens per block): "
               f"float32 chain {t_chain:8.2f} ms | embedding_bag {t_bags:8.2f} ms | "
               f"chain / bags {t_chain / t_bags:5.2f}x | same bits {ok}")
     print(f"[check]  all paths give the same bits in every case: {same}")

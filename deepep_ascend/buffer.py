@@ -72,8 +72,8 @@ def _mpi_comm_of(group, comm):
                 f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
                 f"rank and size, or pass comm=")
         ranks = dist.get_process_group_ranks(group)
-        if sorted(ranks) == list(range(world.Get_size())):
-            quiet_barrier(world)  # MPI_Comm_create_group would spin while a late rank is still working
+        # MPI_Comm_create_group would spin while a late member is still working
+        quiet_barrier(world, None if sorted(ranks) == list(range(world.Get_size())) else ranks)
         sub = world.Create_group(world.Get_group().Incl(ranks))
         if sub.Get_rank() != group.rank():
             raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")

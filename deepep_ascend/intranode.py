@@ -57,6 +57,7 @@ HEADER_BYTES = 1024
 _ALIGN = 128
 _MSG_WORD, _MSG_BYTES = 32, 768
 _COMBINE_BLOCK_BYTES = 2 << 20  # float32 accumulator block of combine: stays in cache
+_BAG_MIN_TOKENS = 8  # fewest tokens per block for which _sum_by_bags is used by default
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
@@ -148,8 +149,9 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     block edges and each source's ``searchsorted`` of them, if the caller has them. ``clean``:
     per source, True if its rows hold no ``-0.0`` (lets the sign-of-zero fix-up below be skipped).
     ``max_runs``: passed to :func:`_sum_two_by_runs` (0 forces the float32 chain; ``bench.combine_sum``).
-    ``bags``: :func:`_sum_by_bags` for three or more sources without bias if None (the default),
-    also for fewer if True, never if False (``bench.combine_sum`` times the paths against each other).
+    ``bags``: :func:`_sum_by_bags` for three or more sources without bias if None (the default)
+    while a block of the scratch ``acc`` holds enough tokens, also for fewer sources and smaller
+    blocks if True, never if False (``bench.combine_sum`` times the paths against each other).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
@@ -276,16 +278,21 @@ def _sum_by_bags(out, sources, scratch, force: bool = False) -> bool:
     ``embedding_bag`` sums every token's bag (its rows in source order) into float32, which is
     rounded once into ``out``. ``embedding_bag`` adds a bag's rows one after the other to a +0.0
     start, in the order of ``indices``: the reference's float32 chain, signed zeros included, in
-    a single pass that keeps each token's sum in registers (the chain reads and writes its
-    accumulator once per source). Returns False (nothing written) for fewer than three sources
-    with rows unless ``force``.
+    a single pass (FBGEMM's kernel, torch's on x86, keeps each token's sum in registers; the chain
+    reads and writes its accumulator once per source). Returns False (nothing written) for fewer
+    than three sources with rows unless ``force``, and when a block would hold fewer than
+    ``_BAG_MIN_TOKENS`` tokens (``force``: fewer than one, i.e. more sources than scratch rows):
+    per-block call overhead then outweighs the gain (``python -m bench.combine_sum --sources
+    8,16,32,64`` prints the tokens per block with both times).
     """
     live = [(rows, tokens) for rows, tokens in sources if tokens.numel()]
     m, hidden = out.shape
     if len(live) < (1 if force else 3) or not m:
         return False
     S = len(live)
-    B = max(1, scratch.size(0) // S)  # tokens per block: S * B rows always fit the scratch
+    B = scratch.size(0) // S  # tokens per block: S * B rows always fit the scratch
+    if B < (1 if force else _BAG_MIN_TOKENS):
+        return False
     edges = torch.arange(0, m + B, B).clamp_(max=m)
     nb = edges.numel() - 1
     bounds = torch.stack([torch.searchsorted(tokens, edges) for _, tokens in live])  # [S, nb + 1]

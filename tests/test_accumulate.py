@@ -229,7 +229,7 @@ def test_sum_by_bags_adds_in_source_order():
     col = [(1.0, 2.0 ** -24), (2.0 ** -8, 2.0 ** -24), (2.0 ** -24, 2.0 ** -8), (2.0 ** -24, 1.0)]
     sources = [(torch.tensor([[a] * hidden, [b] * hidden], dtype=BF16), tokens) for a, b in col]
     out = torch.empty(2, hidden, dtype=BF16)
-    assert _sum_by_bags(out, sources, torch.empty(8, hidden))
+    assert _sum_by_bags(out, sources, torch.empty(4, hidden), force=True)
     assert (out[0].float() == 1.0).all() and (out[1].float() == 1.0 + 2.0 ** -7).all()
     assert _same(out, _reference(2, hidden, sources, None))
 
@@ -255,7 +255,7 @@ def test_accumulate_rows_takes_bags_for_three_or_more_sources_without_bias(monke
         tokens = torch.nonzero(torch.rand(m, generator=g) < 0.8).squeeze(1)
         sources.append((_rows(g, tokens.numel(), hidden), tokens))
     bias = (_rows(g, m, hidden), None)
-    scratch = (torch.empty(12, hidden), torch.empty(12, hidden))
+    scratch = (torch.empty(32, hidden), torch.empty(32, hidden))  # 4 sources: blocks of 8 tokens (_BAG_MIN_TOKENS)
     for srcs, b, expect in ((sources, None, [True]), (sources[:3], None, [True]), (sources, bias, []),
                             (sources[:2], None, [False])):
         taken.clear()
@@ -264,3 +264,24 @@ def test_accumulate_rows_takes_bags_for_three_or_more_sources_without_bias(monke
         chain = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False)
         assert taken[:1] == expect[:1] and _same(out, chain) and _same(out, _reference(m, hidden, srcs, b))
+
+
+def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():
+    """A scratch with fewer rows than sources cannot hold one token's bag: even forced, the bag
+    path declines (it used to raise an index error) and accumulate_rows sums with the chain. By
+    default it also declines blocks under _BAG_MIN_TOKENS tokens (per-block overhead wins there)."""
+    from deepep_ascend.intranode import _BAG_MIN_TOKENS
+
+    g = torch.Generator().manual_seed(12)
+    m, hidden = 9, 8
+    sources = [(_rows(g, m, hidden), torch.arange(m)) for _ in range(5)]
+    out = torch.full((m, hidden), 7.0, dtype=BF16)
+    assert not _sum_by_bags(out, sources, torch.empty(4, hidden), force=True)
+    assert (out == 7.0).all()  # nothing written
+    assert not _sum_by_bags(out, sources, torch.empty(5 * _BAG_MIN_TOKENS - 1, hidden))
+    assert _sum_by_bags(out, sources, torch.empty(5 * _BAG_MIN_TOKENS, hidden))
+    assert _same(out, _reference(m, hidden, sources, None))
+    for rows in (2, 4, 5 * _BAG_MIN_TOKENS - 1):
+        out = torch.empty(m, hidden, dtype=BF16)
+        accumulate_rows(out, sources, torch.empty(rows, hidden), torch.empty(rows, hidden))
+        assert _same(out, _reference(m, hidden, sources, None)), rows

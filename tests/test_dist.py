@@ -97,30 +97,36 @@ def test_buffer_on_ep_subgroup(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_early_to_a_buffer_sleep_while_a_late_rank_works(comm):
-    """Ranks that reach ``Buffer()`` (and ``init_distributed``) early wait in
-    ``transports.quiet_barrier``, sleeping, while rank 0 is still busy: they use a small part of
-    the CPU time rank 0 takes to arrive. MPICH's blocking collectives would spin in ``sched_yield``
-    for all of it and, with ranks outnumbering cores, starve rank 0 (a 4-rank training test once
-    passed its watchdog that way)."""
+    """Ranks that reach ``Buffer()`` early wait in ``transports.quiet_barrier``, sleeping, while
+    rank 0 is still busy: they use a small part of the CPU time rank 0 takes to arrive. MPICH's
+    blocking collectives would spin in ``sched_yield`` for all of it and, with ranks outnumbering
+    cores, starve rank 0 (a 4-rank training test once passed its watchdog that way). Covers
+    ``comm=``, the world ProcessGroup and a ProcessGroup of ranks 0 and 1 only (point-to-point
+    barrier before ``MPI_Comm_create_group``; the other ranks do not take part)."""
     import time
 
     from mpi_utils import allgather_object, wait
 
     late_s = 3.0
-    wait(comm.Ibarrier())
-    for what, make in (("Buffer(comm=...)", lambda: Buffer(None, 1 << 20, comm=comm, explicitly_destroy=True)),
-                       ("Buffer(ProcessGroup)", lambda: Buffer(tdist.group.WORLD, 1 << 20, explicitly_destroy=True))):
-        if what == "Buffer(ProcessGroup)":
-            coll(ep_dist.init_distributed, what="init_distributed")
+    r = comm.Get_rank()
+    coll(ep_dist.init_distributed, what="init_distributed")
+    pair = tdist.new_group(ranks=[0, 1])  # collective over the world (gloo)
+    cases = (("Buffer(comm=...)", True, lambda: Buffer(None, 1 << 20, comm=comm, explicitly_destroy=True)),
+             ("Buffer(world ProcessGroup)", True, lambda: Buffer(tdist.group.WORLD, 1 << 20, explicitly_destroy=True)),
+             ("Buffer(ProcessGroup [0, 1])", r < 2, lambda: Buffer(pair, 1 << 20, explicitly_destroy=True)))
+    for what, member, make in cases:
         wait(comm.Ibarrier())
-        if comm.Get_rank() == 0:
+        if r == 0:
             end = time.monotonic() + late_s
             while time.monotonic() < end:  # busy, as a rank making its data is
                 pass
-        cpu0 = time.process_time()
-        buf = make()
-        cpu = time.process_time() - cpu0
-        coll(buf.destroy, what="destroy")
+        cpu = 0.0
+        if member:
+            cpu0 = time.process_time()
+            buf = make()
+            cpu = time.process_time() - cpu0
+            buf.destroy()  # collective over the Buffer's ranks only
         cpus = allgather_object(round(cpu, 2), comm)
-        all_ranks_ok(comm, comm.Get_rank() == 0 or cpu < late_s / 6,
+        all_ranks_ok(comm, r == 0 or cpu < late_s / 6,
                      f"{what}: CPU seconds per rank {cpus} while rank 0 was {late_s} s late (limit {late_s / 6:.2f})")
+    tdist.destroy_process_group(pair)

@@ -58,9 +58,18 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def quiet_barrier(comm) -> None:
-    """Wait until every rank of ``comm`` arrives, polling ``MPI_Ibarrier`` and sleeping as
-    :class:`WaitPolicy` does, instead of entering a blocking collective at once.
+QUIET_BARRIER_TAG = 32_701  # point-to-point tag of quiet_barrier over a subset of ranks (MPI guarantees tags <= 32767)
+
+
+def quiet_barrier(comm, ranks=None) -> None:
+    """Wait until every rank of ``comm`` (or only ``ranks``, ranks of ``comm``) arrives, polling
+    non-blocking MPI and sleeping as :class:`WaitPolicy` does, instead of entering a blocking
+    collective at once.
+
+    Whole communicator: ``MPI_Ibarrier``. A subset (before its communicator exists, e.g. ahead of
+    ``MPI_Comm_create_group``): every listed rank sends an empty message tagged
+    ``QUIET_BARRIER_TAG`` on ``comm`` to the first listed rank, which answers each once all have
+    arrived; only the listed ranks call it, each with the same list.
 
     MPICH's blocking collectives wait in a ``sched_yield`` loop; when ranks outnumber cores, ranks
     that arrive early take most of the CPU from the one still working toward the call (a 4-rank
@@ -70,10 +79,27 @@ def quiet_barrier(comm) -> None:
     Like those collectives it has no deadline (a rank may legitimately spend minutes loading
     data first).
     """
-    req = comm.Ibarrier()
     pauses = WaitPolicy(local_ranks=comm.Get_size()).pauses()
-    while not req.Test():
-        time.sleep(next(pauses))
+
+    def settle(reqs):
+        from mpi4py import MPI
+
+        while not MPI.Request.Testall(reqs):
+            time.sleep(next(pauses))
+
+    if ranks is None:
+        settle([comm.Ibarrier()])
+        return
+    import numpy as np
+
+    ranks, me, empty = list(ranks), comm.Get_rank(), np.empty(0, dtype=np.uint8)
+    root, others = ranks[0], [r for r in ranks[1:] if r != ranks[0]]
+    if me == root:
+        settle([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others])
+        settle([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others])
+    else:
+        settle([comm.Isend(empty, dest=root, tag=QUIET_BARRIER_TAG)])
+        settle([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)])
 
 
 class WaitPolicy:
