@@ -7,7 +7,7 @@ One process, one thread. Two sources (what every token of a 2-rank combine has),
 ``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
 ``-0.0``) as combine marks the rows a peer staged. For each case it times
 ``intranode.accumulate_rows`` twice on the same inputs: the run-wise path forced on
-(``max_runs=tokens``) and forced off (``max_runs=0``, the float32 chain), checks that both give the
+(``max_runs=tokens``) and forced off (``max_runs=0, bags=False``, the float32 chain), checks that both give the
 same bits, and prints the run count, both medians, the cost per run of the run-wise path, and
 which one :func:`~deepep_ascend.intranode.two_source_run_limit` picks. Its last line fits the two
 costs (least squares: run-wise = a + b * runs, chain = c) and prints the break-even run count
@@ -16,9 +16,10 @@ against the limit.
 Then, for each ``--sources`` count ``S`` (what an origin of an ``S``-rank combine sees), ``S``
 sources that each hold a token with the probability that top-``--num-topk`` routing over ``S``
 equal ranks reaches a rank, ``1 - (1 - 1/S)^k``: it times ``accumulate_rows`` with the float32
-chain (``bags=False``) and with :func:`~deepep_ascend.intranode._sum_by_bags` forced (the default
-for three or more sources while a block holds ``_BAG_MIN_TOKENS`` tokens), the two alternating,
-checks both give the same bits, and prints both medians and the tokens per block.
+chain (``max_runs=0, bags=False``) and with :func:`~deepep_ascend.intranode._sum_by_bags` forced
+(``max_runs=0, bags=True``; the default for three or more sources, and for two whose runs are too
+many, while a block holds ``_BAG_MIN_TOKENS`` tokens), the two alternating, checks both give the
+same bits, and prints both medians and the tokens per block.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
         runs = I.source_runs(m, [tokens for _, tokens in sources])[1].numel() + 1
         kw = dict(clean=[False, True])  # as in combine: own rows as given, the peer's staged with + 0.0
         t_runs = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, **kw), args.iters)
-        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, **kw), args.iters)
+        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, bags=False, **kw),
+                             args.iters)
         ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
         same &= ok
         points.append((runs, t_runs, t_chain))
@@ -103,8 +105,8 @@ def main(argv=None) -> int:
             sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
         rows = sum(tokens.numel() for _, tokens in sources)
         t_chain, t_bags = _interleaved_medians_ms(
-            [lambda: I.accumulate_rows(out_chain, sources, acc, tmp, bags=False),
-             lambda: I.accumulate_rows(out_runs, sources, acc, tmp, bags=True)], args.iters)
+            [lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, bags=False),
+             lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=0, bags=True)], args.iters)
         ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
         same &= ok
         print(f"[bags]   {num} sources, each with a token at p = {present:.2f} ({rows / m:.2f} rows per token, "

@@ -148,16 +148,18 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     additions in exactly the order of ``sources`` (DeepEP's ascending rank). ``edges``/``bounds``:
     block edges and each source's ``searchsorted`` of them, if the caller has them. ``clean``:
     per source, True if its rows hold no ``-0.0`` (lets the sign-of-zero fix-up below be skipped).
-    ``max_runs``: passed to :func:`_sum_two_by_runs` (0 forces the float32 chain; ``bench.combine_sum``).
-    ``bags``: :func:`_sum_by_bags` for three or more sources without bias if None (the default)
-    while a block of the scratch ``acc`` holds enough tokens, also for fewer sources and smaller
-    blocks if True, never if False (``bench.combine_sum`` times the paths against each other).
+    ``max_runs``: passed to :func:`_sum_two_by_runs` (0 declines it; with ``bags=False`` that forces the
+    float32 chain, as ``bench.combine_sum`` does).
+    ``bags``: :func:`_sum_by_bags` for two or more sources without bias (two: if the run-wise path
+    declines) if None (the default) while a block of the scratch ``acc`` holds enough tokens, also
+    for one source and smaller blocks if True, never if False (``bench.combine_sum`` times the
+    paths against each other).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
     through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
     float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value);
-    three or more through :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
+    the others through :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
     The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
     from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
     ``+0.0``), which one ``+ 0.0`` repairs unless a term covering those tokens is known clean.
@@ -280,14 +282,15 @@ def _sum_by_bags(out, sources, scratch, force: bool = False) -> bool:
     start, in the order of ``indices``: the reference's float32 chain, signed zeros included, in
     a single pass (FBGEMM's kernel, torch's on x86, keeps each token's sum in registers; the chain
     reads and writes its accumulator once per source). Returns False (nothing written) for fewer
-    than three sources with rows unless ``force``, and when a block would hold fewer than
+    than two sources with rows unless ``force`` (two sources reach it only when their runs are too
+    many for :func:`_sum_two_by_runs`), and when a block would hold fewer than
     ``_BAG_MIN_TOKENS`` tokens (``force``: fewer than one, i.e. more sources than scratch rows):
     per-block call overhead then outweighs the gain (``python -m bench.combine_sum --sources
     8,16,32,64`` prints the tokens per block with both times).
     """
     live = [(rows, tokens) for rows, tokens in sources if tokens.numel()]
     m, hidden = out.shape
-    if len(live) < (1 if force else 3) or not m:
+    if len(live) < (1 if force else 2) or not m:
         return False
     S = len(live)
     B = scratch.size(0) // S  # tokens per block: S * B rows always fit the scratch
@@ -799,8 +802,8 @@ class IntranodeEngine:
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
         # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
-        # most tokens have three or more sources (summed by bags, indifferent to -0.0) and the
-        # cleaning add costs nearly three plain copies.
+        # tokens mostly have more sources (summed by bags, indifferent to -0.0) and the cleaning
+        # add costs nearly three plain copies.
         clean_staging = nr == 2
 
         def stage(rnd):

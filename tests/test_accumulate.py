@@ -169,8 +169,9 @@ def test_combine_sum_benchmark_checks_bits(capsys):
 
 
 def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
-    """``accumulate_rows(max_runs=...)`` reaches ``_sum_two_by_runs``: 0 forces the float32 chain,
-    ``m`` the run-wise path (what ``bench.combine_sum`` relies on to time both), same bits."""
+    """``accumulate_rows(max_runs=...)`` reaches ``_sum_two_by_runs``: 0 declines it (with
+    ``bags=False``: the float32 chain), ``m`` takes the run-wise path (what ``bench.combine_sum``
+    relies on to time both), same bits."""
     from deepep_ascend import intranode
 
     seen = []
@@ -193,7 +194,7 @@ def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
     outs = []
     for max_runs in (0, m):
         out = torch.empty(m, hidden, dtype=BF16)
-        accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs)
+        accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs, bags=False)
         outs.append(out)
     assert seen == [(0, False), (m, True)]
     assert _same(outs[0], outs[1]) and _same(outs[0], _reference(m, hidden, sources, None))
@@ -234,9 +235,10 @@ def test_sum_by_bags_adds_in_source_order():
     assert _same(out, _reference(2, hidden, sources, None))
 
 
-def test_accumulate_rows_takes_bags_for_three_or_more_sources_without_bias(monkeypatch):
-    """accumulate_rows sends three or more sources without bias to _sum_by_bags (same bits as the
-    float32 chain, ``bags=False``); with bias, or with two sources, it does not."""
+def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeypatch):
+    """accumulate_rows sends two or more sources without bias to _sum_by_bags once the run-wise
+    path declines (``max_runs=0`` here); same bits as the float32 chain (``bags=False``). With bias
+    it does not; one source is declined."""
     from deepep_ascend import intranode
 
     taken = []
@@ -257,7 +259,7 @@ def test_accumulate_rows_takes_bags_for_three_or_more_sources_without_bias(monke
     bias = (_rows(g, m, hidden), None)
     scratch = (torch.empty(32, hidden), torch.empty(32, hidden))  # 4 sources: blocks of 8 tokens (_BAG_MIN_TOKENS)
     for srcs, b, expect in ((sources, None, [True]), (sources[:3], None, [True]), (sources, bias, []),
-                            (sources[:2], None, [False])):
+                            (sources[:2], None, [True]), (sources[:1], None, [False])):
         taken.clear()
         out = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(out, srcs, *scratch, b, max_runs=0)
