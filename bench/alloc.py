@@ -19,14 +19,22 @@ import torch
 from deepep_ascend import host
 
 
-def _median_ms(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+def _interleaved_medians_ms(fns, iters: int) -> list:
+    """Median ms of each of ``fns`` over ``iters`` calls, timed in alternation after one warm-up
+    call each, so that the host's drift during the run hits every function alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e3 for ts in times]
+
+
+def _median_ms(fn, iters: int) -> float:
+    return _interleaved_medians_ms([fn], iters)[0]
 
 
 def main(argv=None) -> None:

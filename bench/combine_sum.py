@@ -6,7 +6,7 @@
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
 ``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
 ``-0.0``) as combine marks the rows a peer staged. For each case it times
-``intranode.accumulate_rows`` twice on the same inputs: the run-wise path forced on
+``intranode.accumulate_rows`` on the same inputs, alternating: the run-wise path forced on
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False``, the float32 chain), checks that both give the
 same bits, and prints the run count, both medians, the cost per run of the run-wise path, and
 which one :func:`~deepep_ascend.intranode.two_source_run_limit` picks. Its last line fits the two
@@ -25,29 +25,13 @@ same bits, and prints both medians and the tokens per block.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from bench import common as C
-from bench.alloc import _median_ms
+from bench.alloc import _interleaved_medians_ms
 from deepep_ascend import intranode as I
-
-
-def _interleaved_medians_ms(fns, iters: int) -> list:
-    """Median ms of each of ``fns``, timed in alternation (one warm-up call each), so that the
-    host's drift during the run hits every path alike."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def main(argv=None) -> int:
@@ -80,9 +64,9 @@ def main(argv=None) -> int:
             sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
         runs = I.source_runs(m, [tokens for _, tokens in sources])[1].numel() + 1
         kw = dict(clean=[False, True])  # as in combine: own rows as given, the peer's staged with + 0.0
-        t_runs = _median_ms(lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, **kw), args.iters)
-        t_chain = _median_ms(lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, bags=False, **kw),
-                             args.iters)
+        t_runs, t_chain = _interleaved_medians_ms(
+            [lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, **kw),
+             lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, bags=False, **kw)], args.iters)
         ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
         same &= ok
         points.append((runs, t_runs, t_chain))

@@ -306,9 +306,9 @@ def _sum_by_bags(out, sources, scratch, force: bool = False) -> bool:
         blk = tokens // B
         pos.append(base[j][blk] + torch.arange(tokens.numel()) - bounds[j][blk])
         keys.append(tokens * S + j)
-    order = torch.argsort(torch.cat(keys))  # by token, then source: each bag in ascending source order
+    sorted_keys, order = torch.sort(torch.cat(keys))  # by token, then source: bags in ascending source order
     indices = torch.cat(pos)[order]
-    starts = torch.searchsorted(torch.cat(keys)[order], torch.arange(m) * S)  # first entry of each token's bag
+    starts = torch.searchsorted(sorted_keys, torch.arange(m) * S)  # first entry of each token's bag
     first = starts[edges[:-1]].tolist() + [indices.numel()]  # first entry of each block
     offsets = starts - torch.repeat_interleave(starts[edges[:-1]], edges.diff())  # bag offsets within a block
     bl, cl, bs = bounds.tolist(), cnt.tolist(), base.tolist()
@@ -517,8 +517,8 @@ class IntranodeEngine:
             return None
         plan = []
         for j in range(self.num_ranks):
-            need, cap = rows[j] * xb, int(headers[j, W_LAND_BYTES])
-            if need and not 0 <= need <= cap:
+            need, cap = rows[j] * xb, int(headers[j, W_LAND_BYTES])  # cap -1: j advertised nothing
+            if need > max(cap, 0):
                 return None
             plan.append(int(headers[j, W_LAND_OFF]))
         return plan

@@ -79,21 +79,20 @@ def quiet_barrier(comm, ranks=None) -> None:
     Like those collectives it has no deadline (a rank may legitimately spend minutes loading
     data first).
     """
+    import numpy as np
+    from mpi4py import MPI
+
     pauses = WaitPolicy(local_ranks=comm.Get_size()).pauses()
 
     def settle(reqs):
-        from mpi4py import MPI
-
         while not MPI.Request.Testall(reqs):
             time.sleep(next(pauses))
 
     if ranks is None:
         settle([comm.Ibarrier()])
         return
-    import numpy as np
-
     ranks, me, empty = list(ranks), comm.Get_rank(), np.empty(0, dtype=np.uint8)
-    root, others = ranks[0], [r for r in ranks[1:] if r != ranks[0]]
+    root, others = ranks[0], ranks[1:]
     if me == root:
         settle([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others])
         settle([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others])
