@@ -9,7 +9,8 @@ One process, one thread. Two sources (what every token of a 2-rank combine has),
 ``intranode.accumulate_rows`` on the same inputs, alternating: the run-wise path forced on
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False``, the float32 chain), checks that both give the
 same bits, and prints the run count, both medians, the cost per run of the run-wise path, and
-which one :func:`~deepep_ascend.intranode.two_source_run_limit` picks. Its last line fits the two
+whether :func:`~deepep_ascend.intranode.two_source_run_limit` keeps the run-wise path (past it the
+default is the ``embedding_bag`` sum timed below, not the chain). Its last line fits the two
 costs (least squares: run-wise = a + b * runs, chain = c) and prints the break-even run count
 against the limit.
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         ok = torch.equal(out_runs.view(torch.int16), out_chain.view(torch.int16))
         same &= ok
         points.append((runs, t_runs, t_chain))
-        pick = "run-wise" if runs <= limit else "float32 chain"
+        pick = "run-wise" if runs <= limit else "embedding_bag"  # accumulate_rows' default past the limit
         print(f"[case]   missing {miss:5d}: {runs:5d} runs | run-wise {t_runs:8.2f} ms | float32 chain "
               f"{t_chain:8.2f} ms | {t_runs / runs * 1e3:7.1f} us per run | limit picks {pick} | same bits {ok}")
     if len({p[0] for p in points}) >= 2:
