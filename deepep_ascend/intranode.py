@@ -63,7 +63,7 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
- W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX) = range(18)
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF, W_XSEG_ROWS) = range(20)
 _MAGIC = 0xDEE9A5
 _CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
                     W_PREFIX)
@@ -251,6 +251,12 @@ def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
     code, starts = source_runs(m, [tokens for _, tokens, _ in live])
     if starts.numel() + 1 > (two_source_run_limit(m, out.size(1)) if max_runs is None else max_runs):
         return False
+    if len(live) == 2 and not (live[0][2] or live[1][2]):
+        # One source without -0.0 makes every run exact without the + 0.0 pass below. -0.0 is int16's
+        # minimum (0x8000), so one min() pass over the smaller source tells (about a third of that pass).
+        i = int(live[1][0].size(0) < live[0][0].size(0))
+        if int(live[i][0].view(torch.int16).min()) != -32768:
+            live[i] = (live[i][0], live[i][1], True)
     bounds = [0] + starts.tolist() + [m]
     codes = code[bounds[:-1]].tolist()
     # position of the first row of each run in each source: tokens before the run start
@@ -796,9 +802,13 @@ class IntranodeEngine:
         q = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
+        xseg = self.segment.offset_of(me, x) if self.landing is not None else None
+        self.last_combine_in_place = xseg is not None
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
-                 W_PREFIX: prefix_checksum(rank_prefix_matrix)}
+                 W_PREFIX: prefix_checksum(rank_prefix_matrix),
+                 W_XSEG_OFF: xseg or 0, W_XSEG_ROWS: 0 if xseg is None else x.size(0)}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
         # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
@@ -822,9 +832,9 @@ class IntranodeEngine:
             sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
             self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
             total = int(sizes.sum()) - int(sizes[me])
-            if not total:
+            if not total or (xseg is not None and wcols <= 0):
                 return
-            xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb)
+            xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if xseg is None else None
             wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
                     if wcols > 0 else None)
             pieces = [span for s, span in enumerate(spans) if s != me]
@@ -833,16 +843,19 @@ class IntranodeEngine:
                 pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
             pos = 0
             for a, b in pieces:
-                if b > a:
+                if b <= a:
+                    continue
+                if xdst is not None:  # else peers read these rows of x in place
+                    dst = xdst[pos:pos + b - a].view(torch.bfloat16)
                     if clean_staging:
                         # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
                         # spares the origin a sign-of-zero pass over a two-source sum (accumulate_rows).
-                        torch.add(x[a:b], 0.0, out=xdst[pos:pos + b - a].view(torch.bfloat16))
+                        torch.add(x[a:b], 0.0, out=dst)
                     else:
-                        xdst[pos:pos + b - a].view(torch.bfloat16).copy_(x[a:b])
-                    if wdst is not None:
-                        wdst[pos:pos + b - a].copy_(topk_weights[a:b])
-                    pos += b - a
+                        dst.copy_(x[a:b])
+                if wdst is not None:
+                    wdst[pos:pos + b - a].copy_(topk_weights[a:b])
+                pos += b - a
 
         phase = f"combine call #{call_id}"
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
@@ -851,6 +864,7 @@ class IntranodeEngine:
         num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
         acc, tmp = self._scratch.get(hidden)
         block = acc.size(0)
+        read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
             m = max(0, hi_t - lo_t)
@@ -872,12 +886,23 @@ class IntranodeEngine:
                     rows = x[a:b]
                     wrows = topk_weights[a:b] if combined_w is not None and wcols > 0 else None
                 else:
-                    off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)
-                    rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb).view(cnt, xb).view(torch.bfloat16)
+                    off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)  # in j's staged rows
                     wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
                              .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
+                    if headers[j, W_XSEG_ROWS] > 0:  # j's x in its landing segment
+                        row0 = (int(rank_prefix_matrix[me - 1, j]) if me else 0) + read[j]  # after lower ranks' rows
+                        read[j] += cnt
+                        if row0 + cnt > int(headers[j, W_XSEG_ROWS]):
+                            raise RuntimeError(
+                                f"rank {me}: {phase}: rank {j}'s x has {int(headers[j, W_XSEG_ROWS])} rows, but the "
+                                f"handle places this rank's rows at [{row0}, {row0 + cnt}); the handles passed on "
+                                f"different ranks do not match")
+                        rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
+                    else:
+                        rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
+                    rows = rows.view(cnt, xb).view(torch.bfloat16)
                 sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
-                                j != me and clean_staging))
+                                j != me and clean_staging and not headers[j, W_XSEG_ROWS]))
                 self._record(j, cnt * (xb + 4 * max(wcols, 0)))
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
                 wout = combined_w[lo_t:hi_t]
@@ -888,3 +913,5 @@ class IntranodeEngine:
             accumulate_rows(combined[lo_t:hi_t], [(rows, tokens) for rows, _, tokens, _, _ in sources], acc, tmp,
                             bias, lo_t, edges=edges, bounds=[src[3] for src in sources],
                             clean=[src[4] for src in sources])
+        if xseg is not None and self.peers:  # x is the caller's again once no peer reads it
+            self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")

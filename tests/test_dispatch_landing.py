@@ -1,4 +1,5 @@
-"""Dispatch storing ``x`` straight into the receivers' ``recv_x`` (landing segments) and its fallbacks.
+"""Dispatch storing ``x`` straight into the receivers' ``recv_x`` (landing segments) and its fallbacks;
+combine reading an ``x`` that lies in a landing segment in place.
 
 Each rank's ``recv_x`` lives in its landing segment when it fits; senders then gather their rows
 straight into it ("direct"). Otherwise ``x`` is staged in the senders' windows and gathered by the
@@ -18,7 +19,10 @@ import torch
 from buffer_helpers import BF16, all_ranks_ok, capture, coll, make_topk_idx
 from mpi_utils import allgather_object, gather_all
 
+from reference import ref_combine
+
 from deepep_ascend import Buffer
+from deepep_ascend import intranode as intranode_mod
 from deepep_ascend.buffer import LANDING_BYTES_ENV
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
@@ -222,3 +226,89 @@ def test_bad_landing_size_is_a_clear_error_on_every_rank(comm, monkeypatch):
     _, exc = capture(lambda: Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True))
     all_ranks_ok(comm, isinstance(exc, ValueError) and LANDING_BYTES_ENV in str(exc) and "'lots'" in str(exc),
                  f"bad ${LANDING_BYTES_ENV}: got {exc!r}")
+
+
+def _combine(buf, x, handle, recv_w, use_async=False):
+    """``buf.combine`` on every rank; ``(combined_x, combined_topk_weights, read in place?)``."""
+    def call():
+        kw = dict(previous_event=Buffer.capture(), async_finish=True) if use_async else {}
+        out = buf.combine(x, handle, topk_weights=recv_w, **kw)
+        if use_async:
+            out[2].current_stream_wait()
+        return out
+    out = coll(call, what="combine")
+    return out[0], out[1], buf._engine.last_combine_in_place
+
+
+@pytest.mark.parametrize("zeros", ["none", "signed"])
+@pytest.mark.parametrize("window", ["one_round", "streaming"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, zeros, window, use_async):
+    """``combine(recv_x)`` (DeepEP's benchmark pattern, or expert outputs written into ``recv_x``):
+    peers read the rows where they lie instead of a staged copy. The result is the reference's, bit
+    for bit (with ``-0.0`` rows everywhere or nowhere: the two-rank run-wise sum must still give
+    ``+0.0``), equal to the staged path's (``x`` a private copy) and to a mix of both; ``x`` is left
+    untouched. ``streaming``: a window of a few rows per half, so combine runs in many rounds."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    if window == "streaming":
+        monkeypatch.setenv(LANDING_BYTES_ENV, str(64 << 20))  # recv_x still lands
+        nbytes = -(-2 * (1024 + 128 * 6 + 4 * (2 * H + 12 * K + R)) // 128) * 128
+    else:
+        nbytes = _hint(R)
+    buf = Buffer(None, nbytes, comm=comm, explicitly_destroy=True)
+    try:
+        x, idx, w, E = _inputs(comm, 40)
+        if zeros == "signed":
+            x[::3] = -0.0
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
+            x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
+            topk_weights=w), what="dispatch")
+        landed = buf._engine.segment.offset_of(r, recv_x) is not None
+        recv_x.mul_(1 + r / 8)  # an "expert" writing its output in place
+        before = recv_x.clone()
+        e_x, e_w = ref_combine(gather_all(before), gather_all(itr), r, topk_weights=gather_all(recv_w))
+        got_in, w_in, path_in = _combine(buf, recv_x, handle, recv_w, use_async)
+        got_st, w_st, path_st = _combine(buf, before.clone(), handle, recv_w, use_async)
+        mixed = recv_x if r % 2 else before.clone()
+        got_mx, _, path_mx = _combine(buf, mixed, handle, recv_w, use_async)
+        ok = (landed and path_in and not path_st and path_mx == bool(r % 2) and _same(got_in, e_x)
+              and _same(got_st, e_x) and _same(got_mx, e_x) and torch.equal(w_in, e_w) and torch.equal(w_st, e_w)
+              and _same(recv_x, before))
+        all_ranks_ok(comm, ok, f"combine of recv_x in place ({zeros}, {window}): landed {landed}, in place "
+                               f"{path_in}/{path_st}/{path_mx}, in place / staged / mixed equal to the reference: "
+                               f"{_same(got_in, e_x)}/{_same(got_st, e_x)}/{_same(got_mx, e_x)}, x kept "
+                               f"{_same(recv_x, before)}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_x_read_in_place_is_the_callers_again_once_combine_returns(comm, monkeypatch):
+    """A rank's combine returns only after every peer has read its rows of ``x``: here the last rank
+    starts summing 0.3 s late, and every rank overwrites its ``x`` the moment combine returns. The
+    last rank must still get the sum of the rows as they were."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    if r == R - 1:
+        slow = intranode_mod.accumulate_rows
+
+        def late(*args, **kwargs):
+            time.sleep(0.3)
+            return slow(*args, **kwargs)
+        monkeypatch.setattr(intranode_mod, "accumulate_rows", late)
+    buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True)
+    try:
+        x, idx, w, E = _inputs(comm, 41)
+        recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
+        e_x = ref_combine(gather_all(recv_x), gather_all(itr), r)[0]
+
+        def combine_then_overwrite():
+            out = buf.combine(recv_x, handle)
+            recv_x.fill_(float("nan"))  # before any collective of the harness can hold this rank back
+            return out[0]
+        got = coll(combine_then_overwrite, what="combine")
+        in_place = buf._engine.last_combine_in_place
+        all_ranks_ok(comm, in_place and _same(got, e_x), f"x overwritten after combine: in place {in_place}, "
+                                                         f"combined_x equal to the reference {_same(got, e_x)}")
+    finally:
+        coll(buf.destroy, what="destroy")
