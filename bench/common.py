@@ -758,6 +758,16 @@ def identity_experts(recv_x):
     return recv_x
 
 
+def copy_experts(recv_x):
+    """Experts whose output is a new tensor (a copy of the received rows, as BF16): what a real expert
+    hands to combine, which then stages it (:func:`identity_experts` hands ``recv_x`` itself back,
+    which a Buffer's combine reads in place where it lies in the landing segment)."""
+    return identity_experts(recv_x).clone()
+
+
+EXPERTS = {"identity": identity_experts, "copy": copy_experts}
+
+
 @dataclasses.dataclass
 class RoundTripResult:
     """One system's timings and the last iteration's outputs on this rank."""

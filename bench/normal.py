@@ -17,7 +17,10 @@ split evenly over the ranks, ids in ``[-1, E)``, optional ``num_experts`` and ``
 ``--save-routing FILE`` writes the routing a run used in that format.
 
 Systems, each doing the same round trip on the same data (dispatch → identity "experts" →
-combine with the received weights), one after another:
+combine with the received weights), one after another. Identity experts hand ``recv_x`` itself to
+combine, as DeepEP's own tests do; deepep_ascend's combine then reads those rows in place (they lie
+in its landing segment). ``--experts copy`` hands a new tensor instead (a copy made untimed, as a
+real expert's output), which combine stages first:
 
 * ``deepep_ascend``: ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``;
 * ``mpi_alltoallv``: order tokens by destination, ``Alltoall`` counts, ``Alltoallv`` rows
@@ -93,6 +96,10 @@ def parse_args(argv=None):
                         "one per (step, layer)")
     p.add_argument("--save-routing", metavar="FILE", help="write the routing used (.npz/.pt)")
     p.add_argument("--fp8", action="store_true", help="dispatch the FP8 tuple (e4m3 + float32 scales); combine stays BF16")
+    p.add_argument("--experts", choices=sorted(C.EXPERTS), default="identity",
+                   help="combine input: identity = the received rows themselves, as DeepEP's tests pass recv_x "
+                        "(deepep_ascend reads them in place); copy = a new tensor per call, as real expert "
+                        "outputs (staged); made untimed, for every system (default identity)")
     p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
@@ -298,7 +305,7 @@ def main(argv=None) -> int:
         nodes = "" if args.ranks_per_node is None else f" as {R // args.ranks_per_node} nodes x {args.ranks_per_node}"
         print(f"[config]   ranks {R}{nodes} | tokens/rank {args.tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
               f"experts {args.num_experts} | dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
-              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | "
+              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.experts} | "
               f"fingerprint {fp} | cpu {C.cpu_model()}", flush=True)
 
     bar = None
@@ -313,7 +320,8 @@ def main(argv=None) -> int:
     progress = (lambda i: bar.update(1)) if bar is not None else None
 
     results: dict[str, C.RoundTripResult] = {}
-    extra: dict = {}
+    experts = C.EXPERTS[args.experts]
+    extra: dict = {"experts": args.experts}
     emulator = None
     if "deepep_ascend" in args.systems:
         nvl_bytes, rdma_bytes, why = choose_buffer_bytes(Buffer, args, R)
@@ -325,18 +333,19 @@ def main(argv=None) -> int:
             print(f"[link]     {emulator.label} -- deepep_ascend lines below are EMULATED, the peers are not",
                   flush=True)
         results["deepep_ascend"] = C.run_round_trip(C.BufferSystem(buf), wl, comm, args.iters, args.warmup,
-                                                    progress=progress)
+                                                    experts=experts, progress=progress)
         extra["two_hop"] = two_hop_report(wl, args, comm, results["deepep_ascend"].traffic)
         extra["buffer_memory"] = comm.gather(C.memory_snapshot(), root=0)
         destroy_buffer(buf, root)  # free its windows before the baselines run: peak memory = max, not sum
         buf = None
     if "mpi" in args.systems:
-        results["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, progress=progress)
+        results["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, experts=experts,
+                                                             progress=progress)
     group = None
     if "gloo" in args.systems:
         group = C.init_gloo(comm)
         results["gloo_all_to_all"] = C.gloo_all_to_all_roundtrip(wl, comm, args.iters, args.warmup, group=group,
-                                                                 progress=progress)
+                                                                 experts=experts, progress=progress)
     if bar is not None:
         bar.close()
 
@@ -411,7 +420,7 @@ def main(argv=None) -> int:
               f"(at start {C.fmt_bytes(machine['start_used'])})", flush=True)
         if args.json:
             doc = dict(
-                benchmark="bench.normal", fingerprint=fp, workload=dict(wl.params, routing_label=routing_label), argv=sys.argv[1:],
+                benchmark="bench.normal", fingerprint=fp, workload=dict(wl.params, routing_label=routing_label, experts=args.experts), argv=sys.argv[1:],
                 num_ranks=R, iters=args.iters, warmup=args.warmup,
                 env=dict(torch=torch.__version__, cpu=C.cpu_model(), mpi=MPI.Get_library_version().splitlines()[0],
                          python=platform.python_version(), host=platform.node(), cpus=os.cpu_count(),
