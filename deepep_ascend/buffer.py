@@ -865,7 +865,10 @@ class Buffer:
 
         Args:
             x: ``[len(handle.recv_src_idx), H]`` bfloat16, rows in dispatch order (rows past the
-                real received count, from ``num_worst_tokens``, are ignored).
+                real received count, from ``num_worst_tokens``, are ignored). Never modified. On one
+                node, a contiguous ``x`` that lies in this Buffer's landing segment (``recv_x`` itself,
+                or expert outputs written into it) is read by the peers in place, without a staging
+                copy; the call then returns only once every peer has read it.
             handle: the dispatch's 6-tuple handle.
             topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
             bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.

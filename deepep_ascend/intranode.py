@@ -39,6 +39,13 @@ landing segment). A wrong "direct" guess (``late``)
 stages ``x`` of chunk 0 after the headers and raises ``XDATA``; receivers wait for it, then
 gather as in the staged path. Ranks that keep many outputs alive, windows that stream, or
 ``$DEEPEP_ASCEND_LANDING_BYTES=0`` make dispatch staged (after at most one late call).
+
+Combine's ``x`` need not be staged either when it lies in the sender's own landing segment
+(``combine(recv_x)``, or expert outputs written into ``recv_x``): chunk 0's header then gives its
+offset and row count, each origin reads its rows there (they follow the rows of lower origin
+ranks, as the handle's ``rank_prefix_matrix`` says), and the sender waits for every peer's
+``CONSUMED`` of its last chunk before the call returns, since ``x`` is the caller's again after it.
+Each rank decides for itself; the count vector and top-k weights are staged either way.
 """
 
 from __future__ import annotations
