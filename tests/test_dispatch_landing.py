@@ -252,7 +252,7 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
     r, R = comm.Get_rank(), comm.Get_size()
     if window == "streaming":
         monkeypatch.setenv(LANDING_BYTES_ENV, str(64 << 20))  # recv_x still lands
-        nbytes = -(-2 * (1024 + 128 * 6 + 4 * (2 * H + 12 * K + R)) // 128) * 128
+        nbytes = -(-2 * (1024 + 128 * 6 + (R + 4) * (2 * H + 12 * K + R)) // 128) * 128  # combine: >= R rows
     else:
         nbytes = _hint(R)
     buf = Buffer(None, nbytes, comm=comm, explicitly_destroy=True)
