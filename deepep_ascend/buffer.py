@@ -868,7 +868,8 @@ class Buffer:
                 real received count, from ``num_worst_tokens``, are ignored). Never modified. On one
                 node, a contiguous ``x`` that lies in this Buffer's landing segment (``recv_x`` itself,
                 or expert outputs written into it) is read by the peers in place, without a staging
-                copy; the call then returns only once every peer has read it.
+                copy; the call then completes (with ``async_finish``: its event) only once every peer
+                has read it, and if it fails first, the peers that read it raise too.
             handle: the dispatch's 6-tuple handle.
             topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
             bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.

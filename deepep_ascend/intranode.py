@@ -45,7 +45,9 @@ Combine's ``x`` need not be staged either when it lies in the sender's own landi
 offset and row count, each origin reads its rows there (they follow the rows of lower origin
 ranks, as the handle's ``rank_prefix_matrix`` says), and the sender waits for every peer's
 ``CONSUMED`` of its last chunk before the call returns, since ``x`` is the caller's again after it.
-Each rank decides for itself; the count vector and top-k weights are staged either way.
+A sender whose call fails aborts (the Buffer's guard) before its caller gets ``x`` back, so an
+origin that read rows in place checks for an abort after its last read and raises instead of
+returning them. Each rank decides for itself; the count vector and top-k weights are staged either way.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def _align(x: int) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def rows_before(rank_prefix_matrix: torch.Tensor, s: int, j: int) -> int:
+    """Rows rank ``j`` receives from ranks below ``s``: where ``s``'s rows start in ``j``'s ``recv_x``."""
+    return int(rank_prefix_matrix[s - 1, j]) if s else 0
 
 
 def prefix_checksum(rank_prefix_matrix: torch.Tensor) -> int:
@@ -251,27 +258,29 @@ def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
     Returns False (nothing written) when it does not apply or there are more runs than
     ``max_runs`` (default :func:`two_source_run_limit`).
     """
-    live = [(rows, tokens, cl) for (rows, tokens), cl in zip(sources, clean) if tokens.numel()]
+    # per source: rows, tokens, clean (went through + 0.0: no -0.0, NaNs as the chain's), no -0.0
+    live = [[rows, tokens, cl, cl] for (rows, tokens), cl in zip(sources, clean) if tokens.numel()]
     m = out.size(0)
     if len(live) > 2 or not m:
         return False
-    code, starts = source_runs(m, [tokens for _, tokens, _ in live])
+    code, starts = source_runs(m, [tokens for _, tokens, _, _ in live])
     if starts.numel() + 1 > (two_source_run_limit(m, out.size(1)) if max_runs is None else max_runs):
         return False
     if len(live) == 2 and not (live[0][2] or live[1][2]):
-        # One source without -0.0 makes every run exact without the + 0.0 pass below. -0.0 is int16's
-        # minimum (0x8000), so one min() pass over the smaller source tells (about a third of that pass).
+        # The sum of two rows needs the + 0.0 fix-up below only where both are -0.0. -0.0 is int16's
+        # minimum (0x8000), so one min() pass over the smaller source (about a third of the fix-up
+        # pass) can show that it holds none, which spares the fix-up after every two-row add.
         i = int(live[1][0].size(0) < live[0][0].size(0))
-        if int(live[i][0].view(torch.int16).min()) != -32768:
-            live[i] = (live[i][0], live[i][1], True)
+        live[i][3] = int(live[i][0].view(torch.int16).min()) != -32768
     bounds = [0] + starts.tolist() + [m]
     codes = code[bounds[:-1]].tolist()
     # position of the first row of each run in each source: tokens before the run start
-    firsts = [torch.searchsorted(tokens, torch.tensor(bounds[:-1])).tolist() for _, tokens, _ in live]
+    firsts = [torch.searchsorted(tokens, torch.tensor(bounds[:-1])).tolist() for _, tokens, _, _ in live]
     for r, c in enumerate(codes):
         t0, t1 = bounds[r], bounds[r + 1]
         dst = out[t0:t1]
-        segs = [(rows[firsts[i][r]:firsts[i][r] + t1 - t0], cl) for i, (rows, _, cl) in enumerate(live) if c >> i & 1]
+        segs = [(rows[firsts[i][r]:firsts[i][r] + t1 - t0], cl, nz)
+                for i, (rows, _, cl, nz) in enumerate(live) if c >> i & 1]
         if not segs:
             dst.zero_()
         elif len(segs) == 1 and segs[0][1]:
@@ -280,7 +289,7 @@ def _sum_two_by_runs(out, sources, clean, max_runs: int | None = None) -> bool:
             torch.add(segs[0][0], 0.0, out=dst)
         else:
             torch.add(segs[0][0], segs[1][0], out=dst)
-            if not (segs[0][1] or segs[1][1]):
+            if not (segs[0][2] or segs[1][2]):
                 dst.add_(0.0)
     return True
 
@@ -394,6 +403,7 @@ class IntranodeEngine:
         self._predict_direct = segment is not None and all(segment.sizes.get(p, 0) > 0 for p in range(self.num_ranks))
         self._xdata_calls = 0  # dispatches so far that sent x after the headers (XDATA rounds), identical everywhere
         self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
+        self.last_combine_in_place = None  # did the peers read the last combine's x in place (module doc)?
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
@@ -545,7 +555,7 @@ class IntranodeEngine:
         for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
             idx = torch.nonzero(is_token_in_rank[:, j]).squeeze(1)
             cnt = idx.numel()
-            start = int(rank_prefix_matrix[me - 1, j]) if me else 0
+            start = rows_before(rank_prefix_matrix, me, j)
             if cnt != int(rank_prefix_matrix[me, j]) - start:  # never store outside j's rows for this rank
                 raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {cnt} tokens to rank {j}, but the "
                                    f"counts exchanged for this call say {int(rank_prefix_matrix[me, j]) - start} "
@@ -671,7 +681,7 @@ class IntranodeEngine:
 
         direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
-        cursor = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)]
+        cursor = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
                 m = min(q, int(ntok[s]) - rnd * q)
@@ -702,7 +712,7 @@ class IntranodeEngine:
                 start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
                 raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
-        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
         recv_channel_prefix_matrix.copy_(recv_channel_prefix(recv_src_idx, starts, ntok, num_channels))
         if recv_topk is not None and num_recv:
             ids = recv_topk[:num_recv]
@@ -753,7 +763,7 @@ class IntranodeEngine:
         direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
-        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
                 if direct and not sb:  # one round, nothing staged to gather: only count the rows received
@@ -808,7 +818,7 @@ class IntranodeEngine:
         counts = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
         q = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         src = recv_src_idx[:num_recv].to(torch.int64)
-        starts = [int(rank_prefix_matrix[s - 1, me]) if s else 0 for s in range(nr)] + [num_recv]
+        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
         xseg = self.segment.offset_of(me, x) if self.landing is not None else None
         self.last_combine_in_place = xseg is not None
@@ -818,6 +828,7 @@ class IntranodeEngine:
                  W_XSEG_OFF: xseg or 0, W_XSEG_ROWS: 0 if xseg is None else x.size(0)}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
+        sent = [False]  # has any other rank rows of this rank's x (to read in place, if xseg)?
         # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
         # tokens mostly have more sources (summed by bags, indifferent to -0.0) and the cleaning
         # add costs nearly three plain copies.
@@ -839,6 +850,7 @@ class IntranodeEngine:
             sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
             self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
             total = int(sizes.sum()) - int(sizes[me])
+            sent[0] = sent[0] or total > 0
             if not total or (xseg is not None and wcols <= 0):
                 return
             xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if xseg is None else None
@@ -897,7 +909,7 @@ class IntranodeEngine:
                     wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
                              .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
                     if headers[j, W_XSEG_ROWS] > 0:  # j's x in its landing segment
-                        row0 = (int(rank_prefix_matrix[me - 1, j]) if me else 0) + read[j]  # after lower ranks' rows
+                        row0 = rows_before(rank_prefix_matrix, me, j) + read[j]
                         read[j] += cnt
                         if row0 + cnt > int(headers[j, W_XSEG_ROWS]):
                             raise RuntimeError(
@@ -920,5 +932,9 @@ class IntranodeEngine:
             accumulate_rows(combined[lo_t:hi_t], [(rows, tokens) for rows, _, tokens, _, _ in sources], acc, tmp,
                             bias, lo_t, edges=edges, bounds=[src[3] for src in sources],
                             clean=[src[4] for src in sources])
-        if xseg is not None and self.peers:  # x is the caller's again once no peer reads it
+        if any(read):
+            # A sender whose call failed aborted before its caller could reuse its x: if rows read
+            # from it in place may have changed meanwhile, this rank raises too instead of returning them.
+            self.tp.check_abort()
+        if sent[0] and xseg is not None:  # x is the caller's again once no peer reads it
             self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")

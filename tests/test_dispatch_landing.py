@@ -64,6 +64,12 @@ def _same(got, expected) -> bool:
     return torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
+def _same_nan(got, expected) -> bool:
+    """Same NaN positions, every other element bit for bit (combine leaves NaN payloads unspecified)."""
+    nan = expected.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
 def _dispatches(buf, comm, seeds, cached=False):
     """Dispatch each seed's inputs (with ``cached``, then once more through the handle with new
     ``x``); the paths taken, and whether every ``recv_x`` matched the reference."""
@@ -240,7 +246,7 @@ def _combine(buf, x, handle, recv_w, use_async=False):
     return out[0], out[1], buf._engine.last_combine_in_place
 
 
-@pytest.mark.parametrize("zeros", ["none", "signed"])
+@pytest.mark.parametrize("zeros", ["none", "signed", "nan"])
 @pytest.mark.parametrize("window", ["one_round", "streaming"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, zeros, window, use_async):
@@ -248,7 +254,9 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
     peers read the rows where they lie instead of a staged copy. The result is the reference's, bit
     for bit (with ``-0.0`` rows everywhere or nowhere: the two-rank run-wise sum must still give
     ``+0.0``), equal to the staged path's (``x`` a private copy) and to a mix of both; ``x`` is left
-    untouched. ``streaming``: a window of a few rows per half, so combine runs in many rounds."""
+    untouched (``nan``: NaN payloads are left unspecified, as everywhere in combine: same NaN
+    positions, every other element bit for bit). ``streaming``: a window of a few rows per half, so
+    combine runs in many rounds."""
     r, R = comm.Get_rank(), comm.Get_size()
     if window == "streaming":
         monkeypatch.setenv(LANDING_BYTES_ENV, str(64 << 20))  # recv_x still lands
@@ -260,6 +268,11 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
         x, idx, w, E = _inputs(comm, 40)
         if zeros == "signed":
             x[::3] = -0.0
+        elif zeros == "nan":  # NaN payloads other than the canonical one (fill_, signalling), -0.0, inf
+            x.view(torch.int16)[::4, ::3] = 0x7F81
+            x[1::4, ::2] = float("nan")
+            x[2::4] = -0.0
+            x[3::8, 1::4] = float("-inf")
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
         recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
             x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
@@ -272,12 +285,12 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
         got_st, w_st, path_st = _combine(buf, before.clone(), handle, recv_w, use_async)
         mixed = recv_x if r % 2 else before.clone()
         got_mx, _, path_mx = _combine(buf, mixed, handle, recv_w, use_async)
-        ok = (landed and path_in and not path_st and path_mx == bool(r % 2) and _same(got_in, e_x)
-              and _same(got_st, e_x) and _same(got_mx, e_x) and torch.equal(w_in, e_w) and torch.equal(w_st, e_w)
-              and _same(recv_x, before))
+        ok = (landed and path_in and not path_st and path_mx == bool(r % 2) and _same_nan(got_in, e_x)
+              and _same_nan(got_st, e_x) and _same_nan(got_mx, e_x) and torch.equal(w_in, e_w)
+              and torch.equal(w_st, e_w) and _same(recv_x, before))
         all_ranks_ok(comm, ok, f"combine of recv_x in place ({zeros}, {window}): landed {landed}, in place "
                                f"{path_in}/{path_st}/{path_mx}, in place / staged / mixed equal to the reference: "
-                               f"{_same(got_in, e_x)}/{_same(got_st, e_x)}/{_same(got_mx, e_x)}, x kept "
+                               f"{_same_nan(got_in, e_x)}/{_same_nan(got_st, e_x)}/{_same_nan(got_mx, e_x)}, x kept "
                                f"{_same(recv_x, before)}")
     finally:
         coll(buf.destroy, what="destroy")
@@ -312,3 +325,43 @@ def test_x_read_in_place_is_the_callers_again_once_combine_returns(comm, monkeyp
                                                          f"combined_x equal to the reference {_same(got, e_x)}")
     finally:
         coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_reader_of_x_in_place_raises_when_its_owner_fails(comm, monkeypatch):
+    """Rank 0's ``x`` is read in place, every other rank's is private; the last rank sums 3.5 s late, so
+    rank 0 times out (timeout_s=2) waiting for it and overwrites its ``x`` the moment combine raises.
+    The late rank must raise too, never return rows read from the overwritten ``x``; any other rank
+    raises or returns the reference. Then the Buffer is destroyed."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    late = R - 1
+    if r == late:
+        slow = intranode_mod.accumulate_rows
+
+        def delayed(*args, **kwargs):
+            time.sleep(3.5)
+            return slow(*args, **kwargs)
+        monkeypatch.setattr(intranode_mod, "accumulate_rows", delayed)
+    buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True, timeout_s=2)
+    x, idx, w, E = _inputs(comm, 42)
+    recv_x, handle, itr = _dispatch(buf, x, idx, w, E)
+    e_x = ref_combine(gather_all(recv_x), gather_all(itr), r)[0]
+    mine = recv_x if r == 0 else recv_x.clone()
+
+    def combine_then_overwrite():
+        try:
+            return buf.combine(mine, handle)[0]
+        finally:
+            mine.fill_(float("nan"))
+    got, exc = capture(combine_then_overwrite)
+    in_place = buf._engine.last_combine_in_place
+    if r == 0:
+        ok = in_place and isinstance(exc, TimeoutError) and getattr(exc, "pending_peers", None) == [late]
+    elif r == late:
+        ok = exc is not None and not in_place
+    else:
+        ok = exc is not None or _same(got, e_x)
+    detail = f"rank {r}: in place {in_place}, raised {type(exc).__name__}: {exc}" if exc else f"rank {r}: returned"
+    comm.Barrier()  # everyone reaches destroy together
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{detail}; destroy: {dexc!r}")
