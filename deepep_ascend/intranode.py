@@ -42,7 +42,7 @@ gather as in the staged path. Ranks that keep many outputs alive, windows that s
 
 Combine's ``x`` need not be staged either when it lies in the sender's own landing segment
 (``combine(recv_x)``, or expert outputs written into ``recv_x``): chunk 0's header then gives its
-offset and row count, each origin reads its rows there (they follow the rows of lower origin
+offset, each origin reads its rows there (they follow the rows of lower origin
 ranks, as the handle's ``rank_prefix_matrix`` says), and the sender waits for every peer's
 ``CONSUMED`` of its last chunk before the call returns, since ``x`` is the caller's again after it.
 A sender whose call fails aborts (the Buffer's guard) before its caller gets ``x`` back, so an
@@ -72,7 +72,7 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 _OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
- W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF, W_XSEG_ROWS) = range(20)
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF) = range(19)
 _MAGIC = 0xDEE9A5
 _CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
                     W_PREFIX)
@@ -825,10 +825,9 @@ class IntranodeEngine:
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix),
-                 W_XSEG_OFF: xseg or 0, W_XSEG_ROWS: 0 if xseg is None else x.size(0)}
+                 W_XSEG_OFF: -1 if xseg is None else xseg}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
-        sent = [False]  # has any other rank rows of this rank's x (to read in place, if xseg)?
         # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
         # tokens mostly have more sources (summed by bags, indifferent to -0.0) and the cleaning
         # add costs nearly three plain copies.
@@ -850,7 +849,6 @@ class IntranodeEngine:
             sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
             self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
             total = int(sizes.sum()) - int(sizes[me])
-            sent[0] = sent[0] or total > 0
             if not total or (xseg is not None and wcols <= 0):
                 return
             xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if xseg is None else None
@@ -908,20 +906,15 @@ class IntranodeEngine:
                     off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)  # in j's staged rows
                     wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
                              .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
-                    if headers[j, W_XSEG_ROWS] > 0:  # j's x in its landing segment
+                    if headers[j, W_XSEG_OFF] >= 0:  # j's x in its landing segment (the view checks the range)
                         row0 = rows_before(rank_prefix_matrix, me, j) + read[j]
                         read[j] += cnt
-                        if row0 + cnt > int(headers[j, W_XSEG_ROWS]):
-                            raise RuntimeError(
-                                f"rank {me}: {phase}: rank {j}'s x has {int(headers[j, W_XSEG_ROWS])} rows, but the "
-                                f"handle places this rank's rows at [{row0}, {row0 + cnt}); the handles passed on "
-                                f"different ranks do not match")
                         rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
                     else:
                         rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
                     rows = rows.view(cnt, xb).view(torch.bfloat16)
                 sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
-                                j != me and clean_staging and not headers[j, W_XSEG_ROWS]))
+                                j != me and clean_staging and headers[j, W_XSEG_OFF] < 0))
                 self._record(j, cnt * (xb + 4 * max(wcols, 0)))
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
                 wout = combined_w[lo_t:hi_t]
@@ -936,5 +929,6 @@ class IntranodeEngine:
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
             self.tp.check_abort()
-        if sent[0] and xseg is not None:  # x is the caller's again once no peer reads it
+        # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
+        if xseg is not None and num_recv > starts[me + 1] - starts[me]:
             self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")

@@ -77,6 +77,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def same_bits_nan(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same NaN positions and every other element bit for bit (combine leaves NaN payloads unspecified)."""
+    nan = expected.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(bits(got[~nan]), bits(expected[~nan]))
+
+
 class Checker:
     """Accumulates local mismatches; :meth:`finish` raises them all at once (after all collectives)."""
 

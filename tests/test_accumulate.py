@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from buffer_helpers import same_bits_nan
 
 from deepep_ascend.intranode import _sum_by_bags, _sum_two_by_runs, accumulate_rows, two_source_run_limit
 
@@ -46,10 +47,6 @@ def _bits(t):
     return t.view(torch.int16)
 
 
-def _same(out, expected):
-    """Same NaN positions; every other element bit for bit."""
-    nan = expected.isnan()
-    return torch.equal(out.isnan(), nan) and torch.equal(_bits(out)[~nan], _bits(expected)[~nan])
 
 
 @pytest.mark.parametrize("num_sources,coverage,bias_kind", list(itertools.product(
@@ -80,7 +77,7 @@ def test_accumulate_rows_bitwise(num_sources, coverage, bias_kind):
         out = torch.full((m, hidden), 7.0, dtype=BF16)
         acc, tmp = torch.empty(block, hidden), torch.empty(block, hidden)
         accumulate_rows(out, sources, acc, tmp, bias, clean=flags)
-        assert _same(out, expected), (
+        assert same_bits_nan(out, expected), (
             f"clean={flags}: {int((_bits(out) != _bits(expected)).sum())} of {out.numel()} elements differ")
 
 
@@ -127,7 +124,7 @@ def test_two_sources_by_runs(missing0, missing1):
         srcs = [sources[0], (torch.add(rows1, 0.0) if flags[1] else rows1, sources[1][1])]
         out = torch.full((m, hidden), 7.0, dtype=BF16)
         assert _sum_two_by_runs(out, srcs, flags, max_runs=m)
-        assert _same(out, expected)
+        assert same_bits_nan(out, expected)
     if missing0 < m and missing1 < m:  # three or four sources with rows: not this path
         assert not _sum_two_by_runs(out, sources * 2, [False] * 4)
 
@@ -152,7 +149,7 @@ def test_two_source_run_limit_follows_the_work_per_run():
         out = torch.empty(m, hidden, dtype=BF16)
         assert _sum_two_by_runs(out, sources, [False, False]) is taken, (missing, limit)
         if taken:
-            assert _same(out, _reference(m, hidden, sources, None))
+            assert same_bits_nan(out, _reference(m, hidden, sources, None))
 
 
 def test_combine_sum_benchmark_checks_bits(capsys):
@@ -197,7 +194,7 @@ def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
         accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs, bags=False)
         outs.append(out)
     assert seen == [(0, False), (m, True)]
-    assert _same(outs[0], outs[1]) and _same(outs[0], _reference(m, hidden, sources, None))
+    assert same_bits_nan(outs[0], outs[1]) and same_bits_nan(outs[0], _reference(m, hidden, sources, None))
 
 
 @pytest.mark.parametrize("num_sources,scratch_rows,hidden", [(1, 3, 40), (2, 5, 40), (3, 7, 7), (5, 64, 40),
@@ -217,7 +214,7 @@ def test_sum_by_bags_bitwise(num_sources, scratch_rows, hidden):
         sources.append((_rows(g, tokens.numel(), hidden), tokens))
     out = torch.full((m, hidden), 7.0, dtype=BF16)
     assert _sum_by_bags(out, sources, torch.empty(scratch_rows, hidden), force=True)
-    assert _same(out, _reference(m, hidden, sources, None))
+    assert same_bits_nan(out, _reference(m, hidden, sources, None))
     assert (_bits(out[:3]) == 0).all()
 
 
@@ -232,7 +229,7 @@ def test_sum_by_bags_adds_in_source_order():
     out = torch.empty(2, hidden, dtype=BF16)
     assert _sum_by_bags(out, sources, torch.empty(4, hidden), force=True)
     assert (out[0].float() == 1.0).all() and (out[1].float() == 1.0 + 2.0 ** -7).all()
-    assert _same(out, _reference(2, hidden, sources, None))
+    assert same_bits_nan(out, _reference(2, hidden, sources, None))
 
 
 def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeypatch):
@@ -265,7 +262,7 @@ def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeyp
         accumulate_rows(out, srcs, *scratch, b, max_runs=0)
         chain = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False)
-        assert taken[:1] == expect[:1] and _same(out, chain) and _same(out, _reference(m, hidden, srcs, b))
+        assert taken[:1] == expect[:1] and same_bits_nan(out, chain) and same_bits_nan(out, _reference(m, hidden, srcs, b))
 
 
 def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():
@@ -282,8 +279,8 @@ def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():
     assert (out == 7.0).all()  # nothing written
     assert not _sum_by_bags(out, sources, torch.empty(5 * _BAG_MIN_TOKENS - 1, hidden))
     assert _sum_by_bags(out, sources, torch.empty(5 * _BAG_MIN_TOKENS, hidden))
-    assert _same(out, _reference(m, hidden, sources, None))
+    assert same_bits_nan(out, _reference(m, hidden, sources, None))
     for rows in (2, 4, 5 * _BAG_MIN_TOKENS - 1):
         out = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(out, sources, torch.empty(rows, hidden), torch.empty(rows, hidden))
-        assert _same(out, _reference(m, hidden, sources, None)), rows
+        assert same_bits_nan(out, _reference(m, hidden, sources, None)), rows

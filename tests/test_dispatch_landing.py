@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from buffer_helpers import BF16, all_ranks_ok, capture, coll, make_topk_idx
+from buffer_helpers import BF16, all_ranks_ok, capture, coll, make_topk_idx, same_bits_nan
 from mpi_utils import allgather_object, gather_all
 
 from reference import ref_combine
@@ -62,12 +62,6 @@ def _hint(R):
 
 def _same(got, expected) -> bool:
     return torch.equal(got.view(torch.int16), expected.view(torch.int16))
-
-
-def _same_nan(got, expected) -> bool:
-    """Same NaN positions, every other element bit for bit (combine leaves NaN payloads unspecified)."""
-    nan = expected.isnan()
-    return torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
 def _dispatches(buf, comm, seeds, cached=False):
@@ -285,12 +279,12 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
         got_st, w_st, path_st = _combine(buf, before.clone(), handle, recv_w, use_async)
         mixed = recv_x if r % 2 else before.clone()
         got_mx, _, path_mx = _combine(buf, mixed, handle, recv_w, use_async)
-        ok = (landed and path_in and not path_st and path_mx == bool(r % 2) and _same_nan(got_in, e_x)
-              and _same_nan(got_st, e_x) and _same_nan(got_mx, e_x) and torch.equal(w_in, e_w)
+        ok = (landed and path_in and not path_st and path_mx == bool(r % 2) and same_bits_nan(got_in, e_x)
+              and same_bits_nan(got_st, e_x) and same_bits_nan(got_mx, e_x) and torch.equal(w_in, e_w)
               and torch.equal(w_st, e_w) and _same(recv_x, before))
         all_ranks_ok(comm, ok, f"combine of recv_x in place ({zeros}, {window}): landed {landed}, in place "
                                f"{path_in}/{path_st}/{path_mx}, in place / staged / mixed equal to the reference: "
-                               f"{_same_nan(got_in, e_x)}/{_same_nan(got_st, e_x)}/{_same_nan(got_mx, e_x)}, x kept "
+                               f"{same_bits_nan(got_in, e_x)}/{same_bits_nan(got_st, e_x)}/{same_bits_nan(got_mx, e_x)}, x kept "
                                f"{_same(recv_x, before)}")
     finally:
         coll(buf.destroy, what="destroy")

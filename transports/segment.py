@@ -36,7 +36,7 @@ class SharedSegment:
     def __init__(self, tp, name: str, nbytes: int):
         topo = tp.topology
         self.name, self.rank = name, topo.rank
-        self.sizes, self._maps, self._bases = {}, {}, {}
+        self.sizes, self._maps = {}, {}
         path, error, fd, created = None, None, -1, False
         bad_arg = not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0
         if bad_arg:
@@ -117,14 +117,10 @@ class SharedSegment:
         (``tensor`` contiguous, non-empty) lie in this process's mapping of it; else None."""
         if peer not in self._maps or not tensor.numel() or not tensor.is_contiguous():
             return None
-        base = self._bases.get(peer)
-        if base is None:  # the address of a mapping: a one-byte array over it, dropped at once
-            base = self._bases[peer] = int(np.frombuffer(self._maps[peer], dtype=np.uint8, count=1).ctypes.data)
-        off = tensor.data_ptr() - base
+        off = tensor.data_ptr() - self.view(peer, 0, 1).data_ptr()
         nbytes = tensor.numel() * tensor.element_size()
         return off if 0 <= off and off + nbytes <= self.sizes[peer] else None
 
     def release(self) -> None:
         """Drop this object's mappings; tensors made by :meth:`view` keep theirs until they go."""
         self._maps.clear()
-        self._bases.clear()
