@@ -28,7 +28,8 @@ Systems, interleaved in every iteration on the same inputs:
   total GEMM shape; bf16, or float32 with the float32 GEMM engine) against the grouped GEMM calls
   alone (L1 and L2 of the unfused stages' layouts, operands in the engine's dtype): the
   grouped-GEMM throughput ratio of the target. The grouped stages (with layout and dequantisation)
-  over the plain matmul are printed too.
+  over the plain matmul are printed too, and so is one copy of all local experts' weights (one read
+  and one write of what the grouped calls stream per call; the plain matmul reads one matrix).
 
 Timing: barrier, ``time.perf_counter``; ``--warmup`` (>= 2) then ``--iters`` (>= 5); per rank
 the median and min over iterations; printed as mean over ranks and max over ranks (upstream
@@ -329,8 +330,8 @@ def main(argv=None) -> int:
     for nw in args.compare_waves:
         epw = -(-el // min(nw, el))
         wave_runs[f"fused, {-(-el // epw)} wave(s)"] = epw
-    times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("gemm_l1", "gemm_l2", "mm_l1", "mm_l2")
-             + tuple(wave_runs)}
+    times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages
+             + ("gemm_l1", "gemm_l2", "mm_l1", "mm_l2", "weights_copy") + tuple(wave_runs)}
     fractions, hidden_s, busy_s, waves = [], [], [], None
     engine = M.gemm_engine()
     mm_dtype = BF16 if engine == "bf16" else torch.float32  # the plain matmul the engine stands for
@@ -338,6 +339,12 @@ def main(argv=None) -> int:
     mm_b1 = torch.randn(2 * args.inter, args.hidden).to(mm_dtype).t()
     mm_a2 = torch.randn(n_pairs_recv, args.inter).to(mm_dtype)
     mm_b2 = torch.randn(args.hidden, args.inter).to(mm_dtype).t()
+
+    # The grouped GEMM reads every local expert's weights once per call, the plain matmul one matrix: a copy of
+    # those weights (one read, one write) in the same run shows what streaming them costs on this host.
+    w_dst = (torch.empty_like(unf.w1), torch.empty_like(unf.w2))
+    weight_bytes = sum(w.numel() * w.element_size() for w in (unf.w1, unf.w2))
+    plain_weight_bytes = (mm_b1.numel() + mm_b2.numel()) * mm_b1.element_size()
 
     def timed(name, fn):
         comm.Barrier()
@@ -364,6 +371,7 @@ def main(argv=None) -> int:
             rec[name] = timed(name, fn)
         rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
         rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
+        rec["weights_copy"] = timed("weights_copy", lambda: (w_dst[0].copy_(unf.w1), w_dst[1].copy_(unf.w2)))
         if it >= args.warmup:
             for k, v in rec.items():
                 times[k].append(v)
@@ -467,6 +475,11 @@ def main(argv=None) -> int:
                f"TFLOPS (incl. layout/dequant); plain torch mm {flops / mm / 1e12:.3f} TFLOPS")
     out.append(f"[gemm] grouped GEMM / plain matmul throughput {mm / gemm_only:.2f} (target >= 0.70: {gtgt}); "
                f"grouped stages incl. layout/dequant / plain {mm / gemm:.2f}")
+    t_wcopy = agg("weights_copy")[0]
+    out.append(f"[gemm] the grouped calls read {el} experts' weights, {weight_bytes / 1e6:.1f} MB per call (the plain "
+               f"matmul {plain_weight_bytes / 1e6:.1f} MB); one copy of them (read + write) took {t_wcopy * 1e3:.3f} ms "
+               f"in this run ({C.gbps(2 * weight_bytes, t_wcopy):.2f} GB/s), "
+               f"{t_wcopy / gemm_only if gemm_only else float('nan'):.2f}x the grouped GEMM calls' time")
     bytes_all = pairs_recv * pair_b
     bytes_cross = pairs_cross * pair_b
     bytes_busiest = max(r["pairs_recv"] for r in allr) * pair_b
@@ -488,7 +501,7 @@ def main(argv=None) -> int:
                    lines=out, traffic_by_kind=by_kind, link_model=C.link_model_doc(args.profile, emulator),
                    projection=projection,
                    times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
-                                grouped_gemm=gemm_only, plain_mm=mm,
+                                grouped_gemm=gemm_only, plain_mm=mm, weights_copy=t_wcopy,
                                 fused_by_waves={label: agg(label)[0] for label in wave_runs},
                                 sum_stages=sum_stage, comm_stages=t_comm),
                    check=check,
@@ -503,7 +516,8 @@ def main(argv=None) -> int:
                                plain_mm=flops / mm / 1e12 if mm else None),
                    summary=dict(fused_over_sum_stages=ratio,
                                 grouped_over_plain_mm=mm / gemm_only if gemm_only else None,
-                                grouped_stages_over_plain_mm=mm / gemm if gemm else None))
+                                grouped_stages_over_plain_mm=mm / gemm if gemm else None,
+                                weight_bytes_per_call=weight_bytes, plain_mm_weight_bytes=plain_weight_bytes))
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
     return 0 if check["ok"] else 1

@@ -14,6 +14,17 @@ which is exact emulation of block-scaled MMA; otherwise (legacy float32 scales) 
 Weights (B) are dequantized once and cached by tensor identity and version
 (:func:`deepep_ascend.quant.dequantize_weights`). K-grouped results accumulate in float32.
 
+Prepacked weights. Where the CPU multiplies bf16 natively (AMX, AVX512-BF16) the m-grouped bf16
+products run on oneDNN's inner product with each group's weight packed once into oneDNN's blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's
+inductor uses for frozen linear weights), cached like the dequantized weights: by the identity and
+version counter of ``b`` (or of its cached dequantized copy), so an in-place write to ``b`` is seen
+by the next call; :func:`deepep_ascend.set_dequantized_weight_cache` switches every weight cache. A
+plain bf16 matmul reorders its weight on every call, which for ~128 rows per group cost about as
+much as the multiply. Same float32 accumulation; the summation order inside oneDNN's kernels may
+differ from ``torch.matmul``'s (at ``M = 1`` it does), so results agree to bf16 rounding, not
+always bit for bit.
+
 Scale factors (``recipe``): ``(gran_m_a, gran_n_b, gran_k)`` or per operand ``recipe_a`` /
 ``recipe_b`` = ``(gran_mn, gran_k)``. Without a recipe it is inferred per operand: float32 A
 scales are per token at 128 (``(1, 128)``); float32 B scales ``[G, ceil(N/128), ceil(K/128)]``
@@ -49,6 +60,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import quant as _q
 from .quant import (
     _dequantize_operand,
     _to_exact_bf16,
@@ -208,6 +220,46 @@ def _matmul_bf16_out(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), w_t.float()).to(BF16)
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), per torch's probes."""
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # noqa: BLE001 - a probe that fails means no native bf16
+            pass
+    return False
+
+
+# oneDNN's prepacked inner product (the ops torch's inductor uses for frozen linear weights). A bf16 matmul
+# reorders its weight into oneDNN's blocked layout on every call; a grouped GEMM with ~100 rows per group
+# spends about as long on that as on the multiply, so the weights are packed once and cached.
+_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_PACKING = bool(_REORDER is not None and _LINEAR is not None and torch.backends.mkldnn.is_available()
+                and native_bf16())
+
+
+def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
+    """Per-group oneDNN-packed copies of bf16 weights ``b_nk [G, N, K]`` (any strides), cached by the
+    identity and version of ``key`` (the tensor ``b_nk`` derives from); ``None`` where packing is
+    unavailable (no native bf16, no oneDNN) or ``b_nk`` is not bf16."""
+    if not _PACKING or b_nk.dtype != BF16:
+        return None
+    return _q._cached_by_tensors(("onednn_packed", tag), (key,),
+                                 lambda: tuple(_REORDER(b_nk[g], None) for g in range(b_nk.size(0))))
+
+
+def _mm_group(x: torch.Tensor, w_t: torch.Tensor, packed, g: int) -> torch.Tensor:
+    """bf16 ``x @ w_t`` (``w_t = B[g]`` as ``[K, N]``) with float32 accumulation, on the packed copy
+    ``packed[g]`` when there is one and ``x`` is bf16."""
+    if packed is not None and x.dtype == BF16:
+        return _LINEAR(x, packed[g], None, "none", [], "")
+    return _matmul_bf16_out(x, w_t)
+
+
 class _Operands:
     """Per-group access to A rows and B weights, bf16 or FP8/FP4 (dequantized)."""
 
@@ -227,6 +279,7 @@ class _Operands:
         else:
             self.a_t = _tensor("a", a, (BF16,))
             self.b_t = _tensor("b", b, (BF16,))
+        self._packed = False  # not looked up yet (see mm)
         self.k = _k_of(self.a_t)
         bk = _k_of(self.b_t, -1 if b_layout == "nt" else -2)
         if self.b_t.dim() != 3:
@@ -267,6 +320,16 @@ class _Operands:
                 k_major=self.b_layout == "nt",
             )
         return self._b_deq[g].t()
+
+    def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
+        where available (:func:`_packed_weights`)."""
+        w_t = self.weight_t(g)
+        if self._packed is False:
+            src = self._b_deq if self.fp8 else self.b_t
+            b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
+            self._packed = _packed_weights(b_nk, src, self.b_layout)
+        return _mm_group(x, w_t, self._packed, g)
 
     def rows(self, a_data, a_sf=None) -> torch.Tensor:
         if not self.fp8:
@@ -350,7 +413,7 @@ def _m_grouped_contiguous(
         )
     for g, s, e in runs:
         x = ops.rows(ops.a_t[s:e], ops.a_sf[s:e] if ops.fp8 else None)
-        d[s:e] = _matmul_bf16_out(x, ops.weight_t(g))
+        d[s:e] = ops.mm(x, g)
     if ensure_zero_padding or not use_psum_layout:
         for s, e in zero:
             if e > s:
@@ -458,7 +521,7 @@ def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
     for g, c in enumerate(counts):
         if c:
             x = ops.rows(ops.a_t[g, :c], ops.a_sf[g, :c] if ops.fp8 else None)
-            d[g, :c] = _matmul_bf16_out(x, ops.weight_t(g))
+            d[g, :c] = ops.mm(x, g)
 
 
 def m_grouped_bf16_gemm_nt_masked(

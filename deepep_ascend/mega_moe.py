@@ -33,17 +33,19 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    ``cpu-comm-heavy`` (50 MB) ran 23-35 % slower with one wave than with two. Wave ``w``
    dispatches the pairs whose local expert id (``e % E_l``) lies in the wave. Received rows are
    sorted (stably) by expert, so the order is expert, source rank, token, k (mega-moe.md §5).
-4. **Grouped GEMMs.** Each wave is laid out in the **m-grouped contiguous psum layout**
-   (:func:`m_grouped_bf16_gemm_nt_contiguous` with ``use_psum_layout=True``; group starts
-   aligned to :func:`get_mk_alignment_for_contiguous_layout`, padding rows zero and skipped; with
-   the float32 engine below the alignment is 1, i.e. the rows sorted by expert, unpadded).
+4. **Grouped GEMMs.** Each wave's rows are sorted (stably) by local expert, unpadded: a fused op
+   needs no aligned layout in memory, so the zero-padded m-grouped contiguous layout (and its two
+   scatter/gather copies per GEMM) that the public :func:`m_grouped_bf16_gemm_nt_contiguous` takes
+   is never built; each expert's rows are one GEMM (:func:`_expert_gemm`).
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
-   (un-transformed, for FP4 dequantized) weights cached by tensor identity and version
-   (switch: :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
+   (un-transformed, for FP4 dequantized) weights cached by tensor identity and version, packed once
+   into oneDNN's blocked layout like the public grouped GEMMs' weights
+   (:func:`deepep_ascend.grouped_gemm._packed_weights`; switch for every weight cache:
+   :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
    dequantized per row before L1 (exact in bf16; e4m3 decoded by :func:`deepep_ascend.e4m3_to_float`,
    and the float32 engine takes L1's and L2's inputs as float32 holding those bf16 values, with
    no bf16 round trip). The engine (:func:`gemm_engine`) is that
-   grouped bf16 GEMM where the CPU has native bf16 (AMX / AVX512-BF16), else one float32
+   bf16 GEMM where the CPU has native bf16 (AMX / AVX512-BF16), else one float32
    matmul per expert on the same values (same math, only the summation order may differ; the
    cache then holds float32, ``12·H·I`` bytes per expert instead of ``6·H·I``): on the AVX2-only
    EPYC of this VM torch's bf16 matmul ran at 0.4-7 GFLOP/s against 17-44 for float32.
@@ -83,11 +85,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 import warnings
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +95,10 @@ from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
 from .grouped_gemm import (
     get_mk_alignment_for_contiguous_layout,
+    _mm_group,
+    _packed_weights,
     m_grouped_bf16_gemm_nt_contiguous,
+    native_bf16,
 )
 from .intranode import ConsensusError
 
@@ -136,15 +138,7 @@ def gemm_engine() -> str:
         return env
     if env:
         raise ValueError(f"${_GEMM_ENV} must be 'bf16' or 'fp32', got {env!r}")
-    cpu = getattr(torch, "cpu", None)
-    native = False
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        fn = getattr(cpu, probe, None)
-        try:
-            native = native or bool(fn and fn())
-        except Exception:  # noqa: BLE001 - a missing probe means no native bf16
-            pass
-    return "bf16" if native else "fp32"
+    return "bf16" if native_bf16() else "fp32"
 
 
 def _align(x: int, a: int) -> int:
@@ -169,21 +163,35 @@ def _operand_dtype(engine: str) -> torch.dtype:
 def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
     """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from
     ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``. ``bf16``:
-    :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: one float32 matmul per group on the bf16 values
-    (``a`` bf16 or float32 holding bf16 values, ``w`` float32), one rounding to bf16 at the end. Padding
-    rows are unspecified."""
+    :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: :func:`_expert_gemm` (alignment 1: no padding).
+    Padding rows are unspecified."""
     if engine == "bf16":
         d = torch.empty(a.size(0), w.size(1), dtype=BF16)
         m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
         return d
+    return _expert_gemm(engine, a, w, [0] + list(ends))
+
+
+def _expert_gemm(engine: str, a: torch.Tensor, w: torch.Tensor, bounds: list, packed=None) -> torch.Tensor:
+    """``d [n, N]`` bf16: rows ``bounds[g]:bounds[g+1]`` of ``a [n, K]`` (sorted by expert, no padding rows)
+    times ``w[g].T`` (``w [G, N, K]``), float32 accumulation, one bf16 rounding. ``bf16`` engine: bf16
+    operands, on ``packed[g]`` (oneDNN-packed ``w[g]``, :func:`~deepep_ascend.grouped_gemm._packed_weights`)
+    when given; ``fp32``: one float32 matmul per group on the same bf16 values (``a`` bf16 or float32 holding
+    bf16 values, ``w`` float32)."""
+    n = a.size(0)
+    if engine == "bf16":
+        d = torch.empty(n, w.size(1), dtype=BF16)
+        for g in range(len(bounds) - 1):
+            s, e = bounds[g], bounds[g + 1]
+            if e > s:
+                d[s:e] = _mm_group(a[s:e], w[g].t(), packed, g)
+        return d
     af = a.float()
-    df = torch.empty(a.size(0), w.size(1), dtype=torch.float32)
-    align, prev = _layout_alignment(engine), 0
-    for g, end in enumerate(ends):
-        start = _align(prev, align)
-        if end > start:
-            torch.matmul(af[start:end], w[g].t(), out=df[start:end])
-        prev = end
+    df = torch.empty(n, w.size(1), dtype=torch.float32)
+    for g in range(len(bounds) - 1):
+        s, e = bounds[g], bounds[g + 1]
+        if e > s:
+            torch.matmul(af[s:e], w[g].t(), out=df[s:e])
     return df.to(BF16)
 
 
@@ -436,46 +444,29 @@ def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "sw
             type(l2_weights)((d2, s2_t)))
 
 
-# Cache of exact bf16, un-transformed weights keyed by identity and version of the transformed tensors.
-_W_LOCK = threading.Lock()
-_W_CACHE: OrderedDict = OrderedDict()
-_W_CACHE_MAX = 8
-
-
 def _untransformed(kind: str, l1, l2, engine: str):
     """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
-    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``)."""
+    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); cached by identity and version of the
+    transformed tensors (:func:`deepep_ascend.quant._cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
-    key = (kind, engine) + tuple(id(t) for t in tensors)
-    use = _q._cache_enabled
-    if use:
-        with _W_LOCK:
-            hit = _W_CACHE.get(key)
-            if hit is not None:
-                refs, versions, out = hit
-                if all(r() is t for r, t in zip(refs, tensors)) and versions == tuple(t._version for t in tensors):
-                    _W_CACHE.move_to_end(key)
-                    return out
-                del _W_CACHE[key]
-    if kind == "bf16":
-        i = l1.size(-2) // 2
-        w1 = l1.index_select(-2, _inverse(_l1_perm(i))).contiguous()
-        w2 = l2.contiguous()
-    else:
-        (d1, s1), (d2, s2) = l1, l2
-        i = d1.size(-2) // 2
-        inv = _inverse(_l1_perm(i))
-        s1_nat = s1.index_select(-2, _inverse(_sf_perm(2 * i))).index_select(-2, inv)
-        s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
-        w1 = _q._dequantize_operand(d1.index_select(-2, inv), s1_nat.contiguous(), 1, _SF_GRAN, "l1_weights").to(BF16)
-        w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
-    out = (w1, w2) if engine == "bf16" else (w1.float(), w2.float())
-    if use:
-        with _W_LOCK:
-            _W_CACHE[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), out)
-            while len(_W_CACHE) > _W_CACHE_MAX:
-                _W_CACHE.popitem(last=False)
-    return out
+
+    def build():
+        if kind == "bf16":
+            i = l1.size(-2) // 2
+            w1 = l1.index_select(-2, _inverse(_l1_perm(i))).contiguous()
+            w2 = l2.contiguous()
+        else:
+            (d1, s1), (d2, s2) = l1, l2
+            i = d1.size(-2) // 2
+            inv = _inverse(_l1_perm(i))
+            s1_nat = s1.index_select(-2, _inverse(_sf_perm(2 * i))).index_select(-2, inv)
+            s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
+            w1 = _q._dequantize_operand(d1.index_select(-2, inv), s1_nat.contiguous(), 1, _SF_GRAN,
+                                        "l1_weights").to(BF16)
+            w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
+        return (w1, w2) if engine == "bf16" else (w1.float(), w2.float())
+
+    return _q._cached_by_tensors(("mega_moe_untransformed", kind, engine), tensors, build)
 
 
 def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
@@ -647,12 +638,14 @@ def _dequant_x(kind, data, sf_bytes, dtype=BF16):
 
 def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
     """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
-    (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order."""
+    (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order; the fp8
+    path's cast to e4m3 with UE8M0 per 32 and back is done in one float32 rounding pass
+    (:func:`deepep_ascend.quant._e4m3_ue8m0_round_trip_`, bit for bit the codec's result)."""
     g, u = h[:, :i], h[:, i:]
     if clamp is not None:
-        c = torch.tensor(float(clamp), dtype=BF16)
-        g = torch.minimum(g, c)
-        u = torch.maximum(torch.minimum(u, c), -c)
+        c = float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
+        g = g.clamp(max=c)
+        u = u.clamp(-c, c)
     gf = g.float()
     denom = torch.neg(gf).exp_().add_(1.0)
     a = denom.reciprocal_().mul_(gf) if fast_math else torch.div(gf, denom, out=denom)
@@ -660,11 +653,12 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
     if kind == "bf16":
         a = a.to(BF16)
         return a if dtype == BF16 else a.float()
-    n = a.size(0)
-    grp = a.view(n, i // _SF_GRAN, _SF_GRAN)
-    s = _q.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / _q.FP8_E4M3_MAX).unsqueeze(-1)
-    q = _q.e4m3_to_float(_q.cast_to_e4m3(grp.div_(s))).mul_(s).view(n, i)  # e4m3 × UE8M0: exact in bf16
-    return q.to(BF16) if dtype == BF16 else q
+    if not _q._e4m3_ue8m0_round_trip_(a, _SF_GRAN):  # NaN, inf or huge values: through the codes
+        n = a.size(0)
+        grp = a.view(n, i // _SF_GRAN, _SF_GRAN)
+        s = _q.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / _q.FP8_E4M3_MAX).unsqueeze(-1)
+        _q.e4m3_to_float(_q.cast_to_e4m3(grp.div_(s)), out=grp).mul_(s)  # e4m3 × UE8M0: exact in bf16
+    return a.to(BF16) if dtype == BF16 else a
 
 
 def _wave_override(num_experts_per_wave, op: str):
@@ -776,56 +770,32 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
             worker.submit(done)
         return rec
 
-    slots = torch.zeros(t * k, h, dtype=BF16)
-    align = _layout_alignment(engine)
     op_dtype = _operand_dtype(engine)
+    packed1 = _packed_weights(w1, w1, "nt") if engine == "bf16" else None
+    packed2 = _packed_weights(w2, w2, "nt") if engine == "bf16" else None
     pending = []  # (wave, combined, event)
 
     def compute_l1(w, recv):
+        # Rows sorted (stably) by local expert, unpadded: the fused op needs no aligned layout in memory.
         recv_x, recv_idx, recv_w = recv[0], recv[1], recv[2]
         n = recv_idx.size(0)
         e0 = w * epw
         ne = min(epw, el - e0)
         local = recv_idx[:, 0] - e0
         order = torch.argsort(local, stable=True)
-        cnt = torch.bincount(local, minlength=ne).tolist() if n else [0] * ne
-        starts, ends, end = [], [], 0
-        for c in cnt:
-            s = _align(end, align)
-            starts.append(s)
-            end = s + c
-            ends.append(end)
-        padded = end != n
-        pos = (torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)]) if n and padded
-               else torch.arange(n))
-        if kind == "bf16":
-            xs = recv_x.index_select(0, order)
-        else:
-            xs = _dequant_x(kind, recv_x[:, :h].index_select(0, order).view(FP8),
-                            recv_x[:, h:].index_select(0, order), op_dtype)
-        if padded:
-            a = torch.zeros(end, h, dtype=BF16)
-            a.index_copy_(0, pos, xs)
-        else:
-            a = xs
-        ends_t = torch.tensor(ends, dtype=torch.int32)
-        hh = _grouped_nt(engine, a, w1[e0:e0 + ne], ends, ends_t)
-        return dict(n=n, order=order, pos=pos, end=end, padded=padded, ends=ends, ends_t=ends_t, e0=e0, ne=ne,
-                    h=hh.index_select(0, pos) if padded else hh, ws=recv_w[:, 0].index_select(0, order))
+        bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
+        rows = recv_x.index_select(0, order)
+        xs = rows.to(op_dtype) if kind == "bf16" else _dequant_x(kind, rows[:, :h].view(FP8), rows[:, h:], op_dtype)
+        hh = _expert_gemm(engine, xs, w1[e0:e0 + ne], bounds, packed1 and packed1[e0:e0 + ne])
+        return dict(n=n, order=order, bounds=bounds, e0=e0, ne=ne, h=hh, ws=recv_w[:, 0].index_select(0, order))
 
     def compute_act(st):
         st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math, op_dtype)
 
     def compute_l2(st):
-        if st["padded"]:
-            a2 = torch.zeros(st["end"], i, dtype=BF16)
-            a2.index_copy_(0, st["pos"], st["act"])
-        else:
-            a2 = st["act"]
-        o = _grouped_nt(engine, a2, w2[st["e0"]:st["e0"] + st["ne"]], st["ends"], st["ends_t"])
-        out = torch.empty(st["n"], h, dtype=BF16)
-        out.index_copy_(0, st["order"], o.index_select(0, st["pos"]) if st["padded"] else o)
-        return out
+        e0, ne = st["e0"], st["ne"]
+        o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"], packed2 and packed2[e0:e0 + ne])
+        return torch.empty(st["n"], h, dtype=BF16).index_copy_(0, st["order"], o)  # back to the handle's order
 
     def timed(stage, w, fn, *args):
         s0 = now()
@@ -864,8 +834,12 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     worker.drain()
 
     s0 = now()
-    for w, combined, _ev in pending:
-        slots.index_copy_(0, waves[w][0], combined)
+    if num_waves == 1 and pair.numel() == t * k:  # every slot valid, in (token, k) order: no scatter needed
+        slots = pending[0][1]
+    else:
+        slots = torch.zeros(t * k, h, dtype=BF16)
+        for w, combined, _ev in pending:
+            slots.index_copy_(0, waves[w][0], combined)
     acc = torch.zeros(t, h, dtype=torch.float32)
     sv = slots.view(t, k, h)
     for j in range(k):

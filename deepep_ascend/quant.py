@@ -189,6 +189,32 @@ def e4m3_to_float(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
+def _e4m3_ue8m0_round_trip_(x: torch.Tensor, gran: int) -> bool:
+    """Replace float32 ``x [n, K]`` (contiguous, ``K % gran == 0``) in place by what a per-token
+    e4m3 cast with UE8M0 scales per ``gran`` channels and its cast back give, bit for bit:
+    ``s = ceil_to_ue8m0(max(amax, 1e-4) / 448)``, ``e4m3(clamp(x / s, ±448)) * s``.
+
+    Returns ``False`` (``x`` untouched) where that shortcut does not apply: a NaN or infinity in
+    ``x``, or an ``|x|`` of ``2**100`` or more. The shortcut rounds in float32 by adding and
+    subtracting ``c`` (RNE at ``ulp(c)``): ``c = 2**(exponent(x) + 20)`` keeps e4m3's three mantissa
+    bits, and ``c >= s * 2**14`` gives its subnormals' fixed step ``s * 2**-9``. Since ``s`` is a
+    power of two, ``x / s`` has ``x``'s mantissa, so neither the division nor the codes are needed:
+    eight passes over ``x`` instead of about fourteen for cast, decode and rescale.
+    """
+    n, k = x.shape
+    ax = x.abs()
+    amax = ax.view(n, k // gran, gran).amax(-1)
+    if amax.numel() and not bool((amax < 2.0**100).all()):  # NaN fails the comparison too
+        return False
+    sf = ceil_to_ue8m0(amax.clamp_(min=1e-4).div_(FP8_E4M3_MAX))
+    c = ax.view(torch.int32).bitwise_and(0x7F800000).add_(20 << 23)
+    cv = c.view(n, k // gran, gran)
+    torch.maximum(cv, sf.view(torch.int32).add_(14 << 23).unsqueeze(-1), out=cv)
+    cf = c.view(torch.float32)
+    torch.copysign(ax.add_(cf).sub_(cf), x, out=x)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # UE8M0
 
@@ -833,14 +859,18 @@ def _to_exact_bf16(x: torch.Tensor) -> torch.Tensor:
     return b if torch.equal(b.float(), x) else x
 
 
-_cache_lock = threading.Lock()
+# Re-entrant: dropping an entry can free a tensor that keys another entry, whose finalizer (_drop) takes the
+# lock again; values are also released after the lock where the code can arrange it.
+_cache_lock = threading.RLock()
 _cache: collections.OrderedDict = collections.OrderedDict()
 _cache_enabled = True
 _CACHE_MAX_ENTRIES = 64
 
 
 def set_dequantized_weight_cache(enabled: bool) -> None:
-    """Enable (default) or disable the cache of :func:`dequantize_weights`; disabling clears it."""
+    """Enable (default) or disable the weight caches: :func:`dequantize_weights`' dequantized
+    copies, the bf16 GEMMs' prepacked weights and MegaMoE's un-transformed weights. Disabling
+    clears them."""
     global _cache_enabled
     _cache_enabled = bool(enabled)
     if not enabled:
@@ -848,9 +878,53 @@ def set_dequantized_weight_cache(enabled: bool) -> None:
 
 
 def clear_dequantized_weight_cache() -> None:
-    """Drop every cached dequantized weight copy."""
+    """Drop every cached weight copy (dequantized, prepacked, un-transformed)."""
     with _cache_lock:
+        entries = list(_cache.values())
         _cache.clear()
+    del entries  # the cached tensors die here, outside the lock
+
+
+def _cached_by_tensors(tag: tuple, tensors: tuple, build):
+    """``build()``, cached while every tensor of ``tensors`` lives with its current version counter.
+
+    The key is ``tag`` plus the tensors' identities: an in-place write to any of them (or to a
+    view sharing its version counter) invalidates the entry, and an entry dies with its tensors.
+    At most :data:`_CACHE_MAX_ENTRIES` entries, least recently used dropped first; with the cache
+    disabled (:func:`set_dequantized_weight_cache`) every call builds.
+    """
+    if not _cache_enabled:
+        return build()
+    key = tag + tuple(id(t) for t in tensors)
+    versions = tuple(t._version for t in tensors)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            refs, vers, out = hit
+            if vers == versions and all(r() is t for r, t in zip(refs, tensors)):
+                _cache.move_to_end(key)
+                return out
+            del _cache[key]
+    hit = None  # a stale entry's tensors die here, outside the lock
+    out = build()
+    evicted = []
+    with _cache_lock:
+        _cache[key] = (tuple(weakref.ref(t) for t in tensors), versions, out)
+        while len(_cache) > _CACHE_MAX_ENTRIES:
+            evicted.append(_cache.popitem(last=False))
+    del evicted
+    for t in tensors:
+        weakref.finalize(t, _drop, key)
+    return out
+
+
+def _drop(key) -> None:
+    entry = None
+    with _cache_lock:
+        entry = _cache.get(key)
+        if entry is not None and any(r() is None for r in entry[0]):
+            del _cache[key]
+    del entry
 
 
 def dequantize_weights(
@@ -880,46 +954,14 @@ def dequantize_weights(
     _check_tensor("sf", sf)
     _check_gran("gran_mn", gran_mn)
     _check_gran("gran_k", gran_k)
-    use_cache = cache and _cache_enabled
-    key = None
-    if use_cache:
-        key = (id(data), id(sf), gran_mn, gran_k, k_major)
-        with _cache_lock:
-            hit = _cache.get(key)
-            if hit is not None:
-                dref, sref, dver, sver, out = hit
-                if (
-                    dref() is data
-                    and sref() is sf
-                    and dver == data._version
-                    and sver == sf._version
-                ):
-                    _cache.move_to_end(key)
-                    return out
-                del _cache[key]
-    logical = data if k_major else data.transpose(-1, -2)
-    out = _to_exact_bf16(_dequantize_operand(logical, sf, gran_mn, gran_k, "weights"))
-    if use_cache:
-        with _cache_lock:
-            _cache[key] = (
-                weakref.ref(data),
-                weakref.ref(sf),
-                data._version,
-                sf._version,
-                out,
-            )
-            while len(_cache) > _CACHE_MAX_ENTRIES:
-                _cache.popitem(last=False)
-        weakref.finalize(data, _drop, key)
-    return out
 
+    def build():
+        logical = data if k_major else data.transpose(-1, -2)
+        return _to_exact_bf16(_dequantize_operand(logical, sf, gran_mn, gran_k, "weights"))
 
-def _drop(key) -> None:
-    with _cache_lock:
-        entry = _cache.get(key)
-        if entry is not None and entry[0]() is None:
-            del _cache[key]
-
+    if not cache:
+        return build()
+    return _cached_by_tensors(("dequantize", gran_mn, gran_k, k_major), (data, sf), build)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -114,6 +114,54 @@ def test_masked_bf16_leaves_rows_past_masked_m():
     assert dg.bf16_m_grouped_gemm_nt_masked is dg.m_grouped_bf16_gemm_nt_masked
 
 
+def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
+    """The bf16 GEMMs multiply on oneDNN-packed weights cached by identity and version (where the CPU has
+    native bf16): an in-place write to ``b`` is seen by the next call, nn/nt and masked/contiguous agree
+    with the float64 reference, and clearing the cache while a packed entry is keyed on a cached
+    dequantized weight returns (it once deadlocked: the dropped key's finalizer re-took the lock)."""
+    from deepep_ascend import grouped_gemm as gg
+    from deepep_ascend import quant as q
+
+    g = torch.Generator().manual_seed(3)
+    G, m, n, k = 3, 5, 24, 64
+    a = torch.randn(G * m, k, generator=g).to(BF16)
+    b = torch.randn(G, n, k, generator=g).to(BF16)
+    ends = torch.tensor([m, 2 * m, 3 * m], dtype=torch.int32)
+    old = dg.get_mk_alignment_for_contiguous_layout()
+    dg.set_mk_alignment_for_contiguous_layout(1)
+    try:
+        for step in range(2):
+            d = torch.full((G * m, n), SENTINEL, dtype=BF16)
+            dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, ends, use_psum_layout=True)
+            d_nn = torch.full((G * m, n), SENTINEL, dtype=BF16)
+            b_kn = b.transpose(1, 2).contiguous()
+            dg.m_grouped_bf16_gemm_nn_contiguous(a, b_kn, d_nn, ends, use_psum_layout=True)
+            d_mask = torch.full((G, m, n), SENTINEL, dtype=BF16)
+            dg.m_grouped_bf16_gemm_nt_masked(a.view(G, m, k), b, d_mask, torch.full((G,), m, dtype=torch.int32), m)
+            for grp in range(G):
+                ref = a[grp * m:(grp + 1) * m].double() @ b[grp].double().T
+                assert close_to(d[grp * m:(grp + 1) * m], ref), (step, grp)
+                assert close_to(d_nn[grp * m:(grp + 1) * m], ref), (step, grp)
+                assert close_to(d_mask[grp], ref), (step, grp)
+            if gg._PACKING:
+                assert any(key[0] == "onednn_packed" for key in q._cache), "no packed weights cached"
+            b[1].neg_()  # in place: the next round must multiply by the new values
+    finally:
+        dg.set_mk_alignment_for_contiguous_layout(old)
+    # fp8 weights: the packed entry is keyed on the cached dequantized copy; clearing drops both
+    w = torch.randn(2, n, 128, generator=g)
+    bq = dg.per_block_cast_to_fp8(w, True)
+    aq = dg.per_token_cast_to_fp8(torch.randn(2, 4, 128, generator=g), True, 128, True)
+    d1 = torch.zeros(2, 4, n, dtype=BF16)
+    dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d1, torch.tensor([4, 4], dtype=torch.int32), 4)
+    dg.clear_dequantized_weight_cache()
+    assert len(q._cache) == 0
+    d2 = torch.zeros(2, 4, n, dtype=BF16)
+    dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d2, torch.tensor([4, 4], dtype=torch.int32), 4)
+    assert torch.equal(d1, d2)
+    dg.clear_dequantized_weight_cache()
+
+
 def test_fp8_hand_case():
     # A: ones with scale 2^-3 (UE8M0 byte 124); B: ones with scale 2^1 -> 128 * 2^-3 * 2 = 32
     a_data = torch.ones(1, 128).to(E4M3)

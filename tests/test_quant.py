@@ -365,6 +365,45 @@ def test_transform_sf_into_required_layout():
         dg.transform_sf_into_required_layout(sf, 3, 256, (1, 32))
 
 
+def test_e4m3_ue8m0_round_trip_in_float32_matches_the_codec_bit_for_bit():
+    """MegaMoE's activation requantisation rounds in float32 (add and subtract a power of two) instead of
+    casting to e4m3 codes and back: every e4m3 value, every midpoint between neighbours (ties to even) and
+    the floats either side of it, at scales from 2^-120 to 2^90, both signs, signed zeros and float32
+    subnormals give torch's own cast's bits; NaN, inf and |x| >= 2^100 are declined, x untouched."""
+    from deepep_ascend import quant as q
+
+    def by_torch(x):  # reference.py's formula: torch's native e4m3 cast
+        grp = x.view(x.size(0), -1, 32)
+        amax = grp.abs().amax(-1).clamp(min=1e-4).double()
+        s = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0))).float().unsqueeze(-1)
+        return ((grp / s).clamp(-448, 448).to(E4M3).float() * s).view_as(x)
+
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    vals = torch.sort(vals[torch.isfinite(vals)].unique()).values
+    mids = (vals[1:] + vals[:-1]) / 2
+    base = torch.cat([vals, mids, torch.nextafter(mids, torch.tensor(1e9)),
+                      torch.nextafter(mids, torch.tensor(-1e9))])
+    base = torch.cat([base, torch.zeros((-base.numel()) % 31)]).view(-1, 31)
+    checked = 0
+    for e in (-120, -30, -7, 0, 3, 17, 90):
+        for sign in (1.0, -1.0):
+            x = torch.cat([torch.full((base.size(0), 1), 448.0), base * sign], 1) * 2.0**e  # amax = 448 * 2^e
+            x[0, 5], x[1, 7] = -0.0, 2.0**-140 * sign  # a signed zero, a float32 subnormal
+            got = x.clone()
+            assert q._e4m3_ue8m0_round_trip_(got, 32)
+            assert torch.equal(got.view(torch.int32), by_torch(x).view(torch.int32)), (e, sign)
+            checked += x.numel()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * 2.0 ** torch.randint(-40, 40, (64, 1), generator=g).float()
+    got = x.clone()
+    assert q._e4m3_ue8m0_round_trip_(got, 32) and torch.equal(got.view(torch.int32), by_torch(x).view(torch.int32))
+    assert checked > 10000
+    for bad in (float("nan"), float("inf"), 2.0**100):
+        x = torch.ones(2, 64)
+        x[1, 3] = bad
+        assert not q._e4m3_ue8m0_round_trip_(x, 32) and x[0].eq(1).all()
+
+
 def test_dequantized_weight_cache_identity_and_version():
     w = torch.ones(2, 4, 128)
     data, sf = dg.per_token_cast_to_fp8(w, True, 128)
