@@ -242,14 +242,21 @@ _PACKING = bool(_REORDER is not None and _LINEAR is not None and torch.backends.
                 and native_bf16())
 
 
-def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
-    """Per-group oneDNN-packed copies of bf16 weights ``b_nk [G, N, K]`` (any strides), cached by the
-    identity and version of ``key`` (the tensor ``b_nk`` derives from); ``None`` where packing is
-    unavailable (no native bf16, no oneDNN) or ``b_nk`` is not bf16."""
+def _pack_groups(b_nk: torch.Tensor):
+    """Per-group oneDNN-packed copies of bf16 weights ``b_nk [G, N, K]`` (any strides; each packed
+    tensor reports the shape ``[N, K]``), or ``None`` where packing is unavailable (no native bf16,
+    no oneDNN) or ``b_nk`` is not bf16."""
     if not _PACKING or b_nk.dtype != BF16:
         return None
-    return _q._cached_by_tensors(("onednn_packed", tag), (key,),
-                                 lambda: tuple(_REORDER(b_nk[g], None) for g in range(b_nk.size(0))))
+    return tuple(_REORDER(b_nk[g], None) for g in range(b_nk.size(0)))
+
+
+def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
+    """:func:`_pack_groups` of ``b_nk``, cached by the identity and version of ``key`` (the tensor
+    ``b_nk`` derives from)."""
+    if not _PACKING or b_nk.dtype != BF16:
+        return None
+    return _q._cached_by_tensors(("onednn_packed", tag), (key,), lambda: _pack_groups(b_nk))
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor, packed, g: int) -> torch.Tensor:

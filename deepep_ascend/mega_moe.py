@@ -95,8 +95,9 @@ from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
 from .grouped_gemm import (
     get_mk_alignment_for_contiguous_layout,
+    _matmul_bf16_out,
     _mm_group,
-    _packed_weights,
+    _pack_groups,
     m_grouped_bf16_gemm_nt_contiguous,
     native_bf16,
 )
@@ -172,19 +173,22 @@ def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_
     return _expert_gemm(engine, a, w, [0] + list(ends))
 
 
-def _expert_gemm(engine: str, a: torch.Tensor, w: torch.Tensor, bounds: list, packed=None) -> torch.Tensor:
+def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
     """``d [n, N]`` bf16: rows ``bounds[g]:bounds[g+1]`` of ``a [n, K]`` (sorted by expert, no padding rows)
-    times ``w[g].T`` (``w [G, N, K]``), float32 accumulation, one bf16 rounding. ``bf16`` engine: bf16
-    operands, on ``packed[g]`` (oneDNN-packed ``w[g]``, :func:`~deepep_ascend.grouped_gemm._packed_weights`)
-    when given; ``fp32``: one float32 matmul per group on the same bf16 values (``a`` bf16 or float32 holding
-    bf16 values, ``w`` float32)."""
+    times ``w[g].T``, float32 accumulation, one bf16 rounding. ``w``: ``[G, N, K]``, or (``bf16`` engine) a
+    tuple of ``G`` oneDNN-packed ``[N, K]`` weights (:func:`~deepep_ascend.grouped_gemm._pack_groups`).
+    ``bf16`` engine: bf16 operands; ``fp32``: one float32 matmul per group on the same bf16 values (``a``
+    bf16 or float32 holding bf16 values, ``w`` float32)."""
     n = a.size(0)
     if engine == "bf16":
-        d = torch.empty(n, w.size(1), dtype=BF16)
+        d = torch.empty(n, w[0].size(0) if isinstance(w, tuple) else w.size(1), dtype=BF16)
         for g in range(len(bounds) - 1):
             s, e = bounds[g], bounds[g + 1]
             if e > s:
-                d[s:e] = _mm_group(a[s:e], w[g].t(), packed, g)
+                if isinstance(w, tuple):
+                    d[s:e] = _mm_group(a[s:e], None, w, g)
+                else:
+                    d[s:e] = _matmul_bf16_out(a[s:e], w[g].t())
         return d
     af = a.float()
     df = torch.empty(n, w.size(1), dtype=torch.float32)
@@ -446,8 +450,10 @@ def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "sw
 
 def _untransformed(kind: str, l1, l2, engine: str):
     """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
-    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); cached by identity and version of the
-    transformed tensors (:func:`deepep_ascend.quant._cached_by_tensors`)."""
+    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where oneDNN can pack
+    them, each is instead the tuple of its experts' packed copies (:func:`~deepep_ascend.grouped_gemm._pack_groups`;
+    one copy of the weights is cached, not two). Cached by identity and version of the transformed tensors
+    (:func:`deepep_ascend.quant._cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
 
     def build():
@@ -464,7 +470,10 @@ def _untransformed(kind: str, l1, l2, engine: str):
             w1 = _q._dequantize_operand(d1.index_select(-2, inv), s1_nat.contiguous(), 1, _SF_GRAN,
                                         "l1_weights").to(BF16)
             w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
-        return (w1, w2) if engine == "bf16" else (w1.float(), w2.float())
+        if engine != "bf16":
+            return w1.float(), w2.float()
+        packed1, packed2 = _pack_groups(w1), _pack_groups(w2)
+        return (w1, w2) if packed1 is None else (packed1, packed2)
 
     return _q._cached_by_tensors(("mega_moe_untransformed", kind, engine), tensors, build)
 
@@ -771,8 +780,6 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         return rec
 
     op_dtype = _operand_dtype(engine)
-    packed1 = _packed_weights(w1, w1, "nt") if engine == "bf16" else None
-    packed2 = _packed_weights(w2, w2, "nt") if engine == "bf16" else None
     pending = []  # (wave, combined, event)
 
     def compute_l1(w, recv):
@@ -786,7 +793,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
         rows = recv_x.index_select(0, order)
         xs = rows.to(op_dtype) if kind == "bf16" else _dequant_x(kind, rows[:, :h].view(FP8), rows[:, h:], op_dtype)
-        hh = _expert_gemm(engine, xs, w1[e0:e0 + ne], bounds, packed1 and packed1[e0:e0 + ne])
+        hh = _expert_gemm(engine, xs, w1[e0:e0 + ne], bounds)
         return dict(n=n, order=order, bounds=bounds, e0=e0, ne=ne, h=hh, ws=recv_w[:, 0].index_select(0, order))
 
     def compute_act(st):
@@ -794,7 +801,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
 
     def compute_l2(st):
         e0, ne = st["e0"], st["ne"]
-        o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"], packed2 and packed2[e0:e0 + ne])
+        o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"])
         return torch.empty(st["n"], h, dtype=BF16).index_copy_(0, st["order"], o)  # back to the handle's order
 
     def timed(stage, w, fn, *args):

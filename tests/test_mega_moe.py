@@ -200,6 +200,31 @@ def test_fused_equals_unfused_and_repeatable(env, comm, kind):
                  and torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16)), "fused == unfused == rerun")
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_weights_written_in_place_are_seen_by_the_next_call(env, comm, kind):
+    """The op caches un-transformed (and oneDNN-packed) weights by tensor identity and version: negating
+    the L1 weights in place between two calls must change y to the reference of the negated weights."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, 0)
+    w, (r1, r2) = _weights(kind, buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=13)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, buf.num_local_experts))
+    t = _fill(kind, buf, seed=4, rank=rank, size=size)
+    xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
+    tol = 1e-6 if kind == "bf16" else 1e-5
+    ys = []
+    for w1_ref in (r1, -r1):
+        y = torch.empty(t, buf.hidden, dtype=BF16)
+        coll(_call, kind, y, l1, l2, buf, None, what="mega_moe")
+        exp = ref_mega_moe(xs, sfs, idxs, wts, w1_ref, r2, ranks=[rank])[rank]
+        all_ranks_ok(comm, mega_calc_diff(y.float(), exp.float()) < tol, f"{kind}: y vs the reference")
+        ys.append(y)
+        if kind == "bf16":
+            l1.neg_()
+        else:
+            l1[0].bitwise_xor_(-0x78)  # 0x88: the sign bit of both FP4 nibbles of every byte
+    all_ranks_ok(comm, t == 0 or not torch.equal(ys[0], ys[1]), f"{kind}: the second call used the new weights")
+
+
 def test_overlap_structure(env, comm):
     """Trace order of a 4-wave call: the worker has wave w+1's dispatch in flight during wave w's SwiGLU/L2 and
     combine(w) queued before L1(w+1) starts; every worker marker fired."""
