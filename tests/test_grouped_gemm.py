@@ -341,3 +341,13 @@ def test_bad_inputs_raise_clear_errors(alignment):
     with pytest.raises(ValueError, match="disagrees"):
         dg.k_grouped_bf16_gemm_tn_contiguous(
             a, a, torch.zeros(1, 2, 2), [8], torch.tensor([4], dtype=torch.int32))
+
+
+def test_grouped_gemm_benchmark_checks_products(capsys):
+    """``python -m bench.grouped_gemm`` (the figures in the README's MegaMoE section) checks its variants'
+    products against a float64 reference."""
+    from bench import grouped_gemm
+
+    assert grouped_gemm.main(["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "[check]" in out and "ok" in out.split("[check]")[1]

@@ -1,0 +1,106 @@
+"""Where a grouped bf16 GEMM's time goes, against one plain matmul of the same total shape.
+
+    python -m bench.grouped_gemm [--groups 24] [--rows 3072] [--k 1024] [--n 1024] [--iters 15]
+
+One process, one thread. ``rows`` rows are spread over ``groups`` groups by random routing (the
+received pairs of one rank of ``bench.mega_moe``'s ``cpu-pro-mini`` preset at 4 ranks, L1 shape by
+default). Timed interleaved in every iteration, median over iterations:
+
+* ``plain``: ``[rows, k] @ [k, n]``, one weight matrix (the target's reference);
+* ``grouped, public``: :func:`deepep_ascend.m_grouped_bf16_gemm_nt_contiguous` on the psum layout
+  aligned to 128 rows per group (what the unfused MegaMoE sequence calls);
+* ``per group, matmul``: one ``torch.matmul`` per group on rows sorted by group (no padding): each
+  call re-packs its weight for oneDNN;
+* ``per group, packed``: the same on weights packed once (what the library does with native bf16);
+* ``per group, packed, one weight``: the same calls, every group on the first group's packed weight,
+  which stays in cache: the difference to ``packed`` is the cost of streaming ``groups`` weights;
+* ``copy of the weights``: one read and one write of all ``groups`` weights.
+
+Prints each time and ``plain / time`` (the target of issue 5: grouped >= 0.70 of plain), and checks that
+the grouped variants' products lie within bf16 rounding of a float64 reference (exit code 1 if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import deepep_ascend as dea
+from bench import common as C
+from deepep_ascend import grouped_gemm as gg
+from deepep_ascend import mega_moe as mm
+
+BF16 = torch.bfloat16
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.grouped_gemm", description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=C.int_at_least(1), default=24)
+    ap.add_argument("--rows", type=C.int_at_least(1), default=3072)
+    ap.add_argument("--k", type=C.int_at_least(1), default=1024)
+    ap.add_argument("--n", type=C.int_at_least(1), default=1024)
+    ap.add_argument("--iters", type=C.int_at_least(3), default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    G, M, K, N = args.groups, args.rows, args.k, args.n
+    counts = torch.bincount(torch.randint(0, G, (M,), generator=g), minlength=G)
+    bounds = [0] + counts.cumsum(0).tolist()
+    align = dea.get_mk_alignment_for_contiguous_layout()
+    ends, starts, end = [], [], 0
+    for c in counts.tolist():
+        starts.append(-(-end // align) * align)
+        end = starts[-1] + c
+        ends.append(end)
+    x = torch.randn(M, K, generator=g).to(BF16)
+    w = torch.randn(G, N, K, generator=g).to(BF16)
+    w_plain = torch.randn(N, K, generator=g).to(BF16)
+    pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])  # x's rows in the padded layout
+    a_padded = torch.zeros(end, K, dtype=BF16).index_copy_(0, pos, x)
+    d_padded = torch.empty(end, N, dtype=BF16)
+    ends_t = torch.tensor(ends, dtype=torch.int32)
+    packed = gg._pack_groups(w)
+    w_copy = torch.empty_like(w)
+
+    systems = {
+        "plain": lambda: torch.matmul(x, w_plain.t()),
+        "grouped, public": lambda: dea.m_grouped_bf16_gemm_nt_contiguous(a_padded, w, d_padded, ends_t,
+                                                                         use_psum_layout=True),
+        "per group, matmul": lambda: mm._expert_gemm("bf16", x, w, bounds),
+    }
+    if packed is not None:
+        one = (packed[0],) * G
+        systems["per group, packed"] = lambda: mm._expert_gemm("bf16", x, packed, bounds)
+        systems["per group, packed, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
+    systems["copy of the weights"] = lambda: w_copy.copy_(w)
+    times = {k: [] for k in systems}
+    for _ in range(args.iters + 1):  # the first round warms up (packs the public call's weights)
+        for name, fn in systems.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    # every grouped variant gives the same products (float32 accumulation, bf16 rounding; oneDNN's order may
+    # differ from torch.matmul's, so within a bf16 ulp of a float64 reference rather than bitwise)
+    ref = torch.cat([x[s:e].double() @ w[i].double().t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    outs = {"grouped, public": d_padded.index_select(0, pos), "per group, matmul": systems["per group, matmul"]()}
+    if packed is not None:
+        outs["per group, packed"] = systems["per group, packed"]()
+    scale = ref.abs().max().item() if ref.numel() else 1.0
+    ok = all(bool(((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * scale).all()) for o in outs.values())
+    print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
+          f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB "
+          f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing "
+          f"{'available' if packed is not None else 'unavailable (no native bf16): packed rows skipped'}")
+    for name, t in med.items():
+        ratio = "" if name in ("plain", "copy of the weights") else f"   plain / this {med['plain'] / t:.2f}"
+        print(f"[time] {name:<31} {t:9.3f} ms{ratio}")
+    print(f"[check] {', '.join(outs)} within bf16 rounding of a float64 reference: {'ok' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
