@@ -251,12 +251,32 @@ def _pack_groups(b_nk: torch.Tensor):
     return tuple(_REORDER(b_nk[g], None) for g in range(b_nk.size(0)))
 
 
+class _LazyPacked:
+    """oneDNN-packed copies of the groups of bf16 weights ``b_nk [G, N, K]``, each packed on first use
+    (a masked call with few active groups, or a first call, packs only what it multiplies: what a
+    matmul would reorder anyway). Packing the same group twice from two threads is harmless."""
+
+    def __init__(self, b_nk: torch.Tensor):
+        self.b_nk = b_nk
+        self.groups = [None] * b_nk.size(0)
+
+    def __getitem__(self, g: int) -> torch.Tensor:
+        p = self.groups[g]
+        if p is None:
+            with torch.no_grad():
+                p = self.groups[g] = _REORDER(self.b_nk[g], None)
+        return p
+
+
 def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
-    """:func:`_pack_groups` of ``b_nk``, cached by the identity and version of ``key`` (the tensor
-    ``b_nk`` derives from)."""
-    if not _PACKING or b_nk.dtype != BF16:
+    """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of ``key`` (the tensor
+    ``b_nk`` derives from); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk``
+    is not bf16, the cache cannot hold it (caches disabled, an inference tensor: packing on every call
+    would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
+    every step, possibly through ``.data``, which no version counter sees)."""
+    if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
         return None
-    return _q._cached_by_tensors(("onednn_packed", tag), (key,), lambda: _pack_groups(b_nk))
+    return _q._cached_by_tensors(("onednn_packed", tag), (key,), lambda: _LazyPacked(b_nk.detach()))
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor, packed, g: int) -> torch.Tensor:
@@ -332,6 +352,8 @@ class _Operands:
         """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
         where available (:func:`_packed_weights`)."""
         w_t = self.weight_t(g)
+        if torch.is_grad_enabled() and (x.requires_grad or w_t.requires_grad):
+            return _matmul_bf16_out(x, w_t)  # oneDNN's packed inner product has no autograd
         if self._packed is False:
             src = self._b_deq if self.fp8 else self.b_t
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)

@@ -451,9 +451,9 @@ def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "sw
 def _untransformed(kind: str, l1, l2, engine: str):
     """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
     stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where oneDNN can pack
-    them, each is instead the tuple of its experts' packed copies (:func:`~deepep_ascend.grouped_gemm._pack_groups`;
-    one copy of the weights is cached, not two). Cached by identity and version of the transformed tensors
-    (:func:`deepep_ascend.quant._cached_by_tensors`)."""
+    them and the cache holds them, each is instead the tuple of its experts' packed copies
+    (:func:`~deepep_ascend.grouped_gemm._pack_groups`; one copy of the weights is cached, not two). Cached by
+    identity and version of the transformed tensors (:func:`deepep_ascend.quant._cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
 
     def build():
@@ -472,6 +472,8 @@ def _untransformed(kind: str, l1, l2, engine: str):
             w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
         if engine != "bf16":
             return w1.float(), w2.float()
+        if not _q._cacheable(tensors):  # packing on every call would cost more than the matmuls' own reorders
+            return w1, w2
         packed1, packed2 = _pack_groups(w1), _pack_groups(w2)
         return (w1, w2) if packed1 is None else (packed1, packed2)
 

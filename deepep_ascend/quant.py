@@ -885,46 +885,74 @@ def clear_dequantized_weight_cache() -> None:
     del entries  # the cached tensors die here, outside the lock
 
 
+def _cacheable(tensors) -> bool:
+    """Whether :func:`_cached_by_tensors` can cache on ``tensors``: the caches are enabled and no tensor
+    is an inference tensor (those have no version counter to tell an in-place write)."""
+    return _cache_enabled and not any(t.is_inference() for t in tensors)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """``(base, key)``: a view is keyed by its base tensor (whose version counter it shares) and its
+    geometry, so a fresh view of the same weights each call (``w[layer]``) still hits."""
+    base = t._base if t._base is not None else t
+    return base, (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+_watched: set = set()  # ids of the base tensors with a finalizer registered (one per tensor)
+
+
 def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     """``build()``, cached while every tensor of ``tensors`` lives with its current version counter.
 
-    The key is ``tag`` plus the tensors' identities: an in-place write to any of them (or to a
-    view sharing its version counter) invalidates the entry, and an entry dies with its tensors.
-    At most :data:`_CACHE_MAX_ENTRIES` entries, least recently used dropped first; with the cache
-    disabled (:func:`set_dequantized_weight_cache`) every call builds.
+    The key is ``tag`` plus each tensor's base identity and view geometry: an in-place write
+    through any view sharing a tensor's version counter invalidates the entry, and entries die
+    with their base tensors. Writes that bypass the version counter (``.data``, numpy or DLPack
+    aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). At
+    most :data:`_CACHE_MAX_ENTRIES` entries, least recently used dropped first; ``build`` runs
+    without autograd (a cached value must not hold a graph, which would keep its keys alive). With
+    the caches disabled (:func:`set_dequantized_weight_cache`) or an inference tensor among
+    ``tensors``, every call builds.
     """
-    if not _cache_enabled:
-        return build()
-    key = tag + tuple(id(t) for t in tensors)
+    if not _cacheable(tensors):
+        with torch.no_grad():
+            return build()
+    bases, keys = zip(*(_tensor_key(t) for t in tensors))
+    key = tag + keys
     versions = tuple(t._version for t in tensors)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
             refs, vers, out = hit
-            if vers == versions and all(r() is t for r, t in zip(refs, tensors)):
+            if vers == versions and all(r() is b for r, b in zip(refs, bases)):
                 _cache.move_to_end(key)
                 return out
             del _cache[key]
     hit = None  # a stale entry's tensors die here, outside the lock
-    out = build()
+    with torch.no_grad():
+        out = build()
     evicted = []
     with _cache_lock:
-        _cache[key] = (tuple(weakref.ref(t) for t in tensors), versions, out)
-        while len(_cache) > _CACHE_MAX_ENTRIES:
-            evicted.append(_cache.popitem(last=False))
+        if _cache_enabled:  # not switched off while building
+            _cache[key] = (tuple(weakref.ref(b) for b in bases), versions, out)
+            while len(_cache) > _CACHE_MAX_ENTRIES:
+                evicted.append(_cache.popitem(last=False))
+            new = [b for b in bases if id(b) not in _watched]
+            _watched.update(id(b) for b in new)
+        else:
+            new = []
     del evicted
-    for t in tensors:
-        weakref.finalize(t, _drop, key)
+    for b in new:
+        weakref.finalize(b, _forget, id(b))
     return out
 
 
-def _drop(key) -> None:
-    entry = None
+def _forget(base_id: int) -> None:
+    """A base tensor died: drop the entries keyed on it (their values are released outside the lock)."""
     with _cache_lock:
-        entry = _cache.get(key)
-        if entry is not None and any(r() is None for r in entry[0]):
-            del _cache[key]
-    del entry
+        _watched.discard(base_id)
+        dead = [k for k, (refs, _v, _o) in _cache.items() if any(r() is None for r in refs)]
+        entries = [_cache.pop(k) for k in dead]
+    del entries
 
 
 def dequantize_weights(

@@ -162,6 +162,82 @@ def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
     dg.clear_dequantized_weight_cache()
 
 
+def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
+    """Review findings on the packed-weight cache: weights made under ``torch.inference_mode()`` (no version
+    counter) work inside and outside it; weights that require grad take ``torch.matmul`` (gradients flow, and
+    nothing cached keeps a dropped Parameter alive); a fresh view of the same weights per call (``w[layer]``)
+    hits one entry; repeated in-place updates register one finalizer per weight, not one per rebuild."""
+    import gc
+
+    from deepep_ascend import quant as q
+
+    dg.clear_dequantized_weight_cache()
+    g = torch.Generator().manual_seed(4)
+    G, m, n, k = 2, 3, 16, 32
+    a = torch.randn(G, m, k, generator=g).to(BF16)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+
+    def ref(b):
+        return torch.stack([a[i].double() @ b[i].double().T for i in range(G)])
+
+    with torch.inference_mode():
+        b_inf = torch.randn(G, n, k).to(BF16)
+        d = torch.zeros(G, m, n, dtype=BF16)
+        dg.m_grouped_bf16_gemm_nt_masked(a, b_inf, d, masked_m, m)
+    assert close_to(d, ref(b_inf))
+    d2 = torch.zeros(G, m, n, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(a, b_inf, d2, masked_m, m)
+    assert close_to(d2, ref(b_inf))
+
+    p = torch.nn.Parameter(torch.randn(G, n, k, generator=g).to(BF16))
+    x = a.clone().requires_grad_(True)
+    d = torch.zeros(G, m, n, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(x, p, d, masked_m, m)
+    d.float().sum().backward()
+    assert p.grad is not None and x.grad is not None
+    want = torch.ones(G, m, n, dtype=torch.float64)
+    assert torch.allclose(x.grad.double(), want @ p.detach().double(), rtol=2**-7, atol=1e-2)
+    b_fixed = torch.randn(G, n, k, generator=g).to(BF16)  # no grad: packed where possible, but x needs its grad
+    x2 = a.clone().requires_grad_(True)
+    d = torch.zeros(G, m, n, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(x2, b_fixed, d, masked_m, m)
+    d.float().sum().backward()
+    assert x2.grad is not None and torch.allclose(x2.grad.double(), want @ b_fixed.double(), rtol=2**-7, atol=1e-2)
+    ref_p = weakref_to(p)
+    del p, x, d
+    gc.collect()
+    assert ref_p() is None, "a dropped Parameter is kept alive by the cache"
+
+    w = torch.randn(4, G, n, k, generator=g).to(BF16)
+    for _ in range(3):
+        for layer in range(4):
+            dg.m_grouped_bf16_gemm_nt_masked(a, w[layer], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+    packed_keys = [key for key in q._cache if key[0] == "onednn_packed"]
+    assert len(packed_keys) == (4 if gg_packing() else 0), packed_keys
+
+    b = torch.randn(G, n, k, generator=g).to(BF16)
+    watched = len(q._watched)
+    for _ in range(20):
+        b.add_(1.0)
+        d = torch.zeros(G, m, n, dtype=BF16)
+        dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m)
+    assert close_to(d, ref(b))
+    assert len(q._watched) <= watched + 1
+    dg.clear_dequantized_weight_cache()
+
+
+def weakref_to(t):
+    import weakref
+
+    return weakref.ref(t)
+
+
+def gg_packing() -> bool:
+    from deepep_ascend import grouped_gemm as gg
+
+    return gg._PACKING
+
+
 def test_fp8_hand_case():
     # A: ones with scale 2^-3 (UE8M0 byte 124); B: ones with scale 2^1 -> 128 * 2^-3 * 2 = 32
     a_data = torch.ones(1, 128).to(E4M3)
