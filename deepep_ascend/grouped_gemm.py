@@ -17,10 +17,13 @@ Weights (B) are dequantized once and cached by tensor identity and version
 Prepacked weights. Where the CPU multiplies bf16 natively (AMX, AVX512-BF16) the m-grouped bf16
 products run on oneDNN's inner product with each group's weight packed once into oneDNN's blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's
-inductor uses for frozen linear weights), cached like the dequantized weights: by the identity and
-version counter of ``b`` (or of its cached dequantized copy), so an in-place write to ``b`` is seen
-by the next call; :func:`deepep_ascend.set_dequantized_weight_cache` switches every weight cache. A
-plain bf16 matmul reorders its weight on every call, which for ~128 rows per group cost about as
+inductor uses for frozen linear weights), each group on first use, cached like the dequantized
+weights: by the identity (a view: its base and geometry) and version counter of ``b`` (or of its
+cached dequantized copy), so an in-place write to ``b`` is seen by the next call; writes that bypass
+the version counter (``.data``, numpy) are not, clear the cache after them.
+:func:`deepep_ascend.set_dequantized_weight_cache` switches every weight cache. Weights that require
+grad, inference tensors, disabled caches and calls autograd records multiply with ``torch.matmul``.
+A plain bf16 matmul reorders its weight on every call, which for ~128 rows per group cost about as
 much as the multiply. Same float32 accumulation; the summation order inside oneDNN's kernels may
 differ from ``torch.matmul``'s (at ``M = 1`` it does), so results agree to bf16 rounding, not
 always bit for bit.
