@@ -23,13 +23,12 @@ the grouped variants' products lie within bf16 rounding of a float64 reference (
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import deepep_ascend as dea
 from bench import common as C
+from bench.alloc import _interleaved_medians_ms
 from deepep_ascend import grouped_gemm as gg
 from deepep_ascend import mega_moe as mm
 
@@ -76,13 +75,8 @@ def main(argv=None) -> int:
         systems["per group, packed"] = lambda: mm._expert_gemm("bf16", x, packed, bounds)
         systems["per group, packed, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
     systems["copy of the weights"] = lambda: w_copy.copy_(w)
-    times = {k: [] for k in systems}
-    for _ in range(args.iters + 1):  # the first round warms up (packs the public call's weights)
-        for name, fn in systems.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    # one warm-up call each (it packs the public call's weights), then interleaved
+    med = dict(zip(systems, _interleaved_medians_ms(list(systems.values()), args.iters)))
     # every grouped variant gives the same products (float32 accumulation, bf16 rounding; oneDNN's order may
     # differ from torch.matmul's, so within a bf16 ulp of a float64 reference rather than bitwise)
     ref = torch.cat([x[s:e].double() @ w[i].double().t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])

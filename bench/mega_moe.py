@@ -148,6 +148,23 @@ def fill_inputs(args, buf, rank):
     buf.topk_weights[:t] = torch.rand(t, args.topk, generator=g)
 
 
+def _layout_alignment(engine: str) -> int:
+    """Row alignment of each expert's group: the grouped GEMM's (``bf16``) or 1 (``fp32``: no padding rows)."""
+    return dea.get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
+
+
+def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
+    """``d [M, N]`` bf16 of the m-grouped contiguous psum layout (group g: rows from
+    ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``: the public
+    :func:`deepep_ascend.m_grouped_bf16_gemm_nt_contiguous` (``bf16`` engine), or one float32 matmul
+    per group (``fp32``: alignment 1, no padding rows). Padding rows are unspecified."""
+    if engine == "bf16":
+        d = torch.empty(a.size(0), w.size(1), dtype=BF16)
+        dea.m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
+        return d
+    return M._expert_gemm(engine, a, w, [0] + list(ends))
+
+
 class Unfused:
     """The stage-by-stage sequence from public ops (see module docstring); ``stages`` in order."""
 
@@ -210,7 +227,7 @@ class Unfused:
         cnt = torch.bincount(flat[flat >= 0], minlength=el).tolist()
         order = torch.argsort(flat, stable=True)[flat.numel() - sum(cnt):]
         rows = torch.div(order, k, rounding_mode="floor")
-        align = M._layout_alignment(self.engine)  # the grouped GEMM's alignment, or 1 for the fp32 engine
+        align = _layout_alignment(self.engine)  # the grouped GEMM's alignment, or 1 for the fp32 engine
         starts, ends, end = [], [], 0
         for c in cnt:
             s = -(-end // align) * align
@@ -228,7 +245,7 @@ class Unfused:
         else:
             a = rx
         ends_t = torch.tensor(ends, dtype=torch.int32)
-        hh = M._grouped_nt(self.engine, a, self.w1, ends, ends_t)
+        hh = _grouped_nt(self.engine, a, self.w1, ends, ends_t)
         st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, padded=padded, a1=a,
                   hh=hh.index_select(0, pos) if padded else hh,
                   w=st["rw"].reshape(-1).index_select(0, order))
@@ -244,7 +261,7 @@ class Unfused:
         else:
             a2 = st["a"]
         st["a2"] = a2
-        o = M._grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])
+        o = _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])
         o = o.index_select(0, st["pos"]) if st["padded"] else o
         part = torch.zeros(st["rx"].size(0), self.h).index_add_(0, st["rows"], o.float())
         st["part"] = part.to(BF16)
@@ -270,8 +287,8 @@ class Unfused:
         """The grouped GEMM calls alone, on the layouts of the last run (operands in the engine's dtype)."""
         st, dt = self.st, M._operand_dtype(self.engine)
         a1, a2 = st["a1"].to(dt), st["a2"].to(dt)
-        return {"gemm_l1": lambda: M._grouped_nt(self.engine, a1, self.w1, st["ends"], st["ends_t"]),
-                "gemm_l2": lambda: M._grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])}
+        return {"gemm_l1": lambda: _grouped_nt(self.engine, a1, self.w1, st["ends"], st["ends_t"]),
+                "gemm_l2": lambda: _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])}
 
     def stage_fns(self):
         return {"dispatch": self.dispatch, "l1": self.l1, "act": self.act, "l2": self.l2, "combine": self.combine,

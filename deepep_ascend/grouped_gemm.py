@@ -282,10 +282,12 @@ def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     return _q._cached_by_tensors(("onednn_packed", tag), (key,), lambda: _LazyPacked(b_nk.detach()))
 
 
-def _mm_group(x: torch.Tensor, w_t: torch.Tensor, packed, g: int) -> torch.Tensor:
+def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
     """bf16 ``x @ w_t`` (``w_t = B[g]`` as ``[K, N]``) with float32 accumulation, on the packed copy
-    ``packed[g]`` when there is one and ``x`` is bf16."""
-    if packed is not None and x.dtype == BF16:
+    ``packed[g]`` when there is one, ``x`` is bf16 and autograd does not record the call (oneDNN's
+    packed inner product has no backward; packed weights never require grad). ``w_t`` may be None
+    when ``packed`` is given and those hold."""
+    if packed is not None and x.dtype == BF16 and not (x.requires_grad and torch.is_grad_enabled()):
         return _LINEAR(x, packed[g], None, "none", [], "")
     return _matmul_bf16_out(x, w_t)
 
@@ -355,8 +357,6 @@ class _Operands:
         """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
         where available (:func:`_packed_weights`)."""
         w_t = self.weight_t(g)
-        if torch.is_grad_enabled() and (x.requires_grad or w_t.requires_grad):
-            return _matmul_bf16_out(x, w_t)  # oneDNN's packed inner product has no autograd
         if self._packed is False:
             src = self._b_deq if self.fp8 else self.b_t
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)

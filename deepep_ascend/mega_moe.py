@@ -39,8 +39,8 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    is never built; each expert's rows are one GEMM (:func:`_expert_gemm`).
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
    (un-transformed, for FP4 dequantized) weights cached by tensor identity and version, packed once
-   into oneDNN's blocked layout like the public grouped GEMMs' weights
-   (:func:`deepep_ascend.grouped_gemm._packed_weights`; switch for every weight cache:
+   into oneDNN's blocked layout where the CPU has native bf16 (only the packed copy is kept:
+   :func:`deepep_ascend.grouped_gemm._pack_groups`; switch for every weight cache:
    :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
    dequantized per row before L1 (exact in bf16; e4m3 decoded by :func:`deepep_ascend.e4m3_to_float`,
    and the float32 engine takes L1's and L2's inputs as float32 holding those bf16 values, with
@@ -94,11 +94,8 @@ import torch
 from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
 from .grouped_gemm import (
-    get_mk_alignment_for_contiguous_layout,
-    _matmul_bf16_out,
     _mm_group,
     _pack_groups,
-    m_grouped_bf16_gemm_nt_contiguous,
     native_bf16,
 )
 from .intranode import ConsensusError
@@ -151,26 +148,9 @@ def _dispatch_row_bytes(hidden: int, is_fp8: bool) -> int:
     return hidden + hidden // _SF_GRAN if is_fp8 else 2 * hidden
 
 
-def _layout_alignment(engine: str) -> int:
-    """Row alignment of each expert's group: the grouped GEMM's (``bf16``) or 1 (``fp32``: no padding rows)."""
-    return get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
-
-
 def _operand_dtype(engine: str) -> torch.dtype:
     """dtype of GEMM operands: bf16, or float32 holding bf16 values for the ``fp32`` engine (no round trip)."""
     return BF16 if engine == "bf16" else torch.float32
-
-
-def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
-    """``d [M, N]`` bf16 of the m-grouped contiguous psum layout: rows of group g (from
-    ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``. ``bf16``:
-    :func:`m_grouped_bf16_gemm_nt_contiguous`; ``fp32``: :func:`_expert_gemm` (alignment 1: no padding).
-    Padding rows are unspecified."""
-    if engine == "bf16":
-        d = torch.empty(a.size(0), w.size(1), dtype=BF16)
-        m_grouped_bf16_gemm_nt_contiguous(a, w, d, ends_t, use_psum_layout=True, ensure_zero_padding=False)
-        return d
-    return _expert_gemm(engine, a, w, [0] + list(ends))
 
 
 def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
@@ -181,14 +161,12 @@ def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
     bf16 or float32 holding bf16 values, ``w`` float32)."""
     n = a.size(0)
     if engine == "bf16":
-        d = torch.empty(n, w[0].size(0) if isinstance(w, tuple) else w.size(1), dtype=BF16)
+        packed = w if isinstance(w, tuple) else None
+        d = torch.empty(n, w[0].size(0) if packed else w.size(1), dtype=BF16)
         for g in range(len(bounds) - 1):
             s, e = bounds[g], bounds[g + 1]
             if e > s:
-                if isinstance(w, tuple):
-                    d[s:e] = _mm_group(a[s:e], None, w, g)
-                else:
-                    d[s:e] = _matmul_bf16_out(a[s:e], w[g].t())
+                d[s:e] = _mm_group(a[s:e], None if packed else w[g].t(), packed, g)
         return d
     af = a.float()
     df = torch.empty(n, w.size(1), dtype=torch.float32)

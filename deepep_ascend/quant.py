@@ -859,8 +859,8 @@ def _to_exact_bf16(x: torch.Tensor) -> torch.Tensor:
     return b if torch.equal(b.float(), x) else x
 
 
-# Re-entrant: dropping an entry can free a tensor that keys another entry, whose finalizer (_drop) takes the
-# lock again; values are also released after the lock where the code can arrange it.
+# Re-entrant: dropping an entry can free a tensor that keys another entry, whose finalizer (_forget) takes
+# the lock again; values are also released after the lock where the code can arrange it.
 _cache_lock = threading.RLock()
 _cache: collections.OrderedDict = collections.OrderedDict()
 _cache_enabled = True

@@ -168,7 +168,9 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     nothing cached keeps a dropped Parameter alive); a fresh view of the same weights per call (``w[layer]``)
     hits one entry; repeated in-place updates register one finalizer per weight, not one per rebuild."""
     import gc
+    import weakref
 
+    from deepep_ascend import grouped_gemm as gg
     from deepep_ascend import quant as q
 
     dg.clear_dequantized_weight_cache()
@@ -203,17 +205,18 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     dg.m_grouped_bf16_gemm_nt_masked(x2, b_fixed, d, masked_m, m)
     d.float().sum().backward()
     assert x2.grad is not None and torch.allclose(x2.grad.double(), want @ b_fixed.double(), rtol=2**-7, atol=1e-2)
-    ref_p = weakref_to(p)
+    ref_p = weakref.ref(p)
     del p, x, d
     gc.collect()
     assert ref_p() is None, "a dropped Parameter is kept alive by the cache"
 
+    dg.clear_dequantized_weight_cache()  # count only the entries of the views below
     w = torch.randn(4, G, n, k, generator=g).to(BF16)
     for _ in range(3):
         for layer in range(4):
             dg.m_grouped_bf16_gemm_nt_masked(a, w[layer], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
     packed_keys = [key for key in q._cache if key[0] == "onednn_packed"]
-    assert len(packed_keys) == (4 if gg_packing() else 0), packed_keys
+    assert len(packed_keys) == (4 if gg._PACKING else 0), packed_keys
 
     b = torch.randn(G, n, k, generator=g).to(BF16)
     watched = len(q._watched)
@@ -224,18 +227,6 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     assert close_to(d, ref(b))
     assert len(q._watched) <= watched + 1
     dg.clear_dequantized_weight_cache()
-
-
-def weakref_to(t):
-    import weakref
-
-    return weakref.ref(t)
-
-
-def gg_packing() -> bool:
-    from deepep_ascend import grouped_gemm as gg
-
-    return gg._PACKING
 
 
 def test_fp8_hand_case():
