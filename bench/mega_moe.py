@@ -7,8 +7,10 @@ Run one process per rank::
     mpiexec -n 2 python -m bench.mega_moe --tokens 256 --hidden 512 --inter 256 --experts 16 --json out.json
 
 Presets (mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test: top-6, one shared expert):
-``cpu-pro-mini`` E 96, K 6, H 1024, I 512, T 512 per rank; ``cpu-comm-heavy`` E 96, K 6, H 2048,
-I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0`` drops the shared
+``cpu-pro-mini`` E 96, K 6, H 1024, I 512, T 512 per rank (PR #316's batch 512: at 4 ranks, 128 rows
+per local expert); ``cpu-pro-batch`` the same shape at T 4096 (the test's default batch, 8192 tokens
+per rank at EP8 over 384 experts, is 1024 rows per expert; at 4 ranks over 96 experts so is T 4096);
+``cpu-comm-heavy`` E 96, K 6, H 2048, I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0`` drops the shared
 expert. Inputs: ``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing =
 top-k of random scores, weights ``rand``; expert weights random (fp8: random FP4 nibbles, UE8M0
 scales around 2^-5), from ``--seed``.
@@ -17,7 +19,9 @@ Systems, interleaved in every iteration on the same inputs:
 
 * ``fused``: :func:`deepep_ascend.fp8_fp4_mega_moe` / ``bf16_mega_moe`` (expert waves; the
   Buffer's worker moves wave w+1 and combines wave w-1 while the caller computes wave w);
-* ``serial``: the same call with ``overlap=False`` (same waves, synchronous communication);
+* ``serial``: the same call with ``overlap=False`` (same waves, synchronous communication); its own
+  stage times (``buf.last_trace.stage_times()``: l1, act, l2, shared, reduce, dispatch, combine) are
+  printed next to the unfused stages, to show where the fused call spends less;
 * ``unfused``: the sequence a user writes from the public ops, one stage after the other —
   ``Buffer.dispatch`` of tokens (DeepEP style, a token once per rank), expansion to the
   m-grouped contiguous psum layout, ``m_grouped_bf16_gemm_nt_contiguous`` (L1), SwiGLU × weight
@@ -64,6 +68,7 @@ CHECK_BOUND = 1e-3  # fused vs unfused calc_diff: one extra bf16 rounding is ~1e
 
 PRESETS = {
     "cpu-pro-mini": dict(experts=96, topk=6, hidden=1024, inter=512, tokens=512),
+    "cpu-pro-batch": dict(experts=96, topk=6, hidden=1024, inter=512, tokens=4096),
     "cpu-comm-heavy": dict(experts=96, topk=6, hidden=2048, inter=128, tokens=1024),
     "tiny": dict(experts=16, topk=4, hidden=256, inter=128, tokens=128),
 }
@@ -350,6 +355,7 @@ def main(argv=None) -> int:
     times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages
              + ("gemm_l1", "gemm_l2", "mm_l1", "mm_l2", "weights_copy") + tuple(wave_runs)}
     fractions, hidden_s, busy_s, waves = [], [], [], None
+    serial_stages = []  # per iteration: the serial call's own stage times (its trace), seconds
     engine = M.gemm_engine()
     mm_dtype = BF16 if engine == "bf16" else torch.float32  # the plain matmul the engine stands for
     mm_a1 = torch.randn(n_pairs_recv, args.hidden).to(mm_dtype)
@@ -378,6 +384,7 @@ def main(argv=None) -> int:
         ov = tr.overlap()
         waves = (tr.num_waves, tr.experts_per_wave)
         rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
+        serial_trace = buf.last_trace.stage_times()
         for label, epw in wave_runs.items():
             rec[label] = timed(label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
             waves_bitwise = waves_bitwise and bool(torch.equal(y_waves.view(torch.int16), y_fused.view(torch.int16)))
@@ -393,6 +400,7 @@ def main(argv=None) -> int:
             for k, v in rec.items():
                 times[k].append(v)
             fractions.append(ov["fraction"])
+            serial_stages.append(serial_trace)
             hidden_s.append(ov["hidden"])
             busy_s.append(ov["worker_busy"])
 
@@ -418,7 +426,10 @@ def main(argv=None) -> int:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
+    stage_names = sorted({k for st in serial_stages for k in st})
+    serial_med = {k: statistics.median(st.get(k, 0.0) for st in serial_stages) for k in stage_names}
     loc = dict(med=med, min=mins, fraction=statistics.median(fractions), hidden=statistics.median(hidden_s),
+               serial_stages=serial_med,
                busy=statistics.median(busy_s), pairs_recv=n_pairs_recv, pairs_self=n_pairs_self,
                pairs_sent=n_pairs_sent)
     allr = comm.gather(loc, root=0)
@@ -468,6 +479,11 @@ def main(argv=None) -> int:
     for s in Unfused.stages:
         out.append(line(f"  stage {s}", s))
     out.append(f"  {'Σ stages':<22} {sum_stage * 1e3:9.3f} ms (comm {t_comm * 1e3:.3f}, compute {t_comp * 1e3:.3f})")
+    names = [s for s in Unfused.stages if s in allr[0]["serial_stages"]]
+    names += [s for s in allr[0]["serial_stages"] if s not in names]  # the fused call's own: reduce
+    serial_stage_ms = {k: sum(r["serial_stages"].get(k, 0.0) for r in allr) / R for k in names}
+    out.append("  serial call's own stages (its trace; median, mean over ranks): " + ", ".join(
+        f"{k} {v * 1e3:.3f} ms" for k, v in serial_stage_ms.items()))
     mmn = "bf16" if M.gemm_engine() == "bf16" else "fp32"
     out.append(line(f"torch {mmn} mm L1 shape", "mm_l1"))
     out.append(line(f"torch {mmn} mm L2 shape", "mm_l2"))
@@ -520,7 +536,8 @@ def main(argv=None) -> int:
                    times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
                                 grouped_gemm=gemm_only, plain_mm=mm, weights_copy=t_wcopy,
                                 fused_by_waves={label: agg(label)[0] for label in wave_runs},
-                                sum_stages=sum_stage, comm_stages=t_comm),
+                                sum_stages=sum_stage, comm_stages=t_comm,
+                                stages={s: agg(s)[0] for s in Unfused.stages}, serial_call_stages=serial_stage_ms),
                    check=check,
                    bandwidth_GBps=dict(
                        formula="per pair: dispatch H*elem + scales + 4 B, combine 2H B; over t_fused (mean over ranks)",

@@ -151,7 +151,7 @@ def check_consensus(headers, op, call_id):
 
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None,
-                    clean=None, max_runs: int | None = None, bags: bool | None = None) -> None:
+                    clean=None, max_runs: int | None = None, bags: bool | None = None, disjoint: bool = True) -> None:
     """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
 
     ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
@@ -167,12 +167,14 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     ``bags``: :func:`_sum_by_bags` for two or more sources without bias (two: if the run-wise path
     declines) if None (the default) while a block of the scratch ``acc`` holds enough tokens, also
     for one source and smaller blocks if True, never if False (``bench.combine_sum`` times the
-    paths against each other).
+    paths against each other). ``disjoint``: :func:`_copy_disjoint` where no token has two rows
+    (False: never; the tests force each path this way).
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
     through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
     float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value);
+    sources that never share a token through :func:`_copy_disjoint` (one scatter per source);
     the others through :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
     The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
     from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
@@ -182,6 +184,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
     if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
+        return
+    if bias is None and disjoint and _copy_disjoint(out, sources, clean):
         return
     if bias is None and bags is not False and _sum_by_bags(out, sources, acc, force=bags is True):
         return
@@ -220,6 +224,33 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
         if signed_zero:
             blk.add_(0.0)
         out[a_t:b_t].copy_(blk)
+
+
+def _copy_disjoint(out, sources, clean) -> bool:
+    """:func:`accumulate_rows` without bias when no token has rows from two sources: each source's
+    rows are scattered into ``out`` (``index_copy_``), tokens without a row are zero, and one
+    ``+ 0.0`` pass turns ``-0.0`` into the reference's ``+0.0`` unless every source is clean. The
+    float32 sum of one row from ``+0.0`` is that row (up to the sign of zero), so the bits are the
+    chain's with no float32 pass: MegaMoE combines (token, expert) pairs this way, one row each.
+    Returns False (nothing written) when some token has two or more rows.
+    """
+    live = [(rows, tokens, cl) for (rows, tokens), cl in zip(sources, clean) if tokens.numel()]
+    m = out.size(0)
+    total = sum(tokens.numel() for _, tokens, _ in live)
+    if not live or total > m:
+        return False
+    cover = torch.zeros(m, dtype=torch.int8)
+    for _, tokens, _ in live:
+        cover.index_add_(0, tokens, torch.ones(1, dtype=torch.int8).expand(tokens.numel()))
+    if int(cover.max()) > 1:
+        return False
+    if total < m:
+        out.zero_()
+    for rows, tokens, _ in live:
+        out.index_copy_(0, tokens, rows)
+    if not all(cl for _, _, cl in live):
+        out.add_(0.0)
+    return True
 
 
 def two_source_run_limit(m: int, hidden: int) -> int:

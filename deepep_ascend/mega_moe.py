@@ -121,6 +121,7 @@ _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
 _MIN_EXACT_SF_BYTE = 3
+_REDUCE_BLOCK_BYTES = 1 << 20  # float32 accumulator block of the final sum over k: stays in L2
 
 
 def gemm_engine() -> str:
@@ -782,7 +783,12 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     def compute_l2(st):
         e0, ne = st["e0"], st["ne"]
         o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"])
-        return torch.empty(st["n"], h, dtype=BF16).index_copy_(0, st["order"], o)  # back to the handle's order
+        # Back to the handle's order by a gather with the inverse permutation: torch's CPU row gather is
+        # about twice as fast as the scatter (index_copy_) it replaces.
+        order = st["order"]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        return o.index_select(0, inverse)
 
     def timed(stage, w, fn, *args):
         s0 = now()
@@ -827,13 +833,19 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         slots = torch.zeros(t * k, h, dtype=BF16)
         for w, combined, _ev in pending:
             slots.index_copy_(0, waves[w][0], combined)
-    acc = torch.zeros(t, h, dtype=torch.float32)
+    # y = bf16(+0.0 + Σ_k slot + shared), float32, in blocks of tokens whose accumulator stays in
+    # cache: the same additions in the same order as one [t, H] float32 pass per term, ~1.5x faster.
     sv = slots.view(t, k, h)
-    for j in range(k):
-        acc += sv[:, j]
-    if shared_out is not None:
-        acc += shared_out
-    y.copy_(acc)
+    block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
+    acc = torch.empty(min(block, t), h, dtype=torch.float32)
+    for s in range(0, t, block):
+        e = min(t, s + block)
+        a = acc[:e - s].zero_()
+        for j in range(k):
+            a += sv[s:e, j]
+        if shared_out is not None:
+            a += shared_out[s:e]
+        y[s:e].copy_(a)
     trace.compute.append(("reduce", -1, s0, now()))
     if stats is not None:
         stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from buffer_helpers import same_bits_nan
 
-from deepep_ascend.intranode import _sum_by_bags, _sum_two_by_runs, accumulate_rows, two_source_run_limit
+from deepep_ascend.intranode import (_copy_disjoint, _sum_by_bags, _sum_two_by_runs, accumulate_rows,
+                                     two_source_run_limit)
 
 BF16 = torch.bfloat16
 SPECIALS = [0.0] + [-0.0] * 4 + [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1e-40, -1e-40, 1.0, -1.0]
@@ -235,7 +236,7 @@ def test_sum_by_bags_adds_in_source_order():
 def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeypatch):
     """accumulate_rows sends two or more sources without bias to _sum_by_bags once the run-wise
     path declines (``max_runs=0`` here); same bits as the float32 chain (``bags=False``). With bias
-    it does not; one source is declined."""
+    it does not; one source never reaches it (no token has two rows: _copy_disjoint copies it)."""
     from deepep_ascend import intranode
 
     taken = []
@@ -256,7 +257,7 @@ def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeyp
     bias = (_rows(g, m, hidden), None)
     scratch = (torch.empty(32, hidden), torch.empty(32, hidden))  # 4 sources: blocks of 8 tokens (_BAG_MIN_TOKENS)
     for srcs, b, expect in ((sources, None, [True]), (sources[:3], None, [True]), (sources, bias, []),
-                            (sources[:2], None, [True]), (sources[:1], None, [False])):
+                            (sources[:2], None, [True]), (sources[:1], None, [])):
         taken.clear()
         out = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(out, srcs, *scratch, b, max_runs=0)
@@ -284,3 +285,43 @@ def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():
         out = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(out, sources, torch.empty(rows, hidden), torch.empty(rows, hidden))
         assert same_bits_nan(out, _reference(m, hidden, sources, None)), rows
+
+
+@pytest.mark.parametrize("num_sources,uncovered", [(1, True), (2, False), (4, True), (4, False), (7, True)])
+def test_disjoint_sources_are_copied_bitwise(num_sources, uncovered, monkeypatch):
+    """Sources that never share a token (MegaMoE combines its (token, expert) pairs this way: one
+    row each), interleaved token by token so no run-wise shortcut applies: scattered into place,
+    tokens without a row +0.0, -0.0 rows turned into +0.0 unless the source is clean; the float32
+    chain's bits. Sources sharing one token are declined with nothing written, and
+    ``accumulate_rows`` takes this path by default (``disjoint=False`` gives the same bits another way)."""
+    from deepep_ascend import intranode
+
+    g = torch.Generator().manual_seed(num_sources * 10 + uncovered)
+    m, hidden = 61, 24
+    owner = torch.randint(-1 if uncovered else 0, num_sources, (m,), generator=g)
+    owner[:num_sources] = torch.arange(num_sources)  # every source has a row
+    sources, clean = [], []
+    for j in range(num_sources):
+        tokens = torch.nonzero(owner == j).squeeze(1)
+        rows = _rows(g, tokens.numel(), hidden)
+        if j % 2:
+            rows = torch.add(rows, 0.0)  # clean: what a staging rank sends
+        sources.append((rows, tokens))
+        clean.append(bool(j % 2))
+    expected = _reference(m, hidden, sources, None)
+    for flags in ([False] * num_sources, clean):
+        out = torch.full((m, hidden), 7.0, dtype=BF16)
+        assert _copy_disjoint(out, sources, flags)
+        assert same_bits_nan(out, expected)
+        assert (_bits(out[owner < 0]) == 0).all()
+    shared = [sources[0], (sources[0][0][:1], sources[0][1][:1])] + sources[1:]
+    out = torch.full((m, hidden), 7.0, dtype=BF16)
+    assert not _copy_disjoint(out, shared, [False] * len(shared)) and (out == 7.0).all()
+    taken = []
+    real = intranode._copy_disjoint
+    monkeypatch.setattr(intranode, "_copy_disjoint", lambda *a: taken.append(real(*a)) or taken[-1])
+    scratch = (torch.empty(16, hidden), torch.empty(16, hidden))
+    out, other = torch.empty(m, hidden, dtype=BF16), torch.empty(m, hidden, dtype=BF16)
+    accumulate_rows(out, sources, *scratch, max_runs=0)
+    accumulate_rows(other, sources, *scratch, max_runs=0, disjoint=False)
+    assert taken == [True] and same_bits_nan(out, expected) and same_bits_nan(other, expected)
