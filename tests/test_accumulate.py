@@ -317,6 +317,8 @@ def test_disjoint_sources_are_copied_bitwise(num_sources, uncovered, monkeypatch
     shared = [sources[0], (sources[0][0][:1], sources[0][1][:1])] + sources[1:]
     out = torch.full((m, hidden), 7.0, dtype=BF16)
     assert not _copy_disjoint(out, shared, [False] * len(shared)) and (out == 7.0).all()
+    many = [(sources[0][0][:1], sources[0][1][:1])] * 256  # 256 rows for one token: no counter wraps to 0
+    assert not _copy_disjoint(torch.empty(300, hidden, dtype=BF16), many, [False] * 256)
     taken = []
     real = intranode._copy_disjoint
     monkeypatch.setattr(intranode, "_copy_disjoint", lambda *a: taken.append(real(*a)) or taken[-1])

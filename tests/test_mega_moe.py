@@ -471,3 +471,53 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
         monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", env)
         with pytest.raises(ValueError, match=r"\$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE must be a positive int"):
             mm._wave_override(None, "op")
+
+
+def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
+    """``python -m bench.mega_moe`` (the README's MegaMoE figures) on the ``tiny`` preset: the fused call
+    equals the serial one and matches the unfused sequence (exit code 0), and the JSON holds the unfused
+    stages and the serial call's own stage times from its trace, each positive, adding up to no more
+    than the serial call took."""
+    import json
+
+    from bench import mega_moe as bench
+
+    path = comm.bcast(str(tmp_path / "mega_moe.json"), root=0)
+    rc = coll(bench.main, ["--preset", "tiny", "--iters", "1", "--warmup", "1", "--threads", "1", "--json", path],
+              what="bench.mega_moe")
+    ok = rc == 0
+    if comm.rank == 0:
+        t = json.load(open(path))["times_s"]
+        stages, own = t["stages"], t["serial_call_stages"]
+        ok = ok and set(stages) == {"dispatch", "l1", "act", "l2", "combine", "shared"}
+        ok = ok and {"dispatch", "l1", "act", "l2", "combine", "shared", "reduce"} <= set(own)
+        ok = ok and all(v > 0 for v in list(stages.values()) + list(own.values()))
+        ok = ok and sum(own.values()) <= t["serial"] * 1.05 + 1e-3
+    all_ranks_ok(comm, ok, "bench.mega_moe ran, checked its outputs and reported both stage lists")
+
+
+def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
+    """The final sum over k (and the shared expert) runs in blocks of tokens; with blocks of 3 tokens
+    (several per rank and a short last one; the tests' shapes otherwise fit one block) ``y`` is bit
+    for bit the one-block result, and within tolerance of the reference."""
+    from deepep_ascend import mega_moe as mm
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    kind = "fp8"
+    buf = env.get(kind, 1)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = _weights(kind, buf.num_experts, h, i, seed=13)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
+    (s1, s2), sref = _shared(kind, h, i, 1, seed=17)
+    t = _fill(kind, buf, seed=19, rank=rank, size=size)
+    ys = []
+    for block_bytes in (1 << 30, 4 * h * 3):
+        monkeypatch.setattr(mm, "_REDUCE_BLOCK_BYTES", block_bytes)
+        y = torch.full((t, h), float("nan"), dtype=BF16)
+        coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1,
+             shared_l2_weights=s2, what="fp8_fp4_mega_moe")
+        ys.append(y)
+    xs, sfs, idxs, wts = _gathered_inputs(buf, t, True)
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref, ranks=[rank])[rank]
+    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+                 and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5, "blocks of 3 tokens == one block")
