@@ -783,8 +783,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     def compute_l2(st):
         e0, ne = st["e0"], st["ne"]
         o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"])
-        # Back to the handle's order by a gather with the inverse permutation: torch's CPU row gather is
-        # about twice as fast as the scatter (index_copy_) it replaces.
+        # Back to the handle's order by a gather with the inverse permutation: torch's CPU row gather
+        # is faster than the scatter (index_copy_) it replaces.
         order = st["order"]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
@@ -833,8 +833,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         slots = torch.zeros(t * k, h, dtype=BF16)
         for w, combined, _ev in pending:
             slots.index_copy_(0, waves[w][0], combined)
-    # y = bf16(+0.0 + Σ_k slot + shared), float32, in blocks of tokens whose accumulator stays in
-    # cache: the same additions in the same order as one [t, H] float32 pass per term, ~1.5x faster.
+    # y = bf16(+0.0 + Σ_k slot + shared) in float32, in blocks of tokens whose accumulator stays in
+    # cache: the same additions in the same order as one [t, H] float32 pass per term.
     sv = slots.view(t, k, h)
     block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
     acc = torch.empty(min(block, t), h, dtype=torch.float32)
