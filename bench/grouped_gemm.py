@@ -29,6 +29,7 @@ import torch
 import deepep_ascend as dea
 from bench import common as C
 from bench.alloc import _interleaved_medians_ms
+from bench.mega_moe import psum_layout
 from deepep_ascend import grouped_gemm as gg
 from deepep_ascend import mega_moe as mm
 
@@ -48,16 +49,10 @@ def main(argv=None) -> int:
     G, M, K, N = args.groups, args.rows, args.k, args.n
     counts = torch.bincount(torch.randint(0, G, (M,), generator=g), minlength=G)
     bounds = [0] + counts.cumsum(0).tolist()
-    align = dea.get_mk_alignment_for_contiguous_layout()
-    ends, starts, end = [], [], 0
-    for c in counts.tolist():
-        starts.append(-(-end // align) * align)
-        end = starts[-1] + c
-        ends.append(end)
+    ends, end, pos = psum_layout(counts.tolist(), dea.get_mk_alignment_for_contiguous_layout())
     x = torch.randn(M, K, generator=g).to(BF16)
     w = torch.randn(G, N, K, generator=g).to(BF16)
     w_plain = torch.randn(N, K, generator=g).to(BF16)
-    pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])  # x's rows in the padded layout
     a_padded = torch.zeros(end, K, dtype=BF16).index_copy_(0, pos, x)
     d_padded = torch.empty(end, N, dtype=BF16)
     ends_t = torch.tensor(ends, dtype=torch.int32)

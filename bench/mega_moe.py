@@ -158,6 +158,20 @@ def _layout_alignment(engine: str) -> int:
     return dea.get_mk_alignment_for_contiguous_layout() if engine == "bf16" else 1
 
 
+def psum_layout(counts, align: int):
+    """The m-grouped contiguous psum layout of groups of ``counts`` rows, each starting at a multiple of
+    ``align``: ``(ends, end, pos)`` with ``ends[g]`` the end of group g's rows (what the grouped GEMM
+    takes), ``end`` the layout's row count, ``pos`` int64 ``[sum(counts)]`` the layout row of each row
+    taken group after group."""
+    ends, spans, end = [], [], 0
+    for c in counts:
+        start = dea.align(end, align)
+        end = start + c
+        ends.append(end)
+        spans.append(torch.arange(start, end))
+    return ends, end, torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
+
+
 def _grouped_nt(engine: str, a: torch.Tensor, w: torch.Tensor, ends: list, ends_t: torch.Tensor) -> torch.Tensor:
     """``d [M, N]`` bf16 of the m-grouped contiguous psum layout (group g: rows from
     ``align(end[g-1], _layout_alignment(engine))`` to ``end[g]``) times ``w[g].T``: the public
@@ -232,14 +246,8 @@ class Unfused:
         cnt = torch.bincount(flat[flat >= 0], minlength=el).tolist()
         order = torch.argsort(flat, stable=True)[flat.numel() - sum(cnt):]
         rows = torch.div(order, k, rounding_mode="floor")
-        align = _layout_alignment(self.engine)  # the grouped GEMM's alignment, or 1 for the fp32 engine
-        starts, ends, end = [], [], 0
-        for c in cnt:
-            s = -(-end // align) * align
-            starts.append(s)
-            end = s + c
-            ends.append(end)
-        pos = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, cnt)])
+        # the grouped GEMM's alignment, or 1 for the fp32 engine
+        ends, end, pos = psum_layout(cnt, _layout_alignment(self.engine))
         rx = st["rx"].index_select(0, rows)
         if self.kind != "bf16":  # e4m3 data, then one UE8M0 byte per 32 channels
             rx = dea.per_token_cast_back(rx[:, :h].view(torch.float8_e4m3fn), rx[:, h:], gran_k=32)

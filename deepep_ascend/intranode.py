@@ -239,11 +239,8 @@ def _copy_disjoint(out, sources, clean) -> bool:
     total = sum(tokens.numel() for _, tokens, _ in live)
     if not live or total > m:
         return False
-    cover = torch.zeros(m, dtype=torch.int32)  # rows per token (int32: no wrap however many sources)
-    for _, tokens, _ in live:
-        cover.index_add_(0, tokens, torch.ones(1, dtype=torch.int32).expand(tokens.numel()))
-    if int(cover.max()) > 1:
-        return False
+    if int(torch.bincount(torch.cat([tokens for _, tokens, _ in live]), minlength=m).max()) > 1:
+        return False  # some token has rows from two sources
     if total < m:
         out.zero_()
     for rows, tokens, _ in live:
