@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from . import host
+from . import native as _native
 from .layout import combine_round_tokens, recv_channel_prefix, send_layout
 
 READY, CONSUMED, XDATA = 0, 1, 2
@@ -151,7 +152,8 @@ def check_consensus(headers, op, call_id):
 
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None,
-                    clean=None, max_runs: int | None = None, bags: bool | None = None, disjoint: bool = True) -> None:
+                    clean=None, max_runs: int | None = None, bags: bool | None = None, disjoint: bool = True,
+                    native: bool = True) -> None:
     """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
 
     ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
@@ -168,14 +170,18 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     declines) if None (the default) while a block of the scratch ``acc`` holds enough tokens, also
     for one source and smaller blocks if True, never if False (``bench.combine_sum`` times the
     paths against each other). ``disjoint``: :func:`_copy_disjoint` where no token has two rows
-    (False: never; the tests force each path this way).
+    (False: never; the tests force each path this way). ``native``: the one-pass C kernel
+    :func:`deepep_ascend.native.sum_rows` where it was built, for whatever the two paths before
+    decline (bias, sources sharing tokens); False: the torch paths after it, as
+    ``bench.combine_sum`` and the tests compare them.
 
     Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
     become the canonical one): without bias, at most two sources whose tokens form long runs go
     through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
     float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value);
     sources that never share a token through :func:`_copy_disjoint` (one scatter per source);
-    the others through :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
+    the others through the native kernel where it was built (the float32 chain itself, one pass
+    over the rows), else :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
     The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
     from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
     ``+0.0``), which one ``+ 0.0`` repairs unless a term covering those tokens is known clean.
@@ -186,6 +192,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
         return
     if bias is None and disjoint and _copy_disjoint(out, sources, clean):
+        return
+    if native and _native.sum_rows(out, sources, bias, bias_offset):
         return
     if bias is None and bags is not False and _sum_by_bags(out, sources, acc, force=bags is True):
         return

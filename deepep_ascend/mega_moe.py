@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import native as _native
 from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
 from .grouped_gemm import (
@@ -833,12 +834,16 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         slots = torch.zeros(t * k, h, dtype=BF16)
         for w, combined, _ev in pending:
             slots.index_copy_(0, waves[w][0], combined)
-    # y = bf16(+0.0 + Σ_k slot + shared) in float32, in blocks of tokens whose accumulator stays in
-    # cache: the same additions in the same order as one [t, H] float32 pass per term.
+    # y = bf16(+0.0 + Σ_k slot + shared) in float32: the native kernel in one pass where it was
+    # built, else in blocks of tokens whose accumulator stays in cache. Both make the same additions
+    # in the same order as one [t, H] float32 pass per term.
     sv = slots.view(t, k, h)
+    every = torch.arange(t)
+    terms = [(sv[:, j], every) for j in range(k)] + ([] if shared_out is None else [(shared_out, every)])
     block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
-    acc = torch.empty(min(block, t), h, dtype=torch.float32)
-    for s in range(0, t, block):
+    native_done = _native.sum_rows(y[:t], terms) if t else True
+    acc = torch.empty(min(block, t), h, dtype=torch.float32) if not native_done else None
+    for s in range(0, t if not native_done else 0, block):
         e = min(t, s + block)
         a = acc[:e - s].zero_()
         for j in range(k):

@@ -43,6 +43,17 @@ for pkg in ("deepep_ascend", "transports", "bench"):
         where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None
         if where != os.path.join(root, pkg):
             why.append(f"{pkg} resolves to {where}")
+# The native kernel (optional extension, built by the install): rebuild if it is missing or older
+# than its source, where a C compiler exists (without one the install skips it and the library
+# uses its torch paths).
+import importlib.machinery, shutil, sysconfig
+src = os.path.join(root, "deepep_ascend", "csrc", "sum_rows.c")
+cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+if os.path.isfile(src) and shutil.which(cc):
+    built = [p for p in (os.path.join(root, "deepep_ascend", "_native" + s)
+                         for s in importlib.machinery.EXTENSION_SUFFIXES) if os.path.isfile(p)]
+    if not built or os.path.getmtime(built[0]) < os.path.getmtime(src):
+        why.append("the native kernel is not built or older than its source")
 if why:
     print("setup: (re)installing because: " + "; ".join(why), file=sys.stderr)
     sys.exit(0)

@@ -50,9 +50,9 @@ def _bits(t):
 
 
 
-@pytest.mark.parametrize("num_sources,coverage,bias_kind", list(itertools.product(
-    [0, 1, 2, 3, 4], ["full", "partial", "mixed"], [None, "one", "pair"])))
-def test_accumulate_rows_bitwise(num_sources, coverage, bias_kind):
+@pytest.mark.parametrize("num_sources,coverage,bias_kind,native", list(itertools.product(
+    [0, 1, 2, 3, 4], ["full", "partial", "mixed"], [None, "one", "pair"], [True, False])))
+def test_accumulate_rows_bitwise(num_sources, coverage, bias_kind, native):
     g = torch.Generator().manual_seed(1000 * num_sources + len(coverage) * 10 + len(bias_kind or ""))
     m, hidden, block = 23, 40, 4  # several blocks, a short last one
     sources, clean = [], []
@@ -77,7 +77,7 @@ def test_accumulate_rows_bitwise(num_sources, coverage, bias_kind):
     for flags in (None, clean):
         out = torch.full((m, hidden), 7.0, dtype=BF16)
         acc, tmp = torch.empty(block, hidden), torch.empty(block, hidden)
-        accumulate_rows(out, sources, acc, tmp, bias, clean=flags)
+        accumulate_rows(out, sources, acc, tmp, bias, clean=flags, native=native)
         assert same_bits_nan(out, expected), (
             f"clean={flags}: {int((_bits(out) != _bits(expected)).sum())} of {out.numel()} elements differ")
 
@@ -192,7 +192,8 @@ def test_accumulate_rows_passes_max_runs_to_the_run_wise_path(monkeypatch):
     outs = []
     for max_runs in (0, m):
         out = torch.empty(m, hidden, dtype=BF16)
-        accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs, bags=False)
+        accumulate_rows(out, sources, torch.empty(8, hidden), torch.empty(8, hidden), max_runs=max_runs, bags=False,
+                        native=False)
         outs.append(out)
     assert seen == [(0, False), (m, True)]
     assert same_bits_nan(outs[0], outs[1]) and same_bits_nan(outs[0], _reference(m, hidden, sources, None))
@@ -236,7 +237,8 @@ def test_sum_by_bags_adds_in_source_order():
 def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeypatch):
     """accumulate_rows sends two or more sources without bias to _sum_by_bags once the run-wise
     path declines (``max_runs=0`` here); same bits as the float32 chain (``bags=False``). With bias
-    it does not; one source never reaches it (no token has two rows: _copy_disjoint copies it)."""
+    it does not; one source never reaches it (no token has two rows: _copy_disjoint copies it).
+    Only without the native kernel (``native=False``), which takes these cases where it was built."""
     from deepep_ascend import intranode
 
     taken = []
@@ -260,9 +262,9 @@ def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeyp
                             (sources[:2], None, [True]), (sources[:1], None, [])):
         taken.clear()
         out = torch.empty(m, hidden, dtype=BF16)
-        accumulate_rows(out, srcs, *scratch, b, max_runs=0)
+        accumulate_rows(out, srcs, *scratch, b, max_runs=0, native=False)
         chain = torch.empty(m, hidden, dtype=BF16)
-        accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False)
+        accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False, native=False)
         assert taken[:1] == expect[:1] and same_bits_nan(out, chain) and same_bits_nan(out, _reference(m, hidden, srcs, b))
 
 
@@ -283,7 +285,7 @@ def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():
     assert same_bits_nan(out, _reference(m, hidden, sources, None))
     for rows in (2, 4, 5 * _BAG_MIN_TOKENS - 1):
         out = torch.empty(m, hidden, dtype=BF16)
-        accumulate_rows(out, sources, torch.empty(rows, hidden), torch.empty(rows, hidden))
+        accumulate_rows(out, sources, torch.empty(rows, hidden), torch.empty(rows, hidden), native=False)
         assert same_bits_nan(out, _reference(m, hidden, sources, None)), rows
 
 
@@ -325,5 +327,5 @@ def test_disjoint_sources_are_copied_bitwise(num_sources, uncovered, monkeypatch
     scratch = (torch.empty(16, hidden), torch.empty(16, hidden))
     out, other = torch.empty(m, hidden, dtype=BF16), torch.empty(m, hidden, dtype=BF16)
     accumulate_rows(out, sources, *scratch, max_runs=0)
-    accumulate_rows(other, sources, *scratch, max_runs=0, disjoint=False)
+    accumulate_rows(other, sources, *scratch, max_runs=0, disjoint=False, native=False)
     assert taken == [True] and same_bits_nan(out, expected) and same_bits_nan(other, expected)

@@ -497,10 +497,12 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
 
 
 def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
-    """The final sum over k (and the shared expert) runs in blocks of tokens; with blocks of 3 tokens
-    (several per rank and a short last one; the tests' shapes otherwise fit one block) ``y`` is bit
-    for bit the one-block result, and within tolerance of the reference."""
+    """Without the native kernel the final sum over k (and the shared expert) runs in blocks of tokens;
+    with blocks of 3 tokens (several per rank and a short last one; the tests' shapes otherwise fit
+    one block) ``y`` is bit for bit the one-block result and the native kernel's, and within
+    tolerance of the reference."""
     from deepep_ascend import mega_moe as mm
+    from deepep_ascend import native
 
     rank, size = comm.Get_rank(), comm.Get_size()
     kind = "fp8"
@@ -511,13 +513,15 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     (s1, s2), sref = _shared(kind, h, i, 1, seed=17)
     t = _fill(kind, buf, seed=19, rank=rank, size=size)
     ys = []
-    for block_bytes in (1 << 30, 4 * h * 3):
+    for block_bytes, use_native in ((1 << 30, False), (4 * h * 3, False), (1 << 30, True)):
         monkeypatch.setattr(mm, "_REDUCE_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(mm._native, "sum_rows", native.sum_rows if use_native else lambda *a, **kw: False)
         y = torch.full((t, h), float("nan"), dtype=BF16)
         coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1,
              shared_l2_weights=s2, what="fp8_fp4_mega_moe")
         ys.append(y)
     xs, sfs, idxs, wts = _gathered_inputs(buf, t, True)
     exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref, ranks=[rank])[rank]
-    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-                 and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5, "blocks of 3 tokens == one block")
+    all_ranks_ok(comm, all(torch.equal(ys[0].view(torch.int16), other.view(torch.int16)) for other in ys[1:])
+                 and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5,
+                 "blocks of 3 tokens == one block == native kernel")

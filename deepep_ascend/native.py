@@ -1,0 +1,114 @@
+"""The data plane's native kernel: combine's row sum in one pass (``csrc/sum_rows.c``).
+
+Built at install time as the optional extension ``deepep_ascend._native`` (``pyproject.toml``) and
+loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
+Buffer's worker sums while the caller computes). Where it was not built (no C compiler) or
+``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False and
+:func:`deepep_ascend.intranode.accumulate_rows` uses its torch paths, which give the same bits.
+
+Why C: combine sums each token's BF16 rows in float32 and rounds once (DeepEP's arithmetic).
+torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's BF16
+``embedding_bag`` rounds half away from zero), so the torch paths convert rows to a float32
+scratch first: about three passes over the rows where this kernel makes one
+(``python -m bench.combine_sum`` times both).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+
+import torch
+
+__all__ = ["available", "library_path", "sum_rows"]
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def library_path() -> str | None:
+    """Path of the built kernel library next to this module, or None if it was not built."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_native" + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _load():
+    if os.environ.get("DEEPEP_ASCEND_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    path = library_path()
+    if path is None:
+        return None
+    fn = ctypes.CDLL(path).deepep_sum_rows_bf16
+    fn.restype = _I64
+    fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
+    return fn
+
+
+_SUM_ROWS = _load()
+# torch's float32 -> bfloat16 conversion turns every NaN into one bit pattern; the kernel writes the same.
+_NAN_BITS = int(torch.tensor(float("nan")).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+def available() -> bool:
+    """Whether the native kernel is loaded (built, and not disabled by ``DEEPEP_ASCEND_NATIVE=0``)."""
+    return _SUM_ROWS is not None
+
+
+def _rows_ok(t: torch.Tensor | None, cols: int) -> bool:
+    return t is None or (t.dtype == torch.bfloat16 and t.dim() == 2 and t.size(1) == cols
+                         and (t.stride(1) == 1 or cols <= 1) and t.device.type == "cpu")
+
+
+def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> bool:
+    """``out[t] = bf16(start(t) + Σ_sources Σ_{i: tokens[i] == t} f32(rows[i]))``, one rounding.
+
+    Args:
+        out: ``[m, H]`` bfloat16, rows of unit stride (any row stride).
+        sources: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` pairs, added in this order; ``tokens``
+            ascending in ``[0, m)`` (a token may repeat: its rows add in row order).
+        bias: None (``start = +0.0``) or a pair ``(bias0, bias1 | None)`` of ``[>= bias_offset + m, H]``
+            bf16: ``start(t) = f32(bias0[bias_offset + t]) + f32(bias1[...])``, a missing one +0.0.
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable or an operand is not
+        a CPU bf16 matrix with unit column stride.
+    Raises:
+        ValueError: a source has fewer rows than tokens, or bias fewer than ``bias_offset + m`` rows
+            (nothing written); a source's tokens are not ascending in ``[0, m)`` (``out`` then holds
+            partial sums).
+        MemoryError: the kernel could not allocate its cursors (nothing written).
+    """
+    if _SUM_ROWS is None:
+        return False
+    m, hidden = out.shape
+    b0, b1 = (None, None) if bias is None else (bias[0], bias[1])
+    if b0 is not None:
+        b0 = b0[bias_offset:bias_offset + m]
+    if b1 is not None:
+        b1 = b1[bias_offset:bias_offset + m]
+    if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(rows for rows, _ in sources))):
+        return False
+    if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
+        raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
+    live = [(rows, tokens.to(torch.int64).contiguous()) for rows, tokens in sources if tokens.numel()]
+    for j, (rows, tokens) in enumerate(live):
+        if tokens.dim() != 1 or rows.size(0) < tokens.numel():
+            raise ValueError(f"deepep_ascend.native.sum_rows: source {j} has {rows.size(0)} rows for "
+                             f"{tokens.numel()} tokens (tokens must be 1-D, one per row)")
+    tok_ptr = torch.tensor([tokens.data_ptr() for _, tokens in live], dtype=torch.int64)
+    counts = torch.tensor([tokens.numel() for _, tokens in live], dtype=torch.int64)
+    row_ptr = torch.tensor([rows.data_ptr() for rows, _ in live], dtype=torch.int64)
+    row_ld = torch.tensor([rows.stride(0) for rows, _ in live], dtype=torch.int64)
+    status = _SUM_ROWS(m, hidden, len(live), tok_ptr.data_ptr(), counts.data_ptr(), row_ptr.data_ptr(),
+                       row_ld.data_ptr(), None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
+                       None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
+                       out.data_ptr(), out.stride(0), _NAN_BITS)
+    if status == -1:
+        raise MemoryError("deepep_ascend.native.sum_rows: the kernel could not allocate its cursors")
+    if status:
+        raise ValueError(f"deepep_ascend.native.sum_rows: source {status - 1}'s tokens are not ascending "
+                         f"in [0, {m})")
+    return True
