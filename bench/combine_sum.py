@@ -10,8 +10,9 @@ One process, one thread. Two sources (what every token of a 2-rank combine has),
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False, native=False``, the float32
 chain), and :func:`deepep_ascend.native.sum_rows` (where it was built), checks that all give the
 same bits, and prints the run count, the medians, the cost per run of the run-wise path, and
-whether :func:`~deepep_ascend.intranode.two_source_run_limit` keeps the run-wise path (past it the
-default is the native kernel, or without it the ``embedding_bag`` sum timed below). Its last
+what ``accumulate_rows`` picks by default: the native kernel where it was built, else the
+run-wise path while :func:`~deepep_ascend.intranode.two_source_run_limit` keeps it (past it the
+``embedding_bag`` sum timed below). Its last
 line fits the run-wise and chain costs (least squares: run-wise = a + b * runs, chain = c) and
 prints the break-even run count against the limit.
 
@@ -88,11 +89,11 @@ def main(argv=None) -> int:
         same &= ok
         points.append((runs, t_runs, t_chain, t_nat))
         # accumulate_rows' default past the limit
-        pick = "run-wise" if runs <= limit else "native" if nat else "embedding_bag"
+        pick = "native" if nat else "run-wise" if runs <= limit else "embedding_bag"
         print(f"[case]   missing {miss:5d}: {runs:5d} runs | run-wise {t_runs:8.2f} ms | float32 chain "
               f"{t_chain:8.2f} ms | native {t_nat:8.2f} ms (run-wise / native {t_runs / t_nat:5.2f}x) | "
               f"{t_runs / runs * 1e3:7.1f} us per run | "
-              f"limit picks {pick} | same bits {ok}")
+              f"default {pick} | same bits {ok}")
     if len({p[0] for p in points}) >= 2:
         b, a = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)  # run-wise = a + b * runs
         c = float(np.mean([p[2] for p in points]))

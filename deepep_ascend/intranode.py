@@ -171,17 +171,18 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     for one source and smaller blocks if True, never if False (``bench.combine_sum`` times the
     paths against each other). ``disjoint``: :func:`_copy_disjoint` where no token has two rows
     (False: never; the tests force each path this way). ``native``: the one-pass C kernel
-    :func:`deepep_ascend.native.sum_rows` where it was built, for whatever the two paths before
-    decline (bias, sources sharing tokens); False: the torch paths after it, as
+    :func:`deepep_ascend.native.sum_rows` (the float32 chain itself, each row read once) first,
+    where it was built, for bias or two or more sources with rows (one source is a copy, which
+    :func:`_copy_disjoint` does as fast); False: only the torch paths below, as
     ``bench.combine_sum`` and the tests compare them.
 
-    Exactness shortcuts (same bits as the float32 chain; a NaN stays a NaN, its payload may
-    become the canonical one): without bias, at most two sources whose tokens form long runs go
-    through :func:`_sum_two_by_runs` (one BF16 ``add`` per run: torch computes a BF16 sum in
-    float32 and rounds once, and the float32 sum of two BF16 values is that same float32 value);
-    sources that never share a token through :func:`_copy_disjoint` (one scatter per source);
-    the others through the native kernel where it was built (the float32 chain itself, one pass
-    over the rows), else :func:`_sum_by_bags` (one float32 ``embedding_bag`` sum per block).
+    The torch paths, where the kernel is not built or declines (same bits as the float32 chain; a
+    NaN stays a NaN, its payload may become the canonical one): without bias, at most two sources
+    whose tokens form long runs go through :func:`_sum_two_by_runs` (one BF16 ``add`` per run:
+    torch computes a BF16 sum in float32 and rounds once, and the float32 sum of two BF16 values
+    is that same float32 value); sources that never share a token through :func:`_copy_disjoint`
+    (one scatter per source); the others through :func:`_sum_by_bags` (one float32
+    ``embedding_bag`` sum per block).
     The float32 chain starts from a copy of its first row instead of ``+0.0 + row``. Both differ
     from the reference only where every term is ``-0.0`` (the reference's ``+0.0`` start gives
     ``+0.0``), which one ``+ 0.0`` repairs unless a term covering those tokens is known clean.
@@ -189,11 +190,12 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     m = out.size(0)
     block = acc.size(0)
     clean = [False] * len(sources) if clean is None else list(clean)
+    several = sum(1 for _, tokens in sources if tokens.numel()) >= 2
+    if native and (several or bias is not None) and _native.sum_rows(out, sources, bias, bias_offset):
+        return
     if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
         return
     if bias is None and disjoint and _copy_disjoint(out, sources, clean):
-        return
-    if native and _native.sum_rows(out, sources, bias, bias_offset):
         return
     if bias is None and bags is not False and _sum_by_bags(out, sources, acc, force=bags is True):
         return
@@ -864,10 +866,10 @@ class IntranodeEngine:
                  W_XSEG_OFF: -1 if xseg is None else xseg}
 
         own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
-        # Only a two-rank origin sums two sources by runs, where clean rows pay off; with more ranks
-        # tokens mostly have more sources (summed by bags, indifferent to -0.0) and the cleaning
-        # add costs nearly three plain copies.
-        clean_staging = nr == 2
+        # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
+        # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
+        # three plain copies.
+        clean_staging = nr == 2 and not _native.available()
 
         def stage(rnd):
             """Stage, for every other origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q).

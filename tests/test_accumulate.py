@@ -295,7 +295,8 @@ def test_disjoint_sources_are_copied_bitwise(num_sources, uncovered, monkeypatch
     row each), interleaved token by token so no run-wise shortcut applies: scattered into place,
     tokens without a row +0.0, -0.0 rows turned into +0.0 unless the source is clean; the float32
     chain's bits. Sources sharing one token are declined with nothing written, and
-    ``accumulate_rows`` takes this path by default (``disjoint=False`` gives the same bits another way)."""
+    ``accumulate_rows`` without the native kernel takes this path by default (``disjoint=False`` gives
+    the same bits another way, and so does the kernel)."""
     from deepep_ascend import intranode
 
     g = torch.Generator().manual_seed(num_sources * 10 + uncovered)
@@ -325,7 +326,9 @@ def test_disjoint_sources_are_copied_bitwise(num_sources, uncovered, monkeypatch
     real = intranode._copy_disjoint
     monkeypatch.setattr(intranode, "_copy_disjoint", lambda *a: taken.append(real(*a)) or taken[-1])
     scratch = (torch.empty(16, hidden), torch.empty(16, hidden))
-    out, other = torch.empty(m, hidden, dtype=BF16), torch.empty(m, hidden, dtype=BF16)
-    accumulate_rows(out, sources, *scratch, max_runs=0)
+    out, other, default = (torch.empty(m, hidden, dtype=BF16) for _ in range(3))
+    accumulate_rows(out, sources, *scratch, max_runs=0, native=False)
     accumulate_rows(other, sources, *scratch, max_runs=0, disjoint=False, native=False)
     assert taken == [True] and same_bits_nan(out, expected) and same_bits_nan(other, expected)
+    accumulate_rows(default, sources, *scratch)  # the native kernel where built (if one source: this path)
+    assert same_bits_nan(default, expected)

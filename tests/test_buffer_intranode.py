@@ -82,6 +82,20 @@ def test_dispatch_combine_vs_reference(buf, comm, case):
     chk.finish(case.name)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in (
+    "uniform_h128_e16_k4", "rank_with_zero_tokens", "h7168_e256_k8_few_tokens", "async_previous_event",
+    "fp8_column_major_scales")], ids=str)
+def test_dispatch_combine_without_the_native_kernel(buf, comm, case, monkeypatch):
+    """Where the native row sum is not built (or ``DEEPEP_ASCEND_NATIVE=0``), combine sums with its
+    torch paths (at 2 ranks staged rows cleaned with ``+ 0.0`` for the run-wise sum): same results."""
+    from deepep_ascend import native
+
+    monkeypatch.setattr(native, "_SUM_ROWS", None)
+    assert not native.available()
+    chk = run_case(buf, comm, case, seed=CASES.index(case))
+    chk.finish(case.name + " (torch paths)")
+
+
 def test_get_dispatch_layout_outputs(buf, comm):
     """Layout alone: exact values, int32/bool dtypes, None for the RDMA count, sync and async."""
     from reference import ref_dispatch_layout
@@ -290,9 +304,14 @@ def test_buffer_too_small_raises_everywhere(comm, nbytes):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias):
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch_paths"])
+def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias, use_native, monkeypatch):
     """Combine sums from +0.0 (or the bias) in float32: -0.0 rows give +0.0, as in DeepEP and the
-    reference, on both the whole-block and the indexed accumulation paths."""
+    reference, with the native kernel and on the torch paths (whole-block and indexed accumulation)."""
+    from deepep_ascend import native
+
+    if not use_native:
+        monkeypatch.setattr(native, "_SUM_ROWS", None)
     r, R = comm.Get_rank(), comm.Get_size()
     E, n, H = 4 * R, 64, 256
     gen = torch.Generator().manual_seed(r)

@@ -48,7 +48,7 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
  * bias0, bias1    NULL, or row t at bias + t * ld: start(t) = f32(bias0[t]) + f32(bias1[t]), a
  *                 missing one being +0.0; with no bias start(t) = +0.0
  *
- * Returns 0; -1 if memory for the cursors ran out (nothing written); j + 1 if source j has a
+ * Returns 0; -1 if memory ran out (rows from that token on not written); j + 1 if source j has a
  * token outside [0, m) or out of order (those rows were left out of the sums).
  */
 MULTIVERSION
@@ -59,46 +59,85 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
                              const uint16_t *bias1, int64_t bias1_ld,
                              uint16_t *out, int64_t out_ld, uint16_t nan_bits)
 {
-    int64_t *cur = calloc(num_sources > 0 ? (size_t)num_sources : 1, sizeof *cur);
-    if (!cur)
+    int64_t cap = num_sources > 0 ? num_sources : 1;
+    int64_t *cur = calloc((size_t)cap, sizeof *cur);
+    const uint16_t **row = malloc((size_t)cap * sizeof *row); /* this token's rows, in order */
+    if (!cur || !row) {
+        free(cur);
+        free(row);
         return -1;
-    float acc[CHUNK];
-    for (int64_t t = 0; t < m; t++) {
-        for (int64_t h0 = 0; h0 < hidden; h0 += CHUNK) {
-            const int64_t n = hidden - h0 < CHUNK ? hidden - h0 : CHUNK;
-            if (bias0) {
-                const uint16_t *b0 = bias0 + t * bias0_ld + h0;
-                if (bias1) {
-                    const uint16_t *b1 = bias1 + t * bias1_ld + h0;
-                    for (int64_t h = 0; h < n; h++)
-                        acc[h] = bf16_to_f32(b0[h]) + bf16_to_f32(b1[h]);
-                } else {
-                    for (int64_t h = 0; h < n; h++)
-                        acc[h] = bf16_to_f32(b0[h]) + 0.0f;
-                }
-            } else {
-                for (int64_t h = 0; h < n; h++)
-                    acc[h] = 0.0f;
-            }
-            for (int64_t j = 0; j < num_sources; j++) {
-                for (int64_t i = cur[j]; i < counts[j] && tokens[j][i] == t; i++) {
-                    const uint16_t *r = rows[j] + i * row_ld[j] + h0;
-                    for (int64_t h = 0; h < n; h++)
-                        acc[h] += bf16_to_f32(r[h]);
-                }
-            }
-            uint16_t *o = out + t * out_ld + h0;
-            for (int64_t h = 0; h < n; h++)
-                o[h] = f32_to_bf16(acc[h], nan_bits);
-        }
-        for (int64_t j = 0; j < num_sources; j++)
-            while (cur[j] < counts[j] && tokens[j][cur[j]] == t)
-                cur[j]++;
     }
     int64_t status = 0;
+    float acc[CHUNK];
+    for (int64_t t = 0; t < m && !status; t++) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < num_sources; j++) {
+            for (; cur[j] < counts[j] && tokens[j][cur[j]] == t; cur[j]++) {
+                if (n == cap) {
+                    const uint16_t **grown = realloc(row, (size_t)(2 * cap) * sizeof *row);
+                    if (!grown) {
+                        status = -1;
+                        break;
+                    }
+                    row = grown;
+                    cap *= 2;
+                }
+                row[n++] = rows[j] + cur[j] * row_ld[j];
+            }
+        }
+        if (status)
+            break;
+        uint16_t *o = out + t * out_ld;
+        const uint16_t *b0 = bias0 ? bias0 + t * bias0_ld : NULL;
+        const uint16_t *b1 = bias1 ? bias1 + t * bias1_ld : NULL;
+        for (int64_t h0 = 0; h0 < hidden; h0 += CHUNK) {
+            const int64_t w = hidden - h0 < CHUNK ? hidden - h0 : CHUNK;
+            if (!b0 && n <= 2) {
+                /* the common cases, without an accumulator: +0.0 + a (+ b), rounded */
+                if (n == 0) {
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = 0;
+                } else if (n == 1) {
+                    const uint16_t *a = row[0] + h0;
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = f32_to_bf16(0.0f + bf16_to_f32(a[h]), nan_bits);
+                } else {
+                    const uint16_t *a = row[0] + h0, *b = row[1] + h0;
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = f32_to_bf16((0.0f + bf16_to_f32(a[h])) + bf16_to_f32(b[h]), nan_bits);
+                }
+                continue;
+            }
+            if (b0 && b1) {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = bf16_to_f32(b0[h0 + h]) + bf16_to_f32(b1[h0 + h]);
+            } else if (b0) {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = bf16_to_f32(b0[h0 + h]) + 0.0f;
+            } else {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = 0.0f;
+            }
+            /* every row but the last into acc; the last one's add is fused with the rounding */
+            for (int64_t r = 0; r + 1 < n; r++) {
+                const uint16_t *a = row[r] + h0;
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] += bf16_to_f32(a[h]);
+            }
+            if (n) {
+                const uint16_t *a = row[n - 1] + h0;
+                for (int64_t h = 0; h < w; h++)
+                    o[h0 + h] = f32_to_bf16(acc[h] + bf16_to_f32(a[h]), nan_bits);
+            } else {
+                for (int64_t h = 0; h < w; h++)
+                    o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
+            }
+        }
+    }
     for (int64_t j = 0; j < num_sources && !status; j++)
         if (cur[j] != counts[j])
             status = j + 1;
     free(cur);
+    free(row);
     return status;
 }
