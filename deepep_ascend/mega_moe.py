@@ -828,29 +828,43 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     worker.drain()
 
     s0 = now()
-    if num_waves == 1 and pair.numel() == t * k:  # every slot valid, in (token, k) order: no scatter needed
-        slots = pending[0][1]
-    else:
-        slots = torch.zeros(t * k, h, dtype=BF16)
-        for w, combined, _ev in pending:
-            slots.index_copy_(0, waves[w][0], combined)
-    # y = bf16(+0.0 + Σ_k slot + shared) in float32: the native kernel in one pass where it was
-    # built, else in blocks of tokens whose accumulator stays in cache. Both make the same additions
-    # in the same order as one [t, H] float32 pass per term.
-    sv = slots.view(t, k, h)
+    # y = bf16(+0.0 + Σ_k o_k + shared) in float32, ascending k. A masked pair adds nothing: the sum
+    # from +0.0 never holds -0.0, so adding its +0.0 row would change no bit.
     every = torch.arange(t)
-    terms = [(sv[:, j], every) for j in range(k)] + ([] if shared_out is None else [(shared_out, every)])
-    block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
-    native_done = _native.sum_rows(y[:t], terms) if t else True
-    acc = torch.empty(min(block, t), h, dtype=torch.float32) if not native_done else None
-    for s in range(0, t if not native_done else 0, block):
-        e = min(t, s + block)
-        a = acc[:e - s].zero_()
+    whole = num_waves == 1 and pair.numel() == t * k  # every slot valid, in (token, k) order
+    if whole:
+        sv = pending[0][1].view(t, k, h)
+        terms = [(sv[:, j], every) for j in range(k)]
+    else:  # slot j of each wave's combined rows, read where they lie (no [t*k, H] scatter)
+        terms = []
         for j in range(k):
-            a += sv[s:e, j]
-        if shared_out is not None:
-            a += shared_out[s:e]
-        y[s:e].copy_(a)
+            for w, combined, _ev in pending:
+                sel = waves[w][0]
+                q = torch.nonzero(torch.remainder(sel, k) == j).squeeze(1)
+                terms.append((combined, torch.div(sel.index_select(0, q), k, rounding_mode="floor"), q))
+    if shared_out is not None:
+        terms.append((shared_out, every))
+    # The native kernel sums in one pass where it was built; else the slots go into one [t, k, H]
+    # tensor and the sum runs in blocks of tokens whose float32 accumulator stays in cache. Both make
+    # the same additions in the same order.
+    if t and not _native.sum_rows(y[:t], terms):
+        if whole:
+            slots = pending[0][1]
+        else:
+            slots = torch.zeros(t * k, h, dtype=BF16)
+            for w, combined, _ev in pending:
+                slots.index_copy_(0, waves[w][0], combined)
+        sv = slots.view(t, k, h)
+        block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
+        acc = torch.empty(min(block, t), h, dtype=torch.float32)
+        for s in range(0, t, block):
+            e = min(t, s + block)
+            a = acc[:e - s].zero_()
+            for j in range(k):
+                a += sv[s:e, j]
+            if shared_out is not None:
+                a += shared_out[s:e]
+            y[s:e].copy_(a)
     trace.compute.append(("reduce", -1, s0, now()))
     if stats is not None:
         stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)

@@ -44,7 +44,7 @@ def _load():
         return None
     fn = ctypes.CDLL(path).deepep_sum_rows_bf16
     fn.restype = _I64
-    fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
+    fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
     return fn
 
 
@@ -68,16 +68,18 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
 
     Args:
         out: ``[m, H]`` bfloat16, rows of unit stride (any row stride).
-        sources: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` pairs, added in this order; ``tokens``
-            ascending in ``[0, m)`` (a token may repeat: its rows add in row order).
+        sources: ``(rows [R, H] bf16, tokens [cnt] int64[, index [cnt] int64])``, added in this
+            order; ``tokens`` ascending in ``[0, m)`` (a token may repeat: its rows add in row order);
+            row ``i`` of a source is ``rows[i]`` (``R >= cnt``), or ``rows[index[i]]`` if ``index`` is
+            given (a gather without a copy; values in ``[0, R)``).
         bias: None (``start = +0.0``) or a pair ``(bias0, bias1 | None)`` of ``[>= bias_offset + m, H]``
             bf16: ``start(t) = f32(bias0[bias_offset + t]) + f32(bias1[...])``, a missing one +0.0.
     Returns:
         True when done; False (nothing written) if the kernel is unavailable or an operand is not
         a CPU bf16 matrix with unit column stride.
     Raises:
-        ValueError: a source has fewer rows than tokens, or bias fewer than ``bias_offset + m`` rows
-            (nothing written); a source's tokens are not ascending in ``[0, m)`` (``out`` then holds
+        ValueError: a source has fewer rows than tokens, an ``index`` of another length or with
+            values outside ``[0, R)``, or bias fewer than ``bias_offset + m`` rows (nothing written); a source's tokens are not ascending in ``[0, m)`` (``out`` then holds
             partial sums).
         MemoryError: the kernel could not allocate its cursors (nothing written).
     """
@@ -89,21 +91,35 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         b0 = b0[bias_offset:bias_offset + m]
     if b1 is not None:
         b1 = b1[bias_offset:bias_offset + m]
-    if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(rows for rows, _ in sources))):
+    if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(src[0] for src in sources))):
         return False
     if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
         raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
-    live = [(rows, tokens.to(torch.int64).contiguous()) for rows, tokens in sources if tokens.numel()]
-    for j, (rows, tokens) in enumerate(live):
-        if tokens.dim() != 1 or rows.size(0) < tokens.numel():
+    live = []  # (rows, tokens, index | None), int64 and contiguous
+    for j, (rows, tokens, *rest) in enumerate(sources):
+        if not tokens.numel():
+            continue
+        tokens = tokens.to(torch.int64).contiguous()
+        index = rest[0].to(torch.int64).contiguous() if rest and rest[0] is not None else None
+        if tokens.dim() != 1 or (index is None and rows.size(0) < tokens.numel()):
             raise ValueError(f"deepep_ascend.native.sum_rows: source {j} has {rows.size(0)} rows for "
                              f"{tokens.numel()} tokens (tokens must be 1-D, one per row)")
-    tok_ptr = torch.tensor([tokens.data_ptr() for _, tokens in live], dtype=torch.int64)
-    counts = torch.tensor([tokens.numel() for _, tokens in live], dtype=torch.int64)
-    row_ptr = torch.tensor([rows.data_ptr() for rows, _ in live], dtype=torch.int64)
-    row_ld = torch.tensor([rows.stride(0) for rows, _ in live], dtype=torch.int64)
+        if index is not None and (index.shape != tokens.shape or int(index.min()) < 0
+                                  or int(index.max()) >= rows.size(0)):
+            got = f"[{int(index.min())}, {int(index.max())}]" if index.numel() else "none"
+            raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s index must be {tokens.numel()} "
+                             f"row numbers in [0, {rows.size(0)}), got shape {tuple(index.shape)} with values "
+                             f"in {got}")
+        live.append((rows, tokens, index))
+    tok_ptr = torch.tensor([tokens.data_ptr() for _, tokens, _ in live], dtype=torch.int64)
+    counts = torch.tensor([tokens.numel() for _, tokens, _ in live], dtype=torch.int64)
+    row_ptr = torch.tensor([rows.data_ptr() for rows, _, _ in live], dtype=torch.int64)
+    row_ld = torch.tensor([rows.stride(0) for rows, _, _ in live], dtype=torch.int64)
+    index_ptr = torch.tensor([0 if index is None else index.data_ptr() for _, _, index in live], dtype=torch.int64)
+    any_index = any(index is not None for _, _, index in live)
     status = _SUM_ROWS(m, hidden, len(live), tok_ptr.data_ptr(), counts.data_ptr(), row_ptr.data_ptr(),
-                       row_ld.data_ptr(), None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
+                       row_ld.data_ptr(), index_ptr.data_ptr() if any_index else None,
+                       None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
                        None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
                        out.data_ptr(), out.stride(0), _NAN_BITS)
     if status == -1:

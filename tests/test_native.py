@@ -69,6 +69,26 @@ def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):
 
 
 @needs_native
+@pytest.mark.parametrize("num_sources,hidden", [(1, 40), (4, 1100), (9, 24)])
+def test_sum_rows_gathers_rows_by_index(num_sources, hidden):
+    """A source given as ``(rows, tokens, index)`` adds ``rows[index[i]]`` for ``tokens[i]``: the same
+    bits as the gathered rows passed as a plain source (MegaMoE reads each wave's slot-j rows this way)."""
+    g = torch.Generator().manual_seed(num_sources * 7 + hidden)
+    m = 23
+    indexed, gathered = [], []
+    for _ in range(num_sources):
+        pool = _rows(g, 40, hidden)
+        tokens = torch.nonzero(torch.rand(m, generator=g) < 0.6).squeeze(1)
+        index = torch.randperm(40, generator=g)[:tokens.numel()]
+        indexed.append((pool, tokens, index))
+        gathered.append((pool.index_select(0, index), tokens))
+    got, want = torch.empty(m, hidden, dtype=BF16), torch.empty(m, hidden, dtype=BF16)
+    assert native.sum_rows(got, indexed) and native.sum_rows(want, gathered)
+    assert torch.equal(_bits(got), _bits(want))
+    assert same_bits_nan(got, _reference(m, hidden, gathered, None))
+
+
+@needs_native
 def test_sum_rows_adds_in_source_order_and_rounds_once():
     """1 + 2^-8 + 2^-24 + 2^-24 in float32 loses both 2^-24 and rounds to BF16 1.0 (a tie, to
     even); 2^-24 + 2^-24 + 2^-8 + 1 keeps them and rounds up to 1 + 2^-7. Token 0 has its sources
@@ -86,7 +106,8 @@ def test_sum_rows_adds_in_source_order_and_rounds_once():
 
 @needs_native
 def test_sum_rows_rejects_bad_operands():
-    """Rows fewer than tokens or bias too short: ValueError, nothing written. Tokens out of order or
+    """Rows fewer than tokens, an index of another length or out of range, or bias too short:
+    ValueError, nothing written. Tokens out of order or
     outside [0, m): ValueError naming the source (the kernel checks, it never reads past a row list).
     Operands it does not take (not bf16, a column stride): False, nothing written."""
     m, hidden = 6, 8
@@ -100,6 +121,11 @@ def test_sum_rows_rejects_bad_operands():
     for bad in (torch.tensor([0, 2, 1, 3]), torch.tensor([0, 1, 2, m]), torch.tensor([-1, 0, 1, 2])):
         with pytest.raises(ValueError, match="source 1's tokens are not ascending"):
             native.sum_rows(out, [(rows, torch.arange(4)), (rows, bad)])
+    out.fill_(7.0)  # the unordered tokens above left partial sums
+    for index in (torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 4]), torch.tensor([-1, 0, 1, 2])):
+        with pytest.raises(ValueError, match="source 0's index must be 4 row numbers in \\[0, 4\\)"):
+            native.sum_rows(out, [(rows, torch.arange(4), index)])
+    assert (out == 7.0).all()
     assert not native.sum_rows(out.float(), [(rows, torch.arange(4))])
     assert not native.sum_rows(out, [(rows.float(), torch.arange(4))])
     assert not native.sum_rows(out, [(torch.ones(hidden, 4, dtype=BF16).t(), torch.arange(4))])

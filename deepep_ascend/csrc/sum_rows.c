@@ -44,7 +44,9 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
  *
  * m, hidden       output rows and columns; out row t at out + t * out_ld (elements)
  * tokens[j]       ascending token ids in [0, m) of source j's counts[j] rows (int64)
- * rows[j]         source j's first row; row i at rows[j] + i * row_ld[j]
+ * rows[j]         source j's first row; its row i at rows[j] + r * row_ld[j], r = i, or r =
+ *                 row_index[j][i] if row_index and row_index[j] are not NULL (a gather: the
+ *                 caller checks those indices)
  * bias0, bias1    NULL, or row t at bias + t * ld: start(t) = f32(bias0[t]) + f32(bias1[t]), a
  *                 missing one being +0.0; with no bias start(t) = +0.0
  *
@@ -55,6 +57,7 @@ MULTIVERSION
 int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
                              const int64_t *const *tokens, const int64_t *counts,
                              const uint16_t *const *rows, const int64_t *row_ld,
+                             const int64_t *const *row_index,
                              const uint16_t *bias0, int64_t bias0_ld,
                              const uint16_t *bias1, int64_t bias1_ld,
                              uint16_t *out, int64_t out_ld, uint16_t nan_bits)
@@ -82,7 +85,8 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
                     row = grown;
                     cap *= 2;
                 }
-                row[n++] = rows[j] + cur[j] * row_ld[j];
+                const int64_t r = row_index && row_index[j] ? row_index[j][cur[j]] : cur[j];
+                row[n++] = rows[j] + r * row_ld[j];
             }
         }
         if (status)
