@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import warnings
 
 import torch
 
@@ -36,13 +37,28 @@ def library_path() -> str | None:
     return None
 
 
+_ABI = 2  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
+
+
 def _load():
     if os.environ.get("DEEPEP_ASCEND_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     path = library_path()
     if path is None:
         return None
-    fn = ctypes.CDLL(path).deepep_sum_rows_bf16
+    try:
+        lib = ctypes.CDLL(path)
+        lib.deepep_native_abi.restype = _I64
+        abi = int(lib.deepep_native_abi())
+        fn = lib.deepep_sum_rows_bf16
+    except (OSError, AttributeError) as exc:
+        abi, why = None, f"cannot be loaded ({exc})"
+    else:
+        why = f"was built from an older source (ABI {abi}, this code needs {_ABI})"
+    if abi != _ABI:
+        warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
+                      f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
+        return None
     fn.restype = _I64
     fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
     return fn
@@ -81,7 +97,8 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         ValueError: a source has fewer rows than tokens, an ``index`` of another length or with
             values outside ``[0, R)``, or bias fewer than ``bias_offset + m`` rows (nothing written); a source's tokens are not ascending in ``[0, m)`` (``out`` then holds
             partial sums).
-        MemoryError: the kernel could not allocate its cursors (nothing written).
+        MemoryError: the kernel ran out of memory for its per-token row list (rows from that token
+            on are not written).
     """
     if _SUM_ROWS is None:
         return False
@@ -123,7 +140,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
                        None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
                        out.data_ptr(), out.stride(0), _NAN_BITS)
     if status == -1:
-        raise MemoryError("deepep_ascend.native.sum_rows: the kernel could not allocate its cursors")
+        raise MemoryError("deepep_ascend.native.sum_rows: the kernel ran out of memory for its row lists")
     if status:
         raise ValueError(f"deepep_ascend.native.sum_rows: source {status - 1}'s tokens are not ascending "
                          f"in [0, {m})")

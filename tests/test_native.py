@@ -131,3 +131,20 @@ def test_sum_rows_rejects_bad_operands():
     assert not native.sum_rows(out, [(torch.ones(hidden, 4, dtype=BF16).t(), torch.arange(4))])
     column_major = torch.full((hidden, m), 7.0, dtype=BF16).t()
     assert not native.sum_rows(column_major, [(rows, torch.arange(4))]) and (column_major == 7.0).all()
+
+
+@needs_native
+def test_a_stale_or_broken_library_is_refused_with_a_warning(tmp_path, monkeypatch):
+    """A library built from an older source (its ``deepep_native_abi()`` differs) or one that does not
+    load is never called: a RuntimeWarning says so and the torch paths take over."""
+    monkeypatch.setattr(native, "_ABI", native._ABI + 1)
+    with pytest.warns(RuntimeWarning, match="built from an older source"):
+        assert native._load() is None
+    monkeypatch.undo()
+    bogus = tmp_path / "_native.so"
+    bogus.write_bytes(b"not a shared object")
+    monkeypatch.setattr(native, "library_path", lambda: str(bogus))
+    with pytest.warns(RuntimeWarning, match="cannot be loaded"):
+        assert native._load() is None
+    monkeypatch.undo()
+    assert native._load() is not None
