@@ -23,6 +23,11 @@ from mpi4py import MPI
 
 MARK = os.environ["SUITE_SCRIPT_MARK"]
 MODE = os.environ["SUITE_SCRIPT_MODE"]
+# The MPICH shared-memory segments this rank maps: the parent test checks that they are gone.
+with open("/proc/self/maps") as maps:
+    SEGMENTS = {line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/mpich_shm_" in line}
+with open(os.path.join(os.environ["SUITE_SCRIPT_SEGMENTS"], str(os.getpid())), "w") as f:
+    f.write(" ".join(sorted(SEGMENTS)))
 
 @pytest.mark.mpi(min_size=2)
 def test_first():
@@ -48,10 +53,12 @@ def _mpich_segments() -> set:
 
 def _run_script(tmp_path, mode, retries="1"):
     (tmp_path / "test_child.py").write_text(CHILD_TEST)
+    (tmp_path / "segments").mkdir(exist_ok=True)
     tests_dir = os.path.join(REPO, "tests")
     env = child_env(REPO, DEEPEP_ASCEND_TEST_RANKS="2", DEEPEP_ASCEND_SKIP_SETUP="1",
                     DEEPEP_ASCEND_TEST_HANG_RETRIES=retries, SUITE_SCRIPT_MODE=mode,
-                    SUITE_SCRIPT_MARK=str(tmp_path / "ran"), PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}")
+                    SUITE_SCRIPT_MARK=str(tmp_path / "ran"), SUITE_SCRIPT_SEGMENTS=str(tmp_path / "segments"),
+                    PYTHONPATH=f"{tests_dir}{os.pathsep}{REPO}")
     for var in ("DEEPEP_ASCEND_TEST_LOG_DIR", "DEEPEP_ASCEND_SUITE_TIMEOUT_S", "DEEPEP_ASCEND_TEST_WATCHDOG_S"):
         env.pop(var, None)
     return run_child_command(["bash", os.path.join(REPO, "scripts", "test.sh"), "-p", "no:cacheprovider",
@@ -60,11 +67,16 @@ def _run_script(tmp_path, mode, retries="1"):
 
 
 @pytest.fixture(autouse=True)
-def _no_segment_left():
-    """A job the watchdog ended leaves no MPICH segment in /dev/shm (it skips MPI_Finalize)."""
-    before = _mpich_segments()
+def _no_segment_left(tmp_path):
+    """A job the watchdog ended leaves no MPICH segment in /dev/shm (it skips MPI_Finalize). Only the
+    segments the child ranks mapped count (their names, from /proc/self/maps): other MPI jobs on the
+    machine may hold segments of their own meanwhile."""
     yield
-    assert not _mpich_segments() - before
+    names = set()
+    for record in (tmp_path / "segments").iterdir() if (tmp_path / "segments").is_dir() else ():
+        names |= set(record.read_text().split())
+    assert names, "the child ranks recorded no MPICH segment: this check would see nothing"
+    assert not names & _mpich_segments(), f"left in /dev/shm: {sorted(names & _mpich_segments())}"
 
 
 pytestmark = [pytest.mark.mpi(min_size=1),
