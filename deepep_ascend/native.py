@@ -88,22 +88,29 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
             order; ``tokens`` ascending in ``[0, m)`` (a token may repeat: its rows add in row order);
             row ``i`` of a source is ``rows[i]`` (``R >= cnt``), or ``rows[index[i]]`` if ``index`` is
             given (a gather without a copy; values in ``[0, R)``).
-        bias: None (``start = +0.0``) or a pair ``(bias0, bias1 | None)`` of ``[>= bias_offset + m, H]``
-            bf16: ``start(t) = f32(bias0[bias_offset + t]) + f32(bias1[...])``, a missing one +0.0.
+        bias: None (``start = +0.0``) or a pair ``(bias0 | None, bias1 | None)`` of
+            ``[>= bias_offset + m, H]`` bf16: ``start(t) = f32(bias0[bias_offset + t]) +
+            f32(bias1[...])``, a missing one +0.0. ``bias_offset >= 0``.
     Returns:
         True when done; False (nothing written) if the kernel is unavailable or an operand is not
         a CPU bf16 matrix with unit column stride.
     Raises:
-        ValueError: a source has fewer rows than tokens, an ``index`` of another length or with
-            values outside ``[0, R)``, or bias fewer than ``bias_offset + m`` rows (nothing written); a source's tokens are not ascending in ``[0, m)`` (``out`` then holds
-            partial sums).
+        ValueError: tokens or an index not a 1-D integer tensor, a source with fewer rows than
+            tokens, an ``index`` of another length or with values outside ``[0, R)``, a negative
+            ``bias_offset`` or bias fewer than ``bias_offset + m`` rows (nothing written); a
+            source's tokens not ascending in ``[0, m)`` (``out`` then holds partial sums).
         MemoryError: the kernel ran out of memory for its per-token row list (rows from that token
             on are not written).
     """
     if _SUM_ROWS is None:
         return False
+    sources = list(sources)  # iterated more than once below
     m, hidden = out.shape
     b0, b1 = (None, None) if bias is None else (bias[0], bias[1])
+    if b0 is None:  # f32(b1) + 0.0 == 0.0 + f32(b1): the one given bias goes first
+        b0, b1 = b1, None
+    if bias_offset < 0:
+        raise ValueError(f"deepep_ascend.native.sum_rows: bias_offset must be >= 0, got {bias_offset}")
     if b0 is not None:
         b0 = b0[bias_offset:bias_offset + m]
     if b1 is not None:
@@ -116,11 +123,16 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
     for j, (rows, tokens, *rest) in enumerate(sources):
         if not tokens.numel():
             continue
+        index = rest[0] if rest and rest[0] is not None else None
+        for name, t in (("tokens", tokens), ("index", index)):
+            if t is not None and (t.dim() != 1 or t.dtype not in (torch.int64, torch.int32)):
+                raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s {name} must be a 1-D int64 or "
+                                 f"int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
         tokens = tokens.to(torch.int64).contiguous()
-        index = rest[0].to(torch.int64).contiguous() if rest and rest[0] is not None else None
-        if tokens.dim() != 1 or (index is None and rows.size(0) < tokens.numel()):
+        index = None if index is None else index.to(torch.int64).contiguous()
+        if index is None and rows.size(0) < tokens.numel():
             raise ValueError(f"deepep_ascend.native.sum_rows: source {j} has {rows.size(0)} rows for "
-                             f"{tokens.numel()} tokens (tokens must be 1-D, one per row)")
+                             f"{tokens.numel()} tokens (one row per token)")
         if index is not None and (index.shape != tokens.shape or int(index.min()) < 0
                                   or int(index.max()) >= rows.size(0)):
             got = f"[{int(index.min())}, {int(index.max())}]" if index.numel() else "none"

@@ -89,6 +89,20 @@ def test_sum_rows_gathers_rows_by_index(num_sources, hidden):
 
 
 @needs_native
+def test_sum_rows_takes_any_iterable_of_sources_and_a_second_bias_alone():
+    """Sources may be a generator (it is read once); bias ``(None, b1)`` starts from ``f32(b1)``,
+    as ``(b1, None)`` does (``0.0 + x == x + 0.0``)."""
+    m, hidden = 3, 5
+    rows, tokens = torch.ones(m, hidden, dtype=BF16), torch.arange(m)
+    out = torch.empty(m, hidden, dtype=BF16)
+    assert native.sum_rows(out, ((rows, tokens) for _ in range(2)))
+    assert (out.float() == 2.0).all()
+    b1 = torch.full((m, hidden), 5.0, dtype=BF16)
+    assert native.sum_rows(out, [(rows, tokens)], (None, b1))
+    assert (out.float() == 6.0).all()
+
+
+@needs_native
 def test_sum_rows_adds_in_source_order_and_rounds_once():
     """1 + 2^-8 + 2^-24 + 2^-24 in float32 loses both 2^-24 and rounds to BF16 1.0 (a tie, to
     even); 2^-24 + 2^-24 + 2^-8 + 1 keeps them and rounds up to 1 + 2^-7. Token 0 has its sources
@@ -113,6 +127,11 @@ def test_sum_rows_rejects_bad_operands():
     m, hidden = 6, 8
     rows = torch.ones(4, hidden, dtype=BF16)
     out = torch.full((m, hidden), 7.0, dtype=BF16)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        native.sum_rows(out, [(rows, torch.arange(4))], (torch.ones(m + 5, hidden, dtype=BF16), None), bias_offset=-5)
+    for tokens in (torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.arange(4).view(2, 2), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="source 0's tokens must be a 1-D int64 or int32 tensor"):
+            native.sum_rows(out, [(rows, tokens)])
     with pytest.raises(ValueError, match="source 0 has 3 rows for 4 tokens"):
         native.sum_rows(out, [(rows[:3], torch.arange(4))])
     with pytest.raises(ValueError, match="bias rows"):
