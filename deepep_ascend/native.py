@@ -65,8 +65,9 @@ def _load():
 
 
 _SUM_ROWS = _load()
-# torch's float32 -> bfloat16 conversion turns every NaN into one bit pattern; the kernel writes the same.
-_NAN_BITS = int(torch.tensor(float("nan")).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+# The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
+# write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
+_NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
 def available() -> bool:
@@ -95,7 +96,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         True when done; False (nothing written) if the kernel is unavailable or an operand is not
         a CPU bf16 matrix with unit column stride.
     Raises:
-        ValueError: tokens or an index not a 1-D integer tensor, a source with fewer rows than
+        ValueError: ``out`` not 2-D or with overlapping rows, tokens or an index not a 1-D integer tensor, a source with fewer rows than
             tokens, an ``index`` of another length or with values outside ``[0, R)``, a negative
             ``bias_offset`` or bias fewer than ``bias_offset + m`` rows (nothing written); a
             source's tokens not ascending in ``[0, m)`` (``out`` then holds partial sums).
@@ -105,6 +106,8 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
     if _SUM_ROWS is None:
         return False
     sources = list(sources)  # iterated more than once below
+    if out.dim() != 2:
+        raise ValueError(f"deepep_ascend.native.sum_rows: out must be [m, H], got shape {tuple(out.shape)}")
     m, hidden = out.shape
     b0, b1 = (None, None) if bias is None else (bias[0], bias[1])
     if b0 is None:  # f32(b1) + 0.0 == 0.0 + f32(b1): the one given bias goes first
@@ -117,6 +120,9 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         b1 = b1[bias_offset:bias_offset + m]
     if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(src[0] for src in sources))):
         return False
+    if m > 1 and hidden and out.stride(0) < hidden:
+        raise ValueError(f"deepep_ascend.native.sum_rows: out's rows overlap (row stride {out.stride(0)} < "
+                         f"{hidden} columns)")
     if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
         raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
     live = []  # (rows, tokens, index | None), int64 and contiguous

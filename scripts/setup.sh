@@ -52,7 +52,9 @@ cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
 if os.path.isfile(src) and shutil.which(cc):
     built = [p for p in (os.path.join(root, "deepep_ascend", "_native" + s)
                          for s in importlib.machinery.EXTENSION_SUFFIXES) if os.path.isfile(p)]
-    if not built or os.path.getmtime(built[0]) < os.path.getmtime(src):
+    failed = os.path.join(root, "deepep_ascend", "_native.build-failed")  # written below when a build failed
+    tried = os.path.isfile(failed) and open(failed).read().strip() == repr(os.path.getmtime(src))
+    if (not built or os.path.getmtime(built[0]) < os.path.getmtime(src)) and not tried:
         why.append("the native kernel is not built or older than its source")
 if why:
     print("setup: (re)installing because: " + "; ".join(why), file=sys.stderr)
@@ -63,6 +65,23 @@ PY
 }
 if needs_install; then
     "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench]"
+    # The kernel is an optional extension: say so when this build skipped it, and remember that this
+    # source failed here (no reinstall on every run); a later source, or a compiler, tries again.
+    "$PYTHON" - "$REPO_ROOT" <<'PY'
+import importlib.machinery, os, sys
+pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend")
+src, failed = os.path.join(pkg, "csrc", "sum_rows.c"), os.path.join(pkg, "_native.build-failed")
+built = [p for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES)
+         if os.path.isfile(p) and os.path.getmtime(p) >= os.path.getmtime(src)]
+if built:
+    if os.path.isfile(failed):
+        os.remove(failed)
+else:
+    with open(failed, "w") as f:
+        f.write(repr(os.path.getmtime(src)))
+    print("setup: the native kernel (deepep_ascend/csrc/sum_rows.c) was not built (no working C compiler?): "
+          "combine uses its torch paths, same results, slower (README, 'Two commands')", file=sys.stderr)
+PY
 fi
 
 # 3. mpiexec: the one from the mpich wheel (matches mpi4py's libmpi). scripts/test.sh and

@@ -127,6 +127,10 @@ def test_sum_rows_rejects_bad_operands():
     m, hidden = 6, 8
     rows = torch.ones(4, hidden, dtype=BF16)
     out = torch.full((m, hidden), 7.0, dtype=BF16)
+    with pytest.raises(ValueError, match="out's rows overlap"):
+        native.sum_rows(torch.ones(1, hidden, dtype=BF16).expand(m, hidden), [(rows, torch.arange(4))])
+    with pytest.raises(ValueError, match="out must be"):
+        native.sum_rows(torch.ones(m * hidden, dtype=BF16), [(rows, torch.arange(4))])
     with pytest.raises(ValueError, match="must be >= 0"):
         native.sum_rows(out, [(rows, torch.arange(4))], (torch.ones(m + 5, hidden, dtype=BF16), None), bias_offset=-5)
     for tokens in (torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.arange(4).view(2, 2), torch.ones(4, dtype=torch.bool)):
