@@ -393,12 +393,13 @@ class CombineScratch:
     """Two float32 ``[block, hidden]`` blocks for :func:`accumulate_rows` (accumulator, converted
     rows), ~2 MiB each so a block stays in cache; kept across calls (fresh memory costs page faults)."""
 
-    def __init__(self):
+    def __init__(self, rows: int | None = None):
         self._bufs = None
+        self._rows = rows  # block rows; None: ~2 MiB per block (tests pass a few rows to get many blocks)
 
     def get(self, hidden: int):
         if self._bufs is None or self._bufs[0].size(1) != hidden:
-            block = max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
+            block = self._rows or max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
             self._bufs = (torch.empty(block, hidden), torch.empty(block, hidden))
         return self._bufs
 

@@ -99,7 +99,7 @@ from .grouped_gemm import (
     _pack_groups,
     native_bf16,
 )
-from .intranode import ConsensusError
+from .intranode import CombineScratch, ConsensusError, accumulate_rows
 
 __all__ = [
     "SymmBuffer",
@@ -122,7 +122,6 @@ _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
 _MIN_EXACT_SF_BYTE = 3
-_REDUCE_BLOCK_BYTES = 1 << 20  # float32 accumulator block of the final sum over k: stays in L2
 
 
 def gemm_engine() -> str:
@@ -252,6 +251,7 @@ class SymmBuffer:
         self._comm = comm.Dup()
         self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
         self.last_trace = None
+        self._reduce_scratch = CombineScratch()  # the final sum's float32 blocks without the native kernel
         self._destroyed = False
 
     def destroy(self) -> None:
@@ -842,12 +842,10 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
                 sel = waves[w][0]
                 q = torch.nonzero(torch.remainder(sel, k) == j).squeeze(1)
                 terms.append((combined, torch.div(sel.index_select(0, q), k, rounding_mode="floor"), q))
-    if shared_out is not None:
-        terms.append((shared_out, every))
+    shared_term = [] if shared_out is None else [(shared_out, every)]
     # The native kernel sums in one pass where it was built; else the slots go into one [t, k, H]
-    # tensor and the sum runs in blocks of tokens whose float32 accumulator stays in cache. Both make
-    # the same additions in the same order.
-    if t and not _native.sum_rows(y[:t], terms):
+    # tensor for combine's torch paths (accumulate_rows: the same additions in the same order).
+    if t and not _native.sum_rows(y[:t], terms + shared_term):
         if whole:
             slots = pending[0][1]
         else:
@@ -855,16 +853,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
             for w, combined, _ev in pending:
                 slots.index_copy_(0, waves[w][0], combined)
         sv = slots.view(t, k, h)
-        block = max(1, _REDUCE_BLOCK_BYTES // (4 * h))
-        acc = torch.empty(min(block, t), h, dtype=torch.float32)
-        for s in range(0, t, block):
-            e = min(t, s + block)
-            a = acc[:e - s].zero_()
-            for j in range(k):
-                a += sv[s:e, j]
-            if shared_out is not None:
-                a += shared_out[s:e]
-            y[s:e].copy_(a)
+        accumulate_rows(y[:t], [(sv[:, j], every) for j in range(k)] + shared_term, *sb._reduce_scratch.get(h),
+                        native=False)
     trace.compute.append(("reduce", -1, s0, now()))
     if stats is not None:
         stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)

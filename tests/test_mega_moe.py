@@ -497,12 +497,13 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
 
 
 def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
-    """Without the native kernel the final sum over k (and the shared expert) runs in blocks of tokens;
-    with blocks of 3 tokens (several per rank and a short last one; the tests' shapes otherwise fit
-    one block) ``y`` is bit for bit the one-block result and the native kernel's, and within
-    tolerance of the reference."""
+    """Without the native kernel the final sum over k (and the shared expert) runs on combine's torch
+    paths in blocks of tokens; with blocks of 3 tokens (several per rank and a short last one: the
+    float32 chain; the tests' shapes otherwise fit one block: ``embedding_bag``) ``y`` is bit for bit
+    the one-block result and the native kernel's, and within tolerance of the reference."""
     from deepep_ascend import mega_moe as mm
     from deepep_ascend import native
+    from deepep_ascend.intranode import CombineScratch
 
     rank, size = comm.Get_rank(), comm.Get_size()
     kind = "fp8"
@@ -513,8 +514,8 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     (s1, s2), sref = _shared(kind, h, i, 1, seed=17)
     t = _fill(kind, buf, seed=19, rank=rank, size=size)
     ys = []
-    for block_bytes, use_native in ((1 << 30, False), (4 * h * 3, False), (1 << 30, True)):
-        monkeypatch.setattr(mm, "_REDUCE_BLOCK_BYTES", block_bytes)
+    for block_rows, use_native in ((None, False), (3, False), (None, True)):
+        monkeypatch.setattr(buf, "_reduce_scratch", CombineScratch(block_rows))
         monkeypatch.setattr(mm._native, "sum_rows", native.sum_rows if use_native else lambda *a, **kw: False)
         y = torch.full((t, h), float("nan"), dtype=BF16)
         coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1,
