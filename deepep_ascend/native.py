@@ -83,6 +83,9 @@ def _rows_ok(t: torch.Tensor | None, cols: int) -> bool:
 def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> bool:
     """``out[t] = bf16(start(t) + Σ_sources Σ_{i: tokens[i] == t} f32(rows[i]))``, one rounding.
 
+    The reduction inside DeepEP's ``Buffer.combine`` kernels (float32 accumulation from the bias,
+    ascending source rank, one round-to-nearest-even to BF16); no public DeepEP call of its own.
+
     Args:
         out: ``[m, H]`` bfloat16, rows of unit stride (any row stride).
         sources: ``(rows [R, H] bf16, tokens [cnt] int64[, index [cnt] int64])``, added in this
@@ -146,11 +149,12 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
                              f"row numbers in [0, {rows.size(0)}), got shape {tuple(index.shape)} with values "
                              f"in {got}")
         live.append((rows, tokens, index))
-    tok_ptr = torch.tensor([tokens.data_ptr() for _, tokens, _ in live], dtype=torch.int64)
-    counts = torch.tensor([tokens.numel() for _, tokens, _ in live], dtype=torch.int64)
-    row_ptr = torch.tensor([rows.data_ptr() for rows, _, _ in live], dtype=torch.int64)
-    row_ld = torch.tensor([rows.stride(0) for rows, _, _ in live], dtype=torch.int64)
-    index_ptr = torch.tensor([0 if index is None else index.data_ptr() for _, _, index in live], dtype=torch.int64)
+    # The kernel's per-source arrays, one int64 row each: token pointers, counts, row pointers, row
+    # strides, index pointers (0: none).
+    meta = torch.tensor([[tokens.data_ptr(), tokens.numel(), rows.data_ptr(), rows.stride(0),
+                          0 if index is None else index.data_ptr()] for rows, tokens, index in live],
+                        dtype=torch.int64).reshape(-1, 5).t().contiguous()
+    tok_ptr, counts, row_ptr, row_ld, index_ptr = meta
     any_index = any(index is not None for _, _, index in live)
     status = _SUM_ROWS(m, hidden, len(live), tok_ptr.data_ptr(), counts.data_ptr(), row_ptr.data_ptr(),
                        row_ld.data_ptr(), index_ptr.data_ptr() if any_index else None,
