@@ -43,19 +43,6 @@ for pkg in ("deepep_ascend", "transports", "bench"):
         where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None
         if where != os.path.join(root, pkg):
             why.append(f"{pkg} resolves to {where}")
-# The native kernel (optional extension, built by the install): rebuild if it is missing or older
-# than its source, where a C compiler exists (without one the install skips it and the library
-# uses its torch paths).
-import importlib.machinery, shutil, sysconfig
-src = os.path.join(root, "deepep_ascend", "csrc", "sum_rows.c")
-cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-if os.path.isfile(src) and shutil.which(cc):
-    built = [p for p in (os.path.join(root, "deepep_ascend", "_native" + s)
-                         for s in importlib.machinery.EXTENSION_SUFFIXES) if os.path.isfile(p)]
-    failed = os.path.join(root, "deepep_ascend", "_native.build-failed")  # written below when a build failed
-    tried = os.path.isfile(failed) and open(failed).read().strip() == repr(os.path.getmtime(src))
-    if (not built or os.path.getmtime(built[0]) < os.path.getmtime(src)) and not tried:
-        why.append("the native kernel is not built or older than its source")
 if why:
     print("setup: (re)installing because: " + "; ".join(why), file=sys.stderr)
     sys.exit(0)
@@ -63,25 +50,40 @@ sys.exit(1)
 PY
     )
 }
-if needs_install; then
-    "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench]"
-    # The kernel is an optional extension: say so when this build skipped it, and remember that this
-    # source failed here (no reinstall on every run); a later source, or a compiler, tries again.
-    "$PYTHON" - "$REPO_ROOT" <<'PY'
-import importlib.machinery, os, sys
+# The native kernel (an optional extension the install builds; without it the library uses its torch
+# paths). `native_kernel check` exits 0 if it needs a build: missing or older than its source, a C
+# compiler on PATH, and not already failed for this source here. `native_kernel record` after an
+# install says when the build was skipped and remembers that this source failed (no reinstall on every
+# run); a later source tries again.
+native_kernel() {
+    "$PYTHON" - "$REPO_ROOT" "$1" <<'PY'
+import importlib.machinery, os, shutil, sys, sysconfig
 pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend")
 src, failed = os.path.join(pkg, "csrc", "sum_rows.c"), os.path.join(pkg, "_native.build-failed")
-built = [p for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES)
-         if os.path.isfile(p) and os.path.getmtime(p) >= os.path.getmtime(src)]
-if built:
+if not os.path.isfile(src):
+    sys.exit(1)
+fresh = any(os.path.isfile(p) and os.path.getmtime(p) >= os.path.getmtime(src)
+            for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES))
+stamp = repr(os.path.getmtime(src))
+if sys.argv[2] == "check":
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    tried = os.path.isfile(failed) and open(failed).read().strip() == stamp
+    if fresh or tried or not shutil.which(cc):
+        sys.exit(1)
+    print("setup: (re)installing because: the native kernel is not built or older than its source", file=sys.stderr)
+elif fresh:
     if os.path.isfile(failed):
         os.remove(failed)
 else:
     with open(failed, "w") as f:
-        f.write(repr(os.path.getmtime(src)))
+        f.write(stamp)
     print("setup: the native kernel (deepep_ascend/csrc/sum_rows.c) was not built (no working C compiler?): "
           "combine uses its torch paths, same results, slower (README, 'Two commands')", file=sys.stderr)
 PY
+}
+if needs_install || native_kernel check; then
+    "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench]"
+    native_kernel record
 fi
 
 # 3. mpiexec: the one from the mpich wheel (matches mpi4py's libmpi). scripts/test.sh and
