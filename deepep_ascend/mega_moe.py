@@ -615,26 +615,41 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
     return t, shared
 
 
-def _dequant_x(kind, data, sf_bytes, dtype=BF16):
+def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     """Received activations ``[n, H]`` as ``dtype``: bf16, or float32 holding the same bf16 values
-    (what the fp32 engine multiplies). bf16 rows as they are; fp8: e4m3 × UE8M0 bytes ``[n, H/32]``
-    (:func:`deepep_ascend.per_token_cast_back`), exact in bf16 unless a scale byte is below
-    ``_MIN_EXACT_SF_BYTE`` (then rounded through bf16)."""
+    (what the fp32 engine multiplies), from rows ``index`` (int64 ``[n]``; all rows if None) of ``data``
+    and ``sf_bytes``. bf16 rows as they are; fp8: e4m3 × UE8M0 bytes ``[., H/32]``
+    (:func:`deepep_ascend.per_token_cast_back`; the native kernel gathers and decodes in one pass, same
+    bits; ``native=False`` skips it), exact in bf16 unless a scale byte is below ``_MIN_EXACT_SF_BYTE`` (then
+    rounded through bf16)."""
     if kind == "bf16":
+        data = data if index is None else data.index_select(0, index)
         return data if dtype == BF16 else data.float()
+    if dtype == BF16 and native:
+        out = torch.empty(data.size(0) if index is None else index.numel(), data.size(1), dtype=BF16)
+        if _native.dequant_rows_e4m3(out, data, sf_bytes, index, _SF_GRAN):
+            return out
+    if index is not None:
+        data, sf_bytes = data.index_select(0, index), sf_bytes.index_select(0, index)
     if dtype == BF16 or (sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE):
         return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, BF16).to(dtype)
     return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, torch.float32)
 
 
-def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16):
+def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
     (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order; the fp8
     path's cast to e4m3 with UE8M0 per 32 and back is done in one float32 rounding pass
-    (:func:`deepep_ascend.quant._e4m3_ue8m0_round_trip_`, bit for bit the codec's result)."""
+    (:func:`deepep_ascend.quant._e4m3_ue8m0_round_trip_`, bit for bit the codec's result). The native
+    kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
+    after torch's exp."""
+    c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
+    if h.dtype == BF16 and dtype == BF16 and native:
+        out = torch.empty(h.size(0), i, dtype=BF16)
+        if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else _SF_GRAN):
+            return out
     g, u = h[:, :i], h[:, i:]
     if clamp is not None:
-        c = float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
         g = g.clamp(max=c)
         u = u.clamp(-c, c)
     gf = g.float()
@@ -773,8 +788,10 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         local = recv_idx[:, 0] - e0
         order = torch.argsort(local, stable=True)
         bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
-        rows = recv_x.index_select(0, order)
-        xs = rows.to(op_dtype) if kind == "bf16" else _dequant_x(kind, rows[:, :h].view(FP8), rows[:, h:], op_dtype)
+        if kind == "bf16":
+            xs = recv_x.index_select(0, order).to(op_dtype)
+        else:
+            xs = _dequant_x(kind, recv_x[:, :h].view(FP8), recv_x[:, h:], op_dtype, index=order)
         hh = _expert_gemm(engine, xs, w1[e0:e0 + ne], bounds)
         return dict(n=n, order=order, bounds=bounds, e0=e0, ne=ne, h=hh, ws=recv_w[:, 0].index_select(0, order))
 

@@ -1,16 +1,20 @@
-"""The data plane's native kernel: combine's row sum in one pass (``csrc/sum_rows.c``).
+"""The data plane's native kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
+elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``).
 
 Built at install time as the optional extension ``deepep_ascend._native`` (``pyproject.toml``) and
 loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
 Buffer's worker sums while the caller computes). Where it was not built (no C compiler) or
-``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False and
-:func:`deepep_ascend.intranode.accumulate_rows` uses its torch paths, which give the same bits.
+``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False, every function here returns False,
+and the callers (:func:`deepep_ascend.intranode.accumulate_rows`, :mod:`deepep_ascend.mega_moe`) use
+their torch paths, which give the same bits (NaN payloads aside).
 
 Why C: combine sums each token's BF16 rows in float32 and rounds once (DeepEP's arithmetic).
 torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's BF16
 ``embedding_bag`` rounds half away from zero), so the torch paths convert rows to a float32
 scratch first: about three passes over the rows where this kernel makes one
-(``python -m bench.combine_sum`` times both).
+(``python -m bench.combine_sum`` times both). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
+torch passes over float32 temporaries; the kernel makes one, after torch's own ``exp`` (so both paths
+compute the same sigmoid).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "library_path", "sum_rows"]
+__all__ = ["available", "dequant_rows_e4m3", "library_path", "sum_rows", "swiglu"]
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -37,7 +41,7 @@ def library_path() -> str | None:
     return None
 
 
-_ABI = 2  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
+_ABI = 3  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
 
 
 def _load():
@@ -50,7 +54,8 @@ def _load():
         lib = ctypes.CDLL(path)
         lib.deepep_native_abi.restype = _I64
         abi = int(lib.deepep_native_abi())
-        fn = lib.deepep_sum_rows_bf16
+        fns = (lib.deepep_sum_rows_bf16, lib.deepep_dequant_rows_e4m3_bf16, lib.deepep_swiglu_gate_bf16,
+               lib.deepep_swiglu_bf16)
     except (OSError, AttributeError) as exc:
         abi, why = None, f"cannot be loaded ({exc})"
     else:
@@ -59,12 +64,20 @@ def _load():
         warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
                       f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
         return None
-    fn.restype = _I64
-    fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
-    return fn
+    sum_rows_fn, dequant, gate, swiglu_fn = fns
+    sum_rows_fn.restype = _I64
+    sum_rows_fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
+    dequant.restype = None
+    dequant.argtypes = [_I64, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, ctypes.c_uint16]
+    gate.restype = None
+    gate.argtypes = [_I64, _I64, _P, _I64, _I64, ctypes.c_float, _P]
+    swiglu_fn.restype = _I64
+    swiglu_fn.argtypes = [_I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, _I64, _I64, _P, _I64, ctypes.c_uint16]
+    return fns
 
 
-_SUM_ROWS = _load()
+_FNS = _load()
+_SUM_ROWS, _DEQUANT, _GATE, _SWIGLU = _FNS if _FNS is not None else (None,) * 4
 # The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 # write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
 _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
@@ -166,4 +179,151 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
     if status:
         raise ValueError(f"deepep_ascend.native.sum_rows: source {status - 1}'s tokens are not ascending "
                          f"in [0, {m})")
+    return True
+
+
+def _matrix(name: str, t: torch.Tensor, dtype: torch.dtype, cols: int, op: str) -> None:
+    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == 2 and t.size(1) == cols
+            and t.device.type == "cpu" and (t.stride(1) == 1 or cols <= 1)):
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be a CPU {dtype} matrix of {cols} columns with "
+                         f"unit column stride, got {getattr(t, 'dtype', type(t).__name__)} of shape "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+
+
+def _rows_apart(name: str, t: torch.Tensor, op: str) -> None:
+    if t.size(0) > 1 and t.size(1) and t.stride(0) < t.size(1):
+        raise ValueError(f"deepep_ascend.native.{op}: {name}'s rows overlap (row stride {t.stride(0)} < "
+                         f"{t.size(1)} columns)")
+
+
+_TABLES = []  # e4m3 code -> float32, UE8M0 byte -> float32 scale: built by the torch codecs on first use
+
+
+def _decode_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    if not _TABLES:
+        from . import quant  # noqa: PLC0415 - deferred: native is imported early by the data plane
+
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _TABLES.extend((quant.e4m3_to_float(codes), quant.unpack_ue8m0_from_int(codes).contiguous()))
+    return _TABLES[0], _TABLES[1]
+
+
+def dequant_rows_e4m3(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      index: torch.Tensor | None = None, gran: int = 32) -> bool:
+    """``out[r] = bf16(e4m3(codes[i]) * 2^(scales[i] - 127))`` per ``gran``-column group, ``i = index[r]``.
+
+    Gather and decode in one pass: what ``per_token_cast_back(codes[index], scales[index], gran,
+    torch.bfloat16)`` gives, bit for bit (NaN payloads aside) -- DeepEP's ``per_token_cast_back`` test
+    helper on received FP8 rows with UE8M0 scale bytes (no DeepEP call of its own).
+
+    Args:
+        out: ``[n, H]`` bfloat16, unit column stride, rows not overlapping; ``H % gran == 0``.
+        codes: ``[R, H]`` float8_e4m3fn (or its uint8/int8 bytes), unit column stride.
+        scales: ``[R, H / gran]`` uint8 UE8M0 bytes, unit column stride.
+        index: None (row ``r``, ``R >= n``) or ``[n]`` int64 row numbers in ``[0, R)``.
+    Returns:
+        True when done, False (nothing written) if the kernel is unavailable.
+    Raises:
+        ValueError: operands of another dtype, shape or layout, or ``index`` values out of range.
+    """
+    if _DEQUANT is None:
+        return False
+    op = "dequant_rows_e4m3"
+    if not isinstance(gran, int) or isinstance(gran, bool) or gran < 1 or out.dim() != 2 or out.size(1) % gran:
+        raise ValueError(f"deepep_ascend.native.{op}: gran must be a positive int dividing out's columns, got "
+                         f"gran {gran!r} for out of shape {tuple(out.shape)}")
+    n, hidden = out.shape
+    _matrix("out", out, torch.bfloat16, hidden, op)
+    _rows_apart("out", out, op)
+    if isinstance(codes, torch.Tensor) and codes.dtype in (torch.float8_e4m3fn, torch.int8):
+        codes = codes.view(torch.uint8)
+    _matrix("codes", codes, torch.uint8, hidden, op)
+    _matrix("scales", scales, torch.uint8, hidden // gran, op)
+    rows = min(codes.size(0), scales.size(0))
+    if index is None:
+        if rows < n:
+            raise ValueError(f"deepep_ascend.native.{op}: codes/scales have {codes.size(0)}/{scales.size(0)} rows "
+                             f"for {n} output rows")
+    else:
+        if index.dim() != 1 or index.dtype != torch.int64 or index.numel() != n:
+            raise ValueError(f"deepep_ascend.native.{op}: index must be [{n}] int64, got {index.dtype} of shape "
+                             f"{tuple(index.shape)}")
+        if n and (int(index.min()) < 0 or int(index.max()) >= rows):
+            raise ValueError(f"deepep_ascend.native.{op}: index values must lie in [0, {rows}), got "
+                             f"[{int(index.min())}, {int(index.max())}]")
+        index = index.contiguous()
+    if not n or not hidden:
+        return True
+    e4m3, sf = _decode_tables()
+    _DEQUANT(n, hidden, gran, codes.data_ptr(), codes.stride(0), scales.data_ptr(), scales.stride(0),
+             None if index is None else index.data_ptr(), e4m3.data_ptr(), sf.data_ptr(), out.data_ptr(),
+             out.stride(0), _NAN_BITS)
+    return True
+
+
+_SWIGLU_BLOCK_FLOATS = 1 << 17  # floats of -g per block (512 KiB): exp_ and the kernel's second pass find it in L2
+
+
+def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = None, clamp: float | None = None,
+           fast_math: bool = True, gran: int = 0) -> bool:
+    """MegaMoE's activation, one BF16 row of ``out`` per row of ``h``, bit for bit the torch path of
+    :func:`deepep_ascend.mega_moe._activation` (NaN payloads aside)::
+
+        g, u = h[:, :I], h[:, I:]  (clamped to <= clamp and to [-clamp, clamp] if clamp is not None)
+        a = silu(g) * u * weights[:, None]   in float32: g / (1 + exp(-g)), or (1 / (1 + exp(-g))) * g if fast_math
+        gran > 0: a = e4m3 round trip of a with UE8M0 scales per gran columns
+        out = bf16(a)
+
+    The exp is torch's (``Tensor.exp_`` on a float32 block of ``-g``), so both paths compute the same
+    sigmoid; the kernel does the rest in one pass. DeepGEMM's MegaMoE SwiGLU epilogue with
+    ``activation_clamp`` and its FP8 cast of the L2 input (no DeepGEMM call of its own).
+
+    Args:
+        out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping.
+        h: ``[n, 2 I]`` bfloat16, unit column stride.
+        weights: None (1) or ``[n]`` float32, the routing weight of each row.
+        clamp: None, or the clamp as a float (the caller rounds it as its reference does).
+        gran: 0 (no FP8 round trip) or a positive int <= 256 dividing ``I``.
+    Returns:
+        True when done; False if the kernel is unavailable or a ``gran`` group holds a NaN, an
+        infinity or a value of magnitude ``2**100`` or more (``out`` then partly written: use the
+        codecs).
+    Raises:
+        ValueError: operands of another dtype, shape or layout, or a bad ``gran``.
+    """
+    if _SWIGLU is None:
+        return False
+    op = "swiglu"
+    if out.dim() != 2:
+        raise ValueError(f"deepep_ascend.native.{op}: out must be [n, I], got shape {tuple(out.shape)}")
+    n, inter = out.shape
+    _matrix("out", out, torch.bfloat16, inter, op)
+    _rows_apart("out", out, op)
+    _matrix("h", h, torch.bfloat16, 2 * inter, op)
+    if h.size(0) != n:
+        raise ValueError(f"deepep_ascend.native.{op}: h has {h.size(0)} rows, out {n}")
+    if weights is not None and (weights.dtype != torch.float32 or weights.dim() != 1 or weights.numel() != n):
+        raise ValueError(f"deepep_ascend.native.{op}: weights must be None or [{n}] float32, got {weights.dtype} of "
+                         f"shape {tuple(weights.shape)}")
+    if not isinstance(gran, int) or isinstance(gran, bool) or gran < 0 or gran > 256 or (gran and inter % gran):
+        raise ValueError(f"deepep_ascend.native.{op}: gran must be 0 or an int in [1, 256] dividing I = {inter}, "
+                         f"got {gran!r}")
+    if not n or not inter:
+        return True
+    if weights is not None:
+        weights = weights.contiguous()
+    has_clamp = clamp is not None
+    c = float(clamp) if has_clamp else 0.0
+    block = min(n, max(1, _SWIGLU_BLOCK_FLOATS // inter))
+    t = torch.empty(block, inter)
+    for r0 in range(0, n, block):
+        b = min(block, n - r0)
+        tb, hb = t[:b], h[r0:r0 + b]
+        _GATE(b, inter, hb.data_ptr(), hb.stride(0), has_clamp, c, tb.data_ptr())
+        tb.exp_()
+        ob = out[r0:r0 + b]
+        if _SWIGLU(b, inter, hb.data_ptr(), hb.stride(0), tb.data_ptr(),
+                   None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)), gran,
+                   ob.data_ptr(), ob.stride(0), _NAN_BITS):
+            return False
     return True

@@ -54,6 +54,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import native as _native
+
 __all__ = [
     "FP4_E2M1_MAX",
     "FP8_E4M3_MAX",
@@ -642,7 +644,9 @@ def per_token_cast_back(
     ``x_fp8`` ``[..., M, K]`` e4m3; ``x_scales`` float32 ``[..., M, >= ceil(K/gran_k)]`` or
     packed UE8M0 (int32 four per word, int16 pairs, uint8 bytes), any strides (row- or
     MN-major). Computed in float32 and returned as ``dtype`` (bf16 by default, as DeepEP's
-    helper). Raises ``TypeError`` for wrong dtypes, ``ValueError`` for mismatched shapes.
+    helper); a 2-D bf16 cast back with UE8M0 scales runs the native kernel
+    (:func:`deepep_ascend.native.dequant_rows_e4m3`, same bits) where it was built. Raises
+    ``TypeError`` for wrong dtypes, ``ValueError`` for mismatched shapes.
     """
     _check_tensor("x_fp8", x_fp8, (torch.float8_e4m3fn,))
     _check_tensor("x_scales", x_scales)
@@ -661,6 +665,12 @@ def per_token_cast_back(
             f"x_scales shape {tuple(x_scales.shape)} does not fit x_fp8 {tuple(x_fp8.shape)} "
             f"at gran_k={gran_k}"
         )
+    if (dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and x_scales.dtype in _INT_DTYPES_FOR_UE8M0
+            and (x_fp8.stride(1) == 1 or k <= 1)):
+        out = torch.empty(m, k, dtype=torch.bfloat16)
+        sf_bytes = x_scales.contiguous().view(torch.uint8)[:, :k // gran_k]
+        if _native.dequant_rows_e4m3(out, x_fp8, sf_bytes, None, gran_k):
+            return out
     vals = e4m3_to_float(x_fp8)
     if k % gran_k == 0:  # scale groups in place, without a full-size scale tensor
         g = k // gran_k

@@ -51,7 +51,7 @@ PY
     )
 }
 # The native kernel (an optional extension the install builds; without it the library uses its torch
-# paths). `native_kernel check` exits 0 if it needs a build: missing or older than its source, a C
+# paths). `native_kernel check` exits 0 if it needs a build: missing or older than its sources, a C
 # compiler on PATH, and not already failed for this source here. `native_kernel record` after an
 # install says when the build was skipped and remembers that this source failed (no reinstall on every
 # run); a later source tries again.
@@ -59,12 +59,14 @@ native_kernel() {
     "$PYTHON" - "$REPO_ROOT" "$1" <<'PY'
 import importlib.machinery, os, shutil, sys, sysconfig
 pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend")
-src, failed = os.path.join(pkg, "csrc", "sum_rows.c"), os.path.join(pkg, "_native.build-failed")
-if not os.path.isfile(src):
+csrc, failed = os.path.join(pkg, "csrc"), os.path.join(pkg, "_native.build-failed")
+srcs = [os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith(".c")] if os.path.isdir(csrc) else []
+if not srcs:
     sys.exit(1)
-fresh = any(os.path.isfile(p) and os.path.getmtime(p) >= os.path.getmtime(src)
+newest = max(os.path.getmtime(p) for p in srcs)
+fresh = any(os.path.isfile(p) and os.path.getmtime(p) >= newest
             for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES))
-stamp = repr(os.path.getmtime(src))
+stamp = repr(newest)
 if sys.argv[2] == "check":
     cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     tried = os.path.isfile(failed) and open(failed).read().strip() == stamp
@@ -77,8 +79,9 @@ elif fresh:
 else:
     with open(failed, "w") as f:
         f.write(stamp)
-    print("setup: the native kernel (deepep_ascend/csrc/sum_rows.c) was not built (no working C compiler?): "
-          "combine uses its torch paths, same results, slower (README, 'Two commands')", file=sys.stderr)
+    print("setup: the native kernels (deepep_ascend/csrc/*.c) were not built (no working C compiler?): "
+          "combine and MegaMoE use their torch paths, same results, slower (README, 'Two commands')",
+          file=sys.stderr)
 PY
 }
 if needs_install || native_kernel check; then

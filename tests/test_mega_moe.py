@@ -526,3 +526,42 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     all_ranks_ok(comm, all(torch.equal(ys[0].view(torch.int16), other.view(torch.int16)) for other in ys[1:])
                  and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5,
                  "blocks of 3 tokens == one block == native kernel")
+
+
+@pytest.mark.parametrize("kind,clamp", [("fp8", 10.0), ("fp8", None), ("bf16", 10.0)])
+def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp):
+    """The native kernels (FP8 row decode, SwiGLU with its FP8 round trip, the final sum) against the
+    torch paths with all three switched off: ``y`` bit for bit, several waves and the shared expert,
+    and within tolerance of the reference."""
+    from deepep_ascend import mega_moe as mm
+    from deepep_ascend import native
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, 1)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = _weights(kind, buf.num_experts, h, i, seed=23)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
+    (s1, s2), sref = _shared(kind, h, i, 1, seed=29)
+    t = _fill(kind, buf, seed=31, rank=rank, size=size)
+    ys, used = [], []
+    for use_native in (False, True):
+        for name in ("sum_rows", "dequant_rows_e4m3", "swiglu"):
+            real = getattr(native, name)
+
+            def spy(*a, real=real, name=name, use_native=use_native, **kw):
+                ok = use_native and real(*a, **kw)
+                used.append((use_native, name, ok))
+                return ok
+            monkeypatch.setattr(mm._native, name, spy)
+        y = torch.full((t, h), float("nan"), dtype=BF16)
+        coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1, shared_l2_weights=s2,
+             activation_clamp=clamp, what=f"{kind} mega_moe")
+        ys.append(y)
+        monkeypatch.undo()
+    xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank])[rank]
+    ran = {name for on, name, ok in used if on and ok}
+    want = {"swiglu"} | ({"sum_rows"} if t else set()) | ({"dequant_rows_e4m3"} if kind == "fp8" else set())
+    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+                 and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5 and (ran == want or not native.available()),
+                 f"native kernels {sorted(ran)} == torch paths, bitwise")

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from buffer_helpers import same_bits_nan
@@ -171,3 +172,188 @@ def test_a_stale_or_broken_library_is_refused_with_a_warning(tmp_path, monkeypat
         assert native._load() is None
     monkeypatch.undo()
     assert native._load() is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# MegaMoE's elementwise kernels (csrc/moe_act.c)
+
+
+def _e4m3_spec(code: int) -> float:
+    """e4m3fn from the format (mega-moe.md §4): bias 7, subnormals m/8 * 2^-6, 0x7F/0xFF NaN."""
+    s, e, m = code >> 7, (code >> 3) & 15, code & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    mag = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -mag if s else mag
+
+
+def _to_bf16_exact(x: np.ndarray) -> torch.Tensor:
+    """float64 values rounded once to bf16 (nearest, ties to even; subnormal step 2^-133), independent
+    of torch's casts."""
+    ax = np.abs(x)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e = np.floor(np.log2(np.where(ax > 0, ax, 1.0)))
+    ulp = np.exp2(np.maximum(e, -126) - 7)
+    r = np.where(np.isfinite(x), np.round(x / ulp) * ulp, x)  # np.round: ties to even
+    r = np.where(np.abs(r) >= 2.0**128, np.copysign(np.inf, x), r)  # past the largest bf16: inf
+    return torch.from_numpy(r).float().to(BF16)  # exact: r is on the bf16 grid
+
+
+@needs_native
+def test_dequant_rows_every_code_and_scale_byte():
+    """Every e4m3 code times every UE8M0 byte (2^-127 .. 2^127, 255 = NaN) gathered by an index: the
+    value the format defines, rounded once to bf16 (inf past bf16's range, bf16 subnormals below its
+    normals), and bit for bit ``per_token_cast_back``'s torch path; NaN wherever code or scale is NaN."""
+    gran = 8
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 1)  # row b: all codes
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).repeat(1, 256 // gran)
+    index = torch.randperm(256, generator=torch.Generator().manual_seed(3))
+    out = torch.full((256, 256), 7.0, dtype=BF16)
+    assert native.dequant_rows_e4m3(out, codes.view(torch.float8_e4m3fn), scales, index, gran)
+    vals = np.array([_e4m3_spec(c) for c in range(256)])
+    scale = np.where(np.arange(256) == 255, np.nan, np.exp2(np.arange(256) - 127.0))
+    exp = _to_bf16_exact(scale[index.numpy()][:, None] * vals[None, :])
+    assert same_bits_nan(out, exp)
+    torch_path = torch.empty_like(out)
+    monkey = native._DEQUANT
+    try:
+        native._DEQUANT = None  # per_token_cast_back's torch path
+        from deepep_ascend import quant
+        torch_path = quant.per_token_cast_back(codes[index].view(torch.float8_e4m3fn), scales[index], gran)
+    finally:
+        native._DEQUANT = monkey
+    assert same_bits_nan(out, torch_path)
+
+
+@needs_native
+def test_per_token_cast_back_uses_the_kernel_with_every_scale_packing():
+    """The public cast back with UE8M0 bytes, int16 pairs or int32 quads (row- and MN-major) gives the
+    torch path's bits through the kernel; float32 scales, other dtypes and 3-D inputs keep the torch path."""
+    from deepep_ascend import quant
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (37, 256), generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    b = torch.randint(100, 140, (37, 8), generator=g, dtype=torch.int32).to(torch.uint8)
+    calls = []
+    real = native._DEQUANT
+    for sf in (b, b.view(torch.int16), b.view(torch.int32), b.view(torch.int32).t().contiguous().t()):
+        native._DEQUANT = None
+        exp = quant.per_token_cast_back(x, sf, 32)
+        native._DEQUANT = lambda *a, real=real: (calls.append(1), real(*a))[1]
+        try:
+            got = quant.per_token_cast_back(x, sf, 32)
+        finally:
+            native._DEQUANT = real
+        assert same_bits_nan(got, exp)
+    assert len(calls) == 4
+    native._DEQUANT = lambda *a: calls.append(2)
+    try:
+        quant.per_token_cast_back(x, quant.unpack_ue8m0_from_int(b), 32)
+        quant.per_token_cast_back(x, b, 32, torch.float32)
+        quant.per_token_cast_back(x.unsqueeze(0), b.unsqueeze(0), 32)
+    finally:
+        native._DEQUANT = real
+    assert calls == [1] * 4
+
+
+def _swiglu_inputs(n, inter, seed, specials=False):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, 2 * inter, generator=g) * 4).to(BF16)
+    w = torch.rand(n, generator=g)
+    if specials:
+        flat = h.view(-1)
+        pick = torch.randperm(flat.numel(), generator=g)
+        flat[pick[:40]] = 0.0
+        flat[pick[40:80]] = -0.0
+        flat[pick[80:90]] = 30.0  # beyond the clamp
+        flat[pick[90:100]] = -30.0
+        h[: n // 4] *= 2.0**-60  # groups far below FP8's normals: UE8M0 floor, e4m3 subnormals
+        w[1::7] = 0.0
+    return h, w
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("clamp", [None, 10.0])
+@pytest.mark.parametrize("fast_math", [True, False])
+def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
+    """``mega_moe._activation`` with and without the kernel: the same bits, on rows spanning several
+    of the kernel's blocks, with zeros of both signs, values past the clamp, groups at the UE8M0
+    floor and e4m3 subnormals, zero weights; strided ``h`` (a column window of a wider tensor)."""
+    from deepep_ascend import mega_moe as mm
+
+    inter = 1024  # 128 rows per block of 2^17 floats: 300 rows are three blocks, the last short
+    wide, w = _swiglu_inputs(300, inter + 16, seed=7, specials=True)
+    h = wide[:, 16:16 + 2 * inter]
+    assert h.stride(0) != 2 * inter
+    calls = []
+    real = native._SWIGLU
+    native._SWIGLU = lambda *a: (calls.append(a[0]), real(*a))[1]
+    try:
+        got = mm._activation(kind, h, inter, w, clamp, fast_math)
+    finally:
+        native._SWIGLU = real
+    exp = mm._activation(kind, h, inter, w, clamp, fast_math, native=False)
+    assert calls == [128, 128, 44]
+    assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
+    assert (got != 0).any() and got.isfinite().all()
+
+
+@needs_native
+def test_swiglu_hands_non_finite_groups_to_the_codecs():
+    """A NaN, an infinity or a value of 2^100 and more in an FP8 group: the kernel returns False and
+    ``_activation`` takes the codec path (NaN positions and every other bit the torch path's); without
+    the FP8 round trip the kernel rounds them itself."""
+    from deepep_ascend import mega_moe as mm
+
+    h, w = _swiglu_inputs(16, 64, seed=9)
+    h[2, 5] = float("nan")
+    h[3, 64 + 7] = float("inf")  # u = inf: a = inf
+    h[4, 70] = 2.0**120  # u huge, g ~ N(0, 16): |a| >= 2^100 unless g is tiny
+    h[4, 6] = 8.0
+    out = torch.empty(16, 64, dtype=BF16)
+    assert not native.swiglu(out, h, w, None, True, 32)
+    for gran, clamp in ((32, None), (0, None), (32, 10.0)):
+        kind = "fp8" if gran else "bf16"
+        got = mm._activation(kind, h, 64, w, clamp, True)
+        exp = mm._activation(kind, h, 64, w, clamp, True, native=False)
+        assert same_bits_nan(got, exp)
+        assert got[2, 5].isnan()  # a NaN gate stays NaN (torch.clamp keeps NaN)
+        assert bool(got[3].isfinite().all()) is (clamp is not None)  # the clamp removes the inf
+    assert native.swiglu(out, h, w, None, True, 0)
+
+
+@needs_native
+def test_moe_act_kernels_reject_bad_operands():
+    """Wrong dtypes, shapes, layouts, index values or granularity: ValueError naming the argument,
+    nothing written."""
+    h = torch.ones(4, 64, dtype=BF16)
+    out = torch.full((4, 32), 7.0, dtype=BF16)
+    w = torch.ones(4)
+    for bad, match in (((out.float(), h), "out must be a CPU torch.bfloat16 matrix"),
+                       ((out, h.float()), "h must be a CPU torch.bfloat16 matrix of 64 columns"),
+                       ((out, h[:, :32]), "h must be"),
+                       ((out, h[:3]), "h has 3 rows, out 4"),
+                       ((torch.ones(1, 32, dtype=BF16).expand(4, 32), h), "out's rows overlap"),
+                       ((torch.ones(32, 4, dtype=BF16).t(), h), "unit column stride")):
+        with pytest.raises(ValueError, match=match):
+            native.swiglu(*bad, w)
+    for kw, match in ((dict(weights=torch.ones(3)), "weights must be None or \\[4\\] float32"),
+                      (dict(weights=torch.ones(4, dtype=torch.float64)), "weights must be"),
+                      (dict(gran=24), "gran must be 0 or an int in \\[1, 256\\] dividing I = 32"),
+                      (dict(gran=512), "gran must be"), (dict(gran=-1), "gran must be")):
+        with pytest.raises(ValueError, match=match):
+            native.swiglu(out, h, **kw)
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    scales = torch.zeros(4, 2, dtype=torch.uint8)
+    dq = torch.full((4, 64), 7.0, dtype=BF16)
+    for args, kw, match in (((dq, codes.float(), scales), {}, "codes must be a CPU torch.uint8 matrix of 64"),
+                            ((dq, codes, scales[:, :1]), {}, "scales must be a CPU torch.uint8 matrix of 2"),
+                            ((dq, codes[:3], scales[:3]), {}, "have 3/3 rows for 4 output rows"),
+                            ((dq, codes, scales), dict(index=torch.tensor([0, 1, 2, 4])), "index values must lie in"),
+                            ((dq, codes, scales), dict(index=torch.tensor([0, 1, 2, -1])), "index values must lie in"),
+                            ((dq, codes, scales), dict(index=torch.tensor([0, 1, 2])), "index must be \\[4\\] int64"),
+                            ((dq, codes, scales), dict(gran=48), "gran must be a positive int dividing")):
+        with pytest.raises(ValueError, match=match):
+            native.dequant_rows_e4m3(*args, **kw)
+    assert (out == 7.0).all() and (dq == 7.0).all()

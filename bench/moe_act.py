@@ -1,0 +1,84 @@
+"""MegaMoE's elementwise stages: the native kernels against their torch paths, on one rank's rows.
+
+    python -m bench.moe_act [--rows 3072] [--hidden 1024] [--inter 512] [--iters 15]
+
+One process, one thread. The rows of one rank of ``bench.mega_moe``'s ``cpu-pro-mini`` preset at 4
+ranks by default (512 tokens x top-6 x 4 ranks / 24 local experts x 24). Timed interleaved, median
+over iterations, on the same inputs:
+
+* ``decode``: received FP8 rows (e4m3 codes, then one UE8M0 byte per 32 channels) gathered in
+  expert order and decoded to BF16, :func:`deepep_ascend.mega_moe._dequant_x` with and without
+  :func:`deepep_ascend.native.dequant_rows_e4m3` (the torch path: a row gather, then
+  :func:`deepep_ascend.per_token_cast_back`);
+* ``swiglu``: :func:`deepep_ascend.mega_moe._activation` on ``[rows, 2 inter]`` BF16 L1 outputs
+  (clamp 10, fast math, routing weights, e4m3 round trip with UE8M0 per 32: the fp8xfp4 path),
+  with and without :func:`deepep_ascend.native.swiglu`; then the same without the FP8 round trip
+  (the bf16xbf16 path).
+
+Prints each median, ``torch / native``, and whether both give the same bits (exit code 1 if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench import common as C
+from bench.alloc import _interleaved_medians_ms
+from deepep_ascend import mega_moe as M
+from deepep_ascend import native as N
+
+BF16 = torch.bfloat16
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.moe_act", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=C.int_at_least(1), default=3072)
+    ap.add_argument("--hidden", type=C.int_at_least(32), default=1024)
+    ap.add_argument("--inter", type=C.int_at_least(32), default=512)
+    ap.add_argument("--iters", type=C.int_at_least(3), default=15)
+    args = ap.parse_args(argv)
+    if args.hidden % 32 or args.inter % 32:
+        ap.error("--hidden and --inter must be multiples of 32 (the UE8M0 group)")
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    n, h, i = args.rows, args.hidden, args.inter
+    # received rows as the Buffer delivers them: codes of random values, then their scale bytes
+    x = torch.randn(n, h, generator=g) * 3
+    codes = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    sf = torch.randint(118, 128, (n, h // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    recv = torch.cat([codes, sf], 1)
+    order = torch.randperm(n, generator=g)
+    hh = (torch.randn(n, 2 * i, generator=g) * 4).to(BF16)
+    weights = torch.rand(n, generator=g)
+    fp8 = recv[:, :h].view(torch.float8_e4m3fn)
+
+    def decode(native):
+        return lambda: M._dequant_x("fp8", fp8, recv[:, h:], BF16, index=order, native=native)
+
+    def act(kind, native):
+        return lambda: M._activation(kind, hh, i, weights, 10.0, True, BF16, native=native)
+
+    cases = {"decode": (decode(False), decode(True)),
+             "swiglu + e4m3 round trip": (act("fp8", False), act("fp8", True)),
+             "swiglu": (act("bf16", False), act("bf16", True))}
+    nat = N.available()
+    print(f"[config] {n} rows, hidden {h}, inter {i}, 1 thread, median of {args.iters} interleaved; native kernels "
+          f"{'built: ' + str(N.library_path()) if nat else 'not available (torch paths only: nothing to compare)'}")
+    if not nat:
+        return 0
+    same = True
+    for name, (torch_fn, native_fn) in cases.items():
+        t_torch, t_native = _interleaved_medians_ms([torch_fn, native_fn], args.iters)
+        a, b = torch_fn(), native_fn()
+        ok = torch.equal(a.view(torch.int16), b.view(torch.int16))
+        same &= ok
+        print(f"[time] {name:<26} torch {t_torch:8.3f} ms | native {t_native:8.3f} ms | torch / native "
+              f"{t_torch / t_native:5.2f}x | same bits {ok}")
+    print(f"[check] the native kernels give the torch paths' bits: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
