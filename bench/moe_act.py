@@ -9,7 +9,7 @@ over iterations, on the same inputs:
 * ``decode``: received FP8 rows (e4m3 codes, then one UE8M0 byte per 32 channels) gathered in
   expert order and decoded to BF16, :func:`deepep_ascend.mega_moe._dequant_x` with and without
   :func:`deepep_ascend.native.dequant_rows_e4m3` (the torch path: a row gather, then
-  :func:`deepep_ascend.per_token_cast_back`);
+  :func:`deepep_ascend.per_token_cast_back`'s torch path);
 * ``swiglu``: :func:`deepep_ascend.mega_moe._activation` on ``[rows, 2 inter]`` BF16 L1 outputs
   (clamp 10, fast math, routing weights, e4m3 round trip with UE8M0 per 32: the fp8xfp4 path),
   with and without :func:`deepep_ascend.native.swiglu`; then the same without the FP8 round trip

@@ -631,9 +631,10 @@ def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
             return out
     if index is not None:
         data, sf_bytes = data.index_select(0, index), sf_bytes.index_select(0, index)
+    sf = _q.unpack_ue8m0_from_int(sf_bytes)
     if dtype == BF16 or (sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE):
-        return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, BF16).to(dtype)
-    return _q.per_token_cast_back(data, sf_bytes, _SF_GRAN, torch.float32)
+        return _q._cast_back_torch(data, sf, _SF_GRAN, BF16).to(dtype)
+    return _q._cast_back_torch(data, sf, _SF_GRAN, torch.float32)
 
 
 def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):

@@ -136,9 +136,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         b1 = b1[bias_offset:bias_offset + m]
     if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(src[0] for src in sources))):
         return False
-    if m > 1 and hidden and out.stride(0) < hidden:
-        raise ValueError(f"deepep_ascend.native.sum_rows: out's rows overlap (row stride {out.stride(0)} < "
-                         f"{hidden} columns)")
+    _rows_apart("out", out, "sum_rows")
     if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
         raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
     live = []  # (rows, tokens, index | None), int64 and contiguous
@@ -217,7 +215,7 @@ def dequant_rows_e4m3(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     helper on received FP8 rows with UE8M0 scale bytes (no DeepEP call of its own).
 
     Args:
-        out: ``[n, H]`` bfloat16, unit column stride, rows not overlapping; ``H % gran == 0``.
+        out: ``[n, H]`` bfloat16, unit column stride, rows not overlapping (nor the inputs); ``H % gran == 0``.
         codes: ``[R, H]`` float8_e4m3fn (or its uint8/int8 bytes), unit column stride.
         scales: ``[R, H / gran]`` uint8 UE8M0 bytes, unit column stride.
         index: None (row ``r``, ``R >= n``) or ``[n]`` int64 row numbers in ``[0, R)``.
@@ -279,7 +277,7 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
     ``activation_clamp`` and its FP8 cast of the L2 input (no DeepGEMM call of its own).
 
     Args:
-        out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping.
+        out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping (nor ``h``).
         h: ``[n, 2 I]`` bfloat16, unit column stride.
         weights: None (1) or ``[n]`` float32, the routing weight of each row.
         clamp: None, or the clamp as a float (the caller rounds it as its reference does).

@@ -671,6 +671,12 @@ def per_token_cast_back(
         sf_bytes = x_scales.contiguous().view(torch.uint8)[:, :k // gran_k]
         if _native.dequant_rows_e4m3(out, x_fp8, sf_bytes, None, gran_k):
             return out
+    return _cast_back_torch(x_fp8, sf, gran_k, dtype)
+
+
+def _cast_back_torch(x_fp8: torch.Tensor, sf: torch.Tensor, gran_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`per_token_cast_back`'s torch path on checked operands (``sf`` float32 scales)."""
+    m, k = x_fp8.shape[-2], x_fp8.shape[-1]
     vals = e4m3_to_float(x_fp8)
     if k % gran_k == 0:  # scale groups in place, without a full-size scale tensor
         g = k // gran_k
