@@ -439,16 +439,22 @@ def test_target_in_ubmem_wait_receives_urma(rpn):
 @pytest.mark.parametrize("rpn", HALF, ids=lambda d: f"rpn{d}")
 @pytest.mark.parametrize("op", ["wait_until", "barrier"])
 def test_timeout_names_peer_on_another_node(rpn, op):
-    """The last rank (last node) never signals / never arrives: node-0 ranks time out naming it."""
+    """The last rank (last node) never signals / never arrives: node-0 ranks time out naming it.
+
+    Every rank reaches the closing MPI barrier, also after a failed assertion (``finally``), so a
+    failure is reported instead of leaving the others in that barrier."""
     tp = make_transport(ranks_per_node=rpn)
     try:
         me, n = tp.topology.rank, tp.topology.world_size
         missing = n - 1
         win = tp.create_window("urma_timeout", 64, 2)
+        if op == "wait_until" and me not in (0, missing):
+            # rank 0 waits for these too: only the missing rank is pending. Signalled and completed
+            # before the barrier, so a rank descheduled on a loaded host cannot miss the 2 s wait.
+            tp.signal(win, 0, 1)
+            tp.flush(0)
         tp.barrier()
         if me != missing:
-            if op == "wait_until" and me != 0:
-                tp.signal(win, 0, 1)  # rank 0 waits for these too: only the missing rank is pending
             if me == 0 or op == "barrier":
                 srcs = [p for p in range(n) if p != me]
                 t0 = time.monotonic()
@@ -468,8 +474,8 @@ def test_timeout_names_peer_on_another_node(rpn, op):
                 if op == "wait_until":
                     assert e.slot == 1 and "slot 1" in msg and f"rank {missing}: have 0, need 1" in msg, msg
                 assert tp.state is State.POISONED
-        tp.comm.Barrier()  # the missing rank stays until the others timed out
     finally:
+        tp.comm.Barrier()  # the missing rank stays until the others timed out
         destroy_quietly(tp)
 
 
@@ -504,8 +510,8 @@ def test_abort_reaches_other_node(rpn, where):
                 assert isinstance(e, TransportPeerTimeout) and isinstance(e, TimeoutError)
                 assert e.pending_peers == [0]
             assert tp.state is State.POISONED
-        tp.comm.Barrier()
     finally:
+        tp.comm.Barrier()  # every rank, also after a failed assertion: a failure, not a hang
         destroy_quietly(tp)
     assert tp.state is State.CLOSED
 
