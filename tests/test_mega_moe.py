@@ -496,6 +496,19 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
     all_ranks_ok(comm, ok, "bench.mega_moe ran, checked its outputs and reported both stage lists")
 
 
+def _one_wave_case(env, comm, kind, seed):
+    """A call's operands on this rank (seeds ``seed``, ``+4``, ``+6``): ``(rank, buf, l1, l2, shared weights,
+    reference weights, reference shared weights, tokens)``."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, 1)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = _weights(kind, buf.num_experts, h, i, seed=seed)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
+    shared, sref = _shared(kind, h, i, 1, seed=seed + 4)
+    t = _fill(kind, buf, seed=seed + 6, rank=rank, size=size)
+    return rank, buf, l1, l2, shared, wref, sref, t
+
+
 def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     """Without the native kernel the final sum over k (and the shared expert) runs on combine's torch
     paths in blocks of tokens; with blocks of 3 tokens (several per rank and a short last one: the
@@ -505,14 +518,9 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     from deepep_ascend import native
     from deepep_ascend.intranode import CombineScratch
 
-    rank, size = comm.Get_rank(), comm.Get_size()
     kind = "fp8"
-    buf = env.get(kind, 1)
-    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
-    w, wref = _weights(kind, buf.num_experts, h, i, seed=13)
-    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
-    (s1, s2), sref = _shared(kind, h, i, 1, seed=17)
-    t = _fill(kind, buf, seed=19, rank=rank, size=size)
+    rank, buf, l1, l2, (s1, s2), wref, sref, t = _one_wave_case(env, comm, kind, seed=13)
+    h = buf.hidden
     ys = []
     for block_rows, use_native in ((None, False), (3, False), (None, True)):
         monkeypatch.setattr(buf, "_reduce_scratch", CombineScratch(block_rows))
@@ -536,13 +544,8 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
     from deepep_ascend import mega_moe as mm
     from deepep_ascend import native
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    buf = env.get(kind, 1)
-    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
-    w, wref = _weights(kind, buf.num_experts, h, i, seed=23)
-    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
-    (s1, s2), sref = _shared(kind, h, i, 1, seed=29)
-    t = _fill(kind, buf, seed=31, rank=rank, size=size)
+    rank, buf, l1, l2, (s1, s2), wref, sref, t = _one_wave_case(env, comm, kind, seed=23)
+    h = buf.hidden
     ys, used = [], []
     for use_native in (False, True):
         for name in ("sum_rows", "dequant_rows_e4m3", "swiglu"):
