@@ -615,20 +615,25 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
     return t, shared
 
 
+def _unit_columns(*ts) -> bool:
+    """Whether every matrix has unit column stride (what the native kernels take; else the torch paths)."""
+    return all(t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1) for t in ts)
+
+
 def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     """Received activations ``[n, H]`` as ``dtype``: bf16, or float32 holding the same bf16 values
     (what the fp32 engine multiplies), from rows ``index`` (int64 ``[n]``; all rows if None) of ``data``
     and ``sf_bytes``. bf16 rows as they are; fp8: e4m3 × UE8M0 bytes ``[., H/32]``
     (:func:`deepep_ascend.per_token_cast_back`; the native kernel gathers and decodes in one pass, same
     bits; ``native=False`` skips it), exact in bf16 unless a scale byte is below ``_MIN_EXACT_SF_BYTE`` (then
-    rounded through bf16)."""
+    rounded through bf16, as the kernel always does: so its bf16 rows widened are the float32 result too)."""
     if kind == "bf16":
         data = data if index is None else data.index_select(0, index)
         return data if dtype == BF16 else data.float()
-    if dtype == BF16 and native:
+    if native and _unit_columns(data, sf_bytes):
         out = torch.empty(data.size(0) if index is None else index.numel(), data.size(1), dtype=BF16)
         if _native.dequant_rows_e4m3(out, data, sf_bytes, index, _SF_GRAN):
-            return out
+            return out if dtype == BF16 else out.float()
     if index is not None:
         data, sf_bytes = data.index_select(0, index), sf_bytes.index_select(0, index)
     sf = _q.unpack_ue8m0_from_int(sf_bytes)
@@ -643,12 +648,13 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     path's cast to e4m3 with UE8M0 per 32 and back is done in one float32 rounding pass
     (:func:`deepep_ascend.quant._e4m3_ue8m0_round_trip_`, bit for bit the codec's result). The native
     kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
-    after torch's exp."""
+    after torch's exp (its bf16 rows widened are the float32 result: the round trip's values are bf16 values)."""
     c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
-    if h.dtype == BF16 and dtype == BF16 and native:
+    if (native and h.dtype == BF16 and _unit_columns(h) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
+            and weights.dtype == torch.float32 and weights.dim() == 1):
         out = torch.empty(h.size(0), i, dtype=BF16)
         if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else _SF_GRAN):
-            return out
+            return out if dtype == BF16 else out.float()
     g, u = h[:, :i], h[:, i:]
     if clamp is not None:
         g = g.clamp(max=c)

@@ -280,14 +280,14 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
         out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping (nor ``h``).
         h: ``[n, 2 I]`` bfloat16, unit column stride.
         weights: None (1) or ``[n]`` float32, the routing weight of each row.
-        clamp: None, or the clamp as a float (the caller rounds it as its reference does).
+        clamp: None, or the clamp as a float >= 0 (the caller rounds it as its reference does).
         gran: 0 (no FP8 round trip) or a positive int <= 256 dividing ``I``.
     Returns:
         True when done; False if the kernel is unavailable or a ``gran`` group holds a NaN, an
         infinity or a value of magnitude ``2**100`` or more (``out`` then partly written: use the
         codecs).
     Raises:
-        ValueError: operands of another dtype, shape or layout, or a bad ``gran``.
+        ValueError: operands of another dtype, shape or layout, a negative or NaN ``clamp``, or a bad ``gran``.
     """
     if _SWIGLU is None:
         return False
@@ -306,6 +306,8 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
     if not isinstance(gran, int) or isinstance(gran, bool) or gran < 0 or gran > 256 or (gran and inter % gran):
         raise ValueError(f"deepep_ascend.native.{op}: gran must be 0 or an int in [1, 256] dividing I = {inter}, "
                          f"got {gran!r}")
+    if clamp is not None and not float(clamp) >= 0:
+        raise ValueError(f"deepep_ascend.native.{op}: clamp must be None or a number >= 0, got {clamp!r}")
     if not n or not inter:
         return True
     if weights is not None:

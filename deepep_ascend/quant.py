@@ -152,6 +152,15 @@ def _check_gran(name: str, gran: int) -> int:
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, viewable as another element size. ``Tensor.contiguous`` keeps any
+    stride of a size-1 dimension (an MN-major ``[M, 1]`` stays ``(1, M)``) and of an empty tensor, and
+    ``Tensor.view(dtype)`` then refuses it."""
+    if t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Clamp to ±448, then cast to ``float8_e4m3fn`` with round-to-nearest-even (NaN stays NaN)."""
     _check_tensor("x", x, _FLOAT_INPUTS)
@@ -272,7 +281,7 @@ def _pack_bytes(b: torch.Tensor, per_word: int) -> torch.Tensor:
         )
         b = torch.cat([b, pad], dim=-1)
     dtype = torch.int32 if per_word == 4 else torch.int16
-    return b.contiguous().view(dtype)
+    return _row_major(b).view(dtype)
 
 
 def pack_ue8m0_to_int(x: torch.Tensor) -> torch.Tensor:
@@ -298,7 +307,7 @@ def unpack_ue8m0_from_int(packed_sf: torch.Tensor) -> torch.Tensor:
     _check_tensor("packed_sf", packed_sf, _INT_DTYPES_FOR_UE8M0)
     if packed_sf.dim() == 0:
         raise ValueError("packed_sf must have at least one dim")
-    b = packed_sf.contiguous().view(torch.uint8)
+    b = _row_major(packed_sf).view(torch.uint8)
     return _ue8m0_byte_to_float(b)
 
 
@@ -668,7 +677,7 @@ def per_token_cast_back(
     if (dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and x_scales.dtype in _INT_DTYPES_FOR_UE8M0
             and (x_fp8.stride(1) == 1 or k <= 1)):
         out = torch.empty(m, k, dtype=torch.bfloat16)
-        sf_bytes = x_scales.contiguous().view(torch.uint8)[:, :k // gran_k]
+        sf_bytes = _row_major(x_scales).view(torch.uint8)[:, :k // gran_k]
         if _native.dequant_rows_e4m3(out, x_fp8, sf_bytes, None, gran_k):
             return out
     return _cast_back_torch(x_fp8, sf, gran_k, dtype)

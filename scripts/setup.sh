@@ -52,9 +52,9 @@ PY
 }
 # The native kernel (an optional extension the install builds; without it the library uses its torch
 # paths). `native_kernel check` exits 0 if it needs a build: missing or older than its sources, a C
-# compiler on PATH, and not already failed for this source here. `native_kernel record` after an
-# install says when the build was skipped and remembers that this source failed (no reinstall on every
-# run); a later source tries again.
+# compiler on PATH, and not already failed for these sources with this compiler here. `native_kernel
+# record` after an install says when the build was skipped and remembers that it failed (no reinstall on
+# every run); a later source or another compiler (`CC`) tries again.
 native_kernel() {
     "$PYTHON" - "$REPO_ROOT" "$1" <<'PY'
 import importlib.machinery, os, shutil, sys, sysconfig
@@ -66,9 +66,9 @@ if not srcs:
 newest = max(os.path.getmtime(p) for p in srcs)
 fresh = any(os.path.isfile(p) and os.path.getmtime(p) >= newest
             for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES))
-stamp = repr(newest)
+cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+stamp = f"{newest!r} {shutil.which(cc) or cc}"  # these sources with this compiler: another one tries again
 if sys.argv[2] == "check":
-    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
     tried = os.path.isfile(failed) and open(failed).read().strip() == stamp
     if fresh or tried or not shutil.which(cc):
         sys.exit(1)

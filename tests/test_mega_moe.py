@@ -536,21 +536,24 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
                  "blocks of 3 tokens == one block == native kernel")
 
 
-@pytest.mark.parametrize("kind,clamp", [("fp8", 10.0), ("fp8", None), ("bf16", 10.0)])
-def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp):
+@pytest.mark.parametrize("kind,clamp,engine", [("fp8", 10.0, None), ("fp8", None, None), ("bf16", 10.0, None),
+                                               ("fp8", 10.0, "fp32")])
+def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp, engine):
     """The native kernels (FP8 row decode, SwiGLU with its FP8 round trip, the final sum) against the
     torch paths with all three switched off: ``y`` bit for bit, several waves and the shared expert,
-    and within tolerance of the reference."""
+    and within tolerance of the reference; with the default GEMM engine and the fp32 one (float32
+    operands: the kernels' rows widened)."""
     from deepep_ascend import mega_moe as mm
     from deepep_ascend import native
 
+    if engine is not None:
+        monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_GEMM", engine)
     rank, buf, l1, l2, (s1, s2), wref, sref, t = _one_wave_case(env, comm, kind, seed=23)
     h = buf.hidden
     ys, used = [], []
+    reals = {name: getattr(native, name) for name in ("sum_rows", "dequant_rows_e4m3", "swiglu")}
     for use_native in (False, True):
-        for name in ("sum_rows", "dequant_rows_e4m3", "swiglu"):
-            real = getattr(native, name)
-
+        for name, real in reals.items():
             def spy(*a, real=real, name=name, use_native=use_native, **kw):
                 ok = use_native and real(*a, **kw)
                 used.append((use_native, name, ok))
@@ -560,7 +563,6 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
         coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1, shared_l2_weights=s2,
              activation_clamp=clamp, what=f"{kind} mega_moe")
         ys.append(y)
-        monkeypatch.undo()
     xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
     exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank])[rank]
     ran = {name for on, name, ok in used if on and ok}

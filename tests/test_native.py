@@ -324,6 +324,53 @@ def test_swiglu_hands_non_finite_groups_to_the_codecs():
 
 
 @needs_native
+def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
+    """The fp32 GEMM engine's float32 operands (the kernels' bf16 rows, widened: the same values as the
+    torch paths' float32 results); operands the kernels do not take (a column-major ``h``, empty
+    tensors from numpy with zero strides) and clamps they refuse (negative, NaN) take the torch paths.
+    Always the torch paths' bits."""
+    import numpy as np
+
+    from deepep_ascend import mega_moe as mm
+
+    h, w = _swiglu_inputs(200, 256, seed=13, specials=True)
+    calls = []
+    real = native._SWIGLU
+    native._SWIGLU = lambda *a: (calls.append(a[0]), real(*a))[1]
+    try:
+        for kind in ("fp8", "bf16"):
+            for clamp in (None, 10.0, -1.0, float("nan")):
+                got = mm._activation(kind, h, 256, w, clamp, True, torch.float32)
+                exp = mm._activation(kind, h, 256, w, clamp, True, torch.float32, native=False)
+                assert got.dtype == torch.float32 and same_bits_nan(got, exp)
+        assert len(calls) == 4  # clamps None and 10, twice; -1 and NaN are the torch path's
+        with pytest.raises(ValueError, match="clamp must be None or a number >= 0"):
+            native.swiglu(torch.empty(200, 256, dtype=BF16), h, w, -1.0)
+        column_major = h.t().contiguous().t()
+        empty = torch.from_numpy(np.zeros((0, 512), np.float32)).to(BF16)
+        assert empty.stride() == (0, 0) or empty.numel() == 0
+        for hh in (column_major, empty):
+            ww = w[:hh.size(0)]
+            got = mm._activation("fp8", hh, 256, ww, 10.0, True)
+            assert torch.equal(got.view(torch.int16), mm._activation("fp8", hh, 256, ww, 10.0, True,
+                                                                     native=False).view(torch.int16))
+        assert len(calls) == 4 + (1 if empty.stride(1) == 1 else 0)
+    finally:
+        native._SWIGLU = real
+    g = torch.Generator().manual_seed(17)
+    codes = torch.randint(0, 256, (300, 96), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 256, (300, 3), generator=g, dtype=torch.int32).to(torch.uint8)
+    index = torch.randint(0, 300, (250,), generator=g)
+    fp8 = codes.view(torch.float8_e4m3fn)
+    for dtype in (BF16, torch.float32):
+        got = mm._dequant_x("fp8", fp8, scales, dtype, index=index)
+        exp = mm._dequant_x("fp8", fp8, scales, dtype, index=index, native=False)
+        assert got.dtype == dtype and same_bits_nan(got, exp)
+    col = codes.t().contiguous().t().view(torch.float8_e4m3fn)
+    assert same_bits_nan(mm._dequant_x("fp8", col, scales), mm._dequant_x("fp8", col, scales, native=False))
+
+
+@needs_native
 def test_moe_act_kernels_reject_bad_operands():
     """Wrong dtypes, shapes, layouts, index values or granularity: ValueError naming the argument,
     nothing written."""

@@ -608,3 +608,35 @@ def test_fp8_decode_benchmark_checks_bits(capsys):
     assert fp8_decode.main(["--rows", "4", "--hidden", "96", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "same bits as torch's cast (random codes, and every code incl. NaN): True" in out
+
+
+def test_cast_back_takes_scales_with_any_strides():
+    """MN-major packed scales of one word per row (``[M, 1]`` int32 with strides ``(1, M)``, which
+    ``Tensor.contiguous`` leaves as they are) and empty tensors from numpy (strides ``(0, 0)``): the values
+    of the row-major copy, through the native kernel and through the torch path."""
+    import numpy as np
+
+    from deepep_ascend import native
+
+    g = torch.Generator().manual_seed(11)
+    m, k = 5, 512
+    x = torch.randint(0, 0x7E, (m, k), generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    for dt, per in ((torch.int32, 4), (torch.int16, 2)):
+        words = k // 128 // per
+        row_major = torch.randint(120, 130, (m, words * per), generator=g, dtype=torch.int32).to(torch.uint8).view(dt)
+        mn_major = torch.empty(words, m, dtype=dt).t()
+        mn_major.copy_(row_major)
+        assert mn_major.stride() == (1, m)
+        for kernel in (native._DEQUANT, None):
+            real, native._DEQUANT = native._DEQUANT, kernel
+            try:
+                exp = dg.per_token_cast_back(x, row_major, 128)
+                got = dg.per_token_cast_back(x, mn_major, 128)
+            finally:
+                native._DEQUANT = real
+            assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
+        assert torch.equal(dg.unpack_ue8m0_from_int(mn_major), dg.unpack_ue8m0_from_int(row_major))
+    x0 = torch.from_numpy(np.zeros((0, 128), np.uint8)).view(torch.float8_e4m3fn)
+    for s0 in (torch.from_numpy(np.zeros((0, 4), np.uint8)),
+               torch.from_numpy(np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), (0, 1), (0, 0)))):
+        assert dg.per_token_cast_back(x0, s0, 32).shape == (0, 128)
