@@ -50,17 +50,18 @@ def _load():
     path = library_path()
     if path is None:
         return None
+    fns = None
     try:
         lib = ctypes.CDLL(path)
         lib.deepep_native_abi.restype = _I64
         abi = int(lib.deepep_native_abi())
-        fns = (lib.deepep_sum_rows_bf16, lib.deepep_dequant_rows_e4m3_bf16, lib.deepep_swiglu_gate_bf16,
-               lib.deepep_swiglu_bf16)
+        why = f"was built from an older source (ABI {abi}, this code needs {_ABI})"
+        if abi == _ABI:  # an older library lacks some of these: its ABI number says so first
+            fns = (lib.deepep_sum_rows_bf16, lib.deepep_dequant_rows_e4m3_bf16, lib.deepep_swiglu_gate_bf16,
+                   lib.deepep_swiglu_bf16)
     except (OSError, AttributeError) as exc:
         abi, why = None, f"cannot be loaded ({exc})"
-    else:
-        why = f"was built from an older source (ABI {abi}, this code needs {_ABI})"
-    if abi != _ABI:
+    if fns is None:
         warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
                       f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
         return None
