@@ -60,7 +60,7 @@ native_kernel() {
 import importlib.machinery, os, shutil, sys, sysconfig
 pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend")
 csrc, failed = os.path.join(pkg, "csrc"), os.path.join(pkg, "_native.build-failed")
-srcs = [os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith(".c")] if os.path.isdir(csrc) else []
+srcs = [os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith((".c", ".h"))] if os.path.isdir(csrc) else []
 if not srcs:
     sys.exit(1)
 newest = max(os.path.getmtime(p) for p in srcs)
@@ -79,7 +79,7 @@ elif fresh:
 else:
     with open(failed, "w") as f:
         f.write(stamp)
-    print("setup: the native kernels (deepep_ascend/csrc/*.c) were not built (no working C compiler?): "
+    print("setup: the native kernels (deepep_ascend/csrc/) were not built (no working C compiler?): "
           "combine and MegaMoE use their torch paths, same results, slower (README, 'Two commands')",
           file=sys.stderr)
 PY

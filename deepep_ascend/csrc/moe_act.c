@@ -7,46 +7,16 @@
  *
  * The exp itself stays with torch (its vectorized exp), so both paths compute the same sigmoid.
  * float32 arithmetic in the reference's order; built with -ffp-contract=off (no FMA) like
- * sum_rows.c, whose conventions (plain C, ctypes, target_clones) this file follows.
+ * sum_rows.c, whose conventions (plain C, ctypes, target_clones: bf16.h) this file follows.
  */
 #include <stdint.h>
-#include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MULTIVERSION
-#endif
-
-static inline float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float bf16_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-/* Round to nearest even, as torch's float -> bfloat16 cast; NaN becomes nan_bits. */
-static inline uint16_t to_bf16(float f, uint16_t nan_bits)
-{
-    const uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return nan_bits;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* out[r] = bf16(e4m3[code] * sf[byte]) per element, from row i = index[r] (r if index is NULL) of
  * codes (hidden e4m3 codes) and of scales (hidden / gran UE8M0 bytes). e4m3 and sf are 256-entry
  * float32 tables the caller builds with the torch codecs, so the products are the torch path's.
- * (Decoding the codes from their bits instead of the table measured slower: bench.moe_act.) */
+ * (Decoding the codes from their bits instead, so that the loop vectorizes, measured slower.) */
 MULTIVERSION
 void deepep_dequant_rows_e4m3_bf16(int64_t n, int64_t hidden, int64_t gran, const uint8_t *codes, int64_t codes_ld,
                                    const uint8_t *scales, int64_t scales_ld, const int64_t *index,
@@ -60,7 +30,7 @@ void deepep_dequant_rows_e4m3_bf16(int64_t n, int64_t hidden, int64_t gran, cons
         for (int64_t q = 0; q < hidden / gran; q++) {
             const float s = sf[scale[q]];
             for (int64_t c = q * gran; c < (q + 1) * gran; c++)
-                o[c] = to_bf16(e4m3[row[c]] * s, nan_bits);
+                o[c] = f32_to_bf16(e4m3[row[c]] * s, nan_bits);
         }
     }
 }
@@ -75,7 +45,7 @@ void deepep_swiglu_gate_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_
         const uint16_t *g = h + r * h_ld;
         float *o = t + r * inter;
         for (int64_t c = 0; c < inter; c++) {
-            const float x = bf16_f32(g[c]);
+            const float x = bf16_to_f32(g[c]);
             o[c] = -(has_clamp && x > clamp ? clamp : x);
         }
     }
@@ -136,7 +106,7 @@ int64_t deepep_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_t 
         for (int64_t c0 = 0; c0 < inter; c0 += step) {
             const int64_t w = inter - c0 < step ? inter - c0 : step;
             for (int64_t c = 0; c < w; c++) {
-                float x = bf16_f32(g[c0 + c]), y = bf16_f32(u[c0 + c]);
+                float x = bf16_to_f32(g[c0 + c]), y = bf16_to_f32(u[c0 + c]);
                 if (has_clamp) {
                     x = x > clamp ? clamp : x;
                     y = y > clamp ? clamp : (y < -clamp ? -clamp : y);
@@ -155,7 +125,7 @@ int64_t deepep_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_t 
                     if (round_trip_e4m3(a + q, gran))
                         return 1;
             for (int64_t c = 0; c < w; c++)
-                o[c0 + c] = to_bf16(a[c], nan_bits);
+                o[c0 + c] = f32_to_bf16(a[c], nan_bits);
         }
     }
     return 0;

@@ -8,7 +8,8 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16.h"
 
 /* Bumped whenever an exported signature changes: native.py refuses a library built from an older
  * source (an editable install whose extension was not rebuilt) instead of calling it wrongly. It
@@ -19,31 +20,6 @@ int64_t deepep_native_abi(void) { return 3; }
  * input row's slice streams past it. */
 #define CHUNK 1024
 
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion; NaN becomes nan_bits (torch's
- * canonical NaN, passed in by the caller so both agree bit for bit). */
-static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return nan_bits;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-/* One build for any x86-64; the loader picks the widest vector unit at run time. */
-#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MULTIVERSION
-#endif
 
 /* out[t] = bf16(start(t) + sum over sources j, in order, of the rows i of j with tokens[j][i] == t)
  *
