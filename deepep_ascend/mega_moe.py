@@ -615,11 +615,6 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
     return t, shared
 
 
-def _unit_columns(*ts) -> bool:
-    """Whether every matrix has unit column stride (what the native kernels take; else the torch paths)."""
-    return all(t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1) for t in ts)
-
-
 def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     """Received activations ``[n, H]`` as ``dtype``: bf16, or float32 holding the same bf16 values
     (what the fp32 engine multiplies), from rows ``index`` (int64 ``[n]``; all rows if None) of ``data``
@@ -630,7 +625,7 @@ def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     if kind == "bf16":
         data = data if index is None else data.index_select(0, index)
         return data if dtype == BF16 else data.float()
-    if native and _unit_columns(data, sf_bytes):
+    if native and _native._matrix_ok(data) and _native._matrix_ok(sf_bytes):
         out = torch.empty(data.size(0) if index is None else index.numel(), data.size(1), dtype=BF16)
         if _native.dequant_rows_e4m3(out, data, sf_bytes, index, _SF_GRAN):
             return out if dtype == BF16 else out.float()
@@ -650,7 +645,7 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
     after torch's exp (its bf16 rows widened are the float32 result: the round trip's values are bf16 values)."""
     c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
-    if (native and h.dtype == BF16 and _unit_columns(h) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
+    if (native and _native._matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
             and weights.dtype == torch.float32 and weights.dim() == 1):
         out = torch.empty(h.size(0), i, dtype=BF16)
         if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else _SF_GRAN):

@@ -85,13 +85,16 @@ _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.in
 
 
 def available() -> bool:
-    """Whether the native kernel is loaded (built, and not disabled by ``DEEPEP_ASCEND_NATIVE=0``)."""
+    """Whether the native kernels are loaded (built, and not disabled by ``DEEPEP_ASCEND_NATIVE=0``)."""
     return _SUM_ROWS is not None
 
 
-def _rows_ok(t: torch.Tensor | None, cols: int) -> bool:
-    return t is None or (t.dtype == torch.bfloat16 and t.dim() == 2 and t.size(1) == cols
-                         and (t.stride(1) == 1 or cols <= 1) and t.device.type == "cpu")
+def _matrix_ok(t, dtype: torch.dtype | None = None, cols: int | None = None) -> bool:
+    """Whether the kernels take ``t`` as a matrix: a 2-D CPU tensor (of ``dtype`` and ``cols`` columns
+    where given) with unit column stride. Callers with other operands use their torch paths."""
+    return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.device.type == "cpu"
+            and (dtype is None or t.dtype == dtype) and (cols is None or t.size(1) == cols)
+            and (t.stride(1) == 1 or t.size(1) <= 1))
 
 
 def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> bool:
@@ -135,7 +138,8 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
         b0 = b0[bias_offset:bias_offset + m]
     if b1 is not None:
         b1 = b1[bias_offset:bias_offset + m]
-    if not all(_rows_ok(t, hidden) for t in (out, b0, b1, *(src[0] for src in sources))):
+    operands = (out, b0, b1, *(src[0] for src in sources))
+    if not all(t is None or _matrix_ok(t, torch.bfloat16, hidden) for t in operands):
         return False
     _rows_apart("out", out, "sum_rows")
     if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
@@ -182,8 +186,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
 
 
 def _matrix(name: str, t: torch.Tensor, dtype: torch.dtype, cols: int, op: str) -> None:
-    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == 2 and t.size(1) == cols
-            and t.device.type == "cpu" and (t.stride(1) == 1 or cols <= 1)):
+    if not _matrix_ok(t, dtype, cols):
         raise ValueError(f"deepep_ascend.native.{op}: {name} must be a CPU {dtype} matrix of {cols} columns with "
                          f"unit column stride, got {getattr(t, 'dtype', type(t).__name__)} of shape "
                          f"{tuple(getattr(t, 'shape', ()))}")
