@@ -666,7 +666,9 @@ def per_token_cast_back(
             f"{tuple(x_fp8.shape)} and {tuple(x_scales.shape)}"
         )
     m, k = x_fp8.shape[-2], x_fp8.shape[-1]
-    sf = _scales_as_float("x_scales", x_scales)
+    # one scale per group: UE8M0 bytes (what the native kernel reads) or float32
+    packed = x_scales.dtype in _INT_DTYPES_FOR_UE8M0
+    sf = _row_major(x_scales).view(torch.uint8) if packed else _scales_as_float("x_scales", x_scales)
     if tuple(sf.shape[:-1]) != tuple(x_fp8.shape[:-1]) or sf.size(-1) < ceil_div(
         k, gran_k
     ):
@@ -674,13 +676,11 @@ def per_token_cast_back(
             f"x_scales shape {tuple(x_scales.shape)} does not fit x_fp8 {tuple(x_fp8.shape)} "
             f"at gran_k={gran_k}"
         )
-    if (dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and x_scales.dtype in _INT_DTYPES_FOR_UE8M0
-            and (x_fp8.stride(1) == 1 or k <= 1)):
+    if packed and dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and _native._matrix_ok(x_fp8):
         out = torch.empty(m, k, dtype=torch.bfloat16)
-        sf_bytes = _row_major(x_scales).view(torch.uint8)[:, :k // gran_k]
-        if _native.dequant_rows_e4m3(out, x_fp8, sf_bytes, None, gran_k):
+        if _native.dequant_rows_e4m3(out, x_fp8, sf[:, :k // gran_k], None, gran_k):
             return out
-    return _cast_back_torch(x_fp8, sf, gran_k, dtype)
+    return _cast_back_torch(x_fp8, _ue8m0_byte_to_float(sf) if packed else sf, gran_k, dtype)
 
 
 def _cast_back_torch(x_fp8: torch.Tensor, sf: torch.Tensor, gran_k: int, dtype: torch.dtype) -> torch.Tensor:
