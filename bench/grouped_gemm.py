@@ -8,12 +8,16 @@ default). Timed interleaved in every iteration, median over iterations:
 
 * ``plain``: ``[rows, k] @ [k, n]``, one weight matrix (the target's reference);
 * ``grouped, public``: :func:`deepep_ascend.m_grouped_bf16_gemm_nt_contiguous` on the psum layout
-  aligned to 128 rows per group (what the unfused MegaMoE sequence calls);
+  aligned to 128 rows per group (what the unfused MegaMoE sequence calls; it runs on the AMX kernel
+  where that runs, else on oneDNN's packed weights);
 * ``per group, matmul``: one ``torch.matmul`` per group on rows sorted by group (no padding): each
   call re-packs its weight for oneDNN;
-* ``per group, packed``: the same on weights packed once (what the library does with native bf16);
-* ``per group, packed, one weight``: the same calls, every group on the first group's packed weight,
-  which stays in cache: the difference to ``packed`` is the cost of streaming ``groups`` weights;
+* ``per group, oneDNN packed``: the same on weights packed once for oneDNN's inner product (the
+  library's path without AMX);
+* ``per group, AMX``: the same on the library's AMX kernel (:func:`deepep_ascend.native.gemm_bf16_amx`,
+  what MegaMoE runs where AMX is available), writing into one output;
+* ``per group, AMX, one weight``: the same calls, every group on the first group's packed weight,
+  which stays in cache: the difference to ``AMX`` is the cost of streaming ``groups`` weights;
 * ``copy of the weights``: one read and one write of all ``groups`` weights.
 
 Prints each time and ``plain / time`` (the target of issue 5: grouped >= 0.70 of plain), and checks that
@@ -32,6 +36,7 @@ from bench.alloc import _interleaved_medians_ms
 from bench.mega_moe import psum_layout
 from deepep_ascend import grouped_gemm as gg
 from deepep_ascend import mega_moe as mm
+from deepep_ascend import native
 
 BF16 = torch.bfloat16
 
@@ -56,7 +61,8 @@ def main(argv=None) -> int:
     a_padded = torch.zeros(end, K, dtype=BF16).index_copy_(0, pos, x)
     d_padded = torch.empty(end, N, dtype=BF16)
     ends_t = torch.tensor(ends, dtype=torch.int32)
-    packed = gg._pack_groups(w)
+    onednn = gg._pack_groups(w, "onednn") if gg._ONEDNN else None
+    amx = gg._pack_groups(w, "amx") if native.amx_bf16() else None
     w_copy = torch.empty_like(w)
 
     systems = {
@@ -65,10 +71,12 @@ def main(argv=None) -> int:
                                                                          use_psum_layout=True),
         "per group, matmul": lambda: mm._expert_gemm("bf16", x, w, bounds),
     }
-    if packed is not None:
-        one = (packed[0],) * G
-        systems["per group, packed"] = lambda: mm._expert_gemm("bf16", x, packed, bounds)
-        systems["per group, packed, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
+    if onednn is not None:
+        systems["per group, oneDNN packed"] = lambda: mm._expert_gemm("bf16", x, onednn, bounds)
+    if amx is not None:
+        one = (amx[0],) * G
+        systems["per group, AMX"] = lambda: mm._expert_gemm("bf16", x, amx, bounds)
+        systems["per group, AMX, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
     systems["copy of the weights"] = lambda: w_copy.copy_(w)
     # one warm-up call each (it packs the public call's weights), then interleaved
     med = dict(zip(systems, _interleaved_medians_ms(list(systems.values()), args.iters)))
@@ -76,14 +84,16 @@ def main(argv=None) -> int:
     # differ from torch.matmul's, so within a bf16 ulp of a float64 reference rather than bitwise)
     ref = torch.cat([x[s:e].double() @ w[i].double().t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
     outs = {"grouped, public": d_padded.index_select(0, pos), "per group, matmul": systems["per group, matmul"]()}
-    if packed is not None:
-        outs["per group, packed"] = systems["per group, packed"]()
+    for name in ("per group, oneDNN packed", "per group, AMX"):
+        if name in systems:
+            outs[name] = systems[name]()
     scale = ref.abs().max().item() if ref.numel() else 1.0
     ok = all(bool(((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * scale).all()) for o in outs.values())
     print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
           f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB "
-          f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing "
-          f"{'available' if packed is not None else 'unavailable (no native bf16): packed rows skipped'}")
+          f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
+          f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
+          f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")
     for name, t in med.items():
         ratio = "" if name in ("plain", "copy of the weights") else f"   plain / this {med['plain'] / t:.2f}"
         print(f"[time] {name:<31} {t:9.3f} ms{ratio}")

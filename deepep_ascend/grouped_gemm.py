@@ -14,19 +14,20 @@ which is exact emulation of block-scaled MMA; otherwise (legacy float32 scales) 
 Weights (B) are dequantized once and cached by tensor identity and version
 (:func:`deepep_ascend.quant.dequantize_weights`). K-grouped results accumulate in float32.
 
-Prepacked weights. Where the CPU multiplies bf16 natively (AMX, AVX512-BF16) the m-grouped bf16
-products run on oneDNN's inner product with each group's weight packed once into oneDNN's blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's
-inductor uses for frozen linear weights), each group on first use, cached like the dequantized
-weights: by the identity (a view: its base and geometry) and version counter of ``b`` (or of its
-cached dequantized copy), so an in-place write to ``b`` is seen by the next call; writes that bypass
-the version counter (``.data``, numpy) are not, clear the cache after them.
+Prepacked weights. Where the CPU multiplies bf16 natively the m-grouped bf16 products run on
+weights packed once per group: with Intel AMX (and the native kernels built) on
+:func:`deepep_ascend.native.gemm_bf16_amx`, which writes each group's rows straight into ``d``;
+otherwise (AVX512-BF16, or ``DEEPEP_ASCEND_NATIVE=0``) on oneDNN's inner product with the weight in
+oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
+torch's inductor uses for frozen linear weights). Each group is packed on first use and cached like
+the dequantized weights: by the identity (a view: its base and geometry) and version counter of ``b``
+(or of its cached dequantized copy), so an in-place write to ``b`` is seen by the next call; writes
+that bypass the version counter (``.data``, numpy) are not, clear the cache after them.
 :func:`deepep_ascend.set_dequantized_weight_cache` switches every weight cache. Weights that require
 grad, inference tensors, disabled caches and calls autograd records multiply with ``torch.matmul``.
 A plain bf16 matmul reorders its weight on every call, which for ~128 rows per group cost about as
-much as the multiply. Same float32 accumulation; the summation order inside oneDNN's kernels may
-differ from ``torch.matmul``'s (at ``M = 1`` it does), so results agree to bf16 rounding, not
-always bit for bit.
+much as the multiply. Same float32 accumulation; the summation order inside either kernel may differ
+from ``torch.matmul``'s, so results agree to bf16 rounding, not always bit for bit.
 
 Scale factors (``recipe``): ``(gran_m_a, gran_n_b, gran_k)`` or per operand ``recipe_a`` /
 ``recipe_b`` = ``(gran_mn, gran_k)``. Without a recipe it is inferred per operand: float32 A
@@ -63,6 +64,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import native as _native
 from . import quant as _q
 from .quant import (
     _dequantize_operand,
@@ -242,33 +244,43 @@ def native_bf16() -> bool:
 # spends about as long on that as on the multiply, so the weights are packed once and cached.
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-_PACKING = bool(_REORDER is not None and _LINEAR is not None and torch.backends.mkldnn.is_available()
-                and native_bf16())
+_ONEDNN = bool(_REORDER is not None and _LINEAR is not None and torch.backends.mkldnn.is_available()
+               and native_bf16())
+# How weights are packed: for the AMX kernel where it runs (faster than oneDNN at ~128 rows per group, and
+# never slower in bench.grouped_gemm's sweep), else for oneDNN, else not at all.
+_PACKER = "amx" if _native.amx_bf16() else ("onednn" if _ONEDNN else None)
+_PACKING = _PACKER is not None
 
 
-def _pack_groups(b_nk: torch.Tensor):
-    """Per-group oneDNN-packed copies of bf16 weights ``b_nk [G, N, K]`` (any strides; each packed
-    tensor reports the shape ``[N, K]``), or ``None`` where packing is unavailable (no native bf16,
-    no oneDNN) or ``b_nk`` is not bf16."""
-    if not _PACKING or b_nk.dtype != BF16:
+def _pack_one(w_nk: torch.Tensor, packer: str):
+    return _native.AmxWeight(w_nk) if packer == "amx" else _REORDER(w_nk, None)
+
+
+def _pack_groups(b_nk: torch.Tensor, packer: str | None = None):
+    """Per-group packed copies of bf16 weights ``b_nk [G, N, K]`` (any strides; each reports the shape
+    ``[N, K]``): :class:`~deepep_ascend.native.AmxWeight` or oneDNN's (``packer`` ``"amx"`` or
+    ``"onednn"``; default: what this machine runs), or ``None`` where packing is unavailable (no native
+    bf16, no oneDNN) or ``b_nk`` is not bf16."""
+    packer = packer or _PACKER
+    if packer is None or b_nk.dtype != BF16:
         return None
-    return tuple(_REORDER(b_nk[g], None) for g in range(b_nk.size(0)))
+    return tuple(_pack_one(b_nk[g], packer) for g in range(b_nk.size(0)))
 
 
 class _LazyPacked:
-    """oneDNN-packed copies of the groups of bf16 weights ``b_nk [G, N, K]``, each packed on first use
-    (a masked call with few active groups, or a first call, packs only what it multiplies: what a
-    matmul would reorder anyway). Packing the same group twice from two threads is harmless."""
+    """Packed copies of the groups of bf16 weights ``b_nk [G, N, K]`` (:func:`_pack_groups`), each packed
+    on first use (a masked call with few active groups, or a first call, packs only what it multiplies:
+    what a matmul would reorder anyway). Packing the same group twice from two threads is harmless."""
 
     def __init__(self, b_nk: torch.Tensor):
         self.b_nk = b_nk
         self.groups = [None] * b_nk.size(0)
 
-    def __getitem__(self, g: int) -> torch.Tensor:
+    def __getitem__(self, g: int):
         p = self.groups[g]
         if p is None:
             with torch.no_grad():
-                p = self.groups[g] = _REORDER(self.b_nk[g], None)
+                p = self.groups[g] = _pack_one(self.b_nk[g], _PACKER)
         return p
 
 
@@ -280,17 +292,41 @@ def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     every step, possibly through ``.data``, which no version counter sees)."""
     if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
         return None
-    return _q._cached_by_tensors(("onednn_packed", tag), (key,), lambda: _LazyPacked(b_nk.detach()))
+    return _q._cached_by_tensors(("packed_weights", tag), (key,), lambda: _LazyPacked(b_nk.detach()))
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
     """bf16 ``x @ w_t`` (``w_t = B[g]`` as ``[K, N]``) with float32 accumulation, on the packed copy
-    ``packed[g]`` when there is one, ``x`` is bf16 and autograd does not record the call (oneDNN's
-    packed inner product has no backward; packed weights never require grad). ``w_t`` may be None
-    when ``packed`` is given and those hold."""
+    ``packed[g]`` when there is one, ``x`` is bf16 and autograd does not record the call (the packed
+    kernels have no backward; packed weights never require grad). ``w_t`` may be None when ``packed`` is
+    given and those hold. (Whole grouped calls take the AMX kernel in one go: :func:`_amx_runs`.)"""
     if packed is not None and x.dtype == BF16 and not (x.requires_grad and torch.is_grad_enabled()):
-        return _LINEAR(x, packed[g], None, "none", [], "")
+        p = packed[g]
+        if not isinstance(p, _native.AmxWeight):
+            return _LINEAR(x, p, None, "none", [], "")
+        x = x if _native._matrix_ok(x) else x.contiguous()
+        out = torch.empty(x.size(0), p.n, dtype=BF16)
+        _native.gemm_bf16_amx(out, x, p)
+        return out
     return _matmul_bf16_out(x, w_t)
+
+
+def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
+    """``d[s:e] = bf16(a[s:e] @ B[g].T)`` for every run ``(g, s, e)`` in one call of the AMX kernel
+    (:func:`deepep_ascend.native.gemm_bf16_amx`), ``a = rows()`` (bf16 ``[M, K]``, made only once the rest
+    qualifies). True when done; False (nothing written) where the kernel does not apply: ``packed`` not
+    AMX weights, ``d`` not a bf16 matrix it can write (unit column stride, rows apart), ``a`` not bf16, or
+    autograd recording the call; the caller then multiplies group by group."""
+    if (packed is None or not runs or not isinstance(packed[runs[0][0]], _native.AmxWeight)
+            or not _native._matrix_ok(d, BF16) or (d.size(0) > 1 and d.stride(0) < d.size(1))):
+        return False
+    a = rows()
+    if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not _native._matrix_ok(a)
+            or _native._overlap(d, a)):
+        return False
+    order = {}
+    ws = [packed[g] for g, _, _ in runs if order.setdefault(g, len(order)) == len(order) - 1]
+    return _native.gemm_bf16_amx(d, a, ws, [(order[g], s, e) for g, s, e in runs])
 
 
 class _Operands:
@@ -354,15 +390,20 @@ class _Operands:
             )
         return self._b_deq[g].t()
 
-    def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:
-        """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
-        where available (:func:`_packed_weights`)."""
-        w_t = self.weight_t(g)
+    def packed(self):
+        """The packed weights (:func:`_packed_weights`), or None."""
         if self._packed is False:
+            if self.fp8:
+                self.weight_t(0)  # dequantizes (and caches) the weights
             src = self._b_deq if self.fp8 else self.b_t
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
             self._packed = _packed_weights(b_nk, src, self.b_layout)
-        return _mm_group(x, w_t, self._packed, g)
+        return self._packed
+
+    def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
+        where available (:func:`_packed_weights`)."""
+        return _mm_group(x, self.weight_t(g), self.packed(), g)
 
     def rows(self, a_data, a_sf=None) -> torch.Tensor:
         if not self.fp8:
@@ -444,9 +485,10 @@ def _m_grouped_contiguous(
         raise ValueError(
             f"a[1] (sf) must have {m} rows, got shape {tuple(ops.a_sf.shape)}"
         )
-    for g, s, e in runs:
-        x = ops.rows(ops.a_t[s:e], ops.a_sf[s:e] if ops.fp8 else None)
-        d[s:e] = ops.mm(x, g)
+    if not _amx_runs(ops.packed(), d, lambda: ops.rows(ops.a_t, ops.a_sf if ops.fp8 else None), runs):
+        for g, s, e in runs:
+            x = ops.rows(ops.a_t[s:e], ops.a_sf[s:e] if ops.fp8 else None)
+            d[s:e] = ops.mm(x, g)
     if ensure_zero_padding or not use_psum_layout:
         for s, e in zero:
             if e > s:
@@ -529,6 +571,24 @@ m_grouped_fp8_gemm_nn_contiguous = m_grouped_fp8_fp4_gemm_nn_contiguous
 # m-grouped masked
 
 
+def _rows_of_groups(t: torch.Tensor) -> torch.Tensor | None:
+    """``t [G, Mmax, C]`` as a ``[G·Mmax, C]`` view, or None where its strides do not allow one."""
+    try:
+        return t.view(-1, t.size(-1))
+    except RuntimeError:
+        return None
+
+
+def _masked_rows(ops: _Operands):
+    """The masked layout's A as bf16 ``[G·Mmax, K]`` (FP8: every row dequantized, the rows past
+    ``masked_m`` too: their values never reach ``d``), or None where it is not one matrix."""
+    a = _rows_of_groups(ops.a_t)
+    if a is None or not ops.fp8:
+        return a
+    sf = _rows_of_groups(ops.a_sf)
+    return None if sf is None else ops.rows(a, sf)
+
+
 def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
     if ops.a_t.dim() != 3 or ops.a_t.size(0) != ops.g:
         raise ValueError(
@@ -551,10 +611,13 @@ def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
         raise ValueError(
             f"a[1] (sf) must be [G, Mmax, ...], got shape {tuple(ops.a_sf.shape)}"
         )
-    for g, c in enumerate(counts):
-        if c:
-            x = ops.rows(ops.a_t[g, :c], ops.a_sf[g, :c] if ops.fp8 else None)
-            d[g, :c] = ops.mm(x, g)
+    runs = [(g, g * mmax, g * mmax + c) for g, c in enumerate(counts) if c]
+    flat = _rows_of_groups(d)  # [G·Mmax, N] views where the strides allow (one AMX call for every group)
+    if flat is None or not _amx_runs(ops.packed(), flat, lambda: _masked_rows(ops), runs):
+        for g, c in enumerate(counts):
+            if c:
+                x = ops.rows(ops.a_t[g, :c], ops.a_sf[g, :c] if ops.fp8 else None)
+                d[g, :c] = ops.mm(x, g)
 
 
 def m_grouped_bf16_gemm_nt_masked(

@@ -39,7 +39,8 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    is never built; each expert's rows are one GEMM (:func:`_expert_gemm`).
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
    (un-transformed, for FP4 dequantized) weights cached by tensor identity and version, packed once
-   into oneDNN's blocked layout where the CPU has native bf16 (only the packed copy is kept:
+   where the CPU has native bf16, for the AMX kernel (which writes each expert's rows straight into
+   the wave's output) or else for oneDNN (only the packed copy is kept:
    :func:`deepep_ascend.grouped_gemm._pack_groups`; switch for every weight cache:
    :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
    dequantized per row before L1 (exact in bf16; e4m3 decoded by :func:`deepep_ascend.e4m3_to_float`,
@@ -95,6 +96,7 @@ from . import native as _native
 from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
 from .grouped_gemm import (
+    _amx_runs,
     _mm_group,
     _pack_groups,
     native_bf16,
@@ -157,16 +159,16 @@ def _operand_dtype(engine: str) -> torch.dtype:
 def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
     """``d [n, N]`` bf16: rows ``bounds[g]:bounds[g+1]`` of ``a [n, K]`` (sorted by expert, no padding rows)
     times ``w[g].T``, float32 accumulation, one bf16 rounding. ``w``: ``[G, N, K]``, or (``bf16`` engine) a
-    tuple of ``G`` oneDNN-packed ``[N, K]`` weights (:func:`~deepep_ascend.grouped_gemm._pack_groups`).
+    tuple of ``G`` packed ``[N, K]`` weights, AMX or oneDNN (:func:`~deepep_ascend.grouped_gemm._pack_groups`).
     ``bf16`` engine: bf16 operands; ``fp32``: one float32 matmul per group on the same bf16 values (``a``
     bf16 or float32 holding bf16 values, ``w`` float32)."""
     n = a.size(0)
     if engine == "bf16":
         packed = w if isinstance(w, tuple) else None
         d = torch.empty(n, w[0].size(0) if packed else w.size(1), dtype=BF16)
-        for g in range(len(bounds) - 1):
-            s, e = bounds[g], bounds[g + 1]
-            if e > s:
+        runs = [(g, bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1) if bounds[g + 1] > bounds[g]]
+        if not _amx_runs(packed, d, lambda: a, runs):
+            for g, s, e in runs:
                 d[s:e] = _mm_group(a[s:e], None if packed else w[g].t(), packed, g)
         return d
     af = a.float()
@@ -430,8 +432,8 @@ def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "sw
 
 def _untransformed(kind: str, l1, l2, engine: str):
     """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
-    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where oneDNN can pack
-    them and the cache holds them, each is instead the tuple of its experts' packed copies
+    stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where they can be packed
+    and the cache holds them, each is instead the tuple of its experts' packed copies
     (:func:`~deepep_ascend.grouped_gemm._pack_groups`; one copy of the weights is cached, not two). Cached by
     identity and version of the transformed tensors (:func:`deepep_ascend.quant._cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])

@@ -1,5 +1,6 @@
 """The data plane's native kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
-elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``).
+elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``), and one group
+of an m-grouped BF16 GEMM on Intel AMX tiles (``csrc/amx_gemm.c``).
 
 Built at install time as the optional extension ``deepep_ascend._native`` (``pyproject.toml``) and
 loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
@@ -14,7 +15,12 @@ torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's
 scratch first: about three passes over the rows where this kernel makes one
 (``python -m bench.combine_sum`` times both). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
 torch passes over float32 temporaries; the kernel makes one, after torch's own ``exp`` (so both paths
-compute the same sigmoid).
+compute the same sigmoid). The grouped GEMMs multiply ~128 rows per expert, where oneDNN's kernels
+(torch's CPU matmul; torch has no CPU grouped GEMM of its own) reach about half of what they reach on
+one tall matrix; the AMX kernel keeps a group's rows in L2 while its weight streams past once and writes
+into the caller's output (``python -m bench.grouped_gemm`` times both). It runs only where the CPU has
+AMX-BF16 and Linux grants the process its tile state (:func:`amx_bf16`); elsewhere the grouped GEMMs
+use oneDNN.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import warnings
 
 import torch
 
-__all__ = ["available", "dequant_rows_e4m3", "library_path", "sum_rows", "swiglu"]
+__all__ = ["AmxWeight", "amx_bf16", "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows",
+           "swiglu"]
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -41,7 +48,7 @@ def library_path() -> str | None:
     return None
 
 
-_ABI = 3  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
+_ABI = 4  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
 
 
 def _load():
@@ -58,14 +65,15 @@ def _load():
         why = f"was built from an older source (ABI {abi}, this code needs {_ABI})"
         if abi == _ABI:  # an older library lacks some of these: its ABI number says so first
             fns = (lib.deepep_sum_rows_bf16, lib.deepep_dequant_rows_e4m3_bf16, lib.deepep_swiglu_gate_bf16,
-                   lib.deepep_swiglu_bf16)
+                   lib.deepep_swiglu_bf16, lib.deepep_amx_bf16_available, lib.deepep_amx_packed_elems,
+                   lib.deepep_amx_pack_bf16, lib.deepep_amx_gemm_bf16)
     except (OSError, AttributeError) as exc:
         abi, why = None, f"cannot be loaded ({exc})"
     if fns is None:
         warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
                       f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
         return None
-    sum_rows_fn, dequant, gate, swiglu_fn = fns
+    sum_rows_fn, dequant, gate, swiglu_fn, amx_ok, packed_elems, pack, gemm = fns
     sum_rows_fn.restype = _I64
     sum_rows_fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
     dequant.restype = None
@@ -74,11 +82,22 @@ def _load():
     gate.argtypes = [_I64, _I64, _P, _I64, _I64, ctypes.c_float, _P]
     swiglu_fn.restype = _I64
     swiglu_fn.argtypes = [_I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_float, _I64, _I64, _P, _I64, ctypes.c_uint16]
+    amx_ok.restype = _I64
+    amx_ok.argtypes = []
+    packed_elems.restype = _I64
+    packed_elems.argtypes = [_I64, _I64]
+    pack.restype = None
+    pack.argtypes = [_P, _P, _I64, _I64, _I64]
+    gemm.restype = _I64
+    gemm.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P]
     return fns
 
 
 _FNS = _load()
-_SUM_ROWS, _DEQUANT, _GATE, _SWIGLU = _FNS if _FNS is not None else (None,) * 4
+_SUM_ROWS, _DEQUANT, _GATE, _SWIGLU, _AMX_OK, _AMX_ELEMS, _AMX_PACK, _AMX_GEMM = (
+    _FNS if _FNS is not None else (None,) * 8)
+# The AMX kernel's CPU and OS checks (CPUID, XCR0, and Linux's per-process grant of the tile state) run once.
+_AMX = bool(_AMX_OK is not None and _AMX_OK())
 # The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 # write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
 _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
@@ -330,4 +349,129 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
                    None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)), gran,
                    ob.data_ptr(), ob.stride(0), _NAN_BITS):
             return False
+    return True
+
+
+def amx_bf16() -> bool:
+    """Whether :func:`gemm_bf16_amx` runs here: the kernels are loaded, were built with AMX support (x86-64
+    Linux, gcc >= 11 or clang >= 12), the CPU has AMX-TILE and AMX-BF16, and Linux granted this process
+    the tile state. Not in DeepGEMM (it decides how :mod:`deepep_ascend.grouped_gemm` packs weights)."""
+    return _AMX
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two strided tensors span intersect (a conservative test on their extents)."""
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    if not a.numel() or not b.numel():
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+class AmxWeight:
+    """One bf16 weight ``w [N, K]`` (a GEMM's ``B`` in DeepGEMM's ``nt`` layout: ``d = a @ w.T``) packed
+    once into AMX B tiles for :func:`gemm_bf16_amx`: per 32 columns and 32-deep K block, pairs of K values
+    interleaved (AMX's VNNI order), N padded to 32 and K to 32 with zeros (``(N+31)//32*32 *
+    (K+31)//32*32 * 2`` bytes). Shaped like the tensor it packs (``shape``, ``size``, ``dtype``), so the
+    grouped GEMMs hold it where they hold oneDNN's packed copies. Attributes: ``data`` (flat bf16 tensor),
+    ``n``, ``k``.
+
+    Raises:
+        ValueError: ``w`` not a 2-D CPU bfloat16 tensor; RuntimeError: the kernel is unavailable
+        (:func:`amx_bf16` is False).
+    """
+
+    __slots__ = ("data", "n", "k")
+    dtype = torch.bfloat16
+
+    def __init__(self, w: torch.Tensor):
+        if not _AMX:
+            raise RuntimeError("deepep_ascend.native.AmxWeight: the AMX kernel is unavailable here (amx_bf16() is "
+                               "False)")
+        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
+                and w.device.type == "cpu"):
+            raise ValueError(f"deepep_ascend.native.AmxWeight: w must be a 2-D CPU bfloat16 [N, K] tensor, got "
+                             f"{getattr(w, 'dtype', type(w).__name__)} of shape {tuple(getattr(w, 'shape', ()))}")
+        if w.stride(1) != 1 and w.size(1) > 1:
+            w = w.contiguous()
+        self.n, self.k = w.shape
+        self.data = torch.empty(int(_AMX_ELEMS(self.n, self.k)), dtype=torch.bfloat16)
+        if self.data.numel():
+            _AMX_PACK(self.data.data_ptr(), w.data_ptr(), w.stride(0), self.n, self.k)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+
+def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
+    """``out = bf16(a @ W.T)`` for weights ``W [N, K]`` packed as :class:`AmxWeight`: float32 accumulation on
+    AMX tiles (TDPBF16PS: denormal inputs and outputs flushed to zero, as in oneDNN's AMX kernels), one
+    round-to-nearest-even rounding per output. With ``runs``, the groups of DeepGEMM's
+    ``m_grouped_bf16_gemm_nt_contiguous`` in one call: ``out[s:e] = bf16(a[s:e] @ w[g].T)`` for each
+    ``(g, s, e)``, other rows untouched, each group's weight fetched while the previous group computes.
+    The sum runs in another order than oneDNN's, so results agree with ``torch.matmul`` to bf16 rounding,
+    not always bit for bit.
+
+    Args:
+        out: ``[M, N]`` bfloat16, unit column stride, rows not overlapping each other nor ``a``.
+        a: ``[M, K]`` bfloat16, unit column stride.
+        w: an :class:`AmxWeight` (``runs`` None: every row), or with ``runs`` a sequence of them, all
+            ``[N, K]``.
+        runs: None, or a sequence of ``(g, s, e)`` ints, ``0 <= g < len(w)``, ``0 <= s <= e <= M``.
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable.
+    Raises:
+        ValueError: operands of another type, dtype, shape or layout, runs out of range, or ``out``
+            overlapping ``a``.
+        MemoryError: the kernel could not allocate its scratch for ``a``'s packed rows (nothing written).
+    """
+    if not _AMX:
+        return False
+    op = "gemm_bf16_amx"
+    ws = [w] if runs is None else list(w)
+    if not ws or not all(isinstance(x, AmxWeight) for x in ws):
+        raise ValueError(f"deepep_ascend.native.{op}: w must be an AmxWeight (or with runs a non-empty sequence of "
+                         f"them), got {type(w).__name__}")
+    n, k = ws[0].n, ws[0].k
+    if any((x.n, x.k) != (n, k) for x in ws):
+        raise ValueError(f"deepep_ascend.native.{op}: every weight must be [{n}, {k}], got "
+                         f"{sorted({(x.n, x.k) for x in ws})}")
+    _matrix("a", a, torch.bfloat16, k, op)
+    _matrix("out", out, torch.bfloat16, n, op)
+    _rows_apart("out", out, op)
+    m = a.size(0)
+    if out.size(0) != m:
+        raise ValueError(f"deepep_ascend.native.{op}: out has {out.size(0)} rows, a {m}")
+    if _overlap(out, a):
+        raise ValueError(f"deepep_ascend.native.{op}: out overlaps a")
+    if runs is None:
+        runs = [(0, 0, m)]
+    else:
+        runs = [tuple(r) for r in runs]
+        bad = [r for r in runs if len(r) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+               or not (0 <= r[0] < len(ws) and 0 <= r[1] <= r[2] <= m)]
+        if bad:
+            raise ValueError(f"deepep_ascend.native.{op}: runs must be (g, s, e) ints with 0 <= g < {len(ws)} and "
+                             f"0 <= s <= e <= {m}, got {bad[0]!r}")
+    runs = [r for r in runs if r[2] > r[1]]
+    if not runs or not n:
+        return True
+    if not k:
+        for _, s, e in runs:
+            out[s:e].zero_()
+        return True
+    count = len(runs)
+    starts = (_I64 * count)(*(r[1] for r in runs))
+    ends = (_I64 * count)(*(r[2] for r in runs))
+    bps = (_P * count)(*(ws[r[0]].data.data_ptr() for r in runs))
+    if _AMX_GEMM(out.data_ptr(), out.stride(0) if m > 1 else n, a.data_ptr(), a.stride(0) if m > 1 else k, n, k,
+                 count, starts, ends, bps):
+        raise MemoryError(f"deepep_ascend.native.{op}: no memory for the packed rows of a (up to "
+                          f"{max(e - s for _, s, e in runs)} x {k})")
     return True

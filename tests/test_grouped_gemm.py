@@ -144,7 +144,7 @@ def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
                 assert close_to(d_nn[grp * m:(grp + 1) * m], ref), (step, grp)
                 assert close_to(d_mask[grp], ref), (step, grp)
             if gg._PACKING:
-                assert any(key[0] == "onednn_packed" for key in q._cache), "no packed weights cached"
+                assert any(key[0] == "packed_weights" for key in q._cache), "no packed weights cached"
             b[1].neg_()  # in place: the next round must multiply by the new values
     finally:
         dg.set_mk_alignment_for_contiguous_layout(old)
@@ -215,7 +215,7 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     for _ in range(3):
         for layer in range(4):
             dg.m_grouped_bf16_gemm_nt_masked(a, w[layer], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
-    packed_keys = [key for key in q._cache if key[0] == "onednn_packed"]
+    packed_keys = [key for key in q._cache if key[0] == "packed_weights"]
     assert len(packed_keys) == (4 if gg._PACKING else 0), packed_keys
 
     b = torch.randn(G, n, k, generator=g).to(BF16)

@@ -1,0 +1,220 @@
+"""The AMX grouped-GEMM kernel (``deepep_ascend.native.gemm_bf16_amx``, ``csrc/amx_gemm.c``) and the grouped
+GEMMs that run on it.
+
+The reference is the float64 product of the same bf16 values; the kernel may differ from it by what a
+float32 accumulation of ``K`` products and one bf16 rounding can give (``_bound``), which any layout
+mistake (a swapped K pair, a wrong tile, a lost tail row or column) exceeds by orders of magnitude.
+Where the CPU has no AMX-BF16 (or the native kernels are disabled) the kernel tests skip and the grouped
+GEMMs' oneDNN path is what ``test_grouped_gemm.py`` checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepep_ascend as dg
+from deepep_ascend import grouped_gemm as gg
+from deepep_ascend import mega_moe as mm
+from deepep_ascend import native
+
+BF16 = torch.bfloat16
+SENTINEL = -7.0
+needs_amx = pytest.mark.skipif(not native.amx_bf16(), reason="no AMX-BF16 here (or DEEPEP_ASCEND_NATIVE=0): the "
+                               "grouped GEMMs run on oneDNN")
+
+
+def _within_bound(d: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``d`` is ``a @ w.T`` up to a float32 accumulation of ``K`` products (``K · 2^-24 · Σ|a·w|``)
+    and one bf16 rounding (``2^-8`` relative), NaN and infinities where the float64 product has them."""
+    ref = a.double() @ w.double().T
+    acc = a.size(1) * 2.0**-24 * (a.double().abs() @ w.double().abs().T)
+    d = d.double()
+    same_special = torch.equal(torch.isnan(d), torch.isnan(ref)) and torch.equal(torch.isinf(d), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    return same_special and bool(((d - ref).abs()[fin] <= (2.0**-8 * ref.abs() + (1 + 2.0**-8) * acc)[fin]).all())
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [
+    (1, 1, 1), (15, 17, 31), (16, 32, 32), (17, 48, 33), (33, 1000, 100), (130, 96, 1024),
+    (200, 40, 4096),  # more rows than one L2 chunk of packed A holds at this K (96): three chunks
+])
+def test_gemm_matches_float64_within_the_accumulation_bound(m, n, k):
+    a, w = _rand(m, k, seed=1), _rand(n, k, seed=2)
+    out = torch.full((m, n), SENTINEL, dtype=BF16)
+    assert native.gemm_bf16_amx(out, a, native.AmxWeight(w))
+    assert _within_bound(out, a, w)
+    assert out.dtype == BF16 and native.AmxWeight(w).shape == (n, k) and native.AmxWeight(w).size(1) == k
+
+
+@needs_amx
+def test_runs_write_their_rows_only_on_strided_operands():
+    """Groups with gaps between them, one weight used twice, an empty run; ``a`` and ``out`` are column
+    windows of wider tensors (row strides past their widths), and ``w`` is a transposed (column-major)
+    view that the packing copies."""
+    k, n, m = 96, 40, 70
+    a_wide, out_wide = _rand(m, k + 24, seed=3), torch.full((m, n + 9), SENTINEL, dtype=BF16)
+    a, out = a_wide[:, 8:8 + k], out_wide[:, 5:5 + n]
+    ws = [_rand(n, k, seed=10 + g) for g in range(3)]
+    packed = [native.AmxWeight(w) for w in ws[:2]] + [native.AmxWeight(ws[2].T.contiguous().T)]
+    runs = [(2, 0, 17), (0, 20, 21), (1, 21, 21), (2, 32, 64), (0, 64, 70)]
+    assert native.gemm_bf16_amx(out, a, packed, runs)
+    written = torch.zeros(m, dtype=torch.bool)
+    for g, s, e in runs:
+        assert _within_bound(out[s:e], a[s:e], ws[g]), (g, s, e)
+        written[s:e] = True
+    assert bool((out[~written] == SENTINEL).all()), "rows outside the runs were written"
+    assert bool((out_wide[:, :5] == SENTINEL).all()) and bool((out_wide[:, 5 + n:] == SENTINEL).all())
+
+
+@needs_amx
+def test_values_past_k_and_n_in_wider_tensors_are_never_read():
+    """``a`` and ``w`` are windows of NaN-filled tensors with K and N off the tile sizes: a kernel that read a
+    row past K (an unmasked tail) or a column past N would turn outputs into NaN."""
+    m, n, k = 21, 37, 45
+    a_wide = torch.full((m, k + 40), float("nan"), dtype=BF16)
+    w_wide = torch.full((n + 30, k + 40), float("nan"), dtype=BF16)
+    a, w = a_wide[:, 3:3 + k], w_wide[5:5 + n, 7:7 + k]
+    a.copy_(_rand(m, k, seed=20))
+    w.copy_(_rand(n, k, seed=21))
+    out = torch.full((m, n), SENTINEL, dtype=BF16)
+    assert native.gemm_bf16_amx(out, a, native.AmxWeight(w))
+    assert not bool(torch.isnan(out).any()) and _within_bound(out, a, w)
+
+
+@needs_amx
+def test_non_finite_values_propagate_as_in_float64():
+    k, n = 64, 48
+    a, w = _rand(20, k, seed=4), _rand(n, k, seed=5)
+    a[3, 7] = float("nan")
+    a[5, 0] = float("inf")  # +inf times weights of both signs: inf - inf = NaN in most columns
+    a[9, 1:] = 0
+    a[9, 0] = float("-inf")
+    w[11, 2] = float("inf")
+    out = torch.empty(20, n, dtype=BF16)
+    assert native.gemm_bf16_amx(out, a, native.AmxWeight(w))
+    assert _within_bound(out, a, w)
+    assert bool(torch.isnan(out[3]).all()) and bool(torch.isinf(out[9, :11]).all())
+
+
+@needs_amx
+def test_bad_operands_raise_naming_them():
+    a, w = _rand(8, 64), _rand(16, 64)
+    pw = native.AmxWeight(w)
+    out = torch.empty(8, 16, dtype=BF16)
+    cases = [
+        (lambda: native.AmxWeight(w.float()), "w must be a 2-D CPU bfloat16"),
+        (lambda: native.AmxWeight(w[None]), "w must be a 2-D CPU bfloat16"),
+        (lambda: native.gemm_bf16_amx(out, a, w), "must be an AmxWeight"),
+        (lambda: native.gemm_bf16_amx(out, a.float(), pw), "a must be a CPU torch.bfloat16"),
+        (lambda: native.gemm_bf16_amx(out, a[:, :32], pw), "a must be a CPU torch.bfloat16 matrix of 64"),
+        (lambda: native.gemm_bf16_amx(out.t(), a, pw), "out must be"),
+        (lambda: native.gemm_bf16_amx(out[:4], a, pw), "out has 4 rows, a 8"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw, native.AmxWeight(_rand(8, 64))], [(0, 0, 8)]),
+         "every weight must be [16, 64]"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(1, 0, 8)]), "runs must be (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 5, 4)]), "runs must be (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 0, 9)]), "runs must be (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, True, 4)]), "runs must be (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, []), "non-empty sequence"),
+    ]
+    same = torch.empty(8, 64, dtype=BF16)
+    cases.append((lambda: native.gemm_bf16_amx(same[:, :16], same, native.AmxWeight(_rand(16, 64))),
+                  "out overlaps a"))
+    for call, words in cases:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[").replace("]", r"\]")):
+            call()
+
+
+def _grouped_cases(n=40, k=128, counts=(5, 0, 37, 19)):
+    g = len(counts)
+    b = _rand(g, n, k, seed=6)
+    a = _rand(sum(counts), k, seed=7)
+    return a, b, counts
+
+
+@needs_amx
+@pytest.mark.parametrize("packer", ["amx", "onednn"])
+def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
+    """The public m-grouped calls (contiguous nt/nn, masked, FP8) and MegaMoE's per-expert GEMM call the AMX
+    kernel once for all their groups; with oneDNN packing (no AMX) they never call it. Both within the
+    bound of the float64 reference, padding rows as the layout says."""
+    if packer == "onednn" and not gg._ONEDNN:
+        pytest.skip("oneDNN packing unavailable")
+    monkeypatch.setattr(gg, "_PACKER", packer)
+    dg.clear_dequantized_weight_cache()
+    calls = []
+    real = native.gemm_bf16_amx
+
+    def spy(out, a, w, runs=None):
+        calls.append(1 if runs is None else len(runs))
+        return real(out, a, w, runs)
+
+    monkeypatch.setattr(native, "gemm_bf16_amx", spy)
+    a, b, counts = _grouped_cases()
+    n, k, g = b.size(1), b.size(2), b.size(0)
+    align = dg.get_mk_alignment_for_contiguous_layout()
+    starts, rows = [], 0
+    for c in counts:
+        starts.append(rows)
+        rows = dg.align(rows + c, align)
+    a_pad = torch.zeros(rows, k, dtype=BF16)
+    ends = []
+    for s, c, i in zip(starts, counts, range(g)):
+        a_pad[s:s + c] = a[sum(counts[:i]):sum(counts[:i]) + c]
+        ends.append(s + c)
+    ends_t = torch.tensor(ends, dtype=torch.int32)
+    try:
+        for layout in ("nt", "nn"):
+            d = torch.full((rows, n), SENTINEL, dtype=BF16)
+            calls.clear()
+            if layout == "nt":
+                dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d, ends_t, use_psum_layout=True)
+            else:
+                dg.m_grouped_bf16_gemm_nn_contiguous(a_pad, b.transpose(1, 2).contiguous(), d, ends_t,
+                                                     use_psum_layout=True)
+            assert calls == ([3] if packer == "amx" else []), (layout, calls)
+            for i, (s, c) in enumerate(zip(starts, counts)):
+                assert _within_bound(d[s:s + c], a_pad[s:s + c], b[i]), (layout, i)
+        # masked: one call over [G·Mmax] rows; rows past masked_m untouched
+        mmax = max(counts)
+        a_m = _rand(g, mmax, k, seed=8)
+        d_m = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
+        calls.clear()
+        dg.m_grouped_bf16_gemm_nt_masked(a_m, b, d_m, torch.tensor(counts, dtype=torch.int32), mmax)
+        assert calls == ([3] if packer == "amx" else []), calls
+        for i, c in enumerate(counts):
+            assert _within_bound(d_m[i, :c], a_m[i, :c], b[i]) and bool((d_m[i, c:] == SENTINEL).all()), i
+        # FP8 activations and weights: dequantized once, then one call
+        bq = dg.per_block_cast_to_fp8(b.float(), True)
+        aq = dg.per_token_cast_to_fp8(a_m.float(), True, 128, True)
+        d_f = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
+        calls.clear()
+        dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d_f, torch.tensor(counts, dtype=torch.int32), mmax)
+        assert calls == ([3] if packer == "amx" else []), calls
+        a_deq = dg.per_token_cast_back(aq[0].view(-1, k), aq[1].view(-1, aq[1].size(-1)), 128, torch.bfloat16)
+        w_deq = gg._Operands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
+        assert _within_bound(d_f[0, :counts[0]], a_deq[:counts[0]], w_deq.T)
+        # d without unit column stride: group by group (a fresh output each), still right
+        d_t = torch.full((n, rows), SENTINEL, dtype=BF16).t()
+        calls.clear()
+        dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d_t, ends_t, use_psum_layout=True)
+        assert calls == ([1, 1, 1] if packer == "amx" else []), calls
+        assert _within_bound(d_t[starts[2]:starts[2] + counts[2]], a_pad[starts[2]:starts[2] + counts[2]], b[2])
+        # MegaMoE's per-expert GEMM on rows sorted by expert
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+        calls.clear()
+        out = mm._expert_gemm("bf16", a, gg._pack_groups(b), bounds)
+        assert calls == ([3] if packer == "amx" else []), calls
+        for i in range(g):
+            assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
+    finally:
+        dg.clear_dequantized_weight_cache()
