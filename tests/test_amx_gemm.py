@@ -88,6 +88,35 @@ def test_values_past_k_and_n_in_wider_tensors_are_never_read():
 
 
 @needs_amx
+def test_threads_multiply_concurrently():
+    """Tile configuration and the packed-row scratch are per thread: threads (which the GIL-free ctypes
+    call lets overlap) each get their own product."""
+    import threading
+
+    k, n, m = 256, 64, 150
+    ws = [_rand(n, k, seed=30 + i) for i in range(4)]
+    a = [_rand(m + 7 * i, k, seed=40 + i) for i in range(4)]
+    outs = [torch.empty(m + 7 * i, n, dtype=BF16) for i in range(4)]
+    errors = []
+
+    def work(i):
+        try:
+            w = native.AmxWeight(ws[i])
+            for _ in range(10):
+                native.gemm_bf16_amx(outs[i], a[i], w)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(_within_bound(outs[i], a[i], ws[i]) for i in range(4))
+
+
+@needs_amx
 def test_non_finite_values_propagate_as_in_float64():
     k, n = 64, 48
     a, w = _rand(20, k, seed=4), _rand(n, k, seed=5)

@@ -24,6 +24,7 @@
 #define HAVE_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -82,8 +83,27 @@ int64_t deepep_amx_bf16_available(void)
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+/* Each calling thread's packed rows of A (at most one L2 chunk), kept across calls and freed when the thread
+ * exits (the pthread key's destructor). */
 static __thread uint16_t *a_scratch;
 static __thread int64_t a_scratch_elems;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void make_scratch_key(void) { pthread_key_create(&scratch_key, free); }
+
+/* a_scratch of at least need elements; 0, or -1 if memory ran out. */
+static int ensure_scratch(int64_t need)
+{
+    if (a_scratch_elems >= need)
+        return 0;
+    pthread_once(&scratch_once, make_scratch_key);
+    free(a_scratch);
+    a_scratch = aligned_alloc(64, (size_t)round_up(need * 2, 64));
+    a_scratch_elems = a_scratch ? need : 0;
+    pthread_setspecific(scratch_key, a_scratch);
+    return a_scratch ? 0 : -1;
+}
 
 /* A [m, k] into 16-row tiles: tile (mb, kb) at out + (mb * kb_n + kb) * 512, zero padded. */
 __attribute__((target("avx512f,avx512bw")))
@@ -207,13 +227,8 @@ int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_
         if (ends[i] - starts[i] > most)
             most = ends[i] - starts[i];
     const int64_t need = (most < chunk ? round_up(most, 16) : chunk) * row_elems;
-    if (a_scratch_elems < need) {
-        free(a_scratch);
-        a_scratch = aligned_alloc(64, (size_t)round_up(need * 2, 64));
-        a_scratch_elems = a_scratch ? need : 0;
-        if (!a_scratch)
-            return -1;
-    }
+    if (ensure_scratch(need))
+        return -1;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
