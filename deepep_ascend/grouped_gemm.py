@@ -324,9 +324,10 @@ def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
     if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not _native._matrix_ok(a)
             or _native._overlap(d, a)):
         return False
-    order = {}
-    ws = [packed[g] for g, _, _ in runs if order.setdefault(g, len(order)) == len(order) - 1]
-    return _native.gemm_bf16_amx(d, a, ws, [(order[g], s, e) for g, s, e in runs])
+    index = {}  # each group's weight once, in the order of the runs
+    for g, _, _ in runs:
+        index.setdefault(g, len(index))
+    return _native.gemm_bf16_amx(d, a, [packed[g] for g in index], [(index[g], s, e) for g, s, e in runs])
 
 
 class _Operands:
@@ -376,10 +377,8 @@ class _Operands:
                 )
             self._b_deq = None
 
-    def weight_t(self, g: int) -> torch.Tensor:
-        """``B[g]`` as ``[K, N]`` (bf16 or float32)."""
-        if not self.fp8:
-            return self.b_t[g].t() if self.b_layout == "nt" else self.b_t[g]
+    def _dequantized(self) -> torch.Tensor:
+        """The FP8/FP4 weights dequantized, ``[G, N, K]`` (cached: :func:`dequantize_weights`)."""
         if self._b_deq is None:
             self._b_deq = dequantize_weights(
                 self.b_data,
@@ -388,14 +387,18 @@ class _Operands:
                 self.gb[1],
                 k_major=self.b_layout == "nt",
             )
-        return self._b_deq[g].t()
+        return self._b_deq
+
+    def weight_t(self, g: int) -> torch.Tensor:
+        """``B[g]`` as ``[K, N]`` (bf16 or float32)."""
+        if not self.fp8:
+            return self.b_t[g].t() if self.b_layout == "nt" else self.b_t[g]
+        return self._dequantized()[g].t()
 
     def packed(self):
         """The packed weights (:func:`_packed_weights`), or None."""
         if self._packed is False:
-            if self.fp8:
-                self.weight_t(0)  # dequantizes (and caches) the weights
-            src = self._b_deq if self.fp8 else self.b_t
+            src = self._dequantized() if self.fp8 else self.b_t
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
             self._packed = _packed_weights(b_nk, src, self.b_layout)
         return self._packed
@@ -485,7 +488,7 @@ def _m_grouped_contiguous(
         raise ValueError(
             f"a[1] (sf) must have {m} rows, got shape {tuple(ops.a_sf.shape)}"
         )
-    if not _amx_runs(ops.packed(), d, lambda: ops.rows(ops.a_t, ops.a_sf if ops.fp8 else None), runs):
+    if not (runs and _amx_runs(ops.packed(), d, lambda: ops.rows(ops.a_t, ops.a_sf if ops.fp8 else None), runs)):
         for g, s, e in runs:
             x = ops.rows(ops.a_t[s:e], ops.a_sf[s:e] if ops.fp8 else None)
             d[s:e] = ops.mm(x, g)
@@ -579,14 +582,23 @@ def _rows_of_groups(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _masked_rows(ops: _Operands):
-    """The masked layout's A as bf16 ``[G·Mmax, K]`` (FP8: every row dequantized, the rows past
-    ``masked_m`` too: their values never reach ``d``), or None where it is not one matrix."""
+def _masked_rows(ops: _Operands, runs: list):
+    """The masked layout's A as bf16 ``[G·Mmax, K]``: a view of ``a`` (bf16), or for FP8 the rows of ``runs``
+    dequantized into a buffer whose other rows are never touched (a decode batch fills few of its
+    ``G·Mmax`` rows); None where ``a`` is not one matrix or its rows are not exact in bf16."""
     a = _rows_of_groups(ops.a_t)
     if a is None or not ops.fp8:
         return a
     sf = _rows_of_groups(ops.a_sf)
-    return None if sf is None else ops.rows(a, sf)
+    if sf is None:
+        return None
+    out = torch.empty(a.size(0), a.size(1), dtype=BF16)
+    for _, s, e in runs:
+        x = ops.rows(a[s:e], sf[s:e])
+        if x.dtype != BF16:  # scales that leave values inexact in bf16: float32 products, group by group
+            return None
+        out[s:e] = x
+    return out
 
 
 def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
@@ -613,7 +625,7 @@ def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
         )
     runs = [(g, g * mmax, g * mmax + c) for g, c in enumerate(counts) if c]
     flat = _rows_of_groups(d)  # [G·Mmax, N] views where the strides allow (one AMX call for every group)
-    if flat is None or not _amx_runs(ops.packed(), flat, lambda: _masked_rows(ops), runs):
+    if not (runs and flat is not None and _amx_runs(ops.packed(), flat, lambda: _masked_rows(ops, runs), runs)):
         for g, c in enumerate(counts):
             if c:
                 x = ops.rows(ops.a_t[g, :c], ops.a_sf[g, :c] if ops.fp8 else None)

@@ -220,13 +220,20 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
         assert calls == ([3] if packer == "amx" else []), calls
         for i, c in enumerate(counts):
             assert _within_bound(d_m[i, :c], a_m[i, :c], b[i]) and bool((d_m[i, c:] == SENTINEL).all()), i
-        # FP8 activations and weights: dequantized once, then one call
+        # FP8 activations and weights: the weights dequantized once, the activations' rows up to masked_m
+        # only (a decode batch fills few of the layout's rows), then one call
         bq = dg.per_block_cast_to_fp8(b.float(), True)
         aq = dg.per_token_cast_to_fp8(a_m.float(), True, 128, True)
         d_f = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
         calls.clear()
+        decoded = []
+        real_rows = gg._Operands.rows
+        monkeypatch.setattr(gg._Operands, "rows", lambda self, x, sf=None: decoded.append(x.size(0))
+                            or real_rows(self, x, sf))
         dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d_f, torch.tensor(counts, dtype=torch.int32), mmax)
+        monkeypatch.setattr(gg._Operands, "rows", real_rows)
         assert calls == ([3] if packer == "amx" else []), calls
+        assert sum(decoded) == sum(counts), decoded
         a_deq = dg.per_token_cast_back(aq[0].view(-1, k), aq[1].view(-1, aq[1].size(-1)), 128, torch.bfloat16)
         w_deq = gg._Operands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
         assert _within_bound(d_f[0, :counts[0]], a_deq[:counts[0]], w_deq.T)
@@ -247,3 +254,17 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
             assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
     finally:
         dg.clear_dequantized_weight_cache()
+
+
+@needs_amx
+def test_runs_of_one_group_share_its_weight():
+    """``_amx_runs`` passes each group's weight once, whatever order or repetition the runs have."""
+    n, k = 24, 64
+    b = _rand(3, n, k, seed=50)
+    a = _rand(30, k, seed=51)
+    packed = gg._pack_groups(b, "amx")
+    runs = [(2, 0, 4), (2, 4, 9), (0, 9, 20), (1, 20, 22), (0, 22, 30)]
+    d = torch.full((30, n), SENTINEL, dtype=BF16)
+    assert gg._amx_runs(packed, d, lambda: a, runs)
+    for g, s, e in runs:
+        assert _within_bound(d[s:e], a[s:e], b[g]), (g, s, e)
