@@ -7,7 +7,9 @@ loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the 
 Buffer's worker sums while the caller computes). Where it was not built (no C compiler) or
 ``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False, every function here returns False,
 and the callers (:func:`deepep_ascend.intranode.accumulate_rows`, :mod:`deepep_ascend.mega_moe`) use
-their torch paths, which give the same bits (NaN payloads aside).
+their torch paths, which give the same bits (NaN payloads aside) -- except the grouped GEMMs, whose
+oneDNN path sums in another order than the AMX kernel (same float32 accumulation; results agree to bf16
+rounding).
 
 Why C: combine sums each token's BF16 rows in float32 and rounds once (DeepEP's arithmetic).
 torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's BF16
