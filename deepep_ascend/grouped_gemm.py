@@ -314,11 +314,15 @@ def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torc
 def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
     """``d[s:e] = bf16(a[s:e] @ B[g].T)`` for every run ``(g, s, e)`` in one call of the AMX kernel
     (:func:`deepep_ascend.native.gemm_bf16_amx`), ``a = rows()`` (bf16 ``[M, K]``, made only once the rest
-    qualifies). True when done; False (nothing written) where the kernel does not apply: ``packed`` not
-    AMX weights, ``d`` not a bf16 matrix it can write (unit column stride, rows apart), ``a`` not bf16, or
-    autograd recording the call; the caller then multiplies group by group."""
+    qualifies). True when done (``d``'s version counter bumped, as by an in-place op); False (nothing
+    written) where the kernel does not apply: ``packed`` not AMX weights, ``d`` not a bf16 matrix it can
+    write (unit column stride, rows apart) or one torch would not write in place (it requires grad, or is
+    an inference tensor outside inference mode: the caller's torch write raises as torch does), ``a`` not
+    bf16, or autograd recording the call; the caller then multiplies group by group."""
     if (packed is None or not runs or not isinstance(packed[runs[0][0]], _native.AmxWeight)
-            or not _native._matrix_ok(d, BF16) or (d.size(0) > 1 and d.stride(0) < d.size(1))):
+            or not _native._matrix_ok(d, BF16) or (d.size(0) > 1 and d.stride(0) < d.size(1))
+            or (d.requires_grad and torch.is_grad_enabled())
+            or (d.is_inference() and not torch.is_inference_mode_enabled())):
         return False
     a = rows()
     if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not _native._matrix_ok(a)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import operator
 import os
 import warnings
 
@@ -203,6 +204,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
     if status:
         raise ValueError(f"deepep_ascend.native.sum_rows: source {status - 1}'s tokens are not ascending "
                          f"in [0, {m})")
+    _written(out)
     return True
 
 
@@ -281,6 +283,7 @@ def dequant_rows_e4m3(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     _DEQUANT(n, hidden, gran, codes.data_ptr(), codes.stride(0), scales.data_ptr(), scales.stride(0),
              None if index is None else index.data_ptr(), e4m3.data_ptr(), sf.data_ptr(), out.data_ptr(),
              out.stride(0), _NAN_BITS)
+    _written(out)
     return True
 
 
@@ -350,7 +353,9 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
         if _SWIGLU(b, inter, hb.data_ptr(), hb.stride(0), tb.data_ptr(),
                    None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)), gran,
                    ob.data_ptr(), ob.stride(0), _NAN_BITS):
+            _written(out)
             return False
+    _written(out)
     return True
 
 
@@ -425,18 +430,27 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
         a: ``[M, K]`` bfloat16, unit column stride.
         w: an :class:`AmxWeight` (``runs`` None: every row), or with ``runs`` a sequence of them, all
             ``[N, K]``.
-        runs: None, or a sequence of ``(g, s, e)`` ints, ``0 <= g < len(w)``, ``0 <= s <= e <= M``.
+        runs: None, or a sequence of ``(g, s, e)`` ints, ``0 <= g < len(w)``, ``0 <= s <= e <= M``, in any
+            order, no two sharing a row.
     Returns:
         True when done; False (nothing written) if the kernel is unavailable.
     Raises:
-        ValueError: operands of another type, dtype, shape or layout, runs out of range, or ``out``
-            overlapping ``a``.
+        ValueError: operands of another type, dtype, shape or layout, runs out of range or overlapping,
+            ``out`` overlapping ``a``, or ``out`` a tensor torch would not write in place here (it requires
+            grad with grad mode on, or is an inference tensor outside inference mode). The write bumps
+            ``out``'s version counter, as an in-place op does.
         MemoryError: the kernel could not allocate its scratch for ``a``'s packed rows (nothing written).
     """
     if not _AMX:
         return False
     op = "gemm_bf16_amx"
-    ws = [w] if runs is None else list(w)
+    if runs is None:
+        ws = [w]
+    else:
+        try:
+            ws = list(w)
+        except TypeError:
+            ws = []
     if not ws or not all(isinstance(x, AmxWeight) for x in ws):
         raise ValueError(f"deepep_ascend.native.{op}: w must be an AmxWeight (or with runs a non-empty sequence of "
                          f"them), got {type(w).__name__}")
@@ -447,21 +461,13 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
     _matrix("a", a, torch.bfloat16, k, op)
     _matrix("out", out, torch.bfloat16, n, op)
     _rows_apart("out", out, op)
+    _writable("out", out, op)
     m = a.size(0)
     if out.size(0) != m:
         raise ValueError(f"deepep_ascend.native.{op}: out has {out.size(0)} rows, a {m}")
     if _overlap(out, a):
         raise ValueError(f"deepep_ascend.native.{op}: out overlaps a")
-    if runs is None:
-        runs = [(0, 0, m)]
-    else:
-        runs = [tuple(r) for r in runs]
-        bad = [r for r in runs if len(r) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r)
-               or not (0 <= r[0] < len(ws) and 0 <= r[1] <= r[2] <= m)]
-        if bad:
-            raise ValueError(f"deepep_ascend.native.{op}: runs must be (g, s, e) ints with 0 <= g < {len(ws)} and "
-                             f"0 <= s <= e <= {m}, got {bad[0]!r}")
-    runs = [r for r in runs if r[2] > r[1]]
+    runs = [(0, 0, m)] if runs is None else _runs(runs, len(ws), m, op)
     if not runs or not n:
         return True
     if not k:
@@ -476,4 +482,51 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
                  count, starts, ends, bps):
         raise MemoryError(f"deepep_ascend.native.{op}: no memory for the packed rows of a (up to "
                           f"{max(e - s for _, s, e in runs)} x {k})")
+    _written(out)
     return True
+
+
+def _writable(name: str, t: torch.Tensor, op: str) -> None:
+    """Refuse what torch refuses to write in place: a tensor autograd would have to track (the kernel's write
+    is invisible to it) or an inference tensor outside inference mode."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"deepep_ascend.native.{op}: {name} requires grad; autograd cannot record this kernel's "
+                         f"write (use torch.no_grad() or a tensor that does not require grad)")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"deepep_ascend.native.{op}: {name} is an inference tensor; it can be written in place only "
+                         f"inside torch.inference_mode()")
+
+
+def _written(t: torch.Tensor) -> None:
+    """Bump ``t``'s version counter (shared with its base) after a native write, as an in-place torch op
+    would: caches keyed on versions and autograd's saved-tensor checks see the change."""
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
+
+
+def _runs(runs, groups: int, m: int, op: str) -> list:
+    """``runs`` as a list of ``(g, s, e)`` Python ints, checked, without empty ones, sorted by ``s``."""
+    def bad(what):
+        return ValueError(f"deepep_ascend.native.{op}: runs must be a sequence of (g, s, e) ints with 0 <= g < "
+                          f"{groups} and 0 <= s <= e <= {m}, rows not shared by two runs; {what}")
+    try:
+        items = [tuple(r) for r in runs]
+    except TypeError:
+        raise bad(f"got {type(runs).__name__}") from None
+    out = []
+    for r in items:
+        try:
+            if len(r) != 3 or any(isinstance(v, bool) for v in r):
+                raise TypeError
+            g, s, e = (operator.index(v) for v in r)
+        except TypeError:
+            raise bad(f"got {r!r}") from None
+        if not (0 <= g < groups and 0 <= s <= e <= m):
+            raise bad(f"got {r!r}")
+        if e > s:
+            out.append((g, s, e))
+    out.sort(key=lambda r: r[1])
+    for prev, cur in zip(out, out[1:]):
+        if cur[1] < prev[2]:
+            raise bad(f"{prev!r} and {cur!r} overlap")
+    return out

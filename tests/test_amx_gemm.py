@@ -146,12 +146,20 @@ def test_bad_operands_raise_naming_them():
         (lambda: native.gemm_bf16_amx(out[:4], a, pw), "out has 4 rows, a 8"),
         (lambda: native.gemm_bf16_amx(out, a, [pw, native.AmxWeight(_rand(8, 64))], [(0, 0, 8)]),
          "every weight must be [16, 64]"),
-        (lambda: native.gemm_bf16_amx(out, a, [pw], [(1, 0, 8)]), "runs must be (g, s, e)"),
-        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 5, 4)]), "runs must be (g, s, e)"),
-        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 0, 9)]), "runs must be (g, s, e)"),
-        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, True, 4)]), "runs must be (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(1, 0, 8)]), "runs must be a sequence of (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 5, 4)]), "runs must be a sequence of (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 0, 9)]), "runs must be a sequence of (g, s, e)"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, True, 4)]), "runs must be a sequence of (g, s, e)"),
         (lambda: native.gemm_bf16_amx(out, a, []), "non-empty sequence"),
+        (lambda: native.gemm_bf16_amx(out, a, pw, [(0, 0, 8)]), "non-empty sequence"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], 5), "runs must be a sequence"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 0, 5), (0, 4, 8)]), "overlap"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 2.0, 4)]), "runs must be a sequence"),
+        (lambda: native.gemm_bf16_amx(torch.zeros(8, 16, dtype=BF16, requires_grad=True), a, pw), "requires grad"),
     ]
+    with torch.inference_mode():
+        inf_out = torch.empty(8, 16, dtype=BF16)
+    cases.append((lambda: native.gemm_bf16_amx(inf_out, a, pw), "inference tensor"))
     same = torch.empty(8, 64, dtype=BF16)
     cases.append((lambda: native.gemm_bf16_amx(same[:, :16], same, native.AmxWeight(_rand(16, 64))),
                   "out overlaps a"))
@@ -268,3 +276,64 @@ def test_runs_of_one_group_share_its_weight():
     assert gg._amx_runs(packed, d, lambda: a, runs)
     for g, s, e in runs:
         assert _within_bound(d[s:e], a[s:e], b[g]), (g, s, e)
+
+
+@needs_amx
+def test_runs_take_any_integers_in_any_order():
+    import numpy as np
+
+    n, k = 16, 32
+    b = [native.AmxWeight(_rand(n, k, seed=60 + g)) for g in range(2)]
+    a = _rand(10, k, seed=62)
+    out = torch.full((10, n), SENTINEL, dtype=BF16)
+    runs = [(np.int64(1), torch.tensor(6), 10), (0, np.int32(0), 6)]
+    assert native.gemm_bf16_amx(out, a, b, runs)
+    ref0 = torch.empty(6, n, dtype=BF16)
+    native.gemm_bf16_amx(ref0, a[:6], b[0])
+    assert torch.equal(out[:6], ref0)
+
+
+@pytest.mark.parametrize("packer", ["amx", "onednn"])
+def test_writes_into_d_are_in_place_writes_to_torch(monkeypatch, packer):
+    """A grouped GEMM's write into ``d`` is an in-place write as far as torch can tell, whichever kernel makes
+    it: ``d``'s version counter moves (a weight cache keyed on it sees the new values; autograd refuses a
+    tensor it saved), a leaf that requires grad and an inference tensor outside inference mode are refused
+    as torch refuses them, and a ``d`` that requires grad gets its gradient through the write."""
+    if packer == "amx" and not native.amx_bf16():
+        pytest.skip("no AMX kernel here")
+    if packer == "onednn" and not gg._ONEDNN:
+        pytest.skip("oneDNN packing unavailable")
+    monkeypatch.setattr(gg, "_PACKER", packer)
+    dg.clear_dequantized_weight_cache()
+    try:
+        k = 64
+        src, eye = _rand(k, k, seed=70), torch.eye(k).to(BF16)[None]
+        x, y = _rand(128, k, seed=71), torch.empty(128, k, dtype=BF16)
+        l64, l128 = torch.zeros(k, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+        w = torch.zeros(1, k, k, dtype=BF16)
+        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)  # packs (and caches) w
+        version = w._version
+        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, w[0], l64)  # w[0] = src @ I
+        assert w._version > version
+        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)
+        assert _within_bound(y, x, w[0]), "the packed copy of the old w was used"
+
+        p = torch.ones(k, requires_grad=True)
+        d = torch.zeros(k, k, dtype=BF16)
+        loss = (d * p.to(BF16)).float().sum()
+        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d, l64)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, torch.zeros(k, k, dtype=BF16, requires_grad=True), l64)
+        with torch.inference_mode():
+            inf = torch.zeros(k, k, dtype=BF16)
+        with pytest.raises(RuntimeError, match="[Ii]nference"):
+            dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, inf, l64)
+        base = torch.zeros(k, k, dtype=BF16, requires_grad=True)
+        d2 = base * 1  # not a leaf: the write is recorded, rows it replaced get no gradient from base
+        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d2, l64)
+        d2.float().sum().backward()
+        assert base.grad is not None and float(base.grad.abs().sum()) == 0.0
+    finally:
+        dg.clear_dequantized_weight_cache()
