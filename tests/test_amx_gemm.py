@@ -53,6 +53,26 @@ def test_gemm_matches_float64_within_the_accumulation_bound(m, n, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("n,k,ldw", [(48, 96, 96), (48, 96, 101), (33, 70, 80), (16, 32, 32)])
+def test_packed_weight_is_the_tile_layout(n, k, ldw):
+    """``AmxWeight``'s bytes against the layout written out element by element: per 16-column block and
+    32-deep K block, row ``r`` holds the pairs (2r, 2r + 1) of the 16 columns, zeros past N and K (full tiles
+    are packed by gathers, the rest one element at a time: both kinds are here, with odd row strides)."""
+    w = _rand(n, ldw, seed=80)[:, :k]
+    got = native.AmxWeight(w).data.view(torch.int16)
+    kb_n = (k + 31) // 32
+    want = torch.zeros((n + 31) // 32 * 2 * kb_n * 512, dtype=torch.int16)
+    bits = w.view(torch.int16)
+    for nb in range(want.numel() // (kb_n * 512)):
+        for kb in range(kb_n):
+            for c in range(16):
+                col = nb * 16 + c
+                for e in range(min(32, k - kb * 32) if col < n else 0):
+                    want[(nb * kb_n + kb) * 512 + (e >> 1) * 32 + 2 * c + (e & 1)] = bits[col, kb * 32 + e]
+    assert torch.equal(got, want)
+
+
+@needs_amx
 def test_runs_write_their_rows_only_on_strided_operands():
     """Groups with gaps between them, one weight used twice, an empty run; ``a`` and ``out`` are column
     windows of wider tensors (row strides past their widths), and ``w`` is a transposed (column-major)

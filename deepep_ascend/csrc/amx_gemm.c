@@ -37,6 +37,27 @@ static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 /* Elements of a packed weight of n x k (what deepep_amx_pack_bf16 writes). */
 int64_t deepep_amx_packed_elems(int64_t n, int64_t k) { return round_up(n, 32) * round_up(k, TILE_K); }
 
+/* One tile of the packed layout from 16 columns (rows of w) of which `cols` exist and `valid` k values. */
+static void pack_tile(uint16_t *t, const uint16_t *src, int64_t ldw, int64_t cols, int64_t valid)
+{
+    for (int64_t c = 0; c < 16; c++)
+        for (int64_t e = 0; e < TILE_K; e++)
+            t[(e >> 1) * 32 + 2 * c + (e & 1)] = c < cols && e < valid ? src[c * ldw + e] : 0;
+}
+
+#ifdef HAVE_AMX
+/* A full tile by gathers: output row r holds the k pair (2r, 2r + 1) of the 16 columns, one 32-bit load each
+ * (any ldw: the gather's byte offsets are column * ldw * 2). */
+__attribute__((target("avx512f")))
+static void pack_tile_full(uint16_t *t, const uint16_t *src, int64_t ldw)
+{
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)ldw));
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_si512((void *)(t + r * 32), _mm512_i32gather_epi32(offsets, (const void *)(src + 2 * r), 2));
+}
+#endif
+
 /* dst = w [n, k] (row r at w + r * ldw, unit column stride) in the tile layout above. */
 void deepep_amx_pack_bf16(uint16_t *dst, const uint16_t *w, int64_t ldw, int64_t n, int64_t k)
 {
@@ -44,13 +65,17 @@ void deepep_amx_pack_bf16(uint16_t *dst, const uint16_t *w, int64_t ldw, int64_t
     for (int64_t nb = 0; nb < nb_n; nb++)
         for (int64_t kb = 0; kb < kb_n; kb++) {
             uint16_t *t = dst + (nb * kb_n + kb) * TILE_ELEMS;
-            for (int64_t c = 0; c < 16; c++) {
-                const int64_t col = nb * 16 + c;
-                const uint16_t *src = w + col * ldw + kb * TILE_K;
-                const int64_t valid = col < n ? (k - kb * TILE_K < TILE_K ? k - kb * TILE_K : TILE_K) : 0;
-                for (int64_t e = 0; e < TILE_K; e++)
-                    t[(e >> 1) * 32 + 2 * c + (e & 1)] = e < valid ? src[e] : 0;
+            const int64_t cols = n - nb * 16 < 16 ? n - nb * 16 : 16;
+            const int64_t valid = k - kb * TILE_K < TILE_K ? k - kb * TILE_K : TILE_K;
+            const uint16_t *src = w + (cols > 0 ? nb * 16 * ldw : 0) + kb * TILE_K;
+#ifdef HAVE_AMX
+            /* offsets must fit the gather's int32 (the weight's span in bytes below 2 GiB) */
+            if (cols == 16 && valid == TILE_K && 15 * ldw < (int64_t)1 << 30) {
+                pack_tile_full(t, src, ldw);
+                continue;
             }
+#endif
+            pack_tile(t, src, ldw, cols, valid);
         }
 }
 
