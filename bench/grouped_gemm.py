@@ -18,7 +18,10 @@ default). Timed interleaved in every iteration, median over iterations:
   what MegaMoE runs where AMX is available), writing into one output;
 * ``per group, AMX, one weight``: the same calls, every group on the first group's packed weight,
   which stays in cache: the difference to ``AMX`` is the cost of streaming ``groups`` weights;
-* ``copy of the weights``: one read and one write of all ``groups`` weights.
+* ``copy of the weights``: one read and one write of all ``groups`` weights;
+* ``pack, oneDNN`` / ``pack, AMX``: packing all ``groups`` weights for either kernel (what a call pays
+  when its weights are not in the cache: first use, an in-place update, or more weights in use than the
+  cache holds).
 
 Prints each time and ``plain / time`` (the target of issue 5: grouped >= 0.70 of plain), and checks that
 the grouped variants' products lie within bf16 rounding of a float64 reference (exit code 1 if not).
@@ -78,6 +81,10 @@ def main(argv=None) -> int:
         systems["per group, AMX"] = lambda: mm._expert_gemm("bf16", x, amx, bounds)
         systems["per group, AMX, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
     systems["copy of the weights"] = lambda: w_copy.copy_(w)
+    if onednn is not None:
+        systems["pack, oneDNN"] = lambda: gg._pack_groups(w, "onednn")
+    if amx is not None:
+        systems["pack, AMX"] = lambda: gg._pack_groups(w, "amx")
     # one warm-up call each (it packs the public call's weights), then interleaved
     med = dict(zip(systems, _interleaved_medians_ms(list(systems.values()), args.iters)))
     # every grouped variant gives the same products (float32 accumulation, bf16 rounding; oneDNN's order may
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
           f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")
     for name, t in med.items():
-        ratio = "" if name in ("plain", "copy of the weights") else f"   plain / this {med['plain'] / t:.2f}"
+        ratio = f"   plain / this {med['plain'] / t:.2f}" if name.startswith(("grouped", "per group")) else ""
         print(f"[time] {name:<31} {t:9.3f} ms{ratio}")
     print(f"[check] {', '.join(outs)} within bf16 rounding of a float64 reference: {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1
