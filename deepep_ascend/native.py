@@ -1,5 +1,5 @@
 """The data plane's native kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
-elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``), and one group
+elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``), and the groups
 of an m-grouped BF16 GEMM on Intel AMX tiles (``csrc/amx_gemm.c``).
 
 Built at install time as the optional extension ``deepep_ascend._native`` (``pyproject.toml``) and

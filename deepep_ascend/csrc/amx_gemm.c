@@ -1,10 +1,11 @@
-/* One group of an m-grouped BF16 GEMM on Intel AMX tiles: d[m, n] = bf16(a[m, k] @ w[n, k]^T), float32
- * accumulation, one round-to-nearest-even rounding per output.
+/* The groups of an m-grouped BF16 GEMM on Intel AMX tiles: for each group, rows d[s:e] = bf16(a[s:e] @ w_g^T)
+ * with w_g [n, k], float32 accumulation, one round-to-nearest-even rounding per output.
  *
- * Why not oneDNN: torch has no CPU grouped GEMM (torch._grouped_mm loops over matmuls), and oneDNN's
- * kernels at ~128 rows per group reach about half of what they reach on one tall matrix (bench.grouped_gemm).
- * This kernel keeps a group's packed A (m x k, a few hundred KiB) in L2 and streams each weight once, in
- * 32-column panels, prefetching the next panel (or the next group's first) while the current one computes.
+ * Why not oneDNN: torch has no CPU grouped GEMM of its own (torch._grouped_mm runs on CPU, no faster than a
+ * matmul per group), and oneDNN's kernels at ~128 rows per group reach about half of what they reach on one
+ * tall matrix (bench.grouped_gemm). This kernel keeps a group's packed rows (a few hundred KiB) in L2 and
+ * streams each weight once, in 32-column panels, prefetching the next panel (or the next group's first) while
+ * the current one computes, and writes straight into d.
  *
  * Layouts. A weight is packed once (deepep_amx_pack_bf16) into AMX B tiles: for each 16-column block and
  * each 32-deep k block, 16 rows of 64 bytes, row r holding the k pairs (2r, 2r + 1) of the 16 columns
@@ -92,18 +93,24 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* 1 if the CPU has AMX-TILE and AMX-BF16, the OS saves tile state, and Linux grants this process the
- * tile data permission (requested here; torch's oneDNN requests the same one). */
+/* 1 if the CPU has AMX-TILE and AMX-BF16 (and the AVX-512 F, BW and BF16 the packing and the rounding use),
+ * the OS saves their state, and Linux grants this process the tile data permission (requested here;
+ * torch's oneDNN requests the same one). A VM may hide any of these, so each is checked. */
 int64_t deepep_amx_bf16_available(void)
 {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)) /* AMX-BF16, -TILE */
+        || !(b & (1u << 16)) || !(b & (1u << 30))) /* AVX512F, AVX512BW */
+        return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) /* AVX512_BF16 */
         return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) /* OSXSAVE: xgetbv is usable */
         return 0;
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) /* XTILECFG and XTILEDATA enabled by the OS */
+    /* the OS saves SSE/AVX (bits 1-2), the AVX-512 opmask and upper registers (5-7), XTILECFG and XTILEDATA (17-18) */
+    const unsigned need = (3u << 1) | (7u << 5) | (3u << 17);
+    if ((lo & need) != need)
         return 0;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
