@@ -5,7 +5,8 @@ second B's (``t`` = ``[N, K]``, ``n`` = ``[K, N]``); every variant computes
 ``D[M, N] (+)= op(A) @ op(B)``, so ``_nt`` is ``A @ B.T``. Results are written into ``d`` in
 place (any strides); the functions return ``None`` like DeepGEMM.
 
-Math. BF16: ``d = bf16(A @ B.T)`` with float32 accumulation (torch's CPU bf16 matmul). FP8/FP4:
+Math. BF16: ``d = bf16(A @ B.T)`` with float32 accumulation (on AMX CPUs denormal bf16 inputs and
+products are flushed to zero, by the library's AMX kernel and by oneDNN's alike). FP8/FP4:
 each operand is a ``(data, sf)`` pair and is dequantized first, ``deq[mn, k] = value(data[mn,
 k]) * sf[mn // gran_mn, k // gran_k]`` in float32 (FP4 values from the e2m1 table), then
 ``d = bf16(deq(A) @ deq(B).T)``. When both dequantized operands are exactly representable in

@@ -516,7 +516,8 @@ def _runs(runs, groups: int, m: int, op: str) -> list:
     out = []
     for r in items:
         try:
-            if len(r) != 3 or any(isinstance(v, bool) for v in r):
+            if len(r) != 3 or any(isinstance(v, bool) or str(getattr(v, 'dtype', '')) in ('bool', 'torch.bool')
+                                  for v in r):
                 raise TypeError
             g, s, e = (operator.index(v) for v in r)
         except TypeError:

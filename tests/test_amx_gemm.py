@@ -175,6 +175,8 @@ def test_bad_operands_raise_naming_them():
         (lambda: native.gemm_bf16_amx(out, a, [pw], 5), "runs must be a sequence"),
         (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 0, 5), (0, 4, 8)]), "overlap"),
         (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, 2.0, 4)]), "runs must be a sequence"),
+        (lambda: native.gemm_bf16_amx(out, a, [pw], [(0, torch.tensor(False), torch.tensor(True))]),
+         "runs must be a sequence"),
         (lambda: native.gemm_bf16_amx(torch.zeros(8, 16, dtype=BF16, requires_grad=True), a, pw), "requires grad"),
     ]
     with torch.inference_mode():
