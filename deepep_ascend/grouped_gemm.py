@@ -321,9 +321,7 @@ def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
     an inference tensor outside inference mode: the caller's torch write raises as torch does), ``a`` not
     bf16, or autograd recording the call; the caller then multiplies group by group."""
     if (packed is None or not runs or not isinstance(packed[runs[0][0]], _native.AmxWeight)
-            or not _native._matrix_ok(d, BF16) or (d.size(0) > 1 and d.stride(0) < d.size(1))
-            or (d.requires_grad and torch.is_grad_enabled())
-            or (d.is_inference() and not torch.is_inference_mode_enabled())):
+            or not _native._matrix_ok(d, BF16) or _native._write_refusal("d", d)):
         return False
     a = rows()
     if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not _native._matrix_ok(a)

@@ -215,10 +215,16 @@ def _matrix(name: str, t: torch.Tensor, dtype: torch.dtype, cols: int, op: str) 
                          f"{tuple(getattr(t, 'shape', ()))}")
 
 
-def _rows_apart(name: str, t: torch.Tensor, op: str) -> None:
+def _rows_overlap(name: str, t: torch.Tensor) -> str | None:
     if t.size(0) > 1 and t.size(1) and t.stride(0) < t.size(1):
-        raise ValueError(f"deepep_ascend.native.{op}: {name}'s rows overlap (row stride {t.stride(0)} < "
-                         f"{t.size(1)} columns)")
+        return f"{name}'s rows overlap (row stride {t.stride(0)} < {t.size(1)} columns)"
+    return None
+
+
+def _rows_apart(name: str, t: torch.Tensor, op: str) -> None:
+    why = _rows_overlap(name, t)
+    if why:
+        raise ValueError(f"deepep_ascend.native.{op}: {why}")
 
 
 _TABLES = []  # e4m3 code -> float32, UE8M0 byte -> float32 scale: built by the torch codecs on first use
@@ -460,8 +466,9 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
                          f"{sorted({(x.n, x.k) for x in ws})}")
     _matrix("a", a, torch.bfloat16, k, op)
     _matrix("out", out, torch.bfloat16, n, op)
-    _rows_apart("out", out, op)
-    _writable("out", out, op)
+    why = _write_refusal("out", out)
+    if why:
+        raise ValueError(f"deepep_ascend.native.{op}: {why}")
     m = a.size(0)
     if out.size(0) != m:
         raise ValueError(f"deepep_ascend.native.{op}: out has {out.size(0)} rows, a {m}")
@@ -486,15 +493,16 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
     return True
 
 
-def _writable(name: str, t: torch.Tensor, op: str) -> None:
-    """Refuse what torch refuses to write in place: a tensor autograd would have to track (the kernel's write
-    is invisible to it) or an inference tensor outside inference mode."""
+def _write_refusal(name: str, t: torch.Tensor) -> str | None:
+    """Why a kernel may not write the matrix ``t`` in place, or None: rows that overlap, or what torch refuses
+    to write in place (a tensor autograd would have to track, since the kernel's write is invisible to it,
+    or an inference tensor outside inference mode)."""
     if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"deepep_ascend.native.{op}: {name} requires grad; autograd cannot record this kernel's "
-                         f"write (use torch.no_grad() or a tensor that does not require grad)")
+        return (f"{name} requires grad; autograd cannot record this kernel's write (use torch.no_grad() or a "
+                f"tensor that does not require grad)")
     if t.is_inference() and not torch.is_inference_mode_enabled():
-        raise ValueError(f"deepep_ascend.native.{op}: {name} is an inference tensor; it can be written in place only "
-                         f"inside torch.inference_mode()")
+        return f"{name} is an inference tensor; it can be written in place only inside torch.inference_mode()"
+    return _rows_overlap(name, t)
 
 
 def _written(t: torch.Tensor) -> None:
@@ -502,6 +510,11 @@ def _written(t: torch.Tensor) -> None:
     would: caches keyed on versions and autograd's saved-tensor checks see the change."""
     if not t.is_inference():
         torch.autograd.graph.increment_version(t)
+
+
+def _is_bool(v) -> bool:
+    """A Python, numpy or torch boolean (``operator.index`` takes the latter two as 0 and 1)."""
+    return isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool")
 
 
 def _runs(runs, groups: int, m: int, op: str) -> list:
@@ -516,8 +529,7 @@ def _runs(runs, groups: int, m: int, op: str) -> list:
     out = []
     for r in items:
         try:
-            if len(r) != 3 or any(isinstance(v, bool) or str(getattr(v, 'dtype', '')) in ('bool', 'torch.bool')
-                                  for v in r):
+            if len(r) != 3 or any(_is_bool(v) for v in r):
                 raise TypeError
             g, s, e = (operator.index(v) for v in r)
         except TypeError:

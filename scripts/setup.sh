@@ -80,7 +80,8 @@ else:
     with open(failed, "w") as f:
         f.write(stamp)
     print("setup: the native kernels (deepep_ascend/csrc/) were not built (no working C compiler?): "
-          "combine and MegaMoE use their torch paths, same results, slower (README, 'Two commands')",
+          "combine and MegaMoE use their torch paths, same results (the grouped GEMMs to bf16 rounding), "
+          "slower (README, 'Two commands')",
           file=sys.stderr)
 PY
 }
