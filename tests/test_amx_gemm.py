@@ -10,6 +10,8 @@ GEMMs' oneDNN path is what ``test_grouped_gemm.py`` checks.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -186,28 +188,28 @@ def test_bad_operands_raise_naming_them():
     cases.append((lambda: native.gemm_bf16_amx(same[:, :16], same, native.AmxWeight(_rand(16, 64))),
                   "out overlaps a"))
     for call, words in cases:
-        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")
-                           .replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(ValueError, match=re.escape(words)):
             call()
 
 
-def _grouped_cases(n=40, k=128, counts=(5, 0, 37, 19)):
-    g = len(counts)
-    b = _rand(g, n, k, seed=6)
-    a = _rand(sum(counts), k, seed=7)
-    return a, b, counts
+@pytest.fixture(params=["amx", "onednn"])
+def packer(request, monkeypatch):
+    """The kernel the grouped GEMMs pack their weights for, forced for one test (skipped where it does not run
+    here), with the weight caches empty before and after."""
+    if request.param == "amx" and not native.amx_bf16():
+        pytest.skip("no AMX kernel here")
+    if request.param == "onednn" and not gg._ONEDNN:
+        pytest.skip("oneDNN packing unavailable")
+    monkeypatch.setattr(gg, "_PACKER", request.param)
+    dg.clear_dequantized_weight_cache()
+    yield request.param
+    dg.clear_dequantized_weight_cache()
 
 
-@needs_amx
-@pytest.mark.parametrize("packer", ["amx", "onednn"])
 def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
     """The public m-grouped calls (contiguous nt/nn, masked, FP8) and MegaMoE's per-expert GEMM call the AMX
     kernel once for all their groups; with oneDNN packing (no AMX) they never call it. Both within the
     bound of the float64 reference, padding rows as the layout says."""
-    if packer == "onednn" and not gg._ONEDNN:
-        pytest.skip("oneDNN packing unavailable")
-    monkeypatch.setattr(gg, "_PACKER", packer)
-    dg.clear_dequantized_weight_cache()
     calls = []
     real = native.gemm_bf16_amx
 
@@ -216,74 +218,71 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
         return real(out, a, w, runs)
 
     monkeypatch.setattr(native, "gemm_bf16_amx", spy)
-    a, b, counts = _grouped_cases()
-    n, k, g = b.size(1), b.size(2), b.size(0)
-    align = dg.get_mk_alignment_for_contiguous_layout()
-    starts, rows = [], 0
+    n, k, counts = 40, 128, (5, 0, 37, 19)
+    g = len(counts)
+    b = _rand(g, n, k, seed=6)
+    a = _rand(sum(counts), k, seed=7)  # rows sorted by group, unpadded (MegaMoE's layout)
+    bounds = [0]
     for c in counts:
-        starts.append(rows)
-        rows = dg.align(rows + c, align)
+        bounds.append(bounds[-1] + c)
+    align = dg.get_mk_alignment_for_contiguous_layout()
+    starts = [0]  # the psum layout: group i's rows start at an aligned row
+    for c in counts[:-1]:
+        starts.append(dg.align(starts[-1] + c, align))
+    rows = dg.align(starts[-1] + counts[-1], align)
     a_pad = torch.zeros(rows, k, dtype=BF16)
-    ends = []
-    for s, c, i in zip(starts, counts, range(g)):
-        a_pad[s:s + c] = a[sum(counts[:i]):sum(counts[:i]) + c]
-        ends.append(s + c)
-    ends_t = torch.tensor(ends, dtype=torch.int32)
-    try:
-        for layout in ("nt", "nn"):
-            d = torch.full((rows, n), SENTINEL, dtype=BF16)
-            calls.clear()
-            if layout == "nt":
-                dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d, ends_t, use_psum_layout=True)
-            else:
-                dg.m_grouped_bf16_gemm_nn_contiguous(a_pad, b.transpose(1, 2).contiguous(), d, ends_t,
-                                                     use_psum_layout=True)
-            assert calls == ([3] if packer == "amx" else []), (layout, calls)
-            for i, (s, c) in enumerate(zip(starts, counts)):
-                assert _within_bound(d[s:s + c], a_pad[s:s + c], b[i]), (layout, i)
-        # masked: one call over [G·Mmax] rows; rows past masked_m untouched
-        mmax = max(counts)
-        a_m = _rand(g, mmax, k, seed=8)
-        d_m = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
+    for i, (s, c) in enumerate(zip(starts, counts)):
+        a_pad[s:s + c] = a[bounds[i]:bounds[i + 1]]
+    ends_t = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32)
+    for layout in ("nt", "nn"):
+        d = torch.full((rows, n), SENTINEL, dtype=BF16)
         calls.clear()
-        dg.m_grouped_bf16_gemm_nt_masked(a_m, b, d_m, torch.tensor(counts, dtype=torch.int32), mmax)
-        assert calls == ([3] if packer == "amx" else []), calls
-        for i, c in enumerate(counts):
-            assert _within_bound(d_m[i, :c], a_m[i, :c], b[i]) and bool((d_m[i, c:] == SENTINEL).all()), i
-        # FP8 activations and weights: the weights dequantized once, the activations' rows up to masked_m
-        # only (a decode batch fills few of the layout's rows), then one call
-        bq = dg.per_block_cast_to_fp8(b.float(), True)
-        aq = dg.per_token_cast_to_fp8(a_m.float(), True, 128, True)
-        d_f = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
-        calls.clear()
-        decoded = []
-        real_rows = gg._Operands.rows
-        monkeypatch.setattr(gg._Operands, "rows", lambda self, x, sf=None: decoded.append(x.size(0))
-                            or real_rows(self, x, sf))
-        dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d_f, torch.tensor(counts, dtype=torch.int32), mmax)
-        monkeypatch.setattr(gg._Operands, "rows", real_rows)
-        assert calls == ([3] if packer == "amx" else []), calls
-        assert sum(decoded) == sum(counts), decoded
-        a_deq = dg.per_token_cast_back(aq[0].view(-1, k), aq[1].view(-1, aq[1].size(-1)), 128, torch.bfloat16)
-        w_deq = gg._Operands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
-        assert _within_bound(d_f[0, :counts[0]], a_deq[:counts[0]], w_deq.T)
-        # d without unit column stride: group by group (a fresh output each), still right
-        d_t = torch.full((n, rows), SENTINEL, dtype=BF16).t()
-        calls.clear()
-        dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d_t, ends_t, use_psum_layout=True)
-        assert calls == ([1, 1, 1] if packer == "amx" else []), calls
-        assert _within_bound(d_t[starts[2]:starts[2] + counts[2]], a_pad[starts[2]:starts[2] + counts[2]], b[2])
-        # MegaMoE's per-expert GEMM on rows sorted by expert
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        calls.clear()
-        out = mm._expert_gemm("bf16", a, gg._pack_groups(b), bounds)
-        assert calls == ([3] if packer == "amx" else []), calls
-        for i in range(g):
-            assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
-    finally:
-        dg.clear_dequantized_weight_cache()
+        if layout == "nt":
+            dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d, ends_t, use_psum_layout=True)
+        else:
+            dg.m_grouped_bf16_gemm_nn_contiguous(a_pad, b.transpose(1, 2).contiguous(), d, ends_t,
+                                                 use_psum_layout=True)
+        assert calls == ([3] if packer == "amx" else []), (layout, calls)
+        for i, (s, c) in enumerate(zip(starts, counts)):
+            assert _within_bound(d[s:s + c], a_pad[s:s + c], b[i]), (layout, i)
+    # masked: one call over [G·Mmax] rows; rows past masked_m untouched
+    mmax = max(counts)
+    a_m = _rand(g, mmax, k, seed=8)
+    d_m = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
+    calls.clear()
+    dg.m_grouped_bf16_gemm_nt_masked(a_m, b, d_m, torch.tensor(counts, dtype=torch.int32), mmax)
+    assert calls == ([3] if packer == "amx" else []), calls
+    for i, c in enumerate(counts):
+        assert _within_bound(d_m[i, :c], a_m[i, :c], b[i]) and bool((d_m[i, c:] == SENTINEL).all()), i
+    # FP8 activations and weights: the weights dequantized once, the activations' rows up to masked_m
+    # only (a decode batch fills few of the layout's rows), then one call
+    bq = dg.per_block_cast_to_fp8(b.float(), True)
+    aq = dg.per_token_cast_to_fp8(a_m.float(), True, 128, True)
+    d_f = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
+    calls.clear()
+    decoded = []
+    real_rows = gg._Operands.rows
+    monkeypatch.setattr(gg._Operands, "rows", lambda self, x, sf=None: decoded.append(x.size(0))
+                        or real_rows(self, x, sf))
+    dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d_f, torch.tensor(counts, dtype=torch.int32), mmax)
+    monkeypatch.setattr(gg._Operands, "rows", real_rows)
+    assert calls == ([3] if packer == "amx" else []), calls
+    assert sum(decoded) == sum(counts), decoded
+    a_deq = dg.per_token_cast_back(aq[0].view(-1, k), aq[1].view(-1, aq[1].size(-1)), 128, torch.bfloat16)
+    w_deq = gg._Operands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
+    assert _within_bound(d_f[0, :counts[0]], a_deq[:counts[0]], w_deq.T)
+    # d without unit column stride: group by group (a fresh output each), still right
+    d_t = torch.full((n, rows), SENTINEL, dtype=BF16).t()
+    calls.clear()
+    dg.m_grouped_bf16_gemm_nt_contiguous(a_pad, b, d_t, ends_t, use_psum_layout=True)
+    assert calls == ([1, 1, 1] if packer == "amx" else []), calls
+    assert _within_bound(d_t[starts[2]:starts[2] + counts[2]], a_pad[starts[2]:starts[2] + counts[2]], b[2])
+    # MegaMoE's per-expert GEMM on rows sorted by expert
+    calls.clear()
+    out = mm._expert_gemm("bf16", a, gg._pack_groups(b), bounds)
+    assert calls == ([3] if packer == "amx" else []), calls
+    for i in range(g):
+        assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
 
 
 @needs_amx
@@ -315,47 +314,37 @@ def test_runs_take_any_integers_in_any_order():
     assert torch.equal(out[:6], ref0)
 
 
-@pytest.mark.parametrize("packer", ["amx", "onednn"])
-def test_writes_into_d_are_in_place_writes_to_torch(monkeypatch, packer):
+def test_writes_into_d_are_in_place_writes_to_torch(packer):
     """A grouped GEMM's write into ``d`` is an in-place write as far as torch can tell, whichever kernel makes
     it: ``d``'s version counter moves (a weight cache keyed on it sees the new values; autograd refuses a
     tensor it saved), a leaf that requires grad and an inference tensor outside inference mode are refused
     as torch refuses them, and a ``d`` that requires grad gets its gradient through the write."""
-    if packer == "amx" and not native.amx_bf16():
-        pytest.skip("no AMX kernel here")
-    if packer == "onednn" and not gg._ONEDNN:
-        pytest.skip("oneDNN packing unavailable")
-    monkeypatch.setattr(gg, "_PACKER", packer)
-    dg.clear_dequantized_weight_cache()
-    try:
-        k = 64
-        src, eye = _rand(k, k, seed=70), torch.eye(k).to(BF16)[None]
-        x, y = _rand(128, k, seed=71), torch.empty(128, k, dtype=BF16)
-        l64, l128 = torch.zeros(k, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
-        w = torch.zeros(1, k, k, dtype=BF16)
-        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)  # packs (and caches) w
-        version = w._version
-        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, w[0], l64)  # w[0] = src @ I
-        assert w._version > version
-        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)
-        assert _within_bound(y, x, w[0]), "the packed copy of the old w was used"
+    k = 64
+    src, eye = _rand(k, k, seed=70), torch.eye(k).to(BF16)[None]
+    x, y = _rand(128, k, seed=71), torch.empty(128, k, dtype=BF16)
+    l64, l128 = torch.zeros(k, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+    w = torch.zeros(1, k, k, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)  # packs (and caches) w
+    version = w._version
+    dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, w[0], l64)  # w[0] = src @ I
+    assert w._version > version
+    dg.m_grouped_bf16_gemm_nt_contiguous(x, w, y, l128)
+    assert _within_bound(y, x, w[0]), "the packed copy of the old w was used"
 
-        p = torch.ones(k, requires_grad=True)
-        d = torch.zeros(k, k, dtype=BF16)
-        loss = (d * p.to(BF16)).float().sum()
-        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d, l64)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            loss.backward()
-        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-            dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, torch.zeros(k, k, dtype=BF16, requires_grad=True), l64)
-        with torch.inference_mode():
-            inf = torch.zeros(k, k, dtype=BF16)
-        with pytest.raises(RuntimeError, match="[Ii]nference"):
-            dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, inf, l64)
-        base = torch.zeros(k, k, dtype=BF16, requires_grad=True)
-        d2 = base * 1  # not a leaf: the write is recorded, rows it replaced get no gradient from base
-        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d2, l64)
-        d2.float().sum().backward()
-        assert base.grad is not None and float(base.grad.abs().sum()) == 0.0
-    finally:
-        dg.clear_dequantized_weight_cache()
+    p = torch.ones(k, requires_grad=True)
+    d = torch.zeros(k, k, dtype=BF16)
+    loss = (d * p.to(BF16)).float().sum()
+    dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d, l64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, torch.zeros(k, k, dtype=BF16, requires_grad=True), l64)
+    with torch.inference_mode():
+        inf = torch.zeros(k, k, dtype=BF16)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, inf, l64)
+    base = torch.zeros(k, k, dtype=BF16, requires_grad=True)
+    d2 = base * 1  # not a leaf: the write is recorded, rows it replaced get no gradient from base
+    dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d2, l64)
+    d2.float().sum().backward()
+    assert base.grad is not None and float(base.grad.abs().sum()) == 0.0
