@@ -277,6 +277,14 @@ class _LazyPacked:
         self.b_nk = b_nk
         self.groups = [None] * b_nk.size(0)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all groups once packed (what the weight caches count from the start)."""
+        g, n, k = self.b_nk.shape
+        if _PACKER == "amx":
+            return g * _native.amx_packed_nbytes(n, k)
+        return g * n * k * self.b_nk.element_size()
+
     def __getitem__(self, g: int):
         p = self.groups[g]
         if p is None:

@@ -383,13 +383,19 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def amx_packed_nbytes(n: int, k: int) -> int:
+    """Bytes of :class:`AmxWeight`'s packed copy of an ``[n, k]`` weight (N and K padded to 32); needs the
+    kernel (:func:`amx_bf16`)."""
+    return int(_AMX_ELEMS(n, k)) * 2
+
+
 class AmxWeight:
     """One bf16 weight ``w [N, K]`` (a GEMM's ``B`` in DeepGEMM's ``nt`` layout: ``d = a @ w.T``) packed
     once into AMX B tiles for :func:`gemm_bf16_amx`: per 32 columns and 32-deep K block, pairs of K values
     interleaved (AMX's VNNI order), N padded to 32 and K to 32 with zeros (``(N+31)//32*32 *
     (K+31)//32*32 * 2`` bytes). Shaped like the tensor it packs (``shape``, ``size``, ``dtype``), so the
     grouped GEMMs hold it where they hold oneDNN's packed copies. Attributes: ``data`` (flat bf16 tensor),
-    ``n``, ``k``.
+    ``n``, ``k``, ``nbytes``.
 
     Raises:
         ValueError: ``w`` not a 2-D CPU bfloat16 tensor; RuntimeError: the kernel is unavailable
@@ -410,7 +416,7 @@ class AmxWeight:
         if w.stride(1) != 1 and w.size(1) > 1:
             w = w.contiguous()
         self.n, self.k = w.shape
-        self.data = torch.empty(int(_AMX_ELEMS(self.n, self.k)), dtype=torch.bfloat16)
+        self.data = torch.empty(amx_packed_nbytes(self.n, self.k) // 2, dtype=torch.bfloat16)
         if self.data.numel():
             _AMX_PACK(self.data.data_ptr(), w.data_ptr(), w.stride(0), self.n, self.k)
 
@@ -420,6 +426,11 @@ class AmxWeight:
 
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (what the weight caches count)."""
+        return self.data.nbytes
 
 
 def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:

@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -67,6 +69,7 @@ __all__ = [
     "clear_dequantized_weight_cache",
     "dequantize_e2m1",
     "dequantize_weights",
+    "dequantized_weight_cache_info",
     "e4m3_to_float",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_mn_major_tma_aligned_tensor",
@@ -95,6 +98,7 @@ __all__ = [
     "ue8m0_bytes",
     "unpack_fp4",
     "unpack_ue8m0_from_int",
+    "WeightCacheInfo",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -887,27 +891,137 @@ def _to_exact_bf16(x: torch.Tensor) -> torch.Tensor:
 # Re-entrant: dropping an entry can free a tensor that keys another entry, whose finalizer (_forget) takes
 # the lock again; values are also released after the lock where the code can arrange it.
 _cache_lock = threading.RLock()
-_cache: collections.OrderedDict = collections.OrderedDict()
+_cache: collections.OrderedDict = collections.OrderedDict()  # key -> (refs, versions, value, nbytes)
 _cache_enabled = True
-_CACHE_MAX_ENTRIES = 64
+_CACHE_BYTES_ENV = "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"
 
 
-def set_dequantized_weight_cache(enabled: bool) -> None:
+def _check_max_bytes(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+    return value
+
+
+def _default_max_bytes() -> int:
+    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of the machine's physical memory (8 GiB
+    where the OS does not say)."""
+    env = os.environ.get(_CACHE_BYTES_ENV)
+    if env is not None and env.strip():
+        try:
+            value = int(env.strip())
+        except ValueError:
+            value = env
+        return _check_max_bytes(f"environment variable {_CACHE_BYTES_ENV}", value)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (AttributeError, ValueError, OSError):
+        return 8 << 30
+
+
+_cache_max_bytes = _default_max_bytes()
+_cache_bytes = 0
+_cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
+_cache_warned = False
+
+WeightCacheInfo = collections.namedtuple("WeightCacheInfo", "hits misses evictions entries nbytes max_bytes")
+WeightCacheInfo.__doc__ = """:func:`dequantized_weight_cache_info`'s counters (since the last clear) and sizes (bytes)."""
+
+
+def set_dequantized_weight_cache(enabled: bool = True, max_bytes: int | None = None) -> None:
     """Enable (default) or disable the weight caches: :func:`dequantize_weights`' dequantized
     copies, the bf16 GEMMs' prepacked weights and MegaMoE's un-transformed weights. Disabling
-    clears them."""
-    global _cache_enabled
+    clears them.
+
+    Args:
+        enabled: whether calls cache the copies they build.
+        max_bytes: the caches' budget in bytes (an int >= 0; ``None`` keeps the current one). The
+            initial budget is ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of physical
+            memory, per process. Past it, the least recently used copies are dropped (rebuilt on their
+            next use; a ``RuntimeWarning`` says so once per process), and a copy larger than the whole
+            budget is not cached. Lowering it drops copies now.
+    Raises:
+        ValueError: ``max_bytes`` not an int >= 0.
+    """
+    global _cache_enabled, _cache_max_bytes
+    if max_bytes is not None:
+        _check_max_bytes("max_bytes", max_bytes)
     _cache_enabled = bool(enabled)
     if not enabled:
         clear_dequantized_weight_cache()
+    if max_bytes is not None:
+        with _cache_lock:
+            _cache_max_bytes = max_bytes
+            evicted = _evict_to(max_bytes)
+        del evicted
 
 
 def clear_dequantized_weight_cache() -> None:
-    """Drop every cached weight copy (dequantized, prepacked, un-transformed)."""
+    """Drop every cached weight copy (dequantized, prepacked, un-transformed) and reset the counters of
+    :func:`dequantized_weight_cache_info`."""
+    global _cache_bytes
     with _cache_lock:
         entries = list(_cache.values())
         _cache.clear()
+        _cache_bytes = 0
+        _cache_stats.update(hits=0, misses=0, evictions=0)
     del entries  # the cached tensors die here, outside the lock
+
+
+def dequantized_weight_cache_info() -> WeightCacheInfo:
+    """The weight caches' state, like ``functools.lru_cache``'s ``cache_info()`` (not in DeepGEMM, whose
+    GPU kernels read FP8/FP4 weights directly): ``hits``, ``misses`` (copies built while caching was
+    possible) and ``evictions`` (copies dropped for the byte budget) since the last
+    :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
+    prepacked weights count in full once cached, though each group is packed on first use) and
+    ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`)."""
+    with _cache_lock:
+        return WeightCacheInfo(_cache_stats["hits"], _cache_stats["misses"], _cache_stats["evictions"], len(_cache),
+                               _cache_bytes, _cache_max_bytes)
+
+
+def _nbytes(value, keys) -> int:
+    """Bytes a cached value holds: tensors by their storage (0 when it is a key tensor's, e.g. weights used
+    as they are; oneDNN's opaque packed tensors by their logical size), tuples and lists by their items, other
+    objects by their ``nbytes`` (0 without)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_mkldnn:
+            return value.nbytes
+        storage = value.untyped_storage()
+        if any(storage.data_ptr() == k.untyped_storage().data_ptr() for k in keys):
+            return 0
+        return storage.nbytes()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v, keys) for v in value)
+    return int(getattr(value, "nbytes", 0))
+
+
+def _drop(key) -> tuple:
+    """Remove ``key``'s entry (the lock held) and return it, to be released after the lock."""
+    global _cache_bytes
+    entry = _cache.pop(key)
+    _cache_bytes -= entry[3]
+    return entry
+
+
+def _evict_to(budget: int) -> list:
+    """Drop the least recently used entries until the cache holds at most ``budget`` bytes (the lock held);
+    returns them, to be released after the lock."""
+    evicted = []
+    while _cache and _cache_bytes > budget:
+        evicted.append(_drop(next(iter(_cache))))
+    _cache_stats["evictions"] += len(evicted)
+    return evicted
+
+
+def _warn_budget(nbytes: int) -> None:
+    global _cache_warned
+    if _cache_warned:
+        return
+    _cache_warned = True
+    warnings.warn(f"deepep_ascend: the weight caches' budget of {_cache_max_bytes} bytes is full (a copy of "
+                  f"{nbytes} bytes did not fit): weights beyond it are dequantized / packed again on each use. "
+                  f"Raise it with set_dequantized_weight_cache(max_bytes=...) or {_CACHE_BYTES_ENV}; "
+                  f"dequantized_weight_cache_info() counts the evictions.", RuntimeWarning, stacklevel=4)
 
 
 def _cacheable(tensors) -> bool:
@@ -932,40 +1046,49 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     The key is ``tag`` plus each tensor's base identity and view geometry: an in-place write
     through any view sharing a tensor's version counter invalidates the entry, and entries die
     with their base tensors. Writes that bypass the version counter (``.data``, numpy or DLPack
-    aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). At
-    most :data:`_CACHE_MAX_ENTRIES` entries, least recently used dropped first; ``build`` runs
-    without autograd (a cached value must not hold a graph, which would keep its keys alive). With
-    the caches disabled (:func:`set_dequantized_weight_cache`) or an inference tensor among
-    ``tensors``, every call builds.
+    aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). The
+    entries hold at most the byte budget (:func:`set_dequantized_weight_cache`), least recently used
+    dropped first; ``build`` runs without autograd (a cached value must not hold a graph, which would
+    keep its keys alive). With the caches disabled or an inference tensor among ``tensors``, every
+    call builds.
     """
+    global _cache_bytes
     if not _cacheable(tensors):
         with torch.no_grad():
             return build()
     bases, keys = zip(*(_tensor_key(t) for t in tensors))
     key = tag + keys
     versions = tuple(t._version for t in tensors)
+    stale = None
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
-            refs, vers, out = hit
+            refs, vers, out, _n = hit
             if vers == versions and all(r() is b for r, b in zip(refs, bases)):
                 _cache.move_to_end(key)
+                _cache_stats["hits"] += 1
                 return out
-            del _cache[key]
-    hit = None  # a stale entry's tensors die here, outside the lock
+            stale = _drop(key)
+        _cache_stats["misses"] += 1
+    hit = stale = None  # a stale entry's tensors die here, outside the lock
     with torch.no_grad():
         out = build()
-    evicted = []
+    nbytes = _nbytes(out, tensors)
+    evicted, new, full = [], [], False
     with _cache_lock:
         if _cache_enabled:  # not switched off while building
-            _cache[key] = (tuple(weakref.ref(b) for b in bases), versions, out)
-            while len(_cache) > _CACHE_MAX_ENTRIES:
-                evicted.append(_cache.popitem(last=False))
-            new = [b for b in bases if id(b) not in _watched]
-            _watched.update(id(b) for b in new)
-        else:
-            new = []
-    del evicted
+            full = nbytes > _cache_max_bytes
+            if key in _cache:  # another thread built it meanwhile
+                stale = _drop(key)
+            if not full:
+                evicted = _evict_to(_cache_max_bytes - nbytes)
+                _cache[key] = (tuple(weakref.ref(b) for b in bases), versions, out, nbytes)
+                _cache_bytes += nbytes
+                new = [b for b in bases if id(b) not in _watched]
+                _watched.update(id(b) for b in new)
+    if full or evicted:
+        _warn_budget(nbytes)
+    del evicted, stale
     for b in new:
         weakref.finalize(b, _forget, id(b))
     return out
@@ -975,8 +1098,8 @@ def _forget(base_id: int) -> None:
     """A base tensor died: drop the entries keyed on it (their values are released outside the lock)."""
     with _cache_lock:
         _watched.discard(base_id)
-        dead = [k for k, (refs, _v, _o) in _cache.items() if any(r() is None for r in refs)]
-        entries = [_cache.pop(k) for k in dead]
+        dead = [k for k, entry in _cache.items() if any(r() is None for r in entry[0])]
+        entries = [_drop(k) for k in dead]
     del entries
 
 
@@ -1001,7 +1124,8 @@ def dequantize_weights(
 
     With ``cache`` (and the module cache enabled) the result is cached keyed by the identity and
     version counter of ``data`` and ``sf`` (an in-place write invalidates it; entries die with the
-    tensors; at most 64 entries, LRU). Raises ``TypeError``/``ValueError`` on bad input.
+    tensors; within the caches' byte budget, :func:`set_dequantized_weight_cache`). Raises
+    ``TypeError``/``ValueError`` on bad input.
     """
     _check_tensor("data", data)
     _check_tensor("sf", sf)

@@ -348,3 +348,23 @@ def test_writes_into_d_are_in_place_writes_to_torch(packer):
     dg.m_grouped_bf16_gemm_nt_contiguous(src, eye, d2, l64)
     d2.float().sum().backward()
     assert base.grad is not None and float(base.grad.abs().sum()) == 0.0
+
+
+def test_more_packed_weights_than_64_stay_packed_and_are_counted_in_bytes(packer):
+    """A model with more weight tensors than the 64 entries the caches used to hold (58 MoE layers of two
+    weights each in DeepSeek-V3) packs each weight once: a second pass over 70 weights only hits. The caches
+    count each entry by the bytes its packed copy holds (AMX tiles: N and K padded to 32; oneDNN: N x K bf16)."""
+    g = torch.Generator().manual_seed(11)
+    G, m, n, k = 2, 4, 40, 96
+    a = torch.randn(G, m, k, generator=g).to(BF16)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+    ws = [torch.randn(G, n, k, generator=g).to(BF16) for _ in range(70)]
+    for rnd in range(2):
+        for w in ws:
+            d = torch.zeros(G, m, n, dtype=BF16)
+            dg.m_grouped_bf16_gemm_nt_masked(a, w, d, masked_m, m)
+        assert all(_within_bound(d[i], a[i], w[i]) for i in range(G))
+    info = dg.dequantized_weight_cache_info()
+    per = (-(-n // 32) * 32) * (-(-k // 32) * 32) * 2 if packer == "amx" else n * k * 2
+    assert (info.hits, info.misses, info.evictions, info.entries) == (70, 70, 0, 70), info
+    assert info.nbytes == 70 * G * per, (info.nbytes, per)

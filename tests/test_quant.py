@@ -416,6 +416,78 @@ def test_dequantized_weight_cache_identity_and_version():
     dg.clear_dequantized_weight_cache()
 
 
+def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
+    """The caches are bounded by bytes, not by a count of entries: 80 live weights (more than the 64 entries
+    the caches held before) are dequantized once each and then hit. Under a budget of two copies the least
+    recently used one is dropped (a RuntimeWarning says so once), a copy larger than the budget is not cached,
+    and lowering the budget drops copies at once."""
+    import warnings
+
+    from deepep_ascend import quant as q
+
+    old_max = dg.dequantized_weight_cache_info().max_bytes
+    dg.clear_dequantized_weight_cache()
+    g = torch.Generator().manual_seed(7)
+    ws = [dg.per_token_cast_to_fp8(torch.randn(2, 8, 128, generator=g), True, 128) for _ in range(80)]
+    try:
+        firsts = [dg.dequantize_weights(d, s, 1, 128) for d, s in ws]
+        again = [dg.dequantize_weights(d, s, 1, 128) for d, s in ws]
+        assert all(a is b for a, b in zip(firsts, again))
+        one = firsts[0].untyped_storage().nbytes()
+        assert one == 2 * 8 * 128 * 2
+        info = dg.dequantized_weight_cache_info()
+        assert (info.hits, info.misses, info.evictions, info.entries, info.nbytes) == (80, 80, 0, 80, 80 * one)
+
+        dg.set_dequantized_weight_cache(max_bytes=2 * one)  # keeps the two most recently used: ws[78], ws[79]
+        assert dg.dequantized_weight_cache_info()[2:5] == (78, 2, 2 * one)
+        assert dg.dequantize_weights(*ws[79], 1, 128) is firsts[79]
+        q._cache_warned = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rebuilt = dg.dequantize_weights(*ws[0], 1, 128)  # drops ws[78], the least recently used
+            dg.dequantize_weights(*ws[1], 1, 128)  # drops ws[79]
+        assert rebuilt is not firsts[0] and torch.equal(rebuilt, firsts[0])
+        assert len(caught) == 1 and issubclass(caught[0].category, RuntimeWarning)
+        assert "max_bytes" in str(caught[0].message) and caught[0].filename == __file__
+        info = dg.dequantized_weight_cache_info()
+        assert (info.evictions, info.entries, info.nbytes, info.max_bytes) == (80, 2, 2 * one, 2 * one)
+        assert dg.dequantize_weights(*ws[0], 1, 128) is rebuilt
+
+        big_d, big_s = dg.per_token_cast_to_fp8(torch.randn(5, 8, 128, generator=g), True, 128)
+        q._cache_warned = False
+        with pytest.warns(RuntimeWarning, match="did not fit"):
+            big = dg.dequantize_weights(big_d, big_s, 1, 128)  # 2.5x the budget: built, not cached
+        assert dg.dequantize_weights(big_d, big_s, 1, 128) is not big
+        assert dg.dequantized_weight_cache_info()[3:5] == (2, 2 * one)
+
+        for bad in (-1, 1.5, True, "8"):
+            with pytest.raises(ValueError, match="max_bytes"):
+                dg.set_dequantized_weight_cache(max_bytes=bad)
+    finally:
+        dg.set_dequantized_weight_cache(True, max_bytes=old_max)
+        dg.clear_dequantized_weight_cache()
+
+
+@pytest.mark.parametrize("value, expect", [("12345", "max_bytes=12345"), ("-5", "ValueError"),
+                                           ("lots", "ValueError")])
+def test_weight_cache_budget_from_the_environment(value, expect):
+    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget; a bad value fails the import with an
+    error that names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import deepep_ascend as d; print(f'max_bytes={d.dequantized_weight_cache_info().max_bytes}')"
+    env = dict(os.environ, DEEPEP_ASCEND_WEIGHT_CACHE_BYTES=value)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if expect == "ValueError":
+        assert r.returncode != 0
+        assert "ValueError" in r.stderr and "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES" in r.stderr, r.stderr[-2000:]
+    else:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().endswith(expect)
+
+
 def test_bad_inputs_name_the_argument():
     with pytest.raises(TypeError, match="x"):
         dg.per_token_cast_to_fp8(torch.ones(2, 4, dtype=torch.int32))
