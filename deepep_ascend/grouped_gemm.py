@@ -268,6 +268,15 @@ def _pack_groups(b_nk: torch.Tensor, packer: str | None = None):
     return tuple(_pack_one(b_nk[g], packer) for g in range(b_nk.size(0)))
 
 
+def _packed_nbytes(b_nk: torch.Tensor) -> int:
+    """Bytes of the packed copies of all groups of bf16 ``b_nk [G, N, K]`` for this machine's packer (oneDNN's
+    blocked layout counted as ``N x K``)."""
+    g, n, k = b_nk.shape
+    if _PACKER == "amx":
+        return g * _native.amx_packed_nbytes(n, k)
+    return g * n * k * b_nk.element_size()
+
+
 class _LazyPacked:
     """Packed copies of the groups of bf16 weights ``b_nk [G, N, K]`` (:func:`_pack_groups`), each packed
     on first use (a masked call with few active groups, or a first call, packs only what it multiplies:
@@ -280,10 +289,7 @@ class _LazyPacked:
     @property
     def nbytes(self) -> int:
         """Bytes of all groups once packed (what the weight caches count from the start)."""
-        g, n, k = self.b_nk.shape
-        if _PACKER == "amx":
-            return g * _native.amx_packed_nbytes(n, k)
-        return g * n * k * self.b_nk.element_size()
+        return _packed_nbytes(self.b_nk)
 
     def __getitem__(self, g: int):
         p = self.groups[g]
@@ -296,10 +302,11 @@ class _LazyPacked:
 def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of ``key`` (the tensor
     ``b_nk`` derives from); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk``
-    is not bf16, the cache cannot hold it (caches disabled, an inference tensor: packing on every call
-    would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
+    is not bf16, the cache cannot hold it (caches disabled, an inference tensor, a packed copy larger than
+    the caches' budget: packing on every call would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
     every step, possibly through ``.data``, which no version counter sees)."""
-    if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
+    if (not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,))
+            or not _q._fits(_packed_nbytes(b_nk))):
         return None
     return _q._cached_by_tensors(("packed_weights", tag), (key,), lambda: _LazyPacked(b_nk.detach()))
 

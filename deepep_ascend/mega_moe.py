@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import grouped_gemm as _gg
 from . import native as _native
 from . import quant as _q
 from .buffer import Buffer, _mpi_comm_of
@@ -442,7 +443,9 @@ def _untransformed(kind: str, l1, l2, engine: str):
         if kind == "bf16":
             i = l1.size(-2) // 2
             w1 = l1.index_select(-2, _inverse(_l1_perm(i))).contiguous()
-            w2 = l2.contiguous()
+            # l2 itself when already contiguous: cache a detached alias, so the entry does not keep the key
+            # tensor alive (the entry dies with it)
+            w2 = l2.detach().contiguous()
         else:
             (d1, s1), (d2, s2) = l1, l2
             i = d1.size(-2) // 2
@@ -454,8 +457,9 @@ def _untransformed(kind: str, l1, l2, engine: str):
             w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
         if engine != "bf16":
             return w1.float(), w2.float()
-        if not _q._cacheable(tensors):  # packing on every call would cost more than the matmuls' own reorders
-            return w1, w2
+        if not _q._cacheable(tensors) or (_gg._PACKER is not None and not _q._fits(
+                _gg._packed_nbytes(w1) + _gg._packed_nbytes(w2))):
+            return w1, w2  # packing on every call would cost more than the matmuls' own reorders
         packed1, packed2 = _pack_groups(w1), _pack_groups(w2)
         return (w1, w2) if packed1 is None else (packed1, packed2)
 

@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -897,21 +899,30 @@ _CACHE_BYTES_ENV = "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"
 
 
 def _check_max_bytes(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """``value`` as an int >= 0 (any integer type but bool), else ValueError naming ``name``."""
+    try:
+        n = None if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
         raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
-    return value
+    return n
 
 
 def _default_max_bytes() -> int:
-    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of the machine's physical memory (8 GiB
+    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set (an invalid value warns and is ignored: a cache setting
+    should not keep the package from importing), else a quarter of the machine's physical memory (8 GiB
     where the OS does not say)."""
-    env = os.environ.get(_CACHE_BYTES_ENV)
-    if env is not None and env.strip():
+    env = os.environ.get(_CACHE_BYTES_ENV, "").strip()
+    if env:
         try:
-            value = int(env.strip())
-        except ValueError:
-            value = env
-        return _check_max_bytes(f"environment variable {_CACHE_BYTES_ENV}", value)
+            try:
+                value = int(env)
+            except ValueError:
+                value = env
+            return _check_max_bytes(f"environment variable {_CACHE_BYTES_ENV}", value)
+        except ValueError as e:
+            warnings.warn(f"deepep_ascend: {e}; using the default budget", RuntimeWarning, stacklevel=2)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     except (AttributeError, ValueError, OSError):
@@ -922,37 +933,40 @@ _cache_max_bytes = _default_max_bytes()
 _cache_bytes = 0
 _cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
 _cache_warned = False
+_evicting = threading.local()  # .active: this thread is releasing entries dropped for the budget
 
 WeightCacheInfo = collections.namedtuple("WeightCacheInfo", "hits misses evictions entries nbytes max_bytes")
 WeightCacheInfo.__doc__ = """:func:`dequantized_weight_cache_info`'s counters (since the last clear) and sizes (bytes)."""
 
 
-def set_dequantized_weight_cache(enabled: bool = True, max_bytes: int | None = None) -> None:
-    """Enable (default) or disable the weight caches: :func:`dequantize_weights`' dequantized
+def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | None = None) -> None:
+    """Enable or disable the weight caches (on at import): :func:`dequantize_weights`' dequantized
     copies, the bf16 GEMMs' prepacked weights and MegaMoE's un-transformed weights. Disabling
     clears them.
 
     Args:
-        enabled: whether calls cache the copies they build.
+        enabled: whether calls cache the copies they build (``None``: unchanged, to set only the budget).
         max_bytes: the caches' budget in bytes (an int >= 0; ``None`` keeps the current one). The
             initial budget is ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of physical
             memory, per process. Past it, the least recently used copies are dropped (rebuilt on their
-            next use; a ``RuntimeWarning`` says so once per process), and a copy larger than the whole
-            budget is not cached. Lowering it drops copies now.
+            next use; a ``RuntimeWarning`` says so once per process); a copy larger than the whole budget
+            is not cached, and a bf16 weight whose prepacked copy would not fit multiplies with
+            ``torch.matmul``, as with the caches off. Lowering the budget drops copies now.
     Raises:
         ValueError: ``max_bytes`` not an int >= 0.
     """
     global _cache_enabled, _cache_max_bytes
     if max_bytes is not None:
-        _check_max_bytes("max_bytes", max_bytes)
-    _cache_enabled = bool(enabled)
-    if not enabled:
-        clear_dequantized_weight_cache()
+        max_bytes = _check_max_bytes("max_bytes", max_bytes)
+    if enabled is not None:
+        _cache_enabled = bool(enabled)
+        if not enabled:
+            clear_dequantized_weight_cache()
     if max_bytes is not None:
         with _cache_lock:
             _cache_max_bytes = max_bytes
             evicted = _evict_to(max_bytes)
-        del evicted
+        _release_evicted(evicted)
 
 
 def clear_dequantized_weight_cache() -> None:
@@ -970,7 +984,8 @@ def clear_dequantized_weight_cache() -> None:
 def dequantized_weight_cache_info() -> WeightCacheInfo:
     """The weight caches' state, like ``functools.lru_cache``'s ``cache_info()`` (not in DeepGEMM, whose
     GPU kernels read FP8/FP4 weights directly): ``hits``, ``misses`` (copies built while caching was
-    possible) and ``evictions`` (copies dropped for the byte budget) since the last
+    possible) and ``evictions`` (copies dropped for the byte budget, with the entries keyed on them: an FP8
+    weight's prepacked copy is keyed on its dequantized copy and goes with it) since the last
     :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
     prepacked weights count in full once cached, though each group is packed on first use) and
     ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`)."""
@@ -1005,7 +1020,7 @@ def _drop(key) -> tuple:
 
 def _evict_to(budget: int) -> list:
     """Drop the least recently used entries until the cache holds at most ``budget`` bytes (the lock held);
-    returns them, to be released after the lock."""
+    returns them, to be released by :func:`_release_evicted` after the lock."""
     evicted = []
     while _cache and _cache_bytes > budget:
         evicted.append(_drop(next(iter(_cache))))
@@ -1013,15 +1028,43 @@ def _evict_to(budget: int) -> list:
     return evicted
 
 
-def _warn_budget(nbytes: int) -> None:
+def _release_evicted(evicted: list) -> None:
+    """Release entries dropped for the budget (the lock not held). Entries keyed on a tensor that dies with
+    them (a prepacked copy keyed on a dequantized copy) go now too, in :func:`_forget`, counted as evictions."""
+    _evicting.active = True
+    try:
+        evicted.clear()
+    finally:
+        _evicting.active = False
+
+
+def _fits(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` can be cached at all (the caches on and within the whole budget): callers
+    that can multiply without the copy (the prepacked weights) skip building one that would not be kept."""
+    return _cache_enabled and nbytes <= _cache_max_bytes
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside this package (its caller's code)."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)).startswith(pkg):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_budget(nbytes: int, too_big: bool) -> None:
     global _cache_warned
     if _cache_warned:
         return
     _cache_warned = True
-    warnings.warn(f"deepep_ascend: the weight caches' budget of {_cache_max_bytes} bytes is full (a copy of "
-                  f"{nbytes} bytes did not fit): weights beyond it are dequantized / packed again on each use. "
-                  f"Raise it with set_dequantized_weight_cache(max_bytes=...) or {_CACHE_BYTES_ENV}; "
-                  f"dequantized_weight_cache_info() counts the evictions.", RuntimeWarning, stacklevel=4)
+    what = (f"a copy of {nbytes} bytes is larger than the whole budget and was not cached" if too_big else
+            f"older copies were dropped to make room for one of {nbytes} bytes")
+    warnings.warn(f"deepep_ascend: the weight caches' budget of {_cache_max_bytes} bytes is full ({what}): "
+                  f"weights beyond it are dequantized / packed again when used. Raise it with "
+                  f"set_dequantized_weight_cache(max_bytes=...) or {_CACHE_BYTES_ENV}; "
+                  f"dequantized_weight_cache_info() counts the evictions.", RuntimeWarning,
+                  stacklevel=_caller_stacklevel())
 
 
 def _cacheable(tensors) -> bool:
@@ -1087,8 +1130,9 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
                 new = [b for b in bases if id(b) not in _watched]
                 _watched.update(id(b) for b in new)
     if full or evicted:
-        _warn_budget(nbytes)
-    del evicted, stale
+        _warn_budget(nbytes, full)
+    del stale
+    _release_evicted(evicted)
     for b in new:
         weakref.finalize(b, _forget, id(b))
     return out
@@ -1100,6 +1144,8 @@ def _forget(base_id: int) -> None:
         _watched.discard(base_id)
         dead = [k for k, entry in _cache.items() if any(r() is None for r in entry[0])]
         entries = [_drop(k) for k in dead]
+        if getattr(_evicting, "active", False):
+            _cache_stats["evictions"] += len(entries)
     del entries
 
 

@@ -368,3 +368,62 @@ def test_more_packed_weights_than_64_stay_packed_and_are_counted_in_bytes(packer
     per = (-(-n // 32) * 32) * (-(-k // 32) * 32) * 2 if packer == "amx" else n * k * 2
     assert (info.hits, info.misses, info.evictions, info.entries) == (70, 70, 0, 70), info
     assert info.nbytes == 70 * G * per, (info.nbytes, per)
+
+
+def test_weights_past_the_cache_budget(monkeypatch, packer):
+    """Under a small budget: a bf16 weight whose packed copy would not fit multiplies with ``torch.matmul``
+    (as with the caches off) instead of being packed again on every call; an FP8 weight's packed copy, keyed
+    on its dequantized copy, goes with it when that is evicted, and both count as evictions; the budget's
+    warning points at the caller's line, whichever call dequantizes or packs."""
+    import warnings
+
+    from deepep_ascend import quant as q
+
+    g = torch.Generator().manual_seed(12)
+    G, m, n, k = 2, 4, 64, 128
+    packs = []
+    real_pack = gg._pack_one
+    monkeypatch.setattr(gg, "_pack_one", lambda w, p: packs.append(1) or real_pack(w, p))
+    a = torch.randn(G, m, k, generator=g).to(BF16)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+    b = torch.randn(G, n, k, generator=g).to(BF16)
+    packed = gg._packed_nbytes(b)
+    old_max = dg.dequantized_weight_cache_info().max_bytes
+    try:
+        dg.set_dequantized_weight_cache(max_bytes=packed - 1)
+        for _ in range(2):
+            d = torch.zeros(G, m, n, dtype=BF16)
+            dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m)
+            assert all(_within_bound(d[i], a[i], b[i]) for i in range(G))
+        assert packs == [] and dg.dequantized_weight_cache_info()[:5] == (0, 0, 0, 0, 0)
+
+        # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights; room for three
+        dq = G * n * k * 2
+        dg.set_dequantized_weight_cache(max_bytes=dq + 2 * packed)
+        w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
+        a8 = dg.per_token_cast_to_fp8(a.float(), True, 128, True)
+        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        assert dg.dequantized_weight_cache_info()[3:5] == (2, dq + packed)
+        b1, b2 = (torch.randn(G, n, k, generator=g).to(BF16) for _ in range(2))
+        dg.m_grouped_bf16_gemm_nt_masked(a, b1, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        q._cache_warned = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dg.m_grouped_bf16_gemm_nt_masked(a, b2, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        info = dg.dequantized_weight_cache_info()
+        assert (info.evictions, info.entries, info.nbytes) == (2, 2, 2 * packed), info  # w8's two copies went
+        assert len(caught) == 1 and caught[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+        assert "dropped to make room" in str(caught[0].message)
+
+        dg.set_dequantized_weight_cache(max_bytes=dq - 1)  # the dequantized copy itself does not fit
+        q._cache_warned = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            d = torch.zeros(G, m, n, dtype=BF16)
+            dg.m_grouped_fp8_gemm_nt_masked(a8, w8, d, masked_m, m)
+        assert len(caught) == 1 and caught[0].filename == __file__ and "larger than" in str(caught[0].message)
+        ref = dg.dequantize_weights(w8[0], w8[1], 128, 128, cache=False)
+        assert all(_within_bound(d[i], dg.per_token_cast_back(a8[0][i], a8[1][i]).to(BF16), ref[i])
+                   for i in range(G))
+    finally:
+        dg.set_dequantized_weight_cache(True, max_bytes=old_max)

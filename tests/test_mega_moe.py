@@ -570,3 +570,30 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
     all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
                  and mega_calc_diff(ys[1].float(), exp.float()) < 1e-5 and (ran == want or not native.available()),
                  f"native kernels {sorted(ran)} == torch paths, bitwise")
+
+
+def test_cached_unpacked_weights_do_not_keep_the_callers_tensors_alive(monkeypatch):
+    """Where weights cannot be packed, MegaMoE caches its un-transformed bf16 weights; an ``l2`` already in
+    the natural layout is cached as a detached alias, so the entry dies with the caller's tensor instead of
+    keeping it alive (a found bug: the entry held ``l2`` itself, counted as 0 bytes, until ``l1`` died)."""
+    import gc
+    import weakref
+
+    from deepep_ascend import grouped_gemm as gg
+    from deepep_ascend import mega_moe as mm
+
+    monkeypatch.setattr(gg, "_PACKER", None)
+    dea.clear_dequantized_weight_cache()
+    g = torch.Generator().manual_seed(3)
+    l1 = torch.randn(2, 2 * 128, 256, generator=g).to(torch.bfloat16)
+    l2 = torch.randn(2, 256, 128, generator=g).to(torch.bfloat16)
+    w1, w2 = mm._untransformed("bf16", l1, l2, "bf16")
+    assert torch.equal(w2, l2) and w2.data_ptr() == l2.data_ptr()
+    assert mm._untransformed("bf16", l1, l2, "bf16")[1] is w2  # cached
+    info = dea.dequantized_weight_cache_info()
+    assert (info.entries, info.nbytes) == (1, w1.untyped_storage().nbytes())  # l2's storage is the caller's
+    ref = weakref.ref(l2)
+    del l2, w1, w2
+    gc.collect()
+    assert ref() is None and dea.dequantized_weight_cache_info()[3:5] == (0, 0)
+    dea.clear_dequantized_weight_cache()
