@@ -18,6 +18,8 @@ default). Timed interleaved in every iteration, median over iterations:
   what MegaMoE runs where AMX is available), writing into one output;
 * ``per group, AMX, one weight``: the same calls, every group on the first group's packed weight,
   which stays in cache: the difference to ``AMX`` is the cost of streaming ``groups`` weights;
+* ``one group, AMX``: the AMX kernel on the plain matmul's own operands (all rows, one weight): the kernel
+  against oneDNN on one tall matrix, without the grouping;
 * ``copy of the weights``: one read and one write of all ``groups`` weights;
 * ``pack, oneDNN`` / ``pack, AMX``: packing all ``groups`` weights for either kernel (what a call pays
   when its weights are not in the cache: first use, an in-place update, or more weights in use than the
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
         one = (amx[0],) * G
         systems["per group, AMX"] = lambda: mm._expert_gemm("bf16", x, amx, bounds)
         systems["per group, AMX, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
+        amx_plain = native.AmxWeight(w_plain)
+        d_plain = torch.empty(M, N, dtype=BF16)
+        systems["one group, AMX"] = lambda: native.gemm_bf16_amx(d_plain, x, amx_plain)
     systems["copy of the weights"] = lambda: w_copy.copy_(w)
     if onednn is not None:
         systems["pack, oneDNN"] = lambda: gg._pack_groups(w, "onednn")
@@ -94,15 +99,22 @@ def main(argv=None) -> int:
     for name in ("per group, oneDNN packed", "per group, AMX"):
         if name in systems:
             outs[name] = systems[name]()
-    scale = ref.abs().max().item() if ref.numel() else 1.0
-    ok = all(bool(((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * scale).all()) for o in outs.values())
+    def close(o, r):
+        scale = r.abs().max().item() if r.numel() else 1.0
+        return bool(((o.double() - r).abs() <= 2.0**-8 * r.abs() + 1e-6 * scale).all())
+
+    ok = all(close(o, ref) for o in outs.values())
+    if "one group, AMX" in systems:
+        systems["one group, AMX"]()
+        ok = ok and close(d_plain, x.double() @ w_plain.double().t())
+        outs["one group, AMX"] = d_plain
     print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
           f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB "
           f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
           f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")
     for name, t in med.items():
-        ratio = f"   plain / this {med['plain'] / t:.2f}" if name.startswith(("grouped", "per group")) else ""
+        ratio = f"   plain / this {med['plain'] / t:.2f}" if name.startswith(("grouped", "per group", "one group")) else ""
         print(f"[time] {name:<31} {t:9.3f} ms{ratio}")
     print(f"[check] {', '.join(outs)} within bf16 rounding of a float64 reference: {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1

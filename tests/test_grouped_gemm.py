@@ -418,3 +418,7 @@ def test_grouped_gemm_benchmark_checks_products(capsys):
     assert grouped_gemm.main(["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3"]) == 0
     out = capsys.readouterr().out
     assert "[check]" in out and "ok" in out.split("[check]")[1]
+    from deepep_ascend import native
+
+    if native.amx_bf16():  # the kernel on the plain matmul's own operands is checked too
+        assert "one group, AMX" in out.split("[check]")[1]
