@@ -56,6 +56,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import native as _native
@@ -901,7 +902,8 @@ _CACHE_BYTES_ENV = "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"
 def _check_max_bytes(name: str, value) -> int:
     """``value`` as an int >= 0 (any integer type but bool), else ValueError naming ``name``."""
     try:
-        n = None if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool else operator.index(value)
+        n = (None if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool
+             or getattr(value, "ndim", 0) != 0 else operator.index(value))
     except TypeError:
         n = None
     if n is None or n < 0:
@@ -933,7 +935,9 @@ _cache_max_bytes = _default_max_bytes()
 _cache_bytes = 0
 _cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
 _cache_warned = False
-_evicting = threading.local()  # .active: this thread is releasing entries dropped for the budget
+# ids of base tensors that key other entries and whose own entry was dropped for the budget: when one dies,
+# the entries keyed on it go too (an FP8 weight's prepacked copy with its dequantized copy), as evictions
+_evicted_bases: set = set()
 
 WeightCacheInfo = collections.namedtuple("WeightCacheInfo", "hits misses evictions entries nbytes max_bytes")
 WeightCacheInfo.__doc__ = """:func:`dequantized_weight_cache_info`'s counters (since the last clear) and sizes (bytes)."""
@@ -958,6 +962,8 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
     global _cache_enabled, _cache_max_bytes
     if max_bytes is not None:
         max_bytes = _check_max_bytes("max_bytes", max_bytes)
+    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
+        raise ValueError(f"enabled must be True, False or None, got {enabled!r}")
     if enabled is not None:
         _cache_enabled = bool(enabled)
         if not enabled:
@@ -966,7 +972,7 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
         with _cache_lock:
             _cache_max_bytes = max_bytes
             evicted = _evict_to(max_bytes)
-        _release_evicted(evicted)
+        del evicted  # released outside the lock
 
 
 def clear_dequantized_weight_cache() -> None:
@@ -978,13 +984,14 @@ def clear_dequantized_weight_cache() -> None:
         _cache.clear()
         _cache_bytes = 0
         _cache_stats.update(hits=0, misses=0, evictions=0)
+        _evicted_bases.clear()
     del entries  # the cached tensors die here, outside the lock
 
 
 def dequantized_weight_cache_info() -> WeightCacheInfo:
     """The weight caches' state, like ``functools.lru_cache``'s ``cache_info()`` (not in DeepGEMM, whose
-    GPU kernels read FP8/FP4 weights directly): ``hits``, ``misses`` (copies built while caching was
-    possible) and ``evictions`` (copies dropped for the byte budget, with the entries keyed on them: an FP8
+    GPU kernels read FP8/FP4 weights directly): ``hits``, ``misses`` (calls that found no copy while the
+    caches were on) and ``evictions`` (copies dropped for the byte budget, with the entries keyed on them: an FP8
     weight's prepacked copy is keyed on its dequantized copy and goes with it) since the last
     :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
     prepacked weights count in full once cached, though each group is packed on first use) and
@@ -1018,37 +1025,47 @@ def _drop(key) -> tuple:
     return entry
 
 
-def _evict_to(budget: int) -> list:
-    """Drop the least recently used entries until the cache holds at most ``budget`` bytes (the lock held);
-    returns them, to be released by :func:`_release_evicted` after the lock."""
+def _evict_to(budget: int, protect: tuple = ()) -> list:
+    """Drop the least recently used entries, except those whose value is one of ``protect``, until the cache
+    holds at most ``budget`` bytes (the lock held); returns them, to be released after the lock."""
     evicted = []
-    while _cache and _cache_bytes > budget:
-        evicted.append(_drop(next(iter(_cache))))
+    for key in list(_cache):
+        if _cache_bytes <= budget:
+            break
+        if not any(_cache[key][2] is t for t in protect):
+            evicted.append(_drop(key))
     _cache_stats["evictions"] += len(evicted)
+    for entry in evicted:
+        value = entry[2]
+        if isinstance(value, torch.Tensor):
+            base = value._base if value._base is not None else value
+            if id(base) in _watched:
+                _evicted_bases.add(id(base))
     return evicted
 
 
-def _release_evicted(evicted: list) -> None:
-    """Release entries dropped for the budget (the lock not held). Entries keyed on a tensor that dies with
-    them (a prepacked copy keyed on a dequantized copy) go now too, in :func:`_forget`, counted as evictions."""
-    _evicting.active = True
-    try:
-        evicted.clear()
-    finally:
-        _evicting.active = False
+def _cached_bytes_of(tensors) -> int:
+    """Bytes of the entries whose value is one of ``tensors`` (the lock held)."""
+    return sum(entry[3] for entry in _cache.values() if any(entry[2] is t for t in tensors))
 
 
-def _fits(nbytes: int) -> bool:
-    """Whether a copy of ``nbytes`` can be cached at all (the caches on and within the whole budget): callers
-    that can multiply without the copy (the prepacked weights) skip building one that would not be kept."""
-    return _cache_enabled and nbytes <= _cache_max_bytes
+def _fits(nbytes: int, keys: tuple = ()) -> bool:
+    """Whether a copy of ``nbytes`` keyed on ``keys`` can be cached at all: the caches are on and it fits the
+    budget together with the cached copies among ``keys`` (an FP8 weight's packed copy needs its dequantized
+    copy kept). Callers that can do without the copy (the prepacked weights) skip building one that would
+    not be kept."""
+    with _cache_lock:
+        return _cache_enabled and nbytes + _cached_bytes_of(keys) <= _cache_max_bytes
 
 
 def _caller_stacklevel() -> int:
     """``warnings.warn``'s stacklevel of the first frame outside this package (its caller's code)."""
     pkg = os.path.dirname(os.path.abspath(__file__))
     f, level = sys._getframe(1), 1
-    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)).startswith(pkg):
+    while f is not None:
+        where = os.path.dirname(os.path.abspath(f.f_code.co_filename))
+        if where != pkg and not where.startswith(pkg + os.sep):
+            break
         f, level = f.f_back, level + 1
     return level
 
@@ -1058,10 +1075,10 @@ def _warn_budget(nbytes: int, too_big: bool) -> None:
     if _cache_warned:
         return
     _cache_warned = True
-    what = (f"a copy of {nbytes} bytes is larger than the whole budget and was not cached" if too_big else
+    what = (f"a copy of {nbytes} bytes does not fit it and was not cached" if too_big else
             f"older copies were dropped to make room for one of {nbytes} bytes")
     warnings.warn(f"deepep_ascend: the weight caches' budget of {_cache_max_bytes} bytes is full ({what}): "
-                  f"weights beyond it are dequantized / packed again when used. Raise it with "
+                  f"weights beyond it are dequantized or packed again when used, or multiply unpacked. Raise it with "
                   f"set_dequantized_weight_cache(max_bytes=...) or {_CACHE_BYTES_ENV}; "
                   f"dequantized_weight_cache_info() counts the evictions.", RuntimeWarning,
                   stacklevel=_caller_stacklevel())
@@ -1091,9 +1108,10 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     with their base tensors. Writes that bypass the version counter (``.data``, numpy or DLPack
     aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). The
     entries hold at most the byte budget (:func:`set_dequantized_weight_cache`), least recently used
-    dropped first; ``build`` runs without autograd (a cached value must not hold a graph, which would
-    keep its keys alive). With the caches disabled or an inference tensor among ``tensors``, every
-    call builds.
+    dropped first (never a cached copy among ``tensors``, which the new entry needs); ``build`` runs
+    without autograd (a cached value must not hold a graph, which would keep its keys alive) and may
+    return None to decline (nothing cached, None returned). With the caches disabled or an inference
+    tensor among ``tensors``, every call builds.
     """
     global _cache_bytes
     if not _cacheable(tensors):
@@ -1116,23 +1134,24 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     hit = stale = None  # a stale entry's tensors die here, outside the lock
     with torch.no_grad():
         out = build()
+    if out is None:  # the builder declined (a copy that could not be kept)
+        return None
     nbytes = _nbytes(out, tensors)
     evicted, new, full = [], [], False
     with _cache_lock:
         if _cache_enabled:  # not switched off while building
-            full = nbytes > _cache_max_bytes
             if key in _cache:  # another thread built it meanwhile
                 stale = _drop(key)
+            full = nbytes + _cached_bytes_of(tensors) > _cache_max_bytes
             if not full:
-                evicted = _evict_to(_cache_max_bytes - nbytes)
+                evicted = _evict_to(_cache_max_bytes - nbytes, protect=tensors)
                 _cache[key] = (tuple(weakref.ref(b) for b in bases), versions, out, nbytes)
                 _cache_bytes += nbytes
                 new = [b for b in bases if id(b) not in _watched]
                 _watched.update(id(b) for b in new)
     if full or evicted:
         _warn_budget(nbytes, full)
-    del stale
-    _release_evicted(evicted)
+    del stale, evicted
     for b in new:
         weakref.finalize(b, _forget, id(b))
     return out
@@ -1144,7 +1163,8 @@ def _forget(base_id: int) -> None:
         _watched.discard(base_id)
         dead = [k for k, entry in _cache.items() if any(r() is None for r in entry[0])]
         entries = [_drop(k) for k in dead]
-        if getattr(_evicting, "active", False):
+        if base_id in _evicted_bases:
+            _evicted_bases.discard(base_id)
             _cache_stats["evictions"] += len(entries)
     del entries
 

@@ -391,11 +391,15 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
     old_max = dg.dequantized_weight_cache_info().max_bytes
     try:
         dg.set_dequantized_weight_cache(max_bytes=packed - 1)
-        for _ in range(2):
-            d = torch.zeros(G, m, n, dtype=BF16)
-            dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m)
-            assert all(_within_bound(d[i], a[i], b[i]) for i in range(G))
-        assert packs == [] and dg.dequantized_weight_cache_info()[:5] == (0, 0, 0, 0, 0)
+        q._cache_warned = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                d = torch.zeros(G, m, n, dtype=BF16)
+                dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m)
+                assert all(_within_bound(d[i], a[i], b[i]) for i in range(G))
+        assert packs == [] and dg.dequantized_weight_cache_info()[:5] == (0, 2, 0, 0, 0)  # two misses, no copy
+        assert len(caught) == 1 and caught[0].filename == __file__ and "does not fit it" in str(caught[0].message)
 
         # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights; room for three
         dq = G * n * k * 2
@@ -415,13 +419,24 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
         assert len(caught) == 1 and caught[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
         assert "dropped to make room" in str(caught[0].message)
 
+        # room for the dequantized copy but not for it and its packed copy: the dequantized copy stays cached
+        # (hits from the second call) and the products take torch.matmul, not a packing per call
+        dg.clear_dequantized_weight_cache()
+        dg.set_dequantized_weight_cache(max_bytes=dq + packed - 1)
+        packs.clear()
+        for _ in range(3):
+            d = torch.zeros(G, m, n, dtype=BF16)
+            dg.m_grouped_fp8_gemm_nt_masked(a8, w8, d, masked_m, m)
+        info = dg.dequantized_weight_cache_info()
+        assert packs == [] and (info.hits, info.evictions, info.entries, info.nbytes) == (2, 0, 1, dq), info
+
         dg.set_dequantized_weight_cache(max_bytes=dq - 1)  # the dequantized copy itself does not fit
         q._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             d = torch.zeros(G, m, n, dtype=BF16)
             dg.m_grouped_fp8_gemm_nt_masked(a8, w8, d, masked_m, m)
-        assert len(caught) == 1 and caught[0].filename == __file__ and "larger than" in str(caught[0].message)
+        assert len(caught) == 1 and caught[0].filename == __file__ and "does not fit it" in str(caught[0].message)
         ref = dg.dequantize_weights(w8[0], w8[1], 128, 128, cache=False)
         assert all(_within_bound(d[i], dg.per_token_cast_back(a8[0][i], a8[1][i]).to(BF16), ref[i])
                    for i in range(G))

@@ -456,14 +456,17 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
 
         big_d, big_s = dg.per_token_cast_to_fp8(torch.randn(5, 8, 128, generator=g), True, 128)
         q._cache_warned = False
-        with pytest.warns(RuntimeWarning, match="larger than the whole budget"):
+        with pytest.warns(RuntimeWarning, match="does not fit it"):
             big = dg.dequantize_weights(big_d, big_s, 1, 128)  # 2.5x the budget: built, not cached
         assert dg.dequantize_weights(big_d, big_s, 1, 128) is not big
         assert dg.dequantized_weight_cache_info()[3:5] == (2, 2 * one)
 
-        for bad in (-1, 1.5, True, "8", torch.tensor(True)):
+        for bad in (-1, 1.5, True, "8", torch.tensor(True), torch.tensor([5]), np.array([5])):
             with pytest.raises(ValueError, match="max_bytes"):
                 dg.set_dequantized_weight_cache(max_bytes=bad)
+        for bad in ("False", 0, None.__class__):
+            with pytest.raises(ValueError, match="enabled"):
+                dg.set_dequantized_weight_cache(bad)
         dg.set_dequantized_weight_cache(max_bytes=np.int64(3 * one))  # any integer type
         assert dg.dequantized_weight_cache_info().max_bytes == 3 * one
         dg.set_dequantized_weight_cache(False)
