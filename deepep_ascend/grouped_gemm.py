@@ -303,20 +303,20 @@ def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of ``key`` (the tensor
     ``b_nk`` derives from); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk``
     is not bf16, the cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not
-    fit the caches' budget beside ``key``'s own cached copy: packing on every call would cost more than the
-    matmul's own reorder) or ``key`` requires grad (weights being trained change
+    fit the caches' budget beside the required copies such as dequantized weights, which an optional packed
+    copy never pushes out: packing on every call would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
     every step, possibly through ``.data``, which no version counter sees)."""
     if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
         return None
 
     def build():
         nbytes = _packed_nbytes(b_nk)
-        if not _q._fits(nbytes, (key,)):
+        if not _q._fits(nbytes):
             _q._warn_budget(nbytes, True)
             return None
         return _LazyPacked(b_nk.detach())
 
-    return _q._cached_by_tensors(("packed_weights", tag), (key,), build)
+    return _q._cached_by_tensors(("packed_weights", tag), (key,), build, optional=True)
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
@@ -424,6 +424,11 @@ class _Operands:
     def packed(self):
         """The packed weights (:func:`_packed_weights`), or None."""
         if self._packed is False:
+            if self.fp8 and not _q._cacheable((self.b_data, self.b_sf)):
+                # the dequantized copy is not cached (inference tensors): a packed copy keyed on it would be
+                # thrown away after this call, after pushing out other weights' packed copies
+                self._packed = None
+                return None
             src = self._dequantized() if self.fp8 else self.b_t
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
             self._packed = _packed_weights(b_nk, src, self.b_layout)

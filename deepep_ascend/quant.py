@@ -47,6 +47,7 @@ bf16 copy; otherwise it returns float32.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import operator
 import os
@@ -969,7 +970,7 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
         if not enabled:
             clear_dequantized_weight_cache()
     if max_bytes is not None:
-        with _cache_lock:
+        with _locked():
             _cache_max_bytes = max_bytes
             evicted = _evict_to(max_bytes)
         del evicted  # released outside the lock
@@ -978,11 +979,11 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
 def clear_dequantized_weight_cache() -> None:
     """Drop every cached weight copy (dequantized, prepacked, un-transformed) and reset the counters of
     :func:`dequantized_weight_cache_info`."""
-    global _cache_bytes
-    with _cache_lock:
+    global _cache_bytes, _optional_bytes
+    with _locked():
         entries = list(_cache.values())
         _cache.clear()
-        _cache_bytes = 0
+        _cache_bytes = _optional_bytes = 0
         _cache_stats.update(hits=0, misses=0, evictions=0)
         _evicted_bases.clear()
     del entries  # the cached tensors die here, outside the lock
@@ -996,7 +997,7 @@ def dequantized_weight_cache_info() -> WeightCacheInfo:
     :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
     prepacked weights count in full once cached, though each group is packed on first use) and
     ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`)."""
-    with _cache_lock:
+    with _locked():
         return WeightCacheInfo(_cache_stats["hits"], _cache_stats["misses"], _cache_stats["evictions"], len(_cache),
                                _cache_bytes, _cache_max_bytes)
 
@@ -1017,45 +1018,80 @@ def _nbytes(value, keys) -> int:
     return int(getattr(value, "nbytes", 0))
 
 
-def _drop(key) -> tuple:
+class _Entry:
+    """One cached copy: weak references to its key tensors' bases (and their ids), their versions, the value,
+    its bytes, and whether it is optional (a prepacked copy: callers can multiply without it, so it never
+    pushes out a required copy such as a dequantized weight)."""
+
+    __slots__ = ("refs", "ids", "versions", "value", "nbytes", "optional")
+
+    def __init__(self, bases, versions, value, nbytes, optional):
+        self.refs = tuple(weakref.ref(b) for b in bases)
+        self.ids = tuple(id(b) for b in bases)
+        self.versions, self.value, self.nbytes, self.optional = versions, value, nbytes, optional
+
+
+_state = threading.local()  # .depth: this thread is inside a critical section of the caches
+_pending: collections.deque = collections.deque()  # ids of dead key tensors whose entries are still to drop
+_optional_bytes = 0
+
+
+@contextlib.contextmanager
+def _locked():
+    """The caches' lock. Finalizers of key tensors (:func:`_forget`) can run inside it, on this thread, when a
+    garbage collection or a release happens there; they only queue the dead tensor, and the entries keyed on
+    it are dropped when the outermost section ends, never while a section is iterating over the entries."""
+    with _cache_lock:
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+    if _pending and not getattr(_state, "depth", 0):
+        _process_pending()
+
+
+def _drop(key) -> _Entry | None:
     """Remove ``key``'s entry (the lock held) and return it, to be released after the lock."""
-    global _cache_bytes
-    entry = _cache.pop(key)
-    _cache_bytes -= entry[3]
+    global _cache_bytes, _optional_bytes
+    entry = _cache.pop(key, None)
+    if entry is not None:
+        _cache_bytes -= entry.nbytes
+        if entry.optional:
+            _optional_bytes -= entry.nbytes
     return entry
 
 
-def _evict_to(budget: int, protect: tuple = ()) -> list:
-    """Drop the least recently used entries, except those whose value is one of ``protect``, until the cache
-    holds at most ``budget`` bytes (the lock held); returns them, to be released after the lock."""
+def _evict_to(budget: int, protect: tuple = (), optional_only: bool = False) -> list:
+    """Drop the least recently used entries (only optional ones with ``optional_only``), never one whose value
+    is among ``protect``, until the cache holds at most ``budget`` bytes (the lock held); returns them, to be
+    released after the lock. A dropped value that keys other entries is remembered, so that those entries
+    count as evictions when they go with it."""
     evicted = []
     for key in list(_cache):
         if _cache_bytes <= budget:
             break
-        if not any(_cache[key][2] is t for t in protect):
-            evicted.append(_drop(key))
+        entry = _cache.get(key)
+        if entry is None or (optional_only and not entry.optional) or any(entry.value is t for t in protect):
+            continue
+        evicted.append(_drop(key))
     _cache_stats["evictions"] += len(evicted)
     for entry in evicted:
-        value = entry[2]
-        if isinstance(value, torch.Tensor):
-            base = value._base if value._base is not None else value
-            if id(base) in _watched:
+        if isinstance(entry.value, torch.Tensor):
+            base = entry.value._base if entry.value._base is not None else entry.value
+            ref = _watched.get(id(base))
+            if ref is not None and ref() is base:
                 _evicted_bases.add(id(base))
     return evicted
 
 
-def _cached_bytes_of(tensors) -> int:
-    """Bytes of the entries whose value is one of ``tensors`` (the lock held)."""
-    return sum(entry[3] for entry in _cache.values() if any(entry[2] is t for t in tensors))
-
-
 def _fits(nbytes: int, keys: tuple = ()) -> bool:
-    """Whether a copy of ``nbytes`` keyed on ``keys`` can be cached at all: the caches are on and it fits the
-    budget together with the cached copies among ``keys`` (an FP8 weight's packed copy needs its dequantized
-    copy kept). Callers that can do without the copy (the prepacked weights) skip building one that would
-    not be kept."""
-    with _cache_lock:
-        return _cache_enabled and nbytes + _cached_bytes_of(keys) <= _cache_max_bytes
+    """Whether an optional copy (a prepacked weight) of ``nbytes`` keyed on ``keys`` would be kept: the caches
+    are on and it fits the budget beside every required copy (which optional copies never push out, whatever
+    weight they belong to). Callers skip building an optional copy that would not be kept and multiply
+    without it."""
+    with _locked():
+        return _cache_enabled and nbytes + _cache_bytes - _optional_bytes <= _cache_max_bytes
 
 
 def _caller_stacklevel() -> int:
@@ -1097,10 +1133,10 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return base, (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-_watched: set = set()  # ids of the base tensors with a finalizer registered (one per tensor)
+_watched: dict = {}  # id -> weak reference of each base tensor with a finalizer registered (one per tensor)
 
 
-def _cached_by_tensors(tag: tuple, tensors: tuple, build):
+def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False):
     """``build()``, cached while every tensor of ``tensors`` lives with its current version counter.
 
     The key is ``tag`` plus each tensor's base identity and view geometry: an in-place write
@@ -1108,12 +1144,12 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     with their base tensors. Writes that bypass the version counter (``.data``, numpy or DLPack
     aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). The
     entries hold at most the byte budget (:func:`set_dequantized_weight_cache`), least recently used
-    dropped first (never a cached copy among ``tensors``, which the new entry needs); ``build`` runs
-    without autograd (a cached value must not hold a graph, which would keep its keys alive) and may
-    return None to decline (nothing cached, None returned). With the caches disabled or an inference
-    tensor among ``tensors``, every call builds.
+    dropped first, never a cached copy among ``tensors`` (which the new entry needs); an ``optional``
+    copy pushes out only optional ones. ``build`` runs without autograd (a cached value must not hold
+    a graph, which would keep its keys alive) and may return None to decline (nothing cached, None
+    returned). With the caches disabled or an inference tensor among ``tensors``, every call builds.
     """
-    global _cache_bytes
+    global _cache_bytes, _optional_bytes
     if not _cacheable(tensors):
         with torch.no_grad():
             return build()
@@ -1121,14 +1157,13 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
     key = tag + keys
     versions = tuple(t._version for t in tensors)
     stale = None
-    with _cache_lock:
+    with _locked():
         hit = _cache.get(key)
         if hit is not None:
-            refs, vers, out, _n = hit
-            if vers == versions and all(r() is b for r, b in zip(refs, bases)):
+            if hit.versions == versions and all(r() is b for r, b in zip(hit.refs, bases)):
                 _cache.move_to_end(key)
                 _cache_stats["hits"] += 1
-                return out
+                return hit.value
             stale = _drop(key)
         _cache_stats["misses"] += 1
     hit = stale = None  # a stale entry's tensors die here, outside the lock
@@ -1138,35 +1173,69 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build):
         return None
     nbytes = _nbytes(out, tensors)
     evicted, new, full = [], [], False
-    with _cache_lock:
+    with _locked():
         if _cache_enabled:  # not switched off while building
-            if key in _cache:  # another thread built it meanwhile
-                stale = _drop(key)
-            full = nbytes + _cached_bytes_of(tensors) > _cache_max_bytes
+            stale = _drop(key)  # another thread built it meanwhile
+            room = _cache_max_bytes - nbytes
+            full = (nbytes + _cache_bytes - _optional_bytes > _cache_max_bytes if optional else
+                    nbytes + sum(e.nbytes for e in list(_cache.values()) if any(e.value is t for t in tensors))
+                    > _cache_max_bytes)
             if not full:
-                evicted = _evict_to(_cache_max_bytes - nbytes, protect=tensors)
-                _cache[key] = (tuple(weakref.ref(b) for b in bases), versions, out, nbytes)
+                evicted = _evict_to(room, protect=tensors, optional_only=optional)
+                _cache[key] = _Entry(bases, versions, out, nbytes, optional)
                 _cache_bytes += nbytes
-                new = [b for b in bases if id(b) not in _watched]
-                _watched.update(id(b) for b in new)
-    if full or evicted:
-        _warn_budget(nbytes, full)
-    del stale, evicted
-    for b in new:
+                if optional:
+                    _optional_bytes += nbytes
+                for b in bases:
+                    ref = _watched.get(id(b))
+                    if ref is None or ref() is not b:
+                        _watched[id(b)] = weakref.ref(b)
+                        new.append(b)
+    for b in new:  # before anything that can raise (a warning filtered into an error)
         weakref.finalize(b, _forget, id(b))
+    del stale
+    if full or evicted:
+        del evicted
+        _warn_budget(nbytes, full)
     return out
 
 
 def _forget(base_id: int) -> None:
-    """A base tensor died: drop the entries keyed on it (their values are released outside the lock)."""
-    with _cache_lock:
-        _watched.discard(base_id)
-        dead = [k for k, entry in _cache.items() if any(r() is None for r in entry[0])]
-        entries = [_drop(k) for k in dead]
-        if base_id in _evicted_bases:
-            _evicted_bases.discard(base_id)
-            _cache_stats["evictions"] += len(entries)
-    del entries
+    """A key tensor died (its finalizer): queue it; its entries are dropped at once, or when the section of the
+    caches this thread is in ends (:func:`_locked`)."""
+    _pending.append(base_id)
+    if not getattr(_state, "depth", 0):
+        _process_pending()
+
+
+def _process_pending() -> None:
+    """Drop the entries keyed on the dead tensors queued by :func:`_forget` (only entries whose reference to that
+    tensor is dead: an id can be reused); those keyed on a copy dropped for the budget count as evictions.
+    Their values are released outside the lock (which can queue more)."""
+    while _pending:
+        with _cache_lock:
+            _state.depth = getattr(_state, "depth", 0) + 1
+            try:
+                ids = set()
+                while _pending:
+                    ids.add(_pending.popleft())
+                gone = set()
+                for i in ids:
+                    ref = _watched.get(i)
+                    if ref is not None and ref() is None:
+                        del _watched[i]
+                        gone.add(i)
+                entries, counted = [], 0
+                for k, e in list(_cache.items()):
+                    dead = [i for i, r in zip(e.ids, e.refs) if i in ids and r() is None]
+                    if dead:
+                        entries.append(_drop(k))
+                        counted += any(i in _evicted_bases for i in dead)
+                _cache_stats["evictions"] += counted
+                _evicted_bases.difference_update(gone)
+            finally:
+                _state.depth -= 1
+        del entries
 
 
 def dequantize_weights(

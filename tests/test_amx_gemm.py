@@ -401,7 +401,8 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
         assert packs == [] and dg.dequantized_weight_cache_info()[:5] == (0, 2, 0, 0, 0)  # two misses, no copy
         assert len(caught) == 1 and caught[0].filename == __file__ and "does not fit it" in str(caught[0].message)
 
-        # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights; room for three
+        # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights' packed copies: an
+        # optional packed copy pushes out only packed copies (w8's), never the dequantized one
         dq = G * n * k * 2
         dg.set_dequantized_weight_cache(max_bytes=dq + 2 * packed)
         w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
@@ -410,12 +411,23 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
         assert dg.dequantized_weight_cache_info()[3:5] == (2, dq + packed)
         b1, b2 = (torch.randn(G, n, k, generator=g).to(BF16) for _ in range(2))
         dg.m_grouped_bf16_gemm_nt_masked(a, b1, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        dg.m_grouped_bf16_gemm_nt_masked(a, b2, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        info = dg.dequantized_weight_cache_info()
+        assert (info.evictions, info.entries, info.nbytes) == (1, 3, dq + 2 * packed), info
+        assert [key[0] for key in q._cache] == ["dequantize", "packed_weights", "packed_weights"]
+
+        # a second FP8 weight's dequantized copy (required) pushes out w8's, and w8's packed copy, keyed on it,
+        # goes with it: two evictions; the warning points at this file
+        dg.clear_dequantized_weight_cache()
+        dg.set_dequantized_weight_cache(max_bytes=2 * dq + packed - 1)
+        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
         q._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            dg.m_grouped_bf16_gemm_nt_masked(a, b2, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+            dg.m_grouped_fp8_gemm_nt_masked(a8, w8b, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         info = dg.dequantized_weight_cache_info()
-        assert (info.evictions, info.entries, info.nbytes) == (2, 2, 2 * packed), info  # w8's two copies went
+        assert (info.evictions, info.entries, info.nbytes) == (2, 2, dq + packed), info
         assert len(caught) == 1 and caught[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
         assert "dropped to make room" in str(caught[0].message)
 
@@ -442,3 +454,100 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
                    for i in range(G))
     finally:
         dg.set_dequantized_weight_cache(True, max_bytes=old_max)
+
+
+def test_weight_cache_survives_finalizers_run_by_garbage_collection(packer):
+    """Key tensors that die in a garbage-collection cycle run their finalizers on whatever thread collects,
+    possibly inside the caches' own critical sections (found by a helper: "OrderedDict mutated during
+    iteration" from a GEMM call): they are queued and handled when the section ends. The bytes stay the sum
+    of the entries, and an FP8 weight's packed copy that goes with its evicted dequantized copy counts as an
+    eviction even when that copy dies later, in a cycle."""
+    import gc
+
+    from deepep_ascend import quant as q
+
+    G, n, k, m = 2, 32, 64, 4
+    g = torch.Generator().manual_seed(13)
+    a = torch.randn(G, m, k, generator=g).to(BF16)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+
+    def gemm(b):
+        dg.m_grouped_bf16_gemm_nt_masked(a, b, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+
+    class Box:
+        pass
+
+    keep = [torch.randn(G, n, k, generator=g).to(BF16) for _ in range(4)]
+    old_max = dg.dequantized_weight_cache_info().max_bytes
+    try:
+        for threshold in range(1, 120):
+            dg.clear_dequantized_weight_cache()
+            for b in keep:
+                gemm(b)
+            bx = torch.randn(G, n, k, generator=g).to(BF16)
+            gemm(bx)
+            new = torch.randn(G, n, k, generator=g).to(BF16)
+            gc.disable()
+            gc.collect(0)
+            box = Box()
+            box.self, box.t = box, bx
+            del bx, box
+            gc.set_threshold(threshold)
+            gc.enable()
+            try:
+                gemm(new)
+            finally:
+                gc.set_threshold(700)
+            info = dg.dequantized_weight_cache_info()
+            assert info.nbytes == sum(e.nbytes for e in q._cache.values()), (threshold, info)
+
+        dg.clear_dequantized_weight_cache()
+        n, k = 64, 128
+        a = torch.randn(G, m, k, generator=g).to(BF16)
+        a8 = dg.per_token_cast_to_fp8(a.float(), True, 128, True)
+        w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
+        dq = G * n * k * 2
+        dg.set_dequantized_weight_cache(max_bytes=2 * dq + gg._packed_nbytes(a.new_empty(G, n, k)) - 1)
+        q._cache_warned = False
+        held = dg.dequantize_weights(w8[0], w8[1], 128, 128)  # the caller holds the dequantized copy
+        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)  # + its packed copy
+        w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
+        with pytest.warns(RuntimeWarning, match="dropped to make room"):
+            dg.dequantize_weights(w8b[0], w8b[1], 128, 128)  # pushes out w8's dequantized copy (still held)
+        assert dg.dequantized_weight_cache_info().evictions == 1
+        cycle = {"held": held}
+        cycle["self"] = cycle
+        del held, cycle
+        gc.collect()  # w8's dequantized copy dies in a cycle; its packed copy goes with it, as an eviction
+        info = dg.dequantized_weight_cache_info()
+        assert (info.evictions, info.entries, info.nbytes) == (2, 1, dq), info
+    finally:
+        gc.enable()
+        dg.set_dequantized_weight_cache(True, max_bytes=old_max)
+
+
+def test_fp8_weights_made_in_inference_mode_are_not_packed_per_call(monkeypatch, packer):
+    """FP8 weights made under ``torch.inference_mode()`` have no version counter, so their dequantized copy is
+    not cached; a packed copy keyed on it would be rebuilt and thrown away on every call, pushing out other
+    weights' packed copies on the way (found by a helper): such weights multiply with ``torch.matmul``."""
+    g = torch.Generator().manual_seed(14)
+    G, m, n, k = 2, 4, 64, 128
+    packs = []
+    real_pack = gg._pack_one
+    monkeypatch.setattr(gg, "_pack_one", lambda w, p: packs.append(1) or real_pack(w, p))
+    a = torch.randn(G, m, k, generator=g)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+    b1 = torch.randn(G, n, k, generator=g).to(BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(a.to(BF16), b1, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+    before = dg.dequantized_weight_cache_info()
+    with torch.inference_mode():
+        w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
+    a8 = dg.per_token_cast_to_fp8(a, True, 128, True)
+    packs.clear()
+    for _ in range(2):
+        d = torch.zeros(G, m, n, dtype=BF16)
+        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, d, masked_m, m)
+    ref = dg.dequantize_weights(w8[0], w8[1], 128, 128, cache=False)
+    assert all(_within_bound(d[i], dg.per_token_cast_back(a8[0][i], a8[1][i]).to(BF16), ref[i]) for i in range(G))
+    after = dg.dequantized_weight_cache_info()
+    assert packs == [] and after[2:5] == before[2:5], (before, after)  # b1's packed copy still cached
