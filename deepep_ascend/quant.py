@@ -1041,14 +1041,16 @@ def _locked():
     """The caches' lock. Finalizers of key tensors (:func:`_forget`) can run inside it, on this thread, when a
     garbage collection or a release happens there; they only queue the dead tensor, and the entries keyed on
     it are dropped when the outermost section ends, never while a section is iterating over the entries."""
-    with _cache_lock:
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _state.depth -= 1
-    if _pending and not getattr(_state, "depth", 0):
-        _process_pending()
+    try:
+        with _cache_lock:
+            _state.depth = getattr(_state, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                _state.depth -= 1
+    finally:
+        if _pending and not getattr(_state, "depth", 0):
+            _process_pending()
 
 
 def _drop(key) -> _Entry | None:
@@ -1062,19 +1064,20 @@ def _drop(key) -> _Entry | None:
     return entry
 
 
-def _evict_to(budget: int, protect: tuple = (), optional_only: bool = False) -> list:
-    """Drop the least recently used entries (only optional ones with ``optional_only``), never one whose value
-    is among ``protect``, until the cache holds at most ``budget`` bytes (the lock held); returns them, to be
-    released after the lock. A dropped value that keys other entries is remembered, so that those entries
-    count as evictions when they go with it."""
+def _evict_to(budget: int, protect: tuple = ()) -> list:
+    """Drop entries until the cache holds at most ``budget`` bytes (the lock held): the optional ones (packed
+    copies) first, then the required ones, each least recently used first, never one whose value is among
+    ``protect``; returns them, to be released after the lock. A dropped value that keys other entries is
+    remembered, so that those entries count as evictions when they go with it."""
     evicted = []
-    for key in list(_cache):
-        if _cache_bytes <= budget:
-            break
-        entry = _cache.get(key)
-        if entry is None or (optional_only and not entry.optional) or any(entry.value is t for t in protect):
-            continue
-        evicted.append(_drop(key))
+    for optional in (True, False):
+        for key in list(_cache):
+            if _cache_bytes <= budget:
+                break
+            entry = _cache.get(key)
+            if entry is None or entry.optional != optional or any(entry.value is t for t in protect):
+                continue
+            evicted.append(_drop(key))
     _cache_stats["evictions"] += len(evicted)
     for entry in evicted:
         if isinstance(entry.value, torch.Tensor):
@@ -1085,13 +1088,13 @@ def _evict_to(budget: int, protect: tuple = (), optional_only: bool = False) -> 
     return evicted
 
 
-def _fits(nbytes: int, keys: tuple = ()) -> bool:
-    """Whether an optional copy (a prepacked weight) of ``nbytes`` keyed on ``keys`` would be kept: the caches
-    are on and it fits the budget beside every required copy (which optional copies never push out, whatever
-    weight they belong to). Callers skip building an optional copy that would not be kept and multiply
-    without it."""
+def _fits(nbytes: int) -> bool:
+    """Whether an optional copy (a prepacked weight) of ``nbytes`` would be kept: the caches are on and it fits
+    the budget beside every cached copy, since an optional copy pushes out none (two weights whose packed
+    copies take turns pushing each other out would be packed on every call, slower than not packing).
+    Callers skip building an optional copy that would not be kept and multiply without it."""
     with _locked():
-        return _cache_enabled and nbytes + _cache_bytes - _optional_bytes <= _cache_max_bytes
+        return _cache_enabled and nbytes + _cache_bytes <= _cache_max_bytes
 
 
 def _caller_stacklevel() -> int:
@@ -1144,10 +1147,12 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
     with their base tensors. Writes that bypass the version counter (``.data``, numpy or DLPack
     aliases) are not seen: clear the cache after them (:func:`clear_dequantized_weight_cache`). The
     entries hold at most the byte budget (:func:`set_dequantized_weight_cache`), least recently used
-    dropped first, never a cached copy among ``tensors`` (which the new entry needs); an ``optional``
-    copy pushes out only optional ones. ``build`` runs without autograd (a cached value must not hold
-    a graph, which would keep its keys alive) and may return None to decline (nothing cached, None
-    returned). With the caches disabled or an inference tensor among ``tensors``, every call builds.
+    dropped first (optional copies before required ones), never a cached copy among ``tensors`` (which
+    the new entry needs); an ``optional`` copy is kept only if it fits without pushing out anything.
+    ``build`` runs without autograd and outside inference mode (a cached value must not hold a graph,
+    which would keep its keys alive, nor be an inference tensor, which a later call outside inference
+    mode could not use with autograd) and may return None to decline (nothing cached, None returned).
+    With the caches disabled or an inference tensor among ``tensors``, every call builds.
     """
     global _cache_bytes, _optional_bytes
     if not _cacheable(tensors):
@@ -1167,7 +1172,7 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
             stale = _drop(key)
         _cache_stats["misses"] += 1
     hit = stale = None  # a stale entry's tensors die here, outside the lock
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         out = build()
     if out is None:  # the builder declined (a copy that could not be kept)
         return None
@@ -1177,11 +1182,11 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
         if _cache_enabled:  # not switched off while building
             stale = _drop(key)  # another thread built it meanwhile
             room = _cache_max_bytes - nbytes
-            full = (nbytes + _cache_bytes - _optional_bytes > _cache_max_bytes if optional else
+            full = (nbytes + _cache_bytes > _cache_max_bytes if optional else
                     nbytes + sum(e.nbytes for e in list(_cache.values()) if any(e.value is t for t in tensors))
                     > _cache_max_bytes)
             if not full:
-                evicted = _evict_to(room, protect=tensors, optional_only=optional)
+                evicted = _evict_to(room, protect=tensors)
                 _cache[key] = _Entry(bases, versions, out, nbytes, optional)
                 _cache_bytes += nbytes
                 if optional:

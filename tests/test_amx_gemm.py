@@ -206,6 +206,15 @@ def packer(request, monkeypatch):
     dg.clear_dequantized_weight_cache()
 
 
+@pytest.fixture
+def packs(monkeypatch):
+    """A list that gets one item per weight group the grouped GEMMs pack (``grouped_gemm._pack_one``)."""
+    calls = []
+    real_pack = gg._pack_one
+    monkeypatch.setattr(gg, "_pack_one", lambda w, p: calls.append(1) or real_pack(w, p))
+    return calls
+
+
 def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
     """The public m-grouped calls (contiguous nt/nn, masked, FP8) and MegaMoE's per-expert GEMM call the AMX
     kernel once for all their groups; with oneDNN packing (no AMX) they never call it. Both within the
@@ -370,7 +379,7 @@ def test_more_packed_weights_than_64_stay_packed_and_are_counted_in_bytes(packer
     assert info.nbytes == 70 * G * per, (info.nbytes, per)
 
 
-def test_weights_past_the_cache_budget(monkeypatch, packer):
+def test_weights_past_the_cache_budget(packs, packer):
     """Under a small budget: a bf16 weight whose packed copy would not fit multiplies with ``torch.matmul``
     (as with the caches off) instead of being packed again on every call; an FP8 weight's packed copy, keyed
     on its dequantized copy, goes with it when that is evicted, and both count as evictions; the budget's
@@ -381,9 +390,6 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
 
     g = torch.Generator().manual_seed(12)
     G, m, n, k = 2, 4, 64, 128
-    packs = []
-    real_pack = gg._pack_one
-    monkeypatch.setattr(gg, "_pack_one", lambda w, p: packs.append(1) or real_pack(w, p))
     a = torch.randn(G, m, k, generator=g).to(BF16)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     b = torch.randn(G, n, k, generator=g).to(BF16)
@@ -401,8 +407,8 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
         assert packs == [] and dg.dequantized_weight_cache_info()[:5] == (0, 2, 0, 0, 0)  # two misses, no copy
         assert len(caught) == 1 and caught[0].filename == __file__ and "does not fit it" in str(caught[0].message)
 
-        # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights' packed copies: an
-        # optional packed copy pushes out only packed copies (w8's), never the dequantized one
+        # FP8: dequantized copy (bf16 [G, n, k]) + its packed copy, then two bf16 weights: a packed copy (optional)
+        # pushes out nothing, so b2's, which does not fit beside the other three, is not made
         dq = G * n * k * 2
         dg.set_dequantized_weight_cache(max_bytes=dq + 2 * packed)
         w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
@@ -413,13 +419,13 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
         dg.m_grouped_bf16_gemm_nt_masked(a, b1, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         dg.m_grouped_bf16_gemm_nt_masked(a, b2, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         info = dg.dequantized_weight_cache_info()
-        assert (info.evictions, info.entries, info.nbytes) == (1, 3, dq + 2 * packed), info
+        assert (info.evictions, info.entries, info.nbytes) == (0, 3, dq + 2 * packed), info
         assert [key[0] for key in q._cache] == ["dequantize", "packed_weights", "packed_weights"]
 
-        # a second FP8 weight's dequantized copy (required) pushes out w8's, and w8's packed copy, keyed on it,
-        # goes with it: two evictions; the warning points at this file
+        # room for one dequantized copy and nothing else: a second FP8 weight's dequantized copy (required)
+        # pushes out w8's; neither is packed; the warning points at this file
         dg.clear_dequantized_weight_cache()
-        dg.set_dequantized_weight_cache(max_bytes=2 * dq + packed - 1)
+        dg.set_dequantized_weight_cache(max_bytes=2 * dq - 1)
         dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
         q._cache_warned = False
@@ -427,7 +433,7 @@ def test_weights_past_the_cache_budget(monkeypatch, packer):
             warnings.simplefilter("always")
             dg.m_grouped_fp8_gemm_nt_masked(a8, w8b, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         info = dg.dequantized_weight_cache_info()
-        assert (info.evictions, info.entries, info.nbytes) == (2, 2, dq + packed), info
+        assert (info.evictions, info.entries, info.nbytes) == (1, 1, dq), info
         assert len(caught) == 1 and caught[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
         assert "dropped to make room" in str(caught[0].message)
 
@@ -507,34 +513,31 @@ def test_weight_cache_survives_finalizers_run_by_garbage_collection(packer):
         a8 = dg.per_token_cast_to_fp8(a.float(), True, 128, True)
         w8 = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
         dq = G * n * k * 2
-        dg.set_dequantized_weight_cache(max_bytes=2 * dq + gg._packed_nbytes(a.new_empty(G, n, k)) - 1)
-        q._cache_warned = False
+        dg.set_dequantized_weight_cache(max_bytes=2 * dq - 1)
         held = dg.dequantize_weights(w8[0], w8[1], 128, 128)  # the caller holds the dequantized copy
-        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)  # + its packed copy
+        dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)  # no room to pack
         w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
+        q._cache_warned = False
         with pytest.warns(RuntimeWarning, match="dropped to make room"):
             dg.dequantize_weights(w8b[0], w8b[1], 128, 128)  # pushes out w8's dequantized copy (still held)
-        assert dg.dequantized_weight_cache_info().evictions == 1
+        assert dg.dequantized_weight_cache_info()[2:5] == (1, 1, dq)
         cycle = {"held": held}
         cycle["self"] = cycle
         del held, cycle
-        gc.collect()  # w8's dequantized copy dies in a cycle; its packed copy goes with it, as an eviction
+        gc.collect()  # w8's evicted dequantized copy dies in a cycle: nothing else goes, nothing is miscounted
         info = dg.dequantized_weight_cache_info()
-        assert (info.evictions, info.entries, info.nbytes) == (2, 1, dq), info
+        assert (info.evictions, info.entries, info.nbytes) == (1, 1, dq) and not q._evicted_bases, info
     finally:
         gc.enable()
         dg.set_dequantized_weight_cache(True, max_bytes=old_max)
 
 
-def test_fp8_weights_made_in_inference_mode_are_not_packed_per_call(monkeypatch, packer):
+def test_fp8_weights_made_in_inference_mode_are_not_packed_per_call(packs, packer):
     """FP8 weights made under ``torch.inference_mode()`` have no version counter, so their dequantized copy is
     not cached; a packed copy keyed on it would be rebuilt and thrown away on every call, pushing out other
     weights' packed copies on the way (found by a helper): such weights multiply with ``torch.matmul``."""
     g = torch.Generator().manual_seed(14)
     G, m, n, k = 2, 4, 64, 128
-    packs = []
-    real_pack = gg._pack_one
-    monkeypatch.setattr(gg, "_pack_one", lambda w, p: packs.append(1) or real_pack(w, p))
     a = torch.randn(G, m, k, generator=g)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     b1 = torch.randn(G, n, k, generator=g).to(BF16)
@@ -551,3 +554,52 @@ def test_fp8_weights_made_in_inference_mode_are_not_packed_per_call(monkeypatch,
     assert all(_within_bound(d[i], dg.per_token_cast_back(a8[0][i], a8[1][i]).to(BF16), ref[i]) for i in range(G))
     after = dg.dequantized_weight_cache_info()
     assert packs == [] and after[2:5] == before[2:5], (before, after)  # b1's packed copy still cached
+
+
+def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(packs, packer):
+    """Weights used in turn under a budget that cannot hold all their copies (found by a helper): two FP8
+    weights whose dequantized copies fit but not their packed copies keep the dequantized copies (hits, no
+    packing), and two bf16 weights whose packed copies do not both fit pack once, not on every call (a packed
+    copy pushes nothing out). A first call under ``torch.inference_mode()`` does not leave an inference
+    tensor in the cache for later calls outside it."""
+    g = torch.Generator().manual_seed(15)
+    G, m, n, k = 2, 4, 64, 128
+    a = torch.randn(G, m, k, generator=g)
+    a8 = dg.per_token_cast_to_fp8(a, True, 128, True)
+    masked_m = torch.full((G,), m, dtype=torch.int32)
+    dq = G * n * k * 2
+    packed = gg._packed_nbytes(torch.empty(G, n, k, dtype=BF16))
+    old_max = dg.dequantized_weight_cache_info().max_bytes
+    try:
+        w8 = [dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True) for _ in range(2)]
+        dg.set_dequantized_weight_cache(max_bytes=2 * dq + packed - 1)
+        for i in range(6):
+            dg.m_grouped_fp8_gemm_nt_masked(a8, w8[i % 2], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        info = dg.dequantized_weight_cache_info()
+        # w8[0]'s packed copy, made before w8[1] came, is pushed out by w8[1]'s dequantized copy
+        assert (info.evictions, info.entries, info.nbytes) == (1, 2, 2 * dq), info
+        assert info.hits == 4 and len(packs) == G, (info, packs)
+
+        dg.clear_dequantized_weight_cache()
+        packs.clear()
+        b = [torch.randn(G, n, k, generator=g).to(BF16) for _ in range(2)]
+        dg.set_dequantized_weight_cache(max_bytes=packed * 3 // 2)
+        for i in range(6):
+            d = torch.zeros(G, m, n, dtype=BF16)
+            dg.m_grouped_bf16_gemm_nt_masked(a.to(BF16), b[i % 2], d, masked_m, m)
+            assert all(_within_bound(d[j], a[j].to(BF16), b[i % 2][j]) for j in range(G))
+        info = dg.dequantized_weight_cache_info()
+        assert len(packs) == G and (info.hits, info.evictions, info.entries) == (2, 0, 1), (info, packs)
+
+        dg.clear_dequantized_weight_cache()
+        dg.set_dequantized_weight_cache(max_bytes=old_max)
+        with torch.inference_mode():
+            dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
+        deq = dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
+        assert not deq.is_inference()
+        x = torch.randn(3, k, dtype=BF16, requires_grad=True)
+        (x @ deq[0].t()).float().sum().backward()
+        assert x.grad is not None
+    finally:
+        dg.set_dequantized_weight_cache(True, max_bytes=old_max)
+        dg.clear_dequantized_weight_cache()
