@@ -953,12 +953,13 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
         enabled: whether calls cache the copies they build (``None``: unchanged, to set only the budget).
         max_bytes: the caches' budget in bytes (an int >= 0; ``None`` keeps the current one). The
             initial budget is ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of physical
-            memory, per process. Past it, the least recently used copies are dropped (rebuilt on their
-            next use; a ``RuntimeWarning`` says so once per process); a copy larger than the whole budget
-            is not cached, and a bf16 weight whose prepacked copy would not fit multiplies with
-            ``torch.matmul``, as with the caches off. Lowering the budget drops copies now.
+            memory, per process. Past it, the least recently used copies are dropped, prepacked ones
+            first (rebuilt on their next use; a ``RuntimeWarning`` says so once per process); a copy
+            larger than the whole budget is not cached, and a prepacked copy is made only if it fits
+            beside what is cached (else the weight multiplies with ``torch.matmul``, as with the caches
+            off). Lowering the budget drops copies now.
     Raises:
-        ValueError: ``max_bytes`` not an int >= 0.
+        ValueError: ``max_bytes`` not an int >= 0, or ``enabled`` not True, False or None.
     """
     global _cache_enabled, _cache_max_bytes
     if max_bytes is not None:
