@@ -294,7 +294,8 @@ class _LazyPacked:
     def __getitem__(self, g: int):
         p = self.groups[g]
         if p is None:
-            with torch.no_grad():
+            # outside inference mode: a group packed during a call under it must serve later calls too
+            with torch.inference_mode(False), torch.no_grad():
                 p = self.groups[g] = _pack_one(self.b_nk[g], _PACKER)
         return p
 

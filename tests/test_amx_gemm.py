@@ -562,6 +562,8 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
     packing), and two bf16 weights whose packed copies do not both fit pack once, not on every call (a packed
     copy pushes nothing out). A first call under ``torch.inference_mode()`` does not leave an inference
     tensor in the cache for later calls outside it."""
+    from deepep_ascend import quant as q
+
     g = torch.Generator().manual_seed(15)
     G, m, n, k = 2, 4, 64, 128
     a = torch.randn(G, m, k, generator=g)
@@ -595,6 +597,9 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
         dg.set_dequantized_weight_cache(max_bytes=old_max)
         with torch.inference_mode():
             dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
+            dg.m_grouped_bf16_gemm_nt_masked(a.to(BF16), b[0], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
+        (lazy,) = [e.value for key, e in q._cache.items() if key[0] == "packed_weights"]
+        assert not any((p if isinstance(p, torch.Tensor) else p.data).is_inference() for p in lazy.groups)
         deq = dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
         assert not deq.is_inference()
         x = torch.randn(3, k, dtype=BF16, requires_grad=True)
