@@ -304,18 +304,14 @@ def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of ``key`` (the tensor
     ``b_nk`` derives from); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk``
     is not bf16, the cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not
-    fit the caches' budget beside the required copies such as dequantized weights, which an optional packed
-    copy never pushes out: packing on every call would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
+    fit the caches' budget beside what is cached, since a packed copy pushes nothing out: packing on every
+    call would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
     every step, possibly through ``.data``, which no version counter sees)."""
     if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
         return None
 
     def build():
-        nbytes = _packed_nbytes(b_nk)
-        if not _q._fits(nbytes):
-            _q._warn_budget(nbytes, True)
-            return None
-        return _LazyPacked(b_nk.detach())
+        return _LazyPacked(b_nk.detach()) if _q._fits(_packed_nbytes(b_nk)) else None
 
     return _q._cached_by_tensors(("packed_weights", tag), (key,), build, optional=True)
 

@@ -459,11 +459,8 @@ def _untransformed(kind: str, l1, l2, engine: str):
             return w1.float(), w2.float()
         if not _q._cacheable(tensors):
             return w1, w2  # packing on every call would cost more than the matmuls' own reorders
-        if _gg._PACKER is not None:
-            packed_bytes = _gg._packed_nbytes(w1) + _gg._packed_nbytes(w2)
-            if not _q._fits(packed_bytes):
-                _q._warn_budget(packed_bytes, True)
-                return w1, w2
+        if _gg._PACKER is not None and not _q._fits(_gg._packed_nbytes(w1) + _gg._packed_nbytes(w2)):
+            return w1, w2
         packed1, packed2 = _pack_groups(w1), _pack_groups(w2)
         return (w1, w2) if packed1 is None else (packed1, packed2)
 

@@ -1093,9 +1093,13 @@ def _fits(nbytes: int) -> bool:
     """Whether an optional copy (a prepacked weight) of ``nbytes`` would be kept: the caches are on and it fits
     the budget beside every cached copy, since an optional copy pushes out none (two weights whose packed
     copies take turns pushing each other out would be packed on every call, slower than not packing).
-    Callers skip building an optional copy that would not be kept and multiply without it."""
+    Callers skip building an optional copy that would not be kept and multiply without it; the budget's
+    warning says so (once per process) when the caches are on."""
     with _locked():
-        return _cache_enabled and nbytes + _cache_bytes <= _cache_max_bytes
+        enabled, fits = _cache_enabled, nbytes + _cache_bytes <= _cache_max_bytes
+    if enabled and not fits:
+        _warn_budget(nbytes, True)
+    return enabled and fits
 
 
 def _caller_stacklevel() -> int:
