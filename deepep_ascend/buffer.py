@@ -48,8 +48,18 @@ def _register_handle(handle_tensor: torch.Tensor, info) -> None:
     weakref.finalize(handle_tensor, _HANDLES.pop, key, None)
 
 
+_GROUP_COMMS: dict = {}  # (ranks, id(ProcessGroup)) -> the mpi4py communicator made for that group
+
+
 def _mpi_comm_of(group, comm):
-    """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator."""
+    """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator.
+
+    A ProcessGroup spanning the world in rank order is ``MPI.COMM_WORLD`` itself (the transport
+    duplicates what it is given, so no communicator is made here). Any other ProcessGroup gets one
+    ``MPI_Comm_create_group`` communicator, cached per group, so constructing many Buffers on a
+    group neither leaks communicators nor repeats the collective (a destroyed group's id may be
+    reused; the same ranks in the same order then map to the same communicator, which is correct).
+    """
     from mpi4py import MPI
 
     if isinstance(group, MPI.Comm):
@@ -71,10 +81,16 @@ def _mpi_comm_of(group, comm):
                 f"Buffer: torch.distributed rank/size ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI "
                 f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
                 f"rank and size, or pass comm=")
-        ranks = dist.get_process_group_ranks(group)
-        # MPI_Comm_create_group would spin while a late member is still working
-        quiet_barrier(world, None if sorted(ranks) == list(range(world.Get_size())) else ranks)
-        sub = world.Create_group(world.Get_group().Incl(ranks))
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks == tuple(range(world.Get_size())):
+            return world
+        key = (ranks, id(group))
+        sub = _GROUP_COMMS.get(key)
+        if sub is None:
+            # MPI_Comm_create_group would spin while a late member is still working
+            quiet_barrier(world, ranks)
+            sub = world.Create_group(world.Get_group().Incl(list(ranks)))
+            _GROUP_COMMS[key] = sub
         if sub.Get_rank() != group.rank():
             raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")
         return sub

@@ -31,8 +31,6 @@ from transports import quiet_barrier
 
 __all__ = ["ParallelGroups", "build_groups", "init_distributed", "mpi_comm_of", "world_comm"]
 
-_COMMS: dict = {}  # group id (torch group name / ranks) -> mpi4py communicator
-
 
 def world_comm():
     """``mpi4py.MPI.COMM_WORLD``."""
@@ -144,14 +142,6 @@ def mpi_comm_of(group):
 
     from .buffer import _mpi_comm_of
 
-    if isinstance(group, MPI.Comm):
-        return group
-    if group is None or group is tdist.group.WORLD:
+    if group is None:
         return MPI.COMM_WORLD
-    # Same ranks in the same order map to the same communicator (a destroyed group's id may be reused).
-    key = (tuple(tdist.get_process_group_ranks(group)), id(group))
-    comm = _COMMS.get(key)
-    if comm is None:
-        comm = _mpi_comm_of(group, None)
-        _COMMS[key] = comm
-    return comm
+    return _mpi_comm_of(group, None)

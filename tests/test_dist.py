@@ -16,6 +16,7 @@ from buffer_helpers import BF16, Checker, all_ranks_ok, coll
 from deepep_ascend import Buffer
 from deepep_ascend import autograd as ag
 from deepep_ascend import dist as ep_dist
+from deepep_ascend.buffer import _mpi_comm_of
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 
@@ -28,6 +29,8 @@ def test_init_distributed_matches_mpi(comm):
     assert ep_dist.mpi_comm_of(None) is ep_dist.world_comm()
     assert ep_dist.mpi_comm_of(tdist.group.WORLD) is ep_dist.world_comm()
     assert ep_dist.mpi_comm_of(comm) is comm
+    # Buffer(world ProcessGroup) takes COMM_WORLD itself: no MPI_Comm_create_group, nothing leaked per Buffer
+    assert _mpi_comm_of(tdist.group.WORLD, None) is ep_dist.world_comm()
 
 
 def test_groups_and_their_mpi_communicators(comm):
@@ -73,6 +76,8 @@ def test_buffer_on_ep_subgroup(comm):
     chk = Checker(r)
     try:
         chk.check(buf.rank == g.ep_rank and buf.group_size == ep and buf.group is g.ep_group, "Buffer rank/size/group")
+        # one communicator per group, shared with dist.mpi_comm_of: a Buffer per step must not make (and leak) one
+        chk.check(_mpi_comm_of(g.ep_group, None) is ep_dist.mpi_comm_of(g.ep_group), "group's communicator is cached")
         gen = torch.Generator().manual_seed(r)
         idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(n)])
         x = torch.randint(-3, 4, (n, H), generator=gen).to(BF16).requires_grad_(True)
