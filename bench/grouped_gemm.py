@@ -16,6 +16,10 @@ default). Timed interleaved in every iteration, median over iterations:
   library's path without AMX);
 * ``per group, AMX``: the same on the library's AMX kernel (:func:`deepep_ascend.native.gemm_bf16_amx`,
   what MegaMoE runs where AMX is available), writing into one output;
+* ``per group, AMX, FP4 weights``: the same on the weights cast to MXFP4 (e2m1, UE8M0 scale per 32),
+  packed as :class:`deepep_ascend.native.AmxFp4Weight` (a quarter of the bytes): the kernel decodes each
+  panel into bf16 tiles while the previous one multiplies (what MXFP4 weights past the weight caches'
+  budget run on);
 * ``per group, AMX, one weight``: the same calls, every group on the first group's packed weight,
   which stays in cache: the difference to ``AMX`` is the cost of streaming ``groups`` weights;
 * ``one group, AMX``: the AMX kernel on the plain matmul's own operands (all rows, one weight): the kernel
@@ -26,7 +30,8 @@ default). Timed interleaved in every iteration, median over iterations:
   cache holds).
 
 Prints each time and ``plain / time`` (the target of issue 5: grouped >= 0.70 of plain), and checks that
-the grouped variants' products lie within bf16 rounding of a float64 reference (exit code 1 if not).
+the grouped variants' products lie within bf16 rounding of a float64 reference (the FP4 row: of its own
+weights' values; exit code 1 if not).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
     ends_t = torch.tensor(ends, dtype=torch.int32)
     onednn = gg._pack_groups(w, "onednn") if gg._ONEDNN else None
     amx = gg._pack_groups(w, "amx") if native.amx_bf16() else None
+    w_fp4 = dea.per_token_cast_to_fp4(w.float(), use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
+    amx_fp4 = gg._pack_fp4_groups(*w_fp4, 32) if amx is not None else None
     w_copy = torch.empty_like(w)
 
     systems = {
@@ -81,6 +88,8 @@ def main(argv=None) -> int:
     if amx is not None:
         one = (amx[0],) * G
         systems["per group, AMX"] = lambda: mm._expert_gemm("bf16", x, amx, bounds)
+        if amx_fp4 is not None:
+            systems["per group, AMX, FP4 weights"] = lambda: mm._expert_gemm("bf16", x, amx_fp4, bounds)
         systems["per group, AMX, one weight"] = lambda: mm._expert_gemm("bf16", x, one, bounds)
         amx_plain = native.AmxWeight(w_plain)
         d_plain = torch.empty(M, N, dtype=BF16)
@@ -104,12 +113,18 @@ def main(argv=None) -> int:
         return bool(((o.double() - r).abs() <= 2.0**-8 * r.abs() + 1e-6 * scale).all())
 
     ok = all(close(o, ref) for o in outs.values())
+    if "per group, AMX, FP4 weights" in systems:
+        w_deq = dea.dequantize_weights(*w_fp4, 1, 32).double()
+        ref_fp4 = torch.cat([x[s:e].double() @ w_deq[i].t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+        outs["per group, AMX, FP4 weights"] = systems["per group, AMX, FP4 weights"]()
+        ok = ok and close(outs["per group, AMX, FP4 weights"], ref_fp4)
     if "one group, AMX" in systems:
         systems["one group, AMX"]()
         ok = ok and close(d_plain, x.double() @ w_plain.double().t())
         outs["one group, AMX"] = d_plain
     print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
           f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB "
+          f"(FP4 copy {sum(p.nbytes for p in amx_fp4) / 1e6 if amx_fp4 else float('nan'):.1f} MB) "
           f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
           f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")

@@ -251,6 +251,7 @@ _ONEDNN = bool(_REORDER is not None and _LINEAR is not None and torch.backends.m
 # never slower in bench.grouped_gemm's sweep), else for oneDNN, else not at all.
 _PACKER = "amx" if _native.amx_bf16() else ("onednn" if _ONEDNN else None)
 _PACKING = _PACKER is not None
+_AMX_WEIGHTS = (_native.AmxWeight, _native.AmxFp4Weight)  # what the AMX kernel multiplies
 
 
 def _pack_one(w_nk: torch.Tensor, packer: str):
@@ -316,6 +317,79 @@ def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
     return _q._cached_by_tensors(("packed_weights", tag), (key,), build, optional=True)
 
 
+class _LazyFp4Packed(_LazyPacked):
+    """:class:`~deepep_ascend.native.AmxFp4Weight` copies of the groups of MXFP4 weights ``data [G, N, K/2]``
+    with ``exponents [G, N, ceil(K/32)]`` (:func:`_fp4_exponents`), each packed on first use."""
+
+    def __init__(self, data: torch.Tensor, exponents: torch.Tensor):
+        self.data, self.exponents = data, exponents
+        self.groups = [None] * data.size(0)
+
+    @property
+    def nbytes(self) -> int:
+        g, n, half = self.data.shape
+        return g * _native.amx_fp4_packed_nbytes(n, 2 * half)
+
+    def __getitem__(self, g: int):
+        p = self.groups[g]
+        if p is None:
+            with torch.inference_mode(False), torch.no_grad():
+                p = self.groups[g] = _native.AmxFp4Weight(self.data[g], self.exponents[g])
+        return p
+
+
+def _fp4_exponents(sf: torch.Tensor, gran_k: int, n: int, k: int) -> torch.Tensor | None:
+    """The UE8M0 exponent byte of each 32 K values, uint8 ``[..., N, ceil(K/32)]``, of FP4 weight scales ``sf``
+    (one per row and ``gran_k`` K values, float32 or packed UE8M0), when every scale is a power of two that
+    :class:`~deepep_ascend.native.AmxFp4Weight` takes (:data:`~deepep_ascend.native.AMX_FP4_EXPONENTS`);
+    else None (the weights are then dequantized to bf16)."""
+    groups = ceil_div(k, gran_k)
+    if gran_k % 32 or sf.size(-2) != n:
+        return None
+    s = _q._scales_as_float("sf", sf)
+    if s.size(-1) < groups:
+        return None
+    bits = s[..., :groups].contiguous().view(torch.int32)
+    e = (bits >> 23) & 0xFF
+    lo, hi = _native.AMX_FP4_EXPONENTS
+    if bool(((bits <= 0) | ((bits & 0x7FFFFF) != 0)).any()) or (e.numel() and not lo <= int(e.min()) <= int(e.max()) <= hi):
+        return None
+    return e.to(torch.uint8).repeat_interleave(gran_k // 32, -1)[..., :ceil_div(k, 32)].contiguous()
+
+
+def _pack_fp4_groups(data: torch.Tensor, sf: torch.Tensor, gran_k: int):
+    """Per-group :class:`~deepep_ascend.native.AmxFp4Weight` copies of MXFP4 weights ``data [G, N, K/2]`` with
+    scales ``sf`` (per row and ``gran_k`` K values), if they fit the caches' budget beside what is cached
+    (packed now: MegaMoE's weights are all used every call); None where the AMX kernel is unavailable, the
+    scales do not qualify (:func:`_fp4_exponents`) or they do not fit."""
+    if _PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3:
+        return None
+    g, n, half = data.shape
+    exps = _fp4_exponents(sf, gran_k, n, 2 * half)
+    if exps is None or not _q._fits(g * _native.amx_fp4_packed_nbytes(n, 2 * half)):
+        return None
+    return tuple(_native.AmxFp4Weight(data[i], exps[i]) for i in range(g))
+
+
+def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: int, k: int):
+    """:class:`_LazyFp4Packed` copies of MXFP4 weights ``(data [G, N, K/2], sf)`` (scales per row and
+    ``gran[1]`` K values), cached by identity and version of ``data`` and ``sf`` as an optional entry (as
+    :func:`_packed_weights`); None where the AMX kernel is unavailable, the scales do not qualify
+    (:func:`_fp4_exponents`), the operands require grad or the cache cannot hold the copy. The multiply then
+    uses the dequantized bf16 weights."""
+    if (_PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3 or gran[0] != 1
+            or data.requires_grad or not _q._cacheable((data, sf))):
+        return None
+
+    def build():
+        if not _q._fits(data.size(0) * _native.amx_fp4_packed_nbytes(n, k)):
+            return None
+        exps = _fp4_exponents(sf, gran[1], n, k)
+        return None if exps is None else _LazyFp4Packed(data.detach(), exps)
+
+    return _q._cached_by_tensors(("packed_fp4_weights", gran), (data, sf), build, optional=True)
+
+
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
     """bf16 ``x @ w_t`` (``w_t = B[g]`` as ``[K, N]``) with float32 accumulation, on the packed copy
     ``packed[g]`` when there is one, ``x`` is bf16 and autograd does not record the call (the packed
@@ -323,7 +397,7 @@ def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torc
     given and those hold. (Whole grouped calls take the AMX kernel in one go: :func:`_amx_runs`.)"""
     if packed is not None and x.dtype == BF16 and not (x.requires_grad and torch.is_grad_enabled()):
         p = packed[g]
-        if not isinstance(p, _native.AmxWeight):
+        if not isinstance(p, _AMX_WEIGHTS):
             return _LINEAR(x, p, None, "none", [], "")
         x = x if _native._matrix_ok(x) else x.contiguous()
         out = torch.empty(x.size(0), p.n, dtype=BF16)
@@ -340,7 +414,7 @@ def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
     write (unit column stride, rows apart) or one torch would not write in place (it requires grad, or is
     an inference tensor outside inference mode: the caller's torch write raises as torch does), ``a`` not
     bf16, or autograd recording the call; the caller then multiplies group by group."""
-    if (packed is None or not runs or not isinstance(packed[runs[0][0]], _native.AmxWeight)
+    if (packed is None or not runs or not isinstance(packed[runs[0][0]], _AMX_WEIGHTS)
             or not _native._matrix_ok(d, BF16) or _native._write_refusal("d", d)):
         return False
     a = rows()
@@ -419,7 +493,12 @@ class _Operands:
         return self._dequantized()[g].t()
 
     def packed(self):
-        """The packed weights (:func:`_packed_weights`), or None."""
+        """The packed weights (:func:`_packed_fp4_weights` for MXFP4 weights the AMX kernel decodes itself,
+        where :meth:`_fp4_copy_first`, else :func:`_packed_weights`), or None."""
+        if self._packed is False and self._fp4_copy_first():
+            self._packed = _packed_fp4_weights(self.b_data, self.b_sf, self.gb, self.n, self.k)
+            if self._packed is None:
+                self._packed = False
         if self._packed is False:
             if self.fp8 and not _q._cacheable((self.b_data, self.b_sf)):
                 # the dequantized copy is not cached (inference tensors): a packed copy keyed on it would be
@@ -431,6 +510,23 @@ class _Operands:
             self._packed = _packed_weights(b_nk, src, self.b_layout)
         return self._packed
 
+    def _fp4_copy_first(self) -> bool:
+        """Whether MXFP4 weights (``nt``) take their FP4 copy (:func:`_packed_fp4_weights`): it is cached
+        already, or the bf16 route's missing copies (dequantized, then packed) do not fit the caches' budget
+        beside what is cached. The bf16 route is preferred where it fits: decoding costs the kernel more than
+        reading bf16 tiles saves on this machine (``python -m bench.grouped_gemm``), so the FP4 copy, a quarter
+        of the bytes of the packed bf16 copy alone, is what keeps weights past the budget on the kernel."""
+        if not (self.fp8 and self.b_layout == "nt" and self.b_data.dtype != _FP8 and _PACKER == "amx"):
+            return False
+        tensors = (self.b_data, self.b_sf)
+        if _q._cached_value(("packed_fp4_weights", self.gb), tensors) is not None:
+            return True
+        deq = _q._cached_value(("dequantize", self.gb[0], self.gb[1], True), tensors)
+        need = 0 if deq is not None else self.g * self.n * self.k * 2
+        if deq is None or _q._cached_value(("packed_weights", "nt"), (deq,)) is None:
+            need += self.g * _native.amx_packed_nbytes(self.n, self.k)
+        return not _q._fits(need, warn=False)
+
     def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:
         """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights
         where available (:func:`_packed_weights`)."""
@@ -439,7 +535,18 @@ class _Operands:
     def rows(self, a_data, a_sf=None) -> torch.Tensor:
         if not self.fp8:
             return a_data
-        return _to_exact_bf16(_dequantize_operand(a_data, a_sf, 1, self.ga[1], "a"))
+        gran = self.ga[1]
+        if (a_data.dim() == 2 and a_sf.dtype in _q._INT_DTYPES_FOR_UE8M0 and self.k % gran == 0
+                and a_sf.dim() == 2 and a_sf.size(0) == a_data.size(0)):
+            groups = self.k // gran
+            e = _q._row_major(a_sf).view(torch.uint8)
+            # e4m3 values are multiples of 2**-9 up to 448: times 2**(e - 127) they are exact bf16 values
+            # (subnormal ones multiples of 2**-133) for e in [3, 246], so the per-token cast back (the native
+            # kernel where built) gives the bf16 operand directly, without the float32 round trip
+            e = e[:, :groups] if e.size(1) >= groups else e[:0]
+            if e.numel() and 3 <= int(e.min()) and int(e.max()) <= 246:
+                return _q.per_token_cast_back(a_data, a_sf, gran, BF16)
+        return _to_exact_bf16(_dequantize_operand(a_data, a_sf, 1, gran, "a"))
 
 
 def _check_d(d, shape, dtypes=(BF16,)):

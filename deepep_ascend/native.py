@@ -20,7 +20,8 @@ torch passes over float32 temporaries; the kernel makes one, after torch's own `
 compute the same sigmoid). The grouped GEMMs multiply ~128 rows per expert, where oneDNN's kernels
 (torch's CPU matmul; torch has no CPU grouped GEMM of its own) reach about half of what they reach on
 one tall matrix; the AMX kernel keeps a group's rows in L2 while its weight streams past once and writes
-into the caller's output (``python -m bench.grouped_gemm`` times both). It runs only where the CPU has
+into the caller's output (``python -m bench.grouped_gemm`` times both). It also takes MXFP4 weights
+(:class:`AmxFp4Weight`), decoding them into bf16 tiles panel by panel. It runs only where the CPU has
 AMX-BF16 and Linux grants the process its tile state (:func:`amx_bf16`); elsewhere the grouped GEMMs
 use oneDNN.
 """
@@ -34,7 +35,7 @@ import warnings
 
 import torch
 
-__all__ = ["AmxWeight", "amx_bf16", "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows",
+__all__ = ["AmxFp4Weight", "AmxWeight", "amx_bf16", "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows",
            "swiglu"]
 
 _P = ctypes.c_void_p
@@ -51,7 +52,7 @@ def library_path() -> str | None:
     return None
 
 
-_ABI = 4  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
+_ABI = 5  # csrc/sum_rows.c's deepep_native_abi(): the signatures below
 
 
 def _load():
@@ -69,14 +70,15 @@ def _load():
         if abi == _ABI:  # an older library lacks some of these: its ABI number says so first
             fns = (lib.deepep_sum_rows_bf16, lib.deepep_dequant_rows_e4m3_bf16, lib.deepep_swiglu_gate_bf16,
                    lib.deepep_swiglu_bf16, lib.deepep_amx_bf16_available, lib.deepep_amx_packed_elems,
-                   lib.deepep_amx_pack_bf16, lib.deepep_amx_gemm_bf16)
+                   lib.deepep_amx_pack_bf16, lib.deepep_amx_gemm_bf16, lib.deepep_amx_fp4_packed_bytes,
+                   lib.deepep_amx_pack_fp4)
     except (OSError, AttributeError) as exc:
         abi, why = None, f"cannot be loaded ({exc})"
     if fns is None:
         warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
                       f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
         return None
-    sum_rows_fn, dequant, gate, swiglu_fn, amx_ok, packed_elems, pack, gemm = fns
+    sum_rows_fn, dequant, gate, swiglu_fn, amx_ok, packed_elems, pack, gemm, fp4_bytes, pack_fp4 = fns
     sum_rows_fn.restype = _I64
     sum_rows_fn.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, ctypes.c_uint16]
     dequant.restype = None
@@ -92,13 +94,17 @@ def _load():
     pack.restype = None
     pack.argtypes = [_P, _P, _I64, _I64, _I64]
     gemm.restype = _I64
-    gemm.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P]
+    gemm.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64]
+    fp4_bytes.restype = _I64
+    fp4_bytes.argtypes = [_I64, _I64]
+    pack_fp4.restype = None
+    pack_fp4.argtypes = [_P, _P, _I64, _P, _I64, _I64, _I64]
     return fns
 
 
 _FNS = _load()
-_SUM_ROWS, _DEQUANT, _GATE, _SWIGLU, _AMX_OK, _AMX_ELEMS, _AMX_PACK, _AMX_GEMM = (
-    _FNS if _FNS is not None else (None,) * 8)
+_SUM_ROWS, _DEQUANT, _GATE, _SWIGLU, _AMX_OK, _AMX_ELEMS, _AMX_PACK, _AMX_GEMM, _AMX_FP4_BYTES, _AMX_PACK_FP4 = (
+    _FNS if _FNS is not None else (None,) * 10)
 # The AMX kernel's CPU and OS checks (CPUID, XCR0, and Linux's per-process grant of the tile state) run once.
 _AMX = bool(_AMX_OK is not None and _AMX_OK())
 # The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
@@ -433,8 +439,76 @@ class AmxWeight:
         return self.data.nbytes
 
 
+#: The UE8M0 exponents :class:`AmxFp4Weight` takes: every nonzero e2m1 value (0.5 to 6) times 2**(e - 127)
+#: is then a normal bf16 number, which the kernel's exponent addition needs.
+AMX_FP4_EXPONENTS = (2, 252)
+
+
+def amx_fp4_packed_nbytes(n: int, k: int) -> int:
+    """Bytes of :class:`AmxFp4Weight`'s packed copy of an ``[n, k]`` FP4 weight (N and K padded to 32:
+    half a byte per element plus one exponent byte per 32); needs the kernel (:func:`amx_bf16`)."""
+    return int(_AMX_FP4_BYTES(n, k))
+
+
+class AmxFp4Weight:
+    """One MXFP4 weight (the ``nt`` ``B`` of DeepGEMM's ``m_grouped_fp8_fp4_gemm_nt_contiguous``: e2m1 codes
+    with one UE8M0 scale per 32 K values) packed once for :func:`gemm_bf16_amx`, which decodes it into bf16
+    AMX tiles one 32-column panel at a time: the same bf16 bits as the dequantized weight
+    (``dequantize_weights``; code 8, "-0", gives +0), so results equal :class:`AmxWeight`'s on that copy bit
+    for bit, while the weight streams at about a quarter of the bytes. Per 16 columns and 32-deep K block,
+    256 bytes of nibbles (AMX's VNNI pair order) and 16 exponent bytes; N and K padded to 32 (code 0).
+    Attributes as :class:`AmxWeight`'s: ``data`` (flat uint8 tensor), ``n``, ``k``, ``nbytes``, ``shape``.
+
+    Args:
+        data: ``[N, K/2]`` int8 or uint8, two e2m1 codes per byte (element ``2i`` in the low nibble, as
+            ``pack_fp4``), unit column stride.
+        exponents: ``[N, ceil(K/32)]`` uint8, the UE8M0 exponent byte of each 32 K values (scale
+            ``2**(e - 127)``), every one in :data:`AMX_FP4_EXPONENTS`.
+    Raises:
+        ValueError: operands of another type, dtype, shape or layout, or an exponent out of range (the
+            callers then use the dequantized bf16 weight); RuntimeError: the kernel is unavailable.
+    """
+
+    __slots__ = ("data", "n", "k")
+    dtype = torch.bfloat16  # what the kernel multiplies (the decoded tiles)
+
+    def __init__(self, data: torch.Tensor, exponents: torch.Tensor):
+        op = "deepep_ascend.native.AmxFp4Weight"
+        if not _AMX:
+            raise RuntimeError(f"{op}: the AMX kernel is unavailable here (amx_bf16() is False)")
+        if not (isinstance(data, torch.Tensor) and data.dim() == 2 and data.dtype in (torch.int8, torch.uint8)
+                and data.device.type == "cpu"):
+            raise ValueError(f"{op}: data must be a 2-D CPU int8/uint8 [N, K/2] tensor, got "
+                             f"{getattr(data, 'dtype', type(data).__name__)} of shape "
+                             f"{tuple(getattr(data, 'shape', ()))}")
+        self.n, self.k = data.size(0), 2 * data.size(1)
+        kb = (self.k + 31) // 32
+        if not (isinstance(exponents, torch.Tensor) and exponents.dtype == torch.uint8
+                and exponents.device.type == "cpu" and tuple(exponents.shape) == (self.n, kb)):
+            raise ValueError(f"{op}: exponents must be a CPU uint8 [{self.n}, {kb}] tensor, got "
+                             f"{getattr(exponents, 'dtype', type(exponents).__name__)} of shape "
+                             f"{tuple(getattr(exponents, 'shape', ()))}")
+        lo, hi = AMX_FP4_EXPONENTS
+        if exponents.numel() and not (int(exponents.min()) >= lo and int(exponents.max()) <= hi):
+            raise ValueError(f"{op}: every exponent must be in [{lo}, {hi}] (normal bf16 values), got "
+                             f"[{int(exponents.min())}, {int(exponents.max())}]")
+        if data.stride(1) != 1 and data.size(1) > 1:
+            data = data.contiguous()
+        if exponents.stride(1) != 1 and exponents.size(1) > 1:
+            exponents = exponents.contiguous()
+        self.data = torch.empty(amx_fp4_packed_nbytes(self.n, self.k), dtype=torch.uint8)
+        if self.data.numel():
+            _AMX_PACK_FP4(self.data.data_ptr(), data.data_ptr(), data.stride(0), exponents.data_ptr(),
+                          exponents.stride(0), self.n, self.k)
+
+    shape = AmxWeight.shape
+    size = AmxWeight.size
+    nbytes = AmxWeight.nbytes
+
+
 def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
-    """``out = bf16(a @ W.T)`` for weights ``W [N, K]`` packed as :class:`AmxWeight`: float32 accumulation on
+    """``out = bf16(a @ W.T)`` for weights ``W [N, K]`` packed as :class:`AmxWeight` (or :class:`AmxFp4Weight`,
+    decoded to the same bf16 values panel by panel): float32 accumulation on
     AMX tiles (TDPBF16PS: denormal inputs and outputs flushed to zero, as in oneDNN's AMX kernels), one
     round-to-nearest-even rounding per output. With ``runs``, the groups of DeepGEMM's
     ``m_grouped_bf16_gemm_nt_contiguous`` in one call: ``out[s:e] = bf16(a[s:e] @ w[g].T)`` for each
@@ -446,7 +520,7 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
         out: ``[M, N]`` bfloat16, unit column stride, rows not overlapping each other nor ``a``.
         a: ``[M, K]`` bfloat16, unit column stride.
         w: an :class:`AmxWeight` (``runs`` None: every row), or with ``runs`` a sequence of them, all
-            ``[N, K]``.
+            ``[N, K]``; or :class:`AmxFp4Weight` likewise (all of one kind).
         runs: None, or a sequence of ``(g, s, e)`` ints, ``0 <= g < len(w)``, ``0 <= s <= e <= M``, in any
             order, no two sharing a row.
     Returns:
@@ -468,9 +542,10 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
             ws = list(w)
         except TypeError:
             ws = []
-    if not ws or not all(isinstance(x, AmxWeight) for x in ws):
-        raise ValueError(f"deepep_ascend.native.{op}: w must be an AmxWeight (or with runs a non-empty sequence of "
-                         f"them), got {type(w).__name__}")
+    kind = type(ws[0]) if ws else None
+    if kind not in (AmxWeight, AmxFp4Weight) or not all(type(x) is kind for x in ws):
+        raise ValueError(f"deepep_ascend.native.{op}: w must be an AmxWeight or an AmxFp4Weight (or with runs a "
+                         f"non-empty sequence of them, all of one kind), got {type(w).__name__}")
     n, k = ws[0].n, ws[0].k
     if any((x.n, x.k) != (n, k) for x in ws):
         raise ValueError(f"deepep_ascend.native.{op}: every weight must be [{n}, {k}], got "
@@ -497,7 +572,7 @@ def gemm_bf16_amx(out: torch.Tensor, a: torch.Tensor, w, runs=None) -> bool:
     ends = (_I64 * count)(*(r[2] for r in runs))
     bps = (_P * count)(*(ws[r[0]].data.data_ptr() for r in runs))
     if _AMX_GEMM(out.data_ptr(), out.stride(0) if m > 1 else n, a.data_ptr(), a.stride(0) if m > 1 else k, n, k,
-                 count, starts, ends, bps):
+                 count, starts, ends, bps, int(kind is AmxFp4Weight)):
         raise MemoryError(f"deepep_ascend.native.{op}: no memory for the packed rows of a (up to "
                           f"{max(e - s for _, s, e in runs)} x {k})")
     _written(out)

@@ -608,3 +608,187 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
     finally:
         dg.set_dequantized_weight_cache(True, max_bytes=old_max)
         dg.clear_dequantized_weight_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 weights decoded inside the kernel (native.AmxFp4Weight)
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # mega-moe.md: codes 0..7, bit 3 the sign
+
+
+def _fp4_values(data: torch.Tensor, exps: torch.Tensor, k: int) -> torch.Tensor:
+    """bf16 ``[..., N, K]`` of packed e2m1 codes ``data [..., N, K/2]`` (element 2i in the low nibble) times
+    ``2**(exps - 127)`` per 32 K values, from the table above in float64 ("-0" as +0, as the dequantization)."""
+    table = torch.tensor(_E2M1 + (0.0,) + tuple(-v for v in _E2M1[1:]), dtype=torch.float64)
+    b = data.view(torch.uint8).long()
+    codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)
+    return (table[codes] * torch.pow(2.0, exps.double() - 127).repeat_interleave(32, -1)[..., :k]).to(BF16)
+
+
+def _fp4_operands(n, k, seed, lo=118, hi=136, groups=None):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n,) if groups is None else (groups, n)
+    data = torch.randint(-128, 128, shape + (k // 2,), generator=gen, dtype=torch.int8)
+    exps = torch.randint(lo, hi, shape + ((k + 31) // 32,), generator=gen, dtype=torch.uint8)
+    return data, exps
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.shape == y.shape and torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (17, 33, 62), (40, 48, 96), (33, 1000, 160), (130, 96, 1024),
+                                   (200, 40, 4096)])  # the last: three L2 chunks of packed rows
+def test_fp4_weights_multiply_as_their_bf16_values_bit_for_bit(m, n, k):
+    """An ``AmxFp4Weight`` gives the bits :class:`AmxWeight` gives on the weight's bf16 values (the decoder
+    writes the same tiles), within the float64 bound; N and K tails (33, 62, 1000) are padded with zeros."""
+    data, exps = _fp4_operands(n, k, seed=90)
+    w = _fp4_values(data, exps, k)
+    a = _rand(m, k, seed=91)
+    got, want = (torch.full((m, n), SENTINEL, dtype=BF16) for _ in range(2))
+    fp4 = native.AmxFp4Weight(data, exps)
+    assert native.gemm_bf16_amx(got, a, fp4) and native.gemm_bf16_amx(want, a, native.AmxWeight(w))
+    assert _same_bits(got, want) and _within_bound(got, a, w)
+    assert fp4.shape == (n, k) and fp4.nbytes == native.amx_fp4_packed_nbytes(n, k) < native.amx_packed_nbytes(n, k) / 3
+
+
+@needs_amx
+def test_fp4_decode_is_exact_over_every_code_and_the_exponent_range():
+    """Multiplying by the identity gives the decoded weight itself: every byte value (both nibbles: all 16
+    codes, "-0" included) at the ends of the exponent range (2: the smallest normal 2**-126 from 0.5; 252:
+    6 * 2**125) and around 127, row-strided operands."""
+    n, k = 32, 256
+    gen = torch.Generator().manual_seed(92)
+    data = torch.arange(256, dtype=torch.int32).repeat(n * k // 2 // 256)[torch.randperm(n * k // 2, generator=gen)]
+    data = data.to(torch.uint8).view(n, k // 2)
+    exps = torch.tensor([2, 3, 126, 127, 128, 251, 252], dtype=torch.uint8)[
+        torch.randint(0, 7, (n, k // 32), generator=gen)]
+    wide = torch.zeros(n, k // 2 + 5, dtype=torch.uint8)
+    wide[:, :k // 2] = data
+    out = torch.full((k, n), SENTINEL, dtype=BF16)
+    assert native.gemm_bf16_amx(out, torch.eye(k, dtype=BF16), native.AmxFp4Weight(wide[:, :k // 2], exps))
+    assert _same_bits(out.t().contiguous(), _fp4_values(data, exps, k))
+
+
+@needs_amx
+def test_fp4_weight_bad_operands_raise_naming_them():
+    data, exps = _fp4_operands(16, 64, seed=93)
+    for bad in (1, 253):
+        e = exps.clone()
+        e[3, 1] = bad
+        with pytest.raises(ValueError, match=r"exponent must be in \[2, 252\]"):
+            native.AmxFp4Weight(data, e)
+    with pytest.raises(ValueError, match="data must be a 2-D CPU int8/uint8"):
+        native.AmxFp4Weight(data.float(), exps)
+    with pytest.raises(ValueError, match=r"exponents must be a CPU uint8 \[16, 2\]"):
+        native.AmxFp4Weight(data, exps[:, :1])
+    out = torch.empty(4, 16, dtype=BF16)
+    mixed = [native.AmxFp4Weight(data, exps), native.AmxWeight(_fp4_values(data, exps, 64))]
+    with pytest.raises(ValueError, match="all of one kind"):
+        native.gemm_bf16_amx(out, _rand(4, 64), mixed, [(0, 0, 2), (1, 2, 4)])
+
+
+def _fp4_grouped_case(g=3, n=48, k=256, counts=(5, 0, 37)):
+    """FP8 rows ``a`` and MXFP4 weights ``b`` of DeepGEMM's contiguous layout (psum ends), with the bf16
+    values both stand for."""
+    b_bf = torch.randn(g, n, k, generator=torch.Generator().manual_seed(94))
+    data, sf = dg.per_token_cast_to_fp4(b_bf, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
+    w = _fp4_values(data, sf.view(torch.uint8), k)  # packed UE8M0: byte j of word c is group 4c + j
+    align = dg.get_mk_alignment_for_contiguous_layout()
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(dg.align(starts[-1] + c, align))
+    rows = dg.align(starts[-1] + counts[-1], align)
+    a = dg.per_token_cast_to_fp8(_rand(rows, k, seed=95).float(), True, 32, True)
+    a_bf = dg.per_token_cast_back(a[0], a[1], 32, BF16)
+    ends = torch.tensor([s + c for s, c in zip(starts, counts)], dtype=torch.int32)
+    return a, (data, sf), a_bf, w, ends
+
+
+@pytest.fixture
+def budget():
+    """Sets the weight caches' byte budget for one test (``budget(n)``), restoring it afterwards."""
+    old = dg.dequantized_weight_cache_info().max_bytes
+    yield lambda n: dg.set_dequantized_weight_cache(max_bytes=n)
+    dg.set_dequantized_weight_cache(max_bytes=old)
+    dg.clear_dequantized_weight_cache()
+
+
+@needs_amx
+def test_grouped_fp8_fp4_gemm_takes_the_fp4_copy_when_bf16_copies_do_not_fit(monkeypatch, packer, budget):
+    """``m_grouped_fp8_fp4_gemm_nt_contiguous`` with MXFP4 weights: where the budget holds the dequantized and
+    packed bf16 copies it multiplies those (AmxWeight); where it does not, it caches the FP4 copy instead (a
+    quarter of the packed bf16 copy's bytes; no dequantized weight is made) and keeps using it. Both give the
+    bits of the bf16 GEMM on the weights' values. A scale the decoder cannot take (exponent 1: values below
+    bf16's normal range) keeps the weights off the FP4 copy (here unpacked: the bf16 copies do not fit)."""
+    if packer != "amx":
+        pytest.skip("the FP4 copy is for the AMX kernel")
+    kinds = []
+    real = native.gemm_bf16_amx
+    monkeypatch.setattr(native, "gemm_bf16_amx",
+                        lambda out, a, w, runs=None: kinds.append(type(w[0]).__name__) or real(out, a, w, runs))
+    a, b, a_bf, w, ends = _fp4_grouped_case()
+    g, n, k = w.shape
+    want = torch.zeros(a_bf.size(0), n, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, w, want, ends, use_psum_layout=True)
+    fp4_bytes, bf16_bytes = g * native.amx_fp4_packed_nbytes(n, k), g * native.amx_packed_nbytes(n, k)
+    assert 3 * fp4_bytes < bf16_bytes
+    for limit, kind, cached in ((None, "AmxWeight", g * n * k * 2 + bf16_bytes),
+                                (2 * fp4_bytes, "AmxFp4Weight", fp4_bytes)):
+        if limit is not None:
+            budget(limit)
+        dg.clear_dequantized_weight_cache()
+        kinds.clear()
+        for _ in range(2):
+            got = torch.full_like(want, SENTINEL)
+            dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, got, ends, use_psum_layout=True)
+            assert _same_bits(got, want)
+        info = dg.dequantized_weight_cache_info()
+        assert kinds == [kind] * 2 and info.nbytes == cached and info.evictions == 0, (kinds, info)
+    data, sf = b[0], b[1].clone()
+    sf.view(torch.uint8)[1, 2, 0] = 1  # group 1, column 2, K 0..31: scale 2**-126
+    w_low = _fp4_values(data, sf.view(torch.uint8), k)
+    dg.clear_dequantized_weight_cache()
+    kinds.clear()
+    got = torch.full_like(want, SENTINEL)
+    dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, (data, sf), got, ends, use_psum_layout=True)
+    assert "AmxFp4Weight" not in kinds, kinds
+    s = 0
+    for i, e in enumerate(ends.tolist()):
+        s = dg.align(s, dg.get_mk_alignment_for_contiguous_layout())
+        assert _within_bound(got[s:e], a_bf[s:e], w_low[i]), i
+        s = e
+
+
+@needs_amx
+def test_mega_moe_keeps_fp4_experts_on_the_kernel_past_the_budget(packer, budget):
+    """MegaMoE's cached weights for ``fp8xfp4``: the packed bf16 copies where the budget holds them, else the
+    experts' FP4 copies (natural gate/up order); its per-expert GEMM on either gives the bits it gives on the
+    bf16 values of the untransformed weights."""
+    if packer != "amx":
+        pytest.skip("the FP4 copy is for the AMX kernel")
+    e, h, i = 3, 256, 128
+    gen = torch.Generator().manual_seed(96)
+    raw = []
+    for n, k in ((2 * i, h), (h, i)):
+        data, sf = dg.per_token_cast_to_fp4(torch.randn(e, n, k, generator=gen), use_ue8m0=True, gran_k=32,
+                                            use_packed_ue8m0=True)
+        raw.append((data, sf, _fp4_values(data, sf.view(torch.uint8), k)))
+    l1 = (raw[0][0], dg.transform_sf_into_required_layout(raw[0][1], 2 * i, h, (1, 32), num_groups=e))
+    l2 = (raw[1][0], dg.transform_sf_into_required_layout(raw[1][1], h, i, (1, 32), num_groups=e))
+    t1, t2 = dg.transform_weights_for_mega_moe(l1, l2)
+    fp4_bytes = e * (native.amx_fp4_packed_nbytes(2 * i, h) + native.amx_fp4_packed_nbytes(h, i))
+    bf16_bytes = e * (native.amx_packed_nbytes(2 * i, h) + native.amx_packed_nbytes(h, i))
+    bounds = [0, 7, 7, 30]
+    for limit, kind, cached in ((None, native.AmxWeight, bf16_bytes), (2 * fp4_bytes, native.AmxFp4Weight, fp4_bytes)):
+        if limit is not None:
+            budget(limit)
+        dg.clear_dequantized_weight_cache()
+        w1, w2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
+        assert all(type(x) is kind for x in w1 + w2) and len(w1) == len(w2) == e
+        assert dg.dequantized_weight_cache_info().nbytes == cached
+        for w, ref, k in ((w1, raw[0][2], h), (w2, raw[1][2], i)):
+            a = _rand(bounds[-1], k, seed=97)
+            assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
+                              mm._expert_gemm("bf16", a, gg._pack_groups(ref), bounds))

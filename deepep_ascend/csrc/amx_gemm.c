@@ -12,6 +12,14 @@
  * (AMX's VNNI order); n is padded to a multiple of 32 and k to 32 with zeros. A is packed per call into
  * 16-row x 32-deep tiles (thread-local scratch), which also pads m and k with zeros.
  *
+ * FP4 weights (MXFP4: e2m1 codes, one UE8M0 exponent per column and 32-deep k block) are packed once
+ * (deepep_amx_pack_fp4) into the same tile order at a quarter of the bytes: per tile 16 rows of 16 bytes, byte
+ * c of row r holding column c's k pair (2r, 2r + 1) as two nibbles (low first), then, after all tiles, 16
+ * exponent bytes per tile. Each 32-column panel is decoded into bf16 tiles (thread-local) just before it is
+ * used: a table lookup per nibble and the exponent added to the bf16 exponent field, which gives the same bits
+ * as the dequantized weight, so results equal the bf16 kernel's on deepep's dequantized copy, bit for bit.
+ * The weight then streams from memory at 0.53 bytes per element instead of 2.
+ *
  * Numerics: TDPBF16PS (float32 accumulation of bf16 products, input and output denormals flushed, as in
  * oneDNN's AMX kernels), k blocks in ascending order, then VCVTNE2PS2BF16 (round to nearest even). The
  * summation order may differ from oneDNN's, so results agree with torch.matmul to bf16 rounding.
@@ -38,6 +46,31 @@ static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; 
 
 /* Elements of a packed weight of n x k (what deepep_amx_pack_bf16 writes). */
 int64_t deepep_amx_packed_elems(int64_t n, int64_t k) { return round_up(n, 32) * round_up(k, TILE_K); }
+
+/* Bytes of a packed FP4 weight of n x k (what deepep_amx_pack_fp4 writes): 256 nibble bytes and 16 exponent
+ * bytes per 16 x 32 tile. */
+int64_t deepep_amx_fp4_packed_bytes(int64_t n, int64_t k) { return deepep_amx_packed_elems(n, k) / 512 * 272; }
+
+/* dst = the FP4 weight w [n, k] (packed nibbles [n, k/2], row r at w + r * ldw bytes, k even) with exponents
+ * e [n, ceil(k/32)] (UE8M0 bytes, row r at e + r * lde) in the FP4 tile layout above; padding columns and k
+ * values get code 0 (+0) and exponent 127. The caller checks that every exponent is in [2, 252], where every
+ * nonzero value stays a normal bf16 (the decoder adds exponents without range checks). */
+void deepep_amx_pack_fp4(uint8_t *dst, const uint8_t *w, int64_t ldw, const uint8_t *e, int64_t lde, int64_t n,
+                         int64_t k)
+{
+    const int64_t kb_n = round_up(k, TILE_K) / TILE_K, nb_n = round_up(n, 32) / 16, pairs = k / 2;
+    uint8_t *exps = dst + nb_n * kb_n * 256;
+    for (int64_t nb = 0; nb < nb_n; nb++)
+        for (int64_t kb = 0; kb < kb_n; kb++) {
+            uint8_t *t = dst + (nb * kb_n + kb) * 256, *te = exps + (nb * kb_n + kb) * 16;
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t col = nb * 16 + c;
+                te[c] = col < n ? e[col * lde + kb] : 127;
+                for (int64_t r = 0; r < 16; r++)
+                    t[r * 16 + c] = col < n && kb * 16 + r < pairs ? w[col * ldw + kb * 16 + r] : 0;
+            }
+        }
+}
 
 /* One tile of the packed layout from 16 columns (rows of w) of which `cols` exist and `valid` k values. */
 static void pack_tile(uint16_t *t, const uint16_t *src, int64_t ldw, int64_t cols, int64_t valid)
@@ -185,23 +218,63 @@ static inline void prefetch_out(uint16_t *d, int64_t ldd, int64_t m0, int64_t n0
     }
 }
 
+/* bf16 bits of the e2m1 codes 0..15 (code 8, "-0", as +0, as deepep's dequantization gives it). */
+static const uint16_t e2m1_bf16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x0000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+/* tiles FP4 tiles (nibbles at nib, 256 bytes each; exponents at exps, 16 bytes each) into bf16 B tiles at out:
+ * per tile row, the 16 bytes widen to 16 dwords whose two words take the low and the high nibble, a word
+ * permute looks up their bf16 bits, and the column's exponent minus 127 is added to the exponent field of
+ * the nonzero ones (exact: the packer's range check keeps them normal). */
+__attribute__((target("avx512f,avx512bw")))
+static void decode_fp4(uint16_t *out, const uint8_t *nib, const uint8_t *exps, int64_t tiles)
+{
+    const __m512i lut = _mm512_load_si512((const void *)e2m1_bf16), low = _mm512_set1_epi32(0x000F000F),
+                  magnitude = _mm512_set1_epi16(7), bias = _mm512_set1_epi32(127);
+    for (int64_t t = 0; t < tiles; t++, nib += 256, exps += 16, out += TILE_ELEMS) {
+        const __m512i e = _mm512_slli_epi32(
+            _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)exps)), bias), 7);
+        const __m512i off = _mm512_mask_blend_epi16(0xAAAAAAAA, e, _mm512_slli_epi32(e, 16));
+        for (int r = 0; r < 16; r++) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + r * 16)));
+            const __m512i idx = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), low);
+            const __m512i v = _mm512_permutexvar_epi16(idx, lut);
+            _mm512_store_si512((void *)(out + r * 32),
+                               _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(idx, magnitude), v, off));
+        }
+    }
+}
+
 /* Rows of packed A kept in L2 while every panel of the weight streams past them. */
 #define A_CHUNK_BYTES (768 * 1024)
 
-/* The 32-column panels of the weight at bp over the packed rows [0, m16) of a_scratch (rows valid:
- * [0, m)), into d. next: the weight data to prefetch while the last panel computes, or NULL. */
+/* The 32-column panels of the weight at w over the packed rows [0, m16) of ap (rows valid: [0, m)), into d.
+ * bf16 tiles are read where they are. FP4 tiles (dec: room for two decoded panels) are decoded one panel
+ * ahead: the first before the loop, each next one a few tiles per k step of the current panel's products,
+ * so the decoding (vector ports) runs beside the tile products (the AMX unit) instead of before them.
+ * next_last: the weight data to prefetch while the last panel computes, or NULL. */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,prfchw")))
-static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const uint16_t *bp, int64_t m, int64_t m16,
-                   int64_t n, int64_t kb_n, const char *next_last)
+static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const void *w, uint16_t *dec, int64_t m,
+                   int64_t m16, int64_t n, int64_t kb_n, const char *next_last)
 {
     float c[32 * 32] __attribute__((aligned(64)));
-    const int64_t n32 = round_up(n, 32), panel_bytes = kb_n * TILE_ELEMS * 2 * 2; /* two 16-column blocks */
-    const int64_t steps = (m16 + 31) / 32 * kb_n;
-    /* the next panel's cache lines, spread over this panel's k steps */
-    const int64_t per_step = round_up((panel_bytes + steps - 1) / steps, 64);
+    const int64_t n32 = round_up(n, 32), tile_bytes = dec ? 256 : TILE_ELEMS * 2;
+    const int64_t panel_bytes = kb_n * tile_bytes * 2; /* two 16-column blocks */
+    const int64_t steps = (m16 + 31) / 32 * kb_n, panel_tiles = 2 * kb_n;
+    /* the next panel's cache lines (FP4: the one after it, the next being decoded), spread over the k steps */
+    const int64_t per_step = round_up((panel_bytes + steps - 1) / steps, 64), ahead = dec ? 2 : 1;
+    const uint8_t *exps = (const uint8_t *)w + n32 / 16 * kb_n * 256;
+    if (dec)
+        decode_fp4(dec, (const uint8_t *)w, exps, panel_tiles);
     for (int64_t n0 = 0; n0 < n32; n0 += 32) {
-        const uint16_t *b0 = bp + (n0 / 16) * kb_n * TILE_ELEMS, *b1 = b0 + kb_n * TILE_ELEMS;
-        const char *next = n0 + 32 < n32 ? (const char *)(b0 + 2 * kb_n * TILE_ELEMS) : next_last;
+        const char *wp = (const char *)w + (n0 / 16) * kb_n * tile_bytes;
+        const char *next = n0 + 32 * ahead < n32 ? wp + ahead * panel_bytes : next_last;
+        const uint16_t *b0 = dec ? dec + ((n0 / 32) & 1) * panel_tiles * TILE_ELEMS : (const uint16_t *)wp;
+        const uint16_t *b1 = b0 + kb_n * TILE_ELEMS;
+        /* FP4: where the next panel is decoded meanwhile, or NULL */
+        uint16_t *nd = dec && n0 + 32 < n32 ? dec + (((n0 / 32) + 1) & 1) * panel_tiles * TILE_ELEMS : NULL;
+        const uint8_t *nn = (const uint8_t *)wp + panel_bytes, *ne = exps + (n0 / 16 + 2) * kb_n * 16;
         const int64_t cols = n - n0 < 32 ? n - n0 : 32;
         for (int64_t m0 = 0; m0 < m16; m0 += 32) {
             const uint16_t *a0 = ap + (m0 / 16) * kb_n * TILE_ELEMS, *a1 = a0 + kb_n * TILE_ELEMS;
@@ -221,6 +294,12 @@ static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const uint16_t 
                 if (next)
                     for (int64_t q = pf0 + kb * per_step; q < pf0 + (kb + 1) * per_step && q < panel_bytes; q += 64)
                         _mm_prefetch(next + q, _MM_HINT_T1);
+                if (nd) {
+                    const int64_t step = (m0 / 32) * kb_n + kb, t0 = step * panel_tiles / steps,
+                                  t1 = (step + 1) * panel_tiles / steps;
+                    if (t1 > t0)
+                        decode_fp4(nd + t0 * TILE_ELEMS, nn + t0 * 256, ne + t0 * 16, t1 - t0);
+                }
                 /* loads interleaved with the products that need them (tile registers are not renamed) */
                 _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
                 _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
@@ -245,31 +324,32 @@ static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const uint16_t 
 }
 
 /* d[m, n] (row r at d + r * ldd) = bf16(a[m, k] (row r at a + r * lda) @ w^T), w packed by
- * deepep_amx_pack_bf16 at bp, a_scratch holding at least min(m, chunk) rows. Rows go in chunks whose
- * packed A fits L2 (A_CHUNK_BYTES); the weight streams once per chunk. next_bp: the weight to prefetch
- * while the last panel computes (the next group's), or NULL. */
+ * deepep_amx_pack_bf16 (or, with dec, by deepep_amx_pack_fp4) at w, a_scratch holding at least min(m, chunk)
+ * rows. Rows go in chunks whose packed A fits L2 (A_CHUNK_BYTES); the weight streams once per chunk. next_w:
+ * the weight to prefetch while the last panel computes (the next group's), or NULL. */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-static void gemm_one(uint16_t *d, int64_t ldd, const uint16_t *a, int64_t lda, const uint16_t *bp, int64_t m,
-                     int64_t n, int64_t k, int64_t chunk, const uint16_t *next_bp)
+static void gemm_one(uint16_t *d, int64_t ldd, const uint16_t *a, int64_t lda, const void *w, uint16_t *dec,
+                     int64_t m, int64_t n, int64_t k, int64_t chunk, const void *next_w)
 {
     const int64_t kb_n = round_up(k, TILE_K) / TILE_K;
     for (int64_t r0 = 0; r0 < m; r0 += chunk) {
         const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
         pack_a(a_scratch, a + r0 * lda, lda, rows, k, kb_n);
-        panels(d + r0 * ldd, ldd, a_scratch, bp, rows, round_up(rows, 16), n, kb_n,
-               r0 + chunk < m ? (const char *)bp : (const char *)next_bp);
+        panels(d + r0 * ldd, ldd, a_scratch, w, dec, rows, round_up(rows, 16), n, kb_n,
+               r0 + chunk < m ? (const char *)w : (const char *)next_w);
     }
 }
 
 /* The groups of an m-grouped GEMM in one call: for i < count, rows [starts[i], ends[i]) of d (row r at
  * d + r * ldd) = bf16(the same rows of a (row r at a + r * lda) @ w_i^T), w_i packed by
- * deepep_amx_pack_bf16 at bps[i] (n x k, the same for every group); each group's weight is prefetched
- * while the previous group's last panel computes. Other rows of d are not written. Returns 0, or -1 if
- * the A scratch could not be allocated (nothing written). The caller checks deepep_amx_bf16_available()
- * first and the runs' bounds. */
+ * deepep_amx_pack_bf16 at bps[i] (with fp4 nonzero: by deepep_amx_pack_fp4) (n x k, the same for every
+ * group); each group's weight is prefetched while the previous group's last panel computes. Other rows of d
+ * are not written. Returns 0, or -1 if the scratch could not be allocated (nothing written). The caller
+ * checks deepep_amx_bf16_available() first and the runs' bounds. */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_t lda, int64_t n, int64_t k,
-                             int64_t count, const int64_t *starts, const int64_t *ends, const uint16_t *const *bps)
+                             int64_t count, const int64_t *starts, const int64_t *ends, const void *const *bps,
+                             int64_t fp4)
 {
     if (n <= 0 || count <= 0)
         return 0;
@@ -280,9 +360,11 @@ int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_
     for (int64_t i = 0; i < count; i++)
         if (ends[i] - starts[i] > most)
             most = ends[i] - starts[i];
-    const int64_t need = (most < chunk ? round_up(most, 16) : chunk) * row_elems;
-    if (ensure_scratch(need))
+    const int64_t a_elems = (most < chunk ? round_up(most, 16) : chunk) * row_elems;
+    /* with fp4, two decoded panels (each two 16-column blocks of bf16 tiles) after the packed rows */
+    if (ensure_scratch(a_elems + (fp4 ? 64 * row_elems : 0)))
         return -1;
+    uint16_t *dec = fp4 ? a_scratch + a_elems : NULL;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
@@ -293,8 +375,8 @@ int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_
     _tile_loadconfig(&cfg);
     for (int64_t i = 0; i < count; i++)
         if (ends[i] > starts[i])
-            gemm_one(d + starts[i] * ldd, ldd, a + starts[i] * lda, lda, bps[i], ends[i] - starts[i], n, k, chunk,
-                     i + 1 < count ? bps[i + 1] : NULL);
+            gemm_one(d + starts[i] * ldd, ldd, a + starts[i] * lda, lda, bps[i], dec, ends[i] - starts[i], n, k,
+                     chunk, i + 1 < count ? bps[i + 1] : NULL);
     _tile_release();
     return 0;
 }
@@ -304,9 +386,11 @@ int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_
 int64_t deepep_amx_bf16_available(void) { return 0; }
 
 int64_t deepep_amx_gemm_bf16(uint16_t *d, int64_t ldd, const uint16_t *a, int64_t lda, int64_t n, int64_t k,
-                             int64_t count, const int64_t *starts, const int64_t *ends, const uint16_t *const *bps)
+                             int64_t count, const int64_t *starts, const int64_t *ends, const void *const *bps,
+                             int64_t fp4)
 {
     (void)d, (void)ldd, (void)a, (void)lda, (void)n, (void)k, (void)count, (void)starts, (void)ends, (void)bps;
+    (void)fp4;
     return -2;
 }
 
