@@ -6,6 +6,10 @@ Run as ``mpiexec -n N python -m pytest --with-mpi -q tests`` (``scripts/test.sh`
 What this file adds to pytest + pytest-mpi:
 
 * ``torch.set_num_threads(1)`` (ranks share a few cores).
+* **Local tests run in the 1-rank job only**: with more than one rank, tests not marked
+  ``@pytest.mark.mpi(...)`` are deselected (they use no communicator, so every rank would repeat
+  the same work; at 8 ranks on 2 cores the copies took most of that job's time).
+  ``DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK=1`` runs them on every rank anyway.
 * **Collective pass/fail** for tests marked ``@pytest.mark.mpi(...)``: after each phase (setup,
   call, teardown) every rank all-gathers its outcome; if any rank failed, the phase fails on every
   rank and the message lists each failing rank and its error. Rank 0's output therefore shows
@@ -326,6 +330,15 @@ def _redirect_nonzero_rank_output(config, world_comm) -> None:
     cache = getattr(config, "cache", None)
     if cache is not None:
         cache.set = lambda key, value: None
+
+
+def pytest_collection_modifyitems(config, items):
+    if _S.size <= 1 or os.environ.get("DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK", "0") == "1":
+        return
+    local = [item for item in items if item.get_closest_marker("mpi") is None]
+    if local:
+        items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
+        config.hook.pytest_deselected(items=local)
 
 
 @pytest.hookimpl(wrapper=True)
