@@ -37,6 +37,8 @@ Systems, interleaved in every iteration on the same inputs:
   grouped-GEMM throughput ratio of the target. The grouped stages (with layout and dequantisation)
   over the plain matmul are printed too, and so is one copy of all local experts' weights (one read
   and one write of what the grouped calls stream per call; the plain matmul reads one matrix).
+  Also timed: the fused call's own per-expert GEMMs on its cached weights (fp8: the FP4 copies the AMX
+  kernel decodes itself, where it runs) and the same rows sorted by expert, against the plain matmul.
 
 Timing: barrier, ``time.perf_counter``; ``--warmup`` (>= 2) then ``--iters`` (>= 5); per rank
 the median and min over iterations; printed as mean over ranks and max over ranks (upstream
@@ -262,7 +264,7 @@ class Unfused:
             a = rx
         ends_t = torch.tensor(ends, dtype=torch.int32)
         hh = _grouped_nt(self.engine, a, self.w1, ends, ends_t)
-        st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, padded=padded, a1=a,
+        st.update(order=order, rows=rows, pos=pos, end=end, ends=ends, ends_t=ends_t, padded=padded, a1=a, cnt=cnt,
                   hh=hh.index_select(0, pos) if padded else hh,
                   w=st["rw"].reshape(-1).index_select(0, order))
 
@@ -310,6 +312,17 @@ class Unfused:
         a1, a2 = st["a1"].to(dt), st["a2"].to(dt)
         return {"gemm_l1": lambda: _grouped_nt(self.engine, a1, self.w1, st["ends"], st["ends_t"]),
                 "gemm_l2": lambda: _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])}
+
+    def fused_gemm_fns(self, cached):
+        """MegaMoE's own per-expert GEMMs (:func:`deepep_ascend.mega_moe._expert_gemm`) on its cached weights
+        ``cached`` (``_untransformed``: fp8, the FP4 copies the AMX kernel decodes) and the last run's rows,
+        sorted by expert without padding (the fused call's layout)."""
+        st, dt = self.st, M._operand_dtype(self.engine)
+        bounds = [0] + torch.tensor(st["cnt"]).cumsum(0).tolist()
+        a1 = (st["a1"].index_select(0, st["pos"]) if st["padded"] else st["a1"]).to(dt)
+        a2 = (st["a2"].index_select(0, st["pos"]) if st["padded"] else st["a2"]).to(dt)
+        return {"fused_gemm_l1": lambda: M._expert_gemm(self.engine, a1, cached[0], bounds),
+                "fused_gemm_l2": lambda: M._expert_gemm(self.engine, a2, cached[1], bounds)}
 
     def stage_fns(self):
         return {"dispatch": self.dispatch, "l1": self.l1, "act": self.act, "l2": self.l2, "combine": self.combine,
@@ -369,7 +382,9 @@ def main(argv=None) -> int:
         epw = -(-el // min(nw, el))
         wave_runs[f"fused, {-(-el // epw)} wave(s)"] = epw
     times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("act_library",)
-             + ("gemm_l1", "gemm_l2", "mm_l1", "mm_l2", "weights_copy") + tuple(wave_runs)}
+             + ("gemm_l1", "gemm_l2", "fused_gemm_l1", "fused_gemm_l2", "mm_l1", "mm_l2", "weights_copy")
+             + tuple(wave_runs)}
+    cached = M._untransformed("bf16" if args.mma == "bf16" else "fp8xfp4", l1, l2, M.gemm_engine())
     fractions, hidden_s, busy_s, waves = [], [], [], None
     serial_stages = []  # per iteration: the serial call's own stage times (its trace), seconds
     engine = M.gemm_engine()
@@ -408,7 +423,7 @@ def main(argv=None) -> int:
         for name, fn in unf.stage_fns().items():
             rec[name] = timed(name, fn)
         rec["act_library"] = timed("act_library", unf.act_library)
-        for name, fn in unf.gemm_fns().items():
+        for name, fn in {**unf.gemm_fns(), **unf.fused_gemm_fns(cached)}.items():
             rec[name] = timed(name, fn)
         rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
         rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
@@ -529,6 +544,10 @@ def main(argv=None) -> int:
                f"TFLOPS (incl. layout/dequant); plain torch mm {flops / mm / 1e12:.3f} TFLOPS")
     out.append(f"[gemm] grouped GEMM / plain matmul throughput {mm / gemm_only:.2f} (target >= 0.70: {gtgt}); "
                f"grouped stages incl. layout/dequant / plain {mm / gemm:.2f}")
+    fused_gemm = agg("fused_gemm_l1")[0] + agg("fused_gemm_l2")[0]
+    kinds = sorted({type(w).__name__ for w in (cached[0] if isinstance(cached[0], tuple) else cached[:1])})
+    out.append(f"[gemm] MegaMoE's own expert GEMMs on its cached weights ({', '.join(kinds)}; rows sorted by expert, "
+               f"no padding) {flops / fused_gemm / 1e12:.3f} TFLOPS; / plain matmul throughput {mm / fused_gemm:.2f}")
     t_wcopy = agg("weights_copy")[0]
     out.append(f"[gemm] the grouped calls read {el} experts' weights, {weight_bytes / 1e6:.1f} MB per call (the plain "
                f"matmul {plain_weight_bytes / 1e6:.1f} MB); one copy of them (read + write) took {t_wcopy * 1e3:.3f} ms "
@@ -555,7 +574,7 @@ def main(argv=None) -> int:
                    lines=out, traffic_by_kind=by_kind, link_model=C.link_model_doc(args.profile, emulator),
                    projection=projection,
                    times_s=dict(fused=t_fused, serial=agg("serial")[0], unfused=agg("unfused")[0],
-                                grouped_gemm=gemm_only, plain_mm=mm, weights_copy=t_wcopy,
+                                grouped_gemm=gemm_only, fused_expert_gemm=fused_gemm, plain_mm=mm, weights_copy=t_wcopy,
                                 fused_by_waves={label: agg(label)[0] for label in wave_runs},
                                 sum_stages=sum_stage, comm_stages=t_comm,
                                 stages={s: agg(s)[0] for s in Unfused.stages}, act_library=agg("act_library")[0],
@@ -572,6 +591,7 @@ def main(argv=None) -> int:
                                plain_mm=flops / mm / 1e12 if mm else None),
                    summary=dict(fused_over_sum_stages=ratio, fused_over_sum_stages_library_act=t_fused / sum_lib,
                                 grouped_over_plain_mm=mm / gemm_only if gemm_only else None,
+                                fused_expert_gemm_over_plain_mm=mm / fused_gemm if fused_gemm else None,
                                 grouped_stages_over_plain_mm=mm / gemm if gemm else None,
                                 weight_bytes_per_call=weight_bytes, plain_mm_weight_bytes=plain_weight_bytes))
         with open(args.json, "w") as f:

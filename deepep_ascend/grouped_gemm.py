@@ -352,7 +352,8 @@ def _fp4_exponents(sf: torch.Tensor, gran_k: int, n: int, k: int) -> torch.Tenso
     bits = s[..., :groups].contiguous().view(torch.int32)
     e = (bits >> 23) & 0xFF
     lo, hi = _native.AMX_FP4_EXPONENTS
-    if bool(((bits <= 0) | ((bits & 0x7FFFFF) != 0)).any()) or (e.numel() and not lo <= int(e.min()) <= int(e.max()) <= hi):
+    not_powers_of_two = bool(((bits <= 0) | ((bits & 0x7FFFFF) != 0)).any())
+    if not_powers_of_two or (e.numel() and not lo <= int(e.min()) <= int(e.max()) <= hi):
         return None
     return e.to(torch.uint8).repeat_interleave(gran_k // 32, -1)[..., :ceil_div(k, 32)].contiguous()
 
@@ -375,8 +376,10 @@ def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: in
     """:class:`_LazyFp4Packed` copies of MXFP4 weights ``(data [G, N, K/2], sf)`` (scales per row and
     ``gran[1]`` K values), cached by identity and version of ``data`` and ``sf`` as an optional entry (as
     :func:`_packed_weights`); None where the AMX kernel is unavailable, the scales do not qualify
-    (:func:`_fp4_exponents`), the operands require grad or the cache cannot hold the copy. The multiply then
-    uses the dequantized bf16 weights."""
+    (:func:`_fp4_exponents`; remembered), the operands require grad or the cache cannot hold the copy. The
+    multiply then uses the dequantized bf16 weights. Preferred to them: a quarter of the packed bf16 copy's
+    bytes and no dequantized copy, at about the same speed (``python -m bench.grouped_gemm``, row "per group,
+    AMX, FP4 weights")."""
     if (_PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3 or gran[0] != 1
             or data.requires_grad or not _q._cacheable((data, sf))):
         return None
@@ -385,9 +388,20 @@ def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: in
         if not _q._fits(data.size(0) * _native.amx_fp4_packed_nbytes(n, k)):
             return None
         exps = _fp4_exponents(sf, gran[1], n, k)
-        return None if exps is None else _LazyFp4Packed(data.detach(), exps)
+        return _NOT_FP4 if exps is None else _LazyFp4Packed(data.detach(), exps)
 
-    return _q._cached_by_tensors(("packed_fp4_weights", gran), (data, sf), build, optional=True)
+    p = _q._cached_by_tensors(("packed_fp4_weights", gran), (data, sf), build, optional=True)
+    return None if p is _NOT_FP4 else p
+
+
+class _NotFp4:
+    """Cached in place of an FP4 copy for scales the decoder cannot take, so that later calls go the bf16 way
+    without scanning the scales again (no bytes)."""
+
+    nbytes = 0
+
+
+_NOT_FP4 = _NotFp4()
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
@@ -494,8 +508,8 @@ class _Operands:
 
     def packed(self):
         """The packed weights (:func:`_packed_fp4_weights` for MXFP4 weights the AMX kernel decodes itself,
-        where :meth:`_fp4_copy_first`, else :func:`_packed_weights`), or None."""
-        if self._packed is False and self._fp4_copy_first():
+        where it applies and fits, else :func:`_packed_weights`), or None."""
+        if self._packed is False and self.fp8 and self.b_layout == "nt" and self.b_data.dtype != _FP8:
             self._packed = _packed_fp4_weights(self.b_data, self.b_sf, self.gb, self.n, self.k)
             if self._packed is None:
                 self._packed = False
@@ -509,23 +523,6 @@ class _Operands:
             b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
             self._packed = _packed_weights(b_nk, src, self.b_layout)
         return self._packed
-
-    def _fp4_copy_first(self) -> bool:
-        """Whether MXFP4 weights (``nt``) take their FP4 copy (:func:`_packed_fp4_weights`): it is cached
-        already, or the bf16 route's missing copies (dequantized, then packed) do not fit the caches' budget
-        beside what is cached. The bf16 route is preferred where it fits: decoding costs the kernel more than
-        reading bf16 tiles saves on this machine (``python -m bench.grouped_gemm``), so the FP4 copy, a quarter
-        of the bytes of the packed bf16 copy alone, is what keeps weights past the budget on the kernel."""
-        if not (self.fp8 and self.b_layout == "nt" and self.b_data.dtype != _FP8 and _PACKER == "amx"):
-            return False
-        tensors = (self.b_data, self.b_sf)
-        if _q._cached_value(("packed_fp4_weights", self.gb), tensors) is not None:
-            return True
-        deq = _q._cached_value(("dequantize", self.gb[0], self.gb[1], True), tensors)
-        need = 0 if deq is not None else self.g * self.n * self.k * 2
-        if deq is None or _q._cached_value(("packed_weights", "nt"), (deq,)) is None:
-            need += self.g * _native.amx_packed_nbytes(self.n, self.k)
-        return not _q._fits(need, warn=False)
 
     def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:
         """bf16 ``x @ B[g]^T`` (``x`` from :meth:`rows`), float32 accumulation, on prepacked weights

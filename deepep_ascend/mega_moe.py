@@ -436,8 +436,8 @@ def _untransformed(kind: str, l1, l2, engine: str):
     stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where they can be packed
     and the cache holds them, each is instead the tuple of its experts' packed copies
     (:func:`~deepep_ascend.grouped_gemm._pack_groups`; one copy of the weights is cached, not two); FP4
-    weights whose packed bf16 copies do not fit the caches' budget get the FP4 copies the AMX kernel decodes
-    itself (:func:`~deepep_ascend.grouped_gemm._pack_fp4_groups`, a quarter of the bytes). Cached by
+    weights, where the AMX kernel runs and their scales qualify, are instead the FP4 copies it decodes itself
+    (:func:`~deepep_ascend.grouped_gemm._pack_fp4_groups`, a quarter of the bytes, no bf16 copy). Cached by
     identity and version of the transformed tensors (:func:`deepep_ascend.quant._cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
 
@@ -455,13 +455,8 @@ def _untransformed(kind: str, l1, l2, engine: str):
             s1_nat = s1.index_select(-2, _inverse(_sf_perm(2 * i))).index_select(-2, inv)
             s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
             d1_nat = d1.index_select(-2, inv)
-            e, n1, k1 = d1.shape[0], d1.size(1), 2 * d1.size(2)
-            n2, k2 = d2.size(1), 2 * d2.size(2)
-            if (engine == "bf16" and _q._cacheable(tensors) and _gg._PACKER == "amx"
-                    and not _q._fits(e * (_native.amx_packed_nbytes(n1, k1) + _native.amx_packed_nbytes(n2, k2)),
-                                     warn=False)):
-                # the packed bf16 copies do not fit the budget: the FP4 copies the AMX kernel decodes itself (a
-                # quarter of the bytes, the same results) keep the experts on the kernel
+            if engine == "bf16" and _q._cacheable(tensors):
+                # the FP4 copies the AMX kernel decodes itself: a quarter of the bytes, the same results
                 packed = _gg._pack_fp4_groups(d1_nat, s1_nat, _SF_GRAN), _gg._pack_fp4_groups(d2, s2_nat, _SF_GRAN)
                 if None not in packed:
                     return packed

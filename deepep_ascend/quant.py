@@ -1089,32 +1089,17 @@ def _evict_to(budget: int, protect: tuple = ()) -> list:
     return evicted
 
 
-def _fits(nbytes: int, warn: bool = True) -> bool:
+def _fits(nbytes: int) -> bool:
     """Whether an optional copy (a prepacked weight) of ``nbytes`` would be kept: the caches are on and it fits
     the budget beside every cached copy, since an optional copy pushes out none (two weights whose packed
     copies take turns pushing each other out would be packed on every call, slower than not packing).
     Callers skip building an optional copy that would not be kept and multiply without it; the budget's
-    warning says so (once per process) when the caches are on, unless ``warn`` is False (a caller choosing
-    between two copies, which warns about the one it settles on)."""
+    warning says so (once per process) when the caches are on."""
     with _locked():
         enabled, fits = _cache_enabled, nbytes + _cache_bytes <= _cache_max_bytes
-    if enabled and not fits and warn:
+    if enabled and not fits:
         _warn_budget(nbytes, True)
     return enabled and fits
-
-
-def _cached_value(tag: tuple, tensors: tuple):
-    """What :func:`_cached_by_tensors` would return for ``tag`` and ``tensors`` without building, or None:
-    a look that counts no hit or miss and leaves the entries' order alone."""
-    if not _cacheable(tensors):
-        return None
-    bases, keys = zip(*(_tensor_key(t) for t in tensors))
-    versions = tuple(t._version for t in tensors)
-    with _locked():
-        hit = _cache.get(tag + keys)
-        if hit is not None and hit.versions == versions and all(r() is b for r, b in zip(hit.refs, bases)):
-            return hit.value
-    return None
 
 
 def _caller_stacklevel() -> int:

@@ -706,66 +706,48 @@ def _fp4_grouped_case(g=3, n=48, k=256, counts=(5, 0, 37)):
     return a, (data, sf), a_bf, w, ends
 
 
-@pytest.fixture
-def budget():
-    """Sets the weight caches' byte budget for one test (``budget(n)``), restoring it afterwards."""
-    old = dg.dequantized_weight_cache_info().max_bytes
-    yield lambda n: dg.set_dequantized_weight_cache(max_bytes=n)
-    dg.set_dequantized_weight_cache(max_bytes=old)
-    dg.clear_dequantized_weight_cache()
-
-
 @needs_amx
-def test_grouped_fp8_fp4_gemm_takes_the_fp4_copy_when_bf16_copies_do_not_fit(monkeypatch, packer, budget):
-    """``m_grouped_fp8_fp4_gemm_nt_contiguous`` with MXFP4 weights: where the budget holds the dequantized and
-    packed bf16 copies it multiplies those (AmxWeight); where it does not, it caches the FP4 copy instead (a
-    quarter of the packed bf16 copy's bytes; no dequantized weight is made) and keeps using it. Both give the
-    bits of the bf16 GEMM on the weights' values. A scale the decoder cannot take (exponent 1: values below
-    bf16's normal range) keeps the weights off the FP4 copy (here unpacked: the bf16 copies do not fit)."""
+def test_grouped_fp8_fp4_gemm_keeps_fp4_weights_as_fp4(monkeypatch, packer):
+    """``m_grouped_fp8_fp4_gemm_nt_contiguous`` with MXFP4 weights caches their FP4 copy (a quarter of the
+    packed bf16 copy's bytes; no dequantized weight is made) and multiplies on it, giving the bits of the bf16
+    GEMM on the weights' values. A scale the decoder cannot take (exponent 1: values below bf16's normal range)
+    sends the weights the bf16 way (dequantized, packed), with that GEMM's bits; the refusal is remembered, so
+    the next call hits the cache without scanning the scales again."""
     if packer != "amx":
         pytest.skip("the FP4 copy is for the AMX kernel")
     kinds = []
     real = native.gemm_bf16_amx
     monkeypatch.setattr(native, "gemm_bf16_amx",
                         lambda out, a, w, runs=None: kinds.append(type(w[0]).__name__) or real(out, a, w, runs))
+    scans = []
+    real_exps = gg._fp4_exponents
+    monkeypatch.setattr(gg, "_fp4_exponents", lambda *args: scans.append(1) or real_exps(*args))
     a, b, a_bf, w, ends = _fp4_grouped_case()
     g, n, k = w.shape
-    want = torch.zeros(a_bf.size(0), n, dtype=BF16)
-    dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, w, want, ends, use_psum_layout=True)
-    fp4_bytes, bf16_bytes = g * native.amx_fp4_packed_nbytes(n, k), g * native.amx_packed_nbytes(n, k)
-    assert 3 * fp4_bytes < bf16_bytes
-    for limit, kind, cached in ((None, "AmxWeight", g * n * k * 2 + bf16_bytes),
-                                (2 * fp4_bytes, "AmxFp4Weight", fp4_bytes)):
-        if limit is not None:
-            budget(limit)
-        dg.clear_dequantized_weight_cache()
-        kinds.clear()
-        for _ in range(2):
-            got = torch.full_like(want, SENTINEL)
-            dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, got, ends, use_psum_layout=True)
-            assert _same_bits(got, want)
-        info = dg.dequantized_weight_cache_info()
-        assert kinds == [kind] * 2 and info.nbytes == cached and info.evictions == 0, (kinds, info)
     data, sf = b[0], b[1].clone()
     sf.view(torch.uint8)[1, 2, 0] = 1  # group 1, column 2, K 0..31: scale 2**-126
-    w_low = _fp4_values(data, sf.view(torch.uint8), k)
-    dg.clear_dequantized_weight_cache()
-    kinds.clear()
-    got = torch.full_like(want, SENTINEL)
-    dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, (data, sf), got, ends, use_psum_layout=True)
-    assert "AmxFp4Weight" not in kinds, kinds
-    s = 0
-    for i, e in enumerate(ends.tolist()):
-        s = dg.align(s, dg.get_mk_alignment_for_contiguous_layout())
-        assert _within_bound(got[s:e], a_bf[s:e], w_low[i]), i
-        s = e
+    fp4_bytes, bf16_bytes = g * native.amx_fp4_packed_nbytes(n, k), g * native.amx_packed_nbytes(n, k)
+    assert 3 * fp4_bytes < bf16_bytes
+    for weights, kind, cached in ((b, "AmxFp4Weight", fp4_bytes), ((data, sf), "AmxWeight", g * n * k * 2 + bf16_bytes)):
+        want = torch.zeros(a_bf.size(0), n, dtype=BF16)
+        dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, _fp4_values(weights[0], weights[1].view(torch.uint8), k), want,
+                                             ends, use_psum_layout=True)
+        dg.clear_dequantized_weight_cache()
+        kinds.clear()
+        scans.clear()
+        for _ in range(2):
+            got = torch.full_like(want, SENTINEL)
+            dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, weights, got, ends, use_psum_layout=True)
+            assert _same_bits(got, want), kind
+        info = dg.dequantized_weight_cache_info()
+        assert kinds == [kind] * 2 and scans == [1] and info.nbytes == cached and info.evictions == 0, (kinds, info)
 
 
 @needs_amx
-def test_mega_moe_keeps_fp4_experts_on_the_kernel_past_the_budget(packer, budget):
-    """MegaMoE's cached weights for ``fp8xfp4``: the packed bf16 copies where the budget holds them, else the
-    experts' FP4 copies (natural gate/up order); its per-expert GEMM on either gives the bits it gives on the
-    bf16 values of the untransformed weights."""
+def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
+    """MegaMoE's cached weights for ``fp8xfp4`` are the experts' FP4 copies (natural gate/up order; no bf16
+    copy), and its per-expert GEMM on them gives the bits it gives on the bf16 values of the untransformed
+    weights."""
     if packer != "amx":
         pytest.skip("the FP4 copy is for the AMX kernel")
     e, h, i = 3, 256, 128
@@ -778,17 +760,12 @@ def test_mega_moe_keeps_fp4_experts_on_the_kernel_past_the_budget(packer, budget
     l1 = (raw[0][0], dg.transform_sf_into_required_layout(raw[0][1], 2 * i, h, (1, 32), num_groups=e))
     l2 = (raw[1][0], dg.transform_sf_into_required_layout(raw[1][1], h, i, (1, 32), num_groups=e))
     t1, t2 = dg.transform_weights_for_mega_moe(l1, l2)
-    fp4_bytes = e * (native.amx_fp4_packed_nbytes(2 * i, h) + native.amx_fp4_packed_nbytes(h, i))
-    bf16_bytes = e * (native.amx_packed_nbytes(2 * i, h) + native.amx_packed_nbytes(h, i))
+    w1, w2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
+    assert all(isinstance(x, native.AmxFp4Weight) for x in w1 + w2) and len(w1) == len(w2) == e
+    assert dg.dequantized_weight_cache_info().nbytes == e * (native.amx_fp4_packed_nbytes(2 * i, h)
+                                                             + native.amx_fp4_packed_nbytes(h, i))
     bounds = [0, 7, 7, 30]
-    for limit, kind, cached in ((None, native.AmxWeight, bf16_bytes), (2 * fp4_bytes, native.AmxFp4Weight, fp4_bytes)):
-        if limit is not None:
-            budget(limit)
-        dg.clear_dequantized_weight_cache()
-        w1, w2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
-        assert all(type(x) is kind for x in w1 + w2) and len(w1) == len(w2) == e
-        assert dg.dequantized_weight_cache_info().nbytes == cached
-        for w, ref, k in ((w1, raw[0][2], h), (w2, raw[1][2], i)):
-            a = _rand(bounds[-1], k, seed=97)
-            assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
-                              mm._expert_gemm("bf16", a, gg._pack_groups(ref), bounds))
+    for w, ref, k in ((w1, raw[0][2], h), (w2, raw[1][2], i)):
+        a = _rand(bounds[-1], k, seed=97)
+        assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
+                          mm._expert_gemm("bf16", a, gg._pack_groups(ref), bounds))
