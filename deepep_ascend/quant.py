@@ -936,9 +936,6 @@ _cache_max_bytes = _default_max_bytes()
 _cache_bytes = 0
 _cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
 _cache_warned = False
-# ids of base tensors that key other entries and whose own entry was dropped for the budget: when one dies,
-# the entries keyed on it go too (an FP8 weight's prepacked copy with its dequantized copy), as evictions
-_evicted_bases: set = set()
 
 WeightCacheInfo = collections.namedtuple("WeightCacheInfo", "hits misses evictions entries nbytes max_bytes")
 WeightCacheInfo.__doc__ = """:func:`dequantized_weight_cache_info`'s counters (since the last clear) and sizes (bytes)."""
@@ -986,7 +983,6 @@ def clear_dequantized_weight_cache() -> None:
         _cache.clear()
         _cache_bytes = _optional_bytes = 0
         _cache_stats.update(hits=0, misses=0, evictions=0)
-        _evicted_bases.clear()
     del entries  # the cached tensors die here, outside the lock
 
 
@@ -1068,8 +1064,8 @@ def _drop(key) -> _Entry | None:
 def _evict_to(budget: int, protect: tuple = ()) -> list:
     """Drop entries until the cache holds at most ``budget`` bytes (the lock held): the optional ones (packed
     copies) first, then the required ones, each least recently used first, never one whose value is among
-    ``protect``; returns them, to be released after the lock. A dropped value that keys other entries is
-    remembered, so that those entries count as evictions when they go with it."""
+    ``protect``; returns them, to be released after the lock. (Only packed copies are keyed on cached values,
+    the dequantized copies, and being optional they all go before any of those.)"""
     evicted = []
     for optional in (True, False):
         for key in list(_cache):
@@ -1080,12 +1076,6 @@ def _evict_to(budget: int, protect: tuple = ()) -> list:
                 continue
             evicted.append(_drop(key))
     _cache_stats["evictions"] += len(evicted)
-    for entry in evicted:
-        if isinstance(entry.value, torch.Tensor):
-            base = entry.value._base if entry.value._base is not None else entry.value
-            ref = _watched.get(id(base))
-            if ref is not None and ref() is base:
-                _evicted_bases.add(id(base))
     return evicted
 
 
@@ -1220,8 +1210,7 @@ def _forget(base_id: int) -> None:
 
 def _process_pending() -> None:
     """Drop the entries keyed on the dead tensors queued by :func:`_forget` (only entries whose reference to that
-    tensor is dead: an id can be reused); those keyed on a copy dropped for the budget count as evictions.
-    Their values are released outside the lock (which can queue more)."""
+    tensor is dead: an id can be reused). Their values are released outside the lock (which can queue more)."""
     while _pending:
         with _cache_lock:
             _state.depth = getattr(_state, "depth", 0) + 1
@@ -1229,20 +1218,12 @@ def _process_pending() -> None:
                 ids = set()
                 while _pending:
                     ids.add(_pending.popleft())
-                gone = set()
                 for i in ids:
                     ref = _watched.get(i)
                     if ref is not None and ref() is None:
                         del _watched[i]
-                        gone.add(i)
-                entries, counted = [], 0
-                for k, e in list(_cache.items()):
-                    dead = [i for i, r in zip(e.ids, e.refs) if i in ids and r() is None]
-                    if dead:
-                        entries.append(_drop(k))
-                        counted += any(i in _evicted_bases for i in dead)
-                _cache_stats["evictions"] += counted
-                _evicted_bases.difference_update(gone)
+                entries = [_drop(k) for k, e in list(_cache.items())
+                           if any(i in ids and r() is None for i, r in zip(e.ids, e.refs))]
             finally:
                 _state.depth -= 1
         del entries
