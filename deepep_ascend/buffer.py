@@ -48,7 +48,7 @@ def _register_handle(handle_tensor: torch.Tensor, info) -> None:
     weakref.finalize(handle_tensor, _HANDLES.pop, key, None)
 
 
-_GROUP_COMMS: dict = {}  # (ranks, id(ProcessGroup)) -> the mpi4py communicator made for that group
+_GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
 
 def _mpi_comm_of(group, comm):
@@ -56,9 +56,12 @@ def _mpi_comm_of(group, comm):
 
     A ProcessGroup spanning the world in rank order is ``MPI.COMM_WORLD`` itself (the transport
     duplicates what it is given, so no communicator is made here). Any other ProcessGroup gets one
-    ``MPI_Comm_create_group`` communicator, cached per group, so constructing many Buffers on a
-    group neither leaks communicators nor repeats the collective (a destroyed group's id may be
-    reused; the same ranks in the same order then map to the same communicator, which is correct).
+    ``MPI_Comm_create_group`` communicator, cached by its ranks in its order (every group over the
+    same ranks in the same order shares it), so constructing many Buffers on a group, or on groups
+    destroyed and made again, neither leaks communicators nor repeats the collective. The key is
+    what every member computes alike: a key by the group object's identity once differed between
+    ranks after ``destroy_process_group`` (a recycled ``id``), and the ranks without a cache hit
+    waited forever for the others in ``MPI_Comm_create_group``.
     """
     from mpi4py import MPI
 
@@ -84,16 +87,19 @@ def _mpi_comm_of(group, comm):
         ranks = tuple(dist.get_process_group_ranks(group))
         if ranks == tuple(range(world.Get_size())):
             return world
-        key = (ranks, id(group))
-        sub = _GROUP_COMMS.get(key)
+        sub = _GROUP_COMMS.get(ranks)
         if sub is None:
             # MPI_Comm_create_group would spin while a late member is still working
             quiet_barrier(world, ranks)
             sub = world.Create_group(world.Get_group().Incl(list(ranks)))
-            _GROUP_COMMS[key] = sub
+            _GROUP_COMMS[ranks] = sub
         if sub.Get_rank() != group.rank():
             raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")
         return sub
+    if isinstance(group, int) and not isinstance(group, bool) and group == getattr(
+            getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object()):
+        raise ValueError("Buffer: this rank is not a member of `group` (torch.distributed.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here); only the group's ranks construct its Buffer")
     raise ValueError(f"Buffer: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
                      f"got {type(group).__name__}")
 

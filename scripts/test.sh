@@ -55,7 +55,7 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
     [[ $attempt -gt 0 ]] && again=", after $attempt hung run(s)"
     case $rc in
         0) echo "=== $n rank(s): passed ($((SECONDS - start)) s$again) ===" >&2 ;;
-        5) echo "=== $n rank(s): no tests collected (ok) ===" >&2 ;;
+        5) echo "=== $n rank(s): no tests to run at this rank count (ok) ===" >&2 ;;
         124|137) echo "=== $n rank(s): TIMED OUT after $T s (exit $rc) ===" >&2; exit "$rc" ;;
         *) echo "=== $n rank(s): FAILED (exit $rc$again) ===" >&2; exit "$rc" ;;
     esac

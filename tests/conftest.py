@@ -242,6 +242,7 @@ class _State:
     err_fd: int | None = None
     watchdog: _Watchdog | None = None
     log_path: str | None = None
+    local_deselected = 0  # tests not marked mpi, deselected at more than one rank
     exit_status: int | None = (
         None  # set in pytest_unconfigure; used by the atexit exit path
     )
@@ -339,6 +340,7 @@ def pytest_collection_modifyitems(config, items):
     if local:
         items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
         config.hook.pytest_deselected(items=local)
+        _S.local_deselected = len(local)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -394,6 +396,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _S.local_deselected and _S.rank == 0:
+        terminalreporter.write_line(
+            f"deepep_ascend: {_S.local_deselected} test(s) not marked @pytest.mark.mpi deselected at {_S.size} ranks: "
+            f"they run in the 1-rank job (DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK=1 runs them on every rank)")
     gathered = config.stash.get(_GATHERED_KEY, None)
     if not gathered or _S.rank != 0:
         return

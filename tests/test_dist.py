@@ -101,6 +101,29 @@ def test_buffer_on_ep_subgroup(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_buffers_on_groups_destroyed_and_made_again(comm):
+    """Groups over the same ranks, destroyed and made again, share one cached MPI communicator: the cache is
+    keyed by the ranks, which every member computes alike. Keyed by the group object's ``id``, it once hit
+    on some ranks and missed on others after ``destroy_process_group`` (a recycled id), and the missing
+    ranks waited forever in ``MPI_Comm_create_group``. A rank outside a group is told so."""
+    coll(ep_dist.init_distributed, what="init_distributed")
+    r, W = comm.Get_rank(), comm.Get_size()
+    lo, hi = list(range(W // 2)), list(range(W // 2, W))
+    comms = []
+    for i in range(4):
+        a_, b_ = tdist.new_group(lo), tdist.new_group(hi)  # collective over the world (gloo)
+        mine, other = (a_, b_) if r in lo else (b_, a_)
+        buf = coll(lambda: Buffer(mine, 1 << 20, explicitly_destroy=True), what=f"Buffer on new groups, round {i}")
+        comms.append(_mpi_comm_of(mine, None))
+        coll(buf.destroy, what="destroy")
+        with pytest.raises(ValueError, match="not a member of `group`"):
+            Buffer(other, 1 << 20)
+        tdist.destroy_process_group(a_)
+        tdist.destroy_process_group(b_)
+    all_ranks_ok(comm, all(c is comms[0] for c in comms), f"rank {r}: a new communicator per round of groups")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_ranks_early_to_a_buffer_sleep_while_a_late_rank_works(comm):
     """Ranks that reach ``Buffer()`` early wait in ``transports.quiet_barrier``, sleeping, while
     rank 0 is still busy: they use a small part of the CPU time rank 0 takes to arrive. MPICH's
