@@ -376,17 +376,17 @@ def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: in
     """:class:`_LazyFp4Packed` copies of MXFP4 weights ``(data [G, N, K/2], sf)`` (scales per row and
     ``gran[1]`` K values), cached by identity and version of ``data`` and ``sf`` as an optional entry (as
     :func:`_packed_weights`); None where the AMX kernel is unavailable, the scales do not qualify
-    (:func:`_fp4_exponents`; remembered), the operands require grad or the cache cannot hold the copy. The
-    multiply then uses the dequantized bf16 weights. Preferred to them: a quarter of the packed bf16 copy's
-    bytes and no dequantized copy, at about the same speed (``python -m bench.grouped_gemm``, row "per group,
-    AMX, FP4 weights")."""
+    (:func:`_fp4_exponents`; remembered), the operands require grad or the caches are off. The multiply then
+    uses the dequantized bf16 weights. Preferred to them: a quarter of the packed bf16 copy's bytes and no
+    dequantized copy, at about the same speed (``python -m bench.grouped_gemm``, row "per group, AMX, FP4
+    weights"). A copy that does not fit the budget beside what is cached serves this call only (each group
+    packed as it is used, in one pass over its bytes; the budget's warning says so): far cheaper than
+    dequantizing the weights again, which is what the bf16 way would do each call."""
     if (_PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3 or gran[0] != 1
             or data.requires_grad or not _q._cacheable((data, sf))):
         return None
 
     def build():
-        if not _q._fits(data.size(0) * _native.amx_fp4_packed_nbytes(n, k)):
-            return None
         exps = _fp4_exponents(sf, gran[1], n, k)
         return _NOT_FP4 if exps is None else _LazyFp4Packed(data.detach(), exps)
 

@@ -744,6 +744,43 @@ def test_grouped_fp8_fp4_gemm_keeps_fp4_weights_as_fp4(monkeypatch, packer):
 
 
 @needs_amx
+def test_fp4_weights_past_the_budget_stay_on_the_kernel(monkeypatch, packer):
+    """An FP4 copy that does not fit the caches' budget serves its call only (the budget's warning says so):
+    the multiply stays on the AMX kernel with the FP4 weights, nothing is cached or evicted, and no weight is
+    dequantized (which, done again each call, costs far more than packing the FP4 bytes)."""
+    if packer != "amx":
+        pytest.skip("the FP4 copy is for the AMX kernel")
+    from deepep_ascend import quant as q
+
+    kinds, dequantized = [], []
+    real = native.gemm_bf16_amx
+    monkeypatch.setattr(native, "gemm_bf16_amx",
+                        lambda out, a, w, runs=None: kinds.append(type(w[0]).__name__) or real(out, a, w, runs))
+    real_deq = gg._Operands._dequantized
+    monkeypatch.setattr(gg._Operands, "_dequantized", lambda self: dequantized.append(1) or real_deq(self))
+    a, b, a_bf, w, ends = _fp4_grouped_case()
+    g, n, k = w.shape
+    want = torch.zeros(a_bf.size(0), n, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, w, want, ends, use_psum_layout=True)
+    old = dg.dequantized_weight_cache_info().max_bytes
+    try:
+        dg.set_dequantized_weight_cache(max_bytes=g * native.amx_fp4_packed_nbytes(n, k) - 1)
+        dg.clear_dequantized_weight_cache()
+        kinds.clear()
+        q._cache_warned = False
+        with pytest.warns(RuntimeWarning, match="does not fit"):
+            for _ in range(2):
+                got = torch.full_like(want, SENTINEL)
+                dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, got, ends, use_psum_layout=True)
+                assert _same_bits(got, want)
+        info = dg.dequantized_weight_cache_info()
+        assert kinds == ["AmxFp4Weight"] * 2 and not dequantized and (info.entries, info.evictions) == (0, 0), info
+    finally:
+        dg.set_dequantized_weight_cache(max_bytes=old)
+        dg.clear_dequantized_weight_cache()
+
+
+@needs_amx
 def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
     """MegaMoE's cached weights for ``fp8xfp4`` are the experts' FP4 copies (natural gate/up order; no bf16
     copy), and its per-expert GEMM on them gives the bits it gives on the bf16 values of the untransformed
