@@ -977,11 +977,11 @@ def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | N
 def clear_dequantized_weight_cache() -> None:
     """Drop every cached weight copy (dequantized, prepacked, un-transformed) and reset the counters of
     :func:`dequantized_weight_cache_info`."""
-    global _cache_bytes, _optional_bytes
+    global _cache_bytes
     with _locked():
         entries = list(_cache.values())
         _cache.clear()
-        _cache_bytes = _optional_bytes = 0
+        _cache_bytes = 0
         _cache_stats.update(hits=0, misses=0, evictions=0)
     del entries  # the cached tensors die here, outside the lock
 
@@ -1030,7 +1030,17 @@ class _Entry:
 
 _state = threading.local()  # .depth: this thread is inside a critical section of the caches
 _pending: collections.deque = collections.deque()  # ids of dead key tensors whose entries are still to drop
-_optional_bytes = 0
+
+
+@contextlib.contextmanager
+def _section():
+    """The caches' lock, counted in ``_state.depth`` (what tells :func:`_forget` it runs inside a section)."""
+    with _cache_lock:
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
 
 
 @contextlib.contextmanager
@@ -1039,12 +1049,8 @@ def _locked():
     garbage collection or a release happens there; they only queue the dead tensor, and the entries keyed on
     it are dropped when the outermost section ends, never while a section is iterating over the entries."""
     try:
-        with _cache_lock:
-            _state.depth = getattr(_state, "depth", 0) + 1
-            try:
-                yield
-            finally:
-                _state.depth -= 1
+        with _section():
+            yield
     finally:
         if _pending and not getattr(_state, "depth", 0):
             _process_pending()
@@ -1052,12 +1058,10 @@ def _locked():
 
 def _drop(key) -> _Entry | None:
     """Remove ``key``'s entry (the lock held) and return it, to be released after the lock."""
-    global _cache_bytes, _optional_bytes
+    global _cache_bytes
     entry = _cache.pop(key, None)
     if entry is not None:
         _cache_bytes -= entry.nbytes
-        if entry.optional:
-            _optional_bytes -= entry.nbytes
     return entry
 
 
@@ -1149,7 +1153,7 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
     mode could not use with autograd) and may return None to decline (nothing cached, None returned).
     With the caches disabled or an inference tensor among ``tensors``, every call builds.
     """
-    global _cache_bytes, _optional_bytes
+    global _cache_bytes
     if not _cacheable(tensors):
         with torch.no_grad():
             return build()
@@ -1184,8 +1188,6 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
                 evicted = _evict_to(room, protect=tensors)
                 _cache[key] = _Entry(bases, versions, out, nbytes, optional)
                 _cache_bytes += nbytes
-                if optional:
-                    _optional_bytes += nbytes
                 for b in bases:
                     ref = _watched.get(id(b))
                     if ref is None or ref() is not b:
@@ -1212,20 +1214,16 @@ def _process_pending() -> None:
     """Drop the entries keyed on the dead tensors queued by :func:`_forget` (only entries whose reference to that
     tensor is dead: an id can be reused). Their values are released outside the lock (which can queue more)."""
     while _pending:
-        with _cache_lock:
-            _state.depth = getattr(_state, "depth", 0) + 1
-            try:
-                ids = set()
-                while _pending:
-                    ids.add(_pending.popleft())
-                for i in ids:
-                    ref = _watched.get(i)
-                    if ref is not None and ref() is None:
-                        del _watched[i]
-                entries = [_drop(k) for k, e in list(_cache.items())
-                           if any(i in ids and r() is None for i, r in zip(e.ids, e.refs))]
-            finally:
-                _state.depth -= 1
+        with _section():  # not _locked(): its exit would come back here
+            ids = set()
+            while _pending:
+                ids.add(_pending.popleft())
+            for i in ids:
+                ref = _watched.get(i)
+                if ref is not None and ref() is None:
+                    del _watched[i]
+            entries = [_drop(k) for k, e in list(_cache.items())
+                       if any(i in ids and r() is None for i, r in zip(e.ids, e.refs))]
         del entries
 
 
