@@ -279,63 +279,47 @@ def _packed_nbytes(b_nk: torch.Tensor) -> int:
 
 
 class _LazyPacked:
-    """Packed copies of the groups of bf16 weights ``b_nk [G, N, K]`` (:func:`_pack_groups`), each packed
-    on first use (a masked call with few active groups, or a first call, packs only what it multiplies:
-    what a matmul would reorder anyway). Packing the same group twice from two threads is harmless."""
+    """Per-group packed copies of ``count`` weight groups, group ``g`` packed by ``pack(g)`` on first use (a
+    masked call with few active groups, or a first call, packs only what it multiplies: what a matmul would
+    reorder anyway); ``nbytes``: their bytes once all are packed (what the weight caches count from the
+    start). Packing the same group twice from two threads is harmless."""
 
-    def __init__(self, b_nk: torch.Tensor):
-        self.b_nk = b_nk
-        self.groups = [None] * b_nk.size(0)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all groups once packed (what the weight caches count from the start)."""
-        return _packed_nbytes(self.b_nk)
+    def __init__(self, count: int, pack, nbytes: int):
+        self._pack, self.nbytes = pack, nbytes
+        self.groups = [None] * count
 
     def __getitem__(self, g: int):
         p = self.groups[g]
         if p is None:
             # outside inference mode: a group packed during a call under it must serve later calls too
             with torch.inference_mode(False), torch.no_grad():
-                p = self.groups[g] = _pack_one(self.b_nk[g], _PACKER)
+                p = self.groups[g] = self._pack(g)
         return p
 
 
-def _packed_weights(b_nk: torch.Tensor, key: torch.Tensor, tag: str):
-    """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of ``key`` (the tensor
-    ``b_nk`` derives from); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk``
-    is not bf16, the cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not
-    fit the caches' budget beside what is cached, since a packed copy pushes nothing out: packing on every
-    call would cost more than the matmul's own reorder) or ``key`` requires grad (weights being trained change
-    every step, possibly through ``.data``, which no version counter sees)."""
-    if not _PACKING or b_nk.dtype != BF16 or key.requires_grad or not _q._cacheable((key,)):
+def _packed_weights(b_nk: torch.Tensor, keys: tuple, tag: str):
+    """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of the caller's tensors
+    ``keys`` that ``b_nk`` derives from (bf16 weights: themselves; FP8/FP4 weights: their data and scales, not
+    the dequantized copy, which is a cached value that may be evicted or, for inference tensors, not cached
+    at all); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk`` is not bf16, the
+    cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not fit the caches'
+    budget beside what is cached, since a packed copy pushes nothing out: packing on every call would cost
+    more than the matmul's own reorder) or a key requires grad (weights being trained change every step,
+    possibly through ``.data``, which no version counter sees)."""
+    if not _PACKING or b_nk.dtype != BF16 or any(k.requires_grad for k in keys) or not _q._cacheable(keys):
         return None
 
     def build():
-        return _LazyPacked(b_nk.detach()) if _q._fits(_packed_nbytes(b_nk)) else None
+        nbytes, w = _packed_nbytes(b_nk), b_nk.detach()
+        return _LazyPacked(w.size(0), lambda g: _pack_one(w[g], _PACKER), nbytes) if _q._fits(nbytes) else None
 
-    return _q._cached_by_tensors(("packed_weights", tag), (key,), build, optional=True)
+    return _q._cached_by_tensors(("packed_weights", tag), keys, build, optional=True)
 
 
-class _LazyFp4Packed(_LazyPacked):
-    """:class:`~deepep_ascend.native.AmxFp4Weight` copies of the groups of MXFP4 weights ``data [G, N, K/2]``
-    with ``exponents [G, N, ceil(K/32)]`` (:func:`_fp4_exponents`), each packed on first use."""
-
-    def __init__(self, data: torch.Tensor, exponents: torch.Tensor):
-        self.data, self.exponents = data, exponents
-        self.groups = [None] * data.size(0)
-
-    @property
-    def nbytes(self) -> int:
-        g, n, half = self.data.shape
-        return g * _native.amx_fp4_packed_nbytes(n, 2 * half)
-
-    def __getitem__(self, g: int):
-        p = self.groups[g]
-        if p is None:
-            with torch.inference_mode(False), torch.no_grad():
-                p = self.groups[g] = _native.AmxFp4Weight(self.data[g], self.exponents[g])
-        return p
+def _fp4_packable(data: torch.Tensor) -> bool:
+    """Whether ``data`` can be MXFP4 weights ``[G, N, K/2]`` for :class:`~deepep_ascend.native.AmxFp4Weight`,
+    the grouped GEMMs packing for the AMX kernel here."""
+    return _PACKER == "amx" and data.dtype in (torch.int8, torch.uint8) and data.dim() == 3
 
 
 def _fp4_exponents(sf: torch.Tensor, gran_k: int, n: int, k: int) -> torch.Tensor | None:
@@ -363,7 +347,7 @@ def _pack_fp4_groups(data: torch.Tensor, sf: torch.Tensor, gran_k: int):
     scales ``sf`` (per row and ``gran_k`` K values), if they fit the caches' budget beside what is cached
     (packed now: MegaMoE's weights are all used every call); None where the AMX kernel is unavailable, the
     scales do not qualify (:func:`_fp4_exponents`) or they do not fit."""
-    if _PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3:
+    if not _fp4_packable(data):
         return None
     g, n, half = data.shape
     exps = _fp4_exponents(sf, gran_k, n, 2 * half)
@@ -373,22 +357,25 @@ def _pack_fp4_groups(data: torch.Tensor, sf: torch.Tensor, gran_k: int):
 
 
 def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: int, k: int):
-    """:class:`_LazyFp4Packed` copies of MXFP4 weights ``(data [G, N, K/2], sf)`` (scales per row and
+    """:class:`_LazyPacked` copies of MXFP4 weights ``(data [G, N, K/2], sf)`` (scales per row and
     ``gran[1]`` K values), cached by identity and version of ``data`` and ``sf`` as an optional entry (as
-    :func:`_packed_weights`); None where the AMX kernel is unavailable, the scales do not qualify
+    :func:`_packed_weights`; :class:`~deepep_ascend.native.AmxFp4Weight` groups, each packed on first use);
+    None where the AMX kernel is unavailable, the scales do not qualify
     (:func:`_fp4_exponents`; remembered), the operands require grad or the caches are off. The multiply then
     uses the dequantized bf16 weights. Preferred to them: a quarter of the packed bf16 copy's bytes and no
     dequantized copy, at about the same speed (``python -m bench.grouped_gemm``, row "per group, AMX, FP4
     weights"). A copy that does not fit the budget beside what is cached serves this call only (each group
     packed as it is used, in one pass over its bytes; the budget's warning says so): far cheaper than
     dequantizing the weights again, which is what the bf16 way would do each call."""
-    if (_PACKER != "amx" or data.dtype not in (torch.int8, torch.uint8) or data.dim() != 3 or gran[0] != 1
-            or data.requires_grad or not _q._cacheable((data, sf))):
+    if not _fp4_packable(data) or gran[0] != 1 or data.requires_grad or not _q._cacheable((data, sf)):
         return None
 
     def build():
-        exps = _fp4_exponents(sf, gran[1], n, k)
-        return _NOT_FP4 if exps is None else _LazyFp4Packed(data.detach(), exps)
+        exps, w = _fp4_exponents(sf, gran[1], n, k), data.detach()
+        if exps is None:
+            return _NOT_FP4
+        return _LazyPacked(w.size(0), lambda g: _native.AmxFp4Weight(w[g], exps[g]),
+                           w.size(0) * _native.amx_fp4_packed_nbytes(n, k))
 
     p = _q._cached_by_tensors(("packed_fp4_weights", gran), (data, sf), build, optional=True)
     return None if p is _NOT_FP4 else p
@@ -509,19 +496,15 @@ class _Operands:
     def packed(self):
         """The packed weights (:func:`_packed_fp4_weights` for MXFP4 weights the AMX kernel decodes itself,
         where it applies and fits, else :func:`_packed_weights`), or None."""
-        if self._packed is False and self.fp8 and self.b_layout == "nt" and self.b_data.dtype != _FP8:
-            self._packed = _packed_fp4_weights(self.b_data, self.b_sf, self.gb, self.n, self.k)
-            if self._packed is None:
-                self._packed = False
         if self._packed is False:
-            if self.fp8 and not _q._cacheable((self.b_data, self.b_sf)):
-                # the dequantized copy is not cached (inference tensors): a packed copy keyed on it would be
-                # thrown away after this call, after pushing out other weights' packed copies
-                self._packed = None
-                return None
-            src = self._dequantized() if self.fp8 else self.b_t
-            b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
-            self._packed = _packed_weights(b_nk, src, self.b_layout)
+            p = None
+            if self.fp8 and self.b_layout == "nt" and self.b_data.dtype != _FP8:
+                p = _packed_fp4_weights(self.b_data, self.b_sf, self.gb, self.n, self.k)
+            if p is None:
+                src = self._dequantized() if self.fp8 else self.b_t
+                b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
+                p = _packed_weights(b_nk, (self.b_data, self.b_sf) if self.fp8 else (src,), self.b_layout)
+            self._packed = p
         return self._packed
 
     def mm(self, x: torch.Tensor, g: int) -> torch.Tensor:

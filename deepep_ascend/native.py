@@ -35,8 +35,8 @@ import warnings
 
 import torch
 
-__all__ = ["AmxFp4Weight", "AmxWeight", "amx_bf16", "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows",
-           "swiglu"]
+__all__ = ["AmxFp4Weight", "AmxWeight", "amx_bf16", "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path",
+           "sum_rows", "swiglu"]
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64

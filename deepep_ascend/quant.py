@@ -989,8 +989,7 @@ def clear_dequantized_weight_cache() -> None:
 def dequantized_weight_cache_info() -> WeightCacheInfo:
     """The weight caches' state, like ``functools.lru_cache``'s ``cache_info()`` (not in DeepGEMM, whose
     GPU kernels read FP8/FP4 weights directly): ``hits``, ``misses`` (calls that found no copy while the
-    caches were on) and ``evictions`` (copies dropped for the byte budget, with the entries keyed on them: an FP8
-    weight's prepacked copy is keyed on its dequantized copy and goes with it) since the last
+    caches were on) and ``evictions`` (copies dropped for the byte budget) since the last
     :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
     prepacked weights count in full once cached, though each group is packed on first use) and
     ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`)."""
@@ -1068,8 +1067,7 @@ def _drop(key) -> _Entry | None:
 def _evict_to(budget: int, protect: tuple = ()) -> list:
     """Drop entries until the cache holds at most ``budget`` bytes (the lock held): the optional ones (packed
     copies) first, then the required ones, each least recently used first, never one whose value is among
-    ``protect``; returns them, to be released after the lock. (Only packed copies are keyed on cached values,
-    the dequantized copies, and being optional they all go before any of those.)"""
+    ``protect``; returns them, to be released after the lock."""
     evicted = []
     for optional in (True, False):
         for key in list(_cache):
