@@ -15,10 +15,10 @@
  * FP4 weights (MXFP4: e2m1 codes, one UE8M0 exponent per column and 32-deep k block) are packed once
  * (deepep_amx_pack_fp4) into the same tile order at a quarter of the bytes: per tile 16 rows of 16 bytes, byte
  * c of row r holding column c's k pair (2r, 2r + 1) as two nibbles (low first), then, after all tiles, 16
- * exponent bytes per tile. Each 32-column panel is decoded into bf16 tiles (thread-local) just before it is
- * used: a table lookup per nibble and the exponent added to the bf16 exponent field, which gives the same bits
- * as the dequantized weight, so results equal the bf16 kernel's on deepep's dequantized copy, bit for bit.
- * The weight then streams from memory at 0.53 bytes per element instead of 2.
+ * exponent bytes per tile. Each 32-column panel is decoded into bf16 tiles (thread-local) while the panel
+ * before it multiplies: a table lookup per nibble and the exponent added to the bf16 exponent field, which
+ * gives the same bits as the dequantized weight, so results equal the bf16 kernel's on deepep's dequantized
+ * copy, bit for bit. The weight then streams from memory at 0.53 bytes per element instead of 2.
  *
  * Numerics: TDPBF16PS (float32 accumulation of bf16 products, input and output denormals flushed, as in
  * oneDNN's AMX kernels), k blocks in ascending order, then VCVTNE2PS2BF16 (round to nearest even). The
@@ -264,7 +264,7 @@ static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const void *w, 
     const int64_t steps = (m16 + 31) / 32 * kb_n, panel_tiles = 2 * kb_n;
     /* the next panel's cache lines (FP4: the one after it, the next being decoded), spread over the k steps */
     const int64_t per_step = round_up((panel_bytes + steps - 1) / steps, 64), ahead = dec ? 2 : 1;
-    const uint8_t *exps = (const uint8_t *)w + n32 / 16 * kb_n * 256;
+    const uint8_t *exps = dec ? (const uint8_t *)w + n32 / 16 * kb_n * 256 : NULL;
     if (dec)
         decode_fp4(dec, (const uint8_t *)w, exps, panel_tiles);
     for (int64_t n0 = 0; n0 < n32; n0 += 32) {
@@ -274,7 +274,8 @@ static void panels(uint16_t *d, int64_t ldd, const uint16_t *ap, const void *w, 
         const uint16_t *b1 = b0 + kb_n * TILE_ELEMS;
         /* FP4: where the next panel is decoded meanwhile, or NULL */
         uint16_t *nd = dec && n0 + 32 < n32 ? dec + (((n0 / 32) + 1) & 1) * panel_tiles * TILE_ELEMS : NULL;
-        const uint8_t *nn = (const uint8_t *)wp + panel_bytes, *ne = exps + (n0 / 16 + 2) * kb_n * 16;
+        const uint8_t *nn = nd ? (const uint8_t *)wp + panel_bytes : NULL;
+        const uint8_t *ne = nd ? exps + (n0 / 16 + 2) * kb_n * 16 : NULL;
         const int64_t cols = n - n0 < 32 ? n - n0 : 32;
         for (int64_t m0 = 0; m0 < m16; m0 += 32) {
             const uint16_t *a0 = ap + (m0 / 16) * kb_n * TILE_ELEMS, *a1 = a0 + kb_n * TILE_ELEMS;
