@@ -18,8 +18,8 @@ default). Timed interleaved in every iteration, median over iterations:
   what MegaMoE runs where AMX is available), writing into one output;
 * ``per group, AMX, FP4 weights``: the same on the weights cast to MXFP4 (e2m1, UE8M0 scale per 32),
   packed as :class:`deepep_ascend.native.AmxFp4Weight` (a quarter of the bytes): the kernel decodes each
-  panel into bf16 tiles while the previous one multiplies (what MXFP4 weights past the weight caches'
-  budget run on);
+  panel into bf16 tiles while the previous one multiplies (what MXFP4 weights run on in the FP8 x FP4
+  grouped GEMMs and MegaMoE);
 * ``per group, AMX, one weight``: the same calls, every group on the first group's packed weight,
   which stays in cache: the difference to ``AMX`` is the cost of streaming ``groups`` weights;
 * ``one group, AMX``: the AMX kernel on the plain matmul's own operands (all rows, one weight): the kernel
