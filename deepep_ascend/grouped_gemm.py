@@ -381,14 +381,9 @@ def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: in
     return None if p is _NOT_FP4 else p
 
 
-class _NotFp4:
-    """Cached in place of an FP4 copy for scales the decoder cannot take, so that later calls go the bf16 way
-    without scanning the scales again (no bytes)."""
-
-    nbytes = 0
-
-
-_NOT_FP4 = _NotFp4()
+# cached (0 bytes) in place of an FP4 copy for scales the decoder cannot take: later calls go the bf16 way
+# without scanning the scales again
+_NOT_FP4 = object()
 
 
 def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torch.Tensor:
