@@ -31,6 +31,10 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 # which the harness no longer does. A failing or crashing test is never re-run.
 retries="${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}"
 [[ "$retries" =~ ^[0-9]+$ ]] || { echo "DEEPEP_ASCEND_TEST_HANG_RETRIES must be a non-negative integer, got '$retries'" >&2; exit 2; }
+# The host, for the failure lines below (CI shows only part of a log; its tail survives).
+host_flags="$( (grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile' | xargs) 2>/dev/null || true)"
+host="$(nproc) cores, $( (grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) 2>/dev/null || true), ${host_flags:-no avx2}, kernel $(uname -r)"
+echo "=== host: $host ===" >&2
 hang_dir="$(mktemp -d)"
 trap 'rm -rf "$hang_dir"' EXIT
 hung_total=0
@@ -46,7 +50,7 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
         if [[ $rc -ne 0 && $attempt -lt $retries && -e "${markers[0]}" ]] && ! grep -qx failed "${markers[@]}"; then
             attempt=$((attempt + 1))
             hung_total=$((hung_total + 1))
-            echo "=== $n rank(s): HUNG (exit $rc after $((SECONDS - start)) s, no test had failed; the watchdog's report is above); running the $n-rank job again ($attempt of $retries) ===" >&2
+            echo "=== $n rank(s): HUNG (exit $rc after $((SECONDS - start)) s, no test had failed; the watchdog's report is above; host: $host); running the $n-rank job again ($attempt of $retries) ===" >&2
             continue
         fi
         break
@@ -56,8 +60,8 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
     case $rc in
         0) echo "=== $n rank(s): passed ($((SECONDS - start)) s$again) ===" >&2 ;;
         5) echo "=== $n rank(s): no tests to run at this rank count (ok) ===" >&2 ;;
-        124|137) echo "=== $n rank(s): TIMED OUT after $T s (exit $rc) ===" >&2; exit "$rc" ;;
-        *) echo "=== $n rank(s): FAILED (exit $rc$again) ===" >&2; exit "$rc" ;;
+        124|137) echo "=== $n rank(s): TIMED OUT after $T s (exit $rc; host: $host) ===" >&2; exit "$rc" ;;
+        *) echo "=== $n rank(s): FAILED (exit $rc$again; host: $host) ===" >&2; exit "$rc" ;;
     esac
 done
 if [[ $hung_total -gt 0 ]]; then

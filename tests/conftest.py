@@ -19,8 +19,10 @@ What this file adds to pytest + pytest-mpi:
   ``DEEPEP_ASCEND_TEST_WATCHDOG_S`` seconds (default 300; ``@pytest.mark.watchdog(s)`` overrides).
   Past the deadline the rank prints the test id, what the kernel says each other rank on its host
   is doing (``/proc``: state, wait channel and system call per thread, so a rank that prints
-  nothing itself is still located) and all Python thread tracebacks to its real stderr, and exits
-  with status 3 (mpiexec then ends the job): a hang is a failure, not a stuck CI.
+  nothing itself is still located) and all Python thread tracebacks to its real stderr, then,
+  last, one short line per thread saying where it is in the repository's code (so a log cut to
+  its head and tail still shows it), and exits with status 3 (mpiexec then ends the job): a hang
+  is a failure, not a stuck CI.
 * **Rank-0 output**: with more than one rank, ranks != 0 write pytest's terminal output to
   ``$DEEPEP_ASCEND_TEST_LOG_DIR`` (default ``<tmp>/deepep_ascend_tests/<job>/rank<r>.log``).
   At session end every rank's failures are gathered and rank 0 prints those it did not see
@@ -157,6 +159,8 @@ class _Watchdog:
             finally:
                 try:
                     time.sleep(self.GRACE_S)
+                    # Last and short, so that a log cut to its head and tail (CI's) still shows it.
+                    os.write(self._fd, _where_threads_are(self._rank).encode())
                     # os._exit skips MPI_Finalize, the only thing that unlinks MPICH's /dev/shm segment
                     if self.release_shm is not None:
                         self.release_shm()
@@ -182,7 +186,8 @@ def _peer_states(peers, me: int) -> str:
     """What the kernel says each other rank on this host is doing (``/proc``): scheduler state,
     where it sleeps, and the system call its threads are in. A rank that prints nothing when its
     watchdog fires (blocked writing its output, stopped, or in uninterruptible sleep) is still
-    described by its peers."""
+    described by its peers. The main thread and running threads are listed by thread id (the ids
+    of :func:`_where_threads_are`); the others are counted by state (torch and gloo keep dozens)."""
     host = os.uname().nodename
     lines = []
     for r, h, pid in peers:
@@ -190,17 +195,49 @@ def _peer_states(peers, me: int) -> str:
             continue
         try:
             state = _proc_field(f"/proc/{pid}/status", "State:")
-            threads = []
+            named, counted = [], {}
             for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
                 base = f"/proc/{pid}/task/{tid}"
                 wchan = _read_small(f"{base}/wchan") or "-"
                 syscall = (_read_small(f"{base}/syscall") or "?").split()
                 call = syscall[0] + (f"(fd {int(syscall[1], 16)})" if syscall[0] in ("0", "1") and len(syscall) > 1 else "")
-                threads.append(f"{tid}:{_thread_state(base)}/{wchan}/syscall {call}")
-            lines.append(f"[watchdog]   rank {r} (pid {pid}): {state}; threads " + ", ".join(threads))
+                what = f"{_thread_state(base)}/{wchan}/syscall {call}"
+                if int(tid) == pid or not what.startswith("S"):
+                    named.append(f"{tid}:{what}")
+                else:
+                    counted[what] = counted.get(what, 0) + 1
+            rest = ", ".join(f"{n}x {what}" for what, n in sorted(counted.items(), key=lambda kv: -kv[1]))
+            lines.append(f"[watchdog]   rank {r} (pid {pid}): {state}; threads " + ", ".join(named)
+                         + (f"; others {rest}" if rest else ""))
         except OSError as exc:
             lines.append(f"[watchdog]   rank {r} (pid {pid}): /proc unreadable ({exc.strerror})")
     return ("[watchdog] rank %d sees its peers (syscall 0/1 = read/write):\n" % me + "\n".join(lines) + "\n") if lines else ""
+
+
+_REPO = os.path.dirname(_HERE)
+
+
+def _where_threads_are(me: int, max_frames: int = 8) -> str:
+    """One line per Python thread of this rank: its name, thread id, and the innermost frame then
+    the repository's frames (innermost first), e.g. ``MainThread (tid 123): threading.py:331 wait
+    <- deepep_ascend/buffer.py:880 _wait <- tests/test_x.py:41 test_y``."""
+    frames = sys._current_frames()
+    lines = []
+    for t in threading.enumerate():
+        frame = frames.get(t.ident)
+        if frame is None or t is threading.current_thread():
+            continue
+        where = []
+        f = frame
+        while f is not None and len(where) < max_frames:
+            path = f.f_code.co_filename
+            inside = path.startswith(_REPO + os.sep)
+            if inside or f is frame:
+                shown = os.path.relpath(path, _REPO) if inside else os.path.basename(path)
+                where.append(f"{shown}:{f.f_lineno} {f.f_code.co_name}")
+            f = f.f_back
+        lines.append(f"[watchdog] rank {me}: {t.name} (tid {t.native_id}): " + " <- ".join(where))
+    return "\n".join(lines) + "\n"
 
 
 def _thread_state(task_dir: str) -> str:
