@@ -14,7 +14,9 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
 
 1. **Validation, then consensus.** Each rank checks its own arguments (shapes, dtypes, sizes,
    ``num_tokens <= num_max_tokens_per_rank``, expert ids, weights against the buffer) *before*
-   anything moves, then one small all-gather on the buffer's communicator carries each rank's
+   anything moves; then the ranks meet at the transport's barrier (it sleeps while it waits and
+   has the Buffer's deadline: a rank that never comes is named in a ``TimeoutError``, not waited
+   for forever), and one small all-gather on the buffer's communicator carries each rank's
    verdict and its per-expert pair counts. If any rank failed, every rank raises: the failing
    rank its own error (``TypeError``/``ValueError``), the others a
    :class:`deepep_ascend.ConsensusError` (a ``ValueError``) naming it. The buffer stays usable.
@@ -715,6 +717,19 @@ def _experts_per_wave(sb, counts, override):
     return -(-el // waves)
 
 
+def _consensus(sb, verdict, op) -> list:
+    """Every rank's ``verdict`` (its error text or None, its per-expert pair counts, its wave override), in
+    rank order. Ranks first meet at the transport's barrier, which sleeps between polls, has the Buffer's
+    deadline and fails fast when a peer aborted; only then the all-gather, which every rank now enters at
+    once. A blocking collective entered early spins in MPICH's ``sched_yield`` loop, which, with more ranks
+    than cores, starves the rank still working toward the call, and it has no deadline: a rank that never
+    comes would hang the others. On a timeout the waiting ranks raise ``TimeoutError`` naming the ranks
+    that did not come, and the Buffer is aborted (peers learn at once)."""
+    buf = sb.ep_buffer
+    buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
+    return sb._comm.allgather(verdict)
+
+
 def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,
          shared_l1, shared_l2, overlap, num_experts_per_wave, op):
     sb = sym_buffer
@@ -731,8 +746,8 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         err = exc
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
-    gathered = sb._comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                   None if counts is None else counts.numpy(), override))
+    gathered = _consensus(sb, (None if err is None else f"{type(err).__name__}: {err}",
+                               None if counts is None else counts.numpy(), override), op)
     bad = [(r, m) for r, (m, _c, _o) in enumerate(gathered) if m is not None]
     if err is not None:
         raise err
@@ -950,7 +965,9 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
         TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
             :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves; ranks
             asking for different wave sizes: ``ValueError`` on every rank.
-        TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`.
+        TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`; also when a rank does
+            not enter the call within the buffer's timeout (``TimeoutError`` naming it, on the ranks that
+            waited; the symmetric buffer is then unusable: destroy it and build a new one).
     """
     _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
          activation_clamp, fast_math, None, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,

@@ -410,6 +410,33 @@ def test_process_group(comm):
         coll(buf.destroy, what="destroy")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
+    """The call's consensus has the buffer's deadline: the ranks that called raise ``TimeoutError`` naming the
+    rank that did not, and that rank's late call fails at once (the Buffer was aborted), instead of a hang."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = size - 1
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=2.0,
+               what="symm buffer with a 2 s deadline")
+    try:
+        w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
+        l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
+        buf.topk_idx[:4] = torch.randint(0, 2 * size, (4, 2), generator=torch.Generator().manual_seed(rank))
+        buf.topk_weights[:4] = 0.5
+        y = torch.empty(4, 64, dtype=BF16)
+        if rank != last:
+            _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
+            ok = isinstance(exc, TimeoutError) and "consensus" in str(exc) and f"[{last}]" in str(exc)
+        else:
+            ok = True
+        all_ranks_ok(comm, ok, f"a rank skipped the call: {exc if rank != last else ''!r}")
+        _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
+        all_ranks_ok(comm, isinstance(exc, (TimeoutError, RuntimeError)) and "consensus" in str(exc),
+                     f"a call on the aborted buffer fails at once: {exc!r}")
+    finally:
+        coll(buf.destroy, what="destroy after the timeout")
+
+
 def test_debug_mode_zeroes_buffer(env, comm, monkeypatch):
     """``DG_COMM_KERNEL_DEBUG=1`` zeroes the whole symmetric buffer after the call (callers refill inputs)."""
     rank, size = comm.Get_rank(), comm.Get_size()
