@@ -344,14 +344,15 @@ def _fp4_exponents(sf: torch.Tensor, gran_k: int, n: int, k: int) -> torch.Tenso
 
 def _pack_fp4_groups(data: torch.Tensor, sf: torch.Tensor, gran_k: int):
     """Per-group :class:`~deepep_ascend.native.AmxFp4Weight` copies of MXFP4 weights ``data [G, N, K/2]`` with
-    scales ``sf`` (per row and ``gran_k`` K values), if they fit the caches' budget beside what is cached
-    (packed now: MegaMoE's weights are all used every call); None where the AMX kernel is unavailable, the
-    scales do not qualify (:func:`_fp4_exponents`) or they do not fit."""
+    scales ``sf`` (per row and ``gran_k`` K values), packed now (MegaMoE's weights are all used every call);
+    None where the AMX kernel is unavailable or the scales do not qualify (:func:`_fp4_exponents`). No budget
+    check: the alternative, dequantized bf16 weights, takes about four times the bytes, so a copy that does
+    not fit the caches serves its call only, as that bf16 copy would."""
     if not _fp4_packable(data):
         return None
     g, n, half = data.shape
     exps = _fp4_exponents(sf, gran_k, n, 2 * half)
-    if exps is None or not _q._fits(g * _native.amx_fp4_packed_nbytes(n, 2 * half)):
+    if exps is None:
         return None
     return tuple(_native.AmxFp4Weight(data[i], exps[i]) for i in range(g))
 

@@ -40,7 +40,8 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    scatter/gather copies per GEMM) that the public :func:`m_grouped_bf16_gemm_nt_contiguous` takes
    is never built; each expert's rows are one GEMM (:func:`_expert_gemm`).
    L1 and L2 multiply exact bf16 values with float32 accumulation, on copies of the
-   (un-transformed, for FP4 dequantized) weights cached by tensor identity and version, packed once
+   un-transformed weights cached by tensor identity and version (FP4 weights: the FP4 copies the
+   AMX kernel decodes itself where it runs and their scales qualify, else dequantized), packed once
    where the CPU has native bf16, for the AMX kernel (which writes each expert's rows straight into
    the wave's output) or else for oneDNN (only the packed copy is kept:
    :func:`deepep_ascend.grouped_gemm._pack_groups`; switch for every weight cache:

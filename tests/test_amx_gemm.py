@@ -787,6 +787,8 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
     weights."""
     if packer != "amx":
         pytest.skip("the FP4 copy is for the AMX kernel")
+    from deepep_ascend import quant as q
+
     e, h, i = 3, 256, 128
     gen = torch.Generator().manual_seed(96)
     raw = []
@@ -806,3 +808,19 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
         a = _rand(bounds[-1], k, seed=97)
         assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
                           mm._expert_gemm("bf16", a, gg._pack_groups(ref), bounds))
+    # Past the budget the FP4 copies serve the call uncached; they are not traded for dequantized bf16 weights
+    # (four times the bytes, rebuilt every call).
+    old = dg.dequantized_weight_cache_info().max_bytes
+    try:
+        dg.set_dequantized_weight_cache(max_bytes=e * native.amx_fp4_packed_nbytes(2 * i, h) - 1)
+        dg.clear_dequantized_weight_cache()
+        q._cache_warned = False
+        with pytest.warns(RuntimeWarning, match="does not fit"):
+            v1, v2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
+        assert all(isinstance(x, native.AmxFp4Weight) for x in v1 + v2)
+        assert dg.dequantized_weight_cache_info().entries == 0
+        a = _rand(bounds[-1], h, seed=98)
+        assert _same_bits(mm._expert_gemm("bf16", a, v1, bounds), mm._expert_gemm("bf16", a, w1, bounds))
+    finally:
+        dg.set_dequantized_weight_cache(max_bytes=old)
+        dg.clear_dequantized_weight_cache()
