@@ -33,7 +33,8 @@ retries="${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}"
 [[ "$retries" =~ ^[0-9]+$ ]] || { echo "DEEPEP_ASCEND_TEST_HANG_RETRIES must be a non-negative integer, got '$retries'" >&2; exit 2; }
 # The host, for the failure lines below (CI shows only part of a log; its tail survives).
 host_flags="$( (grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile' | xargs) 2>/dev/null || true)"
-host="$(nproc) cores, $( (grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) 2>/dev/null || true), ${host_flags:-no avx2}, kernel $(uname -r)"
+quota="$(cat /sys/fs/cgroup/cpu.max 2>/dev/null || true)"
+host="$(nproc) cores${quota:+ (cgroup cpu.max $quota)}, $( (grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) 2>/dev/null || true), ${host_flags:-no avx2}, kernel $(uname -r)"
 echo "=== host: $host ===" >&2
 hang_dir="$(mktemp -d)"
 trap 'rm -rf "$hang_dir"' EXIT
