@@ -59,9 +59,11 @@ class TransportTimeout(TransportError, TimeoutError):
             chain = "; " + "; ".join(f"rank {p} was itself waiting for rank(s) {q}" for p, q in self.blocked_on.items()) \
                 + f", so the missing rank(s) are likely {self.pending_peers}"
         win = f"(win='{window}')" if window else ""
+        whom = (f"rank(s) {self.waited_for}" if self.waited_for else
+                "the other ranks (an MPI collective does not say which of them is missing)")
         super().__init__(
             f"rank {rank}: {op}{win}{where}{slot_txt} timed out after {elapsed:.1f} s waiting for "
-            f"rank(s) {self.waited_for}{detail}{chain}. A peer is slow, crashed, or did not enter the "
+            f"{whom}{detail}{chain}. A peer is slow, crashed, or did not enter the "
             f"same collective call; raise DEEPEP_ASCEND_TIMEOUT_S if it is only slow.")
 
 
@@ -83,8 +85,9 @@ class TransportPeerTimeout(TransportAborted, TimeoutError):
     def __init__(self, rank, peer, reason, pending_peers, op=""):
         self.pending_peers = list(pending_peers)
         super().__init__(rank, peer, reason, op=op)
-        self.args = (f"rank {rank}: {op + ': ' if op else ''}peer rank {peer} timed out waiting for rank(s) "
-                     f"{self.pending_peers}: {reason}",)
+        whom = f"rank(s) {self.pending_peers}" if self.pending_peers else "the other ranks"
+        self.args = (f"rank {rank}: {op + ': ' if op else ''}peer rank {peer} timed out waiting for {whom}: "
+                     f"{reason}",)
 
 
 class TransportPoisoned(TransportError):

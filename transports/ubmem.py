@@ -228,6 +228,9 @@ class Transport:
         topo = self.topology
         self.node_comm = self.comm.Split(color=topo.node, key=topo.rank)
         self._progress = Progress(self.comm)
+        # allgather_object's own communicator: a call that timed out leaves its request pending, and on
+        # self.comm destroy()'s Iallreduce would then be matched against it
+        self._gather_comm = self.comm.Dup()
         self.stats = LinkStats(topo.world_size)
         self.stats.emulator = emulator
         if emulator is not None and topo.rank == 0:  # results of this run are not plain measurements: say so once
@@ -248,6 +251,7 @@ class Transport:
             self._internal = self.create_window("barrier", 0, 0)
         except BaseException:  # e.g. no unified memory model: free what was built, on every rank
             self._progress.free()
+            self._gather_comm.Free()
             self.node_comm.Free()
             self.comm.Free()
             self.state = State.CLOSED
@@ -382,6 +386,7 @@ class Transport:
             win._win.Free()
         self._windows.clear()
         self._progress.free()
+        self._gather_comm.Free()
         self.node_comm.Free()
         self.comm.Free()
         self.state = State.CLOSED
@@ -736,16 +741,20 @@ class Transport:
         ctl = self._internal._ctl[self.topology.rank]
         flags = ctl[:self.topology.world_size]
         if flags.any():
-            peer = int(np.flatnonzero(flags)[0])
+            # a peer that timed out names the missing ranks: its report first
+            timed_out = np.flatnonzero(flags == _ABORT_TIMEOUT)
+            peer = int(timed_out[0] if timed_out.size else np.flatnonzero(flags)[0])
             off = self._internal._reason_off + peer * (_REASON_BYTES // 8)
             reason = ctl[off:off + _REASON_BYTES // 8].tobytes().rstrip(b"\0").decode("utf-8", "replace")
-            self._poison(f"peer rank {peer} aborted: {reason}")
             where = f"{op}({phase})" if phase else op
             if flags[peer] == _ABORT_TIMEOUT:
                 pending, _, reason = reason.partition(";")
-                raise TransportPeerTimeout(self.topology.rank, peer, reason,
+                exc = TransportPeerTimeout(self.topology.rank, peer, reason,
                                            [int(p) for p in pending.split(",") if p], op=where)
-            raise TransportAborted(self.topology.rank, peer, reason, op=where)
+            else:
+                exc = TransportAborted(self.topology.rank, peer, reason, op=where)
+            self._poison(f"peer rank {peer} aborted: {reason}")
+            raise exc
 
     def check_abort(self) -> None:
         """Raise :class:`TransportAborted` if any peer has aborted."""
@@ -882,6 +891,46 @@ class Transport:
         self._wait(lambda: bool(np.all(words[idx] >= gen)), "barrier", win, f"{phase}, team {team.name}",
                    timeout_s, "raise", pending)
         win.acquire()
+
+
+    def allgather_object(self, obj, phase: str = "allgather_object", timeout_s: float | None = None) -> list:
+        """Every rank's picklable ``obj``, in rank order, through non-blocking all-gathers on a communicator of
+        the transport's own (used for nothing else), polled like every other wait: sleeping between polls when ranks outnumber cores, with
+        the deadline, and failing fast when a peer aborted. A blocking ``MPI_Allgather`` has neither a deadline
+        nor an abort check: a rank that passed the same barrier as a peer which then timed out would wait in
+        it forever. Collective over the world; call it from one thread.
+        Raises:
+            TransportTimeout: not every rank entered it in time (an MPI collective does not say which one
+                is missing); the transport is poisoned.
+            TransportAborted / TransportPeerTimeout: a peer aborted meanwhile.
+        """
+        import pickle
+
+        from mpi4py import MPI
+
+        self._check_open("allgather_object")
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        sizes = np.zeros(self.topology.world_size, dtype=np.int64)
+        comm = self._gather_comm
+        self._settle(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), phase, timeout_s)
+        counts = sizes.tolist()
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        recv = np.empty(sum(counts), dtype=np.uint8)
+        self._settle(comm.Iallgatherv([data, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]), phase, timeout_s)
+        return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs, counts)]
+
+    def _settle(self, req, phase: str, timeout_s: float | None) -> None:
+        """Complete the MPI request ``req`` as :meth:`_wait` waits (its ranks unknown: an empty pending list)."""
+        self._wait(req.Test, "allgather_object", _NO_WINDOW, phase, timeout_s, "raise", list)
+
+
+class _NoWindow:
+    """Stands for the window of a wait that is on no window (:meth:`Transport._settle`)."""
+
+    name = None
+
+
+_NO_WINDOW = _NoWindow()
 
 
 #: The class's name from before it handled URMA pairs; kept so existing callers keep working.

@@ -304,3 +304,32 @@ def test_second_abort_keeps_first_reason(tp):
     with pytest.raises(TransportAborted) as ei:
         tp.wait_until(win, 0, [0], 1, timeout_s=30)
     assert ei.value.reason == "original failure", ei.value.reason
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allgather_object_gives_every_rank_s_object_in_rank_order(shared_tp):
+    tp = shared_tp
+    me, n = tp.topology.rank, tp.topology.world_size
+    for rnd in range(3):  # sizes differ per rank and per round
+        got = tp.allgather_object({"rank": me, "items": list(range(me + rnd))}, phase=f"round {rnd}")
+        assert got == [{"rank": r, "items": list(range(r + rnd))} for r in range(n)], got
+    assert tp.state is State.OPEN
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_object_has_a_deadline(tp):
+    """A rank that does not enter: the others raise TransportTimeout after the deadline (the message says the
+    missing rank cannot be named) and are poisoned, instead of waiting forever as in a blocking MPI_Allgather."""
+    me, n = tp.topology.rank, tp.topology.world_size
+    if me == n - 1:
+        return  # never enters; the fixture's collective destroy copes with the others' poisoned state
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout) as ei:
+        tp.allgather_object(me, phase="gather-phase", timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 <= 0.5 + SLACK_S
+    msg = str(ei.value)
+    for part in (f"rank {me}:", "allgather_object", "gather-phase", "does not say which"):
+        assert part in msg, (part, msg)
+    assert tp.state is State.POISONED
+    with pytest.raises(TransportPoisoned):
+        tp.allgather_object(me)
