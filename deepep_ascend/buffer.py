@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
-                        TransportTimeout, create_transport, quiet_barrier)
+                        TransportPoisoned, TransportTimeout, create_transport, quiet_barrier)
 
 from . import low_latency as ll_mod
 from .config import Config, combine_config, dispatch_config
@@ -673,8 +673,10 @@ class Buffer:
             raise
 
     def _abort_on(self, exc: BaseException) -> None:
-        """Abort the peers for an unexpected failure (not for a consensus error or a peer's abort)."""
-        if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted)):
+        """Abort the peers for an unexpected failure (not for a consensus error, a peer's abort, or a call refused
+        because this Buffer failed earlier: the peers heard of that failure then, and a second abort would
+        hide its reason behind "refused")."""
+        if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned)):
             return
         text = str(exc)
         if not text.startswith(f"rank {self.rank}:"):

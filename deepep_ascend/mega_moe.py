@@ -16,7 +16,7 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    ``num_tokens <= num_max_tokens_per_rank``, expert ids, weights against the buffer) *before*
    anything moves; then the ranks meet at the transport's barrier (it sleeps while it waits and
    has the Buffer's deadline: a rank that never comes is named in a ``TimeoutError``, not waited
-   for forever), and one small all-gather on the buffer's communicator carries each rank's
+   for forever), and one small all-gather (polled the same way) carries each rank's
    verdict and its per-expert pair counts. If any rank failed, every rank raises: the failing
    rank its own error (``TypeError``/``ValueError``), the others a
    :class:`deepep_ascend.ConsensusError` (a ``ValueError``) naming it. The buffer stays usable.
@@ -254,7 +254,6 @@ class SymmBuffer:
         nbytes = max(nbytes, Buffer.get_normal_buffer_size_hint(64, row_bytes // (1 if self.is_fp8 else 2),
                                                                  self.num_ranks, 1, num_experts,
                                                                  1 if self.is_fp8 else 2))
-        self._comm = comm.Dup()
         self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
         self.last_trace = None
         self._reduce_scratch = CombineScratch()  # the final sum's float32 blocks without the native kernel
@@ -266,7 +265,6 @@ class SymmBuffer:
             return
         self._destroyed = True
         self.ep_buffer.destroy()
-        self._comm.Free()
         self.buffer = torch.empty(0, dtype=torch.int8)
         for name in ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"):
             setattr(self, name, None)
@@ -720,15 +718,17 @@ def _experts_per_wave(sb, counts, override):
 
 def _consensus(sb, verdict, op) -> list:
     """Every rank's ``verdict`` (its error text or None, its per-expert pair counts, its wave override), in
-    rank order. Ranks first meet at the transport's barrier, which sleeps between polls, has the Buffer's
-    deadline and fails fast when a peer aborted; only then the all-gather, which every rank now enters at
-    once. A blocking collective entered early spins in MPICH's ``sched_yield`` loop, which, with more ranks
-    than cores, starves the rank still working toward the call, and it has no deadline: a rank that never
-    comes would hang the others. On a timeout the waiting ranks raise ``TimeoutError`` naming the ranks
-    that did not come, and the Buffer is aborted (peers learn at once)."""
+    rank order. Ranks first meet at the transport's barrier, then all-gather through the transport
+    (:meth:`transports.Transport.allgather_object`); both sleep between polls, have the Buffer's deadline
+    and fail fast when a peer aborted. A blocking collective entered early spins in MPICH's ``sched_yield``
+    loop, which, with more ranks than cores, starves the rank still working toward the call, and it has no
+    deadline: a rank that never comes would hang the others, and so would a peer that timed out in the
+    barrier just as the others passed it (they would wait for it in the all-gather). The barrier names the
+    ranks that did not come; on any timeout the waiting rank raises ``TimeoutError`` and the Buffer is
+    aborted (peers learn at once)."""
     buf = sb.ep_buffer
     buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
-    return sb._comm.allgather(verdict)
+    return buf._guard(lambda: buf.runtime.allgather_object(verdict, phase=f"{op} consensus"))
 
 
 def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,

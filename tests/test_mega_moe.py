@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from buffer_helpers import all_ranks_ok, capture, coll
-from mpi_utils import gather_all, world
+from mpi_utils import allgather_object, gather_all, world
 from reference import mega_calc_diff, mega_dequant_fp4_weights, ref_mega_moe
 
 import deepep_ascend as dea
@@ -431,8 +431,50 @@ def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
             ok = True
         all_ranks_ok(comm, ok, f"a rank skipped the call: {exc if rank != last else ''!r}")
         _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
-        all_ranks_ok(comm, isinstance(exc, (TimeoutError, RuntimeError)) and "consensus" in str(exc),
-                     f"a call on the aborted buffer fails at once: {exc!r}")
+        if rank == last:  # told why by a peer that timed out, not by one that was refused later
+            ok = isinstance(exc, TimeoutError) and f"waiting for rank(s) [{last}]" in str(exc)
+        else:
+            ok = isinstance(exc, RuntimeError) and "consensus" in str(exc) and f"{last};" not in str(exc)
+        all_ranks_ok(comm, ok, f"a call on the aborted buffer fails at once: {exc!r}")
+    finally:
+        coll(buf.destroy, what="destroy after the timeout")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_peer_timing_out_as_the_others_arrive_strands_no_rank(comm, monkeypatch):
+    """Rank 0 times out in the consensus barrier just before the last rank arrives and is slow to tell the
+    others (its abort delayed 0.3 s, as if descheduled); the last rank passes the barrier meanwhile. It must then
+    fail in the all-gather as soon as the abort lands, not wait there forever, and every rank can still
+    destroy the buffer."""
+    import time
+
+    from transports import ubmem
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = size - 1
+    if rank == 0:
+        real_abort = ubmem.Transport.abort
+
+        def slow_abort(self, *args, **kwargs):
+            time.sleep(0.3)
+            return real_abort(self, *args, **kwargs)
+        monkeypatch.setattr(ubmem.Transport, "abort", slow_abort)
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=1.0,
+               what="symm buffer with a 1 s deadline")
+    try:
+        w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
+        l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
+        buf.topk_idx[:4] = 0
+        buf.topk_weights[:4] = 0.5
+        y = torch.empty(4, 64, dtype=BF16)
+        all_ranks_ok(comm, True, "start together")
+        if rank == last:
+            time.sleep(1.05)
+        _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
+        outcomes = allgather_object(None if exc is None else type(exc).__name__, comm)
+        # all in time (a slow host may let the last rank in before rank 0's deadline), or all failed
+        ok = len(set(o is None for o in outcomes)) == 1 and (exc is None or isinstance(exc, TimeoutError))
+        all_ranks_ok(comm, ok, f"outcomes {outcomes}; here {exc!r}")
     finally:
         coll(buf.destroy, what="destroy after the timeout")
 
