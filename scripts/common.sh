@@ -38,12 +38,20 @@ resolved_path_mpiexec() {
     realpath "$p" 2>/dev/null || echo "$p"
 }
 
-# Put the mpich wheel's bin dir first on PATH so `mpiexec` is the one matching mpi4py's libmpi.
+# Put the mpich wheel's bin dir first on PATH so `mpiexec` is the one matching mpi4py's libmpi, and then
+# $PYTHON's own dir before it, so that `python` stays the same interpreter: in a venv made with
+# --system-site-packages the wheel's bin dir is the base interpreter's, whose `python` would otherwise win
+# (unless $PYTHON's dir holds another mpiexec).
 use_wheel_mpiexec() {
     local wheel
     wheel="$(mpich_wheel_mpiexec)"
     if [[ -n "$wheel" ]]; then
         export PATH="$(dirname "$wheel"):$PATH"
+        local own
+        own="$(dirname "$PYTHON_BIN")"
+        if [[ "$own" != "$(dirname "$wheel")" && ! -e "$own/mpiexec" ]]; then
+            export PATH="$own:$PATH"
+        fi
     fi
     echo "mpiexec: $(command -v mpiexec || echo 'NOT FOUND')" >&2
 }

@@ -19,9 +19,10 @@ What this file adds to pytest + pytest-mpi:
   ``DEEPEP_ASCEND_TEST_WATCHDOG_S`` seconds (default 300; ``@pytest.mark.watchdog(s)`` overrides).
   Past the deadline the rank prints the test id, what the kernel says each other rank on its host
   is doing (``/proc``: state, wait channel and system call per thread, so a rank that prints
-  nothing itself is still located) and all Python thread tracebacks to its real stderr, then,
-  last, one short line per thread saying where it is in the repository's code (so a log cut to
-  its head and tail still shows it), and exits with status 3 (mpiexec then ends the job): a hang
+  nothing itself is still located) and all Python thread tracebacks to its real stderr, then, a
+  second later (after every rank's dump, before any rank exits), one short line per thread saying
+  where it is in the repository's code (so a log cut to its head and tail still shows it), and exits
+  with status 3 (mpiexec then ends the job): a hang
   is a failure, not a stuck CI.
 * **Rank-0 output**: with more than one rank, ranks != 0 write pytest's terminal output to
   ``$DEEPEP_ASCEND_TEST_LOG_DIR`` (default ``<tmp>/deepep_ascend_tests/<job>/rank<r>.log``).
@@ -97,6 +98,7 @@ class _Watchdog:
     """
 
     GRACE_S = 3.0
+    WHERE_S = 1.0  # when, after the deadline, each rank prints where its threads are (_where_threads_are)
     BACKSTOP_S = 10.0
 
     def __init__(self, fd: int, my_rank: int):
@@ -158,9 +160,12 @@ class _Watchdog:
                 os.write(self._fd, _peer_states(self.peers, self._rank).encode())
             finally:
                 try:
-                    time.sleep(self.GRACE_S)
-                    # Last and short, so that a log cut to its head and tail (CI's) still shows it.
+                    # After faulthandler's dump (at the deadline + 0.05 s) and well before the first rank
+                    # exits (the deadline + GRACE_S, when mpiexec ends the others): short lines, after the
+                    # long dumps, so that a log cut to its head and tail (CI's) still shows them.
+                    time.sleep(self.WHERE_S)
                     os.write(self._fd, _where_threads_are(self._rank).encode())
+                    time.sleep(self.GRACE_S - self.WHERE_S)
                     # os._exit skips MPI_Finalize, the only thing that unlinks MPICH's /dev/shm segment
                     if self.release_shm is not None:
                         self.release_shm()
@@ -217,7 +222,7 @@ def _peer_states(peers, me: int) -> str:
 _REPO = os.path.dirname(_HERE)
 
 
-def _where_threads_are(me: int, max_frames: int = 8) -> str:
+def _where_threads_are(me: int, max_frames: int = 12) -> str:
     """One line per Python thread of this rank: its name, thread id, and the innermost frame then
     the repository's frames (innermost first), e.g. ``MainThread (tid 123): threading.py:331 wait
     <- deepep_ascend/buffer.py:880 _wait <- tests/test_x.py:41 test_y``."""
