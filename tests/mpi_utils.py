@@ -150,26 +150,16 @@ def wait(req) -> None:
 def _allgatherv_bytes(data, counts: list, comm) -> list:
     """Every rank's ``uint8`` array ``data`` (``counts[r]`` bytes on rank ``r``, known everywhere),
     as views of one receive buffer, in rank order. Waits with :func:`wait`."""
-    import numpy as np
-    from mpi4py import MPI
+    from transports.base import allgatherv_bytes
 
-    displs = [0] + np.cumsum(counts[:-1]).tolist() if counts else []
-    recv = np.empty(sum(counts), dtype=np.uint8)
-    wait(comm.Iallgatherv([data, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]))
-    return [recv[d:d + n] for d, n in zip(displs, counts)]
+    return allgatherv_bytes(comm, data, counts, wait)
 
 
 def allgather_object(obj: Any, comm=None) -> list:
     """All-gather of a picklable Python object; list indexed by rank. Waits with :func:`wait`."""
-    import pickle
+    from transports.base import allgather_object as gather
 
-    import numpy as np
-
-    comm = comm or world()
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
-    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes))
-    return [pickle.loads(part.tobytes()) for part in _allgatherv_bytes(data, sizes.tolist(), comm)]
+    return gather(comm or world(), obj, wait)
 
 
 def gather_all(tensor: torch.Tensor, comm=None) -> list[torch.Tensor]:

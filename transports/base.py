@@ -101,6 +101,32 @@ def quiet_barrier(comm, ranks=None) -> None:
         settle([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)])
 
 
+def allgatherv_bytes(comm, data, counts: list, wait) -> list:
+    """Every rank's ``uint8`` array ``data`` (``counts[r]`` bytes on rank ``r``, known everywhere), in rank order,
+    as views of one receive buffer: one ``MPI_Iallgatherv`` on ``comm``, completed by ``wait(request)``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    displs = np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).tolist() if counts else []
+    recv = np.empty(sum(counts), dtype=np.uint8)
+    wait(comm.Iallgatherv([data, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]))
+    return [recv[d:d + n] for d, n in zip(displs, counts)]
+
+
+def allgather_object(comm, obj, wait) -> list:
+    """Every rank's picklable ``obj``, in rank order: an ``MPI_Iallgather`` of the pickled sizes, then
+    :func:`allgatherv_bytes`, each request completed by ``wait(request)`` (a polled wait that sleeps, so that
+    no rank spins in a blocking collective, and may have a deadline)."""
+    import pickle
+
+    import numpy as np
+
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes))
+    return [pickle.loads(part.tobytes()) for part in allgatherv_bytes(comm, data, sizes.tolist(), wait)]
+
+
 class WaitPolicy:
     """How a waiting rank spends its time (transports §3.4).
 

@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from .base import State, Team, WaitPolicy, quiet_barrier, resolve_timeout
+from .base import State, Team, WaitPolicy, allgather_object, quiet_barrier, resolve_timeout
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
@@ -646,6 +646,7 @@ class Transport:
         return pending
 
     def _wait(self, done, op, win, phase, timeout_s, on_timeout, pending_fn, slot=None):
+        # win: the window whose signals are waited on (named in a timeout), or None (an MPI request)
         # Abort first: a late rank must not take a signal from a call its peers abandoned.
         self._check_abort(op, phase)
         if done():
@@ -729,7 +730,7 @@ class Transport:
                         return [p for p, _, _ in pending]
                     waited = [p for p, _, _ in pending]
                     exc = TransportTimeout(op, self.topology.rank, waited, elapsed, phase=phase,
-                                           window=win.name,
+                                           window=None if win is None else win.name,
                                            slot=slot, expected=[n for _, n, _ in pending],
                                            observed=[o for _, _, o in pending], blocked_on=self._blocked_on(waited))
                     self._poison(str(exc))
@@ -892,45 +893,28 @@ class Transport:
                    timeout_s, "raise", pending)
         win.acquire()
 
-
     def allgather_object(self, obj, phase: str = "allgather_object", timeout_s: float | None = None) -> list:
-        """Every rank's picklable ``obj``, in rank order, through non-blocking all-gathers on a communicator of
-        the transport's own (used for nothing else), polled like every other wait: sleeping between polls when ranks outnumber cores, with
-        the deadline, and failing fast when a peer aborted. A blocking ``MPI_Allgather`` has neither a deadline
-        nor an abort check: a rank that passed the same barrier as a peer which then timed out would wait in
-        it forever. Collective over the world; call it from one thread.
+        """Every rank's picklable ``obj``, in rank order (:func:`transports.base.allgather_object`), on a
+        communicator of the transport's own (used for nothing else), its requests polled as every wait of the
+        transport is: sleeping between polls when ranks outnumber cores, with the deadline, failing fast when a
+        peer aborted. A blocking ``MPI_Allgather`` has neither a deadline nor an abort check: a rank that
+        passed the same barrier as a peer which then timed out would wait in it forever. Collective over the
+        world; call it from one thread.
+        Args:
+            obj: any picklable object (sizes may differ between ranks); phase: named in a timeout's message;
+            timeout_s: deadline in seconds (default: the transport's).
+        Returns:
+            a list of ``world_size`` objects, rank ``r``'s at index ``r``.
         Raises:
             TransportTimeout: not every rank entered it in time (an MPI collective does not say which one
                 is missing); the transport is poisoned.
             TransportAborted / TransportPeerTimeout: a peer aborted meanwhile.
         """
-        import pickle
-
-        from mpi4py import MPI
-
         self._check_open("allgather_object")
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        sizes = np.zeros(self.topology.world_size, dtype=np.int64)
-        comm = self._gather_comm
-        self._settle(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), phase, timeout_s)
-        counts = sizes.tolist()
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
-        recv = np.empty(sum(counts), dtype=np.uint8)
-        self._settle(comm.Iallgatherv([data, MPI.BYTE], [recv, (counts, displs), MPI.BYTE]), phase, timeout_s)
-        return [pickle.loads(recv[d:d + n].tobytes()) for d, n in zip(displs, counts)]
 
-    def _settle(self, req, phase: str, timeout_s: float | None) -> None:
-        """Complete the MPI request ``req`` as :meth:`_wait` waits (its ranks unknown: an empty pending list)."""
-        self._wait(req.Test, "allgather_object", _NO_WINDOW, phase, timeout_s, "raise", list)
-
-
-class _NoWindow:
-    """Stands for the window of a wait that is on no window (:meth:`Transport._settle`)."""
-
-    name = None
-
-
-_NO_WINDOW = _NoWindow()
+        def wait(req):  # on no window; which ranks are missing is unknown (no pending list)
+            self._wait(req.Test, "allgather_object", None, phase, timeout_s, "raise", list)
+        return allgather_object(self._gather_comm, obj, wait)
 
 
 #: The class's name from before it handled URMA pairs; kept so existing callers keep working.
