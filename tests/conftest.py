@@ -22,8 +22,7 @@ What this file adds to pytest + pytest-mpi:
   nothing itself is still located) and all Python thread tracebacks to its real stderr, then, a
   second later (after every rank's dump, before any rank exits), one short line per thread saying
   where it is in the repository's code (so a log cut to its head and tail still shows it), and exits
-  with status 3 (mpiexec then ends the job): a hang
-  is a failure, not a stuck CI.
+  with status 3 (mpiexec then ends the job): a hang is a failure, not a stuck CI.
 * **Rank-0 output**: with more than one rank, ranks != 0 write pytest's terminal output to
   ``$DEEPEP_ASCEND_TEST_LOG_DIR`` (default ``<tmp>/deepep_ascend_tests/<job>/rank<r>.log``).
   At session end every rank's failures are gathered and rank 0 prints those it did not see
@@ -45,6 +44,7 @@ Fixtures: ``comm``, ``rank``, ``world_size`` (see ``mpi_utils``).
 from __future__ import annotations
 
 import atexit
+import collections
 import faulthandler
 import os
 import signal
@@ -200,7 +200,7 @@ def _peer_states(peers, me: int) -> str:
             continue
         try:
             state = _proc_field(f"/proc/{pid}/status", "State:")
-            named, counted = [], {}
+            named, counted = [], collections.Counter()
             for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
                 base = f"/proc/{pid}/task/{tid}"
                 wchan = _read_small(f"{base}/wchan") or "-"
@@ -210,8 +210,8 @@ def _peer_states(peers, me: int) -> str:
                 if int(tid) == pid or not what.startswith("S"):
                     named.append(f"{tid}:{what}")
                 else:
-                    counted[what] = counted.get(what, 0) + 1
-            rest = ", ".join(f"{n}x {what}" for what, n in sorted(counted.items(), key=lambda kv: -kv[1]))
+                    counted[what] += 1
+            rest = ", ".join(f"{n}x {what}" for what, n in counted.most_common())
             lines.append(f"[watchdog]   rank {r} (pid {pid}): {state}; threads " + ", ".join(named)
                          + (f"; others {rest}" if rest else ""))
         except OSError as exc:
