@@ -619,8 +619,16 @@ def m_grouped_bf16_gemm_nt_contiguous(
     ensure_zero_padding=True,
     expected_m_for_psum_layout=None,
 ) -> None:
-    """``d[rows of g] = bf16(a[rows] @ b[g].T)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[G, N, K]``,
-    ``d`` bf16 ``[M, N]``, ``grouped_layout`` int32 ``[M]`` (or ``[G]`` psum ends)."""
+    """``deep_gemm.m_grouped_bf16_gemm_nt_contiguous``: ``d[rows of g] = bf16(a[rows] @ b[g].T)``.
+
+    ``a`` bf16 ``[M, K]``; ``b`` bf16 ``[G, N, K]``; ``d`` bf16 ``[M, N]``, written in place;
+    ``grouped_layout`` int32 ``[M]`` (group per row, -1 = padding row, zeroed) or, with
+    ``use_psum_layout``, ``[G]`` exclusive row ends (the module docstring's m-grouped contiguous
+    layout; groups start at multiples of :func:`get_mk_alignment_for_contiguous_layout`).
+    Float32 accumulation, one bf16 rounding. ``compiled_dims`` and ``expected_m_for_psum_layout``
+    are accepted for parity and change nothing. Raises ``TypeError`` (dtypes) or ``ValueError``
+    (shapes, a layout that is not one aligned run per group, group ids outside ``[-1, G)``)
+    naming the argument, before ``d`` is written."""
     ops = _Operands(a, b, "bf16", "nt")
     _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
 
@@ -634,7 +642,8 @@ def m_grouped_bf16_gemm_nn_contiguous(
     use_psum_layout=False,
     ensure_zero_padding=True,
 ) -> None:
-    """As :func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` bf16 ``[G, K, N]``: ``a @ b[g]``."""
+    """``deep_gemm.m_grouped_bf16_gemm_nn_contiguous``: as :func:`m_grouped_bf16_gemm_nt_contiguous`
+    with ``b`` bf16 ``[G, K, N]`` (``d[rows of g] = bf16(a[rows] @ b[g])``); same layouts and errors."""
     ops = _Operands(a, b, "bf16", "nn")
     _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
 
@@ -653,8 +662,17 @@ def m_grouped_fp8_fp4_gemm_nt_contiguous(
     ensure_zero_padding=True,
     expected_m_for_psum_layout=None,
 ) -> None:
-    """FP8/FP4 m-grouped contiguous GEMM: ``a = (e4m3 [M, K], sf)``, ``b = (e4m3 [G, N, K] or
-    FP4 int8 [G, N, K/2], sf)``, ``d`` bf16 ``[M, N]``; ``d = bf16(deq(a) @ deq(b[g]).T)``."""
+    """``deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous`` (alias ``m_grouped_fp8_gemm_nt_contiguous``):
+    ``d[rows of g] = bf16(deq(a)[rows] @ deq(b[g]).T)``.
+
+    ``a = (float8_e4m3fn [M, K], sf)``: float32 ``[M, ceil(K/128)]`` or packed UE8M0 int32 scales;
+    ``b = (float8_e4m3fn [G, N, K] or FP4 e2m1 int8 [G, N, K/2] (two nibbles per byte), sf)``;
+    ``d`` bf16 ``[M, N]``, written in place. Scale granularities come from ``recipe`` /
+    ``recipe_a`` / ``recipe_b`` or are inferred (module docstring, "Scale factors"); the layout
+    arguments are those of :func:`m_grouped_bf16_gemm_nt_contiguous`. ``compiled_dims``,
+    ``disable_ue8m0_cast`` and ``expected_m_for_psum_layout`` change nothing. Raises ``TypeError``
+    (dtypes, an operand that is not a ``(data, sf)`` pair) or ``ValueError`` (shapes, scale shapes
+    that fit no granularity, a bad recipe or layout) naming the argument, before ``d`` is written."""
     ops = _Operands(a, b, "fp8", "nt", recipe, recipe_a, recipe_b)
     _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
 
@@ -672,7 +690,9 @@ def m_grouped_fp8_fp4_gemm_nn_contiguous(
     use_psum_layout=False,
     ensure_zero_padding=True,
 ) -> None:
-    """As the ``nt`` variant with FP8 ``b = (e4m3 [G, K, N], sf [G, N-logical, K-groups])``."""
+    """``deep_gemm.m_grouped_fp8_fp4_gemm_nn_contiguous`` (alias ``m_grouped_fp8_gemm_nn_contiguous``): as
+    :func:`m_grouped_fp8_fp4_gemm_nt_contiguous` with ``b = (float8_e4m3fn [G, K, N], sf)``, its scales
+    logical ``[G, N, K-groups]`` (FP4 ``b`` is K-major only: ``TypeError`` here); same layouts and errors."""
     ops = _Operands(a, b, "fp8", "nn", recipe, recipe_a, recipe_b)
     _m_grouped_contiguous(ops, d, grouped_layout, use_psum_layout, ensure_zero_padding)
 
@@ -746,8 +766,14 @@ def _m_grouped_masked(ops: _Operands, d, masked_m, expected_m):
 def m_grouped_bf16_gemm_nt_masked(
     a, b, d, masked_m, expected_m, compiled_dims="nk"
 ) -> None:
-    """``d[g, :masked_m[g]] = bf16(a[g, :masked_m[g]] @ b[g].T)``; ``a`` bf16 ``[G, Mmax, K]``,
-    ``b`` bf16 ``[G, N, K]``, ``d`` bf16 ``[G, Mmax, N]``; other rows of ``d`` untouched."""
+    """``deep_gemm.m_grouped_bf16_gemm_nt_masked`` (alias ``bf16_m_grouped_gemm_nt_masked``), on the
+    layout DeepEP's ``low_latency_dispatch`` returns: ``d[g, :masked_m[g]] = bf16(a[g, :masked_m[g]] @ b[g].T)``.
+
+    ``a`` bf16 ``[G, Mmax, K]``; ``b`` bf16 ``[G, N, K]``; ``d`` bf16 ``[G, Mmax, N]``, rows past
+    ``masked_m[g]`` untouched; ``masked_m`` int32 ``[G]`` (each in ``[0, Mmax]``); ``expected_m``
+    (int) is a hint and ``compiled_dims`` changes nothing. Float32 accumulation, one bf16 rounding.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, ``masked_m`` out of
+    range), before ``d`` is written."""
     _m_grouped_masked(_Operands(a, b, "bf16", "nt"), d, masked_m, expected_m)
 
 
@@ -763,8 +789,13 @@ def m_grouped_fp8_fp4_gemm_nt_masked(
     compiled_dims="nk",
     disable_ue8m0_cast=False,
 ) -> None:
-    """FP8/FP4 masked grouped GEMM: ``a = (e4m3 [G, Mmax, K], sf [G, Mmax, ...])``,
-    ``b = (e4m3 [G, N, K] or FP4 int8 [G, N, K/2], sf)``; as the bf16 masked variant."""
+    """``deep_gemm.m_grouped_fp8_fp4_gemm_nt_masked`` (aliases ``m_grouped_fp8_gemm_nt_masked``,
+    ``fp8_m_grouped_gemm_nt_masked``): :func:`m_grouped_bf16_gemm_nt_masked` on dequantized operands.
+
+    ``a = (float8_e4m3fn [G, Mmax, K], sf [G, Mmax, K-groups])`` (float32 or packed UE8M0 int32);
+    ``b = (float8_e4m3fn [G, N, K] or FP4 e2m1 int8 [G, N, K/2], sf)``; ``d`` bf16 ``[G, Mmax, N]``.
+    Scales as in :func:`m_grouped_fp8_fp4_gemm_nt_contiguous`; ``masked_m``, ``expected_m`` and the
+    errors as in the bf16 masked variant."""
     ops = _Operands(a, b, "fp8", "nt", recipe, recipe_a, recipe_b)
     _m_grouped_masked(ops, d, masked_m, expected_m)
 
@@ -856,9 +887,15 @@ def k_grouped_bf16_gemm_tn_contiguous(
     compiled_dims="mn",
     use_psum_layout=False,
 ) -> None:
-    """``d[g] = c[g] + a[seg_g].T @ b[seg_g]`` in float32; ``a`` bf16 ``[ΣK, M]``, ``b`` bf16
-    ``[ΣK, N]``, ``d``/``c`` float32 ``[G, M, N]``; ``ks_cpu`` per-group K (list of ints, 0
-    allowed) and ``grouped_layout`` int32 ``[G]`` the same Ks (or psum ends)."""
+    """``deep_gemm.k_grouped_bf16_gemm_tn_contiguous`` (weight gradients):
+    ``d[g] = c[g] + a[seg_g].T @ b[seg_g]`` in float32.
+
+    ``a`` bf16 ``[ΣK, M]``; ``b`` bf16 ``[ΣK, N]``; ``d`` float32 ``[G, M, N]``, written in place;
+    ``c`` float32 ``[G, M, N]`` or None (zeros; may alias ``d``); ``ks_cpu`` per-group K (list of
+    ints, 0 allowed) and ``grouped_layout`` int32 ``[G]`` the same Ks (or, with
+    ``use_psum_layout``, their running ends). ``compiled_dims`` changes nothing. Raises
+    ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, negative Ks, Ks that disagree
+    with ``grouped_layout`` or end past ``ΣK``; rows past the last segment are not read)."""
     _tensor("a", a, (BF16,), 2)
     _tensor("b", b, (BF16,), 2)
     if a.size(0) != b.size(0):
@@ -912,9 +949,14 @@ def k_grouped_fp8_gemm_tn_contiguous(
     compiled_dims="mn",
     use_psum_layout=False,
 ) -> None:
-    """FP8 k-grouped, ``tn``: ``a = (e4m3 [ΣK, M], sf float32 [ΣK/gran_k, M])``, ``b = (e4m3
-    [ΣK, N], sf [ΣK/gran_k, N])`` (:func:`per_channel_cast_to_fp8`); per-group K must be a
-    multiple of ``gran_k`` so scales restart per group. ``d[g] = c[g] + deq(a)_g^T deq(b)_g``."""
+    """``deep_gemm.k_grouped_fp8_gemm_tn_contiguous``: ``d[g] = c[g] + deq(a)_g^T deq(b)_g`` in float32.
+
+    ``a = (float8_e4m3fn [ΣK, M], float32 sf [ΣK/gran_k, M])``, ``b = (float8_e4m3fn [ΣK, N],
+    float32 sf [ΣK/gran_k, N])`` (:func:`deepep_ascend.per_channel_cast_to_fp8`); ``recipe``
+    ``(1, 1, gran_k)``; every group's K must be a multiple of ``gran_k`` so its scales restart with
+    it. ``d``, ``c``, ``ks_cpu``, ``grouped_layout`` as in :func:`k_grouped_bf16_gemm_tn_contiguous`.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, recipe, a K segment not a
+    multiple of ``gran_k``)."""
     _k_grouped_fp8(a, b, d, ks_cpu, grouped_layout, c, recipe, use_psum_layout, 0)
 
 
@@ -929,8 +971,10 @@ def k_grouped_fp8_gemm_nt_contiguous(
     compiled_dims="mn",
     use_psum_layout=False,
 ) -> None:
-    """FP8 k-grouped, ``nt``: ``a = (e4m3 [M, ΣK], sf [M, ΣK/gran_k])``, ``b = (e4m3 [N, ΣK],
-    sf [N, ΣK/gran_k])``; same result as the ``tn`` variant on the transposed operands."""
+    """``deep_gemm.k_grouped_fp8_gemm_nt_contiguous``: :func:`k_grouped_fp8_gemm_tn_contiguous` on
+    K-last operands, ``a = (float8_e4m3fn [M, ΣK], float32 sf [M, ΣK/gran_k])``, ``b = (float8_e4m3fn
+    [N, ΣK], float32 sf [N, ΣK/gran_k])``; same result as the ``tn`` variant on the transposed
+    operands, same arguments and errors."""
     _k_grouped_fp8(a, b, d, ks_cpu, grouped_layout, c, recipe, use_psum_layout, 1)
 
 
@@ -965,22 +1009,34 @@ def _bf16_dense(a, b, d, c, layout):
 
 
 def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk") -> None:
-    """``d = a @ b.T (+ c)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[N, K]``, ``d`` bf16/fp32."""
+    """``deep_gemm.bf16_gemm_nt``: ``d = a @ b.T (+ c)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[N, K]``;
+    ``d`` bf16 or float32, written in place; ``c`` float32 of ``d``'s shape or None (added in
+    float32; DeepGEMM's accumulate input). Float32 accumulation. ``compiled_dims`` changes nothing.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, K mismatch)."""
     _bf16_dense(a, b, d, c, "nt")
 
 
 def bf16_gemm_nn(a, b, d, c=None, compiled_dims="nk") -> None:
-    """``d = a @ b (+ c)``; ``a`` ``[M, K]``, ``b`` ``[K, N]``."""
+    """``deep_gemm.bf16_gemm_nn``: ``d = a @ b (+ c)``; ``a`` bf16 ``[M, K]``, ``b`` bf16 ``[K, N]``;
+    ``d`` bf16 or float32, written in place; ``c`` float32 of ``d``'s shape or None (added in
+    float32; DeepGEMM's accumulate input). Float32 accumulation. ``compiled_dims`` changes nothing.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, K mismatch)."""
     _bf16_dense(a, b, d, c, "nn")
 
 
 def bf16_gemm_tn(a, b, d, c=None, compiled_dims="mn") -> None:
-    """``d = a.T @ b (+ c)``; ``a`` ``[K, M]``, ``b`` ``[K, N]``."""
+    """``deep_gemm.bf16_gemm_tn``: ``d = a.T @ b (+ c)``; ``a`` bf16 ``[K, M]``, ``b`` bf16 ``[K, N]``;
+    ``d`` bf16 or float32, written in place; ``c`` float32 of ``d``'s shape or None (added in
+    float32; DeepGEMM's accumulate input). Float32 accumulation. ``compiled_dims`` changes nothing.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, K mismatch)."""
     _bf16_dense(a, b, d, c, "tn")
 
 
 def bf16_gemm_tt(a, b, d, c=None, compiled_dims="mn") -> None:
-    """``d = a.T @ b.T (+ c)``; ``a`` ``[K, M]``, ``b`` ``[N, K]``."""
+    """``deep_gemm.bf16_gemm_tt``: ``d = a.T @ b.T (+ c)``; ``a`` bf16 ``[K, M]``, ``b`` bf16 ``[N, K]``;
+    ``d`` bf16 or float32, written in place; ``c`` float32 of ``d``'s shape or None (added in
+    float32; DeepGEMM's accumulate input). Float32 accumulation. ``compiled_dims`` changes nothing.
+    Raises ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, K mismatch)."""
     _bf16_dense(a, b, d, c, "tt")
 
 
@@ -1023,8 +1079,13 @@ def fp8_fp4_gemm_nt(
     compiled_dims="nk",
     disable_ue8m0_cast=False,
 ) -> None:
-    """``d = deq(a) @ deq(b).T (+ c)``; ``a = (e4m3 [M, K], sf)``, ``b = (e4m3 [N, K] or FP4
-    int8 [N, K/2], sf)``; ``d`` bf16 or float32."""
+    """``deep_gemm.fp8_fp4_gemm_nt`` (alias ``fp8_gemm_nt``): ``d = deq(a) @ deq(b).T (+ c)``;
+    ``a = (float8_e4m3fn [M, K], sf)``, ``b = (float8_e4m3fn [N, K] or FP4 int8 [N, K/2], sf)``.
+    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
+    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
+    ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
+    ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
     _fp8_dense(a, b, d, c, "nt", recipe, recipe_a, recipe_b)
 
 
@@ -1039,7 +1100,13 @@ def fp8_fp4_gemm_nn(
     compiled_dims="nk",
     disable_ue8m0_cast=False,
 ) -> None:
-    """``d = deq(a) @ deq(b) (+ c)``; ``b = (e4m3 [K, N], sf logical [N, K-groups])``."""
+    """``deep_gemm.fp8_fp4_gemm_nn`` (alias ``fp8_gemm_nn``): ``d = deq(a) @ deq(b) (+ c)``;
+    ``a = (float8_e4m3fn [M, K], sf)``, ``b = (float8_e4m3fn [K, N], sf logical [N, K-groups])``.
+    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
+    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
+    ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
+    ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
     _fp8_dense(a, b, d, c, "nn", recipe, recipe_a, recipe_b)
 
 
@@ -1054,7 +1121,14 @@ def fp8_fp4_gemm_tn(
     compiled_dims="mn",
     disable_ue8m0_cast=False,
 ) -> None:
-    """``d = deq(a).T @ deq(b) (+ c)``; ``a = (e4m3 [K, M], sf logical [M, K-groups])``."""
+    """``deep_gemm.fp8_fp4_gemm_tn`` (alias ``fp8_gemm_tn``): ``d = deq(a).T @ deq(b) (+ c)``;
+    ``a = (float8_e4m3fn [K, M], sf logical [M, K-groups])``, ``b = (float8_e4m3fn [K, N], sf logical
+    [N, K-groups])``.
+    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
+    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
+    ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
+    ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
     _fp8_dense(a, b, d, c, "tn", recipe, recipe_a, recipe_b)
 
 
@@ -1069,7 +1143,13 @@ def fp8_fp4_gemm_tt(
     compiled_dims="mn",
     disable_ue8m0_cast=False,
 ) -> None:
-    """``d = deq(a).T @ deq(b).T (+ c)``."""
+    """``deep_gemm.fp8_fp4_gemm_tt`` (alias ``fp8_gemm_tt``): ``d = deq(a).T @ deq(b).T (+ c)``;
+    ``a = (float8_e4m3fn [K, M], sf logical [M, K-groups])``, ``b = (float8_e4m3fn [N, K], sf)``.
+    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
+    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
+    ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
+    ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
     _fp8_dense(a, b, d, c, "tt", recipe, recipe_a, recipe_b)
 
 
