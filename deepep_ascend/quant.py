@@ -170,7 +170,11 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Clamp to ±448, then cast to ``float8_e4m3fn`` with round-to-nearest-even (NaN stays NaN)."""
+    """Clamp to ±448, then cast to ``float8_e4m3fn`` with round-to-nearest-even (NaN stays NaN).
+
+    ``x``: a float32/bf16/fp16/float64 tensor of any shape; returns ``float8_e4m3fn`` of the same
+    shape (not in DeepGEMM; the cast the per-token and per-block codecs end with). Raises
+    ``TypeError`` for another type or dtype."""
     _check_tensor("x", x, _FLOAT_INPUTS)
     return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -730,7 +734,8 @@ def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
 
     Magnitude index = number of thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 strictly below
     ``|x|`` (ties to the smaller magnitude, saturation at 6); bit 3 is the sign, set only for a
-    negative ``x`` with a nonzero magnitude. NaN input gives an unspecified code.
+    negative ``x`` with a nonzero magnitude. NaN input gives an unspecified code. ``x`` is
+    float32/bf16/fp16/float64 (``TypeError`` otherwise).
     """
     _check_tensor("x", x, _FLOAT_INPUTS)
     ax = x.float().abs().clamp_max(FP4_E2M1_MAX)
@@ -741,7 +746,8 @@ def quantize_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (uint8/int8, low 4 bits used) -> float32 values (code 8, "−0", gives +0)."""
+    """e2m1 codes (uint8/int8, low 4 bits used) -> float32 values (code 8, "−0", gives +0), same
+    shape. Raises ``TypeError`` for another dtype."""
     _check_tensor("codes", codes, (torch.uint8, torch.int8))
     c = codes.to(torch.int32) & 0xF
     lut = torch.tensor(
