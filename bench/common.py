@@ -39,6 +39,7 @@ run used.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -441,6 +442,32 @@ class Timing:
 Phase = tuple  # (name or None, fn): None = untimed step (no barrier), e.g. bookkeeping
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Collect once, then keep Python's cyclic garbage collector off inside the block (restored after).
+
+    A full collection walks every tracked object, some 170,000 after ``import torch``; timed by the
+    ``[gc]`` line of ``bench.mega_moe``. Inside a collective call it stalls every rank, so a timed
+    iteration that holds one measures the collector rather than the system."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def full_gc_seconds() -> tuple[float, int]:
+    """``(seconds, objects)``: the time of one full ``gc.collect()`` in this process, and how many objects
+    the collector tracks (what a full collection walks)."""
+    objects = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - t0, objects
+
+
 def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
                 progress: Optional[Callable[[int], None]] = None) -> dict[str, Timing]:
     """Run ``phases`` in order ``warmup + iters`` times; time the named ones.
@@ -455,10 +482,7 @@ def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
 
     names = [p[0] for p in phases if p[0] is not None]
     local = np.zeros((len(names), iters), dtype=np.float64)
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         for it in range(warmup + iters):
             j = 0
             for name, fn in phases:
@@ -474,9 +498,6 @@ def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
                 j += 1
             if progress is not None:
                 progress(it)
-    finally:
-        if was_enabled:
-            gc.enable()
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return {n: Timing(glob[i].tolist()) for i, n in enumerate(names)}

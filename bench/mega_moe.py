@@ -40,7 +40,9 @@ Systems, interleaved in every iteration on the same inputs:
   Also timed: the fused call's own per-expert GEMMs on its cached weights (fp8: the FP4 copies the AMX
   kernel decodes itself, where it runs) and the same rows sorted by expert, against the plain matmul.
 
-Timing: barrier, ``time.perf_counter``; ``--warmup`` (>= 2) then ``--iters`` (>= 5); per rank
+Timing: barrier, ``time.perf_counter``; ``--warmup`` (>= 2) then ``--iters`` (>= 5), with Python's
+garbage collector paused (:func:`bench.common.gc_paused`; the ``[gc]`` line times one full collection,
+which a loop with the collector on pays inside some call); per rank
 the median and min over iterations; printed as mean over ranks and max over ranks (upstream
 convention). Derived: speedup ``Σt_stage / t_fused`` and ``t_baseline / t_fused``, hidden time
 ``Σt_stage − t_fused``, overlap efficiency ``hidden / min(t_comm, t_compute)`` (from the stage
@@ -408,33 +410,35 @@ def main(argv=None) -> int:
         return dt
 
     waves_bitwise = True  # every --compare-waves run gives the fused call's y bit for bit
-    for it in range(args.warmup + args.iters):
-        rec = {}
-        rec["fused"] = timed("fused", lambda: op(y_fused, l1, l2, buf, **kw))
-        tr = buf.last_trace
-        ov = tr.overlap()
-        waves = (tr.num_waves, tr.experts_per_wave)
-        rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
-        serial_trace = buf.last_trace.stage_times()
-        for label, epw in wave_runs.items():
-            rec[label] = timed(label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
-            waves_bitwise = waves_bitwise and bool(torch.equal(y_waves.view(torch.int16), y_fused.view(torch.int16)))
-        rec["unfused"] = timed("unfused", unf.run)
-        for name, fn in unf.stage_fns().items():
-            rec[name] = timed(name, fn)
-        rec["act_library"] = timed("act_library", unf.act_library)
-        for name, fn in {**unf.gemm_fns(), **unf.fused_gemm_fns(cached)}.items():
-            rec[name] = timed(name, fn)
-        rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
-        rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
-        rec["weights_copy"] = timed("weights_copy", lambda: (w_dst[0].copy_(unf.w1), w_dst[1].copy_(unf.w2)))
-        if it >= args.warmup:
-            for k, v in rec.items():
-                times[k].append(v)
-            fractions.append(ov["fraction"])
-            serial_stages.append(serial_trace)
-            hidden_s.append(ov["hidden"])
-            busy_s.append(ov["worker_busy"])
+    gc_full_s, gc_objects = C.full_gc_seconds()
+    with C.gc_paused():  # as bench.common.time_phases: no collection inside a timed call
+        for it in range(args.warmup + args.iters):
+            rec = {}
+            rec["fused"] = timed("fused", lambda: op(y_fused, l1, l2, buf, **kw))
+            tr = buf.last_trace
+            ov = tr.overlap()
+            waves = (tr.num_waves, tr.experts_per_wave)
+            rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
+            serial_trace = buf.last_trace.stage_times()
+            for label, epw in wave_runs.items():
+                rec[label] = timed(label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
+                waves_bitwise = waves_bitwise and bool(torch.equal(y_waves.view(torch.int16), y_fused.view(torch.int16)))
+            rec["unfused"] = timed("unfused", unf.run)
+            for name, fn in unf.stage_fns().items():
+                rec[name] = timed(name, fn)
+            rec["act_library"] = timed("act_library", unf.act_library)
+            for name, fn in {**unf.gemm_fns(), **unf.fused_gemm_fns(cached)}.items():
+                rec[name] = timed(name, fn)
+            rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
+            rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
+            rec["weights_copy"] = timed("weights_copy", lambda: (w_dst[0].copy_(unf.w1), w_dst[1].copy_(unf.w2)))
+            if it >= args.warmup:
+                for k, v in rec.items():
+                    times[k].append(v)
+                fractions.append(ov["fraction"])
+                serial_stages.append(serial_trace)
+                hidden_s.append(ov["hidden"])
+                busy_s.append(ov["worker_busy"])
 
     # correctness
     bitwise = bool(torch.equal(y_fused.view(torch.int16), y_serial.view(torch.int16)))
@@ -461,7 +465,7 @@ def main(argv=None) -> int:
     stage_names = sorted({k for st in serial_stages for k in st})
     serial_med = {k: statistics.median(st.get(k, 0.0) for st in serial_stages) for k in stage_names}
     loc = dict(med=med, min=mins, fraction=statistics.median(fractions), hidden=statistics.median(hidden_s),
-               serial_stages=serial_med,
+               serial_stages=serial_med, gc_full_s=gc_full_s, gc_objects=gc_objects,
                busy=statistics.median(busy_s), pairs_recv=n_pairs_recv, pairs_self=n_pairs_self,
                pairs_sent=n_pairs_sent)
     allr = comm.gather(loc, root=0)
@@ -495,6 +499,11 @@ def main(argv=None) -> int:
                f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
                f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend Buffer normal mode (UBMEM shm), "
                f"iters {args.iters} (+{args.warmup} warm-up)")
+    gc_ms = sum(r["gc_full_s"] for r in allr) / R * 1e3
+    out.append(f"[gc] the collector is paused during the iterations (as in bench.normal); one full collection "
+               f"took {gc_ms:.1f} ms here (mean over ranks; {allr[0]['gc_objects']} tracked objects on rank 0): "
+               f"with the collector on, one lands in a call every so often and stalls every rank "
+               f"(gc.freeze() after setup keeps these objects out of it)")
     check = dict(fused_equals_serial=all(c[0] for c in checks), calc_diff_vs_unfused=max(c[1] for c in checks),
                  bound=CHECK_BOUND)
     check["ok"] = check["fused_equals_serial"] and check["calc_diff_vs_unfused"] < CHECK_BOUND
@@ -579,7 +588,7 @@ def main(argv=None) -> int:
                                 sum_stages=sum_stage, comm_stages=t_comm,
                                 stages={s: agg(s)[0] for s in Unfused.stages}, act_library=agg("act_library")[0],
                                 serial_call_stages=serial_stage_ms),
-                   check=check,
+                   check=check, gc=dict(paused_while_timing=True, full_collection_ms=gc_ms),
                    bandwidth_GBps=dict(
                        formula="per pair: dispatch H*elem + scales + 4 B, combine 2H B; over t_fused (mean over ranks)",
                        bytes_with_self=bytes_all, bytes_cross_rank=bytes_cross,

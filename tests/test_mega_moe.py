@@ -562,7 +562,37 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
         ok = ok and {"dispatch", "l1", "act", "l2", "combine", "shared", "reduce"} <= set(own)
         ok = ok and all(v > 0 for v in list(stages.values()) + list(own.values()))
         ok = ok and sum(own.values()) <= t["serial"] * 1.05 + 1e-3
+        ok = ok and json.load(open(path))["gc"]["full_collection_ms"] > 0
     all_ranks_ok(comm, ok, "bench.mega_moe ran, checked its outputs and reported both stage lists")
+
+
+def test_benchmark_pauses_the_collector_and_restores_it():
+    """``bench.common.gc_paused`` (around the timed iterations of ``bench.mega_moe`` and ``time_phases``):
+    the collector is off inside, collects nothing there, and comes back as it was, after an exception too."""
+    import gc
+
+    from bench import common as C
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with C.gc_paused():
+            assert not gc.isenabled()
+            before = gc.get_count()[0]
+            cycles = []
+            for _ in range(5 * gc.get_threshold()[0]):  # would trigger collections with the collector on
+                a = []
+                a.append(a)
+                cycles.append(a)
+            assert gc.get_count()[0] > before  # nothing reset the generation-0 count
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with C.gc_paused():
+            pass
+        assert not gc.isenabled()  # left off as found
+    finally:
+        gc.enable()
 
 
 def _one_wave_case(env, comm, kind, seed):
