@@ -122,9 +122,9 @@ def main(argv=None) -> int:
         systems["one group, AMX"]()
         ok = ok and close(d_plain, x.double() @ w_plain.double().t())
         outs["one group, AMX"] = d_plain
+    fp4_note = f"(FP4 copy {sum(p.nbytes for p in amx_fp4) / 1e6:.1f} MB) " if amx_fp4 else ""
     print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
-          f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB "
-          f"(FP4 copy {sum(p.nbytes for p in amx_fp4) / 1e6 if amx_fp4 else float('nan'):.1f} MB) "
+          f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB {fp4_note}"
           f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
           f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")
