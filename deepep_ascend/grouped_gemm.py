@@ -297,7 +297,7 @@ class _LazyPacked:
         return p
 
 
-def _packed_weights(b_nk: torch.Tensor, keys: tuple, tag: str):
+def _packed_weights(b_nk: torch.Tensor, keys: tuple, tag):
     """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of the caller's tensors
     ``keys`` that ``b_nk`` derives from (bf16 weights: themselves; FP8/FP4 weights: their data and scales, not
     the dequantized copy, which is a cached value that may be evicted or, for inference tensors, not cached
@@ -305,7 +305,8 @@ def _packed_weights(b_nk: torch.Tensor, keys: tuple, tag: str):
     cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not fit the caches'
     budget beside what is cached, since a packed copy pushes nothing out: packing on every call would cost
     more than the matmul's own reorder) or a key requires grad (weights being trained change every step,
-    possibly through ``.data``, which no version counter sees)."""
+    possibly through ``.data``, which no version counter sees). ``tag`` names what else the copy depends on:
+    ``b``'s layout and, for FP8/FP4 weights, the scale granularity they were dequantized at."""
     if not _PACKING or b_nk.dtype != BF16 or any(k.requires_grad for k in keys) or not _q._cacheable(keys):
         return None
 
@@ -499,7 +500,10 @@ class _Operands:
             if p is None:
                 src = self._dequantized() if self.fp8 else self.b_t
                 b_nk = src if self.fp8 or self.b_layout == "nt" else src.transpose(-1, -2)
-                p = _packed_weights(b_nk, (self.b_data, self.b_sf) if self.fp8 else (src,), self.b_layout)
+                # keyed like the dequantized copy it is packed from: the same data and scales read at
+                # another granularity are other weights
+                tag = (self.b_layout, *self.gb) if self.fp8 else self.b_layout
+                p = _packed_weights(b_nk, (self.b_data, self.b_sf) if self.fp8 else (src,), tag)
             self._packed = p
         return self._packed
 

@@ -281,6 +281,38 @@ def test_fp8_contiguous_against_float64(ue8m0):
     assert torch.equal(d3, d)
 
 
+def test_the_same_fp8_weights_at_two_granularities_are_two_weights():
+    """Packed UE8M0 scales of one int32 word per row read as one exponent per 128 K values or as four
+    per 32: the same ``(data, sf)`` tensors are two different weights. Each call matches its own
+    recipe's reference, in either order, with the weight caches on (the packed copies were once keyed
+    without the granularity, so the second call reused the first one's weights)."""
+    g = torch.Generator().manual_seed(11)
+    G, n, k, rows = 2, 16, 128, 8
+    layout = layout_from_counts([rows, rows], 128)
+    a = (torch.randn(layout.numel(), k, generator=g).to(E4M3),
+         torch.full((layout.numel(), 1), 0x7F7F7F7F, dtype=torch.int32))  # scale 1 at either granularity
+    b_data = (torch.randn(G, n, k, generator=g) * 8).to(E4M3)
+    b_bytes = torch.tensor([127, 128, 129, 130], dtype=torch.uint8).repeat(G, n, 1)  # 1, 2, 4, 8
+    b = (b_data, b_bytes.view(torch.int32))
+
+    def reference(gran):
+        scale = 2.0 ** (b_bytes.double() - 127)
+        scale = scale.repeat_interleave(32, -1) if gran == 32 else scale[..., :1].expand(G, n, k)
+        w64 = b_data.double() * scale
+        ref = torch.zeros(layout.numel(), n, dtype=torch.float64)
+        for i, grp in enumerate(layout.tolist()):
+            if grp >= 0:
+                ref[i] = w64[grp] @ a[0][i].double()
+        return ref
+
+    for grans in ((32, 128), (128, 32)):
+        dg.clear_dequantized_weight_cache()
+        for gran in grans:
+            d = torch.empty(layout.numel(), n, dtype=BF16)
+            dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, layout, recipe_a=(1, 128), recipe_b=(1, gran))
+            assert close_to(d, reference(gran)), f"recipe_b (1, {gran}) after (1, {grans[0]})"
+
+
 def test_fp8_x_fp4_masked_mx_recipe():
     g = torch.Generator().manual_seed(3)
     G, mmax, n, k = 2, 4, 8, 64
