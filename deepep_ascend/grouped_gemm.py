@@ -301,13 +301,14 @@ def _packed_weights(b_nk: torch.Tensor, keys: tuple, tag):
     """:class:`_LazyPacked` groups of ``b_nk``, cached by the identity and version of the caller's tensors
     ``keys`` that ``b_nk`` derives from (bf16 weights: themselves; FP8/FP4 weights: their data and scales, not
     the dequantized copy, which is a cached value that may be evicted or, for inference tensors, not cached
-    at all); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk`` is not bf16, the
+    at all); ``None`` (multiply with ``torch.matmul``) where packing is unavailable, ``b_nk`` is not bf16 or empty, the
     cache cannot hold it (caches disabled, an inference tensor, a packed copy that does not fit the caches'
     budget beside what is cached, since a packed copy pushes nothing out: packing on every call would cost
     more than the matmul's own reorder) or a key requires grad (weights being trained change every step,
     possibly through ``.data``, which no version counter sees). ``tag`` names what else the copy depends on:
     ``b``'s layout and, for FP8/FP4 weights, the scale granularity they were dequantized at."""
-    if not _PACKING or b_nk.dtype != BF16 or any(k.requires_grad for k in keys) or not _q._cacheable(keys):
+    if (not _PACKING or b_nk.dtype != BF16 or b_nk.numel() == 0 or any(k.requires_grad for k in keys)
+            or not _q._cacheable(keys)):  # N or K of 0: nothing to pack (oneDNN refuses it)
         return None
 
     def build():

@@ -100,6 +100,22 @@ def test_contiguous_bf16_against_float64(alignment):
     assert close_to(d, ref)
 
 
+def test_empty_n_or_k_with_the_weight_caches_on(alignment):
+    """K = 0 gives zeros and N = 0 an empty ``d``, contiguous and masked, as torch.matmul does: nothing is
+    packed for such weights (oneDNN's reorder refused them with an opaque error; found by a helper)."""
+    layout = layout_from_counts([3, 2], alignment)
+    m = layout.numel()
+    d = torch.full((m, 5), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(torch.empty(m, 0, dtype=BF16), torch.empty(2, 5, 0, dtype=BF16), d, layout)
+    assert bool((d == 0).all())
+    d = torch.empty(m, 0, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_contiguous(torch.randn(m, 8).to(BF16), torch.empty(2, 0, 8, dtype=BF16), d, layout)
+    d = torch.full((2, 4, 5), SENTINEL, dtype=BF16)
+    dg.m_grouped_bf16_gemm_nt_masked(torch.empty(2, 4, 0, dtype=BF16), torch.empty(2, 5, 0, dtype=BF16), d,
+                                     torch.tensor([4, 1], dtype=torch.int32), 4)
+    assert bool((d[0] == 0).all()) and bool((d[1, :1] == 0).all()) and bool((d[1, 1:] == SENTINEL).all())
+
+
 def test_masked_bf16_leaves_rows_past_masked_m():
     g = torch.Generator().manual_seed(1)
     G, mmax, n, k = 3, 6, 8, 32
