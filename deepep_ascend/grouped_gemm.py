@@ -150,6 +150,7 @@ get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 def _tensor(name, t, dtypes=None, dim=None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _q._check_storage(name, t)
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(
             f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}"

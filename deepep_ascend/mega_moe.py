@@ -362,6 +362,7 @@ def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, w
                                 f"(an (data, sf) pair is the fp8xfp4 format)")
             if t.dtype != BF16:
                 raise TypeError(f"{where}: `{name}` must be bfloat16, got {t.dtype}")
+            _q._check_storage(f"{where}: `{name}`", t)
             if t.dim() != 3:
                 raise ValueError(f"{where}: `{name}` must be 3-D, got shape {tuple(t.shape)}")
         e, two_i, h = l1.shape
@@ -381,6 +382,8 @@ def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, w
             if not isinstance(sf, torch.Tensor) or sf.dtype != torch.int32:
                 raise TypeError(f"{where}: `{name}[1]` must be int32 (packed UE8M0), got "
                                 f"{getattr(sf, 'dtype', type(sf).__name__)}")
+            _q._check_storage(f"{where}: `{name}[0]`", data)
+            _q._check_storage(f"{where}: `{name}[1]`", sf)
             if data.dim() != 3 or sf.dim() != 3:
                 raise ValueError(f"{where}: `{name}` data and sf must be 3-D, got {tuple(data.shape)} and "
                                  f"{tuple(sf.shape)}")
@@ -482,6 +485,7 @@ def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
         for name, t, shape in (("shared_l1_weights", s1, (2 * si, h)), ("shared_l2_weights", s2, (h, si))):
             if not isinstance(t, torch.Tensor) or t.dtype != BF16:
                 raise TypeError(f"{where}: `{name}` must be a bfloat16 tensor, got {getattr(t, 'dtype', type(t))}")
+            _q._check_storage(f"{where}: `{name}`", t)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{where}: `{name}` must be {shape}, got {tuple(t.shape)}")
         return s1, s2
@@ -490,6 +494,8 @@ def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
         if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)):
             raise TypeError(f"{where}: `{name}` must be a (data, sf) pair of tensors, got {type(p).__name__}")
         data, sf = p
+        _q._check_storage(f"{where}: `{name}[0]`", data)
+        _q._check_storage(f"{where}: `{name}[1]`", sf)
         if data.dtype == torch.int8:
             want = (n, k // 2)
         elif data.dtype == FP8:
@@ -597,6 +603,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
     if y.dtype != BF16:
         raise TypeError(f"{op}: `y` must be bfloat16, got {y.dtype}")
+    _q._check_storage(f"{op}: `y`", y)
     if y.dim() != 2 or y.size(1) != sb.hidden:
         raise ValueError(f"{op}: `y` must be [num_tokens, {sb.hidden}], got {tuple(y.shape)}")
     if not y.is_contiguous():
@@ -610,6 +617,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32:
             raise TypeError(f"{op}: cumulative_local_expert_recv_stats must be an int32 tensor, got "
                             f"{getattr(stats, 'dtype', type(stats).__name__)}")
+        _q._check_storage(f"{op}: cumulative_local_expert_recv_stats", stats)
         if tuple(stats.shape) != (sb.num_local_experts,):
             raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be [{sb.num_local_experts}], got "
                              f"{tuple(stats.shape)}")
@@ -747,21 +755,37 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         err = exc
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
+    # what every rank must pass alike: each rank's experts serve every rank's tokens
+    settings = (override, activation_clamp, bool(fast_math))
     gathered = _consensus(sb, (None if err is None else f"{type(err).__name__}: {err}",
-                               None if counts is None else counts.numpy(), override), op)
+                               None if counts is None else counts.numpy(), settings), op)
     bad = [(r, m) for r, (m, _c, _o) in enumerate(gathered) if m is not None]
     if err is not None:
         raise err
     if bad:
         raise ConsensusError(f"rank {me}: {op} was rejected on rank(s) {[r for r, _ in bad]}: "
                              + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    overrides = [o for _m, _c, o in gathered]
-    if len(set(overrides)) > 1:  # every rank sees the same list, so every rank raises the same error
-        raise ValueError(f"rank {me}: {op}: ranks disagree on num_experts_per_wave (keyword, else ${_WAVE_ENV}; "
-                         f"None = default): " + ", ".join(f"rank {r}: {o}" for r, o in enumerate(overrides))
-                         + "; every rank must ask for the same wave size")
+    what = (f"num_experts_per_wave (keyword, else ${_WAVE_ENV}; None = default)", "activation_clamp", "fast_math")
+    for j, name in enumerate(what):  # every rank sees the same lists, so every rank raises the same error
+        values = [o[j] for _m, _c, o in gathered]
+        if len(set(values)) > 1:
+            raise ValueError(f"rank {me}: {op}: ranks disagree on {name}: "
+                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                             + "; every rank must pass the same value")
     cmat = torch.stack([torch.from_numpy(c) for _m, c, _o in gathered])  # [R, E] pairs each rank sends per expert
 
+    try:
+        _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
+               override)
+    except BaseException as exc:  # a failure after the ranks agreed: the peers must not wait for this rank
+        sb.ep_buffer._abort_on(exc)
+        raise
+
+
+def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
+           override):
+    """The call once every rank accepted it: waves of dispatch, L1, activation, L2 and combine, then the sum
+    over k into ``y`` (see the module docstring)."""
     el, k, h, i = sb.num_local_experts, sb.num_topk, sb.hidden, sb.intermediate_hidden
     epw = _experts_per_wave(sb, cmat, override)
     num_waves = -(-el // epw)
@@ -965,10 +989,14 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
     Raises:
         TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
             :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves; ranks
-            asking for different wave sizes: ``ValueError`` on every rank.
+            passing different ``num_experts_per_wave``, ``activation_clamp`` or ``fast_math`` (each rank's
+            experts serve every rank's tokens): ``ValueError`` on every rank. Tensors must be dense CPU
+            tensors (a ``meta`` or sparse one: ``ValueError``).
         TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`; also when a rank does
             not enter the call within the buffer's timeout (``TimeoutError`` naming it, on the ranks that
-            waited; the symmetric buffer is then unusable: destroy it and build a new one).
+            waited; the symmetric buffer is then unusable: destroy it and build a new one). A rank that
+            fails after the ranks agreed (an unexpected error in its expert compute) raises its error and
+            aborts the buffer: the others raise ``TransportAborted`` naming it at once.
     """
     _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
          activation_clamp, fast_math, None, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,

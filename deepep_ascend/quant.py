@@ -138,9 +138,20 @@ def get_tma_aligned_size(mn: int, element_size: int) -> int:
     return align(mn, 16 // element_size)
 
 
+def _check_storage(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a dense CPU tensor, else ``ValueError`` naming it: a ``meta`` tensor has no data and a
+    sparse or other device's one is not memory the CPU kernels can read, so neither may reach them."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
 def _check_tensor(name: str, t, dtypes=None, dims=None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_storage(name, t)
     if dtypes is not None and t.dtype not in dtypes:
         want = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({want}), got {t.dtype}")

@@ -419,6 +419,14 @@ def test_bad_inputs_raise_clear_errors(alignment):
         dg.m_grouped_bf16_gemm_nt_contiguous(a.float(), b, d, ok)
     with pytest.raises(TypeError, match="d must have dtype"):
         dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d.float(), ok)
+    with pytest.raises(ValueError, match="b must be a CPU tensor, got device meta"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b.to("meta"), d, ok)
+    with pytest.raises(ValueError, match=r"b must be a dense \(strided\) tensor"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(a, b.to_sparse(), d, ok)
+    with pytest.raises(ValueError, match=r"b\[0\] \(data\) must be a CPU tensor"):
+        dg.m_grouped_fp8_fp4_gemm_nt_masked((torch.zeros(1, 4, 128).to(E4M3), torch.ones(1, 4, 1)),
+                                            (torch.zeros(1, 2, 128).to(E4M3).to("meta"), torch.ones(1, 2, 1)),
+                                            torch.zeros(1, 4, 2, dtype=BF16), torch.tensor([4], dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="d must have shape"):
         dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d[:7], ok)
     with pytest.raises(ValueError, match="K mismatch"):

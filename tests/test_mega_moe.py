@@ -340,6 +340,12 @@ def test_errors_on_every_rank(env, comm):
     # tokens beyond num_max_tokens_per_rank on rank 0 only
     big = torch.empty(buf.num_max_tokens_per_rank + 1, h, dtype=BF16) if rank == 0 else y
     _expect_everywhere(comm, lambda: call(big, l1, l2, buf), 0, ValueError, "too many tokens on rank 0")
+    # weights with the right dtype and shape but no CPU data: a meta tensor, a sparse one (found by a helper:
+    # they passed the checks, so the bad rank failed after the others had agreed and they waited out the deadline)
+    _expect_everywhere(comm, lambda: call(y, l1.to("meta") if rank == last else l1, l2, buf), last, ValueError,
+                       "meta l1 on the last rank")
+    _expect_everywhere(comm, lambda: call(y, l1, l2.to_sparse() if rank == last else l2, buf), last, ValueError,
+                       "sparse l2 on the last rank")
     # wrong y dtype, bad expert ids on the last rank
     _expect_everywhere(comm, lambda: call(y.float() if rank == last else y, l1, l2, buf), last, TypeError, "y dtype")
     saved = buf.topk_idx[0].clone()
@@ -358,6 +364,8 @@ def test_errors_on_every_rank(env, comm):
                        "recipe")
     _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(fy, (f1[0].view(torch.uint8), f1[1]), f2, fbuf), None,
                        TypeError, "fp4 data dtype")
+    _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(fy, (f1[0].to("meta"), f1[1]) if rank == last else f1, f2,
+                                                          fbuf), last, ValueError, "meta fp4 data on the last rank")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(el + 1, dtype=torch.int32)), None, ValueError,
                        "stats shape")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, shared_l1_weights=l1[0]), None, ValueError,
@@ -369,6 +377,14 @@ def test_errors_on_every_rank(env, comm):
         _, exc = capture(lambda: call(y, l1, l2, buf, num_experts_per_wave=1 if rank == 0 else 2))
         all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on num_experts_per_wave" in str(exc)
                      and "rank 0: 1" in str(exc) and "rank 1: 2" in str(exc), f"mismatched wave sizes: {exc!r}")
+        # the clamp and fast_math act on every rank's tokens: ranks must agree (found by a helper: rank 0's
+        # output silently took rank 1's clamp)
+        _, exc = capture(lambda: call(y, l1, l2, buf, activation_clamp=10.0 if rank == 0 else None))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on activation_clamp" in str(exc)
+                     and "rank 0: 10.0" in str(exc) and "rank 1: None" in str(exc), f"mismatched clamps: {exc!r}")
+        _, exc = capture(lambda: call(y, l1, l2, buf, fast_math=rank != 0))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on fast_math" in str(exc),
+                     f"mismatched fast_math: {exc!r}")
     # transform rejects sizes its layout cannot take
     _, exc = capture(lambda: dea.transform_weights_for_mega_moe(torch.zeros(1, 12, 8, dtype=BF16),
                                                                 torch.zeros(1, 8, 6, dtype=BF16)))
@@ -438,6 +454,39 @@ def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
         all_ranks_ok(comm, ok, f"a call on the aborted buffer fails at once: {exc!r}")
     finally:
         coll(buf.destroy, what="destroy after the timeout")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch):
+    """A rank whose expert compute raises after the call's consensus aborts the Buffer: it raises its own error,
+    and the others raise ``TransportAborted`` naming it and its reason instead of waiting out the deadline (30 s
+    here, far past when they would otherwise time out in the combine) for rows it will never send."""
+    from deepep_ascend import mega_moe as mm
+    from transports import TransportAborted
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = size - 1
+    if rank == last:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected activation failure")
+        monkeypatch.setattr(mm, "_activation", broken)
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=30.0,
+               what="symm buffer")
+    try:
+        w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
+        l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
+        buf.topk_idx[:4] = torch.arange(8).view(4, 2) % (2 * size)  # every rank gets rows from every rank
+        buf.topk_weights[:4] = 0.5
+        y = torch.empty(4, 64, dtype=BF16)
+        _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
+        if rank == last:
+            ok = isinstance(exc, RuntimeError) and "injected activation failure" in str(exc)
+        else:
+            ok = (isinstance(exc, TransportAborted) and f"rank {last}" in str(exc)
+                  and "injected activation failure" in str(exc))
+        all_ranks_ok(comm, ok, f"a failure after the consensus: {exc!r}")
+    finally:
+        coll(buf.destroy, what="destroy after the failure")
 
 
 @pytest.mark.mpi(min_size=2)
