@@ -95,6 +95,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transports import quiet_allgather_object
+
 from . import grouped_gemm as _gg
 from . import native as _native
 from . import quant as _q
@@ -275,6 +277,35 @@ class SymmBuffer:
                 f"I={self.intermediate_hidden}, shared={self.num_shared_experts})")
 
 
+def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                     use_fp8_dispatch, mma_type, activation, num_shared_experts) -> None:
+    """The checks of mega-moe.md §1.1 on one rank's arguments (``AssertionError``, as upstream)."""
+    assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
+    assert mma_type in ("fp8xfp4", "bf16xbf16"), f"MegaMoE: mma_type must be 'fp8xfp4' or 'bf16xbf16', got {mma_type!r}"
+    if use_fp8_dispatch is not None:
+        warnings.warn("get_symm_buffer_for_mega_moe: use_fp8_dispatch is deprecated; use mma_type",
+                      DeprecationWarning, stacklevel=3)  # the caller of get_symm_buffer_for_mega_moe
+        assert bool(use_fp8_dispatch) == (mma_type == "fp8xfp4"), (
+            f"MegaMoE: use_fp8_dispatch={use_fp8_dispatch} disagrees with mma_type={mma_type!r}")
+    for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                    ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+        assert isinstance(v, int) and v >= (0 if name == "num_max_tokens_per_rank" else 1), (
+            f"MegaMoE: {name} must be a positive int, got {v!r}")
+    assert num_topk <= 32, f"MegaMoE: num_topk must be <= 32, got {num_topk}"
+    assert isinstance(num_shared_experts, int) and 0 <= num_shared_experts <= 2, (
+        f"MegaMoE: num_shared_experts must be 0, 1 or 2, got {num_shared_experts!r}")
+    if mma_type == "fp8xfp4":
+        assert hidden % 128 == 0 and intermediate_hidden % 128 == 0, (
+            f"MegaMoE fp8xfp4: hidden ({hidden}) and intermediate_hidden ({intermediate_hidden}) must be multiples "
+            f"of 128")
+    else:
+        assert intermediate_hidden % _INTERLEAVE == 0, (
+            f"MegaMoE bf16xbf16: intermediate_hidden ({intermediate_hidden}) must be a multiple of {_INTERLEAVE} "
+            f"(the L1 gate/up interleave)")
+    assert num_experts % num_ranks == 0, (
+        f"MegaMoE: num_experts ({num_experts}) must be a multiple of the group size ({num_ranks})")
+
+
 def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                                  intermediate_hidden: int, use_fp8_dispatch=None, mma_type: str = "fp8xfp4",
                                  activation: str = "swiglu", *, num_shared_experts: int = 0,
@@ -293,34 +324,37 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         num_shared_experts: 0-2 shared experts (keyword-only; DeepGEMM-Ascend extension).
         timeout_s: deadline of the Buffer's waits (default ``$DEEPEP_ASCEND_TIMEOUT_S``).
     Raises:
-        AssertionError: the checks of mega-moe.md §1.1 (same on every rank: same arguments).
+        AssertionError: the checks of mega-moe.md §1.1, on the rank whose arguments fail them (every rank
+            when all pass the same); the other ranks raise :class:`~deepep_ascend.ConsensusError` naming it.
+        ConsensusError: (a ``ValueError``) on every rank when ranks pass different arguments, naming each.
         ValueError: bad ``group``.
     """
-    assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
-    assert mma_type in ("fp8xfp4", "bf16xbf16"), f"MegaMoE: mma_type must be 'fp8xfp4' or 'bf16xbf16', got {mma_type!r}"
-    if use_fp8_dispatch is not None:
-        warnings.warn("get_symm_buffer_for_mega_moe: use_fp8_dispatch is deprecated; use mma_type",
-                      DeprecationWarning, stacklevel=2)
-        assert bool(use_fp8_dispatch) == (mma_type == "fp8xfp4"), (
-            f"MegaMoE: use_fp8_dispatch={use_fp8_dispatch} disagrees with mma_type={mma_type!r}")
-    for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
-                    ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
-        assert isinstance(v, int) and v >= (0 if name == "num_max_tokens_per_rank" else 1), (
-            f"MegaMoE: {name} must be a positive int, got {v!r}")
-    assert num_topk <= 32, f"MegaMoE: num_topk must be <= 32, got {num_topk}"
-    assert isinstance(num_shared_experts, int) and 0 <= num_shared_experts <= 2, (
-        f"MegaMoE: num_shared_experts must be 0, 1 or 2, got {num_shared_experts!r}")
-    if mma_type == "fp8xfp4":
-        assert hidden % 128 == 0 and intermediate_hidden % 128 == 0, (
-            f"MegaMoE fp8xfp4: hidden ({hidden}) and intermediate_hidden ({intermediate_hidden}) must be multiples "
-            f"of 128")
-    else:
-        assert intermediate_hidden % _INTERLEAVE == 0, (
-            f"MegaMoE bf16xbf16: intermediate_hidden ({intermediate_hidden}) must be a multiple of {_INTERLEAVE} "
-            f"(the L1 gate/up interleave)")
     comm = _mpi_comm_of(group, None)
-    assert num_experts % comm.Get_size() == 0, (
-        f"MegaMoE: num_experts ({num_experts}) must be a multiple of the group size ({comm.Get_size()})")
+    args = dict(num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
+                hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, activation=activation,
+                num_shared_experts=num_shared_experts)
+    err = None
+    try:
+        _check_symm_args(comm.Get_size(), use_fp8_dispatch=use_fp8_dispatch, **args)
+    except AssertionError as exc:
+        err = exc
+    # Before the Buffer, whose window sizes follow from these: a rank with other arguments would otherwise
+    # fail there on a window size, or build a buffer whose first call fails (num_experts), or none at all
+    # (intermediate_hidden); a rank whose checks failed would leave the others waiting in it.
+    gathered = quiet_allgather_object(comm, (None if err is None else str(err), args))
+    if err is not None:
+        raise err
+    me = comm.Get_rank()
+    bad = [(r, m) for r, (m, _a) in enumerate(gathered) if m is not None]
+    if bad:
+        raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe was rejected on rank(s) {[r for r, _ in bad]}: "
+                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
+    differ = [k for k in args if len({repr(a[k]) for _m, a in gathered}) > 1]
+    if differ:
+        raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe: ranks disagree on "
+                             + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {a[k]!r}" for r, (_m, a) in enumerate(gathered))
+                                         + ")" for k in differ)
+                             + "; every rank must pass the same arguments")
     return SymmBuffer(group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, mma_type,
                       activation, num_shared_experts, timeout_s)
 

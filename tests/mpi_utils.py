@@ -133,18 +133,9 @@ def wait(req) -> None:
     the harness waits as the library's own waits do (``transports.base.WaitPolicy``): poll, then
     sleep, when oversubscribed.
     """
-    if req.Test():
-        return
-    import time
+    from transports.base import quiet_wait
 
-    from transports.base import WaitPolicy
-
-    local = int(os.environ.get("MPI_LOCALNRANKS", world_nranks()))
-    for pause in WaitPolicy(local_ranks=local).pauses():
-        if req.Test():
-            return
-        if pause:
-            time.sleep(pause)
+    quiet_wait([req], int(os.environ.get("MPI_LOCALNRANKS", world_nranks())))
 
 
 def _allgatherv_bytes(data, counts: list, comm) -> list:

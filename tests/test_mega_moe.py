@@ -291,6 +291,34 @@ def test_constructor_checks(comm):
         assert isinstance(exc, AssertionError), (over, exc)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_constructor_arguments_must_agree_across_ranks(comm):
+    """Ranks passing different arguments all raise ``ConsensusError`` naming the argument and each rank's value
+    (found by a helper: a different num_experts built a buffer whose first call failed deep inside, a different
+    intermediate_hidden was never noticed, the others failed on a window size); a rank whose own arguments fail
+    the checks raises its ``AssertionError`` and the others a ``ConsensusError`` naming it, instead of waiting."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    last = size - 1
+    base = dict(num_experts=4 * size, num_max_tokens_per_rank=8, num_topk=2, hidden=128, intermediate_hidden=128,
+                mma_type="bf16xbf16")
+    for name, other in (("num_experts", 8 * size), ("intermediate_hidden", 256), ("hidden", 256), ("num_topk", 3),
+                        ("mma_type", "fp8xfp4")):
+        args = dict(base, **({name: other} if rank == last else {}))
+        _, exc = capture(lambda args=args: dea.get_symm_buffer_for_mega_moe(comm, **args))
+        want = f"rank {last}: {other!r}"
+        all_ranks_ok(comm, isinstance(exc, ConsensusError) and f"disagree on {name}" in str(exc) and want in str(exc),
+                     f"{name} differs on rank {last}: {exc!r}")
+    _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(comm, **dict(base, hidden=100 if rank == last else 128,
+                                                                            mma_type="fp8xfp4")))
+    if rank == last:
+        ok = isinstance(exc, AssertionError) and "hidden (100)" in str(exc)
+    else:
+        ok = isinstance(exc, ConsensusError) and f"rejected on rank(s) [{last}]" in str(exc)
+    all_ranks_ok(comm, ok, f"bad hidden on rank {last} only: {exc!r}")
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, **base, what="the same arguments afterwards")
+    coll(buf.destroy, what="destroy")
+
+
 class _nullctx:
     def __enter__(self):
         return self

@@ -4,7 +4,8 @@
 See ``shared/spec/transports.md`` for the contract this package implements.
 """
 
-from .base import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, Team, WaitPolicy, quiet_barrier, resolve_timeout
+from .base import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier,
+                   quiet_wait, resolve_timeout)
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportConfigError, TransportError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
@@ -35,7 +36,8 @@ def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
 __all__ = [
     "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
     "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport", "UbmemTransport",
-    "create_transport", "State", "Team", "WaitPolicy", "quiet_barrier", "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
+    "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier", "quiet_wait",
+    "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",
     "TransportRuntimeError",

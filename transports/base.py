@@ -80,25 +80,39 @@ def quiet_barrier(comm, ranks=None) -> None:
     data first).
     """
     import numpy as np
-    from mpi4py import MPI
 
-    pauses = WaitPolicy(local_ranks=comm.Get_size()).pauses()
-
-    def settle(reqs):
-        while not MPI.Request.Testall(reqs):
-            time.sleep(next(pauses))
-
+    n = comm.Get_size()
     if ranks is None:
-        settle([comm.Ibarrier()])
+        quiet_wait([comm.Ibarrier()], n)
         return
     ranks, me, empty = list(ranks), comm.Get_rank(), np.empty(0, dtype=np.uint8)
     root, others = ranks[0], ranks[1:]
     if me == root:
-        settle([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others])
-        settle([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others])
+        quiet_wait([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others], n)
+        quiet_wait([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others], n)
     else:
-        settle([comm.Isend(empty, dest=root, tag=QUIET_BARRIER_TAG)])
-        settle([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)])
+        quiet_wait([comm.Isend(empty, dest=root, tag=QUIET_BARRIER_TAG)], n)
+        quiet_wait([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)], n)
+
+
+def quiet_wait(requests, local_ranks: int) -> None:
+    """Complete the MPI ``requests`` by polling ``MPI_Testall`` and pausing between polls as
+    :class:`WaitPolicy` does for ``local_ranks`` ranks on this host (sleeping when they outnumber the
+    cores), instead of a blocking wait that spins in ``sched_yield``. No deadline."""
+    from mpi4py import MPI
+
+    pauses = WaitPolicy(local_ranks=local_ranks).pauses()
+    while not MPI.Request.Testall(requests):
+        pause = next(pauses)
+        if pause:
+            time.sleep(pause)
+
+
+def quiet_allgather_object(comm, obj) -> list:
+    """Every rank's picklable ``obj`` in rank order (:func:`allgather_object`), waiting with :func:`quiet_wait`:
+    for collective constructors, before any transport (and its deadline) exists. No deadline, like
+    :func:`quiet_barrier`."""
+    return allgather_object(comm, obj, lambda req: quiet_wait([req], comm.Get_size()))
 
 
 def allgatherv_bytes(comm, data, counts: list, wait) -> list:
