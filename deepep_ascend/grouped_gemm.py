@@ -5,8 +5,11 @@ second B's (``t`` = ``[N, K]``, ``n`` = ``[K, N]``); every variant computes
 ``D[M, N] (+)= op(A) @ op(B)``, so ``_nt`` is ``A @ B.T``. Results are written into ``d`` in
 place (any strides); the functions return ``None`` like DeepGEMM.
 
-Math. BF16: ``d = bf16(A @ B.T)`` with float32 accumulation (on AMX CPUs denormal bf16 inputs and
-products are flushed to zero, by the library's AMX kernel and by oneDNN's alike). FP8/FP4:
+Math. BF16: ``d = bf16(A @ B.T)`` with float32 accumulation. The packed paths below (the library's AMX
+kernel, oneDNN's packed inner product on AMX or AVX512-BF16) flush denormal bf16 inputs and products to
+zero, as the hardware's bf16 dot products do; ``torch.matmul``, which multiplies weights that are not
+packed (caches off or full, weights that require grad), keeps them, so products of denormal operands
+depend on the path (found on an AVX512-BF16 CPU: 2^-126 from the matmul, 0 from the packed weights). FP8/FP4:
 each operand is a ``(data, sf)`` pair and is dequantized first, ``deq[mn, k] = value(data[mn,
 k]) * sf[mn // gran_mn, k // gran_k]`` in float32 (FP4 values from the e2m1 table), then
 ``d = bf16(deq(A) @ deq(B).T)``. When both dequantized operands are exactly representable in
