@@ -349,7 +349,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     if bad:
         raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe was rejected on rank(s) {[r for r, _ in bad]}: "
                              + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    differ = [k for k in args if len({repr(a[k]) for _m, a in gathered}) > 1]
+    differ = [k for k in args if any(a[k] != gathered[0][1][k] for _m, a in gathered)]
     if differ:
         raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe: ranks disagree on "
                              + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {a[k]!r}" for r, (_m, a) in enumerate(gathered))
