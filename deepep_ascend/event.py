@@ -31,6 +31,12 @@ class EventHandle:
         if self._future is not None:
             self._future.result()
 
+    def exception(self) -> BaseException | None:
+        """The task's exception once it finished with one, else ``None`` (still running, or succeeded; not in
+        DeepEP): lets a caller that failed because of it report it as the cause."""
+        f = self._future
+        return f.exception() if f is not None and f.done() and not f.cancelled() else None
+
 
 class EventOverlap:
     """Mirror of ``deep_ep.EventOverlap``: an optional event plus tensors kept alive until the wait.

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transports import quiet_allgather_object
+from transports import TransportPoisoned, quiet_allgather_object
 
 from . import grouped_gemm as _gg
 from . import native as _native
@@ -853,6 +853,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
         s0 = now()
         out = buf.dispatch(rows, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=itr,
                            num_tokens_per_expert=ntpe, topk_idx=tidx, topk_weights=tw, async_finish=overlap)
+        issued.append(out[5])
         return out, _mark("dispatch", w, s0)
 
     def _mark(op_name, w, s0):
@@ -869,6 +870,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
 
     op_dtype = _operand_dtype(engine)
     pending = []  # (wave, combined, event)
+    issued = []  # every dispatch's and combine's EventOverlap, in the worker's order
 
     def compute_l1(w, recv):
         # Rows sorted (stably) by local expert, unpadded: the fused op needs no aligned layout in memory.
@@ -908,6 +910,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
     def combine(w, o, handle):
         s0 = now()
         combined, _cw, ev = buf.combine(o, handle, async_finish=overlap)
+        issued.append(ev)
         _mark("combine", w, s0)
         pending.append((w, combined, ev))
 
@@ -930,8 +933,13 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
         for w, combined, ev in pending:
             if ev.event is not None:
                 ev.current_stream_wait()
-    except BaseException:
+    except BaseException as exc:
         buf.get_comm_stream().drain()
+        if isinstance(exc, TransportPoisoned):  # refused because an op on the worker failed first: report that
+            first = next((e for e in (ev.event.exception() for ev in issued if ev.event is not None)
+                          if e is not None), None)
+            if first is not None:
+                raise first from exc
         raise
     worker.drain()
 

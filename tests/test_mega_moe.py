@@ -485,28 +485,44 @@ def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch):
+@pytest.mark.parametrize("where,epw", [("_activation", None), ("l2", 1)])
+def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch, where, epw):
     """A rank whose expert compute raises after the call's consensus aborts the Buffer: it raises its own error,
     and the others raise ``TransportAborted`` naming it and its reason instead of waiting out the deadline (30 s
-    here, far past when they would otherwise time out in the combine) for rows it will never send."""
+    here, far past when they would otherwise time out in the combine) for rows it will never send. With two
+    waves and the failure in wave 0's L2 the peers' worker meets the abort first and their next call on the
+    caller is refused: the call still raises the worker's ``TransportAborted`` (found by a helper: it raised the
+    refusal, a ``TransportPoisoned``)."""
     from deepep_ascend import mega_moe as mm
     from transports import TransportAborted
 
     rank, size = comm.Get_rank(), comm.Get_size()
     last = size - 1
-    if rank == last:
-        def broken(*args, **kwargs):
-            raise RuntimeError("injected activation failure")
-        monkeypatch.setattr(mm, "_activation", broken)
-    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=30.0,
-               what="symm buffer")
+    el = 4
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, el * size, 8, 2, 64, 16, mma_type="bf16xbf16",
+               timeout_s=30.0, what="symm buffer")
     try:
-        w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
-        l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
-        buf.topk_idx[:4] = torch.arange(8).view(4, 2) % (2 * size)  # every rank gets rows from every rank
-        buf.topk_weights[:4] = 0.5
-        y = torch.empty(4, 64, dtype=BF16)
-        _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf))
+        w, _ = _weights("bf16", el * size, 64, 16, seed=3)
+        l1, l2 = dea.transform_weights_for_mega_moe(w[0][el * rank:el * (rank + 1)], w[1][el * rank:el * (rank + 1)])
+        buf.topk_idx[:6] = torch.arange(12).view(6, 2) % (el * size)  # rows for every rank
+        buf.topk_weights[:6] = 0.5
+        y = torch.empty(6, 64, dtype=BF16)
+        coll(dea.bf16_mega_moe, y, l1, l2, buf, num_experts_per_wave=epw, what="a call before the failure")
+        if rank == last:
+            if where == "l2":
+                real, calls = mm._expert_gemm, []
+
+                def broken(*args, **kwargs):  # calls per wave: L1, then L2
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise RuntimeError("injected activation failure")
+                    return real(*args, **kwargs)
+                monkeypatch.setattr(mm, "_expert_gemm", broken)
+            else:
+                def broken(*args, **kwargs):
+                    raise RuntimeError("injected activation failure")
+                monkeypatch.setattr(mm, "_activation", broken)
+        _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf, num_experts_per_wave=epw))
         if rank == last:
             ok = isinstance(exc, RuntimeError) and "injected activation failure" in str(exc)
         else:
