@@ -126,6 +126,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
     _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     _check(t.device.type == "cpu", ValueError, f"`{name}` must be a CPU tensor, got device {t.device}")
+    _check(t.layout == torch.strided and not t.is_nested, ValueError,  # sparse, mkldnn or nested: no plain memory
+           f"`{name}` must be a dense (strided) tensor, got {'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
     if dtype is not None:
         _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
     if ndim is not None:

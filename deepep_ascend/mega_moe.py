@@ -88,6 +88,7 @@ compute intervals on the caller and communication intervals on the worker;
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 import warnings
@@ -341,7 +342,12 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     # Before the Buffer, whose window sizes follow from these: a rank with other arguments would otherwise
     # fail there on a window size, or build a buffer whose first call fails (num_experts), or none at all
     # (intermediate_hidden); a rank whose checks failed would leave the others waiting in it.
-    gathered = quiet_allgather_object(comm, (None if err is None else str(err), args))
+    # Plain values, compared for what they mean (True is 1, capacities 8 and 300 are both 384 rows) and always
+    # picklable; a rank whose checks failed sends its message only.
+    mine = None if err is not None else {k: v if isinstance(v, str) else int(v) for k, v in args.items()}
+    if mine is not None:
+        mine["num_max_tokens_per_rank"] = _align(max(1, num_max_tokens_per_rank), _TOKEN_ALIGN)
+    gathered = quiet_allgather_object(comm, (None if err is None else str(err), mine))
     if err is not None:
         raise err
     me = comm.Get_rank()
@@ -349,7 +355,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     if bad:
         raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe was rejected on rank(s) {[r for r, _ in bad]}: "
                              + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    differ = [k for k in args if any(a[k] != gathered[0][1][k] for _m, a in gathered)]
+    differ = [k for k in mine if any(a[k] != mine[k] for _m, a in gathered)]
     if differ:
         raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe: ranks disagree on "
                              + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {a[k]!r}" for r, (_m, a) in enumerate(gathered))
@@ -631,7 +637,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         raise ValueError(f"{op}: activation must be 'swiglu', got {activation!r}")
     if recipe is not None and tuple(recipe) != (1, 1, 32):
         raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
-    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp >= 0):
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, numbers.Real) or not clamp >= 0):
         raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
@@ -731,9 +737,10 @@ def _wave_override(num_experts_per_wave, op: str):
     """The wave size asked for on this rank: the keyword, else ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``,
     else ``None`` (the default rule). Raises ``ValueError`` naming the keyword or the variable."""
     if num_experts_per_wave is not None:
-        if isinstance(num_experts_per_wave, bool) or not isinstance(num_experts_per_wave, int) or num_experts_per_wave < 1:
+        if (isinstance(num_experts_per_wave, bool) or not isinstance(num_experts_per_wave, numbers.Integral)
+                or num_experts_per_wave < 1):
             raise ValueError(f"{op}: num_experts_per_wave must be a positive int, got {num_experts_per_wave!r}")
-        return num_experts_per_wave
+        return int(num_experts_per_wave)
     env = os.environ.get(_WAVE_ENV, "").strip()
     if not env:
         return None
@@ -777,7 +784,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
          shared_l1, shared_l2, overlap, num_experts_per_wave, op):
     sb = sym_buffer
     me = getattr(sb, "rank", 0)
-    err, counts, t, shared, override = None, None, 0, None, None
+    err, counts, t, shared, override, settings = None, None, 0, None, None, None
     try:
         t, shared = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_clamp, shared_l1,
                               shared_l2, recipe, op)
@@ -785,12 +792,12 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         valid = idx >= 0
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
         override = _wave_override(num_experts_per_wave, op)
+        # what every rank must pass alike (each rank's experts serve every rank's tokens), as plain values
+        settings = (override, None if activation_clamp is None else float(activation_clamp), bool(fast_math))
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
         err = exc
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
-    # what every rank must pass alike: each rank's experts serve every rank's tokens
-    settings = (override, activation_clamp, bool(fast_math))
     gathered = _consensus(sb, (None if err is None else f"{type(err).__name__}: {err}",
                                None if counts is None else counts.numpy(), settings), op)
     bad = [(r, m) for r, (m, _c, _o) in enumerate(gathered) if m is not None]

@@ -143,8 +143,9 @@ def _check_storage(name: str, t: torch.Tensor) -> torch.Tensor:
     sparse or other device's one is not memory the CPU kernels can read, so neither may reach them."""
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.layout != torch.strided or t.is_nested:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got "
+                         f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
     return t
 
 
@@ -199,16 +200,19 @@ def e4m3_to_float(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     ``2**8`` (exact); NaN codes cost one more masked pass. ``x`` any shape and strides
     (``float8_e4m3fn``, or its bytes as int8/uint8); ``out`` optional float32 of the same shape, not
     overlapping itself (written and returned). Raises ``TypeError`` for a non-tensor or a wrong
-    dtype of ``x``, ``ValueError`` for a wrong ``out``.
+    dtype of ``x``, ``ValueError`` for a wrong ``out`` or for either not a dense CPU tensor.
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
         raise TypeError(f"x must be a float8_e4m3fn tensor (or its int8/uint8 bytes), got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    _check_storage("x", x)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.float32)
     elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != tuple(x.shape):
         raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)}, got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    else:
+        _check_storage("out", out)
     if x.dim() == 0:  # the NaN pass indexes by position: give it one dimension
         e4m3_to_float(x.reshape(1), out.view(1))
         return out

@@ -257,6 +257,14 @@ BAD_INPUTS = [
     Bad("combine_topk_weights_float64", "combine", TypeError,
         lambda c: (c.buf.combine, (c.recv_x, c.handle), dict(topk_weights=c.recv_w.double())), needs=("handle",),
         match="topk_weights"),
+    # no plain memory (found by a helper: a sparse or mkldnn topk_weights passed the checks and failed after
+    # the first round, losing the buffer; a sparse x failed with an opaque error)
+    Bad("dispatch_topk_weights_sparse", "dispatch", ValueError,
+        dispatch_bad(lambda c: (c.x, dict(topk_weights=c.w.to_sparse()))), match="dense"),
+    Bad("dispatch_x_sparse", "dispatch", ValueError, dispatch_bad(lambda c: (c.x.to_sparse(), {})), match="dense"),
+    Bad("combine_topk_weights_mkldnn", "combine", ValueError,
+        lambda c: (c.buf.combine, (c.recv_x, c.handle), dict(topk_weights=c.recv_w.to_mkldnn())), needs=("handle",),
+        match="dense"),
     Bad("combine_topk_weights_wrong_rows", "combine", ValueError,
         lambda c: (c.buf.combine, (c.recv_x, c.handle), dict(topk_weights=torch.zeros(c.recv_w.size(0) + 1, K))),
         needs=("handle",), match="topk_weights"),

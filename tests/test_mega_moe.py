@@ -15,6 +15,7 @@ wave's L1 (so the worker has that communication in flight while the caller compu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from buffer_helpers import all_ranks_ok, capture, coll
@@ -315,6 +316,10 @@ def test_constructor_arguments_must_agree_across_ranks(comm):
     else:
         ok = isinstance(exc, ConsensusError) and f"rejected on rank(s) [{last}]" in str(exc)
     all_ranks_ok(comm, ok, f"bad hidden on rank {last} only: {exc!r}")
+    # the same values spelled otherwise are the same arguments: True is 1, capacities 8 and 300 both hold 384 rows
+    spelled = dict(base, num_topk=True if rank == last else 1, num_max_tokens_per_rank=300 if rank == last else 8)
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, **spelled, what="equal values spelled otherwise")
+    coll(buf.destroy, what="destroy")
     buf = coll(dea.get_symm_buffer_for_mega_moe, comm, **base, what="the same arguments afterwards")
     coll(buf.destroy, what="destroy")
 
@@ -413,6 +418,10 @@ def test_errors_on_every_rank(env, comm):
         _, exc = capture(lambda: call(y, l1, l2, buf, fast_math=rank != 0))
         all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on fast_math" in str(exc),
                      f"mismatched fast_math: {exc!r}")
+        # numbers of other types that mean the same are the same (numpy scalars, 1 for True)
+        np_kw = dict(activation_clamp=np.float32(10.0), num_experts_per_wave=np.int64(1), fast_math=1) if rank == 0 \
+            else dict(activation_clamp=10, num_experts_per_wave=1, fast_math=True)
+        coll(call, y, l1, l2, buf, **np_kw, what="equal settings spelled otherwise")
     # transform rejects sizes its layout cannot take
     _, exc = capture(lambda: dea.transform_weights_for_mega_moe(torch.zeros(1, 12, 8, dtype=BF16),
                                                                 torch.zeros(1, 8, 6, dtype=BF16)))
