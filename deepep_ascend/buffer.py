@@ -26,6 +26,7 @@ from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import (HEADER_BYTES, NUM_SLOTS, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, IntranodeEngine,
                         dtype_code)
 from .layout import dispatch_layout, topk_idx_t
+from .quant import _storage_problem
 
 #: Bytes of each rank's recv_x landing segment (default: ``num_nvl_bytes``; 0: none). See :class:`Buffer`.
 LANDING_BYTES_ENV = "DEEPEP_ASCEND_LANDING_BYTES"
@@ -125,9 +126,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
     _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    _check(t.device.type == "cpu", ValueError, f"`{name}` must be a CPU tensor, got device {t.device}")
-    _check(t.layout == torch.strided and not t.is_nested, ValueError,  # sparse, mkldnn or nested: no plain memory
-           f"`{name}` must be a dense (strided) tensor, got {'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
+    problem = _storage_problem(t)
+    _check(problem is None, ValueError, f"`{name}` {problem}")
     if dtype is not None:
         _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
     if ndim is not None:

@@ -327,7 +327,8 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     Raises:
         AssertionError: the checks of mega-moe.md §1.1, on the rank whose arguments fail them (every rank
             when all pass the same); the other ranks raise :class:`~deepep_ascend.ConsensusError` naming it.
-        ConsensusError: (a ``ValueError``) on every rank when ranks pass different arguments, naming each.
+        ConsensusError: (a ``ValueError``) on every rank when ranks pass different arguments, naming the
+            argument and every rank's value.
         ValueError: bad ``group``.
     """
     comm = _mpi_comm_of(group, None)
@@ -350,17 +351,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     gathered = quiet_allgather_object(comm, (None if err is None else str(err), mine))
     if err is not None:
         raise err
-    me = comm.Get_rank()
-    bad = [(r, m) for r, (m, _a) in enumerate(gathered) if m is not None]
-    if bad:
-        raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe was rejected on rank(s) {[r for r, _ in bad]}: "
-                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    differ = [k for k in mine if any(a[k] != mine[k] for _m, a in gathered)]
-    if differ:
-        raise ConsensusError(f"rank {me}: get_symm_buffer_for_mega_moe: ranks disagree on "
-                             + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {a[k]!r}" for r, (_m, a) in enumerate(gathered))
-                                         + ")" for k in differ)
-                             + "; every rank must pass the same arguments")
+    _check_agreement(comm.Get_rank(), "get_symm_buffer_for_mega_moe", gathered)
     return SymmBuffer(group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, mma_type,
                       activation, num_shared_experts, timeout_s)
 
@@ -765,6 +756,22 @@ def _experts_per_wave(sb, counts, override):
     return -(-el // waves)
 
 
+def _check_agreement(me: int, op: str, gathered: list) -> None:
+    """Raise :class:`~deepep_ascend.ConsensusError` when any rank rejected ``op`` or ranks passed different
+    values; ``gathered``: per rank, in rank order, ``(its error message or None, its dict of what every rank
+    must pass alike)``. Every rank sees the same list, so every rank raises the same error."""
+    bad = [(r, m) for r, (m, _v) in enumerate(gathered) if m is not None]
+    if bad:
+        raise ConsensusError(f"rank {me}: {op} was rejected on rank(s) {[r for r, _ in bad]}: "
+                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
+    first = gathered[0][1]
+    for name in first:
+        if any(v[name] != first[name] for _m, v in gathered):
+            raise ConsensusError(f"rank {me}: {op}: ranks disagree on {name}: "
+                                 + ", ".join(f"rank {r}: {v[name]!r}" for r, (_m, v) in enumerate(gathered))
+                                 + "; every rank must pass the same value")
+
+
 def _consensus(sb, verdict, op) -> list:
     """Every rank's ``verdict`` (its error text or None, its per-expert pair counts, its wave override), in
     rank order. Ranks first meet at the transport's barrier, then all-gather through the transport
@@ -793,26 +800,18 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
         override = _wave_override(num_experts_per_wave, op)
         # what every rank must pass alike (each rank's experts serve every rank's tokens), as plain values
-        settings = (override, None if activation_clamp is None else float(activation_clamp), bool(fast_math))
+        settings = {f"num_experts_per_wave (keyword, else ${_WAVE_ENV}; None = default)": override,
+                    "activation_clamp": None if activation_clamp is None else float(activation_clamp),
+                    "fast_math": bool(fast_math)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
         err = exc
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
     gathered = _consensus(sb, (None if err is None else f"{type(err).__name__}: {err}",
                                None if counts is None else counts.numpy(), settings), op)
-    bad = [(r, m) for r, (m, _c, _o) in enumerate(gathered) if m is not None]
     if err is not None:
         raise err
-    if bad:
-        raise ConsensusError(f"rank {me}: {op} was rejected on rank(s) {[r for r, _ in bad]}: "
-                             + "; ".join(f"rank {r}: {m}" for r, m in bad))
-    what = (f"num_experts_per_wave (keyword, else ${_WAVE_ENV}; None = default)", "activation_clamp", "fast_math")
-    for j, name in enumerate(what):  # every rank sees the same lists, so every rank raises the same error
-        values = [o[j] for _m, _c, o in gathered]
-        if len(set(values)) > 1:
-            raise ValueError(f"rank {me}: {op}: ranks disagree on {name}: "
-                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                             + "; every rank must pass the same value")
+    _check_agreement(me, op, [(m, o) for m, _c, o in gathered])
     cmat = torch.stack([torch.from_numpy(c) for _m, c, _o in gathered])  # [R, E] pairs each rank sends per expert
 
     try:
@@ -1039,7 +1038,7 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
         TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
             :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves; ranks
             passing different ``num_experts_per_wave``, ``activation_clamp`` or ``fast_math`` (each rank's
-            experts serve every rank's tokens): ``ValueError`` on every rank. Tensors must be dense CPU
+            experts serve every rank's tokens): ``ConsensusError`` on every rank. Tensors must be dense CPU
             tensors (a ``meta`` or sparse one: ``ValueError``).
         TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`; also when a rank does
             not enter the call within the buffer's timeout (``TimeoutError`` naming it, on the ranks that

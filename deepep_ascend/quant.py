@@ -138,14 +138,21 @@ def get_tma_aligned_size(mn: int, element_size: int) -> int:
     return align(mn, 16 // element_size)
 
 
-def _check_storage(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` if it is a dense CPU tensor, else ``ValueError`` naming it: a ``meta`` tensor has no data and a
-    sparse or other device's one is not memory the CPU kernels can read, so neither may reach them."""
+def _storage_problem(t: torch.Tensor) -> str | None:
+    """Why ``t`` is not a dense CPU tensor (``"must be ..., got ..."``), or None: a ``meta`` tensor has no data,
+    and a sparse, mkldnn, nested or other device's one is not memory the CPU kernels can read."""
     if t.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+        return f"must be a CPU tensor, got device {t.device}"
     if t.layout != torch.strided or t.is_nested:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got "
-                         f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
+        return f"must be a dense (strided) tensor, got {'a nested tensor' if t.is_nested else f'layout {t.layout}'}"
+    return None
+
+
+def _check_storage(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a dense CPU tensor, else ``ValueError`` naming it (:func:`_storage_problem`)."""
+    problem = _storage_problem(t)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
     return t
 
 
