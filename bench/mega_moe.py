@@ -17,8 +17,10 @@ scales around 2^-5), from ``--seed``.
 
 Systems, interleaved in every iteration on the same inputs:
 
-* ``fused``: :func:`deepep_ascend.fp8_fp4_mega_moe` / ``bf16_mega_moe`` (expert waves; the
-  Buffer's worker moves wave w+1 and combines wave w-1 while the caller computes wave w);
+* ``fused``: :func:`deepep_ascend.fp8_fp4_mega_moe` / ``bf16_mega_moe`` (expert waves; backend
+  ``--backend``, default the library's: ``shm`` on one node, where the worker pulls wave w+1's rows from
+  the peers' segments while the caller computes wave w and the final sum reads every L2 row where it
+  lies, or ``buffer``, where the Buffer's worker moves wave w+1 and combines wave w-1);
 * ``serial``: the same call with ``overlap=False`` (same waves, synchronous communication); its own
   stage times (``buf.last_trace.stage_times()``: l1, act, l2, shared, reduce, dispatch, combine) are
   printed next to the unfused stages, to show where the fused call spends less;
@@ -98,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--shared", type=int, default=1, help="shared experts (default 1)")
     p.add_argument("--clamp", type=float, default=10.0, help="activation_clamp (default 10; <0 = None)")
     p.add_argument("--experts-per-wave", type=int, default=None, help="fused wave size (default: library's)")
+    p.add_argument("--backend", choices=("shm", "buffer"), default=None,
+                   help="how the fused call moves rows (SymmBuffer.backend; default: the library's, shm on one node)")
     p.add_argument("--compare-waves", type=_wave_list, default=[], metavar="N,N,...",
                    help="also time the fused call cut into these numbers of waves, interleaved with the rest")
     p.add_argument("--iters", type=C.int_at_least(1), default=5)
@@ -349,7 +353,7 @@ def main(argv=None) -> int:
         args.experts = -(-args.experts // R) * R
     buf = dea.get_symm_buffer_for_mega_moe(comm, args.experts, args.tokens, args.topk, args.hidden, args.inter,
                                            mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
-                                           num_shared_experts=args.shared)
+                                           num_shared_experts=args.shared, backend=args.backend)
     emulator = C.use_link_emulator(buf.ep_buffer.runtime, args.emulator)
     el = buf.num_local_experts
     w_nat, (l1, l2), shared = make_weights(args, rank, el)
@@ -386,7 +390,7 @@ def main(argv=None) -> int:
     times = {k: [] for k in ("fused", "serial", "unfused") + Unfused.stages + ("act_library",)
              + ("gemm_l1", "gemm_l2", "fused_gemm_l1", "fused_gemm_l2", "mm_l1", "mm_l2", "weights_copy")
              + tuple(wave_runs)}
-    fractions, hidden_s, busy_s, waves = [], [], [], None
+    fractions, hidden_s, busy_s, waves, path = [], [], [], None, None
     serial_stages = []  # per iteration: the serial call's own stage times (its trace), seconds
     engine = M.gemm_engine()
     cached = M._untransformed("bf16" if args.mma == "bf16" else "fp8xfp4", l1, l2, engine)  # what the fused call uses
@@ -418,6 +422,7 @@ def main(argv=None) -> int:
             tr = buf.last_trace
             ov = tr.overlap()
             waves = (tr.num_waves, tr.experts_per_wave)
+            path = tr.backend
             rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
             serial_trace = buf.last_trace.stage_times()
             for label, epw in wave_runs.items():
@@ -458,7 +463,10 @@ def main(argv=None) -> int:
     by_kind = comm.gather(LinkStats.bytes_by_kind(moved), root=0)
     projection = C.project_phases({"fused": moved}, comm, args.profile,
                                   {"fused": n_pairs_recv * pair_b})
+    buf_backend = buf.backend
     buf.destroy()
+    path_text = {"shm": "pulled from the peers' segments, outputs read where they lie",
+                 "buffer": "through the Buffer's normal-mode dispatch and combine"}[path]
 
     med = {k: statistics.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
@@ -497,7 +505,7 @@ def main(argv=None) -> int:
     out.append(f"[config] fingerprint {fp} | ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
                f"{load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: E {args.experts} "
                f"(local {el}), K {args.topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
-               f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend Buffer normal mode (UBMEM shm), "
+               f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend {buf_backend} (the fused call's rows: {path_text}), "
                f"iters {args.iters} (+{args.warmup} warm-up)")
     gc_ms = sum(r["gc_full_s"] for r in allr) / R * 1e3
     out.append(f"[gc] the collector is paused during the iterations (as in bench.normal); one full collection "

@@ -9,15 +9,29 @@ Public surface (DeepGEMM 2.6 names, exported at the package top level):
 
 How a call runs (design.md "mega_moe.py"; mega-moe.md §5, CPU design)
 -----------------------------------------------------------------------
-Everything moves through the normal-mode :class:`deepep_ascend.Buffer` that the symmetric buffer
-owns (``sym_buffer.ep_buffer``); no low-latency path is used.
+Two backends (``sym_buffer.backend``, chosen at construction; the same ``y`` bit for bit):
+
+* ``shm`` (the default when every rank is on one node; mega-moe.md §5 "shm pulls from peer windows"):
+  the views ``x``, ``x_sf``, ``topk_idx``, ``topk_weights`` lie in a node-shared segment
+  (:meth:`transports.Transport.create_segment`) that every rank maps, next to an output area for
+  the L2 rows a rank computes. After the consensus every rank's inputs are final, so a dispatch is a
+  pull: each rank gathers its experts' pair rows straight from the peers' views (one copy, no
+  synchronisation). L2 writes into the output area, and after one barrier every rank sums its pairs'
+  rows where they lie in their owners' areas (positions from the all-gathered counts): the combine
+  is the final sum's reads. A call is two synchronisations: the consensus and that barrier. A call
+  whose received rows overfill some rank's area (only when the area is capped at 256 MiB) takes
+  the Buffer's path, on every rank alike.
+* ``buffer`` (across nodes, or asked for): rows move through the normal-mode
+  :class:`deepep_ascend.Buffer` that the symmetric buffer owns (``sym_buffer.ep_buffer``;
+  dispatch of pair rows, combine with the dispatch's handle). No low-latency path is used.
 
 1. **Validation, then consensus.** Each rank checks its own arguments (shapes, dtypes, sizes,
    ``num_tokens <= num_max_tokens_per_rank``, expert ids, weights against the buffer) *before*
    anything moves; then the ranks meet at the transport's barrier (it sleeps while it waits and
    has the Buffer's deadline: a rank that never comes is named in a ``TimeoutError``, not waited
-   for forever), and one small all-gather (polled the same way) carries each rank's
-   verdict and its per-expert pair counts. If any rank failed, every rank raises: the failing
+   for forever), which carries each rank's verdict, token count and per-expert pair counts: in
+   its segment (``shm``; read after the barrier) or in one small all-gather after it (``buffer``;
+   polled the same way). If any rank failed, every rank raises: the failing
    rank its own error (``TypeError``/``ValueError``), the others a
    :class:`deepep_ascend.ConsensusError` (a ``ValueError``) naming it. The buffer stays usable.
 2. **Pairs, not tokens.** Every valid (token, k) slot is one dispatched row (upstream's
@@ -28,9 +42,10 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    rank; keyword ``num_experts_per_wave`` or ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``). The
    default, from the all-gathered counts, is one wave per 24 MiB that a rank moves (dispatch and
    combine bytes of the pairs it receives, on average), rounded, between 1 and ``min(4, E_l)``.
-   Every wave costs a cross-rank synchronisation per dispatch and combine (waiting for the
-   slowest rank included) and hides only its share of the data movement, so small payloads run
-   as one wave. Measured here (``python -m bench.mega_moe --compare-waves 1,2,4``; README):
+   With the ``buffer`` backend every wave costs a cross-rank synchronisation per dispatch and
+   combine (waiting for the slowest rank included) and hides only its share of the data movement,
+   so small payloads run as one wave (``shm`` waves need no synchronisation, only a hand-off to the
+   worker; the same rule keeps the results of both backends alike). Measured here (``python -m bench.mega_moe --compare-waves 1,2,4``; README):
    ``cpu-pro-mini`` (9.5 MB per rank) ran as fast with one wave as with two and slower with four;
    ``cpu-comm-heavy`` (50 MB) ran 23-35 % slower with one wave than with two. Wave ``w``
    dispatches the pairs whose local expert id (``e % E_l``) lies in the wave. Received rows are
@@ -53,9 +68,11 @@ owns (``sym_buffer.ep_buffer``); no low-latency path is used.
    matmul per expert on the same values (same math, only the summation order may differ; the
    cache then holds float32, ``12·H·I`` bytes per expert instead of ``6·H·I``): on the AVX2-only
    EPYC of this VM torch's bf16 matmul ran at 0.4-7 GFLOP/s against 17-44 for float32.
-5. **Pipeline.** The caller's thread computes, the Buffer's worker communicates
-   (``async_finish=True`` + :class:`~deepep_ascend.EventOverlap`); torch's GEMMs and copies
-   release the GIL. Per wave ``w``::
+5. **Pipeline.** The caller's thread computes, the Buffer's worker communicates; torch's GEMMs and
+   copies release the GIL. ``shm``: the worker pulls wave ``w+1`` (issued after L1(w)) while the
+   caller runs SwiGLU and L2 of wave ``w``; wave 0 is pulled on the caller, which needs it at once; the
+   shared expert runs before the barrier. ``buffer`` (``async_finish=True`` +
+   :class:`~deepep_ascend.EventOverlap`), per wave ``w``::
 
         wait dispatch(w) ─ L1(w) ║ worker: combine(w-1)
         issue dispatch(w+1) ─ SwiGLU(w), L2(w) ║ worker: dispatch(w+1) data
@@ -127,6 +144,10 @@ _SF_GRAN = 32
 _WAVE_BYTES = 24 << 20  # rows a rank moves (dispatch + combine) per wave by default; see _experts_per_wave
 _MAX_WAVES = 4
 _MAX_WINDOW_BYTES = 256 << 20
+_MAX_OUT_BYTES = 256 << 20  # cap of the shm backend's L2 output area per rank (a fuller call takes the Buffer)
+_BACKEND_ENV = "DEEPEP_ASCEND_MEGA_MOE_BACKEND"
+_BACKENDS = ("shm", "buffer")
+_VERDICT_HEAD, _VERDICT_MSG = 128, 2048  # shm consensus record: 16 float64 words, E int64 counts, message bytes
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
@@ -163,16 +184,17 @@ def _operand_dtype(engine: str) -> torch.dtype:
     return BF16 if engine == "bf16" else torch.float32
 
 
-def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
+def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list, out: torch.Tensor | None = None) -> torch.Tensor:
     """``d [n, N]`` bf16: rows ``bounds[g]:bounds[g+1]`` of ``a [n, K]`` (sorted by expert, no padding rows)
     times ``w[g].T``, float32 accumulation, one bf16 rounding. ``w``: ``[G, N, K]``, or (``bf16`` engine) a
     tuple of ``G`` packed ``[N, K]`` weights, AMX or oneDNN (:func:`~deepep_ascend.grouped_gemm._pack_groups`).
     ``bf16`` engine: bf16 operands; ``fp32``: one float32 matmul per group on the same bf16 values (``a``
-    bf16 or float32 holding bf16 values, ``w`` float32)."""
+    bf16 or float32 holding bf16 values, ``w`` float32). ``out``: a contiguous ``[n, N]`` bf16 tensor to
+    write ``d`` into (returned), else a new one."""
     n = a.size(0)
     if engine == "bf16":
         packed = w if isinstance(w, tuple) else None
-        d = torch.empty(n, w[0].size(0) if packed else w.size(1), dtype=BF16)
+        d = out if out is not None else torch.empty(n, w[0].size(0) if packed else w.size(1), dtype=BF16)
         runs = [(g, bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1) if bounds[g + 1] > bounds[g]]
         if not _amx_runs(packed, d, lambda: a, runs):
             for g, s, e in runs:
@@ -184,7 +206,7 @@ def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list) -> torch.Tensor:
         s, e = bounds[g], bounds[g + 1]
         if e > s:
             torch.matmul(af[s:e], w[g].t(), out=df[s:e])
-    return df.to(BF16)
+    return df.to(BF16) if out is None else out.copy_(df)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,13 +218,17 @@ class SymmBuffer:
 
     Attributes:
         group: the group given to the constructor; ``ep_buffer``: the normal-mode
-            :class:`~deepep_ascend.Buffer` that moves the rows; ``num_ranks``, ``rank``.
+            :class:`~deepep_ascend.Buffer` (its transport's barrier and deadline; with the ``buffer``
+            backend it moves the rows); ``num_ranks``, ``rank``.
+        backend: ``'shm'`` (every rank in one UBMEM domain: peers pull inputs from each other's segments
+            and read L2 outputs where they lie) or ``'buffer'`` (rows through the ``ep_buffer``).
         num_experts, num_topk, hidden, intermediate_hidden, num_shared_experts, mma_type,
         activation: the constructor's arguments; ``num_local_experts = num_experts // num_ranks``.
         num_max_tokens_per_rank: rounded up to a multiple of 384 (upstream's rule).
         num_ring_tokens: rows of the scratch ``l1_acts``/``l2_acts`` views (free on CPU).
-        buffer: flat int8 tensor backing every view (private memory; rows move through the
-            ``ep_buffer``'s UBMEM window).
+        buffer: flat int8 tensor backing every view: this rank's part of a node-shared segment (``shm``;
+            the same segment then holds an output area of ``min(R·Tmax·K, 256 MiB / 2H)`` rows of
+            ``H`` bf16) or private memory (``buffer``).
         x: ``[Tmax, H]`` bf16 (``bf16xbf16``) or float8_e4m3fn (``fp8xfp4``).
         x_sf: ``[Tmax, H/128]`` int32, four UE8M0 bytes (one per 32 channels) per int, row-major
             (fp8 only; ``None`` for bf16).
@@ -213,7 +239,7 @@ class SymmBuffer:
     """
 
     def __init__(self, group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                 mma_type, activation, num_shared_experts, timeout_s=None):
+                 mma_type, activation, num_shared_experts, timeout_s=None, backend=None):
         self.group = group
         self.num_ranks, self.rank = comm.Get_size(), comm.Get_rank()
         self.num_experts, self.num_topk = num_experts, num_topk
@@ -238,16 +264,8 @@ class SymmBuffer:
         for name, shape, dtype in specs:
             offsets.append(total)
             total = _align(total + math.prod(shape) * dtype.itemsize, _VIEW_ALIGN)
-        self.buffer = torch.zeros(total, dtype=torch.int8)
-        for (name, shape, dtype), off in zip(specs, offsets):
-            n = math.prod(shape) * dtype.itemsize
-            view = self.buffer[off:off + n].view(dtype).view(shape)
-            if name.endswith("_sf") and name.startswith("l"):  # MN-major scratch scales (parity)
-                view = self.buffer[off:off + n].view(dtype).view(shape[::-1]).t()
-            setattr(self, name, view)
-        if not self.is_fp8:
-            self.x_sf = self.l1_acts_sf = self.l2_acts_sf = None
-        # Rows moved per dispatch: one per (token, k) pair of a wave; the window streams larger waves.
+        # Rows moved per dispatch (Buffer backend): one per (token, k) pair of a wave; the window streams larger
+        # waves.
         row_bytes = _dispatch_row_bytes(h, self.is_fp8)
         pairs = max(1, tmax * num_topk)
         nbytes = Buffer.get_normal_buffer_size_hint(pairs, row_bytes // (1 if self.is_fp8 else 2), self.num_ranks,
@@ -258,9 +276,65 @@ class SymmBuffer:
                                                                  self.num_ranks, 1, num_experts,
                                                                  1 if self.is_fp8 else 2))
         self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+        one_domain = not self.ep_buffer._internode
+        if not one_domain:  # every rank sees the same topology: every rank takes this branch
+            rpn, nodes = self.ep_buffer.ranks_per_node, self.ep_buffer.num_nodes
+            self.ep_buffer.destroy()
+            if backend == "shm":
+                raise ValueError(f"get_symm_buffer_for_mega_moe: backend 'shm' needs every rank in one UBMEM domain "
+                                 f"(node); these {self.num_ranks} ranks span {nodes} nodes: use backend 'buffer' "
+                                 f"(or the default)")
+            # The internode path needs both windows; sized for up to 4096 pair rows per call (more stream).
+            elems, isz = row_bytes // (1 if self.is_fp8 else 2), 1 if self.is_fp8 else 2
+            rows = min(pairs, 4096)
+            nvl = Buffer.get_normal_buffer_size_hint(rows, elems, self.num_ranks, 1, num_experts, isz,
+                                                     ranks_per_node=rpn)
+            rdma = Buffer.get_normal_rdma_buffer_size_hint(rows, elems, self.num_ranks, rpn, 1, num_experts, isz)
+            self.ep_buffer = Buffer(None, _align(nvl, 128), _align(rdma, 128), comm=comm, explicitly_destroy=True,
+                                    timeout_s=timeout_s, ranks_per_node=rpn)
+        self.backend = backend or ("shm" if one_domain else "buffer")
+        self._segment, self._peer_views, self._out_rows = None, None, 0
+        if self.backend == "shm":
+            # Inputs, then the L2 output area (every row a rank receives, up to _MAX_OUT_BYTES), in a segment
+            # every rank maps: peers pull inputs and read outputs where they lie.
+            self._out_rows = min(self.num_ranks * tmax * num_topk, max(1, _MAX_OUT_BYTES // (2 * h)))
+            self._total = total
+            self._verdict_bytes = _align(_VERDICT_HEAD + 8 * num_experts + _VERDICT_MSG, _VIEW_ALIGN)
+            nbytes = total + self._out_rows * 2 * h + 2 * self._verdict_bytes
+            try:
+                self._segment = self.ep_buffer.runtime.create_segment("mega_moe", nbytes)
+            except BaseException:
+                self.ep_buffer.destroy()
+                raise
+            self._peer_views = [self._views(self._segment.view(p, 0, nbytes), specs, offsets, True)
+                                for p in range(self.num_ranks)]
+            self._consensus_calls = 0
+            self.buffer = self._segment.view(self.rank, 0, total).view(torch.int8)
+        else:
+            self.buffer = torch.zeros(total, dtype=torch.int8)
+        for name, view in self._views(self.buffer, specs, offsets).items():
+            setattr(self, name, view)
+        if not self.is_fp8:
+            self.x_sf = self.l1_acts_sf = self.l2_acts_sf = None
         self.last_trace = None
         self._reduce_scratch = CombineScratch()  # the final sum's float32 blocks without the native kernel
         self._destroyed = False
+
+    def _views(self, flat, specs, offsets, with_out=False) -> dict:
+        """Name -> view of ``flat`` (bytes of one rank's views, then, shm backend, its ``out`` area ``[rows, H]``)."""
+        flat = flat.view(torch.uint8)
+        out = {}
+        for (name, shape, dtype), off in zip(specs, offsets):
+            n = math.prod(shape) * dtype.itemsize
+            view = flat[off:off + n].view(dtype).view(shape)
+            if name.endswith("_sf") and name.startswith("l"):  # MN-major scratch scales (parity)
+                view = flat[off:off + n].view(dtype).view(shape[::-1]).t()
+            out[name] = view
+        if with_out:  # the shm backend's: L2 output area, then two verdict slots (consensus, by call parity)
+            a, b = self._total, self._total + self._out_rows * 2 * self.hidden
+            out["out"] = flat[a:b].view(BF16).view(self._out_rows, self.hidden)
+            out["verdict"] = flat[b:b + 2 * self._verdict_bytes].view(2, self._verdict_bytes)
+        return out
 
     def destroy(self) -> None:
         """Collectively free the Buffer (its window and worker) and the views' memory."""
@@ -268,6 +342,9 @@ class SymmBuffer:
             return
         self._destroyed = True
         self.ep_buffer.destroy()
+        if self._segment is not None:
+            self._segment.release()
+            self._segment, self._peer_views = None, None
         self.buffer = torch.empty(0, dtype=torch.int8)
         for name in ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"):
             setattr(self, name, None)
@@ -279,9 +356,11 @@ class SymmBuffer:
 
 
 def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                     use_fp8_dispatch, mma_type, activation, num_shared_experts) -> None:
+                     use_fp8_dispatch, mma_type, activation, num_shared_experts, backend=None) -> None:
     """The checks of mega-moe.md §1.1 on one rank's arguments (``AssertionError``, as upstream)."""
     assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
+    assert backend is None or backend in _BACKENDS, (
+        f"MegaMoE: backend (keyword, else ${_BACKEND_ENV}) must be one of {_BACKENDS} or unset, got {backend!r}")
     assert mma_type in ("fp8xfp4", "bf16xbf16"), f"MegaMoE: mma_type must be 'fp8xfp4' or 'bf16xbf16', got {mma_type!r}"
     if use_fp8_dispatch is not None:
         warnings.warn("get_symm_buffer_for_mega_moe: use_fp8_dispatch is deprecated; use mma_type",
@@ -310,7 +389,7 @@ def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, 
 def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                                  intermediate_hidden: int, use_fp8_dispatch=None, mma_type: str = "fp8xfp4",
                                  activation: str = "swiglu", *, num_shared_experts: int = 0,
-                                 timeout_s: float | None = None) -> SymmBuffer:
+                                 timeout_s: float | None = None, backend: str | None = None) -> SymmBuffer:
     """Collective: the symmetric buffer of MegaMoE (mirrors ``deep_gemm.get_symm_buffer_for_mega_moe``).
 
     Args:
@@ -324,17 +403,22 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         mma_type: ``'fp8xfp4'`` or ``'bf16xbf16'``; activation: ``'swiglu'`` only.
         num_shared_experts: 0-2 shared experts (keyword-only; DeepGEMM-Ascend extension).
         timeout_s: deadline of the Buffer's waits (default ``$DEEPEP_ASCEND_TIMEOUT_S``).
+        backend: keyword-only, how rows move (``SymmBuffer.backend``): ``'shm'`` (needs every rank on one
+            node) or ``'buffer'``; default ``$DEEPEP_ASCEND_MEGA_MOE_BACKEND``, else ``'shm'`` on one node and
+            ``'buffer'`` across nodes. Both give the same ``y`` bit for bit.
     Raises:
         AssertionError: the checks of mega-moe.md §1.1, on the rank whose arguments fail them (every rank
             when all pass the same); the other ranks raise :class:`~deepep_ascend.ConsensusError` naming it.
         ConsensusError: (a ``ValueError``) on every rank when ranks pass different arguments, naming the
             argument and every rank's value.
-        ValueError: bad ``group``.
+        ValueError: bad ``group``; ``backend='shm'`` on ranks that span several nodes (every rank).
     """
     comm = _mpi_comm_of(group, None)
+    if backend is None:
+        backend = os.environ.get(_BACKEND_ENV, "").strip() or None
     args = dict(num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
                 hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, activation=activation,
-                num_shared_experts=num_shared_experts)
+                num_shared_experts=num_shared_experts, backend=backend)
     err = None
     try:
         _check_symm_args(comm.Get_size(), use_fp8_dispatch=use_fp8_dispatch, **args)
@@ -345,7 +429,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     # (intermediate_hidden); a rank whose checks failed would leave the others waiting in it.
     # Plain values, compared for what they mean (True is 1, capacities 8 and 300 are both 384 rows) and always
     # picklable; a rank whose checks failed sends its message only.
-    mine = None if err is not None else {k: v if isinstance(v, str) else int(v) for k, v in args.items()}
+    mine = None if err is not None else {k: v if v is None or isinstance(v, str) else int(v) for k, v in args.items()}
     if mine is not None:
         mine["num_max_tokens_per_rank"] = _align(max(1, num_max_tokens_per_rank), _TOKEN_ALIGN)
     gathered = quiet_allgather_object(comm, (None if err is None else str(err), mine))
@@ -353,7 +437,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         raise err
     _check_agreement(comm.Get_rank(), "get_symm_buffer_for_mega_moe", gathered)
     return SymmBuffer(group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, mma_type,
-                      activation, num_shared_experts, timeout_s)
+                      activation, num_shared_experts, timeout_s, backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,6 +645,7 @@ class MegaMoETrace:
     num_waves: int
     experts_per_wave: int
     start: float = 0.0
+    backend: str = ""
     end: float = 0.0
     compute: list = field(default_factory=list)
     comm: list = field(default_factory=list)
@@ -783,8 +868,50 @@ def _consensus(sb, verdict, op) -> list:
     ranks that did not come; on any timeout the waiting rank raises ``TimeoutError`` and the Buffer is
     aborted (peers learn at once)."""
     buf = sb.ep_buffer
+    if sb.backend == "shm":
+        return _consensus_shm(sb, verdict, op)
     buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
     return buf._guard(lambda: buf.runtime.allgather_object(verdict, phase=f"{op} consensus"))
+
+
+def _consensus_shm(sb, verdict, op) -> list:
+    """:func:`_consensus` in one barrier (shm backend): each rank writes its verdict into its segment's slot
+    for this call's parity, meets the others at the transport's barrier, and reads every rank's. A slot is
+    written again two calls later, after a barrier that every rank enters only once it read this call's.
+    Settings travel as (kind, value) float64 pairs (None, int, float or bool, as :func:`_run` makes them);
+    the message is cut to 2 KiB."""
+    buf, me, ne = sb.ep_buffer, sb.rank, sb.num_experts
+    slot = sb._consensus_calls % 2
+    sb._consensus_calls += 1
+    msg, counts, settings, t = verdict
+    rec = sb._peer_views[me]["verdict"][slot]
+    head = rec[:_VERDICT_HEAD].view(torch.float64)
+    text = (msg or "").encode("utf-8")[:_VERDICT_MSG]
+    names = list(settings or {})
+    head.zero_()
+    head[0], head[1], head[2] = float(msg is not None), float(t), float(len(text))
+    for j, name in enumerate(names):  # (kind, value): 0 None, 1 int, 2 float, 3 bool
+        v = settings[name]
+        head[3 + 2 * j] = 0 if v is None else 3 if isinstance(v, bool) else 1 if isinstance(v, int) else 2
+        head[4 + 2 * j] = 0.0 if v is None else float(v)
+    if counts is not None:
+        rec[_VERDICT_HEAD:_VERDICT_HEAD + 8 * ne].view(torch.int64).copy_(torch.from_numpy(counts))
+    rec[_VERDICT_HEAD + 8 * ne:_VERDICT_HEAD + 8 * ne + len(text)].copy_(torch.frombuffer(bytearray(text),
+                                                                                          dtype=torch.uint8)
+                                                                         if text else torch.empty(0, dtype=torch.uint8))
+    buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
+    out = []
+    for p in range(sb.num_ranks):
+        r = sb._peer_views[p]["verdict"][slot].clone()
+        hd = r[:_VERDICT_HEAD].view(torch.float64).tolist()
+        if hd[0]:
+            text = bytes(r[_VERDICT_HEAD + 8 * ne:_VERDICT_HEAD + 8 * ne + int(hd[2])].tolist())
+            out.append((text.decode("utf-8", errors="replace"), None, None, int(hd[1])))
+            continue
+        conv = {0: lambda v: None, 1: int, 2: float, 3: bool}
+        vals = {name: conv[int(hd[3 + 2 * j])](hd[4 + 2 * j]) for j, name in enumerate(names)}
+        out.append((None, r[_VERDICT_HEAD:_VERDICT_HEAD + 8 * ne].view(torch.int64).numpy(), vals, int(hd[1])))
+    return out
 
 
 def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,
@@ -808,38 +935,243 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     if not isinstance(sb, SymmBuffer) or sb._destroyed:
         raise err
     gathered = _consensus(sb, (None if err is None else f"{type(err).__name__}: {err}",
-                               None if counts is None else counts.numpy(), settings), op)
+                               None if counts is None else counts.numpy(), settings, t), op)
     if err is not None:
         raise err
-    _check_agreement(me, op, [(m, o) for m, _c, o in gathered])
-    cmat = torch.stack([torch.from_numpy(c) for _m, c, _o in gathered])  # [R, E] pairs each rank sends per expert
+    _check_agreement(me, op, [(m, o) for m, _c, o, _t in gathered])
+    cmat = torch.stack([torch.from_numpy(c) for _m, c, _o, _t in gathered])  # [R, E] pairs each rank sends per expert
+    tokens = [int(n) for _m, _c, _o, n in gathered]
 
     try:
         _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
-               override)
+               tokens, override)
     except BaseException as exc:  # a failure after the ranks agreed: the peers must not wait for this rank
         sb.ep_buffer._abort_on(exc)
         raise
 
 
+class _Experts:
+    """One call's expert compute on the caller's thread, shared by both backends: per wave, rows sorted
+    (stably) by local expert, unpadded (a fused op needs no aligned layout in memory), L1, SwiGLU × w
+    (+ fp8 requantisation), L2; each stage timed into the trace."""
+
+    def __init__(self, kind, sb, w1, w2, engine, epw, clamp, fast_math, trace):
+        self.kind, self.sb, self.w1, self.w2, self.engine, self.epw = kind, sb, w1, w2, engine, epw
+        self.clamp, self.fast_math, self.trace = clamp, fast_math, trace
+        self.op_dtype = _operand_dtype(engine)
+
+    def timed(self, stage, w, fn, *args, **kw):
+        s0 = time.perf_counter()
+        r = fn(*args, **kw)
+        self.trace.compute.append((stage, w, s0, time.perf_counter()))
+        return r
+
+    def l1(self, w, data, sf_bytes, local, ws):
+        """Wave ``w``'s rows: ``data [n, H]`` (bf16, or e4m3 with UE8M0 bytes ``sf_bytes [n, H/32]``), local
+        expert ids ``local [n]`` (0 = the wave's first expert), routing weights ``ws [n]`` float32; any order
+        (the sort is stable, so rows of one expert keep theirs)."""
+        el, epw = self.sb.num_local_experts, self.epw
+        n = local.numel()
+        e0 = w * epw
+        ne = min(epw, el - e0)
+        order = torch.argsort(local, stable=True)
+        bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
+        if self.kind == "bf16":
+            xs = data.index_select(0, order).to(self.op_dtype)
+        else:
+            xs = _dequant_x(self.kind, data, sf_bytes, self.op_dtype, index=order)
+        hh = _expert_gemm(self.engine, xs, self.w1[e0:e0 + ne], bounds)
+        return dict(n=n, order=order, bounds=bounds, e0=e0, ne=ne, h=hh, ws=ws.index_select(0, order))
+
+    def act(self, st):
+        st["act"] = _activation(self.kind, st["h"], self.sb.intermediate_hidden, st["ws"], self.clamp,
+                                self.fast_math, self.op_dtype)
+
+    def l2(self, st, out=None):
+        """L2 of the wave in the sorted order (into ``out`` ``[n, H]`` bf16 if given)."""
+        e0, ne = st["e0"], st["ne"]
+        return _expert_gemm(self.engine, st["act"], self.w2[e0:e0 + ne], st["bounds"], out=out)
+
+
 def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
-           override):
+           tokens, override):
     """The call once every rank accepted it: waves of dispatch, L1, activation, L2 and combine, then the sum
-    over k into ``y`` (see the module docstring)."""
-    el, k, h, i = sb.num_local_experts, sb.num_topk, sb.hidden, sb.intermediate_hidden
+    over k into ``y`` (see the module docstring). ``cmat [R, E]``: pairs each rank routes to each expert;
+    ``tokens``: each rank's token count."""
+    el = sb.num_local_experts
     epw = _experts_per_wave(sb, cmat, override)
     num_waves = -(-el // epw)
     trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
     engine = gemm_engine()
     w1, w2 = _untransformed(kind, l1_weights, l2_weights, engine)
+    ex = _Experts(kind, sb, w1, w2, engine, epw, activation_clamp, fast_math, trace)
+    # This rank's pairs, in (token, k) order.
+    idx = sb.topk_idx[:t].reshape(-1)
+    pair = torch.nonzero(idx >= 0).squeeze(1)
+    # The shm backend keeps every received row's L2 output in its segment until the ranks meet; a call
+    # that would overfill some rank's (only with a capped segment) takes the Buffer's path, alike on every
+    # rank since all see the same counts.
+    rows = cmat.sum(0).view(sb.num_ranks, el).sum(1)
+    trace.backend = "shm" if sb.backend == "shm" and int(rows.max()) <= sb._out_rows else "buffer"
+    run = _waves_shm if trace.backend == "shm" else _waves_buffer
+    terms = run(ex, sb, t, cmat, tokens, idx, pair, shared, overlap)
+
+    s0 = time.perf_counter()
+    # y = bf16(+0.0 + Σ_k o_k + shared) in float32, ascending k. A masked pair adds nothing: the sum
+    # from +0.0 never holds -0.0, so adding its +0.0 row would change no bit. ``terms``: (rows, tokens,
+    # positions of those rows) in the order to add them (ascending k), then the shared expert's.
+    if t and not _native.sum_rows(y[:t], terms):
+        # combine's torch paths (accumulate_rows: the same additions in the same order)
+        sources = [(rows.index_select(0, at[0]) if at else rows, tok) for rows, tok, *at in terms]
+        accumulate_rows(y[:t], sources, *sb._reduce_scratch.get(sb.hidden), native=False)
+    trace.compute.append(("reduce", -1, s0, time.perf_counter()))
+    if stats is not None:
+        stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)
+    if os.environ.get("DG_COMM_KERNEL_DEBUG", "0") not in ("", "0"):
+        sb.buffer.zero_()
+    prev_end = -math.inf
+    for rec in trace.comm:  # Buffer's worker-side start: when issued, or when the op before it left the worker
+        if overlap and trace.backend == "buffer":  # (shm: each pull records its own)
+            rec[4] = max(rec[3], prev_end)
+            prev_end = rec[5]
+    trace.end = time.perf_counter()
+    sb.last_trace = trace
+
+
+def _shared_terms(ex, sb, t, shared):
+    if shared is None:
+        return []
+    out = ex.timed("shared", -1, _shared_expert, ex.kind, sb, t, shared, ex.clamp, ex.fast_math, ex.engine)
+    return [(out, torch.arange(t))]
+
+
+def _waves_shm(ex, sb, t, cmat, tokens, idx, pair, shared, overlap):
+    """The shm backend (one UBMEM domain; mega-moe.md §5 "shm pulls from peer windows"): every rank's
+    inputs lie in its segment, final once the ranks agreed, so wave ``w``'s dispatch is a pull: from
+    each source rank (ascending) the rows of its pairs bound for the wave's experts, gathered straight
+    from that rank's ``x``/``x_sf``/``topk_weights`` (one copy, no synchronisation; the worker pulls wave
+    ``w+1`` while the caller computes wave ``w``). L2 writes each wave's rows into this rank's output
+    area (experts ascending, then source rank, token, k); after one barrier every rank sums its pairs'
+    rows where they lie in their owners' areas (their positions follow from the all-gathered counts), so
+    combine moves each row once, inside the final sum. Returns the sum's terms."""
+    me, nr, el, k, trace = sb.rank, sb.num_ranks, sb.num_local_experts, sb.num_topk, ex.trace
+    buf = sb.ep_buffer
+    tp, worker = buf.runtime, buf.get_comm_stream()
+    epw, num_waves = ex.epw, trace.num_waves
+    per_expert = cmat.sum(0)  # [E] rows every expert receives
+    blocks = per_expert.view(nr, el)
+    start = (blocks.cumsum(1) - blocks).reshape(-1)  # [E] first row of expert e in its owner's area
+    peers = sb._peer_views
+
+    def pull(w):
+        lo = me * el + w * epw
+        hi = min((me + 1) * el, lo + epw)
+        n = int(per_expert[lo:hi].sum())
+        data = torch.empty(n, sb.hidden, dtype=sb.x.dtype)
+        sf = torch.empty(n, sb.hidden // 128, dtype=torch.int32) if sb.is_fp8 else None
+        ws = torch.empty(n, dtype=torch.float32)
+        local = torch.empty(n, dtype=torch.int64)
+        c = 0
+        for s in range(nr):
+            v = peers[s]
+            ids = v["topk_idx"][:tokens[s]].reshape(-1)
+            sel = torch.nonzero((ids >= lo) & (ids < hi)).squeeze(1)
+            m = sel.numel()
+            want = int(cmat[s, lo:hi].sum())
+            if m != want:
+                raise RuntimeError(f"rank {me}: MegaMoE dispatch: rank {s}'s topk_idx routes {m} pairs to experts "
+                                   f"[{lo}, {hi}), the counts it sent for this call say {want} (was it changed "
+                                   f"during the call?)")
+            if not m:
+                continue
+            tok = torch.div(sel, k, rounding_mode="floor")
+            torch.index_select(v["x"][:tokens[s]], 0, tok, out=data[c:c + m])
+            if sf is not None:
+                torch.index_select(v["x_sf"][:tokens[s]], 0, tok, out=sf[c:c + m])
+            torch.index_select(v["topk_weights"][:tokens[s]].reshape(-1), 0, sel, out=ws[c:c + m])
+            torch.sub(ids.index_select(0, sel), lo, out=local[c:c + m])
+            tp.record_fetch(s, m * (_dispatch_row_bytes(sb.hidden, sb.is_fp8) + 4))
+            c += m
+        return data, None if sf is None else sf.view(torch.uint8), local, ws
+
+    def issue(w):
+        s0 = time.perf_counter()
+        rec = ["dispatch", w, s0, s0, s0, s0]
+        trace.comm.append(rec)
+        if not overlap or w == 0:  # the caller waits for wave 0 at once: a worker would only add a hand-off
+            out = pull(w)
+            rec[3] = rec[4] = rec[5] = time.perf_counter()
+            return lambda: out
+
+        def task():
+            rec[4] = time.perf_counter()
+            try:
+                return pull(w)
+            finally:
+                rec[5] = time.perf_counter()
+        rec[5] = float("nan")
+        fut = worker.submit(task)
+        rec[3] = time.perf_counter()
+        return fut.result
+
+    out_area = peers[me]["out"]
+    base = 0
+    try:
+        cur = issue(0)
+        for w in range(num_waves):
+            data, sf, local, ws = cur()
+            st = ex.timed("l1", w, ex.l1, w, data, sf, local, ws)
+            if w + 1 < num_waves:
+                cur = issue(w + 1)
+            ex.timed("act", w, ex.act, st)
+            ex.timed("l2", w, ex.l2, st, out=out_area[base:base + st["n"]])
+            base += st["n"]
+        shared_terms = _shared_terms(ex, sb, t, shared)
+    finally:
+        worker.drain()  # no pull outlives the call
+    # Every rank's L2 rows are in place, and every pull from this rank's inputs is done (the caller may
+    # refill them once this returns): the call's one synchronisation after the consensus.
+    s0 = time.perf_counter()
+    tp.barrier(phase="MegaMoE combine: expert outputs written")
+    e0 = time.perf_counter()
+    trace.comm.append(["combine", -1, s0, e0, e0, e0])
+
+    # Where this rank's pairs lie: expert e's rows in its owner's area start at start[e], then the rows of
+    # lower source ranks, then this rank's pairs to e in (token, k) order.
+    e_of = idx.index_select(0, pair)
+    n = e_of.numel()
+    by_expert = torch.argsort(e_of, stable=True)
+    mine = cmat[me]
+    within = torch.arange(n) - (mine.cumsum(0) - mine).index_select(0, e_of.index_select(0, by_expert))
+    rank_in = torch.empty_like(within)
+    rank_in[by_expert] = within
+    pos = start.index_select(0, e_of) + cmat[:me].sum(0).index_select(0, e_of) + rank_in
+    owner = torch.div(e_of, el, rounding_mode="floor")
+    key = torch.remainder(pair, k) * nr + owner  # terms in ascending k, then owner rank
+    by_key = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=k * nr).tolist()
+    tok = torch.div(pair, k, rounding_mode="floor").index_select(0, by_key)
+    pos = pos.index_select(0, by_key)
+    terms, c = [], 0
+    for key_, m in enumerate(counts):
+        if m:
+            r = key_ % nr
+            terms.append((peers[r]["out"], tok[c:c + m], pos[c:c + m]))
+            tp.record_fetch(r, m * 2 * sb.hidden)
+        c += m
+    return terms + shared_terms
+
+
+def _waves_buffer(ex, sb, t, cmat, tokens, idx, pair, shared, overlap):
+    """The Buffer backend: each wave's pairs go through the normal-mode :class:`~deepep_ascend.Buffer`
+    (dispatch of pair rows, combine back with the dispatch's handle), asynchronously on its worker when
+    ``overlap``. Returns the final sum's terms (slot j of each wave's combined rows, read where they lie)."""
+    kind, el, k, h, trace, epw = ex.kind, sb.num_local_experts, sb.num_topk, sb.hidden, ex.trace, ex.epw
+    num_waves = trace.num_waves
     buf = sb.ep_buffer
     worker = buf.get_comm_stream()
     now = time.perf_counter
-
-    # This rank's pairs per wave, in (token, k) order.
-    idx = sb.topk_idx[:t].reshape(-1)
     wts = sb.topk_weights[:t].reshape(-1)
-    pair = torch.nonzero(idx >= 0).squeeze(1)
     e_of = idx.index_select(0, pair)
     wave_of = torch.remainder(e_of, el) // epw
     if kind == "bf16":
@@ -874,44 +1206,23 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
             worker.submit(done)
         return rec
 
-    op_dtype = _operand_dtype(engine)
     pending = []  # (wave, combined, event)
     issued = []  # every dispatch's and combine's EventOverlap, in the worker's order
 
-    def compute_l1(w, recv):
-        # Rows sorted (stably) by local expert, unpadded: the fused op needs no aligned layout in memory.
-        recv_x, recv_idx, recv_w = recv[0], recv[1], recv[2]
-        n = recv_idx.size(0)
-        e0 = w * epw
-        ne = min(epw, el - e0)
-        local = recv_idx[:, 0] - e0
-        order = torch.argsort(local, stable=True)
-        bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
+    def l1(w, recv_x, recv_idx, recv_w):
+        local = recv_idx[:, 0] - w * epw
         if kind == "bf16":
-            xs = recv_x.index_select(0, order).to(op_dtype)
-        else:
-            xs = _dequant_x(kind, recv_x[:, :h].view(FP8), recv_x[:, h:], op_dtype, index=order)
-        hh = _expert_gemm(engine, xs, w1[e0:e0 + ne], bounds)
-        return dict(n=n, order=order, bounds=bounds, e0=e0, ne=ne, h=hh, ws=recv_w[:, 0].index_select(0, order))
+            return ex.l1(w, recv_x, None, local, recv_w[:, 0])
+        return ex.l1(w, recv_x[:, :h].view(FP8), recv_x[:, h:], local, recv_w[:, 0])
 
-    def compute_act(st):
-        st["act"] = _activation(kind, st["h"], i, st["ws"], activation_clamp, fast_math, op_dtype)
-
-    def compute_l2(st):
-        e0, ne = st["e0"], st["ne"]
-        o = _expert_gemm(engine, st["act"], w2[e0:e0 + ne], st["bounds"])
+    def l2(st):
+        o = ex.l2(st)
         # Back to the handle's order by a gather with the inverse permutation: torch's CPU row gather
         # is faster than the scatter (index_copy_) it replaces.
         order = st["order"]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
         return o.index_select(0, inverse)
-
-    def timed(stage, w, fn, *args):
-        s0 = now()
-        r = fn(*args)
-        trace.compute.append((stage, w, s0, now()))
-        return r
 
     def combine(w, o, handle):
         s0 = now()
@@ -926,16 +1237,13 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
             (recv_x, recv_idx, recv_w, _lst, handle, ev), _rec = cur
             if ev.event is not None:
                 ev.current_stream_wait()
-            st = timed("l1", w, compute_l1, w, (recv_x, recv_idx, recv_w))
+            st = ex.timed("l1", w, l1, w, recv_x, recv_idx, recv_w)
             if w + 1 < num_waves:
                 cur = dispatch(w + 1)
-            timed("act", w, compute_act, st)
-            o = timed("l2", w, compute_l2, st)
+            ex.timed("act", w, ex.act, st)
+            o = ex.timed("l2", w, l2, st)
             combine(w, o, handle)
-        shared_out = None
-        if shared is not None:
-            shared_out = timed("shared", -1, _shared_expert, kind, sb, t, shared, activation_clamp, fast_math,
-                               engine)
+        shared_terms = _shared_terms(ex, sb, t, shared)
         for w, combined, ev in pending:
             if ev.event is not None:
                 ev.current_stream_wait()
@@ -948,47 +1256,13 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
                 raise first from exc
         raise
     worker.drain()
-
-    s0 = now()
-    # y = bf16(+0.0 + Σ_k o_k + shared) in float32, ascending k. A masked pair adds nothing: the sum
-    # from +0.0 never holds -0.0, so adding its +0.0 row would change no bit.
-    every = torch.arange(t)
-    whole = num_waves == 1 and pair.numel() == t * k  # every slot valid, in (token, k) order
-    if whole:
-        sv = pending[0][1].view(t, k, h)
-        terms = [(sv[:, j], every) for j in range(k)]
-    else:  # slot j of each wave's combined rows, read where they lie (no [t*k, H] scatter)
-        terms = []
-        for j in range(k):
-            for w, combined, _ev in pending:
-                sel = waves[w][0]
-                q = torch.nonzero(torch.remainder(sel, k) == j).squeeze(1)
-                terms.append((combined, torch.div(sel.index_select(0, q), k, rounding_mode="floor"), q))
-    shared_term = [] if shared_out is None else [(shared_out, every)]
-    # The native kernel sums in one pass where it was built; else the slots go into one [t, k, H]
-    # tensor for combine's torch paths (accumulate_rows: the same additions in the same order).
-    if t and not _native.sum_rows(y[:t], terms + shared_term):
-        if whole:
-            slots = pending[0][1]
-        else:
-            slots = torch.zeros(t * k, h, dtype=BF16)
-            for w, combined, _ev in pending:
-                slots.index_copy_(0, waves[w][0], combined)
-        sv = slots.view(t, k, h)
-        accumulate_rows(y[:t], [(sv[:, j], every) for j in range(k)] + shared_term, *sb._reduce_scratch.get(h),
-                        native=False)
-    trace.compute.append(("reduce", -1, s0, now()))
-    if stats is not None:
-        stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)
-    if os.environ.get("DG_COMM_KERNEL_DEBUG", "0") not in ("", "0"):
-        sb.buffer.zero_()
-    prev_end = -math.inf
-    for rec in trace.comm:  # worker-side start: when issued, or when the op before it left the worker
-        if overlap:
-            rec[4] = max(rec[3], prev_end)
-            prev_end = rec[5]
-    trace.end = now()
-    sb.last_trace = trace
+    terms = []  # slot j of each wave's combined rows, read where they lie (no [t*k, H] scatter)
+    for j in range(k):
+        for w, combined, _ev in pending:
+            sel = waves[w][0]
+            q = torch.nonzero(torch.remainder(sel, k) == j).squeeze(1)
+            terms.append((combined, torch.div(sel.index_select(0, q), k, rounding_mode="floor"), q))
+    return terms + shared_terms
 
 
 def _dense_nt(engine, a, w):

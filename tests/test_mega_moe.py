@@ -90,14 +90,14 @@ class _Env:
     def __init__(self):
         self.bufs = {}
 
-    def get(self, kind, shared):
-        key = (kind, shared)
+    def get(self, kind, shared, backend=None):
+        key = (kind, shared, backend)
         if key not in self.bufs:
             comm = world()
             h, i = (H_BF16, I_BF16) if kind == "bf16" else (H_FP8, I_FP8)
             self.bufs[key] = coll(dea.get_symm_buffer_for_mega_moe, comm, E_PER_RANK * comm.Get_size(), TMAX, K, h,
                                   i, mma_type="bf16xbf16" if kind == "bf16" else "fp8xfp4",
-                                  num_shared_experts=shared, what="get_symm_buffer_for_mega_moe")
+                                  num_shared_experts=shared, backend=backend, what="get_symm_buffer_for_mega_moe")
         return self.bufs[key]
 
 
@@ -145,10 +145,12 @@ CASES = [  # (kind, clamp, shared experts, experts per wave: None = the library'
 ]
 
 
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
 @pytest.mark.parametrize("kind,clamp,shared,epw", CASES, ids=[f"{k}-clamp{c}-shared{s}-epw{e}" for k, c, s, e in CASES])
-def test_matches_reference(env, comm, kind, clamp, shared, epw):
+def test_matches_reference(env, comm, kind, clamp, shared, epw, backend):
     rank, size = comm.Get_rank(), comm.Get_size()
-    buf = env.get(kind, shared)
+    buf = env.get(kind, shared, backend)
+    assert buf.backend == backend
     el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
     w, wref = _weights(kind, buf.num_experts, h, i, seed=7)
     l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, el))
@@ -186,19 +188,21 @@ def test_matches_reference(env, comm, kind, clamp, shared, epw):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_fused_equals_unfused_and_repeatable(env, comm, kind):
-    """Same waves with synchronous communication (overlap=False) give the same y bit for bit; so does a rerun."""
+    """Same waves with synchronous communication (overlap=False) give the same y bit for bit; so does a rerun,
+    and so does the other backend (same rows in the same order per expert GEMM, same final sum)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    buf = env.get(kind, 0)
-    w, _ = _weights(kind, buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
-    l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, buf.num_local_experts))
-    t = _fill(kind, buf, seed=9, rank=rank, size=size)
     ys = []
-    for overlap in (True, False, True):
+    for backend, overlap in (("shm", True), ("shm", False), ("shm", True), ("buffer", True), ("buffer", False)):
+        buf = env.get(kind, 0, backend)
+        w, _ = _weights(kind, buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
+        l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, buf.num_local_experts))
+        t = _fill(kind, buf, seed=9, rank=rank, size=size)
         y = torch.empty(t, buf.hidden, dtype=BF16)
         coll(_call, kind, y, l1, l2, buf, None, overlap=overlap, num_experts_per_wave=1, what="mega_moe")
+        assert buf.last_trace.backend == backend
         ys.append(y)
-    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-                 and torch.equal(ys[0].view(torch.int16), ys[2].view(torch.int16)), "fused == unfused == rerun")
+    all_ranks_ok(comm, all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys[1:]),
+                 "fused == unfused == rerun, on both backends")
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
@@ -226,11 +230,13 @@ def test_weights_written_in_place_are_seen_by_the_next_call(env, comm, kind):
     all_ranks_ok(comm, t == 0 or not torch.equal(ys[0], ys[1]), f"{kind}: the second call used the new weights")
 
 
-def test_overlap_structure(env, comm):
-    """Trace order of a 4-wave call: the worker has wave w+1's dispatch in flight during wave w's SwiGLU/L2 and
-    combine(w) queued before L1(w+1) starts; every worker marker fired."""
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
+def test_overlap_structure(env, comm, backend):
+    """Trace order of a 4-wave call: the worker has wave w+1's dispatch in flight during wave w's SwiGLU/L2
+    (issued after L1(w), before SwiGLU(w)); Buffer backend: combine(w) queued before L1(w+1) starts; shm
+    backend: one combine (the barrier before the final sum) after the last L2; every worker marker fired."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    buf = env.get("bf16", 0)
+    buf = env.get("bf16", 0, backend)
     w, _ = _weights("bf16", buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
     l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, buf.num_local_experts))
     t = _fill("bf16", buf, seed=2, rank=rank, size=size)
@@ -241,10 +247,16 @@ def test_overlap_structure(env, comm):
     disp = {wv: c for c in tr.comm if c[0] == "dispatch" for wv in [c[1]]}
     comb = {wv: c for c in tr.comm if c[0] == "combine" for wv in [c[1]]}
     n = tr.num_waves
-    ok = n == buf.num_local_experts == 4 and sorted(disp) == sorted(comb) == list(range(n))
+    ok = n == buf.num_local_experts == 4 and sorted(disp) == list(range(n)) and tr.backend == backend
+    if backend == "shm":
+        ok = ok and sorted(comb) == [-1] and comp[("l2", n - 1)][1] <= comb[-1][2]
+    else:
+        ok = ok and sorted(comb) == list(range(n))
     for wv in range(n - 1):
         ok = ok and comp[("l1", wv)][1] <= disp[wv + 1][2] and disp[wv + 1][3] <= comp[("act", wv)][0]
-        ok = ok and comb[wv][3] <= comp[("l1", wv + 1)][0]
+        ok = ok and disp[wv + 1][5] <= comp[("l1", wv + 1)][0]
+        if backend == "buffer":
+            ok = ok and comb[wv][3] <= comp[("l1", wv + 1)][0]
     ok = ok and all(c[5] == c[5] and c[5] >= c[4] >= c[3] for c in tr.comm)  # markers fired (not NaN), in order
     ov = tr.overlap()
     ok = ok and 0.0 <= ov["fraction"] <= 1.0 and ov["hidden"] <= ov["worker_busy"] + 1e-9
@@ -352,10 +364,11 @@ def _expect_everywhere(comm, fn, bad_rank, exc_type, what):
     all_ranks_ok(comm, ok, f"{what}: got {type(exc).__name__}: {exc}")
 
 
-def test_errors_on_every_rank(env, comm):
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
+def test_errors_on_every_rank(env, comm, backend):
     rank, size = comm.Get_rank(), comm.Get_size()
     last = size - 1
-    buf = env.get("bf16", 0)
+    buf = env.get("bf16", 0, backend)
     el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
     w, wref = _weights("bf16", buf.num_experts, h, i, seed=7)
     l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, el))
@@ -389,7 +402,7 @@ def test_errors_on_every_rank(env, comm):
     buf.topk_idx[0] = saved
     # the fp8 op on a bf16 buffer, a wrong recipe, bf16 weights to the fp8 op, stats of the wrong shape
     _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(y, l1, l2, buf), None, ValueError, "fp8 op, bf16 buffer")
-    fbuf = env.get("fp8", 0)
+    fbuf = env.get("fp8", 0, backend)
     fw, _ = _weights("fp8", fbuf.num_experts, H_FP8, I_FP8, seed=1)
     f1, f2 = dea.transform_weights_for_mega_moe(*_local("fp8", fw, rank, el))
     fy = torch.empty(0, H_FP8, dtype=BF16)
@@ -464,13 +477,14 @@ def test_process_group(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
+def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm, backend):
     """The call's consensus has the buffer's deadline: the ranks that called raise ``TimeoutError`` naming the
     rank that did not, and that rank's late call fails at once (the Buffer was aborted), instead of a hang."""
     rank, size = comm.Get_rank(), comm.Get_size()
     last = size - 1
     buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=2.0,
-               what="symm buffer with a 2 s deadline")
+               backend=backend, what="symm buffer with a 2 s deadline")
     try:
         w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
         l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
@@ -494,8 +508,9 @@ def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
 @pytest.mark.parametrize("where,epw", [("_activation", None), ("l2", 1)])
-def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch, where, epw):
+def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch, where, epw, backend):
     """A rank whose expert compute raises after the call's consensus aborts the Buffer: it raises its own error,
     and the others raise ``TransportAborted`` naming it and its reason instead of waiting out the deadline (30 s
     here, far past when they would otherwise time out in the combine) for rows it will never send. With two
@@ -509,7 +524,7 @@ def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypa
     last = size - 1
     el = 4
     buf = coll(dea.get_symm_buffer_for_mega_moe, comm, el * size, 8, 2, 64, 16, mma_type="bf16xbf16",
-               timeout_s=30.0, what="symm buffer")
+               timeout_s=30.0, backend=backend, what="symm buffer")
     try:
         w, _ = _weights("bf16", el * size, 64, 16, seed=3)
         l1, l2 = dea.transform_weights_for_mega_moe(w[0][el * rank:el * (rank + 1)], w[1][el * rank:el * (rank + 1)])
@@ -543,7 +558,8 @@ def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypa
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_peer_timing_out_as_the_others_arrive_strands_no_rank(comm, monkeypatch):
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
+def test_a_peer_timing_out_as_the_others_arrive_strands_no_rank(comm, monkeypatch, backend):
     """Rank 0 times out in the consensus barrier just before the last rank arrives and is slow to tell the
     others (its abort delayed 0.3 s, as if descheduled); the last rank passes the barrier meanwhile. It must then
     fail in the all-gather as soon as the abort lands, not wait there forever, and every rank can still
@@ -562,7 +578,7 @@ def test_a_peer_timing_out_as_the_others_arrive_strands_no_rank(comm, monkeypatc
             return real_abort(self, *args, **kwargs)
         monkeypatch.setattr(ubmem.Transport, "abort", slow_abort)
     buf = coll(dea.get_symm_buffer_for_mega_moe, comm, 2 * size, 8, 2, 64, 16, mma_type="bf16xbf16", timeout_s=1.0,
-               what="symm buffer with a 1 s deadline")
+               backend=backend, what="symm buffer with a 1 s deadline")
     try:
         w, _ = _weights("bf16", 2 * size, 64, 16, seed=3)
         l1, l2 = dea.transform_weights_for_mega_moe(w[0][2 * rank:2 * rank + 2], w[1][2 * rank:2 * rank + 2])
@@ -798,3 +814,98 @@ def test_cached_unpacked_weights_do_not_keep_the_callers_tensors_alive(monkeypat
     gc.collect()
     assert ref() is None and dea.dequantized_weight_cache_info()[3:5] == (0, 0)
     dea.clear_dequantized_weight_cache()
+
+
+def test_shm_backend_takes_the_buffer_path_when_its_output_area_is_short(comm, monkeypatch):
+    """The shm backend keeps every received row's L2 output in its segment; with the area capped below what a
+    rank receives (here 4 rows), the call takes the Buffer's path, alike on every rank, and gives the
+    reference's y and the uncapped call's bits."""
+    from deepep_ascend import mega_moe as mm
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    h, i = H_BF16, I_BF16
+    w, wref = _weights("bf16", E_PER_RANK * size, h, i, seed=21)
+    l1, l2 = dea.transform_weights_for_mega_moe(*_local("bf16", w, rank, E_PER_RANK))
+    ys = []
+    for cap in (None, 4 * 2 * h):
+        if cap is not None:
+            monkeypatch.setattr(mm, "_MAX_OUT_BYTES", cap)
+        buf = coll(dea.get_symm_buffer_for_mega_moe, comm, E_PER_RANK * size, TMAX, K, h, i, mma_type="bf16xbf16",
+                   backend="shm", what="shm symm buffer")
+        try:
+            t = _fill("bf16", buf, seed=8, rank=rank, size=size)
+            y = torch.empty(t, h, dtype=BF16)
+            coll(dea.bf16_mega_moe, y, l1, l2, buf, what="bf16_mega_moe")
+            xs, sfs, idxs, wts = _gathered_inputs(buf, t, False)
+            exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, ranks=[rank])[rank]
+            ok = buf._out_rows == (4 if cap else size * buf.num_max_tokens_per_rank * K)
+            ok = ok and buf.last_trace.backend == ("buffer" if cap else "shm")
+            ok = ok and mega_calc_diff(y.float(), exp.float()) < 1e-6
+            all_ranks_ok(comm, ok, f"cap {cap}: rows {buf._out_rows}, path {buf.last_trace.backend}")
+            ys.append(y)
+        finally:
+            coll(buf.destroy, what="destroy")
+    all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), "capped == uncapped, bitwise")
+
+
+def test_backend_argument(comm, monkeypatch):
+    """``backend``: a name other than 'shm'/'buffer' (keyword or $DEEPEP_ASCEND_MEGA_MOE_BACKEND) fails the
+    constructor's checks on every rank; across simulated nodes the default is 'buffer' and 'shm' is refused
+    on every rank, naming the nodes."""
+    size = comm.Get_size()
+    args = (comm, 2 * size, 8, 2, 64, 16)
+    _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(*args, mma_type="bf16xbf16", backend="p2p"))
+    all_ranks_ok(comm, isinstance(exc, AssertionError) and "backend" in str(exc) and "'p2p'" in str(exc),
+                 f"bad backend keyword: {exc!r}")
+    monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_BACKEND", "SHM")
+    _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(*args, mma_type="bf16xbf16"))
+    all_ranks_ok(comm, isinstance(exc, AssertionError) and "DEEPEP_ASCEND_MEGA_MOE_BACKEND" in str(exc),
+                 f"bad backend variable: {exc!r}")
+    monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_BACKEND", "buffer")
+    buf = coll(dea.get_symm_buffer_for_mega_moe, *args, mma_type="bf16xbf16", what="buffer backend from the variable")
+    ok = buf.backend == "buffer"
+    coll(buf.destroy, what="destroy")
+    monkeypatch.delenv("DEEPEP_ASCEND_MEGA_MOE_BACKEND")
+    if size > 1:
+        monkeypatch.setenv("DEEPEP_ASCEND_RANKS_PER_NODE", "1")
+        buf = coll(dea.get_symm_buffer_for_mega_moe, *args, mma_type="bf16xbf16", what="default across nodes")
+        ok = ok and buf.backend == "buffer"
+        coll(buf.destroy, what="destroy")
+        _, exc = capture(lambda: dea.get_symm_buffer_for_mega_moe(*args, mma_type="bf16xbf16", backend="shm"))
+        ok = ok and isinstance(exc, ValueError) and f"span {size} nodes" in str(exc)
+    all_ranks_ok(comm, ok, "backend choice")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_across_simulated_nodes_matches_reference(comm, monkeypatch, kind):
+    """Ranks split into two simulated nodes: the default backend is 'buffer', whose Buffer takes the internode
+    path (both windows); y (two waves, a shared expert) matches the reference and stats count every pair."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size % 2:
+        pytest.skip("two equal nodes need an even rank count")
+    monkeypatch.setenv("DEEPEP_ASCEND_RANKS_PER_NODE", str(size // 2))
+    h, i = (H_BF16, I_BF16) if kind == "bf16" else (H_FP8, I_FP8)
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, E_PER_RANK * size, TMAX, K, h, i,
+               mma_type="bf16xbf16" if kind == "bf16" else "fp8xfp4", num_shared_experts=1,
+               what="symm buffer over two nodes")
+    try:
+        w, wref = _weights(kind, buf.num_experts, h, i, seed=17)
+        l1, l2 = dea.transform_weights_for_mega_moe(*_local(kind, w, rank, E_PER_RANK))
+        (s1, s2), sref = _shared(kind, h, i, 1, seed=19)
+        t = _fill(kind, buf, seed=23, rank=rank, size=size)
+        y = torch.empty(t, h, dtype=BF16)
+        stats = torch.zeros(E_PER_RANK, dtype=torch.int32)
+        coll(_call, kind, y, l1, l2, buf, stats, activation_clamp=10.0, num_experts_per_wave=2,
+             shared_l1_weights=s1, shared_l2_weights=s2, what="mega_moe over two nodes")
+        xs, sfs, idxs, wts = _gathered_inputs(buf, t, kind == "fp8")
+        exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=10.0, shared=sref, ranks=[rank])[rank]
+        all_idx = torch.cat(idxs).reshape(-1)
+        exp_stats = torch.bincount(all_idx[all_idx >= 0], minlength=buf.num_experts)[
+            rank * E_PER_RANK:(rank + 1) * E_PER_RANK].to(torch.int32)
+        diff = mega_calc_diff(y.float(), exp.float())
+        ok = (buf.backend == "buffer" and buf.ep_buffer.num_nodes == 2 and buf.last_trace.num_waves == 2
+              and diff < (1e-6 if kind == "bf16" else 1e-5) and torch.equal(stats, exp_stats))
+        all_ranks_ok(comm, ok, f"{kind} over two nodes: backend {buf.backend}, calc_diff {diff:.3g}")
+    finally:
+        coll(buf.destroy, what="destroy")
