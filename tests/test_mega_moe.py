@@ -254,8 +254,9 @@ def test_overlap_structure(env, comm, backend):
         ok = ok and sorted(comb) == list(range(n))
     for wv in range(n - 1):
         ok = ok and comp[("l1", wv)][1] <= disp[wv + 1][2] and disp[wv + 1][3] <= comp[("act", wv)][0]
-        ok = ok and disp[wv + 1][5] <= comp[("l1", wv + 1)][0]
-        if backend == "buffer":
+        if backend == "shm":  # the pull's own end mark comes before its result (the Buffer's marker may not)
+            ok = ok and disp[wv + 1][5] <= comp[("l1", wv + 1)][0]
+        else:
             ok = ok and comb[wv][3] <= comp[("l1", wv + 1)][0]
     ok = ok and all(c[5] == c[5] and c[5] >= c[4] >= c[3] for c in tr.comm)  # markers fired (not NaN), in order
     ov = tr.overlap()
