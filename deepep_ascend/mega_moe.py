@@ -107,6 +107,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import pickle
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ _MAX_WINDOW_BYTES = 256 << 20
 _MAX_OUT_BYTES = 256 << 20  # cap of the shm backend's L2 output area per rank (a fuller call takes the Buffer)
 _BACKEND_ENV = "DEEPEP_ASCEND_MEGA_MOE_BACKEND"
 _BACKENDS = ("shm", "buffer")
-_VERDICT_HEAD, _VERDICT_MSG = 128, 2048  # shm consensus record: 16 float64 words, E int64 counts, message bytes
+_VERDICT_MSG, _VERDICT_CHARS = 16384, 2000  # shm consensus record: 2 int64 words, E int64 counts, pickled rest
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
@@ -299,7 +300,7 @@ class SymmBuffer:
             # every rank maps: peers pull inputs and read outputs where they lie.
             self._out_rows = min(self.num_ranks * tmax * num_topk, max(1, _MAX_OUT_BYTES // (2 * h)))
             self._total = total
-            self._verdict_bytes = _align(_VERDICT_HEAD + 8 * num_experts + _VERDICT_MSG, _VIEW_ALIGN)
+            self._verdict_bytes = _align(16 + 8 * num_experts + _VERDICT_MSG, _VIEW_ALIGN)
             nbytes = total + self._out_rows * 2 * h + 2 * self._verdict_bytes
             try:
                 self._segment = self.ep_buffer.runtime.create_segment("mega_moe", nbytes)
@@ -878,39 +879,34 @@ def _consensus_shm(sb, verdict, op) -> list:
     """:func:`_consensus` in one barrier (shm backend): each rank writes its verdict into its segment's slot
     for this call's parity, meets the others at the transport's barrier, and reads every rank's. A slot is
     written again two calls later, after a barrier that every rank enters only once it read this call's.
-    Settings travel as (kind, value) float64 pairs (None, int, float or bool, as :func:`_run` makes them);
-    the message is cut to 2 KiB."""
+    The counts travel as int64, the rest pickled as the Buffer backend's all-gather sends it (so both compare
+    the same values); a message longer than 2000 characters is cut. A verdict that cannot be encoded becomes
+    a rejection naming this rank: every rank still enters the barrier, so the ranks never fall out of step."""
     buf, me, ne = sb.ep_buffer, sb.rank, sb.num_experts
+    msg, counts, settings, t = verdict
+    try:
+        if msg is not None and len(msg) > _VERDICT_CHARS:
+            msg = msg[:_VERDICT_CHARS] + " [cut]"
+        blob = pickle.dumps((msg, settings, t))
+        if len(blob) > _VERDICT_MSG:
+            raise ValueError(f"{len(blob)} B, room for {_VERDICT_MSG}")
+    except Exception as exc:  # noqa: BLE001 - sent to every rank as this rank's rejection
+        counts = None
+        blob = pickle.dumps((f"rank {me}: {op}: its verdict could not be encoded ({type(exc).__name__})", None, 0))
     slot = sb._consensus_calls % 2
     sb._consensus_calls += 1
-    msg, counts, settings, t = verdict
     rec = sb._peer_views[me]["verdict"][slot]
-    head = rec[:_VERDICT_HEAD].view(torch.float64)
-    text = (msg or "").encode("utf-8")[:_VERDICT_MSG]
-    names = list(settings or {})
-    head.zero_()
-    head[0], head[1], head[2] = float(msg is not None), float(t), float(len(text))
-    for j, name in enumerate(names):  # (kind, value): 0 None, 1 int, 2 float, 3 bool
-        v = settings[name]
-        head[3 + 2 * j] = 0 if v is None else 3 if isinstance(v, bool) else 1 if isinstance(v, int) else 2
-        head[4 + 2 * j] = 0.0 if v is None else float(v)
+    rec[:16].view(torch.int64).copy_(torch.tensor([len(blob), counts is not None]))
     if counts is not None:
-        rec[_VERDICT_HEAD:_VERDICT_HEAD + 8 * ne].view(torch.int64).copy_(torch.from_numpy(counts))
-    rec[_VERDICT_HEAD + 8 * ne:_VERDICT_HEAD + 8 * ne + len(text)].copy_(torch.frombuffer(bytearray(text),
-                                                                                          dtype=torch.uint8)
-                                                                         if text else torch.empty(0, dtype=torch.uint8))
+        rec[16:16 + 8 * ne].view(torch.int64).copy_(torch.from_numpy(counts))
+    rec[16 + 8 * ne:16 + 8 * ne + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
     out = []
     for p in range(sb.num_ranks):
         r = sb._peer_views[p]["verdict"][slot].clone()
-        hd = r[:_VERDICT_HEAD].view(torch.float64).tolist()
-        if hd[0]:
-            text = bytes(r[_VERDICT_HEAD + 8 * ne:_VERDICT_HEAD + 8 * ne + int(hd[2])].tolist())
-            out.append((text.decode("utf-8", errors="replace"), None, None, int(hd[1])))
-            continue
-        conv = {0: lambda v: None, 1: int, 2: float, 3: bool}
-        vals = {name: conv[int(hd[3 + 2 * j])](hd[4 + 2 * j]) for j, name in enumerate(names)}
-        out.append((None, r[_VERDICT_HEAD:_VERDICT_HEAD + 8 * ne].view(torch.int64).numpy(), vals, int(hd[1])))
+        nbytes, has_counts = r[:16].view(torch.int64).tolist()
+        m, v, n = pickle.loads(r[16 + 8 * ne:16 + 8 * ne + nbytes].numpy().tobytes())
+        out.append((m, r[16:16 + 8 * ne].view(torch.int64).numpy() if has_counts else None, v, n))
     return out
 
 

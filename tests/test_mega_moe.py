@@ -432,6 +432,21 @@ def test_errors_on_every_rank(env, comm, backend):
         _, exc = capture(lambda: call(y, l1, l2, buf, fast_math=rank != 0))
         all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on fast_math" in str(exc),
                      f"mismatched fast_math: {exc!r}")
+        # values and messages the shm consensus must carry as they are (found by a helper: a wave size past
+        # float64's range, or an error text with a lone surrogate, raised before its barrier and left the
+        # ranks a call apart, which later calls took for agreement, silently mixing calls)
+        _, exc = capture(lambda: call(y, l1, l2, buf, num_experts_per_wave=10 ** 400 if rank == 0 else 1))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "disagree on num_experts_per_wave" in str(exc)
+                     and f"rank 0: {10 ** 400}" in str(exc), f"a wave size past float64: {exc!r}")
+
+        class Odd:
+            def __repr__(self):
+                return "caf\udce9" + "x" * 5000  # a lone surrogate, and longer than the shm record's 2000 chars
+
+        _, exc = capture(lambda: call(y, l1, l2, buf, activation_clamp=Odd() if rank == 0 else None))
+        ok = isinstance(exc, ValueError) and ("activation_clamp" in str(exc) if rank == 0 else
+                                             isinstance(exc, ConsensusError) and "rank(s) [0]" in str(exc))
+        all_ranks_ok(comm, ok, f"an error text with a surrogate: {type(exc).__name__}")
         # numbers of other types that mean the same are the same (numpy scalars, 1 for True)
         np_kw = dict(activation_clamp=np.float32(10.0), num_experts_per_wave=np.int64(1), fast_math=1) if rank == 0 \
             else dict(activation_clamp=10, num_experts_per_wave=1, fast_math=True)
