@@ -114,7 +114,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transports import TransportPoisoned, quiet_allgather_object
+from transports import Topology, TransportPoisoned, quiet_allgather_object
 
 from . import grouped_gemm as _gg
 from . import native as _native
@@ -148,7 +148,7 @@ _MAX_WINDOW_BYTES = 256 << 20
 _MAX_OUT_BYTES = 256 << 20  # cap of the shm backend's L2 output area per rank (a fuller call takes the Buffer)
 _BACKEND_ENV = "DEEPEP_ASCEND_MEGA_MOE_BACKEND"
 _BACKENDS = ("shm", "buffer")
-_VERDICT_MSG, _VERDICT_CHARS = 16384, 2000  # shm consensus record: 2 int64 words, E int64 counts, pickled rest
+_VERDICT_MSG, _VERDICT_CHARS = 16384, 2000  # shm consensus record: its length, then the pickled verdict
 _WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
 _GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
@@ -265,42 +265,40 @@ class SymmBuffer:
         for name, shape, dtype in specs:
             offsets.append(total)
             total = _align(total + math.prod(shape) * dtype.itemsize, _VIEW_ALIGN)
-        # Rows moved per dispatch (Buffer backend): one per (token, k) pair of a wave; the window streams larger
-        # waves.
-        row_bytes = _dispatch_row_bytes(h, self.is_fp8)
+        # The node layout first (collective; every rank gets the same answer): it decides the backend and
+        # which of the Buffer's windows to size.
+        topo = Topology.from_comm(comm)
+        if backend == "shm" and topo.num_nodes > 1:
+            raise ValueError(f"get_symm_buffer_for_mega_moe: backend 'shm' needs every rank in one UBMEM domain "
+                             f"(node); these {self.num_ranks} ranks span {topo.num_nodes} nodes: use backend "
+                             f"'buffer' (or the default)")
+        self.backend = backend or ("shm" if topo.num_nodes == 1 else "buffer")
+        # Rows moved per dispatch (Buffer path): one per (token, k) pair of a wave; the windows stream larger
+        # waves. One node: the UBMEM window for up to 128 MiB (or 128 pairs); across nodes both windows, for up
+        # to 4096 pairs per call.
+        elems, isz = _dispatch_row_bytes(h, self.is_fp8) // (1 if self.is_fp8 else 2), 1 if self.is_fp8 else 2
         pairs = max(1, tmax * num_topk)
-        nbytes = Buffer.get_normal_buffer_size_hint(pairs, row_bytes // (1 if self.is_fp8 else 2), self.num_ranks,
-                                                    1, num_experts, 1 if self.is_fp8 else 2)
-        per_pair = max(1, nbytes // pairs)
-        nbytes = min(nbytes, max(_align(_MAX_WINDOW_BYTES // 2, 128), 128 * per_pair))
-        nbytes = max(nbytes, Buffer.get_normal_buffer_size_hint(64, row_bytes // (1 if self.is_fp8 else 2),
-                                                                 self.num_ranks, 1, num_experts,
-                                                                 1 if self.is_fp8 else 2))
-        self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
-        one_domain = not self.ep_buffer._internode
-        if not one_domain:  # every rank sees the same topology: every rank takes this branch
-            rpn, nodes = self.ep_buffer.ranks_per_node, self.ep_buffer.num_nodes
-            self.ep_buffer.destroy()
-            if backend == "shm":
-                raise ValueError(f"get_symm_buffer_for_mega_moe: backend 'shm' needs every rank in one UBMEM domain "
-                                 f"(node); these {self.num_ranks} ranks span {nodes} nodes: use backend 'buffer' "
-                                 f"(or the default)")
-            # The internode path needs both windows; sized for up to 4096 pair rows per call (more stream).
-            elems, isz = row_bytes // (1 if self.is_fp8 else 2), 1 if self.is_fp8 else 2
-            rows = min(pairs, 4096)
+        if topo.num_nodes > 1:
+            rpn, rows = topo.ranks_per_node, min(pairs, 4096)
             nvl = Buffer.get_normal_buffer_size_hint(rows, elems, self.num_ranks, 1, num_experts, isz,
                                                      ranks_per_node=rpn)
             rdma = Buffer.get_normal_rdma_buffer_size_hint(rows, elems, self.num_ranks, rpn, 1, num_experts, isz)
             self.ep_buffer = Buffer(None, _align(nvl, 128), _align(rdma, 128), comm=comm, explicitly_destroy=True,
                                     timeout_s=timeout_s, ranks_per_node=rpn)
-        self.backend = backend or ("shm" if one_domain else "buffer")
+        else:
+            nbytes = Buffer.get_normal_buffer_size_hint(pairs, elems, self.num_ranks, 1, num_experts, isz)
+            per_pair = max(1, nbytes // pairs)
+            nbytes = min(nbytes, max(_align(_MAX_WINDOW_BYTES // 2, 128), 128 * per_pair))
+            nbytes = max(nbytes, Buffer.get_normal_buffer_size_hint(64, elems, self.num_ranks, 1, num_experts, isz))
+            self.ep_buffer = Buffer(None, _align(nbytes, 128), comm=comm, explicitly_destroy=True,
+                                    timeout_s=timeout_s, ranks_per_node=topo.ranks_per_node)
         self._segment, self._peer_views, self._out_rows = None, None, 0
         if self.backend == "shm":
             # Inputs, then the L2 output area (every row a rank receives, up to _MAX_OUT_BYTES), in a segment
             # every rank maps: peers pull inputs and read outputs where they lie.
             self._out_rows = min(self.num_ranks * tmax * num_topk, max(1, _MAX_OUT_BYTES // (2 * h)))
             self._total = total
-            self._verdict_bytes = _align(16 + 8 * num_experts + _VERDICT_MSG, _VIEW_ALIGN)
+            self._verdict_bytes = _align(8 + 16 * num_experts + _VERDICT_MSG, _VIEW_ALIGN)  # counts: ~8 B each
             nbytes = total + self._out_rows * 2 * h + 2 * self._verdict_bytes
             try:
                 self._segment = self.ep_buffer.runtime.create_segment("mega_moe", nbytes)
@@ -311,10 +309,12 @@ class SymmBuffer:
                                 for p in range(self.num_ranks)]
             self._consensus_calls = 0
             self.buffer = self._segment.view(self.rank, 0, total).view(torch.int8)
+            views = self._peer_views[self.rank]
         else:
             self.buffer = torch.zeros(total, dtype=torch.int8)
-        for name, view in self._views(self.buffer, specs, offsets).items():
-            setattr(self, name, view)
+            views = self._views(self.buffer, specs, offsets)
+        for name, _shape, _dtype in specs:
+            setattr(self, name, views[name])
         if not self.is_fp8:
             self.x_sf = self.l1_acts_sf = self.l2_acts_sf = None
         self.last_trace = None
@@ -867,7 +867,7 @@ def _consensus(sb, verdict, op) -> list:
     deadline: a rank that never comes would hang the others, and so would a peer that timed out in the
     barrier just as the others passed it (they would wait for it in the all-gather). The barrier names the
     ranks that did not come; on any timeout the waiting rank raises ``TimeoutError`` and the Buffer is
-    aborted (peers learn at once)."""
+    aborted (peers learn at once). The ``shm`` backend needs no all-gather: :func:`_consensus_shm`."""
     buf = sb.ep_buffer
     if sb.backend == "shm":
         return _consensus_shm(sb, verdict, op)
@@ -876,37 +876,33 @@ def _consensus(sb, verdict, op) -> list:
 
 
 def _consensus_shm(sb, verdict, op) -> list:
-    """:func:`_consensus` in one barrier (shm backend): each rank writes its verdict into its segment's slot
-    for this call's parity, meets the others at the transport's barrier, and reads every rank's. A slot is
-    written again two calls later, after a barrier that every rank enters only once it read this call's.
-    The counts travel as int64, the rest pickled as the Buffer backend's all-gather sends it (so both compare
-    the same values); a message longer than 2000 characters is cut. A verdict that cannot be encoded becomes
-    a rejection naming this rank: every rank still enters the barrier, so the ranks never fall out of step."""
-    buf, me, ne = sb.ep_buffer, sb.rank, sb.num_experts
+    """:func:`_consensus` in one barrier (shm backend): each rank writes its verdict, pickled as the Buffer
+    backend's all-gather sends it (so both compare the same values), into its segment's slot for this call's
+    parity, meets the others at the transport's barrier, and reads every rank's. A slot is written again two
+    calls later, after a barrier that every rank enters only once it read this call's. A message longer than
+    2000 characters is cut; a verdict that cannot be encoded becomes a rejection naming this rank: every rank
+    still enters the barrier, so the ranks never fall out of step."""
+    buf, me = sb.ep_buffer, sb.rank
     msg, counts, settings, t = verdict
     try:
         if msg is not None and len(msg) > _VERDICT_CHARS:
             msg = msg[:_VERDICT_CHARS] + " [cut]"
-        blob = pickle.dumps((msg, settings, t))
-        if len(blob) > _VERDICT_MSG:
-            raise ValueError(f"{len(blob)} B, room for {_VERDICT_MSG}")
+        blob = pickle.dumps((msg, counts, settings, t))
+        if len(blob) > sb._verdict_bytes - 8:
+            raise ValueError(f"{len(blob)} B, room for {sb._verdict_bytes - 8}")
     except Exception as exc:  # noqa: BLE001 - sent to every rank as this rank's rejection
-        counts = None
-        blob = pickle.dumps((f"rank {me}: {op}: its verdict could not be encoded ({type(exc).__name__})", None, 0))
+        blob = pickle.dumps((f"rank {me}: {op}: its verdict could not be encoded ({type(exc).__name__})", None,
+                             None, 0))
     slot = sb._consensus_calls % 2
     sb._consensus_calls += 1
     rec = sb._peer_views[me]["verdict"][slot]
-    rec[:16].view(torch.int64).copy_(torch.tensor([len(blob), counts is not None]))
-    if counts is not None:
-        rec[16:16 + 8 * ne].view(torch.int64).copy_(torch.from_numpy(counts))
-    rec[16 + 8 * ne:16 + 8 * ne + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    rec[:8].view(torch.int64).fill_(len(blob))
+    rec[8:8 + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
     out = []
     for p in range(sb.num_ranks):
-        r = sb._peer_views[p]["verdict"][slot].clone()
-        nbytes, has_counts = r[:16].view(torch.int64).tolist()
-        m, v, n = pickle.loads(r[16 + 8 * ne:16 + 8 * ne + nbytes].numpy().tobytes())
-        out.append((m, r[16:16 + 8 * ne].view(torch.int64).numpy() if has_counts else None, v, n))
+        r = sb._peer_views[p]["verdict"][slot]
+        out.append(pickle.loads(r[8:8 + int(r[:8].view(torch.int64))].numpy().tobytes()))
     return out
 
 
@@ -1315,6 +1311,8 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
             waited; the symmetric buffer is then unusable: destroy it and build a new one). A rank that
             fails after the ranks agreed (an unexpected error in its expert compute) raises its error and
             aborts the buffer: the others raise ``TransportAborted`` naming it at once.
+        RuntimeError: (``shm`` backend) a peer's ``topk_idx`` no longer routes the pairs its counts announced
+            (its inputs were changed during the call); the buffer is aborted as above.
     """
     _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
          activation_clamp, fast_math, None, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,
