@@ -4,7 +4,7 @@
 
 Median time of copying a tensor into (a) a preallocated destination, (b) a fresh
 ``torch.empty`` (4 KiB page faults on first touch), (c) a fresh
-:func:`deepep_ascend.host.empty` (huge pages advised before the first touch). (b)/(a) is what
+:func:`deepep_ascend.ep.memory.empty` (huge pages advised before the first touch). (b)/(a) is what
 an output costs without a caching allocator; (c)/(a) what the library's outputs cost.
 """
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from deepep_ascend import host
+from deepep_ascend.ep import memory as host
 
 
 def _interleaved_medians_ms(fns, iters: int) -> list:

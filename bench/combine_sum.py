@@ -6,12 +6,12 @@
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
 ``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
 ``-0.0``) as combine marks the rows a peer staged. For each case it times
-``intranode.accumulate_rows`` on the same inputs, alternating: the run-wise path forced on
+``reduce.accumulate_rows`` on the same inputs, alternating: the run-wise path forced on
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False, native=False``, the float32
 chain), and :func:`deepep_ascend.native.sum_rows` (where it was built), checks that all give the
 same bits, and prints the run count, the medians, the cost per run of the run-wise path, and
 what ``accumulate_rows`` picks by default: the native kernel where it was built, else the
-run-wise path while :func:`~deepep_ascend.intranode.two_source_run_limit` keeps it (past it the
+run-wise path while :func:`~deepep_ascend.ep.reduce.two_source_run_limit` keeps it (past it the
 ``embedding_bag`` sum timed below). Its last
 line fits the run-wise and chain costs (least squares: run-wise = a + b * runs, chain = c) and
 prints the break-even run count against the limit.
@@ -19,7 +19,7 @@ prints the break-even run count against the limit.
 Then, for each ``--sources`` count ``S`` (what an origin of an ``S``-rank combine sees), ``S``
 sources that each hold a token with the probability that top-``--num-topk`` routing over ``S``
 equal ranks reaches a rank, ``1 - (1 - 1/S)^k``: it times the float32 chain, the
-:func:`~deepep_ascend.intranode._sum_by_bags` path forced (``max_runs=0, bags=True,
+:func:`~deepep_ascend.ep.reduce._sum_by_bags` path forced (``max_runs=0, bags=True,
 native=False``; the default without the native kernel for three or more sources, and for two
 whose runs are too many, while a block holds ``_BAG_MIN_TOKENS`` tokens) and the native kernel
 (the default where it was built), alternating, checks all give the same bits, and prints the
@@ -35,7 +35,7 @@ import torch
 
 from bench import common as C
 from bench.alloc import _interleaved_medians_ms
-from deepep_ascend import intranode as I
+from deepep_ascend.ep import reduce as I
 from deepep_ascend import native as N
 
 

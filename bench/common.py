@@ -1069,7 +1069,7 @@ def add_link_args(p) -> None:
 
 def link_setup(p, args):
     """``(profile, emulator or None)`` from :func:`add_link_args`' options; ``p.error`` on bad values."""
-    from transports import LinkEmulator, get_profile
+    from deepep_ascend.transports import LinkEmulator, get_profile
 
     try:
         profile = get_profile(args.link_profile)
@@ -1108,7 +1108,7 @@ def project_phases(link_stats: Optional[dict], comm, profile, formula_bytes: dic
     benchmark's byte formula; ``formula_GBps`` = their max over ranks / the projected time,
     comparable with the measured GB/s of the same formula. ``None`` for a profile without links.
     """
-    from transports import gather_link_stats, project
+    from deepep_ascend.transports import gather_link_stats, project
 
     if link_stats is None or not profile.links:
         return None
@@ -1172,7 +1172,7 @@ def finish(comm, code: int = 0) -> None:
     finalize hook and lets mpiexec kill late ranks (see ``transports.process``).
     Destroy Buffers and process groups before calling this (Python atexit handlers do not run).
     """
-    from transports.process import exit_job
+    from deepep_ascend.transports.process import exit_job
 
     exit_job(code, comm)
 
@@ -1193,7 +1193,7 @@ def run_main(main: Callable[[], int]) -> None:
         import traceback
         # One write (the first peer's Abort may kill this rank mid-print), the error line first.
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        from transports.process import abort_job
+        from deepep_ascend.transports.process import abort_job
 
         abort_job(MPI.COMM_WORLD, 1)  # never falls through to finish()
     finish(MPI.COMM_WORLD, code)

@@ -44,8 +44,8 @@ import deepep_ascend as dea
 from bench import common as C
 from bench.alloc import _interleaved_medians_ms
 from bench.mega_moe import psum_layout
-from deepep_ascend import grouped_gemm as gg
-from deepep_ascend import mega_moe as mm
+from deepep_ascend.gemm import grouped_gemm as gg
+from deepep_ascend.mega_moe import core as mm
 from deepep_ascend import native
 
 BF16 = torch.bfloat16

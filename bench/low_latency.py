@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from deepep_ascend import Buffer
-    from deepep_ascend.low_latency import zeros as ll_zeros
-    from transports import LinkStats
+    from deepep_ascend.ep.low_latency import zeros as ll_zeros
+    from deepep_ascend.transports import LinkStats
 
     args = parse_args(argv)
     comm = MPI.COMM_WORLD

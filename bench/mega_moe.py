@@ -71,7 +71,7 @@ import torch
 
 import deepep_ascend as dea
 from bench import common as C
-from deepep_ascend import mega_moe as M
+from deepep_ascend.mega_moe import core as M
 
 CHECK_BOUND = 1e-3  # fused vs unfused calc_diff: one extra bf16 rounding is ~1e-5; a wrong row gives ~1
 
@@ -320,7 +320,7 @@ class Unfused:
                 "gemm_l2": lambda: _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])}
 
     def fused_gemm_fns(self, cached):
-        """MegaMoE's own per-expert GEMMs (:func:`deepep_ascend.mega_moe._expert_gemm`) on its cached weights
+        """MegaMoE's own per-expert GEMMs (:func:`deepep_ascend.mega_moe.core._expert_gemm`) on its cached weights
         ``cached`` (``_untransformed``: fp8, the FP4 copies the AMX kernel decodes) and the last run's rows,
         sorted by expert without padding (the fused call's layout)."""
         st, dt = self.st, M._operand_dtype(self.engine)
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     checks = comm.gather((bitwise and waves_bitwise, diff), root=0)
 
     # Link counters of one more fused call (untimed): per channel kind, and projected on --link-profile.
-    from transports import LinkStats
+    from deepep_ascend.transports import LinkStats
 
     elem = 1 if args.mma == "fp8" else 2
     disp_b = args.hidden * elem + (args.hidden // 32 if args.mma == "fp8" else 0) + 4

@@ -7,10 +7,10 @@ ranks by default (512 tokens x top-6 x 4 ranks / 24 local experts x 24). Timed i
 over iterations, on the same inputs:
 
 * ``decode``: received FP8 rows (e4m3 codes, then one UE8M0 byte per 32 channels) gathered in
-  expert order and decoded to BF16, :func:`deepep_ascend.mega_moe._dequant_x` with and without
+  expert order and decoded to BF16, :func:`deepep_ascend.mega_moe.core._dequant_x` with and without
   :func:`deepep_ascend.native.dequant_rows_e4m3` (the torch path: a row gather, then
   :func:`deepep_ascend.per_token_cast_back`'s torch path);
-* ``swiglu``: :func:`deepep_ascend.mega_moe._activation` on ``[rows, 2 inter]`` BF16 L1 outputs
+* ``swiglu``: :func:`deepep_ascend.mega_moe.core._activation` on ``[rows, 2 inter]`` BF16 L1 outputs
   (clamp 10, fast math, routing weights, e4m3 round trip with UE8M0 per 32: the fp8xfp4 path),
   with and without :func:`deepep_ascend.native.swiglu`; then the same without the FP8 round trip
   (the bf16xbf16 path).
@@ -26,7 +26,7 @@ import torch
 
 from bench import common as C
 from bench.alloc import _interleaved_medians_ms
-from deepep_ascend import mega_moe as M
+from deepep_ascend.mega_moe import core as M
 from deepep_ascend import native as N
 
 BF16 = torch.bfloat16

@@ -147,7 +147,7 @@ def two_hop_report(wl, args, comm, traffic) -> dict | None:
 
     Per rank, from the layout: ``remote_nodes`` = Σ tokens × other nodes they need, ``remote_ranks``
     = Σ tokens × other-node ranks they need (what a direct, one-hop dispatch would send). Wire
-    row of hop one (``deepep_ascend.internode``): x + scales + 12·K (ids, weights) + 4 (source
+    row of hop one (``deepep_ascend.ep.internode``): x + scales + 12·K (ids, weights) + 4 (source
     index) + ranks_per_node (target bitmask); plus per round one 128 B header to each other node
     and, in round 0, the count vector ``4·(R + E + nodes)`` rounded up to 8.
     """

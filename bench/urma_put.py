@@ -31,8 +31,8 @@ def main() -> int:
     torch.set_num_threads(1)
     from mpi4py import MPI
 
-    from transports import create_transport
-    from transports.ubmem import URMA_EXPOSURE_ENV
+    from deepep_ascend.transports import create_transport
+    from deepep_ascend.transports.ubmem import URMA_EXPOSURE_ENV
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:

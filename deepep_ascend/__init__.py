@@ -1,22 +1,20 @@
-"""deepep_ascend: DeepEP's expert-parallel Buffer on CPU ranks over MPI, simulating Ascend 950 channels.
+"""deepep_ascend: DeepEP's expert-parallel API on CPU ranks over MPI, simulating Ascend 950 channels.
 
-Public surface mirrors ``deep_ep``: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`,
-:class:`EventHandle`, ``topk_idx_t``.
+Rooms (docs/design/architecture.md): :mod:`.ep` (communication: ``Buffer``), :mod:`.gemm` (codecs and
+GEMMs, DeepGEMM's role), :mod:`.native` (the C kernels), :mod:`.mega_moe` (the fused MoE),
+:mod:`.nn` (autograd, the MoE layer, start-up), :mod:`.transports` (the simulated channels) and
+:mod:`.settings` (every environment variable).
+
+The top level mirrors ``deep_ep`` (``Buffer``, ``Config``, ``EventOverlap``, ``EventHandle``,
+``topk_idx_t``) and ``deep_gemm`` (codecs, GEMMs, MegaMoE), so that ported code changes only its imports.
 """
 
-from .buffer import Buffer
-from .config import Config
-from .event import EventHandle, EventOverlap
-from .intranode import ConsensusError
-from .layout import topk_idx_t
-from . import grouped_gemm, quant  # DeepGEMM-aligned codecs and grouped GEMMs
-from .grouped_gemm import *  # noqa: F401,F403
-from .quant import *  # noqa: F401,F403
-from . import mega_moe  # DeepGEMM's MegaMoE over the normal-mode Buffer
-from .mega_moe import *  # noqa: F401,F403
-from . import autograd, dist, moe  # noqa: F401,E402  training: deepep_ascend.autograd.dispatch/combine, dist, moe.MoE
+from . import ep as ep, gemm as gemm, mega_moe as mega_moe, native as native, nn as nn, transports as transports
+from .ep import Buffer, Config, ConsensusError, EventHandle, EventOverlap, topk_idx_t
+from .gemm import *  # noqa: F403
+from .mega_moe import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "ConsensusError", "topk_idx_t", "__version__"]
-__all__ += quant.__all__ + grouped_gemm.__all__ + mega_moe.__all__
+__all__ = ["Buffer", "Config", "ConsensusError", "EventHandle", "EventOverlap", "topk_idx_t", "__version__"]
+__all__ += gemm.__all__ + mega_moe.__all__

@@ -37,12 +37,18 @@ try:
         why.append(f"deepep_ascend installed from {url.get('url')}, not {root}")
 except md.PackageNotFoundError:
     why.append("deepep_ascend not installed")
-for pkg in ("deepep_ascend", "transports", "bench"):
-    if os.path.isfile(os.path.join(root, pkg, "__init__.py")):
+for pkg, folder in (("deepep_ascend", "deepep_ascend"), ("deepep_ascend.transports", "transports")):
+    try:
         spec = importlib.util.find_spec(pkg)
-        where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None
-        if where != os.path.join(root, pkg):
-            why.append(f"{pkg} resolves to {where}")
+    except ImportError:
+        spec = None
+    where = os.path.realpath(os.path.dirname(spec.origin)) if spec and spec.origin else None
+    if where != os.path.join(root, folder):
+        why.append(f"{pkg} resolves to {where}")
+for stale in ("transports", "bench"):  # top-level names an older install of this checkout exported
+    spec = importlib.util.find_spec(stale)
+    if spec and spec.origin and os.path.realpath(spec.origin).startswith(root + os.sep):
+        why.append(f"an older install exports the top-level package {stale}")
 if why:
     print("setup: (re)installing because: " + "; ".join(why), file=sys.stderr)
     sys.exit(0)
@@ -58,7 +64,7 @@ PY
 native_kernel() {
     "$PYTHON" - "$REPO_ROOT" "$1" <<'PY'
 import importlib.machinery, os, shutil, sys, sysconfig
-pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend")
+pkg = os.path.join(os.path.realpath(sys.argv[1]), "deepep_ascend", "native")
 csrc, failed = os.path.join(pkg, "csrc"), os.path.join(pkg, "_native.build-failed")
 srcs = [os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith((".c", ".h"))] if os.path.isdir(csrc) else []
 if not srcs:
@@ -79,7 +85,7 @@ elif fresh:
 else:
     with open(failed, "w") as f:
         f.write(stamp)
-    print("setup: the native kernels (deepep_ascend/csrc/) were not built (no working C compiler?): "
+    print("setup: the native kernels (deepep_ascend/native/csrc/) were not built (no working C compiler?): "
           "combine and MegaMoE use their torch paths, same results (the grouped GEMMs to bf16 rounding), "
           "slower (README, 'Two commands')",
           file=sys.stderr)

@@ -83,7 +83,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import common as C  # noqa: E402  (byte formulas and gbps: one implementation)
-from transports.process import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
+from deepep_ascend.transports.process import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
 
 MODES = ("normal", "low_latency", "mega_moe")
 MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency", "mega_moe": "bench.mega_moe"}
@@ -964,7 +964,7 @@ def parse_args(argv=None):
     if a.link_emulation != "none" and a.link_profile is None:
         p.error("--link-emulation needs a --link-profile to emulate")
     if a.link_profile is not None:  # checked here as the benchmarks check it, not once per failed job
-        from transports import get_profile
+        from deepep_ascend.transports import get_profile
 
         try:
             profile = get_profile(a.link_profile)

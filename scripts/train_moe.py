@@ -12,10 +12,10 @@ megabytes and used as one byte stream; the last 2 % is held out for a validation
 ``--text synthetic`` trains on a generated toy grammar instead (no files; used by the tests).
 
 Model: bytes → embedding (+ learned positions) → ``--layers`` × [RMSNorm → causal self-attention
-→ RMSNorm → :class:`deepep_ascend.moe.MoE`] → RMSNorm → byte logits. The MoE block is DeepSeek's:
+→ RMSNorm → :class:`deepep_ascend.nn.moe.MoE`] → RMSNorm → byte logits. The MoE block is DeepSeek's:
 gate (softmax or sigmoid, optional group-limited routing), ``--experts`` routed SwiGLU experts
 (``--topk`` per token) spread over the EP group, one shared expert; tokens travel with
-``deepep_ascend.autograd.dispatch`` / ``combine`` (one ``Buffer`` for all layers), or with
+``deepep_ascend.nn.autograd.dispatch`` / ``combine`` (one ``Buffer`` for all layers), or with
 ``--moe-mode low_latency`` with ``low_latency_dispatch`` / ``low_latency_combine`` (a
 ``low_latency_mode`` Buffer; ``num_max_dispatch_tokens_per_rank`` = ``--batch`` x ``--seq``, at most 511).
 
@@ -69,9 +69,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepep_ascend import Buffer
-from deepep_ascend import dist as ep_dist
-from deepep_ascend.moe import MoE, is_expert_param
-from transports.process import abort_job, exit_job
+from deepep_ascend.nn import dist as ep_dist
+from deepep_ascend.nn.moe import MoE, is_expert_param
+from deepep_ascend.transports.process import abort_job, exit_job
 
 # Arguments that define the model (checked on resume).
 MODEL_ARGS = ("d_model", "layers", "heads", "seq", "experts", "topk", "expert_dim", "shared", "score_func",
@@ -98,7 +98,7 @@ def parse_args(argv=None):
     a("--routed-scaling", type=float, default=1.0, help="routed_scaling_factor")
     a("--experts-impl", choices=("loop", "grouped"), default="loop",
       help="routed experts: float32 matmul per local expert (default; fastest on CPU) or the BF16 grouped GEMMs "
-           "of deepep_ascend.grouped_gemm (about 7x slower here: CPU bf16 matmuls)")
+           "of deepep_ascend.gemm.grouped_gemm (about 7x slower here: CPU bf16 matmuls)")
     a("--moe-mode", choices=("normal", "low_latency"), default="normal",
       help="EP communication: normal dispatch/combine (default) or the low-latency pair "
            "(--batch x --seq tokens per rank at most 511)")

@@ -33,7 +33,7 @@ What this file adds to pytest + pytest-mpi:
   ``MPI_Finalize``, then the C library's ``exit(status)`` (Python's teardown is skipped). Not
   ``os._exit``: MPICH sends PMI's finalize from a C exit hook, and a rank that skips it makes
   hydra SIGKILL every rank still alive; CI's 8-rank run once passed every test and still failed
-  with "EXIT CODE: 9" that way (``tests/test_exit_path.py`` reproduces it). The plain interpreter
+  with "EXIT CODE: 9" that way (``tests/harness/test_exit_path.py`` reproduces it). The plain interpreter
   exit (``DEEPEP_ASCEND_TEST_EXIT_MODE=finalize``, kept for re-measuring) is also clean. The
   status is the same on every rank (gathered at session end). Runs from ``atexit`` so that
   cleanup handlers registered later (e.g. by the library, to free its windows) still run before it.
@@ -56,12 +56,9 @@ import time
 import pytest
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:  # helpers import by plain name whatever the import mode
-    sys.path.insert(0, _HERE)
-
-import mpi_utils
-from mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
+from tests.support import REPO_ROOT as _REPO
+from tests.support import mpi_utils
+from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
 
 torch.set_num_threads(1)
 
@@ -219,13 +216,10 @@ def _peer_states(peers, me: int) -> str:
     return ("[watchdog] rank %d sees its peers (syscall 0/1 = read/write):\n" % me + "\n".join(lines) + "\n") if lines else ""
 
 
-_REPO = os.path.dirname(_HERE)
-
-
 def _where_threads_are(me: int, max_frames: int = 12) -> str:
     """One line per Python thread of this rank: its name, thread id, and the innermost frame then
     the repository's frames (innermost first), e.g. ``MainThread (tid 123): threading.py:331 wait
-    <- deepep_ascend/buffer.py:880 _wait <- tests/test_x.py:41 test_y``."""
+    <- deepep_ascend/ep/buffer.py:880 _wait <- tests/ep/test_x.py:41 test_y``."""
     frames = sys._current_frames()
     lines = []
     for t in threading.enumerate():
@@ -314,7 +308,7 @@ def pytest_configure(config):
     _S.mpi_active = True
     _S.err_fd = os.dup(2)  # capture is suspended here, so fd 2 is the real stderr
     _S.watchdog = _Watchdog(_S.err_fd, _S.rank)
-    from transports.process import release_mpich_shm
+    from deepep_ascend.transports.process import release_mpich_shm
 
     _S.watchdog.release_shm = release_mpich_shm
     _S.watchdog.peers = [(r, h, pid) for r, (h, pid) in
@@ -498,7 +492,7 @@ def _exit_job_at_exit() -> None:
     try:
         MPI = _mpi()
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            from transports.process import exit_job
+            from deepep_ascend.transports.process import exit_job
 
             exit_job(status, MPI.COMM_WORLD)  # flush, barrier, MPI_Finalize, C exit
     finally:

@@ -6,21 +6,15 @@ also when the test left it POISONED (a timeout or abort): ``destroy`` then decid
 to skip the frees. Tests are collective (``@pytest.mark.mpi``): same calls, same order on every
 rank; ``tests/conftest.py`` makes their pass/fail collective.
 
-No ``__init__.py`` here on purpose: with ``tests/`` on ``sys.path`` (pyproject ``pythonpath``),
-a regular package ``tests/transports`` would shadow the real ``transports`` package.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_helpers, whatever the import mode
-
-from tp_helpers import destroy_quietly, make_transport
+from tests.transports.helpers import destroy_quietly, make_transport
 
 
 @pytest.fixture

@@ -16,9 +16,14 @@ import sys
 import time
 
 import torch
+from deepep_ascend.transports import (
+    ChannelKind,
+    State,
+    Team,
+    TransportTimeout,
+    create_transport,
+)
 from mpi4py import MPI
-
-from transports import ChannelKind, State, Team, TransportTimeout, create_transport
 
 
 def ramp(nbytes: int, seed: int) -> torch.Tensor:

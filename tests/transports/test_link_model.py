@@ -9,9 +9,16 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from transports import (PROFILES, ChannelKind, LinkEmulator, LinkStats, emulator_from_env, gather_link_stats,
-                        get_profile, project)
+from deepep_ascend.transports import (
+    PROFILES,
+    ChannelKind,
+    LinkEmulator,
+    LinkStats,
+    emulator_from_env,
+    gather_link_stats,
+    get_profile,
+    project,
+)
 
 SLACK_S = 10.0  # upper bounds only catch "not slowed by orders of magnitude", never jitter
 

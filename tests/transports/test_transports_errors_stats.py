@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from deepep_ascend.transports import ChannelKind, LinkStats, TransportArgumentError
 
-from tp_helpers import pattern
-from transports import ChannelKind, LinkStats, TransportArgumentError
+from tests.transports.helpers import pattern
 
 NBYTES, SLOTS = 4096, 4
 

@@ -20,16 +20,29 @@ import time
 
 import pytest
 import torch
+from deepep_ascend.transports import (
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    State,
+    TransportBusy,
+    TransportClosed,
+    WaitPolicy,
+    resolve_timeout,
+)
 from mpi4py import MPI
 
-import transports.ubmem as ubmem_mod
-from mpi_utils import run_child_job, world
-from tp_helpers import destroy_quietly, make_transport, pattern, proc_shm_mappings
-from transports import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, TransportBusy, TransportClosed, WaitPolicy,
-                        resolve_timeout)
+from deepep_ascend.transports import ubmem as ubmem_mod
+from tests.support import REPO_ROOT
+from tests.support.mpi_utils import run_child_job, world
+from tests.transports.helpers import (
+    destroy_quietly,
+    make_transport,
+    pattern,
+    proc_shm_mappings,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = REPO_ROOT
 SHM = "/dev/shm"
 
 
@@ -343,7 +356,7 @@ def test_exit_hook_destroys_forgotten_transports_in_the_same_order_everywhere(mo
     """The atexit hook frees forgotten transports newest first by creation serial, identical on
     every rank (a WeakSet's own order differs between processes, and mismatched collective frees
     of two transports hung jobs at exit)."""
-    from transports import ubmem
+    from deepep_ascend.transports import ubmem
 
     a, b = make_transport(), make_transport()
     order = []

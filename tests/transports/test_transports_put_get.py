@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepep_ascend.transports import ChannelKind
 
-from tp_helpers import MIB, pattern, ramp
-from transports import ChannelKind
+from tests.transports.helpers import MIB, pattern, ramp
 
 SIZES = [0, 1, 7, 4096, MIB, 8 * MIB]
 GUARD = 64

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from transports import TransportArgumentError, TransportRuntimeError
+from deepep_ascend.transports import TransportArgumentError, TransportRuntimeError
 
 
 def _files_of_this_process():

@@ -11,9 +11,16 @@ import time
 
 import pytest
 import torch
+from deepep_ascend.transports import (
+    State,
+    Team,
+    TransportAborted,
+    TransportError,
+    TransportPoisoned,
+    TransportTimeout,
+)
 
-from tp_helpers import pattern
-from transports import (State, Team, TransportAborted, TransportError, TransportPoisoned, TransportTimeout)
+from tests.transports.helpers import pattern
 
 # Generous bounds for timeouts (2 cores, up to 8 ranks, other jobs on the machine).
 SLACK_S = 3.0

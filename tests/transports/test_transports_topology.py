@@ -11,11 +11,19 @@ import dataclasses
 import re
 
 import pytest
+from deepep_ascend.transports import (
+    RANKS_PER_NODE_ENV,
+    ChannelKind,
+    Topology,
+    Transport,
+    TransportConfigError,
+    TransportError,
+    UbmemTransport,
+    create_transport,
+)
 from mpi4py import MPI
 
-from tp_helpers import TIMEOUT_S, destroy_quietly, make_transport
-from transports import (RANKS_PER_NODE_ENV, ChannelKind, Topology, Transport, TransportConfigError,
-                        TransportError, UbmemTransport, create_transport)
+from tests.transports.helpers import TIMEOUT_S, destroy_quietly, make_transport
 
 # Expected kind matrices for 8 ranks: S = SELF, U = UBMEM (same node), R = URMA (other node).
 KIND_8_RPN2 = """
@@ -249,7 +257,7 @@ def test_separate_memory_model_refused_and_freed(monkeypatch):
     """URMA needs MPI_WIN_UNIFIED (targets load their slots): refused on every rank, nothing leaked."""
     from mpi4py import MPI as _MPI
 
-    import transports.urma as urma_mod
+    from deepep_ascend.transports import urma as urma_mod
 
     me = MPI.COMM_WORLD.rank
     # Only the last rank's window pretends to be separate: the decision must still be collective.

@@ -21,18 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-from mpi_utils import run_child_job
-from tp_helpers import (
-    MIB,
-    destroy_quietly,
-    make_transport,
-    pattern,
-    proc_shm_mappings,
-    ramp,
-)
-
-from transports import (
+from deepep_ascend.transports import (
     ChannelKind,
     LinkStats,
     State,
@@ -46,6 +35,18 @@ from transports import (
     TransportTimeout,
     TransportUnsupported,
 )
+from mpi4py import MPI
+
+from tests.support import REPO_ROOT
+from tests.support.mpi_utils import run_child_job
+from tests.transports.helpers import (
+    MIB,
+    destroy_quietly,
+    make_transport,
+    pattern,
+    proc_shm_mappings,
+    ramp,
+)
 
 N = MPI.COMM_WORLD.Get_size()
 #: ranks_per_node values that split the world into more than one node.
@@ -54,7 +55,7 @@ MULTI = [d for d in range(1, N) if N % d == 0]
 HALF = [N // 2] if N % 2 == 0 and N >= 2 else []
 SLACK_S = 3.0
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = REPO_ROOT
 
 
 @pytest.fixture(scope="module", params=MULTI, ids=[f"rpn{d}" for d in MULTI])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transports import TransportArgumentError
+from deepep_ascend.transports import TransportArgumentError
 
 
 @pytest.mark.mpi(min_size=2)

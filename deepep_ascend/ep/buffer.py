@@ -1,0 +1,1229 @@
+"""``deepep_ascend.Buffer``: DeepEP's ``deep_ep.Buffer`` on CPU ranks over MPI (spec §2-§4, §8).
+
+The Buffer checks arguments, picks the path, and owns its transport, its UBMEM window and its
+worker; data movement lives in :mod:`deepep_ascend.ep.intranode`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import traceback
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from ..transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
+                        TransportPoisoned, TransportTimeout, create_transport)
+
+from . import low_latency as ll_mod
+from .config import Config, combine_config, dispatch_config
+from .event import EventHandle, EventOverlap, Worker
+from .internode import NUM_URMA_SLOTS, InternodeEngine
+from .intranode import NUM_SLOTS, IntranodeEngine
+from .protocol import HEADER_BYTES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, dtype_code
+from .group import mpi_comm_of
+from .layout import dispatch_layout, topk_idx_t
+from ..gemm.quant import _storage_problem
+
+#: Bytes of each rank's recv_x landing segment (default: ``num_nvl_bytes``; 0: none). See :class:`Buffer`.
+LANDING_BYTES_ENV = "DEEPEP_ASCEND_LANDING_BYTES"
+_BUFFER_IDS = itertools.count(1)
+_HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
+_UNDESTROYED = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_undestroyed():
+    for buf in list(_UNDESTROYED):
+        if buf.runtime is not None:
+            warnings.warn(f"deepep_ascend.Buffer(rank {buf.rank}) was built with explicitly_destroy=True but "
+                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning)
+
+
+def _register_handle(handle_tensor: torch.Tensor, info) -> None:
+    key = id(handle_tensor)
+    _HANDLES[key] = info
+    weakref.finalize(handle_tensor, _HANDLES.pop, key, None)
+
+
+class _Rejected(Exception):
+    """Local validation failure: carries the exception to raise on this rank after the consensus round."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _check(cond: bool, exc_type, message: str) -> None:
+    if not cond:
+        raise _Rejected(exc_type(message))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with standard strides. torch calls any zero-element tensor contiguous, so
+    ``contiguous()`` keeps e.g. the stride 0 of an expanded gradient, which byte views refuse."""
+    return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+
+
+def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
+    _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    problem = _storage_problem(t)
+    _check(problem is None, ValueError, f"`{name}` {problem}")
+    if dtype is not None:
+        _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None:
+        _check(t.dim() == ndim, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        _check(tuple(t.shape) == tuple(shape), ValueError,
+               f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+class Buffer:
+    """Expert-parallel communication buffer; mirrors ``deep_ep.Buffer`` (DeepEP 2.1.0, V1 API).
+
+    Normal (high-throughput) mode: ``get_dispatch_layout``, ``dispatch`` (BF16 or FP8, with/without
+    top-k, cached through a handle, ``expert_alignment``, ``num_worst_tokens``, async) and
+    ``combine`` (bias, combined top-k weights, async), inside one node through the UBMEM window
+    (:mod:`deepep_ascend.ep.intranode`) or, with more than one node, by DeepEP's two hops through the
+    URMA and UBMEM windows (:mod:`deepep_ascend.ep.internode`). Windows are allocated once; payloads
+    larger than them stream through in rounds. Low-latency mode: the ``low_latency_*`` methods.
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup (torch ranks must equal MPI ranks, as under
+            ``mpiexec`` when torch.distributed is initialised with the MPI rank and size), an mpi4py
+            communicator, or ``None`` with ``comm``.
+        num_nvl_bytes: bytes of the UBMEM (intranode) window per rank, a multiple of 128
+            (alias ``num_ubmem_bytes``). See :meth:`get_normal_buffer_size_hint`.
+        num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``): the internode
+            boxes, or with ``low_latency_mode`` the LL window (see
+            :meth:`get_low_latency_rdma_size_hint`).
+        low_latency_mode: build the low-latency window from ``num_rdma_bytes`` (any number of
+            nodes); the ``low_latency_*`` methods then work (see :mod:`deepep_ascend.ep.low_latency`).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink: accepted
+            for DeepEP compatibility (checked as DeepEP does; no effect in normal mode). In
+            low-latency mode ``allow_nvlink_for_low_latency_mode`` (alias
+            ``allow_ubmem_for_low_latency_mode``) lets same-node peers be written with stores
+            instead of ``put``, and ``enable_shrink`` masks peers that miss the deadline.
+        explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
+        comm: mpi4py communicator used when ``group`` is None.
+        ranks_per_node: simulated node size (default: ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
+            shared-memory domain); fewer than the ranks takes the internode path, which needs
+            ``num_rdma_bytes`` too (see :meth:`get_normal_rdma_buffer_size_hint`).
+        timeout_s: deadline of every wait in seconds; default ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100.
+
+    On one node, each rank also maps a **landing segment** of ``$DEEPEP_ASCEND_LANDING_BYTES``
+    bytes (default ``num_nvl_bytes``; 0: none; reserved in ``/dev/shm`` at construction). Normal
+    dispatch places ``recv_x`` there when it fits, so senders store their rows straight into it
+    (:mod:`deepep_ascend.ep.intranode`). ``recv_x`` is still an ordinary tensor to the caller: its
+    range is reused only after the caller drops every tensor viewing it (a bare ``untyped_storage()``
+    object does not count), and it stays valid after
+    :meth:`destroy`.
+
+    Like a CUDA stream, a Buffer is used by one thread at a time, and every rank makes the same
+    sequence of collective calls (``dispatch``, ``combine``, ``destroy``). A timeout or a peer's
+    abort leaves the Buffer failed: later calls raise ``transports.TransportPoisoned`` at once;
+    build a new Buffer (destroying the old one needs ``explicitly_destroy=True``).
+
+    Raises:
+        ValueError: no usable group/comm, conflicting aliases, bad ``timeout_s``.
+        RuntimeError: DeepEP's constructor checks (128-byte multiples, sizes, unsupported modes).
+        transports.TransportConfigError: invalid ``ranks_per_node`` (same error on every rank).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, *, num_ubmem_bytes: int | None = None, num_urma_bytes: int | None = None,
+                 ranks_per_node: int | None = None, timeout_s: float | None = None,
+                 allow_ubmem_for_low_latency_mode: bool | None = None):
+        if num_ubmem_bytes is not None:
+            if num_nvl_bytes not in (0, num_ubmem_bytes):
+                raise ValueError(f"Buffer: num_nvl_bytes={num_nvl_bytes} and its alias num_ubmem_bytes="
+                                 f"{num_ubmem_bytes} disagree")
+            num_nvl_bytes = num_ubmem_bytes
+        if num_urma_bytes is not None:
+            if num_rdma_bytes not in (0, num_urma_bytes):
+                raise ValueError(f"Buffer: num_rdma_bytes={num_rdma_bytes} and its alias num_urma_bytes="
+                                 f"{num_urma_bytes} disagree")
+            num_rdma_bytes = num_urma_bytes
+        if allow_ubmem_for_low_latency_mode is not None:  # Ascend alias of allow_nvlink_for_low_latency_mode
+            allow_nvlink_for_low_latency_mode = bool(allow_ubmem_for_low_latency_mode)
+        mpi_comm = mpi_comm_of(group, comm)
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0 or value % 128:
+                raise RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+        self.rank = mpi_comm.Get_rank()
+        self.group_size = mpi_comm.Get_size()
+        self.group = group if group is not None else mpi_comm
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._uid = next(_BUFFER_IDS)
+        self._calls = 0
+        self._last_traffic = None
+        self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
+        topo = self.runtime.topology
+        self.num_nodes, self.ranks_per_node = topo.num_nodes, topo.ranks_per_node
+        self._internode = self.num_nodes > 1
+        if num_rdma_bytes and not self._internode and not low_latency_mode:
+            self.runtime.destroy(force=True)
+            raise RuntimeError(f"Buffer: num_rdma_bytes > 0 needs more than one node (here one node of "
+                               f"{self.ranks_per_node} ranks) unless low_latency_mode=True; pass num_rdma_bytes=0")
+        try:
+            self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
+            self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
+                              if num_rdma_bytes and not low_latency_mode else None)
+            self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
+            self._landing = self._landing_build() if self._win is not None and not self._internode else None
+        except Exception:
+            self.runtime.destroy(force=True)
+            raise
+        if self._internode:
+            self._engine = (InternodeEngine(self.runtime, self._win, self._urma_win)
+                            if self._win is not None and self._urma_win is not None else None)
+        else:
+            self._engine = IntranodeEngine(self.runtime, self._win, self._landing) if self._win is not None else None
+        self._worker = Worker(f"deepep_ascend-{self._uid}")
+        if explicitly_destroy:
+            _UNDESTROYED.add(self)
+
+    def _landing_build(self):
+        """The node's recv_x landing segments (collective), sized by ``$DEEPEP_ASCEND_LANDING_BYTES``."""
+        raw = os.environ.get(LANDING_BYTES_ENV)
+        nbytes = self.num_nvl_bytes
+        if raw is not None:
+            try:
+                nbytes = int(raw)
+            except ValueError:
+                nbytes = raw  # rejected by create_segment on every rank of the node, then below
+        try:
+            return self.runtime.create_segment("recv_x", nbytes)
+        except TransportArgumentError as exc:
+            raise ValueError(f"Buffer: ${LANDING_BYTES_ENV} must be a non-negative integer number of bytes ({exc})") \
+                from None
+        except TransportRuntimeError as exc:
+            raise RuntimeError(f"Buffer: the recv_x landing segments (${LANDING_BYTES_ENV}, default num_nvl_bytes) "
+                               f"could not be created: {exc}; set ${LANDING_BYTES_ENV} lower, or 0 for none") from None
+
+    # -- lifetime ----------------------------------------------------------------
+    def destroy(self) -> None:
+        """Collectively free the window, the transport and the worker (needs ``explicitly_destroy=True``).
+
+        Raises:
+            AssertionError: the Buffer was built without ``explicitly_destroy``.
+            transports.TransportBusy: tensors from :meth:`get_local_buffer_tensor` are still alive.
+        """
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        if self.runtime is None:
+            return
+        self._worker.drain()
+        self._engine = self._ll = None
+        if self._landing is not None:
+            self._landing.release()  # recv_x tensors the caller still holds keep their memory
+            self._landing = None
+        self.runtime.destroy()
+        self._worker.shutdown()
+        self._win = self._urma_win = None
+        self.runtime = None
+        _UNDESTROYED.discard(self)
+
+    def _check_usable(self, op: str) -> None:
+        if self.runtime is None:
+            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        if self._internode and self._engine is None and self._ll is not None:
+            raise RuntimeError(
+                f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, whose "
+                f"URMA window this Buffer does not have: with low_latency_mode=True, num_rdma_bytes serves the "
+                f"low-latency calls only; use a second Buffer (low_latency_mode=False) for dispatch/combine across "
+                f"nodes")
+        if self._internode and self._engine is None:
+            raise RuntimeError(
+                f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, which "
+                f"needs both windows: num_nvl_bytes={self.num_nvl_bytes} and num_rdma_bytes={self.num_rdma_bytes} "
+                f"(size them with Buffer.get_normal_buffer_size_hint and get_normal_rdma_buffer_size_hint)")
+        if self._engine is None:
+            raise RuntimeError(f"Buffer.{op}: this Buffer has no UBMEM window (num_nvl_bytes=0); build it with "
+                               f"num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(...) or a DeepEP config hint")
+        if self._internode and not self._engine.windows_hold_headers():
+            raise ValueError(
+                f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small "
+                f"for the internode path's headers alone ({self._engine.min_window_bytes()}); see "
+                f"Buffer.get_normal_buffer_size_hint and get_normal_rdma_buffer_size_hint")
+        if not self._internode and self._engine.half_bytes < HEADER_BYTES + 128:
+            raise ValueError(f"Buffer.{op}: num_nvl_bytes={self.num_nvl_bytes} is too small for any call (each "
+                             f"half-window needs {HEADER_BYTES} B of header plus rows); see "
+                             f"Buffer.get_normal_buffer_size_hint")
+
+    # -- static helpers ------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """FP8 paths are available (always True on CPU; mirrors ``deep_ep.Buffer.is_sm90_compiled``)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the class-wide ``num_sms``; channels per rank are ``num_sms // 2`` (see :class:`Config`).
+
+        Raises:
+            AssertionError: ``new_num_sms`` is odd.
+        """
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded now on the caller's thread (complete: CPU work before it has run)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch config (``AssertionError`` for rank counts outside its table)."""
+        return dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended combine config (``AssertionError`` for rank counts outside its table)."""
+        return combine_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
+                                    num_experts: int = 0, x_itemsize: int = 2, num_scale_cols: int = 0,
+                                    ranks_per_node: int | None = None) -> int:
+        """``num_nvl_bytes`` for which normal-mode calls of up to ``num_max_tokens_per_rank`` tokens never chunk.
+
+        Worst case: every rank sends all its tokens to one rank. Any smaller window of at least
+        a few rows also works: payloads then stream through it in rounds. FP8 dispatch: pass
+        ``x_itemsize=1`` and ``num_scale_cols = hidden // 128``. ``ranks_per_node`` below
+        ``num_ranks`` sizes the internode path (then also see
+        :meth:`get_normal_rdma_buffer_size_hint`). Returns bytes, a multiple of 128.
+        """
+        if ranks_per_node is not None and ranks_per_node < num_ranks:
+            return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                              2 * hidden, num_topk)[0]
+        size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                         num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
+        return -(-size // 128) * 128
+
+    @staticmethod
+    def get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                         ranks_per_node: int, num_topk: int = 0, num_experts: int = 0,
+                                         x_itemsize: int = 2, num_scale_cols: int = 0) -> int:
+        """``num_rdma_bytes`` (URMA window) for which internode calls of that many tokens never chunk.
+
+        The URMA window holds, per half, one box per node for what the rail peer there sends
+        (dispatch: each token once per node; combine: one partial row per token). Returns 0 for
+        one node. Bytes, a multiple of 128; arguments as :meth:`get_normal_buffer_size_hint`.
+        Plays the part of DeepEP's ``Config.get_rdma_buffer_size_hint`` (whose layout differs).
+        """
+        if ranks_per_node >= num_ranks:
+            return 0
+        return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                          num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                          2 * hidden, num_topk)[1]
+
+    def get_comm_stream(self) -> Worker:
+        """The Buffer's worker, the CPU analogue of DeepEP's communication stream."""
+        return self._worker
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A zero-copy view of this rank's UBMEM window from byte ``offset``.
+
+        Returns 1-D of ``(num_nvl_bytes - offset) // itemsize`` elements, or the first
+        ``size.numel()`` of them reshaped to ``size``. Drop the view before :meth:`destroy`.
+        Raises:
+            RuntimeError: no window, ``use_rdma_buffer`` (no URMA window yet), or out of range.
+        """
+        if use_rdma_buffer:
+            raise RuntimeError("Buffer.get_local_buffer_tensor: this Buffer has no RDMA (URMA) buffer")
+        self._check_usable("get_local_buffer_tensor")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = (self.num_nvl_bytes - offset) // itemsize
+        if size is not None:
+            count = torch.Size(size).numel()
+        if offset < 0 or count < 0 or offset + count * itemsize > self.num_nvl_bytes or offset % itemsize:
+            raise RuntimeError(f"Buffer.get_local_buffer_tensor: offset {offset} B and {count} x {dtype} do not fit "
+                               f"the {self.num_nvl_bytes} B buffer (offset must be a multiple of {itemsize})")
+        view = self.runtime.local_view(self._win, offset, count * itemsize, dtype)
+        return view if size is None else view.view(size)
+
+    def get_traffic(self, lifetime: bool = False) -> dict:
+        """Bytes moved by this rank's operations, per channel kind: ``{'SELF': n, 'UBMEM': n, 'URMA': n}``.
+
+        Each transfer is counted once, by the rank whose load or store moved it (here, receivers
+        gathering from the sender's window); SELF is data a rank routes to itself. ``lifetime``:
+        since construction; else the last completed dispatch/combine/low-latency call.
+        Per peer and per message: :meth:`get_link_stats`.
+        """
+        if lifetime:
+            return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
+        if self._last_traffic is None:
+            return {k.name: 0 for k in ChannelKind}
+        return LinkStats.bytes_by_kind(self._last_traffic)
+
+    def get_link_stats(self, lifetime: bool = False) -> dict:
+        """This rank's link counters per (channel kind, peer), for the link model and projections.
+
+        Returns ``{field: np.ndarray int64 [len(ChannelKind), num_ranks]}`` (a copy) with fields
+        ``bytes_put`` (stored into the peer), ``bytes_fetched`` (loaded from the peer), ``puts``,
+        ``gets``, ``signals``; rows indexed by ``transports.ChannelKind`` (SELF,
+        UBMEM, URMA). ``lifetime``: since construction; else the last completed dispatch /
+        combine / low-latency call (zeros before the first). Gather every rank's with
+        ``transports.gather_link_stats`` and pass the result to ``transports.project``.
+        No DeepEP counterpart (DeepEP exposes no per-link counters).
+        """
+        if lifetime:
+            return self.runtime.stats.snapshot()
+        if self._last_traffic is None:
+            return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
+        return {k: v.copy() for k, v in self._last_traffic.items()}
+
+    # -- layout ----------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (spec §4.1).
+
+        Args:
+            topk_idx: ``[N, K]`` ``topk_idx_t`` (int64), values in ``[-1, num_experts)``, -1 = none.
+            num_experts: ``E``, a positive multiple of the number of ranks.
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [num_nodes] int32 (tokens with
+            an expert on each node; ``None`` on one node), num_tokens_per_expert [E] int32,
+            is_token_in_rank [N, R] bool, event)``.
+        Raises:
+            TypeError / ValueError: bad dtype, shape or values. This call does not communicate, so
+                only this rank raises; its peers then wait in their next ``dispatch`` until the
+                deadline and raise ``TimeoutError`` naming this rank (pass the bad ``topk_idx`` to
+                ``dispatch`` itself and every rank raises at once).
+            RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``;
+                the Buffer was destroyed.
+        """
+        if self.runtime is None:
+            raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
+        try:
+            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+            self._check_topk_idx(topk_idx, num_experts)
+        except _Rejected as rej:
+            raise rej.exc from None
+        if not async_finish:
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
+            return ntpr, self._tokens_per_node(itr), ntpe, itr, EventOverlap()
+        n = topk_idx.size(0)
+        ntpr = torch.empty(self.group_size, dtype=torch.int32)
+        ntpe = torch.empty(num_experts, dtype=torch.int32)
+        itr = torch.empty(n, self.group_size, dtype=torch.bool)
+        ntpn = torch.empty(self.num_nodes, dtype=torch.int32) if self._internode else None
+
+        def work():
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            for out, value in zip((ntpr, ntpe, itr), dispatch_layout(topk_idx, num_experts, self.group_size)):
+                out.copy_(value)
+            if ntpn is not None:
+                ntpn.copy_(self._tokens_per_node(itr))
+
+        fut = self._worker.submit(work)
+        return ntpr, ntpn, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
+
+    def _tokens_per_node(self, is_token_in_rank):
+        """``num_tokens_per_rdma_rank [num_nodes]`` int32: tokens with an expert on each node (None: one node)."""
+        if not self._internode:
+            return None
+        n = is_token_in_rank.size(0)
+        return is_token_in_rank.view(n, self.num_nodes, self.ranks_per_node).any(2).sum(0, dtype=torch.int32)
+
+    # -- argument checks -----------------------------------------------------------------
+    @staticmethod
+    def _check_stream_args(previous_event, async_finish, allocate_on_comm_stream) -> None:
+        """DeepEP's stream-argument checks; raise ``_Rejected`` (inside a call's validation)."""
+        _check(not allocate_on_comm_stream or (previous_event is not None and async_finish), RuntimeError,
+               "allocate_on_comm_stream=True requires previous_event and async_finish=True")
+        _check(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
+               f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+
+    def _check_topk_idx(self, topk_idx, num_experts) -> None:
+        _check(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.group_size == 0, ValueError,
+               f"num_experts must be a positive multiple of the number of ranks ({self.group_size}), got {num_experts!r}")
+        _check_tensor(topk_idx, "topk_idx", ndim=2)
+        _check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
+               f"got {topk_idx.dtype}")
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            _check(lo >= -1 and hi < num_experts, ValueError,
+                   f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+
+    def _check_x(self, x):
+        """Returns ``(data, scales)`` after checking BF16/any-dtype ``x`` or the FP8 tuple."""
+        if isinstance(x, tuple):
+            _check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
+            data, scales = x
+            _check_tensor(data, "x[0] (FP8 data)", ndim=2)
+            _check(data.element_size() == 1, TypeError,
+                   f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
+            hidden = data.size(1)
+            _check(hidden % 128 == 0, ValueError,
+                   f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
+            _check_tensor(scales, "x[1] (scales)", ndim=2)
+            _check(scales.dtype in (torch.float32, torch.int32), TypeError,
+                   f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
+            want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
+            _check(tuple(scales.shape) == (data.size(0), want), ValueError,
+                   f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
+                   f"{scales.dtype}, got {tuple(scales.shape)}")
+            return data, scales
+        _check_tensor(x, "x", ndim=2)
+        _check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
+        _check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
+        return x, None
+
+    _INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                         "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+                         "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+                         "send_rdma_head", "send_nvl_head")
+
+    def _check_internode_handle(self, handle, config: Config, op: str):
+        """Validate a 10-entry internode handle (spec §5); returns the id of the dispatch that made it."""
+        names = self._INTERNODE_HANDLE
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 10, ValueError,
+               f"`handle` must be the 10-tuple returned by an internode dispatch ({self.num_nodes} nodes), got "
+               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
+        for t, name in zip(handle, names):
+            _check_tensor(t, f"handle.{name}")
+        r, g, p = self.group_size, self.num_nodes, self.ranks_per_node
+        c = handle[1].size(1) if handle[1].dim() == 2 else -1
+        n = handle[0].size(0) if handle[0].dim() == 2 else -1
+        rows = handle[7].size(0) if handle[7].dim() == 2 else -1
+        n_fwd = int(handle[4][-1]) if handle[4].numel() == g and handle[4].dtype == torch.int32 else -1
+        expected = ((torch.bool, (n, r)), (torch.int32, (g, c)), (torch.int32, (r, c)), (torch.int32, (g, c)),
+                    (torch.int32, (g,)), (torch.int32, (r, c)), (torch.int32, (r,)), (torch.uint8, (rows, 8)),
+                    (torch.int32, (n, g)), (torch.int32, (n_fwd, p)))
+        for t, name, (dtype, shape) in zip(handle, names, expected):
+            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
+                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks in {g} nodes, got {t.dtype} "
+                   f"{tuple(t.shape)}")
+        info = _HANDLES.get(id(handle[6]))
+        _check(info is None or info[0] == self._uid, ValueError,
+               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
+        _check(c == config.num_channels, ValueError,
+               f"`handle` has {c} channels but {op}'s config has {config.num_channels} (num_sms={config.num_sms}); "
+               f"the config's num_sms must match the dispatch that made the handle")
+        _check(int(handle[6][-1]) <= rows, ValueError,
+               "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
+        return info[1] if info is not None else -1
+
+    def _check_handle(self, handle, config: Config, op: str):
+        if self._internode:
+            return self._check_internode_handle(handle, config, op)
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
+               f"`handle` must be the 6-tuple returned by an intranode dispatch, got "
+               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
+        r, c = self.group_size, config.num_channels
+        names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head")
+        for t, name in zip(handle, names):
+            _check_tensor(t, f"handle.{name}")
+        prefix, cpm, rcpm, src_idx, itr, send_head = handle
+        n = itr.size(0) if itr.dim() == 2 else -1
+        expected = ((torch.int32, (r, r)), (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)),
+                    (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)), (torch.int32, (src_idx.numel(),)),
+                    (torch.bool, (n, r)), (torch.int32, (n, r)))
+        for t, name, (dtype, shape) in zip(handle, names, expected):
+            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
+                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks, got {t.dtype} {tuple(t.shape)}")
+        info = _HANDLES.get(id(prefix))
+        _check(info is None or info[0] == self._uid, ValueError,
+               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
+        _check(cpm.size(1) == c, ValueError,
+               f"`handle` has {cpm.size(1)} channels but {op}'s config has {c} (num_sms={config.num_sms}); the "
+               f"config's num_sms must match the dispatch that made the handle")
+        _check(int(prefix[-1, self.rank]) <= src_idx.numel(), ValueError,
+               "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
+        return info[1] if info is not None else -1
+
+    def _config(self, config, which):
+        if config is None:
+            try:
+                return which(self.group_size)
+            except AssertionError:  # rank counts outside DeepEP's table: DeepEP's defaults
+                return Config(Buffer.num_sms)
+        if not isinstance(config, Config):
+            raise _Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
+        _check(config.num_channels >= 1, ValueError,
+               f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
+        return config
+
+    # -- execution -----------------------------------------------------------------------
+    def _protocol(self, op: int, build, async_finish: bool, previous_event, allocate_on_comm_stream: bool, extra,
+                  comm_before_outputs: bool):
+        """Validate with ``build`` (returns a generator or raises ``_Rejected``), then run it.
+
+        A rejection still takes part in the call's first round, so every rank raises.
+        """
+        self._calls += 1
+        call_id = self._calls
+        if isinstance(previous_event, EventOverlap) and previous_event.event is not None:
+            # Arguments are validated by value, so they must be complete: wait for their producer.
+            previous_event.event.current_stream_wait()
+        try:
+            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+            gen = build(call_id)
+        except Exception as err:  # nothing shared was touched: reject in the first round, then raise
+            exc = err.exc if isinstance(err, _Rejected) else err
+            self._worker.drain()
+            try:
+                self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            except ConsensusError:
+                pass
+            raise exc from None
+        if comm_before_outputs or not async_finish:
+            self._worker.drain()
+        before = self.runtime.stats.snapshot()
+        outputs = self._guard(lambda: next(gen))
+
+        def finish(before=before):
+            if not comm_before_outputs:
+                before = self.runtime.stats.snapshot()
+            self._guard(lambda: [None for _ in gen])
+            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+
+        if async_finish:
+            fut = self._worker.submit(finish)
+            return outputs, EventOverlap(EventHandle(fut), extra + tuple(t for t in _flatten(outputs)))
+        finish()
+        return outputs, EventOverlap()
+
+    def _guard(self, fn):
+        """Run a protocol step; on an unexpected failure, abort so peers fail fast instead of hanging."""
+        try:
+            with torch.no_grad():  # the data plane is not differentiable (as DeepEP's kernels)
+                return fn()
+        except BaseException as exc:
+            # The engine's finished frames hold views of window memory; a caller keeping the
+            # exception would otherwise keep them alive and make destroy() refuse (TransportBusy).
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
+            self._abort_on(exc)
+            raise
+
+    def _abort_on(self, exc: BaseException) -> None:
+        """Abort the peers for an unexpected failure (not for a consensus error, a peer's abort, or a call refused
+        because this Buffer failed earlier: the peers heard of that failure then, and a second abort would
+        hide its reason behind "refused")."""
+        if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned)):
+            return
+        text = str(exc)
+        if not text.startswith(f"rank {self.rank}:"):
+            text = f"rank {self.rank}: {type(exc).__name__}: {text}"
+        if isinstance(exc, TransportTimeout):  # peers learn at once, as a TimeoutError naming the same ranks
+            self.runtime.abort(text, pending_peers=exc.pending_peers)
+        else:
+            self.runtime.abort(text)
+
+    # -- dispatch ------------------------------------------------------------------------
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (spec §4.2-4.5).
+
+        Args:
+            x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
+                ``(data [N, H] float8_e4m3fn, scales [N, H/128] float32 | [N, ceil(H/512)] int32)``,
+                scales of any strides; FP8 needs ``H % 128 == 0``.
+            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args).
+            num_tokens_per_rank: ``[R]`` int32, from :meth:`get_dispatch_layout`.
+            num_tokens_per_rdma_rank: ``[num_nodes]`` int32 from :meth:`get_dispatch_layout` when the
+                ranks span several nodes (the internode path), else ``None``.
+            is_token_in_rank: ``[N, R]`` bool.
+            num_tokens_per_expert: ``[E]`` int32.
+            topk_idx: ``[N, K]`` int64 with -1 for none; with ``topk_weights`` ``[N, K]`` float32, or neither.
+            expert_alignment: each count of ``num_recv_tokens_per_expert_list`` is rounded up to it.
+            num_worst_tokens: if > 0 (needs top-k), outputs have exactly this many rows
+                (zero rows, expert id -1 after the real ones) and the list is ``[]``.
+            config: a :class:`Config` (default :meth:`get_dispatch_config`); ``num_sms // 2`` channels.
+            previous_event, async_finish, allocate_on_comm_stream: as in DeepEP; with
+                ``async_finish`` the data movement runs on the Buffer's worker and the returned
+                event must be waited on before using the outputs.
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+            ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
+            ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
+            float32 (0 where -1); a list of ``L`` ints; the 6-tuple handle (spec §4.3). Rows are
+            grouped by source rank, then source token order. Cached: ``(recv_x, None, None, None, None, event)``.
+        Raises:
+            TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
+                fault its own error, the others a ``ValueError`` naming it).
+            RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count, DeepEP's
+                stream-argument checks.
+            TimeoutError: a peer did not take part in time (``transports.TransportTimeout``, or
+                ``transports.TransportPeerTimeout`` when a peer gave up first; both name the ranks).
+            transports.TransportAborted: a peer failed inside the call; ``TransportPoisoned``: this
+                Buffer failed earlier.
+        """
+        self._check_usable("dispatch")
+        if handle is not None:
+            return self._cached_dispatch(x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert)
+        r = self.group_size
+        ctx = {}
+
+        def build(call_id):
+            cfg = self._config(config, Buffer.get_dispatch_config)
+            data, scales = self._check_x(x)
+            n = data.size(0)
+            _check(num_tokens_per_rank is not None and is_token_in_rank is not None
+                   and num_tokens_per_expert is not None, ValueError,
+                   "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
+                   "(from get_dispatch_layout), or a handle")
+            if self._internode:
+                _check(num_tokens_per_rdma_rank is not None, ValueError,
+                       f"internode dispatch ({self.num_nodes} nodes) needs num_tokens_per_rdma_rank "
+                       f"(from get_dispatch_layout)")
+                _check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32,
+                              shape=(self.num_nodes,))
+            else:
+                _check(num_tokens_per_rdma_rank is None, ValueError,
+                       "num_tokens_per_rdma_rank must be None on one node")
+            _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
+            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
+            _check(is_token_in_rank.size(0) == n, ValueError,
+                   f"`x` has {n} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
+            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(n, r))
+            _check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
+            num_experts = num_tokens_per_expert.numel()
+            _check(num_experts > 0 and num_experts % r == 0, ValueError,
+                   f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, "
+                   f"got {num_experts}")
+            _check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
+                   "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
+            if self._internode:
+                _check(torch.equal(num_tokens_per_rdma_rank, self._tokens_per_node(is_token_in_rank)), ValueError,
+                       "`num_tokens_per_rdma_rank` does not match is_token_in_rank (tokens with an expert on each "
+                       "node; use get_dispatch_layout's outputs)")
+            _check((topk_idx is None) == (topk_weights is None), ValueError,
+                   "`topk_idx` and `topk_weights` must be given together or not at all")
+            if topk_idx is not None:
+                self._check_topk_idx(topk_idx, num_experts)
+                _check(topk_idx.size(0) == n, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {n}")
+                _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+                ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
+                _check(torch.equal(itr, is_token_in_rank), ValueError,
+                       "`is_token_in_rank` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+                _check(torch.equal(ntpe, num_tokens_per_expert), ValueError,
+                       "`num_tokens_per_expert` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+            else:
+                _check(bool((num_tokens_per_expert >= 0).all()), ValueError, "`num_tokens_per_expert` has negatives")
+            _check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
+                   f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+            _check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
+                   f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+            _check(num_worst_tokens == 0 or topk_idx is not None, ValueError,
+                   "num_worst_tokens > 0 needs topk_idx and topk_weights")
+            xb = data.size(1) * data.element_size()
+            sb = 4 * scales.size(1) if scales is not None else 0
+            k = topk_idx.size(1) if topk_idx is not None else 0
+            ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
+            if self._internode:
+                _check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=False) >= 1, ValueError,
+                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
+                       f"Buffer.get_normal_rdma_buffer_size_hint")
+                path_args = dict(num_tokens_per_rdma_rank=num_tokens_per_rdma_rank)
+            else:
+                regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=False)
+                _check(regions.capacity >= 1, ValueError,
+                       f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+                       f"half-window; see Buffer.get_normal_buffer_size_hint")
+                path_args = {}
+            return self._engine.dispatch(
+                call_id=call_id, x=_as_rows_of_bytes(data),
+                scales=None if scales is None else _as_rows_of_bytes(scales),
+                topk_idx=topk_idx, topk_weights=topk_weights, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_expert=num_tokens_per_expert,
+                num_experts=num_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
+                sdtype=dtype_code(scales.dtype) if scales is not None else 0, **path_args)
+
+        outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
+                                        (x, topk_idx, topk_weights), comm_before_outputs=True)
+        data, scales, cfg = ctx["data"], ctx["scales"], ctx["cfg"]
+        if self._internode:
+            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv = outputs
+            key = handle[6]
+        else:
+            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
+            prefix, cpm, rcpm, send_head, recv_src_idx, num_recv = parts
+            handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+            key = prefix
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            if event.event is not None:
+                event.current_stream_wait()
+            raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
+                               f"tokens this rank received")
+        _register_handle(key, (self._uid, ctx["call_id"], cfg.num_channels))
+        recv_x = recv_x_bytes.view(data.dtype)
+        if scales is not None:
+            recv_x = (recv_x, recv_scales.view(scales.dtype))
+        return recv_x, recv_topk, recv_w, recv_list, handle, event
+
+    def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
+                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert):
+        ctx = {}
+
+        def build(call_id):
+            _check(topk_idx is None and topk_weights is None, AssertionError,
+                   "cached dispatch (handle=...) takes no topk_idx / topk_weights")
+            _check(num_tokens_per_rank is None and is_token_in_rank is None and num_tokens_per_expert is None,
+                   ValueError, "cached dispatch (handle=...) takes no layout tensors")
+            cfg = self._config(config, Buffer.get_dispatch_config)
+            handle_id = self._check_handle(handle, cfg, "dispatch")
+            data, scales = self._check_x(x)
+            n = data.size(0)
+            itr = handle[0] if self._internode else handle[4]
+            _check(n == itr.size(0), ValueError, f"`x` has {n} tokens but the handle was made for {itr.size(0)}")
+            xb = data.size(1) * data.element_size()
+            sb = 4 * scales.size(1) if scales is not None else 0
+            ctx.update(data=data, scales=scales)
+            if self._internode:
+                _check(self._engine.dispatch_capacity(xb, sb, 0, 0, cached=True) >= 1, ValueError,
+                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box")
+                return self._engine.cached_dispatch(
+                    call_id=call_id, x=_as_rows_of_bytes(data),
+                    scales=None if scales is None else _as_rows_of_bytes(scales), handle=tuple(handle),
+                    num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
+                    sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+            regions = self._engine.dispatch_regions(xb, sb, 0, 0, cached=True)
+            _check(regions.capacity >= 1, ValueError,
+                   f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B")
+            return self._engine.cached_dispatch(
+                call_id=call_id, x=_as_rows_of_bytes(data),
+                scales=None if scales is None else _as_rows_of_bytes(scales),
+                rank_prefix_matrix=handle[0], recv_src_idx=handle[3], is_token_in_rank=handle[4],
+                num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
+                sdtype=dtype_code(scales.dtype) if scales is not None else 0)
+
+        (recv_x_bytes, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
+                                                             allocate_on_comm_stream, (x,), comm_before_outputs=False)
+        recv_x = recv_x_bytes.view(ctx["data"].dtype)
+        if ctx["scales"] is not None:
+            recv_x = (recv_x, recv_scales.view(ctx["scales"].dtype))
+        return recv_x, None, None, None, None, event
+
+    # -- combine ---------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (spec §4.6).
+
+        Per original token: ``acc = f32(bias0) + f32(bias1)`` (missing = 0), then ``acc += f32(row)``
+        for each rank that received it, in ascending rank order; output ``bf16(acc)``. No
+        weights are applied to ``x``.
+
+        Args:
+            x: ``[len(handle.recv_src_idx), H]`` bfloat16, rows in dispatch order (rows past the
+                real received count, from ``num_worst_tokens``, are ignored). Never modified. On one
+                node, a contiguous ``x`` that lies in this Buffer's landing segment (``recv_x`` itself,
+                or expert outputs written into it) is read by the peers in place, without a staging
+                copy; the call then completes (with ``async_finish``: its event) only once every peer
+                has read it, and if it fails first, the peers that read it raise too.
+            handle: the dispatch's 6-tuple handle.
+            topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
+            bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.
+            config: default :meth:`get_combine_config`; must have the handle's channel count.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
+        Returns:
+            ``(combined_x [N, H] bf16, combined_topk_weights [N, K'] float32 | None, event)``.
+        Raises:
+            TypeError / ValueError: bad arguments or a handle from another Buffer/config, on any
+                rank (every rank raises).
+            RuntimeError: the handles passed on different ranks come from different dispatches.
+            TimeoutError: a peer did not take part in time (see :meth:`dispatch`).
+            transports.TransportAborted / TransportPoisoned: as in :meth:`dispatch`.
+        """
+        self._check_usable("combine")
+
+        def build(call_id):
+            cfg = self._config(config, Buffer.get_combine_config)
+            handle_id = self._check_handle(handle, cfg, "combine")
+            if self._internode:
+                rows, n, rows_name = handle[7].size(0), handle[0].size(0), "len(handle.recv_src_meta)"
+            else:
+                rows, n, rows_name = handle[3].numel(), handle[4].size(0), "len(handle.recv_src_idx)"
+            _check_tensor(x, "x", torch.bfloat16, ndim=2)
+            _check(x.size(0) == rows, ValueError,
+                   f"`x` must have one row per received token ({rows}, {rows_name}), got {x.size(0)}")
+            hidden = x.size(1)
+            if topk_weights is not None:
+                _check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
+                _check(topk_weights.size(0) == rows, ValueError,
+                       f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
+            biases = bias if isinstance(bias, (tuple, list)) else (bias, None)
+            _check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+            for i, b in enumerate(biases):
+                if b is not None:
+                    _check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, hidden))
+            if biases[0] is None:
+                biases = (biases[1], None)
+            wcols = topk_weights.size(1) if topk_weights is not None else -1
+            if self._internode:
+                _check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
+                       f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
+                       f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
+                       f"per UBMEM half-window and one partial row per node box; see "
+                       f"Buffer.get_normal_buffer_size_hint")
+                return self._engine.combine(
+                    call_id=call_id, x=x.contiguous(),
+                    topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                    bias=None if biases[0] is None else biases, handle=tuple(handle),
+                    num_channels=cfg.num_channels, handle_id=handle_id)
+            regions = self._engine.combine_regions(2 * hidden, wcols)
+            _check(regions.capacity >= self.group_size, ValueError,
+                   f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
+                   f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
+            return self._engine.combine(
+                call_id=call_id, x=x.contiguous(),
+                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                bias=None if biases[0] is None else biases, rank_prefix_matrix=handle[0], recv_src_idx=handle[3],
+                is_token_in_rank=handle[4], num_channels=cfg.num_channels, handle_id=handle_id)
+
+        (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
+                                                        allocate_on_comm_stream, (x, topk_weights, bias),
+                                                        comm_before_outputs=False)
+        return combined, combined_w, event
+
+    # ==================================================================================
+    # Low-latency mode (spec §6, §7): argument checks here, data movement in low_latency.py
+    # ==================================================================================
+    def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool):
+        """Constructor branch of ``low_latency_mode=True``: the LL windows from ``num_rdma_bytes``."""
+        self.nvshmem_qp_depth = ll_mod.QP_DEPTH
+        return ll_mod.LowLatencyEngine(self.runtime, num_rdma_bytes, allow_ubmem, self.enable_shrink)
+
+    def _ll_usable(self, op: str):
+        if self.runtime is None:
+            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        if getattr(self, "_ll", None) is None:
+            raise RuntimeError(f"Buffer.{op}: this Buffer was not built in low-latency mode; build it with "
+                               f"low_latency_mode=True and num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
+        return self._ll
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use (spec §6.8).
+
+        Both halves of ``[signals align_up(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
+        with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
+        (DeepEP's rounding). A Buffer with fewer bytes refuses such calls (``ValueError``).
+        """
+        return ll_mod.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _ll_layout(self, m, hidden, num_experts, op):
+        lay = ll_mod.Layout(m, hidden, num_experts, self.group_size)
+        need = ll_mod.size_hint(m, hidden, self.group_size, num_experts)
+        _check(self.num_rdma_bytes >= need, ValueError,
+               f"{op}: num_rdma_bytes={self.num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
+               f"H={hidden}, R={self.group_size}, E={num_experts}) = {need} B that this call needs")
+        return lay
+
+    def _ll_check_routing(self, topk_idx, num_experts, m, rows_name, rows):
+        self._check_topk_idx(topk_idx, num_experts)
+        _check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
+        _check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
+        _check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
+               f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+        _check(m <= self.nvshmem_qp_depth // 2 - 1, AssertionError,
+               f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
+               f"{self.nvshmem_qp_depth // 2 - 1} (spec §6.7)")
+        _check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+        if topk_idx.numel() and topk_idx.size(1) > 1:
+            srt = topk_idx.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            _check(not bool(dup.any()), ValueError,
+                   "`topk_idx` lists an expert twice in one row (each token selects distinct experts)")
+
+    def _ll_check_handle(self, handle):
+        _check(isinstance(handle, (tuple, list)) and len(handle) == 5, ValueError,
+               "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
+        src_info, layout_range, m, hidden, num_experts = handle
+        _check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
+               f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
+        r = self.group_size
+        _check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
+        L = num_experts // r
+        _check_tensor(src_info, "handle.src_info", torch.int32, shape=(L, r * m))
+        _check_tensor(layout_range, "handle.layout_range", torch.int64, shape=(L, r))
+        cnt, beg = layout_range & 0xFFFFFFFF, layout_range >> 32
+        _check(bool((cnt <= m).all()) and bool((beg + cnt <= r * m).all()) and bool((beg >= 0).all()), ValueError,
+               "`handle.layout_range` is not (begin << 32 | count) with count <= M and begin + count <= R*M")
+        return m, hidden, num_experts, L
+
+    def _ll_run(self, op, validate, issue, async_finish, return_recv_hook, keep):
+        """Validate (every rank learns of a rejection), issue the sends, then receive now, on the
+        worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``."""
+        ll = self._ll
+        if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
+            raise RuntimeError(
+                f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
+                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, spec §6.6)")
+        self._worker.drain()
+        try:
+            _check(not (async_finish and return_recv_hook), RuntimeError,
+                   "async_finish and return_recv_hook cannot both be set (spec §6.5)")
+            args = validate()
+        except _Rejected as rej:
+            exc = rej.exc
+            try:  # tell the peers, who then raise too (the Buffer stays usable)
+                self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
+            except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
+                pass
+            raise exc from None
+        before = self.runtime.stats.snapshot()
+        pending = self._guard(lambda: issue(*args))
+
+        def receive():
+            self._guard(pending.receive)
+            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+
+        if return_recv_hook:
+            ll.pending_hook = ll.calls - 1
+            state = {"called": False}
+
+            def hook():
+                if state["called"]:
+                    raise RuntimeError(f"rank {self.rank}: this low-latency receive hook was already called "
+                                       f"(call it exactly once, spec §6.5)")
+                state["called"] = True
+                ll.pending_hook = None
+                receive()
+
+            return pending.outputs, EventOverlap(), hook
+        if async_finish:
+            fut = self._worker.submit(receive)
+            return pending.outputs, EventOverlap(EventHandle(fut), keep + tuple(_flatten(pending.outputs))), None
+        receive()
+        return pending.outputs, EventOverlap(), None
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (spec §6.2).
+
+        No collective and no count exchange: each rank writes its rows into the receivers'
+        windows and signals once per receiver; a receiver waits for every (live) source.
+
+        Args:
+            x: ``[N, H]`` bfloat16, ``N <= M`` (any ``H``; FP8 needs ``H % 128 == 0``).
+            topk_idx: ``[N, K]`` int64, ``-1`` = none, distinct experts per row.
+            num_max_dispatch_tokens_per_rank: ``M``, the same on every rank (``<= 511``).
+            num_experts: ``E``, a multiple of the number of ranks ``R``; ``L = E / R``.
+            cumulative_local_expert_recv_stats: optional ``[L]`` int32, ``+= recv_count``.
+            dispatch_wait_recv_cost_stats: optional ``[R]`` int64; entry ``s`` += **nanoseconds**
+                from the start of the receive until source ``s``'s signal was seen (polling
+                granularity <= 1 ms; DeepEP counts GPU cycles).
+            use_fp8, round_scale, use_ue8m0: the cast of spec §6.4 (``use_ue8m0`` needs
+                ``round_scale`` and ``H % 512 == 0``).
+            async_finish: the receive runs on the Buffer's worker; wait on the event.
+            return_recv_hook: only the sends run now; call the returned hook once to receive. Until
+                then no other LL call may be issued (two halves: receive ``k``, then issue ``k+1``).
+        Returns:
+            ``(recv_x, recv_count [L] int32, handle, event, hook)``: ``recv_x`` bf16 ``[L, R·M, H]``
+            or ``(e4m3 [L, R·M, H], scales)`` with scales float32 ``[L, R·M, H/128]`` or int32
+            ``[L, R·M, H/512]`` (UE8M0), column-major in the last two dims; rows of expert ``e``
+            from source ``s`` ascending, then tokens/slots ascending; rows past ``recv_count`` are 0.
+            ``handle = (src_info [L, R·M] int32, layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
+        Raises:
+            TypeError / ValueError / AssertionError / RuntimeError: bad arguments (DeepEP's classes);
+                the rank at fault raises its error, every other rank a ``ConsensusError``
+                (``LowLatencyRefused``) naming it, also when ranks disagree on ``M``/``H``/``E``.
+            RuntimeError: no LL window, a pending hook, or (the Buffer stays usable) all of the above.
+            TimeoutError: a source missed the deadline (without ``enable_shrink``; names the rank).
+        """
+        ll = self._ll_usable("low_latency_dispatch")
+        r = self.group_size
+
+        def validate():
+            _check_tensor(x, "x", torch.bfloat16, ndim=2)
+            n, hidden = x.shape
+            self._ll_check_routing(topk_idx, num_experts, num_max_dispatch_tokens_per_rank, "x", n)
+            _check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
+            _check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (spec §6.4)")
+            _check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
+            _check(not use_fp8 or hidden % 128 == 0, ValueError,
+                   f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
+            _check(not use_ue8m0 or hidden % 512 == 0, ValueError,
+                   f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
+            L = num_experts // r
+            if cumulative_local_expert_recv_stats is not None:
+                _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
+                              shape=(L,))
+            if dispatch_wait_recv_cost_stats is not None:
+                _check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
+                              shape=(r,))
+            lay = self._ll_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts, "low_latency_dispatch")
+            return (lay,)
+
+        def issue(lay):
+            return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
+                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+
+        (recv_x, recv_count, handle), event, hook = self._ll_run(ll_mod.OP_DISPATCH, validate, issue, async_finish,
+                                                                 return_recv_hook, (x, topk_idx))
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (spec §6.3).
+
+        Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
+        ``acc += f32(y_j) * w[t][j]``; output ``bf16(acc)``.
+
+        Args:
+            x: ``[L, R·M, H]`` bfloat16 in the dispatch's layout (with ``zero_copy`` only its shape
+                is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
+            topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
+            handle: the dispatch's handle.
+            use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
+                128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
+                bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1``, equal
+                magnitudes or no nonzero value travels as BF16 (96 more bytes, exact). Lossy
+                otherwise: a value within ``(2**step - 1) / (2**step + 1)`` (< 2.2%) of itself,
+                ``step = (log2 amax - log2 amin) / 510`` of its group with ``amin`` the smallest
+                nonzero magnitude, clipped to ``amax·2**-32`` (below that a value may become 0);
+                decoded to float32 before the weighted sum. All ranks must pass the same value.
+                See :func:`deepep_ascend.gemm.quant.logfmt10_encode` for the wire format.
+            zero_copy: see above (not with ``use_logfmt``).
+            out: optional ``[N, H]`` bf16 written and returned.
+            combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
+        Returns:
+            ``(combined_x [N, H] bf16, event, hook)``.
+        Raises:
+            as :meth:`low_latency_dispatch`; ``ConsensusError`` (``LowLatencyRefused``) when the rows
+            returned do not match this rank's ``topk_idx`` (another dispatch's routing or handle).
+        """
+        ll = self._ll_usable("low_latency_combine")
+        r = self.group_size
+
+        def validate():
+            m, hidden, num_experts, L = self._ll_check_handle(handle)
+            _check_tensor(x, "x", torch.bfloat16, shape=(L, r * m, hidden))
+            _check_tensor(topk_idx, "topk_idx", ndim=2)
+            self._ll_check_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0))
+            _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+            _check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+            _check(not use_logfmt or hidden % 128 == 0, ValueError,
+                   f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
+            stale = ll.stale_zero_copy() if zero_copy else None
+            _check(stale is None, RuntimeError, stale or "")
+            if out is not None:
+                _check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
+                _check(out.is_contiguous(), ValueError, "`out` must be contiguous")
+            if combine_wait_recv_cost_stats is not None:
+                _check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
+            lay = self._ll_layout(m, hidden, num_experts, "low_latency_combine")
+            return (lay,)
+
+        def issue(lay):
+            return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
+                              _dense(topk_weights), handle, lay, bool(zero_copy), out,
+                              combine_wait_recv_cost_stats, bool(use_logfmt))
+
+        (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
+                                                (x, topk_idx, topk_weights))
+        return combined, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """bf16 ``[L, R·M, H]`` view of the send buffer the **next** LL call uses (spec §6.6b).
+
+        Fill it, then call ``low_latency_combine(..., zero_copy=True)`` as the very next LL call
+        (another LL call in between is refused: its data would sit in the other half). The view
+        is window memory: drop it before :meth:`destroy`.
+        """
+        ll = self._ll_usable("get_next_low_latency_combine_buffer")
+        try:
+            m, hidden, num_experts, _ = self._ll_check_handle(handle)
+            lay = self._ll_layout(m, hidden, num_experts, "get_next_low_latency_combine_buffer")
+        except _Rejected as rej:
+            raise rej.exc from None
+        return ll.combine_buffer(lay)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Barrier of the live ranks; nothing to zero (signals are monotonic epochs, spec §6.1).
+
+        Accepted for DeepEP compatibility and harmless anywhere between LL calls. With
+        ``enable_shrink`` a rank missing the deadline is masked.
+        """
+        ll = self._ll_usable("clean_low_latency_buffer")
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                        ("num_experts", num_experts)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
+        if ll.pending_hook is not None:
+            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook} still awaits its hook")
+        self._worker.drain()
+        self._guard(ll.clean)
+
+    def _ll_shrink(self, op: str):
+        ll = self._ll_usable(op)
+        if not self.enable_shrink:
+            raise RuntimeError(f"Buffer.{op}: needs enable_shrink=True")
+        return ll
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view (spec §7)."""
+        ll = self._ll_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size or rank_to_mask == self.rank:
+            raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be a peer rank in "
+                             f"[0, {self.group_size}) other than this rank ({self.rank}), got {rank_to_mask!r}")
+        ll.mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy this rank's mask (1 = masked) into ``mask_status``, an int32 tensor of ``R`` elements."""
+        ll = self._ll_shrink("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 \
+                or mask_status.numel() != self.group_size:
+            raise ValueError(f"low_latency_query_mask_buffer: mask_status must be an int32 tensor of "
+                             f"{self.group_size} elements")
+        mask_status.view(-1).copy_(ll.mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every peer (spec §7)."""
+        self._ll_shrink("low_latency_clean_mask_buffer").mask.zero_()
+
+
+def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` tensor of any strides -> contiguous ``[n, m * itemsize]`` uint8 (a view when possible).
+
+    Goes through 1-D so that size-1 dims with odd strides (e.g. a transposed ``[1, n]`` scale
+    tensor, which torch calls contiguous) do not block the byte view.
+    """
+    n, m = t.shape
+    return t.contiguous().reshape(-1).view(torch.uint8).view(n, m * t.element_size())
+
+
+def _flatten(outputs):
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (tuple, list)):
+            yield from _flatten(o)

@@ -1,0 +1,75 @@
+"""DeepEP's ``group`` argument on MPI: a torch ProcessGroup or an mpi4py communicator -> the communicator used.
+
+Every object that takes a ``group`` (``Buffer``, MegaMoE's symmetric buffer, :mod:`deepep_ascend.nn.dist`)
+resolves it here, so that every such object over the same ranks shares one communicator.
+"""
+
+from __future__ import annotations
+
+from ..transports import quiet_barrier
+
+__all__ = ["mpi_comm_of"]
+
+_GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
+
+
+def mpi_comm_of(group, comm=None):
+    """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator (collective over the group
+    the first time a ProcessGroup other than the world is seen).
+
+    ``group``: a ``torch.distributed.ProcessGroup`` (torch ranks must equal MPI ``COMM_WORLD`` ranks, as
+    after :func:`deepep_ascend.nn.dist.init_distributed`), an mpi4py communicator, or ``None`` with
+    ``comm`` an mpi4py intracommunicator.
+
+    A ProcessGroup spanning the world in rank order is ``MPI.COMM_WORLD`` itself (the transport
+    duplicates what it is given, so no communicator is made here). Any other ProcessGroup gets one
+    ``MPI_Comm_create_group`` communicator, cached by its ranks in its order (every group over the
+    same ranks in the same order shares it), so constructing many Buffers on a group, or on groups
+    destroyed and made again, neither leaks communicators nor repeats the collective. The key is
+    what every member computes alike: a key by the group object's identity once differed between
+    ranks after ``destroy_process_group`` (a recycled ``id``), and the ranks without a cache hit
+    waited forever for the others in ``MPI_Comm_create_group``.
+
+    Raises:
+        ValueError: neither a ProcessGroup nor a communicator; torch and MPI ranks differ; this rank is
+            not a member of ``group``.
+    """
+    from mpi4py import MPI
+
+    if isinstance(group, MPI.Comm):
+        return group
+    if group is None:
+        if comm is None:
+            raise ValueError("Buffer: pass a torch.distributed ProcessGroup or an mpi4py communicator as `group`, "
+                             "or group=None with comm=<mpi4py communicator>")
+        if not isinstance(comm, MPI.Intracomm):
+            raise ValueError(f"Buffer: `comm` must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        return comm
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        # Under mpiexec the torch world rank must be the MPI world rank (initialise it so).
+        world = MPI.COMM_WORLD
+        if dist.get_rank() != world.Get_rank() or dist.get_world_size() != world.Get_size():
+            raise ValueError(
+                f"Buffer: torch.distributed rank/size ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI "
+                f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
+                f"rank and size, or pass comm=")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks == tuple(range(world.Get_size())):
+            return world
+        sub = _GROUP_COMMS.get(ranks)
+        if sub is None:
+            # MPI_Comm_create_group would spin while a late member is still working
+            quiet_barrier(world, ranks)
+            sub = world.Create_group(world.Get_group().Incl(list(ranks)))
+            _GROUP_COMMS[ranks] = sub
+        if sub.Get_rank() != group.rank():
+            raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")
+        return sub
+    if isinstance(group, int) and not isinstance(group, bool) and group == getattr(
+            getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object()):
+        raise ValueError("Buffer: this rank is not a member of `group` (torch.distributed.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here); only the group's ranks construct its Buffer")
+    raise ValueError(f"Buffer: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
+                     f"got {type(group).__name__}")

@@ -1,0 +1,696 @@
+"""Low-latency (LL) dispatch and combine: DeepEP's fixed-slot, signal-driven mode (spec §6, §7).
+
+Every rank sends straight to the owner of each expert; nothing is exchanged before the data
+(no collective, no count round): each sender writes its rows into **fixed slots** of the
+receiver's window and then its per-expert **counts** with one **signal**. The receiver waits for
+one signal per source, reads the counts and unpacks. Two halves alternate call by call (spec
+§6.6); signals only grow (transports §3.3), so nothing is ever cleaned.
+
+Windows (each rank's segment is node-shared, and world-exposed for RMA with several nodes):
+
+* ``ll`` (``num_rdma_bytes``): half ``h`` at ``h * (num_rdma_bytes // 2)``. A call with
+  ``(M, H, E)`` lays a half out exactly as spec §6.8 sizes it, with ``S = ceil(H/128)``,
+  ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``:
+
+  ``[sig: align_up(4E, 128) | send: max(M·d, E·M·c) | recv: E·M·max(d, c)]``
+
+  - *sig*: int32 counts ``[R sources][L local experts]``, each row written by its source;
+  - *send*: dispatch: this rank's messages ``[N, d]`` (the FP8 cast done once per token);
+    combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
+    (:meth:`LowLatencyEngine.combine_buffer`);
+  - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
+    ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
+    ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
+    with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.quant.logfmt10_encode`'s wire
+    format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
+    same fixed slots, row ``(g, i)``'s metadata at ``(g·M + i)·4S`` of the first, its body at
+    ``(g·M + i)·160S`` of the second, and slot ``g``'s BF16-group tails packed (rows, then
+    groups) from ``g·M·S·96`` of the third. A row sends ``1.25H + H/32`` bytes (spec §11) plus
+    96 per group that falls back to BF16; the regions total ``E·M·c`` with ``c = 4S + 2H``, the
+    hint's combine message, which is what rows whose groups all fall back fill: the hint covers
+    any data and nothing more.
+
+  A message is ``[int32 source token index | 12 zero bytes | payload]``, payload bf16 ``2H`` B,
+  or FP8 ``H`` B + scales (``4S`` B float32, or ``H/128`` B packed UE8M0).
+* ``ll_ctl`` (``2·R·256`` B, independent of the call): one 256-byte header per (half, source):
+  call number, operation, status, ``M``, ``H``, ``E``, FP8 flags and, for a refused call, the
+  refusing rank's message. Signal slots ``0``/``1`` (one per half) and ``2`` (clean's barrier).
+
+Ordering: data and count puts, then (URMA) ``flush(dst)``, then the header with
+``put_with_signal`` on ``ll_ctl`` — an observer of the signal sees all of it. Same-node
+peers are written with direct stores into their mapped window when ``allow_ubmem`` (DeepEP's
+``allow_nvlink_for_low_latency_mode``), else through ``put`` like remote peers.
+
+Double buffer safety: a rank issues call ``k+1`` only after its receive of call ``k`` (the
+hook rule); every call signals every (unmasked) peer; so a peer writing half ``k % 2`` again
+(call ``k+2``) has received call ``k+1`` from this rank, which this rank sent after finishing
+its receive of call ``k``.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import time
+import warnings
+
+import torch
+
+from ..transports import ChannelKind, TransportTimeout
+
+from . import memory
+from .protocol import ConsensusError
+from ..gemm.quant import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
+                    logfmt10_group_mask, low_latency_cast_to_fp8_, pack_ue8m0_to_int)
+
+OP_DISPATCH, OP_COMBINE = 1, 2
+_OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
+SLOT_CLEAN = 2
+NUM_CTL_SLOTS = 3
+HDR_BYTES = 256
+_MSG_OFF = 32
+MSG_HEADER = 16  # bytes before the payload in a dispatch message
+F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
+#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, spec §6.7).
+QP_DEPTH = 1024
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Spec §6.8, exactly: bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
+
+    ``S = ceil(H/128)`` (= ``H/128`` for DeepEP's sizes), ``d = 16 + max(2H, H + 4S)``,
+    ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
+    ``sig = align_up(4E, 128)``; ``total = 2(send + recv + sig)``; ``(total // 128 + 1)·128``.
+    """
+    s = -(-hidden // 128)
+    d = 16 + max(2 * hidden, hidden + 4 * s)
+    c = 4 * s + 2 * hidden
+    send = max(m * d, num_experts * m * c)
+    recv = num_experts * m * max(d, c)
+    sig = align_up(4 * num_experts, 128)
+    total = 2 * (send + recv + sig)
+    return (total // 128 + 1) * 128
+
+
+class Layout:
+    """Byte layout of one half for a call with ``(M, H, E)`` on ``R`` ranks (see the module doc)."""
+
+    def __init__(self, m, hidden, num_experts, num_ranks):
+        self.M, self.H, self.E, self.R = m, hidden, num_experts, num_ranks
+        self.L = num_experts // num_ranks
+        self.S = -(-hidden // 128)
+        self.d = MSG_HEADER + max(2 * hidden, hidden + 4 * self.S)
+        self.c = 4 * self.S + 2 * hidden
+        self.sig = align_up(4 * num_experts, 128)
+        self.send_off = self.sig
+        self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
+        self.end = self.recv_off + num_experts * m * max(self.d, self.c)
+        # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
+        self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
+                                                    LOGFMT_TAIL_BYTES * self.S)  # per row
+        self.lf_body_off = num_experts * m * self.lf_meta
+        self.lf_tail_off = self.lf_body_off + num_experts * m * self.lf_body
+        self.lf_end = self.lf_tail_off + num_experts * m * self.lf_tail
+
+
+def zeros(shape, dtype) -> torch.Tensor:
+    """Zero-filled tensor; large ones from an anonymous mapping, so untouched pages cost nothing.
+
+    LL outputs (``[L, R·M, H]``) are mostly padding: zeroing them would cost more than the call.
+    """
+    shape = torch.Size(shape)
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < (1 << 20):
+        return torch.zeros(shape, dtype=dtype)
+    # A tensor on the mapping's storage, not a view of the uint8 one: a view keeps its base alive
+    # (``_base``), so the storage would always look shared and OutputPool would never reuse it.
+    storage = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+class OutputPool:
+    """Reuses the storage of LL outputs the caller has dropped: the CPU stand-in for PyTorch's
+    CUDA caching allocator, which makes DeepEP's fresh ``[L, R·M, H]`` outputs free on a GPU.
+
+    Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
+    never touched); a recycled one only needs the rows its last user saw zeroed again. An
+    entry is reused only when no tensor (the returned view or any view of it) still shares its
+    storage, so results a caller keeps are never overwritten.
+    """
+
+    MAX_PER_KEY = 4
+
+    def __init__(self):
+        self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
+
+    def get(self, shape, dtype, channels_first=False):
+        """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
+        ``(e, count)`` runs written so that the next user gets them zeroed."""
+        store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
+        key = (store, dtype)
+        entries = self._entries.setdefault(key, [])
+        for ent in entries:
+            if memory.storage_users(ent[0]) == 1:
+                base, written = ent
+                for e, c in written:
+                    (base[e, :, :c] if channels_first else base[e, :c]).zero_()
+                ent[1] = []
+                break
+        else:
+            ent = [zeros(store, dtype), []]
+            if memory.storage_users(ent[0]) == 1:
+                entries.append(ent)
+                if len(entries) > self.MAX_PER_KEY:
+                    entries.pop(0)
+        ent[1] = [(e, shape[1]) for e in range(shape[0])]  # until the writer reports its runs: all of it
+        view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
+        return view, ent
+
+
+class LowLatencyRefused(ConsensusError):
+    """The call completed its signals but was refused: a rank rejected its arguments, ranks
+    disagree on ``M``/``H``/``E``/FP8 flags, or counts do not match the handle. The Buffer
+    stays usable (every rank consumed the same call)."""
+
+
+class Pending:
+    """An LL call whose sends are issued; :meth:`receive` waits for the sources and unpacks."""
+
+    def __init__(self, receive, outputs):
+        self._receive = receive
+        self.outputs = outputs
+
+    def receive(self):
+        fn, self._receive = self._receive, None
+        fn()
+        return self.outputs
+
+
+class LowLatencyEngine:
+    """Runs LL calls for one Buffer.
+
+    Args:
+        tp: the transport. nbytes: ``num_rdma_bytes`` (the ``ll`` window).
+        allow_ubmem: same-node peers by direct stores (else ``put``).
+        shrink: mask peers that miss the deadline instead of raising.
+    """
+
+    def __init__(self, tp, nbytes: int, allow_ubmem: bool, shrink: bool):
+        topo = tp.topology
+        self.tp = tp
+        self.rank, self.R = topo.rank, topo.world_size
+        # Without allow_ubmem, node peers go over URMA too (DeepEP's LL mode without NVLink).
+        self.win = tp.create_window("ll", nbytes, 0, force_urma=not allow_ubmem)
+        self.ctl = tp.create_window("ll_ctl", 2 * self.R * HDR_BYTES, NUM_CTL_SLOTS, force_urma=not allow_ubmem)
+        self.nbytes = nbytes
+        self.half = nbytes // 2
+        self.kinds = [tp.channel_kind(self.win, p) for p in range(self.R)]
+        self.direct = [k is not ChannelKind.URMA for k in self.kinds]  # load/store reach: SELF, UBMEM
+        self.shrink = shrink
+        self.mask = torch.zeros(self.R, dtype=torch.int32)
+        self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
+        self.half_calls = [0, 0]
+        self.cleans = 0
+        self.pending_hook = None  # call number awaiting its hook
+        self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
+        self.pool = OutputPool()
+        self._scratch_bufs = {}  # name -> flat tensor, see _scratch
+
+    # -- helpers -----------------------------------------------------------------------
+    def live_peers(self):
+        return [p for p in range(self.R) if not self.mask[p]]
+
+    def order(self):
+        """Destinations starting after this rank (spreads the load), masked ones left out."""
+        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
+
+    def fits(self, lay: Layout) -> bool:
+        return lay.end <= self.half
+
+    def combine_buffer(self, lay: Layout) -> torch.Tensor:
+        """bf16 ``[L, R·M, H]`` view of the send region of the half the next call uses."""
+        h = self.calls % 2
+        self.zero_copy_for = self.calls
+        return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
+                                  torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
+
+    def stale_zero_copy(self):
+        """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
+        if self.zero_copy_for is None or self.zero_copy_for == self.calls:
+            return None
+        return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls}, but the buffer from "
+                f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for} (another LL "
+                f"call ran in between, so that data is in the other half); get the buffer right before the combine")
+
+    def _header(self, seq, op, status, lay, flags, message=None):
+        hdr = torch.zeros(HDR_BYTES if message else 16, dtype=torch.uint8)
+        w = hdr[:16].view(torch.int64)
+        w[0] = (seq << 16) | (flags << 8) | (op << 4) | status
+        w[1] = ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0
+        if message:
+            text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
+            hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return hdr
+
+    def _signal(self, dst, h, hdr):
+        """Publish to ``dst``: everything written to it before, then the header, then the signal."""
+        if self.kinds[dst] is ChannelKind.URMA:
+            self.tp.flush(dst)
+        self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
+
+    def begin(self):
+        """Number and half of a new call (checks the hook rule first)."""
+        if self.pending_hook is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: LL call #{self.pending_hook} still awaits its receive hook; call the hook "
+                f"before issuing another low-latency call (only two LL buffers: receive k, then issue k+1, "
+                f"spec §6.6)")
+        seq = self.calls
+        self.calls += 1
+        return seq, seq % 2
+
+    def reject(self, op, message):
+        """Refuse a call on every rank: headers with an error status to every live peer, then raise."""
+        seq, h = self.begin()
+        hdr = self._header(seq, op, 1, None, 0, message)
+        for dst in self.order():
+            self._signal(dst, h, hdr)
+        self.half_calls[h] += 1  # the refused call is consumed here too (peers count it)
+        # Wait for the others' signals too (their data is discarded): the double-buffer rule
+        # needs this rank's next call to follow its receive of this one.
+        self._wait_sources(h, self.half_calls[h], f"{_OP_NAMES[op]} call #{seq} (refused here)", None)
+
+    # -- waiting -----------------------------------------------------------------------
+    def _wait_sources(self, slot, need, phase, cost, peers=None):
+        """Wait until ``slot`` holds ``need`` from every live source (or ``peers``); shrink mode masks late ones.
+
+        ``cost`` (``[R]`` int64 or None) += nanoseconds from the start of the wait until each
+        source's signal was observed (granularity: one polling slice, at most 1 ms).
+        Raises:
+            transports.TransportTimeout: (not in shrink mode) naming the ranks past the deadline.
+        """
+        pending = self.live_peers() if peers is None else [p for p in peers if not self.mask[p]]
+        if cost is None and not self.shrink:  # one wait: no slicing overhead
+            if pending:
+                self.tp.wait_until(self.ctl, slot, pending, need, phase=phase)
+            return
+        t0 = time.monotonic_ns()
+        timeout = self.tp.timeout_s
+        slice_s = 2e-4
+        while pending:
+            left = timeout - (time.monotonic_ns() - t0) / 1e9
+            if left <= 0:
+                if self.shrink:
+                    warnings.warn(f"rank {self.rank}: {phase}: rank(s) {pending} missed the {timeout:g} s deadline; "
+                                  f"masked (shrink mode)", RuntimeWarning, stacklevel=3)
+                    self.mask[pending] = 1
+                    return
+                observed = [self.tp.read_signal(self.ctl, slot, p) for p in pending]
+                raise TransportTimeout("wait_until", self.rank, pending, (time.monotonic_ns() - t0) / 1e9,
+                                       phase=phase, window=self.ctl.name, slot=slot, expected=[need] * len(pending),
+                                       observed=observed)
+            still = self.tp.wait_until(self.ctl, slot, pending, need, timeout_s=min(slice_s, left), phase=phase,
+                                       on_timeout="return")
+            if cost is not None:
+                arrived = [p for p in pending if p not in still]
+                if arrived:
+                    cost[arrived] += time.monotonic_ns() - t0
+            pending = still
+            slice_s = min(2 * slice_s, 1e-3)
+
+    def _check_headers(self, h, seq, op, lay, flags):
+        """Every live source's header against ours; refusals and disagreements raise on every rank."""
+        view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
+        words = view[:, :16].clone().view(torch.int64).numpy()
+        problems = []
+        live = self.live_peers()
+        for s in live:
+            w0 = int(words[s, 0])
+            if w0 >> 16 != seq or (w0 >> 4) & 0xF != op:
+                problems.append(f"rank {s} is in a different LL call (call #{w0 >> 16}, "
+                                f"{_OP_NAMES.get((w0 >> 4) & 0xF, '?')}) than this one (#{seq}, {_OP_NAMES[op]})")
+            elif w0 & 0xF:
+                msg = view[s, _MSG_OFF:].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                problems.append(f"rank {s} rejected its arguments: {msg}")
+        if not problems:
+            mine = ((int(words[self.rank, 0]) >> 8) & 0xFF, int(words[self.rank, 1]))
+            for s in live:
+                theirs = ((int(words[s, 0]) >> 8) & 0xFF, int(words[s, 1]))
+                if theirs != mine:
+                    problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0, use_logfmt): " + ", ".join(
+                        f"rank {p}: {_describe(words[p])}" for p in live))
+                    break
+        if problems:
+            raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq} refused on every rank: "
+                                    + "; ".join(problems))
+
+    # -- dispatch ----------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats):
+        """Issue the sends of a dispatch; returns a :class:`Pending` whose receive fills the outputs."""
+        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
+        n, k = topk_idx.shape
+        seq, h = self.begin()
+        base = h * self.half
+        flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
+        # Messages: [int32 token | 12 B | payload], the FP8 cast once per token (spec §6.4),
+        # written straight into the messages from a float32 scratch kept across calls.
+        sw = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # scale words per token
+        sb = 4 * sw
+        mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb  # message bytes = slot stride (<= d)
+        rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
+        rows[:, :MSG_HEADER].zero_()
+        rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
+        if use_fp8:
+            xf = self._scratch("cast", (n, H), torch.float32)
+            xf.copy_(x)
+            sf = low_latency_cast_to_fp8_(xf.view(n, H // 128, 128),
+                                          rows[:, MSG_HEADER:MSG_HEADER + H].view(torch.float8_e4m3fn), round_scale)
+            scales = pack_ue8m0_to_int(sf) if use_ue8m0 else sf
+            rows[:, MSG_HEADER + H:mb].copy_(scales.view(torch.uint8).view(n, sb))
+        else:
+            rows[:, MSG_HEADER:mb].copy_(x.view(torch.uint8).view(n, 2 * H))
+        # Routing: (token, slot) pairs grouped by expert, tokens then slots ascending in each.
+        flat = topk_idx.reshape(-1)
+        valid = flat >= 0
+        if bool(self.mask.any()):
+            valid &= self.mask[(flat.clamp(min=0) // L)] == 0
+        pos = torch.nonzero(valid).squeeze(1)
+        experts = flat[pos]
+        order = torch.argsort(experts, stable=True)
+        experts = experts[order]
+        tok = pos[order] // k
+        counts = torch.bincount(experts, minlength=E)
+        starts = torch.cumsum(counts, 0) - counts
+        counts32 = counts.to(torch.int32)
+        for dst in self.order():
+            lo, hi = int(starts[dst * L]), int(starts[dst * L + L - 1] + counts[dst * L + L - 1])
+            cnt = counts32[dst * L:(dst + 1) * L]
+            if hi > lo:
+                t = tok[lo:hi]
+                gathered = _wide(rows).index_select(0, t)  # ordered by local expert, then token/slot
+                if self.direct[dst]:  # one scatter: row j of local expert e's run -> slot (e, me), row j
+                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+                    slot_rows = ((experts[lo:hi] - dst * L) * R + me) * M + (
+                        torch.arange(hi - lo) - (starts[experts[lo:hi]] - lo))
+                    dv = _wide(recv)
+                    dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
+                    self.tp.record_put(dst, (hi - lo) * mb)
+                else:  # one put per expert run (contiguous at both ends)
+                    firsts = (starts[dst * L:(dst + 1) * L] - lo).tolist()
+                    for e in torch.nonzero(cnt).squeeze(1).tolist():
+                        a, c = firsts[e], int(cnt[e])
+                        self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + me) * M) * mb,
+                                    gathered[a:a + c])
+            self._put_counts(dst, base, cnt, L)
+            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
+        self.half_calls[h] += 1
+        need = self.half_calls[h]
+
+        # Outputs (allocated now, filled by the receive).
+        xdtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        recv_x, written_x = self.pool.get((L, R * M, H), xdtype)
+        recv_scales, written_s = None, None
+        if use_fp8:  # DeepEP: scales column-major in the last two dims
+            recv_scales, written_s = self.pool.get(
+                (L, R * M, sw), torch.int32 if use_ue8m0 else torch.float32,
+                channels_first=True)
+        recv_count = torch.zeros(L, dtype=torch.int32)
+        src_info, written_i = self.pool.get((L, R * M), torch.int32)
+        layout_range = torch.zeros(L, R, dtype=torch.int64)
+        phase = f"low_latency_dispatch call #{seq}"
+
+        def receive():
+            self._wait_sources(h, need, phase, wait_stats)
+            self._check_headers(h, seq, OP_DISPATCH, lay, flags)
+            live = torch.tensor([not m for m in self.mask.tolist()])
+            cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
+            cnt[:, ~live] = 0
+            if bool((cnt > M).any()) or bool((cnt < 0).any()):
+                raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
+            begin = torch.cumsum(cnt, 1) - cnt
+            recv_count.copy_(cnt.sum(1))
+            layout_range.copy_((begin.to(torch.int64) << 32) | cnt.to(torch.int64))
+            total = int(recv_count.sum())
+            if total:
+                blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+                f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
+                msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb], by expert, source, row
+                # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
+                e_of = f // (R * M)
+                row_of = torch.arange(total) - (torch.cumsum(recv_count, 0) - recv_count).to(torch.int64)[e_of]
+                dst_rows = e_of * (R * M) + row_of
+                xb = H * recv_x.element_size()
+                # One scatter per output in the widest element type dividing every field: torch copies
+                # column slices element by element (byte-wise copies were ~95 % of the receive).
+                w = _common_width(mb, MSG_HEADER, xb, sb)
+                mw = msgs.view(_INT_OF_WIDTH[w])
+                rx = recv_x.view(torch.uint8).view(L * R * M, xb).view(_INT_OF_WIDTH[w])
+                rx.index_copy_(0, dst_rows, mw[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+                info = (msgs.view(torch.int32)[:, 0] if mb % 4 == 0
+                        else _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1))
+                src_info.view(-1).index_copy_(0, dst_rows, info)
+                if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
+                    sc = msgs.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4]
+                    # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
+                    sw = sc.size(1)
+                    flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
+                            + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
+                    recv_scales.transpose(1, 2).view(-1).index_copy_(
+                        0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
+                runs = [(e, c) for e, c in enumerate(recv_count.tolist()) if c]
+                for ent in (written_x, written_s, written_i):
+                    if ent is not None:
+                        ent[1] = runs
+            if cum_stats is not None:
+                cum_stats.add_(recv_count)
+
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
+        return Pending(receive, outputs)
+
+    def _scratch(self, name, shape, dtype):
+        """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
+        calls: fresh temporaries of this size cost page faults on every call."""
+        numel = math.prod(shape)
+        buf = self._scratch_bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._scratch_bufs[name] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
+
+    def _put_counts(self, dst, base, cnt, L):
+        off = base + self.rank * L * 4
+        if self.direct[dst]:
+            self.tp.peer_view(self.win, dst, off, 4 * L, torch.int32).copy_(cnt)
+            self.tp.record_put(dst, 4 * L)
+        else:
+            self.tp.put(self.win, dst, off, cnt.contiguous())
+
+    def _read_counts(self, base, L):
+        return self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L).clone()
+
+    # -- combine -----------------------------------------------------------------------
+    def combine(self, x, topk_idx, topk_weights, handle, lay: Layout, zero_copy, out, wait_stats, use_logfmt=False):
+        """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
+
+        ``use_logfmt``: rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to
+        float32 before the weighted sum."""
+        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
+        layout_range = handle[1]
+        seq, h = self.begin()
+        self.zero_copy_for = None
+        base = h * self.half
+        flags = F_LOGFMT if use_logfmt else 0
+        src = (self.tp.local_view(self.win, base + lay.send_off, L * R * M * 2 * H, torch.bfloat16).view(L, R * M, H)
+               if zero_copy else x)
+        cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
+        beg_all = (layout_range >> 32).to(torch.int64)
+        enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
+        cnt_rows, beg_rows = cnt_all.t().tolist(), beg_all.t().tolist()  # [R][L] ints: no per-run indexing
+        for dst in self.order():
+            cnt = cnt_all[:, dst].contiguous()
+            runs = [(e, b, c) for e, (b, c) in enumerate(zip(beg_rows[dst], cnt_rows[dst])) if c]
+            if enc is not None:
+                self._send_logfmt(dst, enc, lay, base)
+            elif runs:
+                if self.direct[dst]:  # rows [b, b + c) of expert e are one run, stored into slot me * L + e
+                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
+                    slots = recv.view(E, M, H)
+                    for e, b, c in runs:
+                        slots[me * L + e, :c].copy_(src[e, b:b + c])
+                    self.tp.record_put(dst, sum(c for _, _, c in runs) * 2 * H)
+                else:
+                    for e, b, c in runs:
+                        self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
+            self._put_counts(dst, base, cnt, L)
+            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
+        self.half_calls[h] += 1
+        need = self.half_calls[h]
+
+        n, k = topk_idx.shape
+        combined = out if out is not None else torch.empty(n, H, dtype=torch.bfloat16)
+        phase = f"low_latency_combine call #{seq}"
+
+        def receive():
+            self._wait_sources(h, need, phase, wait_stats)
+            self._check_headers(h, seq, OP_COMBINE, lay, flags)
+            flat = topk_idx.reshape(-1)
+            valid = flat >= 0
+            owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
+            valid &= owner_live
+            pos = torch.nonzero(valid).squeeze(1)
+            experts = flat[pos]
+            order = torch.argsort(experts, stable=True)
+            sorted_e = experts[order]
+            counts = torch.bincount(sorted_e, minlength=E)
+            got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
+            live_e = (self.mask == 0).repeat_interleave(L)
+            bad = torch.nonzero((got != counts) & live_e).squeeze(1)
+            if bad.numel():
+                g = int(bad[0])
+                raise LowLatencyRefused(
+                    f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
+                    f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
+                    f"made the handle, on every rank")
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_e = torch.empty_like(pos)
+            rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
+            if use_logfmt:  # every received row decoded once, in (expert, row) order
+                decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
+                row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
+                row_of[order] = torch.arange(pos.numel())
+            else:
+                rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
+            acc = self._scratch("acc", (n, H), torch.float32).zero_()
+            y_all = self._scratch("products", (n, H), torch.float32)
+            g_all = self._scratch("gathered", (n, H), torch.bfloat16)
+            slot_j = pos % k
+            tok = pos // k
+            for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
+                sel = torch.nonzero(slot_j == j).squeeze(1)
+                cnt = sel.numel()
+                if not cnt:
+                    continue
+                y = y_all[:cnt]
+                if use_logfmt:
+                    torch.index_select(decoded, 0, row_of[sel], out=y)
+                else:
+                    g = g_all[:cnt]
+                    torch.index_select(rows, 0, experts[sel] * M + rank_in_e[sel], out=g)
+                    y.copy_(g)
+                y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
+                if cnt == n:  # every token has slot j (tokens ascend within a slot): a dense add
+                    acc.add_(y)
+                else:
+                    acc.index_add_(0, tok[sel], y)
+            combined.copy_(acc)
+
+        return Pending(receive, (combined,))
+
+    def _encode_logfmt(self, src, cnt_all, beg_all, lay: Layout):
+        """The rows of every run (local expert ``e``, live destination ``s``: rows
+        ``[beg, beg + cnt)`` of ``src[e]``) LogFMT-10 encoded once, runs in ``(e, s)`` order.
+        Returns ``(meta, body, tail, first, runs, tail_first)``: int32 views of the wire parts,
+        each run's first row and row count, and each row's first tail (one past the end too)."""
+        R, L, M, H = self.R, lay.L, lay.M, lay.H
+        cnt = cnt_all.clone()
+        cnt[:, self.mask.bool()] = 0
+        runs = cnt.view(-1).to(torch.int64)
+        first = torch.cumsum(runs, 0) - runs
+        offs = (torch.arange(L).unsqueeze(1) * (R * M) + beg_all).view(-1)
+        rows = torch.repeat_interleave(offs - first, runs) + torch.arange(int(runs.sum()))
+        body, meta, tail = logfmt10_encode(src.reshape(L * R * M, H).index_select(0, rows))
+        fb_rows = (~logfmt10_group_mask(meta)).sum(1)
+        tail_first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(fb_rows, 0)]).tolist()
+        # int32 views (every offset and size is a multiple of 4 bytes): copies move 4 bytes at a time
+        return (meta.view(torch.int32), body.view(torch.int32), tail.view(torch.int32), first.tolist(),
+                runs.tolist(), tail_first)
+
+    def _send_logfmt(self, dst, enc, lay: Layout, base):
+        """Store (same node, ``allow_ubmem``) or put each of ``dst``'s runs as its metadata, body
+        and BF16 tails straight into slot ``me·L + e`` of ``dst``'s three regions: one copy per
+        hop, nothing staged in the window."""
+        me, R, L, M = self.rank, self.R, lay.L, lay.M
+        meta, body, tail, first, runs, tail_first = enc
+        region = base + lay.recv_off
+        peer = self.tp.peer_view(self.win, dst, region, lay.lf_end, torch.int32) if self.direct[dst] else None
+        nbytes = 0
+        for e in range(L):
+            c, a = runs[e * R + dst], first[e * R + dst]
+            if not c:
+                continue
+            t0, t1 = tail_first[a], tail_first[a + c]
+            g = me * L + e
+            for off, part, size in ((g * M * lay.lf_meta, meta[a:a + c], c * lay.lf_meta),
+                                    (lay.lf_body_off + g * M * lay.lf_body, body[a:a + c], c * lay.lf_body),
+                                    (lay.lf_tail_off + g * M * lay.lf_tail, tail[t0:t1], (t1 - t0) * LOGFMT_TAIL_BYTES)):
+                if not size:
+                    continue
+                if peer is not None:
+                    peer[off // 4:(off + size) // 4].copy_(part.reshape(-1))
+                else:
+                    self.tp.put(self.win, dst, region + off, part)
+                nbytes += size
+        if peer is not None and nbytes:
+            self.tp.record_put(dst, nbytes)
+
+    def _receive_logfmt(self, base, lay: Layout, slot_g, slot_i):
+        """float32 ``[P, H]``: the received LogFMT rows ``(slot_g[p], slot_i[p])``, given in slot
+        order (experts ascending, rows ascending within each: every received row once)."""
+        E, M, S = lay.E, lay.M, lay.S
+        region = self.tp.local_view(self.win, base + lay.recv_off, lay.lf_end, torch.int32)
+        rows = slot_g * M + slot_i
+        meta = region[:lay.lf_body_off // 4].view(E * M, -1).index_select(0, rows)
+        meta = meta.view(torch.bfloat16).view(-1, S, 2)
+        body = region[lay.lf_body_off // 4:lay.lf_tail_off // 4].view(E * M, -1).index_select(0, rows)
+        body = body.view(torch.uint8).view(-1, S, LOGFMT_BODY_BYTES)
+        fb = ~logfmt10_group_mask(meta)
+        # The BF16 groups' tails: slot g's packed (rows, then groups) from tail g·M·S.
+        per_slot = torch.zeros(E, dtype=torch.int64).index_add_(0, slot_g, fb.sum(1))
+        slot_first = torch.cumsum(per_slot, 0) - per_slot
+        fb_slot = slot_g[torch.nonzero(fb)[:, 0]]
+        at = fb_slot * (M * S) + torch.arange(fb_slot.numel()) - slot_first[fb_slot]
+        tail = region[lay.lf_tail_off // 4:].view(E * M * S, -1).index_select(0, at)
+        return logfmt10_decode(body, meta, tail.view(torch.uint8))
+
+    # -- clean ---------------------------------------------------------------------------
+    def clean(self):
+        """Barrier of the live ranks on the clean slot (shrink mode masks those missing the deadline)."""
+        self.cleans += 1
+        peers = [p for p in self.order() if p != self.rank]
+        for dst in peers:
+            self.tp.signal(self.ctl, dst, SLOT_CLEAN)
+        self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
+
+
+def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh, standard-strided copy of the uint8 matrix ``t`` (viewable as any element size)."""
+    return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
+
+
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _common_width(*sizes: int) -> int:
+    """Largest of 8, 4, 2, 1 bytes dividing every size (field offsets and widths of a message)."""
+    return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in sizes))
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` uint8 rows (contiguous rows) viewed with the widest integer type that divides
+    them: torch's row gathers and copies run per element, so 8-byte elements are ~3x faster."""
+    w = _common_width(rows.size(1), rows.data_ptr(), rows.stride(0) if rows.size(0) > 1 else 0)
+    try:
+        return rows.view(_INT_OF_WIDTH[w]) if w > 1 else rows
+    except RuntimeError:  # a layout torch will not reinterpret: stay bytes
+        return rows
+
+
+def _describe(w) -> str:
+    w0, w1 = int(w[0]), int(w[1])
+    flags = (w0 >> 8) & 0xFF
+    return (f"M={w1 & 0xFFFF}, H={w1 >> 32}, E={(w1 >> 16) & 0xFFFF}, use_fp8={bool(flags & F_FP8)}, "
+            f"use_ue8m0={bool(flags & F_UE8M0)}, use_logfmt={bool(flags & F_LOGFMT)}")

@@ -1,0 +1,86 @@
+"""The wire protocol of the normal-mode engines: the int64 header every rank stages with chunk 0 of a
+call, and the consensus every rank reaches from all headers before moving data.
+
+A header row is ``HEADER_BYTES // 8`` int64 words: the words ``W_*`` below, then from word ``MSG_WORD`` a
+UTF-8 message of at most ``MSG_BYTES`` bytes (the reason a rank rejected its arguments). After the first
+``READY`` every rank reads every rank's header and runs :func:`consensus_problems`; when it returns a
+problem, every rank raises the same :class:`ConsensusError` and the engines stay in step (the Buffer
+remains usable). Both :mod:`.intranode` and :mod:`.internode` use this layout (docs/design/data-path.md).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+HEADER_BYTES = 1024
+MSG_WORD, MSG_BYTES = 32, 768
+
+OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
+OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
+# Header words (int64).
+(W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF) = range(19)
+MAGIC = 0xDEE9A5
+CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
+                    W_PREFIX)
+WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
+               W_SBYTES: "bytes per row of the FP8 scales", W_SDTYPE: "scales dtype",
+               W_TOPK: "num_topk (-1 = no top-k)", W_NEXP: "num_experts",
+               W_HANDLE: "handle (id of the dispatch that made it)", W_CHANNELS: "channels (config.num_sms // 2)",
+               W_WCOLS: "topk_weights columns (-1 = none)",
+               W_PREFIX: "the handle's rank prefix matrix (CRC-32 of its bytes)"}
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
+
+
+def dtype_code(dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else 99
+
+
+def prefix_checksum(rank_prefix_matrix: torch.Tensor) -> int:
+    """CRC-32 of a handle's ``[R, R]`` rank prefix matrix: a header word every rank must agree on,
+    so that handles that differ between ranks are refused on every rank, not on some."""
+    return zlib.crc32(rank_prefix_matrix.to(torch.int32).contiguous().numpy().tobytes())
+
+
+class ConsensusError(ValueError):
+    """Every rank raises this when any rank's arguments were rejected or ranks disagree."""
+
+
+def consensus_problems(headers, op, call_id, ranks=None) -> list:
+    """Why the ranks of ``headers`` cannot run this call together (empty list: they can).
+
+    ``headers``: ``[n, 128]`` int64 header words, one row per rank (message from word 32);
+    ``ranks``: the world rank of each row (default ``0..n-1``).
+    """
+    ranks = list(range(headers.shape[0])) if ranks is None else list(ranks)
+    problems = []
+    for p, h in zip(ranks, headers):
+        if h[W_MAGIC] != MAGIC or h[W_CALL] != call_id:
+            problems.append(f"rank {p} is in a different call (call #{h[W_CALL]}, op {OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
+                            f"than this one (call #{call_id}, {OP_NAMES[op]})")
+        elif h[W_STATUS]:
+            msg = h[MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+            problems.append(f"rank {p} rejected its arguments: {msg}")
+    if not problems:
+        for w in CONSENSUS_WORDS:
+            values = headers[:, w]
+            if (values != values[0]).any():
+                problems.append(f"ranks disagree on {WORD_NAMES[w]}: " + ", ".join(
+                    f"rank {p}: {int(v)}" for p, v in zip(ranks, values)))
+    return problems
+
+
+def consensus_error(op, problems) -> ConsensusError:
+    """The error every rank raises for ``problems`` (from :func:`consensus_problems`) in a call of ``op``."""
+    return ConsensusError(f"{OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
+
+
+def check_consensus(headers, op, call_id):
+    """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
+    problems = consensus_problems(headers, op, call_id)
+    if problems:
+        raise consensus_error(op, problems)

@@ -1,0 +1,128 @@
+/* Combine's reduction in one pass: every output row is the float32 sum of its BF16 input rows,
+ * added in source order to a +0.0 (or bias) start and rounded once to BF16 -- DeepEP's combine
+ * arithmetic, the bits of deepep_ascend.ep.reduce.accumulate_rows' torch paths.
+ *
+ * Plain C, no Python headers: deepep_ascend/native.py loads it with ctypes (which releases the
+ * GIL for the call). Built by setuptools as an optional extension (pyproject.toml); without it
+ * the library falls back to the torch paths.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+/* Bumped whenever an exported signature changes: native.py refuses a library built from an older
+ * source (an editable install whose extension was not rebuilt) instead of calling it wrongly. It
+ * covers moe_act.c and amx_gemm.c too (one library). */
+int64_t deepep_native_abi(void) { return 5; }
+
+/* Floats of one output row summed at a time: the accumulator (4 KiB) stays in L1 while every
+ * input row's slice streams past it. */
+#define CHUNK 1024
+
+
+/* out[t] = bf16(start(t) + sum over sources j, in order, of the rows i of j with tokens[j][i] == t)
+ *
+ * m, hidden       output rows and columns; out row t at out + t * out_ld (elements)
+ * tokens[j]       ascending token ids in [0, m) of source j's counts[j] rows (int64)
+ * rows[j]         source j's first row; its row i at rows[j] + r * row_ld[j], r = i, or r =
+ *                 row_index[j][i] if row_index and row_index[j] are not NULL (a gather: the
+ *                 caller checks those indices)
+ * bias0, bias1    NULL, or row t at bias + t * ld: start(t) = f32(bias0[t]) + f32(bias1[t]), a
+ *                 missing one being +0.0; with no bias start(t) = +0.0
+ *
+ * Returns 0; -1 if memory ran out (rows from that token on not written); j + 1 if source j has a
+ * token outside [0, m) or out of order (those rows were left out of the sums).
+ */
+MULTIVERSION
+int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
+                             const int64_t *const *tokens, const int64_t *counts,
+                             const uint16_t *const *rows, const int64_t *row_ld,
+                             const int64_t *const *row_index,
+                             const uint16_t *bias0, int64_t bias0_ld,
+                             const uint16_t *bias1, int64_t bias1_ld,
+                             uint16_t *out, int64_t out_ld, uint16_t nan_bits)
+{
+    int64_t cap = num_sources > 0 ? num_sources : 1;
+    int64_t *cur = calloc((size_t)cap, sizeof *cur);
+    const uint16_t **row = malloc((size_t)cap * sizeof *row); /* this token's rows, in order */
+    if (!cur || !row) {
+        free(cur);
+        free(row);
+        return -1;
+    }
+    int64_t status = 0;
+    float acc[CHUNK];
+    for (int64_t t = 0; t < m && !status; t++) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < num_sources; j++) {
+            for (; cur[j] < counts[j] && tokens[j][cur[j]] == t; cur[j]++) {
+                if (n == cap) {
+                    const uint16_t **grown = realloc(row, (size_t)(2 * cap) * sizeof *row);
+                    if (!grown) {
+                        status = -1;
+                        break;
+                    }
+                    row = grown;
+                    cap *= 2;
+                }
+                const int64_t r = row_index && row_index[j] ? row_index[j][cur[j]] : cur[j];
+                row[n++] = rows[j] + r * row_ld[j];
+            }
+        }
+        if (status)
+            break;
+        uint16_t *o = out + t * out_ld;
+        const uint16_t *b0 = bias0 ? bias0 + t * bias0_ld : NULL;
+        const uint16_t *b1 = bias1 ? bias1 + t * bias1_ld : NULL;
+        for (int64_t h0 = 0; h0 < hidden; h0 += CHUNK) {
+            const int64_t w = hidden - h0 < CHUNK ? hidden - h0 : CHUNK;
+            if (!b0 && n <= 2) {
+                /* the common cases, without an accumulator: +0.0 + a (+ b), rounded */
+                if (n == 0) {
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = 0;
+                } else if (n == 1) {
+                    const uint16_t *a = row[0] + h0;
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = f32_to_bf16(0.0f + bf16_to_f32(a[h]), nan_bits);
+                } else {
+                    const uint16_t *a = row[0] + h0, *b = row[1] + h0;
+                    for (int64_t h = 0; h < w; h++)
+                        o[h0 + h] = f32_to_bf16((0.0f + bf16_to_f32(a[h])) + bf16_to_f32(b[h]), nan_bits);
+                }
+                continue;
+            }
+            if (b0 && b1) {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = bf16_to_f32(b0[h0 + h]) + bf16_to_f32(b1[h0 + h]);
+            } else if (b0) {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = bf16_to_f32(b0[h0 + h]) + 0.0f;
+            } else {
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] = 0.0f;
+            }
+            /* every row but the last into acc; the last one's add is fused with the rounding */
+            for (int64_t r = 0; r + 1 < n; r++) {
+                const uint16_t *a = row[r] + h0;
+                for (int64_t h = 0; h < w; h++)
+                    acc[h] += bf16_to_f32(a[h]);
+            }
+            if (n) {
+                const uint16_t *a = row[n - 1] + h0;
+                for (int64_t h = 0; h < w; h++)
+                    o[h0 + h] = f32_to_bf16(acc[h] + bf16_to_f32(a[h]), nan_bits);
+            } else {
+                for (int64_t h = 0; h < w; h++)
+                    o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
+            }
+        }
+    }
+    for (int64_t j = 0; j < num_sources && !status; j++)
+        if (cur[j] != counts[j])
+            status = j + 1;
+    free(cur);
+    free(row);
+    return status;
+}

@@ -1,0 +1,416 @@
+"""Differentiable dispatch and combine, normal and low-latency mode: each one's backward is the other (spec §4.7).
+
+DeepEP's README trains with four helpers (``dispatch_forward`` / ``dispatch_backward`` /
+``combine_forward`` / ``combine_backward``); this module wraps the same calls in
+``torch.autograd.Function``s so that ``loss.backward()`` drives them:
+
+* :func:`dispatch` — forward: ``Buffer.get_dispatch_layout`` (unless the layout is passed) and
+  ``Buffer.dispatch``; backward: ``Buffer.combine`` of the gradients of ``recv_x`` and
+  ``recv_topk_weights`` through the same handle (sum over the ranks that received each token,
+  float32 accumulation in ascending rank order, one rounding to bf16).
+* :func:`combine` — forward: ``Buffer.combine``; backward: a cached ``Buffer.dispatch`` of the
+  gradient of ``combined_x`` (and of ``combined_topk_weights``, packed into the same rows, so
+  it is one call) through the handle.
+
+Both backward passes are collective, like the forward passes: every rank of the Buffer runs them
+in the same order, which ``loss.backward()`` guarantees when every rank builds the same graph.
+A rank with no tokens to send, or none received, still takes part and gets zero-size or zero
+gradients, never ``None``. The gradients are the exact adjoints of the forward maps: the
+gradient of a ``recv_topk_weights`` slot whose expert is not on the receiving rank
+(``recv_topk_idx == -1``, forward value 0) is dropped before the combine.
+
+Dtypes: ``x`` must be bfloat16. The data plane moves any dtype, but the backward of dispatch is
+a combine, which is bf16-only as in DeepEP, so float32 (or float64) ``x`` is refused with a
+``TypeError`` instead of being rounded silently; cast first (``x.bfloat16()`` is itself
+differentiable: its backward casts the bf16 gradient back to ``x``'s dtype). ``topk_weights``
+are float32 and their gradients stay float32 end to end. FP8 ``(data, scales)`` inputs are not
+differentiable and are refused.
+
+Low-latency mode has its pair too (spec §6):
+
+* :func:`low_latency_dispatch` — forward: ``Buffer.low_latency_dispatch`` (BF16, ``use_fp8=False``);
+  backward: ``Buffer.low_latency_combine`` of the gradient of the packed ``recv_x`` through the
+  same handle with unit weights: each token's gradient is the float32 sum of its slots'
+  gradients (slots in top-k order, one rounding to bf16), padding rows dropped.
+* :func:`low_latency_combine` — forward: ``Buffer.low_latency_combine``; backward, with ``g`` the
+  gradient of ``combined_x`` and ``y`` the expert outputs: (1) ``Buffer.low_latency_dispatch`` of
+  ``g`` (BF16) with the same ``topk_idx``, which lands ``g[t]`` in exactly the slots of the
+  forward handle (same routing, same slots; checked); (2) a second, narrow LL dispatch of each
+  token's ``topk_weights`` row (float32 bits) and ``topk_idx`` row (16 bits each), moved verbatim,
+  so each slot finds its own weight ``w[t, j]`` (the ``j`` whose expert is the slot's);
+  ``grad_y[slot] = bf16(w[t, j] * g[t])``, padding rows 0. (3) Only if ``topk_weights`` requires
+  grad: each slot's ``dot(g[t], y[slot])`` (float32) is split exactly into three bf16 parts
+  ``hi + mid + lo`` and returned with an LL combine of ``3K``-column rows (part ``p`` of slot ``j``
+  in column ``p·K + j``, unit weights, so every column sums one value: exact), then
+  ``grad_w[t, j] = hi + mid + lo``, the float32 dot product itself (exact for ``|dot| > 2^-100``).
+  So the backward is two LL calls, three with weight gradients; calls (2) and (3) have
+  ``hidden = 3K`` rounded up to a multiple of 4, which a Buffer sized for an ``H`` at least that fits.
+
+``use_fp8=True`` (``Buffer.low_latency_dispatch``'s default, kept here) is refused with a
+``TypeError`` when ``x`` requires grad: FP8 rows are not differentiable; pass ``use_fp8=False``.
+Without grad it is passed through (non-differentiable outputs). ``async_finish``,
+``return_recv_hook``, ``zero_copy`` and ``out`` are refused (the autograd path is synchronous).
+Every rank must run the same backward calls: same graph, and ``topk_weights.requires_grad``
+the same on every rank (it decides whether call (3) runs).
+
+Example (every rank)::
+
+    recv_x, recv_idx, recv_w, counts, handle = deepep_ascend.nn.autograd.dispatch(
+        buffer, x.bfloat16(), topk_idx, topk_weights, num_experts)
+    y = experts(recv_x, recv_idx, recv_w, counts)           # [N_recv, H] bf16, weights applied
+    out, _ = deepep_ascend.nn.autograd.combine(buffer, y, handle)
+    out.float().pow(2).mean().backward()                     # two collective calls per direction
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ep.config import Config
+
+__all__ = ["combine", "dispatch", "low_latency_combine", "low_latency_dispatch"]
+
+_BF16 = torch.bfloat16
+# Buffer.dispatch keyword arguments that dispatch() passes through (the rest are refused: the
+# autograd path is synchronous, outputs are complete on return).
+_DISPATCH_KWARGS = ("handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+                    "num_tokens_per_expert", "expert_alignment", "num_worst_tokens", "config", "previous_event")
+
+
+def _num_sms(buffer, config) -> int:
+    return config.num_sms if config is not None else type(buffer).num_sms
+
+
+def _check_bf16(x, op: str, backward: str = "Buffer.combine") -> None:
+    if isinstance(x, tuple):
+        raise TypeError(f"deepep_ascend.nn.autograd.{op}: FP8 (data, scales) inputs are not differentiable; "
+                        f"pass bfloat16 `x`")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"deepep_ascend.nn.autograd.{op}: `x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != _BF16:
+        raise TypeError(f"deepep_ascend.nn.autograd.{op}: `x` must be bfloat16, got {x.dtype}: the backward pass "
+                        f"goes through {backward}, which is bf16-only as in DeepEP; cast first with "
+                        f"x.bfloat16() (differentiable)")
+
+
+def _check_kwargs(kwargs, allowed, op: str) -> None:
+    bad = sorted(set(kwargs) - set(allowed))
+    if bad:
+        raise TypeError(f"deepep_ascend.nn.autograd.{op}: unsupported keyword(s) {bad}; allowed: {list(allowed)} "
+                        f"(the autograd path is synchronous)")
+
+
+class _Dispatch(torch.autograd.Function):
+    """Inputs ``(x, topk_weights | None, buffer, topk_idx, num_experts, kwargs, out)``; returns
+    ``(recv_x, recv_topk_weights)`` (the latter an empty placeholder without top-k) and fills
+    ``out`` with the non-differentiable results."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, num_experts, kwargs, out):
+        kwargs = dict(kwargs)
+        handle = kwargs.pop("handle", None)
+        config = kwargs.get("config")
+        if handle is None:
+            if kwargs.get("num_tokens_per_rank") is None:
+                ntpr, ntprr, ntpe, itr, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+                kwargs.update(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=itr,
+                              num_tokens_per_expert=ntpe)
+            recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, **kwargs)
+        else:  # cached dispatch: the handle fixes the routing; no top-k
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("deepep_ascend.nn.autograd.dispatch: a cached dispatch (handle=...) takes "
+                                 "topk_idx=None and topk_weights=None")
+            recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(x, handle=handle, **kwargs)
+        ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, _num_sms(buffer, config)
+        ctx.has_weights = topk_weights is not None
+        ctx.x_rows = x.size(0)
+        ctx.save_for_backward(recv_idx if recv_idx is not None else torch.empty(0))
+        out.update(recv_topk_idx=recv_idx, num_recv_tokens_per_expert_list=counts, handle=handle)
+        if recv_w is None:
+            recv_w = torch.empty(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(recv_w)
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w):
+        (recv_idx,) = ctx.saved_tensors
+        grad_w_in = None
+        if ctx.has_weights:
+            # The forward value of a slot not on this rank is 0 whatever the weight: no gradient.
+            grad_w_in = grad_recv_w.masked_fill(recv_idx < 0, 0.0).contiguous()
+        grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x.to(_BF16).contiguous(), ctx.handle,
+                                               topk_weights=grad_w_in, config=Config(ctx.num_sms))
+        return grad_x, (grad_w if ctx.has_weights else None), None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Inputs ``(x, topk_weights | None, buffer, handle, config)``; returns ``(combined_x,
+    combined_topk_weights)`` (the latter an empty placeholder without weights)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, handle, config):
+        combined_x, combined_w, _ = buffer.combine(x, handle, topk_weights=topk_weights, config=config)
+        ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, _num_sms(buffer, config)
+        ctx.wcols = topk_weights.size(1) if topk_weights is not None else -1
+        if combined_w is None:
+            combined_w = torch.empty(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(combined_w)
+        return combined_x, combined_w
+
+    @staticmethod
+    def backward(ctx, grad_combined_x, grad_combined_w):
+        g = grad_combined_x.to(_BF16).contiguous()
+        n, hidden = g.shape
+        if ctx.wcols >= 0:
+            # One cached dispatch carries both gradients: rows of [bf16 x grad | float32 weight grad] bytes.
+            gw = grad_combined_w.to(torch.float32).contiguous()
+            packed = torch.cat([g.view(torch.uint8).view(n, 2 * hidden),
+                                gw.view(torch.uint8).view(n, 4 * ctx.wcols)], dim=1)
+            recv, *_ = ctx.buffer.dispatch(packed, handle=ctx.handle, config=Config(ctx.num_sms))
+            rows = recv.size(0)
+            grad_x = recv[:, :2 * hidden].contiguous().view(_BF16).view(rows, hidden)
+            grad_w = recv[:, 2 * hidden:].contiguous().view(torch.float32).view(rows, ctx.wcols)
+            return grad_x, grad_w, None, None, None
+        grad_x, *_ = ctx.buffer.dispatch(g, handle=ctx.handle, config=Config(ctx.num_sms))
+        return grad_x, None, None, None, None
+
+
+def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+             num_experts: int | None, **dispatch_kwargs):
+    """Differentiable ``Buffer.dispatch`` (normal mode); backward = ``Buffer.combine`` through the handle.
+
+    Args:
+        buffer: a normal-mode :class:`deepep_ascend.Buffer`.
+        x: ``[N, H]`` bfloat16 (see the module docstring for other dtypes); may require grad.
+        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none (``None`` for a cached dispatch).
+        topk_weights: ``[N, K]`` float32, may require grad (``None`` for a cached dispatch).
+        num_experts: ``E``; the layout is computed with ``buffer.get_dispatch_layout`` unless
+            ``num_tokens_per_rank``, ``is_token_in_rank`` and ``num_tokens_per_expert`` are passed.
+        **dispatch_kwargs: passed to ``Buffer.dispatch``: the layout tensors, ``handle`` (cached
+            dispatch), ``expert_alignment``, ``num_worst_tokens``, ``config``, ``previous_event``.
+            ``async_finish`` / ``allocate_on_comm_stream`` are refused (the outputs are complete
+            on return).
+    Returns:
+        ``(recv_x [N_recv, H] bf16, recv_topk_idx [N_recv, K] int64 | None,
+        recv_topk_weights [N_recv, K] float32 | None, num_recv_tokens_per_expert_list, handle)``
+        as ``Buffer.dispatch`` (without the event). ``recv_x`` and ``recv_topk_weights`` carry
+        gradients back to ``x`` and ``topk_weights``.
+    Raises:
+        TypeError: non-bf16 or FP8 ``x``; an unsupported keyword. Otherwise as ``Buffer.dispatch``
+            (collective errors), in the forward and the backward pass.
+    """
+    _check_kwargs(dispatch_kwargs, _DISPATCH_KWARGS, "dispatch")
+    _check_bf16(x, "dispatch")
+    out = {}
+    recv_x, recv_w = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
+                                     tuple(dispatch_kwargs.items()), out)
+    if topk_weights is None:
+        recv_w = None
+    return recv_x, out["recv_topk_idx"], recv_w, out["num_recv_tokens_per_expert_list"], out["handle"]
+
+
+def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, config: Config | None = None):
+    """Differentiable ``Buffer.combine`` (normal mode); backward = cached ``Buffer.dispatch`` through the handle.
+
+    Args:
+        buffer: the Buffer that made ``handle``.
+        x: ``[N_recv, H]`` bfloat16, rows in dispatch order (typically the experts' weighted outputs).
+        handle: the handle from :func:`dispatch` (or ``Buffer.dispatch``).
+        topk_weights: optional ``[N_recv, K']`` float32, summed per original token like ``x``.
+        config: optional :class:`Config` (its ``num_sms`` must match the dispatch's).
+    Returns:
+        ``(combined_x [N, H] bf16, combined_topk_weights [N, K'] float32 | None)``; both carry
+        gradients back to ``x`` and ``topk_weights``.
+    Raises:
+        TypeError: non-bf16 ``x``. Otherwise as ``Buffer.combine``.
+    """
+    _check_bf16(x, "combine")
+    combined_x, combined_w = _Combine.apply(x, topk_weights, buffer, handle, config)
+    return combined_x, (combined_w if topk_weights is not None else None)
+
+
+# ==================================================================================================
+# Low-latency mode (spec §6)
+# ==================================================================================================
+# Buffer.low_latency_dispatch / low_latency_combine keyword arguments passed through (the rest are
+# refused: the autograd path is synchronous and its inputs are ordinary tensors).
+_LL_DISPATCH_KWARGS = ("cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+                       "round_scale", "use_ue8m0")
+_LL_COMBINE_KWARGS = ("use_logfmt", "combine_wait_recv_cost_stats")
+
+
+def _ll_valid_rows(handle) -> torch.Tensor:
+    """``[L, R·M]`` bool: the rows of the packed layout that hold a received (token, slot)."""
+    src_info, layout_range = handle[0], handle[1]
+    count = (layout_range & 0xFFFFFFFF).sum(1)  # [L] rows received per local expert
+    return torch.arange(src_info.size(1)).unsqueeze(0) < count.unsqueeze(1)
+
+
+def _ll_same_slots(h_fwd, h_bwd, valid: torch.Tensor) -> None:
+    """Raise unless ``h_bwd`` has ``h_fwd``'s slots: same per-expert ranges (``handle[1]``), so the same
+    valid rows (``valid = _ll_valid_rows(h_fwd)``), and the same source of every valid row."""
+    if not (torch.equal(h_fwd[1], h_bwd[1]) and torch.equal(h_fwd[0][valid], h_bwd[0][valid])):
+        raise RuntimeError("deepep_ascend.nn.autograd.low_latency_combine backward: the dispatch of the gradient did "
+                           "not land in the forward handle's slots (were ranks masked between forward and "
+                           "backward, or is `topk_idx` not the dispatch's?)")
+
+
+def _ll_narrow_cols(k: int) -> int:
+    """bf16 columns of the backward's weight/index dispatch and dot-product combine: ``3K`` rounded
+    up to a multiple of 4, so rows are whole 8-byte words (the LL engine views message bytes as int32)."""
+    return -(-3 * k // 4) * 4
+
+
+def _split3(v: torch.Tensor):
+    """float32 ``v`` -> bf16 ``(hi, mid, lo)`` with ``f32(hi) + f32(mid) + f32(lo) == v`` exactly
+    (24 significand bits = 3 x 8; exact for 2^-100 < |v| < 3e38 and for 0)."""
+    hi = v.to(_BF16)
+    r = v - hi.float()  # exact in float32
+    mid = r.to(_BF16)
+    lo = (r - mid.float()).to(_BF16)  # <= 8 significant bits left: exact
+    return hi, mid, lo
+
+
+class _LLDispatch(torch.autograd.Function):
+    """Inputs ``(x, buffer, topk_idx, M, E, kwargs, out)``; returns the packed bf16 ``recv_x`` and
+    fills ``out`` with ``recv_count`` and ``handle``."""
+
+    @staticmethod
+    def forward(ctx, x, buffer, topk_idx, m, num_experts, kwargs, out):
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, m, num_experts,
+                                                                       **dict(kwargs))
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.save_for_backward(topk_idx)
+        out.update(recv_count=recv_count, handle=handle)
+        return recv_x
+
+    @staticmethod
+    def backward(ctx, grad_recv_x):
+        (topk_idx,) = ctx.saved_tensors
+        # Adjoint of "copy token t into each of its slots": sum the slots' gradients = combine with
+        # weight 1 per slot (-1 slots and padding rows are skipped by the combine itself).
+        ones = torch.ones(topk_idx.shape, dtype=torch.float32)
+        grad_x, _, _ = ctx.buffer.low_latency_combine(grad_recv_x.to(_BF16).contiguous(), topk_idx, ones, ctx.handle)
+        return grad_x, None, None, None, None, None, None
+
+
+class _LLCombine(torch.autograd.Function):
+    """Inputs ``(x, topk_weights, buffer, topk_idx, handle, kwargs)``; returns ``combined_x``."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, handle, kwargs):
+        combined, _, _ = buffer.low_latency_combine(x, topk_idx, topk_weights, handle, **dict(kwargs))
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.save_for_backward(x, topk_weights, topk_idx)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad_combined):
+        y, w, topk_idx = ctx.saved_tensors
+        buffer, handle = ctx.buffer, ctx.handle
+        _, _, m, _, num_experts = handle
+        n, k = topk_idx.shape
+        L = y.size(0)
+        # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
+        g = grad_combined.to(_BF16).contiguous()
+        recv_g, _, h_g, _, _ = buffer.low_latency_dispatch(g, topk_idx, m, num_experts, use_fp8=False)
+        valid = _ll_valid_rows(handle)  # [L, R·M]
+        _ll_same_slots(handle, h_g, valid)
+        # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
+        idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
+        cols = _ll_narrow_cols(k)  # 3K rounded up to a multiple of 4 (8-byte rows)
+        meta = torch.cat([w.to(torch.float32).contiguous().view(torch.int16).view(n, 2 * k), idx16,
+                          torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
+        recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
+                                                              use_fp8=False)
+        _ll_same_slots(handle, h_m, valid)
+        recv_meta = recv_meta.view(torch.int16)  # [L, R·M, 3K]
+        slot_w = recv_meta[..., :2 * k].contiguous().view(torch.float32)  # [L, R·M, K]
+        slot_e = recv_meta[..., 2 * k:3 * k].to(torch.int32) & 0xFFFF
+        experts = (buffer.rank * L + torch.arange(L, dtype=torch.int32)).view(L, 1, 1)
+        j = (slot_e == experts).to(torch.int8).argmax(-1, keepdim=True)  # [L, R·M, 1]: the slot's top-k column
+        wj = slot_w.gather(-1, j).masked_fill(~valid.unsqueeze(-1), 0.0)  # [L, R·M, 1]
+        g32 = recv_g.float()
+        grad_y = (g32 * wj).to(_BF16) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # (3) dot(g[t], y[slot]) per slot, back to (t, j) exactly as three bf16 parts.
+            dots = (g32 * y.float()).sum(-1, keepdim=True).masked_fill(~valid.unsqueeze(-1), 0.0)
+            rows = torch.zeros(L, y.size(1), cols, dtype=_BF16)
+            for p, part in enumerate(_split3(dots)):
+                rows.scatter_(-1, j + p * k, part)
+            ones = torch.ones(n, k, dtype=torch.float32)
+            parts, _, _ = buffer.low_latency_combine(rows, topk_idx, ones, h_m)  # h_m: the narrow call's handle
+            parts = parts.float()
+            grad_w = (parts[:, :k] + parts[:, k:2 * k]) + parts[:, 2 * k:3 * k]
+            grad_w = grad_w.to(w.dtype)
+        return grad_y, grad_w, None, None, None, None
+
+
+def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                         num_experts: int, **kwargs):
+    """Differentiable ``Buffer.low_latency_dispatch``; backward = ``Buffer.low_latency_combine`` with unit weights.
+
+    Args:
+        buffer: a low-latency :class:`deepep_ascend.Buffer` (``low_latency_mode=True``).
+        x: ``[N, H]`` bfloat16, ``N <= M``; may require grad.
+        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none, distinct per row.
+        num_max_dispatch_tokens_per_rank: ``M``, the same on every rank.
+        num_experts: ``E``, a multiple of the number of ranks ``R``; ``L = E / R``.
+        **kwargs: passed to ``Buffer.low_latency_dispatch``: ``use_fp8`` (default ``True`` as there;
+            must be ``False`` when ``x`` requires grad), ``round_scale``, ``use_ue8m0``,
+            ``cumulative_local_expert_recv_stats``, ``dispatch_wait_recv_cost_stats``.
+            ``async_finish`` / ``return_recv_hook`` are refused.
+    Returns:
+        ``(recv_x [L, R·M, H] bf16, recv_count [L] int32, handle)`` as ``Buffer.low_latency_dispatch``
+        (without the event and hook). ``recv_x`` carries gradients back to ``x``: the gradient of
+        token ``t`` is the sum over its valid slots of the slots' gradients (float32, top-k order,
+        one rounding to bf16); padding rows (past ``recv_count``) get none.
+    Raises:
+        TypeError: non-bf16 ``x``; ``use_fp8=True`` with ``x`` requiring grad; an unsupported keyword.
+            Otherwise as ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (collective errors),
+            in the forward and the backward pass.
+    """
+    _check_kwargs(kwargs, _LL_DISPATCH_KWARGS, "low_latency_dispatch")
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        _check_bf16(x, "low_latency_dispatch", "Buffer.low_latency_combine")
+        if kwargs.get("use_fp8", True):
+            raise TypeError("deepep_ascend.nn.autograd.low_latency_dispatch: use_fp8=True (the default, as in DeepEP) "
+                            "is not differentiable; pass use_fp8=False when `x` requires grad")
+    elif kwargs.get("use_fp8", True):  # nothing to differentiate: the plain call (FP8 outputs)
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                                       num_experts, **kwargs)
+        return recv_x, recv_count, handle
+    out = {}
+    recv_x = _LLDispatch.apply(x, buffer, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                               tuple(kwargs.items()), out)
+    return recv_x, out["recv_count"], out["handle"]
+
+
+def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                        **kwargs):
+    """Differentiable ``Buffer.low_latency_combine``; backward = LL dispatches of the gradient (module docstring).
+
+    Args:
+        buffer: the Buffer that made ``handle``.
+        x: ``[L, R·M, H]`` bfloat16 expert outputs in the dispatch's packed layout; may require grad.
+        topk_idx: the dispatch's ``[N, K]`` int64 routing.
+        topk_weights: ``[N, K]`` float32; may require grad.
+        handle: the handle from :func:`low_latency_dispatch` (or ``Buffer.low_latency_dispatch``).
+        **kwargs: ``use_logfmt``, ``combine_wait_recv_cost_stats`` (passed on); ``zero_copy``,
+            ``out``, ``async_finish``, ``return_recv_hook`` are refused.
+    Returns:
+        ``combined_x [N, H]`` bf16, ``bf16(sum_j f32(x[slot(t, j)]) * w[t, j])``. Gradients:
+        ``x``: ``bf16(w[t, j] * g[t])`` in slot ``(t, j)``'s row, 0 in padding rows;
+        ``topk_weights``: float32 ``dot(g[t], x[slot(t, j)])``, 0 for -1 slots.
+    Raises:
+        TypeError: non-bf16 ``x``; an unsupported keyword. Otherwise as ``Buffer.low_latency_combine``
+            (forward) and ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (backward).
+            RuntimeError (backward): the gradient's dispatch did not land in the handle's slots.
+            ValueError (backward): the Buffer's ``num_rdma_bytes`` is too small for calls with
+            ``hidden = 3K`` rounded up to a multiple of 4 (only if that exceeds ``H``).
+    """
+    _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine")
+    _check_bf16(x, "low_latency_combine", "Buffer.low_latency_dispatch")
+    return _LLCombine.apply(x, topk_weights, buffer, topk_idx, handle, tuple(kwargs.items()))

@@ -1,0 +1,799 @@
+"""Buffer low-latency mode (issue 4) vs the pure-torch reference (``tests/reference.py``, LL section).
+
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/test_buffer_low_latency.py`` (N = 1, 2, 4, 8).
+Each case runs on three Buffers: one node with UBMEM stores (default), one node with
+``allow_nvlink_for_low_latency_mode=False`` (the ``put`` path), and two simulated nodes
+(``ranks_per_node = R/2``: peers on the other node over URMA). Dispatch outputs are compared bit
+for bit (FP8 data and scales included), combine bit for bit with the reference's float32
+accumulation and with spec §9's ``calc_diff`` bounds (invariants 10-14); a LogFMT-10 combine bit
+for bit with the reference applied to the codec's round trip of each expert row, and within the
+codec's error bound of the BF16 combine.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deepep_ascend import (
+    Buffer,
+    ConsensusError,
+    logfmt10_decode,
+    logfmt10_encode,
+    logfmt10_wire_bytes,
+)
+from tests.support.buffer_helpers import (
+    BF16,
+    Checker,
+    all_ranks_ok,
+    bits,
+    capture,
+    coll,
+)
+from tests.support.mpi_utils import gather_all, world
+from tests.support.reference import (
+    calc_diff,
+    per_token_cast_back,
+    ref_ll_combine,
+    ref_ll_dispatch,
+)
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
+
+MAX_M, MAX_H, MAX_EPR = 32, 512, 4  # window sizing: largest M, hidden, experts per rank of the cases
+
+
+def _hint(R):
+    return Buffer.get_low_latency_rdma_size_hint(MAX_M, MAX_H, R, MAX_EPR * R)
+
+
+def _configs():
+    R = world().Get_size()
+    out = [pytest.param("ubmem", id="1node"), pytest.param("put", id="1node_put")]
+    if R >= 2:
+        out.append(pytest.param("nodes", id=f"2x{R // 2}"))
+    return out
+
+
+_BUFS = {}
+
+
+@pytest.fixture(scope="module")
+def bufs():
+    yield _BUFS
+    for b in _BUFS.values():
+        coll(b.destroy, what="destroy LL buffer")
+    _BUFS.clear()
+
+
+def _buf(bufs, cfg):
+    if cfg not in bufs:
+        comm = world()
+        R = comm.Get_size()
+        kw = dict(low_latency_mode=True, comm=comm, explicitly_destroy=True)
+        if cfg == "put":
+            kw["allow_nvlink_for_low_latency_mode"] = False
+        if cfg == "nodes":
+            kw["ranks_per_node"] = R // 2
+        bufs[cfg] = Buffer(None, 0, _hint(R), **kw)
+    return bufs[cfg]
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pattern=False, logfmt=False):
+    """``(x [n, H] bf16, topk_idx [n, K] int64)`` of rank ``rank``, reproducible on any rank.
+
+    ``uniform``: top-k of random scores, then 10 random slots set to -1 (spec §9); ``allneg``:
+    also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``: spec
+    §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values for a
+    LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
+    (times 16: ``|x| >= 1``, BF16) and the last group of every third token (zero, BF16).
+    """
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    if pattern:
+        x = torch.full((n, hidden), float(rank - 128))
+        x[:, -128:] = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+        x = x.to(BF16)
+    elif logfmt:
+        x = torch.randn(n, hidden, generator=gen) * 0.1
+        x[::2, :128] *= 16
+        x[1::3, -128:] = 0
+        x = x.to(BF16)
+    else:
+        x = (torch.randn(n, hidden, generator=gen) * 2).to(BF16)
+    if routing == "one":
+        idx = torch.full((n, k), -1, dtype=torch.int64)
+        idx[:, 0] = 0
+        return x, idx
+    scores = torch.rand(n, num_experts, generator=gen)
+    kk = min(k, num_experts)  # few experts (one rank): the remaining slots are -1
+    idx = scores.topk(kk, dim=1).indices if n else torch.empty(0, kk, dtype=torch.int64)
+    idx = torch.cat([idx, torch.full((n, k - kk), -1, dtype=torch.int64)], dim=1)
+    if idx.numel():
+        drop = torch.randperm(idx.numel(), generator=gen)[:10]
+        idx.view(-1)[drop] = -1
+    if routing == "allneg":
+        idx[::3] = -1
+    return x, idx.contiguous()
+
+
+#: LogFMT-10's largest relative error, for any group: half a level at the largest step, 32/510.
+LOGFMT_MAX_REL = (2 ** (32 / 510) - 1) / (2 ** (32 / 510) + 1)
+
+
+def logfmt_round_trip(row):
+    """float32 ``[H]``: the bf16 row through LogFMT-10 (what the receiver sums)."""
+    return logfmt10_decode(*logfmt10_encode(row.view(1, -1)))[0]
+
+
+def _scale_of(g):
+    return 1.0 + (g % 3) * 0.5
+
+
+def expert_outputs(recv_x, rank, L, fp8):
+    """Expert ``g``'s output for a received row: ``bf16(f32(row) * (1 + g % 3 / 2))`` (FP8 rows dequantised)."""
+    if fp8:
+        data, scales = recv_x
+        dense = torch.empty(scales.shape, dtype=scales.dtype).copy_(scales)  # (size-1 dims keep odd strides)
+        rows = torch.stack([per_token_cast_back(data[e], dense[e]) for e in range(L)])
+    else:
+        rows = recv_x
+    s = torch.tensor([_scale_of(rank * L + e) for e in range(L)]).view(L, 1, 1)
+    return (rows.float() * s).to(BF16).contiguous()
+
+
+def ref_expert_row(x_src_row, g, fp8, round_scale, use_ue8m0):
+    from tests.support.reference import ref_ll_cast_fp8
+    if fp8:
+        d, s = ref_ll_cast_fp8(x_src_row.view(1, -1), round_scale, use_ue8m0)
+        row = per_token_cast_back(d, s)[0]
+    else:
+        row = x_src_row
+    return (row.float() * _scale_of(g)).to(BF16)
+
+
+@dataclass
+class Case:
+    name: str
+    tokens: int = 12
+    m: int = 16
+    hidden: int = 256
+    epr: int = 2
+    topk: int = 3
+    routing: str = "uniform"
+    fp8: bool = False
+    round_scale: bool = False
+    ue8m0: bool = False
+    zero_rank: bool = False
+    mode: str = "sync"  # sync | async | hook
+    pattern: bool = False
+    logfmt: bool = False  # LogFMT-10 combine (and make_inputs' logfmt values)
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    Case("bf16_pattern_invariants", pattern=True, hidden=384, tokens=16, m=16),
+    Case("fp8_f32_scales_async", fp8=True, mode="async", hidden=512),
+    Case("fp8_round_scale_hook", fp8=True, round_scale=True, mode="hook", epr=4, topk=4),
+    Case("fp8_ue8m0_packed", fp8=True, round_scale=True, ue8m0=True, hidden=512, tokens=9, m=9),
+    Case("bf16_h200_rows_all_minus1_zero_rank", hidden=200, routing="allneg", zero_rank=True),
+    Case("every_token_to_one_expert_n_eq_m", routing="one", tokens=32, m=32, topk=2),
+    Case("bf16_logfmt_combine_hook", logfmt=True, mode="hook", hidden=384),
+    Case("fp8_logfmt_combine_async_zero_rank", fp8=True, logfmt=True, mode="async", zero_rank=True, epr=4, topk=4),
+]
+
+
+def _finish(ev, hook, mode):
+    if mode == "async":
+        assert ev.event is not None and hook is None
+        ev.current_stream_wait()
+    elif mode == "hook":
+        assert hook is not None and ev.event is None
+        hook()
+    else:
+        assert hook is None and ev.event is None
+
+
+def run_ll_case(buf, comm, case: Case, seed: int, chk: Checker, masked=()):
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, L, M, H, K = case.epr * R, case.epr, case.m, case.hidden, case.topk
+    ns = [0 if (case.zero_rank and s == R - 1) else case.tokens for s in range(R)]
+    inputs = [make_inputs(seed, s, R, ns[s], H, E, K, case.routing, case.pattern, case.logfmt) for s in range(R)]
+    x, idx = inputs[r]
+    cum = torch.zeros(L, dtype=torch.int32)
+    wait = torch.zeros(R, dtype=torch.int64)
+
+    def dispatch():
+        out = buf.low_latency_dispatch(x, idx, M, E, cumulative_local_expert_recv_stats=cum,
+                                       dispatch_wait_recv_cost_stats=wait, use_fp8=case.fp8,
+                                       round_scale=case.round_scale, use_ue8m0=case.ue8m0,
+                                       async_finish=case.mode == "async", return_recv_hook=case.mode == "hook")
+        if case.mode == "hook":
+            torch.randn(64, 64) @ torch.randn(64, 64)  # compute between the sends and the receive
+        _finish(out[3], out[4], case.mode)
+        return out
+
+    recv_x, recv_count, handle, _, _ = coll(dispatch, what=f"{case.name}: dispatch")
+    ref = ref_ll_dispatch([i[0] for i in inputs], [i[1] for i in inputs], r, E, M, case.fp8, case.round_scale,
+                          case.ue8m0, masked=masked)
+    src_info, layout_range = handle[0], handle[1]
+    chk.check(handle[2:] == (M, H, E), f"{case.name}: handle (M, H, E) = {handle[2:]}")
+    chk.same_bits(recv_count, ref.recv_count, f"{case.name}: recv_count")
+    chk.same_bits(layout_range, ref.layout_range, f"{case.name}: layout_range")
+    chk.same_bits(src_info, ref.src_info, f"{case.name}: src_info (rows past the counts 0)")
+    if case.fp8:
+        data, scales = recv_x
+        chk.same_bits(data, ref.recv_x, f"{case.name}: FP8 data")
+        chk.check(tuple(scales.shape) == tuple(ref.recv_scales.shape) and scales.transpose(1, 2).is_contiguous(),
+                  f"{case.name}: scales {tuple(scales.shape)} strides {scales.stride()} are not column-major "
+                  f"{tuple(ref.recv_scales.shape)}")
+        dense = torch.empty(scales.shape, dtype=scales.dtype).copy_(scales)  # (size-1 dims keep odd strides)
+        chk.same_bits(dense, ref.recv_scales, f"{case.name}: scales")
+        if case.ue8m0:
+            b = dense.view(torch.uint8)
+            chk.check(bool(((b == 0) | (b >= 100)).all()), f"{case.name}: UE8M0 bytes are not 2^k exponents")
+        elif case.round_scale:
+            nz = dense[dense != 0]
+            chk.check(torch.equal(torch.exp2(torch.log2(nz).round()), nz), f"{case.name}: round_scale scales not 2^k")
+    else:
+        chk.same_bits(recv_x, ref.recv_x, f"{case.name}: recv_x")
+    # Invariant 10: cumulative == recv_count == sum of layout counts == global selections.
+    sel = torch.zeros(L, dtype=torch.int32)
+    for s in range(R):
+        if s in masked:
+            continue
+        for e in range(L):
+            sel[e] += int((inputs[s][1] == r * L + e).sum())
+    chk.check(torch.equal(cum, recv_count) and torch.equal((layout_range & 0xFFFFFFFF).sum(1).int(), recv_count)
+              and torch.equal(recv_count, sel), f"{case.name}: invariant 10 ({cum.tolist()}, {recv_count.tolist()}, "
+              f"{sel.tolist()})")
+    chk.check(bool((wait >= 0).all()), f"{case.name}: negative wait cost {wait.tolist()}")
+    if case.pattern:  # invariant 11
+        for e in range(L):
+            for s in range(R):
+                b, c = int(layout_range[e, s] >> 32), int(layout_range[e, s] & 0xFFFFFFFF)
+                rows = recv_x[e, b:b + c].float()
+                chk.check(bool((rows[:, :-128] == s - 128).all()), f"invariant 11: rows of source {s} not constant")
+                chk.check(torch.equal(rows[:, -128:], src_info[e, b:b + c].float().unsqueeze(1).expand(c, 128)),
+                          "invariant 11: last 128 columns != src_info")
+
+    y = expert_outputs(recv_x, r, L, case.fp8)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(seed + 7 * r))
+
+    def combine():
+        out = buf.low_latency_combine(y, idx, w, handle, use_logfmt=case.logfmt, async_finish=case.mode == "async",
+                                      return_recv_hook=case.mode == "hook")
+        _finish(out[1], out[2], case.mode)
+        return out[0]
+
+    combined = coll(combine, what=f"{case.name}: combine")
+
+    def expert_row(t, g):
+        return ref_expert_row(x[t], g, case.fp8, case.round_scale, case.ue8m0)
+
+    exp = ref_ll_combine((lambda t, g: logfmt_round_trip(expert_row(t, g))) if case.logfmt else expert_row, idx, w,
+                         E, R, H, masked=masked)
+    chk.same_bits(combined, exp, f"{case.name}: combined_x")
+    if case.logfmt and combined.numel():  # against the BF16 combine (the reference without the codec)
+        plain = ref_ll_combine(expert_row, idx, w, E, R, H, masked=masked).float()
+        mass = ref_ll_combine(lambda t, g: expert_row(t, g).abs(), idx, w.abs(), E, R, H, masked=masked).float()
+        err = (combined.float() - plain).abs()
+        bound = mass * LOGFMT_MAX_REL + (combined.float().abs() + plain.abs()) * 2.0**-8  # + both bf16 roundings
+        diff = calc_diff(combined.float(), plain)
+        chk.check(bool((err <= bound).all()) and diff < 1e-5 and bool((err > 0).any()),
+                  f"{case.name}: LogFMT vs BF16 combine: max error/bound "
+                  f"{float((err / bound.clamp(min=1e-30)).max())}, calc_diff {diff}")
+    if case.pattern:  # invariant 12 with identity-like experts: combined ≈ x · Σ_valid w · scale
+        scale = torch.tensor([[_scale_of(int(g)) if g >= 0 else 0.0 for g in row] for row in idx])
+        approx = x.float() * (w * scale).sum(1, keepdim=True)
+        chk.check(calc_diff(combined.float(), approx) < 1e-5 and not combined.isnan().any(),
+                  f"invariant 12: calc_diff {calc_diff(combined.float(), approx)}")
+    return recv_count
+
+
+@pytest.mark.parametrize("cfg", _configs())
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_low_latency_dispatch_combine_vs_reference(bufs, comm, cfg, case):
+    buf = _buf(bufs, cfg)
+    chk = Checker(comm.Get_rank())
+    run_ll_case(buf, comm, case, seed=CASES.index(case) + 31, chk=chk)
+    chk.finish(f"{case.name} on {cfg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# many calls, both halves, nothing cleaned
+
+
+def test_many_calls_changing_shapes_without_cleaning(bufs, comm):
+    """300 consecutive LL calls (150 dispatch + combine pairs; 80 calls at 4-8 ranks, for the time
+    budget) alternating the two halves, with
+    hidden, token count, top-k and BF16/FP8 changing every call, on the two-node Buffer (one node
+    at R=1); invariant 13: per-expert sums of the received rows match the senders' (order-free)."""
+    buf = _buf(bufs, "nodes" if comm.Get_size() >= 2 else "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    chk = Checker(r)
+    shapes = [(128, 5, 2, True), (256, 16, 3, False), (200, 1, 1, False), (512, 32, 4, True), (384, 0, 2, False)]
+    L = 2
+    E = L * R
+    iters = 150 if R <= 2 else 40
+    for it in range(iters):
+        H, n, k, fp8 = shapes[it % len(shapes)]
+        fp8 = fp8 and H % 128 == 0
+        n = (n + it) % (MAX_M + 1) if it % 7 == 3 else n
+        xs = [make_inputs(5000 + it, s, R, n, H, E, k) for s in range(R)]
+        x, idx = xs[r]
+        recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_M, E, use_fp8=fp8)
+        data = recv_x[0] if fp8 else recv_x
+        exp_cnt = torch.tensor([sum(int((xs[s][1] == r * L + e).sum()) for s in range(R)) for e in range(L)],
+                               dtype=torch.int32)
+        chk.check(torch.equal(cnt, exp_cnt), f"iter {it}: counts {cnt.tolist()} != {exp_cnt.tolist()}")
+        if not fp8:  # invariant 13: order-insensitive per-expert sums equal the senders'
+            for e in range(L):
+                got = data[e, :int(cnt[e])].double().sum(0)
+                want = sum((xs[s][0][(xs[s][1] == r * L + e).any(1)].double().sum(0) for s in range(R)),
+                           torch.zeros(H, dtype=torch.float64))
+                chk.check(torch.allclose(got, want), f"iter {it}: expert {e} sum differs")
+        y = (torch.stack([per_token_cast_back(recv_x[0][e], recv_x[1][e]) for e in range(L)]) if fp8 else data)
+        w = torch.rand(idx.shape)
+        combined, _, _ = buf.low_latency_combine(y.contiguous(), idx, w, handle)
+        if not fp8:
+            acc = torch.zeros(n, H)
+            for j in range(k):
+                acc += x.float() * torch.where(idx[:, j:j + 1] >= 0, w[:, j:j + 1], 0.0)
+            chk.same_bits(combined, acc.to(BF16), f"iter {it}: combined")
+        if len(chk.errors) > 5:
+            break
+    chk.finish(f"{iters} LL round trips")
+
+
+# ----------------------------------------------------------------------------------------------
+# hooks, async, zero-copy, out=, stats
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hook_returns_before_peers_send_and_overlaps_compute(bufs, comm):
+    """Rank 0 issues a hooked dispatch and only then lets the others start theirs (an MPI message):
+    had the call waited for its receive, this would deadlock. Rank 0 computes, then the hook
+    completes the receive; results equal the reference. Then the double-buffer rule: a second LL
+    call while a hook is pending and a second hook call are refused clearly."""
+    buf = _buf(bufs, "nodes")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 2 * R, 16, 256, 2
+    xs = [make_inputs(77, s, R, 12, H, E, K) for s in range(R)]
+    x, idx = xs[r]
+    errors = []
+    if r != 0:
+        comm.recv(source=0, tag=41)
+    recv_x, cnt, handle, ev, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    if r == 0:
+        for p in range(1, R):
+            comm.send(b"go", dest=p, tag=41)
+    a = torch.randn(96, 96)
+    for _ in range(5):  # the overlapped compute
+        a = torch.tanh(a @ a)
+    _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False))
+    if not (isinstance(exc, RuntimeError) and "hook" in str(exc)):
+        errors.append(f"LL call with a pending hook: {exc!r}")
+    _, exc = capture(hook)
+    if exc is not None:
+        errors.append(f"hook: {exc!r}")
+    _, exc = capture(hook)
+    if not (isinstance(exc, RuntimeError) and "already" in str(exc)):
+        errors.append(f"second hook call: {exc!r}")
+    ref = ref_ll_dispatch([i[0] for i in xs], [i[1] for i in xs], r, E, M)
+    if not torch.equal(bits(recv_x), bits(ref.recv_x)) or not torch.equal(cnt, ref.recv_count):
+        errors.append("hooked dispatch differs from the reference")
+    w = torch.rand(idx.shape)
+    combined, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
+    a = torch.tanh(a @ a)
+    hook()
+    exp = ref_ll_combine(lambda t, g: x[t], idx, w, E, R, H)
+    if not torch.equal(bits(combined), bits(exp)):
+        errors.append("hooked combine differs from the reference")
+    all_ranks_ok(comm, not errors, f"hooks: {errors}")
+
+
+def test_zero_copy_and_out_in_both_halves(bufs, comm):
+    """``get_next_low_latency_combine_buffer`` + ``zero_copy`` and ``out=``, with the combine landing
+    once in each half; a buffer handed out before another LL call is refused."""
+    buf = _buf(bufs, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 2 * R, 16, 256, 3
+    chk = Checker(r)
+    for rnd in range(2):
+        xs = [make_inputs(90 + rnd, s, R, 10, H, E, K) for s in range(R)]
+        x, idx = xs[r]
+        if rnd == 1:  # shift the parity: the next combine uses the other half
+            coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="parity shift")
+        recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+        zc = buf.get_next_low_latency_combine_buffer(handle)
+        chk.check(tuple(zc.shape) == (E // R, R * M, H) and zc.dtype == BF16, f"zero-copy view {zc.shape} {zc.dtype}")
+        zc.copy_(expert_outputs(recv_x, r, E // R, False))
+        del zc
+        w = torch.rand(idx.shape)
+        out = torch.empty(10, H, dtype=BF16)
+        dummy = torch.zeros(E // R, R * M, H, dtype=BF16)
+        combined, _, _ = coll(lambda: buf.low_latency_combine(dummy, idx, w, handle, zero_copy=True, out=out),
+                              what="zero-copy combine")
+        chk.check(combined.data_ptr() == out.data_ptr(), "out= was not returned")
+        exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+        chk.same_bits(out, exp, f"round {rnd}: zero-copy combine into out=")
+    # A stale buffer: handed out, then another LL call, then the zero-copy combine -> refused on every rank.
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    zc = buf.get_next_low_latency_combine_buffer(handle)
+    del zc
+    coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="intervening dispatch")
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.rand(idx.shape), handle, zero_copy=True))
+    chk.check(isinstance(exc, RuntimeError) and "get_next_low_latency_combine_buffer" in str(exc),
+              f"stale zero-copy buffer: {exc!r}")
+    combined, _, _ = coll(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle),
+                          what="combine after the refusal")
+    chk.finish("zero-copy / out=")
+
+
+def test_stats_accumulate(bufs, comm):
+    """cumulative_local_expert_recv_stats adds recv_count per call; the wait-cost stats (ns) are
+    non-negative and grow only for live sources."""
+    buf = _buf(bufs, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 16, 128
+    x, idx = make_inputs(3, r, R, 8, H, E, 2)
+    cum = torch.zeros(2, dtype=torch.int32)
+    dw = torch.zeros(R, dtype=torch.int64)
+    cw = torch.zeros(R, dtype=torch.int64)
+    cnts = []
+    for _ in range(2):
+        recv_x, cnt, handle, _, _ = coll(lambda: buf.low_latency_dispatch(
+            x, idx, M, E, cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=dw, use_fp8=False),
+            what="dispatch")
+        cnts.append(cnt)
+        coll(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle,
+                                             combine_wait_recv_cost_stats=cw), what="combine")
+    ok = torch.equal(cum, cnts[0] + cnts[1]) and bool((dw >= 0).all()) and bool((cw >= 0).all()) \
+        and int(dw.sum()) > 0 and int(cw.sum()) > 0
+    all_ranks_ok(comm, ok, f"stats: cum {cum.tolist()} vs {[c.tolist() for c in cnts]}, wait ns {dw.tolist()} "
+                           f"{cw.tolist()}")
+
+
+@pytest.mark.parametrize("cfg", ["ubmem", "put"])
+def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
+    """On one node, ``allow_nvlink_for_low_latency_mode=True`` moves peers' rows as UBMEM stores;
+    ``False`` sends them over URMA (the windows are ``force_urma``), as DeepEP's LL mode without
+    NVLink uses RDMA inside a node. Rows a rank keeps for itself are SELF either way. The
+    last-call counters (``get_traffic()``) equal the lifetime delta, the hook's part included."""
+    buf = _buf(bufs, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 16, 128
+    x, idx = make_inputs(5, r, R, 8, H, E, 2)
+
+    def delta(before):
+        after = buf.get_traffic(lifetime=True)
+        return {k: after[k] - before[k] for k in after}
+
+    def go():
+        t0 = buf.get_traffic(lifetime=True)
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+        hook()
+        t_disp, last_disp = delta(t0), buf.get_traffic()
+        t1 = buf.get_traffic(lifetime=True)
+        buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle)
+        return t_disp, delta(t1), last_disp, buf.get_traffic()
+
+    t_disp, t_comb, last_disp, last_comb = coll(go, what=f"{cfg} round trip")
+    peer_kind, other = ("UBMEM", "URMA") if cfg == "ubmem" else ("URMA", "UBMEM")
+    to_peers = bool(((idx >= 0) & (idx // 2 != r)).any())
+    ok = all(t[other] == 0 for t in (t_disp, t_comb)) and (R == 1 or not to_peers or t_disp[peer_kind] > 0)
+    # get_traffic() of an LL call (hook mode included) is what the call moved, send to receive.
+    ok = ok and last_disp == t_disp and last_comb == t_comb
+    all_ranks_ok(comm, ok, f"{cfg}: dispatch traffic {t_disp}, combine traffic {t_comb}: peers' rows must be "
+                           f"{peer_kind}, none {other}")
+
+
+@pytest.mark.parametrize("cfg", _configs())
+def test_logfmt_combine_traffic_is_the_spec_formula(bufs, comm, cfg):
+    """Spec §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
+    with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
+    falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
+    count bytes and a 16-byte header to every peer (self included). Counted by
+    ``get_traffic()`` over every channel kind, the rank's own rows included."""
+    buf = _buf(bufs, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, L, M, H, K = 2 * R, 2, 16, 512, 3
+    ins = [make_inputs(8, s, R, 10, H, E, K, logfmt=True) for s in range(R)]
+    x, idx = ins[r]
+    rows = sum(int((i[1] // L == r).sum()) for i in ins)  # selections of this rank's experts: the rows it returns
+    tiny = (make_inputs(8, r, R, 10, H, E, K)[0].float() / 64).to(BF16)  # 0 < |x| < 1: every group LogFMT
+
+    def go():
+        out = []
+        for data in (tiny, x):
+            recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(data, idx, M, E, use_fp8=False)
+            for logfmt in ((False, True) if data is tiny else (True,)):
+                buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, use_logfmt=logfmt)
+                out.append(sum(buf.get_traffic().values()))
+            sent = torch.cat([recv_x[e, :int(cnt[e])] for e in range(L)])
+        return out, int(logfmt10_wire_bytes(logfmt10_encode(sent)[1]).sum())
+
+    (bf16, lf, lf_mixed), mixed_bytes = coll(go, what=f"{cfg} LogFMT traffic")
+    fixed = R * (4 * L + 16)
+    want = (rows * 2 * H + fixed, rows * (H * 5 // 4 + H // 32) + fixed, mixed_bytes + fixed)
+    all_ranks_ok(comm, (bf16, lf, lf_mixed) == want and mixed_bytes > rows * (H * 5 // 4 + H // 32),
+                 f"{cfg}: combine bytes (BF16, LogFMT, LogFMT with BF16 groups) {(bf16, lf, lf_mixed)} != {want} "
+                 f"for {rows} rows of H={H}")
+
+
+def test_odd_hidden_with_one_row_per_expert(comm):
+    """hidden 129 (messages not a multiple of 4 bytes) and one row per expert: the received row,
+    its source info and the combine are exact (a [1, n] byte slice of odd stride once could not
+    be viewed as int32)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    H, M, E = 129, 8, 2 * R
+    b = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+               explicitly_destroy=True)
+    x = (torch.arange(H, dtype=torch.float32) + r).unsqueeze(0).to(torch.bfloat16)
+    idx = torch.tensor([[(2 * r + 2) % E, -1]])
+    try:
+        recv_x, cnt, handle, _, _ = coll(lambda: b.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+        src = (r - 1) % R  # the rank whose token lands on our first local expert
+        ok = cnt.tolist() == [1, 0] and torch.equal(recv_x[0, 0], (torch.arange(H, dtype=torch.float32) + src)
+                                                    .to(torch.bfloat16))
+        y, _, _ = coll(lambda: b.low_latency_combine(recv_x, idx, torch.ones(1, 2), handle), what="combine")
+        ok = ok and torch.equal(y, x)
+    finally:
+        coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, ok, f"odd hidden: counts {cnt.tolist()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# sizes and bad input
+
+
+def test_size_hint_formula_and_refusals(comm):
+    """The hint is spec §6.8's formula; a Buffer of exactly the hint runs the call; one byte less
+    is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank.
+    At exactly the hint, every slot full (each of M tokens to every expert) and every LogFMT group
+    falling back to BF16 (the most a LogFMT combine writes) still fits."""
+    R = comm.Get_size()
+    M, H, E = 128, 7168, 288
+    S, d, c = H // 128, 16 + max(2 * H, H + 4 * (H // 128)), 4 * (H // 128) + 2 * H
+    total = 2 * (max(M * d, E * M * c) + E * M * max(d, c) + -(-4 * E // 128) * 128)
+    assert Buffer.get_low_latency_rdma_size_hint(M, H, R, E) == (total // 128 + 1) * 128
+    assert S == 56
+    m, h, e = 8, 256, 2 * R
+    hint = Buffer.get_low_latency_rdma_size_hint(m, h, R, e)
+    _, exc = capture(lambda: Buffer(None, 0, hint - 1, low_latency_mode=True, comm=comm))
+    assert isinstance(exc, RuntimeError) and "multiple of 128" in str(exc), repr(exc)
+    errors = []
+    x, idx = make_inputs(1, comm.Get_rank(), R, m, h, e, 2)
+    for nbytes, ok in ((hint, True), (hint - 128, False)):
+        b = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True)
+        for fp8 in (False, True):
+            _, exc = capture(lambda: b.low_latency_dispatch(x, idx, m, e, use_fp8=fp8))
+            good = exc is None if ok else (isinstance(exc, ValueError) and "get_low_latency_rdma_size_hint" in str(exc))
+            if not good:
+                errors.append(f"{nbytes} B, fp8={fp8}: {exc!r}")
+        if ok:
+            g = torch.Generator().manual_seed(comm.Get_rank())
+            big = ((1 + torch.rand(m, h, generator=g)) * (torch.randint(0, 2, (m, h), generator=g) * 2 - 1)).to(BF16)
+            every = torch.arange(e).expand(m, e).contiguous()
+            recv_x, _, handle, _, _ = b.low_latency_dispatch(big, every, m, e, use_fp8=False)
+            y, _, _ = b.low_latency_combine(recv_x, every, torch.ones(m, e), handle, use_logfmt=True)
+            if not torch.equal(y, (big.float() * e).to(BF16)):
+                errors.append("full slots, LogFMT all BF16 groups: combine differs")
+        coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, not errors, f"size refusals: {errors}")
+
+
+def _roundtrip_ok(buf, comm, seed=0):
+    r, R = comm.Get_rank(), comm.Get_size()
+    x, idx = make_inputs(seed, r, R, 6, 128, 2 * R, 2)
+    xs = [make_inputs(seed, s, R, 6, 128, 2 * R, 2)[1] for s in range(R)]
+    recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 2 * R, use_fp8=False)
+    want = torch.tensor([sum(int((i == r * 2 + e).sum()) for i in xs) for e in range(2)], dtype=torch.int32)
+    combined, _, _ = buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle)
+    exp = (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)
+    return torch.equal(cnt, want) and torch.equal(combined, exp)
+
+
+def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(bufs, comm):
+    buf = _buf(bufs, "nodes" if comm.Get_size() >= 2 else "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 256
+    x, idx = make_inputs(2, r, R, 6, H, E, 2)
+    big_x, big_idx = make_inputs(2, r, R, M + 1, H, E, 2)
+    cases = [
+        ("N > M", lambda: buf.low_latency_dispatch(big_x, big_idx, M, E), ValueError),
+        ("x float32", lambda: buf.low_latency_dispatch(x.float(), idx, M, E), TypeError),
+        ("topk_idx int32", lambda: buf.low_latency_dispatch(x, idx.int(), M, E), TypeError),
+        ("FP8 hidden 200", lambda: buf.low_latency_dispatch(x[:, :200], idx, M, E), ValueError),
+        ("UE8M0 without round_scale", lambda: buf.low_latency_dispatch(x, idx, M, E, use_ue8m0=True), RuntimeError),
+        ("UE8M0 hidden 384", lambda: buf.low_latency_dispatch(
+            torch.zeros(6, 384, dtype=BF16), idx, M, E, round_scale=True, use_ue8m0=True), ValueError),
+        ("M > 511", lambda: buf.low_latency_dispatch(x, idx, 512, E), AssertionError),
+        ("E not a multiple of R", lambda: buf.low_latency_dispatch(x, idx, M, 2 * R + (R > 1)),
+         ValueError if R > 1 else type(None)),
+        ("async + hook", lambda: buf.low_latency_dispatch(x, idx, M, E, async_finish=True, return_recv_hook=True),
+         RuntimeError),
+        ("duplicate expert in a row", lambda: buf.low_latency_dispatch(
+            x, torch.zeros_like(idx), M, E), ValueError),
+    ]
+    errors = []
+    for name, call, want in cases:
+        _, exc = capture(call)
+        if type(exc) is not want:
+            errors.append(f"{name}: expected {want.__name__}, got {exc!r}")
+    # One rank wrong, the others right: the wrong rank raises its error, the others a ConsensusError naming it.
+    if R >= 2:
+        _, exc = capture(lambda: buf.low_latency_dispatch(x.float() if r == 1 else x, idx, M, E, use_fp8=False))
+        want = TypeError if r == 1 else ConsensusError
+        if not isinstance(exc, want) or (r != 1 and "rank 1" not in str(exc)):
+            errors.append(f"one bad rank: expected {want.__name__}, got {exc!r}")
+        # Ranks disagreeing on hidden: every rank raises.
+        _, exc = capture(lambda: buf.low_latency_dispatch(x[:, :128] if r == 0 else x, idx, M, E, use_fp8=False))
+        if not (isinstance(exc, ConsensusError) and "disagree" in str(exc)):
+            errors.append(f"disagreeing hidden: {exc!r}")
+        for what, m_, e_ in (("M", M + (r == 0), E), ("num_experts", M, E + R * (r == 0))):
+            _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, m_, e_, use_fp8=False))  # noqa: B023
+            if not (isinstance(exc, ConsensusError) and "disagree" in str(exc)):
+                errors.append(f"disagreeing {what}: {exc!r}")
+    # Combine refusals.
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    w = torch.ones(idx.shape)
+    for name, call, want in [
+        ("combine x float32", lambda: buf.low_latency_combine(recv_x.float(), idx, w, handle), TypeError),
+        ("combine weights float64", lambda: buf.low_latency_combine(recv_x, idx, w.double(), handle), TypeError),
+        ("zero_copy + logfmt", lambda: buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True,
+                                                                 use_logfmt=True), RuntimeError),
+        ("bad handle", lambda: buf.low_latency_combine(recv_x, idx, w, handle[:3]), ValueError),
+        ("logfmt hidden 200", lambda: buf.low_latency_combine(recv_x[:, :, :200], idx, w,
+                                                              (*handle[:3], 200, E), use_logfmt=True), ValueError),
+    ]:
+        _, exc = capture(call)
+        if type(exc) is not want:
+            errors.append(f"{name}: expected {want.__name__}, got {exc!r}")
+    combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)
+    if not torch.equal(combined, (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)):  # |x| >= 1: BF16 groups
+        errors.append("use_logfmt combine differs")
+    if R >= 2:  # ranks disagreeing on use_logfmt: every rank raises, the Buffer stays usable
+        _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, w, handle, use_logfmt=r == 0))
+        if not (isinstance(exc, ConsensusError) and "use_logfmt" in str(exc)):
+            errors.append(f"disagreeing use_logfmt: {exc!r}")
+    if not _roundtrip_ok(buf, comm, seed=11):
+        errors.append("round trip after the refusals failed")
+    normal = Buffer(None, 1 << 16, 0, comm=comm, explicitly_destroy=True)
+    _, exc = capture(lambda: normal.low_latency_dispatch(x, idx, M, E))
+    if not (isinstance(exc, RuntimeError) and "low-latency mode" in str(exc)):
+        errors.append(f"normal-mode Buffer: {exc!r}")
+    _, exc = capture(lambda: buf.low_latency_update_mask_buffer(0, True))
+    if not (isinstance(exc, RuntimeError) and "enable_shrink" in str(exc)):
+        errors.append(f"mask without shrink: {exc!r}")
+    coll(normal.destroy, what="destroy normal buffer")
+    coll(buf.clean_low_latency_buffer, M, H, E, what="clean (harmless)")
+    if not _roundtrip_ok(buf, comm, seed=12):
+        errors.append("round trip after clean failed")
+    all_ranks_ok(comm, not errors, f"bad inputs: {errors}")
+
+
+# ----------------------------------------------------------------------------------------------
+# shrink mode and missing ranks
+
+SHRINK_TIMEOUT_S = 1.5 if world().Get_size() <= 4 else 2.0  # deadline of the missing-rank tests
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
+    """As DeepEP's shrink test: one rank stops at its first dispatch, one at its first combine, one at
+    clean (2 ranks: only the first). Survivors mask each after the deadline, complete every call,
+    get the reference results with the dead ranks' experts dropped, and query exactly the dead set."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    dies = {R - 1: 0}  # rank -> the round it stops at (0: first dispatch, 1: first combine, 2: clean)
+    if R >= 4:
+        dies.update({R - 2: 1, 1: 2})
+    buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True, enable_shrink=True,
+                 timeout_s=SHRINK_TIMEOUT_S, ranks_per_node=R // 2)
+    chk = Checker(r)
+    mask = torch.zeros(R, dtype=torch.int32)
+    E, L, M, H, K = 2 * R, 2, 16, 256, 3
+    dead = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for rnd, phase in enumerate(["dispatch", "combine", "clean", "dispatch", "combine"]):
+            dead = sorted(p for p, d in dies.items() if d <= rnd)
+            if r in dead:
+                break  # a dead rank takes no further part
+            ins = [make_inputs(600 + rnd, s, R, 10, H, E, K) for s in range(R)]
+            if phase == "dispatch":
+                d_x, d_idx = ins[r]
+                recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(d_x, d_idx, M, E, use_fp8=False)
+                ref = ref_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], r, E, M, masked=dead)
+                chk.same_bits(cnt, ref.recv_count, f"round {rnd}: recv_count with {dead} dead")
+                chk.same_bits(recv_x, ref.recv_x, f"round {rnd}: recv_x with {dead} dead")
+            elif phase == "combine":
+                y = expert_outputs(recv_x, r, L, False)
+                w = torch.rand(d_idx.shape, generator=torch.Generator().manual_seed(rnd))
+                combined, _, _ = buf.low_latency_combine(y, d_idx, w, handle)
+                exp = ref_ll_combine(lambda t, g: ref_expert_row(d_x[t], g, False, False, False), d_idx, w, E, R, H,
+                                     masked=dead)
+                chk.same_bits(combined, exp, f"round {rnd}: combined with {dead} dead")
+            else:
+                buf.clean_low_latency_buffer(M, H, E)
+            buf.low_latency_query_mask_buffer(mask)
+            want = torch.zeros(R, dtype=torch.int32)
+            want[dead] = 1
+            chk.check(torch.equal(mask, want), f"round {rnd} ({phase}): mask {mask.tolist()} != dead {dead}")
+    if r not in dead:
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(mask)
+        chk.check(int(mask.sum()) == 0, "clean_mask_buffer left masks")
+        buf.low_latency_update_mask_buffer((r + 1) % R, True)
+        buf.low_latency_query_mask_buffer(mask)
+        chk.check(int(mask.sum()) == 1 and int(mask[(r + 1) % R]) == 1, "update_mask_buffer")
+    comm.Barrier()
+    _, exc = capture(buf.destroy)
+    all_ranks_ok(comm, not chk.errors and exc is None, f"shrink: {chk.errors[:5]}; destroy {exc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_missing_rank_without_shrink_times_out_naming_it(comm):
+    """Without shrink mode the last rank (on the other node) skipping a dispatch makes every other
+    rank raise a TimeoutError naming it; then all destroy."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    missing = R - 1
+    buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True,
+                 timeout_s=SHRINK_TIMEOUT_S, ranks_per_node=R // 2)
+    x, idx = make_inputs(4, r, R, 6, 128, 2 * R, 2)
+    ok, detail = True, ""
+    if r != missing:
+        _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, 8, 2 * R, use_fp8=False))
+        ok = isinstance(exc, TimeoutError) and missing in (getattr(exc, "pending_peers", None) or [])
+        detail = f"rank {r}: {exc!r}"
+        exc = None
+    comm.Barrier()
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"missing rank {missing}: {detail}; destroy {dexc!r}")
+
+
+def test_outputs_recycled_only_once_dropped(comm):
+    """Dispatch outputs (``[L, R·M, H]`` and the FP8 scales) come from a pool: a result the caller
+    keeps is never written by later calls, a dropped one is reused (same storage; large outputs
+    once never were) and its rows beyond ``recv_count`` read as zero again after a call that
+    wrote more rows. FP8 recv_x is 512 KiB x R: a torch tensor at 1 rank, a zero mapping above."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 64, 4096
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x_big, idx_big = make_inputs(71, r, R, M, H, E, 2)
+    x_small, idx_small = make_inputs(72, r, R, 3, H, E, 2)
+
+    def call(x, idx):
+        return buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+
+    kept = coll(call, x_big, idx_big, what="dispatch kept")
+    kept_x, kept_s = kept[0][0].clone(), kept[0][1].clone()
+    first = coll(call, x_big, idx_big, what="dispatch dropped")
+    ptr = first[0][0].data_ptr()
+    del first
+    again = coll(call, x_small, idx_small, what="dispatch after a drop")
+    (data, scales), count = again[0], again[1]
+    chk = Checker(r)
+    chk.check(torch.equal(kept[0][0].view(torch.uint8), kept_x.view(torch.uint8))
+              and torch.equal(kept[0][1], kept_s), "a kept result was overwritten by a later call")
+    # White-box: an equal address alone could be a fresh mapping at the freed one's place.
+    pooled = {ent[0].data_ptr() for ents in buf._ll.pool._entries.values() for ent in ents}
+    chk.check(data.data_ptr() == ptr and ptr in pooled, "the dropped result's storage was not reused")
+    pad = torch.arange(R * M).unsqueeze(0) >= count.unsqueeze(1)  # [L, R*M] rows past recv_count
+    chk.check(not data.view(torch.uint8)[pad].any() and not scales[pad].any(),
+              "recycled output: rows past recv_count are not zero")
+    ref = ref_ll_dispatch(gather_all(x_small), gather_all(idx_small), r, E, M, True)
+    chk.check(torch.equal(count, ref.recv_count), "recv_count")
+    del kept, again, data, scales
+    coll(buf.destroy, what="destroy")
+    chk.finish("output pool")

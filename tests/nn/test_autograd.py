@@ -1,0 +1,370 @@
+"""``deepep_ascend.nn.autograd``: differentiable dispatch/combine against the pure-torch reference.
+
+Data are small integers (``x``, gradients) and quarter-integers (weights), so every sum is exact
+in bf16/float32 and forward and backward are compared **bit for bit** with ``tests/reference.py``
+(the backward of dispatch is a combine of the gradients, the backward of combine a dispatch of
+them: the reference computes both from every rank's gathered tensors). Routing: uniform with
+-1 slots, and skewed (every token to one rank's experts, so the other ranks receive nothing);
+with more than one rank, the last rank has no tokens at all.
+
+Low-latency pair (end of file): gradients against a dense float64 ``torch.autograd`` model of the
+same math built on one process from every rank's gathered inputs (exact with integer-valued
+data; ``calc_diff`` / tolerance with normal data).
+
+Both pairs: the adjoint identity ``Σ <op(v), u> == Σ <v, grad_v>`` of each op's backward against
+its own forward (no reference involved), exact with integer data.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepep_ascend import Buffer
+from deepep_ascend.nn import autograd as ag
+from tests.support.buffer_helpers import (
+    BF16,
+    Checker,
+    all_ranks_ok,
+    coll,
+    ll_buffer_fixture,
+    make_topk_idx,
+)
+from tests.support.mpi_utils import gather_all, world
+from tests.support.reference import (
+    calc_diff,
+    ref_combine,
+    ref_dispatch,
+    ref_ll_dispatch,
+)
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
+
+E, K, H = 16, 3, 32
+
+
+@pytest.fixture(scope="module")
+def buf():
+    comm = world()
+    b = coll(lambda: Buffer(comm, Buffer.get_normal_buffer_size_hint(24, H, comm.Get_size(), K, E),
+                            explicitly_destroy=True), what="Buffer()")
+    yield b
+    coll(b.destroy, what="destroy")
+
+
+def _ints(shape, lo, hi, gen, dtype=torch.float32):
+    return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+
+
+def _masked(w, idx):
+    return torch.where(idx >= 0, w, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_dispatch_combine_grads_exact(buf, comm, routing):
+    """Forward outputs and the gradients of x and topk_weights, through dispatch → expert (a power-of-two
+    scale per rank) → combine with and without weights, equal the reference bit for bit; a rank with no
+    tokens (sent or received) gets zero-size / zero gradients, never None."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 0 if (R > 1 and r == R - 1) else 9 + 2 * r
+    gen = torch.Generator().manual_seed(77 + r)
+    idx = make_topk_idx(routing, n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    w0 = _ints((n, K), 1, 8, gen) / 4
+    scale = 2.0 ** (r % 3 - 1)
+    rows_max = 24 * R
+    A = _ints((rows_max, H), -3, 4, gen)  # d loss / d recv_x (direct term)
+    B = _ints((rows_max, K), -3, 4, gen) / 4  # d loss / d recv_topk_weights (direct term)
+    C = _ints((n, H), -3, 4, gen)  # d loss / d combined_x
+    D = _ints((n, K), -3, 4, gen) / 4  # d loss / d combined_topk_weights
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        recv_x, recv_idx, recv_w, counts, handle = ag.dispatch(buf, x, idx, w, E)
+        m = recv_x.size(0)
+        y = (recv_x.float() * scale).to(BF16)
+        combined, combined_w = ag.combine(buf, y, handle, topk_weights=recv_w)
+        loss = ((recv_x.float() * A[:m]).sum() + (recv_w * B[:m]).sum()
+                + (combined.float() * C).sum() + (combined_w * D).sum())
+        loss.backward()
+        return x, w, recv_x, recv_idx, recv_w, counts, handle, combined, combined_w
+
+    x, w, recv_x, recv_idx, recv_w, counts, handle, combined, combined_w = coll(run, what="autograd round trip")
+    chk = Checker(r)
+    xs, idxs, ws = gather_all(x0), gather_all(idx), gather_all(w0)
+    itrs = gather_all(handle[4])
+    refs = [ref_dispatch(xs, idxs, ws, E, s) for s in range(R)]
+    ref = refs[r]
+    chk.same_bits(recv_x.detach(), ref.recv_x, "recv_x")
+    chk.same_bits(recv_idx, ref.recv_topk_idx, "recv_topk_idx")
+    chk.same_bits(recv_w.detach(), ref.recv_topk_weights, "recv_topk_weights")
+    chk.check(counts == ref.num_recv_tokens_per_expert_list, "num_recv_tokens_per_expert_list")
+    scales = [2.0 ** (s % 3 - 1) for s in range(R)]
+    outs = [(refs[s].recv_x.float() * scales[s]).to(BF16) for s in range(R)]
+    e_comb, e_cw = ref_combine(outs, itrs, r, topk_weights=[refs[s].recv_topk_weights for s in range(R)])
+    chk.same_bits(combined.detach(), e_comb, "combined_x")
+    chk.same_bits(combined_w.detach(), e_cw, "combined_topk_weights")
+    # Backward. Receiver s: d recv_x = A + scale_s * (cached dispatch of bf16(C)); d recv_w = B + dispatch of D.
+    Cs, Ds = gather_all(C.to(BF16)), gather_all(D)
+    g_rx, g_rw = [], []
+    for s in range(R):
+        m = refs[s].num_recv_tokens
+        A_s, B_s = comm.bcast((A, B) if r == s else None, root=s)  # rank s's direct gradient terms
+        disp_c = ref_dispatch(Cs, idxs, None, E, s).recv_x.float()
+        disp_d = ref_dispatch(Ds, idxs, None, E, s).recv_x
+        g_rx.append(A_s[:m] + (disp_c * scales[s]).to(BF16).float())
+        g_rw.append(_masked(B_s[:m] + disp_d, refs[s].recv_topk_idx))
+    e_gx, e_gw = ref_combine([g.to(BF16) for g in g_rx], itrs, r, topk_weights=g_rw)
+    chk.check(x.grad is not None and w.grad is not None, "a gradient is None")
+    chk.same_bits(x.grad, e_gx, "x.grad")
+    chk.same_bits(w.grad, e_gw, "topk_weights.grad")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def test_cached_dispatch_and_plain_combine(buf, comm):
+    """dispatch(handle=...) (cached, no top-k) and combine without weights: exact adjoints of each other."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 6 + r
+    gen = torch.Generator().manual_seed(5 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    g0 = _ints((n, H), -2, 3, gen, BF16)
+
+    def run():
+        _, _, _, _, handle = ag.dispatch(buf, x0, idx, torch.ones(n, K), E)
+        x = g0.clone().requires_grad_(True)
+        recv, ridx, rw, counts, h2 = ag.dispatch(buf, x, None, None, None, handle=handle)
+        assert h2 is handle
+        out, cw = ag.combine(buf, recv, handle)
+        (out.float() * 1.0).sum().backward()
+        return handle, x, recv, ridx, rw, counts, h2, cw
+
+    handle, x, recv, ridx, rw, counts, h2, cw = coll(run, what="cached dispatch under autograd")
+    chk = Checker(r)
+    itrs, idxs = gather_all(handle[4]), gather_all(idx)
+    chk.check(ridx is None and rw is None and counts is None and cw is None, "cached outputs must be None")
+    chk.same_bits(recv.detach(), ref_dispatch(gather_all(g0), idxs, None, E, r).recv_x, "cached recv_x")
+    # d/dx of sum(combine(dispatch(x))) = (ranks reached) per row, via combine then dispatch of ones.
+    reached = itrs[r].sum(1, keepdim=True).to(torch.float32)
+    chk.same_bits(x.grad, (torch.ones(n, H) * reached).to(BF16), "x.grad = ranks reached")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def test_refuses_non_bf16_and_async(buf):
+    """float32 / FP8 x and async keywords are refused locally, before any communication."""
+    x = torch.zeros(2, H)
+    idx = torch.zeros(2, K, dtype=torch.int64)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.dispatch(buf, x, idx, torch.ones(2, K), E)
+    with pytest.raises(TypeError, match="not differentiable"):
+        ag.dispatch(buf, (x.to(torch.float8_e4m3fn), torch.ones(2, 1)), idx, torch.ones(2, K), E)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.dispatch(buf, x.to(BF16), idx, torch.ones(2, K), E, async_finish=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.combine(buf, x, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# low-latency pair
+
+LL_M = 12  # num_max_dispatch_tokens_per_rank
+
+
+@pytest.fixture(scope="module")
+def ll_buf():
+    yield from ll_buffer_fixture(LL_M, H, E)
+
+
+def _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L):
+    """float64 autograd model: slot (s, t, j) -> expert g = idx_s[t, j] on rank d = g // L, row p of
+    local expert e (sources ascending, then tokens); loss = sum(A_d[e, p] * x_s[t]) +
+    sum_t C_s[t] * sum_j w_s[t, j] * scale_g * x_s[t]. Returns the gradients of every rank's x and w."""
+    X = [x.double().requires_grad_(True) for x in xs]
+    W = [w.double().requires_grad_(True) for w in ws]
+    rows = [[0] * L for _ in range(R)]  # next row per (d, e)
+    loss = torch.zeros((), dtype=torch.float64)
+    for g in range(R * L):
+        d, e = divmod(g, L)
+        for s in range(R):
+            for t, j in (idxs[s] == g).nonzero().tolist():
+                p = rows[d][e]
+                rows[d][e] += 1
+                loss = loss + (As[d][e, p].double() * X[s][t]).sum()
+                loss = loss + (Cs[s][t].double() * X[s][t]).sum() * W[s][t, j] * scales[g]
+    loss.backward()
+    return ([v.grad if v.grad is not None else torch.zeros_like(v) for v in X],
+            [v.grad if v.grad is not None else torch.zeros_like(v) for v in W])
+
+
+@pytest.mark.parametrize("routing,wgrad,data", [("uniform", True, "ints"), ("skewed", True, "ints"),
+                                                ("uniform", False, "ints"), ("uniform", True, "normal")])
+def test_ll_dispatch_combine_grads(ll_buf, comm, routing, wgrad, data):
+    """LL dispatch -> expert (a power-of-two scale per expert) -> LL combine: forward outputs and the
+    gradients of x and topk_weights against the dense float64 model, bit for bit with integer data
+    (every intermediate exact), within bf16 tolerance with normal data. The last rank (R > 1) has no
+    tokens and gets zero-size gradients; without weight gradients the third backward call is skipped."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    L = E // R
+    n = 0 if (R > 1 and r == R - 1) else min(LL_M, 7 + r)
+    gen = torch.Generator().manual_seed(311 + r)
+    idx = make_topk_idx(routing, n, E, K, r, R, gen)
+    if data == "ints":  # magnitudes keep every bf16 value exact (see the module docstring)
+        x0 = _ints((n, H), -4, 5, gen, BF16)
+        w0 = _ints((n, K), 1, 5, gen) / 4
+        A = _ints((L, R * LL_M, H), -2, 3, gen)  # d loss / d recv_x (direct term, padding rows too)
+        C = _ints((n, H), -2, 3, gen)  # d loss / d combined_x
+    else:
+        x0 = torch.randn(n, H, generator=gen).to(BF16)
+        w0 = torch.rand(n, K, generator=gen)
+        A = torch.randn(L, R * LL_M, H, generator=gen).to(BF16).float()
+        C = torch.randn(n, H, generator=gen).to(BF16).float()
+    scales = [2.0 ** (g % 3 - 1) for g in range(E)]
+    my_scales = torch.tensor(scales[r * L:(r + 1) * L]).view(L, 1, 1)
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(wgrad)
+        recv_x, count, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+        rf = recv_x.float()
+        y = (rf * my_scales).to(BF16)
+        out = ag.low_latency_combine(ll_buf, y, idx, w, handle)
+        ((rf * A).sum() + (out.float() * C).sum()).backward()
+        return x, w, recv_x, count, out
+
+    x, w, recv_x, count, out = coll(run, what="LL autograd round trip")
+    chk = Checker(r)
+    xs, idxs, ws = gather_all(x0), gather_all(idx), gather_all(w0)
+    As, Cs = gather_all(A), gather_all(C)
+    ref = ref_ll_dispatch(xs, idxs, r, E, LL_M)
+    chk.same_bits(recv_x.detach(), ref.recv_x, "recv_x")
+    chk.same_bits(count, ref.recv_count, "recv_count")
+    gX, gW = _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L)
+    # Forward combine: float32 sum of f32(y) * w in top-k order, one rounding.
+    exp_out = torch.zeros(n, H)
+    for t, j in (idx >= 0).nonzero().tolist():
+        g = int(idx[t, j])
+        exp_out[t] += (x0[t].float() * scales[g]).to(BF16).float() * w0[t, j]
+    chk.same_bits(out.detach(), exp_out.to(BF16), "combined_x")
+    chk.check(x.grad is not None and x.grad.dtype == BF16 and x.grad.shape == (n, H), "x.grad dtype/shape")
+    if data == "ints":
+        chk.check(lambda: torch.equal(x.grad.double(), gX[r]), "x.grad != dense reference")
+    elif n:
+        chk.check(lambda: calc_diff(x.grad, gX[r]) < 1e-4, "x.grad: calc_diff >= 1e-4")
+    if wgrad:
+        chk.check(w.grad is not None and w.grad.dtype == torch.float32, "w.grad dtype")
+        if data == "ints":
+            chk.check(lambda: torch.equal(w.grad.double(), gW[r]), "topk_weights.grad != dense reference")
+        else:  # f32 dot of the same bf16 rows vs float64: summation rounding only (a lost mid/lo part: 4e-3)
+            chk.check(lambda: torch.allclose(w.grad.double(), gW[r], rtol=1e-5, atol=1e-5),
+                      "topk_weights.grad: not within 1e-5 of the dense reference")
+        chk.check(lambda: bool((w.grad[idx < 0] == 0).all()), "w.grad of -1 slots must be 0")
+    else:
+        chk.check(w.grad is None, "w.grad must stay None")
+    all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:8]))
+
+
+def _dot(a, b) -> float:
+    return float((a.detach().double() * b.detach().double()).sum())
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_backward_is_the_adjoint_of_forward(buf, ll_buf, comm, mode):
+    """Gradcheck-style, without a reference: each op's backward is the adjoint of its own forward.
+    Dispatch and combine are linear, so for a loss ``<op(v), u>`` autograd's ``grad_v`` must satisfy
+    ``Σ_ranks <op(v), u> == Σ_ranks <v, grad_v>``; LL combine is bilinear in ``(y, w)``, so
+    ``<out, g> == <y, y.grad> == <w, w.grad>``; normal combine carries weights linearly too.
+    Integer-valued data: every value and sum is exact, so the identities hold exactly. Uniform
+    routing with -1 slots; the last rank (R > 1) has no tokens."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    ll = mode == "low_latency"
+    n = 0 if (R > 1 and r == R - 1) else min(LL_M, 5 + r)
+    gen = torch.Generator().manual_seed(41 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x = _ints((n, H), -4, 5, gen, BF16).requires_grad_(True)
+    w = (_ints((n, K), 1, 5, gen) / 4).requires_grad_(True)
+
+    def run():
+        sums = {}
+        if ll:  # dispatch: x -> packed rows
+            recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+            A = _ints(tuple(recv_x.shape), -3, 4, gen)
+            (recv_x.float() * A).sum().backward()
+            sums["dispatch"] = (_dot(recv_x, A), _dot(x, x.grad))
+            # combine: bilinear in (packed y, w)
+            y = _ints(tuple(recv_x.shape), -3, 4, gen, BF16).requires_grad_(True)
+            out = ag.low_latency_combine(ll_buf, y, idx, w, handle)
+            G = _ints((n, H), -2, 3, gen)
+            (out.float() * G).sum().backward()
+            sums["combine"] = (_dot(out, G), _dot(y, y.grad))
+            sums["combine weights"] = (_dot(out, G), _dot(w, w.grad))
+        else:  # dispatch: (x, w) -> (recv_x, recv_w)
+            recv_x, _, recv_w, _, handle = ag.dispatch(buf, x, idx, w, E)
+            A = _ints(tuple(recv_x.shape), -3, 4, gen)
+            B = _ints(tuple(recv_w.shape), -3, 4, gen) / 4
+            ((recv_x.float() * A).sum() + (recv_w * B).sum()).backward()
+            sums["dispatch"] = (_dot(recv_x, A) + _dot(recv_w, B), _dot(x, x.grad) + _dot(w, w.grad))
+            # combine: (y, v) -> (out, combined v), linear
+            y = _ints(tuple(recv_x.shape), -3, 4, gen, BF16).requires_grad_(True)
+            v = (_ints(tuple(recv_w.shape), -3, 4, gen) / 4).requires_grad_(True)
+            out, out_v = ag.combine(buf, y, handle, topk_weights=v)
+            G, D = _ints((n, H), -2, 3, gen), _ints((n, K), -2, 3, gen) / 4
+            ((out.float() * G).sum() + (out_v * D).sum()).backward()
+            sums["combine"] = (_dot(out, G) + _dot(out_v, D), _dot(y, y.grad) + _dot(v, v.grad))
+        return sums
+
+    sums = coll(run, what=f"{mode} adjoint round trip")
+    totals = {k: (comm.allreduce(a), comm.allreduce(b)) for k, (a, b) in sorted(sums.items())}
+    bad = {k: t for k, t in totals.items() if t[0] != t[1]}
+    all_ranks_ok(comm, not bad, f"<op(v), u> != <v, grad_v> (sums over ranks): {bad}")
+
+
+def test_ll_split3_is_exact():
+    """The weight gradient's float32 -> three bf16 parts split sums back exactly (local)."""
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(4096, generator=gen) * torch.pow(2.0, torch.randint(-90, 90, (4096,), generator=gen).float())
+    v = torch.cat([v, torch.tensor([0.0, -0.0, 1.0, -3.0, 65504.0, 1e30, 1.0000001, 2.0 ** -100])])
+    hi, mid, lo = ag._split3(v)
+    assert torch.equal((hi.float() + mid.float()) + lo.float(), v)
+
+
+def test_ll_refusals(ll_buf):
+    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused locally, before any call."""
+    x = torch.zeros(2, H, dtype=BF16, requires_grad=True)
+    idx = torch.zeros(2, K, dtype=torch.int64)
+    with pytest.raises(TypeError, match="use_fp8=False"):
+        ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.low_latency_dispatch(ll_buf, torch.zeros(2, H, requires_grad=True), idx, LL_M, E, use_fp8=False)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(TypeError, match="unsupported keyword"):
+        ag.low_latency_combine(ll_buf, x, idx, torch.ones(2, K), None, zero_copy=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ag.low_latency_combine(ll_buf, torch.zeros(2, H), idx, torch.ones(2, K), None)
+
+
+def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):
+    """``combined.sum().backward()``: autograd hands the LL combine's backward an expanded
+    (stride-0) gradient, which on the rank with no tokens is a zero-row tensor that ``contiguous()``
+    leaves at stride 0 (it once crashed the dispatch inside backward). Identity experts, integer
+    data: ``x.grad[t] = sum of its valid weights``, ``w.grad[t, j] = sum of x[t]`` (0 for -1 slots)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    n = 0 if (R > 1 and r == R - 1) else 5
+    gen = torch.Generator().manual_seed(53 + r)
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x0 = _ints((n, H), -4, 5, gen, BF16)
+    w0 = _ints((n, K), 1, 5, gen) / 4
+
+    def run():
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+        ag.low_latency_combine(ll_buf, recv_x, idx, w, handle).sum().backward()
+        return x.grad, w.grad
+
+    gx, gw = coll(run, what="LL round trip, sum() loss")
+    valid = idx >= 0
+    want_gx = (w0 * valid).sum(1, keepdim=True).expand(n, H).to(BF16)
+    want_gw = x0.float().sum(1, keepdim=True).expand(n, K) * valid
+    ok = gx.shape == (n, H) and torch.equal(gx, want_gx) and torch.equal(gw, want_gw)
+    all_ranks_ok(comm, ok, f"rank {r}: x.grad {gx.shape} / w.grad differ from sum(w) / sum(x)")
