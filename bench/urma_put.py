@@ -15,7 +15,6 @@ that land only while the target is inside MPI.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -29,10 +28,10 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(1)
+    from deepep_ascend.transports import create_transport
     from mpi4py import MPI
 
-    from deepep_ascend.transports import create_transport
-    from deepep_ascend.transports.ubmem import URMA_EXPOSURE_ENV
+    from deepep_ascend.settings import URMA_EXPOSURE
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
@@ -54,7 +53,7 @@ def main() -> int:
     if r == 0:
         times = times[1:]  # the first put also maps the target's pages
         med = statistics.median(times)
-        print(f"[urma_put] exposure {os.environ.get(URMA_EXPOSURE_ENV, 'allocate')} | "
+        print(f"[urma_put] exposure {URMA_EXPOSURE.get()} | "
               f"{args.bytes} B x {args.iters} | median {med * 1e3:.3f} ms (min {min(times) * 1e3:.3f}) | "
               f"{args.bytes / med / 1e9:.2f} GB/s", flush=True)
     del win

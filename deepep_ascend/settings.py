@@ -6,7 +6,7 @@ blanks are ignored, an empty value counts as unset, and a value that does not pa
 :class:`SettingError` (a ``ValueError``) naming the variable, what it accepts and what it got.
 
 The table in ``docs/configuration.md`` is this module's :func:`markdown_table` (a test keeps the two
-equal); ``python -m deepep_ascend.settings`` prints it, and ``python -m deepep_ascend.settings check``
+equal); ``python -m deepep_ascend settings`` prints it, and ``python -m deepep_ascend settings check``
 validates every declared variable set in the environment (``scripts/test.sh`` runs it first).
 
 This module imports nothing of the library: every room, the transports included, may read it.
@@ -15,12 +15,11 @@ This module imports nothing of the library: every room, the transports included,
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SETTINGS", "Setting", "SettingError", "markdown_table"]
+__all__ = ["SETTINGS", "Setting", "SettingError", "check", "markdown_table"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -36,7 +35,7 @@ class Setting:
 
     ``kind`` is how its value parses: ``"float"`` and ``"int"`` (at least ``minimum``, or above it when
     ``exclusive``), ``"bool"`` (``1/true/yes/on`` or ``0/false/no/off``, any case), ``"choice"`` (one of
-    ``choices``, any case, returned lower-case) or ``"text"`` (as given). ``default`` is what :meth:`get`
+    ``choices``, spelled exactly, as the keyword arguments they stand for) or ``"text"`` (as given). ``default`` is what :meth:`get`
     returns when the variable is unset; ``None`` means the caller derives it (``default_text`` says how).
     ``scope`` says who reads it: ``library``, ``tests`` or ``scripts``.
     """
@@ -85,9 +84,8 @@ class Setting:
                 return low in _TRUE
             raise self._error(raw)
         if self.kind == "choice":
-            low = text.lower()
-            if low in self.choices:
-                return low
+            if text in self.choices:
+                return text
             raise self._error(raw)
         try:
             value = int(text) if self.kind == "int" else float(text)
@@ -222,9 +220,9 @@ SUITE_TIMEOUT_S = Setting(
     "Wall-clock limit in seconds of one mpiexec run of scripts/test.sh.",
     scope="scripts", minimum=1)
 SKIP_SETUP = Setting(
-    "DEEPEP_ASCEND_SKIP_SETUP", "bool", False,
-    "Skip scripts/setup.sh in scripts/test.sh and scripts/bench.sh (everything is installed already).",
-    scope="scripts")
+    "DEEPEP_ASCEND_SKIP_SETUP", "choice", "0",
+    "`1`: scripts/test.sh and scripts/bench.sh skip scripts/setup.sh (everything is installed already).",
+    scope="scripts", choices=("0", "1"))
 TORCH_VERSION = Setting(
     "DEEPEP_ASCEND_TORCH_VERSION", "text", "2.13.0",
     "torch version scripts/setup.sh installs when torch is missing.",
@@ -267,20 +265,3 @@ def check(environ: Mapping[str, str] | None = None) -> list[str]:
         except SettingError as exc:
             problems.append(str(exc))
     return problems
-
-
-def _main(argv: list[str]) -> int:
-    if argv[:1] == ["check"]:
-        problems = check()
-        for p in problems:
-            print(f"deepep_ascend.settings: {p}", file=sys.stderr)
-        return 1 if problems else 0
-    if argv:
-        print("usage: python -m deepep_ascend.settings [check]", file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown_table())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -1,26 +1,23 @@
 #!/usr/bin/env bash
 # Run the whole test suite at 1, 2, 4 and 8 ranks; stop at the first failing rank count.
 #   scripts/test.sh [pytest args...]     (default args: tests)
-# Environment:
-#   DEEPEP_ASCEND_TIMEOUT_S          library wait timeout, exported (default 20)
-#   DEEPEP_ASCEND_TEST_WATCHDOG_S    per-test watchdog in the harness (default 300)
-#   DEEPEP_ASCEND_SUITE_TIMEOUT_S    wall limit of one mpiexec run (default 1200)
-#   DEEPEP_ASCEND_TEST_RANKS         rank counts to run (default "1 2 4 8")
-#   DEEPEP_ASCEND_TEST_HANG_RETRIES  re-runs of a rank count whose job the harness's watchdog ended (default 1)
-#   DEEPEP_ASCEND_SKIP_SETUP=1       skip scripts/setup.sh (everything already installed)
-#   UCX_LOG_LEVEL                    exported (default error; see below)
+# Environment (declared in deepep_ascend/settings.py, table in docs/configuration.md; every one set is
+# validated first): DEEPEP_ASCEND_TEST_RANKS, DEEPEP_ASCEND_SUITE_TIMEOUT_S, DEEPEP_ASCEND_TEST_HANG_RETRIES,
+# DEEPEP_ASCEND_SKIP_SETUP, DEEPEP_ASCEND_TEST_WATCHDOG_S; DEEPEP_ASCEND_TIMEOUT_S is exported with the
+# suite's default of 20 s; UCX_LOG_LEVEL is exported (default error; see below).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
 
 [[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec
+"$PYTHON_BIN" -m deepep_ascend settings check   # a bad value of any DEEPEP_ASCEND_* variable stops here, named
 
 export DEEPEP_ASCEND_TIMEOUT_S="${DEEPEP_ASCEND_TIMEOUT_S:-20}"
 # Tests that abort or time out a multi-node transport abandon its RMA windows on purpose (a poisoned
 # window cannot be freed collectively); at MPI_Finalize UCX then warns once per registration
 # (~1,900 lines per suite). Errors still print.
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
-T="${DEEPEP_ASCEND_SUITE_TIMEOUT_S:-1200}"
+T="$(echo "${DEEPEP_ASCEND_SUITE_TIMEOUT_S:-1200}" | xargs)"
 if [[ $# -eq 0 ]]; then set -- tests; fi
 
 # A job that the harness's watchdog ended (a test hung) runs once more, saying so, if no test had
@@ -29,8 +26,7 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 # and turns into an error, so a watchdog hang is outside its data plane; the ones seen before were
 # tests slowed 100x by ranks spinning in MPICH's blocking collectives (README, "Two commands"),
 # which the harness no longer does. A failing or crashing test is never re-run.
-retries="${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}"
-[[ "$retries" =~ ^[0-9]+$ ]] || { echo "DEEPEP_ASCEND_TEST_HANG_RETRIES must be a non-negative integer, got '$retries'" >&2; exit 2; }
+retries="$(echo "${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}" | xargs)"
 # The host, for the failure lines below (CI shows only part of a log; its tail survives).
 host_flags="$( (grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile' | xargs) 2>/dev/null || true)"
 quota="$(cat /sys/fs/cgroup/cpu.max 2>/dev/null || true)"

@@ -56,6 +56,7 @@ import time
 import pytest
 import torch
 
+from deepep_ascend import settings
 from tests.support import REPO_ROOT as _REPO
 from tests.support import mpi_utils
 from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
@@ -64,7 +65,6 @@ torch.set_num_threads(1)
 
 pytest_plugins = ("pytester",)
 
-_DEFAULT_WATCHDOG_S = 300.0
 _EXIT_WATCHDOG_S = (
     120.0  # backstop for hangs after the last test (exit barrier, thread joins)
 )
@@ -174,7 +174,7 @@ def _mark_hang(my_rank: int) -> None:
     """For ``scripts/test.sh``: write ``$DEEPEP_ASCEND_TEST_HANG_DIR/rank<r>`` saying whether any
     test had failed on this rank before the hang ("clean" / "failed"); the script re-runs a hung
     job only if every marker says "clean", so a real failure is never re-run away."""
-    where = os.environ.get("DEEPEP_ASCEND_TEST_HANG_DIR")
+    where = settings.TEST_HANG_DIR.get()
     if not where:
         return
     try:
@@ -292,7 +292,7 @@ def _watchdog_seconds(item) -> float:
     m = item.get_closest_marker("watchdog")
     if m is not None and m.args:
         return float(m.args[0])
-    return float(os.environ.get("DEEPEP_ASCEND_TEST_WATCHDOG_S", _DEFAULT_WATCHDOG_S))
+    return settings.TEST_WATCHDOG_S.get()
 
 
 @pytest.hookimpl(trylast=True)
@@ -336,7 +336,7 @@ def _prune_old_logs(root: str, max_age_s: float) -> None:
 
 
 def _redirect_nonzero_rank_output(config, world_comm) -> None:
-    base = os.environ.get("DEEPEP_ASCEND_TEST_LOG_DIR")
+    base = settings.TEST_LOG_DIR.get()
     if _S.rank == 0:
         if base:
             os.makedirs(base, exist_ok=True)
@@ -370,7 +370,7 @@ def _redirect_nonzero_rank_output(config, world_comm) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _S.size <= 1 or os.environ.get("DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK", "0") == "1":
+    if _S.size <= 1 or settings.TEST_LOCAL_EVERY_RANK.get():
         return
     local = [item for item in items if item.get_closest_marker("mpi") is None]
     if local:
@@ -487,7 +487,7 @@ def _exit_job_at_exit() -> None:
     status = _S.exit_status
     if status is None or not _S.mpi_active:
         return  # pytest did not finish normally here (or MPI unused): default exit path
-    if os.environ.get("DEEPEP_ASCEND_TEST_EXIT_MODE", "barrier") == "finalize":
+    if settings.TEST_EXIT_MODE.get() == "finalize":
         return  # for measurements: the interpreter's normal exit, mpi4py calls MPI_Finalize
     try:
         MPI = _mpi()

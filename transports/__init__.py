@@ -1,17 +1,17 @@
 """Simulated Ascend 950 interconnect over MPI: topology, the channel contract, UBMEM and URMA.
 
 ``transports`` moves bytes and monotonic signals between ranks; it knows nothing of tokens.
-See ``shared/spec/transports.md`` for the contract this package implements.
+docs/design/transports.md describes the contract this package implements.
 """
 
-from .base import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier,
+from .base import (State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier,
                    quiet_wait, resolve_timeout)
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportConfigError, TransportError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
 from .link_model import (PROFILES, LinkEmulator, LinkProfile, LinkSpec, LinkStats, emulator_from_env,
                          gather_link_stats, get_profile, project)
-from .topology import RANKS_PER_NODE_ENV, ChannelKind, Topology
+from .topology import ChannelKind, Topology
 from .ubmem import SymmetricWindow, Transport, UbmemTransport
 
 
@@ -34,10 +34,10 @@ def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
 
 
 __all__ = [
-    "ChannelKind", "Topology", "RANKS_PER_NODE_ENV", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
+    "ChannelKind", "Topology", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
     "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport", "UbmemTransport",
     "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier", "quiet_wait",
-    "resolve_timeout", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S",
+    "resolve_timeout",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",
     "TransportRuntimeError",

@@ -12,28 +12,20 @@ import enum
 import os
 import time
 
-TIMEOUT_ENV = "DEEPEP_ASCEND_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 100.0  # DeepEP's host-side wait
-
+from ..settings import TIMEOUT_S
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """The deadline in seconds: the argument, else ``$DEEPEP_ASCEND_TIMEOUT_S``, else 100 s.
+    """The deadline in seconds: the argument, else ``$DEEPEP_ASCEND_TIMEOUT_S``, else its default (100 s,
+    DeepEP's host-side wait).
 
     Raises:
-        ValueError: the value is not a positive number.
+        ValueError: the argument is not a positive number; ``SettingError`` (a ValueError naming the
+            variable): the variable is not.
     """
-    source = "timeout_s"
     if timeout_s is None:
-        env = os.environ.get(TIMEOUT_ENV)
-        if env is None:
-            return DEFAULT_TIMEOUT_S
-        source = f"${TIMEOUT_ENV}"
-        try:
-            timeout_s = float(env)
-        except ValueError:
-            raise ValueError(f"{source} must be a number of seconds, got {env!r}") from None
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"{source} must be a positive number of seconds, got {timeout_s!r}")
+        return float(TIMEOUT_S.get())
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     return float(timeout_s)
 
 

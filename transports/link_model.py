@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..settings import LINK_EMULATION, LINK_PROFILE, LINK_SCALE
 from .topology import ChannelKind
 
 _FIELDS = ("bytes_put", "bytes_fetched", "puts", "gets", "signals")
@@ -154,11 +154,6 @@ PROFILES: dict[str, LinkProfile] = {
     }, "Ascend 950 supernodes joined by scale-out: UBMEM inside a supernode, URMA between supernodes"),
 }
 
-PROFILE_ENV = "DEEPEP_ASCEND_LINK_PROFILE"
-EMULATION_ENV = "DEEPEP_ASCEND_LINK_EMULATION"
-SCALE_ENV = "DEEPEP_ASCEND_LINK_SCALE"
-
-
 def get_profile(spec: "str | LinkProfile | None") -> LinkProfile:
     """A :class:`LinkProfile` from a name of :data:`PROFILES` or explicit numbers.
 
@@ -268,18 +263,16 @@ def emulator_from_env(environ=None) -> LinkEmulator | None:
     ``DEEPEP_ASCEND_LINK_PROFILE``: profile name or explicit numbers (default ``ascend950``);
     ``DEEPEP_ASCEND_LINK_SCALE``: time scale (default 1e-3).
     Raises:
-        ValueError: an unknown mode, profile or scale (naming the variable).
+        ValueError: an unknown mode, profile or scale (naming the variable; ``SettingError`` for the mode
+            and the scale).
     """
-    env = os.environ if environ is None else environ
-    mode = env.get(EMULATION_ENV, "none").strip().lower() or "none"
-    if mode == "none":
+    if LINK_EMULATION.get(environ) == "none":
         return None
-    if mode != "delay":
-        raise ValueError(f"${EMULATION_ENV}={mode!r}: expected 'none' or 'delay'")
+    scale = LINK_SCALE.get(environ)
     try:
-        return LinkEmulator(env.get(PROFILE_ENV, "ascend950"), float(env.get(SCALE_ENV, "1e-3")))
+        return LinkEmulator(LINK_PROFILE.get(environ), scale)
     except ValueError as exc:
-        raise ValueError(f"${PROFILE_ENV}/${SCALE_ENV}: {exc}") from None
+        raise ValueError(f"${LINK_PROFILE.name}: {exc}") from None
 
 
 # -- projection ------------------------------------------------------------------------------

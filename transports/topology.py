@@ -9,12 +9,11 @@ Ascend ports number ranks.
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 
+from ..settings import RANKS_PER_NODE, SettingError
 from .errors import TransportConfigError
 
-RANKS_PER_NODE_ENV = "DEEPEP_ASCEND_RANKS_PER_NODE"
 
 
 class ChannelKind(enum.IntEnum):
@@ -96,12 +95,12 @@ class Topology:
 
         rank, size = comm.Get_rank(), comm.Get_size()
         source = "ranks_per_node"
-        if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
-            source = f"${RANKS_PER_NODE_ENV}"
+        if ranks_per_node is None and RANKS_PER_NODE.is_set():
+            source = f"${RANKS_PER_NODE.name}"
             try:
-                ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
-            except ValueError:
-                ranks_per_node = os.environ[RANKS_PER_NODE_ENV]  # reported as given
+                ranks_per_node = RANKS_PER_NODE.get()
+            except SettingError:
+                ranks_per_node = RANKS_PER_NODE.raw()  # refused below on every rank, as given
         shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         try:
             host_leader = shared.allreduce(rank, op=MPI.MIN)

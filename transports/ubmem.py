@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import os
 import sys
 import time
 import warnings
@@ -34,7 +33,8 @@ from .base import State, Team, WaitPolicy, allgather_object, quiet_barrier, reso
 from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
                      TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
                      TransportTimeout, TransportUnsupported)
-from .link_model import EMULATION_ENV, LinkEmulator, LinkStats, emulator_from_env
+from ..settings import LINK_EMULATION, URMA_EXPOSURE
+from .link_model import LinkEmulator, LinkStats, emulator_from_env
 from .segment import SharedSegment
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared
@@ -48,7 +48,6 @@ _SERIALS = itertools.count()
 #: window whose same-host segments are mapped with ``MPI_Win_shared_query``) or ``"create"``
 #: (node-shared ``MPI_Win_allocate_shared`` segments exposed again with ``MPI_Win_create``, the
 #: fallback for MPIs that cannot share ``MPI_Win_allocate`` memory). Read at window creation.
-URMA_EXPOSURE_ENV = "DEEPEP_ASCEND_URMA_EXPOSURE"
 
 
 @atexit.register
@@ -110,7 +109,7 @@ class SymmetricWindow:
         self._bufs = {}
         allocated = None
         rma = topo.num_nodes > 1 or self.force_urma
-        if rma and os.environ.get(URMA_EXPOSURE_ENV, "allocate") != "create":
+        if rma and URMA_EXPOSURE.get() == "allocate":
             allocated = allocate_node_shared(total, tp.comm, list(topo.node_ranks()), topo.rank, name)
         if allocated is not None:  # one MPI_Win_allocate window serves both UBMEM views and URMA
             self._win, self._bufs = allocated
@@ -234,7 +233,7 @@ class Transport:
         self.stats = LinkStats(topo.world_size)
         self.stats.emulator = emulator
         if emulator is not None and topo.rank == 0:  # results of this run are not plain measurements: say so once
-            warnings.warn(f"${EMULATION_ENV}: {emulator.label}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"${LINK_EMULATION.name}: {emulator.label}", RuntimeWarning, stacklevel=3)
         from mpi4py import MPI
         shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=topo.rank)
         self.wait_policy = WaitPolicy(local_ranks=shared.Get_size())

@@ -106,7 +106,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import pickle
 import time
 import warnings
@@ -114,6 +113,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..settings import (DG_COMM_KERNEL_DEBUG, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM,
+                        SettingError)
 from ..transports import Topology, TransportPoisoned, quiet_allgather_object
 
 from ..gemm import grouped_gemm as _gg
@@ -148,11 +149,8 @@ _WAVE_BYTES = 24 << 20  # rows a rank moves (dispatch + combine) per wave by def
 _MAX_WAVES = 4
 _MAX_WINDOW_BYTES = 256 << 20
 _MAX_OUT_BYTES = 256 << 20  # cap of the shm backend's L2 output area per rank (a fuller call takes the Buffer)
-_BACKEND_ENV = "DEEPEP_ASCEND_MEGA_MOE_BACKEND"
 _BACKENDS = ("shm", "buffer")
 _VERDICT_MSG, _VERDICT_CHARS = 16384, 2000  # shm consensus record: its length, then the pickled verdict
-_WAVE_ENV = "DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE"
-_GEMM_ENV = "DEEPEP_ASCEND_MEGA_MOE_GEMM"
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
 _MIN_EXACT_SF_BYTE = 3
 
@@ -164,13 +162,11 @@ def gemm_engine() -> str:
     bf16 natively (AMX tiles or AVX512-BF16), else ``'fp32'``. Both compute exact products of
     bf16 operands with float32 accumulation and one bf16 rounding (only the summation order may
     differ); without native bf16, torch's bf16 matmul is 10-100x slower than its float32 one.
+
+    Raises:
+        SettingError: (a ValueError) the variable is set to anything else.
     """
-    env = os.environ.get(_GEMM_ENV, "").strip().lower()
-    if env in ("bf16", "fp32"):
-        return env
-    if env:
-        raise ValueError(f"${_GEMM_ENV} must be 'bf16' or 'fp32', got {env!r}")
-    return "bf16" if native_bf16() else "fp32"
+    return MEGA_MOE_GEMM.get() or ("bf16" if native_bf16() else "fp32")
 
 
 def _align(x: int, a: int) -> int:
@@ -363,7 +359,7 @@ def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, 
     """The checks of mega-moe.md §1.1 on one rank's arguments (``AssertionError``, as upstream)."""
     assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
     assert backend is None or backend in _BACKENDS, (
-        f"MegaMoE: backend (keyword, else ${_BACKEND_ENV}) must be one of {_BACKENDS} or unset, got {backend!r}")
+        f"MegaMoE: backend (keyword, else ${MEGA_MOE_BACKEND.name}) must be one of {_BACKENDS} or unset, got {backend!r}")
     assert mma_type in ("fp8xfp4", "bf16xbf16"), f"MegaMoE: mma_type must be 'fp8xfp4' or 'bf16xbf16', got {mma_type!r}"
     if use_fp8_dispatch is not None:
         warnings.warn("get_symm_buffer_for_mega_moe: use_fp8_dispatch is deprecated; use mma_type",
@@ -418,7 +414,10 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     """
     comm = mpi_comm_of(group)
     if backend is None:
-        backend = os.environ.get(_BACKEND_ENV, "").strip() or None
+        try:
+            backend = MEGA_MOE_BACKEND.get()
+        except SettingError:
+            backend = MEGA_MOE_BACKEND.raw()  # refused by the argument checks, collectively
     args = dict(num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
                 hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, activation=activation,
                 num_shared_experts=num_shared_experts, backend=backend)
@@ -820,16 +819,10 @@ def _wave_override(num_experts_per_wave, op: str):
                 or num_experts_per_wave < 1):
             raise ValueError(f"{op}: num_experts_per_wave must be a positive int, got {num_experts_per_wave!r}")
         return int(num_experts_per_wave)
-    env = os.environ.get(_WAVE_ENV, "").strip()
-    if not env:
-        return None
     try:
-        value = int(env)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{op}: ${_WAVE_ENV} must be a positive int, got {env!r}")
-    return value
+        return MEGA_MOE_EXPERTS_PER_WAVE.get()
+    except SettingError as exc:
+        raise SettingError(f"{op}: {exc}") from None
 
 
 def _experts_per_wave(sb, counts, override):
@@ -921,7 +914,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
         override = _wave_override(num_experts_per_wave, op)
         # what every rank must pass alike (each rank's experts serve every rank's tokens), as plain values
-        settings = {f"num_experts_per_wave (keyword, else ${_WAVE_ENV}; None = default)": override,
+        settings = {f"num_experts_per_wave (keyword, else ${MEGA_MOE_EXPERTS_PER_WAVE.name}; None = default)": override,
                     "activation_clamp": None if activation_clamp is None else float(activation_clamp),
                     "fast_math": bool(fast_math)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
@@ -1021,7 +1014,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
     trace.compute.append(("reduce", -1, s0, time.perf_counter()))
     if stats is not None:
         stats += cmat[:, sb.rank * el:(sb.rank + 1) * el].sum(0).to(torch.int32)
-    if os.environ.get("DG_COMM_KERNEL_DEBUG", "0") not in ("", "0"):
+    if DG_COMM_KERNEL_DEBUG.get():
         sb.buffer.zero_()
     prev_end = -math.inf
     for rec in trace.comm:  # Buffer's worker-side start: when issued, or when the op before it left the worker

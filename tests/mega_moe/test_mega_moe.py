@@ -677,7 +677,7 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
             mm._wave_override(bad, "op")
     for env in ("0", "abc", "-2"):
         monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", env)
-        with pytest.raises(ValueError, match=r"\$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE must be a positive int"):
+        with pytest.raises(ValueError, match=r"op: \$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE must be an integer >= 1"):
             mm._wave_override(None, "op")
 
 

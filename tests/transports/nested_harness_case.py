@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from deepep_ascend import settings
 from deepep_ascend.transports import create_transport
 from mpi4py import MPI
 
@@ -33,6 +34,6 @@ def test_forgotten_transport():
     tp.put(win, (me + 1) % n, 0, torch.full((4096,), me, dtype=torch.uint8))
     tp.barrier()
     _KEEP.append(tp)  # never destroyed here: left to the atexit hook
-    out = os.environ["DEEPEP_ASCEND_NESTED_REPORT"]
+    out = settings.NESTED_REPORT.get()
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:
         json.dump(sorted(set(proc_shm_mappings())), f)

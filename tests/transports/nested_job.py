@@ -2,7 +2,9 @@
 
 Not a test module (no ``test_`` prefix). Each rank appends ``<rank> <KEY> <value>`` lines to
 ``$DEEPEP_ASCEND_NESTED_REPORT/rank<r>.txt`` (files, not stdout: mpiexec interleaves the ranks'
-output mid-line). ``MAPS <tag> <json>`` lists the ``/dev/shm`` files this rank maps, so the
+output mid-line). It reads that variable (declared in ``deepep_ascend.settings``) straight from the
+environment: importing the settings would import the package, and with it the transports, before the
+atexit handler below is registered. ``MAPS <tag> <json>`` lists the ``/dev/shm`` files this rank maps, so the
 parent can attribute leftovers to this job exactly (other jobs on the machine create and leak
 ``mpich_shm_*`` files concurrently).
 

@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from deepep_ascend import settings
 from deepep_ascend.transports import (
     ChannelKind,
     State,
@@ -116,7 +117,7 @@ def main() -> None:
     tp.destroy()
     line = f"{me} URMA-TCP-OK {time.monotonic() - t0:.2f}\n"
     sys.stdout.write(line)
-    with open(os.path.join(os.environ["DEEPEP_ASCEND_NESTED_REPORT"], f"rank{me}.txt"), "w") as f:
+    with open(os.path.join(settings.NESTED_REPORT.get(), f"rank{me}.txt"), "w") as f:
         f.write(line)
 
 

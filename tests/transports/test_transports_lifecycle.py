@@ -21,17 +21,16 @@ import time
 import pytest
 import torch
 from deepep_ascend.transports import (
-    DEFAULT_TIMEOUT_S,
-    TIMEOUT_ENV,
     State,
     TransportBusy,
     TransportClosed,
     WaitPolicy,
     resolve_timeout,
 )
+from deepep_ascend.transports import ubmem as ubmem_mod
 from mpi4py import MPI
 
-from deepep_ascend.transports import ubmem as ubmem_mod
+from deepep_ascend.settings import TIMEOUT_S
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import run_child_job, world
 from tests.transports.helpers import (
@@ -51,23 +50,23 @@ SHM = "/dev/shm"
 
 
 def test_resolve_timeout(monkeypatch):
-    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
-    assert resolve_timeout(None) == DEFAULT_TIMEOUT_S == 100.0
+    monkeypatch.delenv(TIMEOUT_S.name, raising=False)
+    assert resolve_timeout(None) == TIMEOUT_S.default == 100.0
     assert resolve_timeout(2.5) == 2.5
-    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    monkeypatch.setenv(TIMEOUT_S.name, "7.5")
     assert resolve_timeout(None) == 7.5
     assert resolve_timeout(3) == 3.0  # the argument wins
     for bad in (0, -1.0, "5"):
         with pytest.raises(ValueError):
             resolve_timeout(bad)
-    monkeypatch.setenv(TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match=TIMEOUT_ENV):
+    monkeypatch.setenv(TIMEOUT_S.name, "soon")
+    with pytest.raises(ValueError, match=TIMEOUT_S.name):
         resolve_timeout(None)
 
 
 @pytest.mark.mpi(min_size=1)
 def test_transport_timeout_from_environment(monkeypatch):
-    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    monkeypatch.setenv(TIMEOUT_S.name, "7.5")
     tp = ubmem_mod.UbmemTransport(MPI.COMM_WORLD)
     try:
         assert tp.timeout_s == 7.5

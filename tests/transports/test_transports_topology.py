@@ -12,7 +12,6 @@ import re
 
 import pytest
 from deepep_ascend.transports import (
-    RANKS_PER_NODE_ENV,
     ChannelKind,
     Topology,
     Transport,
@@ -23,6 +22,7 @@ from deepep_ascend.transports import (
 )
 from mpi4py import MPI
 
+from deepep_ascend.settings import RANKS_PER_NODE
 from tests.transports.helpers import TIMEOUT_S, destroy_quietly, make_transport
 
 # Expected kind matrices for 8 ranks: S = SELF, U = UBMEM (same node), R = URMA (other node).
@@ -135,7 +135,7 @@ def _from_comm_error(rpn):
 
 @pytest.mark.mpi(min_size=1)
 def test_from_comm_default_is_one_node(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     comm = MPI.COMM_WORLD
     t = Topology.from_comm(comm)
     assert (t.world_size, t.rank, t.ranks_per_node, t.num_nodes) == (comm.size, comm.rank, comm.size, 1)
@@ -143,7 +143,7 @@ def test_from_comm_default_is_one_node(monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_from_comm_valid_divisors(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     comm = MPI.COMM_WORLD
     for rpn in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
         t = Topology.from_comm(comm, rpn)
@@ -152,7 +152,7 @@ def test_from_comm_valid_divisors(monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_from_comm_rpn_not_dividing_world(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     n = MPI.COMM_WORLD.size
     bad = [n + 1, 0, -1] + ([3] if n % 3 else [])
     for rpn in bad:  # same list on every rank
@@ -163,7 +163,7 @@ def test_from_comm_rpn_not_dividing_world(monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_from_comm_rpn_differs_between_ranks(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     comm = MPI.COMM_WORLD
     rpn = 1 if comm.rank == 0 else comm.size  # each value alone would be valid
     exc = _from_comm_error(rpn)
@@ -175,20 +175,20 @@ def test_from_comm_rpn_differs_between_ranks(monkeypatch):
 def test_from_comm_env_var(monkeypatch):
     comm = MPI.COMM_WORLD
     n = comm.size
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, str(n))
+    monkeypatch.setenv(RANKS_PER_NODE.name, str(n))
     assert Topology.from_comm(comm).ranks_per_node == n
     for value in [str(n + 1), "0", "abc"]:
-        monkeypatch.setenv(RANKS_PER_NODE_ENV, value)
+        monkeypatch.setenv(RANKS_PER_NODE.name, value)
         _same_error_everywhere(_from_comm_error(None))
     # An explicit argument wins over the environment.
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "abc")
+    monkeypatch.setenv(RANKS_PER_NODE.name, "abc")
     assert Topology.from_comm(comm, n).ranks_per_node == n
 
 
 @pytest.mark.mpi(min_size=2)
 def test_from_comm_env_var_differs_between_ranks(monkeypatch):
     comm = MPI.COMM_WORLD
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1" if comm.rank == 0 else str(comm.size))
+    monkeypatch.setenv(RANKS_PER_NODE.name, "1" if comm.rank == 0 else str(comm.size))
     exc = _from_comm_error(None)
     assert "disagree" in str(exc), str(exc)
     _same_error_everywhere(exc)
@@ -200,7 +200,7 @@ def test_from_comm_env_var_differs_between_ranks(monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_create_transport_any_number_of_nodes(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     comm = MPI.COMM_WORLD
     n = comm.size
     for rpn in [d for d in range(1, n + 1) if n % d == 0]:
@@ -211,7 +211,7 @@ def test_create_transport_any_number_of_nodes(monkeypatch):
             tp.barrier()
         finally:
             destroy_quietly(tp)
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1")  # same through the environment
+    monkeypatch.setenv(RANKS_PER_NODE.name, "1")  # same through the environment
     tp = make_transport()
     try:
         assert tp.topology.num_nodes == n
@@ -222,7 +222,7 @@ def test_create_transport_any_number_of_nodes(monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_create_transport_bad_rpn(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     comm = MPI.COMM_WORLD
     with pytest.raises(TransportConfigError) as ei:
         create_transport(comm, ranks_per_node=comm.size + 1, timeout_s=TIMEOUT_S)
@@ -255,9 +255,8 @@ def _leaked_dups(spy) -> int:
 @pytest.mark.mpi(min_size=2)
 def test_separate_memory_model_refused_and_freed(monkeypatch):
     """URMA needs MPI_WIN_UNIFIED (targets load their slots): refused on every rank, nothing leaked."""
-    from mpi4py import MPI as _MPI
-
     from deepep_ascend.transports import urma as urma_mod
+    from mpi4py import MPI as _MPI
 
     me = MPI.COMM_WORLD.rank
     # Only the last rank's window pretends to be separate: the decision must still be collective.
@@ -287,7 +286,7 @@ def test_separate_memory_model_refused_and_freed(monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_config_error_frees_its_communicator(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    monkeypatch.delenv(RANKS_PER_NODE.name, raising=False)
     spy = _DupSpy(MPI.COMM_WORLD)
     with pytest.raises(TransportConfigError):
         create_transport(spy, ranks_per_node=MPI.COMM_WORLD.size + 1, timeout_s=TIMEOUT_S)

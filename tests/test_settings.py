@@ -1,0 +1,108 @@
+"""``deepep_ascend.settings``: every environment variable declared once, parsed one way, refused by name."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from deepep_ascend import settings
+from deepep_ascend.settings import SETTINGS, Setting, SettingError
+from tests.support import REPO_ROOT
+
+# A good and a bad raw value per kind, and what the good one parses to.
+GOOD = {"float": (" 2.5 ", 2.5), "int": ("7", 7), "bool": ("Yes", True), "text": (" a b ", "a b")}
+BAD = {"float": ["abc", "nan", "1e"], "int": ["2.5", "x", "0x10"], "bool": ["2", "maybe"]}
+
+
+def _good(s: Setting):
+    if s.kind == "choice":
+        return s.choices[-1], s.choices[-1]
+    raw, value = GOOD[s.kind]
+    if s.minimum is not None and value < s.minimum + (1 if s.exclusive else 0):
+        value = int(s.minimum) + 3
+        raw = str(value)
+    return raw, value
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_each_setting_parses_one_way(name):
+    s = SETTINGS[name]
+    assert s.name == name and s.meaning and s.scope in ("library", "tests", "scripts")
+    assert s.get({}) == s.default and s.get({name: "  "}) == s.default  # unset and blank alike
+    raw, value = _good(s)
+    assert s.get({name: raw}) == value
+    bad = list(BAD.get(s.kind, []))
+    if s.kind == "choice":
+        bad += ["", "nope", s.choices[0].upper() if s.choices[0].upper() != s.choices[0] else "X" + s.choices[0]]
+        bad.remove("")
+    if s.minimum is not None:
+        bad.append(str(int(s.minimum) - 1 if not s.exclusive else int(s.minimum)))
+    for b in bad:
+        with pytest.raises(SettingError) as info:
+            s.get({name: b})
+        assert f"${name} must be" in str(info.value) and repr(b) in str(info.value), str(info.value)
+        assert isinstance(info.value, ValueError)
+
+
+def test_read_at_use_not_at_import(monkeypatch):
+    """A launcher or test may set a variable between two calls: nothing is cached."""
+    monkeypatch.setenv(settings.TIMEOUT_S.name, "3")
+    assert settings.TIMEOUT_S.get() == 3.0
+    monkeypatch.setenv(settings.TIMEOUT_S.name, "4")
+    assert settings.TIMEOUT_S.get() == 4.0
+
+
+def _files(*folders, suffixes=(".py", ".sh", ".md", ".toml", "")):
+    for folder in folders:
+        root = os.path.join(REPO_ROOT, folder)
+        if os.path.isfile(root):
+            yield root
+            continue
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", ".venv", "build")]
+            for f in files:
+                if os.path.splitext(f)[1] in suffixes:
+                    yield os.path.join(dirpath, f)
+
+
+def test_every_variable_named_in_the_repository_is_declared():
+    named = {}
+    for path in _files("deepep_ascend", "transports", "tests", "bench", "scripts", "docs", ".ci", "README.md",
+                       "pyproject.toml"):
+        with open(path, errors="replace") as f:
+            for m in re.finditer(r"\bDEEPEP_ASCEND_[A-Z0-9_]*[A-Z0-9]", f.read()):
+                named.setdefault(m.group(0), os.path.relpath(path, REPO_ROOT))
+    missing = {n: where for n, where in named.items() if n not in SETTINGS}
+    assert not missing, f"undeclared in deepep_ascend/settings.py: {missing}"
+
+
+def test_the_library_reads_variables_only_through_settings():
+    """No ``os.environ``/``os.getenv`` read of a declared variable outside the settings module."""
+    reads = re.compile(r"(environ\s*(\.get\s*\(|\[)|getenv\s*\()\s*[\"'](" + "|".join(SETTINGS) + r")[\"']")
+    bad = []
+    for path in _files("deepep_ascend", "transports", "bench", "scripts", "tests/conftest.py", suffixes=(".py",)):
+        if path.endswith(os.path.join("deepep_ascend", "settings.py")):
+            continue
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if reads.search(line):
+                    bad.append(f"{os.path.relpath(path, REPO_ROOT)}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_check_command_names_every_bad_variable():
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    env.update(DEEPEP_ASCEND_TIMEOUT_S="soon", DEEPEP_ASCEND_TEST_EXIT_MODE="maybe", DEEPEP_ASCEND_RANKS_PER_NODE="4")
+    proc = subprocess.run([sys.executable, "-m", "deepep_ascend", "settings", "check"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc
+    assert "$DEEPEP_ASCEND_TIMEOUT_S must be a number > 0, got 'soon'" in proc.stderr, proc.stderr
+    assert "DEEPEP_ASCEND_TEST_EXIT_MODE" in proc.stderr and "RANKS_PER_NODE" not in proc.stderr, proc.stderr
+    table = subprocess.run([sys.executable, "-m", "deepep_ascend", "settings"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120, env={k: v for k, v in os.environ.items() if k not in SETTINGS})
+    assert table.returncode == 0 and table.stdout == settings.markdown_table()
+    assert all(f"`{name}`" in table.stdout for name in SETTINGS)
