@@ -10,7 +10,8 @@ Schema ``deepep_ascend.bench/1`` (:data:`SCHEMA`, checked by :func:`validate`)::
       "host": {...},                       # bench.hostinfo.host_doc: hostname, cpu, cpus, python, torch,
                                            #   numpy, mpi (null for one-process commands), version, time
       "fingerprint": "0123456789ab",       # hash of the inputs (bench.workload.fingerprint) or null
-      "results": [                         # one record per timed thing, names unique
+      "results": [                         # one record per timed thing, names unique (empty when the
+                                           #   host has none of a command's subjects, e.g. no native kernel)
         {"name": "deepep_ascend/dispatch", # "<system>/<phase>" (or one word for a single op)
          "system": "deepep_ascend",        # who ran it
          "phase": "dispatch",              # what part of the work, or null
@@ -72,7 +73,7 @@ SCHEMA = {
                  "properties": {"mpi": {"type": ["string", "null"]}, "cpus": {"type": ["integer", "null"]}}},
         "fingerprint": {"type": ["string", "null"]},
         "results": {
-            "type": "array", "minItems": 1,
+            "type": "array",
             "items": {
                 "type": "object",
                 "required": ["name", "system", "phase", "seconds", "bytes", "formula", "gbps"],
