@@ -4,6 +4,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
 
-bash "$REPO_ROOT/scripts/setup.sh"
+[[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec
 exec mpiexec -n "${NP:-4}" "$PYTHON_BIN" -m bench normal "$@"
