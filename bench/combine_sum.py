@@ -1,12 +1,12 @@
 """Combine's row sum: the run-wise BF16 path, the float32 chain, ``embedding_bag`` and the native kernel.
 
-    python -m bench.combine_sum [--tokens 4096] [--hidden 7168] [--missing 16,64,256,1024] [--iters 5]
+    python -m bench combine-sum [--num-tokens 4096] [--hidden 7168] [--missing 16,64,256,1024] [--iters 5]
                                 [--sources 3,4,8] [--num-topk 8]
 
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
-``--missing`` random tokens of ``--tokens``; rows are random BF16, the second marked clean (no
+``--missing`` random tokens of ``--num-tokens``; rows are random BF16, the second marked clean (no
 ``-0.0``) as combine marks the rows a peer staged. For each case it times
-``reduce.accumulate_rows`` on the same inputs, alternating: the run-wise path forced on
+combine's ``accumulate_rows`` (``deepep_ascend.ep.reduce``) on the same inputs, alternating: the run-wise path forced on
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False, native=False``, the float32
 chain), and :func:`deepep_ascend.native.sum_rows` (where it was built), checks that all give the
 same bits, and prints the run count, the medians, the cost per run of the run-wise path, and
@@ -23,36 +23,38 @@ equal ranks reaches a rank, ``1 - (1 - 1/S)^k``: it times the float32 chain, the
 native=False``; the default without the native kernel for three or more sources, and for two
 whose runs are too many, while a block holds ``_BAG_MIN_TOKENS`` tokens) and the native kernel
 (the default where it was built), alternating, checks all give the same bits, and prints the
-medians and the tokens per block.
+medians and the tokens per block. ``--json FILE``: one result per path and case, named
+``<path>/missing <n>`` and ``<path>/<S> sources`` (paths ``run-wise``, ``float32 chain``,
+``embedding_bag``, ``native``), with ``ratio_to`` the float32 chain (the baseline).
 """
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 
-from bench import common as C
-from bench.alloc import _interleaved_medians_ms
-from deepep_ascend.ep import reduce as I
+from bench import cli, schema
+from bench import internals as I
+from bench.timing import interleaved_medians_ms
 from deepep_ascend import native as N
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.combine_sum", description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=C.int_at_least(1), default=4096)
-    ap.add_argument("--hidden", type=C.int_at_least(1), default=7168)
-    ap.add_argument("--missing", default="16,64,256,1024", help="comma-separated tokens each source misses")
-    ap.add_argument("--iters", type=C.int_at_least(1), default=5)
-    ap.add_argument("--sources", default="3,4,8", help="comma-separated source counts for the many-source cases")
-    ap.add_argument("--num-topk", type=C.int_at_least(1), default=8)
-    args = ap.parse_args(argv)
-    missing = [C.int_at_least(0)(v) for v in args.missing.split(",")]
-    many = [C.int_at_least(1)(v) for v in args.sources.split(",")] if args.sources else []
+def add_arguments(p) -> None:
+    """The command's options: the shared ones (``bench.cli``) and its own."""
+    cli.add_shared(p, num_tokens=4096, hidden=7168, num_topk=8, iters=5, warmup=1, seed=0, json=None,
+                   helps=dict(num_topk="the many-source cases' routing"))
+    p.add_argument("--missing", type=cli.int_list(0), default=[16, 64, 256, 1024],
+                   help="comma-separated tokens each source misses (default 16,64,256,1024)")
+    p.add_argument("--sources", type=cli.int_list(1), default=[3, 4, 8],
+                   help="comma-separated source counts for the many-source cases (default 3,4,8; empty: none)")
+
+
+def run(args) -> int:
+    """Time and check the paths (one process); the exit code: 1 if their bits differ."""
+    missing, many = args.missing, args.sources
     torch.set_num_threads(1)
-    m, h = args.tokens, args.hidden
-    g = torch.Generator().manual_seed(0)
+    m, h = args.num_tokens, args.hidden
+    g = torch.Generator().manual_seed(args.seed)
     out_runs = torch.empty(m, h, dtype=torch.bfloat16)
     out_chain = torch.empty_like(out_runs)
     out_native = torch.empty_like(out_runs)
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
     def timed(fns):
         """Interleaved medians (ms) of ``fns``, plus the native kernel's on ``sources`` last if built."""
         fns = list(fns) + ([lambda: N.sum_rows(out_native, sources)] if nat else [])
-        times = list(_interleaved_medians_ms(fns, args.iters))
+        times = list(interleaved_medians_ms(fns, args.iters, args.warmup))
         return times + ([] if nat else [float("nan")])
 
     def same_bits(*outs):
@@ -72,7 +74,16 @@ def main(argv=None) -> int:
     print(f"[config] {m} tokens x hidden {h}, two sources, 1 thread, median of {args.iters}; "
           f"two_source_run_limit = {limit} runs; native kernel "
           f"{'built: ' + str(N.library_path()) if nat else 'not available (torch paths only)'}")
-    points, same = [], True
+    points, same, records = [], True, []
+
+    def record(case, **ms):  # one result per path of a case, ratio_to the float32 chain
+        names = []
+        for path, t in ms.items():
+            if t == t:  # NaN: the native kernel is not built
+                names.append(f"{path}/{case}")
+                records.append(schema.result(names[-1], t / 1e3, phase=case))
+        for n in names:
+            schema.add_ratios(records, n, [f"float32 chain/{case}"])
     for miss in missing:
         sources = []
         for _ in range(2):
@@ -88,6 +99,7 @@ def main(argv=None) -> int:
         ok = same_bits(out_runs, out_chain)
         same &= ok
         points.append((runs, t_runs, t_chain, t_nat))
+        record(f"missing {miss}", **{"run-wise": t_runs, "float32 chain": t_chain, "native": t_nat})
         # accumulate_rows' default past the limit
         pick = "native" if nat else "run-wise" if runs <= limit else "embedding_bag"
         print(f"[case]   missing {miss:5d}: {runs:5d} runs | run-wise {t_runs:8.2f} ms | float32 chain "
@@ -115,13 +127,29 @@ def main(argv=None) -> int:
              lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=0, bags=True, native=False)])
         ok = same_bits(out_runs, out_chain)
         same &= ok
+        record(f"{num} sources", **{"float32 chain": t_chain, "embedding_bag": t_bags, "native": t_nat})
         print(f"[bags]   {num} sources, each with a token at p = {present:.2f} ({rows / m:.2f} rows per token, "
               f"{acc.size(0) // num} tokens per block): "
               f"float32 chain {t_chain:8.2f} ms | embedding_bag {t_bags:8.2f} ms | native {t_nat:8.2f} ms | "
               f"chain / bags {t_chain / t_bags:5.2f}x | bags / native {t_bags / t_nat:5.2f}x | same bits {ok}")
     print(f"[check]  all paths give the same bits in every case: {same}")
+    if args.json:
+        schema.write(args.json, schema.document(
+            "combine-sum", argv=args._argv, params=cli.params_of(args, 1), results=records,
+            baselines=[r["name"] for r in records if r["system"] == "float32 chain"],
+            checks=dict(ok=bool(same), same_bits=bool(same)), mpi=False,
+            details=dict(two_source_run_limit=limit, native=nat, runs={f"missing {k}": p[0] for k, p in zip(missing, points)})))
     return 0 if same else 1
 
 
+def main(argv=None) -> int:
+    """``python -m bench combine-sum`` in-process (tests)."""
+    from bench import commands
+
+    return commands.call("combine-sum", argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench import commands
+
+    commands.alias("combine-sum")

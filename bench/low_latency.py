@@ -2,13 +2,13 @@
 
 Run one process per rank::
 
-    mpiexec -n 4 python -m bench.low_latency                    # decode shape, FP8 dispatch, BF16 combine
-    mpiexec -n 4 python -m bench.low_latency --ranks-per-node 2 # two simulated nodes (URMA between them)
-    mpiexec -n 2 python -m bench.low_latency --bf16 --tokens 64 --no-ubmem --json out.json
-    mpiexec -n 4 python -m bench.low_latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
+    mpiexec -n 4 python -m bench low-latency                    # decode shape, FP8 dispatch, BF16 combine
+    mpiexec -n 4 python -m bench low-latency --ranks-per-node 2 # two simulated nodes (URMA between them)
+    mpiexec -n 2 python -m bench low-latency --bf16 --num-tokens 64 --no-ubmem --json out.json
+    mpiexec -n 4 python -m bench low-latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
 
 Workload: DeepEP's LL decode shape (spec §11: 128 tokens per rank, hidden 7168, top-8 of 256
-experts; FP8 dispatch, BF16 combine), ``bench.common.make_workload`` (``x = randn``, routing =
+experts; FP8 dispatch, BF16 combine), ``bench.workload.make_workload`` (``x = randn``, routing =
 top-k of ``randn.abs() + 1``, weights ``randn.abs()``), ``M = tokens``. The "experts" are the
 identity (FP8 rows cast back to BF16).
 
@@ -19,9 +19,9 @@ Measured, each as the max over ranks per iteration, median and p99 over ``--iter
 * overlap: send, then a matmul calibrated to last as long as the round trip, then the hook,
   for dispatch and combine; reported against ``max(communication, compute)``;
 * the single-copy memory roofline: each rank copies its LL-formula dispatch bytes once and its
-  combine bytes once, all ranks at once (``bench.common.memcpy_roofline``); a transport that
+  combine bytes once, all ranks at once (``bench.roofline.memcpy_roofline``); a transport that
   moves each byte with one copy cannot beat it;
-* the peer pipelines a user would write instead, on the same workload (``bench.common``:
+* the peer pipelines a user would write instead, on the same workload (``bench.baselines``:
   MPI ``Alltoallv`` and torch gloo ``all_to_all_single``, per destination *rank* with an
   unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement).
 
@@ -34,82 +34,119 @@ formula's GB/s at that time next to the measured one; ``--link-emulation delay``
 calls' links (SIMULATION, labelled; the peers are not slowed). Performance targets are reported, never asserted:
 round trip >= 5x faster than the faster peer pipeline at 4 ranks; overlapped total <= 1.3x the
 longer of communication and compute.
+
+``--json FILE`` (``bench.schema``): results ``deepep_ascend/dispatch`` and ``/combine`` (the
+busiest rank's LL-formula bytes), ``/round_trip`` (``by_kind``: the busiest rank's bytes moved
+per channel kind in one round trip), the hook halves (``/dispatch_send``, ``/dispatch_recv``,
+``/combine_send``, ``/combine_recv``), ``/overlapped_round_trip`` and ``compute/call``, each
+with ``p99_s``; the baselines ``mpi_alltoallv/round_trip``, ``gloo_all_to_all/round_trip`` and
+``memcpy_roofline/round_trip``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from bench import common as C
+from bench import cli, schema
+from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
+from bench.formulas import fmt_bytes, gbps, low_latency_bytes
+from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.roofline import memcpy_roofline
+from bench.timing import Timing, time_phases
+from bench.workload import calc_diff, comm_fingerprint, make_workload, per_token_cast_back
 
 
 LOGFMT_SCALE = 2.0 ** -6  # --logfmt: expert rows scaled below 1 (exact in bf16), so groups go as LogFMT
 LOGFMT_CALC_DIFF = 1e-4  # LogFMT-10's relative error is <= 2.2 % per value (quant.logfmt10_encode)
+KINDS = ("SELF", "UBMEM", "URMA")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.low_latency", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=C.int_at_least(1), default=128, help="tokens per rank = num_max_dispatch_tokens_per_rank")
-    p.add_argument("--hidden", type=C.int_at_least(1), default=7168)
-    p.add_argument("--num-topk", type=C.int_at_least(1), default=8)
-    p.add_argument("--num-experts", type=C.int_at_least(1), default=256)
-    p.add_argument("--iters", type=C.int_at_least(1), default=30)
-    p.add_argument("--warmup", type=C.int_at_least(0), default=3)
-    p.add_argument("--seed", type=int, default=0)
+def add_arguments(p) -> None:
+    """The command's options: the shared ones (``bench.cli``) and its own."""
+    cli.add_shared(p, num_tokens=128, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0,
+                   json=None, ranks_per_node=None, no_progress=False,
+                   helps=dict(num_tokens="= num_max_dispatch_tokens_per_rank", no_progress="no bar here"))
     p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="simulated node size (URMA across nodes)")
     p.add_argument("--no-ubmem", action="store_true",
                    help="allow_nvlink_for_low_latency_mode=False: same-node peers through put, not stores")
     p.add_argument("--logfmt", action="store_true",
                    help="combine with use_logfmt=True (LogFMT-10); the identity experts scale their rows by 2^-6 "
                         "(exact) so that groups stay below 1 and travel as LogFMT")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
-    p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
-    p.add_argument("--no-progress", action="store_true", help="accepted for symmetry with bench.normal (no bar here)")
-    C.add_link_args(p)
-    a = p.parse_args(argv)
-    a.profile, a.emulator = C.link_setup(p, a)
-    if a.iters < 1 or a.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
-    return a
+    cli.add_link_args(p)
 
 
-def p99(t: C.Timing) -> float:
+def check_args(p, a) -> None:
+    """The link profile and emulator (``p.error`` on bad values)."""
+    a.profile, a.emulator = link_setup(p, a)
+
+
+def p99(t: Timing) -> float:
     return float(np.percentile(t.times, 99)) if t.times else float("nan")
 
 
-def us(t: C.Timing) -> str:
+def us(t: Timing) -> str:
     return f"median {t.median * 1e6:9.1f} us  p99 {p99(t) * 1e6:9.1f} us"
 
 
-def main(argv=None) -> int:
+def result_records(out: dict, t: dict, th: dict, to: dict, tc: Timing, base: dict, roof: Timing) -> list:
+    """The document's ``results`` (``bench.schema``): ``deepep_ascend/dispatch`` and ``/combine`` with the
+    busiest rank's LL-formula bytes, ``/round_trip`` with ``by_kind`` (the busiest rank's bytes moved per
+    channel kind in one round trip), the hook halves, the overlapped round trip and the compute it hid,
+    then the baselines; every record with its ``p99_s``; ``ratio_to`` between the round trips."""
+    b = out["bytes"]
+    per_trip = {}
+    for k in KINDS:
+        vals = [d.get(k) for d in b["moved_by_kind_per_rank"]]
+        if all(isinstance(v, (int, float)) for v in vals):
+            v = max(vals) / b["calls"]  # moved over `calls` round trips
+            per_trip[k] = int(v) if float(v).is_integer() else v
+    recs = [schema.result(f"deepep_ascend/{ph}", None, timing=t[ph], nbytes=max(b[f"{ph}_per_rank"]),
+                          formula="DeepEP LL (busiest rank)", p99_s=p99(t[ph])) for ph in ("dispatch", "combine")]
+    recs.append(schema.result("deepep_ascend/round_trip", None, timing=t["round_trip"], by_kind=per_trip or None,
+                              p99_s=p99(t["round_trip"])))
+    for key, name in (("d_send", "dispatch_send"), ("d_recv", "dispatch_recv"), ("c_send", "combine_send"),
+                      ("c_recv", "combine_recv")):
+        recs.append(schema.result(f"deepep_ascend/{name}", None, timing=th[key], p99_s=p99(th[key])))
+    overlapped = to["dispatch"] + to["combine"]
+    recs.append(schema.result("deepep_ascend/overlapped_round_trip", None, timing=overlapped, p99_s=p99(overlapped)))
+    recs.append(schema.result("compute/call", None, timing=tc, p99_s=p99(tc)))
+    for k, v in base.items():
+        recs.append(schema.result(f"{k}/round_trip", None, timing=v, p99_s=p99(v)))
+    recs.append(schema.result("memcpy_roofline/round_trip", None, timing=roof, p99_s=p99(roof),
+                              nbytes=out["roofline"]["dispatch_bytes"] + out["roofline"]["combine_bytes"],
+                              formula="DeepEP LL (this rank)"))
+    trips = [r["name"] for r in recs if r["phase"] == "round_trip"]
+    for name in trips:
+        schema.add_ratios(recs, name, trips)
+    return recs
+
+
+def run(args) -> int:
+    """Run the benchmark (collective; see the module docstring); the exit code: 1 on a failed check."""
     from mpi4py import MPI
 
+    from bench.internals import ll_zeros
     from deepep_ascend import Buffer
-    from deepep_ascend.ep.low_latency import zeros as ll_zeros
     from deepep_ascend.transports import LinkStats
 
-    args = parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, R = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
-    N, H, K, E = args.tokens, args.hidden, args.num_topk, args.num_experts
+    N, H, K, E = args.num_tokens, args.hidden, args.num_topk, args.num_experts
     fp8 = not args.bf16
-    wl = C.make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=False)
+    wl = make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=False)
     nbytes = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
     buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
-    emulator = C.use_link_emulator(buf.runtime, args.emulator)
+    emulator = use_link_emulator(buf.runtime, args.emulator)
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
-                          fingerprint=C.comm_fingerprint(wl, comm))}
+                          fingerprint=comm_fingerprint(wl, comm))}
     st = {}
 
     def experts(recv_x, recv_count):
@@ -120,7 +157,7 @@ def main(argv=None) -> int:
         y = ll_zeros(data.shape, torch.bfloat16)
         for e, c in enumerate(recv_count.tolist()):
             if c:
-                y[e, :c] = C.per_token_cast_back(data[e, :c], scales[e, :c].contiguous())
+                y[e, :c] = per_token_cast_back(data[e, :c], scales[e, :c].contiguous())
                 if args.logfmt:
                     y[e, :c].mul_(LOGFMT_SCALE)
         return y
@@ -137,12 +174,12 @@ def main(argv=None) -> int:
     # Correctness once: identity experts, so combined ≈ x · Σ w (spec §9 invariant 12).
     dispatch(), make_y(), combine()
     approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True) * (LOGFMT_SCALE if args.logfmt else 1.0)
-    diff = comm.allreduce(C.calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
+    diff = comm.allreduce(calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
     bound = (9e-4 if fp8 else 1e-5) + (LOGFMT_CALC_DIFF if args.logfmt else 0.0)
     out["check"] = dict(calc_diff=diff, bound=bound, ok=diff < bound)
 
     before = buf.runtime.stats.snapshot()
-    t = C.time_phases([("dispatch", dispatch), (None, make_y), ("combine", combine)], comm, args.iters, args.warmup)
+    t = time_phases([("dispatch", dispatch), (None, make_y), ("combine", combine)], comm, args.iters, args.warmup)
     moved = LinkStats.bytes_by_kind(LinkStats.diff(buf.runtime.stats.snapshot(), before))
     calls = args.iters + args.warmup
     t["round_trip"] = t["dispatch"] + t["combine"]
@@ -161,7 +198,7 @@ def main(argv=None) -> int:
     def c_recv():
         st["c"][2]()
 
-    th = C.time_phases([("d_send", d_send), ("d_recv", d_recv), (None, make_y), ("c_send", c_send),
+    th = time_phases([("d_send", d_send), ("d_recv", d_recv), (None, make_y), ("c_send", c_send),
                         ("c_recv", c_recv)], comm, args.iters, args.warmup)
 
     # Overlap: a compute as long as one call's communication between its send and its hook.
@@ -187,7 +224,7 @@ def main(argv=None) -> int:
         for _ in range(reps):
             a @ a
 
-    tc = C.time_phases([("compute", compute)], comm, args.iters, args.warmup)["compute"]
+    tc = time_phases([("compute", compute)], comm, args.iters, args.warmup)["compute"]
 
     def overlapped_dispatch():
         d_send(), compute(), d_recv()
@@ -195,56 +232,57 @@ def main(argv=None) -> int:
     def overlapped_combine():
         c_send(), compute(), c_recv()
 
-    to = C.time_phases([("dispatch", overlapped_dispatch), (None, make_y), ("combine", overlapped_combine)], comm,
+    to = time_phases([("dispatch", overlapped_dispatch), (None, make_y), ("combine", overlapped_combine)], comm,
                        args.iters, args.warmup)
     overlap_total = (to["dispatch"] + to["combine"]).median
     longer = max(t["round_trip"].median, 2 * tc.median)
 
     # DeepEP's LL byte formula (spec §11), this rank's valid selections.
     sel = int((wl.topk_idx >= 0).sum())
-    d_bytes, c_bytes = (C.low_latency_bytes(sel, H, fp8, ph, logfmt=args.logfmt) for ph in ("dispatch", "combine"))
+    d_bytes, c_bytes = (low_latency_bytes(sel, H, fp8, ph, logfmt=args.logfmt) for ph in ("dispatch", "combine"))
 
     # Projection: one more (untimed) round trip, counters per call, on --link-profile's links.
     dispatch()
     s_d = buf.get_link_stats()
     make_y(), combine()
     s_c = buf.get_link_stats()
-    out["bytes"] = dict(formula="DeepEP LL (bench.common.low_latency_bytes)", dispatch_per_rank=comm.allgather(d_bytes),
+    out["bytes"] = dict(formula="DeepEP LL (bench.formulas.low_latency_bytes)", dispatch_per_rank=comm.allgather(d_bytes),
                         combine_per_rank=comm.allgather(c_bytes), calls=calls,
                         moved_by_kind_per_rank=comm.allgather({k: int(v) for k, v in moved.items()}))
     out["bytes"]["one_call_by_kind_rank0"] = {ph: LinkStats.bytes_by_kind(sn) for ph, sn in (("dispatch", s_d),
                                                                                            ("combine", s_c))}
-    out["link_model"] = C.link_model_doc(args.profile, emulator)
-    out["projection"] = C.project_phases({"dispatch": s_d, "combine": s_c}, comm, args.profile,
+    out["link_model"] = link_model_doc(args.profile, emulator)
+    out["projection"] = project_phases({"dispatch": s_d, "combine": s_c}, comm, args.profile,
                                          {"dispatch": d_bytes, "combine": c_bytes})
     out["ll"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in {**t, **th}.items()}
-    out["bandwidth_GBps"] = dict(dispatch=C.gbps(d_bytes, t["dispatch"].median),
-                                 combine=C.gbps(c_bytes, t["combine"].median),
-                                 per_kind={k: C.gbps(v / calls, t["round_trip"].median) for k, v in moved.items()})
+    out["bandwidth_GBps"] = dict(dispatch=gbps(d_bytes, t["dispatch"].median),
+                                 combine=gbps(c_bytes, t["combine"].median),
+                                 per_kind={k: gbps(v / calls, t["round_trip"].median) for k, v in moved.items()})
     out["overlap"] = dict(compute_per_call_s=tc.median, comm_per_call_s=comm_s, total_s=overlap_total, longer_s=longer,
                           ratio=overlap_total / longer, target=1.3)
 
     # Same-run baselines on the same workload.
     base = {}
     if not args.no_baselines:
-        wl_b = C.make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=fp8)
-        base["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
-        C.init_gloo(comm)
-        base["gloo_all_to_all"] = C.gloo_all_to_all_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+        wl_b = make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=fp8)
+        base["mpi_alltoallv"] = mpi_alltoallv_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+        start_gloo(comm)
+        base["gloo_all_to_all"] = gloo_all_to_all_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
     out["baselines"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in base.items()}
-    roof = C.memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
+    roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
     out["roofline"] = roof.as_dict() | {"dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
     if base:
         faster = min(v.median for v in base.values())
-        out["summary"] = dict(speedup_vs_faster_pipeline=faster / t["round_trip"].median, target=5.0)
+        out["summary"] = dict(speedup_over_faster_peer=faster / t["round_trip"].median, target=5.0)
 
+    records = result_records(out, t, th, to, tc, base, roof)
     if rank == 0:
         c = out["config"]
         if emulator is not None:
             print(f"[link]   {emulator.label} -- the [ll]/[hook]/[overlap] lines are EMULATED, the peers are not")
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine, same-node peers by "
-              f"{'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {C.fmt_bytes(nbytes)}, "
+              f"{'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {fmt_bytes(nbytes)}, "
               f"fingerprint {c['fingerprint']}")
         print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "
               f"{'ok' if out['check']['ok'] else 'MISMATCH'}")
@@ -257,7 +295,7 @@ def main(argv=None) -> int:
                  "[ll]     bytes of one call on rank 0: " + " | ".join(
                      f"{ph} " + ", ".join(f"{k} {v:,}" for k, v in kinds.items())
                      for ph, kinds in out["bytes"]["one_call_by_kind_rank0"].items())]
-        lines += C.projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
+        lines += projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
                                                         "combine": (t["combine"].median, bw["combine"])},
                                     "LL formula", emulator)
         o = out["overlap"]
@@ -278,14 +316,18 @@ def main(argv=None) -> int:
                      f"round trip {us(roof)}; LL round trip / roofline {t['round_trip'].median / roof.median:.1f}x"
                      f"{need}")
         if base:
-            sp = out["summary"]["speedup_vs_faster_pipeline"]
+            sp = out["summary"]["speedup_over_faster_peer"]
             tgt = " (target >= 5x at 4 ranks)" if R == 4 and emulator is None else ""
             how = f"{sp:.2f}x faster than" if sp >= 1 else f"{1 / sp:.2f}x slower than"
             lines.append(f"[summary] LL round trip is {how} the faster peer pipeline{tgt}{peer_note}")
         print("\n".join(lines), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+            schema.write(args.json, schema.document(
+                "low-latency", argv=args._argv, params=cli.params_of(args, R), fingerprint=out["config"]["fingerprint"],
+                results=records, baselines=[n for n in (f"{k}/round_trip" for k in base)] + ["memcpy_roofline/round_trip"],
+                checks=out["check"], summary=out.get("summary", {}), link_model=out["link_model"],
+                projection=out["projection"],
+                details={k: v for k, v in out.items() if k not in ("check", "summary", "link_model", "projection")}))
     st.clear()
     wl = None
     buf.destroy()
@@ -295,5 +337,14 @@ def main(argv=None) -> int:
     return 0 if out["check"]["ok"] else 1
 
 
+def main(argv=None) -> int:
+    """``python -m bench low-latency`` in-process, without the MPI exit path (tests)."""
+    from bench import commands
+
+    return commands.call("low-latency", argv)
+
+
 if __name__ == "__main__":
-    C.run_main(main)
+    from bench import commands
+
+    commands.alias("low-latency")

@@ -2,15 +2,15 @@
 
 Run one process per rank::
 
-    mpiexec -n 4 python -m bench.normal                       # DeepSeek-V3-like default, BF16
-    mpiexec -n 4 python -m bench.normal --fp8 --json out.json # FP8 dispatch, BF16 combine
-    mpiexec -n 2 python -m bench.normal --tokens 512 --hidden 2048 --baselines-only
+    mpiexec -n 4 python -m bench normal                       # DeepSeek-V3-like default, BF16
+    mpiexec -n 4 python -m bench normal --fp8 --json out.json # FP8 dispatch, BF16 combine
+    mpiexec -n 2 python -m bench normal --num-tokens 512 --hidden 2048 --baselines-only
 
 Workload (default shaped like DeepSeek-V3, as DeepEP's published V1 numbers): 4096 tokens per
 rank, hidden 7168, 256 experts, top-8; ``x = randn`` (BF16), routing = top-k of
 ``randn(N, E).abs() + 1`` and weights ``randn(N, K).abs()``, from a generator seeded
 ``seed * 65536 + rank`` (``--seed``, default 0); ``torch.set_num_threads(1)`` on every rank.
-``--routing FILE`` replays a saved ``topk_idx`` trace instead (format: ``bench/common.py``
+``--routing FILE`` replays a saved ``topk_idx`` trace instead (format: ``bench/routing.py``
 docstring — ``.npz``/``.pt`` with ``topk_idx`` ``[T, K]`` or ``[S, T, K]``, ``T`` = global tokens
 split evenly over the ranks, ids in ``[-1, E)``, optional ``num_experts`` and ``topk_weights``;
 ``--routing-step`` picks ``S``; the tokens per rank and top-k come from the file).
@@ -19,7 +19,7 @@ split evenly over the ranks, ids in ``[-1, E)``, optional ``num_experts`` and ``
 Systems, each doing the same round trip on the same data (dispatch → identity "experts" →
 combine with the received weights), one after another. Identity experts hand ``recv_x`` itself to
 combine, as DeepEP's own tests do; deepep_ascend's combine then reads those rows in place (they lie
-in its landing segment). ``--experts copy`` hands a new tensor instead (a copy made untimed, as a
+in its landing segment). ``--expert-fn copy`` hands a new tensor instead (a copy made untimed, as a
 real expert's output), which combine stages first:
 
 * ``deepep_ascend``: ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``;
@@ -38,7 +38,7 @@ Timing: barrier before each timed op, ``time.perf_counter`` around it, the max o
 iteration, median (min, max) over ``--iters`` after ``--warmup``. Round trip = dispatch + combine
 per iteration (layout timed apart, as DeepEP does).
 
-Bandwidths (GB = 1e9 B, ``bench.common``): **logical** = rank-mean of
+Bandwidths (GB = 1e9 B, ``bench.formulas``): **logical** = rank-mean of
 ``N_recv * (hidden bytes + top-k bytes)`` / time (V2 formula, own tokens included);
 **bottleneck** = max over ranks of ``N_recv * hidden bytes`` / time (V1 formula: a token once per
 destination rank; FP8 bytes = BF16 x (1 + 4/128) / 2). ``moved`` = bytes per channel kind moved
@@ -59,62 +59,67 @@ Output (rank 0): one ``[config]`` line with the workload fingerprint (equal fing
 inputs bit for bit), one line per system and phase, ``[check]`` lines, ``[summary]`` ratios
 (round-trip speedup over the faster peer pipeline; round trip / roofline) with the targets
 (2 ranks: >= 5x and <= 2.5x; 4 and 8 ranks: >= 3x), and ``[memory]``. ``--json FILE`` writes
-all of it, including per-iteration times.
+all of it, including per-iteration times (``bench.schema``): results ``<system>/<phase>`` for the
+systems (``deepep_ascend``, ``mpi_alltoallv``, ``gloo_all_to_all``; phases ``layout``,
+``dispatch``, ``combine``, ``round_trip``; bytes = the busiest rank's V1 bottleneck bytes, with
+``logical_gbps`` and ``by_kind``, the busiest rank's bytes moved per channel kind) and for the
+rooflines (``memcpy_roofline``, ``clone_roofline``: V2 logical bytes); the peers and rooflines
+are the baselines; ``summary`` holds the ratios, ``details`` the per-rank numbers.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
-import time
 
 import numpy as np
 import torch
 
-from bench import common as C
+from bench import cli, schema
+from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
+from bench.formulas import bottleneck_bytes, fmt_bytes, gbps, logical_bytes
+from bench.hostinfo import MemorySampler, cpu_model, memory_snapshot
+from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.roofline import memcpy_roofline
+from bench.roundtrip import EXPERTS, BufferSystem, RoundTripResult, compare_outputs, run_round_trip
+from bench.routing import load_routing, save_routing
+from bench.workload import comm_fingerprint, make_workload, reference_layout
 
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
 TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}  # issue 2; 8 as 2x4: issue 3
+KINDS = ("SELF", "UBMEM", "URMA")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.normal", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=C.int_at_least(1), default=None, help="tokens per rank (default 4096, or from --routing)")
-    p.add_argument("--hidden", type=C.int_at_least(1), default=7168)
-    p.add_argument("--num-topk", type=C.int_at_least(1), default=None, help="top-k (default 8, or from --routing)")
-    p.add_argument("--num-experts", type=C.int_at_least(1), default=None, help="experts (default 256, or from --routing)")
-    p.add_argument("--iters", type=C.int_at_least(1), default=10, help="timed iterations (default 10)")
-    p.add_argument("--warmup", type=C.int_at_least(0), default=2, help="untimed iterations first (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (per rank: seed*65536+rank)")
-    p.add_argument("--routing", metavar="FILE", help="replay a topk_idx trace (.npz/.pt, see bench/common.py)")
+def add_arguments(p) -> None:
+    """The command's options: the shared ones (``bench.cli``) and its own."""
+    cli.add_shared(p, num_tokens=None, hidden=7168, num_topk=None, num_experts=None, iters=10, warmup=2, seed=0,
+                   json=None, ranks_per_node=None, no_progress=False,
+                   helps=dict(num_tokens="default 4096, or from --routing", num_topk="default 8, or from --routing",
+                              num_experts="default 256, or from --routing", seed="per rank: seed*65536+rank"))
+    p.add_argument("--routing", metavar="FILE", help="replay a topk_idx trace (.npz/.pt, see bench/routing.py)")
     p.add_argument("--routing-step", type=int, default=0,
                    help="row S of a [S, T, K] trace (default 0); train_moe traces store step-major rows, "
                         "one per (step, layer)")
     p.add_argument("--save-routing", metavar="FILE", help="write the routing used (.npz/.pt)")
     p.add_argument("--fp8", action="store_true", help="dispatch the FP8 tuple (e4m3 + float32 scales); combine stays BF16")
-    p.add_argument("--experts", choices=sorted(C.EXPERTS), default="identity",
+    p.add_argument("--expert-fn", choices=sorted(EXPERTS), default="identity",
                    help="combine input: identity = the received rows themselves, as DeepEP's tests pass recv_x "
                         "(deepep_ascend reads them in place); copy = a new tensor per call, as real expert "
                         "outputs (staged); made untimed, for every system (default identity)")
-    p.add_argument("--json", metavar="FILE", help="write rank 0's results as JSON")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--baselines-only", action="store_true", help="skip deepep_ascend (same as --systems mpi,gloo,roofline)")
     p.add_argument("--nvl-bytes", type=int, default=None,
                    help="Buffer num_nvl_bytes (default: Buffer.get_normal_buffer_size_hint, no chunking)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="simulated node size (default: the host); fewer than the ranks takes the two-hop "
-                        "internode path (URMA between nodes, UBMEM inside)")
     p.add_argument("--rdma-bytes", type=int, default=None,
                    help="Buffer num_rdma_bytes, internode only (default: Buffer.get_normal_rdma_buffer_size_hint)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar on rank 0")
-    C.add_link_args(p)
-    a = p.parse_args(argv)
-    a.profile, a.emulator = C.link_setup(p, a)
+    cli.add_link_args(p)
+
+
+def check_args(p, a) -> None:
+    """Checks and derived values after parsing (``p.error`` on bad values): the link profile and
+    emulator, the system list."""
+    a.profile, a.emulator = link_setup(p, a)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -122,9 +127,6 @@ def parse_args(argv=None):
     if a.baselines_only:
         systems = [s for s in systems if s != "deepep_ascend"]
     a.systems = systems
-    if a.iters < 1 or a.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
-    return a
 
 
 def choose_buffer_bytes(Buffer, args, num_ranks: int) -> tuple[int, int, str]:
@@ -133,11 +135,11 @@ def choose_buffer_bytes(Buffer, args, num_ranks: int) -> tuple[int, int, str]:
                 num_scale_cols=args.hidden // 128 if args.fp8 else 0)
     rpn = args.ranks_per_node
     nvl = args.nvl_bytes if args.nvl_bytes is not None else Buffer.get_normal_buffer_size_hint(
-        args.tokens, args.hidden, num_ranks, ranks_per_node=rpn, **hint)
+        args.num_tokens, args.hidden, num_ranks, ranks_per_node=rpn, **hint)
     rdma = 0
     if rpn is not None and rpn < num_ranks:
         rdma = args.rdma_bytes if args.rdma_bytes is not None else Buffer.get_normal_rdma_buffer_size_hint(
-            args.tokens, args.hidden, num_ranks, rpn, **hint)
+            args.num_tokens, args.hidden, num_ranks, rpn, **hint)
     given = [n for n, v in (("--nvl-bytes", args.nvl_bytes), ("--rdma-bytes", args.rdma_bytes)) if v is not None]
     return nvl, rdma, " and ".join(given) if given else "Buffer size hints (no chunking)"
 
@@ -155,7 +157,7 @@ def two_hop_report(wl, args, comm, traffic) -> dict | None:
     if rpn is None or rpn >= R or traffic is None:
         return None
     G, node = R // rpn, comm.Get_rank() // rpn
-    itir = C.reference_layout(wl.topk_idx, args.num_experts, R)[3]
+    itir = reference_layout(wl.topk_idx, args.num_experts, R)[3]
     n = itir.size(0)
     in_node = itir.view(n, G, rpn).any(2)
     other = torch.ones(G, dtype=torch.bool)
@@ -171,8 +173,8 @@ def two_hop_report(wl, args, comm, traffic) -> dict | None:
     tot = {k: sum(d[k] for d in all_ranks) for k in mine}
     return dict(per_rank=all_ranks, totals=tot, row_bytes=row, header_bytes_per_call=headers,
                 dedup_ratio=tot["remote_ranks"] / max(1, tot["remote_nodes"]),
-                urma_bytes_per_token=tot["measured"] / max(1, R * args.tokens),
-                theoretical_urma_bytes_per_token=tot["theoretical"] / max(1, R * args.tokens))
+                urma_bytes_per_token=tot["measured"] / max(1, R * args.num_tokens),
+                theoretical_urma_bytes_per_token=tot["theoretical"] / max(1, R * args.num_tokens))
 
 
 def destroy_buffer(buf, root: bool) -> None:
@@ -181,7 +183,7 @@ def destroy_buffer(buf, root: bool) -> None:
         buf.destroy()
     except Exception as e:  # noqa: BLE001
         if root:
-            print(f"[bench.normal] Buffer.destroy() raised {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"[bench normal] Buffer.destroy() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def build_workload(args, comm):
@@ -189,8 +191,8 @@ def build_workload(args, comm):
     routing = weights = None
     source, label = "random", f"random (seed {args.seed})"
     if args.routing:
-        routing, weights, meta = C.load_routing(args.routing, rank, R, args.routing_step, args.num_experts)
-        for name, val in (("tokens", meta["tokens_per_rank"]), ("num_topk", meta["num_topk"])):
+        routing, weights, meta = load_routing(args.routing, rank, R, args.routing_step, args.num_experts)
+        for name, val in (("num_tokens", meta["tokens_per_rank"]), ("num_topk", meta["num_topk"])):
             given = getattr(args, name)
             if given is not None and given != val:
                 raise SystemExit(f"--{name.replace('_', '-')} {given} disagrees with the trace ({val})")
@@ -198,15 +200,15 @@ def build_workload(args, comm):
         args.num_experts = meta["num_experts"]
         source = f"trace:{meta['digest']}"  # content, not file name, enters the fingerprint
         label = f"trace {os.path.basename(args.routing)} step {meta['step']}/{meta['num_steps']} [{meta['digest']}]"
-    args.tokens = 4096 if args.tokens is None else args.tokens
+    args.num_tokens = 4096 if args.num_tokens is None else args.num_tokens
     args.num_topk = 8 if args.num_topk is None else args.num_topk
     args.num_experts = 256 if args.num_experts is None else args.num_experts
-    wl = C.make_workload(args.tokens, args.hidden, args.num_topk, args.num_experts, rank, R, seed=args.seed,
+    wl = make_workload(args.num_tokens, args.hidden, args.num_topk, args.num_experts, rank, R, seed=args.seed,
                          fp8=args.fp8, routing=routing, routing_weights=weights, routing_source=source)
     return wl, label
 
 
-def system_report(res: C.RoundTripResult, comm, args) -> dict:
+def system_report(res: RoundTripResult, comm, args) -> dict:
     """Collective: byte counts of every rank → bandwidths for one system (same dict on all ranks)."""
     H, K, fp8 = args.hidden, args.num_topk, args.fp8
     n_recv = comm.allgather(res.num_recv_tokens)
@@ -215,20 +217,20 @@ def system_report(res: C.RoundTripResult, comm, args) -> dict:
            "timings": {k: v.as_dict() for k, v in res.timings.items()}, "phases": {}}
     for phase in ("dispatch", "combine"):
         t = res.timings[phase].median
-        logical = [C.logical_bytes(n, H, K, fp8, phase) for n in n_recv]
-        bottle = [C.bottleneck_bytes(n, H, fp8 and phase == "dispatch") for n in n_recv]
+        logical = [logical_bytes(n, H, K, fp8, phase) for n in n_recv]
+        bottle = [bottleneck_bytes(n, H, fp8 and phase == "dispatch") for n in n_recv]
         kinds = {}
         per_rank = [tr[phase] for tr in traffic]
         if all(x is not None for x in per_rank):
             for kind in sorted({k for x in per_rank for k in x}):
                 vals = [int(x.get(kind, 0)) for x in per_rank]
                 kinds[kind] = dict(bytes_per_rank=vals, max_bytes=max(vals),
-                                   max_gbps=C.gbps(max(vals), t))
+                                   max_gbps=gbps(max(vals), t))
         brank = int(np.argmax(bottle))
         out["phases"][phase] = dict(
             median_s=t, logical_bytes_per_rank=logical, bottleneck_bytes_per_rank=bottle,
-            logical_gbps=C.gbps(sum(logical) / len(logical), t),
-            bottleneck_gbps=C.gbps(bottle[brank], t), bottleneck_rank=brank, sent_by_kind=kinds)
+            logical_gbps=gbps(sum(logical) / len(logical), t),
+            bottleneck_gbps=gbps(bottle[brank], t), bottleneck_rank=brank, sent_by_kind=kinds)
     return out
 
 
@@ -236,11 +238,11 @@ def fmt_kinds(kinds: dict) -> str:
     if not kinds:
         return "moved: n/a"
     return "moved/rank max: " + ", ".join(
-        f"{k} {C.fmt_bytes(v['max_bytes'])}" + (f" ({v['max_gbps']:.2f} GB/s)" if v["max_bytes"] else "")
+        f"{k} {fmt_bytes(v['max_bytes'])}" + (f" ({v['max_gbps']:.2f} GB/s)" if v["max_bytes"] else "")
         for k, v in kinds.items())
 
 
-def print_system(rep: dict, res: C.RoundTripResult):
+def print_system(rep: dict, res: RoundTripResult):
     name = rep["name"]
     print(f"[layout]   {name:<16}: {res.timings['layout'].fmt()}")
     for phase in ("dispatch", "combine"):
@@ -274,14 +276,14 @@ def check_ok(chk: dict) -> bool:
     return all(v for k, v in chk.items() if isinstance(v, bool) and k != "combined_x_equal_values")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args) -> int:
+    """Run the benchmark (collective; see the module docstring); the exit code: 1 on a failed check."""
     torch.set_num_threads(1)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rank, R = comm.Get_rank(), comm.Get_size()
     root = rank == 0
-    sampler = C.MemorySampler().start() if root else None
+    sampler = MemorySampler().start() if root else None
 
     Buffer = None
     if "deepep_ascend" in args.systems:
@@ -289,62 +291,62 @@ def main(argv=None) -> int:
             from deepep_ascend import Buffer
         except Exception as e:  # noqa: BLE001 — report any import failure the same way
             if root:
-                print(f"[bench.normal] cannot import deepep_ascend ({type(e).__name__}: {e}); "
+                print(f"[bench normal] cannot import deepep_ascend ({type(e).__name__}: {e}); "
                       f"use --baselines-only to run the baselines alone", file=sys.stderr)
             return 2
 
     wl, routing_label = build_workload(args, comm)
-    fp = C.comm_fingerprint(wl, comm)
+    fp = comm_fingerprint(wl, comm)
     if args.save_routing:
         idx = comm.gather(wl.topk_idx.numpy(), root=0)
         w = comm.gather(wl.topk_weights.numpy(), root=0)
         if root:
-            C.save_routing(args.save_routing, np.concatenate(idx), args.num_experts, np.concatenate(w))
+            save_routing(args.save_routing, np.concatenate(idx), args.num_experts, np.concatenate(w))
 
     if root:
         nodes = "" if args.ranks_per_node is None else f" as {R // args.ranks_per_node} nodes x {args.ranks_per_node}"
-        print(f"[config]   ranks {R}{nodes} | tokens/rank {args.tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
+        print(f"[config]   ranks {R}{nodes} | tokens/rank {args.num_tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
               f"experts {args.num_experts} | dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
-              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.experts} | "
-              f"fingerprint {fp} | cpu {C.cpu_model()}", flush=True)
+              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.expert_fn} | "
+              f"fingerprint {fp} | cpu {cpu_model()}", flush=True)
 
     bar = None
     if root and not args.no_progress:
         try:
             from tqdm import tqdm
             n_sys = sum(s in args.systems for s in ("deepep_ascend", "mpi", "gloo"))
-            bar = tqdm(total=n_sys * (args.iters + args.warmup), desc="bench.normal", unit="it",
+            bar = tqdm(total=n_sys * (args.iters + args.warmup), desc="bench normal", unit="it",
                        leave=False, file=sys.stderr, disable=None)
         except ImportError:
             bar = None
     progress = (lambda i: bar.update(1)) if bar is not None else None
 
-    results: dict[str, C.RoundTripResult] = {}
-    experts = C.EXPERTS[args.experts]
-    extra: dict = {"experts": args.experts}
+    results: dict[str, RoundTripResult] = {}
+    experts = EXPERTS[args.expert_fn]
+    extra: dict = {"expert_fn": args.expert_fn}
     emulator = None
     if "deepep_ascend" in args.systems:
         nvl_bytes, rdma_bytes, why = choose_buffer_bytes(Buffer, args, R)
         extra["num_nvl_bytes"], extra["num_rdma_bytes"], extra["num_nvl_bytes_source"] = nvl_bytes, rdma_bytes, why
         buf = Buffer(group=None, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes, comm=comm,
                      explicitly_destroy=True, ranks_per_node=args.ranks_per_node)
-        emulator = C.use_link_emulator(buf.runtime, args.emulator)
+        emulator = use_link_emulator(buf.runtime, args.emulator)
         if root and emulator is not None:
             print(f"[link]     {emulator.label} -- deepep_ascend lines below are EMULATED, the peers are not",
                   flush=True)
-        results["deepep_ascend"] = C.run_round_trip(C.BufferSystem(buf), wl, comm, args.iters, args.warmup,
+        results["deepep_ascend"] = run_round_trip(BufferSystem(buf), wl, comm, args.iters, args.warmup,
                                                     experts=experts, progress=progress)
         extra["two_hop"] = two_hop_report(wl, args, comm, results["deepep_ascend"].traffic)
-        extra["buffer_memory"] = comm.gather(C.memory_snapshot(), root=0)
+        extra["buffer_memory"] = comm.gather(memory_snapshot(), root=0)
         destroy_buffer(buf, root)  # free its windows before the baselines run: peak memory = max, not sum
         buf = None
     if "mpi" in args.systems:
-        results["mpi_alltoallv"] = C.mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, experts=experts,
+        results["mpi_alltoallv"] = mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, experts=experts,
                                                              progress=progress)
     group = None
     if "gloo" in args.systems:
-        group = C.init_gloo(comm)
-        results["gloo_all_to_all"] = C.gloo_all_to_all_roundtrip(wl, comm, args.iters, args.warmup, group=group,
+        group = start_gloo(comm)
+        results["gloo_all_to_all"] = gloo_all_to_all_roundtrip(wl, comm, args.iters, args.warmup, group=group,
                                                                  experts=experts, progress=progress)
     if bar is not None:
         bar.close()
@@ -355,15 +357,15 @@ def main(argv=None) -> int:
     projection = None
     if "deepep_ascend" in results:
         n_recv = results["deepep_ascend"].num_recv_tokens
-        projection = C.project_phases(results["deepep_ascend"].link_stats, comm, args.profile, {
-            ph: C.bottleneck_bytes(n_recv, args.hidden, args.fp8 and ph == "dispatch") for ph in ("dispatch", "combine")})
+        projection = project_phases(results["deepep_ascend"].link_stats, comm, args.profile, {
+            ph: bottleneck_bytes(n_recv, args.hidden, args.fp8 and ph == "dispatch") for ph in ("dispatch", "combine")})
     roof = roof_fresh = None
     if "roofline" in args.systems:
         n_recv = n_recv_for(results, wl, args, comm)
-        d_bytes = C.logical_bytes(n_recv, args.hidden, args.num_topk, args.fp8, "dispatch")
-        c_bytes = C.logical_bytes(n_recv, args.hidden, args.num_topk, False, "combine")
-        roof = C.memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)
-        roof_fresh = C.memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_dst=True)
+        d_bytes = logical_bytes(n_recv, args.hidden, args.num_topk, args.fp8, "dispatch")
+        c_bytes = logical_bytes(n_recv, args.hidden, args.num_topk, False, "combine")
+        roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)
+        roof_fresh = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_dst=True)
         extra["roofline_bytes"] = comm.gather(dict(dispatch=d_bytes, combine=c_bytes), root=0)
 
     # correctness: everything against the MPI pipeline (or the first system run)
@@ -371,12 +373,12 @@ def main(argv=None) -> int:
     checks = {}
     for name, res in results.items():
         if name != ref_name:
-            checks[name] = C.compare_outputs(results[ref_name], res, comm,
+            checks[name] = compare_outputs(results[ref_name], res, comm,
                                              two_roundings=name == "deepep_ascend" and args.ranks_per_node is not None
                                              and args.ranks_per_node < R)
     ok = all(check_ok(c) for c in checks.values())
 
-    mem = comm.gather(C.memory_snapshot(), root=0)
+    mem = comm.gather(memory_snapshot(), root=0)
     if group is not None:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -388,9 +390,9 @@ def main(argv=None) -> int:
         if roof is not None:
             rb = extra["roofline_bytes"]
             print(f"[roofline] {'memcpy':<16}: dispatch {roof['dispatch'].fmt()} "
-                  f"({C.gbps(max(b['dispatch'] for b in rb), roof['dispatch'].median):.2f} GB/s) | "
+                  f"({gbps(max(b['dispatch'] for b in rb), roof['dispatch'].median):.2f} GB/s) | "
                   f"combine {roof['combine'].fmt()} "
-                  f"({C.gbps(max(b['combine'] for b in rb), roof['combine'].median):.2f} GB/s)")
+                  f"({gbps(max(b['combine'] for b in rb), roof['combine'].median):.2f} GB/s)")
             print(f"[roundtrip]{'memcpy roofline':<16}: {roof['round_trip'].fmt()}")
             print(f"[roofline] {'clone (fresh)':<16}: dispatch {roof_fresh['dispatch'].fmt()} | combine "
                   f"{roof_fresh['combine'].fmt()} | round trip {roof_fresh['round_trip'].fmt()} "
@@ -398,14 +400,14 @@ def main(argv=None) -> int:
         th = extra.get("two_hop")
         if th is not None:
             t = th["totals"]
-            print(f"[two-hop]  URMA dispatch bytes (all ranks): measured {C.fmt_bytes(t['measured'])} | theoretical "
-                  f"once per (token, other node) {C.fmt_bytes(t['theoretical'])} (rows {C.fmt_bytes(t['payload'])} "
+            print(f"[two-hop]  URMA dispatch bytes (all ranks): measured {fmt_bytes(t['measured'])} | theoretical "
+                  f"once per (token, other node) {fmt_bytes(t['theoretical'])} (rows {fmt_bytes(t['payload'])} "
                   f"+ headers) -> {'equal' if t['measured'] == t['theoretical'] else 'DIFFERENT'} | "
                   f"{th['urma_bytes_per_token']:.1f} B/token | direct routing would send "
                   f"{t['remote_ranks']} rows for {t['remote_nodes']}: dedup {th['dedup_ratio']:.2f}x")
         if projection is not None:
             ph = reports["deepep_ascend"]["phases"]
-            for line in C.projection_lines(projection, {k: (ph[k]["median_s"], ph[k]["bottleneck_gbps"]) for k in ph},
+            for line in projection_lines(projection, {k: (ph[k]["median_s"], ph[k]["bottleneck_gbps"]) for k in ph},
                                            "V1 bottleneck", emulator):
                 print(line)
         for name, chk in checks.items():
@@ -414,40 +416,67 @@ def main(argv=None) -> int:
         for line in summary["lines"]:
             print(line)
         peak_rss = [m["peak_rss"] for m in mem]
-        print(f"[memory]   peak RSS/rank max {C.fmt_bytes(max(peak_rss))} (sum {C.fmt_bytes(sum(peak_rss))}, "
-              f"incl. touched shared windows) | /dev/shm peak {C.fmt_bytes(machine['peak_shm'])} | machine used "
-              f"peak {C.fmt_bytes(machine['peak_used'])} of {C.fmt_bytes(machine['mem_total'])} "
-              f"(at start {C.fmt_bytes(machine['start_used'])})", flush=True)
+        print(f"[memory]   peak RSS/rank max {fmt_bytes(max(peak_rss))} (sum {fmt_bytes(sum(peak_rss))}, "
+              f"incl. touched shared windows) | /dev/shm peak {fmt_bytes(machine['peak_shm'])} | machine used "
+              f"peak {fmt_bytes(machine['peak_used'])} of {fmt_bytes(machine['mem_total'])} "
+              f"(at start {fmt_bytes(machine['start_used'])})", flush=True)
         if args.json:
-            doc = dict(
-                benchmark="bench.normal", fingerprint=fp, workload=dict(wl.params, routing_label=routing_label, experts=args.experts), argv=sys.argv[1:],
-                num_ranks=R, iters=args.iters, warmup=args.warmup,
-                env=dict(torch=torch.__version__, cpu=C.cpu_model(), mpi=MPI.Get_library_version().splitlines()[0],
-                         python=platform.python_version(), host=platform.node(), cpus=os.cpu_count(),
-                         time=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
-                systems=reports,
-                roofline=None if roof is None else dict(
-                    timings={k: v.as_dict() for k, v in roof.items()},
-                    timings_fresh_dst={k: v.as_dict() for k, v in roof_fresh.items()},
-                    bytes_per_rank=extra["roofline_bytes"]),
-                checks=dict(reference=ref_name, results=checks, all_ok=ok),
+            records, baselines = result_records(results, reports, roof, roof_fresh, extra.get("roofline_bytes"))
+            schema.write(args.json, schema.document(
+                "normal", argv=args._argv, params=cli.params_of(args, R), results=records, baselines=baselines,
+                fingerprint=fp, checks=dict(ok=ok, reference=ref_name, results=checks),
                 summary={k: v for k, v in summary.items() if k != "lines"},
-                memory=dict(per_rank_end=mem, machine=machine, after_buffer=extra.get("buffer_memory")),
-                buffer=dict(num_nvl_bytes=extra.get("num_nvl_bytes"), num_rdma_bytes=extra.get("num_rdma_bytes"),
-                            ranks_per_node=args.ranks_per_node, source=extra.get("num_nvl_bytes_source")),
-                two_hop=extra.get("two_hop"), link_model=C.link_model_doc(args.profile, emulator),
-                projection=projection)
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+                link_model=link_model_doc(args.profile, emulator), projection=projection,
+                details=dict(workload=dict(wl.params, routing_label=routing_label, expert_fn=args.expert_fn),
+                             systems=reports, roofline_bytes_per_rank=extra.get("roofline_bytes"),
+                             memory=dict(per_rank_end=mem, machine=machine, after_buffer=extra.get("buffer_memory")),
+                             buffer=dict(num_nvl_bytes=extra.get("num_nvl_bytes"),
+                                         num_rdma_bytes=extra.get("num_rdma_bytes"),
+                                         ranks_per_node=args.ranks_per_node, source=extra.get("num_nvl_bytes_source")),
+                             two_hop=extra.get("two_hop"))))
             print(f"[json]     wrote {args.json}")
     return 0 if ok else 1
+
+
+def result_records(results: dict, reports: dict, roof, roof_fresh, roof_bytes) -> tuple[list, list]:
+    """``(results, baselines)`` of the document (``bench.schema``): per system ``layout``, ``dispatch``,
+    ``combine`` (the busiest rank's V1 bottleneck bytes, ``logical_gbps``, ``by_kind``: the busiest
+    rank's bytes moved per channel kind) and ``round_trip`` (``by_kind``: the busiest rank's dispatch +
+    combine bytes per kind; ``ratio_to`` every other round trip), then the rooflines (V2 logical bytes,
+    busiest rank). The peers and the rooflines are the baselines."""
+    recs = []
+    for name, res in results.items():
+        phases = reports[name]["phases"]
+        recs.append(schema.result(f"{name}/layout", None, timing=res.timings["layout"]))
+        for phase in ("dispatch", "combine"):
+            ph = phases[phase]
+            recs.append(schema.result(
+                f"{name}/{phase}", None, timing=res.timings[phase],
+                nbytes=ph["bottleneck_bytes_per_rank"][ph["bottleneck_rank"]], formula="V1 bottleneck (busiest rank)",
+                by_kind={k: v["max_bytes"] for k, v in ph["sent_by_kind"].items()} or None,
+                logical_gbps=ph["logical_gbps"], bottleneck_rank=ph["bottleneck_rank"]))
+        sent = [phases[p]["sent_by_kind"] for p in ("dispatch", "combine")]
+        rt_kinds = {k: max(a + b for a, b in zip(sent[0][k]["bytes_per_rank"], sent[1][k]["bytes_per_rank"]))
+                    for k in KINDS if k in sent[0] and k in sent[1]}
+        recs.append(schema.result(f"{name}/round_trip", None, timing=res.timings["round_trip"], by_kind=rt_kinds or None))
+    if roof is not None:
+        for system, t in (("memcpy_roofline", roof), ("clone_roofline", roof_fresh)):
+            for phase in ("dispatch", "combine", "round_trip"):
+                nbytes = max(b["dispatch"] + b["combine"] if phase == "round_trip" else b[phase] for b in roof_bytes)
+                recs.append(schema.result(f"{system}/{phase}", None, timing=t[phase], nbytes=nbytes,
+                                          formula="V2 logical (busiest rank)"))
+    trips = [r["name"] for r in recs if r["phase"] == "round_trip"]
+    for name in trips:
+        schema.add_ratios(recs, name, trips)
+    baselines = [r["name"] for r in recs if r["system"] != "deepep_ascend"]
+    return recs, baselines
 
 
 def n_recv_for(results, wl, args, comm) -> int:
     """This rank's N_recv for the roofline: from any system's result, else from the layout."""
     for res in results.values():
         return res.num_recv_tokens
-    itir = C.reference_layout(wl.topk_idx, args.num_experts, comm.Get_size())[3]
+    itir = reference_layout(wl.topk_idx, args.num_experts, comm.Get_size())[3]
     counts = itir.sum(0).numpy().astype(np.int64)
     recv = np.empty_like(counts)
     comm.Alltoall(counts, recv)
@@ -496,5 +525,14 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
     return out
 
 
+def main(argv=None) -> int:
+    """``python -m bench normal`` in-process, without the MPI exit path (tests)."""
+    from bench import commands
+
+    return commands.call("normal", argv)
+
+
 if __name__ == "__main__":
-    C.run_main(main)
+    from bench import commands
+
+    commands.alias("normal")

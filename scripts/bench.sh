@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Normal-mode benchmark: NP ranks (default 4) of `python -m bench.normal`, extra args passed on.
+# The main job: NP ranks (default 4) of `python -m bench normal` (the normal-mode benchmark), extra args passed on
+# (`python -m bench normal --help`).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
 
 [[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec
-exec mpiexec -n "${NP:-4}" "$PYTHON_BIN" -m bench.normal "$@"
+exec mpiexec -n "${NP:-4}" "$PYTHON_BIN" -m bench normal "$@"

@@ -26,7 +26,7 @@ needs_install() {
     (cd / && "$PYTHON" - "$REPO_ROOT" <<'PY'
 import importlib.metadata as md, importlib.util, json, os, sys
 root = os.path.realpath(sys.argv[1])
-why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib")
+why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema")
        if importlib.util.find_spec(m) is None]
 try:
     dist = md.distribution("deepep_ascend")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Bandwidth sweeps: run ``bench.normal`` / ``bench.low_latency`` / ``bench.mega_moe`` over a grid of configurations.
+"""Bandwidth sweeps: run the ``normal`` / ``low-latency`` / ``mega-moe`` benchmarks over a grid of configurations.
 
 Usage (from anywhere; the benchmarks run from the repository root)::
 
@@ -10,7 +10,7 @@ Usage (from anywhere; the benchmarks run from the repository root)::
     python scripts/sweep_bandwidth.py --preset small --out mm --mode mega_moe --inter 128,256
 
 Every configuration (mode × ranks × ranks per node × tokens × hidden × [inter] × top-k × experts ×
-dtype) is one ``mpiexec -n R python -m bench.<mode> --json FILE ...`` job, launched with the ``mpiexec``
+dtype) is one ``mpiexec -n R python -m bench <command> --json FILE ...`` job (:data:`COMMANDS`), launched with the ``mpiexec``
 of the ``mpich`` wheel (the one mpi4py's libmpi belongs to; else ``mpiexec`` on PATH), from the
 repository root, ``PYTHONPATH`` = the root, ``OMP_NUM_THREADS=1``, in its own process group and
 with a per-run ``--timeout`` (the group is killed, the row recorded as failed, the sweep goes on).
@@ -23,17 +23,17 @@ preset has a ``mega_moe`` grid, run by default except in ``smoke``):
   BF16, 3 iterations: two points, seconds. (``--mode mega_moe``: the same sizes, inter 128, FP8.)
 * ``small``: 4 ranks as 1 node and as 2 nodes x 2; normal mode at 128-1024 tokens, low-latency
   at 64-256 tokens; hidden 1024, top-4 of 16 experts, BF16; MegaMoE (one node) at 64-256 tokens,
-  ``bench.mega_moe``'s tiny shape (hidden 256, inter 128, top-4 of 16, FP8xFP4); 5 iterations:
+  the mega-moe command's tiny shape (hidden 256, inter 128, top-4 of 16, FP8xFP4); 5 iterations:
   17 points, a few minutes on a 2-core machine.
 * ``default``: DeepSeek-V3 shape (hidden 7168, top-8 of 256 experts), 4 ranks as 1 and 2
   nodes; normal at 512-4096 tokens, low-latency at 16-128 tokens (its window grows with
-  tokens x hidden x experts); MegaMoE at ``bench.mega_moe``'s cpu-pro-mini shape (hidden 1024,
+  tokens x hidden x experts); MegaMoE at the mega-moe command's cpu-pro-mini shape (hidden 1024,
   inter 512, top-6 of 96: DeepSeek-V3's own expert weights do not fit in CPU memory per rank),
   128-512 tokens: longer (estimated, not measured: half an hour to an hour on 2 cores).
 * ``full``: 2, 4 and 8 ranks, nodes of 2 and 4, hidden 2048 and 7168, BF16 and FP8; MegaMoE at
   hidden 1024/2048 x inter 128/512, top-6 of 96, FP8xFP4 and BF16: hours.
 
-MegaMoE rows run on one node only (``bench.mega_moe`` has no ``--ranks-per-node``: a
+MegaMoE rows run on one node only (``mega-moe`` has no ``--ranks-per-node``: a
 ``ranks_per_node`` is listed as an impossible combination), without peer pipelines; ``--inter``
 is their intermediate size and the dtype axis their ``--mma`` (``fp8`` = FP8xFP4, ``bf16`` =
 BF16xBF16); one shared expert (the benchmark's default).
@@ -42,8 +42,12 @@ Outputs in ``--out DIR`` (rewritten atomically after every configuration, so a k
 keeps what it measured; rerunning with the same ``DIR`` skips configurations already ``ok``,
 ``--no-resume`` measures them again):
 
+* ``records/<config>.json``: each run's benchmark document (schema ``deepep_ascend.bench/1``,
+  ``bench/schema.py``, the one every command writes) with a ``sweep`` block (configuration key,
+  status, error, exit code, wall time, provenance);
 * ``results.csv`` / ``results.json`` (``{"columns": [...], "rows": [...]}``): one row per
-  configuration; columns in :data:`COLUMNS` (see the README section "Bandwidth sweeps").
+  configuration, read from its record (``bench/sweep_records.py``); columns in :data:`COLUMNS`
+  (see the README section "Bandwidth sweeps").
 * ``gbps_vs_size.png``: GB/s vs tokens per rank, per mode, for the formula bandwidths (MegaMoE:
   the fused call's per-pair bytes, with and without self-rank pairs) and per channel kind
   (SELF / UBMEM / URMA bytes moved per second);
@@ -52,19 +56,17 @@ keeps what it measured; rerunning with the same ``DIR`` skips configurations alr
 * ``projected_vs_measured.png``: the benchmarks' projection onto a link profile (a model,
   labelled as such) next to the measured GB/s; emulated runs are labelled ``EMULATED``.
 
-GB = 1e9 B. The GB/s come from the benchmarks' JSON, computed there with ``bench.common``'s
-byte formulas (V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode; MegaMoE's
-per-pair bytes), except where the sweep takes the busiest rank's bytes from the JSON
-(low-latency formula GB/s, the per-kind rates), always with ``bench.common.gbps``.
+GB = 1e9 B. The GB/s come from the benchmarks' documents, computed there with ``bench.formulas``
+(V1 bottleneck, V2 logical; DeepEP's LL formula in low-latency mode; MegaMoE's per-pair bytes;
+the busiest rank's bytes), the per-kind rates as the busiest rank's bytes over the time with
+``bench.formulas.gbps``.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import importlib.metadata
-import io
 import itertools
 import json
 import math
@@ -76,37 +78,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterable, Optional
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench import common as C  # noqa: E402  (byte formulas and gbps: one implementation)
-from deepep_ascend.transports.process import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
+from bench import cli, schema  # noqa: E402
+from bench.formulas import FP8_BLOCK  # noqa: E402
+from bench.internals import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
+from bench.sweep_plots import EMULATED_TAG, make_plots  # noqa: E402,F401  (EMULATED_TAG: the plots' label)
+from bench.sweep_records import (  # noqa: E402,F401  (the record I/O, used here and by the tests through this module)
+    COLUMNS, CONFIG_FIELDS, MMA, MODES, done_keys, emulated, load_results, measured_fields, merge_row, number,
+    write_record, write_results)
 
-MODES = ("normal", "low_latency", "mega_moe")
-MODULES = {"normal": "bench.normal", "low_latency": "bench.low_latency", "mega_moe": "bench.mega_moe"}
-KINDS = ("SELF", "UBMEM", "URMA")
-PEERS = ("mpi_alltoallv", "gloo_all_to_all")
-PHASES = ("dispatch", "combine")
-PROJ_PHASES = PHASES + ("fused",)  # the benchmarks' projection phases (mega_moe: one, "fused")
-MMA = {"fp8": "fp8xfp4", "bf16": "bf16xbf16"}  # mega_moe: the dtype axis is the MMA type
+COMMANDS = {"normal": "normal", "low_latency": "low-latency", "mega_moe": "mega-moe"}  # mode -> python -m bench <command>
 LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
 DEFAULT_LINK_PROFILE = "ascend950"
 
 
 def _bench_default_link_scale() -> float:
-    """The benchmarks' ``--link-scale`` default (all three take it from ``bench.common.add_link_args``)."""
+    """The benchmarks' ``--link-scale`` default (all three take it from ``bench.cli.add_link_args``)."""
     q = argparse.ArgumentParser(add_help=False)
-    C.add_link_args(q)
+    cli.add_link_args(q)
     return float(q.get_default("link_scale"))
 
 
 # An emulated configuration without --link-scale runs at this scale: its key and row say the value,
 # so that the default and an explicit --link-scale of the same value are one configuration.
 DEFAULT_LINK_SCALE = _bench_default_link_scale()
-EMULATED_TAG = " EMULATED"  # plot labels of rows measured with emulated links
 
 # ----------------------------------------------------------------------------------------------
 # Presets: per mode, the axes (lists) of its grid; the modes run by default (``default_modes``,
@@ -156,37 +156,6 @@ PRESETS = {
                                 dtype=["fp8", "bf16"])}),
 }
 AXES = ("ranks", "ranks_per_node", "tokens", "hidden", "inter", "num_topk", "num_experts", "dtype")
-
-# ----------------------------------------------------------------------------------------------
-# Row columns (CSV order). Empty cell = not measured / not reported by that benchmark.
-# ----------------------------------------------------------------------------------------------
-
-# mega_moe rows: bench.mega_moe's times (mean over ranks of the per-rank medians), its per-pair GB/s
-# (with self-rank pairs = the main number, cross-rank only), routed TFLOPS and summary ratios.
-MEGA_MOE_COLUMNS = ["fused_s", "fused_bytes", "fused_gbps", "fused_cross_rank_bytes", "fused_cross_rank_gbps",
-                    "fused_tflops", "fused_over_sum_stages", "grouped_over_plain_mm", "serial_s", "unfused_s",
-                    "sum_stages_s", "comm_stages_s"]
-
-CONFIG_FIELDS = ["mode", "ranks", "ranks_per_node", "nodes", "tokens", "hidden", "inter", "num_topk", "num_experts",
-                 "dtype",
-                 "iters", "warmup", "seed", "peers", "link_profile", "link_emulation", "link_scale"]
-COLUMNS = (
-    ["config_key"] + CONFIG_FIELDS
-    + ["status", "error", "returncode", "wall_s", "fingerprint", "version", "git_commit", "hostname", "timestamp",
-       "gbps_formula", "checks_ok"]
-    + [f"{p}_{m}" for p in PHASES for m in ("s", "bytes", "gbps", "logical_gbps")]
-    + ["round_trip_s"]
-    + [f"{p}_{k}_{m}" for p in PHASES for k in KINDS for m in ("bytes", "gbps")]
-    + [f"rt_{k}_{m}" for k in KINDS for m in ("bytes", "gbps")]
-    + MEGA_MOE_COLUMNS
-    + [f"{peer}_{m}" for peer in PEERS for m in ("round_trip_s", "dispatch_gbps", "combine_gbps")]
-    + ["roofline_round_trip_s", "speedup_over_faster_peer"]
-    + ["link_label", "proj_profile", "proj_links", "proj_round_trip_s"]
-    + [f"proj_{p}_{m}" for p in PROJ_PHASES
-       for m in ("s", "gbps", "formula_bytes", "bottleneck_kind", "bottleneck_direction", "bottleneck_rank",
-                 "bottleneck_bytes", "bottleneck_link_gbps")]
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -249,13 +218,13 @@ class Config:
             return f"num_topk {self.num_topk} > num_experts {self.num_experts}"
         if self.ranks_per_node and self.ranks % self.ranks_per_node:
             return f"ranks_per_node {self.ranks_per_node} does not divide ranks {self.ranks}"
-        if self.dtype == "fp8" and self.hidden % C.FP8_BLOCK:
-            return f"fp8 needs hidden % {C.FP8_BLOCK} == 0 (hidden {self.hidden})"
+        if self.dtype == "fp8" and self.hidden % FP8_BLOCK:
+            return f"fp8 needs hidden % {FP8_BLOCK} == 0 (hidden {self.hidden})"
         if self.mode == "low_latency" and self.tokens > LL_MAX_TOKENS:
             return f"low_latency needs tokens <= {LL_MAX_TOKENS} (tokens {self.tokens})"
         if self.mode == "mega_moe":  # get_symm_buffer_for_mega_moe's checks; one node only
             if self.ranks_per_node:
-                return "mega_moe runs on one node only (bench.mega_moe has no --ranks-per-node)"
+                return "mega_moe runs on one node only (the mega-moe command has no --ranks-per-node)"
             if self.num_topk > 32:
                 return f"mega_moe needs num_topk <= 32 (num_topk {self.num_topk})"
             if self.dtype == "fp8" and self.inter % 128:
@@ -265,14 +234,12 @@ class Config:
         return None
 
     def bench_args(self, json_path: str, supported: set) -> list:
-        """The benchmark's command-line options (``supported``: the options its ``--help`` lists)."""
+        """The benchmark's command-line options (``supported``: the options its ``--help`` lists), in the
+        benchmarks' one vocabulary (``bench.cli``)."""
+        a = ["--json", json_path, "--num-tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
+             "--num-experts", self.num_experts, "--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
         if self.mode == "mega_moe":
-            a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--inter", self.inter,
-                 "--experts", self.num_experts, "--topk", self.num_topk, "--mma", self.dtype]
-        else:
-            a = ["--json", json_path, "--tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
-                 "--num-experts", self.num_experts]
-        a += ["--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
+            a += ["--inter", self.inter, "--mma", self.dtype]
         if self.ranks_per_node:
             a += ["--ranks-per-node", self.ranks_per_node]
         if self.mode == "normal":
@@ -349,28 +316,23 @@ def git_commit() -> str:
         return ""
 
 
-def bench_options(module: str, env: dict) -> set:
-    """The ``--options`` a benchmark's ``--help`` lists (checked once per module).
+def bench_options(command: str, env: dict) -> set:
+    """The ``--options`` a benchmark command's ``--help`` lists (checked once per command).
 
-    In-process (``parse_args(["--help"])`` with stdout captured: the benchmarks import neither MPI
-    nor anything torch-free at module level, and torch is loaded already), else a subprocess.
+    In-process (the registry's parser, ``bench.commands.parser``: the commands import no MPI at
+    module level), else ``python -m bench <command> --help`` in a subprocess.
     """
-    import contextlib
-    import importlib
-
     text = ""
     try:
-        mod = importlib.import_module(module)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
-            mod.parse_args(["--help"])
-        text = buf.getvalue()
+        from bench import commands
+
+        text = commands.parser(command).format_help()
     except Exception:  # noqa: BLE001 - fall back to asking a fresh interpreter
         text = ""
     if "--json" not in text:
         try:
-            text = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
-                                  text=True, timeout=120).stdout
+            text = subprocess.run([sys.executable, "-m", "bench", command, "--help"], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=120).stdout
         except (OSError, subprocess.SubprocessError):
             return set()
     return set(re.findall(r"--[a-z][a-z0-9-]*", text))
@@ -386,7 +348,8 @@ def run_config(cfg: Config, mpiexec: str, env: dict, supported: set, timeout: fl
     fd, json_path = tempfile.mkstemp(prefix="sweep_", suffix=".json")
     os.close(fd)
     os.unlink(json_path)  # the benchmark creates it: its absence means no result
-    cmd = [mpiexec, "-n", str(cfg.ranks), sys.executable, "-m", MODULES[cfg.mode]] + cfg.bench_args(json_path, supported)
+    cmd = [mpiexec, "-n", str(cfg.ranks), sys.executable, "-m", "bench", COMMANDS[cfg.mode]] + cfg.bench_args(
+        json_path, supported)
     log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9._+-]", "_", cfg.key) + ".log")
     t0 = time.perf_counter()
     err, rc = "", None
@@ -406,11 +369,13 @@ def run_config(cfg: Config, mpiexec: str, env: dict, supported: set, timeout: fl
     wall = time.perf_counter() - t0
     doc = None
     try:
-        with open(json_path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
+        doc = schema.read(json_path)  # the one document every command writes (bench/schema.py)
+    except (OSError, json.JSONDecodeError) as e:
         if not err:
             err = f"exit {rc}, no JSON result ({type(e).__name__})"
+    except ValueError as e:  # JSON, but not a deepep_ascend.bench/1 document
+        if not err:
+            err = f"exit {rc}, {e}"
     finally:
         if os.path.exists(json_path):
             os.unlink(json_path)
@@ -447,128 +412,6 @@ def log_tail(path: str, n: int = 400) -> str:
     return " | ".join(lines)[-n:] + f" (log: {path})"
 
 
-def _get(d, *path):
-    for p in path:
-        if not isinstance(d, dict) or p not in d:
-            return None
-        d = d[p]
-    return d
-
-
-def _rt_kinds(per_rank: Optional[list], seconds: Optional[float], calls: int = 1) -> dict:
-    """``rt_<KIND>_bytes`` / ``rt_<KIND>_gbps``: per channel kind, the busiest rank's bytes of one round
-    trip (``per_rank``: a ``{kind: bytes}`` per rank, over ``calls`` round trips) and those bytes over
-    ``seconds`` (the round trip's median; mega_moe: the fused call's)."""
-    out: dict = {}
-    if not isinstance(per_rank, list) or not per_rank or not calls:
-        return out
-    for k in KINDS:
-        vals = [d.get(k) for d in per_rank if isinstance(d, dict)]
-        if len(vals) != len(per_rank) or not all(isinstance(v, (int, float)) for v in vals):
-            continue
-        b = max(vals) / calls
-        if b.is_integer():
-            b = int(b)
-        out[f"rt_{k}_bytes"] = b
-        if seconds:
-            out[f"rt_{k}_gbps"] = C.gbps(b, seconds)
-    return out
-
-
-def measured_fields(mode: str, doc: dict) -> dict:
-    """Row fields from a benchmark's JSON (missing blocks leave their columns empty).
-
-    normal: the busiest rank's V1 bottleneck bytes and GB/s as ``bench.normal`` computes them.
-    low_latency: ``bytes``' LL-formula bytes, max over ranks, over the phase medians (which are
-    already the max over ranks per iteration). mega_moe: ``bench.mega_moe``'s own GB/s, TFLOPS
-    and ratios. Everywhere ``rt_<KIND>_*``: the busiest rank's bytes of one round trip (mega_moe:
-    one fused call) per channel kind, over its time.
-    """
-    r: dict = {}
-    if mode == "normal":
-        sysd = _get(doc, "systems", "deepep_ascend") or {}
-        r["fingerprint"] = doc.get("fingerprint")
-        r["gbps_formula"] = "V1 bottleneck (busiest rank); logical = V2"
-        r["checks_ok"] = _get(doc, "checks", "all_ok")
-        phases = sysd.get("phases", {})
-        for p in PHASES:
-            ph = phases.get(p, {})
-            r[f"{p}_s"] = ph.get("median_s")
-            r[f"{p}_gbps"] = ph.get("bottleneck_gbps")
-            r[f"{p}_logical_gbps"] = ph.get("logical_gbps")
-            b, i = ph.get("bottleneck_bytes_per_rank"), ph.get("bottleneck_rank")
-            r[f"{p}_bytes"] = b[i] if isinstance(b, list) and isinstance(i, int) and 0 <= i < len(b) else None
-            for k in KINDS:
-                kd = _get(ph, "sent_by_kind", k) or {}
-                r[f"{p}_{k}_bytes"], r[f"{p}_{k}_gbps"] = kd.get("max_bytes"), kd.get("max_gbps")
-        r["round_trip_s"] = _get(sysd, "timings", "round_trip", "median_s")
-        sent = {(p, k): _get(phases, p, "sent_by_kind", k, "bytes_per_rank") for p in PHASES for k in KINDS}
-        if all(isinstance(v, list) for v in sent.values()):  # per rank: dispatch + combine bytes of each kind
-            n_ranks = min(len(v) for v in sent.values())
-            r.update(_rt_kinds([{k: sum(sent[p, k][i] for p in PHASES) for k in KINDS} for i in range(n_ranks)],
-                               r["round_trip_s"]))
-        for peer in PEERS:
-            pd = _get(doc, "systems", peer) or {}
-            r[f"{peer}_round_trip_s"] = _get(pd, "timings", "round_trip", "median_s")
-            for p in PHASES:
-                r[f"{peer}_{p}_gbps"] = _get(pd, "phases", p, "bottleneck_gbps")
-        r["roofline_round_trip_s"] = _get(doc, "roofline", "timings", "round_trip", "median_s")
-        r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_over_faster_peer")
-    elif mode == "low_latency":
-        r["fingerprint"] = _get(doc, "config", "fingerprint")
-        r["gbps_formula"] = "DeepEP LL formula (busiest rank); per kind: busiest rank"
-        r["checks_ok"] = _get(doc, "check", "ok")
-        b = doc.get("bytes") or {}
-        for p in PHASES:
-            t, per = _get(doc, "ll", p, "median_s"), b.get(f"{p}_per_rank")
-            r[f"{p}_s"] = t
-            if isinstance(per, list) and per:
-                r[f"{p}_bytes"] = max(per)
-                r[f"{p}_gbps"] = C.gbps(r[f"{p}_bytes"], t) if t else None
-        r["round_trip_s"] = _get(doc, "ll", "round_trip", "median_s")
-        calls = b.get("calls")
-        if isinstance(calls, int) and calls > 0:  # moved_by_kind_per_rank covers `calls` round trips
-            r.update(_rt_kinds(b.get("moved_by_kind_per_rank"), r["round_trip_s"], calls))
-        for peer in PEERS:
-            r[f"{peer}_round_trip_s"] = _get(doc, "baselines", peer, "median_s")
-        r["speedup_over_faster_peer"] = _get(doc, "summary", "speedup_vs_faster_pipeline")
-    elif mode == "mega_moe":
-        r["fingerprint"] = doc.get("fingerprint")
-        r["gbps_formula"] = ("MegaMoE per pair: dispatch H*elem + scales + 4 B, combine 2H B (mean over ranks) / "
-                             "fused time (mean over ranks); per kind: busiest rank's bytes of one fused call")
-        r["checks_ok"] = _get(doc, "check", "ok")  # fused == serial bitwise and fused vs unfused calc_diff
-        ts, bw = doc.get("times_s") or {}, doc.get("bandwidth_GBps") or {}
-        for col, key in (("fused_s", "fused"), ("serial_s", "serial"), ("unfused_s", "unfused"),
-                         ("sum_stages_s", "sum_stages"), ("comm_stages_s", "comm_stages")):
-            r[col] = ts.get(key)
-        for col, key in (("fused_bytes", "bytes_with_self"), ("fused_gbps", "fused_with_self"),
-                         ("fused_cross_rank_bytes", "bytes_cross_rank"), ("fused_cross_rank_gbps", "fused_cross_rank")):
-            r[col] = bw.get(key)
-        r["fused_tflops"] = _get(doc, "tflops", "fused_routed")
-        r["fused_over_sum_stages"] = _get(doc, "summary", "fused_over_sum_stages")
-        r["grouped_over_plain_mm"] = _get(doc, "summary", "grouped_over_plain_mm")
-        r.update(_rt_kinds(doc.get("traffic_by_kind"), r["fused_s"]))
-    lm = doc.get("link_model") or {}
-    if lm:
-        r["link_emulation"] = lm.get("emulation")
-        r["link_scale"] = lm.get("scale")
-        r["link_label"] = lm.get("label")
-    pj = doc.get("projection") or {}
-    if pj:
-        r["proj_profile"] = pj.get("profile")
-        r["proj_links"] = json.dumps(pj["links"], sort_keys=True) if pj.get("links") is not None else None
-        r["proj_round_trip_s"] = pj.get("round_trip_s")
-        for p in PROJ_PHASES:
-            pp = pj.get(p) or {}
-            r[f"proj_{p}_s"] = pp.get("time_s")
-            r[f"proj_{p}_gbps"] = pp.get("formula_GBps")
-            r[f"proj_{p}_bottleneck_link_gbps"] = pp.get("bottleneck_GBps")
-            r[f"proj_{p}_formula_bytes"] = pp.get("formula_bytes")
-            for f in ("kind", "direction", "rank", "bytes"):
-                r[f"proj_{p}_bottleneck_{f}"] = _get(pp, "bottleneck", f)
-    return r
-
-
 def make_row(cfg: Config, doc, rc, err: str, wall: float, prov: dict) -> dict:
     """One results row (every :data:`COLUMNS` key) from :func:`run_config`'s ``(doc, rc, err, wall)``
     and the provenance ``prov``. ``status`` is ``failed`` (with ``error``) if the job failed, its
@@ -587,260 +430,6 @@ def make_row(cfg: Config, doc, rc, err: str, wall: float, prov: dict) -> dict:
     row["status"] = "failed" if err else "ok"
     row["error"] = err or None
     return row
-
-
-# ----------------------------------------------------------------------------------------------
-# Results: load, merge, atomic write
-# ----------------------------------------------------------------------------------------------
-
-
-def load_results(out_dir: str) -> list:
-    """Rows of ``DIR/results.json`` (empty if absent)."""
-    path = os.path.join(out_dir, "results.json")
-    if not os.path.exists(path):
-        return []
-    try:
-        with open(path) as f:
-            return list(json.load(f)["rows"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"sweep_bandwidth: {path} is not a results file of this script ({type(e).__name__}: {e}); "
-                         f"move it away or pick another --out") from None
-
-
-def done_keys(rows: Iterable[dict]) -> set:
-    """Config keys whose row is ``ok`` (skipped on resume)."""
-    return {r["config_key"] for r in rows if r.get("status") == "ok"}
-
-
-def merge_row(rows: list, row: dict) -> list:
-    """Replace the row with the same key, else append."""
-    out = [r for r in rows if r.get("config_key") != row["config_key"]]
-    for i, r in enumerate(rows):
-        if r.get("config_key") == row["config_key"]:
-            out.insert(i, row)
-            return out
-    return out + [row]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _finite(v):
-    """NaN / inf (e.g. a GB/s over a zero time) become None: strict JSON, empty CSV cell."""
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
-def _cell(v):
-    return "" if v is None else (repr(v) if isinstance(v, float) else v)
-
-
-def write_results(out_dir: str, rows: list) -> None:
-    """``results.json`` and ``results.csv`` (columns: :data:`COLUMNS`, then any extra keys), each atomically."""
-    cols = list(COLUMNS) + sorted({k for r in rows for k in r} - set(COLUMNS))
-    norm = [{c: _finite(r.get(c)) for c in cols} for r in rows]
-    _atomic_write(os.path.join(out_dir, "results.json"),
-                  json.dumps({"columns": cols, "rows": norm}, indent=1, default=str, allow_nan=False) + "\n")
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(cols)
-    for r in norm:
-        w.writerow([_cell(r[c]) for c in cols])
-    _atomic_write(os.path.join(out_dir, "results.csv"), buf.getvalue())
-
-
-# ----------------------------------------------------------------------------------------------
-# Plots
-# ----------------------------------------------------------------------------------------------
-
-
-def _num(v) -> Optional[float]:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _emulated(r: dict) -> bool:
-    return r.get("link_emulation") not in (None, "", "none")
-
-
-def _group_label(r: dict) -> str:
-    topo = f"{r['nodes']}x{r['ranks_per_node']}" if r.get("ranks_per_node") else "1 node"
-    emu = EMULATED_TAG if _emulated(r) else ""
-    if r.get("mode") == "mega_moe":
-        return (f"R{r['ranks']} {topo}, H{r['hidden']} I{r.get('inter')}, top-{r['num_topk']}/{r['num_experts']}, "
-                f"{MMA.get(str(r['dtype']), str(r['dtype'])).upper()}{emu}")
-    return (f"R{r['ranks']} {topo}, H{r['hidden']}, top-{r['num_topk']}/{r['num_experts']}, "
-            f"{str(r['dtype']).upper()}{emu}")
-
-
-def _series(rows: list, field: str) -> dict:
-    """``{group label: (tokens[], values[])}`` sorted by tokens, rows without the field left out."""
-    out: dict = {}
-    for r in sorted(rows, key=lambda r: r["tokens"]):
-        v = _num(r.get(field))
-        if v is not None and v > 0:
-            xs, ys = out.setdefault(_group_label(r), ([], []))
-            xs.append(r["tokens"])
-            ys.append(v)
-    return out
-
-
-def _finish_axes(ax, title: str, ylabel: str, empty_note: str = "no data") -> None:
-    """Titles, units, plain-number ticks at the measured sizes; log y only when values span > 20x."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel(ylabel)
-    if not ax.lines:
-        ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes, fontsize=8, wrap=True)
-        return
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    xs = sorted({float(x) for ln in ax.lines for x in ln.get_xdata()})
-    ys = [float(y) for ln in ax.lines for y in ln.get_ydata()]
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs)
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    if max(ys) > 20 * min(ys):
-        ax.set_yscale("log")
-        ax.yaxis.set_minor_formatter(NullFormatter())
-    else:
-        ax.set_ylim(0, max(ys) * 1.15)
-    ax.yaxis.set_major_formatter(plain)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=6)
-
-
-# Per mode, the formula-bandwidth panels of gbps_vs_size.png ((field, title), ...), their byte formula,
-# and the phases of projected_vs_measured.png ((measured field, projected phase), ...).
-_FORMULA_PANELS = {
-    "normal": ([("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")], "V1 bottleneck bytes"),
-    "low_latency": ([("dispatch_gbps", "dispatch (formula)"), ("combine_gbps", "combine (formula)")],
-                    "DeepEP LL-formula bytes, busiest rank"),
-    "mega_moe": ([("fused_gbps", "fused call, with self-rank pairs"),
-                  ("fused_cross_rank_gbps", "fused call, cross-rank")], "per-pair bytes, mean over ranks"),
-}
-_PROJ_PANELS = {"normal": [("dispatch_gbps", "dispatch"), ("combine_gbps", "combine")],
-                "low_latency": [("dispatch_gbps", "dispatch"), ("combine_gbps", "combine")],
-                "mega_moe": [("fused_gbps", "fused")]}
-
-
-def make_plots(out_dir: str, rows: list) -> list:
-    """Regenerate the three PNGs from every ``ok`` row; returns their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r.get("status") == "ok"]
-    modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or ["normal"]
-    by_mode = {m: [r for r in ok if r["mode"] == m] for m in modes}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    paths = []
-
-    palette: dict = {}
-
-    def color_of(label):  # one colour per configuration group across all three figures
-        return palette.setdefault(label, colors[len(palette) % len(colors)])
-
-    # (1) GB/s vs size per mode and channel kind
-    ncols = 2 + len(KINDS)
-    fig, axes = plt.subplots(len(modes), ncols, figsize=(4.2 * ncols, 3.6 * len(modes)), squeeze=False)
-    for i, m in enumerate(modes):
-        formula_panels, formula = _FORMULA_PANELS[m]
-        per_call = "fused call" if m == "mega_moe" else "round trip"
-        cols = formula_panels + [(f"rt_{k}_gbps", f"{k} bytes moved / {per_call}") for k in KINDS]
-        for j, (field, what) in enumerate(cols):
-            ax = axes[i][j]
-            for label, (xs, ys) in _series(by_mode[m], field).items():
-                ax.plot(xs, ys, marker="o", color=color_of(label), label=label)
-            sub = formula if j < 2 else "busiest rank"
-            _finish_axes(ax, f"{m}: {what}\n({sub})", "GB/s (1 GB = 1e9 B)", "none moved" if j >= 2 else "no data")
-    fig.suptitle("deepep_ascend measured bandwidth vs size, per mode and channel kind (median over iterations)")
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir, "gbps_vs_size.png", plt))
-
-    # (2) deepep_ascend vs the peers on the same axes (mega_moe has no peer pipelines)
-    styles = {"deepep_ascend": "-", "mpi_alltoallv": "--", "gloo_all_to_all": ":"}
-    panels = []
-    if "normal" in by_mode:
-        panels += [("normal", p, "GB/s (V1 bottleneck bytes, 1 GB = 1e9 B)") for p in PHASES]
-    for m in modes:
-        if m != "mega_moe":
-            panels.append((m, "round_trip", "round trip, ms (median)"))
-    if panels:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-        for ax, (m, what, ylabel) in zip(axes[0], panels):
-            for system, ls in styles.items():
-                if what == "round_trip":
-                    field = "round_trip_s" if system == "deepep_ascend" else f"{system}_round_trip_s"
-                else:
-                    field = f"{what}_gbps" if system == "deepep_ascend" else f"{system}_{what}_gbps"
-                for label, (xs, ys) in _series(by_mode[m], field).items():
-                    if what == "round_trip":
-                        ys = [y * 1e3 for y in ys]
-                    # only deepep_ascend's links are emulated: a peer measured in an emulated run is not
-                    # slowed, so its label drops the tag (its colour stays that of its run's group)
-                    shown = label if system == "deepep_ascend" else label.replace(EMULATED_TAG, "")
-                    ax.plot(xs, ys, ls, marker="o" if system == "deepep_ascend" else ".", color=color_of(label),
-                            label=f"{system}: {shown}")
-            _finish_axes(ax, f"{m}: {what.replace('_', ' ')}", ylabel)
-        emu_note = ("\nEMULATED: deepep_ascend's links slowed to the profile; the MPI and gloo peers are never slowed"
-                    if any(_emulated(r) for m, _, _ in panels for r in by_mode[m]) else "")
-        fig.suptitle("deepep_ascend (solid) vs the peer pipelines MPI Alltoallv (dashed) and gloo all_to_all_single "
-                     "(dotted): same workload, same run" + emu_note, fontsize=10)
-        fig.tight_layout()
-    else:  # only mega_moe rows
-        fig, ax = plt.subplots(figsize=(6, 2))
-        ax.axis("off")
-        ax.text(0.5, 0.5, "No peer comparison: these rows are all mega_moe,\n"
-                          "and bench.mega_moe runs no peer pipelines.", ha="center", va="center", transform=ax.transAxes)
-    paths.append(_save(fig, out_dir, "peers.png", plt))
-
-    # (3) projected vs measured
-    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4.0 * len(modes)), squeeze=False)
-    for i, m in enumerate(modes):
-        profiles = sorted({str(r["proj_profile"]) for r in by_mode[m] if r.get("proj_profile")})
-        for j in range(2):
-            ax = axes[i][j]
-            if j >= len(_PROJ_PANELS[m]):
-                ax.axis("off")  # mega_moe: one phase, the fused call
-                continue
-            field, p = _PROJ_PANELS[m][j]
-            for label, (xs, ys) in _series(by_mode[m], field).items():
-                tag = "measured, EMULATED links" if "EMULATED" in label else "measured"
-                ax.plot(xs, ys, "-", marker="o", color=color_of(label), label=f"{tag}: {label}")
-            for prof in profiles:
-                rows_p = [r for r in by_mode[m] if str(r.get("proj_profile")) == prof]
-                for label, (xs, ys) in _series(rows_p, f"proj_{p}_gbps").items():
-                    ax.plot(xs, ys, "--", marker="^", color=color_of(label),
-                            label=f"projected on {prof} (model): {label}")
-            same = ("same per-pair formula; measured: mean over ranks,\nprojected: busiest rank" if m == "mega_moe"
-                    else "same formula bytes")
-            _finish_axes(ax, f"{m} {p}: measured vs projected GB/s\n({same})", "GB/s (1 GB = 1e9 B)")
-            if not profiles:
-                ax.text(0.02, 0.02, "no projection in the benchmark JSON", transform=ax.transAxes, fontsize=7)
-    fig.suptitle("Projected (link-model, not measured) vs measured bandwidth")
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir, "projected_vs_measured.png", plt))
-    return paths
-
-
-def _save(fig, out_dir: str, name: str, plt) -> str:
-    path = os.path.join(out_dir, name)
-    tmp = os.path.join(out_dir, f".{name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1016,23 +605,23 @@ def ok_summary(row: dict) -> str:
     """One line of an ``ok`` row's main numbers (empty columns shown as ``-``), starting with
     ``EMULATED links (profile x scale)`` when the benchmark ran with emulated links."""
     def f(col, scale=1.0, fmt=".3f"):
-        v = _num(row.get(col))
+        v = number(row.get(col))
         return "-" if v is None else format(v * scale, fmt)
 
     emu = ""
-    if _emulated(row):
-        scale = _num(row.get("link_scale"))
+    if emulated(row):
+        scale = number(row.get("link_scale"))
         emu = (f"EMULATED links ({row.get('link_profile') or '?'}" + (f" x {scale:g}" if scale is not None else "")
                + ") | ")
     if row["mode"] == "mega_moe":
         text = (f"fused {f('fused_s', 1e3)} ms, {f('fused_gbps', fmt='.4f')} GB/s with self-rank pairs "
                 f"({f('fused_cross_rank_gbps', fmt='.4f')} cross-rank), {f('fused_tflops', fmt='.4f')} TFLOPS, "
                 f"fused / sum of stages {f('fused_over_sum_stages', fmt='.2f')}")
-        proj = _num(row.get("proj_fused_gbps"))
+        proj = number(row.get("proj_fused_gbps"))
         return emu + text + (f" | projected fused {proj:.1f} GB/s (model)" if proj is not None else "")
     text = (f"dispatch {f('dispatch_s', 1e3)} ms {f('dispatch_gbps')} GB/s | "
             f"combine {f('combine_s', 1e3)} ms {f('combine_gbps')} GB/s")
-    proj = _num(row.get("proj_dispatch_gbps"))
+    proj = number(row.get("proj_dispatch_gbps"))
     return emu + text + (f" | projected dispatch {proj:.1f} GB/s (model)" if proj is not None else "")
 
 
@@ -1047,13 +636,13 @@ def main(argv=None) -> int:
     env = child_env()
     supported = {}
     for m in sorted({c.mode for c in args.configs}):
-        supported[m] = bench_options(MODULES[m], env)
+        supported[m] = bench_options(COMMANDS[m], env)
         if not supported[m]:
-            print(f"[sweep] warning: could not read `python -m {MODULES[m]} --help`", file=sys.stderr)
+            print(f"[sweep] warning: could not read `python -m bench {COMMANDS[m]} --help`", file=sys.stderr)
         if args.link_emulation != "none" and "--link-emulation" not in supported[m]:
-            parser.error(f"--link-emulation: {MODULES[m]} does not accept --link-emulation (yet)")
+            parser.error(f"--link-emulation: the {COMMANDS[m]} command does not accept --link-emulation (yet)")
         if args.link_profile and "--link-profile" not in supported[m]:
-            print(f"[sweep] note: {MODULES[m]} has no --link-profile yet: no projection columns for {m} rows")
+            print(f"[sweep] note: the {COMMANDS[m]} command has no --link-profile yet: no projection columns for {m} rows")
     # A benchmark without --link-profile makes no projection: the effective configuration says so
     # (its key too, so that a rerun after the benchmark gains it measures the projection).
     args.configs = [c if c.link_profile is None or "--link-profile" in supported[c.mode]
@@ -1073,7 +662,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         for c in args.configs:
             state = "skip (ok)" if c.key in done else "run"
-            cmd = [mpiexec, "-n", str(c.ranks), sys.executable, "-m", MODULES[c.mode]] + c.bench_args(
+            cmd = [mpiexec, "-n", str(c.ranks), sys.executable, "-m", "bench", COMMANDS[c.mode]] + c.bench_args(
                 "<tmp.json>", supported.get(c.mode, set()))
             print(f"{state:10s} {c.key}\n           {' '.join(cmd)}")
         return 0
@@ -1097,6 +686,9 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(cfg.key, refresh=True)
             doc, rc, err, wall = run_config(cfg, mpiexec, env, supported.get(cfg.mode, set()), args.timeout, log_dir)
             row = make_row(cfg, doc, rc, err, wall, prov)
+            if doc is not None:
+                write_record(out_dir, cfg.key, doc, {k: row[k] for k in ("config_key", "status", "error", "returncode",
+                                                                         "wall_s", "timestamp", *prov)})
             rows = merge_row(rows, row)
             write_results(out_dir, rows)
             if row["status"] == "ok":

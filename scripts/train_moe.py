@@ -34,7 +34,7 @@ Routing traces: ``--save-trace FILE.npz`` records every MoE layer's ``topk_idx``
 ``0, E, 2E, ...`` (``E`` = ``--trace-every``) and at the last step, gathered over ranks
 (rank-major rows), as ``topk_idx [S·L, T, K]`` (int8 if ``E < 128`` else int16; entry ``i`` is
 step ``trace_step[i]``, layer ``trace_layer[i]``) plus ``num_experts`` — the format of
-``bench/common.py``, so ``mpiexec -n 4 python -m bench.normal --routing FILE [--routing-step i]``
+``bench/routing.py``, so ``mpiexec -n 4 python -m bench normal --routing FILE [--routing-step i]``
 replays it.
 
 Checkpoints (``--save-dir DIR``, every ``--save-every`` steps and at the end) go to

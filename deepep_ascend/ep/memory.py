@@ -3,7 +3,7 @@
 torch's CPU tensors come from ``malloc``; large ones are fresh ``mmap`` regions that the
 kernel fills one 4 KiB page fault at a time on first touch. On the development VM that made
 writing a per-call output (``recv_x``, ``combined_x``) 5-6x slower than writing reused memory,
-and it dominated dispatch and combine (``python -m bench.alloc`` measures it). DeepEP on a GPU
+and it dominated dispatch and combine (``python -m bench alloc`` measures it). DeepEP on a GPU
 never pays this: PyTorch's CUDA caching allocator reuses blocks.
 
 :func:`empty` allocates large outputs with 2 MiB of slack, advises the 2 MiB-aligned body with

@@ -130,7 +130,7 @@ def two_source_run_limit(m: int, hidden: int) -> int:
     """Most runs for which :func:`_sum_two_by_runs` is used on ``[m, hidden]``: about half the run
     count at which it stops beating the float32 chain (one torch thread).
 
-    Measured on the development VM (``python -m bench.combine_sum``, two runs): a run costs
+    Measured on the development VM (``python -m bench combine-sum``, two runs): a run costs
     9-10 µs of Python and torch call overhead, and the run-wise sum saves 0.6-0.7 ns per element
     over the float32 chain, so the two break even near ``m * hidden / 15000`` runs; half of that
     keeps a margin. (The limit used to be
@@ -211,7 +211,7 @@ def _sum_by_bags(out, sources, scratch, force: bool = False) -> bool:
     than two sources with rows unless ``force`` (two sources reach it only when their runs are too
     many for :func:`_sum_two_by_runs`), and when a block would hold fewer than
     ``_BAG_MIN_TOKENS`` tokens (``force``: fewer than one, i.e. more sources than scratch rows):
-    per-block call overhead then outweighs the gain (``python -m bench.combine_sum --sources
+    per-block call overhead then outweighs the gain (``python -m bench combine-sum --sources
     8,16,32,64`` prints the tokens per block with both times).
     """
     live = [(rows, tokens) for rows, tokens in sources if tokens.numel()]

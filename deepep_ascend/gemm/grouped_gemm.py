@@ -370,7 +370,7 @@ def _packed_fp4_weights(data: torch.Tensor, sf: torch.Tensor, gran: tuple, n: in
     None where the AMX kernel is unavailable, the scales do not qualify
     (:func:`_fp4_exponents`; remembered), the operands require grad or the caches are off. The multiply then
     uses the dequantized bf16 weights. Preferred to them: a quarter of the packed bf16 copy's bytes and no
-    dequantized copy, at about the same speed (``python -m bench.grouped_gemm``, row "per group, AMX, FP4
+    dequantized copy, at about the same speed (``python -m bench grouped-gemm``, row "per group, AMX, FP4
     weights"). A copy that does not fit the budget beside what is cached serves this call only (each group
     packed as it is used, in one pass over its bytes; the budget's warning says so): far cheaper than
     dequantizing the weights again, which is what the bf16 way would do each call."""

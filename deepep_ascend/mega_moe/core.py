@@ -45,7 +45,7 @@ Two backends (``sym_buffer.backend``, chosen at construction; the same ``y`` bit
    With the ``buffer`` backend every wave costs a cross-rank synchronisation per dispatch and
    combine (waiting for the slowest rank included) and hides only its share of the data movement,
    so small payloads run as one wave (``shm`` waves need no synchronisation, only a hand-off to the
-   worker; the same rule keeps the results of both backends alike). Measured here (``python -m bench.mega_moe --compare-waves 1,2,4``; README):
+   worker; the same rule keeps the results of both backends alike). Measured here (``python -m bench mega-moe --compare-waves 1,2,4``; README):
    ``cpu-pro-mini`` (9.5 MB per rank) ran as fast with one wave as with two and slower with four;
    ``cpu-comm-heavy`` (50 MB) ran 23-35 % slower with one wave than with two. Wave ``w``
    dispatches the pairs whose local expert id (``e % E_l``) lies in the wave. Received rows are

@@ -15,12 +15,12 @@ Why C: combine sums each token's BF16 rows in float32 and rounds once (DeepEP's 
 torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's BF16
 ``embedding_bag`` rounds half away from zero), so the torch paths convert rows to a float32
 scratch first: about three passes over the rows where this kernel makes one
-(``python -m bench.combine_sum`` times both). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
+(``python -m bench combine-sum`` times both). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
 torch passes over float32 temporaries; the kernel makes one, after torch's own ``exp`` (so both paths
 compute the same sigmoid). The grouped GEMMs multiply ~128 rows per expert, where oneDNN's kernels
 (torch's CPU matmul; torch has no CPU grouped GEMM of its own) reach about half of what they reach on
 one tall matrix; the AMX kernel keeps a group's rows in L2 while its weight streams past once and writes
-into the caller's output (``python -m bench.grouped_gemm`` times both). It also takes MXFP4 weights
+into the caller's output (``python -m bench grouped-gemm`` times both). It also takes MXFP4 weights
 (:class:`AmxFp4Weight`), decoding them into bf16 tiles panel by panel. It runs only where the CPU has
 AMX-BF16 and Linux grants the process its tile state (:func:`amx_bf16`); elsewhere the grouped GEMMs
 use oneDNN.

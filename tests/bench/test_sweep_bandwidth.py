@@ -2,10 +2,11 @@
 
 The end-to-end test runs in the 1-rank job only: the script launches its own ``mpiexec -n 2``
 benchmark jobs. It checks the CSV, the JSON and the PNGs, that the numbers are real and
-consistent (GB/s = bytes / time with ``bench.common.gbps``), and that a second run with the same
+consistent (GB/s = bytes / time with ``bench.formulas.gbps``), and that a second run with the same
 ``--out`` skips both configurations (asserted on the script's own count, never on time).
 The other tests exercise keys, resume, CSV/JSON writing, the CLI, the low-latency and MegaMoE
-row extraction (from JSON recorded from the benchmarks, trimmed) and the plots, without MPI.
+row extraction (from JSON recorded from the benchmarks, trimmed, as ``deepep_ascend.bench/1``
+documents) and the plots, without MPI.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _f(v) -> float:
 @pytest.mark.watchdog(420)
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
 def test_smoke_preset_end_to_end_then_resumes(out_tmp):
-    from bench.common import gbps
+    from bench.formulas import gbps
 
     out_dir = out_tmp / "sweep"
     rc, log = _run_sweep(["--preset", "smoke", "--out", str(out_dir)])
@@ -134,18 +135,31 @@ def test_smoke_preset_end_to_end_then_resumes(out_tmp):
 
 
 def _fake_normal_doc(t_d=0.002, t_c=0.004, n_bytes=51200):
+    """A normal-mode document as the command builds it (``bench.normal.result_records``) from per-system
+    reports: two ranks, the busiest one first."""
+    from types import SimpleNamespace
+
+    from bench.normal import result_records
+    from bench.timing import Timing
+
     phase = lambda t: dict(  # noqa: E731
         median_s=t, bottleneck_bytes_per_rank=[n_bytes, n_bytes // 2], bottleneck_rank=0,
         bottleneck_gbps=n_bytes / 1e9 / t, logical_gbps=1.0,
         sent_by_kind={"SELF": dict(bytes_per_rank=[100, 50], max_bytes=100, max_gbps=100 / 1e9 / t),
                       "UBMEM": dict(bytes_per_rank=[300, 400], max_bytes=400, max_gbps=400 / 1e9 / t),
                       "URMA": dict(bytes_per_rank=[0, 0], max_bytes=0, max_gbps=0.0)})
-    rt = dict(median_s=t_d + t_c)
-    return dict(fingerprint="0123456789ab", checks=dict(all_ok=True), summary=dict(speedup_over_faster_peer=1.5),
-                systems=dict(deepep_ascend=dict(timings=dict(round_trip=rt), phases=dict(dispatch=phase(t_d),
-                                                                                         combine=phase(t_c))),
-                             mpi_alltoallv=dict(timings=dict(round_trip=dict(median_s=0.01)),
-                                                phases=dict(dispatch=dict(bottleneck_gbps=0.5)))))
+
+    def system(t_dispatch, t_combine):
+        d, c = Timing([t_dispatch]), Timing([t_combine])
+        return SimpleNamespace(timings=dict(layout=Timing([1e-4]), dispatch=d, combine=c, round_trip=d + c))
+
+    results = dict(deepep_ascend=system(t_d, t_c), mpi_alltoallv=system(0.005, 0.005))
+    reports = dict(deepep_ascend=dict(phases=dict(dispatch=phase(t_d), combine=phase(t_c))),
+                   mpi_alltoallv=dict(phases=dict(dispatch=phase(0.005), combine=phase(0.005))))
+    records, baselines = result_records(results, reports, None, None, None)
+    return dict(schema="deepep_ascend.bench/1", command="normal", fingerprint="0123456789ab", results=records,
+                baselines=baselines, checks=dict(ok=True), summary=dict(speedup_over_faster_peer=1.5),
+                link_model=None, projection=None)
 
 
 def test_keys_resume_and_result_files(out_tmp):
@@ -184,7 +198,7 @@ def test_keys_resume_and_result_files(out_tmp):
 
     # emulation without --link-scale runs at the benchmarks' default scale, and is keyed by its value:
     # an explicit --link-scale of that value is the same configuration (resume skips it)
-    from bench.common import add_link_args
+    from bench.cli import add_link_args
 
     q = argparse.ArgumentParser()
     add_link_args(q)
@@ -273,21 +287,38 @@ def _proj_phase(time_s, bottleneck, bottleneck_gbps, formula_bytes, formula_gbps
             "bottleneck_GBps": bottleneck_gbps, "formula_bytes": formula_bytes, "formula_GBps": formula_gbps}
 
 
-# `mpiexec -n 2 python -m bench.mega_moe --preset tiny --iters 2 --warmup 1 --json F`, trimmed
-# (no per-rank timings, lines, ports or link sources).
+# `mpiexec -n 2 python -m bench mega-moe --preset tiny --iters 2 --warmup 1 --json F`, trimmed
+# (no per-rank timings, lines, ports or link sources; of the results the ones the sweep reads).
+_MM_TIMES = {"fused": 0.3037249730014082, "serial": 0.2610372107501462, "unfused": 0.15859239174915274,
+             "sum_stages": 0.11654729424935795, "comm_stages": 0.0648562744991068}
+_MM_BW = {"bytes_with_self": 399360.0, "bytes_cross_rank": 197730.0, "fused_with_self": 0.001314873769033633,
+          "fused_cross_rank": 0.0006510166024414569, "unfused_comm_stages": 0.006157615482608394}
+_MM_TFLOPS = {"fused_routed": 0.0003314291051053391, "grouped_stages": 0.003935062569785125,
+              "plain_mm": 0.009270953414415093}
+_MM_TRAFFIC = [{"SELF": 208820, "UBMEM": 198224, "URMA": 0}, {"SELF": 198576, "UBMEM": 201292, "URMA": 0}]
+
+
+def _result(name, seconds, **kw):
+    head, _, tail = name.partition("/")
+    return dict(dict(name=name, system=head, phase=tail or None, seconds=seconds, bytes=None, formula=None, gbps=None),
+                **kw)
+
+
 MEGA_MOE_DOC = {
-    "benchmark": "bench.mega_moe",
+    "schema": "deepep_ascend.bench/1", "command": "mega-moe",
     "fingerprint": "2ef8f5bcf8a5",
-    "check": {"fused_equals_serial": True, "calc_diff_vs_unfused": 3.66e-06, "bound": 0.001, "ok": True},
-    "times_s": {"fused": 0.3037249730014082, "serial": 0.2610372107501462, "unfused": 0.15859239174915274,
-                "sum_stages": 0.11654729424935795, "comm_stages": 0.0648562744991068},
-    "bandwidth_GBps": {"bytes_with_self": 399360.0, "bytes_cross_rank": 197730.0,
-                       "fused_with_self": 0.001314873769033633, "fused_cross_rank": 0.0006510166024414569,
-                       "unfused_comm_stages": 0.006157615482608394},
-    "tflops": {"fused_routed": 0.0003314291051053391, "grouped_stages": 0.003935062569785125,
-               "plain_mm": 0.009270953414415093},
+    "checks": {"fused_equals_serial": True, "calc_diff_vs_unfused": 3.66e-06, "bound": 0.001, "ok": True},
+    "results": [
+        _result("fused", _MM_TIMES["fused"], bytes=_MM_BW["bytes_with_self"], gbps=_MM_BW["fused_with_self"],
+                formula="MegaMoE per pair, with self-rank pairs (mean over ranks)",
+                cross_rank_bytes=_MM_BW["bytes_cross_rank"], cross_rank_gbps=_MM_BW["fused_cross_rank"],
+                tflops=_MM_TFLOPS["fused_routed"],
+                by_kind={k: max(r[k] for r in _MM_TRAFFIC) for k in ("SELF", "UBMEM", "URMA")}),
+        _result("serial", _MM_TIMES["serial"]), _result("unfused", _MM_TIMES["unfused"]),
+        _result("unfused/sum_stages", _MM_TIMES["sum_stages"]), _result("unfused/comm_stages", _MM_TIMES["comm_stages"])],
+    "baselines": ["unfused", "unfused/sum_stages", "unfused/comm_stages"],
     "summary": {"fused_over_sum_stages": 2.6060233740954604, "grouped_over_plain_mm": 0.4244506895770427},
-    "traffic_by_kind": [{"SELF": 208820, "UBMEM": 198224, "URMA": 0}, {"SELF": 198576, "UBMEM": 201292, "URMA": 0}],
+    "details": {"times_s": _MM_TIMES, "bandwidth_GBps": _MM_BW, "tflops": _MM_TFLOPS, "traffic_by_kind": _MM_TRAFFIC},
     "link_model": LINK_MODEL,
     "projection": {"profile": "ascend950", "links": ASCEND950_LINKS,
                    "fused": _proj_phase(1.850323e-05, (0, "UBMEM", "sent", 201292), 10.878749277828788, 409500,
@@ -295,9 +326,11 @@ MEGA_MOE_DOC = {
                    "round_trip_s": 1.850323e-05},
 }
 
-# `mpiexec -n 2 python -m bench.low_latency --tokens 32 --hidden 512 --num-experts 16 --num-topk 4
-#  --iters 2 --no-baselines --json F` (warm-up 3: `calls` 5), trimmed.
-LOW_LATENCY_DOC = {
+# `mpiexec -n 2 python -m bench low-latency --num-tokens 32 --hidden 512 --num-experts 16 --num-topk 4
+#  --iters 2 --no-baselines --json F` (warm-up 3: `calls` 5), trimmed to what the command builds its
+# results from (``bench.low_latency.result_records``; the hook, overlap and roofline times were not
+# kept: placeholders).
+LOW_LATENCY_RAW = {
     "config": {"fingerprint": "e385fdb45416"},
     "check": {"calc_diff": 0.00031407832797358815, "bound": 0.0009, "ok": True},
     "bytes": {"dispatch_per_rank": [69632, 69632], "combine_per_rank": [131072, 131072], "calls": 5,
@@ -307,15 +340,32 @@ LOW_LATENCY_DOC = {
            "round_trip": {"median_s": 0.07047629050066462}},
     "bandwidth_GBps": {"dispatch": 0.002279915782727854, "combine": 0.0032821489591327788,
                        "per_kind": {"SELF": 0.0015142681211207276, "UBMEM": 0.0014089277300862425, "URMA": 0.0}},
-    "baselines": {},
-    "link_model": LINK_MODEL,
-    "projection": {"profile": "ascend950", "links": ASCEND950_LINKS,
-                   "dispatch": _proj_phase(4.08852e-06, (0, "UBMEM", "received", 35408), 8.660346531263148, 69632,
-                                           17.03110171895943),
-                   "combine": _proj_phase(4.1665199999999995e-06, (0, "UBMEM", "sent", 66608), 15.986482724191893,
-                                          131072, 31.458387335234207),
-                   "round_trip_s": 8.255039999999999e-06},
+    "roofline": {"dispatch_bytes": 69632, "combine_bytes": 131072},
 }
+
+
+def _low_latency_doc(raw):
+    """The low-latency document the command writes for ``raw`` (its results from ``result_records``)."""
+    from bench.low_latency import result_records
+    from bench.timing import Timing
+
+    ll = {k: Timing([v["median_s"]]) for k, v in raw["ll"].items()}
+    placeholder = Timing([1e-3])
+    hook = dict.fromkeys(("d_send", "d_recv", "c_send", "c_recv"), placeholder)
+    records = result_records(raw, ll, hook, dict(dispatch=placeholder, combine=placeholder), placeholder, {},
+                             Timing([1e-5]))
+    return {"schema": "deepep_ascend.bench/1", "command": "low-latency", "fingerprint": raw["config"]["fingerprint"],
+            "results": records, "baselines": ["memcpy_roofline/round_trip"], "checks": raw["check"], "summary": {},
+            "details": raw, "link_model": LINK_MODEL,
+            "projection": {"profile": "ascend950", "links": ASCEND950_LINKS,
+                           "dispatch": _proj_phase(4.08852e-06, (0, "UBMEM", "received", 35408), 8.660346531263148,
+                                                   69632, 17.03110171895943),
+                           "combine": _proj_phase(4.1665199999999995e-06, (0, "UBMEM", "sent", 66608),
+                                                  15.986482724191893, 131072, 31.458387335234207),
+                           "round_trip_s": 8.255039999999999e-06}}
+
+
+LOW_LATENCY_DOC = _low_latency_doc(LOW_LATENCY_RAW)
 
 PROV = dict(version="0.1.0", git_commit="abc", hostname="h")
 KINDS = ("SELF", "UBMEM", "URMA")
@@ -326,7 +376,7 @@ def _mega_moe_config(sw, tokens=128):
 
 
 def test_mega_moe_row_from_recorded_json():
-    from bench.common import gbps
+    from bench.formulas import gbps
 
     sw = _module()
     doc = MEGA_MOE_DOC
@@ -336,9 +386,9 @@ def test_mega_moe_row_from_recorded_json():
     assert row["status"] == "ok" and row["error"] is None, row
     assert row["mode"] == "mega_moe" and row["inter"] == 128 and row["dtype"] == "fp8" and row["peers"] is False
     assert row["fingerprint"] == doc["fingerprint"] and row["checks_ok"] is True
-    failed = sw.make_row(cfg, dict(doc, check=dict(doc["check"], ok=False)), 0, "", 1.0, PROV)
+    failed = sw.make_row(cfg, dict(doc, checks=dict(doc["checks"], ok=False)), 0, "", 1.0, PROV)
     assert failed["checks_ok"] is False and failed["status"] == "failed", failed
-    times, bw = doc["times_s"], doc["bandwidth_GBps"]
+    times, bw = doc["details"]["times_s"], doc["details"]["bandwidth_GBps"]
     for col, key in (("fused_s", "fused"), ("serial_s", "serial"), ("unfused_s", "unfused"),
                      ("sum_stages_s", "sum_stages"), ("comm_stages_s", "comm_stages")):
         assert row[col] == times[key], col
@@ -349,13 +399,13 @@ def test_mega_moe_row_from_recorded_json():
     assert math.isclose(row["fused_gbps"], gbps(row["fused_bytes"], row["fused_s"]), rel_tol=1e-12)
     assert math.isclose(row["fused_cross_rank_gbps"], gbps(row["fused_cross_rank_bytes"], row["fused_s"]),
                         rel_tol=1e-12)
-    assert row["fused_tflops"] == doc["tflops"]["fused_routed"]
+    assert row["fused_tflops"] == doc["details"]["tflops"]["fused_routed"]
     assert row["fused_over_sum_stages"] == doc["summary"]["fused_over_sum_stages"]
     assert row["grouped_over_plain_mm"] == doc["summary"]["grouped_over_plain_mm"]
     # per kind: the busiest rank's bytes of one fused call (SELF: rank 0, UBMEM: rank 1 here) over its time
     assert (row["rt_SELF_bytes"], row["rt_UBMEM_bytes"], row["rt_URMA_bytes"]) == (208820, 201292, 0)
     for k in KINDS:
-        assert row[f"rt_{k}_bytes"] == max(r[k] for r in doc["traffic_by_kind"])
+        assert row[f"rt_{k}_bytes"] == max(r[k] for r in doc["details"]["traffic_by_kind"])
         assert row[f"rt_{k}_gbps"] == gbps(row[f"rt_{k}_bytes"], row["fused_s"]), k
     # projection: phase "fused"
     pf = doc["projection"]["fused"]
@@ -371,41 +421,42 @@ def test_mega_moe_row_from_recorded_json():
                                         "mpi_alltoallv_round_trip_s"))
     assert "fused 303.725 ms" in sw.ok_summary(row) and "projected fused 22.1 GB/s" in sw.ok_summary(row)
 
-    no_time = sw.make_row(cfg, {k: v for k, v in doc.items() if k != "times_s"}, 0, "", 1.0, PROV)
+    no_time = sw.make_row(cfg, dict(doc, results=[r for r in doc["results"] if r["name"] != "fused"]), 0, "", 1.0, PROV)
     assert no_time["status"] == "failed" and "no fused-call time" in no_time["error"]
 
 
 def test_low_latency_row_uses_the_byte_fields():
-    from bench.common import gbps
+    from bench.formulas import gbps
 
     sw = _module()
     doc = LOW_LATENCY_DOC
     cfg = sw.Config("low_latency", 2, None, 32, 512, 4, 16, "fp8", 2, 3, peers=False)
     row = sw.make_row(cfg, doc, 0, "", 1.0, PROV)
     assert row["status"] == "ok" and row["checks_ok"] is True and row["fingerprint"] == "e385fdb45416"
-    b = doc["bytes"]
+    raw = doc["details"]
+    b = raw["bytes"]
     for p in ("dispatch", "combine"):
-        assert row[f"{p}_s"] == doc["ll"][p]["median_s"]
+        assert row[f"{p}_s"] == raw["ll"][p]["median_s"]
         assert row[f"{p}_bytes"] == max(b[f"{p}_per_rank"])  # the busiest rank, like normal rows
         assert row[f"{p}_gbps"] == gbps(row[f"{p}_bytes"], row[f"{p}_s"])
-        assert math.isclose(row[f"{p}_gbps"], doc["bandwidth_GBps"][p], rel_tol=1e-12)  # equal bytes on every rank
+        assert math.isclose(row[f"{p}_gbps"], raw["bandwidth_GBps"][p], rel_tol=1e-12)  # equal bytes on every rank
         assert row[f"proj_{p}_formula_bytes"] == row[f"{p}_bytes"]
-    assert row["round_trip_s"] == doc["ll"]["round_trip"]["median_s"]
+    assert row["round_trip_s"] == raw["ll"]["round_trip"]["median_s"]
     # per kind: the busiest rank's bytes per round trip (moved over `calls` round trips) / the round trip
     assert (row["rt_SELF_bytes"], row["rt_UBMEM_bytes"], row["rt_URMA_bytes"]) == (106720, 99296, 0)
     for k in KINDS:
         assert row[f"rt_{k}_bytes"] == max(r[k] for r in b["moved_by_kind_per_rank"]) / b["calls"]
         assert row[f"rt_{k}_gbps"] == gbps(row[f"rt_{k}_bytes"], row["round_trip_s"])
-        assert math.isclose(row[f"rt_{k}_gbps"], doc["bandwidth_GBps"]["per_kind"][k], rel_tol=1e-12)  # rank 0
+        assert math.isclose(row[f"rt_{k}_gbps"], raw["bandwidth_GBps"]["per_kind"][k], rel_tol=1e-12)  # rank 0
     # one round trip's bytes = the projection's counted dispatch + combine bytes of the busiest UBMEM sender
     assert row["rt_UBMEM_bytes"] == 32688 + 66608
 
     # busiest rank, not rank 0: with the ranks swapped and rank 1 heavier, the columns follow the max
-    swapped = json.loads(json.dumps(doc))
+    swapped = json.loads(json.dumps(LOW_LATENCY_RAW))
     sb = swapped["bytes"]
     sb["moved_by_kind_per_rank"].reverse()
     sb["dispatch_per_rank"] = [69632, 69632 + 536]
-    row2 = sw.make_row(cfg, swapped, 0, "", 1.0, PROV)
+    row2 = sw.make_row(cfg, _low_latency_doc(swapped), 0, "", 1.0, PROV)
     assert row2["dispatch_bytes"] == 69632 + 536
     assert all(row2[f"rt_{k}_bytes"] == row[f"rt_{k}_bytes"] for k in KINDS)
 
@@ -419,9 +470,9 @@ def test_cli_mega_moe_mode():
             "mega_moe", 4, None, 256, 128, "fp8", False)
     argv = a.configs[0].bench_args("f.json", {"--no-progress", "--link-profile"})
     opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert opt["--inter"] == "128" and opt["--mma"] == "fp8" and opt["--experts"] == "16" and opt["--topk"] == "4"
-    assert opt["--tokens"] == "64" and opt["--link-profile"] == "ascend950" and "--no-progress" in argv
-    assert not {"--num-topk", "--num-experts", "--ranks-per-node", "--bf16", "--fp8", "--no-baselines"} & set(argv)
+    assert opt["--inter"] == "128" and opt["--mma"] == "fp8" and opt["--num-experts"] == "16" and opt["--num-topk"] == "4"
+    assert opt["--num-tokens"] == "64" and opt["--link-profile"] == "ascend950" and "--no-progress" in argv
+    assert not {"--ranks-per-node", "--bf16", "--fp8", "--no-baselines"} & set(argv)
 
     # the dtype axis is the MMA type; ranks-per-node and impossible sizes are listed, not run
     a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "mega_moe,normal", "--tokens", "64",
@@ -462,13 +513,15 @@ def test_plots_with_mega_moe_rows(out_tmp, monkeypatch):
     emulated = dict(normal, link_emulation="delay", link_scale=1e-3)
     legends = {}
 
-    save = sw._save
+    from bench import sweep_plots
+
+    save = sweep_plots._save
 
     def record_and_save(fig, out_dir, name, plt):  # the legends, then the PNG as the script writes it
         legends[name] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
         return save(fig, out_dir, name, plt)
 
-    monkeypatch.setattr(sw, "_save", record_and_save)
+    monkeypatch.setattr(sweep_plots, "_save", record_and_save)
     for p in sw.make_plots(str(out_tmp), rows + [ll, normal, emulated]):
         data = Path(p).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, p

@@ -133,11 +133,11 @@ def test_two_source_run_limit_follows_the_work_per_run():
 
 
 def test_combine_sum_benchmark_checks_bits(capsys):
-    """``python -m bench.combine_sum`` (the figures behind ``two_source_run_limit`` and the
+    """``python -m bench combine-sum`` (the figures behind ``two_source_run_limit`` and the
     embedding_bag path) times the paths on the same inputs and checks they give the same bits."""
     from bench import combine_sum
 
-    assert combine_sum.main(["--tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1",
+    assert combine_sum.main(["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1",
                              "--sources", "3,5"]) == 0
     out = capsys.readouterr().out
     assert out.count("[case]") == 2 and "same bits True" in out and "[fit]" in out

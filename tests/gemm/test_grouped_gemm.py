@@ -467,7 +467,7 @@ def test_bad_inputs_raise_clear_errors(alignment):
 
 
 def test_grouped_gemm_benchmark_checks_products(capsys):
-    """``python -m bench.grouped_gemm`` (the figures in the README's MegaMoE section) checks its variants'
+    """``python -m bench grouped-gemm`` (the figures in the README's MegaMoE section) checks its variants'
     products against a float64 reference."""
     from bench import grouped_gemm
 

@@ -690,7 +690,7 @@ def test_casts_of_zero_rows(shape):
 
 
 def test_fp8_decode_benchmark_checks_bits(capsys):
-    """``python -m bench.fp8_decode`` (the README's figure) compares its two decoders bit for bit."""
+    """``python -m bench fp8-decode`` (the README's figure) compares its two decoders bit for bit."""
     from bench import fp8_decode
 
     assert fp8_decode.main(["--rows", "4", "--hidden", "96", "--iters", "1"]) == 0

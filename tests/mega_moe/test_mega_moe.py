@@ -682,7 +682,7 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
 
 
 def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
-    """``python -m bench.mega_moe`` (the README's MegaMoE figures) on the ``tiny`` preset: the fused call
+    """``python -m bench mega-moe`` (the README's MegaMoE figures) on the ``tiny`` preset: the fused call
     equals the serial one and matches the unfused sequence (exit code 0), and the JSON holds the unfused
     stages and the serial call's own stage times from its trace, each positive, adding up to no more
     than the serial call took."""
@@ -692,25 +692,25 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
 
     path = comm.bcast(str(tmp_path / "mega_moe.json"), root=0)
     rc = coll(bench.main, ["--preset", "tiny", "--iters", "1", "--warmup", "1", "--threads", "1", "--json", path],
-              what="bench.mega_moe")
+              what="bench mega-moe")
     ok = rc == 0
     if comm.rank == 0:
-        t = json.load(open(path))["times_s"]
+        t = json.load(open(path))["details"]["times_s"]
         stages, own = t["stages"], t["serial_call_stages"]
         ok = ok and set(stages) == {"dispatch", "l1", "act", "l2", "combine", "shared"}
         ok = ok and {"dispatch", "l1", "act", "l2", "combine", "shared", "reduce"} <= set(own)
         ok = ok and all(v > 0 for v in list(stages.values()) + list(own.values()))
         ok = ok and sum(own.values()) <= t["serial"] * 1.05 + 1e-3
-        ok = ok and json.load(open(path))["gc"]["full_collection_ms"] > 0
-    all_ranks_ok(comm, ok, "bench.mega_moe ran, checked its outputs and reported both stage lists")
+        ok = ok and json.load(open(path))["details"]["gc"]["full_collection_ms"] > 0
+    all_ranks_ok(comm, ok, "bench mega-moe ran, checked its outputs and reported both stage lists")
 
 
 def test_benchmark_pauses_the_collector_and_restores_it():
-    """``bench.common.gc_paused`` (around the timed iterations of ``bench.mega_moe`` and ``time_phases``):
+    """``bench.timing.gc_paused`` (around the timed iterations of ``bench mega-moe`` and ``time_phases``):
     the collector is off inside, collects nothing there, and comes back as it was, after an exception too."""
     import gc
 
-    from bench import common as C
+    from bench import timing as C
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="inside"):

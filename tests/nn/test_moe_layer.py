@@ -258,7 +258,7 @@ def test_training_smoke_checkpoint_and_trace(comm, mode):
     """scripts/train_moe.py for 6 tiny steps on synthetic text (``--moe-mode``: normal or low-latency
     dispatch/combine): the loss falls; a run resumed from the step-3 checkpoint reproduces steps 4-6 bit
     for bit; the routing trace loads with bench's loader."""
-    from bench.common import load_routing
+    from bench.routing import load_routing
 
     tm = _train_module()
     r, R = comm.Get_rank(), comm.Get_size()

@@ -3,7 +3,7 @@
 Runs in the 1-rank job only: it launches ``mpiexec -n 4 python scripts/train_moe.py`` on the
 standard library's sources with a tiny model, writes its JSON log and a routing trace, and checks
 that the job exits cleanly, logs finite losses for every step, and that the trace loads with the
-benchmark's loader (``bench.common.load_routing``). The ``--resume`` refusals' checks are unit tests
+benchmark's loader (``bench.routing.load_routing``). The ``--resume`` refusals' checks are unit tests
 (no MPI): finding the checkpoint, and the reasons a loaded checkpoint is refused.
 """
 
@@ -48,7 +48,7 @@ def _check(doc, trace):
     losses = doc["losses"]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses), f"losses per step: {losses}"
     assert doc["steps"] == 4 and math.isfinite(doc["val_loss"]), doc
-    from bench.common import load_routing
+    from bench.routing import load_routing
 
     idx, _, meta = load_routing(trace, 0, 4)
     assert idx.dim() == 2 and meta["num_experts"] == 8, meta

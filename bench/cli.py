@@ -1,0 +1,166 @@
+"""The benchmarks' argument vocabulary, declared once, and their exit path under ``mpiexec``.
+
+Shared options (:data:`SHARED`; DeepEP's names where they exist) mean the same in every command;
+a command takes the ones it needs with its own defaults (:func:`add_shared`) and adds only its own
+options. The link-model options are :func:`add_link_args`.
+
+=====================  ==========================================================================
+``--num-tokens N``     tokens per rank (DeepEP's ``num_tokens``)
+``--hidden H``         hidden size, channels per token
+``--num-topk K``       experts per token
+``--num-experts E``    experts in total, over all ranks
+``--iters N``          timed iterations
+``--warmup N``         untimed iterations first
+``--seed S``           input seed (per rank: ``seed * 65536 + rank`` where inputs differ per rank)
+``--json FILE``        write the results as a ``deepep_ascend.bench/1`` document (:mod:`bench.schema`)
+``--ranks-per-node N`` simulated node size (fewer than the ranks: URMA between simulated nodes)
+``--no-progress``      no tqdm progress bar on rank 0
+``--link-*``           link model: ``--link-profile``, ``--link-emulation``, ``--link-scale``
+=====================  ==========================================================================
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+def int_at_least(lo: int):
+    """argparse ``type=``: an int >= ``lo``, else argparse's usage error (exit 2) on every rank."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def int_list(lo: int):
+    """argparse ``type=``: comma-separated ints, each >= ``lo`` (an empty text is the empty list)."""
+    one = int_at_least(lo)
+
+    def parse(text: str) -> list:
+        return [one(v) for v in text.split(",")] if text.strip() else []
+
+    parse.__name__ = f"comma-separated ints >= {lo}"
+    return parse
+
+
+#: The shared options: key → (flag, argparse keywords, help). ``type`` of the integer options is
+#: filled in by :func:`add_shared` (each command's minimum).
+SHARED = {
+    "num_tokens": ("--num-tokens", dict(metavar="N"), "tokens per rank"),
+    "hidden": ("--hidden", dict(metavar="H"), "hidden size (channels per token)"),
+    "num_topk": ("--num-topk", dict(metavar="K"), "experts per token (top-k)"),
+    "num_experts": ("--num-experts", dict(metavar="E"), "experts in total, over all ranks"),
+    "iters": ("--iters", dict(metavar="N"), "timed iterations"),
+    "warmup": ("--warmup", dict(metavar="N"), "untimed iterations first"),
+    "seed": ("--seed", dict(type=int, metavar="S"), "input seed"),
+    "json": ("--json", dict(metavar="FILE"), "write the results as JSON (schema deepep_ascend.bench/1, "
+                                             "bench/schema.py; rank 0)"),
+    "ranks_per_node": ("--ranks-per-node", dict(metavar="N"),
+                       "simulated node size (default: the host); fewer than the ranks takes the internode "
+                       "paths (URMA between simulated nodes, UBMEM inside)"),
+    "no_progress": ("--no-progress", dict(action="store_true"), "no tqdm progress bar on rank 0"),
+}
+_MINIMUM = {"num_tokens": 1, "hidden": 1, "num_topk": 1, "num_experts": 1, "iters": 1, "warmup": 0, "ranks_per_node": 1}
+
+
+def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps: dict | None = None,
+               **defaults) -> None:
+    """Add the shared options named by ``defaults``' keys (keys of :data:`SHARED`) with those defaults.
+
+    ``minimum``: a command's lower bound of an integer option where it is stricter than the
+    vocabulary's; ``helps``: text appended to an option's help (e.g. where its default comes from).
+    ``KeyError`` for a name outside the vocabulary (a command's own option belongs in the command).
+    """
+    minimum, helps = minimum or {}, helps or {}
+    group = p.add_argument_group("shared options (python -m bench --help)")
+    for key in SHARED:
+        if key not in defaults:
+            continue
+        flag, kw, text = SHARED[key]
+        kw = dict(kw)
+        if key in _MINIMUM:
+            kw["type"] = int_at_least(minimum.get(key, _MINIMUM[key]))
+        default = defaults[key]
+        if kw.get("action") != "store_true":
+            kw["default"] = default
+            if default is not None:
+                text += f" (default {default})"
+        if key in helps:
+            text += f"; {helps[key]}"
+        group.add_argument(flag, help=text, **kw)
+    unknown = set(defaults) - set(SHARED)
+    if unknown:
+        raise KeyError(f"not shared options: {sorted(unknown)}")
+
+
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    """``--link-profile``, ``--link-emulation``, ``--link-scale`` (checked by :func:`bench.linkmodel.link_setup`)."""
+    g = p.add_argument_group("link model (deepep_ascend.transports link profiles; README 'Link model')")
+    g.add_argument("--link-profile", default="ascend950", metavar="NAME|SPEC",
+                   help="profile of the projection and of the emulation: ascend950 (default), ascend950_scaleout, "
+                        "none (no projection), or explicit 'UBMEM=GBPS:US,URMA=GBPS:US[,SELF=GBPS:US]'")
+    g.add_argument("--link-emulation", choices=("none", "delay"), default="none",
+                   help="delay: slow deepep_ascend's UBMEM/URMA transfers to the profile x --link-scale "
+                        "(SIMULATION, labelled in every output; the MPI/gloo peers are not slowed)")
+    g.add_argument("--link-scale", type=float, default=1e-3,
+                   help="time scale of --link-emulation delay (default 1e-3: bandwidths x 1e-3, latencies x 1e3); "
+                        "unused without it")
+
+
+_DERIVED = ("profile", "emulator")  # set by bench.linkmodel.link_setup: objects, the options say them
+
+
+def params_of(args: argparse.Namespace, num_ranks: int, drop: tuple = ()) -> dict:
+    """The ``params`` block of a document: every option of ``args`` (JSON-able values; objects made
+    by a command's checks, such as a link profile, left out), ``drop`` left out, plus ``num_ranks``."""
+    out = {}
+    for k, v in vars(args).items():
+        if k in drop or k in _DERIVED or k.startswith("_") or callable(v):
+            continue
+        if v is None or isinstance(v, (bool, int, float, str)) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v)):
+            out[k] = list(v) if isinstance(v, tuple) else v
+    out["num_ranks"] = int(num_ranks)
+    return out
+
+
+def finish(comm, code: int = 0) -> None:
+    """The benchmark exit path (``deepep_ascend.transports.process.exit_job``): flush, final barrier,
+    ``MPI_Finalize``, the C library's ``exit(code)``. Not ``os._exit``, which skips MPICH's PMI
+    finalize hook and lets mpiexec kill late ranks (see ``transports.process``).
+    Destroy Buffers and process groups before calling this (Python atexit handlers do not run).
+    """
+    from bench.internals import exit_job
+
+    exit_job(code, comm)
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Run a collective command under ``mpiexec``: ``main()``, then leave by :func:`finish`.
+
+    A ``SystemExit`` becomes the exit code; any other exception prints its traceback and aborts
+    the job (``MPI_Abort``), so a rank that dies never leaves its peers hanging in a collective.
+    """
+    from mpi4py import MPI
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+    except BaseException as e:
+        import traceback
+        # One write (the first peer's Abort may kill this rank mid-print), the error line first.
+        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        from bench.internals import abort_job
+
+        abort_job(MPI.COMM_WORLD, 1)  # never falls through to finish()
+    finish(MPI.COMM_WORLD, code)

@@ -1,0 +1,120 @@
+"""The command registry of ``python -m bench <command> [options]``.
+
+Each command is a module of ``bench`` with
+
+* ``add_arguments(parser)``: its parser factory (shared options from :mod:`bench.cli`, then its own);
+* optionally ``check_args(parser, args)``: checks and derived values after parsing (``parser.error``);
+* ``run(args) -> int``: the benchmark, returning the exit code (1: a correctness check failed).
+
+Collective commands run under ``mpiexec`` and leave by the MPI exit path
+(:func:`bench.cli.run_main`); the others run in one process (under ``mpiexec`` each rank runs its
+own copy) and need no MPI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from typing import Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One registry entry: ``module`` (under ``bench``), a one-line ``summary`` and whether it is
+    ``collective`` (runs under ``mpiexec``, MPI exit path)."""
+
+    module: str
+    summary: str
+    collective: bool
+
+
+COMMANDS = {
+    "normal": Command("bench.normal", "normal-mode (DeepEP V1) dispatch + combine against MPI Alltoallv, gloo "
+                      "all_to_all_single and the memcpy roofline (the main job)", True),
+    "low-latency": Command("bench.low_latency", "low-latency (DeepEP LL) dispatch + combine, hook mode and overlap, "
+                           "against the same peers and roofline", True),
+    "mega-moe": Command("bench.mega_moe", "MegaMoE's fused call against the unfused stage sequence and plain "
+                        "matmuls (DeepGEMM fp8_fp4_mega_moe / bf16_mega_moe)", True),
+    "urma-put": Command("bench.urma_put", "URMA put_with_signal bandwidth between two simulated nodes (2 ranks)", True),
+    "grouped-gemm": Command("bench.grouped_gemm", "where a grouped bf16 GEMM's time goes, against one plain matmul "
+                            "of the same total shape (1 process)", False),
+    "combine-sum": Command("bench.combine_sum", "combine's row sum: run-wise BF16 path, float32 chain, "
+                           "embedding_bag and the native kernel (1 process)", False),
+    "moe-act": Command("bench.moe_act", "MegaMoE's FP8 decode and SwiGLU: native kernels against their torch paths "
+                       "(1 process)", False),
+    "fp8-decode": Command("bench.fp8_decode", "e4m3 codes to float32: torch's cast against "
+                          "deepep_ascend.e4m3_to_float (1 process)", False),
+    "alloc": Command("bench.alloc", "cost of writing an output into fresh host memory, with and without huge "
+                     "pages (1 process)", False),
+}
+
+
+def _module(name: str):
+    return importlib.import_module(COMMANDS[name].module)
+
+
+def parser(name: str) -> argparse.ArgumentParser:
+    """The parser of command ``name`` (``KeyError`` for an unknown name)."""
+    mod = _module(name)
+    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_arguments(p)
+    return p
+
+
+def parse(name: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[2:]``) for command ``name`` and run its checks;
+    ``args._argv`` keeps the arguments. argparse's usage error (exit 2) on bad values."""
+    argv = list(sys.argv[2:] if argv is None else argv)
+    p = parser(name)
+    args = p.parse_args(argv)
+    check = getattr(_module(name), "check_args", None)
+    if check is not None:
+        check(p, args)
+    args._argv = argv
+    return args
+
+
+def call(name: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Parse and run command ``name`` in this process and return its exit code, without the MPI
+    exit path (tests; a collective command must be called on every rank)."""
+    return _module(name).run(parse(name, argv))
+
+
+def execute(name: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Run command ``name`` as the entry point does: a collective command inside
+    :func:`bench.cli.run_main` (which ends the process), any other returning its exit code."""
+    if COMMANDS[name].collective:
+        from bench.cli import run_main
+
+        run_main(lambda: call(name, argv))
+    return call(name, argv)
+
+
+def alias(name: str) -> None:
+    """``python -m bench.<module>``: the same as ``python -m bench <name>`` (ends the process)."""
+    raise SystemExit(execute(name, sys.argv[1:]))
+
+
+def _listing() -> str:
+    width = max(map(len, COMMANDS))
+    return "commands:\n" + "\n".join(f"  {n:<{width}}  {c.summary}" for n, c in COMMANDS.items())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m bench <command> [options]`` (``python -m bench --help``: the commands;
+    ``python -m bench <command> --help``: its options)."""
+    top = argparse.ArgumentParser(
+        prog="python -m bench", usage="%(prog)s <command> [options]",
+        description="deepep_ascend benchmarks. Collective commands run one process per rank "
+                    "(mpiexec -n N python -m bench <command>); --json FILE writes the "
+                    "deepep_ascend.bench/1 document (bench/schema.py).",
+        epilog=_listing() + "\n\nshared options (bench/cli.py): --num-tokens --hidden --num-topk --num-experts "
+                            "--iters --warmup --seed --json --ranks-per-node --no-progress --link-profile "
+                            "--link-emulation --link-scale",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", choices=list(COMMANDS), metavar="<command>", help="one of the commands below")
+    top.add_argument("args", nargs=argparse.REMAINDER, metavar="[options]", help="the command's options")
+    ns = top.parse_args(argv)
+    return execute(ns.command, ns.args)

@@ -1,0 +1,206 @@
+"""The normal-mode round trip (dispatch → experts → combine), run the same way for every system.
+
+:func:`run_round_trip` times layout, dispatch and combine of any system with DeepEP V1's call
+shape: :class:`BufferSystem` (a DeepEP-V1-like ``Buffer``) or a peer pipeline of
+:mod:`bench.baselines`. :func:`compare_outputs` checks two systems' results agree bit for bit.
+The "experts" between dispatch and combine are :data:`EXPERTS` (identity, or a copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from bench.timing import time_phases
+from bench.workload import Workload, calc_diff, per_token_cast_back, tensor_digest
+
+
+def split_x(x):
+    """dispatch input or output → (payload [N, H] tensor, fp8 scales or None)."""
+    if isinstance(x, tuple):
+        return x[0], x[1]
+    return x, None
+
+
+class BufferSystem:
+    """A DeepEP-V1-like ``Buffer`` (normal mode) as a round-trip system.
+
+    Calls exactly the public API: ``get_dispatch_layout``, ``dispatch`` (non-cached, with top-k),
+    ``combine`` (with the received weights); ``traffic()`` is ``buf.get_traffic(lifetime=False)``
+    when the buffer has it (bytes sent by this rank during the last call, by channel kind).
+    """
+
+    def __init__(self, buf, name: str = "deepep_ascend"):
+        self.buf, self.name = buf, name
+
+    def layout(self, topk_idx, num_experts):
+        return self.buf.get_dispatch_layout(topk_idx, num_experts)[:4]
+
+    def dispatch(self, x, layout, topk_idx, topk_weights):
+        ntpr, ntprr, ntpe, itir = layout
+        kw = {} if ntprr is None else {"num_tokens_per_rdma_rank": ntprr}
+        out = self.buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itir,
+                                num_tokens_per_expert=ntpe, topk_idx=topk_idx,
+                                topk_weights=topk_weights, **kw)
+        return out[:5]
+
+    def combine(self, y, handle, topk_weights):
+        combined_x, combined_w, _ = self.buf.combine(y, handle, topk_weights=topk_weights)
+        return combined_x, combined_w
+
+    def traffic(self) -> Optional[dict]:
+        get = getattr(self.buf, "get_traffic", None)
+        return dict(get(lifetime=False)) if get is not None else None
+
+    def link_stats(self) -> Optional[dict]:
+        """``Buffer.get_link_stats()`` (per peer and channel kind, bytes and messages of the last
+        call), or ``None`` for a Buffer without link counters."""
+        get = getattr(self.buf, "get_link_stats", None)
+        return get() if get is not None else None
+
+
+def identity_experts(recv_x):
+    """The "experts" of the benchmark: identity, as a BF16 combine input ``[N_recv, H]``
+    (an FP8 tuple is cast back with :func:`per_token_cast_back`)."""
+    if isinstance(recv_x, tuple):
+        return per_token_cast_back(*recv_x)
+    return recv_x
+
+
+def copy_experts(recv_x):
+    """Experts whose output is a new tensor (a copy of the received rows, as BF16): what a real expert
+    hands to combine, which then stages it (:func:`identity_experts` hands ``recv_x`` itself back,
+    which a Buffer's combine reads in place where it lies in the landing segment)."""
+    return identity_experts(recv_x).clone()
+
+
+EXPERTS = {"identity": identity_experts, "copy": copy_experts}
+
+
+@dataclasses.dataclass
+class RoundTripResult:
+    """One system's timings and the last iteration's outputs on this rank."""
+
+    name: str
+    timings: dict  # 'layout', 'dispatch', 'combine', 'round_trip' → Timing (max over ranks)
+    num_recv_tokens: int
+    dispatch_digests: dict  # component → tensor_digest
+    combined_x: torch.Tensor
+    combined_topk_weights: Optional[torch.Tensor]
+    traffic: dict  # 'dispatch' / 'combine' → {kind: bytes sent by this rank} or None
+    layout_digest: str
+    link_stats: Optional[dict] = None  # 'dispatch' / 'combine' → Buffer.get_link_stats() of the last call
+
+
+def dispatch_digests(out) -> dict:
+    """Digests of a dispatch's user-visible results (``recv_x`` [+ scales], top-k, counts list)."""
+    recv_x, ridx, rw, counts = out[:4]
+    data, scales = split_x(recv_x)
+    return {"recv_x": tensor_digest(data), "recv_scales": tensor_digest(scales),
+            "recv_topk_idx": tensor_digest(ridx), "recv_topk_weights": tensor_digest(rw),
+            "num_recv_tokens_per_expert_list": hashlib.blake2b(
+                json.dumps([int(c) for c in counts]).encode(), digest_size=16).hexdigest()}
+
+
+def layout_digest(layout) -> str:
+    """Digest of ``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; the per-node
+    count (``layout[1]``, internode only) is left out so that one-node pipelines compare."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (layout[0], layout[2], layout[3]):
+        tensor_digest(t if t is None else t.to(torch.int64 if t.dtype != torch.bool else torch.bool), h)
+    return h.hexdigest()
+
+
+def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
+                   experts: Callable = identity_experts,
+                   progress: Optional[Callable[[int], None]] = None) -> RoundTripResult:
+    """Time layout, dispatch and combine of ``system`` on ``wl`` (collective).
+
+    Per iteration: drop the previous outputs (untimed), ``layout`` (timed), ``dispatch`` (timed),
+    read traffic and run ``experts`` on the received rows (untimed), ``combine`` with the received
+    weights (timed), read traffic (untimed). ``round_trip`` = dispatch + combine per iteration
+    (layout excluded, as DeepEP times it apart).
+    """
+    st: dict = {}
+    x, ne = wl.dispatch_x, wl.params["num_experts"]
+
+    def reset():
+        st.clear()
+
+    def layout():
+        st["layout"] = system.layout(wl.topk_idx, ne)
+
+    def dispatch():
+        st["d"] = system.dispatch(x, st["layout"], wl.topk_idx, wl.topk_weights)
+
+    link_stats = getattr(system, "link_stats", lambda: None)
+
+    def after_dispatch():
+        st["t_d"], st["s_d"] = system.traffic(), link_stats()
+        st["y"] = experts(st["d"][0])
+
+    def combine():
+        st["c"] = system.combine(st["y"], st["d"][4], st["d"][2])
+
+    def after_combine():
+        st["t_c"], st["s_c"] = system.traffic(), link_stats()
+
+    phases = [(None, reset), ("layout", layout), ("dispatch", dispatch), (None, after_dispatch),
+              ("combine", combine), (None, after_combine)]
+    t = time_phases(phases, comm, iters, warmup, progress)
+    t["round_trip"] = t["dispatch"] + t["combine"]
+    d = st["d"]
+    res = RoundTripResult(
+        name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
+        dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
+        combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(), traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
+        layout_digest=layout_digest(st["layout"]),
+        link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
+    st.clear()
+    return res
+
+
+def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roundings: bool = False) -> dict:
+    """Check ``other`` against ``ref`` on every rank (collective; same answer on all ranks).
+
+    Returns ``{layout, dispatch: {component: bool}, combined_x_bitwise, combined_x_equal_values,
+    combined_topk_weights_bitwise, combined_x_calc_diff, combined_topk_weights_calc_diff}``;
+    booleans are ANDed over ranks, ``calc_diff`` values are the maximum over ranks (0 = equal).
+    ``two_roundings``: ``other`` is DeepEP's internode combine, which rounds each node's partial
+    sum to BF16 before the final sum (spec §5) while ``ref`` rounds once, so ``combined_x`` may
+    differ in the last bits by design: it is then accepted when ``calc_diff < 1e-4``
+    (``combined_x_two_roundings``) — the test suite checks that path bit for bit against a
+    two-rounding reference.
+    """
+    from mpi4py import MPI
+
+    flags = {"layout": ref.layout_digest == other.layout_digest}
+    for k, v in ref.dispatch_digests.items():
+        flags["dispatch." + k] = v == other.dispatch_digests.get(k)
+    a, b = ref.combined_x, other.combined_x
+    same_shape = a.shape == b.shape and a.dtype == b.dtype
+    flags["combined_x_bitwise"] = same_shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    flags["combined_x_equal_values"] = same_shape and torch.equal(a, b)
+    wa, wb = ref.combined_topk_weights, other.combined_topk_weights
+    w_same = wa is not None and wb is not None and wa.shape == wb.shape
+    flags["combined_topk_weights_bitwise"] = w_same and torch.equal(wa.view(torch.int32), wb.view(torch.int32))
+    diffs = {"combined_x_calc_diff": calc_diff(a.float(), b.float()) if same_shape else float("inf"),
+             "combined_topk_weights_calc_diff": calc_diff(wa, wb) if w_same else float("inf")}
+    names = sorted(flags)
+    ok = np.array([1 if flags[n] else 0 for n in names], dtype=np.int32)
+    ok_all = np.empty_like(ok)
+    comm.Allreduce(ok, ok_all, op=MPI.MIN)
+    dv = np.array([diffs[n] for n in sorted(diffs)], dtype=np.float64)
+    dv_all = np.empty_like(dv)
+    comm.Allreduce(dv, dv_all, op=MPI.MAX)
+    out = {n: bool(v) for n, v in zip(names, ok_all)}
+    out.update({n: float(v) for n, v in zip(sorted(diffs), dv_all)})
+    if two_roundings:
+        out["combined_x_two_roundings"] = out["combined_x_calc_diff"] < 1e-4
+        out["combined_x_bitwise"] = out["combined_x_equal_values"] = None  # not expected: reported apart
+    return out
+

@@ -1,0 +1,133 @@
+"""Timing: barrier-synchronised phases, the max over ranks per iteration, and one-process medians.
+
+* :func:`time_phases` / :func:`time_collective` — barrier before each timed op, ``time.perf_counter``
+  around it, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max
+  over iterations (:class:`Timing`); Python's garbage collector paused throughout (:func:`gc_paused`);
+* :func:`interleaved_medians_ms` — one process: the median of each of several functions timed in
+  alternation, so that the host's drift hits every function alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Timing:
+    """Per-iteration times in seconds (each the max over ranks) and their summary."""
+
+    times: list
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else float("nan")
+
+    @property
+    def min(self) -> float:
+        return min(self.times) if self.times else float("nan")
+
+    @property
+    def max(self) -> float:
+        return max(self.times) if self.times else float("nan")
+
+    def __add__(self, other: "Timing") -> "Timing":
+        """Iteration-wise sum (e.g. dispatch + combine = round trip)."""
+        return Timing([a + b for a, b in zip(self.times, other.times)])
+
+    def as_dict(self) -> dict:
+        return dict(median_s=self.median, min_s=self.min, max_s=self.max, times_s=list(self.times))
+
+    def fmt(self, unit: str = "ms") -> str:
+        s = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+        return f"{self.median * s:9.3f} {unit} (min {self.min * s:.3f}, max {self.max * s:.3f})"
+
+
+Phase = tuple  # (name or None, fn): None = untimed step (no barrier), e.g. bookkeeping
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Collect once, then keep Python's cyclic garbage collector off inside the block (restored after).
+
+    A full collection walks every tracked object, some 170,000 after ``import torch``; timed by the
+    ``[gc]`` line of ``bench.mega_moe``. Inside a collective call it stalls every rank, so a timed
+    iteration that holds one measures the collector rather than the system."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def full_gc_seconds() -> tuple[float, int]:
+    """``(seconds, objects)``: the time of one full ``gc.collect()`` in this process, and how many objects
+    the collector tracks (what a full collection walks)."""
+    objects = len(gc.get_objects())
+    t0 = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - t0, objects
+
+
+def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
+                progress: Optional[Callable[[int], None]] = None) -> dict[str, Timing]:
+    """Run ``phases`` in order ``warmup + iters`` times; time the named ones.
+
+    Each named phase: ``comm.Barrier()``, then ``fn()`` between two ``time.perf_counter()`` calls.
+    Unnamed phases (name ``None``) run untimed, without a barrier. After the loop one
+    ``Allreduce(MAX)`` turns each rank's times into the per-iteration maximum over ranks, so the
+    slowest rank defines every iteration. Collective: all ranks must pass the same phase list.
+    The Python GC is paused during the loop. ``progress(i)`` is called after each iteration.
+    """
+    from mpi4py import MPI
+
+    names = [p[0] for p in phases if p[0] is not None]
+    local = np.zeros((len(names), iters), dtype=np.float64)
+    with gc_paused():
+        for it in range(warmup + iters):
+            j = 0
+            for name, fn in phases:
+                if name is None:
+                    fn()
+                    continue
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                if it >= warmup:
+                    local[j, it - warmup] = t1 - t0
+                j += 1
+            if progress is not None:
+                progress(it)
+    glob = np.empty_like(local)
+    comm.Allreduce(local, glob, op=MPI.MAX)
+    return {n: Timing(glob[i].tolist()) for i, n in enumerate(names)}
+
+
+def time_collective(fn: Callable[[], Any], comm, iters: int, warmup: int) -> Timing:
+    """Time one collective operation: :func:`time_phases` with the single phase ``fn``."""
+    return time_phases([("op", fn)], comm, iters, warmup)["op"]
+
+
+def interleaved_medians_ms(fns: Sequence[Callable[[], Any]], iters: int, warmup: int = 1) -> list:
+    """Median milliseconds of each of ``fns`` over ``iters`` calls, timed in alternation after
+    ``warmup`` untimed calls each (one process, no barrier), so that the host's drift during the
+    run hits every function alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e3 for ts in times]

@@ -1,0 +1,199 @@
+"""``python -m bench <command>`` (issue 26): one entry, one argument vocabulary, one JSON document.
+
+Every command runs once at a tiny size with ``--json`` and its document validates against the
+schema (``bench.schema``); the collective ones run as a user runs them (``mpiexec -n 2 python -m
+bench <command>``, launched from the 1-rank job), the one-process ones in this process. The
+documents also say what the sweep reads from them consistently with their own details (the
+busiest rank's bytes per channel kind, the ratios), and the schema rejects what it must.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from tests.support import REPO_ROOT
+from tests.support.mpi_utils import child_env, run_child_command, world
+
+ONE_RANK = pytest.mark.skipif(world().Get_size() != 1, reason="launches its own jobs; runs in the 1-rank job only")
+
+# tiny sizes, few iterations: seconds each on 2 cores
+COLLECTIVE = {
+    "normal": ["--num-tokens", "64", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+               "--warmup", "1", "--no-progress"],
+    "low-latency": ["--num-tokens", "16", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+                    "--warmup", "1"],
+    "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--threads", "1"],
+    "urma-put": ["--bytes", "65536", "--iters", "2"],
+}
+ONE_PROCESS = {
+    "grouped-gemm": ["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3"],
+    "combine-sum": ["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1", "--sources", "3"],
+    "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3"],
+    "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1"],
+    "alloc": ["--mbytes", "1", "--iters", "1"],
+}
+
+
+@pytest.fixture
+def out_dir():
+    """A private temporary directory (not pytest's tmp_path: concurrent ranks race on its cleanup)."""
+    d = tempfile.mkdtemp(prefix="bench_commands_test_")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_every_command_is_tested():
+    from bench.commands import COMMANDS
+
+    assert set(COMMANDS) == set(COLLECTIVE) | set(ONE_PROCESS)
+    assert {n for n, c in COMMANDS.items() if c.collective} == set(COLLECTIVE)
+
+
+def test_help_lists_the_commands_one_line_each():
+    rc, out = run_child_command([sys.executable, "-m", "bench", "--help"], REPO_ROOT, child_env(REPO_ROOT), 120)
+    assert rc == 0, out
+    from bench.commands import COMMANDS
+
+    listing = out[out.index("commands:"):].splitlines()[1:]
+    for name, cmd in COMMANDS.items():
+        line = next(ln for ln in listing if ln.split()[:1] == [name])
+        assert cmd.summary.split()[0] in line, (name, line)
+    rc, out = run_child_command([sys.executable, "-m", "bench", "fp8-decode", "--help"], REPO_ROOT,
+                                child_env(REPO_ROOT), 120)
+    assert rc == 0 and "python -m bench fp8-decode" in out and "--json FILE" in out, out
+    rc, out = run_child_command([sys.executable, "-m", "bench", "no-such-command"], REPO_ROOT, child_env(REPO_ROOT), 120)
+    assert rc == 2 and "invalid choice: 'no-such-command'" in out, out
+
+
+def test_one_vocabulary():
+    """A shared option is spelled and explained the same in every command that takes it; no command
+    declares an option of its own under a shared name or an old spelling of one."""
+    from bench import cli, commands
+
+    shared = {flag: text for flag, _, text in cli.SHARED.values()}
+    for name in commands.COMMANDS:
+        p = commands.parser(name)
+        flags = {s for a in p._actions for s in a.option_strings}
+        assert not flags & {"--tokens", "--topk", "--experts"}, name
+        assert "--json" in flags and "--iters" in flags, name
+        for a in p._actions:
+            for s in a.option_strings:
+                if s in shared:
+                    assert a.help.startswith(shared[s]), (name, s, a.help)
+    with pytest.raises(KeyError):
+        cli.add_shared(commands.parser("alloc"), rows=3)
+
+
+def _check_doc(doc: dict, command: str, num_ranks: int) -> None:
+    from bench import schema
+
+    schema.validate(doc)
+    assert doc["command"] == command and doc["params"]["num_ranks"] == num_ranks
+    assert doc["checks"]["ok"] is True, doc["checks"]
+    by = schema.results_by_name(doc)
+    for r in doc["results"]:
+        assert r["seconds"] > 0, r
+        if r["bytes"] is not None and r["gbps"] is not None:
+            assert math.isclose(r["gbps"], r["bytes"] / 1e9 / r["seconds"], rel_tol=1e-9), r
+        for other, ratio in r.get("ratio_to", {}).items():
+            assert math.isclose(ratio, r["seconds"] / by[other]["seconds"], rel_tol=1e-9), (r["name"], other)
+
+
+def _check_details(command: str, doc: dict) -> None:
+    """What the sweep reads agrees with the command's own per-rank details."""
+    by = {r["name"]: r for r in doc["results"]}
+    det = doc["details"]
+    if command == "normal":
+        for system in ("deepep_ascend", "mpi_alltoallv", "gloo_all_to_all"):
+            phases = det["systems"][system]["phases"]
+            for p in ("dispatch", "combine"):
+                assert by[f"{system}/{p}"]["bytes"] == max(phases[p]["bottleneck_bytes_per_rank"])
+            sent = [phases[p]["sent_by_kind"] for p in ("dispatch", "combine")]
+            for k, v in by[f"{system}/round_trip"]["by_kind"].items():  # busiest rank's dispatch + combine bytes
+                assert v == max(a + b for a, b in zip(sent[0][k]["bytes_per_rank"], sent[1][k]["bytes_per_rank"]))
+        assert set(doc["baselines"]) >= {"mpi_alltoallv/round_trip", "gloo_all_to_all/round_trip",
+                                         "memcpy_roofline/round_trip"}
+        peers = min(by[f"{p}/round_trip"]["seconds"] for p in ("mpi_alltoallv", "gloo_all_to_all"))
+        assert math.isclose(doc["summary"]["speedup_over_faster_peer"], peers / by["deepep_ascend/round_trip"]["seconds"])
+    elif command == "low-latency":
+        b = det["bytes"]
+        for p in ("dispatch", "combine"):
+            assert by[f"deepep_ascend/{p}"]["bytes"] == max(b[f"{p}_per_rank"])
+        for k, v in by["deepep_ascend/round_trip"]["by_kind"].items():  # busiest rank, one of `calls` round trips
+            assert v == max(r[k] for r in b["moved_by_kind_per_rank"]) / b["calls"]
+    elif command == "mega-moe":
+        fused = by["fused"]
+        assert fused["seconds"] == det["times_s"]["fused"] and fused["bytes"] == det["bandwidth_GBps"]["bytes_with_self"]
+        for k, v in fused["by_kind"].items():
+            assert v == max(r[k] for r in det["traffic_by_kind"])
+        assert by["unfused/sum_stages"]["seconds"] == det["times_s"]["sum_stages"]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(600)
+@ONE_RANK
+def test_collective_commands_write_valid_documents(out_dir):
+    from bench.internals import mpiexec_path
+
+    mpiexec = mpiexec_path() or "mpiexec"
+    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
+    for command, argv in COLLECTIVE.items():
+        path = os.path.join(out_dir, f"{command}.json")
+        rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv, "--json", path],
+                                    REPO_ROOT, env, 300)
+        assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
+        with open(path) as f:
+            doc = json.load(f)
+        _check_doc(doc, command, 2)
+        _check_details(command, doc)
+        assert doc["host"]["mpi"] and doc["argv"][-2:] == ["--json", path], doc["argv"]
+    # the thin alias runs the same command
+    path = os.path.join(out_dir, "alias.json")
+    rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench.urma_put", "--bytes", "4096",
+                                 "--iters", "1", "--json", path], REPO_ROOT, env, 300)
+    assert rc == 0, out[-3000:]
+    with open(path) as f:
+        _check_doc(json.load(f), "urma-put", 2)
+
+
+@ONE_RANK
+@pytest.mark.parametrize("command", sorted(ONE_PROCESS))
+def test_one_process_commands_write_valid_documents(command, out_dir, capsys):
+    from bench import commands
+
+    path = os.path.join(out_dir, f"{command}.json")
+    assert commands.call(command, ONE_PROCESS[command] + ["--json", path]) == 0
+    capsys.readouterr()
+    with open(path) as f:
+        doc = json.load(f)
+    _check_doc(doc, command, 1)
+    assert doc["host"]["mpi"] is None and doc["fingerprint"] is None
+    if command != "moe-act" or doc["checks"]["native"]:
+        assert doc["results"] and set(doc["baselines"]) < {r["name"] for r in doc["results"]}
+
+
+def test_schema_rejects_what_it_must():
+    from bench import schema
+
+    rec = schema.result("a/b", 0.5, nbytes=1e9, formula="x")
+    assert rec["system"] == "a" and rec["phase"] == "b" and rec["gbps"] == 2.0
+    doc = json.loads(json.dumps(dict(schema.document("alloc", argv=[], params={"num_ranks": 1}, results=[rec],
+                                                     baselines=["a/b"], checks={"ok": True}, mpi=False))))
+    schema.validate(doc)
+    for broken, needle in ((dict(doc, schema="other/1"), "schema"),
+                           (dict(doc, results=[dict(rec, seconds=-1.0)]), "results/0/seconds"),
+                           (dict(doc, results=[{k: v for k, v in rec.items() if k != "gbps"}]), "'gbps' is a required"),
+                           (dict(doc, results=[rec, rec]), "duplicate names"),
+                           (dict(doc, baselines=["nope"]), "are not results"),
+                           (dict(doc, checks={}), "'ok' is a required"),
+                           ({k: v for k, v in doc.items() if k != "host"}, "'host' is a required")):
+        with pytest.raises(ValueError, match=needle):
+            schema.validate(broken)
+    assert schema.finite({"a": [float("nan"), 1.0, float("inf")]}) == {"a": [None, 1.0, None]}
