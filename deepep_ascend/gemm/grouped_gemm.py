@@ -69,6 +69,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import native as _native
+from ..native.operands import matrix_ok, overlap, write_refusal
 from . import quant as _q
 from .quant import (
     _dequantize_operand,
@@ -402,7 +403,7 @@ def _mm_group(x: torch.Tensor, w_t: torch.Tensor | None, packed, g: int) -> torc
         p = packed[g]
         if not isinstance(p, _AMX_WEIGHTS):
             return _LINEAR(x, p, None, "none", [], "")
-        x = x if _native._matrix_ok(x) else x.contiguous()
+        x = x if matrix_ok(x) else x.contiguous()
         out = torch.empty(x.size(0), p.n, dtype=BF16)
         _native.gemm_bf16_amx(out, x, p)
         return out
@@ -418,11 +419,11 @@ def _amx_runs(packed, d: torch.Tensor, rows, runs: list) -> bool:
     an inference tensor outside inference mode: the caller's torch write raises as torch does), ``a`` not
     bf16, or autograd recording the call; the caller then multiplies group by group."""
     if (packed is None or not runs or not isinstance(packed[runs[0][0]], _AMX_WEIGHTS)
-            or not _native._matrix_ok(d, BF16) or _native._write_refusal("d", d)):
+            or not matrix_ok(d, BF16) or write_refusal("d", d)):
         return False
     a = rows()
-    if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not _native._matrix_ok(a)
-            or _native._overlap(d, a)):
+    if (a is None or a.dtype != BF16 or (a.requires_grad and torch.is_grad_enabled()) or not matrix_ok(a)
+            or overlap(d, a)):
         return False
     index = {}  # each group's weight once, in the order of the runs
     for g, _, _ in runs:

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from .. import native as _native
+from ..native.operands import matrix_ok
 
 __all__ = [
     "FP4_E2M1_MAX",
@@ -710,7 +711,7 @@ def per_token_cast_back(
             f"x_scales shape {tuple(x_scales.shape)} does not fit x_fp8 {tuple(x_fp8.shape)} "
             f"at gran_k={gran_k}"
         )
-    if packed and dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and _native._matrix_ok(x_fp8):
+    if packed and dtype == torch.bfloat16 and x_fp8.dim() == 2 and k % gran_k == 0 and matrix_ok(x_fp8):
         out = torch.empty(m, k, dtype=torch.bfloat16)
         if _native.dequant_rows_e4m3(out, x_fp8, sf[:, :k // gran_k], None, gran_k):
             return out

@@ -119,6 +119,7 @@ from ..transports import Topology, TransportPoisoned, quiet_allgather_object
 
 from ..gemm import grouped_gemm as _gg
 from .. import native as _native
+from ..native.operands import matrix_ok
 from ..gemm import quant as _q
 from ..ep.buffer import Buffer
 from ..ep.group import mpi_comm_of
@@ -767,7 +768,7 @@ def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     if kind == "bf16":
         data = data if index is None else data.index_select(0, index)
         return data if dtype == BF16 else data.float()
-    if native and _native._matrix_ok(data) and _native._matrix_ok(sf_bytes):
+    if native and matrix_ok(data) and matrix_ok(sf_bytes):
         out = torch.empty(data.size(0) if index is None else index.numel(), data.size(1), dtype=BF16)
         if _native.dequant_rows_e4m3(out, data, sf_bytes, index, _SF_GRAN):
             return out if dtype == BF16 else out.float()
@@ -787,7 +788,7 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
     after torch's exp (its bf16 rows widened are the float32 result: the round trip's values are bf16 values)."""
     c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
-    if (native and _native._matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
+    if (native and matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
             and weights.dtype == torch.float32 and weights.dim() == 1):
         out = torch.empty(h.size(0), i, dtype=BF16)
         if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else _SF_GRAN):

@@ -704,7 +704,7 @@ def test_cast_back_takes_scales_with_any_strides():
     of the row-major copy, through the native kernel and through the torch path."""
     import numpy as np
 
-    from deepep_ascend import native
+    from deepep_ascend.native.loader import kernels
 
     g = torch.Generator().manual_seed(11)
     m, k = 5, 512
@@ -715,13 +715,13 @@ def test_cast_back_takes_scales_with_any_strides():
         mn_major = torch.empty(words, m, dtype=dt).t()
         mn_major.copy_(row_major)
         assert mn_major.stride() == (1, m)
-        for kernel in (native._DEQUANT, None):
-            real, native._DEQUANT = native._DEQUANT, kernel
+        for kernel in (kernels.dequant_rows_e4m3_bf16, None):
+            real, kernels.dequant_rows_e4m3_bf16 = kernels.dequant_rows_e4m3_bf16, kernel
             try:
                 exp = dg.per_token_cast_back(x, row_major, 128)
                 got = dg.per_token_cast_back(x, mn_major, 128)
             finally:
-                native._DEQUANT = real
+                kernels.dequant_rows_e4m3_bf16 = real
             assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
         assert torch.equal(dg.unpack_ue8m0_from_int(mn_major), dg.unpack_ue8m0_from_int(row_major))
     x0 = torch.from_numpy(np.zeros((0, 128), np.uint8)).view(torch.float8_e4m3fn)
