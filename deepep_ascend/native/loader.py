@@ -13,6 +13,8 @@ import importlib.machinery
 import os
 import warnings
 
+from .. import settings
+
 __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
@@ -68,8 +70,10 @@ def load() -> Kernels | None:
         The :class:`Kernels`, or None where ``DEEPEP_ASCEND_NATIVE`` is off, the library was not built, or
         it cannot be used: it does not load, or it was built from other sources (its ABI number is not
         :data:`ABI`); those two warn (``RuntimeWarning``) and say how to rebuild.
+    Raises:
+        deepep_ascend.settings.SettingError: ``DEEPEP_ASCEND_NATIVE`` is not a boolean.
     """
-    if os.environ.get("DEEPEP_ASCEND_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.NATIVE.get():
         return None
     path = library_path()
     if path is None:

@@ -43,6 +43,18 @@ def test_environment_variable_disables_the_kernel():
     assert out.stdout.strip() == "False"
 
 
+def test_a_bad_environment_value_fails_the_import_naming_the_variable():
+    """``DEEPEP_ASCEND_NATIVE`` is read once, when the library loads (at import): a value that is not a
+    boolean stops the import with a ``SettingError`` naming the variable and the value, as every setting does."""
+    env = dict(os.environ, DEEPEP_ASCEND_NATIVE="maybe")
+    out = subprocess.run([sys.executable, "-c", "import deepep_ascend"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+    want = "deepep_ascend.settings.SettingError: $DEEPEP_ASCEND_NATIVE must be"
+    assert out.returncode != 0 and last.startswith(want), (out.returncode, out.stderr[-2000:])
+    assert "'maybe'" in last, last
+
+
 @needs_native
 @pytest.mark.parametrize("num_sources,hidden,bias_kind,repeats", [
     (0, 40, None, False), (1, 40, "one", False), (2, 1, None, True), (3, 1024, "pair", False),
