@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from .. import native as _native
+from .. import settings
 from ..native.operands import matrix_ok
 
 __all__ = [
@@ -926,7 +927,10 @@ def _to_exact_bf16(x: torch.Tensor) -> torch.Tensor:
 _cache_lock = threading.RLock()
 _cache: collections.OrderedDict = collections.OrderedDict()  # key -> (refs, versions, value, nbytes)
 _cache_enabled = True
-_CACHE_BYTES_ENV = "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"
+_cache_max_bytes: int | None = None  # the budget; None until the caches are first used (_max_bytes)
+_cache_bytes = 0
+_cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
+_cache_warned = False
 
 
 def _check_max_bytes(name: str, value) -> int:
@@ -941,49 +945,47 @@ def _check_max_bytes(name: str, value) -> int:
     return n
 
 
-def _default_max_bytes() -> int:
-    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set (an invalid value warns and is ignored: a cache setting
-    should not keep the package from importing), else a quarter of the machine's physical memory (8 GiB
-    where the OS does not say)."""
-    env = os.environ.get(_CACHE_BYTES_ENV, "").strip()
-    if env:
-        try:
+def _max_bytes() -> int:
+    """The caches' budget in bytes (call with the lock held). Read at the caches' first use, not at import (a
+    bad value must not keep the package from importing): ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a
+    quarter of the machine's physical memory (8 GiB where the OS does not say), unless
+    :func:`set_dequantized_weight_cache` set one first.
+
+    Raises:
+        deepep_ascend.settings.SettingError: the variable holds something other than an int >= 0 (the
+            budget stays unset: every use raises until the variable or the budget is fixed).
+    """
+    global _cache_max_bytes
+    if _cache_max_bytes is None:
+        value = settings.WEIGHT_CACHE_BYTES.get()
+        if value is None:
             try:
-                value = int(env)
-            except ValueError:
-                value = env
-            return _check_max_bytes(f"environment variable {_CACHE_BYTES_ENV}", value)
-        except ValueError as e:
-            warnings.warn(f"deepep_ascend: {e}; using the default budget", RuntimeWarning, stacklevel=2)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (AttributeError, ValueError, OSError):
-        return 8 << 30
+                value = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+            except (AttributeError, ValueError, OSError):
+                value = 8 << 30
+        _cache_max_bytes = value
+    return _cache_max_bytes
 
-
-_cache_max_bytes = _default_max_bytes()
-_cache_bytes = 0
-_cache_stats = {"hits": 0, "misses": 0, "evictions": 0}
-_cache_warned = False
 
 WeightCacheInfo = collections.namedtuple("WeightCacheInfo", "hits misses evictions entries nbytes max_bytes")
 WeightCacheInfo.__doc__ = """:func:`dequantized_weight_cache_info`'s counters (since the last clear) and sizes (bytes)."""
 
 
 def set_dequantized_weight_cache(enabled: bool | None = None, max_bytes: int | None = None) -> None:
-    """Enable or disable the weight caches (on at import): :func:`dequantize_weights`' dequantized
-    copies, the bf16 GEMMs' prepacked weights and MegaMoE's un-transformed weights. Disabling
-    clears them.
+    """Enable or disable the weight caches (on at import): the dequantized copies of
+    :func:`dequantize_weights`, the bf16 GEMMs' prepacked weights and MegaMoE's
+    un-transformed weights. Disabling clears them. Not in DeepGEMM.
 
     Args:
         enabled: whether calls cache the copies they build (``None``: unchanged, to set only the budget).
         max_bytes: the caches' budget in bytes (an int >= 0; ``None`` keeps the current one). The
-            initial budget is ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set, else a quarter of physical
-            memory, per process. Past it, the least recently used copies are dropped, prepacked ones
-            first (rebuilt on their next use; a ``RuntimeWarning`` says so once per process); a copy
-            larger than the whole budget is not cached, and a prepacked copy is made only if it fits
-            beside what is cached (else the weight multiplies with ``torch.matmul``, as with the caches
-            off). Lowering the budget drops copies now.
+            initial budget is ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` if set (read when the caches are first
+            used, unless a budget was set here before), else a quarter of physical memory, per process.
+            Past it, the least recently used copies are dropped, prepacked ones first (rebuilt on their
+            next use; a ``RuntimeWarning`` says so once per process); a copy larger than the whole budget
+            is not cached, and a prepacked copy is made only if it fits beside what is cached (else the
+            weight multiplies with ``torch.matmul``, as with the caches off). Lowering the budget drops
+            copies now.
     Raises:
         ValueError: ``max_bytes`` not an int >= 0, or ``enabled`` not True, False or None.
     """
@@ -1021,10 +1023,15 @@ def dequantized_weight_cache_info() -> WeightCacheInfo:
     caches were on) and ``evictions`` (copies dropped for the byte budget) since the last
     :func:`clear_dequantized_weight_cache`, and ``entries``, ``nbytes`` (bytes the cached copies hold;
     prepacked weights count in full once cached, though each group is packed on first use) and
-    ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`)."""
+    ``max_bytes`` (the budget, :func:`set_dequantized_weight_cache`).
+
+    Raises:
+        deepep_ascend.settings.SettingError: the budget is still unread and ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES``
+            is not an int >= 0.
+    """
     with _locked():
         return WeightCacheInfo(_cache_stats["hits"], _cache_stats["misses"], _cache_stats["evictions"], len(_cache),
-                               _cache_bytes, _cache_max_bytes)
+                               _cache_bytes, _max_bytes())
 
 
 def _nbytes(value, keys) -> int:
@@ -1115,9 +1122,10 @@ def _fits(nbytes: int) -> bool:
     the budget beside every cached copy, since an optional copy pushes out none (two weights whose packed
     copies take turns pushing each other out would be packed on every call, slower than not packing).
     Callers skip building an optional copy that would not be kept and multiply without it; the budget's
-    warning says so (once per process) when the caches are on."""
+    warning says so (once per process) when the caches are on. Raises ``SettingError`` as
+    :func:`_cached_by_tensors`."""
     with _locked():
-        enabled, fits = _cache_enabled, nbytes + _cache_bytes <= _cache_max_bytes
+        enabled, fits = _cache_enabled, nbytes + _cache_bytes <= _max_bytes()
     if enabled and not fits:
         _warn_budget(nbytes, True)
     return enabled and fits
@@ -1144,7 +1152,7 @@ def _warn_budget(nbytes: int, too_big: bool) -> None:
             f"older copies were dropped to make room for one of {nbytes} bytes")
     warnings.warn(f"deepep_ascend: the weight caches' budget of {_cache_max_bytes} bytes is full ({what}): "
                   f"weights beyond it are dequantized or packed again when used, or multiply unpacked. Raise it with "
-                  f"set_dequantized_weight_cache(max_bytes=...) or {_CACHE_BYTES_ENV}; "
+                  f"set_dequantized_weight_cache(max_bytes=...) or {settings.WEIGHT_CACHE_BYTES.name}; "
                   f"dequantized_weight_cache_info() counts the evictions.", RuntimeWarning,
                   stacklevel=_caller_stacklevel())
 
@@ -1179,6 +1187,19 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
     which would keep its keys alive, nor be an inference tensor, which a later call outside inference
     mode could not use with autograd) and may return None to decline (nothing cached, None returned).
     With the caches disabled or an inference tensor among ``tensors``, every call builds.
+
+    Args:
+        tag: a hashable tuple naming what ``build`` makes of the tensors (e.g. ``("dequantize", 1, 128,
+            True)``): two callers caching different things on the same tensors use different tags.
+        tensors: the tensors the value derives from (its key).
+        build: a function of no arguments returning the value (any object; its bytes as :func:`_nbytes`
+            counts them) or None.
+        optional: the value is a copy callers can do without (a packed weight).
+    Returns:
+        The cached or built value, or None if ``build`` declined.
+    Raises:
+        deepep_ascend.settings.SettingError: ``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` is not an int >= 0 (read at
+            the caches' first use); whatever ``build`` raises.
     """
     global _cache_bytes
     if not _cacheable(tensors):
@@ -1189,6 +1210,7 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
     versions = tuple(t._version for t in tensors)
     stale = None
     with _locked():
+        _max_bytes()  # a bad budget setting raises here, before anything is built
         hit = _cache.get(key)
         if hit is not None:
             if hit.versions == versions and all(r() is b for r, b in zip(hit.refs, bases)):
@@ -1207,10 +1229,11 @@ def _cached_by_tensors(tag: tuple, tensors: tuple, build, optional: bool = False
     with _locked():
         if _cache_enabled:  # not switched off while building
             stale = _drop(key)  # another thread built it meanwhile
-            room = _cache_max_bytes - nbytes
-            full = (nbytes + _cache_bytes > _cache_max_bytes if optional else
+            budget = _max_bytes()
+            room = budget - nbytes
+            full = (nbytes + _cache_bytes > budget if optional else
                     nbytes + sum(e.nbytes for e in list(_cache.values()) if any(e.value is t for t in tensors))
-                    > _cache_max_bytes)
+                    > budget)
             if not full:
                 evicted = _evict_to(room, protect=tensors)
                 _cache[key] = _Entry(bases, versions, out, nbytes, optional)

@@ -479,29 +479,39 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
 
 
 def test_weight_cache_budget_from_the_environment():
-    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget (default: a quarter of physical memory); a
-    bad value warns, naming the variable, and leaves the default (the package still imports)."""
+    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget (default: a quarter of physical memory),
+    read when the caches are first used: a bad value still lets the package import, and then raises
+    ``SettingError`` naming the variable and the value at the first use, unless a budget was set first."""
     import os
     import subprocess
     import sys
 
-    code = "import deepep_ascend as d; print(d.dequantized_weight_cache_info().max_bytes)"
+    info = "print(d.dequantized_weight_cache_info().max_bytes)"
+    code = "import deepep_ascend as d; print('imported', flush=True); " + info
+    code_set_first = "import deepep_ascend as d; d.set_dequantized_weight_cache(max_bytes=777); " + info
 
-    def run(value):
+    def run(value, source=code):
         env = dict(os.environ)
         env.pop("DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", None)
         if value is not None:
             env["DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"] = value
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=120)
+
+    def budget(value, source=code):
+        r = run(value, source)
         assert r.returncode == 0, r.stderr[-2000:]
         return int(r.stdout.split()[-1]), r.stderr
 
-    default, err = run(None)
-    assert default == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 and "RuntimeWarning" not in err
-    assert run("12345") == (12345, "") and run(" 0 ")[0] == 0
+    default, err = budget(None)
+    assert default == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 and "Warning" not in err
+    assert budget("12345") == (12345, "") and budget(" 0 ")[0] == 0
     for bad in ("-5", "lots", "4GiB"):
-        got, err = run(bad)
-        assert got == default and "RuntimeWarning" in err and "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES" in err, err
+        r = run(bad)
+        assert r.returncode != 0 and r.stdout.split() == ["imported"], (r.stdout, r.stderr[-2000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("deepep_ascend.settings.SettingError: $DEEPEP_ASCEND_WEIGHT_CACHE_BYTES must be")
+        assert repr(bad) in last, last
+    assert budget("lots", code_set_first)[0] == 777
 
 
 def test_bad_inputs_name_the_argument():
