@@ -44,7 +44,7 @@ import deepep_ascend as dea
 from bench import common as C
 from bench.alloc import _interleaved_medians_ms
 from bench.mega_moe import psum_layout
-from deepep_ascend.gemm import grouped_gemm as gg
+from deepep_ascend.gemm import packing
 from deepep_ascend.mega_moe import core as mm
 from deepep_ascend import native
 
@@ -71,10 +71,10 @@ def main(argv=None) -> int:
     a_padded = torch.zeros(end, K, dtype=BF16).index_copy_(0, pos, x)
     d_padded = torch.empty(end, N, dtype=BF16)
     ends_t = torch.tensor(ends, dtype=torch.int32)
-    onednn = gg._pack_groups(w, "onednn") if gg._ONEDNN else None
-    amx = gg._pack_groups(w, "amx") if native.amx_bf16() else None
+    onednn = packing.pack_groups(w, "onednn") if packing.ONEDNN else None
+    amx = packing.pack_groups(w, "amx") if native.amx_bf16() else None
     w_fp4 = dea.per_token_cast_to_fp4(w.float(), use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)
-    amx_fp4 = gg._pack_fp4_groups(*w_fp4, 32) if amx is not None else None
+    amx_fp4 = packing.pack_fp4_groups(*w_fp4, 32) if amx is not None else None
     w_copy = torch.empty_like(w)
 
     systems = {
@@ -96,9 +96,9 @@ def main(argv=None) -> int:
         systems["one group, AMX"] = lambda: native.gemm_bf16_amx(d_plain, x, amx_plain)
     systems["copy of the weights"] = lambda: w_copy.copy_(w)
     if onednn is not None:
-        systems["pack, oneDNN"] = lambda: gg._pack_groups(w, "onednn")
+        systems["pack, oneDNN"] = lambda: packing.pack_groups(w, "onednn")
     if amx is not None:
-        systems["pack, AMX"] = lambda: gg._pack_groups(w, "amx")
+        systems["pack, AMX"] = lambda: packing.pack_groups(w, "amx")
     # one warm-up call each (it packs the public call's weights), then interleaved
     med = dict(zip(systems, _interleaved_medians_ms(list(systems.values()), args.iters)))
     # every grouped variant gives the same products (float32 accumulation, bf16 rounding; oneDNN's order may
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
           f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB {fp4_note}"
           f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
-          f"library's grouped GEMMs run on {gg._PACKER or 'torch.matmul'}")
+          f"library's grouped GEMMs run on {packing.PACKER or 'torch.matmul'}")
     for name, t in med.items():
         ratio = f"   plain / this {med['plain'] / t:.2f}" if name.startswith(("grouped", "per group", "one group")) else ""
         print(f"[time] {name:<31} {t:9.3f} ms{ratio}")

@@ -29,7 +29,7 @@ _AMX = bool(kernels.amx_bf16_available is not None and kernels.amx_bf16_availabl
 def amx_bf16() -> bool:
     """Whether :func:`gemm_bf16_amx` runs here: the kernels are loaded, were built with AMX support (x86-64
     Linux, gcc >= 11 or clang >= 12), the CPU has AMX-TILE and AMX-BF16, and Linux granted this process
-    the tile state. Not in DeepGEMM (it decides how :mod:`deepep_ascend.gemm.grouped_gemm` packs weights)."""
+    the tile state. Not in DeepGEMM (it decides how :mod:`deepep_ascend.gemm.packing` packs weights)."""
     return _AMX
 
 

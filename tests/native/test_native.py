@@ -235,8 +235,8 @@ def test_dequant_rows_every_code_and_scale_byte():
     monkey = kernels.dequant_rows_e4m3_bf16
     try:
         kernels.dequant_rows_e4m3_bf16 = None  # per_token_cast_back's torch path
-        from deepep_ascend.gemm import quant
-        torch_path = quant.per_token_cast_back(codes[index].view(torch.float8_e4m3fn), scales[index], gran)
+        from deepep_ascend.gemm import fp8
+        torch_path = fp8.per_token_cast_back(codes[index].view(torch.float8_e4m3fn), scales[index], gran)
     finally:
         kernels.dequant_rows_e4m3_bf16 = monkey
     assert same_bits_nan(out, torch_path)
@@ -246,7 +246,7 @@ def test_dequant_rows_every_code_and_scale_byte():
 def test_per_token_cast_back_uses_the_kernel_with_every_scale_packing():
     """The public cast back with UE8M0 bytes, int16 pairs or int32 quads (row- and MN-major) gives the
     torch path's bits through the kernel; float32 scales, other dtypes and 3-D inputs keep the torch path."""
-    from deepep_ascend.gemm import quant
+    from deepep_ascend.gemm import fp8, scales
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 256, (37, 256), generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
@@ -255,19 +255,19 @@ def test_per_token_cast_back_uses_the_kernel_with_every_scale_packing():
     real = kernels.dequant_rows_e4m3_bf16
     for sf in (b, b.view(torch.int16), b.view(torch.int32), b.view(torch.int32).t().contiguous().t()):
         kernels.dequant_rows_e4m3_bf16 = None
-        exp = quant.per_token_cast_back(x, sf, 32)
+        exp = fp8.per_token_cast_back(x, sf, 32)
         kernels.dequant_rows_e4m3_bf16 = lambda *a, real=real: (calls.append(1), real(*a))[1]
         try:
-            got = quant.per_token_cast_back(x, sf, 32)
+            got = fp8.per_token_cast_back(x, sf, 32)
         finally:
             kernels.dequant_rows_e4m3_bf16 = real
         assert same_bits_nan(got, exp)
     assert len(calls) == 4
     kernels.dequant_rows_e4m3_bf16 = lambda *a: calls.append(2)
     try:
-        quant.per_token_cast_back(x, quant.unpack_ue8m0_from_int(b), 32)
-        quant.per_token_cast_back(x, b, 32, torch.float32)
-        quant.per_token_cast_back(x.unsqueeze(0), b.unsqueeze(0), 32)
+        fp8.per_token_cast_back(x, scales.unpack_ue8m0_from_int(b), 32)
+        fp8.per_token_cast_back(x, b, 32, torch.float32)
+        fp8.per_token_cast_back(x.unsqueeze(0), b.unsqueeze(0), 32)
     finally:
         kernels.dequant_rows_e4m3_bf16 = real
     assert calls == [1] * 4
