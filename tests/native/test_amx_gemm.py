@@ -369,7 +369,7 @@ def test_more_packed_weights_than_64_stay_packed_and_are_counted_in_bytes(packer
     a = torch.randn(G, m, k, generator=g).to(BF16)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     ws = [torch.randn(G, n, k, generator=g).to(BF16) for _ in range(70)]
-    for rnd in range(2):
+    for _round in range(2):
         for w in ws:
             d = torch.zeros(G, m, n, dtype=BF16)
             dg.m_grouped_bf16_gemm_nt_masked(a, w, d, masked_m, m)
@@ -729,7 +729,8 @@ def test_grouped_fp8_fp4_gemm_keeps_fp4_weights_as_fp4(monkeypatch, packer):
     sf.view(torch.uint8)[1, 2, 0] = 1  # group 1, column 2, K 0..31: scale 2**-126
     fp4_bytes, bf16_bytes = g * native.amx_fp4_packed_nbytes(n, k), g * native.amx_packed_nbytes(n, k)
     assert 3 * fp4_bytes < bf16_bytes
-    for weights, kind, cached in ((b, "AmxFp4Weight", fp4_bytes), ((data, sf), "AmxWeight", g * n * k * 2 + bf16_bytes)):
+    for weights, kind, cached in ((b, "AmxFp4Weight", fp4_bytes),
+                                  ((data, sf), "AmxWeight", g * n * k * 2 + bf16_bytes)):
         want = torch.zeros(a_bf.size(0), n, dtype=BF16)
         dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, _fp4_values(weights[0], weights[1].view(torch.uint8), k), want,
                                              ends, use_psum_layout=True)

@@ -66,7 +66,7 @@ def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):
     g = torch.Generator().manual_seed(num_sources * 1000 + hidden)
     m = 31
     sources = []
-    for j in range(num_sources):
+    for _ in range(num_sources):
         tokens = torch.nonzero(torch.rand(m, generator=g) < 0.7).squeeze(1)
         if repeats and tokens.numel():
             tokens = torch.sort(torch.cat([tokens, tokens[::3]])).values
