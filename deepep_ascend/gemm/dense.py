@@ -134,8 +134,8 @@ def fp8_fp4_gemm_nt(
 ) -> None:
     """``deep_gemm.fp8_fp4_gemm_nt`` (alias ``fp8_gemm_nt``): ``d = deq(a) @ deq(b).T (+ c)``;
     ``a = (float8_e4m3fn [M, K], sf)``, ``b = (float8_e4m3fn [N, K] or FP4 int8 [N, K/2], sf)``.
-    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
-    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    Operands are ``(data, sf)`` pairs, dequantized first (:mod:`deepep_ascend.gemm.operands`: "Math",
+    "Scale factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
     nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
     ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
     ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
@@ -155,8 +155,8 @@ def fp8_fp4_gemm_nn(
 ) -> None:
     """``deep_gemm.fp8_fp4_gemm_nn`` (alias ``fp8_gemm_nn``): ``d = deq(a) @ deq(b) (+ c)``;
     ``a = (float8_e4m3fn [M, K], sf)``, ``b = (float8_e4m3fn [K, N], sf logical [N, K-groups])``.
-    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
-    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    Operands are ``(data, sf)`` pairs, dequantized first (:mod:`deepep_ascend.gemm.operands`: "Math",
+    "Scale factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
     nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
     ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
     ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
@@ -177,8 +177,8 @@ def fp8_fp4_gemm_tn(
     """``deep_gemm.fp8_fp4_gemm_tn`` (alias ``fp8_gemm_tn``): ``d = deq(a).T @ deq(b) (+ c)``;
     ``a = (float8_e4m3fn [K, M], sf logical [M, K-groups])``, ``b = (float8_e4m3fn [K, N], sf logical
     [N, K-groups])``.
-    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
-    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    Operands are ``(data, sf)`` pairs, dequantized first (:mod:`deepep_ascend.gemm.operands`: "Math",
+    "Scale factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
     nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
     ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
     ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""
@@ -198,8 +198,8 @@ def fp8_fp4_gemm_tt(
 ) -> None:
     """``deep_gemm.fp8_fp4_gemm_tt`` (alias ``fp8_gemm_tt``): ``d = deq(a).T @ deq(b).T (+ c)``;
     ``a = (float8_e4m3fn [K, M], sf logical [M, K-groups])``, ``b = (float8_e4m3fn [N, K], sf)``.
-    Operands are ``(data, sf)`` pairs, dequantized first (module docstring: "Math", "Scale
-    factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
+    Operands are ``(data, sf)`` pairs, dequantized first (:mod:`deepep_ascend.gemm.operands`: "Math",
+    "Scale factors"; ``recipe``/``recipe_a``/``recipe_b`` as there); packed FP4 ``b`` (int8, two e2m1
     nibbles per byte) only in the ``nt`` layout. ``d`` bf16 or float32 ``[M, N]``, written in place;
     ``c`` float32 or None. ``compiled_dims`` and ``disable_ue8m0_cast`` change nothing. Raises
     ``TypeError``/``ValueError`` naming the argument (dtypes, shapes, scale shapes, recipe)."""

@@ -223,7 +223,7 @@ def m_grouped_fp8_fp4_gemm_nt_contiguous(
     ``a = (float8_e4m3fn [M, K], sf)``: float32 ``[M, ceil(K/128)]`` or packed UE8M0 int32 scales;
     ``b = (float8_e4m3fn [G, N, K] or FP4 e2m1 int8 [G, N, K/2] (two nibbles per byte), sf)``;
     ``d`` bf16 ``[M, N]``, written in place. Scale granularities come from ``recipe`` /
-    ``recipe_a`` / ``recipe_b`` or are inferred (module docstring, "Scale factors"); the layout
+    ``recipe_a`` / ``recipe_b`` or are inferred (:mod:`.operands`, "Scale factors"); the layout
     arguments are those of :func:`m_grouped_bf16_gemm_nt_contiguous`. ``compiled_dims``,
     ``disable_ue8m0_cast`` and ``expected_m_for_psum_layout`` change nothing. Raises ``TypeError``
     (dtypes, an operand that is not a ``(data, sf)`` pair) or ``ValueError`` (shapes, scale shapes
