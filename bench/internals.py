@@ -16,9 +16,9 @@ name here                      library internal (what a command does with it)
 ``source_runs``,                 (combine-sum)
 ``two_source_run_limit``,
 ``CombineScratch``
-``pack_groups``,               ``deepep_ascend.gemm.grouped_gemm._pack_groups`` /
-``pack_fp4_groups``              ``_pack_fp4_groups``: weight packing (grouped-gemm)
-``onednn_available()``,        ``deepep_ascend.gemm.grouped_gemm._ONEDNN`` / ``_PACKER``
+``pack_groups``,               ``deepep_ascend.gemm.packing.pack_groups`` /
+``pack_fp4_groups``              ``pack_fp4_groups``: weight packing (grouped-gemm)
+``onednn_available()``,        ``deepep_ascend.gemm.packing.ONEDNN`` / ``PACKER``
 ``grouped_gemm_packer()``
 ``gemm_engine``,               ``deepep_ascend.mega_moe.core``: MegaMoE's GEMM engine, per-expert
 ``expert_gemm``,                 GEMMs, operand dtype, dense GEMM, cached weights, FP8 decode and
@@ -32,7 +32,7 @@ from __future__ import annotations
 from deepep_ascend.ep import low_latency as _low_latency
 from deepep_ascend.ep import memory as _memory
 from deepep_ascend.ep import reduce as _reduce
-from deepep_ascend.gemm import grouped_gemm as _grouped_gemm
+from deepep_ascend.gemm import packing as _packing
 from deepep_ascend.mega_moe import core as _mega_moe
 from deepep_ascend.transports.process import abort_job, exit_job, mpiexec_path
 
@@ -44,8 +44,8 @@ source_runs = _reduce.source_runs
 two_source_run_limit = _reduce.two_source_run_limit
 CombineScratch = _reduce.CombineScratch
 
-pack_groups = _grouped_gemm._pack_groups
-pack_fp4_groups = _grouped_gemm._pack_fp4_groups
+pack_groups = _packing.pack_groups
+pack_fp4_groups = _packing.pack_fp4_groups
 
 gemm_engine = _mega_moe.gemm_engine
 expert_gemm = _mega_moe._expert_gemm
@@ -58,12 +58,12 @@ activation = _mega_moe._activation
 
 def onednn_available() -> bool:
     """Whether the grouped GEMMs can pack weights for oneDNN's inner product on this host."""
-    return bool(_grouped_gemm._ONEDNN)
+    return bool(_packing.ONEDNN)
 
 
 def grouped_gemm_packer():
     """What the library's grouped GEMMs run on here: ``"amx"``, ``"onednn"`` or ``None`` (``torch.matmul``)."""
-    return _grouped_gemm._PACKER
+    return _packing.PACKER
 
 
 __all__ = ["CombineScratch", "abort_job", "accumulate_rows", "activation", "dense_nt", "dequant_x", "exit_job",

@@ -154,11 +154,12 @@ LANDING_BYTES = Setting(
 NATIVE = Setting(
     "DEEPEP_ASCEND_NATIVE", "bool", True,
     "Use the native C kernels where they were built; off, every path uses its torch fallback (same bits, "
-    "the grouped GEMMs to bf16 rounding).")
+    "the grouped GEMMs to bf16 rounding). Read once, when deepep_ascend is imported.")
 WEIGHT_CACHE_BYTES = Setting(
     "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", "int", None,
     "Initial budget in bytes of the caches of dequantized and packed weights (the grouped GEMMs' and "
-    "MegaMoE's); 0 disables caching. `set_dequantized_weight_cache(max_bytes=)` changes it at run time.",
+    "MegaMoE's), read when the caches are first used; 0 disables caching. "
+    "`set_dequantized_weight_cache(max_bytes=)` changes it at run time.",
     minimum=0, default_text="a quarter of physical memory")
 MEGA_MOE_BACKEND = Setting(
     "DEEPEP_ASCEND_MEGA_MOE_BACKEND", "choice", None,

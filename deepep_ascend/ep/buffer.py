@@ -27,7 +27,7 @@ from .intranode import NUM_SLOTS, IntranodeEngine
 from .protocol import HEADER_BYTES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, dtype_code
 from .group import mpi_comm_of
 from .layout import dispatch_layout, topk_idx_t
-from ..gemm.quant import _storage_problem
+from ..checks import storage_problem
 
 #: Bytes of each rank's recv_x landing segment (default: ``num_nvl_bytes``; 0: none). See :class:`Buffer`.
 LANDING_BYTES_ENV = "DEEPEP_ASCEND_LANDING_BYTES"
@@ -71,7 +71,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
     _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    problem = _storage_problem(t)
+    problem = storage_problem(t)
     _check(problem is None, ValueError, f"`{name}` {problem}")
     if dtype is not None:
         _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
@@ -1110,7 +1110,7 @@ class Buffer:
                 ``step = (log2 amax - log2 amin) / 510`` of its group with ``amin`` the smallest
                 nonzero magnitude, clipped to ``amax·2**-32`` (below that a value may become 0);
                 decoded to float32 before the weighted sum. All ranks must pass the same value.
-                See :func:`deepep_ascend.gemm.quant.logfmt10_encode` for the wire format.
+                See :func:`deepep_ascend.gemm.logfmt.logfmt10_encode` for the wire format.
             zero_copy: see above (not with ``use_logfmt``).
             out: optional ``[N, H]`` bf16 written and returned.
             combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.

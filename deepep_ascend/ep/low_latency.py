@@ -21,7 +21,7 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
   - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
     ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
     ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
-    with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.quant.logfmt10_encode`'s wire
+    with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.logfmt.logfmt10_encode`'s wire
     format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
     same fixed slots, row ``(g, i)``'s metadata at ``(g·M + i)·4S`` of the first, its body at
     ``(g·M + i)·160S`` of the second, and slot ``g``'s BF16-group tails packed (rows, then
@@ -60,8 +60,10 @@ from ..transports import ChannelKind, TransportTimeout
 
 from . import memory
 from .protocol import ConsensusError
-from ..gemm.quant import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
-                    logfmt10_group_mask, low_latency_cast_to_fp8_, pack_ue8m0_to_int)
+from ..gemm.fp8 import low_latency_cast_to_fp8_
+from ..gemm.logfmt import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
+                           logfmt10_group_mask)
+from ..gemm.scales import pack_ue8m0_to_int
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}

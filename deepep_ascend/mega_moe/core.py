@@ -59,7 +59,7 @@ Two backends (``sym_buffer.backend``, chosen at construction; the same ``y`` bit
    AMX kernel decodes itself where it runs and their scales qualify, else dequantized), packed once
    where the CPU has native bf16, for the AMX kernel (which writes each expert's rows straight into
    the wave's output) or else for oneDNN (only the packed copy is kept:
-   :func:`deepep_ascend.gemm.grouped_gemm._pack_groups`; switch for every weight cache:
+   :func:`deepep_ascend.gemm.packing.pack_groups`; switch for every weight cache:
    :func:`deepep_ascend.set_dequantized_weight_cache`). FP8 activations are
    dequantized per row before L1 (exact in bf16; e4m3 decoded by :func:`deepep_ascend.e4m3_to_float`,
    and the float32 engine takes L1's and L2's inputs as float32 holding those bf16 values, with
@@ -117,17 +117,17 @@ from ..settings import (DG_COMM_KERNEL_DEBUG, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS
                         SettingError)
 from ..transports import Topology, TransportPoisoned, quiet_allgather_object
 
-from ..gemm import grouped_gemm as _gg
 from .. import native as _native
-from ..gemm import quant as _q
+from ..checks import check_storage
 from ..ep.buffer import Buffer
 from ..ep.group import mpi_comm_of
-from ..gemm.grouped_gemm import (
-    _amx_runs,
-    _mm_group,
-    _pack_groups,
-    native_bf16,
-)
+from ..gemm import packing as _packing
+from ..gemm import scales as _scales
+from ..gemm.dequant import dequantize_operand, dequantize_weights
+from ..gemm.fp8 import FP8_E4M3_MAX, cast_to_e4m3, e4m3_to_float, e4m3_ue8m0_round_trip_, per_token_cast_back_torch
+from ..gemm.packing import amx_runs, mm_group, native_bf16, pack_fp4_groups, pack_groups, packed_nbytes
+from ..gemm.weight_cache import cacheable, cached_by_tensors, optional_copy_fits
+from ..native.operands import matrix_ok
 from ..ep.protocol import ConsensusError
 from ..ep.reduce import CombineScratch, accumulate_rows
 
@@ -186,7 +186,7 @@ def _operand_dtype(engine: str) -> torch.dtype:
 def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list, out: torch.Tensor | None = None) -> torch.Tensor:
     """``d [n, N]`` bf16: rows ``bounds[g]:bounds[g+1]`` of ``a [n, K]`` (sorted by expert, no padding rows)
     times ``w[g].T``, float32 accumulation, one bf16 rounding. ``w``: ``[G, N, K]``, or (``bf16`` engine) a
-    tuple of ``G`` packed ``[N, K]`` weights, AMX or oneDNN (:func:`~deepep_ascend.gemm.grouped_gemm._pack_groups`).
+    tuple of ``G`` packed ``[N, K]`` weights, AMX or oneDNN (:func:`~deepep_ascend.gemm.packing.pack_groups`).
     ``bf16`` engine: bf16 operands; ``fp32``: one float32 matmul per group on the same bf16 values (``a``
     bf16 or float32 holding bf16 values, ``w`` float32). ``out``: a contiguous ``[n, N]`` bf16 tensor to
     write ``d`` into (returned), else a new one."""
@@ -195,9 +195,9 @@ def _expert_gemm(engine: str, a: torch.Tensor, w, bounds: list, out: torch.Tenso
         packed = w if isinstance(w, tuple) else None
         d = out if out is not None else torch.empty(n, w[0].size(0) if packed else w.size(1), dtype=BF16)
         runs = [(g, bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1) if bounds[g + 1] > bounds[g]]
-        if not _amx_runs(packed, d, lambda: a, runs):
+        if not amx_runs(packed, d, lambda: a, runs):
             for g, s, e in runs:
-                d[s:e] = _mm_group(a[s:e], None if packed else w[g].t(), packed, g)
+                d[s:e] = mm_group(a[s:e], None if packed else w[g].t(), packed, g)
         return d
     af = a.float()
     df = torch.empty(n, w.size(1), dtype=torch.float32)
@@ -467,7 +467,7 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 def _rows(t: torch.Tensor, perm: torch.Tensor, mn_major: bool) -> torch.Tensor:
     out = t.index_select(-2, perm)
-    return _q._mn_major(out, out.element_size()) if mn_major else out.contiguous()
+    return _scales.mn_major(out, out.element_size()) if mn_major else out.contiguous()
 
 
 def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, where="transform_weights_for_mega_moe"):
@@ -479,7 +479,7 @@ def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, w
                                 f"(an (data, sf) pair is the fp8xfp4 format)")
             if t.dtype != BF16:
                 raise TypeError(f"{where}: `{name}` must be bfloat16, got {t.dtype}")
-            _q._check_storage(f"{where}: `{name}`", t)
+            check_storage(f"{where}: `{name}`", t)
             if t.dim() != 3:
                 raise ValueError(f"{where}: `{name}` must be 3-D, got shape {tuple(t.shape)}")
         e, two_i, h = l1.shape
@@ -499,8 +499,8 @@ def _check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, w
             if not isinstance(sf, torch.Tensor) or sf.dtype != torch.int32:
                 raise TypeError(f"{where}: `{name}[1]` must be int32 (packed UE8M0), got "
                                 f"{getattr(sf, 'dtype', type(sf).__name__)}")
-            _q._check_storage(f"{where}: `{name}[0]`", data)
-            _q._check_storage(f"{where}: `{name}[1]`", sf)
+            check_storage(f"{where}: `{name}[0]`", data)
+            check_storage(f"{where}: `{name}[1]`", sf)
             if data.dim() != 3 or sf.dim() != 3:
                 raise ValueError(f"{where}: `{name}` data and sf must be 3-D, got {tuple(data.shape)} and "
                                  f"{tuple(sf.shape)}")
@@ -556,10 +556,10 @@ def _untransformed(kind: str, l1, l2, engine: str):
     """``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` in the natural order (gate rows, then up rows): exact bf16 values,
     stored bf16 (engine ``bf16``) or float32 (engine ``fp32``); with the ``bf16`` engine where they can be packed
     and the cache holds them, each is instead the tuple of its experts' packed copies
-    (:func:`~deepep_ascend.gemm.grouped_gemm._pack_groups`; one copy of the weights is cached, not two); FP4
+    (:func:`~deepep_ascend.gemm.packing.pack_groups`; one copy of the weights is cached, not two); FP4
     weights, where the AMX kernel runs and their scales qualify, are instead the FP4 copies it decodes itself
-    (:func:`~deepep_ascend.gemm.grouped_gemm._pack_fp4_groups`, a quarter of the bytes, no bf16 copy). Cached by
-    identity and version of the transformed tensors (:func:`deepep_ascend.gemm.quant._cached_by_tensors`)."""
+    (:func:`~deepep_ascend.gemm.packing.pack_fp4_groups`, a quarter of the bytes, no bf16 copy). Cached by
+    identity and version of the transformed tensors (:func:`deepep_ascend.gemm.weight_cache.cached_by_tensors`)."""
     tensors = (l1, l2) if kind == "bf16" else (l1[0], l1[1], l2[0], l2[1])
 
     def build():
@@ -576,24 +576,23 @@ def _untransformed(kind: str, l1, l2, engine: str):
             s1_nat = s1.index_select(-2, _inverse(_sf_perm(2 * i))).index_select(-2, inv)
             s2_nat = s2.index_select(-2, _inverse(_sf_perm(s2.size(-2))))
             d1_nat = d1.index_select(-2, inv)
-            if engine == "bf16" and _q._cacheable(tensors):
+            if engine == "bf16" and cacheable(tensors):
                 # the FP4 copies the AMX kernel decodes itself: a quarter of the bytes, the same results
-                packed = _gg._pack_fp4_groups(d1_nat, s1_nat, _SF_GRAN), _gg._pack_fp4_groups(d2, s2_nat, _SF_GRAN)
+                packed = pack_fp4_groups(d1_nat, s1_nat, _SF_GRAN), pack_fp4_groups(d2, s2_nat, _SF_GRAN)
                 if None not in packed:
                     return packed
-            w1 = _q._dequantize_operand(d1_nat, s1_nat.contiguous(), 1, _SF_GRAN,
-                                        "l1_weights").to(BF16)
-            w2 = _q._dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
+            w1 = dequantize_operand(d1_nat, s1_nat.contiguous(), 1, _SF_GRAN, "l1_weights").to(BF16)
+            w2 = dequantize_operand(d2, s2_nat.contiguous(), 1, _SF_GRAN, "l2_weights").to(BF16)
         if engine != "bf16":
             return w1.float(), w2.float()
-        if not _q._cacheable(tensors):
+        if not cacheable(tensors):
             return w1, w2  # packing on every call would cost more than the matmuls' own reorders
-        if _gg._PACKER is not None and not _q._fits(_gg._packed_nbytes(w1) + _gg._packed_nbytes(w2)):
+        if _packing.PACKER is not None and not optional_copy_fits(packed_nbytes(w1) + packed_nbytes(w2)):
             return w1, w2
-        packed1, packed2 = _pack_groups(w1), _pack_groups(w2)
+        packed1, packed2 = pack_groups(w1), pack_groups(w2)
         return (w1, w2) if packed1 is None else (packed1, packed2)
 
-    return _q._cached_by_tensors(("mega_moe_untransformed", kind, engine), tensors, build)
+    return cached_by_tensors(("mega_moe_untransformed", kind, engine), tensors, build)
 
 
 def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
@@ -602,7 +601,7 @@ def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
         for name, t, shape in (("shared_l1_weights", s1, (2 * si, h)), ("shared_l2_weights", s2, (h, si))):
             if not isinstance(t, torch.Tensor) or t.dtype != BF16:
                 raise TypeError(f"{where}: `{name}` must be a bfloat16 tensor, got {getattr(t, 'dtype', type(t))}")
-            _q._check_storage(f"{where}: `{name}`", t)
+            check_storage(f"{where}: `{name}`", t)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{where}: `{name}` must be {shape}, got {tuple(t.shape)}")
         return s1, s2
@@ -611,8 +610,8 @@ def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
         if not (isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p)):
             raise TypeError(f"{where}: `{name}` must be a (data, sf) pair of tensors, got {type(p).__name__}")
         data, sf = p
-        _q._check_storage(f"{where}: `{name}[0]`", data)
-        _q._check_storage(f"{where}: `{name}[1]`", sf)
+        check_storage(f"{where}: `{name}[0]`", data)
+        check_storage(f"{where}: `{name}[1]`", sf)
         if data.dtype == torch.int8:
             want = (n, k // 2)
         elif data.dtype == FP8:
@@ -624,7 +623,7 @@ def _shared_bf16(kind: str, s1, s2, h: int, si: int, where: str):
         if tuple(data.shape) != want or tuple(sf.shape) != (n, k // 128):
             raise ValueError(f"{where}: `{name}` must be data {want} and sf {(n, k // 128)}, got "
                              f"{tuple(data.shape)} and {tuple(sf.shape)}")
-        out.append(_q.dequantize_weights(data, sf, 1, _SF_GRAN).to(BF16))
+        out.append(dequantize_weights(data, sf, 1, _SF_GRAN).to(BF16))
     return tuple(out)
 
 
@@ -721,7 +720,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
     if y.dtype != BF16:
         raise TypeError(f"{op}: `y` must be bfloat16, got {y.dtype}")
-    _q._check_storage(f"{op}: `y`", y)
+    check_storage(f"{op}: `y`", y)
     if y.dim() != 2 or y.size(1) != sb.hidden:
         raise ValueError(f"{op}: `y` must be [num_tokens, {sb.hidden}], got {tuple(y.shape)}")
     if not y.is_contiguous():
@@ -735,7 +734,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         if not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32:
             raise TypeError(f"{op}: cumulative_local_expert_recv_stats must be an int32 tensor, got "
                             f"{getattr(stats, 'dtype', type(stats).__name__)}")
-        _q._check_storage(f"{op}: cumulative_local_expert_recv_stats", stats)
+        check_storage(f"{op}: cumulative_local_expert_recv_stats", stats)
         if tuple(stats.shape) != (sb.num_local_experts,):
             raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be [{sb.num_local_experts}], got "
                              f"{tuple(stats.shape)}")
@@ -767,27 +766,27 @@ def _dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     if kind == "bf16":
         data = data if index is None else data.index_select(0, index)
         return data if dtype == BF16 else data.float()
-    if native and _native._matrix_ok(data) and _native._matrix_ok(sf_bytes):
+    if native and matrix_ok(data) and matrix_ok(sf_bytes):
         out = torch.empty(data.size(0) if index is None else index.numel(), data.size(1), dtype=BF16)
         if _native.dequant_rows_e4m3(out, data, sf_bytes, index, _SF_GRAN):
             return out if dtype == BF16 else out.float()
     if index is not None:
         data, sf_bytes = data.index_select(0, index), sf_bytes.index_select(0, index)
-    sf = _q.unpack_ue8m0_from_int(sf_bytes)
+    sf = _scales.unpack_ue8m0_from_int(sf_bytes)
     if dtype == BF16 or (sf_bytes.numel() and int(sf_bytes.min()) < _MIN_EXACT_SF_BYTE):
-        return _q._cast_back_torch(data, sf, _SF_GRAN, BF16).to(dtype)
-    return _q._cast_back_torch(data, sf, _SF_GRAN, torch.float32)
+        return per_token_cast_back_torch(data, sf, _SF_GRAN, BF16).to(dtype)
+    return per_token_cast_back_torch(data, sf, _SF_GRAN, torch.float32)
 
 
 def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
     (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order; the fp8
     path's cast to e4m3 with UE8M0 per 32 and back is done in one float32 rounding pass
-    (:func:`deepep_ascend.gemm.quant._e4m3_ue8m0_round_trip_`, bit for bit the codec's result). The native
+    (:func:`deepep_ascend.gemm.fp8.e4m3_ue8m0_round_trip_`, bit for bit the codec's result). The native
     kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
     after torch's exp (its bf16 rows widened are the float32 result: the round trip's values are bf16 values)."""
     c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
-    if (native and _native._matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
+    if (native and matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
             and weights.dtype == torch.float32 and weights.dim() == 1):
         out = torch.empty(h.size(0), i, dtype=BF16)
         if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else _SF_GRAN):
@@ -803,11 +802,11 @@ def _activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
     if kind == "bf16":
         a = a.to(BF16)
         return a if dtype == BF16 else a.float()
-    if not _q._e4m3_ue8m0_round_trip_(a, _SF_GRAN):  # NaN, inf or huge values: through the codes
+    if not e4m3_ue8m0_round_trip_(a, _SF_GRAN):  # NaN, inf or huge values: through the codes
         n = a.size(0)
         grp = a.view(n, i // _SF_GRAN, _SF_GRAN)
-        s = _q.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / _q.FP8_E4M3_MAX).unsqueeze(-1)
-        _q.e4m3_to_float(_q.cast_to_e4m3(grp.div_(s)), out=grp).mul_(s)  # e4m3 × UE8M0: exact in bf16
+        s = _scales.ceil_to_ue8m0(grp.abs().amax(-1).clamp(min=1e-4) / FP8_E4M3_MAX).unsqueeze(-1)
+        e4m3_to_float(cast_to_e4m3(grp.div_(s)), out=grp).mul_(s)  # e4m3 × UE8M0: exact in bf16
     return a.to(BF16) if dtype == BF16 else a
 
 

@@ -12,7 +12,7 @@ Built as DeepSeek-V2/V3 build theirs (``modeling_deepseek.py``: ``MoEGate``, ``D
 * :class:`LocalExperts` — this rank's ``E / ep_size`` routed experts, SwiGLU MLPs
   ``w2 · (silu(w1 · x) ⊙ (w3 · x))``, stored stacked (``w1, w3 [L, I, H]``, ``w2 [L, H, I]``),
   computed on the received slots sorted by expert (the contiguous grouped-GEMM layout) with
-  :mod:`deepep_ascend.gemm.grouped_gemm`'s m-/k-grouped BF16 GEMMs (or, ``experts_impl="loop"``, a
+  :mod:`deepep_ascend.gemm.grouped`'s m-/k-grouped BF16 GEMMs (or, ``experts_impl="loop"``, a
   float32 matmul per local expert); each row's outputs are weighted by its received top-k
   weights and summed over its local slots in float32.
 * :class:`MoE` — gate → :func:`deepep_ascend.nn.autograd.dispatch` (bf16 rows) → local experts →
@@ -52,8 +52,8 @@ from torch import nn
 from . import autograd as ep_autograd
 from ..ep.buffer import Buffer
 
-try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped_gemm), when present
-    from ..gemm import grouped_gemm as _gg
+try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped), when present
+    from ..gemm import grouped as _gg
 except ImportError:  # pragma: no cover - older checkouts
     _gg = None
 
@@ -160,7 +160,7 @@ class MoEGate(nn.Module):
 class _GroupedLinear(torch.autograd.Function):
     """``d[rows of g] = a[rows of g] @ w[g].T`` for the m-grouped contiguous psum layout, differentiable.
 
-    Forward: ``grouped_gemm.m_grouped_bf16_gemm_nt_contiguous`` (bf16 operands, float32
+    Forward: ``grouped.m_grouped_bf16_gemm_nt_contiguous`` (bf16 operands, float32
     accumulation, bf16 out); backward: ``m_grouped_bf16_gemm_nn_contiguous`` for ``a`` and
     ``k_grouped_bf16_gemm_tn_contiguous`` (float32) for ``w`` — DeepGEMM's three training GEMMs.
     ``a`` bf16 ``[M, K]``, ``w`` float32 master weights ``[G, N, K]``, ``ends`` int32 ``[G]`` psum ends.
@@ -188,7 +188,7 @@ class _GroupedLinear(torch.autograd.Function):
 class _MaskedLinear(torch.autograd.Function):
     """``d[g, :c_g] = a[g, :c_g] @ w[g].T`` on the masked layout (DeepEP's low-latency output), differentiable.
 
-    Forward: ``grouped_gemm.m_grouped_bf16_gemm_nt_masked`` (bf16 operands, float32 accumulation,
+    Forward: ``grouped.m_grouped_bf16_gemm_nt_masked`` (bf16 operands, float32 accumulation,
     bf16 out; rows past ``c_g`` are 0). Backward: the same masked GEMM against ``w`` transposed
     for ``a`` (``grad_a[g, :c_g] = grad_d[g, :c_g] @ w[g]``, padding rows 0) and the k-grouped
     ``k_grouped_bf16_gemm_tn_contiguous`` (float32) over the valid rows for ``w``.
@@ -226,7 +226,7 @@ class LocalExperts(nn.Module):
     over its local slots. :meth:`forward_packed` takes low-latency dispatch's packed layout instead.
 
     ``impl``: ``"grouped"`` runs the three GEMMs of each direction as DeepGEMM-style grouped BF16
-    GEMMs from :mod:`deepep_ascend.gemm.grouped_gemm` (bf16 operands and activations, float32
+    GEMMs from :mod:`deepep_ascend.gemm.grouped` (bf16 operands and activations, float32
     accumulation and master weights): in :meth:`forward`, m-grouped contiguous GEMMs (forward,
     input gradient) on the received slots laid out per expert at
     ``get_mk_alignment_for_contiguous_layout()``-aligned offsets; in :meth:`forward_packed`,
@@ -240,7 +240,7 @@ class LocalExperts(nn.Module):
         super().__init__()
         impl = impl or ("grouped" if _gg is not None else "loop")
         if impl not in ("grouped", "loop") or (impl == "grouped" and _gg is None):
-            raise ValueError(f"LocalExperts: impl must be 'loop' or 'grouped' (grouped_gemm available: "
+            raise ValueError(f"LocalExperts: impl must be 'loop' or 'grouped' (grouped GEMMs available: "
                              f"{_gg is not None}), got {impl!r}")
         self.impl = impl
         self.num_local, self.first_expert = num_local, first_expert
@@ -361,7 +361,7 @@ class MoE(nn.Module):
         seed: expert ``e`` is initialised from :func:`expert_init_generator` ``(seed, e)``, so the
             model does not depend on the EP size; the gate and the shared expert use torch's
             global RNG (seed it identically on every rank).
-        experts_impl: ``"grouped"`` (grouped GEMMs, the default when ``grouped_gemm`` exists) or
+        experts_impl: ``"grouped"`` (grouped GEMMs, the default when :mod:`deepep_ascend.gemm.grouped` imports) or
             ``"loop"`` (float32, one matmul per local expert); see :class:`LocalExperts`.
         mode: ``"normal"``, ``"low_latency"`` or ``None`` (from the Buffer), see above.
         num_max_dispatch_tokens_per_rank: ``M`` of the low-latency path (required there): the most

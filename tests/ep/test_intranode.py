@@ -89,8 +89,9 @@ def test_dispatch_combine_without_the_native_kernel(buf, comm, case, monkeypatch
     """Where the native row sum is not built (or ``DEEPEP_ASCEND_NATIVE=0``), combine sums with its
     torch paths (at 2 ranks staged rows cleaned with ``+ 0.0`` for the run-wise sum): same results."""
     from deepep_ascend import native
+    from deepep_ascend.native.loader import kernels
 
-    monkeypatch.setattr(native, "_SUM_ROWS", None)
+    monkeypatch.setattr(kernels, "sum_rows_bf16", None)
     assert not native.available()
     chk = run_case(buf, comm, case, seed=CASES.index(case))
     chk.finish(case.name + " (torch paths)")
@@ -308,10 +309,10 @@ def test_buffer_too_small_raises_everywhere(comm, nbytes):
 def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias, use_native, monkeypatch):
     """Combine sums from +0.0 (or the bias) in float32: -0.0 rows give +0.0, as in DeepEP and the
     reference, with the native kernel and on the torch paths (whole-block and indexed accumulation)."""
-    from deepep_ascend import native
+    from deepep_ascend.native.loader import kernels
 
     if not use_native:
-        monkeypatch.setattr(native, "_SUM_ROWS", None)
+        monkeypatch.setattr(kernels, "sum_rows_bf16", None)
     r, R = comm.Get_rank(), comm.Get_size()
     E, n, H = 4 * R, 64, 256
     gen = torch.Generator().manual_seed(r)

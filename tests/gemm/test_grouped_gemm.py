@@ -1,5 +1,5 @@
-"""Grouped GEMMs in deepep_ascend.gemm.grouped_gemm (mega-moe.md §3): hand-computed cases, layouts
-(contiguous with -1 padding, psum, masked, k-grouped), BF16/FP8/FP4 against a per-group float64
+"""Grouped and dense GEMMs in deepep_ascend.gemm (grouped, dense; mega-moe.md §3): hand-computed cases,
+layouts (contiguous with -1 padding, psum, masked, k-grouped), BF16/FP8/FP4 against a per-group float64
 reference, and bad inputs.
 
 Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
@@ -135,8 +135,8 @@ def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
     native bf16): an in-place write to ``b`` is seen by the next call, nn/nt and masked/contiguous agree
     with the float64 reference, and clearing the cache while a packed entry is keyed on a cached
     dequantized weight returns (it once deadlocked: the dropped key's finalizer re-took the lock)."""
-    from deepep_ascend.gemm import grouped_gemm as gg
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import packing
+    from deepep_ascend.gemm import weight_cache as wc
 
     g = torch.Generator().manual_seed(3)
     G, m, n, k = 3, 5, 24, 64
@@ -159,8 +159,8 @@ def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
                 assert close_to(d[grp * m:(grp + 1) * m], ref), (step, grp)
                 assert close_to(d_nn[grp * m:(grp + 1) * m], ref), (step, grp)
                 assert close_to(d_mask[grp], ref), (step, grp)
-            if gg._PACKING:
-                assert any(key[0] == "packed_weights" for key in q._cache), "no packed weights cached"
+            if packing._PACKING:
+                assert any(key[0] == "packed_weights" for key in wc._cache), "no packed weights cached"
             b[1].neg_()  # in place: the next round must multiply by the new values
     finally:
         dg.set_mk_alignment_for_contiguous_layout(old)
@@ -171,7 +171,7 @@ def test_prepacked_weights_follow_in_place_writes_and_survive_cache_clears():
     d1 = torch.zeros(2, 4, n, dtype=BF16)
     dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d1, torch.tensor([4, 4], dtype=torch.int32), 4)
     dg.clear_dequantized_weight_cache()
-    assert len(q._cache) == 0
+    assert len(wc._cache) == 0
     d2 = torch.zeros(2, 4, n, dtype=BF16)
     dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d2, torch.tensor([4, 4], dtype=torch.int32), 4)
     assert torch.equal(d1, d2)
@@ -186,8 +186,8 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     import gc
     import weakref
 
-    from deepep_ascend.gemm import grouped_gemm as gg
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import packing
+    from deepep_ascend.gemm import weight_cache as wc
 
     dg.clear_dequantized_weight_cache()
     g = torch.Generator().manual_seed(4)
@@ -231,17 +231,17 @@ def test_weight_cache_edge_cases_inference_grad_views_and_finalizers():
     for _ in range(3):
         for layer in range(4):
             dg.m_grouped_bf16_gemm_nt_masked(a, w[layer], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
-    packed_keys = [key for key in q._cache if key[0] == "packed_weights"]
-    assert len(packed_keys) == (4 if gg._PACKING else 0), packed_keys
+    packed_keys = [key for key in wc._cache if key[0] == "packed_weights"]
+    assert len(packed_keys) == (4 if packing._PACKING else 0), packed_keys
 
     b = torch.randn(G, n, k, generator=g).to(BF16)
-    watched = len(q._watched)
+    watched = len(wc._watched)
     for _ in range(20):
         b.add_(1.0)
         d = torch.zeros(G, m, n, dtype=BF16)
         dg.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m)
     assert close_to(d, ref(b))
-    assert len(q._watched) <= watched + 1
+    assert len(wc._watched) <= watched + 1
     dg.clear_dequantized_weight_cache()
 
 

@@ -1,5 +1,6 @@
-"""Codecs in deepep_ascend.gemm.quant: bit patterns derived by hand from mega-moe.md §4 and
-deepep-buffer-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad inputs.
+"""Codecs in deepep_ascend.gemm (fp8, fp4, scales, logfmt, dequant, weight_cache): bit patterns derived by
+hand from mega-moe.md §4 and deepep-buffer-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad
+inputs.
 
 Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
 """
@@ -254,7 +255,7 @@ def test_low_latency_cast_matches_reference_and_in_place_core(round_scale, use_u
     check(*dg.low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
     msgs = torch.full((n, 16 + h + 64), 0xAB, dtype=torch.uint8)  # data field at a row stride
     groups = x.float().view(n, h // 128, 128)
-    sf = dg.gemm.quant.low_latency_cast_to_fp8_(groups, msgs[:, 16:16 + h].view(torch.float8_e4m3fn), round_scale)
+    sf = dg.gemm.fp8.low_latency_cast_to_fp8_(groups, msgs[:, 16:16 + h].view(torch.float8_e4m3fn), round_scale)
     check(msgs[:, 16:16 + h].view(torch.float8_e4m3fn), dg.pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
     assert bool((msgs[:, :16] == 0xAB).all()) and bool((msgs[:, 16 + h:] == 0xAB).all())  # nothing outside
     src = torch.randn(3, 128)
@@ -371,7 +372,7 @@ def test_e4m3_ue8m0_round_trip_in_float32_matches_the_codec_bit_for_bit():
     casting to e4m3 codes and back: every e4m3 value, every midpoint between neighbours (ties to even) and
     the floats either side of it, at scales from 2^-120 to 2^90, both signs, signed zeros and float32
     subnormals give torch's own cast's bits; NaN, inf and |x| >= 2^100 are declined, x untouched."""
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import fp8
 
     def by_torch(x):  # reference.py's formula: torch's native e4m3 cast
         grp = x.view(x.size(0), -1, 32)
@@ -391,18 +392,18 @@ def test_e4m3_ue8m0_round_trip_in_float32_matches_the_codec_bit_for_bit():
             x = torch.cat([torch.full((base.size(0), 1), 448.0), base * sign], 1) * 2.0**e  # amax = 448 * 2^e
             x[0, 5], x[1, 7] = -0.0, 2.0**-140 * sign  # a signed zero, a float32 subnormal
             got = x.clone()
-            assert q._e4m3_ue8m0_round_trip_(got, 32)
+            assert fp8.e4m3_ue8m0_round_trip_(got, 32)
             assert torch.equal(got.view(torch.int32), by_torch(x).view(torch.int32)), (e, sign)
             checked += x.numel()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g) * 2.0 ** torch.randint(-40, 40, (64, 1), generator=g).float()
     got = x.clone()
-    assert q._e4m3_ue8m0_round_trip_(got, 32) and torch.equal(got.view(torch.int32), by_torch(x).view(torch.int32))
+    assert fp8.e4m3_ue8m0_round_trip_(got, 32) and torch.equal(got.view(torch.int32), by_torch(x).view(torch.int32))
     assert checked > 10000
     for bad in (float("nan"), float("inf"), 2.0**100):
         x = torch.ones(2, 64)
         x[1, 3] = bad
-        assert not q._e4m3_ue8m0_round_trip_(x, 32) and x[0].eq(1).all()
+        assert not fp8.e4m3_ue8m0_round_trip_(x, 32) and x[0].eq(1).all()
 
 
 def test_dequantized_weight_cache_identity_and_version():
@@ -424,7 +425,7 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
     and lowering the budget drops copies at once."""
     import warnings
 
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     old_max = dg.dequantized_weight_cache_info().max_bytes
     dg.clear_dequantized_weight_cache()
@@ -442,7 +443,7 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
         dg.set_dequantized_weight_cache(max_bytes=2 * one)  # keeps the two most recently used: ws[78], ws[79]
         assert dg.dequantized_weight_cache_info()[2:5] == (78, 2, 2 * one)
         assert dg.dequantize_weights(*ws[79], 1, 128) is firsts[79]
-        q._cache_warned = False
+        wc._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rebuilt = dg.dequantize_weights(*ws[0], 1, 128)  # drops ws[78], the least recently used
@@ -455,7 +456,7 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
         assert dg.dequantize_weights(*ws[0], 1, 128) is rebuilt
 
         big_d, big_s = dg.per_token_cast_to_fp8(torch.randn(5, 8, 128, generator=g), True, 128)
-        q._cache_warned = False
+        wc._cache_warned = False
         with pytest.warns(RuntimeWarning, match="does not fit it"):
             big = dg.dequantize_weights(big_d, big_s, 1, 128)  # 2.5x the budget: built, not cached
         assert dg.dequantize_weights(big_d, big_s, 1, 128) is not big
@@ -479,29 +480,39 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
 
 
 def test_weight_cache_budget_from_the_environment():
-    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget (default: a quarter of physical memory); a
-    bad value warns, naming the variable, and leaves the default (the package still imports)."""
+    """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget (default: a quarter of physical memory),
+    read when the caches are first used: a bad value still lets the package import, and then raises
+    ``SettingError`` naming the variable and the value at the first use, unless a budget was set first."""
     import os
     import subprocess
     import sys
 
-    code = "import deepep_ascend as d; print(d.dequantized_weight_cache_info().max_bytes)"
+    info = "print(d.dequantized_weight_cache_info().max_bytes)"
+    code = "import deepep_ascend as d; print('imported', flush=True); " + info
+    code_set_first = "import deepep_ascend as d; d.set_dequantized_weight_cache(max_bytes=777); " + info
 
-    def run(value):
+    def run(value, source=code):
         env = dict(os.environ)
         env.pop("DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", None)
         if value is not None:
             env["DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"] = value
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=120)
+
+    def budget(value, source=code):
+        r = run(value, source)
         assert r.returncode == 0, r.stderr[-2000:]
         return int(r.stdout.split()[-1]), r.stderr
 
-    default, err = run(None)
-    assert default == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 and "RuntimeWarning" not in err
-    assert run("12345") == (12345, "") and run(" 0 ")[0] == 0
+    default, err = budget(None)
+    assert default == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 and "Warning" not in err
+    assert budget("12345") == (12345, "") and budget(" 0 ")[0] == 0
     for bad in ("-5", "lots", "4GiB"):
-        got, err = run(bad)
-        assert got == default and "RuntimeWarning" in err and "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES" in err, err
+        r = run(bad)
+        assert r.returncode != 0 and r.stdout.split() == ["imported"], (r.stdout, r.stderr[-2000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("deepep_ascend.settings.SettingError: $DEEPEP_ASCEND_WEIGHT_CACHE_BYTES must be")
+        assert repr(bad) in last, last
+    assert budget("lots", code_set_first)[0] == 777
 
 
 def test_bad_inputs_name_the_argument():
@@ -704,7 +715,7 @@ def test_cast_back_takes_scales_with_any_strides():
     of the row-major copy, through the native kernel and through the torch path."""
     import numpy as np
 
-    from deepep_ascend import native
+    from deepep_ascend.native.loader import kernels
 
     g = torch.Generator().manual_seed(11)
     m, k = 5, 512
@@ -715,13 +726,13 @@ def test_cast_back_takes_scales_with_any_strides():
         mn_major = torch.empty(words, m, dtype=dt).t()
         mn_major.copy_(row_major)
         assert mn_major.stride() == (1, m)
-        for kernel in (native._DEQUANT, None):
-            real, native._DEQUANT = native._DEQUANT, kernel
+        for kernel in (kernels.dequant_rows_e4m3_bf16, None):
+            real, kernels.dequant_rows_e4m3_bf16 = kernels.dequant_rows_e4m3_bf16, kernel
             try:
                 exp = dg.per_token_cast_back(x, row_major, 128)
                 got = dg.per_token_cast_back(x, mn_major, 128)
             finally:
-                native._DEQUANT = real
+                kernels.dequant_rows_e4m3_bf16 = real
             assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
         assert torch.equal(dg.unpack_ue8m0_from_int(mn_major), dg.unpack_ue8m0_from_int(row_major))
     x0 = torch.from_numpy(np.zeros((0, 128), np.uint8)).view(torch.float8_e4m3fn)

@@ -817,10 +817,10 @@ def test_cached_unpacked_weights_do_not_keep_the_callers_tensors_alive(monkeypat
     import gc
     import weakref
 
-    from deepep_ascend.gemm import grouped_gemm as gg
+    from deepep_ascend.gemm import packing
     from deepep_ascend.mega_moe import core as mm
 
-    monkeypatch.setattr(gg, "_PACKER", None)
+    monkeypatch.setattr(packing, "PACKER", None)
     dea.clear_dequantized_weight_cache()
     g = torch.Generator().manual_seed(3)
     l1 = torch.randn(2, 2 * 128, 256, generator=g).to(torch.bfloat16)

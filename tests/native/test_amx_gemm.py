@@ -17,7 +17,8 @@ import torch
 
 import deepep_ascend as dg
 from deepep_ascend import native
-from deepep_ascend.gemm import grouped_gemm as gg
+from deepep_ascend.gemm import packing
+from deepep_ascend.gemm.operands import GroupedOperands
 from deepep_ascend.mega_moe import core as mm
 
 BF16 = torch.bfloat16
@@ -198,9 +199,9 @@ def packer(request, monkeypatch):
     here), with the weight caches empty before and after."""
     if request.param == "amx" and not native.amx_bf16():
         pytest.skip("no AMX kernel here")
-    if request.param == "onednn" and not gg._ONEDNN:
+    if request.param == "onednn" and not packing.ONEDNN:
         pytest.skip("oneDNN packing unavailable")
-    monkeypatch.setattr(gg, "_PACKER", request.param)
+    monkeypatch.setattr(packing, "PACKER", request.param)
     dg.clear_dequantized_weight_cache()
     yield request.param
     dg.clear_dequantized_weight_cache()
@@ -208,10 +209,10 @@ def packer(request, monkeypatch):
 
 @pytest.fixture
 def packs(monkeypatch):
-    """A list that gets one item per weight group the grouped GEMMs pack (``grouped_gemm._pack_one``)."""
+    """A list that gets one item per weight group the grouped GEMMs pack (``packing._pack_one``)."""
     calls = []
-    real_pack = gg._pack_one
-    monkeypatch.setattr(gg, "_pack_one", lambda w, p: calls.append(1) or real_pack(w, p))
+    real_pack = packing._pack_one
+    monkeypatch.setattr(packing, "_pack_one", lambda w, p: calls.append(1) or real_pack(w, p))
     return calls
 
 
@@ -270,15 +271,15 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
     d_f = torch.full((g, mmax, n), SENTINEL, dtype=BF16)
     calls.clear()
     decoded = []
-    real_rows = gg._Operands.rows
-    monkeypatch.setattr(gg._Operands, "rows", lambda self, x, sf=None: decoded.append(x.size(0))
+    real_rows = GroupedOperands.rows
+    monkeypatch.setattr(GroupedOperands, "rows", lambda self, x, sf=None: decoded.append(x.size(0))
                         or real_rows(self, x, sf))
     dg.m_grouped_fp8_gemm_nt_masked(aq, bq, d_f, torch.tensor(counts, dtype=torch.int32), mmax)
-    monkeypatch.setattr(gg._Operands, "rows", real_rows)
+    monkeypatch.setattr(GroupedOperands, "rows", real_rows)
     assert calls == ([3] if packer == "amx" else []), calls
     assert sum(decoded) == sum(counts), decoded
     a_deq = dg.per_token_cast_back(aq[0].view(-1, k), aq[1].view(-1, aq[1].size(-1)), 128, torch.bfloat16)
-    w_deq = gg._Operands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
+    w_deq = GroupedOperands(aq, bq, "fp8", "nt").weight_t(0)  # dequantized group 0, [K, N]
     assert _within_bound(d_f[0, :counts[0]], a_deq[:counts[0]], w_deq.T)
     # d without unit column stride: group by group (a fresh output each), still right
     d_t = torch.full((n, rows), SENTINEL, dtype=BF16).t()
@@ -288,7 +289,7 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
     assert _within_bound(d_t[starts[2]:starts[2] + counts[2]], a_pad[starts[2]:starts[2] + counts[2]], b[2])
     # MegaMoE's per-expert GEMM on rows sorted by expert
     calls.clear()
-    out = mm._expert_gemm("bf16", a, gg._pack_groups(b), bounds)
+    out = mm._expert_gemm("bf16", a, packing.pack_groups(b), bounds)
     assert calls == ([3] if packer == "amx" else []), calls
     for i in range(g):
         assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
@@ -296,14 +297,14 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
 
 @needs_amx
 def test_runs_of_one_group_share_its_weight():
-    """``_amx_runs`` passes each group's weight once, whatever order or repetition the runs have."""
+    """``packing.amx_runs`` passes each group's weight once, whatever order or repetition the runs have."""
     n, k = 24, 64
     b = _rand(3, n, k, seed=50)
     a = _rand(30, k, seed=51)
-    packed = gg._pack_groups(b, "amx")
+    packed = packing.pack_groups(b, "amx")
     runs = [(2, 0, 4), (2, 4, 9), (0, 9, 20), (1, 20, 22), (0, 22, 30)]
     d = torch.full((30, n), SENTINEL, dtype=BF16)
-    assert gg._amx_runs(packed, d, lambda: a, runs)
+    assert packing.amx_runs(packed, d, lambda: a, runs)
     for g, s, e in runs:
         assert _within_bound(d[s:e], a[s:e], b[g]), (g, s, e)
 
@@ -368,7 +369,7 @@ def test_more_packed_weights_than_64_stay_packed_and_are_counted_in_bytes(packer
     a = torch.randn(G, m, k, generator=g).to(BF16)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     ws = [torch.randn(G, n, k, generator=g).to(BF16) for _ in range(70)]
-    for rnd in range(2):
+    for _round in range(2):
         for w in ws:
             d = torch.zeros(G, m, n, dtype=BF16)
             dg.m_grouped_bf16_gemm_nt_masked(a, w, d, masked_m, m)
@@ -386,18 +387,18 @@ def test_weights_past_the_cache_budget(packs, packer):
     warning points at the caller's line, whichever call dequantizes or packs."""
     import warnings
 
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     g = torch.Generator().manual_seed(12)
     G, m, n, k = 2, 4, 64, 128
     a = torch.randn(G, m, k, generator=g).to(BF16)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     b = torch.randn(G, n, k, generator=g).to(BF16)
-    packed = gg._packed_nbytes(b)
+    packed = packing.packed_nbytes(b)
     old_max = dg.dequantized_weight_cache_info().max_bytes
     try:
         dg.set_dequantized_weight_cache(max_bytes=packed - 1)
-        q._cache_warned = False
+        wc._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
@@ -420,7 +421,7 @@ def test_weights_past_the_cache_budget(packs, packer):
         dg.m_grouped_bf16_gemm_nt_masked(a, b2, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         info = dg.dequantized_weight_cache_info()
         assert (info.evictions, info.entries, info.nbytes) == (0, 3, dq + 2 * packed), info
-        assert [key[0] for key in q._cache] == ["dequantize", "packed_weights", "packed_weights"]
+        assert [key[0] for key in wc._cache] == ["dequantize", "packed_weights", "packed_weights"]
 
         # room for one dequantized copy and nothing else: a second FP8 weight's dequantized copy (required)
         # pushes out w8's; neither is packed; the warning points at this file
@@ -428,7 +429,7 @@ def test_weights_past_the_cache_budget(packs, packer):
         dg.set_dequantized_weight_cache(max_bytes=2 * dq - 1)
         dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
         w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
-        q._cache_warned = False
+        wc._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             dg.m_grouped_fp8_gemm_nt_masked(a8, w8b, torch.zeros(G, m, n, dtype=BF16), masked_m, m)
@@ -449,7 +450,7 @@ def test_weights_past_the_cache_budget(packs, packer):
         assert packs == [] and (info.hits, info.evictions, info.entries, info.nbytes) == (2, 0, 1, dq), info
 
         dg.set_dequantized_weight_cache(max_bytes=dq - 1)  # the dequantized copy itself does not fit
-        q._cache_warned = False
+        wc._cache_warned = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             d = torch.zeros(G, m, n, dtype=BF16)
@@ -470,7 +471,7 @@ def test_weight_cache_survives_finalizers_run_by_garbage_collection(packer):
     eviction even when that copy dies later, in a cycle."""
     import gc
 
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     G, n, k, m = 2, 32, 64, 4
     g = torch.Generator().manual_seed(13)
@@ -505,7 +506,7 @@ def test_weight_cache_survives_finalizers_run_by_garbage_collection(packer):
             finally:
                 gc.set_threshold(700)
             info = dg.dequantized_weight_cache_info()
-            assert info.nbytes == sum(e.nbytes for e in q._cache.values()), (threshold, info)
+            assert info.nbytes == sum(e.nbytes for e in wc._cache.values()), (threshold, info)
 
         dg.clear_dequantized_weight_cache()
         n, k = 64, 128
@@ -517,7 +518,7 @@ def test_weight_cache_survives_finalizers_run_by_garbage_collection(packer):
         held = dg.dequantize_weights(w8[0], w8[1], 128, 128)  # the caller holds the dequantized copy
         dg.m_grouped_fp8_gemm_nt_masked(a8, w8, torch.zeros(G, m, n, dtype=BF16), masked_m, m)  # no room to pack
         w8b = dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True)
-        q._cache_warned = False
+        wc._cache_warned = False
         with pytest.warns(RuntimeWarning, match="dropped to make room"):
             dg.dequantize_weights(w8b[0], w8b[1], 128, 128)  # pushes out w8's dequantized copy (still held)
         assert dg.dequantized_weight_cache_info()[2:5] == (1, 1, dq)
@@ -562,7 +563,7 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
     packing), and two bf16 weights whose packed copies do not both fit pack once, not on every call (a packed
     copy pushes nothing out). A first call under ``torch.inference_mode()`` does not leave an inference
     tensor in the cache for later calls outside it."""
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     g = torch.Generator().manual_seed(15)
     G, m, n, k = 2, 4, 64, 128
@@ -570,7 +571,7 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
     a8 = dg.per_token_cast_to_fp8(a, True, 128, True)
     masked_m = torch.full((G,), m, dtype=torch.int32)
     dq = G * n * k * 2
-    packed = gg._packed_nbytes(torch.empty(G, n, k, dtype=BF16))
+    packed = packing.packed_nbytes(torch.empty(G, n, k, dtype=BF16))
     old_max = dg.dequantized_weight_cache_info().max_bytes
     try:
         w8 = [dg.per_block_cast_to_fp8(torch.randn(G, n, k, generator=g), True) for _ in range(2)]
@@ -598,7 +599,7 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
         with torch.inference_mode():
             dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
             dg.m_grouped_bf16_gemm_nt_masked(a.to(BF16), b[0], torch.zeros(G, m, n, dtype=BF16), masked_m, m)
-        (lazy,) = [e.value for key, e in q._cache.items() if key[0] == "packed_weights"]
+        (lazy,) = [e.value for key, e in wc._cache.items() if key[0] == "packed_weights"]
         assert not any((p if isinstance(p, torch.Tensor) else p.data).is_inference() for p in lazy.groups)
         deq = dg.dequantize_weights(w8[0][0], w8[0][1], 128, 128)
         assert not deq.is_inference()
@@ -720,15 +721,16 @@ def test_grouped_fp8_fp4_gemm_keeps_fp4_weights_as_fp4(monkeypatch, packer):
     monkeypatch.setattr(native, "gemm_bf16_amx",
                         lambda out, a, w, runs=None: kinds.append(type(w[0]).__name__) or real(out, a, w, runs))
     scans = []
-    real_exps = gg._fp4_exponents
-    monkeypatch.setattr(gg, "_fp4_exponents", lambda *args: scans.append(1) or real_exps(*args))
+    real_exps = packing._fp4_exponents
+    monkeypatch.setattr(packing, "_fp4_exponents", lambda *args: scans.append(1) or real_exps(*args))
     a, b, a_bf, w, ends = _fp4_grouped_case()
     g, n, k = w.shape
     data, sf = b[0], b[1].clone()
     sf.view(torch.uint8)[1, 2, 0] = 1  # group 1, column 2, K 0..31: scale 2**-126
     fp4_bytes, bf16_bytes = g * native.amx_fp4_packed_nbytes(n, k), g * native.amx_packed_nbytes(n, k)
     assert 3 * fp4_bytes < bf16_bytes
-    for weights, kind, cached in ((b, "AmxFp4Weight", fp4_bytes), ((data, sf), "AmxWeight", g * n * k * 2 + bf16_bytes)):
+    for weights, kind, cached in ((b, "AmxFp4Weight", fp4_bytes),
+                                  ((data, sf), "AmxWeight", g * n * k * 2 + bf16_bytes)):
         want = torch.zeros(a_bf.size(0), n, dtype=BF16)
         dg.m_grouped_bf16_gemm_nt_contiguous(a_bf, _fp4_values(weights[0], weights[1].view(torch.uint8), k), want,
                                              ends, use_psum_layout=True)
@@ -750,14 +752,14 @@ def test_fp4_weights_past_the_budget_stay_on_the_kernel(monkeypatch, packer):
     dequantized (which, done again each call, costs far more than packing the FP4 bytes)."""
     if packer != "amx":
         pytest.skip("the FP4 copy is for the AMX kernel")
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     kinds, dequantized = [], []
     real = native.gemm_bf16_amx
     monkeypatch.setattr(native, "gemm_bf16_amx",
                         lambda out, a, w, runs=None: kinds.append(type(w[0]).__name__) or real(out, a, w, runs))
-    real_deq = gg._Operands._dequantized
-    monkeypatch.setattr(gg._Operands, "_dequantized", lambda self: dequantized.append(1) or real_deq(self))
+    real_deq = GroupedOperands._dequantized
+    monkeypatch.setattr(GroupedOperands, "_dequantized", lambda self: dequantized.append(1) or real_deq(self))
     a, b, a_bf, w, ends = _fp4_grouped_case()
     g, n, k = w.shape
     want = torch.zeros(a_bf.size(0), n, dtype=BF16)
@@ -767,7 +769,7 @@ def test_fp4_weights_past_the_budget_stay_on_the_kernel(monkeypatch, packer):
         dg.set_dequantized_weight_cache(max_bytes=g * native.amx_fp4_packed_nbytes(n, k) - 1)
         dg.clear_dequantized_weight_cache()
         kinds.clear()
-        q._cache_warned = False
+        wc._cache_warned = False
         with pytest.warns(RuntimeWarning, match="does not fit"):
             for _ in range(2):
                 got = torch.full_like(want, SENTINEL)
@@ -787,7 +789,7 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
     weights."""
     if packer != "amx":
         pytest.skip("the FP4 copy is for the AMX kernel")
-    from deepep_ascend.gemm import quant as q
+    from deepep_ascend.gemm import weight_cache as wc
 
     e, h, i = 3, 256, 128
     gen = torch.Generator().manual_seed(96)
@@ -807,14 +809,14 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
     for w, ref, k in ((w1, raw[0][2], h), (w2, raw[1][2], i)):
         a = _rand(bounds[-1], k, seed=97)
         assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
-                          mm._expert_gemm("bf16", a, gg._pack_groups(ref), bounds))
+                          mm._expert_gemm("bf16", a, packing.pack_groups(ref), bounds))
     # Past the budget the FP4 copies serve the call uncached; they are not traded for dequantized bf16 weights
     # (four times the bytes, rebuilt every call).
     old = dg.dequantized_weight_cache_info().max_bytes
     try:
         dg.set_dequantized_weight_cache(max_bytes=e * native.amx_fp4_packed_nbytes(2 * i, h) - 1)
         dg.clear_dequantized_weight_cache()
-        q._cache_warned = False
+        wc._cache_warned = False
         with pytest.warns(RuntimeWarning, match="does not fit"):
             v1, v2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
         assert all(isinstance(x, native.AmxFp4Weight) for x in v1 + v2)

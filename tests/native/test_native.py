@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from deepep_ascend import native
+from deepep_ascend.native import loader
+from deepep_ascend.native.loader import kernels
 from tests.support.buffer_helpers import same_bits_nan
 from tests.support.rows import BF16
 from tests.support.rows import bits as _bits
@@ -41,6 +43,18 @@ def test_environment_variable_disables_the_kernel():
     assert out.stdout.strip() == "False"
 
 
+def test_a_bad_environment_value_fails_the_import_naming_the_variable():
+    """``DEEPEP_ASCEND_NATIVE`` is read once, when the library loads (at import): a value that is not a
+    boolean stops the import with a ``SettingError`` naming the variable and the value, as every setting does."""
+    env = dict(os.environ, DEEPEP_ASCEND_NATIVE="maybe")
+    out = subprocess.run([sys.executable, "-c", "import deepep_ascend"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+    want = "deepep_ascend.settings.SettingError: $DEEPEP_ASCEND_NATIVE must be"
+    assert out.returncode != 0 and last.startswith(want), (out.returncode, out.stderr[-2000:])
+    assert "'maybe'" in last, last
+
+
 @needs_native
 @pytest.mark.parametrize("num_sources,hidden,bias_kind,repeats", [
     (0, 40, None, False), (1, 40, "one", False), (2, 1, None, True), (3, 1024, "pair", False),
@@ -52,7 +66,7 @@ def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):
     g = torch.Generator().manual_seed(num_sources * 1000 + hidden)
     m = 31
     sources = []
-    for j in range(num_sources):
+    for _ in range(num_sources):
         tokens = torch.nonzero(torch.rand(m, generator=g) < 0.7).squeeze(1)
         if repeats and tokens.numel():
             tokens = torch.sort(torch.cat([tokens, tokens[::3]])).values
@@ -164,17 +178,17 @@ def test_sum_rows_rejects_bad_operands():
 def test_a_stale_or_broken_library_is_refused_with_a_warning(tmp_path, monkeypatch):
     """A library built from an older source (its ``deepep_native_abi()`` differs) or one that does not
     load is never called: a RuntimeWarning says so and the torch paths take over."""
-    monkeypatch.setattr(native, "_ABI", native._ABI + 1)
+    monkeypatch.setattr(loader, "ABI", loader.ABI + 1)
     with pytest.warns(RuntimeWarning, match="built from an older source"):
-        assert native._load() is None
+        assert loader.load() is None
     monkeypatch.undo()
     bogus = tmp_path / "_native.so"
     bogus.write_bytes(b"not a shared object")
-    monkeypatch.setattr(native, "library_path", lambda: str(bogus))
+    monkeypatch.setattr(loader, "library_path", lambda: str(bogus))
     with pytest.warns(RuntimeWarning, match="cannot be loaded"):
-        assert native._load() is None
+        assert loader.load() is None
     monkeypatch.undo()
-    assert native._load() is not None
+    assert loader.load() is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,13 +232,13 @@ def test_dequant_rows_every_code_and_scale_byte():
     exp = _to_bf16_exact(scale[index.numpy()][:, None] * vals[None, :])
     assert same_bits_nan(out, exp)
     torch_path = torch.empty_like(out)
-    monkey = native._DEQUANT
+    monkey = kernels.dequant_rows_e4m3_bf16
     try:
-        native._DEQUANT = None  # per_token_cast_back's torch path
-        from deepep_ascend.gemm import quant
-        torch_path = quant.per_token_cast_back(codes[index].view(torch.float8_e4m3fn), scales[index], gran)
+        kernels.dequant_rows_e4m3_bf16 = None  # per_token_cast_back's torch path
+        from deepep_ascend.gemm import fp8
+        torch_path = fp8.per_token_cast_back(codes[index].view(torch.float8_e4m3fn), scales[index], gran)
     finally:
-        native._DEQUANT = monkey
+        kernels.dequant_rows_e4m3_bf16 = monkey
     assert same_bits_nan(out, torch_path)
 
 
@@ -232,30 +246,30 @@ def test_dequant_rows_every_code_and_scale_byte():
 def test_per_token_cast_back_uses_the_kernel_with_every_scale_packing():
     """The public cast back with UE8M0 bytes, int16 pairs or int32 quads (row- and MN-major) gives the
     torch path's bits through the kernel; float32 scales, other dtypes and 3-D inputs keep the torch path."""
-    from deepep_ascend.gemm import quant
+    from deepep_ascend.gemm import fp8, scales
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 256, (37, 256), generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     b = torch.randint(100, 140, (37, 8), generator=g, dtype=torch.int32).to(torch.uint8)
     calls = []
-    real = native._DEQUANT
+    real = kernels.dequant_rows_e4m3_bf16
     for sf in (b, b.view(torch.int16), b.view(torch.int32), b.view(torch.int32).t().contiguous().t()):
-        native._DEQUANT = None
-        exp = quant.per_token_cast_back(x, sf, 32)
-        native._DEQUANT = lambda *a, real=real: (calls.append(1), real(*a))[1]
+        kernels.dequant_rows_e4m3_bf16 = None
+        exp = fp8.per_token_cast_back(x, sf, 32)
+        kernels.dequant_rows_e4m3_bf16 = lambda *a, real=real: (calls.append(1), real(*a))[1]
         try:
-            got = quant.per_token_cast_back(x, sf, 32)
+            got = fp8.per_token_cast_back(x, sf, 32)
         finally:
-            native._DEQUANT = real
+            kernels.dequant_rows_e4m3_bf16 = real
         assert same_bits_nan(got, exp)
     assert len(calls) == 4
-    native._DEQUANT = lambda *a: calls.append(2)
+    kernels.dequant_rows_e4m3_bf16 = lambda *a: calls.append(2)
     try:
-        quant.per_token_cast_back(x, quant.unpack_ue8m0_from_int(b), 32)
-        quant.per_token_cast_back(x, b, 32, torch.float32)
-        quant.per_token_cast_back(x.unsqueeze(0), b.unsqueeze(0), 32)
+        fp8.per_token_cast_back(x, scales.unpack_ue8m0_from_int(b), 32)
+        fp8.per_token_cast_back(x, b, 32, torch.float32)
+        fp8.per_token_cast_back(x.unsqueeze(0), b.unsqueeze(0), 32)
     finally:
-        native._DEQUANT = real
+        kernels.dequant_rows_e4m3_bf16 = real
     assert calls == [1] * 4
 
 
@@ -290,12 +304,12 @@ def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
     h = wide[:, 16:16 + 2 * inter]
     assert h.stride(0) != 2 * inter
     calls = []
-    real = native._SWIGLU
-    native._SWIGLU = lambda *a: (calls.append(a[0]), real(*a))[1]
+    real = kernels.swiglu_bf16
+    kernels.swiglu_bf16 = lambda *a: (calls.append(a[0]), real(*a))[1]
     try:
         got = mm._activation(kind, h, inter, w, clamp, fast_math)
     finally:
-        native._SWIGLU = real
+        kernels.swiglu_bf16 = real
     exp = mm._activation(kind, h, inter, w, clamp, fast_math, native=False)
     assert calls == [128, 128, 44]
     assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
@@ -338,8 +352,8 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
 
     h, w = _swiglu_inputs(200, 256, seed=13, specials=True)
     calls = []
-    real = native._SWIGLU
-    native._SWIGLU = lambda *a: (calls.append(a[0]), real(*a))[1]
+    real = kernels.swiglu_bf16
+    kernels.swiglu_bf16 = lambda *a: (calls.append(a[0]), real(*a))[1]
     try:
         for kind in ("fp8", "bf16"):
             for clamp in (None, 10.0, -1.0, float("nan")):
@@ -359,7 +373,7 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
                                                                      native=False).view(torch.int16))
         assert len(calls) == 4 + (1 if empty.stride(1) == 1 else 0)
     finally:
-        native._SWIGLU = real
+        kernels.swiglu_bf16 = real
     g = torch.Generator().manual_seed(17)
     codes = torch.randint(0, 256, (300, 96), generator=g, dtype=torch.int32).to(torch.uint8)
     scales = torch.randint(0, 256, (300, 3), generator=g, dtype=torch.int32).to(torch.uint8)

@@ -381,7 +381,7 @@ def test_grouped_gemm_autograd_equals_float64(layout):
     ends for the normal path, m-grouped masked for the low-latency path; k-grouped for the weights)
     against float64 autograd, exactly: integer data keep every bf16 operand, product and sum exact.
     Padding rows (between groups, past masked_m) stay 0 and get no gradient."""
-    from deepep_ascend.gemm import grouped_gemm as gg
+    from deepep_ascend.gemm import grouped as gg
 
     G, K, N, counts = 3, 8, 5, [3, 0, 4]
     gen = torch.Generator().manual_seed(3)

@@ -1,0 +1,107 @@
+"""Loading the native kernel library: where the built extension lies, whether it matches this code (its ABI
+number), whether ``DEEPEP_ASCEND_NATIVE`` lets it be used, and the table of its C functions.
+
+The library loads once, when this module is imported; :data:`kernels` then holds its functions (or None
+each, where it is not built, is stale or is switched off) and the wrappers in :mod:`.rows` and :mod:`.amx`
+read them at every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import warnings
+
+from .. import settings
+
+__all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
+
+#: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
+#: the signatures below. A library that reports another number is refused.
+ABI = 5
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_U16 = ctypes.c_uint16
+_F32 = ctypes.c_float
+
+# C function (name without its ``deepep_`` prefix) -> (return type, argument types).
+_SIGNATURES = {
+    "sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _U16]),
+    "dequant_rows_e4m3_bf16": (None, [_I64, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _U16]),
+    "swiglu_gate_bf16": (None, [_I64, _I64, _P, _I64, _I64, _F32, _P]),
+    "swiglu_bf16": (_I64, [_I64, _I64, _P, _I64, _P, _P, _I64, _F32, _I64, _I64, _P, _I64, _U16]),
+    "amx_bf16_available": (_I64, []),
+    "amx_packed_elems": (_I64, [_I64, _I64]),
+    "amx_pack_bf16": (None, [_P, _P, _I64, _I64, _I64]),
+    "amx_gemm_bf16": (_I64, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64]),
+    "amx_fp4_packed_bytes": (_I64, [_I64, _I64]),
+    "amx_pack_fp4": (None, [_P, _P, _I64, _P, _I64, _I64, _I64]),
+}
+
+
+class Kernels:
+    """The library's C functions as ctypes callables, one attribute per function (``deepep_sum_rows_bf16``
+    is ``sum_rows_bf16``), every one None when no library is loaded. The wrappers look them up at each
+    call, so setting one to None sends its wrapper to the torch path (what tests of those paths do)."""
+
+    __slots__ = tuple(_SIGNATURES)
+
+    def __init__(self, lib: ctypes.CDLL | None = None):
+        for name in self.__slots__:
+            setattr(self, name, None if lib is None else getattr(lib, "deepep_" + name))
+
+
+def library_path() -> str | None:
+    """Path of the built kernel library next to this module, or None if it was not built."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_native" + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def load() -> Kernels | None:
+    """Load the library and type its functions.
+
+    Returns:
+        The :class:`Kernels`, or None where ``DEEPEP_ASCEND_NATIVE`` is off, the library was not built, or
+        it cannot be used: it does not load, or it was built from other sources (its ABI number is not
+        :data:`ABI`); those two warn (``RuntimeWarning``) and say how to rebuild.
+    Raises:
+        deepep_ascend.settings.SettingError: ``DEEPEP_ASCEND_NATIVE`` is not a boolean.
+    """
+    if not settings.NATIVE.get():
+        return None
+    path = library_path()
+    if path is None:
+        return None
+    table = None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.deepep_native_abi.restype = _I64
+        abi = int(lib.deepep_native_abi())
+        why = f"was built from an older source (ABI {abi}, this code needs {ABI})"
+        if abi == ABI:  # an older library lacks some of the functions: its ABI number says so first
+            table = Kernels(lib)
+    except (OSError, AttributeError) as exc:
+        why = f"cannot be loaded ({exc})"
+    if table is None:
+        warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
+                      f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(table, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return table
+
+
+#: The loaded functions (all None where :func:`load` found no usable library); read once, at import.
+kernels = load() or Kernels()
+
+
+def available() -> bool:
+    """Whether the native kernels are loaded (built, and not disabled by ``DEEPEP_ASCEND_NATIVE=0``)."""
+    return kernels.sum_rows_bf16 is not None

@@ -1,0 +1,250 @@
+"""The data plane's row kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
+elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``).
+
+Each wrapper checks its operands, returns False where the library is not loaded (the caller then takes
+its torch path, which gives the same bits, NaN payloads aside) and otherwise writes its output in place.
+"""
+from __future__ import annotations
+
+import torch
+
+from .loader import kernels
+from .operands import mark_written, matrix_ok, require_matrix, require_rows_apart
+
+__all__ = ["dequant_rows_e4m3", "sum_rows", "swiglu"]
+
+# The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
+# write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
+_NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> bool:
+    """``out[t] = bf16(start(t) + Σ_sources Σ_{i: tokens[i] == t} f32(rows[i]))``, one rounding.
+
+    The reduction inside DeepEP's ``Buffer.combine`` kernels (float32 accumulation from the bias,
+    ascending source rank, one round-to-nearest-even to BF16); no public DeepEP call of its own.
+
+    Args:
+        out: ``[m, H]`` bfloat16, rows of unit stride (any row stride).
+        sources: ``(rows [R, H] bf16, tokens [cnt] int64[, index [cnt] int64])``, added in this
+            order; ``tokens`` ascending in ``[0, m)`` (a token may repeat: its rows add in row order);
+            row ``i`` of a source is ``rows[i]`` (``R >= cnt``), or ``rows[index[i]]`` if ``index`` is
+            given (a gather without a copy; values in ``[0, R)``).
+        bias: None (``start = +0.0``) or a pair ``(bias0 | None, bias1 | None)`` of
+            ``[>= bias_offset + m, H]`` bf16: ``start(t) = f32(bias0[bias_offset + t]) +
+            f32(bias1[...])``, a missing one +0.0. ``bias_offset >= 0``.
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable or an operand is not
+        a CPU bf16 matrix with unit column stride.
+    Raises:
+        ValueError: ``out`` not 2-D or with overlapping rows, tokens or an index not a 1-D integer tensor,
+            a source with fewer rows than tokens, an ``index`` of another length or with values outside
+            ``[0, R)``, a negative ``bias_offset`` or bias fewer than ``bias_offset + m`` rows (nothing
+            written); a source's tokens not ascending in ``[0, m)`` (``out`` then holds partial sums).
+        MemoryError: the kernel ran out of memory for its per-token row list (rows from that token
+            on are not written).
+    """
+    if kernels.sum_rows_bf16 is None:
+        return False
+    sources = list(sources)  # iterated more than once below
+    if out.dim() != 2:
+        raise ValueError(f"deepep_ascend.native.sum_rows: out must be [m, H], got shape {tuple(out.shape)}")
+    m, hidden = out.shape
+    b0, b1 = (None, None) if bias is None else (bias[0], bias[1])
+    if b0 is None:  # f32(b1) + 0.0 == 0.0 + f32(b1): the one given bias goes first
+        b0, b1 = b1, None
+    if bias_offset < 0:
+        raise ValueError(f"deepep_ascend.native.sum_rows: bias_offset must be >= 0, got {bias_offset}")
+    if b0 is not None:
+        b0 = b0[bias_offset:bias_offset + m]
+    if b1 is not None:
+        b1 = b1[bias_offset:bias_offset + m]
+    operands = (out, b0, b1, *(src[0] for src in sources))
+    if not all(t is None or matrix_ok(t, torch.bfloat16, hidden) for t in operands):
+        return False
+    require_rows_apart("out", out, "sum_rows")
+    if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
+        raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
+    live = []  # (rows, tokens, index | None), int64 and contiguous
+    for j, (rows, tokens, *rest) in enumerate(sources):
+        if not tokens.numel():
+            continue
+        index = rest[0] if rest and rest[0] is not None else None
+        for name, t in (("tokens", tokens), ("index", index)):
+            if t is not None and (t.dim() != 1 or t.dtype not in (torch.int64, torch.int32)):
+                raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s {name} must be a 1-D int64 or "
+                                 f"int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+        tokens = tokens.to(torch.int64).contiguous()
+        index = None if index is None else index.to(torch.int64).contiguous()
+        if index is None and rows.size(0) < tokens.numel():
+            raise ValueError(f"deepep_ascend.native.sum_rows: source {j} has {rows.size(0)} rows for "
+                             f"{tokens.numel()} tokens (one row per token)")
+        if index is not None and (index.shape != tokens.shape or int(index.min()) < 0
+                                  or int(index.max()) >= rows.size(0)):
+            got = f"[{int(index.min())}, {int(index.max())}]" if index.numel() else "none"
+            raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s index must be {tokens.numel()} "
+                             f"row numbers in [0, {rows.size(0)}), got shape {tuple(index.shape)} with values "
+                             f"in {got}")
+        live.append((rows, tokens, index))
+    # The kernel's per-source arrays, one int64 row each: token pointers, counts, row pointers, row
+    # strides, index pointers (0: none).
+    meta = torch.tensor([[tokens.data_ptr(), tokens.numel(), rows.data_ptr(), rows.stride(0),
+                          0 if index is None else index.data_ptr()] for rows, tokens, index in live],
+                        dtype=torch.int64).reshape(-1, 5).t().contiguous()
+    tok_ptr, counts, row_ptr, row_ld, index_ptr = meta
+    any_index = any(index is not None for _, _, index in live)
+    status = kernels.sum_rows_bf16(m, hidden, len(live), tok_ptr.data_ptr(), counts.data_ptr(), row_ptr.data_ptr(),
+                                   row_ld.data_ptr(), index_ptr.data_ptr() if any_index else None,
+                                   None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
+                                   None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
+                                   out.data_ptr(), out.stride(0), _NAN_BITS)
+    if status == -1:
+        raise MemoryError("deepep_ascend.native.sum_rows: the kernel ran out of memory for its row lists")
+    if status:
+        raise ValueError(f"deepep_ascend.native.sum_rows: source {status - 1}'s tokens are not ascending "
+                         f"in [0, {m})")
+    mark_written(out)
+    return True
+
+
+_TABLES = []  # e4m3 code -> float32, UE8M0 byte -> float32 scale: built on first use
+
+
+def _decode_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's lookup tables, from the formats' definitions (docs/semantics/mega-moe.md §4): an e4m3
+    code's value is torch's own ``float8_e4m3fn`` cast (NaN codes included); UE8M0 byte ``b`` is
+    ``2**(b - 127)``, byte 0 the subnormal ``2**-127`` and byte 255 NaN."""
+    if not _TABLES:
+        codes = torch.arange(256, dtype=torch.int32)
+        e4m3 = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        scale = (codes << 23).view(torch.float32).clone()
+        scale[0], scale[255] = 2.0 ** -127, float("nan")
+        _TABLES.extend((e4m3, scale))
+    return _TABLES[0], _TABLES[1]
+
+
+def dequant_rows_e4m3(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      index: torch.Tensor | None = None, gran: int = 32) -> bool:
+    """``out[r] = bf16(e4m3(codes[i]) * 2^(scales[i] - 127))`` per ``gran``-column group, ``i = index[r]``.
+
+    Gather and decode in one pass: what ``per_token_cast_back(codes[index], scales[index], gran,
+    torch.bfloat16)`` gives, bit for bit (NaN payloads aside) -- DeepEP's ``per_token_cast_back`` test
+    helper on received FP8 rows with UE8M0 scale bytes (no DeepEP call of its own).
+
+    Args:
+        out: ``[n, H]`` bfloat16, unit column stride, rows not overlapping (nor the inputs); ``H % gran == 0``.
+        codes: ``[R, H]`` float8_e4m3fn (or its uint8/int8 bytes), unit column stride.
+        scales: ``[R, H / gran]`` uint8 UE8M0 bytes, unit column stride.
+        index: None (row ``r``, ``R >= n``) or ``[n]`` int64 row numbers in ``[0, R)``.
+    Returns:
+        True when done, False (nothing written) if the kernel is unavailable.
+    Raises:
+        ValueError: operands of another dtype, shape or layout, or ``index`` values out of range.
+    """
+    if kernels.dequant_rows_e4m3_bf16 is None:
+        return False
+    op = "dequant_rows_e4m3"
+    if not isinstance(gran, int) or isinstance(gran, bool) or gran < 1 or out.dim() != 2 or out.size(1) % gran:
+        raise ValueError(f"deepep_ascend.native.{op}: gran must be a positive int dividing out's columns, got "
+                         f"gran {gran!r} for out of shape {tuple(out.shape)}")
+    n, hidden = out.shape
+    require_matrix("out", out, torch.bfloat16, hidden, op)
+    require_rows_apart("out", out, op)
+    if isinstance(codes, torch.Tensor) and codes.dtype in (torch.float8_e4m3fn, torch.int8):
+        codes = codes.view(torch.uint8)
+    require_matrix("codes", codes, torch.uint8, hidden, op)
+    require_matrix("scales", scales, torch.uint8, hidden // gran, op)
+    rows = min(codes.size(0), scales.size(0))
+    if index is None:
+        if rows < n:
+            raise ValueError(f"deepep_ascend.native.{op}: codes/scales have {codes.size(0)}/{scales.size(0)} rows "
+                             f"for {n} output rows")
+    else:
+        if index.dim() != 1 or index.dtype != torch.int64 or index.numel() != n:
+            raise ValueError(f"deepep_ascend.native.{op}: index must be [{n}] int64, got {index.dtype} of shape "
+                             f"{tuple(index.shape)}")
+        if n and (int(index.min()) < 0 or int(index.max()) >= rows):
+            raise ValueError(f"deepep_ascend.native.{op}: index values must lie in [0, {rows}), got "
+                             f"[{int(index.min())}, {int(index.max())}]")
+        index = index.contiguous()
+    if not n or not hidden:
+        return True
+    e4m3, sf = _decode_tables()
+    kernels.dequant_rows_e4m3_bf16(n, hidden, gran, codes.data_ptr(), codes.stride(0), scales.data_ptr(),
+                                   scales.stride(0), None if index is None else index.data_ptr(), e4m3.data_ptr(),
+                                   sf.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS)
+    mark_written(out)
+    return True
+
+
+_SWIGLU_BLOCK_FLOATS = 1 << 17  # floats of -g per block (512 KiB): exp_ and the kernel's second pass find it in L2
+
+
+def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = None, clamp: float | None = None,
+           fast_math: bool = True, gran: int = 0) -> bool:
+    """MegaMoE's activation, one BF16 row of ``out`` per row of ``h``, bit for bit the torch path of
+    :func:`deepep_ascend.mega_moe.core._activation` (NaN payloads aside)::
+
+        g, u = h[:, :I], h[:, I:]  (clamped to <= clamp and to [-clamp, clamp] if clamp is not None)
+        a = silu(g) * u * weights[:, None]   in float32: g / (1 + exp(-g)), or (1 / (1 + exp(-g))) * g if fast_math
+        gran > 0: a = e4m3 round trip of a with UE8M0 scales per gran columns
+        out = bf16(a)
+
+    The exp is torch's (``Tensor.exp_`` on a float32 block of ``-g``), so both paths compute the same
+    sigmoid; the kernel does the rest in one pass. DeepGEMM's MegaMoE SwiGLU epilogue with
+    ``activation_clamp`` and its FP8 cast of the L2 input (no DeepGEMM call of its own).
+
+    Args:
+        out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping (nor ``h``).
+        h: ``[n, 2 I]`` bfloat16, unit column stride.
+        weights: None (1) or ``[n]`` float32, the routing weight of each row.
+        clamp: None, or the clamp as a float >= 0 (the caller rounds it as its reference does).
+        gran: 0 (no FP8 round trip) or a positive int <= 256 dividing ``I``.
+    Returns:
+        True when done; False if the kernel is unavailable or a ``gran`` group holds a NaN, an
+        infinity or a value of magnitude ``2**100`` or more (``out`` then partly written: use the
+        codecs).
+    Raises:
+        ValueError: operands of another dtype, shape or layout, a negative or NaN ``clamp``, or a bad ``gran``.
+    """
+    if kernels.swiglu_bf16 is None:
+        return False
+    op = "swiglu"
+    if out.dim() != 2:
+        raise ValueError(f"deepep_ascend.native.{op}: out must be [n, I], got shape {tuple(out.shape)}")
+    n, inter = out.shape
+    require_matrix("out", out, torch.bfloat16, inter, op)
+    require_rows_apart("out", out, op)
+    require_matrix("h", h, torch.bfloat16, 2 * inter, op)
+    if h.size(0) != n:
+        raise ValueError(f"deepep_ascend.native.{op}: h has {h.size(0)} rows, out {n}")
+    if weights is not None and (weights.dtype != torch.float32 or weights.dim() != 1 or weights.numel() != n):
+        raise ValueError(f"deepep_ascend.native.{op}: weights must be None or [{n}] float32, got {weights.dtype} of "
+                         f"shape {tuple(weights.shape)}")
+    if not isinstance(gran, int) or isinstance(gran, bool) or gran < 0 or gran > 256 or (gran and inter % gran):
+        raise ValueError(f"deepep_ascend.native.{op}: gran must be 0 or an int in [1, 256] dividing I = {inter}, "
+                         f"got {gran!r}")
+    if clamp is not None and not float(clamp) >= 0:
+        raise ValueError(f"deepep_ascend.native.{op}: clamp must be None or a number >= 0, got {clamp!r}")
+    if not n or not inter:
+        return True
+    if weights is not None:
+        weights = weights.contiguous()
+    has_clamp = clamp is not None
+    c = float(clamp) if has_clamp else 0.0
+    gate, kernel = kernels.swiglu_gate_bf16, kernels.swiglu_bf16
+    block = min(n, max(1, _SWIGLU_BLOCK_FLOATS // inter))
+    t = torch.empty(block, inter)
+    for r0 in range(0, n, block):
+        b = min(block, n - r0)
+        tb, hb = t[:b], h[r0:r0 + b]
+        gate(b, inter, hb.data_ptr(), hb.stride(0), has_clamp, c, tb.data_ptr())
+        tb.exp_()
+        ob = out[r0:r0 + b]
+        if kernel(b, inter, hb.data_ptr(), hb.stride(0), tb.data_ptr(),
+                  None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)), gran,
+                  ob.data_ptr(), ob.stride(0), _NAN_BITS):
+            mark_written(out)
+            return False
+    mark_written(out)
+    return True
