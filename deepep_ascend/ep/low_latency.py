@@ -59,6 +59,7 @@ import torch
 from ..transports import ChannelKind, TransportTimeout
 
 from . import memory
+from .handles import LowLatencyHandle
 from .protocol import ConsensusError
 from ..gemm.quant import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
                     logfmt10_group_mask, low_latency_cast_to_fp8_, pack_ue8m0_to_int)
@@ -469,7 +470,7 @@ class LowLatencyEngine:
             if cum_stats is not None:
                 cum_stats.add_(recv_count)
 
-        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, LowLatencyHandle(src_info, layout_range, M, H, E))
         return Pending(receive, outputs)
 
     def _scratch(self, name, shape, dtype):
@@ -499,7 +500,7 @@ class LowLatencyEngine:
         ``use_logfmt``: rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to
         float32 before the weighted sum."""
         me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
-        layout_range = handle[1]
+        layout_range = handle.layout_range
         seq, h = self.begin()
         self.zero_copy_for = None
         base = h * self.half
