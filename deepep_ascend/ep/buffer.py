@@ -552,7 +552,8 @@ class Buffer:
             x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
                 ``(data [N, H] float8_e4m3fn, scales [N, H/128] float32 | [N, ceil(H/512)] int32)``,
                 scales of any strides; FP8 needs ``H % 128 == 0``.
-            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args).
+            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args);
+                any tuple of its entries in DeepEP's order is accepted.
             num_tokens_per_rank: ``[R]`` int32, from :meth:`get_dispatch_layout`.
             num_tokens_per_rdma_rank: ``[num_nodes]`` int32 from :meth:`get_dispatch_layout` when the
                 ranks span several nodes (the internode path), else ``None``.
@@ -570,8 +571,10 @@ class Buffer:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
             ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
-            float32 (0 where -1); a list of ``L`` ints; the 6-tuple handle (spec §4.3). Rows are
-            grouped by source rank, then source token order. Cached: ``(recv_x, None, None, None, None, event)``.
+            float32 (0 where -1); a list of ``L`` ints; the handle (spec §4.3), DeepEP's 6-tuple as an
+            :class:`~deepep_ascend.ep.handles.IntranodeHandle` (across nodes its 10-tuple, an
+            :class:`~deepep_ascend.ep.handles.InternodeHandle`). Rows are grouped by source rank, then
+            source token order. Cached: ``(recv_x, None, None, None, None, event)``.
         Raises:
             TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
                 fault its own error, the others a ``ValueError`` naming it).
@@ -665,7 +668,8 @@ class Buffer:
                 or expert outputs written into it) is read by the peers in place, without a staging
                 copy; the call then completes (with ``async_finish``: its event) only once every peer
                 has read it, and if it fails first, the peers that read it raise too.
-            handle: the dispatch's 6-tuple handle.
+            handle: the dispatch's handle (:class:`~deepep_ascend.ep.handles.IntranodeHandle` or
+                :class:`~deepep_ascend.ep.handles.InternodeHandle`, or a tuple of the same entries).
             topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
             bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.
             config: default :meth:`get_combine_config`; must have the handle's channel count.
@@ -804,7 +808,8 @@ class Buffer:
             or ``(e4m3 [L, R·M, H], scales)`` with scales float32 ``[L, R·M, H/128]`` or int32
             ``[L, R·M, H/512]`` (UE8M0), column-major in the last two dims; rows of expert ``e``
             from source ``s`` ascending, then tokens/slots ascending; rows past ``recv_count`` are 0.
-            ``handle = (src_info [L, R·M] int32, layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
+            ``handle`` a :class:`~deepep_ascend.ep.handles.LowLatencyHandle` ``(src_info [L, R·M] int32,
+            layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
         Raises:
             TypeError / ValueError / AssertionError / RuntimeError: bad arguments (DeepEP's classes);
                 the rank at fault raises its error, every other rank a ``ConsensusError``
@@ -842,7 +847,7 @@ class Buffer:
             x: ``[L, R·M, H]`` bfloat16 in the dispatch's layout (with ``zero_copy`` only its shape
                 is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
             topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
-            handle: the dispatch's handle.
+            handle: the dispatch's handle (or a tuple of the same entries).
             use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
                 128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
                 bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1``, equal

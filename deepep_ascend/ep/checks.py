@@ -291,7 +291,8 @@ def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, n
 
 
 # -- combine --------------------------------------------------------------------------------------------------
-def check_combine_args(x, topk_weights, bias, *, rows: int, rows_name: str, num_tokens: int):
+def check_combine_args(x, topk_weights, bias, *, rows: int, rows_name: str,
+                       num_tokens: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, int]:
     """A combine's ``x`` ``[rows, H]`` bf16, ``topk_weights`` ``[rows, K']`` float32 or None, and ``bias``.
 
     Args:

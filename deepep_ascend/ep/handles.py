@@ -28,7 +28,7 @@ __all__ = ["HandleOrigin", "IntranodeHandle", "InternodeHandle", "LowLatencyHand
 
 
 class IntranodeHandle(NamedTuple):
-    """Handle of a normal dispatch inside one node; DeepEP's 6-tuple of ``deep_ep.Buffer.intranode_dispatch``.
+    """Handle of a normal dispatch inside one node: the 6-tuple ``deep_ep.Buffer.dispatch`` returns there.
 
     Passed back to ``Buffer.combine`` and to a cached ``Buffer.dispatch`` (the same routing, no
     counting). Every tensor is on the CPU, contiguous.
@@ -59,7 +59,7 @@ class IntranodeHandle(NamedTuple):
 
 
 class InternodeHandle(NamedTuple):
-    """Handle of a normal dispatch across ``G > 1`` nodes; DeepEP's 10-tuple of ``deep_ep.Buffer.internode_dispatch``.
+    """Handle of a normal dispatch across ``G > 1`` nodes: the 10-tuple of ``deep_ep.Buffer.internode_dispatch``.
 
     Token ``t`` of rank ``(b, l)`` (node ``b``, local rank ``l``) travels once per node ``a`` that
     has one of its experts, to its rail peer ``(a, l)`` (the *forwarder*), which hands it on to
@@ -101,7 +101,7 @@ class InternodeHandle(NamedTuple):
 
 
 class LowLatencyHandle(NamedTuple):
-    """Handle of ``Buffer.low_latency_dispatch``; DeepEP's 5-tuple of ``deep_ep.Buffer.low_latency_dispatch``.
+    """Handle of a low-latency dispatch: the 5-tuple ``deep_ep.Buffer.low_latency_dispatch`` returns.
 
     ``L = num_experts / R`` local experts, ``M = num_max_dispatch_tokens_per_rank``. The received
     rows of local expert ``e`` are packed from row 0 of ``recv_x[e]``: source ranks ascending, then

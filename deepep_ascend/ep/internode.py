@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -195,7 +195,7 @@ class InternodeEngine:
     def _dispatch_vec_ints(self, num_experts: int) -> int:
         return self.num_ranks + num_experts + self.G
 
-    def dispatch_fields(self, xb, sb, k, cached):
+    def dispatch_fields(self, xb, sb, k, cached) -> list[int]:
         """Row fields of a dispatch block, by decreasing alignment: topk ids, weights, scales, src, x, mask."""
         if cached:
             return [sb, xb, self.P]
@@ -311,7 +311,7 @@ class InternodeEngine:
             self.tp.record_fetch(peer, nbytes)
 
     # -- dispatch ------------------------------------------------------------------------
-    def reject(self, op, call_id, message) -> None:
+    def reject(self, op, call_id, message) -> NoReturn:
         """Take part in round 0 of a call with an error status; raises ConsensusError (on every rank)."""
         if op == OP_COMBINE:
             gen = self._combine_rounds(call_id=call_id, words={}, n=0, per_round=1, error=message, stage=None,

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Generator
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -175,11 +175,11 @@ class IntranodeEngine:
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
 
     # -- sizing ------------------------------------------------------------------
-    def dispatch_regions(self, xb, sb, k, num_experts, cached):
+    def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
         fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
         return _Regions(self.half_bytes, self.num_ranks + num_experts, fields)
 
-    def combine_regions(self, xb, wcols):
+    def combine_regions(self, xb, wcols) -> _Regions:
         return _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)])
 
     @staticmethod
@@ -364,7 +364,7 @@ class IntranodeEngine:
             self.tp.wait_until(self.win, XDATA, self.peers, self._xdata_calls, phase=f"{phase}: x rows")
 
     # -- dispatch ------------------------------------------------------------------------
-    def reject(self, op, call_id, message):
+    def reject(self, op, call_id, message) -> NoReturn:
         """Take part in chunk 0 of a call with an error status; raises ConsensusError (on every rank)."""
         self._round0(op, call_id, {}, None, lambda: None, message, f"{OP_NAMES[op]} call #{call_id}")
         raise AssertionError("unreachable: the consensus check raises")  # pragma: no cover

@@ -150,7 +150,7 @@ class OutputPool:
     def __init__(self):
         self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
 
-    def get(self, shape, dtype, channels_first=False):
+    def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
         """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
         ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
         ``(e, count)`` runs written so that the next user gets them zeroed."""
@@ -216,7 +216,7 @@ class Pending:
         self._receive = receive
         self.outputs = outputs
 
-    def receive(self):
+    def receive(self) -> tuple:
         fn, self._receive = self._receive, None
         fn()
         return self.outputs
@@ -253,10 +253,10 @@ class LowLatencyEngine:
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
 
     # -- helpers -----------------------------------------------------------------------
-    def live_peers(self):
+    def live_peers(self) -> list[int]:
         return [p for p in range(self.R) if not self.mask[p]]
 
-    def order(self):
+    def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
         return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
 
@@ -270,7 +270,7 @@ class LowLatencyEngine:
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
                                   torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
 
-    def stale_zero_copy(self):
+    def stale_zero_copy(self) -> str | None:
         """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
         if self.zero_copy_for is None or self.zero_copy_for == self.calls:
             return None
@@ -294,7 +294,7 @@ class LowLatencyEngine:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
 
-    def begin(self):
+    def begin(self) -> tuple[int, int]:
         """Number and half of a new call (checks the hook rule first)."""
         if self.pending_hook is not None:
             raise RuntimeError(
@@ -305,8 +305,9 @@ class LowLatencyEngine:
         self.calls += 1
         return seq, seq % 2
 
-    def reject(self, op, message):
-        """Refuse a call on every rank: headers with an error status to every live peer, then raise."""
+    def reject(self, op, message) -> None:
+        """Refuse a call on every rank: headers with an error status to every live peer, then wait for theirs
+        (the caller raises; the peers' :meth:`_check_headers` raise ``LowLatencyRefused`` naming this rank)."""
         seq, h = self.begin()
         hdr = self._header(seq, op, 1, None, 0, message)
         for dst in self.order():
@@ -726,7 +727,7 @@ class LowLatencyEngine:
         return logfmt10_decode(body, meta, tail.view(torch.uint8))
 
     # -- clean ---------------------------------------------------------------------------
-    def clean(self):
+    def clean(self) -> None:
         """Barrier of the live ranks on the clean slot (shrink mode masks those missing the deadline)."""
         self.cleans += 1
         peers = [p for p in self.order() if p != self.rank]
