@@ -20,23 +20,51 @@ import torch
 
 from .. import settings
 from ..settings import SettingError
-from ..transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
-                        TransportPoisoned, TransportTimeout, create_transport)
-
+from ..transports import (
+    ChannelKind,
+    LinkStats,
+    TransportAborted,
+    TransportArgumentError,
+    TransportPoisoned,
+    TransportRuntimeError,
+    TransportTimeout,
+    create_transport,
+)
 from . import low_latency as ll_mod
-from .checks import (Rejected, check, check_combine_args, check_config, check_dispatch_layout_args,
-                     check_dispatch_options, check_internode_handle, check_intranode_handle, check_stream_args,
-                     check_topk_idx, check_x)
+from .checks import (
+    Rejected,
+    check,
+    check_combine_args,
+    check_config,
+    check_dispatch_layout_args,
+    check_dispatch_options,
+    check_internode_handle,
+    check_intranode_handle,
+    check_stream_args,
+    check_topk_idx,
+    check_x,
+)
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
+from .group import mpi_comm_of
 from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
-from .low_latency_checks import (check_low_latency_combine_args, check_low_latency_dispatch_args,
-                                 check_low_latency_handle, low_latency_layout)
-from .protocol import HEADER_BYTES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, dtype_code
-from .group import mpi_comm_of
 from .layout import dispatch_layout, tokens_per_node
+from .low_latency_checks import (
+    check_low_latency_combine_args,
+    check_low_latency_dispatch_args,
+    check_low_latency_handle,
+    low_latency_layout,
+)
+from .protocol import (
+    HEADER_BYTES,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    ConsensusError,
+    dtype_code,
+)
 
 #: A dispatch's ``x`` or ``recv_x``: one ``[N, H]`` tensor, or the FP8 pair ``(data, scales)``.
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -603,7 +631,7 @@ class Buffer:
             k = topk_idx.size(1) if topk_idx is not None else 0
             self._check_dispatch_room(*_row_bytes(data, scales), k, num_experts, cached=False)
             ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
-            path_args = dict(num_tokens_per_rdma_rank=num_tokens_per_rdma_rank) if self._internode else {}
+            path_args = {"num_tokens_per_rdma_rank": num_tokens_per_rdma_rank} if self._internode else {}
             return self._engine.dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
                 scales=None if scales is None else _as_rows_of_bytes(scales),

@@ -23,8 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HandleOrigin", "IntranodeHandle", "InternodeHandle", "LowLatencyHandle", "NormalHandle", "origin_of",
-           "record_origin"]
+__all__ = [
+    "HandleOrigin",
+    "InternodeHandle",
+    "IntranodeHandle",
+    "LowLatencyHandle",
+    "NormalHandle",
+    "origin_of",
+    "record_origin",
+]
 
 
 class IntranodeHandle(NamedTuple):

@@ -49,11 +49,34 @@ import torch
 
 from . import memory
 from .handles import InternodeHandle
-from .protocol import (MAGIC, MSG_BYTES, MSG_WORD, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, OP_NAMES, W_CALL,
-                       W_CHANNELS, W_HANDLE, W_MAGIC, W_NEXP, W_NTOK, W_OP, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK,
-                       W_WCOLS, W_XBYTES, W_XDTYPE, consensus_error, consensus_problems, dtype_code)
-from .reduce import CombineScratch, accumulate_rows
 from .layout import recv_channel_prefix, send_layout, to_local_experts
+from .protocol import (
+    MAGIC,
+    MSG_BYTES,
+    MSG_WORD,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_NAMES,
+    W_CALL,
+    W_CHANNELS,
+    W_HANDLE,
+    W_MAGIC,
+    W_NEXP,
+    W_NTOK,
+    W_OP,
+    W_SBYTES,
+    W_SDTYPE,
+    W_STATUS,
+    W_TOPK,
+    W_WCOLS,
+    W_XBYTES,
+    W_XDTYPE,
+    consensus_error,
+    consensus_problems,
+    dtype_code,
+)
+from .reduce import CombineScratch, accumulate_rows
 
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
 N_READY = 0  # slot of the UBMEM window

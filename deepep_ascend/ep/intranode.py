@@ -59,14 +59,48 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from . import memory
 from .. import native as _native
+from . import memory
 from .handles import IntranodeHandle
-from .layout import combine_round_tokens, recv_channel_prefix, send_layout, to_local_experts
-from .protocol import (HEADER_BYTES, MAGIC, MSG_BYTES, MSG_WORD, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, OP_NAMES,
-                       W_CALL, W_CHANNELS, W_HANDLE, W_LAND_BYTES, W_LAND_OFF, W_LAND_ROWS, W_MAGIC, W_NEXP, W_NTOK,
-                       W_OP, W_PREFIX, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK, W_WCOLS, W_XBYTES, W_XDTYPE, W_XSEG_OFF,
-                       ConsensusError, check_consensus, dtype_code, prefix_checksum)
+from .layout import (
+    combine_round_tokens,
+    recv_channel_prefix,
+    send_layout,
+    to_local_experts,
+)
+from .protocol import (
+    HEADER_BYTES,
+    MAGIC,
+    MSG_BYTES,
+    MSG_WORD,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_NAMES,
+    W_CALL,
+    W_CHANNELS,
+    W_HANDLE,
+    W_LAND_BYTES,
+    W_LAND_OFF,
+    W_LAND_ROWS,
+    W_MAGIC,
+    W_NEXP,
+    W_NTOK,
+    W_OP,
+    W_PREFIX,
+    W_SBYTES,
+    W_SDTYPE,
+    W_STATUS,
+    W_TOPK,
+    W_WCOLS,
+    W_XBYTES,
+    W_XDTYPE,
+    W_XSEG_OFF,
+    ConsensusError,
+    check_consensus,
+    dtype_code,
+    prefix_checksum,
+)
 from .reduce import CombineScratch, accumulate_rows
 
 READY, CONSUMED, XDATA = 0, 1, 2
