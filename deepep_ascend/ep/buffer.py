@@ -369,7 +369,7 @@ class Buffer:
         view = self.runtime.local_view(self._win, offset, count * itemsize, dtype)
         return view if size is None else view.view(size)
 
-    def get_traffic(self, lifetime: bool = False) -> dict:
+    def get_traffic(self, lifetime: bool = False) -> dict[str, int]:
         """Bytes moved by this rank's operations, per channel kind: ``{'SELF': n, 'UBMEM': n, 'URMA': n}``.
 
         Each transfer is counted once, by the rank whose load or store moved it (here, receivers
@@ -383,7 +383,7 @@ class Buffer:
             return {k.name: 0 for k in ChannelKind}
         return LinkStats.bytes_by_kind(self._last_traffic)
 
-    def get_link_stats(self, lifetime: bool = False) -> dict:
+    def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
 
         Returns ``{field: np.ndarray int64 [len(ChannelKind), num_ranks]}`` (a copy) with fields
