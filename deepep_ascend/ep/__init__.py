@@ -2,7 +2,9 @@
 
 Walking down this room (docs/design/architecture.md):
 
-* :mod:`.buffer`      ``Buffer`` (DeepEP V1's API): argument checks, the choice of engine, its windows and worker;
+* :mod:`.buffer`      ``Buffer`` (DeepEP V1's API): the choice of engine, its windows, worker and consensus round;
+* :mod:`.handles`     the handles dispatch returns (named tuples of DeepEP's entries) and who made them;
+* :mod:`.checks`      the argument checks of the normal-mode calls (:mod:`.low_latency_arguments`: of the LL calls);
 * :mod:`.layout`      routing -> counts, masks and prefix matrices (pure torch, no communication);
 * :mod:`.intranode`   normal dispatch/combine inside one node (UBMEM);
 * :mod:`.internode`   normal dispatch/combine across nodes (URMA between nodes, UBMEM inside);
@@ -19,7 +21,9 @@ from .buffer import Buffer
 from .config import Config
 from .event import EventHandle, EventOverlap
 from .group import mpi_comm_of
+from .handles import InternodeHandle, IntranodeHandle, LowLatencyHandle
 from .layout import topk_idx_t
 from .protocol import ConsensusError
 
-__all__ = ["Buffer", "Config", "ConsensusError", "EventHandle", "EventOverlap", "mpi_comm_of", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ConsensusError", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle",
+           "LowLatencyHandle", "mpi_comm_of", "topk_idx_t"]

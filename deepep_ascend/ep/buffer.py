@@ -1,38 +1,75 @@
 """``deepep_ascend.Buffer``: DeepEP's ``deep_ep.Buffer`` on CPU ranks over MPI (spec §2-§4, §8).
 
-The Buffer checks arguments, picks the path, and owns its transport, its UBMEM window and its
-worker; data movement lives in :mod:`deepep_ascend.ep.intranode`.
+This module is the API: the constructor, the calls, and what ties them to one Buffer (its transport,
+windows and worker, the consensus round a rejected call still takes part in, and its traffic
+counters). Argument checks live in :mod:`.checks` and :mod:`.low_latency_arguments`, data movement in the
+engines (:mod:`.intranode`, :mod:`.internode`, :mod:`.low_latency`), the handles in :mod:`.handles`.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
-from ..transports import (ChannelKind, LinkStats, TransportAborted, TransportArgumentError, TransportRuntimeError,
-                        TransportPoisoned, TransportTimeout, create_transport)
-
+from .. import settings
+from ..settings import SettingError
+from ..transports import (
+    ChannelKind,
+    LinkStats,
+    TransportAborted,
+    TransportArgumentError,
+    TransportPoisoned,
+    TransportRuntimeError,
+    TransportTimeout,
+    create_transport,
+)
 from . import low_latency as ll_mod
+from .arguments import (
+    Rejected,
+    check,
+    check_combine_args,
+    check_config,
+    check_dispatch_layout_args,
+    check_dispatch_options,
+    check_internode_handle,
+    check_intranode_handle,
+    check_stream_args,
+    check_topk_idx,
+    check_x,
+)
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
+from .group import mpi_comm_of
+from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
-from .protocol import HEADER_BYTES, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, ConsensusError, dtype_code
-from .group import mpi_comm_of
-from .layout import dispatch_layout, topk_idx_t
-from ..checks import storage_problem
+from .layout import dispatch_layout, tokens_per_node
+from .low_latency_arguments import (
+    check_low_latency_combine_args,
+    check_low_latency_dispatch_args,
+    check_low_latency_handle,
+    low_latency_layout,
+)
+from .protocol import (
+    HEADER_BYTES,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    ConsensusError,
+    dtype_code,
+)
 
-#: Bytes of each rank's recv_x landing segment (default: ``num_nvl_bytes``; 0: none). See :class:`Buffer`.
-LANDING_BYTES_ENV = "DEEPEP_ASCEND_LANDING_BYTES"
+#: A dispatch's ``x`` or ``recv_x``: one ``[N, H]`` tensor, or the FP8 pair ``(data, scales)``.
+Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 _BUFFER_IDS = itertools.count(1)
-_HANDLES: dict = {}  # id(handle[0]) -> (buffer uid, handle id, num_channels)
 _UNDESTROYED = weakref.WeakSet()
 
 
@@ -44,42 +81,10 @@ def _warn_undestroyed():
                           f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning)
 
 
-def _register_handle(handle_tensor: torch.Tensor, info) -> None:
-    key = id(handle_tensor)
-    _HANDLES[key] = info
-    weakref.finalize(handle_tensor, _HANDLES.pop, key, None)
-
-
-class _Rejected(Exception):
-    """Local validation failure: carries the exception to raise on this rank after the consensus round."""
-
-    def __init__(self, exc: Exception):
-        super().__init__(str(exc))
-        self.exc = exc
-
-
-def _check(cond: bool, exc_type, message: str) -> None:
-    if not cond:
-        raise _Rejected(exc_type(message))
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous with standard strides. torch calls any zero-element tensor contiguous, so
     ``contiguous()`` keeps e.g. the stride 0 of an expanded gradient, which byte views refuse."""
     return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
-
-
-def _check_tensor(t, name, dtype=None, ndim=None, shape=None):
-    _check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
-    problem = storage_problem(t)
-    _check(problem is None, ValueError, f"`{name}` {problem}")
-    if dtype is not None:
-        _check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
-    if ndim is not None:
-        _check(t.dim() == ndim, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        _check(tuple(t.shape) == tuple(shape), ValueError,
-               f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 class Buffer:
@@ -199,22 +204,27 @@ class Buffer:
             _UNDESTROYED.add(self)
 
     def _landing_build(self):
-        """The node's recv_x landing segments (collective), sized by ``$DEEPEP_ASCEND_LANDING_BYTES``."""
-        raw = os.environ.get(LANDING_BYTES_ENV)
-        nbytes = self.num_nvl_bytes
-        if raw is not None:
-            try:
-                nbytes = int(raw)
-            except ValueError:
-                nbytes = raw  # rejected by create_segment on every rank of the node, then below
+        """The node's recv_x landing segments (collective), sized by ``$DEEPEP_ASCEND_LANDING_BYTES``.
+
+        A value that does not parse is still handed to ``create_segment``, which refuses it on every
+        rank of the node: no rank is left waiting in the collective for the one that gave up.
+        """
+        setting = settings.LANDING_BYTES
+        refused = None
+        try:
+            nbytes = setting.get()
+        except SettingError as exc:
+            refused, nbytes = exc, setting.raw()
+        if nbytes is None:
+            nbytes = self.num_nvl_bytes
         try:
             return self.runtime.create_segment("recv_x", nbytes)
         except TransportArgumentError as exc:
-            raise ValueError(f"Buffer: ${LANDING_BYTES_ENV} must be a non-negative integer number of bytes ({exc})") \
-                from None
+            reason = refused or f"${setting.name} must be {setting.accepts()} on every rank of the node"
+            raise ValueError(f"Buffer: {reason} ({exc})") from None
         except TransportRuntimeError as exc:
-            raise RuntimeError(f"Buffer: the recv_x landing segments (${LANDING_BYTES_ENV}, default num_nvl_bytes) "
-                               f"could not be created: {exc}; set ${LANDING_BYTES_ENV} lower, or 0 for none") from None
+            raise RuntimeError(f"Buffer: the recv_x landing segments (${setting.name}, default num_nvl_bytes) "
+                               f"could not be created: {exc}; set ${setting.name} lower, or 0 for none") from None
 
     # -- lifetime ----------------------------------------------------------------
     def destroy(self) -> None:
@@ -359,7 +369,7 @@ class Buffer:
         view = self.runtime.local_view(self._win, offset, count * itemsize, dtype)
         return view if size is None else view.view(size)
 
-    def get_traffic(self, lifetime: bool = False) -> dict:
+    def get_traffic(self, lifetime: bool = False) -> dict[str, int]:
         """Bytes moved by this rank's operations, per channel kind: ``{'SELF': n, 'UBMEM': n, 'URMA': n}``.
 
         Each transfer is counted once, by the rank whose load or store moved it (here, receivers
@@ -373,7 +383,7 @@ class Buffer:
             return {k.name: 0 for k in ChannelKind}
         return LinkStats.bytes_by_kind(self._last_traffic)
 
-    def get_link_stats(self, lifetime: bool = False) -> dict:
+    def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
 
         Returns ``{field: np.ndarray int64 [len(ChannelKind), num_ranks]}`` (a copy) with fields
@@ -392,7 +402,8 @@ class Buffer:
 
     # -- layout ----------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
         """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (spec §4.1).
 
         Args:
@@ -413,9 +424,9 @@ class Buffer:
         if self.runtime is None:
             raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
         try:
-            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-            self._check_topk_idx(topk_idx, num_experts)
-        except _Rejected as rej:
+            check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+            check_topk_idx(topk_idx, num_experts, self.group_size)
+        except Rejected as rej:
             raise rej.exc from None
         if not async_finish:
             if previous_event is not None and previous_event.event is not None:
@@ -439,137 +450,59 @@ class Buffer:
         fut = self._worker.submit(work)
         return ntpr, ntpn, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
 
-    def _tokens_per_node(self, is_token_in_rank):
+    def _tokens_per_node(self, is_token_in_rank: torch.Tensor) -> torch.Tensor | None:
         """``num_tokens_per_rdma_rank [num_nodes]`` int32: tokens with an expert on each node (None: one node)."""
         if not self._internode:
             return None
-        n = is_token_in_rank.size(0)
-        return is_token_in_rank.view(n, self.num_nodes, self.ranks_per_node).any(2).sum(0, dtype=torch.int32)
+        return tokens_per_node(is_token_in_rank, self.num_nodes, self.ranks_per_node)
 
-    # -- argument checks -----------------------------------------------------------------
-    @staticmethod
-    def _check_stream_args(previous_event, async_finish, allocate_on_comm_stream) -> None:
-        """DeepEP's stream-argument checks; raise ``_Rejected`` (inside a call's validation)."""
-        _check(not allocate_on_comm_stream or (previous_event is not None and async_finish), RuntimeError,
-               "allocate_on_comm_stream=True requires previous_event and async_finish=True")
-        _check(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
-               f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-
-    def _check_topk_idx(self, topk_idx, num_experts) -> None:
-        _check(isinstance(num_experts, int) and num_experts > 0 and num_experts % self.group_size == 0, ValueError,
-               f"num_experts must be a positive multiple of the number of ranks ({self.group_size}), got {num_experts!r}")
-        _check_tensor(topk_idx, "topk_idx", ndim=2)
-        _check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
-               f"got {topk_idx.dtype}")
-        if topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            _check(lo >= -1 and hi < num_experts, ValueError,
-                   f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
-
-    def _check_x(self, x):
-        """Returns ``(data, scales)`` after checking BF16/any-dtype ``x`` or the FP8 tuple."""
-        if isinstance(x, tuple):
-            _check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
-            data, scales = x
-            _check_tensor(data, "x[0] (FP8 data)", ndim=2)
-            _check(data.element_size() == 1, TypeError,
-                   f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
-            hidden = data.size(1)
-            _check(hidden % 128 == 0, ValueError,
-                   f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
-            _check_tensor(scales, "x[1] (scales)", ndim=2)
-            _check(scales.dtype in (torch.float32, torch.int32), TypeError,
-                   f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
-            want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
-            _check(tuple(scales.shape) == (data.size(0), want), ValueError,
-                   f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
-                   f"{scales.dtype}, got {tuple(scales.shape)}")
-            return data, scales
-        _check_tensor(x, "x", ndim=2)
-        _check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
-        _check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
-        return x, None
-
-    _INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
-                         "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
-                         "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
-                         "send_rdma_head", "send_nvl_head")
-
-    def _check_internode_handle(self, handle, config: Config, op: str):
-        """Validate a 10-entry internode handle (spec §5); returns the id of the dispatch that made it."""
-        names = self._INTERNODE_HANDLE
-        _check(isinstance(handle, (tuple, list)) and len(handle) == 10, ValueError,
-               f"`handle` must be the 10-tuple returned by an internode dispatch ({self.num_nodes} nodes), got "
-               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
-        for t, name in zip(handle, names):
-            _check_tensor(t, f"handle.{name}")
-        r, g, p = self.group_size, self.num_nodes, self.ranks_per_node
-        c = handle[1].size(1) if handle[1].dim() == 2 else -1
-        n = handle[0].size(0) if handle[0].dim() == 2 else -1
-        rows = handle[7].size(0) if handle[7].dim() == 2 else -1
-        n_fwd = int(handle[4][-1]) if handle[4].numel() == g and handle[4].dtype == torch.int32 else -1
-        expected = ((torch.bool, (n, r)), (torch.int32, (g, c)), (torch.int32, (r, c)), (torch.int32, (g, c)),
-                    (torch.int32, (g,)), (torch.int32, (r, c)), (torch.int32, (r,)), (torch.uint8, (rows, 8)),
-                    (torch.int32, (n, g)), (torch.int32, (n_fwd, p)))
-        for t, name, (dtype, shape) in zip(handle, names, expected):
-            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
-                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks in {g} nodes, got {t.dtype} "
-                   f"{tuple(t.shape)}")
-        info = _HANDLES.get(id(handle[6]))
-        _check(info is None or info[0] == self._uid, ValueError,
-               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
-        _check(c == config.num_channels, ValueError,
-               f"`handle` has {c} channels but {op}'s config has {config.num_channels} (num_sms={config.num_sms}); "
-               f"the config's num_sms must match the dispatch that made the handle")
-        _check(int(handle[6][-1]) <= rows, ValueError,
-               "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
-        return info[1] if info is not None else -1
-
-    def _check_handle(self, handle, config: Config, op: str):
-        if self._internode:
-            return self._check_internode_handle(handle, config, op)
-        _check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
-               f"`handle` must be the 6-tuple returned by an intranode dispatch, got "
-               f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}")
-        r, c = self.group_size, config.num_channels
-        names = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
-                 "is_token_in_rank", "send_head")
-        for t, name in zip(handle, names):
-            _check_tensor(t, f"handle.{name}")
-        prefix, cpm, rcpm, src_idx, itr, send_head = handle
-        n = itr.size(0) if itr.dim() == 2 else -1
-        expected = ((torch.int32, (r, r)), (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)),
-                    (torch.int32, (r, cpm.size(1) if cpm.dim() == 2 else -1)), (torch.int32, (src_idx.numel(),)),
-                    (torch.bool, (n, r)), (torch.int32, (n, r)))
-        for t, name, (dtype, shape) in zip(handle, names, expected):
-            _check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
-                   f"`handle.{name}` must be {dtype} {shape} for {r} ranks, got {t.dtype} {tuple(t.shape)}")
-        info = _HANDLES.get(id(prefix))
-        _check(info is None or info[0] == self._uid, ValueError,
-               f"`handle` was made by another Buffer (#{info[0] if info else '?'}), not by this one (#{self._uid})")
-        _check(cpm.size(1) == c, ValueError,
-               f"`handle` has {cpm.size(1)} channels but {op}'s config has {c} (num_sms={config.num_sms}); the "
-               f"config's num_sms must match the dispatch that made the handle")
-        _check(int(prefix[-1, self.rank]) <= src_idx.numel(), ValueError,
-               "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
-        return info[1] if info is not None else -1
-
-    def _config(self, config, which):
-        if config is None:
+    # -- what the checks need of this Buffer ------------------------------------------------
+    def _config(self, config, which: Callable[[int], Config]) -> Config:
+        """``config`` checked, or DeepEP's recommended one for this rank count (``which``), else DeepEP's defaults."""
+        def default() -> Config:
             try:
                 return which(self.group_size)
-            except AssertionError:  # rank counts outside DeepEP's table: DeepEP's defaults
+            except AssertionError:  # rank counts outside DeepEP's table
                 return Config(Buffer.num_sms)
-        if not isinstance(config, Config):
-            raise _Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
-        _check(config.num_channels >= 1, ValueError,
-               f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
-        return config
+        return check_config(config, default)
+
+    def _check_handle(self, handle, config: Config, op: str) -> tuple[NormalHandle, int]:
+        """``(handle converted to its named type, id of the dispatch that made it)``; raises ``Rejected``."""
+        if self._internode:
+            return check_internode_handle(handle, config, op, num_ranks=self.group_size, num_nodes=self.num_nodes,
+                                          buffer_id=self._uid)
+        return check_intranode_handle(handle, config, op, rank=self.rank, num_ranks=self.group_size,
+                                      buffer_id=self._uid)
+
+    def _check_dispatch_room(self, xb: int, sb: int, k: int, num_experts: int, cached: bool) -> None:
+        """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
+        if self._internode:
+            check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=cached) >= 1, ValueError,
+                  f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
+                  f"Buffer.get_normal_rdma_buffer_size_hint")
+            return
+        regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=cached)
+        check(regions.capacity >= 1, ValueError,
+              f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+              f"half-window; see Buffer.get_normal_buffer_size_hint")
+
+    def _check_combine_room(self, hidden: int, wcols: int) -> None:
+        """The windows hold a combine round of ``hidden`` bf16 columns and ``wcols`` weights; raises ``Rejected``."""
+        if self._internode:
+            check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
+                  f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
+                  f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
+                  f"per UBMEM half-window and one partial row per node box; see Buffer.get_normal_buffer_size_hint")
+            return
+        regions = self._engine.combine_regions(2 * hidden, wcols)
+        check(regions.capacity >= self.group_size, ValueError,
+              f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
+              f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
 
     # -- execution -----------------------------------------------------------------------
-    def _protocol(self, op: int, build, async_finish: bool, previous_event, allocate_on_comm_stream: bool, extra,
-                  comm_before_outputs: bool):
-        """Validate with ``build`` (returns a generator or raises ``_Rejected``), then run it.
+    def _protocol(self, op: int, build: Callable[[int], Generator], async_finish: bool, previous_event,
+                  allocate_on_comm_stream: bool, extra: tuple, comm_before_outputs: bool) -> tuple[tuple, EventOverlap]:
+        """Validate with ``build`` (returns a generator or raises ``Rejected``), then run it.
 
         A rejection still takes part in the call's first round, so every rank raises.
         """
@@ -579,10 +512,10 @@ class Buffer:
             # Arguments are validated by value, so they must be complete: wait for their producer.
             previous_event.event.current_stream_wait()
         try:
-            self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+            check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             gen = build(call_id)
         except Exception as err:  # nothing shared was touched: reject in the first round, then raise
-            exc = err.exc if isinstance(err, _Rejected) else err
+            exc = err.exc if isinstance(err, Rejected) else err
             self._worker.drain()
             try:
                 self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}")
@@ -638,14 +571,17 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False
+                 ) -> tuple[Rows, torch.Tensor | None, torch.Tensor | None, list[int] | None, NormalHandle | None,
+                            EventOverlap]:
         """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (spec §4.2-4.5).
 
         Args:
             x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
                 ``(data [N, H] float8_e4m3fn, scales [N, H/128] float32 | [N, ceil(H/512)] int32)``,
                 scales of any strides; FP8 needs ``H % 128 == 0``.
-            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args).
+            handle: a previous dispatch's handle for a cached dispatch (then no layout or top-k args);
+                any tuple of its entries in DeepEP's order is accepted.
             num_tokens_per_rank: ``[R]`` int32, from :meth:`get_dispatch_layout`.
             num_tokens_per_rdma_rank: ``[num_nodes]`` int32 from :meth:`get_dispatch_layout` when the
                 ranks span several nodes (the internode path), else ``None``.
@@ -663,8 +599,10 @@ class Buffer:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
             ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
-            float32 (0 where -1); a list of ``L`` ints; the 6-tuple handle (spec §4.3). Rows are
-            grouped by source rank, then source token order. Cached: ``(recv_x, None, None, None, None, event)``.
+            float32 (0 where -1); a list of ``L`` ints; the handle (spec §4.3), DeepEP's 6-tuple as an
+            :class:`~deepep_ascend.ep.handles.IntranodeHandle` (across nodes its 10-tuple, an
+            :class:`~deepep_ascend.ep.handles.InternodeHandle`). Rows are grouped by source rank, then
+            source token order. Cached: ``(recv_x, None, None, None, None, event)``.
         Raises:
             TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
                 fault its own error, the others a ``ValueError`` naming it).
@@ -680,76 +618,20 @@ class Buffer:
             return self._cached_dispatch(x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
                                          allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert)
-        r = self.group_size
         ctx = {}
 
         def build(call_id):
             cfg = self._config(config, Buffer.get_dispatch_config)
-            data, scales = self._check_x(x)
-            n = data.size(0)
-            _check(num_tokens_per_rank is not None and is_token_in_rank is not None
-                   and num_tokens_per_expert is not None, ValueError,
-                   "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
-                   "(from get_dispatch_layout), or a handle")
-            if self._internode:
-                _check(num_tokens_per_rdma_rank is not None, ValueError,
-                       f"internode dispatch ({self.num_nodes} nodes) needs num_tokens_per_rdma_rank "
-                       f"(from get_dispatch_layout)")
-                _check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32,
-                              shape=(self.num_nodes,))
-            else:
-                _check(num_tokens_per_rdma_rank is None, ValueError,
-                       "num_tokens_per_rdma_rank must be None on one node")
-            _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
-            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
-            _check(is_token_in_rank.size(0) == n, ValueError,
-                   f"`x` has {n} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
-            _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(n, r))
-            _check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
-            num_experts = num_tokens_per_expert.numel()
-            _check(num_experts > 0 and num_experts % r == 0, ValueError,
-                   f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, "
-                   f"got {num_experts}")
-            _check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
-                   "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
-            if self._internode:
-                _check(torch.equal(num_tokens_per_rdma_rank, self._tokens_per_node(is_token_in_rank)), ValueError,
-                       "`num_tokens_per_rdma_rank` does not match is_token_in_rank (tokens with an expert on each "
-                       "node; use get_dispatch_layout's outputs)")
-            _check((topk_idx is None) == (topk_weights is None), ValueError,
-                   "`topk_idx` and `topk_weights` must be given together or not at all")
-            if topk_idx is not None:
-                self._check_topk_idx(topk_idx, num_experts)
-                _check(topk_idx.size(0) == n, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {n}")
-                _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
-                ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
-                _check(torch.equal(itr, is_token_in_rank), ValueError,
-                       "`is_token_in_rank` does not match `topk_idx` (use get_dispatch_layout's outputs)")
-                _check(torch.equal(ntpe, num_tokens_per_expert), ValueError,
-                       "`num_tokens_per_expert` does not match `topk_idx` (use get_dispatch_layout's outputs)")
-            else:
-                _check(bool((num_tokens_per_expert >= 0).all()), ValueError, "`num_tokens_per_expert` has negatives")
-            _check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
-                   f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-            _check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
-                   f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
-            _check(num_worst_tokens == 0 or topk_idx is not None, ValueError,
-                   "num_worst_tokens > 0 needs topk_idx and topk_weights")
-            xb = data.size(1) * data.element_size()
-            sb = 4 * scales.size(1) if scales is not None else 0
+            data, scales = check_x(x)
+            num_experts = check_dispatch_layout_args(
+                data.size(0), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, num_ranks=self.group_size, num_nodes=self.num_nodes,
+                ranks_per_node=self.ranks_per_node)
+            check_dispatch_options(expert_alignment, num_worst_tokens, topk_idx is not None)
             k = topk_idx.size(1) if topk_idx is not None else 0
+            self._check_dispatch_room(*_row_bytes(data, scales), k, num_experts, cached=False)
             ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
-            if self._internode:
-                _check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=False) >= 1, ValueError,
-                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
-                       f"Buffer.get_normal_rdma_buffer_size_hint")
-                path_args = dict(num_tokens_per_rdma_rank=num_tokens_per_rdma_rank)
-            else:
-                regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=False)
-                _check(regions.capacity >= 1, ValueError,
-                       f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
-                       f"half-window; see Buffer.get_normal_buffer_size_hint")
-                path_args = {}
+            path_args = {"num_tokens_per_rdma_rank": num_tokens_per_rdma_rank} if self._internode else {}
             return self._engine.dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
                 scales=None if scales is None else _as_rows_of_bytes(scales),
@@ -761,73 +643,46 @@ class Buffer:
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)
-        data, scales, cfg = ctx["data"], ctx["scales"], ctx["cfg"]
-        if self._internode:
-            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv = outputs
-            key = handle[6]
-        else:
-            recv_x_bytes, recv_scales, recv_topk, recv_w, recv_list, parts = outputs
-            prefix, cpm, rcpm, send_head, recv_src_idx, num_recv = parts
-            handle = (prefix, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
-            key = prefix
+        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv = outputs
         if num_worst_tokens and num_recv > num_worst_tokens:
             if event.event is not None:
                 event.current_stream_wait()
             raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
                                f"tokens this rank received")
-        _register_handle(key, (self._uid, ctx["call_id"], cfg.num_channels))
-        recv_x = recv_x_bytes.view(data.dtype)
-        if scales is not None:
-            recv_x = (recv_x, recv_scales.view(scales.dtype))
-        return recv_x, recv_topk, recv_w, recv_list, handle, event
+        record_origin(handle, HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
+        return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), recv_topk, recv_w, recv_list, handle, event
 
     def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
-                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert):
+                         allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+                         ) -> tuple[Rows, None, None, None, None, EventOverlap]:
         ctx = {}
 
         def build(call_id):
-            _check(topk_idx is None and topk_weights is None, AssertionError,
-                   "cached dispatch (handle=...) takes no topk_idx / topk_weights")
-            _check(num_tokens_per_rank is None and is_token_in_rank is None and num_tokens_per_expert is None,
-                   ValueError, "cached dispatch (handle=...) takes no layout tensors")
+            check(topk_idx is None and topk_weights is None, AssertionError,
+                  "cached dispatch (handle=...) takes no topk_idx / topk_weights")
+            check(num_tokens_per_rank is None and is_token_in_rank is None and num_tokens_per_expert is None,
+                  ValueError, "cached dispatch (handle=...) takes no layout tensors")
             cfg = self._config(config, Buffer.get_dispatch_config)
-            handle_id = self._check_handle(handle, cfg, "dispatch")
-            data, scales = self._check_x(x)
-            n = data.size(0)
-            itr = handle[0] if self._internode else handle[4]
-            _check(n == itr.size(0), ValueError, f"`x` has {n} tokens but the handle was made for {itr.size(0)}")
-            xb = data.size(1) * data.element_size()
-            sb = 4 * scales.size(1) if scales is not None else 0
+            checked, handle_id = self._check_handle(handle, cfg, "dispatch")
+            data, scales = check_x(x)
+            n, made_for = data.size(0), checked.is_token_in_rank.size(0)
+            check(n == made_for, ValueError, f"`x` has {n} tokens but the handle was made for {made_for}")
+            self._check_dispatch_room(*_row_bytes(data, scales), 0, 0, cached=True)
             ctx.update(data=data, scales=scales)
-            if self._internode:
-                _check(self._engine.dispatch_capacity(xb, sb, 0, 0, cached=True) >= 1, ValueError,
-                       f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box")
-                return self._engine.cached_dispatch(
-                    call_id=call_id, x=_as_rows_of_bytes(data),
-                    scales=None if scales is None else _as_rows_of_bytes(scales), handle=tuple(handle),
-                    num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
-                    sdtype=dtype_code(scales.dtype) if scales is not None else 0)
-            regions = self._engine.dispatch_regions(xb, sb, 0, 0, cached=True)
-            _check(regions.capacity >= 1, ValueError,
-                   f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B")
             return self._engine.cached_dispatch(
                 call_id=call_id, x=_as_rows_of_bytes(data),
-                scales=None if scales is None else _as_rows_of_bytes(scales),
-                rank_prefix_matrix=handle[0], recv_src_idx=handle[3], is_token_in_rank=handle[4],
+                scales=None if scales is None else _as_rows_of_bytes(scales), handle=checked,
                 num_channels=cfg.num_channels, handle_id=handle_id, xdtype=dtype_code(data.dtype),
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)
 
-        (recv_x_bytes, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
-                                                             allocate_on_comm_stream, (x,), comm_before_outputs=False)
-        recv_x = recv_x_bytes.view(ctx["data"].dtype)
-        if ctx["scales"] is not None:
-            recv_x = (recv_x, recv_scales.view(ctx["scales"].dtype))
-        return recv_x, None, None, None, None, event
+        (recv_x, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
+                                                      allocate_on_comm_stream, (x,), comm_before_outputs=False)
+        return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), None, None, None, None, event
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+                allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (spec §4.6).
 
         Per original token: ``acc = f32(bias0) + f32(bias1)`` (missing = 0), then ``acc += f32(row)``
@@ -841,7 +696,8 @@ class Buffer:
                 or expert outputs written into it) is read by the peers in place, without a staging
                 copy; the call then completes (with ``async_finish``: its event) only once every peer
                 has read it, and if it fails first, the peers that read it raise too.
-            handle: the dispatch's 6-tuple handle.
+            handle: the dispatch's handle (:class:`~deepep_ascend.ep.handles.IntranodeHandle` or
+                :class:`~deepep_ascend.ep.handles.InternodeHandle`, or a tuple of the same entries).
             topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
             bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.
             config: default :meth:`get_combine_config`; must have the handle's channel count.
@@ -859,47 +715,17 @@ class Buffer:
 
         def build(call_id):
             cfg = self._config(config, Buffer.get_combine_config)
-            handle_id = self._check_handle(handle, cfg, "combine")
+            checked, handle_id = self._check_handle(handle, cfg, "combine")
             if self._internode:
-                rows, n, rows_name = handle[7].size(0), handle[0].size(0), "len(handle.recv_src_meta)"
+                rows, rows_name = checked.recv_src_meta.size(0), "len(handle.recv_src_meta)"
             else:
-                rows, n, rows_name = handle[3].numel(), handle[4].size(0), "len(handle.recv_src_idx)"
-            _check_tensor(x, "x", torch.bfloat16, ndim=2)
-            _check(x.size(0) == rows, ValueError,
-                   f"`x` must have one row per received token ({rows}, {rows_name}), got {x.size(0)}")
-            hidden = x.size(1)
-            if topk_weights is not None:
-                _check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
-                _check(topk_weights.size(0) == rows, ValueError,
-                       f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
-            biases = bias if isinstance(bias, (tuple, list)) else (bias, None)
-            _check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
-            for i, b in enumerate(biases):
-                if b is not None:
-                    _check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, hidden))
-            if biases[0] is None:
-                biases = (biases[1], None)
-            wcols = topk_weights.size(1) if topk_weights is not None else -1
-            if self._internode:
-                _check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
-                       f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
-                       f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
-                       f"per UBMEM half-window and one partial row per node box; see "
-                       f"Buffer.get_normal_buffer_size_hint")
-                return self._engine.combine(
-                    call_id=call_id, x=x.contiguous(),
-                    topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-                    bias=None if biases[0] is None else biases, handle=tuple(handle),
-                    num_channels=cfg.num_channels, handle_id=handle_id)
-            regions = self._engine.combine_regions(2 * hidden, wcols)
-            _check(regions.capacity >= self.group_size, ValueError,
-                   f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
-                   f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
+                rows, rows_name = checked.recv_src_idx.numel(), "len(handle.recv_src_idx)"
+            biases, wcols = check_combine_args(x, topk_weights, bias, rows=rows, rows_name=rows_name,
+                                               num_tokens=checked.is_token_in_rank.size(0))
+            self._check_combine_room(x.size(1), wcols)
             return self._engine.combine(
-                call_id=call_id, x=x.contiguous(),
-                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-                bias=None if biases[0] is None else biases, rank_prefix_matrix=handle[0], recv_src_idx=handle[3],
-                is_token_in_rank=handle[4], num_channels=cfg.num_channels, handle_id=handle_id)
+                call_id=call_id, x=x.contiguous(), topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                bias=biases, handle=checked, num_channels=cfg.num_channels, handle_id=handle_id)
 
         (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
                                                         allocate_on_comm_stream, (x, topk_weights, bias),
@@ -907,14 +733,14 @@ class Buffer:
         return combined, combined_w, event
 
     # ==================================================================================
-    # Low-latency mode (spec §6, §7): argument checks here, data movement in low_latency.py
+    # Low-latency mode (spec §6, §7): checks in low_latency_arguments.py, data movement in low_latency.py
     # ==================================================================================
-    def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool):
+    def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool) -> ll_mod.LowLatencyEngine:
         """Constructor branch of ``low_latency_mode=True``: the LL windows from ``num_rdma_bytes``."""
         self.nvshmem_qp_depth = ll_mod.QP_DEPTH
         return ll_mod.LowLatencyEngine(self.runtime, num_rdma_bytes, allow_ubmem, self.enable_shrink)
 
-    def _ll_usable(self, op: str):
+    def _ll_usable(self, op: str) -> ll_mod.LowLatencyEngine:
         if self.runtime is None:
             raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
         if getattr(self, "_ll", None) is None:
@@ -933,47 +759,8 @@ class Buffer:
         """
         return ll_mod.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
-    def _ll_layout(self, m, hidden, num_experts, op):
-        lay = ll_mod.Layout(m, hidden, num_experts, self.group_size)
-        need = ll_mod.size_hint(m, hidden, self.group_size, num_experts)
-        _check(self.num_rdma_bytes >= need, ValueError,
-               f"{op}: num_rdma_bytes={self.num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
-               f"H={hidden}, R={self.group_size}, E={num_experts}) = {need} B that this call needs")
-        return lay
-
-    def _ll_check_routing(self, topk_idx, num_experts, m, rows_name, rows):
-        self._check_topk_idx(topk_idx, num_experts)
-        _check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
-        _check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
-        _check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
-               f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
-        _check(m <= self.nvshmem_qp_depth // 2 - 1, AssertionError,
-               f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
-               f"{self.nvshmem_qp_depth // 2 - 1} (spec §6.7)")
-        _check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
-        if topk_idx.numel() and topk_idx.size(1) > 1:
-            srt = topk_idx.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            _check(not bool(dup.any()), ValueError,
-                   "`topk_idx` lists an expert twice in one row (each token selects distinct experts)")
-
-    def _ll_check_handle(self, handle):
-        _check(isinstance(handle, (tuple, list)) and len(handle) == 5, ValueError,
-               "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
-        src_info, layout_range, m, hidden, num_experts = handle
-        _check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
-               f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
-        r = self.group_size
-        _check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
-        L = num_experts // r
-        _check_tensor(src_info, "handle.src_info", torch.int32, shape=(L, r * m))
-        _check_tensor(layout_range, "handle.layout_range", torch.int64, shape=(L, r))
-        cnt, beg = layout_range & 0xFFFFFFFF, layout_range >> 32
-        _check(bool((cnt <= m).all()) and bool((beg + cnt <= r * m).all()) and bool((beg >= 0).all()), ValueError,
-               "`handle.layout_range` is not (begin << 32 | count) with count <= M and begin + count <= R*M")
-        return m, hidden, num_experts, L
-
-    def _ll_run(self, op, validate, issue, async_finish, return_recv_hook, keep):
+    def _ll_run(self, op: int, validate: Callable[[], tuple], issue: Callable[..., ll_mod.Pending], async_finish: bool,
+                return_recv_hook: bool, keep: tuple) -> tuple[tuple, EventOverlap, Callable[[], None] | None]:
         """Validate (every rank learns of a rejection), issue the sends, then receive now, on the
         worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``."""
         ll = self._ll
@@ -983,10 +770,10 @@ class Buffer:
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, spec §6.6)")
         self._worker.drain()
         try:
-            _check(not (async_finish and return_recv_hook), RuntimeError,
-                   "async_finish and return_recv_hook cannot both be set (spec §6.5)")
+            check(not (async_finish and return_recv_hook), RuntimeError,
+                  "async_finish and return_recv_hook cannot both be set (spec §6.5)")
             args = validate()
-        except _Rejected as rej:
+        except Rejected as rej:
             exc = rej.exc
             try:  # tell the peers, who then raise too (the Buffer stays usable)
                 self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
@@ -1023,7 +810,8 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False
+                             ) -> tuple[Rows, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
         """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (spec §6.2).
 
         No collective and no count exchange: each rank writes its rows into the receivers'
@@ -1048,7 +836,8 @@ class Buffer:
             or ``(e4m3 [L, R·M, H], scales)`` with scales float32 ``[L, R·M, H/128]`` or int32
             ``[L, R·M, H/512]`` (UE8M0), column-major in the last two dims; rows of expert ``e``
             from source ``s`` ascending, then tokens/slots ascending; rows past ``recv_count`` are 0.
-            ``handle = (src_info [L, R·M] int32, layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
+            ``handle`` a :class:`~deepep_ascend.ep.handles.LowLatencyHandle` ``(src_info [L, R·M] int32,
+            layout_range [L, R] int64 (begin << 32 | count), M, H, E)``.
         Raises:
             TypeError / ValueError / AssertionError / RuntimeError: bad arguments (DeepEP's classes);
                 the rank at fault raises its error, every other rank a ``ConsensusError``
@@ -1057,28 +846,12 @@ class Buffer:
             TimeoutError: a source missed the deadline (without ``enable_shrink``; names the rank).
         """
         ll = self._ll_usable("low_latency_dispatch")
-        r = self.group_size
 
         def validate():
-            _check_tensor(x, "x", torch.bfloat16, ndim=2)
-            n, hidden = x.shape
-            self._ll_check_routing(topk_idx, num_experts, num_max_dispatch_tokens_per_rank, "x", n)
-            _check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
-            _check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (spec §6.4)")
-            _check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
-            _check(not use_fp8 or hidden % 128 == 0, ValueError,
-                   f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
-            _check(not use_ue8m0 or hidden % 512 == 0, ValueError,
-                   f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
-            L = num_experts // r
-            if cumulative_local_expert_recv_stats is not None:
-                _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
-                              shape=(L,))
-            if dispatch_wait_recv_cost_stats is not None:
-                _check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
-                              shape=(r,))
-            lay = self._ll_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts, "low_latency_dispatch")
-            return (lay,)
+            return (check_low_latency_dispatch_args(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, num_ranks=self.group_size,
+                num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth),)
 
         def issue(lay):
             return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
@@ -1091,7 +864,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
         """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (spec §6.3).
 
         Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
@@ -1101,7 +875,7 @@ class Buffer:
             x: ``[L, R·M, H]`` bfloat16 in the dispatch's layout (with ``zero_copy`` only its shape
                 is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
             topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
-            handle: the dispatch's handle.
+            handle: the dispatch's handle (or a tuple of the same entries).
             use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
                 128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
                 bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1``, equal
@@ -1122,30 +896,16 @@ class Buffer:
             returned do not match this rank's ``topk_idx`` (another dispatch's routing or handle).
         """
         ll = self._ll_usable("low_latency_combine")
-        r = self.group_size
 
         def validate():
-            m, hidden, num_experts, L = self._ll_check_handle(handle)
-            _check_tensor(x, "x", torch.bfloat16, shape=(L, r * m, hidden))
-            _check_tensor(topk_idx, "topk_idx", ndim=2)
-            self._ll_check_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0))
-            _check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
-            _check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
-            _check(not use_logfmt or hidden % 128 == 0, ValueError,
-                   f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
             stale = ll.stale_zero_copy() if zero_copy else None
-            _check(stale is None, RuntimeError, stale or "")
-            if out is not None:
-                _check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
-                _check(out.is_contiguous(), ValueError, "`out` must be contiguous")
-            if combine_wait_recv_cost_stats is not None:
-                _check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
-            lay = self._ll_layout(m, hidden, num_experts, "low_latency_combine")
-            return (lay,)
+            return check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                                  combine_wait_recv_cost_stats, stale, num_ranks=self.group_size,
+                                                  num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth)
 
-        def issue(lay):
+        def issue(checked, lay):
             return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
-                              _dense(topk_weights), handle, lay, bool(zero_copy), out,
+                              _dense(topk_weights), checked, lay, bool(zero_copy), out,
                               combine_wait_recv_cost_stats, bool(use_logfmt))
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
@@ -1161,9 +921,11 @@ class Buffer:
         """
         ll = self._ll_usable("get_next_low_latency_combine_buffer")
         try:
-            m, hidden, num_experts, _ = self._ll_check_handle(handle)
-            lay = self._ll_layout(m, hidden, num_experts, "get_next_low_latency_combine_buffer")
-        except _Rejected as rej:
+            checked = check_low_latency_handle(handle, num_ranks=self.group_size)
+            lay = low_latency_layout(checked.num_max_dispatch_tokens_per_rank, checked.hidden, checked.num_experts,
+                                     num_ranks=self.group_size, num_rdma_bytes=self.num_rdma_bytes,
+                                     op="get_next_low_latency_combine_buffer")
+        except Rejected as rej:
             raise rej.exc from None
         return ll.combine_buffer(lay)
 
@@ -1183,7 +945,7 @@ class Buffer:
         self._worker.drain()
         self._guard(ll.clean)
 
-    def _ll_shrink(self, op: str):
+    def _ll_shrink(self, op: str) -> ll_mod.LowLatencyEngine:
         ll = self._ll_usable(op)
         if not self.enable_shrink:
             raise RuntimeError(f"Buffer.{op}: needs enable_shrink=True")
@@ -1221,7 +983,20 @@ def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8).view(n, m * t.element_size())
 
 
-def _flatten(outputs):
+def _row_bytes(data: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int]:
+    """Bytes per token of a dispatch's ``x`` rows and of its FP8 scales (0: none)."""
+    return data.size(1) * data.element_size(), 4 * scales.size(1) if scales is not None else 0
+
+
+def _typed_rows(recv_x: torch.Tensor, recv_scales: torch.Tensor | None, data: torch.Tensor,
+                scales: torch.Tensor | None) -> Rows:
+    """The received byte rows viewed as ``x``'s dtype, paired with the scales for FP8 ``x`` (no copy)."""
+    rows = recv_x.view(data.dtype)
+    return rows if scales is None else (rows, recv_scales.view(scales.dtype))
+
+
+def _flatten(outputs) -> Iterator[torch.Tensor]:
+    """Every tensor in ``outputs``, nested tuples and lists included."""
     for o in outputs:
         if isinstance(o, torch.Tensor):
             yield o

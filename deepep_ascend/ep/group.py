@@ -6,14 +6,19 @@ resolves it here, so that every such object over the same ranks shares one commu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..transports import quiet_barrier
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["mpi_comm_of"]
 
 _GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
 
-def mpi_comm_of(group, comm=None):
+def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
     """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator (collective over the group
     the first time a ProcessGroup other than the world is seen).
 

@@ -39,15 +39,44 @@ an error status and every rank raises the same :class:`ConsensusError` after the
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple, NoReturn
+
 import numpy as np
 import torch
 
 from . import memory
-from .protocol import (MAGIC, MSG_BYTES, MSG_WORD, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, OP_NAMES, W_CALL,
-                       W_CHANNELS, W_HANDLE, W_MAGIC, W_NEXP, W_NTOK, W_OP, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK,
-                       W_WCOLS, W_XBYTES, W_XDTYPE, consensus_error, consensus_problems, dtype_code)
+from .handles import InternodeHandle
+from .layout import recv_channel_prefix, send_layout, to_local_experts
+from .protocol import (
+    MAGIC,
+    MSG_BYTES,
+    MSG_WORD,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_NAMES,
+    W_CALL,
+    W_CHANNELS,
+    W_HANDLE,
+    W_MAGIC,
+    W_NEXP,
+    W_NTOK,
+    W_OP,
+    W_SBYTES,
+    W_SDTYPE,
+    W_STATUS,
+    W_TOPK,
+    W_WCOLS,
+    W_XBYTES,
+    W_XDTYPE,
+    consensus_error,
+    consensus_problems,
+    dtype_code,
+)
 from .reduce import CombineScratch, accumulate_rows
-from .layout import recv_channel_prefix, send_layout
 
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
 N_READY = 0  # slot of the UBMEM window
@@ -75,6 +104,76 @@ def _offsets(base: int, rows: int, row_fields) -> tuple[list, int]:
     return offs, off
 
 
+class _Received(NamedTuple):
+    """A non-cached dispatch's outputs, ``max(N_recv, num_worst_tokens)`` rows each."""
+
+    x: torch.Tensor  # [rows, xb] uint8
+    scales: torch.Tensor | None  # [rows, sb] uint8
+    topk_idx: torch.Tensor | None  # [rows, K] int64
+    topk_weights: torch.Tensor | None  # [rows, K] float32
+    src_meta: torch.Tensor  # [rows, 8] uint8: int32 source token, int32 source node
+
+
+@dataclass
+class _DispatchCall:
+    """A non-cached dispatch in progress: its arguments, then (from round 0's headers,
+    :meth:`InternodeEngine._open_dispatch`) its counts, outputs and what this rank forwards."""
+
+    call_id: int
+    xb: int  # bytes per row of x
+    sb: int  # bytes per row of the FP8 scales (0: none)
+    num_topk: int
+    with_scales: bool
+    with_topk: bool
+    num_experts: int
+    expert_alignment: int
+    num_worst_tokens: int
+    num_channels: int
+    ntok: np.ndarray | None = None  # [R] tokens of every rank
+    counts_to_me: torch.Tensor | None = None  # [R] int64 tokens each rank sends here
+    gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
+    num_recv: int = 0
+    recv_list: list | None = None
+    fwd_counts: torch.Tensor | None = None  # [G] int64 tokens this rank forwards, per source node
+    out: _Received | None = None
+    send_nvl_head: torch.Tensor | None = None
+    recv_rdma_channel_prefix_matrix: torch.Tensor | None = None
+    recv_gbl_channel_prefix_matrix: torch.Tensor | None = None
+    cursor: list = field(default_factory=list)  # next row of each source's block
+    fwd_src: list = field(default_factory=list)  # per source node: source token indices forwarded, per round
+    fwd_mask: list = field(default_factory=list)  # per source node: their [rows, P] receiver masks, per round
+
+
+@dataclass
+class _CombineCall:
+    """A combine in progress: its inputs, the handle, and how far the forwarded tokens got."""
+
+    call_id: int
+    rows: torch.Tensor  # [N_recv, 2H] uint8: the rows this rank returns (its x)
+    topk_weights: torch.Tensor | None  # [>= N_recv, K'] float32
+    bias: tuple | None
+    handle: InternodeHandle
+    hidden: int
+    wcols: int  # columns of topk_weights, -1: none
+    per_round: int  # tokens per origin per round
+    src: torch.Tensor  # [N_recv] int64: each returned row's token at its origin
+    starts: list  # R + 1 ints: rows from source s are [starts[s], starts[s + 1])
+    forward_starts: list  # G + 1 ints: tokens forwarded for node a are rows [.., ..) of send_nvl_head
+    combined: torch.Tensor  # [N, H] bf16
+    combined_w: torch.Tensor | None  # [N, K'] float32
+    forwarded_done: list  # per origin node: forwarded tokens already returned as partials
+    staged_done: np.ndarray  # [P, R] int64: rows each node peer staged so far, per origin
+
+    @property
+    def weight_cols(self) -> int:
+        return max(self.wcols, 0)
+
+    @property
+    def row_fields(self) -> list[int]:
+        """Bytes per row of a staged or partial row's fields: weights first (4-byte aligned), then bf16 x."""
+        return [4 * self.weight_cols, 2 * self.hidden]
+
+
 class InternodeEngine:
     """Runs normal-mode calls for one Buffer when its ranks span more than one node.
 
@@ -100,6 +199,7 @@ class InternodeEngine:
         self.u_half = (urma_win.nbytes // 2) // _ALIGN * _ALIGN
         self.box = (self.u_half // self.G) // _ALIGN * _ALIGN
         self.n_half = (ubmem_win.nbytes // 2) // _ALIGN * _ALIGN
+        self.stage_rows_off = STAGE_HDR + _a8(8 * self.num_ranks)  # combine's staged rows, after the count vector
         self.seq = 0  # rounds run so far; identical on every rank
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
         self._scratch = CombineScratch()
@@ -118,7 +218,7 @@ class InternodeEngine:
     def _dispatch_vec_ints(self, num_experts: int) -> int:
         return self.num_ranks + num_experts + self.G
 
-    def dispatch_fields(self, xb, sb, k, cached):
+    def dispatch_fields(self, xb, sb, k, cached) -> list[int]:
         """Row fields of a dispatch block, by decreasing alignment: topk ids, weights, scales, src, x, mask."""
         if cached:
             return [sb, xb, self.P]
@@ -234,10 +334,11 @@ class InternodeEngine:
             self.tp.record_fetch(peer, nbytes)
 
     # -- dispatch ------------------------------------------------------------------------
-    def reject(self, op, call_id, message):
+    def reject(self, op, call_id, message) -> NoReturn:
         """Take part in round 0 of a call with an error status; raises ConsensusError (on every rank)."""
         if op == OP_COMBINE:
-            gen = self._combine_round0_only(call_id, message)
+            gen = self._combine_rounds(call_id=call_id, words={}, n=0, per_round=1, error=message, stage=None,
+                                       forward=None, reduce=None)
         else:
             gen = self._dispatch_rounds(op=op, call_id=call_id, words={}, n=0, fields=[], pack=None, vec=None,
                                         error=message, on_headers=None, receive=None)
@@ -245,25 +346,26 @@ class InternodeEngine:
             pass
         raise AssertionError("unreachable: the consensus check raises")  # pragma: no cover
 
-    def _dispatch_rounds(self, *, op, call_id, words, n, fields, pack, vec, error, on_headers, receive, in_node=None):
+    def _dispatch_rounds(self, *, op, call_id, words, n, fields, pack, vec, error, on_headers, receive,
+                         in_node=None) -> Generator:
         """The round driver of dispatch and cached dispatch (hop 1, node exchange, hop 2 by ``receive``).
 
-        ``in_node [N, G]`` bool: token has an expert on node ``c``. ``pack(k, c, blk, offs, idx)``
-        fills the row fields of the tokens ``idx`` (of round ``k``) bound for node ``c``;
-        ``on_headers(headers, vecs, cap)`` runs once after round 0 and returns the number of
-        rounds; ``receive(k, cap, vec_bytes)`` gathers this rank's rows. Yields once, after round
+        ``in_node [N, G]`` bool: token has an expert on node ``c``. ``pack(rnd, c, blk, offs, idx)``
+        fills the row fields of the tokens ``idx`` (of round ``rnd``) bound for node ``c``;
+        ``on_headers(headers, vecs, per_round)`` runs once after round 0 and returns the number of
+        rounds; ``receive(rnd, vec_bytes)`` gathers this rank's rows. Yields once, after round
         0's headers are known (the caller yields its outputs then).
         """
         phase = f"{OP_NAMES[op]} call #{call_id}"
         vec_bytes = 0 if vec is None else _a8(4 * vec.numel())
-        cap = max(1, (self.box - MSG_BYTES - HDR - vec_bytes) // max(1, sum(fields)))
+        per_round = max(1, (self.box - MSG_BYTES - HDR - vec_bytes) // max(1, sum(fields)))
         words = {**words, W_CALL: call_id, W_OP: op, W_STATUS: int(error is not None)}
-        rounds, k = 1, 0
-        while k < rounds:
+        rounds, rnd = 1, 0
+        while rnd < rounds:
             self._credit_wait(phase)
-            lo, hi = k * cap, min(n, (k + 1) * cap)
+            lo, hi = rnd * per_round, min(n, (rnd + 1) * per_round)
             sub = in_node[lo:hi] if (error is None and hi > lo) else None
-            with_vec = k == 0 and vec is not None  # count vectors travel in round 0 only
+            with_vec = rnd == 0 and vec is not None  # count vectors travel in round 0 only
             for c in [*range(self.node + 1, self.G), *range(self.node + 1)]:  # remote nodes first, own last
                 idx = torch.nonzero(sub[:, c]).squeeze(1) if sub is not None else torch.empty(0, dtype=torch.int64)
                 rows = idx.numel()
@@ -273,23 +375,23 @@ class InternodeEngine:
                 if with_vec:
                     blk[HDR:HDR + 4 * vec.numel()].view(torch.int32).copy_(vec)
                 if rows:
-                    pack(k, c, blk, offs, idx + lo)
+                    pack(c, blk, offs, idx + lo)
                 self._send(c, blk, error)
             self._await_rails(phase)
             self._node_exchange(phase)
-            if k == 0:
+            if rnd == 0:
                 headers, vecs = self._read_dispatch_headers(op, call_id, vec)
                 problems = consensus_problems(headers, op, call_id)
                 if problems:
                     self._end_round()
                     raise consensus_error(op, problems)
-                rounds = on_headers(headers, vecs, cap)
+                rounds = on_headers(headers, vecs, per_round)
                 yield
-            receive(k, cap, vec_bytes if with_vec else 0)
+            receive(vec_bytes if with_vec else 0)
             self._end_round()
-            k += 1
+            rnd += 1
 
-    def _source_blocks(self, rows_off, fields):
+    def _source_blocks(self, rows_off, fields) -> Iterator[tuple[int, int, int, int, list, torch.Tensor]]:
         """This round's non-empty dispatch blocks, by ascending source rank ``s = (a, l)``: each is
         box ``a`` of forwarder ``f = (our node, l)``. Yields ``(s, a, f, rows, field offsets, block view)``."""
         for s in range(self.num_ranks):
@@ -300,7 +402,7 @@ class InternodeEngine:
                 offs, end = _offsets(rows_off, m, fields)
                 yield s, a, f, m, offs, self._box(f, a, 0, end)
 
-    def _read_dispatch_headers(self, op, call_id, vec):
+    def _read_dispatch_headers(self, op, call_id, vec) -> tuple[np.ndarray, list[torch.Tensor]]:
         """Round 0: every source's header (and count vector) from its forwarder's box, ``[R, 128]``."""
         headers = np.zeros((self.num_ranks, 128), dtype=np.int64)
         vecs = []
@@ -315,174 +417,186 @@ class InternodeEngine:
 
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
-                 num_channels, handle_id, xdtype, sdtype):
+                 num_channels, handle_id, xdtype, sdtype) -> Generator:
         """Non-cached internode dispatch (spec §5). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle)`` with the 10-entry internode handle.
+        num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`InternodeHandle`
+        whose receive-side entries are filled when the generator ends.
         """
-        me, R, G, P = self.rank, self.num_ranks, self.G, self.P
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
-        k = topk_idx.shape[1] if topk_idx is not None else 0
-        fields = self.dispatch_fields(xb, sb, k, cached=False)
-        itr_nodes = is_token_in_rank.view(n, G, P)
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        fields = self.dispatch_fields(xb, sb, num_topk, cached=False)
+        itr_nodes = is_token_in_rank.view(n, self.G, self.P)
         in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
-                 W_TOPK: k if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
+                 W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
                  W_CHANNELS: num_channels, W_WCOLS: -1}
         vec = torch.cat([num_tokens_per_rank, num_tokens_per_expert, num_tokens_per_rdma_rank]).to(torch.int32)
-
-        def pack(rnd, c, blk, offs, tok):
-            m = tok.numel()
-            if k:
-                torch.index_select(topk_idx, 0, tok, out=blk[offs[0]:offs[0] + 8 * k * m].view(torch.int64).view(m, k))
-                torch.index_select(topk_weights, 0, tok,
-                                   out=blk[offs[1]:offs[1] + 4 * k * m].view(torch.float32).view(m, k))
-            if sb:
-                torch.index_select(scales, 0, tok, out=blk[offs[2]:offs[2] + sb * m].view(m, sb))
-            blk[offs[3]:offs[3] + 4 * m].view(torch.int32).copy_(tok)
-            torch.index_select(x, 0, tok, out=blk[offs[4]:offs[4] + xb * m].view(m, xb))
-            torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[5]:offs[5] + P * m].view(torch.bool).view(m, P))
-
-        st = {}
-
-        def on_headers(headers, vecs, cap):
-            ntok = headers[:, W_NTOK].astype(np.int64)
-            V = torch.stack(vecs)  # [R, R + E + G]
-            counts = V[:, :R]
-            st["ntok"] = ntok
-            st["counts_to_me"] = counts[:, me].to(torch.int64)
-            gbl_prefix = counts[:, me].cumsum(0, dtype=torch.int32)
-            num_recv = int(gbl_prefix[-1])
-            local = num_experts // R
-            per_expert = V[:, R + me * local:R + (me + 1) * local].sum(0, dtype=torch.int64)
-            recv_list = [] if num_worst_tokens else [
-                int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
-            # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.
-            fwd_counts = V[[a * P + self.local for a in range(G)], R + num_experts + self.node].to(torch.int64)
-            rows = max(num_recv, num_worst_tokens)
-            out = dict(
-                recv_x=self.outputs.empty((rows, xb), torch.uint8),
-                recv_scales=torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None,
-                recv_topk=torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None,
-                recv_w=torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None,
-                recv_src_meta=torch.zeros(rows, 8, dtype=torch.uint8),
-                recv_list=recv_list, num_recv=num_recv, gbl_prefix=gbl_prefix, fwd_counts=fwd_counts,
-                send_nvl_head=torch.full((int(fwd_counts.sum()), P), -1, dtype=torch.int32),
-                recv_rdma_channel_prefix_matrix=torch.zeros(G, num_channels, dtype=torch.int32),
-                recv_gbl_channel_prefix_matrix=torch.zeros(R, num_channels, dtype=torch.int32))
-            if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (spec §4.4)
-                for name in ("recv_x", "recv_scales", "recv_w"):
-                    if out[name] is not None:
-                        out[name][num_recv:].zero_()
-                if out["recv_topk"] is not None:
-                    out["recv_topk"][num_recv:].fill_(-1)
-            st.update(out)
-            st["cursor"] = [int(gbl_prefix[s - 1]) if s else 0 for s in range(R)]
-            st["fwd_src"] = [[] for _ in range(G)]
-            st["fwd_mask"] = [[] for _ in range(G)]
-            return max(1, max(_ceil_div(int(t), cap) for t in ntok))
-
-        def receive(rnd, cap, vec_bytes):
-            rx, rs, rt, rw, meta = st["recv_x"], st["recv_scales"], st["recv_topk"], st["recv_w"], st["recv_src_meta"]
-            meta32 = meta.view(torch.int32)
-            for s, a, f, m, offs, blk in self._source_blocks(HDR + vec_bytes, fields):
-                mask = blk[offs[5]:offs[5] + P * m].view(torch.bool).view(m, P)
-                src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
-                if f == me:  # as forwarder: what we forward from node a, for the handle
-                    st["fwd_src"][a].append(src.clone())
-                    st["fwd_mask"][a].append(mask.clone())
-                idx = torch.nonzero(mask[:, self.local]).squeeze(1)
-                got = idx.numel()
-                if not got:
-                    continue
-                c0 = st["cursor"][s]
-                if c0 + got > int(st["gbl_prefix"][s]):
-                    raise RuntimeError(f"rank {me}: dispatch call #{call_id}: rank {s} sent more tokens than its "
-                                       f"num_tokens_per_rank promised ({int(st['counts_to_me'][s])})")
-                torch.index_select(blk[offs[4]:offs[4] + xb * m].view(m, xb), 0, idx, out=rx[c0:c0 + got])
-                if sb:
-                    torch.index_select(blk[offs[2]:offs[2] + sb * m].view(m, sb), 0, idx, out=rs[c0:c0 + got])
-                if k:
-                    torch.index_select(blk[offs[0]:offs[0] + 8 * k * m].view(torch.int64).view(m, k), 0, idx,
-                                       out=rt[c0:c0 + got])
-                    torch.index_select(blk[offs[1]:offs[1] + 4 * k * m].view(torch.float32).view(m, k), 0, idx,
-                                       out=rw[c0:c0 + got])
-                torch.index_select(src, 0, idx, out=meta32[c0:c0 + got, 0])
-                meta32[c0:c0 + got, 1] = a
-                st["cursor"][s] = c0 + got
-                self._record(f, got * sum(fields))
-
-        rounds_gen = self._dispatch_rounds(op=OP_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
-                                           pack=pack, vec=vec, error=None, on_headers=on_headers, receive=receive,
-                                           in_node=in_node)
+        call = _DispatchCall(call_id=call_id, xb=xb, sb=sb, num_topk=num_topk, with_scales=scales is not None,
+                             with_topk=topk_idx is not None, num_experts=num_experts,
+                             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                             num_channels=num_channels)
+        rounds_gen = self._dispatch_rounds(
+            op=OP_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
+            pack=functools.partial(self._pack_dispatch_block, x, scales, topk_idx, topk_weights, itr_nodes), vec=vec,
+            error=None, on_headers=functools.partial(self._open_dispatch, call),
+            receive=functools.partial(self._receive_dispatch_blocks, call, fields), in_node=in_node)
         next(rounds_gen)
         rdma_cpm, _ = send_layout(in_node, num_channels)
         gbl_cpm, _ = send_layout(is_token_in_rank, num_channels)
         # send_rdma_head[t][c]: position of token t among this rank's tokens for node c (-1: none).
         send_rdma_head = torch.where(in_node, in_node.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
-                                     torch.full((n, G), -1, dtype=torch.int32))
-        fwd_prefix = st["fwd_counts"].cumsum(0).to(torch.int32)
-        handle = (is_token_in_rank, rdma_cpm, gbl_cpm, st["recv_rdma_channel_prefix_matrix"], fwd_prefix,
-                  st["recv_gbl_channel_prefix_matrix"], st["gbl_prefix"], st["recv_src_meta"], send_rdma_head,
-                  st["send_nvl_head"])
-        yield st["recv_x"], st["recv_scales"], st["recv_topk"], st["recv_w"], st["recv_list"], handle, st["num_recv"]
+                                     torch.full((n, self.G), -1, dtype=torch.int32))
+        out = call.out
+        handle = InternodeHandle(is_token_in_rank, rdma_cpm, gbl_cpm, call.recv_rdma_channel_prefix_matrix,
+                                 call.fwd_counts.cumsum(0).to(torch.int32), call.recv_gbl_channel_prefix_matrix,
+                                 call.gbl_prefix, out.src_meta, send_rdma_head, call.send_nvl_head)
+        yield out.x, out.scales, out.topk_idx, out.topk_weights, call.recv_list, handle, call.num_recv
 
         for _ in rounds_gen:
             pass
-        num_recv, gbl_prefix = st["num_recv"], st["gbl_prefix"]
-        starts = [0] + [int(v) for v in gbl_prefix]
-        for s in range(R):
-            if st["cursor"][s] != starts[s + 1]:
-                raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {st['cursor'][s] - starts[s]} "
-                                   f"tokens from rank {s}, its num_tokens_per_rank promised "
-                                   f"{int(st['counts_to_me'][s])}")
-        src_idx = st["recv_src_meta"].view(torch.int32)[:num_recv, 0]
-        rel = recv_channel_prefix(src_idx, starts, st["ntok"], num_channels)
-        st["recv_gbl_channel_prefix_matrix"].copy_(rel + torch.tensor(starts[:R], dtype=torch.int32).unsqueeze(1))
-        self._finish_forward_handle(st, num_channels)
-        if st["recv_topk"] is not None and num_recv:
-            local = num_experts // R
-            ids = st["recv_topk"][:num_recv]
-            foreign = (ids < me * local) | (ids >= (me + 1) * local)
-            ids.sub_(me * local).masked_fill_(foreign, -1)
-            st["recv_w"][:num_recv].masked_fill_(foreign, 0.0)
+        self._close_dispatch(call)
 
-    def _finish_forward_handle(self, st, num_channels):
+    def _pack_dispatch_block(self, x, scales, topk_idx, topk_weights, itr_nodes, c, blk, offs, tok) -> None:
+        """Fill the row fields of the block bound for node ``c`` with this rank's tokens ``tok``."""
+        m, num_topk = tok.numel(), topk_idx.size(1) if topk_idx is not None else 0
+        xb, sb, p = x.size(1), scales.size(1) if scales is not None else 0, self.P
+        if num_topk:
+            torch.index_select(topk_idx, 0, tok,
+                               out=blk[offs[0]:offs[0] + 8 * num_topk * m].view(torch.int64).view(m, num_topk))
+            torch.index_select(topk_weights, 0, tok,
+                               out=blk[offs[1]:offs[1] + 4 * num_topk * m].view(torch.float32).view(m, num_topk))
+        if sb:
+            torch.index_select(scales, 0, tok, out=blk[offs[2]:offs[2] + sb * m].view(m, sb))
+        blk[offs[3]:offs[3] + 4 * m].view(torch.int32).copy_(tok)
+        torch.index_select(x, 0, tok, out=blk[offs[4]:offs[4] + xb * m].view(m, xb))
+        torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[5]:offs[5] + p * m].view(torch.bool).view(m, p))
+
+    def _open_dispatch(self, call: _DispatchCall, headers, vecs, per_round) -> int:
+        """After round 0: counts from every source's vector, the outputs, the forwarder's bookkeeping.
+        Returns the number of rounds."""
+        me, num_ranks, num_nodes, per_node = self.rank, self.num_ranks, self.G, self.P
+        call.ntok = headers[:, W_NTOK].astype(np.int64)
+        vectors = torch.stack(vecs)  # [R, R + E + G]
+        counts = vectors[:, :num_ranks]
+        call.counts_to_me = counts[:, me].to(torch.int64)
+        call.gbl_prefix = counts[:, me].cumsum(0, dtype=torch.int32)
+        call.num_recv = num_recv = int(call.gbl_prefix[-1])
+        local = call.num_experts // num_ranks
+        per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
+        alignment = call.expert_alignment
+        call.recv_list = [] if call.num_worst_tokens else [int(-(-int(c) // alignment) * alignment) for c in per_expert]
+        # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.
+        call.fwd_counts = vectors[[a * per_node + self.local for a in range(num_nodes)],
+                                  num_ranks + call.num_experts + self.node].to(torch.int64)
+        rows = max(num_recv, call.num_worst_tokens)
+        out = call.out = _Received(
+            self.outputs.empty((rows, call.xb), torch.uint8),
+            torch.empty(rows, call.sb, dtype=torch.uint8) if call.with_scales else None,
+            torch.empty(rows, call.num_topk, dtype=torch.int64) if call.with_topk else None,
+            torch.empty(rows, call.num_topk, dtype=torch.float32) if call.with_topk else None,
+            torch.zeros(rows, 8, dtype=torch.uint8))
+        call.send_nvl_head = torch.full((int(call.fwd_counts.sum()), per_node), -1, dtype=torch.int32)
+        call.recv_rdma_channel_prefix_matrix = torch.zeros(num_nodes, call.num_channels, dtype=torch.int32)
+        call.recv_gbl_channel_prefix_matrix = torch.zeros(num_ranks, call.num_channels, dtype=torch.int32)
+        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (spec §4.4)
+            for t in (out.x, out.scales, out.topk_weights):
+                if t is not None:
+                    t[num_recv:].zero_()
+            if out.topk_idx is not None:
+                out.topk_idx[num_recv:].fill_(-1)
+        call.cursor = [int(call.gbl_prefix[s - 1]) if s else 0 for s in range(num_ranks)]
+        call.fwd_src = [[] for _ in range(num_nodes)]
+        call.fwd_mask = [[] for _ in range(num_nodes)]
+        return max(1, max(_ceil_div(int(t), per_round) for t in call.ntok))
+
+    def _receive_dispatch_blocks(self, call: _DispatchCall, fields, vec_bytes) -> None:
+        """Hop 2 of a round: this rank's rows from every source's block, ascending source rank; as a
+        forwarder, also keep the source indices and masks of what it forwards (for the handle)."""
+        me, num_topk, xb, sb, p = self.rank, call.num_topk, call.xb, call.sb, self.P
+        out = call.out
+        meta32 = out.src_meta.view(torch.int32)
+        for s, a, f, m, offs, blk in self._source_blocks(HDR + vec_bytes, fields):
+            mask = blk[offs[5]:offs[5] + p * m].view(torch.bool).view(m, p)
+            src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
+            if f == me:  # as forwarder: what we forward from node a, for the handle
+                call.fwd_src[a].append(src.clone())
+                call.fwd_mask[a].append(mask.clone())
+            idx = torch.nonzero(mask[:, self.local]).squeeze(1)
+            got = idx.numel()
+            if not got:
+                continue
+            at = call.cursor[s]
+            if at + got > int(call.gbl_prefix[s]):
+                raise RuntimeError(f"rank {me}: dispatch call #{call.call_id}: rank {s} sent more tokens than its "
+                                   f"num_tokens_per_rank promised ({int(call.counts_to_me[s])})")
+            torch.index_select(blk[offs[4]:offs[4] + xb * m].view(m, xb), 0, idx, out=out.x[at:at + got])
+            if sb:
+                torch.index_select(blk[offs[2]:offs[2] + sb * m].view(m, sb), 0, idx, out=out.scales[at:at + got])
+            if num_topk:
+                torch.index_select(blk[offs[0]:offs[0] + 8 * num_topk * m].view(torch.int64).view(m, num_topk), 0, idx,
+                                   out=out.topk_idx[at:at + got])
+                torch.index_select(blk[offs[1]:offs[1] + 4 * num_topk * m].view(torch.float32).view(m, num_topk), 0,
+                                   idx, out=out.topk_weights[at:at + got])
+            torch.index_select(src, 0, idx, out=meta32[at:at + got, 0])
+            meta32[at:at + got, 1] = a
+            call.cursor[s] = at + got
+            self._record(f, got * sum(fields))
+
+    def _close_dispatch(self, call: _DispatchCall) -> None:
+        """After the last round: every source sent what it promised; the receive side of the handle; the
+        received expert ids made local."""
+        me, num_ranks, num_recv = self.rank, self.num_ranks, call.num_recv
+        starts = [0] + [int(v) for v in call.gbl_prefix]
+        for s in range(num_ranks):
+            if call.cursor[s] != starts[s + 1]:
+                raise RuntimeError(f"rank {me}: dispatch call #{call.call_id}: received {call.cursor[s] - starts[s]} "
+                                   f"tokens from rank {s}, its num_tokens_per_rank promised "
+                                   f"{int(call.counts_to_me[s])}")
+        src_idx = call.out.src_meta.view(torch.int32)[:num_recv, 0]
+        rel = recv_channel_prefix(src_idx, starts, call.ntok, call.num_channels)
+        call.recv_gbl_channel_prefix_matrix.copy_(rel + torch.tensor(starts[:num_ranks], dtype=torch.int32).unsqueeze(1))
+        self._finish_forward_handle(call)
+        if call.out.topk_idx is not None and num_recv:
+            to_local_experts(call.out.topk_idx[:num_recv], call.out.topk_weights[:num_recv], me,
+                             call.num_experts // num_ranks)
+
+    def _finish_forward_handle(self, call: _DispatchCall) -> None:
         """``send_nvl_head`` and ``recv_rdma_channel_prefix_matrix`` from what this rank forwarded."""
-        P = self.P
+        per_node, num_channels = self.P, call.num_channels
         pos = 0
         for a in range(self.G):
-            if st["fwd_mask"][a]:
-                mask = torch.cat(st["fwd_mask"][a])
-                src = torch.cat(st["fwd_src"][a]).to(torch.int64)
+            if call.fwd_mask[a]:
+                mask = torch.cat(call.fwd_mask[a])
+                src = torch.cat(call.fwd_src[a]).to(torch.int64)
             else:
-                mask = torch.zeros(0, P, dtype=torch.bool)
+                mask = torch.zeros(0, per_node, dtype=torch.bool)
                 src = torch.zeros(0, dtype=torch.int64)
             m = mask.size(0)
-            if m != int(st["fwd_counts"][a]):
-                raise RuntimeError(f"rank {self.rank}: dispatch: forwarded {m} tokens of rank {a * P + self.local}, "
-                                   f"its num_tokens_per_rdma_rank promised {int(st['fwd_counts'][a])}")
+            if m != int(call.fwd_counts[a]):
+                raise RuntimeError(f"rank {self.rank}: dispatch: forwarded {m} tokens of rank "
+                                   f"{a * per_node + self.local}, its num_tokens_per_rdma_rank promised "
+                                   f"{int(call.fwd_counts[a])}")
             # Row of each forwarded token inside receiver j's block of this source (-1: not for j).
-            st["send_nvl_head"][pos:pos + m] = torch.where(mask, mask.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
-                                                           torch.full_like(mask, -1, dtype=torch.int32))
-            q = max(1, _ceil_div(int(st["ntok"][a * P + self.local]), num_channels))
-            per_channel = torch.bincount(src // q, minlength=num_channels)[:num_channels]
-            st["recv_rdma_channel_prefix_matrix"][a] = per_channel.cumsum(0).to(torch.int32)
+            call.send_nvl_head[pos:pos + m] = torch.where(mask, mask.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
+                                                          torch.full_like(mask, -1, dtype=torch.int32))
+            per_channel_tokens = max(1, _ceil_div(int(call.ntok[a * per_node + self.local]), num_channels))
+            per_channel = torch.bincount(src // per_channel_tokens, minlength=num_channels)[:num_channels]
+            call.recv_rdma_channel_prefix_matrix[a] = per_channel.cumsum(0).to(torch.int32)
             pos += m
 
     # -- cached dispatch ---------------------------------------------------------------
-    def cached_dispatch(self, *, call_id, x, scales, handle, num_channels, handle_id, xdtype, sdtype):
+    def cached_dispatch(self, *, call_id, x, scales, handle: InternodeHandle, num_channels, handle_id, xdtype,
+                        sdtype) -> Generator:
         """Dispatch through an internode handle (spec §4.5, §5). Yields ``(recv_x, recv_scales)``."""
-        me, R, G, P = self.rank, self.num_ranks, self.G, self.P
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
-        is_token_in_rank, gbl_prefix = handle[0], handle[6]
-        rows = handle[7].size(0)
-        num_recv = int(gbl_prefix[-1])
+        rows = handle.recv_src_meta.size(0)
+        num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
         fields = self.dispatch_fields(xb, sb, 0, cached=True)
-        itr_nodes = is_token_in_rank.view(n, G, P)
+        itr_nodes = handle.is_token_in_rank.view(n, self.G, self.P)
         in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1}
@@ -492,258 +606,285 @@ class InternodeEngine:
         recv_scales = None if scales is None else torch.zeros(rows, sb, dtype=torch.uint8)
         yield recv_x, recv_scales
 
-        def pack(rnd, c, blk, offs, tok):
-            m = tok.numel()
-            if sb:
-                torch.index_select(scales, 0, tok, out=blk[offs[0]:offs[0] + sb * m].view(m, sb))
-            torch.index_select(x, 0, tok, out=blk[offs[1]:offs[1] + xb * m].view(m, xb))
-            torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[2]:offs[2] + P * m].view(torch.bool).view(m, P))
+        starts = [0] + [int(v) for v in handle.recv_gbl_rank_prefix_sum]
+        cursor = starts[:self.num_ranks]
 
-        starts = [0] + [int(v) for v in gbl_prefix]
-        cursor = starts[:R]
+        def rounds_of(headers, vecs, per_round):
+            return max(1, max(_ceil_div(int(t), per_round) for t in headers[:, W_NTOK]))
 
-        def on_headers(headers, vecs, cap):
-            return max(1, max(_ceil_div(int(t), cap) for t in headers[:, W_NTOK]))
-
-        def receive(rnd, cap, vec_bytes):
-            for s, _, f, m, offs, blk in self._source_blocks(HDR, fields):
-                idx = torch.nonzero(blk[offs[2]:offs[2] + P * m].view(torch.bool).view(m, P)[:, self.local]).squeeze(1)
-                got, c0 = idx.numel(), cursor[s]
-                if c0 + got > starts[s + 1]:
-                    raise RuntimeError(f"rank {me}: cached dispatch call #{call_id}: rank {s} sends more tokens than "
-                                       f"this rank's handle expects ({starts[s + 1] - starts[s]}); the handles passed "
-                                       f"on different ranks do not describe the same dispatch")
-                if got:
-                    torch.index_select(blk[offs[1]:offs[1] + xb * m].view(m, xb), 0, idx, out=recv_x[c0:c0 + got])
-                    if sb:
-                        torch.index_select(blk[offs[0]:offs[0] + sb * m].view(m, sb), 0, idx,
-                                           out=recv_scales[c0:c0 + got])
-                    cursor[s] = c0 + got
-                    self._record(f, got * sum(fields))
-
-        for _ in self._dispatch_rounds(op=OP_CACHED_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
-                                       pack=pack, vec=None, error=None, on_headers=on_headers, receive=receive,
-                                       in_node=in_node):
+        for _ in self._dispatch_rounds(
+                op=OP_CACHED_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
+                pack=functools.partial(self._pack_cached_block, x, scales, itr_nodes), vec=None, error=None,
+                on_headers=rounds_of, in_node=in_node,
+                receive=functools.partial(self._receive_cached_blocks, call_id, fields, starts, cursor, recv_x,
+                                          recv_scales)):
             pass
         if cursor != starts[1:]:
-            raise RuntimeError(f"rank {me}: cached dispatch call #{call_id}: received "
+            raise RuntimeError(f"rank {self.rank}: cached dispatch call #{call_id}: received "
                                f"{[c - s for c, s in zip(cursor, starts)]} tokens per source, this rank's handle "
                                f"expects {[b - a for a, b in zip(starts, starts[1:])]}; the handles passed on "
                                f"different ranks do not describe the same dispatch")
 
-    # -- combine -----------------------------------------------------------------------
-    def _combine_round0_only(self, call_id, message):
-        """A rejected combine: stage an error header, forward the node's verdict, raise with everyone."""
-        gen = self._combine_rounds(call_id=call_id, words={}, n=0, q=1, error=message,
-                                   stage=None, forward=None, reduce=None)
-        yield from gen
+    def _pack_cached_block(self, x, scales, itr_nodes, c, blk, offs, tok) -> None:
+        """Fill the row fields of a cached dispatch's block bound for node ``c`` with the tokens ``tok``."""
+        m, xb, p = tok.numel(), x.size(1), self.P
+        sb = scales.size(1) if scales is not None else 0
+        if sb:
+            torch.index_select(scales, 0, tok, out=blk[offs[0]:offs[0] + sb * m].view(m, sb))
+        torch.index_select(x, 0, tok, out=blk[offs[1]:offs[1] + xb * m].view(m, xb))
+        torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p))
 
-    def _combine_rounds(self, *, call_id, words, n, q, error, stage, forward, reduce):
-        """The round driver of combine: stage → node exchange → forward partials (URMA) → reduce."""
+    def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, vec_bytes) -> None:
+        """Hop 2 of a cached dispatch's round: this rank's rows of every source's block, ascending source."""
+        xb, p = recv_x.size(1), self.P
+        sb = recv_scales.size(1) if recv_scales is not None else 0
+        for s, _, f, m, offs, blk in self._source_blocks(HDR, fields):
+            idx = torch.nonzero(blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p)[:, self.local]).squeeze(1)
+            got, at = idx.numel(), cursor[s]
+            if at + got > starts[s + 1]:
+                raise RuntimeError(f"rank {self.rank}: cached dispatch call #{call_id}: rank {s} sends more tokens "
+                                   f"than this rank's handle expects ({starts[s + 1] - starts[s]}); the handles "
+                                   f"passed on different ranks do not describe the same dispatch")
+            if got:
+                torch.index_select(blk[offs[1]:offs[1] + xb * m].view(m, xb), 0, idx, out=recv_x[at:at + got])
+                if sb:
+                    torch.index_select(blk[offs[0]:offs[0] + sb * m].view(m, sb), 0, idx,
+                                       out=recv_scales[at:at + got])
+                cursor[s] = at + got
+                self._record(f, got * sum(fields))
+
+    # -- combine -----------------------------------------------------------------------
+    def _write_stage_header(self, words, n, call_id, error) -> None:
+        """This rank's staging header of a combine round (with the error message of a rejected call)."""
+        hdr = self._stage(self.rank, 0, STAGE_HDR, torch.int64).numpy()
+        hdr[:] = 0
+        hdr[W_MAGIC] = MAGIC
+        for word, value in {**words, W_NTOK: n, W_CALL: call_id, W_OP: OP_COMBINE,
+                            W_STATUS: int(error is not None)}.items():
+            hdr[word] = value
+        if error is not None:
+            text = error.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
+            hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
+
+    def _rail_verdict(self, call_id) -> tuple[list[str], int]:
+        """Round 0 of a combine, after the rail exchange: why the nodes cannot run it together (empty: they
+        can), and the most tokens a rank of any node has (which fixes the number of rounds)."""
+        heads = [self._box(self.rank, c, 0, HDR, torch.int64).numpy().copy() for c in range(self.G)]
+        bad = []
+        for c, head in enumerate(heads):
+            if head[W_STATUS]:
+                msg = self._box(self.rank, c, self.box - MSG_BYTES, MSG_BYTES).numpy().tobytes()
+                bad.append(msg.rstrip(b"\0").decode("utf-8", "replace"))
+            elif head[W_CALL] != call_id or head[W_OP] != OP_COMBINE:
+                bad.append(f"rank {self.rails[c]} is in a different call (call #{head[W_CALL]})")
+        return list(dict.fromkeys(bad)), max(int(head[W_AUX]) for head in heads)
+
+    def _combine_rounds(self, *, call_id, words, n, per_round, error, stage, forward, reduce) -> Generator:
+        """The round driver of combine: stage → node exchange → forward partials (URMA) → reduce.
+
+        Round 0 also settles the call: the node's staging headers give the node's verdict, which
+        travels with the partials to every rail peer; every rank raises the same
+        :class:`ConsensusError` if any node refused. Yields once, after round 0's verdict.
+        """
         phase = f"combine call #{call_id}"
-        G = self.G
-        rounds, k = 1, 0
-        while k < rounds:
-            hdr = self._stage(self.rank, 0, STAGE_HDR, torch.int64).numpy()
-            hdr[:] = 0
-            hdr[W_MAGIC] = MAGIC
-            for w, v in {**words, W_NTOK: n, W_CALL: call_id, W_OP: OP_COMBINE,
-                         W_STATUS: int(error is not None)}.items():
-                hdr[w] = v
-            if error is not None:
-                text = error.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
-                hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
-            elif stage is not None:
-                stage(k)
+        rounds, rnd = 1, 0
+        while rnd < rounds:
+            self._write_stage_header(words, n, call_id, error)
+            if error is None and stage is not None:
+                stage(rnd)
             self._node_exchange(phase)
-            node_ranks = list(range(self.node_base, self.node_base + self.P))
-            problems = []
-            node_max = 0
-            if k == 0:
+            problems, node_max = [], 0
+            if rnd == 0:
+                node_ranks = list(range(self.node_base, self.node_base + self.P))
                 headers = np.stack([self._stage(p, 0, STAGE_HDR, torch.int64).numpy().copy() for p in node_ranks])
                 problems = consensus_problems(headers, OP_COMBINE, call_id, node_ranks)
                 node_max = int(headers[:, W_NTOK].max())
             self._credit_wait(phase)
-            for a in [*range(self.node + 1, G), *range(self.node + 1)]:
-                message = "; ".join(problems) if problems else None
+            message = "; ".join(problems) if problems else None
+            for a in [*range(self.node + 1, self.G), *range(self.node + 1)]:
                 if message is None and forward is not None:
-                    blk = forward(k, a)
+                    blk = forward(rnd, a)
                 else:
                     blk = self._block(a, HDR)
                     self._write_header(blk, {})
-                hw = blk[:HDR].view(torch.int64).numpy()
-                hw[W_MAGIC], hw[W_CALL], hw[W_OP], hw[W_AUX] = MAGIC, call_id, OP_COMBINE, node_max
-                hw[W_STATUS] = int(message is not None)
+                words_out = blk[:HDR].view(torch.int64).numpy()
+                words_out[W_MAGIC], words_out[W_CALL], words_out[W_OP], words_out[W_AUX] = (MAGIC, call_id, OP_COMBINE,
+                                                                                           node_max)
+                words_out[W_STATUS] = int(message is not None)
                 self._send(a, blk, message)
             self._await_rails(phase)
-            if k == 0:
-                heads = [self._box(self.rank, c, 0, HDR, torch.int64).numpy().copy() for c in range(G)]
-                bad = []
-                for c, h in enumerate(heads):
-                    if h[W_STATUS]:
-                        msg = self._box(self.rank, c, self.box - MSG_BYTES, MSG_BYTES).numpy().tobytes()
-                        bad.append(msg.rstrip(b"\0").decode("utf-8", "replace"))
-                    elif h[W_CALL] != call_id or h[W_OP] != OP_COMBINE:
-                        bad.append(f"rank {self.rails[c]} is in a different call (call #{h[W_CALL]})")
+            if rnd == 0:
+                bad, largest = self._rail_verdict(call_id)
                 if bad:
                     self._end_round()
-                    raise consensus_error(OP_COMBINE, list(dict.fromkeys(bad)))
-                rounds = max(1, _ceil_div(max(int(h[W_AUX]) for h in heads), q))
+                    raise consensus_error(OP_COMBINE, bad)
+                rounds = max(1, _ceil_div(largest, per_round))
                 yield
-            reduce(k)
+            reduce(rnd)
             self._end_round()
-            k += 1
+            rnd += 1
 
-    def combine(self, *, call_id, x, topk_weights, bias, handle, num_channels, handle_id):
+    def combine(self, *, call_id, x, topk_weights, bias, handle: InternodeHandle, num_channels,
+                handle_id) -> Generator:
         """Internode combine (spec §5): forwarder partials rounded to bf16, then the origin's sum.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """
-        me, R, G, P = self.rank, self.num_ranks, self.G, self.P
         hidden = x.shape[1]
-        xb = 2 * hidden
         wcols = topk_weights.shape[1] if topk_weights is not None else -1
-        w = max(wcols, 0)
-        row_fields = [4 * w, xb]  # weights first (4-byte aligned), then the bf16 rows
-        is_token_in_rank, fwd_prefix, gbl_prefix = handle[0], handle[4], handle[6]
-        recv_src_meta, send_rdma_head, send_nvl_head = handle[7], handle[8], handle[9]
-        n = is_token_in_rank.size(0)
-        num_recv = int(gbl_prefix[-1])
+        n = handle.is_token_in_rank.size(0)
+        num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
         combined = self.outputs.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 
-        q = max(1, self.combine_capacity(hidden, wcols))
-        starts = [0] + [int(v) for v in gbl_prefix]
-        src = recv_src_meta[:num_recv].view(torch.int32)[:, 0].to(torch.int64)
-        xrows = x[:num_recv].view(torch.uint8)
-        fstarts = [0] + [int(v) for v in fwd_prefix]
-        fwd_done = [0] * G  # forwarded tokens of each origin node already sent back
-        stage_done = np.zeros((P, R), dtype=np.int64)  # rows of each node peer's blocks already staged
-        words = {W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_HANDLE: handle_id, W_CHANNELS: num_channels,
-                 W_WCOLS: wcols, W_TOPK: -1}
-        vec_off = STAGE_HDR
-        rows_off = STAGE_HDR + _a8(8 * R)
-
-        def stage(k):
-            lo_t, hi_t = k * q, (k + 1) * q
-            spans = []
-            for s in range(R):
-                a, b = torch.searchsorted(src[starts[s]:starts[s + 1]], torch.tensor([lo_t, hi_t])).tolist()
-                spans.append((starts[s] + a, starts[s] + b))
-            sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
-            total = int(sizes.sum())
-            self._stage(me, vec_off, 4 * R, torch.int32).copy_(sizes)
-            hdr = self._stage(me, 0, HDR, torch.int64)
-            hdr[W_ROWS] = total
-            if not total:
-                return
-            offs, _ = _offsets(rows_off, total, row_fields)
-            xdst = self._stage(me, offs[1], total * xb).view(total, xb)
-            wdst = self._stage(me, offs[0], total * 4 * w, torch.float32).view(total, w) if w else None
-            if spans[-1][1] - spans[0][0] == total:  # adjacent spans (always so in a single round): one copy
-                pieces = [(spans[0][0], spans[-1][1])]
-            else:
-                pieces = [span for span in spans if span[1] > span[0]]
-            pos = 0
-            for a, b in pieces:
-                xdst[pos:pos + b - a].copy_(xrows[a:b])
-                if wdst is not None:
-                    wdst[pos:pos + b - a].copy_(topk_weights[a:b])
-                pos += b - a
-
-        def forward(k, a):
-            """Partials for origin (a, l): this round's tokens of it that we forwarded, summed over our node."""
-            sel = send_nvl_head[fstarts[a]:fstarts[a + 1]]
-            origin = a * P + self.local
-            counts, begins, peers = [], [], []
-            for p in range(P):
-                peer = self.node_base + p
-                vecp = self._stage(peer, vec_off, 4 * R, torch.int32)
-                counts.append(int(vecp[origin]))
-                begins.append(int(vecp[:origin].sum()))
-                peers.append(peer)
-            counts_t = torch.tensor(counts, dtype=torch.int32)
-            end = torch.as_tensor(stage_done[:, origin], dtype=torch.int32) + counts_t
-            f_lo = fwd_done[a]
-            if sel.size(0) > f_lo:
-                rest = sel[f_lo:]
-                valid = rest >= 0
-                first = valid.to(torch.uint8).argmax(1)
-                off = rest.gather(1, first.unsqueeze(1)).squeeze(1)
-                f_hi = f_lo + int((off < end[first]).sum())
-            else:
-                f_hi = f_lo
-            m = f_hi - f_lo
-            offs, blk_end = _offsets(HDR, m, row_fields)
-            blk = self._block(a, blk_end)
-            self._write_header(blk, {W_ROWS: m})
-            valid = sel[f_lo:f_hi] >= 0
-            if m:
-                sources, wsources = [], []
-                for p in range(P):
-                    cnt = counts[p]
-                    pos = torch.nonzero(valid[:, p]).squeeze(1)
-                    if pos.numel() != cnt:
-                        raise RuntimeError(
-                            f"rank {me}: combine call #{call_id}: rank {peers[p]} returned {cnt} rows of rank "
-                            f"{origin}'s tokens, but the handle forwarded {pos.numel()} there; the handles passed "
-                            f"on different ranks do not match")
-                    if not cnt:
-                        continue
-                    total = int(self._stage(peers[p], 0, HDR, torch.int64)[W_ROWS])
-                    poffs, _ = _offsets(rows_off, total, row_fields)
-                    sources.append((self._stage(peers[p], poffs[1] + begins[p] * xb, cnt * xb).view(cnt, xb)
-                                    .view(torch.bfloat16), pos))
-                    if w:
-                        wsources.append((self._stage(peers[p], poffs[0] + begins[p] * 4 * w, cnt * 4 * w,
-                                                     torch.float32).view(cnt, w), pos))
-                    self._record(peers[p], cnt * (xb + 4 * w))
-                # Node partial: float32 from +0.0 in ascending local rank, rounded to bf16 into the block.
-                acc, tmp = self._scratch.get(hidden)
-                accumulate_rows(blk[offs[1]:offs[1] + m * xb].view(torch.bfloat16).view(m, hidden), sources, acc, tmp)
-                if w:
-                    wout = blk[offs[0]:offs[0] + m * 4 * w].view(torch.float32).view(m, w)
-                    wout.zero_()
-                    for wrows, pos in wsources:
-                        wout.index_add_(0, pos, wrows)
-            else:
-                for p in range(P):
-                    if counts[p]:
-                        raise RuntimeError(f"rank {me}: combine call #{call_id}: rank {peers[p]} returned "
-                                           f"{counts[p]} rows of rank {origin}'s tokens the handle did not forward "
-                                           f"there; the handles passed on different ranks do not match")
-            stage_done[:, origin] += counts
-            fwd_done[a] = f_hi
-            return blk
-
-        def reduce(k):
-            lo_t, hi_t = k * q, min(n, (k + 1) * q)
-            m = max(0, hi_t - lo_t)
-            if not m:
-                return
-            sources = []
-            wacc = combined_w[lo_t:hi_t].zero_() if combined_w is not None else None
-            for c in range(G):
-                head = send_rdma_head[lo_t:hi_t, c]
-                tok = torch.nonzero(head >= 0).squeeze(1)
-                rows = int(self._box(me, c, 0, HDR, torch.int64)[W_ROWS])
-                if rows != tok.numel():
-                    raise RuntimeError(f"rank {me}: combine call #{call_id}: node {c} returned {rows} partial rows for "
-                                       f"tokens [{lo_t}, {hi_t}), the handle sent {tok.numel()} there; the handles "
-                                       f"passed on different ranks do not match")
-                if not rows:
-                    continue
-                offs, end = _offsets(HDR, rows, row_fields)
-                blk = self._box(me, c, 0, end)
-                sources.append((blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), tok))
-                if wacc is not None and w:
-                    wacc.index_add_(0, tok, blk[offs[0]:offs[0] + rows * 4 * w].view(torch.float32).view(rows, w))
-            # The origin: f32(bias0) + f32(bias1), then the node partials in ascending node, one rounding.
-            acc, tmp = self._scratch.get(hidden)
-            accumulate_rows(combined[lo_t:hi_t], sources, acc, tmp, bias, lo_t)
-
-        gen = self._combine_rounds(call_id=call_id, words=words, n=n, q=q, error=None, stage=stage, forward=forward,
-                                   reduce=reduce)
-        for _ in gen:
+        call = _CombineCall(
+            call_id=call_id, rows=x[:num_recv].view(torch.uint8), topk_weights=topk_weights, bias=bias, handle=handle,
+            hidden=hidden, wcols=wcols, per_round=max(1, self.combine_capacity(hidden, wcols)),
+            src=handle.recv_src_meta[:num_recv].view(torch.int32)[:, 0].to(torch.int64),
+            starts=[0] + [int(v) for v in handle.recv_gbl_rank_prefix_sum],
+            forward_starts=[0] + [int(v) for v in handle.recv_rdma_rank_prefix_sum],
+            combined=combined, combined_w=combined_w, forwarded_done=[0] * self.G,
+            staged_done=np.zeros((self.P, self.num_ranks), dtype=np.int64))
+        words = {W_XBYTES: 2 * hidden, W_XDTYPE: dtype_code(torch.bfloat16), W_HANDLE: handle_id,
+                 W_CHANNELS: num_channels, W_WCOLS: wcols, W_TOPK: -1}
+        for _ in self._combine_rounds(call_id=call_id, words=words, n=n, per_round=call.per_round, error=None,
+                                      stage=functools.partial(self._stage_returned_rows, call),
+                                      forward=functools.partial(self._forward_partials, call),
+                                      reduce=functools.partial(self._reduce_partials, call)):
             pass
+
+    def _stage_returned_rows(self, call: _CombineCall, rnd: int) -> None:
+        """Stage in this rank's UBMEM half its rows (and weights) of every origin's tokens of round ``rnd``,
+        ascending origin, with the count per origin; the forwarders of the node read them there."""
+        me, num_ranks = self.rank, self.num_ranks
+        lo_t, hi_t = rnd * call.per_round, (rnd + 1) * call.per_round
+        spans = []
+        for s in range(num_ranks):
+            begin, end = torch.searchsorted(call.src[call.starts[s]:call.starts[s + 1]],
+                                            torch.tensor([lo_t, hi_t])).tolist()
+            spans.append((call.starts[s] + begin, call.starts[s] + end))
+        sizes = torch.tensor([end - begin for begin, end in spans], dtype=torch.int32)
+        total = int(sizes.sum())
+        self._stage(me, STAGE_HDR, 4 * num_ranks, torch.int32).copy_(sizes)
+        self._stage(me, 0, HDR, torch.int64)[W_ROWS] = total
+        if not total:
+            return
+        xb, weight_cols = 2 * call.hidden, call.weight_cols
+        offs, _ = _offsets(self.stage_rows_off, total, call.row_fields)
+        xdst = self._stage(me, offs[1], total * xb).view(total, xb)
+        wdst = self._stage(me, offs[0], total * 4 * weight_cols, torch.float32).view(total, weight_cols) \
+            if weight_cols else None
+        if spans[-1][1] - spans[0][0] == total:  # adjacent spans (always so in a single round): one copy
+            pieces = [(spans[0][0], spans[-1][1])]
+        else:
+            pieces = [span for span in spans if span[1] > span[0]]
+        pos = 0
+        for begin, end in pieces:
+            xdst[pos:pos + end - begin].copy_(call.rows[begin:end])
+            if wdst is not None:
+                wdst[pos:pos + end - begin].copy_(call.topk_weights[begin:end])
+            pos += end - begin
+
+    def _forward_partials(self, call: _CombineCall, rnd: int, origin_node: int) -> torch.Tensor:
+        """The block of partials for origin ``(origin_node, l)``: this round's tokens of it that this rank
+        forwarded, each summed over the node peers that returned a row of it. Returns the block to send."""
+        per_node = self.P
+        origin = origin_node * per_node + self.local
+        heads = call.handle.send_nvl_head[call.forward_starts[origin_node]:call.forward_starts[origin_node + 1]]
+        node_peers = [self.node_base + p for p in range(per_node)]
+        counts, begins = [], []  # rows of origin's tokens each node peer staged, and where they start there
+        for peer in node_peers:
+            sizes = self._stage(peer, STAGE_HDR, 4 * self.num_ranks, torch.int32)
+            counts.append(int(sizes[origin]))
+            begins.append(int(sizes[:origin].sum()))
+        first = call.forwarded_done[origin_node]
+        last = self._forwarded_until(heads, first, call.staged_done[:, origin], counts)
+        rows = last - first
+        offs, blk_end = _offsets(HDR, rows, call.row_fields)
+        blk = self._block(origin_node, blk_end)
+        self._write_header(blk, {W_ROWS: rows})
+        if rows:
+            self._sum_node_rows(call, blk, offs, heads[first:last] >= 0, node_peers, counts, begins, origin)
+        else:
+            for peer, count in zip(node_peers, counts):
+                if count:
+                    raise RuntimeError(f"rank {self.rank}: combine call #{call.call_id}: rank {peer} returned "
+                                       f"{count} rows of rank {origin}'s tokens the handle did not forward "
+                                       f"there; the handles passed on different ranks do not match")
+        call.staged_done[:, origin] += counts
+        call.forwarded_done[origin_node] = last
+        return blk
+
+    @staticmethod
+    def _forwarded_until(heads, first: int, staged_before, counts) -> int:
+        """End of this round's forwarded tokens: those from ``first`` whose row in their first receiver's
+        block (``heads [F, P]``, -1: not for that receiver) that receiver has staged by now."""
+        if heads.size(0) <= first:
+            return first
+        staged_now = torch.as_tensor(staged_before, dtype=torch.int32) + torch.tensor(counts, dtype=torch.int32)
+        rest = heads[first:]
+        first_receiver = (rest >= 0).to(torch.uint8).argmax(1)
+        row = rest.gather(1, first_receiver.unsqueeze(1)).squeeze(1)
+        return first + int((row < staged_now[first_receiver]).sum())
+
+    def _sum_node_rows(self, call: _CombineCall, blk, offs, valid, node_peers, counts, begins, origin) -> None:
+        """Into ``blk``: per forwarded token, the float32 sum from +0.0 of the node peers' rows in ascending
+        local rank, rounded to bf16 (and the weights' sums); ``valid [rows, P]``: which peers have a row."""
+        hidden, weight_cols = call.hidden, call.weight_cols
+        xb, rows = 2 * hidden, valid.size(0)
+        sources, weight_sources = [], []
+        for p, (peer, count, begin) in enumerate(zip(node_peers, counts, begins)):
+            pos = torch.nonzero(valid[:, p]).squeeze(1)
+            if pos.numel() != count:
+                raise RuntimeError(
+                    f"rank {self.rank}: combine call #{call.call_id}: rank {peer} returned {count} rows of rank "
+                    f"{origin}'s tokens, but the handle forwarded {pos.numel()} there; the handles passed "
+                    f"on different ranks do not match")
+            if not count:
+                continue
+            total = int(self._stage(peer, 0, HDR, torch.int64)[W_ROWS])
+            peer_offs, _ = _offsets(self.stage_rows_off, total, call.row_fields)
+            sources.append((self._stage(peer, peer_offs[1] + begin * xb, count * xb).view(count, xb)
+                            .view(torch.bfloat16), pos))
+            if weight_cols:
+                weight_sources.append((self._stage(peer, peer_offs[0] + begin * 4 * weight_cols,
+                                                   count * 4 * weight_cols, torch.float32).view(count, weight_cols),
+                                       pos))
+            self._record(peer, count * (xb + 4 * weight_cols))
+        # Node partial: float32 from +0.0 in ascending local rank, rounded to bf16 into the block.
+        acc, tmp = self._scratch.get(hidden)
+        accumulate_rows(blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), sources, acc, tmp)
+        if weight_cols:
+            wout = blk[offs[0]:offs[0] + rows * 4 * weight_cols].view(torch.float32).view(rows, weight_cols)
+            wout.zero_()
+            for weights, pos in weight_sources:
+                wout.index_add_(0, pos, weights)
+
+    def _reduce_partials(self, call: _CombineCall, rnd: int) -> None:
+        """The origin's sum of round ``rnd``: ``f32(bias0) + f32(bias1)``, then the partials of every node
+        in ascending node order, one rounding; the weights likewise."""
+        me, hidden, weight_cols = self.rank, call.hidden, call.weight_cols
+        n = call.combined.size(0)
+        lo_t, hi_t = rnd * call.per_round, min(n, (rnd + 1) * call.per_round)
+        if hi_t <= lo_t:
+            return
+        sources = []
+        wacc = call.combined_w[lo_t:hi_t].zero_() if call.combined_w is not None else None
+        for c in range(self.G):
+            tokens = torch.nonzero(call.handle.send_rdma_head[lo_t:hi_t, c] >= 0).squeeze(1)
+            rows = int(self._box(me, c, 0, HDR, torch.int64)[W_ROWS])
+            if rows != tokens.numel():
+                raise RuntimeError(f"rank {me}: combine call #{call.call_id}: node {c} returned {rows} partial rows "
+                                   f"for tokens [{lo_t}, {hi_t}), the handle sent {tokens.numel()} there; the handles "
+                                   f"passed on different ranks do not match")
+            if not rows:
+                continue
+            offs, end = _offsets(HDR, rows, call.row_fields)
+            blk = self._box(me, c, 0, end)
+            sources.append((blk[offs[1]:offs[1] + rows * 2 * hidden].view(torch.bfloat16).view(rows, hidden), tokens))
+            if wacc is not None and weight_cols:
+                wacc.index_add_(0, tokens,
+                                blk[offs[0]:offs[0] + rows * 4 * weight_cols].view(torch.float32).view(rows, weight_cols))
+        acc, tmp = self._scratch.get(hidden)
+        accumulate_rows(call.combined[lo_t:hi_t], sources, acc, tmp, call.bias, lo_t)

@@ -52,16 +52,55 @@ returning them. Each rank decides for itself; the count vector and top-k weights
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Generator
+from typing import NamedTuple, NoReturn
+
 import numpy as np
 import torch
 
-from . import memory
 from .. import native as _native
-from .layout import combine_round_tokens, recv_channel_prefix, send_layout
-from .protocol import (HEADER_BYTES, MAGIC, MSG_BYTES, MSG_WORD, OP_CACHED_DISPATCH, OP_COMBINE, OP_DISPATCH, OP_NAMES,
-                       W_CALL, W_CHANNELS, W_HANDLE, W_LAND_BYTES, W_LAND_OFF, W_LAND_ROWS, W_MAGIC, W_NEXP, W_NTOK,
-                       W_OP, W_PREFIX, W_SBYTES, W_SDTYPE, W_STATUS, W_TOPK, W_WCOLS, W_XBYTES, W_XDTYPE, W_XSEG_OFF,
-                       ConsensusError, check_consensus, dtype_code, prefix_checksum)
+from . import memory
+from .handles import IntranodeHandle
+from .layout import (
+    combine_round_tokens,
+    recv_channel_prefix,
+    send_layout,
+    to_local_experts,
+)
+from .protocol import (
+    HEADER_BYTES,
+    MAGIC,
+    MSG_BYTES,
+    MSG_WORD,
+    OP_CACHED_DISPATCH,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_NAMES,
+    W_CALL,
+    W_CHANNELS,
+    W_HANDLE,
+    W_LAND_BYTES,
+    W_LAND_OFF,
+    W_LAND_ROWS,
+    W_MAGIC,
+    W_NEXP,
+    W_NTOK,
+    W_OP,
+    W_PREFIX,
+    W_SBYTES,
+    W_SDTYPE,
+    W_STATUS,
+    W_TOPK,
+    W_WCOLS,
+    W_XBYTES,
+    W_XDTYPE,
+    W_XSEG_OFF,
+    ConsensusError,
+    check_consensus,
+    dtype_code,
+    prefix_checksum,
+)
 from .reduce import CombineScratch, accumulate_rows
 
 READY, CONSUMED, XDATA = 0, 1, 2
@@ -80,6 +119,48 @@ def _ceil_div(a: int, b: int) -> int:
 def rows_before(rank_prefix_matrix: torch.Tensor, s: int, j: int) -> int:
     """Rows rank ``j`` receives from ranks below ``s``: where ``s``'s rows start in ``j``'s ``recv_x``."""
     return int(rank_prefix_matrix[s - 1, j]) if s else 0
+
+
+class _SentRows(NamedTuple):
+    """What a dispatch stages of this rank's tokens (``None``: a field the call does not move)."""
+
+    x: torch.Tensor  # [N, xb] uint8
+    scales: torch.Tensor | None  # [N, sb] uint8
+    topk_idx: torch.Tensor | None  # [N, K] int64
+    topk_weights: torch.Tensor | None  # [N, K] float32
+    is_token_in_rank: torch.Tensor | None  # [N, R] bool (the routing mask receivers select by)
+
+
+class _Received(NamedTuple):
+    """A non-cached dispatch's outputs, ``max(N_recv, num_worst_tokens)`` rows each."""
+
+    x: torch.Tensor  # [rows, xb] uint8
+    scales: torch.Tensor | None  # [rows, sb] uint8
+    topk_idx: torch.Tensor | None  # [rows, K] int64
+    topk_weights: torch.Tensor | None  # [rows, K] float32
+    src_idx: torch.Tensor  # [rows] int32
+
+
+class _Returned(NamedTuple):
+    """What a combine returns from this rank: its rows of ``x`` and their origins."""
+
+    x: torch.Tensor  # [>= N_recv, H] bf16
+    topk_weights: torch.Tensor | None  # [>= N_recv, K'] float32
+    src: torch.Tensor  # [N_recv] int64: each row's token at its origin (ascending within an origin's block)
+    starts: list  # R + 1 ints: origin s's rows are [starts[s], starts[s + 1])
+    in_place: bool  # x lies in this rank's landing segment: peers read its rows there, nothing staged
+    clean: bool  # staged rows get -0.0 turned into +0.0 (see combine)
+    own_span: list  # [begin, end): this round's rows for this rank itself (set when the round is staged)
+
+
+class _Source(NamedTuple):
+    """One rank's rows for this rank's tokens in a combine round (arguments of ``accumulate_rows``)."""
+
+    rows: torch.Tensor  # [cnt, H] bf16
+    weights: torch.Tensor | None  # [cnt, K'] float32
+    tokens: torch.Tensor  # [cnt] int64, ascending, relative to the round's first token
+    bounds: list  # searchsorted of the block edges in tokens
+    clean: bool  # no -0.0 in rows
 
 
 class _Regions:
@@ -128,11 +209,11 @@ class IntranodeEngine:
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
 
     # -- sizing ------------------------------------------------------------------
-    def dispatch_regions(self, xb, sb, k, num_experts, cached):
+    def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
         fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
         return _Regions(self.half_bytes, self.num_ranks + num_experts, fields)
 
-    def combine_regions(self, xb, wcols):
+    def combine_regions(self, xb, wcols) -> _Regions:
         return _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)])
 
     @staticmethod
@@ -317,111 +398,64 @@ class IntranodeEngine:
             self.tp.wait_until(self.win, XDATA, self.peers, self._xdata_calls, phase=f"{phase}: x rows")
 
     # -- dispatch ------------------------------------------------------------------------
-    def reject(self, op, call_id, message):
+    def reject(self, op, call_id, message) -> NoReturn:
         """Take part in chunk 0 of a call with an error status; raises ConsensusError (on every rank)."""
         self._round0(op, call_id, {}, None, lambda: None, message, f"{OP_NAMES[op]} call #{call_id}")
         raise AssertionError("unreachable: the consensus check raises")  # pragma: no cover
 
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, num_channels,
-                 handle_id, xdtype, sdtype):
+                 handle_id, xdtype, sdtype) -> Generator:
         """Non-cached dispatch (spec §4.2, §4.4). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle_parts)``; ``recv_x_bytes`` has
+        num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`IntranodeHandle`
+        whose ``recv_channel_prefix_matrix`` is filled when the generator ends; ``recv_x_bytes`` has
         ``max(N_recv, num_worst_tokens)`` rows.
         """
         me, nr = self.rank, self.num_ranks
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
-        k = topk_idx.shape[1] if topk_idx is not None else 0
-        regions = self.dispatch_regions(xb, sb, k, num_experts, cached=False)
-        q = max(1, regions.capacity)
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        regions = self.dispatch_regions(xb, sb, num_topk, num_experts, cached=False)
+        per_round = max(1, regions.capacity)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
-                 W_TOPK: k if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
+                 W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
                  W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens}
         vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
         predicted = self._predict_direct
         land_words, advertised = self._advertise()
         words.update(land_words)
-
-        def stage(rnd, with_x=True, only_x=False):
-            lo, hi = rnd * q, min(n, (rnd + 1) * q)
-            m = hi - lo
-            if m <= 0:
-                return
-            fo = regions.field_offs
-            if with_x:
-                self._view(me, fo[0], m * xb).view(m, xb).copy_(x[lo:hi])
-            if only_x:
-                return
-            if sb:
-                self._view(me, fo[1], m * sb).view(m, sb).copy_(scales[lo:hi])
-            if k:
-                self._view(me, fo[2], m * k * 8, torch.int64).view(m, k).copy_(topk_idx[lo:hi])
-                self._view(me, fo[3], m * k * 4, torch.float32).view(m, k).copy_(topk_weights[lo:hi])
-            self._view(me, fo[4], m * nr, torch.bool).view(m, nr).copy_(is_token_in_rank[lo:hi])
-
+        stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
+                                  _SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank))
         phase = f"dispatch call #{call_id}"
         headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None, phase)
 
         ntok = headers[:, W_NTOK].astype(np.int64)
-        rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
-        vecs = torch.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).clone()
-                            for p in range(nr)])
-        counts = vecs[:, :nr]  # counts[s][j]: tokens s sends to j
+        rounds = [max(1, _ceil_div(int(t), per_round)) for t in ntok]
+        counts, per_expert = self._read_count_vectors(num_experts)  # counts[s][j]: tokens s sends to j
         rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
-        local = num_experts // nr
-        per_expert = vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=torch.int64)
         if num_worst_tokens:
             recv_list = []
         else:
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
-        rows = max(num_recv, num_worst_tokens)
-        recv_x = self._recv_x(advertised, rows, xb)
-        recv_scales = torch.empty(rows, sb, dtype=torch.uint8) if scales is not None else None
-        recv_topk = torch.empty(rows, k, dtype=torch.int64) if topk_idx is not None else None
-        recv_w = torch.empty(rows, k, dtype=torch.float32) if topk_idx is not None else None
-        recv_src_idx = torch.empty(rows, dtype=torch.int32)
-        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (spec §4.4)
-            for t in (recv_x, recv_scales, recv_w, recv_src_idx):
-                if t is not None:
-                    t[num_recv:].zero_()
-            if recv_topk is not None:
-                recv_topk[num_recv:].fill_(-1)
+        out = self._dispatch_outputs(advertised, num_recv, max(num_recv, num_worst_tokens), xb, sb, num_topk,
+                                     scales is not None, topk_idx is not None)
         channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
         recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
-        yield (recv_x, recv_scales, recv_topk, recv_w, recv_list,
-               (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_src_idx,
-                num_recv))
+        handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, out.src_idx,
+                                 is_token_in_rank, send_head)
+        yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv
 
         direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
         cursor = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
-                m = min(q, int(ntok[s]) - rnd * q)
-                if m <= 0:
-                    continue
-                fo = regions.field_offs
-                mask = self._view(s, fo[4], m * nr, torch.bool).view(m, nr)[:, me]
-                idx = torch.nonzero(mask).squeeze(1)
-                c, got = cursor[s], idx.numel()
-                if not got:
-                    continue
-                if not direct:
-                    torch.index_select(self._view(s, fo[0], m * xb).view(m, xb), 0, idx, out=recv_x[c:c + got])
-                if sb:
-                    torch.index_select(self._view(s, fo[1], m * sb).view(m, sb), 0, idx, out=recv_scales[c:c + got])
-                if k:
-                    torch.index_select(self._view(s, fo[2], m * k * 8, torch.int64).view(m, k), 0, idx,
-                                       out=recv_topk[c:c + got])
-                    torch.index_select(self._view(s, fo[3], m * k * 4, torch.float32).view(m, k), 0, idx,
-                                       out=recv_w[c:c + got])
-                torch.add(idx, rnd * q, out=recv_src_idx[c:c + got])
-                cursor[s] = c + got
-                self._record(s, got * (xb + sb + 12 * k))  # counted by the receiver, however the rows came
+                rows = min(per_round, int(ntok[s]) - rnd * per_round)
+                if rows > 0:
+                    cursor[s] = self._gather_dispatch_chunk(s, rows, rnd * per_round, regions, out, cursor[s], direct)
         if direct:
             self._await_xdata(phase)
         for s in range(nr):
@@ -430,27 +464,103 @@ class IntranodeEngine:
                 raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
         starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
-        recv_channel_prefix_matrix.copy_(recv_channel_prefix(recv_src_idx, starts, ntok, num_channels))
-        if recv_topk is not None and num_recv:
-            ids = recv_topk[:num_recv]
-            foreign = (ids < me * local) | (ids >= (me + 1) * local)
-            ids.sub_(me * local).masked_fill_(foreign, -1)
-            recv_w[:num_recv].masked_fill_(foreign, 0.0)
+        recv_channel_prefix_matrix.copy_(recv_channel_prefix(out.src_idx, starts, ntok, num_channels))
+        if out.topk_idx is not None and num_recv:
+            to_local_experts(out.topk_idx[:num_recv], out.topk_weights[:num_recv], me, num_experts // nr)
+
+    def _stage_dispatch_chunk(self, regions: _Regions, per_round: int, sent: _SentRows, rnd: int, with_x: bool = True,
+                              only_x: bool = False) -> None:
+        """Stage this rank's tokens ``[rnd·per_round, (rnd+1)·per_round)`` into its current half: ``x`` rows
+        (unless ``with_x`` is False), then (unless ``only_x``) scales, top-k ids and weights, routing mask."""
+        n = sent.x.size(0)
+        lo, hi = rnd * per_round, min(n, (rnd + 1) * per_round)
+        rows = hi - lo
+        if rows <= 0:
+            return
+        me, offs = self.rank, regions.field_offs
+        xb = sent.x.size(1)
+        if with_x:
+            self._view(me, offs[0], rows * xb).view(rows, xb).copy_(sent.x[lo:hi])
+        if only_x:
+            return
+        sb = sent.scales.size(1) if sent.scales is not None else 0
+        num_topk = sent.topk_idx.size(1) if sent.topk_idx is not None else 0
+        if sb:
+            self._view(me, offs[1], rows * sb).view(rows, sb).copy_(sent.scales[lo:hi])
+        if num_topk:
+            self._view(me, offs[2], rows * num_topk * 8, torch.int64).view(rows, num_topk).copy_(sent.topk_idx[lo:hi])
+            self._view(me, offs[3], rows * num_topk * 4, torch.float32).view(rows, num_topk).copy_(
+                sent.topk_weights[lo:hi])
+        if sent.is_token_in_rank is not None:
+            nr = self.num_ranks
+            self._view(me, offs[4], rows * nr, torch.bool).view(rows, nr).copy_(sent.is_token_in_rank[lo:hi])
+
+    def _read_count_vectors(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After chunk 0: ``counts [R, R]`` int32 (``[s, j]``: tokens ``s`` sends to ``j``) and this rank's
+        received (token, slot) pairs per local expert ``[E / R]`` int64, from every rank's staged vector."""
+        me, nr = self.rank, self.num_ranks
+        vecs = torch.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).clone()
+                            for p in range(nr)])
+        local = num_experts // nr
+        return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=torch.int64)
+
+    def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
+                          with_scales: bool, with_topk: bool) -> _Received:
+        """A dispatch's outputs of ``rows`` rows; rows past ``num_recv`` padded (zeros, expert id -1, spec §4.4)."""
+        out = _Received(self._recv_x(advertised, rows, xb),
+                        torch.empty(rows, sb, dtype=torch.uint8) if with_scales else None,
+                        torch.empty(rows, num_topk, dtype=torch.int64) if with_topk else None,
+                        torch.empty(rows, num_topk, dtype=torch.float32) if with_topk else None,
+                        torch.empty(rows, dtype=torch.int32))
+        if rows > num_recv:
+            for t in (out.x, out.scales, out.topk_weights, out.src_idx):
+                if t is not None:
+                    t[num_recv:].zero_()
+            if out.topk_idx is not None:
+                out.topk_idx[num_recv:].fill_(-1)
+        return out
+
+    def _gather_dispatch_chunk(self, s: int, rows: int, first_token: int, regions: _Regions, out: _Received, at: int,
+                               direct: bool) -> int:
+        """Gather into ``out`` from row ``at`` the rows for this rank of the ``rows`` tokens (from ``first_token``)
+        rank ``s`` staged; ``x`` rows only if not stored directly. Returns the next free row."""
+        me, nr, offs = self.rank, self.num_ranks, regions.field_offs
+        mask = self._view(s, offs[4], rows * nr, torch.bool).view(rows, nr)[:, me]
+        idx = torch.nonzero(mask).squeeze(1)
+        got = idx.numel()
+        if not got:
+            return at
+        xb = out.x.size(1)
+        sb = out.scales.size(1) if out.scales is not None else 0
+        num_topk = out.topk_idx.size(1) if out.topk_idx is not None else 0
+        if not direct:
+            torch.index_select(self._view(s, offs[0], rows * xb).view(rows, xb), 0, idx, out=out.x[at:at + got])
+        if sb:
+            torch.index_select(self._view(s, offs[1], rows * sb).view(rows, sb), 0, idx, out=out.scales[at:at + got])
+        if num_topk:
+            torch.index_select(self._view(s, offs[2], rows * num_topk * 8, torch.int64).view(rows, num_topk), 0, idx,
+                               out=out.topk_idx[at:at + got])
+            torch.index_select(self._view(s, offs[3], rows * num_topk * 4, torch.float32).view(rows, num_topk), 0, idx,
+                               out=out.topk_weights[at:at + got])
+        torch.add(idx, first_token, out=out.src_idx[at:at + got])
+        self._record(s, got * (xb + sb + 12 * num_topk))  # counted by the receiver, however the rows came
+        return at + got
 
     # -- cached dispatch ---------------------------------------------------------------
-    def cached_dispatch(self, *, call_id, x, scales, rank_prefix_matrix, recv_src_idx, is_token_in_rank,
-                        num_channels, handle_id, xdtype, sdtype):
+    def cached_dispatch(self, *, call_id, x, scales, handle: IntranodeHandle, num_channels, handle_id, xdtype,
+                        sdtype) -> Generator:
         """Dispatch through a handle (spec §4.5): same routing, no counting. Yields ``(recv_x, recv_scales)``."""
         me, nr = self.rank, self.num_ranks
+        rank_prefix_matrix, recv_src_idx = handle.rank_prefix_matrix, handle.recv_src_idx
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
         regions = self.dispatch_regions(xb, sb, 0, 0, cached=True)
-        q = max(1, regions.capacity)
+        per_round = max(1, regions.capacity)
         rows = recv_src_idx.numel()
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix)}
-        vec = is_token_in_rank.sum(0, dtype=torch.int32)
+        vec = handle.is_token_in_rank.sum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
         land_words, advertised = self._advertise(rows, xb)
         words.update(land_words)
@@ -462,22 +572,14 @@ class IntranodeEngine:
         # Read only now: an async cached dispatch runs the part above on the caller's thread while
         # earlier calls may still run on the worker (which updates the prediction in call order).
         predicted = self._predict_direct
-
-        def stage(rnd, with_x=True, only_x=False):
-            lo, hi = rnd * q, min(n, (rnd + 1) * q)
-            if hi > lo:
-                if with_x:
-                    self._view(me, regions.field_offs[0], (hi - lo) * xb).view(hi - lo, xb).copy_(x[lo:hi])
-                if sb and not only_x:
-                    self._view(me, regions.field_offs[1], (hi - lo) * sb).view(hi - lo, sb).copy_(scales[lo:hi])
-
+        stage = functools.partial(self._stage_dispatch_chunk, regions, per_round, _SentRows(x, scales, None, None, None))
         phase = f"cached dispatch call #{call_id}"
         headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None,
                                phase)
         self._check_counts(rank_prefix_matrix, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
-        rounds = [max(1, _ceil_div(int(t), q)) for t in ntok]
-        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
+        rounds = [max(1, _ceil_div(int(t), per_round)) for t in ntok]
+        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, handle.is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
@@ -486,22 +588,31 @@ class IntranodeEngine:
                 if direct and not sb:  # one round, nothing staged to gather: only count the rows received
                     self._record(s, (starts[s + 1] - starts[s]) * xb)
                     continue
-                m = min(q, int(ntok[s]) - rnd * q)
-                block = src[starts[s]:starts[s + 1]]
-                lo, hi = torch.searchsorted(block, torch.tensor([rnd * q, rnd * q + max(m, 0)])).tolist()
-                if hi <= lo:
-                    continue
-                idx = block[lo:hi] - rnd * q
-                a, b = starts[s] + lo, starts[s] + hi
-                if not direct:
-                    torch.index_select(self._view(s, regions.field_offs[0], m * xb).view(m, xb), 0, idx,
-                                       out=recv_x[a:b])
-                if sb:
-                    torch.index_select(self._view(s, regions.field_offs[1], m * sb).view(m, sb), 0, idx,
-                                       out=recv_scales[a:b])
-                self._record(s, (hi - lo) * (xb + sb))
+                staged = min(per_round, int(ntok[s]) - rnd * per_round)
+                self._gather_cached_chunk(s, src[starts[s]:starts[s + 1]], starts[s], rnd * per_round, staged, regions,
+                                          recv_x, recv_scales, direct)
         if direct:
             self._await_xdata(phase)
+
+    def _gather_cached_chunk(self, s: int, block: torch.Tensor, block_start: int, first_token: int, staged: int,
+                             regions: _Regions, recv_x: torch.Tensor, recv_scales: torch.Tensor | None,
+                             direct: bool) -> None:
+        """Gather the rows of rank ``s``'s staged tokens ``[first_token, first_token + staged)`` that the handle
+        routes here: ``block`` lists the source token of each of ``s``'s rows (they start at ``block_start``)."""
+        lo, hi = torch.searchsorted(block, torch.tensor([first_token, first_token + max(staged, 0)])).tolist()
+        if hi <= lo:
+            return
+        idx = block[lo:hi] - first_token
+        begin, end = block_start + lo, block_start + hi
+        xb = recv_x.size(1)
+        sb = recv_scales.size(1) if recv_scales is not None else 0
+        if not direct:
+            torch.index_select(self._view(s, regions.field_offs[0], staged * xb).view(staged, xb), 0, idx,
+                               out=recv_x[begin:end])
+        if sb:
+            torch.index_select(self._view(s, regions.field_offs[1], staged * sb).view(staged, sb), 0, idx,
+                               out=recv_scales[begin:end])
+        self._record(s, (hi - lo) * (xb + sb))
 
     def _check_counts(self, rank_prefix_matrix, phase):
         """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""
@@ -515,27 +626,26 @@ class IntranodeEngine:
                 f"(tokens each rank's handle sends: {sent.tolist()}; this rank's handle expects {expected.tolist()})")
 
     # -- combine -----------------------------------------------------------------------
-    def combine(self, *, call_id, x, topk_weights, bias, rank_prefix_matrix, recv_src_idx, is_token_in_rank,
-                num_channels, handle_id):
+    def combine(self, *, call_id, x, topk_weights, bias, handle: IntranodeHandle, num_channels,
+                handle_id) -> Generator:
         """Combine (spec §4.6): unweighted float32 sum over receiving ranks, ascending rank, one rounding.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """
         me, nr = self.rank, self.num_ranks
+        rank_prefix_matrix = handle.rank_prefix_matrix
         hidden = x.shape[1]
         xb = 2 * hidden
         wcols = topk_weights.shape[1] if topk_weights is not None else -1
         regions = self.combine_regions(xb, wcols)
-        n = is_token_in_rank.shape[0]
+        n = handle.is_token_in_rank.shape[0]
         num_recv = int(rank_prefix_matrix[nr - 1, me])
         combined = self.outputs.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 
         counts = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
-        q = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
-        src = recv_src_idx[:num_recv].to(torch.int64)
-        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
+        per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
         xseg = self.segment.offset_of(me, x) if self.landing is not None else None
         self.last_combine_in_place = xseg is not None
@@ -543,109 +653,126 @@ class IntranodeEngine:
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix),
                  W_XSEG_OFF: -1 if xseg is None else xseg}
-
-        own_span = [(0, 0)]  # this round's rows for this rank itself: read from x, never staged
         # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
         # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
         # three plain copies.
-        clean_staging = nr == 2 and not _native.available()
-
-        def stage(rnd):
-            """Stage, for every other origin, this rank's rows of that origin's tokens [rnd*q, (rnd+1)*q).
-
-            The count vector lists every origin (own included); the rows of origins ``s != me``
-            follow one another in ascending ``s``.
-            """
-            lo_t, hi_t = rnd * q, (rnd + 1) * q
-            spans = []
-            for s in range(nr):
-                block = src[starts[s]:starts[s + 1]]
-                lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
-                spans.append((starts[s] + lo, starts[s] + hi))
-            own_span[0] = spans[me]
-            sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
-            self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
-            total = int(sizes.sum()) - int(sizes[me])
-            if not total or (xseg is not None and wcols <= 0):
-                return
-            xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if xseg is None else None
-            wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
-                    if wcols > 0 else None)
-            pieces = [span for s, span in enumerate(spans) if s != me]
-            if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
-                # Adjacent spans (always so in a single round): two copies, around the own rows.
-                pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
-            pos = 0
-            for a, b in pieces:
-                if b <= a:
-                    continue
-                if xdst is not None:  # else peers read these rows of x in place
-                    dst = xdst[pos:pos + b - a].view(torch.bfloat16)
-                    if clean_staging:
-                        # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
-                        # spares the origin a sign-of-zero pass over a two-source sum (accumulate_rows).
-                        torch.add(x[a:b], 0.0, out=dst)
-                    else:
-                        dst.copy_(x[a:b])
-                if wdst is not None:
-                    wdst[pos:pos + b - a].copy_(topk_weights[a:b])
-                pos += b - a
-
+        returned = _Returned(x, topk_weights, handle.recv_src_idx[:num_recv].to(torch.int64),
+                             [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv],
+                             in_place=xseg is not None, clean=nr == 2 and not _native.available(), own_span=[0, 0])
+        stage = functools.partial(self._stage_combine_chunk, regions, per_round, returned)
         phase = f"combine call #{call_id}"
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         ntok = headers[:, W_NTOK].astype(np.int64)
-        num_rounds = max(1, max(_ceil_div(int(t), q) for t in ntok))
+        num_rounds = max(1, max(_ceil_div(int(t), per_round) for t in ntok))
         acc, tmp = self._scratch.get(hidden)
-        block = acc.size(0)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
-            lo_t, hi_t = rnd * q, min(n, (rnd + 1) * q)
+            lo_t, hi_t = rnd * per_round, min(n, (rnd + 1) * per_round)
             m = max(0, hi_t - lo_t)
-            edges = torch.arange(0, m + block, block).clamp_(max=m)
-            sources = []  # per rank j: (rows of j for this rank [cnt, H] bf16, token ids, block bounds, staged)
-            for j in range(nr):
-                sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32)
-                cnt = int(sizes[me])
-                tokens = torch.nonzero(is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
-                if (0 if tokens is None else tokens.numel()) != cnt:
-                    raise RuntimeError(
-                        f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
-                        f"but the handle routed {0 if tokens is None else tokens.numel()} there; the handles "
-                        f"passed on different ranks do not match")
-                if not cnt:
-                    continue
-                if j == me:
-                    a, b = own_span[0]
-                    rows = x[a:b]
-                    wrows = topk_weights[a:b] if combined_w is not None and wcols > 0 else None
-                else:
-                    off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)  # in j's staged rows
-                    wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
-                             .view(cnt, wcols) if combined_w is not None and wcols > 0 else None)
-                    if headers[j, W_XSEG_OFF] >= 0:  # j's x in its landing segment (the view checks the range)
-                        row0 = rows_before(rank_prefix_matrix, me, j) + read[j]
-                        read[j] += cnt
-                        rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
-                    else:
-                        rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
-                    rows = rows.view(cnt, xb).view(torch.bfloat16)
-                sources.append((rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
-                                j != me and clean_staging and headers[j, W_XSEG_OFF] < 0))
-                self._record(j, cnt * (xb + 4 * max(wcols, 0)))
+            edges = torch.arange(0, m + acc.size(0), acc.size(0)).clamp_(max=m)
+            sources = self._combine_sources(headers, regions, returned, handle, lo_t, hi_t, edges,
+                                            combined_w is not None, read, phase)
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
                 wout = combined_w[lo_t:hi_t]
                 wout.zero_()
-                for _, wrows, tokens, _, _ in sources:
-                    if wrows is not None:
-                        wout.index_add_(0, tokens, wrows)
-            accumulate_rows(combined[lo_t:hi_t], [(rows, tokens) for rows, _, tokens, _, _ in sources], acc, tmp,
-                            bias, lo_t, edges=edges, bounds=[src[3] for src in sources],
-                            clean=[src[4] for src in sources])
+                for source in sources:
+                    if source.weights is not None:
+                        wout.index_add_(0, source.tokens, source.weights)
+            accumulate_rows(combined[lo_t:hi_t], [(source.rows, source.tokens) for source in sources], acc, tmp,
+                            bias, lo_t, edges=edges, bounds=[source.bounds for source in sources],
+                            clean=[source.clean for source in sources])
         if any(read):
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
             self.tp.check_abort()
         # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
-        if xseg is not None and num_recv > starts[me + 1] - starts[me]:
+        if xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]:
             self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")
+
+    def _stage_combine_chunk(self, regions: _Regions, per_round: int, returned: _Returned, rnd: int) -> None:
+        """Stage, for every other origin, this rank's rows of that origin's tokens [rnd·per_round, (rnd+1)·per_round).
+
+        The count vector lists every origin (own included); the rows of origins ``s != me``
+        follow one another in ascending ``s``. Rows of ``x`` read in place are not staged.
+        """
+        me, nr = self.rank, self.num_ranks
+        lo_t, hi_t = rnd * per_round, (rnd + 1) * per_round
+        starts, spans = returned.starts, []
+        for s in range(nr):
+            block = returned.src[starts[s]:starts[s + 1]]
+            lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
+            spans.append((starts[s] + lo, starts[s] + hi))
+        returned.own_span[:] = spans[me]
+        sizes = torch.tensor([end - begin for begin, end in spans], dtype=torch.int32)
+        self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
+        total = int(sizes.sum()) - int(sizes[me])
+        weights = returned.topk_weights
+        wcols = weights.size(1) if weights is not None else -1
+        if not total or (returned.in_place and wcols <= 0):
+            return
+        xb = returned.x.size(1) * 2
+        xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if not returned.in_place else None
+        wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
+                if wcols > 0 else None)
+        pieces = [span for s, span in enumerate(spans) if s != me]
+        if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
+            # Adjacent spans (always so in a single round): two copies, around the own rows.
+            pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
+        pos = 0
+        for begin, end in pieces:
+            if end <= begin:
+                continue
+            if xdst is not None:  # else peers read these rows of x in place
+                dst = xdst[pos:pos + end - begin].view(torch.bfloat16)
+                if returned.clean:
+                    # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
+                    # spares the origin a sign-of-zero pass over a two-source sum (accumulate_rows).
+                    torch.add(returned.x[begin:end], 0.0, out=dst)
+                else:
+                    dst.copy_(returned.x[begin:end])
+            if wdst is not None:
+                wdst[pos:pos + end - begin].copy_(weights[begin:end])
+            pos += end - begin
+
+    def _combine_sources(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, lo_t: int,
+                         hi_t: int, edges: torch.Tensor, with_weights: bool, read: list, phase: str) -> list[_Source]:
+        """The rows every rank ``j`` returned for this rank's tokens ``[lo_t, hi_t)``, ascending ``j``: this
+        rank's own from ``x``, the others' staged in ``j``'s window or read in place from its ``x``."""
+        me, nr = self.rank, self.num_ranks
+        weights = returned.topk_weights
+        wcols = weights.size(1) if weights is not None else -1
+        xb = 2 * returned.x.size(1)
+        m = max(0, hi_t - lo_t)
+        sources = []
+        for j in range(nr):
+            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32)
+            cnt = int(sizes[me])
+            tokens = torch.nonzero(handle.is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
+            if (0 if tokens is None else tokens.numel()) != cnt:
+                raise RuntimeError(
+                    f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
+                    f"but the handle routed {0 if tokens is None else tokens.numel()} there; the handles "
+                    f"passed on different ranks do not match")
+            if not cnt:
+                continue
+            staged_x = j != me and headers[j, W_XSEG_OFF] < 0
+            if j == me:
+                begin, end = returned.own_span
+                rows = returned.x[begin:end]
+                wrows = weights[begin:end] if with_weights and wcols > 0 else None
+            else:
+                off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)  # in j's staged rows
+                wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
+                         .view(cnt, wcols) if with_weights and wcols > 0 else None)
+                if not staged_x:  # j's x in its landing segment (the view checks the range)
+                    row0 = rows_before(handle.rank_prefix_matrix, me, j) + read[j]
+                    read[j] += cnt
+                    rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
+                else:
+                    rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
+                rows = rows.view(cnt, xb).view(torch.bfloat16)
+            sources.append(_Source(rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
+                                   staged_x and returned.clean))
+            self._record(j, cnt * (xb + 4 * max(wcols, 0)))
+        return sources

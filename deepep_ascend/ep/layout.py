@@ -14,7 +14,8 @@ import torch
 topk_idx_t = torch.int64
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
+                    num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counts of a routing; mirrors the computation of ``deep_ep.Buffer.get_dispatch_layout``.
 
     Args:
@@ -39,13 +40,32 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
+def tokens_per_node(is_token_in_rank: torch.Tensor, num_nodes: int, ranks_per_node: int) -> torch.Tensor:
+    """``num_tokens_per_rdma_rank [G]`` int32: tokens with an expert on each node (``is_token_in_rank [N, G·P]`` bool)."""
+    n = is_token_in_rank.size(0)
+    return is_token_in_rank.view(n, num_nodes, ranks_per_node).any(2).sum(0, dtype=torch.int32)
+
+
+def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, rank: int,
+                     num_local_experts: int) -> None:
+    """In place: received global expert ids -> this rank's local ids, ``-1`` (weight 0) for other ranks' experts.
+
+    ``recv_topk_idx`` ``[N_recv, K]`` int64 and ``recv_topk_weights`` ``[N_recv, K]`` float32, the real
+    rows only (DeepEP's ``recv_topk_idx`` holds local expert ids, spec §4.2).
+    """
+    first = rank * num_local_experts
+    foreign = (recv_topk_idx < first) | (recv_topk_idx >= first + num_local_experts)
+    recv_topk_idx.sub_(first).masked_fill_(foreign, -1)
+    recv_topk_weights.masked_fill_(foreign, 0.0)
+
+
 def channel_of_tokens(num_tokens: int, num_channels: int) -> torch.Tensor:
     """``[N]`` int64 channel of each token: channel ``c`` owns ``[c·q, min((c+1)·q, N))``, ``q = ceil(N/C)``."""
     q = max(1, -(-num_tokens // num_channels))
     return torch.arange(num_tokens, dtype=torch.int64) // q
 
 
-def send_layout(is_token_in_rank: torch.Tensor, num_channels: int):
+def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sender-side handle entries: ``channel_prefix_matrix [R, C]`` int32 and ``send_head [N, R]`` int32.
 
     ``channel_prefix_matrix[j][c]`` = this rank's tokens for rank ``j`` in channels ``0..c``
@@ -63,7 +83,8 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int):
     return channel_prefix.t().contiguous(), send_head
 
 
-def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per_source, num_channels: int):
+def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per_source,
+                        num_channels: int) -> torch.Tensor:
     """Receiver-side ``recv_channel_prefix_matrix [R, C]`` int32: start of channel ``c`` in source ``s``'s block.
 
     Args:

@@ -49,16 +49,19 @@ its receive of call ``k``.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from ..transports import ChannelKind, TransportTimeout
 
 from . import memory
+from .handles import LowLatencyHandle
 from .protocol import ConsensusError
 from ..gemm.fp8 import low_latency_cast_to_fp8_
 from ..gemm.logfmt import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
@@ -149,7 +152,7 @@ class OutputPool:
     def __init__(self):
         self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
 
-    def get(self, shape, dtype, channels_first=False):
+    def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
         """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
         ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
         ``(e, count)`` runs written so that the next user gets them zeroed."""
@@ -174,6 +177,34 @@ class OutputPool:
         return view, ent
 
 
+class _Route(NamedTuple):
+    """A dispatch's (token, slot) pairs of live experts, grouped by expert (tokens, then slots, ascending)."""
+
+    experts: torch.Tensor  # [P] int64, ascending: each pair's expert
+    tokens: torch.Tensor  # [P] int64: each pair's token
+    counts: torch.Tensor  # [E] int64 pairs per expert
+    starts: torch.Tensor  # [E] int64 first pair of each expert
+    counts32: torch.Tensor  # counts as int32 (the count vectors sent)
+
+
+class _DispatchCall(NamedTuple):
+    """A dispatch whose sends are issued: what its receive needs."""
+
+    seq: int  # LL call number
+    half: int  # window half (and signal slot) of the call
+    need: int  # value every live source's signal reaches
+    lay: Layout
+    flags: int
+    message_bytes: int  # bytes per message (slot stride)
+    scale_bytes: int  # bytes of FP8 scales per message (0: BF16)
+    recv_x: torch.Tensor  # [L, R·M, H]
+    recv_scales: torch.Tensor | None  # [L, R·M, S'] channels-first
+    src_info: torch.Tensor  # [L, R·M] int32
+    recv_count: torch.Tensor  # [L] int32
+    layout_range: torch.Tensor  # [L, R] int64
+    written: tuple  # OutputPool entries of recv_x, recv_scales (or None), src_info
+
+
 class LowLatencyRefused(ConsensusError):
     """The call completed its signals but was refused: a rank rejected its arguments, ranks
     disagree on ``M``/``H``/``E``/FP8 flags, or counts do not match the handle. The Buffer
@@ -187,7 +218,7 @@ class Pending:
         self._receive = receive
         self.outputs = outputs
 
-    def receive(self):
+    def receive(self) -> tuple:
         fn, self._receive = self._receive, None
         fn()
         return self.outputs
@@ -224,10 +255,10 @@ class LowLatencyEngine:
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
 
     # -- helpers -----------------------------------------------------------------------
-    def live_peers(self):
+    def live_peers(self) -> list[int]:
         return [p for p in range(self.R) if not self.mask[p]]
 
-    def order(self):
+    def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
         return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
 
@@ -241,7 +272,7 @@ class LowLatencyEngine:
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
                                   torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
 
-    def stale_zero_copy(self):
+    def stale_zero_copy(self) -> str | None:
         """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
         if self.zero_copy_for is None or self.zero_copy_for == self.calls:
             return None
@@ -265,7 +296,7 @@ class LowLatencyEngine:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
 
-    def begin(self):
+    def begin(self) -> tuple[int, int]:
         """Number and half of a new call (checks the hook rule first)."""
         if self.pending_hook is not None:
             raise RuntimeError(
@@ -276,8 +307,9 @@ class LowLatencyEngine:
         self.calls += 1
         return seq, seq % 2
 
-    def reject(self, op, message):
-        """Refuse a call on every rank: headers with an error status to every live peer, then raise."""
+    def reject(self, op, message) -> None:
+        """Refuse a call on every rank: headers with an error status to every live peer, then wait for theirs
+        (the caller raises; the peers' :meth:`_check_headers` raise ``LowLatencyRefused`` naming this rank)."""
         seq, h = self.begin()
         hdr = self._header(seq, op, 1, None, 0, message)
         for dst in self.order():
@@ -352,18 +384,47 @@ class LowLatencyEngine:
                                     + "; ".join(problems))
 
     # -- dispatch ----------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats):
-        """Issue the sends of a dispatch; returns a :class:`Pending` whose receive fills the outputs."""
-        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
-        n, k = topk_idx.shape
+    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats) -> Pending:
+        """Issue the sends of a dispatch; returns a :class:`Pending` whose receive fills the outputs.
+
+        ``x`` ``[N, H]`` bf16, ``topk_idx`` ``[N, K]`` int64 (both dense); ``cum_stats`` ``[L]`` int32
+        and ``wait_stats`` ``[R]`` int64 or None (see ``Buffer.low_latency_dispatch``).
+        """
+        R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         seq, h = self.begin()
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
-        # Messages: [int32 token | 12 B | payload], the FP8 cast once per token (spec §6.4),
-        # written straight into the messages from a float32 scratch kept across calls.
-        sw = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # scale words per token
-        sb = 4 * sw
-        mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb  # message bytes = slot stride (<= d)
+        scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
+        messages = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
+        route = self._route(topk_idx, L, E)
+        for dst in self.order():
+            self._send_messages(dst, messages, route, lay, base)
+            self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
+            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
+        self.half_calls[h] += 1
+
+        # Outputs (allocated now, filled by the receive).
+        recv_x, written_x = self.pool.get((L, R * M, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales, written_s = None, None
+        if use_fp8:  # DeepEP: scales column-major in the last two dims
+            recv_scales, written_s = self.pool.get((L, R * M, scale_words),
+                                                   torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
+        src_info, written_i = self.pool.get((L, R * M), torch.int32)
+        call = _DispatchCall(seq, h, self.half_calls[h], lay, flags, messages.size(1), 4 * scale_words, recv_x,
+                             recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
+                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i))
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
+                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
+        return Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs)
+
+    def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                        scale_words: int) -> torch.Tensor:
+        """This rank's messages ``[N, mb]`` uint8 in the send region: ``[int32 token | 12 B | payload]``, the
+        FP8 cast once per token (spec §6.4), written straight in from a float32 scratch kept across calls.
+        ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
+        n, H = x.size(0), lay.H
+        sb = 4 * scale_words
+        mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb
         rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
         rows[:, :MSG_HEADER].zero_()
         rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
@@ -376,105 +437,101 @@ class LowLatencyEngine:
             rows[:, MSG_HEADER + H:mb].copy_(scales.view(torch.uint8).view(n, sb))
         else:
             rows[:, MSG_HEADER:mb].copy_(x.view(torch.uint8).view(n, 2 * H))
-        # Routing: (token, slot) pairs grouped by expert, tokens then slots ascending in each.
+        return rows
+
+    def _route(self, topk_idx, num_local: int, num_experts: int) -> _Route:
+        """The (token, slot) pairs of live experts grouped by expert, tokens then slots ascending in each."""
+        num_topk = topk_idx.size(1)
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
         if bool(self.mask.any()):
-            valid &= self.mask[(flat.clamp(min=0) // L)] == 0
+            valid &= self.mask[(flat.clamp(min=0) // num_local)] == 0
         pos = torch.nonzero(valid).squeeze(1)
         experts = flat[pos]
         order = torch.argsort(experts, stable=True)
         experts = experts[order]
-        tok = pos[order] // k
-        counts = torch.bincount(experts, minlength=E)
-        starts = torch.cumsum(counts, 0) - counts
-        counts32 = counts.to(torch.int32)
-        for dst in self.order():
-            lo, hi = int(starts[dst * L]), int(starts[dst * L + L - 1] + counts[dst * L + L - 1])
-            cnt = counts32[dst * L:(dst + 1) * L]
-            if hi > lo:
-                t = tok[lo:hi]
-                gathered = _wide(rows).index_select(0, t)  # ordered by local expert, then token/slot
-                if self.direct[dst]:  # one scatter: row j of local expert e's run -> slot (e, me), row j
-                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
-                    slot_rows = ((experts[lo:hi] - dst * L) * R + me) * M + (
-                        torch.arange(hi - lo) - (starts[experts[lo:hi]] - lo))
-                    dv = _wide(recv)
-                    dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
-                    self.tp.record_put(dst, (hi - lo) * mb)
-                else:  # one put per expert run (contiguous at both ends)
-                    firsts = (starts[dst * L:(dst + 1) * L] - lo).tolist()
-                    for e in torch.nonzero(cnt).squeeze(1).tolist():
-                        a, c = firsts[e], int(cnt[e])
-                        self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + me) * M) * mb,
-                                    gathered[a:a + c])
-            self._put_counts(dst, base, cnt, L)
-            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
-        self.half_calls[h] += 1
-        need = self.half_calls[h]
+        counts = torch.bincount(experts, minlength=num_experts)
+        return _Route(experts, pos[order] // num_topk, counts, torch.cumsum(counts, 0) - counts, counts.to(torch.int32))
 
-        # Outputs (allocated now, filled by the receive).
-        xdtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x, written_x = self.pool.get((L, R * M, H), xdtype)
-        recv_scales, written_s = None, None
-        if use_fp8:  # DeepEP: scales column-major in the last two dims
-            recv_scales, written_s = self.pool.get(
-                (L, R * M, sw), torch.int32 if use_ue8m0 else torch.float32,
-                channels_first=True)
-        recv_count = torch.zeros(L, dtype=torch.int32)
-        src_info, written_i = self.pool.get((L, R * M), torch.int32)
-        layout_range = torch.zeros(L, R, dtype=torch.int64)
-        phase = f"low_latency_dispatch call #{seq}"
+    def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int) -> None:
+        """Write ``dst``'s messages into its slots: one scatter into its mapped window (same node with
+        ``allow_ubmem``, or this rank), else one ``put`` per expert run (contiguous at both ends)."""
+        L, R, M = lay.L, self.R, lay.M
+        mb = messages.size(1)
+        last = dst * L + L - 1
+        lo, hi = int(route.starts[dst * L]), int(route.starts[last] + route.counts[last])
+        if hi <= lo:
+            return
+        gathered = _wide(messages).index_select(0, route.tokens[lo:hi])  # ordered by local expert, then token/slot
+        if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
+            recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+            experts = route.experts[lo:hi]
+            slot_rows = ((experts - dst * L) * R + self.rank) * M + (torch.arange(hi - lo) - (route.starts[experts] - lo))
+            dv = _wide(recv)
+            dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
+            self.tp.record_put(dst, (hi - lo) * mb)
+            return
+        cnt = route.counts32[dst * L:(dst + 1) * L]
+        firsts = (route.starts[dst * L:(dst + 1) * L] - lo).tolist()
+        for e in torch.nonzero(cnt).squeeze(1).tolist():
+            first, count = firsts[e], int(cnt[e])
+            self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + self.rank) * M) * mb,
+                        gathered[first:first + count])
 
-        def receive():
-            self._wait_sources(h, need, phase, wait_stats)
-            self._check_headers(h, seq, OP_DISPATCH, lay, flags)
-            live = torch.tensor([not m for m in self.mask.tolist()])
-            cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
-            cnt[:, ~live] = 0
-            if bool((cnt > M).any()) or bool((cnt < 0).any()):
-                raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
-            begin = torch.cumsum(cnt, 1) - cnt
-            recv_count.copy_(cnt.sum(1))
-            layout_range.copy_((begin.to(torch.int64) << 32) | cnt.to(torch.int64))
-            total = int(recv_count.sum())
-            if total:
-                blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
-                f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
-                msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb], by expert, source, row
-                # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
-                e_of = f // (R * M)
-                row_of = torch.arange(total) - (torch.cumsum(recv_count, 0) - recv_count).to(torch.int64)[e_of]
-                dst_rows = e_of * (R * M) + row_of
-                xb = H * recv_x.element_size()
-                # One scatter per output in the widest element type dividing every field: torch copies
-                # column slices element by element (byte-wise copies were ~95 % of the receive).
-                w = _common_width(mb, MSG_HEADER, xb, sb)
-                mw = msgs.view(_INT_OF_WIDTH[w])
-                rx = recv_x.view(torch.uint8).view(L * R * M, xb).view(_INT_OF_WIDTH[w])
-                rx.index_copy_(0, dst_rows, mw[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
-                info = (msgs.view(torch.int32)[:, 0] if mb % 4 == 0
-                        else _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1))
-                src_info.view(-1).index_copy_(0, dst_rows, info)
-                if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
-                    sc = msgs.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4]
-                    # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
-                    sw = sc.size(1)
-                    flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
-                            + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
-                    recv_scales.transpose(1, 2).view(-1).index_copy_(
-                        0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-                runs = [(e, c) for e, c in enumerate(recv_count.tolist()) if c]
-                for ent in (written_x, written_s, written_i):
-                    if ent is not None:
-                        ent[1] = runs
-            if cum_stats is not None:
-                cum_stats.add_(recv_count)
+    def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
+        """Wait for every live source, check the headers, then unpack the received messages into the outputs:
+        expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot."""
+        me, R, lay = self.rank, self.R, call.lay
+        L, M, H = lay.L, lay.M, lay.H
+        base = call.half * self.half
+        phase = f"low_latency_dispatch call #{call.seq}"
+        self._wait_sources(call.half, call.need, phase, wait_stats)
+        self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
+        live = torch.tensor([not m for m in self.mask.tolist()])
+        cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
+        cnt[:, ~live] = 0
+        if bool((cnt > M).any()) or bool((cnt < 0).any()):
+            raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
+        begin = torch.cumsum(cnt, 1) - cnt
+        call.recv_count.copy_(cnt.sum(1))
+        call.layout_range.copy_((begin.to(torch.int64) << 32) | cnt.to(torch.int64))
+        total = int(call.recv_count.sum())
+        if total:
+            mb, sb = call.message_bytes, call.scale_bytes
+            recv_x, recv_scales = call.recv_x, call.recv_scales
+            blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
+            f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
+            msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb], by expert, source, row
+            # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
+            e_of = f // (R * M)
+            row_of = torch.arange(total) - (torch.cumsum(call.recv_count, 0) - call.recv_count).to(torch.int64)[e_of]
+            dst_rows = e_of * (R * M) + row_of
+            xb = H * recv_x.element_size()
+            # One scatter per output in the widest element type dividing every field: torch copies
+            # column slices element by element (byte-wise copies were ~95 % of the receive).
+            w = _common_width(mb, MSG_HEADER, xb, sb)
+            mw = msgs.view(_INT_OF_WIDTH[w])
+            rx = recv_x.view(torch.uint8).view(L * R * M, xb).view(_INT_OF_WIDTH[w])
+            rx.index_copy_(0, dst_rows, mw[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+            info = (msgs.view(torch.int32)[:, 0] if mb % 4 == 0
+                    else _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1))
+            call.src_info.view(-1).index_copy_(0, dst_rows, info)
+            if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
+                sc = msgs.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4]
+                # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
+                sw = sc.size(1)
+                flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
+                        + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
+                recv_scales.transpose(1, 2).view(-1).index_copy_(
+                    0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
+            runs = [(e, c) for e, c in enumerate(call.recv_count.tolist()) if c]
+            for ent in call.written:
+                if ent is not None:
+                    ent[1] = runs
+        if cum_stats is not None:
+            cum_stats.add_(call.recv_count)
 
-        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, recv_count, (src_info, layout_range, M, H, E))
-        return Pending(receive, outputs)
-
-    def _scratch(self, name, shape, dtype):
+    def _scratch(self, name, shape, dtype) -> torch.Tensor:
         """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
         calls: fresh temporaries of this size cost page faults on every call."""
         numel = math.prod(shape)
@@ -483,7 +540,7 @@ class LowLatencyEngine:
             buf = self._scratch_bufs[name] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(shape)
 
-    def _put_counts(self, dst, base, cnt, L):
+    def _put_counts(self, dst, base, cnt, L) -> None:
         off = base + self.rank * L * 4
         if self.direct[dst]:
             self.tp.peer_view(self.win, dst, off, 4 * L, torch.int32).copy_(cnt)
@@ -491,17 +548,20 @@ class LowLatencyEngine:
         else:
             self.tp.put(self.win, dst, off, cnt.contiguous())
 
-    def _read_counts(self, base, L):
+    def _read_counts(self, base, L) -> torch.Tensor:
         return self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L).clone()
 
     # -- combine -----------------------------------------------------------------------
-    def combine(self, x, topk_idx, topk_weights, handle, lay: Layout, zero_copy, out, wait_stats, use_logfmt=False):
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, lay: Layout, zero_copy, out, wait_stats,
+                use_logfmt=False) -> Pending:
         """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
 
-        ``use_logfmt``: rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to
-        float32 before the weighted sum."""
-        me, R, L, M, H, E = self.rank, self.R, lay.L, lay.M, lay.H, lay.E
-        layout_range = handle[1]
+        ``x`` ``[L, R·M, H]`` bf16 (None with ``zero_copy``: the send region holds the rows), ``topk_idx``
+        / ``topk_weights`` ``[N, K]`` int64 / float32, ``out`` ``[N, H]`` bf16 or None. ``use_logfmt``:
+        rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to float32 before the
+        weighted sum."""
+        R, L, M, H = self.R, lay.L, lay.M, lay.H
+        layout_range = handle.layout_range
         seq, h = self.begin()
         self.zero_copy_for = None
         base = h * self.half
@@ -513,84 +573,94 @@ class LowLatencyEngine:
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
         cnt_rows, beg_rows = cnt_all.t().tolist(), beg_all.t().tolist()  # [R][L] ints: no per-run indexing
         for dst in self.order():
-            cnt = cnt_all[:, dst].contiguous()
-            runs = [(e, b, c) for e, (b, c) in enumerate(zip(beg_rows[dst], cnt_rows[dst])) if c]
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
-            elif runs:
-                if self.direct[dst]:  # rows [b, b + c) of expert e are one run, stored into slot me * L + e
-                    recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
-                    slots = recv.view(E, M, H)
-                    for e, b, c in runs:
-                        slots[me * L + e, :c].copy_(src[e, b:b + c])
-                    self.tp.record_put(dst, sum(c for _, _, c in runs) * 2 * H)
-                else:
-                    for e, b, c in runs:
-                        self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
-            self._put_counts(dst, base, cnt, L)
+            else:
+                self._send_rows(dst, src, beg_rows[dst], cnt_rows[dst], lay, base)
+            self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
             self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
         self.half_calls[h] += 1
         need = self.half_calls[h]
+        combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+        return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
+                                         combined, wait_stats, use_logfmt), (combined,))
 
+    def _send_rows(self, dst: int, src: torch.Tensor, begins: list, counts: list, lay: Layout, base: int) -> None:
+        """Return ``dst``'s rows as BF16: rows ``[b, b + c)`` of local expert ``e`` (one run each) into slot
+        ``me·L + e`` of ``dst``'s receive region, stored (mapped window) or put."""
+        me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
+        runs = [(e, b, c) for e, (b, c) in enumerate(zip(begins, counts)) if c]
+        if not runs:
+            return
+        if self.direct[dst]:
+            slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E, M, H)
+            for e, b, c in runs:
+                slots[me * L + e, :c].copy_(src[e, b:b + c])
+            self.tp.record_put(dst, sum(c for _, _, c in runs) * 2 * H)
+        else:
+            for e, b, c in runs:
+                self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
+
+    def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
+                         use_logfmt) -> None:
+        """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
+        (spec §6.3): per token, slots in order into one float32 accumulator, one rounding into ``combined``."""
+        me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
+        base = h * self.half
         n, k = topk_idx.shape
-        combined = out if out is not None else torch.empty(n, H, dtype=torch.bfloat16)
         phase = f"low_latency_combine call #{seq}"
-
-        def receive():
-            self._wait_sources(h, need, phase, wait_stats)
-            self._check_headers(h, seq, OP_COMBINE, lay, flags)
-            flat = topk_idx.reshape(-1)
-            valid = flat >= 0
-            owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
-            valid &= owner_live
-            pos = torch.nonzero(valid).squeeze(1)
-            experts = flat[pos]
-            order = torch.argsort(experts, stable=True)
-            sorted_e = experts[order]
-            counts = torch.bincount(sorted_e, minlength=E)
-            got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
-            live_e = (self.mask == 0).repeat_interleave(L)
-            bad = torch.nonzero((got != counts) & live_e).squeeze(1)
-            if bad.numel():
-                g = int(bad[0])
-                raise LowLatencyRefused(
-                    f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
-                    f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
-                    f"made the handle, on every rank")
-            starts = torch.cumsum(counts, 0) - counts
-            rank_in_e = torch.empty_like(pos)
-            rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
-            if use_logfmt:  # every received row decoded once, in (expert, row) order
-                decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
-                row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
-                row_of[order] = torch.arange(pos.numel())
+        self._wait_sources(h, need, phase, wait_stats)
+        self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        flat = topk_idx.reshape(-1)
+        valid = flat >= 0
+        owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
+        valid &= owner_live
+        pos = torch.nonzero(valid).squeeze(1)
+        experts = flat[pos]
+        order = torch.argsort(experts, stable=True)
+        sorted_e = experts[order]
+        counts = torch.bincount(sorted_e, minlength=E)
+        got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
+        live_e = (self.mask == 0).repeat_interleave(L)
+        bad = torch.nonzero((got != counts) & live_e).squeeze(1)
+        if bad.numel():
+            g = int(bad[0])
+            raise LowLatencyRefused(
+                f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
+                f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
+                f"made the handle, on every rank")
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_e = torch.empty_like(pos)
+        rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
+        if use_logfmt:  # every received row decoded once, in (expert, row) order
+            decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
+            row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
+            row_of[order] = torch.arange(pos.numel())
+        else:
+            rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
+        acc = self._scratch("acc", (n, H), torch.float32).zero_()
+        y_all = self._scratch("products", (n, H), torch.float32)
+        g_all = self._scratch("gathered", (n, H), torch.bfloat16)
+        slot_j = pos % k
+        tok = pos // k
+        for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
+            sel = torch.nonzero(slot_j == j).squeeze(1)
+            cnt = sel.numel()
+            if not cnt:
+                continue
+            y = y_all[:cnt]
+            if use_logfmt:
+                torch.index_select(decoded, 0, row_of[sel], out=y)
             else:
-                rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
-            acc = self._scratch("acc", (n, H), torch.float32).zero_()
-            y_all = self._scratch("products", (n, H), torch.float32)
-            g_all = self._scratch("gathered", (n, H), torch.bfloat16)
-            slot_j = pos % k
-            tok = pos // k
-            for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
-                sel = torch.nonzero(slot_j == j).squeeze(1)
-                cnt = sel.numel()
-                if not cnt:
-                    continue
-                y = y_all[:cnt]
-                if use_logfmt:
-                    torch.index_select(decoded, 0, row_of[sel], out=y)
-                else:
-                    g = g_all[:cnt]
-                    torch.index_select(rows, 0, experts[sel] * M + rank_in_e[sel], out=g)
-                    y.copy_(g)
-                y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
-                if cnt == n:  # every token has slot j (tokens ascend within a slot): a dense add
-                    acc.add_(y)
-                else:
-                    acc.index_add_(0, tok[sel], y)
-            combined.copy_(acc)
-
-        return Pending(receive, (combined,))
+                g = g_all[:cnt]
+                torch.index_select(rows, 0, experts[sel] * M + rank_in_e[sel], out=g)
+                y.copy_(g)
+            y.mul_(topk_weights[tok[sel], j].unsqueeze(1))
+            if cnt == n:  # every token has slot j (tokens ascend within a slot): a dense add
+                acc.add_(y)
+            else:
+                acc.index_add_(0, tok[sel], y)
+        combined.copy_(acc)
 
     def _encode_logfmt(self, src, cnt_all, beg_all, lay: Layout):
         """The rows of every run (local expert ``e``, live destination ``s``: rows
@@ -659,7 +729,7 @@ class LowLatencyEngine:
         return logfmt10_decode(body, meta, tail.view(torch.uint8))
 
     # -- clean ---------------------------------------------------------------------------
-    def clean(self):
+    def clean(self) -> None:
         """Barrier of the live ranks on the clean slot (shrink mode masks those missing the deadline)."""
         self.cleans += 1
         peers = [p for p in self.order() if p != self.rank]

@@ -79,7 +79,7 @@ def consensus_error(op, problems) -> ConsensusError:
     return ConsensusError(f"{OP_NAMES[op]} refused on every rank: " + "; ".join(problems))
 
 
-def check_consensus(headers, op, call_id):
+def check_consensus(headers, op, call_id) -> None:
     """Raise the same ConsensusError on every rank if any rank rejected its call or ranks disagree."""
     problems = consensus_problems(headers, op, call_id)
     if problems:

@@ -263,7 +263,7 @@ class CombineScratch:
         self._bufs = None
         self._rows = rows  # block rows; None: ~2 MiB per block (tests pass a few rows to get many blocks)
 
-    def get(self, hidden: int):
+    def get(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bufs is None or self._bufs[0].size(1) != hidden:
             block = self._rows or max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
             self._bufs = (torch.empty(block, hidden), torch.empty(block, hidden))

@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 
 from ..ep.config import Config
+from ..ep.handles import LowLatencyHandle, NormalHandle
 
 __all__ = ["combine", "dispatch", "low_latency_combine", "low_latency_dispatch"]
 
@@ -177,7 +178,8 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-             num_experts: int | None, **dispatch_kwargs):
+             num_experts: int | None, **dispatch_kwargs
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int] | None, NormalHandle]:
     """Differentiable ``Buffer.dispatch`` (normal mode); backward = ``Buffer.combine`` through the handle.
 
     Args:
@@ -210,7 +212,8 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weight
     return recv_x, out["recv_topk_idx"], recv_w, out["num_recv_tokens_per_expert_list"], out["handle"]
 
 
-def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, config: Config | None = None):
+def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None,
+            config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable ``Buffer.combine`` (normal mode); backward = cached ``Buffer.dispatch`` through the handle.
 
     Args:
@@ -240,17 +243,17 @@ _LL_DISPATCH_KWARGS = ("cumulative_local_expert_recv_stats", "dispatch_wait_recv
 _LL_COMBINE_KWARGS = ("use_logfmt", "combine_wait_recv_cost_stats")
 
 
-def _ll_valid_rows(handle) -> torch.Tensor:
+def _ll_valid_rows(handle: LowLatencyHandle) -> torch.Tensor:
     """``[L, R·M]`` bool: the rows of the packed layout that hold a received (token, slot)."""
-    src_info, layout_range = handle[0], handle[1]
-    count = (layout_range & 0xFFFFFFFF).sum(1)  # [L] rows received per local expert
-    return torch.arange(src_info.size(1)).unsqueeze(0) < count.unsqueeze(1)
+    count = (handle.layout_range & 0xFFFFFFFF).sum(1)  # [L] rows received per local expert
+    return torch.arange(handle.src_info.size(1)).unsqueeze(0) < count.unsqueeze(1)
 
 
-def _ll_same_slots(h_fwd, h_bwd, valid: torch.Tensor) -> None:
-    """Raise unless ``h_bwd`` has ``h_fwd``'s slots: same per-expert ranges (``handle[1]``), so the same
+def _ll_same_slots(h_fwd: LowLatencyHandle, h_bwd: LowLatencyHandle, valid: torch.Tensor) -> None:
+    """Raise unless ``h_bwd`` has ``h_fwd``'s slots: same per-expert ranges (``layout_range``), so the same
     valid rows (``valid = _ll_valid_rows(h_fwd)``), and the same source of every valid row."""
-    if not (torch.equal(h_fwd[1], h_bwd[1]) and torch.equal(h_fwd[0][valid], h_bwd[0][valid])):
+    if not (torch.equal(h_fwd.layout_range, h_bwd.layout_range)
+            and torch.equal(h_fwd.src_info[valid], h_bwd.src_info[valid])):
         raise RuntimeError("deepep_ascend.nn.autograd.low_latency_combine backward: the dispatch of the gradient did "
                            "not land in the forward handle's slots (were ranks masked between forward and "
                            "backward, or is `topk_idx` not the dispatch's?)")
@@ -301,7 +304,7 @@ class _LLCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, buffer, topk_idx, handle, kwargs):
         combined, _, _ = buffer.low_latency_combine(x, topk_idx, topk_weights, handle, **dict(kwargs))
-        ctx.buffer, ctx.handle = buffer, handle
+        ctx.buffer, ctx.handle = buffer, LowLatencyHandle._make(handle)  # a plain 5-tuple passed the call's checks
         ctx.save_for_backward(x, topk_weights, topk_idx)
         return combined
 
@@ -309,7 +312,7 @@ class _LLCombine(torch.autograd.Function):
     def backward(ctx, grad_combined):
         y, w, topk_idx = ctx.saved_tensors
         buffer, handle = ctx.buffer, ctx.handle
-        _, _, m, _, num_experts = handle
+        m, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         n, k = topk_idx.shape
         L = y.size(0)
         # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
@@ -349,7 +352,8 @@ class _LLCombine(torch.autograd.Function):
 
 
 def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                         num_experts: int, **kwargs):
+                         num_experts: int, **kwargs
+                         ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor, LowLatencyHandle]:
     """Differentiable ``Buffer.low_latency_dispatch``; backward = ``Buffer.low_latency_combine`` with unit weights.
 
     Args:
@@ -389,7 +393,7 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
 
 
 def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
-                        **kwargs):
+                        **kwargs) -> torch.Tensor:
     """Differentiable ``Buffer.low_latency_combine``; backward = LL dispatches of the gradient (module docstring).
 
     Args:

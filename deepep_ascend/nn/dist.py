@@ -25,23 +25,28 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
 from ..ep.group import mpi_comm_of as _resolve
 from ..transports import quiet_barrier
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 __all__ = ["ParallelGroups", "build_groups", "init_distributed", "mpi_comm_of", "world_comm"]
 
 
-def world_comm():
+def world_comm() -> MPI.Intracomm:
     """``mpi4py.MPI.COMM_WORLD``."""
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
 
 
-def init_distributed(backend: str = "gloo", timeout_s: float = 600.0, comm=None, master_addr: str | None = None):
+def init_distributed(backend: str = "gloo", timeout_s: float = 600.0, comm=None,
+                     master_addr: str | None = None) -> tuple[int, int]:
     """Initialise ``torch.distributed`` from an ``mpiexec`` launch (collective over ``comm``).
 
     Rank and world size come from ``comm`` (default ``MPI.COMM_WORLD``). The rendezvous is agreed
@@ -129,7 +134,7 @@ def build_groups(ep_size: int | None = None) -> ParallelGroups:
                           expert_dp_rank=edp_ranks.index(rank), ep_ranks=ep_ranks, expert_dp_ranks=edp_ranks)
 
 
-def mpi_comm_of(group):
+def mpi_comm_of(group) -> MPI.Intracomm:
     """The mpi4py communicator with ``group``'s ranks in ``group``'s order (collective over the group).
 
     Uses the same mapping as ``Buffer(group, ...)`` (torch ranks must equal MPI ``COMM_WORLD``

@@ -127,7 +127,7 @@ class MoEGate(nn.Module):
             self.e_score_correction_bias = None
         self.aux_loss = None
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.size(0)
         dt = torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
         logits = F.linear(x.to(dt), self.weight.to(dt))
@@ -264,7 +264,7 @@ class LocalExperts(nn.Module):
         w1, w3, w2 = (w[e].to(x.dtype) for w in (self.w1, self.w3, self.w2))
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
-    def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor):
+    def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor) -> torch.Tensor:
         m, k = recv_topk_idx.shape
         flat = recv_topk_idx.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=self.num_local).tolist()
@@ -447,7 +447,7 @@ class MoE(nn.Module):
         return Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @property
-    def aux_loss(self):
+    def aux_loss(self) -> torch.Tensor | None:
         return self.gate.aux_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

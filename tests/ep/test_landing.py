@@ -19,7 +19,7 @@ import torch
 
 from deepep_ascend import Buffer
 from deepep_ascend.ep import intranode as intranode_mod
-from deepep_ascend.ep.buffer import LANDING_BYTES_ENV
+from deepep_ascend.settings import LANDING_BYTES
 from tests.support.buffer_helpers import (
     BF16,
     all_ranks_ok,
@@ -146,11 +146,11 @@ def test_without_room_dispatch_stages_and_matches_the_reference(comm, monkeypatc
     """No landing segment (every call staged), or one too small for any recv_x (the first call is
     late: the ranks start out predicting direct stores, since every rank has a segment; later ones
     staged); non-cached and cached alike give the reference."""
-    monkeypatch.setenv(LANDING_BYTES_ENV, landing)
+    monkeypatch.setenv(LANDING_BYTES.name, landing)
     buf = Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True)
     try:
         paths, ok = _dispatches(buf, comm, range(300, 303), cached=True)
-        all_ranks_ok(comm, ok and paths == [first] + ["staged"] * 5, f"{LANDING_BYTES_ENV}={landing}: paths {paths}")
+        all_ranks_ok(comm, ok and paths == [first] + ["staged"] * 5, f"{LANDING_BYTES.name}={landing}: paths {paths}")
     finally:
         coll(buf.destroy, what="destroy")
 
@@ -228,10 +228,10 @@ def test_handles_that_differ_between_ranks_are_refused_on_every_rank(comm):
 
 
 def test_bad_landing_size_is_a_clear_error_on_every_rank(comm, monkeypatch):
-    monkeypatch.setenv(LANDING_BYTES_ENV, "lots")
+    monkeypatch.setenv(LANDING_BYTES.name, "lots")
     _, exc = capture(lambda: Buffer(None, _hint(comm.Get_size()), comm=comm, explicitly_destroy=True))
-    all_ranks_ok(comm, isinstance(exc, ValueError) and LANDING_BYTES_ENV in str(exc) and "'lots'" in str(exc),
-                 f"bad ${LANDING_BYTES_ENV}: got {exc!r}")
+    all_ranks_ok(comm, isinstance(exc, ValueError) and LANDING_BYTES.name in str(exc) and "'lots'" in str(exc),
+                 f"bad ${LANDING_BYTES.name}: got {exc!r}")
 
 
 def _combine(buf, x, handle, recv_w, use_async=False):
@@ -259,7 +259,7 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
     combine runs in many rounds."""
     r, R = comm.Get_rank(), comm.Get_size()
     if window == "streaming":
-        monkeypatch.setenv(LANDING_BYTES_ENV, str(64 << 20))  # recv_x still lands
+        monkeypatch.setenv(LANDING_BYTES.name, str(64 << 20))  # recv_x still lands
         nbytes = -(-2 * (1024 + 128 * 6 + (R + 4) * (2 * H + 12 * K + R)) // 128) * 128  # combine: >= R rows
     else:
         nbytes = _hint(R)

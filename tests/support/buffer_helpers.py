@@ -237,7 +237,7 @@ INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_chann
 
 
 def expected_internode_handle(itrs, rank: int, rpn: int, num_channels: int, ref) -> dict:
-    """The internode handle of ``rank`` (spec §5, entries as documented in ``deepep_ascend.ep.internode``),
+    """The internode handle of ``rank`` (spec §5, entries as documented in ``deepep_ascend.ep.handles.InternodeHandle``),
     computed with plain loops from every rank's routing mask ``itrs`` and the reference dispatch ``ref``."""
     R = len(itrs)
     G, node, local = R // rpn, rank // rpn, rank % rpn

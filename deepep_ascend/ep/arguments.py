@@ -1,0 +1,323 @@
+"""Argument checks of ``Buffer``'s normal-mode calls (DeepEP's checks, and those a CPU port adds).
+
+A collective call validates its arguments before anything shared is touched. A check that fails
+raises :class:`Rejected` carrying the exception this rank raises; the Buffer first takes part in
+the call's first round with an error status, so that every other rank raises a
+:class:`~deepep_ascend.ep.protocol.ConsensusError` naming this one instead of waiting for it.
+Calls that do not communicate unwrap :class:`Rejected` and raise its exception at once.
+
+Every message names the argument at fault (`` `x` ``, `` `handle.recv_src_idx` ``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..checks import storage_problem
+from .config import Config
+from .event import EventOverlap
+from .handles import InternodeHandle, IntranodeHandle, origin_of
+from .layout import dispatch_layout, tokens_per_node, topk_idx_t
+
+__all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
+           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_stream_args",
+           "check_tensor", "check_topk_idx", "check_x"]
+
+
+class Rejected(Exception):
+    """A failed check: carries the exception to raise on this rank after the consensus round."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def check(cond: bool, exc_type: type[Exception], message: str) -> None:
+    """Raise :class:`Rejected` (``exc_type(message)``) unless ``cond``."""
+    if not cond:
+        raise Rejected(exc_type(message))
+
+
+def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | None = None,
+                 shape: tuple[int, ...] | None = None) -> None:
+    """``t`` is a dense CPU ``torch.Tensor`` with the given dtype, number of dims and shape (each optional).
+
+    Raises:
+        Rejected: ``TypeError`` (not a tensor, dtype) or ``ValueError`` (storage, dims, shape) naming ``name``.
+    """
+    check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    problem = storage_problem(t)
+    check(problem is None, ValueError, f"`{name}` {problem}")
+    if dtype is not None:
+        check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None:
+        check(t.dim() == ndim, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        check(tuple(t.shape) == tuple(shape), ValueError,
+              f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    """DeepEP's stream-argument checks.
+
+    Raises:
+        Rejected: ``RuntimeError`` (``allocate_on_comm_stream`` without ``previous_event`` and
+            ``async_finish``), ``TypeError`` (``previous_event`` not an :class:`EventOverlap`).
+    """
+    check(not allocate_on_comm_stream or (previous_event is not None and async_finish), RuntimeError,
+          "allocate_on_comm_stream=True requires previous_event and async_finish=True")
+    check(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
+          f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+
+
+def check_topk_idx(topk_idx, num_experts, num_ranks: int) -> None:
+    """``num_experts`` a positive multiple of ``num_ranks``; ``topk_idx`` ``[N, K]`` ``topk_idx_t`` in ``[-1, E)``.
+
+    Raises:
+        Rejected: ``ValueError`` (``num_experts``, dims, values) or ``TypeError`` (dtype).
+    """
+    check(isinstance(num_experts, int) and num_experts > 0 and num_experts % num_ranks == 0, ValueError,
+          f"num_experts must be a positive multiple of the number of ranks ({num_ranks}), got {num_experts!r}")
+    check_tensor(topk_idx, "topk_idx", ndim=2)
+    check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
+          f"got {topk_idx.dtype}")
+    if topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        check(lo >= -1 and hi < num_experts, ValueError,
+              f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+
+
+def check_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dispatch's ``x``: a 2-D tensor of any real dtype, or the FP8 pair ``(data, scales)``.
+
+    Returns:
+        ``(data [N, H], scales [N, S] | None)``; FP8 scales are float32 ``[N, H/128]`` or int32
+        (packed UE8M0) ``[N, ceil(H/512)]``.
+    Raises:
+        Rejected: ``TypeError`` / ``ValueError`` naming ``x``, ``x[0]`` or ``x[1]``.
+    """
+    if isinstance(x, tuple):
+        check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
+        data, scales = x
+        check_tensor(data, "x[0] (FP8 data)", ndim=2)
+        check(data.element_size() == 1, TypeError,
+              f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
+        hidden = data.size(1)
+        check(hidden % 128 == 0, ValueError,
+              f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
+        check_tensor(scales, "x[1] (scales)", ndim=2)
+        check(scales.dtype in (torch.float32, torch.int32), TypeError,
+              f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
+        want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
+        check(tuple(scales.shape) == (data.size(0), want), ValueError,
+              f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
+              f"{scales.dtype}, got {tuple(scales.shape)}")
+        return data, scales
+    check_tensor(x, "x", ndim=2)
+    check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
+    check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
+    return x, None
+
+
+def check_config(config, default: Callable[[], Config]) -> Config:
+    """``config``, or ``default()`` when it is None.
+
+    Raises:
+        Rejected: ``TypeError`` (not a :class:`Config`), ``ValueError`` (fewer than one channel).
+    """
+    if config is None:
+        return default()
+    if not isinstance(config, Config):
+        raise Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
+    check(config.num_channels >= 1, ValueError,
+          f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
+    return config
+
+
+# -- non-cached dispatch ------------------------------------------------------------------------------
+def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert, topk_idx, topk_weights, *, num_ranks: int, num_nodes: int,
+                               ranks_per_node: int) -> int:
+    """The layout tensors of a non-cached dispatch of ``num_tokens`` tokens, against each other and ``topk_idx``.
+
+    Args:
+        num_tokens_per_rank: ``[R]`` int32; num_tokens_per_rdma_rank: ``[G]`` int32 across nodes,
+            ``None`` on one node (``num_nodes == 1``); is_token_in_rank: ``[N, R]`` bool;
+            num_tokens_per_expert: ``[E]`` int32; topk_idx / topk_weights: ``[N, K]`` int64 /
+            float32, or both ``None``. As :meth:`Buffer.get_dispatch_layout` returns them.
+    Returns:
+        ``E``, the number of experts (``len(num_tokens_per_expert)``).
+    Raises:
+        Rejected: ``ValueError`` (missing, shapes, values that do not match) or ``TypeError`` (dtypes).
+    """
+    r = num_ranks
+    check(num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None,
+          ValueError, "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert "
+          "(from get_dispatch_layout), or a handle")
+    if num_nodes > 1:
+        check(num_tokens_per_rdma_rank is not None, ValueError,
+              f"internode dispatch ({num_nodes} nodes) needs num_tokens_per_rdma_rank (from get_dispatch_layout)")
+        check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32, shape=(num_nodes,))
+    else:
+        check(num_tokens_per_rdma_rank is None, ValueError, "num_tokens_per_rdma_rank must be None on one node")
+    check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
+    check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
+    check(is_token_in_rank.size(0) == num_tokens, ValueError,
+          f"`x` has {num_tokens} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
+    check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(num_tokens, r))
+    check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
+    num_experts = num_tokens_per_expert.numel()
+    check(num_experts > 0 and num_experts % r == 0, ValueError,
+          f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, got {num_experts}")
+    check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
+          "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
+    if num_nodes > 1:
+        check(torch.equal(num_tokens_per_rdma_rank, tokens_per_node(is_token_in_rank, num_nodes, ranks_per_node)),
+              ValueError, "`num_tokens_per_rdma_rank` does not match is_token_in_rank (tokens with an expert on each "
+              "node; use get_dispatch_layout's outputs)")
+    check((topk_idx is None) == (topk_weights is None), ValueError,
+          "`topk_idx` and `topk_weights` must be given together or not at all")
+    if topk_idx is not None:
+        check_topk_idx(topk_idx, num_experts, r)
+        check(topk_idx.size(0) == num_tokens, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {num_tokens}")
+        check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+        _, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
+        check(torch.equal(itr, is_token_in_rank), ValueError,
+              "`is_token_in_rank` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+        check(torch.equal(ntpe, num_tokens_per_expert), ValueError,
+              "`num_tokens_per_expert` does not match `topk_idx` (use get_dispatch_layout's outputs)")
+    else:
+        check(bool((num_tokens_per_expert >= 0).all()), ValueError, "`num_tokens_per_expert` has negatives")
+    return num_experts
+
+
+def check_dispatch_options(expert_alignment, num_worst_tokens, has_topk: bool) -> None:
+    """``expert_alignment >= 1``; ``num_worst_tokens >= 0``, and > 0 only with top-k.
+
+    Raises:
+        Rejected: ``ValueError`` naming the option.
+    """
+    check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
+          f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+    check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
+          f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+    check(num_worst_tokens == 0 or has_topk, ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights")
+
+
+# -- handles ----------------------------------------------------------------------------------------------
+def _describe_container(handle) -> str:
+    return f"{type(handle).__name__}{'' if not isinstance(handle, (tuple, list)) else f' of {len(handle)} items'}"
+
+
+def _check_origin(handle, config: Config, num_channels: int, op: str, buffer_id: int) -> int:
+    """The handle comes from this Buffer (if from any) with the config's channels; returns its dispatch id (-1: unknown)."""
+    origin = origin_of(handle)
+    check(origin is None or origin.buffer_id == buffer_id, ValueError,
+          f"`handle` was made by another Buffer (#{origin.buffer_id if origin else '?'}), not by this one "
+          f"(#{buffer_id})")
+    check(num_channels == config.num_channels, ValueError,
+          f"`handle` has {num_channels} channels but {op}'s config has {config.num_channels} (num_sms="
+          f"{config.num_sms}); the config's num_sms must match the dispatch that made the handle")
+    return origin.dispatch_id if origin is not None else -1
+
+
+def _check_entries(handle, expected, where: str) -> None:
+    for t, name, (dtype, shape) in zip(handle, handle._fields, expected):
+        check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
+              f"`handle.{name}` must be {dtype} {shape} for {where}, got {t.dtype} {tuple(t.shape)}")
+
+
+def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ranks: int,
+                           buffer_id: int) -> tuple[IntranodeHandle, int]:
+    """A 6-entry intranode handle (spec §4.3) for a call of ``op`` with ``config``.
+
+    Returns:
+        ``(handle as an IntranodeHandle, id of the dispatch that made it, -1 if unknown)``.
+    Raises:
+        Rejected: ``ValueError`` (length, an entry's dtype or shape, another Buffer's handle, another
+            channel count, a prefix matrix promising more rows than ``recv_src_idx`` holds) or
+            ``TypeError`` / ``ValueError`` of :func:`check_tensor` naming the entry.
+    """
+    check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
+          f"`handle` must be the 6-tuple returned by an intranode dispatch, got {_describe_container(handle)}")
+    for t, name in zip(handle, IntranodeHandle._fields):
+        check_tensor(t, f"handle.{name}")
+    handle = IntranodeHandle._make(handle)
+    cpm, itr = handle.channel_prefix_matrix, handle.is_token_in_rank
+    r, c = num_ranks, cpm.size(1) if cpm.dim() == 2 else -1
+    n = itr.size(0) if itr.dim() == 2 else -1
+    _check_entries(handle, ((torch.int32, (r, r)), (torch.int32, (r, c)), (torch.int32, (r, c)),
+                            (torch.int32, (handle.recv_src_idx.numel(),)), (torch.bool, (n, r)), (torch.int32, (n, r))),
+                   f"{r} ranks")
+    dispatch_id = _check_origin(handle, config, c, op, buffer_id)
+    check(int(handle.rank_prefix_matrix[-1, rank]) <= handle.recv_src_idx.numel(), ValueError,
+          "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
+    return handle, dispatch_id
+
+
+def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, num_nodes: int,
+                           buffer_id: int) -> tuple[InternodeHandle, int]:
+    """A 10-entry internode handle (spec §5) for a call of ``op`` with ``config``.
+
+    Returns:
+        ``(handle as an InternodeHandle, id of the dispatch that made it, -1 if unknown)``.
+    Raises:
+        Rejected: as :func:`check_intranode_handle` (``recv_gbl_rank_prefix_sum`` against
+            ``recv_src_meta``).
+    """
+    check(isinstance(handle, (tuple, list)) and len(handle) == 10, ValueError,
+          f"`handle` must be the 10-tuple returned by an internode dispatch ({num_nodes} nodes), got "
+          f"{_describe_container(handle)}")
+    for t, name in zip(handle, InternodeHandle._fields):
+        check_tensor(t, f"handle.{name}")
+    handle = InternodeHandle._make(handle)
+    r, g, p = num_ranks, num_nodes, num_ranks // num_nodes
+    rdma_cpm, itr, meta, fwd_prefix = (handle.rdma_channel_prefix_matrix, handle.is_token_in_rank,
+                                       handle.recv_src_meta, handle.recv_rdma_rank_prefix_sum)
+    c = rdma_cpm.size(1) if rdma_cpm.dim() == 2 else -1
+    n = itr.size(0) if itr.dim() == 2 else -1
+    rows = meta.size(0) if meta.dim() == 2 else -1
+    num_forwarded = int(fwd_prefix[-1]) if fwd_prefix.numel() == g and fwd_prefix.dtype == torch.int32 else -1
+    _check_entries(handle, ((torch.bool, (n, r)), (torch.int32, (g, c)), (torch.int32, (r, c)), (torch.int32, (g, c)),
+                            (torch.int32, (g,)), (torch.int32, (r, c)), (torch.int32, (r,)), (torch.uint8, (rows, 8)),
+                            (torch.int32, (n, g)), (torch.int32, (num_forwarded, p))),
+                   f"{r} ranks in {g} nodes")
+    dispatch_id = _check_origin(handle, config, c, op, buffer_id)
+    check(int(handle.recv_gbl_rank_prefix_sum[-1]) <= rows, ValueError,
+          "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
+    return handle, dispatch_id
+
+
+# -- combine --------------------------------------------------------------------------------------------------
+def check_combine_args(x, topk_weights, bias, *, rows: int, rows_name: str,
+                       num_tokens: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, int]:
+    """A combine's ``x`` ``[rows, H]`` bf16, ``topk_weights`` ``[rows, K']`` float32 or None, and ``bias``.
+
+    Args:
+        rows: rows of the handle's dispatch (``rows_name`` says which entry holds them).
+        num_tokens: ``N``, tokens of this rank (rows of ``bias``).
+    Returns:
+        ``(biases, wcols)``: ``None`` or a pair of ``[N, H]`` bf16 tensors whose first is not None,
+        and the columns of ``topk_weights`` (-1: none).
+    Raises:
+        Rejected: ``TypeError`` / ``ValueError`` naming ``x``, ``topk_weights`` or ``bias[i]``.
+    """
+    check_tensor(x, "x", torch.bfloat16, ndim=2)
+    check(x.size(0) == rows, ValueError, f"`x` must have one row per received token ({rows}, {rows_name}), "
+          f"got {x.size(0)}")
+    hidden = x.size(1)
+    if topk_weights is not None:
+        check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
+        check(topk_weights.size(0) == rows, ValueError,
+              f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
+    biases = bias if isinstance(bias, (tuple, list)) else (bias, None)
+    check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+    for i, b in enumerate(biases):
+        if b is not None:
+            check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(num_tokens, hidden))
+    if biases[0] is None:
+        biases = (biases[1], None)
+    wcols = topk_weights.size(1) if topk_weights is not None else -1
+    return (None if biases[0] is None else biases), wcols

@@ -1,0 +1,145 @@
+"""Argument checks of ``Buffer``'s low-latency calls (spec §6), before anything is sent.
+
+As in :mod:`.checks`, a failed check raises :class:`~deepep_ascend.ep.arguments.Rejected`; the Buffer
+then refuses the call on every rank (:meth:`LowLatencyEngine.reject`): this rank raises the carried
+exception, every other rank a ``LowLatencyRefused`` naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import low_latency as ll
+from .arguments import check, check_tensor, check_topk_idx
+from .handles import LowLatencyHandle
+
+__all__ = ["check_low_latency_combine_args", "check_low_latency_dispatch_args", "check_low_latency_handle",
+           "check_low_latency_routing", "low_latency_layout"]
+
+
+def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int, num_rdma_bytes: int,
+                       op: str) -> ll.Layout:
+    """The window layout of a call with ``(M, H, E)``, which must fit ``num_rdma_bytes``.
+
+    Raises:
+        Rejected: ``ValueError`` when ``num_rdma_bytes`` is below :func:`low_latency.size_hint`.
+    """
+    lay = ll.Layout(m, hidden, num_experts, num_ranks)
+    need = ll.size_hint(m, hidden, num_ranks, num_experts)
+    check(num_rdma_bytes >= need, ValueError,
+          f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
+          f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
+    return lay
+
+
+def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: int, *, num_ranks: int,
+                              qp_depth: int) -> None:
+    """``topk_idx`` ``[rows, K]`` int64 with distinct experts per row, ``E < 65536``, ``rows <= M <= qp_depth/2 - 1``.
+
+    Raises:
+        Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
+            duplicates), ``AssertionError`` (``M`` past DeepEP's queue-pair depth, spec §6.7).
+    """
+    check_topk_idx(topk_idx, num_experts, num_ranks)
+    check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
+    check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
+    check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
+          f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+    check(m <= qp_depth // 2 - 1, AssertionError,
+          f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
+          f"{qp_depth // 2 - 1} (spec §6.7)")
+    check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    if topk_idx.numel() and topk_idx.size(1) > 1:
+        srt = topk_idx.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        check(not bool(dup.any()), ValueError,
+              "`topk_idx` lists an expert twice in one row (each token selects distinct experts)")
+
+
+def check_low_latency_handle(handle, *, num_ranks: int) -> LowLatencyHandle:
+    """A 5-entry low-latency handle (:class:`LowLatencyHandle`), converted.
+
+    Raises:
+        Rejected: ``ValueError`` (length, ``M``/``H``/``E`` not positive ints or ``E`` not a multiple
+            of ``R``, ``layout_range`` out of bounds), ``TypeError`` / ``ValueError`` naming the entry.
+    """
+    check(isinstance(handle, (tuple, list)) and len(handle) == 5, ValueError,
+          "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
+    handle = LowLatencyHandle._make(handle)
+    m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+    check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
+          f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
+    r = num_ranks
+    check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
+    num_local = num_experts // r
+    check_tensor(handle.src_info, "handle.src_info", torch.int32, shape=(num_local, r * m))
+    check_tensor(handle.layout_range, "handle.layout_range", torch.int64, shape=(num_local, r))
+    count, begin = handle.layout_range & 0xFFFFFFFF, handle.layout_range >> 32
+    check(bool((count <= m).all()) and bool((begin + count <= r * m).all()) and bool((begin >= 0).all()), ValueError,
+          "`handle.layout_range` is not (begin << 32 | count) with count <= M and begin + count <= R*M")
+    return handle
+
+
+def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_local_expert_recv_stats,
+                                    dispatch_wait_recv_cost_stats, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                                    *, num_ranks: int, num_rdma_bytes: int, qp_depth: int) -> ll.Layout:
+    """Arguments of ``Buffer.low_latency_dispatch`` (see there); returns the call's window layout.
+
+    Raises:
+        Rejected: DeepEP's classes (``TypeError`` / ``ValueError`` / ``AssertionError`` /
+            ``RuntimeError``) naming the argument.
+    """
+    r = num_ranks
+    check_tensor(x, "x", torch.bfloat16, ndim=2)
+    n, hidden = x.shape
+    check_low_latency_routing(topk_idx, num_experts, m, "x", n, num_ranks=r, qp_depth=qp_depth)
+    check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
+    check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (spec §6.4)")
+    check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
+    check(not use_fp8 or hidden % 128 == 0, ValueError,
+          f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
+    check(not use_ue8m0 or hidden % 512 == 0, ValueError,
+          f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
+    num_local = num_experts // r
+    if cumulative_local_expert_recv_stats is not None:
+        check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
+                     shape=(num_local,))
+    if dispatch_wait_recv_cost_stats is not None:
+        check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, shape=(r,))
+    return low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
+                              op="low_latency_dispatch")
+
+
+def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt: bool, zero_copy: bool, out,
+                                   combine_wait_recv_cost_stats, stale_zero_copy: str | None, *, num_ranks: int,
+                                   num_rdma_bytes: int, qp_depth: int) -> tuple[LowLatencyHandle, ll.Layout]:
+    """Arguments of ``Buffer.low_latency_combine`` (see there).
+
+    Args:
+        stale_zero_copy: with ``zero_copy``, why the zero-copy buffer holds no data for this call
+            (:meth:`LowLatencyEngine.stale_zero_copy`), else None.
+    Returns:
+        ``(handle as a LowLatencyHandle, the call's window layout)``.
+    Raises:
+        Rejected: as :func:`check_low_latency_dispatch_args`.
+    """
+    r = num_ranks
+    handle = check_low_latency_handle(handle, num_ranks=r)
+    m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+    check_tensor(x, "x", torch.bfloat16, shape=(num_experts // r, r * m, hidden))
+    check_tensor(topk_idx, "topk_idx", ndim=2)
+    check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
+                              qp_depth=qp_depth)
+    check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+    check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+    check(not use_logfmt or hidden % 128 == 0, ValueError,
+          f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
+    check(stale_zero_copy is None, RuntimeError, stale_zero_copy or "")
+    if out is not None:
+        check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
+        check(out.is_contiguous(), ValueError, "`out` must be contiguous")
+    if combine_wait_recv_cost_stats is not None:
+        check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
+    layout = low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
+                                op="low_latency_combine")
+    return handle, layout

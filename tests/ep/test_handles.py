@@ -1,0 +1,164 @@
+"""The handles as named tuples: DeepEP's entries in DeepEP's order, still tuples, and a plain tuple of
+the same entries works wherever a handle does (normal, internode and low-latency mode, autograd).
+
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_handles.py`` (N = 1, 2, 4; the
+internode case needs N >= 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepep_ascend import Buffer
+from deepep_ascend.ep import InternodeHandle, IntranodeHandle, LowLatencyHandle
+from deepep_ascend.nn import autograd as ag
+from tests.support.buffer_helpers import (
+    BF16,
+    all_ranks_ok,
+    bits,
+    capture,
+    coll,
+    make_topk_idx,
+)
+
+N, H, K = 16, 128, 2
+E_PER_RANK = 4
+M = 32  # low-latency num_max_dispatch_tokens_per_rank
+
+
+def test_fields_are_deepeps_entries_in_deepeps_order():
+    """The field names are DeepEP V1's (``deep_ep/buffer.py``), so ``handle[i]`` means what it means there."""
+    assert IntranodeHandle._fields == ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                       "recv_src_idx", "is_token_in_rank", "send_head")
+    assert InternodeHandle._fields == ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                                       "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+                                       "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+                                       "send_rdma_head", "send_nvl_head")
+    assert LowLatencyHandle._fields == ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                                        "num_experts")
+    t = torch.zeros(1)
+    h = LowLatencyHandle(t, t, 3, 128, 8)
+    assert isinstance(h, tuple) and h == (t, t, 3, 128, 8) and h[2:] == (3, 128, 8) and h.hidden == 128
+
+
+def _inputs(comm, seed):
+    r, R = comm.Get_rank(), comm.Get_size()
+    gen = torch.Generator().manual_seed(seed * 7 + r)
+    idx = make_topk_idx("uniform", N, E_PER_RANK * R, K, r, R, gen)
+    return torch.randn(N, H, generator=gen).to(BF16), idx, torch.rand(N, K, generator=gen)
+
+
+def _round_trip(buf, comm, kind):
+    """A dispatch, then with its handle, with ``tuple(handle)`` and with ``list(handle)``: a cached dispatch and
+    a combine each. Returns ``(handle, [(cached recv_x, combined_x, combined weights) per form])``."""
+    x, idx, w = _inputs(comm, 3)
+    E = E_PER_RANK * comm.Get_size()
+
+    def go():
+        ntpr, ntprr, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr,
+                                                       is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                                       topk_idx=idx, topk_weights=w)
+        outs = []
+        for form in (handle, tuple(handle), list(handle)):
+            cached = buf.dispatch(x, handle=form)[0]
+            combined, combined_w, _ = buf.combine(recv_x, form, topk_weights=recv_w)
+            outs.append((cached, combined, combined_w))
+        return handle, outs
+
+    return coll(go, what=f"{kind} dispatch / cached dispatch / combine with each form of the handle")
+
+
+def _same_outputs(outs):
+    first = outs[0]
+    return all(all(torch.equal(bits(a), bits(b)) for a, b in zip(first, o)) for o in outs[1:])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_intranode_handle_is_named_and_plain_tuples_work(comm):
+    R = comm.Get_size()
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, E_PER_RANK * R), comm=comm,
+                 explicitly_destroy=True)
+    try:
+        handle, outs = _round_trip(buf, comm, "intranode")
+        named = isinstance(handle, IntranodeHandle) and handle.recv_src_idx is handle[3] \
+            and handle.is_token_in_rank is handle[4] and handle.rank_prefix_matrix.shape == (R, R)
+        all_ranks_ok(comm, named, f"dispatch returned a {type(handle).__name__}, not an IntranodeHandle")
+        all_ranks_ok(comm, _same_outputs(outs), "tuple(handle) / list(handle) gave other results than the handle")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_internode_handle_is_named_and_plain_tuples_work(comm):
+    R = comm.Get_size()
+    rpn = R // 2
+    kw = {"num_topk": K, "num_experts": E_PER_RANK * R}
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, ranks_per_node=rpn, **kw),
+                 Buffer.get_normal_rdma_buffer_size_hint(N, H, R, rpn, **kw), comm=comm, explicitly_destroy=True,
+                 ranks_per_node=rpn)
+    try:
+        handle, outs = _round_trip(buf, comm, "internode")
+        named = isinstance(handle, InternodeHandle) and handle.recv_src_meta is handle[7] \
+            and handle.recv_gbl_rank_prefix_sum.shape == (R,) and handle.send_rdma_head.shape == (N, 2)
+        all_ranks_ok(comm, named, f"dispatch returned a {type(handle).__name__}, not an InternodeHandle")
+        all_ranks_ok(comm, _same_outputs(outs), "tuple(handle) / list(handle) gave other results than the handle")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_plain_tuple_of_another_buffers_handle_is_still_refused(comm):
+    """The Buffer knows which dispatch made a handle by the identity of its tensors, which a plain tuple keeps."""
+    R = comm.Get_size()
+    size = Buffer.get_normal_buffer_size_hint(N, H, R, K, E_PER_RANK * R)
+    bufs = [Buffer(None, size, comm=comm, explicitly_destroy=True) for _ in range(2)]
+    try:
+        x, idx, w = _inputs(comm, 5)
+
+        def dispatch_on_first():
+            ntpr, _, ntpe, itr, _ = bufs[0].get_dispatch_layout(idx, E_PER_RANK * R)
+            return bufs[0].dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                    topk_idx=idx, topk_weights=w)
+
+        recv_x, _, _, _, handle, _ = coll(dispatch_on_first, what="dispatch on the first Buffer")
+        _, exc = capture(lambda: bufs[1].combine(recv_x, tuple(handle)))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "another Buffer" in str(exc),
+                     f"combine on the second Buffer with tuple(handle) of the first: {exc!r}")
+    finally:
+        for b in bufs:
+            coll(b.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_low_latency_handle_is_named_and_plain_tuples_work(comm):
+    """``low_latency_combine`` (and its autograd form, forward and backward) take ``tuple(handle)`` as the handle."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E = E_PER_RANK * R
+    buf = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True,
+                              explicitly_destroy=True), what="LL Buffer()")
+    try:
+        x, idx, w = _inputs(comm, 9)
+
+        def go():
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            y = (recv_x.float() * 0.5).to(BF16)
+            by_name = buf.low_latency_combine(y, idx, w, handle)[0]
+            by_tuple = buf.low_latency_combine(y, idx, w, tuple(handle))[0]
+            yg = y.clone().requires_grad_(True)
+            wg = w.clone().requires_grad_(True)
+            out = ag.low_latency_combine(buf, yg, idx, wg, tuple(handle))
+            out.float().sum().backward()
+            return handle, by_name, by_tuple, out.detach(), yg.grad, wg.grad
+
+        handle, by_name, by_tuple, out, grad_y, grad_w = coll(go, what="LL dispatch, combines with both handle forms")
+        named = isinstance(handle, LowLatencyHandle) and handle.num_max_dispatch_tokens_per_rank == M \
+            and handle.hidden == H and handle.num_experts == E and handle.src_info.shape == (E // R, R * M)
+        all_ranks_ok(comm, named, f"low_latency_dispatch returned {type(handle).__name__} {handle[2:]!r}")
+        same = torch.equal(bits(by_name), bits(by_tuple)) and torch.equal(bits(out), bits(by_name))
+        all_ranks_ok(comm, same, "low_latency_combine with tuple(handle) differs from the handle's")
+        all_ranks_ok(comm, grad_y is not None and grad_w is not None and bool(torch.isfinite(grad_w).all()),
+                     f"rank {r}: the autograd combine's backward with tuple(handle) gave no gradients")
+    finally:
+        coll(buf.destroy, what="destroy")
