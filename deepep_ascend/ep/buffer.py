@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterator
@@ -23,11 +22,8 @@ from ..settings import SettingError
 from ..transports import (
     ChannelKind,
     LinkStats,
-    TransportAborted,
     TransportArgumentError,
-    TransportPoisoned,
     TransportRuntimeError,
-    TransportTimeout,
     create_transport,
 )
 from . import low_latency as ll_mod
@@ -46,6 +42,7 @@ from .arguments import (
 )
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
+from .failure import run_step
 from .group import mpi_comm_of
 from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
 from .internode import NUM_URMA_SLOTS, InternodeEngine
@@ -540,31 +537,8 @@ class Buffer:
         return outputs, EventOverlap()
 
     def _guard(self, fn):
-        """Run a protocol step; on an unexpected failure, abort so peers fail fast instead of hanging."""
-        try:
-            with torch.no_grad():  # the data plane is not differentiable (as DeepEP's kernels)
-                return fn()
-        except BaseException as exc:
-            # The engine's finished frames hold views of window memory; a caller keeping the
-            # exception would otherwise keep them alive and make destroy() refuse (TransportBusy).
-            if exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__.tb_next)
-            self._abort_on(exc)
-            raise
-
-    def _abort_on(self, exc: BaseException) -> None:
-        """Abort the peers for an unexpected failure (not for a consensus error, a peer's abort, or a call refused
-        because this Buffer failed earlier: the peers heard of that failure then, and a second abort would
-        hide its reason behind "refused")."""
-        if self.runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned)):
-            return
-        text = str(exc)
-        if not text.startswith(f"rank {self.rank}:"):
-            text = f"rank {self.rank}: {type(exc).__name__}: {text}"
-        if isinstance(exc, TransportTimeout):  # peers learn at once, as a TimeoutError naming the same ranks
-            self.runtime.abort(text, pending_peers=exc.pending_peers)
-        else:
-            self.runtime.abort(text)
+        """Run a protocol step with :func:`~deepep_ascend.ep.failure.run_step` (abort the peers on failure)."""
+        return run_step(self.runtime, self.rank, fn)
 
     # -- dispatch ------------------------------------------------------------------------
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

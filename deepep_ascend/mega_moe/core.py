@@ -120,6 +120,7 @@ from ..transports import Topology, TransportPoisoned, quiet_allgather_object
 from .. import native as _native
 from ..checks import check_storage
 from ..ep.buffer import Buffer
+from ..ep.failure import abort_peers, run_step
 from ..ep.group import mpi_comm_of
 from ..gemm import packing as _packing
 from ..gemm import scales as _scales
@@ -865,8 +866,8 @@ def _consensus(sb, verdict, op) -> list:
     buf = sb.ep_buffer
     if sb.backend == "shm":
         return _consensus_shm(sb, verdict, op)
-    buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
-    return buf._guard(lambda: buf.runtime.allgather_object(verdict, phase=f"{op} consensus"))
+    run_step(buf.runtime, buf.rank, lambda: buf.runtime.barrier(phase=f"{op} consensus"))
+    return run_step(buf.runtime, buf.rank, lambda: buf.runtime.allgather_object(verdict, phase=f"{op} consensus"))
 
 
 def _consensus_shm(sb, verdict, op) -> list:
@@ -892,7 +893,7 @@ def _consensus_shm(sb, verdict, op) -> list:
     rec = sb._peer_views[me]["verdict"][slot]
     rec[:8].view(torch.int64).fill_(len(blob))
     rec[8:8 + len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    buf._guard(lambda: buf.runtime.barrier(phase=f"{op} consensus"))
+    run_step(buf.runtime, buf.rank, lambda: buf.runtime.barrier(phase=f"{op} consensus"))
     out = []
     for p in range(sb.num_ranks):
         r = sb._peer_views[p]["verdict"][slot]
@@ -932,7 +933,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
         _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
                tokens, override)
     except BaseException as exc:  # a failure after the ranks agreed: the peers must not wait for this rank
-        sb.ep_buffer._abort_on(exc)
+        abort_peers(sb.ep_buffer.runtime, sb.ep_buffer.rank, exc)
         raise
 
 

@@ -1,0 +1,56 @@
+"""What a rank does when a collective step fails: abort its peers so that they fail fast, naming it.
+
+The ``Buffer`` runs every protocol step through :func:`run_step`; so does anything built on a Buffer's
+transport (MegaMoE's consensus and waves), so that a failure there has the Buffer's semantics too: the
+peers waiting for this rank raise ``TransportAborted`` naming it instead of waiting out their deadline.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ..transports import Transport, TransportAborted, TransportPoisoned, TransportTimeout
+from .protocol import ConsensusError
+
+__all__ = ["abort_peers", "run_step"]
+
+T = TypeVar("T")
+
+
+def abort_peers(runtime: Transport | None, rank: int, exc: BaseException) -> None:
+    """Abort ``runtime``'s peers for an unexpected failure ``exc`` of this ``rank``.
+
+    Not for a consensus error (every rank raised it already), a peer's abort, or a call refused because
+    this transport failed earlier (the peers heard of that failure then, and a second abort would hide its
+    reason). A ``TransportTimeout`` reaches the peers as a timeout naming the same pending ranks.
+    """
+    if runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned)):
+        return
+    text = str(exc)
+    if not text.startswith(f"rank {rank}:"):
+        text = f"rank {rank}: {type(exc).__name__}: {text}"
+    if isinstance(exc, TransportTimeout):
+        runtime.abort(text, pending_peers=exc.pending_peers)
+    else:
+        runtime.abort(text)
+
+
+def run_step(runtime: Transport | None, rank: int, fn: Callable[[], T]) -> T:
+    """``fn()`` without autograd (the data plane is not differentiable, as DeepEP's kernels); on any failure,
+    :func:`abort_peers`, then re-raise.
+
+    The failed step's frames are cleared from the traceback: they hold views of window memory, and a caller
+    keeping the exception would otherwise keep them alive and make ``destroy()`` refuse (``TransportBusy``).
+    """
+    try:
+        with torch.no_grad():
+            return fn()
+    except BaseException as exc:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__.tb_next)
+        abort_peers(runtime, rank, exc)
+        raise
