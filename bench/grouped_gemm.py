@@ -29,7 +29,7 @@ default). Timed interleaved in every iteration, median over iterations:
   when its weights are not in the cache: first use, an in-place update, or more weights in use than the
   cache holds).
 
-Prints each time and ``plain / time`` (the target of issue 5: grouped >= 0.70 of plain), and checks that
+Prints each time and ``plain / time`` (the target: grouped >= 0.70 of plain), and checks that
 the grouped variants' products lie within bf16 rounding of a float64 reference (the FP4 row: of its own
 weights' values; exit code 1 if not). ``--json FILE``: one result per row above, named as printed,
 with ``ratio_to`` the plain matmul (the baseline) for the GEMM rows.

@@ -38,7 +38,8 @@ What this file adds to pytest + pytest-mpi:
   status is the same on every rank (gathered at session end). Runs from ``atexit`` so that
   cleanup handlers registered later (e.g. by the library, to free its windows) still run before it.
 
-Fixtures: ``comm``, ``rank``, ``world_size`` (see ``mpi_utils``).
+Fixtures: ``comm``, ``rank``, ``world_size`` (see ``tests.support.mpi_utils``) and ``buffers``, the test module's
+Buffers (``tests.support.buffer_helpers.ModuleBuffers``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ from tests.support import mpi_utils
 from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def buffers():
+    """The module's Buffers, built on demand and destroyed at module end (:class:`ModuleBuffers`)."""
+    from tests.support.buffer_helpers import ModuleBuffers
+
+    made = ModuleBuffers()
+    yield made
+    made.destroy_all()
 
 pytest_plugins = ("pytester",)
 

@@ -1,4 +1,4 @@
-"""``python -m bench <command>`` (issue 26): one entry, one argument vocabulary, one JSON document.
+"""``python -m bench <command>``: one entry, one argument vocabulary, one JSON document.
 
 Every command runs once at a tiny size with ``--json`` and its document validates against the
 schema (``bench.schema``); the collective ones run as a user runs them (``mpiexec -n 2 python -m

@@ -1,4 +1,4 @@
-"""``scripts/sweep_bandwidth.py`` (issue 7): the two-point preset end to end, resume, and its row logic.
+"""``scripts/sweep_bandwidth.py``: the two-point preset end to end, resume, and its row logic.
 
 The end-to-end test runs in the 1-rank job only: the script launches its own ``mpiexec -n 2``
 benchmark jobs. It checks the CSV, the JSON and the PNGs, that the numbers are real and

@@ -1,4 +1,4 @@
-"""Child job of ``test_buffer_internode.py``: the internode Buffer over MPI's real network path.
+"""Child job of ``tests/ep/test_internode_tcp.py``: the internode Buffer over MPI's real network path.
 
 Launched as ``mpiexec -n 4 python -m tests.ep.internode_tcp_job`` with ``MPIR_CVAR_NUM_CLIQUES=2
 MPIR_CVAR_CLIQUES_BY_BLOCK=1 UCX_TLS=tcp,self`` (transports.md §4.3): MPICH then treats ranks

@@ -1,4 +1,4 @@
-"""Buffer error paths: bad inputs raise on every rank, timeouts, lifetime (issue §4).
+"""Buffer error paths: bad inputs raise on every rank, timeouts, lifetime (docs/semantics/deepep-api.md §8).
 
 * Every bad argument is tried with **all** ranks passing it (each rank raises its own
   TypeError/ValueError/AssertionError/RuntimeError) and, for the collective calls, with **only
@@ -40,22 +40,18 @@ E, K, H = 16, 4, 128
 BAD_RANK = 1
 
 
-def _module_buffer():
-    comm = world()
-    b = Buffer(None, Buffer.get_normal_buffer_size_hint(16, 256, comm.Get_size(), K, E), comm=comm,
-               explicitly_destroy=True)
-    yield b
-    b.destroy()
+def _hint() -> int:
+    return Buffer.get_normal_buffer_size_hint(16, 256, world().Get_size(), K, E)
 
 
 @pytest.fixture(scope="module")
-def buf():
-    yield from _module_buffer()
+def buf(buffers):
+    return buffers(_hint())
 
 
 @pytest.fixture(scope="module")
-def other_buf():
-    yield from _module_buffer()
+def other_buf(buffers):
+    return buffers(_hint())
 
 
 class Ctx:

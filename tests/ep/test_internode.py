@@ -1,6 +1,7 @@
-"""Buffer normal internode mode (two hops, simulated nodes) vs the pure-torch reference (issue 3).
+"""Buffer normal internode mode (two hops, simulated nodes) vs the pure-torch reference
+(docs/semantics/deepep-api.md §5).
 
-Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/test_buffer_internode.py`` (N = 2, 4, 8).
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_internode.py`` (N = 2, 4, 8).
 Every ``ranks_per_node`` that splits the world into at least two nodes is tested: 2 ranks as
 2 × 1, 4 as 2 × 2 and 4 × 1, 8 as 2 × 4, 4 × 2 and 8 × 1. Comparisons are bitwise, combine
 included: the reference (``ref_combine(..., ranks_per_node=)``) rounds each node's partial sum to
@@ -51,23 +52,10 @@ def _hints(num_ranks, rpn, cases):
     return nvl, rdma
 
 
-_BUFFERS = {}
-
-
-@pytest.fixture(scope="module")
-def buffers():
-    yield _BUFFERS
-    for b in _BUFFERS.values():
-        coll(b.destroy, what="destroy internode buffer")
-    _BUFFERS.clear()
-
-
 def _buffer(buffers, rpn):
-    if rpn not in buffers:
-        comm = world()
-        nvl, rdma = _hints(comm.Get_size(), rpn, CASES)
-        buffers[rpn] = Buffer(None, nvl, rdma, comm=comm, explicitly_destroy=True, ranks_per_node=rpn)
-    return buffers[rpn]
+    """The module's internode Buffer of ``rpn`` ranks per node."""
+    nvl, rdma = _hints(world().Get_size(), rpn, CASES)
+    return buffers(nvl, rdma, key=rpn, ranks_per_node=rpn)
 
 
 def _rpn_params():

@@ -1,11 +1,11 @@
-"""Buffer normal intranode mode vs the pure-torch reference, at any rank count (issue §4).
+"""Buffer normal intranode mode vs the pure-torch reference, at any rank count (docs/semantics/deepep-api.md §4).
 
-Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/test_buffer_intranode.py`` (N = 1, 2, 4, 8).
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_intranode.py`` (N = 1, 2, 4, 8).
 
 Comparison rules (see ``buffer_helpers.run_case``):
 
 * data movement (``recv_x``, FP8 data and scales, ``recv_topk_idx``/``weights``, cached
-  dispatch, handle entries, layout) is compared **bit for bit** with ``tests/reference.py``;
+  dispatch, handle entries, layout) is compared **bit for bit** with ``tests/support/reference.py``;
 * combine is also compared **bitwise**: the reference sums ``f32(bias0) + f32(bias1)``, then each
   receiving rank's row in ascending rank order, in float32, rounding once to bf16 — the order the
   library implements — so no tolerance is needed anywhere in this file;
@@ -69,11 +69,8 @@ def _hint(num_ranks, cases):
 
 
 @pytest.fixture(scope="module")
-def buf():
-    comm = world()
-    b = Buffer(None, _hint(comm.Get_size(), CASES), comm=comm, explicitly_destroy=True)
-    yield b
-    b.destroy()
+def buf(buffers):
+    return buffers(_hint(world().Get_size(), CASES))
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -1,6 +1,6 @@
-"""Buffer low-latency mode (issue 4) vs the pure-torch reference (``tests/reference.py``, LL section).
+"""Buffer low-latency mode (docs/semantics/deepep-api.md §6) vs the pure-torch reference (``tests/support/reference.py``).
 
-Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/test_buffer_low_latency.py`` (N = 1, 2, 4, 8).
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_low_latency.py`` (N = 1, 2, 4, 8).
 Each case runs on three Buffers: one node with UBMEM stores (default), one node with
 ``allow_nvlink_for_low_latency_mode=False`` (the ``put`` path), and two simulated nodes
 (``ranks_per_node = R/2``: peers on the other node over URMA). Dispatch outputs are compared bit
@@ -58,28 +58,15 @@ def _configs():
     return out
 
 
-_BUFS = {}
-
-
-@pytest.fixture(scope="module")
-def bufs():
-    yield _BUFS
-    for b in _BUFS.values():
-        coll(b.destroy, what="destroy LL buffer")
-    _BUFS.clear()
-
-
-def _buf(bufs, cfg):
-    if cfg not in bufs:
-        comm = world()
-        R = comm.Get_size()
-        kw = dict(low_latency_mode=True, comm=comm, explicitly_destroy=True)
-        if cfg == "put":
-            kw["allow_nvlink_for_low_latency_mode"] = False
-        if cfg == "nodes":
-            kw["ranks_per_node"] = R // 2
-        bufs[cfg] = Buffer(None, 0, _hint(R), **kw)
-    return bufs[cfg]
+def _buf(buffers, cfg):
+    """The module's low-latency Buffer of configuration ``cfg`` (``ubmem``, ``put`` or ``nodes``)."""
+    R = world().Get_size()
+    kw = dict(low_latency_mode=True)
+    if cfg == "put":
+        kw["allow_nvlink_for_low_latency_mode"] = False
+    if cfg == "nodes":
+        kw["ranks_per_node"] = R // 2
+    return buffers(0, _hint(R), key=cfg, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,8 +288,8 @@ def run_ll_case(buf, comm, case: Case, seed: int, chk: Checker, masked=()):
 
 @pytest.mark.parametrize("cfg", _configs())
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_low_latency_dispatch_combine_vs_reference(bufs, comm, cfg, case):
-    buf = _buf(bufs, cfg)
+def test_low_latency_dispatch_combine_vs_reference(buffers, comm, cfg, case):
+    buf = _buf(buffers, cfg)
     chk = Checker(comm.Get_rank())
     run_ll_case(buf, comm, case, seed=CASES.index(case) + 31, chk=chk)
     chk.finish(f"{case.name} on {cfg}")
@@ -312,12 +299,12 @@ def test_low_latency_dispatch_combine_vs_reference(bufs, comm, cfg, case):
 # many calls, both halves, nothing cleaned
 
 
-def test_many_calls_changing_shapes_without_cleaning(bufs, comm):
+def test_many_calls_changing_shapes_without_cleaning(buffers, comm):
     """300 consecutive LL calls (150 dispatch + combine pairs; 80 calls at 4-8 ranks, for the time
     budget) alternating the two halves, with
     hidden, token count, top-k and BF16/FP8 changing every call, on the two-node Buffer (one node
     at R=1); invariant 13: per-expert sums of the received rows match the senders' (order-free)."""
-    buf = _buf(bufs, "nodes" if comm.Get_size() >= 2 else "ubmem")
+    buf = _buf(buffers, "nodes" if comm.Get_size() >= 2 else "ubmem")
     r, R = comm.Get_rank(), comm.Get_size()
     chk = Checker(r)
     shapes = [(128, 5, 2, True), (256, 16, 3, False), (200, 1, 1, False), (512, 32, 4, True), (384, 0, 2, False)]
@@ -359,12 +346,12 @@ def test_many_calls_changing_shapes_without_cleaning(bufs, comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hook_returns_before_peers_send_and_overlaps_compute(bufs, comm):
+def test_hook_returns_before_peers_send_and_overlaps_compute(buffers, comm):
     """Rank 0 issues a hooked dispatch and only then lets the others start theirs (an MPI message):
     had the call waited for its receive, this would deadlock. Rank 0 computes, then the hook
     completes the receive; results equal the reference. Then the double-buffer rule: a second LL
     call while a hook is pending and a second hook call are refused clearly."""
-    buf = _buf(bufs, "nodes")
+    buf = _buf(buffers, "nodes")
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K = 2 * R, 16, 256, 2
     xs = [make_inputs(77, s, R, 12, H, E, K) for s in range(R)]
@@ -401,10 +388,10 @@ def test_hook_returns_before_peers_send_and_overlaps_compute(bufs, comm):
     all_ranks_ok(comm, not errors, f"hooks: {errors}")
 
 
-def test_zero_copy_and_out_in_both_halves(bufs, comm):
+def test_zero_copy_and_out_in_both_halves(buffers, comm):
     """``get_next_low_latency_combine_buffer`` + ``zero_copy`` and ``out=``, with the combine landing
     once in each half; a buffer handed out before another LL call is refused."""
-    buf = _buf(bufs, "ubmem")
+    buf = _buf(buffers, "ubmem")
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K = 2 * R, 16, 256, 3
     chk = Checker(r)
@@ -439,10 +426,10 @@ def test_zero_copy_and_out_in_both_halves(bufs, comm):
     chk.finish("zero-copy / out=")
 
 
-def test_stats_accumulate(bufs, comm):
+def test_stats_accumulate(buffers, comm):
     """cumulative_local_expert_recv_stats adds recv_count per call; the wait-cost stats (ns) are
     non-negative and grow only for live sources."""
-    buf = _buf(bufs, "ubmem")
+    buf = _buf(buffers, "ubmem")
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H = 2 * R, 16, 128
     x, idx = make_inputs(3, r, R, 8, H, E, 2)
@@ -464,12 +451,12 @@ def test_stats_accumulate(bufs, comm):
 
 
 @pytest.mark.parametrize("cfg", ["ubmem", "put"])
-def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
+def test_channel_kind_follows_allow_nvlink(buffers, comm, cfg):
     """On one node, ``allow_nvlink_for_low_latency_mode=True`` moves peers' rows as UBMEM stores;
     ``False`` sends them over URMA (the windows are ``force_urma``), as DeepEP's LL mode without
     NVLink uses RDMA inside a node. Rows a rank keeps for itself are SELF either way. The
     last-call counters (``get_traffic()``) equal the lifetime delta, the hook's part included."""
-    buf = _buf(bufs, cfg)
+    buf = _buf(buffers, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H = 2 * R, 16, 128
     x, idx = make_inputs(5, r, R, 8, H, E, 2)
@@ -498,13 +485,13 @@ def test_channel_kind_follows_allow_nvlink(bufs, comm, cfg):
 
 
 @pytest.mark.parametrize("cfg", _configs())
-def test_logfmt_combine_traffic_is_the_spec_formula(bufs, comm, cfg):
+def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
     """Spec §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
     with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
     falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
     count bytes and a 16-byte header to every peer (self included). Counted by
     ``get_traffic()`` over every channel kind, the rank's own rows included."""
-    buf = _buf(bufs, cfg)
+    buf = _buf(buffers, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
     E, L, M, H, K = 2 * R, 2, 16, 512, 3
     ins = [make_inputs(8, s, R, 10, H, E, K, logfmt=True) for s in range(R)]
@@ -603,8 +590,8 @@ def _roundtrip_ok(buf, comm, seed=0):
     return torch.equal(cnt, want) and torch.equal(combined, exp)
 
 
-def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(bufs, comm):
-    buf = _buf(bufs, "nodes" if comm.Get_size() >= 2 else "ubmem")
+def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(buffers, comm):
+    buf = _buf(buffers, "nodes" if comm.Get_size() >= 2 else "ubmem")
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H = 2 * R, 8, 256
     x, idx = make_inputs(2, r, R, 6, H, E, 2)

@@ -1,7 +1,7 @@
 """``deepep_ascend.nn.autograd``: differentiable dispatch/combine against the pure-torch reference.
 
 Data are small integers (``x``, gradients) and quarter-integers (weights), so every sum is exact
-in bf16/float32 and forward and backward are compared **bit for bit** with ``tests/reference.py``
+in bf16/float32 and forward and backward are compared **bit for bit** with ``tests/support/reference.py``
 (the backward of dispatch is a combine of the gradients, the backward of combine a dispatch of
 them: the reference computes both from every rank's gathered tensors). Routing: uniform with
 -1 slots, and skewed (every token to one rank's experts, so the other ranks receive nothing);
@@ -27,7 +27,6 @@ from tests.support.buffer_helpers import (
     Checker,
     all_ranks_ok,
     coll,
-    ll_buffer_fixture,
     make_topk_idx,
 )
 from tests.support.mpi_utils import gather_all, world
@@ -44,12 +43,8 @@ E, K, H = 16, 3, 32
 
 
 @pytest.fixture(scope="module")
-def buf():
-    comm = world()
-    b = coll(lambda: Buffer(comm, Buffer.get_normal_buffer_size_hint(24, H, comm.Get_size(), K, E),
-                            explicitly_destroy=True), what="Buffer()")
-    yield b
-    coll(b.destroy, what="destroy")
+def buf(buffers):
+    return buffers(Buffer.get_normal_buffer_size_hint(24, H, world().Get_size(), K, E))
 
 
 def _ints(shape, lo, hi, gen, dtype=torch.float32):
@@ -172,8 +167,8 @@ LL_M = 12  # num_max_dispatch_tokens_per_rank
 
 
 @pytest.fixture(scope="module")
-def ll_buf():
-    yield from ll_buffer_fixture(LL_M, H, E)
+def ll_buf(buffers):
+    return buffers.low_latency(LL_M, H, E)
 
 
 def _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L):

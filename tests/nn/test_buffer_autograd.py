@@ -6,7 +6,7 @@ free port picked on rank 0 and broadcast over MPI). The helpers ``get_buffer``,
 written as DeepEP's README ("Example use in model training or inference prefilling", DeepEP
 V1, MIT licence) writes them, with ``deepep_ascend`` in place of ``deep_ep``; they are then
 wrapped in ``torch.autograd.Function``s and differentiated. All comparisons are bitwise against
-``tests/reference.py``.
+``tests/support/reference.py``.
 """
 
 # ruff: noqa: UP006, UP007, UP035, UP045, PLW0602  (the README helpers are kept as DeepEP writes them)

@@ -44,7 +44,6 @@ from tests.support.buffer_helpers import (
     all_ranks_ok,
     capture,
     coll,
-    ll_buffer_fixture,
 )
 from tests.support.mpi_utils import gather_all, only_sizes, world
 
@@ -63,17 +62,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def buf():
-    comm = world()
-    b = coll(lambda: Buffer(comm, Buffer.get_normal_buffer_size_hint(MAX_TOKENS, H, comm.Get_size(), 3, E),
-                            explicitly_destroy=True), what="Buffer()")
-    yield b
-    coll(b.destroy, what="destroy")
+def buf(buffers):
+    return buffers(Buffer.get_normal_buffer_size_hint(MAX_TOKENS, H, world().Get_size(), 3, E))
 
 
 @pytest.fixture(scope="module")
-def ll_buf():
-    yield from ll_buffer_fixture(LL_M, H, E)
+def ll_buf(buffers):
+    return buffers.low_latency(LL_M, H, E)
 
 
 def make_layer(buf, ll_buf, mode, cfg, skew=False, **kw):

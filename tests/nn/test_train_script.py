@@ -1,4 +1,4 @@
-"""CI keeps the real-text training script working: ``scripts/train_moe.py`` for a few steps (issue 6).
+"""CI keeps the real-text training script working: ``scripts/train_moe.py`` for a few steps.
 
 Runs in the 1-rank job only: it launches ``mpiexec -n 4 python scripts/train_moe.py`` on the
 standard library's sources with a tiny model, writes its JSON log and a routing trace, and checks

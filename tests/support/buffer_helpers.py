@@ -1,4 +1,5 @@
-"""Helpers for the multi-rank Buffer tests (``test_buffer_*.py``): inputs, checks, one full case.
+"""Helpers for the multi-rank Buffer tests (``tests/ep``, ``tests/nn``): inputs, checks, one full case, and the
+Buffers of a test module (:class:`ModuleBuffers`).
 
 Everything here is collective-safe in the sense the harness needs: library calls that
 communicate go through :func:`coll` (``mpi_utils.run_collectively``), so a failure on one rank
@@ -46,14 +47,40 @@ def coll(fn, *args, what=None, **kwargs):
     return run_collectively(fn, *args, what=what or getattr(fn, "__name__", "call"), **kwargs)
 
 
-def ll_buffer_fixture(m: int, hidden: int, num_experts: int):
-    """Body of a module-scoped low-latency Buffer fixture (``yield from``): a Buffer on the world
-    communicator sized for LL calls of ``(M, H, E)``, built and destroyed collectively."""
-    comm = world()
-    b = coll(lambda: Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, comm.Get_size(), num_experts),
-                            low_latency_mode=True, explicitly_destroy=True), what="LL Buffer()")
-    yield b
-    coll(b.destroy, what="destroy LL buffer")
+class ModuleBuffers:
+    """The Buffers of one test module (the ``buffers`` fixture of ``tests/conftest.py``).
+
+    ``buffers(num_nvl_bytes, num_rdma_bytes=0, key=None, **kwargs)`` builds a Buffer collectively on the
+    world communicator (``explicitly_destroy=True``); with a ``key`` it is built once and the same Buffer
+    comes back for that key. :meth:`low_latency` sizes one for low-latency calls of ``(M, H, E)``. Every
+    Buffer is destroyed collectively when the module ends.
+    """
+
+    def __init__(self):
+        self._built: list[Buffer] = []
+        self._keyed: dict = {}
+
+    def __call__(self, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, key=None, **kwargs) -> Buffer:
+        if key is not None and key in self._keyed:
+            return self._keyed[key]
+        comm = world()
+        buf = coll(lambda: Buffer(None, num_nvl_bytes, num_rdma_bytes, comm=comm, explicitly_destroy=True,
+                                  **kwargs), what="Buffer()")
+        self._built.append(buf)
+        if key is not None:
+            self._keyed[key] = buf
+        return buf
+
+    def low_latency(self, m: int, hidden: int, num_experts: int, **kwargs) -> Buffer:
+        """A low-latency Buffer sized by ``get_low_latency_rdma_size_hint(m, hidden, R, num_experts)``."""
+        hint = Buffer.get_low_latency_rdma_size_hint(m, hidden, world().Get_size(), num_experts)
+        return self(0, hint, low_latency_mode=True, **kwargs)
+
+    def destroy_all(self) -> None:
+        for buf in self._built:
+            coll(buf.destroy, what="destroy Buffer")
+        self._built.clear()
+        self._keyed.clear()
 
 
 def all_ranks_ok(comm, ok: bool, what: str) -> None:
