@@ -23,7 +23,7 @@ fi
 #    installed distribution is not an editable install of *this* checkout, or one of the
 #    repo's packages is not importable from outside the repo (new top-level package).
 needs_install() {
-    (cd / && "$PYTHON" - "$REPO_ROOT" <<'PY'
+    (cd / && "$PYTHON_BIN" - "$REPO_ROOT" <<'PY'
 import importlib.metadata as md, importlib.util, json, os, sys
 root = os.path.realpath(sys.argv[1])
 why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema")
