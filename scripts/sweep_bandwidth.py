@@ -6,7 +6,7 @@ Usage (from anywhere; the benchmarks run from the repository root)::
     python scripts/sweep_bandwidth.py --preset smoke --out /tmp/sweep      # 2 tiny points (CI)
     python scripts/sweep_bandwidth.py --preset small --out sweeps/small    # a few minutes here
     python scripts/sweep_bandwidth.py --preset default --out sweeps/dsv3 --ranks 4,8
-    python scripts/sweep_bandwidth.py --preset small --out d --tokens 256,512 --mode normal --dry-run
+    python scripts/sweep_bandwidth.py --preset small --out d --num-tokens 256,512 --mode normal --dry-run
     python scripts/sweep_bandwidth.py --preset small --out mm --mode mega_moe --inter 128,256
 
 Every configuration (mode × ranks × ranks per node × tokens × hidden × [inter] × top-k × experts ×
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="the grid to start from (default small)")
     p.add_argument("--out", metavar="DIR", help="output directory (results.csv, results.json, PNGs, logs/)")
     p.add_argument("--mode", help="comma list out of normal,low_latency,mega_moe (default: the preset's modes)")
-    p.add_argument("--tokens", help="tokens per rank, comma list (e.g. 512,1024)")
+    p.add_argument("--num-tokens", dest="tokens", help="tokens per rank, comma list (e.g. 512,1024)")
     p.add_argument("--hidden", help="hidden sizes, comma list")
     p.add_argument("--inter", help="MegaMoE intermediate sizes, comma list (mega_moe rows only)")
     p.add_argument("--num-topk", help="top-k values, comma list")
@@ -573,7 +573,7 @@ def parse_args(argv=None):
                        ("num_experts", _pos_int), ("ranks", _pos_int), ("ranks_per_node", _rpn), ("dtype", _dtype)):
         text = getattr(a, axis)
         if text is not None:
-            override[axis] = _list(p, "--" + axis.replace("_", "-"), text, conv)
+            override[axis] = _list(p, "--num-tokens" if axis == "tokens" else "--" + axis.replace("_", "-"), text, conv)
     configs, skipped = [], []
     first = next(iter(preset["modes"].values()))
     for m in modes:
@@ -596,7 +596,7 @@ def parse_args(argv=None):
                 configs.append(cfg)
     if not configs:
         p.error("no valid configuration: " + "; ".join(sorted({w for _, w in skipped}))
-                + " (check --tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
+                + " (check --num-tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
     a.configs, a.invalid = configs, skipped
     return a, p
 

@@ -212,7 +212,7 @@ def test_keys_resume_and_result_files(out_tmp):
 
 def test_cli_axes_override_and_errors(capsys):
     sw = _module()
-    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "low_latency", "--tokens", "64,1024",
+    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "low_latency", "--num-tokens", "64,1024",
                           "--ranks", "2,4", "--ranks-per-node", "none,2,4", "--fp8", "--hidden", "512"])
     keys = {c.key for c in a.configs}
     # tokens 1024 > 511 is not a low-latency size; rpn 4 does not fit 2 ranks and is one node at 4
@@ -226,7 +226,7 @@ def test_cli_axes_override_and_errors(capsys):
     assert "--fp8" in normal.bench_args("f", set()) and "--link-profile" not in normal.bench_args("f", set())
     assert normal.bench_args("f", {"--link-profile"})[-2:] == ["--link-profile", "none"]
 
-    for argv, needle in ((["--tokens", "64,x"], "--tokens"), (["--ranks", "0"], "--ranks"),
+    for argv, needle in ((["--num-tokens", "64,x"], "--num-tokens"), (["--ranks", "0"], "--ranks"),
                          (["--inter", "128"], "--inter"), (["--mode", "decode"], "--mode"),
                          (["--num-experts", "6", "--ranks", "4"], "no valid configuration"),
                          (["--iters", "0"], "--iters"), (["--dtype", "fp4"], "--dtype"),
@@ -475,7 +475,7 @@ def test_cli_mega_moe_mode():
     assert not {"--ranks-per-node", "--bf16", "--fp8", "--no-baselines"} & set(argv)
 
     # the dtype axis is the MMA type; ranks-per-node and impossible sizes are listed, not run
-    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "mega_moe,normal", "--tokens", "64",
+    a, _ = sw.parse_args(["--preset", "small", "--out", "d", "--mode", "mega_moe,normal", "--num-tokens", "64",
                           "--ranks-per-node", "none,2", "--inter", "128,192", "--dtype", "fp8,bf16"])
     mm = [c for c in a.configs if c.mode == "mega_moe"]
     assert {(c.inter, c.dtype) for c in mm} == {(128, "fp8"), (128, "bf16"), (192, "bf16")}
