@@ -9,7 +9,8 @@ The single-copy memory roofline, the third baseline, is :func:`bench.roofline.me
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,7 +147,7 @@ class PeerPipeline:
         self.name = exchange.name
         self.local_experts = num_experts // num_ranks
         self.ws = Workspace()
-        self._traffic: Optional[dict] = None
+        self._traffic: dict | None = None
 
     def layout(self, topk_idx, num_experts):
         return reference_layout(topk_idx, num_experts, self.num_ranks)
@@ -217,7 +218,7 @@ class PeerPipeline:
         self._count_traffic(recv_counts, row_bytes)
         return acc.to(torch.bfloat16), acc_w
 
-    def traffic(self) -> Optional[dict]:
+    def traffic(self) -> dict | None:
         return self._traffic
 
     def close(self):

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def parser(name: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse(name: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default ``sys.argv[2:]``) for command ``name`` and run its checks;
     ``args._argv`` keeps the arguments. argparse's usage error (exit 2) on bad values."""
     argv = list(sys.argv[2:] if argv is None else argv)
@@ -76,13 +76,13 @@ def parse(name: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace
     return args
 
 
-def call(name: str, argv: Optional[Sequence[str]] = None) -> int:
+def call(name: str, argv: Sequence[str] | None = None) -> int:
     """Parse and run command ``name`` in this process and return its exit code, without the MPI
     exit path (tests; a collective command must be called on every rank)."""
     return _module(name).run(parse(name, argv))
 
 
-def execute(name: str, argv: Optional[Sequence[str]] = None) -> int:
+def execute(name: str, argv: Sequence[str] | None = None) -> int:
     """Run command ``name`` as the entry point does: a collective command inside
     :func:`bench.cli.run_main` (which ends the process), any other returning its exit code."""
     if COMMANDS[name].collective:
@@ -102,7 +102,7 @@ def _listing() -> str:
     return "commands:\n" + "\n".join(f"  {n:<{width}}  {c.summary}" for n, c in COMMANDS.items())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench <command> [options]`` (``python -m bench --help``: the commands;
     ``python -m bench <command> --help``: its options)."""
     top = argparse.ArgumentParser(

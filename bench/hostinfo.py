@@ -77,7 +77,7 @@ class MemorySampler:
             self.min_available = min(self.min_available, s["mem_available"])
             self.max_shm = max(self.max_shm, s["shm_used"])
 
-    def start(self) -> "MemorySampler":
+    def start(self) -> MemorySampler:
         self._t.start()
         return self
 

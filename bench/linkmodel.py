@@ -7,8 +7,6 @@ projects a Buffer's counted traffic onto the profile's links (a model, never a m
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.formulas import fmt_bytes, gbps
 
 
@@ -45,7 +43,7 @@ def link_model_doc(profile, emulator) -> dict:
                 profile_links=profile.as_dict()["links"])
 
 
-def project_phases(link_stats: Optional[dict], comm, profile, formula_bytes: dict) -> Optional[dict]:
+def project_phases(link_stats: dict | None, comm, profile, formula_bytes: dict) -> dict | None:
     """Collective: :func:`transports.project` of each phase's gathered counters on ``profile``.
 
     ``link_stats``: phase → this rank's ``Buffer.get_link_stats()`` of one call (``None`` on
@@ -71,7 +69,7 @@ def project_phases(link_stats: Optional[dict], comm, profile, formula_bytes: dic
     return out
 
 
-def projection_lines(proj: Optional[dict], measured: dict, formula: str, emulator=None) -> list:
+def projection_lines(proj: dict | None, measured: dict, formula: str, emulator=None) -> list:
     """``[project]`` lines: per phase the projected time, bottleneck port and formula GB/s next to
     ``measured`` (phase → ``(median_s, GB/s by the same formula)``); under emulation, also the
     projected time dilated by ``1 / scale``, what the emulated links alone model (see

@@ -58,7 +58,6 @@ from bench.roofline import memcpy_roofline
 from bench.timing import Timing, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, per_token_cast_back
 
-
 LOGFMT_SCALE = 2.0 ** -6  # --logfmt: expert rows scaled below 1 (exact in bf16), so groups go as LogFMT
 LOGFMT_CALC_DIFF = 1e-4  # LogFMT-10's relative error is <= 2.2 % per value (quant.logfmt10_encode)
 KINDS = ("SELF", "UBMEM", "URMA")

@@ -71,8 +71,8 @@ import deepep_ascend as dea
 from bench import cli, schema
 from bench import internals as M
 from bench.formulas import fmt_bytes, gbps, mega_moe_pair_bytes
-from bench.moe_stages import Unfused
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.moe_stages import Unfused
 from bench.timing import full_gc_seconds, gc_paused
 from bench.workload import calc_diff, fingerprint, tensor_digest
 from deepep_ascend import native

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,11 +52,11 @@ class BufferSystem:
         combined_x, combined_w, _ = self.buf.combine(y, handle, topk_weights=topk_weights)
         return combined_x, combined_w
 
-    def traffic(self) -> Optional[dict]:
+    def traffic(self) -> dict | None:
         get = getattr(self.buf, "get_traffic", None)
         return dict(get(lifetime=False)) if get is not None else None
 
-    def link_stats(self) -> Optional[dict]:
+    def link_stats(self) -> dict | None:
         """``Buffer.get_link_stats()`` (per peer and channel kind, bytes and messages of the last
         call), or ``None`` for a Buffer without link counters."""
         get = getattr(self.buf, "get_link_stats", None)
@@ -90,10 +90,10 @@ class RoundTripResult:
     num_recv_tokens: int
     dispatch_digests: dict  # component → tensor_digest
     combined_x: torch.Tensor
-    combined_topk_weights: Optional[torch.Tensor]
+    combined_topk_weights: torch.Tensor | None
     traffic: dict  # 'dispatch' / 'combine' → {kind: bytes sent by this rank} or None
     layout_digest: str
-    link_stats: Optional[dict] = None  # 'dispatch' / 'combine' → Buffer.get_link_stats() of the last call
+    link_stats: dict | None = None  # 'dispatch' / 'combine' → Buffer.get_link_stats() of the last call
 
 
 def dispatch_digests(out) -> dict:
@@ -117,7 +117,7 @@ def layout_digest(layout) -> str:
 
 def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
                    experts: Callable = identity_experts,
-                   progress: Optional[Callable[[int], None]] = None) -> RoundTripResult:
+                   progress: Callable[[int], None] | None = None) -> RoundTripResult:
     """Time layout, dispatch and combine of ``system`` on ``wl`` (collective).
 
     Per iteration: drop the previous outputs (untimed), ``layout`` (timed), ``dispatch`` (timed),

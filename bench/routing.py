@@ -19,7 +19,6 @@ routing a run used, and ``scripts/train_moe.py --save-trace`` a trained gate's.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ def _load_trace_dict(path: str) -> dict:
 
 
 def load_routing(path: str, rank: int, num_ranks: int, step: int = 0,
-                 num_experts: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+                 num_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Load rank ``rank``'s slice of a routing trace (format in the module docstring).
 
     Returns ``(topk_idx [T/R, K] int64, topk_weights [T/R, K] float32 or None, meta)``, ``meta``

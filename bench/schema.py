@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from bench.formulas import gbps
 
@@ -103,8 +103,8 @@ SCHEMA = {
 }
 
 
-def result(name: str, seconds: float, *, system: Optional[str] = None, phase: Optional[str] = None, timing=None,
-           nbytes: Optional[float] = None, formula: Optional[str] = None, by_kind: Optional[dict] = None,
+def result(name: str, seconds: float, *, system: str | None = None, phase: str | None = None, timing=None,
+           nbytes: float | None = None, formula: str | None = None, by_kind: dict | None = None,
            **extra) -> dict:
     """One ``results`` record. ``name`` is ``"<system>/<phase>"`` or one word; ``system`` and ``phase``
     default to its two halves (``phase`` ``None`` for one word). ``timing`` (a :class:`bench.timing.Timing`)
@@ -137,8 +137,8 @@ def add_ratios(results: list, name: str, others: Iterable[str]) -> None:
 
 
 def document(command: str, *, argv: Iterable[str], params: dict, results: list, checks: dict,
-             fingerprint: Optional[str] = None, baselines: Iterable[str] = (), summary: Optional[dict] = None,
-             link_model: Optional[dict] = None, projection: Optional[dict] = None, details: Optional[dict] = None,
+             fingerprint: str | None = None, baselines: Iterable[str] = (), summary: dict | None = None,
+             link_model: dict | None = None, projection: dict | None = None, details: dict | None = None,
              mpi: bool = True) -> dict:
     """A benchmark document (module docstring), ``host`` filled in here (``mpi=False``: a one-process
     command, no MPI imported). ``params`` must hold ``num_ranks``; ``checks`` must hold ``ok``."""

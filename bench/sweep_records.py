@@ -24,10 +24,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import re
-import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from bench.formulas import gbps
 from bench.schema import finite, results_by_name
@@ -72,7 +72,7 @@ COLUMNS = (
 
 
 
-def number(v) -> Optional[float]:
+def number(v) -> float | None:
     """A cell as a finite float, else ``None``."""
     try:
         f = float(v)

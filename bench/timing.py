@@ -13,7 +13,8 @@ import dataclasses
 import gc
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Timing:
     def max(self) -> float:
         return max(self.times) if self.times else float("nan")
 
-    def __add__(self, other: "Timing") -> "Timing":
+    def __add__(self, other: Timing) -> Timing:
         """Iteration-wise sum (e.g. dispatch + combine = round trip)."""
         return Timing([a + b for a, b in zip(self.times, other.times)])
 
@@ -78,7 +79,7 @@ def full_gc_seconds() -> tuple[float, int]:
 
 
 def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
-                progress: Optional[Callable[[int], None]] = None) -> dict[str, Timing]:
+                progress: Callable[[int], None] | None = None) -> dict[str, Timing]:
     """Run ``phases`` in order ``warmup + iters`` times; time the named ones.
 
     Each named phase: ``comm.Barrier()``, then ``fn()`` between two ``time.perf_counter()`` calls.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((1 - 2 * (x * y).sum() / denom).item()) if denom > 0 else 0.0
 
 
-def tensor_digest(t: Optional[torch.Tensor], h: Optional["hashlib._Hash"] = None) -> str:
+def tensor_digest(t: torch.Tensor | None, h: hashlib._Hash | None = None) -> str:
     """Hex BLAKE2b-128 of a tensor's dtype, shape and raw bytes (``None`` hashes as such).
 
     Bitwise: ``-0.0`` and ``+0.0`` differ, NaNs with equal bits match. Pass ``h`` to chain.
@@ -90,7 +90,7 @@ class Workload:
     ``params``: the shape parameters, seed and routing source, identical on all ranks."""
 
     x: torch.Tensor
-    x_fp8: Optional[tuple[torch.Tensor, torch.Tensor]]
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     params: dict
@@ -107,8 +107,8 @@ class Workload:
 
 def make_workload(num_tokens: int, hidden: int, num_topk: int, num_experts: int, rank: int,
                   num_ranks: int, seed: int = 0, fp8: bool = False,
-                  routing: Optional[torch.Tensor] = None,
-                  routing_weights: Optional[torch.Tensor] = None,
+                  routing: torch.Tensor | None = None,
+                  routing_weights: torch.Tensor | None = None,
                   routing_source: str = "random") -> Workload:
     """Build this rank's inputs, deterministic in ``(seed, rank)`` and the shape.
 

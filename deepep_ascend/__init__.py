@@ -9,7 +9,12 @@ The top level mirrors ``deep_ep`` (``Buffer``, ``Config``, ``EventOverlap``, ``E
 ``topk_idx_t``) and ``deep_gemm`` (codecs, GEMMs, MegaMoE), so that ported code changes only its imports.
 """
 
-from . import ep as ep, gemm as gemm, mega_moe as mega_moe, native as native, nn as nn, transports as transports
+from . import ep as ep
+from . import gemm as gemm
+from . import mega_moe as mega_moe
+from . import native as native
+from . import nn as nn
+from . import transports as transports
 from .ep import Buffer, Config, ConsensusError, EventHandle, EventOverlap, topk_idx_t
 from .gemm import *  # noqa: F403
 from .mega_moe import *  # noqa: F403

@@ -78,7 +78,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -89,8 +88,19 @@ from bench.formulas import FP8_BLOCK  # noqa: E402
 from bench.internals import mpiexec_path  # noqa: E402  (the wheel's mpiexec, as scripts/common.sh)
 from bench.sweep_plots import EMULATED_TAG, make_plots  # noqa: E402,F401  (EMULATED_TAG: the plots' label)
 from bench.sweep_records import (  # noqa: E402,F401  (the record I/O, used here and by the tests through this module)
-    COLUMNS, CONFIG_FIELDS, MMA, MODES, done_keys, emulated, load_results, measured_fields, merge_row, number,
-    write_record, write_results)
+    COLUMNS,
+    CONFIG_FIELDS,
+    MMA,
+    MODES,
+    done_keys,
+    emulated,
+    load_results,
+    measured_fields,
+    merge_row,
+    number,
+    write_record,
+    write_results,
+)
 
 COMMANDS = {"normal": "normal", "low_latency": "low-latency", "mega_moe": "mega-moe"}  # mode -> python -m bench <command>
 LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
@@ -165,7 +175,7 @@ class Config:
 
     mode: str
     ranks: int
-    ranks_per_node: Optional[int]
+    ranks_per_node: int | None
     tokens: int
     hidden: int
     num_topk: int
@@ -175,10 +185,10 @@ class Config:
     warmup: int
     seed: int = 0
     peers: bool = True
-    link_profile: Optional[str] = DEFAULT_LINK_PROFILE
-    link_emulation: Optional[str] = None
-    link_scale: Optional[float] = None
-    inter: Optional[int] = None
+    link_profile: str | None = DEFAULT_LINK_PROFILE
+    link_emulation: str | None = None
+    link_scale: float | None = None
+    inter: int | None = None
 
     @property
     def nodes(self) -> int:
@@ -210,7 +220,7 @@ class Config:
         d["nodes"] = self.nodes
         return {f: d[f] for f in CONFIG_FIELDS}
 
-    def invalid(self) -> Optional[str]:
+    def invalid(self) -> str | None:
         """Why this combination cannot run, or None."""
         if self.num_experts % self.ranks:
             return f"num_experts {self.num_experts} is not a multiple of ranks {self.ranks}"
@@ -459,7 +469,7 @@ def _pos_int(tok: str) -> int:
     return v
 
 
-def _rpn(tok: str) -> Optional[int]:
+def _rpn(tok: str) -> int | None:
     if tok.lower() in ("0", "none", "1node"):
         return None
     return _pos_int(tok)

@@ -4,13 +4,31 @@
 docs/design/transports.md describes the contract this package implements.
 """
 
-from .base import (State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier,
-                   quiet_wait, resolve_timeout)
-from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
-                     TransportConfigError, TransportError, TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
-                     TransportTimeout, TransportUnsupported)
-from .link_model import (PROFILES, LinkEmulator, LinkProfile, LinkSpec, LinkStats, emulator_from_env,
-                         gather_link_stats, get_profile, project)
+from .base import State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier, quiet_wait, resolve_timeout
+from .errors import (
+    TransportAborted,
+    TransportArgumentError,
+    TransportBusy,
+    TransportClosed,
+    TransportConfigError,
+    TransportError,
+    TransportPeerTimeout,
+    TransportPoisoned,
+    TransportRuntimeError,
+    TransportTimeout,
+    TransportUnsupported,
+)
+from .link_model import (
+    PROFILES,
+    LinkEmulator,
+    LinkProfile,
+    LinkSpec,
+    LinkStats,
+    emulator_from_env,
+    gather_link_stats,
+    get_profile,
+    project,
+)
 from .topology import ChannelKind, Topology
 from .ubmem import SymmetricWindow, Transport, UbmemTransport
 

@@ -14,6 +14,7 @@ import time
 
 from ..settings import TIMEOUT_S
 
+
 def resolve_timeout(timeout_s: float | None) -> float:
     """The deadline in seconds: the argument, else ``$DEEPEP_ASCEND_TIMEOUT_S``, else its default (100 s,
     DeepEP's host-side wait).

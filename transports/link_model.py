@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 
@@ -154,7 +154,7 @@ PROFILES: dict[str, LinkProfile] = {
     }, "Ascend 950 supernodes joined by scale-out: UBMEM inside a supernode, URMA between supernodes"),
 }
 
-def get_profile(spec: "str | LinkProfile | None") -> LinkProfile:
+def get_profile(spec: str | LinkProfile | None) -> LinkProfile:
     """A :class:`LinkProfile` from a name of :data:`PROFILES` or explicit numbers.
 
     Explicit form: comma-separated ``KIND=GBPS:LATENCY_US[:BURST_BYTES]`` for kinds SELF, UBMEM,
@@ -210,7 +210,7 @@ class LinkEmulator:
         delayed_s: ``{kind name: seconds slept}`` since construction (or :meth:`reset`).
     """
 
-    def __init__(self, profile: "str | LinkProfile", scale: float = 1.0):
+    def __init__(self, profile: str | LinkProfile, scale: float = 1.0):
         self.profile = get_profile(profile)
         scale = float(scale)
         if not (math.isfinite(scale) and scale > 0):
@@ -283,7 +283,7 @@ def gather_link_stats(snapshot: dict, comm) -> dict:
     return {k: np.stack([r[k] for r in rows]) for k in _FIELDS}
 
 
-def project(matrices: dict, profile: "str | LinkProfile") -> dict:
+def project(matrices: dict, profile: str | LinkProfile) -> dict:
     """Time the counted traffic of one call would take on ``profile``'s links (a model, not a measurement).
 
     Model: each rank has one port per channel kind, with the profile's bandwidth ``B`` in each

@@ -15,7 +15,6 @@ from ..settings import RANKS_PER_NODE, SettingError
 from .errors import TransportConfigError
 
 
-
 class ChannelKind(enum.IntEnum):
     """How bytes move between two ranks: to itself, load/store inside a node, one-sided RMA across."""
 
@@ -79,7 +78,7 @@ class Topology:
         return ChannelKind.UBMEM if self.node_of(a) == self.node_of(b) else ChannelKind.URMA
 
     @classmethod
-    def from_comm(cls, comm, ranks_per_node: int | None = None) -> "Topology":
+    def from_comm(cls, comm, ranks_per_node: int | None = None) -> Topology:
         """Build the topology collectively; every rank raises the same error on a bad layout.
 
         Args:

@@ -29,11 +29,19 @@ import weakref
 import numpy as np
 import torch
 
-from .base import State, Team, WaitPolicy, allgather_object, quiet_barrier, resolve_timeout
-from .errors import (TransportAborted, TransportArgumentError, TransportBusy, TransportClosed,
-                     TransportPeerTimeout, TransportPoisoned, TransportRuntimeError,
-                     TransportTimeout, TransportUnsupported)
 from ..settings import LINK_EMULATION, URMA_EXPOSURE
+from .base import State, Team, WaitPolicy, allgather_object, quiet_barrier, resolve_timeout
+from .errors import (
+    TransportAborted,
+    TransportArgumentError,
+    TransportBusy,
+    TransportClosed,
+    TransportPeerTimeout,
+    TransportPoisoned,
+    TransportRuntimeError,
+    TransportTimeout,
+    TransportUnsupported,
+)
 from .link_model import LinkEmulator, LinkStats, emulator_from_env
 from .segment import SharedSegment
 from .topology import ChannelKind, Topology
@@ -88,7 +96,7 @@ class SymmetricWindow:
             DeepEP's low-latency mode without NVLink; the RMA exposure then exists on one node too.
     """
 
-    def __init__(self, tp: "Transport", name: str, nbytes: int, num_slots: int, force_urma: bool = False):
+    def __init__(self, tp: Transport, name: str, nbytes: int, num_slots: int, force_urma: bool = False):
 
         self.name, self.nbytes, self.num_slots = name, int(nbytes), int(num_slots)
         self.force_urma = bool(force_urma)
@@ -469,7 +477,7 @@ class Transport:
         """Count ``nbytes`` stored through a view into ``peer``'s window."""
         self.stats.record_put(self.topology.kind(self.topology.rank, peer), peer, nbytes)
 
-    def set_link_emulator(self, emulator: "LinkEmulator | None") -> None:
+    def set_link_emulator(self, emulator: LinkEmulator | None) -> None:
         """Emulate slower links from now on (see :class:`~transports.link_model.LinkEmulator`), or stop (``None``).
 
         Local: each rank sets its own; give every rank the same profile and scale.
@@ -776,7 +784,7 @@ class Transport:
         if pending_peers is not None:
             flag = _ABORT_TIMEOUT
             reason = ",".join(str(int(p)) for p in pending_peers) + ";" + f"{reason}"
-        text = f"{reason}".encode("utf-8")[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
+        text = f"{reason}".encode()[:_REASON_BYTES - 1].ljust(_REASON_BYTES, b"\0")
         words = np.frombuffer(text, dtype=np.int64)
         win = self._internal
         off = win._reason_off + me * (_REASON_BYTES // 8)

@@ -77,11 +77,11 @@ class EventOverlap:
         assert self._hook is None, "EventOverlap: a hook is already registered"
         self._hook = hook
 
-    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
         self._release_on_exit = release_handle
         return self
 
-    def __enter__(self) -> "EventOverlap":
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

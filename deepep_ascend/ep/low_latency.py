@@ -58,15 +58,20 @@ from typing import NamedTuple
 
 import torch
 
+from ..gemm.fp8 import low_latency_cast_to_fp8_
+from ..gemm.logfmt import (
+    LOGFMT_BODY_BYTES,
+    LOGFMT_META_BYTES,
+    LOGFMT_TAIL_BYTES,
+    logfmt10_decode,
+    logfmt10_encode,
+    logfmt10_group_mask,
+)
+from ..gemm.scales import pack_ue8m0_to_int
 from ..transports import ChannelKind, TransportTimeout
-
 from . import memory
 from .handles import LowLatencyHandle
 from .protocol import ConsensusError
-from ..gemm.fp8 import low_latency_cast_to_fp8_
-from ..gemm.logfmt import (LOGFMT_BODY_BYTES, LOGFMT_META_BYTES, LOGFMT_TAIL_BYTES, logfmt10_decode, logfmt10_encode,
-                           logfmt10_group_mask)
-from ..gemm.scales import pack_ue8m0_to_int
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}

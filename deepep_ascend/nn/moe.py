@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd as ep_autograd
 from ..ep.buffer import Buffer
+from . import autograd as ep_autograd
 
 try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped), when present
     from ..gemm import grouped as _gg

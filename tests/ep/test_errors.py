@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from deepep_ascend.transports import TransportBusy
 
 from deepep_ascend import Buffer, Config, ConsensusError
+from deepep_ascend.transports import TransportBusy
 from tests.support.buffer_helpers import (
     BF16,
     all_ranks_ok,

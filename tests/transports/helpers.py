@@ -6,6 +6,7 @@ import gc
 import os
 
 import torch
+
 from deepep_ascend.transports import TransportBusy, create_transport
 
 #: Library default deadline for the tests (``DEEPEP_ASCEND_TIMEOUT_S``, 10 s in the test plan).

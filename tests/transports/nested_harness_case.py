@@ -16,10 +16,10 @@ import os
 
 import pytest
 import torch
-from deepep_ascend import settings
-from deepep_ascend.transports import create_transport
 from mpi4py import MPI
 
+from deepep_ascend import settings
+from deepep_ascend.transports import create_transport
 from tests.transports.helpers import proc_shm_mappings
 
 _KEEP = []

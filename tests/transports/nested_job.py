@@ -64,8 +64,9 @@ def report(tag: str) -> None:
 
 def main() -> None:
     global _tp
-    from deepep_ascend.transports import TransportTimeout, create_transport
     from mpi4py import MPI
+
+    from deepep_ascend.transports import TransportTimeout, create_transport
 
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()

@@ -16,6 +16,8 @@ import sys
 import time
 
 import torch
+from mpi4py import MPI
+
 from deepep_ascend import settings
 from deepep_ascend.transports import (
     ChannelKind,
@@ -24,7 +26,6 @@ from deepep_ascend.transports import (
     TransportTimeout,
     create_transport,
 )
-from mpi4py import MPI
 
 
 def ramp(nbytes: int, seed: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from deepep_ascend.transports import (
     PROFILES,
     ChannelKind,

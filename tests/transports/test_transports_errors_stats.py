@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepep_ascend.transports import ChannelKind, LinkStats, TransportArgumentError
 
+from deepep_ascend.transports import ChannelKind, LinkStats, TransportArgumentError
 from tests.transports.helpers import pattern
 
 NBYTES, SLOTS = 4096, 4

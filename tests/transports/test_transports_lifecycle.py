@@ -20,6 +20,9 @@ import time
 
 import pytest
 import torch
+from mpi4py import MPI
+
+from deepep_ascend.settings import TIMEOUT_S
 from deepep_ascend.transports import (
     State,
     TransportBusy,
@@ -28,9 +31,6 @@ from deepep_ascend.transports import (
     resolve_timeout,
 )
 from deepep_ascend.transports import ubmem as ubmem_mod
-from mpi4py import MPI
-
-from deepep_ascend.settings import TIMEOUT_S
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import run_child_job, world
 from tests.transports.helpers import (

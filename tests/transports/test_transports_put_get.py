@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepep_ascend.transports import ChannelKind
 
+from deepep_ascend.transports import ChannelKind
 from tests.transports.helpers import MIB, pattern, ramp
 
 SIZES = [0, 1, 7, 4096, MIB, 8 * MIB]

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+
 from deepep_ascend.transports import TransportArgumentError, TransportRuntimeError
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+
 from deepep_ascend.transports import (
     State,
     Team,
@@ -19,7 +20,6 @@ from deepep_ascend.transports import (
     TransportPoisoned,
     TransportTimeout,
 )
-
 from tests.transports.helpers import pattern
 
 # Generous bounds for timeouts (2 cores, up to 8 ranks, other jobs on the machine).

@@ -11,6 +11,9 @@ import dataclasses
 import re
 
 import pytest
+from mpi4py import MPI
+
+from deepep_ascend.settings import RANKS_PER_NODE
 from deepep_ascend.transports import (
     ChannelKind,
     Topology,
@@ -20,9 +23,6 @@ from deepep_ascend.transports import (
     UbmemTransport,
     create_transport,
 )
-from mpi4py import MPI
-
-from deepep_ascend.settings import RANKS_PER_NODE
 from tests.transports.helpers import TIMEOUT_S, destroy_quietly, make_transport
 
 # Expected kind matrices for 8 ranks: S = SELF, U = UBMEM (same node), R = URMA (other node).
@@ -255,8 +255,9 @@ def _leaked_dups(spy) -> int:
 @pytest.mark.mpi(min_size=2)
 def test_separate_memory_model_refused_and_freed(monkeypatch):
     """URMA needs MPI_WIN_UNIFIED (targets load their slots): refused on every rank, nothing leaked."""
-    from deepep_ascend.transports import urma as urma_mod
     from mpi4py import MPI as _MPI
+
+    from deepep_ascend.transports import urma as urma_mod
 
     me = MPI.COMM_WORLD.rank
     # Only the last rank's window pretends to be separate: the decision must still be collective.

@@ -21,6 +21,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
+
 from deepep_ascend.transports import (
     ChannelKind,
     LinkStats,
@@ -35,8 +37,6 @@ from deepep_ascend.transports import (
     TransportTimeout,
     TransportUnsupported,
 )
-from mpi4py import MPI
-
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import run_child_job
 from tests.transports.helpers import (
