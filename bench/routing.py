@@ -91,7 +91,9 @@ def load_routing(path: str, rank: int, num_ranks: int, step: int = 0,
 def save_routing(path: str, topk_idx: torch.Tensor | np.ndarray, num_experts: int,
                  topk_weights: torch.Tensor | np.ndarray | None = None) -> None:
     """Write a routing trace: ``topk_idx`` global ``[T, K]`` or ``[S, T, K]`` (rank-major rows)."""
-    arr = lambda a: a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    def arr(a):
+        return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
     d = {"topk_idx": arr(topk_idx).astype(np.int64), "num_experts": np.int64(num_experts)}
     if topk_weights is not None:
         d["topk_weights"] = arr(topk_weights).astype(np.float32)

@@ -58,10 +58,6 @@ import sys
 import sysconfig
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run from a checkout: this repository's package first
-    sys.path.insert(0, _ROOT)
-
 import numpy as np
 import torch
 import torch.distributed as tdist

@@ -224,7 +224,7 @@ def _peer_states(peers, me: int) -> str:
                          + (f"; others {rest}" if rest else ""))
         except OSError as exc:
             lines.append(f"[watchdog]   rank {r} (pid {pid}): /proc unreadable ({exc.strerror})")
-    return ("[watchdog] rank %d sees its peers (syscall 0/1 = read/write):\n" % me + "\n".join(lines) + "\n") if lines else ""
+    return (f"[watchdog] rank {me} sees its peers (syscall 0/1 = read/write):\n" + "\n".join(lines) + "\n") if lines else ""
 
 
 def _where_threads_are(me: int, max_frames: int = 12) -> str:

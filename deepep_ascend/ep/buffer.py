@@ -75,7 +75,7 @@ def _warn_undestroyed():
     for buf in list(_UNDESTROYED):
         if buf.runtime is not None:
             warnings.warn(f"deepep_ascend.Buffer(rank {buf.rank}) was built with explicitly_destroy=True but "
-                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning)
+                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning, stacklevel=2)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ def test_sum_by_bags_bitwise(num_sources, scratch_rows, hidden):
     g = torch.Generator().manual_seed(num_sources * 100 + scratch_rows)
     m = 29
     sources = []
-    for j in range(num_sources):
+    for _ in range(num_sources):
         keep = torch.rand(m, generator=g) < 0.7
         keep[:3] = False  # tokens 0-2: no source at all (+0.0)
         keep[3] = True  # token 3: every source

@@ -99,7 +99,7 @@ def test_gather_all_mixed_sizes_and_dtypes(comm):
     for dtype, local in cases.items():
         got = gather_all(local)
         assert len(got) == n
-        for s, t in enumerate(got):
+        for t in got:
             assert t.dtype == dtype and t.is_contiguous()
         assert got[r].shape == local.shape
         assert torch.equal(
