@@ -104,7 +104,7 @@ def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps
 
 def add_link_args(p: argparse.ArgumentParser) -> None:
     """``--link-profile``, ``--link-emulation``, ``--link-scale`` (checked by :func:`bench.linkmodel.link_setup`)."""
-    g = p.add_argument_group("link model (deepep_ascend.transports link profiles; README 'Link model')")
+    g = p.add_argument_group("link model (deepep_ascend.transports link profiles; docs/design/transports.md §5)")
     g.add_argument("--link-profile", default="ascend950", metavar="NAME|SPEC",
                    help="profile of the projection and of the emulation: ascend950 (default), ascend950_scaleout, "
                         "none (no projection), or explicit 'UBMEM=GBPS:US,URMA=GBPS:US[,SELF=GBPS:US]'")

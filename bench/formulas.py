@@ -1,4 +1,4 @@
-"""Byte formulas of the benchmarks (spec §11; 1 GB = 1e9 B), implemented once for every command and the sweep.
+"""Byte formulas of the benchmarks (docs/semantics/deepep-api.md §11; 1 GB = 1e9 B), implemented once for every command and the sweep.
 
 * :func:`logical_bytes`: DeepEP V2's formula, rows a rank receives times what each row carries
   (hidden bytes, FP8-aware, plus top-k metadata), own tokens included;
@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-GB = 1e9  #: spec §11: 1 GB = 10^9 bytes
+GB = 1e9  #: docs/semantics/deepep-api.md §11: 1 GB = 10^9 bytes
 FP8_BLOCK = 128  #: channels per FP8 scale (DeepEP's per-token, per-128-channel recipe)
 
 
@@ -17,7 +17,7 @@ def bytes_per_token(hidden: int, fp8: bool = False) -> int:
     """Payload bytes of one token's hidden vector, as DeepEP V1's benchmark counts them.
 
     BF16: ``2 * hidden``. FP8 (e4m3 data plus one float32 scale per 128 channels): the BF16 bytes
-    times ``(1 + 4/128) / 2``, i.e. ``hidden + 4 * hidden / 128`` (spec §11). FP8 needs
+    times ``(1 + 4/128) / 2``, i.e. ``hidden + 4 * hidden / 128`` (docs/semantics/deepep-api.md §11). FP8 needs
     ``hidden % 128 == 0`` (``ValueError`` otherwise), which keeps the result an exact integer.
     """
     if hidden <= 0:
@@ -36,7 +36,7 @@ def topk_bytes_per_token(num_topk: int, with_idx: bool = True) -> int:
 
 def logical_bytes(num_recv_tokens: int, hidden: int, num_topk: int = 0, fp8: bool = False,
                   phase: str = "dispatch") -> int:
-    """**Logical bytes** of one call on one rank (the V2 formula; spec §11).
+    """**Logical bytes** of one call on one rank (the V2 formula; docs/semantics/deepep-api.md §11).
 
     ``num_recv_tokens`` is ``N_recv``, the rows this rank receives in dispatch (= the rows it
     sends back in combine): a token counts once per destination rank, **the rank's own tokens
@@ -59,7 +59,7 @@ def logical_bytes(num_recv_tokens: int, hidden: int, num_topk: int = 0, fp8: boo
 
 
 def bottleneck_bytes(num_tokens: int, hidden: int, fp8: bool = False) -> int:
-    """**Bottleneck bytes** of one call on one rank (the V1 formula; spec §11).
+    """**Bottleneck bytes** of one call on one rank (the V1 formula; docs/semantics/deepep-api.md §11).
 
     Hidden payload only (no top-k metadata) through the limiting domain, each token counted once
     per destination it crosses into: ``num_tokens * bytes_per_token(hidden, fp8)``.
@@ -79,7 +79,7 @@ def bottleneck_bytes(num_tokens: int, hidden: int, fp8: bool = False) -> int:
 
 def low_latency_bytes(num_selections: int, hidden: int, fp8: bool = True, phase: str = "dispatch",
                       logfmt: bool = False) -> int:
-    """Bytes of one low-latency call on one rank, DeepEP's LL formula (spec §11).
+    """Bytes of one low-latency call on one rank, DeepEP's LL formula (docs/semantics/deepep-api.md §11).
 
     ``num_selections``: this rank's valid ``topk_idx`` entries (a token counts once per selected
     expert). Per selection: dispatch ``H + H/32 + 16`` (FP8: e4m3 row, float32 scale per 128

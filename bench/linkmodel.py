@@ -1,4 +1,4 @@
-"""Link model (``deepep_ascend.transports`` link profiles; README "Link model"): emulation and projection.
+"""Link model (``deepep_ascend.transports`` link profiles; docs/design/transports.md §5): emulation and projection.
 
 The options are declared with the rest of the vocabulary (:func:`bench.cli.add_link_args`);
 :func:`link_setup` turns them into a profile and an optional emulator; :func:`project_phases`

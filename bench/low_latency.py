@@ -7,7 +7,7 @@ Run one process per rank::
     mpiexec -n 2 python -m bench low-latency --bf16 --num-tokens 64 --no-ubmem --json out.json
     mpiexec -n 4 python -m bench low-latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
 
-Workload: DeepEP's LL decode shape (spec §11: 128 tokens per rank, hidden 7168, top-8 of 256
+Workload: DeepEP's LL decode shape (docs/semantics/deepep-api.md §11: 128 tokens per rank, hidden 7168, top-8 of 256
 experts; FP8 dispatch, BF16 combine), ``bench.workload.make_workload`` (``x = randn``, routing =
 top-k of ``randn.abs() + 1``, weights ``randn.abs()``), ``M = tokens``. The "experts" are the
 identity (FP8 rows cast back to BF16).
@@ -25,11 +25,11 @@ Measured, each as the max over ranks per iteration, median and p99 over ``--iter
   MPI ``Alltoallv`` and torch gloo ``all_to_all_single``, per destination *rank* with an
   unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement).
 
-Bandwidth (GB = 1e9 B): DeepEP's LL formula (spec §11) per valid selection — dispatch
+Bandwidth (GB = 1e9 B): DeepEP's LL formula (docs/semantics/deepep-api.md §11) per valid selection — dispatch
 ``H + H/32 + 16`` B (FP8) or ``2H + 16`` B (BF16), combine ``2H`` B — over the call time; and
 per channel kind (SELF / UBMEM / URMA) the bytes this rank's calls moved
 (``Buffer.runtime.stats``) over the time. ``[project]`` lines: the time one call's counted
-traffic would take on ``--link-profile``'s links (a model; README "Link model"), with the LL
+traffic would take on ``--link-profile``'s links (a model; docs/design/transports.md §5), with the LL
 formula's GB/s at that time next to the measured one; ``--link-emulation delay`` slows the LL
 calls' links (SIMULATION, labelled; the peers are not slowed). Performance targets are reported, never asserted:
 round trip >= 5x faster than the faster peer pipeline at 4 ranks; overlapped total <= 1.3x the
@@ -170,7 +170,7 @@ def run(args) -> int:
     def combine():
         st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2], use_logfmt=args.logfmt)
 
-    # Correctness once: identity experts, so combined ≈ x · Σ w (spec §9 invariant 12).
+    # Correctness once: identity experts, so combined ≈ x · Σ w (docs/semantics/deepep-api.md §9 invariant 12).
     dispatch(), make_y(), combine()
     approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True) * (LOGFMT_SCALE if args.logfmt else 1.0)
     diff = comm.allreduce(calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
@@ -236,7 +236,7 @@ def run(args) -> int:
     overlap_total = (to["dispatch"] + to["combine"]).median
     longer = max(t["round_trip"].median, 2 * tc.median)
 
-    # DeepEP's LL byte formula (spec §11), this rank's valid selections.
+    # DeepEP's LL byte formula (docs/semantics/deepep-api.md §11), this rank's valid selections.
     sel = int((wl.topk_idx >= 0).sum())
     d_bytes, c_bytes = (low_latency_bytes(sel, H, fp8, ph, logfmt=args.logfmt) for ph in ("dispatch", "combine"))
 

@@ -1,4 +1,4 @@
-"""MegaMoE benchmark: the fused call against the unfused sequence, in the same run (mega-moe.md §5).
+"""MegaMoE benchmark: the fused call against the unfused sequence, in the same run (docs/semantics/mega-moe.md §5).
 
 Run one process per rank::
 
@@ -6,7 +6,7 @@ Run one process per rank::
     mpiexec -n 2 python -m bench mega-moe --preset cpu-comm-heavy --mma bf16
     mpiexec -n 2 python -m bench mega-moe --num-tokens 256 --hidden 512 --inter 256 --num-experts 16 --json out.json
 
-Presets (mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test: top-6, one shared expert):
+Presets (docs/semantics/mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test: top-6, one shared expert):
 ``cpu-pro-mini`` E 96, K 6, H 1024, I 512, T 512 per rank (PR #316's batch 512: at 4 ranks, 128 rows
 per local expert); ``cpu-pro-batch`` the same shape at T 4096 (the test's default batch, 8192 tokens
 per rank at EP8 over 384 experts, is 1024 rows per expert; at 4 ranks over 96 experts so is T 4096);

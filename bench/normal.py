@@ -47,7 +47,7 @@ by the rank that issues the load or store — inside a node the receiver, which 
 sender's window; baselines: the bytes each rank sends, from their counts). JSON key:
 ``sent_by_kind``.
 
-Link model (``transports.link_model``, README "Link model"): ``[project]`` lines give, per phase,
+Link model (``transports.link_model``, docs/design/transports.md §5): ``[project]`` lines give, per phase,
 the time deepep_ascend's *counted* traffic would take on ``--link-profile``'s links (default
 ``ascend950``; ``none`` = no projection) with the bottleneck port, and the V1 bottleneck GB/s
 at that time next to the measured one — a model, never a measurement. ``--link-emulation delay``
@@ -260,7 +260,7 @@ def fmt_check(ref: str, name: str, chk: dict) -> str:
              "dispatch outputs bitwise " + ("ok" if not bad_disp else "MISMATCH in " + ",".join(bad_disp))]
     if chk.get("combined_x_two_roundings") is not None:
         parts.append(f"combined_x {'ok' if chk['combined_x_two_roundings'] else 'MISMATCH'} (calc_diff "
-                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, spec §5)")
+                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, docs/semantics/deepep-api.md §5)")
     elif chk["combined_x_bitwise"]:
         parts.append("combined_x bitwise ok")
     elif chk["combined_x_equal_values"]:

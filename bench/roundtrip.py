@@ -171,7 +171,7 @@ def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roun
     combined_topk_weights_bitwise, combined_x_calc_diff, combined_topk_weights_calc_diff}``;
     booleans are ANDed over ranks, ``calc_diff`` values are the maximum over ranks (0 = equal).
     ``two_roundings``: ``other`` is DeepEP's internode combine, which rounds each node's partial
-    sum to BF16 before the final sum (spec §5) while ``ref`` rounds once, so ``combined_x`` may
+    sum to BF16 before the final sum (docs/semantics/deepep-api.md §5) while ``ref`` rounds once, so ``combined_x`` may
     differ in the last bits by design: it is then accepted when ``calc_diff < 1e-4``
     (``combined_x_two_roundings``) — the test suite checks that path bit for bit against a
     two-rounding reference.

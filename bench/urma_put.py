@@ -1,4 +1,4 @@
-"""URMA put bandwidth between two simulated nodes, per window exposure (transports §4).
+"""URMA put bandwidth between two simulated nodes, per window exposure (docs/design/transports.md §4).
 
 Run with two ranks, one per simulated node::
 

@@ -5,7 +5,7 @@
 * :func:`workload_digest` / :func:`fingerprint` / :func:`comm_fingerprint`: a short hash of the
   shape parameters, seed, routing source and every rank's data (equal fingerprints = the same
   inputs bit for bit);
-* FP8 casts and :func:`calc_diff` as in DeepEP's ``tests/utils.py`` (spec §4.8),
+* FP8 casts and :func:`calc_diff` as in DeepEP's ``tests/utils.py`` (docs/semantics/deepep-api.md §4.8),
   :func:`tensor_digest` (bitwise digest of a tensor);
 * :func:`reference_layout`: ``get_dispatch_layout`` in pure torch (the peer pipelines' layout).
 """
@@ -160,7 +160,7 @@ def comm_fingerprint(wl: Workload, comm) -> str:
 
 
 def reference_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """Pure-torch ``get_dispatch_layout`` (spec §4.1) for one node (``num_tokens_per_rdma_rank``
+    """Pure-torch ``get_dispatch_layout`` (docs/semantics/deepep-api.md §4.1) for one node (``num_tokens_per_rdma_rank``
     is ``None``). Returns ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
     is_token_in_rank [N, R] bool)``."""
     n = topk_idx.size(0)

@@ -87,7 +87,7 @@ else:
         f.write(stamp)
     print("setup: the native kernels (deepep_ascend/native/csrc/) were not built (no working C compiler?): "
           "combine and MegaMoE use their torch paths, same results (the grouped GEMMs to bf16 rounding), "
-          "slower (README, 'Two commands')",
+          "slower (docs/install.md)",
           file=sys.stderr)
 PY
 }

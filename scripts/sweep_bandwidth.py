@@ -47,7 +47,7 @@ keeps what it measured; rerunning with the same ``DIR`` skips configurations alr
   status, error, exit code, wall time, provenance);
 * ``results.csv`` / ``results.json`` (``{"columns": [...], "rows": [...]}``): one row per
   configuration, read from its record (``bench/sweep_records.py``); columns in :data:`COLUMNS`
-  (see the README section "Bandwidth sweeps").
+  (see docs/benchmarks.md).
 * ``gbps_vs_size.png``: GB/s vs tokens per rank, per mode, for the formula bandwidths (MegaMoE:
   the fused call's per-pair bytes, with and without self-rank pairs) and per channel kind
   (SELF / UBMEM / URMA bytes moved per second);

@@ -24,7 +24,7 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 # failed before the hang: each rank whose watchdog fires writes a marker ("clean" or "failed",
 # tests/conftest.py) into $DEEPEP_ASCEND_TEST_HANG_DIR. Every wait of the library has a deadline
 # and turns into an error, so a watchdog hang is outside its data plane; the ones seen before were
-# tests slowed 100x by ranks spinning in MPICH's blocking collectives (README, "Two commands"),
+# tests slowed 100x by ranks spinning in MPICH's blocking collectives (docs/testing.md),
 # which the harness no longer does. A failing or crashing test is never re-run.
 retries="$(echo "${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}" | xargs)"
 # The host, for the failure lines below (CI shows only part of a log; its tail survives).

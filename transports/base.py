@@ -1,4 +1,4 @@
-"""The backend-neutral transport contract, its wait policy and its lifetime states (transports §2).
+"""The backend-neutral transport contract, its wait policy and its lifetime states (docs/design/transports.md §2).
 
 A :class:`Transport` moves bytes and monotonic signals between ranks through symmetric
 windows. It knows ranks, byte ranges and counters, never tokens. Backends: UBMEM
@@ -135,7 +135,7 @@ def allgather_object(comm, obj, wait) -> list:
 
 
 class WaitPolicy:
-    """How a waiting rank spends its time (transports §3.4).
+    """How a waiting rank spends its time (docs/design/transports.md §3.4).
 
     Measured on 2 cores: spinning collapses to milliseconds per hand-off once ranks
     outnumber cores (the spinners starve the rank that must signal), while short sleeps give

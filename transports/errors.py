@@ -1,4 +1,4 @@
-"""Exceptions raised by the transport layer (transports §2.3).
+"""Exceptions raised by the transport layer (docs/design/transports.md §2.3).
 
 Every message names the operation, the calling rank and the peers involved, so a
 failure in an 8-rank job can be traced from any one rank's output.

@@ -1,4 +1,4 @@
-"""Per-link accounting, optional emulation and a projection of the simulated channels (transports §5).
+"""Per-link accounting, optional emulation and a projection of the simulated channels (docs/design/transports.md §5).
 
 * **Accounting** (always on): :class:`LinkStats` counts, for the operations issued by one rank,
   the bytes and messages moved per (channel kind, peer). Each transfer is counted once, by the

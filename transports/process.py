@@ -1,11 +1,11 @@
 """Leaving an MPI job without a spurious "bad termination" and without leaking MPICH's shared memory.
 
-Why not ``os._exit`` after the last barrier (the path design.md measured):
+Why not ``os._exit`` after the last barrier (docs/testing.md, the exit path):
 MPICH (>= 4.1, ``src/util/mpir_pmi.c``) sends PMI's ``finalize`` from a C exit hook, after
 ``MPI_Finalize``. A process that leaves by ``_exit`` never sends it, so hydra's proxy sees its PMI
 socket close as a crash and SIGKILLs every rank still alive: any rank a few milliseconds late
 after the barrier (8 ranks on 2 cores) is reported as "EXIT CODE: 9". ``MPI_Finalize`` followed by
-``os._exit`` fails the same way (the ~3 % design.md saw). Leaving through the C library's
+``os._exit`` fails the same way. Leaving through the C library's
 ``exit()`` after ``MPI_Finalize`` is what a C MPI program returning from ``main`` does: the hook
 runs, and Python's own teardown (module GC, thread joins) is still skipped.
 """

@@ -1,4 +1,4 @@
-"""Rank → (node, local rank) map and the channel kind of every pair (transports §2.1).
+"""Rank → (node, local rank) map and the channel kind of every pair (docs/design/transports.md §2.1).
 
 A *node* is a UBMEM domain: by default the MPI shared-memory domain
 (``MPI_COMM_TYPE_SHARED``), optionally split into simulated nodes of ``ranks_per_node``

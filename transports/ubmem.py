@@ -1,17 +1,17 @@
 """The transport (every pair kind) and its UBMEM backend: load/store into peers' MPI-3
-shared-memory windows (transports §3); pairs on different nodes go through
-:mod:`transports.urma` (one-sided MPI RMA, §4).
+shared-memory windows (docs/design/transports.md §3); pairs on different nodes go through
+:mod:`transports.urma` (one-sided MPI RMA, docs/design/transports.md §4).
 
 Inside one node every window is an ``MPI_Win_allocate_shared`` segment per rank, mapped by
 all ranks of the node; peers read and write it through zero-copy torch / numpy views. With more
 than one node the same segment is also exposed world-wide as an RMA window for URMA peers.
 
-Memory ordering (transports §3.2): a release is "copy data → ``Win.Sync()`` → store the
+Memory ordering (docs/design/transports.md §3.2): a release is "copy data → ``Win.Sync()`` → store the
 signal", an acquire is "observe the signal → ``Win.Sync()`` → read". ``Win.Sync`` is a full
 memory barrier in MPICH, which also orders the weakly ordered streaming stores that large
 ``memcpy`` calls use.
 
-Signals (§3.3) are int64 words in per-source slots: ``slot[s][src]`` on a target is written
+Signals (docs/design/transports.md §3.3) are int64 words in per-source slots: ``slot[s][src]`` on a target is written
 only by ``src``, with one aligned 8-byte store of a value that only grows, so receivers wait
 for "≥ expected" and nothing is ever cleaned.
 """
@@ -207,7 +207,7 @@ class SymmetricWindow:
 class Transport:
     """Transport for every pair kind: SELF, UBMEM (same node, load/store) and URMA (other node, RMA).
 
-    Implements the contract of transports §2.2: ``put``, ``get``, ``signal``,
+    Implements the contract of docs/design/transports.md §2.2: ``put``, ``get``, ``signal``,
     ``put_with_signal``, ``wait_until``, ``fence``, ``flush``, ``barrier``, ``progress``,
     ``abort`` and ``destroy``, for any pair; plus zero-copy ``peer_view`` for load/store data
     paths inside a node (a URMA peer raises :class:`~transports.errors.TransportUnsupported`).
@@ -285,7 +285,7 @@ class Transport:
         """Collectively allocate a window with ``nbytes`` of data and ``num_slots`` signal slots.
 
         ``force_urma``: puts, gets and signals to node peers on this window go over URMA too (and
-        are counted so); load/store views of node peers are refused (transports §2.1).
+        are counted so); load/store views of node peers are refused (docs/design/transports.md §2.1).
         Raises:
             TransportArgumentError: sizes negative or different between ranks (on every rank).
         """

@@ -1,4 +1,4 @@
-"""URMA backend: one-sided MPI RMA between nodes (transports §4.1, option A).
+"""URMA backend: one-sided MPI RMA between nodes (docs/design/transports.md §4.1, option A).
 
 Each :class:`~transports.ubmem.SymmetricWindow` of a job with more than one node exposes its
 rank's node-shared segment (``[control | data]``) a second time, world-wide, with
@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import TransportConfigError, TransportRuntimeError
 
-#: ``progress()`` calls closer together than this are skipped (transports §3.4: ~100 µs).
+#: ``progress()`` calls closer together than this are skipped (docs/design/transports.md §3.4: ~100 µs).
 PROGRESS_INTERVAL_S = 100e-6
 
 

@@ -231,7 +231,7 @@ def _check_entries(handle, expected, where: str) -> None:
 
 def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ranks: int,
                            buffer_id: int) -> tuple[IntranodeHandle, int]:
-    """A 6-entry intranode handle (spec §4.3) for a call of ``op`` with ``config``.
+    """A 6-entry intranode handle (docs/semantics/deepep-api.md §4.3) for a call of ``op`` with ``config``.
 
     Returns:
         ``(handle as an IntranodeHandle, id of the dispatch that made it, -1 if unknown)``.
@@ -259,7 +259,7 @@ def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ra
 
 def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, num_nodes: int,
                            buffer_id: int) -> tuple[InternodeHandle, int]:
-    """A 10-entry internode handle (spec §5) for a call of ``op`` with ``config``.
+    """A 10-entry internode handle (docs/semantics/deepep-api.md §5) for a call of ``op`` with ``config``.
 
     Returns:
         ``(handle as an InternodeHandle, id of the dispatch that made it, -1 if unknown)``.

@@ -1,4 +1,4 @@
-"""``deepep_ascend.Buffer``: DeepEP's ``deep_ep.Buffer`` on CPU ranks over MPI (spec §2-§4, §8).
+"""``deepep_ascend.Buffer``: DeepEP's ``deep_ep.Buffer`` on CPU ranks over MPI (docs/semantics/deepep-api.md §2-§4, §8).
 
 This module is the API: the constructor, the calls, and what ties them to one Buffer (its transport,
 windows and worker, the consensus round a rejected call still takes part in, and its traffic
@@ -401,7 +401,7 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (spec §4.1).
+        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (docs/semantics/deepep-api.md §4.1).
 
         Args:
             topk_idx: ``[N, K]`` ``topk_idx_t`` (int64), values in ``[-1, num_experts)``, -1 = none.
@@ -548,7 +548,7 @@ class Buffer:
                  allocate_on_comm_stream: bool = False
                  ) -> tuple[Rows, torch.Tensor | None, torch.Tensor | None, list[int] | None, NormalHandle | None,
                             EventOverlap]:
-        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (spec §4.2-4.5).
+        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (docs/semantics/deepep-api.md §4.2-4.5).
 
         Args:
             x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
@@ -573,7 +573,7 @@ class Buffer:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
             ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
-            float32 (0 where -1); a list of ``L`` ints; the handle (spec §4.3), DeepEP's 6-tuple as an
+            float32 (0 where -1); a list of ``L`` ints; the handle (docs/semantics/deepep-api.md §4.3), DeepEP's 6-tuple as an
             :class:`~deepep_ascend.ep.handles.IntranodeHandle` (across nodes its 10-tuple, an
             :class:`~deepep_ascend.ep.handles.InternodeHandle`). Rows are grouped by source rank, then
             source token order. Cached: ``(recv_x, None, None, None, None, event)``.
@@ -657,7 +657,7 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
-        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (spec §4.6).
+        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (docs/semantics/deepep-api.md §4.6).
 
         Per original token: ``acc = f32(bias0) + f32(bias1)`` (missing = 0), then ``acc += f32(row)``
         for each rank that received it, in ascending rank order; output ``bf16(acc)``. No
@@ -707,7 +707,7 @@ class Buffer:
         return combined, combined_w, event
 
     # ==================================================================================
-    # Low-latency mode (spec §6, §7): checks in low_latency_arguments.py, data movement in low_latency.py
+    # Low-latency mode (docs/semantics/deepep-api.md §6, §7): checks in low_latency_arguments.py, data movement in low_latency.py
     # ==================================================================================
     def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool) -> ll_mod.LowLatencyEngine:
         """Constructor branch of ``low_latency_mode=True``: the LL windows from ``num_rdma_bytes``."""
@@ -725,7 +725,7 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use (spec §6.8).
+        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use (docs/semantics/deepep-api.md §6.8).
 
         Both halves of ``[signals align_up(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
         with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
@@ -741,11 +741,11 @@ class Buffer:
         if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
             raise RuntimeError(
                 f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
-                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, spec §6.6)")
+                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, docs/semantics/deepep-api.md §6.6)")
         self._worker.drain()
         try:
             check(not (async_finish and return_recv_hook), RuntimeError,
-                  "async_finish and return_recv_hook cannot both be set (spec §6.5)")
+                  "async_finish and return_recv_hook cannot both be set (docs/semantics/deepep-api.md §6.5)")
             args = validate()
         except Rejected as rej:
             exc = rej.exc
@@ -768,7 +768,7 @@ class Buffer:
             def hook():
                 if state["called"]:
                     raise RuntimeError(f"rank {self.rank}: this low-latency receive hook was already called "
-                                       f"(call it exactly once, spec §6.5)")
+                                       f"(call it exactly once, docs/semantics/deepep-api.md §6.5)")
                 state["called"] = True
                 ll.pending_hook = None
                 receive()
@@ -786,7 +786,7 @@ class Buffer:
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
                              ) -> tuple[Rows, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (spec §6.2).
+        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (docs/semantics/deepep-api.md §6.2).
 
         No collective and no count exchange: each rank writes its rows into the receivers'
         windows and signals once per receiver; a receiver waits for every (live) source.
@@ -800,7 +800,7 @@ class Buffer:
             dispatch_wait_recv_cost_stats: optional ``[R]`` int64; entry ``s`` += **nanoseconds**
                 from the start of the receive until source ``s``'s signal was seen (polling
                 granularity <= 1 ms; DeepEP counts GPU cycles).
-            use_fp8, round_scale, use_ue8m0: the cast of spec §6.4 (``use_ue8m0`` needs
+            use_fp8, round_scale, use_ue8m0: the cast of docs/semantics/deepep-api.md §6.4 (``use_ue8m0`` needs
                 ``round_scale`` and ``H % 512 == 0``).
             async_finish: the receive runs on the Buffer's worker; wait on the event.
             return_recv_hook: only the sends run now; call the returned hook once to receive. Until
@@ -840,7 +840,7 @@ class Buffer:
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (spec §6.3).
+        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (docs/semantics/deepep-api.md §6.3).
 
         Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
         ``acc += f32(y_j) * w[t][j]``; output ``bf16(acc)``.
@@ -850,9 +850,9 @@ class Buffer:
                 is checked: the rows come from :meth:`get_next_low_latency_combine_buffer`).
             topk_idx, topk_weights: the dispatch's own ``[N, K]`` routing (int64) and float32 weights.
             handle: the dispatch's handle (or a tuple of the same entries).
-            use_logfmt: rows travel LogFMT-10 encoded (spec §6.3; needs ``H % 128 == 0``): per
+            use_logfmt: rows travel LogFMT-10 encoded (docs/semantics/deepep-api.md §6.3; needs ``H % 128 == 0``): per
                 128-channel group 10 bits per value plus 4 bytes of metadata, ``1.25H + H/32``
-                bytes per row instead of ``2H`` (spec §11); a group with ``max|x| >= 1``, equal
+                bytes per row instead of ``2H`` (docs/semantics/deepep-api.md §11); a group with ``max|x| >= 1``, equal
                 magnitudes or no nonzero value travels as BF16 (96 more bytes, exact). Lossy
                 otherwise: a value within ``(2**step - 1) / (2**step + 1)`` (< 2.2%) of itself,
                 ``step = (log2 amax - log2 amin) / 510`` of its group with ``amin`` the smallest
@@ -887,7 +887,7 @@ class Buffer:
         return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
-        """bf16 ``[L, R·M, H]`` view of the send buffer the **next** LL call uses (spec §6.6b).
+        """bf16 ``[L, R·M, H]`` view of the send buffer the **next** LL call uses (docs/semantics/deepep-api.md §6.6b).
 
         Fill it, then call ``low_latency_combine(..., zero_copy=True)`` as the very next LL call
         (another LL call in between is refused: its data would sit in the other half). The view
@@ -904,7 +904,7 @@ class Buffer:
         return ll.combine_buffer(lay)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Barrier of the live ranks; nothing to zero (signals are monotonic epochs, spec §6.1).
+        """Barrier of the live ranks; nothing to zero (signals are monotonic epochs, docs/semantics/deepep-api.md §6.1).
 
         Accepted for DeepEP compatibility and harmless anywhere between LL calls. With
         ``enable_shrink`` a rank missing the deadline is masked.
@@ -926,7 +926,7 @@ class Buffer:
         return ll
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view (spec §7)."""
+        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view (docs/semantics/deepep-api.md §7)."""
         ll = self._ll_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size or rank_to_mask == self.rank:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be a peer rank in "
@@ -943,7 +943,7 @@ class Buffer:
         mask_status.view(-1).copy_(ll.mask)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every peer (spec §7)."""
+        """Unmask every peer (docs/semantics/deepep-api.md §7)."""
         self._ll_shrink("low_latency_clean_mask_buffer").mask.zero_()
 
 

@@ -1,4 +1,4 @@
-"""Normal-mode dispatch and combine across nodes: DeepEP's two hops (spec §5, transports §6).
+"""Normal-mode dispatch and combine across nodes: DeepEP's two hops (docs/semantics/deepep-api.md §5, docs/design/transports.md §6).
 
 Every rank ``(node b, local l)`` is at once a *sender* of its own tokens, a *forwarder* for its
 rail peers ``(c, l)`` and a *receiver*. Two windows per rank:
@@ -19,7 +19,7 @@ Dispatch, one round (tokens ``[k·q, (k+1)·q)`` of every sender):
    order, the rows with bit ``j`` from box ``node(s)`` of forwarder ``(b, local(s))`` straight
    into its outputs (DeepEP's order: by global source rank, then token index).
 
-Combine reverses it, with DeepEP's two roundings (spec §5): every receiver stages its rows of
+Combine reverses it, with DeepEP's two roundings (docs/semantics/deepep-api.md §5): every receiver stages its rows of
 the round in its UBMEM window; each forwarder sums, per token it forwarded, the rows of its node
 peers in float32 from ``+0.0`` in ascending local rank and rounds to bf16; it writes those
 partials into box ``b`` of the origin ``(a, l)``; the origin adds ``f32(bias0) + f32(bias1)``
@@ -418,7 +418,7 @@ class InternodeEngine:
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
                  num_channels, handle_id, xdtype, sdtype) -> Generator:
-        """Non-cached internode dispatch (spec §5). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
+        """Non-cached internode dispatch (docs/semantics/deepep-api.md §5). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`InternodeHandle`
@@ -501,7 +501,7 @@ class InternodeEngine:
         call.send_nvl_head = torch.full((int(call.fwd_counts.sum()), per_node), -1, dtype=torch.int32)
         call.recv_rdma_channel_prefix_matrix = torch.zeros(num_nodes, call.num_channels, dtype=torch.int32)
         call.recv_gbl_channel_prefix_matrix = torch.zeros(num_ranks, call.num_channels, dtype=torch.int32)
-        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (spec §4.4)
+        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (docs/semantics/deepep-api.md §4.4)
             for t in (out.x, out.scales, out.topk_weights):
                 if t is not None:
                     t[num_recv:].zero_()
@@ -590,7 +590,7 @@ class InternodeEngine:
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: InternodeHandle, num_channels, handle_id, xdtype,
                         sdtype) -> Generator:
-        """Dispatch through an internode handle (spec §4.5, §5). Yields ``(recv_x, recv_scales)``."""
+        """Dispatch through an internode handle (docs/semantics/deepep-api.md §4.5, §5). Yields ``(recv_x, recv_scales)``."""
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
         rows = handle.recv_src_meta.size(0)
@@ -726,7 +726,7 @@ class InternodeEngine:
 
     def combine(self, *, call_id, x, topk_weights, bias, handle: InternodeHandle, num_channels,
                 handle_id) -> Generator:
-        """Internode combine (spec §5): forwarder partials rounded to bf16, then the origin's sum.
+        """Internode combine (docs/semantics/deepep-api.md §5): forwarder partials rounded to bf16, then the origin's sum.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """

@@ -1,4 +1,4 @@
-"""Routing → counts, masks and prefix matrices (spec §4.1, §4.3). Pure torch, never communicates.
+"""Routing → counts, masks and prefix matrices (docs/semantics/deepep-api.md §4.1, §4.3). Pure torch, never communicates.
 
 Duplicate experts in one ``topk_idx`` row (the same expert listed twice) follow DeepEP's
 counting everywhere: each (token, slot) pair counts once for its expert in
@@ -51,7 +51,7 @@ def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tenso
     """In place: received global expert ids -> this rank's local ids, ``-1`` (weight 0) for other ranks' experts.
 
     ``recv_topk_idx`` ``[N_recv, K]`` int64 and ``recv_topk_weights`` ``[N_recv, K]`` float32, the real
-    rows only (DeepEP's ``recv_topk_idx`` holds local expert ids, spec §4.2).
+    rows only (DeepEP's ``recv_topk_idx`` holds local expert ids, docs/semantics/deepep-api.md §4.2).
     """
     first = rank * num_local_experts
     foreign = (recv_topk_idx < first) | (recv_topk_idx >= first + num_local_experts)
@@ -70,7 +70,7 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torc
 
     ``channel_prefix_matrix[j][c]`` = this rank's tokens for rank ``j`` in channels ``0..c``
     (inclusive); ``send_head[t][j]`` = position of token ``t`` in the sequence of its channel's
-    tokens for rank ``j``, or -1 if not sent (spec §4.3).
+    tokens for rank ``j``, or -1 if not sent (docs/semantics/deepep-api.md §4.3).
     """
     n, r = is_token_in_rank.shape
     sent = is_token_in_rank.to(torch.int32)

@@ -1,15 +1,15 @@
-"""Low-latency (LL) dispatch and combine: DeepEP's fixed-slot, signal-driven mode (spec §6, §7).
+"""Low-latency (LL) dispatch and combine: DeepEP's fixed-slot, signal-driven mode (docs/semantics/deepep-api.md §6, §7).
 
 Every rank sends straight to the owner of each expert; nothing is exchanged before the data
 (no collective, no count round): each sender writes its rows into **fixed slots** of the
 receiver's window and then its per-expert **counts** with one **signal**. The receiver waits for
-one signal per source, reads the counts and unpacks. Two halves alternate call by call (spec
-§6.6); signals only grow (transports §3.3), so nothing is ever cleaned.
+one signal per source, reads the counts and unpacks. Two halves alternate call by call
+(docs/semantics/deepep-api.md §6.6); signals only grow (docs/design/transports.md §3.3), so nothing is ever cleaned.
 
 Windows (each rank's segment is node-shared, and world-exposed for RMA with several nodes):
 
 * ``ll`` (``num_rdma_bytes``): half ``h`` at ``h * (num_rdma_bytes // 2)``. A call with
-  ``(M, H, E)`` lays a half out exactly as spec §6.8 sizes it, with ``S = ceil(H/128)``,
+  ``(M, H, E)`` lays a half out exactly as docs/semantics/deepep-api.md §6.8 sizes it, with ``S = ceil(H/128)``,
   ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``:
 
   ``[sig: align_up(4E, 128) | send: max(M·d, E·M·c) | recv: E·M·max(d, c)]``
@@ -25,7 +25,7 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
     format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
     same fixed slots, row ``(g, i)``'s metadata at ``(g·M + i)·4S`` of the first, its body at
     ``(g·M + i)·160S`` of the second, and slot ``g``'s BF16-group tails packed (rows, then
-    groups) from ``g·M·S·96`` of the third. A row sends ``1.25H + H/32`` bytes (spec §11) plus
+    groups) from ``g·M·S·96`` of the third. A row sends ``1.25H + H/32`` bytes (docs/semantics/deepep-api.md §11) plus
     96 per group that falls back to BF16; the regions total ``E·M·c`` with ``c = 4S + 2H``, the
     hint's combine message, which is what rows whose groups all fall back fill: the hint covers
     any data and nothing more.
@@ -81,7 +81,7 @@ HDR_BYTES = 256
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
 F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
-#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, spec §6.7).
+#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, docs/semantics/deepep-api.md §6.7).
 QP_DEPTH = 1024
 
 
@@ -90,7 +90,7 @@ def align_up(x: int, a: int) -> int:
 
 
 def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Spec §6.8, exactly: bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
+    """docs/semantics/deepep-api.md §6.8, exactly: bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
 
     ``S = ceil(H/128)`` (= ``H/128`` for DeepEP's sizes), ``d = 16 + max(2H, H + 4S)``,
     ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
@@ -307,7 +307,7 @@ class LowLatencyEngine:
             raise RuntimeError(
                 f"rank {self.rank}: LL call #{self.pending_hook} still awaits its receive hook; call the hook "
                 f"before issuing another low-latency call (only two LL buffers: receive k, then issue k+1, "
-                f"spec §6.6)")
+                f"docs/semantics/deepep-api.md §6.6)")
         seq = self.calls
         self.calls += 1
         return seq, seq % 2
@@ -425,7 +425,7 @@ class LowLatencyEngine:
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
         """This rank's messages ``[N, mb]`` uint8 in the send region: ``[int32 token | 12 B | payload]``, the
-        FP8 cast once per token (spec §6.4), written straight in from a float32 scratch kept across calls.
+        FP8 cast once per token (docs/semantics/deepep-api.md §6.4), written straight in from a float32 scratch kept across calls.
         ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
         n, H = x.size(0), lay.H
         sb = 4 * scale_words
@@ -609,7 +609,7 @@ class LowLatencyEngine:
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
                          use_logfmt) -> None:
         """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
-        (spec §6.3): per token, slots in order into one float32 accumulator, one rounding into ``combined``."""
+        (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator, one rounding into ``combined``."""
         me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         n, k = topk_idx.shape
@@ -648,7 +648,7 @@ class LowLatencyEngine:
         g_all = self._scratch("gathered", (n, H), torch.bfloat16)
         slot_j = pos % k
         tok = pos // k
-        for j in range(k):  # spec §6.3: slots in order, one float32 accumulator, one rounding
+        for j in range(k):  # docs/semantics/deepep-api.md §6.3: slots in order, one float32 accumulator, one rounding
             sel = torch.nonzero(slot_j == j).squeeze(1)
             cnt = sel.numel()
             if not cnt:

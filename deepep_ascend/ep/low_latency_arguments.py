@@ -1,4 +1,4 @@
-"""Argument checks of ``Buffer``'s low-latency calls (spec §6), before anything is sent.
+"""Argument checks of ``Buffer``'s low-latency calls (docs/semantics/deepep-api.md §6), before anything is sent.
 
 As in :mod:`.checks`, a failed check raises :class:`~deepep_ascend.ep.arguments.Rejected`; the Buffer
 then refuses the call on every rank (:meth:`LowLatencyEngine.reject`): this rank raises the carried
@@ -38,7 +38,7 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
 
     Raises:
         Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
-            duplicates), ``AssertionError`` (``M`` past DeepEP's queue-pair depth, spec §6.7).
+            duplicates), ``AssertionError`` (``M`` past DeepEP's queue-pair depth, docs/semantics/deepep-api.md §6.7).
     """
     check_topk_idx(topk_idx, num_experts, num_ranks)
     check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
@@ -47,7 +47,7 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
           f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
     check(m <= qp_depth // 2 - 1, AssertionError,
           f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
-          f"{qp_depth // 2 - 1} (spec §6.7)")
+          f"{qp_depth // 2 - 1} (docs/semantics/deepep-api.md §6.7)")
     check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
     if topk_idx.numel() and topk_idx.size(1) > 1:
         srt = topk_idx.sort(dim=1).values
@@ -94,7 +94,7 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     n, hidden = x.shape
     check_low_latency_routing(topk_idx, num_experts, m, "x", n, num_ranks=r, qp_depth=qp_depth)
     check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
-    check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (spec §6.4)")
+    check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (docs/semantics/deepep-api.md §6.4)")
     check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
     check(not use_fp8 or hidden % 128 == 0, ValueError,
           f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
@@ -131,7 +131,7 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
                               qp_depth=qp_depth)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
-    check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (spec §6.3)")
+    check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
     check(not use_logfmt or hidden % 128 == 0, ValueError,
           f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
     check(stale_zero_copy is None, RuntimeError, stale_zero_copy or "")

@@ -1,7 +1,7 @@
 """FP8/FP4 GEMM operands back to float: :func:`dequantize_operand` (any operand, float32) and
 :func:`dequantize_weights` (weights, once: cached in :mod:`.weight_cache`).
 
-Spec: ``mega-moe.md`` §4. Power-of-two scales make dequantized FP8/FP4 values exact in bf16 (barring
+Spec: ``docs/semantics/mega-moe.md`` §4. Power-of-two scales make dequantized FP8/FP4 values exact in bf16 (barring
 underflow below bf16's smallest subnormal), which is what :func:`dequantize_weights` checks before
 returning a cached bf16 copy (:func:`to_exact_bf16`); otherwise it returns float32.
 """
@@ -29,7 +29,7 @@ def dequantize_operand(
     """float32 ``[..., MN, K]`` of an FP8 (e4m3 ``[..., MN, K]``) or FP4 (int8 ``[..., MN, K/2]``)
     operand with float32 scales ``[..., ceil(MN/gran_mn), ceil(K/gran_k)]`` or packed UE8M0
     ``[..., MN, >= ceil(ceil(K/gran_k)/per_word)]`` (then ``gran_mn`` must be 1): ``value(data) * scale``,
-    the GEMMs' dequantization (mega-moe.md §4), uncached (weights: :func:`dequantize_weights`).
+    the GEMMs' dequantization (docs/semantics/mega-moe.md §4), uncached (weights: :func:`dequantize_weights`).
 
     Raises:
         TypeError: ``data`` or ``sf`` of another dtype. ValueError: scales whose shape does not fit ``data``
@@ -97,7 +97,7 @@ def dequantize_weights(
     ``[..., ceil(N/gran_mn), ceil(K/gran_k)]`` (e.g. 128×128 blocks) or packed UE8M0 (``gran_mn``
     1). The float32 product ``data * scale`` is returned as bf16 if every value survives the
     bf16 round trip (always the case for power-of-two scales without underflow), else as float32
-    (legacy float32 scales: mega-moe.md §4 says dequantize to fp32).
+    (legacy float32 scales: docs/semantics/mega-moe.md §4 says dequantize to fp32).
 
     With ``cache`` (and the module cache enabled) the result is cached keyed by the identity and
     version counter of ``data`` and ``sf`` (an in-place write invalidates it; entries die with the

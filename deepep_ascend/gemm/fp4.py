@@ -1,7 +1,7 @@
 """FP4 e2m1 (MXFP4) codecs, bit-exact with DeepGEMM: the e2m1 encode and decode, two codes per byte, and the
 per-token cast with its cast back.
 
-Spec: ``mega-moe.md`` §4. Every function is vectorized torch on CPU; none loops over elements.
+Spec: ``docs/semantics/mega-moe.md`` §4. Every function is vectorized torch on CPU; none loops over elements.
 
 **FP4 e2m1**: magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} with codes 0..7, bit 3 the sign. Encoding counts the
 thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 that ``|x|`` *strictly* exceeds (ties go to the smaller

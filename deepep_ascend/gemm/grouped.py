@@ -1,4 +1,4 @@
-"""DeepGEMM's grouped GEMMs on CPU torch (mega-moe.md §3): m-grouped (contiguous and masked, the MoE
+"""DeepGEMM's grouped GEMMs on CPU torch (docs/semantics/mega-moe.md §3): m-grouped (contiguous and masked, the MoE
 forward) and k-grouped (weight gradients), bf16 and FP8/FP4.
 
 How operands are read (the arithmetic, FP8/FP4 dequantization, scale granularities ``recipe``) is

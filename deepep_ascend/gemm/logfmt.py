@@ -1,4 +1,4 @@
-"""LogFMT-10, DeepEP's lossy 10-bit transport of low-latency combine rows (``deepep-buffer-api.md`` §6.3):
+"""LogFMT-10, DeepEP's lossy 10-bit transport of low-latency combine rows (``docs/semantics/deepep-api.md`` §6.3):
 per 128 channels a sign and a 9-bit code on a log scale between the group's smallest and largest magnitude,
 plus 4 bytes of metadata; groups the format cannot take travel as BF16, exactly.
 
@@ -135,7 +135,7 @@ def logfmt10_group_mask(meta: torch.Tensor) -> torch.Tensor:
 
 def logfmt10_wire_bytes(meta: torch.Tensor) -> torch.Tensor:
     """int64 ``[...]``: bytes each row takes on the wire, ``4S + 160·(LogFMT groups) + 256·(BF16
-    groups)``: ``1.25H + H/32`` when every group is LogFMT (spec §11), at most ``2H + H/32``.
+    groups)``: ``1.25H + H/32`` when every group is LogFMT (docs/semantics/deepep-api.md §11), at most ``2H + H/32``.
     ``meta`` as :func:`logfmt10_encode` returns it (bf16 ``[..., S, 2]``); raises as
     :func:`logfmt10_group_mask`."""
     use = logfmt10_group_mask(meta)
@@ -144,7 +144,7 @@ def logfmt10_wire_bytes(meta: torch.Tensor) -> torch.Tensor:
 
 
 def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Encode bf16 rows to LogFMT-10 (DeepEP's low-latency combine format, spec §6.3).
+    """Encode bf16 rows to LogFMT-10 (DeepEP's low-latency combine format, docs/semantics/deepep-api.md §6.3).
 
     Per group of 128 channels (``S = H / 128`` groups per row), with magnitudes ``|x|``:
 
@@ -173,7 +173,7 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     * ``tail`` uint8 ``[F, 96]``: the last 96 bytes of each of the ``F`` BF16 groups, in
       row-major order (rows, then groups).
 
-    A row takes ``1.25H + H/32`` bytes when all its groups are LogFMT (spec §11), plus 96 per
+    A row takes ``1.25H + H/32`` bytes when all its groups are LogFMT (docs/semantics/deepep-api.md §11), plus 96 per
     BF16 group, ``2H + H/32`` at most (:func:`logfmt10_wire_bytes`).
 
     Args:

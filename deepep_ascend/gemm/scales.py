@@ -1,6 +1,6 @@
 """UE8M0 scale factors and the layouts DeepGEMM's GEMMs take them in, bit-exact with DeepGEMM and DeepEP.
 
-Spec: ``mega-moe.md`` §4 (formats, packings). Every function is vectorized torch on CPU; none loops over
+Spec: ``docs/semantics/mega-moe.md`` §4 (formats, packings). Every function is vectorized torch on CPU; none loops over
 elements.
 
 * **UE8M0**: one byte ``b`` meaning ``2**(b - 127)``; 255 is NaN, 0 is ``2**-127``.
@@ -99,7 +99,7 @@ def group_last_dim(x: torch.Tensor, gran: int, copy: bool = False) -> torch.Tens
 
 
 def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
-    """Round ``|x|`` up to a power of two, from the float32 bits (mega-moe.md §4, DeepEP §6.4).
+    """Round ``|x|`` up to a power of two, from the float32 bits (docs/semantics/mega-moe.md §4, docs/semantics/deepep-api.md §6.4).
 
     ``e = exponent(|x|) + (1 if any mantissa bit else 0)``, clamped to [1, 254]; returns float32
     ``2**(e - 127)`` with ``x``'s shape. So ``0`` gives ``2**-126`` (the clamp) and values at or
@@ -157,7 +157,7 @@ def pack_ue8m0_to_int(x: torch.Tensor) -> torch.Tensor:
 
     Four exponent bytes per int32, little-endian (byte ``j`` of word ``c`` is group ``4c + j``);
     when ``G % 4 != 0`` the missing bytes are 127 (DeepGEMM's helper requires ``G % 4 == 0``;
-    mega-moe.md §4 pads). Raises ``TypeError``/``ValueError`` as :func:`ue8m0_bytes` and for a
+    docs/semantics/mega-moe.md §4 pads). Raises ``TypeError``/``ValueError`` as :func:`ue8m0_bytes` and for a
     0-dim input.
     """
     check_tensor("x", x, (torch.float32,))
@@ -170,7 +170,7 @@ def unpack_ue8m0_from_int(packed_sf: torch.Tensor) -> torch.Tensor:
     """Inverse of the packings: int32 ``[..., W]`` -> float32 ``[..., 4W]``, int16 ``[..., W]``
     -> float32 ``[..., 2W]``, uint8 bytes ``[..., W]`` -> ``[..., W]``. Any strides (MN-major is
     fine). Pad groups come back as 1.0; slice to the real group count. Byte 0 decodes to
-    ``2**-127`` and byte 255 to NaN (spec §4). Raises ``TypeError`` for other dtypes.
+    ``2**-127`` and byte 255 to NaN (docs/semantics/mega-moe.md §4). Raises ``TypeError`` for other dtypes.
     """
     check_tensor("packed_sf", packed_sf, UE8M0_INT_DTYPES)
     if packed_sf.dim() == 0:
@@ -239,7 +239,7 @@ def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor) -> torch.Tens
 
 
 def pack_ue8m0_pairs_mn_major(sf: torch.Tensor) -> torch.Tensor:
-    """Ascend's 16-bit packing: two UE8M0 bytes per int16, MN-major (mega-moe.md §4).
+    """Ascend's 16-bit packing: two UE8M0 bytes per int16, MN-major (docs/semantics/mega-moe.md §4).
 
     ``sf`` ``[MN, G]`` or ``[B, MN, G]``, one of:
 

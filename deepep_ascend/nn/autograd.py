@@ -1,4 +1,4 @@
-"""Differentiable dispatch and combine, normal and low-latency mode: each one's backward is the other (spec §4.7).
+"""Differentiable dispatch and combine, normal and low-latency mode: each one's backward is the other (docs/semantics/deepep-api.md §4.7).
 
 DeepEP's README trains with four helpers (``dispatch_forward`` / ``dispatch_backward`` /
 ``combine_forward`` / ``combine_backward``); this module wraps the same calls in
@@ -26,7 +26,7 @@ differentiable: its backward casts the bf16 gradient back to ``x``'s dtype). ``t
 are float32 and their gradients stay float32 end to end. FP8 ``(data, scales)`` inputs are not
 differentiable and are refused.
 
-Low-latency mode has its pair too (spec §6):
+Low-latency mode has its pair too (docs/semantics/deepep-api.md §6):
 
 * :func:`low_latency_dispatch` — forward: ``Buffer.low_latency_dispatch`` (BF16, ``use_fp8=False``);
   backward: ``Buffer.low_latency_combine`` of the gradient of the packed ``recv_x`` through the
@@ -234,7 +234,7 @@ def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None =
 
 
 # ==================================================================================================
-# Low-latency mode (spec §6)
+# Low-latency mode (docs/semantics/deepep-api.md §6)
 # ==================================================================================================
 # Buffer.low_latency_dispatch / low_latency_combine keyword arguments passed through (the rest are
 # refused: the autograd path is synchronous and its inputs are ordinary tensors).

@@ -1,7 +1,7 @@
 """Child job of ``tests/ep/test_internode_tcp.py``: the internode Buffer over MPI's real network path.
 
 Launched as ``mpiexec -n 4 python -m tests.ep.internode_tcp_job`` with ``MPIR_CVAR_NUM_CLIQUES=2
-MPIR_CVAR_CLIQUES_BY_BLOCK=1 UCX_TLS=tcp,self`` (transports.md §4.3): MPICH then treats ranks
+MPIR_CVAR_CLIQUES_BY_BLOCK=1 UCX_TLS=tcp,self`` (docs/design/transports.md §4.3): MPICH then treats ranks
 0-1 and 2-3 as two hosts and carries URMA traffic (RMA puts and accumulates) over TCP sockets,
 while each simulated node of 2 ranks keeps its shared-memory UBMEM window. Runs a few cases
 against the reference; prints ``TCP-JOB OK <rank>`` per rank, raises (non-zero exit) otherwise.

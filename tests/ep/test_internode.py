@@ -5,7 +5,7 @@ Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_internode.py`` 
 Every ``ranks_per_node`` that splits the world into at least two nodes is tested: 2 ranks as
 2 × 1, 4 as 2 × 2 and 4 × 1, 8 as 2 × 4, 4 × 2 and 8 × 1. Comparisons are bitwise, combine
 included: the reference (``ref_combine(..., ranks_per_node=)``) rounds each node's partial sum to
-bf16 before the origin's sum, as spec §5 says DeepEP does.
+bf16 before the origin's sum, as docs/semantics/deepep-api.md §5 says DeepEP does.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each case runs on three Buffers: one node with UBMEM stores (default), one node 
 ``allow_nvlink_for_low_latency_mode=False`` (the ``put`` path), and two simulated nodes
 (``ranks_per_node = R/2``: peers on the other node over URMA). Dispatch outputs are compared bit
 for bit (FP8 data and scales included), combine bit for bit with the reference's float32
-accumulation and with spec §9's ``calc_diff`` bounds (invariants 10-14); a LogFMT-10 combine bit
+accumulation and with docs/semantics/deepep-api.md §9's ``calc_diff`` bounds (invariants 10-14); a LogFMT-10 combine bit
 for bit with the reference applied to the codec's round trip of each expert row, and within the
 codec's error bound of the BF16 combine.
 """
@@ -76,9 +76,9 @@ def _buf(buffers, cfg):
 def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pattern=False, logfmt=False):
     """``(x [n, H] bf16, topk_idx [n, K] int64)`` of rank ``rank``, reproducible on any rank.
 
-    ``uniform``: top-k of random scores, then 10 random slots set to -1 (spec §9); ``allneg``:
-    also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``: spec
-    §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values for a
+    ``uniform``: top-k of random scores, then 10 random slots set to -1 (docs/semantics/deepep-api.md §9); ``allneg``:
+    also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``:
+    docs/semantics/deepep-api.md §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values for a
     LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
     (times 16: ``|x| >= 1``, BF16) and the last group of every third token (zero, BF16).
     """
@@ -486,7 +486,7 @@ def test_channel_kind_follows_allow_nvlink(buffers, comm, cfg):
 
 @pytest.mark.parametrize("cfg", _configs())
 def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
-    """Spec §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
+    """docs/semantics/deepep-api.md §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
     with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
     falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
     count bytes and a 16-byte header to every peer (self included). Counted by
@@ -544,7 +544,7 @@ def test_odd_hidden_with_one_row_per_expert(comm):
 
 
 def test_size_hint_formula_and_refusals(comm):
-    """The hint is spec §6.8's formula; a Buffer of exactly the hint runs the call; one byte less
+    """The hint is docs/semantics/deepep-api.md §6.8's formula; a Buffer of exactly the hint runs the call; one byte less
     is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank.
     At exactly the hint, every slot full (each of M tokens to every expert) and every LogFMT group
     falling back to BF16 (the most a LogFMT combine writes) still fits."""

@@ -1,4 +1,4 @@
-"""Grouped and dense GEMMs in deepep_ascend.gemm (grouped, dense; mega-moe.md §3): hand-computed cases,
+"""Grouped and dense GEMMs in deepep_ascend.gemm (grouped, dense; docs/semantics/mega-moe.md §3): hand-computed cases,
 layouts (contiguous with -1 padding, psum, masked, k-grouped), BF16/FP8/FP4 against a per-group float64
 reference, and bad inputs.
 
@@ -467,7 +467,7 @@ def test_bad_inputs_raise_clear_errors(alignment):
 
 
 def test_grouped_gemm_benchmark_checks_products(capsys):
-    """``python -m bench grouped-gemm`` (the figures in the README's MegaMoE section) checks its variants'
+    """``python -m bench grouped-gemm`` (docs/benchmarks.md) checks its variants'
     products against a float64 reference."""
     from bench import grouped_gemm
 

@@ -1,5 +1,5 @@
 """Codecs in deepep_ascend.gemm (fp8, fp4, scales, logfmt, dequant, weight_cache): bit patterns derived by
-hand from mega-moe.md §4 and deepep-buffer-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad
+hand from docs/semantics/mega-moe.md §4 and docs/semantics/deepep-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad
 inputs.
 
 Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
@@ -52,7 +52,7 @@ def test_ue8m0_bytes_and_int32_packing():
     assert packed.tolist() == [[i32(0x827E807F), i32(0x7F7F7F78)]]
     back = dg.unpack_ue8m0_from_int(packed)
     assert back.tolist() == [[1.0, 2.0, 0.5, 8.0, 2.0**-7, 1.0, 1.0, 1.0]]
-    # byte 0 is 2^-127 (subnormal), 255 is NaN (spec §4)
+    # byte 0 is 2^-127 (subnormal), 255 is NaN (docs/semantics/mega-moe.md §4)
     special = dg.unpack_ue8m0_from_int(torch.tensor([[0, 255]], dtype=torch.uint8))
     assert special[0, 0].item() == 2.0**-127 and torch.isnan(special[0, 1])
     with pytest.raises(ValueError, match="powers of two"):
@@ -535,13 +535,13 @@ def test_bad_inputs_name_the_argument():
 
 
 # ----------------------------------------------------------------------------------------------
-# LogFMT-10 (deepep-buffer-api.md §6.3)
+# LogFMT-10 (docs/semantics/deepep-api.md §6.3)
 
 BF16 = torch.bfloat16
 
 
 def _logfmt_scalar(group: list) -> tuple:
-    """Spec §6.3 by hand for one group of floats (bf16 values): ``(use, [(code, sign, value)])``,
+    """docs/semantics/deepep-api.md §6.3 by hand for one group of floats (bf16 values): ``(use, [(code, sign, value)])``,
     la/lb rounded to float32 as the codec stores them, the code formula in float32 steps."""
     import math
 
@@ -701,7 +701,7 @@ def test_casts_of_zero_rows(shape):
 
 
 def test_fp8_decode_benchmark_checks_bits(capsys):
-    """``python -m bench fp8-decode`` (the README's figure) compares its two decoders bit for bit."""
+    """``python -m bench fp8-decode`` (docs/benchmarks.md) compares its two decoders bit for bit."""
     from bench import fp8_decode
 
     assert fp8_decode.main(["--rows", "4", "--hidden", "96", "--iters", "1"]) == 0

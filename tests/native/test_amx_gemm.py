@@ -614,7 +614,7 @@ def test_weights_taking_turns_under_a_small_budget_are_not_repacked_every_call(p
 # ----------------------------------------------------------------------------------------------
 # MXFP4 weights decoded inside the kernel (native.AmxFp4Weight)
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # mega-moe.md: codes 0..7, bit 3 the sign
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # docs/semantics/mega-moe.md: codes 0..7, bit 3 the sign
 
 
 def _fp4_values(data: torch.Tensor, exps: torch.Tensor, k: int) -> torch.Tensor:

@@ -196,7 +196,7 @@ def test_a_stale_or_broken_library_is_refused_with_a_warning(tmp_path, monkeypat
 
 
 def _e4m3_spec(code: int) -> float:
-    """e4m3fn from the format (mega-moe.md §4): bias 7, subnormals m/8 * 2^-6, 0x7F/0xFF NaN."""
+    """e4m3fn from the format (docs/semantics/mega-moe.md §4): bias 7, subnormals m/8 * 2^-6, 0x7F/0xFF NaN."""
     s, e, m = code >> 7, (code >> 3) & 15, code & 7
     if e == 15 and m == 7:
         return float("nan")

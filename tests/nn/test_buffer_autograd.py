@@ -178,7 +178,7 @@ def combine_backward(grad_combined_x: Union[torch.Tensor, Tuple[torch.Tensor, to
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd wrappers around the helpers (each one's backward is the other, spec §4.7)
+# autograd wrappers around the helpers (each one's backward is the other, docs/semantics/deepep-api.md §4.7)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -7,9 +7,9 @@ raises on every rank *at that call* and ranks never drift into mismatched collec
 comparisons are accumulated in a :class:`Checker` and raised only at the end of a test.
 
 Expected handle entries 1, 2 and 5 (``channel_prefix_matrix``, ``recv_channel_prefix_matrix``,
-``send_head``, spec §4.3) are computed here from the routing masks with plain cumulative sums,
+``send_head``, docs/semantics/deepep-api.md §4.3) are computed here from the routing masks with plain cumulative sums,
 independently of ``deepep_ascend.ep.layout``. Channel ``c`` of a rank with ``N`` tokens owns tokens
-``[c*q, min((c+1)*q, N))``, ``q = ceil(N/C)`` (spec §0, DeepEP's ``get_channel_task_range``).
+``[c*q, min((c+1)*q, N))``, ``q = ceil(N/C)`` (docs/semantics/deepep-api.md §0, DeepEP's ``get_channel_task_range``).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def gather_x(x, num_ranks: int):
 
 
 def expected_send_layout(itr: torch.Tensor, num_channels: int):
-    """``(channel_prefix_matrix [R, C], send_head [N, R])`` of one sender's routing mask (spec §4.3)."""
+    """``(channel_prefix_matrix [R, C], send_head [N, R])`` of one sender's routing mask (docs/semantics/deepep-api.md §4.3)."""
     n, r = itr.shape
     q = max(1, -(-n // num_channels))
     csum = torch.cat([torch.zeros(1, r, dtype=torch.int64), itr.to(torch.int64).cumsum(0)])  # [N+1, R]
@@ -264,7 +264,7 @@ INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_chann
 
 
 def expected_internode_handle(itrs, rank: int, rpn: int, num_channels: int, ref) -> dict:
-    """The internode handle of ``rank`` (spec §5, entries as documented in ``deepep_ascend.ep.handles.InternodeHandle``),
+    """The internode handle of ``rank`` (docs/semantics/deepep-api.md §5, entries as documented in ``deepep_ascend.ep.handles.InternodeHandle``),
     computed with plain loops from every rank's routing mask ``itrs`` and the reference dispatch ``ref``."""
     R = len(itrs)
     G, node, local = R // rpn, rank // rpn, rank % rpn
@@ -337,7 +337,7 @@ class Case:
     x_kind: str = "bf16"
     with_topk: bool = True
     align: int = 1
-    worst: bool = False  # num_worst_tokens = tokens * R (spec §9.6)
+    worst: bool = False  # num_worst_tokens = tokens * R (docs/semantics/deepep-api.md §9.6)
     bias: str = "none"  # none | one | pair | pair_first_none
     cached: bool = False
     use_async: bool = False
@@ -454,16 +454,16 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
     chk.check(recv_list == ref.num_recv_tokens_per_expert_list and isinstance(recv_list, list)
               and all(type(v) is int for v in recv_list),
               f"num_recv_tokens_per_expert_list {recv_list} != {ref.num_recv_tokens_per_expert_list}")
-    if not case.worst and case.with_topk:  # spec §9.4: count of local id i == unaligned list entry i
+    if not case.worst and case.with_topk:  # docs/semantics/deepep-api.md §9.4: count of local id i == unaligned list entry i
         unaligned = ref_dispatch(xs, idxs, ws, E, r).num_recv_tokens_per_expert_list
         counts = [int((recv_idx == i).sum()) for i in range(L)]
         chk.check(counts == unaligned, f"local expert id counts {counts} != unaligned list {unaligned}")
 
-    if internode:  # spec §5: the 10-entry handle
+    if internode:  # docs/semantics/deepep-api.md §5: the 10-entry handle
         chk.check(isinstance(handle, tuple) and len(handle) == 10, "internode handle must be a 10-tuple")
         for name, got in expected_internode_handle(itrs, r, rpn, num_channels, ref).items():
             chk.same_bits(handle[INTERNODE_HANDLE.index(name)], got, f"handle.{name}")
-    else:  # spec §4.3
+    else:  # docs/semantics/deepep-api.md §4.3
         chk.check(isinstance(handle, tuple) and len(handle) == 6, "handle must be a 6-tuple")
         prefix, cpm, rcpm, src_idx, h_itr, send_head = handle
         chk.same_bits(prefix, ref.rank_prefix_matrix, "handle.rank_prefix_matrix (whole matrix)")
@@ -474,7 +474,7 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
         chk.same_bits(send_head, e_send_head, "handle.send_head")
         chk.same_bits(rcpm, expected_recv_channel_prefix(itrs, r, num_channels), "handle.recv_channel_prefix_matrix")
 
-    # -- cached dispatch with new data (spec §4.5)
+    # -- cached dispatch with new data (docs/semantics/deepep-api.md §4.5)
     if case.cached:
         x2, _ = make_x(case.x_kind, n, H, gen)
         ckw = dict(handle=handle, config=cfg)
@@ -497,7 +497,7 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
         else:
             chk.same_bits(cout[0], ref2.recv_x, "cached recv_x")
 
-    # -- combine (spec §4.6): a receiver-specific bf16 payload, bias, weights
+    # -- combine (docs/semantics/deepep-api.md §4.6): a receiver-specific bf16 payload, bias, weights
     rows = recv_x[0].size(0) if isinstance(recv_x, tuple) else recv_x.size(0)
     if isinstance(recv_x, tuple):
         if case.x_kind == "fp8":
@@ -528,7 +528,7 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
     chk.same_bits(combined, e_comb, "combined_x (bitwise: same float32 order as the reference)")
     chk.same_bits(combined_w, e_w, "combined_topk_weights")
     if case.with_topk:
-        # spec §4.6: combining the received weights gives the originals at valid slots, 0 at -1
+        # docs/semantics/deepep-api.md §4.6: combining the received weights gives the originals at valid slots, 0 at -1
         expect = torch.where(idx >= 0, w, torch.zeros_like(w))
         chk.same_bits(combined_w, expect, "combined_topk_weights vs original weights")
     return chk

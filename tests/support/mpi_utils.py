@@ -99,7 +99,7 @@ def world_size(comm) -> int:
 def skip_unless_size(*sizes: int, reason: str | None = None) -> None:
     """Inside a test: ``pytest.skip`` unless the world size is one of ``sizes``.
 
-    E.g. ``skip_unless_size(2, 4, 8)`` for intranode normal mode (spec §8).
+    E.g. ``skip_unless_size(2, 4, 8)`` for intranode normal mode (docs/semantics/deepep-api.md §8).
     """
     n = world_nranks()
     if n not in sizes:

@@ -2,11 +2,11 @@
 
 Every function takes *all* ranks' inputs (gathered into one process, e.g. with
 ``mpi_utils.gather_all``) and computes what one rank must observe, following
-``spec/deepep-buffer-api.md`` §4.1 (layout), §4.4 (dispatch), §4.6 (combine), §4.8 (FP8 cast) and
-§9 (``calc_diff``). It is written with plain loops and simple torch ops, for clarity rather than
+``docs/semantics/deepep-api.md`` §4.1 (layout), §4.4 (dispatch), §4.6 (combine), §4.8 (FP8 cast)
+and docs/semantics/deepep-api.md §9 (``calc_diff``). It is written with plain loops and simple torch ops, for clarity rather than
 speed, and deliberately does not import ``deepep_ascend``: it must stay an independent oracle.
 
-Conventions (spec §0): ``R`` ranks, expert ``e`` lives on rank ``e // L`` with local id ``e % L``
+Conventions (docs/semantics/deepep-api.md §0): ``R`` ranks, expert ``e`` lives on rank ``e // L`` with local id ``e % L``
 (``L = E / R``); ``-1`` in ``topk_idx`` means "no expert".
 """
 
@@ -56,7 +56,7 @@ def _check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# §4.1 layout
+# docs/semantics/deepep-api.md §4.1 layout
 
 
 def ref_dispatch_layout(
@@ -113,7 +113,7 @@ def ref_dispatch_layout(
 
 
 def ref_rank_prefix_matrix(is_token_in_ranks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``P [R, R] int32``, ``P[i][j] = Σ_{k ≤ i}`` tokens rank ``k`` sends to rank ``j`` (§4.3)."""
+    """``P [R, R] int32``, ``P[i][j] = Σ_{k ≤ i}`` tokens rank ``k`` sends to rank ``j`` (docs/semantics/deepep-api.md §4.3)."""
     R = len(is_token_in_ranks)
     P = torch.zeros(R, R, dtype=torch.int32)
     running = torch.zeros(R, dtype=torch.int32)
@@ -127,7 +127,7 @@ def ref_recv_rows(
     is_token_in_ranks: Sequence[torch.Tensor], rank: int
 ) -> list[tuple[int, int]]:
     """The ``(source rank, source token)`` of each row ``rank`` receives, in dispatch order:
-    source rank ascending (including ``rank`` itself), then source token index ascending (§4.4).
+    source rank ascending (including ``rank`` itself), then source token index ascending (docs/semantics/deepep-api.md §4.4).
     """
     rows = []
     for s, mask in enumerate(is_token_in_ranks):
@@ -138,7 +138,7 @@ def ref_recv_rows(
 
 
 # ----------------------------------------------------------------------------------------------
-# §4.4 dispatch
+# docs/semantics/deepep-api.md §4.4 dispatch
 
 
 class RefDispatch(NamedTuple):
@@ -298,7 +298,7 @@ def ref_dispatch(
 
 
 # ----------------------------------------------------------------------------------------------
-# §4.6 combine
+# docs/semantics/deepep-api.md §4.6 combine
 
 
 def _split_bias(bias):
@@ -319,7 +319,7 @@ def ref_combine(
     topk_weights: Sequence[torch.Tensor] | None = None,
     ranks_per_node: int | None = None,
 ):
-    """What the origin ``rank`` gets back from a normal ``Buffer.combine`` (§4.6).
+    """What the origin ``rank`` gets back from a normal ``Buffer.combine`` (docs/semantics/deepep-api.md §4.6).
 
     * ``xs[s]``: rank ``s``'s combine input ``[>= N_recv_s, H]`` bf16, in rank ``s``'s dispatch
       row order (worst-case extra rows are ignored);
@@ -333,7 +333,7 @@ def ref_combine(
     output ``acc.to(bfloat16)`` (round to nearest even). No weights are applied to ``x``.
     Weights: ``Σ_s w_s[row]`` in float32 starting from 0.0, ascending ``s``.
 
-    ``ranks_per_node`` below ``R`` gives the internode rule (§5), two roundings: per node ``c``
+    ``ranks_per_node`` below ``R`` gives the internode rule (docs/semantics/deepep-api.md §5), two roundings: per node ``c``
     (ranks ``c·rpn .. (c+1)·rpn - 1``) that received ``t``, ``partial_c = bf16(0.0 + Σ f32(row))``
     ascending rank; then ``acc = f32(bias0) + f32(bias1)``, ``acc += f32(partial_c)`` ascending
     ``c``, output ``bf16(acc)``. Weights: the same two float32 sums, never rounded.
@@ -360,7 +360,7 @@ def ref_combine(
 
     # One pass per receiver s, ascending: every element gets its partials added in ascending-s
     # order, each a single float32 add. Receiver s holds this rank's tokens (in token order)
-    # right after the tokens of all lower source ranks (dispatch order, §4.4).
+    # right after the tokens of all lower source ranks (dispatch order, docs/semantics/deepep-api.md §4.4).
     for s in range(R):
         tokens = torch.nonzero(mask[:, s], as_tuple=False).flatten()  # ascending t
         first = sum(int(is_token_in_ranks[k][:, s].sum()) for k in range(rank))
@@ -398,7 +398,7 @@ def _ref_combine_two_level(xs, is_token_in_ranks, rank, acc, w_acc, topk_weights
 
 
 # ----------------------------------------------------------------------------------------------
-# §9 calc_diff, §4.8 FP8
+# docs/semantics/deepep-api.md §9 calc_diff, §4.8 FP8
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -410,7 +410,7 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's per-token, per-128-channel FP8 cast (§4.8).
+    """DeepEP's per-token, per-128-channel FP8 cast (docs/semantics/deepep-api.md §4.8).
 
     ``x [N, H]`` (bf16 or float32). Each group of 128 channels (the last zero-padded) gets
     ``amax = max(max|x|, 1e-4)``; ``data = e4m3(x · (448/amax))``, ``scale = amax / 448``.
@@ -446,7 +446,7 @@ def per_token_cast_back(
 ) -> torch.Tensor:
     """Inverse of :func:`per_token_cast_to_fp8`: ``data · scale`` per 128-channel group.
 
-    ``scales`` float32 ``[N, ceil(H/128)]`` (any strides), or int32 packed UE8M0 (§6.4: byte ``b``
+    ``scales`` float32 ``[N, ceil(H/128)]`` (any strides), or int32 packed UE8M0 (docs/semantics/deepep-api.md §6.4: byte ``b``
     means ``2^(b−127)``, groups ``4p..4p+3`` in int32 ``p``). Returns ``[N, H]`` of ``dtype``.
     """
     N, H = data.shape
@@ -461,14 +461,14 @@ def per_token_cast_back(
 
 
 # ==============================================================================================
-# MegaMoE (mega-moe.md §2) — independent of deepep_ascend: plain torch over all ranks' inputs
+# MegaMoE (docs/semantics/mega-moe.md §2) — independent of deepep_ascend: plain torch over all ranks' inputs
 # ==============================================================================================
 
 _MEGA_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def mega_calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """mega-moe.md §2 metric: ``1 − 2Σab / Σ(a² + b²)`` in float64 (0 for two all-zero tensors)."""
+    """docs/semantics/mega-moe.md §2 metric: ``1 − 2Σab / Σ(a² + b²)`` in float64 (0 for two all-zero tensors)."""
     a, b = a.double(), b.double()
     den = (a * a + b * b).sum()
     return 0.0 if float(den) == 0 else float(1 - 2 * (a * b).sum() / den)
@@ -501,7 +501,7 @@ def mega_dequant_fp4_weights(data: torch.Tensor, sf: torch.Tensor) -> torch.Tens
 
 
 def mega_dequant_x(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
-    """``X`` of §2 step 1: bf16 ``x`` as float32, or e4m3 ``x`` times its UE8M0 scale per 32 channels."""
+    """``X`` of docs/semantics/mega-moe.md §2 step 1: bf16 ``x`` as float32, or e4m3 ``x`` times its UE8M0 scale per 32 channels."""
     if x_sf is None:
         return x.float()
     return x.float() * mega_unpack_int32_ue8m0(x_sf).repeat_interleave(32, dim=-1)[:, : x.shape[1]]
@@ -527,7 +527,7 @@ def _mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool)
 
 
 def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None, ranks=None):
-    """Every rank's ``y`` of MegaMoE (mega-moe.md §2), from all ranks' inputs in one process.
+    """Every rank's ``y`` of MegaMoE (docs/semantics/mega-moe.md §2), from all ranks' inputs in one process.
 
     Args:
         xs: per rank ``[T_r, H]`` bf16 or e4m3; x_sfs: per rank int32 ``[T_r, H/128]`` or None (bf16).
@@ -573,7 +573,7 @@ __all__ += ["mega_calc_diff", "mega_dequant_fp4_weights", "mega_dequant_x", "meg
 
 
 # ==============================================================================================
-# Low-latency mode (spec §6.2-§6.4, §7): per-expert fixed slots, FP8 cast with round_scale/UE8M0
+# Low-latency mode (docs/semantics/deepep-api.md §6.2-§6.4, §7): per-expert fixed slots, FP8 cast with round_scale/UE8M0
 
 
 class RefLowLatencyDispatch(NamedTuple):
@@ -587,7 +587,7 @@ class RefLowLatencyDispatch(NamedTuple):
 
 
 def ref_ll_cast_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False):
-    """DeepEP LL dispatch's per-token FP8 cast (spec §6.4), written with plain per-group loops.
+    """DeepEP LL dispatch's per-token FP8 cast (docs/semantics/deepep-api.md §6.4), written with plain per-group loops.
 
     Returns ``(data [N, H] e4m3, scales)``: float32 ``[N, H/128]``, or with ``use_ue8m0`` int32
     ``[N, H/512]`` (byte ``k + 127`` of group ``4p + i`` at byte ``i`` of word ``p``).
@@ -683,7 +683,7 @@ def ref_ll_combine(
     hidden: int,
     masked: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Reference of ``low_latency_combine`` for one rank's tokens (spec §6.3).
+    """Reference of ``low_latency_combine`` for one rank's tokens (docs/semantics/deepep-api.md §6.3).
 
     ``expert_out(t, e)`` is the bf16 ``[H]`` row expert ``e`` produced for this rank's token ``t``.
     Per token: float32 ``acc = 0``; slots in order, skipping -1 and experts of masked ranks,

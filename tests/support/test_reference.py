@@ -106,7 +106,7 @@ def test_dispatch_hand_case_rank1_alignment():
         4,
         4,
     ]  # real counts 2, 2 aligned up to 4
-    # invariant (spec §9.4): count of local id i == unaligned list entry i
+    # invariant (docs/semantics/deepep-api.md §9.4): count of local id i == unaligned list entry i
     unaligned = ref_dispatch(X, IDX, W, E, rank=1).num_recv_tokens_per_expert_list
     for i in range(2):
         assert int((r.recv_topk_idx == i).sum()) == unaligned[i]
@@ -261,7 +261,7 @@ def test_fp8_round_trip_random_and_ue8m0():
         per_token_cast_back(data, scales.t().contiguous().t()),
         per_token_cast_back(data, scales),
     )
-    # UE8M0: bytes (k + 127) packed little-endian 4 per int32 (spec §6.4)
+    # UE8M0: bytes (k + 127) packed little-endian 4 per int32 (docs/semantics/deepep-api.md §6.4)
     exps = torch.tensor([[127, 128, 126, 130]], dtype=torch.uint8)  # 1, 2, 0.5, 8
     packed = exps.view(torch.int32)  # [1, 1]
     ones = torch.ones(1, 512).to(torch.float8_e4m3fn)

@@ -3,7 +3,7 @@
 Launched as ``mpiexec -n 4 python nested_urma_tcp.py`` with ``MPIR_CVAR_NUM_CLIQUES=2
 MPIR_CVAR_CLIQUES_BY_BLOCK=1 UCX_TLS=tcp,self`` and ``DEEPEP_ASCEND_RANKS_PER_NODE=2``: MPICH
 treats ranks {0, 1} and {2, 3} as two hosts and carries RMA between them over UCX/TCP active
-messages, which land only while the target is inside MPI (transports §4.1, §4.3). Not a test
+messages, which land only while the target is inside MPI (docs/design/transports.md §4.1, §4.3). Not a test
 module (no ``test_`` prefix). When every check passed, each rank writes ``<rank> URMA-TCP-OK
 <seconds>`` to ``$DEEPEP_ASCEND_NESTED_REPORT/rank<r>.txt`` (a file: mpiexec interleaves the
 ranks' output mid-line); any failure raises (non-zero exit, mpiexec ends the job).

@@ -1,4 +1,4 @@
-"""Link model (transports §5): profiles, the projection against hand-computed examples, and the
+"""Link model (docs/design/transports.md §5): profiles, the projection against hand-computed examples, and the
 emulation slowing transfers by the configured amount (generous bounds: never a tight timing
 assertion on a shared 2-core machine)."""
 

@@ -1,4 +1,4 @@
-"""Argument errors change nothing; LinkStats counts exactly (transports §2.3, §5, §8)."""
+"""Argument errors change nothing; LinkStats counts exactly (docs/design/transports.md §2.3, §5, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lifetime: destroy, closed/busy states, no leaked shared segments (transports §2.4, §3.5, §8).
+"""Lifetime: destroy, closed/busy states, no leaked shared segments (docs/design/transports.md §2.4, §3.5, §8).
 
 The nested-launch tests run only in the 1-rank job: they start their own
 ``mpiexec -n 2`` children (environment scrubbed of the parent's PMI/Hydra variables) and

@@ -1,4 +1,4 @@
-"""Signals, waits, timeouts, abort and barrier (transports §2.2, §2.3, §3.3, §8).
+"""Signals, waits, timeouts, abort and barrier (docs/design/transports.md §2.2, §2.3, §3.3, §8).
 
 Failure tests leave the transport POISONED on some ranks and rely on the ``tp`` fixture's
 teardown: ``destroy`` must then agree on every rank to skip the collective frees, without

@@ -1,4 +1,4 @@
-"""URMA: the transport across (simulated) nodes (transports §2.2, §4.1, §8).
+"""URMA: the transport across (simulated) nodes (docs/design/transports.md §2.2, §4.1, §8).
 
 The world is split row-major into nodes of ``ranks_per_node`` ranks for every divisor that gives
 more than one node (8 ranks: 1, 2, 4; 4 ranks: 1, 2; 2 ranks: 1; skipped with 1 rank). Pairs on
@@ -290,7 +290,7 @@ def test_barrier_teams_reach_other_nodes(mtp, team):
 
 @pytest.mark.mpi(min_size=2)
 def test_argument_errors_for_urma_peers(mtp):
-    """The checks of §2.3 for a peer on another node: raised before anything moves or is counted."""
+    """The checks of docs/design/transports.md §2.3 for a peer on another node: raised before anything moves or is counted."""
     tp = mtp
     me, n, rpn = tp.topology.rank, tp.topology.world_size, tp.topology.ranks_per_node
     peer = (me + rpn) % n

@@ -1,4 +1,4 @@
-"""SymmetricWindow: equal sizes enforced collectively, zero-copy views (transports §2.1, §3.1, §8)."""
+"""SymmetricWindow: equal sizes enforced collectively, zero-copy views (docs/design/transports.md §2.1, §3.1, §8)."""
 
 from __future__ import annotations
 
