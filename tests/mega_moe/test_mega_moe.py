@@ -1,4 +1,4 @@
-"""MegaMoE (``deepep_ascend.mega_moe.core``, mega-moe.md) against the single-process reference.
+"""MegaMoE (``deepep_ascend.mega_moe``, mega-moe.md) against the single-process reference.
 
 Every rank generates *all* experts' weights from one seed (untransformed, so the reference sees
 them as mega-moe.md §2 states them), keeps its local slice, transforms it and calls the op; the
@@ -529,7 +529,7 @@ def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm, backend):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
-@pytest.mark.parametrize("where,epw", [("_activation", None), ("l2", 1)])
+@pytest.mark.parametrize("where,epw", [("activation", None), ("l2", 1)])
 def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypatch, where, epw, backend):
     """A rank whose expert compute raises after the call's consensus aborts the Buffer: it raises its own error,
     and the others raise ``TransportAborted`` naming it and its reason instead of waiting out the deadline (30 s
@@ -537,9 +537,8 @@ def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypa
     waves and the failure in wave 0's L2 the peers' worker meets the abort first and their next call on the
     caller is refused: the call still raises the worker's ``TransportAborted`` (found by a helper: it raised the
     refusal, a ``TransportPoisoned``)."""
+    from deepep_ascend.mega_moe import experts
     from deepep_ascend.transports import TransportAborted
-
-    from deepep_ascend.mega_moe import core as mm
 
     rank, size = comm.Get_rank(), comm.Get_size()
     last = size - 1
@@ -555,18 +554,18 @@ def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypa
         coll(dea.bf16_mega_moe, y, l1, l2, buf, num_experts_per_wave=epw, what="a call before the failure")
         if rank == last:
             if where == "l2":
-                real, calls = mm._expert_gemm, []
+                real, calls = experts.expert_gemm, []
 
                 def broken(*args, **kwargs):  # calls per wave: L1, then L2
                     calls.append(1)
                     if len(calls) == 2:
                         raise RuntimeError("injected activation failure")
                     return real(*args, **kwargs)
-                monkeypatch.setattr(mm, "_expert_gemm", broken)
+                monkeypatch.setattr(experts, "expert_gemm", broken)
             else:
                 def broken(*args, **kwargs):
                     raise RuntimeError("injected activation failure")
-                monkeypatch.setattr(mm, "_activation", broken)
+                monkeypatch.setattr(experts, "activation", broken)
         _, exc = capture(lambda: dea.bf16_mega_moe(y, l1, l2, buf, num_experts_per_wave=epw))
         if rank == last:
             ok = isinstance(exc, RuntimeError) and "injected activation failure" in str(exc)
@@ -634,7 +633,7 @@ def test_debug_mode_zeroes_buffer(env, comm, monkeypatch):
 
 def test_trace_overlap_arithmetic():
     """``MegaMoETrace.overlap``: worker intervals intersected with compute intervals (hand-computed)."""
-    from deepep_ascend.mega_moe.core import MegaMoETrace
+    from deepep_ascend.mega_moe.trace import MegaMoETrace
 
     tr = MegaMoETrace(True, 2, 1, start=0.0, end=10.0)
     tr.compute = [("l1", 0, 1.0, 3.0), ("l2", 0, 4.0, 6.0), ("l1", 1, 5.0, 7.0)]  # union [1,3] + [4,7]
@@ -650,7 +649,7 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
     environment variable overrides it (checked, naming which). Pure function of the all-gathered counts."""
     from types import SimpleNamespace
 
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe import waves
 
     monkeypatch.delenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", raising=False)
 
@@ -658,7 +657,7 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
         sb = SimpleNamespace(num_local_experts=el, num_ranks=ranks, hidden=hidden, is_fp8=fp8)
         counts = torch.zeros(ranks, el * ranks, dtype=torch.int64)
         counts[:, 0] = pairs_per_rank  # only the total matters
-        return mm._experts_per_wave(sb, counts, override)
+        return waves.experts_per_wave(sb, counts, override)
 
     # fp8, H 1024: (1024 + 32 + 2048) B per pair; 3072 pairs = 9.5 MB -> one wave of all 24 experts
     assert epw(3072, 1024, True) == 24
@@ -669,16 +668,16 @@ def test_default_wave_count_follows_bytes_moved(monkeypatch):
     assert epw(112640, 2048, False, el=2) == 1  # never more waves than local experts
     assert epw(0, 1024, True) == 24
     assert epw(3072, 1024, True, override=5) == 5 and epw(3072, 1024, True, override=99) == 24
-    assert mm._wave_override(None, "op") is None and mm._wave_override(4, "op") == 4
+    assert waves.wave_override(None, "op") is None and waves.wave_override(4, "op") == 4
     monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", "3")
-    assert mm._wave_override(None, "op") == 3 and mm._wave_override(5, "op") == 5  # the keyword wins
+    assert waves.wave_override(None, "op") == 3 and waves.wave_override(5, "op") == 5  # the keyword wins
     for bad in (0, -1, 2.0, True, "3"):
         with pytest.raises(ValueError, match="num_experts_per_wave must be a positive int"):
-            mm._wave_override(bad, "op")
+            waves.wave_override(bad, "op")
     for env in ("0", "abc", "-2"):
         monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE", env)
         with pytest.raises(ValueError, match=r"op: \$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE must be an integer >= 1"):
-            mm._wave_override(None, "op")
+            waves.wave_override(None, "op")
 
 
 def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
@@ -753,8 +752,7 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     float32 chain; the tests' shapes otherwise fit one block: ``embedding_bag``) ``y`` is bit for bit
     the one-block result and the native kernel's, and within tolerance of the reference."""
     from deepep_ascend import native
-    from deepep_ascend.ep.intranode import CombineScratch
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.ep.reduce import CombineScratch
 
     kind = "fp8"
     rank, buf, l1, l2, (s1, s2), wref, sref, t = _one_wave_case(env, comm, kind, seed=13)
@@ -762,7 +760,7 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
     ys = []
     for block_rows, use_native in ((None, False), (3, False), (None, True)):
         monkeypatch.setattr(buf, "_reduce_scratch", CombineScratch(block_rows))
-        monkeypatch.setattr(mm._native, "sum_rows", native.sum_rows if use_native else lambda *a, **kw: False)
+        monkeypatch.setattr(native, "sum_rows", native.sum_rows if use_native else lambda *a, **kw: False)
         y = torch.full((t, h), float("nan"), dtype=BF16)
         coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1,
              shared_l2_weights=s2, what="fp8_fp4_mega_moe")
@@ -782,7 +780,6 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
     and within tolerance of the reference; with the default GEMM engine and the fp32 one (float32
     operands: the kernels' rows widened)."""
     from deepep_ascend import native
-    from deepep_ascend.mega_moe import core as mm
 
     if engine is not None:
         monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_GEMM", engine)
@@ -796,7 +793,7 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
                 ok = use_native and real(*a, **kw)
                 used.append((use_native, name, ok))
                 return ok
-            monkeypatch.setattr(mm._native, name, spy)
+            monkeypatch.setattr(native, name, spy)
         y = torch.full((t, h), float("nan"), dtype=BF16)
         coll(_call, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1, shared_l2_weights=s2,
              activation_clamp=clamp, what=f"{kind} mega_moe")
@@ -818,16 +815,16 @@ def test_cached_unpacked_weights_do_not_keep_the_callers_tensors_alive(monkeypat
     import weakref
 
     from deepep_ascend.gemm import packing
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe.weights import untransformed
 
     monkeypatch.setattr(packing, "PACKER", None)
     dea.clear_dequantized_weight_cache()
     g = torch.Generator().manual_seed(3)
     l1 = torch.randn(2, 2 * 128, 256, generator=g).to(torch.bfloat16)
     l2 = torch.randn(2, 256, 128, generator=g).to(torch.bfloat16)
-    w1, w2 = mm._untransformed("bf16", l1, l2, "bf16")
+    w1, w2 = untransformed("bf16", l1, l2, "bf16")
     assert torch.equal(w2, l2) and w2.data_ptr() == l2.data_ptr()
-    assert mm._untransformed("bf16", l1, l2, "bf16")[1] is w2  # cached
+    assert untransformed("bf16", l1, l2, "bf16")[1] is w2  # cached
     info = dea.dequantized_weight_cache_info()
     assert (info.entries, info.nbytes) == (1, w1.untyped_storage().nbytes())  # l2's storage is the caller's
     ref = weakref.ref(l2)
@@ -841,7 +838,7 @@ def test_shm_backend_takes_the_buffer_path_when_its_output_area_is_short(comm, m
     """The shm backend keeps every received row's L2 output in its segment; with the area capped below what a
     rank receives (here 4 rows), the call takes the Buffer's path, alike on every rank, and gives the
     reference's y and the uncapped call's bits."""
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe import symm_buffer
 
     rank, size = comm.Get_rank(), comm.Get_size()
     h, i = H_BF16, I_BF16
@@ -850,7 +847,7 @@ def test_shm_backend_takes_the_buffer_path_when_its_output_area_is_short(comm, m
     ys = []
     for cap in (None, 4 * 2 * h):
         if cap is not None:
-            monkeypatch.setattr(mm, "_MAX_OUT_BYTES", cap)
+            monkeypatch.setattr(symm_buffer, "_MAX_OUT_BYTES", cap)
         buf = coll(dea.get_symm_buffer_for_mega_moe, comm, E_PER_RANK * size, TMAX, K, h, i, mma_type="bf16xbf16",
                    backend="shm", what="shm symm buffer")
         try:
