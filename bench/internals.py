@@ -20,11 +20,11 @@ name here                      library internal (what a command does with it)
 ``pack_fp4_groups``              ``pack_fp4_groups``: weight packing (grouped-gemm)
 ``onednn_available()``,        ``deepep_ascend.gemm.packing.ONEDNN`` / ``PACKER``
 ``grouped_gemm_packer()``
-``gemm_engine``,               ``deepep_ascend.mega_moe.core``: MegaMoE's GEMM engine, per-expert
-``expert_gemm``,                 GEMMs, operand dtype, dense GEMM, cached weights, FP8 decode and
-``operand_dtype``,               SwiGLU (mega-moe, grouped-gemm, moe-act)
+``gemm_engine``,               ``deepep_ascend.mega_moe.experts``: MegaMoE's GEMM engine, per-expert
+``expert_gemm``,                 GEMMs, operand dtype, dense GEMM, FP8 decode and SwiGLU;
+``operand_dtype``,               ``deepep_ascend.mega_moe.weights.untransformed``: its cached
 ``dense_nt``, ``untransformed``,
-``dequant_x``, ``activation``
+``dequant_x``, ``activation``    weights (mega-moe, grouped-gemm, moe-act)
 =============================  ===============================================================
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from deepep_ascend.ep import low_latency as _low_latency
 from deepep_ascend.ep import memory as _memory
 from deepep_ascend.ep import reduce as _reduce
 from deepep_ascend.gemm import packing as _packing
-from deepep_ascend.mega_moe import core as _mega_moe
+from deepep_ascend.mega_moe.experts import activation, dense_nt, dequant_x, expert_gemm, gemm_engine, operand_dtype
+from deepep_ascend.mega_moe.weights import untransformed
 from deepep_ascend.transports.process import abort_job, exit_job, mpiexec_path
 
 ll_zeros = _low_latency.zeros
@@ -46,14 +47,6 @@ CombineScratch = _reduce.CombineScratch
 
 pack_groups = _packing.pack_groups
 pack_fp4_groups = _packing.pack_fp4_groups
-
-gemm_engine = _mega_moe.gemm_engine
-expert_gemm = _mega_moe._expert_gemm
-operand_dtype = _mega_moe._operand_dtype
-dense_nt = _mega_moe._dense_nt
-untransformed = _mega_moe._untransformed
-dequant_x = _mega_moe._dequant_x
-activation = _mega_moe._activation
 
 
 def onednn_available() -> bool:

@@ -124,7 +124,7 @@ class Unfused:
         self.st["a"] = self._act(self.st["hh"], self.st["w"])
 
     def act_library(self):
-        """The SwiGLU stage as the fused call computes it (``mega_moe._activation``: the native kernel where
+        """The SwiGLU stage as the fused call computes it (``deepep_ascend.mega_moe.experts.activation``: the native kernel where
         it was built), on the same rows: timed as an alternative ``act``, not part of ``Σ stages``."""
         M.activation(self.kind, self.st["hh"], self.i, self.st["w"], self.clamp, True, M.operand_dtype(self.engine))
 
@@ -166,7 +166,7 @@ class Unfused:
                 "gemm_l2": lambda: _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])}
 
     def fused_gemm_fns(self, cached):
-        """MegaMoE's own per-expert GEMMs (:func:`deepep_ascend.mega_moe.core._expert_gemm`) on its cached weights
+        """MegaMoE's own per-expert GEMMs (:func:`deepep_ascend.mega_moe.experts.expert_gemm`) on its cached weights
         ``cached`` (``_untransformed``: fp8, the FP4 copies the AMX kernel decodes) and the last run's rows,
         sorted by expert without padding (the fused call's layout)."""
         st, dt = self.st, M.operand_dtype(self.engine)

@@ -52,7 +52,8 @@ BF16 = torch.bfloat16
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), per torch's probes (not in
-    DeepGEMM: it decides whether bf16 weights are packed for oneDNN and :func:`deepep_ascend.mega_moe.gemm_engine`)."""
+    DeepGEMM: it decides whether bf16 weights are packed for oneDNN and
+    :func:`deepep_ascend.mega_moe.experts.gemm_engine`)."""
     cpu = getattr(torch, "cpu", None)
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         fn = getattr(cpu, probe, None)

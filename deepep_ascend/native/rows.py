@@ -183,7 +183,7 @@ _SWIGLU_BLOCK_FLOATS = 1 << 17  # floats of -g per block (512 KiB): exp_ and the
 def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = None, clamp: float | None = None,
            fast_math: bool = True, gran: int = 0) -> bool:
     """MegaMoE's activation, one BF16 row of ``out`` per row of ``h``, bit for bit the torch path of
-    :func:`deepep_ascend.mega_moe.core._activation` (NaN payloads aside)::
+    :func:`deepep_ascend.mega_moe.experts.activation` (NaN payloads aside)::
 
         g, u = h[:, :I], h[:, I:]  (clamped to <= clamp and to [-clamp, clamp] if clamp is not None)
         a = silu(g) * u * weights[:, None]   in float32: g / (1 + exp(-g)), or (1 / (1 + exp(-g))) * g if fast_math

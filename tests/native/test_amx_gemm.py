@@ -19,7 +19,8 @@ import deepep_ascend as dg
 from deepep_ascend import native
 from deepep_ascend.gemm import packing
 from deepep_ascend.gemm.operands import GroupedOperands
-from deepep_ascend.mega_moe import core as mm
+from deepep_ascend.mega_moe.experts import expert_gemm
+from deepep_ascend.mega_moe.weights import untransformed
 
 BF16 = torch.bfloat16
 SENTINEL = -7.0
@@ -289,7 +290,7 @@ def test_grouped_gemms_run_every_group_in_one_kernel_call(monkeypatch, packer):
     assert _within_bound(d_t[starts[2]:starts[2] + counts[2]], a_pad[starts[2]:starts[2] + counts[2]], b[2])
     # MegaMoE's per-expert GEMM on rows sorted by expert
     calls.clear()
-    out = mm._expert_gemm("bf16", a, packing.pack_groups(b), bounds)
+    out = expert_gemm("bf16", a, packing.pack_groups(b), bounds)
     assert calls == ([3] if packer == "amx" else []), calls
     for i in range(g):
         assert _within_bound(out[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]], b[i]), i
@@ -801,15 +802,15 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
     l1 = (raw[0][0], dg.transform_sf_into_required_layout(raw[0][1], 2 * i, h, (1, 32), num_groups=e))
     l2 = (raw[1][0], dg.transform_sf_into_required_layout(raw[1][1], h, i, (1, 32), num_groups=e))
     t1, t2 = dg.transform_weights_for_mega_moe(l1, l2)
-    w1, w2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
+    w1, w2 = untransformed("fp8xfp4", t1, t2, "bf16")
     assert all(isinstance(x, native.AmxFp4Weight) for x in w1 + w2) and len(w1) == len(w2) == e
     assert dg.dequantized_weight_cache_info().nbytes == e * (native.amx_fp4_packed_nbytes(2 * i, h)
                                                              + native.amx_fp4_packed_nbytes(h, i))
     bounds = [0, 7, 7, 30]
     for w, ref, k in ((w1, raw[0][2], h), (w2, raw[1][2], i)):
         a = _rand(bounds[-1], k, seed=97)
-        assert _same_bits(mm._expert_gemm("bf16", a, w, bounds),
-                          mm._expert_gemm("bf16", a, packing.pack_groups(ref), bounds))
+        assert _same_bits(expert_gemm("bf16", a, w, bounds),
+                          expert_gemm("bf16", a, packing.pack_groups(ref), bounds))
     # Past the budget the FP4 copies serve the call uncached; they are not traded for dequantized bf16 weights
     # (four times the bytes, rebuilt every call).
     old = dg.dequantized_weight_cache_info().max_bytes
@@ -818,11 +819,11 @@ def test_mega_moe_keeps_fp4_experts_as_fp4(packer):
         dg.clear_dequantized_weight_cache()
         wc._cache_warned = False
         with pytest.warns(RuntimeWarning, match="does not fit"):
-            v1, v2 = mm._untransformed("fp8xfp4", t1, t2, "bf16")
+            v1, v2 = untransformed("fp8xfp4", t1, t2, "bf16")
         assert all(isinstance(x, native.AmxFp4Weight) for x in v1 + v2)
         assert dg.dequantized_weight_cache_info().entries == 0
         a = _rand(bounds[-1], h, seed=98)
-        assert _same_bits(mm._expert_gemm("bf16", a, v1, bounds), mm._expert_gemm("bf16", a, w1, bounds))
+        assert _same_bits(expert_gemm("bf16", a, v1, bounds), expert_gemm("bf16", a, w1, bounds))
     finally:
         dg.set_dequantized_weight_cache(max_bytes=old)
         dg.clear_dequantized_weight_cache()

@@ -294,10 +294,10 @@ def _swiglu_inputs(n, inter, seed, specials=False):
 @pytest.mark.parametrize("clamp", [None, 10.0])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
-    """``mega_moe._activation`` with and without the kernel: the same bits, on rows spanning several
+    """``mega_moe.experts.activation`` with and without the kernel: the same bits, on rows spanning several
     of the kernel's blocks, with zeros of both signs, values past the clamp, groups at the UE8M0
     floor and e4m3 subnormals, zero weights; strided ``h`` (a column window of a wider tensor)."""
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe import experts as mm
 
     inter = 1024  # 128 rows per block of 2^17 floats: 300 rows are three blocks, the last short
     wide, w = _swiglu_inputs(300, inter + 16, seed=7, specials=True)
@@ -307,10 +307,10 @@ def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
     real = kernels.swiglu_bf16
     kernels.swiglu_bf16 = lambda *a: (calls.append(a[0]), real(*a))[1]
     try:
-        got = mm._activation(kind, h, inter, w, clamp, fast_math)
+        got = mm.activation(kind, h, inter, w, clamp, fast_math)
     finally:
         kernels.swiglu_bf16 = real
-    exp = mm._activation(kind, h, inter, w, clamp, fast_math, native=False)
+    exp = mm.activation(kind, h, inter, w, clamp, fast_math, native=False)
     assert calls == [128, 128, 44]
     assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
     assert (got != 0).any() and got.isfinite().all()
@@ -319,9 +319,9 @@ def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
 @needs_native
 def test_swiglu_hands_non_finite_groups_to_the_codecs():
     """A NaN, an infinity or a value of 2^100 and more in an FP8 group: the kernel returns False and
-    ``_activation`` takes the codec path (NaN positions and every other bit the torch path's); without
+    ``activation`` takes the codec path (NaN positions and every other bit the torch path's); without
     the FP8 round trip the kernel rounds them itself."""
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe import experts as mm
 
     h, w = _swiglu_inputs(16, 64, seed=9)
     h[2, 5] = float("nan")
@@ -332,8 +332,8 @@ def test_swiglu_hands_non_finite_groups_to_the_codecs():
     assert not native.swiglu(out, h, w, None, True, 32)
     for gran, clamp in ((32, None), (0, None), (32, 10.0)):
         kind = "fp8" if gran else "bf16"
-        got = mm._activation(kind, h, 64, w, clamp, True)
-        exp = mm._activation(kind, h, 64, w, clamp, True, native=False)
+        got = mm.activation(kind, h, 64, w, clamp, True)
+        exp = mm.activation(kind, h, 64, w, clamp, True, native=False)
         assert same_bits_nan(got, exp)
         assert got[2, 5].isnan()  # a NaN gate stays NaN (torch.clamp keeps NaN)
         assert bool(got[3].isfinite().all()) is (clamp is not None)  # the clamp removes the inf
@@ -348,7 +348,7 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
     Always the torch paths' bits."""
     import numpy as np
 
-    from deepep_ascend.mega_moe import core as mm
+    from deepep_ascend.mega_moe import experts as mm
 
     h, w = _swiglu_inputs(200, 256, seed=13, specials=True)
     calls = []
@@ -357,8 +357,8 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
     try:
         for kind in ("fp8", "bf16"):
             for clamp in (None, 10.0, -1.0, float("nan")):
-                got = mm._activation(kind, h, 256, w, clamp, True, torch.float32)
-                exp = mm._activation(kind, h, 256, w, clamp, True, torch.float32, native=False)
+                got = mm.activation(kind, h, 256, w, clamp, True, torch.float32)
+                exp = mm.activation(kind, h, 256, w, clamp, True, torch.float32, native=False)
                 assert got.dtype == torch.float32 and same_bits_nan(got, exp)
         assert len(calls) == 4  # clamps None and 10, twice; -1 and NaN are the torch path's
         with pytest.raises(ValueError, match="clamp must be None or a number >= 0"):
@@ -368,8 +368,8 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
         assert empty.stride() == (0, 0) or empty.numel() == 0
         for hh in (column_major, empty):
             ww = w[:hh.size(0)]
-            got = mm._activation("fp8", hh, 256, ww, 10.0, True)
-            assert torch.equal(got.view(torch.int16), mm._activation("fp8", hh, 256, ww, 10.0, True,
+            got = mm.activation("fp8", hh, 256, ww, 10.0, True)
+            assert torch.equal(got.view(torch.int16), mm.activation("fp8", hh, 256, ww, 10.0, True,
                                                                      native=False).view(torch.int16))
         assert len(calls) == 4 + (1 if empty.stride(1) == 1 else 0)
     finally:
@@ -380,11 +380,11 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
     index = torch.randint(0, 300, (250,), generator=g)
     fp8 = codes.view(torch.float8_e4m3fn)
     for dtype in (BF16, torch.float32):
-        got = mm._dequant_x("fp8", fp8, scales, dtype, index=index)
-        exp = mm._dequant_x("fp8", fp8, scales, dtype, index=index, native=False)
+        got = mm.dequant_x("fp8", fp8, scales, dtype, index=index)
+        exp = mm.dequant_x("fp8", fp8, scales, dtype, index=index, native=False)
         assert got.dtype == dtype and same_bits_nan(got, exp)
     col = codes.t().contiguous().t().view(torch.float8_e4m3fn)
-    assert same_bits_nan(mm._dequant_x("fp8", col, scales), mm._dequant_x("fp8", col, scales, native=False))
+    assert same_bits_nan(mm.dequant_x("fp8", col, scales), mm.dequant_x("fp8", col, scales, native=False))
 
 
 @needs_native
