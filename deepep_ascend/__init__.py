@@ -2,8 +2,8 @@
 
 Rooms (docs/design/architecture.md): :mod:`.ep` (communication: ``Buffer``), :mod:`.gemm` (codecs and
 GEMMs, DeepGEMM's role), :mod:`.native` (the C kernels), :mod:`.mega_moe` (the fused MoE),
-:mod:`.nn` (autograd, the MoE layer, start-up), :mod:`.transports` (the simulated channels) and
-:mod:`.settings` (every environment variable).
+:mod:`.nn` (autograd, the MoE layer, start-up), :mod:`.transports` (the simulated channels), and two
+leaves every room reads: :mod:`.settings` (every environment variable) and :mod:`.checks` (shared tensor checks).
 
 The top level mirrors ``deep_ep`` (``Buffer``, ``Config``, ``EventOverlap``, ``EventHandle``,
 ``topk_idx_t``) and ``deep_gemm`` (codecs, GEMMs, MegaMoE), so that ported code changes only its imports.
