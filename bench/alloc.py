@@ -33,7 +33,8 @@ def run(args) -> int:
     src = torch.randn(int(args.mbytes * 1e6) // 4)
     dst = torch.empty_like(src)
     ms = {}
-    for name, fn in (("reused", lambda: dst.copy_(src)), ("fresh_torch_empty", lambda: torch.empty_like(src).copy_(src)),
+    for name, fn in (("reused", lambda: dst.copy_(src)),
+                     ("fresh_torch_empty", lambda: torch.empty_like(src).copy_(src)),
                      ("fresh_host_empty", lambda: host_empty(src.shape, src.dtype).copy_(src))):
         ms[name] = interleaved_medians_ms([fn], args.iters, args.warmup)[0]
     reused, fresh, huge = ms["reused"], ms["fresh_torch_empty"], ms["fresh_host_empty"]

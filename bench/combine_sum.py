@@ -138,7 +138,8 @@ def run(args) -> int:
             "combine-sum", argv=args._argv, params=cli.params_of(args, 1), results=records,
             baselines=[r["name"] for r in records if r["system"] == "float32 chain"],
             checks=dict(ok=bool(same), same_bits=bool(same)), mpi=False,
-            details=dict(two_source_run_limit=limit, native=nat, runs={f"missing {k}": p[0] for k, p in zip(missing, points)})))
+            details=dict(two_source_run_limit=limit, native=nat,
+                         runs={f"missing {k}": p[0] for k, p in zip(missing, points)})))
     return 0 if same else 1
 
 

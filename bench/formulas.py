@@ -1,4 +1,5 @@
-"""Byte formulas of the benchmarks (docs/semantics/deepep-api.md §11; 1 GB = 1e9 B), implemented once for every command and the sweep.
+"""Byte formulas of the benchmarks (docs/semantics/deepep-api.md §11; 1 GB = 1e9 B),
+implemented once for every command and the sweep.
 
 * :func:`logical_bytes`: DeepEP V2's formula, rows a rank receives times what each row carries
   (hidden bytes, FP8-aware, plus top-k metadata), own tokens included;

@@ -127,7 +127,8 @@ def run(args) -> int:
     fp4_note = f"(FP4 copy {sum(p.nbytes for p in amx_fp4) / 1e6:.1f} MB) " if amx_fp4 else ""
     print(f"[config] {G} groups, {M} rows ({min(counts.tolist())}-{max(counts.tolist())} per group), K {K}, N {N}, "
           f"bf16, 1 thread, median of {args.iters} interleaved; weights {w.numel() * 2 / 1e6:.1f} MB {fp4_note}"
-          f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing {'available' if onednn is not None else 'unavailable'}"
+          f"(plain: {w_plain.numel() * 2 / 1e6:.1f} MB); oneDNN packing "
+          f"{'available' if onednn is not None else 'unavailable'}"
           f", AMX kernel {'available' if amx is not None else 'unavailable'} (rows of unavailable ones skipped); the "
           f"library's grouped GEMMs run on {mm.grouped_gemm_packer() or 'torch.matmul'}")
     for name, t in med.items():

@@ -245,7 +245,8 @@ def run(args) -> int:
     s_d = buf.get_link_stats()
     make_y(), combine()
     s_c = buf.get_link_stats()
-    out["bytes"] = dict(formula="DeepEP LL (bench.formulas.low_latency_bytes)", dispatch_per_rank=comm.allgather(d_bytes),
+    out["bytes"] = dict(formula="DeepEP LL (bench.formulas.low_latency_bytes)",
+                        dispatch_per_rank=comm.allgather(d_bytes),
                         combine_per_rank=comm.allgather(c_bytes), calls=calls,
                         moved_by_kind_per_rank=comm.allgather({k: int(v) for k, v in moved.items()}))
     out["bytes"]["one_call_by_kind_rank0"] = {ph: LinkStats.bytes_by_kind(sn) for ph, sn in (("dispatch", s_d),
@@ -280,8 +281,8 @@ def run(args) -> int:
         if emulator is not None:
             print(f"[link]   {emulator.label} -- the [ll]/[hook]/[overlap] lines are EMULATED, the peers are not")
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
-              f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine, same-node peers by "
-              f"{'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {fmt_bytes(nbytes)}, "
+              f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine, "
+              f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {fmt_bytes(nbytes)}, "
               f"fingerprint {c['fingerprint']}")
         print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "
               f"{'ok' if out['check']['ok'] else 'MISMATCH'}")
@@ -290,7 +291,8 @@ def run(args) -> int:
         lines = [f"[ll]     dispatch   {us(t['dispatch'])}  {bw['dispatch']:7.2f} GB/s (LL formula){emu}",
                  f"[ll]     combine    {us(t['combine'])}  {bw['combine']:7.2f} GB/s (LL formula){emu}",
                  f"[ll]     round trip {us(t['round_trip'])}{emu}",
-                 "[ll]     per channel kind: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()) + emu,
+                 "[ll]     per channel kind: " + ", ".join(
+                     f"{k} {v:.2f} GB/s" for k, v in bw["per_kind"].items()) + emu,
                  "[ll]     bytes of one call on rank 0: " + " | ".join(
                      f"{ph} " + ", ".join(f"{k} {v:,}" for k, v in kinds.items())
                      for ph, kinds in out["bytes"]["one_call_by_kind_rank0"].items())]
@@ -323,7 +325,8 @@ def run(args) -> int:
         if args.json:
             schema.write(args.json, schema.document(
                 "low-latency", argv=args._argv, params=cli.params_of(args, R), fingerprint=out["config"]["fingerprint"],
-                results=records, baselines=[n for n in (f"{k}/round_trip" for k in base)] + ["memcpy_roofline/round_trip"],
+                results=records,
+                baselines=[n for n in (f"{k}/round_trip" for k in base)] + ["memcpy_roofline/round_trip"],
                 checks=out["check"], summary=out.get("summary", {}), link_model=out["link_model"],
                 projection=out["projection"],
                 details={k: v for k, v in out.items() if k not in ("check", "summary", "link_model", "projection")}))

@@ -10,8 +10,8 @@ Presets (docs/semantics/mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test:
 ``cpu-pro-mini`` E 96, K 6, H 1024, I 512, T 512 per rank (PR #316's batch 512: at 4 ranks, 128 rows
 per local expert); ``cpu-pro-batch`` the same shape at T 4096 (the test's default batch, 8192 tokens
 per rank at EP8 over 384 experts, is 1024 rows per expert; at 4 ranks over 96 experts so is T 4096);
-``cpu-comm-heavy`` E 96, K 6, H 2048, I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0`` drops the shared
-expert. Inputs: ``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing =
+``cpu-comm-heavy`` E 96, K 6, H 2048, I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0``
+drops the shared expert. Inputs: ``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing =
 top-k of random scores, weights ``rand``; expert weights random (fp8: random FP4 nibbles, UE8M0
 scales around 2^-5), from ``--seed``.
 
@@ -53,8 +53,8 @@ time spent while the caller computed / total worker time. TFLOPS ``= 2·N_pairs�
 pairs received, shared FLOPs separate). GB/s = cross-rank bytes / ``t_fused`` with dispatch
 ``H·elem (+ H/32 + 4 fp8 / + 4 bf16)`` and combine ``2H`` bytes per pair (upstream's per-pair
 convention), printed with and without self-rank pairs. Correctness first: ``fused`` vs
-``serial`` (and vs the ``--compare-waves`` runs) bit for bit and ``fused`` vs ``unfused`` by calc_diff (the unfused path rounds each
-rank's partial sum to bf16 once more, so it is not bitwise; bound 1e-3); a failed check prints
+``serial`` (and vs the ``--compare-waves`` runs) bit for bit and ``fused`` vs ``unfused`` by calc_diff (the unfused path
+rounds each rank's partial sum to bf16 once more, so it is not bitwise; bound 1e-3); a failed check prints
 ``MISMATCH``, is ``check.ok = false`` in the JSON and makes the exit code 1. Targets (reported, not asserted):
 fused ≤ 0.85× the separate stages at 4 ranks; grouped GEMM ≥ 70 % of the plain matmul.
 """
@@ -105,7 +105,8 @@ def add_arguments(p) -> None:
     cli.add_shared(p, num_tokens=None, hidden=None, num_topk=None, num_experts=None, iters=5, warmup=2, seed=0,
                    json=None, no_progress=False,
                    helps=dict(num_tokens=preset, hidden=preset, num_topk=preset,
-                              num_experts=preset + "; rounded up to a multiple of the ranks", no_progress="no bar here"))
+                              num_experts=preset + "; rounded up to a multiple of the ranks",
+                              no_progress="no bar here"))
     cli.add_link_args(p)
 
 
@@ -172,8 +173,8 @@ def run(args) -> int:
     torch.set_num_threads(threads)
     if args.num_experts % R:
         args.num_experts = -(-args.num_experts // R) * R
-    buf = dea.get_symm_buffer_for_mega_moe(comm, args.num_experts, args.num_tokens, args.num_topk, args.hidden, args.inter,
-                                           mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
+    buf = dea.get_symm_buffer_for_mega_moe(comm, args.num_experts, args.num_tokens, args.num_topk, args.hidden,
+                                           args.inter, mma_type="bf16xbf16" if args.mma == "bf16" else "fp8xfp4",
                                            num_shared_experts=args.shared, backend=args.backend)
     emulator = use_link_emulator(buf.ep_buffer.runtime, args.emulator)
     el = buf.num_local_experts
@@ -248,8 +249,10 @@ def run(args) -> int:
             rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
             serial_trace = buf.last_trace.stage_times()
             for label, epw in wave_runs.items():
-                rec[label] = timed(label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
-                waves_bitwise = waves_bitwise and bool(torch.equal(y_waves.view(torch.int16), y_fused.view(torch.int16)))
+                rec[label] = timed(
+                    label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
+                waves_bitwise = waves_bitwise and bool(torch.equal(y_waves.view(torch.int16),
+                                                                   y_fused.view(torch.int16)))
             rec["unfused"] = timed("unfused", unf.run)
             for name, fn in unf.stage_fns().items():
                 rec[name] = timed(name, fn)
@@ -307,7 +310,8 @@ def run(args) -> int:
 
     def line(name, key):
         (mean, mx), (mmin, _) = agg(key), agg(key, "min")
-        return f"  {name:<22} median {mean * 1e3:9.3f} ms (mean over ranks), {mx * 1e3:9.3f} ms (max); min {mmin * 1e3:.3f} ms"
+        return (f"  {name:<22} median {mean * 1e3:9.3f} ms (mean over ranks), {mx * 1e3:9.3f} ms (max); "
+                f"min {mmin * 1e3:.3f} ms")
 
     h, i = args.hidden, args.inter
     load = os.getloadavg()
@@ -323,10 +327,11 @@ def run(args) -> int:
     out = []
     if emulator is not None:
         out.append(f"[link] {emulator.label} -- the fused/serial/unfused times are EMULATED")
-    out.append(f"[config] fingerprint {fp} | ranks {R}, cores {os.cpu_count()}, torch threads {threads}, load avg {load[0]:.2f} "
-               f"{load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: E {args.num_experts} "
-               f"(local {el}), K {args.num_topk}, H {h}, I {i}, T {t}/rank, shared {args.shared}, clamp {clamp}, "
-               f"waves {waves[0]} x {waves[1]} experts, GEMM engine {M.gemm_engine()}, backend {buf_backend} (the fused call's rows: {path_text}), "
+    out.append(f"[config] fingerprint {fp} | ranks {R}, cores {os.cpu_count()}, torch threads {threads}, "
+               f"load avg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: "
+               f"E {args.num_experts} (local {el}), K {args.num_topk}, H {h}, I {i}, T {t}/rank, "
+               f"shared {args.shared}, clamp {clamp}, waves {waves[0]} x {waves[1]} experts, "
+               f"GEMM engine {M.gemm_engine()}, backend {buf_backend} (the fused call's rows: {path_text}), "
                f"iters {args.iters} (+{args.warmup} warm-up)")
     gc_ms = sum(r["gc_full_s"] for r in allr) / R * 1e3
     out.append(f"[gc] the collector is paused during the iterations (as in the normal command); one full collection "
@@ -371,7 +376,8 @@ def run(args) -> int:
     fr = [r["fraction"] for r in allr]
     out.append(f"[overlap] fused trace: worker (communication) time under caller compute / worker time: mean "
                f"{sum(fr) / R:.2f} (per rank {', '.join(f'{f:.2f}' for f in fr)}); worker busy "
-               f"{sum(r['busy'] for r in allr) / R * 1e3:.3f} ms, hidden {sum(r['hidden'] for r in allr) / R * 1e3:.3f} ms")
+               f"{sum(r['busy'] for r in allr) / R * 1e3:.3f} ms, "
+               f"hidden {sum(r['hidden'] for r in allr) / R * 1e3:.3f} ms")
     gemm = agg("l1")[0] + agg("l2")[0]
     gemm_only = agg("gemm_l1")[0] + agg("gemm_l2")[0]
     mm = agg("mm_l1")[0] + agg("mm_l2")[0]
@@ -388,8 +394,8 @@ def run(args) -> int:
                f"no padding) {flops / fused_gemm / 1e12:.3f} TFLOPS; / plain matmul throughput {mm / fused_gemm:.2f}")
     t_wcopy = agg("weights_copy")[0]
     out.append(f"[gemm] the grouped calls read {el} experts' weights, {weight_bytes / 1e6:.1f} MB per call (the plain "
-               f"matmul {plain_weight_bytes / 1e6:.1f} MB); one copy of them (read + write) took {t_wcopy * 1e3:.3f} ms "
-               f"in this run ({gbps(2 * weight_bytes, t_wcopy):.2f} GB/s), "
+               f"matmul {plain_weight_bytes / 1e6:.1f} MB); one copy of them (read + write) "
+               f"took {t_wcopy * 1e3:.3f} ms in this run ({gbps(2 * weight_bytes, t_wcopy):.2f} GB/s), "
                f"{t_wcopy / gemm_only if gemm_only else float('nan'):.2f}x the grouped GEMM calls' time")
     bytes_all = pairs_recv * pair_b
     bytes_cross = pairs_cross * pair_b
@@ -411,7 +417,8 @@ def run(args) -> int:
             (mean, mx), (mmin, _) = agg(key), agg(key, "min")
             return schema.result(name, mean, min_s=mmin, rank_max_s=mx, **kw)
 
-        records = [rec("fused", "fused", nbytes=bytes_all, formula="MegaMoE per pair, with self-rank pairs (mean over ranks)",
+        records = [rec("fused", "fused", nbytes=bytes_all,
+                       formula="MegaMoE per pair, with self-rank pairs (mean over ranks)",
                        by_kind={k: max(b[k] for b in by_kind) for k in by_kind[0]}, cross_rank_bytes=bytes_cross,
                        cross_rank_gbps=gbps(bytes_cross, t_fused), busiest_rank_bytes=bytes_busiest,
                        tflops=flops / t_fused / 1e12)]
@@ -422,7 +429,8 @@ def run(args) -> int:
         records += [rec(f"unfused/{s}", s) for s in Unfused.stages]
         records += [schema.result("unfused/sum_stages", sum_stage), schema.result("unfused/comm_stages", t_comm),
                     rec("unfused/act_library", "act_library")]
-        for name, keys in (("grouped_gemm", ("gemm_l1", "gemm_l2")), ("fused_expert_gemm", ("fused_gemm_l1", "fused_gemm_l2")),
+        for name, keys in (("grouped_gemm", ("gemm_l1", "gemm_l2")),
+                           ("fused_expert_gemm", ("fused_gemm_l1", "fused_gemm_l2")),
                            ("torch_mm", ("mm_l1", "mm_l2"))):
             total = sum(agg(k)[0] for k in keys)
             records.append(schema.result(name, total, tflops=flops / total / 1e12 if total else None))

@@ -86,7 +86,8 @@ from bench.workload import comm_fingerprint, make_workload, reference_layout
 
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
-TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}  # the project's targets; 8 ranks also as 2 nodes x 4
+# the project's targets; 8 ranks also as 2 nodes x 4
+TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}
 KINDS = ("SELF", "UBMEM", "URMA")
 
 
@@ -101,14 +102,16 @@ def add_arguments(p) -> None:
                    help="row S of a [S, T, K] trace (default 0); train_moe traces store step-major rows, "
                         "one per (step, layer)")
     p.add_argument("--save-routing", metavar="FILE", help="write the routing used (.npz/.pt)")
-    p.add_argument("--fp8", action="store_true", help="dispatch the FP8 tuple (e4m3 + float32 scales); combine stays BF16")
+    p.add_argument("--fp8", action="store_true",
+                   help="dispatch the FP8 tuple (e4m3 + float32 scales); combine stays BF16")
     p.add_argument("--expert-fn", choices=sorted(EXPERTS), default="identity",
                    help="combine input: identity = the received rows themselves, as DeepEP's tests pass recv_x "
                         "(deepep_ascend reads them in place); copy = a new tensor per call, as real expert "
                         "outputs (staged); made untimed, for every system (default identity)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
-    p.add_argument("--baselines-only", action="store_true", help="skip deepep_ascend (same as --systems mpi,gloo,roofline)")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="skip deepep_ascend (same as --systems mpi,gloo,roofline)")
     p.add_argument("--nvl-bytes", type=int, default=None,
                    help="Buffer num_nvl_bytes (default: Buffer.get_normal_buffer_size_hint, no chunking)")
     p.add_argument("--rdma-bytes", type=int, default=None,
@@ -260,15 +263,17 @@ def fmt_check(ref: str, name: str, chk: dict) -> str:
              "dispatch outputs bitwise " + ("ok" if not bad_disp else "MISMATCH in " + ",".join(bad_disp))]
     if chk.get("combined_x_two_roundings") is not None:
         parts.append(f"combined_x {'ok' if chk['combined_x_two_roundings'] else 'MISMATCH'} (calc_diff "
-                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, docs/semantics/deepep-api.md §5)")
+                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, "
+                     "docs/semantics/deepep-api.md §5)")
     elif chk["combined_x_bitwise"]:
         parts.append("combined_x bitwise ok")
     elif chk["combined_x_equal_values"]:
         parts.append("combined_x equal values but not bits (signed zeros)")
     else:
         parts.append(f"combined_x MISMATCH (calc_diff {chk['combined_x_calc_diff']:.3g})")
-    parts.append("combined_topk_weights bitwise " + ("ok" if chk["combined_topk_weights_bitwise"] else
-                                                    f"MISMATCH (calc_diff {chk['combined_topk_weights_calc_diff']:.3g})"))
+    parts.append("combined_topk_weights bitwise " + (
+        "ok" if chk["combined_topk_weights_bitwise"]
+        else f"MISMATCH (calc_diff {chk['combined_topk_weights_calc_diff']:.3g})"))
     return f"[check]    {name} vs {ref}: " + "; ".join(parts)
 
 
@@ -305,8 +310,9 @@ def run(args) -> int:
 
     if root:
         nodes = "" if args.ranks_per_node is None else f" as {R // args.ranks_per_node} nodes x {args.ranks_per_node}"
-        print(f"[config]   ranks {R}{nodes} | tokens/rank {args.num_tokens} | hidden {args.hidden} | top-k {args.num_topk} | "
-              f"experts {args.num_experts} | dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
+        print(f"[config]   ranks {R}{nodes} | tokens/rank {args.num_tokens} | hidden {args.hidden} | "
+              f"top-k {args.num_topk} | experts {args.num_experts} | "
+              f"dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
               f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.expert_fn} | "
               f"fingerprint {fp} | cpu {cpu_model()}", flush=True)
 
@@ -458,7 +464,8 @@ def result_records(results: dict, reports: dict, roof, roof_fresh, roof_bytes) -
         sent = [phases[p]["sent_by_kind"] for p in ("dispatch", "combine")]
         rt_kinds = {k: max(a + b for a, b in zip(sent[0][k]["bytes_per_rank"], sent[1][k]["bytes_per_rank"]))
                     for k in KINDS if k in sent[0] and k in sent[1]}
-        recs.append(schema.result(f"{name}/round_trip", None, timing=res.timings["round_trip"], by_kind=rt_kinds or None))
+        recs.append(schema.result(f"{name}/round_trip", None, timing=res.timings["round_trip"],
+                                  by_kind=rt_kinds or None))
     if roof is not None:
         for system, t in (("memcpy_roofline", roof), ("clone_roofline", roof_fresh)):
             for phase in ("dispatch", "combine", "round_trip"):
@@ -506,7 +513,8 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
             out["speedup_over_faster_peer"] = sp
             tgt = target.get("speedup")
             verdict = "" if tgt is None else f" (target >= {tgt:g}x at {R} ranks: {'met' if sp >= tgt else 'MISSED'})"
-            out["lines"].append(f"[summary]  deepep_ascend speedup over the faster peer ({fastest}): {sp:.2f}x{verdict}")
+            out["lines"].append(f"[summary]  deepep_ascend speedup over the faster peer ({fastest}): "
+                                f"{sp:.2f}x{verdict}")
         out["lines"].append("[summary]  peers: " + " | ".join(
             f"{n} / faster peer {v / peers[fastest]:.2f}x" for n, v in peers.items()))
     if roof is not None and roof["round_trip"].median > 0:

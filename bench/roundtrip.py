@@ -157,7 +157,8 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
     res = RoundTripResult(
         name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
         dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
-        combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(), traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
+        combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(),
+        traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
         layout_digest=layout_digest(st["layout"]),
         link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
     st.clear()

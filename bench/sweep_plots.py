@@ -147,7 +147,8 @@ def make_plots(out_dir: str, rows: list) -> list:
         fig, ax = plt.subplots(figsize=(6, 2))
         ax.axis("off")
         ax.text(0.5, 0.5, "No peer comparison: these rows are all mega_moe,\n"
-                          "and the mega-moe command runs no peer pipelines.", ha="center", va="center", transform=ax.transAxes)
+                          "and the mega-moe command runs no peer pipelines.",
+                ha="center", va="center", transform=ax.transAxes)
     paths.append(_save(fig, out_dir, "peers.png", plt))
 
     # (3) projected vs measured

@@ -120,7 +120,8 @@ def measured_fields(mode: str, doc: dict) -> dict:
     def field(name, key="seconds"):
         return _get(res, name, key)
 
-    r: dict = {"fingerprint": doc.get("fingerprint"), "checks_ok": _get(doc, "checks", "ok"), "gbps_formula": FORMULAS[mode]}
+    r: dict = {"fingerprint": doc.get("fingerprint"), "checks_ok": _get(doc, "checks", "ok"),
+               "gbps_formula": FORMULAS[mode]}
     if mode in ("normal", "low_latency"):
         for p in PHASES:
             rec = res.get(f"deepep_ascend/{p}", {})
@@ -138,7 +139,8 @@ def measured_fields(mode: str, doc: dict) -> dict:
     elif mode == "mega_moe":
         fused = res.get("fused", {})
         r.update(fused_s=fused.get("seconds"), fused_bytes=fused.get("bytes"), fused_gbps=fused.get("gbps"),
-                 fused_cross_rank_bytes=fused.get("cross_rank_bytes"), fused_cross_rank_gbps=fused.get("cross_rank_gbps"),
+                 fused_cross_rank_bytes=fused.get("cross_rank_bytes"),
+                 fused_cross_rank_gbps=fused.get("cross_rank_gbps"),
                  fused_tflops=fused.get("tflops"), serial_s=field("serial"), unfused_s=field("unfused"),
                  sum_stages_s=field("unfused/sum_stages"), comm_stages_s=field("unfused/comm_stages"),
                  fused_over_sum_stages=_get(doc, "summary", "fused_over_sum_stages"),
@@ -179,8 +181,8 @@ def load_results(out_dir: str) -> list:
         with open(path) as f:
             return list(json.load(f)["rows"])
     except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"sweep_bandwidth: {path} is not a results file of scripts/sweep_bandwidth.py ({type(e).__name__}: {e}); "
-                         f"move it away or pick another --out") from None
+        raise SystemExit(f"sweep_bandwidth: {path} is not a results file of scripts/sweep_bandwidth.py "
+                         f"({type(e).__name__}: {e}); move it away or pick another --out") from None
 
 
 def done_keys(rows: Iterable[dict]) -> set:

@@ -35,8 +35,8 @@ class Setting:
 
     ``kind`` is how its value parses: ``"float"`` and ``"int"`` (at least ``minimum``, or above it when
     ``exclusive``), ``"bool"`` (``1/true/yes/on`` or ``0/false/no/off``, any case), ``"choice"`` (one of
-    ``choices``, spelled exactly, as the keyword arguments they stand for) or ``"text"`` (as given). ``default`` is what :meth:`get`
-    returns when the variable is unset; ``None`` means the caller derives it (``default_text`` says how).
+    ``choices``, spelled exactly, as the keyword arguments they stand for) or ``"text"`` (as given). ``default`` is what
+    :meth:`get` returns when the variable is unset; ``None`` means the caller derives it (``default_text`` says how).
     ``scope`` says who reads it: ``library``, ``tests`` or ``scripts``.
     """
 

@@ -10,8 +10,8 @@ Usage (from anywhere; the benchmarks run from the repository root)::
     python scripts/sweep_bandwidth.py --preset small --out mm --mode mega_moe --inter 128,256
 
 Every configuration (mode × ranks × ranks per node × tokens × hidden × [inter] × top-k × experts ×
-dtype) is one ``mpiexec -n R python -m bench <command> --json FILE ...`` job (:data:`COMMANDS`), launched with the ``mpiexec``
-of the ``mpich`` wheel (the one mpi4py's libmpi belongs to; else ``mpiexec`` on PATH), from the
+dtype) is one ``mpiexec -n R python -m bench <command> --json FILE ...`` job (:data:`COMMANDS`), launched with the
+``mpiexec`` of the ``mpich`` wheel (the one mpi4py's libmpi belongs to; else ``mpiexec`` on PATH), from the
 repository root, ``PYTHONPATH`` = the root, ``OMP_NUM_THREADS=1``, in its own process group and
 with a per-run ``--timeout`` (the group is killed, the row recorded as failed, the sweep goes on).
 The child's output goes to ``DIR/logs/<config>.log``.
@@ -102,7 +102,8 @@ from bench.sweep_records import (  # noqa: E402,F401  (the record I/O, used here
     write_results,
 )
 
-COMMANDS = {"normal": "normal", "low_latency": "low-latency", "mega_moe": "mega-moe"}  # mode -> python -m bench <command>
+# mode -> python -m bench <command>
+COMMANDS = {"normal": "normal", "low_latency": "low-latency", "mega_moe": "mega-moe"}
 LL_MAX_TOKENS = 511  # DeepEP's num_max_dispatch_tokens_per_rank limit, enforced by the library
 DEFAULT_LINK_PROFILE = "ascend950"
 
@@ -606,7 +607,8 @@ def parse_args(argv=None):
                 configs.append(cfg)
     if not configs:
         p.error("no valid configuration: " + "; ".join(sorted({w for _, w in skipped}))
-                + " (check --num-tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/--dtype/--mode)")
+                + " (check --num-tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/"
+                  "--dtype/--mode)")
     a.configs, a.invalid = configs, skipped
     return a, p
 
@@ -652,7 +654,8 @@ def main(argv=None) -> int:
         if args.link_emulation != "none" and "--link-emulation" not in supported[m]:
             parser.error(f"--link-emulation: the {COMMANDS[m]} command does not accept --link-emulation (yet)")
         if args.link_profile and "--link-profile" not in supported[m]:
-            print(f"[sweep] note: the {COMMANDS[m]} command has no --link-profile yet: no projection columns for {m} rows")
+            print(f"[sweep] note: the {COMMANDS[m]} command has no --link-profile yet: "
+                  f"no projection columns for {m} rows")
     # A benchmark without --link-profile makes no projection: the effective configuration says so
     # (its key too, so that a rerun after the benchmark gains it measures the projection).
     args.configs = [c if c.link_profile is None or "--link-profile" in supported[c.mode]

@@ -238,7 +238,8 @@ class Block(nn.Module):
                        seed=args.seed * 1000 + layer, score_func=args.score_func, n_group=args.n_group,
                        topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling,
                        aux_loss_alpha=args.aux_loss, experts_impl=args.experts_impl, mode=args.moe_mode,
-                       num_max_dispatch_tokens_per_rank=args.batch * args.seq if args.moe_mode == "low_latency" else None)
+                       num_max_dispatch_tokens_per_rank=(args.batch * args.seq if args.moe_mode == "low_latency"
+                                                         else None))
 
     def forward(self, x):
         b, s, d = x.shape

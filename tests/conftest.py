@@ -213,7 +213,8 @@ def _peer_states(peers, me: int) -> str:
                 base = f"/proc/{pid}/task/{tid}"
                 wchan = _read_small(f"{base}/wchan") or "-"
                 syscall = (_read_small(f"{base}/syscall") or "?").split()
-                call = syscall[0] + (f"(fd {int(syscall[1], 16)})" if syscall[0] in ("0", "1") and len(syscall) > 1 else "")
+                call = syscall[0] + (f"(fd {int(syscall[1], 16)})" if syscall[0] in ("0", "1") and len(syscall) > 1
+                                     else "")
                 what = f"{_thread_state(base)}/{wchan}/syscall {call}"
                 if int(tid) == pid or not what.startswith("S"):
                     named.append(f"{tid}:{what}")
@@ -224,7 +225,8 @@ def _peer_states(peers, me: int) -> str:
                          + (f"; others {rest}" if rest else ""))
         except OSError as exc:
             lines.append(f"[watchdog]   rank {r} (pid {pid}): /proc unreadable ({exc.strerror})")
-    return (f"[watchdog] rank {me} sees its peers (syscall 0/1 = read/write):\n" + "\n".join(lines) + "\n") if lines else ""
+    return (f"[watchdog] rank {me} sees its peers (syscall 0/1 = read/write):\n" + "\n".join(lines) + "\n"
+            if lines else "")
 
 
 def _where_threads_are(me: int, max_frames: int = 12) -> str:

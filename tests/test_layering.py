@@ -127,7 +127,8 @@ def test_no_private_name_crosses_a_room():
                     bad.append(f"{path}:{node.lineno}: imports the private name {a.name} from {target}")
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
-                    and not node.attr.startswith("__") and node.attr not in NAMEDTUPLE_API and node.value.id in aliases):
+                    and not node.attr.startswith("__") and node.attr not in NAMEDTUPLE_API
+                    and node.value.id in aliases):
                 room, target = aliases[node.value.id]
                 if room not in (None, me):
                     bad.append(f"{path}:{node.lineno}: reads the private {target}.{node.attr} of room {room!r}")

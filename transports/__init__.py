@@ -53,10 +53,10 @@ def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
 
 __all__ = [
     "ChannelKind", "Topology", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
-    "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport", "UbmemTransport",
-    "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier", "quiet_wait",
-    "resolve_timeout",
+    "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport",
+    "UbmemTransport", "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier",
+    "quiet_wait", "resolve_timeout",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
-    "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed", "TransportBusy",
-    "TransportRuntimeError",
+    "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed",
+    "TransportBusy", "TransportRuntimeError",
 ]

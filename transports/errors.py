@@ -56,7 +56,8 @@ class TransportTimeout(TransportError, TimeoutError):
                 f"rank {p}: have {o}, need {e}" for p, e, o in zip(self.waited_for, expected, observed)) + ")"
         chain = ""
         if self.blocked_on:
-            chain = "; " + "; ".join(f"rank {p} was itself waiting for rank(s) {q}" for p, q in self.blocked_on.items()) \
+            chain = "; " + "; ".join(f"rank {p} was itself waiting for rank(s) {q}"
+                                     for p, q in self.blocked_on.items()) \
                 + f", so the missing rank(s) are likely {self.pending_peers}"
         win = f"(win='{window}')" if window else ""
         whom = (f"rank(s) {self.waited_for}" if self.waited_for else

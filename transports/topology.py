@@ -117,7 +117,8 @@ class Topology:
                 # Default: one node per shared-memory domain, which must be equal, contiguous blocks.
                 blocks = [hosts.index(h) for h in hosts]
                 rpn = hosts.count(hosts[0])
-                if any(hosts.count(h) != rpn for h in hosts) or any(b != (r // rpn) * rpn for r, b in enumerate(blocks)):
+                if (any(hosts.count(h) != rpn for h in hosts)
+                        or any(b != (r // rpn) * rpn for r, b in enumerate(blocks))):
                     error = ("hosts hold unequal or non-contiguous blocks of ranks; place the same number "
                              "of consecutive ranks on every host or pass ranks_per_node")
             elif not isinstance(rpn, int) or rpn <= 0 or size % rpn:

@@ -368,7 +368,8 @@ class Transport:
                 self.state = State.CLOSED
                 _LIVE.discard(self)
                 raise TransportTimeout("destroy", self.topology.rank, ["(unknown: a peer never called destroy)"],
-                                       time.monotonic() - deadline + (self.timeout_s if timeout_s is None else timeout_s))
+                                       time.monotonic() - deadline
+                                       + (self.timeout_s if timeout_s is None else timeout_s))
             time.sleep(next(pauses))
         if total[0] > 0:
             self._restore_views()
@@ -446,7 +447,8 @@ class Transport:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
             raise TransportArgumentError(
                 f"rank {rank}: {op}: {what} must be a contiguous CPU torch.Tensor, got "
-                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else f' (device {t.device}, contiguous={t.is_contiguous()})'}")
+                f"{type(t).__name__}"
+                f"{'' if not isinstance(t, torch.Tensor) else f' (device {t.device}, contiguous={t.is_contiguous()})'}")
         return t.reshape(-1).view(torch.uint8)
 
     # -- data ----------------------------------------------------------------
@@ -499,7 +501,8 @@ class Transport:
             raise
 
     def put(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor) -> None:
-        """Copy the contiguous tensor ``src`` (any dtype/shape; its bytes) into ``dst``'s data region at byte ``offset``.
+        """Copy the contiguous tensor ``src`` (any dtype/shape; its bytes)
+        into ``dst``'s data region at byte ``offset``.
 
         Returns when ``src`` may be reused; visible to ``dst`` after :meth:`flush` or a later
         ordered signal. Zero-byte puts are counted no-ops. SELF/UBMEM: a copy into the peer's

@@ -212,7 +212,8 @@ def _describe_container(handle) -> str:
 
 
 def _check_origin(handle, config: Config, num_channels: int, op: str, buffer_id: int) -> int:
-    """The handle comes from this Buffer (if from any) with the config's channels; returns its dispatch id (-1: unknown)."""
+    """The handle comes from this Buffer (if from any) with the config's channels;
+    returns its dispatch id (-1: unknown)."""
     origin = origin_of(handle)
     check(origin is None or origin.buffer_id == buffer_id, ValueError,
           f"`handle` was made by another Buffer (#{origin.buffer_id if origin else '?'}), not by this one "

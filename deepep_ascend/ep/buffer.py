@@ -75,7 +75,8 @@ def _warn_undestroyed():
     for buf in list(_UNDESTROYED):
         if buf.runtime is not None:
             warnings.warn(f"deepep_ascend.Buffer(rank {buf.rank}) was built with explicitly_destroy=True but "
-                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning, stacklevel=2)
+                          f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning,
+                          stacklevel=2)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -401,7 +402,8 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout`` (docs/semantics/deepep-api.md §4.1).
+        """Routing counts of ``topk_idx``; mirrors ``deep_ep.Buffer.get_dispatch_layout``
+        (docs/semantics/deepep-api.md §4.1).
 
         Args:
             topk_idx: ``[N, K]`` ``topk_idx_t`` (int64), values in ``[-1, num_experts)``, -1 = none.
@@ -548,7 +550,8 @@ class Buffer:
                  allocate_on_comm_stream: bool = False
                  ) -> tuple[Rows, torch.Tensor | None, torch.Tensor | None, list[int] | None, NormalHandle | None,
                             EventOverlap]:
-        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch`` (docs/semantics/deepep-api.md §4.2-4.5).
+        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.Buffer.dispatch``
+        (docs/semantics/deepep-api.md §4.2-4.5).
 
         Args:
             x: ``[N, H]`` tensor (BF16, or any dtype, moved as bytes) or the FP8 pair
@@ -573,8 +576,8 @@ class Buffer:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
             ``[N_recv, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N_recv, K]``
-            float32 (0 where -1); a list of ``L`` ints; the handle (docs/semantics/deepep-api.md §4.3), DeepEP's 6-tuple as an
-            :class:`~deepep_ascend.ep.handles.IntranodeHandle` (across nodes its 10-tuple, an
+            float32 (0 where -1); a list of ``L`` ints; the handle (docs/semantics/deepep-api.md §4.3), DeepEP's 6-tuple
+            as an :class:`~deepep_ascend.ep.handles.IntranodeHandle` (across nodes its 10-tuple, an
             :class:`~deepep_ascend.ep.handles.InternodeHandle`). Rows are grouped by source rank, then
             source token order. Cached: ``(recv_x, None, None, None, None, event)``.
         Raises:
@@ -657,7 +660,8 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
-        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine`` (docs/semantics/deepep-api.md §4.6).
+        """Return every received row to its origin and sum; mirrors ``deep_ep.Buffer.combine``
+        (docs/semantics/deepep-api.md §4.6).
 
         Per original token: ``acc = f32(bias0) + f32(bias1)`` (missing = 0), then ``acc += f32(row)``
         for each rank that received it, in ascending rank order; output ``bf16(acc)``. No
@@ -698,7 +702,8 @@ class Buffer:
                                                num_tokens=checked.is_token_in_rank.size(0))
             self._check_combine_room(x.size(1), wcols)
             return self._engine.combine(
-                call_id=call_id, x=x.contiguous(), topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                call_id=call_id, x=x.contiguous(),
+                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
                 bias=biases, handle=checked, num_channels=cfg.num_channels, handle_id=handle_id)
 
         (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
@@ -707,7 +712,8 @@ class Buffer:
         return combined, combined_w, event
 
     # ==================================================================================
-    # Low-latency mode (docs/semantics/deepep-api.md §6, §7): checks in low_latency_arguments.py, data movement in low_latency.py
+    # Low-latency mode (docs/semantics/deepep-api.md §6, §7): checks in low_latency_arguments.py, data movement in
+    # low_latency.py
     # ==================================================================================
     def _ll_build(self, num_rdma_bytes: int, allow_ubmem: bool) -> ll_mod.LowLatencyEngine:
         """Constructor branch of ``low_latency_mode=True``: the LL windows from ``num_rdma_bytes``."""
@@ -719,13 +725,15 @@ class Buffer:
             raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
         if getattr(self, "_ll", None) is None:
             raise RuntimeError(f"Buffer.{op}: this Buffer was not built in low-latency mode; build it with "
-                               f"low_latency_mode=True and num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(...)")
+                               f"low_latency_mode=True and num_rdma_bytes >= "
+                               f"Buffer.get_low_latency_rdma_size_hint(...)")
         return self._ll
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use (docs/semantics/deepep-api.md §6.8).
+        """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use
+        (docs/semantics/deepep-api.md §6.8).
 
         Both halves of ``[signals align_up(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
         with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
@@ -741,7 +749,8 @@ class Buffer:
         if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
             raise RuntimeError(
                 f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
-                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, docs/semantics/deepep-api.md §6.6)")
+                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
+                f"docs/semantics/deepep-api.md §6.6)")
         self._worker.drain()
         try:
             check(not (async_finish and return_recv_hook), RuntimeError,
@@ -786,7 +795,8 @@ class Buffer:
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
                              ) -> tuple[Rows, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch`` (docs/semantics/deepep-api.md §6.2).
+        """Send each (token, top-k slot) to its expert's fixed slot; mirrors ``deep_ep.Buffer.low_latency_dispatch``
+        (docs/semantics/deepep-api.md §6.2).
 
         No collective and no count exchange: each rank writes its rows into the receivers'
         windows and signals once per receiver; a receiver waits for every (live) source.
@@ -840,7 +850,8 @@ class Buffer:
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine`` (docs/semantics/deepep-api.md §6.3).
+        """Return expert outputs to their tokens and reduce; mirrors ``deep_ep.Buffer.low_latency_combine``
+        (docs/semantics/deepep-api.md §6.3).
 
         Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
         ``acc += f32(y_j) * w[t][j]``; output ``bf16(acc)``.
@@ -926,7 +937,8 @@ class Buffer:
         return ll
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view (docs/semantics/deepep-api.md §7)."""
+        """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view
+        (docs/semantics/deepep-api.md §7)."""
         ll = self._ll_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size or rank_to_mask == self.rank:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be a peer rank in "

@@ -1,4 +1,5 @@
-"""``Config``: DeepEP's per-call tuning record, its tables and its buffer-size hints (docs/semantics/deepep-api.md §3.2).
+"""``Config``: DeepEP's per-call tuning record, its tables and its buffer-size hints
+(docs/semantics/deepep-api.md §3.2).
 
 In ``deepep_ascend`` a config never changes results (as in DeepEP). ``num_sms`` fixes the
 number of *channels* ``C = num_sms // 2``: each rank's tokens are split into ``C`` contiguous
@@ -10,7 +11,8 @@ rounds sized by the Buffer's UBMEM window (see :mod:`deepep_ascend.ep.intranode`
 
 from __future__ import annotations
 
-_NVL_TABLE = {  # num_ranks: (dispatch (send, recv), combine (send, recv)) for the NVL ring, docs/semantics/deepep-api.md §3.1
+_NVL_TABLE = {  # num_ranks: (dispatch (send, recv), combine (send, recv)) for the NVL ring,
+    # docs/semantics/deepep-api.md §3.1
     2: ((24, 256), (10, 256)), 4: ((6, 256), (9, 256)), 8: ((6, 256), (4, 256)),
     16: ((36, 288), (4, 288)), 24: ((32, 288), (1, 288)), 32: ((32, 288), (1, 288)),
     48: ((32, 288), (1, 288)), 64: ((32, 288), (1, 288)), 96: ((20, 480), (1, 480)),

@@ -1,4 +1,5 @@
-"""Normal-mode dispatch and combine across nodes: DeepEP's two hops (docs/semantics/deepep-api.md §5, docs/design/transports.md §6).
+"""Normal-mode dispatch and combine across nodes: DeepEP's two hops (docs/semantics/deepep-api.md §5,
+docs/design/transports.md §6).
 
 Every rank ``(node b, local l)`` is at once a *sender* of its own tokens, a *forwarder* for its
 rail peers ``(c, l)`` and a *receiver*. Two windows per rank:
@@ -418,7 +419,8 @@ class InternodeEngine:
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
                  num_channels, handle_id, xdtype, sdtype) -> Generator:
-        """Non-cached internode dispatch (docs/semantics/deepep-api.md §5). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
+        """Non-cached internode dispatch (docs/semantics/deepep-api.md §5).
+        ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`InternodeHandle`
@@ -557,7 +559,8 @@ class InternodeEngine:
                                    f"{int(call.counts_to_me[s])}")
         src_idx = call.out.src_meta.view(torch.int32)[:num_recv, 0]
         rel = recv_channel_prefix(src_idx, starts, call.ntok, call.num_channels)
-        call.recv_gbl_channel_prefix_matrix.copy_(rel + torch.tensor(starts[:num_ranks], dtype=torch.int32).unsqueeze(1))
+        call.recv_gbl_channel_prefix_matrix.copy_(
+            rel + torch.tensor(starts[:num_ranks], dtype=torch.int32).unsqueeze(1))
         self._finish_forward_handle(call)
         if call.out.topk_idx is not None and num_recv:
             to_local_experts(call.out.topk_idx[:num_recv], call.out.topk_weights[:num_recv], me,
@@ -590,7 +593,8 @@ class InternodeEngine:
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: InternodeHandle, num_channels, handle_id, xdtype,
                         sdtype) -> Generator:
-        """Dispatch through an internode handle (docs/semantics/deepep-api.md §4.5, §5). Yields ``(recv_x, recv_scales)``."""
+        """Dispatch through an internode handle (docs/semantics/deepep-api.md §4.5, §5).
+        Yields ``(recv_x, recv_scales)``."""
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
         rows = handle.recv_src_meta.size(0)
@@ -726,7 +730,8 @@ class InternodeEngine:
 
     def combine(self, *, call_id, x, topk_weights, bias, handle: InternodeHandle, num_channels,
                 handle_id) -> Generator:
-        """Internode combine (docs/semantics/deepep-api.md §5): forwarder partials rounded to bf16, then the origin's sum.
+        """Internode combine (docs/semantics/deepep-api.md §5): forwarder partials rounded to bf16,
+        then the origin's sum.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """
@@ -884,7 +889,7 @@ class InternodeEngine:
             blk = self._box(me, c, 0, end)
             sources.append((blk[offs[1]:offs[1] + rows * 2 * hidden].view(torch.bfloat16).view(rows, hidden), tokens))
             if wacc is not None and weight_cols:
-                wacc.index_add_(0, tokens,
-                                blk[offs[0]:offs[0] + rows * 4 * weight_cols].view(torch.float32).view(rows, weight_cols))
+                wacc.index_add_(0, tokens, blk[offs[0]:offs[0] + rows * 4 * weight_cols]
+                                .view(torch.float32).view(rows, weight_cols))
         acc, tmp = self._scratch.get(hidden)
         accumulate_rows(call.combined[lo_t:hi_t], sources, acc, tmp, call.bias, lo_t)

@@ -1,4 +1,5 @@
-"""Normal-mode dispatch and combine inside one UBMEM domain (docs/semantics/deepep-api.md §4), over the transport's window.
+"""Normal-mode dispatch and combine inside one UBMEM domain (docs/semantics/deepep-api.md §4),
+over the transport's window.
 
 Protocol (one rank's view; every rank runs the same steps for every call):
 
@@ -406,7 +407,8 @@ class IntranodeEngine:
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, num_channels,
                  handle_id, xdtype, sdtype) -> Generator:
-        """Non-cached dispatch (docs/semantics/deepep-api.md §4.2, §4.4). ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
+        """Non-cached dispatch (docs/semantics/deepep-api.md §4.2, §4.4).
+        ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`IntranodeHandle`
@@ -506,7 +508,8 @@ class IntranodeEngine:
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
                           with_scales: bool, with_topk: bool) -> _Received:
-        """A dispatch's outputs of ``rows`` rows; rows past ``num_recv`` padded (zeros, expert id -1, docs/semantics/deepep-api.md §4.4)."""
+        """A dispatch's outputs of ``rows`` rows; rows past ``num_recv`` padded (zeros, expert id -1,
+        docs/semantics/deepep-api.md §4.4)."""
         out = _Received(self._recv_x(advertised, rows, xb),
                         torch.empty(rows, sb, dtype=torch.uint8) if with_scales else None,
                         torch.empty(rows, num_topk, dtype=torch.int64) if with_topk else None,
@@ -549,7 +552,8 @@ class IntranodeEngine:
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: IntranodeHandle, num_channels, handle_id, xdtype,
                         sdtype) -> Generator:
-        """Dispatch through a handle (docs/semantics/deepep-api.md §4.5): same routing, no counting. Yields ``(recv_x, recv_scales)``."""
+        """Dispatch through a handle (docs/semantics/deepep-api.md §4.5): same routing, no counting.
+        Yields ``(recv_x, recv_scales)``."""
         me, nr = self.rank, self.num_ranks
         rank_prefix_matrix, recv_src_idx = handle.rank_prefix_matrix, handle.recv_src_idx
         n, xb = x.shape
@@ -572,7 +576,8 @@ class IntranodeEngine:
         # Read only now: an async cached dispatch runs the part above on the caller's thread while
         # earlier calls may still run on the worker (which updates the prediction in call order).
         predicted = self._predict_direct
-        stage = functools.partial(self._stage_dispatch_chunk, regions, per_round, _SentRows(x, scales, None, None, None))
+        stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
+                                  _SentRows(x, scales, None, None, None))
         phase = f"cached dispatch call #{call_id}"
         headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None,
                                phase)
@@ -628,7 +633,8 @@ class IntranodeEngine:
     # -- combine -----------------------------------------------------------------------
     def combine(self, *, call_id, x, topk_weights, bias, handle: IntranodeHandle, num_channels,
                 handle_id) -> Generator:
-        """Combine (docs/semantics/deepep-api.md §4.6): unweighted float32 sum over receiving ranks, ascending rank, one rounding.
+        """Combine (docs/semantics/deepep-api.md §4.6): unweighted float32 sum over receiving ranks,
+        ascending rank, one rounding.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """

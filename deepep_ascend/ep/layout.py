@@ -1,4 +1,5 @@
-"""Routing → counts, masks and prefix matrices (docs/semantics/deepep-api.md §4.1, §4.3). Pure torch, never communicates.
+"""Routing → counts, masks and prefix matrices (docs/semantics/deepep-api.md §4.1, §4.3).
+Pure torch, never communicates.
 
 Duplicate experts in one ``topk_idx`` row (the same expert listed twice) follow DeepEP's
 counting everywhere: each (token, slot) pair counts once for its expert in
@@ -41,7 +42,8 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
 
 
 def tokens_per_node(is_token_in_rank: torch.Tensor, num_nodes: int, ranks_per_node: int) -> torch.Tensor:
-    """``num_tokens_per_rdma_rank [G]`` int32: tokens with an expert on each node (``is_token_in_rank [N, G·P]`` bool)."""
+    """``num_tokens_per_rdma_rank [G]`` int32: tokens with an expert on each node
+    (``is_token_in_rank [N, G·P]`` bool)."""
     n = is_token_in_rank.size(0)
     return is_token_in_rank.view(n, num_nodes, ranks_per_node).any(2).sum(0, dtype=torch.int32)
 

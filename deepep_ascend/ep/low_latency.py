@@ -19,8 +19,8 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
     combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
     (:meth:`LowLatencyEngine.combine_buffer`);
   - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
-    ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per global expert ``g`` at
-    ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
+    ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per
+    global expert ``g`` at ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
     with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.logfmt.logfmt10_encode`'s wire
     format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
     same fixed slots, row ``(g, i)``'s metadata at ``(g·M + i)·4S`` of the first, its body at
@@ -81,7 +81,8 @@ HDR_BYTES = 256
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
 F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
-#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``, docs/semantics/deepep-api.md §6.7).
+#: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``,
+#: docs/semantics/deepep-api.md §6.7).
 QP_DEPTH = 1024
 
 
@@ -90,7 +91,8 @@ def align_up(x: int, a: int) -> int:
 
 
 def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """docs/semantics/deepep-api.md §6.8, exactly: bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
+    """docs/semantics/deepep-api.md §6.8, exactly:
+    bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
 
     ``S = ceil(H/128)`` (= ``H/128`` for DeepEP's sizes), ``d = 16 + max(2H, H + 4S)``,
     ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
@@ -425,8 +427,8 @@ class LowLatencyEngine:
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
         """This rank's messages ``[N, mb]`` uint8 in the send region: ``[int32 token | 12 B | payload]``, the
-        FP8 cast once per token (docs/semantics/deepep-api.md §6.4), written straight in from a float32 scratch kept across calls.
-        ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
+        FP8 cast once per token (docs/semantics/deepep-api.md §6.4), written straight in from a float32 scratch kept
+        across calls. ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
         n, H = x.size(0), lay.H
         sb = 4 * scale_words
         mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb
@@ -471,7 +473,8 @@ class LowLatencyEngine:
         if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             experts = route.experts[lo:hi]
-            slot_rows = ((experts - dst * L) * R + self.rank) * M + (torch.arange(hi - lo) - (route.starts[experts] - lo))
+            slot_rows = (((experts - dst * L) * R + self.rank) * M
+                         + (torch.arange(hi - lo) - (route.starts[experts] - lo)))
             dv = _wide(recv)
             dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
             self.tp.record_put(dst, (hi - lo) * mb)
@@ -609,7 +612,8 @@ class LowLatencyEngine:
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
                          use_logfmt) -> None:
         """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
-        (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator, one rounding into ``combined``."""
+        (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator,
+        one rounding into ``combined``."""
         me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         n, k = topk_idx.shape
@@ -703,7 +707,8 @@ class LowLatencyEngine:
             g = me * L + e
             for off, part, size in ((g * M * lay.lf_meta, meta[a:a + c], c * lay.lf_meta),
                                     (lay.lf_body_off + g * M * lay.lf_body, body[a:a + c], c * lay.lf_body),
-                                    (lay.lf_tail_off + g * M * lay.lf_tail, tail[t0:t1], (t1 - t0) * LOGFMT_TAIL_BYTES)):
+                                    (lay.lf_tail_off + g * M * lay.lf_tail, tail[t0:t1],
+                                     (t1 - t0) * LOGFMT_TAIL_BYTES)):
                 if not size:
                     continue
                 if peer is not None:

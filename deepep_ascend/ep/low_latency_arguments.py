@@ -94,7 +94,8 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     n, hidden = x.shape
     check_low_latency_routing(topk_idx, num_experts, m, "x", n, num_ranks=r, qp_depth=qp_depth)
     check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
-    check(not use_ue8m0 or round_scale, RuntimeError, "use_ue8m0=True requires round_scale=True (docs/semantics/deepep-api.md §6.4)")
+    check(not use_ue8m0 or round_scale, RuntimeError,
+          "use_ue8m0=True requires round_scale=True (docs/semantics/deepep-api.md §6.4)")
     check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
     check(not use_fp8 or hidden % 128 == 0, ValueError,
           f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
@@ -131,7 +132,8 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
                               qp_depth=qp_depth)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
-    check(not (zero_copy and use_logfmt), RuntimeError, "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
+    check(not (zero_copy and use_logfmt), RuntimeError,
+          "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
     check(not use_logfmt or hidden % 128 == 0, ValueError,
           f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
     check(stale_zero_copy is None, RuntimeError, stale_zero_copy or "")

@@ -71,8 +71,8 @@ def storage_users(t: torch.Tensor) -> int | None:
 
 def _alias(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     """A new tensor (not a view: no ``_base``) of ``dtype`` and ``shape`` on ``t``'s storage, from ``t``'s offset."""
-    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), t.storage_offset() * t.element_size() // dtype.itemsize,
-                                            shape)
+    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(),
+                                            t.storage_offset() * t.element_size() // dtype.itemsize, shape)
 
 
 def _block(nbytes: int) -> torch.Tensor:

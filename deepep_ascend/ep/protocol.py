@@ -60,7 +60,8 @@ def consensus_problems(headers, op, call_id, ranks=None) -> list:
     problems = []
     for p, h in zip(ranks, headers):
         if h[W_MAGIC] != MAGIC or h[W_CALL] != call_id:
-            problems.append(f"rank {p} is in a different call (call #{h[W_CALL]}, op {OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
+            problems.append(f"rank {p} is in a different call "
+                            f"(call #{h[W_CALL]}, op {OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
                             f"than this one (call #{call_id}, {OP_NAMES[op]})")
         elif h[W_STATUS]:
             msg = h[MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")

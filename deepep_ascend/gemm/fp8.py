@@ -1,8 +1,8 @@
 """FP8 e4m3 casts, bit-exact with DeepGEMM and DeepEP: per-token, per-block and per-channel casts and their
 cast-backs, DeepEP's low-latency dispatch cast, and a fast e4m3 decode.
 
-Spec: ``docs/semantics/mega-moe.md`` §4 (formats, recipes) and ``docs/semantics/deepep-api.md`` §4.8 / §6.4 (DeepEP's FP8
-casts). Every function is vectorized torch on CPU; none loops over elements.
+Spec: ``docs/semantics/mega-moe.md`` §4 (formats, recipes) and ``docs/semantics/deepep-api.md`` §4.8 / §6.4 (DeepEP's
+FP8 casts). Every function is vectorized torch on CPU; none loops over elements.
 
 **e4m3** (``torch.float8_e4m3fn``): max 448, no inf. Values are clamped to ±448 and then cast with
 round-to-nearest-even (torch's CPU cast is RNE and saturating). Scales are float32 or UE8M0
@@ -13,9 +13,9 @@ Two FP8 per-token recipes exist upstream and differ in rare last-bit cases:
 * DeepGEMM (``per_token_cast_to_fp8``, ``per_block_cast_to_fp8``, ...; docs/semantics/mega-moe.md §4):
   ``sf = amax / 448`` (optionally ``ceil_to_ue8m0``), ``data = e4m3(x * (1 / sf))``.
 * DeepEP (:func:`low_latency_cast_to_fp8`, docs/semantics/deepep-api.md §6.4, and with
-  ``scale_style='deepep'`` the normal-mode helper of docs/semantics/deepep-api.md §4.8): ``data = e4m3(x * (448 / amax))``;
-  the LL kernel stores ``amax * f32(1/448)`` and with ``round_scale`` derives the power of two
-  from those bits.
+  ``scale_style='deepep'`` the normal-mode helper of docs/semantics/deepep-api.md §4.8):
+  ``data = e4m3(x * (448 / amax))``; the LL kernel stores ``amax * f32(1/448)`` and with ``round_scale`` derives the
+  power of two from those bits.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def per_token_cast_to_fp8(
     ``x`` ``[..., M, K]`` float (bf16/fp16/fp32/fp64), computed in float32. Per row and group
     (the last one zero-padded): ``amax = max(max|x|, 1e-4)``, ``sf = amax / 448``, with
     ``use_ue8m0`` ``sf = ceil_to_ue8m0(sf)``; ``data = e4m3(x * (1 / sf))`` (clamped to ±448, RNE).
-    ``scale_style='deepep'`` instead multiplies by ``448 / amax`` (DeepEP's helper, docs/semantics/deepep-api.md §4.8; only
-    without ``use_ue8m0``); the stored ``sf`` is the same.
+    ``scale_style='deepep'`` instead multiplies by ``448 / amax`` (DeepEP's helper, docs/semantics/deepep-api.md §4.8;
+    only without ``use_ue8m0``); the stored ``sf`` is the same.
 
     Returns ``(data [..., M, K] float8_e4m3fn, sf)`` with ``sf`` float32 ``[..., M,
     ceil(K/gran_k)]``, or with ``use_packed_ue8m0`` (needs ``use_ue8m0``) int32 ``[..., M,

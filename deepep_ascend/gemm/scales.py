@@ -99,7 +99,8 @@ def group_last_dim(x: torch.Tensor, gran: int, copy: bool = False) -> torch.Tens
 
 
 def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
-    """Round ``|x|`` up to a power of two, from the float32 bits (docs/semantics/mega-moe.md §4, docs/semantics/deepep-api.md §6.4).
+    """Round ``|x|`` up to a power of two, from the float32 bits (docs/semantics/mega-moe.md §4,
+    docs/semantics/deepep-api.md §6.4).
 
     ``e = exponent(|x|) + (1 if any mantissa bit else 0)``, clamped to [1, 254]; returns float32
     ``2**(e - 127)`` with ``x``'s shape. So ``0`` gives ``2**-126`` (the clamp) and values at or

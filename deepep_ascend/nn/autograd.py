@@ -1,4 +1,5 @@
-"""Differentiable dispatch and combine, normal and low-latency mode: each one's backward is the other (docs/semantics/deepep-api.md §4.7).
+"""Differentiable dispatch and combine, normal and low-latency mode: each one's backward is the other
+(docs/semantics/deepep-api.md §4.7).
 
 DeepEP's README trains with four helpers (``dispatch_forward`` / ``dispatch_backward`` /
 ``combine_forward`` / ``combine_backward``); this module wraps the same calls in

@@ -264,7 +264,8 @@ class LocalExperts(nn.Module):
         w1, w3, w2 = (w[e].to(x.dtype) for w in (self.w1, self.w3, self.w2))
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
-    def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
+                recv_topk_weights: torch.Tensor) -> torch.Tensor:
         m, k = recv_topk_idx.shape
         flat = recv_topk_idx.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=self.num_local).tolist()
@@ -419,7 +420,8 @@ class MoE(nn.Module):
         b, m = self.buffer, self.num_max_dispatch_tokens_per_rank
         if not getattr(b, "low_latency_mode", False):
             raise ValueError("MoE: mode='low_latency' needs a Buffer built with low_latency_mode=True and "
-                             "num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint(M, hidden, num_ranks, num_experts)")
+                             "num_rdma_bytes >= "
+                             "Buffer.get_low_latency_rdma_size_hint(M, hidden, num_ranks, num_experts)")
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise ValueError(f"MoE: the low-latency path needs num_max_dispatch_tokens_per_rank, an int >= 1 (the most "
                              f"tokens a rank sends per forward), got {m!r}"

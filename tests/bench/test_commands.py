@@ -68,7 +68,8 @@ def test_help_lists_the_commands_one_line_each():
     rc, out = run_child_command([sys.executable, "-m", "bench", "fp8-decode", "--help"], REPO_ROOT,
                                 child_env(REPO_ROOT), 120)
     assert rc == 0 and "python -m bench fp8-decode" in out and "--json FILE" in out, out
-    rc, out = run_child_command([sys.executable, "-m", "bench", "no-such-command"], REPO_ROOT, child_env(REPO_ROOT), 120)
+    rc, out = run_child_command([sys.executable, "-m", "bench", "no-such-command"], REPO_ROOT,
+                                child_env(REPO_ROOT), 120)
     assert rc == 2 and "invalid choice: 'no-such-command'" in out, out
 
 
@@ -121,7 +122,8 @@ def _check_details(command: str, doc: dict) -> None:
         assert set(doc["baselines"]) >= {"mpi_alltoallv/round_trip", "gloo_all_to_all/round_trip",
                                          "memcpy_roofline/round_trip"}
         peers = min(by[f"{p}/round_trip"]["seconds"] for p in ("mpi_alltoallv", "gloo_all_to_all"))
-        assert math.isclose(doc["summary"]["speedup_over_faster_peer"], peers / by["deepep_ascend/round_trip"]["seconds"])
+        assert math.isclose(doc["summary"]["speedup_over_faster_peer"],
+                            peers / by["deepep_ascend/round_trip"]["seconds"])
     elif command == "low-latency":
         b = det["bytes"]
         for p in ("dispatch", "combine"):
@@ -130,7 +132,8 @@ def _check_details(command: str, doc: dict) -> None:
             assert v == max(r[k] for r in b["moved_by_kind_per_rank"]) / b["calls"]
     elif command == "mega-moe":
         fused = by["fused"]
-        assert fused["seconds"] == det["times_s"]["fused"] and fused["bytes"] == det["bandwidth_GBps"]["bytes_with_self"]
+        assert (fused["seconds"] == det["times_s"]["fused"]
+                and fused["bytes"] == det["bandwidth_GBps"]["bytes_with_self"])
         for k, v in fused["by_kind"].items():
             assert v == max(r[k] for r in det["traffic_by_kind"])
         assert by["unfused/sum_stages"]["seconds"] == det["times_s"]["sum_stages"]

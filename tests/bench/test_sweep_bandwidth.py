@@ -315,7 +315,8 @@ MEGA_MOE_DOC = {
                 tflops=_MM_TFLOPS["fused_routed"],
                 by_kind={k: max(r[k] for r in _MM_TRAFFIC) for k in ("SELF", "UBMEM", "URMA")}),
         _result("serial", _MM_TIMES["serial"]), _result("unfused", _MM_TIMES["unfused"]),
-        _result("unfused/sum_stages", _MM_TIMES["sum_stages"]), _result("unfused/comm_stages", _MM_TIMES["comm_stages"])],
+        _result("unfused/sum_stages", _MM_TIMES["sum_stages"]),
+        _result("unfused/comm_stages", _MM_TIMES["comm_stages"])],
     "baselines": ["unfused", "unfused/sum_stages", "unfused/comm_stages"],
     "summary": {"fused_over_sum_stages": 2.6060233740954604, "grouped_over_plain_mm": 0.4244506895770427},
     "details": {"times_s": _MM_TIMES, "bandwidth_GBps": _MM_BW, "tflops": _MM_TFLOPS, "traffic_by_kind": _MM_TRAFFIC},
@@ -470,7 +471,8 @@ def test_cli_mega_moe_mode():
             "mega_moe", 4, None, 256, 128, "fp8", False)
     argv = a.configs[0].bench_args("f.json", {"--no-progress", "--link-profile"})
     opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert opt["--inter"] == "128" and opt["--mma"] == "fp8" and opt["--num-experts"] == "16" and opt["--num-topk"] == "4"
+    assert (opt["--inter"] == "128" and opt["--mma"] == "fp8" and opt["--num-experts"] == "16"
+            and opt["--num-topk"] == "4")
     assert opt["--num-tokens"] == "64" and opt["--link-profile"] == "ascend950" and "--no-progress" in argv
     assert not {"--ranks-per-node", "--bf16", "--fp8", "--no-baselines"} & set(argv)
 

@@ -325,8 +325,8 @@ def test_bad_input_raises_on_every_rank_and_buffer_stays_usable(buf, other_buf, 
 
 
 def test_num_worst_tokens_below_received_count_raises(buf, comm):
-    """Every token goes to every rank, num_worst_tokens=1: every rank raises RuntimeError (docs/semantics/deepep-api.md §4.4: a port
-    raises), and the Buffer stays usable."""
+    """Every token goes to every rank, num_worst_tokens=1: every rank raises RuntimeError
+    (docs/semantics/deepep-api.md §4.4: a port raises), and the Buffer stays usable."""
     r, R = comm.Get_rank(), comm.Get_size()
     n, k = 6 + r, R
     idx = torch.tensor([[j * (E // R) for j in range(R)]] * n, dtype=torch.int64).reshape(n, k)

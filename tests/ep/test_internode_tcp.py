@@ -24,4 +24,5 @@ def test_internode_over_tcp_cliques():
                             REPO_ROOT, timeout_s=240.0, MPIR_CVAR_NUM_CLIQUES="2",
                             MPIR_CVAR_CLIQUES_BY_BLOCK="1", UCX_TLS="tcp,self", DEEPEP_ASCEND_TIMEOUT_S="60")
     oks = set(re.findall(r"TCP-JOB OK (\d+)", out))  # ranks' lines may interleave mid-line
-    assert rc == 0 and oks == {"0", "1", "2", "3"}, f"child job exit {rc}, ranks OK {sorted(oks)}; output:\n{out[-4000:]}"
+    assert rc == 0 and oks == {"0", "1", "2", "3"}, \
+        f"child job exit {rc}, ranks OK {sorted(oks)}; output:\n{out[-4000:]}"

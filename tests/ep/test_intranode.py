@@ -297,7 +297,8 @@ def test_buffer_too_small_raises_everywhere(comm, nbytes):
     ok = isinstance(exc, ValueError) and "too small" in str(exc) and "get_normal_buffer_size_hint" in str(exc)
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, ok and dexc is None,
-                 f"dispatch on a {nbytes} B buffer: expected ValueError naming the hint, got {exc!r}; destroy: {dexc!r}")
+                 f"dispatch on a {nbytes} B buffer: expected ValueError naming the hint, got {exc!r}; "
+                 f"destroy: {dexc!r}")
 
 
 @pytest.mark.mpi(min_size=1)

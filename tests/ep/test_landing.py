@@ -211,7 +211,8 @@ def test_handles_that_differ_between_ranks_are_refused_on_every_rank(comm):
             x, idx, w, E = _inputs(comm, seed)
             if seed == 701:
                 idx = idx.roll(1, dims=0)  # another routing: other counts, another prefix matrix
-            handles.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in _dispatch(buf, x, idx, w, E)[1]))
+            handles.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t
+                                 for t in _dispatch(buf, x, idx, w, E)[1]))
         mine = handles[0] if r == 0 else handles[1]
         x = _inputs(comm, 702)[0]
         _, exc = capture(lambda: buf.dispatch(x, handle=mine))
@@ -290,8 +291,8 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
               and torch.equal(w_st, e_w) and _same(recv_x, before))
         all_ranks_ok(comm, ok, f"combine of recv_x in place ({zeros}, {window}): landed {landed}, in place "
                                f"{path_in}/{path_st}/{path_mx}, in place / staged / mixed equal to the reference: "
-                               f"{same_bits_nan(got_in, e_x)}/{same_bits_nan(got_st, e_x)}/{same_bits_nan(got_mx, e_x)}, x kept "
-                               f"{_same(recv_x, before)}")
+                               f"{same_bits_nan(got_in, e_x)}/{same_bits_nan(got_st, e_x)}/"
+                               f"{same_bits_nan(got_mx, e_x)}, x kept {_same(recv_x, before)}")
     finally:
         coll(buf.destroy, what="destroy")
 

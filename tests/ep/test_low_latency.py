@@ -1,4 +1,5 @@
-"""Buffer low-latency mode (docs/semantics/deepep-api.md §6) vs the pure-torch reference (``tests/support/reference.py``).
+"""Buffer low-latency mode (docs/semantics/deepep-api.md §6) vs the pure-torch reference
+(``tests/support/reference.py``).
 
 Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_low_latency.py`` (N = 1, 2, 4, 8).
 Each case runs on three Buffers: one node with UBMEM stores (default), one node with
@@ -78,8 +79,8 @@ def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pat
 
     ``uniform``: top-k of random scores, then 10 random slots set to -1 (docs/semantics/deepep-api.md §9); ``allneg``:
     also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``:
-    docs/semantics/deepep-api.md §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values for a
-    LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
+    docs/semantics/deepep-api.md §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values
+    for a LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
     (times 16: ``|x| >= 1``, BF16) and the last group of every third token (zero, BF16).
     """
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -544,8 +545,8 @@ def test_odd_hidden_with_one_row_per_expert(comm):
 
 
 def test_size_hint_formula_and_refusals(comm):
-    """The hint is docs/semantics/deepep-api.md §6.8's formula; a Buffer of exactly the hint runs the call; one byte less
-    is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank.
+    """The hint is docs/semantics/deepep-api.md §6.8's formula; a Buffer of exactly the hint runs the call; one byte
+    less is refused at construction (not a multiple of 128) and 128 bytes less by the call, on every rank.
     At exactly the hint, every slot full (each of M tokens to every expert) and every LogFMT group
     falling back to BF16 (the most a LogFMT combine writes) still fits."""
     R = comm.Get_size()

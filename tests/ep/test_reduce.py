@@ -244,7 +244,8 @@ def test_accumulate_rows_takes_bags_for_two_or_more_sources_without_bias(monkeyp
         accumulate_rows(out, srcs, *scratch, b, max_runs=0, native=False)
         chain = torch.empty(m, hidden, dtype=BF16)
         accumulate_rows(chain, srcs, *scratch, b, max_runs=0, bags=False, native=False)
-        assert taken[:1] == expect[:1] and same_bits_nan(out, chain) and same_bits_nan(out, _reference(m, hidden, srcs, b))
+        assert (taken[:1] == expect[:1] and same_bits_nan(out, chain)
+                and same_bits_nan(out, _reference(m, hidden, srcs, b)))
 
 
 def test_sum_by_bags_declines_blocks_too_small_and_the_chain_takes_over():

@@ -1,6 +1,6 @@
 """Codecs in deepep_ascend.gemm (fp8, fp4, scales, logfmt, dequant, weight_cache): bit patterns derived by
-hand from docs/semantics/mega-moe.md §4 and docs/semantics/deepep-api.md §4.8/§6.4, round trips, the reference.py oracle, and bad
-inputs.
+hand from docs/semantics/mega-moe.md §4 and docs/semantics/deepep-api.md §4.8/§6.4, round trips, the reference.py
+oracle, and bad inputs.
 
 Single-process and tiny: every rank of the MPI suite runs them independently (no collectives).
 """
@@ -541,8 +541,9 @@ BF16 = torch.bfloat16
 
 
 def _logfmt_scalar(group: list) -> tuple:
-    """docs/semantics/deepep-api.md §6.3 by hand for one group of floats (bf16 values): ``(use, [(code, sign, value)])``,
-    la/lb rounded to float32 as the codec stores them, the code formula in float32 steps."""
+    """docs/semantics/deepep-api.md §6.3 by hand for one group of floats (bf16 values):
+    ``(use, [(code, sign, value)])``, la/lb rounded to float32 as the codec stores them, the code formula in float32
+    steps."""
     import math
 
     import numpy as np

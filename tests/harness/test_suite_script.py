@@ -50,7 +50,8 @@ def test_second():
 
 
 def _mpich_segments() -> set:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")} if os.path.isdir("/dev/shm") else set()
+    return ({name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")}
+            if os.path.isdir("/dev/shm") else set())
 
 
 def _run_script(tmp_path, mode, retries="1"):

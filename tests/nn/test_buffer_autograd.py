@@ -98,7 +98,8 @@ def get_buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Buffer:
         num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes)
 
     # Allocate a buffer if not existed or not enough buffer size
-    if _buffer is None or _buffer.group != group or _buffer.num_nvl_bytes < num_nvl_bytes or _buffer.num_rdma_bytes < num_rdma_bytes:
+    if (_buffer is None or _buffer.group != group or _buffer.num_nvl_bytes < num_nvl_bytes
+            or _buffer.num_rdma_bytes < num_rdma_bytes):
         _buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes)
     return _buffer
 
@@ -111,7 +112,8 @@ def get_hidden_bytes(x: torch.Tensor) -> int:
 def dispatch_forward(x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                      topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      num_experts: int, previous_event: Optional[EventOverlap] = None) -> \
-        Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor, List, Tuple, EventOverlap]:
+        Tuple[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor, List, Tuple,
+              EventOverlap]:
     # NOTES: an optional `previous_event` means a CUDA event captured that you want to make it as a dependency
     # of the dispatch kernel, it may be useful with communication-computation overlap. For more information, please
     # refer to the docs of `Buffer.dispatch`

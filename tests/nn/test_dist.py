@@ -44,7 +44,8 @@ def test_groups_and_their_mpi_communicators(comm):
         dp = W // ep
         exp_ep = tuple(range(r // ep * ep, r // ep * ep + ep))
         exp_edp = tuple(range(r % ep, W, ep))
-        chk.check(g.ep_ranks == exp_ep and g.expert_dp_ranks == exp_edp, f"ep={ep}: ranks {g.ep_ranks} {g.expert_dp_ranks}")
+        chk.check(g.ep_ranks == exp_ep and g.expert_dp_ranks == exp_edp,
+                  f"ep={ep}: ranks {g.ep_ranks} {g.expert_dp_ranks}")
         chk.check((g.ep_size, g.ep_rank, g.expert_dp_size, g.expert_dp_rank) == (ep, r % ep, dp, r // ep),
                   f"ep={ep}: sizes/ranks {g}")
         chk.check(g.ep_group.size() == ep and g.expert_dp_group.size() == dp and g.dp_group.size() == W,

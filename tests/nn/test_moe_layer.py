@@ -277,7 +277,8 @@ def test_training_smoke_checkpoint_and_trace(comm, mode):
     comm.Barrier()
     idx, _, meta = load_routing(trace, r, R, step=1)
     chk.check(meta["num_steps"] == 8 and meta["num_topk"] == 2 and meta["num_experts"] == 2 * R
-              and tuple(idx.shape) == (64, 2), f"trace meta {meta}, shape {tuple(idx.shape)}")  # steps 0,2,4,5 x 2 layers
+              and tuple(idx.shape) == (64, 2),  # steps 0,2,4,5 x 2 layers
+              f"trace meta {meta}, shape {tuple(idx.shape)}")
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
 
 

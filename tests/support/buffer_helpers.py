@@ -232,7 +232,8 @@ def gather_x(x, num_ranks: int):
 
 
 def expected_send_layout(itr: torch.Tensor, num_channels: int):
-    """``(channel_prefix_matrix [R, C], send_head [N, R])`` of one sender's routing mask (docs/semantics/deepep-api.md §4.3)."""
+    """``(channel_prefix_matrix [R, C], send_head [N, R])`` of one sender's routing mask
+    (docs/semantics/deepep-api.md §4.3)."""
     n, r = itr.shape
     q = max(1, -(-n // num_channels))
     csum = torch.cat([torch.zeros(1, r, dtype=torch.int64), itr.to(torch.int64).cumsum(0)])  # [N+1, R]
@@ -264,8 +265,9 @@ INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_chann
 
 
 def expected_internode_handle(itrs, rank: int, rpn: int, num_channels: int, ref) -> dict:
-    """The internode handle of ``rank`` (docs/semantics/deepep-api.md §5, entries as documented in ``deepep_ascend.ep.handles.InternodeHandle``),
-    computed with plain loops from every rank's routing mask ``itrs`` and the reference dispatch ``ref``."""
+    """The internode handle of ``rank`` (docs/semantics/deepep-api.md §5, entries as documented in
+    ``deepep_ascend.ep.handles.InternodeHandle``), computed with plain loops from every rank's routing mask ``itrs`` and
+    the reference dispatch ``ref``."""
     R = len(itrs)
     G, node, local = R // rpn, rank // rpn, rank % rpn
     itr = itrs[rank]
@@ -454,7 +456,8 @@ def run_case(buf, comm, case: Case, seed: int, chk: Checker | None = None):
     chk.check(recv_list == ref.num_recv_tokens_per_expert_list and isinstance(recv_list, list)
               and all(type(v) is int for v in recv_list),
               f"num_recv_tokens_per_expert_list {recv_list} != {ref.num_recv_tokens_per_expert_list}")
-    if not case.worst and case.with_topk:  # docs/semantics/deepep-api.md §9.4: count of local id i == unaligned list entry i
+    if not case.worst and case.with_topk:
+        # docs/semantics/deepep-api.md §9.4: count of local id i == unaligned list entry i
         unaligned = ref_dispatch(xs, idxs, ws, E, r).num_recv_tokens_per_expert_list
         counts = [int((recv_idx == i).sum()) for i in range(L)]
         chk.check(counts == unaligned, f"local expert id counts {counts} != unaligned list {unaligned}")

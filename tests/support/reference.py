@@ -3,11 +3,11 @@
 Every function takes *all* ranks' inputs (gathered into one process, e.g. with
 ``mpi_utils.gather_all``) and computes what one rank must observe, following
 ``docs/semantics/deepep-api.md`` §4.1 (layout), §4.4 (dispatch), §4.6 (combine), §4.8 (FP8 cast)
-and docs/semantics/deepep-api.md §9 (``calc_diff``). It is written with plain loops and simple torch ops, for clarity rather than
-speed, and deliberately does not import ``deepep_ascend``: it must stay an independent oracle.
+and docs/semantics/deepep-api.md §9 (``calc_diff``). It is written with plain loops and simple torch ops, for clarity
+rather than speed, and deliberately does not import ``deepep_ascend``: it must stay an independent oracle.
 
-Conventions (docs/semantics/deepep-api.md §0): ``R`` ranks, expert ``e`` lives on rank ``e // L`` with local id ``e % L``
-(``L = E / R``); ``-1`` in ``topk_idx`` means "no expert".
+Conventions (docs/semantics/deepep-api.md §0): ``R`` ranks, expert ``e`` lives on rank ``e // L`` with local id
+``e % L`` (``L = E / R``); ``-1`` in ``topk_idx`` means "no expert".
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def ref_dispatch_layout(
 
 
 def ref_rank_prefix_matrix(is_token_in_ranks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``P [R, R] int32``, ``P[i][j] = Σ_{k ≤ i}`` tokens rank ``k`` sends to rank ``j`` (docs/semantics/deepep-api.md §4.3)."""
+    """``P [R, R] int32``, ``P[i][j] = Σ_{k ≤ i}`` tokens rank ``k`` sends to rank ``j``
+    (docs/semantics/deepep-api.md §4.3)."""
     R = len(is_token_in_ranks)
     P = torch.zeros(R, R, dtype=torch.int32)
     running = torch.zeros(R, dtype=torch.int32)
@@ -127,7 +128,8 @@ def ref_recv_rows(
     is_token_in_ranks: Sequence[torch.Tensor], rank: int
 ) -> list[tuple[int, int]]:
     """The ``(source rank, source token)`` of each row ``rank`` receives, in dispatch order:
-    source rank ascending (including ``rank`` itself), then source token index ascending (docs/semantics/deepep-api.md §4.4).
+    source rank ascending (including ``rank`` itself), then source token index ascending
+    (docs/semantics/deepep-api.md §4.4).
     """
     rows = []
     for s, mask in enumerate(is_token_in_ranks):
@@ -333,8 +335,8 @@ def ref_combine(
     output ``acc.to(bfloat16)`` (round to nearest even). No weights are applied to ``x``.
     Weights: ``Σ_s w_s[row]`` in float32 starting from 0.0, ascending ``s``.
 
-    ``ranks_per_node`` below ``R`` gives the internode rule (docs/semantics/deepep-api.md §5), two roundings: per node ``c``
-    (ranks ``c·rpn .. (c+1)·rpn - 1``) that received ``t``, ``partial_c = bf16(0.0 + Σ f32(row))``
+    ``ranks_per_node`` below ``R`` gives the internode rule (docs/semantics/deepep-api.md §5), two roundings: per node
+    ``c`` (ranks ``c·rpn .. (c+1)·rpn - 1``) that received ``t``, ``partial_c = bf16(0.0 + Σ f32(row))``
     ascending rank; then ``acc = f32(bias0) + f32(bias1)``, ``acc += f32(partial_c)`` ascending
     ``c``, output ``bf16(acc)``. Weights: the same two float32 sums, never rounded.
     Returns ``(combined_x [N_rank, H] bf16, combined_topk_weights [N_rank, K'] float32 | None)``.
@@ -446,8 +448,8 @@ def per_token_cast_back(
 ) -> torch.Tensor:
     """Inverse of :func:`per_token_cast_to_fp8`: ``data · scale`` per 128-channel group.
 
-    ``scales`` float32 ``[N, ceil(H/128)]`` (any strides), or int32 packed UE8M0 (docs/semantics/deepep-api.md §6.4: byte ``b``
-    means ``2^(b−127)``, groups ``4p..4p+3`` in int32 ``p``). Returns ``[N, H]`` of ``dtype``.
+    ``scales`` float32 ``[N, ceil(H/128)]`` (any strides), or int32 packed UE8M0 (docs/semantics/deepep-api.md §6.4:
+    byte ``b`` means ``2^(b−127)``, groups ``4p..4p+3`` in int32 ``p``). Returns ``[N, H]`` of ``dtype``.
     """
     N, H = data.shape
     S = math.ceil(H / FP8_GROUP)
@@ -501,7 +503,8 @@ def mega_dequant_fp4_weights(data: torch.Tensor, sf: torch.Tensor) -> torch.Tens
 
 
 def mega_dequant_x(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
-    """``X`` of docs/semantics/mega-moe.md §2 step 1: bf16 ``x`` as float32, or e4m3 ``x`` times its UE8M0 scale per 32 channels."""
+    """``X`` of docs/semantics/mega-moe.md §2 step 1: bf16 ``x`` as float32,
+    or e4m3 ``x`` times its UE8M0 scale per 32 channels."""
     if x_sf is None:
         return x.float()
     return x.float() * mega_unpack_int32_ue8m0(x_sf).repeat_interleave(32, dim=-1)[:, : x.shape[1]]

@@ -1,4 +1,5 @@
-"""put / get / put_with_signal: every byte lands where it should, and only there (docs/design/transports.md §2.2, §3, §8).
+"""put / get / put_with_signal: every byte lands where it should, and only there
+(docs/design/transports.md §2.2, §3, §8).
 
 All pairs (src, dst) including SELF are covered with ring rounds: in round ``k`` rank ``r``
 writes to ``(r + k) % n`` and receives from ``(r - k) % n``, so a window needs room for one

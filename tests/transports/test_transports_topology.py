@@ -1,4 +1,5 @@
-"""Topology: row-major maps, channel kinds, collective validation of ``ranks_per_node`` (docs/design/transports.md §2.1, §8).
+"""Topology: row-major maps, channel kinds, collective validation of ``ranks_per_node``
+(docs/design/transports.md §2.1, §8).
 
 Hand-built ``Topology`` objects are pure (every rank checks them alone); ``Topology.from_comm``
 and ``create_transport`` are collective and must raise the *same* ``TransportConfigError`` on

@@ -290,7 +290,8 @@ def test_barrier_teams_reach_other_nodes(mtp, team):
 
 @pytest.mark.mpi(min_size=2)
 def test_argument_errors_for_urma_peers(mtp):
-    """The checks of docs/design/transports.md §2.3 for a peer on another node: raised before anything moves or is counted."""
+    """The checks of docs/design/transports.md §2.3 for a peer on another node:
+    raised before anything moves or is counted."""
     tp = mtp
     me, n, rpn = tp.topology.rank, tp.topology.world_size, tp.topology.ranks_per_node
     peer = (me + rpn) % n
