@@ -124,8 +124,8 @@ class Unfused:
         self.st["a"] = self._act(self.st["hh"], self.st["w"])
 
     def act_library(self):
-        """The SwiGLU stage as the fused call computes it (``deepep_ascend.mega_moe.experts.activation``: the native kernel where
-        it was built), on the same rows: timed as an alternative ``act``, not part of ``Σ stages``."""
+        """The SwiGLU stage as the fused call computes it (``deepep_ascend.mega_moe.experts.activation``: the native
+        kernel where it was built), on the same rows: timed as an alternative ``act``, not part of ``Σ stages``."""
         M.activation(self.kind, self.st["hh"], self.i, self.st["w"], self.clamp, True, M.operand_dtype(self.engine))
 
     def l2(self):
