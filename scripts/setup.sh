@@ -26,7 +26,7 @@ needs_install() {
     (cd / && "$PYTHON_BIN" - "$REPO_ROOT" <<'PY'
 import importlib.metadata as md, importlib.util, json, os, sys
 root = os.path.realpath(sys.argv[1])
-why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema")
+why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema", "ruff")
        if importlib.util.find_spec(m) is None]
 try:
     dist = md.distribution("deepep_ascend")
