@@ -479,7 +479,7 @@ def test_weight_cache_keeps_every_live_weight_within_its_byte_budget():
         dg.clear_dequantized_weight_cache()
 
 
-def test_weight_cache_budget_from_the_environment():
+def test_weight_cache_budget_from_the_environment(monkeypatch):
     """``DEEPEP_ASCEND_WEIGHT_CACHE_BYTES`` sets the initial budget (default: a quarter of physical memory),
     read when the caches are first used: a bad value still lets the package import, and then raises
     ``SettingError`` naming the variable and the value at the first use, unless a budget was set first."""
@@ -487,32 +487,36 @@ def test_weight_cache_budget_from_the_environment():
     import subprocess
     import sys
 
-    info = "print(d.dequantized_weight_cache_info().max_bytes)"
-    code = "import deepep_ascend as d; print('imported', flush=True); " + info
-    code_set_first = "import deepep_ascend as d; d.set_dequantized_weight_cache(max_bytes=777); " + info
+    from deepep_ascend.gemm import weight_cache
+    from deepep_ascend.settings import SettingError
 
-    def run(value, source=code):
-        env = dict(os.environ)
-        env.pop("DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", None)
-        if value is not None:
-            env["DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"] = value
-        return subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=120)
+    name = "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES"
 
-    def budget(value, source=code):
-        r = run(value, source)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return int(r.stdout.split()[-1]), r.stderr
+    def budget(value, set_first=None):
+        """The budget a process would start with, ``value`` in the environment (None: unset)."""
+        monkeypatch.setattr(weight_cache, "_cache_max_bytes", None)  # as in a fresh process: not read yet
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        if set_first is not None:
+            dg.set_dequantized_weight_cache(max_bytes=set_first)
+        return dg.dequantized_weight_cache_info().max_bytes
 
-    default, err = budget(None)
-    assert default == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 and "Warning" not in err
-    assert budget("12345") == (12345, "") and budget(" 0 ")[0] == 0
+    assert budget(None) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    assert budget("12345") == 12345 and budget(" 0 ") == 0
     for bad in ("-5", "lots", "4GiB"):
-        r = run(bad)
-        assert r.returncode != 0 and r.stdout.split() == ["imported"], (r.stdout, r.stderr[-2000:])
-        last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith("deepep_ascend.settings.SettingError: $DEEPEP_ASCEND_WEIGHT_CACHE_BYTES must be")
-        assert repr(bad) in last, last
-    assert budget("lots", code_set_first)[0] == 777
+        with pytest.raises(SettingError) as info:
+            budget(bad)
+        assert str(info.value).startswith(f"${name} must be") and repr(bad) in str(info.value), str(info.value)
+    assert budget("lots", set_first=777) == 777
+    # In a fresh process: the import does not read it, the first use does.
+    env = dict(os.environ, **{name: "lots"})
+    r = subprocess.run([sys.executable, "-c", "import deepep_ascend as d; print('imported', flush=True); "
+                        "d.dequantized_weight_cache_info()"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout.split() == ["imported"], (r.stdout, r.stderr[-2000:])
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"deepep_ascend.settings.SettingError: ${name} must be") and "'lots'" in last, last
 
 
 def test_bad_inputs_name_the_argument():
