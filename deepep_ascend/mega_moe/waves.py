@@ -104,9 +104,8 @@ def _issue_pull(trace, worker, w, on_caller, pull):
         finally:
             rec[5] = time.perf_counter()
     rec[5] = float("nan")
-    fut = worker.submit(task)
-    rec[3] = time.perf_counter()
-    return fut.result
+    rec[3] = time.perf_counter()  # before the submit: the worker may start the task before submit returns
+    return worker.submit(task).result
 
 
 def _shm_terms(sb, cmat, start, idx, pair):

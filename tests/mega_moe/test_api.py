@@ -4,9 +4,8 @@ with and without overlap, a ProcessGroup, simulated nodes, and the native kernel
 
 Overlap is checked by structure, never by time: the trace of a multi-wave call must show the
 next wave's dispatch issued between this wave's L1 and L2 and each combine issued before the next
-wave's L1 (so the worker has that communication in flight while the caller computes). It runs after
-the calls above, on buffers they used: on a buffer's very first call the worker thread is created
-inside the submit and may start the shm pull before the trace records the issue's end.
+wave's L1 (so the worker has that communication in flight while the caller computes), on a buffer's first
+call (its worker thread starts inside the first submit) and on a used one.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from tests.support.mega_moe import (
     I_FP8,
     TMAX,
     K,
+    SymmBuffers,
     call_op,
     expert_weights,
     fill,
@@ -105,13 +105,23 @@ def test_fused_equals_unfused_and_repeatable(env, comm, kind):
                  "fused == unfused == rerun, on both backends")
 
 
+@pytest.mark.parametrize("first_call", [True, False], ids=["first_call", "used"])
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
-def test_overlap_structure(env, comm, backend):
+def test_overlap_structure(env, comm, backend, first_call):
     """Trace order of a 4-wave call: the worker has wave w+1's dispatch in flight during wave w's SwiGLU/L2
     (issued after L1(w), before SwiGLU(w)); Buffer backend: combine(w) queued before L1(w+1) starts; shm
-    backend: one combine (the barrier before the final sum) after the last L2; every worker marker fired."""
+    backend: one combine (the barrier before the final sum) after the last L2; every worker marker fired,
+    after the issue it belongs to."""
+    own = SymmBuffers() if first_call else None
+    try:
+        _check_overlap_structure((own or env).get("bf16", 0, backend), comm, backend)
+    finally:
+        for b in (own.bufs.values() if own else ()):
+            coll(b.destroy, what="destroy")
+
+
+def _check_overlap_structure(buf, comm, backend):
     rank, size = comm.Get_rank(), comm.Get_size()
-    buf = env.get("bf16", 0, backend)
     w, _ = expert_weights("bf16", buf.num_experts, buf.hidden, buf.intermediate_hidden, seed=5)
     l1, l2 = dea.transform_weights_for_mega_moe(*local_weights("bf16", w, rank, buf.num_local_experts))
     t = fill("bf16", buf, seed=2, rank=rank, size=size)
