@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Iterator
 
 from ..settings import TIMEOUT_S
 
@@ -151,7 +152,7 @@ class WaitPolicy:
     def __init__(self, local_ranks: int):
         self.oversubscribed = local_ranks > _cpu_count()
 
-    def pauses(self):
+    def pauses(self) -> Iterator[float]:
         """Yield, once per unsuccessful poll, how long to pause: 0 = poll again now."""
         if self.oversubscribed:
             sleep = 50e-6

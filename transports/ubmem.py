@@ -471,7 +471,8 @@ class Transport:
                 f"nbytes {nbytes} must be multiples of {dtype}'s size {itemsize}")
         return win._data[int(peer)][offset:offset + nbytes].view(dtype)
 
-    def local_view(self, win: SymmetricWindow, offset: int, nbytes: int, dtype: torch.dtype = torch.uint8):
+    def local_view(self, win: SymmetricWindow, offset: int, nbytes: int,
+                   dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Zero-copy view of this rank's own data region (see :meth:`peer_view`)."""
         return self.peer_view(win, self.topology.rank, offset, nbytes, dtype)
 
@@ -606,7 +607,7 @@ class Transport:
         return int(win.signals(slot)[src])
 
     def wait_until(self, win: SymmetricWindow, slot: int, srcs, values, timeout_s: float | None = None,
-                   phase: str = "", on_timeout: str = "raise"):
+                   phase: str = "", on_timeout: str = "raise") -> list[int]:
         """Wait until ``slot[slot][src] >= value`` for every ``src`` (acquire).
 
         Sources may be on any node; the loop drives MPI progress so URMA signals land, and ends

@@ -103,7 +103,7 @@ def check_weights(kind: str, l1, l2, num_local=None, hidden=None, inter=None, wh
     return e, h, i
 
 
-def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "swiglu"):
+def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "swiglu") -> tuple:
     """Reorder local-expert weights as upstream does; same shapes, dtypes and container types.
 
     bf16: ``l1 [E_l, 2I, H]`` (rows ``0..I-1`` gate, ``I..2I-1`` up), ``l2 [E_l, H, I]``.

@@ -74,7 +74,7 @@ class AmxWeight:
     def shape(self) -> torch.Size:
         return torch.Size((self.n, self.k))
 
-    def size(self, dim: int | None = None):
+    def size(self, dim: int | None = None) -> tuple | int:
         return self.shape if dim is None else self.shape[dim]
 
     @property
