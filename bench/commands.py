@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="deepep_ascend benchmarks. Collective commands run one process per rank "
                     "(mpiexec -n N python -m bench <command>); --json FILE writes the "
                     "deepep_ascend.bench/1 document (bench/schema.py).",
-        epilog=_listing() + "\n\nshared options (bench/cli.py): --num-tokens --hidden --num-topk --num-experts "
+        epilog=_listing() + "\n\nshared options (bench/cli.py; each command takes those that apply to it): "
+                            "--num-tokens --hidden --num-topk --num-experts "
                             "--iters --warmup --seed --json --ranks-per-node --no-progress --link-profile "
                             "--link-emulation --link-scale",
         formatter_class=argparse.RawDescriptionHelpFormatter)

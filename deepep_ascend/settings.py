@@ -7,19 +7,24 @@ blanks are ignored, an empty value counts as unset, and a value that does not pa
 
 The table in ``docs/configuration.md`` is this module's :func:`markdown_table` (a test keeps the two
 equal); ``python -m deepep_ascend settings`` prints it, and ``python -m deepep_ascend settings check``
-validates every declared variable set in the environment (``scripts/test.sh`` runs it first).
+validates every declared variable set in the environment. The module also runs as a script
+(``python deepep_ascend/settings.py check``), without importing the package: ``scripts/test.sh`` checks
+that way first, so that every bad value is named even when one of them (``DEEPEP_ASCEND_NATIVE``, read when
+the package loads) would stop the import.
 
 This module imports nothing of the library: every room, the transports included, may read it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SETTINGS", "Setting", "SettingError", "check", "markdown_table"]
+__all__ = ["SETTINGS", "Setting", "SettingError", "check", "main", "markdown_table"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -266,3 +271,23 @@ def check(environ: Mapping[str, str] | None = None) -> list[str]:
         except SettingError as exc:
             problems.append(str(exc))
     return problems
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m deepep_ascend settings") -> int:
+    """The settings command: print :func:`markdown_table` (``table``, the default), or ``check`` the environment
+    and exit 1 naming every declared variable set to a value it does not accept."""
+    parser = argparse.ArgumentParser(prog=prog, description="The environment variables of deepep_ascend.")
+    parser.add_argument("action", nargs="?", choices=["table", "check"], default="table",
+                        help="table (default): print docs/configuration.md's table; check: exit 1 naming every "
+                             "declared variable set to a value it does not accept")
+    if parser.parse_args(argv).action == "check":
+        problems = check()
+        for problem in problems:
+            print(f"deepep_ascend: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":  # as a script, by path: no package import
+    sys.exit(main(prog="python deepep_ascend/settings.py"))

@@ -10,7 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, P
 
 [[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec
-"$PYTHON_BIN" -m deepep_ascend settings check   # a bad value of any DEEPEP_ASCEND_* variable stops here, named
+"$PYTHON_BIN" "$REPO_ROOT/deepep_ascend/settings.py" check   # every bad DEEPEP_ASCEND_* value, named
 
 export DEEPEP_ASCEND_TIMEOUT_S="${DEEPEP_ASCEND_TIMEOUT_S:-20}"
 # Tests that abort or time out a multi-node transport abandon its RMA windows on purpose (a poisoned
