@@ -19,7 +19,7 @@ _BAG_MIN_TOKENS = 8  # fewest tokens per block for which _sum_by_bags is used by
 
 def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edges=None, bounds=None,
                     clean=None, max_runs: int | None = None, bags: bool | None = None, disjoint: bool = True,
-                    native: bool = True) -> None:
+                    native: bool = True, keys=None) -> None:
     """``out = bf16(f32(bias0) + f32(bias1) + Σ_sources f32(row))`` per row, sources in the given order.
 
     ``out`` ``[m, H]`` bf16; ``sources``: ``(rows [cnt, H] bf16, tokens [cnt] int64)`` — row ``i``
@@ -41,6 +41,10 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     where it was built, for bias or two or more sources with rows (one source is a copy, which
     :func:`_copy_disjoint` does as fast); False: only the torch paths below, as
     ``bench.combine_sum`` and the tests compare them.
+    ``keys``: None (every token's rows add in source order), or per source ``[cnt]`` int64 sort
+    keys, one row per token per source: each token's rows then add in ascending key, ties in source
+    order (``EPBuffer.combine`` adds each rank's row at its last top-k slot,
+    docs/semantics/deepep-api.md §13.5); through the native kernel, else :func:`_sum_by_keys`.
 
     The torch paths, where the kernel is not built or declines (same bits as the float32 chain; a
     NaN stays a NaN, its payload may become the canonical one): without bias, at most two sources
@@ -55,6 +59,10 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     """
     m = out.size(0)
     block = acc.size(0)
+    if keys is not None:
+        if not (native and _native.sum_rows(out, sources, bias, bias_offset, keys=keys)):
+            _sum_by_keys(out, sources, keys, acc, bias, bias_offset)
+        return
     clean = [False] * len(sources) if clean is None else list(clean)
     several = sum(1 for _, tokens in sources if tokens.numel()) >= 2
     if native and (several or bias is not None) and _native.sum_rows(out, sources, bias, bias_offset):
@@ -99,6 +107,37 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
                 blk.index_add_(0, tokens - a_t, t)
         if signed_zero:
             blk.add_(0.0)
+        out[a_t:b_t].copy_(blk)
+
+
+def _sum_by_keys(out, sources, keys, acc, bias, bias_offset: int) -> None:
+    """:func:`accumulate_rows` with sort keys, in torch: per block of tokens, the float32 sum starts
+    from the bias (or +0.0) and takes the rows key by key, ascending, sources in order within a key
+    (one ``index_add_`` per key and source: a token has at most one row per source)."""
+    m = out.size(0)
+    block = acc.size(0)
+    for a_t in range(0, m, block):
+        b_t = min(m, a_t + block)
+        blk = acc[:b_t - a_t]
+        if bias is not None:
+            blk.copy_(bias[0][bias_offset + a_t:bias_offset + b_t])
+            if bias[1] is not None:
+                blk.add_(bias[1][bias_offset + a_t:bias_offset + b_t])
+            else:
+                blk.add_(0.0)  # a missing bias is +0.0, as in the native kernel
+        else:
+            blk.zero_()
+        parts = []
+        for (rows, tokens), key in zip(sources, keys):
+            lo, hi = torch.searchsorted(tokens, torch.tensor([a_t, b_t], dtype=tokens.dtype)).tolist()
+            if hi > lo:
+                parts.append((rows[lo:hi], tokens[lo:hi] - a_t, key[lo:hi]))
+        if parts:
+            for value in torch.unique(torch.cat([key for _, _, key in parts])).tolist():
+                for rows, tokens, key in parts:
+                    sel = torch.nonzero(key == value).squeeze(1)
+                    if sel.numel():
+                        blk.index_add_(0, tokens[sel], rows[sel].float())
         out[a_t:b_t].copy_(blk)
 
 

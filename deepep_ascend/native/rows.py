@@ -18,7 +18,7 @@ __all__ = ["dequant_rows_e4m3", "sum_rows", "swiglu"]
 _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
-def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> bool:
+def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0, keys=None) -> bool:
     """``out[t] = bf16(start(t) + Σ_sources Σ_{i: tokens[i] == t} f32(rows[i]))``, one rounding.
 
     The reduction inside DeepEP's ``Buffer.combine`` kernels (float32 accumulation from the bias,
@@ -30,6 +30,9 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
             order; ``tokens`` ascending in ``[0, m)`` (a token may repeat: its rows add in row order);
             row ``i`` of a source is ``rows[i]`` (``R >= cnt``), or ``rows[index[i]]`` if ``index`` is
             given (a gather without a copy; values in ``[0, R)``).
+        keys: None (each token's rows add in source order), or per source ``None`` or ``[cnt]``
+            int64 sort keys: each token's rows then add in ascending key, ties in source order
+            (``EPBuffer.combine``'s order, docs/semantics/deepep-api.md §13.5).
         bias: None (``start = +0.0``) or a pair ``(bias0 | None, bias1 | None)`` of
             ``[>= bias_offset + m, H]`` bf16: ``start(t) = f32(bias0[bias_offset + t]) +
             f32(bias1[...])``, a missing one +0.0. ``bias_offset >= 0``.
@@ -65,17 +68,24 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
     require_rows_apart("out", out, "sum_rows")
     if (b0 is not None and b0.size(0) != m) or (b1 is not None and b1.size(0) != m):
         raise ValueError(f"deepep_ascend.native.sum_rows: bias rows [{bias_offset}, {bias_offset + m}) out of range")
-    live = []  # (rows, tokens, index | None), int64 and contiguous
-    for j, (rows, tokens, *rest) in enumerate(sources):
+    keys = [None] * len(sources) if keys is None else list(keys)
+    if len(keys) != len(sources):
+        raise ValueError(f"deepep_ascend.native.sum_rows: {len(keys)} key tensors for {len(sources)} sources")
+    live = []  # (rows, tokens, index | None, key | None), int64 and contiguous
+    for j, ((rows, tokens, *rest), key) in enumerate(zip(sources, keys)):
         if not tokens.numel():
             continue
         index = rest[0] if rest and rest[0] is not None else None
-        for name, t in (("tokens", tokens), ("index", index)):
+        if key is not None and key.shape != tokens.shape:
+            raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s keys must have the shape of its tokens "
+                             f"{tuple(tokens.shape)}, got {tuple(key.shape)}")
+        for name, t in (("tokens", tokens), ("index", index), ("keys", key)):
             if t is not None and (t.dim() != 1 or t.dtype not in (torch.int64, torch.int32)):
                 raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s {name} must be a 1-D int64 or "
                                  f"int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
         tokens = tokens.to(torch.int64).contiguous()
         index = None if index is None else index.to(torch.int64).contiguous()
+        key = None if key is None else key.to(torch.int64).contiguous()
         if index is None and rows.size(0) < tokens.numel():
             raise ValueError(f"deepep_ascend.native.sum_rows: source {j} has {rows.size(0)} rows for "
                              f"{tokens.numel()} tokens (one row per token)")
@@ -85,16 +95,18 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0) -> boo
             raise ValueError(f"deepep_ascend.native.sum_rows: source {j}'s index must be {tokens.numel()} "
                              f"row numbers in [0, {rows.size(0)}), got shape {tuple(index.shape)} with values "
                              f"in {got}")
-        live.append((rows, tokens, index))
+        live.append((rows, tokens, index, key))
     # The kernel's per-source arrays, one int64 row each: token pointers, counts, row pointers, row
-    # strides, index pointers (0: none).
+    # strides, index pointers, key pointers (0: none).
     meta = torch.tensor([[tokens.data_ptr(), tokens.numel(), rows.data_ptr(), rows.stride(0),
-                          0 if index is None else index.data_ptr()] for rows, tokens, index in live],
-                        dtype=torch.int64).reshape(-1, 5).t().contiguous()
-    tok_ptr, counts, row_ptr, row_ld, index_ptr = meta
-    any_index = any(index is not None for _, _, index in live)
+                          0 if index is None else index.data_ptr(), 0 if key is None else key.data_ptr()]
+                         for rows, tokens, index, key in live], dtype=torch.int64).reshape(-1, 6).t().contiguous()
+    tok_ptr, counts, row_ptr, row_ld, index_ptr, key_ptr = meta
+    any_index = any(index is not None for _, _, index, _ in live)
+    any_key = any(key is not None for _, _, _, key in live)
     status = kernels.sum_rows_bf16(m, hidden, len(live), tok_ptr.data_ptr(), counts.data_ptr(), row_ptr.data_ptr(),
                                    row_ld.data_ptr(), index_ptr.data_ptr() if any_index else None,
+                                   key_ptr.data_ptr() if any_key else None,
                                    None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
                                    None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
                                    out.data_ptr(), out.stride(0), _NAN_BITS)

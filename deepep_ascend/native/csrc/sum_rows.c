@@ -14,7 +14,7 @@
 /* Bumped whenever an exported signature changes: native.py refuses a library built from an older
  * source (an editable install whose extension was not rebuilt) instead of calling it wrongly. It
  * covers moe_act.c and amx_gemm.c too (one library). */
-int64_t deepep_native_abi(void) { return 5; }
+int64_t deepep_native_abi(void) { return 6; }
 
 /* Floats of one output row summed at a time: the accumulator (4 KiB) stays in L1 while every
  * input row's slice streams past it. */
@@ -22,12 +22,16 @@ int64_t deepep_native_abi(void) { return 5; }
 
 
 /* out[t] = bf16(start(t) + sum over sources j, in order, of the rows i of j with tokens[j][i] == t)
+ * (or, with row_key, over the token's rows in ascending key order, ties in source order)
  *
  * m, hidden       output rows and columns; out row t at out + t * out_ld (elements)
  * tokens[j]       ascending token ids in [0, m) of source j's counts[j] rows (int64)
  * rows[j]         source j's first row; its row i at rows[j] + r * row_ld[j], r = i, or r =
  *                 row_index[j][i] if row_index and row_index[j] are not NULL (a gather: the
  *                 caller checks those indices)
+ * row_key[j]      NULL, or the sort key of each of source j's rows (int64): a token's rows are added
+ *                 in ascending key, ties in source order -- EPBuffer's combine adds each rank's row
+ *                 at the position of that rank's last top-k slot (docs/semantics/deepep-api.md)
  * bias0, bias1    NULL, or row t at bias + t * ld: start(t) = f32(bias0[t]) + f32(bias1[t]), a
  *                 missing one being +0.0; with no bias start(t) = +0.0
  *
@@ -39,6 +43,7 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
                              const int64_t *const *tokens, const int64_t *counts,
                              const uint16_t *const *rows, const int64_t *row_ld,
                              const int64_t *const *row_index,
+                             const int64_t *const *row_key,
                              const uint16_t *bias0, int64_t bias0_ld,
                              const uint16_t *bias1, int64_t bias1_ld,
                              uint16_t *out, int64_t out_ld, uint16_t nan_bits)
@@ -46,9 +51,11 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
     int64_t cap = num_sources > 0 ? num_sources : 1;
     int64_t *cur = calloc((size_t)cap, sizeof *cur);
     const uint16_t **row = malloc((size_t)cap * sizeof *row); /* this token's rows, in order */
-    if (!cur || !row) {
+    int64_t *key = malloc((size_t)cap * sizeof *key);          /* their keys, with row_key */
+    if (!cur || !row || !key) {
         free(cur);
         free(row);
+        free(key);
         return -1;
     }
     int64_t status = 0;
@@ -59,19 +66,39 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
             for (; cur[j] < counts[j] && tokens[j][cur[j]] == t; cur[j]++) {
                 if (n == cap) {
                     const uint16_t **grown = realloc(row, (size_t)(2 * cap) * sizeof *row);
-                    if (!grown) {
+                    if (grown)
+                        row = grown;
+                    int64_t *grown_key = grown ? realloc(key, (size_t)(2 * cap) * sizeof *key) : NULL;
+                    if (!grown_key) {
                         status = -1;
                         break;
                     }
-                    row = grown;
+                    key = grown_key;
                     cap *= 2;
                 }
                 const int64_t r = row_index && row_index[j] ? row_index[j][cur[j]] : cur[j];
+                key[n] = row_key && row_key[j] ? row_key[j][cur[j]] : 0;
                 row[n++] = rows[j] + r * row_ld[j];
             }
+            if (status)
+                break;
         }
         if (status)
             break;
+        if (row_key) {
+            /* stable insertion sort by key: a token has a handful of rows */
+            for (int64_t a = 1; a < n; a++) {
+                const int64_t k = key[a];
+                const uint16_t *p = row[a];
+                int64_t b = a;
+                for (; b > 0 && key[b - 1] > k; b--) {
+                    key[b] = key[b - 1];
+                    row[b] = row[b - 1];
+                }
+                key[b] = k;
+                row[b] = p;
+            }
+        }
         uint16_t *o = out + t * out_ld;
         const uint16_t *b0 = bias0 ? bias0 + t * bias0_ld : NULL;
         const uint16_t *b1 = bias1 ? bias1 + t * bias1_ld : NULL;
@@ -124,5 +151,6 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
             status = j + 1;
     free(cur);
     free(row);
+    free(key);
     return status;
 }
