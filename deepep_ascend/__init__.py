@@ -5,8 +5,9 @@ GEMMs, DeepGEMM's role), :mod:`.native` (the C kernels), :mod:`.mega_moe` (the f
 :mod:`.nn` (autograd, the MoE layer, start-up), :mod:`.transports` (the simulated channels), and two
 leaves every room reads: :mod:`.settings` (every environment variable) and :mod:`.checks` (shared tensor checks).
 
-The top level mirrors ``deep_ep`` (``Buffer``, ``Config``, ``EventOverlap``, ``EventHandle``,
-``topk_idx_t``) and ``deep_gemm`` (codecs, GEMMs, MegaMoE), so that ported code changes only its imports.
+The top level mirrors ``deep_ep`` (``EPBuffer``, ``ElasticBuffer``, ``EPHandle``, ``BufferAllocator``,
+the legacy ``Buffer`` and ``Config``, ``EventOverlap``, ``EventHandle``, ``topk_idx_t``) and ``deep_gemm``
+(codecs, GEMMs, MegaMoE), so that ported code changes only its imports.
 """
 
 from . import ep as ep
@@ -15,11 +16,25 @@ from . import mega_moe as mega_moe
 from . import native as native
 from . import nn as nn
 from . import transports as transports
-from .ep import Buffer, Config, ConsensusError, EventHandle, EventOverlap, topk_idx_t
+from .ep import (
+    Buffer,
+    BufferAllocator,
+    BufferBase,
+    Config,
+    ConsensusError,
+    ElasticBuffer,
+    EPBuffer,
+    EPHandle,
+    EventHandle,
+    EventOverlap,
+    get_num_allocation_alignment,
+    topk_idx_t,
+)
 from .gemm import *  # noqa: F403
 from .mega_moe import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Config", "ConsensusError", "EventHandle", "EventOverlap", "topk_idx_t", "__version__"]
+__all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
+           "EPHandle", "EventHandle", "EventOverlap", "get_num_allocation_alignment", "topk_idx_t", "__version__"]
 __all__ += gemm.__all__ + mega_moe.__all__

@@ -1,7 +1,10 @@
-"""Expert-parallel communication: DeepEP's ``Buffer`` on CPU ranks over the simulated Ascend channels.
+"""Expert-parallel communication: DeepEP's ``EPBuffer`` and ``Buffer`` on CPU ranks over the simulated Ascend channels.
 
 Walking down this room (docs/design/architecture.md):
 
+* :mod:`.ep_buffer`   ``EPBuffer`` / ``ElasticBuffer`` (DeepEP V2.5's API): the handle, layouts and epilogues
+  over the normal-mode engines that ``Buffer`` runs (:mod:`.ep_handle`: ``EPHandle``);
+* :mod:`.allocator`   ``BufferAllocator`` (planned symmetric tensors) and ``BufferBase`` (the common lifetime);
 * :mod:`.buffer`      ``Buffer`` (DeepEP V1's API): the choice of engine, its windows, worker and consensus round;
 * :mod:`.handles`     the handles dispatch returns (named tuples of DeepEP's entries) and who made them;
 * :mod:`.arguments`   the argument checks of the normal-mode calls (:mod:`.low_latency_arguments`: of the LL calls);
@@ -18,13 +21,17 @@ Walking down this room (docs/design/architecture.md):
 * :mod:`.memory`      host tensors on huge pages and the pools that reuse output storage.
 """
 
+from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .buffer import Buffer
 from .config import Config
+from .ep_buffer import ElasticBuffer, EPBuffer
+from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
 from .group import mpi_comm_of
 from .handles import InternodeHandle, IntranodeHandle, LowLatencyHandle
 from .layout import topk_idx_t
 from .protocol import ConsensusError
 
-__all__ = ["Buffer", "Config", "ConsensusError", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle",
-           "LowLatencyHandle", "mpi_comm_of", "topk_idx_t"]
+__all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
+           "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle",
+           "get_num_allocation_alignment", "mpi_comm_of", "topk_idx_t"]

@@ -711,6 +711,78 @@ class Buffer:
                                                         comm_before_outputs=False)
         return combined, combined_w, event
 
+    # -- the entry points of EPBuffer (deepep_ascend.ep.ep_buffer), on the same engines ----------------
+    def _run_dispatch(self, *, precheck: Callable[[], tuple], num_worst_tokens: int, previous_event,
+                      async_finish: bool, extra_words: dict) -> tuple[tuple, torch.Tensor, EventOverlap]:
+        """A non-cached normal dispatch whose arguments ``precheck()`` validates inside the call's first
+        round (a rejection raises on every rank, as :meth:`dispatch`'s checks do).
+
+        ``precheck()`` returns ``(data [N, xb] uint8, scales [N, sb] uint8 | None, xdtype, topk_idx,
+        topk_weights, num_experts)``; the layout is computed here. Returns the engine's outputs
+        ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv)``,
+        ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``).
+        """
+        self._check_usable("dispatch")
+        ctx = {}
+
+        def build(call_id):
+            data, scales, xdtype, topk_idx, topk_weights, num_experts = precheck()
+            cfg = Config(Buffer.num_sms)
+            k = topk_idx.size(1)
+            self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), k, num_experts,
+                                      cached=False)
+            ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
+            ctx.update(itr=itr, call_id=call_id, cfg=cfg)
+            return self._engine.dispatch(
+                call_id=call_id, x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                is_token_in_rank=itr, num_tokens_per_rank=ntpr, num_tokens_per_expert=ntpe, num_experts=num_experts,
+                expert_alignment=1, num_worst_tokens=num_worst_tokens, num_channels=cfg.num_channels,
+                handle_id=-1, xdtype=xdtype, sdtype=dtype_code(torch.uint8) if scales is not None else 0,
+                extra_words=extra_words)
+
+        outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, False, (),
+                                        comm_before_outputs=True)
+        record_origin(outputs[5], HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
+        return outputs, ctx["itr"], event
+
+    def _run_cached_dispatch(self, *, precheck: Callable[[], tuple], previous_event, async_finish: bool,
+                             extra_words: dict) -> tuple[tuple, EventOverlap]:
+        """A cached dispatch validated by ``precheck()`` inside the first round; it returns ``(data, scales,
+        xdtype, handle)`` (bytes rows as in :meth:`_run_dispatch`, ``handle`` a V1 handle of this Buffer).
+        Returns ``((recv_x, recv_scales), event)``."""
+        self._check_usable("dispatch")
+
+        def build(call_id):
+            data, scales, xdtype, handle = precheck()
+            cfg = Config(Buffer.num_sms)
+            checked, handle_id = self._check_handle(handle, cfg, "dispatch")
+            self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), 0, 0, cached=True)
+            return self._engine.cached_dispatch(
+                call_id=call_id, x=data, scales=scales, handle=checked, num_channels=cfg.num_channels,
+                handle_id=handle_id, xdtype=xdtype, sdtype=dtype_code(torch.uint8) if scales is not None else 0,
+                extra_words=extra_words)
+
+        return self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event, False, (),
+                              comm_before_outputs=False)
+
+    def _run_combine(self, *, precheck: Callable[[], tuple], previous_event, async_finish: bool,
+                     extra_words: dict) -> tuple[tuple, EventOverlap]:
+        """A combine validated by ``precheck()`` inside the first round; it returns ``(x [rows, H] bf16,
+        topk_weights [rows, K] float32 | None, biases, handle, order [N, R] int64 | None)``. Returns
+        ``((combined_x, combined_topk_weights), event)``."""
+        self._check_usable("combine")
+
+        def build(call_id):
+            x, topk_weights, biases, handle, order = precheck()
+            cfg = Config(Buffer.num_sms)
+            checked, handle_id = self._check_handle(handle, cfg, "combine")
+            self._check_combine_room(x.size(1), -1 if topk_weights is None else topk_weights.size(1))
+            return self._engine.combine(call_id=call_id, x=x, topk_weights=topk_weights, bias=biases, handle=checked,
+                                        num_channels=cfg.num_channels, handle_id=handle_id, order=order,
+                                        extra_words=extra_words)
+
+        return self._protocol(OP_COMBINE, build, async_finish, previous_event, False, (), comm_before_outputs=False)
+
     # ==================================================================================
     # Low-latency mode (docs/semantics/deepep-api.md §6, §7): checks in low_latency_arguments.py, data movement in
     # low_latency.py

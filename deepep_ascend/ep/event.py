@@ -56,8 +56,10 @@ class EventOverlap:
         self._hook = None
         self._release_on_exit = False
 
-    def current_stream_wait(self, release_handle: bool = False) -> None:
-        """Wait for the event, run the hook set by :meth:`register_hook_after_wait`, and clear it.
+    def current_stream_wait(self, release_handle: bool = False):
+        """Wait for the event, run the hook set by :meth:`register_hook_after_wait` (once: it is cleared
+        before it runs, even if it raises) and return its result (``None`` without a hook), as
+        DeepEP V2.5's ``EventOverlap`` does: ``EPBuffer``'s deferred epilogues return their outputs here.
 
         Raises:
             AssertionError: the overlap holds no event (as in DeepEP).
@@ -66,14 +68,20 @@ class EventOverlap:
         assert self.event is not None, "EventOverlap.current_stream_wait: no event to wait for"
         self.event.current_stream_wait()
         self.extra_tensors = None
+        result = None
         if self._hook is not None:
             hook, self._hook = self._hook, None
-            hook()
+            result = hook()
         if release_handle:
             self.event = None
+        return result
+
+    def wait(self):
+        """Alias of :meth:`current_stream_wait` (DeepEP V2.5): returns the hook's result."""
+        return self.current_stream_wait()
 
     def register_hook_after_wait(self, hook) -> None:
-        """Run ``hook()`` once after the next successful wait (one hook at a time)."""
+        """Run ``hook()`` once after the next successful wait (one hook at a time); the wait returns its result."""
         assert self._hook is None, "EventOverlap: a hook is already registered"
         self._hook = hook
 

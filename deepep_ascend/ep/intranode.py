@@ -162,6 +162,7 @@ class _Source(NamedTuple):
     tokens: torch.Tensor  # [cnt] int64, ascending, relative to the round's first token
     bounds: list  # searchsorted of the block edges in tokens
     clean: bool  # no -0.0 in rows
+    rank: int  # the rank that returned these rows
 
 
 class _Regions:
@@ -406,8 +407,9 @@ class IntranodeEngine:
 
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, num_channels,
-                 handle_id, xdtype, sdtype) -> Generator:
-        """Non-cached dispatch (docs/semantics/deepep-api.md §4.2, §4.4).
+                 handle_id, xdtype, sdtype, extra_words: dict | None = None) -> Generator:
+        """Non-cached dispatch (docs/semantics/deepep-api.md §4.2, §4.4). ``extra_words``: more header
+        words every rank must agree on (``EPBuffer``'s collective arguments, ``protocol.W_EP_*``).
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
@@ -423,7 +425,7 @@ class IntranodeEngine:
         per_round = max(1, regions.capacity)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
-                 W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens}
+                 W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens, **(extra_words or {})}
         vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
         predicted = self._predict_direct
         land_words, advertised = self._advertise()
@@ -551,7 +553,7 @@ class IntranodeEngine:
 
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: IntranodeHandle, num_channels, handle_id, xdtype,
-                        sdtype) -> Generator:
+                        sdtype, extra_words: dict | None = None) -> Generator:
         """Dispatch through a handle (docs/semantics/deepep-api.md §4.5): same routing, no counting.
         Yields ``(recv_x, recv_scales)``."""
         me, nr = self.rank, self.num_ranks
@@ -563,7 +565,7 @@ class IntranodeEngine:
         rows = recv_src_idx.numel()
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows,
-                 W_PREFIX: prefix_checksum(rank_prefix_matrix)}
+                 W_PREFIX: prefix_checksum(rank_prefix_matrix), **(extra_words or {})}
         vec = handle.is_token_in_rank.sum(0, dtype=torch.int32)
         num_recv = int(rank_prefix_matrix[nr - 1, me])
         land_words, advertised = self._advertise(rows, xb)
@@ -632,9 +634,10 @@ class IntranodeEngine:
 
     # -- combine -----------------------------------------------------------------------
     def combine(self, *, call_id, x, topk_weights, bias, handle: IntranodeHandle, num_channels,
-                handle_id) -> Generator:
+                handle_id, order: torch.Tensor | None = None, extra_words: dict | None = None) -> Generator:
         """Combine (docs/semantics/deepep-api.md §4.6): unweighted float32 sum over receiving ranks,
-        ascending rank, one rounding.
+        ascending rank, one rounding; with ``order`` (``[N, R]`` int64, docs/semantics/deepep-api.md §13.5) each
+        token's rows add in ascending ``order[token, rank]`` instead.
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """
@@ -658,7 +661,7 @@ class IntranodeEngine:
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: dtype_code(torch.bfloat16), W_SBYTES: 0, W_SDTYPE: 0,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix),
-                 W_XSEG_OFF: -1 if xseg is None else xseg}
+                 W_XSEG_OFF: -1 if xseg is None else xseg, **(extra_words or {})}
         # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
         # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
         # three plain copies.
@@ -685,9 +688,10 @@ class IntranodeEngine:
                 for source in sources:
                     if source.weights is not None:
                         wout.index_add_(0, source.tokens, source.weights)
+            keys = None if order is None else [order[lo_t + source.tokens, source.rank] for source in sources]
             accumulate_rows(combined[lo_t:hi_t], [(source.rows, source.tokens) for source in sources], acc, tmp,
                             bias, lo_t, edges=edges, bounds=[source.bounds for source in sources],
-                            clean=[source.clean for source in sources])
+                            clean=[source.clean for source in sources], keys=keys)
         if any(read):
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
@@ -779,6 +783,6 @@ class IntranodeEngine:
                     rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
                 rows = rows.view(cnt, xb).view(torch.bfloat16)
             sources.append(_Source(rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
-                                   staged_x and returned.clean))
+                                   staged_x and returned.clean, j))
             self._record(j, cnt * (xb + 4 * max(wcols, 0)))
         return sources

@@ -21,16 +21,21 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
- W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF) = range(19)
+ W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF,
+ W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE) = range(22)
+# W_EP_*: EPBuffer's collective arguments (0 in V1 calls); W_EP_MODE is a bit set of EP_MODE_* flags.
+EP_MODE_EXPAND, EP_MODE_CPU_SYNC, EP_MODE_ZERO_PADDING = 1, 2, 4
 MAGIC = 0xDEE9A5
 CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
-                    W_PREFIX)
+                    W_PREFIX, W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE)
 WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
                W_SBYTES: "bytes per row of the FP8 scales", W_SDTYPE: "scales dtype",
                W_TOPK: "num_topk (-1 = no top-k)", W_NEXP: "num_experts",
                W_HANDLE: "handle (id of the dispatch that made it)", W_CHANNELS: "channels (config.num_sms // 2)",
                W_WCOLS: "topk_weights columns (-1 = none)",
-               W_PREFIX: "the handle's rank prefix matrix (CRC-32 of its bytes)"}
+               W_PREFIX: "the handle's rank prefix matrix (CRC-32 of its bytes)",
+               W_EP_MAX_TOKENS: "num_max_tokens_per_rank", W_EP_ALIGNMENT: "expert_alignment",
+               W_EP_MODE: "the layout flags (1: do_expand, 2: do_cpu_sync, 4: do_zero_padding)"}
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]

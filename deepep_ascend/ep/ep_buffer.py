@@ -1,0 +1,622 @@
+"""``EPBuffer``: DeepEP V2.5's expert-parallel API (what DeepEP-Ascend 1.0 speaks) on the normal-mode
+engines that V1 ``Buffer`` runs on (docs/semantics/deepep-api.md §13).
+
+A dispatch runs the engines' dispatch (routing, counts, one copy of every row into the receiver's
+``recv_x``), then an epilogue builds the :class:`~deepep_ascend.ep.ep_handle.EPHandle` and, for the
+expanded layout, places every (token, local expert) row at its slot. A combine (expanded layout:
+after a local reduction of each token's slots) runs the engines' combine with DeepEP V2.5's order:
+each rank's row is added at the position of that rank's last top-k slot in the token's row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import native as _native
+from .. import settings
+from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
+from .arguments import check, check_tensor
+from .buffer import Buffer
+from .ep_handle import EPHandle
+from .event import EventHandle, EventOverlap
+from .group import mpi_comm_of
+from .intranode import IntranodeEngine
+from .protocol import (
+    EP_MODE_CPU_SYNC,
+    EP_MODE_EXPAND,
+    EP_MODE_ZERO_PADDING,
+    W_EP_ALIGNMENT,
+    W_EP_MAX_TOKENS,
+    W_EP_MODE,
+    dtype_code,
+)
+from .reduce import CombineScratch, accumulate_rows
+
+__all__ = ["EPBuffer", "ElasticBuffer"]
+
+#: Experts the size hint makes room for in the count exchange (a call with more still works: the
+#: engines then move its rows in more rounds).
+NUM_MAX_EXPERTS = 1024
+#: Top-k slots the size hint assumes when ``num_topk=0``.
+NUM_MAX_TOPK = 32
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Byte rows ``[n, m * itemsize]`` viewed as ``[n, m]`` of ``like``'s dtype (no copy)."""
+    return rows.view(like.dtype).view(rows.size(0), like.size(1))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` of any strides as contiguous byte rows ``[n, m * itemsize]`` (a view when contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).view(t.size(0), t.size(1) * t.element_size())
+
+
+class EPBuffer(BufferBase):
+    """The expert-parallel communication buffer of DeepEP V2.5 (``deep_ep.EPBuffer``).
+
+    Args:
+        group: a torch ProcessGroup (ranks equal to MPI's, as under ``mpiexec``) or an mpi4py communicator.
+        num_bytes: buffer bytes per rank, a multiple of :func:`get_num_allocation_alignment`; or ``None``
+            to size by the MoE shape below (:meth:`get_buffer_size_hint`).
+        num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch: the MoE shape (``num_topk=0``:
+            up to :data:`NUM_MAX_TOPK` slots). ``num_max_tokens_per_rank`` is also the dispatch default.
+        lb_allocation_plan_or_num_bytes: bytes of the load-balance region, or a
+            :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none).
+        deterministic: accepted; every dispatch here is deterministic (rows ordered by source token).
+        allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP's switches.
+            ``allow_multiple_reduction=False`` with the expanded layout is not supported yet
+            (``NotImplementedError`` at that combine).
+        sl_idx, num_allocated_qps, num_gpu_timeout_secs: accepted, no meaning on CPU ranks.
+        num_cpu_timeout_secs: deadline of every wait, unless ``$DEEPEP_ASCEND_TIMEOUT_S`` is set.
+        explicitly_destroy: as DeepEP: :meth:`destroy` must then be called on every rank.
+        ranks_per_node: simulated node size (default ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
+            shared-memory domain). ``EPBuffer`` runs on one node so far: more nodes raise ``NotImplementedError``.
+
+    Raises:
+        ValueError: ``num_bytes`` not a positive multiple of the alignment, or neither it nor a shape.
+        NotImplementedError: the ranks span more than one node.
+    """
+
+    def __init__(self, group, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0, hidden: int = 0,
+                 num_topk: int = 0, use_fp8_dispatch: bool = False,
+                 lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int | None = None, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 *, ranks_per_node: int | None = None):
+        super().__init__(explicitly_destroy)
+        comm = mpi_comm_of(group, None)
+        self.group = group
+        self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
+        self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.sl_idx, self.num_allocated_qps = sl_idx, num_allocated_qps
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        if num_bytes is None:
+            if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                raise ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
+                                 f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+            num_bytes = EPBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
+                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+        alignment = get_num_allocation_alignment()
+        if not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment:
+            raise ValueError(f"EPBuffer: num_bytes must be a positive multiple of {alignment} "
+                             f"(get_num_allocation_alignment()), got {num_bytes!r}")
+        plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
+        num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
+        if not isinstance(num_lb_bytes, int) or num_lb_bytes < 0 or num_lb_bytes % alignment:
+            raise ValueError(f"EPBuffer: lb_allocation_plan_or_num_bytes must be a BufferAllocator or a "
+                             f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
+        if plan is not None and plan.materialized:
+            raise ValueError("EPBuffer: the lb_allocation_plan was already materialized")
+        self.num_bytes, self.num_lb_bytes = num_bytes, num_lb_bytes
+        timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
+        self._legacy = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
+                              ranks_per_node=ranks_per_node,
+                              timeout_s=timeout)
+        if self._legacy.num_nodes > 1:
+            self._legacy.runtime.destroy(force=True)
+            raise NotImplementedError(
+                f"EPBuffer: the ranks span {self._legacy.num_nodes} nodes of {self._legacy.ranks_per_node}; "
+                f"EPBuffer runs within one node so far (V1 Buffer runs across nodes)")
+        self.runtime = self._legacy.runtime
+        self.lb_storage = torch.zeros(num_lb_bytes, dtype=torch.uint8)
+        if plan is not None:
+            plan.materialize(self.lb_storage)
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        self._scratch = CombineScratch()
+
+    # -- sizes ------------------------------------------------------------------------------
+    @staticmethod
+    def _required_bytes(num_ranks: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int, num_topk: int,
+                        hidden: int) -> int:
+        need = IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
+                                         num_ranks, 2 * hidden, num_topk)
+        return _align(need, get_num_allocation_alignment())
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes per rank that calls of this MoE shape need (``deep_ep.EPBuffer.get_buffer_size_hint``).
+
+        Exact: a buffer of these bytes takes every call with at most ``num_max_tokens_per_rank`` tokens
+        of ``hidden`` (BF16, or FP8 with float32 scales per 128 channels) and ``num_topk`` slots (0: up to
+        :data:`NUM_MAX_TOPK`); one alignment unit less is refused by such a call (``ValueError``).
+        Returns a multiple of :func:`get_num_allocation_alignment`.
+        """
+        num_ranks = mpi_comm_of(group, None).Get_size()
+        k = num_topk if num_topk > 0 else NUM_MAX_TOPK
+        x_bytes, sf_bytes = (hidden, 4 * -(-hidden // 128)) if use_fp8_dispatch else (2 * hidden, 0)
+        return EPBuffer._required_bytes(num_ranks, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(num_rdma_ranks, num_nvlink_ranks)``: nodes and ranks per node (URMA and UBMEM domains)."""
+        return self._legacy.num_nodes, self._legacy.ranks_per_node
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)``: one node, so ``(1, num_ranks)``."""
+        return 1, self.num_ranks
+
+    def _memory_usage(self) -> dict[str, int]:
+        return {"UBMEM window": self.num_bytes, "LB storage": self.num_lb_bytes}
+
+    def _destroy(self) -> None:
+        self._legacy.destroy()
+
+    def barrier(self) -> None:
+        """Block until every rank of the group reached it (MPI ``Barrier`` on the buffer's communicator)."""
+        self._usable("barrier")
+        self.runtime.comm.Barrier()
+
+    def get_comm_stream(self):
+        """The buffer's worker (the CPU analogue of DeepEP's communication stream)."""
+        return self._legacy.get_comm_stream()
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An event on the caller's thread (complete once recorded, as everything before it ran)."""
+        return EventHandle()
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args, **kwargs) -> int:
+        """DeepEP's SM estimate has no CPU meaning: returns :attr:`Buffer.num_sms` (accepted for porting)."""
+        return Buffer.num_sms
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """DeepEP's QP estimate has no CPU meaning: returns ``num_sms`` (accepted for porting)."""
+        return num_sms
+
+    def _usable(self, op: str) -> None:
+        if self.runtime is None:
+            raise RuntimeError(f"EPBuffer.{op}: the buffer was destroyed")
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
+                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle | None = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: EPHandle | None = None, do_handle_copy: bool = False, do_cpu_sync: bool | None = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
+                 defer_epilogue: bool = False):
+        """Send each token to every rank owning one of its experts; mirrors ``deep_ep.EPBuffer.dispatch``
+        (docs/semantics/deepep-api.md §13.2).
+
+        Args:
+            x: ``[N, hidden]`` BF16 (any 2-D dtype moves as bytes), or FP8 ``(data [N, hidden] 1-byte
+                dtype, sf [N, S] any dtype and strides)`` whose scale rows travel with their tokens.
+            topk_idx: ``[N, K]`` int64 expert ids in ``[-1, num_experts)`` (-1: none); ``None`` with ``handle``.
+            topk_weights: ``[N, K]`` float32 or None (also allowed with ``handle``: then dispatched too).
+            cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by this call's per-expert counts.
+            num_experts: ``E``, a multiple of the ranks (from ``handle`` if given).
+            num_max_tokens_per_rank: at least ``N`` on every rank (default: the constructor's).
+            expert_alignment: expanded layout: each expert's rows start at a multiple of it (default 1).
+            num_sms, num_qps, allocate_on_comm_stream, use_tma_aligned_col_major_sf (scales returned
+                column-major when True): accepted as in DeepEP.
+            previous_event: an event (``capture()``) to wait for before the call.
+            async_with_compute_stream: the data movement runs on the buffer's worker; wait on the event.
+            handle: a previous dispatch's :class:`EPHandle`: same routing, no counts exchanged
+                (``do_cpu_sync`` must not be True; ``topk_idx`` must be None).
+            do_handle_copy: must be False (``ElasticBuffer`` allows True: the handle is then copied).
+            do_cpu_sync: True: outputs sized by the real counts; False: by capacity (``R *
+                num_max_tokens_per_rank`` rows; shapes independent of other ranks), the real count in
+                ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``. Default True unless ``handle``.
+            do_expand, do_zero_padding: the expanded layout (one row per (token, local expert), grouped
+                by expert, 1-D weights), and zeroed alignment gaps.
+            defer_epilogue: return only the event (needs ``async_with_compute_stream``); its
+                ``current_stream_wait()`` returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``.
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: ``recv_x`` like ``x`` (FP8: the
+            pair); ``recv_topk_idx`` ``[n, K]`` int64 local expert ids or -1 (``None`` expanded);
+            ``recv_topk_weights`` ``[n, K]`` float32 (expanded: ``[rows]``; ``None`` without weights).
+        Raises:
+            TypeError / ValueError: bad arguments on any rank, or ranks disagreeing on
+                ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags
+                or dtypes: every rank raises (``ConsensusError`` naming the ranks).
+            AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
+                ``defer_epilogue`` without ``async_with_compute_stream``).
+            TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
+        """
+        self._usable("dispatch")
+        assert not do_handle_copy or isinstance(self, ElasticBuffer), \
+            "`do_handle_copy` must be False; handle copying is no longer supported"
+        assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
+        if handle is not None:
+            assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
+            do_cpu_sync = False
+        do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        data, sf = x if isinstance(x, tuple) else (x, None)
+        if handle is not None:
+            num_experts = handle.num_experts if num_experts is None else num_experts
+            expert_alignment = handle.expert_alignment if expert_alignment is None else expert_alignment
+            num_max_tokens_per_rank = handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
+                else num_max_tokens_per_rank
+        max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        alignment = 1 if expert_alignment is None else expert_alignment
+        mode = (EP_MODE_EXPAND if do_expand else 0) | (EP_MODE_CPU_SYNC if do_cpu_sync else 0) | \
+            (EP_MODE_ZERO_PADDING if do_zero_padding else 0)
+        words = {W_EP_MAX_TOKENS: int(max_tokens) if isinstance(max_tokens, int) else -1,
+                 W_EP_ALIGNMENT: int(alignment) if isinstance(alignment, int) else -1, W_EP_MODE: mode}
+        prev = None if previous_event is None else EventOverlap(previous_event)
+        R = self.num_ranks
+
+        def check_common():
+            check(isinstance(max_tokens, int) and max_tokens > 0, ValueError,
+                  f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got {max_tokens!r}")
+            check(isinstance(alignment, int) and alignment >= 1, ValueError,
+                  f"`expert_alignment` must be an int >= 1, got {alignment!r}")
+            check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
+            check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
+            n = data.size(0)
+            check(n <= max_tokens, ValueError, f"`x` has {n} tokens, more than num_max_tokens_per_rank={max_tokens}")
+            if sf is not None:
+                check(data.element_size() == 1, TypeError, f"FP8 `x[0]` must be a 1-byte dtype, got {data.dtype}")
+                check_tensor(sf, "x[1] (sf)", ndim=2)
+                check(sf.size(0) == n, ValueError, f"`x[1]` (sf) must have {n} rows, got {sf.size(0)}")
+            if topk_weights is not None:
+                k = (handle.topk_idx if handle is not None else topk_idx).size(1) if (
+                    handle is not None or isinstance(topk_idx, torch.Tensor)) else -1
+                check_tensor(topk_weights, "topk_weights", torch.float32, shape=(n, k))
+            if cumulative_local_expert_recv_stats is not None:
+                check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
+                             shape=(num_experts // R,) if isinstance(num_experts, int) else None)
+            return n
+
+        def payload(n, k_weights):
+            """``x`` (and scales, and dispatched weights of a cached call) as byte rows."""
+            xb = _bytes(data)
+            extra = [] if sf is None else [_bytes(sf)]
+            if k_weights is not None:
+                extra.append(_bytes(k_weights))
+            sb = extra[0] if len(extra) == 1 else (torch.cat(extra, dim=1) if extra else None)
+            hidden = data.size(1)
+            sf_bytes = 0 if sf is None else extra[0].size(1)  # dispatched weights count as the top-k slots
+            need = EPBuffer._required_bytes(R, max_tokens, xb.size(1), sf_bytes,
+                                            (handle.topk_idx if handle is not None else topk_idx).size(1),
+                                            hidden)
+            check(need <= self.num_bytes, ValueError,
+                  f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
+                  f"{max_tokens} with rows of {xb.size(1)} B (+{sf_bytes} B of scales) needs; "
+                  f"see EPBuffer.get_buffer_size_hint")
+            return xb, sb
+
+        if handle is None:
+            def precheck():
+                check(topk_idx is not None, ValueError, "`topk_idx` is required without a handle")
+                n = check_common()
+                check(isinstance(num_experts, int) and num_experts > 0 and num_experts % R == 0, ValueError,
+                      f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
+                check_tensor(topk_idx, "topk_idx", torch.int64, ndim=2)
+                check(topk_idx.size(0) == n, ValueError,
+                      f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
+                if topk_idx.numel():
+                    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+                    check(lo >= -1 and hi < num_experts, ValueError,
+                          f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
+                xb, sb = payload(n, None)
+                weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
+                return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts
+
+            outputs, itr, event = self._legacy._run_dispatch(
+                precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
+                async_finish=async_with_compute_stream, extra_words=words)
+            recv_x, recv_sf, recv_topk, recv_w, _, legacy, num_recv = outputs
+            return self._finish_dispatch(
+                event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
+                recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv, itr=itr,
+                topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
+                num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
+                col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None)
+
+        def precheck_cached():
+            check(topk_idx is None, ValueError, "`topk_idx` must be None with a cached handle (it is the handle's)")
+            check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
+            check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
+            check(handle.do_expand == do_expand, ValueError,
+                  f"`handle` was made with do_expand={handle.do_expand}, this call passes do_expand={do_expand}")
+            check((num_experts, alignment, max_tokens) == (handle.num_experts, handle.expert_alignment,
+                                                           handle.num_max_tokens_per_rank), ValueError,
+                  f"num_experts, expert_alignment, num_max_tokens_per_rank ({num_experts}, {alignment}, {max_tokens}) "
+                  f"differ from the handle's ({handle.num_experts}, {handle.expert_alignment}, "
+                  f"{handle.num_max_tokens_per_rank})")
+            n = check_common()
+            made_for = handle.topk_idx.size(0)
+            check(n == made_for, ValueError, f"`x` has {n} tokens but the handle was made for {made_for}")
+            xb, sb = payload(n, topk_weights)
+            return xb, sb, dtype_code(data.dtype), handle._legacy
+
+        (recv_x, recv_extra), event = self._legacy._run_cached_dispatch(
+            precheck=precheck_cached, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
+        sf_bytes = 0 if sf is None else sf.size(1) * sf.element_size()
+        recv_sf = None if sf is None else recv_extra[:, :sf_bytes]
+        recv_w = None
+        if topk_weights is not None:
+            recv_w = recv_extra[:, sf_bytes:]
+        if do_handle_copy:
+            handle = _copy_handle(handle)
+        return self._finish_dispatch(
+            event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
+            recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, itr=None, topk_idx=handle.topk_idx,
+            num_experts=handle.num_experts, alignment=handle.expert_alignment,
+            max_tokens=handle.num_max_tokens_per_rank,
+            num_sms=num_sms, do_cpu_sync=False, do_expand=do_expand, do_zero_padding=do_zero_padding,
+            col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=handle)
+
+    def _finish_dispatch(self, event: EventOverlap, defer_epilogue: bool, **kw):
+        """Allocate the outputs now (their shapes are known), fill them in the epilogue: inline, on the
+        worker after the data movement (async), or at the event's wait (deferred)."""
+        out = {}
+        if event.event is None:  # synchronous: the rows are here
+            out["result"] = self._epilogue(**kw)
+            event = EventOverlap(EventHandle())
+        elif defer_epilogue:
+            done = event.event
+
+            def hook():
+                done.current_stream_wait()
+                return self._epilogue(**kw)
+            event = EventOverlap(EventHandle())
+            event.register_hook_after_wait(hook)
+            return event
+        else:  # the outputs' shapes come from the epilogue (docs/semantics/deepep-api.md §13.2)
+            event.event.current_stream_wait()
+            out["result"] = self._epilogue(**kw)
+            event = EventOverlap(EventHandle())
+        if defer_epilogue:
+            result = out["result"]
+            event.register_hook_after_wait(lambda: result)
+            return event
+        return (*out["result"], event)
+
+    def _epilogue(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, itr, topk_idx, num_experts,
+                  alignment, max_tokens, num_sms, do_cpu_sync, do_expand, do_zero_padding, col_major_sf, stats, handle):
+        """The handle and the final layout from the engines' compact rows (docs/semantics/deepep-api.md §13.2)."""
+        R, me = self.num_ranks, self.rank_idx
+        L = num_experts // R
+        k = topk_idx.size(1)
+        rows = recv_x.size(0)
+        valid_topk = recv_topk[:num_recv]
+        counts = torch.bincount(valid_topk[valid_topk >= 0], minlength=L)[:L]
+        if stats is not None:
+            stats.add_(counts.to(torch.int32))
+        if handle is None:
+            column = legacy.rank_prefix_matrix[:, me].to(torch.int64)
+            per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
+            src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
+            lanes = torch.arange(k)
+            meta = torch.full((rows, 2 + k), -1, dtype=torch.int32)
+            src_token = legacy.recv_src_idx[:num_recv].to(torch.int64)
+            meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
+            last = torch.where(valid_topk >= 0, lanes, -1).amax(dim=1) if k else torch.zeros(num_recv,
+                                                                                               dtype=torch.int64)
+            meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
+            aligned = (counts + alignment - 1) // alignment * alignment
+            if do_expand:
+                starts = torch.cumsum(aligned, 0) - aligned
+                psum_expert = (starts + counts).to(torch.int32)
+                expanded = int(aligned.sum()) if do_cpu_sync else _align(
+                    R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
+            else:
+                psum_expert = torch.cumsum(aligned, 0).to(torch.int32)
+                expanded = 0
+            order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
+            if k and topk_idx.numel():
+                dest = torch.div(topk_idx, L, rounding_mode="floor")
+                order.scatter_reduce_(1, dest.clamp(min=0), torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx),
+                                      reduce="amax")
+            dst_slot = torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
+            if itr is not None and itr.numel():
+                before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
+                pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
+                dst_slot = torch.where(itr, pos, -1).to(torch.int32)
+            handle = EPHandle(
+                buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
+                expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
+                num_recv_tokens=rows, num_valid_tokens=num_recv, num_expanded_tokens=expanded,
+                num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
+                psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_rank, 0).to(torch.int32),
+                psum_num_recv_tokens_per_expert=psum_expert,
+                num_unaligned_recv_tokens_per_expert=counts.to(torch.int32),
+                recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot, recv_topk_idx=recv_topk, combine_order=order)
+            if do_expand:
+                self._expanded_slots(handle, valid_topk, counts, starts)
+        weights = None if recv_w is None else recv_w.reshape(-1).view(torch.float32).view(rows, k)
+        if not do_expand:
+            out_x = _typed(recv_x, data)
+            out_sf = None if sf is None else self._sf_out(_typed(recv_sf, sf), col_major_sf)
+            w_out = None if weights is None else weights.masked_fill(recv_topk < 0, 0.0)
+            return (out_x if sf is None else (out_x, out_sf)), recv_topk, w_out, handle
+        rows_exp = handle.num_expanded_tokens
+        x_exp = torch.empty((rows_exp, recv_x.size(1)), dtype=torch.uint8)
+        sf_exp = None if sf is None else torch.empty((rows_exp, recv_sf.size(1)), dtype=torch.uint8)
+        w_exp = None if weights is None else torch.empty(rows_exp, dtype=torch.float32)
+        src_rows, slots, lane = handle._expand
+        for lo, hi in handle._expand_spans:  # one gather per local expert, straight into place
+            if hi > lo:
+                torch.index_select(recv_x, 0, src_rows[lo:hi], out=x_exp[slots[lo]:slots[lo] + hi - lo])
+                if sf_exp is not None:
+                    torch.index_select(recv_sf, 0, src_rows[lo:hi], out=sf_exp[slots[lo]:slots[lo] + hi - lo])
+        if w_exp is not None and slots.numel():
+            w_exp.index_copy_(0, slots, weights[src_rows, lane])
+        if do_zero_padding:
+            gaps = handle._padding_rows
+            x_exp.index_fill_(0, gaps, 0)
+            if sf_exp is not None:
+                sf_exp.index_fill_(0, gaps, 0)
+            if w_exp is not None:
+                w_exp.index_fill_(0, gaps, 0.0)
+        out_x = _typed(x_exp, data)
+        out_sf = None if sf is None else self._sf_out(_typed(sf_exp, sf), col_major_sf)
+        return (out_x if sf is None else (out_x, out_sf)), None, w_exp, handle
+
+    @staticmethod
+    def _expanded_slots(handle: EPHandle, valid_topk: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor):
+        """Each received (row, slot) with a local expert gets its expanded row: experts in order, each
+        expert's rows in received order (ascending source token), then slot order."""
+        n, k = valid_topk.shape
+        rows_idx, lanes = torch.nonzero(valid_topk >= 0, as_tuple=True)
+        experts = valid_topk[rows_idx, lanes]
+        order = torch.sort(experts * max(1, n * k) + rows_idx * k + lanes).indices  # by expert, row, slot
+        rows_idx, lanes, experts = rows_idx[order], lanes[order], experts[order]
+        first = torch.cumsum(counts, 0) - counts
+        slots = starts[experts] + torch.arange(experts.numel()) - first[experts]
+        handle.recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)
+        ends = torch.cumsum(counts, 0)
+        handle._expand = (rows_idx, slots, lanes)
+        handle._expand_spans = list(zip(first.tolist(), ends.tolist()))
+        align = handle.expert_alignment
+        pads = [torch.arange(s + c, _align(s + c, align)) for s, c in zip(starts.tolist(), counts.tolist())]
+        handle._padding_rows = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.int64)
+
+    @staticmethod
+    def _sf_out(sf: torch.Tensor, col_major: bool) -> torch.Tensor:
+        if not col_major:
+            return sf
+        out = torch.empty((sf.size(1), sf.size(0)), dtype=sf.dtype).t()
+        out.copy_(sf)
+        return out
+
+    # -- combine ----------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias=None,
+                num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle | None = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                defer_epilogue: bool = False):
+        """Return every received row to its token's rank and reduce; mirrors ``deep_ep.EPBuffer.combine``
+        (docs/semantics/deepep-api.md §13.5).
+
+        Per token: ``acc = f32(bias0) + f32(bias1)``, then each rank's BF16 row added in float32 at the
+        position of that rank's last top-k slot in the token's row, one rounding to BF16. No weights
+        are applied. Expanded layout: each rank first sums a token's slots in slot order (float32,
+        rounded to BF16).
+
+        Args:
+            x: ``[handle.num_recv_tokens, hidden]`` BF16 (expanded: ``[handle.num_expanded_tokens, hidden]``).
+            handle: the dispatch's :class:`EPHandle`.
+            topk_weights: ``[num_recv_tokens, K]`` float32 (expanded: ``[num_expanded_tokens]``) or None;
+                returned per original slot (each slot's weight from the rank that owns it, 0 for -1).
+            bias: None, a ``[N, hidden]`` BF16 tensor, or a pair of them.
+            previous_event, async_with_compute_stream, defer_epilogue: as in :meth:`dispatch`.
+        Returns:
+            ``(combined_x [N, hidden] bf16, combined_topk_weights [N, K] float32 | None, event)``, or with
+            ``defer_epilogue`` the event whose wait returns the pair.
+        Raises:
+            TypeError / ValueError: bad arguments or a handle from another buffer, on every rank.
+            NotImplementedError: expanded layout with ``allow_multiple_reduction=False``.
+            TimeoutError / transports.TransportAborted: as ``Buffer.combine``.
+        """
+        self._usable("combine")
+        assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
+        if isinstance(handle, EPHandle) and handle.do_expand and not self.allow_multiple_reduction:
+            raise NotImplementedError("EPBuffer.combine: the expanded layout with allow_multiple_reduction=False "
+                                      "(one reduction at the origin) is not supported yet")
+        prev = None if previous_event is None else EventOverlap(previous_event)
+        words = {}
+        if isinstance(handle, EPHandle):
+            mode = (EP_MODE_EXPAND if handle.do_expand else 0)
+            words = {W_EP_MAX_TOKENS: handle.num_max_tokens_per_rank, W_EP_ALIGNMENT: handle.expert_alignment,
+                     W_EP_MODE: mode}
+
+        def precheck():
+            check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
+            check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
+            rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+            check_tensor(x, "x", torch.bfloat16, ndim=2)
+            check(x.size(0) == rows, ValueError, f"`x` must have {rows} rows (the handle's "
+                  f"{'num_expanded_tokens' if handle.do_expand else 'num_recv_tokens'}), got {x.size(0)}")
+            k = handle.topk_idx.size(1)
+            if topk_weights is not None:
+                check_tensor(topk_weights, "topk_weights", torch.float32,
+                             shape=(rows,) if handle.do_expand else (rows, k))
+            biases = bias if isinstance(bias, tuple) else (bias, None)
+            check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+            n = handle.topk_idx.size(0)
+            for i, b in enumerate(biases):
+                if b is not None:
+                    check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, x.size(1)))
+            if biases[0] is None:
+                biases = (biases[1], None)
+            compact_x, compact_w = self._compact(x, topk_weights, handle)
+            return compact_x, compact_w, (None if biases[0] is None else biases), handle._legacy, handle._combine_order
+
+        (combined, combined_w), event = self._legacy._run_combine(
+            precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
+        if event.event is None:
+            event = EventOverlap(EventHandle())
+        if defer_epilogue:
+            done = event.event
+            out = EventOverlap(EventHandle())
+            out.register_hook_after_wait(lambda: (done.current_stream_wait(), (combined, combined_w))[1])
+            return out
+        return combined, combined_w, event
+
+    def _compact(self, x: torch.Tensor, topk_weights, handle: EPHandle):
+        """The compact rows combine sends: one per received token (expanded layout: its slots summed in
+        slot order, float32, one rounding) and its weights per slot (0 where the slot is not local)."""
+        recv_topk = handle._recv_topk_idx
+        rows, k = recv_topk.shape
+        if not handle.do_expand:
+            w = None if topk_weights is None else topk_weights.masked_fill(recv_topk < 0, 0.0)
+            return x.contiguous(), w
+        src_rows, slots, lanes = handle._expand
+        out = torch.zeros((rows, x.size(1)), dtype=torch.bfloat16)
+        sources = []
+        for j in range(k):  # slot order: one source per top-k slot
+            sel = torch.nonzero(lanes == j).squeeze(1)
+            r = src_rows[sel]
+            order = torch.argsort(r)
+            sources.append((x, r[order], slots[sel][order]))
+        live = [s for s in sources if s[1].numel()]
+        if live:
+            n_valid = handle._num_valid
+            target = out[:n_valid]
+            if not _native.sum_rows(target, live):  # the kernel reads the slots in place; torch gathers them
+                acc, tmp = self._scratch.get(x.size(1))
+                accumulate_rows(target, [(x.index_select(0, idx), tok) for _, tok, idx in live], acc, tmp,
+                                native=False)
+        w = None
+        if topk_weights is not None:
+            w = torch.zeros((rows, k), dtype=torch.float32)
+            w[src_rows, lanes] = topk_weights[slots]
+        return out, w
+
+
+class ElasticBuffer(EPBuffer):
+    """DeepEP V2 (2.1)'s spelling of :class:`EPBuffer` (``deep_ep.ElasticBuffer``): the same buffer, with
+    V2's ``do_handle_copy=True`` allowed (the returned handle is then a copy of the cached one)."""
+
+
+def _copy_handle(handle: EPHandle) -> EPHandle:
+    """A shallow copy of ``handle`` whose tensors are cloned (V2's ``do_handle_copy``)."""
+    new = object.__new__(EPHandle)
+    new.__dict__.update({key: value.clone() if isinstance(value, torch.Tensor) and key != "_topk_idx" else value
+                         for key, value in handle.__dict__.items()})
+    return new

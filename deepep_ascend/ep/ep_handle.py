@@ -1,0 +1,104 @@
+"""``EPHandle``: what an ``EPBuffer.dispatch`` learned about the routing, reused by a cached dispatch and
+consumed by ``combine`` (DeepEP V2.5's ``deep_ep.EPHandle``; docs/semantics/deepep-api.md §13.3).
+
+Rows received by a rank are ordered by ``src_token_global_idx = src_rank * num_max_tokens_per_rank +
+src_token_idx`` (DeepEP's deterministic order, on every call), so every field below is a pure function of
+the routing, identical run after run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .handles import IntranodeHandle
+
+__all__ = ["EPHandle"]
+
+
+class EPHandle:
+    """The routing of one ``EPBuffer.dispatch``; mirrors ``deep_ep.EPHandle`` (DeepEP V2.5).
+
+    ``R`` ranks, ``L = num_experts / R`` local experts, ``K`` top-k slots, ``n`` rows received (the
+    real count with ``do_cpu_sync``, else the capacity ``R * num_max_tokens_per_rank``; rows past the
+    real count hold -1 metadata). Tensors are CPU ``torch.int32`` unless said otherwise.
+
+    Attributes:
+        do_expand: whether the dispatch used the expanded layout (one row per (token, local expert)).
+        num_experts, expert_alignment, num_max_tokens_per_rank: the dispatch's arguments.
+        num_sms: the ``num_sms`` passed (no meaning on CPU ranks; kept for DeepEP's ``combine`` default).
+        topk_idx: the dispatch's ``[N, K]`` ``topk_idx`` (by reference; must not be modified while the
+            handle is in use: reading it after an in-place change raises ``AssertionError``).
+        num_recv_tokens: ``n`` (see above): ``recv_x``'s rows in the compact layout.
+        num_expanded_tokens: rows of the expanded ``recv_x`` (``sum(align(count_e))`` with
+            ``do_cpu_sync``, else the capacity); 0 in the compact layout.
+        num_recv_tokens_per_expert_list: per local expert, the received (token, expert) count aligned
+            up to ``expert_alignment`` (a Python list; empty without ``do_cpu_sync``).
+        psum_num_recv_tokens_per_scaleup_rank: ``[R]`` inclusive prefix sum of the rows received from
+            each rank (one scale-up domain: every rank is a scale-up rank); ``[-1]`` is the real count.
+        psum_num_recv_tokens_per_expert: ``[L]``: compact layout, the inclusive prefix sum of the aligned
+            counts; expanded layout, ``align(psum[e-1]) + count_e`` (expert ``e``'s rows start at
+            ``align(psum[e-1], expert_alignment)`` and end at ``psum[e]``).
+        num_unaligned_recv_tokens_per_expert: ``[L]`` the (token, expert) counts received.
+        recv_src_metadata: ``[n, 2 + K]``: column 0 ``src_token_global_idx``; column 1 ``src_rank * K +
+            j`` with ``j`` the token's last top-k slot on this rank; columns ``2 + j`` the expanded row of
+            slot ``j`` (-1: not on this rank, or the compact layout). DeepEP-Ascend orders the columns
+            differently: see :attr:`ascend_recv_src_metadata`.
+        dst_buffer_slot_idx: ``[N, R]``: the row of each of this rank's tokens in each rank's
+            compact ``recv_x`` (-1: not sent there).
+        token_metadata_at_forward, channel_linked_list: ``None`` (DeepEP's hybrid-mode kernel state).
+    """
+
+    def __init__(self, *, buffer_uid: int, legacy: IntranodeHandle, do_expand: bool, num_experts: int,
+                 expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int, topk_idx: torch.Tensor,
+                 num_recv_tokens: int, num_valid_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, recv_topk_idx: torch.Tensor,
+                 combine_order: torch.Tensor):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = None
+        self.channel_linked_list = None
+        self._topk_idx = topk_idx
+        self._topk_idx_version = None if topk_idx.is_inference() else topk_idx._version
+        # Not DeepEP's: what this library's cached dispatch and combine read.
+        self._buffer_uid = buffer_uid
+        self._legacy = legacy  # the engines' handle (docs/semantics/deepep-api.md §4.3)
+        self._num_valid = num_valid_tokens
+        self._recv_topk_idx = recv_topk_idx  # [n, K] int64 local expert ids, -1 elsewhere
+        self._combine_order = combine_order  # [N, R] int64: the last top-k slot of each token on each rank
+
+    @property
+    def topk_idx(self) -> torch.Tensor:
+        """The dispatch's ``topk_idx``. Raises ``AssertionError`` if it was modified in place since."""
+        assert self._topk_idx_version is None or self._topk_idx._version == self._topk_idx_version, \
+            "`topk_idx` must not be modified while the EP handle is in use"
+        return self._topk_idx
+
+    @property
+    def psum_num_recv_tokens_per_rank(self) -> torch.Tensor:
+        """DeepEP-Ascend's name: ``[R]`` inclusive prefix sum of the rows received from each rank (here the
+        same tensor as :attr:`psum_num_recv_tokens_per_scaleup_rank`)."""
+        return self.psum_num_recv_tokens_per_scaleup_rank
+
+    @property
+    def ascend_recv_src_metadata(self) -> torch.Tensor:
+        """:attr:`recv_src_metadata` in DeepEP-Ascend's column order, ``[n, K + 2]``: columns ``j < K`` the
+        expanded row of slot ``j`` (-1: none), column ``K`` ``src_token_global_idx``, column ``K + 1`` the
+        token's last top-k slot ``j`` on this rank (DeepEP-Ascend stores ``j`` alone where DeepEP stores
+        ``src_rank * K + j``; -1 on rows past the real count)."""
+        meta = self.recv_src_metadata
+        k = meta.size(1) - 2
+        lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), meta[:, 1])
+        return torch.cat([meta[:, 2:], meta[:, :1], lane[:, None]], dim=1)

@@ -1,0 +1,329 @@
+"""``EPBuffer`` (DeepEP V2.5's API) against the independent reference of ``tests/support/ep_reference.py``,
+bit for bit: received rows, scales, local expert ids, weights, the handle's counts, prefix sums and
+metadata, the expanded layout and its padding, cached dispatches, and the combine's arithmetic
+(docs/semantics/deepep-api.md §13). Every test is collective.
+
+Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_ep_buffer.py`` (N = 1, 2, 4, 8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepep_ascend import ConsensusError, ElasticBuffer, EPBuffer, EPHandle
+from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
+from tests.support.buffer_helpers import all_ranks_ok, capture, coll, same_bits_nan
+from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots
+from tests.support.mpi_utils import gather_all, world
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(300)]
+
+MAX_TOKENS, HIDDEN, TOPK = 24, 256, 4
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ep():
+    buf = coll(lambda: EPBuffer(world(), num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                explicitly_destroy=True), what="EPBuffer()")
+    yield buf
+    coll(buf.destroy, what="destroy")
+
+
+def _align(n, a):
+    return -(-n // a) * a
+
+
+def _inputs(rank, R, seed, num_experts, fp8, routing="random", with_weights=True):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    n = MAX_TOKENS - 3 * rank if routing != "zero_rank" or rank != R - 1 else 0
+    n = max(n, 0)
+    scores = torch.rand(n, num_experts, generator=g)
+    if routing == "skewed":  # most tokens choose the experts of rank 0
+        scores[: n // 2, : num_experts // R] += 2.0
+    topk_idx = torch.topk(scores, TOPK, dim=1).indices.to(torch.int64)
+    if n:
+        topk_idx[::5] = -1  # rows with no expert at all
+        topk_idx[1::3, 0] = -1  # a -1 slot before the real ones
+    x = (torch.randn(n, HIDDEN, generator=g) * 3).to(BF16)
+    sf = None
+    if fp8:
+        sf = torch.rand(n, HIDDEN // 128, generator=g) + 0.5
+        x = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = torch.rand(n, TOPK, generator=g).masked_fill(topk_idx < 0, 0.0) if with_weights else None
+    return x, sf, topk_idx, w
+
+
+def _gather_inputs(comm, x, sf, topk_idx, w):
+    xs = gather_all(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x, comm)
+    sfs = gather_all(sf, comm) if sf is not None else None
+    ids = gather_all(topk_idx, comm)
+    ws = gather_all(w, comm) if w is not None else None
+    return xs, sfs, ids, ws
+
+
+def _run(ep, fn, async_defer):
+    """A dispatch/combine with or without ``async_with_compute_stream`` + ``defer_epilogue``."""
+    if not async_defer:
+        return fn()
+    event = fn(async_with_compute_stream=True, defer_epilogue=True)
+    return (*event.current_stream_wait(), event)
+
+
+MODES = [  # (fp8, expert_alignment, num_bias, async_defer, do_cpu_sync, with_weights, routing)
+    (False, 1, 0, False, True, True, "random"),
+    (True, 128, 1, True, True, True, "skewed"),
+    (False, 128, 2, False, False, True, "zero_rank"),
+    (True, 1, 2, True, False, True, "random"),
+    (False, 4, 1, False, True, False, "skewed"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "fp8={} align={} bias={} defer={} sync={} w={} {}".format(*m))
+def test_dispatch_combine_modes(ep, comm, mode):
+    fp8, alignment, num_bias, defer, cpu_sync, with_weights, routing = mode
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 8 * R
+    L = E // R
+    x, sf, topk_idx, w = _inputs(rank, R, 7, E, fp8, routing, with_weights)
+    xin = (x, sf) if fp8 else x
+    xs, sfs, ids, ws = _gather_inputs(comm, x, sf, topk_idx, w)
+    ref = ref_dispatch(xs, sfs, ids, ws, rank, E, MAX_TOKENS)
+    nref = ref.src.numel()
+    stats = torch.full((L,), 5, dtype=torch.int32)
+    args = dict(topk_idx=topk_idx, topk_weights=w, num_experts=E, expert_alignment=alignment, do_cpu_sync=cpu_sync)
+
+    recv_x, recv_ids, recv_w, handle, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
+        xin, cumulative_local_expert_recv_stats=stats, **args, **kw), defer), what="dispatch")
+    exp_x, exp_ids, exp_w, exp_handle, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
+        xin, do_expand=True, use_tma_aligned_col_major_sf=True, **args, **kw), defer), what="expanded dispatch")
+    c_x, c_ids, c_w, c_handle, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
+        xin, handle=handle, **kw), defer), what="cached dispatch")
+    ce_x, _, ce_w, _, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
+        xin, handle=exp_handle, topk_weights=w, do_expand=True, do_zero_padding=True, **kw), defer),
+        what="cached expanded dispatch")
+
+    ok = True
+    rows = nref if cpu_sync else R * MAX_TOKENS
+    data = recv_x[0] if fp8 else recv_x
+    ok &= tuple(data.shape) == (rows, HIDDEN) and handle.num_recv_tokens == rows
+    valid = slice(0, nref)
+    got_x = data[valid].view(torch.uint8) if fp8 else data[valid]
+    ok &= torch.equal(got_x, ref.x) and torch.equal(recv_ids[valid], ref.topk_idx)
+    ok &= bool((recv_ids[nref:] == -1).all())
+    if fp8:
+        ok &= torch.equal(recv_x[1][valid], ref.sf)
+    if with_weights:
+        ok &= torch.equal(recv_w[valid], ref.weights)
+    else:
+        ok &= recv_w is None and exp_w is None
+    meta = handle.recv_src_metadata
+    ok &= torch.equal(meta[valid, 0].long(), ref.src)
+    last = torch.where(ref.topk_idx >= 0, torch.arange(TOPK), -1).amax(dim=1) if nref else torch.zeros(0)
+    ok &= torch.equal(meta[valid, 1].long(), (ref.src // MAX_TOKENS) * TOPK + last)
+    ok &= torch.equal(handle.psum_num_recv_tokens_per_scaleup_rank, torch.tensor(ref.per_rank).cumsum(0).int())
+    ok &= handle.psum_num_recv_tokens_per_rank is handle.psum_num_recv_tokens_per_scaleup_rank
+    aligned = [_align(c, alignment) for c in ref.counts]
+    ok &= handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
+    ok &= torch.equal(handle.psum_num_recv_tokens_per_expert, torch.tensor(aligned).cumsum(0).int())
+    ok &= torch.equal(handle.num_unaligned_recv_tokens_per_expert, torch.tensor(ref.counts, dtype=torch.int32))
+    ok &= torch.equal(stats, 5 + torch.tensor(ref.counts, dtype=torch.int32))
+    ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
+    ok &= handle.topk_idx is topk_idx and c_handle is handle
+    # Cached: the same rows, ids and weights.
+    c_data = c_x[0] if fp8 else c_x
+    ok &= torch.equal(c_data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(c_ids, recv_ids)
+    ok &= c_w is None
+    # Expanded: every (row, slot) on this rank at its slot, experts in order, aligned, padded with zeros.
+    starts, s = [], 0
+    for c in ref.counts:
+        starts.append(s)
+        s += _align(c, alignment)
+    eh = exp_handle
+    ok &= exp_ids is None and eh.do_expand
+    ok &= torch.equal(eh.psum_num_recv_tokens_per_expert, torch.tensor([st + c for st, c in zip(starts, ref.counts)],
+                                                                        dtype=torch.int32))
+    exp_rows = s if cpu_sync else eh.num_expanded_tokens
+    exp_data = exp_x[0] if fp8 else exp_x
+    ok &= exp_data.size(0) == exp_rows and eh.num_expanded_tokens == exp_rows
+    slots = eh.recv_src_metadata[valid, 2:]
+    ok &= torch.equal(slots >= 0, ref.topk_idx >= 0)
+    for e in range(L):
+        mine = ref.topk_idx == e
+        got_slots = slots[mine].long()
+        ok &= torch.equal(torch.sort(got_slots).values, torch.arange(starts[e], starts[e] + ref.counts[e]))
+        src_rows = torch.nonzero(mine)[:, 0]
+        ok &= torch.equal(exp_data[got_slots].view(torch.uint8), ref.x[src_rows].view(torch.uint8))
+        ok &= torch.equal(ce_x[0][got_slots] if fp8 else ce_x[got_slots], exp_data[got_slots])
+        if fp8:
+            ok &= torch.equal(exp_x[1][got_slots], ref.sf[src_rows]) and exp_x[1].stride() == (1, exp_rows)
+        if with_weights:
+            ok &= torch.equal(exp_w[got_slots], ref.weights[mine]) and torch.equal(ce_w[got_slots], exp_w[got_slots])
+        pad = slice(starts[e] + ref.counts[e], _align(starts[e] + ref.counts[e], alignment))
+        ce_data = ce_x[0] if fp8 else ce_x
+        ok &= bool((ce_data[pad].view(torch.uint8) == 0).all())
+        if with_weights:
+            ok &= bool((ce_w[pad] == 0).all())
+    all_ranks_ok(comm, ok, "dispatch outputs vs the reference")
+
+    # Combine: expert outputs made from the source token's global index; compact rows are each rank's
+    # slot sums, expanded rows one per slot.
+    y_recv = pre_combine_data(ref.src, TOPK, HIDDEN, 3)
+    y_recv[ref.topk_idx < 0] = 0
+    compact = torch.zeros(rows, HIDDEN, dtype=BF16)
+    acc = torch.zeros(nref, HIDDEN)
+    for j in range(TOPK):
+        acc += y_recv[:, j].float()
+    compact[:nref] = acc.to(BF16)
+    expanded = torch.zeros(eh.num_expanded_tokens, HIDDEN, dtype=BF16)
+    valid_slots = slots >= 0
+    expanded[slots[valid_slots].long()] = y_recv[valid_slots]
+    gen = torch.Generator().manual_seed(rank)
+    n = topk_idx.size(0)
+    bias = [None, torch.randn(n, HIDDEN, generator=gen).to(BF16),
+            (torch.randn(n, HIDDEN, generator=gen).to(BF16), torch.randn(n, HIDDEN, generator=gen).to(BF16))][num_bias]
+    y_mine = pre_combine_data(rank * MAX_TOKENS + torch.arange(n), TOPK, HIDDEN, 3)
+    y_mine[topk_idx < 0] = 0
+    want = ref_combine(y_mine, topk_idx, E, R, bias)
+    comb, comb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(compact, handle, topk_weights=recv_w, bias=bias,
+                                                                    **kw), defer), what="combine")
+    ecomb, ecomb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(expanded, exp_handle, topk_weights=exp_w,
+                                                                      bias=bias, **kw), defer), what="expanded combine")
+    ok = same_bits_nan(comb, want) and same_bits_nan(ecomb, want)
+    if with_weights:
+        ok &= torch.equal(comb_w, w) and torch.equal(ecomb_w, w)
+    else:
+        ok &= comb_w is None and ecomb_w is None
+    all_ranks_ok(comm, ok, "combine vs the reference (bitwise)")
+
+
+def test_deterministic_twice_and_200_calls_changing_shapes(comm):
+    """Identical bits run after run; 200 consecutive calls with changing token counts and hidden sizes."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    buf = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=16, hidden=128, num_topk=2, deterministic=True,
+                                explicitly_destroy=True))
+    try:
+        E = 4 * R
+        ok = True
+        for i in range(200):
+            g = torch.Generator().manual_seed(i * 131 + rank)
+            n = int(torch.randint(0, 17, (1,), generator=g))
+            hidden = [32, 64, 128][i % 3]
+            topk_idx = torch.randint(-1, E, (n, 2), generator=g)
+            x = torch.randn(n, hidden, generator=g).to(BF16)
+            out = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E, num_max_tokens_per_rank=16))
+            if i % 50 == 0:
+                again = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E, num_max_tokens_per_rank=16))
+                ok &= torch.equal(out[0], again[0])
+                ok &= torch.equal(out[3].recv_src_metadata, again[3].recv_src_metadata)
+            combined, _, _ = coll(lambda: buf.combine(out[0], out[3]))
+            # every row comes back once per rank that received it: a sum of copies of x
+            ranks_per_token = torch.stack([((topk_idx >= r * 4) & (topk_idx < r * 4 + 4)).any(1) for r in range(R)]
+                                          ).sum(0) if n else torch.zeros(0)
+            # c copies of a bf16 value sum exactly in float32 (c <= 8): one rounding of c * x
+            want = (x.float() * ranks_per_token[:, None]).to(BF16) if n else x
+            ok &= torch.equal(combined, want)
+        all_ranks_ok(comm, ok, "deterministic dispatches and 200 calls")
+    finally:
+        coll(buf.destroy)
+
+
+def test_size_hint_is_exact(comm):
+    """The hint's bytes take a full-shape call; one alignment unit less is refused by that call on every
+    rank, one byte less by the constructor."""
+    R = comm.Get_size()
+    hint = EPBuffer.get_buffer_size_hint(comm, 16, 256, 4, use_fp8_dispatch=True)
+    assert hint % get_num_allocation_alignment() == 0
+    x = torch.zeros(16, 256).to(torch.float8_e4m3fn)
+    sf = torch.ones(16, 2)
+    topk_idx = torch.arange(4).repeat(16, 1) % (4 * R)
+    for nbytes, fits in ((hint, True), (hint - get_num_allocation_alignment(), False)):
+        buf = coll(lambda nbytes=nbytes: EPBuffer(comm, num_bytes=nbytes, num_max_tokens_per_rank=16,
+                                                  explicitly_destroy=True))
+        try:
+            _, err = capture(lambda buf=buf: buf.dispatch((x, sf), topk_idx=topk_idx, num_experts=4 * R))
+            ok = err is None if fits else (isinstance(err, ValueError) and "get_buffer_size_hint" in str(err))
+            all_ranks_ok(comm, ok, f"num_bytes={nbytes} (hint {hint}): {err!r}")
+        finally:
+            coll(buf.destroy)
+    _, err = capture(lambda: EPBuffer(comm, num_bytes=hint - 1, explicitly_destroy=True))
+    assert isinstance(err, ValueError) and "multiple of" in str(err)
+
+
+def test_bad_inputs_raise_on_every_rank(ep, comm):
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 8 * R
+    x, _, topk_idx, w = _inputs(rank, R, 3, E, False)
+    bad_rank = R - 1
+    cases = {
+        "topk_idx int32": dict(topk_idx=topk_idx.int() if rank == bad_rank else topk_idx),
+        "expert id out of range": dict(topk_idx=topk_idx.clone().fill_(E) if rank == bad_rank else topk_idx),
+        "too many tokens": dict(topk_idx=topk_idx, num_max_tokens_per_rank=1 if rank == bad_rank else MAX_TOKENS),
+        "ranks disagree on expert_alignment": dict(topk_idx=topk_idx, expert_alignment=1 + (rank == bad_rank)),
+    }
+    if R == 1:
+        del cases["ranks disagree on expert_alignment"]
+    for what, kw in cases.items():
+        kw = dict(dict(num_experts=E), **kw)
+        _, err = capture(lambda kw=kw: ep.dispatch(x, **kw))
+        all_ranks_ok(comm, isinstance(err, (TypeError, ValueError)), f"{what}: {err!r}")
+        # the buffer stays usable
+        coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
+    _, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
+    _, err = capture(lambda: ep.dispatch(x, handle=handle, do_cpu_sync=True))
+    assert isinstance(err, AssertionError)
+    other = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, explicitly_destroy=True))
+    try:
+        _, err = capture(lambda: other.dispatch(x, handle=handle))
+        all_ranks_ok(comm, isinstance(err, ValueError) and "another buffer" in str(err), f"foreign handle: {err!r}")
+    finally:
+        coll(other.destroy)
+    _, err = capture(lambda: ep.dispatch(x, handle=handle, do_expand=True))
+    all_ranks_ok(comm, isinstance(err, ValueError) and "do_expand" in str(err), f"layout mismatch: {err!r}")
+    _, err = capture(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, do_handle_copy=True))
+    assert isinstance(err, AssertionError)
+
+
+def test_event_overlap_hooks_and_allocator(comm):
+    """``EventOverlap.current_stream_wait`` returns the hook's result once; ``wait`` is its alias;
+    ``BufferAllocator`` places planned tensors at aligned offsets of one storage; ``ElasticBuffer``
+    takes V2's ``do_handle_copy=True``."""
+    from deepep_ascend import EventHandle, EventOverlap
+    ev = EventOverlap(EventHandle())
+    ev.register_hook_after_wait(lambda: 42)
+    assert ev.current_stream_wait() == 42 and ev.wait() is None
+    plan = BufferAllocator()
+    a = plan.allocate((3, 5), torch.float32)
+    b = plan.allocate((7,), torch.int64)
+    assert plan.num_bytes == 2 * get_num_allocation_alignment() and a.device.type == "meta"
+    storage = torch.zeros(plan.num_bytes, dtype=torch.uint8)
+    plan.materialize(storage)
+    a.fill_(1.5)
+    b.fill_(-1)
+    assert storage[:4].view(torch.float32).item() == 1.5
+    assert storage[get_num_allocation_alignment():][:8].view(torch.int64).item() == -1
+    with pytest.raises(RuntimeError):
+        plan.allocate((1,), torch.int8)
+    R, rank = comm.Get_size(), comm.Get_rank()
+    buf = coll(lambda: ElasticBuffer(comm, num_max_tokens_per_rank=8, hidden=64, explicitly_destroy=True))
+    try:
+        x = torch.randn(8, 64).to(BF16)
+        topk_idx = torch.randint(0, 2 * R, (8, 2), generator=torch.Generator().manual_seed(rank))
+        out = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))
+        again = coll(lambda: buf.dispatch(x, handle=out[3], do_handle_copy=True))
+        ok = isinstance(again[3], EPHandle) and again[3] is not out[3] and torch.equal(again[0], out[0])
+        all_ranks_ok(comm, ok, "ElasticBuffer with do_handle_copy")
+    finally:
+        coll(buf.destroy)
+
+
+def test_consensus_error_names_ranks(ep, comm):
+    R = comm.Get_size()
+    if R < 2:
+        pytest.skip("needs two ranks")
+    rank = comm.Get_rank()
+    x = torch.zeros(2, HIDDEN).to(BF16)
+    topk_idx = torch.zeros(2, 1, dtype=torch.int64)
+    _, err = capture(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=8 * R, do_expand=rank == 0))
+    all_ranks_ok(comm, isinstance(err, ConsensusError) and "layout flags" in str(err), f"{err!r}")

@@ -1,0 +1,101 @@
+"""An independent pure-torch reference of ``EPBuffer.dispatch`` / ``combine`` (docs/semantics/deepep-api.md §13),
+built from every rank's inputs as an all-to-all would deliver them (in the spirit of DeepEP's ``refs.py``):
+received rows sorted by ``src_token_global_idx``, local expert ids, and the combine arithmetic token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+@dataclass
+class RefEP:
+    src: torch.Tensor  # [n] int64 src_token_global_idx, ascending
+    x: torch.Tensor  # [n, ...] rows of x (bytes or typed)
+    sf: torch.Tensor | None
+    topk_idx: torch.Tensor  # [n, K] local expert ids, -1 elsewhere
+    weights: torch.Tensor | None  # [n, K], 0 where not local
+    per_rank: list  # rows received from each rank
+    counts: list  # (token, local expert) pairs per local expert
+
+
+def ref_dispatch(xs, sfs, topk_idxs, weights, rank: int, num_experts: int, max_tokens: int) -> RefEP:
+    """What ``rank`` receives: ``xs[s]``, ``sfs[s]``, ``topk_idxs[s]``, ``weights[s]`` are rank ``s``'s inputs."""
+    R = len(xs)
+    L = num_experts // R
+    src, rows, sf_rows, ids, ws, per_rank = [], [], [], [], [], []
+    for s in range(R):
+        local = (topk_idxs[s] >= rank * L) & (topk_idxs[s] < (rank + 1) * L)
+        tokens = torch.nonzero(local.any(dim=1)).squeeze(1)
+        per_rank.append(tokens.numel())
+        src.append(s * max_tokens + tokens)
+        rows.append(xs[s][tokens])
+        if sfs is not None:
+            sf_rows.append(sfs[s][tokens])
+        ids.append(torch.where(local[tokens], topk_idxs[s][tokens] - rank * L, -1))
+        if weights is not None:
+            ws.append(torch.where(local[tokens], weights[s][tokens], 0.0))
+    recv_ids = torch.cat(ids)
+    counts = [int((recv_ids == e).sum()) for e in range(L)]
+    return RefEP(torch.cat(src), torch.cat(rows), torch.cat(sf_rows) if sfs is not None else None, recv_ids,
+                 torch.cat(ws) if weights is not None else None, per_rank, counts)
+
+
+def ref_dst_slots(topk_idxs, rank: int, num_experts: int) -> torch.Tensor:
+    """``[N, R]``: the row of each of ``rank``'s tokens in each rank's received rows (-1: not sent)."""
+    R = len(topk_idxs)
+    L = num_experts // R
+    n = topk_idxs[rank].size(0)
+    out = torch.full((n, R), -1, dtype=torch.int32)
+    for r in range(R):
+        before = sum(int(((t >= r * L) & (t < (r + 1) * L)).any(dim=1).sum()) for t in topk_idxs[:rank])
+        mine = ((topk_idxs[rank] >= r * L) & (topk_idxs[rank] < (r + 1) * L)).any(dim=1)
+        out[mine, r] = torch.arange(before, before + int(mine.sum()), dtype=torch.int32)
+    return out
+
+
+def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bias) -> torch.Tensor:
+    """DeepEP V2.5's combine of one origin rank's tokens, element by element in float32.
+
+    ``y`` ``[N, K, H]`` bf16: the expert output of each (token, slot). Each rank first sums its slots of
+    a token in slot order (float32, rounded to bf16); the origin then adds those rank rows to
+    ``f32(bias0) + f32(bias1)`` in the order of each rank's last slot in the token's row, rounding once.
+    """
+    N, K, H = y.shape
+    L = num_experts // num_ranks
+    out = torch.empty(N, H, dtype=BF16)
+    b0, b1 = bias if isinstance(bias, tuple) else (bias, None)
+    for t in range(N):
+        acc = torch.zeros(H)
+        if b0 is not None:
+            acc = b0[t].float() + (b1[t].float() if b1 is not None else 0.0)
+        elif b1 is not None:
+            acc = b1[t].float() + 0.0
+        ranks = [int(e) // L if e >= 0 else -1 for e in topk_idx[t].tolist()]
+        last = {}
+        for j, r in enumerate(ranks):
+            if r >= 0:
+                last[r] = j
+        for r in sorted(last, key=last.get):
+            part = torch.zeros(H)
+            for j, rr in enumerate(ranks):
+                if rr == r:
+                    part += y[t, j].float()
+            acc += part.to(BF16).float()
+        out[t] = acc.to(BF16)
+    return out
+
+
+def pre_combine_data(src_global_idx: torch.Tensor, num_topk: int, hidden: int, seed: int) -> torch.Tensor:
+    """``[n, K, H]`` bf16 expert outputs that depend only on the source token's global index and the slot
+    (every rank can make the same values for the same token). Each (token, slot) has its own binary
+    exponent in ``[-30, 30)``, so that float32 sums of them round and the order of the additions shows."""
+    seeds = (src_global_idx[:, None] * num_topk + torch.arange(num_topk)[None, :]).to(torch.int64)
+    cols = torch.arange(1, hidden + 1, dtype=torch.float64)
+    values = torch.sin((seeds[..., None].to(torch.float64) * 0.61803 + seed) * cols * 0.37)
+    scale = torch.pow(2.0, ((seeds * 7919 + seed) % 60 - 30).to(torch.float64))
+    return (values * scale[..., None]).to(BF16)
