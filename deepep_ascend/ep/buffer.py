@@ -733,7 +733,8 @@ class Buffer:
                                       cached=False)
             ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
             ctx.update(itr=itr, call_id=call_id, cfg=cfg)
-            return self._engine.dispatch(
+            path_args = {"num_tokens_per_rdma_rank": self._tokens_per_node(itr)} if self._internode else {}
+            return self._engine.dispatch(**path_args,
                 call_id=call_id, x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
                 is_token_in_rank=itr, num_tokens_per_rank=ntpr, num_tokens_per_expert=ntpe, num_experts=num_experts,
                 expert_alignment=1, num_worst_tokens=num_worst_tokens, num_channels=cfg.num_channels,

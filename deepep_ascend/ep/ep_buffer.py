@@ -14,12 +14,15 @@ import torch
 
 from .. import native as _native
 from .. import settings
+from ..transports import Topology
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import check, check_tensor
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
 from .group import mpi_comm_of
+from .handles import InternodeHandle
+from .internode import InternodeEngine
 from .intranode import IntranodeEngine
 from .protocol import (
     EP_MODE_CPU_SYNC,
@@ -103,7 +106,8 @@ class EPBuffer(BufferBase):
                 raise ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
                                  f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
             num_bytes = EPBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
-                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
+                                                      ranks_per_node=ranks_per_node)
         alignment = get_num_allocation_alignment()
         if not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment:
             raise ValueError(f"EPBuffer: num_bytes must be a positive multiple of {alignment} "
@@ -117,14 +121,15 @@ class EPBuffer(BufferBase):
             raise ValueError("EPBuffer: the lb_allocation_plan was already materialized")
         self.num_bytes, self.num_lb_bytes = num_bytes, num_lb_bytes
         timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
-        self._legacy = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
-                              ranks_per_node=ranks_per_node,
-                              timeout_s=timeout)
-        if self._legacy.num_nodes > 1:
-            self._legacy.runtime.destroy(force=True)
+        topo = Topology.from_comm(comm, ranks_per_node)
+        if topo.num_nodes > 1 and not allow_hybrid_mode:
             raise NotImplementedError(
-                f"EPBuffer: the ranks span {self._legacy.num_nodes} nodes of {self._legacy.ranks_per_node}; "
-                f"EPBuffer runs within one node so far (V1 Buffer runs across nodes)")
+                f"EPBuffer: allow_hybrid_mode=False (direct mode) across the {topo.num_nodes} nodes is not supported "
+                f"yet; allow_hybrid_mode=True routes through DeepEP's two hops")
+        self._windows = _split(num_bytes, self.num_ranks, topo.num_nodes)
+        self._legacy = Buffer(group, num_nvl_bytes=self._windows[0], num_rdma_bytes=self._windows[1],
+                              explicitly_destroy=explicitly_destroy, ranks_per_node=topo.ranks_per_node,
+                              timeout_s=timeout)
         self.runtime = self._legacy.runtime
         self.lb_storage = torch.zeros(num_lb_bytes, dtype=torch.uint8)
         if plan is not None:
@@ -137,38 +142,63 @@ class EPBuffer(BufferBase):
 
     # -- sizes ------------------------------------------------------------------------------
     @staticmethod
-    def _required_bytes(num_ranks: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int, num_topk: int,
-                        hidden: int) -> int:
-        need = IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
-                                         num_ranks, 2 * hidden, num_topk)
-        return _align(need, get_num_allocation_alignment())
+    def _window_needs(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int,
+                      num_topk: int, hidden: int) -> tuple[int, int]:
+        """``(UBMEM, URMA)`` window bytes a call of this shape needs in one round (the engines' worst case,
+        with room for :data:`NUM_MAX_EXPERTS` experts' counts)."""
+        if num_nodes == 1:
+            return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
+                                             num_ranks, 2 * hidden, num_topk), 0
+        # combine's rows carry one more float32 column across nodes: each row's sort key (§13.5)
+        return InternodeEngine.size_hints(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
+                                          num_ranks, num_nodes, 2 * hidden, num_topk + 1)
+
+    @staticmethod
+    def _bytes_for(needs: tuple[int, int], num_ranks: int, num_nodes: int) -> int:
+        """The smallest ``num_bytes`` whose :func:`_split` covers ``needs``."""
+        unit = get_num_allocation_alignment()
+        nvl, rdma = needs
+        if num_nodes == 1:
+            return _align(nvl, unit)
+        total = num_ranks + num_nodes
+        n = _align(max(nvl + rdma, -(-nvl * total // num_ranks), -(-rdma * total // num_nodes)), unit)
+        while n > unit and _covers(_split(n - unit, num_ranks, num_nodes), needs):
+            n -= unit
+        while not _covers(_split(n, num_ranks, num_nodes), needs):
+            n += unit
+        return n
 
     @staticmethod
     def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
                              use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:
+                             allow_multiple_reduction: bool = True, *, ranks_per_node: int | None = None) -> int:
         """Bytes per rank that calls of this MoE shape need (``deep_ep.EPBuffer.get_buffer_size_hint``).
+
+        Collective (it reads the group's topology; ``ranks_per_node`` as in the constructor).
 
         Exact: a buffer of these bytes takes every call with at most ``num_max_tokens_per_rank`` tokens
         of ``hidden`` (BF16, or FP8 with float32 scales per 128 channels) and ``num_topk`` slots (0: up to
         :data:`NUM_MAX_TOPK`); one alignment unit less is refused by such a call (``ValueError``).
         Returns a multiple of :func:`get_num_allocation_alignment`.
         """
-        num_ranks = mpi_comm_of(group, None).Get_size()
+        comm = mpi_comm_of(group, None)
+        num_ranks, num_nodes = comm.Get_size(), Topology.from_comm(comm, ranks_per_node).num_nodes
         k = num_topk if num_topk > 0 else NUM_MAX_TOPK
         x_bytes, sf_bytes = (hidden, 4 * -(-hidden // 128)) if use_fp8_dispatch else (2 * hidden, 0)
-        return EPBuffer._required_bytes(num_ranks, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
+        needs = EPBuffer._window_needs(num_ranks, num_nodes, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
+        return EPBuffer._bytes_for(needs, num_ranks, num_nodes)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(num_rdma_ranks, num_nvlink_ranks)``: nodes and ranks per node (URMA and UBMEM domains)."""
         return self._legacy.num_nodes, self._legacy.ranks_per_node
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``: one node, so ``(1, num_ranks)``."""
-        return 1, self.num_ranks
+        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(nodes, ranks per node)`` (hybrid mode, DeepEP's
+        two hops); ``(1, num_ranks)`` on one node."""
+        return self._legacy.num_nodes, self._legacy.ranks_per_node
 
     def _memory_usage(self) -> dict[str, int]:
-        return {"UBMEM window": self.num_bytes, "LB storage": self.num_lb_bytes}
+        return {"UBMEM window": self._windows[0], "URMA window": self._windows[1], "LB storage": self.num_lb_bytes}
 
     def _destroy(self) -> None:
         self._legacy.destroy()
@@ -300,10 +330,11 @@ class EPBuffer(BufferBase):
             sb = extra[0] if len(extra) == 1 else (torch.cat(extra, dim=1) if extra else None)
             hidden = data.size(1)
             sf_bytes = 0 if sf is None else extra[0].size(1)  # dispatched weights count as the top-k slots
-            need = EPBuffer._required_bytes(R, max_tokens, xb.size(1), sf_bytes,
-                                            (handle.topk_idx if handle is not None else topk_idx).size(1),
-                                            hidden)
-            check(need <= self.num_bytes, ValueError,
+            k = (handle.topk_idx if handle is not None else topk_idx).size(1)
+            G = self._legacy.num_nodes
+            needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden)
+            need = EPBuffer._bytes_for(needs, R, G)
+            check(_covers(self._windows, needs), ValueError,
                   f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
                   f"{max_tokens} with rows of {xb.size(1)} B (+{sf_bytes} B of scales) needs; "
                   f"see EPBuffer.get_buffer_size_hint")
@@ -409,12 +440,15 @@ class EPBuffer(BufferBase):
         if stats is not None:
             stats.add_(counts.to(torch.int32))
         if handle is None:
-            column = legacy.rank_prefix_matrix[:, me].to(torch.int64)
+            internode = isinstance(legacy, InternodeHandle)
+            column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
+            column = column.to(torch.int64)
             per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
             src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
             lanes = torch.arange(k)
             meta = torch.full((rows, 2 + k), -1, dtype=torch.int32)
-            src_token = legacy.recv_src_idx[:num_recv].to(torch.int64)
+            src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
+                         else legacy.recv_src_idx[:num_recv]).to(torch.int64)
             meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
             last = torch.where(valid_topk >= 0, lanes, -1).amax(dim=1) if k else torch.zeros(num_recv,
                                                                                                dtype=torch.int64)
@@ -433,8 +467,8 @@ class EPBuffer(BufferBase):
                 dest = torch.div(topk_idx, L, rounding_mode="floor")
                 order.scatter_reduce_(1, dest.clamp(min=0), torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx),
                                       reduce="amax")
-            dst_slot = torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
-            if itr is not None and itr.numel():
+            dst_slot = None if internode else torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
+            if not internode and itr is not None and itr.numel():
                 before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
                 pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
                 dst_slot = torch.where(itr, pos, -1).to(torch.int32)
@@ -443,7 +477,9 @@ class EPBuffer(BufferBase):
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
                 num_recv_tokens=rows, num_valid_tokens=num_recv, num_expanded_tokens=expanded,
                 num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
-                psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(per_rank, 0).to(torch.int32),
+                psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(
+                    per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0).to(torch.int32),
+                psum_num_recv_tokens_per_rank=torch.cumsum(per_rank, 0).to(torch.int32),
                 psum_num_recv_tokens_per_expert=psum_expert,
                 num_unaligned_recv_tokens_per_expert=counts.to(torch.int32),
                 recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot, recv_topk_idx=recv_topk, combine_order=order)
@@ -565,10 +601,16 @@ class EPBuffer(BufferBase):
             if biases[0] is None:
                 biases = (biases[1], None)
             compact_x, compact_w = self._compact(x, topk_weights, handle)
+            if self._legacy.num_nodes > 1:  # each row's key travels as one more weight column (§13.5)
+                meta = handle.recv_src_metadata
+                lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
+                compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
             return compact_x, compact_w, (None if biases[0] is None else biases), handle._legacy, handle._combine_order
 
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
+        if self._legacy.num_nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
+            combined_w = combined_w[:, :-1] if topk_weights is not None else None
         if event.event is None:
             event = EventOverlap(EventHandle())
         if defer_epilogue:
@@ -612,6 +654,20 @@ class EPBuffer(BufferBase):
 class ElasticBuffer(EPBuffer):
     """DeepEP V2 (2.1)'s spelling of :class:`EPBuffer` (``deep_ep.ElasticBuffer``): the same buffer, with
     V2's ``do_handle_copy=True`` allowed (the returned handle is then a copy of the cached one)."""
+
+
+def _split(num_bytes: int, num_ranks: int, num_nodes: int) -> tuple[int, int]:
+    """``num_bytes`` as ``(UBMEM, URMA)`` windows: all UBMEM on one node; across nodes in the ratio of what
+    a token costs each (the UBMEM staging holds rows from every rank, the URMA boxes one per node)."""
+    if num_nodes == 1:
+        return num_bytes, 0
+    unit = get_num_allocation_alignment()
+    nvl = num_bytes * num_ranks // (num_ranks + num_nodes) // unit * unit
+    return nvl, num_bytes - nvl
+
+
+def _covers(windows: tuple[int, int], needs: tuple[int, int]) -> bool:
+    return windows[0] >= needs[0] and windows[1] >= needs[1]
 
 
 def _copy_handle(handle: EPHandle) -> EPHandle:

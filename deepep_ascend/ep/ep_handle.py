@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .handles import IntranodeHandle
+from .handles import InternodeHandle, IntranodeHandle
 
 __all__ = ["EPHandle"]
 
@@ -33,8 +33,11 @@ class EPHandle:
             ``do_cpu_sync``, else the capacity); 0 in the compact layout.
         num_recv_tokens_per_expert_list: per local expert, the received (token, expert) count aligned
             up to ``expert_alignment`` (a Python list; empty without ``do_cpu_sync``).
-        psum_num_recv_tokens_per_scaleup_rank: ``[R]`` inclusive prefix sum of the rows received from
-            each rank (one scale-up domain: every rank is a scale-up rank); ``[-1]`` is the real count.
+        psum_num_recv_tokens_per_scaleup_rank: ``[P]`` (``P`` ranks per node) inclusive prefix sum, over
+            scale-up index ``i``, of the rows received from the ranks ``(node, i)`` of every node; ``[-1]``
+            is the real count (on one node ``P = R``: per source rank).
+        psum_num_recv_tokens_per_rank: ``[R]`` inclusive prefix sum of the rows received from each rank
+            (DeepEP-Ascend's field; the same as the one above on one node).
         psum_num_recv_tokens_per_expert: ``[L]``: compact layout, the inclusive prefix sum of the aligned
             counts; expanded layout, ``align(psum[e-1]) + count_e`` (expert ``e``'s rows start at
             ``align(psum[e-1], expert_alignment)`` and end at ``psum[e]``).
@@ -44,14 +47,15 @@ class EPHandle:
             slot ``j`` (-1: not on this rank, or the compact layout). DeepEP-Ascend orders the columns
             differently: see :attr:`ascend_recv_src_metadata`.
         dst_buffer_slot_idx: ``[N, R]``: the row of each of this rank's tokens in each rank's
-            compact ``recv_x`` (-1: not sent there).
+            compact ``recv_x`` (-1: not sent there); ``None`` across nodes.
         token_metadata_at_forward, channel_linked_list: ``None`` (DeepEP's hybrid-mode kernel state).
     """
 
-    def __init__(self, *, buffer_uid: int, legacy: IntranodeHandle, do_expand: bool, num_experts: int,
+    def __init__(self, *, buffer_uid: int, legacy: IntranodeHandle | InternodeHandle, do_expand: bool, num_experts: int,
                  expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int, topk_idx: torch.Tensor,
                  num_recv_tokens: int, num_valid_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_rank: torch.Tensor,
                  psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
                  recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, recv_topk_idx: torch.Tensor,
                  combine_order: torch.Tensor):
@@ -64,6 +68,7 @@ class EPHandle:
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_rank = psum_num_recv_tokens_per_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.recv_src_metadata = recv_src_metadata
@@ -85,12 +90,6 @@ class EPHandle:
         assert self._topk_idx_version is None or self._topk_idx._version == self._topk_idx_version, \
             "`topk_idx` must not be modified while the EP handle is in use"
         return self._topk_idx
-
-    @property
-    def psum_num_recv_tokens_per_rank(self) -> torch.Tensor:
-        """DeepEP-Ascend's name: ``[R]`` inclusive prefix sum of the rows received from each rank (here the
-        same tensor as :attr:`psum_num_recv_tokens_per_scaleup_rank`)."""
-        return self.psum_num_recv_tokens_per_scaleup_rank
 
     @property
     def ascend_recv_src_metadata(self) -> torch.Tensor:

@@ -82,8 +82,8 @@ from .reduce import CombineScratch, accumulate_rows
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
 N_READY = 0  # slot of the UBMEM window
 NUM_URMA_SLOTS, NUM_UBMEM_SLOTS = 2, 1
-HDR = 128  # header bytes sent with every block (16 int64 words)
-W_ROWS, W_AUX = 14, 15  # rows in this block; combine: largest token count of the sender's node
+HDR = 256  # header bytes sent with every block (32 int64 words: the protocol's words, W_ROWS, W_AUX)
+W_ROWS, W_AUX = 30, 31  # rows in this block; combine: largest token count of the sender's node
 STAGE_HDR = 1024  # combine staging header: the 16 words, then the message at word 32
 _ALIGN = 128
 
@@ -164,6 +164,8 @@ class _CombineCall:
     combined_w: torch.Tensor | None  # [N, K'] float32
     forwarded_done: list  # per origin node: forwarded tokens already returned as partials
     staged_done: np.ndarray  # [P, R] int64: rows each node peer staged so far, per origin
+    keyed: bool = False  # EPBuffer's order: the last weight column is each row's sort key
+    node_order: torch.Tensor | None = None  # [N, G] int64: the origin's key of each node's partial
 
     @property
     def weight_cols(self) -> int:
@@ -303,7 +305,7 @@ class InternodeEngine:
     def _full_header(self, hdr_words, read_message):
         """``[128]`` int64 header as :func:`consensus_problems` reads it (message from word 32 if any)."""
         h = np.zeros(128, dtype=np.int64)
-        h[:16] = hdr_words
+        h[:HDR // 8] = hdr_words
         if h[W_STATUS]:
             h[MSG_WORD:] = read_message().numpy().view(np.int64)
         return h
@@ -418,8 +420,9 @@ class InternodeEngine:
 
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                  num_tokens_per_rdma_rank, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens,
-                 num_channels, handle_id, xdtype, sdtype) -> Generator:
-        """Non-cached internode dispatch (docs/semantics/deepep-api.md §5).
+                 num_channels, handle_id, xdtype, sdtype, extra_words: dict | None = None) -> Generator:
+        """Non-cached internode dispatch (docs/semantics/deepep-api.md §5). ``extra_words``: more header words
+        every rank must agree on (``EPBuffer``'s collective arguments, ``protocol.W_EP_*``).
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
@@ -434,7 +437,7 @@ class InternodeEngine:
         in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
-                 W_CHANNELS: num_channels, W_WCOLS: -1}
+                 W_CHANNELS: num_channels, W_WCOLS: -1, **(extra_words or {})}
         vec = torch.cat([num_tokens_per_rank, num_tokens_per_expert, num_tokens_per_rdma_rank]).to(torch.int32)
         call = _DispatchCall(call_id=call_id, xb=xb, sb=sb, num_topk=num_topk, with_scales=scales is not None,
                              with_topk=topk_idx is not None, num_experts=num_experts,
@@ -592,7 +595,7 @@ class InternodeEngine:
 
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: InternodeHandle, num_channels, handle_id, xdtype,
-                        sdtype) -> Generator:
+                        sdtype, extra_words: dict | None = None) -> Generator:
         """Dispatch through an internode handle (docs/semantics/deepep-api.md §4.5, §5).
         Yields ``(recv_x, recv_scales)``."""
         n, xb = x.shape
@@ -603,7 +606,8 @@ class InternodeEngine:
         itr_nodes = handle.is_token_in_rank.view(n, self.G, self.P)
         in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
-                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1}
+                 W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1,
+                 **(extra_words or {})}
         recv_x = self.outputs.empty((rows, xb), torch.uint8)
         if rows > num_recv:
             recv_x[num_recv:].zero_()
@@ -729,9 +733,14 @@ class InternodeEngine:
             rnd += 1
 
     def combine(self, *, call_id, x, topk_weights, bias, handle: InternodeHandle, num_channels,
-                handle_id) -> Generator:
+                handle_id, order: torch.Tensor | None = None, extra_words: dict | None = None) -> Generator:
         """Internode combine (docs/semantics/deepep-api.md §5): forwarder partials rounded to bf16,
         then the origin's sum.
+
+        With ``order`` (``[N, R]`` int64, docs/semantics/deepep-api.md §13.5) the sums follow keys instead of
+        ascending rank: the last column of ``topk_weights`` is then each returned row's key (the
+        forwarder adds its node peers' rows in ascending key), and the origin adds the node partials in
+        ascending ``max(order[t, ranks of the node])``; that column comes back summed (meaningless).
 
         ``x`` is ``[>= N_recv, H]`` bf16. Yields ``(combined_x [N, H] bf16, combined_topk_weights | None)``.
         """
@@ -751,8 +760,10 @@ class InternodeEngine:
             forward_starts=[0] + [int(v) for v in handle.recv_rdma_rank_prefix_sum],
             combined=combined, combined_w=combined_w, forwarded_done=[0] * self.G,
             staged_done=np.zeros((self.P, self.num_ranks), dtype=np.int64))
+        call.node_order = None if order is None else order.view(n, self.G, self.P).amax(2)
+        call.keyed = order is not None
         words = {W_XBYTES: 2 * hidden, W_XDTYPE: dtype_code(torch.bfloat16), W_HANDLE: handle_id,
-                 W_CHANNELS: num_channels, W_WCOLS: wcols, W_TOPK: -1}
+                 W_CHANNELS: num_channels, W_WCOLS: wcols, W_TOPK: -1, **(extra_words or {})}
         for _ in self._combine_rounds(call_id=call_id, words=words, n=n, per_round=call.per_round, error=None,
                                       stage=functools.partial(self._stage_returned_rows, call),
                                       forward=functools.partial(self._forward_partials, call),
@@ -857,9 +868,11 @@ class InternodeEngine:
                                                    count * 4 * weight_cols, torch.float32).view(count, weight_cols),
                                        pos))
             self._record(peer, count * (xb + 4 * weight_cols))
-        # Node partial: float32 from +0.0 in ascending local rank, rounded to bf16 into the block.
+        # Node partial: float32 from +0.0 in ascending local rank (EPBuffer: ascending key), rounded to bf16.
         acc, tmp = self._scratch.get(hidden)
-        accumulate_rows(blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), sources, acc, tmp)
+        keys = [weights[:, -1].to(torch.int64) for weights, _ in weight_sources] if call.keyed else None
+        accumulate_rows(blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), sources, acc, tmp,
+                        keys=keys)
         if weight_cols:
             wout = blk[offs[0]:offs[0] + rows * 4 * weight_cols].view(torch.float32).view(rows, weight_cols)
             wout.zero_()
@@ -874,7 +887,7 @@ class InternodeEngine:
         lo_t, hi_t = rnd * call.per_round, min(n, (rnd + 1) * call.per_round)
         if hi_t <= lo_t:
             return
-        sources = []
+        sources, keys = [], []
         wacc = call.combined_w[lo_t:hi_t].zero_() if call.combined_w is not None else None
         for c in range(self.G):
             tokens = torch.nonzero(call.handle.send_rdma_head[lo_t:hi_t, c] >= 0).squeeze(1)
@@ -888,8 +901,11 @@ class InternodeEngine:
             offs, end = _offsets(HDR, rows, call.row_fields)
             blk = self._box(me, c, 0, end)
             sources.append((blk[offs[1]:offs[1] + rows * 2 * hidden].view(torch.bfloat16).view(rows, hidden), tokens))
+            if call.node_order is not None:
+                keys.append(call.node_order[lo_t + tokens, c])
             if wacc is not None and weight_cols:
                 wacc.index_add_(0, tokens, blk[offs[0]:offs[0] + rows * 4 * weight_cols]
                                 .view(torch.float32).view(rows, weight_cols))
         acc, tmp = self._scratch.get(hidden)
-        accumulate_rows(call.combined[lo_t:hi_t], sources, acc, tmp, call.bias, lo_t)
+        accumulate_rows(call.combined[lo_t:hi_t], sources, acc, tmp, call.bias, lo_t,
+                        keys=keys if call.node_order is not None else None)

@@ -23,10 +23,27 @@ MAX_TOKENS, HIDDEN, TOPK = 24, 256, 4
 BF16 = torch.bfloat16
 
 
+def _build(nodes: int) -> EPBuffer:
+    """An EPBuffer over the world, as one node or as ``nodes`` simulated nodes (hybrid mode)."""
+    R = world().Get_size()
+    return coll(lambda: EPBuffer(world(), num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                 explicitly_destroy=True, ranks_per_node=R // nodes), what="EPBuffer()")
+
+
 @pytest.fixture(scope="module")
 def ep():
-    buf = coll(lambda: EPBuffer(world(), num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
-                                explicitly_destroy=True), what="EPBuffer()")
+    buf = _build(1)
+    yield buf
+    coll(buf.destroy, what="destroy")
+
+
+@pytest.fixture(scope="module")
+def ep_two_nodes():
+    """Two simulated nodes (2x1 at 2 ranks, 2x2 at 4, 2x4 at 8): DeepEP's two hops over URMA and UBMEM."""
+    if world().Get_size() < 2:
+        yield None
+        return
+    buf = _build(2)
     yield buf
     coll(buf.destroy, what="destroy")
 
@@ -80,8 +97,12 @@ MODES = [  # (fp8, expert_alignment, num_bias, async_defer, do_cpu_sync, with_we
 ]
 
 
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one_node", "two_nodes"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "fp8={} align={} bias={} defer={} sync={} w={} {}".format(*m))
-def test_dispatch_combine_modes(ep, comm, mode):
+def test_dispatch_combine_modes(ep, ep_two_nodes, comm, mode, nodes):
+    if nodes == 2 and ep_two_nodes is None:
+        pytest.skip("two nodes need two ranks")
+    ep = ep if nodes == 1 else ep_two_nodes
     fp8, alignment, num_bias, defer, cpu_sync, with_weights, routing = mode
     R, rank = comm.Get_size(), comm.Get_rank()
     E = 8 * R
@@ -122,14 +143,19 @@ def test_dispatch_combine_modes(ep, comm, mode):
     ok &= torch.equal(meta[valid, 0].long(), ref.src)
     last = torch.where(ref.topk_idx >= 0, torch.arange(TOPK), -1).amax(dim=1) if nref else torch.zeros(0)
     ok &= torch.equal(meta[valid, 1].long(), (ref.src // MAX_TOKENS) * TOPK + last)
-    ok &= torch.equal(handle.psum_num_recv_tokens_per_scaleup_rank, torch.tensor(ref.per_rank).cumsum(0).int())
-    ok &= handle.psum_num_recv_tokens_per_rank is handle.psum_num_recv_tokens_per_scaleup_rank
+    per_scaleup = torch.tensor(ref.per_rank).view(-1, ep.num_scaleup_ranks).sum(0)
+    ok &= torch.equal(handle.psum_num_recv_tokens_per_scaleup_rank, per_scaleup.cumsum(0).int())
+    ok &= ep.get_logical_domain_size() == (nodes, R // nodes) == ep.get_physical_domain_size()
+    ok &= torch.equal(handle.psum_num_recv_tokens_per_rank, torch.tensor(ref.per_rank).cumsum(0).int())
     aligned = [_align(c, alignment) for c in ref.counts]
     ok &= handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
     ok &= torch.equal(handle.psum_num_recv_tokens_per_expert, torch.tensor(aligned).cumsum(0).int())
     ok &= torch.equal(handle.num_unaligned_recv_tokens_per_expert, torch.tensor(ref.counts, dtype=torch.int32))
     ok &= torch.equal(stats, 5 + torch.tensor(ref.counts, dtype=torch.int32))
-    ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
+    if nodes == 1:
+        ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
+    else:
+        ok &= handle.dst_buffer_slot_idx is None
     ok &= handle.topk_idx is topk_idx and c_handle is handle
     # Cached: the same rows, ids and weights.
     c_data = c_x[0] if fp8 else c_x
@@ -185,7 +211,7 @@ def test_dispatch_combine_modes(ep, comm, mode):
             (torch.randn(n, HIDDEN, generator=gen).to(BF16), torch.randn(n, HIDDEN, generator=gen).to(BF16))][num_bias]
     y_mine = pre_combine_data(rank * MAX_TOKENS + torch.arange(n), TOPK, HIDDEN, 3)
     y_mine[topk_idx < 0] = 0
-    want = ref_combine(y_mine, topk_idx, E, R, bias)
+    want = ref_combine(y_mine, topk_idx, E, R, bias, num_nodes=nodes)
     comb, comb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(compact, handle, topk_weights=recv_w, bias=bias,
                                                                     **kw), defer), what="combine")
     ecomb, ecomb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(expanded, exp_handle, topk_weights=exp_w,

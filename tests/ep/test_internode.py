@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepep_ascend import Buffer
+from deepep_ascend.ep.internode import HDR
 from tests.support.buffer_helpers import (
     BF16,
     Case,
@@ -104,7 +105,7 @@ def test_small_windows_stream_in_rounds_with_identical_results(comm):
         hint_nvl, hint_rdma = _hints(R, rpn, cases)
         # Dispatch boxes of 3 rows, combine staging of ~2 rows per origin (see internode.py's layout).
         row = 8 * 4 + 4 * 4 + 8 + 4 + 2 * 256 + rpn
-        box = -(-(128 + 8 * ((4 * (R + 16 + G) + 7) // 8) + 3 * row + 768) // 128) * 128
+        box = -(-(HDR + 8 * ((4 * (R + 16 + G) + 7) // 8) + 3 * row + 768) // 128) * 128
         small_rdma = 2 * G * box
         small_nvl = 2 * (-(-(1024 + 8 * R + 2 * R * (2 * 256 + 16)) // 128) * 128)
         assert 3 * small_rdma < hint_rdma and 3 * small_nvl < hint_nvl, "test setup: windows not much smaller"
@@ -132,7 +133,7 @@ def test_traffic_matches_hand_computed_bytes_and_two_hop_dedup(buffers, comm):
 
     Per transports' rule each transfer is counted once, by the rank that issues it:
 
-    * dispatch, hop 1: one URMA put per round to the rail peer on the other node, holding a 128 B
+    * dispatch, hop 1: one URMA put per round to the rail peer on the other node, holding an ``HDR``-byte
       header, the round-0 count vector ``4·(R + E + G)`` B (rounded up to 8) and one row per
       token **once** although it targets two ranks there: ``H·2 + 12·K + 4 + rpn`` B (x, top-k
       ids and weights, source index, target bitmask). The block for the own node (header and
@@ -172,14 +173,14 @@ def test_traffic_matches_hand_computed_bytes_and_two_hop_dedup(buffers, comm):
     src_peer = [s for s in range(R) if targets(s)[1] == r and targets(s)[0] != r]
     rows_self = sum(n_of(s) for s in src_self)
     rows_peer = sum(n_of(s) for s in src_peer)
-    e_disp = {"SELF": 128 + vec + rows_self * row, "UBMEM": rows_peer * row, "URMA": 128 + vec + n * row}
-    e_cached = {"SELF": 128 + rows_self * crow, "UBMEM": rows_peer * crow, "URMA": 128 + n * crow}
+    e_disp = {"SELF": HDR + vec + rows_self * row, "UBMEM": rows_peer * row, "URMA": HDR + vec + n * row}
+    e_cached = {"SELF": HDR + rows_self * crow, "UBMEM": rows_peer * crow, "URMA": HDR + n * crow}
     # Combine at forwarder r: it forwards tokens of its rail source s = (node-1, local) only.
     fwd_src = (r - rpn) % R
     fwd = n_of(fwd_src)
     own_rows = fwd  # r = targets(fwd_src)[0] always receives every forwarded token
     peer_rows = fwd if rpn > 1 else 0  # and (node, local+1) too, read over UBMEM
-    e_comb = {"SELF": 128 + own_rows * prow, "UBMEM": peer_rows * prow, "URMA": 128 + fwd * prow}
+    e_comb = {"SELF": HDR + own_rows * prow, "UBMEM": peer_rows * prow, "URMA": HDR + fwd * prow}
     if rpn == 1:  # both experts on the one rank of the other node: same row counts, no UBMEM
         e_disp["UBMEM"] = e_cached["UBMEM"] = 0
 
@@ -199,7 +200,7 @@ def test_traffic_matches_hand_computed_bytes_and_two_hop_dedup(buffers, comm):
     chk.check(t_comb == e_comb, f"combine traffic {t_comb} != expected {e_comb}")
     # Two-hop dedup: URMA payload is once per (token, node); direct routing would send it once per rank.
     direct = n * len({d0, d1}) * row
-    chk.check(t_disp["URMA"] - 128 - vec == direct // len({d0, d1}),
+    chk.check(t_disp["URMA"] - HDR - vec == direct // len({d0, d1}),
               f"URMA payload {t_disp['URMA'] - 128 - vec} B is not once per destination node")
     chk.finish("traffic")
 

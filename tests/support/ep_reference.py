@@ -58,12 +58,15 @@ def ref_dst_slots(topk_idxs, rank: int, num_experts: int) -> torch.Tensor:
     return out
 
 
-def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bias) -> torch.Tensor:
+def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bias,
+                num_nodes: int = 1) -> torch.Tensor:
     """DeepEP V2.5's combine of one origin rank's tokens, element by element in float32.
 
     ``y`` ``[N, K, H]`` bf16: the expert output of each (token, slot). Each rank first sums its slots of
-    a token in slot order (float32, rounded to bf16); the origin then adds those rank rows to
-    ``f32(bias0) + f32(bias1)`` in the order of each rank's last slot in the token's row, rounding once.
+    a token in slot order (float32, rounded to bf16). On one node the origin then adds those rank rows
+    to ``f32(bias0) + f32(bias1)`` in the order of each rank's last slot in the token's row, rounding
+    once. Across nodes (hybrid mode) each node first sums its ranks' rows in that order (float32 from
+    +0.0, rounded to bf16), and the origin adds the node rows in the order of each node's last slot.
     """
     N, K, H = y.shape
     L = num_experts // num_ranks
@@ -80,12 +83,25 @@ def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_r
         for j, r in enumerate(ranks):
             if r >= 0:
                 last[r] = j
-        for r in sorted(last, key=last.get):
+        rank_rows = {}
+        for r in last:
             part = torch.zeros(H)
             for j, rr in enumerate(ranks):
                 if rr == r:
                     part += y[t, j].float()
-            acc += part.to(BF16).float()
+            rank_rows[r] = part.to(BF16)
+        if num_nodes > 1:
+            per_node = num_ranks // num_nodes
+            node_rows, node_last = {}, {}
+            for r in sorted(last, key=last.get):
+                g = r // per_node
+                node_rows[g] = node_rows.get(g, torch.zeros(H)) + rank_rows[r].float()
+                node_last[g] = max(node_last.get(g, -1), last[r])
+            rows = [(node_last[g], node_rows[g].to(BF16)) for g in node_rows]
+        else:
+            rows = [(last[r], rank_rows[r]) for r in last]
+        for _, row in sorted(rows, key=lambda item: item[0]):
+            acc += row.float()
         out[t] = acc.to(BF16)
     return out
 
