@@ -149,7 +149,7 @@ class EPBuffer(BufferBase):
         if num_nodes == 1:
             return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
                                              num_ranks, 2 * hidden, num_topk), 0
-        # combine's rows carry one more float32 column across nodes: each row's sort key (§13.5)
+        # combine's rows carry each row's sort key across nodes (docs/semantics/deepep-api.md §13.5)
         return InternodeEngine.size_hints(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
                                           num_ranks, num_nodes, 2 * hidden, num_topk + 1)
 
@@ -207,6 +207,11 @@ class EPBuffer(BufferBase):
         """Block until every rank of the group reached it (MPI ``Barrier`` on the buffer's communicator)."""
         self._usable("barrier")
         self.runtime.comm.Barrier()
+
+    def get_traffic(self, lifetime: bool = False) -> dict[str, int]:
+        """Bytes this rank moved per channel kind (``SELF``, ``UBMEM``, ``URMA``) in its last call, or
+        since construction with ``lifetime`` (as ``Buffer.get_traffic``; not in DeepEP)."""
+        return self._legacy.get_traffic(lifetime)
 
     def get_comm_stream(self):
         """The buffer's worker (the CPU analogue of DeepEP's communication stream)."""
@@ -360,10 +365,11 @@ class EPBuffer(BufferBase):
             outputs, itr, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words)
-            recv_x, recv_sf, recv_topk, recv_w, _, legacy, num_recv = outputs
+            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv = outputs
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
-                recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv, itr=itr,
+                recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
+                recv_list=recv_list, itr=itr,
                 topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
                 num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
                 col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None)
@@ -396,123 +402,154 @@ class EPBuffer(BufferBase):
             handle = _copy_handle(handle)
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
-            recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, itr=None, topk_idx=handle.topk_idx,
+            recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, itr=None,
+            topk_idx=handle.topk_idx,
             num_experts=handle.num_experts, alignment=handle.expert_alignment,
             max_tokens=handle.num_max_tokens_per_rank,
             num_sms=num_sms, do_cpu_sync=False, do_expand=do_expand, do_zero_padding=do_zero_padding,
             col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=handle)
 
     def _finish_dispatch(self, event: EventOverlap, defer_epilogue: bool, **kw):
-        """Allocate the outputs now (their shapes are known), fill them in the epilogue: inline, on the
-        worker after the data movement (async), or at the event's wait (deferred)."""
-        out = {}
+        """Allocate the outputs now (every shape is known once the counts are), fill them in the epilogue:
+        inline, on the worker after the data movement (async), or at the event's wait (deferred)."""
+        outputs, fill = self._allocate(**kw)
         if event.event is None:  # synchronous: the rows are here
-            out["result"] = self._epilogue(**kw)
+            fill()
             event = EventOverlap(EventHandle())
         elif defer_epilogue:
             done = event.event
-
-            def hook():
-                done.current_stream_wait()
-                return self._epilogue(**kw)
             event = EventOverlap(EventHandle())
-            event.register_hook_after_wait(hook)
+            event.register_hook_after_wait(lambda: (done.current_stream_wait(), fill(), outputs)[2])
             return event
-        else:  # the outputs' shapes come from the epilogue (docs/semantics/deepep-api.md §13.2)
-            event.event.current_stream_wait()
-            out["result"] = self._epilogue(**kw)
-            event = EventOverlap(EventHandle())
+        else:  # the worker runs the epilogue after the rows arrived; the caller waits on its event
+            event = EventOverlap(EventHandle(self._legacy._worker.submit(fill)), _flat(outputs))
         if defer_epilogue:
-            result = out["result"]
-            event.register_hook_after_wait(lambda: result)
+            event.register_hook_after_wait(lambda: outputs)
             return event
-        return (*out["result"], event)
+        return (*outputs, event)
 
-    def _epilogue(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, itr, topk_idx, num_experts,
-                  alignment, max_tokens, num_sms, do_cpu_sync, do_expand, do_zero_padding, col_major_sf, stats, handle):
-        """The handle and the final layout from the engines' compact rows (docs/semantics/deepep-api.md §13.2)."""
-        R, me = self.num_ranks, self.rank_idx
+    def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, itr, topk_idx,
+                  num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand, do_zero_padding, col_major_sf,
+                  stats, handle):
+        """The outputs ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with their final shapes, and the
+        epilogue that fills them from the engines' compact rows (docs/semantics/deepep-api.md §13.2)."""
+        R = self.num_ranks
         L = num_experts // R
         k = topk_idx.size(1)
         rows = recv_x.size(0)
-        valid_topk = recv_topk[:num_recv]
-        counts = torch.bincount(valid_topk[valid_topk >= 0], minlength=L)[:L]
-        if stats is not None:
-            stats.add_(counts.to(torch.int32))
-        if handle is None:
-            internode = isinstance(legacy, InternodeHandle)
-            column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
-            column = column.to(torch.int64)
-            per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
-            src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
-            lanes = torch.arange(k)
-            meta = torch.full((rows, 2 + k), -1, dtype=torch.int32)
-            src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
-                         else legacy.recv_src_idx[:num_recv]).to(torch.int64)
-            meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
-            last = torch.where(valid_topk >= 0, lanes, -1).amax(dim=1) if k else torch.zeros(num_recv,
-                                                                                               dtype=torch.int64)
-            meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
-            aligned = (counts + alignment - 1) // alignment * alignment
-            if do_expand:
-                starts = torch.cumsum(aligned, 0) - aligned
-                psum_expert = (starts + counts).to(torch.int32)
-                expanded = int(aligned.sum()) if do_cpu_sync else _align(
-                    R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
-            else:
-                psum_expert = torch.cumsum(aligned, 0).to(torch.int32)
+        fresh = handle is None
+        if fresh:
+            counts = torch.tensor(recv_list, dtype=torch.int64) if do_cpu_sync else None
+            aligned = None if counts is None else (counts + alignment - 1) // alignment * alignment
+            if not do_expand:
                 expanded = 0
-            order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
-            if k and topk_idx.numel():
-                dest = torch.div(topk_idx, L, rounding_mode="floor")
-                order.scatter_reduce_(1, dest.clamp(min=0), torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx),
-                                      reduce="amax")
-            dst_slot = None if internode else torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
-            if not internode and itr is not None and itr.numel():
-                before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
-                pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
-                dst_slot = torch.where(itr, pos, -1).to(torch.int32)
+            elif do_cpu_sync:
+                expanded = int(aligned.sum())
+            else:
+                expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
+            internode = isinstance(legacy, InternodeHandle)
             handle = EPHandle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
                 num_recv_tokens=rows, num_valid_tokens=num_recv, num_expanded_tokens=expanded,
                 num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
-                psum_num_recv_tokens_per_scaleup_rank=torch.cumsum(
-                    per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0).to(torch.int32),
-                psum_num_recv_tokens_per_rank=torch.cumsum(per_rank, 0).to(torch.int32),
-                psum_num_recv_tokens_per_expert=psum_expert,
-                num_unaligned_recv_tokens_per_expert=counts.to(torch.int32),
-                recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot, recv_topk_idx=recv_topk, combine_order=order)
-            if do_expand:
-                self._expanded_slots(handle, valid_topk, counts, starts)
-        weights = None if recv_w is None else recv_w.reshape(-1).view(torch.float32).view(rows, k)
+                psum_num_recv_tokens_per_scaleup_rank=torch.empty(self.num_scaleup_ranks, dtype=torch.int32),
+                psum_num_recv_tokens_per_rank=torch.empty(R, dtype=torch.int32),
+                psum_num_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
+                num_unaligned_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
+                recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32),
+                dst_buffer_slot_idx=None if internode else torch.full((topk_idx.size(0), R), -1, dtype=torch.int32),
+                recv_topk_idx=recv_topk, combine_order=torch.full((topk_idx.size(0), R), -1, dtype=torch.int64))
+        # weights: the engines' float32 rows, or (cached dispatch) byte columns beside the scales
+        in_place_w = recv_w is not None and recv_w.dtype == torch.float32
         if not do_expand:
             out_x = _typed(recv_x, data)
-            out_sf = None if sf is None else self._sf_out(_typed(recv_sf, sf), col_major_sf)
-            w_out = None if weights is None else weights.masked_fill(recv_topk < 0, 0.0)
-            return (out_x if sf is None else (out_x, out_sf)), recv_topk, w_out, handle
-        rows_exp = handle.num_expanded_tokens
-        x_exp = torch.empty((rows_exp, recv_x.size(1)), dtype=torch.uint8)
-        sf_exp = None if sf is None else torch.empty((rows_exp, recv_sf.size(1)), dtype=torch.uint8)
-        w_exp = None if weights is None else torch.empty(rows_exp, dtype=torch.float32)
-        src_rows, slots, lane = handle._expand
-        for lo, hi in handle._expand_spans:  # one gather per local expert, straight into place
-            if hi > lo:
-                torch.index_select(recv_x, 0, src_rows[lo:hi], out=x_exp[slots[lo]:slots[lo] + hi - lo])
+            sf_rows = None if sf is None else _typed(recv_sf, sf)
+            out_sf = sf_rows if sf is None or not col_major_sf else _col_major(sf_rows.shape, sf.dtype)
+            w_out = recv_w if in_place_w else (None if recv_w is None else torch.empty(rows, k))
+            x_exp = sf_exp = None
+            outputs = ((out_x if sf is None else (out_x, out_sf)), recv_topk, w_out, handle)
+        else:
+            rows_exp = handle.num_expanded_tokens
+            x_exp = torch.empty((rows_exp, recv_x.size(1)), dtype=torch.uint8)
+            sf_exp = None if sf is None else torch.empty((rows_exp, recv_sf.size(1)), dtype=torch.uint8)
+            w_out = None if recv_w is None else torch.empty(rows_exp, dtype=torch.float32)
+            out_x = _typed(x_exp, data)
+            out_sf = None if sf is None else (_col_major((rows_exp, sf.size(1)), sf.dtype) if col_major_sf
+                                              else _typed(sf_exp, sf))
+            outputs = ((out_x if sf is None else (out_x, out_sf)), None, w_out, handle)
+
+        def fill():
+            weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
+            valid_topk = recv_topk[:num_recv]
+            counts = torch.bincount(valid_topk[valid_topk >= 0], minlength=L)[:L]
+            if stats is not None:
+                stats.add_(counts.to(torch.int32))
+            if fresh:
+                self._fill_handle(handle, legacy, valid_topk, counts, itr)
+            if not do_expand:
+                if w_out is not None and in_place_w:
+                    w_out.masked_fill_(recv_topk < 0, 0.0)
+                elif w_out is not None:
+                    torch.where(recv_topk < 0, 0.0, weights_in, out=w_out)
+                if out_sf is not None and col_major_sf:
+                    out_sf.copy_(sf_rows)
+                return
+            src_rows, slots, lane = handle._expand
+            for lo, hi in handle._expand_spans:  # one gather per local expert, straight into place
+                if hi > lo:
+                    torch.index_select(recv_x, 0, src_rows[lo:hi], out=x_exp[slots[lo]:slots[lo] + hi - lo])
+                    if sf_exp is not None:
+                        torch.index_select(recv_sf, 0, src_rows[lo:hi], out=sf_exp[slots[lo]:slots[lo] + hi - lo])
+            if w_out is not None and slots.numel():
+                w_out.index_copy_(0, slots, weights_in[src_rows, lane])
+            if do_zero_padding:
+                gaps = handle._padding_rows
+                x_exp.index_fill_(0, gaps, 0)
                 if sf_exp is not None:
-                    torch.index_select(recv_sf, 0, src_rows[lo:hi], out=sf_exp[slots[lo]:slots[lo] + hi - lo])
-        if w_exp is not None and slots.numel():
-            w_exp.index_copy_(0, slots, weights[src_rows, lane])
-        if do_zero_padding:
-            gaps = handle._padding_rows
-            x_exp.index_fill_(0, gaps, 0)
-            if sf_exp is not None:
-                sf_exp.index_fill_(0, gaps, 0)
-            if w_exp is not None:
-                w_exp.index_fill_(0, gaps, 0.0)
-        out_x = _typed(x_exp, data)
-        out_sf = None if sf is None else self._sf_out(_typed(sf_exp, sf), col_major_sf)
-        return (out_x if sf is None else (out_x, out_sf)), None, w_exp, handle
+                    sf_exp.index_fill_(0, gaps, 0)
+                if w_out is not None:
+                    w_out.index_fill_(0, gaps, 0.0)
+            if out_sf is not None and col_major_sf:
+                out_sf.copy_(_typed(sf_exp, sf))
+
+        return outputs, fill
+
+    def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor, itr) -> None:
+        """The handle's tensors from the routing that arrived (counts, prefix sums, metadata, order)."""
+        R, me, k = self.num_ranks, self.rank_idx, valid_topk.size(1)
+        L, num_recv = counts.numel(), valid_topk.size(0)
+        topk_idx, alignment, max_tokens = handle.topk_idx, handle.expert_alignment, handle.num_max_tokens_per_rank
+        internode = isinstance(legacy, InternodeHandle)
+        column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
+        per_rank = torch.diff(column.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
+        handle.psum_num_recv_tokens_per_rank.copy_(torch.cumsum(per_rank, 0))
+        handle.psum_num_recv_tokens_per_scaleup_rank.copy_(
+            torch.cumsum(per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0))
+        src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
+        src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
+                     else legacy.recv_src_idx[:num_recv]).to(torch.int64)
+        lanes = torch.arange(k)
+        meta = handle.recv_src_metadata
+        meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
+        last = torch.where(valid_topk >= 0, lanes, -1).amax(dim=1) if k else torch.zeros(num_recv, dtype=torch.int64)
+        meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
+        aligned = (counts + alignment - 1) // alignment * alignment
+        handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
+        if handle.do_expand:
+            starts = torch.cumsum(aligned, 0) - aligned
+            handle.psum_num_recv_tokens_per_expert.copy_(starts + counts)
+            self._expanded_slots(handle, valid_topk, counts, starts)
+        else:
+            handle.psum_num_recv_tokens_per_expert.copy_(torch.cumsum(aligned, 0))
+        if k and topk_idx.numel():
+            dest = torch.div(topk_idx, L, rounding_mode="floor").clamp(min=0)
+            handle._combine_order.scatter_reduce_(1, dest, torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx),
+                                                  reduce="amax")
+        if handle.dst_buffer_slot_idx is not None and itr is not None and itr.numel():
+            before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
+            pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
+            handle.dst_buffer_slot_idx.copy_(torch.where(itr, pos, -1))
 
     @staticmethod
     def _expanded_slots(handle: EPHandle, valid_topk: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor):
@@ -532,14 +569,6 @@ class EPBuffer(BufferBase):
         align = handle.expert_alignment
         pads = [torch.arange(s + c, _align(s + c, align)) for s, c in zip(starts.tolist(), counts.tolist())]
         handle._padding_rows = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.int64)
-
-    @staticmethod
-    def _sf_out(sf: torch.Tensor, col_major: bool) -> torch.Tensor:
-        if not col_major:
-            return sf
-        out = torch.empty((sf.size(1), sf.size(0)), dtype=sf.dtype).t()
-        out.copy_(sf)
-        return out
 
     # -- combine ----------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias=None,
@@ -601,7 +630,7 @@ class EPBuffer(BufferBase):
             if biases[0] is None:
                 biases = (biases[1], None)
             compact_x, compact_w = self._compact(x, topk_weights, handle)
-            if self._legacy.num_nodes > 1:  # each row's key travels as one more weight column (§13.5)
+            if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
                 meta = handle.recv_src_metadata
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
@@ -654,6 +683,20 @@ class EPBuffer(BufferBase):
 class ElasticBuffer(EPBuffer):
     """DeepEP V2 (2.1)'s spelling of :class:`EPBuffer` (``deep_ep.ElasticBuffer``): the same buffer, with
     V2's ``do_handle_copy=True`` allowed (the returned handle is then a copy of the cached one)."""
+
+
+def _col_major(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty ``[rows, cols]`` tensor stored column by column (strides ``(1, rows)``)."""
+    return torch.empty((shape[1], shape[0]), dtype=dtype).t()
+
+
+def _flat(outputs):
+    """The tensors of a dispatch's outputs (kept alive by the event until its wait)."""
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, tuple):
+            yield from _flat(o)
 
 
 def _split(num_bytes: int, num_ranks: int, num_nodes: int) -> tuple[int, int]:

@@ -80,29 +80,40 @@ def _gather_inputs(comm, x, sf, topk_idx, w):
     return xs, sfs, ids, ws
 
 
-def _run(ep, fn, async_defer):
-    """A dispatch/combine with or without ``async_with_compute_stream`` + ``defer_epilogue``."""
-    if not async_defer:
+def _run(ep, fn, how):
+    """A dispatch/combine: ``"sync"``, ``"async"`` (``async_with_compute_stream``, then a wait on the
+    returned event) or ``"defer"`` (also ``defer_epilogue``: the wait returns the outputs)."""
+    if how == "sync":
         return fn()
+    if how == "async":
+        result = fn(async_with_compute_stream=True)
+        result[-1].current_stream_wait()
+        return result
     event = fn(async_with_compute_stream=True, defer_epilogue=True)
     return (*event.current_stream_wait(), event)
 
 
-MODES = [  # (fp8, expert_alignment, num_bias, async_defer, do_cpu_sync, with_weights, routing)
-    (False, 1, 0, False, True, True, "random"),
-    (True, 128, 1, True, True, True, "skewed"),
-    (False, 128, 2, False, False, True, "zero_rank"),
-    (True, 1, 2, True, False, True, "random"),
-    (False, 4, 1, False, True, False, "skewed"),
+MODES = [  # (fp8, expert_alignment, num_bias, sync | async | defer, do_cpu_sync, with_weights, routing)
+    (False, 1, 0, "sync", True, True, "random"),
+    (True, 128, 1, "defer", True, True, "skewed"),
+    (False, 128, 2, "async", False, True, "zero_rank"),
+    (True, 1, 2, "async", False, True, "random"),
+    (False, 4, 1, "defer", True, False, "skewed"),
+    (True, 4, 0, "sync", False, False, "zero_rank"),
 ]
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one_node", "two_nodes"])
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "fp8={} align={} bias={} defer={} sync={} w={} {}".format(*m))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "fp8={} align={} bias={} {} cpu_sync={} w={} {}".format(*m))
 def test_dispatch_combine_modes(ep, ep_two_nodes, comm, mode, nodes):
     if nodes == 2 and ep_two_nodes is None:
         pytest.skip("two nodes need two ranks")
-    ep = ep if nodes == 1 else ep_two_nodes
+    check_mode(ep if nodes == 1 else ep_two_nodes, comm, mode, nodes)
+
+
+def check_mode(ep, comm, mode, nodes):
+    """One mode of :data:`MODES` on ``ep`` (built over ``nodes`` nodes) against the reference; raises
+    ``AssertionError`` on every rank if any rank differs (also run by ``tests/ep/internode_tcp_job.py``)."""
     fp8, alignment, num_bias, defer, cpu_sync, with_weights, routing = mode
     R, rank = comm.Get_size(), comm.Get_rank()
     E = 8 * R
