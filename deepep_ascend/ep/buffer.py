@@ -74,7 +74,7 @@ _UNDESTROYED = weakref.WeakSet()
 def _warn_undestroyed():
     for buf in list(_UNDESTROYED):
         if buf.runtime is not None:
-            warnings.warn(f"deepep_ascend.Buffer(rank {buf.rank}) was built with explicitly_destroy=True but "
+            warnings.warn(f"deepep_ascend.{buf.api_name}(rank {buf.rank}) was built with explicitly_destroy=True but "
                           f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning,
                           stacklevel=2)
 
@@ -138,6 +138,7 @@ class Buffer:
     """
 
     num_sms: int = 20
+    api_name: str = "Buffer"  # the class the user built, named in the exit warning (EPBuffer builds a Buffer)
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,

@@ -130,6 +130,7 @@ class EPBuffer(BufferBase):
         self._legacy = Buffer(group, num_nvl_bytes=self._windows[0], num_rdma_bytes=self._windows[1],
                               explicitly_destroy=explicitly_destroy, ranks_per_node=topo.ranks_per_node,
                               timeout_s=timeout)
+        self._legacy.api_name = type(self).__name__
         self.runtime = self._legacy.runtime
         self.lb_storage = torch.zeros(num_lb_bytes, dtype=torch.uint8)
         if plan is not None:
