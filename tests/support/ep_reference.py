@@ -108,10 +108,13 @@ def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_r
 
 def pre_combine_data(src_global_idx: torch.Tensor, num_topk: int, hidden: int, seed: int) -> torch.Tensor:
     """``[n, K, H]`` bf16 expert outputs that depend only on the source token's global index and the slot
-    (every rank can make the same values for the same token). Each (token, slot) has its own binary
-    exponent in ``[-30, 30)``, so that float32 sums of them round and the order of the additions shows."""
-    seeds = (src_global_idx[:, None] * num_topk + torch.arange(num_topk)[None, :]).to(torch.int64)
+    (every rank can make the same values for the same token). Slots ``j % 3 == 0`` hold ``+B``, slots
+    ``j % 3 == 2`` hold ``-B`` (``B = 2^24 (1 + m/8)`` per token), the others small values: float32 sums
+    then cancel or round depending on which terms meet first, so the order of the additions shows in the
+    bits at every level (slots in a rank, ranks in a node, nodes at the origin)."""
+    seeds = (src_global_idx[:, None] * num_topk + torch.arange(num_topk)[None, :]).to(torch.float64)
     cols = torch.arange(1, hidden + 1, dtype=torch.float64)
-    values = torch.sin((seeds[..., None].to(torch.float64) * 0.61803 + seed) * cols * 0.37)
-    scale = torch.pow(2.0, ((seeds * 7919 + seed) % 60 - 30).to(torch.float64))
-    return (values * scale[..., None]).to(BF16)
+    small = torch.sin((seeds[..., None] * 0.61803 + seed) * cols * 0.37)
+    big = (2.0 ** 24) * (1 + (src_global_idx * 13 % 7).to(torch.float64) / 8)[:, None, None].expand_as(small)
+    lane = torch.arange(num_topk)[None, :, None] % 3
+    return torch.where(lane == 0, big, torch.where(lane == 2, -big, small)).to(BF16)
