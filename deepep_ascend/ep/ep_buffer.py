@@ -71,17 +71,16 @@ class EPBuffer(BufferBase):
             :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none).
         deterministic: accepted; every dispatch here is deterministic (rows ordered by source token).
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP's switches.
-            ``allow_multiple_reduction=False`` with the expanded layout is not supported yet
-            (``NotImplementedError`` at that combine).
+            ``allow_multiple_reduction=False`` (expanded layout) and direct mode across nodes give
+            DeepEP's one-rounding arithmetic through ``K`` combine passes (docs/semantics/deepep-api.md §13.5).
         sl_idx, num_allocated_qps, num_gpu_timeout_secs: accepted, no meaning on CPU ranks.
         num_cpu_timeout_secs: deadline of every wait, unless ``$DEEPEP_ASCEND_TIMEOUT_S`` is set.
         explicitly_destroy: as DeepEP: :meth:`destroy` must then be called on every rank.
         ranks_per_node: simulated node size (default ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
-            shared-memory domain). ``EPBuffer`` runs on one node so far: more nodes raise ``NotImplementedError``.
+            shared-memory domain); more than one node takes DeepEP's two hops over URMA and UBMEM.
 
     Raises:
         ValueError: ``num_bytes`` not a positive multiple of the alignment, or neither it nor a shape.
-        NotImplementedError: the ranks span more than one node.
     """
 
     def __init__(self, group, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0, hidden: int = 0,
@@ -122,10 +121,7 @@ class EPBuffer(BufferBase):
         self.num_bytes, self.num_lb_bytes = num_bytes, num_lb_bytes
         timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
         topo = Topology.from_comm(comm, ranks_per_node)
-        if topo.num_nodes > 1 and not allow_hybrid_mode:
-            raise NotImplementedError(
-                f"EPBuffer: allow_hybrid_mode=False (direct mode) across the {topo.num_nodes} nodes is not supported "
-                f"yet; allow_hybrid_mode=True routes through DeepEP's two hops")
+        self._direct = topo.num_nodes > 1 and not allow_hybrid_mode  # DeepEP direct mode: combine by slots
         self._windows = _split(num_bytes, self.num_ranks, topo.num_nodes)
         self._legacy = Buffer(group, num_nvl_bytes=self._windows[0], num_rdma_bytes=self._windows[1],
                               explicitly_destroy=explicitly_destroy, ranks_per_node=topo.ranks_per_node,
@@ -194,8 +190,10 @@ class EPBuffer(BufferBase):
         return self._legacy.num_nodes, self._legacy.ranks_per_node
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(nodes, ranks per node)`` (hybrid mode, DeepEP's
-        two hops); ``(1, num_ranks)`` on one node."""
+        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(nodes, ranks per node)`` in hybrid mode across
+        nodes; ``(1, num_ranks)`` on one node and in direct mode (``allow_hybrid_mode=False``)."""
+        if self._direct:
+            return 1, self.num_ranks
         return self._legacy.num_nodes, self._legacy.ranks_per_node
 
     def _memory_usage(self) -> dict[str, int]:
@@ -596,14 +594,10 @@ class EPBuffer(BufferBase):
             ``defer_epilogue`` the event whose wait returns the pair.
         Raises:
             TypeError / ValueError: bad arguments or a handle from another buffer, on every rank.
-            NotImplementedError: expanded layout with ``allow_multiple_reduction=False``.
             TimeoutError / transports.TransportAborted: as ``Buffer.combine``.
         """
         self._usable("combine")
         assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
-        if isinstance(handle, EPHandle) and handle.do_expand and not self.allow_multiple_reduction:
-            raise NotImplementedError("EPBuffer.combine: the expanded layout with allow_multiple_reduction=False "
-                                      "(one reduction at the origin) is not supported yet")
         prev = None if previous_event is None else EventOverlap(previous_event)
         words = {}
         if isinstance(handle, EPHandle):
@@ -611,36 +605,31 @@ class EPBuffer(BufferBase):
             words = {W_EP_MAX_TOKENS: handle.num_max_tokens_per_rank, W_EP_ALIGNMENT: handle.expert_alignment,
                      W_EP_MODE: mode}
 
+        # one rounding over separate rows at the origin: DeepEP's arithmetic without multiple reductions
+        # (expanded: every slot's row; across nodes: every rank's row) and in direct mode across nodes
+        by_slots = isinstance(handle, EPHandle) and (
+            (handle.do_expand and not self.allow_multiple_reduction)
+            or (self._legacy.num_nodes > 1 and (self._direct or not self.allow_multiple_reduction)))
+        if by_slots:
+            return self._combine_by_slots(x, handle, topk_weights, bias, prev, words, defer_epilogue)
+
         def precheck():
-            check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
-            check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
-            rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-            check_tensor(x, "x", torch.bfloat16, ndim=2)
-            check(x.size(0) == rows, ValueError, f"`x` must have {rows} rows (the handle's "
-                  f"{'num_expanded_tokens' if handle.do_expand else 'num_recv_tokens'}), got {x.size(0)}")
-            k = handle.topk_idx.size(1)
-            if topk_weights is not None:
-                check_tensor(topk_weights, "topk_weights", torch.float32,
-                             shape=(rows,) if handle.do_expand else (rows, k))
-            biases = bias if isinstance(bias, tuple) else (bias, None)
-            check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
-            n = handle.topk_idx.size(0)
-            for i, b in enumerate(biases):
-                if b is not None:
-                    check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, x.size(1)))
-            if biases[0] is None:
-                biases = (biases[1], None)
+            biases, k = self._check_combine(x, handle, topk_weights, bias)
             compact_x, compact_w = self._compact(x, topk_weights, handle)
             if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
                 meta = handle.recv_src_metadata
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
-            return compact_x, compact_w, (None if biases[0] is None else biases), handle._legacy, handle._combine_order
+            return compact_x, compact_w, biases, handle._legacy, handle._combine_order
 
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
         if self._legacy.num_nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
             combined_w = combined_w[:, :-1] if topk_weights is not None else None
+        return self._combine_result(combined, combined_w, event, defer_epilogue)
+
+    @staticmethod
+    def _combine_result(combined, combined_w, event: EventOverlap, defer_epilogue: bool):
         if event.event is None:
             event = EventOverlap(EventHandle())
         if defer_epilogue:
@@ -650,14 +639,77 @@ class EPBuffer(BufferBase):
             return out
         return combined, combined_w, event
 
+    def _check_combine(self, x, handle, topk_weights, bias):
+        """``combine``'s argument checks (raise ``Rejected``); returns ``(biases | None, num_topk)``."""
+        check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
+        check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
+        rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+        check_tensor(x, "x", torch.bfloat16, ndim=2)
+        check(x.size(0) == rows, ValueError, f"`x` must have {rows} rows (the handle's "
+              f"{'num_expanded_tokens' if handle.do_expand else 'num_recv_tokens'}), got {x.size(0)}")
+        k = handle.topk_idx.size(1)
+        if topk_weights is not None:
+            check_tensor(topk_weights, "topk_weights", torch.float32,
+                         shape=(rows,) if handle.do_expand else (rows, k))
+        biases = bias if isinstance(bias, tuple) else (bias, None)
+        check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+        n = handle.topk_idx.size(0)
+        for i, b in enumerate(biases):
+            if b is not None:
+                check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(n, x.size(1)))
+        if biases[0] is None:
+            biases = (biases[1], None)
+        return (None if biases[0] is None else biases), k
+
+    def _combine_by_slots(self, x, handle: EPHandle, topk_weights, bias, prev, words, defer_epilogue: bool):
+        """Combine with one rounding at the origin over separate rows (docs/semantics/deepep-api.md §13.5):
+        the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or direct mode across
+        nodes (every rank's row). Runs ``K`` combines through the engines, pass ``j`` carrying only the rows
+        that belong at slot ``j`` (zeros elsewhere, so each pass returns that row exactly), then sums the
+        passes in slot order from the bias, in float32, rounding once. Synchronous."""
+        ys, state = [], {}
+        k = handle.topk_idx.size(1)
+        per_slot = handle.do_expand and not self.allow_multiple_reduction
+
+        def precheck(j):
+            if j == 0:
+                state["biases"], _ = self._check_combine(x, handle, topk_weights, bias)
+                state["w"] = self._compact_weights(topk_weights, handle)
+                if not per_slot:
+                    state["x"] = self._compact(x, None, handle)[0]
+            meta = handle.recv_src_metadata
+            rows = meta.size(0)
+            xj = torch.zeros(rows, x.size(1), dtype=torch.bfloat16)
+            if per_slot:
+                slot = meta[:, 2 + j].to(torch.int64)
+                sel = torch.nonzero(slot >= 0).squeeze(1)
+                xj.index_copy_(0, sel, x.index_select(0, slot[sel]))
+            else:
+                lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), -1)
+                sel = torch.nonzero(lane == j).squeeze(1)
+                xj.index_copy_(0, sel, state["x"].index_select(0, sel))
+            return xj, state["w"] if j == 0 else None, None, handle._legacy, None
+
+        combined_w = None
+        for j in range(k):
+            (y, w), event = self._legacy._run_combine(precheck=lambda j=j: precheck(j), previous_event=prev if j == 0
+                                                      else None, async_finish=False, extra_words=words)
+            ys.append(y)
+            if j == 0:
+                combined_w = w
+        n = handle.topk_idx.size(0)
+        combined = torch.empty(n, x.size(1), dtype=torch.bfloat16)
+        acc, tmp = self._scratch.get(x.size(1))
+        everyone = torch.arange(n)
+        accumulate_rows(combined, [(y, everyone) for y in ys], acc, tmp, state["biases"], disjoint=False)
+        return self._combine_result(combined, combined_w, EventOverlap(), defer_epilogue)
     def _compact(self, x: torch.Tensor, topk_weights, handle: EPHandle):
         """The compact rows combine sends: one per received token (expanded layout: its slots summed in
         slot order, float32, one rounding) and its weights per slot (0 where the slot is not local)."""
         recv_topk = handle._recv_topk_idx
         rows, k = recv_topk.shape
         if not handle.do_expand:
-            w = None if topk_weights is None else topk_weights.masked_fill(recv_topk < 0, 0.0)
-            return x.contiguous(), w
+            return x.contiguous(), self._compact_weights(topk_weights, handle)
         src_rows, slots, lanes = handle._expand
         out = torch.zeros((rows, x.size(1)), dtype=torch.bfloat16)
         sources = []
@@ -674,11 +726,21 @@ class EPBuffer(BufferBase):
                 acc, tmp = self._scratch.get(x.size(1))
                 accumulate_rows(target, [(x.index_select(0, idx), tok) for _, tok, idx in live], acc, tmp,
                                 native=False)
-        w = None
-        if topk_weights is not None:
-            w = torch.zeros((rows, k), dtype=torch.float32)
-            w[src_rows, lanes] = topk_weights[slots]
-        return out, w
+        return out, self._compact_weights(topk_weights, handle)
+
+    @staticmethod
+    def _compact_weights(topk_weights, handle: EPHandle):
+        """Combine's weights per received row and slot: the caller's, 0 where the slot is not on this rank
+        (expanded layout: gathered from the 1-D weights at each slot)."""
+        if topk_weights is None:
+            return None
+        recv_topk = handle._recv_topk_idx
+        if not handle.do_expand:
+            return topk_weights.masked_fill(recv_topk < 0, 0.0)
+        src_rows, slots, lanes = handle._expand
+        w = torch.zeros(recv_topk.shape, dtype=torch.float32)
+        w[src_rows, lanes] = topk_weights[slots]
+        return w
 
 
 class ElasticBuffer(EPBuffer):

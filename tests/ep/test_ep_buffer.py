@@ -156,7 +156,7 @@ def check_mode(ep, comm, mode, nodes):
     ok &= torch.equal(meta[valid, 1].long(), (ref.src // MAX_TOKENS) * TOPK + last)
     per_scaleup = torch.tensor(ref.per_rank).view(-1, ep.num_scaleup_ranks).sum(0)
     ok &= torch.equal(handle.psum_num_recv_tokens_per_scaleup_rank, per_scaleup.cumsum(0).int())
-    ok &= ep.get_logical_domain_size() == (nodes, R // nodes) == ep.get_physical_domain_size()
+    ok &= ep.get_physical_domain_size() == (nodes, R // nodes)
     ok &= torch.equal(handle.psum_num_recv_tokens_per_rank, torch.tensor(ref.per_rank).cumsum(0).int())
     aligned = [_align(c, alignment) for c in ref.counts]
     ok &= handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
@@ -222,17 +222,43 @@ def check_mode(ep, comm, mode, nodes):
             (torch.randn(n, HIDDEN, generator=gen).to(BF16), torch.randn(n, HIDDEN, generator=gen).to(BF16))][num_bias]
     y_mine = pre_combine_data(rank * MAX_TOKENS + torch.arange(n), TOPK, HIDDEN, 3)
     y_mine[topk_idx < 0] = 0
-    want = ref_combine(y_mine, topk_idx, E, R, bias, num_nodes=nodes)
+    # DeepEP's recipes: node partials only in hybrid mode with multiple reductions; the expanded layout
+    # without multiple reductions sums every slot at the origin
+    amr, hybrid = ep.allow_multiple_reduction, ep.get_logical_domain_size()[0] > 1
+    want = ref_combine(y_mine, topk_idx, E, R, bias, num_nodes=nodes if hybrid and amr else 1)
+    want_expanded = want if amr else ref_combine(y_mine, topk_idx, E, R, bias, reduce_in_rank=False)
     comb, comb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(compact, handle, topk_weights=recv_w, bias=bias,
                                                                     **kw), defer), what="combine")
     ecomb, ecomb_w, _ = coll(lambda: _run(ep, lambda **kw: ep.combine(expanded, exp_handle, topk_weights=exp_w,
                                                                       bias=bias, **kw), defer), what="expanded combine")
-    ok = same_bits_nan(comb, want) and same_bits_nan(ecomb, want)
+    ok = same_bits_nan(comb, want) and same_bits_nan(ecomb, want_expanded)
     if with_weights:
         ok &= torch.equal(comb_w, w) and torch.equal(ecomb_w, w)
     else:
         ok &= comb_w is None and ecomb_w is None
     all_ranks_ok(comm, ok, "combine vs the reference (bitwise)")
+
+
+@pytest.mark.parametrize("flavour", ["no_multiple_reduction", "direct_two_nodes", "no_multiple_reduction_two_nodes"])
+def test_one_rounding_modes(comm, flavour):
+    """DeepEP's arithmetic with one rounding at the origin: ``allow_multiple_reduction=False`` (the
+    expanded layout sends every slot's row; across nodes no node partials) and direct mode across nodes
+    (``allow_hybrid_mode=False``: every rank's row, logical domain ``(1, R)``)."""
+    R = comm.Get_size()
+    nodes = 2 if "two_nodes" in flavour else 1
+    if R < nodes:
+        pytest.skip("two nodes need two ranks")
+    buf = coll(lambda: EPBuffer(world(), num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                explicitly_destroy=True, ranks_per_node=R // nodes,
+                                allow_multiple_reduction="no_multiple" not in flavour,
+                                allow_hybrid_mode="direct" not in flavour), what="EPBuffer()")
+    try:
+        if "direct" in flavour:
+            assert buf.get_logical_domain_size() == (1, R) and buf.get_physical_domain_size() == (2, R // 2)
+        for mode in (MODES[1], MODES[2]):
+            check_mode(buf, comm, mode, nodes)
+    finally:
+        coll(buf.destroy, what="destroy")
 
 
 def test_deterministic_twice_and_200_calls_changing_shapes(comm):

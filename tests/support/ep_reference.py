@@ -59,7 +59,7 @@ def ref_dst_slots(topk_idxs, rank: int, num_experts: int) -> torch.Tensor:
 
 
 def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bias,
-                num_nodes: int = 1) -> torch.Tensor:
+                num_nodes: int = 1, reduce_in_rank: bool = True) -> torch.Tensor:
     """DeepEP V2.5's combine of one origin rank's tokens, element by element in float32.
 
     ``y`` ``[N, K, H]`` bf16: the expert output of each (token, slot). Each rank first sums its slots of
@@ -67,6 +67,8 @@ def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_r
     to ``f32(bias0) + f32(bias1)`` in the order of each rank's last slot in the token's row, rounding
     once. Across nodes (hybrid mode) each node first sums its ranks' rows in that order (float32 from
     +0.0, rounded to bf16), and the origin adds the node rows in the order of each node's last slot.
+    Without ``reduce_in_rank`` (DeepEP's ``allow_multiple_reduction=False`` on the expanded layout) the
+    origin adds every slot's row in slot order, one rounding in all.
     """
     N, K, H = y.shape
     L = num_experts // num_ranks
@@ -83,6 +85,12 @@ def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_r
         for j, r in enumerate(ranks):
             if r >= 0:
                 last[r] = j
+        if not reduce_in_rank:
+            for j, r in enumerate(ranks):
+                if r >= 0:
+                    acc += y[t, j].float()
+            out[t] = acc.to(BF16)
+            continue
         rank_rows = {}
         for r in last:
             part = torch.zeros(H)
