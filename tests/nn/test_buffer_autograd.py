@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepep_ascend import Buffer, EventOverlap
+from deepep_ascend import Buffer, EPBuffer, EventOverlap
 from tests.support.buffer_helpers import (
     BF16,
     Case,
@@ -73,6 +73,24 @@ def test_process_group_as_group(group, comm):
     finally:
         coll(b.destroy, what="destroy")
     chk.finish("ProcessGroup Buffer")
+
+
+def test_process_group_as_epbuffer_group(group, comm):
+    """EPBuffer(ProcessGroup, ...), as DeepEP V2.5 code passes it: the group's ranks, a dispatch/combine
+    round trip of unmodified rows returns each token times the ranks it reached."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    buf = coll(lambda: EPBuffer(group, num_max_tokens_per_rank=16, hidden=64, num_topk=2, explicitly_destroy=True))
+    try:
+        assert buf.group is group and (buf.rank_idx, buf.num_ranks) == (group.rank(), group.size()) == (r, R)
+        topk_idx = torch.randint(0, 2 * R, (16, 2), generator=torch.Generator().manual_seed(r))
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + r)).to(torch.bfloat16)
+        recv_x, _, _, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))
+        y, _, _ = coll(lambda: buf.combine(recv_x, handle))
+        reached = torch.stack([(topk_idx // 2 == j).any(1) for j in range(R)]).sum(0)
+        all_ranks_ok(comm, torch.equal(y, (x.float() * reached[:, None]).to(torch.bfloat16)),
+                     "EPBuffer over a ProcessGroup")
+    finally:
+        coll(buf.destroy, what="destroy")
 
 
 # ----------------------------------------------------------------------------------------------
