@@ -260,7 +260,7 @@ class EPBuffer(BufferBase):
             async_with_compute_stream: the data movement runs on the buffer's worker; wait on the event.
             handle: a previous dispatch's :class:`EPHandle`: same routing, no counts exchanged
                 (``do_cpu_sync`` must not be True; ``topk_idx`` must be None).
-            do_handle_copy: must be False (``ElasticBuffer`` allows True: the handle is then copied).
+            do_handle_copy: must be False (as in DeepEP V2.5; ``ElasticBuffer`` takes V2's True).
             do_cpu_sync: True: outputs sized by the real counts; False: by capacity (``R *
                 num_max_tokens_per_rank`` rows; shapes independent of other ranks), the real count in
                 ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``. Default True unless ``handle``.
@@ -281,8 +281,7 @@ class EPBuffer(BufferBase):
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
         """
         self._usable("dispatch")
-        assert not do_handle_copy or isinstance(self, ElasticBuffer), \
-            "`do_handle_copy` must be False; handle copying is no longer supported"
+        assert not do_handle_copy, "`do_handle_copy` must be False; handle copying is no longer supported"
         assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
         if handle is not None:
             assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
@@ -397,8 +396,6 @@ class EPBuffer(BufferBase):
         recv_w = None
         if topk_weights is not None:
             recv_w = recv_extra[:, sf_bytes:]
-        if do_handle_copy:
-            handle = _copy_handle(handle)
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, itr=None,
@@ -744,8 +741,56 @@ class EPBuffer(BufferBase):
 
 
 class ElasticBuffer(EPBuffer):
-    """DeepEP V2 (2.1)'s spelling of :class:`EPBuffer` (``deep_ep.ElasticBuffer``): the same buffer, with
-    V2's ``do_handle_copy=True`` allowed (the returned handle is then a copy of the cached one)."""
+    """DeepEP 2.1's ``deep_ep.ElasticBuffer``: the same buffer with V2's signatures.
+
+    Differences from :class:`EPBuffer`, as in DeepEP: the constructor takes ``num_cpu_bytes`` third
+    (accepted; every byte is host memory here) and no load-balance region, ``sl_idx`` defaults to 3;
+    ``dispatch`` defaults to ``do_handle_copy=True`` (the handle keeps a copy of ``topk_idx``, so that the
+    caller may change it), and ``dispatch`` / ``combine`` take ``previous_event_before_epilogue`` (waited
+    for before the call) instead of ``defer_epilogue``.
+    """
+
+    def __init__(self, group, num_bytes: int | None = None, num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0,
+                 hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 *, ranks_per_node: int | None = None):
+        if not isinstance(num_cpu_bytes, int) or num_cpu_bytes < 0:
+            raise ValueError(f"ElasticBuffer: num_cpu_bytes must be a non-negative int, got {num_cpu_bytes!r}")
+        self.num_cpu_bytes = num_cpu_bytes
+        super().__init__(group, num_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, 0,
+                         deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
+                         sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy,
+                         ranks_per_node=ranks_per_node)
+
+    def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
+                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle | None = None,
+                 previous_event_before_epilogue: EventHandle | None = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: EPHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """``deep_ep.ElasticBuffer.dispatch``: :meth:`EPBuffer.dispatch` with V2's arguments (class doc)."""
+        if previous_event_before_epilogue is not None:
+            previous_event_before_epilogue.current_stream_wait()
+        copy = do_handle_copy and handle is None and isinstance(topk_idx, torch.Tensor)
+        return super().dispatch(
+            x, topk_idx.clone() if copy else topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+            num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, previous_event, async_with_compute_stream,
+            allocate_on_comm_stream, handle, False, do_cpu_sync, do_expand, do_zero_padding,
+            use_tma_aligned_col_major_sf)
+
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias=None,
+                num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle | None = None,
+                previous_event_before_epilogue: EventHandle | None = None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """``deep_ep.ElasticBuffer.combine``: :meth:`EPBuffer.combine` with V2's arguments (class doc)."""
+        if previous_event_before_epilogue is not None:
+            previous_event_before_epilogue.current_stream_wait()
+        return super().combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
+                               async_with_compute_stream, allocate_on_comm_stream)
 
 
 def _col_major(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -774,11 +819,3 @@ def _split(num_bytes: int, num_ranks: int, num_nodes: int) -> tuple[int, int]:
 
 def _covers(windows: tuple[int, int], needs: tuple[int, int]) -> bool:
     return windows[0] >= needs[0] and windows[1] >= needs[1]
-
-
-def _copy_handle(handle: EPHandle) -> EPHandle:
-    """A shallow copy of ``handle`` whose tensors are cloned (V2's ``do_handle_copy``)."""
-    new = object.__new__(EPHandle)
-    new.__dict__.update({key: value.clone() if isinstance(value, torch.Tensor) and key != "_topk_idx" else value
-                         for key, value in handle.__dict__.items()})
-    return new

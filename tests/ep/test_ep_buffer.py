@@ -292,26 +292,48 @@ def test_deterministic_twice_and_200_calls_changing_shapes(comm):
         coll(buf.destroy)
 
 
-def test_size_hint_is_exact(comm):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_size_hint_is_exact(comm, nodes, capsys):
     """The hint's bytes take a full-shape call; one alignment unit less is refused by that call on every
-    rank, one byte less by the constructor."""
+    rank, one byte less by the constructor (on one node, and split over two nodes' windows)."""
     R = comm.Get_size()
-    hint = EPBuffer.get_buffer_size_hint(comm, 16, 256, 4, use_fp8_dispatch=True)
-    assert hint % get_num_allocation_alignment() == 0
+    if R < nodes:
+        pytest.skip("two nodes need two ranks")
+    unit = get_num_allocation_alignment()
+    hint = coll(lambda: EPBuffer.get_buffer_size_hint(comm, 16, 256, 4, use_fp8_dispatch=True,
+                                                      ranks_per_node=R // nodes))
+    assert hint % unit == 0
     x = torch.zeros(16, 256).to(torch.float8_e4m3fn)
     sf = torch.ones(16, 2)
     topk_idx = torch.arange(4).repeat(16, 1) % (4 * R)
-    for nbytes, fits in ((hint, True), (hint - get_num_allocation_alignment(), False)):
+    for nbytes, fits in ((hint, True), (hint - unit, False)):
         buf = coll(lambda nbytes=nbytes: EPBuffer(comm, num_bytes=nbytes, num_max_tokens_per_rank=16,
-                                                  explicitly_destroy=True))
+                                                  explicitly_destroy=True, ranks_per_node=R // nodes))
         try:
             _, err = capture(lambda buf=buf: buf.dispatch((x, sf), topk_idx=topk_idx, num_experts=4 * R))
             ok = err is None if fits else (isinstance(err, ValueError) and "get_buffer_size_hint" in str(err))
             all_ranks_ok(comm, ok, f"num_bytes={nbytes} (hint {hint}): {err!r}")
+            if fits:
+                capsys.readouterr()
+                buf.print_memory_usage()
+                printed = capsys.readouterr().out
+                assert "UBMEM window" in printed and "URMA window" in printed, printed
         finally:
-            coll(buf.destroy)
+            coll(buf.destroy, what="destroy")
     _, err = capture(lambda: EPBuffer(comm, num_bytes=hint - 1, explicitly_destroy=True))
     assert isinstance(err, ValueError) and "multiple of" in str(err)
+
+
+def test_handle_topk_idx_must_not_change(ep, comm):
+    """DeepEP V2.5's version check: a ``topk_idx`` changed in place after the dispatch is caught when the
+    handle reads it (a cached dispatch raises ``AssertionError`` on the rank that changed it)."""
+    R = comm.Get_size()
+    topk_idx = torch.zeros(4, 1, dtype=torch.int64)
+    x = torch.zeros(4, HIDDEN).to(BF16)
+    _, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=8 * R))
+    topk_idx.add_(0)  # an in-place change, even of no value
+    with pytest.raises(AssertionError, match="must not be modified"):
+        _ = handle.topk_idx
 
 
 def test_bad_inputs_raise_on_every_rank(ep, comm):
@@ -351,7 +373,8 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
 def test_event_overlap_hooks_and_allocator(comm):
     """``EventOverlap.current_stream_wait`` returns the hook's result once; ``wait`` is its alias;
     ``BufferAllocator`` places planned tensors at aligned offsets of one storage; ``ElasticBuffer``
-    takes V2's ``do_handle_copy=True``."""
+    has V2's signatures: ``num_cpu_bytes`` third, ``do_handle_copy=True`` by default (the handle keeps
+    a copy of ``topk_idx``, so the caller may change its own), ``previous_event_before_epilogue``."""
     from deepep_ascend import EventHandle, EventOverlap
     ev = EventOverlap(EventHandle())
     ev.register_hook_after_wait(lambda: 42)
@@ -374,9 +397,14 @@ def test_event_overlap_hooks_and_allocator(comm):
         x = torch.randn(8, 64).to(BF16)
         topk_idx = torch.randint(0, 2 * R, (8, 2), generator=torch.Generator().manual_seed(rank))
         out = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))
-        again = coll(lambda: buf.dispatch(x, handle=out[3], do_handle_copy=True))
-        ok = isinstance(again[3], EPHandle) and again[3] is not out[3] and torch.equal(again[0], out[0])
-        all_ranks_ok(comm, ok, "ElasticBuffer with do_handle_copy")
+        handle = out[3]
+        ok = isinstance(handle, EPHandle) and handle.topk_idx is not topk_idx
+        ok &= torch.equal(handle.topk_idx, topk_idx)
+        topk_idx.fill_(-1)  # the caller's own tensor: the handle is unaffected
+        again = coll(lambda: buf.dispatch(x, handle=handle, previous_event_before_epilogue=buf.capture()))
+        y, _, _ = coll(lambda: buf.combine(again[0], handle, previous_event_before_epilogue=buf.capture()))
+        ok &= again[3] is handle and torch.equal(again[0], out[0]) and buf.num_cpu_bytes == 0
+        all_ranks_ok(comm, ok, "ElasticBuffer's V2 signatures")
     finally:
         coll(buf.destroy)
 
