@@ -108,6 +108,8 @@ MODES = [  # (fp8, expert_alignment, num_bias, sync | async | defer, do_cpu_sync
 def test_dispatch_combine_modes(ep, ep_two_nodes, comm, mode, nodes):
     if nodes == 2 and ep_two_nodes is None:
         pytest.skip("two nodes need two ranks")
+    if comm.Get_size() >= 8 and MODES.index(mode) % 2 != nodes - 1:
+        pytest.skip("at 8 ranks every other mode per topology (all of them run at 2 and 4 ranks): suite time")
     check_mode(ep if nodes == 1 else ep_two_nodes, comm, mode, nodes)
 
 
@@ -255,21 +257,22 @@ def test_one_rounding_modes(comm, flavour):
     try:
         if "direct" in flavour:
             assert buf.get_logical_domain_size() == (1, R) and buf.get_physical_domain_size() == (2, R // 2)
-        for mode in (MODES[1], MODES[2]):
+        for mode in (MODES[1], MODES[2]) if R < 8 else (MODES[1],):  # suite time at 8 ranks
             check_mode(buf, comm, mode, nodes)
     finally:
         coll(buf.destroy, what="destroy")
 
 
 def test_deterministic_twice_and_200_calls_changing_shapes(comm):
-    """Identical bits run after run; 200 consecutive calls with changing token counts and hidden sizes."""
+    """Identical bits run after run; 200 consecutive calls with changing token counts and hidden sizes (60 at
+    8 ranks)."""
     R, rank = comm.Get_size(), comm.Get_rank()
     buf = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=16, hidden=128, num_topk=2, deterministic=True,
                                 explicitly_destroy=True))
     try:
         E = 4 * R
         ok = True
-        for i in range(200):
+        for i in range(200 if R <= 4 else 60):  # 200 at 1, 2 and 4 ranks; fewer at 8 (suite time)
             g = torch.Generator().manual_seed(i * 131 + rank)
             n = int(torch.randint(0, 17, (1,), generator=g))
             hidden = [32, 64, 128][i % 3]
