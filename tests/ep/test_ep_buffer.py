@@ -81,12 +81,12 @@ def _gather_inputs(comm, x, sf, topk_idx, w):
 
 
 def _run(ep, fn, how):
-    """A dispatch/combine: ``"sync"``, ``"async"`` (``async_with_compute_stream``, then a wait on the
-    returned event) or ``"defer"`` (also ``defer_epilogue``: the wait returns the outputs)."""
+    """A dispatch/combine: ``"sync"``, ``"async"`` (``async_with_compute_stream`` after a ``previous_event``,
+    then a wait on the returned event) or ``"defer"`` (also ``defer_epilogue``: the wait returns the outputs)."""
     if how == "sync":
         return fn()
-    if how == "async":
-        result = fn(async_with_compute_stream=True)
+    if how == "async":  # as DeepEP's tests: an event captured before the call to wait for
+        result = fn(async_with_compute_stream=True, previous_event=ep.capture(), allocate_on_comm_stream=True)
         result[-1].current_stream_wait()
         return result
     event = fn(async_with_compute_stream=True, defer_epilogue=True)
