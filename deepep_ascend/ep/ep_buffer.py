@@ -20,7 +20,7 @@ from .arguments import check, check_tensor
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
-from .group import mpi_comm_of
+from .group import check_agreed, mpi_comm_of
 from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
@@ -80,7 +80,10 @@ class EPBuffer(BufferBase):
             shared-memory domain); more than one node takes DeepEP's two hops over URMA and UBMEM.
 
     Raises:
-        ValueError: ``num_bytes`` not a positive multiple of the alignment, or neither it nor a shape.
+        ValueError: ``num_bytes`` not a positive multiple of the alignment, or neither it nor a shape;
+            ranks disagreeing on a collective argument (``num_bytes``, the LB bytes,
+            ``num_max_tokens_per_rank``, the mode switches, ``explicitly_destroy``, the timeout): raised
+            on every rank, naming the argument and each rank's value, before anything is allocated.
     """
 
     def __init__(self, group, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0, hidden: int = 0,
@@ -100,26 +103,33 @@ class EPBuffer(BufferBase):
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
         self.sl_idx, self.num_allocated_qps = sl_idx, num_allocated_qps
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        alignment = get_num_allocation_alignment()
+        plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
+        num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
+        error = None
+        if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
+            error = ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
+                               f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+        elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
+            error = ValueError(f"EPBuffer: num_bytes must be a positive multiple of {alignment} "
+                               f"(get_num_allocation_alignment()), got {num_bytes!r}")
+        elif not isinstance(num_lb_bytes, int) or num_lb_bytes < 0 or num_lb_bytes % alignment:
+            error = ValueError(f"EPBuffer: lb_allocation_plan_or_num_bytes must be a BufferAllocator or a "
+                               f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
+        elif plan is not None and plan.materialized:
+            error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
+        timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
+        # agreed before any collective that sizes or allocates (a rank that refused would leave the others waiting)
+        check_agreed(comm, type(self).__name__, {
+            "num_bytes": num_bytes, "num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden,
+            "num_topk": num_topk, "use_fp8_dispatch": bool(use_fp8_dispatch), "lb bytes": num_lb_bytes,
+            "allow_hybrid_mode": bool(allow_hybrid_mode), "allow_multiple_reduction": bool(allow_multiple_reduction),
+            "explicitly_destroy": bool(explicitly_destroy), "num_cpu_timeout_secs": num_cpu_timeout_secs}, error)
         if num_bytes is None:
-            if num_max_tokens_per_rank <= 0 or hidden <= 0:
-                raise ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
-                                 f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
             num_bytes = EPBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
                                                       use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
                                                       ranks_per_node=ranks_per_node)
-        alignment = get_num_allocation_alignment()
-        if not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment:
-            raise ValueError(f"EPBuffer: num_bytes must be a positive multiple of {alignment} "
-                             f"(get_num_allocation_alignment()), got {num_bytes!r}")
-        plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
-        num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
-        if not isinstance(num_lb_bytes, int) or num_lb_bytes < 0 or num_lb_bytes % alignment:
-            raise ValueError(f"EPBuffer: lb_allocation_plan_or_num_bytes must be a BufferAllocator or a "
-                             f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
-        if plan is not None and plan.materialized:
-            raise ValueError("EPBuffer: the lb_allocation_plan was already materialized")
         self.num_bytes, self.num_lb_bytes = num_bytes, num_lb_bytes
-        timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
         topo = Topology.from_comm(comm, ranks_per_node)
         self._direct = topo.num_nodes > 1 and not allow_hybrid_mode  # DeepEP direct mode: combine by slots
         self._windows = _split(num_bytes, self.num_ranks, topo.num_nodes)

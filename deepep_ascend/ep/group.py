@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..transports import quiet_barrier
+from ..transports import quiet_allgather_object, quiet_barrier
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["mpi_comm_of"]
+__all__ = ["check_agreed", "mpi_comm_of"]
 
 _GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
@@ -78,3 +78,30 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
                          "GroupMember.NON_GROUP_MEMBER here); only the group's ranks construct its Buffer")
     raise ValueError(f"Buffer: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
                      f"got {type(group).__name__}")
+
+
+def check_agreed(comm, owner: str, arguments: dict, error: Exception | None = None) -> None:
+    """Collective: every rank of ``comm`` passed the same ``arguments`` (name -> value) to ``owner``'s
+    constructor and none refused its own (``error``), before anything shared is allocated (ranks that
+    disagree would otherwise build windows of different sizes and wait for each other).
+
+    Raises:
+        ValueError: on every rank: this rank's ``error`` itself (re-raised), or one naming each rank that
+            refused its arguments and each argument the ranks disagree on, with every rank's value.
+    """
+    values = quiet_allgather_object(comm, (None if error is None else f"{type(error).__name__}: {error}",
+                                           tuple(arguments.items())))
+    if error is not None:
+        raise error
+    refused = [f"rank {r} refused its arguments ({v[0]})" for r, v in enumerate(values) if v[0] is not None]
+    if refused:
+        raise ValueError(f"{owner}: " + "; ".join(refused))
+    values = [v[1] for v in values]
+    problems = []
+    for i, name in enumerate(arguments):
+        seen = [v[i][1] for v in values]
+        if any(x != seen[0] for x in seen):
+            problems.append(f"{name}: " + ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(seen)))
+    if problems:
+        raise ValueError(f"{owner}: the ranks disagree on collective arguments (every rank must pass the same): "
+                         + "; ".join(problems))

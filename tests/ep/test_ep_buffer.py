@@ -327,6 +327,22 @@ def test_size_hint_is_exact(comm, nodes, capsys):
     assert isinstance(err, ValueError) and "multiple of" in str(err)
 
 
+def test_constructor_arguments_agreed_on_every_rank(comm):
+    """Ranks passing different collective arguments, or one rank a bad one, raise on every rank before
+    anything is allocated (never a hang), naming the argument and each rank's value."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    unit = get_num_allocation_alignment()
+    _, err = capture(lambda: EPBuffer(comm, num_bytes=unit * (64 + rank), explicitly_destroy=True))
+    if R > 1:
+        all_ranks_ok(comm, isinstance(err, ValueError) and "num_bytes: rank 0: " in str(err), f"{err!r}")
+    _, err = capture(lambda: EPBuffer(comm, num_bytes=unit * 64 + (rank == R - 1), explicitly_destroy=True))
+    all_ranks_ok(comm, isinstance(err, ValueError) and ("multiple of" in str(err) or f"rank {R - 1} refused" in
+                                                        str(err)), f"{err!r}")
+    _, err = capture(lambda: EPBuffer(comm, num_max_tokens_per_rank=0 if rank == 0 else 8, hidden=64,
+                                      explicitly_destroy=True))
+    all_ranks_ok(comm, isinstance(err, ValueError), f"{err!r}")
+
+
 def test_handle_topk_idx_must_not_change(ep, comm):
     """DeepEP V2.5's version check: a ``topk_idx`` changed in place after the dispatch is caught when the
     handle reads it (a cached dispatch raises ``AssertionError`` on the rank that changed it)."""
