@@ -43,7 +43,7 @@ from .arguments import (
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
 from .failure import run_step
-from .group import mpi_comm_of
+from .group import check_agreed, mpi_comm_of
 from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
@@ -132,7 +132,9 @@ class Buffer:
     build a new Buffer (destroying the old one needs ``explicitly_destroy=True``).
 
     Raises:
-        ValueError: no usable group/comm, conflicting aliases, bad ``timeout_s``.
+        ValueError: no usable group/comm, conflicting aliases, bad ``timeout_s``; ranks disagreeing on
+            a collective argument (window sizes, modes, ``explicitly_destroy``) or one rank refusing
+            its own: raised on every rank, naming the argument and each rank's value.
         RuntimeError: DeepEP's constructor checks (128-byte multiples, sizes, unsupported modes).
         transports.TransportConfigError: invalid ``ranks_per_node`` (same error on every rank).
     """
@@ -159,9 +161,17 @@ class Buffer:
         if allow_ubmem_for_low_latency_mode is not None:  # Ascend alias of allow_nvlink_for_low_latency_mode
             allow_nvlink_for_low_latency_mode = bool(allow_ubmem_for_low_latency_mode)
         mpi_comm = mpi_comm_of(group, comm)
+        error = None
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(value, int) or value < 0 or value % 128:
-                raise RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+            if error is None and (not isinstance(value, int) or value < 0 or value % 128):
+                error = RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+        # agreed before the transport and its windows exist: a rank that refused, or ranks asking for
+        # windows of different sizes, would otherwise leave the others waiting in the collectives
+        check_agreed(mpi_comm, self.api_name, {
+            "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
+            "low_latency_mode": bool(low_latency_mode), "explicitly_destroy": bool(explicitly_destroy),
+            "allow_nvlink_for_low_latency_mode": bool(allow_nvlink_for_low_latency_mode),
+            "enable_shrink": bool(enable_shrink)}, error)
         self.rank = mpi_comm.Get_rank()
         self.group_size = mpi_comm.Get_size()
         self.group = group if group is not None else mpi_comm

@@ -556,3 +556,17 @@ def test_late_rank_raises_instead_of_reading_an_abandoned_call(comm):
     capture(b.destroy)
     all_ranks_ok(comm, isinstance(exc, TimeoutError) and late in getattr(exc, "pending_peers", []),
                  f"rank {r}: expected a TimeoutError naming rank {late}, got {exc!r}")
+
+
+def test_constructor_arguments_agreed_on_every_rank(comm):
+    """Ranks asking for windows of different sizes, or one rank for a bad size, raise on every rank before any
+    window exists (never a hang in the constructor), naming the argument and each rank's value."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    _, exc = capture(lambda: Buffer(None, 0 if r == 0 else 1 << 14, comm=comm, explicitly_destroy=True))
+    if R > 1:
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "num_nvl_bytes: rank 0: 0, rank 1: 16384" in str(exc),
+                     f"num_nvl_bytes differing: rank {r} got {exc!r}")
+    _, exc = capture(lambda: Buffer(None, 1000 if r == R - 1 else 1 << 14, comm=comm, explicitly_destroy=True))
+    ok = isinstance(exc, RuntimeError) if r == R - 1 else (isinstance(exc, ValueError) and
+                                                          f"rank {R - 1} refused" in str(exc))
+    all_ranks_ok(comm, ok, f"one rank's bad num_nvl_bytes: rank {r} got {exc!r}")
