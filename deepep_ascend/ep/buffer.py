@@ -112,6 +112,8 @@ class Buffer:
             ``allow_ubmem_for_low_latency_mode``) lets same-node peers be written with stores
             instead of ``put``, and ``enable_shrink`` masks peers that miss the deadline.
         explicitly_destroy: if True, :meth:`destroy` must be called (collectively) to free the window.
+        use_fabric: DeepEP before 2.1.0's switch for fabric memory handles; accepted, no meaning here
+            (windows are MPI shared memory and RMA).
         comm: mpi4py communicator used when ``group`` is None.
         ranks_per_node: simulated node size (default: ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
             shared-memory domain); fewer than the ranks takes the internode path, which needs
@@ -145,7 +147,8 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None, *, num_ubmem_bytes: int | None = None, num_urma_bytes: int | None = None,
+                 comm=None, *, use_fabric: bool = False, num_ubmem_bytes: int | None = None,
+                 num_urma_bytes: int | None = None,
                  ranks_per_node: int | None = None, timeout_s: float | None = None,
                  allow_ubmem_for_low_latency_mode: bool | None = None):
         if num_ubmem_bytes is not None:
@@ -353,7 +356,8 @@ class Buffer:
                                           2 * hidden, num_topk)[1]
 
     def get_comm_stream(self) -> Worker:
-        """The Buffer's worker, the CPU analogue of DeepEP's communication stream."""
+        """The Buffer's worker, the CPU analogue of DeepEP's communication stream, with ``torch.Stream``'s
+        methods (``query``, ``synchronize``, ``wait_event``, ``wait_stream``, ``record_event``)."""
         return self._worker
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
@@ -721,6 +725,31 @@ class Buffer:
                                                         allocate_on_comm_stream, (x, topk_weights, bias),
                                                         comm_before_outputs=False)
         return combined, combined_w, event
+
+    # -- DeepEP's per-path entry points ------------------------------------------------------------------
+    def _path(self, op: str, internode: bool) -> None:
+        if self._internode != internode:
+            where = f"{self.num_nodes} nodes" if self._internode else "one node"
+            raise RuntimeError(f"Buffer.{op}: this Buffer spans {where}; call {op.split('_', 1)[1]}, which "
+                               f"picks the path")
+
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                           is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment: int = 1, config: Config | None = None, previous_event=None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``deep_ep.Buffer.internode_dispatch``: :meth:`dispatch` across nodes (``RuntimeError`` on one node)."""
+        self._path("internode_dispatch", True)
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
+                          config: Config | None = None, previous_event=None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
+        """``deep_ep.Buffer.internode_combine``: :meth:`combine` across nodes (``RuntimeError`` on one node)."""
+        self._path("internode_combine", True)
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     # -- the entry points of EPBuffer (deepep_ascend.ep.ep_buffer), on the same engines ----------------
     def _run_dispatch(self, *, precheck: Callable[[], tuple], num_worst_tokens: int, previous_event,

@@ -99,7 +99,12 @@ class EventOverlap:
 
 
 class Worker:
-    """A FIFO single-thread executor: the Buffer's "communication stream"."""
+    """A FIFO single-thread executor: the Buffer's "communication stream".
+
+    ``Buffer.get_comm_stream()`` returns it; besides ``submit`` / ``drain`` it has the methods of the
+    ``torch.Stream`` DeepEP returns there, with the same meaning on a CPU thread: :meth:`query`,
+    :meth:`synchronize`, :meth:`wait_event`, :meth:`wait_stream`, :meth:`record_event`.
+    """
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -119,3 +124,29 @@ class Worker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+    # -- torch.Stream's methods (what DeepEP's get_comm_stream() returns) ------------------------------
+    def query(self) -> bool:
+        """True when every task queued so far has finished."""
+        return self._last is None or self._last.done()
+
+    def synchronize(self) -> None:
+        """Block until every queued task finished; re-raises the last task's exception, if any."""
+        last = self._last
+        if last is not None:
+            last.result()
+
+    def wait_event(self, event: EventHandle) -> None:
+        """Tasks queued after this call start once ``event`` completed (its exception, if any, is raised
+        by the waiting task, i.e. at the next wait on the stream)."""
+        self.submit(event.current_stream_wait)
+
+    def wait_stream(self, stream: Worker) -> None:
+        """Tasks queued after this call start once every task queued on ``stream`` so far finished."""
+        if stream is not self:
+            self.wait_event(stream.record_event())
+
+    def record_event(self, event: EventHandle | None = None) -> EventHandle:
+        """An event that completes once every task queued so far finished (``event`` is ignored: a CPU
+        event is recorded afresh)."""
+        return EventHandle(self.submit(lambda: None))

@@ -570,3 +570,23 @@ def test_constructor_arguments_agreed_on_every_rank(comm):
     ok = isinstance(exc, RuntimeError) if r == R - 1 else (isinstance(exc, ValueError) and
                                                           f"rank {R - 1} refused" in str(exc))
     all_ranks_ok(comm, ok, f"one rank's bad num_nvl_bytes: rank {r} got {exc!r}")
+
+
+def test_deepep_2_1_api_gaps(comm):
+    """DeepEP 2.1.0's ``internode_dispatch`` / ``internode_combine`` (refused on one node, naming the call to
+    use), ``use_fabric=`` from DeepEP before 2.1.0 (accepted), and ``get_comm_stream()`` with
+    ``torch.Stream``'s methods."""
+    b = Buffer(None, 0, comm=comm, use_fabric=True)
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="spans one node; call dispatch"):
+        b.internode_dispatch(x)
+    with pytest.raises(RuntimeError, match="spans one node; call combine"):
+        b.internode_combine(x, None)
+    stream = b.get_comm_stream()
+    seen = []
+    stream.submit(lambda: seen.append(1))
+    event = stream.record_event()
+    stream.wait_stream(stream)
+    stream.wait_event(event)
+    stream.synchronize()
+    assert seen == [1] and event.is_done() and stream.query()

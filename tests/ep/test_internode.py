@@ -19,6 +19,7 @@ from tests.support.buffer_helpers import (
     BF16,
     Case,
     Checker,
+    all_ranks_ok,
     coll,
     make_topk_idx,
     many_round_trips,
@@ -319,3 +320,28 @@ def test_low_latency_buffer_refuses_the_normal_internode_path_clearly(comm):
     ok = isinstance(exc, RuntimeError) and "low_latency_mode=False" in str(exc)
     b.destroy()
     all_ranks_ok(comm, ok, f"expected a RuntimeError pointing at a second Buffer, got {exc!r}")
+
+
+def test_internode_dispatch_and_combine_entry_points(buffers, comm):
+    """DeepEP 2.1.0's ``internode_dispatch`` / ``internode_combine`` give what ``dispatch`` / ``combine`` give."""
+    rpn = _two_nodes(comm)
+    if rpn is None:
+        pytest.skip("needs an even number of ranks, at least two")
+    buf = _buffer(buffers, rpn)
+    r, R = comm.Get_rank(), comm.Get_size()
+    g = torch.Generator().manual_seed(r)
+    idx = torch.randint(-1, 4 * R, (12, 3), generator=g)
+    x = torch.randn(12, 128, generator=g).to(BF16)
+    w = torch.rand(12, 3, generator=g)
+
+    def run(dispatch, combine):
+        ntpr, ntprdma, ntpe, itr, _ = buf.get_dispatch_layout(idx, 4 * R)
+        recv_x, _, _, _, handle, _ = dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprdma,
+                                              is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
+                                              topk_weights=w)
+        return recv_x, combine(recv_x, handle)[0]
+
+    want = coll(lambda: run(buf.dispatch, buf.combine))
+    got = coll(lambda: run(buf.internode_dispatch, buf.internode_combine))
+    all_ranks_ok(comm, torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]),
+                 "internode_dispatch / internode_combine against dispatch / combine")
