@@ -34,20 +34,24 @@ def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int,
 
 def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: int, *, num_ranks: int,
                               qp_depth: int) -> None:
-    """``topk_idx`` ``[rows, K]`` int64 with distinct experts per row, ``E < 65536``, ``rows <= M <= qp_depth/2 - 1``.
+    """``topk_idx`` ``[rows, K]`` int64 with distinct experts per row, ``E < 65536``, ``rows <= M < 65536``.
+
+    DeepEP caps ``M`` at its NVSHMEM queue-pair depth (``qp_depth / 2 - 1 = 511``); MPI windows have no
+    queue pairs, so here ``M`` is bounded by the window (the size hint) and by the 16 bits the call's
+    header gives it (docs/semantics/deepep-api.md §6.7). ``qp_depth`` is kept for the message only.
 
     Raises:
         Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
-            duplicates), ``AssertionError`` (``M`` past DeepEP's queue-pair depth, docs/semantics/deepep-api.md §6.7).
+            duplicates).
     """
     check_topk_idx(topk_idx, num_experts, num_ranks)
     check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
     check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
     check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
           f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
-    check(m <= qp_depth // 2 - 1, AssertionError,
-          f"num_max_dispatch_tokens_per_rank={m} exceeds nvshmem_qp_depth / 2 - 1 = "
-          f"{qp_depth // 2 - 1} (docs/semantics/deepep-api.md §6.7)")
+    check(m < 65536, ValueError,
+          f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
+          f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
     check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
     if topk_idx.numel() and topk_idx.size(1) > 1:
         srt = topk_idx.sort(dim=1).values
