@@ -301,6 +301,8 @@ def test_batches_past_deepeps_queue_pair_cap(comm, m, tokens):
     """``num_max_dispatch_tokens_per_rank`` above DeepEP's 511 (its NVSHMEM queue-pair cap, meaningless over MPI
     windows; users ask for 1024-2304): a buffer sized by the hint for ``M`` moves full batches bit for bit."""
     R = comm.Get_size()
+    if R > 4 and m > 1024:
+        pytest.skip("2304 at 1, 2 and 4 ranks (suite time)")
     case = Case(f"m{m}", tokens=tokens, m=m, hidden=128, epr=2, topk=2, mode="async")
     hint = Buffer.get_low_latency_rdma_size_hint(m, 128, R, 2 * R)
     buf = coll(lambda: Buffer(None, 0, hint, comm=comm, low_latency_mode=True, explicitly_destroy=True))
