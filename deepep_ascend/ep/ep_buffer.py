@@ -149,7 +149,8 @@ class EPBuffer(BufferBase):
         if num_nodes == 1:
             return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
                                              num_ranks, 2 * hidden, num_topk), 0
-        # combine's rows carry one more float32 column across nodes: each row's sort key (§13.5)
+        # combine's rows carry one more float32 column across nodes: each row's sort key
+        # (docs/semantics/deepep-api.md §13.5)
         return InternodeEngine.size_hints(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
                                           num_ranks, num_nodes, 2 * hidden, num_topk + 1)
 
@@ -601,7 +602,8 @@ class EPBuffer(BufferBase):
             if biases[0] is None:
                 biases = (biases[1], None)
             compact_x, compact_w = self._compact(x, topk_weights, handle)
-            if self._legacy.num_nodes > 1:  # each row's key travels as one more weight column (§13.5)
+            # each row's key travels as one more weight column (docs/semantics/deepep-api.md §13.5)
+            if self._legacy.num_nodes > 1:
                 meta = handle.recv_src_metadata
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
