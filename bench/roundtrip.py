@@ -252,9 +252,10 @@ def fmt_kinds(kinds: dict) -> str:
         for k, v in kinds.items())
 
 
-def print_system(rep: dict, res: RoundTripResult) -> None:
-    """Print one system's ``[layout]``, ``[dispatch]``, ``[combine]`` and ``[roundtrip]`` (dispatch + combine)
-    lines from :func:`system_report` (rank 0)."""
+def print_system(rep: dict, res: RoundTripResult, round_trip=None, note: str = "") -> None:
+    """Print one system's ``[layout]``, ``[dispatch]``, ``[combine]`` and ``[roundtrip]`` lines from
+    :func:`system_report` (rank 0). The round trip is dispatch + combine unless ``round_trip`` (a
+    :class:`bench.timing.Timing`) is given, printed with ``note`` after it."""
     name = rep["name"]
     print(f"[layout]   {name:<16}: {res.timings['layout'].fmt()}")
     for phase in ("dispatch", "combine"):
@@ -262,7 +263,8 @@ def print_system(rep: dict, res: RoundTripResult) -> None:
         print(f"[{phase}]{' ' * (9 - len(phase))}{name:<16}: {res.timings[phase].fmt()} | "
               f"logical {ph['logical_gbps']:7.2f} GB/s | bottleneck {ph['bottleneck_gbps']:7.2f} GB/s "
               f"(rank {ph['bottleneck_rank']}) | {fmt_kinds(ph['sent_by_kind'])}")
-    print(f"[roundtrip]{name:<16}: {res.timings['round_trip'].fmt()}")
+    trip = res.timings["round_trip"] if round_trip is None else round_trip
+    print(f"[roundtrip]{name:<16}: {trip.fmt()}{' ' + note if note else ''}")
 
 
 def fmt_check(ref: str, name: str, chk: dict) -> str:
