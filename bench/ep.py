@@ -75,7 +75,7 @@ import torch
 
 from bench import cli, schema
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
-from bench.formulas import count_bytes, fmt_bytes, gbps
+from bench.formulas import count_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import cpu_model, memory_snapshot
 from bench.roofline import memcpy_roofline
 from bench.roundtrip import (
@@ -93,7 +93,7 @@ from bench.roundtrip import (
     system_report,
 )
 from bench.timing import Timing, progress_bar, time_phases
-from bench.workload import Workload, calc_diff, comm_fingerprint, make_workload, tensor_digest
+from bench.workload import Workload, calc_diff, comm_fingerprint, make_workload, num_recv_tokens_of, tensor_digest
 
 SYSTEMS = ("ep", "v1", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"ep": "epbuffer", "v1": "buffer_v1", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
@@ -537,12 +537,9 @@ def run(args) -> int:
     if "roofline" in args.systems:
         if ep is not None:
             d_b, c_b = ep.bytes["scaleup_bytes"], ep.bytes["combine_scaleup_bytes"]
-        else:  # the same V2 bytes from another system's received rows
-            any_res = next(iter(others.values()), None)
-            n_recv = any_res.num_recv_tokens if any_res is not None else 0
-            d_b = n_recv * (args.hidden * (1 if fp8 else 2) + (4 * (args.hidden // 128) if fp8 else 0)
-                            + args.num_topk * (IDX_BYTES + WEIGHT_BYTES))
-            c_b = n_recv * (2 * args.hidden + args.num_topk * WEIGHT_BYTES)
+        else:  # the same V2 bytes (they are the logical formula's) from the routing
+            n_recv = num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
+            d_b, c_b = (logical_bytes(n_recv, args.hidden, args.num_topk, fp8, ph) for ph in ("dispatch", "combine"))
         roof = memcpy_roofline(comm, int(d_b), int(c_b), args.iters, args.warmup)
         roof_bytes = comm.allgather(dict(dispatch=int(d_b), combine=int(c_b)))
         trips["memcpy_roofline"] = roof["round_trip"]

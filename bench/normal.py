@@ -95,7 +95,7 @@ from bench.roundtrip import (
 )
 from bench.routing import load_routing, save_routing
 from bench.timing import progress_bar
-from bench.workload import comm_fingerprint, make_workload, reference_layout
+from bench.workload import comm_fingerprint, make_workload, num_recv_tokens_of, reference_layout
 
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
@@ -405,11 +405,7 @@ def n_recv_for(results, wl, args, comm) -> int:
     """This rank's N_recv for the roofline: from any system's result, else from the layout."""
     for res in results.values():
         return res.num_recv_tokens
-    itir = reference_layout(wl.topk_idx, args.num_experts, comm.Get_size())[3]
-    counts = itir.sum(0).numpy().astype(np.int64)
-    recv = np.empty_like(counts)
-    comm.Alltoall(counts, recv)
-    return int(recv.sum())
+    return num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
 
 
 def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False) -> dict:
