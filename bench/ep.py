@@ -14,8 +14,10 @@ seeded ``seed * 65536 + rank``, ``--seed``). Dispatch sends FP8 made by the libr
 ``deepep_ascend.per_token_cast_to_fp8(x, scale_style="deepep")`` (e4m3 rows and one float32 scale per 128
 channels, DeepEP's ``per_token_cast_to_fp8``); ``--bf16`` sends the BF16 rows. Combine is BF16.
 
-Systems, one after another on the same inputs, each doing the round trip dispatch → identity experts (the
-received rows, FP8 cast back to BF16; untimed) → combine with the received weights:
+Systems, on the same inputs, each doing the round trip dispatch → identity experts (the received rows,
+FP8 cast back to BF16; untimed) → combine with the received weights. EPBuffer and V1 run interleaved, both
+buffers alive: every iteration times EPBuffer's round trip, then V1's, so that the host's drift (a shared
+machine) hits both alike; the peers and the roofline run after them, one after another:
 
 * ``epbuffer``: ``EPBuffer.dispatch`` (compact layout; ``--expand``: DeepEP's expanded layout, one row per
   (token, local expert), each expert's rows starting at a multiple of ``--expert-alignment``, default 128)
@@ -89,7 +91,7 @@ from bench.roundtrip import (
     identity_experts,
     normal_buffer_bytes,
     print_system,
-    run_round_trip,
+    round_trip_phases,
     system_report,
 )
 from bench.timing import Timing, progress_bar, time_phases
@@ -236,10 +238,13 @@ class EPResult:
     combined_x: torch.Tensor
 
 
-def run_epbuffer(buf, wl: Workload, args, comm, num_nodes: int, progress=None) -> EPResult:
-    """One checked round trip (untimed: counters, bytes, the reference check), then the timed iterations
-    (collective). The received tensors may lie in the buffer's windows, which the next call reuses: every
-    number is taken from them before the next call."""
+def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str = "epbuffer."):
+    """EPBuffer's round trip (collective): one checked round trip now (untimed: link counters, the V2
+    bytes, the reference check), then ``(phases, finish)`` for :func:`bench.timing.time_phases`, timed
+    phases named ``prefix + 'dispatch'`` and ``prefix + 'combine'`` (so that they can run interleaved
+    with V1's, :func:`bench.roundtrip.round_trip_phases`); ``finish(timings)`` returns the
+    :class:`EPResult`. The received tensors may lie in the buffer's windows, which the next call reuses:
+    every number is taken from them before the next call."""
     from deepep_ascend.transports import LinkStats
 
     rank, R = comm.Get_rank(), comm.Get_size()
@@ -295,12 +300,16 @@ def run_epbuffer(buf, wl: Workload, args, comm, num_nodes: int, progress=None) -
     def combine():
         st["c"] = buf.combine(st["y"], st["d"][3], topk_weights=st["d"][2])
 
-    t = time_phases([(None, reset), ("dispatch", dispatch), (None, experts), ("combine", combine)], comm,
-                    args.iters, args.warmup, progress)
-    t["round_trip"] = t["dispatch"] + t["combine"]
-    check["repeatable"] = tensor_digest(st["c"][0]) == first_digest
-    st.clear()
-    return EPResult(t, nbytes, moved, check, digests, combined)
+    phases = [(None, reset), (prefix + "dispatch", dispatch), (None, experts), (prefix + "combine", combine)]
+
+    def finish(timings: dict) -> EPResult:
+        t = {k: timings[prefix + k] for k in ("dispatch", "combine")}
+        t["round_trip"] = t["dispatch"] + t["combine"]
+        check["repeatable"] = tensor_digest(st["c"][0]) == first_digest
+        st.clear()
+        return EPResult(t, nbytes, moved, check, digests, combined)
+
+    return phases, finish
 
 
 def agree(flags: dict, comm) -> dict:
@@ -344,8 +353,11 @@ def fmt_v1_check(chk: dict) -> str:
 
 
 def spread(vals: list) -> str:
-    """``a, b, ...`` for a few ranks, ``min..max`` for many."""
+    """Per-rank values as text: one value when every rank has it, ``a, b, ...`` for a few ranks,
+    ``min..max`` for many."""
     vals = [int(v) if float(v).is_integer() else v for v in vals]
+    if len(set(vals)) == 1:
+        return f"{vals[0]:,}"
     return ", ".join(f"{v:,}" for v in vals) if len(vals) <= 8 else f"{min(vals):,}..{max(vals):,}"
 
 
@@ -494,29 +506,36 @@ def run(args) -> int:
               f"{size} | iters {args.iters} (+{args.warmup} warmup) | fingerprint {fp} | cpu {cpu_model()}",
               flush=True)
 
-    n_sys = sum(s in args.systems for s in ("ep", "v1", "mpi", "gloo"))
-    bar = progress_bar(root and not args.no_progress, n_sys * (args.iters + args.warmup), "bench ep")
-    ep = None
+    loops = int("ep" in args.systems or "v1" in args.systems) + sum(s in args.systems for s in ("mpi", "gloo"))
+    bar = progress_bar(root and not args.no_progress, loops * (args.iters + args.warmup), "bench ep")
+    ep = buf = v1 = None
+    others = {}
+    phases, finish_v1 = [], None
     if "ep" in args.systems:
         buf = EPBuffer(comm, extra["ep_num_bytes"], num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden,
                        num_topk=args.num_topk, use_fp8_dispatch=fp8, explicitly_destroy=True,
                        ranks_per_node=args.ranks_per_node)
-        ep = run_epbuffer(buf, wl, args, comm, nodes, bar.callback)
-        extra["memory_after_epbuffer"] = comm.gather(memory_snapshot(), root=0)
-        destroy_buffer(buf, root, "ep")  # windows freed before the next system: peak memory = max, not sum
-        buf = None
-    others = {}
+        ep_phases, finish_ep = epbuffer_phases(buf, wl, args, comm, nodes)
+        phases += ep_phases
     if "v1" in args.systems:
         nvl, rdma = normal_buffer_bytes(Buffer, args.num_tokens, args.hidden, R, args.ranks_per_node,
                                         args.num_topk, args.num_experts, fp8)
         extra["v1_num_nvl_bytes"], extra["v1_num_rdma_bytes"] = nvl, rdma
         v1 = Buffer(group=None, num_nvl_bytes=nvl, num_rdma_bytes=rdma, comm=comm, explicitly_destroy=True,
                     ranks_per_node=args.ranks_per_node)
-        others["buffer_v1"] = run_round_trip(BufferSystem(v1, "buffer_v1"), wl, comm, args.iters, args.warmup,
-                                             progress=bar.callback)
-        extra["memory_after_buffer_v1"] = comm.gather(memory_snapshot(), root=0)
-        destroy_buffer(v1, root, "ep")
-        v1 = None
+        v1_phases, finish_v1 = round_trip_phases(BufferSystem(v1, "buffer_v1"), wl, prefix="buffer_v1.")
+        phases += v1_phases
+    if phases:  # EPBuffer's round trip, then V1's, in every iteration: the host's drift hits both alike
+        t = time_phases(phases, comm, args.iters, args.warmup, bar.callback)
+        if buf is not None:
+            ep = finish_ep(t)
+        if v1 is not None:
+            others["buffer_v1"] = finish_v1(t)
+        extra["memory_after_buffers"] = comm.gather(memory_snapshot(), root=0)
+    for b in (buf, v1):  # windows freed before the peers run
+        if b is not None:
+            destroy_buffer(b, root, "ep")
+    buf = v1 = None
     if "mpi" in args.systems:
         others["mpi_alltoallv"] = mpi_alltoallv_roundtrip(wl, comm, args.iters, args.warmup, progress=bar.callback)
     group = None

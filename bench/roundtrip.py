@@ -120,15 +120,18 @@ def layout_digest(layout) -> str:
     return h.hexdigest()
 
 
-def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
-                   experts: Callable = identity_experts,
-                   progress: Callable[[int], None] | None = None) -> RoundTripResult:
-    """Time layout, dispatch and combine of ``system`` on ``wl`` (collective).
+def round_trip_phases(system, wl: Workload, experts: Callable = identity_experts, prefix: str = ""):
+    """The phases of one round trip of ``system`` on ``wl``, for :func:`bench.timing.time_phases`, and
+    what turns their timings into a :class:`RoundTripResult`.
 
     Per iteration: drop the previous outputs (untimed), ``layout`` (timed), ``dispatch`` (timed),
     read traffic and run ``experts`` on the received rows (untimed), ``combine`` with the received
-    weights (timed), read traffic (untimed). ``round_trip`` = dispatch + combine per iteration
-    (layout excluded, as DeepEP times it apart).
+    weights (timed), read traffic (untimed). The timed phases are named ``prefix + 'layout'`` etc., so
+    that several systems' phases can run interleaved in one loop.
+
+    Returns ``(phases, finish)``; ``finish(timings)`` takes ``time_phases``' result and returns the
+    :class:`RoundTripResult` (``round_trip`` = dispatch + combine per iteration, layout excluded, as
+    DeepEP times it apart; outputs of the last iteration).
     """
     st: dict = {}
     x, ne = wl.dispatch_x, wl.params["num_experts"]
@@ -154,20 +157,33 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
     def after_combine():
         st["t_c"], st["s_c"] = system.traffic(), link_stats()
 
-    phases = [(None, reset), ("layout", layout), ("dispatch", dispatch), (None, after_dispatch),
-              ("combine", combine), (None, after_combine)]
-    t = time_phases(phases, comm, iters, warmup, progress)
-    t["round_trip"] = t["dispatch"] + t["combine"]
-    d = st["d"]
-    res = RoundTripResult(
-        name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
-        dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
-        combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(),
-        traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
-        layout_digest=layout_digest(st["layout"]),
-        link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
-    st.clear()
-    return res
+    phases = [(None, reset), (prefix + "layout", layout), (prefix + "dispatch", dispatch), (None, after_dispatch),
+              (prefix + "combine", combine), (None, after_combine)]
+
+    def finish(timings: dict) -> RoundTripResult:
+        t = {k: timings[prefix + k] for k in ("layout", "dispatch", "combine")}
+        t["round_trip"] = t["dispatch"] + t["combine"]
+        d = st["d"]
+        res = RoundTripResult(
+            name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
+            dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
+            combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(),
+            traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
+            layout_digest=layout_digest(st["layout"]),
+            link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
+        st.clear()
+        return res
+
+    return phases, finish
+
+
+def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
+                   experts: Callable = identity_experts,
+                   progress: Callable[[int], None] | None = None) -> RoundTripResult:
+    """Time layout, dispatch and combine of ``system`` on ``wl`` (collective): :func:`round_trip_phases`
+    run by :func:`bench.timing.time_phases` (``warmup`` untimed iterations, then ``iters`` timed ones)."""
+    phases, finish = round_trip_phases(system, wl, experts)
+    return finish(time_phases(phases, comm, iters, warmup, progress))
 
 
 def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roundings: bool = False) -> dict:
