@@ -98,7 +98,6 @@ from bench.timing import Timing, progress_bar, time_phases
 from bench.workload import Workload, calc_diff, comm_fingerprint, make_workload, num_recv_tokens_of, tensor_digest
 
 SYSTEMS = ("ep", "v1", "mpi", "gloo", "roofline")
-SYSTEM_NAMES = {"ep": "epbuffer", "v1": "buffer_v1", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
 #: The targets, reported: EPBuffer's round trip over V1's on the same work (at most), and the speedup over
 #: the faster peer pipeline (at least) at these rank counts.
 TARGET_OVER_V1 = 1.0
@@ -345,6 +344,7 @@ def fmt_ep_check(chk: dict, name: str) -> str:
 
 
 def fmt_v1_check(chk: dict) -> str:
+    """The ``[check]`` line of EPBuffer against V1 (:func:`compare_with_v1`)."""
     bad = [k.split(".", 1)[1] for k in chk if k.startswith("dispatch.") and not chk[k]]
     comb = ("bitwise ok" if chk["combined_x_bitwise"] else "equal values (signed zeros)"
             if chk["combined_x_equal_values"] else "MISMATCH")
@@ -384,6 +384,8 @@ def ep_report(res: EPResult, comm) -> dict:
 
 
 def print_ep(rep: dict, res: EPResult, num_nodes: int) -> None:
+    """Print the ``[bytes]`` line (bytes per token, tokens, scale-up / scale-out bytes per rank) and the
+    ``[ep]`` lines (median ms, GB/s, bytes moved per channel kind) of :func:`ep_report` (rank 0)."""
     pr = rep["per_rank"]
     one = num_nodes == 1
     print(f"[bytes]    V2 accounting: {spread(pr['dispatch_token_bytes'])} B per dispatch token "
