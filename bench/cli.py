@@ -52,6 +52,18 @@ def int_list(lo: int):
     return parse
 
 
+def system_list(p: argparse.ArgumentParser, text: str, choices: tuple) -> list:
+    """A ``--systems`` value: comma-separated names out of ``choices``, in the order given (blanks
+    dropped); ``p.error`` (argparse's usage error, exit 2) for an unknown name or an empty list."""
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in systems if s not in choices]
+    if bad:
+        p.error(f"unknown system(s) {bad}; choose from {choices}")
+    if not systems:
+        p.error(f"--systems is empty; choose from {choices}")
+    return systems
+
+
 #: The shared options: key → (flag, argparse keywords, help). ``type`` of the integer options is
 #: filled in by :func:`add_shared` (each command's minimum).
 SHARED = {

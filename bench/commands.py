@@ -34,6 +34,8 @@ COMMANDS = {
                       "all_to_all_single and the memcpy roofline (the main job)", True),
     "low-latency": Command("bench.low_latency", "low-latency (DeepEP LL) dispatch + combine, hook mode and overlap, "
                            "against the same peers and roofline", True),
+    "ep": Command("bench.ep", "EPBuffer (DeepEP V2.5) dispatch + combine at a scaled-down DeepEP-Ascend shape, "
+                  "against the V1 Buffer path and the same peers on the same work", True),
     "mega-moe": Command("bench.mega_moe", "MegaMoE's fused call against the unfused stage sequence and plain "
                         "matmuls (DeepGEMM fp8_fp4_mega_moe / bf16_mega_moe)", True),
     "urma-put": Command("bench.urma_put", "URMA put_with_signal bandwidth between two simulated nodes (2 ranks)", True),

@@ -80,9 +80,22 @@ from bench.formulas import bottleneck_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import MemorySampler, cpu_model, memory_snapshot
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
 from bench.roofline import memcpy_roofline
-from bench.roundtrip import EXPERTS, BufferSystem, RoundTripResult, compare_outputs, run_round_trip
+from bench.roundtrip import (
+    EXPERTS,
+    BufferSystem,
+    RoundTripResult,
+    check_ok,
+    compare_outputs,
+    destroy_buffer,
+    fmt_check,
+    normal_buffer_bytes,
+    print_system,
+    run_round_trip,
+    system_report,
+)
 from bench.routing import load_routing, save_routing
-from bench.workload import comm_fingerprint, make_workload, reference_layout
+from bench.timing import progress_bar
+from bench.workload import comm_fingerprint, make_workload, num_recv_tokens_of, reference_layout
 
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
@@ -123,26 +136,21 @@ def check_args(p, a) -> None:
     """Checks and derived values after parsing (``p.error`` on bad values): the link profile and
     emulator, the system list."""
     a.profile, a.emulator = link_setup(p, a)
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        p.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    systems = cli.system_list(p, a.systems, SYSTEMS)
     if a.baselines_only:
         systems = [s for s in systems if s != "deepep_ascend"]
     a.systems = systems
 
 
 def choose_buffer_bytes(Buffer, args, num_ranks: int) -> tuple[int, int, str]:
-    """``(num_nvl_bytes, num_rdma_bytes, source)``: the options, else the sizes for which the workload never chunks."""
-    hint = dict(num_topk=args.num_topk, num_experts=args.num_experts, x_itemsize=1 if args.fp8 else 2,
-                num_scale_cols=args.hidden // 128 if args.fp8 else 0)
-    rpn = args.ranks_per_node
-    nvl = args.nvl_bytes if args.nvl_bytes is not None else Buffer.get_normal_buffer_size_hint(
-        args.num_tokens, args.hidden, num_ranks, ranks_per_node=rpn, **hint)
-    rdma = 0
-    if rpn is not None and rpn < num_ranks:
-        rdma = args.rdma_bytes if args.rdma_bytes is not None else Buffer.get_normal_rdma_buffer_size_hint(
-            args.num_tokens, args.hidden, num_ranks, rpn, **hint)
+    """``(num_nvl_bytes, num_rdma_bytes, source)``: the options, else the sizes for which the workload never chunks
+    (:func:`bench.roundtrip.normal_buffer_bytes`)."""
+    nvl, rdma = normal_buffer_bytes(Buffer, args.num_tokens, args.hidden, num_ranks, args.ranks_per_node,
+                                    args.num_topk, args.num_experts, args.fp8)
+    nvl = args.nvl_bytes if args.nvl_bytes is not None else nvl
+    internode = args.ranks_per_node is not None and args.ranks_per_node < num_ranks
+    if internode and args.rdma_bytes is not None:
+        rdma = args.rdma_bytes
     given = [n for n, v in (("--nvl-bytes", args.nvl_bytes), ("--rdma-bytes", args.rdma_bytes)) if v is not None]
     return nvl, rdma, " and ".join(given) if given else "Buffer size hints (no chunking)"
 
@@ -180,15 +188,6 @@ def two_hop_report(wl, args, comm, traffic) -> dict | None:
                 theoretical_urma_bytes_per_token=tot["theoretical"] / max(1, R * args.num_tokens))
 
 
-def destroy_buffer(buf, root: bool) -> None:
-    """``buf.destroy()`` (collective); a failure is reported, not raised."""
-    try:
-        buf.destroy()
-    except Exception as e:  # noqa: BLE001
-        if root:
-            print(f"[bench normal] Buffer.destroy() raised {type(e).__name__}: {e}", file=sys.stderr)
-
-
 def build_workload(args, comm):
     rank, R = comm.Get_rank(), comm.Get_size()
     routing = weights = None
@@ -209,76 +208,6 @@ def build_workload(args, comm):
     wl = make_workload(args.num_tokens, args.hidden, args.num_topk, args.num_experts, rank, R, seed=args.seed,
                          fp8=args.fp8, routing=routing, routing_weights=weights, routing_source=source)
     return wl, label
-
-
-def system_report(res: RoundTripResult, comm, args) -> dict:
-    """Collective: byte counts of every rank → bandwidths for one system (same dict on all ranks)."""
-    H, K, fp8 = args.hidden, args.num_topk, args.fp8
-    n_recv = comm.allgather(res.num_recv_tokens)
-    traffic = comm.allgather(res.traffic)
-    out = {"name": res.name, "num_recv_tokens_per_rank": n_recv,
-           "timings": {k: v.as_dict() for k, v in res.timings.items()}, "phases": {}}
-    for phase in ("dispatch", "combine"):
-        t = res.timings[phase].median
-        logical = [logical_bytes(n, H, K, fp8, phase) for n in n_recv]
-        bottle = [bottleneck_bytes(n, H, fp8 and phase == "dispatch") for n in n_recv]
-        kinds = {}
-        per_rank = [tr[phase] for tr in traffic]
-        if all(x is not None for x in per_rank):
-            for kind in sorted({k for x in per_rank for k in x}):
-                vals = [int(x.get(kind, 0)) for x in per_rank]
-                kinds[kind] = dict(bytes_per_rank=vals, max_bytes=max(vals),
-                                   max_gbps=gbps(max(vals), t))
-        brank = int(np.argmax(bottle))
-        out["phases"][phase] = dict(
-            median_s=t, logical_bytes_per_rank=logical, bottleneck_bytes_per_rank=bottle,
-            logical_gbps=gbps(sum(logical) / len(logical), t),
-            bottleneck_gbps=gbps(bottle[brank], t), bottleneck_rank=brank, sent_by_kind=kinds)
-    return out
-
-
-def fmt_kinds(kinds: dict) -> str:
-    if not kinds:
-        return "moved: n/a"
-    return "moved/rank max: " + ", ".join(
-        f"{k} {fmt_bytes(v['max_bytes'])}" + (f" ({v['max_gbps']:.2f} GB/s)" if v["max_bytes"] else "")
-        for k, v in kinds.items())
-
-
-def print_system(rep: dict, res: RoundTripResult):
-    name = rep["name"]
-    print(f"[layout]   {name:<16}: {res.timings['layout'].fmt()}")
-    for phase in ("dispatch", "combine"):
-        ph = rep["phases"][phase]
-        print(f"[{phase}]{' ' * (9 - len(phase))}{name:<16}: {res.timings[phase].fmt()} | "
-              f"logical {ph['logical_gbps']:7.2f} GB/s | bottleneck {ph['bottleneck_gbps']:7.2f} GB/s "
-              f"(rank {ph['bottleneck_rank']}) | {fmt_kinds(ph['sent_by_kind'])}")
-    print(f"[roundtrip]{name:<16}: {res.timings['round_trip'].fmt()}")
-
-
-def fmt_check(ref: str, name: str, chk: dict) -> str:
-    disp = [k for k in chk if k.startswith("dispatch.")]
-    bad_disp = [k.split(".", 1)[1] for k in disp if not chk[k]]
-    parts = [f"layout {'ok' if chk['layout'] else 'MISMATCH'}",
-             "dispatch outputs bitwise " + ("ok" if not bad_disp else "MISMATCH in " + ",".join(bad_disp))]
-    if chk.get("combined_x_two_roundings") is not None:
-        parts.append(f"combined_x {'ok' if chk['combined_x_two_roundings'] else 'MISMATCH'} (calc_diff "
-                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, "
-                     "docs/semantics/deepep-api.md §5)")
-    elif chk["combined_x_bitwise"]:
-        parts.append("combined_x bitwise ok")
-    elif chk["combined_x_equal_values"]:
-        parts.append("combined_x equal values but not bits (signed zeros)")
-    else:
-        parts.append(f"combined_x MISMATCH (calc_diff {chk['combined_x_calc_diff']:.3g})")
-    parts.append("combined_topk_weights bitwise " + (
-        "ok" if chk["combined_topk_weights_bitwise"]
-        else f"MISMATCH (calc_diff {chk['combined_topk_weights_calc_diff']:.3g})"))
-    return f"[check]    {name} vs {ref}: " + "; ".join(parts)
-
-
-def check_ok(chk: dict) -> bool:
-    return all(v for k, v in chk.items() if isinstance(v, bool) and k != "combined_x_equal_values")
 
 
 def run(args) -> int:
@@ -316,16 +245,9 @@ def run(args) -> int:
               f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.expert_fn} | "
               f"fingerprint {fp} | cpu {cpu_model()}", flush=True)
 
-    bar = None
-    if root and not args.no_progress:
-        try:
-            from tqdm import tqdm
-            n_sys = sum(s in args.systems for s in ("deepep_ascend", "mpi", "gloo"))
-            bar = tqdm(total=n_sys * (args.iters + args.warmup), desc="bench normal", unit="it",
-                       leave=False, file=sys.stderr, disable=None)
-        except ImportError:
-            bar = None
-    progress = (lambda i: bar.update(1)) if bar is not None else None
+    n_sys = sum(s in args.systems for s in ("deepep_ascend", "mpi", "gloo"))
+    bar = progress_bar(root and not args.no_progress, n_sys * (args.iters + args.warmup), "bench normal")
+    progress = bar.callback
 
     results: dict[str, RoundTripResult] = {}
     experts = EXPERTS[args.expert_fn]
@@ -354,10 +276,10 @@ def run(args) -> int:
         group = start_gloo(comm)
         results["gloo_all_to_all"] = gloo_all_to_all_roundtrip(wl, comm, args.iters, args.warmup, group=group,
                                                                  experts=experts, progress=progress)
-    if bar is not None:
-        bar.close()
+    bar.close()
 
-    reports = {name: system_report(res, comm, args) for name, res in results.items()}
+    reports = {name: system_report(res, comm, args.hidden, args.num_topk, args.fp8)
+               for name, res in results.items()}
     if emulator is not None:
         reports["deepep_ascend"]["name"] += " [EMULATED links]"
     projection = None
@@ -483,11 +405,7 @@ def n_recv_for(results, wl, args, comm) -> int:
     """This rank's N_recv for the roofline: from any system's result, else from the layout."""
     for res in results.values():
         return res.num_recv_tokens
-    itir = reference_layout(wl.topk_idx, args.num_experts, comm.Get_size())[3]
-    counts = itir.sum(0).numpy().astype(np.int64)
-    recv = np.empty_like(counts)
-    comm.Alltoall(counts, recv)
-    return int(recv.sum())
+    return num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
 
 
 def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False) -> dict:

@@ -2,19 +2,24 @@
 
 :func:`run_round_trip` times layout, dispatch and combine of any system with DeepEP V1's call
 shape: :class:`BufferSystem` (a DeepEP-V1-like ``Buffer``) or a peer pipeline of
-:mod:`bench.baselines`. :func:`compare_outputs` checks two systems' results agree bit for bit.
-The "experts" between dispatch and combine are :data:`EXPERTS` (identity, or a copy).
+:mod:`bench.baselines`. :func:`compare_outputs` checks two systems' results agree bit for bit
+(:func:`check_ok`, :func:`fmt_check`: its verdict and line). The "experts" between dispatch and
+combine are :data:`EXPERTS` (identity, or a copy). What the commands that run V1 round trips share:
+:func:`system_report` / :func:`print_system` (bytes and GB/s per phase), :func:`normal_buffer_bytes`
+(a Buffer that never chunks), :func:`destroy_buffer`.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from bench.formulas import bottleneck_bytes, fmt_bytes, gbps, logical_bytes
 from bench.timing import time_phases
 from bench.workload import Workload, calc_diff, per_token_cast_back, tensor_digest
 
@@ -115,15 +120,18 @@ def layout_digest(layout) -> str:
     return h.hexdigest()
 
 
-def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
-                   experts: Callable = identity_experts,
-                   progress: Callable[[int], None] | None = None) -> RoundTripResult:
-    """Time layout, dispatch and combine of ``system`` on ``wl`` (collective).
+def round_trip_phases(system, wl: Workload, experts: Callable = identity_experts, prefix: str = ""):
+    """The phases of one round trip of ``system`` on ``wl``, for :func:`bench.timing.time_phases`, and
+    what turns their timings into a :class:`RoundTripResult`.
 
     Per iteration: drop the previous outputs (untimed), ``layout`` (timed), ``dispatch`` (timed),
     read traffic and run ``experts`` on the received rows (untimed), ``combine`` with the received
-    weights (timed), read traffic (untimed). ``round_trip`` = dispatch + combine per iteration
-    (layout excluded, as DeepEP times it apart).
+    weights (timed), read traffic (untimed). The timed phases are named ``prefix + 'layout'`` etc., so
+    that several systems' phases can run interleaved in one loop.
+
+    Returns ``(phases, finish)``; ``finish(timings)`` takes ``time_phases``' result and returns the
+    :class:`RoundTripResult` (``round_trip`` = dispatch + combine per iteration, layout excluded, as
+    DeepEP times it apart; outputs of the last iteration).
     """
     st: dict = {}
     x, ne = wl.dispatch_x, wl.params["num_experts"]
@@ -149,20 +157,33 @@ def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
     def after_combine():
         st["t_c"], st["s_c"] = system.traffic(), link_stats()
 
-    phases = [(None, reset), ("layout", layout), ("dispatch", dispatch), (None, after_dispatch),
-              ("combine", combine), (None, after_combine)]
-    t = time_phases(phases, comm, iters, warmup, progress)
-    t["round_trip"] = t["dispatch"] + t["combine"]
-    d = st["d"]
-    res = RoundTripResult(
-        name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
-        dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
-        combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(),
-        traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
-        layout_digest=layout_digest(st["layout"]),
-        link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
-    st.clear()
-    return res
+    phases = [(None, reset), (prefix + "layout", layout), (prefix + "dispatch", dispatch), (None, after_dispatch),
+              (prefix + "combine", combine), (None, after_combine)]
+
+    def finish(timings: dict) -> RoundTripResult:
+        t = {k: timings[prefix + k] for k in ("layout", "dispatch", "combine")}
+        t["round_trip"] = t["dispatch"] + t["combine"]
+        d = st["d"]
+        res = RoundTripResult(
+            name=system.name, timings=t, num_recv_tokens=split_x(d[0])[0].size(0),
+            dispatch_digests=dispatch_digests(d), combined_x=st["c"][0].clone(),  # may alias a buffer
+            combined_topk_weights=None if st["c"][1] is None else st["c"][1].clone(),
+            traffic={"dispatch": st["t_d"], "combine": st["t_c"]},
+            layout_digest=layout_digest(st["layout"]),
+            link_stats=None if st["s_d"] is None else {"dispatch": st["s_d"], "combine": st["s_c"]})
+        st.clear()
+        return res
+
+    return phases, finish
+
+
+def run_round_trip(system, wl: Workload, comm, iters: int, warmup: int,
+                   experts: Callable = identity_experts,
+                   progress: Callable[[int], None] | None = None) -> RoundTripResult:
+    """Time layout, dispatch and combine of ``system`` on ``wl`` (collective): :func:`round_trip_phases`
+    run by :func:`bench.timing.time_phases` (``warmup`` untimed iterations, then ``iters`` timed ones)."""
+    phases, finish = round_trip_phases(system, wl, experts)
+    return finish(time_phases(phases, comm, iters, warmup, progress))
 
 
 def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roundings: bool = False) -> dict:
@@ -205,3 +226,110 @@ def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roun
         out["combined_x_bitwise"] = out["combined_x_equal_values"] = None  # not expected: reported apart
     return out
 
+
+def system_report(res: RoundTripResult, comm, hidden: int, num_topk: int, fp8: bool) -> dict:
+    """Collective: byte counts of every rank → bandwidths for one system (same dict on all ranks).
+
+    Per phase: ``logical_bytes_per_rank`` (V2 formula) and ``bottleneck_bytes_per_rank`` (V1 formula) of
+    ``bench.formulas``, their GB/s at the phase's median time (logical: the rank mean; bottleneck: the
+    busiest rank), and ``sent_by_kind``: the bytes each rank's own operations moved per channel kind in
+    the last call (``{kind: {bytes_per_rank, max_bytes, max_gbps}}``, empty when a system has no counters).
+    """
+    H, K = hidden, num_topk
+    n_recv = comm.allgather(res.num_recv_tokens)
+    traffic = comm.allgather(res.traffic)
+    out = {"name": res.name, "num_recv_tokens_per_rank": n_recv,
+           "timings": {k: v.as_dict() for k, v in res.timings.items()}, "phases": {}}
+    for phase in ("dispatch", "combine"):
+        t = res.timings[phase].median
+        logical = [logical_bytes(n, H, K, fp8, phase) for n in n_recv]
+        bottle = [bottleneck_bytes(n, H, fp8 and phase == "dispatch") for n in n_recv]
+        kinds = {}
+        per_rank = [tr[phase] for tr in traffic]
+        if all(x is not None for x in per_rank):
+            for kind in sorted({k for x in per_rank for k in x}):
+                vals = [int(x.get(kind, 0)) for x in per_rank]
+                kinds[kind] = dict(bytes_per_rank=vals, max_bytes=max(vals),
+                                   max_gbps=gbps(max(vals), t))
+        brank = int(np.argmax(bottle))
+        out["phases"][phase] = dict(
+            median_s=t, logical_bytes_per_rank=logical, bottleneck_bytes_per_rank=bottle,
+            logical_gbps=gbps(sum(logical) / len(logical), t),
+            bottleneck_gbps=gbps(bottle[brank], t), bottleneck_rank=brank, sent_by_kind=kinds)
+    return out
+
+
+def fmt_kinds(kinds: dict) -> str:
+    """``sent_by_kind`` of :func:`system_report` as one line (the busiest rank's bytes per kind, GB/s)."""
+    if not kinds:
+        return "moved: n/a"
+    return "moved/rank max: " + ", ".join(
+        f"{k} {fmt_bytes(v['max_bytes'])}" + (f" ({v['max_gbps']:.2f} GB/s)" if v["max_bytes"] else "")
+        for k, v in kinds.items())
+
+
+def print_system(rep: dict, res: RoundTripResult, round_trip=None, note: str = "") -> None:
+    """Print one system's ``[layout]``, ``[dispatch]``, ``[combine]`` and ``[roundtrip]`` lines from
+    :func:`system_report` (rank 0). The round trip is dispatch + combine unless ``round_trip`` (a
+    :class:`bench.timing.Timing`) is given, printed with ``note`` after it."""
+    name = rep["name"]
+    print(f"[layout]   {name:<16}: {res.timings['layout'].fmt()}")
+    for phase in ("dispatch", "combine"):
+        ph = rep["phases"][phase]
+        print(f"[{phase}]{' ' * (9 - len(phase))}{name:<16}: {res.timings[phase].fmt()} | "
+              f"logical {ph['logical_gbps']:7.2f} GB/s | bottleneck {ph['bottleneck_gbps']:7.2f} GB/s "
+              f"(rank {ph['bottleneck_rank']}) | {fmt_kinds(ph['sent_by_kind'])}")
+    trip = res.timings["round_trip"] if round_trip is None else round_trip
+    print(f"[roundtrip]{name:<16}: {trip.fmt()}{' ' + note if note else ''}")
+
+
+def fmt_check(ref: str, name: str, chk: dict) -> str:
+    """One ``[check]`` line of :func:`compare_outputs`' verdict on ``name`` against ``ref``."""
+    disp = [k for k in chk if k.startswith("dispatch.")]
+    bad_disp = [k.split(".", 1)[1] for k in disp if not chk[k]]
+    parts = [f"layout {'ok' if chk['layout'] else 'MISMATCH'}",
+             "dispatch outputs bitwise " + ("ok" if not bad_disp else "MISMATCH in " + ",".join(bad_disp))]
+    if chk.get("combined_x_two_roundings") is not None:
+        parts.append(f"combined_x {'ok' if chk['combined_x_two_roundings'] else 'MISMATCH'} (calc_diff "
+                     f"{chk['combined_x_calc_diff']:.3g}; internode rounds per node first, "
+                     "docs/semantics/deepep-api.md §5)")
+    elif chk["combined_x_bitwise"]:
+        parts.append("combined_x bitwise ok")
+    elif chk["combined_x_equal_values"]:
+        parts.append("combined_x equal values but not bits (signed zeros)")
+    else:
+        parts.append(f"combined_x MISMATCH (calc_diff {chk['combined_x_calc_diff']:.3g})")
+    parts.append("combined_topk_weights bitwise " + (
+        "ok" if chk["combined_topk_weights_bitwise"]
+        else f"MISMATCH (calc_diff {chk['combined_topk_weights_calc_diff']:.3g})"))
+    return f"[check]    {name} vs {ref}: " + "; ".join(parts)
+
+
+def check_ok(chk: dict) -> bool:
+    """Whether :func:`compare_outputs`' verdict passes (equal values without equal bits, signed zeros, pass)."""
+    return all(v for k, v in chk.items() if isinstance(v, bool) and k != "combined_x_equal_values")
+
+
+def destroy_buffer(buf, root: bool, command: str = "normal") -> None:
+    """``buf.destroy()`` (collective); a failure is reported on rank 0 (``root``) as ``[bench <command>] ...``,
+    not raised."""
+    try:
+        buf.destroy()
+    except Exception as e:  # noqa: BLE001
+        if root:
+            print(f"[bench {command}] {type(buf).__name__}.destroy() raised {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def normal_buffer_bytes(Buffer, num_tokens: int, hidden: int, num_ranks: int, ranks_per_node: int | None,
+                        num_topk: int, num_experts: int, fp8: bool) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` of a normal-mode ``Buffer`` in which a dispatch of ``num_tokens``
+    tokens per rank of ``hidden`` channels (BF16, or FP8 with float32 scales per 128 channels) never
+    chunks: ``Buffer.get_normal_buffer_size_hint`` and, across simulated nodes (``ranks_per_node`` below
+    ``num_ranks``), ``get_normal_rdma_buffer_size_hint``; ``num_rdma_bytes`` is 0 on one node."""
+    hint = dict(num_topk=num_topk, num_experts=num_experts, x_itemsize=1 if fp8 else 2,
+                num_scale_cols=hidden // 128 if fp8 else 0)
+    nvl = Buffer.get_normal_buffer_size_hint(num_tokens, hidden, num_ranks, ranks_per_node=ranks_per_node, **hint)
+    rdma = 0
+    if ranks_per_node is not None and ranks_per_node < num_ranks:
+        rdma = Buffer.get_normal_rdma_buffer_size_hint(num_tokens, hidden, num_ranks, ranks_per_node, **hint)
+    return nvl, rdma

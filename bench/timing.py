@@ -4,7 +4,8 @@
   around it, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max
   over iterations (:class:`Timing`); Python's garbage collector paused throughout (:func:`gc_paused`);
 * :func:`interleaved_medians_ms` — one process: the median of each of several functions timed in
-  alternation, so that the host's drift hits every function alike.
+  alternation, so that the host's drift hits every function alike;
+* :func:`progress_bar` — a tqdm bar over the iterations on rank 0 (``--no-progress`` turns it off).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -132,3 +134,31 @@ def interleaved_medians_ms(fns: Sequence[Callable[[], Any]], iters: int, warmup:
             fn()
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) * 1e3 for ts in times]
+
+
+class ProgressBar:
+    """A tqdm bar counting timed iterations on stderr, or nothing (tqdm missing, off, or not rank 0).
+
+    ``callback`` is what :func:`time_phases` takes as ``progress`` (``None`` without a bar);
+    :meth:`close` ends the bar (safe to call without one)."""
+
+    def __init__(self, bar=None):
+        self.bar = bar
+        self.callback = (lambda i: bar.update(1)) if bar is not None else None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def progress_bar(enabled: bool, total: int, desc: str) -> ProgressBar:
+    """A :class:`ProgressBar` of ``total`` iterations labelled ``desc`` when ``enabled`` (rank 0 and no
+    ``--no-progress``) and tqdm is installed; tqdm itself stays quiet when stderr is not a terminal."""
+    if not enabled:
+        return ProgressBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return ProgressBar()
+    return ProgressBar(tqdm(total=total, desc=desc, unit="it", leave=False, file=sys.stderr, disable=None))

@@ -7,7 +7,8 @@
   inputs bit for bit);
 * FP8 casts and :func:`calc_diff` as in DeepEP's ``tests/utils.py`` (docs/semantics/deepep-api.md §4.8),
   :func:`tensor_digest` (bitwise digest of a tensor);
-* :func:`reference_layout`: ``get_dispatch_layout`` in pure torch (the peer pipelines' layout).
+* :func:`reference_layout`: ``get_dispatch_layout`` in pure torch (the peer pipelines' layout), and
+  :func:`num_recv_tokens_of` (the rows a rank receives, from it).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from bench.formulas import FP8_BLOCK
@@ -173,3 +175,13 @@ def reference_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
     num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
     return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank
+
+
+def num_recv_tokens_of(topk_idx: torch.Tensor, num_experts: int, comm) -> int:
+    """This rank's ``N_recv`` (rows it receives in dispatch, a token once per destination rank, own tokens
+    included) from :func:`reference_layout` and one ``Alltoall`` of the counts (collective)."""
+    itir = reference_layout(topk_idx, num_experts, comm.Get_size())[3]
+    counts = itir.sum(0).numpy().astype(np.int64)
+    recv = np.empty_like(counts)
+    comm.Alltoall(counts, recv)
+    return int(recv.sum())

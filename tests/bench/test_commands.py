@@ -27,6 +27,8 @@ ONE_RANK = pytest.mark.skipif(world().Get_size() != 1, reason="launches its own 
 COLLECTIVE = {
     "normal": ["--num-tokens", "64", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
                "--warmup", "1", "--no-progress"],
+    "ep": ["--num-tokens", "32", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+           "--warmup", "1", "--no-progress"],
     "low-latency": ["--num-tokens", "16", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
                     "--warmup", "1"],
     "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--threads", "1"],
@@ -124,6 +126,8 @@ def _check_details(command: str, doc: dict) -> None:
         peers = min(by[f"{p}/round_trip"]["seconds"] for p in ("mpi_alltoallv", "gloo_all_to_all"))
         assert math.isclose(doc["summary"]["speedup_over_faster_peer"],
                             peers / by["deepep_ascend/round_trip"]["seconds"])
+    elif command == "ep":
+        _check_ep_details(doc, by)
     elif command == "low-latency":
         b = det["bytes"]
         for p in ("dispatch", "combine"):
@@ -137,6 +141,82 @@ def _check_details(command: str, doc: dict) -> None:
         for k, v in fused["by_kind"].items():
             assert v == max(r[k] for r in det["traffic_by_kind"])
         assert by["unfused/sum_stages"]["seconds"] == det["times_s"]["sum_stages"]
+
+
+def _check_ep_details(doc: dict, by: dict) -> None:
+    """``ep``: DeepEP V2's accounting (count_bytes per token x tokens) is the V2 logical formula, the records
+    carry the busiest rank's bytes, the others' round trips include their layout, the summary's ratios are
+    the records'."""
+    from bench.formulas import logical_bytes
+
+    det, p = doc["details"], doc["params"]
+    ep = det["epbuffer"]
+    per = ep["per_rank"]
+    fp8 = not p["bf16"]
+    for phase, key in (("dispatch", "scaleup_bytes"), ("combine", "combine_scaleup_bytes")):
+        assert per[key] == [logical_bytes(n, p["hidden"], p["num_topk"], fp8, phase) for n in per["num_recv_tokens"]]
+        assert by[f"epbuffer/{phase}"]["bytes"] == max(per[key])
+        assert ep["phases"][phase]["scaleup_bytes_per_rank"] == per[key]
+    nodes = det["nodes"]
+    assert (max(per["scaleout_bytes"]) == 0) == (nodes == 1)
+    assert per["scaleout_bytes"] == [t * s for t, s in zip(per["dispatch_token_bytes"], per["scaleout_tokens"])]
+    for system in ("buffer_v1", "mpi_alltoallv", "gloo_all_to_all"):
+        if f"{system}/round_trip" not in by:
+            continue
+        parts = [by[f"{system}/{ph}"]["times_s"] for ph in ("layout", "dispatch", "combine")]
+        assert all(math.isclose(t, sum(x), rel_tol=1e-12) for t, x in zip(by[f"{system}/round_trip"]["times_s"],
+                                                                           zip(*parts)))
+        assert f"{system}/round_trip" in doc["baselines"]
+    assert not [b for b in doc["baselines"] if b.startswith("epbuffer/")]
+    s, ep_s = doc["summary"], by["epbuffer/round_trip"]["seconds"]
+    if "buffer_v1/round_trip" in by:
+        assert math.isclose(s["epbuffer_over_buffer_v1"], ep_s / by["buffer_v1/round_trip"]["seconds"])
+    peers = [by[f"{n}/round_trip"]["seconds"] for n in ("mpi_alltoallv", "gloo_all_to_all") if f"{n}/round_trip" in by]
+    if peers:
+        assert math.isclose(s["speedup_over_faster_peer"], min(peers) / ep_s)
+    checks = doc["checks"]["results"]
+    assert checks["epbuffer_vs_reference"]["combined_x_equal"] is True
+    if not p["expand"] and "buffer_v1/round_trip" in by:
+        assert checks["epbuffer_vs_buffer_v1"]["combined_x_bitwise"] is True
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(600)
+@ONE_RANK
+def test_ep_expanded_across_two_nodes(out_dir):
+    """``ep --expand`` across two simulated nodes (one rank each): the expanded layout, scale-out bytes and the
+    two-rounding reference, checked and written like the default run."""
+    from bench.internals import mpiexec_path
+
+    path = os.path.join(out_dir, "ep_expand.json")
+    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
+            "--warmup", "1", "--no-progress", "--expand", "--expert-alignment", "4", "--ranks-per-node", "1",
+            "--systems", "ep,v1", "--json", path]
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
+                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
+    assert rc == 0, out[-3000:]
+    with open(path) as f:
+        doc = json.load(f)
+    _check_doc(doc, "ep", 2)
+    _check_ep_details(doc, {r["name"]: r for r in doc["results"]})
+    assert doc["details"]["nodes"] == 2 and max(doc["details"]["epbuffer"]["per_rank"]["scaleout_tokens"]) > 0
+    assert "layout expanded, expert_alignment 4" in out and "each node's partial rounded to BF16" in out
+
+
+@ONE_RANK
+@pytest.mark.parametrize("argv, needle", [
+    (["--hidden", "100"], "multiple of 128"),
+    (["--num-topk", "9", "--num-experts", "8"], "exceeds"),
+    (["--systems", "ep,nope"], "unknown system"),
+    (["--expert-alignment", "0"], "must be >= 1"),
+])
+def test_ep_refuses_bad_options(argv, needle, capsys):
+    """Bad shapes are usage errors (exit 2, the reason on stderr) before any rank starts work."""
+    from bench import commands
+
+    with pytest.raises(SystemExit) as e:
+        commands.parse("ep", argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err, argv
 
 
 @pytest.mark.mpi(min_size=1)
