@@ -27,6 +27,7 @@ from .intranode import IntranodeEngine
 from .protocol import (
     EP_MODE_CPU_SYNC,
     EP_MODE_EXPAND,
+    EP_MODE_WEIGHTS,
     EP_MODE_ZERO_PADDING,
     W_EP_ALIGNMENT,
     W_EP_MAX_TOKENS,
@@ -306,7 +307,7 @@ class EPBuffer(BufferBase):
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
         alignment = 1 if expert_alignment is None else expert_alignment
         mode = (EP_MODE_EXPAND if do_expand else 0) | (EP_MODE_CPU_SYNC if do_cpu_sync else 0) | \
-            (EP_MODE_ZERO_PADDING if do_zero_padding else 0)
+            (EP_MODE_ZERO_PADDING if do_zero_padding else 0) | (EP_MODE_WEIGHTS if topk_weights is not None else 0)
         words = {W_EP_MAX_TOKENS: int(max_tokens) if isinstance(max_tokens, int) else -1,
                  W_EP_ALIGNMENT: int(alignment) if isinstance(alignment, int) else -1, W_EP_MODE: mode}
         prev = None if previous_event is None else EventOverlap(previous_event)
@@ -337,7 +338,7 @@ class EPBuffer(BufferBase):
         def payload(n, k_weights):
             """``x`` (and scales, and dispatched weights of a cached call) as byte rows."""
             xb = _bytes(data)
-            extra = [] if sf is None else [_bytes(sf)]
+            extra = [] if sf is None else [_padded_bytes(sf)]
             if k_weights is not None:
                 extra.append(_bytes(k_weights))
             sb = extra[0] if len(extra) == 1 else (torch.cat(extra, dim=1) if extra else None)
@@ -374,6 +375,7 @@ class EPBuffer(BufferBase):
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words)
             recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv = outputs
+            recv_sf = None if sf is None else recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
                 recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
@@ -405,7 +407,7 @@ class EPBuffer(BufferBase):
         recv_sf = None if sf is None else recv_extra[:, :sf_bytes]
         recv_w = None
         if topk_weights is not None:
-            recv_w = recv_extra[:, sf_bytes:]
+            recv_w = recv_extra[:, _align(sf_bytes, 4):]
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, itr=None,
@@ -497,18 +499,26 @@ class EPBuffer(BufferBase):
                 if w_out is not None and in_place_w:
                     w_out.masked_fill_(recv_topk < 0, 0.0)
                 elif w_out is not None:
-                    torch.where(recv_topk < 0, 0.0, weights_in, out=w_out)
+                    w_out.copy_(weights_in).masked_fill_(recv_topk < 0, 0.0)
                 if out_sf is not None and col_major_sf:
                     out_sf.copy_(sf_rows)
                 return
             src_rows, slots, lane = handle._expand
-            for lo, hi in handle._expand_spans:  # one gather per local expert, straight into place
-                if hi > lo:
-                    torch.index_select(recv_x, 0, src_rows[lo:hi], out=x_exp[slots[lo]:slots[lo] + hi - lo])
-                    if sf_exp is not None:
-                        torch.index_select(recv_sf, 0, src_rows[lo:hi], out=sf_exp[slots[lo]:slots[lo] + hi - lo])
+            used = handle._expanded_used  # rows up to the last expert's aligned end
+            if used:  # one gather straight into place (padding rows take row 0, zeroed below if asked)
+                rows_of = torch.zeros(used, dtype=torch.int64)
+                rows_of[slots] = src_rows
+                torch.index_select(recv_x, 0, rows_of, out=x_exp[:used])
+                if sf_exp is not None:
+                    torch.index_select(recv_sf, 0, rows_of, out=sf_exp[:used])
             if w_out is not None and slots.numel():
                 w_out.index_copy_(0, slots, weights_in[src_rows, lane])
+            if used < x_exp.size(0):  # capacity rows past the real ones (do_cpu_sync=False): zeros
+                x_exp[used:].zero_()
+                if sf_exp is not None:
+                    sf_exp[used:].zero_()
+                if w_out is not None:
+                    w_out[used:].zero_()
             if do_zero_padding:
                 gaps = handle._padding_rows
                 x_exp.index_fill_(0, gaps, 0)
@@ -569,10 +579,9 @@ class EPBuffer(BufferBase):
         first = torch.cumsum(counts, 0) - counts
         slots = starts[experts] + torch.arange(experts.numel()) - first[experts]
         handle.recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)
-        ends = torch.cumsum(counts, 0)
         handle._expand = (rows_idx, slots, lanes)
-        handle._expand_spans = list(zip(first.tolist(), ends.tolist()))
         align = handle.expert_alignment
+        handle._expanded_used = int(starts[-1]) + _align(int(counts[-1]), align) if counts.numel() else 0
         pads = [torch.arange(s + c, _align(s + c, align)) for s, c in zip(starts.tolist(), counts.tolist())]
         handle._padding_rows = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.int64)
 
@@ -608,7 +617,7 @@ class EPBuffer(BufferBase):
         prev = None if previous_event is None else EventOverlap(previous_event)
         words = {}
         if isinstance(handle, EPHandle):
-            mode = (EP_MODE_EXPAND if handle.do_expand else 0)
+            mode = (EP_MODE_EXPAND if handle.do_expand else 0) | (EP_MODE_WEIGHTS if topk_weights is not None else 0)
             words = {W_EP_MAX_TOKENS: handle.num_max_tokens_per_rank, W_EP_ALIGNMENT: handle.expert_alignment,
                      W_EP_MODE: mode}
 
@@ -718,7 +727,8 @@ class EPBuffer(BufferBase):
         if not handle.do_expand:
             return x.contiguous(), self._compact_weights(topk_weights, handle)
         src_rows, slots, lanes = handle._expand
-        out = torch.zeros((rows, x.size(1)), dtype=torch.bfloat16)
+        out = torch.empty((rows, x.size(1)), dtype=torch.bfloat16)
+        out[handle._num_valid:].zero_()  # rows past the real count (the kernel writes every real one)
         sources = []
         for j in range(k):  # slot order: one source per top-k slot
             sel = torch.nonzero(lanes == j).squeeze(1)
@@ -801,6 +811,18 @@ class ElasticBuffer(EPBuffer):
             previous_event_before_epilogue.current_stream_wait()
         return super().combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                async_with_compute_stream, allocate_on_comm_stream)
+
+
+def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
+    """:func:`_bytes` of ``t``, rows padded with zeros to a multiple of 4 bytes: the engines' row fields
+    are 4-byte aligned (scales of 2-byte packs or odd byte counts travel this way)."""
+    rows = _bytes(t)
+    width = rows.size(1)
+    if width % 4 == 0:
+        return rows
+    out = torch.zeros(rows.size(0), _align(width, 4), dtype=torch.uint8)
+    out[:, :width] = rows
+    return out
 
 
 def _col_major(shape, dtype: torch.dtype) -> torch.Tensor:

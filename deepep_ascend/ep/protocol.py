@@ -24,7 +24,7 @@ OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_C
  W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF,
  W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE) = range(22)
 # W_EP_*: EPBuffer's collective arguments (0 in V1 calls); W_EP_MODE is a bit set of EP_MODE_* flags.
-EP_MODE_EXPAND, EP_MODE_CPU_SYNC, EP_MODE_ZERO_PADDING = 1, 2, 4
+EP_MODE_EXPAND, EP_MODE_CPU_SYNC, EP_MODE_ZERO_PADDING, EP_MODE_WEIGHTS = 1, 2, 4, 8
 MAGIC = 0xDEE9A5
 CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
                     W_PREFIX, W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE)
@@ -35,7 +35,7 @@ WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsiz
                W_WCOLS: "topk_weights columns (-1 = none)",
                W_PREFIX: "the handle's rank prefix matrix (CRC-32 of its bytes)",
                W_EP_MAX_TOKENS: "num_max_tokens_per_rank", W_EP_ALIGNMENT: "expert_alignment",
-               W_EP_MODE: "the layout flags (1: do_expand, 2: do_cpu_sync, 4: do_zero_padding)"}
+               W_EP_MODE: "the layout flags (1: do_expand, 2: do_cpu_sync, 4: do_zero_padding, 8: topk_weights given)"}
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
@@ -43,6 +43,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uin
 
 def dtype_code(dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else 99
+
+
+def _dtype_name(code: int) -> str:
+    """A dtype code of the header as torch's name (``"torch.bfloat16"``; ``"none"`` for 0 as a scale code)."""
+    return str(DTYPES[code]) if 0 <= code < len(DTYPES) else f"code {code}"
 
 
 def prefix_checksum(rank_prefix_matrix: torch.Tensor) -> int:
@@ -75,8 +80,9 @@ def consensus_problems(headers, op, call_id, ranks=None) -> list:
         for w in CONSENSUS_WORDS:
             values = headers[:, w]
             if (values != values[0]).any():
+                shown = [_dtype_name(int(v)) if w in (W_XDTYPE, W_SDTYPE) else int(v) for v in values]
                 problems.append(f"ranks disagree on {WORD_NAMES[w]}: " + ", ".join(
-                    f"rank {p}: {int(v)}" for p, v in zip(ranks, values)))
+                    f"rank {p}: {v}" for p, v in zip(ranks, shown)))
     return problems
 
 

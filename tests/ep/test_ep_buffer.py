@@ -133,7 +133,7 @@ def check_mode(ep, comm, mode, nodes):
     exp_x, exp_ids, exp_w, exp_handle, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
         xin, do_expand=True, use_tma_aligned_col_major_sf=True, **args, **kw), defer), what="expanded dispatch")
     c_x, c_ids, c_w, c_handle, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
-        xin, handle=handle, **kw), defer), what="cached dispatch")
+        xin, handle=handle, topk_weights=w, **kw), defer), what="cached dispatch")
     ce_x, _, ce_w, _, _ = coll(lambda: _run(ep, lambda **kw: ep.dispatch(
         xin, handle=exp_handle, topk_weights=w, do_expand=True, do_zero_padding=True, **kw), defer),
         what="cached expanded dispatch")
@@ -173,7 +173,7 @@ def check_mode(ep, comm, mode, nodes):
     # Cached: the same rows, ids and weights.
     c_data = c_x[0] if fp8 else c_x
     ok &= torch.equal(c_data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(c_ids, recv_ids)
-    ok &= c_w is None
+    ok &= c_w is None if w is None else torch.equal(c_w[valid], ref.weights)
     # Expanded: every (row, slot) on this rank at its slot, experts in order, aligned, padded with zeros.
     starts, s = [], 0
     for c in ref.counts:
@@ -186,6 +186,10 @@ def check_mode(ep, comm, mode, nodes):
     exp_rows = s if cpu_sync else eh.num_expanded_tokens
     exp_data = exp_x[0] if fp8 else exp_x
     ok &= exp_data.size(0) == exp_rows and eh.num_expanded_tokens == exp_rows
+    # capacity rows past the last expert's aligned end are zeros (do_cpu_sync=False)
+    ok &= bool((exp_data[s:].view(torch.uint8) == 0).all())
+    if with_weights:
+        ok &= bool((exp_w[s:] == 0).all())
     slots = eh.recv_src_metadata[valid, 2:]
     ok &= torch.equal(slots >= 0, ref.topk_idx >= 0)
     for e in range(L):
@@ -341,6 +345,45 @@ def test_constructor_arguments_agreed_on_every_rank(comm):
     _, err = capture(lambda: EPBuffer(comm, num_max_tokens_per_rank=0 if rank == 0 else 8, hidden=64,
                                       explicitly_destroy=True))
     all_ranks_ok(comm, isinstance(err, ValueError), f"{err!r}")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_scale_rows_of_any_width(comm, nodes):
+    """FP8 scales of any dtype and width (DeepEP-Ascend's int16 packs, odd byte counts) travel with their rows,
+    on one node and across two: the engines' 4-byte fields are padded and unpadded around them."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    if R < nodes:
+        pytest.skip("two nodes need two ranks")
+    buf = coll(lambda: EPBuffer(world(), num_max_tokens_per_rank=24, hidden=128, num_topk=2, explicitly_destroy=True,
+                                ranks_per_node=R // nodes))
+    try:
+        E = 4 * R
+        for dtype, cols in ((torch.int16, 3), (torch.uint8, 5), (torch.int16, 1)):
+            g = torch.Generator().manual_seed(rank * 7 + cols)
+            n = 17 + rank
+            x = torch.randint(0, 255, (n, 128), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            sf = torch.randint(0, 100, (n, cols), generator=g).to(dtype)
+            topk_idx = torch.randint(-1, E, (n, 2), generator=g)
+            xs, sfs, ids, _ = _gather_inputs(comm, x, sf, topk_idx, None)
+            ref = ref_dispatch(xs, sfs, ids, None, rank, E, 24)
+            (rx, rsf), _, _, handle, _ = coll(lambda: buf.dispatch((x, sf), topk_idx=topk_idx, num_experts=E,
+                                                                   num_max_tokens_per_rank=24))
+            (cx, csf), _, _, _, _ = coll(lambda: buf.dispatch((x, sf), handle=handle))
+            ok = torch.equal(rx.view(torch.uint8), ref.x) and torch.equal(rsf, ref.sf) and torch.equal(csf, ref.sf)
+            all_ranks_ok(comm, ok and torch.equal(cx.view(torch.uint8), ref.x), f"{dtype} x {cols} scales")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+def test_ranks_disagreeing_on_weights_raise_everywhere(ep, comm):
+    R, rank = comm.Get_size(), comm.Get_rank()
+    if R < 2:
+        pytest.skip("needs two ranks")
+    topk_idx = torch.zeros(4, 1, dtype=torch.int64)
+    x = torch.zeros(4, HIDDEN).to(BF16)
+    w = torch.ones(4, 1) if rank == 0 else None
+    _, err = capture(lambda: ep.dispatch(x, topk_idx=topk_idx, topk_weights=w, num_experts=8 * R))
+    all_ranks_ok(comm, isinstance(err, ConsensusError) and "topk_weights given" in str(err), f"{err!r}")
 
 
 def test_handle_topk_idx_must_not_change(ep, comm):
