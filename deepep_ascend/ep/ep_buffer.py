@@ -75,7 +75,8 @@ class EPBuffer(BufferBase):
             ``allow_multiple_reduction=False`` (expanded layout) and direct mode across nodes give
             DeepEP's one-rounding arithmetic through ``K`` combine passes (docs/semantics/deepep-api.md §13.5).
         sl_idx, num_allocated_qps, num_gpu_timeout_secs: accepted, no meaning on CPU ranks.
-        num_cpu_timeout_secs: deadline of every wait, unless ``$DEEPEP_ASCEND_TIMEOUT_S`` is set.
+        num_cpu_timeout_secs: deadline of every wait in seconds; ``None`` (the default): ``$DEEPEP_ASCEND_TIMEOUT_S``
+            if set, else DeepEP's 300.
         explicitly_destroy: as DeepEP: :meth:`destroy` must then be called on every rank.
         ranks_per_node: simulated node size (default ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
             shared-memory domain); more than one node takes DeepEP's two hops over URMA and UBMEM.
@@ -92,8 +93,8 @@ class EPBuffer(BufferBase):
                  lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, deterministic: bool = False,
                  allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
                  prefer_overlap_with_compute: bool = True, sl_idx: int | None = None, num_allocated_qps: int = 0,
-                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
-                 *, ranks_per_node: int | None = None):
+                 num_cpu_timeout_secs: int | None = None, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
         super().__init__(explicitly_destroy)
         comm = mpi_comm_of(group, None)
         self.group = group
@@ -102,7 +103,9 @@ class EPBuffer(BufferBase):
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
-        self.sl_idx, self.num_allocated_qps = sl_idx, num_allocated_qps
+        # DeepEP's automatic count (hybrid mode takes more queue pairs); no queue pairs exist here
+        self.sl_idx = sl_idx
+        self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         alignment = get_num_allocation_alignment()
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
@@ -119,7 +122,10 @@ class EPBuffer(BufferBase):
                                f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
         elif plan is not None and plan.materialized:
             error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
-        timeout = None if settings.TIMEOUT_S.is_set() else float(num_cpu_timeout_secs)
+        if num_cpu_timeout_secs is not None:
+            timeout = float(num_cpu_timeout_secs)
+        else:  # DeepEP's default, unless the environment sets one
+            timeout = None if settings.TIMEOUT_S.is_set() else 300.0
         # agreed before any collective that sizes or allocates (a rank that refused would leave the others waiting)
         check_agreed(comm, type(self).__name__, {
             "num_bytes": num_bytes, "num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden,
@@ -237,8 +243,10 @@ class EPBuffer(BufferBase):
         return Buffer.num_sms
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """DeepEP's QP estimate has no CPU meaning: returns ``num_sms`` (accepted for porting)."""
-        return num_sms
+        """DeepEP's QP estimate (no CPU meaning, kept for porting): ``min(num_sms, 9)`` in direct mode,
+        ``16 * num_sms + 1`` in hybrid mode, capped at ``num_allocated_qps``."""
+        num_qps = 16 * num_sms + 1 if self.allow_hybrid_mode else min(num_sms, 8 + 1)
+        return min(num_qps, self.num_allocated_qps)
 
     def _usable(self, op: str) -> None:
         if self.runtime is None:
@@ -774,8 +782,8 @@ class ElasticBuffer(EPBuffer):
                  hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
                  allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
                  prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
-                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
-                 *, ranks_per_node: int | None = None):
+                 num_cpu_timeout_secs: int | None = None, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
         if not isinstance(num_cpu_bytes, int) or num_cpu_bytes < 0:
             raise ValueError(f"ElasticBuffer: num_cpu_bytes must be a non-negative int, got {num_cpu_bytes!r}")
         self.num_cpu_bytes = num_cpu_bytes

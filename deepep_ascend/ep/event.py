@@ -76,6 +76,15 @@ class EventOverlap:
             self.event = None
         return result
 
+    @property
+    def hook_after_wait(self):
+        """The hook the next wait runs (DeepEP-Ascend's public attribute), or None."""
+        return self._hook
+
+    @hook_after_wait.setter
+    def hook_after_wait(self, hook) -> None:
+        self._hook = hook
+
     def wait(self):
         """Alias of :meth:`current_stream_wait` (DeepEP V2.5): returns the hook's result."""
         return self.current_stream_wait()

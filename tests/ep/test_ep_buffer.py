@@ -386,6 +386,20 @@ def test_ranks_disagreeing_on_weights_raise_everywhere(ep, comm):
     all_ranks_ok(comm, isinstance(err, ConsensusError) and "topk_weights given" in str(err), f"{err!r}")
 
 
+def test_timeout_argument_wins_over_the_environment(comm, monkeypatch):
+    """``num_cpu_timeout_secs`` given is every wait's deadline; left None, ``$DEEPEP_ASCEND_TIMEOUT_S`` is;
+    ``num_allocated_qps`` gets DeepEP's automatic count and caps ``get_theoretical_num_qps``."""
+    monkeypatch.setenv("DEEPEP_ASCEND_TIMEOUT_S", "20")
+    for given, want in ((7, 7.0), (None, 20.0)):
+        buf = coll(lambda given=given: EPBuffer(comm, num_max_tokens_per_rank=4, hidden=64, explicitly_destroy=True,
+                                                num_cpu_timeout_secs=given))
+        try:
+            assert buf.runtime.timeout_s == want
+            assert buf.num_allocated_qps == 65 and buf.get_theoretical_num_qps(20) == 65
+        finally:
+            coll(buf.destroy, what="destroy")
+
+
 def test_handle_topk_idx_must_not_change(ep, comm):
     """DeepEP V2.5's version check: a ``topk_idx`` changed in place after the dispatch is caught when the
     handle reads it (a cached dispatch raises ``AssertionError`` on the rank that changed it)."""
