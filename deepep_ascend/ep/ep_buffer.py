@@ -463,7 +463,6 @@ class EPBuffer(BufferBase):
                 expanded = int(aligned.sum())
             else:
                 expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
-            internode = isinstance(legacy, InternodeHandle)
             handle = EPHandle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
@@ -474,8 +473,7 @@ class EPBuffer(BufferBase):
                 psum_num_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
                 num_unaligned_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
                 recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32),
-                dst_buffer_slot_idx=None if internode else torch.full((topk_idx.size(0), R), -1, dtype=torch.int32),
-                recv_topk_idx=recv_topk, combine_order=torch.full((topk_idx.size(0), R), -1, dtype=torch.int64))
+                dst_buffer_slot_idx=None, recv_topk_idx=recv_topk, combine_order=None)
         # weights: the engines' float32 rows, or (cached dispatch) byte columns beside the scales
         in_place_w = recv_w is not None and recv_w.dtype == torch.float32
         if not do_expand:
@@ -566,14 +564,25 @@ class EPBuffer(BufferBase):
             self._expanded_slots(handle, valid_topk, counts, starts)
         else:
             handle.psum_num_recv_tokens_per_expert.copy_(torch.cumsum(aligned, 0))
-        if k and topk_idx.numel():
-            dest = torch.div(topk_idx, L, rounding_mode="floor").clamp(min=0)
-            handle._combine_order.scatter_reduce_(1, dest, torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx),
-                                                  reduce="amax")
-        if handle.dst_buffer_slot_idx is not None and itr is not None and itr.numel():
-            before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
-            pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
-            handle.dst_buffer_slot_idx.copy_(torch.where(itr, pos, -1))
+
+        def combine_order() -> torch.Tensor:
+            topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch
+            order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
+            if k and topk_idx.numel():
+                dest = torch.div(topk_idx, L, rounding_mode="floor").clamp(min=0)
+                order.scatter_reduce_(1, dest, torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx), reduce="amax")
+            return order
+
+        def dst_buffer_slot_idx() -> torch.Tensor:
+            slots = torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
+            if itr is not None and itr.numel():
+                before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
+                pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
+                slots.copy_(torch.where(itr, pos, -1))
+            return slots
+
+        handle._order = combine_order  # both read rarely or later: computed on first read
+        handle._dst_buffer_slot_idx = None if internode else dst_buffer_slot_idx
 
     @staticmethod
     def _expanded_slots(handle: EPHandle, valid_topk: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor):

@@ -72,7 +72,7 @@ class EPHandle:
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self._dst_buffer_slot_idx = dst_buffer_slot_idx  # or a function computing it on first read
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self._topk_idx = topk_idx
@@ -82,7 +82,22 @@ class EPHandle:
         self._legacy = legacy  # the engines' handle (docs/semantics/deepep-api.md §4.3)
         self._num_valid = num_valid_tokens
         self._recv_topk_idx = recv_topk_idx  # [n, K] int64 local expert ids, -1 elsewhere
-        self._combine_order = combine_order  # [N, R] int64: the last top-k slot of each token on each rank
+        self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function
+
+    @property
+    def dst_buffer_slot_idx(self) -> torch.Tensor | None:
+        """See the class doc (computed when first read: most callers never read it)."""
+        if callable(self._dst_buffer_slot_idx):
+            self._dst_buffer_slot_idx = self._dst_buffer_slot_idx()
+        return self._dst_buffer_slot_idx
+
+    @property
+    def _combine_order(self) -> torch.Tensor:
+        """``[N, R]`` int64: each token's last top-k slot on each rank (-1: none), combine's key (computed at the
+        first combine)."""
+        if callable(self._order):
+            self._order = self._order()
+        return self._order
 
     @property
     def topk_idx(self) -> torch.Tensor:
