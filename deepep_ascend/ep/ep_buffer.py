@@ -15,6 +15,7 @@ import torch
 from .. import native as _native
 from .. import settings
 from ..transports import Topology
+from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import check, check_tensor
 from .buffer import Buffer
@@ -153,6 +154,7 @@ class EPBuffer(BufferBase):
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self._scratch = CombineScratch()
+        self._outputs = memory.OutputPool()  # the expanded layout's rows
 
     # -- sizes ------------------------------------------------------------------------------
     @staticmethod
@@ -485,7 +487,8 @@ class EPBuffer(BufferBase):
             outputs = ((out_x if sf is None else (out_x, out_sf)), recv_topk, w_out, handle)
         else:
             rows_exp = handle.num_expanded_tokens
-            x_exp = torch.empty((rows_exp, recv_x.size(1)), dtype=torch.uint8)
+            # reused storage once the caller dropped an earlier output (fresh pages cost a fault each)
+            x_exp = self._outputs.empty((rows_exp, recv_x.size(1)), torch.uint8)
             sf_exp = None if sf is None else torch.empty((rows_exp, recv_sf.size(1)), dtype=torch.uint8)
             w_out = None if recv_w is None else torch.empty(rows_exp, dtype=torch.float32)
             out_x = _typed(x_exp, data)
@@ -511,12 +514,19 @@ class EPBuffer(BufferBase):
                 return
             src_rows, slots, lane = handle._expand
             used = handle._expanded_used  # rows up to the last expert's aligned end
-            if used:  # one gather straight into place (padding rows take row 0, zeroed below if asked)
-                rows_of = torch.zeros(used, dtype=torch.int64)
+            if used and 2 * slots.numel() >= used:  # mostly real rows: one gather straight into place
+                rows_of = torch.zeros(used, dtype=torch.int64)  # padding rows take row 0, zeroed below if asked
                 rows_of[slots] = src_rows
                 torch.index_select(recv_x, 0, rows_of, out=x_exp[:used])
                 if sf_exp is not None:
                     torch.index_select(recv_sf, 0, rows_of, out=sf_exp[:used])
+            elif used:  # mostly padding (large alignments): gather the real rows, then one block per expert
+                rows = recv_x.index_select(0, src_rows)  # grouped by expert already (slot order)
+                sf_rows_all = None if sf_exp is None else recv_sf.index_select(0, src_rows)
+                for lo, hi, at in handle._expand_blocks:
+                    x_exp[at:at + hi - lo].copy_(rows[lo:hi])
+                    if sf_exp is not None:
+                        sf_exp[at:at + hi - lo].copy_(sf_rows_all[lo:hi])
             if w_out is not None and slots.numel():
                 w_out.index_copy_(0, slots, weights_in[src_rows, lane])
             if used < x_exp.size(0):  # capacity rows past the real ones (do_cpu_sync=False): zeros
@@ -597,10 +607,17 @@ class EPBuffer(BufferBase):
         slots = starts[experts] + torch.arange(experts.numel()) - first[experts]
         handle.recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)
         handle._expand = (rows_idx, slots, lanes)
+        ends = torch.cumsum(counts, 0)
+        handle._expand_blocks = [(lo, hi, at) for lo, hi, at in zip(first.tolist(), ends.tolist(), starts.tolist())
+                                 if hi > lo]  # (first, end) in slot order -> expanded row of each expert
         align = handle.expert_alignment
         handle._expanded_used = int(starts[-1]) + _align(int(counts[-1]), align) if counts.numel() else 0
-        pads = [torch.arange(s + c, _align(s + c, align)) for s, c in zip(starts.tolist(), counts.tolist())]
-        handle._padding_rows = torch.cat(pads) if pads else torch.zeros(0, dtype=torch.int64)
+        gap_start = starts + counts  # each expert's padding: [start + count, align(start + count))
+        gaps = (counts + align - 1) // align * align - counts
+        total = int(gaps.sum())
+        first_gap = torch.cumsum(gaps, 0) - gaps
+        handle._padding_rows = (torch.repeat_interleave(gap_start - first_gap, gaps) + torch.arange(total)
+                                if total else torch.zeros(0, dtype=torch.int64))
 
     # -- combine ----------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias=None,
