@@ -302,7 +302,7 @@ class EPBuffer(BufferBase):
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
         """
         self._usable("dispatch")
-        assert not do_handle_copy, "`do_handle_copy` must be False; handle copying is no longer supported"
+        assert not do_handle_copy, "`do_handle_copy` must be False (DeepEP V2.5 copies no handle)"
         assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
         if handle is not None:
             assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
@@ -337,8 +337,8 @@ class EPBuffer(BufferBase):
                 check_tensor(sf, "x[1] (sf)", ndim=2)
                 check(sf.size(0) == n, ValueError, f"`x[1]` (sf) must have {n} rows, got {sf.size(0)}")
             if topk_weights is not None:
-                k = (handle.topk_idx if handle is not None else topk_idx).size(1) if (
-                    handle is not None or isinstance(topk_idx, torch.Tensor)) else -1
+                routing = handle.topk_idx if handle is not None else topk_idx
+                k = routing.size(1) if isinstance(routing, torch.Tensor) else -1
                 check_tensor(topk_weights, "topk_weights", torch.float32, shape=(n, k))
             if cumulative_local_expert_recv_stats is not None:
                 check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
@@ -731,9 +731,8 @@ class EPBuffer(BufferBase):
             rows = meta.size(0)
             xj = torch.zeros(rows, x.size(1), dtype=torch.bfloat16)
             if per_slot:
-                slot = meta[:, 2 + j].to(torch.int64)
-                sel = torch.nonzero(slot >= 0).squeeze(1)
-                xj.index_copy_(0, sel, x.index_select(0, slot[sel]))
+                rows_j, slots_j = _slots_by_lane(handle)[j]
+                xj.index_copy_(0, rows_j, x.index_select(0, slots_j))
             else:
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), -1)
                 sel = torch.nonzero(lane == j).squeeze(1)
@@ -756,20 +755,12 @@ class EPBuffer(BufferBase):
     def _compact(self, x: torch.Tensor, topk_weights, handle: EPHandle):
         """The compact rows combine sends: one per received token (expanded layout: its slots summed in
         slot order, float32, one rounding) and its weights per slot (0 where the slot is not local)."""
-        recv_topk = handle._recv_topk_idx
-        rows, k = recv_topk.shape
+        rows = handle._recv_topk_idx.size(0)
         if not handle.do_expand:
             return x.contiguous(), self._compact_weights(topk_weights, handle)
-        src_rows, slots, lanes = handle._expand
         out = torch.empty((rows, x.size(1)), dtype=torch.bfloat16)
         out[handle._num_valid:].zero_()  # rows past the real count (the kernel writes every real one)
-        sources = []
-        for j in range(k):  # slot order: one source per top-k slot
-            sel = torch.nonzero(lanes == j).squeeze(1)
-            r = src_rows[sel]
-            order = torch.argsort(r)
-            sources.append((x, r[order], slots[sel][order]))
-        live = [s for s in sources if s[1].numel()]
+        live = [(x, rows_j, slots_j) for rows_j, slots_j in _slots_by_lane(handle) if rows_j.numel()]
         if live:
             n_valid = handle._num_valid
             target = out[:n_valid]
@@ -845,6 +836,21 @@ class ElasticBuffer(EPBuffer):
             previous_event_before_epilogue.current_stream_wait()
         return super().combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                async_with_compute_stream, allocate_on_comm_stream)
+
+
+def _slots_by_lane(handle: EPHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per top-k slot ``j``, in slot order: the received rows with slot ``j`` on this rank (ascending) and
+    their expanded rows, read from the handle's metadata once and kept on it (every combine of the handle
+    sums the same slots)."""
+    cached = getattr(handle, "_lane_slots", None)
+    if cached is None:
+        meta = handle.recv_src_metadata[:handle._num_valid]
+        cached = []
+        for j in range(meta.size(1) - 2):
+            rows_j = torch.nonzero(meta[:, 2 + j] >= 0).squeeze(1)
+            cached.append((rows_j, meta[rows_j, 2 + j].to(torch.int64)))
+        handle._lane_slots = cached
+    return cached
 
 
 def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
