@@ -27,7 +27,9 @@ from .ep import (
     EPHandle,
     EventHandle,
     EventOverlap,
+    get_logical_domain_size,
     get_num_allocation_alignment,
+    get_physical_domain_size,
     topk_idx_t,
 )
 from .gemm import *  # noqa: F403
@@ -36,5 +38,6 @@ from .mega_moe import *  # noqa: F403
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
-           "EPHandle", "EventHandle", "EventOverlap", "get_num_allocation_alignment", "topk_idx_t", "__version__"]
+           "EPHandle", "EventHandle", "EventOverlap", "get_logical_domain_size", "get_num_allocation_alignment",
+           "get_physical_domain_size", "topk_idx_t", "__version__"]
 __all__ += gemm.__all__ + mega_moe.__all__

@@ -27,11 +27,12 @@ from .config import Config
 from .ep_buffer import ElasticBuffer, EPBuffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
-from .group import mpi_comm_of
+from .group import get_logical_domain_size, get_physical_domain_size, mpi_comm_of
 from .handles import InternodeHandle, IntranodeHandle, LowLatencyHandle
 from .layout import topk_idx_t
 from .protocol import ConsensusError
 
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
            "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle",
-           "get_num_allocation_alignment", "mpi_comm_of", "topk_idx_t"]
+           "get_logical_domain_size", "get_num_allocation_alignment", "get_physical_domain_size", "mpi_comm_of",
+           "topk_idx_t"]

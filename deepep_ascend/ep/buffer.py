@@ -635,7 +635,7 @@ class Buffer:
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
                                         (x, topk_idx, topk_weights), comm_before_outputs=True)
-        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv = outputs
+        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv, _ = outputs
         if num_worst_tokens and num_recv > num_worst_tokens:
             if event.event is not None:
                 event.current_stream_wait()
@@ -759,7 +759,8 @@ class Buffer:
 
         ``precheck()`` returns ``(data [N, xb] uint8, scales [N, sb] uint8 | None, xdtype, topk_idx,
         topk_weights, num_experts)``; the layout is computed here. Returns the engine's outputs
-        ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv)``,
+        ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv, dst_offsets)``
+        (``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's ``recv_x``),
         ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``).
         """
         self._check_usable("dispatch")

@@ -384,12 +384,12 @@ class EPBuffer(BufferBase):
             outputs, itr, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words)
-            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv = outputs
+            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets = outputs
             recv_sf = None if sf is None else recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
                 recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
-                recv_list=recv_list, itr=itr,
+                recv_list=recv_list, itr=itr, dst_offsets=dst_offsets,
                 topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
                 num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
                 col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None)
@@ -421,6 +421,7 @@ class EPBuffer(BufferBase):
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, itr=None,
+            dst_offsets=None,
             topk_idx=handle.topk_idx,
             num_experts=handle.num_experts, alignment=handle.expert_alignment,
             max_tokens=handle.num_max_tokens_per_rank,
@@ -446,7 +447,8 @@ class EPBuffer(BufferBase):
             return event
         return (*outputs, event)
 
-    def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, itr, topk_idx,
+    def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, itr, dst_offsets,
+                  topk_idx,
                   num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand, do_zero_padding, col_major_sf,
                   stats, handle):
         """The outputs ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with their final shapes, and the
@@ -503,7 +505,7 @@ class EPBuffer(BufferBase):
             if stats is not None:
                 stats.add_(counts.to(torch.int32))
             if fresh:
-                self._fill_handle(handle, legacy, valid_topk, counts, itr)
+                self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets)
             if not do_expand:
                 if w_out is not None and in_place_w:
                     w_out.masked_fill_(recv_topk < 0, 0.0)
@@ -547,11 +549,12 @@ class EPBuffer(BufferBase):
 
         return outputs, fill
 
-    def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor, itr) -> None:
+    def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor, itr,
+                     dst_offsets: torch.Tensor) -> None:
         """The handle's tensors from the routing that arrived (counts, prefix sums, metadata, order)."""
         R, me, k = self.num_ranks, self.rank_idx, valid_topk.size(1)
         L, num_recv = counts.numel(), valid_topk.size(0)
-        topk_idx, alignment, max_tokens = handle.topk_idx, handle.expert_alignment, handle.num_max_tokens_per_rank
+        alignment, max_tokens = handle.expert_alignment, handle.num_max_tokens_per_rank
         internode = isinstance(legacy, InternodeHandle)
         column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
         per_rank = torch.diff(column.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
@@ -584,15 +587,13 @@ class EPBuffer(BufferBase):
             return order
 
         def dst_buffer_slot_idx() -> torch.Tensor:
-            slots = torch.full((topk_idx.size(0), R), -1, dtype=torch.int32)
-            if itr is not None and itr.numel():
-                before = legacy.rank_prefix_matrix[me - 1].to(torch.int64) if me else torch.zeros(R, dtype=torch.int64)
-                pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + before
-                slots.copy_(torch.where(itr, pos, -1))
-            return slots
+            # token t's row at rank j: the rows j received from ranks before this one, then t's place
+            # among this rank's tokens for j (the engines keep source order, docs/semantics/deepep-api.md §13.3)
+            pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + dst_offsets
+            return torch.where(itr, pos, -1).to(torch.int32)
 
         handle._order = combine_order  # both read rarely or later: computed on first read
-        handle._dst_buffer_slot_idx = None if internode else dst_buffer_slot_idx
+        handle._dst_buffer_slot_idx = dst_buffer_slot_idx
 
     @staticmethod
     def _expanded_slots(handle: EPHandle, valid_topk: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor):

@@ -47,7 +47,7 @@ class EPHandle:
             slot ``j`` (-1: not on this rank, or the compact layout). DeepEP-Ascend orders the columns
             differently: see :attr:`ascend_recv_src_metadata`.
         dst_buffer_slot_idx: ``[N, R]``: the row of each of this rank's tokens in each rank's
-            compact ``recv_x`` (-1: not sent there); ``None`` across nodes.
+            compact ``recv_x`` (-1: not sent there), on one node and across nodes.
         token_metadata_at_forward, channel_linked_list: ``None`` (DeepEP's hybrid-mode kernel state).
     """
 
@@ -85,7 +85,7 @@ class EPHandle:
         self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function
 
     @property
-    def dst_buffer_slot_idx(self) -> torch.Tensor | None:
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
         """See the class doc (computed when first read: most callers never read it)."""
         if callable(self._dst_buffer_slot_idx):
             self._dst_buffer_slot_idx = self._dst_buffer_slot_idx()

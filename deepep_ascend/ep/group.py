@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..transports import quiet_allgather_object, quiet_barrier
+from ..transports import Topology, quiet_allgather_object, quiet_barrier
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["check_agreed", "mpi_comm_of"]
+__all__ = ["check_agreed", "get_logical_domain_size", "get_physical_domain_size", "mpi_comm_of"]
 
 _GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
@@ -105,3 +105,24 @@ def check_agreed(comm, owner: str, arguments: dict, error: Exception | None = No
     if problems:
         raise ValueError(f"{owner}: the ranks disagree on collective arguments (every rank must pass the same): "
                          + "; ".join(problems))
+
+
+def get_physical_domain_size(group, *, ranks_per_node: int | None = None) -> tuple[int, int]:
+    """``(num_rdma_ranks, num_nvlink_ranks)`` of ``group``: its nodes (the URMA domain's size) and ranks per
+    node (the UBMEM domain's); mirrors ``deep_ep.get_physical_domain_size(group)``. Collective over the group.
+
+    ``ranks_per_node``: the simulated node size, as in ``EPBuffer`` (default ``$DEEPEP_ASCEND_RANKS_PER_NODE``,
+    else the shared-memory domain). Raises ``TransportConfigError`` on a layout the transports refuse.
+    """
+    topo = Topology.from_comm(mpi_comm_of(group), ranks_per_node)
+    return topo.num_nodes, topo.ranks_per_node
+
+
+def get_logical_domain_size(group, allow_hybrid_mode: bool = True, *,
+                            ranks_per_node: int | None = None) -> tuple[int, int]:
+    """``(num_scaleout_ranks, num_scaleup_ranks)`` an ``EPBuffer`` over ``group`` would use; mirrors
+    ``deep_ep.get_logical_domain_size(group, allow_hybrid_mode)``: ``(nodes, ranks per node)`` in hybrid mode
+    across nodes, ``(1, R)`` on one node and with ``allow_hybrid_mode=False`` (docs/semantics/deepep-api.md §13.1).
+    Collective over the group."""
+    nodes, per_node = get_physical_domain_size(group, ranks_per_node=ranks_per_node)
+    return (nodes, per_node) if nodes > 1 and allow_hybrid_mode else (1, nodes * per_node)

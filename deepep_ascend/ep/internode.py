@@ -132,6 +132,7 @@ class _DispatchCall:
     num_channels: int
     ntok: np.ndarray | None = None  # [R] tokens of every rank
     counts_to_me: torch.Tensor | None = None  # [R] int64 tokens each rank sends here
+    dst_offsets: torch.Tensor | None = None  # [R] int64 rows each rank received from ranks before this one
     gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
     num_recv: int = 0
     recv_list: list | None = None
@@ -426,7 +427,8 @@ class InternodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`InternodeHandle`
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``dst_offsets`` ``[R]`` int64:
+        the first row of this rank's tokens in each rank's received rows) with ``handle`` an :class:`InternodeHandle`
         whose receive-side entries are filled when the generator ends.
         """
         n, xb = x.shape
@@ -458,7 +460,8 @@ class InternodeEngine:
         handle = InternodeHandle(is_token_in_rank, rdma_cpm, gbl_cpm, call.recv_rdma_channel_prefix_matrix,
                                  call.fwd_counts.cumsum(0).to(torch.int32), call.recv_gbl_channel_prefix_matrix,
                                  call.gbl_prefix, out.src_meta, send_rdma_head, call.send_nvl_head)
-        yield out.x, out.scales, out.topk_idx, out.topk_weights, call.recv_list, handle, call.num_recv
+        yield (out.x, out.scales, out.topk_idx, out.topk_weights, call.recv_list, handle, call.num_recv,
+               call.dst_offsets)
 
         for _ in rounds_gen:
             pass
@@ -487,6 +490,7 @@ class InternodeEngine:
         vectors = torch.stack(vecs)  # [R, R + E + G]
         counts = vectors[:, :num_ranks]
         call.counts_to_me = counts[:, me].to(torch.int64)
+        call.dst_offsets = counts[:me].sum(0, dtype=torch.int64)
         call.gbl_prefix = counts[:, me].cumsum(0, dtype=torch.int32)
         call.num_recv = num_recv = int(call.gbl_prefix[-1])
         local = call.num_experts // num_ranks

@@ -413,7 +413,8 @@ class IntranodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv)`` with ``handle`` an :class:`IntranodeHandle`
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``dst_offsets`` ``[R]`` int64:
+        the first row of this rank's tokens in each rank's received rows) with ``handle`` an :class:`IntranodeHandle`
         whose ``recv_channel_prefix_matrix`` is filled when the generator ends; ``recv_x_bytes`` has
         ``max(N_recv, num_worst_tokens)`` rows.
         """
@@ -450,7 +451,8 @@ class IntranodeEngine:
         recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
         handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, out.src_idx,
                                  is_token_in_rank, send_head)
-        yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv
+        dst_offsets = counts[:me].sum(0, dtype=torch.int64)  # [R] rows each rank received from ranks before me
+        yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv, dst_offsets
 
         direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)

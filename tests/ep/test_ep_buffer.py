@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepep_ascend import ConsensusError, ElasticBuffer, EPBuffer, EPHandle
+from deepep_ascend import (ConsensusError, ElasticBuffer, EPBuffer, EPHandle, get_logical_domain_size,
+                           get_physical_domain_size)
 from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
 from tests.support.buffer_helpers import all_ranks_ok, capture, coll, same_bits_nan
 from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots
@@ -165,10 +166,7 @@ def check_mode(ep, comm, mode, nodes):
     ok &= torch.equal(handle.psum_num_recv_tokens_per_expert, torch.tensor(aligned).cumsum(0).int())
     ok &= torch.equal(handle.num_unaligned_recv_tokens_per_expert, torch.tensor(ref.counts, dtype=torch.int32))
     ok &= torch.equal(stats, 5 + torch.tensor(ref.counts, dtype=torch.int32))
-    if nodes == 1:
-        ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
-    else:
-        ok &= handle.dst_buffer_slot_idx is None
+    ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
     ok &= handle.topk_idx is topk_idx and c_handle is handle
     # Cached: the same rows, ids and weights.
     c_data = c_x[0] if fp8 else c_x
@@ -259,8 +257,12 @@ def test_one_rounding_modes(comm, flavour):
                                 allow_multiple_reduction="no_multiple" not in flavour,
                                 allow_hybrid_mode="direct" not in flavour), what="EPBuffer()")
     try:
-        if "direct" in flavour:
-            assert buf.get_logical_domain_size() == (1, R) and buf.get_physical_domain_size() == (2, R // 2)
+        hybrid = "direct" not in flavour
+        logical = (nodes, R // nodes) if hybrid else (1, R)
+        assert buf.get_logical_domain_size() == logical and buf.get_physical_domain_size() == (nodes, R // nodes)
+        # the module-level helpers (DeepEP's deep_ep.get_*_domain_size) agree before any buffer exists
+        assert get_physical_domain_size(world(), ranks_per_node=R // nodes) == (nodes, R // nodes)
+        assert get_logical_domain_size(world(), hybrid, ranks_per_node=R // nodes) == logical
         for mode in (MODES[1], MODES[2]) if R < 8 else (MODES[1],):  # suite time at 8 ranks
             check_mode(buf, comm, mode, nodes)
     finally:
