@@ -84,7 +84,7 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int) -> None:
     check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
           f"got {topk_idx.dtype}")
     if topk_idx.numel():
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
         check(lo >= -1 and hi < num_experts, ValueError,
               f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
 

@@ -374,7 +374,7 @@ class EPBuffer(BufferBase):
                 check(topk_idx.size(0) == n, ValueError,
                       f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
                 if topk_idx.numel():
-                    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+                    lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
                     check(lo >= -1 and hi < num_experts, ValueError,
                           f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
                 xb, sb = payload(n, None)
@@ -501,7 +501,7 @@ class EPBuffer(BufferBase):
         def fill():
             weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
             valid_topk = recv_topk[:num_recv]
-            counts = torch.bincount(valid_topk[valid_topk >= 0], minlength=L)[:L]
+            counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
             if stats is not None:
                 stats.add_(counts.to(torch.int32))
             if fresh:
