@@ -556,19 +556,23 @@ class EPBuffer(BufferBase):
         L, num_recv = counts.numel(), valid_topk.size(0)
         alignment, max_tokens = handle.expert_alignment, handle.num_max_tokens_per_rank
         internode = isinstance(legacy, InternodeHandle)
-        column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
-        per_rank = torch.diff(column.to(torch.int64), prepend=torch.zeros(1, dtype=torch.int64))
-        handle.psum_num_recv_tokens_per_rank.copy_(torch.cumsum(per_rank, 0))
-        handle.psum_num_recv_tokens_per_scaleup_rank.copy_(
-            torch.cumsum(per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0))
-        src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
-        src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
-                     else legacy.recv_src_idx[:num_recv]).to(torch.int64)
-        lanes = torch.arange(k)
-        meta = handle.recv_src_metadata
-        meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
-        last = torch.where(valid_topk >= 0, lanes, -1).amax(dim=1) if k else torch.zeros(num_recv, dtype=torch.int64)
-        meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
+
+        def per_source() -> None:  # read by few callers: filled in place when first read (EPHandle)
+            column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
+            column = column.to(torch.int64)
+            per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
+            handle._psum_per_rank.copy_(column)
+            handle._psum_per_scaleup_rank.copy_(torch.cumsum(per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0))
+            src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
+            src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
+                         else legacy.recv_src_idx[:num_recv]).to(torch.int64)
+            meta = handle._recv_src_metadata
+            meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
+            last = (torch.where(valid_topk >= 0, torch.arange(k), -1).amax(dim=1) if k
+                    else torch.zeros(num_recv, dtype=torch.int64))
+            meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
+
+        handle._per_source = per_source
         aligned = (counts + alignment - 1) // alignment * alignment
         handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
         if handle.do_expand:
@@ -583,7 +587,8 @@ class EPBuffer(BufferBase):
             order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
             if k and topk_idx.numel():
                 dest = torch.div(topk_idx, L, rounding_mode="floor").clamp(min=0)
-                order.scatter_reduce_(1, dest, torch.where(topk_idx >= 0, lanes, -1).expand_as(topk_idx), reduce="amax")
+                lanes = torch.where(topk_idx >= 0, torch.arange(k), -1)
+                order.scatter_reduce_(1, dest, lanes, reduce="amax")
             return order
 
         def dst_buffer_slot_idx() -> torch.Tensor:
@@ -606,7 +611,7 @@ class EPBuffer(BufferBase):
         rows_idx, lanes, experts = rows_idx[order], lanes[order], experts[order]
         first = torch.cumsum(counts, 0) - counts
         slots = starts[experts] + torch.arange(experts.numel()) - first[experts]
-        handle.recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)
+        handle._recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)  # the eager columns
         handle._expand = (rows_idx, slots, lanes)
         ends = torch.cumsum(counts, 0)
         handle._expand_blocks = [(lo, hi, at) for lo, hi, at in zip(first.tolist(), ends.tolist(), starts.tolist())
@@ -845,7 +850,7 @@ def _slots_by_lane(handle: EPHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
     sums the same slots)."""
     cached = getattr(handle, "_lane_slots", None)
     if cached is None:
-        meta = handle.recv_src_metadata[:handle._num_valid]
+        meta = handle._recv_src_metadata[:handle._num_valid]  # the expanded columns only
         cached = []
         for j in range(meta.size(1) - 2):
             rows_j = torch.nonzero(meta[:, 2 + j] >= 0).squeeze(1)

@@ -8,6 +8,8 @@ the routing, identical run after run.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .handles import InternodeHandle, IntranodeHandle
@@ -67,11 +69,14 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_rank = psum_num_recv_tokens_per_rank
+        self._psum_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self._psum_per_rank = psum_num_recv_tokens_per_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
+        self._recv_src_metadata = recv_src_metadata
+        # fills the per-source fields above in place when first read (most steps never read them)
+        self._per_source = None
+        self._per_source_lock = threading.Lock()
         self._dst_buffer_slot_idx = dst_buffer_slot_idx  # or a function computing it on first read
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
@@ -83,6 +88,29 @@ class EPHandle:
         self._num_valid = num_valid_tokens
         self._recv_topk_idx = recv_topk_idx  # [n, K] int64 local expert ids, -1 elsewhere
         self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function
+
+    def _source_fields(self):
+        if self._per_source is not None:
+            with self._per_source_lock:
+                fill, self._per_source = self._per_source, None
+                if fill is not None:
+                    fill()
+        return self
+
+    @property
+    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
+        """See the class doc."""
+        return self._source_fields()._psum_per_scaleup_rank
+
+    @property
+    def psum_num_recv_tokens_per_rank(self) -> torch.Tensor:
+        """See the class doc."""
+        return self._source_fields()._psum_per_rank
+
+    @property
+    def recv_src_metadata(self) -> torch.Tensor:
+        """See the class doc."""
+        return self._source_fields()._recv_src_metadata
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
