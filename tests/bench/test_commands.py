@@ -33,6 +33,8 @@ COLLECTIVE = {
                     "--warmup", "1"],
     "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--threads", "1"],
     "urma-put": ["--bytes", "65536", "--iters", "2"],
+    "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
+             "--report-every", "8", "--no-progress"],
 }
 ONE_PROCESS = {
     "grouped-gemm": ["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3"],
@@ -128,6 +130,14 @@ def _check_details(command: str, doc: dict) -> None:
                             peers / by["deepep_ascend/round_trip"]["seconds"])
     elif command == "ep":
         _check_ep_details(doc, by)
+    elif command == "soak":  # every kind of call ran, every report is there, the verdict follows from them
+        assert set(det["round_trips_per_op"]) == {"normal", "cached", "low_latency", "ep"}
+        assert all(v > 0 for v in det["round_trips_per_op"].values()) and sum(det["round_trips_per_op"].values()) == 24
+        reports = det["reports"]
+        assert [r["calls"] for r in reports] == [8, 16, 24] and all(len(r["rss_anon"]) == 2 for r in reports)
+        growth = max(max(b - a for a, b in zip(reports[0]["rss_anon"], reports[-1]["rss_anon"])),
+                     reports[-1]["dev_shm"] - reports[0]["dev_shm"])
+        assert det["growth_bytes"] == growth and doc["checks"]["memory_flat"] == (growth <= 64e6)
     elif command == "low-latency":
         b = det["bytes"]
         for p in ("dispatch", "combine"):
