@@ -102,8 +102,9 @@ class Buffer:
         num_nvl_bytes: bytes of the UBMEM (intranode) window per rank, a multiple of 128
             (alias ``num_ubmem_bytes``). See :meth:`get_normal_buffer_size_hint`.
         num_rdma_bytes: bytes of the URMA window (alias ``num_urma_bytes``): the internode
-            boxes, or with ``low_latency_mode`` the LL window (see
-            :meth:`get_low_latency_rdma_size_hint`).
+            boxes, and with ``low_latency_mode`` the LL window (see
+            :meth:`get_low_latency_rdma_size_hint`); across nodes a low-latency Buffer serves both
+            paths, as DeepEP's does (docs/semantics/deepep-api.md §6.1).
         low_latency_mode: build the low-latency window from ``num_rdma_bytes`` (any number of
             nodes); the ``low_latency_*`` methods then work (see :mod:`deepep_ascend.ep.low_latency`).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink: accepted
@@ -199,8 +200,11 @@ class Buffer:
                                f"{self.ranks_per_node} ranks) unless low_latency_mode=True; pass num_rdma_bytes=0")
         try:
             self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
+            # across nodes the normal path has its own window of num_rdma_bytes beside the LL one: DeepEP
+            # shares one region between modes used at different times; two regions need no such care
+            # and cost only the pages each mode touches
             self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
-                              if num_rdma_bytes and not low_latency_mode else None)
+                              if num_rdma_bytes and self._internode else None)
             self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
             self._landing = self._landing_build() if self._win is not None and not self._internode else None
         except Exception:
@@ -263,12 +267,6 @@ class Buffer:
     def _check_usable(self, op: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
-        if self._internode and self._engine is None and self._ll is not None:
-            raise RuntimeError(
-                f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, whose "
-                f"URMA window this Buffer does not have: with low_latency_mode=True, num_rdma_bytes serves the "
-                f"low-latency calls only; use a second Buffer (low_latency_mode=False) for dispatch/combine across "
-                f"nodes")
         if self._internode and self._engine is None:
             raise RuntimeError(
                 f"Buffer.{op}: {self.num_nodes} nodes of {self.ranks_per_node} ranks take the internode path, which "

@@ -349,10 +349,9 @@ class MoE(nn.Module):
       differentiable). Both paths compute the same function up to bf16 roundings.
 
     ``mode=None`` picks ``"low_latency"`` when ``buffer.low_latency_mode`` is set, else ``"normal"``.
-    On one node, one Buffer built with both windows (``num_nvl_bytes`` and ``low_latency_mode=True,
-    num_rdma_bytes``) serves both paths: pass ``mode`` explicitly, or switch with ``layer.mode = ...``.
-    Across nodes the normal path needs a Buffer of its own (``low_latency_mode=False``): in
-    low-latency mode the ``num_rdma_bytes`` window serves the low-latency calls only.
+    One Buffer built with both windows (``num_nvl_bytes`` and ``low_latency_mode=True, num_rdma_bytes``)
+    serves both paths, on one node and across nodes: pass ``mode`` explicitly, or switch with
+    ``layer.mode = ...``.
 
     Args:
         buffer: a :class:`deepep_ascend.Buffer` over the EP group (shared by layers), see above.
