@@ -24,7 +24,8 @@ name here                      library internal (what a command does with it)
 ``expert_gemm``,                 GEMMs, operand dtype, dense GEMM, FP8 decode and SwiGLU;
 ``operand_dtype``,               ``deepep_ascend.mega_moe.weights.untransformed``: its cached
 ``dense_nt``, ``untransformed``,
-``dequant_x``, ``activation``    weights (mega-moe, grouped-gemm, moe-act)
+``dequant_x``, ``activation``,   weights (mega-moe, grouped-gemm, moe-act)
+``swiglu_params``
 =============================  ===============================================================
 """
 from __future__ import annotations
@@ -33,7 +34,15 @@ from deepep_ascend.ep import low_latency as _low_latency
 from deepep_ascend.ep import memory as _memory
 from deepep_ascend.ep import reduce as _reduce
 from deepep_ascend.gemm import packing as _packing
-from deepep_ascend.mega_moe.experts import activation, dense_nt, dequant_x, expert_gemm, gemm_engine, operand_dtype
+from deepep_ascend.mega_moe.experts import (
+    activation,
+    dense_nt,
+    dequant_x,
+    expert_gemm,
+    gemm_engine,
+    operand_dtype,
+    swiglu_params,
+)
 from deepep_ascend.mega_moe.weights import untransformed
 from deepep_ascend.transports.process import abort_job, exit_job, mpiexec_path
 
@@ -61,5 +70,5 @@ def grouped_gemm_packer():
 
 __all__ = ["CombineScratch", "abort_job", "accumulate_rows", "activation", "dense_nt", "dequant_x", "exit_job",
            "expert_gemm", "gemm_engine", "grouped_gemm_packer", "host_empty", "ll_zeros", "mpiexec_path",
-           "onednn_available", "operand_dtype", "pack_fp4_groups", "pack_groups", "source_runs",
+           "onednn_available", "operand_dtype", "pack_fp4_groups", "pack_groups", "source_runs", "swiglu_params",
            "two_source_run_limit", "untransformed"]

@@ -11,9 +11,10 @@ Presets (docs/semantics/mega-moe.md §6, scaled from DeepGEMM's EP8 V4-Pro test:
 per local expert); ``cpu-pro-batch`` the same shape at T 4096 (the test's default batch, 8192 tokens
 per rank at EP8 over 384 experts, is 1024 rows per expert; at 4 ranks over 96 experts so is T 4096);
 ``cpu-comm-heavy`` E 96, K 6, H 2048, I 128, T 1024; ``tiny`` E 16, K 4, H 256, I 128, T 128 (smoke). ``--shared 0``
-drops the shared expert. Inputs: ``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing =
-top-k of random scores, weights ``rand``; expert weights random (fp8: random FP4 nibbles, UE8M0
-scales around 2^-5), from ``--seed``.
+drops the shared expert; ``--activation swigluoai`` (with ``--activation-alpha``, ``--activation-up-bias``,
+gpt-oss's 1.702 and 1.0 by default) times DeepGEMM PR #445's parameterized SwiGLU instead. Inputs:
+``x = randn`` (fp8: per-token e4m3 with UE8M0 scales per 32 channels), routing = top-k of random scores,
+weights ``rand``; expert weights random (fp8: random FP4 nibbles, UE8M0 scales around 2^-5), from ``--seed``.
 
 Systems, interleaved in every iteration on the same inputs:
 
@@ -95,6 +96,12 @@ def add_arguments(p) -> None:
     p.add_argument("--inter", type=cli.int_at_least(1), default=None, help="intermediate size (default: the preset's)")
     p.add_argument("--shared", type=int, default=1, help="shared experts (default 1)")
     p.add_argument("--clamp", type=float, default=10.0, help="activation_clamp (default 10; <0 = None)")
+    p.add_argument("--activation", choices=("swiglu", "swigluoai"), default="swiglu",
+                   help="swiglu (default) or swigluoai: gpt-oss's g*sigmoid(alpha*g)*(u + up_bias), DeepGEMM PR #445")
+    p.add_argument("--activation-alpha", type=float, default=None,
+                   help="swigluoai's activation_alpha (default 1.702, gpt-oss's)")
+    p.add_argument("--activation-up-bias", type=float, default=None,
+                   help="swigluoai's activation_up_bias (default 1.0, gpt-oss's)")
     p.add_argument("--experts-per-wave", type=int, default=None, help="fused wave size (default: library's)")
     p.add_argument("--backend", choices=("shm", "buffer"), default=None,
                    help="how the fused call moves rows (SymmBuffer.backend; default: the library's, shm on one node)")
@@ -111,8 +118,16 @@ def add_arguments(p) -> None:
 
 
 def check_args(p, args) -> None:
-    """The link profile and emulator (``p.error`` on bad values); the preset's shape where not given."""
+    """The link profile and emulator (``p.error`` on bad values); the preset's shape where not given; the
+    activation's parameters (gpt-oss's for ``swigluoai`` where not given; none with ``swiglu``)."""
     args.profile, args.emulator = link_setup(p, args)
+    if args.activation == "swiglu":
+        if args.activation_alpha is not None or args.activation_up_bias is not None:
+            p.error("--activation-alpha / --activation-up-bias need --activation swigluoai")
+        args.activation_alpha, args.activation_up_bias = 1.0, 0.0
+    else:
+        args.activation_alpha = 1.702 if args.activation_alpha is None else args.activation_alpha
+        args.activation_up_bias = 1.0 if args.activation_up_bias is None else args.activation_up_bias
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -184,12 +199,16 @@ def run(args) -> int:
     digest = "|".join(tensor_digest(v[:t]) for v in (buf.x, buf.topk_idx, buf.topk_weights)
                       + ((buf.x_sf,) if args.mma == "fp8" else ()))
     # the hash's inputs under the names they always had, so that fingerprints stay comparable across runs
+    act = {} if args.activation == "swiglu" else dict(activation=args.activation, alpha=args.activation_alpha,
+                                                      up_bias=args.activation_up_bias)
     fp = fingerprint(dict(benchmark="bench.mega_moe", experts=args.num_experts, topk=args.num_topk, hidden=args.hidden,
-                            inter=args.inter, tokens=t, mma=args.mma, shared=args.shared, seed=args.seed, ranks=R),
-                       comm.allgather(digest))
+                            inter=args.inter, tokens=t, mma=args.mma, shared=args.shared, seed=args.seed, ranks=R,
+                            **act), comm.allgather(digest))
     clamp = None if args.clamp < 0 else args.clamp
     op = dea.bf16_mega_moe if args.mma == "bf16" else dea.fp8_fp4_mega_moe
-    kw = dict(activation_clamp=clamp, num_experts_per_wave=args.experts_per_wave)
+    kw = dict(activation=args.activation, activation_alpha=args.activation_alpha,
+              activation_up_bias=args.activation_up_bias, activation_clamp=clamp,
+              num_experts_per_wave=args.experts_per_wave)
     if shared is not None:
         kw.update(shared_l1_weights=shared[0], shared_l2_weights=shared[1])
     y_fused = torch.empty(t, args.hidden, dtype=BF16)
@@ -330,7 +349,10 @@ def run(args) -> int:
     out.append(f"[config] fingerprint {fp} | ranks {R}, cores {os.cpu_count()}, torch threads {threads}, "
                f"load avg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, mma {args.mma}, preset {args.preset}: "
                f"E {args.num_experts} (local {el}), K {args.num_topk}, H {h}, I {i}, T {t}/rank, "
-               f"shared {args.shared}, clamp {clamp}, waves {waves[0]} x {waves[1]} experts, "
+               f"shared {args.shared}, activation {args.activation}"
+               + (f" (alpha {args.activation_alpha}, up_bias {args.activation_up_bias})"
+                  if args.activation != "swiglu" else "")
+               + f", clamp {clamp}, waves {waves[0]} x {waves[1]} experts, "
                f"GEMM engine {M.gemm_engine()}, backend {buf_backend} (the fused call's rows: {path_text}), "
                f"iters {args.iters} (+{args.warmup} warm-up)")
     gc_ms = sum(r["gc_full_s"] for r in allr) / R * 1e3

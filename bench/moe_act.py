@@ -13,7 +13,8 @@ over iterations, on the same inputs:
 * ``swiglu``: MegaMoE's activation (``bench.internals.activation``) on ``[rows, 2 inter]`` BF16 L1 outputs
   (clamp 10, fast math, routing weights, e4m3 round trip with UE8M0 per 32: the fp8xfp4 path),
   with and without :func:`deepep_ascend.native.swiglu`; then the same without the FP8 round trip
-  (the bf16xbf16 path).
+  (the bf16xbf16 path), and with ``activation='swigluoai'`` (clamp 7, alpha 1.702, up_bias 1: gpt-oss's,
+  DeepGEMM PR #445) and the round trip.
 
 Prints each median, ``torch / native``, and whether both give the same bits (exit code 1 if not).
 ``--json FILE``: results ``torch/<case>`` (the baselines) and ``native/<case>`` with ``ratio_to``
@@ -63,12 +64,14 @@ def run(args) -> int:
     def decode(native):
         return lambda: M.dequant_x("fp8", fp8, recv[:, h:], BF16, index=order, native=native)
 
-    def act(kind, native):
-        return lambda: M.activation(kind, hh, i, weights, 10.0, True, BF16, native=native)
+    def act(kind, native, oai=None, clamp=10.0):
+        return lambda: M.activation(kind, hh, i, weights, clamp, True, BF16, native=native, oai=oai)
 
+    oai = M.swiglu_params("swigluoai", 1.702, 1.0, "moe-act")
     cases = {"decode": (decode(False), decode(True)),
              "swiglu + e4m3 round trip": (act("fp8", False), act("fp8", True)),
-             "swiglu": (act("bf16", False), act("bf16", True))}
+             "swiglu": (act("bf16", False), act("bf16", True)),
+             "swigluoai + e4m3 round trip": (act("fp8", False, oai, 7.0), act("fp8", True, oai, 7.0))}
     nat = N.available()
     print(f"[config] {n} rows, hidden {h}, inter {i}, 1 thread, median of {args.iters} interleaved; native kernels "
           f"{'built: ' + str(N.library_path()) if nat else 'not available (torch paths only: nothing to compare)'}")
@@ -82,7 +85,7 @@ def run(args) -> int:
         same &= ok
         records += [schema.result(f"torch/{name}", t_torch / 1e3), schema.result(f"native/{name}", t_native / 1e3)]
         schema.add_ratios(records, f"native/{name}", [f"torch/{name}"])
-        print(f"[time] {name:<26} torch {t_torch:8.3f} ms | native {t_native:8.3f} ms | torch / native "
+        print(f"[time] {name:<28} torch {t_torch:8.3f} ms | native {t_native:8.3f} ms | torch / native "
               f"{t_torch / t_native:5.2f}x | same bits {ok}")
     if nat:
         print(f"[check] the native kernels give the torch paths' bits: {same}")

@@ -65,6 +65,9 @@ class Unfused:
             self.w1, self.w2 = self.w1.float(), self.w2.float()
         self.h, self.i = h, i
         self.clamp = None if args.clamp < 0 else args.clamp
+        # swigluoai's (alpha, up_bias) as the library takes them (float32 values), or None: plain SwiGLU
+        self.oai = None if args.activation == "swiglu" else tuple(
+            float(torch.tensor(v, dtype=torch.float32)) for v in (args.activation_alpha, args.activation_up_bias))
         self.st = {}
 
     def _act(self, hh, w):
@@ -73,7 +76,12 @@ class Unfused:
         if self.clamp is not None:
             c = torch.tensor(self.clamp, dtype=BF16)
             g, u = torch.minimum(g, c), torch.maximum(torch.minimum(u, c), -c)
-        a = torch.nn.functional.silu(g.float()) * u.float() * w.unsqueeze(1)
+        if self.oai is None:
+            a = torch.nn.functional.silu(g.float()) * u.float() * w.unsqueeze(1)
+        else:  # gpt-oss's clamped SwiGLU, as a user writes it
+            alpha, up_bias = self.oai
+            gf = g.float()
+            a = gf * torch.sigmoid(alpha * gf) * (u.float() + up_bias) * w.unsqueeze(1)
         if self.kind == "bf16":
             return a.to(BF16)
         n = a.size(0)
@@ -126,7 +134,8 @@ class Unfused:
     def act_library(self):
         """The SwiGLU stage as the fused call computes it (``deepep_ascend.mega_moe.experts.activation``: the native
         kernel where it was built), on the same rows: timed as an alternative ``act``, not part of ``Σ stages``."""
-        M.activation(self.kind, self.st["hh"], self.i, self.st["w"], self.clamp, True, M.operand_dtype(self.engine))
+        M.activation(self.kind, self.st["hh"], self.i, self.st["w"], self.clamp, True, M.operand_dtype(self.engine),
+                     oai=self.oai)
 
     def l2(self):
         st = self.st

@@ -16,7 +16,7 @@ from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
 from ..settings import DG_COMM_KERNEL_DEBUG, MEGA_MOE_EXPERTS_PER_WAVE
 from .consensus import check_agreement, consensus
-from .experts import Experts, gemm_engine
+from .experts import Experts, gemm_engine, swiglu_params
 from .formats import BF16
 from .symm_buffer import SymmBuffer
 from .trace import MegaMoETrace
@@ -24,10 +24,11 @@ from .waves import experts_per_wave, wave_override, waves_buffer, waves_shm
 from .weights import check_weights, shared_bf16, untransformed
 
 
-def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l2, recipe, op):
-    """This rank's checks of a call, before anything moves: returns ``(T, shared)`` with ``T = y.size(0)`` and
-    ``shared`` the shared experts' bf16 ``(w1, w2)`` (:func:`~.weights.shared_bf16`) or None. Raises TypeError /
-    ValueError naming the argument (RuntimeError: a destroyed buffer)."""
+def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, shared_l1, shared_l2, recipe, op):
+    """This rank's checks of a call, before anything moves: returns ``(T, shared, oai)`` with ``T = y.size(0)``,
+    ``shared`` the shared experts' bf16 ``(w1, w2)`` (:func:`~.weights.shared_bf16`) or None and ``oai`` the
+    activation's parameters (:func:`~.experts.swiglu_params`). Raises TypeError / ValueError naming the
+    argument (RuntimeError: a destroyed buffer)."""
     if not isinstance(sb, SymmBuffer):
         raise TypeError(f"{op}: `sym_buffer` must come from get_symm_buffer_for_mega_moe, got {type(sb).__name__}")
     if sb._destroyed:
@@ -35,8 +36,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
     want_mma = "bf16xbf16" if kind == "bf16" else "fp8xfp4"
     if sb.mma_type != want_mma:
         raise ValueError(f"{op} needs a buffer built with mma_type={want_mma!r}, this one has {sb.mma_type!r}")
-    if activation != "swiglu":
-        raise ValueError(f"{op}: activation must be 'swiglu', got {activation!r}")
+    oai = swiglu_params(activation, alpha, up_bias, op)
     if recipe is not None and tuple(recipe) != (1, 1, 32):
         raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
     if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, numbers.Real) or not clamp >= 0):
@@ -78,27 +78,29 @@ def _validate(kind, y, l1, l2, sb, stats, activation, clamp, shared_l1, shared_l
         if lo < -1 or hi >= sb.num_experts:
             raise ValueError(f"{op}: topk_idx[:{t}] values must lie in [-1, {sb.num_experts}), got min {lo}, "
                              f"max {hi}")
-    return t, shared
+    return t, shared, oai
 
 
-def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_clamp, fast_math, recipe,
-         shared_l1, shared_l2, overlap, num_experts_per_wave, op):
+def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activation_alpha, activation_up_bias,
+         activation_clamp, fast_math, recipe, shared_l1, shared_l2, overlap, num_experts_per_wave, op):
     """One call of either op (``kind`` ``'bf16'`` or ``'fp8'``; ``op`` names it in errors): this rank's checks,
     the consensus (every rank raises if any rank's checks failed or the ranks disagree), then :func:`_fused`;
     a failure after the consensus aborts the buffer so that the peers fail at once."""
     sb = sym_buffer
     me = getattr(sb, "rank", 0)
-    err, counts, t, shared, override, settings = None, None, 0, None, None, None
+    err, counts, t, shared, override, settings, oai = None, None, 0, None, None, None, None
     try:
-        t, shared = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_clamp, shared_l1,
-                              shared_l2, recipe, op)
+        t, shared, oai = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_alpha,
+                                   activation_up_bias, activation_clamp, shared_l1, shared_l2, recipe, op)
         idx = sb.topk_idx[:t]
         valid = idx >= 0
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)
         override = wave_override(num_experts_per_wave, op)
         # what every rank must pass alike (each rank's experts serve every rank's tokens), as plain values
         wave_key = f"num_experts_per_wave (keyword, else ${MEGA_MOE_EXPERTS_PER_WAVE.name}; None = default)"
-        settings = {wave_key: override,
+        settings = {wave_key: override, "activation": activation,
+                    "activation_alpha": 1.0 if oai is None else oai[0],
+                    "activation_up_bias": 0.0 if oai is None else oai[1],
                     "activation_clamp": None if activation_clamp is None else float(activation_clamp),
                     "fast_math": bool(fast_math)}
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
@@ -116,24 +118,24 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
 
     try:
         _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
-               tokens, override)
+               tokens, override, oai)
     except BaseException as exc:  # a failure after the ranks agreed: the peers must not wait for this rank
         abort_peers(sb.ep_buffer.runtime, sb.ep_buffer.rank, exc)
         raise
 
 
 def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_math, shared, overlap, t, cmat,
-           tokens, override):
+           tokens, override, oai):
     """The call once every rank accepted it: waves of dispatch, L1, activation, L2 and combine, then the sum
     over k into ``y`` (docs/semantics/mega-moe.md §5). ``cmat [R, E]``: pairs each rank routes to each expert;
-    ``tokens``: each rank's token count."""
+    ``tokens``: each rank's token count; ``oai``: the activation's parameters (:class:`~.experts.Experts`)."""
     el = sb.num_local_experts
     epw = experts_per_wave(sb, cmat, override)
     num_waves = -(-el // epw)
     trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
     engine = gemm_engine()
     w1, w2 = untransformed(kind, l1_weights, l2_weights, engine)
-    ex = Experts(kind, sb, w1, w2, engine, epw, activation_clamp, fast_math, trace)
+    ex = Experts(kind, sb, w1, w2, engine, epw, activation_clamp, fast_math, trace, oai)
     # This rank's pairs, in (token, k) order.
     idx = sb.topk_idx[:t].reshape(-1)
     pair = torch.nonzero(idx >= 0).squeeze(1)
@@ -169,6 +171,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
 
 def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
                   activation: str = "swiglu", activation_clamp=None, fast_math: bool = True, *,
+                  activation_alpha: float = 1.0, activation_up_bias: float = 0.0,
                   shared_l1_weights=None, shared_l2_weights=None, overlap: bool = True,
                   num_experts_per_wave: int | None = None) -> None:
     """Fused BF16 MoE over the EP group (mirrors ``deep_gemm.bf16_mega_moe``); collective, synchronous.
@@ -183,8 +186,15 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
         sym_buffer: from :func:`get_symm_buffer_for_mega_moe` with ``mma_type='bf16xbf16'``.
         cumulative_local_expert_recv_stats: optional int32 ``[E_l]``; each call adds the (token, k)
             pairs received per local expert from all ranks (masked slots not counted).
-        activation: ``'swiglu'``; activation_clamp: ``None`` or ``c >= 0`` (docs/semantics/mega-moe.md §1.3);
+        activation: ``'swiglu'`` (``silu(g)·u``) or ``'swigluoai'`` (gpt-oss's parameterized SwiGLU,
+            ``g·sigmoid(alpha·g)·(u + up_bias)``, DeepGEMM PR #445); activation_clamp: ``None`` or ``c >= 0``,
+            the gate clamped from above, the up projection on both sides (docs/semantics/mega-moe.md §1.3);
         fast_math: reciprocal form of the sigmoid.
+        activation_alpha, activation_up_bias: finite numbers (used as float32), ``'swigluoai'``'s sigmoid
+            scale and the bias added to the (clamped) up projection; ``'swiglu'`` needs the defaults 1.0 and
+            0.0. Keyword-only: PR #445 puts them between ``activation`` and ``activation_clamp`` of its SM90
+            ``fp8_mega_moe``; here upstream's positional order stays. gpt-oss: ``activation='swigluoai',
+            activation_alpha=1.702, activation_up_bias=1.0, activation_clamp=7.0``.
         shared_l1_weights, shared_l2_weights: keyword-only; bf16 ``[2·S·I, H]`` / ``[H, S·I]``
             when the buffer has ``num_shared_experts = S > 0`` (not transformed).
         overlap: keyword-only; ``False`` runs the same waves with synchronous communication.
@@ -192,10 +202,14 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
             the same one (keyword, else ``$DEEPEP_ASCEND_MEGA_MOE_EXPERTS_PER_WAVE``).
     Raises:
         TypeError / ValueError: bad arguments on any rank (every rank raises; peers a
-            :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves; ranks
-            passing different ``num_experts_per_wave``, ``activation_clamp`` or ``fast_math`` (each rank's
-            experts serve every rank's tokens): ``ConsensusError`` on every rank. Tensors must be dense CPU
-            tensors (a ``meta`` or sparse one: ``ValueError``).
+            :class:`~deepep_ascend.ConsensusError` naming the rank), before anything moves: among them
+            an ``activation`` other than ``'swiglu'`` / ``'swigluoai'``, a negative or NaN
+            ``activation_clamp``, a non-finite ``activation_alpha`` / ``activation_up_bias``, and
+            ``'swiglu'`` with non-default ones (``ValueError``); ranks passing different
+            ``num_experts_per_wave``, ``activation``, ``activation_alpha``, ``activation_up_bias``,
+            ``activation_clamp`` or ``fast_math`` (each rank's experts serve every rank's tokens):
+            ``ConsensusError`` on every rank. Tensors must be dense CPU tensors (a ``meta`` or sparse one:
+            ``ValueError``).
         TimeoutError / transports errors: as :meth:`deepep_ascend.Buffer.dispatch`; also when a rank does
             not enter the call within the buffer's timeout (``TimeoutError`` naming it, on the ranks that
             waited; the symmetric buffer is then unusable: destroy it and build a new one). A rank that
@@ -205,14 +219,14 @@ def bf16_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert
             (its inputs were changed during the call); the buffer is aborted as above.
     """
     _run("bf16", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
-         activation_clamp, fast_math, None, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,
-         "bf16_mega_moe")
+         activation_alpha, activation_up_bias, activation_clamp, fast_math, None, shared_l1_weights,
+         shared_l2_weights, overlap, num_experts_per_wave, "bf16_mega_moe")
 
 
 def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats=None,
                      recipe=(1, 1, 32), activation: str = "swiglu", activation_clamp=None, fast_math: bool = True, *,
-                     shared_l1_weights=None, shared_l2_weights=None, overlap: bool = True,
-                     num_experts_per_wave: int | None = None) -> None:
+                     activation_alpha: float = 1.0, activation_up_bias: float = 0.0, shared_l1_weights=None,
+                     shared_l2_weights=None, overlap: bool = True, num_experts_per_wave: int | None = None) -> None:
     """Fused FP8×FP4 MoE over the EP group (mirrors ``deep_gemm.fp8_fp4_mega_moe``); collective, synchronous.
 
     Reads ``sym_buffer.x[:T]`` (e4m3), ``x_sf[:T]`` (int32, four UE8M0 bytes per int, one per 32
@@ -228,5 +242,5 @@ def fp8_fp4_mega_moe(y, l1_weights, l2_weights, sym_buffer, cumulative_local_exp
         as :func:`bf16_mega_moe`.
     """
     _run("fp8", y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
-         activation_clamp, fast_math, recipe, shared_l1_weights, shared_l2_weights, overlap, num_experts_per_wave,
-         "fp8_fp4_mega_moe")
+         activation_alpha, activation_up_bias, activation_clamp, fast_math, recipe, shared_l1_weights,
+         shared_l2_weights, overlap, num_experts_per_wave, "fp8_fp4_mega_moe")

@@ -4,6 +4,8 @@ experts (docs/semantics/mega-moe.md §2, §5 and §7)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
 import torch
@@ -14,7 +16,7 @@ from ..gemm.fp8 import FP8_E4M3_MAX, cast_to_e4m3, e4m3_to_float, e4m3_ue8m0_rou
 from ..gemm.packing import amx_runs, mm_group, native_bf16
 from ..native.operands import matrix_ok
 from ..settings import MEGA_MOE_GEMM
-from .formats import BF16, SF_GRAN
+from .formats import ACTIVATIONS, BF16, SF_GRAN
 
 # e4m3 × 2**(b-127) is a multiple of 2**(b-136); bf16 holds multiples of 2**-133 exactly (so b >= 3)
 _MIN_EXACT_SF_BYTE = 3
@@ -93,27 +95,70 @@ def dequant_x(kind, data, sf_bytes, dtype=BF16, index=None, native=True):
     return per_token_cast_back_torch(data, sf, SF_GRAN, torch.float32)
 
 
-def activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True):
+def _float32(v) -> float:
+    """``v`` rounded to float32 (what the GPU kernels' float parameters hold), as a Python float."""
+    return float(torch.tensor(float(v), dtype=torch.float32))
+
+
+def swiglu_params(activation, alpha, up_bias, op: str):
+    """The activation a MegaMoE call asks for (docs/semantics/mega-moe.md §1.3): None for ``'swiglu'``, or
+    ``(alpha, up_bias)`` rounded to float32 for ``'swigluoai'`` (``g·sigmoid(alpha·g)·(u + up_bias)``).
+
+    Raises:
+        ValueError: ``activation`` not one of :data:`ACTIVATIONS`; ``activation_alpha`` or
+            ``activation_up_bias`` not a finite real number (bool excluded; finite in float32 too);
+            ``'swiglu'`` with ``activation_alpha != 1`` or ``activation_up_bias != 0`` (DeepGEMM's rule:
+            the parameters belong to ``'swigluoai'``). ``op`` names the call in the message.
+    """
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    vals = []
+    for name, v in (("activation_alpha", alpha), ("activation_up_bias", up_bias)):
+        try:  # float32 overflow rounds to inf; a huge int does not even make a float
+            f = _float32(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise ValueError(f"{op}: {name} must be a finite number (in float32), got {v!r}")
+        vals.append(f)
+    if activation == "swiglu":
+        if vals != [1.0, 0.0]:
+            raise ValueError(f"{op}: activation='swiglu' needs activation_alpha=1.0 and activation_up_bias=0.0, "
+                             f"got {alpha!r} and {up_bias!r}; use activation='swigluoai' for the parameterized "
+                             f"SwiGLU")
+        return None
+    return vals[0], vals[1]
+
+
+def activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True, oai=None):
     """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
-    (bf16, or float32 holding the same bf16 values). In-place float32 steps in the reference's order; the fp8
-    path's cast to e4m3 with UE8M0 per 32 and back is done in one float32 rounding pass
-    (:func:`deepep_ascend.gemm.fp8.e4m3_ue8m0_round_trip_`, bit for bit the codec's result). The native
-    kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it) computes the same bits in one pass
-    after torch's exp (its bf16 rows widened are the float32 result: the round trip's values are bf16 values)."""
+    (bf16, or float32 holding the same bf16 values). ``oai``: None (``activation='swiglu'``,
+    ``silu(g)·u``) or ``(alpha, up_bias)`` of ``activation='swigluoai'`` as float32 values
+    (:func:`swiglu_params`): ``g·sigmoid(alpha·g)·(u + up_bias)`` (docs/semantics/mega-moe.md §2). In-place
+    float32 steps in the reference's order; the fp8 path's cast to e4m3 with UE8M0 per 32 and back is done
+    in one float32 rounding pass (:func:`deepep_ascend.gemm.fp8.e4m3_ue8m0_round_trip_`, bit for bit the
+    codec's result). The native kernel (:func:`deepep_ascend.native.swiglu`; ``native=False`` skips it)
+    computes the same bits in one pass after torch's exp (its bf16 rows widened are the float32 result: the
+    round trip's values are bf16 values)."""
     c = None if clamp is None else float(torch.tensor(float(clamp), dtype=BF16))  # the bf16 value of the clamp
+    alpha, up_bias = (1.0, None) if oai is None else oai
     if (native and matrix_ok(h, BF16) and (c is None or c >= 0)  # NaN or < 0: torch's clamp rules
             and weights.dtype == torch.float32 and weights.dim() == 1):
         out = torch.empty(h.size(0), i, dtype=BF16)
-        if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else SF_GRAN):
+        if _native.swiglu(out, h, weights, c, fast_math, 0 if kind == "bf16" else SF_GRAN, alpha=alpha,
+                          up_bias=up_bias):
             return out if dtype == BF16 else out.float()
     g, u = h[:, :i], h[:, i:]
     if clamp is not None:
         g = g.clamp(max=c)
         u = u.clamp(-c, c)
     gf = g.float()
-    denom = torch.neg(gf).exp_().add_(1.0)
+    # exp(-(alpha·g)): float32 product, then an exact negation; plain SwiGLU skips the product (alpha = 1)
+    denom = (torch.neg(gf) if oai is None else gf.mul(alpha).neg_()).exp_().add_(1.0)
     a = denom.reciprocal_().mul_(gf) if fast_math else torch.div(gf, denom, out=denom)
-    a.mul_(u).mul_(weights.unsqueeze(1))
+    # plain SwiGLU adds no bias: u + 0 would turn a -0 into +0
+    a.mul_(u if oai is None else u.float().add_(up_bias))
+    a.mul_(weights.unsqueeze(1))
     if kind == "bf16":
         a = a.to(BF16)
         return a if dtype == BF16 else a.float()
@@ -130,11 +175,12 @@ class Experts:
     (stably) by local expert, unpadded (a fused op needs no aligned layout in memory), L1, SwiGLU × w
     (+ fp8 requantisation), L2; each stage timed into the trace (a :class:`~.trace.MegaMoETrace`). ``w1``,
     ``w2``: the call's cached weights (:func:`~.weights.untransformed`); ``epw``: local experts per wave;
-    ``clamp``, ``fast_math``: the call's ``activation_clamp`` and ``fast_math``."""
+    ``clamp``, ``fast_math``: the call's ``activation_clamp`` and ``fast_math``; ``oai``: None (plain SwiGLU)
+    or swigluoai's ``(alpha, up_bias)`` (:func:`swiglu_params`)."""
 
-    def __init__(self, kind, sb, w1, w2, engine, epw, clamp, fast_math, trace):
+    def __init__(self, kind, sb, w1, w2, engine, epw, clamp, fast_math, trace, oai=None):
         self.kind, self.sb, self.w1, self.w2, self.engine, self.epw = kind, sb, w1, w2, engine, epw
-        self.clamp, self.fast_math, self.trace = clamp, fast_math, trace
+        self.clamp, self.fast_math, self.trace, self.oai = clamp, fast_math, trace, oai
         self.op_dtype = operand_dtype(engine)
 
     def timed(self, stage, w, fn, *args, **kw):
@@ -165,7 +211,7 @@ class Experts:
         """SwiGLU × routing weight (+ the FP8 round trip) of the wave's L1 output, into ``st["act"]``
         ``[n, I]`` (:attr:`op_dtype`)."""
         st["act"] = activation(self.kind, st["h"], self.sb.intermediate_hidden, st["ws"], self.clamp,
-                               self.fast_math, self.op_dtype)
+                               self.fast_math, self.op_dtype, oai=self.oai)
 
     def l2(self, st, out=None):
         """L2 of the wave in the sorted order (into ``out`` ``[n, H]`` bf16 if given)."""
@@ -173,7 +219,7 @@ class Experts:
         return expert_gemm(self.engine, st["act"], self.w2[e0:e0 + ne], st["bounds"], out=out)
 
 
-def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine):
+def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine, oai):
     """Shared experts on all ``t`` local tokens: bf16 ``[t, H]`` (weight 1, same activation)."""
     w1s, w2s = shared
     si = w2s.size(1)
@@ -182,7 +228,7 @@ def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine):
     else:
         x = dequant_x(kind, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8), operand_dtype(engine))
     h = dense_nt(engine, x, w1s)
-    a = activation(kind, h, si, torch.ones(t), clamp, fast_math, operand_dtype(engine))
+    a = activation(kind, h, si, torch.ones(t), clamp, fast_math, operand_dtype(engine), oai=oai)
     return dense_nt(engine, a, w2s)
 
 
@@ -191,5 +237,6 @@ def shared_terms(ex, sb, t, shared):
     tokens arange(t))]``, computed on the caller and timed as stage ``shared`` in ``ex``'s trace."""
     if shared is None:
         return []
-    out = ex.timed("shared", -1, _shared_expert, ex.kind, sb, t, shared, ex.clamp, ex.fast_math, ex.engine)
+    out = ex.timed("shared", -1, _shared_expert, ex.kind, sb, t, shared, ex.clamp, ex.fast_math, ex.engine,
+                   ex.oai)
     return [(out, torch.arange(t))]

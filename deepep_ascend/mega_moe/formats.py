@@ -8,6 +8,8 @@ BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 INTERLEAVE = 8  # rows per gate/up block of upstream's L1 interleave (docs/semantics/mega-moe.md §1.2)
 SF_GRAN = 32  # channels per UE8M0 scale of activations and FP4 weights (recipe (1, 1, 32))
+# DeepGEMM's activation names (docs/semantics/mega-moe.md §1.3); 'swigluoai' is DeepGEMM PR #445's
+ACTIVATIONS = ("swiglu", "swigluoai")
 
 
 def align(x: int, a: int) -> int:

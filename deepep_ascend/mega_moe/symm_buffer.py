@@ -14,7 +14,7 @@ from ..ep.reduce import CombineScratch
 from ..settings import MEGA_MOE_BACKEND, SettingError
 from ..transports import Topology, quiet_allgather_object
 from .consensus import VERDICT_MSG, check_agreement
-from .formats import BF16, FP8, INTERLEAVE, align, dispatch_row_bytes
+from .formats import ACTIVATIONS, BF16, FP8, INTERLEAVE, align, dispatch_row_bytes
 
 _TOKEN_ALIGN = 384  # LCM of upstream's block-M candidates (docs/semantics/mega-moe.md §1.1)
 _VIEW_ALIGN = 64
@@ -168,7 +168,8 @@ class SymmBuffer:
 def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
                      use_fp8_dispatch, mma_type, activation, num_shared_experts, backend=None) -> None:
     """The checks of docs/semantics/mega-moe.md §1.1 on one rank's arguments (``AssertionError``, as upstream)."""
-    assert activation == "swiglu", f"MegaMoE: activation must be 'swiglu', got {activation!r}"
+    assert isinstance(activation, str) and activation in ACTIVATIONS, (
+        f"MegaMoE: activation must be one of {ACTIVATIONS}, got {activation!r}")
     assert backend is None or backend in _BACKENDS, (
         f"MegaMoE: backend (keyword, else ${MEGA_MOE_BACKEND.name}) must be one of {_BACKENDS} or unset, "
         f"got {backend!r}")
@@ -211,7 +212,8 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         hidden, intermediate_hidden: ``H``, ``I``. ``fp8xfp4`` needs ``H % 128 == 0`` and
             ``I % 128 == 0``; ``bf16xbf16`` needs ``I % 8 == 0`` (the L1 interleave).
         use_fp8_dispatch: deprecated alias of ``mma_type == 'fp8xfp4'`` (warns; must agree).
-        mma_type: ``'fp8xfp4'`` or ``'bf16xbf16'``; activation: ``'swiglu'`` only.
+        mma_type: ``'fp8xfp4'`` or ``'bf16xbf16'``; activation: ``'swiglu'`` or ``'swigluoai'`` (the layout is
+            the same; each call names its own activation, docs/semantics/mega-moe.md §1.3).
         num_shared_experts: 0-2 shared experts (keyword-only; DeepGEMM-Ascend extension).
         timeout_s: deadline of the Buffer's waits (default ``$DEEPEP_ASCEND_TIMEOUT_S``).
         backend: keyword-only, how rows move (``SymmBuffer.backend``): ``'shm'`` (needs every rank on one

@@ -12,7 +12,7 @@ from ..gemm import scales as _scales
 from ..gemm.dequant import dequantize_operand, dequantize_weights
 from ..gemm.packing import pack_fp4_groups, pack_groups, packed_nbytes
 from ..gemm.weight_cache import cacheable, cached_by_tensors, optional_copy_fits
-from .formats import BF16, FP8, INTERLEAVE, SF_GRAN
+from .formats import ACTIVATIONS, BF16, FP8, INTERLEAVE, SF_GRAN
 
 
 def _l1_perm(i: int) -> torch.Tensor:
@@ -117,11 +117,12 @@ def transform_weights_for_mega_moe(l1_weights, l2_weights, activation: str = "sw
     Returns ``(l1, l2)``.
 
     Raises:
-        ValueError: ``activation`` other than ``'swiglu'``; TypeError / ValueError: bad weights, as
-            :func:`check_weights` (docs/semantics/mega-moe.md §1.2).
+        ValueError: ``activation`` other than ``'swiglu'`` / ``'swigluoai'`` (one layout for both);
+        TypeError / ValueError: bad weights, as :func:`check_weights` (docs/semantics/mega-moe.md §1.2).
     """
-    if activation != "swiglu":
-        raise ValueError(f"transform_weights_for_mega_moe: activation must be 'swiglu', got {activation!r}")
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"transform_weights_for_mega_moe: activation must be one of {ACTIVATIONS}, got "
+                         f"{activation!r}")
     kind = "bf16" if isinstance(l1_weights, torch.Tensor) else "fp8"
     _e, _h, i = check_weights(kind, l1_weights, l2_weights)
     perm = _l1_perm(i)

@@ -6,6 +6,8 @@ its torch path, which gives the same bits, NaN payloads aside) and otherwise wri
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .loader import kernels
@@ -193,18 +195,21 @@ _SWIGLU_BLOCK_FLOATS = 1 << 17  # floats of -g per block (512 KiB): exp_ and the
 
 
 def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = None, clamp: float | None = None,
-           fast_math: bool = True, gran: int = 0) -> bool:
+           fast_math: bool = True, gran: int = 0, *, alpha: float = 1.0, up_bias: float | None = None) -> bool:
     """MegaMoE's activation, one BF16 row of ``out`` per row of ``h``, bit for bit the torch path of
     :func:`deepep_ascend.mega_moe.experts.activation` (NaN payloads aside)::
 
         g, u = h[:, :I], h[:, I:]  (clamped to <= clamp and to [-clamp, clamp] if clamp is not None)
-        a = silu(g) * u * weights[:, None]   in float32: g / (1 + exp(-g)), or (1 / (1 + exp(-g))) * g if fast_math
+        s = g * sigmoid(alpha * g)  in float32: g / (1 + exp(-(alpha g))), or (1 / (1 + exp(-(alpha g)))) * g
+                                    if fast_math (alpha = 1: silu)
+        a = s * v * weights[:, None]   v = u + up_bias (swigluoai), or u if up_bias is None (plain SwiGLU)
         gran > 0: a = e4m3 round trip of a with UE8M0 scales per gran columns
         out = bf16(a)
 
-    The exp is torch's (``Tensor.exp_`` on a float32 block of ``-g``), so both paths compute the same
-    sigmoid; the kernel does the rest in one pass. DeepGEMM's MegaMoE SwiGLU epilogue with
-    ``activation_clamp`` and its FP8 cast of the L2 input (no DeepGEMM call of its own).
+    The exp is torch's (``Tensor.exp_`` on a float32 block of ``-(alpha g)``), so both paths compute the
+    same sigmoid; the kernel does the rest in one pass. DeepGEMM's MegaMoE SwiGLU epilogue with
+    ``activation_clamp`` (and, for ``activation='swigluoai'``, ``activation_alpha`` /
+    ``activation_up_bias``, DeepGEMM PR #445) and its FP8 cast of the L2 input (no DeepGEMM call of its own).
 
     Args:
         out: ``[n, I]`` bfloat16, unit column stride, rows not overlapping (nor ``h``).
@@ -212,12 +217,16 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
         weights: None (1) or ``[n]`` float32, the routing weight of each row.
         clamp: None, or the clamp as a float >= 0 (the caller rounds it as its reference does).
         gran: 0 (no FP8 round trip) or a positive int <= 256 dividing ``I``.
+        alpha: keyword-only, the sigmoid's scale, a finite float (used as float32; 1 for plain SwiGLU).
+        up_bias: keyword-only, None (plain SwiGLU: ``u`` as it is) or a finite float added to ``u`` in
+            float32 (swigluoai).
     Returns:
         True when done; False if the kernel is unavailable or a ``gran`` group holds a NaN, an
         infinity or a value of magnitude ``2**100`` or more (``out`` then partly written: use the
         codecs).
     Raises:
-        ValueError: operands of another dtype, shape or layout, a negative or NaN ``clamp``, or a bad ``gran``.
+        ValueError: operands of another dtype, shape or layout, a negative or NaN ``clamp``, a bad ``gran``,
+            or a non-finite ``alpha`` / ``up_bias``.
     """
     if kernels.swiglu_bf16 is None:
         return False
@@ -238,6 +247,9 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
                          f"got {gran!r}")
     if clamp is not None and not float(clamp) >= 0:
         raise ValueError(f"deepep_ascend.native.{op}: clamp must be None or a number >= 0, got {clamp!r}")
+    for name, v in (("alpha", alpha), ("up_bias", 0.0 if up_bias is None else up_bias)):
+        if not math.isfinite(float(v)):
+            raise ValueError(f"deepep_ascend.native.{op}: {name} must be a finite number, got {v!r}")
     if not n or not inter:
         return True
     if weights is not None:
@@ -250,12 +262,13 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
     for r0 in range(0, n, block):
         b = min(block, n - r0)
         tb, hb = t[:b], h[r0:r0 + b]
-        gate(b, inter, hb.data_ptr(), hb.stride(0), has_clamp, c, tb.data_ptr())
+        gate(b, inter, hb.data_ptr(), hb.stride(0), has_clamp, c, float(alpha), tb.data_ptr())
         tb.exp_()
         ob = out[r0:r0 + b]
         if kernel(b, inter, hb.data_ptr(), hb.stride(0), tb.data_ptr(),
-                  None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)), gran,
-                  ob.data_ptr(), ob.stride(0), _NAN_BITS):
+                  None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)),
+                  up_bias is not None, 0.0 if up_bias is None else float(up_bias), gran, ob.data_ptr(),
+                  ob.stride(0), _NAN_BITS):
             mark_written(out)
             return False
     mark_written(out)

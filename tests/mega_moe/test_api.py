@@ -86,6 +86,63 @@ def test_matches_reference(env, comm, kind, clamp, shared, epw, backend):
                      "unclamped call / clamp has an effect somewhere")
 
 
+OAI_CASES = [  # (kind, shared experts, clamp, alpha, up_bias, experts per wave); bf16's L1 outputs are ~N(0, 1)
+    ("bf16", 1, 1.5, 1.702, 1.0, None),
+    ("bf16", 0, None, 0.5, -0.25, 1),
+    ("fp8", 1, 7.0, 1.702, 1.0, 3),  # gpt-oss / MiniMax-M3
+    ("fp8", 0, 10.0, 3.0, 0.5, None),
+]
+
+
+@pytest.mark.parametrize("backend", ["shm", "buffer"])
+@pytest.mark.parametrize("kind,shared,clamp,alpha,up_bias,epw", OAI_CASES,
+                         ids=[f"{k}-shared{s}-clamp{c}-alpha{a}-bias{b}" for k, s, c, a, b, _ in OAI_CASES])
+def test_swigluoai_matches_reference(env, comm, kind, shared, clamp, alpha, up_bias, epw, backend):
+    """``activation='swigluoai'`` (DeepGEMM PR #445: ``g·sigmoid(alpha·g)·(u + up_bias)`` after the clamp) on
+    the routed and the shared experts, against the reference written from that formula; the result is not
+    plain SwiGLU's, and the clamp matters for these inputs (L1 outputs past it on both sides)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = env.get(kind, shared, backend)
+    el, h, i = buf.num_local_experts, buf.hidden, buf.intermediate_hidden
+    w, wref = expert_weights(kind, buf.num_experts, h, i, seed=29)
+    l1, l2 = dea.transform_weights_for_mega_moe(*local_weights(kind, w, rank, el), activation="swigluoai")
+    kw, sref = {}, None
+    if shared:
+        (s1, s2), sref = shared_weights(kind, h, i, shared, seed=31)
+        kw = dict(shared_l1_weights=s1, shared_l2_weights=s2)
+    t = fill(kind, buf, seed=37, rank=rank, size=size)
+    stats = torch.zeros(el, dtype=torch.int32)
+    y = torch.full((t, h), float("nan"), dtype=BF16)
+    coll(call_op, kind, y, l1, l2, buf, stats, activation="swigluoai", activation_alpha=alpha,
+         activation_up_bias=up_bias, activation_clamp=clamp, num_experts_per_wave=epw, **kw, what="swigluoai")
+    xs, sfs, idxs, wts = gathered_inputs(buf, t, kind == "fp8")
+    ref = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, activation="swigluoai", alpha=alpha,
+                       up_bias=up_bias)
+    exp = ref[rank]
+    plain = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank])[rank]
+    unclamped = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=None, shared=sref, activation="swigluoai",
+                             alpha=alpha, up_bias=up_bias, ranks=[rank])[rank]
+    all_idx = torch.cat(idxs).reshape(-1)
+    exp_stats = torch.bincount(all_idx[all_idx >= 0], minlength=buf.num_experts)[rank * el:(rank + 1) * el]
+    diff = mega_calc_diff(y.float(), exp.float())
+    tol = 1e-6 if kind == "bf16" else 1e-5
+    ok = (not torch.isnan(y.float()).any() and diff < tol and torch.equal(stats, exp_stats.to(torch.int32)))
+    all_ranks_ok(comm, ok, f"{kind} swigluoai alpha={alpha} bias={up_bias} clamp={clamp}: calc_diff {diff:.3g} "
+                           f"(tol {tol})")
+    changed = comm.allreduce(int(not torch.equal(plain, exp)))
+    clamp_matters = comm.allreduce(int(clamp is None or not torch.equal(unclamped, exp)))
+    all_ranks_ok(comm, changed > 0 and clamp_matters > 0, "swigluoai differs from swiglu / the clamp has an effect")
+    # the same call twice gives the same bits; the identity parameters give plain SwiGLU's values
+    y2 = torch.empty_like(y)
+    coll(call_op, kind, y2, l1, l2, buf, None, activation="swigluoai", activation_alpha=alpha,
+         activation_up_bias=up_bias, activation_clamp=clamp, num_experts_per_wave=epw, **kw, what="again")
+    y3, y4 = torch.empty_like(y), torch.empty_like(y)
+    coll(call_op, kind, y3, l1, l2, buf, None, activation="swigluoai", activation_clamp=clamp, **kw, what="ident")
+    coll(call_op, kind, y4, l1, l2, buf, None, activation_clamp=clamp, **kw, what="swiglu")
+    all_ranks_ok(comm, torch.equal(y.view(torch.int16), y2.view(torch.int16)) and torch.equal(y3.float(), y4.float()),
+                 "repeatable; swigluoai(alpha=1, up_bias=0) == swiglu")
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_fused_equals_unfused_and_repeatable(env, comm, kind):
     """Same waves with synchronous communication (overlap=False) give the same y bit for bit; so does a rerun,
@@ -266,19 +323,22 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
                  "blocks of 3 tokens == one block == native kernel")
 
 
-@pytest.mark.parametrize("kind,clamp,engine", [("fp8", 10.0, None), ("fp8", None, None), ("bf16", 10.0, None),
-                                               ("fp8", 10.0, "fp32")])
-def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp, engine):
+@pytest.mark.parametrize("kind,clamp,engine,oai", [("fp8", 10.0, None, None), ("fp8", None, None, None),
+                                                   ("bf16", 10.0, None, None), ("fp8", 10.0, "fp32", None),
+                                                   ("fp8", 7.0, None, (1.702, 1.0)), ("bf16", 1.5, None, (0.5, -1.0))])
+def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp, engine, oai):
     """The native kernels (FP8 row decode, SwiGLU with its FP8 round trip, the final sum) against the
     torch paths with all three switched off: ``y`` bit for bit, several waves and the shared expert,
     and within tolerance of the reference; with the default GEMM engine and the fp32 one (float32
-    operands: the kernels' rows widened)."""
+    operands: the kernels' rows widened); plain SwiGLU and ``'swigluoai'`` (``oai``: alpha, up_bias)."""
     from deepep_ascend import native
 
     if engine is not None:
         monkeypatch.setenv("DEEPEP_ASCEND_MEGA_MOE_GEMM", engine)
     rank, buf, l1, l2, (s1, s2), wref, sref, t = _one_wave_case(env, comm, kind, seed=23)
     h = buf.hidden
+    act = {} if oai is None else dict(activation="swigluoai", activation_alpha=oai[0], activation_up_bias=oai[1])
+    ref_act = {} if oai is None else dict(activation="swigluoai", alpha=oai[0], up_bias=oai[1])
     ys, used = [], []
     reals = {name: getattr(native, name) for name in ("sum_rows", "dequant_rows_e4m3", "swiglu")}
     for use_native in (False, True):
@@ -290,10 +350,10 @@ def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, 
             monkeypatch.setattr(native, name, spy)
         y = torch.full((t, h), float("nan"), dtype=BF16)
         coll(call_op, kind, y, l1, l2, buf, None, num_experts_per_wave=1, shared_l1_weights=s1, shared_l2_weights=s2,
-             activation_clamp=clamp, what=f"{kind} mega_moe")
+             activation_clamp=clamp, **act, what=f"{kind} mega_moe")
         ys.append(y)
     xs, sfs, idxs, wts = gathered_inputs(buf, t, kind == "fp8")
-    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank])[rank]
+    exp = ref_mega_moe(xs, sfs, idxs, wts, *wref, clamp=clamp, shared=sref, ranks=[rank], **ref_act)[rank]
     ran = {name for on, name, ok in used if on and ok}
     want = {"swiglu"} | ({"sum_rows"} if t else set()) | ({"dequant_rows_e4m3"} if kind == "fp8" else set())
     all_ranks_ok(comm, torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))

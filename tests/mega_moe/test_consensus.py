@@ -116,6 +116,29 @@ def test_errors_on_every_rank(env, comm, backend):
         np_kw = dict(activation_clamp=np.float32(10.0), num_experts_per_wave=np.int64(1), fast_math=1) if rank == 0 \
             else dict(activation_clamp=10, num_experts_per_wave=1, fast_math=True)
         coll(call, y, l1, l2, buf, **np_kw, what="equal settings spelled otherwise")
+    # the activation's arguments (docs/semantics/mega-moe.md §1.3), bad on every rank, then on the last one only
+    for bad, match in ((dict(activation="gelu"), "activation must be one of"),
+                       (dict(activation="swigluoai", activation_clamp=-7.0), "activation_clamp must be None or"),
+                       (dict(activation="swigluoai", activation_alpha=float("nan")), "activation_alpha must be"),
+                       (dict(activation="swigluoai", activation_up_bias=float("inf")), "activation_up_bias must be"),
+                       (dict(activation_alpha=1.702, activation_up_bias=1.0), "activation='swiglu' needs")):
+        _, exc = capture(lambda bad=bad: call(y, l1, l2, buf, **bad))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and match in str(exc), f"{bad}: {exc!r}")
+        _expect_everywhere(comm, lambda bad=bad: call(y, l1, l2, buf, **(bad if rank == last else {})), last,
+                           ValueError, f"{bad} on the last rank")
+    if size > 1:  # each rank's experts serve every rank's tokens: one activation for all
+        for name, mine, other in (("activation", "swiglu", "swigluoai"), ("activation_alpha", 1.702, 1.5),
+                                  ("activation_up_bias", 1.0, 0.0)):
+            kw = dict(activation="swigluoai", activation_alpha=1.702, activation_up_bias=1.0)
+            kw[name] = other if rank == last else mine
+            if kw["activation"] == "swiglu":
+                kw.update(activation_alpha=1.0, activation_up_bias=0.0)
+            _, exc = capture(lambda kw=kw: call(y, l1, l2, buf, **kw))
+            all_ranks_ok(comm, isinstance(exc, ConsensusError) and f"disagree on {name}" in str(exc)
+                         and f"rank {last}: {other!r}" in str(exc), f"{name} differs on the last rank: {exc!r}")
+    # transform and the buffer take both activations and refuse others
+    _, exc = capture(lambda: dea.transform_weights_for_mega_moe(l1, l2, activation="gelu"))
+    assert isinstance(exc, ValueError) and "activation must be one of ('swiglu', 'swigluoai')" in str(exc), exc
     # transform rejects sizes its layout cannot take
     _, exc = capture(lambda: dea.transform_weights_for_mega_moe(torch.zeros(1, 12, 8, dtype=BF16),
                                                                 torch.zeros(1, 8, 6, dtype=BF16)))

@@ -30,6 +30,11 @@ def test_constructor_checks(comm):
         with pytest.warns(DeprecationWarning) if "use_fp8_dispatch" in over else contextlib.nullcontext():
             _, exc = capture(lambda args=args: dea.get_symm_buffer_for_mega_moe(comm, **args))
         assert isinstance(exc, AssertionError), (over, exc)
+    # DeepGEMM PR #445's parameterized SwiGLU is an activation of the buffer too (the layout is the same)
+    args = dict(num_experts=4 * size, num_max_tokens_per_rank=8, num_topk=2, hidden=128, intermediate_hidden=128)
+    buf = coll(dea.get_symm_buffer_for_mega_moe, comm, **args, activation="swigluoai", what="swigluoai buffer")
+    assert buf.activation == "swigluoai" and buf.x.shape == (384, 128)
+    coll(buf.destroy, what="destroy")
 
 
 @pytest.mark.mpi(min_size=2)

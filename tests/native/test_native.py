@@ -8,6 +8,7 @@ The kernel is built by the install (``scripts/setup.sh``); a machine that cannot
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -293,10 +294,12 @@ def _swiglu_inputs(n, inter, seed, specials=False):
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("clamp", [None, 10.0])
 @pytest.mark.parametrize("fast_math", [True, False])
-def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
+@pytest.mark.parametrize("oai", [None, (1.702, 1.0), (0.5, -0.25), (1.0, 0.0)], ids=str)
+def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math, oai):
     """``mega_moe.experts.activation`` with and without the kernel: the same bits, on rows spanning several
     of the kernel's blocks, with zeros of both signs, values past the clamp, groups at the UE8M0
-    floor and e4m3 subnormals, zero weights; strided ``h`` (a column window of a wider tensor)."""
+    floor and e4m3 subnormals, zero weights; strided ``h`` (a column window of a wider tensor); plain
+    SwiGLU and ``'swigluoai'`` (``oai``: its alpha and up_bias, DeepGEMM PR #445)."""
     from deepep_ascend.mega_moe import experts as mm
 
     inter = 1024  # 128 rows per block of 2^17 floats: 300 rows are three blocks, the last short
@@ -306,11 +309,13 @@ def test_swiglu_matches_the_torch_path_bitwise(kind, clamp, fast_math):
     calls = []
     real = kernels.swiglu_bf16
     kernels.swiglu_bf16 = lambda *a: (calls.append(a[0]), real(*a))[1]
+    if oai is not None:
+        oai = mm.swiglu_params("swigluoai", *oai, "test")
     try:
-        got = mm.activation(kind, h, inter, w, clamp, fast_math)
+        got = mm.activation(kind, h, inter, w, clamp, fast_math, oai=oai)
     finally:
         kernels.swiglu_bf16 = real
-    exp = mm.activation(kind, h, inter, w, clamp, fast_math, native=False)
+    exp = mm.activation(kind, h, inter, w, clamp, fast_math, native=False, oai=oai)
     assert calls == [128, 128, 44]
     assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
     assert (got != 0).any() and got.isfinite().all()
@@ -330,10 +335,10 @@ def test_swiglu_hands_non_finite_groups_to_the_codecs():
     h[4, 6] = 8.0
     out = torch.empty(16, 64, dtype=BF16)
     assert not native.swiglu(out, h, w, None, True, 32)
-    for gran, clamp in ((32, None), (0, None), (32, 10.0)):
+    for (gran, clamp), oai in itertools.product(((32, None), (0, None), (32, 10.0)), (None, (1.702, 1.0))):
         kind = "fp8" if gran else "bf16"
-        got = mm.activation(kind, h, 64, w, clamp, True)
-        exp = mm.activation(kind, h, 64, w, clamp, True, native=False)
+        got = mm.activation(kind, h, 64, w, clamp, True, oai=oai)
+        exp = mm.activation(kind, h, 64, w, clamp, True, native=False, oai=oai)
         assert same_bits_nan(got, exp)
         assert got[2, 5].isnan()  # a NaN gate stays NaN (torch.clamp keeps NaN)
         assert bool(got[3].isfinite().all()) is (clamp is not None)  # the clamp removes the inf
@@ -363,6 +368,9 @@ def test_fp32_engine_layouts_and_clamps_outside_the_kernels():
         assert len(calls) == 4  # clamps None and 10, twice; -1 and NaN are the torch path's
         with pytest.raises(ValueError, match="clamp must be None or a number >= 0"):
             native.swiglu(torch.empty(200, 256, dtype=BF16), h, w, -1.0)
+        for kw in (dict(alpha=float("nan")), dict(alpha=float("inf")), dict(up_bias=-float("inf"))):
+            with pytest.raises(ValueError, match=f"{next(iter(kw))} must be a finite number"):
+                native.swiglu(torch.empty(200, 256, dtype=BF16), h, w, 7.0, **kw)
         column_major = h.t().contiguous().t()
         empty = torch.from_numpy(np.zeros((0, 512), np.float32)).to(BF16)
         assert empty.stride() == (0, 0) or empty.numel() == 0

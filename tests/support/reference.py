@@ -510,15 +510,28 @@ def mega_dequant_x(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
     return x.float() * mega_unpack_int32_ue8m0(x_sf).repeat_interleave(32, dim=-1)[:, : x.shape[1]]
 
 
-def _mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool) -> torch.Tensor:
-    """Steps 3-5: bf16 rounding, clamp, ``silu(g)·u·w`` in fp32, then fp8 (UE8M0 per 32) or bf16 → float32."""
+def mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool, activation: str = "swiglu",
+                alpha: float = 1.0, up_bias: float = 0.0, fast_math: bool = False) -> torch.Tensor:
+    """Steps 3-5: bf16 rounding, clamp, the activation times ``w`` in fp32, then fp8 (UE8M0 per 32) or bf16 →
+    float32. ``'swiglu'``: ``silu(g)·u``; ``'swigluoai'`` (DeepGEMM PR #445, gpt-oss): ``g·sigmoid(alpha·g)·
+    (u + up_bias)`` with ``alpha`` and ``up_bias`` as float32. The sigmoid as DeepGEMM's epilogue writes it:
+    ``g / (1 + exp(-(alpha·g)))``, or ``(1 / (1 + exp(-(alpha·g))))·g`` with ``fast_math``."""
     g, u = h[:, :inter].to(torch.bfloat16), h[:, inter:].to(torch.bfloat16)
     if clamp is not None:
         c = float(torch.tensor(float(clamp)).to(torch.bfloat16))
         g = g.float().clamp(max=c)
         u = u.float().clamp(-c, c)
     g, u = g.float(), u.float()
-    a = g / (1 + torch.exp(-g)) * u * w.unsqueeze(1)
+    if activation == "swigluoai":
+        a32 = torch.tensor(alpha, dtype=torch.float32)
+        b32 = torch.tensor(up_bias, dtype=torch.float32)
+        e = torch.exp(-(a32 * g))
+        u = u + b32
+    else:
+        assert activation == "swiglu", activation
+        e = torch.exp(-g)
+    s = (1 / (1 + e)) * g if fast_math else g / (1 + e)
+    a = s * u * w.unsqueeze(1)
     if not fp8:
         return a.to(torch.bfloat16).float()
     n = a.shape[0]
@@ -529,7 +542,8 @@ def _mega_swiglu(h: torch.Tensor, inter: int, w: torch.Tensor, clamp, fp8: bool)
     return (q * s).reshape(n, inter)
 
 
-def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None, ranks=None):
+def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=None, ranks=None,
+                 activation="swiglu", alpha=1.0, up_bias=0.0):
     """Every rank's ``y`` of MegaMoE (docs/semantics/mega-moe.md §2), from all ranks' inputs in one process.
 
     Args:
@@ -540,6 +554,7 @@ def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=
         clamp: ``None`` or the activation clamp; shared: ``None`` or float32 ``(w1s [2·S·I, H],
             w2s [H, S·I])`` (weight 1, same activation, added after the routed terms).
         ranks: compute only these ranks' outputs (others ``None``); default all.
+        activation, alpha, up_bias: ``'swiglu'``, or ``'swigluoai'`` with its parameters (:func:`mega_swiglu`).
     Returns: per rank bf16 ``[T_r, H]``. Pairs are grouped by expert (fp32 matmuls), each output
     ``o_k`` rounded to bf16, summed in fp32 in ascending ``k``, then the shared term, rounded once.
     """
@@ -558,20 +573,20 @@ def ref_mega_moe(xs, x_sfs, topk_idxs, topk_weights, w1, w2, clamp=None, shared=
         for e in torch.unique(idx[idx >= 0]).tolist():
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             h = X[tok] @ w1[e].t()
-            a = _mega_swiglu(h, inter, wts[tok, slot], clamp, fp8)
+            a = mega_swiglu(h, inter, wts[tok, slot], clamp, fp8, activation, alpha, up_bias)
             o[tok, slot] = (a @ w2[e].t()).to(torch.bfloat16).float()
         acc = torch.zeros(t, hid)
         for j in range(k):
             acc = acc + o[:, j]
         if shared is not None:
             w1s, w2s = shared
-            a = _mega_swiglu(X @ w1s.t(), w2s.shape[1], torch.ones(t), clamp, fp8)
+            a = mega_swiglu(X @ w1s.t(), w2s.shape[1], torch.ones(t), clamp, fp8, activation, alpha, up_bias)
             acc = acc + (a @ w2s.t()).to(torch.bfloat16).float()
         outs.append(acc.to(torch.bfloat16))
     return outs
 
 
-__all__ += ["mega_calc_diff", "mega_dequant_fp4_weights", "mega_dequant_x", "mega_fp4_to_float",
+__all__ += ["mega_calc_diff", "mega_dequant_fp4_weights", "mega_dequant_x", "mega_fp4_to_float", "mega_swiglu",
             "mega_unpack_int32_ue8m0", "ref_mega_moe"]
 
 

@@ -2,8 +2,9 @@
  * deepep_ascend.mega_moe (_dequant_x and _activation):
  *
  *   deepep_dequant_rows_e4m3_bf16  gather rows of e4m3 codes and their UE8M0 scale bytes, decode to BF16
- *   deepep_swiglu_gate_bf16        -f32(min(g, clamp)), the argument of the sigmoid's exp
- *   deepep_swiglu_bf16             clamp, SwiGLU, routing weight, e4m3/UE8M0 round trip, BF16
+ *   deepep_swiglu_gate_bf16        -(alpha * f32(min(g, clamp))), the argument of the sigmoid's exp
+ *   deepep_swiglu_bf16             clamp, SwiGLU (or swigluoai's up + up_bias), routing weight,
+ *                                  e4m3/UE8M0 round trip, BF16
  *
  * The exp itself stays with torch (its vectorized exp), so both paths compute the same sigmoid.
  * float32 arithmetic in the reference's order; built with -ffp-contract=off (no FMA) like
@@ -35,18 +36,19 @@ void deepep_dequant_rows_e4m3_bf16(int64_t n, int64_t hidden, int64_t gran, cons
     }
 }
 
-/* t[r][c] = -f32(min(g, clamp)) for the gate half g = h[r][0:inter] (no clamp if !has_clamp; a
- * NaN g stays NaN, as torch.clamp). t is [n, inter], contiguous. */
+/* t[r][c] = -(alpha * f32(min(g, clamp))) for the gate half g = h[r][0:inter] (no clamp if
+ * !has_clamp; a NaN g stays NaN, as torch.clamp). alpha is 1 for plain SwiGLU (1 * x is x, bit for
+ * bit), swigluoai's sigmoid scale otherwise. t is [n, inter], contiguous. */
 MULTIVERSION
 void deepep_swiglu_gate_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_t h_ld, int64_t has_clamp,
-                             float clamp, float *t)
+                             float clamp, float alpha, float *t)
 {
     for (int64_t r = 0; r < n; r++) {
         const uint16_t *g = h + r * h_ld;
         float *o = t + r * inter;
         for (int64_t c = 0; c < inter; c++) {
             const float x = bf16_to_f32(g[c]);
-            o[c] = -(has_clamp && x > clamp ? clamp : x);
+            o[c] = -(alpha * (has_clamp && x > clamp ? clamp : x));
         }
     }
 }
@@ -83,8 +85,9 @@ static inline int round_trip_e4m3(float *a, int64_t gran)
 }
 
 /* The L2 input of SwiGLU, h [n, 2 * inter] bf16 (gate g, then up u):
- *   a = g' / (1 + e)  (fast_math: (1 / (1 + e)) * g'),  e = exp(-g') from deepep_swiglu_gate_bf16
- *   a = a * u' * weights[r]   (g', u': clamped to clamp / [-clamp, clamp] if has_clamp; weights NULL: 1)
+ *   a = g' / (1 + e)  (fast_math: (1 / (1 + e)) * g'),  e = exp(-alpha g') from deepep_swiglu_gate_bf16
+ *   a = a * v * weights[r]   v = u' + up_bias if has_up_bias (swigluoai), else u'
+ *   (g', u': clamped to clamp / [-clamp, clamp] if has_clamp; weights NULL: 1)
  *   gran > 0: e4m3 round trip with UE8M0 scales per gran columns (inter % gran == 0)
  *   out[r][c] = bf16(a)
  * Returns 0, or 1 if a gran group held a NaN, infinity or |a| >= 2^100 (out is then partly
@@ -92,7 +95,8 @@ static inline int round_trip_e4m3(float *a, int64_t gran)
 MULTIVERSION
 int64_t deepep_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_t h_ld, const float *e,
                            const float *weights, int64_t has_clamp, float clamp, int64_t fast_math,
-                           int64_t gran, uint16_t *out, int64_t out_ld, uint16_t nan_bits)
+                           int64_t has_up_bias, float up_bias, int64_t gran, uint16_t *out, int64_t out_ld,
+                           uint16_t nan_bits)
 {
     enum { CHUNK = 256 };
     const int64_t step = gran > 0 ? (CHUNK / gran) * gran : CHUNK;
@@ -111,6 +115,9 @@ int64_t deepep_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *h, int64_t 
                     x = x > clamp ? clamp : x;
                     y = y > clamp ? clamp : (y < -clamp ? -clamp : y);
                 }
+                /* plain SwiGLU adds nothing: u' + 0 would turn a -0 into +0 */
+                if (has_up_bias)
+                    y = y + up_bias;
                 const float d = er[c0 + c] + 1.0f;
                 a[c] = fast_math ? (1.0f / d) * x : x / d;
                 a[c] = a[c] * y;
