@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import native
 from ..gemm.fp8 import low_latency_cast_to_fp8_
 from ..gemm.logfmt import (
     LOGFMT_BODY_BYTES,
@@ -469,16 +470,18 @@ class LowLatencyEngine:
         lo, hi = int(route.starts[dst * L]), int(route.starts[last] + route.counts[last])
         if hi <= lo:
             return
-        gathered = _wide(messages).index_select(0, route.tokens[lo:hi])  # ordered by local expert, then token/slot
+        tokens = route.tokens[lo:hi]  # ordered by local expert, then token/slot
         if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             experts = route.experts[lo:hi]
             slot_rows = (((experts - dst * L) * R + self.rank) * M
                          + (torch.arange(hi - lo) - (route.starts[experts] - lo)))
-            dv = _wide(recv)
-            dv.index_copy_(0, slot_rows, gathered.view(torch.uint8).view(dv.dtype))
+            if not native.copy_rows(recv, slot_rows, messages, tokens):  # each row straight into its slot
+                dv = _wide(recv)
+                dv.index_copy_(0, slot_rows, _wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
             self.tp.record_put(dst, (hi - lo) * mb)
             return
+        gathered = _wide(messages).index_select(0, tokens)
         cnt = route.counts32[dst * L:(dst + 1) * L]
         firsts = (route.starts[dst * L:(dst + 1) * L] - lo).tolist()
         for e in torch.nonzero(cnt).squeeze(1).tolist():
@@ -508,24 +511,29 @@ class LowLatencyEngine:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
             blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
-            f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)
-            msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb], by expert, source, row
+            f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)  # by expert, source, row
             # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
             e_of = f // (R * M)
             row_of = torch.arange(total) - (torch.cumsum(call.recv_count, 0) - call.recv_count).to(torch.int64)[e_of]
             dst_rows = e_of * (R * M) + row_of
             xb = H * recv_x.element_size()
-            # One scatter per output in the widest element type dividing every field: torch copies
-            # column slices element by element (byte-wise copies were ~95 % of the receive).
-            w = _common_width(mb, MSG_HEADER, xb, sb)
-            mw = msgs.view(_INT_OF_WIDTH[w])
-            rx = recv_x.view(torch.uint8).view(L * R * M, xb).view(_INT_OF_WIDTH[w])
-            rx.index_copy_(0, dst_rows, mw[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
-            info = (msgs.view(torch.int32)[:, 0] if mb % 4 == 0
-                    else _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1))
+            rx = recv_x.view(torch.uint8).view(L * R * M, xb)
+            msgs = None
+            if not native.copy_rows(rx, dst_rows, blocks[:, MSG_HEADER:MSG_HEADER + xb], f):  # slot -> row, one pass
+                msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb]
+                # One scatter in the widest element type dividing every field: torch copies column
+                # slices element by element (byte-wise copies were ~95 % of the receive).
+                w = _common_width(mb, MSG_HEADER, xb, sb)
+                rx.view(_INT_OF_WIDTH[w]).index_copy_(
+                    0, dst_rows, msgs.view(_INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+            if mb % 4 == 0:  # the small fields are gathered column-wise, straight from the slots
+                info = blocks.view(torch.int32)[:, 0].index_select(0, f)
+            else:
+                msgs = _wide(blocks).index_select(0, f).view(torch.uint8) if msgs is None else msgs
+                info = _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1)
             call.src_info.view(-1).index_copy_(0, dst_rows, info)
             if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
-                sc = msgs.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4]
+                sc = blocks.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4].index_select(0, f)
                 # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
                 sw = sc.size(1)
                 flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
@@ -602,9 +610,18 @@ class LowLatencyEngine:
             return
         if self.direct[dst]:
             slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E, M, H)
-            for e, b, c in runs:
-                slots[me * L + e, :c].copy_(src[e, b:b + c])
-            self.tp.record_put(dst, sum(c for _, _, c in runs) * 2 * H)
+            total = sum(c for _, _, c in runs)
+            moved = False
+            if src.is_contiguous():  # every run's rows in one call, each straight into its slot
+                experts, begins, counts = (torch.tensor(col) for col in zip(*runs))
+                e_of = torch.repeat_interleave(experts, counts)
+                at = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+                src_rows = e_of * src.size(1) + torch.repeat_interleave(begins, counts) + at
+                moved = native.copy_rows(slots.view(E * M, H), (me * L + e_of) * M + at, src.view(-1, H), src_rows)
+            if not moved:
+                for e, b, c in runs:
+                    slots[me * L + e, :c].copy_(src[e, b:b + c])
+            self.tp.record_put(dst, total * 2 * H)
         else:
             for e, b, c in runs:
                 self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
@@ -647,6 +664,10 @@ class LowLatencyEngine:
             row_of[order] = torch.arange(pos.numel())
         else:
             rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
+            index = torch.full((n * k,), -1, dtype=torch.int64)  # each (token, slot)'s returned row
+            index[pos] = experts * M + rank_in_e
+            if native.weighted_sum_rows(combined, rows, index.view(n, k), topk_weights.contiguous()):
+                return  # one pass over the returned rows, the arithmetic of the loop below
         acc = self._scratch("acc", (n, H), torch.float32).zero_()
         y_all = self._scratch("products", (n, H), torch.float32)
         g_all = self._scratch("gathered", (n, H), torch.bfloat16)

@@ -1,4 +1,5 @@
-"""The data plane's native kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
+"""The data plane's native kernels: combine's row sum in one pass (``csrc/sum_rows.c``), the low-latency
+paths' row moves straight into place and weighted row sum (``csrc/ll_rows.c``), and MegaMoE's
 elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``), and the groups
 of an m-grouped BF16 GEMM on Intel AMX tiles (``csrc/amx_gemm.c``).
 
@@ -6,7 +7,8 @@ Modules:
 
 * :mod:`.loader`    the library: its path, its ABI check, ``DEEPEP_ASCEND_NATIVE``, :func:`available`;
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
-* :mod:`.rows`      :func:`sum_rows`, :func:`dequant_rows_e4m3`, :func:`swiglu`;
+* :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`weighted_sum_rows`, :func:`dequant_rows_e4m3`,
+  :func:`swiglu`;
 * :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`.
 
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
@@ -22,7 +24,10 @@ Why C: combine sums each token's BF16 rows in float32 and rounds once (DeepEP's 
 torch has no gather-and-sum with BF16 inputs and a float32 accumulator (FBGEMM's BF16
 ``embedding_bag`` rounds half away from zero), so the torch paths convert rows to a float32
 scratch first: about three passes over the rows where this kernel makes one
-(``python -m bench combine-sum`` times both). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
+(``python -m bench combine-sum`` times both). The low-latency paths move every (token, expert) row: torch
+gathers into a temporary and scatters it (two passes), the kernel copies each row into its final place,
+and the low-latency combine's weighted sum reads each returned row once where torch makes about five
+passes (gather, widen, multiply, add, round). MegaMoE's SwiGLU with its e4m3 round trip is about twenty
 torch passes over float32 temporaries; the kernel makes one, after torch's own ``exp`` (so both paths
 compute the same sigmoid). The grouped GEMMs multiply ~128 rows per expert, where oneDNN's kernels
 (torch's CPU matmul; torch has no CPU grouped GEMM of its own) reach about half of what they reach on
@@ -44,7 +49,8 @@ from .amx import (
     gemm_bf16_amx,
 )
 from .loader import available, library_path
-from .rows import dequant_rows_e4m3, sum_rows, swiglu
+from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes",
-           "available", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows", "swiglu"]
+           "available", "copy_rows", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows", "swiglu",
+           "weighted_sum_rows"]

@@ -1,5 +1,6 @@
-"""The data plane's row kernels: combine's row sum in one pass (``csrc/sum_rows.c``), and MegaMoE's
-elementwise stages, FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``).
+"""The data plane's row kernels: combine's row sum in one pass (``csrc/sum_rows.c``), the low-latency paths'
+row moves straight into place and weighted row sum (``csrc/ll_rows.c``), and MegaMoE's elementwise stages,
+FP8 row decode and SwiGLU with its FP8 round trip (``csrc/moe_act.c``).
 
 Each wrapper checks its operands, returns False where the library is not loaded (the caller then takes
 its torch path, which gives the same bits, NaN payloads aside) and otherwise writes its output in place.
@@ -13,11 +14,113 @@ import torch
 from .loader import kernels
 from .operands import mark_written, matrix_ok, require_matrix, require_rows_apart
 
-__all__ = ["dequant_rows_e4m3", "sum_rows", "swiglu"]
+__all__ = ["copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows"]
 
 # The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 # write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
 _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+def _row_numbers(name: str, rows: torch.Tensor, limit: int) -> int:
+    """Check ``rows``, a 1-D contiguous int64 tensor of values in ``[0, limit)``; returns its length."""
+    if not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype == torch.int64
+            and rows.device.type == "cpu" and (rows.stride(0) == 1 or rows.numel() <= 1)):
+        raise ValueError(f"deepep_ascend.native.copy_rows: {name}_rows must be a contiguous 1-D int64 CPU tensor, "
+                         f"got {getattr(rows, 'dtype', type(rows).__name__)} of shape "
+                         f"{tuple(getattr(rows, 'shape', ()))}")
+    if rows.numel():
+        lo, hi = (int(v) for v in torch.aminmax(rows))
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"deepep_ascend.native.copy_rows: {name}_rows must be in [0, {limit}), got [{lo}, {hi}]")
+    return rows.numel()
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tensor,
+              src_rows: torch.Tensor | None) -> bool:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i``, one ``memcpy`` per row, no temporary.
+
+    What ``dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))`` computes (the callers' torch
+    path; the same bytes), in one pass instead of two. No DeepEP call of its own: the row moves inside
+    its low-latency kernels.
+
+    Args:
+        dst, src: 2-D CPU tensors of one dtype and one column count, unit column stride (any row
+            stride); their memory must not overlap, nor may two of ``dst_rows`` repeat.
+        dst_rows, src_rows: 1-D contiguous int64 row numbers of equal length, or None for ``0..n-1``
+            (not both None).
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable or ``dst``/``src`` are not
+        such matrices.
+    Raises:
+        ValueError: both row numbers None, row numbers of another dtype, shape or length, or outside the
+            matrices; ``dst``'s rows overlapping (nothing written).
+    """
+    if kernels.copy_rows is None or not (matrix_ok(dst) and matrix_ok(src)) or dst.dtype != src.dtype \
+            or dst.size(1) != src.size(1):
+        return False
+    if dst_rows is None and src_rows is None:
+        raise ValueError("deepep_ascend.native.copy_rows: dst_rows and src_rows cannot both be None")
+    require_rows_apart("dst", dst, "copy_rows")
+    n_dst = None if dst_rows is None else _row_numbers("dst", dst_rows, dst.size(0))
+    n_src = None if src_rows is None else _row_numbers("src", src_rows, src.size(0))
+    n = n_dst if n_dst is not None else n_src
+    if (n_src if n_src is not None else n) != n:
+        raise ValueError(f"deepep_ascend.native.copy_rows: dst_rows has {n_dst} entries, src_rows {n_src}")
+    for name, rows, t in (("dst", dst_rows, dst), ("src", src_rows, src)):
+        if rows is None and n > t.size(0):
+            raise ValueError(f"deepep_ascend.native.copy_rows: {n} rows, but {name} has {t.size(0)}")
+    if n:
+        e = dst.element_size()
+        kernels.copy_rows(n, dst.size(1) * e, dst.data_ptr(), dst.stride(0) * e,
+                          None if dst_rows is None else dst_rows.data_ptr(), src.data_ptr(), src.stride(0) * e,
+                          None if src_rows is None else src_rows.data_ptr())
+        mark_written(dst)
+    return True
+
+
+def weighted_sum_rows(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> bool:
+    """``out[t] = bf16(Σ_j f32(rows[index[t, j]]) * weights[t, j])`` over the slots ``j`` with ``index[t, j] >= 0``,
+    in slot order from ``+0.0``, each product rounded to float32 before its add, one rounding.
+
+    The reduction of DeepEP's ``Buffer.low_latency_combine`` (docs/semantics/deepep-api.md §6.3), reading
+    the returned rows where they lie; the bits of its torch path (NaN payloads aside).
+
+    Args:
+        out: ``[n, H]`` bfloat16, unit column stride (any row stride), rows apart.
+        rows: ``[R, H]`` bfloat16, unit column stride.
+        index: ``[n, k]`` contiguous int64, values in ``[-1, R)`` (-1: slot left out).
+        weights: ``[n, k]`` contiguous float32.
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable or ``out``/``rows`` are not
+        such matrices.
+    Raises:
+        ValueError: ``index`` or ``weights`` of another dtype or shape, not contiguous, or ``index``
+            outside ``[-1, R)``; ``out``'s rows overlapping (nothing written).
+    """
+    fn = kernels.weighted_sum_rows_bf16
+    if fn is None or not (matrix_ok(out, torch.bfloat16) and matrix_ok(rows, torch.bfloat16, out.size(1))):
+        return False
+    n, hidden = out.shape
+    require_rows_apart("out", out, "weighted_sum_rows")
+    for name, t, dtype in (("index", index, torch.int64), ("weights", weights, torch.float32)):
+        if not (isinstance(t, torch.Tensor) and t.dim() == 2 and t.size(0) == n and t.dtype == dtype
+                and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"deepep_ascend.native.weighted_sum_rows: {name} must be a contiguous [{n}, k] {dtype} "
+                             f"CPU tensor, got {getattr(t, 'dtype', type(t).__name__)} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if index.shape != weights.shape:
+        raise ValueError(f"deepep_ascend.native.weighted_sum_rows: index {tuple(index.shape)} and weights "
+                         f"{tuple(weights.shape)} differ")
+    if index.numel():
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < -1 or hi >= rows.size(0):
+            raise ValueError(f"deepep_ascend.native.weighted_sum_rows: index must be in [-1, {rows.size(0)}), "
+                             f"got [{lo}, {hi}]")
+    if n and hidden:
+        fn(n, hidden, index.size(1), rows.data_ptr(), rows.stride(0), index.data_ptr(), weights.data_ptr(),
+           out.data_ptr(), out.stride(0), _NAN_BITS)
+        mark_written(out)
+    return True
 
 
 def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0, keys=None) -> bool:

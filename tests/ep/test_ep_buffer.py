@@ -11,8 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepep_ascend import (ConsensusError, ElasticBuffer, EPBuffer, EPHandle, get_logical_domain_size,
-                           get_physical_domain_size)
+from deepep_ascend import (
+    ConsensusError,
+    ElasticBuffer,
+    EPBuffer,
+    EPHandle,
+    get_logical_domain_size,
+    get_physical_domain_size,
+)
 from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
 from tests.support.buffer_helpers import all_ranks_ok, capture, coll, same_bits_nan
 from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots

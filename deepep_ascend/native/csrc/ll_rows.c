@@ -1,0 +1,71 @@
+/* Row moves of the data plane in one pass: dst row dst_rows[i] = src row src_rows[i], nbytes each;
+ * and the low-latency combine's weighted sum of rows read where they lie.
+ *
+ * torch has no gather-and-scatter: it gathers into a temporary (index_select) and scatters that
+ * (index_copy_), two passes over the rows and a third allocation-sized write; the low-latency paths
+ * move every (token, expert) row this way (senders into the receivers' slots, receivers into
+ * recv_x). Here each row is one memcpy straight into its final place.
+ *
+ * Plain C, no Python headers: loaded with ctypes (which releases the GIL). The caller
+ * (deepep_ascend.native.copy_rows) checks shapes and index ranges first.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* n rows of nbytes; dst row r at dst + r * dst_stride, src row r at src + r * src_stride (bytes);
+ * dst_rows / src_rows: int64 row numbers, or NULL for 0..n-1. Rows may not overlap between dst and
+ * src (the caller's operands are distinct buffers). */
+void deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_stride, const int64_t *dst_rows,
+                      const uint8_t *src, int64_t src_stride, const int64_t *src_rows) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t d = dst_rows ? dst_rows[i] : i;
+        const int64_t s = src_rows ? src_rows[i] : i;
+        memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)nbytes);
+    }
+}
+
+/* Floats of one output row accumulated at a time (the accumulator stays in L1). */
+#define WCHUNK 1024
+
+/* The low-latency combine's reduction in one pass over its rows:
+ *
+ *   out[t] = bf16( ((+0.0 + f32(rows[idx[t,0]]) * w[t,0]) + f32(rows[idx[t,1]]) * w[t,1]) + ... )
+ *
+ * over the slots j = 0..k-1 of token t whose idx[t,j] >= 0, in slot order, each product rounded to
+ * float32 before its add, one rounding to BF16 at the end (torch's y = f32(row) * w; acc += y;
+ * acc.to(bf16), the bits of deepep_ascend.ep.low_latency's torch path). A token with no slot gets +0.0.
+ *
+ * rows: row r at rows + r * row_ld (elements); idx, w: [n, k] row-major (int64, float32); out row t at
+ * out + t * out_ld. The caller checks idx against the rows it may read.
+ */
+MULTIVERSION
+void deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, const uint16_t *rows, int64_t row_ld,
+                                   const int64_t *idx, const float *w, uint16_t *out, int64_t out_ld,
+                                   uint16_t nan_bits)
+{
+    float acc[WCHUNK];
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *ti = idx + t * k;
+        const float *tw = w + t * k;
+        uint16_t *o = out + t * out_ld;
+        for (int64_t h0 = 0; h0 < hidden; h0 += WCHUNK) {
+            const int64_t width = hidden - h0 < WCHUNK ? hidden - h0 : WCHUNK;
+            for (int64_t h = 0; h < width; h++)
+                acc[h] = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                if (ti[j] < 0)
+                    continue;
+                const uint16_t *a = rows + ti[j] * row_ld + h0;
+                const float wj = tw[j];
+                for (int64_t h = 0; h < width; h++) {
+                    const float y = bf16_to_f32(a[h]) * wj;
+                    acc[h] += y;
+                }
+            }
+            for (int64_t h = 0; h < width; h++)
+                o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
+        }
+    }
+}
