@@ -577,7 +577,8 @@ class Buffer:
                 ranks span several nodes (the internode path), else ``None``.
             is_token_in_rank: ``[N, R]`` bool.
             num_tokens_per_expert: ``[E]`` int32.
-            topk_idx: ``[N, K]`` int64 with -1 for none; with ``topk_weights`` ``[N, K]`` float32, or neither.
+            topk_idx: ``[N, K]`` int64 with -1 for none (an expert may repeat in a row: each slot counts,
+                docs/semantics/deepep-api.md §0); with ``topk_weights`` ``[N, K]`` float32, or neither.
             expert_alignment: each count of ``num_recv_tokens_per_expert_list`` is rounded up to it.
             num_worst_tokens: if > 0 (needs top-k), outputs have exactly this many rows
                 (zero rows, expert id -1 after the real ones) and the list is ``[]``.
@@ -915,8 +916,9 @@ class Buffer:
 
         Args:
             x: ``[N, H]`` bfloat16, ``N <= M`` (any ``H``; FP8 needs ``H % 128 == 0``).
-            topk_idx: ``[N, K]`` int64, ``-1`` = none, distinct experts per row.
-            num_max_dispatch_tokens_per_rank: ``M``, the same on every rank (``<= 511``).
+            topk_idx: ``[N, K]`` int64, ``-1`` = none; an expert listed twice in a row is two rows, one per
+                slot, and no expert may be selected more than ``M`` times (docs/semantics/deepep-api.md §0).
+            num_max_dispatch_tokens_per_rank: ``M``, the same on every rank (``< 65536``).
             num_experts: ``E``, a multiple of the number of ranks ``R``; ``L = E / R``.
             cumulative_local_expert_recv_stats: optional ``[L]`` int32, ``+= recv_count``.
             dispatch_wait_recv_cost_stats: optional ``[R]`` int64; entry ``s`` += **nanoseconds**
@@ -966,7 +968,8 @@ class Buffer:
         (docs/semantics/deepep-api.md §6.3).
 
         Per token: ``acc = 0`` (float32); for slots ``j = 0..K-1`` skipping -1 and masked owners,
-        ``acc += f32(y_j) * w[t][j]``; output ``bf16(acc)``.
+        ``acc += f32(y_j) * w[t][j]``, ``y_j`` the row returned for slot ``j`` (an expert listed twice
+        contributes both weighted rows, docs/semantics/deepep-api.md §0); output ``bf16(acc)``.
 
         Args:
             x: ``[L, R·M, H]`` bfloat16 in the dispatch's layout (with ``zero_copy`` only its shape

@@ -2,7 +2,7 @@
 Pure torch, never communicates.
 
 Duplicate experts in one ``topk_idx`` row (the same expert listed twice) follow DeepEP's
-counting everywhere: each (token, slot) pair counts once for its expert in
+counting (docs/semantics/deepep-api.md §0): each (token, slot) pair counts once for its expert in
 ``num_tokens_per_expert``, a token counts once per rank in ``num_tokens_per_rank``, and each
 slot is delivered as its own ``recv_topk_idx`` entry (so a combine of ``recv_topk_weights``
 returns both weights). Nothing is merged or rejected.

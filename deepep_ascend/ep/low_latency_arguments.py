@@ -34,15 +34,18 @@ def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int,
 
 def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: int, *, num_ranks: int,
                               qp_depth: int) -> None:
-    """``topk_idx`` ``[rows, K]`` int64 with distinct experts per row, ``E < 65536``, ``rows <= M < 65536``.
+    """``topk_idx`` ``[rows, K]`` int64, ``E < 65536``, ``rows <= M < 65536``, no expert selected more than
+    ``M`` times.
 
     DeepEP caps ``M`` at its NVSHMEM queue-pair depth (``qp_depth / 2 - 1 = 511``); MPI windows have no
     queue pairs, so here ``M`` is bounded by the window (the size hint) and by the 16 bits the call's
     header gives it (docs/semantics/deepep-api.md §6.7). ``qp_depth`` is kept for the message only.
+    An expert listed twice in one row is two (token, slot) rows (docs/semantics/deepep-api.md §0); a source has
+    ``M`` rows per expert, so an expert selected more than ``M`` times in all is refused.
 
     Raises:
         Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
-            duplicates).
+            more than ``M`` selections of one expert).
     """
     check_topk_idx(topk_idx, num_experts, num_ranks)
     check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
@@ -53,11 +56,13 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
           f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
           f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
     check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
-    if topk_idx.numel() and topk_idx.size(1) > 1:
-        srt = topk_idx.sort(dim=1).values
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        check(not bool(dup.any()), ValueError,
-              "`topk_idx` lists an expert twice in one row (each token selects distinct experts)")
+    if topk_idx.size(1) > 1 and rows:  # only a repeated expert in a row can select one more than rows <= M times
+        per_expert = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
+        most = int(per_expert.max())
+        check(most <= m, ValueError,
+              f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
+              f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
+              f"source has per expert")
 
 
 def check_low_latency_handle(handle, *, num_ranks: int) -> LowLatencyHandle:

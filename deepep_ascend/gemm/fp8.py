@@ -12,15 +12,15 @@ Two FP8 per-token recipes exist upstream and differ in rare last-bit cases:
 
 * DeepGEMM (``per_token_cast_to_fp8``, ``per_block_cast_to_fp8``, ...; docs/semantics/mega-moe.md §4):
   ``sf = amax / 448`` (optionally ``ceil_to_ue8m0``), ``data = e4m3(x * (1 / sf))``.
-* DeepEP (:func:`low_latency_cast_to_fp8`, docs/semantics/deepep-api.md §6.4, and with
-  ``scale_style='deepep'`` the normal-mode helper of docs/semantics/deepep-api.md §4.8):
-  ``data = e4m3(x * (448 / amax))``; the LL kernel stores ``amax * f32(1/448)`` and with ``round_scale`` derives the
-  power of two from those bits.
+* DeepEP's low-latency dispatch kernel (:func:`low_latency_cast_to_fp8`, docs/semantics/deepep-api.md §6.4):
+  ``data = e4m3(x * (448 / amax))`` with one IEEE float32 division, ``amax`` skipping NaN elements; it
+  stores ``amax * f32(1/448)`` and with ``round_scale`` derives the power of two from those bits.
+* DeepEP's test helper ``deep_ep.utils.math.per_token_cast_to_fp8`` (``scale_style='deepep'``,
+  docs/semantics/deepep-api.md §4.8): torch's ``448.0 / amax``, which is ``reciprocal(amax) * 448`` (two
+  roundings), and ``scale = amax / 448``. The two DeepEP casts differ by one code in about 0.1 % of elements.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -146,8 +146,9 @@ def per_token_cast_to_fp8(
     ``x`` ``[..., M, K]`` float (bf16/fp16/fp32/fp64), computed in float32. Per row and group
     (the last one zero-padded): ``amax = max(max|x|, 1e-4)``, ``sf = amax / 448``, with
     ``use_ue8m0`` ``sf = ceil_to_ue8m0(sf)``; ``data = e4m3(x * (1 / sf))`` (clamped to ±448, RNE).
-    ``scale_style='deepep'`` instead multiplies by ``448 / amax`` (DeepEP's helper, docs/semantics/deepep-api.md §4.8;
-    only without ``use_ue8m0``); the stored ``sf`` is the same.
+    ``scale_style='deepep'`` instead multiplies by ``reciprocal(amax) * 448``, rounded twice as DeepEP's
+    torch helper's ``448.0 / amax`` is (docs/semantics/deepep-api.md §4.8; only without ``use_ue8m0``; not
+    the LL kernel's cast, :func:`low_latency_cast_to_fp8`); the stored ``sf`` is the same.
 
     Returns ``(data [..., M, K] float8_e4m3fn, sf)`` with ``sf`` float32 ``[..., M,
     ceil(K/gran_k)]``, or with ``use_packed_ue8m0`` (needs ``use_ue8m0``) int32 ``[..., M,
@@ -174,7 +175,10 @@ def per_token_cast_to_fp8(
     sf = amax / FP8_E4M3_MAX
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
-    mult = (FP8_E4M3_MAX / amax) if scale_style == "deepep" else (1.0 / sf)
+    if scale_style == "deepep":  # the helper's torch `448.0 / amax`: a reciprocal, then a product (two roundings)
+        mult = amax.reciprocal().mul_(FP8_E4M3_MAX)
+    else:
+        mult = 1.0 / sf
     data = cast_to_e4m3(g * mult.unsqueeze(-1))
     data = data.reshape(*x.shape[:-1], g.size(-2) * g.size(-1))[..., :k].contiguous()
     return data, (pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf)
@@ -185,15 +189,23 @@ def low_latency_cast_to_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepEP low-latency dispatch's FP8 cast, bit-exact (docs/semantics/deepep-api.md §6.4).
 
-    ``x`` ``[..., N, H]`` float; per token and 128 channels (last group zero-padded),
-    ``amax = max(1e-4, max|x|)`` in float32 and ``r = amax * f32(1/448)``:
+    ``x`` ``[..., N, H]`` float (DeepEP takes bf16); per token and 128 channels (last group zero-padded),
+    ``amax = max(1e-4, max|x|)`` in float32 over the group's non-NaN elements (``fmaxf``) and
+    ``r = amax * f32(1/448)``:
 
-    * ``round_scale=False``: ``data = e4m3(x * (448 / amax))``, scale ``r`` (may differ by one
-      ulp from ``amax / 448``);
+    * ``round_scale=False``: ``data = e4m3(x * (448 / amax))``, the quotient one IEEE float32 division
+      (not torch's ``448.0 / t``, a reciprocal and a product); scale ``r`` (may differ by one ulp from
+      ``amax / 448``);
     * ``round_scale=True``: ``k = ceil(log2(r))`` from ``r``'s bits (:func:`ceil_to_ue8m0`),
       ``data = e4m3(x * 2**-k)``, scale ``2**k``;
     * ``use_ue8m0`` (requires ``round_scale``): scales as packed UE8M0 int32
       ``[..., N, ceil(H/512)]``, byte ``k + 127``, groups ``4p..4p+3`` in word ``p``.
+
+    ``e4m3`` rounds to nearest even and saturates at ±448; a NaN element gives an e4m3 NaN (sign
+    unspecified). An infinity makes its group's plain scale ``0`` (finite elements give ±0, the
+    infinity NaN, stored scale ``inf``, as DeepEP's arithmetic); with ``round_scale`` DeepEP's
+    power-of-two helper is outside its domain, and here the scale clamps to ``2**127`` (the infinity
+    gives ±448).
 
     Returns ``(data [..., N, H] e4m3, scales)``, scales float32 ``[..., N, ceil(H/128)]`` or int32,
     row-major (DeepEP hands them out column-major: ``get_mn_major_tma_aligned_tensor`` /
@@ -226,20 +238,25 @@ def low_latency_cast_to_fp8_(groups: torch.Tensor, data_out: torch.Tensor, round
     Raises:
         RuntimeError (from torch) if ``data_out`` cannot hold ``groups``' elements.
 
-    Same bits as ``|x|.amax()`` gave: ``max(max, -min)`` is ``max|x|``, and the multiply, clamp
-    and RNE cast are the same float32 operations. A group holding a NaN gets the canonical NaN
-    as ``amax`` (``|x|.amax()`` would carry an input NaN's payload into the scale).
+    DeepEP's kernel arithmetic, in float32 (docs/semantics/deepep-api.md §6.4): ``amax`` skips NaN
+    elements (``fmaxf``), the plain scale is one IEEE division ``448 / amax`` (torch's ``448.0 / t``
+    is a reciprocal and a product: two roundings, one e4m3 code off in about 0.1 % of elements).
     """
     # amax and amin separately: torch.aminmax over 128-element groups is far slower on CPU.
     amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())
-    amax.masked_fill_(amax.isnan(), math.nan).clamp_(min=AMAX_FLOOR)  # NaN groups: canonical NaN
+    nan = amax.isnan()
+    if bool(nan.any()):  # fmaxf skips NaN: such a group's amax is over its other elements
+        where = nan.nonzero(as_tuple=True)
+        g = groups[where].abs_()
+        amax[where] = g.masked_fill_(g.isnan(), 0.0).amax(dim=-1)
+    amax.clamp_(min=AMAX_FLOOR)
     r = amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
     if round_scale:
         sf = ceil_to_ue8m0(r)
-        mult = 1.0 / sf  # exact: a power of two
+        mult = sf.reciprocal()  # exact: a power of two
     else:
         sf = r
-        mult = FP8_E4M3_MAX / amax
+        mult = torch.full_like(amax, FP8_E4M3_MAX).div_(amax)
     groups.mul_(mult.unsqueeze(-1)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     data_out.copy_(groups.view(data_out.shape))
     return sf

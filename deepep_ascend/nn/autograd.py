@@ -38,7 +38,8 @@ Low-latency mode has its pair too (docs/semantics/deepep-api.md §6):
   ``g`` (BF16) with the same ``topk_idx``, which lands ``g[t]`` in exactly the slots of the
   forward handle (same routing, same slots; checked); (2) a second, narrow LL dispatch of each
   token's ``topk_weights`` row (float32 bits) and ``topk_idx`` row (16 bits each), moved verbatim,
-  so each slot finds its own weight ``w[t, j]`` (the ``j`` whose expert is the slot's);
+  so each slot finds its own weight ``w[t, j]`` (the ``j`` whose expert is the slot's; for an expert
+  listed twice in a row, its first row takes the first such ``j``, its second row the second);
   ``grad_y[slot] = bf16(w[t, j] * g[t])``, padding rows 0. (3) Only if ``topk_weights`` requires
   grad: each slot's ``dot(g[t], y[slot])`` (float32) is split exactly into three bf16 parts
   ``hi + mid + lo`` and returned with an LL combine of ``3K``-column rows (part ``p`` of slot ``j``
@@ -260,6 +261,25 @@ def _ll_same_slots(h_fwd: LowLatencyHandle, h_bwd: LowLatencyHandle, valid: torc
                            "backward, or is `topk_idx` not the dispatch's?)")
 
 
+def _ll_repeat_rank(handle: LowLatencyHandle, valid: torch.Tensor) -> torch.Tensor:
+    """``[L, R·M, 1]`` int64: for each valid row, how many earlier rows of its local expert hold the same
+    (source, token), i.e. which repeat of the expert in that token's ``topk_idx`` row it is (0 unless the
+    row lists the expert twice, docs/semantics/deepep-api.md §0). A (source, token)'s rows for one expert are
+    consecutive, in slot order (the packed layout of ``Buffer.low_latency_dispatch``)."""
+    L, rows = handle.src_info.shape
+    count = (handle.layout_range & 0xFFFFFFFF).reshape(-1)  # [L·R] rows per (local expert, source)
+    m = handle.num_max_dispatch_tokens_per_rank
+    # valid rows in row-major order are grouped by (expert, source): key = that group, then the token
+    key = torch.repeat_interleave(torch.arange(count.numel()), count) * m + handle.src_info[valid].to(torch.int64)
+    out = torch.zeros(L, rows, dtype=torch.int64)
+    if key.numel():
+        pos = torch.arange(key.numel())
+        first = torch.ones(key.numel(), dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]
+        out[valid] = pos - torch.where(first, pos, 0).cummax(0).values
+    return out.unsqueeze(-1)
+
+
 def _ll_narrow_cols(k: int) -> int:
     """bf16 columns of the backward's weight/index dispatch and dot-product combine: ``3K`` rounded
     up to a multiple of 4, so rows are whole 8-byte words (the LL engine views message bytes as int32)."""
@@ -333,7 +353,11 @@ class _LLCombine(torch.autograd.Function):
         slot_w = recv_meta[..., :2 * k].contiguous().view(torch.float32)  # [L, R·M, K]
         slot_e = recv_meta[..., 2 * k:3 * k].to(torch.int32) & 0xFFFF
         experts = (buffer.rank * L + torch.arange(L, dtype=torch.int32)).view(L, 1, 1)
-        j = (slot_e == experts).to(torch.int8).argmax(-1, keepdim=True)  # [L, R·M, 1]: the slot's top-k column
+        # The slot's top-k column: among the columns listing this expert, the one this row repeats (the
+        # first unless the token lists the expert twice).
+        matches = slot_e == experts  # [L, R·M, K]
+        nth = (matches.cumsum(-1) - 1 == _ll_repeat_rank(handle, valid)) & matches
+        j = nth.to(torch.int8).argmax(-1, keepdim=True)  # [L, R·M, 1]
         wj = slot_w.gather(-1, j).masked_fill(~valid.unsqueeze(-1), 0.0)  # [L, R·M, 1]
         g32 = recv_g.float()
         grad_y = (g32 * wj).to(_BF16) if ctx.needs_input_grad[0] else None
@@ -360,7 +384,8 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
     Args:
         buffer: a low-latency :class:`deepep_ascend.Buffer` (``low_latency_mode=True``).
         x: ``[N, H]`` bfloat16, ``N <= M``; may require grad.
-        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none, distinct per row.
+        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none (an expert listed twice is two slots,
+            docs/semantics/deepep-api.md §0).
         num_max_dispatch_tokens_per_rank: ``M``, the same on every rank.
         num_experts: ``E``, a multiple of the number of ranks ``R``; ``L = E / R``.
         **kwargs: passed to ``Buffer.low_latency_dispatch``: ``use_fp8`` (default ``True`` as there;

@@ -288,7 +288,9 @@ def test_deterministic_twice_and_200_calls_changing_shapes(comm):
             g = torch.Generator().manual_seed(i * 131 + rank)
             n = int(torch.randint(0, 17, (1,), generator=g))
             hidden = [32, 64, 128][i % 3]
-            topk_idx = torch.randint(-1, E, (n, 2), generator=g)
+            # distinct experts per row (docs/semantics/deepep-api.md §0); -1 as often as randint(-1, E) gives it
+            topk_idx = torch.rand(n, E, generator=g).topk(2, dim=1).indices
+            topk_idx[torch.rand(n, 2, generator=g) < 1 / (E + 1)] = -1
             x = torch.randn(n, hidden, generator=g).to(BF16)
             out = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E, num_max_tokens_per_rank=16))
             if i % 50 == 0:
@@ -371,7 +373,9 @@ def test_scale_rows_of_any_width(comm, nodes):
             n = 17 + rank
             x = torch.randint(0, 255, (n, 128), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
             sf = torch.randint(0, 100, (n, cols), generator=g).to(dtype)
-            topk_idx = torch.randint(-1, E, (n, 2), generator=g)
+            # distinct experts per row (docs/semantics/deepep-api.md §0); -1 as often as randint(-1, E) gives it
+            topk_idx = torch.rand(n, E, generator=g).topk(2, dim=1).indices
+            topk_idx[torch.rand(n, 2, generator=g) < 1 / (E + 1)] = -1
             xs, sfs, ids, _ = _gather_inputs(comm, x, sf, topk_idx, None)
             ref = ref_dispatch(xs, sfs, ids, None, rank, E, 24)
             (rx, rsf), _, _, handle, _ = coll(lambda: buf.dispatch((x, sf), topk_idx=topk_idx, num_experts=E,
@@ -454,6 +458,40 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
     assert isinstance(err, AssertionError)
 
 
+@pytest.mark.parametrize("do_expand", [False, True], ids=["compact", "expanded"])
+def test_repeated_expert_in_a_row_is_refused_on_every_rank(ep, comm, do_expand):
+    """DeepEP V2.5's dispatch asserts that a row's experts are distinct (docs/semantics/deepep-api.md §0): a
+    ``topk_idx`` repeating an expert in a row raises ``ValueError`` naming the row and the expert on its rank
+    and ``ConsensusError`` naming that rank on the others, for ``EPBuffer`` and ``ElasticBuffer``; ``-1``
+    may repeat, and the buffer stays usable."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 8 * R
+    x, _, topk_idx, w = _inputs(rank, R, 5, E, False)
+    bad_rank = R - 1
+    repeated = topk_idx.clone()
+    repeated[2, 1] = 3
+    repeated[2, TOPK - 1] = 3  # row 2 lists expert 3 twice
+    idx = repeated if rank == bad_rank else topk_idx
+
+    def refused(err):
+        if rank == bad_rank:
+            return type(err) is ValueError and "row 2 lists expert 3 more than once" in str(err)
+        return isinstance(err, ConsensusError) and f"rank {bad_rank} rejected" in str(err)
+
+    _, err = capture(lambda: ep.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=do_expand))
+    all_ranks_ok(comm, refused(err), f"repeated expert: {err!r}")
+    elastic = coll(lambda: ElasticBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                         num_topk=TOPK, explicitly_destroy=True))
+    try:
+        _, err = capture(lambda: elastic.dispatch(x, topk_idx=idx, num_experts=E, do_expand=do_expand))
+        all_ranks_ok(comm, refused(err), f"ElasticBuffer, repeated expert: {err!r}")
+    finally:
+        coll(elastic.destroy)
+    none = topk_idx.clone()
+    none[0] = -1  # every slot -1: repeated -1 is no expert
+    coll(lambda: ep.dispatch(x, topk_idx=none, topk_weights=w, num_experts=E, do_expand=do_expand))
+
+
 def test_event_overlap_hooks_and_allocator(comm):
     """``EventOverlap.current_stream_wait`` returns the hook's result once; ``wait`` is its alias;
     ``BufferAllocator`` places planned tensors at aligned offsets of one storage; ``ElasticBuffer``
@@ -479,7 +517,8 @@ def test_event_overlap_hooks_and_allocator(comm):
     buf = coll(lambda: ElasticBuffer(comm, num_max_tokens_per_rank=8, hidden=64, explicitly_destroy=True))
     try:
         x = torch.randn(8, 64).to(BF16)
-        topk_idx = torch.randint(0, 2 * R, (8, 2), generator=torch.Generator().manual_seed(rank))
+        # distinct experts per row (docs/semantics/deepep-api.md §0)
+        topk_idx = torch.rand(8, 2 * R, generator=torch.Generator().manual_seed(rank)).topk(2, dim=1).indices
         out = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))
         handle = out[3]
         ok = isinstance(handle, EPHandle) and handle.topk_idx is not topk_idx

@@ -34,6 +34,7 @@ CASES = [
     Case("skewed_every_token_to_one_rank", tokens=24, hidden=256, experts=32, topk=4, routing="skewed"),
     Case("rank_with_zero_tokens", tokens=20, experts=16, topk=3, zero_rank=True, cached=True, bias="one"),
     Case("rows_all_minus1", tokens=30, experts=64, topk=6, routing="allneg", cached=True),
+    Case("duplicate_experts_in_a_row", tokens=20, experts=16, topk=4, routing="dup", cached=True, bias="one"),
     Case("h200_not_div_128_e8_k8_align4", tokens=20, hidden=200, experts=8, topk=8, align=4),
     Case("num_worst_tokens_async", tokens=10, experts=32, topk=2, worst=True, cached=True, use_async=True,
          bias="pair_first_none"),

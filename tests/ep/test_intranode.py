@@ -41,6 +41,7 @@ CASES = [
     Case("skewed_e8_k8", tokens=16, experts=8, topk=8, routing="skewed", bias="one"),
     Case("rank_with_zero_tokens", tokens=20, experts=16, topk=3, zero_rank=True, cached=True, bias="pair"),
     Case("rows_all_minus1", tokens=30, experts=64, topk=6, routing="allneg", bias="one", cached=True),
+    Case("duplicate_experts_in_a_row", tokens=20, experts=16, topk=4, routing="dup", cached=True, use_async=True),
     Case("h2048_e64_k8_align128", tokens=12, hidden=2048, experts=64, topk=8, align=128),
     Case("h7168_e256_k8_few_tokens", tokens=3, hidden=7168, experts=256, topk=8, bias="pair"),
     Case("h200_not_div_128_bf16_k1_e8", tokens=20, hidden=200, experts=8, topk=1, cached=True),

@@ -78,7 +78,9 @@ def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pat
     """``(x [n, H] bf16, topk_idx [n, K] int64)`` of rank ``rank``, reproducible on any rank.
 
     ``uniform``: top-k of random scores, then 10 random slots set to -1 (docs/semantics/deepep-api.md §9); ``allneg``:
-    also every third row all -1; ``one``: every token to global expert 0 only. ``pattern``:
+    also every third row all -1; ``one``: every token to global expert 0 only; ``dup``: ``uniform``, then
+    slot 1 repeats slot 0 and every third row lists slot 0's expert a third time, in slot 2
+    (docs/semantics/deepep-api.md §0). ``pattern``:
     docs/semantics/deepep-api.md §9's ``x``: ``rank - 128`` with the last 128 columns = token index. ``logfmt``: values
     for a LogFMT-10 combine: ``|x| < 1`` (groups go LogFMT) except the first group of even tokens
     (times 16: ``|x| >= 1``, BF16) and the last group of every third token (zero, BF16).
@@ -108,6 +110,9 @@ def make_inputs(seed, rank, R, n, hidden, num_experts, k, routing="uniform", pat
         idx.view(-1)[drop] = -1
     if routing == "allneg":
         idx[::3] = -1
+    if routing == "dup" and k >= 3:
+        idx[:, 1] = idx[:, 0]
+        idx[::3, 2] = idx[::3, 0]
     return x, idx.contiguous()
 
 
@@ -176,6 +181,10 @@ CASES = [
     Case("every_token_to_one_expert_n_eq_m", routing="one", tokens=32, m=32, topk=2),
     Case("bf16_logfmt_combine_hook", logfmt=True, mode="hook", hidden=384),
     Case("fp8_logfmt_combine_async_zero_rank", fp8=True, logfmt=True, mode="async", zero_rank=True, epr=4, topk=4),
+    # An expert listed two or three times in a row: one row per slot (up to 3 * 8 = 24 = M per expert).
+    Case("bf16_duplicate_experts_in_a_row", routing="dup", tokens=8, m=24, topk=4),
+    Case("fp8_ue8m0_duplicate_experts_hook", routing="dup", fp8=True, round_scale=True, ue8m0=True, hidden=512,
+         tokens=8, m=24, topk=3, mode="hook"),
 ]
 
 
@@ -628,7 +637,7 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(buffers, comm):
          ValueError if R > 1 else type(None)),
         ("async + hook", lambda: buf.low_latency_dispatch(x, idx, M, E, async_finish=True, return_recv_hook=True),
          RuntimeError),
-        ("duplicate expert in a row", lambda: buf.low_latency_dispatch(
+        ("expert 0 in every slot: 12 rows for one expert, M = 8", lambda: buf.low_latency_dispatch(
             x, torch.zeros_like(idx), M, E), ValueError),
     ]
     errors = []

@@ -194,6 +194,20 @@ def test_per_token_cast_matches_reference_oracle():
     assert ((back - x.float()).abs() <= x.float().abs() / 16 + 1e-6).all()
 
 
+def test_deepep_helper_and_low_latency_kernel_casts_are_distinct_recipes():
+    # docs/semantics/deepep-api.md §4.8 / §6.4: DeepEP's torch helper multiplies by `448.0 / amax`, a
+    # reciprocal then a product; its LL kernel divides once. amax 0.1875, x 0.140625: the kernel's
+    # product is 336 exactly (a tie -> 320, 0x7A), the helper's one ulp above (-> 352, 0x7B).
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    x[0, 0], x[0, 1] = 0.1875, 0.140625
+    helper, helper_sf = dg.per_token_cast_to_fp8(x, scale_style="deepep")
+    kernel, kernel_sf = dg.low_latency_cast_to_fp8(x)
+    amax = torch.tensor([0.1875])
+    assert (x.float()[0, 1] * (448.0 / amax)).item() == float.fromhex("0x1.500002p+8")  # torch's own `448.0 / t`
+    assert e4m3_bytes(helper[0, :2]) == [0x7E, 0x7B] and e4m3_bytes(kernel[0, :2]) == [0x7E, 0x7A]
+    assert helper_sf.item() == (amax / 448.0).item() and kernel_sf.item() == (amax * (1 / torch.tensor(448.0))).item()
+
+
 def test_low_latency_cast_deepep_rules():
     x = torch.zeros(2, 512)
     x[0, 0] = 3.0
@@ -217,12 +231,44 @@ def test_low_latency_cast_deepep_rules():
         dg.low_latency_cast_to_fp8(x, use_ue8m0=True)
 
 
-@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def _check_ll_cast(d, s, ref_d, ref_s, use_ue8m0, skip=None):
+    """``(d, s)`` against the oracle's ``(ref_d, ref_s)`` bit for bit: NaN codes only as NaN (their sign bit is
+    unspecified, docs/semantics/deepep-api.md §6.4); ``skip`` ``[n, groups]`` leaves groups out."""
+    n, h = d.shape
+    keep = torch.ones(n, h // 128, dtype=torch.bool) if skip is None else ~skip
+    d8, r8 = d.view(torch.uint8).view(n, -1, 128)[keep], ref_d.view(torch.uint8).view(n, -1, 128)[keep]
+    nan = (r8 & 0x7F) == 0x7F  # e4m3fn NaN: S.1111.111
+    assert torch.equal((d8 & 0x7F) == 0x7F, nan)
+    bad = (d8 != r8) & ~nan
+    assert not bool(bad.any()), f"{int(bad.sum())} codes differ, first {d8[bad][:4].tolist()} vs {r8[bad][:4].tolist()}"
+    if use_ue8m0:
+        s, ref_s = s.contiguous().view(torch.uint8).view(n, -1), ref_s.contiguous().view(torch.uint8).view(n, -1)
+    assert torch.equal(s[keep], ref_s[keep])
+
+
+def _ll_cast_both_paths(x, round_scale, use_ue8m0):
+    """The public cast and the in-place core (what ``low_latency_dispatch`` runs, writing into strided message
+    rows), each as ``(data, scales)``; checks the core writes nothing outside its field."""
+    n, h = x.shape
+    public = dg.low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    msgs = torch.full((n, 16 + h + 64), 0xAB, dtype=torch.uint8)  # data field at a row stride
+    groups = x.float().view(n, h // 128, 128)
+    sf = dg.gemm.fp8.low_latency_cast_to_fp8_(groups, msgs[:, 16:16 + h].view(torch.float8_e4m3fn), round_scale)
+    assert bool((msgs[:, :16] == 0xAB).all()) and bool((msgs[:, 16 + h:] == 0xAB).all())  # nothing outside
+    core = (msgs[:, 16:16 + h].view(torch.float8_e4m3fn), dg.pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
+    return public, core
+
+
+LL_CAST_MODES = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", LL_CAST_MODES)
 def test_low_latency_cast_matches_reference_and_in_place_core(round_scale, use_ue8m0):
-    # Magnitudes 1e-8..1e8, zeros, -0.0 groups, +-inf and NaN; the public cast and the in-place
-    # core (what low_latency_dispatch runs, writing into strided message rows) against the
-    # per-group oracle: every data byte equal except NaNs, which must only be NaN (their sign
-    # follows torch's reduction path, which differs with the layout), and the infinities (below).
+    # Magnitudes 1e-8..1e8, zeros, -0.0 groups, +-inf and NaN: both paths against the oracle written
+    # from DeepEP's kernel, every code and scale (a NaN element is left out of its group's amax).
+    # The one exception is documented (docs/semantics/deepep-api.md §6.4): with round_scale a group
+    # holding an infinity is outside DeepEP's domain; here its scale clamps to 2^127 and the
+    # infinity saturates to +-448.
     g = torch.Generator().manual_seed(7)
     n, h = 24, 1024
     x = (torch.randn(n, h, generator=g) * torch.logspace(-8, 8, n).unsqueeze(1)).to(torch.bfloat16)
@@ -230,38 +276,85 @@ def test_low_latency_cast_matches_reference_and_in_place_core(round_scale, use_u
     x[2, 128:256] = -0.0
     x[3, 7], x[4, 300], x[5, 9] = float("inf"), -float("inf"), float("nan")
     ref_d, ref_s = reference.ref_ll_cast_fp8(x, round_scale, use_ue8m0)
-
     inf = x.isinf()
-    finite = x.isfinite().view(n, h // 128, 128).all(-1)  # [n, groups]
-
-    def check(d, s):
-        d8, r8 = d.view(torch.uint8), ref_d.view(torch.uint8)
-        nan8 = ((r8 & 0x7F) == 0x7F) & ~inf  # e4m3fn NaN: S.1111.111
-        assert torch.equal(((d8 & 0x7F) == 0x7F) & ~inf, nan8) and torch.equal(d8[~nan8 & ~inf], r8[~nan8 & ~inf])
-        assert int(nan8.sum()) >= 1  # the NaN input stays NaN (without round_scale its whole group does)
-        # +-inf itself: scale 2^127 keeps it infinite and DeepEP's saturating cast gives +-448
-        # (the oracle has no saturation); without round_scale inf * (448 / inf) is NaN.
+    inf_groups = inf.view(n, h // 128, 128).any(-1)
+    for d, s in _ll_cast_both_paths(x, round_scale, use_ue8m0):
+        _check_ll_cast(d, s, ref_d, ref_s, use_ue8m0, skip=inf_groups if round_scale else None)
+        d8 = d.view(torch.uint8)
+        assert (int(d8[5, 9]) & 0x7F) == 0x7F and int(((d8[5, :128] & 0x7F) == 0x7F).sum()) == 1  # NaN alone
         if round_scale:
             assert d8[inf].tolist() == [0x7E, 0xFE]
-        else:
-            assert bool(((d8[inf] & 0x7F) == 0x7F).all())
-        # scales of groups holding inf/NaN differ from the oracle's (ceil_to_ue8m0 clamps at 2^127)
-        if use_ue8m0:
-            s, ref = s.contiguous().view(torch.uint8).view(n, -1), ref_s.contiguous().view(torch.uint8).view(n, -1)
-        else:
-            ref = ref_s
-        assert torch.equal(s[finite], ref[finite])
-
-    check(*dg.low_latency_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
-    msgs = torch.full((n, 16 + h + 64), 0xAB, dtype=torch.uint8)  # data field at a row stride
-    groups = x.float().view(n, h // 128, 128)
-    sf = dg.gemm.fp8.low_latency_cast_to_fp8_(groups, msgs[:, 16:16 + h].view(torch.float8_e4m3fn), round_scale)
-    check(msgs[:, 16:16 + h].view(torch.float8_e4m3fn), dg.pack_ue8m0_to_int(sf) if use_ue8m0 else sf)
-    assert bool((msgs[:, :16] == 0xAB).all()) and bool((msgs[:, 16 + h:] == 0xAB).all())  # nothing outside
+            sw = s.contiguous().view(torch.uint8).view(n, -1) if use_ue8m0 else s
+            assert sw[inf_groups].tolist() == ([254, 254] if use_ue8m0 else [2.0**127] * 2)
+        else:  # scale 448 / inf = 0: the infinity is NaN, the rest of its group +-0, stored scale inf
+            assert bool(((d8[inf] & 0x7F) == 0x7F).all()) and s[inf_groups].tolist() == [math.inf, math.inf]
+            assert bool(((d8[3, :128] & 0x7F) == 0).logical_or_(inf[3, :128]).all())
     src = torch.randn(3, 128)
     kept = src.clone()
     dg.low_latency_cast_to_fp8(src)
     assert torch.equal(src, kept)  # a float32 input is not scaled in place
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", LL_CAST_MODES)
+def test_low_latency_cast_bit_for_bit_on_a_decode_batch(round_scale, use_ue8m0):
+    # DeepEP's shape (N = 256, hidden 7168, bf16): every code and scale as DeepEP's kernel computes
+    # them. The plain cast's scale 448 / amax is one float32 division; as a reciprocal times 448 it
+    # is one ulp off for about a quarter of the groups, moving about 0.1 % of the codes by one.
+    g = torch.Generator().manual_seed(29)
+    x = (torch.randn(256, 7168, generator=g) * torch.logspace(-3, 3, 256).unsqueeze(1)).to(torch.bfloat16)
+    ref_d, ref_s = reference.ref_ll_cast_fp8(x, round_scale, use_ue8m0)
+    for d, s in _ll_cast_both_paths(x, round_scale, use_ue8m0):
+        _check_ll_cast(d, s, ref_d, ref_s, use_ue8m0)
+
+
+def _special_rows() -> torch.Tensor:
+    """float32 ``[12, 512]`` rows of special cases for the LL cast (four groups each), every value exact in bf16."""
+    x = torch.zeros(12, 512)
+    x[1, :128] = -0.0  # all -0.0: codes 0x80
+    x[2, :4] = torch.tensor([5e-5, -3e-5, 1e-6, 0.0]).bfloat16().float()  # amax below the floor: the floor's scale
+    x[3, 0], x[3, 1] = 0.1875, 0.140625  # 0.140625 * (448 / 0.1875) = 336 exactly: a tie -> 320
+    x[4, 0] = 448.0  # scale 1: ties at e4m3 precision go to the even code
+    x[4, 1:9] = torch.tensor([1.0625, 1.1875, 2.0**-10, 3 * 2.0**-10, 2.0**-7 + 2.0**-10, 17.0, 19.0, -2.0**-8])
+    x[5, 0], x[5, 1:4] = 1.0, torch.tensor([2.0**-12, 2.0**-14, 2.0**-130])  # e4m3 subnormals, 0, a bf16 subnormal
+    x[6, 0], x[6, 1] = 3.3895313892515355e38, -(2.0**126)  # bf16's largest: the scale about 2^-119
+    x[6, 128], x[6, 129] = -2.0**-133, 2.0**-126  # a group of float32 subnormals: amax floored
+    x[7, :128] = torch.linspace(-3, 3, 128).bfloat16().float()  # ordinary values
+    x[7, 128:256] = torch.linspace(-448, 460, 128).bfloat16().float()  # around the e4m3 range, scale near 1
+    x[8, 0], x[8, 1], x[8, 2] = float("nan"), 2.0, -1.5  # NaN left out of amax: scale 448 / 2
+    x[9, :128] = float("nan")  # only NaN: amax is the floor
+    x[10, 0], x[10, 1], x[10, 2] = float("inf"), -3.0, 2.0  # plain: scale 448 / inf = 0
+    x[11, 128], x[11, 129] = -float("inf"), float("inf")
+    x[11, 256:384] = torch.linspace(-1e-3, 1e-3, 128).bfloat16().float()  # small values next to them
+    assert torch.allclose(x.bfloat16().float(), x, rtol=0, atol=0, equal_nan=True)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("round_scale,use_ue8m0", LL_CAST_MODES)
+def test_low_latency_cast_special_values(round_scale, use_ue8m0, dtype):
+    x = _special_rows().to(dtype)
+    ref_d, ref_s = reference.ref_ll_cast_fp8(x, round_scale, use_ue8m0)
+    inf_groups = x.isinf().view(x.size(0), 4, 128).any(-1)
+    floor_inv = float(np.float32(1e-4) * (np.float32(1) / np.float32(448)))
+    for d, s in _ll_cast_both_paths(x, round_scale, use_ue8m0):
+        _check_ll_cast(d, s, ref_d, ref_s, use_ue8m0, skip=inf_groups if round_scale else None)
+        b = d.view(torch.uint8)
+        assert b[0].tolist() == [0] * 512 and b[1, :128].tolist() == [0x80] * 128
+        sf = dg.gemm.fp8.ue8m0_byte_to_float(s.contiguous().view(torch.uint8).view(12, -1)) if use_ue8m0 else s
+        if not round_scale:
+            # By hand: the floor's stored scale; the tie 336 -> 320 (0x7A, 0 1111 010) where a
+            # reciprocal-times-448 scale would give 336.00003 -> 352 (0x7B).
+            assert sf[0].tolist() == [floor_inv] * 4 and sf[2, 0].item() == floor_inv
+            assert b[3, :2].tolist() == [0x7E, 0x7A]
+            # NaN left out of amax: 2 * 224 = 448, -1.5 * 224 = -336 (a tie -> -320)
+            assert b[8, 1:3].tolist() == [0x7E, 0xFA] and sf[8, 0].item() == float(np.float32(2) / np.float32(448))
+            assert sf[9, 0].item() == floor_inv
+        # scale 1 (amax 448 is a power of two times 448 either way): the codes of x itself
+        # 1.0625 -> 1.0, 1.1875 -> 1.25, 2^-10 (half the smallest subnormal) -> 0, 3 * 2^-10 -> 2^-8,
+        # 2^-7 + 2^-10 -> 2^-7 (a tie between subnormal codes 4 and 5), 17 -> 16 (0x58), 19 -> 20 (0x5A),
+        # -2^-8 -> 0x82
+        assert sf[4, 0].item() == 1.0
+        assert b[4, :9].tolist() == [0x7E, 0x38, 0x3A, 0x00, 0x02, 0x04, 0x58, 0x5A, 0x82]
 
 
 def test_per_block_cast_hand_values():

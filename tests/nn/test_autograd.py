@@ -55,7 +55,7 @@ def _masked(w, idx):
     return torch.where(idx >= 0, w, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dup"])
 def test_dispatch_combine_grads_exact(buf, comm, routing):
     """Forward outputs and the gradients of x and topk_weights, through dispatch → expert (a power-of-two
     scale per rank) → combine with and without weights, equal the reference bit for bit; a rank with no
@@ -193,7 +193,8 @@ def _ll_dense_reference(xs, idxs, ws, As, Cs, scales, R, L):
 
 
 @pytest.mark.parametrize("routing,wgrad,data", [("uniform", True, "ints"), ("skewed", True, "ints"),
-                                                ("uniform", False, "ints"), ("uniform", True, "normal")])
+                                                ("uniform", False, "ints"), ("uniform", True, "normal"),
+                                                ("dup", True, "ints")])
 def test_ll_dispatch_combine_grads(ll_buf, comm, routing, wgrad, data):
     """LL dispatch -> expert (a power-of-two scale per expert) -> LL combine: forward outputs and the
     gradients of x and topk_weights against the dense float64 model, bit for bit with integer data
@@ -263,19 +264,21 @@ def _dot(a, b) -> float:
     return float((a.detach().double() * b.detach().double()).sum())
 
 
+@pytest.mark.parametrize("routing", ["uniform", "dup"])
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
-def test_backward_is_the_adjoint_of_forward(buf, ll_buf, comm, mode):
+def test_backward_is_the_adjoint_of_forward(buf, ll_buf, comm, mode, routing):
     """Gradcheck-style, without a reference: each op's backward is the adjoint of its own forward.
     Dispatch and combine are linear, so for a loss ``<op(v), u>`` autograd's ``grad_v`` must satisfy
     ``Σ_ranks <op(v), u> == Σ_ranks <v, grad_v>``; LL combine is bilinear in ``(y, w)``, so
     ``<out, g> == <y, y.grad> == <w, w.grad>``; normal combine carries weights linearly too.
     Integer-valued data: every value and sum is exact, so the identities hold exactly. Uniform
-    routing with -1 slots; the last rank (R > 1) has no tokens."""
+    routing with -1 slots, and the same with an expert listed two or three times in a row
+    (docs/semantics/deepep-api.md §0); the last rank (R > 1) has no tokens."""
     r, R = comm.Get_rank(), comm.Get_size()
     ll = mode == "low_latency"
     n = 0 if (R > 1 and r == R - 1) else min(LL_M, 5 + r)
     gen = torch.Generator().manual_seed(41 + r)
-    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    idx = make_topk_idx(routing, n, E, K, r, R, gen)
     x = _ints((n, H), -4, 5, gen, BF16).requires_grad_(True)
     w = (_ints((n, K), 1, 5, gen) / 4).requires_grad_(True)
 

@@ -82,7 +82,8 @@ def test_process_group_as_epbuffer_group(group, comm):
     buf = coll(lambda: EPBuffer(group, num_max_tokens_per_rank=16, hidden=64, num_topk=2, explicitly_destroy=True))
     try:
         assert buf.group is group and (buf.rank_idx, buf.num_ranks) == (group.rank(), group.size()) == (r, R)
-        topk_idx = torch.randint(0, 2 * R, (16, 2), generator=torch.Generator().manual_seed(r))
+        # distinct experts per row, as EPBuffer requires (docs/semantics/deepep-api.md §0)
+        topk_idx = torch.rand(16, 2 * R, generator=torch.Generator().manual_seed(r)).topk(2, dim=1).indices
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + r)).to(torch.bfloat16)
         recv_x, _, _, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))
         y, _, _ = coll(lambda: buf.combine(recv_x, handle))

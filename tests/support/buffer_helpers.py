@@ -170,10 +170,12 @@ def make_topk_idx(kind: str, n: int, num_experts: int, k: int, rank: int, num_ra
     * ``skewed``: every token of every rank goes to experts of one rank (``num_ranks // 2``) only;
       slots beyond that rank's ``L`` experts are -1;
     * ``allneg``: as uniform, but every third row is all -1 and the last rank's rows are all -1;
-    * ``ring``: token ``t`` to expert ``t % L`` of this rank and ``(t+1) % L`` of the next rank.
+    * ``ring``: token ``t`` to expert ``t % L`` of this rank and ``(t+1) % L`` of the next rank;
+    * ``dup``: as uniform, then slot 1 repeats slot 0 and every third row has slot 0's expert in slot 2
+      too (an expert listed two or three times in a row, docs/semantics/deepep-api.md §0).
     """
     L = num_experts // num_ranks
-    if kind in ("uniform", "allneg"):
+    if kind in ("uniform", "allneg", "dup"):
         scores = torch.rand(n, num_experts, generator=gen)
         idx = scores.topk(k, dim=1).indices if n else torch.empty(0, k, dtype=torch.int64)
         drop = torch.rand(n, k, generator=gen) < 0.1
@@ -182,6 +184,9 @@ def make_topk_idx(kind: str, n: int, num_experts: int, k: int, rank: int, num_ra
             idx[::3] = -1
             if rank == num_ranks - 1:
                 idx[:] = -1
+        if kind == "dup" and k >= 3:
+            idx[:, 1] = idx[:, 0]
+            idx[::3, 2] = idx[::3, 0]
     elif kind == "skewed":
         target = num_ranks // 2
         idx = torch.full((n, k), -1, dtype=torch.int64)

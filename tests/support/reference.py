@@ -1,4 +1,4 @@
-"""Pure-torch, single-process reference of DeepEP V1 normal-mode semantics (the test oracle).
+"""Single-process reference of DeepEP V1 semantics in torch (numpy for the FP8 kernel arithmetic): the test oracle.
 
 Every function takes *all* ranks' inputs (gathered into one process, e.g. with
 ``mpi_utils.gather_all``) and computes what one rank must observe, following
@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -604,39 +605,68 @@ class RefLowLatencyDispatch(NamedTuple):
     layout_range: torch.Tensor  # [L, R] int64, begin << 32 | count
 
 
-def ref_ll_cast_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False):
-    """DeepEP LL dispatch's per-token FP8 cast (docs/semantics/deepep-api.md §6.4), written with plain per-group loops.
+def _e4m3_codes_satfinite(v: np.ndarray) -> np.ndarray:
+    """uint8 e4m3fn codes of float32 ``v``, as CUDA's ``__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE,
+    __NV_E4M3)`` gives them: round to nearest, ties to the even code; magnitudes past 448 (infinities
+    too) saturate to 448; NaN gives 0x7F; the sign bit is kept (``-0.0`` gives 0x80).
 
-    Returns ``(data [N, H] e4m3, scales)``: float32 ``[N, H/128]``, or with ``use_ue8m0`` int32
-    ``[N, H/512]`` (byte ``k + 127`` of group ``4p + i`` at byte ``i`` of word ``p``).
+    Written from the format's definition (exponent bias 7, three mantissa bits, subnormal step
+    ``2**-9``) in float64, where every candidate and every distance is exact; it uses neither
+    torch's cast nor any float8 type."""
+    code = np.arange(127)  # 0x00..0x7E, the non-negative finite codes, ascending in value
+    exp, man = code >> 3, code & 7
+    values = np.where(exp == 0, man * 2.0**-9, (1 + man / 8) * 2.0 ** (exp - 7))
+    a = np.abs(v.astype(np.float64))
+    nan = np.isnan(a)
+    a = np.minimum(np.where(nan, 0.0, a), values[-1])
+    hi = np.minimum(np.searchsorted(values, a, side="left"), 126)  # first value >= a
+    lo = np.maximum(hi - 1, 0)
+    below, above = a - values[lo], values[hi] - a
+    pick = np.where(above < below, hi, np.where(below < above, lo, np.where(hi % 2 == 0, hi, lo)))
+    pick = np.where(nan, 0x7F, pick)
+    return (pick | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def ref_ll_cast_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False):
+    """DeepEP LL dispatch's per-token FP8 cast (docs/semantics/deepep-api.md §6.4), in numpy float32 in the
+    kernel's operation order (``deep_ep`` ``internode_ll.cu`` dispatch and ``calculate_fp8_scales``):
+
+    * ``amax = fmaxf(1e-4f, |x_i|...)`` per 128 channels (``fmaxf`` skips NaN elements);
+    * plain: ``scale = 448.0f / amax`` (one IEEE division), ``scale_inv = amax * (1 / 448.0f)``;
+    * ``round_scale``: ``k = exponent(amax * (1 / 448.0f)) + (mantissa != 0)`` from the bits,
+      ``scale = bits((127 - k) << 23)``, ``scale_inv = bits((127 + k) << 23)`` (no clamp);
+    * ``data = cvt_satfinite_e4m3(x * scale)`` (:func:`_e4m3_codes_satfinite`); the stored scale is
+      ``scale_inv``, with ``use_ue8m0`` its byte ``bits >> 23`` (byte ``i`` of word ``p`` is group
+      ``4p + i``).
+
+    ``x [N, H]`` bf16 or float32, ``H % 128 == 0``. Returns ``(data [N, H] e4m3, scales)``: float32
+    ``[N, H/128]``, or with ``use_ue8m0`` int32 ``[N, H/512]``.
     """
     n, h = x.shape
+    if h % FP8_GROUP:
+        raise ValueError(f"hidden must be a multiple of {FP8_GROUP}, got {h}")
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0 requires round_scale")
     s = h // FP8_GROUP
-    inv448 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-    data = torch.empty(n, h, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(n, s, dtype=torch.float32)
-    exps = torch.empty(n, s, dtype=torch.int32)
-    for g in range(s):
-        grp = x[:, g * FP8_GROUP:(g + 1) * FP8_GROUP].float()
-        amax = grp.abs().amax(dim=1).clamp(min=1e-4)
-        r = amax * inv448
+    groups = x.float().numpy().reshape(n, s, FP8_GROUP)
+    f32 = np.float32
+    with np.errstate(all="ignore"):  # infinities and NaN follow IEEE arithmetic, as on the GPU
+        amax = np.fmax.reduce(np.abs(groups), axis=2, initial=f32(1e-4))
+        inv448 = f32(1) / f32(FP8_MAX)
         if round_scale:
-            bits = r.view(torch.int32)
-            exp = ((bits >> 23) & 0xFF) - 127
-            k = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2 r) from the float bits
-            scale = torch.pow(torch.tensor(2.0), k.float())
-            data[:, g * FP8_GROUP:(g + 1) * FP8_GROUP] = (grp * (1.0 / scale).unsqueeze(1)).to(torch.float8_e4m3fn)
-            scales[:, g] = scale
-            exps[:, g] = k
+            bits = (amax * inv448).view(np.uint32).astype(np.int64)
+            k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+            scale = (((127 - k) << 23) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+            scale_inv = (((127 + k) << 23) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
         else:
-            data[:, g * FP8_GROUP:(g + 1) * FP8_GROUP] = (grp * (FP8_MAX / amax).unsqueeze(1)).to(torch.float8_e4m3fn)
-            scales[:, g] = r
+            scale = f32(FP8_MAX) / amax
+            scale_inv = amax * inv448
+        scaled = groups * scale[:, :, None]
+    data = torch.from_numpy(_e4m3_codes_satfinite(scaled).reshape(n, h)).view(torch.float8_e4m3fn)
     if use_ue8m0:
-        if not round_scale:
-            raise ValueError("use_ue8m0 requires round_scale")
-        packed = (exps + 127).to(torch.uint8).contiguous().view(torch.int32)  # 4 bytes -> one int32
-        return data, packed
-    return data, scales
+        exp_bytes = (scale_inv.view(np.uint32) >> 23).astype(np.uint8)
+        return data, torch.from_numpy(np.ascontiguousarray(exp_bytes)).view(torch.int32)
+    return data, torch.from_numpy(np.ascontiguousarray(scale_inv))
 
 
 def ref_ll_dispatch(

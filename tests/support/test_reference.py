@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tests.support.reference import (
+    _e4m3_codes_satfinite,
     align_up,
     calc_diff,
     per_token_cast_back,
@@ -13,6 +15,7 @@ from tests.support.reference import (
     ref_combine,
     ref_dispatch,
     ref_dispatch_layout,
+    ref_ll_cast_fp8,
     ref_rank_prefix_matrix,
     ref_recv_rows,
 )
@@ -267,6 +270,37 @@ def test_fp8_round_trip_random_and_ue8m0():
     ones = torch.ones(1, 512).to(torch.float8_e4m3fn)
     back = per_token_cast_back(ones, packed, dtype=torch.float32)
     assert back[0, ::128].tolist() == [1.0, 2.0, 0.5, 8.0]
+
+
+def test_e4m3_encoder_hand_codes_and_torch_agreement():
+    # By hand: ties to the even code (1.0625 -> 1.0, 1.1875 -> 1.25, 336 -> 320, 2^-10 -> 0,
+    # 3 * 2^-10 -> 2^-8), saturation (464 and inf -> 448), NaN -> 0x7F, the sign bit of -0.0.
+    v = np.array([1.0625, 1.1875, 336.0, 2.0**-10, 3 * 2.0**-10, 464.0, np.inf, -np.inf, np.nan, -0.0, 0.875, 240.0],
+                 dtype=np.float32)
+    assert _e4m3_codes_satfinite(v).tolist() == [0x38, 0x3A, 0x7A, 0x00, 0x02, 0x7E, 0x7E, 0xFE, 0x7F, 0x80, 0x36, 0x77]
+    # Finite values within range: the same codes as torch's round-to-nearest-even cast.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200_000, generator=g) * torch.logspace(-12, 2.5, 200_000)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(_e4m3_codes_satfinite(x.numpy()), want)
+
+
+def test_ll_cast_kernel_order_hand_values():
+    # docs/semantics/deepep-api.md §6.4: 448 / 0.1875 is one float32 division; times 0.140625 it is 336
+    # exactly, which rounds to 320. NaN is left out of amax; an all-zero group takes the 1e-4 floor.
+    x = torch.zeros(3, 512)
+    x[0, 0], x[0, 1] = 0.1875, 0.140625
+    x[1, 0], x[1, 1] = float("nan"), 2.0
+    data, sf = ref_ll_cast_fp8(x)
+    inv448 = np.float32(1) / np.float32(448)
+    assert data.view(torch.uint8)[0, :2].tolist() == [0x7E, 0x7A]
+    assert data.view(torch.uint8)[1, :2].tolist() == [0x7F, 0x7E] and sf[1, 0].item() == float(2 * inv448)
+    assert sf[2].tolist() == [float(np.float32(1e-4) * inv448)] * 4
+    _, sf_r = ref_ll_cast_fp8(x, round_scale=True)
+    _, packed = ref_ll_cast_fp8(x, round_scale=True, use_ue8m0=True)
+    # 0.1875/448 = 2^-11.2 -> 2^-11; 2/448 = 2^-7.8 -> 2^-7; 1e-4/448 = 2^-22.1 -> 2^-22
+    assert sf_r[:, 0].tolist() == [2.0**-11, 2.0**-7, 2.0**-22]
+    assert packed.shape == (3, 1) and packed.view(torch.uint8).view(3, 4)[:, 0].tolist() == [116, 120, 105]
 
 
 def test_align_up():
