@@ -861,7 +861,7 @@ class Buffer:
         ll = self._ll
         if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
             raise RuntimeError(
-                f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
+                f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
         self._worker.drain()
@@ -1039,7 +1039,7 @@ class Buffer:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
         if ll.pending_hook is not None:
-            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook} still awaits its hook")
+            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook + 1} still awaits its hook")
         self._worker.drain()
         self._guard(ll.clean)
 
