@@ -774,6 +774,11 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
         return rows
 
 
+def call_name(op: int, seq: int) -> str:
+    """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
+    return f"{_OP_NAMES[op]} call #{seq + 1}"
+
+
 def _call_name(w) -> str:
     """A header's call as errors name it: ``"low_latency_dispatch call #4 (its 3rd low_latency_dispatch)"``."""
     op, n = (int(w[0]) >> 4) & 0xF, int(w[2])

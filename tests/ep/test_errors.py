@@ -479,6 +479,63 @@ def test_rank_missing_times_out_naming_phase_peer_and_call(comm, api):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["dispatch", "cached_dispatch", "combine", "ll_combine_hook", "ll_combine_async",
+                                  "ep_dispatch", "ep_dispatch_deferred", "ep_combine"])
+def test_async_input_written_in_place_raises(comm, case):
+    """Rank 0 writes an input of an asynchronous call in place before its event completes (the worker still
+    reads it: the peers would receive the new values): its wait raises RuntimeError naming the argument
+    (docs/semantics/deepep-api.md §3.3), and every other rank fails at its wait or its next call, naming rank 0."""
+    r = comm.Get_rank()
+    api = "ep_buffer" if case.startswith("ep_") else "low_latency" if case.startswith("ll_") else "normal"
+    calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
+    b, x, idx, w = calls.buf, calls.x, calls.idx, calls.w
+    recv_x, handle = coll(calls.dispatch, what="a good dispatch first")
+    name = "topk_weights" if case.startswith("ll_") else "x"
+    written = w if name == "topk_weights" else (recv_x if case.endswith("combine") else x)
+    if api == "normal":
+        ntpr, _, ntpe, itr, _ = calls.layout
+        if case == "dispatch":
+            go = lambda: b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                    topk_idx=idx, topk_weights=w, async_finish=True)[-1]
+        elif case == "cached_dispatch":
+            go = lambda: b.dispatch(x, handle=handle, async_finish=True)[-1]
+        else:
+            go = lambda: b.combine(recv_x, handle, async_finish=True)[-1]
+        wait = lambda ev: ev.current_stream_wait()
+    elif api == "low_latency":
+        hook_mode = case.endswith("hook")
+        go = lambda: b.low_latency_combine(recv_x, idx, w, handle, async_finish=not hook_mode,
+                                           return_recv_hook=hook_mode)
+        wait = lambda out: out[2]() if hook_mode else out[1].current_stream_wait()
+    else:
+        if case == "ep_combine":
+            go = lambda: b.combine(recv_x, handle, async_with_compute_stream=True)[-1]
+        elif case == "ep_dispatch":
+            go = lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                    async_with_compute_stream=True)[-1]
+        else:  # the deferred epilogue returns the event alone
+            go = lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, async_with_compute_stream=True,
+                                    defer_epilogue=True)
+        wait = lambda ev: ev.current_stream_wait()
+    comm.Barrier()
+    out = go()
+    if r == 0:
+        written.zero_()
+    _, exc = capture(lambda: wait(out))
+    comm.Barrier()  # rank 0 has aborted its peers by now
+    if r == 0:
+        ok = isinstance(exc, RuntimeError) and f"`{name}`" in str(exc) and "written in place" in str(exc)
+    else:
+        if exc is None:  # this rank's own call was complete: its next call fails
+            _, exc = capture(lambda: wait(go()))
+        ok = exc is not None and "rank 0" in str(exc)
+    all_ranks_ok(comm, ok, f"{case}: rank {r} got {exc!r}")
+    comm.Barrier()
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, dexc is None, f"{case}: destroy raised {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_destroy_inside_except_after_a_timeout(comm):
     """The natural recovery: catch the timeout, destroy the poisoned Buffer, build a fresh one."""
     r, R = comm.Get_rank(), comm.Get_size()
