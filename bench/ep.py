@@ -52,8 +52,9 @@ distinct rank it reached (``--expand``: each rank's slots of the token summed an
 across nodes each node's partial rounded to BF16), sums that are exact in float32, one rounding to BF16;
 ``combined_topk_weights`` equals ``topk_weights``; the last timed round trip gives the checked bits again.
 Compact layout: EPBuffer's dispatch outputs (``recv_x`` [and scales], ``recv_topk_idx``,
-``recv_topk_weights``, per-expert counts) and ``combined_x`` equal V1's bit for bit. V1 and gloo are checked
-against the MPI pipeline as ``bench normal`` does.
+``recv_topk_weights``, per-expert counts) and ``combined_x`` equal V1's bit for bit. V1 and the peers are
+verified against the reference and checked against the MPI pipeline as ``bench normal`` does; a system that
+fails its verification is left out of every ratio and verdict (``summary.excluded``).
 
 Output (rank 0): ``[config]``, ``[bytes]`` (the V2 accounting), ``[ep]`` lines (dispatch, combine, round
 trip), the other systems' lines as ``bench normal`` prints them plus their round trip with the layout,
@@ -88,11 +89,15 @@ from bench.roundtrip import (
     dispatch_digests,
     fmt_check,
     fmt_kinds,
+    fmt_verification,
     identity_experts,
     normal_buffer_bytes,
     print_system,
+    reference_combined,
     round_trip_phases,
     system_report,
+    verification_failure,
+    verify_round_trip,
 )
 from bench.timing import Timing, progress_bar, time_phases
 from bench.workload import Workload, calc_diff, comm_fingerprint, make_workload, num_recv_tokens_of, tensor_digest
@@ -190,35 +195,6 @@ def tokens_to_nodes(topk_idx: torch.Tensor, num_experts: int, num_nodes: int, no
     hit = torch.zeros(topk_idx.size(0), num_nodes + 1, dtype=torch.bool).scatter_(1, dst, True)[:, :num_nodes]
     every = int(hit.sum())
     return every - int(hit[:, node].sum()), every
-
-
-# -- the reference of the check ---------------------------------------------------------------------------
-def reference_combined(x_in: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                       ranks_per_node: int, expand: bool) -> torch.Tensor:
-    """What combine of the unmodified received rows returns, in plain torch: ``[N, hidden]`` BF16.
-
-    ``x_in [N, hidden]`` BF16 is each token's row as the experts saw it. Per token and rank that holds
-    ``m >= 1`` of its slots, the rank's row is ``x`` (compact) or ``bf16(m·x)`` (expanded: the rank's slots
-    summed, one rounding); the rows of a node are summed in float32 and, across nodes, rounded to BF16 per
-    node; the node partials summed in float32; one rounding to BF16. Every float32 sum here is exact (a few
-    values within a few binades, 8-bit significands), so the order of the additions does not matter and the
-    library must give these values exactly. Loops over ranks, not tokens."""
-    n, h = x_in.shape
-    per_rank = num_experts // num_ranks
-    dst = torch.where(topk_idx >= 0, torch.div(topk_idx, per_rank, rounding_mode="floor"), num_ranks)
-    slots = torch.zeros(n, num_ranks + 1, dtype=torch.float32)
-    slots.scatter_add_(1, dst, torch.ones(dst.shape, dtype=torch.float32))
-    coef = slots[:, :num_ranks] if expand else (slots[:, :num_ranks] > 0).to(torch.float32)
-    xf = x_in.float()
-    nodes = num_ranks // ranks_per_node
-    total = torch.zeros(n, h, dtype=torch.float32)
-    for g in range(nodes):
-        acc = torch.zeros(n, h, dtype=torch.float32)
-        for r in range(g * ranks_per_node, (g + 1) * ranks_per_node):
-            row = xf * coef[:, r:r + 1]
-            acc += row.to(torch.bfloat16).float() if expand else row
-        total += acc.to(torch.bfloat16).float() if nodes > 1 else acc
-    return total.to(torch.bfloat16)
 
 
 # -- EPBuffer's round trip ---------------------------------------------------------------------------------
@@ -402,13 +378,18 @@ def print_ep(rep: dict, res: EPResult, num_nodes: int) -> None:
     print(f"[ep]       round trip epbuffer: {res.timings['round_trip'].fmt()}")
 
 
-def summarize(trips: dict, R: int) -> dict:
+def summarize(trips: dict, R: int, failed: dict | None = None) -> dict:
     """Ratios of the median round trips (EPBuffer: dispatch + combine; the others with their layout) and the
-    targets' verdicts; ``lines``: what rank 0 prints."""
-    med = {n: t.median for n, t in trips.items()}
-    out = {"round_trip_median_s": med, "lines": [], "targets": {"epbuffer_over_buffer_v1_at_most": TARGET_OVER_V1}}
+    targets' verdicts; ``lines``: what rank 0 prints. ``failed``: ``{system: why}`` of the systems that failed
+    their verification, left out of every ratio and verdict (and said so)."""
+    failed = failed or {}
+    every = {n: t.median for n, t in trips.items()}
+    med = schema.trusted(every, failed)  # what ratios are taken from
+    out = {"round_trip_median_s": every, "lines": [], "targets": {"epbuffer_over_buffer_v1_at_most": TARGET_OVER_V1}}
     out["lines"].append("[summary]  round trip, median (epbuffer: dispatch + combine; the others: layout + "
-                        "dispatch + combine): " + " | ".join(f"{n} {v * 1e3:.3f} ms" for n, v in med.items()))
+                        "dispatch + combine): " + " | ".join(f"{n} {v * 1e3:.3f} ms" + (" (EXCLUDED)" if n in failed
+                                                                                         else "")
+                                                             for n, v in every.items()))
     ep = med.get("epbuffer")
     if ep is not None and "buffer_v1" in med:
         r = ep / med["buffer_v1"]
@@ -432,6 +413,7 @@ def summarize(trips: dict, R: int) -> dict:
         out["epbuffer_over_roofline"] = ep / med["memcpy_roofline"]
         out["lines"].append(f"[summary]  epbuffer round trip / memcpy roofline of its V2 bytes: "
                             f"{out['epbuffer_over_roofline']:.2f}x")
+    out["lines"] += schema.excluded_lines(failed)
     return out
 
 
@@ -574,15 +556,20 @@ def run(args) -> int:
         checks["epbuffer_vs_reference"] = chk
         if ep.digests is not None and "buffer_v1" in others:
             checks["epbuffer_vs_buffer_v1"] = compare_with_v1(ep, others["buffer_v1"], comm)
-    ref_name = "mpi_alltoallv" if "mpi_alltoallv" in others else None
+    # V1 and the peers against the reference of their arithmetic: a system failing it takes part in no ratio
+    verified = {name: verify_round_trip(res, wl, args.num_experts, comm, rpn if name == "buffer_v1" else None)
+                for name, res in others.items()}
+    failed = {n: why for n, c in verified.items() if (why := verification_failure(c)) is not None}
+    if ep is not None:
+        c = checks["epbuffer_vs_reference"]
+        if not (c["combined_x_equal"] and c["combined_topk_weights_equal"] and c["repeatable"]):
+            failed["epbuffer"] = "its round trip differs from the reference (see its [check] line)"
+    ref_name = "mpi_alltoallv" if "mpi_alltoallv" in others and "mpi_alltoallv" not in failed else None
     for name, res in others.items():
         if ref_name is not None and name != ref_name:
             checks[f"{name}_vs_{ref_name}"] = compare_outputs(others[ref_name], res, comm,
                                                               two_roundings=name == "buffer_v1" and nodes > 1)
-    ok = True
-    if "epbuffer_vs_reference" in checks:
-        c = checks["epbuffer_vs_reference"]
-        ok = c["combined_x_equal"] and c["combined_topk_weights_equal"] and c["repeatable"]
+    ok = not failed
     if "epbuffer_vs_buffer_v1" in checks:
         c = checks["epbuffer_vs_buffer_v1"]
         ok = ok and c["combined_x_equal_values"] and all(v for k, v in c.items() if k.startswith("dispatch."))
@@ -605,10 +592,12 @@ def run(args) -> int:
             print(fmt_ep_check(checks["epbuffer_vs_reference"], "epbuffer"))
         if "epbuffer_vs_buffer_v1" in checks:
             print(fmt_v1_check(checks["epbuffer_vs_buffer_v1"]))
+        for name, chk in verified.items():
+            print(fmt_verification(name, chk))
         for key, chk in checks.items():
             if not key.startswith("epbuffer_"):
                 print(fmt_check(ref_name, key.split("_vs_")[0], chk))
-        summary = summarize(trips, R)
+        summary = summarize(trips, R, failed)
         for line in summary["lines"]:
             print(line)
         peak = [m["peak_rss"] for m in mem]
@@ -617,8 +606,8 @@ def run(args) -> int:
             records, baselines = result_records(ep, ep_rep, others, reports, trips, roof, roof_bytes)
             schema.write(args.json, schema.document(
                 "ep", argv=args._argv, params=cli.params_of(args, R), results=records, baselines=baselines,
-                fingerprint=fp, checks=dict(ok=ok, results=checks, reference=ref_name),
-                summary={k: v for k, v in summary.items() if k != "lines"},
+                fingerprint=fp, checks=dict(ok=ok, results=checks, reference=ref_name, verified=verified),
+                summary={k: v for k, v in summary.items() if k != "lines"}, failed=failed,
                 details=dict(workload=dict(wl.params, expand=args.expand, expert_alignment=args.expert_alignment),
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,

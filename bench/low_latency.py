@@ -23,7 +23,9 @@ Measured, each as the max over ranks per iteration, median and p99 over ``--iter
   moves each byte with one copy cannot beat it;
 * the peer pipelines a user would write instead, on the same workload (``bench.baselines``:
   MPI ``Alltoallv`` and torch gloo ``all_to_all_single``, per destination *rank* with an
-  unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement).
+  unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement), each
+  verified against a plain-torch reference (:func:`bench.roundtrip.verify_round_trip`); one that fails it
+  (or the LL check failing) is left out of the speed-up and named as excluded (``summary.excluded``).
 
 Bandwidth (GB = 1e9 B): DeepEP's LL formula (docs/semantics/deepep-api.md §11) per valid selection — dispatch
 ``H + H/32 + 16`` B (FP8) or ``2H + 16`` B (BF16), combine ``2H`` B — over the call time; and
@@ -55,6 +57,7 @@ from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, 
 from bench.formulas import fmt_bytes, gbps, low_latency_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
 from bench.roofline import memcpy_roofline
+from bench.roundtrip import fmt_verification, verification_failure, verify_round_trip
 from bench.timing import Timing, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, per_token_cast_back
 
@@ -263,16 +266,24 @@ def run(args) -> int:
 
     # Same-run baselines on the same workload.
     base = {}
+    failed = {} if out["check"]["ok"] else {"deepep_ascend": f"combined vs x*sum(w): calc_diff {diff:.2e} is not "
+                                                              f"below {out['check']['bound']:g}"}
     if not args.no_baselines:
         wl_b = make_workload(N, H, K, E, rank, R, seed=args.seed, fp8=fp8)
-        base["mpi_alltoallv"] = mpi_alltoallv_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+        runs = {"mpi_alltoallv": mpi_alltoallv_roundtrip(wl_b, comm, args.iters, args.warmup)}
         start_gloo(comm)
-        base["gloo_all_to_all"] = gloo_all_to_all_roundtrip(wl_b, comm, args.iters, args.warmup).timings["round_trip"]
+        runs["gloo_all_to_all"] = gloo_all_to_all_roundtrip(wl_b, comm, args.iters, args.warmup)
+        base = {k: v.timings["round_trip"] for k, v in runs.items()}
+        out["baseline_checks"] = {k: verify_round_trip(v, wl_b, E, comm) for k, v in runs.items()}
+        failed.update({k: why for k, c in out["baseline_checks"].items()
+                       if (why := verification_failure(c)) is not None})
+    ok = out["check"]["ok"] and not failed  # a baseline that fails its verification fails the run too
     out["baselines"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in base.items()}
     roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
     out["roofline"] = roof.as_dict() | {"dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
-    if base:
-        faster = min(v.median for v in base.values())
+    peers = schema.trusted(base, failed)  # the systems that failed their verification take part in no ratio
+    if peers and "deepep_ascend" not in failed:
+        faster = min(v.median for v in peers.values())
         out["summary"] = dict(speedup_over_faster_peer=faster / t["round_trip"].median, target=5.0)
 
     records = result_records(out, t, th, to, tc, base, roof)
@@ -309,25 +320,30 @@ def run(args) -> int:
                                           if emulator is None else emu)]
         peer_note = " (LL on EMULATED links; peers not slowed)" if emulator is not None else ""
         for k, v in base.items():
-            lines.append(f"[base]   {k:16s} round trip {us(v)}  ({v.median / t['round_trip'].median:.2f}x the LL "
-                         f"round trip{peer_note})")
+            ratio = ("EXCLUDED: failed its verification" if k in failed or "deepep_ascend" in failed
+                     else f"{v.median / t['round_trip'].median:.2f}x the LL round trip{peer_note}")
+            lines.append(f"[base]   {k:16s} round trip {us(v)}  ({ratio})")
+        for k, c in out.get("baseline_checks", {}).items():
+            lines.append(fmt_verification(k, c).replace("[check]    ", "[check]  "))
         need = (f"; the 5x target ({faster / 5 * 1e3:.1f} ms) is {faster / 5 / roof.median:.2f}x the roofline"
-                if base else "")
+                if "summary" in out else "")
         lines.append(f"[roofline] memcpy of this rank's LL-formula bytes, one copy each way, all ranks at once: "
                      f"round trip {us(roof)}; LL round trip / roofline {t['round_trip'].median / roof.median:.1f}x"
                      f"{need}")
-        if base:
+        if "summary" in out:
             sp = out["summary"]["speedup_over_faster_peer"]
             tgt = " (target >= 5x at 4 ranks)" if R == 4 and emulator is None else ""
             how = f"{sp:.2f}x faster than" if sp >= 1 else f"{1 / sp:.2f}x slower than"
             lines.append(f"[summary] LL round trip is {how} the faster peer pipeline{tgt}{peer_note}")
+        lines += schema.excluded_lines(failed, "[summary] ")
         print("\n".join(lines), flush=True)
         if args.json:
             schema.write(args.json, schema.document(
                 "low-latency", argv=args._argv, params=cli.params_of(args, R), fingerprint=out["config"]["fingerprint"],
                 results=records,
                 baselines=[n for n in (f"{k}/round_trip" for k in base)] + ["memcpy_roofline/round_trip"],
-                checks=out["check"], summary=out.get("summary", {}), link_model=out["link_model"],
+                checks=dict(out["check"], ok=ok, baselines=out.get("baseline_checks", {})),
+                summary=out.get("summary", {}), link_model=out["link_model"], failed=failed,
                 projection=out["projection"],
                 details={k: v for k, v in out.items() if k not in ("check", "summary", "link_model", "projection")}))
     st.clear()
@@ -336,7 +352,7 @@ def run(args) -> int:
     if base:
         import torch.distributed as dist
         dist.destroy_process_group()
-    return 0 if out["check"]["ok"] else 1
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:

@@ -29,10 +29,14 @@ real expert's output), which combine stages first:
 * ``gloo_all_to_all``: the same over ``torch.distributed`` gloo ``all_to_all_single``;
 * ``memcpy roofline``: one ``copy_`` of each rank's dispatch bytes and one of its combine bytes.
 
-All systems' outputs are compared bit for bit against the MPI pipeline (layout, ``recv_x`` [and
-scales], ``recv_topk_idx``, ``recv_topk_weights``, per-expert counts, ``combined_x``,
-``combined_topk_weights``); ``calc_diff`` is printed too. A mismatch is reported (``[check] ...
-MISMATCH``) and makes the exit code 1; performance targets are reported, never asserted.
+Every system's round trip is verified against a plain-torch reference
+(:func:`bench.roundtrip.verify_round_trip`: ``combined_x`` = each token's row once per distinct rank it
+reached, ``combined_topk_weights`` = the routing's weights); a system that fails it is left out of every
+ratio and verdict (``[summary] ... EXCLUDED``, ``summary.excluded`` and ``"verified": false`` in the JSON).
+All systems' outputs are also compared bit for bit against the MPI pipeline (or the first verified
+system; layout, ``recv_x`` [and scales], ``recv_topk_idx``, ``recv_topk_weights``, per-expert counts,
+``combined_x``, ``combined_topk_weights``); ``calc_diff`` is printed too. A mismatch is reported
+(``[check] ... MISMATCH``) and makes the exit code 1; performance targets are reported, never asserted.
 
 Timing: barrier before each timed op, ``time.perf_counter`` around it, the max over ranks per
 iteration, median (min, max) over ``--iters`` after ``--warmup``. Round trip = dispatch + combine
@@ -88,10 +92,13 @@ from bench.roundtrip import (
     compare_outputs,
     destroy_buffer,
     fmt_check,
+    fmt_verification,
     normal_buffer_bytes,
     print_system,
     run_round_trip,
     system_report,
+    verification_failure,
+    verify_round_trip,
 )
 from bench.routing import load_routing, save_routing
 from bench.timing import progress_bar
@@ -296,15 +303,21 @@ def run(args) -> int:
         roof_fresh = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_dst=True)
         extra["roofline_bytes"] = comm.gather(dict(dispatch=d_bytes, combine=c_bytes), root=0)
 
-    # correctness: everything against the MPI pipeline (or the first system run)
-    ref_name = "mpi_alltoallv" if "mpi_alltoallv" in results else next(iter(results), None)
+    # correctness: every system against the reference of its arithmetic (a system that fails it takes part
+    # in no ratio or verdict), then each against the MPI pipeline (or the first verified system) bit for bit
+    internode = args.ranks_per_node is not None and args.ranks_per_node < R
+    verified = {name: verify_round_trip(res, wl, args.num_experts, comm,
+                                        args.ranks_per_node if name == "deepep_ascend" else None)
+                for name, res in results.items()}
+    failed = {n: why for n, c in verified.items() if (why := verification_failure(c)) is not None}
+    good = [n for n in results if n not in failed]
+    ref_name = "mpi_alltoallv" if "mpi_alltoallv" in good else next(iter(good), None)
     checks = {}
     for name, res in results.items():
-        if name != ref_name:
+        if ref_name is not None and name != ref_name:
             checks[name] = compare_outputs(results[ref_name], res, comm,
-                                             two_roundings=name == "deepep_ascend" and args.ranks_per_node is not None
-                                             and args.ranks_per_node < R)
-    ok = all(check_ok(c) for c in checks.values())
+                                             two_roundings=name == "deepep_ascend" and internode)
+    ok = not failed and all(check_ok(c) for c in checks.values())
 
     mem = comm.gather(memory_snapshot(), root=0)
     if group is not None:
@@ -338,9 +351,11 @@ def run(args) -> int:
             for line in projection_lines(projection, {k: (ph[k]["median_s"], ph[k]["bottleneck_gbps"]) for k in ph},
                                            "V1 bottleneck", emulator):
                 print(line)
+        for name, chk in verified.items():
+            print(fmt_verification(name, chk))
         for name, chk in checks.items():
             print(fmt_check(ref_name, name, chk))
-        summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None)
+        summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None, failed=failed)
         for line in summary["lines"]:
             print(line)
         peak_rss = [m["peak_rss"] for m in mem]
@@ -352,8 +367,8 @@ def run(args) -> int:
             records, baselines = result_records(results, reports, roof, roof_fresh, extra.get("roofline_bytes"))
             schema.write(args.json, schema.document(
                 "normal", argv=args._argv, params=cli.params_of(args, R), results=records, baselines=baselines,
-                fingerprint=fp, checks=dict(ok=ok, reference=ref_name, results=checks),
-                summary={k: v for k, v in summary.items() if k != "lines"},
+                fingerprint=fp, checks=dict(ok=ok, reference=ref_name, results=checks, verified=verified),
+                summary={k: v for k, v in summary.items() if k != "lines"}, failed=failed,
                 link_model=link_model_doc(args.profile, emulator), projection=projection,
                 details=dict(workload=dict(wl.params, routing_label=routing_label, expert_fn=args.expert_fn),
                              systems=reports, roofline_bytes_per_rank=extra.get("roofline_bytes"),
@@ -408,19 +423,23 @@ def n_recv_for(results, wl, args, comm) -> int:
     return num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
 
 
-def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False) -> dict:
+def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False, failed: dict | None = None) -> dict:
     """Ratios on the median round trip (dispatch + combine), with the targets for this R.
 
     ``emulated``: deepep_ascend ran on emulated links; every line says so and no target verdict
-    is given (the peers are not slowed, so the ratios measure the emulation)."""
-    rt = {n: r.timings["round_trip"].median for n, r in results.items()}
-    out = {"round_trip_median_s": dict(rt), "lines": []}
+    is given (the peers are not slowed, so the ratios measure the emulation). ``failed``: ``{system: why}``
+    of the systems that failed their verification: left out of every ratio and verdict, and said so."""
+    failed = failed or {}
+    every = {n: r.timings["round_trip"].median for n, r in results.items()}
+    rt = schema.trusted(every, failed)  # what ratios are taken from
+    out = {"round_trip_median_s": dict(every), "lines": []}
     if roof is not None:
         out["round_trip_median_s"]["memcpy_roofline"] = roof["round_trip"].median
     if roof_fresh is not None:
         out["round_trip_median_s"]["clone_roofline_fresh_dst"] = roof_fresh["round_trip"].median
     out["lines"].append("[summary]  round trip (dispatch + combine, median): " + " | ".join(
-        f"{n} {v * 1e3:.3f} ms" for n, v in out["round_trip_median_s"].items()))
+        f"{n} {v * 1e3:.3f} ms" + (" (EXCLUDED)" if n in failed else "")
+        for n, v in out["round_trip_median_s"].items()))
     peers = {n: v for n, v in rt.items() if n != "deepep_ascend"}
     target = {} if emulated else TARGETS.get(R, {})
     if peers:
@@ -448,6 +467,7 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
         out["lines"].append("[summary]  round trip / memcpy roofline: " + " | ".join(parts))
     if emulated:
         out["lines"] = [ln + " [deepep_ascend on EMULATED links; peers not slowed]" for ln in out["lines"]]
+    out["lines"] += schema.excluded_lines(failed)
     return out
 
 

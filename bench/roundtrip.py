@@ -227,6 +227,78 @@ def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roun
     return out
 
 
+def reference_combined(x_in: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                       ranks_per_node: int, expand: bool) -> torch.Tensor:
+    """What combine of the unmodified received rows returns, in plain torch: ``[N, hidden]`` BF16.
+
+    ``x_in [N, hidden]`` BF16 is each token's row as the experts saw it. Per token and rank that holds
+    ``m >= 1`` of its slots, the rank's row is ``x`` (compact) or ``bf16(m·x)`` (expanded: the rank's slots
+    summed, one rounding); the rows of a node are summed in float32 and, across nodes, rounded to BF16 per
+    node; the node partials summed in float32; one rounding to BF16. Every float32 sum here is exact (a few
+    values within a few binades, 8-bit significands), so the order of the additions does not matter and the
+    library must give these values exactly. Loops over ranks, not tokens."""
+    n, h = x_in.shape
+    per_rank = num_experts // num_ranks
+    dst = torch.where(topk_idx >= 0, torch.div(topk_idx, per_rank, rounding_mode="floor"), num_ranks)
+    slots = torch.zeros(n, num_ranks + 1, dtype=torch.float32)
+    slots.scatter_add_(1, dst, torch.ones(dst.shape, dtype=torch.float32))
+    coef = slots[:, :num_ranks] if expand else (slots[:, :num_ranks] > 0).to(torch.float32)
+    xf = x_in.float()
+    nodes = num_ranks // ranks_per_node
+    total = torch.zeros(n, h, dtype=torch.float32)
+    for g in range(nodes):
+        acc = torch.zeros(n, h, dtype=torch.float32)
+        for r in range(g * ranks_per_node, (g + 1) * ranks_per_node):
+            row = xf * coef[:, r:r + 1]
+            acc += row.to(torch.bfloat16).float() if expand else row
+        total += acc.to(torch.bfloat16).float() if nodes > 1 else acc
+    return total.to(torch.bfloat16)
+
+
+def verify_round_trip(res: RoundTripResult, wl: Workload, num_experts: int, comm,
+                      ranks_per_node: int | None = None) -> dict:
+    """Check one system's round trip against :func:`reference_combined` (collective, same answer on every
+    rank): ``{combined_x_equal, combined_x_calc_diff, combined_topk_weights_equal}`` (ANDed, max over ranks).
+
+    ``combined_x`` of the identity experts must equal the reference with the system's rounding (``ranks_per_node``
+    below the ranks: each node's partial rounded to BF16 first, as DeepEP's internode combine does; else one
+    rounding), and ``combined_topk_weights`` the routing's weights (0 for -1 slots). A system that fails
+    this (a pipeline returning zeros, say) is left out of every ratio (:func:`bench.schema.exclude_unverified`).
+    """
+    from mpi4py import MPI
+
+    R = comm.Get_size()
+    ref = reference_combined(identity_experts(wl.dispatch_x), wl.topk_idx, num_experts, R, ranks_per_node or R,
+                             expand=False)
+    got, w = res.combined_x, res.combined_topk_weights
+    want_w = wl.topk_weights.masked_fill(wl.topk_idx < 0, 0.0)
+    same_shape = got.shape == ref.shape and got.dtype == ref.dtype
+    flags = np.array([same_shape and torch.equal(got, ref),
+                      w is not None and w.shape == want_w.shape and torch.equal(w, want_w)], dtype=np.int32)
+    diff = np.array([calc_diff(got.float(), ref.float()) if same_shape else float("inf")])
+    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
+    comm.Allreduce(MPI.IN_PLACE, diff, op=MPI.MAX)
+    return {"combined_x_equal": bool(flags[0]), "combined_x_calc_diff": float(diff[0]),
+            "combined_topk_weights_equal": bool(flags[1])}
+
+
+def verification_failure(chk: dict) -> str | None:
+    """Why a :func:`verify_round_trip` verdict fails (None: it passes), as the summaries print it."""
+    bad = []
+    if not chk["combined_x_equal"]:
+        bad.append(f"combined_x differs from the reference (calc_diff {chk['combined_x_calc_diff']:.3g})")
+    if not chk["combined_topk_weights_equal"]:
+        bad.append("combined_topk_weights differ from the routing's weights")
+    return "; ".join(bad) or None
+
+
+def fmt_verification(name: str, chk: dict) -> str:
+    """The ``[check]`` line of :func:`verify_round_trip` for system ``name``."""
+    why = verification_failure(chk)
+    return f"[check]    {name} vs reference (x once per distinct rank): " + ("ok" if why is None else
+                                                                               f"MISMATCH: {why}")
+
+
 def system_report(res: RoundTripResult, comm, hidden: int, num_topk: int, fp8: bool) -> dict:
     """Collective: byte counts of every rank → bandwidths for one system (same dict on all ranks).
 

@@ -23,13 +23,18 @@ Schema ``deepep_ascend.bench/1`` (:data:`SCHEMA`, checked by :func:`validate`)::
          "by_kind": {"SELF": .., "UBMEM": .., "URMA": ..},  # optional: bytes moved per channel kind
                                            #   in one call (busiest rank per kind)
          "ratio_to": {"mpi_alltoallv/round_trip": 0.31},   # optional: seconds / that result's seconds
+                                           #   (between verified systems only)
+         "verified": false,                # only on a system that failed its verification: it is left
+         "excluded": "why",                #   out of every ratio_to, summary ratio and verdict
          ...}                              # command-specific fields may follow (e.g. "logical_gbps")
       ],
       "baselines": ["mpi_alltoallv/round_trip", ...],  # the results that are baselines measured in the
                                                        #   same run (a subset of the result names)
       "checks": {"ok": true, ...},         # correctness: "ok" is the verdict (exit code 1 when false),
                                            #   the rest what was compared
-      "summary": {...},                    # the headline ratios the command prints (may be empty)
+      "summary": {...},                    # the headline ratios the command prints (may be empty), over
+                                           #   verified systems only; "excluded": {system: why} names the
+                                           #   systems left out for failing their verification
       "link_model": {...} | null,          # bench.linkmodel.link_model_doc: emulated or not, profile
       "projection": {...} | null,          # bench.linkmodel.project_phases: the link-model projection
       "details": {...},                    # command-specific: per-rank numbers, memory, ...
@@ -89,6 +94,8 @@ SCHEMA = {
                     "gbps": _NUM_OR_NULL,
                     "by_kind": _KINDS,
                     "ratio_to": {"type": "object", "additionalProperties": _NUM_OR_NULL},
+                    "verified": {"const": False},
+                    "excluded": {"type": "string"},
                 },
             },
         },
@@ -136,17 +143,55 @@ def add_ratios(results: list, name: str, others: Iterable[str]) -> None:
             rec.setdefault("ratio_to", {})[o] = rec["seconds"] / t if t else None
 
 
+def trusted(values: dict, failed: dict) -> dict:
+    """``values`` (by system name, or by result name ``"<system>/<phase>"``) without the systems of
+    ``failed`` (:func:`excluded_lines`): what ratios and verdicts may be computed from."""
+    return {k: v for k, v in values.items() if k.partition("/")[0] not in failed}
+
+
+def excluded_lines(failed: dict, prefix: str = "[summary]  ") -> list[str]:
+    """The lines a command prints for ``failed`` (``{system: why its verification failed}``): each system is
+    left out of every ratio and verdict."""
+    return [f"{prefix}{name} EXCLUDED from every ratio and verdict: it failed its verification ({why})"
+            for name, why in failed.items()]
+
+
+def exclude_unverified(results: list, failed: dict) -> list:
+    """``results`` with every record of a system in ``failed`` marked ``verified: false`` and ``excluded``
+    (the reason), and every ``ratio_to`` from or to such a record removed (new dicts; ``results`` is kept)."""
+    out = []
+    for rec in results:
+        rec = dict(rec)
+        if rec["system"] in failed:
+            rec.update(verified=False, excluded=failed[rec["system"]])
+            rec.pop("ratio_to", None)
+        elif "ratio_to" in rec:
+            kept = {o: v for o, v in rec["ratio_to"].items() if o.partition("/")[0] not in failed}
+            if kept:
+                rec["ratio_to"] = kept
+            else:
+                del rec["ratio_to"]
+        out.append(rec)
+    return out
+
+
 def document(command: str, *, argv: Iterable[str], params: dict, results: list, checks: dict,
              fingerprint: str | None = None, baselines: Iterable[str] = (), summary: dict | None = None,
              link_model: dict | None = None, projection: dict | None = None, details: dict | None = None,
-             mpi: bool = True) -> dict:
+             mpi: bool = True, failed: dict | None = None) -> dict:
     """A benchmark document (module docstring), ``host`` filled in here (``mpi=False``: a one-process
-    command, no MPI imported). ``params`` must hold ``num_ranks``; ``checks`` must hold ``ok``."""
+    command, no MPI imported). ``params`` must hold ``num_ranks``; ``checks`` must hold ``ok``. ``failed``:
+    ``{system: why}`` of the systems that failed their verification, left out of every ratio
+    (:func:`exclude_unverified`) and named in ``summary["excluded"]``."""
     from bench.hostinfo import host_doc
 
+    failed = dict(failed or {})
+    summary = dict(summary or {})
+    if failed:
+        summary["excluded"] = failed
     return {"schema": SCHEMA_ID, "command": command, "argv": [str(a) for a in argv], "params": dict(params),
-            "host": host_doc(mpi), "fingerprint": fingerprint, "results": list(results), "baselines": list(baselines),
-            "checks": dict(checks), "summary": dict(summary or {}), "link_model": link_model,
+            "host": host_doc(mpi), "fingerprint": fingerprint, "results": exclude_unverified(results, failed),
+            "baselines": list(baselines), "checks": dict(checks), "summary": summary, "link_model": link_model,
             "projection": projection, "details": dict(details or {})}
 
 
@@ -183,6 +228,12 @@ def validate(doc: dict) -> dict:
     missing = [b for b in doc["baselines"] if b not in names]
     if missing:
         raise ValueError(f"not a {SCHEMA_ID} document: baselines {missing} are not results")
+    unverified = {r["name"] for r in doc["results"] if r.get("verified") is False}
+    for r in doc["results"]:
+        bad = [o for o in r.get("ratio_to", {}) if o in unverified or r["name"] in unverified]
+        if bad:
+            raise ValueError(f"not a {SCHEMA_ID} document: results: {r['name']} has ratio_to {bad}, but a system "
+                             f"that failed its verification takes part in no ratio")
     return doc
 
 

@@ -45,6 +45,7 @@ from .event import EventHandle, EventOverlap, Worker
 from .failure import run_step
 from .group import check_agreed, mpi_comm_of
 from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
+from .input_guard import InputGuard
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
 from .layout import dispatch_layout, tokens_per_node
@@ -59,6 +60,7 @@ from .protocol import (
     OP_CACHED_DISPATCH,
     OP_COMBINE,
     OP_DISPATCH,
+    OP_NAMES,
     ConsensusError,
     dtype_code,
 )
@@ -513,10 +515,14 @@ class Buffer:
 
     # -- execution -----------------------------------------------------------------------
     def _protocol(self, op: int, build: Callable[[int], Generator], async_finish: bool, previous_event,
-                  allocate_on_comm_stream: bool, extra: tuple, comm_before_outputs: bool) -> tuple[tuple, EventOverlap]:
+                  allocate_on_comm_stream: bool, extra: tuple, comm_before_outputs: bool,
+                  inputs: dict | None = None) -> tuple[tuple, EventOverlap]:
         """Validate with ``build`` (returns a generator or raises ``Rejected``), then run it.
 
-        A rejection still takes part in the call's first round, so every rank raises.
+        A rejection still takes part in the call's first round, so every rank raises. ``inputs``: the
+        caller's tensors the worker reads after an ``async_finish`` call returns, by argument name; one
+        written in place before the event completes fails the call (:class:`InputGuard`), checked when the
+        worker is done with them and again at the wait, and aborts the peers (their rows may be wrong).
         """
         self._calls += 1
         call_id = self._calls
@@ -538,16 +544,21 @@ class Buffer:
             self._worker.drain()
         before = self.runtime.stats.snapshot()
         outputs = self._guard(lambda: next(gen))
+        guard = InputGuard(f"rank {self.rank}: {OP_NAMES[op]} call #{call_id}", inputs or {}) if async_finish \
+            else None
 
         def finish(before=before):
             if not comm_before_outputs:
                 before = self.runtime.stats.snapshot()
             self._guard(lambda: [None for _ in gen])
+            if guard:
+                self._guard(guard.check)
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
 
         if async_finish:
             fut = self._worker.submit(finish)
-            return outputs, EventOverlap(EventHandle(fut), extra + tuple(t for t in _flatten(outputs)))
+            on_wait = (lambda: self._guard(guard.check)) if guard else None
+            return outputs, EventOverlap(EventHandle(fut, on_wait), extra + tuple(t for t in _flatten(outputs)))
         finish()
         return outputs, EventOverlap()
 
@@ -585,7 +596,10 @@ class Buffer:
             config: a :class:`Config` (default :meth:`get_dispatch_config`); ``num_sms // 2`` channels.
             previous_event, async_finish, allocate_on_comm_stream: as in DeepEP; with
                 ``async_finish`` the data movement runs on the Buffer's worker and the returned
-                event must be waited on before using the outputs.
+                event must be waited on before using the outputs. Until then the worker reads ``x``,
+                ``topk_idx``, ``topk_weights`` and ``is_token_in_rank``: leave them untouched (DeepEP's
+                rule); one written in place makes the wait raise ``RuntimeError`` naming it and the
+                peers fail too (docs/semantics/deepep-api.md §3.3).
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
@@ -598,7 +612,8 @@ class Buffer:
             TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
                 fault its own error, the others a ``ValueError`` naming it).
             RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count, DeepEP's
-                stream-argument checks.
+                stream-argument checks; at the wait of an ``async_finish`` call, an input written in place
+                before it.
             TimeoutError: a peer did not take part in time (``transports.TransportTimeout``, or
                 ``transports.TransportPeerTimeout`` when a peer gave up first; both name the ranks).
             transports.TransportAborted: a peer failed inside the call; ``TransportPoisoned``: this
@@ -633,7 +648,9 @@ class Buffer:
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0, **path_args)
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
-                                        (x, topk_idx, topk_weights), comm_before_outputs=True)
+                                        (x, topk_idx, topk_weights), comm_before_outputs=True,
+                                        inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
+                                                "is_token_in_rank": is_token_in_rank})
         recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv, _ = outputs
         if num_worst_tokens and num_recv > num_worst_tokens:
             if event.event is not None:
@@ -667,7 +684,8 @@ class Buffer:
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0)
 
         (recv_x, recv_scales), event = self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event,
-                                                      allocate_on_comm_stream, (x,), comm_before_outputs=False)
+                                                      allocate_on_comm_stream, (x,), comm_before_outputs=False,
+                                                      inputs={"x": x})
         return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), None, None, None, None, event
 
     # -- combine ---------------------------------------------------------------------------
@@ -693,13 +711,15 @@ class Buffer:
             topk_weights: optional ``[rows, K']`` float32, summed the same way (unrounded).
             bias: ``None``, a tensor, or a pair of tensors (each may be None), each ``[N, H]`` bfloat16.
             config: default :meth:`get_combine_config`; must have the handle's channel count.
-            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`; with
+                ``async_finish``, ``x``, ``topk_weights`` and ``bias`` are read until the event completes.
         Returns:
             ``(combined_x [N, H] bf16, combined_topk_weights [N, K'] float32 | None, event)``.
         Raises:
             TypeError / ValueError: bad arguments or a handle from another Buffer/config, on any
                 rank (every rank raises).
-            RuntimeError: the handles passed on different ranks come from different dispatches.
+            RuntimeError: the handles passed on different ranks come from different dispatches; at the
+                wait of an ``async_finish`` call, an input written in place before it (see :meth:`dispatch`).
             TimeoutError: a peer did not take part in time (see :meth:`dispatch`).
             transports.TransportAborted / TransportPoisoned: as in :meth:`dispatch`.
         """
@@ -722,7 +742,8 @@ class Buffer:
 
         (combined, combined_w), event = self._protocol(OP_COMBINE, build, async_finish, previous_event,
                                                         allocate_on_comm_stream, (x, topk_weights, bias),
-                                                        comm_before_outputs=False)
+                                                        comm_before_outputs=False,
+                                                        inputs={"x": x, "topk_weights": topk_weights, "bias": bias})
         return combined, combined_w, event
 
     # -- DeepEP's per-path entry points ------------------------------------------------------------------
@@ -752,7 +773,8 @@ class Buffer:
 
     # -- the entry points of EPBuffer (deepep_ascend.ep.ep_buffer), on the same engines ----------------
     def _run_dispatch(self, *, precheck: Callable[[], tuple], num_worst_tokens: int, previous_event,
-                      async_finish: bool, extra_words: dict) -> tuple[tuple, torch.Tensor, EventOverlap]:
+                      async_finish: bool, extra_words: dict,
+                      inputs: dict | None = None) -> tuple[tuple, torch.Tensor, EventOverlap]:
         """A non-cached normal dispatch whose arguments ``precheck()`` validates inside the call's first
         round (a rejection raises on every rank, as :meth:`dispatch`'s checks do).
 
@@ -760,7 +782,8 @@ class Buffer:
         topk_weights, num_experts)``; the layout is computed here. Returns the engine's outputs
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv, dst_offsets)``
         (``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's ``recv_x``),
-        ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``).
+        ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``). ``inputs``:
+        the caller's tensors by name, guarded as in :meth:`_protocol`.
         """
         self._check_usable("dispatch")
         ctx = {}
@@ -782,12 +805,12 @@ class Buffer:
                 extra_words=extra_words)
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, False, (),
-                                        comm_before_outputs=True)
+                                        comm_before_outputs=True, inputs=inputs)
         record_origin(outputs[5], HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
         return outputs, ctx["itr"], event
 
     def _run_cached_dispatch(self, *, precheck: Callable[[], tuple], previous_event, async_finish: bool,
-                             extra_words: dict) -> tuple[tuple, EventOverlap]:
+                             extra_words: dict, inputs: dict | None = None) -> tuple[tuple, EventOverlap]:
         """A cached dispatch validated by ``precheck()`` inside the first round; it returns ``(data, scales,
         xdtype, handle)`` (bytes rows as in :meth:`_run_dispatch`, ``handle`` a V1 handle of this Buffer).
         Returns ``((recv_x, recv_scales), event)``."""
@@ -804,10 +827,10 @@ class Buffer:
                 extra_words=extra_words)
 
         return self._protocol(OP_CACHED_DISPATCH, build, async_finish, previous_event, False, (),
-                              comm_before_outputs=False)
+                              comm_before_outputs=False, inputs=inputs)
 
     def _run_combine(self, *, precheck: Callable[[], tuple], previous_event, async_finish: bool,
-                     extra_words: dict) -> tuple[tuple, EventOverlap]:
+                     extra_words: dict, inputs: dict | None = None) -> tuple[tuple, EventOverlap]:
         """A combine validated by ``precheck()`` inside the first round; it returns ``(x [rows, H] bf16,
         topk_weights [rows, K] float32 | None, biases, handle, order [N, R] int64 | None)``. Returns
         ``((combined_x, combined_topk_weights), event)``."""
@@ -822,7 +845,8 @@ class Buffer:
                                         num_channels=cfg.num_channels, handle_id=handle_id, order=order,
                                         extra_words=extra_words)
 
-        return self._protocol(OP_COMBINE, build, async_finish, previous_event, False, (), comm_before_outputs=False)
+        return self._protocol(OP_COMBINE, build, async_finish, previous_event, False, (), comm_before_outputs=False,
+                              inputs=inputs)
 
     # ==================================================================================
     # Low-latency mode (docs/semantics/deepep-api.md §6, §7): checks in low_latency_arguments.py, data movement in
@@ -855,13 +879,15 @@ class Buffer:
         return ll_mod.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def _ll_run(self, op: int, validate: Callable[[], tuple], issue: Callable[..., ll_mod.Pending], async_finish: bool,
-                return_recv_hook: bool, keep: tuple) -> tuple[tuple, EventOverlap, Callable[[], None] | None]:
+                return_recv_hook: bool, keep: tuple,
+                inputs: dict | None = None) -> tuple[tuple, EventOverlap, Callable[[], None] | None]:
         """Validate (every rank learns of a rejection), issue the sends, then receive now, on the
-        worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``."""
+        worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``. ``inputs``:
+        the caller's tensors the receive reads, guarded as in :meth:`_protocol`."""
         ll = self._ll
         if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
             raise RuntimeError(
-                f"rank {self.rank}: LL call #{ll.pending_hook} still awaits its receive hook; call the hook before "
+                f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
         self._worker.drain()
@@ -878,9 +904,13 @@ class Buffer:
             raise exc from None
         before = self.runtime.stats.snapshot()
         pending = self._guard(lambda: issue(*args))
+        guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, ll.calls - 1)}", inputs or {})
+                 if async_finish or return_recv_hook else None)
 
         def receive():
             self._guard(pending.receive)
+            if guard:
+                self._guard(guard.check)
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
 
         if return_recv_hook:
@@ -898,7 +928,9 @@ class Buffer:
             return pending.outputs, EventOverlap(), hook
         if async_finish:
             fut = self._worker.submit(receive)
-            return pending.outputs, EventOverlap(EventHandle(fut), keep + tuple(_flatten(pending.outputs))), None
+            on_wait = (lambda: self._guard(guard.check)) if guard else None
+            event = EventOverlap(EventHandle(fut, on_wait), keep + tuple(_flatten(pending.outputs)))
+            return pending.outputs, event, None
         receive()
         return pending.outputs, EventOverlap(), None
 
@@ -929,6 +961,8 @@ class Buffer:
             async_finish: the receive runs on the Buffer's worker; wait on the event.
             return_recv_hook: only the sends run now; call the returned hook once to receive. Until
                 then no other LL call may be issued (two halves: receive ``k``, then issue ``k+1``).
+                ``x`` and ``topk_idx`` are read before the call returns (the sends), so DeepEP's rule of
+                inputs untouched until the event or hook holds here without a guard.
         Returns:
             ``(recv_x, recv_count [L] int32, handle, event, hook)``: ``recv_x`` bf16 ``[L, R·M, H]``
             or ``(e4m3 [L, R·M, H], scales)`` with scales float32 ``[L, R·M, H/128]`` or int32
@@ -988,7 +1022,10 @@ class Buffer:
             zero_copy: see above (not with ``use_logfmt``).
             out: optional ``[N, H]`` bf16 written and returned.
             combine_wait_recv_cost_stats: optional ``[R]`` int64, nanoseconds as in dispatch.
-            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`. The receive (on the
+                worker, or in the hook) reads ``topk_idx`` and ``topk_weights``: leave them untouched until
+                the event completes or the hook returns (DeepEP's rule); one written in place before makes
+                the wait or the hook raise ``RuntimeError`` naming it (docs/semantics/deepep-api.md §3.3).
         Returns:
             ``(combined_x [N, H] bf16, event, hook)``.
         Raises:
@@ -1009,7 +1046,8 @@ class Buffer:
                               combine_wait_recv_cost_stats, bool(use_logfmt))
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
-                                                (x, topk_idx, topk_weights))
+                                                (x, topk_idx, topk_weights),
+                                                inputs={"topk_idx": topk_idx, "topk_weights": topk_weights})
         return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
@@ -1041,7 +1079,7 @@ class Buffer:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
         if ll.pending_hook is not None:
-            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook} still awaits its hook")
+            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook + 1} still awaits its hook")
         self._worker.drain()
         self._guard(ll.clean)
 

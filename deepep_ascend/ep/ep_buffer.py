@@ -280,6 +280,9 @@ class EPBuffer(BufferBase):
                 column-major when True): accepted as in DeepEP.
             previous_event: an event (``capture()``) to wait for before the call.
             async_with_compute_stream: the data movement runs on the buffer's worker; wait on the event.
+                Until it completes the worker reads ``x``, ``topk_idx`` and ``topk_weights``: leave them
+                untouched (DeepEP's rule); one written in place makes the wait raise ``RuntimeError`` naming
+                it, and the peers fail too (docs/semantics/deepep-api.md §3.3).
             handle: a previous dispatch's :class:`EPHandle`: same routing, no counts exchanged
                 (``do_cpu_sync`` must not be True; ``topk_idx`` must be None).
             do_handle_copy: must be False (as in DeepEP V2.5; ``ElasticBuffer`` takes V2's True).
@@ -389,7 +392,8 @@ class EPBuffer(BufferBase):
 
             outputs, itr, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
-                async_finish=async_with_compute_stream, extra_words=words)
+                async_finish=async_with_compute_stream, extra_words=words,
+                inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
             recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets = outputs
             recv_sf = None if sf is None else recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
@@ -418,7 +422,8 @@ class EPBuffer(BufferBase):
             return xb, sb, dtype_code(data.dtype), handle._legacy
 
         (recv_x, recv_extra), event = self._legacy._run_cached_dispatch(
-            precheck=precheck_cached, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
+            precheck=precheck_cached, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,
+            inputs={"x": x, "topk_weights": topk_weights})
         sf_bytes = 0 if sf is None else sf.size(1) * sf.element_size()
         recv_sf = None if sf is None else recv_extra[:, :sf_bytes]
         recv_w = None
@@ -446,8 +451,11 @@ class EPBuffer(BufferBase):
             event = EventOverlap(EventHandle())
             event.register_hook_after_wait(lambda: (done.current_stream_wait(), fill(), outputs)[2])
             return event
-        else:  # the worker runs the epilogue after the rows arrived; the caller waits on its event
-            event = EventOverlap(EventHandle(self._legacy._worker.submit(fill)), _flat(outputs))
+        else:  # the worker runs the epilogue after the rows arrived; the caller waits on its event (whose wait
+            # also runs the data movement's input guard, docs/semantics/deepep-api.md §3.3)
+            moved = event.event
+            event = EventOverlap(EventHandle(self._legacy._worker.submit(fill), moved.current_stream_wait),
+                                 _flat(outputs))
         if defer_epilogue:
             event.register_hook_after_wait(lambda: outputs)
             return event
@@ -650,7 +658,8 @@ class EPBuffer(BufferBase):
             topk_weights: ``[num_recv_tokens, K]`` float32 (expanded: ``[num_expanded_tokens]``) or None;
                 returned per original slot (each slot's weight from the rank that owns it, 0 for -1).
             bias: None, a ``[N, hidden]`` BF16 tensor, or a pair of them.
-            previous_event, async_with_compute_stream, defer_epilogue: as in :meth:`dispatch`.
+            previous_event, async_with_compute_stream, defer_epilogue: as in :meth:`dispatch` (``x``,
+                ``topk_weights`` and ``bias`` are the inputs read until the event completes).
         Returns:
             ``(combined_x [N, hidden] bf16, combined_topk_weights [N, K] float32 | None, event)``, or with
             ``defer_epilogue`` the event whose wait returns the pair.
@@ -685,7 +694,8 @@ class EPBuffer(BufferBase):
             return compact_x, compact_w, biases, handle._legacy, handle._combine_order
 
         (combined, combined_w), event = self._legacy._run_combine(
-            precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words)
+            precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,
+            inputs={"x": x, "topk_weights": topk_weights, "bias": bias})
         if self._legacy.num_nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
             combined_w = combined_w[:, :-1] if topk_weights is not None else None
         return self._combine_result(combined, combined_w, event, defer_epilogue)

@@ -18,18 +18,24 @@ class EventHandle:
 
     Args:
         future: internal; the completion of a task on a Buffer's worker.
+        check: internal; run once after the first successful wait (the async call's input guard).
     """
 
-    def __init__(self, future: Future | None = None):
+    def __init__(self, future: Future | None = None, check=None):
         self._future = future
+        self._check = check
 
     def is_done(self) -> bool:
         return self._future is None or self._future.done()
 
     def current_stream_wait(self) -> None:
-        """Block the caller until the event completed; re-raises the task's exception, if any."""
+        """Block the caller until the event completed; re-raises the task's exception, if any, or the error of
+        an input written in place before the wait (docs/semantics/deepep-api.md §3.3)."""
         if self._future is not None:
             self._future.result()
+        if self._check is not None:
+            check, self._check = self._check, None
+            check()
 
     def exception(self) -> BaseException | None:
         """The task's exception once it finished with one, else ``None`` (still running, or succeeded; not in

@@ -66,6 +66,7 @@ from .protocol import (
     W_NEXP,
     W_NTOK,
     W_OP,
+    W_OP_CALL,
     W_SBYTES,
     W_SDTYPE,
     W_STATUS,
@@ -73,9 +74,13 @@ from .protocol import (
     W_WCOLS,
     W_XBYTES,
     W_XDTYPE,
+    CallCounter,
+    call_name,
     consensus_error,
     consensus_problems,
     dtype_code,
+    header_call_name,
+    sequence_problem,
 )
 from .reduce import CombineScratch, accumulate_rows
 
@@ -205,6 +210,7 @@ class InternodeEngine:
         self.n_half = (ubmem_win.nbytes // 2) // _ALIGN * _ALIGN
         self.stage_rows_off = STAGE_HDR + _a8(8 * self.num_ranks)  # combine's staged rows, after the count vector
         self.seq = 0  # rounds run so far; identical on every rank
+        self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
@@ -363,7 +369,8 @@ class InternodeEngine:
         phase = f"{OP_NAMES[op]} call #{call_id}"
         vec_bytes = 0 if vec is None else _a8(4 * vec.numel())
         per_round = max(1, (self.box - MSG_BYTES - HDR - vec_bytes) // max(1, sum(fields)))
-        words = {**words, W_CALL: call_id, W_OP: op, W_STATUS: int(error is not None)}
+        words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
+                 W_STATUS: int(error is not None)}
         rounds, rnd = 1, 0
         while rnd < rounds:
             self._credit_wait(phase)
@@ -678,17 +685,19 @@ class InternodeEngine:
             text = error.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
             hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
 
-    def _rail_verdict(self, call_id) -> tuple[list[str], int]:
+    def _rail_verdict(self, call_id, op_call) -> tuple[list[str], int]:
         """Round 0 of a combine, after the rail exchange: why the nodes cannot run it together (empty: they
         can), and the most tokens a rank of any node has (which fixes the number of rounds)."""
         heads = [self._box(self.rank, c, 0, HDR, torch.int64).numpy().copy() for c in range(self.G)]
         bad = []
+        elsewhere = [c for c, head in enumerate(heads) if head[W_CALL] != call_id or head[W_OP] != OP_COMBINE]
+        if elsewhere:
+            bad.append(sequence_problem([(self.rank, call_name(OP_COMBINE, call_id, op_call))] + [
+                (self.rails[c], header_call_name(heads[c], call_id)) for c in elsewhere]))
         for c, head in enumerate(heads):
-            if head[W_STATUS]:
+            if head[W_STATUS] and c not in elsewhere:
                 msg = self._box(self.rank, c, self.box - MSG_BYTES, MSG_BYTES).numpy().tobytes()
                 bad.append(msg.rstrip(b"\0").decode("utf-8", "replace"))
-            elif head[W_CALL] != call_id or head[W_OP] != OP_COMBINE:
-                bad.append(f"rank {self.rails[c]} is in a different call (call #{head[W_CALL]})")
         return list(dict.fromkeys(bad)), max(int(head[W_AUX]) for head in heads)
 
     def _combine_rounds(self, *, call_id, words, n, per_round, error, stage, forward, reduce) -> Generator:
@@ -699,6 +708,8 @@ class InternodeEngine:
         :class:`ConsensusError` if any node refused. Yields once, after round 0's verdict.
         """
         phase = f"combine call #{call_id}"
+        op_call = self.op_calls.next(OP_COMBINE)
+        words = {**words, W_OP_CALL: op_call}
         rounds, rnd = 1, 0
         while rnd < rounds:
             self._write_stage_header(words, n, call_id, error)
@@ -722,11 +733,11 @@ class InternodeEngine:
                 words_out = blk[:HDR].view(torch.int64).numpy()
                 words_out[W_MAGIC], words_out[W_CALL], words_out[W_OP], words_out[W_AUX] = (MAGIC, call_id, OP_COMBINE,
                                                                                            node_max)
-                words_out[W_STATUS] = int(message is not None)
+                words_out[W_OP_CALL], words_out[W_STATUS] = op_call, int(message is not None)
                 self._send(a, blk, message)
             self._await_rails(phase)
             if rnd == 0:
-                bad, largest = self._rail_verdict(call_id)
+                bad, largest = self._rail_verdict(call_id, op_call)
                 if bad:
                     self._end_round()
                     raise consensus_error(OP_COMBINE, bad)

@@ -88,6 +88,7 @@ from .protocol import (
     W_NEXP,
     W_NTOK,
     W_OP,
+    W_OP_CALL,
     W_PREFIX,
     W_SBYTES,
     W_SDTYPE,
@@ -97,6 +98,7 @@ from .protocol import (
     W_XBYTES,
     W_XDTYPE,
     W_XSEG_OFF,
+    CallCounter,
     ConsensusError,
     check_consensus,
     dtype_code,
@@ -207,6 +209,7 @@ class IntranodeEngine:
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
+        self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
 
@@ -273,7 +276,8 @@ class IntranodeEngine:
         of every rank (so counters stay aligned) and raises :class:`ConsensusError`.
         """
         self._begin_stage(phase)
-        words = {**words, W_CALL: call_id, W_OP: op, W_STATUS: int(error is not None)}
+        words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
+                 W_STATUS: int(error is not None)}
         if error is None and vec is not None and vec.numel():
             self._view(self.rank, HEADER_BYTES, 4 * vec.numel(), torch.int32).copy_(vec)
         if error is None:

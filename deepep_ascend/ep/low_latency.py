@@ -72,13 +72,14 @@ from ..gemm.scales import pack_ue8m0_to_int
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
-from .protocol import ConsensusError
+from .protocol import ConsensusError, ordinal, sequence_problem
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
 SLOT_CLEAN = 2
 NUM_CTL_SLOTS = 3
 HDR_BYTES = 256
+_HDR_WORDS = 3  # int64 words of a header without a message: call/op/flags/status, M/E/H, the op's count
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
 F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
@@ -198,7 +199,7 @@ class _Route(NamedTuple):
 class _DispatchCall(NamedTuple):
     """A dispatch whose sends are issued: what its receive needs."""
 
-    seq: int  # LL call number
+    seq: int  # LL call number (0 for the first; messages count from 1)
     half: int  # window half (and signal slot) of the call
     need: int  # value every live source's signal reaches
     lay: Layout
@@ -255,6 +256,7 @@ class LowLatencyEngine:
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
+        self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
         self.half_calls = [0, 0]
         self.cleans = 0
         self.pending_hook = None  # call number awaiting its hook
@@ -284,15 +286,16 @@ class LowLatencyEngine:
         """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
         if self.zero_copy_for is None or self.zero_copy_for == self.calls:
             return None
-        return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls}, but the buffer from "
-                f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for} (another LL "
+        return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls + 1}, but the buffer from "
+                f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for + 1} (another LL "
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
     def _header(self, seq, op, status, lay, flags, message=None):
-        hdr = torch.zeros(HDR_BYTES if message else 16, dtype=torch.uint8)
-        w = hdr[:16].view(torch.int64)
+        hdr = torch.zeros(HDR_BYTES if message else _HDR_WORDS * 8, dtype=torch.uint8)
+        w = hdr[:_HDR_WORDS * 8].view(torch.int64)
         w[0] = (seq << 16) | (flags << 8) | (op << 4) | status
         w[1] = ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0
+        w[2] = self.op_calls[op]  # errors name each rank's call by it
         if message:
             text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
             hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
@@ -304,28 +307,29 @@ class LowLatencyEngine:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
 
-    def begin(self) -> tuple[int, int]:
-        """Number and half of a new call (checks the hook rule first)."""
+    def begin(self, op: int) -> tuple[int, int]:
+        """Number and half of a new call of ``op`` (checks the hook rule first)."""
         if self.pending_hook is not None:
             raise RuntimeError(
-                f"rank {self.rank}: LL call #{self.pending_hook} still awaits its receive hook; call the hook "
+                f"rank {self.rank}: LL call #{self.pending_hook + 1} still awaits its receive hook; call the hook "
                 f"before issuing another low-latency call (only two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
         seq = self.calls
         self.calls += 1
+        self.op_calls[op] += 1
         return seq, seq % 2
 
     def reject(self, op, message) -> None:
         """Refuse a call on every rank: headers with an error status to every live peer, then wait for theirs
         (the caller raises; the peers' :meth:`_check_headers` raise ``LowLatencyRefused`` naming this rank)."""
-        seq, h = self.begin()
+        seq, h = self.begin(op)
         hdr = self._header(seq, op, 1, None, 0, message)
         for dst in self.order():
             self._signal(dst, h, hdr)
         self.half_calls[h] += 1  # the refused call is consumed here too (peers count it)
         # Wait for the others' signals too (their data is discarded): the double-buffer rule
         # needs this rank's next call to follow its receive of this one.
-        self._wait_sources(h, self.half_calls[h], f"{_OP_NAMES[op]} call #{seq} (refused here)", None)
+        self._wait_sources(h, self.half_calls[h], f"{_OP_NAMES[op]} call #{seq + 1} (refused here)", None)
 
     # -- waiting -----------------------------------------------------------------------
     def _wait_sources(self, slot, need, phase, cost, peers=None):
@@ -368,15 +372,14 @@ class LowLatencyEngine:
     def _check_headers(self, h, seq, op, lay, flags):
         """Every live source's header against ours; refusals and disagreements raise on every rank."""
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
-        words = view[:, :16].clone().view(torch.int64).numpy()
+        words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
         problems = []
         live = self.live_peers()
+        if any(int(words[s, 0]) >> 16 != seq or (int(words[s, 0]) >> 4) & 0xF != op for s in live):
+            problems.append(sequence_problem((s, _call_name(words[s])) for s in live))
         for s in live:
             w0 = int(words[s, 0])
-            if w0 >> 16 != seq or (w0 >> 4) & 0xF != op:
-                problems.append(f"rank {s} is in a different LL call (call #{w0 >> 16}, "
-                                f"{_OP_NAMES.get((w0 >> 4) & 0xF, '?')}) than this one (#{seq}, {_OP_NAMES[op]})")
-            elif w0 & 0xF:
+            if w0 & 0xF and w0 >> 16 == seq:
                 msg = view[s, _MSG_OFF:].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
                 problems.append(f"rank {s} rejected its arguments: {msg}")
         if not problems:
@@ -388,7 +391,7 @@ class LowLatencyEngine:
                         f"rank {p}: {_describe(words[p])}" for p in live))
                     break
         if problems:
-            raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq} refused on every rank: "
+            raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq + 1} refused on every rank: "
                                     + "; ".join(problems))
 
     # -- dispatch ----------------------------------------------------------------------
@@ -399,7 +402,7 @@ class LowLatencyEngine:
         and ``wait_stats`` ``[R]`` int64 or None (see ``Buffer.low_latency_dispatch``).
         """
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
-        seq, h = self.begin()
+        seq, h = self.begin(OP_DISPATCH)
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
@@ -495,7 +498,7 @@ class LowLatencyEngine:
         me, R, lay = self.rank, self.R, call.lay
         L, M, H = lay.L, lay.M, lay.H
         base = call.half * self.half
-        phase = f"low_latency_dispatch call #{call.seq}"
+        phase = f"low_latency_dispatch call #{call.seq + 1}"
         self._wait_sources(call.half, call.need, phase, wait_stats)
         self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
         live = torch.tensor([not m for m in self.mask.tolist()])
@@ -578,7 +581,7 @@ class LowLatencyEngine:
         weighted sum."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
-        seq, h = self.begin()
+        seq, h = self.begin(OP_COMBINE)
         self.zero_copy_for = None
         base = h * self.half
         flags = F_LOGFMT if use_logfmt else 0
@@ -634,7 +637,7 @@ class LowLatencyEngine:
         me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         n, k = topk_idx.shape
-        phase = f"low_latency_combine call #{seq}"
+        phase = f"low_latency_combine call #{seq + 1}"
         self._wait_sources(h, need, phase, wait_stats)
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
         flat = topk_idx.reshape(-1)
@@ -790,6 +793,18 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
         return rows.view(_INT_OF_WIDTH[w]) if w > 1 else rows
     except RuntimeError:  # a layout torch will not reinterpret: stay bytes
         return rows
+
+
+def call_name(op: int, seq: int) -> str:
+    """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
+    return f"{_OP_NAMES[op]} call #{seq + 1}"
+
+
+def _call_name(w) -> str:
+    """A header's call as errors name it: ``"low_latency_dispatch call #4 (its 3rd low_latency_dispatch)"``."""
+    op, n = (int(w[0]) >> 4) & 0xF, int(w[2])
+    name = _OP_NAMES.get(op, f"operation code {op}")
+    return f"{name} call #{(int(w[0]) >> 16) + 1}" + (f" (its {ordinal(n)} {name})" if n > 0 else "")
 
 
 def _describe(w) -> str:

@@ -22,7 +22,9 @@ OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_C
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
  W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF,
- W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE) = range(22)
+ W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE, W_OP_CALL) = range(23)
+# W_CALL: the Buffer's normal-mode calls so far, this one included; W_OP_CALL: this rank's calls of the
+# same kind (dispatches, cached or not, or combines) so far, this one included. Errors name both.
 # W_EP_*: EPBuffer's collective arguments (0 in V1 calls); W_EP_MODE is a bit set of EP_MODE_* flags.
 EP_MODE_EXPAND, EP_MODE_CPU_SYNC, EP_MODE_ZERO_PADDING, EP_MODE_WEIGHTS = 1, 2, 4, 8
 MAGIC = 0xDEE9A5
@@ -60,20 +62,69 @@ class ConsensusError(ValueError):
     """Every rank raises this when any rank's arguments were rejected or ranks disagree."""
 
 
+def _kind(op: int) -> str:
+    return "combine" if op == OP_COMBINE else "dispatch"
+
+
+class CallCounter:
+    """This rank's calls of each kind (dispatches, cached or not; combines): the header's ``W_OP_CALL``."""
+
+    def __init__(self):
+        self.counts = {"dispatch": 0, "combine": 0}
+
+    def next(self, op: int) -> int:
+        """Count one more call of ``op``'s kind; returns its number (1 for the first)."""
+        self.counts[_kind(op)] += 1
+        return self.counts[_kind(op)]
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ... ``11th``, ``21st``."""
+    n = int(n)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def call_name(op: int, call_id: int, op_call: int = 0) -> str:
+    """How errors name a call: ``"dispatch call #5 (its 3rd dispatch)"``; ``call_id`` counts the Buffer's
+    normal-mode calls, ``op_call`` (0: unknown, left out) the rank's calls of that kind."""
+    name = f"{OP_NAMES.get(int(op), f'operation code {int(op)}')} call #{int(call_id)}"
+    return f"{name} (its {ordinal(op_call)} {_kind(int(op))})" if op_call > 0 else name
+
+
+def header_call_name(h, call_id: int | None = None) -> str:
+    """:func:`call_name` of a header row. A header of another call number than ``call_id`` is one the rank
+    left there in an earlier call (ranks count calls alike, so it has not written this call's header where
+    this operation reads it): said so, with what was found."""
+    if h[W_MAGIC] != MAGIC:
+        return "no call header found" if call_id is None else f"no header of call #{int(call_id)} found"
+    name = call_name(h[W_OP], h[W_CALL], h[W_OP_CALL])
+    if call_id is not None and h[W_CALL] != call_id:
+        return f"no header of call #{int(call_id)} found (the last one there: {name})"
+    return name
+
+
+def sequence_problem(calls) -> str:
+    """The problem of ranks that are in different calls; ``calls``: ``(rank, name of its call)`` for every rank."""
+    return ("the ranks are in different calls (every rank must make the same sequence of dispatch and combine "
+            "calls on a buffer, a rank with no tokens too; docs/semantics/deepep-api.md §8): "
+            + ", ".join(f"rank {p}: {name}" for p, name in calls))
+
+
 def consensus_problems(headers, op, call_id, ranks=None) -> list:
     """Why the ranks of ``headers`` cannot run this call together (empty list: they can).
 
     ``headers``: ``[n, 128]`` int64 header words, one row per rank (message from word 32);
-    ``ranks``: the world rank of each row (default ``0..n-1``).
+    ``ranks``: the world rank of each row (default ``0..n-1``). Ranks in different calls (another
+    call number or operation) give one problem naming every rank's call, and their other words
+    are not compared (they describe different calls).
     """
     ranks = list(range(headers.shape[0])) if ranks is None else list(ranks)
     problems = []
+    if any(h[W_MAGIC] != MAGIC or h[W_CALL] != call_id or h[W_OP] != op for h in headers):
+        problems.append(sequence_problem((p, header_call_name(h, call_id)) for p, h in zip(ranks, headers)))
     for p, h in zip(ranks, headers):
-        if h[W_MAGIC] != MAGIC or h[W_CALL] != call_id:
-            problems.append(f"rank {p} is in a different call "
-                            f"(call #{h[W_CALL]}, op {OP_NAMES.get(int(h[W_OP]), h[W_OP])}) "
-                            f"than this one (call #{call_id}, {OP_NAMES[op]})")
-        elif h[W_STATUS]:
+        if h[W_MAGIC] == MAGIC and h[W_CALL] == call_id and h[W_STATUS]:
             msg = h[MSG_WORD:].tobytes().rstrip(b"\0").decode("utf-8", "replace")
             problems.append(f"rank {p} rejected its arguments: {msg}")
     if not problems:

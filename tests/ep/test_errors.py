@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from deepep_ascend import Buffer, Config, ConsensusError
+from deepep_ascend import Buffer, Config, ConsensusError, EPBuffer
 from deepep_ascend.transports import TransportBusy
 from tests.support.buffer_helpers import (
     BF16,
@@ -374,7 +374,8 @@ def test_rank_missing_mid_call_times_out_naming_it(comm, op):
     if r != missing:
         _, exc = capture(call)
         ok = (isinstance(exc, TimeoutError) and getattr(exc, "pending_peers", None) == [missing]
-              and f"rank(s) [{missing}]" in str(exc))
+              and f"rank(s) [{missing}]" in str(exc)
+              and f"phase '{op} call #{1 if op == 'dispatch' else 2}" in str(exc))
         detail = f"rank {r} got {type(exc).__name__}: {exc}"
     comm.Barrier()  # nobody waits any more
     if r != missing:
@@ -386,6 +387,152 @@ def test_rank_missing_mid_call_times_out_naming_it(comm, op):
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, ok and dexc is None and b.runtime is None,
                  f"{op} with rank {missing} missing: {detail}; destroy: {dexc!r}")
+
+
+class _Calls:
+    """A fresh buffer of one API (``normal``: V1 ``Buffer``; ``low_latency``; ``ep_buffer``: ``EPBuffer``) with
+    ``timeout_s`` and this rank's small inputs: ``dispatch()`` returns ``(recv_x, handle)``, ``combine(recv_x,
+    handle)``; ``names`` are the operations as errors name them."""
+
+    def __init__(self, api, comm, timeout_s):
+        r, R = comm.Get_rank(), comm.Get_size()
+        self.idx, self.w, self.x = _small_inputs(r, R)
+        self.api = api
+        if api == "ep_buffer":
+            self.buf = EPBuffer(comm, num_max_tokens_per_rank=8, hidden=H, num_topk=2, explicitly_destroy=True,
+                                num_cpu_timeout_secs=timeout_s)
+            self.names = ("dispatch", "combine")
+        elif api == "low_latency":
+            self.buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(8, H, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+            self.names = ("low_latency_dispatch", "low_latency_combine")
+        else:
+            self.buf = Buffer(None, 1 << 16, comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+            self.layout = self.buf.get_dispatch_layout(self.idx, E)
+            self.names = ("dispatch", "combine")
+
+    def dispatch(self):
+        b = self.buf
+        if self.api == "ep_buffer":
+            recv_x, _, _, handle, _ = b.dispatch(self.x, topk_idx=self.idx, topk_weights=self.w, num_experts=E)
+        elif self.api == "low_latency":
+            recv_x, _, handle, _, _ = b.low_latency_dispatch(self.x, self.idx, 8, E, use_fp8=False)
+        else:
+            ntpr, _, ntpe, itr, _ = self.layout
+            recv_x, _, _, _, handle, _ = b.dispatch(self.x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                    num_tokens_per_expert=ntpe, topk_idx=self.idx, topk_weights=self.w)
+        return recv_x, handle
+
+    def combine(self, recv_x, handle):
+        if self.api == "low_latency":
+            return self.buf.low_latency_combine(recv_x, self.idx, self.w, handle)
+        return self.buf.combine(recv_x, handle)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("skipped", ["dispatch", "combine"])
+@pytest.mark.parametrize("api", ["normal", "low_latency", "ep_buffer"])
+def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipped):
+    """Rank 1 skips one call (as a rank with no tokens skipping a chunk would) and makes the next one: every
+    rank raises ConsensusError naming, for every rank, the call number, how many calls of that kind it has
+    made and the operation (docs/semantics/deepep-api.md §8); the buffer stays usable."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
+    d, c = calls.names
+    kd, kc = (d, c) if api == "low_latency" else ("dispatch", "combine")  # what "its n-th ..." counts
+    recv_x, handle = coll(calls.dispatch, what="dispatch #1")
+    coll(lambda: calls.combine(recv_x, handle), what="combine #1")
+    # call 3 is the 2nd dispatch on the ranks that keep step, the 2nd combine on rank 1 (or the other way)
+    ours, rank1 = ((f"{d} call #3 (its 2nd {kd})", f"{c} call #3 (its 2nd {kc})") if skipped == "dispatch"
+                   else (f"{c} call #3 (its 2nd {kc})", f"{d} call #3 (its 2nd {kd})"))
+    do_dispatch = (skipped == "dispatch") == (r != 1)
+    _, exc = capture(calls.dispatch if do_dispatch else lambda: calls.combine(recv_x, handle))
+    expected = [f"rank {p}: {rank1 if p == 1 else ours}" for p in range(R)]
+    ok = isinstance(exc, ConsensusError) and "different calls" in str(exc) and all(e in str(exc) for e in expected)
+    all_ranks_ok(comm, ok, f"{api}, rank 1 skipped a {skipped}: rank {r} got {exc!r}, expected {expected}")
+    recv_x, handle = coll(calls.dispatch, what="dispatch after the refused call")
+    coll(lambda: calls.combine(recv_x, handle), what="combine after the refused call")
+    coll(calls.buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("api", ["low_latency", "ep_buffer"])
+def test_rank_missing_times_out_naming_phase_peer_and_call(comm, api):
+    """The last rank skips the 2nd dispatch (a normal-mode Buffer: ``test_rank_missing_mid_call_times_out_naming_it``):
+    every other rank raises TimeoutError naming the phase with its own call number and the missing rank."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    missing = R - 1
+    calls = coll(lambda: _Calls(api, comm, timeout_s=2), what=f"{api} buffer")
+    recv_x, handle = coll(calls.dispatch, what="dispatch #1")
+    coll(lambda: calls.combine(recv_x, handle), what="combine #1")
+    comm.Barrier()  # the call below must not be slowed past the 2 s timeout by late arrivals
+    ok, detail = True, ""
+    if r != missing:
+        _, exc = capture(calls.dispatch)
+        ok = (isinstance(exc, TimeoutError) and getattr(exc, "pending_peers", None) == [missing]
+              and f"phase '{calls.names[0]} call #3" in str(exc) and f"rank(s) [{missing}]" in str(exc))
+        detail = f"rank {r} got {exc!r}"
+        exc = None
+    comm.Barrier()
+    _, dexc = capture(calls.buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{api} with rank {missing} missing: {detail}; destroy: {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["dispatch", "cached_dispatch", "combine", "ll_combine_hook", "ll_combine_async",
+                                  "ep_dispatch", "ep_dispatch_deferred", "ep_combine"])
+def test_async_input_written_in_place_raises(comm, case):
+    """Rank 0 writes an input of an asynchronous call in place before its event completes (the worker still
+    reads it: the peers would receive the new values): its wait raises RuntimeError naming the argument
+    (docs/semantics/deepep-api.md §3.3), and every other rank fails at its wait or its next call, naming rank 0."""
+    r = comm.Get_rank()
+    api = "ep_buffer" if case.startswith("ep_") else "low_latency" if case.startswith("ll_") else "normal"
+    calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
+    b, x, idx, w = calls.buf, calls.x, calls.idx, calls.w
+    recv_x, handle = coll(calls.dispatch, what="a good dispatch first")
+    name = "topk_weights" if case.startswith("ll_") else "x"
+    written = w if name == "topk_weights" else (recv_x if case.endswith("combine") else x)
+    if api == "normal":
+        ntpr, _, ntpe, itr, _ = calls.layout
+        if case == "dispatch":
+            go = lambda: b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                    topk_idx=idx, topk_weights=w, async_finish=True)[-1]
+        elif case == "cached_dispatch":
+            go = lambda: b.dispatch(x, handle=handle, async_finish=True)[-1]
+        else:
+            go = lambda: b.combine(recv_x, handle, async_finish=True)[-1]
+        wait = lambda ev: ev.current_stream_wait()
+    elif api == "low_latency":
+        hook_mode = case.endswith("hook")
+        go = lambda: b.low_latency_combine(recv_x, idx, w, handle, async_finish=not hook_mode,
+                                           return_recv_hook=hook_mode)
+        wait = lambda out: out[2]() if hook_mode else out[1].current_stream_wait()
+    else:
+        if case == "ep_combine":
+            go = lambda: b.combine(recv_x, handle, async_with_compute_stream=True)[-1]
+        elif case == "ep_dispatch":
+            go = lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                    async_with_compute_stream=True)[-1]
+        else:  # the deferred epilogue returns the event alone
+            go = lambda: b.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, async_with_compute_stream=True,
+                                    defer_epilogue=True)
+        wait = lambda ev: ev.current_stream_wait()
+    comm.Barrier()
+    out = go()
+    if r == 0:
+        written.zero_()
+    _, exc = capture(lambda: wait(out))
+    comm.Barrier()  # rank 0 has aborted its peers by now
+    if r == 0:
+        ok = isinstance(exc, RuntimeError) and f"`{name}`" in str(exc) and "written in place" in str(exc)
+    else:
+        if exc is None:  # this rank's own call was complete: its next call fails
+            _, exc = capture(lambda: wait(go()))
+        ok = exc is not None and "rank 0" in str(exc)
+    all_ranks_ok(comm, ok, f"{case}: rank {r} got {exc!r}")
+    comm.Barrier()
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, dexc is None, f"{case}: destroy raised {dexc!r}")
 
 
 @pytest.mark.mpi(min_size=2)

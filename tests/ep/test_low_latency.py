@@ -517,7 +517,7 @@ def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
     """docs/semantics/deepep-api.md §11: a combine returns ``2H`` bytes per valid selection as BF16 and ``1.25H + H/32``
     with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
     falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
-    count bytes and a 16-byte header to every peer (self included). Counted by
+    count bytes and a 24-byte header to every peer (self included). Counted by
     ``get_traffic()`` over every channel kind, the rank's own rows included."""
     buf = _buf(buffers, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
@@ -538,7 +538,7 @@ def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
         return out, int(logfmt10_wire_bytes(logfmt10_encode(sent)[1]).sum())
 
     (bf16, lf, lf_mixed), mixed_bytes = coll(go, what=f"{cfg} LogFMT traffic")
-    fixed = R * (4 * L + 16)
+    fixed = R * (4 * L + 24)  # the header: call and operation, the shape, the sender's count of that operation
     want = (rows * 2 * H + fixed, rows * (H * 5 // 4 + H // 32) + fixed, mixed_bytes + fixed)
     all_ranks_ok(comm, (bf16, lf, lf_mixed) == want and mixed_bytes > rows * (H * 5 // 4 + H // 32),
                  f"{cfg}: combine bytes (BF16, LogFMT, LogFMT with BF16 groups) {(bf16, lf, lf_mixed)} != {want} "
