@@ -111,8 +111,10 @@ class EPBuffer(BufferBase):
         alignment = get_num_allocation_alignment()
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
         num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
-        error = None
-        if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
+        error = self._constructor_problem()
+        if error is not None:
+            pass
+        elif num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
             error = ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
                                f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
         elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
@@ -155,6 +157,10 @@ class EPBuffer(BufferBase):
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self._scratch = CombineScratch()
         self._outputs = memory.OutputPool()  # the expanded layout's rows
+
+    def _constructor_problem(self) -> Exception | None:
+        """A subclass's own argument error, refused on every rank with the others (none here)."""
+        return None
 
     # -- sizes ------------------------------------------------------------------------------
     @staticmethod
@@ -307,10 +313,11 @@ class EPBuffer(BufferBase):
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
         """
         self._usable("dispatch")
-        assert not do_handle_copy, "`do_handle_copy` must be False (DeepEP V2.5 copies no handle)"
-        assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
+        # DeepEP's flag assertions, raised inside the call's first round so that every rank raises
+        flag_problem = ("`do_handle_copy` must be False (DeepEP V2.5 copies no handle)" if do_handle_copy else
+                        _defer_problem(defer_epilogue, async_with_compute_stream) or
+                        ("Cannot do CPU sync with cached handle" if handle is not None and do_cpu_sync else None))
         if handle is not None:
-            assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
             do_cpu_sync = False
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         data, sf = x if isinstance(x, tuple) else (x, None)
@@ -329,6 +336,7 @@ class EPBuffer(BufferBase):
         R = self.num_ranks
 
         def check_common():
+            check(flag_problem is None, AssertionError, flag_problem)
             check(isinstance(max_tokens, int) and max_tokens > 0, ValueError,
                   f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got {max_tokens!r}")
             check(isinstance(alignment, int) and alignment >= 1, ValueError,
@@ -668,7 +676,7 @@ class EPBuffer(BufferBase):
             TimeoutError / transports.TransportAborted: as ``Buffer.combine``.
         """
         self._usable("combine")
-        assert not defer_epilogue or async_with_compute_stream, "`defer_epilogue` requires async_with_compute_stream"
+        flag_problem = _defer_problem(defer_epilogue, async_with_compute_stream)  # raised in the first round
         prev = None if previous_event is None else EventOverlap(previous_event)
         words = {}
         if isinstance(handle, EPHandle):
@@ -682,10 +690,10 @@ class EPBuffer(BufferBase):
             (handle.do_expand and not self.allow_multiple_reduction)
             or (self._legacy.num_nodes > 1 and (self._direct or not self.allow_multiple_reduction)))
         if by_slots:
-            return self._combine_by_slots(x, handle, topk_weights, bias, prev, words, defer_epilogue)
+            return self._combine_by_slots(x, handle, topk_weights, bias, prev, words, defer_epilogue, flag_problem)
 
         def precheck():
-            biases, k = self._check_combine(x, handle, topk_weights, bias)
+            biases, k = self._check_combine(x, handle, topk_weights, bias, flag_problem)
             compact_x, compact_w = self._compact(x, topk_weights, handle)
             if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
                 meta = handle.recv_src_metadata
@@ -711,8 +719,9 @@ class EPBuffer(BufferBase):
             return out
         return combined, combined_w, event
 
-    def _check_combine(self, x, handle, topk_weights, bias):
+    def _check_combine(self, x, handle, topk_weights, bias, flag_problem: str | None = None):
         """``combine``'s argument checks (raise ``Rejected``); returns ``(biases | None, num_topk)``."""
+        check(flag_problem is None, AssertionError, flag_problem)
         check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
         check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
@@ -733,7 +742,8 @@ class EPBuffer(BufferBase):
             biases = (biases[1], None)
         return (None if biases[0] is None else biases), k
 
-    def _combine_by_slots(self, x, handle: EPHandle, topk_weights, bias, prev, words, defer_epilogue: bool):
+    def _combine_by_slots(self, x, handle: EPHandle, topk_weights, bias, prev, words, defer_epilogue: bool,
+                          flag_problem: str | None):
         """Combine with one rounding at the origin over separate rows (docs/semantics/deepep-api.md §13.5):
         the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or direct mode across
         nodes (every rank's row). Runs ``K`` combines through the engines, pass ``j`` carrying only the rows
@@ -745,7 +755,7 @@ class EPBuffer(BufferBase):
 
         def precheck(j):
             if j == 0:
-                state["biases"], _ = self._check_combine(x, handle, topk_weights, bias)
+                state["biases"], _ = self._check_combine(x, handle, topk_weights, bias, flag_problem)
                 state["w"] = self._compact_weights(topk_weights, handle)
                 if not per_slot:
                     state["x"] = self._compact(x, None, handle)[0]
@@ -823,13 +833,16 @@ class ElasticBuffer(EPBuffer):
                  prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
                  num_cpu_timeout_secs: int | None = None, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
-        if not isinstance(num_cpu_bytes, int) or num_cpu_bytes < 0:
-            raise ValueError(f"ElasticBuffer: num_cpu_bytes must be a non-negative int, got {num_cpu_bytes!r}")
-        self.num_cpu_bytes = num_cpu_bytes
+        self.num_cpu_bytes = num_cpu_bytes  # checked with the other arguments, on every rank
         super().__init__(group, num_bytes, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, 0,
                          deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
                          sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy,
                          ranks_per_node=ranks_per_node)
+
+    def _constructor_problem(self) -> Exception | None:
+        if not isinstance(self.num_cpu_bytes, int) or self.num_cpu_bytes < 0:
+            return ValueError(f"ElasticBuffer: num_cpu_bytes must be a non-negative int, got {self.num_cpu_bytes!r}")
+        return None
 
     def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                  cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
@@ -858,6 +871,13 @@ class ElasticBuffer(EPBuffer):
             previous_event_before_epilogue.current_stream_wait()
         return super().combine(x, handle, topk_weights, bias, num_sms, num_qps, previous_event,
                                async_with_compute_stream, allocate_on_comm_stream)
+
+
+def _defer_problem(defer_epilogue: bool, async_with_compute_stream: bool) -> str | None:
+    """DeepEP's assertion on ``defer_epilogue`` (it needs ``async_with_compute_stream``), as a message or None."""
+    if defer_epilogue and not async_with_compute_stream:
+        return "`defer_epilogue` requires async_with_compute_stream"
+    return None
 
 
 def _slots_by_lane(handle: EPHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -458,6 +458,34 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
     assert isinstance(err, AssertionError)
 
 
+def test_flag_assertions_on_one_rank_raise_on_every_rank(ep, comm):
+    """DeepEP's flag assertions (``do_handle_copy``, ``do_cpu_sync`` with a cached handle, ``defer_epilogue``
+    without ``async_with_compute_stream``) passed by one rank only: that rank raises ``AssertionError``, the
+    others ``ConsensusError`` naming it, in the same call (no rank left waiting), and the buffer stays usable;
+    ``ElasticBuffer``'s ``num_cpu_bytes`` refused on one rank is refused at construction on every rank."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 8 * R
+    x, _, topk_idx, w = _inputs(rank, R, 3, E, False)
+    bad = rank == R - 1
+    _, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
+    y, _, _, _, _ = coll(lambda: ep.dispatch(x, handle=handle))
+    cases = {
+        "do_handle_copy": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, do_handle_copy=bad),
+        "do_cpu_sync with a handle": lambda: ep.dispatch(x, handle=handle, do_cpu_sync=True if bad else None),
+        "dispatch defer_epilogue": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, defer_epilogue=bad,
+                                                       async_with_compute_stream=False),
+        "combine defer_epilogue": lambda: ep.combine(y, handle, defer_epilogue=bad),
+    }
+    for what, call in cases.items():
+        _, err = capture(call)
+        want = AssertionError if bad else ConsensusError
+        all_ranks_ok(comm, isinstance(err, want) and (bad or f"rank {R - 1}" in str(err)), f"{what}: {err!r}")
+        coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))  # still usable
+    _, err = capture(lambda: ElasticBuffer(comm, num_cpu_bytes=-1 if bad else 0, num_max_tokens_per_rank=MAX_TOKENS,
+                                           hidden=HIDDEN, explicitly_destroy=True))
+    all_ranks_ok(comm, isinstance(err, ValueError) and "num_cpu_bytes" in str(err), f"num_cpu_bytes: {err!r}")
+
+
 @pytest.mark.parametrize("do_expand", [False, True], ids=["compact", "expanded"])
 def test_repeated_expert_in_a_row_is_refused_on_every_rank(ep, comm, do_expand):
     """DeepEP V2.5's dispatch asserts that a row's experts are distinct (docs/semantics/deepep-api.md §0): a
