@@ -373,7 +373,8 @@ class EPBuffer(BufferBase):
             need = EPBuffer._bytes_for(needs, R, G)
             check(_covers(self._windows, needs), ValueError,
                   f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
-                  f"{max_tokens} with rows of {xb.size(1)} B (+{sf_bytes} B of scales) needs; "
+                  f"{max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} {data.dtype}; +{sf_bytes} B of "
+                  f"scales) needs; "
                   f"see EPBuffer.get_buffer_size_hint")
             return xb, sb
 
