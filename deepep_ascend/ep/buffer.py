@@ -418,6 +418,7 @@ class Buffer:
         return {k: v.copy() for k, v in self._last_traffic.items()}
 
     # -- layout ----------------------------------------------------------------------
+    @timed("get_dispatch_layout", engine_of)
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
@@ -441,11 +442,15 @@ class Buffer:
         """
         if self.runtime is None:
             raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
+        if _PH.on:
+            _PH.switch("checks")
         try:
             check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             check_topk_idx(topk_idx, num_experts, self.group_size)
         except Rejected as rej:
             raise rej.exc from None
+        if _PH.on:
+            _PH.switch("layout")
         if not async_finish:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()

@@ -665,6 +665,8 @@ class LowLatencyEngine:
             _PH.switch("wait: signals")
         self._wait_sources(h, need, phase, wait_stats)
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        if _PH.on:
+            _PH.switch("route")
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
         owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
@@ -674,6 +676,8 @@ class LowLatencyEngine:
         order = torch.argsort(experts, stable=True)
         sorted_e = experts[order]
         counts = torch.bincount(sorted_e, minlength=E)
+        if _PH.on:
+            _PH.switch("control")
         got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
         live_e = (self.mask == 0).repeat_interleave(L)
         bad = torch.nonzero((got != counts) & live_e).squeeze(1)
@@ -683,6 +687,8 @@ class LowLatencyEngine:
                 f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
+        if _PH.on:
+            _PH.switch("route")
         starts = torch.cumsum(counts, 0) - counts
         rank_in_e = torch.empty_like(pos)
         rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]

@@ -67,7 +67,8 @@ class CallRecord:
 
     Attributes:
         op: the call (``"dispatch"``, ``"combine"``, ``"low_latency_dispatch"``, ``"low_latency_combine"``,
-            ``"low_latency_dispatch hook"``, ``"low_latency_combine hook"``, ``"ep_dispatch"``, ``"ep_combine"``).
+            ``"low_latency_dispatch hook"``, ``"low_latency_combine hook"``, ``"ep_dispatch"``, ``"ep_combine"``,
+            ``"get_dispatch_layout"``).
         engine: ``"intranode"``, ``"internode"`` or ``"low-latency"``.
         total_ns: nanoseconds from entry to return (``time.perf_counter_ns``).
         phases: phase name -> nanoseconds, in the order first entered; the values sum to ``total_ns``.
