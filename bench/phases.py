@@ -7,12 +7,13 @@ step makes one call: a dispatch, a combine, a receive hook). :func:`breakdown` t
 records into the table :func:`breakdown_lines` prints and the document keeps under
 ``details["phases"]``:
 
-* per rank, each phase's **median** over the recorded iterations (0 in an iteration without it);
-* ``busiest_us``: the largest of those medians over ranks; ``mean_us``: their mean over ranks;
-* ``share``: ``mean_us`` over the call's ``mean_us`` (the call: the median of each rank's call
-  totals, busiest and mean alike). Phases tile each call (``other`` is the unnamed rest), so the
-  shares add up to about 1 (medians of parts need not add up to the median of the whole exactly;
-  ``sum_share`` says by how much).
+* per rank, the **median call** (the recorded call whose total is the median), whose phases tile it;
+* ``busiest_us``: that call's phases on the busiest rank (the rank whose median call is the longest:
+  the collective is as slow as it); ``mean_us``: the mean over ranks of each rank's median call;
+* ``share``: ``mean_us`` over the call's ``mean_us``; the shares add up to 1 (the phases tile the call;
+  ``other`` is the unnamed rest);
+* ``median_us``: each phase's own median over the recorded calls, mean over ranks (how typical the
+  median call's split is: on a noisy host single calls' spikes land in different phases).
 """
 from __future__ import annotations
 
@@ -55,10 +56,16 @@ def record_steps(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> l
     return out
 
 
+def _median_call(calls: list[dict]) -> dict:
+    """The call whose total is the median (the lower middle of an even count)."""
+    return sorted(calls, key=lambda c: c["total_ns"])[(len(calls) - 1) // 2]
+
+
 def breakdown(per_rank: list[list[dict]]) -> dict:
     """The table of every op from every rank's :func:`record_steps` result (``per_rank[r]``): see the module
-    doc. Returns ``{op: {"ops", "engine", "iterations", "ranks", "call": {"busiest_us", "mean_us"}, "phases":
-    [{"phase", "busiest_us", "mean_us", "share"}, ...] (largest mean first), "sum_share"}}``."""
+    doc. Returns ``{op: {"ops", "engine", "iterations", "ranks", "busiest_rank", "call": {"busiest_us",
+    "mean_us", "median_us"}, "phases": [{"phase", "busiest_us", "mean_us", "share", "median_us"}, ...]
+    (largest mean first)}}``."""
     out = {}
     names = list(dict.fromkeys(n for rows in per_rank for row in rows for n in row))
     for name in names:
@@ -67,18 +74,23 @@ def breakdown(per_rank: list[list[dict]]) -> dict:
         if not per:
             continue
         phase_names = list(dict.fromkeys(ph for p in per for it in p for ph in it["phases"]))
-        totals = [statistics.median(it["total_ns"] for it in p) / 1e3 for p in per]
-        call_mean = statistics.fmean(totals)
+        mids = [_median_call(p) for p in per]
+        busiest = max(range(len(per)), key=lambda r: mids[r]["total_ns"])
+        call_mean = statistics.fmean(m["total_ns"] for m in mids) / 1e3
         rows = []
         for ph in phase_names:
-            med = [statistics.median(it["phases"].get(ph, 0) for it in p) / 1e3 for p in per]
-            mean = statistics.fmean(med)
-            rows.append({"phase": ph, "busiest_us": max(med), "mean_us": mean,
-                         "share": mean / call_mean if call_mean else None})
+            mean = statistics.fmean(m["phases"].get(ph, 0) for m in mids) / 1e3
+            rows.append({"phase": ph, "busiest_us": mids[busiest]["phases"].get(ph, 0) / 1e3, "mean_us": mean,
+                         "share": mean / call_mean if call_mean else None,
+                         "median_us": statistics.fmean(statistics.median(it["phases"].get(ph, 0) for it in p)
+                                                       for p in per) / 1e3})
         rows.sort(key=lambda r: -r["mean_us"])
         out[name] = {"ops": per[0][0]["ops"], "engine": per[0][0]["engine"], "iterations": min(len(p) for p in per),
-                     "ranks": len(per), "call": {"busiest_us": max(totals), "mean_us": call_mean}, "phases": rows,
-                     "sum_share": sum(r["share"] or 0.0 for r in rows)}
+                     "ranks": len(per), "busiest_rank": busiest,
+                     "call": {"busiest_us": mids[busiest]["total_ns"] / 1e3, "mean_us": call_mean,
+                              "median_us": statistics.fmean(statistics.median(it["total_ns"] for it in p)
+                                                            for p in per) / 1e3},
+                     "phases": rows}
     return out
 
 
@@ -94,13 +106,14 @@ def breakdown_lines(table: dict, tag: str = "[phases]") -> list[str]:
     w = max([len(r["phase"]) for op in table.values() for r in op["phases"]] + [8])
     for name, op in table.items():
         ops = "+".join(dict.fromkeys(op["ops"]))
-        lines.append(f"{tag} {name}: {ops} ({op['engine']}), median of {op['iterations']} recorded calls per rank, "
-                     f"{op['ranks']} ranks | us busiest rank | us mean over ranks | share of the call")
+        lines.append(f"{tag} {name}: {ops} ({op['engine']}), each rank's median call of {op['iterations']}, "
+                     f"{op['ranks']} ranks | us: busiest rank (rank {op['busiest_rank']}), mean over ranks, share | "
+                     f"per-phase median over calls (mean over ranks)")
         c = op["call"]
-        lines.append(f"{tag}   {'call':<{w}} {c['busiest_us']:11.1f} {c['mean_us']:11.1f}   100.0%")
+        lines.append(f"{tag}   {'call':<{w}} {c['busiest_us']:11.1f} {c['mean_us']:11.1f}  100.0%  "
+                     f"{c['median_us']:11.1f}")
         for r in op["phases"]:
-            share = f"{100 * r['share']:6.1f}%" if r["share"] is not None else "     -"
-            lines.append(f"{tag}   {r['phase']:<{w}} {r['busiest_us']:11.1f} {r['mean_us']:11.1f}  {share}")
-        lines.append(f"{tag}   {'(sum of phase medians)':<{w}} {'':11} {'':11}  {100 * op['sum_share']:6.1f}%")
+            share = f"{100 * r['share']:5.1f}%" if r["share"] is not None else "     -"
+            lines.append(f"{tag}   {r['phase']:<{w}} {r['busiest_us']:11.1f} {r['mean_us']:11.1f}  {share}  "
+                         f"{r['median_us']:11.1f}")
     return lines
-

@@ -19,29 +19,35 @@ cost no mark names yet, never a hidden one.
 
 Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.md`` explains them):
 
-============================  =========================================================================
-``checks``                    argument validation (dtypes, shapes, values, the handle, the window's room)
-``layout``                    routing counts computed inside the call (``EPBuffer.dispatch``)
-``route``                     low-latency: (token, slot) pairs sorted by expert, counts per expert
-``pack``                      this rank's outgoing rows written to its window or to a send block
-                              (low-latency dispatch: with the FP8 cast)
-``send``                      rows written into peers' windows (stores, ``put``), counts and headers
-``signal``                    flags raised at peers (with the URMA flush that orders them)
-``wait: <what>``              waiting for peers: signal/flag polling, ``MPI`` RMA synchronisation;
-                              ``<what>`` says for what (``ready``, ``consumed``, ``signals`` ...)
-``control``                   the control exchange's reading: headers, consensus, count vectors, prefix sums
-``outputs``                   output tensors allocated, the handle built
-``copy``                      received rows copied into the outputs (gathers, scatters, direct stores)
-``reduce``                    combine's sums (and the weighted sum of low-latency combine)
-``epilogue``                  after the data: handle fields, local expert ids, ``EPBuffer``'s ``fill``
-``counters``                  the traffic counters' snapshot (``Buffer.get_traffic``)
-``other``                     the rest of the call (Python glue, anything no mark names)
-============================  =========================================================================
+=============================  ========================================================================
+``checks``                     argument validation (dtypes, shapes, values, the handle, the window's room)
+``layout``                     routing counts computed inside the call (``get_dispatch_layout``,
+                               ``EPBuffer.dispatch``)
+``route``                      low-latency: (token, slot) pairs sorted by expert, counts per expert
+``pack``                       this rank's outgoing rows written to its window or to a send block
+                               (low-latency dispatch: with the FP8 cast)
+``compact``                    ``EPBuffer.combine``: the rows combine sends (expanded layout: each
+                               token's slots summed first)
+``send``                       rows written into peers' windows (stores, ``put``; internode: with the
+                               block's signal), counts and headers
+``signal``                     flags raised at peers (low-latency: with the URMA flush that orders them)
+``wait: <what>``               waiting for peers (flag polling): ``ready``, ``staging half free``,
+                               ``x rows``, ``x read in place`` (intranode), ``rail blocks``, ``rail boxes
+                               free``, ``node peers`` (internode), ``signals`` (low-latency)
+``control``                    the control exchange's reading: headers, consensus, count vectors, prefix sums
+``outputs``                    output tensors allocated, the handle built
+``copy``                       received rows copied into the outputs (gathers, scatters, direct stores)
+``reduce``                     combine's sums (low-latency: the weighted sum)
+``epilogue``                   after the data: handle fields, local expert ids, ``EPBuffer``'s ``fill``
+``counters``                   the traffic counters' snapshots (``Buffer.get_traffic``)
+``other``                      the rest of the call (Python glue, anything no mark names)
+=============================  ========================================================================
 
 Cost when off: every phase boundary is one ``if RECORDER.on:`` (an attribute read); a recorded
 entry point adds one Python call frame. When on, a boundary costs one ``time.perf_counter_ns()`` and
-a dictionary update (~0.3 µs). Records are per thread: the part of an ``async_finish`` call that
-runs on the Buffer's worker after the call returned is not in the call's record.
+a dictionary update, which the phases include (a recorded call runs a little longer than an
+unrecorded one). Records are per thread: the part of an ``async_finish`` call that runs on the
+Buffer's worker after the call returned is not in the call's record.
 """
 
 from __future__ import annotations

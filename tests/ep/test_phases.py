@@ -133,10 +133,12 @@ def test_normal_calls_tile_and_change_no_bit(buffers, comm, nodes):
     for a, b in zip(off, on):
         assert torch.equal(bits(a), bits(b))
     engine = "internode" if nodes > 1 else "intranode"
-    assert [r.op for r in records] == ["dispatch", "combine", "dispatch"]
+    assert [r.op for r in records] == ["get_dispatch_layout", "dispatch", "combine", "dispatch"]
     assert all(r.engine == engine for r in records)
     for rec in records:
         _check_tiles(rec, wall)
+    assert {"checks", "layout"} <= set(records[0].phases)
+    records = records[1:]
     for rec, op in zip(records, ("dispatch", "combine")):
         missing = NORMAL_PHASES[op] - set(rec.phases)
         assert not missing, (op, missing, rec.phases)
