@@ -80,6 +80,9 @@ SHARED = {
                        "simulated node size (default: the host); fewer than the ranks takes the internode "
                        "paths (URMA between simulated nodes, UBMEM inside)"),
     "no_progress": ("--no-progress", dict(action="store_true"), "no tqdm progress bar on rank 0"),
+    "phases": ("--phases", dict(action="store_true"),
+               "after the timed loop, run it again with deepep_ascend.ep.phases recording and print each call's "
+               "per-phase breakdown (details.phases in --json; docs/benchmarks.md)"),
 }
 _MINIMUM = {"num_tokens": 1, "hidden": 1, "num_topk": 1, "num_experts": 1, "iters": 1, "warmup": 0, "ranks_per_node": 1}
 

@@ -80,6 +80,7 @@ from bench import cli, schema
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import count_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import cpu_model, memory_snapshot
+from bench.phases import breakdown_lines, gather_breakdown, record_steps
 from bench.roofline import memcpy_roofline
 from bench.roundtrip import (
     BufferSystem,
@@ -113,7 +114,7 @@ IDX_BYTES, WEIGHT_BYTES = 8, 4  #: int64 top-k ids, float32 weights: what the co
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=512, hidden=7168, num_topk=6, num_experts=256, iters=10, warmup=2, seed=0,
-                   json=None, ranks_per_node=None, no_progress=False,
+                   json=None, ranks_per_node=None, no_progress=False, phases=False,
                    helps=dict(seed="per rank: seed*65536+rank",
                               ranks_per_node="EPBuffer then runs DeepEP's two hops (hybrid mode)"))
     p.add_argument("--bf16", action="store_true",
@@ -515,6 +516,8 @@ def run(args) -> int:
             ep = finish_ep(t)
         if v1 is not None:
             others["buffer_v1"] = finish_v1(t)
+        if args.phases:  # after the timed loop: the headline numbers are measured with the recorder off
+            extra["phases"] = gather_breakdown(record_steps(phases, comm, args.iters), comm)
         extra["memory_after_buffers"] = comm.gather(memory_snapshot(), root=0)
     for b in (buf, v1):  # windows freed before the peers run
         if b is not None:
@@ -597,6 +600,8 @@ def run(args) -> int:
         for key, chk in checks.items():
             if not key.startswith("epbuffer_"):
                 print(fmt_check(ref_name, key.split("_vs_")[0], chk))
+        if extra.get("phases"):
+            print("\n".join(breakdown_lines(extra["phases"])))
         summary = summarize(trips, R, failed)
         for line in summary["lines"]:
             print(line)
@@ -611,7 +616,8 @@ def run(args) -> int:
                 details=dict(workload=dict(wl.params, expand=args.expand, expert_alignment=args.expert_alignment),
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,
-                             buffers={k: v for k, v in extra.items() if not k.startswith("memory")},
+                             buffers={k: v for k, v in extra.items() if not k.startswith("memory") and k != "phases"},
+                             phases=extra.get("phases"),
                              memory=dict(per_rank_end=mem, **{k: v for k, v in extra.items()
                                                              if k.startswith("memory")}))))
             print(f"[json]     wrote {args.json}")

@@ -56,6 +56,7 @@ from bench import cli, schema
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import fmt_bytes, gbps, low_latency_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.phases import breakdown_lines, gather_breakdown, record_steps
 from bench.roofline import memcpy_roofline
 from bench.roundtrip import fmt_verification, verification_failure, verify_round_trip
 from bench.timing import Timing, time_phases
@@ -69,7 +70,7 @@ KINDS = ("SELF", "UBMEM", "URMA")
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=128, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0,
-                   json=None, ranks_per_node=None, no_progress=False,
+                   json=None, ranks_per_node=None, no_progress=False, phases=False,
                    helps=dict(num_tokens="= num_max_dispatch_tokens_per_rank", no_progress="no bar here"))
     p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
     p.add_argument("--no-ubmem", action="store_true",
@@ -202,6 +203,11 @@ def run(args) -> int:
 
     th = time_phases([("d_send", d_send), ("d_recv", d_recv), (None, make_y), ("c_send", c_send),
                         ("c_recv", c_recv)], comm, args.iters, args.warmup)
+    if args.phases:  # after the timed loops: the headline numbers are measured with the recorder off
+        out["phases"] = gather_breakdown(record_steps(
+            [("dispatch", dispatch), (None, make_y), ("combine", combine), ("dispatch send", d_send),
+             ("dispatch hook", d_recv), (None, make_y), ("combine send", c_send), ("combine hook", c_recv)],
+            comm, args.iters), comm)
 
     # Overlap: a compute as long as one call's communication between its send and its hook.
     # Calibrated on warm matmuls, every rank at once (as they will run): the first matmuls pay one-time
@@ -336,6 +342,8 @@ def run(args) -> int:
             how = f"{sp:.2f}x faster than" if sp >= 1 else f"{1 / sp:.2f}x slower than"
             lines.append(f"[summary] LL round trip is {how} the faster peer pipeline{tgt}{peer_note}")
         lines += schema.excluded_lines(failed, "[summary] ")
+        if out.get("phases"):
+            lines += breakdown_lines(out["phases"])
         print("\n".join(lines), flush=True)
         if args.json:
             schema.write(args.json, schema.document(

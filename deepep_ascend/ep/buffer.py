@@ -55,6 +55,8 @@ from .low_latency_arguments import (
     check_low_latency_handle,
     low_latency_layout,
 )
+from .phases import RECORDER as _PH
+from .phases import engine_of, timed, timed_call
 from .protocol import (
     HEADER_BYTES,
     OP_CACHED_DISPATCH,
@@ -69,6 +71,8 @@ from .protocol import (
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 _BUFFER_IDS = itertools.count(1)
+#: The record name of a low-latency receive hook (deepep_ascend.ep.phases).
+_HOOK_OPS = {ll_mod.OP_DISPATCH: "low_latency_dispatch hook", ll_mod.OP_COMBINE: "low_latency_combine hook"}
 _UNDESTROYED = weakref.WeakSet()
 
 
@@ -414,6 +418,7 @@ class Buffer:
         return {k: v.copy() for k, v in self._last_traffic.items()}
 
     # -- layout ----------------------------------------------------------------------
+    @timed("get_dispatch_layout", engine_of)
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
@@ -437,11 +442,15 @@ class Buffer:
         """
         if self.runtime is None:
             raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
+        if _PH.on:
+            _PH.switch("checks")
         try:
             check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             check_topk_idx(topk_idx, num_experts, self.group_size)
         except Rejected as rej:
             raise rej.exc from None
+        if _PH.on:
+            _PH.switch("layout")
         if not async_finish:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
@@ -529,6 +538,8 @@ class Buffer:
         if isinstance(previous_event, EventOverlap) and previous_event.event is not None:
             # Arguments are validated by value, so they must be complete: wait for their producer.
             previous_event.event.current_stream_wait()
+        if _PH.on:
+            _PH.switch("checks")
         try:
             check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             gen = build(call_id)
@@ -540,12 +551,20 @@ class Buffer:
             except ConsensusError:
                 pass
             raise exc from None
+        if _PH.on:
+            _PH.switch(None)
         if comm_before_outputs or not async_finish:
             self._worker.drain()
+        if _PH.on:
+            _PH.switch("counters")
         before = self.runtime.stats.snapshot()
+        if _PH.on:
+            _PH.switch(None)
         outputs = self._guard(lambda: next(gen))
         guard = InputGuard(f"rank {self.rank}: {OP_NAMES[op]} call #{call_id}", inputs or {}) if async_finish \
             else None
+        if _PH.on:
+            _PH.switch(None)
 
         def finish(before=before):
             if not comm_before_outputs:
@@ -553,7 +572,11 @@ class Buffer:
             self._guard(lambda: [None for _ in gen])
             if guard:
                 self._guard(guard.check)
+            if _PH.on:
+                _PH.switch("counters")
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            if _PH.on:
+                _PH.switch(None)
 
         if async_finish:
             fut = self._worker.submit(finish)
@@ -567,6 +590,7 @@ class Buffer:
         return run_step(self.runtime, self.rank, fn)
 
     # -- dispatch ------------------------------------------------------------------------
+    @timed("dispatch", engine_of)
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
@@ -689,6 +713,7 @@ class Buffer:
         return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), None, None, None, None, event
 
     # -- combine ---------------------------------------------------------------------------
+    @timed("combine", engine_of)
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
@@ -794,6 +819,8 @@ class Buffer:
             k = topk_idx.size(1)
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), k, num_experts,
                                       cached=False)
+            if _PH.on:
+                _PH.switch("layout")
             ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
             ctx.update(itr=itr, call_id=call_id, cfg=cfg)
             path_args = {"num_tokens_per_rdma_rank": self._tokens_per_node(itr)} if self._internode else {}
@@ -891,6 +918,8 @@ class Buffer:
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
         self._worker.drain()
+        if _PH.on:
+            _PH.switch("checks")
         try:
             check(not (async_finish and return_recv_hook), RuntimeError,
                   "async_finish and return_recv_hook cannot both be set (docs/semantics/deepep-api.md §6.5)")
@@ -902,16 +931,26 @@ class Buffer:
             except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
                 pass
             raise exc from None
+        if _PH.on:
+            _PH.switch("counters")
         before = self.runtime.stats.snapshot()
+        if _PH.on:
+            _PH.switch(None)
         pending = self._guard(lambda: issue(*args))
         guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, ll.calls - 1)}", inputs or {})
                  if async_finish or return_recv_hook else None)
 
         def receive():
+            if _PH.on:
+                _PH.switch(None)
             self._guard(pending.receive)
             if guard:
                 self._guard(guard.check)
+            if _PH.on:
+                _PH.switch("counters")
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            if _PH.on:
+                _PH.switch(None)
 
         if return_recv_hook:
             ll.pending_hook = ll.calls - 1
@@ -923,7 +962,7 @@ class Buffer:
                                        f"(call it exactly once, docs/semantics/deepep-api.md §6.5)")
                 state["called"] = True
                 ll.pending_hook = None
-                receive()
+                timed_call(_HOOK_OPS[op], receive)
 
             return pending.outputs, EventOverlap(), hook
         if async_finish:
@@ -934,6 +973,7 @@ class Buffer:
         receive()
         return pending.outputs, EventOverlap(), None
 
+    @timed("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
@@ -993,6 +1033,7 @@ class Buffer:
                                                                  return_recv_hook, (x, topk_idx))
         return recv_x, recv_count, handle, event, hook
 
+    @timed("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,

@@ -25,6 +25,8 @@ from .group import check_agreed, mpi_comm_of
 from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
+from .phases import RECORDER as _PH
+from .phases import engine_of, timed
 from .protocol import (
     EP_MODE_CPU_SYNC,
     EP_MODE_EXPAND,
@@ -261,6 +263,7 @@ class EPBuffer(BufferBase):
             raise RuntimeError(f"EPBuffer.{op}: the buffer was destroyed")
 
     # -- dispatch ---------------------------------------------------------------------------
+    @timed("ep_dispatch", engine_of)
     def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                  cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
                  num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None,
@@ -451,8 +454,12 @@ class EPBuffer(BufferBase):
     def _finish_dispatch(self, event: EventOverlap, defer_epilogue: bool, **kw):
         """Allocate the outputs now (every shape is known once the counts are), fill them in the epilogue:
         inline, on the worker after the data movement (async), or at the event's wait (deferred)."""
+        if _PH.on:
+            _PH.switch("outputs")
         outputs, fill = self._allocate(**kw)
         if event.event is None:  # synchronous: the rows are here
+            if _PH.on:
+                _PH.switch("epilogue")
             fill()
             event = EventOverlap(EventHandle())
         elif defer_epilogue:
@@ -649,6 +656,7 @@ class EPBuffer(BufferBase):
                                 if total else torch.zeros(0, dtype=torch.int64))
 
     # -- combine ----------------------------------------------------------------------------
+    @timed("ep_combine", engine_of)
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias=None,
                 num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle | None = None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
@@ -695,6 +703,8 @@ class EPBuffer(BufferBase):
 
         def precheck():
             biases, k = self._check_combine(x, handle, topk_weights, bias, flag_problem)
+            if _PH.on:
+                _PH.switch("compact")
             compact_x, compact_w = self._compact(x, topk_weights, handle)
             if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
                 meta = handle.recv_src_metadata
@@ -780,6 +790,8 @@ class EPBuffer(BufferBase):
             if j == 0:
                 combined_w = w
         n = handle.topk_idx.size(0)
+        if _PH.on:
+            _PH.switch("reduce")
         combined = torch.empty(n, x.size(1), dtype=torch.bfloat16)
         acc, tmp = self._scratch.get(x.size(1))
         everyone = torch.arange(n)

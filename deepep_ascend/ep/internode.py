@@ -51,6 +51,7 @@ import torch
 from . import memory
 from .handles import InternodeHandle
 from .layout import recv_channel_prefix, send_layout, to_local_experts
+from .phases import RECORDER as _PH
 from .protocol import (
     MAGIC,
     MSG_BYTES,
@@ -283,6 +284,8 @@ class InternodeEngine:
 
     def _send(self, c, blk, message: str | None):
         """Deliver a block built by :meth:`_block` to the rail peer on node ``c`` and raise its ``U_READY``."""
+        if _PH.on:
+            _PH.switch("send")
         if c == self.node:
             self.tp.record_put(self.rank, blk.numel())  # routed to ourselves: SELF traffic
             if message is not None:
@@ -320,21 +323,34 @@ class InternodeEngine:
     def _credit_wait(self, phase):
         """Before writing this round's half of the rail peers' boxes: they finished the round before."""
         if self.seq >= 2 and self.remote_rails:
+            prev = _PH.switch("wait: rail boxes free") if _PH.on else None
             self.tp.wait_until(self.uwin, U_CREDIT, self.remote_rails, self.seq,
                                phase=f"{phase}: reuse of the rail peers' boxes")
+            if _PH.on:
+                _PH.switch(prev)
 
     def _await_rails(self, phase):
         if self.remote_rails:
+            prev = _PH.switch("wait: rail blocks") if _PH.on else None
             self.tp.wait_until(self.uwin, U_READY, self.remote_rails, self.seq + 1,
                                phase=f"{phase}: blocks from the rail peers")
+            if _PH.on:
+                _PH.switch(prev)
 
     def _node_exchange(self, phase):
+        prev = _PH.switch("signal") if _PH.on else None
         for p in self.node_peers:
             self.tp.signal(self.nwin, p, N_READY, ordered=True)
         if self.node_peers:
+            if _PH.on:
+                _PH.switch("wait: node peers")
             self.tp.wait_until(self.nwin, N_READY, self.node_peers, self.seq + 1, phase=f"{phase}: node peers")
+        if _PH.on:
+            _PH.switch(prev)
 
     def _end_round(self):
+        if _PH.on:
+            _PH.switch("signal")
         for r in self.remote_rails:
             self.tp.signal(self.uwin, r, U_CREDIT, ordered=True)
         self.seq += 1
@@ -378,6 +394,8 @@ class InternodeEngine:
             sub = in_node[lo:hi] if (error is None and hi > lo) else None
             with_vec = rnd == 0 and vec is not None  # count vectors travel in round 0 only
             for c in [*range(self.node + 1, self.G), *range(self.node + 1)]:  # remote nodes first, own last
+                if _PH.on:
+                    _PH.switch("pack")
                 idx = torch.nonzero(sub[:, c]).squeeze(1) if sub is not None else torch.empty(0, dtype=torch.int64)
                 rows = idx.numel()
                 offs, end = _offsets(HDR + (vec_bytes if with_vec else 0), rows, fields)
@@ -415,6 +433,8 @@ class InternodeEngine:
 
     def _read_dispatch_headers(self, op, call_id, vec) -> tuple[np.ndarray, list[torch.Tensor]]:
         """Round 0: every source's header (and count vector) from its forwarder's box, ``[R, 128]``."""
+        if _PH.on:
+            _PH.switch("control")
         headers = np.zeros((self.num_ranks, 128), dtype=np.int64)
         vecs = []
         for s in range(self.num_ranks):
@@ -458,6 +478,8 @@ class InternodeEngine:
             error=None, on_headers=functools.partial(self._open_dispatch, call),
             receive=functools.partial(self._receive_dispatch_blocks, call, fields), in_node=in_node)
         next(rounds_gen)
+        if _PH.on:
+            _PH.switch("outputs")
         rdma_cpm, _ = send_layout(in_node, num_channels)
         gbl_cpm, _ = send_layout(is_token_in_rank, num_channels)
         # send_rdma_head[t][c]: position of token t among this rank's tokens for node c (-1: none).
@@ -472,6 +494,8 @@ class InternodeEngine:
 
         for _ in rounds_gen:
             pass
+        if _PH.on:
+            _PH.switch("epilogue")
         self._close_dispatch(call)
 
     def _pack_dispatch_block(self, x, scales, topk_idx, topk_weights, itr_nodes, c, blk, offs, tok) -> None:
@@ -504,6 +528,8 @@ class InternodeEngine:
         per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
         alignment = call.expert_alignment
         call.recv_list = [] if call.num_worst_tokens else [int(-(-int(c) // alignment) * alignment) for c in per_expert]
+        if _PH.on:
+            _PH.switch("outputs")
         # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.
         call.fwd_counts = vectors[[a * per_node + self.local for a in range(num_nodes)],
                                   num_ranks + call.num_experts + self.node].to(torch.int64)
@@ -531,6 +557,8 @@ class InternodeEngine:
     def _receive_dispatch_blocks(self, call: _DispatchCall, fields, vec_bytes) -> None:
         """Hop 2 of a round: this rank's rows from every source's block, ascending source rank; as a
         forwarder, also keep the source indices and masks of what it forwards (for the handle)."""
+        if _PH.on:
+            _PH.switch("copy")
         me, num_topk, xb, sb, p = self.rank, call.num_topk, call.xb, call.sb, self.P
         out = call.out
         meta32 = out.src_meta.view(torch.int32)
@@ -619,6 +647,8 @@ class InternodeEngine:
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1,
                  **(extra_words or {})}
+        if _PH.on:
+            _PH.switch("outputs")
         recv_x = self.outputs.empty((rows, xb), torch.uint8)
         if rows > num_recv:
             recv_x[num_recv:].zero_()
@@ -655,6 +685,8 @@ class InternodeEngine:
 
     def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, vec_bytes) -> None:
         """Hop 2 of a cached dispatch's round: this rank's rows of every source's block, ascending source."""
+        if _PH.on:
+            _PH.switch("copy")
         xb, p = recv_x.size(1), self.P
         sb = recv_scales.size(1) if recv_scales is not None else 0
         for s, _, f, m, offs, blk in self._source_blocks(HDR, fields):
@@ -712,11 +744,15 @@ class InternodeEngine:
         words = {**words, W_OP_CALL: op_call}
         rounds, rnd = 1, 0
         while rnd < rounds:
+            if _PH.on:
+                _PH.switch("pack")
             self._write_stage_header(words, n, call_id, error)
             if error is None and stage is not None:
                 stage(rnd)
             self._node_exchange(phase)
             problems, node_max = [], 0
+            if _PH.on:
+                _PH.switch("control")
             if rnd == 0:
                 node_ranks = list(range(self.node_base, self.node_base + self.P))
                 headers = np.stack([self._stage(p, 0, STAGE_HDR, torch.int64).numpy().copy() for p in node_ranks])
@@ -725,6 +761,8 @@ class InternodeEngine:
             self._credit_wait(phase)
             message = "; ".join(problems) if problems else None
             for a in [*range(self.node + 1, self.G), *range(self.node + 1)]:
+                if _PH.on:
+                    _PH.switch("reduce")
                 if message is None and forward is not None:
                     blk = forward(rnd, a)
                 else:
@@ -736,6 +774,8 @@ class InternodeEngine:
                 words_out[W_OP_CALL], words_out[W_STATUS] = op_call, int(message is not None)
                 self._send(a, blk, message)
             self._await_rails(phase)
+            if _PH.on:
+                _PH.switch("control")
             if rnd == 0:
                 bad, largest = self._rail_verdict(call_id, op_call)
                 if bad:
@@ -743,6 +783,8 @@ class InternodeEngine:
                     raise consensus_error(OP_COMBINE, bad)
                 rounds = max(1, _ceil_div(largest, per_round))
                 yield
+            if _PH.on:
+                _PH.switch("reduce")
             reduce(rnd)
             self._end_round()
             rnd += 1
@@ -763,10 +805,14 @@ class InternodeEngine:
         wcols = topk_weights.shape[1] if topk_weights is not None else -1
         n = handle.is_token_in_rank.size(0)
         num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
+        if _PH.on:
+            _PH.switch("outputs")
         combined = self.outputs.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 
+        if _PH.on:
+            _PH.switch("control")
         call = _CombineCall(
             call_id=call_id, rows=x[:num_recv].view(torch.uint8), topk_weights=topk_weights, bias=bias, handle=handle,
             hidden=hidden, wcols=wcols, per_round=max(1, self.combine_capacity(hidden, wcols)),

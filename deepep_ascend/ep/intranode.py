@@ -69,6 +69,7 @@ from .layout import (
     send_layout,
     to_local_experts,
 )
+from .phases import RECORDER as _PH
 from .protocol import (
     HEADER_BYTES,
     MAGIC,
@@ -240,18 +241,28 @@ class IntranodeEngine:
         """Wait until every peer consumed the chunk this rank's next half held before."""
         seq = self.staged[self.rank]
         if seq >= 2 and self.peers:
+            prev = _PH.switch("wait: staging half free") if _PH.on else None
             self.tp.wait_until(self.win, CONSUMED, self.peers, seq - 1, phase=f"{phase}: reuse of staging half")
+            if _PH.on:
+                _PH.switch(prev)
 
     def _publish(self):
+        if _PH.on:
+            _PH.switch("signal")
         for p in self.peers:
             self.tp.signal(self.win, p, READY, ordered=True)
 
     def _await(self, sources, phase):
         peers = [s for s in sources if s != self.rank]
         if peers:
+            prev = _PH.switch("wait: ready") if _PH.on else None
             self.tp.wait_until(self.win, READY, peers, [self.staged[s] + 1 for s in peers], phase=phase)
+            if _PH.on:
+                _PH.switch(prev)
 
     def _consume(self, sources):
+        if _PH.on:
+            _PH.switch("signal")
         for s in sources:
             if s != self.rank:
                 self.tp.signal(self.win, s, CONSUMED, ordered=True)
@@ -267,6 +278,8 @@ class IntranodeEngine:
         hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
 
     def _read_headers(self):
+        if _PH.on:
+            _PH.switch("control")
         return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64).numpy().copy() for p in range(self.num_ranks)])
 
     def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
@@ -276,6 +289,8 @@ class IntranodeEngine:
         of every rank (so counters stay aligned) and raises :class:`ConsensusError`.
         """
         self._begin_stage(phase)
+        if _PH.on:
+            _PH.switch("pack")
         words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
                  W_STATUS: int(error is not None)}
         if error is None and vec is not None and vec.numel():
@@ -356,6 +371,8 @@ class IntranodeEngine:
         This is the only copy of ``x`` (the staged path copies it twice: stage, then gather)."""
         me, nr = self.rank, self.num_ranks
         n, xb = x.shape
+        if _PH.on:
+            _PH.switch("copy")
         for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
             idx = torch.nonzero(is_token_in_rank[:, j]).squeeze(1)
             cnt = idx.numel()
@@ -375,6 +392,8 @@ class IntranodeEngine:
 
     def _raise_xdata(self):
         """``XDATA`` at every peer, after one release fence for all of them."""
+        if _PH.on:
+            _PH.switch("signal")
         for i, p in enumerate(self.peers):
             self.tp.signal(self.win, p, XDATA, ordered=i == 0)
 
@@ -401,7 +420,10 @@ class IntranodeEngine:
     def _await_xdata(self, phase):
         self._xdata_calls += 1
         if self.peers:
+            prev = _PH.switch("wait: x rows") if _PH.on else None
             self.tp.wait_until(self.win, XDATA, self.peers, self._xdata_calls, phase=f"{phase}: x rows")
+            if _PH.on:
+                _PH.switch(prev)
 
     # -- dispatch ------------------------------------------------------------------------
     def reject(self, op, call_id, message) -> NoReturn:
@@ -422,6 +444,8 @@ class IntranodeEngine:
         whose ``recv_channel_prefix_matrix`` is filled when the generator ends; ``recv_x_bytes`` has
         ``max(N_recv, num_worst_tokens)`` rows.
         """
+        if _PH.on:
+            _PH.switch("control")
         me, nr = self.rank, self.num_ranks
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
@@ -449,6 +473,8 @@ class IntranodeEngine:
             recv_list = []
         else:
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
+        if _PH.on:
+            _PH.switch("outputs")
         out = self._dispatch_outputs(advertised, num_recv, max(num_recv, num_worst_tokens), xb, sb, num_topk,
                                      scales is not None, topk_idx is not None)
         channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
@@ -468,6 +494,8 @@ class IntranodeEngine:
                     cursor[s] = self._gather_dispatch_chunk(s, rows, rnd * per_round, regions, out, cursor[s], direct)
         if direct:
             self._await_xdata(phase)
+        if _PH.on:
+            _PH.switch("epilogue")
         for s in range(nr):
             if cursor[s] != int(rank_prefix_matrix[s, me]):
                 start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
@@ -483,6 +511,8 @@ class IntranodeEngine:
         """Stage this rank's tokens ``[rnd·per_round, (rnd+1)·per_round)`` into its current half: ``x`` rows
         (unless ``with_x`` is False), then (unless ``only_x``) scales, top-k ids and weights, routing mask."""
         n = sent.x.size(0)
+        if _PH.on:
+            _PH.switch("pack")
         lo, hi = rnd * per_round, min(n, (rnd + 1) * per_round)
         rows = hi - lo
         if rows <= 0:
@@ -535,6 +565,8 @@ class IntranodeEngine:
                                direct: bool) -> int:
         """Gather into ``out`` from row ``at`` the rows for this rank of the ``rows`` tokens (from ``first_token``)
         rank ``s`` staged; ``x`` rows only if not stored directly. Returns the next free row."""
+        if _PH.on:
+            _PH.switch("copy")
         me, nr, offs = self.rank, self.num_ranks, regions.field_offs
         mask = self._view(s, offs[4], rows * nr, torch.bool).view(rows, nr)[:, me]
         idx = torch.nonzero(mask).squeeze(1)
@@ -566,6 +598,8 @@ class IntranodeEngine:
         rank_prefix_matrix, recv_src_idx = handle.rank_prefix_matrix, handle.recv_src_idx
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
+        if _PH.on:
+            _PH.switch("control")
         regions = self.dispatch_regions(xb, sb, 0, 0, cached=True)
         per_round = max(1, regions.capacity)
         rows = recv_src_idx.numel()
@@ -576,6 +610,8 @@ class IntranodeEngine:
         num_recv = int(rank_prefix_matrix[nr - 1, me])
         land_words, advertised = self._advertise(rows, xb)
         words.update(land_words)
+        if _PH.on:
+            _PH.switch("outputs")
         recv_x = self._recv_x(advertised, rows, xb)
         if rows > num_recv:
             recv_x[num_recv:].zero_()
@@ -612,6 +648,8 @@ class IntranodeEngine:
                              direct: bool) -> None:
         """Gather the rows of rank ``s``'s staged tokens ``[first_token, first_token + staged)`` that the handle
         routes here: ``block`` lists the source token of each of ``s``'s rows (they start at ``block_start``)."""
+        if _PH.on:
+            _PH.switch("copy")
         lo, hi = torch.searchsorted(block, torch.tensor([first_token, first_token + max(staged, 0)])).tolist()
         if hi <= lo:
             return
@@ -629,6 +667,8 @@ class IntranodeEngine:
 
     def _check_counts(self, rank_prefix_matrix, phase):
         """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""
+        if _PH.on:
+            _PH.switch("control")
         nr = self.num_ranks
         sent = torch.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).clone() for p in range(nr)])
         expected = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
@@ -655,10 +695,14 @@ class IntranodeEngine:
         regions = self.combine_regions(xb, wcols)
         n = handle.is_token_in_rank.shape[0]
         num_recv = int(rank_prefix_matrix[nr - 1, me])
+        if _PH.on:
+            _PH.switch("outputs")
         combined = self.outputs.empty((n, hidden), torch.bfloat16)
         combined_w = torch.empty(n, wcols, dtype=torch.float32) if wcols >= 0 else None
         yield combined, combined_w
 
+        if _PH.on:
+            _PH.switch("control")
         counts = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
         per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
@@ -683,6 +727,8 @@ class IntranodeEngine:
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
+            if _PH.on:
+                _PH.switch("reduce")
             lo_t, hi_t = rnd * per_round, min(n, (rnd + 1) * per_round)
             m = max(0, hi_t - lo_t)
             edges = torch.arange(0, m + acc.size(0), acc.size(0)).clamp_(max=m)
@@ -704,6 +750,8 @@ class IntranodeEngine:
             self.tp.check_abort()
         # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
         if xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]:
+            if _PH.on:
+                _PH.switch("wait: x read in place")
             self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")
 
     def _stage_combine_chunk(self, regions: _Regions, per_round: int, returned: _Returned, rnd: int) -> None:
@@ -712,6 +760,8 @@ class IntranodeEngine:
         The count vector lists every origin (own included); the rows of origins ``s != me``
         follow one another in ascending ``s``. Rows of ``x`` read in place are not staged.
         """
+        if _PH.on:
+            _PH.switch("pack")
         me, nr = self.rank, self.num_ranks
         lo_t, hi_t = rnd * per_round, (rnd + 1) * per_round
         starts, spans = returned.starts, []

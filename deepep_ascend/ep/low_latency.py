@@ -72,6 +72,7 @@ from ..gemm.scales import pack_ue8m0_to_int
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
+from .phases import RECORDER as _PH
 from .protocol import ConsensusError, ordinal, sequence_problem
 
 OP_DISPATCH, OP_COMBINE = 1, 2
@@ -303,6 +304,8 @@ class LowLatencyEngine:
 
     def _signal(self, dst, h, hdr):
         """Publish to ``dst``: everything written to it before, then the header, then the signal."""
+        if _PH.on:
+            _PH.switch("signal")
         if self.kinds[dst] is ChannelKind.URMA:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
@@ -371,6 +374,8 @@ class LowLatencyEngine:
 
     def _check_headers(self, h, seq, op, lay, flags):
         """Every live source's header against ours; refusals and disagreements raise on every rank."""
+        if _PH.on:
+            _PH.switch("control")
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
         words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
         problems = []
@@ -406,7 +411,11 @@ class LowLatencyEngine:
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
+        if _PH.on:
+            _PH.switch("pack")
         messages = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
+        if _PH.on:
+            _PH.switch("route")
         route = self._route(topk_idx, L, E)
         for dst in self.order():
             self._send_messages(dst, messages, route, lay, base)
@@ -415,6 +424,8 @@ class LowLatencyEngine:
         self.half_calls[h] += 1
 
         # Outputs (allocated now, filled by the receive).
+        if _PH.on:
+            _PH.switch("outputs")
         recv_x, written_x = self.pool.get((L, R * M, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
         recv_scales, written_s = None, None
         if use_fp8:  # DeepEP: scales column-major in the last two dims
@@ -467,6 +478,8 @@ class LowLatencyEngine:
     def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int) -> None:
         """Write ``dst``'s messages into its slots: one scatter into its mapped window (same node with
         ``allow_ubmem``, or this rank), else one ``put`` per expert run (contiguous at both ends)."""
+        if _PH.on:
+            _PH.switch("send")
         L, R, M = lay.L, self.R, lay.M
         mb = messages.size(1)
         last = dst * L + L - 1
@@ -499,6 +512,8 @@ class LowLatencyEngine:
         L, M, H = lay.L, lay.M, lay.H
         base = call.half * self.half
         phase = f"low_latency_dispatch call #{call.seq + 1}"
+        if _PH.on:
+            _PH.switch("wait: signals")
         self._wait_sources(call.half, call.need, phase, wait_stats)
         self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
         live = torch.tensor([not m for m in self.mask.tolist()])
@@ -510,6 +525,8 @@ class LowLatencyEngine:
         call.recv_count.copy_(cnt.sum(1))
         call.layout_range.copy_((begin.to(torch.int64) << 32) | cnt.to(torch.int64))
         total = int(call.recv_count.sum())
+        if _PH.on:
+            _PH.switch("copy")
         if total:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
@@ -589,9 +606,13 @@ class LowLatencyEngine:
                if zero_copy else x)
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
         beg_all = (layout_range >> 32).to(torch.int64)
+        if _PH.on:
+            _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
         cnt_rows, beg_rows = cnt_all.t().tolist(), beg_all.t().tolist()  # [R][L] ints: no per-run indexing
         for dst in self.order():
+            if _PH.on:
+                _PH.switch("send")
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
             else:
@@ -600,6 +621,8 @@ class LowLatencyEngine:
             self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
         self.half_calls[h] += 1
         need = self.half_calls[h]
+        if _PH.on:
+            _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
                                          combined, wait_stats, use_logfmt), (combined,))
@@ -638,8 +661,12 @@ class LowLatencyEngine:
         base = h * self.half
         n, k = topk_idx.shape
         phase = f"low_latency_combine call #{seq + 1}"
+        if _PH.on:
+            _PH.switch("wait: signals")
         self._wait_sources(h, need, phase, wait_stats)
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        if _PH.on:
+            _PH.switch("route")
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
         owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
@@ -649,6 +676,8 @@ class LowLatencyEngine:
         order = torch.argsort(experts, stable=True)
         sorted_e = experts[order]
         counts = torch.bincount(sorted_e, minlength=E)
+        if _PH.on:
+            _PH.switch("control")
         got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
         live_e = (self.mask == 0).repeat_interleave(L)
         bad = torch.nonzero((got != counts) & live_e).squeeze(1)
@@ -658,9 +687,13 @@ class LowLatencyEngine:
                 f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
+        if _PH.on:
+            _PH.switch("route")
         starts = torch.cumsum(counts, 0) - counts
         rank_in_e = torch.empty_like(pos)
         rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
+        if _PH.on:
+            _PH.switch("reduce")
         if use_logfmt:  # every received row decoded once, in (expert, row) order
             decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
             row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`

@@ -289,3 +289,50 @@ def test_schema_rejects_what_it_must():
         with pytest.raises(ValueError, match=needle):
             schema.validate(broken)
     assert schema.finite({"a": [float("nan"), 1.0, float("inf")]}) == {"a": [None, 1.0, None]}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(600)
+@ONE_RANK
+def test_phases_flag_prints_and_writes_the_breakdown(out_dir):
+    """``--phases`` at 2 ranks: per op a table whose phases tile the call (shares near 1, each share in [0, 1]),
+    the ops each command makes named, the same table in the document's ``details.phases``."""
+    from bench.internals import mpiexec_path
+
+    mpiexec = mpiexec_path() or "mpiexec"
+    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
+    expect = {
+        "normal": {"deepep_ascend.layout": "get_dispatch_layout", "deepep_ascend.dispatch": "dispatch",
+                   "deepep_ascend.combine": "combine"},
+        "low-latency": {"dispatch": "low_latency_dispatch", "combine": "low_latency_combine",
+                        "dispatch send": "low_latency_dispatch", "dispatch hook": "low_latency_dispatch hook",
+                        "combine send": "low_latency_combine", "combine hook": "low_latency_combine hook"},
+        "ep": {"epbuffer.dispatch": "ep_dispatch", "epbuffer.combine": "ep_combine",
+               "buffer_v1.dispatch": "dispatch", "buffer_v1.combine": "combine"},
+    }
+    for command, ops in expect.items():
+        path = os.path.join(out_dir, f"{command}-phases.json")
+        argv = COLLECTIVE[command] + ["--phases", "--json", path]
+        if command == "low-latency":
+            argv += ["--no-baselines"]
+        rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
+                                    REPO_ROOT, env, 300)
+        assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
+        with open(path) as f:
+            doc = json.load(f)
+        _check_doc(doc, command, 2)
+        table = doc["details"]["phases"]
+        assert doc["params"]["phases"] is True
+        for step, op in ops.items():
+            entry = table[step]
+            assert entry["ops"] == [op] and entry["ranks"] == 2 and entry["iterations"] == doc["params"]["iters"]
+            names = [r["phase"] for r in entry["phases"]]
+            assert "other" in names and len(set(names)) == len(names), names
+            assert all(0 <= r["share"] <= 1 and r["median_us"] >= 0 for r in entry["phases"]), entry
+            assert math.isclose(sum(r["share"] for r in entry["phases"]), 1.0, rel_tol=1e-9), entry  # they tile
+            call = entry["call"]
+            assert call["mean_us"] <= call["busiest_us"] + 1e-9, entry
+            assert math.isclose(sum(r["busiest_us"] for r in entry["phases"]), call["busiest_us"], rel_tol=1e-9)
+            assert f"[phases] {step}: {op} (" in out, (step, out[-3000:])
+        waits = [r["phase"] for e in table.values() for r in e["phases"] if r["phase"].startswith("wait: ")]
+        assert waits, table  # waits for peers are their own phases
