@@ -75,7 +75,8 @@ class EPBuffer(BufferBase):
             :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none).
         deterministic: accepted; every dispatch here is deterministic (rows ordered by source token).
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP's switches.
-            ``allow_multiple_reduction=False`` (expanded layout) and direct mode across nodes give
+            ``allow_hybrid_mode=False`` across nodes sends every row straight to its rank (DeepEP's direct
+            mode); ``allow_multiple_reduction=False`` (expanded layout, hybrid mode across nodes) gives
             DeepEP's one-rounding arithmetic through ``K`` combine passes (docs/semantics/deepep-api.md §13.5).
         sl_idx, num_allocated_qps, num_gpu_timeout_secs: accepted, no meaning on CPU ranks.
         num_cpu_timeout_secs: deadline of every wait in seconds; ``None`` (the default): ``$DEEPEP_ASCEND_TIMEOUT_S``
@@ -143,11 +144,14 @@ class EPBuffer(BufferBase):
                                                       ranks_per_node=ranks_per_node)
         self.num_bytes, self.num_lb_bytes = num_bytes, num_lb_bytes
         topo = Topology.from_comm(comm, ranks_per_node)
-        self._direct = topo.num_nodes > 1 and not allow_hybrid_mode  # DeepEP direct mode: combine by slots
-        self._windows = _split(num_bytes, self.num_ranks, topo.num_nodes)
+        self._physical = (topo.num_nodes, topo.ranks_per_node)
+        self._direct = topo.num_nodes > 1 and not allow_hybrid_mode
+        # DeepEP's direct mode sends every row straight to its destination rank: the engines run with one
+        # rank per node, so no forwarder relays a row (docs/semantics/deepep-api.md §13.1)
+        data_nodes, data_rpn = (self.num_ranks, 1) if self._direct else self._physical
+        self._windows = _split(num_bytes, self.num_ranks, data_nodes)
         self._legacy = Buffer(group, num_nvl_bytes=self._windows[0], num_rdma_bytes=self._windows[1],
-                              explicitly_destroy=explicitly_destroy, ranks_per_node=topo.ranks_per_node,
-                              timeout_s=timeout)
+                              explicitly_destroy=explicitly_destroy, ranks_per_node=data_rpn, timeout_s=timeout)
         self._legacy.api_name = type(self).__name__
         self.runtime = self._legacy.runtime
         self.lb_storage = torch.zeros(num_lb_bytes, dtype=torch.uint8)
@@ -207,6 +211,8 @@ class EPBuffer(BufferBase):
         """
         comm = mpi_comm_of(group, None)
         num_ranks, num_nodes = comm.Get_size(), Topology.from_comm(comm, ranks_per_node).num_nodes
+        if num_nodes > 1 and not allow_hybrid_mode:  # direct mode: one rank per node for the engines
+            num_nodes = num_ranks
         k = num_topk if num_topk > 0 else NUM_MAX_TOPK
         x_bytes, sf_bytes = (hidden, 4 * -(-hidden // 128)) if use_fp8_dispatch else (2 * hidden, 0)
         needs = EPBuffer._window_needs(num_ranks, num_nodes, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
@@ -214,7 +220,7 @@ class EPBuffer(BufferBase):
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(num_rdma_ranks, num_nvlink_ranks)``: nodes and ranks per node (URMA and UBMEM domains)."""
-        return self._legacy.num_nodes, self._legacy.ranks_per_node
+        return self._physical
 
     def get_logical_domain_size(self) -> tuple[int, int]:
         """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(nodes, ranks per node)`` in hybrid mode across
@@ -694,10 +700,11 @@ class EPBuffer(BufferBase):
                      W_EP_MODE: mode}
 
         # one rounding over separate rows at the origin: DeepEP's arithmetic without multiple reductions
-        # (expanded: every slot's row; across nodes: every rank's row) and in direct mode across nodes
+        # (expanded: every slot's row; across nodes in hybrid mode: every rank's row; direct mode needs no
+        # passes, each rank being its own node there)
         by_slots = isinstance(handle, EPHandle) and (
             (handle.do_expand and not self.allow_multiple_reduction)
-            or (self._legacy.num_nodes > 1 and (self._direct or not self.allow_multiple_reduction)))
+            or (self._legacy.num_nodes > 1 and not self._direct and not self.allow_multiple_reduction))
         if by_slots:
             return self._combine_by_slots(x, handle, topk_weights, bias, prev, words, defer_epilogue, flag_problem)
 
@@ -756,8 +763,8 @@ class EPBuffer(BufferBase):
     def _combine_by_slots(self, x, handle: EPHandle, topk_weights, bias, prev, words, defer_epilogue: bool,
                           flag_problem: str | None):
         """Combine with one rounding at the origin over separate rows (docs/semantics/deepep-api.md §13.5):
-        the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or direct mode across
-        nodes (every rank's row). Runs ``K`` combines through the engines, pass ``j`` carrying only the rows
+        the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or hybrid mode across
+        nodes without multiple reductions (every rank's row). Runs ``K`` combines through the engines, pass ``j`` carrying only the rows
         that belong at slot ``j`` (zeros elsewhere, so each pass returns that row exactly), then sums the
         passes in slot order from the bias, in float32, rounding once. Synchronous."""
         ys, state = [], {}

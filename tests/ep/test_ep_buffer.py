@@ -271,6 +271,14 @@ def test_one_rounding_modes(comm, flavour):
         assert get_logical_domain_size(world(), hybrid, ranks_per_node=R // nodes) == logical
         for mode in (MODES[1], MODES[2]) if R < 8 else (MODES[1],):  # suite time at 8 ranks
             check_mode(buf, comm, mode, nodes)
+        if not hybrid:  # rows go straight to their ranks: nothing is relayed inside a node
+            rank = comm.Get_rank()
+            x = torch.ones(MAX_TOKENS, HIDDEN).to(BF16)
+            to_next = torch.full((MAX_TOKENS, 1), ((rank + 1) % R) * 4, dtype=torch.int64)  # E = 4R: next rank's
+            coll(lambda: buf.dispatch(x, topk_idx=to_next, num_experts=4 * R))
+            moved = buf.get_traffic()
+            all_ranks_ok(comm, moved["UBMEM"] == 0 and moved["URMA"] >= MAX_TOKENS * HIDDEN * 2,
+                         f"direct mode traffic {moved}")
     finally:
         coll(buf.destroy, what="destroy")
 
@@ -309,23 +317,26 @@ def test_deterministic_twice_and_200_calls_changing_shapes(comm):
         coll(buf.destroy)
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_size_hint_is_exact(comm, nodes, capsys):
+@pytest.mark.parametrize("nodes, hybrid", [(1, True), (2, True), (2, False)], ids=["one_node", "two_nodes",
+                                                                                 "two_nodes_direct"])
+def test_size_hint_is_exact(comm, nodes, hybrid, capsys):
     """The hint's bytes take a full-shape call; one alignment unit less is refused by that call on every
-    rank, one byte less by the constructor (on one node, and split over two nodes' windows)."""
+    rank, one byte less by the constructor (on one node, split over two nodes' windows, and in direct mode,
+    whose rows go straight to their ranks)."""
     R = comm.Get_size()
     if R < nodes:
         pytest.skip("two nodes need two ranks")
     unit = get_num_allocation_alignment()
     hint = coll(lambda: EPBuffer.get_buffer_size_hint(comm, 16, 256, 4, use_fp8_dispatch=True,
-                                                      ranks_per_node=R // nodes))
+                                                      allow_hybrid_mode=hybrid, ranks_per_node=R // nodes))
     assert hint % unit == 0
     x = torch.zeros(16, 256).to(torch.float8_e4m3fn)
     sf = torch.ones(16, 2)
     topk_idx = torch.arange(4).repeat(16, 1) % (4 * R)
     for nbytes, fits in ((hint, True), (hint - unit, False)):
         buf = coll(lambda nbytes=nbytes: EPBuffer(comm, num_bytes=nbytes, num_max_tokens_per_rank=16,
-                                                  explicitly_destroy=True, ranks_per_node=R // nodes))
+                                                  allow_hybrid_mode=hybrid, explicitly_destroy=True,
+                                                  ranks_per_node=R // nodes))
         try:
             _, err = capture(lambda buf=buf: buf.dispatch((x, sf), topk_idx=topk_idx, num_experts=4 * R))
             ok = err is None if fits else (isinstance(err, ValueError) and "get_buffer_size_hint" in str(err))
