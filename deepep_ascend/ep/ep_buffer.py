@@ -765,8 +765,9 @@ class EPBuffer(BufferBase):
         """Combine with one rounding at the origin over separate rows (docs/semantics/deepep-api.md §13.5):
         the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or hybrid mode across
         nodes without multiple reductions (every rank's row). Runs ``K`` combines through the engines, pass
-        ``j`` carrying only the rows that belong at slot ``j`` (zeros elsewhere, so each pass returns that row exactly), then sums the
-        passes in slot order from the bias, in float32, rounding once. Synchronous."""
+        ``j`` carrying only the rows that belong at slot ``j`` (zeros elsewhere, so each pass returns that
+        row exactly), then sums the passes in slot order from the bias, in float32, rounding once.
+        Synchronous."""
         ys, state = [], {}
         k = handle.topk_idx.size(1)
         per_slot = handle.do_expand and not self.allow_multiple_reduction
