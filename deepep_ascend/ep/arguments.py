@@ -153,7 +153,7 @@ def check_config(config, default: Callable[[], Config]) -> Config:
 # -- non-cached dispatch ------------------------------------------------------------------------------
 def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                num_tokens_per_expert, topk_idx, topk_weights, *, num_ranks: int, num_nodes: int,
-                               ranks_per_node: int) -> int:
+                               ranks_per_node: int, from_layout: bool = False) -> int:
     """The layout tensors of a non-cached dispatch of ``num_tokens`` tokens, against each other and ``topk_idx``.
 
     Args:
@@ -161,6 +161,8 @@ def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_
             ``None`` on one node (``num_nodes == 1``); is_token_in_rank: ``[N, R]`` bool;
             num_tokens_per_expert: ``[E]`` int32; topk_idx / topk_weights: ``[N, K]`` int64 /
             float32, or both ``None``. As :meth:`Buffer.get_dispatch_layout` returns them.
+        from_layout: the layout tensors are the ones this Buffer's ``get_dispatch_layout`` returned for this
+            very ``topk_idx``, none written since: their values are known to match, only shapes are checked.
     Returns:
         ``E``, the number of experts (``len(num_tokens_per_expert)``).
     Raises:
@@ -185,24 +187,26 @@ def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_
     num_experts = num_tokens_per_expert.numel()
     check(num_experts > 0 and num_experts % r == 0, ValueError,
           f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, got {num_experts}")
-    check(torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
+    check(from_layout or torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
           "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
-    if num_nodes > 1:
+    if num_nodes > 1 and not from_layout:
         check(torch.equal(num_tokens_per_rdma_rank, tokens_per_node(is_token_in_rank, num_nodes, ranks_per_node)),
               ValueError, "`num_tokens_per_rdma_rank` does not match is_token_in_rank (tokens with an expert on each "
               "node; use get_dispatch_layout's outputs)")
     check((topk_idx is None) == (topk_weights is None), ValueError,
           "`topk_idx` and `topk_weights` must be given together or not at all")
     if topk_idx is not None:
-        check_topk_idx(topk_idx, num_experts, r)
+        if not from_layout:  # get_dispatch_layout checked this topk_idx already
+            check_topk_idx(topk_idx, num_experts, r)
         check(topk_idx.size(0) == num_tokens, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {num_tokens}")
         check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+    if topk_idx is not None and not from_layout:
         _, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
         check(torch.equal(itr, is_token_in_rank), ValueError,
               "`is_token_in_rank` does not match `topk_idx` (use get_dispatch_layout's outputs)")
         check(torch.equal(ntpe, num_tokens_per_expert), ValueError,
               "`num_tokens_per_expert` does not match `topk_idx` (use get_dispatch_layout's outputs)")
-    else:
+    elif topk_idx is None:
         check(bool((num_tokens_per_expert >= 0).all()), ValueError, "`num_tokens_per_expert` has negatives")
     return num_experts
 

@@ -195,6 +195,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
+        self._layout_stamp = ()  # what the last get_dispatch_layout returned, see _stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
         topo = self.runtime.topology
@@ -455,7 +456,9 @@ class Buffer:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
             ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
-            return ntpr, self._tokens_per_node(itr), ntpe, itr, EventOverlap()
+            ntpn = self._tokens_per_node(itr)
+            self._layout_stamp = _stamp(topk_idx, ntpr, ntpn, ntpe, itr)
+            return ntpr, ntpn, ntpe, itr, EventOverlap()
         n = topk_idx.size(0)
         ntpr = torch.empty(self.group_size, dtype=torch.int32)
         ntpe = torch.empty(num_experts, dtype=torch.int32)
@@ -469,6 +472,7 @@ class Buffer:
                 out.copy_(value)
             if ntpn is not None:
                 ntpn.copy_(self._tokens_per_node(itr))
+            self._layout_stamp = _stamp(topk_idx, ntpr, ntpn, ntpe, itr)
 
         fut = self._worker.submit(work)
         return ntpr, ntpn, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
@@ -656,7 +660,9 @@ class Buffer:
             num_experts = check_dispatch_layout_args(
                 data.size(0), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
                 topk_idx, topk_weights, num_ranks=self.group_size, num_nodes=self.num_nodes,
-                ranks_per_node=self.ranks_per_node)
+                ranks_per_node=self.ranks_per_node,
+                from_layout=_stamp_matches(self._layout_stamp, topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                           num_tokens_per_expert, is_token_in_rank))
             check_dispatch_options(expert_alignment, num_worst_tokens, topk_idx is not None)
             k = topk_idx.size(1) if topk_idx is not None else 0
             self._check_dispatch_room(*_row_bytes(data, scales), k, num_experts, cached=False)
@@ -1151,6 +1157,19 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every peer (docs/semantics/deepep-api.md §7)."""
         self._ll_shrink("low_latency_clean_mask_buffer").mask.zero_()
+
+
+def _stamp(*tensors) -> tuple:
+    """Weak references to ``tensors`` (None kept) and their version counters: a later call can tell that it
+    was handed exactly these tensors, unchanged since (an in-place write bumps ``_version``)."""
+    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+
+def _stamp_matches(stamp: tuple, *tensors) -> bool:
+    """Whether ``tensors`` are the stamped ones, in order, none written since."""
+    return len(stamp) == len(tensors) and all(
+        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and t._version == s[1])
+        for s, t in zip(stamp, tensors))
 
 
 def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,14 @@ def dispatch_bad(fn):
     return make
 
 
+def _layout_written_after_get_dispatch_layout(c):
+    """get_dispatch_layout's outputs, then one row of ``is_token_in_rank`` flipped in place: the values
+    must be checked again (a layout this Buffer made and nobody wrote is trusted)."""
+    ntpr, _, ntpe, itr, _ = c.buf.get_dispatch_layout(c.idx, E)
+    itr[0] = ~itr[0]
+    return c.x, dict(num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe)
+
+
 BAD_INPUTS = [
     # -- get_dispatch_layout: no communication, so only "every rank passes it" applies
     Bad("layout_topk_idx_int32", "layout", TypeError, lambda c: (c.buf.get_dispatch_layout, (c.idx.int(), E), {}),
@@ -176,6 +184,8 @@ BAD_INPUTS = [
         match="num_tokens_per_rank"),
     Bad("num_tokens_per_rank_inconsistent", "dispatch", ValueError,
         dispatch_bad(lambda c: (c.x, dict(num_tokens_per_rank=c.ntpr + 1))), match="num_tokens_per_rank"),
+    Bad("layout_written_after_get_dispatch_layout", "dispatch", ValueError,
+        dispatch_bad(_layout_written_after_get_dispatch_layout), match="is_token_in_rank"),
     Bad("is_token_in_rank_int32", "dispatch", TypeError,
         dispatch_bad(lambda c: (c.x, dict(is_token_in_rank=c.itr.int()))), match="is_token_in_rank"),
     Bad("is_token_in_rank_wrong_rows", "dispatch", ValueError,
