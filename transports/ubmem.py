@@ -597,9 +597,9 @@ class Transport:
         base = out.as_strided((span,), (1,)).view(torch.uint8)
         # byte offset of each destination row: unravel out_rows over the leading dims (a loop over dims)
         disps, rest = torch.zeros_like(out_rows), out_rows
-        for n, st in zip(reversed(out.shape[:-1]), reversed(out.stride()[:-1])):
-            disps += (rest % n) * (st * size)
-            rest = rest // n
+        for dim, st in zip(reversed(out.shape[:-1]), reversed(out.stride()[:-1])):
+            disps += (rest % dim) * (st * size)
+            rest = rest // dim
         target_t, origin_t, keep = gather_types(MPI, row_bytes, rows.to(torch.int32).numpy(), size, out.size(-1),
                                                 out.stride(-1) * size, disps.numpy())
         src = int(src)

@@ -157,6 +157,11 @@ def test_fetch_matches_reference(one_node, two_nodes, nodes, fp8):
     # DeepEP's test: layers waited in forward and in reverse order, indices drawn per slice
     for seed, order in enumerate((range(len(ENTRIES)), reversed(range(len(ENTRIES))))):
         ok &= _check(buf, tables, sfs, _indices(seed, MAX_TOKENS, PER_TOKEN, "slices"), fp8, list(order))
+    # every entry is read once, scales included: the bytes counted per channel kind add up to the request
+    before = sum(buf.get_traffic().values())
+    ok &= _check(buf, tables, sfs, _indices(9, MAX_TOKENS, PER_TOKEN), fp8, [0, 1, 2])
+    row_bytes = HIDDEN * (1 if fp8 else 2) + (4 * PACKS if fp8 else 0)
+    ok &= sum(buf.get_traffic().values()) - before == len(ENTRIES) * MAX_TOKENS * PER_TOKEN * row_bytes
     for seed, pattern in enumerate(("random", "edges", "one_rank")):
         ok &= _check(buf, tables, sfs, _indices(10 + seed, MAX_TOKENS, PER_TOKEN, pattern), fp8, [2, 0, 1])
     # fewer tokens and entries per token than configured; row-major scales
