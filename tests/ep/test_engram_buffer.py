@@ -283,7 +283,19 @@ def test_bad_input_raises_on_every_rank(one_node):
     _raises_everywhere(lambda: buf.write(shards[:2]), ValueError, "3 tensors", "write with a layer missing")
     _raises_everywhere(lambda: buf.write(shards, [torch.zeros(R * n, PACKS) for n in ENTRIES]), ValueError,
                        "num_sf_packs=0", "write scales into a BF16 configuration")
-    # the tables are unchanged by the refused calls
+    # FP8: scales missing on one rank, or a table of the wrong height
+    coll(buf.set_config, ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, FP8, PACKS, what="set_config fp8")
+    shards8, sfs8, _ = _tables(True, seed=64)
+    if R > 1:
+        _raises_everywhere(lambda: buf.write(shards8, None if last else sfs8), ValueError, "sfs given",
+                           "write with scales on some ranks only")
+    short = [sf[:-1] if last else sf for sf in sfs8]
+    _raises_everywhere(lambda: buf.write(shards8, short), ValueError, "sfs[0]", "write with a short scale table")
+    _, exc = capture(lambda: buf.fetch(_indices(65, MAX_TOKENS, PER_TOKEN)))  # nothing written in this config
+    all_ranks_ok(world(), isinstance(exc, RuntimeError) and "write" in str(exc), f"fetch before write: {exc!r}")
+    coll(buf.set_config, ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, what="set_config bf16")
+    coll(buf.write, shards, what="write again")
+    # the tables are as written, nothing else got in
     ok = _check(buf, tables, None, _indices(61, MAX_TOKENS, PER_TOKEN), False, [0, 1, 2])
     all_ranks_ok(world(), ok, "tables intact after refused calls")
     # fetch is one-sided: the rank passing bad indices raises, naming what is wrong
@@ -318,6 +330,7 @@ def test_constructor_and_lifetime():
                                     num_allocated_qps=4, qp_depth=1024, explicitly_destroy=True), what="alias")
     ok = buf.num_rdma_storage_bytes == storage and buf.get_physical_domain_size()[0] * \
         buf.get_physical_domain_size()[1] == R
+    buf.print_memory_usage()
     _, exc = capture(lambda: buf.fetch(_indices(70, 2, 2)))
     ok &= isinstance(exc, RuntimeError) and "write" in str(exc)  # nothing configured or written yet
     coll(buf.set_config, ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, what="set_config")
