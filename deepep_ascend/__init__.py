@@ -23,6 +23,7 @@ from .ep import (
     Config,
     ConsensusError,
     ElasticBuffer,
+    EngramBuffer,
     EPBuffer,
     EPHandle,
     EventHandle,
@@ -40,4 +41,5 @@ __version__ = "0.1.0"
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
            "EPHandle", "EventHandle", "EventOverlap", "get_logical_domain_size", "get_num_allocation_alignment",
            "get_physical_domain_size", "topk_idx_t", "__version__"]
+__all__ += ["EngramBuffer"]
 __all__ += gemm.__all__ + mega_moe.__all__

@@ -260,3 +260,23 @@ class RmaWindow:
         """Collective: end the epoch and free the RMA window (before the segment's shared window)."""
         self.win.Unlock_all()
         self.win.Free()
+
+
+def gather_types(MPI, row_bytes: int, rows: np.ndarray, out_itemsize: int, out_cols: int, out_col_stride: int,
+                 out_row_disps: np.ndarray):
+    """The two datatypes of one gathering ``Get``: ``(target, origin, keep)`` (commit both; free every one in ``keep``).
+
+    Target: ``rows`` (int32 row numbers) of ``row_bytes`` each. Origin: for each of them a row of ``out_cols``
+    elements of ``out_itemsize`` bytes, ``out_col_stride`` bytes apart, starting at byte ``out_row_disps[i]``
+    (int64) of the origin buffer: a strided destination (a column-major scale block) is filled directly.
+    """
+    row = MPI.BYTE.Create_contiguous(row_bytes)
+    target = row.Create_indexed_block(1, rows)
+    if out_col_stride == out_itemsize:
+        orow = MPI.BYTE.Create_contiguous(out_cols * out_itemsize)
+    else:
+        elem = MPI.BYTE.Create_contiguous(out_itemsize)
+        orow = elem.Create_hvector(out_cols, 1, out_col_stride)
+        elem.Free()
+    origin = orow.Create_hindexed_block(1, out_row_disps)
+    return target.Commit(), origin.Commit(), (row, orow)

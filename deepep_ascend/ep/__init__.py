@@ -24,6 +24,7 @@ Walking down this room (docs/design/architecture.md):
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .buffer import Buffer
 from .config import Config
+from .engram_buffer import EngramBuffer
 from .ep_buffer import ElasticBuffer, EPBuffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -36,3 +37,4 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle",
            "get_logical_domain_size", "get_num_allocation_alignment", "get_physical_domain_size", "mpi_comm_of",
            "topk_idx_t"]
+__all__ += ["EngramBuffer"]

@@ -33,6 +33,8 @@ COLLECTIVE = {
                     "--warmup", "1"],
     "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--threads", "1"],
     "urma-put": ["--bytes", "65536", "--iters", "2"],
+    "engram": ["--num-entries-per-layer", "300,301", "--num-tokens", "16", "--num-entries-per-token", "4",
+               "--use-fp8", "--iters", "2", "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
