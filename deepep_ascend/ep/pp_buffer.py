@@ -1,5 +1,5 @@
 """``PPBuffer``: DeepEP V2.5's pipeline-parallel send / recv between neighbours of a ring, on CPU ranks
-(docs/semantics/deepep-api.md §14.1).
+(docs/semantics/deepep-api.md §14.3).
 
 Every rank owns one window with ``num_max_inflight_tensors`` receive slots per ring direction (from the
 previous rank, from the next). ``send`` waits until the receiver has released the slot it is about to

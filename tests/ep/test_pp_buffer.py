@@ -1,4 +1,4 @@
-"""``PPBuffer`` (DeepEP V2.5's pipeline-parallel send / recv, docs/semantics/deepep-api.md §14.1) against
+"""``PPBuffer`` (DeepEP V2.5's pipeline-parallel send / recv, docs/semantics/deepep-api.md §14.3) against
 independent references: every tensor received equals, bit for bit, what its sender sent (gathered from
 all ranks with mpi4py, or regenerated from the seed every rank shares, as DeepEP's tests/pp/test_pp.py
 does), on one node and across two simulated nodes; DeepEP's stress schedule (random neighbours, random
