@@ -314,3 +314,42 @@ def test_deadline_names_the_peer(comm, op):
     coll(buf.destroy, what="destroy after a timeout")
     all_ranks_ok(comm, ok, f"{op}: expected a TimeoutError within the deadline, got {err!r} after {elapsed:.1f} s")
     assert any(world().allgather(own)), f"no rank's timeout named the peer it waited for: {err!r}"
+
+
+def test_process_groups_against_gloo(comm):
+    """``PPBuffer`` on torch ProcessGroups, as DeepEP builds it: the world and (at 4+ ranks) the even ranks'
+    subgroup, whose ring is numbered by group rank (DeepEP's ``dst_rank_idx``). What each rank receives from
+    its previous group rank equals what gloo's ``isend`` / ``recv`` deliver of the same tensor."""
+    import torch.distributed as tdist
+
+    from deepep_ascend.nn import dist as ep_dist
+
+    coll(ep_dist.init_distributed, what="init_distributed")
+    r, R = comm.Get_rank(), comm.Get_size()
+    groups = [("world", tdist.group.WORLD)]
+    if R >= 4:
+        evens = list(range(0, R, 2))
+        sub = coll(tdist.new_group, evens, what="new_group")  # collective over the world
+        groups.append(("even ranks", sub if r in evens else None))
+    for name, grp in groups:
+        ok, detail = True, ""
+        if grp is not None:  # only the group's members build its buffer
+            ranks = tdist.get_process_group_ranks(grp)
+            gr, gR = grp.rank(), grp.size()
+            buf = PPBuffer(grp, 1024, 2, explicitly_destroy=True)
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+            out = torch.empty_like(x)
+            buf.send(x, (gr + 1) % gR)
+            buf.recv(out, (gr - 1) % gR)
+            if gR > 1:  # gloo cannot send to its own rank
+                ref = torch.empty_like(x)
+                work = tdist.isend(x, ranks[(gr + 1) % gR], group=grp)
+                tdist.recv(ref, ranks[(gr - 1) % gR], group=grp)
+                work.wait()
+                ok = torch.equal(bits(out), bits(ref))
+            else:
+                ok = torch.equal(bits(out), bits(x))
+            ok = ok and buf.rank_idx == gr and buf.num_ranks == gR
+            detail = f"group rank {gr}/{gR}"
+            buf.destroy()
+        all_ranks_ok(comm, ok, f"{name}: PPBuffer and gloo delivered different tensors ({detail})")
