@@ -33,6 +33,7 @@ from .ep import (
     get_physical_domain_size,
     topk_idx_t,
 )
+from .ep import PPBuffer as PPBuffer
 from .gemm import *  # noqa: F403
 from .mega_moe import *  # noqa: F403
 
@@ -42,4 +43,5 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "EPHandle", "EventHandle", "EventOverlap", "get_logical_domain_size", "get_num_allocation_alignment",
            "get_physical_domain_size", "topk_idx_t", "__version__"]
 __all__ += ["EngramBuffer"]
+__all__ += ["PPBuffer"]
 __all__ += gemm.__all__ + mega_moe.__all__

@@ -31,6 +31,7 @@ from .event import EventHandle, EventOverlap
 from .group import get_logical_domain_size, get_physical_domain_size, mpi_comm_of
 from .handles import InternodeHandle, IntranodeHandle, LowLatencyHandle
 from .layout import topk_idx_t
+from .pp_buffer import PPBuffer
 from .protocol import ConsensusError
 
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
@@ -38,3 +39,4 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "get_logical_domain_size", "get_num_allocation_alignment", "get_physical_domain_size", "mpi_comm_of",
            "topk_idx_t"]
 __all__ += ["EngramBuffer"]
+__all__ += ["PPBuffer"]

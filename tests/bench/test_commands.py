@@ -35,6 +35,7 @@ COLLECTIVE = {
     "urma-put": ["--bytes", "65536", "--iters", "2"],
     "engram": ["--num-entries-per-layer", "300,301", "--num-tokens", "16", "--num-entries-per-token", "4",
                "--use-fp8", "--iters", "2", "--warmup", "1"],
+    "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
@@ -145,6 +146,15 @@ def _check_details(command: str, doc: dict) -> None:
             assert by[f"deepep_ascend/{p}"]["bytes"] == max(b[f"{p}_per_rank"])
         for k, v in by["deepep_ascend/round_trip"]["by_kind"].items():  # busiest rank, one of `calls` round trips
             assert v == max(r[k] for r in b["moved_by_kind_per_rank"]) / b["calls"]
+    elif command == "pp":  # DeepEP's byte formulas on the tensor bytes; the summary is the records' ratio
+        nbytes = det["tensor_bytes"]
+        for c in det["concurrent"]:
+            for h in (0, 1):
+                assert by[f"pp/send_c{c}_hide{h}"]["bytes"] == 2 * nbytes
+                assert by[f"pp/recv_c{c}_hide{h}"]["bytes"] == (2 if h else 1) * nbytes
+            ring = by[f"pp/ring_c{c}"]["seconds"]
+            peers = min(by[f"{p}/ring_c{c}"]["seconds"] for p in ("mpi_isend", "gloo_isend"))
+            assert math.isclose(doc["summary"][f"speedup_over_faster_peer_c{c}"], peers / ring)
     elif command == "mega-moe":
         fused = by["fused"]
         assert (fused["seconds"] == det["times_s"]["fused"]
