@@ -476,7 +476,12 @@ class EPBuffer(BufferBase):
         else:  # the worker runs the epilogue after the rows arrived; the caller waits on its event (whose wait
             # also runs the data movement's input guard, docs/semantics/deepep-api.md §3.3)
             moved = event.event
-            event = EventOverlap(EventHandle(self._legacy._worker.submit(fill), moved.current_stream_wait),
+
+            def epilogue():  # only after a data movement that succeeded: its error, not the epilogue's, is the one
+                if moved.exception() is None:
+                    fill()
+
+            event = EventOverlap(EventHandle(self._legacy._worker.submit(epilogue), moved.current_stream_wait),
                                  _flat(outputs))
         if defer_epilogue:
             event.register_hook_after_wait(lambda: outputs)
