@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepep_ascend import EngramBuffer
-from tests.support.buffer_helpers import all_ranks_ok, capture, coll
+from tests.support.buffer_helpers import all_ranks_ok, buffer_on_nodes, capture, coll
 from tests.support.mpi_utils import allgather_object, gather_all, world
 from tests.support.reference import per_token_cast_to_fp8
 
@@ -46,20 +46,13 @@ def _build(nodes: int = 1, hybrid: bool = True, **kwargs) -> EngramBuffer:
 
 @pytest.fixture(scope="module")
 def one_node():
-    buf = _build(1)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 1)
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
     """Two simulated nodes (2x1 at 2 ranks, 2x2 at 4, 2x4 at 8): URMA across, UBMEM inside."""
-    if world().Get_size() % 2:
-        yield None
-        return
-    buf = _build(2)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 2)
 
 
 def _tables(fp8: bool, seed: int, ue8m0: bool = False):

@@ -20,7 +20,7 @@ from deepep_ascend import (
     get_physical_domain_size,
 )
 from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
-from tests.support.buffer_helpers import all_ranks_ok, capture, coll, same_bits_nan
+from tests.support.buffer_helpers import all_ranks_ok, buffer_on_nodes, capture, coll, same_bits_nan
 from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots
 from tests.support.mpi_utils import gather_all, world
 
@@ -39,20 +39,13 @@ def _build(nodes: int) -> EPBuffer:
 
 @pytest.fixture(scope="module")
 def ep():
-    buf = _build(1)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 1)
 
 
 @pytest.fixture(scope="module")
 def ep_two_nodes():
     """Two simulated nodes (2x1 at 2 ranks, 2x2 at 4, 2x4 at 8): DeepEP's two hops over URMA and UBMEM."""
-    if world().Get_size() < 2:
-        yield None
-        return
-    buf = _build(2)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 2)
 
 
 def _align(n, a):

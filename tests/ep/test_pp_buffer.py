@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deepep_ascend import PPBuffer
-from tests.support.buffer_helpers import all_ranks_ok, bits, capture, coll
+from tests.support.buffer_helpers import all_ranks_ok, bits, buffer_on_nodes, capture, coll
 from tests.support.mpi_utils import gather_all, world
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(300)]
@@ -35,20 +35,13 @@ def _build(nodes: int, **kwargs) -> PPBuffer:
 
 @pytest.fixture(scope="module")
 def pp():
-    buf = _build(1)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 1)
 
 
 @pytest.fixture(scope="module")
 def pp_two_nodes():
     """Two simulated nodes (1+1 ranks at 2, 2+2 at 4, 4+4 at 8): the ring crosses URMA twice."""
-    if world().Get_size() % 2:
-        yield None
-        return
-    buf = _build(2)
-    yield buf
-    coll(buf.destroy, what="destroy")
+    yield from buffer_on_nodes(_build, 2)
 
 
 @pytest.fixture(params=[1, 2], ids=["one_node", "two_nodes"])

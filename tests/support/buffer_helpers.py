@@ -643,3 +643,14 @@ def roundtrip_ok(buf, comm, seed: int = 0, n: int = 12, hidden: int = 128, num_e
     if not torch.equal(cw, torch.where(idx >= 0, w, torch.zeros_like(w))):
         errors.append("round trip: combined weights != originals")
     return errors
+
+
+def buffer_on_nodes(build, nodes: int):
+    """A module fixture's body: yield ``build(nodes)``, the buffer over the world split into ``nodes`` simulated
+    nodes (None where the ranks do not split so), and destroy it collectively after the module."""
+    if world().Get_size() % nodes:
+        yield None
+        return
+    buf = build(nodes)
+    yield buf
+    coll(buf.destroy, what="destroy")
