@@ -58,19 +58,25 @@ def _check_excluded(doc: dict, bad: str, reported: list) -> None:
     assert all(f"{s}/round_trip" in {r["name"] for r in doc["results"]} for s in reported)
 
 
+def _run_with_broken_mpi(module, argv, out_dir, monkeypatch, capsys) -> tuple[dict, str]:
+    """Run the benchmark ``module`` with its MPI pipeline returning zeros (fast); its exit code must be 1.
+    Returns the JSON document and the printed output."""
+    monkeypatch.setattr(module, "mpi_alltoallv_roundtrip", _broken(module.mpi_alltoallv_roundtrip))
+    path = os.path.join(out_dir, f"{module.__name__}.json")
+    rc = module.main(ARGV + argv + ["--json", path])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    with open(path) as f:
+        return json.load(f), out
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(300)
 @ONE_RANK
 def test_normal_leaves_out_a_baseline_returning_zeros(out_dir, monkeypatch, capsys):
     import bench.normal as normal
 
-    monkeypatch.setattr(normal, "mpi_alltoallv_roundtrip", _broken(normal.mpi_alltoallv_roundtrip))
-    path = os.path.join(out_dir, "normal.json")
-    rc = normal.main(ARGV + ["--systems", "deepep_ascend,mpi,roofline", "--json", path])
-    out = capsys.readouterr().out
-    assert rc == 1, out
-    with open(path) as f:
-        doc = json.load(f)
+    doc, out = _run_with_broken_mpi(normal, ["--systems", "deepep_ascend,mpi,roofline"], out_dir, monkeypatch, capsys)
     _check_excluded(doc, "mpi_alltoallv", ["deepep_ascend"])
     s = doc["summary"]
     assert "speedup_over_faster_peer" not in s and "faster_peer" not in s  # the only peer is excluded
@@ -85,13 +91,7 @@ def test_normal_leaves_out_a_baseline_returning_zeros(out_dir, monkeypatch, caps
 def test_ep_leaves_out_a_baseline_returning_zeros(out_dir, monkeypatch, capsys):
     import bench.ep as ep
 
-    monkeypatch.setattr(ep, "mpi_alltoallv_roundtrip", _broken(ep.mpi_alltoallv_roundtrip))
-    path = os.path.join(out_dir, "ep.json")
-    rc = ep.main(ARGV + ["--systems", "ep,v1,mpi", "--json", path])
-    out = capsys.readouterr().out
-    assert rc == 1, out
-    with open(path) as f:
-        doc = json.load(f)
+    doc, out = _run_with_broken_mpi(ep, ["--systems", "ep,v1,mpi"], out_dir, monkeypatch, capsys)
     _check_excluded(doc, "mpi_alltoallv", ["epbuffer", "buffer_v1"])
     s = doc["summary"]
     assert "speedup_over_faster_peer" not in s and "epbuffer_over_buffer_v1" in s
