@@ -47,8 +47,10 @@ def dtype_code(dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else 99
 
 
-def _dtype_name(code: int) -> str:
+def _dtype_name(code: int, scale: bool = False) -> str:
     """A dtype code of the header as torch's name (``"torch.bfloat16"``; ``"none"`` for 0 as a scale code)."""
+    if scale and code == 0:
+        return "none"
     return str(DTYPES[code]) if 0 <= code < len(DTYPES) else f"code {code}"
 
 
@@ -131,7 +133,7 @@ def consensus_problems(headers, op, call_id, ranks=None) -> list:
         for w in CONSENSUS_WORDS:
             values = headers[:, w]
             if (values != values[0]).any():
-                shown = [_dtype_name(int(v)) if w in (W_XDTYPE, W_SDTYPE) else int(v) for v in values]
+                shown = [_dtype_name(int(v), w == W_SDTYPE) if w in (W_XDTYPE, W_SDTYPE) else int(v) for v in values]
                 problems.append(f"ranks disagree on {WORD_NAMES[w]}: " + ", ".join(
                     f"rank {p}: {v}" for p, v in zip(ranks, shown)))
     return problems
