@@ -195,6 +195,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
+        self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see _stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
@@ -547,6 +548,12 @@ class Buffer:
         """
         self._calls += 1
         call_id = self._calls
+        if op != OP_DISPATCH and self._filling is not None:
+            # this call's checks read a handle by value: one from an async worst-token dispatch is complete only
+            # once that dispatch's worker task is (docs/semantics/deepep-api.md §3.4)
+            if not self._filling.done():
+                self._worker.drain()
+            self._filling = None
         if isinstance(previous_event, EventOverlap) and previous_event.event is not None:
             # Arguments are validated by value, so they must be complete: wait for their producer.
             previous_event.event.current_stream_wait()
@@ -594,6 +601,8 @@ class Buffer:
 
         if async_finish:
             fut = self._worker.submit(finish)
+            if op == OP_DISPATCH and not comm_before_outputs:
+                self._filling = fut
             on_wait = (lambda: self._guard(guard.check)) if guard else None
             return outputs, EventOverlap(EventHandle(fut, on_wait), extra + tuple(t for t in _flatten(outputs)))
         finish()

@@ -162,6 +162,29 @@ def test_worst_token_dispatch_cached_dispatch_and_combine(normal, comm):
     all_ranks_ok(comm, _same(outputs, list(ref_combine)), "crossed async combine differs from the synchronous one")
 
 
+def test_handle_passed_on_before_the_event(normal, comm):
+    """The handle of an async worst-token dispatch is filled by the worker: a cached dispatch and a combine
+    given it before the dispatch's event completed still equal the synchronous calls bit for bit."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E = _experts(R)
+    x, idx, w = _inputs(r, R, seed=5)
+    layout = _layout(normal, idx, E)
+    args = dict(**layout, topk_idx=idx, topk_weights=w, num_worst_tokens=sum(10 + 3 * p for p in range(R)))
+
+    def calls(async_finish):
+        recv_x, _, recv_w, _, handle, e1 = normal.dispatch(x, **args, async_finish=async_finish)
+        cached, *_, e2 = normal.dispatch(x, handle=handle, async_finish=async_finish)
+        combined, combined_w, e3 = normal.combine(recv_x, handle, topk_weights=recv_w, async_finish=async_finish)
+        for event in (e3, e2, e1):
+            if async_finish:
+                event.current_stream_wait()
+        return recv_x, handle, cached, combined, combined_w
+
+    ref = coll(lambda: calls(False), what="synchronous calls")
+    got = coll(lambda: calls(True), what="async calls, the handle passed on before the event")
+    all_ranks_ok(comm, _same(got, ref), "async calls given the handle before its event differ from the synchronous")
+
+
 def test_worst_tokens_below_the_count_raise_at_the_wait(normal, comm):
     """An async worst-token dispatch returns before the counts; ``num_worst_tokens`` below this rank's count
     raises ``RuntimeError`` naming it at the event's wait (this rank only: the peers complete, the Buffer stays
