@@ -646,10 +646,10 @@ class Buffer:
                 event must be waited on before using the outputs. Until then the worker reads ``x``,
                 ``topk_idx``, ``topk_weights`` and ``is_token_in_rank``: leave them untouched (DeepEP's
                 rule); one written in place makes the wait raise ``RuntimeError`` naming it and the
-                peers fail too (docs/semantics/deepep-api.md §3.3) With ``num_worst_tokens > 0`` the call returns
-                before any communication and the worker exchanges the counts too, so the call completes
-                while the caller does something else, another collective included; without it the
-                counts fix the outputs' shapes and the call exchanges them before returning
+                peers fail too (docs/semantics/deepep-api.md §3.3). With ``num_worst_tokens > 0`` the call
+                returns before any communication and the worker exchanges the counts too, so the call
+                completes while the caller does something else, another collective included; without it
+                the counts fix the outputs' shapes and the call exchanges them before returning
                 (docs/semantics/deepep-api.md §3.4).
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
