@@ -195,6 +195,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
+        self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see _stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
@@ -529,8 +530,16 @@ class Buffer:
     # -- execution -----------------------------------------------------------------------
     def _protocol(self, op: int, build: Callable[[int], Generator], async_finish: bool, previous_event,
                   allocate_on_comm_stream: bool, extra: tuple, comm_before_outputs: bool,
-                  inputs: dict | None = None) -> tuple[tuple, EventOverlap]:
+                  inputs: dict | None = None, after: Callable[[tuple], None] | None = None
+                  ) -> tuple[tuple, EventOverlap]:
         """Validate with ``build`` (returns a generator or raises ``Rejected``), then run it.
+
+        ``comm_before_outputs``: the generator's first ``next()`` communicates (the count exchange of a
+        dispatch whose shapes depend on the counts), so it runs on the caller's thread after the worker
+        drained; else only the rest does, which with ``async_finish`` runs on the worker and so makes
+        progress without the caller (docs/semantics/deepep-api.md §3.4). ``after(outputs)``: runs once the
+        data movement completed (inline, or on the worker: then its error is raised at the event's
+        wait); its error concerns this rank only, so the peers are not aborted.
 
         A rejection still takes part in the call's first round, so every rank raises. ``inputs``: the
         caller's tensors the worker reads after an ``async_finish`` call returns, by argument name; one
@@ -539,6 +548,12 @@ class Buffer:
         """
         self._calls += 1
         call_id = self._calls
+        if op != OP_DISPATCH and self._filling is not None:
+            # this call's checks read a handle by value: one from an async worst-token dispatch is complete only
+            # once that dispatch's worker task is (docs/semantics/deepep-api.md §3.4)
+            if not self._filling.done():
+                self._worker.drain()
+            self._filling = None
         if isinstance(previous_event, EventOverlap) and previous_event.event is not None:
             # Arguments are validated by value, so they must be complete: wait for their producer.
             previous_event.event.current_stream_wait()
@@ -581,9 +596,13 @@ class Buffer:
             self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
             if _PH.on:
                 _PH.switch(None)
+            if after is not None:
+                after(outputs)
 
         if async_finish:
             fut = self._worker.submit(finish)
+            if op == OP_DISPATCH and not comm_before_outputs:
+                self._filling = fut
             on_wait = (lambda: self._guard(guard.check)) if guard else None
             return outputs, EventOverlap(EventHandle(fut, on_wait), extra + tuple(t for t in _flatten(outputs)))
         finish()
@@ -627,7 +646,11 @@ class Buffer:
                 event must be waited on before using the outputs. Until then the worker reads ``x``,
                 ``topk_idx``, ``topk_weights`` and ``is_token_in_rank``: leave them untouched (DeepEP's
                 rule); one written in place makes the wait raise ``RuntimeError`` naming it and the
-                peers fail too (docs/semantics/deepep-api.md §3.3).
+                peers fail too (docs/semantics/deepep-api.md §3.3). With ``num_worst_tokens > 0`` the call
+                returns before any communication and the worker exchanges the counts too, so the call
+                completes while the caller does something else, another collective included; without it
+                the counts fix the outputs' shapes and the call exchanges them before returning
+                (docs/semantics/deepep-api.md §3.4).
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
             ``recv_x`` ``[N_recv, H]`` like ``x`` (FP8: pair, scales contiguous); ``recv_topk_idx``
@@ -639,7 +662,8 @@ class Buffer:
         Raises:
             TypeError / ValueError: bad arguments on any rank: every rank raises (the rank at
                 fault its own error, the others a ``ValueError`` naming it).
-            RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count, DeepEP's
+            RuntimeError: no UBMEM window, ``num_worst_tokens`` below the received count (raised by this rank
+                only, once the call completed: with ``async_finish``, at the event's wait), DeepEP's
                 stream-argument checks; at the wait of an ``async_finish`` call, an input written in place
                 before it.
             TimeoutError: a peer did not take part in time (``transports.TransportTimeout``, or
@@ -653,6 +677,9 @@ class Buffer:
                                          allocate_on_comm_stream, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert)
         ctx = {}
+        # Worst-token mode: every output shape is static, so the engine yields before the count exchange
+        # and an async call moves on the worker without the caller (docs/semantics/deepep-api.md §3.4).
+        static = isinstance(num_worst_tokens, int) and num_worst_tokens > 0
 
         def build(call_id):
             cfg = self._config(config, Buffer.get_dispatch_config)
@@ -677,16 +704,17 @@ class Buffer:
                 num_channels=cfg.num_channels, handle_id=-1, xdtype=dtype_code(data.dtype),
                 sdtype=dtype_code(scales.dtype) if scales is not None else 0, **path_args)
 
+        def check_worst(outputs):
+            num_recv = int(outputs[6])
+            if static and num_recv > num_worst_tokens:
+                raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
+                                   f"tokens this rank received")
+
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, allocate_on_comm_stream,
-                                        (x, topk_idx, topk_weights), comm_before_outputs=True,
+                                        (x, topk_idx, topk_weights), comm_before_outputs=not static,
                                         inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
-                                                "is_token_in_rank": is_token_in_rank})
-        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, num_recv, _ = outputs
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            if event.event is not None:
-                event.current_stream_wait()
-            raise RuntimeError(f"rank {self.rank}: num_worst_tokens={num_worst_tokens} is below the {num_recv} "
-                               f"tokens this rank received")
+                                                "is_token_in_rank": is_token_in_rank}, after=check_worst)
+        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, _, _ = outputs
         record_origin(handle, HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
         return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), recv_topk, recv_w, recv_list, handle, event
 
@@ -812,7 +840,9 @@ class Buffer:
         ``precheck()`` returns ``(data [N, xb] uint8, scales [N, sb] uint8 | None, xdtype, topk_idx,
         topk_weights, num_experts)``; the layout is computed here. Returns the engine's outputs
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv, dst_offsets)``
-        (``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's ``recv_x``),
+        (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in
+        each rank's ``recv_x``; with ``num_worst_tokens > 0`` and ``async_finish`` both, the handle's prefix
+        sums and the padding are filled by the worker, before the event completes),
         ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``). ``inputs``:
         the caller's tensors by name, guarded as in :meth:`_protocol`.
         """
@@ -838,7 +868,7 @@ class Buffer:
                 extra_words=extra_words)
 
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, False, (),
-                                        comm_before_outputs=True, inputs=inputs)
+                                        comm_before_outputs=not num_worst_tokens, inputs=inputs)
         record_origin(outputs[5], HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
         return outputs, ctx["itr"], event
 

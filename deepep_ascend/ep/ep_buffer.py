@@ -511,7 +511,7 @@ class EPBuffer(BufferBase):
             handle = EPHandle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
-                num_recv_tokens=rows, num_valid_tokens=num_recv, num_expanded_tokens=expanded,
+                num_recv_tokens=rows, num_valid_tokens=0, num_expanded_tokens=expanded,  # set by fill()
                 num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
                 psum_num_recv_tokens_per_scaleup_rank=torch.empty(self.num_scaleup_ranks, dtype=torch.int32),
                 psum_num_recv_tokens_per_rank=torch.empty(R, dtype=torch.int32),
@@ -540,12 +540,16 @@ class EPBuffer(BufferBase):
             outputs = ((out_x if sf is None else (out_x, out_sf)), None, w_out, handle)
 
         def fill():
+            # the count is read only here: without do_cpu_sync an async dispatch's count arrives on the worker,
+            # after the outputs were allocated (docs/semantics/deepep-api.md §3.4)
+            valid = int(num_recv)
             weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
-            valid_topk = recv_topk[:num_recv]
+            valid_topk = recv_topk[:valid]
             counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
             if stats is not None:
                 stats.add_(counts.to(torch.int32))
             if fresh:
+                handle._num_valid = valid
                 self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets)
             if not do_expand:
                 if w_out is not None and in_place_w:

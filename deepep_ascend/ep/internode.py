@@ -141,6 +141,8 @@ class _DispatchCall:
     dst_offsets: torch.Tensor | None = None  # [R] int64 rows each rank received from ranks before this one
     gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
     num_recv: int = 0
+    num_recv_t: torch.Tensor | None = None  # 0-dim int64: num_recv, as yielded (set once the counts arrived)
+    fwd_prefix: torch.Tensor | None = None  # [G] int32 inclusive prefix of fwd_counts (the handle's)
     recv_list: list | None = None
     fwd_counts: torch.Tensor | None = None  # [G] int64 tokens this rank forwards, per source node
     out: _Received | None = None
@@ -454,9 +456,12 @@ class InternodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``dst_offsets`` ``[R]`` int64:
-        the first row of this rank's tokens in each rank's received rows) with ``handle`` an :class:`InternodeHandle`
-        whose receive-side entries are filled when the generator ends.
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``num_recv``: 0-dim int64 tensor;
+        ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's received rows) with
+        ``handle`` an :class:`InternodeHandle` whose receive-side entries are filled when the generator ends.
+        As :meth:`.intranode.IntranodeEngine.dispatch`: after round 0, or with ``num_worst_tokens > 0``
+        before any communication (the count-dependent entries, ``send_nvl_head`` resized to the tokens this
+        rank forwards, are filled in place after round 0).
         """
         n, xb = x.shape
         sb = scales.shape[1] if scales is not None else 0
@@ -472,12 +477,24 @@ class InternodeEngine:
                              with_topk=topk_idx is not None, num_experts=num_experts,
                              expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                              num_channels=num_channels)
+        # The handle's fixed-shape receive entries, filled in place by _open_dispatch / _close_dispatch.
+        call.num_recv_t = torch.zeros((), dtype=torch.int64)
+        call.dst_offsets = torch.zeros(self.num_ranks, dtype=torch.int64)
+        call.gbl_prefix = torch.zeros(self.num_ranks, dtype=torch.int32)
+        call.fwd_prefix = torch.zeros(self.G, dtype=torch.int32)
+        call.send_nvl_head = torch.empty(0, self.P, dtype=torch.int32)
+        call.recv_rdma_channel_prefix_matrix = torch.zeros(self.G, num_channels, dtype=torch.int32)
+        call.recv_gbl_channel_prefix_matrix = torch.zeros(self.num_ranks, num_channels, dtype=torch.int32)
         rounds_gen = self._dispatch_rounds(
             op=OP_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
             pack=functools.partial(self._pack_dispatch_block, x, scales, topk_idx, topk_weights, itr_nodes), vec=vec,
             error=None, on_headers=functools.partial(self._open_dispatch, call),
             receive=functools.partial(self._receive_dispatch_blocks, call, fields), in_node=in_node)
-        next(rounds_gen)
+        early = num_worst_tokens > 0  # static shapes: yield before the count exchange
+        if early:
+            call.out = self._dispatch_outputs(call, num_worst_tokens)
+        else:
+            next(rounds_gen)
         if _PH.on:
             _PH.switch("outputs")
         rdma_cpm, _ = send_layout(in_node, num_channels)
@@ -487,16 +504,36 @@ class InternodeEngine:
                                      torch.full((n, self.G), -1, dtype=torch.int32))
         out = call.out
         handle = InternodeHandle(is_token_in_rank, rdma_cpm, gbl_cpm, call.recv_rdma_channel_prefix_matrix,
-                                 call.fwd_counts.cumsum(0).to(torch.int32), call.recv_gbl_channel_prefix_matrix,
+                                 call.fwd_prefix, call.recv_gbl_channel_prefix_matrix,
                                  call.gbl_prefix, out.src_meta, send_rdma_head, call.send_nvl_head)
-        yield (out.x, out.scales, out.topk_idx, out.topk_weights, call.recv_list, handle, call.num_recv,
-               call.dst_offsets)
+        yield (out.x, out.scales, out.topk_idx, out.topk_weights, [] if early else call.recv_list, handle,
+               call.num_recv_t, call.dst_offsets)
 
         for _ in rounds_gen:
             pass
         if _PH.on:
             _PH.switch("epilogue")
         self._close_dispatch(call)
+
+    def _dispatch_outputs(self, call: _DispatchCall, rows: int) -> _Received:
+        """A dispatch's outputs of ``rows`` rows (``src_meta`` zeroed; padding: :meth:`_pad_outputs`)."""
+        return _Received(
+            self.outputs.empty((rows, call.xb), torch.uint8),
+            torch.empty(rows, call.sb, dtype=torch.uint8) if call.with_scales else None,
+            torch.empty(rows, call.num_topk, dtype=torch.int64) if call.with_topk else None,
+            torch.empty(rows, call.num_topk, dtype=torch.float32) if call.with_topk else None,
+            torch.zeros(rows, 8, dtype=torch.uint8))
+
+    @staticmethod
+    def _pad_outputs(out: _Received, num_recv: int) -> None:
+        """Rows past ``num_recv``: zeros, and -1 expert ids (docs/semantics/deepep-api.md §4.4)."""
+        if out.x.size(0) <= num_recv:
+            return
+        for t in (out.x, out.scales, out.topk_weights):
+            if t is not None:
+                t[num_recv:].zero_()
+        if out.topk_idx is not None:
+            out.topk_idx[num_recv:].fill_(-1)
 
     def _pack_dispatch_block(self, x, scales, topk_idx, topk_weights, itr_nodes, c, blk, offs, tok) -> None:
         """Fill the row fields of the block bound for node ``c`` with this rank's tokens ``tok``."""
@@ -521,9 +558,10 @@ class InternodeEngine:
         vectors = torch.stack(vecs)  # [R, R + E + G]
         counts = vectors[:, :num_ranks]
         call.counts_to_me = counts[:, me].to(torch.int64)
-        call.dst_offsets = counts[:me].sum(0, dtype=torch.int64)
-        call.gbl_prefix = counts[:, me].cumsum(0, dtype=torch.int32)
+        call.dst_offsets.copy_(counts[:me].sum(0, dtype=torch.int64))
+        call.gbl_prefix.copy_(counts[:, me].cumsum(0, dtype=torch.int32))
         call.num_recv = num_recv = int(call.gbl_prefix[-1])
+        call.num_recv_t.fill_(num_recv)
         local = call.num_experts // num_ranks
         per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
         alignment = call.expert_alignment
@@ -533,22 +571,14 @@ class InternodeEngine:
         # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.
         call.fwd_counts = vectors[[a * per_node + self.local for a in range(num_nodes)],
                                   num_ranks + call.num_experts + self.node].to(torch.int64)
-        rows = max(num_recv, call.num_worst_tokens)
-        out = call.out = _Received(
-            self.outputs.empty((rows, call.xb), torch.uint8),
-            torch.empty(rows, call.sb, dtype=torch.uint8) if call.with_scales else None,
-            torch.empty(rows, call.num_topk, dtype=torch.int64) if call.with_topk else None,
-            torch.empty(rows, call.num_topk, dtype=torch.float32) if call.with_topk else None,
-            torch.zeros(rows, 8, dtype=torch.uint8))
-        call.send_nvl_head = torch.full((int(call.fwd_counts.sum()), per_node), -1, dtype=torch.int32)
-        call.recv_rdma_channel_prefix_matrix = torch.zeros(num_nodes, call.num_channels, dtype=torch.int32)
-        call.recv_gbl_channel_prefix_matrix = torch.zeros(num_ranks, call.num_channels, dtype=torch.int32)
-        if rows > num_recv:  # worst-case padding: zeros, and -1 expert ids (docs/semantics/deepep-api.md §4.4)
-            for t in (out.x, out.scales, out.topk_weights):
-                if t is not None:
-                    t[num_recv:].zero_()
-            if out.topk_idx is not None:
-                out.topk_idx[num_recv:].fill_(-1)
+        call.fwd_prefix.copy_(call.fwd_counts.cumsum(0))
+        call.send_nvl_head.resize_(int(call.fwd_counts.sum()), per_node).fill_(-1)
+        if call.out is None or num_recv > call.out.x.size(0):
+            # counts first, or (worst-token mode) more rows than num_worst_tokens: the caller raises, and the
+            # rows still arrive, into scratch outputs, so that every rank stays in step
+            call.out = self._dispatch_outputs(call, num_recv)
+        else:
+            self._pad_outputs(call.out, num_recv)
         call.cursor = [int(call.gbl_prefix[s - 1]) if s else 0 for s in range(num_ranks)]
         call.fwd_src = [[] for _ in range(num_nodes)]
         call.fwd_mask = [[] for _ in range(num_nodes)]

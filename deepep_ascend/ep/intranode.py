@@ -439,10 +439,18 @@ class IntranodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``dst_offsets`` ``[R]`` int64:
-        the first row of this rank's tokens in each rank's received rows) with ``handle`` an :class:`IntranodeHandle`
-        whose ``recv_channel_prefix_matrix`` is filled when the generator ends; ``recv_x_bytes`` has
-        ``max(N_recv, num_worst_tokens)`` rows.
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``num_recv``: 0-dim int64 tensor,
+        the rows received; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's
+        received rows) with ``handle`` an :class:`IntranodeHandle` whose ``recv_channel_prefix_matrix`` is
+        filled when the generator ends. ``recv_x_bytes`` has ``max(N_recv, num_worst_tokens)`` rows.
+
+        Without ``num_worst_tokens`` the outputs' shapes depend on the counts, so the yield comes after
+        round 0 (the count exchange). With ``num_worst_tokens > 0`` every shape is known in advance
+        (``num_worst_tokens`` rows) and the yield comes before any communication: ``num_recv``,
+        ``dst_offsets``, the handle's ``rank_prefix_matrix`` and the padding rows are filled in place
+        later, before the generator ends (docs/semantics/deepep-api.md §3.4). If more than
+        ``num_worst_tokens`` rows arrive, the call still runs in step with its peers (the rows land in
+        scratch outputs, the caller's stay padding) and ``num_recv`` tells the caller to raise.
         """
         if _PH.on:
             _PH.switch("control")
@@ -456,33 +464,61 @@ class IntranodeEngine:
                  W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
                  W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens, **(extra_words or {})}
         vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
-        predicted = self._predict_direct
-        land_words, advertised = self._advertise()
-        words.update(land_words)
         stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
                                   _SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank))
         phase = f"dispatch call #{call_id}"
+        channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
+        recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
+        num_recv_t = torch.zeros((), dtype=torch.int64)
+        early = num_worst_tokens > 0
+        if early:
+            # Static shapes: outputs, handle and offsets exist before the counts (filled in place below).
+            # The landing range advertised is exactly the outputs' rows, so a receiver with more rows than
+            # num_worst_tokens is never stored into directly (every rank's _direct_plan sees it too big).
+            if _PH.on:
+                _PH.switch("outputs")
+            land_words, advertised = self._advertise(num_worst_tokens, xb)
+            out = self._dispatch_outputs(advertised, num_worst_tokens, num_worst_tokens, xb, sb, num_topk,
+                                         scales is not None, topk_idx is not None)
+            rank_prefix_matrix = torch.zeros(nr, nr, dtype=torch.int32)
+            dst_offsets = torch.zeros(nr, dtype=torch.int64)
+            handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                     out.src_idx, is_token_in_rank, send_head)
+            yield out.x, out.scales, out.topk_idx, out.topk_weights, [], handle, num_recv_t, dst_offsets
+        else:
+            land_words, advertised = self._advertise()
+        words.update(land_words)
+        # Read after the yield when there is one: earlier calls may still run on the worker meanwhile,
+        # and they update the prediction in call order.
+        predicted = self._predict_direct
         headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None, phase)
 
         ntok = headers[:, W_NTOK].astype(np.int64)
         rounds = [max(1, _ceil_div(int(t), per_round)) for t in ntok]
         counts, per_expert = self._read_count_vectors(num_experts)  # counts[s][j]: tokens s sends to j
-        rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
-        num_recv = int(rank_prefix_matrix[nr - 1, me])
-        if num_worst_tokens:
-            recv_list = []
+        num_recv = int(counts[:, me].sum())
+        num_recv_t.fill_(num_recv)
+        if early:
+            rank_prefix_matrix.copy_(counts.cumsum(0, dtype=torch.int32))
+            dst_offsets.copy_(counts[:me].sum(0, dtype=torch.int64))
+            if _PH.on:
+                _PH.switch("outputs")
+            if num_recv > num_worst_tokens:  # the caller raises; the rows still arrive, into scratch outputs
+                out = self._dispatch_outputs(None, num_recv, num_recv, xb, sb, num_topk, scales is not None,
+                                             topk_idx is not None)
+            else:
+                self._pad_outputs(out, num_recv)
         else:
+            rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
             recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
-        if _PH.on:
-            _PH.switch("outputs")
-        out = self._dispatch_outputs(advertised, num_recv, max(num_recv, num_worst_tokens), xb, sb, num_topk,
-                                     scales is not None, topk_idx is not None)
-        channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
-        recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
-        handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, out.src_idx,
-                                 is_token_in_rank, send_head)
-        dst_offsets = counts[:me].sum(0, dtype=torch.int64)  # [R] rows each rank received from ranks before me
-        yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv, dst_offsets
+            if _PH.on:
+                _PH.switch("outputs")
+            out = self._dispatch_outputs(advertised, num_recv, num_recv, xb, sb, num_topk, scales is not None,
+                                         topk_idx is not None)
+            handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                     out.src_idx, is_token_in_rank, send_head)
+            dst_offsets = counts[:me].sum(0, dtype=torch.int64)  # [R] rows each rank received from ranks before me
+            yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets
 
         direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
@@ -546,20 +582,25 @@ class IntranodeEngine:
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
                           with_scales: bool, with_topk: bool) -> _Received:
-        """A dispatch's outputs of ``rows`` rows; rows past ``num_recv`` padded (zeros, expert id -1,
-        docs/semantics/deepep-api.md §4.4)."""
+        """A dispatch's outputs of ``rows`` rows; rows past ``num_recv`` padded (:meth:`_pad_outputs`)."""
         out = _Received(self._recv_x(advertised, rows, xb),
                         torch.empty(rows, sb, dtype=torch.uint8) if with_scales else None,
                         torch.empty(rows, num_topk, dtype=torch.int64) if with_topk else None,
                         torch.empty(rows, num_topk, dtype=torch.float32) if with_topk else None,
                         torch.empty(rows, dtype=torch.int32))
-        if rows > num_recv:
-            for t in (out.x, out.scales, out.topk_weights, out.src_idx):
-                if t is not None:
-                    t[num_recv:].zero_()
-            if out.topk_idx is not None:
-                out.topk_idx[num_recv:].fill_(-1)
+        self._pad_outputs(out, num_recv)
         return out
+
+    @staticmethod
+    def _pad_outputs(out: _Received, num_recv: int) -> None:
+        """Rows of ``out`` past ``num_recv``: zeros, expert id -1 (docs/semantics/deepep-api.md §4.4)."""
+        if out.x.size(0) <= num_recv:
+            return
+        for t in (out.x, out.scales, out.topk_weights, out.src_idx):
+            if t is not None:
+                t[num_recv:].zero_()
+        if out.topk_idx is not None:
+            out.topk_idx[num_recv:].fill_(-1)
 
     def _gather_dispatch_chunk(self, s: int, rows: int, first_token: int, regions: _Regions, out: _Received, at: int,
                                direct: bool) -> int:
