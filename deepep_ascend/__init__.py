@@ -34,6 +34,7 @@ from .ep import (
     topk_idx_t,
 )
 from .ep import PPBuffer as PPBuffer
+from .ep import BucketBuffer as BucketBuffer, BucketSession as BucketSession
 from .gemm import *  # noqa: F403
 from .mega_moe import *  # noqa: F403
 
@@ -44,4 +45,5 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "get_physical_domain_size", "topk_idx_t", "__version__"]
 __all__ += ["EngramBuffer"]
 __all__ += ["PPBuffer"]
+__all__ += ["BucketBuffer", "BucketSession"]
 __all__ += gemm.__all__ + mega_moe.__all__
