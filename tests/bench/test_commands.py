@@ -36,6 +36,7 @@ COLLECTIVE = {
     "engram": ["--num-entries-per-layer", "300,301", "--num-tokens", "16", "--num-entries-per-token", "4",
                "--use-fp8", "--iters", "2", "--warmup", "1"],
     "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
+    "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
