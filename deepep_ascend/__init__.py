@@ -16,6 +16,8 @@ from . import mega_moe as mega_moe
 from . import native as native
 from . import nn as nn
 from . import transports as transports
+from .ep import BucketBuffer as BucketBuffer
+from .ep import BucketSession as BucketSession
 from .ep import (
     Buffer,
     BufferAllocator,
@@ -34,7 +36,6 @@ from .ep import (
     topk_idx_t,
 )
 from .ep import PPBuffer as PPBuffer
-from .ep import BucketBuffer as BucketBuffer, BucketSession as BucketSession
 from .gemm import *  # noqa: F403
 from .mega_moe import *  # noqa: F403
 

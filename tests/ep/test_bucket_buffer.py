@@ -122,9 +122,9 @@ def test_all_gather_packed_and_dsts(buf, gloo):
 
 @pytest.mark.parametrize("kind", ["exact", "normal"])
 def test_reduce_scatter_matches_order_and_gloo(buf, gloo, kind):
-    """Every scale (two for random data), two buckets per call: each rank's shard equals, bit for bit, the documented order's sum
-    of all ranks' inputs times scale, lives at ``src + rank * shard bytes``, and equals gloo's all-reduce of
-    the same data (bit for bit for exact data or two ranks, else within 1e-5)."""
+    """Every scale (two for random data), two buckets per call: each rank's shard equals, bit for bit, the
+    documented order's sum of all ranks' inputs times scale, lives at ``src + rank * shard bytes``, and
+    equals gloo's all-reduce of the same data (bit for bit for exact data or two ranks, else within 1e-5)."""
     comm = world()
     r, R = comm.Get_rank(), comm.Get_size()
     numels = (R * 4096, R * (3 * 1024 + 8))
@@ -175,9 +175,9 @@ def test_reduce_scatter_bf16(buf, gloo):
 
 @pytest.mark.parametrize("kind", ["exact", "normal"])
 def test_all_reduce_matches_order_and_gloo(buf, gloo, kind):
-    """In place, batched, every scale (two for random data), element counts not divisible by the ranks (and smaller than them):
-    bit for bit the documented chunk order, identical on every rank, and gloo's all-reduce (bit for bit for
-    exact data or two ranks, else within 1e-5); DeepEP's test_all_reduce."""
+    """In place, batched, every scale (two for random data), element counts not divisible by the ranks (and
+    smaller than them): bit for bit the documented chunk order, identical on every rank, and gloo's
+    all-reduce (bit for bit for exact data or two ranks, else within 1e-5); DeepEP's test_all_reduce."""
     comm = world()
     r, R = comm.Get_rank(), comm.Get_size()
     numels = (R * 4096, R * (3 * 1024 + 8) + 3, 1)
