@@ -348,3 +348,43 @@ def test_destroyed():
     coll(buf.destroy, what="destroy")
     _, err = capture(lambda: buf.all_gather(torch.zeros(4)))
     all_ranks_ok(world(), isinstance(err, RuntimeError) and "destroyed" in str(err), f"after destroy: {err!r}")
+
+
+def test_deadline_names_the_call():
+    """A rank that never joins: the others give up at the deadline with a TimeoutError naming the call."""
+    import time
+
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    if R == 1:
+        pytest.skip("needs a peer that stays away")
+    buf = coll(lambda: BucketBuffer(world(), 4096, explicitly_destroy=True, timeout_s=1.0), what="BucketBuffer()")
+    start = time.monotonic()
+    err = None
+    if r != R - 1:
+        _, err = capture(lambda: buf.all_reduce(buf.storage[:64].view(torch.float32)))
+    elapsed = time.monotonic() - start
+    comm.Barrier()
+    ok = r == R - 1 or (isinstance(err, TimeoutError) and "BucketBuffer.all_reduce" in str(err) and elapsed < 30)
+    what, err = repr(err), None  # its traceback holds the call's views of the storage
+    coll(buf.destroy, what="destroy after a timeout")
+    all_ranks_ok(comm, ok, f"expected a TimeoutError naming the call within the deadline, got {what}")
+
+
+def test_process_group(gloo):
+    """Built on a torch ProcessGroup (gloo) and called with ``group=`` that group, as DeepEP's tests do."""
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    group = gloo.group.WORLD
+    buf = coll(lambda: BucketBuffer(group, 1 << 16, explicitly_destroy=True), what="BucketBuffer(ProcessGroup)")
+    x = buf.storage[:R * 64 * 4].view(torch.float32)
+    x.copy_(torch.arange(R * 64, dtype=torch.float32) * (r + 1))
+    ref = x.clone()
+    gloo.all_reduce(ref, group=group)
+    out = coll(lambda: buf.all_reduce(x, group=group, scale=0.5).wait(), what="all_reduce(group=)")
+    ok = torch.equal(out, ref * 0.5) and buf.get_context_idx(group) == 0
+    _, err = capture(lambda: buf.get_context_idx(object()))
+    ok = ok and isinstance(err, ValueError)
+    x = out = None  # views of the storage: destroy refuses while they live
+    coll(buf.destroy, what="destroy")
+    all_ranks_ok(comm, ok, "ProcessGroup")
