@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 
 import torch
 
 from .. import settings
-from ..transports import ChannelKind, create_transport
+from ..transports import ChannelKind, WaitPolicy, create_transport
+from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of
@@ -27,7 +29,8 @@ __all__ = ["BucketBuffer", "BucketSession"]
 _SLOT_READY = 0  # a rank's sources are in its window (and, for bf16, encoded): peers may read them
 _SLOT_REDUCED = 1  # all_reduce: a rank's own chunk is reduced; peers may gather it
 _SLOT_DONE = 2  # a rank finished reading its peers' windows for this call
-_NUM_SLOTS = 3
+_SLOT_BARRIER = 3  # barrier() of a group other than the first
+_SLOTS_PER_GROUP = 4  # each group counts its own signals: calls on different groups never share a counter
 _PRECISIONS = ("fp32", "bf16")
 
 
@@ -189,8 +192,10 @@ class BucketBuffer(BufferBase):
 
     Args:
         group: a torch ProcessGroup (ranks equal to MPI's, as under ``mpiexec``) or an mpi4py communicator,
-            or a sequence of exactly one of them (DeepEP registers the storage with several groups; here
-            one group per buffer: a longer sequence raises ``NotImplementedError`` on every rank).
+            or a sequence of them, all registered with the one storage: every rank of ``group[0]`` constructs
+            the buffer, and every further group must lie inside ``group[0]`` (each rank passes the groups
+            it belongs to, in the same roles, as DeepEP's tests do: the world, its half, its rail). A call's
+            ``group=`` picks one (required with several).
         allocation_plan_or_num_bytes: a :class:`BufferAllocator` not yet materialized (the storage is its
             ``num_bytes``; its tensors become views of the storage), or a byte count (> 0).
         sl_idx: DeepEP's RDMA service level; accepted, no meaning on CPU ranks.
@@ -204,7 +209,7 @@ class BucketBuffer(BufferBase):
     Attributes:
         storage: this rank's ``[num_bytes]`` uint8 storage, a view of the window (``None`` after destroy).
         num_bytes: its size in bytes. groups: the groups, as given (a list).
-        rank_idx, num_ranks: this rank and the group's size.
+        rank_idx, num_ranks: this rank and the size of ``group[0]``.
 
     Constructing is collective over the group.
 
@@ -212,7 +217,7 @@ class BucketBuffer(BufferBase):
         ValueError: on every rank: a byte count that is not a positive int, a materialized plan, a bad
             ``timeout_s``, or ranks disagreeing on the storage size, ``explicitly_destroy`` or the deadline,
             before anything is allocated.
-        NotImplementedError: more than one group.
+        ValueError: also when a further group has ranks outside ``group[0]`` (on every rank of ``group[0]``).
         transports.TransportConfigError: invalid ``ranks_per_node`` (the same error on every rank).
     """
 
@@ -231,9 +236,7 @@ class BucketBuffer(BufferBase):
         plan = allocation_plan_or_num_bytes if isinstance(allocation_plan_or_num_bytes, BufferAllocator) else None
         num_bytes = plan.num_bytes if plan is not None else allocation_plan_or_num_bytes
         error = None
-        if len(groups) > 1:
-            error = NotImplementedError(f"BucketBuffer: one group per buffer on CPU ranks, got {len(groups)} groups")
-        elif plan is not None and plan.materialized:
+        if plan is not None and plan.materialized:
             error = ValueError("BucketBuffer: allocation_plan_or_num_bytes is a BufferAllocator already materialized")
         elif isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
             error = ValueError(f"BucketBuffer: allocation_plan_or_num_bytes must be a BufferAllocator or a positive "
@@ -249,18 +252,34 @@ class BucketBuffer(BufferBase):
         check_agreed(comm, "BucketBuffer", {
             "num_groups": len(groups), "num_bytes": num_bytes, "explicitly_destroy": bool(explicitly_destroy),
             "deadline": deadline}, error)
+        # every further group: its members as ranks of the first group's (each must be one of them)
+        self._contexts, self._comms, error = [list(range(self.num_ranks))], [None], None
+        try:
+            from mpi4py import MPI
+
+            for i, g in enumerate(groups[1:], 1):
+                sub = mpi_comm_of(g, None)
+                members = MPI.Group.Translate_ranks(sub.Get_group(), list(range(sub.Get_size())), comm.Get_group())
+                if any(m == MPI.UNDEFINED for m in members):
+                    raise ValueError(f"BucketBuffer: every group must lie inside the first (groups[0]); groups[{i}] "
+                                     f"has ranks outside it")
+                self._contexts.append([int(m) for m in members])
+                self._comms.append(sub)
+        except Exception as exc:  # raised on every rank of the first group
+            error = exc
+        check_agreed(comm, "BucketBuffer", {}, error)
+        self._comms = [None] + [sub.Dup() for sub in self._comms[1:]]  # agreement of calls on the group
         self.num_bytes = num_bytes
         self.runtime = create_transport(comm, ranks_per_node=ranks_per_node, timeout_s=deadline)
+        num_slots = _SLOTS_PER_GROUP * len(groups)
         try:
-            self._win = self.runtime.create_window("bucket", num_bytes, _NUM_SLOTS)
+            self._win = self.runtime.create_window("bucket", num_bytes, num_slots)
         except BaseException:
             self.runtime.destroy(force=True)
             raise
         self.storage = self.runtime.local_view(self._win, 0, num_bytes)
         self._ptr = self.storage.data_ptr()
-        # per group: its members as transport ranks, in group rank order
-        self._contexts = [list(range(self.num_ranks))]
-        self._expected = [[0] * self.num_ranks for _ in range(_NUM_SLOTS)]  # signals awaited so far, per peer
+        self._expected = [[0] * self.num_ranks for _ in range(num_slots)]  # signals awaited so far, per peer
         if plan is not None:
             plan.materialize(self.storage)
 
@@ -272,6 +291,9 @@ class BucketBuffer(BufferBase):
         self.storage = None  # a view of the window: freed with it
         self.runtime.destroy()
         self._win = None
+        for sub in self._comms[1:]:
+            sub.Free()
+        self._comms = [None]
 
     def destroy(self) -> None:
         """Collectively free the storage (every rank calls it). Requires ``explicitly_destroy=True``.
@@ -291,9 +313,14 @@ class BucketBuffer(BufferBase):
             ValueError: ``group`` is not one of the buffer's groups.
         """
         if group is None:
+            if len(self.groups) > 1:
+                raise ValueError("BucketBuffer: `group` is required when the buffer has several groups")
             return 0
         for i, g in enumerate(self.groups):
             if g is group:
+                return i
+        for i, g in enumerate(self.groups):
+            if g == group:
                 return i
         raise ValueError(f"BucketBuffer: group {group!r} is not one of the buffer's {len(self.groups)} group(s)")
 
@@ -331,8 +358,13 @@ class BucketBuffer(BufferBase):
             RuntimeError: the buffer was destroyed. transports.TransportTimeout: a rank did not arrive.
         """
         self._check_alive("barrier")
-        self.get_context_idx(group)
-        self.runtime.barrier(phase="BucketBuffer.barrier")
+        ctx = self.get_context_idx(group)
+        if ctx == 0:
+            self.runtime.barrier(phase="BucketBuffer.barrier")
+            return
+        peers = [p for p in self._contexts[ctx] if p != self.rank_idx]
+        self._announce(ctx, _SLOT_BARRIER, peers)
+        self._await(ctx, _SLOT_BARRIER, peers, f"BucketBuffer.barrier (group {ctx})")
 
     # -- validation -------------------------------------------------------------------------------
     def _check_alive(self, op: str) -> None:
@@ -359,8 +391,8 @@ class BucketBuffer(BufferBase):
     def _agree(self, op: str, ctx: int, error: Exception | None, signature) -> None:
         """Collective with the deadline: raise on every rank when a rank refused its arguments or the ranks'
         ``signature`` (offsets, sizes, dtypes, options) differ; this rank's own error is raised as itself."""
-        values = self.runtime.allgather_object(
-            (None if error is None else f"{type(error).__name__}: {error}", signature), phase=f"BucketBuffer.{op}")
+        values = self._allgather(ctx, (None if error is None else f"{type(error).__name__}: {error}", signature),
+                                 f"BucketBuffer.{op}")
         if error is not None:
             raise error
         refused = [f"rank {r} refused its arguments ({v[0]})" for r, v in enumerate(values) if v[0] is not None]
@@ -370,6 +402,22 @@ class BucketBuffer(BufferBase):
             raise ValueError(f"BucketBuffer.{op}: the ranks disagree on collective arguments (tensor offsets in the "
                              f"storage, sizes, dtypes and options must match): "
                              + "; ".join(f"rank {r}: {v[1]!r}" for r, v in enumerate(values)))
+
+    def _allgather(self, ctx: int, obj, phase: str) -> list:
+        """Every rank's ``obj`` in group ``ctx``'s rank order, with the deadline (the first group: the transport's
+        own gather; another: the group's duplicated communicator, polled)."""
+        if ctx == 0:
+            return self.runtime.allgather_object(obj, phase=phase)
+        deadline = time.monotonic() + self.runtime.timeout_s
+        pauses = WaitPolicy(local_ranks=self.runtime.topology.ranks_per_node).pauses()
+
+        def wait(req):
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank_idx}: {phase}: not every rank of group {ctx} (ranks "
+                                       f"{self._contexts[ctx]}) entered the call within {self.runtime.timeout_s} s")
+                time.sleep(next(pauses))
+        return allgather_object(self._comms[ctx], obj, wait)
 
     def _validate(self, op: str, group, num_sms, fn):
         """Run the local checks ``fn(ctx) -> (plan, signature)`` on this rank, then agree with the group."""
@@ -391,24 +439,25 @@ class BucketBuffer(BufferBase):
         return ctx, plan
 
     # -- signals ----------------------------------------------------------------------------------
-    def _announce(self, slot: int, peers: list[int]) -> None:
-        tp, win = self.runtime, self._win
+    def _announce(self, ctx: int, kind: int, peers: list[int]) -> None:
+        tp, win, slot = self.runtime, self._win, ctx * _SLOTS_PER_GROUP + kind
         for p in peers:
             tp.signal(win, p, slot)
 
-    def _await(self, slot: int, peers: list[int], phase: str) -> None:
+    def _await(self, ctx: int, kind: int, peers: list[int], phase: str) -> None:
         if not peers:
             return
+        slot = ctx * _SLOTS_PER_GROUP + kind
         need = self._expected[slot]
         for p in peers:
             need[p] += 1
         self.runtime.wait_until(self._win, slot, peers, [need[p] for p in peers],
                                 phase=f"{phase}: rank {self.rank_idx} waits for ranks {peers}")
 
-    def _finish(self, op: str, peers: list[int]) -> None:
+    def _finish(self, ctx: int, op: str, peers: list[int]) -> None:
         """Tell the peers this rank read their windows, then wait until they all read ours."""
-        self._announce(_SLOT_DONE, peers)
-        self._await(_SLOT_DONE, peers, f"BucketBuffer.{op} (peers finishing their reads of this rank's storage)")
+        self._announce(ctx, _SLOT_DONE, peers)
+        self._await(ctx, _SLOT_DONE, peers, f"BucketBuffer.{op} (peers finishing their reads of this rank's storage)")
 
     def _add_from(self, acc: torch.Tensor, peer: int, offset: int, dtype: torch.dtype) -> None:
         """``acc += peer's elements at byte offset`` (``acc.numel()`` of them, stored as ``dtype``): a node
@@ -440,7 +489,7 @@ class BucketBuffer(BufferBase):
             views of the storage with the dtype of ``srcs`` (one tensor when ``srcs`` was one); ``num_sms``
             attribute as DeepEP's handle.
         Raises:
-            TypeError / ValueError / NotImplementedError: on every rank, before any byte moves: a tensor
+            TypeError / ValueError: on every rank of the group, before any byte moves: a tensor
                 outside the storage or not contiguous, a shard that does not fit, ``dsts`` of the wrong size
                 or count, ranks disagreeing on offsets, sizes or dtypes, a bad ``num_sms`` or group.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
@@ -486,14 +535,14 @@ class BucketBuffer(BufferBase):
             if own.data_ptr() != src.data_ptr() and nbytes:
                 own.copy_(src.reshape(-1).view(torch.uint8))
             outputs.append(self.storage.narrow(0, base, n * nbytes).view(src.dtype))
-        self._announce(_SLOT_READY, peers)
-        self._await(_SLOT_READY, peers, "BucketBuffer.all_gather (peers' shards ready)")
+        self._announce(ctx, _SLOT_READY, peers)
+        self._await(ctx, _SLOT_READY, peers, "BucketBuffer.all_gather (peers' shards ready)")
         for _, base, nbytes in plan:
             for q in range(1, n):  # shards in ring order from the next rank: spreads the reads over peers
                 p = (r + q) % n
                 if nbytes:
                     tp.get(win, members[p], base + p * nbytes, self.storage.narrow(0, base + p * nbytes, nbytes))
-        self._finish("all_gather", peers)
+        self._finish(ctx, "all_gather", peers)
         return self._handle(outputs, is_packed, 0 if num_sms is None else num_sms)
 
     def _reduce_checks(self, op: str, srcs, scale, ctx: int, shard: bool):
@@ -536,7 +585,7 @@ class BucketBuffer(BufferBase):
             an :class:`EventOverlap` whose ``wait()`` returns the 1-D shard view(s), at ``src.data_ptr() +
             r * dst.nbytes``; its ``num_sms`` is ``get_theoretical_num_sms`` when ``num_sms`` is ``None``.
         Raises:
-            TypeError / ValueError / NotImplementedError: on every rank, before any byte moves: a src outside
+            TypeError / ValueError: on every rank of the group, before any byte moves: a src outside
                 the storage, not float32, not divisible, a bad ``comm_precision``, ``scale`` or ``num_sms``,
                 ranks disagreeing on any of them.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
@@ -563,8 +612,8 @@ class BucketBuffer(BufferBase):
                 rows.view(torch.uint8)[:, :encoded.shape[1] * 2].copy_(encoded.view(torch.uint8))
                 rows[r].copy_(encoded[r])
             outputs.append(rows[r])
-        self._announce(_SLOT_READY, peers)
-        self._await(_SLOT_READY, peers, "BucketBuffer.reduce_scatter (peers' sources ready)")
+        self._announce(ctx, _SLOT_READY, peers)
+        self._await(ctx, _SLOT_READY, peers, "BucketBuffer.reduce_scatter (peers' sources ready)")
         dtype = torch.bfloat16 if bf16 else torch.float32
         for (_, off), out in zip(plan, outputs):
             shard_bytes = out.numel() * 4
@@ -573,8 +622,8 @@ class BucketBuffer(BufferBase):
                 self._add_from(out, members[p], off + r * shard_bytes, dtype)
             if scale != 1.0:
                 out.mul_(scale)
-        self._finish("reduce_scatter", peers)
-        return self._handle(outputs, is_packed, self.get_theoretical_num_sms("reduce_scatter")
+        self._finish(ctx, "reduce_scatter", peers)
+        return self._handle(outputs, is_packed, self.get_theoretical_num_sms("reduce_scatter", self.groups[ctx])
                             if num_sms is None else num_sms)
 
     def all_reduce(self, srcs, scale: float = 1.0, group=None, num_sms: int | None = None) -> EventOverlap:
@@ -604,8 +653,8 @@ class BucketBuffer(BufferBase):
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]
         tp, win = self.runtime, self._win
-        self._announce(_SLOT_READY, peers)
-        self._await(_SLOT_READY, peers, "BucketBuffer.all_reduce (peers' sources ready)")
+        self._announce(ctx, _SLOT_READY, peers)
+        self._await(ctx, _SLOT_READY, peers, "BucketBuffer.all_reduce (peers' sources ready)")
         for src, off in plan:
             lo, hi = r * src.numel() // n, (r + 1) * src.numel() // n
             out = src.view(-1)[lo:hi]
@@ -614,8 +663,8 @@ class BucketBuffer(BufferBase):
                     self._add_from(out, members[(r - i) % n], off + lo * 4, torch.float32)
             if scale != 1.0:
                 out.mul_(scale)
-        self._announce(_SLOT_REDUCED, peers)
-        self._await(_SLOT_REDUCED, peers, "BucketBuffer.all_reduce (peers' chunks reduced)")
+        self._announce(ctx, _SLOT_REDUCED, peers)
+        self._await(ctx, _SLOT_REDUCED, peers, "BucketBuffer.all_reduce (peers' chunks reduced)")
         for src, off in plan:
             flat = src.view(-1)
             for q in range(1, n):
@@ -623,8 +672,8 @@ class BucketBuffer(BufferBase):
                 lo, hi = p * src.numel() // n, (p + 1) * src.numel() // n
                 if hi > lo:
                     tp.get(win, members[p], off + lo * 4, flat[lo:hi])
-        self._finish("all_reduce", peers)
-        return self._handle(list(srcs), is_packed, self.get_theoretical_num_sms("all_reduce")
+        self._finish(ctx, "all_reduce", peers)
+        return self._handle(list(srcs), is_packed, self.get_theoretical_num_sms("all_reduce", self.groups[ctx])
                             if num_sms is None else num_sms)
 
     @staticmethod

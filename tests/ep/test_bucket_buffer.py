@@ -336,8 +336,11 @@ def test_constructor_errors():
     plan.allocate((8,), torch.float32)
     plan.materialize(torch.empty(plan.num_bytes, dtype=torch.uint8))
     _expect_everywhere(lambda: BucketBuffer(world(), plan), ValueError, "materialized", "materialized plan")
-    _expect_everywhere(lambda: BucketBuffer([world(), world()], 1024), NotImplementedError, "one group",
-                       "several groups")
+    lone = world().Split(r, 0)  # this rank alone: inside the world, but not a group to register first
+    if comm.Get_size() > 1:
+        _expect_everywhere(lambda: BucketBuffer([lone, world()], 1024), ValueError, "inside the first",
+                           "a group outside the first")
+    lone.Free()
     if comm.Get_size() > 1:
         _expect_everywhere(lambda: BucketBuffer(world(), 1024 * (1 + (r == 0))), ValueError, "num_bytes",
                            "sizes disagreeing")
@@ -388,3 +391,65 @@ def test_process_group(gloo):
     x = out = None  # views of the storage: destroy refuses while they live
     coll(buf.destroy, what="destroy")
     all_ranks_ok(comm, ok, "ProcessGroup")
+
+
+def test_several_groups(gloo):
+    """DeepEP's test_mixed groups on one storage: the world, this rank's half and its rail (ranks ``r % (R/2)``);
+    a schedule of all three ops and barriers over them, the same on every rank, interleaving the groups. Each
+    result equals, bit for bit, the documented order over the group's ranks' inputs (gathered with mpi4py over
+    the group); calls without ``group=`` raise on every rank; a session on a subgroup."""
+    import random
+
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    half = max(R // 2, 1)
+    subs = [comm.Split(r // half, r), comm.Split(r % half, r)]
+    groups = [comm, *subs]
+    buf = coll(lambda: BucketBuffer(groups, 1 << 18, explicitly_destroy=True, ranks_per_node=half),
+               what="BucketBuffer(groups)")
+    rng = random.Random(5)  # the same schedule on every rank
+    ok, detail = True, ""
+    for step in range(12):
+        gi = rng.randrange(3)
+        op = rng.choice(("all_gather", "reduce_scatter", "all_reduce", "barrier"))
+        g = groups[gi]
+        gr, gR = g.Get_rank(), g.Get_size()
+        if op == "barrier":
+            coll(lambda: buf.barrier(group=g), what="barrier")
+            continue
+        x = _data("normal", gR * 40, 97 * step + r)
+        (t,) = _carve(buf, [gR * 40], start=128 * (step % 3) * 8)
+        everyone = gather_all(x, g)
+        if op == "all_gather":
+            t[gr * 40:(gr + 1) * 40].copy_(x[:40])
+            out = coll(lambda: buf.all_gather(t[gr * 40:(gr + 1) * 40], group=g).wait(), what=op)
+            expected = torch.cat([p[:40] for p in everyone])
+        elif op == "reduce_scatter":
+            t.copy_(x)
+            out = coll(lambda: buf.reduce_scatter(t, group=g, scale=-0.5).wait(), what=op)
+            expected = _ordered_sum([p[gr * 40:(gr + 1) * 40] for p in everyone], gr) * -0.5
+        else:
+            t.copy_(x)
+            out = coll(lambda: buf.all_reduce(t, group=g).wait(), what=op)
+            N = t.numel()
+            expected = torch.cat([_ordered_sum([p[c * N // gR:(c + 1) * N // gR] for p in everyone], c)
+                                  for c in range(gR)])
+        if not torch.equal(bits(out), bits(expected)) and ok:
+            ok, detail = False, f"step {step}: {op} on group {gi} ({gR} ranks)"
+    if R > 1:
+        (t,) = _carve(buf, [64])
+        _expect_everywhere(lambda: buf.all_reduce(t), ValueError, "required", "no group= with several groups")
+
+    def session():
+        with buf.session():
+            y = torch.full((subs[1].Get_size() * 8,), float(r))
+            return buf.all_reduce(y, group=subs[1]).wait()
+
+    total = coll(session, what="session on a subgroup")
+    rail = subs[1].allgather(r)
+    ok = ok and torch.equal(total, torch.full_like(total, float(sum(rail))))
+    out = t = total = None  # views of the storage: destroy refuses while they live
+    coll(buf.destroy, what="destroy")
+    for sub in subs:
+        sub.Free()
+    all_ranks_ok(comm, ok, f"several groups: {detail}")
