@@ -453,3 +453,32 @@ def test_several_groups(gloo):
     for sub in subs:
         sub.Free()
     all_ranks_ok(comm, ok, f"several groups: {detail}")
+
+
+def test_guards_untouched(buf):
+    """DeepEP's test_mixed guards: the bytes around each tensor keep their value through every op, batched,
+    on every rank (a collective writes only inside its tensors)."""
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    guard, sizes = 12345.0, (R * 40, R * 8, R * 96)
+    region = buf.storage[:64 * 1024].view(torch.float32)
+    ok = True
+    for op in ("all_gather", "reduce_scatter", "reduce_scatter_bf16", "all_reduce"):
+        region.fill_(guard)
+        tensors = _carve(buf, [n + 32 for n in sizes])  # 8 guard elements before, 24 after each tensor
+        inner = [t[8:-24] for t in tensors]
+        for i, t in enumerate(inner):
+            t.copy_(_data("exact", t.numel(), 31 * r + i))
+        if op == "all_gather":
+            m = [t.numel() // R for t in inner]
+            out = coll(lambda: buf.all_gather([t[r * k:(r + 1) * k] for t, k in zip(inner, m)]).wait(), what=op)
+        elif op.startswith("reduce_scatter"):
+            prec = "bf16" if op.endswith("bf16") else "fp32"
+            out = coll(lambda: buf.reduce_scatter(inner, comm_precision=prec, scale=2.0).wait(), what=op)
+        else:
+            out = coll(lambda: buf.all_reduce(inner, scale=0.25).wait(), what=op)
+        used = sum(-(-(n + 32) * 4 // 128) * 128 for n in sizes) // 4
+        ok = ok and all(torch.all(t[:8] == guard) and torch.all(t[-24:] == guard) for t in tensors)
+        ok = ok and bool(torch.all(region[used:] == guard)) and len(out) == len(inner)
+    out = tensors = inner = region = None  # views of the storage
+    all_ranks_ok(comm, ok, "guard bytes around the tensors changed")
