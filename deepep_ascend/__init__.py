@@ -16,6 +16,8 @@ from . import mega_moe as mega_moe
 from . import native as native
 from . import nn as nn
 from . import transports as transports
+from .ep import BucketBuffer as BucketBuffer
+from .ep import BucketSession as BucketSession
 from .ep import (
     Buffer,
     BufferAllocator,
@@ -44,4 +46,5 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "get_physical_domain_size", "topk_idx_t", "__version__"]
 __all__ += ["EngramBuffer"]
 __all__ += ["PPBuffer"]
+__all__ += ["BucketBuffer", "BucketSession"]
 __all__ += gemm.__all__ + mega_moe.__all__

@@ -22,6 +22,7 @@ Walking down this room (docs/design/architecture.md):
 """
 
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
+from .bucket_buffer import BucketBuffer, BucketSession
 from .buffer import Buffer
 from .config import Config
 from .engram_buffer import EngramBuffer
@@ -40,3 +41,4 @@ __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError"
            "topk_idx_t"]
 __all__ += ["EngramBuffer"]
 __all__ += ["PPBuffer"]
+__all__ += ["BucketBuffer", "BucketSession"]

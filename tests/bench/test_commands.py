@@ -36,6 +36,7 @@ COLLECTIVE = {
     "engram": ["--num-entries-per-layer", "300,301", "--num-tokens", "16", "--num-entries-per-token", "4",
                "--use-fp8", "--iters", "2", "--warmup", "1"],
     "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
+    "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
@@ -155,6 +156,12 @@ def _check_details(command: str, doc: dict) -> None:
             ring = by[f"pp/ring_c{c}"]["seconds"]
             peers = min(by[f"{p}/ring_c{c}"]["seconds"] for p in ("mpi_isend", "gloo_isend"))
             assert math.isclose(doc["summary"][f"speedup_over_faster_peer_c{c}"], peers / ring)
+    elif command == "bucket":  # DeepEP's formulas: the tensor's bytes; the summary is the records' ratio
+        for op in ("all_gather", "reduce_scatter", "reduce_scatter_bf16", "all_reduce"):
+            assert by[f"bucket/{op}"]["bytes"] == det["tensor_bytes"]
+            base = op.removesuffix("_bf16")
+            peers = min(by[f"{p}/{base}"]["seconds"] for p in ("mpi", "gloo") if f"{p}/{base}" in by)
+            assert math.isclose(doc["summary"][f"speedup_over_faster_peer_{op}"], peers / by[f"bucket/{op}"]["seconds"])
     elif command == "mega-moe":
         fused = by["fused"]
         assert (fused["seconds"] == det["times_s"]["fused"]

@@ -1,0 +1,243 @@
+"""``BucketBuffer`` (DeepEP V2.5 bucket collectives) all-gather, reduce-scatter and all-reduce, with DeepEP's
+byte formulas, against MPI's own collectives and torch gloo's on the same data in the same run.
+
+Run under ``mpiexec`` (any number of ranks)::
+
+    mpiexec -n 4 python -m bench bucket                         # 4 MiB FP32 per collective
+    mpiexec -n 4 python -m bench bucket --ranks-per-node 2      # half the peers over URMA (two simulated nodes)
+
+Each op moves one FP32 tensor of ``--num-bytes`` (rounded down to a multiple of ``8 x ranks`` elements) per
+rank: ``all_gather`` gathers it from shards of ``num-bytes / ranks``, ``reduce_scatter`` reduces it to a shard,
+``all_reduce`` reduces it whole; ``reduce_scatter`` also with ``comm_precision='bf16'``. Times are per call,
+the max over ranks per iteration, the median over iterations. GB/s by DeepEP's tests/bucket formulas: the
+tensor's bytes (the gathered tensor for all-gather, the source for reduce-scatter and all-reduce) / time.
+
+Peers, same tensors, same run: MPI ``Allgather`` / ``Reduce_scatter_block`` / ``Allreduce`` (``mpi``) and
+gloo ``all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce`` (``gloo``; an op gloo does not
+implement is reported as skipped). The data are small integers, so every system's result is exact: each
+``BucketBuffer`` result is checked bit for bit against MPI's (exit code 1 if any differs).
+``--json FILE``: the results, the peers as baselines, the summary ``speedup_over_faster_peer_<op>``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from bench import cli, schema
+from bench.timing import Timing, gc_paused
+
+SYSTEMS = ("bucket", "mpi", "gloo")
+OPS = ("all_gather", "reduce_scatter", "reduce_scatter_bf16", "all_reduce")
+
+
+def add_arguments(p) -> None:
+    """The command's options: the shared ones (``bench.cli``) and its own."""
+    cli.add_shared(p, iters=10, warmup=2, seed=0, json=None, ranks_per_node=None,
+                   helps=dict(seed="per rank: seed*65536+rank"))
+    p.add_argument("--num-bytes", type=cli.int_at_least(1), default=4 << 20, metavar="B",
+                   help="bytes of the FP32 tensor each collective moves per rank (default 4 MiB)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma list out of {','.join(SYSTEMS)} (default: all); bucket = BucketBuffer, "
+                        "mpi = MPI's collectives, gloo = torch.distributed gloo")
+
+
+def check_args(p, a) -> None:
+    """The system list (``p.error``, argparse's usage error)."""
+    a.systems = cli.system_list(p, a.systems, SYSTEMS)
+
+
+def _time(fn, comm, iters: int, warmup: int) -> Timing:
+    """Per-call time (max over ranks per iteration) of ``warmup + iters`` calls of ``fn``."""
+    from mpi4py import MPI
+
+    local = np.zeros(iters)
+    with gc_paused():
+        for it in range(warmup + iters):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if it >= warmup:
+                local[it - warmup] = t1 - t0
+    glob = np.empty_like(local)
+    comm.Allreduce(local, glob, op=MPI.MAX)
+    return Timing(glob.tolist())
+
+
+def run(args) -> int:
+    """Time every op on every system (collective); rank 0 prints and writes the results. Returns 1 if a
+    ``BucketBuffer`` result differs from MPI's, else 0."""
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+
+    from deepep_ascend import BucketBuffer, BufferAllocator
+    from deepep_ascend.transports import Topology
+
+    comm = MPI.COMM_WORLD
+    r, R = comm.Get_rank(), comm.Get_size()
+    numel = max(8 * R, args.num_bytes // 4 // (8 * R) * (8 * R))
+    shard = numel // R
+    nbytes = numel * 4
+    g = torch.Generator().manual_seed(args.seed * 65536 + r)
+    data = torch.randint(-3, 4, (numel,), generator=g).float()  # small integers: exact in every order
+    nodes = Topology.from_comm(comm, args.ranks_per_node).num_nodes
+
+    plan = BufferAllocator()
+    tensors = {op: plan.allocate((numel,), torch.float32) for op in OPS}
+    buf = BucketBuffer(comm, plan, explicitly_destroy=True, ranks_per_node=args.ranks_per_node)
+
+    def refill(op):  # each call consumes its source: refill outside the timed region
+        t = tensors[op]
+        if op == "all_gather":
+            t[r * shard:(r + 1) * shard].copy_(data[r * shard:(r + 1) * shard])
+        else:
+            t.copy_(data)
+
+    calls = {
+        "all_gather": lambda: buf.all_gather(tensors["all_gather"][r * shard:(r + 1) * shard]).wait(),
+        "reduce_scatter": lambda: buf.reduce_scatter(tensors["reduce_scatter"]).wait(),
+        "reduce_scatter_bf16": lambda: buf.reduce_scatter(tensors["reduce_scatter_bf16"], comm_precision="bf16").wait(),
+        "all_reduce": lambda: buf.all_reduce(tensors["all_reduce"]).wait(),
+    }
+    mpi_out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(shard), "all_reduce": torch.empty(numel)}
+    src = data.numpy()
+    mpi_calls = {
+        "all_gather": lambda: comm.Allgather(src[r * shard:(r + 1) * shard], mpi_out["all_gather"].numpy()),
+        "reduce_scatter": lambda: comm.Reduce_scatter_block(src, mpi_out["reduce_scatter"].numpy(), op=MPI.SUM),
+        "all_reduce": lambda: comm.Allreduce(src, mpi_out["all_reduce"].numpy(), op=MPI.SUM),
+    }
+    results, skipped, mismatches = [], {}, {}
+    formula = {"all_gather": "DeepEP tests/bucket: gathered tensor bytes / t",
+               "reduce_scatter": "DeepEP tests/bucket: source bytes / t",
+               "all_reduce": "DeepEP tests/bucket: source bytes / t"}
+
+    def bucket_call(op):
+        def fn():
+            refill(op)
+            return calls[op]()
+        return fn
+
+    if "bucket" in args.systems:
+        for op in OPS:
+            timing = _time_bucket(calls[op], lambda op=op: refill(op), comm, args.iters, args.warmup)
+            base = op.removesuffix("_bf16")
+            results.append(schema.result(f"bucket/{op}", None, timing=timing, nbytes=nbytes, formula=formula[base]))
+    if "mpi" in args.systems:
+        for op, fn in mpi_calls.items():
+            results.append(schema.result(f"mpi/{op}", None, timing=_time(fn, comm, args.iters, args.warmup),
+                                         nbytes=nbytes, formula=formula[op]))
+    group = None
+    if "gloo" in args.systems:
+        import torch.distributed as dist
+
+        from bench.baselines import start_gloo
+
+        group = start_gloo(comm)
+        gloo_out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(shard)}
+        gloo_calls = {
+            "all_gather": lambda: dist.all_gather_single(gloo_out["all_gather"], data[r * shard:(r + 1) * shard]),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(gloo_out["reduce_scatter"], data),
+            "all_reduce": lambda: dist.all_reduce(data.clone()),
+        }
+        for op, fn in gloo_calls.items():
+            try:
+                fn()
+                err = None
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            errs = comm.allgather(err)
+            if any(errs):
+                skipped[f"gloo/{op}"] = next(e for e in errs if e)
+                continue
+            results.append(schema.result(f"gloo/{op}", None, timing=_time(fn, comm, args.iters, args.warmup),
+                                         nbytes=nbytes, formula=formula[op]))
+
+    if "bucket" in args.systems:  # one checked call per op against MPI's result on the same data
+        for op in OPS:
+            got = bucket_call(op)()
+            base = op.removesuffix("_bf16")
+            full = torch.empty(numel)
+            if base == "all_gather":
+                comm.Allgather(src[r * shard:(r + 1) * shard], full.numpy())
+                ref = full
+            elif base == "reduce_scatter":
+                ref = torch.empty(shard)
+                comm.Reduce_scatter_block(src, ref.numpy(), op=MPI.SUM)
+            else:
+                comm.Allreduce(src, full.numpy(), op=MPI.SUM)
+                ref = full
+            mismatches[op] = int(comm.allreduce(int(not torch.equal(got, ref))))
+    summary = {}
+    by = {x["name"]: x for x in results}
+    peers = [p for p in ("mpi", "gloo") if p in args.systems]
+    for op in OPS:
+        base = op.removesuffix("_bf16")
+        name = f"bucket/{op}"
+        if name in by:
+            others = [f"{p}/{base}" for p in peers if f"{p}/{base}" in by]
+            schema.add_ratios(results, name, others)
+            if others:
+                summary[f"speedup_over_faster_peer_{op}"] = min(by[o]["seconds"] for o in others) / by[name]["seconds"]
+    ok = not any(mismatches.values())
+    got = None
+    tensors.clear()
+    del plan
+    buf.destroy()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    if r == 0:
+        print(f"[bucket] {R} ranks ({nodes} node{'s' if nodes > 1 else ''}), FP32 tensors of {nbytes} B "
+              f"(shards of {shard * 4} B); per call, max over ranks, median of {args.iters}", flush=True)
+        for x in results:
+            print(f"  {x['name']:<28} {x['seconds'] * 1e6:10.1f} us  {x['gbps']:8.2f} GB/s  ({x['formula']})",
+                  flush=True)
+        for name, why in skipped.items():
+            print(f"  {name}: not run ({why})", flush=True)
+        for key, v in summary.items():
+            print(f"  {key}: {v:.2f}", flush=True)
+        print(f"  checks: {'ok' if ok else f'MISMATCHES {mismatches}'}", flush=True)
+        if args.json:
+            schema.write(args.json, schema.document(
+                "bucket", argv=args._argv, params=cli.params_of(args, R), results=results,
+                baselines=[x["name"] for x in results if x["system"] in peers],
+                checks=dict(ok=ok, mismatched_ops=mismatches), summary=summary,
+                details=dict(nodes=nodes, tensor_bytes=nbytes, shard_bytes=shard * 4, skipped=skipped,
+                             timed="per call, max over ranks; BucketBuffer sources refilled outside the timing")))
+    return 0 if ok else 1
+
+
+def _time_bucket(call, refill, comm, iters: int, warmup: int) -> Timing:
+    """As :func:`_time`, refilling the in-place source before each timed call."""
+    from mpi4py import MPI
+
+    local = np.zeros(iters)
+    with gc_paused():
+        for it in range(warmup + iters):
+            refill()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            if it >= warmup:
+                local[it - warmup] = t1 - t0
+    glob = np.empty_like(local)
+    comm.Allreduce(local, glob, op=MPI.MAX)
+    return Timing(glob.tolist())
+
+
+def main(argv=None) -> int:
+    """``python -m bench bucket`` in-process, without the MPI exit path (tests)."""
+    from bench import commands
+
+    return commands.call("bucket", argv)
+
+
+if __name__ == "__main__":
+    from bench import commands
+
+    commands.alias("bucket")
