@@ -20,13 +20,10 @@ implement is reported as skipped). The data are small integers, so every system'
 """
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import torch
 
 from bench import cli, schema
-from bench.timing import Timing, gc_paused
+from bench.timing import time_collective, time_phases
 
 SYSTEMS = ("bucket", "mpi", "gloo")
 OPS = ("all_gather", "reduce_scatter", "reduce_scatter_bf16", "all_reduce")
@@ -46,24 +43,6 @@ def add_arguments(p) -> None:
 def check_args(p, a) -> None:
     """The system list (``p.error``, argparse's usage error)."""
     a.systems = cli.system_list(p, a.systems, SYSTEMS)
-
-
-def _time(fn, comm, iters: int, warmup: int) -> Timing:
-    """Per-call time (max over ranks per iteration) of ``warmup + iters`` calls of ``fn``."""
-    from mpi4py import MPI
-
-    local = np.zeros(iters)
-    with gc_paused():
-        for it in range(warmup + iters):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            if it >= warmup:
-                local[it - warmup] = t1 - t0
-    glob = np.empty_like(local)
-    comm.Allreduce(local, glob, op=MPI.MAX)
-    return Timing(glob.tolist())
 
 
 def run(args) -> int:
@@ -121,12 +100,13 @@ def run(args) -> int:
 
     if "bucket" in args.systems:
         for op in OPS:
-            timing = _time_bucket(calls[op], lambda op=op: refill(op), comm, args.iters, args.warmup)
+            timing = time_phases([(None, lambda op=op: refill(op)), ("op", calls[op])], comm, args.iters,
+                                 args.warmup)["op"]
             base = op.removesuffix("_bf16")
             results.append(schema.result(f"bucket/{op}", None, timing=timing, nbytes=nbytes, formula=formula[base]))
     if "mpi" in args.systems:
         for op, fn in mpi_calls.items():
-            results.append(schema.result(f"mpi/{op}", None, timing=_time(fn, comm, args.iters, args.warmup),
+            results.append(schema.result(f"mpi/{op}", None, timing=time_collective(fn, comm, args.iters, args.warmup),
                                          nbytes=nbytes, formula=formula[op]))
     group = None
     if "gloo" in args.systems:
@@ -151,7 +131,7 @@ def run(args) -> int:
             if any(errs):
                 skipped[f"gloo/{op}"] = next(e for e in errs if e)
                 continue
-            results.append(schema.result(f"gloo/{op}", None, timing=_time(fn, comm, args.iters, args.warmup),
+            results.append(schema.result(f"gloo/{op}", None, timing=time_collective(fn, comm, args.iters, args.warmup),
                                          nbytes=nbytes, formula=formula[op]))
 
     if "bucket" in args.systems:  # one checked call per op against MPI's result on the same data
@@ -193,14 +173,7 @@ def run(args) -> int:
     if r == 0:
         print(f"[bucket] {R} ranks ({nodes} node{'s' if nodes > 1 else ''}), FP32 tensors of {nbytes} B "
               f"(shards of {shard * 4} B); per call, max over ranks, median of {args.iters}", flush=True)
-        for x in results:
-            print(f"  {x['name']:<28} {x['seconds'] * 1e6:10.1f} us  {x['gbps']:8.2f} GB/s  ({x['formula']})",
-                  flush=True)
-        for name, why in skipped.items():
-            print(f"  {name}: not run ({why})", flush=True)
-        for key, v in summary.items():
-            print(f"  {key}: {v:.2f}", flush=True)
-        print(f"  checks: {'ok' if ok else f'MISMATCHES {mismatches}'}", flush=True)
+        schema.print_results(results, skipped, summary, ok, mismatches, width=28)
         if args.json:
             schema.write(args.json, schema.document(
                 "bucket", argv=args._argv, params=cli.params_of(args, R), results=results,
@@ -209,25 +182,6 @@ def run(args) -> int:
                 details=dict(nodes=nodes, tensor_bytes=nbytes, shard_bytes=shard * 4, skipped=skipped,
                              timed="per call, max over ranks; BucketBuffer sources refilled outside the timing")))
     return 0 if ok else 1
-
-
-def _time_bucket(call, refill, comm, iters: int, warmup: int) -> Timing:
-    """As :func:`_time`, refilling the in-place source before each timed call."""
-    from mpi4py import MPI
-
-    local = np.zeros(iters)
-    with gc_paused():
-        for it in range(warmup + iters):
-            refill()
-            comm.Barrier()
-            t0 = time.perf_counter()
-            call()
-            t1 = time.perf_counter()
-            if it >= warmup:
-                local[it - warmup] = t1 - t0
-    glob = np.empty_like(local)
-    comm.Allreduce(local, glob, op=MPI.MAX)
-    return Timing(glob.tolist())
 
 
 def main(argv=None) -> int:

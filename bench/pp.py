@@ -200,14 +200,7 @@ def run(args) -> int:
     if r == 0:
         print(f"[pp] {R} ranks ({nodes} node{'s' if nodes > 1 else ''}), tensors {shape[0]} x {shape[1]} BF16 = "
               f"{nbytes} B, {k} in flight; per call, max over ranks, median of {args.iters}", flush=True)
-        for x in results:
-            print(f"  {x['name']:<22} {x['seconds'] * 1e6:10.1f} us  {x['gbps']:8.2f} GB/s  ({x['formula']})",
-                  flush=True)
-        for name, why in skipped.items():
-            print(f"  {name}: not run ({why})", flush=True)
-        for key, v in summary.items():
-            print(f"  {key}: {v:.2f}", flush=True)
-        print(f"  checks: {'ok' if ok else f'MISMATCHES {mismatches}'}", flush=True)
+        schema.print_results(results, skipped, summary, ok, mismatches, width=22)
         if args.json:
             schema.write(args.json, schema.document(
                 "pp", argv=args._argv, params=cli.params_of(args, R), results=results,

@@ -17,12 +17,11 @@ import time
 
 import torch
 
-from .. import settings
 from ..transports import ChannelKind, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .event import EventHandle, EventOverlap
-from .group import check_agreed, mpi_comm_of
+from .group import check_agreed, mpi_comm_of, resolve_deadline
 
 __all__ = ["BucketBuffer", "BucketSession"]
 
@@ -241,13 +240,8 @@ class BucketBuffer(BufferBase):
         elif isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
             error = ValueError(f"BucketBuffer: allocation_plan_or_num_bytes must be a BufferAllocator or a positive "
                                f"int of bytes, got {num_bytes!r}")
-        deadline = timeout_s
-        if deadline is None:
-            deadline = None if settings.TIMEOUT_S.is_set() else num_gpu_timeout_secs
-        if error is None and deadline is not None and (
-                isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0):
-            what = "timeout_s" if timeout_s is not None else "num_gpu_timeout_secs"
-            error = ValueError(f"BucketBuffer: {what} must be a positive number of seconds, got {deadline!r}")
+        deadline, deadline_error = resolve_deadline("BucketBuffer", timeout_s, num_gpu_timeout_secs)
+        error = error or deadline_error
         # agreed before the window exists: ranks asking for windows of different sizes would wait for each other
         check_agreed(comm, "BucketBuffer", {
             "num_groups": len(groups), "num_bytes": num_bytes, "explicitly_destroy": bool(explicitly_destroy),

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .. import settings
 from ..transports import Topology, quiet_allgather_object, quiet_barrier
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["check_agreed", "get_logical_domain_size", "get_physical_domain_size", "mpi_comm_of"]
+__all__ = ["check_agreed", "get_logical_domain_size", "get_physical_domain_size", "mpi_comm_of", "resolve_deadline"]
 
 _GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
@@ -126,3 +127,18 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True, *,
     Collective over the group."""
     nodes, per_node = get_physical_domain_size(group, ranks_per_node=ranks_per_node)
     return (nodes, per_node) if nodes > 1 and allow_hybrid_mode else (1, nodes * per_node)
+
+
+def resolve_deadline(owner: str, timeout_s, num_gpu_timeout_secs) -> tuple[float | None, Exception | None]:
+    """The deadline in seconds of a V2.5 buffer's waits: ``timeout_s`` if given, else None where
+    ``$DEEPEP_ASCEND_TIMEOUT_S`` is set (the transports read it), else DeepEP's ``num_gpu_timeout_secs``.
+    Returns ``(deadline, error)``: ``error`` a ``ValueError`` naming the argument if it is not a positive
+    number, to be refused on every rank through :func:`check_agreed`."""
+    deadline = timeout_s
+    if deadline is None:
+        deadline = None if settings.TIMEOUT_S.is_set() else num_gpu_timeout_secs
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not deadline > 0):
+        what = "timeout_s" if timeout_s is not None else "num_gpu_timeout_secs"
+        return deadline, ValueError(f"{owner}: {what} must be a positive number of seconds, got {deadline!r}")
+    return deadline, None

@@ -16,11 +16,10 @@ import itertools
 
 import torch
 
-from .. import settings
 from ..transports import create_transport
 from .allocator import BufferBase
 from .event import EventHandle, EventOverlap, Worker
-from .group import check_agreed, mpi_comm_of
+from .group import check_agreed, mpi_comm_of, resolve_deadline
 
 __all__ = ["PPBuffer"]
 
@@ -81,13 +80,8 @@ class PPBuffer(BufferBase):
                             ("num_max_inflight_tensors", num_max_inflight_tensors)):
             if error is None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 error = ValueError(f"PPBuffer: {name} must be a positive int, got {value!r}")
-        deadline = timeout_s
-        if deadline is None:
-            deadline = None if settings.TIMEOUT_S.is_set() else num_gpu_timeout_secs
-        if error is None and deadline is not None and (
-                isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0):
-            what = "timeout_s" if timeout_s is not None else "num_gpu_timeout_secs"
-            error = ValueError(f"PPBuffer: {what} must be a positive number of seconds, got {deadline!r}")
+        deadline, deadline_error = resolve_deadline("PPBuffer", timeout_s, num_gpu_timeout_secs)
+        error = error or deadline_error
         # agreed before the window exists: ranks asking for windows of different sizes would wait for each other
         check_agreed(comm, "PPBuffer", {
             "num_max_tensor_bytes": num_max_tensor_bytes, "num_max_inflight_tensors": num_max_inflight_tensors,
