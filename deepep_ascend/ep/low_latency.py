@@ -609,14 +609,13 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
-        cnt_rows, beg_rows = cnt_all.t().tolist(), beg_all.t().tolist()  # [R][L] ints: no per-run indexing
         for dst in self.order():
             if _PH.on:
                 _PH.switch("send")
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
             else:
-                self._send_rows(dst, src, beg_rows[dst], cnt_rows[dst], lay, base)
+                self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
             self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
         self.half_calls[h] += 1
@@ -627,26 +626,28 @@ class LowLatencyEngine:
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
                                          combined, wait_stats, use_logfmt), (combined,))
 
-    def _send_rows(self, dst: int, src: torch.Tensor, begins: list, counts: list, lay: Layout, base: int) -> None:
-        """Return ``dst``'s rows as BF16: rows ``[b, b + c)`` of local expert ``e`` (one run each) into slot
-        ``me·L + e`` of ``dst``'s receive region, stored (mapped window) or put."""
+    def _send_rows(self, dst: int, src: torch.Tensor, begins: torch.Tensor, counts: torch.Tensor, lay: Layout,
+                   base: int) -> None:
+        """Return ``dst``'s rows as BF16: rows ``[b, b + c)`` of local expert ``e`` (``begins`` / ``counts``
+        ``[L]`` int64, one run each) into slot ``me·L + e`` of ``dst``'s receive region, stored (mapped window,
+        every run in one native call) or put."""
         me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
-        runs = [(e, b, c) for e, (b, c) in enumerate(zip(begins, counts)) if c]
-        if not runs:
+        total = int(counts.sum())
+        if not total:
             return
+        if self.direct[dst] and src.is_contiguous():  # each row straight into its slot
+            slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
+            e_of = torch.repeat_interleave(torch.arange(L), counts)
+            at = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            src_rows = e_of * src.size(1) + torch.repeat_interleave(begins, counts) + at
+            if native.copy_rows(slots.view(E * M, H), (me * L + e_of) * M + at, src.view(-1, H), src_rows):
+                self.tp.record_put(dst, total * 2 * H)
+                return
+        runs = [(e, b, c) for e, (b, c) in enumerate(zip(begins.tolist(), counts.tolist())) if c]
         if self.direct[dst]:
             slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E, M, H)
-            total = sum(c for _, _, c in runs)
-            moved = False
-            if src.is_contiguous():  # every run's rows in one call, each straight into its slot
-                experts, begins, counts = (torch.tensor(col) for col in zip(*runs))
-                e_of = torch.repeat_interleave(experts, counts)
-                at = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-                src_rows = e_of * src.size(1) + torch.repeat_interleave(begins, counts) + at
-                moved = native.copy_rows(slots.view(E * M, H), (me * L + e_of) * M + at, src.view(-1, H), src_rows)
-            if not moved:
-                for e, b, c in runs:
-                    slots[me * L + e, :c].copy_(src[e, b:b + c])
+            for e, b, c in runs:
+                slots[me * L + e, :c].copy_(src[e, b:b + c])
             self.tp.record_put(dst, total * 2 * H)
         else:
             for e, b, c in runs:
