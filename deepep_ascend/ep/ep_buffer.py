@@ -114,10 +114,8 @@ class EPBuffer(BufferBase):
         alignment = get_num_allocation_alignment()
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
         num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
-        error = self._constructor_problem()
-        if error is not None:
-            pass
-        elif num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
+        error = None
+        if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
             error = ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
                                f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
         elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
@@ -128,6 +126,7 @@ class EPBuffer(BufferBase):
                                f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
         elif plan is not None and plan.materialized:
             error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
+        error = self._constructor_problem() or error  # a subclass's own argument first
         if num_cpu_timeout_secs is not None:
             timeout = float(num_cpu_timeout_secs)
         else:  # DeepEP's default, unless the environment sets one
