@@ -55,6 +55,20 @@ Without grad it is passed through (non-differentiable outputs). ``async_finish``
 Every rank must run the same backward calls: same graph, and ``topk_weights.requires_grad``
 the same on every rank (it decides whether call (3) runs).
 
+:class:`deepep_ascend.EPBuffer` (DeepEP V2.5) has its pair (docs/semantics/deepep-api.md §13):
+
+* :func:`ep_dispatch` — forward: ``EPBuffer.dispatch`` (compact or expanded layout); backward:
+  ``EPBuffer.combine`` of the gradients of ``recv_x`` and ``recv_topk_weights`` through the same
+  handle. In the expanded layout each receiving rank first sums a token's slot gradients in slot
+  order (float32, one rounding to bf16), then the origin adds the ranks' rows in the order of each
+  rank's last top-k slot (float32, one rounding): V2.5's combine arithmetic. Alignment gaps and
+  capacity rows have no forward influence and get none back (combine reads the slots only).
+* :func:`ep_combine` — forward: ``EPBuffer.combine``; backward: a cached ``EPBuffer.dispatch`` of
+  the gradient of ``combined_x`` (bf16) with the gradient of ``combined_topk_weights`` as its
+  ``topk_weights`` (float32, moved verbatim), with ``do_zero_padding`` in the expanded layout: every
+  slot row gets its token's gradient, alignment gaps get zeros. ``bias`` tensors get the gradient
+  of ``combined_x`` itself (a bias is added once per token).
+
 Example (every rank)::
 
     recv_x, recv_idx, recv_w, counts, handle = deepep_ascend.nn.autograd.dispatch(
@@ -71,7 +85,7 @@ import torch
 from ..ep.config import Config
 from ..ep.handles import LowLatencyHandle, NormalHandle
 
-__all__ = ["combine", "dispatch", "low_latency_combine", "low_latency_dispatch"]
+__all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "low_latency_combine", "low_latency_dispatch"]
 
 _BF16 = torch.bfloat16
 # Buffer.dispatch keyword arguments that dispatch() passes through (the rest are refused: the
@@ -444,3 +458,136 @@ def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_we
     _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine")
     _check_bf16(x, "low_latency_combine", "Buffer.low_latency_dispatch")
     return _LLCombine.apply(x, topk_weights, buffer, topk_idx, handle, tuple(kwargs.items()))
+
+
+# ==================================================================================================
+# EPBuffer (DeepEP V2.5, docs/semantics/deepep-api.md §13)
+# ==================================================================================================
+# EPBuffer.dispatch / combine keyword arguments passed through; the rest are refused (the autograd path
+# is synchronous, its outputs complete on return, and FP8 rows are not differentiable).
+_EP_DISPATCH_KWARGS = ("num_experts", "cumulative_local_expert_recv_stats", "num_max_tokens_per_rank",
+                       "expert_alignment", "num_sms", "num_qps", "previous_event", "allocate_on_comm_stream",
+                       "handle", "do_cpu_sync", "do_expand", "do_zero_padding")
+_EP_COMBINE_KWARGS = ("num_sms", "num_qps", "previous_event", "allocate_on_comm_stream")
+
+
+class _EPDispatch(torch.autograd.Function):
+    """Inputs ``(x, topk_weights | None, buffer, topk_idx, kwargs, out)``; returns ``(recv_x,
+    recv_topk_weights)`` (the latter an empty placeholder without weights) and fills ``out`` with
+    ``recv_topk_idx`` and ``handle``."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, kwargs, out):
+        recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                                              **dict(kwargs))
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.has_weights = topk_weights is not None
+        out.update(recv_topk_idx=recv_idx, handle=handle)
+        if recv_w is None:
+            recv_w = torch.empty(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(recv_w)
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w):
+        # combine returns each slot's weight from the rank that owns it, so the gradient of a slot that is
+        # not local (forward value 0) is never read: no masking needed
+        grad_w_in = grad_recv_w.to(torch.float32).contiguous() if ctx.has_weights else None
+        grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x.to(_BF16).contiguous(), ctx.handle, topk_weights=grad_w_in)
+        return grad_x, (grad_w if ctx.has_weights else None), None, None, None, None
+
+
+class _EPCombine(torch.autograd.Function):
+    """Inputs ``(x, topk_weights | None, bias0 | None, bias1 | None, buffer, handle, kwargs)``; returns
+    ``(combined_x, combined_topk_weights)`` (the latter an empty placeholder without weights)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, bias0, bias1, buffer, handle, kwargs):
+        bias = bias0 if bias1 is None else (bias0, bias1)
+        combined_x, combined_w, _ = buffer.combine(x, handle, topk_weights=topk_weights, bias=bias, **dict(kwargs))
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.has_weights = topk_weights is not None
+        ctx.biases = (bias0 is not None, bias1 is not None)
+        if combined_w is None:
+            combined_w = torch.empty(0, dtype=torch.float32)
+            ctx.mark_non_differentiable(combined_w)
+        return combined_x, combined_w
+
+    @staticmethod
+    def backward(ctx, grad_combined_x, grad_combined_w):
+        g = grad_combined_x.to(_BF16).contiguous()
+        gw = grad_combined_w.to(torch.float32).contiguous() if ctx.has_weights else None
+        expand = ctx.handle.do_expand
+        grad_x, _, grad_w, _, _ = ctx.buffer.dispatch(g, topk_weights=gw, handle=ctx.handle, do_expand=expand,
+                                                      do_zero_padding=expand)
+        grad_b = [g if has else None for has in ctx.biases]
+        return grad_x, grad_w, grad_b[0], grad_b[1], None, None, None
+
+
+def ep_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None, **dispatch_kwargs):
+    """Differentiable ``EPBuffer.dispatch`` (DeepEP V2.5's ``deep_ep.EPBuffer.dispatch``); backward =
+    ``EPBuffer.combine`` of the gradients through the handle (module docstring).
+
+    Args:
+        buffer: a :class:`deepep_ascend.EPBuffer` (or ``ElasticBuffer``).
+        x: ``[N, H]`` bfloat16, ``N <= num_max_tokens_per_rank``; may require grad.
+        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none, distinct within a row (``None`` for a
+            cached dispatch with ``handle=``).
+        topk_weights: ``[N, K]`` float32 or None; may require grad (also with ``handle=``: dispatched again).
+        **dispatch_kwargs: passed to ``EPBuffer.dispatch``: ``num_experts``, ``expert_alignment``,
+            ``do_expand``, ``do_zero_padding``, ``do_cpu_sync``, ``num_max_tokens_per_rank``, ``handle``,
+            ``cumulative_local_expert_recv_stats``, ``previous_event``, ``num_sms``, ``num_qps``,
+            ``allocate_on_comm_stream``. ``async_with_compute_stream``, ``defer_epilogue``,
+            ``do_handle_copy`` and ``use_tma_aligned_col_major_sf`` are refused.
+    Returns:
+        ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` as ``EPBuffer.dispatch`` (without the
+        event): compact layout ``recv_x [n, H]`` bf16, ``recv_topk_idx [n, K]`` local ids / -1,
+        ``recv_topk_weights [n, K]`` float32; expanded layout (``do_expand=True``) ``recv_x [rows, H]``
+        grouped by local expert (expert ``e``'s rows ``[align(psum[e-1]), psum[e])``, ``psum =
+        handle.psum_num_recv_tokens_per_expert``), ``recv_topk_idx`` None, ``recv_topk_weights [rows]``.
+        ``recv_x`` and ``recv_topk_weights`` carry gradients back to ``x`` and ``topk_weights``.
+    Raises:
+        TypeError: non-bf16 or FP8 ``x``; an unsupported keyword. Otherwise as ``EPBuffer.dispatch``
+            (forward) and ``EPBuffer.combine`` (backward): errors raised on every rank.
+    """
+    _check_kwargs(dispatch_kwargs, _EP_DISPATCH_KWARGS, "ep_dispatch")
+    _check_bf16(x, "ep_dispatch", "EPBuffer.combine")
+    out = {}
+    recv_x, recv_w = _EPDispatch.apply(x, topk_weights, buffer, topk_idx, tuple(dispatch_kwargs.items()), out)
+    return recv_x, out["recv_topk_idx"], (recv_w if topk_weights is not None else None), out["handle"]
+
+
+def ep_combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
+               **combine_kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Differentiable ``EPBuffer.combine`` (DeepEP V2.5's ``deep_ep.EPBuffer.combine``); backward = a
+    cached ``EPBuffer.dispatch`` of the gradients through the handle (module docstring).
+
+    Args:
+        buffer: the EPBuffer that made ``handle``.
+        x: bfloat16 ``[handle.num_recv_tokens, H]`` (compact) or ``[handle.num_expanded_tokens, H]``
+            (expanded), rows in the dispatch's order; may require grad.
+        handle: the :class:`~deepep_ascend.EPHandle` of :func:`ep_dispatch` (or ``EPBuffer.dispatch``).
+        topk_weights: optional float32 ``[num_recv_tokens, K]`` (expanded: ``[num_expanded_tokens]``);
+            may require grad.
+        bias: None, a ``[N, H]`` bf16 tensor or a pair of them, added once per token; may require grad.
+        **combine_kwargs: ``previous_event``, ``num_sms``, ``num_qps``, ``allocate_on_comm_stream``;
+            ``async_with_compute_stream`` and ``defer_epilogue`` are refused.
+    Returns:
+        ``(combined_x [N, H] bf16, combined_topk_weights [N, K] float32 | None)``. Gradients: ``x``
+        gets each token's ``combined_x`` gradient in every row (slot) of the token, zeros in alignment
+        gaps; ``topk_weights`` the gradient of each slot's ``combined_topk_weights`` on the rank owning
+        the slot, 0 elsewhere; each bias the ``combined_x`` gradient (bf16).
+    Raises:
+        TypeError: non-bf16 ``x``; an unsupported keyword. Otherwise as ``EPBuffer.combine`` (forward)
+            and ``EPBuffer.dispatch`` (backward).
+    """
+    _check_kwargs(combine_kwargs, _EP_COMBINE_KWARGS, "ep_combine")
+    _check_bf16(x, "ep_combine", "EPBuffer.dispatch")
+    if isinstance(bias, tuple) and len(bias) != 2:
+        raise ValueError(f"deepep_ascend.nn.autograd.ep_combine: `bias` must be a tensor or a pair, got "
+                         f"{len(bias)} items")
+    bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
+    combined_x, combined_w = _EPCombine.apply(x, topk_weights, bias0, bias1, buffer, handle,
+                                              tuple(combine_kwargs.items()))
+    return combined_x, (combined_w if topk_weights is not None else None)

@@ -1,4 +1,5 @@
-"""A DeepSeek-style MoE layer with expert parallelism through :class:`deepep_ascend.Buffer`.
+"""A DeepSeek-style MoE layer with expert parallelism through :class:`deepep_ascend.Buffer` or
+:class:`deepep_ascend.EPBuffer`.
 
 Built as DeepSeek-V2/V3 build theirs (``modeling_deepseek.py``: ``MoEGate``, ``DeepseekV3MoE``):
 
@@ -26,17 +27,29 @@ Built as DeepSeek-V2/V3 build theirs (``modeling_deepseek.py``: ``MoEGate``, ``D
   (:meth:`LocalExperts.forward_packed`: the masked grouped GEMM, as DeepEP's LL kernels feed
   DeepGEMM, or a per-expert loop) → :func:`deepep_ascend.nn.autograd.low_latency_combine`, which
   applies the gate's top-k weights itself → plus the shared expert.
+* The expanded path (``mode="expanded"``, the only one on an :class:`deepep_ascend.EPBuffer`): gate →
+  :func:`deepep_ascend.nn.autograd.ep_dispatch` (bf16, ``do_expand=True``, ``do_zero_padding=True``)
+  → the local experts on DeepEP V2.5's expanded layout, one row per (token, local expert) grouped by
+  expert, whose prefix sums ``handle.psum_num_recv_tokens_per_expert`` are the grouped GEMMs' psum
+  layout as they are (:meth:`LocalExperts.forward_expanded`: no sort, no copy into another layout) →
+  each row times its received weight, rounded to bf16 → :func:`deepep_ascend.nn.autograd.ep_combine`
+  → plus the shared expert.
 
 Numerics, normal path: the layer input is cast to bf16 for the dispatch (DeepEP's BF16 path, and
 the backward combine is bf16-only), experts compute in float32, each rank's weighted partial is
 rounded to bf16 once, the combine sums the partials in float32 in ascending rank order and
-rounds once more. Low-latency path: each (token, slot)'s expert output is rounded to bf16 and
+rounds once more. Expanded path: each (token, local expert) row's weighted output is rounded to
+bf16, the receiving rank sums a token's rows in top-k slot order in float32 and rounds, the origin
+adds the ranks' rows in float32 in the order of each rank's last top-k slot and rounds once more
+(DeepEP V2.5's combine, docs/semantics/deepep-api.md §13.5). With ``top_k = 1`` (one term per sum)
+the normal and expanded paths give the same bits; otherwise they differ by those roundings and
+orders. Low-latency path: each (token, slot)'s expert output is rounded to bf16 and
 the combine sums ``f32(y_j) · w_j`` in float32 in top-k order, rounding once. Gradients take the
 same paths backwards (bf16 on the wire, float32 inside).
 
 Every forward and backward issues the same collective ``Buffer`` calls on every rank of the EP
 group, in the same order, whatever the routing (a rank with no tokens still calls them): two
-per direction on the normal path; on the low-latency path two forward and three backward (an
+per direction on the normal path, one on the expanded path; on the low-latency path two forward and three backward (an
 LL combine for dispatch's backward; two LL dispatches and one narrow LL combine for combine's,
 see :mod:`deepep_ascend.nn.autograd`).
 """
@@ -50,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ep.buffer import Buffer
+from ..ep.ep_buffer import EPBuffer
 from . import autograd as ep_autograd
 
 try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped), when present
@@ -223,7 +237,8 @@ class LocalExperts(nn.Module):
 
     ``forward(recv_x [M, H] bf16, recv_topk_idx [M, K] local ids / -1, recv_topk_weights [M, K])``
     (normal dispatch's output) returns ``[M, H]`` float32: for each row, ``Σ_k w_k · expert_{idx_k}(x)``
-    over its local slots. :meth:`forward_packed` takes low-latency dispatch's packed layout instead.
+    over its local slots. :meth:`forward_packed` takes low-latency dispatch's packed layout instead,
+    :meth:`forward_expanded` ``EPBuffer``'s expanded layout.
 
     ``impl``: ``"grouped"`` runs the three GEMMs of each direction as DeepGEMM-style grouped BF16
     GEMMs from :mod:`deepep_ascend.gemm.grouped` (bf16 operands and activations, float32
@@ -306,6 +321,51 @@ class LocalExperts(nn.Module):
         return torch.stack([F.pad(self._swiglu(e, xs[e, :c]), (0, 0, 0, mmax - c))
                             for e, c in enumerate(recv_count.tolist())])
 
+    def forward_expanded(self, recv_x: torch.Tensor, recv_topk_weights: torch.Tensor,
+                         psum_num_recv_tokens_per_expert: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+        """The experts on ``EPBuffer.dispatch``'s expanded layout, each row times its weight.
+
+        Local expert ``e``'s rows are ``[align(psum[e-1], expert_alignment), psum[e])`` (``psum[-1] = 0``),
+        DeepGEMM's psum layout: the ``"grouped"`` path hands ``psum`` to the m-/k-grouped GEMMs as it is
+        (``use_psum_layout=True``), the ``"loop"`` path slices each expert's rows.
+
+        Args:
+            recv_x: ``[rows, H]`` (bf16 from :func:`deepep_ascend.nn.autograd.ep_dispatch` with ``do_expand=True``).
+            recv_topk_weights: ``[rows]`` float32, each row's top-k weight (0 in alignment gaps: dispatch
+                with ``do_zero_padding=True``, since gap rows are multiplied by it).
+            psum_num_recv_tokens_per_expert: ``[num_local]`` int32, the handle's field of that name.
+            expert_alignment: the dispatch's ``expert_alignment``; the ``"grouped"`` path needs it equal to
+                ``gemm.grouped.get_mk_alignment_for_contiguous_layout()`` (the GEMMs' psum rule).
+        Returns:
+            ``[rows, H]`` float32 (float64 on the float64 ``"loop"`` path): row ``p`` of expert ``e`` is
+            ``recv_topk_weights[p] · expert_e(recv_x[p])``; gap rows are 0.
+        Raises:
+            ValueError: shapes that do not match ``[rows, H]`` / ``[rows]`` / ``[num_local]``, or (grouped)
+                an ``expert_alignment`` other than the GEMMs' alignment.
+        """
+        rows = recv_x.size(0)
+        psum = psum_num_recv_tokens_per_expert
+        if recv_x.dim() != 2 or recv_topk_weights.shape != (rows,) or psum.shape != (self.num_local,):
+            raise ValueError(f"LocalExperts.forward_expanded: expected recv_x [rows, H], recv_topk_weights [rows] and "
+                             f"psum_num_recv_tokens_per_expert [{self.num_local}], got {tuple(recv_x.shape)}, "
+                             f"{tuple(recv_topk_weights.shape)} and {tuple(psum.shape)}")
+        if self.impl == "grouped":
+            align = _gg.get_mk_alignment_for_contiguous_layout()
+            if expert_alignment != align:
+                raise ValueError(f"LocalExperts.forward_expanded: expert_alignment={expert_alignment} must equal the "
+                                 f"grouped GEMMs' get_mk_alignment_for_contiguous_layout()={align}")
+            y = self._grouped_swiglu(_GroupedLinear, recv_x.to(_BF16), psum.to(torch.int32)).float()
+        else:
+            xs = recv_x.to(self._loop_dtype(recv_x))
+            ends = psum.tolist()
+            starts = [0] + [-(-end // expert_alignment) * expert_alignment for end in ends[:-1]]
+            pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]) if ends else \
+                torch.empty(0, dtype=torch.int64)
+            # every expert, even with 0 rows: zero gradients, not None
+            segs = torch.cat([self._swiglu(e, xs[s:t]) for e, (s, t) in enumerate(zip(starts, ends))])
+            y = xs.new_zeros(rows, xs.size(1)).index_copy(0, pos, segs)
+        return y * recv_topk_weights.unsqueeze(1)
+
     def _grouped(self, xs: torch.Tensor, counts: list) -> torch.Tensor:
         """SwiGLU of ``xs`` (bf16 rows sorted by expert, ``counts`` per expert) with grouped GEMMs; float32 out."""
         align = _gg.get_mk_alignment_for_contiguous_layout()
@@ -333,7 +393,8 @@ class LocalExperts(nn.Module):
 class MoE(nn.Module):
     """DeepSeek MoE block over expert parallelism: ``forward(x [..., H])`` → ``[..., H]`` (``x``'s dtype).
 
-    Two communication paths, as DeepEP has two modes (``mode``):
+    Three communication paths (``mode``): DeepEP's two modes on a :class:`deepep_ascend.Buffer`, and
+    DeepEP V2.5's expanded layout on a :class:`deepep_ascend.EPBuffer`:
 
     * ``"normal"`` — :func:`deepep_ascend.nn.autograd.dispatch` / :func:`~deepep_ascend.nn.autograd.combine`
       on a Buffer with a UBMEM window (``num_nvl_bytes >= Buffer.get_normal_buffer_size_hint(N, H, R,
@@ -346,15 +407,27 @@ class MoE(nn.Module):
       weights. Every forward may carry at most ``M`` tokens per rank (``M`` the same on every rank,
       at most 511 as in DeepEP); a larger batch raises ``ValueError`` on its rank and an error
       naming that rank on the others (the Buffer stays usable). FP8 dispatch is not offered (not
-      differentiable). Both paths compute the same function up to bf16 roundings.
+      differentiable).
+    * ``"expanded"`` — :func:`deepep_ascend.nn.autograd.ep_dispatch` (``do_expand=True``) /
+      :func:`~deepep_ascend.nn.autograd.ep_combine` on an EPBuffer (built with
+      ``num_max_tokens_per_rank >= N``, ``hidden = H``, ``num_topk = K``, or a ``num_bytes`` at least
+      its size hint); the mode of every EPBuffer layer. The experts run on the expanded layout with the
+      handle's ``psum_num_recv_tokens_per_expert`` as the grouped GEMMs' psum layout
+      (:meth:`LocalExperts.forward_expanded`; ``expert_alignment`` is the GEMMs'
+      ``get_mk_alignment_for_contiguous_layout()``, 1 on the ``"loop"`` path). A batch above the
+      EPBuffer's ``num_max_tokens_per_rank`` raises ``ValueError`` on its rank and a ``ConsensusError``
+      naming it on the others.
 
-    ``mode=None`` picks ``"low_latency"`` when ``buffer.low_latency_mode`` is set, else ``"normal"``.
+    The paths compute the same function up to bf16 roundings (module docstring).
+    ``mode=None`` picks ``"expanded"`` on an EPBuffer; on a Buffer it picks ``"low_latency"`` when
+    ``buffer.low_latency_mode`` is set, else ``"normal"``.
     One Buffer built with both windows (``num_nvl_bytes`` and ``low_latency_mode=True, num_rdma_bytes``)
     serves both paths, on one node and across nodes: pass ``mode`` explicitly, or switch with
     ``layer.mode = ...``.
 
     Args:
-        buffer: a :class:`deepep_ascend.Buffer` over the EP group (shared by layers), see above.
+        buffer: a :class:`deepep_ascend.Buffer` or :class:`deepep_ascend.EPBuffer` over the EP group (shared
+            by layers), see above.
         hidden: model width ``H``; intermediate: routed expert width ``I``.
         num_experts: ``E``, a multiple of the EP size; top_k: experts per token.
         num_shared_experts: 0 = no shared expert, else one SwiGLU of width ``num_shared_experts * I``.
@@ -363,16 +436,18 @@ class MoE(nn.Module):
             global RNG (seed it identically on every rank).
         experts_impl: ``"grouped"`` (grouped GEMMs, the default when :mod:`deepep_ascend.gemm.grouped` imports) or
             ``"loop"`` (float32, one matmul per local expert); see :class:`LocalExperts`.
-        mode: ``"normal"``, ``"low_latency"`` or ``None`` (from the Buffer), see above.
+        mode: ``"normal"``, ``"low_latency"``, ``"expanded"`` or ``None`` (from the buffer), see above.
         num_max_dispatch_tokens_per_rank: ``M`` of the low-latency path (required there): the most
-            tokens one rank may send per forward, and the Buffer's size hint argument.
+            tokens one rank may send per forward, and the Buffer's size hint argument. On an EPBuffer,
+            optional: the dispatch's ``num_max_tokens_per_rank`` (default: the EPBuffer's).
         **gate_kwargs: :class:`MoEGate` options (``score_func``, ``n_group``, ``topk_group``,
             ``routed_scaling_factor``, ``norm_topk_prob``, ``use_selection_bias``, ``aux_loss_alpha``).
     Attributes:
         last_topk_idx: ``[N, K]`` routing of the last forward (for routing traces).
     Raises:
         ValueError: ``num_experts`` not a multiple of the EP size; on the low-latency path a Buffer
-            without ``low_latency_mode``, a missing or bad ``M``, or ``num_rdma_bytes`` below the hint.
+            without ``low_latency_mode``, a missing or bad ``M``, or ``num_rdma_bytes`` below the hint;
+            ``"expanded"`` without an EPBuffer, or another mode with one.
 
     Example (low-latency path, every rank)::
 
@@ -381,21 +456,28 @@ class MoE(nn.Module):
                         low_latency_mode=True)
         moe = MoE(buffer, H, I, E, K, num_max_dispatch_tokens_per_rank=M)   # mode from the Buffer
         y = moe(x)              # x [..., H] with at most M tokens
+
+    Example (expanded path, every rank)::
+
+        buffer = EPBuffer(group, num_max_tokens_per_rank=N, hidden=H, num_topk=K)
+        moe = MoE(buffer, H, I, E, K)   # mode "expanded"
+        y = moe(x)                      # x [..., H] with at most N tokens
     """
 
     def __init__(self, buffer, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  num_shared_experts: int = 0, seed: int = 0, experts_impl: str | None = None,
                  mode: str | None = None, num_max_dispatch_tokens_per_rank: int | None = None, **gate_kwargs):
         super().__init__()
-        ep_size, ep_rank = buffer.group_size, buffer.rank
+        self._ep = isinstance(buffer, EPBuffer)
+        ep_size, ep_rank = (buffer.num_ranks, buffer.rank_idx) if self._ep else (buffer.group_size, buffer.rank)
         if num_experts % ep_size:
             raise ValueError(f"MoE: num_experts={num_experts} must be a multiple of the EP size {ep_size}")
         self.buffer = buffer
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.num_local_experts = num_experts // ep_size
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        self.mode = mode if mode is not None else ("low_latency" if getattr(buffer, "low_latency_mode", False)
-                                                   else "normal")
+        self.mode = mode if mode is not None else ("expanded" if self._ep else "low_latency"
+                                                   if getattr(buffer, "low_latency_mode", False) else "normal")
         self.gate = MoEGate(hidden, num_experts, top_k, **gate_kwargs)
         self.experts = LocalExperts(self.num_local_experts, hidden, intermediate,
                                     first_expert=ep_rank * self.num_local_experts, seed=seed, impl=experts_impl)
@@ -404,13 +486,16 @@ class MoE(nn.Module):
 
     @property
     def mode(self) -> str:
-        """``"normal"`` or ``"low_latency"``; settable (checked against the Buffer)."""
+        """``"normal"``, ``"low_latency"`` or ``"expanded"``; settable (checked against the buffer)."""
         return self._mode
 
     @mode.setter
     def mode(self, value: str) -> None:
-        if value not in ("normal", "low_latency"):
-            raise ValueError(f"MoE: mode must be 'normal' or 'low_latency', got {value!r}")
+        if value not in ("normal", "low_latency", "expanded"):
+            raise ValueError(f"MoE: mode must be 'normal', 'low_latency' or 'expanded', got {value!r}")
+        if (value == "expanded") != self._ep:
+            raise ValueError(f"MoE: mode={value!r} needs " + ("a deepep_ascend.Buffer; an EPBuffer runs mode='expanded'"
+                                                              if self._ep else "a deepep_ascend.EPBuffer"))
         if value == "low_latency":
             self._check_low_latency()
         self._mode = value
@@ -457,7 +542,9 @@ class MoE(nn.Module):
         topk_idx, topk_weights = self.gate(h)
         self.last_topk_idx = topk_idx
         topk_weights = topk_weights.float()  # the Buffer's weights are float32
-        if self._mode == "low_latency":
+        if self._mode == "expanded":
+            out = self._routed_expanded(h, topk_idx, topk_weights)
+        elif self._mode == "low_latency":
             out = self._routed_low_latency(h, topk_idx, topk_weights)
         else:
             out = self._routed_normal(h, topk_idx, topk_weights)
@@ -471,6 +558,19 @@ class MoE(nn.Module):
                                                                    self.num_experts)
         y = self.experts(recv_x, recv_idx, recv_w)
         out, _ = ep_autograd.combine(self.buffer, y.to(_BF16), handle)
+        return out
+
+    def _routed_expanded(self, h, topk_idx, topk_weights):
+        align = _gg.get_mk_alignment_for_contiguous_layout() if self.experts.impl == "grouped" else 1
+        kwargs = {} if self.num_max_dispatch_tokens_per_rank is None else \
+            {"num_max_tokens_per_rank": self.num_max_dispatch_tokens_per_rank}
+        # zero padding: the gaps' weights are 0, so their rows (multiplied by them) are 0, never NaN
+        recv_x, _, recv_w, handle = ep_autograd.ep_dispatch(
+            self.buffer, h.to(_BF16), topk_idx, topk_weights, num_experts=self.num_experts, expert_alignment=align,
+            do_expand=True, do_zero_padding=True, **kwargs)
+        y = self.experts.forward_expanded(recv_x, recv_w, handle.psum_num_recv_tokens_per_expert,
+                                          handle.expert_alignment)
+        out, _ = ep_autograd.ep_combine(self.buffer, y.to(_BF16), handle)
         return out
 
     def _routed_low_latency(self, h, topk_idx, topk_weights):
