@@ -47,11 +47,11 @@ orders. Low-latency path: each (token, slot)'s expert output is rounded to bf16 
 the combine sums ``f32(y_j) · w_j`` in float32 in top-k order, rounding once. Gradients take the
 same paths backwards (bf16 on the wire, float32 inside).
 
-Every forward and backward issues the same collective ``Buffer`` calls on every rank of the EP
+Every forward and backward issues the same collective buffer calls on every rank of the EP
 group, in the same order, whatever the routing (a rank with no tokens still calls them): two
-per direction on the normal path, one on the expanded path; on the low-latency path two forward and three backward (an
-LL combine for dispatch's backward; two LL dispatches and one narrow LL combine for combine's,
-see :mod:`deepep_ascend.nn.autograd`).
+per direction on the normal and expanded paths; on the low-latency path two forward and three
+backward (an LL combine for dispatch's backward; two LL dispatches and one narrow LL combine for
+combine's, see :mod:`deepep_ascend.nn.autograd`).
 """
 
 from __future__ import annotations
