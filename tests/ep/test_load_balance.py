@@ -113,9 +113,9 @@ def test_prefetch_and_reduce_bitwise(setups):
                 data = torch.stack([blob(s.node, s.local * LOCAL + e, i, nb, seed) for e in range(LOCAL)])
                 originals.append(data.view(dtype).view(LOCAL, *orig))
                 s.weights[i].view(torch.uint8).fill_(SENTINEL)
-            ev = coll(lambda: s.buf.lb_prefetch_weights(_views(s, rnd == 1), originals if len(originals) > 1 else
-                                                        originals[0], m, previous_event=s.buf.capture() if rnd
-                                                        else None), what="lb_prefetch_weights")
+            ev = coll(lambda: s.buf.lb_prefetch_weights(_views(s, rnd == 1), originals, m,
+                                                        previous_event=s.buf.capture() if rnd else None),
+                      what="lb_prefetch_weights")
             assert ev.wait() is None
             for i in range(len(PAYLOADS)):
                 got = s.weights[i].view(torch.uint8).view(SLOTS, -1)
@@ -172,7 +172,9 @@ def test_redundant_expert_training_matches_single_copy(setups):
                           for ln in range(n)], dtype=torch.int32)
         m[0, SLOTS - 1] = -1  # an unused slot
         init = {e: row(("w0", s.node, e), D_OUT * D_IN) for e in range(n * LOCAL)}
-        # the single-copy reference of every expert of the node
+        # the single-copy reference of the experts this rank owns or holds a replica of
+        needed = {s.local * LOCAL + e for e in range(LOCAL)} | {int(e) for e in m[s.local] if e >= 0}
+        init = {e: w for e, w in init.items() if e in needed}
         ref = dict(init)
         autograd_ref = dict(init)
         instances = {e: [(ln, c) for ln in range(n) for c in range(SLOTS) if int(m[ln, c]) == e] for e in ref}
