@@ -73,7 +73,9 @@ class EPBuffer(BufferBase):
         num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch: the MoE shape (``num_topk=0``:
             up to :data:`NUM_MAX_TOPK` slots). ``num_max_tokens_per_rank`` is also the dispatch default.
         lb_allocation_plan_or_num_bytes: bytes of the load-balance region, or a
-            :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none).
+            :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none): a
+            node-shared segment per rank (``lb_storage``) for :meth:`lb_prefetch_weights` and
+            :meth:`lb_reduce_grads` (docs/semantics/deepep-api.md §13.9).
         deterministic: accepted; every dispatch here is deterministic (rows ordered by source token).
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP's switches.
             ``allow_hybrid_mode=False`` across nodes sends every row straight to its rank (DeepEP's direct
