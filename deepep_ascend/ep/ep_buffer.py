@@ -14,7 +14,7 @@ import torch
 
 from .. import native as _native
 from .. import settings
-from ..transports import Topology
+from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import check, check_tensor, repeated_expert
@@ -25,6 +25,7 @@ from .group import check_agreed, mpi_comm_of
 from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
+from .load_balance import LoadBalanceRegion
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed
 from .protocol import (
@@ -72,7 +73,9 @@ class EPBuffer(BufferBase):
         num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch: the MoE shape (``num_topk=0``:
             up to :data:`NUM_MAX_TOPK` slots). ``num_max_tokens_per_rank`` is also the dispatch default.
         lb_allocation_plan_or_num_bytes: bytes of the load-balance region, or a
-            :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none).
+            :class:`~deepep_ascend.ep.allocator.BufferAllocator` plan materialized in it (0: none): a
+            node-shared segment per rank (``lb_storage``) for :meth:`lb_prefetch_weights` and
+            :meth:`lb_reduce_grads` (docs/semantics/deepep-api.md §13.9).
         deterministic: accepted; every dispatch here is deterministic (rows ordered by source token).
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute: DeepEP's switches.
             ``allow_hybrid_mode=False`` across nodes sends every row straight to its rank (DeepEP's direct
@@ -153,7 +156,13 @@ class EPBuffer(BufferBase):
                               explicitly_destroy=explicitly_destroy, ranks_per_node=data_rpn, timeout_s=timeout)
         self._legacy.api_name = type(self).__name__
         self.runtime = self._legacy.runtime
-        self.lb_storage = torch.zeros(num_lb_bytes, dtype=torch.uint8)
+        # the LB region is shared inside a physical node (DeepEP's NVLink domain); in direct mode the engines'
+        # transport sees one rank per node, so the region gets a transport of the physical nodes
+        self._lb_tp = None
+        if num_lb_bytes and self._direct:
+            self._lb_tp = create_transport(comm, ranks_per_node=topo.ranks_per_node, timeout_s=timeout)
+        self._lb = LoadBalanceRegion(self._lb_tp or self.runtime, num_lb_bytes)
+        self.lb_storage = self._lb.storage
         if plan is not None:
             plan.materialize(self.lb_storage)
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
@@ -233,6 +242,9 @@ class EPBuffer(BufferBase):
 
     def _destroy(self) -> None:
         self._legacy.destroy()
+        self._lb.release()
+        if self._lb_tp is not None:
+            self._lb_tp.destroy()
 
     def barrier(self) -> None:
         """Block until every rank of the group reached it (MPI ``Barrier`` on the buffer's communicator)."""
@@ -813,6 +825,101 @@ class EPBuffer(BufferBase):
         everyone = torch.arange(n)
         accumulate_rows(combined, [(y, everyone) for y in ys], acc, tmp, state["biases"], disjoint=False)
         return self._combine_result(combined, combined_w, EventOverlap(), defer_epilogue)
+    # -- redundant experts (load balance) --------------------------------------------------------
+    def lb_get_theoretical_num_sms(self) -> int:
+        """DeepEP's bandwidth-based SM count for the LB exchanges has no CPU meaning: returns
+        :attr:`Buffer.num_sms` (even), accepted for porting (``deep_ep.EPBuffer.lb_get_theoretical_num_sms``)."""
+        return _align(Buffer.num_sms, 2)
+
+    def _lb_call(self, op: str, num_sms, previous_event, check):
+        """Run ``check()`` (the local checks) on this rank, agree with the group, return its result."""
+        error, result, signature = None, None, ()
+        try:
+            self._usable(op)
+            LoadBalanceRegion.num_sms(num_sms)
+            if previous_event is not None and not isinstance(previous_event, EventHandle):
+                raise TypeError(f"`previous_event` must be an EventHandle (EPBuffer.capture()) or None, got "
+                                f"{type(previous_event).__name__}")
+            *result, signature = check()
+        except Exception as exc:  # raised on every rank by the agreement
+            error = exc
+        if self.runtime is None:
+            raise error
+        if previous_event is not None and error is None:
+            previous_event.current_stream_wait()
+        self._legacy._worker.drain()  # no queued dispatch or combine shares the transport with the exchange
+        self._lb.agree(op, error, signature)
+        return result
+
+    def lb_prefetch_weights(self, redundant_expert_weights, expert_weights, redundancy_mapping: torch.Tensor,
+                            num_sms: int = 0, previous_event: EventHandle | None = None) -> EventOverlap:
+        """Copy this rank's expert weights into the redundant slots that peers of its node hold for them;
+        mirrors ``deep_ep.EPBuffer.lb_prefetch_weights`` (docs/semantics/deepep-api.md §13.9).
+
+        Collective: every rank of the group calls it (ranks without redundant slots too). Each owner stores
+        its experts' bytes straight into the replicas' LB regions (UBMEM stores inside the node). Unused
+        slots (-1) and bytes outside the slots are left as they were.
+
+        Args:
+            redundant_expert_weights: a tensor or a non-empty sequence of tensors, each contiguous
+                ``[num_redundant_experts, *shape]`` (any dtype) lying in this buffer's LB region
+                (``lb_allocation_plan_or_num_bytes``), at the same offset on every rank of the node.
+            expert_weights: as many contiguous CPU tensors ``[num_local_experts, *shape']`` (``num_local_experts
+                > 0``, the same in every tensor and on every rank of the node); each pair moves the same bytes
+                per expert, their dtypes and trailing shapes may differ (the bytes are copied as they are).
+            redundancy_mapping: ``[num_nvlink_ranks, num_redundant_experts]`` int32 (CPU), identical on every
+                rank of the node: entry ``[l, c]`` is the expert in slot ``c`` of the node's ``l``-th rank, an id
+                ``owner * num_local_experts + local_expert`` with node-local ``owner`` other than ``l``, or -1.
+            num_sms: accepted (a non-negative int; no meaning on CPU ranks).
+            previous_event: an event (``capture()``) waited for before the call.
+        Returns:
+            an :class:`EventOverlap` holding a completed event: the slots are filled on every rank of the node
+            when the call returns (the exchange runs on the caller's thread); ``wait()`` returns ``None``.
+        Raises:
+            ValueError / TypeError: on every rank, before any byte moves: a tensor outside the LB region, not
+                contiguous or of the wrong row count, pairs of different bytes per expert, a malformed mapping
+                (shape, dtype, an id out of range, a rank's own expert in its own slot), a bad ``num_sms`` or
+                ``previous_event``; or ranks of a node disagreeing on the mapping, the LB offsets, the sizes or
+                ``num_local_experts`` (naming each rank's value). The buffer stays usable.
+            RuntimeError: the buffer was destroyed.
+            transports.TransportTimeout: a rank did not take part within the deadline.
+        """
+        pairs, mapping = self._lb_call("lb_prefetch_weights", num_sms, previous_event, lambda: self._lb.check_prefetch(
+            redundant_expert_weights, expert_weights, redundancy_mapping))
+        self._lb.prefetch(pairs, mapping, "EPBuffer.lb_prefetch_weights")
+        return EventOverlap(EventHandle())
+
+    def lb_reduce_grads(self, redundant_expert_grads: torch.Tensor, expert_grads: torch.Tensor,
+                        redundancy_mapping: torch.Tensor, num_sms: int = 0,
+                        previous_event: EventHandle | None = None) -> EventOverlap:
+        """Add the gradients of every replica of this rank's experts into ``expert_grads`` (in place, never
+        overwritten); mirrors ``deep_ep.EPBuffer.lb_reduce_grads`` (docs/semantics/deepep-api.md §13.9).
+
+        Collective, the mirror of :meth:`lb_prefetch_weights` with the same mapping. Each owner loads its
+        replicas' rows from their LB regions and adds them in float32, one addition per replica, in ascending
+        (node-local rank, slot) order onto what ``expert_grads`` held (seed it with the local gradient, or
+        zeros). ``redundant_expert_grads`` is only read: zero or overwrite it before the next accumulation.
+
+        Args:
+            redundant_expert_grads: ``[num_redundant_experts, hidden]`` float32, contiguous, in this buffer's LB
+                region at the same offset on every rank of the node.
+            expert_grads: ``[num_local_experts, hidden]`` float32, contiguous (any CPU memory).
+            redundancy_mapping: as in :meth:`lb_prefetch_weights`.
+            num_sms, previous_event: as in :meth:`lb_prefetch_weights`.
+        Returns:
+            an :class:`EventOverlap` holding a completed event: ``expert_grads`` holds every contribution, and
+            every peer has finished reading this rank's ``redundant_expert_grads``, when the call returns.
+        Raises:
+            ValueError / TypeError: on every rank, before any byte moves, as :meth:`lb_prefetch_weights`; also a
+                dtype other than float32, a tensor that is not 2-D, or rows of different ``hidden``.
+            RuntimeError: the buffer was destroyed.
+            transports.TransportTimeout: a rank did not take part within the deadline.
+        """
+        off, mapping = self._lb_call("lb_reduce_grads", num_sms, previous_event, lambda: self._lb.check_reduce(
+            redundant_expert_grads, expert_grads, redundancy_mapping))
+        self._lb.reduce(off, expert_grads, mapping, "EPBuffer.lb_reduce_grads")
+        return EventOverlap(EventHandle())
+
     def _compact(self, x: torch.Tensor, topk_weights, handle: EPHandle):
         """The compact rows combine sends: one per received token (expanded layout: its slots summed in
         slot order, float32, one rounding) and its weights per slot (0 where the slot is not local)."""
