@@ -37,6 +37,8 @@ COLLECTIVE = {
                "--use-fp8", "--iters", "2", "--warmup", "1"],
     "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
     "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
+    "overhead": ["--tokens", "1,3", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+                 "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
@@ -141,6 +143,15 @@ def _check_details(command: str, doc: dict) -> None:
         assert [r["calls"] for r in reports] == [8, 16, 24] and all(len(r["rss_anon"]) == 2 for r in reports)
         growth = max(b - a for key in ("rss_anon", "rss_shmem") for a, b in zip(reports[0][key], reports[-1][key]))
         assert det["growth_bytes"] == growth and doc["checks"]["memory_flat"] == (growth <= 64e6)
+    elif command == "overhead":  # one round trip per system and token count; the summary is the records' ratio
+        assert det["tokens"] == [1, 3]
+        for t in (1, 3):
+            assert {r["system"] for r in doc["results"] if r["tokens_per_rank"] == t} == {
+                "low_latency", "normal", "mpi_alltoall", "mpi_alltoallv"}
+            floor = by[f"mpi_alltoall/round_trip_t{t}"]["seconds"]
+            for s in ("low_latency", "normal"):
+                assert math.isclose(doc["summary"][f"{s}_over_mpi_alltoall_t{t}"],
+                                    by[f"{s}/round_trip_t{t}"]["seconds"] / floor)
     elif command == "low-latency":
         b = det["bytes"]
         for p in ("dispatch", "combine"):

@@ -1,0 +1,204 @@
+"""Per-call overhead: round trips of a few tokens per rank against MPI moving the same rows.
+
+Run one process per rank::
+
+    mpiexec -n 2 python -m bench overhead                   # 1 and 8 tokens per rank, hidden 7168, top-8 of 256
+    mpiexec -n 4 python -m bench overhead --tokens 1,8,32 --json out.json
+
+At such sizes a call moves a few hundred KB at most, so its time is the fixed cost of the call:
+argument checks, control exchanges, signalling, waits and epilogues. For each ``--tokens`` value T
+(tokens per rank), on the same workload (``bench.workload.make_workload``, BF16 both ways,
+identity experts):
+
+* ``low_latency``: ``Buffer(low_latency_mode=True)`` with ``num_max_dispatch_tokens_per_rank = T``,
+  ``low_latency_dispatch`` + ``low_latency_combine`` (the received rows combined back);
+* ``normal``: ``Buffer`` normal mode, ``get_dispatch_layout`` + ``dispatch`` + ``combine``;
+* ``mpi_alltoall``: MPI moving exactly the rows the normal path moves, with the counts already
+  known (one ``Alltoallv`` each way on pre-packed rows, no count exchange, no packing): the floor of
+  an MPI program with static routing, the figure the per-call target compares against;
+* ``mpi_alltoallv``: the full MPI pipeline a user writes (``bench.baselines``: ``Alltoall`` of the
+  counts, pack, ``Alltoallv``, unpack, and back), verified like the normal path.
+
+Each time is the max over ranks per iteration, median of ``--iters``. Reported, never asserted:
+the issue's target is that the low-latency and normal round trips are no slower than
+``mpi_alltoall`` at 1 and 8 tokens per rank (``met`` / ``missed`` per line).
+Checks: the low-latency round trip against ``x · Σ w`` (BF16), the normal and MPI pipelines
+against the plain-torch reference (``bench.roundtrip.verify_round_trip``), ``mpi_alltoall``'s rows
+returned bit for bit. A system that fails its check is left out of every ratio and verdict.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bench import cli, schema
+from bench.baselines import mpi_alltoallv_roundtrip
+from bench.roundtrip import BufferSystem, normal_buffer_bytes, run_round_trip, verification_failure, verify_round_trip
+from bench.timing import Timing, time_phases
+from bench.workload import calc_diff, comm_fingerprint, make_workload, reference_layout
+
+SYSTEMS = ("low_latency", "normal", "mpi_alltoall", "mpi_alltoallv")
+TARGET = "mpi_alltoall"  # the per-call target: no slower than MPI moving the same rows with known counts
+LL_BOUND = 1e-5  # BF16 dispatch, identity experts: combined = bf16(x · Σ w) up to the rounding of the sum
+
+
+def add_arguments(p) -> None:
+    """The command's options: the shared ones (``bench.cli``) and its own."""
+    cli.add_shared(p, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0, json=None)
+    p.add_argument("--tokens", type=cli.int_list(1), default=[1, 8], metavar="T[,T...]",
+                   help="tokens per rank, one line each (default 1,8)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
+
+
+def check_args(p, a) -> None:
+    """The system list and the token counts (``p.error`` on bad values)."""
+    a.systems = cli.system_list(p, a.systems, SYSTEMS)
+    if not a.tokens:
+        p.error("--tokens is empty")
+
+
+def low_latency_trip(wl, comm, args) -> tuple[Timing, float]:
+    """``(round-trip timing, calc_diff against x · Σ w)`` of a low-latency Buffer sized for ``wl``."""
+    from deepep_ascend import Buffer
+
+    T, E, R = wl.x.size(0), args.num_experts, comm.Get_size()
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(T, args.hidden, R, E), low_latency_mode=True,
+                 comm=comm, explicitly_destroy=True)
+    st = {}
+
+    def dispatch():
+        st["d"] = buf.low_latency_dispatch(wl.x, wl.topk_idx, T, E, use_fp8=False)
+
+    def combine():
+        st["c"] = buf.low_latency_combine(st["d"][0], wl.topk_idx, wl.topk_weights, st["d"][2])
+
+    try:
+        t = time_phases([("dispatch", dispatch), ("combine", combine)], comm, args.iters, args.warmup)
+        diff = calc_diff(st["c"][0].float(), wl.x.float() * wl.topk_weights.sum(1, keepdim=True))
+    finally:
+        buf.destroy()
+    return t["dispatch"] + t["combine"], diff
+
+
+def normal_trip(wl, comm, args):
+    """The normal-mode round trip (``bench.roundtrip.RoundTripResult``) of a Buffer that never chunks ``wl``."""
+    from deepep_ascend import Buffer
+
+    nvl, _ = normal_buffer_bytes(Buffer, wl.x.size(0), args.hidden, comm.Get_size(), None, args.num_topk,
+                                 args.num_experts, False)
+    buf = Buffer(group=None, num_nvl_bytes=nvl, comm=comm, explicitly_destroy=True)
+    try:
+        return run_round_trip(BufferSystem(buf), wl, comm, args.iters, args.warmup)
+    finally:
+        buf.destroy()
+
+
+def mpi_alltoall_trip(wl, comm, args) -> tuple[Timing, bool]:
+    """``(round-trip timing, rows back bit for bit)`` of MPI moving the normal path's rows with known counts.
+
+    Each token goes once to every rank holding one of its experts (``is_token_in_rank``), rows packed by
+    destination rank before the timed loop; one ``Alltoallv`` there, one back, BF16 rows as bytes.
+    """
+    from mpi4py import MPI
+
+    R = comm.Get_size()
+    in_rank = reference_layout(wl.topk_idx, args.num_experts, R)[3]  # [T, R] bool
+    dst, token = in_rank.t().nonzero(as_tuple=True)
+    send = wl.x[token].contiguous()  # rows grouped by destination rank (nonzero's row-major order)
+    row = args.hidden * wl.x.element_size()
+    send_counts = np.bincount(dst.numpy(), minlength=R).astype(np.int64) * row
+    recv_counts = np.empty_like(send_counts)
+    comm.Alltoall(send_counts, recv_counts)
+    send_displs = np.concatenate(([0], np.cumsum(send_counts)[:-1]))
+    recv_displs = np.concatenate(([0], np.cumsum(recv_counts)[:-1]))
+    recv = torch.empty(int(recv_counts.sum()) // row, args.hidden, dtype=wl.x.dtype)
+    back = torch.empty_like(send)
+    s8, r8, b8 = (t.view(torch.uint8).numpy().reshape(-1) for t in (send, recv, back))
+
+    def there():
+        comm.Alltoallv([s8, (send_counts, send_displs), MPI.BYTE], [r8, (recv_counts, recv_displs), MPI.BYTE])
+
+    def home():
+        comm.Alltoallv([r8, (recv_counts, recv_displs), MPI.BYTE], [b8, (send_counts, send_displs), MPI.BYTE])
+
+    t = time_phases([("dispatch", there), ("combine", home)], comm, args.iters, args.warmup)
+    return t["dispatch"] + t["combine"], bool(torch.equal(back, send))
+
+
+def run(args) -> int:
+    """Run the benchmark (collective; see the module docstring); the exit code: 1 on a failed check."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, R = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    H, K, E = args.hidden, args.num_topk, args.num_experts
+    results, failed, lines, rows = [], {}, [], []
+    summary = {}
+    for T in args.tokens:
+        wl = make_workload(T, H, K, E, rank, R, seed=args.seed, fp8=False)
+        trips: dict[str, Timing] = {}
+        bad: dict[str, str] = {}
+        if "low_latency" in args.systems:
+            trips["low_latency"], diff = low_latency_trip(wl, comm, args)
+            diff = comm.allreduce(diff, op=MPI.MAX)
+            if not diff < LL_BOUND:
+                bad["low_latency"] = f"combined vs x*sum(w): calc_diff {diff:.2e} is not below {LL_BOUND:g}"
+        for name, fn in (("normal", normal_trip), ("mpi_alltoallv", mpi_alltoallv_roundtrip)):
+            if name in args.systems:
+                res = fn(wl, comm, args) if name == "normal" else fn(wl, comm, args.iters, args.warmup)
+                trips[name] = res.timings["dispatch"] + res.timings["combine"]
+                if (why := verification_failure(verify_round_trip(res, wl, E, comm))) is not None:
+                    bad[name] = why
+        if "mpi_alltoall" in args.systems:
+            trips["mpi_alltoall"], same = mpi_alltoall_trip(wl, comm, args)
+            if not comm.allreduce(same, op=MPI.LAND):
+                bad["mpi_alltoall"] = "the rows sent back differ from the rows sent"
+        names = [f"{s}/round_trip_t{T}" for s in trips]
+        recs = [schema.result(n, None, timing=trips[n.partition("/")[0]], tokens_per_rank=T) for n in names]
+        for n in names:
+            schema.add_ratios(recs, n, names)
+        results += recs
+        failed.update({f"{s}": why for s, why in bad.items()})
+        floor = trips.get(TARGET) if TARGET not in bad else None
+        row = [T] + [trips[s].median * 1e3 if s in trips else None for s in SYSTEMS]
+        for s in ("low_latency", "normal"):
+            if s in trips and s not in bad and floor is not None:
+                ratio = trips[s].median / floor.median
+                summary[f"{s}_over_{TARGET}_t{T}"] = ratio
+                lines.append(f"[target] T={T:<4d} {s:<12s} {ratio:5.2f}x {TARGET} "
+                             f"({'met' if ratio <= 1.0 else 'missed'}: target <= 1x)")
+        rows.append(row)
+    ok = not failed
+    fingerprint = comm_fingerprint(wl, comm)  # collective
+    if rank == 0:
+        print(f"[overhead] {R} ranks, hidden {H}, top-{K} of {E} experts, BF16 both ways, identity experts; "
+              f"round trip per call, max over ranks, median of {args.iters} (+{args.warmup} warmup) ms; "
+              f"fingerprint of the T={args.tokens[-1]} workload {fingerprint}")
+        print(f"{'tokens':>8s} " + " ".join(f"{s:>14s}" for s in SYSTEMS))
+        for row in rows:
+            print(f"{row[0]:>8d} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>14s}" for v in row[1:]))
+        for line in lines:
+            print(line)
+        for line in schema.excluded_lines(failed):
+            print(line)
+        if args.json:
+            schema.write(args.json, schema.document(
+                "overhead", argv=args._argv, params=cli.params_of(args, R), results=results,
+                baselines=[r["name"] for r in results if r["system"].startswith("mpi")],
+                checks=dict(ok=ok), summary=summary, failed=failed, fingerprint=fingerprint,
+                details=dict(tokens=list(args.tokens), target=f"<= 1x {TARGET} at each token count")))
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    """``python -m bench overhead`` in-process, without the MPI exit path (tests)."""
+    from bench import commands
+
+    return commands.call("overhead", argv)
+
+
+if __name__ == "__main__":
+    from bench import commands
+
+    commands.alias("overhead")
