@@ -161,6 +161,15 @@ class _Dispatch(torch.autograd.Function):
         return grad_x, (grad_w if ctx.has_weights else None), None, None, None, None, None
 
 
+def _weights_or_placeholder(ctx, combined_w: torch.Tensor | None) -> torch.Tensor:
+    """A combine's ``combined_topk_weights``, or (no weights) an empty non-differentiable float32
+    placeholder: an autograd Function returns tensors only."""
+    if combined_w is None:
+        combined_w = torch.empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(combined_w)
+    return combined_w
+
+
 class _Combine(torch.autograd.Function):
     """Inputs ``(x, topk_weights | None, buffer, handle, config)``; returns ``(combined_x,
     combined_topk_weights)`` (the latter an empty placeholder without weights)."""
@@ -170,10 +179,7 @@ class _Combine(torch.autograd.Function):
         combined_x, combined_w, _ = buffer.combine(x, handle, topk_weights=topk_weights, config=config)
         ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, _num_sms(buffer, config)
         ctx.wcols = topk_weights.size(1) if topk_weights is not None else -1
-        if combined_w is None:
-            combined_w = torch.empty(0, dtype=torch.float32)
-            ctx.mark_non_differentiable(combined_w)
-        return combined_x, combined_w
+        return combined_x, _weights_or_placeholder(ctx, combined_w)
 
     @staticmethod
     def backward(ctx, grad_combined_x, grad_combined_w):
@@ -508,10 +514,7 @@ class _EPCombine(torch.autograd.Function):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.has_weights = topk_weights is not None
         ctx.biases = (bias0 is not None, bias1 is not None)
-        if combined_w is None:
-            combined_w = torch.empty(0, dtype=torch.float32)
-            ctx.mark_non_differentiable(combined_w)
-        return combined_x, combined_w
+        return combined_x, _weights_or_placeholder(ctx, combined_w)
 
     @staticmethod
     def backward(ctx, grad_combined_x, grad_combined_w):
