@@ -117,6 +117,15 @@ def _check_kwargs(kwargs, allowed, op: str) -> None:
                         f"(the autograd path is synchronous)")
 
 
+def _weights_or_placeholder(ctx, weights: torch.Tensor | None) -> torch.Tensor:
+    """A dispatch's or combine's output weights, or (no weights) an empty non-differentiable float32
+    placeholder: an autograd Function returns tensors only."""
+    if weights is None:
+        weights = torch.empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(weights)
+    return weights
+
+
 class _Dispatch(torch.autograd.Function):
     """Inputs ``(x, topk_weights | None, buffer, topk_idx, num_experts, kwargs, out)``; returns
     ``(recv_x, recv_topk_weights)`` (the latter an empty placeholder without top-k) and fills
@@ -144,10 +153,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.x_rows = x.size(0)
         ctx.save_for_backward(recv_idx if recv_idx is not None else torch.empty(0))
         out.update(recv_topk_idx=recv_idx, num_recv_tokens_per_expert_list=counts, handle=handle)
-        if recv_w is None:
-            recv_w = torch.empty(0, dtype=torch.float32)
-            ctx.mark_non_differentiable(recv_w)
-        return recv_x, recv_w
+        return recv_x, _weights_or_placeholder(ctx, recv_w)
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
@@ -159,15 +165,6 @@ class _Dispatch(torch.autograd.Function):
         grad_x, grad_w, _ = ctx.buffer.combine(grad_recv_x.to(_BF16).contiguous(), ctx.handle,
                                                topk_weights=grad_w_in, config=Config(ctx.num_sms))
         return grad_x, (grad_w if ctx.has_weights else None), None, None, None, None, None
-
-
-def _weights_or_placeholder(ctx, combined_w: torch.Tensor | None) -> torch.Tensor:
-    """A combine's ``combined_topk_weights``, or (no weights) an empty non-differentiable float32
-    placeholder: an autograd Function returns tensors only."""
-    if combined_w is None:
-        combined_w = torch.empty(0, dtype=torch.float32)
-        ctx.mark_non_differentiable(combined_w)
-    return combined_w
 
 
 class _Combine(torch.autograd.Function):
@@ -489,10 +486,7 @@ class _EPDispatch(torch.autograd.Function):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.has_weights = topk_weights is not None
         out.update(recv_topk_idx=recv_idx, handle=handle)
-        if recv_w is None:
-            recv_w = torch.empty(0, dtype=torch.float32)
-            ctx.mark_non_differentiable(recv_w)
-        return recv_x, recv_w
+        return recv_x, _weights_or_placeholder(ctx, recv_w)
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
