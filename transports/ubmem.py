@@ -342,7 +342,7 @@ class Transport:
             timeout_s: deadline of the closing barrier; if a peer never arrives, collective
                 frees are skipped (the mappings die with the process) and the timeout is raised.
             departed: ``None``: the teardown above. A sequence of ranks (possibly empty): the
-                teardown that tolerates lost ranks (docs/design/transports.md §2.3). The windows are
+                teardown that tolerates lost ranks (docs/design/transports.md §2.4). The windows are
                 freed only if every rank reaches destroy, none lists a departed rank, and all meet
                 within the deadline; otherwise every rank abandons them (``abandoned`` is set: no
                 collective free, the memory stays mapped until the process exits) without waiting for

@@ -746,8 +746,8 @@ def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
             chk.check(int(mask.sum()) == 1 and int(mask[(r + 1) % R]) == 1, "update_mask_buffer")
         _, exc = capture(buf.destroy)
     chk.check(exc is None, f"destroy raised {exc!r}")
-    chk.check(tp.state.name == "CLOSED" and getattr(tp, "abandoned", None) is True, f"transport after destroy: {tp.state}, "
-              f"abandoned={getattr(tp, 'abandoned', None)}")
+    abandoned = getattr(tp, "abandoned", None)
+    chk.check(tp.state.name == "CLOSED" and abandoned is True, f"after destroy: {tp.state}, abandoned={abandoned}")
     all_ranks_ok(comm, not chk.errors, f"shrink: {chk.errors[:5]}")
 
 
