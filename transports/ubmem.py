@@ -54,6 +54,8 @@ _REASON_BYTES = 256
 #: are even near 64 B, and at 512 B the MPI read takes half the time (python -m bench engram's shapes).
 SMALL_ROW_BYTES = 128
 _ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
+# Teardown words (destroy(departed=...)): a rank's word on every peer, raised only, never cleared.
+_LEAVE_ARRIVED, _LEAVE_ABANDON = 1, 2
 _LIVE = weakref.WeakSet()
 _SERIALS = itertools.count()
 #: How a multi-node window is exposed for URMA: ``"allocate"`` (default: one ``MPI_Win_allocate``
@@ -80,8 +82,9 @@ class SymmetricWindow:
 
     Control region (int64 words): abort flags ``[world]``, abort reasons ``[world, 256 B]``,
     barrier slots ``[len(Team), world]``, waiting-for flags ``[world]`` (the ranks this rank is
-    blocked on, published for its node peers' timeout diagnostics), signal slots
-    ``[num_slots, world]``, padded to 4 KiB.
+    blocked on, published for its node peers' timeout diagnostics), teardown words ``[world]``
+    (``destroy(departed=...)``: 1 = that rank is in destroy, 2 = it abandons the windows), signal
+    slots ``[num_slots, world]``, padded to 4 KiB.
     API offsets are offsets into the data region. Create with :meth:`Transport.create_window`.
 
     Each rank's segment is node-shared (UBMEM peers map it); with more than one node it is also
@@ -110,7 +113,8 @@ class SymmetricWindow:
         self._reason_off = world
         self._barrier_off = self._reason_off + world * (_REASON_BYTES // 8)
         self._waitfor_off = self._barrier_off + len(Team) * world  # [world]: 1 = this rank waits for it
-        self._slot_off = self._waitfor_off + world
+        self._leave_off = self._waitfor_off + world  # [world]: teardown words, see Transport.destroy
+        self._slot_off = self._leave_off + world
         ctl_words = self._slot_off + self.num_slots * world
         self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
         topo = tp.topology
@@ -258,6 +262,8 @@ class Transport:
         self._aborted = False
         self._forced_urma = False  # some window reaches node peers over URMA (waits drive progress)
         self._internal = None
+        self.abandoned = False  # destroy() left the windows to the process's exit instead of freeing them
+        self._leave_sent = {}  # peer -> teardown word last written there
         try:
             self._internal = self.create_window("barrier", 0, 0)
         except BaseException:  # e.g. no unified memory model: free what was built, on every rank
@@ -328,17 +334,23 @@ class Transport:
         self._check_open("create_segment")
         return SharedSegment(self, name, nbytes)
 
-    def destroy(self, force: bool = False, timeout_s: float | None = None) -> None:
+    def destroy(self, force: bool = False, timeout_s: float | None = None, departed=None) -> None:
         """Collectively free every window and communicator; idempotent.
 
         Args:
             force: skip the live-view check (views then dangle; use only at exit).
             timeout_s: deadline of the closing barrier; if a peer never arrives, collective
                 frees are skipped (the mappings die with the process) and the timeout is raised.
+            departed: ``None``: the teardown above. A sequence of ranks (possibly empty): the
+                teardown that tolerates lost ranks (docs/design/transports.md §2.4). The windows are
+                freed only if every rank reaches destroy, none lists a departed rank, and all meet
+                within the deadline; otherwise every rank abandons them (``abandoned`` is set: no
+                collective free, the memory stays mapped until the process exits) without waiting for
+                the listed ranks, raising, or aborting any peer.
         Raises:
             TransportBusy: some rank still holds tensor views of window memory (on every rank;
                 the transport stays usable).
-            TransportTimeout: a peer did not reach destroy.
+            TransportTimeout: a peer did not reach destroy (not with ``departed``).
         """
         if self.state is State.CLOSED:
             return
@@ -352,6 +364,9 @@ class Transport:
                 poisoned = True
         for win in self._windows:
             win._release_views()
+        tolerant = departed is not None
+        if tolerant and not self._meet_for_teardown(departed, poisoned, timeout_s):
+            return
         busy = 0
         if not force:
             busy = sum(w._live_view_count() for w in self._windows)
@@ -367,6 +382,12 @@ class Transport:
         pauses = self.wait_policy.pauses()
         while not req.Test():  # Test drives MPI progress, so peers' URMA traffic keeps landing
             if time.monotonic() > deadline:
+                if tolerant:  # every rank met in _meet_for_teardown: one stalled since; leave it be
+                    warnings.warn(f"rank {self.topology.rank}: destroy(): a peer stalled after every rank had "
+                                  f"arrived; the windows are abandoned", RuntimeWarning, stacklevel=2)
+                    self._mark_leave(_LEAVE_ABANDON)
+                    self._abandon()
+                    return
                 # A peer that comes later must not free collectively against our abandoned request.
                 self.abort("gave up waiting for the peers in destroy()")
                 self.state = State.CLOSED
@@ -383,8 +404,7 @@ class Transport:
                 f"get_local_buffer_tensor) and call destroy() again, or pass force=True at exit")
         if total[1] or self._internal._ctl[self.topology.rank][:self.topology.world_size].any():
             # Some rank is poisoned or gave up: a collective free could wait for a dead peer.
-            self.state = State.CLOSED
-            _LIVE.discard(self)
+            self._abandon()
             return
         for win in reversed(self._windows):
             if win._rma is not None and not win._rma_is_win:  # the world exposure first: it maps the segment
@@ -403,6 +423,74 @@ class Transport:
         self.comm.Free()
         self.state = State.CLOSED
         _LIVE.discard(self)
+
+    def _abandon(self) -> None:
+        """Close without collective frees: windows and communicators stay allocated (peers' views of
+        this rank's memory stay valid) until the process exits."""
+        self.state = State.CLOSED
+        self.abandoned = True
+        _LIVE.discard(self)
+
+    def _mark_leave(self, value: int, skip=()) -> None:
+        """Raise this rank's teardown word on every peer to ``value``: a store for node peers, an
+        ``Accumulate`` for the others except ``skip`` (ranks that may be gone: an RMA call to them
+        could wait for an acknowledgement that never comes). Never raises."""
+        win, me = self._internal, self.topology.rank
+        remote = []
+        for p in range(self.topology.world_size):
+            if p == me or self._leave_sent.get(p, 0) >= value:
+                continue
+            ctl = win._ctl.get(p)
+            if ctl is not None:
+                ctl[win._leave_off + me] = value
+                self._leave_sent[p] = value
+            elif p not in skip:
+                remote.append(p)
+        win.sync()
+        for p in remote:  # one by one: the word on each may hold a different value
+            try:
+                win._rma.signal_many([p], 8 * (win._leave_off + me), value - self._leave_sent.get(p, 0))
+                self._leave_sent[p] = value
+            except Exception:  # noqa: BLE001 - never raises: that peer abandons at its own deadline
+                pass
+
+    def _meet_for_teardown(self, departed, poisoned: bool, timeout_s) -> bool:
+        """The first step of ``destroy(departed=...)``: True if every rank reached destroy and none
+        abandons (then the collective frees follow), False if this rank abandoned the windows.
+
+        A rank that lists a departed peer, is poisoned, or was told of an abort abandons at once and
+        says so on every peer; otherwise it says it arrived and waits (deadline) until every peer
+        arrived or one abandons. A rank that sees every peer arrive goes on to the collective step,
+        which cannot complete on a rank unless every rank entered it: a rank that abandoned after
+        another saw all arrive never enters it, and that rank then abandons at the step's deadline."""
+        me, world = self.topology.rank, self.topology.world_size
+        win = self._internal
+        gone = sorted({int(p) for p in departed} - {me})
+        if poisoned or gone or win._ctl[me][:world].any():
+            self._mark_leave(_LEAVE_ABANDON, skip=gone)
+            self._abandon()
+            return False
+        self._mark_leave(_LEAVE_ARRIVED)
+        words = win._ctl[me][win._leave_off:win._leave_off + world]
+        others = np.asarray([p for p in range(world) if p != me], dtype=np.int64)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else resolve_timeout(timeout_s))
+        poke = self._progress.poke if (self._urma_peers or self._forced_urma) else None
+        for pause in self.wait_policy.pauses():
+            last = time.monotonic() > deadline  # one more look after the deadline
+            if (words == _LEAVE_ABANDON).any():
+                break
+            if bool(np.all(words[others] >= _LEAVE_ARRIVED)):
+                win.acquire()
+                return True
+            if last:
+                break
+            if poke is not None:
+                poke()
+            if pause > 0:
+                time.sleep(pause)
+        self._mark_leave(_LEAVE_ABANDON)
+        self._abandon()
+        return False
 
     def _restore_views(self) -> None:
         for win in self._windows:

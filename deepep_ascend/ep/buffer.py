@@ -254,19 +254,28 @@ class Buffer:
     def destroy(self) -> None:
         """Collectively free the window, the transport and the worker (needs ``explicitly_destroy=True``).
 
+        With ``enable_shrink`` a rank that left (went to ``destroy()`` while its peers still call) never
+        holds up or aborts the ranks that masked it: the windows are freed only if every rank arrives
+        and none has masked another; otherwise every rank abandons them to the process's exit, without
+        waiting for masked ranks (docs/api/low-latency.md, "Shrink mode").
+
         Raises:
             AssertionError: the Buffer was built without ``explicitly_destroy``.
             transports.TransportBusy: tensors from :meth:`get_local_buffer_tensor` are still alive.
+            transports.TransportTimeout: a peer never reached destroy (not with ``enable_shrink``).
         """
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         if self.runtime is None:
             return
         self._worker.drain()
+        departed = None
+        if self.enable_shrink:
+            departed = [] if self._ll is None else torch.nonzero(self._ll.mask).view(-1).tolist()
         self._engine = self._ll = None
         if self._landing is not None:
             self._landing.release()  # recv_x tensors the caller still holds keep their memory
             self._landing = None
-        self.runtime.destroy()
+        self.runtime.destroy(departed=departed)
         self._worker.shutdown()
         self._win = self._urma_win = None
         self.runtime = None

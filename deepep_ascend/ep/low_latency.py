@@ -35,6 +35,10 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
 * ``ll_ctl`` (``2·R·256`` B, independent of the call): one 256-byte header per (half, source):
   call number, operation, status, ``M``, ``H``, ``E``, FP8 flags and, for a refused call, the
   refusing rank's message. Signal slots ``0``/``1`` (one per half) and ``2`` (clean's barrier).
+  A source's word in slot ``h`` reads ``k + 1`` once it has published LL call ``k`` (call numbers are the
+  same on every rank), its word in slot ``2`` the number of its last clean: a value, not a count of
+  signals, so a call that skipped a masked peer leaves nothing for the pair to make up once it is
+  unmasked (shrink mode, docs/api/low-latency.md).
 
 Ordering: data and count puts, then (URMA) ``flush(dst)``, then the header with
 ``put_with_signal`` on ``ll_ctl`` — an observer of the signal sees all of it. Same-node
@@ -202,7 +206,7 @@ class _DispatchCall(NamedTuple):
 
     seq: int  # LL call number (0 for the first; messages count from 1)
     half: int  # window half (and signal slot) of the call
-    need: int  # value every live source's signal reaches
+    need: int  # value every live source's signal reaches (seq + 1)
     lay: Layout
     flags: int
     message_bytes: int  # bytes per message (slot stride)
@@ -258,8 +262,8 @@ class LowLatencyEngine:
         self.mask = torch.zeros(self.R, dtype=torch.int32)
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
         self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
-        self.half_calls = [0, 0]
-        self.cleans = 0
+        self.cleans = 0  # clean_low_latency_buffer calls; same on every rank
+        self._sent = {}  # (ctl slot, dst) -> the signal value last published to dst
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
@@ -302,13 +306,22 @@ class LowLatencyEngine:
             hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         return hdr
 
-    def _signal(self, dst, h, hdr):
-        """Publish to ``dst``: everything written to it before, then the header, then the signal."""
+    def _raise_to(self, slot, dst, value) -> int:
+        """What to add to ``dst``'s word ``slot[me]`` so that it reads ``value`` (the last value sent there
+        is kept per destination: a call that skipped a masked ``dst`` left its word behind)."""
+        add = value - self._sent.get((slot, dst), 0)
+        self._sent[(slot, dst)] = value
+        return add
+
+    def _signal(self, dst, h, hdr, seq):
+        """Publish call ``seq`` to ``dst``: everything written to it before, then the header, then the
+        signal, which then reads ``seq + 1`` (see :meth:`_wait_sources`)."""
         if _PH.on:
             _PH.switch("signal")
         if self.kinds[dst] is ChannelKind.URMA:
             self.tp.flush(dst)
-        self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h)
+        self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h,
+                                add=self._raise_to(h, dst, seq + 1))
 
     def begin(self, op: int) -> tuple[int, int]:
         """Number and half of a new call of ``op`` (checks the hook rule first)."""
@@ -328,11 +341,10 @@ class LowLatencyEngine:
         seq, h = self.begin(op)
         hdr = self._header(seq, op, 1, None, 0, message)
         for dst in self.order():
-            self._signal(dst, h, hdr)
-        self.half_calls[h] += 1  # the refused call is consumed here too (peers count it)
+            self._signal(dst, h, hdr, seq)
         # Wait for the others' signals too (their data is discarded): the double-buffer rule
         # needs this rank's next call to follow its receive of this one.
-        self._wait_sources(h, self.half_calls[h], f"{_OP_NAMES[op]} call #{seq + 1} (refused here)", None)
+        self._wait_sources(h, seq + 1, f"{_OP_NAMES[op]} call #{seq + 1} (refused here)", None)
 
     # -- waiting -----------------------------------------------------------------------
     def _wait_sources(self, slot, need, phase, cost, peers=None):
@@ -420,8 +432,7 @@ class LowLatencyEngine:
         for dst in self.order():
             self._send_messages(dst, messages, route, lay, base)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
-            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
-        self.half_calls[h] += 1
+            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags), seq)
 
         # Outputs (allocated now, filled by the receive).
         if _PH.on:
@@ -432,7 +443,7 @@ class LowLatencyEngine:
             recv_scales, written_s = self.pool.get((L, R * M, scale_words),
                                                    torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
         src_info, written_i = self.pool.get((L, R * M), torch.int32)
-        call = _DispatchCall(seq, h, self.half_calls[h], lay, flags, messages.size(1), 4 * scale_words, recv_x,
+        call = _DispatchCall(seq, h, seq + 1, lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
                              torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i))
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
@@ -617,9 +628,8 @@ class LowLatencyEngine:
             else:
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
-            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
-        self.half_calls[h] += 1
-        need = self.half_calls[h]
+            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags), seq)
+        need = seq + 1
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
@@ -802,7 +812,7 @@ class LowLatencyEngine:
         self.cleans += 1
         peers = [p for p in self.order() if p != self.rank]
         for dst in peers:
-            self.tp.signal(self.ctl, dst, SLOT_CLEAN)
+            self.tp.signal(self.ctl, dst, SLOT_CLEAN, add=self._raise_to(SLOT_CLEAN, dst, self.cleans))
         self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
 
 

@@ -706,54 +706,111 @@ SHRINK_TIMEOUT_S = 1.5 if world().Get_size() <= 4 else 2.0  # deadline of the mi
 @pytest.mark.mpi(min_size=2)
 def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
     """As DeepEP's shrink test: one rank stops at its first dispatch, one at its first combine, one at
-    clean (2 ranks: only the first). Survivors mask each after the deadline, complete every call,
-    get the reference results with the dead ranks' experts dropped, and query exactly the dead set."""
+    clean (2 ranks: only the first), and goes straight to ``destroy()``. Survivors mask each after the
+    deadline, complete every call, get the reference results with the dead ranks' experts dropped,
+    query exactly the dead set, and then destroy too: no rank's teardown raises or aborts another's
+    calls, and every transport ends closed with its windows abandoned (a rank was lost)."""
     r, R = comm.Get_rank(), comm.Get_size()
     dies = {R - 1: 0}  # rank -> the round it stops at (0: first dispatch, 1: first combine, 2: clean)
     if R >= 4:
         dies.update({R - 2: 1, 1: 2})
     buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True, enable_shrink=True,
                  timeout_s=SHRINK_TIMEOUT_S, ranks_per_node=R // 2)
+    tp = buf.runtime
     chk = Checker(r)
     mask = torch.zeros(R, dtype=torch.int32)
     E, L, M, H, K = 2 * R, 2, 16, 256, 3
     dead = []
+    exc = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for rnd, phase in enumerate(["dispatch", "combine", "clean", "dispatch", "combine"]):
             dead = sorted(p for p, d in dies.items() if d <= rnd)
             if r in dead:
-                break  # a dead rank takes no further part
+                break  # a dead rank takes no further part: straight to destroy()
             ins = [make_inputs(600 + rnd, s, R, 10, H, E, K) for s in range(R)]
-            if phase == "dispatch":
-                d_x, d_idx = ins[r]
-                recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(d_x, d_idx, M, E, use_fp8=False)
-                ref = ref_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], r, E, M, masked=dead)
-                chk.same_bits(cnt, ref.recv_count, f"round {rnd}: recv_count with {dead} dead")
-                chk.same_bits(recv_x, ref.recv_x, f"round {rnd}: recv_x with {dead} dead")
-            elif phase == "combine":
-                y = expert_outputs(recv_x, r, L, False)
-                w = torch.rand(d_idx.shape, generator=torch.Generator().manual_seed(rnd))
-                combined, _, _ = buf.low_latency_combine(y, d_idx, w, handle)
-                exp = ref_ll_combine(lambda t, g: ref_expert_row(d_x[t], g, False, False, False), d_idx, w, E, R, H,
-                                     masked=dead)
-                chk.same_bits(combined, exp, f"round {rnd}: combined with {dead} dead")
-            else:
-                buf.clean_low_latency_buffer(M, H, E)
+            _, exc = capture(lambda: _shrink_round(buf, ins, r, R, rnd, phase, dead, chk, E, L, M, H))
+            if exc is not None:
+                chk.check(False, f"round {rnd} ({phase}): {exc!r}")
+                break
             buf.low_latency_query_mask_buffer(mask)
             want = torch.zeros(R, dtype=torch.int32)
             want[dead] = 1
             chk.check(torch.equal(mask, want), f"round {rnd} ({phase}): mask {mask.tolist()} != dead {dead}")
-    if r not in dead:
-        buf.low_latency_clean_mask_buffer()
-        buf.low_latency_query_mask_buffer(mask)
-        chk.check(int(mask.sum()) == 0, "clean_mask_buffer left masks")
-        buf.low_latency_update_mask_buffer((r + 1) % R, True)
-        buf.low_latency_query_mask_buffer(mask)
-        chk.check(int(mask.sum()) == 1 and int(mask[(r + 1) % R]) == 1, "update_mask_buffer")
-    comm.Barrier()
+        if r not in dead and exc is None:
+            buf.low_latency_clean_mask_buffer()
+            buf.low_latency_query_mask_buffer(mask)
+            chk.check(int(mask.sum()) == 0, "clean_mask_buffer left masks")
+            buf.low_latency_update_mask_buffer((r + 1) % R, True)
+            buf.low_latency_query_mask_buffer(mask)
+            chk.check(int(mask.sum()) == 1 and int(mask[(r + 1) % R]) == 1, "update_mask_buffer")
+        _, exc = capture(buf.destroy)
+    chk.check(exc is None, f"destroy raised {exc!r}")
+    abandoned = getattr(tp, "abandoned", None)
+    chk.check(tp.state.name == "CLOSED" and abandoned is True, f"after destroy: {tp.state}, abandoned={abandoned}")
+    all_ranks_ok(comm, not chk.errors, f"shrink: {chk.errors[:5]}")
+
+
+def _shrink_round(buf, ins, r, R, rnd, phase, dead, chk, E, L, M, H):
+    """One call of the shrink test, checked against the reference with the ``dead`` ranks dropped."""
+    global _shrink_state
+    if phase == "dispatch":
+        d_x, d_idx = ins[r]
+        recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(d_x, d_idx, M, E, use_fp8=False)
+        ref = ref_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], r, E, M, masked=dead)
+        chk.same_bits(cnt, ref.recv_count, f"round {rnd}: recv_count with {dead} dead")
+        chk.same_bits(recv_x, ref.recv_x, f"round {rnd}: recv_x with {dead} dead")
+        _shrink_state = (recv_x, handle, d_x, d_idx)
+    elif phase == "combine":
+        recv_x, handle, d_x, d_idx = _shrink_state
+        y = expert_outputs(recv_x, r, L, False)
+        w = torch.rand(d_idx.shape, generator=torch.Generator().manual_seed(rnd))
+        combined, _, _ = buf.low_latency_combine(y, d_idx, w, handle)
+        exp = ref_ll_combine(lambda t, g: ref_expert_row(d_x[t], g, False, False, False), d_idx, w, E, R, H,
+                             masked=dead)
+        chk.same_bits(combined, exp, f"round {rnd}: combined with {dead} dead")
+    else:
+        buf.clean_low_latency_buffer(M, H, E)
+
+
+_shrink_state = None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shrink_rank_masked_then_unmasked_counts_again(comm):
+    """Every rank masks the last one and it masks every other (one dispatch, combine and clean apart,
+    nobody waiting for a deadline); after ``low_latency_clean_mask_buffer`` the next dispatch,
+    combine and clean count every token of every rank again (the reference with nobody masked),
+    with no rank masked by a timeout. The healthy teardown then frees the windows."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    out = R - 1
+    buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True, enable_shrink=True,
+                 timeout_s=SHRINK_TIMEOUT_S, ranks_per_node=R // 2)
+    tp = buf.runtime
+    chk = Checker(r)
+    E, L, M, H, K = 2 * R, 2, 16, 256, 3
+    mask = torch.zeros(R, dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a timeout's masking would be a failure here
+        for rnd, apart in enumerate([True, True, False, False]):
+            buf.low_latency_clean_mask_buffer()
+            if apart:
+                for p in range(R):
+                    if p != r and out in (p, r):
+                        buf.low_latency_update_mask_buffer(p, True)
+            dead = ([out] if r != out else [p for p in range(R) if p != out]) if apart else []
+            ins = [make_inputs(700 + rnd, s, R, 10, H, E, K) for s in range(R)]
+            for phase in ("dispatch", "combine", "clean"):
+                _, exc = capture(lambda: _shrink_round(buf, ins, r, R, rnd, phase, dead, chk, E, L, M, H))
+                chk.check(exc is None, f"round {rnd} ({phase}, apart={apart}): {exc!r}")
+                buf.low_latency_query_mask_buffer(mask)
+                chk.check(sorted(torch.nonzero(mask).view(-1).tolist()) == dead,
+                          f"round {rnd} ({phase}): mask {mask.tolist()}, expected {dead} masked")
+    buf.low_latency_clean_mask_buffer()
     _, exc = capture(buf.destroy)
-    all_ranks_ok(comm, not chk.errors and exc is None, f"shrink: {chk.errors[:5]}; destroy {exc!r}")
+    chk.check(exc is None and tp.state.name == "CLOSED" and getattr(tp, "abandoned", None) is False,
+              f"healthy destroy: {exc!r}, {tp.state}, abandoned={getattr(tp, 'abandoned', None)}")
+    all_ranks_ok(comm, not chk.errors, f"unmasked: {chk.errors[:5]}")
 
 
 @pytest.mark.mpi(min_size=2)
