@@ -28,15 +28,16 @@ What this file adds to pytest + pytest-mpi:
   At session end every rank's failures are gathered and rank 0 prints those it did not see
   itself (e.g. a non-collective test that failed on rank 3 only) with the log paths; all ranks
   exit with the same status.
-* **Exit path**: after pytest has finished (terminal summary printed, cleanups done), each rank
-  leaves through ``transports.process.exit_job``: flush, ``MPI.COMM_WORLD.Barrier()``,
-  ``MPI_Finalize``, then the C library's ``exit(status)`` (Python's teardown is skipped). Not
-  ``os._exit``: MPICH sends PMI's finalize from a C exit hook, and a rank that skips it makes
-  hydra SIGKILL every rank still alive; CI's 8-rank run once passed every test and still failed
-  with "EXIT CODE: 9" that way (``tests/harness/test_exit_path.py`` reproduces it). The plain interpreter
-  exit (``DEEPEP_ASCEND_TEST_EXIT_MODE=finalize``, kept for re-measuring) is also clean. The
-  status is the same on every rank (gathered at session end). Runs from ``atexit`` so that
-  cleanup handlers registered later (e.g. by the library, to free its windows) still run before it.
+* **Exit path**: after pytest has finished (terminal summary printed, cleanups done), each rank leaves
+  through ``transports.process.exit_job``: flush, a barrier on ``MPI.COMM_WORLD`` that sleeps rather
+  than spins (``transports.base.quiet_barrier``), ``MPI_Finalize``, then the C library's
+  ``exit(status)`` (Python's teardown is skipped). Not ``os._exit``: MPICH sends PMI's finalize from a C
+  exit hook, and a rank that skips it makes hydra SIGKILL every rank still alive; CI's 8-rank run once
+  passed every test and still failed with "EXIT CODE: 9" that way (``tests/harness/test_exit_path.py``
+  reproduces it). The plain interpreter exit (``DEEPEP_ASCEND_TEST_EXIT_MODE=finalize``, kept for
+  re-measuring) is also clean. The status is the same on every rank (gathered at session end, without
+  spinning either). Runs from ``atexit``, so that cleanup handlers registered after this module's import
+  still run before it.
 
 Fixtures: ``comm``, ``rank``, ``world_size`` (see ``tests.support.mpi_utils``) and ``buffers``, the test module's
 Buffers (``tests.support.buffer_helpers.ModuleBuffers``).
@@ -435,10 +436,13 @@ _GATHERED_KEY = pytest.StashKey[list]()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Gather every rank's failures and status (runs before the terminal summary is printed)."""
+    """Gather every rank's failures and status (runs before the terminal summary is printed), waiting
+    without spinning (:func:`tests.support.mpi_utils.wait`)."""
     if not _S.mpi_active or _S.size == 1:
         return
-    gathered = _mpi().COMM_WORLD.allgather((int(exitstatus), _S.failures, _S.log_path))
+    from tests.support.mpi_utils import allgather_object
+
+    gathered = allgather_object((int(exitstatus), _S.failures, _S.log_path), _mpi().COMM_WORLD)
     status = _combine_status([g[0] for g in gathered])
     session.exitstatus = status
     session.config.stash[_GATHERED_KEY] = gathered
@@ -512,6 +516,7 @@ def _exit_job_at_exit() -> None:
         os._exit(status)
 
 
-# Registered at import, i.e. before anything the tests import: atexit runs handlers last-in
-# first-out, so the library's own exit handlers run first, then this one ends the process.
+# atexit runs handlers last-in first-out: those registered after this line (by what the tests import)
+# run before it; the library's own hooks, registered when this module imported deepep_ascend above,
+# never run, as the process ends here. MPI_Finalize releases what a forgotten transport still holds.
 atexit.register(_exit_job_at_exit)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .base import quiet_barrier
+
 
 def release_mpich_shm() -> None:
     """Unlink MPICH's per-node ``/dev/shm/mpich_shm_*`` segment(s) this process maps.
@@ -40,7 +42,9 @@ def release_mpich_shm() -> None:
 
 def exit_job(code: int, comm) -> None:
     """Flush, barrier on ``comm``, ``MPI_Finalize``, then the C library's ``exit(code)``; never
-    returns. ``MPI_Finalize`` unlinks MPICH's segment; the C exit hook tells the launcher this
+    returns. The barrier is :func:`~transports.base.quiet_barrier`: ranks that arrive early sleep
+    rather than spin in MPICH's blocking barrier, which starved the ranks still tearing down when
+    ranks outnumber cores. ``MPI_Finalize`` unlinks MPICH's segment; the C exit hook tells the launcher this
     rank finished (module doc).
 
     Destroy Buffers and process groups first (Python ``atexit`` handlers do not run).
@@ -52,8 +56,9 @@ def exit_job(code: int, comm) -> None:
     except Exception:  # noqa: BLE001, S110 - exiting anyway
         pass
     try:
-        comm.Barrier()
         from mpi4py import MPI
+
+        quiet_barrier(comm)
 
         if not MPI.Is_finalized():
             MPI.Finalize()
