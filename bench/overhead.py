@@ -3,10 +3,10 @@
 Run one process per rank::
 
     mpiexec -n 2 python -m bench overhead                   # 1 and 8 tokens per rank, hidden 7168, top-8 of 256
-    mpiexec -n 4 python -m bench overhead --tokens 1,8,32 --json out.json
+    mpiexec -n 4 python -m bench overhead --num-tokens-list 1,8,32 --json out.json
 
 At such sizes a call moves a few hundred KB at most, so its time is the fixed cost of the call:
-argument checks, control exchanges, signalling, waits and epilogues. For each ``--tokens`` value T
+argument checks, control exchanges, signalling, waits and epilogues. For each ``--num-tokens-list`` value T
 (tokens per rank), on the same workload (``bench.workload.make_workload``, BF16 both ways,
 identity experts):
 
@@ -45,7 +45,7 @@ LL_BOUND = 1e-5  # BF16 dispatch, identity experts: combined = bf16(x · Σ w) u
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0, json=None)
-    p.add_argument("--tokens", type=cli.int_list(1), default=[1, 8], metavar="T[,T...]",
+    p.add_argument("--num-tokens-list", type=cli.int_list(1), default=[1, 8], metavar="T[,T...]",
                    help="tokens per rank, one line each (default 1,8)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
 
@@ -53,8 +53,8 @@ def add_arguments(p) -> None:
 def check_args(p, a) -> None:
     """The system list and the token counts (``p.error`` on bad values)."""
     a.systems = cli.system_list(p, a.systems, SYSTEMS)
-    if not a.tokens:
-        p.error("--tokens is empty")
+    if not a.num_tokens_list:
+        p.error("--num-tokens-list is empty")
 
 
 def low_latency_trip(wl, comm, args) -> tuple[Timing, float]:
@@ -135,7 +135,7 @@ def run(args) -> int:
     H, K, E = args.hidden, args.num_topk, args.num_experts
     results, failed, lines, rows = [], {}, [], []
     summary = {}
-    for T in args.tokens:
+    for T in args.num_tokens_list:
         wl = make_workload(T, H, K, E, rank, R, seed=args.seed, fp8=False)
         trips: dict[str, Timing] = {}
         bad: dict[str, str] = {}
@@ -174,7 +174,7 @@ def run(args) -> int:
     if rank == 0:
         print(f"[overhead] {R} ranks, hidden {H}, top-{K} of {E} experts, BF16 both ways, identity experts; "
               f"round trip per call, max over ranks, median of {args.iters} (+{args.warmup} warmup) ms; "
-              f"fingerprint of the T={args.tokens[-1]} workload {fingerprint}")
+              f"fingerprint of the T={args.num_tokens_list[-1]} workload {fingerprint}")
         print(f"{'tokens':>8s} " + " ".join(f"{s:>14s}" for s in SYSTEMS))
         for row in rows:
             print(f"{row[0]:>8d} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>14s}" for v in row[1:]))
@@ -187,7 +187,7 @@ def run(args) -> int:
                 "overhead", argv=args._argv, params=cli.params_of(args, R), results=results,
                 baselines=[r["name"] for r in results if r["system"].startswith("mpi")],
                 checks=dict(ok=ok), summary=summary, failed=failed, fingerprint=fingerprint,
-                details=dict(tokens=list(args.tokens), target=f"<= 1x {TARGET} at each token count")))
+                details=dict(tokens=list(args.num_tokens_list), target=f"<= 1x {TARGET} at each token count")))
     return 0 if ok else 1
 
 

@@ -37,7 +37,7 @@ COLLECTIVE = {
                "--use-fp8", "--iters", "2", "--warmup", "1"],
     "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
     "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
-    "overhead": ["--tokens", "1,3", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+    "overhead": ["--num-tokens-list", "1,3", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
                  "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
