@@ -210,22 +210,24 @@ class LoadBalanceRegion:
         return out
 
     def prefetch(self, pairs, mapping: torch.Tensor, phase: str) -> None:
-        """Store this rank's experts into every replica slot that maps them, then meet the node (barrier)."""
+        """Store this rank's experts into every replica slot that maps them, then meet the node (barrier).
+        Runs after :meth:`agree`, an all-gather every rank enters only once done with its slots."""
         num_local = pairs[0][2].size(0)
-        self.tp.barrier(Team.NODE, phase=f"{phase} (entry)")  # every replica is done with its slots
         for peer, slots, local_ids in self._mine(mapping, num_local):
+            moves = list(zip(slots.tolist(), local_ids.tolist()))
             for off, width, src in pairs:
                 dst = self._segment.view(peer, off, mapping.size(1) * width).view(mapping.size(1), width)
-                dst.index_copy_(0, slots, src.index_select(0, local_ids))
-                self.tp.record_put(peer, slots.numel() * width)
+                for slot, e in moves:  # one contiguous row copy each, straight into the slot
+                    dst[slot].copy_(src[e])
+                self.tp.record_put(peer, len(moves) * width)
         self.tp.barrier(Team.NODE, phase=f"{phase} (exit)")  # every slot of the node is filled
 
     def reduce(self, off: int, expert_grads: torch.Tensor, mapping: torch.Tensor, phase: str) -> None:
         """Add every replica's row of this rank's experts into ``expert_grads``, one float32 addition per
-        replica, in ascending (domain rank, slot) order; then meet the node (barrier)."""
+        replica, in ascending (domain rank, slot) order; then meet the node (barrier). Runs after
+        :meth:`agree`, an all-gather every rank enters only once its replicas' gradients are written."""
         num_local, hidden = expert_grads.shape
         num_redundant = mapping.size(1)
-        self.tp.barrier(Team.NODE, phase=f"{phase} (entry)")  # every replica's gradients are written
         for peer, slots, local_ids in self._mine(mapping, num_local):
             rows = self._segment.view(peer, off, num_redundant * hidden * 4).view(torch.float32).view(num_redundant,
                                                                                                        hidden)
