@@ -48,6 +48,8 @@ COMMANDS = {
                   "isend/irecv on the same tensors", True),
     "bucket": Command("bench.bucket", "BucketBuffer (DeepEP V2.5) all-gather, reduce-scatter and all-reduce, against "
                       "MPI's and gloo's collectives on the same tensors", True),
+    "lb": Command("bench.lb", "EPBuffer (DeepEP V2.5) lb_prefetch_weights / lb_reduce_grads of redundant experts, "
+                  "against MPI Isend/Irecv and gloo isend/irecv on the same tensors", True),
     "urma-put": Command("bench.urma_put", "URMA put_with_signal bandwidth between two simulated nodes (2 ranks)", True),
     "grouped-gemm": Command("bench.grouped_gemm", "where a grouped bf16 GEMM's time goes, against one plain matmul "
                             "of the same total shape (1 process)", False),

@@ -37,6 +37,8 @@ COLLECTIVE = {
                "--use-fp8", "--iters", "2", "--warmup", "1"],
     "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
     "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
+    "lb": ["--hidden", "64", "--inter", "32", "--num-local-experts", "2", "--num-redundant-experts", "3", "--iters",
+           "2", "--warmup", "1"],
     "overhead": ["--num-tokens-list", "1,3", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
                  "--warmup", "1"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
@@ -143,6 +145,14 @@ def _check_details(command: str, doc: dict) -> None:
         assert [r["calls"] for r in reports] == [8, 16, 24] and all(len(r["rss_anon"]) == 2 for r in reports)
         growth = max(b - a for key in ("rss_anon", "rss_shmem") for a, b in zip(reports[0][key], reports[-1][key]))
         assert det["growth_bytes"] == growth and doc["checks"]["memory_flat"] == (growth <= 64e6)
+    elif command == "lb":  # the bytes follow from the plan; the summary is the records' ratio
+        cols = det["expert_elements"]
+        assert cols == 3 * 64 * 32 and by["lb/prefetch"]["bytes"] == det["prefetch_bytes"] == 3 * cols * 2
+        assert by["lb/reduce"]["bytes"] == det["reduce_bytes"] == 3 * cols * 4  # 2 ranks: all 3 slots of the peer
+        for phase in ("prefetch", "reduce"):
+            peers = min(by[f"{p}/{phase}"]["seconds"] for p in ("mpi_isend", "gloo_isend"))
+            assert math.isclose(doc["summary"][f"speedup_over_faster_peer_{phase}"],
+                                peers / by[f"lb/{phase}"]["seconds"])
     elif command == "overhead":  # one round trip per system and token count; the summary is the records' ratio
         assert det["tokens"] == [1, 3]
         for t in (1, 3):
