@@ -139,9 +139,11 @@ class ExpertParallelExperts(nn.Module):
         local_idx = recv_idx.masked_fill(recv_idx < 0, self.num_experts)  # transformers' EP "no expert here"
         y = super().forward(recv_x.to(hidden_states.dtype), local_idx, recv_w.to(top_k_weights.dtype))
         if not bool((recv_idx >= 0).any()):
-            # No row for this rank's experts: the implementations then never read the parameters, and
-            # their gradients would stay None (an optimizer would skip them); 0 · Σp makes them zeros.
-            y = y + sum(p.sum() for p in self.parameters()) * 0
+            # No row for this rank's experts: an implementation (eager) may then touch neither the received
+            # rows nor the parameters, so this rank would skip dispatch's backward (a collective: the other
+            # ranks would wait for it) and leave the parameters' gradients None (an optimizer skips those).
+            # Empty slices' sums (exactly 0) keep both in the graph.
+            y = y + sum(t.reshape(-1)[:0].sum() for t in (recv_x, recv_w, *self.parameters()))
         out, _ = ep_autograd.combine(self.buffer, y.to(_BF16), handle)
         return out.to(hidden_states.dtype)
 

@@ -16,8 +16,10 @@ Checked at 2 and 4 ranks:
   summed over ranks (the data-parallel all-reduce) equal the reference's; each expert parameter
   equals the reference's rows of this rank's experts;
 * three AdamW steps: the global loss before each step equals the reference's;
-* one experts module called with every token routed to rank 0's experts: the output equals the
-  reference module's, and the other ranks' expert gradients are zeros, not ``None``;
+* one experts module called with every token routed to rank 0's experts, with ``transformers``'
+  ``grouped_mm`` and ``eager`` implementations: the output and rank 0's expert gradients equal the
+  reference module's, so do the input's gradients (dispatch's backward runs on every rank), and the other
+  ranks' expert gradients are zeros, not ``None``;
 * ``expert_parallel`` on an already expert-parallel model raises ``ValueError`` on every rank.
 
 Tolerance: ``|got - want| <= 1e-2 · max|want| + 1e-2 · |want|`` (bf16 keeps 8 significant bits; the
@@ -157,28 +159,41 @@ def test_hf_models_expert_parallel(comm, buffers):
                 sum_over_ranks(comm, p.grad)
             check(f"{name} grad {pname}", p.grad, want)
 
-        # -- no tokens for some ranks' experts: exact-zero gradients there ------------------------
+        # -- no tokens for some ranks' experts: exact-zero gradients there, with transformers' grouped_mm
+        # (which reads every expert's weights) and eager (which reads only the experts it finds) -------------
         exp, (ename, _) = swapped[0][1], swapped[0]
         ref_exp = ref.get_submodule(ename)
         torch.manual_seed(99)
-        x = torch.randn(R * 6, model.config.hidden_size, requires_grad=True)
+        x = torch.randn(R * 6, model.config.hidden_size, requires_grad=True)  # dispatch's backward runs too
         idx = torch.tensor([[0, 1]] * (R * 6))  # experts 0 and 1: rank 0's
         w = torch.rand(R * 6, 2)
-        for m in (exp, ref_exp):
-            m.zero_grad(set_to_none=True)
-        y = exp(x[rank * 6:(rank + 1) * 6], idx[:6], w[rank * 6:(rank + 1) * 6])
-        y.pow(2).sum().backward()
-        ref_y = ref_exp(x, idx, w)
-        ref_y.pow(2).sum().backward()
-        check(f"{name} experts module alone", y, ref_y[rank * 6:(rank + 1) * 6])
-        for pname, p in exp.named_parameters(recurse=False):
-            if p.grad is None:
-                errors.append(f"{name} experts module alone: {pname} has no gradient")
-            elif exp.first_expert >= 2 and not torch.equal(p.grad, torch.zeros_like(p.grad)):
-                errors.append(f"{name} experts module alone: {pname} gradient not zero on a rank without tokens")
-            elif exp.first_expert < 2:
-                check(f"{name} experts module alone, grad {pname}", p.grad,
-                      getattr(ref_exp, pname).grad[exp.first_expert:exp.first_expert + exp.num_experts])
+        mine6 = slice(rank * 6, (rank + 1) * 6)
+        default_impl = model.config._experts_implementation
+        for impl in ("grouped_mm", "eager"):
+            what = f"{name} experts module alone ({impl})"
+            for m in (model, ref):
+                m.config._experts_implementation = impl
+            for m in (exp, ref_exp):
+                m.zero_grad(set_to_none=True)
+            x.grad = None
+            y = exp(x[mine6], idx[mine6], w[mine6])
+            y.pow(2).sum().backward()
+            grad_x = x.grad[mine6].clone()
+            x.grad = None
+            ref_y = ref_exp(x, idx, w)
+            ref_y.pow(2).sum().backward()
+            check(what, y, ref_y[mine6])
+            check(f"{what}, grad of the input", grad_x, x.grad[mine6])
+            for pname, p in exp.named_parameters(recurse=False):
+                if p.grad is None:
+                    errors.append(f"{what}: {pname} has no gradient")
+                elif exp.first_expert >= 2 and not torch.equal(p.grad, torch.zeros_like(p.grad)):
+                    errors.append(f"{what}: {pname} gradient not zero on a rank without tokens")
+                elif exp.first_expert < 2:
+                    check(f"{what}, grad {pname}", p.grad,
+                          getattr(ref_exp, pname).grad[exp.first_expert:exp.first_expert + exp.num_experts])
+        for m in (model, ref):
+            m.config._experts_implementation = default_impl
 
         # -- three AdamW steps ----------------------------------------------------------------------
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
