@@ -20,7 +20,9 @@ Checked at 2 and 4 ranks:
   ``grouped_mm`` and ``eager`` implementations: the output and rank 0's expert gradients equal the
   reference module's, so do the input's gradients (dispatch's backward runs on every rank), and the other
   ranks' expert gradients are zeros, not ``None``;
-* ``expert_parallel`` on an already expert-parallel model raises ``ValueError`` on every rank.
+* refusals, the model left untouched: an already expert-parallel model, ``E`` not a multiple of the
+  rank count, a model without fused experts modules (``ValueError``), a non-Buffer (``TypeError``),
+  ``transformers`` missing or older than 5.18 (``ImportError`` naming the ``hf`` extra).
 
 Tolerance: ``|got - want| <= 1e-2 · max|want| + 1e-2 · |want|`` (bf16 keeps 8 significant bits; the
 largest errors seen are about 0.25 % of ``max|want|``, in the expert and router gradients); the
@@ -34,6 +36,7 @@ import codecs
 import contextlib
 import copy
 import io
+import sys
 
 import pytest
 import torch
@@ -110,7 +113,7 @@ def loss_of(model, seqs: torch.Tensor, num_tokens_global: int):
 
 
 @only_sizes(2, 4)
-def test_hf_models_expert_parallel(comm, buffers):
+def test_hf_models_expert_parallel(comm, buffers, monkeypatch):
     transformers = pytest.importorskip("transformers", minversion="5.18")
     from deepep_ascend.nn import hf
     from deepep_ascend.nn.hf import ExpertParallelExperts
@@ -218,5 +221,30 @@ def test_hf_models_expert_parallel(comm, buffers):
         # -- a second swap is refused ----------------------------------------------------------------
         with pytest.raises(ValueError, match="already expert-parallel"):
             hf.expert_parallel(model, buffer)
+
+    # -- refusals, before anything changes (local checks) ------------------------------------------------
+    fresh = make_models(transformers)["qwen3_moe"]
+    cases = [
+        (TypeError, "must be a deepep_ascend.Buffer", lambda: hf.expert_parallel(fresh, object())),
+        (ValueError, "no fused experts module", lambda: hf.expert_parallel(torch.nn.Linear(4, 4), buffer)),
+        (ValueError, "must be a multiple of the EP size", lambda: hf.expert_parallel(
+            transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                vocab_size=16, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=2 * R + 1,
+                num_experts_per_tok=2)), buffer)),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    with monkeypatch.context() as mp:
+        # the module `import transformers` finds now (transformers may swap its sys.modules entry on import)
+        mp.setattr(sys.modules["transformers"], "__version__", "5.17.0")
+        with pytest.raises(ImportError, match=r"transformers>=5\.18.*found 5\.17\.0.*deepep_ascend\[hf\]"):
+            hf.expert_parallel(fresh, buffer)
+        mp.setitem(sys.modules, "transformers", None)  # as if not installed
+        with pytest.raises(ImportError, match=r"not installed.*deepep_ascend\[hf\]"):
+            hf.expert_parallel(fresh, buffer)
+    if any(isinstance(m, ExpertParallelExperts) for m in fresh.modules()):
+        errors.append("a refused expert_parallel call changed the model")
 
     all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
