@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a machine for deepep_ascend: CPU torch, the package (editable) with its
-# test and bench extras, and the MPICH wheel's mpiexec. A fast no-op when all is in place.
+# test, bench and hf extras, and the MPICH wheel's mpiexec. A fast no-op when all is in place.
 #
 # Environment:
 #   PYTHON                       interpreter to install into (default: python, else python3)
@@ -26,8 +26,13 @@ needs_install() {
     (cd / && "$PYTHON_BIN" - "$REPO_ROOT" <<'PY'
 import importlib.metadata as md, importlib.util, json, os, sys
 root = os.path.realpath(sys.argv[1])
-why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema", "ruff")
-       if importlib.util.find_spec(m) is None]
+why = [m for m in ("numpy", "mpi4py", "pytest", "pytest_mpi", "tqdm", "matplotlib", "jsonschema", "ruff",
+                   "transformers") if importlib.util.find_spec(m) is None]
+try:  # the hf extra's floor (pyproject.toml): an older transformers is upgraded
+    if tuple(int(p) for p in md.version("transformers").split(".")[:2]) < (5, 18):
+        why.append(f"transformers {md.version('transformers')} is older than 5.18")
+except (md.PackageNotFoundError, ValueError):
+    pass
 try:
     dist = md.distribution("deepep_ascend")
     url = json.loads(dist.read_text("direct_url.json") or "{}")
@@ -92,7 +97,7 @@ else:
 PY
 }
 if needs_install || native_kernel check; then
-    "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench]"
+    "$PYTHON" -m pip install -e "$REPO_ROOT[test,bench,hf]"
     native_kernel record
 fi
 
