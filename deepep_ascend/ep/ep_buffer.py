@@ -49,6 +49,12 @@ NUM_MAX_EXPERTS = 1024
 NUM_MAX_TOPK = 32
 
 
+def handle_made_by(handle: EPHandle, buffer: EPBuffer) -> bool:
+    """Whether ``handle`` came from a dispatch of ``buffer`` (what a cached dispatch, combine and MegaMoE's
+    :func:`~deepep_ascend.mega_moe.mega_moe_experts` check)."""
+    return handle._buffer_uid == buffer._legacy._uid
+
+
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -436,7 +442,7 @@ class EPBuffer(BufferBase):
         def precheck_cached():
             check(topk_idx is None, ValueError, "`topk_idx` must be None with a cached handle (it is the handle's)")
             check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
-            check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
+            check(handle_made_by(handle, self), ValueError, "`handle` comes from another buffer")
             check(handle.do_expand == do_expand, ValueError,
                   f"`handle` was made with do_expand={handle.do_expand}, this call passes do_expand={do_expand}")
             check((num_experts, alignment, max_tokens) == (handle.num_experts, handle.expert_alignment,
@@ -761,7 +767,7 @@ class EPBuffer(BufferBase):
         """``combine``'s argument checks (raise ``Rejected``); returns ``(biases | None, num_topk)``."""
         check(flag_problem is None, AssertionError, flag_problem)
         check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
-        check(handle._buffer_uid == self._legacy._uid, ValueError, "`handle` comes from another buffer")
+        check(handle_made_by(handle, self), ValueError, "`handle` comes from another buffer")
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         check_tensor(x, "x", torch.bfloat16, ndim=2)
         check(x.size(0) == rows, ValueError, f"`x` must have {rows} rows (the handle's "

@@ -23,9 +23,13 @@ How a call runs (docs/semantics/mega-moe.md §5 has the design and its reasons):
 Modules: :mod:`.symm_buffer` (the buffer and its checks), :mod:`.weights`, :mod:`.experts` (GEMM engine,
 FP8 decode, activation, shared experts), :mod:`.consensus`, :mod:`.waves`, :mod:`.trace`, :mod:`.api`,
 :mod:`.formats` (dtypes and row sizes they share).
+
+:func:`mega_moe_experts` (:mod:`.expanded`) runs the same expert compute on rows an ``EPBuffer`` dispatched
+in the expanded layout, reading the handle's psum layout in place (docs/semantics/mega-moe.md §9).
 """
 
 from .api import bf16_mega_moe, fp8_fp4_mega_moe
+from .expanded import mega_moe_experts
 from .symm_buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .weights import transform_weights_for_mega_moe
 
@@ -34,5 +38,6 @@ __all__ = [
     "bf16_mega_moe",
     "fp8_fp4_mega_moe",
     "get_symm_buffer_for_mega_moe",
+    "mega_moe_experts",
     "transform_weights_for_mega_moe",
 ]

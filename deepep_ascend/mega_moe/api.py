@@ -5,7 +5,6 @@ the consensus, the expert waves on the buffer's backend and the final sum into `
 from __future__ import annotations
 
 import math
-import numbers
 import time
 
 import torch
@@ -16,7 +15,7 @@ from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
 from ..settings import DG_COMM_KERNEL_DEBUG, MEGA_MOE_EXPERTS_PER_WAVE
 from .consensus import check_agreement, consensus
-from .experts import Experts, gemm_engine, swiglu_params
+from .experts import Experts, check_clamp, gemm_engine, swiglu_params
 from .formats import BF16
 from .symm_buffer import SymmBuffer
 from .trace import MegaMoETrace
@@ -39,8 +38,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, sha
     oai = swiglu_params(activation, alpha, up_bias, op)
     if recipe is not None and tuple(recipe) != (1, 1, 32):
         raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
-    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, numbers.Real) or not clamp >= 0):
-        raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
+    check_clamp(clamp, op)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
     if y.dtype != BF16:

@@ -130,6 +130,13 @@ def swiglu_params(activation, alpha, up_bias, op: str):
     return vals[0], vals[1]
 
 
+def check_clamp(clamp, op: str) -> None:
+    """``activation_clamp`` must be None or a real number ``>= 0`` (bool excluded); raises ``ValueError``
+    naming it (``op`` names the call)."""
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, numbers.Real) or not clamp >= 0):
+        raise ValueError(f"{op}: activation_clamp must be None or a number >= 0, got {clamp!r}")
+
+
 def activation(kind, h, i, weights, clamp, fast_math, dtype=BF16, native=True, oai=None):
     """SwiGLU of L1 outputs ``h [N, 2I]`` bf16 times ``weights [N]`` fp32 → L2 input ``[N, I]`` as ``dtype``
     (bf16, or float32 holding the same bf16 values). ``oai``: None (``activation='swiglu'``,
