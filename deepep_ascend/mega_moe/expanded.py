@@ -91,7 +91,10 @@ def _check(buffer, recv_x, recv_topk_weights, handle, l1_weights, l2_weights, ou
     ends = psum.tolist()
     if ends and (any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] > n):
         raise ValueError(f"{_OP}: the handle's psum_num_recv_tokens_per_expert {ends} is not a layout of {n} rows")
-    sf_bytes = None if sf is None else sf.contiguous().view(torch.uint8)  # [n, H/32] (column-major sf: one copy)
+    if sf is not None and not (sf.is_contiguous() and sf.stride(-1) == 1):
+        # column-major scales: one row-major copy (torch calls [n, 1] with strides (1, n) contiguous)
+        sf = torch.empty(sf.shape, dtype=sf.dtype).copy_(sf)
+    sf_bytes = None if sf is None else sf.view(torch.uint8)  # [n, H/32]
     return kind, data, sf_bytes, ends, i
 
 

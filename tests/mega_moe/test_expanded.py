@@ -21,7 +21,9 @@ from tests.support.mega_moe import BF16, TMAX, K, expert_weights, local_weights
 from tests.support.mpi_utils import world
 from tests.support.reference import mega_calc_diff
 
-pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
+# 1, 2 and 4 ranks (the suite's budget; the layout and the sums are the same at 8)
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240),
+              pytest.mark.skipif(world().Get_size() > 4, reason="run at 1, 2 and 4 ranks")]
 
 FP8 = torch.float8_e4m3fn
 
@@ -43,7 +45,7 @@ def _inputs(kind, sb, rank, size, seed):
     """This rank's tokens in ``sb``'s views and as the dispatch takes them: ``(t, x, topk_idx, topk_weights)``.
     Distinct experts per token (EPBuffer's rule), 20 % masked, the last quarter of experts cold."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    t = 0 if size > 1 and rank == size - 1 else 19 + 5 * rank
+    t = 0 if size > 1 and rank == size - 1 else 19 + 5 * (rank % 4)  # <= TMAX
     e, h = sb.num_experts, sb.hidden
     scores = torch.rand(t, e, generator=g)
     scores[:, e - e // 4:] = -1
@@ -79,7 +81,7 @@ def _poison(recv_x, recv_w, slot):
     recv_w[gap] = float("nan")
     if isinstance(recv_x, tuple):
         recv_x[0].view(torch.uint8)[gap] = 0x7F
-        recv_x[1].view(torch.uint8)[gap] = 255
+        recv_x[1][gap] = -1  # every scale byte 255
     else:
         recv_x[gap] = float("nan")
 
@@ -93,7 +95,7 @@ CASES = [  # (kind, activation keywords)
 @pytest.mark.parametrize("kind,kw", CASES, ids=[c[0] for c in CASES])
 def test_expanded_equals_fused(env, ep_buffers, comm, kind, kw):
     """Alignment 1 (one GEMM run over back-to-back experts, CPU-synced rows) and 128 (a run per expert,
-    capacity rows without CPU sync); both EPBuffer reductions."""
+    capacity rows without CPU sync, column-major FP8 scales); both EPBuffer reductions."""
     rank, size = comm.Get_rank(), comm.Get_size()
     sb = env.get(kind, 0)
     el, h, i = sb.num_local_experts, sb.hidden, sb.intermediate_hidden
@@ -108,7 +110,8 @@ def test_expanded_equals_fused(env, ep_buffers, comm, kind, kw):
         for amr, ep in ep_buffers.items():
             recv_x, _, recv_w, handle, _ = coll(ep.dispatch, x, topk_idx=idx, topk_weights=wts,
                                                 num_experts=sb.num_experts, expert_alignment=align, do_expand=True,
-                                                do_cpu_sync=cpu_sync, what="dispatch")
+                                                do_cpu_sync=cpu_sync,
+                                                use_tma_aligned_col_major_sf=not cpu_sync, what="dispatch")
             n = handle.num_expanded_tokens
             slot = _slot_rows(handle, n)
             _poison(recv_x, recv_w, slot)
