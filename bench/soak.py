@@ -22,7 +22,8 @@ times the sum of its weights, checked within BF16's rounding). A wrong result pr
 and makes the exit code 1.
 
 Every ``--report-every`` round trips rank 0 prints the resident set of the busiest rank split into
-anonymous memory (``RssAnon``: Python and torch heap, the part that would show a leak) and touched shared
+anonymous memory (``RssAnon``: Python and torch heap, the part that would show a leak; read after
+glibc's ``malloc_trim(0)``, so that free heap pages the allocator keeps cached do not count) and touched shared
 pages (``RssShmem``: the windows and segments of this job), and ``/dev/shm`` use (machine-wide: other
 jobs on the host show there too, so it is reported, not judged). The verdict compares the last report
 with the first (after the first ``--report-every`` calls, which touch the windows and warm the pools):
@@ -60,9 +61,23 @@ def check_args(parser, args) -> None:
         parser.error(f"--hidden must be a multiple of 512 (its quarter is a hidden size too), got {args.hidden}")
 
 
+def _release_free_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return the heap's free pages to the system, so that ``RssAnon`` counts
+    memory in use rather than what the allocator keeps cached (no-op where there is no glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def _memory() -> tuple[int, int, int]:
-    """``(RssAnon, RssShmem, /dev/shm used)`` of this process, bytes."""
+    """``(RssAnon, RssShmem, /dev/shm used)`` of this process, bytes, after :func:`_release_free_heap`."""
     import os
+    _release_free_heap()
     fields = {}
     with open("/proc/self/status") as f:
         for line in f:
