@@ -23,7 +23,7 @@ from .layout import dispatch_layout, tokens_per_node, topk_idx_t
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
            "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_stream_args",
-           "check_tensor", "check_topk_idx", "check_x", "repeated_expert"]
+           "check_tensor", "check_topk_idx", "check_x"]
 
 
 class Rejected(Exception):
@@ -87,20 +87,6 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int) -> None:
         lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
         check(lo >= -1 and hi < num_experts, ValueError,
               f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
-
-
-def repeated_expert(topk_idx: torch.Tensor) -> tuple[int, int] | None:
-    """The first ``(row, expert)`` whose expert ``topk_idx`` ``[N, K]`` lists twice in that row (``-1``
-    slots aside), or None. Rows are sorted, not looped over (docs/semantics/deepep-api.md §0)."""
-    if not topk_idx.numel() or topk_idx.size(1) < 2:
-        return None
-    srt = topk_idx.sort(dim=1).values
-    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-    where = dup.nonzero()
-    if not where.numel():
-        return None
-    row, col = int(where[0, 0]), int(where[0, 1])
-    return row, int(srt[row, col])
 
 
 def check_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,7 +17,7 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_tensor, repeated_expert
+from .arguments import check, check_tensor
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -301,8 +301,8 @@ class EPBuffer(BufferBase):
         Args:
             x: ``[N, hidden]`` BF16 (any 2-D dtype moves as bytes), or FP8 ``(data [N, hidden] 1-byte
                 dtype, sf [N, S] any dtype and strides)`` whose scale rows travel with their tokens.
-            topk_idx: ``[N, K]`` int64 expert ids in ``[-1, num_experts)`` (-1: none), distinct within a row
-                (docs/semantics/deepep-api.md §0); ``None`` with ``handle``.
+            topk_idx: ``[N, K]`` int64 expert ids in ``[-1, num_experts)`` (-1: none); an expert listed twice
+                in a row counts per slot (docs/semantics/deepep-api.md §0); ``None`` with ``handle``.
             topk_weights: ``[N, K]`` float32 or None (also allowed with ``handle``: then dispatched too).
             cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by this call's per-expert counts.
             num_experts: ``E``, a multiple of the ranks (from ``handle`` if given).
@@ -330,9 +330,7 @@ class EPBuffer(BufferBase):
             pair); ``recv_topk_idx`` ``[n, K]`` int64 local expert ids or -1 (``None`` expanded);
             ``recv_topk_weights`` ``[n, K]`` float32 (expanded: ``[rows]``; ``None`` without weights).
         Raises:
-            TypeError / ValueError: bad arguments on any rank (an expert repeated in a ``topk_idx`` row
-                among them), or ranks disagreeing on
-                ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags
+            TypeError / ValueError: bad arguments on any rank, or ranks disagreeing on ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags
                 or dtypes: every rank raises (``ConsensusError`` naming the ranks).
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
                 ``defer_epilogue`` without ``async_with_compute_stream``).
@@ -417,10 +415,6 @@ class EPBuffer(BufferBase):
                     lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
                     check(lo >= -1 and hi < num_experts, ValueError,
                           f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
-                    row, expert = repeated_expert(topk_idx) or (None, None)
-                    check(row is None, ValueError,
-                          f"`topk_idx` row {row} lists expert {expert} more than once; DeepEP V2.5's dispatch "
-                          f"requires distinct experts per row (docs/semantics/deepep-api.md §0)")
                 xb, sb = payload(n, None)
                 weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts

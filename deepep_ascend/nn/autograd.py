@@ -529,8 +529,8 @@ def ep_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
     Args:
         buffer: a :class:`deepep_ascend.EPBuffer` (or ``ElasticBuffer``).
         x: ``[N, H]`` bfloat16, ``N <= num_max_tokens_per_rank``; may require grad.
-        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none, distinct within a row (``None`` for a
-            cached dispatch with ``handle=``).
+        topk_idx: ``[N, K]`` int64 global expert ids, -1 = none (``None`` for a cached dispatch with
+            ``handle=``).
         topk_weights: ``[N, K]`` float32 or None; may require grad (also with ``handle=``: dispatched again).
         **dispatch_kwargs: passed to ``EPBuffer.dispatch``: ``num_experts``, ``expert_alignment``,
             ``do_expand``, ``do_zero_padding``, ``do_cpu_sync``, ``num_max_tokens_per_rank``, ``handle``,
