@@ -14,7 +14,8 @@ Every round trip is one of, chosen by the round trip's number (the same choice o
 * ``ep``: ``EPBuffer.dispatch`` + ``combine`` (compact layout; every fourth expanded, alignment 8).
 
 Shapes change every round trip: each rank draws its token count in ``[0, --num-tokens]`` and the
-round trip's hidden size from ``{--hidden / 4, --hidden / 2, --hidden}`` (multiples of 128; the LL
+round trip's hidden size from ``{--hidden / 4, --hidden / 2, --hidden}`` (``--hidden`` a multiple of 512, so
+that each is a multiple of 128; the LL
 calls keep ``--hidden``, the size their buffer was laid out for), routing is top-``--num-topk`` of
 ``--num-experts`` distinct experts with some slots ``-1``. Rows are small integers, so every combine of the
 unmodified received rows is exact: each token's row times the number of ranks it reached (LL:
@@ -52,7 +53,8 @@ def add_arguments(p) -> None:
                    "between the first and the last report, per rank (default 64 MB)")
     cli.add_shared(p, num_tokens=64, hidden=512, num_topk=4, num_experts=32, iters=10000, seed=0, json=None,
                    ranks_per_node=None, no_progress=False,
-                   helps=dict(iters="round trips", num_tokens="the most tokens a rank draws"))
+                   helps=dict(iters="round trips", num_tokens="the most tokens a rank draws",
+                              hidden="a multiple of 512: its half and quarter are hidden sizes too"))
 
 
 def check_args(parser, args) -> None:
