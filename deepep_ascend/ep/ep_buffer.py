@@ -330,8 +330,9 @@ class EPBuffer(BufferBase):
             pair); ``recv_topk_idx`` ``[n, K]`` int64 local expert ids or -1 (``None`` expanded);
             ``recv_topk_weights`` ``[n, K]`` float32 (expanded: ``[rows]``; ``None`` without weights).
         Raises:
-            TypeError / ValueError: bad arguments on any rank, or ranks disagreeing on ``num_experts``, ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags
-                or dtypes: every rank raises (``ConsensusError`` naming the ranks).
+            TypeError / ValueError: bad arguments on any rank, or ranks disagreeing on ``num_experts``,
+                ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags or dtypes: every rank
+                raises (``ConsensusError`` naming the ranks).
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
                 ``defer_epilogue`` without ``async_with_compute_stream``).
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
