@@ -74,6 +74,7 @@ from . import memory
 from .handles import LowLatencyHandle
 from .phases import RECORDER as _PH
 from .protocol import ConsensusError, ordinal, sequence_problem
+from .stamps import stamp, stamp_matches
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
@@ -191,7 +192,9 @@ class _Route(NamedTuple):
     """A dispatch's (token, slot) pairs of live experts, grouped by expert (tokens, then slots, ascending)."""
 
     experts: torch.Tensor  # [P] int64, ascending: each pair's expert
+    flat: torch.Tensor  # [P] int64: each pair's flat index token·K + slot into topk_idx
     tokens: torch.Tensor  # [P] int64: each pair's token
+    rank: torch.Tensor  # [P] int64: each pair's row among its expert's pairs (its slot row)
     counts: torch.Tensor  # [E] int64 pairs per expert
     starts: torch.Tensor  # [E] int64 first pair of each expert
     counts32: torch.Tensor  # counts as int32 (the count vectors sent)
@@ -213,6 +216,8 @@ class _DispatchCall(NamedTuple):
     recv_count: torch.Tensor  # [L] int32
     layout_range: torch.Tensor  # [L, R] int64
     written: tuple  # OutputPool entries of recv_x, recv_scales (or None), src_info
+    route: _Route  # the sends' route, for the combine of this dispatch's handle
+    route_stamp: tuple  # stamps.stamp of (topk_idx, mask) when the route was computed
 
 
 class LowLatencyRefused(ConsensusError):
@@ -264,6 +269,9 @@ class LowLatencyEngine:
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
+        # The last received dispatch: stamps of (topk_idx, mask) at its route, of its handle's
+        # tensors after its receive, its (M, H, E) and route; see dispatched_route.
+        self._dispatched = None
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self) -> list[int]:
@@ -272,6 +280,19 @@ class LowLatencyEngine:
     def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
         return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
+
+    def dispatched_route(self, topk_idx, handle) -> _Route | None:
+        """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and
+        ``handle`` holds the very tensors it returned (none written since, same ``M``/``H``/``E``) and the
+        mask is unchanged since its route: a combine of that dispatch may then skip re-validating them and
+        reuse its route. None otherwise (any object: never raises)."""
+        d = self._dispatched
+        if d is None or not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            return None
+        stamped, mhe, route = d
+        if not stamp_matches(stamped, topk_idx, self.mask, handle[0], handle[1]):
+            return None
+        return route if all(type(v) is int for v in handle[2:]) and tuple(handle[2:]) == mhe else None
 
     def fits(self, lay: Layout) -> bool:
         return lay.end <= self.half
@@ -417,6 +438,8 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("route")
         route = self._route(topk_idx, L, E)
+        route_stamp = stamp(topk_idx, self.mask)
+        self._dispatched = None
         for dst in self.order():
             self._send_messages(dst, messages, route, lay, base)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
@@ -434,7 +457,8 @@ class LowLatencyEngine:
         src_info, written_i = self.pool.get((L, R * M), torch.int32)
         call = _DispatchCall(seq, h, self.half_calls[h], lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
-                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i))
+                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i), route,
+                             route_stamp)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs)
@@ -472,8 +496,11 @@ class LowLatencyEngine:
         experts = flat[pos]
         order = torch.argsort(experts, stable=True)
         experts = experts[order]
+        pos = pos[order]
         counts = torch.bincount(experts, minlength=num_experts)
-        return _Route(experts, pos[order] // num_topk, counts, torch.cumsum(counts, 0) - counts, counts.to(torch.int32))
+        starts = torch.cumsum(counts, 0) - counts
+        return _Route(experts, pos, pos // num_topk, torch.arange(pos.numel()) - starts[experts], counts, starts,
+                      counts.to(torch.int32))
 
     def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int) -> None:
         """Write ``dst``'s messages into its slots: one scatter into its mapped window (same node with
@@ -490,8 +517,7 @@ class LowLatencyEngine:
         if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             experts = route.experts[lo:hi]
-            slot_rows = (((experts - dst * L) * R + self.rank) * M
-                         + (torch.arange(hi - lo) - (route.starts[experts] - lo)))
+            slot_rows = ((experts - dst * L) * R + self.rank) * M + route.rank[lo:hi]
             if not native.copy_rows(recv, slot_rows, messages, tokens):  # each row straight into its slot
                 dv = _wide(recv)
                 dv.index_copy_(0, slot_rows, _wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
@@ -566,6 +592,7 @@ class LowLatencyEngine:
                     ent[1] = runs
         if cum_stats is not None:
             cum_stats.add_(call.recv_count)
+        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
 
     def _scratch(self, name, shape, dtype) -> torch.Tensor:
         """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
@@ -589,13 +616,14 @@ class LowLatencyEngine:
 
     # -- combine -----------------------------------------------------------------------
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, lay: Layout, zero_copy, out, wait_stats,
-                use_logfmt=False) -> Pending:
+                use_logfmt=False, route: _Route | None = None) -> Pending:
         """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
 
         ``x`` ``[L, R·M, H]`` bf16 (None with ``zero_copy``: the send region holds the rows), ``topk_idx``
         / ``topk_weights`` ``[N, K]`` int64 / float32, ``out`` ``[N, H]`` bf16 or None. ``use_logfmt``:
         rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to float32 before the
-        weighted sum."""
+        weighted sum. ``route``: :meth:`dispatched_route` of ``(topk_idx, handle)`` when not None (the
+        receive then reuses it instead of routing ``topk_idx`` again)."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
         seq, h = self.begin(OP_COMBINE)
@@ -624,7 +652,7 @@ class LowLatencyEngine:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
-                                         combined, wait_stats, use_logfmt), (combined,))
+                                         combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
 
     def _send_rows(self, dst: int, src: torch.Tensor, begins: torch.Tensor, counts: torch.Tensor, lay: Layout,
                    base: int) -> None:
@@ -654,7 +682,7 @@ class LowLatencyEngine:
                 self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
 
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
-                         use_logfmt) -> None:
+                         use_logfmt, route, mask_stamp) -> None:
         """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
         (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator,
         one rounding into ``combined``."""
@@ -668,43 +696,34 @@ class LowLatencyEngine:
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
         if _PH.on:
             _PH.switch("route")
-        flat = topk_idx.reshape(-1)
-        valid = flat >= 0
-        owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
-        valid &= owner_live
-        pos = torch.nonzero(valid).squeeze(1)
-        experts = flat[pos]
-        order = torch.argsort(experts, stable=True)
-        sorted_e = experts[order]
-        counts = torch.bincount(sorted_e, minlength=E)
+        if route is None or not stamp_matches(mask_stamp, self.mask):  # (a shrink-mode wait may mask a source)
+            route = self._route(topk_idx, L, E)
+        counts = route.counts
         if _PH.on:
             _PH.switch("control")
         got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
-        live_e = (self.mask == 0).repeat_interleave(L)
-        bad = torch.nonzero((got != counts) & live_e).squeeze(1)
-        if bad.numel():
-            g = int(bad[0])
+        wrong = got != counts
+        if bool(self.mask.any()):
+            wrong &= (self.mask == 0).repeat_interleave(L)
+        if bool(wrong.any()):
+            g = int(torch.nonzero(wrong)[0, 0])
             raise LowLatencyRefused(
                 f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
         if _PH.on:
-            _PH.switch("route")
-        starts = torch.cumsum(counts, 0) - counts
-        rank_in_e = torch.empty_like(pos)
-        rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
-        if _PH.on:
             _PH.switch("reduce")
         if use_logfmt:  # every received row decoded once, in (expert, row) order
-            decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
-            row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
-            row_of[order] = torch.arange(pos.numel())
+            decoded = self._receive_logfmt(base, lay, route.experts, route.rank)
         else:
             rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
             index = torch.full((n * k,), -1, dtype=torch.int64)  # each (token, slot)'s returned row
-            index[pos] = experts * M + rank_in_e
+            index[route.flat] = route.experts * M + route.rank
             if native.weighted_sum_rows(combined, rows, index.view(n, k), topk_weights.contiguous()):
                 return  # one pass over the returned rows, the arithmetic of the loop below
+        # The pairs in (token, slot) order: row_of[i] is pos[i]'s place in the route (and row of `decoded`).
+        pos, row_of = torch.sort(route.flat)
+        experts, rank_in_e = route.experts[row_of], route.rank[row_of]
         acc = self._scratch("acc", (n, H), torch.float32).zero_()
         y_all = self._scratch("products", (n, H), torch.float32)
         g_all = self._scratch("gathered", (n, H), torch.bfloat16)
