@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import struct
 import time
 import warnings
 from typing import NamedTuple
@@ -161,29 +162,36 @@ class OutputPool:
     MAX_PER_KEY = 4
 
     def __init__(self):
-        self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
+        # (shape, dtype) -> list of [base tensor, rows written]; rows written: None (any: zero it all) or
+        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, each zeroed by one index op.
+        self._entries = {}
 
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
-        """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
-        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
-        ``(e, count)`` runs written so that the next user gets them zeroed."""
+        """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); set ``entry[1]`` to the flat rows
+        ``e·rows + r`` written (int64 tensor) so that the next user gets them zeroed."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
         for ent in entries:
             if memory.storage_users(ent[0]) == 1:
                 base, written = ent
-                for e, c in written:
-                    (base[e, :, :c] if channels_first else base[e, :c]).zero_()
-                ent[1] = []
+                if written is None:
+                    base.zero_()
+                elif written.numel():
+                    if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
+                        base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
+                    else:
+                        # as bytes: index_fill_ has no FP8 kernel, and zero bytes are the zero of every dtype
+                        base.view(torch.uint8).view(shape[0] * shape[1], -1).index_fill_(0, written, 0)
                 break
         else:
-            ent = [zeros(store, dtype), []]
+            ent = [zeros(store, dtype), None]
             if memory.storage_users(ent[0]) == 1:
                 entries.append(ent)
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
-        ent[1] = [(e, shape[1]) for e in range(shape[0])]  # until the writer reports its runs: all of it
+        ent[1] = None  # until the writer reports its rows: all of it
         view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
         return view, ent
 
@@ -313,15 +321,15 @@ class LowLatencyEngine:
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
     def _header(self, seq, op, status, lay, flags, message=None):
-        hdr = torch.zeros(HDR_BYTES if message else _HDR_WORDS * 8, dtype=torch.uint8)
-        w = hdr[:_HDR_WORDS * 8].view(torch.int64)
-        w[0] = (seq << 16) | (flags << 8) | (op << 4) | status
-        w[1] = ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0
-        w[2] = self.op_calls[op]  # errors name each rank's call by it
+        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op)."""
+        raw = bytearray(HDR_BYTES if message else _HDR_WORDS * 8)
+        struct.pack_into("<3q", raw, 0, (seq << 16) | (flags << 8) | (op << 4) | status,
+                         ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
+                         self.op_calls[op])  # word 2: errors name each rank's call by it
         if message:
             text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
-            hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        return hdr
+            raw[_MSG_OFF:_MSG_OFF + len(text)] = text
+        return torch.frombuffer(raw, dtype=torch.uint8)
 
     def _signal(self, dst, h, hdr):
         """Publish to ``dst``: everything written to it before, then the header, then the signal."""
@@ -440,10 +448,11 @@ class LowLatencyEngine:
         route = self._route(topk_idx, L, E)
         route_stamp = stamp(topk_idx, self.mask)
         self._dispatched = None
+        hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
         for dst in self.order():
             self._send_messages(dst, messages, route, lay, base)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
-            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags))
+            self._signal(dst, h, hdr)
         self.half_calls[h] += 1
 
         # Outputs (allocated now, filled by the receive).
@@ -553,7 +562,11 @@ class LowLatencyEngine:
         total = int(call.recv_count.sum())
         if _PH.on:
             _PH.switch("copy")
-        if total:
+        if not total:
+            for ent in call.written:
+                if ent is not None:
+                    ent[1] = _NO_ROWS
+        else:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
             blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
@@ -586,10 +599,9 @@ class LowLatencyEngine:
                         + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
                 recv_scales.transpose(1, 2).view(-1).index_copy_(
                     0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-            runs = [(e, c) for e, c in enumerate(call.recv_count.tolist()) if c]
             for ent in call.written:
                 if ent is not None:
-                    ent[1] = runs
+                    ent[1] = dst_rows
         if cum_stats is not None:
             cum_stats.add_(call.recv_count)
         self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
@@ -637,6 +649,7 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
+        hdr = self._header(seq, OP_COMBINE, 0, lay, flags)
         for dst in self.order():
             if _PH.on:
                 _PH.switch("send")
@@ -645,7 +658,7 @@ class LowLatencyEngine:
             else:
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
-            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags))
+            self._signal(dst, h, hdr)
         self.half_calls[h] += 1
         need = self.half_calls[h]
         if _PH.on:
@@ -830,6 +843,7 @@ def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
 
 
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)  # OutputPool: nothing written
 _INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
