@@ -551,10 +551,11 @@ class LowLatencyEngine:
             _PH.switch("wait: signals")
         self._wait_sources(call.half, call.need, phase, wait_stats)
         self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
-        live = torch.tensor([not m for m in self.mask.tolist()])
         cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
-        cnt[:, ~live] = 0
-        if bool((cnt > M).any()) or bool((cnt < 0).any()):
+        if bool(self.mask.any()):
+            cnt[:, self.mask.bool()] = 0
+        lo, hi = (int(v) for v in torch.aminmax(cnt))  # one pass
+        if lo < 0 or hi > M:
             raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
         begin = torch.cumsum(cnt, 1) - cnt
         call.recv_count.copy_(cnt.sum(1))
