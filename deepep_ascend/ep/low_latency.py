@@ -449,8 +449,13 @@ class LowLatencyEngine:
         route_stamp = stamp(topk_idx, self.mask)
         self._dispatched = None
         hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
-        for dst in self.order():
-            self._send_messages(dst, messages, route, lay, base)
+        dsts = self.order()
+        ends = torch.cumsum(route.counts.view(R, L).sum(1), 0).tolist()  # the route's last pair + 1 of each rank
+        # Each pair's slot row at its destination (mapped destinations): row j of local expert e's run -> slot (e, me).
+        slot_rows = (((route.experts % L) * R + self.rank) * M + route.rank
+                     if any(self.direct[d] for d in dsts) else None)
+        for dst in dsts:
+            self._send_messages(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
             self._signal(dst, h, hdr)
         self.half_calls[h] += 1
@@ -511,22 +516,21 @@ class LowLatencyEngine:
         return _Route(experts, pos, pos // num_topk, torch.arange(pos.numel()) - starts[experts], counts, starts,
                       counts.to(torch.int32))
 
-    def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int) -> None:
-        """Write ``dst``'s messages into its slots: one scatter into its mapped window (same node with
-        ``allow_ubmem``, or this rank), else one ``put`` per expert run (contiguous at both ends)."""
+    def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
+                       hi: int, slot_rows: torch.Tensor | None) -> None:
+        """Write ``dst``'s messages (the route's pairs ``[lo, hi)``) into its slots: one scatter into its mapped
+        window (same node with ``allow_ubmem``, or this rank; ``slot_rows`` ``[P]`` int64 each pair's slot row
+        there), else one ``put`` per expert run (contiguous at both ends)."""
         if _PH.on:
             _PH.switch("send")
         L, R, M = lay.L, self.R, lay.M
         mb = messages.size(1)
-        last = dst * L + L - 1
-        lo, hi = int(route.starts[dst * L]), int(route.starts[last] + route.counts[last])
         if hi <= lo:
             return
         tokens = route.tokens[lo:hi]  # ordered by local expert, then token/slot
-        if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
+        if self.direct[dst]:
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
-            experts = route.experts[lo:hi]
-            slot_rows = ((experts - dst * L) * R + self.rank) * M + route.rank[lo:hi]
+            slot_rows = slot_rows[lo:hi]
             if not native.copy_rows(recv, slot_rows, messages, tokens):  # each row straight into its slot
                 dv = _wide(recv)
                 dv.index_copy_(0, slot_rows, _wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
@@ -651,12 +655,15 @@ class LowLatencyEngine:
             _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
         hdr = self._header(seq, OP_COMBINE, 0, lay, flags)
-        for dst in self.order():
+        dsts = self.order()
+        plan = (self._row_plan(layout_range, lay)
+                if enc is None and src.is_contiguous() and any(self.direct[d] for d in dsts) else None)
+        for dst in dsts:
             if _PH.on:
                 _PH.switch("send")
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
-            else:
+            elif plan is None or not self.direct[dst] or not self._store_rows(dst, src, plan, lay, base):
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
             self._signal(dst, h, hdr)
@@ -667,6 +674,35 @@ class LowLatencyEngine:
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
                                          combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
+
+    def _row_plan(self, layout_range: torch.Tensor, lay: Layout) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Every destination's rows of a combine at once: ``(ends, src_rows, slot_rows)``, the rows grouped by
+        destination rank ``s`` (rows ``[ends[s-1], ends[s])``), then local expert ``e``: rows ``[b, b + c)`` of
+        ``src[e]`` (``layout_range[e, s]``) as rows of ``src.view(-1, H)``, and their rows of slot ``me·L + e``
+        in ``s``'s receive region ``[E·M, H]``."""
+        R, L, M = self.R, lay.L, lay.M
+        cnt = (layout_range & 0xFFFFFFFF).t().reshape(-1)  # [R·L] runs, destination-major
+        first = torch.cumsum(cnt, 0)
+        ends = first[L - 1::L].tolist()
+        first -= cnt
+        e_of = torch.arange(L).repeat(R)
+        at = torch.arange(ends[-1])
+        src_rows = torch.repeat_interleave(e_of * (R * M) + (layout_range >> 32).t().reshape(-1) - first, cnt) + at
+        slot_rows = torch.repeat_interleave((self.rank * L + e_of) * M - first, cnt) + at
+        return ends, src_rows, slot_rows
+
+    def _store_rows(self, dst: int, src: torch.Tensor, plan, lay: Layout, base: int) -> bool:
+        """Store ``dst``'s BF16 rows of :meth:`_row_plan` straight into its slots (mapped window, one native
+        call); False (nothing written) where the native kernel is not available."""
+        ends, src_rows, slot_rows = plan
+        lo, hi = ends[dst - 1] if dst else 0, ends[dst]
+        if hi > lo:
+            E, M, H = lay.E, lay.M, lay.H
+            slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
+            if not native.copy_rows(slots.view(E * M, H), slot_rows[lo:hi], src.view(-1, H), src_rows[lo:hi]):
+                return False
+            self.tp.record_put(dst, (hi - lo) * 2 * H)
+        return True
 
     def _send_rows(self, dst: int, src: torch.Tensor, begins: torch.Tensor, counts: torch.Tensor, lay: Layout,
                    base: int) -> None:
