@@ -163,8 +163,19 @@ class OutputPool:
 
     def __init__(self):
         # (shape, dtype) -> list of [base tensor, rows written]; rows written: None (any: zero it all) or
-        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, each zeroed by one index op.
+        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call.
         self._entries = {}
+        self._zero = torch.zeros(0, dtype=torch.uint8)  # a zero row, as long as the longest row seen
+
+    def _zero_rows(self, rows: torch.Tensor, which: torch.Tensor) -> None:
+        """Zero rows ``which`` of the contiguous uint8 matrix ``rows``: one ``memcpy`` per row from a zero row
+        (native), else one index op over the widest integer view (torch's per-element fills and copies
+        over bytes cost ~20x a row copy)."""
+        cols = rows.size(1)
+        if self._zero.numel() < cols:
+            self._zero = torch.zeros(cols, dtype=torch.uint8)
+        if not native.copy_rows(rows, which, self._zero[:cols].expand(which.numel(), cols), None):
+            _wide(rows).index_fill_(0, which, 0)
 
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
         """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
@@ -181,9 +192,8 @@ class OutputPool:
                 elif written.numel():
                     if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
                         base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
-                    else:
-                        # as bytes: index_fill_ has no FP8 kernel, and zero bytes are the zero of every dtype
-                        base.view(torch.uint8).view(shape[0] * shape[1], -1).index_fill_(0, written, 0)
+                    else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
+                        self._zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
                 break
         else:
             ent = [zeros(store, dtype), None]
