@@ -279,6 +279,7 @@ class LowLatencyEngine:
         self.direct = [k is not ChannelKind.URMA for k in self.kinds]  # load/store reach: SELF, UBMEM
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)
+        self._masked = None  # (stamp of mask, mask as bools), see masked()
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
         self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
         self.half_calls = [0, 0]
@@ -293,11 +294,21 @@ class LowLatencyEngine:
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self) -> list[int]:
-        return [p for p in range(self.R) if not self.mask[p]]
+        masked = self.masked()
+        return [p for p in range(self.R) if not masked[p]]
 
     def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
-        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
+        masked = self.masked()
+        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not masked[p]]
+
+    def masked(self) -> list[bool]:
+        """``mask`` as Python bools, read again only after a write to it (a torch read per peer per call costs
+        more than the rest of a small call's bookkeeping)."""
+        cached = self._masked
+        if cached is None or not stamp_matches(cached[0], self.mask):
+            cached = self._masked = (stamp(self.mask), [bool(v) for v in self.mask.tolist()])
+        return cached[1]
 
     def dispatched_route(self, topk_idx, handle) -> _Route | None:
         """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and
@@ -382,7 +393,7 @@ class LowLatencyEngine:
         Raises:
             transports.TransportTimeout: (not in shrink mode) naming the ranks past the deadline.
         """
-        pending = self.live_peers() if peers is None else [p for p in peers if not self.mask[p]]
+        pending = self.live_peers() if peers is None else [p for p in peers if not self.masked()[p]]
         if cost is None and not self.shrink:  # one wait: no slicing overhead
             if pending:
                 self.tp.wait_until(self.ctl, slot, pending, need, phase=phase)
@@ -514,7 +525,7 @@ class LowLatencyEngine:
         num_topk = topk_idx.size(1)
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
-        if bool(self.mask.any()):
+        if any(self.masked()):
             valid &= self.mask[(flat.clamp(min=0) // num_local)] == 0
         pos = torch.nonzero(valid).squeeze(1)
         experts = flat[pos]
@@ -566,7 +577,7 @@ class LowLatencyEngine:
         self._wait_sources(call.half, call.need, phase, wait_stats)
         self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
         cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
-        if bool(self.mask.any()):
+        if any(self.masked()):
             cnt[:, self.mask.bool()] = 0
         lo, hi = (int(v) for v in torch.aminmax(cnt))  # one pass
         if lo < 0 or hi > M:
@@ -763,7 +774,7 @@ class LowLatencyEngine:
             _PH.switch("control")
         got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
         wrong = got != counts
-        if bool(self.mask.any()):
+        if any(self.masked()):
             wrong &= (self.mask == 0).repeat_interleave(L)
         if bool(wrong.any()):
             g = int(torch.nonzero(wrong)[0, 0])

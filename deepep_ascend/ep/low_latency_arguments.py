@@ -61,10 +61,11 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
     if topk_idx.size(1) > 1 and rows and not trusted:  # only a repeated expert in a row can exceed rows <= M
         per_expert = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
         most = int(per_expert.max())
-        check(most <= m, ValueError,
-              f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
-              f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
-              f"source has per expert")
+        if most > m:  # (the message's argmax only then)
+            check(False, ValueError,
+                  f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
+                  f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
+                  f"source has per expert")
 
 
 def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -> LowLatencyHandle:
