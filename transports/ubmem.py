@@ -178,6 +178,15 @@ class SymmetricWindow:
     def _make_data_views(self) -> None:
         self._data = {p: torch.frombuffer(b, dtype=torch.uint8, count=self.nbytes, offset=self.control_bytes)
                       if self.nbytes else torch.empty(0, dtype=torch.uint8) for p, b in self._bufs.items()}
+        self._typed = {}  # (peer, dtype) -> its whole data region viewed as dtype (whole elements), see typed()
+
+    def typed(self, peer: int, dtype: torch.dtype) -> torch.Tensor:
+        """``peer``'s data region as ``dtype`` (its whole elements), made once: a view of it is then one slice."""
+        t = self._typed.get((peer, dtype))
+        if t is None:
+            d = self._data[peer]
+            t = self._typed[(peer, dtype)] = d[:d.numel() - d.numel() % dtype.itemsize].view(dtype)
+        return t
 
     # -- views ---------------------------------------------------------------
     def sync(self) -> None:
@@ -201,6 +210,7 @@ class SymmetricWindow:
 
     def _release_views(self) -> None:
         self._data.clear()
+        self._typed.clear()
 
     def _live_view_count(self) -> int:
         """Storages still referencing the segments (data views held outside this object)."""
@@ -561,7 +571,7 @@ class Transport:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: peer_view(win='{win.name}', peer {peer}): offset {offset} and "
                 f"nbytes {nbytes} must be multiples of {dtype}'s size {itemsize}")
-        return win._data[int(peer)][offset:offset + nbytes].view(dtype)
+        return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
 
     def local_view(self, win: SymmetricWindow, offset: int, nbytes: int,
                    dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -72,8 +72,9 @@ def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_strea
           f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
 
 
-def check_topk_idx(topk_idx, num_experts, num_ranks: int) -> None:
-    """``num_experts`` a positive multiple of ``num_ranks``; ``topk_idx`` ``[N, K]`` ``topk_idx_t`` in ``[-1, E)``.
+def check_topk_idx(topk_idx, num_experts, num_ranks: int, values: bool = True) -> None:
+    """``num_experts`` a positive multiple of ``num_ranks``; ``topk_idx`` ``[N, K]`` ``topk_idx_t`` in ``[-1, E)``
+    (the values only with ``values``: False when they were checked against the same ``E`` before).
 
     Raises:
         Rejected: ``ValueError`` (``num_experts``, dims, values) or ``TypeError`` (dtype).
@@ -83,7 +84,7 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int) -> None:
     check_tensor(topk_idx, "topk_idx", ndim=2)
     check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
           f"got {topk_idx.dtype}")
-    if topk_idx.numel():
+    if values and topk_idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
         check(lo >= -1 and hi < num_experts, ValueError,
               f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")

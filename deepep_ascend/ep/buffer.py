@@ -66,6 +66,7 @@ from .protocol import (
     ConsensusError,
     dtype_code,
 )
+from .stamps import stamp, stamp_matches
 
 #: A dispatch's ``x`` or ``recv_x``: one ``[N, H]`` tensor, or the FP8 pair ``(data, scales)``.
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -196,7 +197,7 @@ class Buffer:
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
         self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
-        self._layout_stamp = ()  # what the last get_dispatch_layout returned, see _stamp
+        self._layout_stamp = ()  # what the last get_dispatch_layout returned, see stamps.stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
         topo = self.runtime.topology
@@ -467,7 +468,7 @@ class Buffer:
                 previous_event.event.current_stream_wait()
             ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
             ntpn = self._tokens_per_node(itr)
-            self._layout_stamp = _stamp(topk_idx, ntpr, ntpn, ntpe, itr)
+            self._layout_stamp = stamp(topk_idx, ntpr, ntpn, ntpe, itr)
             return ntpr, ntpn, ntpe, itr, EventOverlap()
         n = topk_idx.size(0)
         ntpr = torch.empty(self.group_size, dtype=torch.int32)
@@ -482,7 +483,7 @@ class Buffer:
                 out.copy_(value)
             if ntpn is not None:
                 ntpn.copy_(self._tokens_per_node(itr))
-            self._layout_stamp = _stamp(topk_idx, ntpr, ntpn, ntpe, itr)
+            self._layout_stamp = stamp(topk_idx, ntpr, ntpn, ntpe, itr)
 
         fut = self._worker.submit(work)
         return ntpr, ntpn, ntpe, itr, EventOverlap(EventHandle(fut), (topk_idx, ntpr, ntpe, itr))
@@ -697,7 +698,7 @@ class Buffer:
                 data.size(0), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
                 topk_idx, topk_weights, num_ranks=self.group_size, num_nodes=self.num_nodes,
                 ranks_per_node=self.ranks_per_node,
-                from_layout=_stamp_matches(self._layout_stamp, topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                from_layout=stamp_matches(self._layout_stamp, topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                            num_tokens_per_expert, is_token_in_rank))
             check_dispatch_options(expert_alignment, num_worst_tokens, topk_idx is not None)
             k = topk_idx.size(1) if topk_idx is not None else 0
@@ -1122,14 +1123,18 @@ class Buffer:
 
         def validate():
             stale = ll.stale_zero_copy() if zero_copy else None
-            return check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                                  combine_wait_recv_cost_stats, stale, num_ranks=self.group_size,
-                                                  num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth)
+            # This Buffer's last dispatch's own topk_idx and handle: checked then, routed then.
+            route = ll.dispatched_route(topk_idx, handle)
+            return (*check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                                    combine_wait_recv_cost_stats, stale, num_ranks=self.group_size,
+                                                    num_rdma_bytes=self.num_rdma_bytes,
+                                                    qp_depth=self.nvshmem_qp_depth, trusted=route is not None),
+                    route)
 
-        def issue(checked, lay):
+        def issue(checked, lay, route):
             return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
                               _dense(topk_weights), checked, lay, bool(zero_copy), out,
-                              combine_wait_recv_cost_stats, bool(use_logfmt))
+                              combine_wait_recv_cost_stats, bool(use_logfmt), route)
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
                                                 (x, topk_idx, topk_weights),
@@ -1196,19 +1201,6 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every peer (docs/semantics/deepep-api.md §7)."""
         self._ll_shrink("low_latency_clean_mask_buffer").mask.zero_()
-
-
-def _stamp(*tensors) -> tuple:
-    """Weak references to ``tensors`` (None kept) and their version counters: a later call can tell that it
-    was handed exactly these tensors, unchanged since (an in-place write bumps ``_version``)."""
-    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
-
-
-def _stamp_matches(stamp: tuple, *tensors) -> bool:
-    """Whether ``tensors`` are the stamped ones, in order, none written since."""
-    return len(stamp) == len(tensors) and all(
-        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and t._version == s[1])
-        for s, t in zip(stamp, tensors))
 
 
 def _as_rows_of_bytes(t: torch.Tensor) -> torch.Tensor:

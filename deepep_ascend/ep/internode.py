@@ -565,7 +565,7 @@ class InternodeEngine:
         local = call.num_experts // num_ranks
         per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
         alignment = call.expert_alignment
-        call.recv_list = [] if call.num_worst_tokens else [int(-(-int(c) // alignment) * alignment) for c in per_expert]
+        call.recv_list = [] if call.num_worst_tokens else [-(-c // alignment) * alignment for c in per_expert.tolist()]
         if _PH.on:
             _PH.switch("outputs")
         # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.

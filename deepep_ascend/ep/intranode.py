@@ -510,7 +510,7 @@ class IntranodeEngine:
                 self._pad_outputs(out, num_recv)
         else:
             rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
-            recv_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
+            recv_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert.tolist()]
             if _PH.on:
                 _PH.switch("outputs")
             out = self._dispatch_outputs(advertised, num_recv, num_recv, xb, sb, num_topk, scales is not None,

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import struct
 import time
 import warnings
 from typing import NamedTuple
@@ -78,6 +79,7 @@ from . import memory
 from .handles import LowLatencyHandle
 from .phases import RECORDER as _PH
 from .protocol import ConsensusError, ordinal, sequence_problem
+from .stamps import stamp, stamp_matches
 
 OP_DISPATCH, OP_COMBINE = 1, 2
 _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
@@ -164,29 +166,46 @@ class OutputPool:
     MAX_PER_KEY = 4
 
     def __init__(self):
-        self._entries = {}  # (shape, dtype) -> list of [base tensor, rows written: list of (e, count)]
+        # (shape, dtype) -> list of [base tensor, rows written]; rows written: None (any: zero it all) or
+        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call.
+        self._entries = {}
+        self._zero = torch.zeros(0, dtype=torch.uint8)  # a zero row, as long as the longest row seen
+
+    def _zero_rows(self, rows: torch.Tensor, which: torch.Tensor) -> None:
+        """Zero rows ``which`` of the contiguous uint8 matrix ``rows``: one ``memcpy`` per row from a zero row
+        (native), else one index op over the widest integer view (torch's per-element fills and copies
+        over bytes cost ~20x a row copy)."""
+        cols = rows.size(1)
+        if self._zero.numel() < cols:
+            self._zero = torch.zeros(cols, dtype=torch.uint8)
+        if not native.copy_rows(rows, which, self._zero[:cols].expand(which.numel(), cols), None):
+            _wide(rows).index_fill_(0, which, 0)
 
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
-        """``(view, entry)``: a zero tensor of ``shape`` (``channels_first``: stored as
-        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); fill ``entry[1]`` with the
-        ``(e, count)`` runs written so that the next user gets them zeroed."""
+        """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); set ``entry[1]`` to the flat rows
+        ``e·rows + r`` written (int64 tensor) so that the next user gets them zeroed."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
         for ent in entries:
             if memory.storage_users(ent[0]) == 1:
                 base, written = ent
-                for e, c in written:
-                    (base[e, :, :c] if channels_first else base[e, :c]).zero_()
-                ent[1] = []
+                if written is None:
+                    base.zero_()
+                elif written.numel():
+                    if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
+                        base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
+                    else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
+                        self._zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
                 break
         else:
-            ent = [zeros(store, dtype), []]
+            ent = [zeros(store, dtype), None]
             if memory.storage_users(ent[0]) == 1:
                 entries.append(ent)
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
-        ent[1] = [(e, shape[1]) for e in range(shape[0])]  # until the writer reports its runs: all of it
+        ent[1] = None  # until the writer reports its rows: all of it
         view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
         return view, ent
 
@@ -195,7 +214,9 @@ class _Route(NamedTuple):
     """A dispatch's (token, slot) pairs of live experts, grouped by expert (tokens, then slots, ascending)."""
 
     experts: torch.Tensor  # [P] int64, ascending: each pair's expert
+    flat: torch.Tensor  # [P] int64: each pair's flat index token·K + slot into topk_idx
     tokens: torch.Tensor  # [P] int64: each pair's token
+    rank: torch.Tensor  # [P] int64: each pair's row among its expert's pairs (its slot row)
     counts: torch.Tensor  # [E] int64 pairs per expert
     starts: torch.Tensor  # [E] int64 first pair of each expert
     counts32: torch.Tensor  # counts as int32 (the count vectors sent)
@@ -217,6 +238,8 @@ class _DispatchCall(NamedTuple):
     recv_count: torch.Tensor  # [L] int32
     layout_range: torch.Tensor  # [L, R] int64
     written: tuple  # OutputPool entries of recv_x, recv_scales (or None), src_info
+    route: _Route  # the sends' route, for the combine of this dispatch's handle
+    route_stamp: tuple  # stamps.stamp of (topk_idx, mask) when the route was computed
 
 
 class LowLatencyRefused(ConsensusError):
@@ -260,6 +283,7 @@ class LowLatencyEngine:
         self.direct = [k is not ChannelKind.URMA for k in self.kinds]  # load/store reach: SELF, UBMEM
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)
+        self._masked = None  # (stamp of mask, mask as bools), see masked()
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
         self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
         self.cleans = 0  # clean_low_latency_buffer calls; same on every rank
@@ -268,14 +292,40 @@ class LowLatencyEngine:
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
+        # The last received dispatch: stamps of (topk_idx, mask) at its route, of its handle's
+        # tensors after its receive, its (M, H, E) and route; see dispatched_route.
+        self._dispatched = None
 
     # -- helpers -----------------------------------------------------------------------
     def live_peers(self) -> list[int]:
-        return [p for p in range(self.R) if not self.mask[p]]
+        masked = self.masked()
+        return [p for p in range(self.R) if not masked[p]]
 
     def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
-        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not self.mask[p]]
+        masked = self.masked()
+        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not masked[p]]
+
+    def masked(self) -> list[bool]:
+        """``mask`` as Python bools, read again only after a write to it (a torch read per peer per call costs
+        more than the rest of a small call's bookkeeping)."""
+        cached = self._masked
+        if cached is None or not stamp_matches(cached[0], self.mask):
+            cached = self._masked = (stamp(self.mask), [bool(v) for v in self.mask.tolist()])
+        return cached[1]
+
+    def dispatched_route(self, topk_idx, handle) -> _Route | None:
+        """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and
+        ``handle`` holds the very tensors it returned (none written since, same ``M``/``H``/``E``) and the
+        mask is unchanged since its route: a combine of that dispatch may then skip re-validating them and
+        reuse its route. None otherwise (any object: never raises)."""
+        d = self._dispatched
+        if d is None or not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            return None
+        stamped, mhe, route = d
+        if not stamp_matches(stamped, topk_idx, self.mask, handle[0], handle[1]):
+            return None
+        return route if all(type(v) is int for v in handle[2:]) and tuple(handle[2:]) == mhe else None
 
     def fits(self, lay: Layout) -> bool:
         return lay.end <= self.half
@@ -296,15 +346,15 @@ class LowLatencyEngine:
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
     def _header(self, seq, op, status, lay, flags, message=None):
-        hdr = torch.zeros(HDR_BYTES if message else _HDR_WORDS * 8, dtype=torch.uint8)
-        w = hdr[:_HDR_WORDS * 8].view(torch.int64)
-        w[0] = (seq << 16) | (flags << 8) | (op << 4) | status
-        w[1] = ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0
-        w[2] = self.op_calls[op]  # errors name each rank's call by it
+        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op)."""
+        raw = bytearray(HDR_BYTES if message else _HDR_WORDS * 8)
+        struct.pack_into("<3q", raw, 0, (seq << 16) | (flags << 8) | (op << 4) | status,
+                         ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
+                         self.op_calls[op])  # word 2: errors name each rank's call by it
         if message:
             text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
-            hdr[_MSG_OFF:_MSG_OFF + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        return hdr
+            raw[_MSG_OFF:_MSG_OFF + len(text)] = text
+        return torch.frombuffer(raw, dtype=torch.uint8)
 
     def _raise_to(self, slot, dst, value) -> int:
         """What to add to ``dst``'s word ``slot[me]`` so that it reads ``value`` (the last value sent there
@@ -355,7 +405,7 @@ class LowLatencyEngine:
         Raises:
             transports.TransportTimeout: (not in shrink mode) naming the ranks past the deadline.
         """
-        pending = self.live_peers() if peers is None else [p for p in peers if not self.mask[p]]
+        pending = self.live_peers() if peers is None else [p for p in peers if not self.masked()[p]]
         if cost is None and not self.shrink:  # one wait: no slicing overhead
             if pending:
                 self.tp.wait_until(self.ctl, slot, pending, need, phase=phase)
@@ -429,10 +479,18 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("route")
         route = self._route(topk_idx, L, E)
-        for dst in self.order():
-            self._send_messages(dst, messages, route, lay, base)
+        route_stamp = stamp(topk_idx, self.mask)
+        self._dispatched = None
+        hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
+        dsts = self.order()
+        ends = torch.cumsum(route.counts.view(R, L).sum(1), 0).tolist()  # the route's last pair + 1 of each rank
+        # Each pair's slot row at its destination (mapped destinations): row j of local expert e's run -> slot (e, me).
+        slot_rows = (((route.experts % L) * R + self.rank) * M + route.rank
+                     if any(self.direct[d] for d in dsts) else None)
+        for dst in dsts:
+            self._send_messages(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
-            self._signal(dst, h, self._header(seq, OP_DISPATCH, 0, lay, flags), seq)
+            self._signal(dst, h, hdr, seq)
 
         # Outputs (allocated now, filled by the receive).
         if _PH.on:
@@ -445,7 +503,8 @@ class LowLatencyEngine:
         src_info, written_i = self.pool.get((L, R * M), torch.int32)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
-                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i))
+                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i), route,
+                             route_stamp)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs)
@@ -477,32 +536,33 @@ class LowLatencyEngine:
         num_topk = topk_idx.size(1)
         flat = topk_idx.reshape(-1)
         valid = flat >= 0
-        if bool(self.mask.any()):
+        if any(self.masked()):
             valid &= self.mask[(flat.clamp(min=0) // num_local)] == 0
         pos = torch.nonzero(valid).squeeze(1)
         experts = flat[pos]
         order = torch.argsort(experts, stable=True)
         experts = experts[order]
+        pos = pos[order]
         counts = torch.bincount(experts, minlength=num_experts)
-        return _Route(experts, pos[order] // num_topk, counts, torch.cumsum(counts, 0) - counts, counts.to(torch.int32))
+        starts = torch.cumsum(counts, 0) - counts
+        return _Route(experts, pos, pos // num_topk, torch.arange(pos.numel()) - starts[experts], counts, starts,
+                      counts.to(torch.int32))
 
-    def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int) -> None:
-        """Write ``dst``'s messages into its slots: one scatter into its mapped window (same node with
-        ``allow_ubmem``, or this rank), else one ``put`` per expert run (contiguous at both ends)."""
+    def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
+                       hi: int, slot_rows: torch.Tensor | None) -> None:
+        """Write ``dst``'s messages (the route's pairs ``[lo, hi)``) into its slots: one scatter into its mapped
+        window (same node with ``allow_ubmem``, or this rank; ``slot_rows`` ``[P]`` int64 each pair's slot row
+        there), else one ``put`` per expert run (contiguous at both ends)."""
         if _PH.on:
             _PH.switch("send")
         L, R, M = lay.L, self.R, lay.M
         mb = messages.size(1)
-        last = dst * L + L - 1
-        lo, hi = int(route.starts[dst * L]), int(route.starts[last] + route.counts[last])
         if hi <= lo:
             return
         tokens = route.tokens[lo:hi]  # ordered by local expert, then token/slot
-        if self.direct[dst]:  # row j of local expert e's run -> slot (e, me), row j
+        if self.direct[dst]:
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
-            experts = route.experts[lo:hi]
-            slot_rows = (((experts - dst * L) * R + self.rank) * M
-                         + (torch.arange(hi - lo) - (route.starts[experts] - lo)))
+            slot_rows = slot_rows[lo:hi]
             if not native.copy_rows(recv, slot_rows, messages, tokens):  # each row straight into its slot
                 dv = _wide(recv)
                 dv.index_copy_(0, slot_rows, _wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
@@ -527,10 +587,11 @@ class LowLatencyEngine:
             _PH.switch("wait: signals")
         self._wait_sources(call.half, call.need, phase, wait_stats)
         self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
-        live = torch.tensor([not m for m in self.mask.tolist()])
         cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
-        cnt[:, ~live] = 0
-        if bool((cnt > M).any()) or bool((cnt < 0).any()):
+        if any(self.masked()):
+            cnt[:, self.mask.bool()] = 0
+        lo, hi = (int(v) for v in torch.aminmax(cnt))  # one pass
+        if lo < 0 or hi > M:
             raise RuntimeError(f"rank {me}: {phase}: a source announced more than M={M} tokens for one expert")
         begin = torch.cumsum(cnt, 1) - cnt
         call.recv_count.copy_(cnt.sum(1))
@@ -538,7 +599,11 @@ class LowLatencyEngine:
         total = int(call.recv_count.sum())
         if _PH.on:
             _PH.switch("copy")
-        if total:
+        if not total:
+            for ent in call.written:
+                if ent is not None:
+                    ent[1] = _NO_ROWS
+        else:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
             blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
@@ -571,12 +636,12 @@ class LowLatencyEngine:
                         + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
                 recv_scales.transpose(1, 2).view(-1).index_copy_(
                     0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-            runs = [(e, c) for e, c in enumerate(call.recv_count.tolist()) if c]
             for ent in call.written:
                 if ent is not None:
-                    ent[1] = runs
+                    ent[1] = dst_rows
         if cum_stats is not None:
             cum_stats.add_(call.recv_count)
+        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
 
     def _scratch(self, name, shape, dtype) -> torch.Tensor:
         """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
@@ -600,13 +665,14 @@ class LowLatencyEngine:
 
     # -- combine -----------------------------------------------------------------------
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, lay: Layout, zero_copy, out, wait_stats,
-                use_logfmt=False) -> Pending:
+                use_logfmt=False, route: _Route | None = None) -> Pending:
         """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
 
         ``x`` ``[L, R·M, H]`` bf16 (None with ``zero_copy``: the send region holds the rows), ``topk_idx``
         / ``topk_weights`` ``[N, K]`` int64 / float32, ``out`` ``[N, H]`` bf16 or None. ``use_logfmt``:
         rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to float32 before the
-        weighted sum."""
+        weighted sum. ``route``: :meth:`dispatched_route` of ``(topk_idx, handle)`` when not None (the
+        receive then reuses it instead of routing ``topk_idx`` again)."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
         seq, h = self.begin(OP_COMBINE)
@@ -620,21 +686,54 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
-        for dst in self.order():
+        hdr = self._header(seq, OP_COMBINE, 0, lay, flags)
+        dsts = self.order()
+        plan = (self._row_plan(layout_range, lay)
+                if enc is None and src.is_contiguous() and any(self.direct[d] for d in dsts) else None)
+        for dst in dsts:
             if _PH.on:
                 _PH.switch("send")
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
-            else:
+            elif plan is None or not self.direct[dst] or not self._store_rows(dst, src, plan, lay, base):
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
-            self._signal(dst, h, self._header(seq, OP_COMBINE, 0, lay, flags), seq)
+            self._signal(dst, h, hdr, seq)
         need = seq + 1
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
-                                         combined, wait_stats, use_logfmt), (combined,))
+                                         combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
+
+    def _row_plan(self, layout_range: torch.Tensor, lay: Layout) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Every destination's rows of a combine at once: ``(ends, src_rows, slot_rows)``, the rows grouped by
+        destination rank ``s`` (rows ``[ends[s-1], ends[s])``), then local expert ``e``: rows ``[b, b + c)`` of
+        ``src[e]`` (``layout_range[e, s]``) as rows of ``src.view(-1, H)``, and their rows of slot ``me·L + e``
+        in ``s``'s receive region ``[E·M, H]``."""
+        R, L, M = self.R, lay.L, lay.M
+        cnt = (layout_range & 0xFFFFFFFF).t().reshape(-1)  # [R·L] runs, destination-major
+        first = torch.cumsum(cnt, 0)
+        ends = first[L - 1::L].tolist()
+        first -= cnt
+        e_of = torch.arange(L).repeat(R)
+        at = torch.arange(ends[-1])
+        src_rows = torch.repeat_interleave(e_of * (R * M) + (layout_range >> 32).t().reshape(-1) - first, cnt) + at
+        slot_rows = torch.repeat_interleave((self.rank * L + e_of) * M - first, cnt) + at
+        return ends, src_rows, slot_rows
+
+    def _store_rows(self, dst: int, src: torch.Tensor, plan, lay: Layout, base: int) -> bool:
+        """Store ``dst``'s BF16 rows of :meth:`_row_plan` straight into its slots (mapped window, one native
+        call); False (nothing written) where the native kernel is not available."""
+        ends, src_rows, slot_rows = plan
+        lo, hi = ends[dst - 1] if dst else 0, ends[dst]
+        if hi > lo:
+            E, M, H = lay.E, lay.M, lay.H
+            slots = self.tp.peer_view(self.win, dst, base + lay.recv_off, E * M * 2 * H, torch.bfloat16)
+            if not native.copy_rows(slots.view(E * M, H), slot_rows[lo:hi], src.view(-1, H), src_rows[lo:hi]):
+                return False
+            self.tp.record_put(dst, (hi - lo) * 2 * H)
+        return True
 
     def _send_rows(self, dst: int, src: torch.Tensor, begins: torch.Tensor, counts: torch.Tensor, lay: Layout,
                    base: int) -> None:
@@ -664,7 +763,7 @@ class LowLatencyEngine:
                 self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
 
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
-                         use_logfmt) -> None:
+                         use_logfmt, route, mask_stamp) -> None:
         """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
         (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator,
         one rounding into ``combined``."""
@@ -678,43 +777,34 @@ class LowLatencyEngine:
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
         if _PH.on:
             _PH.switch("route")
-        flat = topk_idx.reshape(-1)
-        valid = flat >= 0
-        owner_live = self.mask[(flat.clamp(min=0) // L)] == 0
-        valid &= owner_live
-        pos = torch.nonzero(valid).squeeze(1)
-        experts = flat[pos]
-        order = torch.argsort(experts, stable=True)
-        sorted_e = experts[order]
-        counts = torch.bincount(sorted_e, minlength=E)
+        if route is None or not stamp_matches(mask_stamp, self.mask):  # (a shrink-mode wait may mask a source)
+            route = self._route(topk_idx, L, E)
+        counts = route.counts
         if _PH.on:
             _PH.switch("control")
         got = self._read_counts(base, L).view(-1).to(torch.int64)  # [R * L] = [E]
-        live_e = (self.mask == 0).repeat_interleave(L)
-        bad = torch.nonzero((got != counts) & live_e).squeeze(1)
-        if bad.numel():
-            g = int(bad[0])
+        wrong = got != counts
+        if any(self.masked()):
+            wrong &= (self.mask == 0).repeat_interleave(L)
+        if bool(wrong.any()):
+            g = int(torch.nonzero(wrong)[0, 0])
             raise LowLatencyRefused(
                 f"rank {me}: {phase}: rank {g // L} returned {int(got[g])} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {int(counts[g])} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
         if _PH.on:
-            _PH.switch("route")
-        starts = torch.cumsum(counts, 0) - counts
-        rank_in_e = torch.empty_like(pos)
-        rank_in_e[order] = torch.arange(pos.numel()) - starts[sorted_e]
-        if _PH.on:
             _PH.switch("reduce")
         if use_logfmt:  # every received row decoded once, in (expert, row) order
-            decoded = self._receive_logfmt(base, lay, sorted_e, rank_in_e[order])
-            row_of = torch.empty_like(pos)  # pos[i]'s row of `decoded`
-            row_of[order] = torch.arange(pos.numel())
+            decoded = self._receive_logfmt(base, lay, route.experts, route.rank)
         else:
             rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
             index = torch.full((n * k,), -1, dtype=torch.int64)  # each (token, slot)'s returned row
-            index[pos] = experts * M + rank_in_e
+            index[route.flat] = route.experts * M + route.rank
             if native.weighted_sum_rows(combined, rows, index.view(n, k), topk_weights.contiguous()):
                 return  # one pass over the returned rows, the arithmetic of the loop below
+        # The pairs in (token, slot) order: row_of[i] is pos[i]'s place in the route (and row of `decoded`).
+        pos, row_of = torch.sort(route.flat)
+        experts, rank_in_e = route.experts[row_of], route.rank[row_of]
         acc = self._scratch("acc", (n, H), torch.float32).zero_()
         y_all = self._scratch("products", (n, H), torch.float32)
         g_all = self._scratch("gathered", (n, H), torch.bfloat16)
@@ -821,6 +911,7 @@ def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
 
 
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)  # OutputPool: nothing written
 _INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 

@@ -33,7 +33,7 @@ def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int,
 
 
 def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: int, *, num_ranks: int,
-                              qp_depth: int) -> None:
+                              qp_depth: int, trusted: bool = False) -> None:
     """``topk_idx`` ``[rows, K]`` int64, ``E < 65536``, ``rows <= M < 65536``, no expert selected more than
     ``M`` times.
 
@@ -42,12 +42,14 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
     header gives it (docs/semantics/deepep-api.md §6.7). ``qp_depth`` is kept for the message only.
     An expert listed twice in one row is two (token, slot) rows (docs/semantics/deepep-api.md §0); a source has
     ``M`` rows per expert, so an expert selected more than ``M`` times in all is refused.
+    ``trusted``: ``topk_idx`` is the very tensor a dispatch of the same ``E`` and ``M`` checked, unchanged
+    since (``LowLatencyEngine.dispatched_route``): its values are not checked again.
 
     Raises:
         Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
             more than ``M`` selections of one expert).
     """
-    check_topk_idx(topk_idx, num_experts, num_ranks)
+    check_topk_idx(topk_idx, num_experts, num_ranks, values=not trusted)
     check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
     check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
     check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
@@ -56,17 +58,20 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
           f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
           f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
     check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
-    if topk_idx.size(1) > 1 and rows:  # only a repeated expert in a row can select one more than rows <= M times
+    if topk_idx.size(1) > 1 and rows and not trusted:  # only a repeated expert in a row can exceed rows <= M
         per_expert = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
         most = int(per_expert.max())
-        check(most <= m, ValueError,
-              f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
-              f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
-              f"source has per expert")
+        if most > m:  # (the message's argmax only then)
+            check(False, ValueError,
+                  f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
+                  f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
+                  f"source has per expert")
 
 
-def check_low_latency_handle(handle, *, num_ranks: int) -> LowLatencyHandle:
-    """A 5-entry low-latency handle (:class:`LowLatencyHandle`), converted.
+def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -> LowLatencyHandle:
+    """A 5-entry low-latency handle (:class:`LowLatencyHandle`), converted. ``trusted``: its tensors are the
+    very ones a dispatch returned, unwritten since (``LowLatencyEngine.dispatched_route``): ``layout_range``'s
+    values are not checked again (its type and shape are).
 
     Raises:
         Rejected: ``ValueError`` (length, ``M``/``H``/``E`` not positive ints or ``E`` not a multiple
@@ -83,6 +88,8 @@ def check_low_latency_handle(handle, *, num_ranks: int) -> LowLatencyHandle:
     num_local = num_experts // r
     check_tensor(handle.src_info, "handle.src_info", torch.int32, shape=(num_local, r * m))
     check_tensor(handle.layout_range, "handle.layout_range", torch.int64, shape=(num_local, r))
+    if trusted:
+        return handle
     count, begin = handle.layout_range & 0xFFFFFFFF, handle.layout_range >> 32
     check(bool((count <= m).all()) and bool((begin + count <= r * m).all()) and bool((begin >= 0).all()), ValueError,
           "`handle.layout_range` is not (begin << 32 | count) with count <= M and begin + count <= R*M")
@@ -122,24 +129,27 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
 
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt: bool, zero_copy: bool, out,
                                    combine_wait_recv_cost_stats, stale_zero_copy: str | None, *, num_ranks: int,
-                                   num_rdma_bytes: int, qp_depth: int) -> tuple[LowLatencyHandle, ll.Layout]:
+                                   num_rdma_bytes: int, qp_depth: int,
+                                   trusted: bool = False) -> tuple[LowLatencyHandle, ll.Layout]:
     """Arguments of ``Buffer.low_latency_combine`` (see there).
 
     Args:
         stale_zero_copy: with ``zero_copy``, why the zero-copy buffer holds no data for this call
             (:meth:`LowLatencyEngine.stale_zero_copy`), else None.
+        trusted: ``topk_idx`` and ``handle`` are the last dispatch's own, unchanged since
+            (:meth:`LowLatencyEngine.dispatched_route`): only their types and shapes are checked.
     Returns:
         ``(handle as a LowLatencyHandle, the call's window layout)``.
     Raises:
         Rejected: as :func:`check_low_latency_dispatch_args`.
     """
     r = num_ranks
-    handle = check_low_latency_handle(handle, num_ranks=r)
+    handle = check_low_latency_handle(handle, num_ranks=r, trusted=trusted)
     m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
     check_tensor(x, "x", torch.bfloat16, shape=(num_experts // r, r * m, hidden))
     check_tensor(topk_idx, "topk_idx", ndim=2)
     check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
-                              qp_depth=qp_depth)
+                              qp_depth=qp_depth, trusted=trusted)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
     check(not (zero_copy and use_logfmt), RuntimeError,
           "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 8
+ABI = 9
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -32,8 +32,8 @@ _SIGNATURES = {
     "dequant_rows_e4m3_bf16": (None, [_I64, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _U16]),
     "swiglu_gate_bf16": (None, [_I64, _I64, _P, _I64, _I64, _F32, _F32, _P]),
     "swiglu_bf16": (_I64, [_I64, _I64, _P, _I64, _P, _P, _I64, _F32, _I64, _I64, _F32, _I64, _P, _I64, _U16]),
-    "copy_rows": (None, [_I64, _I64, _P, _I64, _P, _P, _I64, _P]),
-    "weighted_sum_rows_bf16": (None, [_I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _U16]),
+    "copy_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
+    "weighted_sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _U16]),
     "amx_bf16_available": (_I64, []),
     "amx_packed_elems": (_I64, [_I64, _I64]),
     "amx_pack_bf16": (None, [_P, _P, _I64, _I64, _I64]),

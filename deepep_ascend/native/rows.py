@@ -21,18 +21,25 @@ __all__ = ["copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum
 _NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
-def _row_numbers(name: str, rows: torch.Tensor, limit: int) -> int:
-    """Check ``rows``, a 1-D contiguous int64 tensor of values in ``[0, limit)``; returns its length."""
+def _row_numbers(name: str, rows: torch.Tensor) -> int:
+    """Check ``rows``, a 1-D contiguous int64 tensor (the kernel checks its values); returns its length."""
     if not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype == torch.int64
             and rows.device.type == "cpu" and (rows.stride(0) == 1 or rows.numel() <= 1)):
         raise ValueError(f"deepep_ascend.native.copy_rows: {name}_rows must be a contiguous 1-D int64 CPU tensor, "
                          f"got {getattr(rows, 'dtype', type(rows).__name__)} of shape "
                          f"{tuple(getattr(rows, 'shape', ()))}")
-    if rows.numel():
-        lo, hi = (int(v) for v in torch.aminmax(rows))
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"deepep_ascend.native.copy_rows: {name}_rows must be in [0, {limit}), got [{lo}, {hi}]")
     return rows.numel()
+
+
+def _out_of_range(op: str, name: str, values: torch.Tensor, lo_ok: int, limit: int) -> ValueError | None:
+    """The error for ``values`` outside ``[lo_ok, limit)`` (the kernels refuse such operands, writing nothing;
+    this names the range for the message), or None."""
+    if not values.numel():
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(values))
+    if lo < lo_ok or hi >= limit:
+        return ValueError(f"deepep_ascend.native.{op}: {name} must be in [{lo_ok}, {limit}), got [{lo}, {hi}]")
+    return None
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tensor,
@@ -61,8 +68,8 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tenso
     if dst_rows is None and src_rows is None:
         raise ValueError("deepep_ascend.native.copy_rows: dst_rows and src_rows cannot both be None")
     require_rows_apart("dst", dst, "copy_rows")
-    n_dst = None if dst_rows is None else _row_numbers("dst", dst_rows, dst.size(0))
-    n_src = None if src_rows is None else _row_numbers("src", src_rows, src.size(0))
+    n_dst = None if dst_rows is None else _row_numbers("dst", dst_rows)
+    n_src = None if src_rows is None else _row_numbers("src", src_rows)
     n = n_dst if n_dst is not None else n_src
     if (n_src if n_src is not None else n) != n:
         raise ValueError(f"deepep_ascend.native.copy_rows: dst_rows has {n_dst} entries, src_rows {n_src}")
@@ -71,9 +78,11 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tenso
             raise ValueError(f"deepep_ascend.native.copy_rows: {n} rows, but {name} has {t.size(0)}")
     if n:
         e = dst.element_size()
-        kernels.copy_rows(n, dst.size(1) * e, dst.data_ptr(), dst.stride(0) * e,
-                          None if dst_rows is None else dst_rows.data_ptr(), src.data_ptr(), src.stride(0) * e,
-                          None if src_rows is None else src_rows.data_ptr())
+        if kernels.copy_rows(n, dst.size(1) * e, dst.data_ptr(), dst.stride(0) * e,
+                             None if dst_rows is None else dst_rows.data_ptr(), dst.size(0), src.data_ptr(),
+                             src.stride(0) * e, None if src_rows is None else src_rows.data_ptr(), src.size(0)):
+            raise next(err for name, rows, t in (("dst_rows", dst_rows, dst), ("src_rows", src_rows, src))
+                       if rows is not None and (err := _out_of_range("copy_rows", name, rows, 0, t.size(0))))
         mark_written(dst)
     return True
 
@@ -111,15 +120,13 @@ def weighted_sum_rows(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor
     if index.shape != weights.shape:
         raise ValueError(f"deepep_ascend.native.weighted_sum_rows: index {tuple(index.shape)} and weights "
                          f"{tuple(weights.shape)} differ")
-    if index.numel():
-        lo, hi = (int(v) for v in torch.aminmax(index))
-        if lo < -1 or hi >= rows.size(0):
-            raise ValueError(f"deepep_ascend.native.weighted_sum_rows: index must be in [-1, {rows.size(0)}), "
-                             f"got [{lo}, {hi}]")
     if n and hidden:
-        fn(n, hidden, index.size(1), rows.data_ptr(), rows.stride(0), index.data_ptr(), weights.data_ptr(),
-           out.data_ptr(), out.stride(0), _NAN_BITS)
+        if fn(n, hidden, index.size(1), rows.data_ptr(), rows.stride(0), rows.size(0), index.data_ptr(),
+              weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS):
+            raise _out_of_range("weighted_sum_rows", "index", index, -1, rows.size(0))
         mark_written(out)
+    elif (err := _out_of_range("weighted_sum_rows", "index", index, -1, rows.size(0))) is not None:
+        raise err  # (nothing to compute: the values are still checked)
     return True
 
 

@@ -674,6 +674,15 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(buffers, comm):
         _, exc = capture(call)
         if type(exc) is not want:
             errors.append(f"{name}: expected {want.__name__}, got {exc!r}")
+    # The dispatch's own tensors written in place since: checked again (the combine below then routes again).
+    for name, t, bad in (("topk_idx written since the dispatch", idx, E),
+                         ("layout_range written since the dispatch", handle[1], ((R * M) << 32) | 1)):
+        old = int(t[0, 0])
+        t[0, 0] = bad
+        _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, w, handle))  # noqa: B023
+        t[0, 0] = old
+        if type(exc) is not ValueError:
+            errors.append(f"{name}: expected ValueError, got {exc!r}")
     combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)
     if not torch.equal(combined, (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)):  # |x| >= 1: BF16 groups
         errors.append("use_logfmt combine differs")

@@ -67,6 +67,8 @@ def test_declines_what_it_does_not_take():
     (None, None, "cannot both be None"),
     (torch.tensor([0, 4]), torch.tensor([0, 1]), "dst_rows must be in [0, 4)"),
     (torch.tensor([0, 1]), torch.tensor([-1, 1]), "src_rows must be in [0, 4)"),
+    (torch.tensor([0, 1, 2, -5]), torch.tensor([0, 1, 2, 3]), "dst_rows must be in [0, 4)"),  # last row bad
+    (torch.tensor([3, 2, 1, 0]), torch.tensor([0, 1, 2, 9]), "src_rows must be in [0, 4)"),
     (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1]), "contiguous 1-D int64"),
     (torch.tensor([0, 1, 2]), torch.tensor([0, 1]), "dst_rows has 3 entries, src_rows 2"),
     (None, torch.tensor([0, 1, 2, 3, 3]), "5 rows, but dst has 4"),
@@ -122,6 +124,10 @@ def test_weighted_sum_bad_operands():
     assert not native.weighted_sum_rows(out.float(), rows, torch.zeros(2, 3, dtype=torch.int64), w)  # not bf16
     with pytest.raises(ValueError, match=r"index must be in \[-1, 4\)"):
         native.weighted_sum_rows(out, rows, torch.tensor([[0, 4, -1], [0, 0, 0]]), w)
+    out.fill_(7.0)
+    with pytest.raises(ValueError, match=r"index must be in \[-1, 4\)"):  # the last slot bad: nothing written
+        native.weighted_sum_rows(out, rows, torch.tensor([[0, 1, -1], [0, 0, -2]]), w)
+    assert bool((out == 7.0).all())
     with pytest.raises(ValueError, match="weights must be a contiguous"):
         native.weighted_sum_rows(out, rows, torch.zeros(2, 3, dtype=torch.int64), w.double())
     with pytest.raises(ValueError, match="index must be a contiguous"):

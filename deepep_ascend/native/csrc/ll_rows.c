@@ -7,23 +7,38 @@
  * recv_x). Here each row is one memcpy straight into its final place.
  *
  * Plain C, no Python headers: loaded with ctypes (which releases the GIL). The caller
- * (deepep_ascend.native.copy_rows) checks shapes and index ranges first.
+ * (deepep_ascend.native.copy_rows) checks shapes; the kernels check the row numbers against the
+ * matrices in a first pass (n integer compares, far cheaper than a torch reduction per call at the
+ * few rows of a decode step) and write nothing when one is out of range.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 
+/* Whether every one of the n row numbers lies in [lo, hi). */
+static int rows_in(const int64_t *rows, int64_t n, int64_t lo, int64_t hi) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i)
+        bad |= (rows[i] < lo) | (rows[i] >= hi);
+    return !bad;
+}
+
 /* n rows of nbytes; dst row r at dst + r * dst_stride, src row r at src + r * src_stride (bytes);
- * dst_rows / src_rows: int64 row numbers, or NULL for 0..n-1. Rows may not overlap between dst and
- * src (the caller's operands are distinct buffers). */
-void deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_stride, const int64_t *dst_rows,
-                      const uint8_t *src, int64_t src_stride, const int64_t *src_rows) {
+ * dst_rows / src_rows: int64 row numbers in [0, dst_limit) / [0, src_limit), or NULL for 0..n-1 (the
+ * caller checks n against the limit then). Rows may not overlap between dst and src (the caller's
+ * operands are distinct buffers). Returns 0, or 1 (nothing written) when a row number is out of range. */
+int64_t deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_stride, const int64_t *dst_rows,
+                         int64_t dst_limit, const uint8_t *src, int64_t src_stride, const int64_t *src_rows,
+                         int64_t src_limit) {
+    if ((dst_rows && !rows_in(dst_rows, n, 0, dst_limit)) || (src_rows && !rows_in(src_rows, n, 0, src_limit)))
+        return 1;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t d = dst_rows ? dst_rows[i] : i;
         const int64_t s = src_rows ? src_rows[i] : i;
         memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)nbytes);
     }
+    return 0;
 }
 
 /* Floats of one output row accumulated at a time (the accumulator stays in L1). */
@@ -38,13 +53,16 @@ void deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_strid
  * acc.to(bf16), the bits of deepep_ascend.ep.low_latency's torch path). A token with no slot gets +0.0.
  *
  * rows: row r at rows + r * row_ld (elements); idx, w: [n, k] row-major (int64, float32); out row t at
- * out + t * out_ld. The caller checks idx against the rows it may read.
+ * out + t * out_ld. idx values must lie in [-1, num_rows): returns 0, or 1 (nothing written) when
+ * one does not.
  */
 MULTIVERSION
-void deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, const uint16_t *rows, int64_t row_ld,
-                                   const int64_t *idx, const float *w, uint16_t *out, int64_t out_ld,
-                                   uint16_t nan_bits)
+int64_t deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, const uint16_t *rows, int64_t row_ld,
+                                      int64_t num_rows, const int64_t *idx, const float *w, uint16_t *out,
+                                      int64_t out_ld, uint16_t nan_bits)
 {
+    if (!rows_in(idx, n * k, -1, num_rows))
+        return 1;
     float acc[WCHUNK];
     for (int64_t t = 0; t < n; t++) {
         const int64_t *ti = idx + t * k;
@@ -68,4 +86,5 @@ void deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, const u
                 o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
         }
     }
+    return 0;
 }

@@ -1,0 +1,26 @@
+"""Stamps: telling that a call is handed exactly the tensors an earlier call made or took, unchanged since.
+
+A stamp holds weak references to the tensors and their version counters (every in-place write,
+through any view, bumps ``_version``). The Buffers use them to skip recomputing and re-validating
+what they produced themselves: ``Buffer.dispatch`` trusts its own ``get_dispatch_layout`` outputs,
+``low_latency_combine`` its dispatch's routing and handle. A dead reference, another tensor or a
+write since the stamp never matches, so a stale stamp only costs the full path.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["stamp", "stamp_matches"]
+
+
+def stamp(*tensors) -> tuple:
+    """Weak references to ``tensors`` (None kept) and their version counters."""
+    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+
+def stamp_matches(stamped: tuple, *tensors) -> bool:
+    """Whether ``tensors`` are the stamped ones, in order, none written since."""
+    return len(stamped) == len(tensors) and all(
+        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and t._version == s[1])
+        for s, t in zip(stamped, tensors))
