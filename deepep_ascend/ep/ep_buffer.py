@@ -881,7 +881,8 @@ class EPBuffer(BufferBase):
                 contiguous or of the wrong row count, pairs of different bytes per expert, a malformed mapping
                 (shape, dtype, an id out of range, a rank's own expert in its own slot), a bad ``num_sms`` or
                 ``previous_event``; or ranks of a node disagreeing on the mapping, the LB offsets, the sizes or
-                ``num_local_experts`` (naming each rank's value). The buffer stays usable.
+                ``num_local_experts``, or ranks calling different operations (naming each rank's value; raised
+                on the ranks of every node). The buffer stays usable.
             RuntimeError: the buffer was destroyed.
             transports.TransportTimeout: a rank did not take part within the deadline.
         """

@@ -36,6 +36,17 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
 
 
+def _differences(peers: list, names: tuple) -> list[str]:
+    """``"<name>: rank r: value, ..."`` for each of ``names`` on which the ``(rank, signature dict)`` pairs of
+    ``peers`` differ."""
+    out = []
+    for name in names:
+        seen = [(r, sig.get(name)) for r, sig in peers]
+        if any(x != seen[0][1] for _, x in seen):
+            out.append(f"{name}: " + ", ".join(f"rank {r}: {str(x)[:120]}" for r, x in seen))
+    return out
+
+
 class LoadBalanceRegion:
     """This rank's LB storage and the node peers' (DeepEP's "LSA domain" is the node here).
 
@@ -119,8 +130,10 @@ class LoadBalanceRegion:
     # -- agreement ------------------------------------------------------------------------------------
     def agree(self, op: str, error: Exception | None, signature: tuple) -> None:
         """Collective over the group (with the transport's deadline): raise on every rank when a rank refused
-        its arguments, or when ranks of one node differ in ``signature`` (``(name, value)`` pairs: the
-        operation, the mapping, offsets and sizes); this rank's own error is raised as itself."""
+        its arguments, when ranks call different operations, or when the ranks of any node differ in
+        ``signature`` (``(name, value)`` pairs: the operation, the mapping, offsets and sizes); this rank's own
+        error is raised as itself. Every rank judges every node from the same gathered values, so a
+        disagreement inside one node raises on the other nodes too."""
         values = self.tp.allgather_object(
             (None if error is None else f"{type(error).__name__}: {error}", self.node, signature),
             phase=f"EPBuffer.{op} (arguments)")
@@ -129,18 +142,16 @@ class LoadBalanceRegion:
         refused = [f"rank {r} refused its arguments ({v[0]})" for r, v in enumerate(values) if v[0] is not None]
         if refused:
             raise ValueError(f"EPBuffer.{op}: " + "; ".join(refused))
-        peers = [(r, dict(v[2])) for r, v in enumerate(values) if v[1] == self.node]
-        problems = []
-        for name in dict(signature):  # the operation first: other fields compare only within one operation
-            seen = [(r, s.get(name)) for r, s in peers]
-            if any(x != seen[0][1] for _, x in seen):
-                problems.append(f"{name}: " + ", ".join(f"rank {r}: {str(x)[:120]}" for r, x in seen))
-                if name == "operation":
-                    break
+        sigs = [dict(v[2]) for v in values]
+        problems = _differences(list(enumerate(sigs)), ("operation",))
+        if not problems:  # other fields compare only within one operation, per node
+            for node in sorted({v[1] for v in values}):
+                peers = [(r, sig) for r, (sig, v) in enumerate(zip(sigs, values)) if v[1] == node]
+                problems += [f"node {node}: {p}" for p in _differences(peers, tuple(dict(signature)))]
         if problems:
-            raise ValueError(f"EPBuffer.{op}: the ranks of a node disagree on collective arguments (every rank of "
-                             f"the node must pass the same redundancy mapping, the same LB offsets and sizes and "
-                             f"num_local_experts): " + "; ".join(problems))
+            raise ValueError(f"EPBuffer.{op}: the ranks disagree on collective arguments (every rank calls the same "
+                             f"operation; every rank of a node passes the same redundancy mapping, LB offsets and "
+                             f"sizes and num_local_experts): " + "; ".join(problems))
 
     # -- the two exchanges ----------------------------------------------------------------------------
     def check_prefetch(self, redundant_expert_weights, expert_weights, redundancy_mapping):

@@ -258,6 +258,19 @@ def test_bad_input_fails_everywhere_before_any_byte_moves(setups):
             ("operations differ", lambda: (s.buf.lb_reduce_grads(s.train_g, g, m) if last
                                            else s.buf.lb_prefetch_weights(w, src, m)), ValueError, "operation"),
         ]
+    if (2, True) in setups:  # a disagreement inside the last node raises on the first node's ranks too
+        two = setups[(2, True)]
+        m2 = mapping(two.rpn, 7, empty=0.0)
+        odd = m2.clone()
+        odd[0, 0] = -1
+        src2 = torch.ones(LOCAL, D_OUT * D_IN)
+        cases += [
+            ("mappings differ in one node of two", lambda: two.buf.lb_prefetch_weights(
+                two.train_w, src2, odd if last else m2), ValueError, "node 1: redundancy_mapping"),
+            ("operations differ across nodes", lambda: (
+                two.buf.lb_reduce_grads(two.train_g, torch.zeros(LOCAL, D_OUT * D_IN), m2) if last
+                else two.buf.lb_prefetch_weights(two.train_w, src2, m2)), ValueError, "operation"),
+        ]
     for what, fn, exc, needle in cases:
         _expect_everywhere(fn, exc, needle, what)
     all_ranks_ok(world(), bool((w == -3.0).all()), "a refused call wrote into a slot")
