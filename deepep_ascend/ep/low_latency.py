@@ -174,7 +174,7 @@ class OutputPool:
     def _zero_rows(self, rows: torch.Tensor, which: torch.Tensor) -> None:
         """Zero rows ``which`` of the contiguous uint8 matrix ``rows``: one ``memcpy`` per row from a zero row
         (native), else one index op over the widest integer view (torch's per-element fills and copies
-        over bytes cost ~20x a row copy)."""
+        over bytes cost far more than a row copy)."""
         cols = rows.size(1)
         if self._zero.numel() < cols:
             self._zero = torch.zeros(cols, dtype=torch.uint8)
