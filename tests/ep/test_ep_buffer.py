@@ -65,7 +65,8 @@ def _inputs(rank, R, seed, num_experts, fp8, routing="random", with_weights=True
         topk_idx[1::3, 0] = -1  # a -1 slot before the real ones
         if routing == "repeated":  # an expert listed twice in a row (sampling with replacement), one row all one expert
             topk_idx[2::4, TOPK - 1] = topk_idx[2::4, TOPK - 2]
-            topk_idx[3] = topk_idx[3, 1]
+            if n > 3:  # the last rank of 8 has 3 rows
+                topk_idx[3] = topk_idx[3, 1]
     x = (torch.randn(n, HIDDEN, generator=g) * 3).to(BF16)
     sf = None
     if fp8:
