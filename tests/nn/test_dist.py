@@ -136,6 +136,8 @@ def test_ranks_early_to_a_buffer_sleep_while_a_late_rank_works(comm):
 
     from tests.support.mpi_utils import allgather_object, wait
 
+    if comm.Get_size() > 4:
+        pytest.skip("oversubscription is covered at 4 ranks on 2 cores; 9 s more at 8 ranks: suite time")
     late_s = 3.0
     r = comm.Get_rank()
     coll(ep_dist.init_distributed, what="init_distributed")
