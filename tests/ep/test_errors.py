@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepep_ascend import Buffer, Config, ConsensusError, EPBuffer
-from deepep_ascend.transports import TransportBusy
+from deepep_ascend.transports import TransportAborted, TransportBusy
 from tests.support.buffer_helpers import (
     BF16,
     all_ranks_ok,
@@ -510,7 +510,9 @@ def test_rank_missing_times_out_naming_phase_peer_and_call(comm, api):
 def test_async_input_written_in_place_raises(comm, case):
     """Rank 0 writes an input of an asynchronous call in place before its event completes (the worker still
     reads it: the peers would receive the new values): its wait raises RuntimeError naming the argument
-    (docs/semantics/deepep-api.md §3.3), and every other rank fails at its wait or its next call, naming rank 0."""
+    (docs/semantics/deepep-api.md §3.3), and every other rank, waiting after it, raises TransportAborted naming
+    rank 0 at the wait of the same call, its own share of the call complete or not (regression: a peer whose
+    share was complete returned its outputs and learned of it only at its next call)."""
     r = comm.Get_rank()
     api = "ep_buffer" if case.startswith("ep_") else "low_latency" if case.startswith("ll_") else "normal"
     calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
@@ -545,17 +547,18 @@ def test_async_input_written_in_place_raises(comm, case):
         wait = lambda ev: ev.current_stream_wait()
     comm.Barrier()
     out = go()
+    exc = None
     if r == 0:
         written.zero_()
-    _, exc = capture(lambda: wait(out))
-    comm.Barrier()  # rank 0 has aborted its peers by now
+        _, exc = capture(lambda: wait(out))
+    comm.Barrier()  # rank 0 has aborted its peers by now; they wait after it
     if r == 0:
         ok = isinstance(exc, RuntimeError) and f"`{name}`" in str(exc) and "written in place" in str(exc)
     else:
-        if exc is None:  # this rank's own call was complete: its next call fails
-            _, exc = capture(lambda: wait(go()))
-        ok = exc is not None and "rank 0" in str(exc)
+        _, exc = capture(lambda: wait(out))
+        ok = isinstance(exc, TransportAborted) and exc.peer == 0 and "written in place" in str(exc)
     all_ranks_ok(comm, ok, f"{case}: rank {r} got {exc!r}")
+    exc = None
     comm.Barrier()
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, dexc is None, f"{case}: destroy raised {dexc!r}")
