@@ -964,10 +964,11 @@ class Transport:
             self._poison(f"peer rank {peer} aborted: {reason}")
             raise exc
 
-    def check_abort(self) -> None:
-        """Raise :class:`TransportAborted` if any peer has aborted."""
+    def check_abort(self, phase: str = "") -> None:
+        """Raise :class:`TransportAborted` if any peer has aborted (``phase``: named in its message, as a
+        wait's phase is)."""
         self._check_open("check_abort")
-        self._check_abort("check_abort")
+        self._check_abort("check_abort", phase)
 
     def abort(self, reason: str, pending_peers=None) -> None:
         """Tell every reachable peer that this rank failed, then poison this transport.

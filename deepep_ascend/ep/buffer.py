@@ -9,6 +9,7 @@ engines (:mod:`.intranode`, :mod:`.internode`, :mod:`.low_latency`), the handles
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import warnings
 import weakref
@@ -42,7 +43,7 @@ from .arguments import (
 )
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
-from .failure import run_step
+from .failure import raise_if_a_peer_aborted, run_step
 from .group import check_agreed, mpi_comm_of
 from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
 from .input_guard import InputGuard
@@ -554,7 +555,8 @@ class Buffer:
         A rejection still takes part in the call's first round, so every rank raises. ``inputs``: the
         caller's tensors the worker reads after an ``async_finish`` call returns, by argument name; one
         written in place before the event completes fails the call (:class:`InputGuard`), checked when the
-        worker is done with them and again at the wait, and aborts the peers (their rows may be wrong).
+        worker is done with them and again at the wait, and aborts the peers (their rows may be wrong). The
+        wait of an ``async_finish`` call also raises if a peer aborted meanwhile (:meth:`_at_wait`).
         """
         self._calls += 1
         call_id = self._calls
@@ -613,7 +615,7 @@ class Buffer:
             fut = self._worker.submit(finish)
             if op == OP_DISPATCH and not comm_before_outputs:
                 self._filling = fut
-            on_wait = (lambda: self._guard(guard.check)) if guard else None
+            on_wait = functools.partial(self._at_wait, guard, f"{OP_NAMES[op]} call #{call_id}: the event's wait")
             return outputs, EventOverlap(EventHandle(fut, on_wait), extra + tuple(t for t in _flatten(outputs)))
         finish()
         return outputs, EventOverlap()
@@ -621,6 +623,14 @@ class Buffer:
     def _guard(self, fn):
         """Run a protocol step with :func:`~deepep_ascend.ep.failure.run_step` (abort the peers on failure)."""
         return run_step(self.runtime, self.rank, fn)
+
+    def _at_wait(self, guard: InputGuard | None, phase: str) -> None:
+        """What the wait of an asynchronous call checks once its data movement completed: this rank's inputs
+        (written in place: raise here, abort the peers), then whether a peer aborted meanwhile (a peer that
+        wrote its inputs: raise here too), docs/semantics/deepep-api.md §3.3."""
+        if guard:
+            self._guard(guard.check)
+        raise_if_a_peer_aborted(self.runtime, phase)
 
     # -- dispatch ------------------------------------------------------------------------
     @timed("dispatch", engine_of)
@@ -678,8 +688,9 @@ class Buffer:
                 before it.
             TimeoutError: a peer did not take part in time (``transports.TransportTimeout``, or
                 ``transports.TransportPeerTimeout`` when a peer gave up first; both name the ranks).
-            transports.TransportAborted: a peer failed inside the call; ``TransportPoisoned``: this
-                Buffer failed earlier.
+            transports.TransportAborted: a peer failed inside the call (at the wait of an ``async_finish``
+                call: also a peer that aborted after this rank's share completed, e.g. one that wrote its
+                inputs in place); ``TransportPoisoned``: this Buffer failed earlier.
         """
         self._check_usable("dispatch")
         if handle is not None:
@@ -983,14 +994,17 @@ class Buffer:
         if _PH.on:
             _PH.switch(None)
         pending = self._guard(lambda: issue(*args))
-        guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, ll.calls - 1)}", inputs or {})
+        seq = ll.calls - 1
+        guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, seq)}", inputs or {})
                  if async_finish or return_recv_hook else None)
 
         def receive():
             if _PH.on:
                 _PH.switch(None)
             self._guard(pending.receive)
-            if guard:
+            if return_recv_hook:  # the hook is this call's wait
+                self._at_wait(guard, f"{ll_mod.call_name(op, seq)}: its receive hook")
+            elif guard:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
@@ -1013,7 +1027,7 @@ class Buffer:
             return pending.outputs, EventOverlap(), hook
         if async_finish:
             fut = self._worker.submit(receive)
-            on_wait = (lambda: self._guard(guard.check)) if guard else None
+            on_wait = functools.partial(self._at_wait, guard, f"{ll_mod.call_name(op, seq)}: the event's wait")
             event = EventOverlap(EventHandle(fut, on_wait), keep + tuple(_flatten(pending.outputs)))
             return pending.outputs, event, None
         receive()

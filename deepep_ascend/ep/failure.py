@@ -13,10 +13,10 @@ from typing import TypeVar
 
 import torch
 
-from ..transports import Transport, TransportAborted, TransportPoisoned, TransportTimeout
+from ..transports import State, Transport, TransportAborted, TransportPoisoned, TransportTimeout
 from .protocol import ConsensusError
 
-__all__ = ["abort_peers", "run_step"]
+__all__ = ["abort_peers", "raise_if_a_peer_aborted", "run_step"]
 
 T = TypeVar("T")
 
@@ -54,3 +54,19 @@ def run_step(runtime: Transport | None, rank: int, fn: Callable[[], T]) -> T:
             traceback.clear_frames(exc.__traceback__.tb_next)
         abort_peers(runtime, rank, exc)
         raise
+
+
+def raise_if_a_peer_aborted(runtime: Transport | None, phase: str) -> None:
+    """At the wait of an asynchronous call whose data movement completed here: raise if a peer aborted meanwhile.
+
+    A rank that finds an input of its own asynchronous call written in place (``InputGuard``) aborts after its
+    worker read the inputs, when the peers' share of the call may be complete already: their outputs may hold
+    the written values, and this check makes their wait say so instead of returning them
+    (docs/semantics/deepep-api.md §3.3). Nothing when ``runtime`` is destroyed or failed here (that failure was
+    raised where it happened).
+
+    Raises:
+        TransportAborted: naming the peer and its reason (``TransportPeerTimeout`` if the peer timed out).
+    """
+    if runtime is not None and runtime.state is State.OPEN:
+        runtime.check_abort(phase)

@@ -35,7 +35,9 @@ which proves they finished reading the previous round, so the UBMEM staging need
 
 Round 0 of every call carries a header per block (operation, shapes, dtypes, handle id, status,
 message); as in :mod:`.intranode`, a rank whose arguments were rejected sends only headers with
-an error status and every rank raises the same :class:`ConsensusError` after the round.
+an error status and every rank raises the same :class:`ConsensusError` after the round. When the
+round found a problem, the ranks first all-gather their own calls (:meth:`InternodeEngine._settle`),
+so that ranks in different calls are named with the calls they are in.
 """
 
 from __future__ import annotations
@@ -361,6 +363,25 @@ class InternodeEngine:
         if nbytes:
             self.tp.record_fetch(peer, nbytes)
 
+    def _settle(self, op, call_id, op_call, error, problems, phase) -> list[str]:
+        """What every rank raises once round 0 of a call found ``problems`` here (every rank finds some
+        when one does; docs/design/data-path.md, "Normal mode across nodes").
+
+        Dispatch reads the peers' headers rail first, then node; combine node first, then the rail peers'
+        verdicts. With ranks in different operations a rank can thus find a peer's header of an earlier
+        call where it looks, or, in combine, no header of the ranks outside its node and rail. So on this
+        error path every rank all-gathers its own call and refusal (``error``: None if it accepted its
+        arguments), on the transport's own communicator (deadline and abort check included). Ranks all in
+        the same call computed the same ``problems`` from the same headers and verdicts: kept. Otherwise
+        every rank is named with its own call and refusal, the same list on every rank.
+        """
+        calls = self.tp.allgather_object((int(op), int(call_id), int(op_call), error),
+                                         phase=f"{phase}: the ranks' calls")
+        if len({(o, c) for o, c, _, _ in calls}) == 1:
+            return problems
+        return [sequence_problem((p, call_name(o, c, k)) for p, (o, c, k, _) in enumerate(calls))] + [
+            f"rank {p} rejected its arguments: {e}" for p, (_, _, _, e) in enumerate(calls) if e is not None]
+
     # -- dispatch ------------------------------------------------------------------------
     def reject(self, op, call_id, message) -> NoReturn:
         """Take part in round 0 of a call with an error status; raises ConsensusError (on every rank)."""
@@ -387,8 +408,8 @@ class InternodeEngine:
         phase = f"{OP_NAMES[op]} call #{call_id}"
         vec_bytes = 0 if vec is None else _a8(4 * vec.numel())
         per_round = max(1, (self.box - MSG_BYTES - HDR - vec_bytes) // max(1, sum(fields)))
-        words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
-                 W_STATUS: int(error is not None)}
+        op_call = self.op_calls.next(op)
+        words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: op_call, W_STATUS: int(error is not None)}
         rounds, rnd = 1, 0
         while rnd < rounds:
             self._credit_wait(phase)
@@ -415,7 +436,7 @@ class InternodeEngine:
                 problems = consensus_problems(headers, op, call_id)
                 if problems:
                     self._end_round()
-                    raise consensus_error(op, problems)
+                    raise consensus_error(op, self._settle(op, call_id, op_call, error, problems, phase))
                 rounds = on_headers(headers, vecs, per_round)
                 yield
             receive(vec_bytes if with_vec else 0)
@@ -810,7 +831,7 @@ class InternodeEngine:
                 bad, largest = self._rail_verdict(call_id, op_call)
                 if bad:
                     self._end_round()
-                    raise consensus_error(OP_COMBINE, bad)
+                    raise consensus_error(OP_COMBINE, self._settle(OP_COMBINE, call_id, op_call, error, bad, phase))
                 rounds = max(1, _ceil_div(largest, per_round))
                 yield
             if _PH.on:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepep_ascend import Buffer, Config, ConsensusError, EPBuffer
-from deepep_ascend.transports import TransportBusy
+from deepep_ascend.transports import TransportAborted, TransportBusy
 from tests.support.buffer_helpers import (
     BF16,
     all_ranks_ok,
@@ -402,22 +402,29 @@ def test_rank_missing_mid_call_times_out_naming_it(comm, op):
 class _Calls:
     """A fresh buffer of one API (``normal``: V1 ``Buffer``; ``low_latency``; ``ep_buffer``: ``EPBuffer``) with
     ``timeout_s`` and this rank's small inputs: ``dispatch()`` returns ``(recv_x, handle)``, ``combine(recv_x,
-    handle)``; ``names`` are the operations as errors name them."""
+    handle)``; ``names`` are the operations as errors name them. ``ranks_per_node``: None for the host's
+    node (one node here), ``R // 2`` for two simulated nodes (normal mode then takes the two-hop engine)."""
 
-    def __init__(self, api, comm, timeout_s):
+    def __init__(self, api, comm, timeout_s, ranks_per_node=None):
         r, R = comm.Get_rank(), comm.Get_size()
         self.idx, self.w, self.x = _small_inputs(r, R)
         self.api = api
+        rpn = ranks_per_node
         if api == "ep_buffer":
             self.buf = EPBuffer(comm, num_max_tokens_per_rank=8, hidden=H, num_topk=2, explicitly_destroy=True,
-                                num_cpu_timeout_secs=timeout_s)
+                                num_cpu_timeout_secs=timeout_s, ranks_per_node=rpn)
             self.names = ("dispatch", "combine")
         elif api == "low_latency":
             self.buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(8, H, R, E), low_latency_mode=True,
-                              comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+                              comm=comm, explicitly_destroy=True, timeout_s=timeout_s, ranks_per_node=rpn)
             self.names = ("low_latency_dispatch", "low_latency_combine")
         else:
-            self.buf = Buffer(None, 1 << 16, comm=comm, explicitly_destroy=True, timeout_s=timeout_s)
+            nvl, rdma = 1 << 16, 0
+            if rpn is not None and rpn < R:
+                nvl = Buffer.get_normal_buffer_size_hint(8, H, R, 2, E, ranks_per_node=rpn)
+                rdma = Buffer.get_normal_rdma_buffer_size_hint(8, H, R, rpn, 2, E)
+            self.buf = Buffer(None, nvl, rdma, comm=comm, explicitly_destroy=True, timeout_s=timeout_s,
+                              ranks_per_node=rpn)
             self.layout = self.buf.get_dispatch_layout(self.idx, E)
             self.names = ("dispatch", "combine")
 
@@ -428,9 +435,10 @@ class _Calls:
         elif self.api == "low_latency":
             recv_x, _, handle, _, _ = b.low_latency_dispatch(self.x, self.idx, 8, E, use_fp8=False)
         else:
-            ntpr, _, ntpe, itr, _ = self.layout
-            recv_x, _, _, _, handle, _ = b.dispatch(self.x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
-                                                    num_tokens_per_expert=ntpe, topk_idx=self.idx, topk_weights=self.w)
+            ntpr, ntpn, ntpe, itr, _ = self.layout
+            recv_x, _, _, _, handle, _ = b.dispatch(self.x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntpn,
+                                                    is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                                    topk_idx=self.idx, topk_weights=self.w)
         return recv_x, handle
 
     def combine(self, recv_x, handle):
@@ -440,14 +448,19 @@ class _Calls:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])
 @pytest.mark.parametrize("skipped", ["dispatch", "combine"])
 @pytest.mark.parametrize("api", ["normal", "low_latency", "ep_buffer"])
-def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipped):
+def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipped, nodes):
     """Rank 1 skips one call (as a rank with no tokens skipping a chunk would) and makes the next one: every
     rank raises ConsensusError naming, for every rank, the call number, how many calls of that kind it has
-    made and the operation (docs/semantics/deepep-api.md §8); the buffer stays usable."""
+    made and the operation (docs/semantics/deepep-api.md §8), the same list on every rank; the buffer stays
+    usable. On two nodes the normal-mode engines take DeepEP's two hops, whose dispatch and combine read
+    their peers' headers by different routes (regression: a rank named a peer with a call it had left, or
+    not at all)."""
     r, R = comm.Get_rank(), comm.Get_size()
-    calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
+    rpn = R // 2 if nodes == "two_nodes" else None
+    calls = coll(lambda: _Calls(api, comm, timeout_s=10, ranks_per_node=rpn), what=f"{api} buffer")
     d, c = calls.names
     kd, kc = (d, c) if api == "low_latency" else ("dispatch", "combine")  # what "its n-th ..." counts
     recv_x, handle = coll(calls.dispatch, what="dispatch #1")
@@ -457,8 +470,11 @@ def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipp
                    else (f"{c} call #3 (its 2nd {kc})", f"{d} call #3 (its 2nd {kd})"))
     do_dispatch = (skipped == "dispatch") == (r != 1)
     _, exc = capture(calls.dispatch if do_dispatch else lambda: calls.combine(recv_x, handle))
-    expected = [f"rank {p}: {rank1 if p == 1 else ours}" for p in range(R)]
-    ok = isinstance(exc, ConsensusError) and "different calls" in str(exc) and all(e in str(exc) for e in expected)
+    # the whole list: every rank's call in rank order, after the rule's citation, up to the end or a ";"
+    expected = "): " + ", ".join(f"rank {p}: {rank1 if p == 1 else ours}" for p in range(R))
+    text = str(exc)
+    ok = (isinstance(exc, ConsensusError) and "different calls" in text and expected in text
+          and text.split(expected, 1)[1][:1] in ("", ";"))
     all_ranks_ok(comm, ok, f"{api}, rank 1 skipped a {skipped}: rank {r} got {exc!r}, expected {expected}")
     recv_x, handle = coll(calls.dispatch, what="dispatch after the refused call")
     coll(lambda: calls.combine(recv_x, handle), what="combine after the refused call")
@@ -494,7 +510,9 @@ def test_rank_missing_times_out_naming_phase_peer_and_call(comm, api):
 def test_async_input_written_in_place_raises(comm, case):
     """Rank 0 writes an input of an asynchronous call in place before its event completes (the worker still
     reads it: the peers would receive the new values): its wait raises RuntimeError naming the argument
-    (docs/semantics/deepep-api.md §3.3), and every other rank fails at its wait or its next call, naming rank 0."""
+    (docs/semantics/deepep-api.md §3.3), and every other rank, waiting after it, raises TransportAborted naming
+    rank 0 at the wait of the same call, its own share of the call complete or not (regression: a peer whose
+    share was complete returned its outputs and learned of it only at its next call)."""
     r = comm.Get_rank()
     api = "ep_buffer" if case.startswith("ep_") else "low_latency" if case.startswith("ll_") else "normal"
     calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
@@ -529,17 +547,18 @@ def test_async_input_written_in_place_raises(comm, case):
         wait = lambda ev: ev.current_stream_wait()
     comm.Barrier()
     out = go()
+    exc = None
     if r == 0:
         written.zero_()
-    _, exc = capture(lambda: wait(out))
-    comm.Barrier()  # rank 0 has aborted its peers by now
+        _, exc = capture(lambda: wait(out))
+    comm.Barrier()  # rank 0 has aborted its peers by now; they wait after it
     if r == 0:
         ok = isinstance(exc, RuntimeError) and f"`{name}`" in str(exc) and "written in place" in str(exc)
     else:
-        if exc is None:  # this rank's own call was complete: its next call fails
-            _, exc = capture(lambda: wait(go()))
-        ok = exc is not None and "rank 0" in str(exc)
+        _, exc = capture(lambda: wait(out))
+        ok = isinstance(exc, TransportAborted) and exc.peer == 0 and "written in place" in str(exc)
     all_ranks_ok(comm, ok, f"{case}: rank {r} got {exc!r}")
+    exc = None
     comm.Barrier()
     _, dexc = capture(b.destroy)
     all_ranks_ok(comm, dexc is None, f"{case}: destroy raised {dexc!r}")
