@@ -2,7 +2,9 @@
 
 Shared options (:data:`SHARED`; DeepEP's names where they exist) mean the same in every command;
 a command takes the ones it needs with its own defaults (:func:`add_shared`) and adds only its own
-options. The link-model options are :func:`add_link_args`.
+options. Every command takes :data:`EVERY_COMMAND` (``--json``, ``--no-progress``), whether it names
+them or not, so that a script can pass them to any command. The link-model options are
+:func:`add_link_args`. :func:`shared_flags` lists the whole vocabulary (``python -m bench --help``).
 
 =====================  ==========================================================================
 ``--num-tokens N``     tokens per rank (DeepEP's ``num_tokens``)
@@ -14,7 +16,8 @@ options. The link-model options are :func:`add_link_args`.
 ``--seed S``           input seed (per rank: ``seed * 65536 + rank`` where inputs differ per rank)
 ``--json FILE``        write the results as a ``deepep_ascend.bench/1`` document (:mod:`bench.schema`)
 ``--ranks-per-node N`` simulated node size (fewer than the ranks: URMA between simulated nodes)
-``--no-progress``      no tqdm progress bar on rank 0
+``--no-progress``      no tqdm progress bar on rank 0 (a no-op in a command without one)
+``--phases``           after the timed loop, each call's per-phase breakdown (:mod:`bench.phases`)
 ``--link-*``           link model: ``--link-profile``, ``--link-emulation``, ``--link-scale``
 =====================  ==========================================================================
 """
@@ -84,18 +87,30 @@ SHARED = {
                "after the timed loop, run it again with deepep_ascend.ep.phases recording and print each call's "
                "per-phase breakdown (details.phases in --json; docs/benchmarks.md)"),
 }
+#: Shared options every command takes (:func:`add_shared` adds those a command does not name), with
+#: their defaults: a sweep or a script passes them to any command.
+EVERY_COMMAND = {"json": None, "no_progress": False}
+#: The link-model flags (:func:`add_link_args`).
+LINK_FLAGS = ("--link-profile", "--link-emulation", "--link-scale")
 _MINIMUM = {"num_tokens": 1, "hidden": 1, "num_topk": 1, "num_experts": 1, "iters": 1, "warmup": 0, "ranks_per_node": 1}
 
 
 def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps: dict | None = None,
                **defaults) -> None:
-    """Add the shared options named by ``defaults``' keys (keys of :data:`SHARED`) with those defaults.
+    """Add the shared options named by ``defaults``' keys (keys of :data:`SHARED`) with those defaults,
+    and those of :data:`EVERY_COMMAND` not named (``--no-progress`` then says the command shows no bar).
 
     ``minimum``: a command's lower bound of an integer option where it is stricter than the
     vocabulary's; ``helps``: text appended to an option's help (e.g. where its default comes from).
     ``KeyError`` for a name outside the vocabulary (a command's own option belongs in the command).
     """
     minimum, helps = minimum or {}, helps or {}
+    unknown = set(defaults) - set(SHARED)
+    if unknown:
+        raise KeyError(f"not shared options: {sorted(unknown)}")
+    if "no_progress" not in defaults:
+        helps = {**helps, "no_progress": "this command shows no bar (accepted by every command)"}
+    defaults = {**EVERY_COMMAND, **defaults}
     group = p.add_argument_group("shared options (python -m bench --help)")
     for key in SHARED:
         if key not in defaults:
@@ -112,9 +127,11 @@ def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps
         if key in helps:
             text += f"; {helps[key]}"
         group.add_argument(flag, help=text, **kw)
-    unknown = set(defaults) - set(SHARED)
-    if unknown:
-        raise KeyError(f"not shared options: {sorted(unknown)}")
+
+
+def shared_flags() -> list[str]:
+    """Every shared flag, in :data:`SHARED`'s order, then the link-model flags."""
+    return [flag for flag, _, _ in SHARED.values()] + list(LINK_FLAGS)
 
 
 def add_link_args(p: argparse.ArgumentParser) -> None:

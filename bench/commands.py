@@ -71,7 +71,9 @@ def _module(name: str):
 def parser(name: str) -> argparse.ArgumentParser:
     """The parser of command ``name`` (``KeyError`` for an unknown name)."""
     mod = _module(name)
-    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__,
+    # No abbreviations: a shared flag a command lacks must be refused, not taken as a prefix of one of
+    # its own options (--num-tokens for overhead's --num-tokens-list).
+    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=mod.__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_arguments(p)
     return p
@@ -116,6 +118,15 @@ def _listing() -> str:
     return "commands:\n" + "\n".join(f"  {n:<{width}}  {c.summary}" for n, c in COMMANDS.items())
 
 
+def _shared_listing() -> str:
+    from bench import cli
+
+    every = [cli.SHARED[k][0] for k in cli.EVERY_COMMAND]
+    rest = [f for f in cli.shared_flags() if f not in every]
+    return (f"shared options (bench/cli.py): every command takes {' '.join(every)}; of the others each command "
+            f"takes those that apply to it (python -m bench <command> --help lists them): {' '.join(rest)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench <command> [options]`` (``python -m bench --help``: the commands;
     ``python -m bench <command> --help``: its options)."""
@@ -124,10 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="deepep_ascend benchmarks. Collective commands run one process per rank "
                     "(mpiexec -n N python -m bench <command>); --json FILE writes the "
                     "deepep_ascend.bench/1 document (bench/schema.py).",
-        epilog=_listing() + "\n\nshared options (bench/cli.py; each command takes those that apply to it): "
-                            "--num-tokens --hidden --num-topk --num-experts "
-                            "--iters --warmup --seed --json --ranks-per-node --no-progress --link-profile "
-                            "--link-emulation --link-scale",
+        epilog=_listing() + "\n\n" + _shared_listing(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("command", choices=list(COMMANDS), metavar="<command>", help="one of the commands below")
     top.add_argument("args", nargs=argparse.REMAINDER, metavar="[options]", help="the command's options")

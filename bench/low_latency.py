@@ -70,8 +70,8 @@ KINDS = ("SELF", "UBMEM", "URMA")
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=128, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0,
-                   json=None, ranks_per_node=None, no_progress=False, phases=False,
-                   helps=dict(num_tokens="= num_max_dispatch_tokens_per_rank", no_progress="no bar here"))
+                   json=None, ranks_per_node=None, phases=False,
+                   helps=dict(num_tokens="= num_max_dispatch_tokens_per_rank"))
     p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
     p.add_argument("--no-ubmem", action="store_true",
                    help="allow_nvlink_for_low_latency_mode=False: same-node peers through put, not stores")

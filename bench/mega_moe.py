@@ -110,10 +110,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default max(1, cores // ranks))")
     preset = "default: the preset's"
     cli.add_shared(p, num_tokens=None, hidden=None, num_topk=None, num_experts=None, iters=5, warmup=2, seed=0,
-                   json=None, no_progress=False,
+                   json=None,
                    helps=dict(num_tokens=preset, hidden=preset, num_topk=preset,
-                              num_experts=preset + "; rounded up to a multiple of the ranks",
-                              no_progress="no bar here"))
+                              num_experts=preset + "; rounded up to a multiple of the ranks"))
     cli.add_link_args(p)
 
 

@@ -103,7 +103,8 @@ class EngramBuffer(BufferBase):
             default 100, ``$DEEPEP_ASCEND_TIMEOUT_S`` applies when set.
         explicitly_destroy: as DeepEP: :meth:`destroy` must then be called on every rank.
         ranks_per_node: simulated node size (default ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
-            shared-memory domain).
+            shared-memory domain). Pass the same value to :meth:`get_storage_size_hint` and
+            :meth:`get_theoretical_config`, which size for a node count (or set the variable instead).
 
     Raises:
         AssertionError: ``num_allocated_qps`` or ``qp_depth`` not positive (DeepEP's assertion).
@@ -249,6 +250,15 @@ class EngramBuffer(BufferBase):
         table (``sum(entries) * nodes * num_sf_packs * 4``, aligned; 0 with ``num_sf_packs=0``), and the
         storage shard (``sum(entries) * hidden * itemsize``, aligned). Aligned to
         :func:`get_num_allocation_alignment`. Collective (reads the group's topology).
+
+        Args:
+            group, num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token, dtype, num_sf_packs:
+                as DeepEP (see :meth:`set_config`).
+            ranks_per_node: keyword, not in DeepEP (whose topology is the group's hardware): the simulated
+                node size the sizes are for. Pass the value given to the constructor: the scale shard grows
+                with the node count, so a hint for other nodes may leave ``num_gpu_bytes`` too small for
+                :meth:`set_config`. Default as the constructor's (``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
+                shared-memory domain).
         """
         comm = mpi_comm_of(group, None)
         nodes = Topology.from_comm(comm, ranks_per_node).num_nodes
@@ -265,6 +275,9 @@ class EngramBuffer(BufferBase):
         get_theoretical_config``), with DeepEP's formula: a NIC without fast RDMA atomics (45 M reads/s),
         a 10 us read round trip, one RDMA peer per node. No queue pairs exist on CPU ranks; the values
         feed the constructor as in DeepEP. Collective (reads the group's topology).
+
+        ``ranks_per_node``: keyword, not in DeepEP: the simulated node size, as given to the constructor
+        (the counts are per node: another node count gives other values). Default as the constructor's.
 
         Raises:
             AssertionError: a count not positive (as DeepEP).
@@ -323,9 +336,11 @@ class EngramBuffer(BufferBase):
                                    f"buffer has num_rdma_storage_bytes={self.num_rdma_storage_bytes} (see "
                                    f"get_storage_size_hint)")
             elif recv + sf > self.num_gpu_bytes:
-                error = ValueError(f"EngramBuffer.set_config: the receive area ({recv} B) and the scale shard ({sf} B) "
-                                   f"need {recv + sf} B, the buffer has num_gpu_bytes={self.num_gpu_bytes} (see "
-                                   f"get_storage_size_hint)")
+                nodes = self._topo.num_nodes
+                error = ValueError(f"EngramBuffer.set_config: the receive area ({recv} B) and the scale shard ({sf} B, "
+                                   f"{nodes} node{'s' if nodes > 1 else ''}) need {recv + sf} B, the buffer has "
+                                   f"num_gpu_bytes={self.num_gpu_bytes} (see get_storage_size_hint, with the "
+                                   f"constructor's ranks_per_node={self._topo.ranks_per_node})")
         self._agree("set_config", error, {
             "num_entries_per_layer": entries, "hidden": hidden, "num_max_tokens": num_max_tokens,
             "num_entries_per_token": num_entries_per_token, "dtype": str(dtype), "num_sf_packs": num_sf_packs})

@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from ..transports import create_transport
+from ..transports import ChannelKind, create_transport
 from .allocator import BufferBase
 from .event import EventHandle, EventOverlap, Worker
 from .group import check_agreed, mpi_comm_of, resolve_deadline
@@ -99,12 +99,25 @@ class PPBuffer(BufferBase):
             self.runtime.destroy(force=True)
             raise
         self.storage = self.runtime.local_view(self._win, 0, self._payload_bytes)
-        self._slots = self.storage.view(2, num_max_inflight_tensors, self.num_slot_bytes)
+        self._slots = [list(half) for half in self.storage.view(2, num_max_inflight_tensors, self.num_slot_bytes)]
         self._headers = self.runtime.local_view(self._win, self._payload_bytes, num_slots * _HEADER_WORDS * 8,
                                                 torch.int64).view(2, num_max_inflight_tensors, _HEADER_WORDS)
         self._header = torch.zeros(_HEADER_WORDS, dtype=torch.int64)  # staged per send; put copies it out
+        self._header_words = self._header.numpy()  # numpy item stores cost far less than torch indexing
+        self._header_table = self._headers.numpy()
         self._next = (self.rank_idx + 1) % self.num_ranks
         self._prev = (self.rank_idx - 1) % self.num_ranks
+        # A neighbour on this node: its receive slots and headers as views, stored into directly (the same
+        # one copy as a put, without a put's per-call checks, which dominate a small tensor's send).
+        self._peer_slots, self._peer_headers = {}, {}
+        for peer in {self._next, self._prev}:
+            if self.runtime.channel_kind(self._win, peer) is not ChannelKind.URMA:
+                slots = self.runtime.peer_view(self._win, peer, 0, self._payload_bytes).view(
+                    2, num_max_inflight_tensors, self.num_slot_bytes)
+                self._peer_slots[peer] = [list(half) for half in slots]  # 1-D slot views, indexed once here
+                self._peer_headers[peer] = self.runtime.peer_view(
+                    self._win, peer, self._payload_bytes, num_slots * _HEADER_WORDS * 8, torch.int64).numpy().reshape(
+                    2, num_max_inflight_tensors, _HEADER_WORDS)
         self._num_sent = {self._next: 0, self._prev: 0}  # per peer: tensors sent / received so far
         self._num_received = {self._next: 0, self._prev: 0}
         self._worker = Worker(f"deepep_ascend-pp-{next(_IDS)}")
@@ -126,7 +139,8 @@ class PPBuffer(BufferBase):
 
     def _destroy(self) -> None:
         self._worker.drain()
-        self.storage = self._slots = self._headers = None  # views of the window: freed with it
+        self.storage = self._slots = self._headers = self._header_table = None  # views of the window: freed with it
+        self._peer_slots, self._peer_headers = {}, {}
         self.runtime.destroy()
         self._worker.shutdown()
         self._win = None
@@ -220,10 +234,18 @@ class PPBuffer(BufferBase):
             tp.wait_until(win, _SLOT_RELEASE, [dst], n - k + 1,
                           phase=f"PPBuffer.send: rank {self.rank_idx} waits for rank {dst} to receive tensor "
                                 f"{n - k + 1} of {n} sent (its {k} receive slots for rank {self.rank_idx} are full)")
-        payload, header = self._offset(self._direction(self.rank_idx, dst), n % k)
-        self._header[0], self._header[1] = data.numel(), n + 1
-        tp.put(win, dst, header, self._header)
-        tp.put_with_signal(win, dst, payload, data, _SLOT_ARRIVAL)  # releases the header put too
+        direction, slot, nbytes = self._direction(self.rank_idx, dst), n % k, data.numel()
+        if dst in self._peer_slots:  # stores into the neighbour's window, counted as the two puts they are
+            self._peer_slots[dst][direction][slot].narrow(0, 0, nbytes).copy_(data)
+            self._peer_headers[dst][direction, slot] = (nbytes, n + 1)
+            tp.record_put(dst, _HEADER_WORDS * 8)
+            tp.record_put(dst, nbytes)
+            tp.signal(win, dst, _SLOT_ARRIVAL)  # ordered: releases both stores
+        else:
+            payload, header = self._offset(direction, slot)
+            self._header_words[0], self._header_words[1] = nbytes, n + 1
+            tp.put(win, dst, header, self._header)
+            tp.put_with_signal(win, dst, payload, data, _SLOT_ARRIVAL)  # releases the header put too
         self._num_sent[dst] = n + 1
 
     def _recv(self, data: torch.Tensor, src: int) -> None:
@@ -231,13 +253,13 @@ class PPBuffer(BufferBase):
         tp.wait_until(win, _SLOT_ARRIVAL, [src], n + 1,
                       phase=f"PPBuffer.recv: rank {self.rank_idx} waits for tensor {n + 1} from rank {src}")
         direction, slot = self._direction(src, self.rank_idx), n % self.num_max_inflight_tensors
-        nbytes, seq = self._headers[direction, slot].tolist()
+        nbytes, seq = (int(v) for v in self._header_table[direction, slot])
         if seq != n + 1:  # the protocol's own invariant: a violation is a bug, never the caller's data
             raise RuntimeError(f"PPBuffer.recv: rank {self.rank_idx}: slot {slot} from rank {src} holds tensor "
                                f"{seq}, expected {n + 1}")
         if nbytes != data.numel():
             raise ValueError(f"PPBuffer.recv: rank {self.rank_idx}: x has {data.numel()} bytes but tensor {n + 1} "
                              f"from rank {src} has {nbytes}; it stays queued for a recv of the right size")
-        data.copy_(self._slots[direction, slot, :nbytes])
+        data.copy_(self._slots[direction][slot].narrow(0, 0, nbytes))
         tp.signal(win, src, _SLOT_RELEASE)  # ordered: our reads of the slot finish before the sender reuses it
         self._num_received[src] = n + 1

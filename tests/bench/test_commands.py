@@ -104,6 +104,37 @@ def test_one_vocabulary():
         cli.add_shared(commands.parser("alloc"), rows=3)
 
 
+def test_each_command_takes_exactly_the_shared_options_its_help_lists():
+    """Parse only: every shared flag a command's ``--help`` lists parses, every other one is refused
+    (argparse's usage error, exit 2, also for a prefix of a longer own option); ``--json`` and
+    ``--no-progress`` are listed by every command, and the top-level ``--help`` lists the vocabulary."""
+    import re
+
+    from bench import cli, commands
+
+    value = {"--json": ["out.json"], "--link-profile": ["none"], "--link-emulation": ["none"],
+             "--link-scale": ["0.5"], "--no-progress": [], "--phases": []}
+    vocabulary = cli.shared_flags()
+    assert len(vocabulary) == len(cli.SHARED) + 3
+    for name in commands.COMMANDS:
+        p = commands.parser(name)
+        listed = set(re.findall(r"^ {2}(--[a-z][a-z0-9-]*)", p.format_help(), flags=re.M))
+        assert {"--json", "--no-progress"} <= listed, (name, sorted(listed))
+        for flag in vocabulary:
+            argv = [flag] + value.get(flag, ["64"])
+            if flag in listed:
+                ns = p.parse_args(argv)
+                dest = flag[2:].replace("-", "_")
+                assert getattr(ns, dest) == (True if not value.get(flag, 1) else type(getattr(ns, dest))(argv[1])), \
+                    (name, flag)
+            else:
+                with pytest.raises(SystemExit) as e:
+                    p.parse_args(argv)
+                assert e.value.code == 2, (name, flag)
+    top = commands._shared_listing()
+    assert all(re.search(rf"{f}\b", top) for f in vocabulary), top
+
+
 def _check_doc(doc: dict, command: str, num_ranks: int) -> None:
     from bench import schema
 

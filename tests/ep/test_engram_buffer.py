@@ -247,6 +247,26 @@ def test_size_hints_and_config_by_hand():
         all_ranks_ok(world(), ok, f"size hints and theoretical config ({nodes} node(s))")
 
 
+def test_size_hint_for_another_node_count_is_refused(two_nodes):
+    """A hint made for one node leaves a two-node buffer's ``num_gpu_bytes`` short of the FP8 scale shard:
+    ``set_config`` raises on every rank naming ``ranks_per_node``; the hint for the buffer's node size fits."""
+    R = world().Get_size()
+    if R % 2:
+        pytest.skip("two simulated nodes need an even number of ranks")
+    buf, packs = two_nodes, 200  # scale shard: sum(ENTRIES) * nodes * packs * 4 B
+    one = EngramBuffer.get_storage_size_hint(world(), ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, FP8, packs,
+                                             ranks_per_node=R)
+    two = EngramBuffer.get_storage_size_hint(world(), ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, FP8, packs,
+                                             ranks_per_node=R // 2)
+    a = 128
+    recv = -(-len(ENTRIES) * MAX_TOKENS * PER_TOKEN * HIDDEN // a) * a
+    assert one[0] == recv + -(-sum(ENTRIES) * packs * 4 // a) * a
+    assert two[0] == recv + -(-sum(ENTRIES) * 2 * packs * 4 // a) * a
+    assert one[0] <= buf.num_gpu_bytes < two[0]  # the sizes this test relies on
+    _raises_everywhere(lambda: buf.set_config(ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, FP8, packs), ValueError,
+                       f"ranks_per_node={R // 2}", "set_config with a one-node hint on two nodes")
+
+
 def _raises_everywhere(fn, kinds, text, what):
     """``fn`` raised one of ``kinds`` on every rank, the message containing ``text`` on at least one."""
     _, exc = capture(fn)
