@@ -272,6 +272,8 @@ class Buffer:
         departed = None
         if self.enable_shrink:
             departed = [] if self._ll is None else torch.nonzero(self._ll.mask).view(-1).tolist()
+        if self._ll is not None:
+            self._ll.release()
         self._engine = self._ll = None
         if self._landing is not None:
             self._landing.release()  # recv_x tensors the caller still holds keep their memory
@@ -1066,14 +1068,15 @@ class Buffer:
         ll = self._ll_usable("low_latency_dispatch")
 
         def validate():
-            return (check_low_latency_dispatch_args(
+            return check_low_latency_dispatch_args(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, num_ranks=self.group_size,
-                num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth),)
+                num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth)
 
-        def issue(lay):
+        def issue(lay, route):
             return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
-                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                               route)
 
         (recv_x, recv_count, handle), event, hook = self._ll_run(ll_mod.OP_DISPATCH, validate, issue, async_finish,
                                                                  return_recv_hook, (x, topk_idx))
@@ -1125,11 +1128,11 @@ class Buffer:
             stale = ll.stale_zero_copy() if zero_copy else None
             # This Buffer's last dispatch's own topk_idx and handle: checked then, routed then.
             route = ll.dispatched_route(topk_idx, handle)
-            return (*check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                                    combine_wait_recv_cost_stats, stale, num_ranks=self.group_size,
-                                                    num_rdma_bytes=self.num_rdma_bytes,
-                                                    qp_depth=self.nvshmem_qp_depth, trusted=route is not None),
-                    route)
+            checked, lay, routed = check_low_latency_combine_args(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, stale,
+                num_ranks=self.group_size, num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth,
+                trusted=route is not None)
+            return checked, lay, route if route is not None else routed
 
         def issue(checked, lay, route):
             return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
