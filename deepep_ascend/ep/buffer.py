@@ -412,7 +412,7 @@ class Buffer:
             return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
         if self._last_traffic is None:
             return {k.name: 0 for k in ChannelKind}
-        return LinkStats.bytes_by_kind(self._last_traffic)
+        return LinkStats.bytes_by_kind(self._traffic())
 
     def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
@@ -429,7 +429,15 @@ class Buffer:
             return self.runtime.stats.snapshot()
         if self._last_traffic is None:
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
-        return {k: v.copy() for k, v in self._last_traffic.items()}
+        return {k: v.copy() for k, v in self._traffic().items()}
+
+    def _traffic(self) -> dict:
+        """The last completed call's counters: ``_last_traffic`` holds ``(after, before)`` snapshots, subtracted
+        when first read (a call pays one copy, not a subtraction per field)."""
+        after, before = self._last_traffic[:2]
+        if len(self._last_traffic) == 2:
+            self._last_traffic = (after, before, LinkStats.diff(after, before))
+        return self._last_traffic[2]
 
     # -- layout ----------------------------------------------------------------------
     @timed("get_dispatch_layout", engine_of)
@@ -605,7 +613,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)
             if _PH.on:
                 _PH.switch(None)
             if after is not None:
@@ -996,7 +1004,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)
             if _PH.on:
                 _PH.switch(None)
 

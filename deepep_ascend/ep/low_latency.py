@@ -61,6 +61,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import native
@@ -315,6 +316,8 @@ class LowLatencyEngine:
         self._all_direct = all(self.direct)
         self._views = {}
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
+        self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
+        self._hdr_bytes = torch.from_numpy(self._hdr_words).view(torch.uint8)
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
@@ -355,7 +358,7 @@ class LowLatencyEngine:
         """A window view kept across calls under ``key`` (``make()`` builds it once); :meth:`release` drops them."""
         v = self._views.get(key)
         if v is None:
-            if len(self._views) > 64:  # many call shapes: start over rather than grow
+            if len(self._views) > 64 + 2 * self.R:  # many call shapes: start over rather than grow
                 self._views.clear()
             v = self._views[key] = make()
         return v
@@ -406,14 +409,19 @@ class LowLatencyEngine:
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
     def _header(self, seq, op, status, lay, flags, message=None):
-        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op)."""
-        raw = bytearray(HDR_BYTES if message else _HDR_WORDS * 8)
-        struct.pack_into("<3q", raw, 0, (seq << 16) | (flags << 8) | (op << 4) | status,
-                         ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
-                         self.op_calls[op])  # word 2: errors name each rank's call by it
-        if message:
-            text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
-            raw[_MSG_OFF:_MSG_OFF + len(text)] = text
+        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op).
+        Without a message, the engine's one header buffer, rewritten by the next call (every put of it
+        completes before the call returns)."""
+        words = ((seq << 16) | (flags << 8) | (op << 4) | status,
+                 ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
+                 self.op_calls[op])  # word 2: errors name each rank's call by it
+        if not message:
+            self._hdr_words[:] = words
+            return self._hdr_bytes
+        raw = bytearray(HDR_BYTES)
+        struct.pack_into("<3q", raw, 0, *words)
+        text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
+        raw[_MSG_OFF:_MSG_OFF + len(text)] = text
         return torch.frombuffer(raw, dtype=torch.uint8)
 
     def _raise_to(self, slot, dst, value) -> int:
@@ -428,6 +436,12 @@ class LowLatencyEngine:
         signal, which then reads ``seq + 1`` (see :meth:`_wait_sources`)."""
         if _PH.on:
             _PH.switch("signal")
+        if self.direct[dst] and hdr.numel() == _HDR_WORDS * 8:  # a store into the mapped header, then the signal
+            self._view(("hdr_out", dst, h), lambda: self.tp.peer_view(
+                self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, _HDR_WORDS * 8)).copy_(hdr)
+            self.tp.record_put(dst, _HDR_WORDS * 8)
+            self.tp.signal(self.ctl, dst, h, add=self._raise_to(h, dst, seq + 1))  # ordered: after every store
+            return
         if self.kinds[dst] is ChannelKind.URMA:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h,

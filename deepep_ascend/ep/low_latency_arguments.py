@@ -35,9 +35,10 @@ def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int,
         Rejected: ``ValueError`` when ``num_rdma_bytes`` is below :func:`low_latency.size_hint`.
     """
     lay, need = _layout(m, hidden, num_experts, num_ranks)
-    check(num_rdma_bytes >= need, ValueError,
-          f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
-          f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
+    if num_rdma_bytes < need:
+        check(False, ValueError,
+              f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
+              f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
     return lay
 
 
@@ -69,22 +70,28 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
         # (an invalid M is refused below, before status 2 is read: 1 only keeps the kernel's arithmetic sane)
         routed = native.ll_route(topk_idx.contiguous(), num_experts, m if m_ok else 1)
         status, (lo, hi, most, arg), counts, slots = routed
-        check(status != 1, ValueError, f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+        if status == 1:
+            check(False, ValueError, f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
     else:
         check_topk_idx(topk_idx, num_experts, num_ranks, values=not trusted)
-    check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
-    check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
-    check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
-          f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
-    check(m < 65536, ValueError,
-          f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
-          f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
-    check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    if num_experts >= 65536:
+        check(False, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
+    if topk_idx.size(0) != rows:
+        check(False, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        check(False, ValueError, f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+    if m >= 65536:
+        check(False, ValueError,
+              f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
+              f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
+    if rows > m:
+        check(False, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
     if routed is not None:
-        check(status != 2, ValueError,
-              f"`topk_idx` selects expert {arg} {most} times (each slot of a row counts, "
-              f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
-              f"source has per expert")
+        if status == 2:
+            check(False, ValueError,
+                  f"`topk_idx` selects expert {arg} {most} times (each slot of a row counts, "
+                  f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
+                  f"source has per expert")
         return ll.NativeRoute(counts, slots, m)
     if topk_idx.size(1) > 1 and rows and not trusted:  # only a repeated expert in a row can exceed rows <= M
         per_expert = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
@@ -110,10 +117,12 @@ def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -
           "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
     handle = LowLatencyHandle._make(handle)
     m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-    check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
-          f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
+    if not all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)):
+        check(False, ValueError,
+              f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
     r = num_ranks
-    check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
+    if num_experts % r:
+        check(False, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
     num_local = num_experts // r
     check_tensor(handle.src_info, "handle.src_info", torch.int32, shape=(num_local, r * m))
     check_tensor(handle.layout_range, "handle.layout_range", torch.int64, shape=(num_local, r))
@@ -144,10 +153,11 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     check(not use_ue8m0 or round_scale, RuntimeError,
           "use_ue8m0=True requires round_scale=True (docs/semantics/deepep-api.md §6.4)")
     check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
-    check(not use_fp8 or hidden % 128 == 0, ValueError,
-          f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
-    check(not use_ue8m0 or hidden % 512 == 0, ValueError,
-          f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
+    if use_fp8 and hidden % 128:
+        check(False, ValueError,
+              f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
+    if use_ue8m0 and hidden % 512:
+        check(False, ValueError, f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
     num_local = num_experts // r
     if cumulative_local_expert_recv_stats is not None:
         check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
@@ -185,8 +195,9 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
     check(not (zero_copy and use_logfmt), RuntimeError,
           "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
-    check(not use_logfmt or hidden % 128 == 0, ValueError,
-          f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
+    if use_logfmt and hidden % 128:
+        check(False, ValueError,
+              f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
     check(stale_zero_copy is None, RuntimeError, stale_zero_copy or "")
     if out is not None:
         check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))

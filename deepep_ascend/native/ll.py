@@ -36,15 +36,16 @@ __all__ = ["ll_available", "ll_combine_recv", "ll_combine_send", "ll_dispatch_re
 
 def ll_available() -> bool:
     """Whether every function of this module has its kernel loaded (else each returns None / False)."""
-    return all(getattr(kernels, name) is not None for name in
-               ("ll_route", "ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send", "ll_combine_recv",
-                "ll_headers_agree", "zero_row_prefix"))
+    k = kernels
+    return not (k.ll_route is None or k.ll_dispatch_send is None or k.ll_dispatch_recv is None
+                or k.ll_combine_send is None or k.ll_combine_recv is None or k.ll_headers_agree is None
+                or k.zero_row_prefix is None)
 
 
 def _need(op: str, name: str, t, dtype: torch.dtype, numel: int | None = None, ndim: int | None = None) -> None:
     """Raise ``ValueError`` unless ``t`` is a contiguous CPU ``dtype`` tensor (of ``numel`` elements, ``ndim``
     dims, where given)."""
-    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
             and (numel is None or t.numel() == numel) and (ndim is None or t.dim() == ndim)):
         want = f"{numel} elements" if numel is not None else (f"{ndim}-D" if ndim is not None else "any shape")
         raise ValueError(f"deepep_ascend.native.{op}: {name} must be a contiguous CPU {dtype} tensor of {want}, got "
@@ -185,8 +186,10 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
           recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(), recv_count.data_ptr(),
           layout_range.data_ptr()):
         return False
-    for t in (recv_x, src_info, recv_count, layout_range) + (() if scales is None else (scales,)):
-        mark_written(t)
+    if scales is None:
+        mark_written(recv_x, src_info, recv_count, layout_range)
+    else:
+        mark_written(recv_x, src_info, recv_count, layout_range, scales)
     return True
 
 
