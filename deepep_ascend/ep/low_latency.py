@@ -195,14 +195,24 @@ class OutputPool:
         that the next user gets them zeroed: the flat rows ``e·rows + r`` (int64 tensor), or ``[L]`` int32
         counts for rows ``[0, count[e])`` of each ``e``. The entry keeps that tensor (its writer must not
         change it afterwards)."""
+        view, ent, _ = self.get_deferred(shape, dtype, channels_first, defer=False)
+        return view, ent
+
+    def get_deferred(self, shape, dtype, channels_first=False, defer=True) -> tuple[torch.Tensor, list, object]:
+        """:meth:`get`, except that (``defer``) a reused tensor whose last user reported ``[L]`` int32 counts is
+        handed out unzeroed, with those counts as the third item (else None): its writer must zero rows
+        ``[0, count[e])`` of each ``e`` that it does not write (the native dispatch receive does, in its pass)."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
+        stale = None
         for ent in entries:
             if memory.storage_users(ent[0]) == 1:
                 base, written = ent
                 if written is None:
                     base.zero_()
+                elif written.dtype == torch.int32 and defer:
+                    stale = written
                 elif written.dtype == torch.int32:  # rows [0, written[e]) of each block e
                     if not native.zero_row_prefix(base, written, channels_first):
                         rows = torch.arange(shape[1])
@@ -219,7 +229,7 @@ class OutputPool:
                     entries.pop(0)
         ent[1] = None  # until the writer reports its rows: all of it
         view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
-        return view, ent
+        return view, ent, stale
 
 
 class _Route(NamedTuple):
@@ -621,22 +631,27 @@ class LowLatencyEngine:
             self._signal(dst, h, hdr, seq)
         if _PH.on:
             _PH.switch("outputs")
-        recv_x, written_x = self.pool.get((L, R * M, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales, written_s = None, None
+        # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
+        pool = self.pool
+        recv_x, written_x, stale_x = pool.get_deferred((L, R * M, H),
+                                                       torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales, written_s, stale_s = None, None, None
         if use_fp8:  # DeepEP: scales column-major in the last two dims
-            recv_scales, written_s = self.pool.get((L, R * M, scale_words),
-                                                   torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
-        src_info, written_i = self.pool.get((L, R * M), torch.int32)
+            recv_scales, written_s, stale_s = pool.get_deferred(
+                (L, R * M, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
+        src_info, written_i, stale_i = pool.get_deferred((L, R * M), torch.int32)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
                              torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
                              (written_x, written_s, written_i), route, stamp(topk_idx, self.mask))
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
-        return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats), outputs)
+        return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
+                                         (stale_x, stale_s, stale_i)), outputs)
 
-    def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
+    def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """:meth:`_receive_dispatch` on the native path: one kernel turns the counts into ``recv_count`` /
-        ``layout_range`` and copies every received message into its rows."""
+        ``layout_range``, copies every received message into its rows and zeroes the rows an earlier user of a
+        reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output)."""
         R, lay = self.R, call.lay
         L, M, H, mb = lay.L, lay.M, lay.H, call.message_bytes
         base = call.half * self.half
@@ -652,7 +667,7 @@ class LowLatencyEngine:
                            lambda: self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb))
         recv_x = call.recv_x.view(torch.uint8)
         if not native.ll_dispatch_recv(sig, self._mask_arg(), slots, M, mb, recv_x, call.recv_scales, call.src_info,
-                                       call.recv_count, call.layout_range):
+                                       call.recv_count, call.layout_range, stale):
             raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
         written = call.recv_count.clone()  # each output's rows [0, recv_count[e]) of expert e
         for ent in call.written:

@@ -24,6 +24,8 @@ is written.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .loader import kernels
@@ -135,7 +137,8 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.Tensor, m: int, mb: int,
                      recv_x: torch.Tensor, scales: torch.Tensor | None, src_info: torch.Tensor,
-                     recv_count: torch.Tensor, layout_range: torch.Tensor) -> bool | None:
+                     recv_count: torch.Tensor, layout_range: torch.Tensor, stale: tuple = (None, None, None)
+                     ) -> bool | None:
     """A dispatch's receive: the counts into ``recv_count`` / ``layout_range``, the messages into rows.
 
     Source ``s``'s count for local expert ``e`` is ``sig[s, e]`` (a masked source counts 0); message ``i``
@@ -149,11 +152,15 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
         slots: ``[L·R·M, mb]`` contiguous uint8. recv_x: ``[L, R·M, xb]`` contiguous uint8 (the payload bytes).
         scales: None, or the channels-first ``[L, R·M, sw]`` scales, stored ``[L, sw, R·M]`` (4-byte words).
         src_info: ``[L, R·M]`` contiguous int32. recv_count: ``[L]`` int32. layout_range: ``[L, R]`` int64.
+        stale: for ``recv_x``, ``scales``, ``src_info`` each None or ``[L]`` contiguous int32: rows ``[0, stale[e])``
+            of expert ``e`` hold an earlier call's data; those this call does not write are zeroed, so every row
+            past ``recv_count[e]`` reads 0 (a reused output zeroed only where needed).
     Returns:
         None where the kernel is not loaded; False when a count lies outside ``[0, M]`` (nothing written);
         True when done.
     Raises:
-        ValueError: operands of another dtype, shape or layout.
+        ValueError: operands of another dtype, shape or layout; a stale count outside ``[0, R·M]`` (nothing
+            written).
     """
     fn = kernels.ll_dispatch_recv
     if fn is None:
@@ -182,9 +189,19 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
     _need(op, "src_info", src_info, torch.int32, num_local * rm)
     _need(op, "recv_count", recv_count, torch.int32, num_local)
     _need(op, "layout_range", layout_range, torch.int64, num_local * num_ranks)
-    if fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), slots.data_ptr(), mb, xb, sw,
-          recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(), recv_count.data_ptr(),
-          layout_range.data_ptr()):
+    if len(stale) != 3:
+        raise ValueError(f"deepep_ascend.native.{op}: stale must hold 3 entries (recv_x, scales, src_info), got "
+                         f"{len(stale)}")
+    for name, c in zip(("stale[0]", "stale[1]", "stale[2]"), stale):
+        if c is not None:
+            _need(op, name, c, torch.int32, num_local)
+    status = fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), slots.data_ptr(), mb, xb, sw,
+                recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(),
+                recv_count.data_ptr(), layout_range.data_ptr(),
+                (ctypes.c_void_p * 3)(*(None if c is None else c.data_ptr() for c in stale)))
+    if status == 2:
+        raise ValueError(f"deepep_ascend.native.{op}: stale counts must lie in [0, {rm}]")
+    if status:
         return False
     if scales is None:
         mark_written(recv_x, src_info, recv_count, layout_range)

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "ll_route": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P]),
     "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64,
                                 _P, _P]),
-    "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P]),
+    "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]),
     "ll_combine_send": (_I64, [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P]),
     "ll_combine_recv": (_I64, [_I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64,
                                _U16, _P]),

@@ -114,7 +114,8 @@ def test_dispatch_send_writes_the_torch_paths_messages(whole, masked):
 
 @pytest.mark.parametrize("scale_words", [0, 2])
 @pytest.mark.parametrize("masked", [False, True])
-def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked):
+@pytest.mark.parametrize("reused", [False, True])
+def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked, reused):
     R, L, m, xb = 3, 2, 4, 16
     mb = 16 + xb + 4 * scale_words
     g = torch.Generator().manual_seed(5)
@@ -124,8 +125,16 @@ def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked):
     recv_x = torch.zeros(L, R * m, xb, dtype=torch.uint8)
     src_info = torch.zeros(L, R * m, dtype=torch.int32)
     scales = torch.zeros(L, scale_words, R * m, dtype=torch.float32).transpose(1, 2) if scale_words else None
+    stale = (None, None, None)
+    if reused:  # an earlier call's rows [0, old[e]) left in every output: those not written now must read 0
+        old = torch.tensor([R * m, 1], dtype=torch.int32)
+        for t in (recv_x, src_info) + ((scales,) if scale_words else ()):
+            for e in range(L):
+                t[e, :int(old[e])] = 77
+        stale = (old, old if scale_words else None, old)
     recv_count, layout_range = torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64)
-    assert native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range)
+    assert native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
+                                   stale)
     live = cnt.clone()
     if masked:
         live[1] = 0
@@ -144,11 +153,16 @@ def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked):
             begin += c
         assert int(recv_count[e]) == begin
         assert not recv_x[e, begin:].any() and not src_info[e, begin:].any()
+        assert not scale_words or not scales[e, begin:].any()
     over = cnt.clone()
     over[2, 1] = m + 1
     before = recv_x.clone()
     assert native.ll_dispatch_recv(over, mask, slots, m, mb, recv_x, scales, src_info, recv_count,
                                    layout_range) is False
+    assert torch.equal(recv_x, before)
+    with pytest.raises(ValueError, match=r"stale counts must lie in \[0, 12\]"):
+        native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
+                                (None, None, torch.tensor([0, R * m + 1], dtype=torch.int32)))
     assert torch.equal(recv_x, before)
     with pytest.raises(ValueError, match="scales must be a channels-first"):
         native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, torch.zeros(L, R * m, 2), src_info, recv_count,

@@ -120,11 +120,14 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
  * message i of slot (e, s) -- at slots + ((e*R + s)*m + i) * mb -- lands in row q = begin + i of expert
  * e: its bytes [16, 16 + xb) at recv_x + (e*R*m + q) * xb, its int32 word 0 at src_info[e*R*m + q], its
  * sw int32 scale words from byte 16 + xb at scales[(e*sw + w)*R*m + q] (scales channels-first; NULL: no
- * scales). */
+ * scales). stale[0..2] (each NULL or int32 [L]): rows [0, stale[i][e]) of expert e of recv_x, scales,
+ * src_info hold an earlier call's data; the rows of them this call does not write are zeroed (so every
+ * row past recv_count[e] reads 0 when this returns). Returns 2 (nothing written) when a stale count lies
+ * outside [0, R*m]. */
 int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m, const int32_t *sig,
                                 const int32_t *mask, const uint8_t *slots, int64_t mb, int64_t xb, int64_t sw,
                                 uint8_t *recv_x, int32_t *scales, int32_t *src_info, int32_t *recv_count,
-                                int64_t *layout_range)
+                                int64_t *layout_range, const int32_t *const *stale)
 {
     const int64_t L = num_local, R = num_ranks, rm = R * m;
     for (int64_t s = 0; s < R; s++) {
@@ -134,6 +137,10 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             if (sig[s * L + e] < 0 || sig[s * L + e] > m)
                 return 1;
     }
+    for (int64_t i = 0; i < 3; i++)
+        for (int64_t e = 0; stale[i] && e < L; e++)
+            if (stale[i][e] < 0 || stale[i][e] > rm)
+                return 2;
     for (int64_t e = 0; e < L; e++) {
         int64_t begin = 0;
         for (int64_t s = 0; s < R; s++) {
@@ -150,6 +157,13 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             begin += c;
         }
         recv_count[e] = (int32_t)begin;
+        /* an earlier call's rows past this call's last one */
+        if (stale[0] && stale[0][e] > begin)
+            memset(recv_x + (e * rm + begin) * xb, 0, (size_t)((stale[0][e] - begin) * xb));
+        for (int64_t w = 0; scales && stale[1] && stale[1][e] > begin && w < sw; w++)
+            memset(scales + (e * sw + w) * rm + begin, 0, (size_t)(stale[1][e] - begin) * 4);
+        if (stale[2] && stale[2][e] > begin)
+            memset(src_info + e * rm + begin, 0, (size_t)(stale[2][e] - begin) * 4);
     }
     return 0;
 }
