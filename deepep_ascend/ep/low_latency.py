@@ -387,7 +387,7 @@ class LowLatencyEngine:
         with ``allow_ubmem``); else the torch path (URMA peers, or ``DEEPEP_ASCEND_NATIVE=0``)."""
         return (self._all_direct or all(self.direct[p] for p in self.order())) and native.ll_available()
 
-    def dispatched_route(self, topk_idx, handle) -> _Route | None:
+    def dispatched_route(self, topk_idx, handle) -> _Route | NativeRoute | None:
         """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and
         ``handle`` holds the very tensors it returned (none written since, same ``M``/``H``/``E``) and the
         mask is unchanged since its route: a combine of that dispatch may then skip re-validating them and
