@@ -15,6 +15,7 @@ from .. import native
 from . import low_latency as ll
 from .arguments import check, check_tensor, check_topk_idx
 from .handles import LowLatencyHandle
+from .phases import RECORDER as _PH
 
 __all__ = ["check_low_latency_combine_args", "check_low_latency_dispatch_args", "check_low_latency_handle",
            "check_low_latency_routing", "low_latency_layout"]
@@ -68,7 +69,11 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
         check_topk_idx(topk_idx, num_experts, num_ranks, values=False)
         m_ok = isinstance(m, int) and not isinstance(m, bool) and 1 <= m < 65536
         # (an invalid M is refused below, before status 2 is read: 1 only keeps the kernel's arithmetic sane)
+        if _PH.on:
+            _PH.switch("route")
         routed = native.ll_route(topk_idx.contiguous(), num_experts, m if m_ok else 1)
+        if _PH.on:
+            _PH.switch("checks")
         status, (lo, hi, most, arg), counts, slots = routed
         if status == 1:
             check(False, ValueError, f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
