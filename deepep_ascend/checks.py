@@ -17,7 +17,7 @@ def storage_problem(t: torch.Tensor) -> str | None:
     A ``meta`` tensor has no data, and a sparse, mkldnn, nested or other device's tensor is not memory the
     CPU paths can read. ``t`` must be a ``torch.Tensor`` (callers check the type first).
     """
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return f"must be a CPU tensor, got device {t.device}"
     if t.layout != torch.strided or t.is_nested:
         return f"must be a dense (strided) tensor, got {'a nested tensor' if t.is_nested else f'layout {t.layout}'}"

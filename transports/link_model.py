@@ -46,8 +46,10 @@ class LinkStats:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.emulator: LinkEmulator | None = None
-        for name in _FIELDS:
-            setattr(self, name, np.zeros((len(ChannelKind), world_size), dtype=np.int64))
+        # One array behind every field (each attribute a view of it): a snapshot is one copy.
+        self._all = np.zeros((len(_FIELDS), len(ChannelKind), world_size), dtype=np.int64)
+        for name, view in zip(_FIELDS, self._all):
+            setattr(self, name, view)
 
     def record_put(self, kind: ChannelKind, peer: int, nbytes: int) -> None:
         self.bytes_put[kind, peer] += nbytes
@@ -68,7 +70,7 @@ class LinkStats:
 
     def snapshot(self) -> dict:
         """A copy of every counter, ``{field: array}``."""
-        return {name: getattr(self, name).copy() for name in _FIELDS}
+        return dict(zip(_FIELDS, self._all.copy()))
 
     def reset(self) -> None:
         for name in _FIELDS:

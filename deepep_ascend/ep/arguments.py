@@ -47,16 +47,18 @@ def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | Non
     Raises:
         Rejected: ``TypeError`` (not a tensor, dtype) or ``ValueError`` (storage, dims, shape) naming ``name``.
     """
-    check(isinstance(t, torch.Tensor), TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    # Messages are formatted only on failure: these checks run several times per call.
+    if not isinstance(t, torch.Tensor):
+        check(False, TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     problem = storage_problem(t)
-    check(problem is None, ValueError, f"`{name}` {problem}")
-    if dtype is not None:
-        check(t.dtype == dtype, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
-    if ndim is not None:
-        check(t.dim() == ndim, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        check(tuple(t.shape) == tuple(shape), ValueError,
-              f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if problem is not None:
+        check(False, ValueError, f"`{name}` {problem}")
+    if dtype is not None and t.dtype != dtype:
+        check(False, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        check(False, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        check(False, ValueError, f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
@@ -79,11 +81,12 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int, values: bool = True) -
     Raises:
         Rejected: ``ValueError`` (``num_experts``, dims, values) or ``TypeError`` (dtype).
     """
-    check(isinstance(num_experts, int) and num_experts > 0 and num_experts % num_ranks == 0, ValueError,
-          f"num_experts must be a positive multiple of the number of ranks ({num_ranks}), got {num_experts!r}")
+    if not (isinstance(num_experts, int) and num_experts > 0 and num_experts % num_ranks == 0):
+        check(False, ValueError,
+              f"num_experts must be a positive multiple of the number of ranks ({num_ranks}), got {num_experts!r}")
     check_tensor(topk_idx, "topk_idx", ndim=2)
-    check(topk_idx.dtype == topk_idx_t, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
-          f"got {topk_idx.dtype}")
+    if topk_idx.dtype != topk_idx_t:
+        check(False, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), got {topk_idx.dtype}")
     if values and topk_idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
         check(lo >= -1 and hi < num_experts, ValueError,

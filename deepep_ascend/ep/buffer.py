@@ -273,6 +273,8 @@ class Buffer:
         departed = None
         if self.enable_shrink:
             departed = [] if self._ll is None else torch.nonzero(self._ll.mask).view(-1).tolist()
+        if self._ll is not None:
+            self._ll.release()
         self._engine = self._ll = None
         if self._landing is not None:
             self._landing.release()  # recv_x tensors the caller still holds keep their memory
@@ -411,7 +413,7 @@ class Buffer:
             return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
         if self._last_traffic is None:
             return {k.name: 0 for k in ChannelKind}
-        return LinkStats.bytes_by_kind(self._last_traffic)
+        return LinkStats.bytes_by_kind(self._traffic())
 
     def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
@@ -428,7 +430,15 @@ class Buffer:
             return self.runtime.stats.snapshot()
         if self._last_traffic is None:
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
-        return {k: v.copy() for k, v in self._last_traffic.items()}
+        return {k: v.copy() for k, v in self._traffic().items()}
+
+    def _traffic(self) -> dict:
+        """The last completed call's counters: ``_last_traffic`` holds ``(after, before)`` snapshots, subtracted
+        when first read (a call pays one copy, not a subtraction per field)."""
+        after, before = self._last_traffic[:2]
+        if len(self._last_traffic) == 2:
+            self._last_traffic = (after, before, LinkStats.diff(after, before))
+        return self._last_traffic[2]
 
     # -- layout ----------------------------------------------------------------------
     @timed("get_dispatch_layout", engine_of)
@@ -605,7 +615,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)
             if _PH.on:
                 _PH.switch(None)
             if after is not None:
@@ -1008,7 +1018,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)
             if _PH.on:
                 _PH.switch(None)
 
@@ -1080,14 +1090,15 @@ class Buffer:
         ll = self._ll_usable("low_latency_dispatch")
 
         def validate():
-            return (check_low_latency_dispatch_args(
+            return check_low_latency_dispatch_args(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, num_ranks=self.group_size,
-                num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth),)
+                num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth)
 
-        def issue(lay):
+        def issue(lay, route):
             return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
-                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                               bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                               route)
 
         (recv_x, recv_count, handle), event, hook = self._ll_run(ll_mod.OP_DISPATCH, validate, issue, async_finish,
                                                                  return_recv_hook, (x, topk_idx))
@@ -1139,11 +1150,11 @@ class Buffer:
             stale = ll.stale_zero_copy() if zero_copy else None
             # This Buffer's last dispatch's own topk_idx and handle: checked then, routed then.
             route = ll.dispatched_route(topk_idx, handle)
-            return (*check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                                                    combine_wait_recv_cost_stats, stale, num_ranks=self.group_size,
-                                                    num_rdma_bytes=self.num_rdma_bytes,
-                                                    qp_depth=self.nvshmem_qp_depth, trusted=route is not None),
-                    route)
+            checked, lay, routed = check_low_latency_combine_args(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, stale,
+                num_ranks=self.group_size, num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth,
+                trusted=route is not None)
+            return checked, lay, route if route is not None else routed
 
         def issue(checked, lay, route):
             return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),

@@ -61,6 +61,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import native
@@ -181,23 +182,44 @@ class OutputPool:
         if not native.copy_rows(rows, which, self._zero[:cols].expand(which.numel(), cols), None):
             _wide(rows).index_fill_(0, which, 0)
 
+    def _zero_flat(self, base: torch.Tensor, shape, channels_first: bool, written: torch.Tensor) -> None:
+        """Zero the flat rows ``written`` (int64 ``e·rows + r``) of the entry ``base`` of ``shape``."""
+        if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
+            base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
+        else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
+            self._zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
+
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
         """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
-        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); set ``entry[1]`` to the flat rows
-        ``e·rows + r`` written (int64 tensor) so that the next user gets them zeroed."""
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); set ``entry[1]`` to the rows written so
+        that the next user gets them zeroed: the flat rows ``e·rows + r`` (int64 tensor), or ``[L]`` int32
+        counts for rows ``[0, count[e])`` of each ``e``. The entry keeps that tensor (its writer must not
+        change it afterwards)."""
+        view, ent, _ = self.get_deferred(shape, dtype, channels_first, defer=False)
+        return view, ent
+
+    def get_deferred(self, shape, dtype, channels_first=False, defer=True) -> tuple[torch.Tensor, list, object]:
+        """:meth:`get`, except that (``defer``) a reused tensor whose last user reported ``[L]`` int32 counts is
+        handed out unzeroed, with those counts as the third item (else None): its writer must zero rows
+        ``[0, count[e])`` of each ``e`` that it does not write (the native dispatch receive does, in its pass)."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
+        stale = None
         for ent in entries:
             if memory.storage_users(ent[0]) == 1:
                 base, written = ent
                 if written is None:
                     base.zero_()
+                elif written.dtype == torch.int32 and defer:
+                    stale = written
+                elif written.dtype == torch.int32:  # rows [0, written[e]) of each block e
+                    if not native.zero_row_prefix(base, written, channels_first):
+                        rows = torch.arange(shape[1])
+                        self._zero_flat(base, shape, channels_first,
+                                        torch.nonzero((rows < written.unsqueeze(1)).view(-1)).squeeze(1))
                 elif written.numel():
-                    if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
-                        base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
-                    else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
-                        self._zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
+                    self._zero_flat(base, shape, channels_first, written)
                 break
         else:
             ent = [zeros(store, dtype), None]
@@ -207,7 +229,7 @@ class OutputPool:
                     entries.pop(0)
         ent[1] = None  # until the writer reports its rows: all of it
         view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
-        return view, ent
+        return view, ent, stale
 
 
 class _Route(NamedTuple):
@@ -220,6 +242,15 @@ class _Route(NamedTuple):
     counts: torch.Tensor  # [E] int64 pairs per expert
     starts: torch.Tensor  # [E] int64 first pair of each expert
     counts32: torch.Tensor  # counts as int32 (the count vectors sent)
+
+
+class NativeRoute(NamedTuple):
+    """A call's route as :func:`deepep_ascend.native.ll_route` computes it (the native path's): independent of the
+    shrink mask (a masked rank's experts are skipped where the route is used)."""
+
+    counts: torch.Tensor  # [E] int32 selections per expert
+    slots: torch.Tensor  # [N, K] int64: e·M + the pair's row among expert e's pairs (tokens, then slots), or -1
+    m: int  # the M the slots are numbered with
 
 
 class _DispatchCall(NamedTuple):
@@ -283,11 +314,20 @@ class LowLatencyEngine:
         self.direct = [k is not ChannelKind.URMA for k in self.kinds]  # load/store reach: SELF, UBMEM
         self.shrink = shrink
         self.mask = torch.zeros(self.R, dtype=torch.int32)
-        self._masked = None  # (stamp of mask, mask as bools), see masked()
         self.calls = 0  # LL data calls issued (dispatch, combine, refused ones); same on every rank
         self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
         self.cleans = 0  # clean_low_latency_buffer calls; same on every rank
         self._sent = {}  # (ctl slot, dst) -> the signal value last published to dst
+        self._peer_cache = None  # (mask version, masked bools, order, live peers, any masked), see _peers
+        # The native path (every live peer mapped, kernels loaded): each rank's window data region by address
+        # (0: not mapped), window views kept across calls (released by release()), rows sent per destination.
+        self._bases = torch.tensor([tp.peer_view(self.win, p, 0, nbytes).data_ptr() if self.direct[p] else 0
+                                    for p in range(self.R)], dtype=torch.int64)
+        self._all_direct = all(self.direct)
+        self._views = {}
+        self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
+        self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
+        self._hdr_bytes = torch.from_numpy(self._hdr_words).view(torch.uint8)
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.pool = OutputPool()
@@ -297,24 +337,57 @@ class LowLatencyEngine:
         self._dispatched = None
 
     # -- helpers -----------------------------------------------------------------------
+    def _peers(self) -> tuple:
+        """``(mask version, masked bools, order, live peers, any masked)``, read again only after a write to
+        ``mask`` (its version counter moves; a torch read per peer per call costs more than the rest of a small
+        call's bookkeeping)."""
+        cached = self._peer_cache
+        if cached is None or cached[0] != self.mask._version:
+            masked = [bool(v) for v in self.mask.tolist()]
+            order = [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not masked[p]]
+            cached = self._peer_cache = (self.mask._version, masked, order, [p for p in range(self.R) if not masked[p]],
+                                         any(masked))
+        return cached
+
     def live_peers(self) -> list[int]:
-        masked = self.masked()
-        return [p for p in range(self.R) if not masked[p]]
+        return self._peers()[3]
 
     def order(self) -> list[int]:
         """Destinations starting after this rank (spreads the load), masked ones left out."""
-        masked = self.masked()
-        return [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not masked[p]]
+        return self._peers()[2]
 
     def masked(self) -> list[bool]:
-        """``mask`` as Python bools, read again only after a write to it (a torch read per peer per call costs
-        more than the rest of a small call's bookkeeping)."""
-        cached = self._masked
-        if cached is None or not stamp_matches(cached[0], self.mask):
-            cached = self._masked = (stamp(self.mask), [bool(v) for v in self.mask.tolist()])
-        return cached[1]
+        """``mask`` as Python bools."""
+        return self._peers()[1]
 
-    def dispatched_route(self, topk_idx, handle) -> _Route | None:
+    def _mask_arg(self) -> torch.Tensor | None:
+        """``mask`` for a native kernel: None when no rank is masked."""
+        return self.mask if self._peers()[4] else None
+
+    def _view(self, key: tuple, make) -> torch.Tensor:
+        """A window view kept across calls under ``key`` (``make()`` builds it once); :meth:`release` drops them."""
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 64 + 2 * self.R:  # many call shapes: start over rather than grow
+                self._views.clear()
+            v = self._views[key] = make()
+        return v
+
+    def _counts_view(self, base: int, L: int) -> torch.Tensor:
+        """int32 ``[R, L]`` view of the count words of the half at ``base`` (source-major)."""
+        return self._view(("sig", base, L),
+                          lambda: self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L))
+
+    def release(self) -> None:
+        """Drop the window views kept across calls (before the windows are freed)."""
+        self._views.clear()
+
+    def native_path(self) -> bool:
+        """Whether calls take the native path: the kernels are loaded and every live peer is mapped (same node
+        with ``allow_ubmem``); else the torch path (URMA peers, or ``DEEPEP_ASCEND_NATIVE=0``)."""
+        return (self._all_direct or all(self.direct[p] for p in self.order())) and native.ll_available()
+
+    def dispatched_route(self, topk_idx, handle) -> _Route | NativeRoute | None:
         """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and
         ``handle`` holds the very tensors it returned (none written since, same ``M``/``H``/``E``) and the
         mask is unchanged since its route: a combine of that dispatch may then skip re-validating them and
@@ -346,14 +419,19 @@ class LowLatencyEngine:
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
     def _header(self, seq, op, status, lay, flags, message=None):
-        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op)."""
-        raw = bytearray(HDR_BYTES if message else _HDR_WORDS * 8)
-        struct.pack_into("<3q", raw, 0, (seq << 16) | (flags << 8) | (op << 4) | status,
-                         ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
-                         self.op_calls[op])  # word 2: errors name each rank's call by it
-        if message:
-            text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
-            raw[_MSG_OFF:_MSG_OFF + len(text)] = text
+        """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op).
+        Without a message, the engine's one header buffer, rewritten by the next call (every put of it
+        completes before the call returns)."""
+        words = ((seq << 16) | (flags << 8) | (op << 4) | status,
+                 ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
+                 self.op_calls[op])  # word 2: errors name each rank's call by it
+        if not message:
+            self._hdr_words[:] = words
+            return self._hdr_bytes
+        raw = bytearray(HDR_BYTES)
+        struct.pack_into("<3q", raw, 0, *words)
+        text = message.encode("utf-8")[:HDR_BYTES - _MSG_OFF - 1]
+        raw[_MSG_OFF:_MSG_OFF + len(text)] = text
         return torch.frombuffer(raw, dtype=torch.uint8)
 
     def _raise_to(self, slot, dst, value) -> int:
@@ -368,6 +446,12 @@ class LowLatencyEngine:
         signal, which then reads ``seq + 1`` (see :meth:`_wait_sources`)."""
         if _PH.on:
             _PH.switch("signal")
+        if self.direct[dst] and hdr.numel() == _HDR_WORDS * 8:  # a store into the mapped header, then the signal
+            self._view(("hdr_out", dst, h), lambda: self.tp.peer_view(
+                self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, _HDR_WORDS * 8)).copy_(hdr)
+            self.tp.record_put(dst, _HDR_WORDS * 8)
+            self.tp.signal(self.ctl, dst, h, add=self._raise_to(h, dst, seq + 1))  # ordered: after every store
+            return
         if self.kinds[dst] is ChannelKind.URMA:
             self.tp.flush(dst)
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h,
@@ -438,6 +522,10 @@ class LowLatencyEngine:
         """Every live source's header against ours; refusals and disagreements raise on every rank."""
         if _PH.on:
             _PH.switch("control")
+        hdr = self._view(("hdr", h), lambda: self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES,
+                                                                 torch.int64).view(self.R, HDR_BYTES // 8))
+        if native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op):  # one pass; else say why below
+            return
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
         words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
         problems = []
@@ -462,17 +550,23 @@ class LowLatencyEngine:
                                     + "; ".join(problems))
 
     # -- dispatch ----------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats) -> Pending:
+    def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats,
+                 route: NativeRoute | None = None) -> Pending:
         """Issue the sends of a dispatch; returns a :class:`Pending` whose receive fills the outputs.
 
         ``x`` ``[N, H]`` bf16, ``topk_idx`` ``[N, K]`` int64 (both dense); ``cum_stats`` ``[L]`` int32
-        and ``wait_stats`` ``[R]`` int64 or None (see ``Buffer.low_latency_dispatch``).
+        and ``wait_stats`` ``[R]`` int64 or None (see ``Buffer.low_latency_dispatch``). ``route``: the native
+        route of ``topk_idx`` (from the argument checks) when not None; with it, and every live peer mapped,
+        the call takes the native path (:meth:`_dispatch_native`), else the torch path below.
         """
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         seq, h = self.begin(OP_DISPATCH)
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
+        if route is not None and route.m == M and self.native_path():
+            return self._dispatch_native(x, topk_idx, lay, seq, h, flags, scale_words, use_fp8, round_scale,
+                                         use_ue8m0, cum_stats, wait_stats, route)
         if _PH.on:
             _PH.switch("pack")
         messages = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
@@ -508,6 +602,80 @@ class LowLatencyEngine:
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs)
+
+    def _dispatch_native(self, x, topk_idx, lay: Layout, seq, h, flags, scale_words, use_fp8, round_scale, use_ue8m0,
+                         cum_stats, wait_stats, route: NativeRoute) -> Pending:
+        """:meth:`dispatch` on the native path: one kernel writes every message (BF16: straight from ``x``; FP8:
+        from the staged messages of :meth:`_write_messages`) and the counts into every destination's window,
+        then one header and signal per destination. The bytes of the torch path."""
+        R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
+        base = h * self.half
+        if _PH.on:
+            _PH.switch("pack")
+        if use_fp8:
+            src = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
+            mb = src.size(1)
+        else:
+            src, mb = x.view(torch.uint8), MSG_HEADER + 2 * H
+        if _PH.on:
+            _PH.switch("send")
+        self._dispatched = None
+        native.ll_dispatch_send(route.slots, M, L, self.rank, src, use_fp8, mb, self._bases, self._mask_arg(),
+                                base + lay.recv_off, base + self.rank * L * 4, route.counts, self._sent_rows)
+        hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
+        sent = self._sent_rows.tolist()
+        for dst in self.order():
+            if sent[dst]:
+                self.tp.record_put(dst, sent[dst] * mb)
+            self.tp.record_put(dst, 4 * L)
+            self._signal(dst, h, hdr, seq)
+        if _PH.on:
+            _PH.switch("outputs")
+        # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
+        pool = self.pool
+        recv_x, written_x, stale_x = pool.get_deferred((L, R * M, H),
+                                                       torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales, written_s, stale_s = None, None, None
+        if use_fp8:  # DeepEP: scales column-major in the last two dims
+            recv_scales, written_s, stale_s = pool.get_deferred(
+                (L, R * M, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
+        src_info, written_i, stale_i = pool.get_deferred((L, R * M), torch.int32)
+        call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
+                             torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
+                             (written_x, written_s, written_i), route, stamp(topk_idx, self.mask))
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
+                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
+        return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
+                                         (stale_x, stale_s, stale_i)), outputs)
+
+    def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
+        """:meth:`_receive_dispatch` on the native path: one kernel turns the counts into ``recv_count`` /
+        ``layout_range``, copies every received message into its rows and zeroes the rows an earlier user of a
+        reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output)."""
+        R, lay = self.R, call.lay
+        L, M, H, mb = lay.L, lay.M, lay.H, call.message_bytes
+        base = call.half * self.half
+        phase = f"low_latency_dispatch call #{call.seq + 1}"
+        if _PH.on:
+            _PH.switch("wait: signals")
+        self._wait_sources(call.half, call.need, phase, wait_stats)
+        self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
+        if _PH.on:
+            _PH.switch("copy")
+        sig = self._counts_view(base, L)
+        slots = self._view(("dslots", base, lay.recv_off, L * R * M * mb),
+                           lambda: self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb))
+        recv_x = call.recv_x.view(torch.uint8)
+        if not native.ll_dispatch_recv(sig, self._mask_arg(), slots, M, mb, recv_x, call.recv_scales, call.src_info,
+                                       call.recv_count, call.layout_range, stale):
+            raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
+        written = call.recv_count.clone()  # each output's rows [0, recv_count[e]) of expert e
+        for ent in call.written:
+            if ent is not None:
+                ent[1] = written
+        if cum_stats is not None:
+            cum_stats.add_(call.recv_count)
+        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
 
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
@@ -681,6 +849,12 @@ class LowLatencyEngine:
         flags = F_LOGFMT if use_logfmt else 0
         src = (self.tp.local_view(self.win, base + lay.send_off, L * R * M * 2 * H, torch.bfloat16).view(L, R * M, H)
                if zero_copy else x)
+        if not use_logfmt and (src.stride(2) == 1 or H == 1) and self.native_path():
+            if not isinstance(route, NativeRoute) or route.m != M:
+                route = self.native_route(topk_idx, lay)
+            return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route)
+        if isinstance(route, NativeRoute):  # the torch path routes with its own structure
+            route = None
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
         beg_all = (layout_range >> 32).to(torch.int64)
         if _PH.on:
@@ -705,6 +879,61 @@ class LowLatencyEngine:
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
                                          combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
+
+    def native_route(self, topk_idx: torch.Tensor, lay: Layout) -> NativeRoute:
+        """:func:`deepep_ascend.native.ll_route` of a ``topk_idx`` the argument checks passed (values in ``[-1, E)``,
+        no expert more than ``M`` times)."""
+        status, _, counts, slots = native.ll_route(topk_idx, lay.E, lay.M)
+        if status:  # the checks refused such a topk_idx before: not reached
+            raise RuntimeError(f"rank {self.rank}: topk_idx changed after its checks (ll_route status {status})")
+        return NativeRoute(counts, slots, lay.M)
+
+    def _combine_native(self, src, topk_idx, topk_weights, layout_range, lay: Layout, seq, h, out, wait_stats,
+                        route: NativeRoute) -> Pending:
+        """:meth:`combine` on the native path (BF16 rows): one kernel stores every returned row and the counts into
+        every destination's window, then one header and signal per destination. The bytes of the torch path."""
+        L, H = lay.L, lay.H
+        base = h * self.half
+        if _PH.on:
+            _PH.switch("send")
+        native.ll_combine_send(layout_range.contiguous(), src, lay.M, self.rank, self._bases, self._mask_arg(),
+                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows)
+        hdr = self._header(seq, OP_COMBINE, 0, lay, 0)
+        sent = self._sent_rows.tolist()
+        for dst in self.order():
+            if sent[dst]:
+                self.tp.record_put(dst, sent[dst] * 2 * H)
+            self.tp.record_put(dst, 4 * L)
+            self._signal(dst, h, hdr, seq)
+        if _PH.on:
+            _PH.switch("outputs")
+        combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+        return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
+                                         route), (combined,))
+
+    def _receive_combine_native(self, seq, h, lay: Layout, topk_weights, combined, wait_stats,
+                                route: NativeRoute) -> None:
+        """:meth:`_receive_combine` on the native path: one kernel checks the counts returned against the route's
+        and sums every token's returned rows (docs/semantics/deepep-api.md §6.3)."""
+        L, M, H, E = lay.L, lay.M, lay.H, lay.E
+        base = h * self.half
+        phase = f"low_latency_combine call #{seq + 1}"
+        if _PH.on:
+            _PH.switch("wait: signals")
+        self._wait_sources(h, seq + 1, phase, wait_stats)
+        self._check_headers(h, seq, OP_COMBINE, lay, 0)
+        if _PH.on:
+            _PH.switch("reduce")
+        sig = self._counts_view(base, L)
+        rows = self._view(("crows", base, lay.recv_off, E * M, H), lambda: self.tp.local_view(
+            self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H))
+        bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M)
+        if bad:
+            g, got, want = bad
+            raise LowLatencyRefused(
+                f"rank {self.rank}: {phase}: rank {g // L} returned {got} rows of expert {g}, but this rank's "
+                f"topk_idx selects it {want} times; combine needs the topk_idx of the dispatch that "
+                f"made the handle, on every rank")
 
     def _row_plan(self, layout_range: torch.Tensor, lay: Layout) -> tuple[list, torch.Tensor, torch.Tensor]:
         """Every destination's rows of a combine at once: ``(ends, src_rows, slot_rows)``, the rows grouped by

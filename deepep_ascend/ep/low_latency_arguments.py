@@ -7,33 +7,44 @@ exception, every other rank a ``LowLatencyRefused`` naming it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import native
 from . import low_latency as ll
 from .arguments import check, check_tensor, check_topk_idx
 from .handles import LowLatencyHandle
+from .phases import RECORDER as _PH
 
 __all__ = ["check_low_latency_combine_args", "check_low_latency_dispatch_args", "check_low_latency_handle",
            "check_low_latency_routing", "low_latency_layout"]
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(m: int, hidden: int, num_experts: int, num_ranks: int) -> tuple[ll.Layout, int]:
+    """``(Layout, size_hint)`` of ``(M, H, E, R)``: made once per shape (a call's shapes repeat every step)."""
+    return ll.Layout(m, hidden, num_experts, num_ranks), ll.size_hint(m, hidden, num_ranks, num_experts)
+
+
 def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int, num_rdma_bytes: int,
                        op: str) -> ll.Layout:
-    """The window layout of a call with ``(M, H, E)``, which must fit ``num_rdma_bytes``.
+    """The window layout of a call with ``(M, H, E)``, which must fit ``num_rdma_bytes`` (the same object for the
+    same shape: read it, never change it).
 
     Raises:
         Rejected: ``ValueError`` when ``num_rdma_bytes`` is below :func:`low_latency.size_hint`.
     """
-    lay = ll.Layout(m, hidden, num_experts, num_ranks)
-    need = ll.size_hint(m, hidden, num_ranks, num_experts)
-    check(num_rdma_bytes >= need, ValueError,
-          f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
-          f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
+    lay, need = _layout(m, hidden, num_experts, num_ranks)
+    if num_rdma_bytes < need:
+        check(False, ValueError,
+              f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
+              f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
     return lay
 
 
 def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: int, *, num_ranks: int,
-                              qp_depth: int, trusted: bool = False) -> None:
+                              qp_depth: int, trusted: bool = False) -> ll.NativeRoute | None:
     """``topk_idx`` ``[rows, K]`` int64, ``E < 65536``, ``rows <= M < 65536``, no expert selected more than
     ``M`` times.
 
@@ -45,19 +56,48 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
     ``trusted``: ``topk_idx`` is the very tensor a dispatch of the same ``E`` and ``M`` checked, unchanged
     since (``LowLatencyEngine.dispatched_route``): its values are not checked again.
 
+    Where the native kernels are loaded, one pass of :func:`deepep_ascend.native.ll_route` gives what the checks
+    read (value range, the most selections of one expert) and the call's route, returned; else the checks run
+    in torch and the result is None.
+
     Raises:
         Rejected: ``ValueError`` / ``TypeError`` (as :func:`~.checks.check_topk_idx`, rows, ``M``,
             more than ``M`` selections of one expert).
     """
-    check_topk_idx(topk_idx, num_experts, num_ranks, values=not trusted)
-    check(num_experts < 65536, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
-    check(topk_idx.size(0) == rows, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
-    check(isinstance(m, int) and not isinstance(m, bool) and m >= 1, ValueError,
-          f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
-    check(m < 65536, ValueError,
-          f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
-          f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
-    check(rows <= m, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    routed = None
+    if not trusted and native.ll_available():
+        check_topk_idx(topk_idx, num_experts, num_ranks, values=False)
+        m_ok = isinstance(m, int) and not isinstance(m, bool) and 1 <= m < 65536
+        # (an invalid M is refused below, before status 2 is read: 1 only keeps the kernel's arithmetic sane)
+        if _PH.on:
+            _PH.switch("route")
+        routed = native.ll_route(topk_idx.contiguous(), num_experts, m if m_ok else 1)
+        if _PH.on:
+            _PH.switch("checks")
+        status, (lo, hi, most, arg), counts, slots = routed
+        if status == 1:
+            check(False, ValueError, f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+    else:
+        check_topk_idx(topk_idx, num_experts, num_ranks, values=not trusted)
+    if num_experts >= 65536:
+        check(False, ValueError, f"num_experts must be below 65536 in low-latency mode, got {num_experts}")
+    if topk_idx.size(0) != rows:
+        check(False, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, {rows_name} has {rows}")
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        check(False, ValueError, f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {m!r}")
+    if m >= 65536:
+        check(False, ValueError,
+              f"num_max_dispatch_tokens_per_rank={m} must be below 65536 (the low-latency header's 16 bits; "
+              f"DeepEP's own cap is nvshmem_qp_depth / 2 - 1 = {qp_depth // 2 - 1}, docs/semantics/deepep-api.md §6.7)")
+    if rows > m:
+        check(False, ValueError, f"{rows_name} has {rows} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    if routed is not None:
+        if status == 2:
+            check(False, ValueError,
+                  f"`topk_idx` selects expert {arg} {most} times (each slot of a row counts, "
+                  f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
+                  f"source has per expert")
+        return ll.NativeRoute(counts, slots, m)
     if topk_idx.size(1) > 1 and rows and not trusted:  # only a repeated expert in a row can exceed rows <= M
         per_expert = torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
         most = int(per_expert.max())
@@ -66,6 +106,7 @@ def check_low_latency_routing(topk_idx, num_experts, m, rows_name: str, rows: in
                   f"`topk_idx` selects expert {int(per_expert.argmax())} {most} times (each slot of a row counts, "
                   f"docs/semantics/deepep-api.md §0), more than the num_max_dispatch_tokens_per_rank={m} rows a "
                   f"source has per expert")
+    return None
 
 
 def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -> LowLatencyHandle:
@@ -81,10 +122,12 @@ def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -
           "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
     handle = LowLatencyHandle._make(handle)
     m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-    check(all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)), ValueError,
-          f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
+    if not all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)):
+        check(False, ValueError,
+              f"`handle` entries 2-4 (M, H, E) must be positive ints, got {(m, hidden, num_experts)!r}")
     r = num_ranks
-    check(num_experts % r == 0, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
+    if num_experts % r:
+        check(False, ValueError, f"`handle` has E={num_experts}, not a multiple of {r} ranks")
     num_local = num_experts // r
     check_tensor(handle.src_info, "handle.src_info", torch.int32, shape=(num_local, r * m))
     check_tensor(handle.layout_range, "handle.layout_range", torch.int64, shape=(num_local, r))
@@ -98,8 +141,10 @@ def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -
 
 def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_local_expert_recv_stats,
                                     dispatch_wait_recv_cost_stats, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                                    *, num_ranks: int, num_rdma_bytes: int, qp_depth: int) -> ll.Layout:
-    """Arguments of ``Buffer.low_latency_dispatch`` (see there); returns the call's window layout.
+                                    *, num_ranks: int, num_rdma_bytes: int,
+                                    qp_depth: int) -> tuple[ll.Layout, ll.NativeRoute | None]:
+    """Arguments of ``Buffer.low_latency_dispatch`` (see there); returns the call's window layout and its native
+    route (None where the native kernels are not loaded; see :func:`check_low_latency_routing`).
 
     Raises:
         Rejected: DeepEP's classes (``TypeError`` / ``ValueError`` / ``AssertionError`` /
@@ -108,15 +153,16 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     r = num_ranks
     check_tensor(x, "x", torch.bfloat16, ndim=2)
     n, hidden = x.shape
-    check_low_latency_routing(topk_idx, num_experts, m, "x", n, num_ranks=r, qp_depth=qp_depth)
+    route = check_low_latency_routing(topk_idx, num_experts, m, "x", n, num_ranks=r, qp_depth=qp_depth)
     check(hidden >= 1, ValueError, "`x` must have hidden >= 1")
     check(not use_ue8m0 or round_scale, RuntimeError,
           "use_ue8m0=True requires round_scale=True (docs/semantics/deepep-api.md §6.4)")
     check(not use_ue8m0 or use_fp8, ValueError, "use_ue8m0=True requires use_fp8=True")
-    check(not use_fp8 or hidden % 128 == 0, ValueError,
-          f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
-    check(not use_ue8m0 or hidden % 512 == 0, ValueError,
-          f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
+    if use_fp8 and hidden % 128:
+        check(False, ValueError,
+              f"FP8 low-latency dispatch needs hidden % 128 == 0 (per-128-channel scales), got {hidden}")
+    if use_ue8m0 and hidden % 512:
+        check(False, ValueError, f"UE8M0 scales pack 4 groups per int32: hidden % 512 == 0 needed, got {hidden}")
     num_local = num_experts // r
     if cumulative_local_expert_recv_stats is not None:
         check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
@@ -124,13 +170,13 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     if dispatch_wait_recv_cost_stats is not None:
         check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, shape=(r,))
     return low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
-                              op="low_latency_dispatch")
+                              op="low_latency_dispatch"), route
 
 
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt: bool, zero_copy: bool, out,
                                    combine_wait_recv_cost_stats, stale_zero_copy: str | None, *, num_ranks: int,
                                    num_rdma_bytes: int, qp_depth: int,
-                                   trusted: bool = False) -> tuple[LowLatencyHandle, ll.Layout]:
+                                   trusted: bool = False) -> tuple[LowLatencyHandle, ll.Layout, ll.NativeRoute | None]:
     """Arguments of ``Buffer.low_latency_combine`` (see there).
 
     Args:
@@ -139,7 +185,8 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
         trusted: ``topk_idx`` and ``handle`` are the last dispatch's own, unchanged since
             (:meth:`LowLatencyEngine.dispatched_route`): only their types and shapes are checked.
     Returns:
-        ``(handle as a LowLatencyHandle, the call's window layout)``.
+        ``(handle as a LowLatencyHandle, the call's window layout, its native route or None)`` (the route as
+        :func:`check_low_latency_routing` returns it; None when ``trusted``).
     Raises:
         Rejected: as :func:`check_low_latency_dispatch_args`.
     """
@@ -148,13 +195,14 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
     check_tensor(x, "x", torch.bfloat16, shape=(num_experts // r, r * m, hidden))
     check_tensor(topk_idx, "topk_idx", ndim=2)
-    check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
-                              qp_depth=qp_depth, trusted=trusted)
+    route = check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
+                                      qp_depth=qp_depth, trusted=trusted)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
     check(not (zero_copy and use_logfmt), RuntimeError,
           "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
-    check(not use_logfmt or hidden % 128 == 0, ValueError,
-          f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
+    if use_logfmt and hidden % 128:
+        check(False, ValueError,
+              f"use_logfmt needs hidden % 128 == 0 (LogFMT-10 works on 128-channel groups), got {hidden}")
     check(stale_zero_copy is None, RuntimeError, stale_zero_copy or "")
     if out is not None:
         check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
@@ -163,4 +211,4 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
         check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
     layout = low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
                                 op="low_latency_combine")
-    return handle, layout
+    return handle, layout, route

@@ -9,6 +9,9 @@ Modules:
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`weighted_sum_rows`, :func:`dequant_rows_e4m3`,
   :func:`swiglu`;
+* :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
+  :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_combine_send`,
+  :func:`ll_combine_recv`, :func:`ll_headers_agree`, :func:`zero_row_prefix`;
 * :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`.
 
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
@@ -48,9 +51,20 @@ from .amx import (
     amx_packed_nbytes,
     gemm_bf16_amx,
 )
+from .ll import (
+    ll_available,
+    ll_combine_recv,
+    ll_combine_send,
+    ll_dispatch_recv,
+    ll_dispatch_send,
+    ll_headers_agree,
+    ll_route,
+    zero_row_prefix,
+)
 from .loader import available, library_path
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes",
-           "available", "copy_rows", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows", "swiglu",
-           "weighted_sum_rows"]
+           "available", "copy_rows", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "ll_available",
+           "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_route",
+           "sum_rows", "swiglu", "weighted_sum_rows", "zero_row_prefix"]

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 9
+ABI = 10
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -34,6 +34,15 @@ _SIGNATURES = {
     "swiglu_bf16": (_I64, [_I64, _I64, _P, _I64, _P, _P, _I64, _F32, _I64, _I64, _F32, _I64, _P, _I64, _U16]),
     "copy_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
     "weighted_sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _U16]),
+    "ll_route": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P]),
+    "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64,
+                                _P, _P]),
+    "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]),
+    "ll_combine_send": (_I64, [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P]),
+    "ll_combine_recv": (_I64, [_I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64,
+                               _U16, _P]),
+    "ll_headers_agree": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _I64]),
+    "zero_row_prefix": (_I64, [_P, _I64, _I64, _I64, _I64, _P]),
     "amx_bf16_available": (_I64, []),
     "amx_packed_elems": (_I64, [_I64, _I64]),
     "amx_pack_bf16": (None, [_P, _P, _I64, _I64, _I64]),

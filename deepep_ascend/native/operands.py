@@ -70,8 +70,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def mark_written(t: torch.Tensor) -> None:
-    """Bump ``t``'s version counter (shared with its base) after a native write, as an in-place torch op
+def mark_written(*tensors: torch.Tensor) -> None:
+    """Bump each tensor's version counter (shared with its base) after a native write, as an in-place torch op
     would: caches keyed on versions and autograd's saved-tensor checks see the change."""
-    if not t.is_inference():
-        torch.autograd.graph.increment_version(t)
+    live = [t for t in tensors if not t.is_inference()]
+    if live:
+        torch.autograd.graph.increment_version(live)

@@ -1,0 +1,298 @@
+/* The low-latency calls' fixed work, one C call per step: what deepep_ascend.ep.low_latency's torch path
+ * spreads over some sixty small torch ops per call (each costs microseconds whatever its size; at the
+ * few tokens of a decode step they, not the bytes, are the call's time).
+ *
+ *   deepep_ll_route          one pass over topk_idx: its value range, the most selections of one expert,
+ *                            per-expert counts and each (token, slot)'s row among its expert's rows
+ *   deepep_ll_dispatch_send  every message of every mapped destination straight into its slot, and the
+ *                            per-expert counts into the destinations' count words
+ *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; slots -> recv_x, scales, src_info
+ *   deepep_ll_combine_send   every returned row of every mapped destination straight into its slot, and
+ *                            the counts
+ *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
+ *   deepep_ll_headers_agree  every live source's call header against this rank's
+ *   deepep_zero_row_prefix   the first count[e] rows of each expert's block zeroed (OutputPool's reuse)
+ *
+ * Window memory is addressed by plain byte addresses (the caller's mapped segments, one per rank, 0 where
+ * a rank is not mapped); the caller derives every offset from the layout it checked against the window's
+ * size. Row numbers the caller cannot vouch for (counts read from a peer, layout_range values) are checked
+ * here before anything is written: the kernel then returns nonzero and writes nothing.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* topk_idx [n, k] (row-major, int64) in one pass: stats = {min, max} of all values (0, 0 when n*k == 0);
+ * returns 1 (nothing else written) when a value lies outside [-1, num_experts). Else stats[2] / stats[3]
+ * = the most selections of one expert and the first expert selected that often (counting every slot);
+ * counts[e] = selections of expert e; slots[t*k + j] = e*m + (the pair's row among expert e's pairs, in
+ * (token, slot) order), or -1 for idx -1. Returns 2 when an expert is selected more than m times
+ * (stats and counts written, slots not). */
+int64_t deepep_ll_route(int64_t n, int64_t k, const int64_t *idx, int64_t num_experts, int64_t m,
+                        int32_t *counts, int64_t *slots, int64_t *stats)
+{
+    const int64_t total = n * k;
+    int64_t lo = total ? idx[0] : 0, hi = lo;
+    for (int64_t i = 0; i < total; i++) {
+        lo = idx[i] < lo ? idx[i] : lo;
+        hi = idx[i] > hi ? idx[i] : hi;
+    }
+    stats[0] = lo;
+    stats[1] = hi;
+    stats[2] = stats[3] = 0;
+    if (lo < -1 || hi >= num_experts)
+        return 1;
+    memset(counts, 0, (size_t)num_experts * sizeof *counts);
+    for (int64_t i = 0; i < total; i++)
+        if (idx[i] >= 0)
+            counts[idx[i]]++;
+    int64_t most = 0, arg = 0;
+    for (int64_t e = 0; e < num_experts; e++)
+        if (counts[e] > most) {
+            most = counts[e];
+            arg = e;
+        }
+    stats[2] = most;
+    stats[3] = arg;
+    if (most > m)
+        return 2;
+    memset(counts, 0, (size_t)num_experts * sizeof *counts);
+    for (int64_t i = 0; i < total; i++)
+        slots[i] = idx[i] < 0 ? -1 : idx[i] * m + counts[idx[i]]++;
+    return 0;
+}
+
+/* Whether rank p is reached here: mapped (bases[p] != 0) and not masked. */
+static inline int reached(const int64_t *bases, const int32_t *mask, int64_t p)
+{
+    return bases[p] != 0 && !(mask && mask[p]);
+}
+
+/* A dispatch's sends to every reached destination. Pair (t, j) with slots[t*k + j] = e*m + r >= 0 (see
+ * deepep_ll_route) goes to rank d = e / L, local expert le = e % L: message bytes [int32 t | 12 zero bytes |
+ * payload] at bases[d] + recv_off + ((le*R + me)*m + r) * mb. src row t (at src + t * src_stride): the
+ * payload (payload_bytes = mb - 16), or with whole_messages the full mb-byte message (header included).
+ * Then counts[d*L .. d*L + L) (int32) at bases[d] + counts_off. sent[d] = messages written to d. Returns 1
+ * (nothing written) when a slot lies outside [-1, L*R*m). */
+int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int64_t m, int64_t num_local,
+                             int64_t num_ranks, int64_t me, const uint8_t *src, int64_t src_stride,
+                             int64_t whole_messages, int64_t mb, const int64_t *bases, const int32_t *mask,
+                             int64_t recv_off, int64_t counts_off, const int32_t *counts, int64_t *sent)
+{
+    const int64_t total = n * k;
+    for (int64_t i = 0; i < total; i++)
+        if (slots[i] < -1 || slots[i] >= num_local * num_ranks * m)
+            return 1;
+    for (int64_t d = 0; d < num_ranks; d++)
+        sent[d] = 0;
+    for (int64_t i = 0; i < total; i++) {
+        const int64_t s = slots[i];
+        if (s < 0)
+            continue;
+        const int64_t e = s / m, r = s % m, d = e / num_local, le = e % num_local;
+        if (!reached(bases, mask, d))
+            continue;
+        uint8_t *p = (uint8_t *)(intptr_t)bases[d] + recv_off + ((le * num_ranks + me) * m + r) * mb;
+        const int64_t t = i / k;
+        const uint8_t *row = src + t * src_stride;
+        if (whole_messages) {
+            memcpy(p, row, (size_t)mb);
+        } else {
+            const int32_t token = (int32_t)t;
+            memcpy(p, &token, 4);
+            memset(p + 4, 0, 12);
+            memcpy(p + 16, row, (size_t)(mb - 16));
+        }
+        sent[d]++;
+    }
+    for (int64_t d = 0; d < num_ranks; d++)
+        if (reached(bases, mask, d))
+            memcpy((uint8_t *)(intptr_t)bases[d] + counts_off, counts + d * num_local,
+                   (size_t)num_local * sizeof *counts);
+    return 0;
+}
+
+/* A dispatch's receive. sig: int32 [R][L], source s's count of local expert e at sig[s*L + e] (masked
+ * sources count 0). Returns 1 (nothing written) when a count lies outside [0, m]. Else recv_count[e] =
+ * sum over s, layout_range[e*R + s] = begin << 32 | count with begin the exclusive prefix over s; and
+ * message i of slot (e, s) -- at slots + ((e*R + s)*m + i) * mb -- lands in row q = begin + i of expert
+ * e: its bytes [16, 16 + xb) at recv_x + (e*R*m + q) * xb, its int32 word 0 at src_info[e*R*m + q], its
+ * sw int32 scale words from byte 16 + xb at scales[(e*sw + w)*R*m + q] (scales channels-first; NULL: no
+ * scales). stale[0..2] (each NULL or int32 [L]): rows [0, stale[i][e]) of expert e of recv_x, scales,
+ * src_info hold an earlier call's data; the rows of them this call does not write are zeroed (so every
+ * row past recv_count[e] reads 0 when this returns). Returns 2 (nothing written) when a stale count lies
+ * outside [0, R*m]. */
+int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m, const int32_t *sig,
+                                const int32_t *mask, const uint8_t *slots, int64_t mb, int64_t xb, int64_t sw,
+                                uint8_t *recv_x, int32_t *scales, int32_t *src_info, int32_t *recv_count,
+                                int64_t *layout_range, const int32_t *const *stale)
+{
+    const int64_t L = num_local, R = num_ranks, rm = R * m;
+    for (int64_t s = 0; s < R; s++) {
+        if (mask && mask[s])
+            continue;
+        for (int64_t e = 0; e < L; e++)
+            if (sig[s * L + e] < 0 || sig[s * L + e] > m)
+                return 1;
+    }
+    for (int64_t i = 0; i < 3; i++)
+        for (int64_t e = 0; stale[i] && e < L; e++)
+            if (stale[i][e] < 0 || stale[i][e] > rm)
+                return 2;
+    for (int64_t e = 0; e < L; e++) {
+        int64_t begin = 0;
+        for (int64_t s = 0; s < R; s++) {
+            const int64_t c = (mask && mask[s]) ? 0 : sig[s * L + e];
+            layout_range[e * R + s] = (begin << 32) | c;
+            const uint8_t *msg = slots + (e * R + s) * m * mb;
+            for (int64_t i = 0; i < c; i++, msg += mb) {
+                const int64_t q = e * rm + begin + i;
+                memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
+                memcpy(src_info + q, msg, 4);
+                for (int64_t w = 0; w < sw; w++)
+                    memcpy(scales + (e * sw + w) * rm + begin + i, msg + 16 + xb + 4 * w, 4);
+            }
+            begin += c;
+        }
+        recv_count[e] = (int32_t)begin;
+        /* an earlier call's rows past this call's last one */
+        if (stale[0] && stale[0][e] > begin)
+            memset(recv_x + (e * rm + begin) * xb, 0, (size_t)((stale[0][e] - begin) * xb));
+        for (int64_t w = 0; scales && stale[1] && stale[1][e] > begin && w < sw; w++)
+            memset(scales + (e * sw + w) * rm + begin, 0, (size_t)(stale[1][e] - begin) * 4);
+        if (stale[2] && stale[2][e] > begin)
+            memset(src_info + e * rm + begin, 0, (size_t)(stale[2][e] - begin) * 4);
+    }
+    return 0;
+}
+
+/* A combine's sends to every reached destination d: for each local expert e, with count c and begin b of
+ * layout_range[e*R + d], rows b .. b + c - 1 of src[e] (row r of expert e at src + e * stride_e + r *
+ * stride_r, row_bytes each) into rows 0 .. c - 1 of slot me*L + e at bases[d] + recv_off (slot g row i at
+ * (g*m + i) * row_bytes); then the L counts (int32) at bases[d] + counts_off. sent[d] = rows written to d.
+ * Returns 1 (nothing written) when a reached destination's count exceeds m or its run leaves [0, R*m). */
+int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, int64_t row_bytes, int64_t me,
+                               const int64_t *layout_range, const uint8_t *src, int64_t stride_e, int64_t stride_r,
+                               const int64_t *bases, const int32_t *mask, int64_t recv_off, int64_t counts_off,
+                               int64_t *sent)
+{
+    const int64_t L = num_local, R = num_ranks;
+    for (int64_t d = 0; d < R; d++) {
+        if (!reached(bases, mask, d))
+            continue;
+        for (int64_t e = 0; e < L; e++) {
+            const int64_t c = layout_range[e * R + d] & 0xFFFFFFFF, b = layout_range[e * R + d] >> 32;
+            if (c > m || b < 0 || b + c > R * m)
+                return 1;
+        }
+    }
+    for (int64_t d = 0; d < R; d++) {
+        sent[d] = 0;
+        if (!reached(bases, mask, d))
+            continue;
+        uint8_t *base = (uint8_t *)(intptr_t)bases[d];
+        for (int64_t e = 0; e < L; e++) {
+            const int64_t c = layout_range[e * R + d] & 0xFFFFFFFF, b = layout_range[e * R + d] >> 32;
+            uint8_t *slot = base + recv_off + (me * L + e) * m * row_bytes;
+            for (int64_t i = 0; i < c; i++)
+                memcpy(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes);
+            const int32_t c32 = (int32_t)c;
+            memcpy(base + counts_off + e * 4, &c32, 4);
+            sent[d] += c;
+        }
+    }
+    return 0;
+}
+
+/* Floats of one output row accumulated at a time (the accumulator stays in L1). */
+#define LL_CHUNK 1024
+
+/* A combine's receive. First the counts: got[g] = sig[g] (int32 [R*L], source g / L's rows of expert g)
+ * against expected[g] for every g whose rank g / L is not masked; the first g that differs -> bad = {g,
+ * got, expected}, return 2, nothing written. Then, for every token t,
+ *
+ *   out[t] = bf16( ((+0.0 + f32(rows[idx[t,0]]) * w[t,0]) + f32(rows[idx[t,1]]) * w[t,1]) + ... )
+ *
+ * over the slots j whose idx[t,j] >= 0 and whose expert idx[t,j] / m lives on an unmasked rank, in slot
+ * order, each product rounded to float32 before its add, one rounding to BF16 at the end (the torch path's
+ * y = f32(row) * w; acc += y; acc.to(bf16)). rows: row r at rows + r * row_ld (elements), num_rows of
+ * them; idx values outside [-1, num_rows) -> return 1, nothing written. */
+MULTIVERSION
+int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, int64_t num_local, int64_t num_ranks,
+                               const int32_t *sig, const int32_t *mask, const int32_t *expected, const uint16_t *rows,
+                               int64_t row_ld, int64_t num_rows, const int64_t *idx, const float *w, uint16_t *out,
+                               int64_t out_ld, uint16_t nan_bits, int64_t *bad)
+{
+    const int64_t E = num_local * num_ranks;
+    for (int64_t g = 0; g < E; g++) {
+        if (mask && mask[g / num_local])
+            continue;
+        if (sig[g] != expected[g]) {
+            bad[0] = g;
+            bad[1] = sig[g];
+            bad[2] = expected[g];
+            return 2;
+        }
+    }
+    for (int64_t i = 0; i < n * k; i++)
+        if (idx[i] < -1 || idx[i] >= num_rows)
+            return 1;
+    float acc[LL_CHUNK];
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *ti = idx + t * k;
+        const float *tw = w + t * k;
+        uint16_t *o = out + t * out_ld;
+        for (int64_t h0 = 0; h0 < hidden; h0 += LL_CHUNK) {
+            const int64_t width = hidden - h0 < LL_CHUNK ? hidden - h0 : LL_CHUNK;
+            for (int64_t h = 0; h < width; h++)
+                acc[h] = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                if (ti[j] < 0 || (mask && mask[ti[j] / m / num_local]))
+                    continue;
+                const uint16_t *a = rows + ti[j] * row_ld + h0;
+                const float wj = tw[j];
+                for (int64_t h = 0; h < width; h++) {
+                    const float y = bf16_to_f32(a[h]) * wj;
+                    acc[h] += y;
+                }
+            }
+            for (int64_t h = 0; h < width; h++)
+                o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
+        }
+    }
+    return 0;
+}
+
+/* The call headers (int64 words, one header every hdr_words words; word 0 = seq << 16 | flags << 8 | op << 4
+ * | status, word 1 = M, E, H) of every source s with mask[s] == 0 (mask NULL: all): 1 when each reads
+ * call seq of op with status 0 and the flags and word 1 of this rank's own header (source me), else 0. */
+int64_t deepep_ll_headers_agree(int64_t num_ranks, int64_t me, const int64_t *hdr, int64_t hdr_words,
+                                const int32_t *mask, int64_t seq, int64_t op)
+{
+    const int64_t mine0 = hdr[me * hdr_words] & 0xFF00, mine1 = hdr[me * hdr_words + 1];
+    for (int64_t s = 0; s < num_ranks; s++) {
+        if (mask && mask[s])
+            continue;
+        const int64_t w0 = hdr[s * hdr_words], w1 = hdr[s * hdr_words + 1];
+        if ((w0 >> 16) != seq || ((w0 >> 4) & 0xF) != op || (w0 & 0xF) != 0 || (w0 & 0xFF00) != mine0 || w1 != mine1)
+            return 0;
+    }
+    return 1;
+}
+
+/* Zero, for each block e < num_blocks and each of its `inner` planes, the first counts[e] units of the plane
+ * (plane p of block e at base + (e*inner + p) * plane_bytes, unit_bytes per unit). Returns 1 (nothing
+ * written) when a count lies outside [0, plane_bytes / unit_bytes]. */
+int64_t deepep_zero_row_prefix(uint8_t *base, int64_t num_blocks, int64_t inner, int64_t plane_bytes,
+                               int64_t unit_bytes, const int32_t *counts)
+{
+    for (int64_t e = 0; e < num_blocks; e++)
+        if (counts[e] < 0 || counts[e] * unit_bytes > plane_bytes)
+            return 1;
+    for (int64_t e = 0; e < num_blocks; e++)
+        for (int64_t p = 0; p < inner; p++)
+            memset(base + (e * inner + p) * plane_bytes, 0, (size_t)(counts[e] * unit_bytes));
+    return 0;
+}

@@ -1,0 +1,346 @@
+"""The low-latency calls' fixed work in one native call per step (``csrc/ll_calls.c``).
+
+At a decode step's few tokens a low-latency call's time is its count of small operations, not its bytes:
+the torch path of :mod:`deepep_ascend.ep.low_latency` routes, packs, unpacks and checks with some sixty
+torch ops per call (a few microseconds each, whatever their size). Each function here does one of those
+steps in one pass and writes the same bytes as that torch path:
+
+* :func:`ll_route`: ``topk_idx``'s value range, the most selections of one expert, per-expert counts and
+  each (token, slot)'s row in its expert's slot;
+* :func:`ll_dispatch_send` / :func:`ll_combine_send`: every message (row) of every mapped destination
+  straight into its slot, and the per-expert counts;
+* :func:`ll_dispatch_recv`: counts -> ``recv_count`` / ``layout_range``, slots -> ``recv_x`` / scales /
+  ``src_info``;
+* :func:`ll_combine_recv`: the counts against the route's, then the weighted sum of the returned rows;
+* :func:`ll_headers_agree`: the call headers' consensus in one pass (the caller explains a disagreement);
+* :func:`zero_row_prefix`: the first rows of each expert's block zeroed.
+
+No DeepEP call of their own: the steps inside DeepEP's low-latency kernels. Each returns None / False where
+the library is not loaded (the caller then takes its torch path). Window memory is passed as byte
+addresses (``bases``: one per rank, 0 where a rank is not mapped) plus byte offsets the caller derived from
+a layout it checked against the window; the tensors are checked here, the row numbers in C before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .loader import kernels
+from .operands import mark_written
+from .rows import _NAN_BITS
+
+__all__ = ["ll_available", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send",
+           "ll_headers_agree", "ll_route", "zero_row_prefix"]
+
+
+def ll_available() -> bool:
+    """Whether every function of this module has its kernel loaded (else each returns None / False)."""
+    k = kernels
+    return not (k.ll_route is None or k.ll_dispatch_send is None or k.ll_dispatch_recv is None
+                or k.ll_combine_send is None or k.ll_combine_recv is None or k.ll_headers_agree is None
+                or k.zero_row_prefix is None)
+
+
+def _need(op: str, name: str, t, dtype: torch.dtype, numel: int | None = None, ndim: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``t`` is a contiguous CPU ``dtype`` tensor (of ``numel`` elements, ``ndim``
+    dims, where given)."""
+    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+            and (numel is None or t.numel() == numel) and (ndim is None or t.dim() == ndim)):
+        want = f"{numel} elements" if numel is not None else (f"{ndim}-D" if ndim is not None else "any shape")
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be a contiguous CPU {dtype} tensor of {want}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}"
+                         f"{'' if not isinstance(t, torch.Tensor) or t.is_contiguous() else ' (not contiguous)'}")
+
+
+def _mask(op: str, mask, num_ranks: int):
+    """``mask``'s address (None: no rank masked), after checking it is ``[R]`` int32."""
+    if mask is None:
+        return None
+    _need(op, "mask", mask, torch.int32, num_ranks)
+    return mask.data_ptr()
+
+
+def ll_route(topk_idx: torch.Tensor, num_experts: int, m: int) -> tuple[int, list, torch.Tensor, torch.Tensor] | None:
+    """One pass over ``topk_idx``: what a low-latency call checks and routes by.
+
+    Args:
+        topk_idx: ``[n, k]`` contiguous int64, ``-1`` = no expert.
+        num_experts: ``E >= 1``; m: ``M >= 1``, the rows per (expert, source) slot.
+    Returns:
+        None where the kernel is not loaded; else ``(status, [lo, hi, most, arg], counts, slots)``:
+        ``lo``/``hi`` the smallest and largest value (0, 0 when empty); status 1: a value outside ``[-1, E)``
+        (nothing else computed); else ``most`` selections of expert ``arg`` (the first selected that often,
+        each slot of a row counting) and ``counts`` ``[E]`` int32 the selections per expert; status 2: ``most
+        > M`` (``slots`` not computed); status 0: ``slots`` ``[n, k]`` int64, ``e·M + i`` for the pair that is
+        the ``i``-th of expert ``e``'s pairs in (token, slot) order, ``-1`` where ``topk_idx`` is ``-1``.
+    Raises:
+        ValueError: ``topk_idx`` not a contiguous 2-D int64 CPU tensor; ``E`` or ``M`` not a positive int.
+    """
+    fn = kernels.ll_route
+    if fn is None:
+        return None
+    _need("ll_route", "topk_idx", topk_idx, torch.int64, ndim=2)
+    for name, v in (("num_experts", num_experts), ("m", m)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"deepep_ascend.native.ll_route: {name} must be a positive int, got {v!r}")
+    n, k = topk_idx.shape
+    counts = torch.empty(num_experts, dtype=torch.int32)
+    slots = torch.empty(n, k, dtype=torch.int64)
+    stats = torch.empty(4, dtype=torch.int64)
+    status = fn(n, k, topk_idx.data_ptr(), num_experts, m, counts.data_ptr(), slots.data_ptr(), stats.data_ptr())
+    return int(status), stats.tolist(), counts, slots
+
+
+def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: torch.Tensor, whole_messages: bool,
+                     mb: int, bases: torch.Tensor, mask: torch.Tensor | None, recv_off: int, counts_off: int,
+                     counts: torch.Tensor, sent: torch.Tensor) -> bool:
+    """A dispatch's messages and counts into every mapped, unmasked destination (DeepEP's dispatch send).
+
+    Pair ``(t, j)`` with ``slots[t, j] = e·M + i`` (:func:`ll_route`) goes to rank ``d = e // L`` as the message
+    ``[int32 t | 12 zero bytes | payload]`` at byte ``bases[d] + recv_off + ((e % L)·R + me)·M + i)·mb``;
+    the payload is ``src`` row ``t`` (``mb - 16`` bytes), or with ``whole_messages`` ``src`` row ``t`` is the
+    whole ``mb``-byte message. Then ``counts[d·L:(d+1)·L]`` at ``bases[d] + counts_off``.
+
+    Args:
+        slots: ``[n, k]`` contiguous int64 in ``[-1, L·R·M)``. src: ``[n, >= payload]`` uint8, unit column
+            stride. bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
+        counts: ``[L·R]`` contiguous int32. sent: ``[R]`` contiguous int64, set to the messages per rank.
+    Returns:
+        True when done; False (nothing written) where the kernel is not loaded.
+    Raises:
+        ValueError: operands of another dtype, shape or layout, or slots out of range (nothing written).
+    """
+    fn = kernels.ll_dispatch_send
+    if fn is None:
+        return False
+    op = "ll_dispatch_send"
+    _need(op, "slots", slots, torch.int64, ndim=2)
+    num_ranks = bases.numel()
+    _need(op, "bases", bases, torch.int64, num_ranks)
+    _need(op, "counts", counts, torch.int32, num_local * num_ranks)
+    _need(op, "sent", sent, torch.int64, num_ranks)
+    n, k = slots.shape
+    width = mb if whole_messages else mb - 16
+    if not (isinstance(src, torch.Tensor) and src.dtype == torch.uint8 and src.dim() == 2 and src.size(0) == n
+            and src.size(1) >= width and (src.stride(1) == 1 or src.size(1) <= 1) and mb >= 16):
+        raise ValueError(f"deepep_ascend.native.{op}: src must be [{n}, >= {width}] uint8 with unit column stride "
+                         f"(mb={mb} >= 16), got {getattr(src, 'dtype', type(src).__name__)} of shape "
+                         f"{tuple(getattr(src, 'shape', ()))}")
+    if fn(n, k, slots.data_ptr(), m, num_local, num_ranks, me, src.data_ptr(), src.stride(0), int(whole_messages), mb,
+          bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, counts.data_ptr(), sent.data_ptr()):
+        raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {num_local * num_ranks * m})")
+    return True
+
+
+def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.Tensor, m: int, mb: int,
+                     recv_x: torch.Tensor, scales: torch.Tensor | None, src_info: torch.Tensor,
+                     recv_count: torch.Tensor, layout_range: torch.Tensor, stale: tuple = (None, None, None)
+                     ) -> bool | None:
+    """A dispatch's receive: the counts into ``recv_count`` / ``layout_range``, the messages into rows.
+
+    Source ``s``'s count for local expert ``e`` is ``sig[s, e]`` (a masked source counts 0); message ``i``
+    of slot ``(e, s)`` (``slots`` row ``(e·R + s)·M + i``) lands in row ``q = begin + i`` of expert ``e``,
+    ``begin`` the counts of the sources before ``s``: its payload bytes in ``recv_x[e, q]``, its int32 word 0
+    in ``src_info[e, q]``, its scale words (after the payload) in ``scales[e, q, :]``. The torch path of
+    ``LowLatencyEngine._receive_dispatch``, byte for byte.
+
+    Args:
+        sig: ``[R, L]`` contiguous int32. mask: ``[R]`` int32 or None.
+        slots: ``[L·R·M, mb]`` contiguous uint8. recv_x: ``[L, R·M, xb]`` contiguous uint8 (the payload bytes).
+        scales: None, or the channels-first ``[L, R·M, sw]`` scales, stored ``[L, sw, R·M]`` (4-byte words).
+        src_info: ``[L, R·M]`` contiguous int32. recv_count: ``[L]`` int32. layout_range: ``[L, R]`` int64.
+        stale: for ``recv_x``, ``scales``, ``src_info`` each None or ``[L]`` contiguous int32: rows ``[0, stale[e])``
+            of expert ``e`` hold an earlier call's data; those this call does not write are zeroed, so every row
+            past ``recv_count[e]`` reads 0 (a reused output zeroed only where needed).
+    Returns:
+        None where the kernel is not loaded; False when a count lies outside ``[0, M]`` (nothing written);
+        True when done.
+    Raises:
+        ValueError: operands of another dtype, shape or layout; a stale count outside ``[0, R·M]`` (nothing
+            written).
+    """
+    fn = kernels.ll_dispatch_recv
+    if fn is None:
+        return None
+    op = "ll_dispatch_recv"
+    _need(op, "sig", sig, torch.int32, ndim=2)
+    num_ranks, num_local = sig.shape
+    rm = num_ranks * m
+    _need(op, "slots", slots, torch.uint8, num_local * rm * mb)
+    _need(op, "recv_x", recv_x, torch.uint8, ndim=3)
+    xb = recv_x.size(2)
+    if tuple(recv_x.shape[:2]) != (num_local, rm) or mb < 16 + xb:
+        raise ValueError(f"deepep_ascend.native.{op}: recv_x must be [{num_local}, {rm}, <= {mb - 16}] uint8, got "
+                         f"shape {tuple(recv_x.shape)}")
+    sw = 0
+    if scales is not None:
+        if not (scales.dim() == 3 and scales.element_size() == 4 and tuple(scales.shape[:2]) == (num_local, rm)
+                and scales.stride() == (scales.size(2) * rm, 1, rm)):
+            raise ValueError(f"deepep_ascend.native.{op}: scales must be a channels-first [{num_local}, {rm}, S] "
+                             f"tensor of 4-byte words, got {scales.dtype} of shape {tuple(scales.shape)}, strides "
+                             f"{scales.stride()}")
+        sw = scales.size(2)
+        if mb < 16 + xb + 4 * sw:
+            raise ValueError(f"deepep_ascend.native.{op}: {sw} scale words do not fit a {mb}-byte message after "
+                             f"{xb} payload bytes")
+    _need(op, "src_info", src_info, torch.int32, num_local * rm)
+    _need(op, "recv_count", recv_count, torch.int32, num_local)
+    _need(op, "layout_range", layout_range, torch.int64, num_local * num_ranks)
+    if len(stale) != 3:
+        raise ValueError(f"deepep_ascend.native.{op}: stale must hold 3 entries (recv_x, scales, src_info), got "
+                         f"{len(stale)}")
+    for name, c in zip(("stale[0]", "stale[1]", "stale[2]"), stale):
+        if c is not None:
+            _need(op, name, c, torch.int32, num_local)
+    status = fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), slots.data_ptr(), mb, xb, sw,
+                recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(),
+                recv_count.data_ptr(), layout_range.data_ptr(),
+                (ctypes.c_void_p * 3)(*(None if c is None else c.data_ptr() for c in stale)))
+    if status == 2:
+        raise ValueError(f"deepep_ascend.native.{op}: stale counts must lie in [0, {rm}]")
+    if status:
+        return False
+    if scales is None:
+        mark_written(recv_x, src_info, recv_count, layout_range)
+    else:
+        mark_written(recv_x, src_info, recv_count, layout_range, scales)
+    return True
+
+
+def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: int, bases: torch.Tensor,
+                    mask: torch.Tensor | None, recv_off: int, counts_off: int, sent: torch.Tensor) -> bool:
+    """A combine's rows and counts into every mapped, unmasked destination (DeepEP's combine send).
+
+    For destination ``d`` and local expert ``e`` with ``layout_range[e, d] = b << 32 | c``: rows ``src[e, b:b +
+    c]`` into rows ``0..c-1`` of slot ``me·L + e`` at ``bases[d] + recv_off`` (slot ``g`` row ``i`` at byte
+    ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``.
+
+    Args:
+        layout_range: ``[L, R]`` contiguous int64. src: ``[L, R·M, H]`` of any dtype, unit last stride.
+        bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
+        sent: ``[R]`` contiguous int64, set to the rows per rank.
+    Returns:
+        True when done; False (nothing written) where the kernel is not loaded.
+    Raises:
+        ValueError: operands of another dtype, shape or layout; a count above ``M`` or a run outside
+            ``[0, R·M)`` (nothing written).
+    """
+    fn = kernels.ll_combine_send
+    if fn is None:
+        return False
+    op = "ll_combine_send"
+    _need(op, "layout_range", layout_range, torch.int64, ndim=2)
+    num_local, num_ranks = layout_range.shape
+    _need(op, "bases", bases, torch.int64, num_ranks)
+    _need(op, "sent", sent, torch.int64, num_ranks)
+    if not (isinstance(src, torch.Tensor) and src.dim() == 3 and src.size(0) == num_local
+            and src.size(1) == num_ranks * m and (src.stride(2) == 1 or src.size(2) <= 1)):
+        raise ValueError(f"deepep_ascend.native.{op}: src must be [{num_local}, {num_ranks * m}, H] with unit last "
+                         f"stride, got shape {tuple(getattr(src, 'shape', ()))}")
+    e = src.element_size()
+    if fn(num_local, num_ranks, m, src.size(2) * e, me, layout_range.data_ptr(), src.data_ptr(), src.stride(0) * e,
+          src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, sent.data_ptr()):
+        raise ValueError(f"deepep_ascend.native.{op}: layout_range holds a count above M={m} or a run outside "
+                         f"[0, {num_ranks * m})")
+    return True
+
+
+def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                    sig: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None, m: int) -> tuple | None:
+    """A combine's receive: the counts returned against the route's, then DeepEP's weighted sum
+    (docs/semantics/deepep-api.md §6.3): ``out[t] = bf16(Σ_j f32(rows[slots[t, j]]) * weights[t, j])`` over the
+    slots ``j`` with ``slots[t, j] >= 0`` whose expert ``slots[t, j] // M`` lives on an unmasked rank, in slot
+    order from ``+0.0``, each product rounded to float32 before its add, one rounding (the bits of
+    :func:`~deepep_ascend.native.weighted_sum_rows`).
+
+    Args:
+        out: ``[n, H]`` bfloat16, unit column stride, rows apart. rows: ``[E·M, H]`` bfloat16, unit column stride.
+        slots: ``[n, k]`` contiguous int64 (:func:`ll_route`). weights: ``[n, k]`` contiguous float32.
+        sig: ``[R, L]`` contiguous int32, rank ``s``'s rows of its local expert ``e`` at ``sig[s, e]``.
+        expected: ``[E]`` int32, the rows this rank expects of each expert. mask: ``[R]`` int32 or None.
+    Returns:
+        None where the kernel is not loaded; ``()`` when done; ``(g, got, want)`` for the first expert ``g`` of
+        an unmasked rank whose count differs (nothing written).
+    Raises:
+        ValueError: operands of another dtype, shape or layout, or slots outside ``[-1, E·M)``.
+    """
+    fn = kernels.ll_combine_recv
+    if fn is None:
+        return None
+    op = "ll_combine_recv"
+    _need(op, "sig", sig, torch.int32, ndim=2)
+    num_ranks, num_local = sig.shape
+    _need(op, "expected", expected, torch.int32, num_ranks * num_local)
+    _need(op, "slots", slots, torch.int64, ndim=2)
+    _need(op, "weights", weights, torch.float32, slots.numel())
+    n, k = slots.shape
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.dim() == 2 and out.size(0) == n
+            and out.stride(1) == 1 and (n <= 1 or out.stride(0) >= out.size(1))
+            and isinstance(rows, torch.Tensor) and rows.dtype == torch.bfloat16 and rows.dim() == 2
+            and rows.size(1) == out.size(1) and rows.stride(1) == 1):
+        raise ValueError(f"deepep_ascend.native.{op}: out must be [{n}, H] and rows [E·M, H] bfloat16 matrices with "
+                         f"unit column stride and rows apart, got {tuple(getattr(out, 'shape', ()))} and "
+                         f"{tuple(getattr(rows, 'shape', ()))}")
+    bad = torch.empty(3, dtype=torch.int64)
+    status = fn(n, k, out.size(1), m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
+                expected.data_ptr(), rows.data_ptr(), rows.stride(0), rows.size(0), slots.data_ptr(),
+                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, bad.data_ptr())
+    if status == 2:
+        return tuple(bad.tolist())
+    if status:
+        raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})")
+    mark_written(out)
+    return ()
+
+
+def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int) -> bool | None:
+    """Whether every unmasked source's call header (``hdr`` ``[R, W]`` contiguous int64, word 0 = ``seq << 16 |
+    flags << 8 | op << 4 | status``, word 1 = ``M, E, H``) reads call ``seq`` of ``op_code`` with status 0 and
+    the flags and word 1 of this rank's (row ``me``). None where the kernel is not loaded.
+
+    Raises:
+        ValueError: ``hdr`` not such a tensor, ``me`` outside its rows.
+    """
+    fn = kernels.ll_headers_agree
+    if fn is None:
+        return None
+    op = "ll_headers_agree"
+    _need(op, "hdr", hdr, torch.int64, ndim=2)
+    if not 0 <= me < hdr.size(0) or hdr.size(1) < 2:
+        raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {hdr.size(0)} headers of "
+                         f"{hdr.size(1)} words (>= 2 needed)")
+    return bool(fn(hdr.size(0), me, hdr.data_ptr(), hdr.size(1), _mask(op, mask, hdr.size(0)), seq, op_code))
+
+
+def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool = False) -> bool:
+    """Zero rows ``0..counts[e]-1`` of every block ``t[e]`` of the contiguous ``[L, rows, ...]`` tensor ``t``
+    (``channels_first``: ``t`` is stored ``[L, S, rows]``, a row is one element of each of the ``S`` planes).
+
+    Args:
+        t: contiguous tensor of >= 2 dims. counts: ``[L]`` contiguous int32 in ``[0, rows]``.
+    Returns:
+        True when done; False where the kernel is not loaded.
+    Raises:
+        ValueError: operands of another layout, or a count outside ``[0, rows]`` (nothing written).
+    """
+    fn = kernels.zero_row_prefix
+    if fn is None:
+        return False
+    op = "zero_row_prefix"
+    if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.is_contiguous() and t.device.type == "cpu"):
+        raise ValueError(f"deepep_ascend.native.{op}: t must be a contiguous CPU tensor of >= 2 dims, got "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+    _need(op, "counts", counts, torch.int32, t.size(0))
+    e, blocks = t.element_size(), t.size(0)
+    per_block = t.numel() // blocks if blocks else 0
+    if channels_first:  # [L, S, rows]: S planes of one element per row
+        inner, plane, unit = per_block // max(t.size(-1), 1), t.size(-1) * e, e
+    else:  # [L, rows, ...]: one plane of rows
+        inner, plane, unit = 1, per_block * e, per_block // max(t.size(1), 1) * e
+    if t.numel() and fn(t.data_ptr(), t.size(0), inner, plane, unit, counts.data_ptr()):
+        raise ValueError(f"deepep_ascend.native.{op}: counts must lie in [0, {plane // max(unit, 1)}]")
+    mark_written(t)
+    return True

@@ -1,0 +1,286 @@
+"""The low-latency calls' native steps (``native.ll_*``, ``csrc/ll_calls.c``) against the torch path of
+``deepep_ascend.ep.low_latency`` and per-row Python references, byte for byte: routes with repeats, -1 and
+empty inputs; messages and rows written into plain tensors standing for two ranks' windows; masks; special
+values in the weighted sum; strided and bad operands refused before anything is written."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from deepep_ascend import native
+from deepep_ascend.ep.low_latency import LowLatencyEngine
+from tests.support.buffer_helpers import same_bits_nan
+from tests.support.rows import BF16
+from tests.support.rows import random_rows as _rows
+
+pytestmark = pytest.mark.skipif(not native.ll_available(), reason="native kernels not built")
+
+
+def _torch_route(topk_idx, num_local, num_experts):
+    """The torch path's route (``LowLatencyEngine._route``, no rank masked)."""
+    stand_in = types.SimpleNamespace(masked=lambda: [False], mask=torch.zeros(1, dtype=torch.int32))
+    return LowLatencyEngine._route(stand_in, topk_idx, num_local, num_experts)
+
+
+@pytest.mark.parametrize("n, k, E, m", [(7, 4, 16, 8), (1, 8, 256, 1), (0, 8, 16, 4), (12, 1, 6, 12)])
+def test_route_matches_the_torch_route(n, k, E, m):
+    g = torch.Generator().manual_seed(n * 100 + k)
+    idx = torch.randint(-1, E, (n, k), generator=g)
+    if n > 2 and k > 1:
+        idx[1, 1] = idx[1, 0]  # an expert twice in one row: two pairs
+    status, (lo, hi, most, arg), counts, slots = native.ll_route(idx, E, m)
+    per_expert = torch.bincount(idx.view(-1) + 1, minlength=E + 1)[1:]
+    assert (lo, hi) == ((int(idx.min()), int(idx.max())) if idx.numel() else (0, 0))
+    assert most == int(per_expert.max()) and (most == 0 or arg == int(per_expert.argmax()))
+    if most > m:
+        assert status == 2
+        return
+    assert status == 0
+    route = _torch_route(idx, max(E // 2, 1), E)
+    assert torch.equal(counts, route.counts32)
+    want = torch.full((n * k,), -1, dtype=torch.int64)
+    want[route.flat] = route.experts * m + route.rank
+    assert torch.equal(slots.view(-1), want)
+
+
+def test_route_statuses():
+    idx = torch.tensor([[0, 3], [3, 1]])
+    status, stats, _, _ = native.ll_route(idx, 3, 4)  # 3 is out of [-1, 3)
+    assert status == 1 and stats[:2] == [0, 3]
+    status, stats, _, _ = native.ll_route(torch.tensor([[-2, 0]]), 4, 4)
+    assert status == 1 and stats[:2] == [-2, 0]
+    status, stats, counts, _ = native.ll_route(torch.tensor([[2, 2, 1], [1, 2, 1]]), 4, 2)  # 1 and 2: 3 times each
+    assert status == 2 and stats[2:] == [3, 1] and counts.tolist() == [0, 3, 3, 0]
+    with pytest.raises(ValueError, match="topk_idx must be a contiguous"):
+        native.ll_route(torch.zeros(4, 2, dtype=torch.int64).t(), 4, 2)
+    with pytest.raises(ValueError, match="topk_idx must be a contiguous"):
+        native.ll_route(torch.zeros(2, 2, dtype=torch.int32), 4, 2)
+    with pytest.raises(ValueError, match="m must be a positive int"):
+        native.ll_route(torch.zeros(2, 2, dtype=torch.int64), 4, 0)
+
+
+def _windows(R, nbytes, fill=0xA5):
+    """One plain uint8 tensor per rank standing for its window, and their addresses."""
+    wins = [torch.full((nbytes,), fill, dtype=torch.uint8) for _ in range(R)]
+    return wins, torch.tensor([w.data_ptr() for w in wins], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_dispatch_send_writes_the_torch_paths_messages(whole, masked):
+    R, L, m, n, k, payload, me = 2, 3, 8, 5, 3, 24, 1
+    E, mb = R * L, 16 + payload
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, E, (n, k), generator=g)
+    status, _, counts, slots = native.ll_route(idx, E, m)
+    assert status == 0
+    payloads = torch.randint(0, 256, (n, payload + 8), generator=g, dtype=torch.uint8)[:, 3:3 + payload]  # strided rows
+    messages = torch.cat([torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4),
+                          torch.zeros(n, 12, dtype=torch.uint8), payloads], 1)
+    src = messages if whole else payloads
+    recv_off, counts_off = 64, 8
+    wins, bases = _windows(R, recv_off + L * R * m * mb)
+    mask = torch.tensor([1, 0], dtype=torch.int32) if masked else None
+    want = [w.clone() for w in wins]
+    route = _torch_route(idx, L, E)
+    for p in range(len(route.flat)):  # the torch path's placement, one message at a time
+        e, r, t = int(route.experts[p]), int(route.rank[p]), int(route.tokens[p])
+        d = e // L
+        if masked and d == 0:
+            continue
+        at = recv_off + (((e % L) * R + me) * m + r) * mb
+        want[d][at:at + mb] = messages[t]
+    for d in range(R):
+        if not (masked and d == 0):
+            want[d][counts_off:counts_off + 4 * L] = counts[d * L:(d + 1) * L].view(torch.uint8)
+    sent = torch.zeros(R, dtype=torch.int64)
+    assert native.ll_dispatch_send(slots, m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+    for d in range(R):
+        assert torch.equal(wins[d], want[d])
+    per_rank = [int((route.experts // L == d).sum()) for d in range(R)]
+    assert sent.tolist() == [0 if masked and d == 0 else per_rank[d] for d in range(R)]
+    bad = slots.clone()
+    bad[0, 0] = E * m
+    before = [w.clone() for w in wins]
+    with pytest.raises(ValueError, match="slots must lie in"):
+        native.ll_dispatch_send(bad, m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+    assert all(torch.equal(a, b) for a, b in zip(wins, before))
+    with pytest.raises(ValueError, match="slots must be a contiguous"):
+        native.ll_dispatch_send(slots.t(), m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+
+
+@pytest.mark.parametrize("scale_words", [0, 2])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("reused", [False, True])
+def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked, reused):
+    R, L, m, xb = 3, 2, 4, 16
+    mb = 16 + xb + 4 * scale_words
+    g = torch.Generator().manual_seed(5)
+    cnt = torch.randint(0, m + 1, (R, L), generator=g, dtype=torch.int32)
+    slots = torch.randint(0, 256, (L * R * m * mb,), generator=g, dtype=torch.uint8)
+    mask = torch.tensor([0, 1, 0], dtype=torch.int32) if masked else None
+    recv_x = torch.zeros(L, R * m, xb, dtype=torch.uint8)
+    src_info = torch.zeros(L, R * m, dtype=torch.int32)
+    scales = torch.zeros(L, scale_words, R * m, dtype=torch.float32).transpose(1, 2) if scale_words else None
+    stale = (None, None, None)
+    if reused:  # an earlier call's rows [0, old[e]) left in every output: those not written now must read 0
+        old = torch.tensor([R * m, 1], dtype=torch.int32)
+        for t in (recv_x, src_info) + ((scales,) if scale_words else ()):
+            for e in range(L):
+                t[e, :int(old[e])] = 77
+        stale = (old, old if scale_words else None, old)
+    recv_count, layout_range = torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64)
+    assert native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
+                                   stale)
+    live = cnt.clone()
+    if masked:
+        live[1] = 0
+    msgs = slots.view(L, R, m, mb)
+    for e in range(L):  # the definition: expert e's rows by source, then message order, packed from row 0
+        begin = 0
+        for s in range(R):
+            c = int(live[s, e])
+            assert int(layout_range[e, s]) == (begin << 32) | c
+            for i in range(c):
+                q = begin + i
+                assert torch.equal(recv_x[e, q], msgs[e, s, i, 16:16 + xb])
+                assert torch.equal(src_info[e, q:q + 1].view(torch.uint8), msgs[e, s, i, :4])
+                if scale_words:
+                    assert torch.equal(scales[e, q].contiguous().view(torch.uint8), msgs[e, s, i, 16 + xb:mb])
+            begin += c
+        assert int(recv_count[e]) == begin
+        assert not recv_x[e, begin:].any() and not src_info[e, begin:].any()
+        assert not scale_words or not scales[e, begin:].any()
+    over = cnt.clone()
+    over[2, 1] = m + 1
+    before = recv_x.clone()
+    assert native.ll_dispatch_recv(over, mask, slots, m, mb, recv_x, scales, src_info, recv_count,
+                                   layout_range) is False
+    assert torch.equal(recv_x, before)
+    with pytest.raises(ValueError, match=r"stale counts must lie in \[0, 12\]"):
+        native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
+                                (None, None, torch.tensor([0, R * m + 1], dtype=torch.int32)))
+    assert torch.equal(recv_x, before)
+    with pytest.raises(ValueError, match="scales must be a channels-first"):
+        native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, torch.zeros(L, R * m, 2), src_info, recv_count,
+                                layout_range)
+    with pytest.raises(ValueError, match="sig must be a contiguous"):
+        native.ll_dispatch_recv(cnt.t(), mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_combine_send_stores_each_run_in_its_slot(masked):
+    R, L, m, H, me = 2, 3, 4, 8, 0
+    g = torch.Generator().manual_seed(9)
+    cnt = torch.randint(0, m + 1, (L, R), generator=g)
+    begin = torch.cumsum(cnt, 1) - cnt
+    layout_range = (begin << 32) | cnt
+    full = _rows(g, L * R * m, 2 * H).view(L, R * m, 2 * H)
+    src = full[:, :, 3:3 + H]  # strided rows
+    recv_off, counts_off = 32, 4
+    wins, bases = _windows(R, recv_off + R * L * m * 2 * H)
+    want = [w.clone() for w in wins]
+    mask = torch.tensor([0, 1], dtype=torch.int32) if masked else None
+    for d in range(R):
+        if masked and d == 1:
+            continue
+        slots = want[d][recv_off:].view(BF16).view(R * L, m, H)
+        for e in range(L):
+            c, b = int(cnt[e, d]), int(begin[e, d])
+            slots[me * L + e, :c] = src[e, b:b + c]
+        want[d][counts_off:counts_off + 4 * L] = cnt[:, d].to(torch.int32).view(torch.uint8)
+    sent = torch.zeros(R, dtype=torch.int64)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent)
+    for d in range(R):
+        assert torch.equal(wins[d], want[d])
+    assert sent.tolist() == [0 if masked and d == 1 else int(cnt[:, d].sum()) for d in range(R)]
+    before = [w.clone() for w in wins]
+    bad = layout_range.clone()
+    bad[1, 0] = ((R * m - 1) << 32) | 2  # a run past R·M
+    with pytest.raises(ValueError, match="a run outside"):
+        native.ll_combine_send(bad, src, m, me, bases, mask, recv_off, counts_off, sent)
+    assert all(torch.equal(a, b) for a, b in zip(wins, before))
+    with pytest.raises(ValueError, match="unit last stride"):
+        native.ll_combine_send(layout_range, full.transpose(1, 2)[:, :R * m], m, me, bases, mask, recv_off,
+                               counts_off, sent)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
+    R, L, m, H, n, k = 2, 4, 6, 40, 6, 4
+    E = R * L
+    g = torch.Generator().manual_seed(11)
+    idx = torch.randint(-1, E, (n, k), generator=g)
+    status, _, counts, slots = native.ll_route(idx, E, m)
+    assert status == 0
+    rows = _rows(g, E * m, H)
+    w = torch.randn(n, k, generator=g)
+    w[0, 0] = float("inf")
+    mask = torch.tensor([0, 1], dtype=torch.int32) if masked else None
+    got = torch.full((n, H), 7.0, dtype=BF16)
+    sig = counts.view(R, L).clone()
+    if masked:
+        sig[1] = 99  # a masked source's words are not read
+    assert native.ll_combine_recv(got, rows, slots, w, sig, counts, mask, m) == ()
+    acc = torch.zeros(n, H)
+    for j in range(k):  # the torch path: slots in order, float32 products, one accumulator, one rounding
+        for t in range(n):
+            s = int(slots[t, j])
+            if s >= 0 and not (masked and s // m // L == 1):
+                acc[t] += rows[s].float() * w[t, j]
+    assert same_bits_nan(got, acc.to(BF16))
+    if not masked:
+        assert native.weighted_sum_rows(want := torch.empty(n, H, dtype=BF16), rows, slots, w)
+        assert same_bits_nan(got, want)
+    wrong = sig.clone()
+    wrong[0, 2] += 1
+    before = got.clone()
+    assert native.ll_combine_recv(got, rows, slots, w, wrong, counts, mask, m) == (2, int(wrong[0, 2]),
+                                                                                    int(counts[2]))
+    assert torch.equal(got.view(torch.int16), before.view(torch.int16))
+    with pytest.raises(ValueError, match="weights must be a contiguous"):
+        native.ll_combine_recv(got, rows, slots, w.t().contiguous().t(), sig, counts, mask, m)
+    far = slots.clone()
+    far[n - 1, k - 1] = E * m
+    with pytest.raises(ValueError, match="slots must lie in"):
+        native.ll_combine_recv(got, rows, far, w, sig, counts, mask, m)
+    assert torch.equal(got.view(torch.int16), before.view(torch.int16))
+
+
+def test_headers_agree():
+    R, words = 3, 32
+    hdr = torch.zeros(R, words, dtype=torch.int64)
+    seq, op, flags = 5, 2, 4
+    hdr[:, 0] = (seq << 16) | (flags << 8) | (op << 4)
+    hdr[:, 1] = 12345
+    assert native.ll_headers_agree(hdr, 1, None, seq, op)
+    assert not native.ll_headers_agree(hdr, 1, None, seq + 1, op)
+    assert not native.ll_headers_agree(hdr, 1, None, seq, 1)
+    for col, change in ((0, 1), (0, 1 << 8), (1, 1)):  # a status, other flags, another (M, E, H)
+        bad = hdr.clone()
+        bad[2, col] += change
+        assert not native.ll_headers_agree(bad, 1, None, seq, op)
+        assert native.ll_headers_agree(bad, 1, torch.tensor([0, 0, 1], dtype=torch.int32), seq, op)  # masked
+    with pytest.raises(ValueError, match="rank 3 outside"):
+        native.ll_headers_agree(hdr, 3, None, seq, op)
+
+
+@pytest.mark.parametrize("channels_first", [False, True])
+def test_zero_row_prefix(channels_first):
+    L, rows, S = 3, 5, 4
+    base = torch.arange(1, L * rows * S + 1, dtype=torch.float32).view(L, S, rows) if channels_first else \
+        torch.arange(1, L * rows * S + 1, dtype=torch.float32).view(L, rows, S)
+    counts = torch.tensor([2, 0, 5], dtype=torch.int32)
+    want = base.clone()
+    view = want.transpose(1, 2) if channels_first else want
+    for e, c in enumerate(counts.tolist()):
+        view[e, :c] = 0
+    assert native.zero_row_prefix(base, counts, channels_first)
+    assert torch.equal(base, want)
+    with pytest.raises(ValueError, match=r"counts must lie in \[0, 5\]"):
+        native.zero_row_prefix(base, torch.tensor([0, 6, 0], dtype=torch.int32), channels_first)
+    with pytest.raises(ValueError, match="t must be a contiguous"):
+        native.zero_row_prefix(base.transpose(0, 1), counts, channels_first)
