@@ -44,7 +44,15 @@ from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
 from .failure import run_step
 from .group import check_agreed, mpi_comm_of
-from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
+from .handles import (
+    HandleOrigin,
+    InternodeHandle,
+    IntranodeHandle,
+    LowLatencyHandle,
+    NormalHandle,
+    origin_of,
+    record_origin,
+)
 from .input_guard import InputGuard
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
@@ -408,9 +416,10 @@ class Buffer:
         """
         if lifetime:
             return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
-        if self._last_traffic is None:
+        last = self._last_call_traffic()
+        if last is None:
             return {k.name: 0 for k in ChannelKind}
-        return LinkStats.bytes_by_kind(self._last_traffic)
+        return LinkStats.bytes_by_kind(last)
 
     def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
@@ -425,9 +434,17 @@ class Buffer:
         """
         if lifetime:
             return self.runtime.stats.snapshot()
-        if self._last_traffic is None:
+        last = self._last_call_traffic()
+        if last is None:
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
-        return {k: v.copy() for k, v in self._last_traffic.items()}
+        return {k: v.copy() for k, v in last.items()}
+
+    def _last_call_traffic(self) -> dict | None:
+        """The last call's counters: a normal-mode call keeps ``(after, before)`` snapshots, differenced here
+        when first read (most calls' never are)."""
+        if isinstance(self._last_traffic, tuple):
+            self._last_traffic = LinkStats.diff(*self._last_traffic)
+        return self._last_traffic
 
     # -- layout ----------------------------------------------------------------------
     @timed("get_dispatch_layout", engine_of)
@@ -511,6 +528,16 @@ class Buffer:
                                           buffer_id=self._uid)
         return check_intranode_handle(handle, config, op, rank=self.rank, num_ranks=self.group_size,
                                       buffer_id=self._uid)
+
+    def _own_handle(self, handle, config: Config, op: str) -> tuple[NormalHandle, int]:
+        """:meth:`_check_handle` for the engine handle an ``EPHandle`` of this Buffer holds: made by this
+        Buffer's dispatch (its origin says so) and never handed to the caller, it was valid when made, so
+        only its origin is read (validated once). Any other handle gets the full check."""
+        origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
+        if (origin is not None and origin.buffer_id == self._uid and origin.num_channels == config.num_channels
+                and isinstance(handle, InternodeHandle) == self._internode):
+            return handle, origin.dispatch_id
+        return self._check_handle(handle, config, op)
 
     def _check_dispatch_room(self, xb: int, sb: int, k: int, num_experts: int, cached: bool) -> None:
         """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
@@ -603,7 +630,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = LinkStats.diff(self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)  # the difference taken when read
             if _PH.on:
                 _PH.switch(None)
             if after is not None:
@@ -892,7 +919,7 @@ class Buffer:
         def build(call_id):
             data, scales, xdtype, handle = precheck()
             cfg = Config(Buffer.num_sms)
-            checked, handle_id = self._check_handle(handle, cfg, "dispatch")
+            checked, handle_id = self._own_handle(handle, cfg, "dispatch")
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), 0, 0, cached=True)
             return self._engine.cached_dispatch(
                 call_id=call_id, x=data, scales=scales, handle=checked, num_channels=cfg.num_channels,
@@ -912,7 +939,7 @@ class Buffer:
         def build(call_id):
             x, topk_weights, biases, handle, order = precheck()
             cfg = Config(Buffer.num_sms)
-            checked, handle_id = self._check_handle(handle, cfg, "combine")
+            checked, handle_id = self._own_handle(handle, cfg, "combine")
             self._check_combine_room(x.size(1), -1 if topk_weights is None else topk_weights.size(1))
             return self._engine.combine(call_id=call_id, x=x, topk_weights=topk_weights, bias=biases, handle=checked,
                                         num_channels=cfg.num_channels, handle_id=handle_id, order=order,

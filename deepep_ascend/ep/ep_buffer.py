@@ -10,6 +10,7 @@ each rank's row is added at the position of that rank's last top-k slot in the t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import native as _native
@@ -511,9 +512,12 @@ class EPBuffer(BufferBase):
         k = topk_idx.size(1)
         rows = recv_x.size(0)
         fresh = handle is None
+        counts_known = None
         if fresh:
-            counts = torch.tensor(recv_list, dtype=torch.int64) if do_cpu_sync else None
-            aligned = None if counts is None else (counts + alignment - 1) // alignment * alignment
+            # a list of L small ints: numpy, then one tensor sharing its memory
+            counts_np = np.asarray(recv_list, dtype=np.int64) if do_cpu_sync else None
+            counts_known = None if counts_np is None else torch.from_numpy(counts_np)
+            aligned = None if counts_np is None else (counts_np + alignment - 1) // alignment * alignment
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
@@ -557,16 +561,19 @@ class EPBuffer(BufferBase):
             valid = int(num_recv)
             weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
             valid_topk = recv_topk[:valid]
-            counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
+            if counts_known is not None:  # the engines' per-expert counts (alignment 1): the same numbers
+                counts = counts_known
+            elif stats is not None or fresh:
+                counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
             if stats is not None:
                 stats.add_(counts.to(torch.int32))
             if fresh:
                 handle._num_valid = valid
                 self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets)
             if not do_expand:
-                if w_out is not None and in_place_w:
-                    w_out.masked_fill_(recv_topk < 0, 0.0)
-                elif w_out is not None:
+                # weights from the engines are 0 already where the expert is not local (to_local_experts) and
+                # on padding rows; a cached dispatch's come as bytes, masked here
+                if w_out is not None and not in_place_w:
                     w_out.copy_(weights_in).masked_fill_(recv_topk < 0, 0.0)
                 if out_sf is not None and col_major_sf:
                     out_sf.copy_(sf_rows)
@@ -738,7 +745,11 @@ class EPBuffer(BufferBase):
                 meta = handle.recv_src_metadata
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
-            return compact_x, compact_w, biases, handle._legacy, handle._combine_order
+            # The order of a token's rows matters only with three or more terms: a float32 sum of at most two
+            # rows from +0.0 is commutative (signed zeros included; docs/design/data-path.md), so two ranks
+            # without bias skip the keys and their computation.
+            keyed = self._legacy.num_nodes > 1 or self.num_ranks > 2 or biases is not None
+            return compact_x, compact_w, biases, handle._legacy, handle._combine_order if keyed else None
 
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,

@@ -121,6 +121,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows_from_prefix(prefix: list, nr: int) -> np.ndarray:
+    """``[R, R]`` int64 rows each rank sends each rank, from the rank prefix matrix as nested lists."""
+    inclusive = np.array(prefix, dtype=np.int64).reshape(nr, nr)
+    counts = inclusive.copy()
+    counts[1:] -= inclusive[:-1]
+    return counts
+
+
 def rows_before(prefix: list, s: int, j: int) -> int:
     """Rows rank ``j`` receives from ranks below ``s``: where ``s``'s rows start in ``j``'s ``recv_x``.
     ``prefix``: the rank prefix matrix as nested lists (``rank_prefix_matrix.tolist()``), read without a
@@ -525,7 +533,7 @@ class IntranodeEngine:
                 self._pad_outputs(out, num_recv)
         else:
             rank_prefix_matrix = torch.from_numpy(prefix_np)
-            recv_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert]
+            recv_list = ((per_expert + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
             if _PH.on:
                 _PH.switch("outputs")
             out = self._dispatch_outputs(advertised, num_recv, num_recv, xb, sb, num_topk, scales is not None,
@@ -586,14 +594,14 @@ class IntranodeEngine:
             nr = self.num_ranks
             self._view(me, offs[4], rows * nr, torch.bool).view(rows, nr).copy_(sent.is_token_in_rank[lo:hi])
 
-    def _read_count_vectors(self, num_experts: int) -> tuple[np.ndarray, list]:
+    def _read_count_vectors(self, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
         """After chunk 0: ``counts [R, R]`` int32 (``[s, j]``: tokens ``s`` sends to ``j``) and this rank's
-        received (token, slot) pairs per local expert (``E / R`` ints), from every rank's staged vector
+        received (token, slot) pairs per local expert ``[E / R]`` int64, from every rank's staged vector
         (numpy: a few small arrays, cheaper there than as torch ops)."""
         me, nr = self.rank, self.num_ranks
         local = num_experts // nr
         vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).numpy() for p in range(nr)])
-        return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64).tolist()
+        return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64)
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
                           with_scales: bool, with_topk: bool) -> _Received:
@@ -733,7 +741,7 @@ class IntranodeEngine:
             _PH.switch("control")
         nr = self.num_ranks
         sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).numpy() for p in range(nr)])
-        expected = np.diff(np.array(prefix, dtype=np.int64).reshape(nr, nr), axis=0, prepend=0)
+        expected = _rows_from_prefix(prefix, nr)
         if not np.array_equal(sent, expected):
             self._consume(range(nr))
             raise ConsensusError(
@@ -766,7 +774,7 @@ class IntranodeEngine:
 
         if _PH.on:
             _PH.switch("control")
-        counts = np.diff(np.array(prefix, dtype=np.int64).reshape(nr, nr), axis=0, prepend=0)
+        counts = _rows_from_prefix(prefix, nr)
         per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
         xseg = self.segment.offset_of(me, x) if self.landing is not None else None
