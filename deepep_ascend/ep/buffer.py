@@ -539,6 +539,13 @@ class Buffer:
             return handle, origin.dispatch_id
         return self._check_handle(handle, config, op)
 
+    def _combine_input(self, rows: int, hidden: int) -> torch.Tensor:
+        """An uninitialised ``[rows, hidden]`` bf16 tensor for a combine's ``x`` that ``EPBuffer`` computes
+        itself: in the landing segment on one node (the peers then read it in place, no staging copy), else
+        private memory."""
+        shared = None if self._internode else self._engine.shared_empty(rows, hidden)
+        return shared if shared is not None else torch.empty((rows, hidden), dtype=torch.bfloat16)
+
     def _check_dispatch_room(self, xb: int, sb: int, k: int, num_experts: int, cached: bool) -> None:
         """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
         if self._internode:

@@ -939,7 +939,9 @@ class EPBuffer(BufferBase):
         rows = handle._recv_topk_idx.size(0)
         if not handle.do_expand:
             return x.contiguous(), self._compact_weights(topk_weights, handle)
-        out = torch.empty((rows, x.size(1)), dtype=torch.bfloat16)
+        # the sums go where the peers read them (the landing segment when it has room): the staging copy
+        # of the engines' combine is folded into this pass
+        out = self._legacy._combine_input(rows, x.size(1))
         out[handle._num_valid:].zero_()  # rows past the real count (the kernel writes every real one)
         live = [(x, rows_j, slots_j) for rows_j, slots_j in _slots_by_lane(handle) if rows_j.numel()]
         if live:

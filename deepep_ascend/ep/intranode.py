@@ -364,6 +364,19 @@ class IntranodeEngine:
             return self.landing.take(advertised[0], rows * xb).view(rows, xb)
         return self.outputs.empty((rows, xb), torch.uint8)
 
+    def shared_empty(self, rows: int, hidden: int) -> torch.Tensor | None:
+        """An uninitialised ``[rows, hidden]`` bf16 tensor in this rank's landing segment, or None (no segment,
+        no room). A combine whose ``x`` is this tensor has its rows read by the peers in place (module doc):
+        whoever writes a combine input here spares the call its staging copy. Call on the caller's thread
+        (the segment's allocation rule, :class:`~deepep_ascend.ep.memory.SegmentPool`)."""
+        nbytes = rows * hidden * 2
+        if self.landing is None or nbytes <= 0:
+            return None
+        off, cap = self.landing.largest_free()
+        if nbytes > cap:
+            return None
+        return self.landing.take(off, nbytes).view(torch.bfloat16).view(rows, hidden)
+
     def _direct_plan(self, headers, rows, xb: int, one_round: bool):
         """Where each rank's ``recv_x`` starts in its segment, if senders can store straight into
         all of them: the call is one round and every rank's ``rows[j] * xb`` bytes fit the range
