@@ -285,8 +285,7 @@ class IntranodeEngine:
         hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64).numpy()
         hdr[:MSG_WORD] = 0
         hdr[W_MAGIC] = MAGIC
-        for k, v in words.items():
-            hdr[k] = v
+        hdr[list(words)] = list(words.values())
         text = message.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
         hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
 
