@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import native as _native
+
 topk_idx_t = torch.int64
 
 
@@ -29,6 +31,9 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
         ``num_tokens_per_expert [E]`` int32 ((token, slot) pairs per expert),
         ``is_token_in_rank [N, R]`` bool.
     """
+    done = _native.dispatch_layout(topk_idx, num_experts, num_ranks)  # one C pass where built
+    if done is not None:
+        return done
     n = topk_idx.size(0)
     num_local = num_experts // num_ranks
     # numpy on the small routing arrays (a few cheap calls instead of a dozen torch ops). -1 becomes expert
@@ -77,6 +82,9 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torc
     (inclusive); ``send_head[t][j]`` = position of token ``t`` in the sequence of its channel's
     tokens for rank ``j``, or -1 if not sent (docs/semantics/deepep-api.md §4.3).
     """
+    done = _native.send_layout(is_token_in_rank, num_channels)  # one C pass where built
+    if done is not None:
+        return done
     n, r = is_token_in_rank.shape
     if not n:
         return torch.zeros(r, num_channels, dtype=torch.int32), torch.zeros(0, r, dtype=torch.int32)
@@ -101,6 +109,9 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
         block_starts: ``R + 1`` ints, rows of source ``s`` are ``[block_starts[s], block_starts[s+1])``.
         num_tokens_per_source: ``R`` ints, ``N`` of each source (fixes its channel size).
     """
+    done = _native.recv_channel_prefix(recv_src_idx, block_starts, num_tokens_per_source, num_channels)
+    if done is not None:  # one C pass where built
+        return done
     r = len(num_tokens_per_source)
     starts = [int(v) for v in block_starts]
     # numpy, all sources at once: each row's bin is (its source, its token's channel in that source)

@@ -9,7 +9,9 @@ Modules:
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`weighted_sum_rows`, :func:`dequant_rows_e4m3`,
   :func:`swiglu`;
-* :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`.
+* :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`;
+* :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
+  :func:`send_layout`, :func:`recv_channel_prefix`.
 
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
 loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
@@ -48,9 +50,10 @@ from .amx import (
     amx_packed_nbytes,
     gemm_bf16_amx,
 )
+from .layout import dispatch_layout, recv_channel_prefix, send_layout
 from .loader import available, library_path
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes",
-           "available", "copy_rows", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "sum_rows", "swiglu",
-           "weighted_sum_rows"]
+           "available", "copy_rows", "dequant_rows_e4m3", "dispatch_layout", "gemm_bf16_amx", "library_path",
+           "recv_channel_prefix", "send_layout", "sum_rows", "swiglu", "weighted_sum_rows"]
