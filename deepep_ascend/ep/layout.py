@@ -63,6 +63,8 @@ def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tenso
     ``recv_topk_idx`` ``[N_recv, K]`` int64 and ``recv_topk_weights`` ``[N_recv, K]`` float32, the real
     rows only (DeepEP's ``recv_topk_idx`` holds local expert ids, docs/semantics/deepep-api.md §4.2).
     """
+    if _native.local_experts(recv_topk_idx, recv_topk_weights, rank, num_local_experts):  # one C pass where built
+        return
     first = rank * num_local_experts
     foreign = (recv_topk_idx < first) | (recv_topk_idx >= first + num_local_experts)
     recv_topk_idx.sub_(first).masked_fill_(foreign, -1)

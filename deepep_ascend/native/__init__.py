@@ -11,7 +11,7 @@ Modules:
   :func:`swiglu`;
 * :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`;
 * :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
-  :func:`send_layout`, :func:`recv_channel_prefix`.
+  :func:`send_layout`, :func:`recv_channel_prefix`, :func:`local_experts`.
 
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
 loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
@@ -50,10 +50,10 @@ from .amx import (
     amx_packed_nbytes,
     gemm_bf16_amx,
 )
-from .layout import dispatch_layout, recv_channel_prefix, send_layout
+from .layout import dispatch_layout, local_experts, recv_channel_prefix, send_layout
 from .loader import available, library_path
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes",
            "available", "copy_rows", "dequant_rows_e4m3", "dispatch_layout", "gemm_bf16_amx", "library_path",
-           "recv_channel_prefix", "send_layout", "sum_rows", "swiglu", "weighted_sum_rows"]
+           "local_experts", "recv_channel_prefix", "send_layout", "sum_rows", "swiglu", "weighted_sum_rows"]

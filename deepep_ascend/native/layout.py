@@ -12,8 +12,9 @@ import ctypes
 import torch
 
 from .loader import kernels
+from .operands import mark_written
 
-__all__ = ["dispatch_layout", "recv_channel_prefix", "send_layout"]
+__all__ = ["dispatch_layout", "local_experts", "recv_channel_prefix", "send_layout"]
 
 
 def _dense(t, dtype: torch.dtype, ndim: int) -> bool:
@@ -91,3 +92,24 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
     if fn(recv_src_idx.data_ptr(), starts, ntok, r, num_channels, out.data_ptr()):
         return None
     return out
+
+
+def local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, rank: int,
+                  num_local_experts: int) -> bool:
+    """In place, one pass: received global expert ids -> this rank's local ids, -1 and weight +0.0 for other
+    ranks' experts (:func:`deepep_ascend.ep.layout.to_local_experts`; docs/semantics/deepep-api.md §4.2).
+
+    Args:
+        recv_topk_idx: ``[N_recv, K]`` contiguous int64; recv_topk_weights: the same shape, contiguous float32.
+    Returns:
+        True when done; False (nothing written) if the kernel is not loaded or the operands are not as above.
+    """
+    fn = kernels.local_experts
+    if (fn is None or not _dense(recv_topk_idx, torch.int64, 2) or not _dense(recv_topk_weights, torch.float32, 2)
+            or recv_topk_idx.shape != recv_topk_weights.shape):
+        return False
+    fn(recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(), recv_topk_idx.numel(),
+       rank * num_local_experts, num_local_experts)
+    mark_written(recv_topk_idx)
+    mark_written(recv_topk_weights)
+    return True

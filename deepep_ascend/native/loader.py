@@ -43,6 +43,7 @@ _SIGNATURES = {
     "dispatch_layout": (_I64, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "send_layout": (None, [_P, _I64, _I64, _I64, _P, _P, _P]),
     "recv_channel_prefix": (_I64, [_P, _P, _P, _I64, _I64, _P]),
+    "local_experts": (None, [_P, _P, _I64, _I64, _I64]),
 }
 
 

@@ -106,6 +106,30 @@ def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, 
           _numpy_path(layout.recv_channel_prefix, src, starts, ntok, num_channels, monkeypatch=monkeypatch))
 
 
+@pytest.mark.parametrize("rank,local", [(0, 3), (2, 4), (1, 1)])
+def test_local_experts_matches_the_torch_path(rank, local):
+    g = torch.Generator().manual_seed(rank * 10 + local)
+    idx = torch.randint(-1, 4 * local, (23, 5), generator=g)
+    w = torch.randn(23, 5, generator=g)
+    w[0, 0] = float("nan")  # a foreign slot's NaN weight becomes +0.0 too
+    idx[0, 0] = -1
+    want_idx, want_w = idx.clone(), w.clone()
+    first = rank * local
+    for t in range(23):  # the definition, slot by slot
+        for j in range(5):
+            e = int(idx[t, j]) - first
+            want_idx[t, j] = e if 0 <= e < local else -1
+            if not 0 <= e < local:
+                want_w[t, j] = 0.0
+    got_idx, got_w = idx.clone(), w.clone()
+    version = got_w._version
+    assert native.local_experts(got_idx, got_w, rank, local)
+    assert torch.equal(got_idx, want_idx)
+    assert torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))  # +0.0 bits, the rest unchanged
+    assert got_w._version > version  # written as an in-place op would
+    assert not native.local_experts(idx[:, ::2], w[:, ::2], rank, local)  # strided: the caller's torch path
+
+
 def test_refuses_what_it_does_not_take():
     assert native.dispatch_layout(torch.tensor([[0, 4]]), 4, 2) is None  # id past the experts
     assert native.dispatch_layout(torch.tensor([[-2, 1]]), 4, 2) is None  # below -1
