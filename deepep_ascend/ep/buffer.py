@@ -550,25 +550,25 @@ class Buffer:
         """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
         if self._internode:
             check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=cached) >= 1, ValueError,
-                  f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
+                  lambda: f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
                   f"Buffer.get_normal_rdma_buffer_size_hint")
             return
         regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=cached)
         check(regions.capacity >= 1, ValueError,
-              f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+              lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
               f"half-window; see Buffer.get_normal_buffer_size_hint")
 
     def _check_combine_room(self, hidden: int, wcols: int) -> None:
         """The windows hold a combine round of ``hidden`` bf16 columns and ``wcols`` weights; raises ``Rejected``."""
         if self._internode:
             check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
-                  f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
+                  lambda: f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
                   f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
                   f"per UBMEM half-window and one partial row per node box; see Buffer.get_normal_buffer_size_hint")
             return
         regions = self._engine.combine_regions(2 * hidden, wcols)
         check(regions.capacity >= self.group_size, ValueError,
-              f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
+              lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
               f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
 
     # -- execution -----------------------------------------------------------------------
@@ -776,7 +776,7 @@ class Buffer:
             checked, handle_id = self._check_handle(handle, cfg, "dispatch")
             data, scales = check_x(x)
             n, made_for = data.size(0), checked.is_token_in_rank.size(0)
-            check(n == made_for, ValueError, f"`x` has {n} tokens but the handle was made for {made_for}")
+            check(n == made_for, ValueError, lambda: f"`x` has {n} tokens but the handle was made for {made_for}")
             self._check_dispatch_room(*_row_bytes(data, scales), 0, 0, cached=True)
             ctx.update(data=data, scales=scales)
             return self._engine.cached_dispatch(
