@@ -34,10 +34,12 @@ class Rejected(Exception):
         self.exc = exc
 
 
-def check(cond: bool, exc_type: type[Exception], message: str) -> None:
-    """Raise :class:`Rejected` (``exc_type(message)``) unless ``cond``."""
+def check(cond: bool, exc_type: type[Exception], message) -> None:
+    """Raise :class:`Rejected` (``exc_type(message)``) unless ``cond``. ``message``: a string, or a function
+    returning it, called only on failure (a call's checks pass far more often than they fail, and formatting
+    a message costs microseconds)."""
     if not cond:
-        raise Rejected(exc_type(message))
+        raise Rejected(exc_type(message() if callable(message) else message))
 
 
 def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | None = None,
@@ -47,18 +49,19 @@ def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | Non
     Raises:
         Rejected: ``TypeError`` (not a tensor, dtype) or ``ValueError`` (storage, dims, shape) naming ``name``.
     """
-    # Messages are formatted only on failure: these checks run several times per call.
-    if not isinstance(t, torch.Tensor):
-        check(False, TypeError, f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if (isinstance(t, torch.Tensor) and storage_problem(t) is None and (dtype is None or t.dtype == dtype)
+            and (ndim is None or t.dim() == ndim) and (shape is None or tuple(t.shape) == tuple(shape))):
+        return  # the usual outcome, decided before any message is made
+    check(isinstance(t, torch.Tensor), TypeError, lambda: f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     problem = storage_problem(t)
-    if problem is not None:
-        check(False, ValueError, f"`{name}` {problem}")
-    if dtype is not None and t.dtype != dtype:
-        check(False, TypeError, f"`{name}` must have dtype {dtype}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        check(False, ValueError, f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        check(False, ValueError, f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    check(problem is None, ValueError, lambda: f"`{name}` {problem}")
+    if dtype is not None:
+        check(t.dtype == dtype, TypeError, lambda: f"`{name}` must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None:
+        check(t.dim() == ndim, ValueError, lambda: f"`{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        check(tuple(t.shape) == tuple(shape), ValueError,
+              lambda: f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
@@ -71,7 +74,7 @@ def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_strea
     check(not allocate_on_comm_stream or (previous_event is not None and async_finish), RuntimeError,
           "allocate_on_comm_stream=True requires previous_event and async_finish=True")
     check(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
-          f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+          lambda: f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
 
 
 def check_topk_idx(topk_idx, num_experts, num_ranks: int, values: bool = True) -> None:
@@ -81,16 +84,15 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int, values: bool = True) -
     Raises:
         Rejected: ``ValueError`` (``num_experts``, dims, values) or ``TypeError`` (dtype).
     """
-    if not (isinstance(num_experts, int) and num_experts > 0 and num_experts % num_ranks == 0):
-        check(False, ValueError,
-              f"num_experts must be a positive multiple of the number of ranks ({num_ranks}), got {num_experts!r}")
+    check(isinstance(num_experts, int) and num_experts > 0 and num_experts % num_ranks == 0, ValueError,
+          lambda: f"num_experts must be a positive multiple of the number of ranks ({num_ranks}), got {num_experts!r}")
     check_tensor(topk_idx, "topk_idx", ndim=2)
-    if topk_idx.dtype != topk_idx_t:
-        check(False, TypeError, f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), got {topk_idx.dtype}")
+    check(topk_idx.dtype == topk_idx_t, TypeError, lambda: f"`topk_idx` must have dtype {topk_idx_t} (topk_idx_t), "
+          f"got {topk_idx.dtype}")
     if values and topk_idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
         check(lo >= -1 and hi < num_experts, ValueError,
-              f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
+              lambda: f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
 
 
 def check_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,25 +105,25 @@ def check_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
         Rejected: ``TypeError`` / ``ValueError`` naming ``x``, ``x[0]`` or ``x[1]``.
     """
     if isinstance(x, tuple):
-        check(len(x) == 2, ValueError, f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
+        check(len(x) == 2, ValueError, lambda: f"FP8 `x` must be a (data, scales) tuple, got {len(x)} items")
         data, scales = x
         check_tensor(data, "x[0] (FP8 data)", ndim=2)
         check(data.element_size() == 1, TypeError,
-              f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
+              lambda: f"`x[0]` (FP8 data) must be a 1-byte dtype (torch.float8_e4m3fn), got {data.dtype}")
         hidden = data.size(1)
         check(hidden % 128 == 0, ValueError,
-              f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
+              lambda: f"FP8 dispatch needs hidden % 128 == 0 (per-128-channel scales), got hidden={hidden}")
         check_tensor(scales, "x[1] (scales)", ndim=2)
         check(scales.dtype in (torch.float32, torch.int32), TypeError,
-              f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
+              lambda: f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
         want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
         check(tuple(scales.shape) == (data.size(0), want), ValueError,
-              f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
+              lambda: f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
               f"{scales.dtype}, got {tuple(scales.shape)}")
         return data, scales
     check_tensor(x, "x", ndim=2)
-    check(x.element_size() > 0 and not x.is_complex(), TypeError, f"`x` dtype {x.dtype} is not supported")
-    check(x.size(1) >= 1, ValueError, f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
+    check(x.element_size() > 0 and not x.is_complex(), TypeError, lambda: f"`x` dtype {x.dtype} is not supported")
+    check(x.size(1) >= 1, ValueError, lambda: f"`x` must have hidden >= 1, got shape {tuple(x.shape)}")
     return x, None
 
 
@@ -136,7 +138,7 @@ def check_config(config, default: Callable[[], Config]) -> Config:
     if not isinstance(config, Config):
         raise Rejected(TypeError(f"`config` must be a deepep_ascend.Config, got {type(config).__name__}"))
     check(config.num_channels >= 1, ValueError,
-          f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
+          lambda: f"config.num_sms must be >= 2 (one channel per two SMs), got {config.num_sms}")
     return config
 
 
@@ -164,19 +166,21 @@ def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_
           "(from get_dispatch_layout), or a handle")
     if num_nodes > 1:
         check(num_tokens_per_rdma_rank is not None, ValueError,
-              f"internode dispatch ({num_nodes} nodes) needs num_tokens_per_rdma_rank (from get_dispatch_layout)")
+              lambda: f"internode dispatch ({num_nodes} nodes) needs num_tokens_per_rdma_rank (from "
+                      f"get_dispatch_layout)")
         check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32, shape=(num_nodes,))
     else:
         check(num_tokens_per_rdma_rank is None, ValueError, "num_tokens_per_rdma_rank must be None on one node")
     check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, shape=(r,))
     check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, ndim=2)
     check(is_token_in_rank.size(0) == num_tokens, ValueError,
-          f"`x` has {num_tokens} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
+          lambda: f"`x` has {num_tokens} tokens but `is_token_in_rank` has {is_token_in_rank.size(0)} rows")
     check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(num_tokens, r))
     check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
     num_experts = num_tokens_per_expert.numel()
     check(num_experts > 0 and num_experts % r == 0, ValueError,
-          f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, got {num_experts}")
+          lambda: f"num_experts (len(num_tokens_per_expert)) must be a positive multiple of {r} ranks, got "
+                  f"{num_experts}")
     check(from_layout or torch.equal(num_tokens_per_rank, is_token_in_rank.sum(0, dtype=torch.int32)), ValueError,
           "`num_tokens_per_rank` does not equal is_token_in_rank.sum(0)")
     if num_nodes > 1 and not from_layout:
@@ -188,7 +192,8 @@ def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_
     if topk_idx is not None:
         if not from_layout:  # get_dispatch_layout checked this topk_idx already
             check_topk_idx(topk_idx, num_experts, r)
-        check(topk_idx.size(0) == num_tokens, ValueError, f"`topk_idx` has {topk_idx.size(0)} rows, x has {num_tokens}")
+        check(topk_idx.size(0) == num_tokens, ValueError, lambda: f"`topk_idx` has {topk_idx.size(0)} rows, x has "
+                                                                  f"{num_tokens}")
         check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
     if topk_idx is not None and not from_layout:
         _, ntpe, itr = dispatch_layout(topk_idx, num_experts, r)
@@ -208,9 +213,9 @@ def check_dispatch_options(expert_alignment, num_worst_tokens, has_topk: bool) -
         Rejected: ``ValueError`` naming the option.
     """
     check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
-          f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+          lambda: f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
     check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
-          f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+          lambda: f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
     check(num_worst_tokens == 0 or has_topk, ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights")
 
 
@@ -224,18 +229,19 @@ def _check_origin(handle, config: Config, num_channels: int, op: str, buffer_id:
     returns its dispatch id (-1: unknown)."""
     origin = origin_of(handle)
     check(origin is None or origin.buffer_id == buffer_id, ValueError,
-          f"`handle` was made by another Buffer (#{origin.buffer_id if origin else '?'}), not by this one "
+          lambda: f"`handle` was made by another Buffer (#{origin.buffer_id if origin else '?'}), not by this one "
           f"(#{buffer_id})")
     check(num_channels == config.num_channels, ValueError,
-          f"`handle` has {num_channels} channels but {op}'s config has {config.num_channels} (num_sms="
+          lambda: f"`handle` has {num_channels} channels but {op}'s config has {config.num_channels} (num_sms="
           f"{config.num_sms}); the config's num_sms must match the dispatch that made the handle")
     return origin.dispatch_id if origin is not None else -1
 
 
 def _check_entries(handle, expected, where: str) -> None:
     for t, name, (dtype, shape) in zip(handle, handle._fields, expected):
-        check(t.dtype == dtype and tuple(t.shape) == shape, ValueError,
-              f"`handle.{name}` must be {dtype} {shape} for {where}, got {t.dtype} {tuple(t.shape)}")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            check(False, ValueError, f"`handle.{name}` must be {dtype} {shape} for {where}, got {t.dtype} "
+                                     f"{tuple(t.shape)}")
 
 
 def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ranks: int,
@@ -250,7 +256,7 @@ def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ra
             ``TypeError`` / ``ValueError`` of :func:`check_tensor` naming the entry.
     """
     check(isinstance(handle, (tuple, list)) and len(handle) == 6, ValueError,
-          f"`handle` must be the 6-tuple returned by an intranode dispatch, got {_describe_container(handle)}")
+          lambda: f"`handle` must be the 6-tuple returned by an intranode dispatch, got {_describe_container(handle)}")
     for t, name in zip(handle, IntranodeHandle._fields):
         check_tensor(t, f"handle.{name}")
     handle = IntranodeHandle._make(handle)
@@ -277,7 +283,7 @@ def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, n
             ``recv_src_meta``).
     """
     check(isinstance(handle, (tuple, list)) and len(handle) == 10, ValueError,
-          f"`handle` must be the 10-tuple returned by an internode dispatch ({num_nodes} nodes), got "
+          lambda: f"`handle` must be the 10-tuple returned by an internode dispatch ({num_nodes} nodes), got "
           f"{_describe_container(handle)}")
     for t, name in zip(handle, InternodeHandle._fields):
         check_tensor(t, f"handle.{name}")
@@ -314,15 +320,15 @@ def check_combine_args(x, topk_weights, bias, *, rows: int, rows_name: str,
         Rejected: ``TypeError`` / ``ValueError`` naming ``x``, ``topk_weights`` or ``bias[i]``.
     """
     check_tensor(x, "x", torch.bfloat16, ndim=2)
-    check(x.size(0) == rows, ValueError, f"`x` must have one row per received token ({rows}, {rows_name}), "
+    check(x.size(0) == rows, ValueError, lambda: f"`x` must have one row per received token ({rows}, {rows_name}), "
           f"got {x.size(0)}")
     hidden = x.size(1)
     if topk_weights is not None:
         check_tensor(topk_weights, "topk_weights", torch.float32, ndim=2)
         check(topk_weights.size(0) == rows, ValueError,
-              f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
+              lambda: f"`topk_weights` must have {rows} rows, got {topk_weights.size(0)}")
     biases = bias if isinstance(bias, (tuple, list)) else (bias, None)
-    check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+    check(len(biases) == 2, ValueError, lambda: f"`bias` must be a tensor or a pair, got {len(biases)} items")
     for i, b in enumerate(biases):
         if b is not None:
             check_tensor(b, f"bias[{i}]", torch.bfloat16, shape=(num_tokens, hidden))

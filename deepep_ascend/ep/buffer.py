@@ -45,7 +45,15 @@ from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
 from .failure import raise_if_a_peer_aborted, run_step
 from .group import check_agreed, mpi_comm_of
-from .handles import HandleOrigin, LowLatencyHandle, NormalHandle, record_origin
+from .handles import (
+    HandleOrigin,
+    InternodeHandle,
+    IntranodeHandle,
+    LowLatencyHandle,
+    NormalHandle,
+    origin_of,
+    record_origin,
+)
 from .input_guard import InputGuard
 from .internode import NUM_URMA_SLOTS, InternodeEngine
 from .intranode import NUM_SLOTS, IntranodeEngine
@@ -411,9 +419,10 @@ class Buffer:
         """
         if lifetime:
             return LinkStats.bytes_by_kind(self.runtime.stats.snapshot())
-        if self._last_traffic is None:
+        last = self._last_call_traffic()
+        if last is None:
             return {k.name: 0 for k in ChannelKind}
-        return LinkStats.bytes_by_kind(self._traffic())
+        return LinkStats.bytes_by_kind(last)
 
     def get_link_stats(self, lifetime: bool = False) -> dict[str, np.ndarray]:
         """This rank's link counters per (channel kind, peer), for the link model and projections.
@@ -428,17 +437,17 @@ class Buffer:
         """
         if lifetime:
             return self.runtime.stats.snapshot()
-        if self._last_traffic is None:
+        last = self._last_call_traffic()
+        if last is None:
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
-        return {k: v.copy() for k, v in self._traffic().items()}
+        return {k: v.copy() for k, v in last.items()}
 
-    def _traffic(self) -> dict:
-        """The last completed call's counters: ``_last_traffic`` holds ``(after, before)`` snapshots, subtracted
-        when first read (a call pays one copy, not a subtraction per field)."""
-        after, before = self._last_traffic[:2]
-        if len(self._last_traffic) == 2:
-            self._last_traffic = (after, before, LinkStats.diff(after, before))
-        return self._last_traffic[2]
+    def _last_call_traffic(self) -> dict | None:
+        """The last call's counters: a normal-mode call keeps ``(after, before)`` snapshots, differenced here
+        when first read (most calls' never are)."""
+        if isinstance(self._last_traffic, tuple):
+            self._last_traffic = LinkStats.diff(*self._last_traffic)
+        return self._last_traffic
 
     # -- layout ----------------------------------------------------------------------
     @timed("get_dispatch_layout", engine_of)
@@ -523,29 +532,46 @@ class Buffer:
         return check_intranode_handle(handle, config, op, rank=self.rank, num_ranks=self.group_size,
                                       buffer_id=self._uid)
 
+    def _own_handle(self, handle, config: Config, op: str) -> tuple[NormalHandle, int]:
+        """:meth:`_check_handle` for the engine handle an ``EPHandle`` of this Buffer holds: made by this
+        Buffer's dispatch (its origin says so) and never handed to the caller, it was valid when made, so
+        only its origin is read (validated once). Any other handle gets the full check."""
+        origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
+        if (origin is not None and origin.buffer_id == self._uid and origin.num_channels == config.num_channels
+                and isinstance(handle, InternodeHandle) == self._internode):
+            return handle, origin.dispatch_id
+        return self._check_handle(handle, config, op)
+
+    def _combine_input(self, rows: int, hidden: int) -> torch.Tensor:
+        """An uninitialised ``[rows, hidden]`` bf16 tensor for a combine's ``x`` that ``EPBuffer`` computes
+        itself: in the landing segment on one node (the peers then read it in place, no staging copy), else
+        private memory."""
+        shared = None if self._internode else self._engine.shared_empty(rows, hidden)
+        return shared if shared is not None else torch.empty((rows, hidden), dtype=torch.bfloat16)
+
     def _check_dispatch_room(self, xb: int, sb: int, k: int, num_experts: int, cached: bool) -> None:
         """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
         if self._internode:
             check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=cached) >= 1, ValueError,
-                  f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
+                  lambda: f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
                   f"Buffer.get_normal_rdma_buffer_size_hint")
             return
         regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=cached)
         check(regions.capacity >= 1, ValueError,
-              f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
+              lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
               f"half-window; see Buffer.get_normal_buffer_size_hint")
 
     def _check_combine_room(self, hidden: int, wcols: int) -> None:
         """The windows hold a combine round of ``hidden`` bf16 columns and ``wcols`` weights; raises ``Rejected``."""
         if self._internode:
             check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
-                  f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
+                  lambda: f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
                   f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
                   f"per UBMEM half-window and one partial row per node box; see Buffer.get_normal_buffer_size_hint")
             return
         regions = self._engine.combine_regions(2 * hidden, wcols)
         check(regions.capacity >= self.group_size, ValueError,
-              f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
+              lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
               f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
 
     # -- execution -----------------------------------------------------------------------
@@ -615,7 +641,7 @@ class Buffer:
                 self._guard(guard.check)
             if _PH.on:
                 _PH.switch("counters")
-            self._last_traffic = (self.runtime.stats.snapshot(), before)
+            self._last_traffic = (self.runtime.stats.snapshot(), before)  # the difference taken when read
             if _PH.on:
                 _PH.switch(None)
             if after is not None:
@@ -763,7 +789,7 @@ class Buffer:
             checked, handle_id = self._check_handle(handle, cfg, "dispatch")
             data, scales = check_x(x)
             n, made_for = data.size(0), checked.is_token_in_rank.size(0)
-            check(n == made_for, ValueError, f"`x` has {n} tokens but the handle was made for {made_for}")
+            check(n == made_for, ValueError, lambda: f"`x` has {n} tokens but the handle was made for {made_for}")
             self._check_dispatch_room(*_row_bytes(data, scales), 0, 0, cached=True)
             ctx.update(data=data, scales=scales)
             return self._engine.cached_dispatch(
@@ -913,7 +939,7 @@ class Buffer:
         def build(call_id):
             data, scales, xdtype, handle = precheck()
             cfg = Config(Buffer.num_sms)
-            checked, handle_id = self._check_handle(handle, cfg, "dispatch")
+            checked, handle_id = self._own_handle(handle, cfg, "dispatch")
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), 0, 0, cached=True)
             return self._engine.cached_dispatch(
                 call_id=call_id, x=data, scales=scales, handle=checked, num_channels=cfg.num_channels,
@@ -933,7 +959,7 @@ class Buffer:
         def build(call_id):
             x, topk_weights, biases, handle, order = precheck()
             cfg = Config(Buffer.num_sms)
-            checked, handle_id = self._check_handle(handle, cfg, "combine")
+            checked, handle_id = self._own_handle(handle, cfg, "combine")
             self._check_combine_room(x.size(1), -1 if topk_weights is None else topk_weights.size(1))
             return self._engine.combine(call_id=call_id, x=x, topk_weights=topk_weights, bias=biases, handle=checked,
                                         num_channels=cfg.num_channels, handle_id=handle_id, order=order,

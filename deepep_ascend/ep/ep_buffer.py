@@ -10,6 +10,7 @@ each rank's row is added at the position of that rank's last top-k slot in the t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import native as _native
@@ -363,17 +364,20 @@ class EPBuffer(BufferBase):
         def check_common():
             check(flag_problem is None, AssertionError, flag_problem)
             check(isinstance(max_tokens, int) and max_tokens > 0, ValueError,
-                  f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got {max_tokens!r}")
+                  lambda: f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got "
+                          f"{max_tokens!r}")
             check(isinstance(alignment, int) and alignment >= 1, ValueError,
-                  f"`expert_alignment` must be an int >= 1, got {alignment!r}")
+                  lambda: f"`expert_alignment` must be an int >= 1, got {alignment!r}")
             check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
             check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
             n = data.size(0)
-            check(n <= max_tokens, ValueError, f"`x` has {n} tokens, more than num_max_tokens_per_rank={max_tokens}")
+            check(n <= max_tokens, ValueError, lambda: f"`x` has {n} tokens, more than "
+                                                       f"num_max_tokens_per_rank={max_tokens}")
             if sf is not None:
-                check(data.element_size() == 1, TypeError, f"FP8 `x[0]` must be a 1-byte dtype, got {data.dtype}")
+                check(data.element_size() == 1, TypeError, lambda: f"FP8 `x[0]` must be a 1-byte dtype, got "
+                                                                   f"{data.dtype}")
                 check_tensor(sf, "x[1] (sf)", ndim=2)
-                check(sf.size(0) == n, ValueError, f"`x[1]` (sf) must have {n} rows, got {sf.size(0)}")
+                check(sf.size(0) == n, ValueError, lambda: f"`x[1]` (sf) must have {n} rows, got {sf.size(0)}")
             if topk_weights is not None:
                 routing = handle.topk_idx if handle is not None else topk_idx
                 k = routing.size(1) if isinstance(routing, torch.Tensor) else -1
@@ -397,7 +401,7 @@ class EPBuffer(BufferBase):
             needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden)
             need = EPBuffer._bytes_for(needs, R, G)
             check(_covers(self._windows, needs), ValueError,
-                  f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
+                  lambda: f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
                   f"{max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} {data.dtype}; +{sf_bytes} B of "
                   f"scales) needs; "
                   f"see EPBuffer.get_buffer_size_hint")
@@ -408,14 +412,14 @@ class EPBuffer(BufferBase):
                 check(topk_idx is not None, ValueError, "`topk_idx` is required without a handle")
                 n = check_common()
                 check(isinstance(num_experts, int) and num_experts > 0 and num_experts % R == 0, ValueError,
-                      f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
+                      lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check_tensor(topk_idx, "topk_idx", torch.int64, ndim=2)
                 check(topk_idx.size(0) == n, ValueError,
-                      f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
+                      lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
                 if topk_idx.numel():
                     lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
                     check(lo >= -1 and hi < num_experts, ValueError,
-                          f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
+                          lambda: f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
                 xb, sb = payload(n, None)
                 weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts
@@ -436,18 +440,21 @@ class EPBuffer(BufferBase):
 
         def precheck_cached():
             check(topk_idx is None, ValueError, "`topk_idx` must be None with a cached handle (it is the handle's)")
-            check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
+            check(isinstance(handle, EPHandle), TypeError, lambda: f"`handle` must be an EPHandle, got "
+                                                                   f"{type(handle).__name__}")
             check(handle_made_by(handle, self), ValueError, "`handle` comes from another buffer")
             check(handle.do_expand == do_expand, ValueError,
-                  f"`handle` was made with do_expand={handle.do_expand}, this call passes do_expand={do_expand}")
+                  lambda: f"`handle` was made with do_expand={handle.do_expand}, this call passes "
+                          f"do_expand={do_expand}")
             check((num_experts, alignment, max_tokens) == (handle.num_experts, handle.expert_alignment,
                                                            handle.num_max_tokens_per_rank), ValueError,
-                  f"num_experts, expert_alignment, num_max_tokens_per_rank ({num_experts}, {alignment}, {max_tokens}) "
+                  lambda: f"num_experts, expert_alignment, num_max_tokens_per_rank ({num_experts}, {alignment}, "
+                          f"{max_tokens}) "
                   f"differ from the handle's ({handle.num_experts}, {handle.expert_alignment}, "
                   f"{handle.num_max_tokens_per_rank})")
             n = check_common()
             made_for = handle.topk_idx.size(0)
-            check(n == made_for, ValueError, f"`x` has {n} tokens but the handle was made for {made_for}")
+            check(n == made_for, ValueError, lambda: f"`x` has {n} tokens but the handle was made for {made_for}")
             xb, sb = payload(n, topk_weights)
             return xb, sb, dtype_code(data.dtype), handle._legacy
 
@@ -511,9 +518,12 @@ class EPBuffer(BufferBase):
         k = topk_idx.size(1)
         rows = recv_x.size(0)
         fresh = handle is None
+        counts_known = None
         if fresh:
-            counts = torch.tensor(recv_list, dtype=torch.int64) if do_cpu_sync else None
-            aligned = None if counts is None else (counts + alignment - 1) // alignment * alignment
+            # a list of L small ints: numpy, then one tensor sharing its memory
+            counts_np = np.asarray(recv_list, dtype=np.int64) if do_cpu_sync else None
+            counts_known = None if counts_np is None else torch.from_numpy(counts_np)
+            aligned = None if counts_np is None else (counts_np + alignment - 1) // alignment * alignment
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
@@ -557,16 +567,19 @@ class EPBuffer(BufferBase):
             valid = int(num_recv)
             weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
             valid_topk = recv_topk[:valid]
-            counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
+            if counts_known is not None:  # the engines' per-expert counts (alignment 1): the same numbers
+                counts = counts_known
+            elif stats is not None or fresh:
+                counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
             if stats is not None:
                 stats.add_(counts.to(torch.int32))
             if fresh:
                 handle._num_valid = valid
                 self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets)
             if not do_expand:
-                if w_out is not None and in_place_w:
-                    w_out.masked_fill_(recv_topk < 0, 0.0)
-                elif w_out is not None:
+                # weights from the engines are 0 already where the expert is not local (to_local_experts) and
+                # on padding rows; a cached dispatch's come as bytes, masked here
+                if w_out is not None and not in_place_w:
                     w_out.copy_(weights_in).masked_fill_(recv_topk < 0, 0.0)
                 if out_sf is not None and col_major_sf:
                     out_sf.copy_(sf_rows)
@@ -738,7 +751,11 @@ class EPBuffer(BufferBase):
                 meta = handle.recv_src_metadata
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
-            return compact_x, compact_w, biases, handle._legacy, handle._combine_order
+            # The order of a token's rows matters only with three or more terms: a float32 sum of at most two
+            # rows from +0.0 is commutative (signed zeros included; docs/design/data-path.md), so two ranks
+            # without bias skip the keys and their computation.
+            keyed = self._legacy.num_nodes > 1 or self.num_ranks > 2 or biases is not None
+            return compact_x, compact_w, biases, handle._legacy, handle._combine_order if keyed else None
 
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,
@@ -761,18 +778,19 @@ class EPBuffer(BufferBase):
     def _check_combine(self, x, handle, topk_weights, bias, flag_problem: str | None = None):
         """``combine``'s argument checks (raise ``Rejected``); returns ``(biases | None, num_topk)``."""
         check(flag_problem is None, AssertionError, flag_problem)
-        check(isinstance(handle, EPHandle), TypeError, f"`handle` must be an EPHandle, got {type(handle).__name__}")
+        check(isinstance(handle, EPHandle), TypeError, lambda: f"`handle` must be an EPHandle, got "
+                                                               f"{type(handle).__name__}")
         check(handle_made_by(handle, self), ValueError, "`handle` comes from another buffer")
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         check_tensor(x, "x", torch.bfloat16, ndim=2)
-        check(x.size(0) == rows, ValueError, f"`x` must have {rows} rows (the handle's "
+        check(x.size(0) == rows, ValueError, lambda: f"`x` must have {rows} rows (the handle's "
               f"{'num_expanded_tokens' if handle.do_expand else 'num_recv_tokens'}), got {x.size(0)}")
         k = handle.topk_idx.size(1)
         if topk_weights is not None:
             check_tensor(topk_weights, "topk_weights", torch.float32,
                          shape=(rows,) if handle.do_expand else (rows, k))
         biases = bias if isinstance(bias, tuple) else (bias, None)
-        check(len(biases) == 2, ValueError, f"`bias` must be a tensor or a pair, got {len(biases)} items")
+        check(len(biases) == 2, ValueError, lambda: f"`bias` must be a tensor or a pair, got {len(biases)} items")
         n = handle.topk_idx.size(0)
         for i, b in enumerate(biases):
             if b is not None:
@@ -928,7 +946,9 @@ class EPBuffer(BufferBase):
         rows = handle._recv_topk_idx.size(0)
         if not handle.do_expand:
             return x.contiguous(), self._compact_weights(topk_weights, handle)
-        out = torch.empty((rows, x.size(1)), dtype=torch.bfloat16)
+        # the sums go where the peers read them (the landing segment when it has room): the staging copy
+        # of the engines' combine is folded into this pass
+        out = self._legacy._combine_input(rows, x.size(1))
         out[handle._num_valid:].zero_()  # rows past the real count (the kernel writes every real one)
         live = [(x, rows_j, slots_j) for rows_j, slots_j in _slots_by_lane(handle) if rows_j.numel()]
         if live:

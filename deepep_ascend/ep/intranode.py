@@ -64,6 +64,7 @@ from .. import native as _native
 from . import memory
 from .handles import IntranodeHandle
 from .layout import (
+    ALL_TOKENS,
     combine_round_tokens,
     recv_channel_prefix,
     send_layout,
@@ -120,9 +121,19 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rows_before(rank_prefix_matrix: torch.Tensor, s: int, j: int) -> int:
-    """Rows rank ``j`` receives from ranks below ``s``: where ``s``'s rows start in ``j``'s ``recv_x``."""
-    return int(rank_prefix_matrix[s - 1, j]) if s else 0
+def _rows_from_prefix(prefix: list, nr: int) -> np.ndarray:
+    """``[R, R]`` int64 rows each rank sends each rank, from the rank prefix matrix as nested lists."""
+    inclusive = np.array(prefix, dtype=np.int64).reshape(nr, nr)
+    counts = inclusive.copy()
+    counts[1:] -= inclusive[:-1]
+    return counts
+
+
+def rows_before(prefix: list, s: int, j: int) -> int:
+    """Rows rank ``j`` receives from ranks below ``s``: where ``s``'s rows start in ``j``'s ``recv_x``.
+    ``prefix``: the rank prefix matrix as nested lists (``rank_prefix_matrix.tolist()``), read without a
+    torch op per entry."""
+    return prefix[s - 1][j] if s else 0
 
 
 class _SentRows(NamedTuple):
@@ -163,7 +174,6 @@ class _Source(NamedTuple):
     rows: torch.Tensor  # [cnt, H] bf16
     weights: torch.Tensor | None  # [cnt, K'] float32
     tokens: torch.Tensor  # [cnt] int64, ascending, relative to the round's first token
-    bounds: list  # searchsorted of the block edges in tokens
     clean: bool  # no -0.0 in rows
     rank: int  # the rank that returned these rows
 
@@ -235,7 +245,10 @@ class IntranodeEngine:
         return (self.staged[p] % 2) * self.half_bytes
 
     def _view(self, p, off, nbytes, dtype=torch.uint8):
-        return self.tp.peer_view(self.win, p, self._half(p) + off, nbytes, dtype)
+        # One slice of the window's cached typed view: the engine's offsets stay inside its halves by
+        # construction (_Regions), and peers are node peers, so the transport's per-call checks are spared.
+        lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
+        return self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
 
     def _begin_stage(self, phase):
         """Wait until every peer consumed the chunk this rank's next half held before."""
@@ -272,8 +285,7 @@ class IntranodeEngine:
         hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64).numpy()
         hdr[:MSG_WORD] = 0
         hdr[W_MAGIC] = MAGIC
-        for k, v in words.items():
-            hdr[k] = v
+        hdr[list(words)] = list(words.values())
         text = message.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
         hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
 
@@ -351,6 +363,19 @@ class IntranodeEngine:
             return self.landing.take(advertised[0], rows * xb).view(rows, xb)
         return self.outputs.empty((rows, xb), torch.uint8)
 
+    def shared_empty(self, rows: int, hidden: int) -> torch.Tensor | None:
+        """An uninitialised ``[rows, hidden]`` bf16 tensor in this rank's landing segment, or None (no segment,
+        no room). A combine whose ``x`` is this tensor has its rows read by the peers in place (module doc):
+        whoever writes a combine input here spares the call its staging copy. Call on the caller's thread
+        (the segment's allocation rule, :class:`~deepep_ascend.ep.memory.SegmentPool`)."""
+        nbytes = rows * hidden * 2
+        if self.landing is None or nbytes <= 0:
+            return None
+        off, cap = self.landing.largest_free()
+        if nbytes > cap:
+            return None
+        return self.landing.take(off, nbytes).view(torch.bfloat16).view(rows, hidden)
+
     def _direct_plan(self, headers, rows, xb: int, one_round: bool):
         """Where each rank's ``recv_x`` starts in its segment, if senders can store straight into
         all of them: the call is one round and every rank's ``rows[j] * xb`` bytes fit the range
@@ -365,21 +390,27 @@ class IntranodeEngine:
             plan.append(int(headers[j, W_LAND_OFF]))
         return plan
 
-    def _store_direct(self, x, is_token_in_rank, rank_prefix_matrix, plan):
+    def _store_direct(self, x, is_token_in_rank, prefix: list, plan):
         """Gather this rank's rows for every receiver ``j`` straight into ``j``'s ``recv_x`` (at the
-        rows ``rank_prefix_matrix`` gives this rank there), then raise ``XDATA`` at every peer.
-        This is the only copy of ``x`` (the staged path copies it twice: stage, then gather)."""
+        rows the rank prefix matrix ``prefix``, nested lists, gives this rank there), then raise ``XDATA``
+        at every peer. This is the only copy of ``x`` (the staged path copies it twice: stage, then gather)."""
         me, nr = self.rank, self.num_ranks
         n, xb = x.shape
         if _PH.on:
             _PH.switch("copy")
+        # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens ascending)
+        pairs = torch.nonzero(is_token_in_rank.t())
+        routed = torch.bincount(pairs[:, 0], minlength=nr).tolist()
+        tokens = pairs[:, 1]
+        first = [0] * (nr + 1)
+        for j in range(nr):
+            first[j + 1] = first[j] + routed[j]
         for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
-            idx = torch.nonzero(is_token_in_rank[:, j]).squeeze(1)
-            cnt = idx.numel()
-            start = rows_before(rank_prefix_matrix, me, j)
-            if cnt != int(rank_prefix_matrix[me, j]) - start:  # never store outside j's rows for this rank
+            cnt = routed[j]
+            start = rows_before(prefix, me, j)
+            if cnt != prefix[me][j] - start:  # never store outside j's rows for this rank
                 raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {cnt} tokens to rank {j}, but the "
-                                   f"counts exchanged for this call say {int(rank_prefix_matrix[me, j]) - start} "
+                                   f"counts exchanged for this call say {prefix[me][j] - start} "
                                    f"(was it changed before the call finished?)")
             if not cnt:
                 continue
@@ -387,7 +418,7 @@ class IntranodeEngine:
             if cnt == n:
                 dst.copy_(x)
             else:
-                torch.index_select(x, 0, idx, out=dst)
+                torch.index_select(x, 0, tokens[first[j]:first[j + 1]], out=dst)
         self._raise_xdata()
 
     def _raise_xdata(self):
@@ -397,20 +428,22 @@ class IntranodeEngine:
         for i, p in enumerate(self.peers):
             self.tp.signal(self.win, p, XDATA, ordered=i == 0)
 
-    def _send_x(self, headers, rank_prefix_matrix, one_round: bool, predicted: bool, x, is_token_in_rank,
+    def _send_x(self, headers, prefix: list, one_round: bool, predicted: bool, x, is_token_in_rank,
                 stage_x0, phase) -> bool:
         """After the headers of a dispatch: choose how ``x`` moves (module doc), alike on every rank,
         and send it. Direct: store into the receivers' ``recv_x`` (returns True). Late (chunk 0 went
         without ``x`` on a wrong guess): ``stage_x0()`` now, raise ``XDATA``, wait for the peers'.
-        Staged: nothing more to do here. Updates the prediction for the next dispatch."""
+        Staged: nothing more to do here. Updates the prediction for the next dispatch. ``prefix``: the
+        rank prefix matrix as nested lists."""
         nr = self.num_ranks
-        rows = [max(int(rank_prefix_matrix[nr - 1, j]), int(headers[j, W_LAND_ROWS])) for j in range(nr)]
+        land_rows = headers[:, W_LAND_ROWS].tolist()
+        rows = [max(prefix[nr - 1][j], land_rows[j]) for j in range(nr)]
         plan = self._direct_plan(headers, rows, x.shape[1], one_round)
         self._predict_direct = plan is not None
         direct = predicted and plan is not None
         self.last_x_path = "direct" if direct else "late" if predicted else "staged"
         if direct:
-            self._store_direct(x, is_token_in_rank, rank_prefix_matrix, plan)
+            self._store_direct(x, is_token_in_rank, prefix, plan)
         elif predicted:
             stage_x0()  # into the half chunk 0 is in: this rank's staged count has not moved on yet
             self._raise_xdata()
@@ -493,14 +526,16 @@ class IntranodeEngine:
         predicted = self._predict_direct
         headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None, phase)
 
-        ntok = headers[:, W_NTOK].astype(np.int64)
-        rounds = [max(1, _ceil_div(int(t), per_round)) for t in ntok]
+        ntok = headers[:, W_NTOK].tolist()
+        rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
         counts, per_expert = self._read_count_vectors(num_experts)  # counts[s][j]: tokens s sends to j
-        num_recv = int(counts[:, me].sum())
+        prefix_np = np.cumsum(counts, axis=0, dtype=np.int32)
+        prefix = prefix_np.tolist()  # the rank prefix matrix as lists: read entry by entry below
+        num_recv = prefix[nr - 1][me]
         num_recv_t.fill_(num_recv)
         if early:
-            rank_prefix_matrix.copy_(counts.cumsum(0, dtype=torch.int32))
-            dst_offsets.copy_(counts[:me].sum(0, dtype=torch.int64))
+            rank_prefix_matrix.copy_(torch.from_numpy(prefix_np))
+            dst_offsets.copy_(torch.from_numpy(counts[:me].sum(0, dtype=np.int64)))
             if _PH.on:
                 _PH.switch("outputs")
             if num_recv > num_worst_tokens:  # the caller raises; the rows still arrive, into scratch outputs
@@ -509,23 +544,23 @@ class IntranodeEngine:
             else:
                 self._pad_outputs(out, num_recv)
         else:
-            rank_prefix_matrix = counts.cumsum(0, dtype=torch.int32)
-            recv_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert.tolist()]
+            rank_prefix_matrix = torch.from_numpy(prefix_np)
+            recv_list = ((per_expert + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
             if _PH.on:
                 _PH.switch("outputs")
             out = self._dispatch_outputs(advertised, num_recv, num_recv, xb, sb, num_topk, scales is not None,
                                          topk_idx is not None)
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
-            dst_offsets = counts[:me].sum(0, dtype=torch.int64)  # [R] rows each rank received from ranks before me
+            dst_offsets = torch.from_numpy(counts[:me].sum(0, dtype=np.int64))  # [R] rows each rank got before mine
             yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets
 
-        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, is_token_in_rank,
+        direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
-        cursor = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)]
+        cursor = [rows_before(prefix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
-                rows = min(per_round, int(ntok[s]) - rnd * per_round)
+                rows = min(per_round, ntok[s] - rnd * per_round)
                 if rows > 0:
                     cursor[s] = self._gather_dispatch_chunk(s, rows, rnd * per_round, regions, out, cursor[s], direct)
         if direct:
@@ -533,11 +568,11 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("epilogue")
         for s in range(nr):
-            if cursor[s] != int(rank_prefix_matrix[s, me]):
-                start = int(rank_prefix_matrix[s, me]) - int(counts[s, me])
+            if cursor[s] != prefix[s][me]:
+                start = prefix[s][me] - int(counts[s, me])
                 raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
-        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
+        starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         recv_channel_prefix_matrix.copy_(recv_channel_prefix(out.src_idx, starts, ntok, num_channels))
         if out.topk_idx is not None and num_recv:
             to_local_experts(out.topk_idx[:num_recv], out.topk_weights[:num_recv], me, num_experts // nr)
@@ -571,14 +606,14 @@ class IntranodeEngine:
             nr = self.num_ranks
             self._view(me, offs[4], rows * nr, torch.bool).view(rows, nr).copy_(sent.is_token_in_rank[lo:hi])
 
-    def _read_count_vectors(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_count_vectors(self, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
         """After chunk 0: ``counts [R, R]`` int32 (``[s, j]``: tokens ``s`` sends to ``j``) and this rank's
-        received (token, slot) pairs per local expert ``[E / R]`` int64, from every rank's staged vector."""
+        received (token, slot) pairs per local expert ``[E / R]`` int64, from every rank's staged vector
+        (numpy: a few small arrays, cheaper there than as torch ops)."""
         me, nr = self.rank, self.num_ranks
-        vecs = torch.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).clone()
-                            for p in range(nr)])
         local = num_experts // nr
-        return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=torch.int64)
+        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).numpy() for p in range(nr)])
+        return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64)
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
                           with_scales: bool, with_topk: bool) -> _Received:
@@ -648,7 +683,8 @@ class IntranodeEngine:
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: rows,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix), **(extra_words or {})}
         vec = handle.is_token_in_rank.sum(0, dtype=torch.int32)
-        num_recv = int(rank_prefix_matrix[nr - 1, me])
+        prefix = rank_prefix_matrix.tolist()  # read entry by entry below
+        num_recv = prefix[nr - 1][me]
         land_words, advertised = self._advertise(rows, xb)
         words.update(land_words)
         if _PH.on:
@@ -666,32 +702,36 @@ class IntranodeEngine:
         phase = f"cached dispatch call #{call_id}"
         headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None,
                                phase)
-        self._check_counts(rank_prefix_matrix, phase)
-        ntok = headers[:, W_NTOK].astype(np.int64)
-        rounds = [max(1, _ceil_div(int(t), per_round)) for t in ntok]
-        direct = self._send_x(headers, rank_prefix_matrix, max(rounds) == 1, predicted, x, handle.is_token_in_rank,
+        self._check_counts(prefix, phase)
+        ntok = headers[:, W_NTOK].tolist()
+        rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
+        direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, handle.is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
-        starts = [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv]
+        starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
             for s in active:
                 if direct and not sb:  # one round, nothing staged to gather: only count the rows received
                     self._record(s, (starts[s + 1] - starts[s]) * xb)
                     continue
-                staged = min(per_round, int(ntok[s]) - rnd * per_round)
+                staged = min(per_round, ntok[s] - rnd * per_round)
                 self._gather_cached_chunk(s, src[starts[s]:starts[s + 1]], starts[s], rnd * per_round, staged, regions,
-                                          recv_x, recv_scales, direct)
+                                          recv_x, recv_scales, direct, whole=staged == ntok[s])
         if direct:
             self._await_xdata(phase)
 
     def _gather_cached_chunk(self, s: int, block: torch.Tensor, block_start: int, first_token: int, staged: int,
                              regions: _Regions, recv_x: torch.Tensor, recv_scales: torch.Tensor | None,
-                             direct: bool) -> None:
+                             direct: bool, whole: bool = False) -> None:
         """Gather the rows of rank ``s``'s staged tokens ``[first_token, first_token + staged)`` that the handle
-        routes here: ``block`` lists the source token of each of ``s``'s rows (they start at ``block_start``)."""
+        routes here: ``block`` lists the source token of each of ``s``'s rows (they start at ``block_start``).
+        ``whole``: the chunk holds every token of ``s`` (one round), so every row of ``block`` is in it."""
         if _PH.on:
             _PH.switch("copy")
-        lo, hi = torch.searchsorted(block, torch.tensor([first_token, first_token + max(staged, 0)])).tolist()
+        if whole:
+            lo, hi = 0, block.numel()
+        else:
+            lo, hi = torch.searchsorted(block, torch.tensor([first_token, first_token + max(staged, 0)])).tolist()
         if hi <= lo:
             return
         idx = block[lo:hi] - first_token
@@ -706,14 +746,15 @@ class IntranodeEngine:
                                out=recv_scales[begin:end])
         self._record(s, (hi - lo) * (xb + sb))
 
-    def _check_counts(self, rank_prefix_matrix, phase):
-        """Every rank compares what each sender's handle sends with its own handle's prefix matrix."""
+    def _check_counts(self, prefix: list, phase):
+        """Every rank compares what each sender's handle sends with its own handle's prefix matrix
+        (``prefix``, nested lists)."""
         if _PH.on:
             _PH.switch("control")
         nr = self.num_ranks
-        sent = torch.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).clone() for p in range(nr)])
-        expected = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
-        if not torch.equal(sent.to(torch.int64), expected):
+        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).numpy() for p in range(nr)])
+        expected = _rows_from_prefix(prefix, nr)
+        if not np.array_equal(sent, expected):
             self._consume(range(nr))
             raise ConsensusError(
                 f"{phase}: the handles passed on different ranks do not describe the same dispatch "
@@ -735,7 +776,8 @@ class IntranodeEngine:
         wcols = topk_weights.shape[1] if topk_weights is not None else -1
         regions = self.combine_regions(xb, wcols)
         n = handle.is_token_in_rank.shape[0]
-        num_recv = int(rank_prefix_matrix[nr - 1, me])
+        prefix = rank_prefix_matrix.tolist()  # read entry by entry below
+        num_recv = prefix[nr - 1][me]
         if _PH.on:
             _PH.switch("outputs")
         combined = self.outputs.empty((n, hidden), torch.bfloat16)
@@ -744,7 +786,7 @@ class IntranodeEngine:
 
         if _PH.on:
             _PH.switch("control")
-        counts = torch.diff(rank_prefix_matrix.to(torch.int64), dim=0, prepend=torch.zeros(1, nr, dtype=torch.int64))
+        counts = _rows_from_prefix(prefix, nr)
         per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
         xseg = self.segment.offset_of(me, x) if self.landing is not None else None
@@ -757,23 +799,20 @@ class IntranodeEngine:
         # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
         # three plain copies.
         returned = _Returned(x, topk_weights, handle.recv_src_idx[:num_recv].to(torch.int64),
-                             [rows_before(rank_prefix_matrix, s, me) for s in range(nr)] + [num_recv],
+                             [rows_before(prefix, s, me) for s in range(nr)] + [num_recv],
                              in_place=xseg is not None, clean=nr == 2 and not _native.available(), own_span=[0, 0])
         stage = functools.partial(self._stage_combine_chunk, regions, per_round, returned)
         phase = f"combine call #{call_id}"
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
-        ntok = headers[:, W_NTOK].astype(np.int64)
-        num_rounds = max(1, max(_ceil_div(int(t), per_round) for t in ntok))
+        num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
             lo_t, hi_t = rnd * per_round, min(n, (rnd + 1) * per_round)
-            m = max(0, hi_t - lo_t)
-            edges = torch.arange(0, m + acc.size(0), acc.size(0)).clamp_(max=m)
-            sources = self._combine_sources(headers, regions, returned, handle, lo_t, hi_t, edges,
+            sources = self._combine_sources(headers, regions, returned, handle, prefix, lo_t, hi_t,
                                             combined_w is not None, read, phase)
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
                 wout = combined_w[lo_t:hi_t]
@@ -782,9 +821,10 @@ class IntranodeEngine:
                     if source.weights is not None:
                         wout.index_add_(0, source.tokens, source.weights)
             keys = None if order is None else [order[lo_t + source.tokens, source.rank] for source in sources]
+            # the block edges and bounds of the torch routes are left to accumulate_rows, which makes them
+            # only when a route needs them (the native kernel does not)
             accumulate_rows(combined[lo_t:hi_t], [(source.rows, source.tokens) for source in sources], acc, tmp,
-                            bias, lo_t, edges=edges, bounds=[source.bounds for source in sources],
-                            clean=[source.clean for source in sources], keys=keys)
+                            bias, lo_t, clean=[source.clean for source in sources], keys=keys)
         if any(read):
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
@@ -805,15 +845,19 @@ class IntranodeEngine:
             _PH.switch("pack")
         me, nr = self.rank, self.num_ranks
         lo_t, hi_t = rnd * per_round, (rnd + 1) * per_round
-        starts, spans = returned.starts, []
-        for s in range(nr):
-            block = returned.src[starts[s]:starts[s + 1]]
-            lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
-            spans.append((starts[s] + lo, starts[s] + hi))
+        starts = returned.starts
+        if lo_t == 0 and hi_t >= ALL_TOKENS:  # one round: every row (tokens are below ALL_TOKENS)
+            spans = [(starts[s], starts[s + 1]) for s in range(nr)]
+        else:
+            spans = []
+            for s in range(nr):
+                block = returned.src[starts[s]:starts[s + 1]]
+                lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
+                spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
-        sizes = torch.tensor([end - begin for begin, end in spans], dtype=torch.int32)
-        self._view(me, HEADER_BYTES, 4 * nr, torch.int32).copy_(sizes)
-        total = int(sizes.sum()) - int(sizes[me])
+        sizes = [end - begin for begin, end in spans]
+        self._view(me, HEADER_BYTES, 4 * nr, torch.int32).numpy()[:] = sizes
+        total = sum(sizes) - sizes[me]
         weights = returned.topk_weights
         wcols = weights.size(1) if weights is not None else -1
         if not total or (returned.in_place and wcols <= 0):
@@ -842,25 +886,33 @@ class IntranodeEngine:
                 wdst[pos:pos + end - begin].copy_(weights[begin:end])
             pos += end - begin
 
-    def _combine_sources(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, lo_t: int,
-                         hi_t: int, edges: torch.Tensor, with_weights: bool, read: list, phase: str) -> list[_Source]:
+    def _combine_sources(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, prefix: list,
+                         lo_t: int, hi_t: int, with_weights: bool, read: list, phase: str) -> list[_Source]:
         """The rows every rank ``j`` returned for this rank's tokens ``[lo_t, hi_t)``, ascending ``j``: this
-        rank's own from ``x``, the others' staged in ``j``'s window or read in place from its ``x``."""
+        rank's own from ``x``, the others' staged in ``j``'s window or read in place from its ``x``.
+        ``prefix``: the handle's rank prefix matrix as nested lists."""
         me, nr = self.rank, self.num_ranks
         weights = returned.topk_weights
         wcols = weights.size(1) if weights is not None else -1
         xb = 2 * returned.x.size(1)
         m = max(0, hi_t - lo_t)
-        sources = []
+        # every rank's tokens of the round from one nonzero over the transposed mask (rank-major, ascending)
+        if m:
+            pairs = torch.nonzero(handle.is_token_in_rank[lo_t:hi_t].t())
+            routed = torch.bincount(pairs[:, 0], minlength=nr).tolist()
+            routed_tokens = pairs[:, 1].contiguous()
+        else:
+            routed, routed_tokens = [0] * nr, None
+        sources, first = [], 0
         for j in range(nr):
-            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32)
-            cnt = int(sizes[me])
-            tokens = torch.nonzero(handle.is_token_in_rank[lo_t:hi_t, j]).squeeze(1) if m else None
-            if (0 if tokens is None else tokens.numel()) != cnt:
+            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32).numpy().tolist()
+            cnt = sizes[me]
+            if routed[j] != cnt:
                 raise RuntimeError(
                     f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
-                    f"but the handle routed {0 if tokens is None else tokens.numel()} there; the handles "
-                    f"passed on different ranks do not match")
+                    f"but the handle routed {routed[j]} there; the handles passed on different ranks do not match")
+            tokens = routed_tokens[first:first + cnt] if cnt else None
+            first += cnt
             if not cnt:
                 continue
             staged_x = j != me and headers[j, W_XSEG_OFF] < 0
@@ -869,17 +921,16 @@ class IntranodeEngine:
                 rows = returned.x[begin:end]
                 wrows = weights[begin:end] if with_weights and wcols > 0 else None
             else:
-                off = int(sizes[:me].sum()) - (int(sizes[j]) if j < me else 0)  # in j's staged rows
+                off = sum(sizes[:me]) - (sizes[j] if j < me else 0)  # in j's staged rows
                 wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
                          .view(cnt, wcols) if with_weights and wcols > 0 else None)
                 if not staged_x:  # j's x in its landing segment (the view checks the range)
-                    row0 = rows_before(handle.rank_prefix_matrix, me, j) + read[j]
+                    row0 = rows_before(prefix, me, j) + read[j]
                     read[j] += cnt
                     rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
                 else:
                     rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
                 rows = rows.view(cnt, xb).view(torch.bfloat16)
-            sources.append(_Source(rows, wrows, tokens, torch.searchsorted(tokens, edges).tolist(),
-                                   staged_x and returned.clean, j))
+            sources.append(_Source(rows, wrows, tokens, staged_x and returned.clean, j))
             self._record(j, cnt * (xb + 4 * max(wcols, 0)))
         return sources

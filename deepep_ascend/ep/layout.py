@@ -10,7 +10,10 @@ returns both weights). Nothing is merged or rejected.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from .. import native as _native
 
 topk_idx_t = torch.int64
 
@@ -28,17 +31,22 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
         ``num_tokens_per_expert [E]`` int32 ((token, slot) pairs per expert),
         ``is_token_in_rank [N, R]`` bool.
     """
+    done = _native.dispatch_layout(topk_idx, num_experts, num_ranks)  # one C pass where built
+    if done is not None:
+        return done
     n = topk_idx.size(0)
     num_local = num_experts // num_ranks
-    # -1 becomes expert E, i.e. rank R: one extra bin and one extra column, dropped at the end
-    # (a bincount and a scatter, no boolean indexing).
-    experts = torch.where(topk_idx >= 0, topk_idx.to(torch.int64), num_experts)
-    num_tokens_per_expert = torch.bincount(experts.view(-1), minlength=num_experts + 1)[:num_experts].to(torch.int32)
-    in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool)
-    in_rank.scatter_(1, torch.div(experts, num_local, rounding_mode="floor").clamp_(max=num_ranks), True)
-    is_token_in_rank = in_rank[:, :num_ranks].contiguous()
-    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+    # numpy on the small routing arrays (a few cheap calls instead of a dozen torch ops). -1 becomes expert
+    # E, i.e. rank R: one extra bin and one extra column, dropped at the end (no boolean indexing).
+    idx = topk_idx.numpy()
+    experts = np.where(idx >= 0, idx, num_experts).astype(np.int64, copy=False)
+    num_tokens_per_expert = np.bincount(experts.reshape(-1), minlength=num_experts + 1)[:num_experts].astype(np.int32)
+    in_rank = np.zeros((n, num_ranks + 1), dtype=np.bool_)
+    in_rank[np.arange(n)[:, None], np.minimum(experts // num_local, num_ranks)] = True
+    is_token_in_rank = np.ascontiguousarray(in_rank[:, :num_ranks])
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=np.int32)
+    return (torch.from_numpy(num_tokens_per_rank), torch.from_numpy(num_tokens_per_expert),
+            torch.from_numpy(is_token_in_rank))
 
 
 def tokens_per_node(is_token_in_rank: torch.Tensor, num_nodes: int, ranks_per_node: int) -> torch.Tensor:
@@ -55,6 +63,8 @@ def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tenso
     ``recv_topk_idx`` ``[N_recv, K]`` int64 and ``recv_topk_weights`` ``[N_recv, K]`` float32, the real
     rows only (DeepEP's ``recv_topk_idx`` holds local expert ids, docs/semantics/deepep-api.md §4.2).
     """
+    if _native.local_experts(recv_topk_idx, recv_topk_weights, rank, num_local_experts):  # one C pass where built
+        return
     first = rank * num_local_experts
     foreign = (recv_topk_idx < first) | (recv_topk_idx >= first + num_local_experts)
     recv_topk_idx.sub_(first).masked_fill_(foreign, -1)
@@ -74,15 +84,22 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torc
     (inclusive); ``send_head[t][j]`` = position of token ``t`` in the sequence of its channel's
     tokens for rank ``j``, or -1 if not sent (docs/semantics/deepep-api.md §4.3).
     """
+    done = _native.send_layout(is_token_in_rank, num_channels)  # one C pass where built
+    if done is not None:
+        return done
     n, r = is_token_in_rank.shape
-    sent = is_token_in_rank.to(torch.int32)
-    channel = channel_of_tokens(n, num_channels)
-    per_channel = torch.zeros(num_channels, r, dtype=torch.int32).index_add_(0, channel, sent)
-    channel_prefix = per_channel.cumsum(0, dtype=torch.int32)
-    before_channel = (channel_prefix - per_channel)[channel]  # [N, R] tokens of earlier channels
-    position = sent.cumsum(0, dtype=torch.int32) - sent - before_channel
-    send_head = torch.where(is_token_in_rank, position, torch.full_like(position, -1))
-    return channel_prefix.t().contiguous(), send_head
+    if not n:
+        return torch.zeros(r, num_channels, dtype=torch.int32), torch.zeros(0, r, dtype=torch.int32)
+    # numpy on small integer arrays: a handful of cheap calls instead of a dozen torch ops
+    mask = is_token_in_rank.numpy()
+    sent = mask.astype(np.int32)
+    before = np.cumsum(sent, axis=0, dtype=np.int32) - sent  # [N, R] tokens for rank j before token t
+    q = max(1, -(-n // num_channels))
+    ends = np.minimum(np.arange(1, num_channels + 1) * q, n)  # channel c: tokens [c·q, min((c+1)·q, N))
+    channel_prefix = before[ends - 1] + sent[ends - 1]  # [C, R] tokens of channels 0..c (inclusive)
+    position = before - before[np.arange(n) // q * q]  # minus the tokens of earlier channels
+    send_head = np.where(mask, position, np.int32(-1))
+    return torch.from_numpy(np.ascontiguousarray(channel_prefix.T)), torch.from_numpy(send_head)
 
 
 def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per_source,
@@ -94,36 +111,44 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
         block_starts: ``R + 1`` ints, rows of source ``s`` are ``[block_starts[s], block_starts[s+1])``.
         num_tokens_per_source: ``R`` ints, ``N`` of each source (fixes its channel size).
     """
+    done = _native.recv_channel_prefix(recv_src_idx, block_starts, num_tokens_per_source, num_channels)
+    if done is not None:  # one C pass where built
+        return done
     r = len(num_tokens_per_source)
-    out = torch.zeros(r, num_channels, dtype=torch.int32)
-    for s in range(r):  # one vectorised pass per source rank
-        block = recv_src_idx[block_starts[s]:block_starts[s + 1]].to(torch.int64)
-        q = max(1, -(-int(num_tokens_per_source[s]) // num_channels))
-        counts = torch.bincount(block // q, minlength=num_channels)[:num_channels]
-        out[s] = (counts.cumsum(0) - counts).to(torch.int32)
-    return out
+    starts = [int(v) for v in block_starts]
+    # numpy, all sources at once: each row's bin is (its source, its token's channel in that source)
+    src = recv_src_idx[starts[0]:starts[r]].numpy().astype(np.int64)
+    per_source = np.diff(starts)
+    q = [max(1, -(-int(t) // num_channels)) for t in num_tokens_per_source]
+    width = num_channels + 1  # a last bin per source for tokens past its channels (none in a valid handle)
+    channel = np.minimum(src // np.repeat(q, per_source), num_channels)
+    bins = np.repeat(np.arange(r, dtype=np.int64) * width, per_source) + channel
+    counts = np.bincount(bins, minlength=r * width)[:r * width].reshape(r, width)[:, :num_channels]
+    return torch.from_numpy((counts.cumsum(1) - counts).astype(np.int32))
 
 
 ALL_TOKENS = 1 << 62  # a round range covering any token count (still an int64)
 
 
-def combine_round_tokens(recv_counts: torch.Tensor, capacity_rows: int, max_tokens: int) -> int:
+def combine_round_tokens(recv_counts, capacity_rows: int, max_tokens: int) -> int:
     """Largest per-origin token range ``q`` such that every rank stages at most ``capacity_rows`` rows.
 
     In combine round ``k`` rank ``j`` stages, for every origin ``s``, its rows for tokens
-    ``[k·q, (k+1)·q)`` of ``s``: at most ``min(q, M[s][j])`` rows, ``M = recv_counts [R, R]``
+    ``[k·q, (k+1)·q)`` of ``s``: at most ``min(q, M[s][j])`` rows, ``M = recv_counts [R, R]`` (a numpy
+    array or a tensor)
     (``M[s][j]`` tokens sent from ``s`` to ``j``). All ranks hold the same ``M`` (from the
     handle), so all pick the same ``q``. Returns at least 1 (caller checks the capacity), and
     :data:`ALL_TOKENS` when every rank's rows fit at once: one round, however many tokens an
     origin has (an origin may have more tokens than any count in ``M``; a ``q`` of the largest
     count would then cost a second round, a full synchronisation, for the last few tokens).
     """
+    recv_counts = np.asarray(recv_counts)  # a few small integer sums: numpy, not torch ops
     if int(recv_counts.sum(0).max()) <= capacity_rows:
         return ALL_TOKENS
     hi = max(1, max_tokens)
 
     def rows(q):
-        return int(recv_counts.clamp(max=q).sum(0).max())
+        return int(np.minimum(recv_counts, q).sum(0).max())
 
     lo = 1
     while lo < hi:  # largest q with rows(q) <= capacity, by bisection on a monotone function

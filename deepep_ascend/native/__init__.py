@@ -12,7 +12,9 @@ Modules:
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
   :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_combine_send`,
   :func:`ll_combine_recv`, :func:`ll_headers_agree`, :func:`zero_row_prefix`;
-* :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`.
+* :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`;
+* :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
+  :func:`send_layout`, :func:`recv_channel_prefix`, :func:`local_experts`.
 
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
 loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
@@ -51,6 +53,7 @@ from .amx import (
     amx_packed_nbytes,
     gemm_bf16_amx,
 )
+from .layout import dispatch_layout, local_experts, recv_channel_prefix, send_layout
 from .ll import (
     ll_available,
     ll_combine_recv,
@@ -65,6 +68,7 @@ from .loader import available, library_path
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes",
-           "available", "copy_rows", "dequant_rows_e4m3", "gemm_bf16_amx", "library_path", "ll_available",
-           "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_route",
-           "sum_rows", "swiglu", "weighted_sum_rows", "zero_row_prefix"]
+           "available", "copy_rows", "dequant_rows_e4m3", "dispatch_layout", "gemm_bf16_amx", "library_path",
+           "ll_available", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send",
+           "ll_headers_agree", "ll_route", "local_experts", "recv_channel_prefix", "send_layout", "sum_rows",
+           "swiglu", "weighted_sum_rows", "zero_row_prefix"]

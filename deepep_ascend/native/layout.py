@@ -1,0 +1,115 @@
+"""The normal path's routing counts in one C call each (``csrc/layout.c``): what
+:mod:`deepep_ascend.ep.layout` computes with a dozen numpy or torch operator calls per call, which at a
+decode step's or a small prefill's token counts cost more than the arithmetic.
+
+Each wrapper returns None where the library is not loaded or the operands are not what the kernel takes
+(the caller then takes its numpy path, the same integers), and otherwise new tensors.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .loader import kernels
+from .operands import mark_written
+
+__all__ = ["dispatch_layout", "local_experts", "recv_channel_prefix", "send_layout"]
+
+
+def _dense(t, dtype: torch.dtype, ndim: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.device.type == "cpu"
+            and t.is_contiguous())
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
+                    num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)`` of a
+    routing, in one pass (``deep_ep.Buffer.get_dispatch_layout``'s counts; docs/semantics/deepep-api.md §4.1).
+
+    Args:
+        topk_idx: ``[N, K]`` contiguous int64, ids in ``[-1, num_experts)`` (-1: none).
+        num_experts: ``E``, a positive multiple of ``num_ranks``.
+    Returns:
+        The three tensors, or None: kernel not loaded, operands not as above, or an id out of range
+        (nothing computed; the caller's path raises or handles it).
+    """
+    fn = kernels.dispatch_layout
+    if fn is None or not _dense(topk_idx, torch.int64, 2) or num_ranks <= 0 or num_experts % num_ranks:
+        return None
+    n, k = topk_idx.shape
+    per_rank = torch.empty(num_ranks, dtype=torch.int32)
+    per_expert = torch.empty(num_experts, dtype=torch.int32)
+    in_rank = torch.empty(n, num_ranks, dtype=torch.bool)
+    if fn(topk_idx.data_ptr(), n, k, num_experts, num_ranks, per_rank.data_ptr(), per_expert.data_ptr(),
+          in_rank.data_ptr()):
+        return None
+    return per_rank, per_expert, in_rank
+
+
+def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(channel_prefix_matrix [R, C] int32, send_head [N, R] int32)`` of a routing mask in one pass
+    (:func:`deepep_ascend.ep.layout.send_layout`; docs/semantics/deepep-api.md §4.3).
+
+    Args:
+        is_token_in_rank: ``[N, R]`` contiguous bool.
+        num_channels: ``C >= 1``.
+    Returns:
+        The two tensors, or None (kernel not loaded, operands not as above).
+    """
+    fn = kernels.send_layout
+    if fn is None or not _dense(is_token_in_rank, torch.bool, 2) or num_channels < 1:
+        return None
+    n, r = is_token_in_rank.shape
+    channel_prefix = torch.empty(r, num_channels, dtype=torch.int32)
+    send_head = torch.empty(n, r, dtype=torch.int32)
+    scratch = (ctypes.c_int32 * max(1, 2 * r))()
+    fn(is_token_in_rank.data_ptr(), n, r, num_channels, channel_prefix.data_ptr(), send_head.data_ptr(), scratch)
+    return channel_prefix, send_head
+
+
+def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per_source,
+                        num_channels: int) -> torch.Tensor | None:
+    """``recv_channel_prefix_matrix [R, C]`` int32 in one pass (:func:`deepep_ascend.ep.layout.recv_channel_prefix`;
+    docs/semantics/deepep-api.md §4.3).
+
+    Args:
+        recv_src_idx: ``[>= block_starts[-1]]`` contiguous int32 source token of each received row.
+        block_starts: ``R + 1`` ascending ints (rows of source ``s``: ``[block_starts[s], block_starts[s+1])``).
+        num_tokens_per_source: ``R`` ints.
+        num_channels: ``C >= 1``.
+    Returns:
+        The matrix, or None (kernel not loaded, operands not as above, a negative token index).
+    """
+    fn = kernels.recv_channel_prefix
+    r = len(num_tokens_per_source)
+    if (fn is None or not _dense(recv_src_idx, torch.int32, 1) or num_channels < 1 or len(block_starts) != r + 1
+            or r == 0 or not 0 <= int(block_starts[0]) <= int(block_starts[r]) <= recv_src_idx.numel()):
+        return None
+    out = torch.empty(r, num_channels, dtype=torch.int32)
+    starts = (ctypes.c_int64 * (r + 1))(*(int(v) for v in block_starts))
+    ntok = (ctypes.c_int64 * r)(*(int(v) for v in num_tokens_per_source))
+    if fn(recv_src_idx.data_ptr(), starts, ntok, r, num_channels, out.data_ptr()):
+        return None
+    return out
+
+
+def local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, rank: int,
+                  num_local_experts: int) -> bool:
+    """In place, one pass: received global expert ids -> this rank's local ids, -1 and weight +0.0 for other
+    ranks' experts (:func:`deepep_ascend.ep.layout.to_local_experts`; docs/semantics/deepep-api.md §4.2).
+
+    Args:
+        recv_topk_idx: ``[N_recv, K]`` contiguous int64; recv_topk_weights: the same shape, contiguous float32.
+    Returns:
+        True when done; False (nothing written) if the kernel is not loaded or the operands are not as above.
+    """
+    fn = kernels.local_experts
+    if (fn is None or not _dense(recv_topk_idx, torch.int64, 2) or not _dense(recv_topk_weights, torch.float32, 2)
+            or recv_topk_idx.shape != recv_topk_weights.shape):
+        return False
+    fn(recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(), recv_topk_idx.numel(),
+       rank * num_local_experts, num_local_experts)
+    mark_written(recv_topk_idx)
+    mark_written(recv_topk_weights)
+    return True
