@@ -186,7 +186,8 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
         TypeError: ``buffer`` is not a :class:`deepep_ascend.Buffer`.
         ValueError: ``buffer`` has no UBMEM window, or spans nodes without a URMA window; no fused experts
             module in ``model``; one is already expert-parallel; a module's ``num_experts`` is not a multiple
-            of the EP size; a parameter of an experts module has no leading expert dimension. Raised before any module is changed.
+            of the EP size; a parameter of an experts module has no leading expert dimension. Raised before
+            any module is changed.
     """
     _require_transformers()
     if not isinstance(buffer, Buffer):
