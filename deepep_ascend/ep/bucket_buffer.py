@@ -381,6 +381,9 @@ class BucketBuffer(BufferBase):
     def _registered(self, op: str, what: str, t, i: int) -> int:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"BucketBuffer.{op}: {what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.numel() == 0:  # a zero-size view has no bytes of the storage, so it cannot be located in it
+            raise ValueError(f"BucketBuffer.{op}: {what}[{i}] ({t.dtype} {tuple(t.shape)}) is empty: the collectives "
+                             f"need at least one element (skip the call for an empty bucket)")
         off = self._offset_of(t)
         if off is None or not t.is_contiguous():
             raise ValueError(f"BucketBuffer.{op}: {what}[{i}] ({t.dtype} {tuple(t.shape)} on {t.device}) must be a "

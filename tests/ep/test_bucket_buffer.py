@@ -303,6 +303,8 @@ def test_bad_input_raises_on_every_rank(buf):
     _expect_everywhere(lambda: buf.reduce_scatter(outside), ValueError, "inside this buffer's storage",
                        "src outside the storage")
     _expect_everywhere(lambda: buf.all_reduce(x.view(torch.int32)), ValueError, "torch.float32", "int32 all_reduce")
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        _expect_everywhere(lambda: getattr(buf, op)(x[:0]), ValueError, "is empty", f"zero-size {op}")
     if R > 1:
         _expect_everywhere(lambda: buf.reduce_scatter(x[:R * 64 - 1]), ValueError, "not a multiple",
                            "indivisible reduce_scatter")
