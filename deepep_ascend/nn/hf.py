@@ -45,8 +45,9 @@ Rules of use (the calls are collective over the Buffer's group):
 * ``transformers``' load-balancing loss (``output_router_logits=True`` with labels) is computed
   from each rank's own tokens, as in any data-parallel run.
 
-The Buffer needs a UBMEM window (``num_nvl_bytes``); :func:`buffer_size_hint` gives one for which
-no call streams in rounds. Low-latency mode and FP8 are not offered here.
+The Buffer needs a UBMEM window (``num_nvl_bytes``), and a URMA window (``num_rdma_bytes``) when its
+group spans nodes; :func:`buffer_sizes` gives both, for which no call streams in rounds, on the
+topology the Buffer gets. Low-latency mode and FP8 are not offered here.
 
 Example (every rank, ``mpiexec -n 4``)::
 
@@ -56,7 +57,7 @@ Example (every rank, ``mpiexec -n 4``)::
 
     torch.manual_seed(0)                      # the same weights on every rank
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, ...))
-    buffer = Buffer(None, hf.buffer_size_hint(model, num_max_tokens_per_rank=512, num_ranks=4), comm=comm)
+    buffer = Buffer(None, *hf.buffer_sizes(model, num_max_tokens_per_rank=512, comm=comm), comm=comm)
     hf.expert_parallel(model, buffer)         # in place; rank r keeps experts [2r, 2r + 2)
     loss = model(input_ids=my_batch, labels=my_batch).loss
     loss.backward()                           # then all-reduce the non-expert gradients, step
