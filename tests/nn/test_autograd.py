@@ -147,7 +147,7 @@ def test_cached_dispatch_and_plain_combine(buf, comm):
 
 
 def test_refuses_non_bf16_and_async(buf):
-    """float32 / FP8 x and async keywords are refused locally, before any communication."""
+    """float32 / FP8 x and async keywords are refused (on every rank, in the call's first round) before data moves."""
     x = torch.zeros(2, H)
     idx = torch.zeros(2, K, dtype=torch.int64)
     with pytest.raises(TypeError, match="bfloat16"):
@@ -327,7 +327,7 @@ def test_ll_split3_is_exact():
 
 
 def test_ll_refusals(ll_buf):
-    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused locally, before any call."""
+    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused on every rank before data moves."""
     x = torch.zeros(2, H, dtype=BF16, requires_grad=True)
     idx = torch.zeros(2, K, dtype=torch.int64)
     with pytest.raises(TypeError, match="use_fp8=False"):

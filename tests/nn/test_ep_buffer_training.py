@@ -164,7 +164,7 @@ def test_ep_dispatch_combine_grads_exact(ep, comm, routing):
 
 
 def test_ep_autograd_refusals(ep, comm):
-    """Local refusals before any call: non-bf16 x, asynchronous keywords, a bias that is not a pair."""
+    """Refusals before data moves: non-bf16 x, asynchronous keywords, a bias that is not a pair."""
     x = torch.zeros(2, H)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.ep_dispatch(ep, x, torch.zeros(2, K, dtype=torch.int64), None, num_experts=E)
