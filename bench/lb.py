@@ -28,6 +28,8 @@ order): exit code 1 if any differs; a system that fails is left out of every rat
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from bench import cli, schema
@@ -173,6 +175,14 @@ def run(args) -> int:
                          lambda s, w: buf.lb_prefetch_weights(s, w, mapping).wait(),
                          lambda sg, g, _: buf.lb_reduce_grads(sg, g, mapping).wait())
         cleanup.append(buf.destroy)  # the LB tensors stay valid while referenced
+        if buf.num_nvlink_ranks != R:  # the same on every rank: all leave here together
+            for f in cleanup:
+                f()
+            if r == 0:
+                print(f"bench lb: needs one node (the load-balance domain is the node, and the plan places replicas on "
+                      f"all {R} ranks), got {buf.num_rdma_ranks} nodes of {buf.num_nvlink_ranks} rank(s); unset "
+                      f"DEEPEP_ASCEND_RANKS_PER_NODE or set it to {R}", file=sys.stderr)
+            return 2
     scratch = torch.empty(max(1, len(mine)), cols)
     if "mpi" in args.systems:
         peer = _mpi_peer(comm, plan)

@@ -88,7 +88,7 @@ def main(argv=None):
     data = stdlib_bytes(args.data_kb)
     model = build_model(args)
     tokens = args.batch * args.seq
-    buffer = Buffer(None, hf.buffer_size_hint(model, tokens, size), comm=comm, explicitly_destroy=True)
+    buffer = Buffer(None, *hf.buffer_sizes(model, tokens, comm), comm=comm, explicitly_destroy=True)
     hf.expert_parallel(model, buffer)
     expert_params = {id(p) for _, m in hf.find_experts_modules(model) for p in m.parameters(recurse=False)}
     dense = [p for p in model.parameters() if id(p) not in expert_params]

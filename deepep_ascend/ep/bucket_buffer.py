@@ -185,6 +185,12 @@ class BucketSession:
         return handle
 
 
+def _scale_key(scale) -> str:
+    """``scale`` as the ranks compare it: ``repr`` of the float, which tells distinct values apart (-0.0 from 0.0)
+    and makes NaN equal to NaN (DeepEP passes any float scale to its kernels, non-finite ones too)."""
+    return f"scale={float(scale)!r}"
+
+
 class BucketBuffer(BufferBase):
     """Contiguous symmetric storage for batched all-gather, reduce-scatter and all-reduce
     (``deep_ep.BucketBuffer``).
@@ -375,6 +381,9 @@ class BucketBuffer(BufferBase):
     def _registered(self, op: str, what: str, t, i: int) -> int:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"BucketBuffer.{op}: {what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.numel() == 0:  # a zero-size view has no bytes of the storage, so it cannot be located in it
+            raise ValueError(f"BucketBuffer.{op}: {what}[{i}] ({t.dtype} {tuple(t.shape)}) is empty: the collectives "
+                             f"need at least one element (skip the call for an empty bucket)")
         off = self._offset_of(t)
         if off is None or not t.is_contiguous():
             raise ValueError(f"BucketBuffer.{op}: {what}[{i}] ({t.dtype} {tuple(t.shape)} on {t.device}) must be a "
@@ -573,7 +582,9 @@ class BucketBuffer(BufferBase):
             comm_precision: ``'fp32'``, or ``'bf16'``: every contribution (this rank's too) is rounded to
                 bfloat16 (to nearest even) before the FP32 sum, and peers read half the bytes. DeepEP rounds
                 stochastically and offers bf16 on its pure-RDMA path only.
-            scale: multiplies the sum (a float; ``1.0`` leaves it as is).
+            scale: multiplies the sum (a float; ``1.0`` leaves it as is; NaN and infinities are applied as
+                IEEE arithmetic does, as in DeepEP). The same on every rank, compared by value with NaN equal
+                to NaN and -0.0 unequal to 0.0.
             group: the buffer's group. num_sms: ``None`` or a non-negative int (no meaning on CPU ranks).
         Returns:
             an :class:`EventOverlap` whose ``wait()`` returns the 1-D shard view(s), at ``src.data_ptr() +
@@ -591,7 +602,7 @@ class BucketBuffer(BufferBase):
                 raise ValueError(f"BucketBuffer.reduce_scatter: comm_precision must be one of {_PRECISIONS}, "
                                  f"got {comm_precision!r}")
             plan, signature = self._reduce_checks("reduce_scatter", srcs, scale, ctx, shard=True)
-            return plan, (comm_precision, float(scale), signature)
+            return plan, (comm_precision, _scale_key(scale), signature)
 
         ctx, plan = self._validate("reduce_scatter", group, num_sms, check)
         members = self._contexts[ctx]
@@ -640,7 +651,7 @@ class BucketBuffer(BufferBase):
 
         def check(ctx):
             plan, signature = self._reduce_checks("all_reduce", srcs, scale, ctx, shard=False)
-            return plan, (float(scale), signature)
+            return plan, (_scale_key(scale), signature)
 
         ctx, plan = self._validate("all_reduce", group, num_sms, check)
         members = self._contexts[ctx]

@@ -668,6 +668,50 @@ class Buffer:
             self._guard(guard.check)
         raise_if_a_peer_aborted(self.runtime, phase)
 
+    # -- refusing a call ------------------------------------------------------------------
+    _REFUSABLE = {"dispatch": OP_DISPATCH, "cached_dispatch": OP_CACHED_DISPATCH, "combine": OP_COMBINE,
+                  "low_latency_dispatch": ll_mod.OP_DISPATCH, "low_latency_combine": ll_mod.OP_COMBINE}
+
+    def refuse_call(self, op: str, error: Exception) -> None:
+        """Take this rank's part in the collective call ``op`` as a rejection of its arguments, then raise ``error``.
+
+        For wrappers with checks of their own (``deepep_ascend.nn.autograd``): a wrapper that raised before
+        calling the Buffer would leave the peers waiting in the call (or matched with this rank's next
+        one). Instead it calls this in place of the call: the peers' matching call raises a
+        ``ConsensusError`` naming this rank and ``error`` (the same first round as a refusal by the
+        Buffer's own checks, docs/semantics/deepep-api.md §8), and the Buffer stays usable. Not in DeepEP.
+
+        Args:
+            op: the call refused: ``"dispatch"``, ``"cached_dispatch"`` (``dispatch(handle=...)``),
+                ``"combine"``, ``"low_latency_dispatch"`` or ``"low_latency_combine"``.
+            error: the exception this rank raises.
+        Raises:
+            ``error`` (always); ``ValueError`` for an unknown ``op``; ``RuntimeError`` when the Buffer was
+            destroyed (no round then).
+        """
+        if op not in self._REFUSABLE:
+            raise ValueError(f"Buffer.refuse_call: `op` must be one of {sorted(self._REFUSABLE)}, got {op!r}")
+        code = self._REFUSABLE[op]
+        message = f"rank {self.rank}: {type(error).__name__}: {error}"
+        if op.startswith("low_latency"):
+            ll = self._ll_usable(op)
+            self._worker.drain()
+            try:
+                self._guard(lambda: ll.reject(code, f"{type(error).__name__}: {error}"))
+            except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
+                pass
+            raise error
+        if self.runtime is None:
+            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+        self._calls += 1
+        self._worker.drain()
+        self._filling = None
+        try:
+            self._engine.reject(code, self._calls, message)
+        except ConsensusError:
+            pass
+        raise error
+
     # -- dispatch ------------------------------------------------------------------------
     @timed("dispatch", engine_of)
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

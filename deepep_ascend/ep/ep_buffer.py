@@ -286,6 +286,23 @@ class EPBuffer(BufferBase):
         if self.runtime is None:
             raise RuntimeError(f"EPBuffer.{op}: the buffer was destroyed")
 
+    def refuse_call(self, op: str, error: Exception) -> None:
+        """Take this rank's part in the collective ``dispatch`` or ``combine`` as a rejection of its arguments,
+        then raise ``error``: the peers' matching call raises a ``ConsensusError`` naming this rank, the buffer
+        stays usable (``Buffer.refuse_call``, for wrappers with checks of their own). Not in DeepEP.
+
+        Args:
+            op: ``"dispatch"``, ``"cached_dispatch"`` (``dispatch(handle=...)``) or ``"combine"``.
+            error: the exception this rank raises.
+        Raises:
+            ``error`` (always); ``ValueError`` for another ``op``; ``RuntimeError`` when the buffer was destroyed.
+        """
+        if op not in ("dispatch", "cached_dispatch", "combine"):
+            raise ValueError(f"EPBuffer.refuse_call: `op` must be 'dispatch', 'cached_dispatch' or 'combine', "
+                             f"got {op!r}")
+        self._usable(op)
+        self._legacy.refuse_call(op, error)
+
     # -- dispatch ---------------------------------------------------------------------------
     @timed("ep_dispatch", engine_of)
     def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,

@@ -27,6 +27,10 @@ differentiable: its backward casts the bf16 gradient back to ``x``'s dtype). ``t
 are float32 and their gradients stay float32 end to end. FP8 ``(data, scales)`` inputs are not
 differentiable and are refused.
 
+The wrappers' own refusals (dtype, keywords, and here ``get_dispatch_layout``'s checks, which do not
+communicate) go through the Buffer's first round like its own (``refuse_call``): the rank at fault raises
+its error, every other rank a ``ConsensusError`` naming it, and the Buffer stays usable.
+
 Low-latency mode has its pair too (docs/semantics/deepep-api.md §6):
 
 * :func:`low_latency_dispatch` — forward: ``Buffer.low_latency_dispatch`` (BF16, ``use_fp8=False``);
@@ -117,6 +121,26 @@ def _check_kwargs(kwargs, allowed, op: str) -> None:
                         f"(the autograd path is synchronous)")
 
 
+def _refused_everywhere(buffer, op: str, *checks) -> None:
+    """Run the wrapper's own ``checks`` (callables raising ``TypeError`` / ``ValueError``); on a failure, refuse
+    the Buffer's call ``op`` on this rank with that error (``refuse_call``), so that the peers' matching call
+    raises a ``ConsensusError`` naming this rank instead of waiting for it, then raise the error here."""
+    try:
+        for c in checks:
+            c()
+    except (TypeError, ValueError) as exc:
+        refuse = getattr(buffer, "refuse_call", None)
+        if refuse is None:  # not a Buffer: nothing collective to take part in
+            raise
+        refuse(op, exc)
+
+
+def _cached_problem(op: str, topk_idx, topk_weights) -> None:
+    if topk_idx is not None or topk_weights is not None:
+        raise ValueError(f"deepep_ascend.nn.autograd.{op}: a cached dispatch (handle=...) takes "
+                         f"topk_idx=None and topk_weights=None")
+
+
 def _weights_or_placeholder(ctx, weights: torch.Tensor | None) -> torch.Tensor:
     """A dispatch's or combine's output weights, or (no weights) an empty non-differentiable float32
     placeholder: an autograd Function returns tensors only."""
@@ -138,15 +162,16 @@ class _Dispatch(torch.autograd.Function):
         config = kwargs.get("config")
         if handle is None:
             if kwargs.get("num_tokens_per_rank") is None:
-                ntpr, ntprr, ntpe, itr, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+                layout = []
+                # get_dispatch_layout does not communicate: its refusal goes through the dispatch's round
+                _refused_everywhere(buffer, "dispatch",
+                                    lambda: layout.extend(buffer.get_dispatch_layout(topk_idx, num_experts)))
+                ntpr, ntprr, ntpe, itr, _ = layout
                 kwargs.update(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=itr,
                               num_tokens_per_expert=ntpe)
             recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, **kwargs)
-        else:  # cached dispatch: the handle fixes the routing; no top-k
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("deepep_ascend.nn.autograd.dispatch: a cached dispatch (handle=...) takes "
-                                 "topk_idx=None and topk_weights=None")
+        else:  # cached dispatch: the handle fixes the routing; no top-k (checked by dispatch())
             recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(x, handle=handle, **kwargs)
         ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, _num_sms(buffer, config)
         ctx.has_weights = topk_weights is not None
@@ -221,8 +246,11 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weight
         TypeError: non-bf16 or FP8 ``x``; an unsupported keyword. Otherwise as ``Buffer.dispatch``
             (collective errors), in the forward and the backward pass.
     """
-    _check_kwargs(dispatch_kwargs, _DISPATCH_KWARGS, "dispatch")
-    _check_bf16(x, "dispatch")
+    cached = dispatch_kwargs.get("handle") is not None
+    _refused_everywhere(buffer, "cached_dispatch" if cached else "dispatch",
+                        lambda: _check_kwargs(dispatch_kwargs, _DISPATCH_KWARGS, "dispatch"),
+                        lambda: _check_bf16(x, "dispatch"),
+                        lambda: cached and _cached_problem("dispatch", topk_idx, topk_weights))
     out = {}
     recv_x, recv_w = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
                                      tuple(dispatch_kwargs.items()), out)
@@ -247,7 +275,7 @@ def combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | None =
     Raises:
         TypeError: non-bf16 ``x``. Otherwise as ``Buffer.combine``.
     """
-    _check_bf16(x, "combine")
+    _refused_everywhere(buffer, "combine", lambda: _check_bf16(x, "combine"))
     combined_x, combined_w = _Combine.apply(x, topk_weights, buffer, handle, config)
     return combined_x, (combined_w if topk_weights is not None else None)
 
@@ -419,13 +447,19 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
             Otherwise as ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (collective errors),
             in the forward and the backward pass.
     """
-    _check_kwargs(kwargs, _LL_DISPATCH_KWARGS, "low_latency_dispatch")
-    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+    differentiable = isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+    def grad_checks():
+        if not differentiable:
+            return
         _check_bf16(x, "low_latency_dispatch", "Buffer.low_latency_combine")
         if kwargs.get("use_fp8", True):
             raise TypeError("deepep_ascend.nn.autograd.low_latency_dispatch: use_fp8=True (the default, as in DeepEP) "
                             "is not differentiable; pass use_fp8=False when `x` requires grad")
-    elif kwargs.get("use_fp8", True):  # nothing to differentiate: the plain call (FP8 outputs)
+
+    _refused_everywhere(buffer, "low_latency_dispatch",
+                        lambda: _check_kwargs(kwargs, _LL_DISPATCH_KWARGS, "low_latency_dispatch"), grad_checks)
+    if not differentiable and kwargs.get("use_fp8", True):  # nothing to differentiate: the plain call (FP8 outputs)
         recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                                                        num_experts, **kwargs)
         return recv_x, recv_count, handle
@@ -458,8 +492,9 @@ def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_we
             ValueError (backward): the Buffer's ``num_rdma_bytes`` is too small for calls with
             ``hidden = 3K`` rounded up to a multiple of 4 (only if that exceeds ``H``).
     """
-    _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine")
-    _check_bf16(x, "low_latency_combine", "Buffer.low_latency_dispatch")
+    _refused_everywhere(buffer, "low_latency_combine",
+                        lambda: _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine"),
+                        lambda: _check_bf16(x, "low_latency_combine", "Buffer.low_latency_dispatch"))
     return _LLCombine.apply(x, topk_weights, buffer, topk_idx, handle, tuple(kwargs.items()))
 
 
@@ -548,8 +583,9 @@ def ep_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
         TypeError: non-bf16 or FP8 ``x``; an unsupported keyword. Otherwise as ``EPBuffer.dispatch``
             (forward) and ``EPBuffer.combine`` (backward): errors raised on every rank.
     """
-    _check_kwargs(dispatch_kwargs, _EP_DISPATCH_KWARGS, "ep_dispatch")
-    _check_bf16(x, "ep_dispatch", "EPBuffer.combine")
+    _refused_everywhere(buffer, "cached_dispatch" if dispatch_kwargs.get("handle") is not None else "dispatch",
+                        lambda: _check_kwargs(dispatch_kwargs, _EP_DISPATCH_KWARGS, "ep_dispatch"),
+                        lambda: _check_bf16(x, "ep_dispatch", "EPBuffer.combine"))
     out = {}
     recv_x, recv_w = _EPDispatch.apply(x, topk_weights, buffer, topk_idx, tuple(dispatch_kwargs.items()), out)
     return recv_x, out["recv_topk_idx"], (recv_w if topk_weights is not None else None), out["handle"]
@@ -579,11 +615,13 @@ def ep_combine(buffer, x: torch.Tensor, handle, topk_weights: torch.Tensor | Non
         TypeError: non-bf16 ``x``; an unsupported keyword. Otherwise as ``EPBuffer.combine`` (forward)
             and ``EPBuffer.dispatch`` (backward).
     """
-    _check_kwargs(combine_kwargs, _EP_COMBINE_KWARGS, "ep_combine")
-    _check_bf16(x, "ep_combine", "EPBuffer.dispatch")
-    if isinstance(bias, tuple) and len(bias) != 2:
-        raise ValueError(f"deepep_ascend.nn.autograd.ep_combine: `bias` must be a tensor or a pair, got "
-                         f"{len(bias)} items")
+    def bias_check():
+        if isinstance(bias, tuple) and len(bias) != 2:
+            raise ValueError(f"deepep_ascend.nn.autograd.ep_combine: `bias` must be a tensor or a pair, got "
+                             f"{len(bias)} items")
+
+    _refused_everywhere(buffer, "combine", lambda: _check_kwargs(combine_kwargs, _EP_COMBINE_KWARGS, "ep_combine"),
+                        lambda: _check_bf16(x, "ep_combine", "EPBuffer.dispatch"), bias_check)
     bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
     combined_x, combined_w = _EPCombine.apply(x, topk_weights, bias0, bias1, buffer, handle,
                                               tuple(combine_kwargs.items()))

@@ -45,8 +45,9 @@ Rules of use (the calls are collective over the Buffer's group):
 * ``transformers``' load-balancing loss (``output_router_logits=True`` with labels) is computed
   from each rank's own tokens, as in any data-parallel run.
 
-The Buffer needs a UBMEM window (``num_nvl_bytes``); :func:`buffer_size_hint` gives one for which
-no call streams in rounds. Low-latency mode and FP8 are not offered here.
+The Buffer needs a UBMEM window (``num_nvl_bytes``), and a URMA window (``num_rdma_bytes``) when its
+group spans nodes; :func:`buffer_sizes` gives both, for which no call streams in rounds, on the
+topology the Buffer gets. Low-latency mode and FP8 are not offered here.
 
 Example (every rank, ``mpiexec -n 4``)::
 
@@ -56,7 +57,7 @@ Example (every rank, ``mpiexec -n 4``)::
 
     torch.manual_seed(0)                      # the same weights on every rank
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, ...))
-    buffer = Buffer(None, hf.buffer_size_hint(model, num_max_tokens_per_rank=512, num_ranks=4), comm=comm)
+    buffer = Buffer(None, *hf.buffer_sizes(model, num_max_tokens_per_rank=512, comm=comm), comm=comm)
     hf.expert_parallel(model, buffer)         # in place; rank r keeps experts [2r, 2r + 2)
     loss = model(input_ids=my_batch, labels=my_batch).loss
     loss.backward()                           # then all-reduce the non-expert gradients, step
@@ -68,9 +69,10 @@ import torch
 from torch import nn
 
 from ..ep.buffer import Buffer
+from ..transports import Topology
 from . import autograd as ep_autograd
 
-__all__ = ["ExpertParallelExperts", "buffer_size_hint", "expert_parallel", "find_experts_modules"]
+__all__ = ["ExpertParallelExperts", "buffer_size_hint", "buffer_sizes", "expert_parallel", "find_experts_modules"]
 
 _BF16 = torch.bfloat16
 # The first release whose experts implementations honour ``_is_expert_parallel`` (the "no expert here"
@@ -176,23 +178,29 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
         model: a ``transformers`` model (any ``nn.Module`` containing fused experts modules), identical
             on every rank.
         buffer: a normal-mode :class:`deepep_ascend.Buffer` over the EP group (rank ``r`` keeps
-            experts ``[r·L, (r+1)·L)``), with ``num_nvl_bytes > 0`` (see :func:`buffer_size_hint`);
-            shared by all layers.
+            experts ``[r·L, (r+1)·L)``), with ``num_nvl_bytes > 0``, and ``num_rdma_bytes > 0`` when its
+            group spans more than one node (see :func:`buffer_sizes`); shared by all layers.
     Returns:
         ``model`` itself.
     Raises:
         ImportError: ``transformers`` missing or older than 5.18 (names the ``hf`` extra).
         TypeError: ``buffer`` is not a :class:`deepep_ascend.Buffer`.
-        ValueError: ``buffer`` has no UBMEM window; no fused experts module in ``model``; one is already
-            expert-parallel; a module's ``num_experts`` is not a multiple of the EP size; a parameter of
-            an experts module has no leading expert dimension. Raised before any module is changed.
+        ValueError: ``buffer`` has no UBMEM window, or spans nodes without a URMA window; no fused experts
+            module in ``model``; one is already expert-parallel; a module's ``num_experts`` is not a multiple
+            of the EP size; a parameter of an experts module has no leading expert dimension. Raised before
+            any module is changed.
     """
     _require_transformers()
     if not isinstance(buffer, Buffer):
         raise TypeError(f"expert_parallel: `buffer` must be a deepep_ascend.Buffer, got {type(buffer).__name__}")
     if not buffer.num_nvl_bytes:
         raise ValueError("expert_parallel: `buffer` needs a UBMEM window for normal-mode dispatch/combine "
-                         "(num_nvl_bytes > 0, e.g. deepep_ascend.nn.hf.buffer_size_hint(...)), got num_nvl_bytes=0")
+                         "(num_nvl_bytes > 0, e.g. deepep_ascend.nn.hf.buffer_sizes(...)), got num_nvl_bytes=0")
+    if buffer.num_nodes > 1 and not buffer.num_rdma_bytes:
+        raise ValueError(f"expert_parallel: `buffer` spans {buffer.num_nodes} nodes of {buffer.ranks_per_node} ranks, "
+                         f"so dispatch/combine take the internode path, which needs a URMA window too "
+                         f"(num_rdma_bytes > 0), got num_rdma_bytes=0; size both windows with "
+                         f"deepep_ascend.nn.hf.buffer_sizes(model, num_max_tokens_per_rank, comm)")
     found = find_experts_modules(model)
     if not found:
         raise ValueError(f"expert_parallel: no fused experts module (transformers' use_experts_implementation: "
@@ -221,9 +229,45 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
     return model
 
 
+def _shape(model: nn.Module, num_topk: int | None, op: str) -> tuple[int, int, int]:
+    """``(H, K, E)`` of the model's MoE layers (:func:`buffer_size_hint`)."""
+    found = find_experts_modules(model)
+    if not found:
+        raise ValueError(f"{op}: no fused experts module in {type(model).__name__}")
+    config = found[0][1].config
+    k = num_topk if num_topk is not None else getattr(config, "num_experts_per_tok", None)
+    if not isinstance(k, int):
+        raise ValueError(f"{op}: pass num_topk (the config has no integer num_experts_per_tok)")
+    e = max(getattr(m, "num_global_experts", m.num_experts) for _, m in found)
+    return config.hidden_size, k, e
+
+
+def buffer_sizes(model: nn.Module, num_max_tokens_per_rank: int, comm, num_topk: int | None = None,
+                 ranks_per_node: int | None = None) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` of a Buffer over ``comm`` for which the MoE layers of ``model`` never
+    stream in rounds, on the topology that Buffer will have: ``Buffer(None, *buffer_sizes(...), comm=comm)``.
+
+    ``Buffer.get_normal_buffer_size_hint`` and ``get_normal_rdma_buffer_size_hint`` with ``H``, ``K``, ``E``
+    as :func:`buffer_size_hint` and the ranks per node resolved as the Buffer resolves them
+    (``ranks_per_node``, else ``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the host's shared-memory domain).
+    ``num_rdma_bytes`` is 0 on one node. Bytes, multiples of 128. Collective over ``comm`` (an mpi4py
+    communicator): every rank calls it.
+
+    Raises:
+        ValueError: as :func:`buffer_size_hint`. ``TransportConfigError``: a ranks per node the Buffer
+            would refuse (on every rank).
+    """
+    hidden, k, e = _shape(model, num_topk, "buffer_sizes")
+    rpn = Topology.from_comm(comm, ranks_per_node).ranks_per_node
+    num_ranks = comm.Get_size()
+    return (Buffer.get_normal_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, k, e, ranks_per_node=rpn),
+            Buffer.get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, rpn, k, e))
+
+
 def buffer_size_hint(model: nn.Module, num_max_tokens_per_rank: int, num_ranks: int,
                      num_topk: int | None = None) -> int:
-    """``num_nvl_bytes`` for which the MoE layers of ``model`` never stream in rounds.
+    """``num_nvl_bytes`` for which the MoE layers of ``model`` never stream in rounds, on one node
+    (across nodes see :func:`buffer_sizes`, which sizes both windows).
 
     ``Buffer.get_normal_buffer_size_hint(num_max_tokens_per_rank, H, num_ranks, K, E)`` with ``H``
     the config's ``hidden_size``, ``E`` the largest ``num_experts`` of the (not yet swapped or
@@ -233,12 +277,5 @@ def buffer_size_hint(model: nn.Module, num_max_tokens_per_rank: int, num_ranks: 
     Raises:
         ValueError: no fused experts module; ``K`` neither passed nor in the config.
     """
-    found = find_experts_modules(model)
-    if not found:
-        raise ValueError(f"buffer_size_hint: no fused experts module in {type(model).__name__}")
-    config = found[0][1].config
-    k = num_topk if num_topk is not None else getattr(config, "num_experts_per_tok", None)
-    if not isinstance(k, int):
-        raise ValueError("buffer_size_hint: pass num_topk (the config has no integer num_experts_per_tok)")
-    e = max(getattr(m, "num_global_experts", m.num_experts) for _, m in found)
-    return Buffer.get_normal_buffer_size_hint(num_max_tokens_per_rank, config.hidden_size, num_ranks, k, e)
+    hidden, k, e = _shape(model, num_topk, "buffer_size_hint")
+    return Buffer.get_normal_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, k, e)

@@ -283,6 +283,19 @@ def test_ep_expanded_across_two_nodes(out_dir):
     assert "layout expanded, expert_alignment 4" in out and "each node's partial rounded to BF16" in out
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(300)
+@ONE_RANK
+def test_lb_across_nodes_says_why_and_exits():
+    """``lb`` on two simulated nodes: one line naming the reason (one node needed), exit 2, no traceback."""
+    from bench.internals import mpiexec_path
+
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "lb",
+                                 *COLLECTIVE["lb"], "--no-progress"], REPO_ROOT,
+                                child_env(REPO_ROOT, OMP_NUM_THREADS="1", DEEPEP_ASCEND_RANKS_PER_NODE="1"), 200)
+    assert rc == 2 and "needs one node" in out and "Traceback" not in out and "Abort" not in out, out[-3000:]
+
+
 @ONE_RANK
 @pytest.mark.parametrize("argv, needle", [
     (["--hidden", "100"], "multiple of 128"),

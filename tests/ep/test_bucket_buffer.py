@@ -303,6 +303,8 @@ def test_bad_input_raises_on_every_rank(buf):
     _expect_everywhere(lambda: buf.reduce_scatter(outside), ValueError, "inside this buffer's storage",
                        "src outside the storage")
     _expect_everywhere(lambda: buf.all_reduce(x.view(torch.int32)), ValueError, "torch.float32", "int32 all_reduce")
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        _expect_everywhere(lambda: getattr(buf, op)(x[:0]), ValueError, "is empty", f"zero-size {op}")
     if R > 1:
         _expect_everywhere(lambda: buf.reduce_scatter(x[:R * 64 - 1]), ValueError, "not a multiple",
                            "indivisible reduce_scatter")
@@ -325,6 +327,31 @@ def test_bad_input_raises_on_every_rank(buf):
     x.copy_(torch.full((R * 64,), float(r)))
     out = coll(lambda: buf.all_reduce(x).wait(), what="all_reduce after the errors")
     all_ranks_ok(comm, torch.equal(out, torch.full((R * 64,), float(R * (R - 1) // 2))), "buffer after errors")
+
+
+def test_non_finite_scale(buf):
+    """NaN and infinite scales, the same on every rank, are agreed on and applied as IEEE arithmetic does
+    (DeepEP passes them to its kernels); NaN on one rank and inf on another, or -0.0 against 0.0, disagree."""
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    (x,) = _carve(buf, [R * 8])
+    parts = [torch.arange(R * 8, dtype=torch.float32) - 3 * q for q in range(R)]
+    total = _ordered_sum(parts, 0)
+    problems = []
+    for scale in (float("nan"), float("inf"), -float("inf")):
+        for op in ("all_reduce", "reduce_scatter"):
+            x.copy_(parts[r])
+            out, err = capture(lambda: getattr(buf, op)(x, scale=scale).wait())
+            want = total * scale if op == "all_reduce" else (total * scale).view(R, -1)[r]
+            if not isinstance(out, torch.Tensor) or not torch.equal(out.isnan(), want.isnan()) or \
+                    not torch.equal(out.nan_to_num(), want.nan_to_num()):
+                problems.append(f"{op}(scale={scale}): got {out!r}, {err!r}")
+    all_ranks_ok(comm, not problems, "; ".join(problems))
+    if R > 1:
+        _expect_everywhere(lambda: buf.all_reduce(x, scale=float("nan") if r == 0 else float("inf")), ValueError,
+                           "disagree", "nan against inf")
+        _expect_everywhere(lambda: buf.all_reduce(x, scale=-0.0 if r == 0 else 0.0), ValueError, "disagree",
+                           "-0.0 against 0.0")
 
 
 def test_constructor_errors():

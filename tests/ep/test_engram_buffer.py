@@ -302,6 +302,10 @@ def test_bad_input_raises_on_every_rank(one_node):
     if R > 1:
         _raises_everywhere(lambda: buf.write(shards8, None if last else sfs8), ValueError, "sfs given",
                            "write with scales on some ranks only")
+        differ = [sf.clone() for sf in sfs8]
+        differ[-1].view(-1)[-1] += 1 if last else 0  # one pack of the last layer differs on one rank
+        _raises_everywhere(lambda: buf.write(shards8, differ), ValueError, "sfs (BLAKE2b digest)",
+                           "write with scale tables that differ between ranks")
     short = [sf[:-1] if last else sf for sf in sfs8]
     _raises_everywhere(lambda: buf.write(shards8, short), ValueError, "sfs[0]", "write with a short scale table")
     _, exc = capture(lambda: buf.fetch(_indices(65, MAX_TOKENS, PER_TOKEN)))  # nothing written in this config

@@ -147,7 +147,7 @@ def test_cached_dispatch_and_plain_combine(buf, comm):
 
 
 def test_refuses_non_bf16_and_async(buf):
-    """float32 / FP8 x and async keywords are refused locally, before any communication."""
+    """float32 / FP8 x and async keywords are refused (on every rank, in the call's first round) before data moves."""
     x = torch.zeros(2, H)
     idx = torch.zeros(2, K, dtype=torch.int64)
     with pytest.raises(TypeError, match="bfloat16"):
@@ -327,7 +327,7 @@ def test_ll_split3_is_exact():
 
 
 def test_ll_refusals(ll_buf):
-    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused locally, before any call."""
+    """FP8 or non-bf16 x requiring grad, async keywords, zero_copy/out: refused on every rank before data moves."""
     x = torch.zeros(2, H, dtype=BF16, requires_grad=True)
     idx = torch.zeros(2, K, dtype=torch.int64)
     with pytest.raises(TypeError, match="use_fp8=False"):
@@ -340,6 +340,34 @@ def test_ll_refusals(ll_buf):
         ag.low_latency_combine(ll_buf, x, idx, torch.ones(2, K), None, zero_copy=True)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.low_latency_combine(ll_buf, torch.zeros(2, H), idx, torch.ones(2, K), None)
+
+
+def test_ll_one_rank_refusal_raises_on_every_rank(ll_buf, comm):
+    """use_fp8=True with grad, or float32 x to the combine, on rank 0 only: rank 0 raises its TypeError, every
+    other rank a ConsensusError naming it (no wait); the next LL dispatch runs on every rank."""
+    from deepep_ascend import ConsensusError
+
+    r = comm.Get_rank()
+    bad = r == 0
+    x = torch.ones(2, H, dtype=BF16, requires_grad=True)
+    idx = torch.full((2, K), -1, dtype=torch.int64)
+    idx[:, 0] = 0  # one slot per token, on expert 0 (rank 0)
+    recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+    cases = [("low_latency_dispatch", lambda: ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=bad)),
+             ("low_latency_combine", lambda: ag.low_latency_combine(
+                 ll_buf, recv_x.float() if bad else recv_x, idx, torch.ones(2, K), handle))]
+    problems = []
+    for name, call in cases:
+        try:
+            call()
+            problems.append(f"{name}: no error")
+        except Exception as exc:  # noqa: BLE001 - the type is the assertion
+            if not (isinstance(exc, TypeError) if bad else isinstance(exc, ConsensusError) and "rank 0" in str(exc)):
+                problems.append(f"{name}: raised {type(exc).__name__}: {exc}")
+    recv_x, count, _ = ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False)
+    if int(count.sum()) != (2 * comm.Get_size() if r == 0 else 0):
+        problems.append(f"the next dispatch received {count.tolist()}")
+    all_ranks_ok(comm, not problems, f"rank {r}: " + "; ".join(problems))
 
 
 def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):

@@ -164,7 +164,7 @@ def test_ep_dispatch_combine_grads_exact(ep, comm, routing):
 
 
 def test_ep_autograd_refusals(ep, comm):
-    """Local refusals before any call: non-bf16 x, asynchronous keywords, a bias that is not a pair."""
+    """Refusals before data moves: non-bf16 x, asynchronous keywords, a bias that is not a pair."""
     x = torch.zeros(2, H)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.ep_dispatch(ep, x, torch.zeros(2, K, dtype=torch.int64), None, num_experts=E)
@@ -175,6 +175,61 @@ def test_ep_autograd_refusals(ep, comm):
         ag.ep_combine(ep, x.bfloat16(), None, defer_epilogue=True)
     with pytest.raises(ValueError, match="pair"):
         ag.ep_combine(ep, x.bfloat16(), None, bias=(None, None, None))
+
+
+def test_one_rank_refusal_raises_on_every_rank(ep, v1, comm):
+    """A wrapper's own check failing on rank 0 only (float32 x, a cached dispatch with top-k, topk_idx out of
+    range for the layout, a refused keyword, a bias that is not a pair): rank 0 raises its own error, every
+    other rank a ConsensusError naming rank 0 (no wait), and both buffers then give the same results as before."""
+    from deepep_ascend import ConsensusError
+
+    r = comm.Get_rank()
+    bad = r == 0
+    gen = torch.Generator().manual_seed(70 + r)
+    n = 4
+    x = _ints((n, H), -3, 4, gen).to(BF16)
+    idx = torch.randint(0, E, (n, K), generator=gen)
+    w = torch.rand(n, K, generator=gen)
+
+    def good_round():
+        recv, _, _, _, h1 = ag.dispatch(v1, x, idx, w, E)
+        out1, _ = ag.combine(v1, recv, h1)
+        erecv, _, _, h2 = ag.ep_dispatch(ep, x, idx, w, num_experts=E)
+        out2, _ = ag.ep_combine(ep, erecv, h2)
+        return recv, h1, out1, erecv, h2, out2
+
+    recv, h1, out1, erecv, h2, out2 = good_round()
+    cases = [  # (name, call, this rank's error type on rank 0, its message)
+        ("dispatch f32", lambda: ag.dispatch(v1, x.float() if bad else x, idx, w, E), TypeError, "bfloat16"),
+        ("dispatch topk_idx", lambda: ag.dispatch(v1, x, idx + E if bad else idx, w, E), ValueError, "topk_idx"),
+        ("cached dispatch with top-k", lambda: ag.dispatch(v1, x, idx if bad else None, None, None, handle=h1),
+         ValueError, "cached"),
+        ("combine f32", lambda: ag.combine(v1, recv.float() if bad else recv, h1), TypeError, "bfloat16"),
+        ("ep_dispatch f32", lambda: ag.ep_dispatch(ep, x.float() if bad else x, idx, w, num_experts=E),
+         TypeError, "bfloat16"),
+        ("ep_dispatch keyword", lambda: ag.ep_dispatch(ep, x, idx, w, num_experts=E,
+                                                       **({"defer_epilogue": True} if bad else {})),
+         TypeError, "defer_epilogue"),
+        ("ep_combine f32", lambda: ag.ep_combine(ep, erecv.float() if bad else erecv, h2), TypeError, "bfloat16"),
+        ("ep_combine bias", lambda: ag.ep_combine(ep, erecv, h2, bias=(x, x, x) if bad else None),
+         ValueError, "pair"),
+    ]
+    problems = []
+    for name, call, exc_type, match in cases:
+        try:
+            call()
+            problems.append(f"{name}: no error")
+        except Exception as exc:  # noqa: BLE001 - the type is the assertion
+            if bad and not (type(exc) is exc_type and match in str(exc)):
+                problems.append(f"{name}: rank 0 raised {type(exc).__name__}: {exc}")
+            if not bad and not (isinstance(exc, ConsensusError) and "rank 0" in str(exc) and match in str(exc)):
+                problems.append(f"{name}: raised {type(exc).__name__}: {exc}")
+    again = good_round()
+    for label, before, after in (("v1 combine", out1, again[2]), ("ep combine", out2, again[5]),
+                                 ("v1 dispatch", recv, again[0]), ("ep dispatch", erecv, again[3])):
+        if not torch.equal(before, after):
+            problems.append(f"{label} after the refusals differs from before")
+    all_ranks_ok(comm, not problems, f"rank {r}: " + "; ".join(problems))
 
 
 # ----------------------------------------------------------------------------------------------

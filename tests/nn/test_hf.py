@@ -248,3 +248,50 @@ def test_hf_models_expert_parallel(comm, buffers, monkeypatch):
         errors.append("a refused expert_parallel call changed the model")
 
     all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hf_across_simulated_nodes(comm, buffers):
+    """Two simulated nodes: expert_parallel refuses a Buffer without the URMA window the internode path needs,
+    naming it, before any change; with both windows sized by buffer_sizes, logits and the gradients of the
+    experts equal the one-process model's."""
+    if comm.Get_size() % 2:
+        pytest.skip("two equal simulated nodes need an even rank count")
+    transformers = pytest.importorskip("transformers", minversion="5.18")
+    from deepep_ascend.nn import hf
+    from deepep_ascend.nn.hf import ExpertParallelExperts
+
+    rank, R = comm.Get_rank(), comm.Get_size()
+    rpn = R // 2
+    model = make_models(transformers)["qwen3_moe"]
+    ref = copy.deepcopy(model)
+    nvl, rdma = hf.buffer_sizes(model, SEQS_PER_RANK * SEQ, comm, ranks_per_node=rpn)
+    errors = []
+    if rdma <= 0 or nvl <= 0:
+        errors.append(f"buffer_sizes gave ({nvl}, {rdma}) on two nodes")
+    one_window = buffers(nvl, 0, ranks_per_node=rpn, key="hf nodes nvl only")
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        hf.expert_parallel(model, one_window)
+    if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
+        errors.append("a refused expert_parallel call changed the model")
+    buffer = buffers(nvl, rdma, ranks_per_node=rpn, key="hf nodes")
+    hf.expert_parallel(model, buffer)
+    n_global = R * SEQS_PER_RANK * SEQ
+    mine = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
+    seqs = batch(zen_bytes(), 0, R * SEQS_PER_RANK)
+    logits, _, loss = loss_of(model, seqs[mine], n_global)
+    loss.backward()
+    ref_logits, _, ref_loss = loss_of(ref, seqs, n_global)
+    ref_loss.backward()
+    ok, rel = close(logits, ref_logits[mine])
+    if not ok:
+        errors.append(f"logits: max error {rel:.3g}")
+    ref_params = dict(ref.named_parameters())
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for pname, p in m.named_parameters(recurse=False):
+                want = ref_params[f"{name}.{pname}"].grad[m.first_expert:m.first_expert + m.num_experts]
+                ok, rel = close(p.grad, want)
+                if not ok:
+                    errors.append(f"grad {name}.{pname}: max error {rel:.3g}")
+    all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
