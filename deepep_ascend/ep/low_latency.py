@@ -648,18 +648,23 @@ class LowLatencyEngine:
         return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
                                          (stale_x, stale_s, stale_i)), outputs)
 
+    def _await_dispatch(self, call: _DispatchCall, wait_stats) -> tuple[int, str]:
+        """Wait for every live source's signal of the dispatch ``call`` and check their headers; returns the
+        window offset of the call's half and the phase name its errors carry."""
+        phase = f"low_latency_dispatch call #{call.seq + 1}"
+        if _PH.on:
+            _PH.switch("wait: signals")
+        self._wait_sources(call.half, call.need, phase, wait_stats)
+        self._check_headers(call.half, call.seq, OP_DISPATCH, call.lay, call.flags)
+        return call.half * self.half, phase
+
     def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """:meth:`_receive_dispatch` on the native path: one kernel turns the counts into ``recv_count`` /
         ``layout_range``, copies every received message into its rows and zeroes the rows an earlier user of a
         reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output)."""
         R, lay = self.R, call.lay
         L, M, H, mb = lay.L, lay.M, lay.H, call.message_bytes
-        base = call.half * self.half
-        phase = f"low_latency_dispatch call #{call.seq + 1}"
-        if _PH.on:
-            _PH.switch("wait: signals")
-        self._wait_sources(call.half, call.need, phase, wait_stats)
-        self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
+        base, phase = self._await_dispatch(call, wait_stats)
         if _PH.on:
             _PH.switch("copy")
         sig = self._counts_view(base, L)
@@ -749,12 +754,7 @@ class LowLatencyEngine:
         expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot."""
         me, R, lay = self.rank, self.R, call.lay
         L, M, H = lay.L, lay.M, lay.H
-        base = call.half * self.half
-        phase = f"low_latency_dispatch call #{call.seq + 1}"
-        if _PH.on:
-            _PH.switch("wait: signals")
-        self._wait_sources(call.half, call.need, phase, wait_stats)
-        self._check_headers(call.half, call.seq, OP_DISPATCH, lay, call.flags)
+        base, phase = self._await_dispatch(call, wait_stats)
         cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
         if any(self.masked()):
             cnt[:, self.mask.bool()] = 0

@@ -1,4 +1,4 @@
-/* What the native kernels (sum_rows.c, moe_act.c) share: float32 bit views, torch's BF16 conversions,
+/* What the native kernels share: float32 bit views, torch's BF16 conversions, the weighted row sum,
  * and the build for any x86-64 (the loader picks the widest vector unit at run time). */
 #ifndef DEEPEP_ASCEND_BF16_H
 #define DEEPEP_ASCEND_BF16_H
@@ -36,6 +36,48 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
     if ((u & 0x7fffffffu) > 0x7f800000u)
         return nan_bits;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Floats of one output row accumulated at a time (the accumulator stays in L1). */
+#define WEIGHTED_CHUNK 1024
+
+/* The low-latency combine's weighted sum, for every token t < n:
+ *
+ *   out[t] = bf16( ((+0.0 + f32(rows[idx[t,0]]) * w[t,0]) + f32(rows[idx[t,1]]) * w[t,1]) + ... )
+ *
+ * over the slots j = 0..k-1 of token t whose idx[t,j] >= 0 and, with a mask, whose rank
+ * idx[t,j] / rows_per_rank is not masked; in slot order, each product rounded to float32 before its
+ * add, one rounding to BF16 at the end (torch's y = f32(row) * w; acc += y; acc.to(bf16)). A token
+ * with no slot gets +0.0. rows: row r at rows + r * row_ld (elements); idx, w: [n, k] row-major;
+ * out row t at out + t * out_ld. The caller has checked every idx value against its rows. Inlined
+ * into each caller, so that each of its target clones vectorises it. */
+static inline __attribute__((always_inline)) void weighted_sum_rows_into(
+    int64_t n, int64_t hidden, int64_t k, const uint16_t *rows, int64_t row_ld, const int64_t *idx, const float *w,
+    uint16_t *out, int64_t out_ld, uint16_t nan_bits, const int32_t *mask, int64_t rows_per_rank)
+{
+    float acc[WEIGHTED_CHUNK];
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *ti = idx + t * k;
+        const float *tw = w + t * k;
+        uint16_t *o = out + t * out_ld;
+        for (int64_t h0 = 0; h0 < hidden; h0 += WEIGHTED_CHUNK) {
+            const int64_t width = hidden - h0 < WEIGHTED_CHUNK ? hidden - h0 : WEIGHTED_CHUNK;
+            for (int64_t h = 0; h < width; h++)
+                acc[h] = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                if (ti[j] < 0 || (mask && mask[ti[j] / rows_per_rank]))
+                    continue;
+                const uint16_t *a = rows + ti[j] * row_ld + h0;
+                const float wj = tw[j];
+                for (int64_t h = 0; h < width; h++) {
+                    const float y = bf16_to_f32(a[h]) * wj;
+                    acc[h] += y;
+                }
+            }
+            for (int64_t h = 0; h < width; h++)
+                o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
+        }
+    }
 }
 
 #endif

@@ -206,9 +206,6 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
     return 0;
 }
 
-/* Floats of one output row accumulated at a time (the accumulator stays in L1). */
-#define LL_CHUNK 1024
-
 /* A combine's receive. First the counts: got[g] = sig[g] (int32 [R*L], source g / L's rows of expert g)
  * against expected[g] for every g whose rank g / L is not masked; the first g that differs -> bad = {g,
  * got, expected}, return 2, nothing written. Then, for every token t,
@@ -239,29 +236,7 @@ int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, 
     for (int64_t i = 0; i < n * k; i++)
         if (idx[i] < -1 || idx[i] >= num_rows)
             return 1;
-    float acc[LL_CHUNK];
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t *ti = idx + t * k;
-        const float *tw = w + t * k;
-        uint16_t *o = out + t * out_ld;
-        for (int64_t h0 = 0; h0 < hidden; h0 += LL_CHUNK) {
-            const int64_t width = hidden - h0 < LL_CHUNK ? hidden - h0 : LL_CHUNK;
-            for (int64_t h = 0; h < width; h++)
-                acc[h] = 0.0f;
-            for (int64_t j = 0; j < k; j++) {
-                if (ti[j] < 0 || (mask && mask[ti[j] / m / num_local]))
-                    continue;
-                const uint16_t *a = rows + ti[j] * row_ld + h0;
-                const float wj = tw[j];
-                for (int64_t h = 0; h < width; h++) {
-                    const float y = bf16_to_f32(a[h]) * wj;
-                    acc[h] += y;
-                }
-            }
-            for (int64_t h = 0; h < width; h++)
-                o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
-        }
-    }
+    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, mask, m * num_local);
     return 0;
 }
 

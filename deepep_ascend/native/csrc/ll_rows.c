@@ -41,9 +41,6 @@ int64_t deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_st
     return 0;
 }
 
-/* Floats of one output row accumulated at a time (the accumulator stays in L1). */
-#define WCHUNK 1024
-
 /* The low-latency combine's reduction in one pass over its rows:
  *
  *   out[t] = bf16( ((+0.0 + f32(rows[idx[t,0]]) * w[t,0]) + f32(rows[idx[t,1]]) * w[t,1]) + ... )
@@ -63,28 +60,6 @@ int64_t deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, cons
 {
     if (!rows_in(idx, n * k, -1, num_rows))
         return 1;
-    float acc[WCHUNK];
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t *ti = idx + t * k;
-        const float *tw = w + t * k;
-        uint16_t *o = out + t * out_ld;
-        for (int64_t h0 = 0; h0 < hidden; h0 += WCHUNK) {
-            const int64_t width = hidden - h0 < WCHUNK ? hidden - h0 : WCHUNK;
-            for (int64_t h = 0; h < width; h++)
-                acc[h] = 0.0f;
-            for (int64_t j = 0; j < k; j++) {
-                if (ti[j] < 0)
-                    continue;
-                const uint16_t *a = rows + ti[j] * row_ld + h0;
-                const float wj = tw[j];
-                for (int64_t h = 0; h < width; h++) {
-                    const float y = bf16_to_f32(a[h]) * wj;
-                    acc[h] += y;
-                }
-            }
-            for (int64_t h = 0; h < width; h++)
-                o[h0 + h] = f32_to_bf16(acc[h], nan_bits);
-        }
-    }
+    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, NULL, 1);
     return 0;
 }
