@@ -663,7 +663,7 @@ class LowLatencyEngine:
         ``layout_range``, copies every received message into its rows and zeroes the rows an earlier user of a
         reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output)."""
         R, lay = self.R, call.lay
-        L, M, H, mb = lay.L, lay.M, lay.H, call.message_bytes
+        L, M, mb = lay.L, lay.M, call.message_bytes
         base, phase = self._await_dispatch(call, wait_stats)
         if _PH.on:
             _PH.switch("copy")
@@ -674,13 +674,7 @@ class LowLatencyEngine:
         if not native.ll_dispatch_recv(sig, self._mask_arg(), slots, M, mb, recv_x, call.recv_scales, call.src_info,
                                        call.recv_count, call.layout_range, stale):
             raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
-        written = call.recv_count.clone()  # each output's rows [0, recv_count[e]) of expert e
-        for ent in call.written:
-            if ent is not None:
-                ent[1] = written
-        if cum_stats is not None:
-            cum_stats.add_(call.recv_count)
-        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
+        self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
 
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
@@ -768,9 +762,7 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("copy")
         if not total:
-            for ent in call.written:
-                if ent is not None:
-                    ent[1] = _NO_ROWS
+            self._finish_dispatch(call, cum_stats, _NO_ROWS)
         else:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
@@ -804,12 +796,20 @@ class LowLatencyEngine:
                         + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
                 recv_scales.transpose(1, 2).view(-1).index_copy_(
                     0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-            for ent in call.written:
-                if ent is not None:
-                    ent[1] = dst_rows
+            self._finish_dispatch(call, cum_stats, dst_rows)
+
+    def _finish_dispatch(self, call: _DispatchCall, cum_stats, written) -> None:
+        """A received dispatch's epilogue: ``written`` (the rows this call wrote, in the form its path's reuse
+        of the outputs reads) recorded on the outputs' pool entries, ``cum_stats`` counted, and the call kept as
+        the route a combine of its handle may reuse."""
+        for ent in call.written:
+            if ent is not None:
+                ent[1] = written
         if cum_stats is not None:
             cum_stats.add_(call.recv_count)
-        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (M, H, lay.E), call.route)
+        lay = call.lay
+        self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (lay.M, lay.H, lay.E),
+                            call.route)
 
     def _scratch(self, name, shape, dtype) -> torch.Tensor:
         """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
