@@ -692,24 +692,27 @@ class Buffer:
         if op not in self._REFUSABLE:
             raise ValueError(f"Buffer.refuse_call: `op` must be one of {sorted(self._REFUSABLE)}, got {op!r}")
         code = self._REFUSABLE[op]
-        message = f"rank {self.rank}: {type(error).__name__}: {error}"
         if op.startswith("low_latency"):
             ll = self._ll_usable(op)
             self._worker.drain()
-            try:
+
+            def refuse():
                 self._guard(lambda: ll.reject(code, f"{type(error).__name__}: {error}"))
-            except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
-                pass
-            raise error
-        if self.runtime is None:
-            raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
-        self._calls += 1
-        self._worker.drain()
-        self._filling = None
+        else:
+            if self.runtime is None:
+                raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
+            self._calls += 1
+            self._worker.drain()
+            self._filling = None
+
+            def refuse():
+                self._engine.reject(code, self._calls, f"rank {self.rank}: {type(error).__name__}: {error}")
         try:
-            self._engine.reject(code, self._calls, message)
+            refuse()
         except ConsensusError:
-            pass
+            pass  # a normal engine's refusal ends in the error every rank raises; this rank raises its own
+        except Exception as exc:  # the round itself failed (a peer missing): this rank's error, and why
+            raise error from exc
         raise error
 
     # -- dispatch ------------------------------------------------------------------------
