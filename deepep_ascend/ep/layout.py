@@ -71,10 +71,9 @@ def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tenso
     recv_topk_weights.masked_fill_(foreign, 0.0)
 
 
-def channel_of_tokens(num_tokens: int, num_channels: int) -> torch.Tensor:
-    """``[N]`` int64 channel of each token: channel ``c`` owns ``[c·q, min((c+1)·q, N))``, ``q = ceil(N/C)``."""
-    q = max(1, -(-num_tokens // num_channels))
-    return torch.arange(num_tokens, dtype=torch.int64) // q
+def channel_quota(num_tokens: int, num_channels: int) -> int:
+    """Tokens per channel ``q = ceil(N/C)`` (at least 1): channel ``c`` owns tokens ``[c·q, min((c+1)·q, N))``."""
+    return max(1, -(-num_tokens // num_channels))
 
 
 def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +93,7 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torc
     mask = is_token_in_rank.numpy()
     sent = mask.astype(np.int32)
     before = np.cumsum(sent, axis=0, dtype=np.int32) - sent  # [N, R] tokens for rank j before token t
-    q = max(1, -(-n // num_channels))
+    q = channel_quota(n, num_channels)
     ends = np.minimum(np.arange(1, num_channels + 1) * q, n)  # channel c: tokens [c·q, min((c+1)·q, N))
     channel_prefix = before[ends - 1] + sent[ends - 1]  # [C, R] tokens of channels 0..c (inclusive)
     position = before - before[np.arange(n) // q * q]  # minus the tokens of earlier channels
@@ -119,7 +118,7 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
     # numpy, all sources at once: each row's bin is (its source, its token's channel in that source)
     src = recv_src_idx[starts[0]:starts[r]].numpy().astype(np.int64)
     per_source = np.diff(starts)
-    q = [max(1, -(-int(t) // num_channels)) for t in num_tokens_per_source]
+    q = [channel_quota(int(t), num_channels) for t in num_tokens_per_source]
     width = num_channels + 1  # a last bin per source for tokens past its channels (none in a valid handle)
     channel = np.minimum(src // np.repeat(q, per_source), num_channels)
     bins = np.repeat(np.arange(r, dtype=np.int64) * width, per_source) + channel
