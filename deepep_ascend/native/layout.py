@@ -12,14 +12,9 @@ import ctypes
 import torch
 
 from .loader import kernels
-from .operands import mark_written
+from .operands import dense_ok, mark_written
 
 __all__ = ["dispatch_layout", "local_experts", "recv_channel_prefix", "send_layout"]
-
-
-def _dense(t, dtype: torch.dtype, ndim: int) -> bool:
-    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == ndim and t.device.type == "cpu"
-            and t.is_contiguous())
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
@@ -35,7 +30,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
         (nothing computed; the caller's path raises or handles it).
     """
     fn = kernels.dispatch_layout
-    if fn is None or not _dense(topk_idx, torch.int64, 2) or num_ranks <= 0 or num_experts % num_ranks:
+    if fn is None or not dense_ok(topk_idx, torch.int64, ndim=2) or num_ranks <= 0 or num_experts % num_ranks:
         return None
     n, k = topk_idx.shape
     per_rank = torch.empty(num_ranks, dtype=torch.int32)
@@ -58,7 +53,7 @@ def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torc
         The two tensors, or None (kernel not loaded, operands not as above).
     """
     fn = kernels.send_layout
-    if fn is None or not _dense(is_token_in_rank, torch.bool, 2) or num_channels < 1:
+    if fn is None or not dense_ok(is_token_in_rank, torch.bool, ndim=2) or num_channels < 1:
         return None
     n, r = is_token_in_rank.shape
     channel_prefix = torch.empty(r, num_channels, dtype=torch.int32)
@@ -83,7 +78,7 @@ def recv_channel_prefix(recv_src_idx: torch.Tensor, block_starts, num_tokens_per
     """
     fn = kernels.recv_channel_prefix
     r = len(num_tokens_per_source)
-    if (fn is None or not _dense(recv_src_idx, torch.int32, 1) or num_channels < 1 or len(block_starts) != r + 1
+    if (fn is None or not dense_ok(recv_src_idx, torch.int32, ndim=1) or num_channels < 1 or len(block_starts) != r + 1
             or r == 0 or not 0 <= int(block_starts[0]) <= int(block_starts[r]) <= recv_src_idx.numel()):
         return None
     out = torch.empty(r, num_channels, dtype=torch.int32)
@@ -105,7 +100,8 @@ def local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, 
         True when done; False (nothing written) if the kernel is not loaded or the operands are not as above.
     """
     fn = kernels.local_experts
-    if (fn is None or not _dense(recv_topk_idx, torch.int64, 2) or not _dense(recv_topk_weights, torch.float32, 2)
+    if (fn is None or not dense_ok(recv_topk_idx, torch.int64, ndim=2)
+            or not dense_ok(recv_topk_weights, torch.float32, ndim=2)
             or recv_topk_idx.shape != recv_topk_weights.shape):
         return False
     fn(recv_topk_idx.data_ptr(), recv_topk_weights.data_ptr(), recv_topk_idx.numel(),

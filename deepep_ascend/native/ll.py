@@ -29,7 +29,7 @@ import ctypes
 import torch
 
 from .loader import kernels
-from .operands import mark_written
+from .operands import mark_written, require_dense
 from .rows import _NAN_BITS
 
 __all__ = ["ll_available", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send",
@@ -44,22 +44,11 @@ def ll_available() -> bool:
                 or k.zero_row_prefix is None)
 
 
-def _need(op: str, name: str, t, dtype: torch.dtype, numel: int | None = None, ndim: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``t`` is a contiguous CPU ``dtype`` tensor (of ``numel`` elements, ``ndim``
-    dims, where given)."""
-    if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
-            and (numel is None or t.numel() == numel) and (ndim is None or t.dim() == ndim)):
-        want = f"{numel} elements" if numel is not None else (f"{ndim}-D" if ndim is not None else "any shape")
-        raise ValueError(f"deepep_ascend.native.{op}: {name} must be a contiguous CPU {dtype} tensor of {want}, got "
-                         f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}"
-                         f"{'' if not isinstance(t, torch.Tensor) or t.is_contiguous() else ' (not contiguous)'}")
-
-
 def _mask(op: str, mask, num_ranks: int):
     """``mask``'s address (None: no rank masked), after checking it is ``[R]`` int32."""
     if mask is None:
         return None
-    _need(op, "mask", mask, torch.int32, num_ranks)
+    require_dense(op, "mask", mask, torch.int32, num_ranks)
     return mask.data_ptr()
 
 
@@ -82,7 +71,7 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int, m: int) -> tuple[int, lis
     fn = kernels.ll_route
     if fn is None:
         return None
-    _need("ll_route", "topk_idx", topk_idx, torch.int64, ndim=2)
+    require_dense("ll_route", "topk_idx", topk_idx, torch.int64, ndim=2)
     for name, v in (("num_experts", num_experts), ("m", m)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"deepep_ascend.native.ll_route: {name} must be a positive int, got {v!r}")
@@ -117,11 +106,11 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: 
     if fn is None:
         return False
     op = "ll_dispatch_send"
-    _need(op, "slots", slots, torch.int64, ndim=2)
+    require_dense(op, "slots", slots, torch.int64, ndim=2)
     num_ranks = bases.numel()
-    _need(op, "bases", bases, torch.int64, num_ranks)
-    _need(op, "counts", counts, torch.int32, num_local * num_ranks)
-    _need(op, "sent", sent, torch.int64, num_ranks)
+    require_dense(op, "bases", bases, torch.int64, num_ranks)
+    require_dense(op, "counts", counts, torch.int32, num_local * num_ranks)
+    require_dense(op, "sent", sent, torch.int64, num_ranks)
     n, k = slots.shape
     width = mb if whole_messages else mb - 16
     if not (isinstance(src, torch.Tensor) and src.dtype == torch.uint8 and src.dim() == 2 and src.size(0) == n
@@ -166,11 +155,11 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
     if fn is None:
         return None
     op = "ll_dispatch_recv"
-    _need(op, "sig", sig, torch.int32, ndim=2)
+    require_dense(op, "sig", sig, torch.int32, ndim=2)
     num_ranks, num_local = sig.shape
     rm = num_ranks * m
-    _need(op, "slots", slots, torch.uint8, num_local * rm * mb)
-    _need(op, "recv_x", recv_x, torch.uint8, ndim=3)
+    require_dense(op, "slots", slots, torch.uint8, num_local * rm * mb)
+    require_dense(op, "recv_x", recv_x, torch.uint8, ndim=3)
     xb = recv_x.size(2)
     if tuple(recv_x.shape[:2]) != (num_local, rm) or mb < 16 + xb:
         raise ValueError(f"deepep_ascend.native.{op}: recv_x must be [{num_local}, {rm}, <= {mb - 16}] uint8, got "
@@ -186,15 +175,15 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
         if mb < 16 + xb + 4 * sw:
             raise ValueError(f"deepep_ascend.native.{op}: {sw} scale words do not fit a {mb}-byte message after "
                              f"{xb} payload bytes")
-    _need(op, "src_info", src_info, torch.int32, num_local * rm)
-    _need(op, "recv_count", recv_count, torch.int32, num_local)
-    _need(op, "layout_range", layout_range, torch.int64, num_local * num_ranks)
+    require_dense(op, "src_info", src_info, torch.int32, num_local * rm)
+    require_dense(op, "recv_count", recv_count, torch.int32, num_local)
+    require_dense(op, "layout_range", layout_range, torch.int64, num_local * num_ranks)
     if len(stale) != 3:
         raise ValueError(f"deepep_ascend.native.{op}: stale must hold 3 entries (recv_x, scales, src_info), got "
                          f"{len(stale)}")
     for name, c in zip(("stale[0]", "stale[1]", "stale[2]"), stale):
         if c is not None:
-            _need(op, name, c, torch.int32, num_local)
+            require_dense(op, name, c, torch.int32, num_local)
     status = fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), slots.data_ptr(), mb, xb, sw,
                 recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(),
                 recv_count.data_ptr(), layout_range.data_ptr(),
@@ -232,10 +221,10 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
     if fn is None:
         return False
     op = "ll_combine_send"
-    _need(op, "layout_range", layout_range, torch.int64, ndim=2)
+    require_dense(op, "layout_range", layout_range, torch.int64, ndim=2)
     num_local, num_ranks = layout_range.shape
-    _need(op, "bases", bases, torch.int64, num_ranks)
-    _need(op, "sent", sent, torch.int64, num_ranks)
+    require_dense(op, "bases", bases, torch.int64, num_ranks)
+    require_dense(op, "sent", sent, torch.int64, num_ranks)
     if not (isinstance(src, torch.Tensor) and src.dim() == 3 and src.size(0) == num_local
             and src.size(1) == num_ranks * m and (src.stride(2) == 1 or src.size(2) <= 1)):
         raise ValueError(f"deepep_ascend.native.{op}: src must be [{num_local}, {num_ranks * m}, H] with unit last "
@@ -271,11 +260,11 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     if fn is None:
         return None
     op = "ll_combine_recv"
-    _need(op, "sig", sig, torch.int32, ndim=2)
+    require_dense(op, "sig", sig, torch.int32, ndim=2)
     num_ranks, num_local = sig.shape
-    _need(op, "expected", expected, torch.int32, num_ranks * num_local)
-    _need(op, "slots", slots, torch.int64, ndim=2)
-    _need(op, "weights", weights, torch.float32, slots.numel())
+    require_dense(op, "expected", expected, torch.int32, num_ranks * num_local)
+    require_dense(op, "slots", slots, torch.int64, ndim=2)
+    require_dense(op, "weights", weights, torch.float32, slots.numel())
     n, k = slots.shape
     if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.dim() == 2 and out.size(0) == n
             and out.stride(1) == 1 and (n <= 1 or out.stride(0) >= out.size(1))
@@ -308,7 +297,7 @@ def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq:
     if fn is None:
         return None
     op = "ll_headers_agree"
-    _need(op, "hdr", hdr, torch.int64, ndim=2)
+    require_dense(op, "hdr", hdr, torch.int64, ndim=2)
     if not 0 <= me < hdr.size(0) or hdr.size(1) < 2:
         raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {hdr.size(0)} headers of "
                          f"{hdr.size(1)} words (>= 2 needed)")
@@ -333,7 +322,7 @@ def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool 
     if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.is_contiguous() and t.device.type == "cpu"):
         raise ValueError(f"deepep_ascend.native.{op}: t must be a contiguous CPU tensor of >= 2 dims, got "
                          f"{tuple(getattr(t, 'shape', ()))}")
-    _need(op, "counts", counts, torch.int32, t.size(0))
+    require_dense(op, "counts", counts, torch.int32, t.size(0))
     e, blocks = t.element_size(), t.size(0)
     per_block = t.numel() // blocks if blocks else 0
     if channels_first:  # [L, S, rows]: S planes of one element per row

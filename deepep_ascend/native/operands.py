@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["matrix_ok", "mark_written", "overlap", "require_matrix", "require_rows_apart", "rows_overlap",
-           "write_refusal"]
+__all__ = ["dense_ok", "matrix_ok", "mark_written", "overlap", "require_dense", "require_matrix",
+           "require_rows_apart", "rows_overlap", "write_refusal"]
 
 
 def matrix_ok(t, dtype: torch.dtype | None = None, cols: int | None = None) -> bool:
@@ -22,6 +22,23 @@ def matrix_ok(t, dtype: torch.dtype | None = None, cols: int | None = None) -> b
     return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.device.type == "cpu"
             and (dtype is None or t.dtype == dtype) and (cols is None or t.size(1) == cols)
             and (t.stride(1) == 1 or t.size(1) <= 1))
+
+
+def dense_ok(t, dtype: torch.dtype, numel: int | None = None, ndim: int | None = None) -> bool:
+    """Whether ``t`` is a contiguous CPU ``dtype`` tensor (of ``numel`` elements and ``ndim`` dims where given):
+    what the kernels that walk a whole tensor through its data pointer take. Never raises."""
+    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+            and (numel is None or t.numel() == numel) and (ndim is None or t.dim() == ndim))
+
+
+def require_dense(op: str, name: str, t, dtype: torch.dtype, numel: int | None = None,
+                  ndim: int | None = None) -> None:
+    """Raise ``ValueError`` naming ``op`` and ``name`` unless :func:`dense_ok` takes ``t``."""
+    if not dense_ok(t, dtype, numel, ndim):
+        want = f"{numel} elements" if numel is not None else (f"{ndim}-D" if ndim is not None else "any shape")
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be a contiguous CPU {dtype} tensor of {want}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}"
+                         f"{'' if not isinstance(t, torch.Tensor) or t.is_contiguous() else ' (not contiguous)'}")
 
 
 def require_matrix(name: str, t, dtype: torch.dtype, cols: int, op: str) -> None:
