@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -279,6 +280,9 @@ def test_training_smoke_checkpoint_and_trace(comm, mode):
     chk.check(meta["num_steps"] == 8 and meta["num_topk"] == 2 and meta["num_experts"] == 2 * R
               and tuple(idx.shape) == (64, 2),  # steps 0,2,4,5 x 2 layers
               f"trace meta {meta}, shape {tuple(idx.shape)}")
+    comm.Barrier()  # every rank has read the trace
+    if r == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
 
 
