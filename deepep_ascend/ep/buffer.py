@@ -1230,9 +1230,11 @@ class Buffer:
             return checked, lay, route if route is not None else routed
 
         def issue(checked, lay, route):
+            # A synchronous call sums this rank's own rows where they lie (x cannot change before it returns).
             return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
                               _dense(topk_weights), checked, lay, bool(zero_copy), out,
-                              combine_wait_recv_cost_stats, bool(use_logfmt), route)
+                              combine_wait_recv_cost_stats, bool(use_logfmt), route,
+                              keep_own=not (async_finish or return_recv_hook))
 
         (combined,), event, hook = self._ll_run(ll_mod.OP_COMBINE, validate, issue, async_finish, return_recv_hook,
                                                 (x, topk_idx, topk_weights),

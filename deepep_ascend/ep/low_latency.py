@@ -833,14 +833,16 @@ class LowLatencyEngine:
 
     # -- combine -----------------------------------------------------------------------
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, lay: Layout, zero_copy, out, wait_stats,
-                use_logfmt=False, route: _Route | None = None) -> Pending:
+                use_logfmt=False, route: _Route | None = None, keep_own: bool = False) -> Pending:
         """Issue the sends of a combine; returns a :class:`Pending` whose receive fills ``combined_x``.
 
         ``x`` ``[L, R·M, H]`` bf16 (None with ``zero_copy``: the send region holds the rows), ``topk_idx``
         / ``topk_weights`` ``[N, K]`` int64 / float32, ``out`` ``[N, H]`` bf16 or None. ``use_logfmt``:
         rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to float32 before the
         weighted sum. ``route``: :meth:`dispatched_route` of ``(topk_idx, handle)`` when not None (the
-        receive then reuses it instead of routing ``topk_idx`` again)."""
+        receive then reuses it instead of routing ``topk_idx`` again). ``keep_own``: the receive runs before
+        the caller gets ``x`` back (a synchronous call), so on the native path this rank's own rows are summed
+        where they lie in ``x`` instead of being copied into its window first (the same bits)."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
         seq, h = self.begin(OP_COMBINE)
@@ -852,7 +854,8 @@ class LowLatencyEngine:
         if not use_logfmt and (src.stride(2) == 1 or H == 1) and self.native_path():
             if not isinstance(route, NativeRoute) or route.m != M:
                 route = self.native_route(topk_idx, lay)
-            return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route)
+            return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route,
+                                        keep_own)
         if isinstance(route, NativeRoute):  # the torch path routes with its own structure
             route = None
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
@@ -889,15 +892,17 @@ class LowLatencyEngine:
         return NativeRoute(counts, slots, lay.M)
 
     def _combine_native(self, src, topk_idx, topk_weights, layout_range, lay: Layout, seq, h, out, wait_stats,
-                        route: NativeRoute) -> Pending:
+                        route: NativeRoute, keep_own: bool) -> Pending:
         """:meth:`combine` on the native path (BF16 rows): one kernel stores every returned row and the counts into
-        every destination's window, then one header and signal per destination. The bytes of the torch path."""
+        every destination's window (with ``keep_own``, this rank's own rows stay in ``src`` for its receive),
+        then one header and signal per destination. The bytes of the torch path."""
         L, H = lay.L, lay.H
         base = h * self.half
         if _PH.on:
             _PH.switch("send")
-        native.ll_combine_send(layout_range.contiguous(), src, lay.M, self.rank, self._bases, self._mask_arg(),
-                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows)
+        layout_range = layout_range.contiguous()
+        native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
+                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own)
         hdr = self._header(seq, OP_COMBINE, 0, lay, 0)
         sent = self._sent_rows.tolist()
         for dst in self.order():
@@ -908,11 +913,12 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+        own = (self.rank, src, layout_range) if keep_own else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
-                                         route), (combined,))
+                                         route, own), (combined,))
 
     def _receive_combine_native(self, seq, h, lay: Layout, topk_weights, combined, wait_stats,
-                                route: NativeRoute) -> None:
+                                route: NativeRoute, own: tuple | None) -> None:
         """:meth:`_receive_combine` on the native path: one kernel checks the counts returned against the route's
         and sums every token's returned rows (docs/semantics/deepep-api.md §6.3)."""
         L, M, H, E = lay.L, lay.M, lay.H, lay.E
@@ -927,7 +933,8 @@ class LowLatencyEngine:
         sig = self._counts_view(base, L)
         rows = self._view(("crows", base, lay.recv_off, E * M, H), lambda: self.tp.local_view(
             self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H))
-        bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M)
+        bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M,
+                                     own)
         if bad:
             g, got, want = bad
             raise LowLatencyRefused(

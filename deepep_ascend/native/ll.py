@@ -200,17 +200,20 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
 
 
 def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: int, bases: torch.Tensor,
-                    mask: torch.Tensor | None, recv_off: int, counts_off: int, sent: torch.Tensor) -> bool:
+                    mask: torch.Tensor | None, recv_off: int, counts_off: int, sent: torch.Tensor,
+                    keep_own: bool = False) -> bool:
     """A combine's rows and counts into every mapped, unmasked destination (DeepEP's combine send).
 
     For destination ``d`` and local expert ``e`` with ``layout_range[e, d] = b << 32 | c``: rows ``src[e, b:b +
     c]`` into rows ``0..c-1`` of slot ``me·L + e`` at ``bases[d] + recv_off`` (slot ``g`` row ``i`` at byte
-    ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``.
+    ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``. With ``keep_own``
+    this rank's own rows stay where they are (only their counts are written): the receive reads them from
+    ``src`` (:func:`ll_combine_recv`'s ``own``).
 
     Args:
         layout_range: ``[L, R]`` contiguous int64. src: ``[L, R·M, H]`` of any dtype, unit last stride.
         bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
-        sent: ``[R]`` contiguous int64, set to the rows per rank.
+        sent: ``[R]`` contiguous int64, set to the rows per rank (``sent[me]`` is 0 with ``keep_own``).
     Returns:
         True when done; False (nothing written) where the kernel is not loaded.
     Raises:
@@ -231,14 +234,16 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
                          f"stride, got shape {tuple(getattr(src, 'shape', ()))}")
     e = src.element_size()
     if fn(num_local, num_ranks, m, src.size(2) * e, me, layout_range.data_ptr(), src.data_ptr(), src.stride(0) * e,
-          src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, sent.data_ptr()):
+          src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, int(keep_own),
+          sent.data_ptr()):
         raise ValueError(f"deepep_ascend.native.{op}: layout_range holds a count above M={m} or a run outside "
                          f"[0, {num_ranks * m})")
     return True
 
 
 def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                    sig: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None, m: int) -> tuple | None:
+                    sig: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None, m: int,
+                    own: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> tuple | None:
     """A combine's receive: the counts returned against the route's, then DeepEP's weighted sum
     (docs/semantics/deepep-api.md §6.3): ``out[t] = bf16(Σ_j f32(rows[slots[t, j]]) * weights[t, j])`` over the
     slots ``j`` with ``slots[t, j] >= 0`` whose expert ``slots[t, j] // M`` lives on an unmasked rank, in slot
@@ -250,11 +255,17 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         slots: ``[n, k]`` contiguous int64 (:func:`ll_route`). weights: ``[n, k]`` contiguous float32.
         sig: ``[R, L]`` contiguous int32, rank ``s``'s rows of its local expert ``e`` at ``sig[s, e]``.
         expected: ``[E]`` int32, the rows this rank expects of each expert. mask: ``[R]`` int32 or None.
+        own: ``(me, src, layout_range)``, or None: the rows of this rank's own experts (slots in ``[me·L·M,
+            (me+1)·L·M)``) are read from ``src`` ``[L, R·M, H]`` bfloat16 (unit column stride), where
+            :func:`ll_combine_send` with ``keep_own`` left them: row ``i`` of local expert ``e`` at ``src[e,
+            b + i]``, ``b = layout_range[e, me] >> 32`` (``layout_range`` ``[L, R]`` int64), instead of
+            from ``rows``. The same bits as with the rows copied into ``rows``.
     Returns:
         None where the kernel is not loaded; ``()`` when done; ``(g, got, want)`` for the first expert ``g`` of
         an unmasked rank whose count differs (nothing written).
     Raises:
-        ValueError: operands of another dtype, shape or layout, or slots outside ``[-1, E·M)``.
+        ValueError: operands of another dtype, shape or layout, slots outside ``[-1, E·M)``, or with ``own`` a
+            run of ``layout_range`` outside ``src`` or an own slot's row at or past its count (nothing written).
     """
     fn = kernels.ll_combine_recv
     if fn is None:
@@ -273,14 +284,29 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"deepep_ascend.native.{op}: out must be [{n}, H] and rows [E·M, H] bfloat16 matrices with "
                          f"unit column stride and rows apart, got {tuple(getattr(out, 'shape', ()))} and "
                          f"{tuple(getattr(rows, 'shape', ()))}")
+    me, own_src, own_begin = -1, None, None
+    if own is not None:
+        me, own_src, layout_range = own
+        if not (0 <= me < num_ranks and isinstance(own_src, torch.Tensor) and own_src.dtype == torch.bfloat16
+                and own_src.dim() == 3 and own_src.size(0) == num_local and own_src.size(2) == out.size(1)
+                and (own_src.stride(2) == 1 or own_src.size(2) <= 1) and isinstance(layout_range, torch.Tensor)
+                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)):
+            raise ValueError(f"deepep_ascend.native.{op}: own must be (me in [0, {num_ranks}), src [{num_local}, "
+                             f"R·M, {out.size(1)}] bfloat16 with unit last stride, layout_range [{num_local}, "
+                             f"{num_ranks}] int64)")
+        own_begin = (layout_range[:, me] >> 32).contiguous()
     bad = torch.empty(3, dtype=torch.int64)
     status = fn(n, k, out.size(1), m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
                 expected.data_ptr(), rows.data_ptr(), rows.stride(0), rows.size(0), slots.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, bad.data_ptr())
+                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, me,
+                own_src.data_ptr() if own_src is not None else 0, own_src.stride(0) if own_src is not None else 0,
+                own_src.stride(1) if own_src is not None else 0, own_src.size(1) if own_src is not None else 0,
+                own_begin.data_ptr() if own_begin is not None else 0, bad.data_ptr())
     if status == 2:
         return tuple(bad.tolist())
     if status:
-        raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})")
+        raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})"
+                         + ("" if own is None else ", and own's runs and rows within its src and counts"))
     mark_written(out)
     return ()
 

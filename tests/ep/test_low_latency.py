@@ -518,7 +518,9 @@ def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
     with LogFMT when every group is LogFMT (``|x| < 1``, distinct magnitudes); a group that
     falls back to BF16 adds 96 bytes (``logfmt10_wire_bytes``). Both calls also put ``4L``
     count bytes and a 24-byte header to every peer (self included). Counted by
-    ``get_traffic()`` over every channel kind, the rank's own rows included."""
+    ``get_traffic()`` over every channel kind, the rank's own rows included: the combines use the
+    receive hook, whose send copies them too (a synchronous combine on one node sums them in place,
+    docs/semantics/deepep-api.md §6.3)."""
     buf = _buf(buffers, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
     E, L, M, H, K = 2 * R, 2, 16, 512, 3
@@ -532,7 +534,9 @@ def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
         for data in (tiny, x):
             recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(data, idx, M, E, use_fp8=False)
             for logfmt in ((False, True) if data is tiny else (True,)):
-                buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, use_logfmt=logfmt)
+                _, _, hook = buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, use_logfmt=logfmt,
+                                                     return_recv_hook=True)
+                hook()
                 out.append(sum(buf.get_traffic().values()))
             sent = torch.cat([recv_x[e, :int(cnt[e])] for e in range(L)])
         return out, int(logfmt10_wire_bytes(logfmt10_encode(sent)[1]).sum())

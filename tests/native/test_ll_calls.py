@@ -206,6 +206,17 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
     with pytest.raises(ValueError, match="unit last stride"):
         native.ll_combine_send(layout_range, full.transpose(1, 2)[:, :R * m], m, me, bases, mask, recv_off,
                                counts_off, sent)
+    # keep_own: this rank's own rows stay in src; its counts are still written, the other ranks' rows too.
+    for w in wins:
+        w.fill_(0xAB)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent)
+    want = [w.clone() for w in wins]
+    want[me][recv_off:].view(BF16).view(R * L, m, H)[me * L:(me + 1) * L].view(torch.uint8).fill_(0xAB)
+    for w in wins:
+        w.fill_(0xAB)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep_own=True)
+    assert all(torch.equal(a, b) for a, b in zip(wins, want))
+    assert sent[me] == 0
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -248,6 +259,31 @@ def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
     with pytest.raises(ValueError, match="slots must lie in"):
         native.ll_combine_recv(got, rows, far, w, sig, counts, mask, m)
     assert torch.equal(got.view(torch.int16), before.view(torch.int16))
+
+    # own: rank me's experts' rows read from the expert outputs [L, R·m, H] (strided), where layout_range puts
+    # them, instead of from rows: the same bits.
+    for me in range(R):
+        if masked and me == 1:
+            continue
+        begin = torch.randint(0, R * m - m + 1, (L,), generator=g)
+        layout_range = torch.zeros(L, R, dtype=torch.int64)
+        layout_range[:, me] = (begin << 32) | counts.view(R, L)[me].to(torch.int64)
+        src = _rows(g, L * R * m, 2 * H).view(L, R * m, 2 * H)[:, :, 5:5 + H]
+        own_rows = rows.clone()
+        for e in range(L):
+            c, b = int(counts[me * L + e]), int(begin[e])
+            src[e, b:b + c] = rows[(me * L + e) * m:(me * L + e) * m + c]
+            own_rows[(me * L + e) * m:(me * L + e + 1) * m] = float("nan")  # never read
+        mine = torch.empty(n, H, dtype=BF16)
+        assert native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, layout_range)) == ()
+        assert same_bits_nan(mine, got)
+        past = layout_range.clone()
+        past[0, me] = ((R * m - int(counts[me * L]) + 1) << 32) | int(counts[me * L])
+        if int(counts[me * L]):
+            with pytest.raises(ValueError, match="own's runs"):
+                native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, past))
+        with pytest.raises(ValueError, match="own must be"):
+            native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src.float(), layout_range))
 
 
 def test_headers_agree():

@@ -41,6 +41,16 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
 /* Floats of one output row accumulated at a time (the accumulator stays in L1). */
 #define WEIGHTED_CHUNK 1024
 
+/* Where the rows of an index range live when not in `rows`: index lo + le*m + r (le < (hi - lo) / m,
+ * r < m) is row begin[le] + r of block le, at rows + le * ld_e + (begin[le] + r) * ld_r (elements). The
+ * low-latency combine reads its own experts' outputs this way, where the caller passed them, instead of
+ * from a copy in its window. */
+struct row_redirect {
+    const uint16_t *rows;
+    int64_t lo, hi, m, ld_e, ld_r;
+    const int64_t *begin;
+};
+
 /* The low-latency combine's weighted sum, for every token t < n:
  *
  *   out[t] = bf16( ((+0.0 + f32(rows[idx[t,0]]) * w[t,0]) + f32(rows[idx[t,1]]) * w[t,1]) + ... )
@@ -48,12 +58,14 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
  * over the slots j = 0..k-1 of token t whose idx[t,j] >= 0 and, with a mask, whose rank
  * idx[t,j] / rows_per_rank is not masked; in slot order, each product rounded to float32 before its
  * add, one rounding to BF16 at the end (torch's y = f32(row) * w; acc += y; acc.to(bf16)). A token
- * with no slot gets +0.0. rows: row r at rows + r * row_ld (elements); idx, w: [n, k] row-major;
- * out row t at out + t * out_ld. The caller has checked every idx value against its rows. Inlined
- * into each caller, so that each of its target clones vectorises it. */
+ * with no slot gets +0.0. rows: row r at rows + r * row_ld (elements), except the indices of `alt`
+ * (NULL: none), read where it says; idx, w: [n, k] row-major; out row t at out + t * out_ld. The
+ * caller has checked every idx value against its rows. Inlined into each caller, so that each of its
+ * target clones vectorises it. */
 static inline __attribute__((always_inline)) void weighted_sum_rows_into(
     int64_t n, int64_t hidden, int64_t k, const uint16_t *rows, int64_t row_ld, const int64_t *idx, const float *w,
-    uint16_t *out, int64_t out_ld, uint16_t nan_bits, const int32_t *mask, int64_t rows_per_rank)
+    uint16_t *out, int64_t out_ld, uint16_t nan_bits, const int32_t *mask, int64_t rows_per_rank,
+    const struct row_redirect *alt)
 {
     float acc[WEIGHTED_CHUNK];
     for (int64_t t = 0; t < n; t++) {
@@ -65,9 +77,16 @@ static inline __attribute__((always_inline)) void weighted_sum_rows_into(
             for (int64_t h = 0; h < width; h++)
                 acc[h] = 0.0f;
             for (int64_t j = 0; j < k; j++) {
-                if (ti[j] < 0 || (mask && mask[ti[j] / rows_per_rank]))
+                const int64_t s = ti[j];
+                if (s < 0 || (mask && mask[s / rows_per_rank]))
                     continue;
-                const uint16_t *a = rows + ti[j] * row_ld + h0;
+                const uint16_t *a;
+                if (alt && s >= alt->lo && s < alt->hi) {
+                    const int64_t le = (s - alt->lo) / alt->m, r = (s - alt->lo) % alt->m;
+                    a = alt->rows + le * alt->ld_e + (alt->begin[le] + r) * alt->ld_r + h0;
+                } else {
+                    a = rows + s * row_ld + h0;
+                }
                 const float wj = tw[j];
                 for (int64_t h = 0; h < width; h++) {
                     const float y = bf16_to_f32(a[h]) * wj;

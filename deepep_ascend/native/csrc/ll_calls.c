@@ -172,11 +172,13 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
  * layout_range[e*R + d], rows b .. b + c - 1 of src[e] (row r of expert e at src + e * stride_e + r *
  * stride_r, row_bytes each) into rows 0 .. c - 1 of slot me*L + e at bases[d] + recv_off (slot g row i at
  * (g*m + i) * row_bytes); then the L counts (int32) at bases[d] + counts_off. sent[d] = rows written to d.
- * Returns 1 (nothing written) when a reached destination's count exceeds m or its run leaves [0, R*m). */
+ * With keep_own, this rank's own rows stay in src (its receive reads them there, deepep_ll_combine_recv's
+ * own_rows): only its counts are written. Returns 1 (nothing written) when a reached destination's count
+ * exceeds m or its run leaves [0, R*m). */
 int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, int64_t row_bytes, int64_t me,
                                const int64_t *layout_range, const uint8_t *src, int64_t stride_e, int64_t stride_r,
                                const int64_t *bases, const int32_t *mask, int64_t recv_off, int64_t counts_off,
-                               int64_t *sent)
+                               int64_t keep_own, int64_t *sent)
 {
     const int64_t L = num_local, R = num_ranks;
     for (int64_t d = 0; d < R; d++) {
@@ -196,10 +198,12 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
         for (int64_t e = 0; e < L; e++) {
             const int64_t c = layout_range[e * R + d] & 0xFFFFFFFF, b = layout_range[e * R + d] >> 32;
             uint8_t *slot = base + recv_off + (me * L + e) * m * row_bytes;
-            for (int64_t i = 0; i < c; i++)
-                memcpy(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes);
             const int32_t c32 = (int32_t)c;
             memcpy(base + counts_off + e * 4, &c32, 4);
+            if (keep_own && d == me)
+                continue;
+            for (int64_t i = 0; i < c; i++)
+                memcpy(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes);
             sent[d] += c;
         }
     }
@@ -215,12 +219,18 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
  * over the slots j whose idx[t,j] >= 0 and whose expert idx[t,j] / m lives on an unmasked rank, in slot
  * order, each product rounded to float32 before its add, one rounding to BF16 at the end (the torch path's
  * y = f32(row) * w; acc += y; acc.to(bf16)). rows: row r at rows + r * row_ld (elements), num_rows of
- * them; idx values outside [-1, num_rows) -> return 1, nothing written. */
+ * them; idx values outside [-1, num_rows) -> return 1, nothing written. own_rows (NULL: none) holds the rows
+ * of this rank's (me's) own experts where its combine send left them (keep_own): row i of local expert e,
+ * i < sig[me*L + e], at own_rows + e * own_ld_e + (own_begin[e] + i) * own_ld_r (elements); an own_begin[e]
+ * outside [0, own_rows_per_expert - sig[me*L + e]] or an own slot's row at or past its count -> return 1,
+ * nothing written. */
 MULTIVERSION
 int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, int64_t num_local, int64_t num_ranks,
                                const int32_t *sig, const int32_t *mask, const int32_t *expected, const uint16_t *rows,
                                int64_t row_ld, int64_t num_rows, const int64_t *idx, const float *w, uint16_t *out,
-                               int64_t out_ld, uint16_t nan_bits, int64_t *bad)
+                               int64_t out_ld, uint16_t nan_bits, int64_t me, const uint16_t *own_rows,
+                               int64_t own_ld_e, int64_t own_ld_r, int64_t own_rows_per_expert,
+                               const int64_t *own_begin, int64_t *bad)
 {
     const int64_t E = num_local * num_ranks;
     for (int64_t g = 0; g < E; g++) {
@@ -236,7 +246,18 @@ int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, 
     for (int64_t i = 0; i < n * k; i++)
         if (idx[i] < -1 || idx[i] >= num_rows)
             return 1;
-    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, mask, m * num_local);
+    struct row_redirect own = {own_rows, me * num_local * m, (me + 1) * num_local * m, m, own_ld_e, own_ld_r,
+                               own_begin};
+    if (own_rows) {
+        for (int64_t e = 0; e < num_local; e++)
+            if (own_begin[e] < 0 || own_begin[e] > own_rows_per_expert - sig[me * num_local + e])
+                return 1;
+        for (int64_t i = 0; i < n * k; i++)
+            if (idx[i] >= own.lo && idx[i] < own.hi && (idx[i] - own.lo) % m >= sig[idx[i] / m])
+                return 1;
+    }
+    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, mask, m * num_local,
+                           own_rows ? &own : NULL);
     return 0;
 }
 

@@ -60,6 +60,6 @@ int64_t deepep_weighted_sum_rows_bf16(int64_t n, int64_t hidden, int64_t k, cons
 {
     if (!rows_in(idx, n * k, -1, num_rows))
         return 1;
-    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, NULL, 1);
+    weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, NULL, 1, NULL);
     return 0;
 }
