@@ -72,7 +72,7 @@ def _destroy_forgotten_transports():
     # transports hung the job at exit.
     for tp in sorted(_LIVE, key=lambda t: t._serial, reverse=True):
         try:
-            tp.destroy(force=True, timeout_s=5.0)
+            tp.destroy_at_exit()
         except Exception:
             pass
 
@@ -273,6 +273,9 @@ class Transport:
         self._forced_urma = False  # some window reaches node peers over URMA (waits drive progress)
         self._internal = None
         self.abandoned = False  # destroy() left the windows to the process's exit instead of freeing them
+        # None, or a callable giving the departed ranks (a list) for the teardown at process exit of a
+        # transport nobody destroyed (see destroy(departed=...)); set by owners that mask lost ranks.
+        self.exit_departed = None
         self._leave_sent = {}  # peer -> teardown word last written there
         try:
             self._internal = self.create_window("barrier", 0, 0)
@@ -343,6 +346,18 @@ class Transport:
         """
         self._check_open("create_segment")
         return SharedSegment(self, name, nbytes)
+
+    def destroy_at_exit(self) -> None:
+        """The teardown the process's exit gives a transport nobody destroyed: :meth:`destroy` with
+        ``force`` and a 5 s deadline; with :attr:`exit_departed` set (an owner that masks lost ranks),
+        the tolerant teardown with its departed ranks, so a rank that leaves without ``destroy()``
+        never aborts the ranks that masked it.
+
+        Raises:
+            as :meth:`destroy`.
+        """
+        departed = self.exit_departed() if self.exit_departed is not None else None
+        self.destroy(force=True, timeout_s=5.0, departed=departed)
 
     def destroy(self, force: bool = False, timeout_s: float | None = None, departed=None) -> None:
         """Collectively free every window and communicator; idempotent.

@@ -95,6 +95,13 @@ def _warn_undestroyed():
                           stacklevel=2)
 
 
+def _masked_ranks(ref: weakref.ref) -> list[int]:
+    """The ranks a shrink-mode Buffer masked (its teardown's departed ranks); [] once it is gone."""
+    buf = ref()
+    ll = None if buf is None else buf._ll
+    return [] if ll is None else torch.nonzero(ll.mask).view(-1).tolist()
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous with standard strides. torch calls any zero-element tensor contiguous, so
     ``contiguous()`` keeps e.g. the stride 0 of an expanded gradient, which byte views refuse."""
@@ -236,6 +243,8 @@ class Buffer:
         self._worker = Worker(f"deepep_ascend-{self._uid}")
         if explicitly_destroy:
             _UNDESTROYED.add(self)
+        if enable_shrink:  # a rank that exits without destroy() leaves as destroy() would (never aborting peers)
+            self.runtime.exit_departed = functools.partial(_masked_ranks, weakref.ref(self))
 
     def _landing_build(self):
         """The node's recv_x landing segments (collective), sized by ``$DEEPEP_ASCEND_LANDING_BYTES``.
@@ -278,9 +287,7 @@ class Buffer:
         if self.runtime is None:
             return
         self._worker.drain()
-        departed = None
-        if self.enable_shrink:
-            departed = [] if self._ll is None else torch.nonzero(self._ll.mask).view(-1).tolist()
+        departed = _masked_ranks(weakref.ref(self)) if self.enable_shrink else None
         if self._ll is not None:
             self._ll.release()
         self._engine = self._ll = None

@@ -719,10 +719,11 @@ SHRINK_TIMEOUT_S = 1.5 if world().Get_size() <= 4 else 2.0  # deadline of the mi
 @pytest.mark.mpi(min_size=2)
 def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
     """As DeepEP's shrink test: one rank stops at its first dispatch, one at its first combine, one at
-    clean (2 ranks: only the first), and goes straight to ``destroy()``. Survivors mask each after the
-    deadline, complete every call, get the reference results with the dead ranks' experts dropped,
-    query exactly the dead set, and then destroy too: no rank's teardown raises or aborts another's
-    calls, and every transport ends closed with its windows abandoned (a rank was lost)."""
+    clean (2 ranks: only the first), and goes straight to ``destroy()`` (the first one leaves as its
+    process's exit would, without ``destroy()``: ``Transport.destroy_at_exit``). Survivors mask each
+    after the deadline, complete every call, get the reference results with the dead ranks' experts
+    dropped, query exactly the dead set, and then destroy too: no rank's teardown raises or aborts
+    another's calls, and every transport ends closed with its windows abandoned (a rank was lost)."""
     r, R = comm.Get_rank(), comm.Get_size()
     dies = {R - 1: 0}  # rank -> the round it stops at (0: first dispatch, 1: first combine, 2: clean)
     if R >= 4:
@@ -757,6 +758,9 @@ def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
             buf.low_latency_update_mask_buffer((r + 1) % R, True)
             buf.low_latency_query_mask_buffer(mask)
             chk.check(int(mask.sum()) == 1 and int(mask[(r + 1) % R]) == 1, "update_mask_buffer")
+        if r == R - 1:  # its script ends here: the exit's teardown, not destroy()
+            _, exc = capture(tp.destroy_at_exit)
+            chk.check(exc is None, f"destroy_at_exit raised {exc!r}")
         _, exc = capture(buf.destroy)
     chk.check(exc is None, f"destroy raised {exc!r}")
     abandoned = getattr(tp, "abandoned", None)
