@@ -12,6 +12,18 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import torch
+
+
+def _is_torch_stream(obj) -> bool:
+    return isinstance(obj, tuple(t for t in (getattr(torch, "Stream", None), getattr(torch.cpu, "Stream", None))
+                                 if isinstance(t, type)))
+
+
+def _is_torch_event(obj) -> bool:
+    return isinstance(obj, tuple(t for t in (getattr(torch, "Event", None), getattr(torch.cpu, "Event", None))
+                                 if isinstance(t, type)))
+
 
 class EventHandle:
     """Mirror of ``deep_ep.EventHandle``: records "now" on the calling thread.
@@ -36,6 +48,14 @@ class EventHandle:
         if self._check is not None:
             check, self._check = self._check, None
             check()
+
+    def query(self) -> bool:
+        """``torch.Event.query``: True once the event completed (alias of :meth:`is_done`)."""
+        return self.is_done()
+
+    def synchronize(self) -> None:
+        """``torch.Event.synchronize``: block until the event completed (:meth:`current_stream_wait`)."""
+        self.current_stream_wait()
 
     def exception(self) -> BaseException | None:
         """The task's exception once it finished with one, else ``None`` (still running, or succeeded; not in
@@ -153,13 +173,33 @@ class Worker:
 
     def wait_event(self, event: EventHandle) -> None:
         """Tasks queued after this call start once ``event`` completed (its exception, if any, is raised
-        by the waiting task, i.e. at the next wait on the stream)."""
-        self.submit(event.current_stream_wait)
+        by the waiting task, i.e. at the next wait on the stream). A torch event (``torch.Event``, recorded
+        on the caller's CPU stream) is complete once recorded: nothing to wait for.
 
-    def wait_stream(self, stream: Worker) -> None:
-        """Tasks queued after this call start once every task queued on ``stream`` so far finished."""
-        if stream is not self:
-            self.wait_event(stream.record_event())
+        Raises:
+            TypeError: ``event`` is neither an :class:`EventHandle` nor a torch event.
+        """
+        if isinstance(event, EventHandle):
+            self.submit(event.current_stream_wait)
+        elif not _is_torch_event(event):
+            raise TypeError(f"wait_event: event must be a deepep_ascend EventHandle or a torch.Event, got "
+                            f"{type(event).__name__}")
+
+    def wait_stream(self, stream) -> None:
+        """Tasks queued after this call start once every task queued on ``stream`` so far finished. The
+        caller's own stream (``torch.cpu.current_stream()``, any ``torch.Stream`` / ``torch.cpu.Stream``)
+        runs its work synchronously on the calling thread, so it has nothing pending: a no-op, as
+        DeepEP's ``comm_stream.wait_stream(torch.cuda.current_stream())`` ports.
+
+        Raises:
+            TypeError: ``stream`` is neither a :class:`Worker` nor a torch stream.
+        """
+        if isinstance(stream, Worker):
+            if stream is not self:
+                self.wait_event(stream.record_event())
+        elif not _is_torch_stream(stream):
+            raise TypeError(f"wait_stream: stream must be a Buffer's comm stream (get_comm_stream()) or a torch "
+                            f"stream such as torch.cpu.current_stream(), got {type(stream).__name__}")
 
     def record_event(self, event: EventHandle | None = None) -> EventHandle:
         """An event that completes once every task queued so far finished (``event`` is ignored: a CPU

@@ -765,4 +765,14 @@ def test_deepep_2_1_api_gaps(comm):
     stream.wait_stream(stream)
     stream.wait_event(event)
     stream.synchronize()
-    assert seen == [1] and event.is_done() and stream.query()
+    assert seen == [1] and event.is_done() and stream.query() and event.query()
+    event.synchronize()
+    # DeepEP's comm_stream.wait_stream(torch.cuda.current_stream()), ported: the caller's CPU stream has
+    # nothing pending, so waiting on it (or on a torch event) queues nothing; other objects are refused.
+    stream.wait_stream(torch.cpu.current_stream())
+    stream.wait_event(torch.Event())
+    assert stream.query()
+    with pytest.raises(TypeError, match="wait_stream: stream must be"):
+        stream.wait_stream(object())
+    with pytest.raises(TypeError, match="wait_event: event must be"):
+        stream.wait_event("event")
