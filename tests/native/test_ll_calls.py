@@ -340,10 +340,15 @@ def test_cast_messages_refuses_bad_operands():
         ((x, torch.zeros(4 * mb, dtype=torch.uint8).as_strided((4, mb), (mb - 1, 1)), False, False),
          "out's rows overlap"),
     ]
+    with torch.inference_mode():
+        frozen = torch.full((4, mb), 7, dtype=torch.uint8)
+    bad.append(((x, frozen, False, False), "out is an inference tensor"))
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             native.ll_cast_messages(*args)
-    assert bool((out == 7).all())  # nothing written
+    assert bool((out == 7).all()) and bool((frozen == 7).all())  # nothing written
+    version = out._version
+    assert native.ll_cast_messages(x, out, False, False) and out._version > version  # torch sees the write
     both = torch.zeros(4 * 2 * 512 + 4 * mb, dtype=torch.uint8)
     with pytest.raises(ValueError, match="out overlaps x"):
         native.ll_cast_messages(both[:4096].view(BF16).view(4, 512), both[1024:1024 + 4 * mb].view(4, mb), False,
