@@ -685,7 +685,8 @@ class LowLatencyEngine:
         n, H = x.size(0), lay.H
         sb = 4 * scale_words
         mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb
-        rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
+        off = base + lay.send_off
+        rows = self._view(("msgs", off, n, mb), lambda: self.tp.local_view(self.win, off, n * mb).view(n, mb))
         if use_fp8 and x.stride(1) == 1 and native.ll_cast_messages(x, rows, round_scale, use_ue8m0):
             return rows
         rows[:, :MSG_HEADER].zero_()

@@ -293,7 +293,8 @@ def _write_messages(x, round_scale, use_ue8m0, fill=0xA5):
     mb = native.ll_cast_message_bytes(hidden, use_ue8m0)
     win = torch.full((n * mb + 8,), fill, dtype=torch.uint8)
     stand_in = types.SimpleNamespace(tp=types.SimpleNamespace(local_view=lambda w, off, nbytes: w[off:off + nbytes]),
-                                     win=win, _scratch=lambda name, shape, dtype: torch.empty(shape, dtype=dtype))
+                                     win=win, _scratch=lambda name, shape, dtype: torch.empty(shape, dtype=dtype),
+                                     _view=lambda key, make: make())
     lay = types.SimpleNamespace(H=hidden, send_off=0)
     words = hidden // 512 if use_ue8m0 else hidden // 128
     rows = LowLatencyEngine._write_messages(stand_in, x, lay, 0, True, round_scale, use_ue8m0, words)
