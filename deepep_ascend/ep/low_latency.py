@@ -687,7 +687,7 @@ class LowLatencyEngine:
         mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb
         off = base + lay.send_off
         rows = self._view(("msgs", off, n, mb), lambda: self.tp.local_view(self.win, off, n * mb).view(n, mb))
-        if use_fp8 and x.stride(1) == 1 and native.ll_cast_messages(x, rows, round_scale, use_ue8m0):
+        if use_fp8 and x.stride()[1] == 1 and native.ll_cast_messages(x, rows, round_scale, use_ue8m0):
             return rows
         rows[:, :MSG_HEADER].zero_()
         rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))

@@ -31,8 +31,8 @@ def ll_cast_messages(x: torch.Tensor, out: torch.Tensor, round_scale: bool, use_
     ``e4m3(clamp(x · (448 / amax), ±448))`` and the float32 scale ``amax · f32(1/448)``; with ``round_scale``
     the scale rounded up to a power of two ``2^(e-127)`` (``e`` clamped to ``[1, 254]``) and codes of ``x ·
     2^(127-e)``; with ``use_ue8m0`` the scale's exponent byte ``e`` instead of its float32 (bytes of groups
-    ``4p..4p+3`` form int32 word ``p``, little-endian). A NaN element gives code ``0x7f`` with its sign; an
-    infinity gives NaN without ``round_scale`` (scale ``inf``), ``±448`` with it. The bits of
+    ``4p..4p+3`` form int32 word ``p``, little-endian). A NaN element gives the NaN code with its sign bit
+    (``0x7f`` / ``0xff``); an infinity gives NaN without ``round_scale`` (scale ``inf``), ``±448`` with it. The bits of
     :func:`deepep_ascend.gemm.fp8.low_latency_cast_to_fp8_` followed by
     :func:`deepep_ascend.gemm.scales.pack_ue8m0_to_int` (docs/semantics/deepep-api.md §6.4).
 
