@@ -679,12 +679,16 @@ class LowLatencyEngine:
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
         """This rank's messages ``[N, mb]`` uint8 in the send region: ``[int32 token | 12 B | payload]``, the
-        FP8 cast once per token (docs/semantics/deepep-api.md §6.4), written straight in from a float32 scratch kept
-        across calls. ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
+        FP8 cast once per token (docs/semantics/deepep-api.md §6.4). FP8: one native pass from ``x``
+        (:func:`deepep_ascend.native.ll_cast_messages`), else torch from a float32 scratch kept across calls;
+        same bytes. ``mb`` (the message bytes, also the slot stride) is at most ``lay.d``."""
         n, H = x.size(0), lay.H
         sb = 4 * scale_words
         mb = MSG_HEADER + (H if use_fp8 else 2 * H) + sb
-        rows = self.tp.local_view(self.win, base + lay.send_off, n * mb).view(n, mb)
+        off = base + lay.send_off
+        rows = self._view(("msgs", off, n, mb), lambda: self.tp.local_view(self.win, off, n * mb).view(n, mb))
+        if use_fp8 and x.stride()[1] == 1 and native.ll_cast_messages(x, rows, round_scale, use_ue8m0):
+            return rows
         rows[:, :MSG_HEADER].zero_()
         rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
         if use_fp8:

@@ -320,3 +320,73 @@ def test_zero_row_prefix(channels_first):
         native.zero_row_prefix(base, torch.tensor([0, 6, 0], dtype=torch.int32), channels_first)
     with pytest.raises(ValueError, match="t must be a contiguous"):
         native.zero_row_prefix(base.transpose(0, 1), counts, channels_first)
+
+
+def _write_messages(x, round_scale, use_ue8m0, fill=0xA5):
+    """``LowLatencyEngine._write_messages`` of ``x`` (FP8) into a plain tensor standing for the send region: the
+    native cast where its kernel is loaded, else the torch path."""
+    n, hidden = x.shape
+    mb = native.ll_cast_message_bytes(hidden, use_ue8m0)
+    win = torch.full((n * mb + 8,), fill, dtype=torch.uint8)
+    stand_in = types.SimpleNamespace(tp=types.SimpleNamespace(local_view=lambda w, off, nbytes: w[off:off + nbytes]),
+                                     win=win, _scratch=lambda name, shape, dtype: torch.empty(shape, dtype=dtype),
+                                     _view=lambda key, make: make())
+    lay = types.SimpleNamespace(H=hidden, send_off=0)
+    words = hidden // 512 if use_ue8m0 else hidden // 128
+    rows = LowLatencyEngine._write_messages(stand_in, x, lay, 0, True, round_scale, use_ue8m0, words)
+    assert rows.data_ptr() == win.data_ptr() and bool((win[n * mb:] == fill).all())  # nothing past the messages
+    return rows
+
+
+@pytest.mark.parametrize("round_scale, use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_cast_messages_are_the_torch_paths_bytes(round_scale, use_ue8m0, monkeypatch):
+    assert native.loader.kernels.ll_cast_messages is not None  # got: the kernel's bytes
+    g = torch.Generator().manual_seed(13)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(BF16).view(128, 512)  # all bf16 bits
+    noise = torch.randint(-32768, 32768, (8, 1536), generator=g, dtype=torch.int32).to(torch.int16).view(BF16)
+    wide = _rows(g, 6, 1536 + 64)
+    wide[0] = 0.0  # amax 0: the floor's scale
+    wide[1, :128] = 1e-40  # a subnormal group, below the floor
+    wide[2, 128:256] = float("nan")  # a group of NaN only
+    wide[3, 256:384] = torch.tensor([448.0, 464.0, -3.0e38, 0.1875, 0.140625, -0.0] * 21 + [1.0, 2.0])
+    wide[4, :1536:2] = float("-inf")
+    cases = [every, noise, wide[:, 32:32 + 1536], wide[:1, :512]]  # wide: strided rows
+    if not use_ue8m0:
+        cases += [wide[:, 64:64 + 128], torch.randn(1, 128, generator=g).to(BF16)]
+    for x in cases:
+        got = _write_messages(x, round_scale, use_ue8m0)
+        with monkeypatch.context() as m:
+            m.setattr(native.loader.kernels, "ll_cast_messages", None)  # the torch path
+            want = _write_messages(x, round_scale, use_ue8m0, fill=0x5A)
+        assert torch.equal(got, want), f"{tuple(x.shape)}: {int((got != want).sum())} bytes differ"
+
+
+def test_cast_messages_refuses_bad_operands():
+    x = torch.randn(4, 512).to(BF16)
+    mb = native.ll_cast_message_bytes(512, False)
+    out = torch.full((4, mb), 7, dtype=torch.uint8)
+    bad = [
+        ((x.float(), out, False, False), "x must be a 2-D CPU torch.bfloat16 matrix"),
+        ((x.t(), out, False, False), "x must be a 2-D CPU torch.bfloat16 matrix"),
+        ((x[:, :200], out, False, False), "multiple of 128, got 200"),
+        ((torch.randn(4, 640).to(BF16), out, True, True), r"multiple of 512 \(use_ue8m0\), got 640"),
+        ((x, out, False, True), "use_ue8m0=True needs round_scale=True"),
+        ((x, out[:, :-1], False, False), rf"out must be a \[4, {mb}\] CPU uint8 matrix"),
+        ((x, out[:3], False, False), rf"out must be a \[4, {mb}\] CPU uint8 matrix"),
+        ((x, out.view(torch.int8), False, False), "out must be"),
+        ((x, torch.zeros(4 * mb, dtype=torch.uint8).as_strided((4, mb), (mb - 1, 1)), False, False),
+         "out's rows overlap"),
+    ]
+    with torch.inference_mode():
+        frozen = torch.full((4, mb), 7, dtype=torch.uint8)
+    bad.append(((x, frozen, False, False), "out is an inference tensor"))
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            native.ll_cast_messages(*args)
+    assert bool((out == 7).all()) and bool((frozen == 7).all())  # nothing written
+    version = out._version
+    assert native.ll_cast_messages(x, out, False, False) and out._version > version  # torch sees the write
+    both = torch.zeros(4 * 2 * 512 + 4 * mb, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        native.ll_cast_messages(both[:4096].view(BF16).view(4, 512), both[1024:1024 + 4 * mb].view(4, mb), False,
+                                False)
