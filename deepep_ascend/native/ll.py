@@ -78,9 +78,9 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int, m: int) -> tuple[int, lis
     n, k = topk_idx.shape
     counts = torch.empty(num_experts, dtype=torch.int32)
     slots = torch.empty(n, k, dtype=torch.int64)
-    stats = torch.empty(4, dtype=torch.int64)
-    status = fn(n, k, topk_idx.data_ptr(), num_experts, m, counts.data_ptr(), slots.data_ptr(), stats.data_ptr())
-    return int(status), stats.tolist(), counts, slots
+    stats = (ctypes.c_int64 * 4)()  # a ctypes array: a torch tensor and its tolist() cost several times more
+    status = fn(n, k, topk_idx.data_ptr(), num_experts, m, counts.data_ptr(), slots.data_ptr(), stats)
+    return int(status), stats[:], counts, slots
 
 
 def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: torch.Tensor, whole_messages: bool,
@@ -294,16 +294,17 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
             raise ValueError(f"deepep_ascend.native.{op}: own must be (me in [0, {num_ranks}), src [{num_local}, "
                              f"R·M, {out.size(1)}] bfloat16 with unit last stride, layout_range [{num_local}, "
                              f"{num_ranks}] int64)")
-        own_begin = (layout_range[:, me] >> 32).contiguous()
-    bad = torch.empty(3, dtype=torch.int64)
+        # numpy: the column's shift in torch (index, shift, copy) costs several times the kernel's work at a few tokens
+        own_begin = layout_range.numpy()[:, me] >> 32
+    bad = (ctypes.c_int64 * 3)()
     status = fn(n, k, out.size(1), m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
                 expected.data_ptr(), rows.data_ptr(), rows.stride(0), rows.size(0), slots.data_ptr(),
                 weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, me,
                 own_src.data_ptr() if own_src is not None else 0, own_src.stride(0) if own_src is not None else 0,
                 own_src.stride(1) if own_src is not None else 0, own_src.size(1) if own_src is not None else 0,
-                own_begin.data_ptr() if own_begin is not None else 0, bad.data_ptr())
+                own_begin.ctypes.data if own_begin is not None else 0, bad)
     if status == 2:
-        return tuple(bad.tolist())
+        return tuple(bad)
     if status:
         raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})"
                          + ("" if own is None else ", and own's runs and rows within its src and counts"))
