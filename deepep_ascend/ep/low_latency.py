@@ -364,8 +364,9 @@ class LowLatencyEngine:
         """``mask`` for a native kernel: None when no rank is masked."""
         return self.mask if self._peers()[4] else None
 
-    def _view(self, key: tuple, make) -> torch.Tensor:
-        """A window view kept across calls under ``key`` (``make()`` builds it once); :meth:`release` drops them."""
+    def _view(self, key: tuple, make) -> torch.Tensor | np.ndarray:
+        """A window view (a tensor, or a numpy array on one) kept across calls under ``key`` (``make()`` builds it
+        once); :meth:`release` drops them."""
         v = self._views.get(key)
         if v is None:
             if len(self._views) > 64 + 2 * self.R:  # many call shapes: start over rather than grow
@@ -446,9 +447,11 @@ class LowLatencyEngine:
         signal, which then reads ``seq + 1`` (see :meth:`_wait_sources`)."""
         if _PH.on:
             _PH.switch("signal")
-        if self.direct[dst] and hdr.numel() == _HDR_WORDS * 8:  # a store into the mapped header, then the signal
+        if self.direct[dst] and hdr is self._hdr_bytes:  # a store into the mapped header, then the signal
+            # (numpy: a 24-byte store costs a tenth of a torch copy_)
             self._view(("hdr_out", dst, h), lambda: self.tp.peer_view(
-                self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, _HDR_WORDS * 8)).copy_(hdr)
+                self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, _HDR_WORDS * 8, torch.int64).numpy())[:] = \
+                self._hdr_words
             self.tp.record_put(dst, _HDR_WORDS * 8)
             self.tp.signal(self.ctl, dst, h, add=self._raise_to(h, dst, seq + 1))  # ordered: after every store
             return

@@ -120,7 +120,8 @@ def check_low_latency_handle(handle, *, num_ranks: int, trusted: bool = False) -
     """
     check(isinstance(handle, (tuple, list)) and len(handle) == 5, ValueError,
           "`handle` must be the 5-tuple (src_info, layout_range, M, H, E) of low_latency_dispatch")
-    handle = LowLatencyHandle._make(handle)
+    if type(handle) is not LowLatencyHandle:  # (a dispatch's own handle is one already)
+        handle = LowLatencyHandle._make(handle)
     m, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
     if not all(isinstance(v, int) and v > 0 for v in (m, hidden, num_experts)):
         check(False, ValueError,

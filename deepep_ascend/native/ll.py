@@ -78,9 +78,9 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int, m: int) -> tuple[int, lis
     n, k = topk_idx.shape
     counts = torch.empty(num_experts, dtype=torch.int32)
     slots = torch.empty(n, k, dtype=torch.int64)
-    stats = torch.empty(4, dtype=torch.int64)
-    status = fn(n, k, topk_idx.data_ptr(), num_experts, m, counts.data_ptr(), slots.data_ptr(), stats.data_ptr())
-    return int(status), stats.tolist(), counts, slots
+    stats = (ctypes.c_int64 * 4)()  # a ctypes array: a torch tensor and its tolist() cost several times more
+    status = fn(n, k, topk_idx.data_ptr(), num_experts, m, counts.data_ptr(), slots.data_ptr(), stats)
+    return int(status), stats[:], counts, slots
 
 
 def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: torch.Tensor, whole_messages: bool,
@@ -277,10 +277,10 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     require_dense(op, "slots", slots, torch.int64, ndim=2)
     require_dense(op, "weights", weights, torch.float32, slots.numel())
     n, k = slots.shape
-    if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.dim() == 2 and out.size(0) == n
-            and out.stride(1) == 1 and (n <= 1 or out.stride(0) >= out.size(1))
+    # (shapes and strides read once each: every size() / stride() call costs a few hundred ns)
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.dim() == 2
             and isinstance(rows, torch.Tensor) and rows.dtype == torch.bfloat16 and rows.dim() == 2
-            and rows.size(1) == out.size(1) and rows.stride(1) == 1):
+            and _matrices_ok(n, out.shape, out.stride(), rows.shape, rows.stride())):
         raise ValueError(f"deepep_ascend.native.{op}: out must be [{n}, H] and rows [E·M, H] bfloat16 matrices with "
                          f"unit column stride and rows apart, got {tuple(getattr(out, 'shape', ()))} and "
                          f"{tuple(getattr(rows, 'shape', ()))}")
@@ -288,27 +288,42 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     if own is not None:
         me, own_src, layout_range = own
         if not (0 <= me < num_ranks and isinstance(own_src, torch.Tensor) and own_src.dtype == torch.bfloat16
-                and own_src.dim() == 3 and own_src.size(0) == num_local and own_src.size(2) == out.size(1)
-                and (own_src.stride(2) == 1 or own_src.size(2) <= 1) and isinstance(layout_range, torch.Tensor)
-                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)):
+                and own_src.dim() == 3 and isinstance(layout_range, torch.Tensor)
+                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)
+                and _own_ok(num_local, out.shape[1], own_src.shape, own_src.stride())):
             raise ValueError(f"deepep_ascend.native.{op}: own must be (me in [0, {num_ranks}), src [{num_local}, "
                              f"R·M, {out.size(1)}] bfloat16 with unit last stride, layout_range [{num_local}, "
                              f"{num_ranks}] int64)")
-        own_begin = (layout_range[:, me] >> 32).contiguous()
-    bad = torch.empty(3, dtype=torch.int64)
-    status = fn(n, k, out.size(1), m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
-                expected.data_ptr(), rows.data_ptr(), rows.stride(0), rows.size(0), slots.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, me,
-                own_src.data_ptr() if own_src is not None else 0, own_src.stride(0) if own_src is not None else 0,
-                own_src.stride(1) if own_src is not None else 0, own_src.size(1) if own_src is not None else 0,
-                own_begin.data_ptr() if own_begin is not None else 0, bad.data_ptr())
+        # numpy: the column's shift in torch (index, shift, copy) costs several times the kernel's work at a few tokens
+        own_begin = layout_range.numpy()[:, me] >> 32
+    bad = (ctypes.c_int64 * 3)()
+    (num_rows, hidden), row_ld = rows.shape, rows.stride(0)
+    own_ptr, (own_ld_e, own_ld_r, _), own_rows = (
+        (own_src.data_ptr(), own_src.stride(), own_src.shape[1]) if own_src is not None else (0, (0, 0, 0), 0))
+    status = fn(n, k, hidden, m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
+                expected.data_ptr(), rows.data_ptr(), row_ld, num_rows, slots.data_ptr(),
+                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, me, own_ptr, own_ld_e, own_ld_r, own_rows,
+                own_begin.ctypes.data if own_begin is not None else 0, bad)
     if status == 2:
-        return tuple(bad.tolist())
+        return tuple(bad)
     if status:
         raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})"
                          + ("" if own is None else ", and own's runs and rows within its src and counts"))
     mark_written(out)
     return ()
+
+
+def _matrices_ok(n: int, out_shape, out_strides, rows_shape, rows_strides) -> bool:
+    """:func:`ll_combine_recv`'s ``out`` ``[n, H]`` and ``rows`` ``[*, H]``: unit column strides, ``out``'s rows
+    apart."""
+    return (out_shape[0] == n and out_strides[1] == 1 and (n <= 1 or out_strides[0] >= out_shape[1])
+            and rows_shape[1] == out_shape[1] and rows_strides[1] == 1)
+
+
+def _own_ok(num_local: int, hidden: int, shape, strides) -> bool:
+    """:func:`ll_combine_recv`'s ``own`` source ``[L, R·M, H]``: ``num_local`` blocks of ``hidden`` columns, unit last
+    stride."""
+    return shape[0] == num_local and shape[2] == hidden and (strides[2] == 1 or shape[2] <= 1)
 
 
 def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int) -> bool | None:
@@ -324,10 +339,11 @@ def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq:
         return None
     op = "ll_headers_agree"
     require_dense(op, "hdr", hdr, torch.int64, ndim=2)
-    if not 0 <= me < hdr.size(0) or hdr.size(1) < 2:
-        raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {hdr.size(0)} headers of "
-                         f"{hdr.size(1)} words (>= 2 needed)")
-    return bool(fn(hdr.size(0), me, hdr.data_ptr(), hdr.size(1), _mask(op, mask, hdr.size(0)), seq, op_code))
+    rows, words = hdr.shape  # (one shape read: each size() call costs as much as the kernel)
+    if not 0 <= me < rows or words < 2:
+        raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {rows} headers of {words} words (>= 2 "
+                         f"needed)")
+    return bool(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code))
 
 
 def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool = False) -> bool:

@@ -19,7 +19,7 @@ def matrix_ok(t, dtype: torch.dtype | None = None, cols: int | None = None) -> b
     """Whether the kernels take ``t`` as a matrix: a 2-D CPU tensor (of ``dtype`` and ``cols`` columns
     where given) with unit column stride (any row stride). Callers with other operands use their torch
     paths. Never raises (``t`` may be anything)."""
-    return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.device.type == "cpu"
+    return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_cpu
             and (dtype is None or t.dtype == dtype) and (cols is None or t.size(1) == cols)
             and (t.stride(1) == 1 or t.size(1) <= 1))
 
@@ -27,7 +27,8 @@ def matrix_ok(t, dtype: torch.dtype | None = None, cols: int | None = None) -> b
 def dense_ok(t, dtype: torch.dtype, numel: int | None = None, ndim: int | None = None) -> bool:
     """Whether ``t`` is a contiguous CPU ``dtype`` tensor (of ``numel`` elements and ``ndim`` dims where given):
     what the kernels that walk a whole tensor through its data pointer take. Never raises."""
-    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    # (``is_cpu``, not ``device.type``: building the device object costs more than the rest of the test)
+    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous()
             and (numel is None or t.numel() == numel) and (ndim is None or t.dim() == ndim))
 
 

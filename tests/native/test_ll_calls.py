@@ -277,6 +277,10 @@ def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
         mine = torch.empty(n, H, dtype=BF16)
         assert native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, layout_range)) == ()
         assert same_bits_nan(mine, got)
+        mine = torch.empty(n, H, dtype=BF16)  # a column-major layout_range: its begins read through its strides
+        strided = layout_range.t().contiguous().t()
+        assert native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, strided)) == ()
+        assert same_bits_nan(mine, got)
         past = layout_range.clone()
         past[0, me] = ((R * m - int(counts[me * L]) + 1) << 32) | int(counts[me * L])
         if int(counts[me * L]):
