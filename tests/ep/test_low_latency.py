@@ -416,6 +416,48 @@ def test_hook_returns_before_peers_send_and_overlaps_compute(buffers, comm):
     all_ranks_ok(comm, not errors, f"hooks: {errors}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
+    """On one node a receiver loads its rows from the sources' send regions. Rank 0 breaks the two-calls rule
+    (white-box: it drops its pending-hook guard) and issues calls #2 and #3 while the others load call #1's rows
+    from it; #3 rewrites the half #1 used. The others' hooks then refuse the rows (the seqlock), naming rank 0
+    and both calls, instead of returning torn rows; rank 0's own receive of #1, done before, is exact."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 128
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x, idx = make_inputs(61, r, R, 6, H, E, 2)
+    ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, M)
+    eng = buf._ll
+    native_path = eng.native_path()
+    if r != 0 and native_path:  # load only once rank 0 restamped (after this rank's header check)
+        await_dispatch = eng._await_dispatch
+
+        def await_then_let_rank0_run(*args):
+            out = await_dispatch(*args)
+            comm.Barrier()
+            comm.Barrier()
+            return out
+        eng._await_dispatch = await_then_let_rank0_run
+    recv_x, _, _, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    _, exc = capture(hook)
+    if r == 0:
+        ok, what = exc is None and torch.equal(bits(recv_x), bits(ref.recv_x)), f"rank 0's own receive: {exc!r}"
+        if native_path:
+            comm.Barrier()
+            for _ in range(2):
+                buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+                eng.pending_hook = None  # the violation under test
+            comm.Barrier()
+    else:
+        ok = not native_path or (isinstance(exc, RuntimeError) and "source rank 0 began rewriting its send region for "
+                                 "LL call #3 while this rank loaded call #1" in str(exc))
+        what = f"receive of call #1: {exc!r}"
+    eng.pending_hook = None
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{what}; destroy {dexc!r}")
+
+
 def test_zero_copy_and_out_in_both_halves(buffers, comm):
     """``get_next_low_latency_combine_buffer`` + ``zero_copy`` and ``out=``, with the combine landing
     once in each half; a buffer handed out before another LL call is refused."""
