@@ -49,6 +49,13 @@ Double buffer safety: a rank issues call ``k+1`` only after its receive of call 
 hook rule); every call signals every (unmasked) peer; so a peer writing half ``k % 2`` again
 (call ``k+2``) has received call ``k+1`` from this rank, which this rank sent after finishing
 its receive of call ``k``.
+
+Native dispatch (every live peer mapped): rows are not pushed. Each sender stages its messages once in
+its send region and writes only each routed token's index into the destinations' index tables (int32
+``[L, R, M]`` at the start of *recv*) and the counts; each receiver loads its rows from the sources' send
+regions. Every call first stamps its half (call number + 1, bytes 24-31 of the rank's own ``ll_ctl``
+header of that half); a receiver reads each source's stamp after its loads and refuses the rows if it
+moved (a seqlock against a third call in flight; docs/design/data-path.md, "Native dispatch").
 """
 
 from __future__ import annotations
@@ -624,16 +631,21 @@ class LowLatencyEngine:
     def _dispatch_native(self, x, topk_idx, lay: Layout, seq, h, flags, scale_words, use_fp8, round_scale, use_ue8m0,
                          cum_stats, wait_stats, route: NativeRoute) -> Pending:
         """:meth:`dispatch` on the native path, where every live peer is mapped: each token's message staged once
-        in this rank's send region (:meth:`_write_messages`), then one kernel writes each routed token's index
-        into its slot of the destination's index table and the counts, then one header and signal per
-        destination. Each receiver loads its rows from the sources' send regions
+        in this rank's send region (FP8: :meth:`_write_messages`; BF16: the payload, a copy of ``x``), then one
+        kernel writes each routed token's index into its slot of the destination's index table and the counts,
+        then one header and signal per destination. Each receiver loads its rows from the sources' send regions
         (:meth:`_receive_dispatch_native`): a row moves once, from the send region into ``recv_x``."""
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         flags |= F_PULL
         if _PH.on:
             _PH.switch("pack")
-        mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
+        if use_fp8:
+            mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
+        else:  # the payloads only: receivers take the token index from the index table, not a message header
+            n, mb = x.size(0), MSG_HEADER + 2 * H
+            self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
+                self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
         if _PH.on:
             _PH.switch("send")
         self._dispatched = None
