@@ -419,8 +419,20 @@ class LowLatencyEngine:
 
     def combine_buffer(self, lay: Layout) -> torch.Tensor:
         """bf16 ``[L, R·M, H]`` view of the send region of the half the next call uses (stamped for that call:
-        the caller writes it before the call begins)."""
+        the caller writes it before the call begins).
+
+        With the previous call's hook pending on the native path, first waits until every live peer has issued
+        that call: a peer may still be loading the call before it (same half) from this send region, and is
+        done once it has issued the next one (the hook rule).
+
+        Raises:
+            transports.TransportTimeout: (not in shrink mode) a peer did not issue that call by the deadline.
+        """
         h = self.calls % 2
+        if self.pending_hook is not None and self.native_path():
+            seq = self.pending_hook
+            self._wait_sources(seq % 2, seq + 1, f"get_next_low_latency_combine_buffer: peers issuing LL call "
+                               f"#{seq + 1} (their loads from this half are done then)", None)
         self.zero_copy_for = self.calls
         self._stamp(h, self.calls + 1)
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,

@@ -13,6 +13,7 @@ codec's error bound of the BF16 combine.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -456,6 +457,28 @@ def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
     eng.pending_hook = None
     _, dexc = capture(buf.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"{what}; destroy {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, comm):
+    """The zero-copy buffer handed out while call #k's hook is pending is the half call #k-1 used, from which
+    peers may still load rows: on one node it is returned only once every peer issued call #k (done loading).
+    Rank 1 issues #k 0.2 s late; rank 0's buffer must not come back before that."""
+    buf = _buf(buffers, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 128
+    x, idx = make_inputs(62, r, R, 4, H, E, 2)
+    coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch #k-1")
+    if r == 1:
+        time.sleep(0.2)
+    issued = time.monotonic()
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    buf.get_next_low_latency_combine_buffer(handle)
+    returned = time.monotonic()
+    late = comm.bcast(issued, root=1)
+    hook()
+    ok = r != 0 or not buf._ll.native_path() or returned >= late
+    all_ranks_ok(comm, ok, f"rank 0's buffer came back at {returned:.4f}, before rank 1 issued the call at {late:.4f}")
 
 
 def test_zero_copy_and_out_in_both_halves(buffers, comm):
