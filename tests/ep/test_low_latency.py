@@ -463,14 +463,14 @@ def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
 def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, comm):
     """The zero-copy buffer handed out while call #k's hook is pending is the half call #k-1 used, from which
     peers may still load rows: on one node it is returned only once every peer issued call #k (done loading).
-    Rank 1 issues #k 0.2 s late; rank 0's buffer must not come back before that."""
+    Rank 1 issues #k 0.1 s late; rank 0's buffer must not come back before that."""
     buf = _buf(buffers, "ubmem")
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H = 2 * R, 8, 128
     x, idx = make_inputs(62, r, R, 4, H, E, 2)
     coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch #k-1")
     if r == 1:
-        time.sleep(0.2)
+        time.sleep(0.1)
     issued = time.monotonic()
     _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
     buf.get_next_low_latency_combine_buffer(handle)
