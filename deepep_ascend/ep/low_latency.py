@@ -49,6 +49,13 @@ Double buffer safety: a rank issues call ``k+1`` only after its receive of call 
 hook rule); every call signals every (unmasked) peer; so a peer writing half ``k % 2`` again
 (call ``k+2``) has received call ``k+1`` from this rank, which this rank sent after finishing
 its receive of call ``k``.
+
+Native dispatch (every live peer mapped): rows are not pushed. Each sender stages its messages once in
+its send region and writes only each routed token's index into the destinations' index tables (int32
+``[L, R, M]`` at the start of *recv*) and the counts; each receiver loads its rows from the sources' send
+regions. Every call first stamps its half (call number + 1, bytes 24-31 of the rank's own ``ll_ctl``
+header of that half); a receiver reads each source's stamp after its loads and refuses the rows if it
+moved (a seqlock against a third call in flight; docs/design/data-path.md, "Native dispatch").
 """
 
 from __future__ import annotations
@@ -88,9 +95,11 @@ SLOT_CLEAN = 2
 NUM_CTL_SLOTS = 3
 HDR_BYTES = 256
 _HDR_WORDS = 3  # int64 words of a header without a message: call/op/flags/status, M/E/H, the op's count
+# Bytes [24, 32) of a rank's own header slot of half h in its own ll_ctl: its send-region stamp (see begin).
+_STAMP_OFF = 24
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
-F_FP8, F_UE8M0, F_LOGFMT = 1, 2, 4
+F_FP8, F_UE8M0, F_LOGFMT, F_PULL = 1, 2, 4, 8
 #: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``,
 #: docs/semantics/deepep-api.md §6.7).
 QP_DEPTH = 1024
@@ -323,6 +332,11 @@ class LowLatencyEngine:
         # (0: not mapped), window views kept across calls (released by release()), rows sent per destination.
         self._bases = torch.tensor([tp.peer_view(self.win, p, 0, nbytes).data_ptr() if self.direct[p] else 0
                                     for p in range(self.R)], dtype=torch.int64)
+        # Each mapped source's send-region stamp of half h (0: not mapped), read by the dispatch receive's seqlock.
+        ctl_bases = [tp.peer_view(self.ctl, p, 0, 2 * self.R * HDR_BYTES).data_ptr() if self.direct[p] else 0
+                     for p in range(self.R)]
+        self._stamps = [torch.tensor([b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
+                                      for p, b in enumerate(ctl_bases)], dtype=torch.int64) for h in (0, 1)]
         self._all_direct = all(self.direct)
         self._views = {}
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
@@ -405,9 +419,23 @@ class LowLatencyEngine:
         return lay.end <= self.half
 
     def combine_buffer(self, lay: Layout) -> torch.Tensor:
-        """bf16 ``[L, R·M, H]`` view of the send region of the half the next call uses."""
+        """bf16 ``[L, R·M, H]`` view of the send region of the half the next call uses (stamped for that call:
+        the caller writes it before the call begins).
+
+        With the previous call's hook pending on the native path, first waits until every live peer has issued
+        that call: a peer may still be loading the call before it (same half) from this send region, and is
+        done once it has issued the next one (the hook rule).
+
+        Raises:
+            transports.TransportTimeout: (not in shrink mode) a peer did not issue that call by the deadline.
+        """
         h = self.calls % 2
+        if self.pending_hook is not None and self.native_path():
+            seq = self.pending_hook
+            self._wait_sources(seq % 2, seq + 1, f"get_next_low_latency_combine_buffer: peers issuing LL call "
+                               f"#{seq + 1} (their loads from this half are done then)", None)
         self.zero_copy_for = self.calls
+        self._stamp(h, self.calls + 1)
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
                                   torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
 
@@ -470,7 +498,16 @@ class LowLatencyEngine:
         seq = self.calls
         self.calls += 1
         self.op_calls[op] += 1
+        self._stamp(seq % 2, seq + 1)
         return seq, seq % 2
+
+    def _stamp(self, h: int, value: int) -> None:
+        """Stamp this rank's send region of half ``h`` with ``value`` (call number + 1) before anything rewrites
+        it: a receiver loading rows from it checks the stamp after its loads (the seqlock of
+        :meth:`_receive_dispatch_native`). Stores stay in program order (TSO), so the stamp lands first."""
+        words = self._view(("stamp",), lambda: self.tp.local_view(self.ctl, 0, 2 * self.R * HDR_BYTES,
+                                                                  torch.int64).numpy())
+        words[((h * self.R + self.rank) * HDR_BYTES + _STAMP_OFF) // 8] = value
 
     def reject(self, op, message) -> None:
         """Refuse a call on every rank: headers with an error status to every live peer, then wait for theirs
@@ -608,28 +645,34 @@ class LowLatencyEngine:
 
     def _dispatch_native(self, x, topk_idx, lay: Layout, seq, h, flags, scale_words, use_fp8, round_scale, use_ue8m0,
                          cum_stats, wait_stats, route: NativeRoute) -> Pending:
-        """:meth:`dispatch` on the native path: one kernel writes every message (BF16: straight from ``x``; FP8:
-        from the staged messages of :meth:`_write_messages`) and the counts into every destination's window,
-        then one header and signal per destination. The bytes of the torch path."""
+        """:meth:`dispatch` on the native path, where every live peer is mapped: each token's message staged once
+        in this rank's send region (FP8: :meth:`_write_messages`; BF16: the payload, a copy of ``x``), then one
+        kernel writes each routed token's index into its slot of the destination's index table and the counts,
+        then one header and signal per destination. Each receiver loads its rows from the sources' send regions
+        (:meth:`_receive_dispatch_native`): a row moves once, from the send region into ``recv_x``."""
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
+        flags |= F_PULL
         if _PH.on:
             _PH.switch("pack")
         if use_fp8:
-            src = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
-            mb = src.size(1)
-        else:
-            src, mb = x.view(torch.uint8), MSG_HEADER + 2 * H
+            mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
+        else:  # the payloads only: receivers take the token index from the index table, not a message header
+            n, mb = x.size(0), MSG_HEADER + 2 * H
+            self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
+                self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
         if _PH.on:
             _PH.switch("send")
         self._dispatched = None
-        native.ll_dispatch_send(route.slots, M, L, self.rank, src, use_fp8, mb, self._bases, self._mask_arg(),
-                                base + lay.recv_off, base + self.rank * L * 4, route.counts, self._sent_rows)
+        native.ll_dispatch_send(route.slots, M, L, self.rank, self._bases, self._mask_arg(), base + lay.recv_off,
+                                base + self.rank * L * 4, route.counts, self._sent_rows)
         hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
         sent = self._sent_rows.tolist()
         for dst in self.order():
+            # The rows the receiver loads from here (its count of this traffic is the sender's, as for a push),
+            # their index words and the counts.
             if sent[dst]:
-                self.tp.record_put(dst, sent[dst] * mb)
+                self.tp.record_put(dst, sent[dst] * (mb + 4))
             self.tp.record_put(dst, 4 * L)
             self._signal(dst, h, hdr, seq)
         if _PH.on:
@@ -663,20 +706,42 @@ class LowLatencyEngine:
 
     def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """:meth:`_receive_dispatch` on the native path: one kernel turns the counts into ``recv_count`` /
-        ``layout_range``, copies every received message into its rows and zeroes the rows an earlier user of a
-        reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output)."""
+        ``layout_range``, loads every row routed here from its source's send region (found through the index
+        table the sources wrote here) into ``recv_x`` / scales / ``src_info``, zeroes the rows an earlier user
+        of a reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output), and
+        then checks that no source began rewriting its send region meanwhile (its stamp, see :meth:`begin`).
+
+        Raises:
+            RuntimeError: a source announced more than ``M`` rows for one expert, or a token index outside
+                ``[0, M)``; or a source's send region was restamped by a later call while the rows were loaded
+                (a caller kept more than two LL calls in flight, docs/semantics/deepep-api.md §6.6): the rows
+                may be torn, the error names the source and both calls.
+        """
         R, lay = self.R, call.lay
         L, M, mb = lay.L, lay.M, call.message_bytes
         base, phase = self._await_dispatch(call, wait_stats)
         if _PH.on:
             _PH.switch("copy")
         sig = self._counts_view(base, L)
-        slots = self._view(("dslots", base, lay.recv_off, L * R * M * mb),
-                           lambda: self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb))
-        recv_x = call.recv_x.view(torch.uint8)
-        if not native.ll_dispatch_recv(sig, self._mask_arg(), slots, M, mb, recv_x, call.recv_scales, call.src_info,
-                                       call.recv_count, call.layout_range, stale):
+        index = self._view(("dindex", base, lay.recv_off, L * R * M),
+                           lambda: self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32))
+        status, bad = native.ll_dispatch_recv(sig, self._mask_arg(), index, self._bases, base + lay.send_off,
+                                              self._stamps[call.half], call.seq + 1, M, mb,
+                                              call.recv_x.view(torch.uint8), call.recv_scales, call.src_info,
+                                              call.recv_count, call.layout_range, stale)
+        if status == 1:
             raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
+        if status == 4:
+            what = ("is not mapped here" if bad[2] < 0 else
+                    f"listed a token index outside [0, {M}) as its row {bad[2]} for local expert {bad[1]}")
+            raise RuntimeError(f"rank {self.rank}: {phase}: source rank {bad[0]} {what}")
+        if status == 3:
+            # The outputs' pool entries still read "all rows written" (OutputPool.get): zeroed whole on reuse.
+            raise RuntimeError(
+                f"rank {self.rank}: {phase}: source rank {bad[0]} began rewriting its send region for LL call "
+                f"#{bad[1]} while this rank loaded call #{call.seq + 1}'s rows from it (rows may be torn); at most "
+                f"two LL calls may be in flight: receive call k before issuing call k+2 "
+                f"(docs/semantics/deepep-api.md §6.6)")
         self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
 
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
@@ -1189,4 +1254,5 @@ def _describe(w) -> str:
     w0, w1 = int(w[0]), int(w[1])
     flags = (w0 >> 8) & 0xFF
     return (f"M={w1 & 0xFFFF}, H={w1 >> 32}, E={(w1 >> 16) & 0xFFFF}, use_fp8={bool(flags & F_FP8)}, "
-            f"use_ue8m0={bool(flags & F_UE8M0)}, use_logfmt={bool(flags & F_LOGFMT)}")
+            f"use_ue8m0={bool(flags & F_UE8M0)}, use_logfmt={bool(flags & F_LOGFMT)}, "
+            f"rows pulled={bool(flags & F_PULL)}")

@@ -7,10 +7,12 @@ steps in one pass and writes the same bytes as that torch path:
 
 * :func:`ll_route`: ``topk_idx``'s value range, the most selections of one expert, per-expert counts and
   each (token, slot)'s row in its expert's slot;
-* :func:`ll_dispatch_send` / :func:`ll_combine_send`: every message (row) of every mapped destination
-  straight into its slot, and the per-expert counts;
-* :func:`ll_dispatch_recv`: counts -> ``recv_count`` / ``layout_range``, slots -> ``recv_x`` / scales /
-  ``src_info``;
+* :func:`ll_dispatch_send`: each routed token's index into its slot of every mapped destination's index
+  table, and the per-expert counts;
+* :func:`ll_combine_send`: every returned row of every mapped destination straight into its slot, and the
+  per-expert counts;
+* :func:`ll_dispatch_recv`: counts -> ``recv_count`` / ``layout_range``, every routed row loaded from its
+  source's send region -> ``recv_x`` / scales / ``src_info``, then the sources' stamps (a seqlock);
 * :func:`ll_combine_recv`: the counts against the route's, then the weighted sum of the returned rows;
 * :func:`ll_headers_agree`: the call headers' consensus in one pass (the caller explains a disagreement);
 * :func:`zero_row_prefix`: the first rows of each expert's block zeroed.
@@ -83,20 +85,20 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int, m: int) -> tuple[int, lis
     return int(status), stats[:], counts, slots
 
 
-def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: torch.Tensor, whole_messages: bool,
-                     mb: int, bases: torch.Tensor, mask: torch.Tensor | None, recv_off: int, counts_off: int,
-                     counts: torch.Tensor, sent: torch.Tensor) -> bool:
-    """A dispatch's messages and counts into every mapped, unmasked destination (DeepEP's dispatch send).
+def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, bases: torch.Tensor,
+                     mask: torch.Tensor | None, index_off: int, counts_off: int, counts: torch.Tensor,
+                     sent: torch.Tensor) -> bool:
+    """A dispatch's route and counts into every mapped, unmasked destination (DeepEP's dispatch send, with the
+    rows left in this rank's send region for the receivers to load, :func:`ll_dispatch_recv`).
 
-    Pair ``(t, j)`` with ``slots[t, j] = e·M + i`` (:func:`ll_route`) goes to rank ``d = e // L`` as the message
-    ``[int32 t | 12 zero bytes | payload]`` at byte ``bases[d] + recv_off + ((e % L)·R + me)·M + i)·mb``;
-    the payload is ``src`` row ``t`` (``mb - 16`` bytes), or with ``whole_messages`` ``src`` row ``t`` is the
-    whole ``mb``-byte message. Then ``counts[d·L:(d+1)·L]`` at ``bases[d] + counts_off``.
+    Pair ``(t, j)`` with ``slots[t, j] = e·M + i`` (:func:`ll_route`) goes to rank ``d = e // L``: the int32
+    token ``t`` at byte ``bases[d] + index_off + (((e % L)·R + me)·M + i)·4`` (the destination's index table
+    ``[L, R, M]``). Then ``counts[d·L:(d+1)·L]`` at ``bases[d] + counts_off``.
 
     Args:
-        slots: ``[n, k]`` contiguous int64 in ``[-1, L·R·M)``. src: ``[n, >= payload]`` uint8, unit column
-            stride. bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
-        counts: ``[L·R]`` contiguous int32. sent: ``[R]`` contiguous int64, set to the messages per rank.
+        slots: ``[n, k]`` contiguous int64 in ``[-1, L·R·M)``. bases: ``[R]`` contiguous int64 addresses (0: not
+            mapped). mask: ``[R]`` int32 or None. counts: ``[L·R]`` contiguous int32. sent: ``[R]`` contiguous
+            int64, set to the pairs routed to each rank.
     Returns:
         True when done; False (nothing written) where the kernel is not loaded.
     Raises:
@@ -112,41 +114,41 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, src: 
     require_dense(op, "counts", counts, torch.int32, num_local * num_ranks)
     require_dense(op, "sent", sent, torch.int64, num_ranks)
     n, k = slots.shape
-    width = mb if whole_messages else mb - 16
-    if not (isinstance(src, torch.Tensor) and src.dtype == torch.uint8 and src.dim() == 2 and src.size(0) == n
-            and src.size(1) >= width and (src.stride(1) == 1 or src.size(1) <= 1) and mb >= 16):
-        raise ValueError(f"deepep_ascend.native.{op}: src must be [{n}, >= {width}] uint8 with unit column stride "
-                         f"(mb={mb} >= 16), got {getattr(src, 'dtype', type(src).__name__)} of shape "
-                         f"{tuple(getattr(src, 'shape', ()))}")
-    if fn(n, k, slots.data_ptr(), m, num_local, num_ranks, me, src.data_ptr(), src.stride(0), int(whole_messages), mb,
-          bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, counts.data_ptr(), sent.data_ptr()):
+    if fn(n, k, slots.data_ptr(), m, num_local, num_ranks, me, bases.data_ptr(), _mask(op, mask, num_ranks),
+          index_off, counts_off, counts.data_ptr(), sent.data_ptr()):
         raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {num_local * num_ranks * m})")
     return True
 
 
-def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.Tensor, m: int, mb: int,
-                     recv_x: torch.Tensor, scales: torch.Tensor | None, src_info: torch.Tensor,
-                     recv_count: torch.Tensor, layout_range: torch.Tensor, stale: tuple = (None, None, None)
-                     ) -> bool | None:
-    """A dispatch's receive: the counts into ``recv_count`` / ``layout_range``, the messages into rows.
+def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,
+                     send_off: int, stamps: torch.Tensor, want: int, m: int, mb: int, recv_x: torch.Tensor,
+                     scales: torch.Tensor | None, src_info: torch.Tensor, recv_count: torch.Tensor,
+                     layout_range: torch.Tensor, stale: tuple = (None, None, None)) -> tuple[int, list] | None:
+    """A dispatch's receive: the counts into ``recv_count`` / ``layout_range``, every row loaded from its source.
 
-    Source ``s``'s count for local expert ``e`` is ``sig[s, e]`` (a masked source counts 0); message ``i``
-    of slot ``(e, s)`` (``slots`` row ``(e·R + s)·M + i``) lands in row ``q = begin + i`` of expert ``e``,
-    ``begin`` the counts of the sources before ``s``: its payload bytes in ``recv_x[e, q]``, its int32 word 0
-    in ``src_info[e, q]``, its scale words (after the payload) in ``scales[e, q, :]``. The torch path of
-    ``LowLatencyEngine._receive_dispatch``, byte for byte.
+    Source ``s``'s count for local expert ``e`` is ``sig[s, e]`` (a masked source counts 0); its ``i``-th
+    message there is token ``t = index[e, s, i]`` of ``s``, whose message ``[16 header bytes | payload |
+    scale words]`` lies at byte ``bases[s] + send_off + t·mb``. It lands in row ``q = begin + i`` of expert
+    ``e``, ``begin`` the counts of the sources before ``s``: its payload in ``recv_x[e, q]``, ``t`` in
+    ``src_info[e, q]``, its scale words in ``scales[e, q, :]``. The rows of the torch path of
+    ``LowLatencyEngine._receive_dispatch``, byte for byte. Then the seqlock: the int64 word at address
+    ``stamps[s]`` (0: not checked) of every unmasked source must still read ``want`` (a source stamps it
+    before rewriting its send region).
 
     Args:
-        sig: ``[R, L]`` contiguous int32. mask: ``[R]`` int32 or None.
-        slots: ``[L·R·M, mb]`` contiguous uint8. recv_x: ``[L, R·M, xb]`` contiguous uint8 (the payload bytes).
-        scales: None, or the channels-first ``[L, R·M, sw]`` scales, stored ``[L, sw, R·M]`` (4-byte words).
-        src_info: ``[L, R·M]`` contiguous int32. recv_count: ``[L]`` int32. layout_range: ``[L, R]`` int64.
+        sig: ``[R, L]`` contiguous int32. mask: ``[R]`` int32 or None. index: ``[L·R·M]`` contiguous int32.
+        bases, stamps: ``[R]`` contiguous int64 addresses. recv_x: ``[L, R·M, xb]`` contiguous uint8 (the
+            payload bytes). scales: None, or the channels-first ``[L, R·M, sw]`` scales, stored ``[L, sw, R·M]``
+            (4-byte words). src_info: ``[L, R·M]`` contiguous int32. recv_count: ``[L]`` int32. layout_range:
+            ``[L, R]`` int64.
         stale: for ``recv_x``, ``scales``, ``src_info`` each None or ``[L]`` contiguous int32: rows ``[0, stale[e])``
             of expert ``e`` hold an earlier call's data; those this call does not write are zeroed, so every row
             past ``recv_count[e]`` reads 0 (a reused output zeroed only where needed).
     Returns:
-        None where the kernel is not loaded; False when a count lies outside ``[0, M]`` (nothing written);
-        True when done.
+        None where the kernel is not loaded; else ``(status, bad)``: 0 done; 1 a count outside ``[0, M]``
+        (nothing written); 4 a live source with rows but no address or a token index outside ``[0, M)``
+        (nothing written; ``bad = [s, e, i]``, ``i = -1`` for the address); 3 a stamp changed: the rows may be
+        torn (outputs written; ``bad = [s, stamp read]``).
     Raises:
         ValueError: operands of another dtype, shape or layout; a stale count outside ``[0, R·M]`` (nothing
             written).
@@ -158,7 +160,9 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
     require_dense(op, "sig", sig, torch.int32, ndim=2)
     num_ranks, num_local = sig.shape
     rm = num_ranks * m
-    require_dense(op, "slots", slots, torch.uint8, num_local * rm * mb)
+    require_dense(op, "index", index, torch.int32, num_local * rm)
+    require_dense(op, "bases", bases, torch.int64, num_ranks)
+    require_dense(op, "stamps", stamps, torch.int64, num_ranks)
     require_dense(op, "recv_x", recv_x, torch.uint8, ndim=3)
     xb = recv_x.size(2)
     if tuple(recv_x.shape[:2]) != (num_local, rm) or mb < 16 + xb:
@@ -184,19 +188,20 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, slots: torch.
     for name, c in zip(("stale[0]", "stale[1]", "stale[2]"), stale):
         if c is not None:
             require_dense(op, name, c, torch.int32, num_local)
-    status = fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), slots.data_ptr(), mb, xb, sw,
-                recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), src_info.data_ptr(),
-                recv_count.data_ptr(), layout_range.data_ptr(),
-                (ctypes.c_void_p * 3)(*(None if c is None else c.data_ptr() for c in stale)))
+    bad = (ctypes.c_int64 * 3)()
+    status = fn(num_local, num_ranks, m, sig.data_ptr(), _mask(op, mask, num_ranks), index.data_ptr(),
+                bases.data_ptr(), send_off, stamps.data_ptr(), want, mb, xb, sw, recv_x.data_ptr(),
+                0 if scales is None else scales.data_ptr(), src_info.data_ptr(), recv_count.data_ptr(),
+                layout_range.data_ptr(), (ctypes.c_void_p * 3)(*(None if c is None else c.data_ptr() for c in stale)),
+                bad)
     if status == 2:
         raise ValueError(f"deepep_ascend.native.{op}: stale counts must lie in [0, {rm}]")
-    if status:
-        return False
-    if scales is None:
-        mark_written(recv_x, src_info, recv_count, layout_range)
-    else:
-        mark_written(recv_x, src_info, recv_count, layout_range, scales)
-    return True
+    if status in (0, 3):
+        if scales is None:
+            mark_written(recv_x, src_info, recv_count, layout_range)
+        else:
+            mark_written(recv_x, src_info, recv_count, layout_range, scales)
+    return int(status), list(bad)
 
 
 def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: int, bases: torch.Tensor,

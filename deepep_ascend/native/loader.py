@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 13
+ABI = 14
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -35,9 +35,9 @@ _SIGNATURES = {
     "copy_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
     "weighted_sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _U16]),
     "ll_route": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P]),
-    "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64,
+    "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P]),
+    "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P,
                                 _P, _P]),
-    "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P]),
     "ll_combine_send": (_I64, [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P]),
     "ll_combine_recv": (_I64, [_I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64,
                                _U16, _I64, _P, _I64, _I64, _I64, _P, _P]),

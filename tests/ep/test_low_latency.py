@@ -13,6 +13,7 @@ codec's error bound of the BF16 combine.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -414,6 +415,70 @@ def test_hook_returns_before_peers_send_and_overlaps_compute(buffers, comm):
     if not torch.equal(bits(combined), bits(exp)):
         errors.append("hooked combine differs from the reference")
     all_ranks_ok(comm, not errors, f"hooks: {errors}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
+    """On one node a receiver loads its rows from the sources' send regions. Rank 0 breaks the two-calls rule
+    (white-box: it drops its pending-hook guard) and issues calls #2 and #3 while the others load call #1's rows
+    from it; #3 rewrites the half #1 used. The others' hooks then refuse the rows (the seqlock), naming rank 0
+    and both calls, instead of returning torn rows; rank 0's own receive of #1, done before, is exact."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 128
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x, idx = make_inputs(61, r, R, 6, H, E, 2)
+    ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, M)
+    eng = buf._ll
+    native_path = eng.native_path()
+    if r != 0 and native_path:  # load only once rank 0 restamped (after this rank's header check)
+        await_dispatch = eng._await_dispatch
+
+        def await_then_let_rank0_run(*args):
+            out = await_dispatch(*args)
+            comm.Barrier()
+            comm.Barrier()
+            return out
+        eng._await_dispatch = await_then_let_rank0_run
+    recv_x, _, _, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    _, exc = capture(hook)
+    if r == 0:
+        ok, what = exc is None and torch.equal(bits(recv_x), bits(ref.recv_x)), f"rank 0's own receive: {exc!r}"
+        if native_path:
+            comm.Barrier()
+            for _ in range(2):
+                buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+                eng.pending_hook = None  # the violation under test
+            comm.Barrier()
+    else:
+        ok = not native_path or (isinstance(exc, RuntimeError) and "source rank 0 began rewriting its send region for "
+                                 "LL call #3 while this rank loaded call #1" in str(exc))
+        what = f"receive of call #1: {exc!r}"
+    eng.pending_hook = None
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{what}; destroy {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, comm):
+    """The zero-copy buffer handed out while call #k's hook is pending is the half call #k-1 used, from which
+    peers may still load rows: on one node it is returned only once every peer issued call #k (done loading).
+    Rank 1 issues #k 0.1 s late; rank 0's buffer must not come back before that."""
+    buf = _buf(buffers, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 128
+    x, idx = make_inputs(62, r, R, 4, H, E, 2)
+    coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch #k-1")
+    if r == 1:
+        time.sleep(0.1)
+    issued = time.monotonic()
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    buf.get_next_low_latency_combine_buffer(handle)
+    returned = time.monotonic()
+    late = comm.bcast(issued, root=1)
+    hook()
+    ok = r != 0 or not buf._ll.native_path() or returned >= late
+    all_ranks_ok(comm, ok, f"rank 0's buffer came back at {returned:.4f}, before rank 1 issued the call at {late:.4f}")
 
 
 def test_zero_copy_and_out_in_both_halves(buffers, comm):

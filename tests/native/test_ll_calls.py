@@ -68,36 +68,31 @@ def _windows(R, nbytes, fill=0xA5):
     return wins, torch.tensor([w.data_ptr() for w in wins], dtype=torch.int64)
 
 
-@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_dispatch_send_writes_the_torch_paths_messages(whole, masked):
-    R, L, m, n, k, payload, me = 2, 3, 8, 5, 3, 24, 1
-    E, mb = R * L, 16 + payload
+def test_dispatch_send_writes_each_routed_token_into_its_slot(masked):
+    R, L, m, n, k, me = 2, 3, 8, 5, 3, 1
+    E = R * L
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, E, (n, k), generator=g)
     status, _, counts, slots = native.ll_route(idx, E, m)
     assert status == 0
-    payloads = torch.randint(0, 256, (n, payload + 8), generator=g, dtype=torch.uint8)[:, 3:3 + payload]  # strided rows
-    messages = torch.cat([torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4),
-                          torch.zeros(n, 12, dtype=torch.uint8), payloads], 1)
-    src = messages if whole else payloads
-    recv_off, counts_off = 64, 8
-    wins, bases = _windows(R, recv_off + L * R * m * mb)
+    index_off, counts_off = 64, 8
+    wins, bases = _windows(R, index_off + L * R * m * 4)
     mask = torch.tensor([1, 0], dtype=torch.int32) if masked else None
     want = [w.clone() for w in wins]
     route = _torch_route(idx, L, E)
-    for p in range(len(route.flat)):  # the torch path's placement, one message at a time
+    for p in range(len(route.flat)):  # the torch path's slot of each pair, one at a time
         e, r, t = int(route.experts[p]), int(route.rank[p]), int(route.tokens[p])
         d = e // L
         if masked and d == 0:
             continue
-        at = recv_off + (((e % L) * R + me) * m + r) * mb
-        want[d][at:at + mb] = messages[t]
+        at = index_off + (((e % L) * R + me) * m + r) * 4
+        want[d][at:at + 4] = torch.tensor([t], dtype=torch.int32).view(torch.uint8)
     for d in range(R):
         if not (masked and d == 0):
             want[d][counts_off:counts_off + 4 * L] = counts[d * L:(d + 1) * L].view(torch.uint8)
     sent = torch.zeros(R, dtype=torch.int64)
-    assert native.ll_dispatch_send(slots, m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+    assert native.ll_dispatch_send(slots, m, L, me, bases, mask, index_off, counts_off, counts, sent)
     for d in range(R):
         assert torch.equal(wins[d], want[d])
     per_rank = [int((route.experts // L == d).sum()) for d in range(R)]
@@ -106,22 +101,51 @@ def test_dispatch_send_writes_the_torch_paths_messages(whole, masked):
     bad[0, 0] = E * m
     before = [w.clone() for w in wins]
     with pytest.raises(ValueError, match="slots must lie in"):
-        native.ll_dispatch_send(bad, m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+        native.ll_dispatch_send(bad, m, L, me, bases, mask, index_off, counts_off, counts, sent)
     assert all(torch.equal(a, b) for a, b in zip(wins, before))
     with pytest.raises(ValueError, match="slots must be a contiguous"):
-        native.ll_dispatch_send(slots.t(), m, L, me, src, whole, mb, bases, mask, recv_off, counts_off, counts, sent)
+        native.ll_dispatch_send(slots.t(), m, L, me, bases, mask, index_off, counts_off, counts, sent)
+
+
+def _pull_setup(R, L, m, k, mb, g):
+    """R sources' windows ``[counts R·L·4 | index L·R·m·4 | send m·mb]``, each source's route and counts sent
+    to every rank by :func:`native.ll_dispatch_send`, its messages (random bytes) in its send region; plus the
+    sources' stamp words (reading 7). Returns (wins, bases, stamps, send_off, routes, messages)."""
+    E, index_off = R * L, 4 * R * L
+    send_off = index_off + L * R * m * 4
+    wins, bases = _windows(R, send_off + m * mb)
+    stamps = torch.full((R,), 7, dtype=torch.int64)
+    routes, messages = [], []
+    for s in range(R):
+        n = int(torch.randint(0, m + 1, (), generator=g))  # each source its own token count, 0 included
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k,
+                                                                                                       dtype=torch.int64)
+        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        status, _, counts, slots = native.ll_route(idx, E, m)
+        assert status == 0
+        assert native.ll_dispatch_send(slots, m, L, s, bases, None, index_off, 4 * s * L, counts,
+                                       torch.zeros(R, dtype=torch.int64))
+        msgs = torch.randint(0, 256, (n, mb), generator=g, dtype=torch.uint8)
+        wins[s][send_off:send_off + n * mb] = msgs.view(-1)
+        routes.append(_torch_route(idx, L, E))
+        messages.append(msgs)
+    addrs = torch.tensor([stamps.data_ptr() + 8 * s for s in range(R)], dtype=torch.int64)
+    return wins, bases, stamps, addrs, send_off, routes, messages
 
 
 @pytest.mark.parametrize("scale_words", [0, 2])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reused", [False, True])
-def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked, reused):
-    R, L, m, xb = 3, 2, 4, 16
+def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused):
+    """Every source's route sent by the native send, then the receive loads each row from its source's send
+    region: the rows of the torch path (by source, then the source's route order), byte for byte."""
+    R, L, m, k, xb, me = 3, 2, 4, 3, 16, 1
     mb = 16 + xb + 4 * scale_words
-    g = torch.Generator().manual_seed(5)
-    cnt = torch.randint(0, m + 1, (R, L), generator=g, dtype=torch.int32)
-    slots = torch.randint(0, 256, (L * R * m * mb,), generator=g, dtype=torch.uint8)
-    mask = torch.tensor([0, 1, 0], dtype=torch.int32) if masked else None
+    g = torch.Generator().manual_seed(5 + scale_words + 10 * masked + 100 * reused)
+    wins, bases, stamp_words, stamps, send_off, routes, messages = _pull_setup(R, L, m, k, mb, g)
+    sig = wins[me][:4 * R * L].view(torch.int32).view(R, L)
+    index = wins[me][4 * R * L:send_off].view(torch.int32)
+    mask = torch.tensor([0, 0, 1], dtype=torch.int32) if masked else None
     recv_x = torch.zeros(L, R * m, xb, dtype=torch.uint8)
     src_info = torch.zeros(L, R * m, dtype=torch.int32)
     scales = torch.zeros(L, scale_words, R * m, dtype=torch.float32).transpose(1, 2) if scale_words else None
@@ -133,42 +157,51 @@ def test_dispatch_recv_unpacks_as_the_torch_path(scale_words, masked, reused):
                 t[e, :int(old[e])] = 77
         stale = (old, old if scale_words else None, old)
     recv_count, layout_range = torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64)
-    assert native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
-                                   stale)
-    live = cnt.clone()
-    if masked:
-        live[1] = 0
-    msgs = slots.view(L, R, m, mb)
-    for e in range(L):  # the definition: expert e's rows by source, then message order, packed from row 0
+    args = (sig, mask, index, bases, send_off, stamps, 7, m, mb, recv_x, scales, src_info, recv_count, layout_range)
+    assert native.ll_dispatch_recv(*args, stale) == (0, [0, 0, 0])
+    for e in range(L):  # the definition: expert e's rows by source, then the source's route order, from row 0
         begin = 0
         for s in range(R):
-            c = int(live[s, e])
-            assert int(layout_range[e, s]) == (begin << 32) | c
-            for i in range(c):
-                q = begin + i
-                assert torch.equal(recv_x[e, q], msgs[e, s, i, 16:16 + xb])
-                assert torch.equal(src_info[e, q:q + 1].view(torch.uint8), msgs[e, s, i, :4])
+            r = routes[s]
+            tokens = [] if masked and s == 2 else r.tokens[r.experts == me * L + e].tolist()
+            assert int(layout_range[e, s]) == (begin << 32) | len(tokens)
+            for i, t in enumerate(tokens):
+                q, msg = begin + i, messages[s][t]
+                assert torch.equal(recv_x[e, q], msg[16:16 + xb]) and int(src_info[e, q]) == t
                 if scale_words:
-                    assert torch.equal(scales[e, q].contiguous().view(torch.uint8), msgs[e, s, i, 16 + xb:mb])
-            begin += c
+                    assert torch.equal(scales[e, q].contiguous().view(torch.uint8), msg[16 + xb:mb])
+            begin += len(tokens)
         assert int(recv_count[e]) == begin
         assert not recv_x[e, begin:].any() and not src_info[e, begin:].any()
         assert not scale_words or not scales[e, begin:].any()
-    over = cnt.clone()
-    over[2, 1] = m + 1
+    assert int(recv_count.sum()) > 0  # the seed routes rows here
+    # A source restamped (a later call began rewriting its send region): status 3 names it and its stamp.
+    stamp_words[0] = 9
+    assert native.ll_dispatch_recv(*args) == (3, [0, 9, 0])
+    stamp_words[0] = 7
+    # Refused before anything is written: a count over M, a token index outside [0, M), an unmapped source.
     before = recv_x.clone()
-    assert native.ll_dispatch_recv(over, mask, slots, m, mb, recv_x, scales, src_info, recv_count,
-                                   layout_range) is False
+    over = sig.clone()
+    over[0, 1] = m + 1
+    assert native.ll_dispatch_recv(over, *args[1:])[0] == 1
+    e, s = next((e, s) for s in range(2) for e in range(L) if int(sig[s, e]))
+    saved = int(index[(e * R + s) * m])
+    index[(e * R + s) * m] = m
+    assert native.ll_dispatch_recv(*args) == (4, [s, e, 0])
+    index[(e * R + s) * m] = saved
+    unmapped = bases.clone()
+    unmapped[s] = 0
+    assert native.ll_dispatch_recv(sig, mask, index, unmapped, *args[4:]) == (4, [s, e, -1])
     assert torch.equal(recv_x, before)
     with pytest.raises(ValueError, match=r"stale counts must lie in \[0, 12\]"):
-        native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range,
-                                (None, None, torch.tensor([0, R * m + 1], dtype=torch.int32)))
+        native.ll_dispatch_recv(*args, (None, None, torch.tensor([0, R * m + 1], dtype=torch.int32)))
     assert torch.equal(recv_x, before)
     with pytest.raises(ValueError, match="scales must be a channels-first"):
-        native.ll_dispatch_recv(cnt, mask, slots, m, mb, recv_x, torch.zeros(L, R * m, 2), src_info, recv_count,
-                                layout_range)
+        native.ll_dispatch_recv(*args[:10], torch.zeros(L, R * m, 2), *args[11:])
     with pytest.raises(ValueError, match="sig must be a contiguous"):
-        native.ll_dispatch_recv(cnt.t(), mask, slots, m, mb, recv_x, scales, src_info, recv_count, layout_range)
+        native.ll_dispatch_recv(sig.t(), *args[1:])
+    with pytest.raises(ValueError, match="index must be a contiguous"):
+        native.ll_dispatch_recv(sig, mask, index[:-1], *args[3:])
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -4,9 +4,10 @@
  *
  *   deepep_ll_route          one pass over topk_idx: its value range, the most selections of one expert,
  *                            per-expert counts and each (token, slot)'s row among its expert's rows
- *   deepep_ll_dispatch_send  every message of every mapped destination straight into its slot, and the
- *                            per-expert counts into the destinations' count words
- *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; slots -> recv_x, scales, src_info
+ *   deepep_ll_dispatch_send  each routed token's index into its slot of every mapped destination's index
+ *                            table, and the per-expert counts into the destinations' count words
+ *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; every routed row loaded from its source's
+ *                            send region -> recv_x, scales, src_info; then the sources' stamps (seqlock)
  *   deepep_ll_combine_send   every returned row of every mapped destination straight into its slot, and
  *                            the counts
  *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
@@ -70,16 +71,14 @@ static inline int reached(const int64_t *bases, const int32_t *mask, int64_t p)
     return bases[p] != 0 && !(mask && mask[p]);
 }
 
-/* A dispatch's sends to every reached destination. Pair (t, j) with slots[t*k + j] = e*m + r >= 0 (see
- * deepep_ll_route) goes to rank d = e / L, local expert le = e % L: message bytes [int32 t | 12 zero bytes |
- * payload] at bases[d] + recv_off + ((le*R + me)*m + r) * mb. src row t (at src + t * src_stride): the
- * payload (payload_bytes = mb - 16), or with whole_messages the full mb-byte message (header included).
- * Then counts[d*L .. d*L + L) (int32) at bases[d] + counts_off. sent[d] = messages written to d. Returns 1
- * (nothing written) when a slot lies outside [-1, L*R*m). */
+/* A dispatch's route to every reached destination: its receivers load the rows themselves from this rank's
+ * send region (deepep_ll_dispatch_recv), so only where to find them moves here. Pair (t, j) with slots[t*k + j]
+ * = e*m + r >= 0 (see deepep_ll_route) goes to rank d = e / L, local expert le = e % L: the int32 t at
+ * bases[d] + index_off + ((le*R + me)*m + r) * 4. Then counts[d*L .. d*L + L) (int32) at bases[d] +
+ * counts_off. sent[d] = pairs routed to d. Returns 1 (nothing written) when a slot lies outside [-1, L*R*m). */
 int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int64_t m, int64_t num_local,
-                             int64_t num_ranks, int64_t me, const uint8_t *src, int64_t src_stride,
-                             int64_t whole_messages, int64_t mb, const int64_t *bases, const int32_t *mask,
-                             int64_t recv_off, int64_t counts_off, const int32_t *counts, int64_t *sent)
+                                int64_t num_ranks, int64_t me, const int64_t *bases, const int32_t *mask,
+                                int64_t index_off, int64_t counts_off, const int32_t *counts, int64_t *sent)
 {
     const int64_t total = n * k;
     for (int64_t i = 0; i < total; i++)
@@ -94,17 +93,8 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
         const int64_t e = s / m, r = s % m, d = e / num_local, le = e % num_local;
         if (!reached(bases, mask, d))
             continue;
-        uint8_t *p = (uint8_t *)(intptr_t)bases[d] + recv_off + ((le * num_ranks + me) * m + r) * mb;
-        const int64_t t = i / k;
-        const uint8_t *row = src + t * src_stride;
-        if (whole_messages) {
-            memcpy(p, row, (size_t)mb);
-        } else {
-            const int32_t token = (int32_t)t;
-            memcpy(p, &token, 4);
-            memset(p + 4, 0, 12);
-            memcpy(p + 16, row, (size_t)(mb - 16));
-        }
+        const int32_t token = (int32_t)(i / k);
+        memcpy((uint8_t *)(intptr_t)bases[d] + index_off + ((le * num_ranks + me) * m + r) * 4, &token, 4);
         sent[d]++;
     }
     for (int64_t d = 0; d < num_ranks; d++)
@@ -114,20 +104,26 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
     return 0;
 }
 
-/* A dispatch's receive. sig: int32 [R][L], source s's count of local expert e at sig[s*L + e] (masked
- * sources count 0). Returns 1 (nothing written) when a count lies outside [0, m]. Else recv_count[e] =
- * sum over s, layout_range[e*R + s] = begin << 32 | count with begin the exclusive prefix over s; and
- * message i of slot (e, s) -- at slots + ((e*R + s)*m + i) * mb -- lands in row q = begin + i of expert
- * e: its bytes [16, 16 + xb) at recv_x + (e*R*m + q) * xb, its int32 word 0 at src_info[e*R*m + q], its
- * sw int32 scale words from byte 16 + xb at scales[(e*sw + w)*R*m + q] (scales channels-first; NULL: no
- * scales). stale[0..2] (each NULL or int32 [L]): rows [0, stale[i][e]) of expert e of recv_x, scales,
- * src_info hold an earlier call's data; the rows of them this call does not write are zeroed (so every
- * row past recv_count[e] reads 0 when this returns). Returns 2 (nothing written) when a stale count lies
- * outside [0, R*m]. */
+/* A dispatch's receive, loading every row from its source's window. sig: int32 [R][L], source s's count of
+ * local expert e at sig[s*L + e] (masked sources count 0); index: int32 [L][R][m], the token of message i of
+ * (e, s) at index[(e*R + s)*m + i] (written by deepep_ll_dispatch_send). Source s's message of token t lies
+ * at bases[s] + send_off + t * mb: [16 header bytes | xb payload bytes | sw int32 scale words].
+ * Returns 1 (nothing written) when a count lies outside [0, m]; 4 (nothing written; bad = {s, e, i}) when a
+ * live source with a count is not mapped (bases[s] == 0, i = -1) or a token index lies outside [0, m).
+ * Else recv_count[e] = sum over s, layout_range[e*R + s] = begin << 32 | count with begin the exclusive
+ * prefix over s; message i of (e, s) lands in row q = begin + i of expert e: its payload at recv_x + (e*R*m +
+ * q) * xb, its token at src_info[e*R*m + q], its scale words at scales[(e*sw + w)*R*m + q] (channels-first;
+ * NULL: no scales). stale[0..2] (each NULL or int32 [L]): rows [0, stale[i][e]) of expert e of recv_x,
+ * scales, src_info hold an earlier call's data; the rows of them this call does not write are zeroed.
+ * Returns 2 (nothing written) when a stale count lies outside [0, R*m].
+ * Seqlock: a source stamps its int64 word stamps[s] (an address; 0: not checked) with the number of the call
+ * before it rewrites its send region. After every load, each checked source's stamp must still read want:
+ * else the rows may be torn, bad = {s, stamp read}, and this returns 3 (outputs written). */
 int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m, const int32_t *sig,
-                                const int32_t *mask, const uint8_t *slots, int64_t mb, int64_t xb, int64_t sw,
+                                const int32_t *mask, const int32_t *index, const int64_t *bases, int64_t send_off,
+                                const int64_t *stamps, int64_t want, int64_t mb, int64_t xb, int64_t sw,
                                 uint8_t *recv_x, int32_t *scales, int32_t *src_info, int32_t *recv_count,
-                                int64_t *layout_range, const int32_t *const *stale)
+                                int64_t *layout_range, const int32_t *const *stale, int64_t *bad)
 {
     const int64_t L = num_local, R = num_ranks, rm = R * m;
     for (int64_t s = 0; s < R; s++) {
@@ -141,16 +137,36 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
         for (int64_t e = 0; stale[i] && e < L; e++)
             if (stale[i][e] < 0 || stale[i][e] > rm)
                 return 2;
+    for (int64_t s = 0; s < R; s++) {
+        if (mask && mask[s])
+            continue;
+        for (int64_t e = 0; e < L; e++) {
+            const int64_t c = sig[s * L + e];
+            if (c && !bases[s]) {
+                bad[0] = s, bad[1] = e, bad[2] = -1;
+                return 4;
+            }
+            for (int64_t i = 0; i < c; i++) {
+                const int32_t t = index[(e * R + s) * m + i];
+                if (t < 0 || t >= m) {
+                    bad[0] = s, bad[1] = e, bad[2] = i;
+                    return 4;
+                }
+            }
+        }
+    }
     for (int64_t e = 0; e < L; e++) {
         int64_t begin = 0;
         for (int64_t s = 0; s < R; s++) {
             const int64_t c = (mask && mask[s]) ? 0 : sig[s * L + e];
             layout_range[e * R + s] = (begin << 32) | c;
-            const uint8_t *msg = slots + (e * R + s) * m * mb;
-            for (int64_t i = 0; i < c; i++, msg += mb) {
+            const int32_t *tok = index + (e * R + s) * m;
+            const uint8_t *src = c ? (const uint8_t *)(intptr_t)bases[s] + send_off : NULL;
+            for (int64_t i = 0; i < c; i++) {
                 const int64_t q = e * rm + begin + i;
+                const uint8_t *msg = src + tok[i] * mb;
                 memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
-                memcpy(src_info + q, msg, 4);
+                src_info[q] = tok[i];
                 for (int64_t w = 0; w < sw; w++)
                     memcpy(scales + (e * sw + w) * rm + begin + i, msg + 16 + xb + 4 * w, 4);
             }
@@ -164,6 +180,18 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             memset(scales + (e * sw + w) * rm + begin, 0, (size_t)(stale[1][e] - begin) * 4);
         if (stale[2] && stale[2][e] > begin)
             memset(src_info + e * rm + begin, 0, (size_t)(stale[2][e] - begin) * 4);
+    }
+    /* every load above before the stamps' (a source stamps before it rewrites: an unchanged stamp read after
+     * the loads proves none of them saw a later call's bytes) */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (int64_t s = 0; s < R; s++) {
+        if ((mask && mask[s]) || !stamps[s])
+            continue;
+        const int64_t got = __atomic_load_n((const int64_t *)(intptr_t)stamps[s], __ATOMIC_RELAXED);
+        if (got != want) {
+            bad[0] = s, bad[1] = got;
+            return 3;
+        }
     }
     return 0;
 }
