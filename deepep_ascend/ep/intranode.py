@@ -111,6 +111,7 @@ from .reduce import CombineScratch, accumulate_rows
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
 _ALIGN = 128
+_VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
 
 
 def _align(x: int) -> int:
@@ -223,6 +224,7 @@ class IntranodeEngine:
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
+        self._views = {}  # window slices by (rank, offset, length, dtype, as numpy): see _view
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
@@ -244,11 +246,20 @@ class IntranodeEngine:
     def _half(self, p):
         return (self.staged[p] % 2) * self.half_bytes
 
-    def _view(self, p, off, nbytes, dtype=torch.uint8):
-        # One slice of the window's cached typed view: the engine's offsets stay inside its halves by
-        # construction (_Regions), and peers are node peers, so the transport's per-call checks are spared.
+    def _view(self, p, off, nbytes, dtype=torch.uint8, as_numpy: bool = False):
+        # A slice of the window's typed view (as numpy with ``as_numpy``), kept per (rank, offset, length,
+        # dtype): calls of one shape take the same few slices every time, and a dict lookup costs a tenth
+        # of a torch slice. The engine's offsets stay inside its halves by construction (_Regions), and
+        # peers are node peers, so the transport's per-call checks are spared.
         lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
-        return self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
+        key = (p, lo, nbytes, dtype, as_numpy)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _VIEW_CACHE_ENTRIES:  # shapes that keep changing: start over
+                self._views.clear()
+            v = self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
+            self._views[key] = v = v.numpy() if as_numpy else v
+        return v
 
     def _begin_stage(self, phase):
         """Wait until every peer consumed the chunk this rank's next half held before."""
@@ -282,7 +293,7 @@ class IntranodeEngine:
             self.staged[s] += 1
 
     def _write_header(self, words: dict, message: str = ""):
-        hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64).numpy()
+        hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64, as_numpy=True)
         hdr[:MSG_WORD] = 0
         hdr[W_MAGIC] = MAGIC
         hdr[list(words)] = list(words.values())
@@ -292,7 +303,7 @@ class IntranodeEngine:
     def _read_headers(self):
         if _PH.on:
             _PH.switch("control")
-        return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64).numpy().copy() for p in range(self.num_ranks)])
+        return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64, as_numpy=True) for p in range(self.num_ranks)])
 
     def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
         """Stage chunk 0 (header, vector, rows), exchange READY, check the consensus.
@@ -612,7 +623,8 @@ class IntranodeEngine:
         (numpy: a few small arrays, cheaper there than as torch ops)."""
         me, nr = self.rank, self.num_ranks
         local = num_experts // nr
-        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).numpy() for p in range(nr)])
+        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32, as_numpy=True)
+                         for p in range(nr)])
         return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64)
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
@@ -752,7 +764,7 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("control")
         nr = self.num_ranks
-        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).numpy() for p in range(nr)])
+        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True) for p in range(nr)])
         expected = _rows_from_prefix(prefix, nr)
         if not np.array_equal(sent, expected):
             self._consume(range(nr))
@@ -856,7 +868,7 @@ class IntranodeEngine:
                 spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
         sizes = [end - begin for begin, end in spans]
-        self._view(me, HEADER_BYTES, 4 * nr, torch.int32).numpy()[:] = sizes
+        self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         total = sum(sizes) - sizes[me]
         weights = returned.topk_weights
         wcols = weights.size(1) if weights is not None else -1
@@ -905,7 +917,7 @@ class IntranodeEngine:
             routed, routed_tokens = [0] * nr, None
         sources, first = [], 0
         for j in range(nr):
-            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32).numpy().tolist()
+            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True).tolist()
             cnt = sizes[me]
             if routed[j] != cnt:
                 raise RuntimeError(
