@@ -67,6 +67,8 @@ def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` of any strides as contiguous byte rows ``[n, m * itemsize]`` (a view when contiguous)."""
+    if t.size(1) and t.stride(1) == 1 and t.stride(0) == t.size(1):  # the usual case: one dtype view
+        return t.view(torch.uint8)
     return t.contiguous().reshape(-1).view(torch.uint8).view(t.size(0), t.size(1) * t.element_size())
 
 
