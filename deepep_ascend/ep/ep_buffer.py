@@ -67,6 +67,8 @@ def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` of any strides as contiguous byte rows ``[n, m * itemsize]`` (a view when contiguous)."""
+    if t.size(1) and t.stride(1) == 1 and t.stride(0) == t.size(1):  # the usual case: one dtype view
+        return t.view(torch.uint8)
     return t.contiguous().reshape(-1).view(torch.uint8).view(t.size(0), t.size(1) * t.element_size())
 
 
@@ -660,14 +662,14 @@ class EPBuffer(BufferBase):
             meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
 
         handle._per_source = per_source
-        aligned = (counts + alignment - 1) // alignment * alignment
+        aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
         handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
         if handle.do_expand:
             starts = torch.cumsum(aligned, 0) - aligned
             handle.psum_num_recv_tokens_per_expert.copy_(starts + counts)
             self._expanded_slots(handle, valid_topk, counts, starts)
-        else:
-            handle.psum_num_recv_tokens_per_expert.copy_(torch.cumsum(aligned, 0))
+        else:  # int32 counts of int32 rows: the cast cannot overflow
+            torch.cumsum(aligned, 0, dtype=torch.int32, out=handle.psum_num_recv_tokens_per_expert)
 
         def combine_order() -> torch.Tensor:
             topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch

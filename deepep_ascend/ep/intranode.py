@@ -111,6 +111,7 @@ from .reduce import CombineScratch, accumulate_rows
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
 _ALIGN = 128
+_VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
 
 
 def _align(x: int) -> int:
@@ -223,6 +224,7 @@ class IntranodeEngine:
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
+        self._views = {}  # window slices by (rank, offset, length, dtype, as numpy): see _view
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
@@ -244,11 +246,31 @@ class IntranodeEngine:
     def _half(self, p):
         return (self.staged[p] % 2) * self.half_bytes
 
-    def _view(self, p, off, nbytes, dtype=torch.uint8):
-        # One slice of the window's cached typed view: the engine's offsets stay inside its halves by
-        # construction (_Regions), and peers are node peers, so the transport's per-call checks are spared.
+    def _view(self, p, off, nbytes, dtype=torch.uint8, as_numpy: bool = False):
+        # A slice of the window's typed view (as numpy with ``as_numpy``), kept per (rank, offset, length,
+        # dtype): calls of one shape take the same few slices every time, and a dict lookup costs a tenth
+        # of a torch slice. The engine's offsets stay inside its halves by construction (_Regions), and
+        # peers are node peers, so the transport's per-call checks are spared.
         lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
-        return self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
+        key = (p, lo, nbytes, dtype, as_numpy)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _VIEW_CACHE_ENTRIES:  # shapes that keep changing: start over
+                self._views.clear()
+            v = self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
+            self._views[key] = v = v.numpy() if as_numpy else v
+        return v
+
+    def _rows(self, p, off, rows: int, cols: int, dtype=torch.uint8):
+        """``[rows, cols]`` of ``dtype`` at ``off`` of ``p``'s current half: :meth:`_view`, kept likewise."""
+        lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
+        key = (p, lo, rows, cols, dtype)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _VIEW_CACHE_ENTRIES:
+                self._views.clear()
+            v = self._views[key] = self.win.typed(p, dtype)[lo:lo + rows * cols].view(rows, cols)
+        return v
 
     def _begin_stage(self, phase):
         """Wait until every peer consumed the chunk this rank's next half held before."""
@@ -282,7 +304,7 @@ class IntranodeEngine:
             self.staged[s] += 1
 
     def _write_header(self, words: dict, message: str = ""):
-        hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64).numpy()
+        hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64, as_numpy=True)
         hdr[:MSG_WORD] = 0
         hdr[W_MAGIC] = MAGIC
         hdr[list(words)] = list(words.values())
@@ -292,7 +314,7 @@ class IntranodeEngine:
     def _read_headers(self):
         if _PH.on:
             _PH.switch("control")
-        return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64).numpy().copy() for p in range(self.num_ranks)])
+        return np.stack([self._view(p, 0, HEADER_BYTES, torch.int64, as_numpy=True) for p in range(self.num_ranks)])
 
     def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
         """Stage chunk 0 (header, vector, rows), exchange READY, check the consensus.
@@ -398,10 +420,11 @@ class IntranodeEngine:
         n, xb = x.shape
         if _PH.on:
             _PH.switch("copy")
-        # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens ascending)
-        pairs = torch.nonzero(is_token_in_rank.t())
-        routed = torch.bincount(pairs[:, 0], minlength=nr).tolist()
-        tokens = pairs[:, 1]
+        # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens
+        # ascending), in numpy: a small bool array, where it costs a few torch calls less
+        receivers, token_ids = np.nonzero(is_token_in_rank.numpy().T)
+        routed = np.bincount(receivers, minlength=nr).tolist()
+        tokens = torch.from_numpy(token_ids)
         first = [0] * (nr + 1)
         for j in range(nr):
             first[j + 1] = first[j] + routed[j]
@@ -591,20 +614,20 @@ class IntranodeEngine:
         me, offs = self.rank, regions.field_offs
         xb = sent.x.size(1)
         if with_x:
-            self._view(me, offs[0], rows * xb).view(rows, xb).copy_(sent.x[lo:hi])
+            self._rows(me, offs[0], rows, xb).copy_(sent.x[lo:hi])
         if only_x:
             return
         sb = sent.scales.size(1) if sent.scales is not None else 0
         num_topk = sent.topk_idx.size(1) if sent.topk_idx is not None else 0
         if sb:
-            self._view(me, offs[1], rows * sb).view(rows, sb).copy_(sent.scales[lo:hi])
+            self._rows(me, offs[1], rows, sb).copy_(sent.scales[lo:hi])
         if num_topk:
-            self._view(me, offs[2], rows * num_topk * 8, torch.int64).view(rows, num_topk).copy_(sent.topk_idx[lo:hi])
-            self._view(me, offs[3], rows * num_topk * 4, torch.float32).view(rows, num_topk).copy_(
+            self._rows(me, offs[2], rows, num_topk, torch.int64).copy_(sent.topk_idx[lo:hi])
+            self._rows(me, offs[3], rows, num_topk, torch.float32).copy_(
                 sent.topk_weights[lo:hi])
         if sent.is_token_in_rank is not None:
             nr = self.num_ranks
-            self._view(me, offs[4], rows * nr, torch.bool).view(rows, nr).copy_(sent.is_token_in_rank[lo:hi])
+            self._rows(me, offs[4], rows, nr, torch.bool).copy_(sent.is_token_in_rank[lo:hi])
 
     def _read_count_vectors(self, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
         """After chunk 0: ``counts [R, R]`` int32 (``[s, j]``: tokens ``s`` sends to ``j``) and this rank's
@@ -612,7 +635,8 @@ class IntranodeEngine:
         (numpy: a few small arrays, cheaper there than as torch ops)."""
         me, nr = self.rank, self.num_ranks
         local = num_experts // nr
-        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32).numpy() for p in range(nr)])
+        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32, as_numpy=True)
+                         for p in range(nr)])
         return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64)
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
@@ -644,22 +668,23 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("copy")
         me, nr, offs = self.rank, self.num_ranks, regions.field_offs
-        mask = self._view(s, offs[4], rows * nr, torch.bool).view(rows, nr)[:, me]
-        idx = torch.nonzero(mask).squeeze(1)
-        got = idx.numel()
+        # the staged routing mask is small: its column searched in numpy, a few torch calls spared
+        idx_np = np.flatnonzero(self._view(s, offs[4], rows * nr, torch.bool, as_numpy=True)[me::nr])
+        got = idx_np.size
+        idx = torch.from_numpy(idx_np)
         if not got:
             return at
         xb = out.x.size(1)
         sb = out.scales.size(1) if out.scales is not None else 0
         num_topk = out.topk_idx.size(1) if out.topk_idx is not None else 0
         if not direct:
-            torch.index_select(self._view(s, offs[0], rows * xb).view(rows, xb), 0, idx, out=out.x[at:at + got])
+            torch.index_select(self._rows(s, offs[0], rows, xb), 0, idx, out=out.x[at:at + got])
         if sb:
-            torch.index_select(self._view(s, offs[1], rows * sb).view(rows, sb), 0, idx, out=out.scales[at:at + got])
+            torch.index_select(self._rows(s, offs[1], rows, sb), 0, idx, out=out.scales[at:at + got])
         if num_topk:
-            torch.index_select(self._view(s, offs[2], rows * num_topk * 8, torch.int64).view(rows, num_topk), 0, idx,
+            torch.index_select(self._rows(s, offs[2], rows, num_topk, torch.int64), 0, idx,
                                out=out.topk_idx[at:at + got])
-            torch.index_select(self._view(s, offs[3], rows * num_topk * 4, torch.float32).view(rows, num_topk), 0, idx,
+            torch.index_select(self._rows(s, offs[3], rows, num_topk, torch.float32), 0, idx,
                                out=out.topk_weights[at:at + got])
         torch.add(idx, first_token, out=out.src_idx[at:at + got])
         self._record(s, got * (xb + sb + 12 * num_topk))  # counted by the receiver, however the rows came
@@ -739,10 +764,10 @@ class IntranodeEngine:
         xb = recv_x.size(1)
         sb = recv_scales.size(1) if recv_scales is not None else 0
         if not direct:
-            torch.index_select(self._view(s, regions.field_offs[0], staged * xb).view(staged, xb), 0, idx,
+            torch.index_select(self._rows(s, regions.field_offs[0], staged, xb), 0, idx,
                                out=recv_x[begin:end])
         if sb:
-            torch.index_select(self._view(s, regions.field_offs[1], staged * sb).view(staged, sb), 0, idx,
+            torch.index_select(self._rows(s, regions.field_offs[1], staged, sb), 0, idx,
                                out=recv_scales[begin:end])
         self._record(s, (hi - lo) * (xb + sb))
 
@@ -752,7 +777,7 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("control")
         nr = self.num_ranks
-        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32).numpy() for p in range(nr)])
+        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True) for p in range(nr)])
         expected = _rows_from_prefix(prefix, nr)
         if not np.array_equal(sent, expected):
             self._consume(range(nr))
@@ -856,15 +881,15 @@ class IntranodeEngine:
                 spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
         sizes = [end - begin for begin, end in spans]
-        self._view(me, HEADER_BYTES, 4 * nr, torch.int32).numpy()[:] = sizes
+        self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         total = sum(sizes) - sizes[me]
         weights = returned.topk_weights
         wcols = weights.size(1) if weights is not None else -1
         if not total or (returned.in_place and wcols <= 0):
             return
         xb = returned.x.size(1) * 2
-        xdst = self._view(me, regions.field_offs[0], total * xb).view(total, xb) if not returned.in_place else None
-        wdst = (self._view(me, regions.field_offs[1], total * wcols * 4, torch.float32).view(total, wcols)
+        xdst = self._rows(me, regions.field_offs[0], total, xb) if not returned.in_place else None
+        wdst = (self._rows(me, regions.field_offs[1], total, wcols, torch.float32)
                 if wcols > 0 else None)
         pieces = [span for s, span in enumerate(spans) if s != me]
         if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
@@ -898,14 +923,14 @@ class IntranodeEngine:
         m = max(0, hi_t - lo_t)
         # every rank's tokens of the round from one nonzero over the transposed mask (rank-major, ascending)
         if m:
-            pairs = torch.nonzero(handle.is_token_in_rank[lo_t:hi_t].t())
-            routed = torch.bincount(pairs[:, 0], minlength=nr).tolist()
-            routed_tokens = pairs[:, 1].contiguous()
+            ranks_of, token_ids = np.nonzero(handle.is_token_in_rank.numpy()[lo_t:hi_t].T)  # numpy, as above
+            routed = np.bincount(ranks_of, minlength=nr).tolist()
+            routed_tokens = torch.from_numpy(token_ids)
         else:
             routed, routed_tokens = [0] * nr, None
         sources, first = [], 0
         for j in range(nr):
-            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32).numpy().tolist()
+            sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True).tolist()
             cnt = sizes[me]
             if routed[j] != cnt:
                 raise RuntimeError(
@@ -922,15 +947,15 @@ class IntranodeEngine:
                 wrows = weights[begin:end] if with_weights and wcols > 0 else None
             else:
                 off = sum(sizes[:me]) - (sizes[j] if j < me else 0)  # in j's staged rows
-                wrows = (self._view(j, regions.field_offs[1] + off * wcols * 4, cnt * wcols * 4, torch.float32)
-                         .view(cnt, wcols) if with_weights and wcols > 0 else None)
+                wrows = (self._rows(j, regions.field_offs[1] + off * wcols * 4, cnt, wcols, torch.float32)
+                         if with_weights and wcols > 0 else None)
                 if not staged_x:  # j's x in its landing segment (the view checks the range)
                     row0 = rows_before(prefix, me, j) + read[j]
                     read[j] += cnt
                     rows = self.segment.view(j, int(headers[j, W_XSEG_OFF]) + row0 * xb, cnt * xb)
+                    rows = rows.view(torch.bfloat16).view(cnt, xb // 2)
                 else:
-                    rows = self._view(j, regions.field_offs[0] + off * xb, cnt * xb)
-                rows = rows.view(cnt, xb).view(torch.bfloat16)
+                    rows = self._rows(j, regions.field_offs[0] + off * xb, cnt, xb // 2, torch.bfloat16)
             sources.append(_Source(rows, wrows, tokens, staged_x and returned.clean, j))
             self._record(j, cnt * (xb + 4 * max(wcols, 0)))
         return sources
