@@ -15,8 +15,12 @@ tensor's bytes (the gathered tensor for all-gather, the source for reduce-scatte
 Peers, same tensors, same run: MPI ``Allgather`` / ``Reduce_scatter_block`` / ``Allreduce`` (``mpi``) and
 gloo ``all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce`` (``gloo``; an op gloo does not
 implement is reported as skipped). The data are small integers, so every system's result is exact: each
-``BucketBuffer`` result is checked bit for bit against MPI's (exit code 1 if any differs).
-``--json FILE``: the results, the peers as baselines, the summary ``speedup_over_faster_peer_<op>``.
+system's result of each op, the peers' too, is checked bit for bit on every rank against a reference built
+from every rank's source regenerated from the seed. A mismatch makes the exit code 1, and the system is left
+out of every ratio and of the summary (``EXCLUDED`` in the output, ``summary.excluded`` and
+``"verified": false`` in the JSON; ``checks.mismatched_ops``: ranks differing per ``<system>/<op>``).
+``--json FILE``: the results, the peers as baselines, the summary ``speedup_over_faster_peer_<op>`` (over
+the verified peers).
 """
 from __future__ import annotations
 
@@ -45,9 +49,28 @@ def check_args(p, a) -> None:
     a.systems = cli.system_list(p, a.systems, SYSTEMS)
 
 
+def _data(seed: int, rank: int, numel: int) -> torch.Tensor:
+    """Rank ``rank``'s FP32 source: small integers, so every sum is exact in any order and in BF16."""
+    g = torch.Generator().manual_seed(seed * 65536 + rank)
+    return torch.randint(-3, 4, (numel,), generator=g).float()
+
+
+def _references(seed: int, rank: int, R: int, numel: int) -> dict:
+    """Each op's expected result on ``rank``, from every rank's source regenerated from the seed (no
+    communication): the gathered tensor, this rank's shard of the sum, the whole sum."""
+    shard = numel // R
+    total, gathered = torch.zeros(numel), torch.empty(numel)
+    for q in range(R):
+        d = _data(seed, q, numel)
+        total += d
+        gathered[q * shard:(q + 1) * shard] = d[q * shard:(q + 1) * shard]
+    return {"all_gather": gathered, "reduce_scatter": total[rank * shard:(rank + 1) * shard].clone(),
+            "all_reduce": total}
+
+
 def run(args) -> int:
-    """Time every op on every system (collective); rank 0 prints and writes the results. Returns 1 if a
-    ``BucketBuffer`` result differs from MPI's, else 0."""
+    """Time every op on every system (collective); rank 0 prints and writes the results. Returns 1 if any
+    system's result differs from the reference, else 0."""
     torch.set_num_threads(1)
     from mpi4py import MPI
 
@@ -59,8 +82,7 @@ def run(args) -> int:
     numel = max(8 * R, args.num_bytes // 4 // (8 * R) * (8 * R))
     shard = numel // R
     nbytes = numel * 4
-    g = torch.Generator().manual_seed(args.seed * 65536 + r)
-    data = torch.randint(-3, 4, (numel,), generator=g).float()  # small integers: exact in every order
+    data = _data(args.seed, r, numel)
     nodes = Topology.from_comm(comm, args.ranks_per_node).num_nodes
 
     plan = BufferAllocator()
@@ -80,7 +102,10 @@ def run(args) -> int:
         "reduce_scatter_bf16": lambda: buf.reduce_scatter(tensors["reduce_scatter_bf16"], comm_precision="bf16").wait(),
         "all_reduce": lambda: buf.all_reduce(tensors["all_reduce"]).wait(),
     }
-    mpi_out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(shard), "all_reduce": torch.empty(numel)}
+    def nans(n):  # a peer's output before its first call: a call that writes nothing cannot pass the check
+        return torch.full((n,), float("nan"))
+
+    mpi_out = {"all_gather": nans(numel), "reduce_scatter": nans(shard), "all_reduce": nans(numel)}
     src = data.numpy()
     mpi_calls = {
         "all_gather": lambda: comm.Allgather(src[r * shard:(r + 1) * shard], mpi_out["all_gather"].numpy()),
@@ -115,11 +140,11 @@ def run(args) -> int:
         from bench.baselines import start_gloo
 
         group = start_gloo(comm)
-        gloo_out = {"all_gather": torch.empty(numel), "reduce_scatter": torch.empty(shard)}
+        gloo_out = {"all_gather": nans(numel), "reduce_scatter": nans(shard), "all_reduce": nans(numel)}
         gloo_calls = {
             "all_gather": lambda: dist.all_gather_single(gloo_out["all_gather"], data[r * shard:(r + 1) * shard]),
             "reduce_scatter": lambda: dist.reduce_scatter_single(gloo_out["reduce_scatter"], data),
-            "all_reduce": lambda: dist.all_reduce(data.clone()),
+            "all_reduce": lambda: dist.all_reduce(gloo_out["all_reduce"].copy_(data)),  # in place: refill
         }
         for op, fn in gloo_calls.items():
             try:
@@ -134,34 +159,41 @@ def run(args) -> int:
             results.append(schema.result(f"gloo/{op}", None, timing=time_collective(fn, comm, args.iters, args.warmup),
                                          nbytes=nbytes, formula=formula[op]))
 
-    if "bucket" in args.systems:  # one checked call per op against MPI's result on the same data
-        for op in OPS:
-            got = bucket_call(op)()
-            base = op.removesuffix("_bf16")
-            full = torch.empty(numel)
-            if base == "all_gather":
-                comm.Allgather(src[r * shard:(r + 1) * shard], full.numpy())
-                ref = full
-            elif base == "reduce_scatter":
-                ref = torch.empty(shard)
-                comm.Reduce_scatter_block(src, ref.numpy(), op=MPI.SUM)
-            else:
-                comm.Allreduce(src, full.numpy(), op=MPI.SUM)
-                ref = full
-            mismatches[op] = int(comm.allreduce(int(not torch.equal(got, ref))))
+    # every system's last result per op against the reference, on every rank; a system that differs anywhere
+    # is left out of every ratio (docs/benchmarks.md, "Correctness first")
+    ref = _references(args.seed, r, R, numel)
+    outs = {}
+    if "bucket" in args.systems:  # one more call per op: the timed ones' sources were refilled after
+        outs.update({f"bucket/{op}": bucket_call(op)() for op in OPS})
+    if "mpi" in args.systems:
+        outs.update({f"mpi/{op}": t for op, t in mpi_out.items()})
+    if "gloo" in args.systems:
+        outs.update({f"gloo/{op}": t for op, t in gloo_out.items() if f"gloo/{op}" not in skipped})
+    bad = [name for name, got in outs.items()
+           if not torch.equal(got, ref[name.partition("/")[2].removesuffix("_bf16")])]
+    every = comm.allgather(bad)
+    for name in outs:
+        mismatches[name] = sum(name in b for b in every)
+    wrong: dict = {}
+    for name, n in mismatches.items():
+        if n:
+            system, _, op = name.partition("/")
+            wrong.setdefault(system, []).append(f"{op} on {n} rank(s)")
+    failed = {s: "differs from the reference: " + ", ".join(v) for s, v in wrong.items()}
     summary = {}
     by = {x["name"]: x for x in results}
     peers = [p for p in ("mpi", "gloo") if p in args.systems]
+    trusted = list(schema.trusted(dict.fromkeys(peers), failed))  # a peer that failed takes part in no ratio
     for op in OPS:
         base = op.removesuffix("_bf16")
         name = f"bucket/{op}"
-        if name in by:
-            others = [f"{p}/{base}" for p in peers if f"{p}/{base}" in by]
+        if name in by and "bucket" not in failed:
+            others = [f"{p}/{base}" for p in trusted if f"{p}/{base}" in by]
             schema.add_ratios(results, name, others)
             if others:
                 summary[f"speedup_over_faster_peer_{op}"] = min(by[o]["seconds"] for o in others) / by[name]["seconds"]
     ok = not any(mismatches.values())
-    got = None
+    outs.clear()
     tensors.clear()
     del plan
     buf.destroy()
@@ -173,12 +205,13 @@ def run(args) -> int:
     if r == 0:
         print(f"[bucket] {R} ranks ({nodes} node{'s' if nodes > 1 else ''}), FP32 tensors of {nbytes} B "
               f"(shards of {shard * 4} B); per call, max over ranks, median of {args.iters}", flush=True)
-        schema.print_results(results, skipped, summary, ok, mismatches, width=28)
+        schema.print_results(results, skipped, summary, ok, {k: v for k, v in mismatches.items() if v}, width=28,
+                             failed=failed)
         if args.json:
             schema.write(args.json, schema.document(
                 "bucket", argv=args._argv, params=cli.params_of(args, R), results=results,
                 baselines=[x["name"] for x in results if x["system"] in peers],
-                checks=dict(ok=ok, mismatched_ops=mismatches), summary=summary,
+                checks=dict(ok=ok, mismatched_ops=mismatches), summary=summary, failed=failed,
                 details=dict(nodes=nodes, tensor_bytes=nbytes, shard_bytes=shard * 4, skipped=skipped,
                              timed="per call, max over ranks; BucketBuffer sources refilled outside the timing")))
     return 0 if ok else 1

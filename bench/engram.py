@@ -29,8 +29,10 @@ Bytes (DeepEP's test): ``num_layers * num_tokens * num_entries_per_token * hidde
 entries' data; scales not counted), GB/s = that / the median time (1 GB = 1e9 B); also millions of entries
 per second (DeepEP's MPPS). ``moved``: what the Engram fetch read per channel kind on the busiest rank.
 
-Checks (a mismatch prints ``MISMATCH`` and makes the exit code 1): every layer's fetched data (and scales)
-equal the MPI and the gloo pipelines' bit for bit, on every rank.
+Checks (a mismatch prints ``MISMATCH`` and makes the exit code 1): every system's fetched data (and scales),
+the peers' too, equal bit for bit on every rank a reference gathered from the owners' tables regenerated from
+the seed. A system that differs is left out of every ratio and of the summary (``EXCLUDED`` in the output,
+``summary.excluded`` and ``"verified": false`` in the JSON).
 """
 from __future__ import annotations
 
@@ -149,9 +151,33 @@ def _gloo_pipeline(group, *rest):
 
 
 def _same(a, b) -> bool:
-    """Same rows, byte for byte (the pipelines hold raw byte rows)."""
-    a, b = a.reshape(a.size(0), -1).view(torch.uint8), b.reshape(b.size(0), -1).view(torch.uint8)
+    """The same bytes in the same order (rows may be shaped differently: the pipelines hold raw byte rows)."""
+    a, b = a.contiguous().view(torch.uint8).reshape(-1), b.contiguous().view(torch.uint8).reshape(-1)
     return a.shape == b.shape and torch.equal(a, b)
+
+
+def _reference(args, indices: torch.Tensor, R: int) -> list:
+    """Every layer's expected fetch on this rank, ``[(data, scales)]``: ``data`` ``[T * E, row]`` (raw bytes
+    of the entries in token order), ``scales`` ``[T * E, hidden / 128]`` float32 (``None`` in BF16). Built
+    from each owner's table regenerated from the seed (:func:`run`'s order), no communication."""
+    from deepep_ascend.gemm import per_token_cast_to_fp8
+
+    row, rows = args.hidden * (1 if args.use_fp8 else 2), indices[0].numel()
+    out = [(torch.empty(rows, row, dtype=torch.uint8), torch.empty(rows, args.hidden // 128) if args.use_fp8 else None)
+           for _ in args.num_entries_per_layer]
+    for q in range(R):
+        g = torch.Generator().manual_seed(args.seed * 65536 + q)
+        for layer, n in enumerate(args.num_entries_per_layer):
+            x = torch.randn(n, args.hidden, generator=g).to(torch.bfloat16)
+            data, sf = per_token_cast_to_fp8(x, use_ue8m0=False) if args.use_fp8 else (x, None)
+            idx = indices[layer].reshape(-1).long()
+            mine = torch.nonzero(torch.div(idx, n, rounding_mode="floor") == q).squeeze(1)
+            local = idx[mine] - q * n
+            ref_data, ref_sf = out[layer]
+            ref_data[mine] = data.contiguous().view(torch.uint8)[local]
+            if ref_sf is not None:
+                ref_sf[mine] = sf[local].float()
+    return out
 
 
 def run(args) -> int:
@@ -225,36 +251,48 @@ def run(args) -> int:
     for pipe in pipes:
         timings[pipe.name] = time_phases([("fetch", lambda p=pipe: p(indices, entries))], comm, args.iters,
                                          args.warmup)["fetch"]
-    ok = True
+    # every system's last fetch against the reference on every rank; a system that differs anywhere is left
+    # out of every ratio (docs/benchmarks.md, "Correctness first")
+    ref = _reference(args, indices, R)
+    outs = {"engram": engram_out, **{pipe.name: pipe.out for pipe in pipes}}
+    bad = [name for name, out in outs.items()
+           if not all(_same(d, rd) and (rs is None or _same(sf, rs)) for (d, sf), (rd, rs) in zip(out, ref))]
     for pipe in pipes:
-        for layer in range(L):
-            d, s = engram_out[layer]
-            pd, ps = pipe.out[layer]
-            ok &= _same(d, pd) and (s is None or torch.equal(s, ps))
         pipe.close()
-    ok = bool(comm.allreduce(int(ok), op=MPI.MIN))
+    every = comm.allgather(bad)
+    failed = {name: "fetched data" + (" or scales" if args.use_fp8 else "") + " differ from the reference on rank(s) "
+              + str([q for q, b in enumerate(every) if name in b]) for name in SYSTEMS if any(name in b for b in every)}
+    ok = not failed
     moved_max = {k: int(comm.allreduce(v, op=MPI.MAX)) for k, v in moved.items()}
+    peers = list(schema.trusted(dict.fromkeys(SYSTEMS[1:]), failed))  # a peer that failed takes part in no ratio
+    faster = min(timings[n].median for n in peers) if peers and "engram" not in failed else None
 
     code = 0 if ok else 1
     if root:
         for name in SYSTEMS:
             t: Timing = timings[name]
             print(f"[{name:16s}] fetch + wait {t.fmt('ms')} | {nbytes / t.median / 1e9:6.2f} GB/s | "
-                  f"{L * T * E / t.median / 1e6:6.2f} M entries/s ({row_bytes} B each)", flush=True)
+                  f"{L * T * E / t.median / 1e6:6.2f} M entries/s ({row_bytes} B each)"
+                  + (" (EXCLUDED)" if name in failed else ""), flush=True)
         print("[moved]    engram, busiest rank per fetch: " + ", ".join(f"{k} {v} B" for k, v in moved_max.items()))
-        faster = min(timings[n].median for n in SYSTEMS[1:])
-        print(f"[check]    engram vs mpi_alltoallv and gloo_all_to_all: {'ok' if ok else 'MISMATCH'}")
-        print(f"[summary]  engram over the faster peer: {timings['engram'].median / faster:.2f}x the time "
-              f"({faster / timings['engram'].median:.2f}x the speed)", flush=True)
+        for name in SYSTEMS:
+            print(f"[check]    {name} vs reference (the tables regenerated from the seed): "
+                  f"{'MISMATCH' if name in failed else 'ok'}")
+        if faster is not None:
+            print(f"[summary]  engram over the faster verified peer: {timings['engram'].median / faster:.2f}x the "
+                  f"time ({faster / timings['engram'].median:.2f}x the speed)", flush=True)
+        for line in schema.excluded_lines(failed):
+            print(line, flush=True)
         if args.json:
             formula = "num_layers * num_tokens * num_entries_per_token * hidden * itemsize (DeepEP's test)"
             results = [schema.result(f"{n}/fetch", None, timing=timings[n], nbytes=nbytes, formula=formula,
                                      **({"by_kind": moved_max} if n == "engram" else {})) for n in SYSTEMS]
-            schema.add_ratios(results, "engram/fetch", [f"{n}/fetch" for n in SYSTEMS[1:]])
+            if "engram" not in failed:
+                schema.add_ratios(results, "engram/fetch", [f"{n}/fetch" for n in peers])
             schema.write(args.json, schema.document(
                 "engram", argv=args._argv, params=cli.params_of(args, R), results=results,
-                baselines=[f"{n}/fetch" for n in SYSTEMS[1:]], checks=dict(ok=ok),
-                summary=dict(speedup_over_faster_peer=faster / timings["engram"].median),
+                baselines=[f"{n}/fetch" for n in SYSTEMS[1:]], checks=dict(ok=ok), failed=failed,
+                summary={} if faster is None else dict(speedup_over_faster_peer=faster / timings["engram"].median),
                 details=dict(nodes=R // rpn, num_gpu_bytes=gpu, num_rdma_storage_bytes=storage, qps=qps,
                              qp_depth=depth, moved_per_fetch=moved_max)))
     return code

@@ -242,9 +242,7 @@ def run(args) -> int:
         print(f"[lb] {R} ranks, {L} experts per rank, {S} replica slots per rank, expert row {cols} elements "
               f"(3 x {args.hidden} x {args.inter}): weights {cols * 2} B BF16, gradients {cols * 4} B float32; "
               f"per call, max over ranks, median of {args.iters}", flush=True)
-        schema.print_results(results, skipped, summary, ok, {k: 1 for k in failed}, width=20)
-        for line in schema.excluded_lines(failed):
-            print(line)
+        schema.print_results(results, skipped, summary, ok, {k: 1 for k in failed}, width=20, failed=failed)
         if args.json:
             schema.write(args.json, schema.document(
                 "lb", argv=args._argv, params=cli.params_of(args, R), results=results,

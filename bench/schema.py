@@ -257,14 +257,20 @@ def results_by_name(doc: dict) -> dict:
     return {r["name"]: r for r in doc["results"]}
 
 
-def print_results(results: list, skipped: dict, summary: dict, ok: bool, mismatches, width: int = 22) -> None:
+def print_results(results: list, skipped: dict, summary: dict, ok: bool, mismatches, width: int = 22,
+                  failed: dict | None = None) -> None:
     """Print a collective command's result lines (rank 0): each result's median time, GB/s and formula, the
-    systems not run and why, the summary's ratios, and the checks."""
+    systems not run and why, the summary's ratios, and the checks. ``failed`` (``{system: why}``): their
+    results are marked ``(EXCLUDED)`` and :func:`excluded_lines` close the output."""
+    failed = failed or {}
     for x in results:
-        print(f"  {x['name']:<{width}} {x['seconds'] * 1e6:10.1f} us  {x['gbps']:8.2f} GB/s  ({x['formula']})",
+        mark = "  (EXCLUDED)" if x["system"] in failed else ""
+        print(f"  {x['name']:<{width}} {x['seconds'] * 1e6:10.1f} us  {x['gbps']:8.2f} GB/s  ({x['formula']}){mark}",
               flush=True)
     for name, why in skipped.items():
         print(f"  {name}: not run ({why})", flush=True)
     for key, v in summary.items():
         print(f"  {key}: {v:.2f}", flush=True)
     print(f"  checks: {'ok' if ok else f'MISMATCHES {mismatches}'}", flush=True)
+    for line in excluded_lines(failed, "  "):
+        print(line, flush=True)
