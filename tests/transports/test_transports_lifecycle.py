@@ -354,13 +354,16 @@ def test_late_destroy_does_not_hang():
 def test_exit_hook_destroys_forgotten_transports_in_the_same_order_everywhere(monkeypatch):
     """The atexit hook frees forgotten transports newest first by creation serial, identical on
     every rank (a WeakSet's own order differs between processes, and mismatched collective frees
-    of two transports hung jobs at exit)."""
+    of two transports hung jobs at exit); a transport whose owner set ``exit_departed`` gets the
+    tolerant teardown with the ranks it returns, the others the plain one."""
     from deepep_ascend.transports import ubmem
 
     a, b = make_transport(), make_transport()
-    order = []
+    b.exit_departed = lambda: [0]
+    order, given = [], []
     for tp in (a, b):
-        monkeypatch.setattr(tp, "destroy", lambda force=False, timeout_s=None, tp=tp: order.append(tp._serial))
+        monkeypatch.setattr(tp, "destroy", lambda force=False, timeout_s=None, departed=None, tp=tp:
+                            (order.append(tp._serial), given.append(departed)))
     live = [tp for tp in ubmem._LIVE if tp not in (a, b)]
     for tp in live:  # other tests' transports are not this test's to free
         ubmem._LIVE.discard(tp)
@@ -374,3 +377,4 @@ def test_exit_hook_destroys_forgotten_transports_in_the_same_order_everywhere(mo
     destroy_quietly(b)
     destroy_quietly(a)
     assert order == [b._serial, a._serial] and all(o == everyone[0] for o in everyone), everyone
+    assert given == [[0], None], given
