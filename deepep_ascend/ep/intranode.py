@@ -197,6 +197,15 @@ class _Regions:
         return HEADER_BYTES + _align(4 * vec_ints) + sum(_align(rows * b) for b in row_fields)
 
 
+def _tokens_by_rank(mask: np.ndarray, nr: int) -> tuple[list[int], torch.Tensor]:
+    """``mask`` ``[n, nr]`` bool (``is_token_in_rank``) as ``(counts, tokens)``: ``counts[j]`` tokens routed to
+    rank ``j``, and ``tokens`` (int64, contiguous) every rank's token indices, rank-major, ascending within
+    a rank. One numpy nonzero over the transposed mask: a small array, where torch costs several calls."""
+    ranks_of, token_ids = np.nonzero(mask.T)
+    # nonzero's index arrays are strided views of one [k, 2] array: copy to the layout index ops want
+    return np.bincount(ranks_of, minlength=nr).tolist(), torch.from_numpy(np.ascontiguousarray(token_ids))
+
+
 class IntranodeEngine:
     """Runs normal-mode calls for one Buffer over its transport ``tp`` and UBMEM window ``win``.
 
@@ -422,9 +431,7 @@ class IntranodeEngine:
             _PH.switch("copy")
         # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens
         # ascending), in numpy: a small bool array, where it costs a few torch calls less
-        receivers, token_ids = np.nonzero(is_token_in_rank.numpy().T)
-        routed = np.bincount(receivers, minlength=nr).tolist()
-        tokens = torch.from_numpy(token_ids)
+        routed, tokens = _tokens_by_rank(is_token_in_rank.numpy(), nr)
         first = [0] * (nr + 1)
         for j in range(nr):
             first[j + 1] = first[j] + routed[j]
@@ -923,9 +930,7 @@ class IntranodeEngine:
         m = max(0, hi_t - lo_t)
         # every rank's tokens of the round from one nonzero over the transposed mask (rank-major, ascending)
         if m:
-            ranks_of, token_ids = np.nonzero(handle.is_token_in_rank.numpy()[lo_t:hi_t].T)  # numpy, as above
-            routed = np.bincount(ranks_of, minlength=nr).tolist()
-            routed_tokens = torch.from_numpy(token_ids)
+            routed, routed_tokens = _tokens_by_rank(handle.is_token_in_rank.numpy()[lo_t:hi_t], nr)
         else:
             routed, routed_tokens = [0] * nr, None
         sources, first = [], 0
