@@ -257,6 +257,8 @@ def test_hf_across_simulated_nodes(comm, buffers):
     experts equal the one-process model's."""
     if comm.Get_size() % 2:
         pytest.skip("two equal simulated nodes need an even rank count")
+    if comm.Get_size() > 4:  # every rank's one-process reference runs the whole batch: R x the work per rank
+        pytest.skip("the 2x2 job covers the path; at 8 ranks this test alone takes 40 s on 2 cores")
     transformers = pytest.importorskip("transformers", minversion="5.18")
     from deepep_ascend.nn import hf
     from deepep_ascend.nn.hf import ExpertParallelExperts
