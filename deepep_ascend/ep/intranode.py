@@ -233,7 +233,7 @@ class IntranodeEngine:
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
-        self._views = {}  # window slices by (rank, offset, length, dtype, as numpy): see _view
+        self._views = memory.ViewCache(_VIEW_CACHE_ENTRIES)  # window slices: see _view, _rows
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
@@ -261,25 +261,18 @@ class IntranodeEngine:
         # of a torch slice. The engine's offsets stay inside its halves by construction (_Regions), and
         # peers are node peers, so the transport's per-call checks are spared.
         lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
-        key = (p, lo, nbytes, dtype, as_numpy)
-        v = self._views.get(key)
-        if v is None:
-            if len(self._views) >= _VIEW_CACHE_ENTRIES:  # shapes that keep changing: start over
-                self._views.clear()
-            v = self.win.typed(p, dtype)[lo:lo + nbytes // dtype.itemsize]
-            self._views[key] = v = v.numpy() if as_numpy else v
-        return v
+        n = nbytes // dtype.itemsize
+
+        def make():
+            v = self.win.typed(p, dtype)[lo:lo + n]
+            return v.numpy() if as_numpy else v
+        return self._views.get((p, lo, n, dtype, as_numpy), make)
 
     def _rows(self, p, off, rows: int, cols: int, dtype=torch.uint8):
         """``[rows, cols]`` of ``dtype`` at ``off`` of ``p``'s current half: :meth:`_view`, kept likewise."""
         lo = ((self.staged[p] % 2) * self.half_bytes + off) // dtype.itemsize
-        key = (p, lo, rows, cols, dtype)
-        v = self._views.get(key)
-        if v is None:
-            if len(self._views) >= _VIEW_CACHE_ENTRIES:
-                self._views.clear()
-            v = self._views[key] = self.win.typed(p, dtype)[lo:lo + rows * cols].view(rows, cols)
-        return v
+        return self._views.get(("rows", p, lo, rows, cols, dtype),
+                               lambda: self.win.typed(p, dtype)[lo:lo + rows * cols].view(rows, cols))
 
     def _begin_stage(self, phase):
         """Wait until every peer consumed the chunk this rank's next half held before."""

@@ -338,7 +338,7 @@ class LowLatencyEngine:
         self._stamps = [torch.tensor([b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
                                       for p, b in enumerate(ctl_bases)], dtype=torch.int64) for h in (0, 1)]
         self._all_direct = all(self.direct)
-        self._views = {}
+        self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
         self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
         self._hdr_bytes = torch.from_numpy(self._hdr_words).view(torch.uint8)
@@ -381,12 +381,7 @@ class LowLatencyEngine:
     def _view(self, key: tuple, make) -> torch.Tensor | np.ndarray:
         """A window view (a tensor, or a numpy array on one) kept across calls under ``key`` (``make()`` builds it
         once); :meth:`release` drops them."""
-        v = self._views.get(key)
-        if v is None:
-            if len(self._views) > 64 + 2 * self.R:  # many call shapes: start over rather than grow
-                self._views.clear()
-            v = self._views[key] = make()
-        return v
+        return self._views.get(key, make)
 
     def _counts_view(self, base: int, L: int) -> torch.Tensor:
         """int32 ``[R, L]`` view of the count words of the half at ``base`` (source-major)."""

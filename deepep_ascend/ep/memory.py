@@ -80,6 +80,31 @@ def _block(nbytes: int) -> torch.Tensor:
     return _alias(empty((nbytes,), torch.uint8), torch.uint8, (nbytes,))
 
 
+class ViewCache:
+    """Window views an engine makes on every call, kept across calls by a key the caller picks (rank,
+    offset, length, dtype, ...): a dict lookup costs a tenth of slicing and viewing a window again, and
+    calls of one shape take the same few views every time. Holds at most ``limit`` views; past that it
+    starts over rather than grow (call shapes that keep changing). Not thread-safe: one engine's calls
+    run one at a time."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._views: dict = {}
+
+    def get(self, key, make):
+        """The view under ``key``; ``make()`` builds it on a miss."""
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= self.limit:
+                self._views.clear()
+            v = self._views[key] = make()
+        return v
+
+    def clear(self) -> None:
+        """Drop every view (the window is about to be freed)."""
+        self._views.clear()
+
+
 class OutputPool:
     """Large per-call outputs (``recv_x``, ``combined_x``) on storage the caller has dropped.
 
