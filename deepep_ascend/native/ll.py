@@ -233,8 +233,7 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
     num_local, num_ranks = layout_range.shape
     require_dense(op, "bases", bases, torch.int64, num_ranks)
     require_dense(op, "sent", sent, torch.int64, num_ranks)
-    if not (isinstance(src, torch.Tensor) and src.dim() == 3 and src.size(0) == num_local
-            and src.size(1) == num_ranks * m and (src.stride(2) == 1 or src.size(2) <= 1)):
+    if not _expert_rows_ok(src, num_local, num_ranks * m):
         raise ValueError(f"deepep_ascend.native.{op}: src must be [{num_local}, {num_ranks * m}, H] with unit last "
                          f"stride, got shape {tuple(getattr(src, 'shape', ()))}")
     e = src.element_size()
@@ -292,13 +291,12 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     me, own_src, own_begin = -1, None, None
     if own is not None:
         me, own_src, layout_range = own
-        if not (0 <= me < num_ranks and isinstance(own_src, torch.Tensor) and own_src.dtype == torch.bfloat16
-                and own_src.dim() == 3 and isinstance(layout_range, torch.Tensor)
-                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)
-                and _own_ok(num_local, out.shape[1], own_src.shape, own_src.stride())):
+        if not (0 <= me < num_ranks and _expert_rows_ok(own_src, num_local, num_ranks * m, out.shape[1])
+                and own_src.dtype == torch.bfloat16 and isinstance(layout_range, torch.Tensor)
+                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)):
             raise ValueError(f"deepep_ascend.native.{op}: own must be (me in [0, {num_ranks}), src [{num_local}, "
-                             f"R·M, {out.size(1)}] bfloat16 with unit last stride, layout_range [{num_local}, "
-                             f"{num_ranks}] int64)")
+                             f"{num_ranks * m}, {out.size(1)}] bfloat16 with unit last stride, layout_range "
+                             f"[{num_local}, {num_ranks}] int64)")
         # numpy: the column's shift in torch (index, shift, copy) costs several times the kernel's work at a few tokens
         own_begin = layout_range.numpy()[:, me] >> 32
     bad = (ctypes.c_int64 * 3)()
@@ -325,10 +323,15 @@ def _matrices_ok(n: int, out_shape, out_strides, rows_shape, rows_strides) -> bo
             and rows_shape[1] == out_shape[1] and rows_strides[1] == 1)
 
 
-def _own_ok(num_local: int, hidden: int, shape, strides) -> bool:
-    """:func:`ll_combine_recv`'s ``own`` source ``[L, R·M, H]``: ``num_local`` blocks of ``hidden`` columns, unit last
-    stride."""
-    return shape[0] == num_local and shape[2] == hidden and (strides[2] == 1 or shape[2] <= 1)
+def _expert_rows_ok(t, num_local: int, rm: int, hidden: int | None = None) -> bool:
+    """Whether ``t`` is the experts' rows of a combine, ``[L, R·M, H]`` with unit last stride (``H`` = ``hidden``
+    unless None): :func:`ll_combine_send`'s ``src`` and :func:`ll_combine_recv`'s ``own`` source, the same tensor.
+    Shapes and strides read once each (every call costs a few hundred ns)."""
+    if not (isinstance(t, torch.Tensor) and t.dim() == 3):
+        return False
+    shape, strides = t.shape, t.stride()
+    return (shape[0] == num_local and shape[1] == rm and (hidden is None or shape[2] == hidden)
+            and (strides[2] == 1 or shape[2] <= 1))
 
 
 def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int) -> bool | None:
