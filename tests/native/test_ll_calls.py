@@ -68,14 +68,21 @@ def _windows(R, nbytes, fill=0xA5):
     return wins, torch.tensor([w.data_ptr() for w in wins], dtype=torch.int64)
 
 
+def _random_route(seed, n, k, E, m):
+    """A random ``topk_idx`` ``[n, k]`` over ``E`` experts (-1 included) and its route: ``(generator, topk_idx,
+    counts, slots)`` (:func:`deepep_ascend.native.ll_route`, no expert above ``m`` rows)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-1, E, (n, k), generator=g)
+    status, _, counts, slots = native.ll_route(idx, E, m)
+    assert status == 0
+    return g, idx, counts, slots
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_dispatch_send_writes_each_routed_token_into_its_slot(masked):
     R, L, m, n, k, me = 2, 3, 8, 5, 3, 1
     E = R * L
-    g = torch.Generator().manual_seed(3)
-    idx = torch.randint(-1, E, (n, k), generator=g)
-    status, _, counts, slots = native.ll_route(idx, E, m)
-    assert status == 0
+    g, idx, counts, slots = _random_route(3, n, k, E, m)
     index_off, counts_off = 64, 8
     wins, bases = _windows(R, index_off + L * R * m * 4)
     mask = torch.tensor([1, 0], dtype=torch.int32) if masked else None
@@ -256,10 +263,7 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
 def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
     R, L, m, H, n, k = 2, 4, 6, 40, 6, 4
     E = R * L
-    g = torch.Generator().manual_seed(11)
-    idx = torch.randint(-1, E, (n, k), generator=g)
-    status, _, counts, slots = native.ll_route(idx, E, m)
-    assert status == 0
+    g, idx, counts, slots = _random_route(11, n, k, E, m)
     rows = _rows(g, E * m, H)
     w = torch.randn(n, k, generator=g)
     w[0, 0] = float("inf")
