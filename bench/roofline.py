@@ -1,13 +1,15 @@
 """The single-copy memory roofline: what a transport that moves each byte with one copy cannot beat."""
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from bench.timing import time_phases
 
 
 def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, warmup: int,
-                    fresh_dst: bool = False) -> dict:
+                    fresh_dst: bool = False, fresh_combine_src: bool = False) -> dict:
     """The single-copy memory roofline (collective).
 
     Every rank, concurrently and barrier-synchronised like the systems, copies its own dispatch
@@ -19,10 +21,23 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
     ``fresh_dst=True`` copies into a newly allocated tensor each time (``clone``) instead of a
     preallocated one: the floor for an API that returns fresh tensors on a CPU without a caching
     allocator, where first-touch page faults can cost several times the copy itself.
+
+    ``fresh_combine_src=True`` copies the combine bytes from new pages (an anonymous mapping) written
+    just before (untimed), as a combine finds the experts' outputs of a step (``bench.low_latency``'s
+    experts write theirs into new pages too): the floor for a call whose input is new memory, which
+    reads slower than the one buffer the plain roofline copies again and again.
     """
     src_d = torch.ones(max(int(dispatch_bytes), 1), dtype=torch.uint8)
     src_c = torch.ones(max(int(combine_bytes), 1), dtype=torch.uint8)
-    if fresh_dst:
+    if fresh_combine_src:
+        dst_d, dst_c = torch.empty_like(src_d), torch.empty_like(src_c)
+        made = {}
+
+        def produce():  # the experts' step: new pages, written once
+            made["c"] = torch.frombuffer(mmap.mmap(-1, src_c.numel()), dtype=torch.uint8).fill_(1)
+        phases = [("dispatch", lambda: dst_d.copy_(src_d)), (None, produce),
+                  ("combine", lambda: dst_c.copy_(made["c"]))]
+    elif fresh_dst:
         phases = [("dispatch", lambda: src_d.clone()), ("combine", lambda: src_c.clone())]
     else:
         dst_d, dst_c = torch.empty_like(src_d), torch.empty_like(src_c)
