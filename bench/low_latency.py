@@ -6,6 +6,7 @@ Run one process per rank::
     mpiexec -n 4 python -m bench low-latency --ranks-per-node 2 # two simulated nodes (URMA between them)
     mpiexec -n 2 python -m bench low-latency --bf16 --num-tokens 64 --no-ubmem --json out.json
     mpiexec -n 4 python -m bench low-latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
+    mpiexec -n 2 python -m bench low-latency --zero-copy         # experts write into the zero-copy buffer
 
 Workload: DeepEP's LL decode shape (docs/semantics/deepep-api.md §11: 128 tokens per rank, hidden 7168, top-8 of 256
 experts; FP8 dispatch, BF16 combine), ``bench.workload.make_workload`` (``x = randn``, routing =
@@ -85,13 +86,18 @@ def add_arguments(p) -> None:
     p.add_argument("--logfmt", action="store_true",
                    help="combine with use_logfmt=True (LogFMT-10); the identity experts scale their rows by 2^-6 "
                         "(exact) so that groups stay below 1 and travel as LogFMT")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="the experts write into get_next_low_latency_combine_buffer and the combine runs with "
+                        "zero_copy=True (on one node the receivers then read the rows where the experts left them)")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
     cli.add_link_args(p)
 
 
 def check_args(p, a) -> None:
-    """The link profile and emulator (``p.error`` on bad values)."""
+    """The link profile and emulator, ``--zero-copy`` without ``--logfmt`` (``p.error`` on bad values)."""
     a.profile, a.emulator = link_setup(p, a)
+    if a.zero_copy and a.logfmt:
+        p.error("--zero-copy does not go with --logfmt (DeepEP's low_latency_combine refuses the pair)")
 
 
 def p99(t: Timing) -> float:
@@ -154,20 +160,23 @@ def run(args) -> int:
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
     emulator = use_link_emulator(buf.runtime, args.emulator)
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
+                          zero_copy=args.zero_copy,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
                           fingerprint=comm_fingerprint(wl, comm))}
     st = {}
 
-    def experts(recv_x, recv_count):
-        """Identity experts; FP8 rows cast back to BF16 (only the valid rows: the rest is padding)."""
-        if not fp8:
+    def experts(recv_x, recv_count, handle):
+        """Identity experts; FP8 rows cast back to BF16 (only the valid rows: the rest is padding). With
+        ``--zero-copy`` they write into the buffer's zero-copy combine buffer, else into new memory."""
+        if not fp8 and not args.zero_copy:
             return recv_x.mul_(LOGFMT_SCALE) if args.logfmt else recv_x
-        data, scales = recv_x
-        y = ll_zeros(data.shape, torch.bfloat16)
+        data, scales = recv_x if fp8 else (recv_x, None)
+        y = (buf.get_next_low_latency_combine_buffer(handle) if args.zero_copy
+             else ll_zeros(data.shape, torch.bfloat16))
         for e, c in enumerate(recv_count.tolist()):
             if c:
-                y[e, :c] = per_token_cast_back(data[e, :c], scales[e, :c].contiguous())
+                y[e, :c] = per_token_cast_back(data[e, :c], scales[e, :c].contiguous()) if fp8 else data[e, :c]
                 if args.logfmt:
                     y[e, :c].mul_(LOGFMT_SCALE)
         return y
@@ -176,10 +185,11 @@ def run(args) -> int:
         st["d"] = buf.low_latency_dispatch(wl.x, wl.topk_idx, N, E, use_fp8=fp8)
 
     def make_y():
-        st["y"] = experts(st["d"][0], st["d"][1])
+        st["y"] = experts(st["d"][0], st["d"][1], st["d"][2])
 
     def combine():
-        st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2], use_logfmt=args.logfmt)
+        st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2], use_logfmt=args.logfmt,
+                                          zero_copy=args.zero_copy)
 
     # Correctness once: identity experts, so combined ≈ x · Σ w (docs/semantics/deepep-api.md §9 invariant 12).
     dispatch(), make_y(), combine()
@@ -203,7 +213,7 @@ def run(args) -> int:
 
     def c_send():
         st["c"] = buf.low_latency_combine(st["y"], wl.topk_idx, wl.topk_weights, st["d"][2], return_recv_hook=True,
-                                          use_logfmt=args.logfmt)
+                                          use_logfmt=args.logfmt, zero_copy=args.zero_copy)
 
     def c_recv():
         st["c"][2]()
@@ -308,7 +318,8 @@ def run(args) -> int:
         if emulator is not None:
             print(f"[link]   {emulator.label} -- the [ll]/[hook]/[overlap] lines are EMULATED, the peers are not")
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
-              f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine, "
+              f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine"
+              f"{' (zero-copy)' if args.zero_copy else ''}, "
               f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {fmt_bytes(nbytes)}, "
               f"fingerprint {c['fingerprint']}")
         print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "

@@ -56,10 +56,18 @@ its send region and writes only each routed token's index into the destinations'
 regions. Every call first stamps its half (call number + 1, bytes 24-31 of the rank's own ``ll_ctl``
 header of that half); a receiver reads each source's stamp after its loads and refuses the rows if it
 moved (a seqlock against a third call in flight; docs/design/data-path.md, "Native dispatch").
+
+Native zero-copy combine (every live peer mapped, ``zero_copy=True``, ``M·S >= 2``): rows are not pushed
+either. The experts' outputs already lie in the sender's send region; the sender publishes its
+``layout_range`` (int64 ``[L, R]``) right after them (send-region offset ``E·M·2H``, inside its ``E·M·c``
+bytes), writes the counts and flags its header ``F_PULL``; each receiver sums its rows straight from the
+sources' send regions and then checks their stamps, as the dispatch does. A source's choice is its own:
+one call may mix pushed and pulled sources.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import mmap
@@ -140,6 +148,10 @@ class Layout:
         self.send_off = self.sig
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
+        # A zero-copy combine's published layout_range, after the [L, R·M, H] rows in the send region (whose
+        # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2.
+        self.pull_off = self.send_off + num_experts * m * 2 * hidden
+        self.can_pull = m * self.S >= 2
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
         self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
                                                     LOGFMT_TAIL_BYTES * self.S)  # per row
@@ -335,8 +347,9 @@ class LowLatencyEngine:
         # Each mapped source's send-region stamp of half h (0: not mapped), read by the dispatch receive's seqlock.
         ctl_bases = [tp.peer_view(self.ctl, p, 0, 2 * self.R * HDR_BYTES).data_ptr() if self.direct[p] else 0
                      for p in range(self.R)]
-        self._stamps = [torch.tensor([b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
-                                      for p, b in enumerate(ctl_bases)], dtype=torch.int64) for h in (0, 1)]
+        self._stamp_addrs = [[b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
+                              for p, b in enumerate(ctl_bases)] for h in (0, 1)]
+        self._stamps = [torch.tensor(a, dtype=torch.int64) for a in self._stamp_addrs]
         self._all_direct = all(self.direct)
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
@@ -559,7 +572,8 @@ class LowLatencyEngine:
             _PH.switch("control")
         hdr = self._view(("hdr", h), lambda: self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES,
                                                                  torch.int64).view(self.R, HDR_BYTES // 8))
-        if native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op):  # one pass; else say why below
+        ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
+        if native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore):  # one pass; else say why below
             return
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
         words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
@@ -573,9 +587,10 @@ class LowLatencyEngine:
                 msg = view[s, _MSG_OFF:].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
                 problems.append(f"rank {s} rejected its arguments: {msg}")
         if not problems:
-            mine = ((int(words[self.rank, 0]) >> 8) & 0xFF, int(words[self.rank, 1]))
+            keep = 0xFF & ~ignore
+            mine = ((int(words[self.rank, 0]) >> 8) & keep, int(words[self.rank, 1]))
             for s in live:
-                theirs = ((int(words[s, 0]) >> 8) & 0xFF, int(words[s, 1]))
+                theirs = ((int(words[s, 0]) >> 8) & keep, int(words[s, 1]))
                 if theirs != mine:
                     problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0, use_logfmt): " + ", ".join(
                         f"rank {p}: {_describe(words[p])}" for p in live))
@@ -922,7 +937,7 @@ class LowLatencyEngine:
             if not isinstance(route, NativeRoute) or route.m != M:
                 route = self.native_route(topk_idx, lay)
             return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route,
-                                        keep_own)
+                                        keep_own, pull=zero_copy and lay.can_pull)
         if isinstance(route, NativeRoute):  # the torch path routes with its own structure
             route = None
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
@@ -959,18 +974,23 @@ class LowLatencyEngine:
         return NativeRoute(counts, slots, lay.M)
 
     def _combine_native(self, src, topk_idx, topk_weights, layout_range, lay: Layout, seq, h, out, wait_stats,
-                        route: NativeRoute, keep_own: bool) -> Pending:
+                        route: NativeRoute, keep_own: bool, pull: bool = False) -> Pending:
         """:meth:`combine` on the native path (BF16 rows): one kernel stores every returned row and the counts into
         every destination's window (with ``keep_own``, this rank's own rows stay in ``src`` for its receive),
-        then one header and signal per destination. The bytes of the torch path."""
+        then one header and signal per destination. The bytes of the torch path. With ``pull`` (a zero-copy
+        combine: ``src`` is this rank's send region) no row moves here: ``layout_range`` is published after the
+        rows, the kernel writes the counts only, and the header says ``F_PULL`` (the receivers read the rows)."""
         L, H = lay.L, lay.H
         base = h * self.half
         if _PH.on:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
+        if pull:
+            self._view(("lr_out", base, L), lambda: self.tp.local_view(
+                self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
         native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
-                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own)
-        hdr = self._header(seq, OP_COMBINE, 0, lay, 0)
+                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own, keep_all=pull)
+        hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0)
         sent = self._sent_rows.tolist()
         for dst in self.order():
             if sent[dst]:
@@ -980,14 +1000,22 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
-        own = (self.rank, src, layout_range) if keep_own else None
+        own = (src, layout_range) if keep_own or pull else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
                                          route, own), (combined,))
 
     def _receive_combine_native(self, seq, h, lay: Layout, topk_weights, combined, wait_stats,
                                 route: NativeRoute, own: tuple | None) -> None:
         """:meth:`_receive_combine` on the native path: one kernel checks the counts returned against the route's
-        and sums every token's returned rows (docs/semantics/deepep-api.md §6.3)."""
+        and sums every token's returned rows (docs/semantics/deepep-api.md §6.3), each where it lies: a pushed
+        source's in this rank's window, this rank's own in ``own`` (``(src, layout_range)``, or None), a
+        zero-copy source's in its send region (read through its published ``layout_range``; its stamp is checked
+        afterwards, as the dispatch's).
+
+        Raises:
+            LowLatencyRefused: a source returned another count of rows than this rank's route expects.
+            RuntimeError: a zero-copy source began rewriting its send region while its rows were read.
+        """
         L, M, H, E = lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         phase = f"low_latency_combine call #{seq + 1}"
@@ -1000,14 +1028,45 @@ class LowLatencyEngine:
         sig = self._counts_view(base, L)
         rows = self._view(("crows", base, lay.recv_off, E * M, H), lambda: self.tp.local_view(
             self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H))
+        pulled = [d for d in self._pulled_sources(h) if d != self.rank]
+        sources = None
+        if own is not None or pulled:
+            sources = [None] * self.R
+            me = self.rank
+            if own is not None:
+                sources[me] = (own[0], own[1].numpy()[:, me] >> 32)
+            for d in pulled:
+                sources[d] = (self._view(("psend", d, base, L, M, H), lambda d=d: self.tp.peer_view(
+                                  self.win, d, base + lay.send_off, L * self.R * M * 2 * H,
+                                  torch.bfloat16).view(L, self.R * M, H)),
+                              self._view(("plr", d, base, L), lambda d=d: self.tp.peer_view(
+                                  self.win, d, base + lay.pull_off, 8 * L * self.R,
+                                  torch.int64).view(L, self.R).numpy())[:, me] >> 32)
         bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M,
-                                     own)
+                                     sources)
         if bad:
             g, got, want = bad
             raise LowLatencyRefused(
                 f"rank {self.rank}: {phase}: rank {g // L} returned {got} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {want} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
+        for d in pulled:  # after every load (x86 keeps loads in order): a moved stamp means torn rows
+            now = ctypes.c_int64.from_address(self._stamp_addrs[h][d]).value
+            if now != seq + 1:
+                raise RuntimeError(
+                    f"rank {self.rank}: {phase}: source rank {d} began rewriting its send region for LL call "
+                    f"#{now} while this rank read call #{seq + 1}'s rows from it (the sum may mix both); at "
+                    f"most two LL calls may be in flight: receive call k before issuing call k+2 "
+                    f"(docs/semantics/deepep-api.md §6.6)")
+
+    def _pulled_sources(self, h: int) -> list[int]:
+        """The live sources whose header of half ``h`` (already checked to be this call's) says ``F_PULL``: their
+        rows stay in their send regions."""
+        words = self._view(("hdr_np", h), lambda: self.tp.local_view(
+            self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES, torch.int64).view(self.R, HDR_BYTES // 8).numpy())
+        flagged = np.flatnonzero((words[:, 0] >> 8) & F_PULL)
+        masked = self.masked()
+        return [int(d) for d in flagged if not masked[d]]
 
     def _row_plan(self, layout_range: torch.Tensor, lay: Layout) -> tuple[list, torch.Tensor, torch.Tensor]:
         """Every destination's rows of a combine at once: ``(ends, src_rows, slot_rows)``, the rows grouped by
@@ -1078,6 +1137,12 @@ class LowLatencyEngine:
             _PH.switch("wait: signals")
         self._wait_sources(h, need, phase, wait_stats)
         self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        pulled = self._pulled_sources(h)
+        if pulled:  # their rows stayed in their send regions, which only the native receive reads
+            raise LowLatencyRefused(
+                f"rank {me}: {phase}: rank(s) {pulled} left their rows in place for the native receive (a zero-copy "
+                f"combine), but this rank receives on the torch path (URMA peers, or DEEPEP_ASCEND_NATIVE=0 here "
+                f"only); set DEEPEP_ASCEND_NATIVE alike on every rank")
         if _PH.on:
             _PH.switch("route")
         if route is None or not stamp_matches(mask_stamp, self.mask):  # (a shrink-mode wait may mask a source)

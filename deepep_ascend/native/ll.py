@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from .loader import kernels
@@ -206,19 +207,21 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.
 
 def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: int, bases: torch.Tensor,
                     mask: torch.Tensor | None, recv_off: int, counts_off: int, sent: torch.Tensor,
-                    keep_own: bool = False) -> bool:
+                    keep_own: bool = False, keep_all: bool = False) -> bool:
     """A combine's rows and counts into every mapped, unmasked destination (DeepEP's combine send).
 
     For destination ``d`` and local expert ``e`` with ``layout_range[e, d] = b << 32 | c``: rows ``src[e, b:b +
     c]`` into rows ``0..c-1`` of slot ``me·L + e`` at ``bases[d] + recv_off`` (slot ``g`` row ``i`` at byte
     ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``. With ``keep_own``
     this rank's own rows stay where they are (only their counts are written): the receive reads them from
-    ``src`` (:func:`ll_combine_recv`'s ``own``).
+    ``src`` (:func:`ll_combine_recv`'s ``sources``). With ``keep_all`` every row stays (only the counts are
+    written): ``src`` is this rank's send region, where the receivers read their rows (a zero-copy combine).
 
     Args:
         layout_range: ``[L, R]`` contiguous int64. src: ``[L, R·M, H]`` of any dtype, unit last stride.
         bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
-        sent: ``[R]`` contiguous int64, set to the rows per rank (``sent[me]`` is 0 with ``keep_own``).
+        sent: ``[R]`` contiguous int64, set to the rows per rank: copied there, or with ``keep_all`` left for it
+            to read (``sent[me]`` is 0 with ``keep_own`` or ``keep_all``).
     Returns:
         True when done; False (nothing written) where the kernel is not loaded.
     Raises:
@@ -238,8 +241,8 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
                          f"stride, got shape {tuple(getattr(src, 'shape', ()))}")
     e = src.element_size()
     if fn(num_local, num_ranks, m, src.size(2) * e, me, layout_range.data_ptr(), src.data_ptr(), src.stride(0) * e,
-          src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off, int(keep_own),
-          sent.data_ptr()):
+          src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off,
+          2 if keep_all else int(bool(keep_own)), sent.data_ptr()):
         raise ValueError(f"deepep_ascend.native.{op}: layout_range holds a count above M={m} or a run outside "
                          f"[0, {num_ranks * m})")
     return True
@@ -247,7 +250,7 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
 
 def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                     sig: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None, m: int,
-                    own: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> tuple | None:
+                    sources: list | None = None) -> tuple | None:
     """A combine's receive: the counts returned against the route's, then DeepEP's weighted sum
     (docs/semantics/deepep-api.md §6.3): ``out[t] = bf16(Σ_j f32(rows[slots[t, j]]) * weights[t, j])`` over the
     slots ``j`` with ``slots[t, j] >= 0`` whose expert ``slots[t, j] // M`` lives on an unmasked rank, in slot
@@ -259,17 +262,18 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         slots: ``[n, k]`` contiguous int64 (:func:`ll_route`). weights: ``[n, k]`` contiguous float32.
         sig: ``[R, L]`` contiguous int32, rank ``s``'s rows of its local expert ``e`` at ``sig[s, e]``.
         expected: ``[E]`` int32, the rows this rank expects of each expert. mask: ``[R]`` int32 or None.
-        own: ``(me, src, layout_range)``, or None: the rows of this rank's own experts (slots in ``[me·L·M,
-            (me+1)·L·M)``) are read from ``src`` ``[L, R·M, H]`` bfloat16 (unit column stride), where
-            :func:`ll_combine_send` with ``keep_own`` left them: row ``i`` of local expert ``e`` at ``src[e,
-            b + i]``, ``b = layout_range[e, me] >> 32`` (``layout_range`` ``[L, R]`` int64), instead of
-            from ``rows``. The same bits as with the rows copied into ``rows``.
+        sources: None, or one entry per rank: None (that rank's rows are in ``rows``, slots ``[d·L·M,
+            (d+1)·L·M)``), or ``(src, begin)``: its rows lie in ``src`` ``[L, R·M, H]`` bfloat16 (unit last
+            stride), row ``i`` of local expert ``e`` at ``src[e, begin[e] + i]`` (``begin`` ``[L]`` int64, a
+            numpy array or tensor): this rank's own experts' outputs where :func:`ll_combine_send` with
+            ``keep_own`` left them, or a zero-copy source's send region. The same bits as with those rows
+            copied into ``rows``.
     Returns:
         None where the kernel is not loaded; ``()`` when done; ``(g, got, want)`` for the first expert ``g`` of
         an unmasked rank whose count differs (nothing written).
     Raises:
-        ValueError: operands of another dtype, shape or layout, slots outside ``[-1, E·M)``, or with ``own`` a
-            run of ``layout_range`` outside ``src`` or an own slot's row at or past its count (nothing written).
+        ValueError: operands of another dtype, shape or layout, slots outside ``[-1, E·M)``, or a ``begin``
+            whose run leaves its ``src`` or a slot of such a rank at or past its count (nothing written).
     """
     fn = kernels.ll_combine_recv
     if fn is None:
@@ -288,30 +292,41 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"deepep_ascend.native.{op}: out must be [{n}, H] and rows [E·M, H] bfloat16 matrices with "
                          f"unit column stride and rows apart, got {tuple(getattr(out, 'shape', ()))} and "
                          f"{tuple(getattr(rows, 'shape', ()))}")
-    me, own_src, own_begin = -1, None, None
-    if own is not None:
-        me, own_src, layout_range = own
-        if not (0 <= me < num_ranks and _expert_rows_ok(own_src, num_local, num_ranks * m, out.shape[1])
-                and own_src.dtype == torch.bfloat16 and isinstance(layout_range, torch.Tensor)
-                and layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (num_local, num_ranks)):
-            raise ValueError(f"deepep_ascend.native.{op}: own must be (me in [0, {num_ranks}), src [{num_local}, "
-                             f"{num_ranks * m}, {out.size(1)}] bfloat16 with unit last stride, layout_range "
-                             f"[{num_local}, {num_ranks}] int64)")
-        # numpy: the column's shift in torch (index, shift, copy) costs several times the kernel's work at a few tokens
-        own_begin = layout_range.numpy()[:, me] >> 32
+    addr = ld = begins = None
+    if sources is not None:
+        if len(sources) != num_ranks:
+            raise ValueError(f"deepep_ascend.native.{op}: sources must have one entry per rank ({num_ranks}), got "
+                             f"{len(sources)}")
+        addr = np.zeros(num_ranks, dtype=np.int64)
+        ld = np.zeros(2 * num_ranks, dtype=np.int64)
+        begins = np.zeros((num_ranks, num_local), dtype=np.int64)
+        hidden = out.shape[1]
+        for d, entry in enumerate(sources):
+            if entry is None:
+                continue
+            src, begin = entry
+            begin = np.asarray(begin)
+            if not (_expert_rows_ok(src, num_local, num_ranks * m, hidden) and src.dtype == torch.bfloat16
+                    and begin.dtype == np.int64 and begin.shape == (num_local,)):
+                raise ValueError(f"deepep_ascend.native.{op}: sources[{d}] must be (src [{num_local}, "
+                                 f"{num_ranks * m}, {hidden}] bfloat16 with unit last stride, begin [{num_local}] "
+                                 f"int64), got {tuple(getattr(src, 'shape', ()))} and {begin.dtype} "
+                                 f"{tuple(begin.shape)}")
+            addr[d] = src.data_ptr()
+            ld[2 * d:2 * d + 2] = src.stride()[:2]
+            begins[d] = begin
     bad = (ctypes.c_int64 * 3)()
     (num_rows, hidden), row_ld = rows.shape, rows.stride(0)
-    own_ptr, (own_ld_e, own_ld_r, _), own_rows = (
-        (own_src.data_ptr(), own_src.stride(), own_src.shape[1]) if own_src is not None else (0, (0, 0, 0), 0))
     status = fn(n, k, hidden, m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
                 expected.data_ptr(), rows.data_ptr(), row_ld, num_rows, slots.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, me, own_ptr, own_ld_e, own_ld_r, own_rows,
-                own_begin.ctypes.data if own_begin is not None else 0, bad)
+                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS,
+                0 if addr is None else addr.ctypes.data, 0 if ld is None else ld.ctypes.data,
+                0 if begins is None else begins.ctypes.data, num_ranks * m, bad)
     if status == 2:
         return tuple(bad)
     if status:
         raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {rows.size(0)})"
-                         + ("" if own is None else ", and own's runs and rows within its src and counts"))
+                         + ("" if sources is None else ", and each source's runs and rows within its src and counts"))
     mark_written(out)
     return ()
 
@@ -334,10 +349,12 @@ def _expert_rows_ok(t, num_local: int, rm: int, hidden: int | None = None) -> bo
             and (strides[2] == 1 or shape[2] <= 1))
 
 
-def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int) -> bool | None:
+def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int,
+                     ignore_flags: int = 0) -> bool | None:
     """Whether every unmasked source's call header (``hdr`` ``[R, W]`` contiguous int64, word 0 = ``seq << 16 |
     flags << 8 | op << 4 | status``, word 1 = ``M, E, H``) reads call ``seq`` of ``op_code`` with status 0 and
-    the flags and word 1 of this rank's (row ``me``). None where the kernel is not loaded.
+    the flags (but the bits of ``ignore_flags``, a per-source choice) and word 1 of this rank's (row ``me``).
+    None where the kernel is not loaded.
 
     Raises:
         ValueError: ``hdr`` not such a tensor, ``me`` outside its rows.
@@ -351,7 +368,7 @@ def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq:
     if not 0 <= me < rows or words < 2:
         raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {rows} headers of {words} words (>= 2 "
                          f"needed)")
-    return bool(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code))
+    return bool(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code, ignore_flags))
 
 
 def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool = False) -> bool:

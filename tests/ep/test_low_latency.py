@@ -481,6 +481,93 @@ def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, com
     all_ranks_ok(comm, ok, f"rank 0's buffer came back at {returned:.4f}, before rank 1 issued the call at {late:.4f}")
 
 
+def test_zero_copy_combine_mixed_with_pushes_and_hooks(buffers, comm):
+    """A zero-copy combine's rows stay in each source's send region, where the receivers read them (native path):
+    ranks choosing ``zero_copy`` differently in one call, and in hook mode, give the reference's bits."""
+    buf = _buf(buffers, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K, n = 2 * R, 16, 256, 3, 12
+    chk = Checker(r)
+    for rnd, (zero_copy, hook) in enumerate([(r % 2 == 0, False), (r % 2 == 1, False), (True, True)]):
+        xs = [make_inputs(70 + rnd, s, R, n, H, E, K) for s in range(R)]
+        x, idx = xs[r]
+        recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+        y = expert_outputs(recv_x, r, E // R, False)
+        if zero_copy:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd * 100 + r))
+        if hook:
+            combined, _, wait = coll(lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy,
+                                                                     return_recv_hook=True), what="combine send")
+            coll(wait, what="combine hook")
+        else:
+            combined, _, _ = coll(lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy),
+                                  what="combine")
+        exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+        chk.same_bits(combined, exp, f"round {rnd}: zero_copy={zero_copy} hook={hook}")
+    chk.finish("zero-copy combine read in place")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_combine_refuses_a_rewritten_source(comm):
+    """A receiver that finds a zero-copy source's stamp moved after reading its rows (the source began rewriting its
+    send region: a third LL call in flight) raises instead of returning the sum, naming the source and both calls.
+    White-box: rank 1 restamps its half just before it signals, as such a source would."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K, n = 2 * R, 16, 256, 3, 12
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    eng = buf._ll
+    native_path = eng.native_path()
+    x, idx = make_inputs(81, r, R, n, H, E, K)
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+    if r == 1:
+        real = eng._signal
+        eng._signal = lambda dst, h, hdr, seq: (eng._stamp(h, seq + 7), real(dst, h, hdr, seq))
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, zero_copy=True))
+    eng.__dict__.pop("_signal", None)
+    ok = r == 1 or not native_path or (isinstance(exc, RuntimeError) and "source rank 1 began rewriting its send "
+                                       "region for LL call #8 while this rank read call #2's rows" in str(exc))
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"rank {r}: {exc!r}; destroy {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_sources_refused_by_a_torch_path_receiver(buffers, comm):
+    """A rank receiving on the torch path (here: told its native path is off) cannot read rows left in place: it
+    refuses the zero-copy sources by name, while the others (reading rank 1's pushed rows) get the reference's
+    bits; the buffer stays usable."""
+    buf = _buf(buffers, "ubmem")
+    r, R = comm.Get_rank(), comm.Get_size()
+    eng = buf._ll
+    if not eng.native_path():
+        pytest.skip("needs the native path")
+    E, M, H, K, n = 2 * R, 16, 256, 3, 12
+    x, idx = make_inputs(82, r, R, n, H, E, K)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    chk = Checker(r)
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+    if r == 1:
+        eng.native_path = lambda: False
+    got, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True))
+    eng.__dict__.pop("native_path", None)
+    if r == 1:
+        chk.check(exc is not None and "torch path" in str(exc) and "zero-copy" in str(exc), f"rank 1: {exc!r}")
+    else:
+        chk.check(exc is None, f"rank {r}: {exc!r}")
+        if exc is None:
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+            chk.same_bits(got[0], exp, "rank 1 pushed, the others left their rows in place")
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    y = expert_outputs(recv_x, r, E // R, False)
+    combined, _, _ = coll(lambda: buf.low_latency_combine(y, idx, w, handle), what="combine after the refusal")
+    exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+    chk.same_bits(combined, exp, "combine after the refusal")
+    chk.finish("torch-path receiver")
+
+
 def test_zero_copy_and_out_in_both_halves(buffers, comm):
     """``get_next_low_latency_combine_buffer`` + ``zero_copy`` and ``out=``, with the combine landing
     once in each half; a buffer handed out before another LL call is refused."""

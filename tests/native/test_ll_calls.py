@@ -257,6 +257,16 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
     assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep_own=True)
     assert all(torch.equal(a, b) for a, b in zip(wins, want))
     assert sent[me] == 0
+    # keep_all (a zero-copy combine): every row stays in src, the counts are written, sent[d] = the rows d reads.
+    for w in wins:
+        w.fill_(0xAB)
+    want = [w.clone() for w in wins]
+    for d in range(R):
+        if not (masked and d == 1):
+            want[d][counts_off:counts_off + 4 * L] = cnt[:, d].to(torch.int32).view(torch.uint8)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep_all=True)
+    assert all(torch.equal(a, b) for a, b in zip(wins, want))
+    assert sent.tolist() == [0 if d == me or (masked and d == 1) else int(cnt[:, d].sum()) for d in range(R)]
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -297,34 +307,36 @@ def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
         native.ll_combine_recv(got, rows, far, w, sig, counts, mask, m)
     assert torch.equal(got.view(torch.int16), before.view(torch.int16))
 
-    # own: rank me's experts' rows read from the expert outputs [L, R·m, H] (strided), where layout_range puts
-    # them, instead of from rows: the same bits.
-    for me in range(R):
-        if masked and me == 1:
-            continue
-        begin = torch.randint(0, R * m - m + 1, (L,), generator=g)
-        layout_range = torch.zeros(L, R, dtype=torch.int64)
-        layout_range[:, me] = (begin << 32) | counts.view(R, L)[me].to(torch.int64)
-        src = _rows(g, L * R * m, 2 * H).view(L, R * m, 2 * H)[:, :, 5:5 + H]
-        own_rows = rows.clone()
-        for e in range(L):
-            c, b = int(counts[me * L + e]), int(begin[e])
-            src[e, b:b + c] = rows[(me * L + e) * m:(me * L + e) * m + c]
-            own_rows[(me * L + e) * m:(me * L + e + 1) * m] = float("nan")  # never read
+    # sources: some ranks' rows read where they lie (an [L, R·m, H] tensor, strided, rows placed by its begins;
+    # a rank's own expert outputs, a zero-copy source's send region) instead of from rows: the same bits.
+    live = [d for d in range(R) if not (masked and d == 1)]
+    for redirected in [[d] for d in live] + [live]:
+        sources, some_rows = [None] * R, rows.clone()
+        for d in redirected:
+            begin = torch.randint(0, R * m - m + 1, (L,), generator=g)
+            src = _rows(g, L * R * m, 2 * H).view(L, R * m, 2 * H)[:, :, 5:5 + H]
+            for e in range(L):
+                c, b = int(counts[d * L + e]), int(begin[e])
+                src[e, b:b + c] = rows[(d * L + e) * m:(d * L + e) * m + c]
+                some_rows[(d * L + e) * m:(d * L + e + 1) * m] = float("nan")  # never read
+            sources[d] = (src, begin.numpy() if d % 2 else begin)  # a numpy array or a tensor
         mine = torch.empty(n, H, dtype=BF16)
-        assert native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, layout_range)) == ()
+        assert native.ll_combine_recv(mine, some_rows, slots, w, sig, counts, mask, m, sources) == ()
         assert same_bits_nan(mine, got)
-        mine = torch.empty(n, H, dtype=BF16)  # a column-major layout_range: its begins read through its strides
-        strided = layout_range.t().contiguous().t()
-        assert native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, strided)) == ()
-        assert same_bits_nan(mine, got)
-        past = layout_range.clone()
-        past[0, me] = ((R * m - int(counts[me * L]) + 1) << 32) | int(counts[me * L])
-        if int(counts[me * L]):
-            with pytest.raises(ValueError, match="own's runs"):
-                native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src, past))
-        with pytest.raises(ValueError, match="own must be"):
-            native.ll_combine_recv(mine, own_rows, slots, w, sig, counts, mask, m, (me, src.float(), layout_range))
+        d = redirected[0]
+        src, begin = sources[d]
+        e0 = next((e for e in range(L) if int(counts[d * L + e])), None)
+        if e0 is not None:  # a run past the end of its src
+            past = torch.as_tensor(begin).clone()
+            past[e0] = R * m - int(counts[d * L + e0]) + 1
+            with pytest.raises(ValueError, match="each source's runs"):
+                native.ll_combine_recv(mine, some_rows, slots, w, sig, counts, mask, m,
+                                       [(src, past) if i == d else x for i, x in enumerate(sources)])
+        with pytest.raises(ValueError, match=rf"sources\[{d}\] must be"):
+            native.ll_combine_recv(mine, some_rows, slots, w, sig, counts, mask, m,
+                                   [(src.float(), begin) if i == d else x for i, x in enumerate(sources)])
+        with pytest.raises(ValueError, match="one entry per rank"):
+            native.ll_combine_recv(mine, some_rows, slots, w, sig, counts, mask, m, sources + [None])
 
 
 def test_headers_agree():
@@ -341,6 +353,11 @@ def test_headers_agree():
         bad[2, col] += change
         assert not native.ll_headers_agree(bad, 1, None, seq, op)
         assert native.ll_headers_agree(bad, 1, torch.tensor([0, 0, 1], dtype=torch.int32), seq, op)  # masked
+    pulled = hdr.clone()  # a flag a source chooses alone (a combine's F_PULL) is ignored when asked
+    pulled[0, 0] |= 8 << 8
+    assert not native.ll_headers_agree(pulled, 1, None, seq, op)
+    assert native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=8)
+    assert not native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=4)
     with pytest.raises(ValueError, match="rank 3 outside"):
         native.ll_headers_agree(hdr, 3, None, seq, op)
 

@@ -46,15 +46,25 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
 /* Floats of one output row accumulated at a time (the accumulator stays in L1). */
 #define WEIGHTED_CHUNK 1024
 
-/* Where the rows of an index range live when not in `rows`: index lo + le*m + r (le < (hi - lo) / m,
- * r < m) is row begin[le] + r of block le, at rows + le * ld_e + (begin[le] + r) * ld_r (elements). The
- * low-latency combine reads its own experts' outputs this way, where the caller passed them, instead of
- * from a copy in its window. */
+/* Where the rows of some ranks live when not in `rows`: index s of rank d = s / (m * num_local) with
+ * addr[d] != 0 is row begin[d * num_local + le] + r (le = (s / m) % num_local, r = s % m) of block le at
+ * addr[d] + le * ld[2d] + (begin[...] + r) * ld[2d + 1] (elements). The low-latency combine reads a rank's
+ * returned rows this way where they already lie: its own experts' outputs in the caller's tensor, and a
+ * zero-copy source's in that source's send region, instead of from copies in this rank's window. */
 struct row_redirect {
-    const uint16_t *rows;
-    int64_t lo, hi, m, ld_e, ld_r;
-    const int64_t *begin;
+    int64_t m, num_local;
+    const int64_t *addr, *ld, *begin;
 };
+
+static inline __attribute__((always_inline)) const uint16_t *redirected_row(const struct row_redirect *alt,
+                                                                            int64_t s)
+{
+    const int64_t g = s / alt->m, d = g / alt->num_local, le = g % alt->num_local;
+    if (!alt->addr[d])
+        return NULL;
+    return (const uint16_t *)(intptr_t)alt->addr[d] + le * alt->ld[2 * d]
+           + (alt->begin[g] + s % alt->m) * alt->ld[2 * d + 1];
+}
 
 /* The low-latency combine's weighted sum, for every token t < n:
  *
@@ -85,13 +95,8 @@ static inline __attribute__((always_inline)) void weighted_sum_rows_into(
                 const int64_t s = ti[j];
                 if (s < 0 || (mask && mask[s / rows_per_rank]))
                     continue;
-                const uint16_t *a;
-                if (alt && s >= alt->lo && s < alt->hi) {
-                    const int64_t le = (s - alt->lo) / alt->m, r = (s - alt->lo) % alt->m;
-                    a = alt->rows + le * alt->ld_e + (alt->begin[le] + r) * alt->ld_r + h0;
-                } else {
-                    a = rows + s * row_ld + h0;
-                }
+                const uint16_t *a = alt ? redirected_row(alt, s) : NULL;
+                a = a ? a + h0 : rows + s * row_ld + h0;
                 const float wj = tw[j];
                 for (int64_t h = 0; h < width; h++) {
                     const float y = bf16_to_f32(a[h]) * wj;

@@ -200,13 +200,15 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
  * layout_range[e*R + d], rows b .. b + c - 1 of src[e] (row r of expert e at src + e * stride_e + r *
  * stride_r, row_bytes each) into rows 0 .. c - 1 of slot me*L + e at bases[d] + recv_off (slot g row i at
  * (g*m + i) * row_bytes); then the L counts (int32) at bases[d] + counts_off. sent[d] = rows written to d.
- * With keep_own, this rank's own rows stay in src (its receive reads them there, deepep_ll_combine_recv's
- * own_rows): only its counts are written. Returns 1 (nothing written) when a reached destination's count
- * exceeds m or its run leaves [0, R*m). */
+ * keep: 0 copies every row; 1 leaves this rank's own rows in src (its receive reads them there, through
+ * deepep_ll_combine_recv's sources) and writes only their counts, sent[me] = 0; 2 leaves every row in src
+ * (a zero-copy combine whose receivers read them from this rank's send region) and writes only the counts,
+ * sent[d] = the rows d reads from here (sent[me] = 0). Returns 1 (nothing written) when a reached
+ * destination's count exceeds m or its run leaves [0, R*m). */
 int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, int64_t row_bytes, int64_t me,
                                const int64_t *layout_range, const uint8_t *src, int64_t stride_e, int64_t stride_r,
                                const int64_t *bases, const int32_t *mask, int64_t recv_off, int64_t counts_off,
-                               int64_t keep_own, int64_t *sent)
+                               int64_t keep, int64_t *sent)
 {
     const int64_t L = num_local, R = num_ranks;
     for (int64_t d = 0; d < R; d++) {
@@ -228,8 +230,12 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
             uint8_t *slot = base + recv_off + (me * L + e) * m * row_bytes;
             const int32_t c32 = (int32_t)c;
             memcpy(base + counts_off + e * 4, &c32, 4);
-            if (keep_own && d == me)
+            if (d == me && keep)
                 continue;
+            if (keep == 2) {
+                sent[d] += c;
+                continue;
+            }
             for (int64_t i = 0; i < c; i++)
                 memcpy(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes);
             sent[d] += c;
@@ -247,18 +253,18 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
  * over the slots j whose idx[t,j] >= 0 and whose expert idx[t,j] / m lives on an unmasked rank, in slot
  * order, each product rounded to float32 before its add, one rounding to BF16 at the end (the torch path's
  * y = f32(row) * w; acc += y; acc.to(bf16)). rows: row r at rows + r * row_ld (elements), num_rows of
- * them; idx values outside [-1, num_rows) -> return 1, nothing written. own_rows (NULL: none) holds the rows
- * of this rank's (me's) own experts where its combine send left them (keep_own): row i of local expert e,
- * i < sig[me*L + e], at own_rows + e * own_ld_e + (own_begin[e] + i) * own_ld_r (elements); an own_begin[e]
- * outside [0, own_rows_per_expert - sig[me*L + e]] or an own slot's row at or past its count -> return 1,
- * nothing written. */
+ * them; idx values outside [-1, num_rows) -> return 1, nothing written. src_addr (NULL: none) names the
+ * ranks whose rows lie elsewhere (struct row_redirect): rank d with src_addr[d] != 0 has row i of local
+ * expert e, i < sig[d*L + e], at src_addr[d] + e * src_ld[2d] + (src_begin[d*L + e] + i) * src_ld[2d + 1]
+ * (elements): this rank's own rows where its combine send left them (keep 1), a zero-copy source's in its
+ * send region (keep 2). A src_begin outside [0, rows_per_expert - sig[d*L + e]] for an unmasked such rank,
+ * or a slot of it at or past its count -> return 1, nothing written. */
 MULTIVERSION
 int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, int64_t num_local, int64_t num_ranks,
                                const int32_t *sig, const int32_t *mask, const int32_t *expected, const uint16_t *rows,
                                int64_t row_ld, int64_t num_rows, const int64_t *idx, const float *w, uint16_t *out,
-                               int64_t out_ld, uint16_t nan_bits, int64_t me, const uint16_t *own_rows,
-                               int64_t own_ld_e, int64_t own_ld_r, int64_t own_rows_per_expert,
-                               const int64_t *own_begin, int64_t *bad)
+                               int64_t out_ld, uint16_t nan_bits, const int64_t *src_addr, const int64_t *src_ld,
+                               const int64_t *src_begin, int64_t rows_per_expert, int64_t *bad)
 {
     const int64_t E = num_local * num_ranks;
     for (int64_t g = 0; g < E; g++) {
@@ -274,33 +280,37 @@ int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, 
     for (int64_t i = 0; i < n * k; i++)
         if (idx[i] < -1 || idx[i] >= num_rows)
             return 1;
-    struct row_redirect own = {own_rows, me * num_local * m, (me + 1) * num_local * m, m, own_ld_e, own_ld_r,
-                               own_begin};
-    if (own_rows) {
-        for (int64_t e = 0; e < num_local; e++)
-            if (own_begin[e] < 0 || own_begin[e] > own_rows_per_expert - sig[me * num_local + e])
+    struct row_redirect alt = {m, num_local, src_addr, src_ld, src_begin};
+    if (src_addr) {
+        for (int64_t g = 0; g < E; g++) {
+            if (!src_addr[g / num_local] || (mask && mask[g / num_local]))
+                continue;
+            if (src_begin[g] < 0 || src_begin[g] > rows_per_expert - sig[g])
                 return 1;
+        }
         for (int64_t i = 0; i < n * k; i++)
-            if (idx[i] >= own.lo && idx[i] < own.hi && (idx[i] - own.lo) % m >= sig[idx[i] / m])
+            if (idx[i] >= 0 && src_addr[idx[i] / (m * num_local)] && idx[i] % m >= sig[idx[i] / m])
                 return 1;
     }
     weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, mask, m * num_local,
-                           own_rows ? &own : NULL);
+                           src_addr ? &alt : NULL);
     return 0;
 }
 
 /* The call headers (int64 words, one header every hdr_words words; word 0 = seq << 16 | flags << 8 | op << 4
  * | status, word 1 = M, E, H) of every source s with mask[s] == 0 (mask NULL: all): 1 when each reads
- * call seq of op with status 0 and the flags and word 1 of this rank's own header (source me), else 0. */
+ * call seq of op with status 0 and the flags (but the bits of ignore_flags, a per-source choice) and word 1
+ * of this rank's own header (source me), else 0. */
 int64_t deepep_ll_headers_agree(int64_t num_ranks, int64_t me, const int64_t *hdr, int64_t hdr_words,
-                                const int32_t *mask, int64_t seq, int64_t op)
+                                const int32_t *mask, int64_t seq, int64_t op, int64_t ignore_flags)
 {
-    const int64_t mine0 = hdr[me * hdr_words] & 0xFF00, mine1 = hdr[me * hdr_words + 1];
+    const int64_t flags = 0xFF00 & ~(ignore_flags << 8);
+    const int64_t mine0 = hdr[me * hdr_words] & flags, mine1 = hdr[me * hdr_words + 1];
     for (int64_t s = 0; s < num_ranks; s++) {
         if (mask && mask[s])
             continue;
         const int64_t w0 = hdr[s * hdr_words], w1 = hdr[s * hdr_words + 1];
-        if ((w0 >> 16) != seq || ((w0 >> 4) & 0xF) != op || (w0 & 0xF) != 0 || (w0 & 0xFF00) != mine0 || w1 != mine1)
+        if ((w0 >> 16) != seq || ((w0 >> 4) & 0xF) != op || (w0 & 0xF) != 0 || (w0 & flags) != mine0 || w1 != mine1)
             return 0;
     }
     return 1;
