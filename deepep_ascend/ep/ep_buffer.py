@@ -40,6 +40,7 @@ from .protocol import (
     dtype_code,
 )
 from .reduce import CombineScratch, accumulate_rows
+from .stamps import stamp, stamp_matches
 
 __all__ = ["EPBuffer", "ElasticBuffer"]
 
@@ -600,6 +601,8 @@ class EPBuffer(BufferBase):
                 # on padding rows; a cached dispatch's come as bytes, masked here
                 if w_out is not None and not in_place_w:
                     w_out.copy_(weights_in).masked_fill_(recv_topk < 0, 0.0)
+                if w_out is not None:
+                    handle._masked_weights = stamp(w_out, recv_topk)
                 if out_sf is not None and col_major_sf:
                     out_sf.copy_(sf_rows)
                 return
@@ -987,6 +990,8 @@ class EPBuffer(BufferBase):
             return None
         recv_topk = handle._recv_topk_idx
         if not handle.do_expand:
+            if handle._masked_weights is not None and stamp_matches(handle._masked_weights, topk_weights, recv_topk):
+                return topk_weights  # the dispatch's own weights, unchanged: 0 wherever the id is -1 already
             return topk_weights.masked_fill(recv_topk < 0, 0.0)
         src_rows, slots, lanes = handle._expand
         w = torch.zeros(recv_topk.shape, dtype=torch.float32)

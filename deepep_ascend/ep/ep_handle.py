@@ -88,6 +88,9 @@ class EPHandle:
         self._num_valid = num_valid_tokens
         self._recv_topk_idx = recv_topk_idx  # [n, K] int64 local expert ids, -1 elsewhere
         self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function
+        # stamps.stamp of (recv_topk_weights, recv_topk_idx) as this dispatch returned them, weights 0 wherever the
+        # id is -1 (compact layout), or None: a combine handed them unchanged skips masking them again
+        self._masked_weights = None
 
     def _source_fields(self):
         if self._per_source is not None:

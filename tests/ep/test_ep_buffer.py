@@ -432,6 +432,34 @@ def test_handle_topk_idx_must_not_change(ep, comm):
         _ = handle.topk_idx
 
 
+def test_combine_weights_masked_unless_the_dispatchs_own(ep, comm):
+    """The compact combine masks the weights of slots that are not on this rank, except for the dispatch's own
+    ``recv_topk_weights`` handed back unchanged (0 there already): the same bits either way, and a write since the
+    dispatch, to the weights or to ``recv_topk_idx``, brings the mask back."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    x, _, topk_idx, w = _inputs(rank, R, 7, 8 * R, False)
+    recv_x, recv_ids, recv_w, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, topk_weights=w,
+                                                                   num_experts=8 * R))
+    y = recv_x.clone()
+    ok = True
+
+    def both(weights):  # the weights as given, and a copy of them (never the dispatch's own: always masked)
+        a = coll(lambda: ep.combine(y, handle, topk_weights=weights))
+        b = coll(lambda: ep.combine(y, handle, topk_weights=weights.clone()))
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    ok &= both(recv_w)  # unchanged: the mask is skipped
+    foreign = recv_ids < 0
+    recv_w.masked_fill_(foreign, 5.0)  # a write: nonzero weights where the slot is not here
+    ok &= both(recv_w)
+    recv_w.masked_fill_(foreign, 0.0)
+    if bool((recv_ids >= 0).any()):
+        recv_ids[recv_ids >= 0] = -1  # the ids changed in place: every slot now masked
+        combined, combined_w, _ = coll(lambda: ep.combine(y, handle, topk_weights=recv_w))
+        ok &= bool((combined_w == 0).all()) and both(recv_w)
+    all_ranks_ok(comm, ok, f"rank {rank}: the combine's weights differ between the masked and the skipped path")
+
+
 def test_bad_inputs_raise_on_every_rank(ep, comm):
     R, rank = comm.Get_size(), comm.Get_rank()
     E = 8 * R
