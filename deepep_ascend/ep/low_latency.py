@@ -57,12 +57,13 @@ regions. Every call first stamps its half (call number + 1, bytes 24-31 of the r
 header of that half); a receiver reads each source's stamp after its loads and refuses the rows if it
 moved (a seqlock against a third call in flight; docs/design/data-path.md, "Native dispatch").
 
-Native zero-copy combine (every live peer mapped, ``zero_copy=True``, ``M·S >= 2``): rows are not pushed
-either. The experts' outputs already lie in the sender's send region; the sender publishes its
-``layout_range`` (int64 ``[L, R]``) right after them (send-region offset ``E·M·2H``, inside its ``E·M·c``
-bytes), writes the counts and flags its header ``F_PULL``; each receiver sums its rows straight from the
-sources' send regions and then checks their stamps, as the dispatch does. A source's choice is its own:
-one call may mix pushed and pulled sources.
+Native zero-copy combine (every live peer mapped, ``zero_copy=True``, ``Layout.can_pull``: ``M·S >= 2``,
+and ``E·M·H % 4 == 0`` when ``M·S == 2``): rows are not pushed either. The experts' outputs already lie in
+the sender's send region; the sender publishes its ``layout_range`` (int64 ``[L, R]``) right after them
+(send-region offset ``E·M·2H`` rounded up to 8 bytes, inside its ``E·M·c`` bytes), writes the counts and
+flags its header ``F_PULL``; each receiver sums its rows straight from the sources' send regions and then
+checks their stamps, as the dispatch does. A source's choice is its own: one call may mix pushed and pulled
+sources.
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ class Layout:
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
         # A zero-copy combine's published layout_range, after the [L, R·M, H] rows in the send region (whose
-        # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2.
-        self.pull_off = self.send_off + num_experts * m * 2 * hidden
-        self.can_pull = m * self.S >= 2
+        # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2, but int64 words need an 8-byte
+        # boundary, which odd sizes push past the region when M·S == 2 (E·M·H % 4 != 0).
+        self.pull_off = self.send_off + align_up(num_experts * m * 2 * hidden, 8)
+        self.can_pull = m * self.S >= 2 and self.pull_off + 8 * num_experts <= self.recv_off
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
         self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
                                                     LOGFMT_TAIL_BYTES * self.S)  # per row

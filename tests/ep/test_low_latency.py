@@ -27,6 +27,7 @@ from deepep_ascend import (
     logfmt10_encode,
     logfmt10_wire_bytes,
 )
+from deepep_ascend.ep.low_latency import Layout
 from tests.support.buffer_helpers import (
     BF16,
     Checker,
@@ -506,6 +507,41 @@ def test_zero_copy_combine_mixed_with_pushes_and_hooks(buffers, comm):
         exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
         chk.same_bits(combined, exp, f"round {rnd}: zero_copy={zero_copy} hook={hook}")
     chk.finish("zero-copy combine read in place")
+
+
+@pytest.mark.parametrize("m, hidden, min_experts", [(1, 129, 2), (2, 127, 1), (2, 128, 1), (1, 128, 2), (1, 256, 1)])
+def test_zero_copy_combine_at_the_smallest_send_regions(comm, m, hidden, min_experts):
+    """Zero-copy combines whose send region barely holds the published layout_range after the rows (``M·S = 2``:
+    8E bytes, its int64 words at an 8-byte boundary, which odd ``E·M·H`` pushes past the region: (1, 129, E=2)
+    and (2, 127, E=1), so those push) or cannot (``M·S < 2``): mixed with pushes and hooks, in both halves, the
+    reference's bits."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E = -(-min_experts // R) * R
+    epr, K, n = E // R, min(2, E), m
+    lay = Layout(m, hidden, E, R)
+    chk = Checker(r)
+    chk.check(not lay.can_pull or (lay.pull_off % 8 == 0 and lay.pull_off + 8 * E <= lay.recv_off),
+              f"layout_range at {lay.pull_off} (+{8 * E}) past the send region ending at {lay.recv_off}")
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True), what="Buffer()")
+    try:
+        for rnd, (zero_copy, hook) in enumerate([(True, False), (r % 2 == 0, True), (True, True), (r % 2 == 1, False)]):
+            x, idx = make_inputs(120 + rnd, r, R, n, hidden, E, K)
+            recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False),
+                                           what="dispatch")
+            y = expert_outputs(recv_x, r, epr, False)
+            if zero_copy:
+                buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd * 100 + r))
+            combined, _, wait = coll(lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy,
+                                                                     return_recv_hook=hook), what="combine")
+            if hook:
+                coll(wait, what="combine hook")
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, hidden)
+            chk.same_bits(combined, exp, f"M={m} H={hidden} E={E} round {rnd}: zero_copy={zero_copy} hook={hook}")
+    finally:
+        coll(buf.destroy, what="destroy")
+    chk.finish("zero-copy combine, smallest send regions")
 
 
 @pytest.mark.mpi(min_size=2)
