@@ -482,6 +482,43 @@ def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, com
     all_ranks_ok(comm, ok, f"rank 0's buffer came back at {returned:.4f}, before rank 1 issued the call at {late:.4f}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_buffer_during_an_async_receive_waits_for_the_peers_reads(comm):
+    """As with a pending hook: rank 0, whose call #k+1 is still receiving on the worker (``async_finish``), asks
+    for call #k+2's zero-copy buffer (the half of call #k, a zero-copy combine) and fills it, while the other
+    ranks call call #k's hook late (reading rank 0's rows in place). The buffer comes back only once they
+    issued #k+1, so their sums have the reference's bits and no stamp moves under them."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K, n = 2 * R, 16, 256, 3, 12
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x, idx = make_inputs(130, r, R, n, H, E, K)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+    chk = Checker(r)
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+
+    def run():
+        combined, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True, return_recv_hook=r != 0)
+        if r == 0:
+            _, _, _, event, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, async_finish=True)
+            buf.get_next_low_latency_combine_buffer(handle).fill_(7.0)  # call #k+2's expert outputs
+            event.current_stream_wait()
+        else:
+            time.sleep(0.2)
+            hook()
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        return combined
+
+    combined, exc = capture(run)
+    if chk.check(exc is None, f"rank {r}: {exc!r}"):
+        chk.same_bits(combined, exp, "zero-copy combine read while a peer's async receive was pending")
+    _, dexc = capture(buf.destroy)
+    chk.check(dexc is None, f"destroy: {dexc!r}")
+    chk.finish("zero-copy buffer during an async receive")
+
+
 def test_zero_copy_combine_mixed_with_pushes_and_hooks(buffers, comm):
     """A zero-copy combine's rows stay in each source's send region, where the receivers read them (native path):
     ranks choosing ``zero_copy`` differently in one call, and in hook mode, give the reference's bits."""
