@@ -988,7 +988,7 @@ class LowLatencyEngine:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
         if pull:
-            self._view(("lr_out", base, L), lambda: self.tp.local_view(
+            self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
                 self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
         native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
                                base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own, keep_all=pull)
@@ -1041,7 +1041,7 @@ class LowLatencyEngine:
                 sources[d] = (self._view(("psend", d, base, L, M, H), lambda d=d: self.tp.peer_view(
                                   self.win, d, base + lay.send_off, L * self.R * M * 2 * H,
                                   torch.bfloat16).view(L, self.R * M, H)),
-                              self._view(("plr", d, base, L), lambda d=d: self.tp.peer_view(
+                              self._view(("plr", d, base + lay.pull_off, L), lambda d=d: self.tp.peer_view(
                                   self.win, d, base + lay.pull_off, 8 * L * self.R,
                                   torch.int64).view(L, self.R).numpy())[:, me] >> 32)
         bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M,

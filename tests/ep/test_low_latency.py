@@ -581,6 +581,34 @@ def test_zero_copy_combine_at_the_smallest_send_regions(comm, m, hidden, min_exp
     chk.finish("zero-copy combine, smallest send regions")
 
 
+def test_zero_copy_combines_changing_shapes_in_one_half(comm):
+    """Zero-copy combines of changing ``(M, H)`` (same ``E``), each in the same half: the published layout_range
+    moves with the rows' end (``E·M·2H``), and neither its writer nor its readers may use the previous call's
+    place (which may now lie inside the rows); mixed with a hook, the reference's bits every time."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, K = 2 * R, 3
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(32, 512, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True), what="Buffer()")
+    chk = Checker(r)
+    try:
+        for rnd, (M, H) in enumerate([(8, 256), (16, 256), (8, 512), (32, 128), (8, 256), (16, 384)]):
+            x, idx = make_inputs(140 + rnd, r, R, 8, H, E, K)
+            recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+                                           what="dispatch")
+            buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+            w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd))
+            hook = rnd % 2 == 1 and r == 0
+            combined, _, wait = coll(lambda: buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True,
+                                                                     return_recv_hook=hook), what="combine")
+            if hook:
+                wait()
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+            chk.same_bits(combined, exp, f"round {rnd}: M={M} H={H}")
+    finally:
+        coll(buf.destroy, what="destroy")
+    chk.finish("zero-copy combines of changing shapes")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_zero_copy_combine_refuses_a_rewritten_source(comm):
     """A receiver that finds a zero-copy source's stamp moved after reading its rows (the source began rewriting its
