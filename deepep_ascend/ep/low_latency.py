@@ -1044,15 +1044,32 @@ class LowLatencyEngine:
                               self._view(("plr", d, base + lay.pull_off, L), lambda d=d: self.tp.peer_view(
                                   self.win, d, base + lay.pull_off, 8 * L * self.R,
                                   torch.int64).view(L, self.R).numpy())[:, me] >> 32)
-        bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M,
-                                     sources)
+        error = None
+        try:
+            bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts,
+                                         self._mask_arg(), M, sources)
+        except ValueError as exc:  # a rewritten source's begins fail the kernel's checks: the stamps say why
+            bad, error = (), exc
+        # Outside the handler, so that the stamps' error has no context (whose frames would hold window views), and
+        # before judging the counts, which such a source moves too.
+        self._check_pulled_stamps(h, seq, pulled, phase)
+        if error is not None:
+            raise error
         if bad:
             g, got, want = bad
             raise LowLatencyRefused(
                 f"rank {self.rank}: {phase}: rank {g // L} returned {got} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {want} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
-        for d in pulled:  # after every load (x86 keeps loads in order): a moved stamp means torn rows
+
+    def _check_pulled_stamps(self, h: int, seq: int, pulled: list[int], phase: str) -> None:
+        """After every load of call ``seq``'s rows from the ``pulled`` sources' send regions of half ``h`` (x86 keeps
+        loads in order): their stamps still read ``seq + 1``.
+
+        Raises:
+            RuntimeError: a source's stamp moved (it began rewriting the region: the rows read may be torn).
+        """
+        for d in pulled:
             now = ctypes.c_int64.from_address(self._stamp_addrs[h][d]).value
             if now != seq + 1:
                 raise RuntimeError(

@@ -610,10 +610,13 @@ def test_zero_copy_combines_changing_shapes_in_one_half(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_zero_copy_combine_refuses_a_rewritten_source(comm):
+@pytest.mark.parametrize("torn_layout", [False, True])
+def test_zero_copy_combine_refuses_a_rewritten_source(comm, torn_layout):
     """A receiver that finds a zero-copy source's stamp moved after reading its rows (the source began rewriting its
-    send region: a third LL call in flight) raises instead of returning the sum, naming the source and both calls.
-    White-box: rank 1 restamps its half just before it signals, as such a source would."""
+    send region: a third LL call in flight) raises instead of returning the sum, naming the source and both calls,
+    also when the rewrite already reached the published layout_range (whose begins then fail the kernel's checks).
+    White-box: rank 1 restamps its half (and with ``torn_layout`` overwrites its layout_range) just before it
+    signals, as such a source would."""
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K, n = 2 * R, 16, 256, 3, 12
     buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
@@ -625,7 +628,14 @@ def test_zero_copy_combine_refuses_a_rewritten_source(comm):
     buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
     if r == 1:
         real = eng._signal
-        eng._signal = lambda dst, h, hdr, seq: (eng._stamp(h, seq + 7), real(dst, h, hdr, seq))
+        lay = Layout(M, H, E, R)
+
+        def rewrite(h, seq):
+            eng._stamp(h, seq + 7)
+            if torn_layout:  # call #8's bytes: begins far past the rows
+                eng.tp.local_view(eng.win, h * eng.half + lay.pull_off, 8 * E, torch.int64).fill_(1 << 40)
+
+        eng._signal = lambda dst, h, hdr, seq: (rewrite(h, seq), real(dst, h, hdr, seq))
     _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, zero_copy=True))
     eng.__dict__.pop("_signal", None)
     ok = r == 1 or not native_path or (isinstance(exc, RuntimeError) and "source rank 1 began rewriting its send "
