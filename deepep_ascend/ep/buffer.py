@@ -1253,7 +1253,13 @@ class Buffer:
 
         Fill it, then call ``low_latency_combine(..., zero_copy=True)`` as the very next LL call
         (another LL call in between is refused: its data would sit in the other half). The view
-        is window memory: drop it before :meth:`destroy`.
+        is window memory: drop it before :meth:`destroy`. On one node, while the last LL call's hook or
+        ``async_finish`` receive is pending, it returns once every peer has issued that call (peers may
+        still read the call before it from this half until then).
+
+        Raises:
+            transports.TransportTimeout: (not with ``enable_shrink``) a peer did not issue that call by the
+                deadline.
         """
         ll = self._ll_usable("get_next_low_latency_combine_buffer")
         try:
@@ -1263,6 +1269,8 @@ class Buffer:
                                      op="get_next_low_latency_combine_buffer")
         except Rejected as rej:
             raise rej.exc from None
+        if ll.native_path():  # an async_finish receive ends once every peer issued its call, as a hook's wait below
+            self._worker.drain()
         return ll.combine_buffer(lay)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

@@ -57,12 +57,13 @@ regions. Every call first stamps its half (call number + 1, bytes 24-31 of the r
 header of that half); a receiver reads each source's stamp after its loads and refuses the rows if it
 moved (a seqlock against a third call in flight; docs/design/data-path.md, "Native dispatch").
 
-Native zero-copy combine (every live peer mapped, ``zero_copy=True``, ``M·S >= 2``): rows are not pushed
-either. The experts' outputs already lie in the sender's send region; the sender publishes its
-``layout_range`` (int64 ``[L, R]``) right after them (send-region offset ``E·M·2H``, inside its ``E·M·c``
-bytes), writes the counts and flags its header ``F_PULL``; each receiver sums its rows straight from the
-sources' send regions and then checks their stamps, as the dispatch does. A source's choice is its own:
-one call may mix pushed and pulled sources.
+Native zero-copy combine (every live peer mapped, ``zero_copy=True``, ``Layout.can_pull``: ``M·S >= 2``,
+and ``E·M·H % 4 == 0`` when ``M·S == 2``): rows are not pushed either. The experts' outputs already lie in
+the sender's send region; the sender publishes its ``layout_range`` (int64 ``[L, R]``) right after them
+(send-region offset ``E·M·2H`` rounded up to 8 bytes, inside its ``E·M·c`` bytes), writes the counts and
+flags its header ``F_PULL``; each receiver sums its rows straight from the sources' send regions and then
+checks their stamps, as the dispatch does. A source's choice is its own: one call may mix pushed and pulled
+sources.
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ class Layout:
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
         # A zero-copy combine's published layout_range, after the [L, R·M, H] rows in the send region (whose
-        # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2.
-        self.pull_off = self.send_off + num_experts * m * 2 * hidden
-        self.can_pull = m * self.S >= 2
+        # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2, but int64 words need an 8-byte
+        # boundary, which odd sizes push past the region when M·S == 2 (E·M·H % 4 != 0).
+        self.pull_off = self.send_off + align_up(num_experts * m * 2 * hidden, 8)
+        self.can_pull = m * self.S >= 2 and self.pull_off + 8 * num_experts <= self.recv_off
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
         self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
                                                     LOGFMT_TAIL_BYTES * self.S)  # per row
@@ -986,7 +988,7 @@ class LowLatencyEngine:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
         if pull:
-            self._view(("lr_out", base, L), lambda: self.tp.local_view(
+            self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
                 self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
         native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
                                base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own, keep_all=pull)
@@ -1039,18 +1041,35 @@ class LowLatencyEngine:
                 sources[d] = (self._view(("psend", d, base, L, M, H), lambda d=d: self.tp.peer_view(
                                   self.win, d, base + lay.send_off, L * self.R * M * 2 * H,
                                   torch.bfloat16).view(L, self.R * M, H)),
-                              self._view(("plr", d, base, L), lambda d=d: self.tp.peer_view(
+                              self._view(("plr", d, base + lay.pull_off, L), lambda d=d: self.tp.peer_view(
                                   self.win, d, base + lay.pull_off, 8 * L * self.R,
                                   torch.int64).view(L, self.R).numpy())[:, me] >> 32)
-        bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts, self._mask_arg(), M,
-                                     sources)
+        error = None
+        try:
+            bad = native.ll_combine_recv(combined, rows, route.slots, topk_weights, sig, route.counts,
+                                         self._mask_arg(), M, sources)
+        except ValueError as exc:  # a rewritten source's begins fail the kernel's checks: the stamps say why
+            bad, error = (), exc
+        # Outside the handler, so that the stamps' error has no context (whose frames would hold window views), and
+        # before judging the counts, which such a source moves too.
+        self._check_pulled_stamps(h, seq, pulled, phase)
+        if error is not None:
+            raise error
         if bad:
             g, got, want = bad
             raise LowLatencyRefused(
                 f"rank {self.rank}: {phase}: rank {g // L} returned {got} rows of expert {g}, but this rank's "
                 f"topk_idx selects it {want} times; combine needs the topk_idx of the dispatch that "
                 f"made the handle, on every rank")
-        for d in pulled:  # after every load (x86 keeps loads in order): a moved stamp means torn rows
+
+    def _check_pulled_stamps(self, h: int, seq: int, pulled: list[int], phase: str) -> None:
+        """After every load of call ``seq``'s rows from the ``pulled`` sources' send regions of half ``h`` (x86 keeps
+        loads in order): their stamps still read ``seq + 1``.
+
+        Raises:
+            RuntimeError: a source's stamp moved (it began rewriting the region: the rows read may be torn).
+        """
+        for d in pulled:
             now = ctypes.c_int64.from_address(self._stamp_addrs[h][d]).value
             if now != seq + 1:
                 raise RuntimeError(

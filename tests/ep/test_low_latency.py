@@ -27,6 +27,7 @@ from deepep_ascend import (
     logfmt10_encode,
     logfmt10_wire_bytes,
 )
+from deepep_ascend.ep.low_latency import Layout
 from tests.support.buffer_helpers import (
     BF16,
     Checker,
@@ -481,6 +482,43 @@ def test_zero_copy_buffer_before_the_hook_waits_for_the_peers_loads(buffers, com
     all_ranks_ok(comm, ok, f"rank 0's buffer came back at {returned:.4f}, before rank 1 issued the call at {late:.4f}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_zero_copy_buffer_during_an_async_receive_waits_for_the_peers_reads(comm):
+    """As with a pending hook: rank 0, whose call #k+1 is still receiving on the worker (``async_finish``), asks
+    for call #k+2's zero-copy buffer (the half of call #k, a zero-copy combine) and fills it, while the other
+    ranks call call #k's hook late (reading rank 0's rows in place). The buffer comes back only once they
+    issued #k+1, so their sums have the reference's bits and no stamp moves under them."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K, n = 2 * R, 16, 256, 3, 12
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    x, idx = make_inputs(130, r, R, n, H, E, K)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+    chk = Checker(r)
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+
+    def run():
+        combined, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True, return_recv_hook=r != 0)
+        if r == 0:
+            _, _, _, event, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, async_finish=True)
+            buf.get_next_low_latency_combine_buffer(handle).fill_(7.0)  # call #k+2's expert outputs
+            event.current_stream_wait()
+        else:
+            time.sleep(0.2)
+            hook()
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        return combined
+
+    combined, exc = capture(run)
+    if chk.check(exc is None, f"rank {r}: {exc!r}"):
+        chk.same_bits(combined, exp, "zero-copy combine read while a peer's async receive was pending")
+    _, dexc = capture(buf.destroy)
+    chk.check(dexc is None, f"destroy: {dexc!r}")
+    chk.finish("zero-copy buffer during an async receive")
+
+
 def test_zero_copy_combine_mixed_with_pushes_and_hooks(buffers, comm):
     """A zero-copy combine's rows stay in each source's send region, where the receivers read them (native path):
     ranks choosing ``zero_copy`` differently in one call, and in hook mode, give the reference's bits."""
@@ -508,11 +546,77 @@ def test_zero_copy_combine_mixed_with_pushes_and_hooks(buffers, comm):
     chk.finish("zero-copy combine read in place")
 
 
+@pytest.mark.parametrize("m, hidden, min_experts", [(1, 129, 2), (2, 127, 1), (2, 128, 1), (1, 128, 2), (1, 256, 1)])
+def test_zero_copy_combine_at_the_smallest_send_regions(comm, m, hidden, min_experts):
+    """Zero-copy combines whose send region barely holds the published layout_range after the rows (``M·S = 2``:
+    8E bytes, its int64 words at an 8-byte boundary, which odd ``E·M·H`` pushes past the region: (1, 129, E=2)
+    and (2, 127, E=1), so those push) or cannot (``M·S < 2``): mixed with pushes and hooks, in both halves, the
+    reference's bits."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E = -(-min_experts // R) * R
+    epr, K, n = E // R, min(2, E), m
+    lay = Layout(m, hidden, E, R)
+    chk = Checker(r)
+    chk.check(not lay.can_pull or (lay.pull_off % 8 == 0 and lay.pull_off + 8 * E <= lay.recv_off),
+              f"layout_range at {lay.pull_off} (+{8 * E}) past the send region ending at {lay.recv_off}")
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True), what="Buffer()")
+    try:
+        for rnd, (zero_copy, hook) in enumerate([(True, False), (r % 2 == 0, True), (True, True), (r % 2 == 1, False)]):
+            x, idx = make_inputs(120 + rnd, r, R, n, hidden, E, K)
+            recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False),
+                                           what="dispatch")
+            y = expert_outputs(recv_x, r, epr, False)
+            if zero_copy:
+                buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd * 100 + r))
+            combined, _, wait = coll(lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy,
+                                                                     return_recv_hook=hook), what="combine")
+            if hook:
+                coll(wait, what="combine hook")
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, hidden)
+            chk.same_bits(combined, exp, f"M={m} H={hidden} E={E} round {rnd}: zero_copy={zero_copy} hook={hook}")
+    finally:
+        coll(buf.destroy, what="destroy")
+    chk.finish("zero-copy combine, smallest send regions")
+
+
+def test_zero_copy_combines_changing_shapes_in_one_half(comm):
+    """Zero-copy combines of changing ``(M, H)`` (same ``E``), each in the same half: the published layout_range
+    moves with the rows' end (``E·M·2H``), and neither its writer nor its readers may use the previous call's
+    place (which may now lie inside the rows); mixed with a hook, the reference's bits every time."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, K = 2 * R, 3
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(32, 512, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True), what="Buffer()")
+    chk = Checker(r)
+    try:
+        for rnd, (M, H) in enumerate([(8, 256), (16, 256), (8, 512), (32, 128), (8, 256), (16, 384)]):
+            x, idx = make_inputs(140 + rnd, r, R, 8, H, E, K)
+            recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+                                           what="dispatch")
+            buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
+            w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd))
+            hook = rnd % 2 == 1 and r == 0
+            combined, _, wait = coll(lambda: buf.low_latency_combine(recv_x, idx, w, handle, zero_copy=True,
+                                                                     return_recv_hook=hook), what="combine")
+            if hook:
+                wait()
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+            chk.same_bits(combined, exp, f"round {rnd}: M={M} H={H}")
+    finally:
+        coll(buf.destroy, what="destroy")
+    chk.finish("zero-copy combines of changing shapes")
+
+
 @pytest.mark.mpi(min_size=2)
-def test_zero_copy_combine_refuses_a_rewritten_source(comm):
+@pytest.mark.parametrize("torn_layout", [False, True])
+def test_zero_copy_combine_refuses_a_rewritten_source(comm, torn_layout):
     """A receiver that finds a zero-copy source's stamp moved after reading its rows (the source began rewriting its
-    send region: a third LL call in flight) raises instead of returning the sum, naming the source and both calls.
-    White-box: rank 1 restamps its half just before it signals, as such a source would."""
+    send region: a third LL call in flight) raises instead of returning the sum, naming the source and both calls,
+    also when the rewrite already reached the published layout_range (whose begins then fail the kernel's checks).
+    White-box: rank 1 restamps its half (and with ``torn_layout`` overwrites its layout_range) just before it
+    signals, as such a source would."""
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K, n = 2 * R, 16, 256, 3, 12
     buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
@@ -524,7 +628,14 @@ def test_zero_copy_combine_refuses_a_rewritten_source(comm):
     buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
     if r == 1:
         real = eng._signal
-        eng._signal = lambda dst, h, hdr, seq: (eng._stamp(h, seq + 7), real(dst, h, hdr, seq))
+        lay = Layout(M, H, E, R)
+
+        def rewrite(h, seq):
+            eng._stamp(h, seq + 7)
+            if torn_layout:  # call #8's bytes: begins far past the rows
+                eng.tp.local_view(eng.win, h * eng.half + lay.pull_off, 8 * E, torch.int64).fill_(1 << 40)
+
+        eng._signal = lambda dst, h, hdr, seq: (rewrite(h, seq), real(dst, h, hdr, seq))
     _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, zero_copy=True))
     eng.__dict__.pop("_signal", None)
     ok = r == 1 or not native_path or (isinstance(exc, RuntimeError) and "source rank 1 began rewriting its send "
