@@ -154,6 +154,9 @@ class Layout:
         # boundary, which odd sizes push past the region when M·S == 2 (E·M·H % 4 != 0).
         self.pull_off = self.send_off + align_up(num_experts * m * 2 * hidden, 8)
         self.can_pull = m * self.S >= 2 and self.pull_off + 8 * num_experts <= self.recv_off
+        # The native kernels view the recv region as int32 (the dispatch's index table): odd sizes (tiny or odd H,
+        # when M·d outgrows E·M·c) leave it off a 4-byte boundary, and such calls take the torch path.
+        self.native_ok = self.recv_off % 4 == 0
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
         self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
                                                     LOGFMT_TAIL_BYTES * self.S)  # per row
@@ -616,7 +619,7 @@ class LowLatencyEngine:
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
-        if route is not None and route.m == M and self.native_path():
+        if route is not None and route.m == M and lay.native_ok and self.native_path():
             return self._dispatch_native(x, topk_idx, lay, seq, h, flags, scale_words, use_fp8, round_scale,
                                          use_ue8m0, cum_stats, wait_stats, route)
         if _PH.on:
@@ -935,7 +938,7 @@ class LowLatencyEngine:
         flags = F_LOGFMT if use_logfmt else 0
         src = (self.tp.local_view(self.win, base + lay.send_off, L * R * M * 2 * H, torch.bfloat16).view(L, R * M, H)
                if zero_copy else x)
-        if not use_logfmt and (src.stride(2) == 1 or H == 1) and self.native_path():
+        if not use_logfmt and (src.stride(2) == 1 or H == 1) and lay.native_ok and self.native_path():
             if not isinstance(route, NativeRoute) or route.m != M:
                 route = self.native_route(topk_idx, lay)
             return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route,

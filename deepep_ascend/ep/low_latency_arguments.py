@@ -33,13 +33,19 @@ def low_latency_layout(m: int, hidden: int, num_experts: int, *, num_ranks: int,
     same shape: read it, never change it).
 
     Raises:
-        Rejected: ``ValueError`` when ``num_rdma_bytes`` is below :func:`low_latency.size_hint`.
+        Rejected: ``ValueError`` when ``num_rdma_bytes`` is below :func:`low_latency.size_hint`, or when DeepEP's
+            layout puts the receive region at an odd byte (hidden 1 or 3 with an odd ``M`` and at most 3 experts:
+            ``M·d`` odd and above ``E·M·c``), where no BF16 row can be addressed.
     """
     lay, need = _layout(m, hidden, num_experts, num_ranks)
     if num_rdma_bytes < need:
         check(False, ValueError,
               f"{op}: num_rdma_bytes={num_rdma_bytes} is below get_low_latency_rdma_size_hint(M={m}, "
               f"H={hidden}, R={num_ranks}, E={num_experts}) = {need} B that this call needs")
+    if lay.recv_off % 2:
+        check(False, ValueError,
+              f"{op}: (M={m}, H={hidden}, E={num_experts}) puts the receive region at the odd byte {lay.recv_off} "
+              f"of DeepEP's low-latency layout, where BF16 rows cannot lie; use an even hidden (or M) for this size")
     return lay
 
 

@@ -581,6 +581,47 @@ def test_zero_copy_combine_at_the_smallest_send_regions(comm, m, hidden, min_exp
     chk.finish("zero-copy combine, smallest send regions")
 
 
+@pytest.mark.parametrize("m, hidden, experts_per_rank", [(2, 1, 1), (1, 131, 1), (3, 2, 1), (2, 128, 2)])
+def test_odd_sizes_whose_recv_region_is_unaligned_take_the_torch_path(comm, m, hidden, experts_per_rank):
+    """Sizes whose recv region starts off a 4-byte boundary (``M·d`` above ``E·M·c``: tiny or odd hidden, few
+    experts; the native kernels view it as int32) run on the torch path, dispatch and combine, zero-copy too:
+    the reference's bits (before, the native dispatch aborted the job). An odd start, where no BF16 row can
+    lie, is refused on every rank before anything moves."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E = experts_per_rank * R
+    K, n = min(2, E), m
+    lay = Layout(m, hidden, E, R)
+    if R == 1:
+        odd = Layout(3, 3, 1, 1)
+        big = Buffer.get_low_latency_rdma_size_hint(3, 3, 1, 1)
+        b = Buffer(None, 0, big, low_latency_mode=True, comm=comm, explicitly_destroy=True)
+        _, exc = capture(lambda: b.low_latency_dispatch(torch.zeros(3, 3, dtype=BF16),
+                                                        torch.zeros(3, 1, dtype=torch.int64), 3, 1, use_fp8=False))
+        b.destroy()
+        assert odd.recv_off % 2 and isinstance(exc, ValueError) and "odd byte" in str(exc), repr(exc)
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, E), low_latency_mode=True,
+                              comm=comm, explicitly_destroy=True), what="Buffer()")
+    chk = Checker(r)
+    try:
+        for rnd, zero_copy in enumerate((False, True)):
+            x, idx = make_inputs(140 + rnd, r, R, n, hidden, E, K)
+            recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False),
+                                           what="dispatch")
+            ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, m)
+            chk.same_bits(recv_x, ref.recv_x, f"M={m} H={hidden} E={E} (recv at {lay.recv_off}): dispatch")
+            y = expert_outputs(recv_x, r, experts_per_rank, False)
+            if zero_copy:
+                buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rnd * 100 + r))
+            combined, _, _ = coll(lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy),
+                                  what="combine")
+            exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, hidden)
+            chk.same_bits(combined, exp, f"M={m} H={hidden} E={E}: combine zero_copy={zero_copy}")
+    finally:
+        coll(buf.destroy, what="destroy")
+    chk.finish("odd sizes")
+
+
 def test_zero_copy_combines_changing_shapes_in_one_half(comm):
     """Zero-copy combines of changing ``(M, H)`` (same ``E``), each in the same half: the published layout_range
     moves with the rows' end (``E·M·2H``), and neither its writer nor its readers may use the previous call's
