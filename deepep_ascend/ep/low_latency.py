@@ -571,15 +571,17 @@ class LowLatencyEngine:
             pending = still
             slice_s = min(2 * slice_s, 1e-3)
 
-    def _check_headers(self, h, seq, op, lay, flags):
-        """Every live source's header against ours; refusals and disagreements raise on every rank."""
+    def _check_headers(self, h, seq, op, lay, flags) -> bool:
+        """Every live source's header against ours; refusals and disagreements raise on every rank. Returns
+        whether a live source's header says ``F_PULL`` (a combine whose rows stay in the sources' send regions)."""
         if _PH.on:
             _PH.switch("control")
         hdr = self._view(("hdr", h), lambda: self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES,
                                                                  torch.int64).view(self.R, HDR_BYTES // 8))
         ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
-        if native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore):  # one pass; else say why below
-            return
+        agreed = native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore)
+        if agreed:  # one pass; else say why below
+            return agreed == 3
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
         words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
         problems = []
@@ -603,6 +605,7 @@ class LowLatencyEngine:
         if problems:
             raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq + 1} refused on every rank: "
                                     + "; ".join(problems))
+        return op == OP_COMBINE and bool(self._pulled_sources(h))
 
     # -- dispatch ----------------------------------------------------------------------
     def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats,
@@ -1027,13 +1030,13 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("wait: signals")
         self._wait_sources(h, seq + 1, phase, wait_stats)
-        self._check_headers(h, seq, OP_COMBINE, lay, 0)
+        any_pulled = self._check_headers(h, seq, OP_COMBINE, lay, 0)
         if _PH.on:
             _PH.switch("reduce")
         sig = self._counts_view(base, L)
         rows = self._view(("crows", base, lay.recv_off, E * M, H), lambda: self.tp.local_view(
             self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H))
-        pulled = [d for d in self._pulled_sources(h) if d != self.rank]
+        pulled = [d for d in self._pulled_sources(h) if d != self.rank] if any_pulled else []
         sources = None
         if own is not None or pulled:
             sources = [None] * self.R
@@ -1158,9 +1161,8 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("wait: signals")
         self._wait_sources(h, need, phase, wait_stats)
-        self._check_headers(h, seq, OP_COMBINE, lay, flags)
-        pulled = self._pulled_sources(h)
-        if pulled:  # their rows stayed in their send regions, which only the native receive reads
+        if self._check_headers(h, seq, OP_COMBINE, lay, flags):  # rows left in place: only the native path reads them
+            pulled = self._pulled_sources(h)
             raise LowLatencyRefused(
                 f"rank {me}: {phase}: rank(s) {pulled} left their rows in place for the native receive (a zero-copy "
                 f"combine), but this rank receives on the torch path (URMA peers, or DEEPEP_ASCEND_NATIVE=0 here "

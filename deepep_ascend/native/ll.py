@@ -292,14 +292,17 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         raise ValueError(f"deepep_ascend.native.{op}: out must be [{n}, H] and rows [E·M, H] bfloat16 matrices with "
                          f"unit column stride and rows apart, got {tuple(getattr(out, 'shape', ()))} and "
                          f"{tuple(getattr(rows, 'shape', ()))}")
-    addr = ld = begins = None
+    addr_p = ld_p = begins_p = 0
     if sources is not None:
         if len(sources) != num_ranks:
             raise ValueError(f"deepep_ascend.native.{op}: sources must have one entry per rank ({num_ranks}), got "
                              f"{len(sources)}")
-        addr = np.zeros(num_ranks, dtype=np.int64)
-        ld = np.zeros(2 * num_ranks, dtype=np.int64)
-        begins = np.zeros((num_ranks, num_local), dtype=np.int64)
+        # one int64 block [addr R | ld 2R | begins R·L] (one allocation, one ctypes address: each costs a microsecond)
+        meta = np.zeros(num_ranks * (3 + num_local), dtype=np.int64)
+        addr, ld = meta[:num_ranks], meta[num_ranks:3 * num_ranks]
+        begins = meta[3 * num_ranks:].reshape(num_ranks, num_local)
+        addr_p = meta.ctypes.data
+        ld_p, begins_p = addr_p + 8 * num_ranks, addr_p + 24 * num_ranks
         hidden = out.shape[1]
         for d, entry in enumerate(sources):
             if entry is None:
@@ -319,9 +322,8 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     (num_rows, hidden), row_ld = rows.shape, rows.stride(0)
     status = fn(n, k, hidden, m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
                 expected.data_ptr(), rows.data_ptr(), row_ld, num_rows, slots.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS,
-                0 if addr is None else addr.ctypes.data, 0 if ld is None else ld.ctypes.data,
-                0 if begins is None else begins.ctypes.data, num_ranks * m, bad)
+                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, addr_p, ld_p, begins_p, num_ranks * m,
+                bad)
     if status == 2:
         return tuple(bad)
     if status:
@@ -350,11 +352,12 @@ def _expert_rows_ok(t, num_local: int, rm: int, hidden: int | None = None) -> bo
 
 
 def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int,
-                     ignore_flags: int = 0) -> bool | None:
+                     ignore_flags: int = 0) -> int | None:
     """Whether every unmasked source's call header (``hdr`` ``[R, W]`` contiguous int64, word 0 = ``seq << 16 |
     flags << 8 | op << 4 | status``, word 1 = ``M, E, H``) reads call ``seq`` of ``op_code`` with status 0 and
-    the flags (but the bits of ``ignore_flags``, a per-source choice) and word 1 of this rank's (row ``me``).
-    None where the kernel is not loaded.
+    the flags (but the bits of ``ignore_flags``, a per-source choice) and word 1 of this rank's (row ``me``):
+    0 when not; else 1, or 3 when an unmasked source's header sets a bit of ``ignore_flags``. None where the
+    kernel is not loaded.
 
     Raises:
         ValueError: ``hdr`` not such a tensor, ``me`` outside its rows.
@@ -368,7 +371,7 @@ def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq:
     if not 0 <= me < rows or words < 2:
         raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {rows} headers of {words} words (>= 2 "
                          f"needed)")
-    return bool(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code, ignore_flags))
+    return int(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code, ignore_flags))
 
 
 def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool = False) -> bool:

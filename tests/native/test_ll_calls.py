@@ -356,7 +356,9 @@ def test_headers_agree():
     pulled = hdr.clone()  # a flag a source chooses alone (a combine's F_PULL) is ignored when asked
     pulled[0, 0] |= 8 << 8
     assert not native.ll_headers_agree(pulled, 1, None, seq, op)
-    assert native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=8)
+    assert native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=8) == 3  # 2: a source set it
+    assert native.ll_headers_agree(hdr, 1, None, seq, op, ignore_flags=8) == 1
+    assert native.ll_headers_agree(pulled, 1, torch.tensor([1, 0, 0], dtype=torch.int32), seq, op, 8) == 1  # masked
     assert not native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=4)
     with pytest.raises(ValueError, match="rank 3 outside"):
         native.ll_headers_agree(hdr, 3, None, seq, op)
