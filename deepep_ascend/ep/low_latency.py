@@ -576,8 +576,7 @@ class LowLatencyEngine:
         whether a live source's header says ``F_PULL`` (a combine whose rows stay in the sources' send regions)."""
         if _PH.on:
             _PH.switch("control")
-        hdr = self._view(("hdr", h), lambda: self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES,
-                                                                 torch.int64).view(self.R, HDR_BYTES // 8))
+        hdr = self._header_rows(h)
         ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
         agreed = native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore)
         if agreed:  # one pass; else say why below
@@ -1084,12 +1083,15 @@ class LowLatencyEngine:
                     f"most two LL calls may be in flight: receive call k before issuing call k+2 "
                     f"(docs/semantics/deepep-api.md §6.6)")
 
+    def _header_rows(self, h: int) -> torch.Tensor:
+        """int64 ``[R, HDR_BYTES / 8]`` view of the sources' call headers of half ``h`` in this rank's ``ll_ctl``."""
+        return self._view(("hdr", h), lambda: self.tp.local_view(
+            self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES, torch.int64).view(self.R, HDR_BYTES // 8))
+
     def _pulled_sources(self, h: int) -> list[int]:
         """The live sources whose header of half ``h`` (already checked to be this call's) says ``F_PULL``: their
         rows stay in their send regions."""
-        words = self._view(("hdr_np", h), lambda: self.tp.local_view(
-            self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES, torch.int64).view(self.R, HDR_BYTES // 8).numpy())
-        flagged = np.flatnonzero((words[:, 0] >> 8) & F_PULL)
+        flagged = np.flatnonzero((self._header_rows(h).numpy()[:, 0] >> 8) & F_PULL)
         masked = self.masked()
         return [int(d) for d in flagged if not masked[d]]
 

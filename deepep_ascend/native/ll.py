@@ -342,7 +342,7 @@ def _matrices_ok(n: int, out_shape, out_strides, rows_shape, rows_strides) -> bo
 
 def _expert_rows_ok(t, num_local: int, rm: int, hidden: int | None = None) -> bool:
     """Whether ``t`` is the experts' rows of a combine, ``[L, R·M, H]`` with unit last stride (``H`` = ``hidden``
-    unless None): :func:`ll_combine_send`'s ``src`` and :func:`ll_combine_recv`'s ``own`` source, the same tensor.
+    unless None): :func:`ll_combine_send`'s ``src`` and each of :func:`ll_combine_recv`'s ``sources``.
     Shapes and strides read once each (every call costs a few hundred ns)."""
     if not (isinstance(t, torch.Tensor) and t.dim() == 3):
         return False

@@ -258,7 +258,8 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
  * expert e, i < sig[d*L + e], at src_addr[d] + e * src_ld[2d] + (src_begin[d*L + e] + i) * src_ld[2d + 1]
  * (elements): this rank's own rows where its combine send left them (keep 1), a zero-copy source's in its
  * send region (keep 2). A src_begin outside [0, rows_per_expert - sig[d*L + e]] for an unmasked such rank,
- * or a slot of it at or past its count -> return 1, nothing written. */
+ * or a slot of such a rank at or past its count -> return 1, nothing written (a masked rank's words are not
+ * read: the sum skips its slots). */
 MULTIVERSION
 int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, int64_t num_local, int64_t num_ranks,
                                const int32_t *sig, const int32_t *mask, const int32_t *expected, const uint16_t *rows,
@@ -288,9 +289,11 @@ int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, 
             if (src_begin[g] < 0 || src_begin[g] > rows_per_expert - sig[g])
                 return 1;
         }
-        for (int64_t i = 0; i < n * k; i++)
-            if (idx[i] >= 0 && src_addr[idx[i] / (m * num_local)] && idx[i] % m >= sig[idx[i] / m])
+        for (int64_t i = 0; i < n * k; i++) {
+            const int64_t d = idx[i] / (m * num_local);
+            if (idx[i] >= 0 && src_addr[d] && !(mask && mask[d]) && idx[i] % m >= sig[idx[i] / m])
                 return 1;
+        }
     }
     weighted_sum_rows_into(n, hidden, k, rows, row_ld, idx, w, out, out_ld, nan_bits, mask, m * num_local,
                            src_addr ? &alt : NULL);
