@@ -6,9 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* x86-64-v4 (AVX-512 F/BW/DQ/VL) rather than plain avx512f: the 16-bit lanes of the BF16 and FP8 kernels
- * need BW, and that level's tuning vectorises at 512 bits (python -m bench combine-sum times the row sums
- * on the host at hand). GCC 12 resolves that clone at run time; older compilers and clang keep avx512f. */
+/* The AVX-512 clone targets x86-64-v4 (AVX-512 F/BW/DQ/VL): the 16-bit lanes of the BF16 and FP8 kernels need
+ * BW, and that level's tuning vectorises at 512 bits (python -m bench combine-sum times the row sums on the
+ * host at hand). GCC 12 resolves that clone at run time; older compilers and clang get the avx512f one. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__)
