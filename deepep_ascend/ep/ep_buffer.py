@@ -559,7 +559,8 @@ class EPBuffer(BufferBase):
                 psum_num_recv_tokens_per_rank=torch.empty(R, dtype=torch.int32),
                 psum_num_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
                 num_unaligned_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
-                recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32),
+                # the compact layout's metadata is made with the per-source fields, when first read
+                recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32) if do_expand else None,
                 dst_buffer_slot_idx=None, recv_topk_idx=recv_topk, combine_order=None)
         # weights: the engines' float32 rows, or (cached dispatch) byte columns beside the scales
         in_place_w = recv_w is not None and recv_w.dtype == torch.float32
@@ -659,20 +660,25 @@ class EPBuffer(BufferBase):
             src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
                          else legacy.recv_src_idx[:num_recv]).to(torch.int64)
             meta = handle._recv_src_metadata
+            if meta is None:
+                meta = handle._recv_src_metadata = torch.full((handle.num_recv_tokens, 2 + k), -1, dtype=torch.int32)
             meta[:num_recv, 0] = (src_rank * max_tokens + src_token).to(torch.int32)
             last = (torch.where(valid_topk >= 0, torch.arange(k), -1).amax(dim=1) if k
                     else torch.zeros(num_recv, dtype=torch.int64))
             meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
 
         handle._per_source = per_source
-        aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
-        handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
         if handle.do_expand:
+            aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
+            handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
             starts = torch.cumsum(aligned, 0) - aligned
             handle.psum_num_recv_tokens_per_expert.copy_(starts + counts)
             self._expanded_slots(handle, valid_topk, counts, starts)
-        else:  # int32 counts of int32 rows: the cast cannot overflow
-            torch.cumsum(aligned, 0, dtype=torch.int32, out=handle.psum_num_recv_tokens_per_expert)
+        else:  # L small ints: numpy, a few torch operator calls spared; int32 counts of int32 rows cannot overflow
+            c = counts.numpy()
+            handle.num_unaligned_recv_tokens_per_expert.numpy()[:] = c
+            np.cumsum(c if alignment == 1 else (c + alignment - 1) // alignment * alignment, dtype=np.int32,
+                      out=handle.psum_num_recv_tokens_per_expert.numpy())
 
         def combine_order() -> torch.Tensor:
             topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch

@@ -158,6 +158,8 @@ def check_mode(ep, comm, mode, nodes):
         ok &= recv_w is None and exp_w is None
     meta = handle.recv_src_metadata
     ok &= torch.equal(meta[valid, 0].long(), ref.src)
+    # the compact layout: no expanded rows (columns 2+), padding rows -1 throughout
+    ok &= meta.shape == (data.size(0), 2 + TOPK) and bool((meta[:, 2:] == -1).all()) and bool((meta[nref:] == -1).all())
     last = torch.where(ref.topk_idx >= 0, torch.arange(TOPK), -1).amax(dim=1) if nref else torch.zeros(0)
     ok &= torch.equal(meta[valid, 1].long(), (ref.src // MAX_TOKENS) * TOPK + last)
     per_scaleup = torch.tensor(ref.per_rank).view(-1, ep.num_scaleup_ranks).sum(0)
