@@ -9,7 +9,7 @@ from bench.timing import time_phases
 
 
 def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, warmup: int,
-                    fresh_dst: bool = False, fresh_combine_src: bool = False) -> dict:
+                    fresh_dst: bool = False, fresh_combine_src: bool = False, experts=None) -> dict:
     """The single-copy memory roofline (collective).
 
     Every rank, concurrently and barrier-synchronised like the systems, copies its own dispatch
@@ -26,6 +26,11 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
     just before (untimed), as a combine finds the experts' outputs of a step (``bench.low_latency``'s
     experts write theirs into new pages too): the floor for a call whose input is new memory, which
     reads slower than the one buffer the plain roofline copies again and again.
+
+    ``experts`` (with ``fresh_combine_src``): a callable run (untimed) between the two copies, the benchmark's
+    own experts on rows of the received shape. A system's copies find the caches as the experts' step left
+    them (its inputs idle for as long as that step, its working set through the caches); this roofline's
+    copies then do too.
     """
     src_d = torch.ones(max(int(dispatch_bytes), 1), dtype=torch.uint8)
     src_c = torch.ones(max(int(combine_bytes), 1), dtype=torch.uint8)
@@ -35,8 +40,10 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
 
         def produce():  # the experts' step: new pages, written once
             made["c"] = torch.frombuffer(mmap.mmap(-1, src_c.numel()), dtype=torch.uint8).fill_(1)
-        phases = [("dispatch", lambda: dst_d.copy_(src_d)), (None, produce),
-                  ("combine", lambda: dst_c.copy_(made["c"]))]
+        phases = [("dispatch", lambda: dst_d.copy_(src_d)), *([(None, experts)] if experts is not None else []),
+                  (None, produce), ("combine", lambda: dst_c.copy_(made["c"]))]
+    elif experts is not None:
+        raise ValueError("memcpy_roofline: experts needs fresh_combine_src=True")
     elif fresh_dst:
         phases = [("dispatch", lambda: src_d.clone()), ("combine", lambda: src_c.clone())]
     else:

@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 
+from bench.ep import TARGET_SPEEDUP
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import child_env, run_child_command, world
 
@@ -254,6 +255,12 @@ def _check_ep_details(doc: dict, by: dict) -> None:
     peers = [by[f"{n}/round_trip"]["seconds"] for n in ("mpi_alltoallv", "gloo_all_to_all") if f"{n}/round_trip" in by]
     if peers:
         assert math.isclose(s["speedup_over_faster_peer"], min(peers) / ep_s)
+    if "memcpy_roofline_after_experts/round_trip" in by:  # the summary's ratios are the records'
+        cold = by["memcpy_roofline_after_experts/round_trip"]["seconds"]
+        assert math.isclose(s["epbuffer_over_roofline_after_experts"], ep_s / cold)
+        goal = TARGET_SPEEDUP.get(len(det["roofline_bytes_per_rank"]))
+        if peers and goal:
+            assert math.isclose(s["target_time_over_roofline_after_experts"], min(peers) / goal / cold)
     checks = doc["checks"]["results"]
     assert checks["epbuffer_vs_reference"]["combined_x_equal"] is True
     if not p["expand"] and "buffer_v1/round_trip" in by:
