@@ -21,8 +21,9 @@ Measured, each as the max over ranks per iteration, median and p99 over ``--iter
   for dispatch and combine; reported against ``max(communication, compute)``;
 * the single-copy memory roofline: each rank copies its LL-formula dispatch bytes once and its
   combine bytes once, all ranks at once (``bench.roofline.memcpy_roofline``); a transport that
-  moves each byte with one copy cannot beat it; and the same copies with the combine bytes read from
-  new pages written just before, as the combine finds the experts' outputs here;
+  moves each byte with one copy cannot beat it; and the same copies after the benchmark's experts step
+  (FP8: the received rows cast back, untimed), the combine bytes read from new pages written just before:
+  the caches as the systems find them;
 * the peer pipelines a user would write instead, on the same workload (``bench.baselines``:
   MPI ``Alltoallv`` and torch gloo ``all_to_all_single``, per destination *rank* with an
   unweighted combine — DeepEP-V1 normal semantics, which is what those pipelines implement), each
@@ -304,7 +305,12 @@ def run(args) -> int:
     out["baselines"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in base.items()}
     roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
     out["roofline"] = roof.as_dict() | {"dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
-    roof_new = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_combine_src=True)["round_trip"]
+    # the same after the experts' step (FP8: the cast back of this rank's received rows, as the systems' step
+    # does), the combine's bytes from new pages: the caches as the systems find them (bench.roofline)
+    rows = int(st["d"][1].sum())
+    recv = (torch.zeros(rows, H, dtype=torch.float8_e4m3fn), torch.ones(rows, H // 128)) if fp8 else None
+    roof_new = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_combine_src=True,
+                               experts=(lambda: per_token_cast_back(*recv)) if fp8 else None)["round_trip"]
     out["roofline_new_combine_src"] = roof_new.as_dict()
     peers = schema.trusted(base, failed)  # the systems that failed their verification take part in no ratio
     if peers and "deepep_ascend" not in failed:
@@ -360,8 +366,9 @@ def run(args) -> int:
                    if emulator is None else emu)
         lines.append(f"[roofline] memcpy of this rank's LL-formula bytes, one copy each way, all ranks at once: "
                      f"round trip {us(roof)}; LL round trip / roofline {ratio:.1f}x{verdict}{need}")
-        lines.append(f"[roofline] the same with the combine bytes copied from new pages written just before (as the "
-                     f"experts leave their outputs): round trip {us(roof_new)}; LL round trip / that "
+        lines.append(f"[roofline] the same after the benchmark's experts step{' (FP8 rows cast back)' if fp8 else ''}, "
+                     f"the combine bytes copied from the new pages it leaves: round trip {us(roof_new)}; LL round "
+                     f"trip / that "
                      f"{t['round_trip'].median / roof_new.median:.1f}x")
         if "summary" in out:
             sp = out["summary"]["speedup_over_faster_peer"]
