@@ -996,7 +996,8 @@ class LowLatencyEngine:
             self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
                 self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
         native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
-                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows, keep_own, keep_all=pull)
+                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows,
+                               keep="all" if pull else "own" if keep_own else "none")
         hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0)
         sent = self._sent_rows.tolist()
         for dst in self.order():

@@ -205,33 +205,40 @@ def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.
     return int(status), list(bad)
 
 
+#: ``ll_combine_send``'s ``keep`` → the kernel's mode (csrc/ll_calls.c).
+_KEEP_MODES = {"none": 0, "own": 1, "all": 2}
+
+
 def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: int, bases: torch.Tensor,
                     mask: torch.Tensor | None, recv_off: int, counts_off: int, sent: torch.Tensor,
-                    keep_own: bool = False, keep_all: bool = False) -> bool:
+                    keep: str = "none") -> bool:
     """A combine's rows and counts into every mapped, unmasked destination (DeepEP's combine send).
 
     For destination ``d`` and local expert ``e`` with ``layout_range[e, d] = b << 32 | c``: rows ``src[e, b:b +
     c]`` into rows ``0..c-1`` of slot ``me·L + e`` at ``bases[d] + recv_off`` (slot ``g`` row ``i`` at byte
-    ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``. With ``keep_own``
-    this rank's own rows stay where they are (only their counts are written): the receive reads them from
-    ``src`` (:func:`ll_combine_recv`'s ``sources``). With ``keep_all`` every row stays (only the counts are
-    written): ``src`` is this rank's send region, where the receivers read their rows (a zero-copy combine).
+    ``(g·M + i)·row_bytes``), then the ``L`` counts (int32) at ``bases[d] + counts_off``. ``keep`` says which
+    rows stay in ``src`` (their counts are written all the same): ``"none"``; ``"own"``, this rank's own rows
+    (its receive reads them there, :func:`ll_combine_recv`'s ``sources``); ``"all"``, every row (``src`` is
+    this rank's send region, where the receivers read their rows: a zero-copy combine).
 
     Args:
         layout_range: ``[L, R]`` contiguous int64. src: ``[L, R·M, H]`` of any dtype, unit last stride.
         bases: ``[R]`` contiguous int64 addresses (0: not mapped). mask: ``[R]`` int32 or None.
-        sent: ``[R]`` contiguous int64, set to the rows per rank: copied there, or with ``keep_all`` left for it
-            to read (``sent[me]`` is 0 with ``keep_own`` or ``keep_all``).
+        sent: ``[R]`` contiguous int64, set to the rows per rank: copied there, or with ``keep="all"`` left for
+            it to read (``sent[me]`` is 0 unless ``keep="none"``).
     Returns:
         True when done; False (nothing written) where the kernel is not loaded.
     Raises:
-        ValueError: operands of another dtype, shape or layout; a count above ``M`` or a run outside
-            ``[0, R·M)`` (nothing written).
+        ValueError: operands of another dtype, shape or layout; ``keep`` not one of the three; a count above
+            ``M`` or a run outside ``[0, R·M)`` (nothing written).
     """
     fn = kernels.ll_combine_send
     if fn is None:
         return False
     op = "ll_combine_send"
+    mode = _KEEP_MODES.get(keep)
+    if mode is None:
+        raise ValueError(f"deepep_ascend.native.{op}: keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
     require_dense(op, "layout_range", layout_range, torch.int64, ndim=2)
     num_local, num_ranks = layout_range.shape
     require_dense(op, "bases", bases, torch.int64, num_ranks)
@@ -242,7 +249,7 @@ def ll_combine_send(layout_range: torch.Tensor, src: torch.Tensor, m: int, me: i
     e = src.element_size()
     if fn(num_local, num_ranks, m, src.size(2) * e, me, layout_range.data_ptr(), src.data_ptr(), src.stride(0) * e,
           src.stride(1) * e, bases.data_ptr(), _mask(op, mask, num_ranks), recv_off, counts_off,
-          2 if keep_all else int(bool(keep_own)), sent.data_ptr()):
+          mode, sent.data_ptr()):
         raise ValueError(f"deepep_ascend.native.{op}: layout_range holds a count above M={m} or a run outside "
                          f"[0, {num_ranks * m})")
     return True
@@ -266,7 +273,7 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
             (d+1)·L·M)``), or ``(src, begin)``: its rows lie in ``src`` ``[L, R·M, H]`` bfloat16 (unit last
             stride), row ``i`` of local expert ``e`` at ``src[e, begin[e] + i]`` (``begin`` ``[L]`` int64, a
             numpy array or tensor): this rank's own experts' outputs where :func:`ll_combine_send` with
-            ``keep_own`` left them, or a zero-copy source's send region. The same bits as with those rows
+            ``keep="own"`` left them, or a zero-copy source's send region. The same bits as with those rows
             copied into ``rows``.
     Returns:
         None where the kernel is not loaded; ``()`` when done; ``(g, got, want)`` for the first expert ``g`` of

@@ -246,7 +246,7 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
     with pytest.raises(ValueError, match="unit last stride"):
         native.ll_combine_send(layout_range, full.transpose(1, 2)[:, :R * m], m, me, bases, mask, recv_off,
                                counts_off, sent)
-    # keep_own: this rank's own rows stay in src; its counts are still written, the other ranks' rows too.
+    # keep="own": this rank's own rows stay in src; its counts are still written, the other ranks' rows too.
     for w in wins:
         w.fill_(0xAB)
     assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent)
@@ -254,19 +254,23 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
     want[me][recv_off:].view(BF16).view(R * L, m, H)[me * L:(me + 1) * L].view(torch.uint8).fill_(0xAB)
     for w in wins:
         w.fill_(0xAB)
-    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep_own=True)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep="own")
     assert all(torch.equal(a, b) for a, b in zip(wins, want))
     assert sent[me] == 0
-    # keep_all (a zero-copy combine): every row stays in src, the counts are written, sent[d] = the rows d reads.
+    # keep="all" (a zero-copy combine): every row stays in src, the counts are written, sent[d] = the rows d reads.
     for w in wins:
         w.fill_(0xAB)
     want = [w.clone() for w in wins]
     for d in range(R):
         if not (masked and d == 1):
             want[d][counts_off:counts_off + 4 * L] = cnt[:, d].to(torch.int32).view(torch.uint8)
-    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep_all=True)
+    assert native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep="all")
     assert all(torch.equal(a, b) for a, b in zip(wins, want))
     assert sent.tolist() == [0 if d == me or (masked and d == 1) else int(cnt[:, d].sum()) for d in range(R)]
+    before = [w.clone() for w in wins]
+    with pytest.raises(ValueError, match="keep must be one of"):
+        native.ll_combine_send(layout_range, src, m, me, bases, mask, recv_off, counts_off, sent, keep=True)
+    assert all(torch.equal(a, b) for a, b in zip(wins, before))
 
 
 @pytest.mark.parametrize("masked", [False, True])
