@@ -571,16 +571,16 @@ class LowLatencyEngine:
             pending = still
             slice_s = min(2 * slice_s, 1e-3)
 
-    def _check_headers(self, h, seq, op, lay, flags) -> bool:
-        """Every live source's header against ours; refusals and disagreements raise on every rank. Returns
-        whether a live source's header says ``F_PULL`` (a combine whose rows stay in the sources' send regions)."""
+    def _check_headers(self, h, seq, op, lay, flags) -> list[int]:
+        """Every live source's header against ours; refusals and disagreements raise on every rank. Returns the
+        live sources whose header says ``F_PULL`` (a combine's rows left in their send regions; empty otherwise)."""
         if _PH.on:
             _PH.switch("control")
         hdr = self._header_rows(h)
         ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
         agreed = native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore)
-        if agreed:  # one pass; else say why below
-            return agreed == 3
+        if agreed:  # one pass; else say why below (3: a source set an ignored flag)
+            return self._pulled_sources(h) if agreed == 3 else []
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
         words = view[:, :_HDR_WORDS * 8].clone().view(torch.int64).numpy()
         problems = []
@@ -604,7 +604,7 @@ class LowLatencyEngine:
         if problems:
             raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq + 1} refused on every rank: "
                                     + "; ".join(problems))
-        return op == OP_COMBINE and bool(self._pulled_sources(h))
+        return self._pulled_sources(h) if op == OP_COMBINE else []
 
     # -- dispatch ----------------------------------------------------------------------
     def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats,
@@ -1030,13 +1030,12 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("wait: signals")
         self._wait_sources(h, seq + 1, phase, wait_stats)
-        any_pulled = self._check_headers(h, seq, OP_COMBINE, lay, 0)
+        pulled = [d for d in self._check_headers(h, seq, OP_COMBINE, lay, 0) if d != self.rank]
         if _PH.on:
             _PH.switch("reduce")
         sig = self._counts_view(base, L)
         rows = self._view(("crows", base, lay.recv_off, E * M, H), lambda: self.tp.local_view(
             self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H))
-        pulled = [d for d in self._pulled_sources(h) if d != self.rank] if any_pulled else []
         sources = None
         if own is not None or pulled:
             sources = [None] * self.R
@@ -1164,8 +1163,8 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("wait: signals")
         self._wait_sources(h, need, phase, wait_stats)
-        if self._check_headers(h, seq, OP_COMBINE, lay, flags):  # rows left in place: only the native path reads them
-            pulled = self._pulled_sources(h)
+        pulled = self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        if pulled:  # rows left in place: only the native path reads them
             raise LowLatencyRefused(
                 f"rank {me}: {phase}: rank(s) {pulled} left their rows in place for the native receive (a zero-copy "
                 f"combine), but this rank receives on the torch path (URMA peers, or DEEPEP_ASCEND_NATIVE=0 here "
