@@ -84,7 +84,7 @@ from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, 
 from bench.formulas import count_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import cpu_model, memory_snapshot
 from bench.phases import breakdown_lines, gather_breakdown, record_steps
-from bench.roofline import memcpy_roofline
+from bench.roofline import memcpy_roofline, roofline_after_experts
 from bench.roundtrip import (
     BufferSystem,
     check_ok,
@@ -561,13 +561,8 @@ def run(args) -> int:
             rows = n_recv = num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
             d_b, c_b = (logical_bytes(n_recv, args.hidden, args.num_topk, fp8, ph) for ph in ("dispatch", "combine"))
         roof = memcpy_roofline(comm, int(d_b), int(c_b), args.iters, args.warmup)
-        # the same copies after the benchmark's experts ran on rows of the received shape (untimed), the
-        # combine's from new pages: the caches as the systems find them (bench.roofline)
-        recv = (torch.zeros(rows, args.hidden, dtype=torch.float8_e4m3fn), torch.ones(rows, args.hidden // 128)) \
-            if fp8 else torch.zeros(rows, args.hidden, dtype=torch.bfloat16)
-        roof_cold = memcpy_roofline(comm, int(d_b), int(c_b), args.iters, args.warmup, fresh_combine_src=True,
-                                    experts=lambda: identity_experts(recv))
-        del recv
+        # the caches as the systems find them, after the experts' step
+        roof_cold = roofline_after_experts(comm, int(d_b), int(c_b), args.iters, args.warmup, rows, args.hidden, fp8)
         roof_bytes = comm.allgather(dict(dispatch=int(d_b), combine=int(c_b)))
         trips["memcpy_roofline"] = roof["round_trip"]
         trips["memcpy_roofline_after_experts"] = roof_cold["round_trip"]

@@ -60,7 +60,7 @@ from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, 
 from bench.formulas import fmt_bytes, gbps, low_latency_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
 from bench.phases import breakdown_lines, gather_breakdown, record_steps
-from bench.roofline import memcpy_roofline
+from bench.roofline import memcpy_roofline, roofline_after_experts
 from bench.roundtrip import fmt_verification, verification_failure, verify_round_trip
 from bench.timing import Timing, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, per_token_cast_back
@@ -305,13 +305,10 @@ def run(args) -> int:
     out["baselines"] = {k: v.as_dict() | {"p99_s": p99(v)} for k, v in base.items()}
     roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
     out["roofline"] = roof.as_dict() | {"dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
-    # the same after the experts' step (FP8: the cast back of this rank's received rows, as the systems' step
-    # does), the combine's bytes from new pages: the caches as the systems find them (bench.roofline)
-    rows = int(st["d"][1].sum())
-    recv = (torch.zeros(rows, H, dtype=torch.float8_e4m3fn), torch.ones(rows, H // 128)) if fp8 else None
-    roof_new = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup, fresh_combine_src=True,
-                               experts=(lambda: per_token_cast_back(*recv)) if fp8 else None)["round_trip"]
-    out["roofline_new_combine_src"] = roof_new.as_dict()
+    # the caches as the systems find them, after the experts' step on this rank's received rows
+    roof_new = roofline_after_experts(comm, d_bytes, c_bytes, args.iters, args.warmup, int(st["d"][1].sum()), H,
+                                      fp8)["round_trip"]
+    out["roofline_after_experts"] = roof_new.as_dict()
     peers = schema.trusted(base, failed)  # the systems that failed their verification take part in no ratio
     if peers and "deepep_ascend" not in failed:
         faster = min(v.median for v in peers.values())

@@ -52,3 +52,23 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
     t = time_phases(phases, comm, iters, warmup)
     t["round_trip"] = t["dispatch"] + t["combine"]
     return t
+
+
+def roofline_after_experts(comm, dispatch_bytes: int, combine_bytes: int, iters: int, warmup: int, rows: int,
+                           hidden: int, fp8: bool) -> dict:
+    """:func:`memcpy_roofline` with the benchmarks' identity experts step between the copies (collective):
+    ``rows`` received FP8 rows ``[rows, hidden]`` (a float32 scale per 128 channels) cast back to BF16 by
+    :func:`bench.workload.per_token_cast_back`, as ``bench ep`` and ``bench low-latency`` do with what they
+    receive; BF16 identity experts hand the rows on and do nothing. The combine's bytes come from new pages
+    (``fresh_combine_src``). Returns the same ``{'dispatch', 'combine', 'round_trip'}`` timings."""
+    from bench.workload import per_token_cast_back
+
+    experts = None
+    if fp8:
+        codes = torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn)
+        scales = torch.ones(rows, hidden // 128)
+
+        def experts():
+            per_token_cast_back(codes, scales)
+    return memcpy_roofline(comm, dispatch_bytes, combine_bytes, iters, warmup, fresh_combine_src=True,
+                           experts=experts)
