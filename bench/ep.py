@@ -610,8 +610,9 @@ def run(args) -> int:
                   f"| round trip {roof['round_trip'].fmt()} (one copy of each rank's V2 bytes)")
             print(f"[roofline] {'after experts':<16}: dispatch {roof_cold['dispatch'].fmt()} | combine "
                   f"{roof_cold['combine'].fmt()} | round trip {roof_cold['round_trip'].fmt()} (the same copies, "
-                  f"after the benchmark's experts step, the combine's from the new pages it leaves: the caches as "
-                  f"the systems find them)")
+                  f"after the benchmark's experts step"
+                  + (f" of {roof_cold['experts'].median * 1e3:.1f} ms" if "experts" in roof_cold else "")
+                  + ", the combine's from the new pages it leaves: the caches as the systems find them)")
         if "epbuffer_vs_reference" in checks:
             print(fmt_ep_check(checks["epbuffer_vs_reference"], "epbuffer"))
         if "epbuffer_vs_buffer_v1" in checks:

@@ -306,8 +306,8 @@ def run(args) -> int:
     roof = memcpy_roofline(comm, d_bytes, c_bytes, args.iters, args.warmup)["round_trip"]
     out["roofline"] = roof.as_dict() | {"dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
     # the caches as the systems find them, after the experts' step on this rank's received rows
-    roof_new = roofline_after_experts(comm, d_bytes, c_bytes, args.iters, args.warmup, int(st["d"][1].sum()), H,
-                                      fp8)["round_trip"]
+    after = roofline_after_experts(comm, d_bytes, c_bytes, args.iters, args.warmup, int(st["d"][1].sum()), H, fp8)
+    roof_new, experts_step = after["round_trip"], after.get("experts")
     out["roofline_after_experts"] = roof_new.as_dict()
     peers = schema.trusted(base, failed)  # the systems that failed their verification take part in no ratio
     if peers and "deepep_ascend" not in failed:
@@ -363,7 +363,8 @@ def run(args) -> int:
                    if emulator is None else emu)
         lines.append(f"[roofline] memcpy of this rank's LL-formula bytes, one copy each way, all ranks at once: "
                      f"round trip {us(roof)}; LL round trip / roofline {ratio:.1f}x{verdict}{need}")
-        lines.append(f"[roofline] the same after the benchmark's experts step{' (FP8 rows cast back)' if fp8 else ''}, "
+        step = f" (FP8 rows cast back, {experts_step.median * 1e3:.1f} ms)" if experts_step is not None else ""
+        lines.append(f"[roofline] the same after the benchmark's experts step{step}, "
                      f"the combine bytes copied from the new pages it leaves: round trip {us(roof_new)}; LL round "
                      f"trip / that "
                      f"{t['round_trip'].median / roof_new.median:.1f}x")

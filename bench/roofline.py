@@ -30,7 +30,7 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
     ``experts`` (with ``fresh_combine_src``): a callable run (untimed) between the two copies, the benchmark's
     own experts on rows of the received shape. A system's copies find the caches as the experts' step left
     them (its inputs idle for as long as that step, its working set through the caches); this roofline's
-    copies then do too.
+    copies then do too. The step's own time is returned as ``'experts'`` (not in ``round_trip``).
     """
     src_d = torch.ones(max(int(dispatch_bytes), 1), dtype=torch.uint8)
     src_c = torch.ones(max(int(combine_bytes), 1), dtype=torch.uint8)
@@ -40,7 +40,7 @@ def memcpy_roofline(comm, dispatch_bytes: int, combine_bytes: int, iters: int, w
 
         def produce():  # the experts' step: new pages, written once
             made["c"] = torch.frombuffer(mmap.mmap(-1, src_c.numel()), dtype=torch.uint8).fill_(1)
-        phases = [("dispatch", lambda: dst_d.copy_(src_d)), *([(None, experts)] if experts is not None else []),
+        phases = [("dispatch", lambda: dst_d.copy_(src_d)), *([("experts", experts)] if experts is not None else []),
                   (None, produce), ("combine", lambda: dst_c.copy_(made["c"]))]
     elif experts is not None:
         raise ValueError("memcpy_roofline: experts needs fresh_combine_src=True")
@@ -60,12 +60,14 @@ def roofline_after_experts(comm, dispatch_bytes: int, combine_bytes: int, iters:
     ``rows`` received FP8 rows ``[rows, hidden]`` (a float32 scale per 128 channels) cast back to BF16 by
     :func:`bench.workload.per_token_cast_back`, as ``bench ep`` and ``bench low-latency`` do with what they
     receive; BF16 identity experts hand the rows on and do nothing. The combine's bytes come from new pages
-    (``fresh_combine_src``). Returns the same ``{'dispatch', 'combine', 'round_trip'}`` timings."""
+    (``fresh_combine_src``). Returns the same ``{'dispatch', 'combine', 'round_trip'}`` timings, and with FP8
+    ``'experts'``, the step's time."""
     from bench.workload import per_token_cast_back
 
     experts = None
     if fp8:
-        codes = torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn)
+        # values like the received rows': torch's cast back takes longer on them than on zeros
+        codes = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(0)).to(torch.float8_e4m3fn)
         scales = torch.ones(rows, hidden // 128)
 
         def experts():
