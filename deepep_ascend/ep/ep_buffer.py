@@ -609,7 +609,10 @@ class EPBuffer(BufferBase):
                 return
             src_rows, slots, lane = handle._expand
             used = handle._expanded_used  # rows up to the last expert's aligned end
-            if used and 2 * slots.numel() >= used:  # mostly real rows: one gather straight into place
+            if used and _native.copy_rows(x_exp, slots, recv_x, src_rows):  # each row straight to its slot
+                if sf_exp is not None and not _native.copy_rows(sf_exp, slots, recv_sf, src_rows):
+                    sf_exp.index_copy_(0, slots, recv_sf.index_select(0, src_rows))
+            elif used and 2 * slots.numel() >= used:  # mostly real rows: one gather straight into place
                 rows_of = torch.zeros(used, dtype=torch.int64)  # padding rows take row 0, zeroed below if asked
                 rows_of[slots] = src_rows
                 torch.index_select(recv_x, 0, rows_of, out=x_exp[:used])

@@ -117,6 +117,16 @@ def test_dispatch_combine_modes(ep, ep_two_nodes, comm, mode, nodes):
     check_mode(ep if nodes == 1 else ep_two_nodes, comm, mode, nodes)
 
 
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]], ids=["align1_mostly_rows", "align128_mostly_padding"])
+def test_expanded_rows_by_torch(ep, comm, mode, monkeypatch):
+    """The expanded layout with the native row copy unavailable: torch places the rows (a gather into place
+    when they are most of the layout, gathered blocks per expert otherwise), the same bits as the reference."""
+    from deepep_ascend import native
+
+    monkeypatch.setattr(native, "copy_rows", lambda *args: False)
+    check_mode(ep, comm, mode, 1)
+
+
 def check_mode(ep, comm, mode, nodes):
     """One mode of :data:`MODES` on ``ep`` (built over ``nodes`` nodes) against the reference; raises
     ``AssertionError`` on every rank if any rank differs (also run by ``tests/ep/internode_tcp_job.py``)."""
