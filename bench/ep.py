@@ -6,6 +6,7 @@ Run one process per rank::
     mpiexec -n 2 python -m bench ep                        # scaled-down DeepEP-Ascend shape, FP8 dispatch
     mpiexec -n 4 python -m bench ep --num-tokens 2048 --json ep.json
     mpiexec -n 2 python -m bench ep --bf16 --expand --expert-alignment 64
+    mpiexec -n 2 python -m bench ep --expand --zero-padding        # as nn.MoE's expanded mode dispatches
 
 Workload (DeepEP-Ascend's shape, fewer tokens): 512 tokens per rank (``--num-tokens``), hidden 7168
 (``--hidden``), top-6 (``--num-topk``) of 256 experts (``--num-experts``); ``x = randn`` in BF16, routing =
@@ -124,6 +125,9 @@ def add_arguments(p) -> None:
                    help="dispatch BF16 rows (default: FP8, e4m3 + a float32 scale per 128 channels); combine is BF16")
     p.add_argument("--expand", action="store_true",
                    help="EPBuffer's expanded layout: one row per (token, local expert), grouped by expert")
+    p.add_argument("--zero-padding", action="store_true",
+                   help="with --expand: do_zero_padding=True, the rows between an expert's last row and the next "
+                        "aligned start zeroed (as nn.MoE's expanded mode asks)")
     p.add_argument("--expert-alignment", type=cli.int_at_least(1), default=128, metavar="A",
                    help="EPBuffer's expert_alignment: each expert's rows start at a multiple of A in the expanded "
                         "layout; the compact layout's per-expert counts are rounded up to it (default 128)")
@@ -141,6 +145,8 @@ def check_args(p, a) -> None:
                 f"or pass --bf16")
     if a.num_topk > a.num_experts:
         p.error(f"--num-topk {a.num_topk} exceeds --num-experts {a.num_experts}")
+    if a.zero_padding and not a.expand:
+        p.error("--zero-padding needs --expand (the padding rows are the expanded layout's)")
 
 
 def shape_problem(args, num_ranks: int) -> str | None:
@@ -229,7 +235,8 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
     rank, R = comm.Get_rank(), comm.Get_size()
     rpn = R // num_nodes
     kw = dict(topk_idx=wl.topk_idx, topk_weights=wl.topk_weights, num_experts=args.num_experts,
-              expert_alignment=args.expert_alignment, do_expand=args.expand)
+              expert_alignment=args.expert_alignment, do_expand=args.expand,
+              do_zero_padding=args.zero_padding)
     x = wl.dispatch_x
     stats = buf.runtime.stats
     s0 = stats.snapshot()
@@ -495,7 +502,8 @@ def run(args) -> int:
                                                               fp8, ranks_per_node=args.ranks_per_node)
     if root:
         where = f"{nodes} node(s) x {rpn}"
-        layout = (f"expanded, expert_alignment {args.expert_alignment}" if args.expand
+        layout = (f"expanded, expert_alignment {args.expert_alignment}"
+                  f"{', zero padding' if args.zero_padding else ''}" if args.expand
                   else f"compact (expert_alignment {args.expert_alignment})")
         size = f" | EPBuffer num_bytes {fmt_bytes(extra['ep_num_bytes'])}" if "ep_num_bytes" in extra else ""
         print(f"[config]   ranks {R} ({where}) | tokens/rank {args.num_tokens} | hidden {args.hidden} | "
@@ -635,7 +643,8 @@ def run(args) -> int:
                 "ep", argv=args._argv, params=cli.params_of(args, R), results=records, baselines=baselines,
                 fingerprint=fp, checks=dict(ok=ok, results=checks, reference=ref_name, verified=verified),
                 summary={k: v for k, v in summary.items() if k != "lines"}, failed=failed,
-                details=dict(workload=dict(wl.params, expand=args.expand, expert_alignment=args.expert_alignment),
+                details=dict(workload=dict(wl.params, expand=args.expand, zero_padding=args.zero_padding,
+                                           expert_alignment=args.expert_alignment),
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,
                              buffers={k: v for k, v in extra.items() if not k.startswith("memory") and k != "phases"},

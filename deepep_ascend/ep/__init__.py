@@ -19,6 +19,7 @@ Walking down this room (docs/design/architecture.md):
 * :mod:`.config`      ``Config`` and DeepEP's tuned tables;
 * :mod:`.group`       a torch ProcessGroup or an mpi4py communicator -> the MPI communicator used;
 * :mod:`.memory`      host tensors on huge pages and the pools that reuse output storage.
+* :mod:`.rows`        byte-row matrices: their widest integer view, and chosen rows zeroed.
 """
 
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment

@@ -40,6 +40,7 @@ from .protocol import (
     dtype_code,
 )
 from .reduce import CombineScratch, accumulate_rows
+from .rows import zero_rows
 from .stamps import stamp, stamp_matches
 
 __all__ = ["EPBuffer", "ElasticBuffer"]
@@ -633,11 +634,11 @@ class EPBuffer(BufferBase):
                     sf_exp[used:].zero_()
                 if w_out is not None:
                     w_out[used:].zero_()
-            if do_zero_padding:
+            if do_zero_padding:  # a row copy from a zero row each: torch fills uint8 rows byte by byte
                 gaps = handle._padding_rows
-                x_exp.index_fill_(0, gaps, 0)
+                zero_rows(x_exp, gaps)
                 if sf_exp is not None:
-                    sf_exp.index_fill_(0, gaps, 0)
+                    zero_rows(sf_exp, gaps)
                 if w_out is not None:
                     w_out.index_fill_(0, gaps, 0.0)
             if out_sf is not None and col_major_sf:

@@ -96,6 +96,7 @@ from . import memory
 from .handles import LowLatencyHandle
 from .phases import RECORDER as _PH
 from .protocol import ConsensusError, ordinal, sequence_problem
+from .rows import INT_OF_WIDTH, common_width, wide, zero_rows
 from .stamps import stamp, stamp_matches
 
 OP_DISPATCH, OP_COMBINE = 1, 2
@@ -196,24 +197,13 @@ class OutputPool:
         # (shape, dtype) -> list of [base tensor, rows written]; rows written: None (any: zero it all) or
         # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call.
         self._entries = {}
-        self._zero = torch.zeros(0, dtype=torch.uint8)  # a zero row, as long as the longest row seen
-
-    def _zero_rows(self, rows: torch.Tensor, which: torch.Tensor) -> None:
-        """Zero rows ``which`` of the contiguous uint8 matrix ``rows``: one ``memcpy`` per row from a zero row
-        (native), else one index op over the widest integer view (torch's per-element fills and copies
-        over bytes cost far more than a row copy)."""
-        cols = rows.size(1)
-        if self._zero.numel() < cols:
-            self._zero = torch.zeros(cols, dtype=torch.uint8)
-        if not native.copy_rows(rows, which, self._zero[:cols].expand(which.numel(), cols), None):
-            _wide(rows).index_fill_(0, which, 0)
 
     def _zero_flat(self, base: torch.Tensor, shape, channels_first: bool, written: torch.Tensor) -> None:
         """Zero the flat rows ``written`` (int64 ``e·rows + r``) of the entry ``base`` of ``shape``."""
         if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
             base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
         else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
-            self._zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
+            zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
 
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
         """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
@@ -820,11 +810,11 @@ class LowLatencyEngine:
             recv = self.tp.peer_view(self.win, dst, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             slot_rows = slot_rows[lo:hi]
             if not native.copy_rows(recv, slot_rows, messages, tokens):  # each row straight into its slot
-                dv = _wide(recv)
-                dv.index_copy_(0, slot_rows, _wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
+                dv = wide(recv)
+                dv.index_copy_(0, slot_rows, wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
             self.tp.record_put(dst, (hi - lo) * mb)
             return
-        gathered = _wide(messages).index_select(0, tokens)
+        gathered = wide(messages).index_select(0, tokens)
         cnt = route.counts32[dst * L:(dst + 1) * L]
         firsts = (route.starts[dst * L:(dst + 1) * L] - lo).tolist()
         for e in torch.nonzero(cnt).squeeze(1).tolist():
@@ -865,16 +855,16 @@ class LowLatencyEngine:
             rx = recv_x.view(torch.uint8).view(L * R * M, xb)
             msgs = None
             if not native.copy_rows(rx, dst_rows, blocks[:, MSG_HEADER:MSG_HEADER + xb], f):  # slot -> row, one pass
-                msgs = _wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb]
+                msgs = wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb]
                 # One scatter in the widest element type dividing every field: torch copies column
                 # slices element by element (byte-wise copies were ~95 % of the receive).
-                w = _common_width(mb, MSG_HEADER, xb, sb)
-                rx.view(_INT_OF_WIDTH[w]).index_copy_(
-                    0, dst_rows, msgs.view(_INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+                w = common_width(mb, MSG_HEADER, xb, sb)
+                rx.view(INT_OF_WIDTH[w]).index_copy_(
+                    0, dst_rows, msgs.view(INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
             if mb % 4 == 0:  # the small fields are gathered column-wise, straight from the slots
                 info = blocks.view(torch.int32)[:, 0].index_select(0, f)
             else:
-                msgs = _wide(blocks).index_select(0, f).view(torch.uint8) if msgs is None else msgs
+                msgs = wide(blocks).index_select(0, f).view(torch.uint8) if msgs is None else msgs
                 info = _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1)
             call.src_info.view(-1).index_copy_(0, dst_rows, info)
             if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
@@ -1306,24 +1296,6 @@ def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 _NO_ROWS = torch.zeros(0, dtype=torch.int64)  # OutputPool: nothing written
-_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _common_width(*sizes: int) -> int:
-    """Largest of 8, 4, 2, 1 bytes dividing every size (field offsets and widths of a message)."""
-    return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in sizes))
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """``[n, m]`` uint8 rows (contiguous rows) viewed with the widest integer type that divides
-    them: torch's row gathers and copies run per element, so 8-byte elements are ~3x faster."""
-    w = _common_width(rows.size(1), rows.data_ptr(), rows.stride(0) if rows.size(0) > 1 else 0)
-    try:
-        return rows.view(_INT_OF_WIDTH[w]) if w > 1 else rows
-    except RuntimeError:  # a layout torch will not reinterpret: stay bytes
-        return rows
-
-
 def call_name(op: int, seq: int) -> str:
     """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
     return f"{_OP_NAMES[op]} call #{seq + 1}"

@@ -271,14 +271,14 @@ def _check_ep_details(doc: dict, by: dict) -> None:
 @pytest.mark.watchdog(600)
 @ONE_RANK
 def test_ep_expanded_across_two_nodes(out_dir):
-    """``ep --expand`` across two simulated nodes (one rank each): the expanded layout, scale-out bytes and the
-    two-rounding reference, checked and written like the default run."""
+    """``ep --expand --zero-padding`` across two simulated nodes (one rank each): the expanded layout, scale-out
+    bytes and the two-rounding reference, checked and written like the default run."""
     from bench.internals import mpiexec_path
 
     path = os.path.join(out_dir, "ep_expand.json")
     argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
-            "--warmup", "1", "--no-progress", "--expand", "--expert-alignment", "4", "--ranks-per-node", "1",
-            "--systems", "ep,v1", "--json", path]
+            "--warmup", "1", "--no-progress", "--expand", "--zero-padding", "--expert-alignment", "4",
+            "--ranks-per-node", "1", "--systems", "ep,v1", "--json", path]
     rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
                                 REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
     assert rc == 0, out[-3000:]
@@ -287,7 +287,8 @@ def test_ep_expanded_across_two_nodes(out_dir):
     _check_doc(doc, "ep", 2)
     _check_ep_details(doc, {r["name"]: r for r in doc["results"]})
     assert doc["details"]["nodes"] == 2 and max(doc["details"]["epbuffer"]["per_rank"]["scaleout_tokens"]) > 0
-    assert "layout expanded, expert_alignment 4" in out and "each node's partial rounded to BF16" in out
+    assert "layout expanded, expert_alignment 4, zero padding" in out and "each node's partial rounded to BF16" in out
+    assert doc["details"]["workload"]["zero_padding"] is True
 
 
 @pytest.mark.mpi(min_size=1)

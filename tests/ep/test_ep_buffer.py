@@ -219,6 +219,8 @@ def check_mode(ep, comm, mode, nodes):
         pad = slice(starts[e] + ref.counts[e], _align(starts[e] + ref.counts[e], alignment))
         ce_data = ce_x[0] if fp8 else ce_x
         ok &= bool((ce_data[pad].view(torch.uint8) == 0).all())
+        if fp8:
+            ok &= bool((ce_x[1][pad] == 0).all())
         if with_weights:
             ok &= bool((ce_w[pad] == 0).all())
     all_ranks_ok(comm, ok, "dispatch outputs vs the reference")
