@@ -852,13 +852,16 @@ class EPBuffer(BufferBase):
             meta = handle.recv_src_metadata
             rows = meta.size(0)
             xj = torch.zeros(rows, x.size(1), dtype=torch.bfloat16)
+            # each row straight to its place (native); torch's index_copy_ moves rows element by element
             if per_slot:
                 rows_j, slots_j = _slots_by_lane(handle)[j]
-                xj.index_copy_(0, rows_j, x.index_select(0, slots_j))
+                if not _native.copy_rows(xj, rows_j, x, slots_j):
+                    xj.index_copy_(0, rows_j, x.index_select(0, slots_j))
             else:
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), -1)
                 sel = torch.nonzero(lane == j).squeeze(1)
-                xj.index_copy_(0, sel, state["x"].index_select(0, sel))
+                if not _native.copy_rows(xj, sel, state["x"], sel):
+                    xj.index_copy_(0, sel, state["x"].index_select(0, sel))
             return xj, state["w"] if j == 0 else None, None, handle._legacy, None
 
         combined_w = None

@@ -260,11 +260,17 @@ def check_mode(ep, comm, mode, nodes):
     all_ranks_ok(comm, ok, "combine vs the reference (bitwise)")
 
 
-@pytest.mark.parametrize("flavour", ["no_multiple_reduction", "direct_two_nodes", "no_multiple_reduction_two_nodes"])
-def test_one_rounding_modes(comm, flavour):
+@pytest.mark.parametrize("flavour", ["no_multiple_reduction", "no_multiple_reduction_torch_rows", "direct_two_nodes",
+                                     "no_multiple_reduction_two_nodes"])
+def test_one_rounding_modes(comm, flavour, monkeypatch):
     """DeepEP's arithmetic with one rounding at the origin: ``allow_multiple_reduction=False`` (the
-    expanded layout sends every slot's row; across nodes no node partials) and direct mode across nodes
+    expanded layout sends every slot's row; across nodes no node partials; ``torch_rows``: the rows of each
+    slot's combine placed by torch, the native row copy unavailable) and direct mode across nodes
     (``allow_hybrid_mode=False``: every rank's row, logical domain ``(1, R)``)."""
+    if "torch_rows" in flavour:
+        from deepep_ascend import native
+
+        monkeypatch.setattr(native, "copy_rows", lambda *args: False)
     R = comm.Get_size()
     nodes = 2 if "two_nodes" in flavour else 1
     if R < nodes:
