@@ -2,6 +2,7 @@
 """Train a small byte-level MoE language model with expert parallelism over ``deepep_ascend.Buffer``.
 
     mpiexec -n 4 python scripts/train_moe.py                      # ~2-4 min on a 2-core VM
+    mpiexec -n 4 python scripts/train_moe.py --moe-mode expanded  # EPBuffer (DeepEP V2.5), expanded layout
     mpiexec -n 4 python scripts/train_moe.py --save-trace bench/traces/stdlib_moe_4r.npz
     mpiexec -n 4 python scripts/train_moe.py --steps 100 --save-dir ckpt   # checkpoint every --save-every
     mpiexec -n 4 python scripts/train_moe.py --steps 200 --resume ckpt     # continue from step 100
@@ -17,7 +18,9 @@ gate (softmax or sigmoid, optional group-limited routing), ``--experts`` routed 
 (``--topk`` per token) spread over the EP group, one shared expert; tokens travel with
 ``deepep_ascend.nn.autograd.dispatch`` / ``combine`` (one ``Buffer`` for all layers), or with
 ``--moe-mode low_latency`` with ``low_latency_dispatch`` / ``low_latency_combine`` (a
-``low_latency_mode`` Buffer; ``num_max_dispatch_tokens_per_rank`` = ``--batch`` x ``--seq``, at most 511).
+``low_latency_mode`` Buffer; ``num_max_dispatch_tokens_per_rank`` = ``--batch`` x ``--seq``, at most 511), or
+with ``--moe-mode expanded`` over an ``EPBuffer`` (DeepEP V2.5): ``ep_dispatch(do_expand=True,
+do_zero_padding=True)`` / ``ep_combine``, the experts on the expanded layout.
 
 Parallelism: every rank is one EP rank (``--ep``, default all ranks) and one data-parallel
 replica: it draws its own batch (``--batch`` sequences of ``--seq`` bytes, from a generator
@@ -64,7 +67,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from deepep_ascend import Buffer
+from deepep_ascend import Buffer, EPBuffer
 from deepep_ascend.nn import dist as ep_dist
 from deepep_ascend.nn.moe import MoE, is_expert_param
 from deepep_ascend.transports.process import abort_job, exit_job
@@ -95,9 +98,9 @@ def parse_args(argv=None):
     a("--experts-impl", choices=("loop", "grouped"), default="loop",
       help="routed experts: float32 matmul per local expert (default; fastest on CPU) or the BF16 grouped GEMMs "
            "of deepep_ascend.gemm.grouped (about 7x slower here: CPU bf16 matmuls)")
-    a("--moe-mode", choices=("normal", "low_latency"), default="normal",
-      help="EP communication: normal dispatch/combine (default) or the low-latency pair "
-           "(--batch x --seq tokens per rank at most 511)")
+    a("--moe-mode", choices=("normal", "low_latency", "expanded"), default="normal",
+      help="EP communication: normal dispatch/combine (default), the low-latency pair "
+           "(--batch x --seq tokens per rank at most 511), or EPBuffer's expanded layout (DeepEP V2.5)")
     a("--aux-loss", type=float, default=0.01, help="balance-loss coefficient (0 = off)")
     a("--lr", type=float, default=3e-3)
     a("--warmup", type=int, default=20, help="linear warm-up steps; then cosine decay to 10%% at --steps")
@@ -350,6 +353,9 @@ class Trainer:
             nbytes = MoE.get_low_latency_rdma_size_hint(tokens, args.d_model, self.groups.ep_size, args.experts,
                                                         args.topk)
             self.buffer = Buffer(self.groups.ep_group, 0, nbytes, low_latency_mode=True, explicitly_destroy=True)
+        elif args.moe_mode == "expanded":
+            self.buffer = EPBuffer(self.groups.ep_group, num_max_tokens_per_rank=tokens, hidden=args.d_model,
+                                   num_topk=args.topk, explicitly_destroy=True)
         else:
             nbytes = Buffer.get_normal_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, args.topk,
                                                         args.experts)
