@@ -640,6 +640,52 @@ class Transport:
                 win._data[int(dst)][offset:offset + data.numel()].copy_(data)
         self.stats.record_put(kind, int(dst), data.numel())
 
+    def put_blocks(self, win: SymmetricWindow, dst: int, src: torch.Tensor, src_offsets, offsets, nbytes) -> None:
+        """Copy byte blocks of the contiguous tensor ``src`` into ``dst``'s data region: block ``i``, the
+        ``nbytes[i]`` bytes at byte ``src_offsets[i]`` of ``src``, to byte ``offsets[i]``.
+
+        What one :meth:`put` per block does (completion, visibility, the traffic counters: one put of the
+        blocks' total), as one operation: URMA one ``MPI_Put`` whose origin and target are hindexed byte
+        types (one rendezvous, where a put per block pays one each); SELF/UBMEM one copy per block.
+        Args:
+            src_offsets, offsets, nbytes: sequences of ints of one length; destination blocks must not overlap.
+        Raises:
+            TransportArgumentError: before any byte is written, for a bad peer, source or block list, or a
+                block outside ``src`` or the window.
+        """
+        op = "put_blocks"
+        self._check_open(op)
+        kind = self._peer(op, win, dst)
+        data = self._as_bytes(op, self.topology.rank, src, "src")
+        me = self.topology.rank
+        try:
+            blocks = np.array([list(src_offsets), list(offsets), list(nbytes)], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): src_offsets, offsets and nbytes must be "
+                                         f"sequences of ints of one length") from None
+        if blocks.ndim != 2 or (blocks < 0).any():
+            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): src_offsets, offsets and nbytes must be "
+                                         f"sequences of non-negative ints of one length")
+        blocks = blocks[:, blocks[2] > 0]
+        src_off, dst_off, n = blocks
+        if n.size and int((src_off + n).max()) > data.numel():
+            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): a block ends at byte "
+                                         f"{int((src_off + n).max())} of src, which has {data.numel()}")
+        order = np.argsort(dst_off, kind="stable")
+        if n.size > 1 and (dst_off[order][:-1] + n[order][:-1] > dst_off[order][1:]).any():
+            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): destination blocks overlap")
+        if n.size:
+            self._range(op, win, dst, int(dst_off[order[0]]), 0)
+            self._range(op, win, dst, int(dst_off[order[-1]]), int(n[order[-1]]))
+            if kind is ChannelKind.URMA:
+                self._urma(win._rma.put_blocks, int(dst), data.detach().numpy(), src_off.tolist(),
+                           (dst_off + win.control_bytes).tolist(), n.tolist())
+            else:
+                region = win._data[int(dst)]
+                for a, b, c in zip(src_off.tolist(), dst_off.tolist(), n.tolist()):
+                    region[b:b + c].copy_(data[a:a + c])
+        self.stats.record_put(kind, int(dst), int(n.sum()))
+
     def get(self, win: SymmetricWindow, src: int, offset: int, out: torch.Tensor) -> None:
         """Copy ``out.nbytes`` bytes from ``src``'s data region at ``offset`` into ``out``.
 

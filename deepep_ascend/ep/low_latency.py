@@ -815,12 +815,13 @@ class LowLatencyEngine:
             self.tp.record_put(dst, (hi - lo) * mb)
             return
         gathered = wide(messages).index_select(0, tokens)
-        cnt = route.counts32[dst * L:(dst + 1) * L]
+        # every expert's run in one put: they follow one another in `gathered` (pairs ordered by local expert)
+        cnt = route.counts32[dst * L:(dst + 1) * L].tolist()
         firsts = (route.starts[dst * L:(dst + 1) * L] - lo).tolist()
-        for e in torch.nonzero(cnt).squeeze(1).tolist():
-            first, count = firsts[e], int(cnt[e])
-            self.tp.put(self.win, dst, base + lay.recv_off + ((e * R + self.rank) * M) * mb,
-                        gathered[first:first + count])
+        runs = [e for e in range(L) if cnt[e]]
+        self.tp.put_blocks(self.win, dst, gathered, [firsts[e] * mb for e in runs],
+                           [base + lay.recv_off + ((e * R + self.rank) * M) * mb for e in runs],
+                           [cnt[e] * mb for e in runs])
 
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
@@ -1137,6 +1138,11 @@ class LowLatencyEngine:
             for e, b, c in runs:
                 slots[me * L + e, :c].copy_(src[e, b:b + c])
             self.tp.record_put(dst, total * 2 * H)
+        elif src.is_contiguous():  # every run in one put, each read where it lies in src
+            per_expert = src.size(1) * 2 * H
+            self.tp.put_blocks(self.win, dst, src, [e * per_expert + b * 2 * H for e, b, _ in runs],
+                               [base + lay.recv_off + (me * L + e) * M * 2 * H for e, _, _ in runs],
+                               [c * 2 * H for _, _, c in runs])
         else:
             for e, b, c in runs:
                 self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])

@@ -153,6 +153,66 @@ def test_put_every_pair_and_size(mtp):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_put_blocks_every_pair(mtp):
+    """``put_blocks``: scattered blocks of one source, in another order at the destination (an empty one among
+    them), land exactly and only there for SELF, UBMEM and URMA pairs, counted as one put of their total."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    # (source offset, destination offset, bytes): gaps on both sides, destination order not the source's
+    blocks = [(0, 70_000, 4096), (5000, 64, 7), (5007, 30_000, 0), (6000, 200, 20_000), (40_000, 80_000, MIB)]
+    total = 80_000 + MIB + GUARD
+    win = tp.create_window("urma_put_blocks", total, 1)
+    own = tp.local_view(win, 0, total)
+    for k in range(n):
+        dst, src = (me + k) % n, (me - k) % n
+        own.fill_(SENTINEL)
+        tp.barrier()
+        payload = pattern(40_000 + MIB, me * 131 + k)
+        before = tp.stats.snapshot()
+        tp.put_blocks(win, dst, payload, *zip(*blocks))
+        payload.fill_(0x5A)  # reusable once put_blocks returns
+        tp.flush(dst)
+        d = LinkStats.diff(tp.stats.snapshot(), before)
+        kind = _kind(tp, me, dst)
+        want_total = sum(c for _, _, c in blocks)
+        assert d["bytes_put"][kind, dst] == want_total and d["puts"][kind, dst] == 1, (kind, d["puts"])
+        tp.barrier()
+        sent = pattern(40_000 + MIB, src * 131 + k)
+        expect = torch.full((total,), SENTINEL, dtype=torch.uint8)
+        for a, b, c in blocks:
+            expect[b:b + c] = sent[a:a + c]
+        _assert_bytes(own, expect, f"round {k}: blocks from rank {src} ({_kind(tp, src, me).name})")
+    del own
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_put_blocks_refuses_bad_blocks(mtp):
+    """Overlapping destinations, a block past the source or the window, lists of different lengths or negative
+    values: ``TransportArgumentError`` naming the problem, nothing written, the transport still usable."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    dst = (me + n // 2) % n  # another node when there are two
+    win = tp.create_window("urma_put_blocks_bad", 4096, 1)
+    own = tp.local_view(win, 0, 4096)
+    own.fill_(SENTINEL)
+    tp.barrier()
+    src = pattern(1024, me)
+    for args, needle in [(([0, 10], [0, 50], [100, 100]), "overlap"),
+                         (([1000], [0], [100]), "of src"),
+                         (([0], [4000], [200]), "outside the data region"),
+                         (([0, 1], [0], [1]), "of one length"),
+                         (([0], [-8], [1]), "non-negative")]:
+        with pytest.raises(TransportArgumentError, match=needle):
+            tp.put_blocks(win, dst, src, *args)
+    tp.flush(dst)
+    tp.barrier()
+    assert bool((own == SENTINEL).all()), "a refused put_blocks wrote bytes"
+    del own
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_get_across_nodes(mtp):
     tp = mtp
     me, n = tp.topology.rank, tp.topology.world_size
