@@ -67,6 +67,25 @@ def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return rows.view(like.dtype).view(rows.size(0), like.size(1))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_expanded_capacity(topk_idx: torch.Tensor, L: int, R: int) -> None:
+    """Without CPU sync the expanded layout has DeepEP's worst-case rows, ``R·num_max_tokens_per_rank·min(K, L)``
+    (plus the alignment gaps): room for at most ``L`` rows per token and rank, which only an expert listed twice
+    in one ``topk_idx`` row can exceed (``K > L``). Raises ``ValueError`` naming the first such token."""
+    dest = torch.where(topk_idx >= 0, topk_idx // L, R)  # column R collects the -1 slots
+    per_rank = torch.zeros(topk_idx.size(0), R + 1, dtype=torch.int64).scatter_add_(1, dest, torch.ones_like(dest))
+    over = torch.nonzero(per_rank[:, :R] > L)
+    if over.numel():
+        t, j = (int(v) for v in over[0])
+        raise ValueError(f"`topk_idx` row {t} sends {int(per_rank[t, j])} slots to rank {j}, which holds {L} "
+                         f"experts (L): with do_cpu_sync=False the expanded layout has room for at most L rows per "
+                         f"token and rank (DeepEP's capacity R·num_max_tokens_per_rank·min(K, L)); list each expert "
+                         f"once per token, or pass do_cpu_sync=True")
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` of any strides as contiguous byte rows ``[n, m * itemsize]`` (a view when contiguous)."""
     if t.size(1) and t.stride(1) == 1 and t.stride(0) == t.size(1):  # the usual case: one dtype view
@@ -367,8 +386,11 @@ class EPBuffer(BufferBase):
         if handle is not None:
             do_cpu_sync = False
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
-        data, sf = x if isinstance(x, tuple) else (x, None)
-        if handle is not None:
+        # a malformed x or handle is refused inside the checked round (check_common, precheck_cached), on every rank
+        x_problem = (f"`x` must be a tensor or an (x, sf) pair, got a tuple of {len(x)}"
+                     if isinstance(x, tuple) and len(x) != 2 else None)
+        data, sf = (x if isinstance(x, tuple) else (x, None)) if x_problem is None else (None, None)
+        if isinstance(handle, EPHandle):
             num_experts = handle.num_experts if num_experts is None else num_experts
             expert_alignment = handle.expert_alignment if expert_alignment is None else expert_alignment
             num_max_tokens_per_rank = handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
@@ -384,10 +406,11 @@ class EPBuffer(BufferBase):
 
         def check_common():
             check(flag_problem is None, AssertionError, flag_problem)
-            check(isinstance(max_tokens, int) and max_tokens > 0, ValueError,
+            check(x_problem is None, TypeError, x_problem)
+            check(_is_int(max_tokens) and max_tokens > 0, ValueError,
                   lambda: f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got "
                           f"{max_tokens!r}")
-            check(isinstance(alignment, int) and alignment >= 1, ValueError,
+            check(_is_int(alignment) and alignment >= 1, ValueError,
                   lambda: f"`expert_alignment` must be an int >= 1, got {alignment!r}")
             check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
             check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
@@ -431,16 +454,18 @@ class EPBuffer(BufferBase):
         if handle is None:
             def precheck():
                 check(topk_idx is not None, ValueError, "`topk_idx` is required without a handle")
-                n = check_common()
-                check(isinstance(num_experts, int) and num_experts > 0 and num_experts % R == 0, ValueError,
-                      lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check_tensor(topk_idx, "topk_idx", torch.int64, ndim=2)
+                n = check_common()
+                check(_is_int(num_experts) and num_experts > 0 and num_experts % R == 0, ValueError,
+                      lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check(topk_idx.size(0) == n, ValueError,
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
                 if topk_idx.numel():
                     lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
                     check(lo >= -1 and hi < num_experts, ValueError,
                           lambda: f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
+                    if do_expand and not do_cpu_sync and topk_idx.size(1) > num_experts // R:
+                        _check_expanded_capacity(topk_idx, num_experts // R, R)
                 xb, sb = payload(n, None)
                 weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts

@@ -490,16 +490,35 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
         "expert id out of range": dict(topk_idx=topk_idx.clone().fill_(E) if rank == bad_rank else topk_idx),
         "too many tokens": dict(topk_idx=topk_idx, num_max_tokens_per_rank=1 if rank == bad_rank else MAX_TOKENS),
         "ranks disagree on expert_alignment": dict(topk_idx=topk_idx, expert_alignment=1 + (rank == bad_rank)),
+        "x a 3-tuple": dict(topk_idx=topk_idx, x=(x, x, x) if rank == bad_rank else x),
+        "topk_idx a list": dict(topk_idx=topk_idx.tolist() if rank == bad_rank else topk_idx),
+        "expert_alignment a bool": dict(topk_idx=topk_idx, expert_alignment=True if rank == bad_rank else 1),
+        # K = 9 > L = 8 slots of one token on one rank: more than the capacity without CPU sync has room for
+        "an expert repeated past the capacity": dict(
+            topk_idx=torch.zeros(topk_idx.size(0), 9, dtype=torch.int64) if rank == bad_rank
+            else torch.cat([topk_idx, torch.full((topk_idx.size(0), 9 - topk_idx.size(1)), -1)], dim=1),
+            do_expand=True, do_cpu_sync=False),
     }
+    needles = {"x a 3-tuple": "(x, sf) pair", "topk_idx a list": "`topk_idx` must be a torch.Tensor",
+               "expert_alignment a bool": "expert_alignment",
+               "an expert repeated past the capacity": "do_cpu_sync=True"}
     if R == 1:
         del cases["ranks disagree on expert_alignment"]
     for what, kw in cases.items():
         kw = dict(dict(num_experts=E), **kw)
-        _, err = capture(lambda kw=kw: ep.dispatch(x, **kw))
-        all_ranks_ok(comm, isinstance(err, (TypeError, ValueError)), f"{what}: {err!r}")
+        xin = kw.pop("x", x)
+        _, err = capture(lambda kw=kw, xin=xin: ep.dispatch(xin, **kw))
+        ok = isinstance(err, (TypeError, ValueError))
+        if rank == bad_rank and what in needles:
+            ok &= needles[what] in str(err) and not isinstance(err, ConsensusError)
+        all_ranks_ok(comm, ok, f"{what}: {err!r}")
         # the buffer stays usable
         coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
     _, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
+    # a handle that is not an EPHandle on one rank: TypeError there, the peers refused (no wait to the deadline)
+    _, err = capture(lambda: ep.dispatch(x, handle=handle if rank != bad_rank else ("not", "a handle")))
+    ok = isinstance(err, TypeError) and "EPHandle" in str(err) if rank == bad_rank else isinstance(err, ConsensusError)
+    all_ranks_ok(comm, ok, f"handle not an EPHandle: {err!r}")
     _, err = capture(lambda: ep.dispatch(x, handle=handle, do_cpu_sync=True))
     assert isinstance(err, AssertionError)
     other = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, explicitly_destroy=True))
