@@ -625,9 +625,8 @@ class LowLatencyEngine:
         hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
         dsts = self.order()
         ends = torch.cumsum(route.counts.view(R, L).sum(1), 0).tolist()  # the route's last pair + 1 of each rank
-        # Each pair's slot row at its destination (mapped destinations): row j of local expert e's run -> slot (e, me).
-        slot_rows = (((route.experts % L) * R + self.rank) * M + route.rank
-                     if any(self.direct[d] for d in dsts) else None)
+        # Each pair's slot row at its destination: row j of local expert e's run -> slot (e, me).
+        slot_rows = ((route.experts % L) * R + self.rank) * M + route.rank
         for dst in dsts:
             self._send_messages(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
@@ -795,10 +794,10 @@ class LowLatencyEngine:
                       counts.to(torch.int32))
 
     def _send_messages(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
-                       hi: int, slot_rows: torch.Tensor | None) -> None:
-        """Write ``dst``'s messages (the route's pairs ``[lo, hi)``) into its slots: one scatter into its mapped
-        window (same node with ``allow_ubmem``, or this rank; ``slot_rows`` ``[P]`` int64 each pair's slot row
-        there), else one ``put`` per expert run (contiguous at both ends)."""
+                       hi: int, slot_rows: torch.Tensor) -> None:
+        """Write ``dst``'s messages (the route's pairs ``[lo, hi)``; ``slot_rows`` ``[P]`` int64 each pair's slot
+        row at its destination) into its slots: one scatter into its mapped window (same node with
+        ``allow_ubmem``, or this rank), else one put of every pair's message, read where it lies."""
         if _PH.on:
             _PH.switch("send")
         L, R, M = lay.L, self.R, lay.M
@@ -814,14 +813,9 @@ class LowLatencyEngine:
                 dv.index_copy_(0, slot_rows, wide(messages).index_select(0, tokens).view(torch.uint8).view(dv.dtype))
             self.tp.record_put(dst, (hi - lo) * mb)
             return
-        gathered = wide(messages).index_select(0, tokens)
-        # every expert's run in one put: they follow one another in `gathered` (pairs ordered by local expert)
-        cnt = route.counts32[dst * L:(dst + 1) * L].tolist()
-        firsts = (route.starts[dst * L:(dst + 1) * L] - lo).tolist()
-        runs = [e for e in range(L) if cnt[e]]
-        self.tp.put_blocks(self.win, dst, gathered, [firsts[e] * mb for e in runs],
-                           [base + lay.recv_off + ((e * R + self.rank) * M) * mb for e in runs],
-                           [cnt[e] * mb for e in runs])
+        # one block per pair, from the token's message to the pair's slot: MPI moves them all in one put
+        self.tp.put_blocks(self.win, dst, messages, (tokens * mb).tolist(),
+                           (slot_rows[lo:hi] * mb + (base + lay.recv_off)).tolist(), [mb] * (hi - lo))
 
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
