@@ -119,18 +119,28 @@ def _layout():
     return offs, at
 
 
+def _ring_rounds(tp, name: str, nbytes: int):
+    """Ring rounds over a new window of ``nbytes``: yields ``(k, dst, src, win, own)`` for ``k`` = 0.., this rank
+    writing to ``dst = me + k`` and receiving from ``src = me - k``, with ``own`` (this rank's data region)
+    filled with ``SENTINEL`` and every rank past a barrier; the view is dropped and the ranks meet at the end."""
+    me, n = tp.topology.rank, tp.topology.world_size
+    win = tp.create_window(name, nbytes, 1)
+    own = tp.local_view(win, 0, nbytes)
+    for k in range(n):
+        own.fill_(SENTINEL)
+        tp.barrier()
+        yield k, (me + k) % n, (me - k) % n, win, own
+    del own
+    tp.barrier()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_put_every_pair_and_size(mtp):
     """Ring rounds cover every (src, dst) pair, so SELF, UBMEM and URMA; each size lands exactly."""
     tp = mtp
-    me, n = tp.topology.rank, tp.topology.world_size
+    me = tp.topology.rank
     offs, total = _layout()
-    win = tp.create_window("urma_put", total, 1)
-    own = tp.local_view(win, 0, total)
-    for k in range(n):
-        dst, src = (me + k) % n, (me - k) % n
-        own.fill_(SENTINEL)
-        tp.barrier()
+    for k, dst, src, win, own in _ring_rounds(tp, "urma_put", total):
         before = tp.stats.snapshot()
         for si, size in enumerate(SIZES):
             payload = pattern(size, me * 1009 + k * 31 + si)
@@ -148,8 +158,6 @@ def test_put_every_pair_and_size(mtp):
             _assert_bytes(own[at:at + size], pattern(size, src * 1009 + k * 31 + si), what)
             assert bool((own[at - GUARD:at] == SENTINEL).all()), f"{what}: bytes before the range touched"
             assert bool((own[at + size:at + size + GUARD] == SENTINEL).all()), f"{what}: bytes after touched"
-    del own
-    tp.barrier()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -157,16 +165,11 @@ def test_put_blocks_every_pair(mtp):
     """``put_blocks``: scattered blocks of one source, in another order at the destination (an empty one among
     them), land exactly and only there for SELF, UBMEM and URMA pairs, counted as one put of their total."""
     tp = mtp
-    me, n = tp.topology.rank, tp.topology.world_size
+    me = tp.topology.rank
     # (source offset, destination offset, bytes): gaps on both sides, destination order not the source's
     blocks = [(0, 70_000, 4096), (5000, 64, 7), (5007, 30_000, 0), (6000, 200, 20_000), (40_000, 80_000, MIB)]
     total = 80_000 + MIB + GUARD
-    win = tp.create_window("urma_put_blocks", total, 1)
-    own = tp.local_view(win, 0, total)
-    for k in range(n):
-        dst, src = (me + k) % n, (me - k) % n
-        own.fill_(SENTINEL)
-        tp.barrier()
+    for k, dst, src, win, own in _ring_rounds(tp, "urma_put_blocks", total):
         payload = pattern(40_000 + MIB, me * 131 + k)
         before = tp.stats.snapshot()
         tp.put_blocks(win, dst, payload, *zip(*blocks))
@@ -182,8 +185,6 @@ def test_put_blocks_every_pair(mtp):
         for a, b, c in blocks:
             expect[b:b + c] = sent[a:a + c]
         _assert_bytes(own, expect, f"round {k}: blocks from rank {src} ({_kind(tp, src, me).name})")
-    del own
-    tp.barrier()
 
 
 @pytest.mark.mpi(min_size=2)
