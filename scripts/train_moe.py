@@ -70,6 +70,7 @@ from torch import nn
 from deepep_ascend import Buffer, EPBuffer
 from deepep_ascend.nn import dist as ep_dist
 from deepep_ascend.nn.moe import MoE, is_expert_param
+from deepep_ascend.transports import Topology
 from deepep_ascend.transports.process import abort_job, exit_job
 
 # Arguments that define the model (checked on resume).
@@ -357,9 +358,15 @@ class Trainer:
             self.buffer = EPBuffer(self.groups.ep_group, num_max_tokens_per_rank=tokens, hidden=args.d_model,
                                    num_topk=args.topk, explicitly_destroy=True)
         else:
-            nbytes = Buffer.get_normal_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, args.topk,
-                                                        args.experts)
-            self.buffer = Buffer(self.groups.ep_group, nbytes, explicitly_destroy=True)
+            # across nodes (real hosts, or $DEEPEP_ASCEND_RANKS_PER_NODE) the internode path also needs the URMA window
+            topo = Topology.from_comm(ep_dist.mpi_comm_of(self.groups.ep_group))
+            rpn = topo.ranks_per_node if topo.num_nodes > 1 else None
+            hint = dict(num_topk=args.topk, num_experts=args.experts)
+            nvl = Buffer.get_normal_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, ranks_per_node=rpn,
+                                                     **hint)
+            rdma = (Buffer.get_normal_rdma_buffer_size_hint(tokens, args.d_model, self.groups.ep_size, rpn, **hint)
+                    if rpn else 0)
+            self.buffer = Buffer(self.groups.ep_group, nvl, rdma, explicitly_destroy=True)
         self.data = data
         n_val = max(args.seq + 2, data.numel() // 50)
         self.train_data, self.val_data = data[:-n_val], data[-n_val:]

@@ -222,6 +222,9 @@ class SymmetricWindow:
         return [sys.getrefcount(b) for b in self._bufs.values()]
 
 
+_MAX_BYTE = 2 ** 62  # byte offsets and counts stay below it: their sums fit an int64
+
+
 class Transport:
     """Transport for every pair kind: SELF, UBMEM (same node, load/store) and URMA (other node, RMA).
 
@@ -566,7 +569,9 @@ class Transport:
                 f"rank {rank}: {op}: {what} must be a contiguous CPU torch.Tensor, got "
                 f"{type(t).__name__}"
                 f"{'' if not isinstance(t, torch.Tensor) else f' (device {t.device}, contiguous={t.is_contiguous()})'}")
-        return t.reshape(-1).view(torch.uint8)
+        # contiguous: the elements lie in order one apart (a size-1 dimension may carry any stride, which
+        # reshape keeps and the byte view refuses), so the flat view has stride 1
+        return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
     # -- data ----------------------------------------------------------------
     def peer_view(self, win: SymmetricWindow, peer: int, offset: int, nbytes: int,
@@ -657,26 +662,35 @@ class Transport:
         self._check_open(op)
         kind = self._peer(op, win, dst)
         data = self._as_bytes(op, self.topology.rank, src, "src")
-        me = self.topology.rank
-        try:
-            blocks = np.array([list(src_offsets), list(offsets), list(nbytes)], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): src_offsets, offsets and nbytes must be "
-                                         f"sequences of ints of one length") from None
-        if blocks.ndim != 2 or (blocks < 0).any():
-            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): src_offsets, offsets and nbytes must be "
-                                         f"sequences of non-negative ints of one length")
-        blocks = blocks[:, blocks[2] > 0]
-        src_off, dst_off, n = blocks
+        where = f"rank {self.topology.rank}: {op}(win='{win.name}', peer {dst})"
+        lists = []
+        for name, values in (("src_offsets", src_offsets), ("offsets", offsets), ("nbytes", nbytes)):
+            try:
+                values = list(values)
+            except TypeError:
+                raise TransportArgumentError(f"{where}: {name} must be a sequence of ints, got "
+                                             f"{type(values).__name__}") from None
+            bad = next((v for v in values if not isinstance(v, (int, np.integer)) or isinstance(v, bool)
+                        or not 0 <= v < _MAX_BYTE), None)
+            if bad is not None:
+                raise TransportArgumentError(f"{where}: {name} must hold ints in [0, 2**62), got {bad!r}")
+            lists.append(values)
+        if len({len(v) for v in lists}) != 1:
+            raise TransportArgumentError(f"{where}: src_offsets, offsets and nbytes must be of one length, got "
+                                         f"{', '.join(str(len(v)) for v in lists)}")
+        src_off, dst_off, n = np.array(lists, dtype=np.int64).reshape(3, -1)  # below 2**62: sums cannot overflow
         if n.size and int((src_off + n).max()) > data.numel():
-            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): a block ends at byte "
-                                         f"{int((src_off + n).max())} of src, which has {data.numel()}")
+            raise TransportArgumentError(f"{where}: a block ends at byte {int((src_off + n).max())} of src, which has "
+                                         f"{data.numel()}")
+        if n.size and int((dst_off + n).max()) > win.nbytes:
+            raise TransportArgumentError(f"{where}: a block ends at byte {int((dst_off + n).max())}, outside the data "
+                                         f"region of {win.nbytes} B")
+        live = n > 0
+        src_off, dst_off, n = src_off[live], dst_off[live], n[live]
         order = np.argsort(dst_off, kind="stable")
         if n.size > 1 and (dst_off[order][:-1] + n[order][:-1] > dst_off[order][1:]).any():
-            raise TransportArgumentError(f"rank {me}: {op}(win='{win.name}'): destination blocks overlap")
+            raise TransportArgumentError(f"{where}: destination blocks overlap")
         if n.size:
-            self._range(op, win, dst, int(dst_off[order[0]]), 0)
-            self._range(op, win, dst, int(dst_off[order[-1]]), int(n[order[-1]]))
             if kind is ChannelKind.URMA:
                 self._urma(win._rma.put_blocks, int(dst), data.detach().numpy(), src_off.tolist(),
                            (dst_off + win.control_bytes).tolist(), n.tolist())

@@ -187,6 +187,8 @@ CASES = [
     Case("bf16_duplicate_experts_in_a_row", routing="dup", tokens=8, m=24, topk=4),
     Case("fp8_ue8m0_duplicate_experts_hook", routing="dup", fp8=True, round_scale=True, ue8m0=True, hidden=512,
          tokens=8, m=24, topk=3, mode="hook"),
+    # One expert per rank: each destination's count vector is one word, a column of the [R, L] counts
+    Case("bf16_one_expert_per_rank", epr=1, topk=2),
 ]
 
 

@@ -27,16 +27,18 @@ REPO = REPO_ROOT
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
-@pytest.mark.parametrize("moe_mode", ["normal", "expanded"])
-def test_train_script_runs_a_few_steps_on_stdlib_text(moe_mode):
-    """A few steps on real text, over a V1 ``Buffer`` (normal mode) and over an ``EPBuffer`` (expanded layout)."""
+@pytest.mark.parametrize("moe_mode,ranks_per_node", [("normal", 4), ("normal", 2), ("expanded", 4)],
+                         ids=["normal", "normal_two_nodes", "expanded"])
+def test_train_script_runs_a_few_steps_on_stdlib_text(moe_mode, ranks_per_node):
+    """A few steps on real text, over a V1 ``Buffer`` (normal mode; on one node and on two simulated nodes,
+    whose internode path needs the URMA window too) and over an ``EPBuffer`` (expanded layout)."""
     out_dir = tempfile.mkdtemp(prefix="train_moe_ci_")
     log, trace = os.path.join(out_dir, "log.json"), os.path.join(out_dir, "trace.npz")
     rc, out = run_child_job(4, [sys.executable, os.path.join(REPO, "scripts", "train_moe.py"), "--steps", "4",
                                 "--batch", "2", "--seq", "64", "--d-model", "32", "--layers", "1", "--experts", "8",
                                 "--data-mb", "1", "--log-every", "1", "--no-progress", "--log-json", log,
                                 "--save-trace", trace, "--moe-mode", moe_mode], REPO, timeout_s=240.0,
-                            DEEPEP_ASCEND_TIMEOUT_S="60")
+                            DEEPEP_ASCEND_TIMEOUT_S="60", DEEPEP_ASCEND_RANKS_PER_NODE=str(ranks_per_node))
     try:
         assert rc == 0, f"train_moe.py exited {rc}:\n{out[-4000:]}"
         assert "mean of first 4 " in out and ", last 4 " in out, out[-2000:]  # the true counts, not 5 and 10

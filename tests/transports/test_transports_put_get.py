@@ -75,6 +75,7 @@ def _typed_sources(r: int):
         torch.rand(13, generator=g) > 0.5,                                  # bool
         torch.randn(6, generator=g).requires_grad_(),                       # leaf requiring grad
         torch.randint(-128, 127, (2, 3, 4), generator=g, dtype=torch.int8),
+        torch.arange(4, dtype=torch.int32).add(r).view(1, 4)[:, 2],         # size 1, stride 4: contiguous
     ]
 
 
@@ -91,7 +92,7 @@ def test_put_typed_sources(shared_tp):
     tp.barrier()
     off = 0
     for i, t in enumerate(_typed_sources(src)):
-        raw = t.detach().reshape(-1).view(torch.uint8)
+        raw = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).reshape(-1).view(torch.uint8)  # plain strides
         _assert_bytes(tp.local_view(win, off, raw.numel()), raw, f"typed source {i} ({t.dtype}) from rank {src}")
         off += 256
 

@@ -189,8 +189,9 @@ def test_put_blocks_every_pair(mtp):
 
 @pytest.mark.mpi(min_size=2)
 def test_put_blocks_refuses_bad_blocks(mtp):
-    """Overlapping destinations, a block past the source or the window, lists of different lengths or negative
-    values: ``TransportArgumentError`` naming the problem, nothing written, the transport still usable."""
+    """Overlapping destinations, a block past the source or the window, lists of different lengths, negative,
+    huge, float, bool or string values: ``TransportArgumentError`` naming the problem, nothing written, the
+    transport still usable."""
     tp = mtp
     me, n = tp.topology.rank, tp.topology.world_size
     dst = (me + n // 2) % n  # another node when there are two
@@ -201,9 +202,15 @@ def test_put_blocks_refuses_bad_blocks(mtp):
     src = pattern(1024, me)
     for args, needle in [(([0, 10], [0, 50], [100, 100]), "overlap"),
                          (([1000], [0], [100]), "of src"),
+                         (([2 ** 63 - 1], [0], [1]), r"\[0, 2\*\*62\)"),  # no int64 wrap past the check
                          (([0], [4000], [200]), "outside the data region"),
+                         (([0], [5000], [0]), "outside the data region"),  # empty, yet past the window
                          (([0, 1], [0], [1]), "of one length"),
-                         (([0], [-8], [1]), "non-negative")]:
+                         (([0], [-8], [1]), r"\[0, 2\*\*62\)"),
+                         (([0], [0.5], [1]), "0.5"),
+                         (([0], [0], [True]), "True"),
+                         (([0], ["16"], [1]), "'16'"),
+                         ((0, [0], [1]), "sequence of ints")]:
         with pytest.raises(TransportArgumentError, match=needle):
             tp.put_blocks(win, dst, src, *args)
     tp.flush(dst)
