@@ -98,7 +98,7 @@ def parse_args(argv=None):
     a("--routed-scaling", type=float, default=1.0, help="routed_scaling_factor")
     a("--experts-impl", choices=("loop", "grouped"), default="loop",
       help="routed experts: float32 matmul per local expert (default; fastest on CPU) or the BF16 grouped GEMMs "
-           "of deepep_ascend.gemm.grouped (about 7x slower here: CPU bf16 matmuls)")
+           "of deepep_ascend.gemm.grouped (slower on CPU ranks: bf16 matmuls)")
     a("--moe-mode", choices=("normal", "low_latency", "expanded"), default="normal",
       help="EP communication: normal dispatch/combine (default), the low-latency pair "
            "(--batch x --seq tokens per rank at most 511), or EPBuffer's expanded layout (DeepEP V2.5)")
