@@ -562,6 +562,20 @@ class Transport:
             raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): add={add!r} must "
                                          f"be a non-negative int below 2**62 (signals only grow)")
 
+    def _apart(self, op: str, win: SymmetricWindow, dst: int, data: torch.Tensor, offsets, nbytes) -> None:
+        """Refuse a load/store copy whose source bytes overlap a destination range ``[offsets, offsets + nbytes)``
+        of ``dst``'s data region (torch refuses such a copy with its own error, or copies garbage)."""
+        base = win._data[int(dst)].data_ptr()
+        lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+        if len(offsets) == 1:  # put: plain ints
+            overlap = base + offsets[0] < hi and base + offsets[0] + nbytes[0] > lo
+        else:
+            starts = np.asarray(offsets, dtype=np.int64) + base
+            overlap = bool(((starts < hi) & (starts + np.asarray(nbytes, dtype=np.int64) > lo)).any())
+        if overlap:
+            raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}', peer {dst}): src "
+                                         f"overlaps the bytes it is copied to")
+
     @staticmethod
     def _as_bytes(op: str, rank: int, t: torch.Tensor, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
@@ -631,7 +645,8 @@ class Transport:
         ordered signal. Zero-byte puts are counted no-ops. SELF/UBMEM: a copy into the peer's
         segment; URMA: ``MPI_Put`` + ``Flush_local``.
         Raises:
-            TransportArgumentError: before any byte is written, for a bad peer, range or source.
+            TransportArgumentError: before any byte is written, for a bad peer, range or source (SELF/UBMEM:
+                also a source overlapping the destination range).
             TransportRuntimeError: the MPI call failed (the transport is poisoned).
         """
         self._check_open("put")
@@ -642,6 +657,7 @@ class Transport:
             if kind is ChannelKind.URMA:
                 self._urma(win._rma.put, int(dst), win.control_bytes + offset, data.detach().numpy())
             else:
+                self._apart("put", win, dst, data, (offset,), (data.numel(),))
                 win._data[int(dst)][offset:offset + data.numel()].copy_(data)
         self.stats.record_put(kind, int(dst), data.numel())
 
@@ -655,8 +671,8 @@ class Transport:
         Args:
             src_offsets, offsets, nbytes: sequences of ints of one length; destination blocks must not overlap.
         Raises:
-            TransportArgumentError: before any byte is written, for a bad peer, source or block list, or a
-                block outside ``src`` or the window.
+            TransportArgumentError: before any byte is written, for a bad peer, source or block list, a
+                block outside ``src`` or the window, or (SELF/UBMEM) ``src`` overlapping a destination block.
         """
         op = "put_blocks"
         self._check_open(op)
@@ -695,6 +711,7 @@ class Transport:
                 self._urma(win._rma.put_blocks, int(dst), data.detach().numpy(), src_off.tolist(),
                            (dst_off + win.control_bytes).tolist(), n.tolist())
             else:
+                self._apart(op, win, dst, data, dst_off, n)
                 region = win._data[int(dst)]
                 for a, b, c in zip(src_off.tolist(), dst_off.tolist(), n.tolist()):
                     region[b:b + c].copy_(data[a:a + c])

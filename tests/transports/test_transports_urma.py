@@ -190,8 +190,8 @@ def test_put_blocks_every_pair(mtp):
 @pytest.mark.mpi(min_size=2)
 def test_put_blocks_refuses_bad_blocks(mtp):
     """Overlapping destinations, a block past the source or the window, lists of different lengths, negative,
-    huge, float, bool or string values: ``TransportArgumentError`` naming the problem, nothing written, the
-    transport still usable."""
+    huge, float, bool or string values, a source overlapping its destination: ``TransportArgumentError``
+    naming the problem, nothing written, the transport still usable."""
     tp = mtp
     me, n = tp.topology.rank, tp.topology.world_size
     dst = (me + n // 2) % n  # another node when there are two
@@ -213,6 +213,13 @@ def test_put_blocks_refuses_bad_blocks(mtp):
                          ((0, [0], [1]), "sequence of ints")]:
         with pytest.raises(TransportArgumentError, match=needle):
             tp.put_blocks(win, dst, src, *args)
+    # a source that is this rank's own bytes of the window, copied onto themselves (load/store peers only)
+    mine = tp.local_view(win, 0, 64)
+    with pytest.raises(TransportArgumentError, match="overlaps"):
+        tp.put(win, me, 32, mine)
+    with pytest.raises(TransportArgumentError, match="overlaps"):
+        tp.put_blocks(win, me, mine, [0], [16], [64])
+    del mine
     tp.flush(dst)
     tp.barrier()
     assert bool((own == SENTINEL).all()), "a refused put_blocks wrote bytes"
