@@ -3,7 +3,7 @@
 torch's index operators (``index_select``, ``index_copy_``, ``index_fill_``) run element by element, so on
 uint8 rows they cost several times what the same rows cost as int64 elements; :func:`wide` gives that view.
 :func:`zero_rows` zeroes chosen rows with one ``memcpy`` per row from a zero row (the native row copy), which
-beats any per-element fill (``python -m bench ep --expand`` with ``do_zero_padding`` zeroes ~13,000 rows).
+beats any per-element fill (a dispatch of ``python -m bench ep --expand --zero-padding`` zeroes ~13,000 rows).
 """
 
 from __future__ import annotations
