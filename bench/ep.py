@@ -128,6 +128,9 @@ def add_arguments(p) -> None:
     p.add_argument("--zero-padding", action="store_true",
                    help="with --expand: do_zero_padding=True, the rows between an expert's last row and the next "
                         "aligned start zeroed (as nn.MoE's expanded mode asks)")
+    p.add_argument("--no-multiple-reduction", action="store_true",
+                   help="EPBuffer(allow_multiple_reduction=False): DeepEP's one-rounding combine (expanded layout: "
+                        "one combine pass per top-k slot; across nodes: no node partials)")
     p.add_argument("--expert-alignment", type=cli.int_at_least(1), default=128, metavar="A",
                    help="EPBuffer's expert_alignment: each expert's rows start at a multiple of A in the expanded "
                         "layout; the compact layout's per-expert counts are rounded up to it (default 128)")
@@ -258,7 +261,8 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
                   scaleout_tokens_all_nodes=every_node,
                   combine_scaleup_bytes=c_tok * num_recv, combine_scaleout_bytes=c_tok * so_tokens)
 
-    ref = reference_combined(identity_experts(x), wl.topk_idx, args.num_experts, R, rpn, args.expand)
+    ref = reference_combined(identity_experts(x), wl.topk_idx, args.num_experts, R, rpn, args.expand,
+                             multiple_reduction=not args.no_multiple_reduction)
     want_w = wl.topk_weights.masked_fill(wl.topk_idx < 0, 0.0)
     check = dict(combined_x_equal=bool(combined.shape == ref.shape and torch.equal(combined, ref)),
                  combined_x_calc_diff=calc_diff(combined.float(), ref.float()) if combined.shape == ref.shape
@@ -498,13 +502,16 @@ def run(args) -> int:
     fp = comm_fingerprint(wl, comm)
     extra: dict = {}
     if "ep" in args.systems:
-        extra["ep_num_bytes"] = EPBuffer.get_buffer_size_hint(comm, args.num_tokens, args.hidden, args.num_topk,
-                                                              fp8, ranks_per_node=args.ranks_per_node)
+        extra["ep_num_bytes"] = EPBuffer.get_buffer_size_hint(
+            comm, args.num_tokens, args.hidden, args.num_topk, fp8,
+            allow_multiple_reduction=not args.no_multiple_reduction, ranks_per_node=args.ranks_per_node)
     if root:
         where = f"{nodes} node(s) x {rpn}"
         layout = (f"expanded, expert_alignment {args.expert_alignment}"
                   f"{', zero padding' if args.zero_padding else ''}" if args.expand
                   else f"compact (expert_alignment {args.expert_alignment})")
+        if args.no_multiple_reduction:
+            layout += ", allow_multiple_reduction=False"
         size = f" | EPBuffer num_bytes {fmt_bytes(extra['ep_num_bytes'])}" if "ep_num_bytes" in extra else ""
         print(f"[config]   ranks {R} ({where}) | tokens/rank {args.num_tokens} | hidden {args.hidden} | "
               f"top-{args.num_topk} of {args.num_experts} experts | dispatch "
@@ -520,7 +527,7 @@ def run(args) -> int:
     if "ep" in args.systems:
         buf = EPBuffer(comm, extra["ep_num_bytes"], num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden,
                        num_topk=args.num_topk, use_fp8_dispatch=fp8, explicitly_destroy=True,
-                       ranks_per_node=args.ranks_per_node)
+                       ranks_per_node=args.ranks_per_node, allow_multiple_reduction=not args.no_multiple_reduction)
         ep_phases, finish_ep = epbuffer_phases(buf, wl, args, comm, nodes)
         phases += ep_phases
     if "v1" in args.systems:
@@ -578,9 +585,12 @@ def run(args) -> int:
     checks: dict = {}
     if ep is not None:
         chk = agree(ep.check, comm)
-        chk["rule"] = ("each rank's slots summed and rounded to BF16 first" if args.expand else "compact rows")
-        if nodes > 1:
-            chk["rule"] += "; each node's partial rounded to BF16"
+        if args.no_multiple_reduction:
+            chk["rule"] = f"every {'slot' if args.expand else 'rank'}'s row summed, one rounding"
+        else:
+            chk["rule"] = ("each rank's slots summed and rounded to BF16 first" if args.expand else "compact rows")
+            if nodes > 1:
+                chk["rule"] += "; each node's partial rounded to BF16"
         checks["epbuffer_vs_reference"] = chk
         if ep.digests is not None and "buffer_v1" in others:
             checks["epbuffer_vs_buffer_v1"] = compare_with_v1(ep, others["buffer_v1"], comm)
@@ -644,6 +654,7 @@ def run(args) -> int:
                 fingerprint=fp, checks=dict(ok=ok, results=checks, reference=ref_name, verified=verified),
                 summary={k: v for k, v in summary.items() if k != "lines"}, failed=failed,
                 details=dict(workload=dict(wl.params, expand=args.expand, zero_padding=args.zero_padding,
+                                           multiple_reduction=not args.no_multiple_reduction,
                                            expert_alignment=args.expert_alignment),
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,

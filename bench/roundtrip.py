@@ -228,7 +228,7 @@ def compare_outputs(ref: RoundTripResult, other: RoundTripResult, comm, two_roun
 
 
 def reference_combined(x_in: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                       ranks_per_node: int, expand: bool) -> torch.Tensor:
+                       ranks_per_node: int, expand: bool, multiple_reduction: bool = True) -> torch.Tensor:
     """What combine of the unmodified received rows returns, in plain torch: ``[N, hidden]`` BF16.
 
     ``x_in [N, hidden]`` BF16 is each token's row as the experts saw it. Per token and rank that holds
@@ -236,7 +236,9 @@ def reference_combined(x_in: torch.Tensor, topk_idx: torch.Tensor, num_experts: 
     summed, one rounding); the rows of a node are summed in float32 and, across nodes, rounded to BF16 per
     node; the node partials summed in float32; one rounding to BF16. Every float32 sum here is exact (a few
     values within a few binades, 8-bit significands), so the order of the additions does not matter and the
-    library must give these values exactly. Loops over ranks, not tokens."""
+    library must give these values exactly. ``multiple_reduction=False`` (``EPBuffer``'s
+    ``allow_multiple_reduction=False``): every row the origin gets (one per slot, expanded) summed in float32
+    with one rounding, on one node or many. Loops over ranks, not tokens."""
     n, h = x_in.shape
     per_rank = num_experts // num_ranks
     dst = torch.where(topk_idx >= 0, torch.div(topk_idx, per_rank, rounding_mode="floor"), num_ranks)
@@ -244,6 +246,8 @@ def reference_combined(x_in: torch.Tensor, topk_idx: torch.Tensor, num_experts: 
     slots.scatter_add_(1, dst, torch.ones(dst.shape, dtype=torch.float32))
     coef = slots[:, :num_ranks] if expand else (slots[:, :num_ranks] > 0).to(torch.float32)
     xf = x_in.float()
+    if not multiple_reduction:
+        return (xf * coef.sum(1, keepdim=True)).to(torch.bfloat16)
     nodes = num_ranks // ranks_per_node
     total = torch.zeros(n, h, dtype=torch.float32)
     for g in range(nodes):
