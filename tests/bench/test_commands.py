@@ -294,6 +294,30 @@ def test_ep_expanded_across_two_nodes(out_dir):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(300)
 @ONE_RANK
+def test_ep_one_rounding(out_dir):
+    """``ep --expand --no-multiple-reduction`` on one node: ``EPBuffer(allow_multiple_reduction=False)`` runs (one
+    combine pass per top-k slot) and passes the benchmark's check against the one-rounding reference. (With the
+    identity experts that reference and the default's mostly give the same bits; the arithmetic itself is
+    tested in tests/ep/test_ep_buffer.py ``test_one_rounding_modes``.)"""
+    from bench.internals import mpiexec_path
+
+    path = os.path.join(out_dir, "ep_one_rounding.json")
+    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
+            "--warmup", "1", "--no-progress", "--expand", "--no-multiple-reduction",
+            "--expert-alignment", "4", "--systems", "ep", "--json", path]
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
+                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
+    assert rc == 0, out[-3000:]
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["checks"]["results"]["epbuffer_vs_reference"]["combined_x_equal"] is True
+    assert doc["details"]["workload"]["multiple_reduction"] is False
+    assert "allow_multiple_reduction=False" in out and "every slot's row summed, one rounding" in out
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(300)
+@ONE_RANK
 def test_lb_across_nodes_says_why_and_exits():
     """``lb`` on two simulated nodes: one line naming the reason (one node needed), exit 2, no traceback."""
     from bench.internals import mpiexec_path
