@@ -267,23 +267,29 @@ def _check_ep_details(doc: dict, by: dict) -> None:
         assert checks["epbuffer_vs_buffer_v1"]["combined_x_bitwise"] is True
 
 
+def _tiny_expanded_ep(out_dir, name: str, *extra: str) -> tuple[dict, str]:
+    """``bench ep --expand`` at a tiny shape on 2 ranks with ``extra`` flags: ``(JSON document, output)``; the run
+    must exit 0 (every check passed)."""
+    from bench.internals import mpiexec_path
+
+    path = os.path.join(out_dir, name)
+    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
+            "--warmup", "1", "--no-progress", "--expand", "--expert-alignment", "4", *extra, "--json", path]
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
+                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
+    assert rc == 0, out[-3000:]
+    with open(path) as f:
+        return json.load(f), out
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
 def test_ep_expanded_across_two_nodes(out_dir):
     """``ep --expand --zero-padding`` across two simulated nodes (one rank each): the expanded layout, scale-out
     bytes and the two-rounding reference, checked and written like the default run."""
-    from bench.internals import mpiexec_path
-
-    path = os.path.join(out_dir, "ep_expand.json")
-    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
-            "--warmup", "1", "--no-progress", "--expand", "--zero-padding", "--expert-alignment", "4",
-            "--ranks-per-node", "1", "--systems", "ep,v1", "--json", path]
-    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
-                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
-    assert rc == 0, out[-3000:]
-    with open(path) as f:
-        doc = json.load(f)
+    doc, out = _tiny_expanded_ep(out_dir, "ep_expand.json", "--zero-padding", "--ranks-per-node", "1",
+                                 "--systems", "ep,v1")
     _check_doc(doc, "ep", 2)
     _check_ep_details(doc, {r["name"]: r for r in doc["results"]})
     assert doc["details"]["nodes"] == 2 and max(doc["details"]["epbuffer"]["per_rank"]["scaleout_tokens"]) > 0
@@ -299,17 +305,7 @@ def test_ep_one_rounding(out_dir):
     combine pass per top-k slot) and passes the benchmark's check against the one-rounding reference. (With the
     identity experts that reference and the default's mostly give the same bits; the arithmetic itself is
     tested in tests/ep/test_ep_buffer.py ``test_one_rounding_modes``.)"""
-    from bench.internals import mpiexec_path
-
-    path = os.path.join(out_dir, "ep_one_rounding.json")
-    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
-            "--warmup", "1", "--no-progress", "--expand", "--no-multiple-reduction",
-            "--expert-alignment", "4", "--systems", "ep", "--json", path]
-    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
-                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
-    assert rc == 0, out[-3000:]
-    with open(path) as f:
-        doc = json.load(f)
+    doc, out = _tiny_expanded_ep(out_dir, "ep_one_rounding.json", "--no-multiple-reduction", "--systems", "ep")
     assert doc["checks"]["results"]["epbuffer_vs_reference"]["combined_x_equal"] is True
     assert doc["details"]["workload"]["multiple_reduction"] is False
     assert "allow_multiple_reduction=False" in out and "every slot's row summed, one rounding" in out
