@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import reprlib
 import sys
 import time
 import warnings
@@ -223,6 +224,44 @@ class SymmetricWindow:
 
 
 _MAX_BYTE = 2 ** 62  # byte offsets and counts stay below it: their sums fit an int64
+
+
+def _byte_counts(where: str, name: str, values) -> np.ndarray:
+    """``values`` (a sequence, numpy array or CPU tensor of ints) as a 1-D int64 array, checked in one pass:
+    integers in ``[0, 2**62)``. Raises ``TransportArgumentError`` naming ``name`` otherwise (floats, bools,
+    strings, other shapes)."""
+    if isinstance(values, torch.Tensor):
+        values = values.numpy() if values.device.type == "cpu" else values
+    try:
+        a = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        a = None
+    if a is not None and a.size == 0 and a.ndim == 1:
+        return np.zeros(0, dtype=np.int64)
+    if a is None or a.ndim != 1 or a.dtype.kind not in "iu":
+        raise TransportArgumentError(f"{where}: {name} must be a 1-D sequence of ints, got {reprlib.repr(values)}")
+    out_of_range = (a < 0) | (a >= _MAX_BYTE)
+    if out_of_range.any():
+        raise TransportArgumentError(f"{where}: {name} must hold ints in [0, 2**62), got "
+                                     f"{int(a[np.flatnonzero(out_of_range)[0]])}")
+    return a.astype(np.int64, copy=False)
+
+
+def _copy_blocks(region: torch.Tensor, data: torch.Tensor, src_off, dst_off, n) -> None:
+    """``region[dst_off[i]:+n[i]] = data[src_off[i]:+n[i]]`` (uint8 1-D tensors, checked blocks). Blocks of one
+    size at offsets that are multiples of it (the engines' rows) move as one row gather-scatter over the widest
+    integer type dividing them (torch's index copies go element by element); others one copy each."""
+    size = int(n[0])
+    if (n == size).all() and not (src_off % size).any() and not (dst_off % size).any():
+        w = next(w for w in (8, 4, 2, 1) if size % w == 0 and region.data_ptr() % w == 0 and data.data_ptr() % w == 0)
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
+        dst_rows = region[:region.numel() // size * size].view(dtype).view(-1, size // w)
+        src_rows = data[:data.numel() // size * size].view(dtype).view(-1, size // w)
+        picked = src_rows.index_select(0, torch.from_numpy(src_off // size))
+        dst_rows.index_copy_(0, torch.from_numpy(dst_off // size), picked)
+        return
+    for a, b, c in zip(src_off.tolist(), dst_off.tolist(), n.tolist()):
+        region[b:b + c].copy_(data[a:a + c])
 
 
 class Transport:
@@ -667,9 +706,11 @@ class Transport:
 
         What one :meth:`put` per block does (completion, visibility, the traffic counters: one put of the
         blocks' total), as one operation: URMA one ``MPI_Put`` whose origin and target are hindexed byte
-        types (one rendezvous, where a put per block pays one each); SELF/UBMEM one copy per block.
+        types (one rendezvous, where a put per block pays one each); SELF/UBMEM one row gather-scatter when
+        the blocks are rows of one size, else one copy per block.
         Args:
-            src_offsets, offsets, nbytes: sequences of ints of one length; destination blocks must not overlap.
+            src_offsets, offsets, nbytes: 1-D sequences, numpy arrays or CPU tensors of ints (bytes), of one length;
+                destination blocks must not overlap.
         Raises:
             TransportArgumentError: before any byte is written, for a bad peer, source or block list, a
                 block outside ``src`` or the window, or (SELF/UBMEM) ``src`` overlapping a destination block.
@@ -679,22 +720,11 @@ class Transport:
         kind = self._peer(op, win, dst)
         data = self._as_bytes(op, self.topology.rank, src, "src")
         where = f"rank {self.topology.rank}: {op}(win='{win.name}', peer {dst})"
-        lists = []
-        for name, values in (("src_offsets", src_offsets), ("offsets", offsets), ("nbytes", nbytes)):
-            try:
-                values = list(values)
-            except TypeError:
-                raise TransportArgumentError(f"{where}: {name} must be a sequence of ints, got "
-                                             f"{type(values).__name__}") from None
-            bad = next((v for v in values if not isinstance(v, (int, np.integer)) or isinstance(v, bool)
-                        or not 0 <= v < _MAX_BYTE), None)
-            if bad is not None:
-                raise TransportArgumentError(f"{where}: {name} must hold ints in [0, 2**62), got {bad!r}")
-            lists.append(values)
-        if len({len(v) for v in lists}) != 1:
+        src_off, dst_off, n = (_byte_counts(where, name, values) for name, values in
+                               (("src_offsets", src_offsets), ("offsets", offsets), ("nbytes", nbytes)))
+        if not src_off.size == dst_off.size == n.size:
             raise TransportArgumentError(f"{where}: src_offsets, offsets and nbytes must be of one length, got "
-                                         f"{', '.join(str(len(v)) for v in lists)}")
-        src_off, dst_off, n = np.array(lists, dtype=np.int64).reshape(3, -1)  # below 2**62: sums cannot overflow
+                                         f"{src_off.size}, {dst_off.size}, {n.size}")
         if n.size and int((src_off + n).max()) > data.numel():
             raise TransportArgumentError(f"{where}: a block ends at byte {int((src_off + n).max())} of src, which has "
                                          f"{data.numel()}")
@@ -712,9 +742,7 @@ class Transport:
                            (dst_off + win.control_bytes).tolist(), n.tolist())
             else:
                 self._apart(op, win, dst, data, dst_off, n)
-                region = win._data[int(dst)]
-                for a, b, c in zip(src_off.tolist(), dst_off.tolist(), n.tolist()):
-                    region[b:b + c].copy_(data[a:a + c])
+                _copy_blocks(win._data[int(dst)], data, src_off, dst_off, n)
         self.stats.record_put(kind, int(dst), int(n.sum()))
 
     def get(self, win: SymmetricWindow, src: int, offset: int, out: torch.Tensor) -> None:

@@ -814,8 +814,8 @@ class LowLatencyEngine:
             self.tp.record_put(dst, (hi - lo) * mb)
             return
         # one block per pair, from the token's message to the pair's slot: MPI moves them all in one put
-        self.tp.put_blocks(self.win, dst, messages, (tokens * mb).tolist(),
-                           (slot_rows[lo:hi] * mb + (base + lay.recv_off)).tolist(), [mb] * (hi - lo))
+        self.tp.put_blocks(self.win, dst, messages, tokens * mb, slot_rows[lo:hi] * mb + (base + lay.recv_off),
+                           torch.full((hi - lo,), mb, dtype=torch.int64))
 
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:

@@ -160,19 +160,30 @@ def test_put_every_pair_and_size(mtp):
             assert bool((own[at + size:at + size + GUARD] == SENTINEL).all()), f"{what}: bytes after touched"
 
 
+# (source offset, destination offset, bytes): gaps on both sides, destination order not the source's
+PUT_BLOCKS = {
+    "mixed": [(0, 70_000, 4096), (5000, 64, 7), (5007, 30_000, 0), (6000, 200, 20_000), (40_000, 80_000, MIB)],
+    # rows of one size at multiples of it, as the LL engine sends them (the load/store path's row scatter)
+    "rows": [(r * 4104, d * 4104, 4104) for r, d in ((5, 0), (0, 7), (9, 3), (2, 200), (3, 120))],
+}
+
+
 @pytest.mark.mpi(min_size=2)
-def test_put_blocks_every_pair(mtp):
+@pytest.mark.parametrize("layout", sorted(PUT_BLOCKS))
+def test_put_blocks_every_pair(mtp, layout):
     """``put_blocks``: scattered blocks of one source, in another order at the destination (an empty one among
     them), land exactly and only there for SELF, UBMEM and URMA pairs, counted as one put of their total."""
     tp = mtp
     me = tp.topology.rank
-    # (source offset, destination offset, bytes): gaps on both sides, destination order not the source's
-    blocks = [(0, 70_000, 4096), (5000, 64, 7), (5007, 30_000, 0), (6000, 200, 20_000), (40_000, 80_000, MIB)]
+    blocks = PUT_BLOCKS[layout]
     total = 80_000 + MIB + GUARD
     for k, dst, src, win, own in _ring_rounds(tp, "urma_put_blocks", total):
         payload = pattern(40_000 + MIB, me * 131 + k)
         before = tp.stats.snapshot()
-        tp.put_blocks(win, dst, payload, *zip(*blocks))
+        columns = [list(c) for c in zip(*blocks)]
+        if layout == "rows":  # arrays and tensors are sequences of ints too
+            columns = [np.array(columns[0]), torch.tensor(columns[1]), columns[2]]
+        tp.put_blocks(win, dst, payload, *columns)
         payload.fill_(0x5A)  # reusable once put_blocks returns
         tp.flush(dst)
         d = LinkStats.diff(tp.stats.snapshot(), before)
