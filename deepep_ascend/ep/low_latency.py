@@ -342,9 +342,8 @@ class LowLatencyEngine:
         # Each mapped source's send-region stamp of half h (0: not mapped), read by the dispatch receive's seqlock.
         ctl_bases = [tp.peer_view(self.ctl, p, 0, 2 * self.R * HDR_BYTES).data_ptr() if self.direct[p] else 0
                      for p in range(self.R)]
-        self._stamp_addrs = [[b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
-                              for p, b in enumerate(ctl_bases)] for h in (0, 1)]
-        self._stamps = [torch.tensor(a, dtype=torch.int64) for a in self._stamp_addrs]
+        self._stamps = [torch.tensor([b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
+                                      for p, b in enumerate(ctl_bases)], dtype=torch.int64) for h in (0, 1)]
         self._all_direct = all(self.direct)
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
@@ -1059,8 +1058,9 @@ class LowLatencyEngine:
         Raises:
             RuntimeError: a source's stamp moved (it began rewriting the region: the rows read may be torn).
         """
+        addrs = self._stamps[h].tolist() if pulled else ()
         for d in pulled:
-            now = ctypes.c_int64.from_address(self._stamp_addrs[h][d]).value
+            now = ctypes.c_int64.from_address(addrs[d]).value
             if now != seq + 1:
                 raise RuntimeError(
                     f"rank {self.rank}: {phase}: source rank {d} began rewriting its send region for LL call "
