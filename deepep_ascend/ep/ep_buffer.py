@@ -371,7 +371,9 @@ class EPBuffer(BufferBase):
             pair); ``recv_topk_idx`` ``[n, K]`` int64 local expert ids or -1 (``None`` expanded);
             ``recv_topk_weights`` ``[n, K]`` float32 (expanded: ``[rows]``; ``None`` without weights).
         Raises:
-            TypeError / ValueError: bad arguments on any rank, or ranks disagreeing on ``num_experts``,
+            TypeError / ValueError: bad arguments on any rank (among them, with ``do_expand`` and
+                ``do_cpu_sync=False``, a ``topk_idx`` row sending more than ``L`` slots to one rank: DeepEP's
+                capacity has no room for them), or ranks disagreeing on ``num_experts``,
                 ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags or dtypes: every rank
                 raises (``ConsensusError`` naming the ranks).
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
