@@ -400,9 +400,14 @@ class LowLatencyEngine:
         self._views.clear()
 
     def native_path(self) -> bool:
-        """Whether calls take the native path: the kernels are loaded and every live peer is mapped (same node
-        with ``allow_ubmem``); else the torch path (URMA peers, or ``DEEPEP_ASCEND_NATIVE=0``)."""
-        return (self._all_direct or all(self.direct[p] for p in self.order())) and native.ll_available()
+        """Whether calls take the native path: the kernels are loaded and every rank is mapped (one node with
+        ``allow_ubmem``), masked or not; else the torch path (URMA peers, or ``DEEPEP_ASCEND_NATIVE=0``).
+
+        Masks do not count: the two paths lay out a half's receive region differently (an index table of
+        int32 entries, or message slots), and a peer that unmasked this rank may already be writing its
+        next call into the half this rank still uses with the peer masked. With one path per topology each
+        source's writes stay inside its own slots (docs/semantics/deepep-api.md §7)."""
+        return self._all_direct and native.ll_available()
 
     def dispatched_route(self, topk_idx, handle) -> _Route | NativeRoute | None:
         """The route of the last received dispatch when ``topk_idx`` is the very tensor that dispatch took and

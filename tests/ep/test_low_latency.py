@@ -1137,6 +1137,51 @@ def test_shrink_rank_masked_then_unmasked_counts_again(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_shrink_peers_rejoining_early_leave_the_masking_rank_intact(comm):
+    """The last rank masks every other and they mask it for one dispatch and combine; it holds its dispatch's
+    receive hook for a while, so the others unmask it and issue the next dispatch into the half that hook still
+    reads. Its own rows come back exactly (the reference with the others dropped), and once it unmasks them too
+    the joined dispatch and combine count every token of every rank."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    out = R - 1
+    buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True, enable_shrink=True,
+                 timeout_s=SHRINK_TIMEOUT_S, ranks_per_node=R // 2)
+    chk = Checker(r)
+    E, L, M, H, K = 2 * R, 2, 16, 256, 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a timeout's masking would be a failure here
+        for p in range(R):
+            if p != r and out in (p, r):
+                buf.low_latency_update_mask_buffer(p, True)
+        dead = [out] if r != out else [p for p in range(R) if p != out]
+        ins = [make_inputs(760, s, R, 10, H, E, K) for s in range(R)]
+        d_x, d_idx = ins[r]
+
+        def apart():
+            recv_x, cnt, handle, _, hook = buf.low_latency_dispatch(d_x, d_idx, M, E, use_fp8=False,
+                                                                     return_recv_hook=True)
+            if r == out:
+                time.sleep(0.2)  # the others' next dispatch lands meanwhile
+            hook()
+            ref = ref_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], r, E, M, masked=dead)
+            chk.same_bits(cnt, ref.recv_count, "apart: recv_count")
+            chk.same_bits(recv_x, ref.recv_x, "apart: recv_x")
+            global _shrink_state
+            _shrink_state = (recv_x, handle, d_x, d_idx)
+            _shrink_round(buf, ins, r, R, 0, "combine", dead, chk, E, L, M, H)
+
+        _, exc = capture(apart)
+        chk.check(exc is None, f"apart: {exc!r}")
+        buf.low_latency_clean_mask_buffer()
+        for phase in ("dispatch", "combine"):
+            _, exc = capture(lambda: _shrink_round(buf, ins, r, R, 1, phase, [], chk, E, L, M, H))
+            chk.check(exc is None, f"joined {phase}: {exc!r}")
+    _, exc = capture(buf.destroy)
+    chk.check(exc is None, f"destroy: {exc!r}")
+    all_ranks_ok(comm, not chk.errors, f"rejoining early: {chk.errors[:5]}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_missing_rank_without_shrink_times_out_naming_it(comm):
     """Without shrink mode the last rank (on the other node) skipping a dispatch makes every other
     rank raise a TimeoutError naming it; then all destroy."""
