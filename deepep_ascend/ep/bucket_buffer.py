@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..transports import ChannelKind, WaitPolicy, create_transport
+from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .event import EventHandle, EventOverlap
@@ -289,7 +289,11 @@ class BucketBuffer(BufferBase):
 
     def _destroy(self) -> None:
         self.storage = None  # a view of the window: freed with it
-        self.runtime.destroy()
+        try:
+            self.runtime.destroy()
+        except TransportBusy:  # refused on every rank: the buffer stays as it was
+            self.storage = self.runtime.local_view(self._win, 0, self.num_bytes)
+            raise
         self._win = None
         for sub in self._comms[1:]:
             sub.Free()
@@ -300,8 +304,9 @@ class BucketBuffer(BufferBase):
 
         Raises:
             RuntimeError: built without ``explicitly_destroy=True``.
-            transports.TransportBusy: tensors of the storage are still alive on this rank (a plan's tensors,
-                which the ``BufferAllocator`` also holds, session allocations, results); drop them first.
+            transports.TransportBusy: tensors of the storage are still alive on some rank (a plan's tensors,
+                which the ``BufferAllocator`` also holds, session allocations, results): refused on every rank,
+                and the buffer stays usable; drop them, then call ``destroy()`` again.
         """
         super().destroy()
 

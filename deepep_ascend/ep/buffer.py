@@ -280,7 +280,9 @@ class Buffer:
 
         Raises:
             AssertionError: the Buffer was built without ``explicitly_destroy``.
-            transports.TransportBusy: tensors from :meth:`get_local_buffer_tensor` are still alive.
+            transports.TransportBusy: views of window memory are still alive on some rank (tensors from
+                :meth:`get_local_buffer_tensor` or :meth:`get_next_low_latency_combine_buffer`): refused on every
+                rank, and the Buffer stays as it was (drop them, then call ``destroy()`` again).
             transports.TransportTimeout: a peer never reached destroy (not with ``enable_shrink``).
         """
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
@@ -288,13 +290,14 @@ class Buffer:
             return
         self._worker.drain()
         departed = _masked_ranks(weakref.ref(self)) if self.enable_shrink else None
-        if self._ll is not None:
-            self._ll.release()
+        for engine in (self._ll, self._engine):  # their cached window views, remade on use if destroy is refused
+            if engine is not None:
+                engine.release()
+        self.runtime.destroy(departed=departed)
         self._engine = self._ll = None
         if self._landing is not None:
             self._landing.release()  # recv_x tensors the caller still holds keep their memory
             self._landing = None
-        self.runtime.destroy(departed=departed)
         self._worker.shutdown()
         self._win = self._urma_win = None
         self.runtime = None

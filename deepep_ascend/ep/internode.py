@@ -220,6 +220,9 @@ class InternodeEngine:
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
 
+    def release(self) -> None:
+        """Nothing to drop: this engine keeps no window views across calls (the Buffer's destroy asks every engine)."""
+
     # -- sizing ----------------------------------------------------------------------
     def windows_hold_headers(self) -> bool:
         """Each node box holds a header and an error message, each staging half its header (no rows yet)."""

@@ -235,6 +235,10 @@ class IntranodeEngine:
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
         self._views = memory.ViewCache(_VIEW_CACHE_ENTRIES)  # window slices: see _view, _rows
 
+    def release(self) -> None:
+        """Drop the window views kept across calls (before the window is freed; later calls make them again)."""
+        self._views.clear()
+
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
         fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]

@@ -150,8 +150,8 @@ class SymmBuffer:
         """Collectively free the Buffer (its window and worker) and the views' memory."""
         if self._destroyed:
             return
+        self.ep_buffer.destroy()  # may be refused (TransportBusy): then nothing here is torn down either
         self._destroyed = True
-        self.ep_buffer.destroy()
         if self._segment is not None:
             self._segment.release()
             self._segment, self._peer_views = None, None

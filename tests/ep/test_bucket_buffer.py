@@ -510,3 +510,27 @@ def test_guards_untouched(buf):
         ok = ok and bool(torch.all(region[used:] == guard)) and len(out) == len(inner)
     out = tensors = inner = region = None  # views of the storage
     all_ranks_ok(comm, ok, "guard bytes around the tensors changed")
+
+
+def test_refused_destroy_leaves_the_buffer_usable():
+    """A tensor of the storage alive on rank 0 only: destroy() raises TransportBusy on every rank, the storage
+    still all-reduces (the sum of the ranks' values), and once the tensor is dropped destroy() succeeds."""
+    from deepep_ascend.transports import TransportBusy
+
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    buf = coll(lambda: BucketBuffer(world(), 4096, explicitly_destroy=True), what="BucketBuffer()")
+    held = buf.storage[:16] if r == 0 else None
+    _, err = capture(buf.destroy)
+    errors = [] if isinstance(err, TransportBusy) else [f"destroy() with a live tensor on rank 0: {err!r}"]
+    src = buf.storage[:256].view(torch.float32)
+    src.fill_(r + 1.0)
+    out, err = capture(lambda: buf.all_reduce(src).wait())
+    if err is not None or not torch.equal(out, torch.full((64,), R * (R + 1) / 2)):
+        errors.append(f"all_reduce after the refused destroy: {err!r}")
+    del held
+    src = out = None
+    _, err = capture(buf.destroy)
+    if err is not None:
+        errors.append(f"destroy() after dropping the tensor: {err!r}")
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))

@@ -776,3 +776,42 @@ def test_deepep_2_1_api_gaps(comm):
         stream.wait_stream(object())
     with pytest.raises(TypeError, match="wait_event: event must be"):
         stream.wait_event("event")
+
+
+def test_refused_destroy_leaves_both_modes_working(comm):
+    """A view of the low-latency combine buffer alive on rank 0 only: destroy() raises TransportBusy on every
+    rank, and the same normal-mode and low-latency round trips then give the same bits as before it; once the
+    view is dropped destroy() succeeds."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    M, num_experts = 8, 4 * R
+    b = Buffer(None, Buffer.get_normal_buffer_size_hint(M, H, R, K, num_experts),
+               Buffer.get_low_latency_rdma_size_hint(M, H, R, num_experts), low_latency_mode=True, comm=comm,
+               explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(7 + r)
+    x = torch.randn(M, H, generator=gen).to(BF16)
+    topk_weights, topk_idx = torch.randn(M, num_experts, generator=gen).softmax(-1).topk(K, dim=-1)
+
+    def trips():
+        nt, nr, nte, itr, _ = b.get_dispatch_layout(topk_idx, num_experts)
+        rx, _, rw, _, handle, _ = b.dispatch(x, None, nt, nr, itr, nte, topk_idx, topk_weights)
+        normal, _, _ = b.combine(rx, handle, rw)
+        recv_x, _, ll_handle, _, _ = b.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+        ll, _, _ = b.low_latency_combine(recv_x, topk_idx, topk_weights, ll_handle)
+        return normal, ll, ll_handle
+
+    errors = []
+    before = coll(trips, what="round trips")
+    view = b.get_next_low_latency_combine_buffer(before[2]) if r == 0 else None
+    _, exc = capture(b.destroy)
+    if not isinstance(exc, TransportBusy):
+        errors.append(f"destroy() with a live view on rank 0 should raise TransportBusy, got {exc!r}")
+    after, exc = capture(trips)
+    if exc is not None:
+        errors.append(f"round trips after the refused destroy raised {exc!r}")
+    elif not (torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])):
+        errors.append("round trips after the refused destroy differ from those before it")
+    del view
+    _, exc = capture(b.destroy)
+    if exc is not None or b.runtime is not None:
+        errors.append(f"destroy() after dropping the view: {exc!r}")
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
