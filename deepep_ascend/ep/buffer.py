@@ -1255,7 +1255,8 @@ class Buffer:
         """bf16 ``[L, R·M, H]`` view of the send buffer the **next** LL call uses (docs/semantics/deepep-api.md §6.6b).
 
         Fill it, then call ``low_latency_combine(..., zero_copy=True)`` as the very next LL call
-        (another LL call in between is refused: its data would sit in the other half). The view
+        (another LL call in between is refused: its data would sit in the other half; so is a zero-copy
+        combine with no buffer handed out for it). The view
         is window memory: drop it before :meth:`destroy`. On one node, while the last LL call's hook or
         ``async_finish`` receive is pending, it returns once every peer has issued that call (peers may
         still read the call before it from this half until then).

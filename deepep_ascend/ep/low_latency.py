@@ -448,8 +448,12 @@ class LowLatencyEngine:
 
     def stale_zero_copy(self) -> str | None:
         """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
-        if self.zero_copy_for is None or self.zero_copy_for == self.calls:
+        if self.zero_copy_for == self.calls:
             return None
+        if self.zero_copy_for is None:
+            return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls + 1}, but no buffer was handed out "
+                    f"for it: call get_next_low_latency_combine_buffer(handle) and write the experts' outputs into it "
+                    f"first (its send region holds nothing of this call)")
         return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls + 1}, but the buffer from "
                 f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for + 1} (another LL "
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")

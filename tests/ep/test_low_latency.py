@@ -757,6 +757,14 @@ def test_zero_copy_and_out_in_both_halves(buffers, comm):
               f"stale zero-copy buffer: {exc!r}")
     combined, _, _ = coll(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle),
                           what="combine after the refusal")
+    # No buffer handed out for this call at all: refused too, on every rank (only rank 0 asks for zero_copy).
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.rand(idx.shape), handle, zero_copy=r == 0))
+    want = RuntimeError if r == 0 else ConsensusError
+    chk.check(isinstance(exc, want) and (r != 0 or "no buffer was handed out" in str(exc)),
+              f"zero-copy without a buffer: {exc!r}")
+    combined, _, _ = coll(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle),
+                          what="combine after the refusal")
     chk.finish("zero-copy / out=")
 
 
