@@ -22,6 +22,7 @@ from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of, resolve_deadline
+from .memory import outside_inference_mode
 
 __all__ = ["BucketBuffer", "BucketSession"]
 
@@ -226,6 +227,7 @@ class BucketBuffer(BufferBase):
         transports.TransportConfigError: invalid ``ranks_per_node`` (the same error on every rank).
     """
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, allocation_plan_or_num_bytes, sl_idx: int | None = None,
                  num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
                  ranks_per_node: int | None = None, timeout_s: float | None = None):

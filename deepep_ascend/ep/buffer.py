@@ -64,6 +64,7 @@ from .low_latency_arguments import (
     check_low_latency_handle,
     low_latency_layout,
 )
+from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed, timed_call
 from .protocol import (
@@ -168,6 +169,7 @@ class Buffer:
     num_sms: int = 20
     api_name: str = "Buffer"  # the class the user built, named in the exit warning (EPBuffer builds a Buffer)
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,

@@ -21,6 +21,7 @@ from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
 from .event import Worker
 from .group import check_agreed, mpi_comm_of
+from .memory import outside_inference_mode
 
 __all__ = ["EngramBuffer"]
 
@@ -125,6 +126,7 @@ class EngramBuffer(BufferBase):
     """
 
     @_accept_legacy_storage_size
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, num_gpu_bytes: int, num_rdma_storage_bytes: int, use_cpu_rdma_storage: bool,
                  num_allocated_qps: int, qp_depth: int, restrict_rd_atomic: bool = False,
                  allow_hybrid_mode: bool = True, sl_idx: int | None = None, num_gpu_timeout_secs: int = 100,

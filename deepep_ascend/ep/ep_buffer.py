@@ -27,6 +27,7 @@ from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
 from .load_balance import LoadBalanceRegion
+from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed
 from .protocol import (
@@ -125,6 +126,7 @@ class EPBuffer(BufferBase):
             on every rank, naming the argument and each rank's value, before anything is allocated.
     """
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, num_bytes: int | None = None, num_max_tokens_per_rank: int = 0, hidden: int = 0,
                  num_topk: int = 0, use_fp8_dispatch: bool = False,
                  lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, deterministic: bool = False,
@@ -1049,6 +1051,7 @@ class ElasticBuffer(EPBuffer):
     for before the call) instead of ``defer_epilogue``.
     """
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, num_bytes: int | None = None, num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0,
                  hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
                  allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,

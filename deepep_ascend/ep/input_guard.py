@@ -32,7 +32,9 @@ class InputGuard:
 
     def __init__(self, what: str, inputs: dict):
         self.what = what
-        self.entries = [(n, t, t._version) for name, v in inputs.items() for n, t in _tensors(name, v)]
+        # (an inference tensor keeps no version counter: its writes cannot be seen, so it is not guarded)
+        self.entries = [(n, t, t._version) for name, v in inputs.items() for n, t in _tensors(name, v)
+                        if not t.is_inference()]
 
     def __bool__(self) -> bool:
         return bool(self.entries)

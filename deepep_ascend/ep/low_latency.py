@@ -214,6 +214,7 @@ class OutputPool:
         view, ent, _ = self.get_deferred(shape, dtype, channels_first, defer=False)
         return view, ent
 
+    @memory.outside_inference_mode
     def get_deferred(self, shape, dtype, channels_first=False, defer=True) -> tuple[torch.Tensor, list, object]:
         """:meth:`get`, except that (``defer``) a reused tensor whose last user reported ``[L]`` int32 counts is
         handed out unzeroed, with those counts as the third item (else None): its writer must zero rows
@@ -893,6 +894,7 @@ class LowLatencyEngine:
         self._dispatched = (call.route_stamp + stamp(call.src_info, call.layout_range), (lay.M, lay.H, lay.E),
                             call.route)
 
+    @memory.outside_inference_mode
     def _scratch(self, name, shape, dtype) -> torch.Tensor:
         """A ``shape`` view of the engine's scratch ``name``, grown on demand and kept across
         calls: fresh temporaries of this size cost page faults on every call."""

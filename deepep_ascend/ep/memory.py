@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 
 import torch
@@ -80,6 +81,20 @@ def _block(nbytes: int) -> torch.Tensor:
     return _alias(empty((nbytes,), torch.uint8), torch.uint8, (nbytes,))
 
 
+def outside_inference_mode(fn):
+    """Decorate ``fn`` to run with ``torch.inference_mode`` off: what it makes to keep across calls (a
+    Buffer's own tensors, pooled outputs, scratch, window views) is then a normal tensor, versioned and
+    writable in place in either mode. Made under ``torch.inference_mode()`` it would be an inference tensor,
+    which a later call outside that mode may not write in place, and whose writes no version counter shows."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 class ViewCache:
     """Window views an engine makes on every call, kept across calls by a key the caller picks (rank,
     offset, length, dtype, ...): a dict lookup costs a tenth of slicing and viewing a window again, and
@@ -92,12 +107,12 @@ class ViewCache:
         self._views: dict = {}
 
     def get(self, key, make):
-        """The view under ``key``; ``make()`` builds it on a miss."""
+        """The view under ``key``; ``make()`` builds it on a miss (outside inference mode: it is kept)."""
         v = self._views.get(key)
         if v is None:
             if len(self._views) >= self.limit:
                 self._views.clear()
-            v = self._views[key] = make()
+            v = self._views[key] = outside_inference_mode(make)()
         return v
 
     def clear(self) -> None:
@@ -123,6 +138,7 @@ class OutputPool:
         self._blocks: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
+    @outside_inference_mode
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous ``shape`` tensor of ``dtype`` (contents stale), not a view."""
         shape = torch.Size(shape)
@@ -177,6 +193,7 @@ class SegmentPool:
                 pos = max(pos, -(-end // self.ALIGN) * self.ALIGN)
             return best
 
+    @outside_inference_mode
     def take(self, offset: int, nbytes: int) -> torch.Tensor:
         """A ``[nbytes]`` uint8 tensor over bytes ``[offset, offset + nbytes)``, in use until dropped."""
         block = self.segment.view(self.rank, offset, nbytes)

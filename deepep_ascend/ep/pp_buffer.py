@@ -20,6 +20,7 @@ from ..transports import ChannelKind, create_transport
 from .allocator import BufferBase
 from .event import EventHandle, EventOverlap, Worker
 from .group import check_agreed, mpi_comm_of, resolve_deadline
+from .memory import outside_inference_mode
 
 __all__ = ["PPBuffer"]
 
@@ -66,6 +67,7 @@ class PPBuffer(BufferBase):
         transports.TransportConfigError: invalid ``ranks_per_node`` (the same error on every rank).
     """
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, num_max_tensor_bytes: int, num_max_inflight_tensors: int, sl_idx: int | None = None,
                  num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
                  ranks_per_node: int | None = None, timeout_s: float | None = None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import native as _native
+from .memory import outside_inference_mode
 
 _COMBINE_BLOCK_BYTES = 2 << 20  # float32 accumulator block of combine: stays in cache
 _BAG_MIN_TOKENS = 8  # fewest tokens per block for which _sum_by_bags is used by default
@@ -302,6 +303,7 @@ class CombineScratch:
         self._bufs = None
         self._rows = rows  # block rows; None: ~2 MiB per block (tests pass a few rows to get many blocks)
 
+    @outside_inference_mode
     def get(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bufs is None or self._bufs[0].size(1) != hidden:
             block = self._rows or max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))

@@ -4,7 +4,8 @@ A stamp holds weak references to the tensors and their version counters (every i
 through any view, bumps ``_version``). The Buffers use them to skip recomputing and re-validating
 what they produced themselves: ``Buffer.dispatch`` trusts its own ``get_dispatch_layout`` outputs,
 ``low_latency_combine`` its dispatch's routing and handle. A dead reference, another tensor or a
-write since the stamp never matches, so a stale stamp only costs the full path.
+write since the stamp never matches, so a stale stamp only costs the full path. Nor does an inference
+tensor (made under ``torch.inference_mode()``), which keeps no version counter: its writes cannot be seen.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ __all__ = ["stamp", "stamp_matches"]
 
 
 def stamp(*tensors) -> tuple:
-    """Weak references to ``tensors`` (None kept) and their version counters."""
-    return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+    """Weak references to ``tensors`` (None kept) and their version counters (-1 for an inference tensor)."""
+    return tuple(None if t is None else (weakref.ref(t), -1 if t.is_inference() else t._version) for t in tensors)
 
 
 def stamp_matches(stamped: tuple, *tensors) -> bool:
-    """Whether ``tensors`` are the stamped ones, in order, none written since."""
+    """Whether ``tensors`` are the stamped ones, in order, none written since (never for an inference tensor)."""
     return len(stamped) == len(tensors) and all(
-        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and t._version == s[1])
+        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and s[1] >= 0
+                                      and t._version == s[1])
         for s, t in zip(stamped, tensors))

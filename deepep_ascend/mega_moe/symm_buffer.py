@@ -10,6 +10,7 @@ import torch
 
 from ..ep.buffer import Buffer
 from ..ep.group import mpi_comm_of
+from ..ep.memory import outside_inference_mode
 from ..ep.reduce import CombineScratch
 from ..settings import MEGA_MOE_BACKEND, SettingError
 from ..transports import Topology, quiet_allgather_object
@@ -48,6 +49,7 @@ class SymmBuffer:
         last_trace: :class:`~.trace.MegaMoETrace` of the last call (``None`` before the first).
     """
 
+    @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
                  mma_type, activation, num_shared_experts, timeout_s=None, backend=None):
         self.group = group

@@ -208,6 +208,27 @@ def test_moe_layer_matches_dense_reference(buf, ll_buf, comm, case, mode):
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_layer_under_inference_mode(buf, ll_buf, comm, mode):
+    """The serving context: a forward under ``torch.inference_mode()`` on inputs made there gives the bits of the
+    same forward under ``no_grad``, and a training step outside it still works afterwards."""
+    r = comm.Get_rank()
+    layer = make_layer(buf, ll_buf, mode, CASES["softmax"])
+    x0 = torch.randn(10 + r, H, generator=torch.Generator().manual_seed(5 + r))
+    with torch.no_grad():
+        want = coll(lambda: layer(x0), what="no_grad forward")
+    with torch.inference_mode():
+        x = x0.clone()
+        got, exc = capture(lambda: layer(x))
+    errors = [f"inference_mode forward: {exc!r}"] if exc is not None else []
+    if exc is None and not torch.equal(got, want):
+        errors.append("inference_mode forward differs from the no_grad one")
+    _, exc = capture(lambda: layer(x0.clone().requires_grad_(True)).sum().backward())
+    if exc is not None:
+        errors.append(f"training step afterwards: {exc!r}")
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
+
+
 def test_low_latency_layer_refusals_and_too_many_tokens(buf, ll_buf, comm):
     """Constructor checks (local); a batch above num_max_dispatch_tokens_per_rank on the last rank fails the
     forward on every rank, with a ValueError naming the limit there, and the layer works afterwards."""

@@ -1,0 +1,112 @@
+"""Calls under ``torch.inference_mode()`` (the serving context) give the bits of the same calls outside it, on a
+Buffer or EPBuffer built in either mode, and leave it usable outside that mode (docs/semantics/deepep-api.md §3.3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepep_ascend import Buffer, EPBuffer
+from tests.support.buffer_helpers import all_ranks_ok, capture
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
+
+N, H, K = 8, 128, 2
+
+
+def _inputs(rank, num_experts):
+    gen = torch.Generator().manual_seed(31 + rank)
+    x = torch.randn(N, H, generator=gen).bfloat16()
+    weights, idx = torch.randn(N, num_experts, generator=gen).softmax(-1).topk(K, dim=-1)
+    return x, idx, weights
+
+
+def _buffer_calls(buf, x, idx, weights, num_experts, num_local):
+    """Every kind of call, each result as one tensor (compared across modes)."""
+    out = {}
+    nt, nr, nte, itr, _ = buf.get_dispatch_layout(idx, num_experts)
+    rx, _, rw, counts, handle, _ = buf.dispatch(x, None, nt, nr, itr, nte, idx, weights)
+    out["normal"] = buf.combine(rx, handle, rw)[0]
+    out["normal cached"] = buf.dispatch(x, handle=handle)[0]
+    recv_x, recv_count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
+    out["ll"] = buf.low_latency_combine(recv_x, idx, weights, ll_handle)[0]
+    stats = torch.zeros(num_local, dtype=torch.int32)
+    (fp8, scales), _, _, _, hook = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=True,
+                                                            cumulative_local_expert_recv_stats=stats,
+                                                            return_recv_hook=True)
+    hook()
+    out["ll fp8"], out["ll fp8 scales"], out["ll stats"] = fp8.view(torch.uint8), scales, stats
+    recv_x, _, ll_handle, event, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False,
+                                                              async_finish=True)
+    event.current_stream_wait()
+    zc = buf.get_next_low_latency_combine_buffer(ll_handle)
+    zc.copy_(recv_x)
+    del zc
+    out["ll zero-copy"] = buf.low_latency_combine(recv_x, idx, weights, ll_handle, zero_copy=True)[0]
+    return out
+
+
+def _ep_calls(buf, x, idx, weights, num_experts):
+    out = {}
+    recv_x, _, recv_w, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=num_experts)
+    out["ep"] = buf.combine(recv_x, handle, topk_weights=recv_w)[0]
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=num_experts,
+                                           do_expand=True, expert_alignment=4, do_cpu_sync=False)
+    out["ep expanded"] = buf.combine(recv_x, handle)[0]
+    return out
+
+
+def _check(comm, build, calls, inputs):
+    """``calls(buffer, *inputs)`` on a Buffer built outside inference mode: outside, inside (on inputs made
+    there: inference tensors), outside again; then on one built inside it: inside, then outside."""
+    errors = []
+    with torch.no_grad():
+        outer = build()
+        want = calls(outer, *inputs)
+        with torch.inference_mode():
+            inference_inputs = [t.clone() for t in inputs]
+            got_in = capture(lambda: calls(outer, *inference_inputs))
+            inner = capture(build)
+        got_after = capture(lambda: calls(outer, *inputs))
+        got_inner = (None, RuntimeError("not built")) if inner[1] else None
+        if inner[1] is None:
+            with torch.inference_mode():
+                got_inner = capture(lambda: calls(inner[0], *inference_inputs))
+            got_inner_after = capture(lambda: calls(inner[0], *inputs))
+        for what, (got, exc) in (("inside inference_mode", got_in), ("outside it again", got_after),
+                                 ("built inside it, called inside", got_inner),
+                                 ("built inside it, called outside", got_inner_after if inner[1] is None
+                                  else (None, inner[1]))):
+            if exc is not None:
+                errors.append(f"{what}: {exc!r}")
+                continue
+            errors += [f"{what}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
+        outer.destroy()
+        if inner[1] is None:
+            inner[0].destroy()
+    all_ranks_ok(comm, not errors, "; ".join(errors[:6]))
+
+
+def test_buffer_calls_under_inference_mode(comm):
+    r, R = comm.Get_rank(), comm.Get_size()
+    num_experts = 4 * R
+    x, idx, weights = _inputs(r, num_experts)
+
+    def build():
+        return Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, num_experts),
+                      Buffer.get_low_latency_rdma_size_hint(N, H, R, num_experts), low_latency_mode=True,
+                      comm=comm, explicitly_destroy=True)
+
+    _check(comm, build, lambda buf, *t: _buffer_calls(buf, *t, num_experts, num_experts // R), (x, idx, weights))
+
+
+def test_ep_buffer_calls_under_inference_mode(comm):
+    r, R = comm.Get_rank(), comm.Get_size()
+    num_experts = 4 * R
+    x, idx, weights = _inputs(r, num_experts)
+
+    def build():
+        return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True)
+
+    _check(comm, build, lambda buf, *t: _ep_calls(buf, *t, num_experts), (x, idx, weights))
