@@ -80,18 +80,60 @@ Example (every rank)::
     y = experts(recv_x, recv_idx, recv_w, counts)           # [N_recv, H] bf16, weights applied
     out, _ = deepep_ascend.nn.autograd.combine(buffer, y, handle)
     out.float().pow(2).mean().backward()                     # two collective calls per direction
+
+Gradients are first order only: a backward is one communication call, not itself differentiable.
+Differentiating a gradient through it again (``create_graph=True``, then a second ``grad``) raises
+``RuntimeError`` (:func:`first_order_only`) rather than dropping this path's terms.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..ep.config import Config
 from ..ep.handles import LowLatencyHandle, NormalHandle
 
-__all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "low_latency_combine", "low_latency_dispatch"]
+__all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
+           "low_latency_dispatch"]
 
 _BF16 = torch.bfloat16
+
+
+class _NotTwice(torch.autograd.Function):
+    """The identity on ``value``, tied to ``anchors`` (the gradients a backward was given): differentiating
+    through it raises."""
+
+    @staticmethod
+    def forward(ctx, value, *anchors):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("deepep_ascend.nn: a gradient is differentiated again through an expert-parallel "
+                           "dispatch, combine or grouped GEMM; their backward is not differentiable (first-order "
+                           "gradients only)")
+
+
+def first_order_only(backward):
+    """Decorate an ``autograd.Function.backward``: run it without autograd, and when it runs with
+    ``create_graph=True`` tie each float result to the gradients it was given through an identity whose backward
+    raises ``RuntimeError``. A second-order gradient that reaches it then raises, while one that does not (or a
+    plain first-order backward) is unaffected. (``torch.autograd.function.once_differentiable`` ties them to
+    copies of the results instead, so ``torch.autograd.grad(g, x)`` silently skips this path.)"""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        anchors = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
+        differentiable = torch.is_grad_enabled() and anchors
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not differentiable:
+            return out
+        return tuple(_NotTwice.apply(o, *anchors) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                     for o in (out if isinstance(out, tuple) else (out,)))
+    return wrapper
+
 # Buffer.dispatch keyword arguments that dispatch() passes through (the rest are refused: the
 # autograd path is synchronous, outputs are complete on return).
 _DISPATCH_KWARGS = ("handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
@@ -181,6 +223,7 @@ class _Dispatch(torch.autograd.Function):
         return recv_x, _weights_or_placeholder(ctx, recv_w)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_recv_x, grad_recv_w):
         (recv_idx,) = ctx.saved_tensors
         grad_w_in = None
@@ -204,6 +247,7 @@ class _Combine(torch.autograd.Function):
         return combined_x, _weights_or_placeholder(ctx, combined_w)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_combined_x, grad_combined_w):
         g = grad_combined_x.to(_BF16).contiguous()
         n, hidden = g.shape
@@ -355,6 +399,7 @@ class _LLDispatch(torch.autograd.Function):
         return recv_x
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_recv_x):
         (topk_idx,) = ctx.saved_tensors
         # Adjoint of "copy token t into each of its slots": sum the slots' gradients = combine with
@@ -375,6 +420,7 @@ class _LLCombine(torch.autograd.Function):
         return combined
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_combined):
         y, w, topk_idx = ctx.saved_tensors
         buffer, handle = ctx.buffer, ctx.handle
@@ -524,6 +570,7 @@ class _EPDispatch(torch.autograd.Function):
         return recv_x, _weights_or_placeholder(ctx, recv_w)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_recv_x, grad_recv_w):
         # combine returns each slot's weight from the rank that owns it, so the gradient of a slot that is
         # not local (forward value 0) is never read: no masking needed
@@ -546,6 +593,7 @@ class _EPCombine(torch.autograd.Function):
         return combined_x, _weights_or_placeholder(ctx, combined_w)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_combined_x, grad_combined_w):
         g = grad_combined_x.to(_BF16).contiguous()
         gw = grad_combined_w.to(torch.float32).contiguous() if ctx.has_weights else None

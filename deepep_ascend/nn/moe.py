@@ -189,6 +189,7 @@ class _GroupedLinear(torch.autograd.Function):
         return d
 
     @staticmethod
+    @ep_autograd.first_order_only
     def backward(ctx, grad_d):
         a, wb, ends = ctx.saved_tensors
         g = grad_d.to(_BF16).contiguous()
@@ -219,6 +220,7 @@ class _MaskedLinear(torch.autograd.Function):
         return d
 
     @staticmethod
+    @ep_autograd.first_order_only
     def backward(ctx, grad_d):
         a, wb, masked_m = ctx.saved_tensors
         counts = masked_m.tolist()

@@ -26,6 +26,7 @@ from tests.support.buffer_helpers import (
     BF16,
     Checker,
     all_ranks_ok,
+    capture,
     coll,
     make_topk_idx,
 )
@@ -394,3 +395,33 @@ def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):
     want_gw = x0.float().sum(1, keepdim=True).expand(n, K) * valid
     ok = gx.shape == (n, H) and torch.equal(gx, want_gx) and torch.equal(gw, want_gw)
     all_ranks_ok(comm, ok, f"rank {r}: x.grad {gx.shape} / w.grad differ from sum(w) / sum(x)")
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_second_order_gradients_raise(buf, ll_buf, comm, mode):
+    """``create_graph=True`` first-order gradients equal the plain ones; differentiating them again through the
+    dispatch / combine pair raises ``RuntimeError`` on every rank instead of silently dropping that path (here a
+    residual ``y = combine(dispatch(x)) + x`` keeps the gradient differentiable)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    gen = torch.Generator().manual_seed(61 + r)
+    n = 6
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x0 = torch.randn(n, H, generator=gen)
+    w0 = torch.rand(n, K, generator=gen)
+
+    def grads(create_graph):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if mode == "normal":
+            recv_x, _, recv_w, _, handle = ag.dispatch(buf, x.to(BF16), idx, w, E)
+            out, _ = ag.combine(buf, recv_x, handle)
+        else:
+            recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x.to(BF16), idx, LL_M, E, use_fp8=False)
+            out = ag.low_latency_combine(ll_buf, recv_x, idx, w, handle)
+        loss = ((out.float() + x) ** 2).sum()
+        return x, torch.autograd.grad(loss, x, create_graph=create_graph)[0]
+
+    _, plain = coll(lambda: grads(False), what="first-order gradient")
+    x, g = coll(lambda: grads(True), what="first-order gradient, create_graph=True")
+    _, exc = capture(lambda: torch.autograd.grad(g.sum(), x))
+    ok = torch.equal(g.detach(), plain) and isinstance(exc, RuntimeError) and "first-order" in str(exc)
+    all_ranks_ok(comm, ok, f"rank {r}: equal first-order {torch.equal(g.detach(), plain)}, second order: {exc!r}")
