@@ -393,7 +393,8 @@ class LocalExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """DeepSeek MoE block over expert parallelism: ``forward(x [..., H])`` → ``[..., H]`` (``x``'s dtype).
+    """DeepSeek MoE block over expert parallelism: ``forward(x [..., H])`` → ``[..., H]`` (``x``'s dtype, any float
+    dtype: the gate, the routed experts and the shared experts each compute in their own weights' dtype).
 
     Three communication paths (``mode``): DeepEP's two modes on a :class:`deepep_ascend.Buffer`, and
     DeepEP V2.5's expanded layout on a :class:`deepep_ascend.EPBuffer`:
@@ -551,8 +552,8 @@ class MoE(nn.Module):
         else:
             out = self._routed_normal(h, topk_idx, topk_weights)
         out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(h)
+        if self.shared_experts is not None:  # in its weights' dtype, as the gate and the routed experts cast
+            out = out + self.shared_experts(h.to(self.shared_experts.w1.weight.dtype)).to(x.dtype)
         return out.view(shape)
 
     def _routed_normal(self, h, topk_idx, topk_weights):

@@ -229,6 +229,28 @@ def test_moe_layer_under_inference_mode(buf, ll_buf, comm, mode):
     all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_layer_takes_bf16_inputs_on_float32_weights(buf, ll_buf, comm, mode):
+    """bf16 ``x`` on a float32 layer with a shared expert: the output (and ``x.grad``) come in ``x``'s dtype and
+    match the same forward on ``x`` converted to float32 (exactly: bf16 -> float32 is exact), up to bf16
+    rounding."""
+    r = comm.Get_rank()
+    layer = make_layer(buf, ll_buf, mode, CASES["softmax"])
+    x0 = torch.randn(10 + r, H, generator=torch.Generator().manual_seed(8 + r)).to(BF16)
+    x = x0.clone().requires_grad_(True)
+    got, exc = capture(lambda: layer(x))
+    if exc is None:
+        _, exc = capture(lambda: got.float().sum().backward())
+    want = coll(lambda: layer(x0.float()).detach(), what="float32 forward")
+    errors = [f"bf16 forward/backward: {exc!r}"] if exc is not None else []
+    if exc is None:
+        if got.dtype != BF16 or x.grad is None or x.grad.dtype != BF16:
+            errors.append(f"dtypes: out {got.dtype}, x.grad {getattr(x.grad, 'dtype', None)}")
+        elif not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
+            errors.append(f"bf16 forward differs from the float32 one by {(got.float() - want).abs().max():.3g}")
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
+
+
 def test_low_latency_layer_refusals_and_too_many_tokens(buf, ll_buf, comm):
     """Constructor checks (local); a batch above num_max_dispatch_tokens_per_rank on the last rank fails the
     forward on every rank, with a ValueError naming the limit there, and the layer works afterwards."""
