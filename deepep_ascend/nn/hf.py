@@ -155,6 +155,7 @@ class ExpertParallelExperts(nn.Module):
 
 
 _EP_CLASSES: dict[type, type] = {}
+_UNSET = object()
 
 
 def _ep_class(cls: type) -> type:
@@ -187,8 +188,8 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
         TypeError: ``buffer`` is not a :class:`deepep_ascend.Buffer`.
         ValueError: ``buffer`` has no UBMEM window, or spans nodes without a URMA window; no fused experts
             module in ``model``; one is already expert-parallel; a module's ``num_experts`` is not a multiple
-            of the EP size; a parameter of an experts module has no leading expert dimension. Raised before
-            any module is changed.
+            of the EP size; a parameter of an experts module has no leading expert dimension; a module's forward
+            fails on the "no expert here" id (GPT-OSS's ``eager`` experts). Raised before any module is changed.
     """
     _require_transformers()
     if not isinstance(buffer, Buffer):
@@ -216,6 +217,7 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
             if p.dim() == 0 or p.size(0) != m.num_experts:
                 raise ValueError(f"expert_parallel: {name}.{pname} has shape {tuple(p.shape)}, expected a leading "
                                  f"expert dimension of {m.num_experts}")
+        _check_takes_the_ep_id(name, m)
     for _, m in found:
         num_local = m.num_experts // ep_size
         first = ep_rank * num_local
@@ -227,6 +229,38 @@ def expert_parallel(model: nn.Module, buffer: Buffer) -> nn.Module:
         m.num_experts = num_local
         m._is_expert_parallel = True
     return model
+
+
+def _check_takes_the_ep_id(name: str, m: nn.Module) -> None:
+    """Refuse an experts module whose forward, as its config selects it now, fails on ``transformers``' expert-parallel
+    "no expert here" id (``num_experts`` with ``_is_expert_parallel`` set): one token, weight 0, on the module as it
+    is (nothing is changed). GPT-OSS's ``eager`` experts, for one, one-hot the ids over ``num_experts`` classes and
+    raise at the first forward of every rank.
+
+    Raises:
+        ValueError: naming the module, its class, the experts implementation and the module's own error.
+    """
+    params = list(m.parameters(recurse=False))
+    dtype = params[0].dtype if params else torch.float32
+    hidden = getattr(getattr(m, "config", None), "hidden_size", None)
+    if not isinstance(hidden, int):
+        return  # nothing to probe with: the first forward tells
+    had = m.__dict__.get("_is_expert_parallel", _UNSET)
+    m._is_expert_parallel = True
+    try:
+        with torch.no_grad():
+            m(torch.zeros(1, hidden, dtype=dtype), torch.full((1, 1), m.num_experts, dtype=torch.int64),
+              torch.zeros(1, 1, dtype=dtype))
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses the module, naming it
+        impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        raise ValueError(f"expert_parallel: {name} ({type(m).__name__}, experts implementation {impl!r}) does not "
+                         f"take transformers' expert-parallel 'no expert here' id (num_experts): {type(exc).__name__}: "
+                         f"{exc}; choose another experts implementation (e.g. grouped_mm or batched_mm)") from None
+    finally:
+        if had is _UNSET:
+            del m.__dict__["_is_expert_parallel"]
+        else:
+            m._is_expert_parallel = had
 
 
 def _shape(model: nn.Module, num_topk: int | None, op: str) -> tuple[int, int, int]:

@@ -297,3 +297,45 @@ def test_hf_across_simulated_nodes(comm, buffers):
                 if not ok:
                     errors.append(f"grad {name}.{pname}: max error {rel:.3g}")
     all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
+
+
+def test_hf_refuses_experts_that_fail_on_the_ep_id(comm, buffers):
+    """GPT-OSS's ``eager`` experts one-hot the ids over ``num_experts`` classes, so transformers' expert-parallel
+    "no expert here" id fails in them at the first forward of every rank: expert_parallel refuses that module by
+    name, the model untouched; with ``grouped_mm`` the same model is taken and its loss equals the one-process
+    model's."""
+    transformers = pytest.importorskip("transformers", minversion="5.18")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no GPT-OSS")
+    from deepep_ascend.nn import hf
+    from deepep_ascend.nn.hf import ExpertParallelExperts
+
+    R = comm.Get_size()
+    errors = []
+    for impl in ("eager", "grouped_mm"):
+        cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_local_experts=2 * R, num_experts_per_tok=2, max_position_embeddings=64)
+        cfg._experts_implementation = impl
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(cfg)
+        ref = copy.deepcopy(model)
+        buffer = buffers(hf.buffer_size_hint(model, 32, R), key="hf gpt-oss")
+        if impl == "eager":
+            try:
+                hf.expert_parallel(model, buffer)
+                errors.append("eager GPT-OSS experts were accepted")
+            except ValueError as exc:
+                if "'eager'" not in str(exc) or "GptOssExperts" not in str(exc):
+                    errors.append(f"refusal does not name the module and implementation: {exc}")
+            if any(isinstance(m, ExpertParallelExperts) for m in model.modules()) or any(
+                    not torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())):
+                errors.append("a refused expert_parallel call changed the model")
+            continue
+        hf.expert_parallel(model, buffer)
+        ids = torch.arange(2 * 16).view(2, 16) * 7 % 256
+        loss = model(input_ids=ids, labels=ids).loss
+        ok, rel = close(loss, ref(input_ids=ids, labels=ids).loss)
+        if not ok:
+            errors.append(f"grouped_mm GPT-OSS loss: max error {rel:.3g}")
+    all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
