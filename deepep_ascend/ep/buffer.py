@@ -1226,8 +1226,10 @@ class Buffer:
         Returns:
             ``(combined_x [N, H] bf16, event, hook)``.
         Raises:
-            as :meth:`low_latency_dispatch`; ``ConsensusError`` (``LowLatencyRefused``) when the rows
-            returned do not match this rank's ``topk_idx`` (another dispatch's routing or handle).
+            as :meth:`low_latency_dispatch`, among them a ``topk_idx`` that selects some expert another number of
+            times than the dispatch that made ``handle`` (``ValueError`` here, ``LowLatencyRefused`` on the
+            peers; docs/semantics/deepep-api.md §6.3); ``ConsensusError`` (``LowLatencyRefused``) when the rows
+            returned do not match this rank's ``topk_idx`` otherwise (the handle of an older dispatch).
         """
         ll = self._ll_usable("low_latency_combine")
 
@@ -1238,7 +1240,7 @@ class Buffer:
             checked, lay, routed = check_low_latency_combine_args(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, stale,
                 num_ranks=self.group_size, num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth,
-                trusted=route is not None)
+                trusted=route is not None, sent_counts=None if route is not None else ll.sent_counts(handle))
             return checked, lay, route if route is not None else routed
 
         def issue(checked, lay, route):

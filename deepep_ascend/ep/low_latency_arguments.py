@@ -182,8 +182,9 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
 
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt: bool, zero_copy: bool, out,
                                    combine_wait_recv_cost_stats, stale_zero_copy: str | None, *, num_ranks: int,
-                                   num_rdma_bytes: int, qp_depth: int,
-                                   trusted: bool = False) -> tuple[LowLatencyHandle, ll.Layout, ll.NativeRoute | None]:
+                                   num_rdma_bytes: int, qp_depth: int, trusted: bool = False,
+                                   sent_counts: torch.Tensor | None = None
+                                   ) -> tuple[LowLatencyHandle, ll.Layout, ll.NativeRoute | None]:
     """Arguments of ``Buffer.low_latency_combine`` (see there).
 
     Args:
@@ -191,6 +192,9 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
             (:meth:`LowLatencyEngine.stale_zero_copy`), else None.
         trusted: ``topk_idx`` and ``handle`` are the last dispatch's own, unchanged since
             (:meth:`LowLatencyEngine.dispatched_route`): only their types and shapes are checked.
+        sent_counts: ``[E]`` int32 rows of each expert the dispatch that made ``handle`` sent
+            (:meth:`LowLatencyEngine.sent_counts`), or None (not known): ``topk_idx`` must select each expert
+            as often, or the rows the peers return cannot match it.
     Returns:
         ``(handle as a LowLatencyHandle, the call's window layout, its native route or None)`` (the route as
         :func:`check_low_latency_routing` returns it; None when ``trusted``).
@@ -205,6 +209,14 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     route = check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
                                       qp_depth=qp_depth, trusted=trusted)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
+    if sent_counts is not None and not trusted:
+        counts = route.counts if route is not None else ll.selection_counts(topk_idx, num_experts)
+        if not torch.equal(counts, sent_counts):
+            g = int(torch.nonzero(counts != sent_counts)[0])
+            check(False, ValueError,
+                  f"`topk_idx` selects expert {g} {int(counts[g])} times, but the dispatch that made `handle` sent "
+                  f"{int(sent_counts[g])} rows of it; combine needs that dispatch's topk_idx (all of its tokens: "
+                  f"DeepEP's num_combined_tokens equals the number of dispatched tokens)")
     check(not (zero_copy and use_logfmt), RuntimeError,
           "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
     if use_logfmt and hidden % 128:

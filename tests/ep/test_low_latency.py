@@ -768,6 +768,35 @@ def test_zero_copy_and_out_in_both_halves(buffers, comm):
     chk.finish("zero-copy / out=")
 
 
+@pytest.mark.parametrize("cfg", _configs())
+def test_combine_with_another_topk_idx_refused_everywhere(buffers, comm, cfg):
+    """A combine whose ``topk_idx`` is not its dispatch's (rank 0 passes its first tokens only, as DeepEP forbids:
+    num_combined_tokens equals the dispatched count) is refused before any row moves, on every rank: rank 0
+    raises ``ValueError``, the others ``ConsensusError``; the Buffer stays usable. A copy of the dispatch's own
+    ``topk_idx`` (not the same tensor, so checked again) combines as the reference, also through a handle two
+    dispatches old."""
+    buf = _buf(buffers, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 2 * R, 16, 256, 3
+    chk = Checker(r)
+    x, idx = make_inputs(95, r, R, 10, H, E, K)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    n = 4 if r == 0 else 10
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx[:n], w[:n], handle))
+    want = ValueError if r == 0 else ConsensusError
+    chk.check(isinstance(exc, want) and "dispatch that made `handle`" in str(exc), f"shorter topk_idx: {exc!r}")
+    x2, idx2 = make_inputs(96, r, R, 10, H, E, K)
+    recv_x2, _, handle2, _, _ = coll(lambda: buf.low_latency_dispatch(x2, idx2, M, E, use_fp8=False),
+                                     what="second dispatch")
+    exp = ref_ll_combine(lambda t, g: ref_expert_row(x[t], g, False, False, False), idx, w, E, R, H)
+    got, _, _ = coll(lambda: buf.low_latency_combine(expert_outputs(recv_x, r, E // R, False), idx.clone(), w, handle),
+                     what="combine of the older handle with a copy of its topk_idx")
+    chk.same_bits(got, exp, "combine through the older handle")
+    del recv_x2, handle2
+    chk.finish("another topk_idx")
+
+
 def test_stats_accumulate(buffers, comm):
     """cumulative_local_expert_recv_stats adds recv_count per call; the wait-cost stats (ns) are
     non-negative and grow only for live sources."""
