@@ -601,7 +601,8 @@ def run(args, comm=None, data: torch.Tensor | None = None) -> dict:
                       tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
                       step_times=times, trace_shape=trace_shape)
         if root and losses:
-            head, tail = losses[:5], losses[-10:]
+            head = losses[:min(5, len(losses) // 2 or 1)]  # the two windows never overlap
+            tail = losses[len(head):][-10:] or head
             print(f"[train_moe] loss {losses[0]:.4f} (step {first + 1}) -> {losses[-1]:.4f} (step {tr.step}); "
                   f"mean of first {len(head)} {sum(head) / len(head):.4f}, last {len(tail)} "
                   f"{sum(tail) / len(tail):.4f}; validation {val:.4f}; "
