@@ -97,7 +97,8 @@ class SharedSegment:
     def view(self, peer: int, offset: int, nbytes: int) -> torch.Tensor:
         """``[nbytes]`` uint8 tensor over bytes ``[offset, offset + nbytes)`` of ``peer``'s segment.
 
-        The tensor has a storage of its own that keeps the mapping alive (see the module doc).
+        The tensor has a storage of its own that keeps the mapping alive (see the module doc). It is a normal
+        tensor, also under ``torch.inference_mode()``.
         Raises:
             TransportArgumentError: ``peer`` has no segment here, or the range is outside it.
         """
@@ -110,7 +111,8 @@ class SharedSegment:
                 f"outside its {size} B" + ("" if peer in self.sizes else " (not a rank of this node)"))
         if not nbytes:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
+        with torch.inference_mode(False):  # a normal tensor even under it: callers keep views across calls
+            return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
 
     def offset_of(self, peer: int, tensor: torch.Tensor) -> int | None:
         """Byte offset in ``peer``'s segment where ``tensor``'s bytes start, if all of them

@@ -182,11 +182,15 @@ class SymmetricWindow:
         self._typed = {}  # (peer, dtype) -> its whole data region viewed as dtype (whole elements), see typed()
 
     def typed(self, peer: int, dtype: torch.dtype) -> torch.Tensor:
-        """``peer``'s data region as ``dtype`` (its whole elements), made once: a view of it is then one slice."""
+        """``peer``'s data region as ``dtype`` (its whole elements), made once: a view of it is then one slice.
+
+        Made with ``torch.inference_mode`` off, even under it: a view made in that mode (and every view of it)
+        may not be written in place outside it, and this one serves every later call."""
         t = self._typed.get((peer, dtype))
         if t is None:
-            d = self._data[peer]
-            t = self._typed[(peer, dtype)] = d[:d.numel() - d.numel() % dtype.itemsize].view(dtype)
+            with torch.inference_mode(False):
+                d = self._data[peer]
+                t = self._typed[(peer, dtype)] = d[:d.numel() - d.numel() % dtype.itemsize].view(dtype)
         return t
 
     # -- views ---------------------------------------------------------------
@@ -631,7 +635,8 @@ class Transport:
                   dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Zero-copy 1-D view of ``nbytes`` of ``peer``'s data region from byte ``offset``.
 
-        Loads and stores through it are not counted; use :meth:`record_fetch` / :meth:`record_put`.
+        Loads and stores through it are not counted; use :meth:`record_fetch` / :meth:`record_put`. Made with
+        ``torch.inference_mode`` off (see :meth:`SymmetricWindow.typed`), so a caller may keep it across calls.
         Raises:
             TransportUnsupported: ``peer`` is on another node.
             TransportArgumentError: bad peer, range, or ``nbytes`` not a multiple of the dtype size.
@@ -644,6 +649,9 @@ class Transport:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: peer_view(win='{win.name}', peer {peer}): offset {offset} and "
                 f"nbytes {nbytes} must be multiples of {dtype}'s size {itemsize}")
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
         return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
 
     def local_view(self, win: SymmetricWindow, offset: int, nbytes: int,

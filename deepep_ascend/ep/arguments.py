@@ -64,6 +64,18 @@ def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | Non
               lambda: f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_writable(t: torch.Tensor, name: str) -> None:
+    """``t``, a tensor the call writes in place (a stats tensor, ``out``), may be written now: not an inference
+    tensor outside ``torch.inference_mode()``, which torch would refuse only once the data had moved.
+
+    Raises:
+        Rejected: ``RuntimeError`` naming ``name``.
+    """
+    check(not t.is_inference() or torch.is_inference_mode_enabled(), RuntimeError,
+          lambda: f"`{name}` is an inference tensor (made under torch.inference_mode()): outside that mode the call "
+                  f"cannot write it in place; make it outside inference mode, or make the call inside it")
+
+
 def check_stream_args(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
     """DeepEP's stream-argument checks.
 

@@ -1240,7 +1240,8 @@ class Buffer:
             checked, lay, routed = check_low_latency_combine_args(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, stale,
                 num_ranks=self.group_size, num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth,
-                trusted=route is not None, sent_counts=None if route is not None else ll.sent_counts(handle))
+                trusted=route is not None,
+                dispatched_topk_idx=None if route is not None else ll.dispatched_topk_idx(handle))
             return checked, lay, route if route is not None else routed
 
         def issue(checked, lay, route):

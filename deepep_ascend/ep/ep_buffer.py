@@ -18,7 +18,7 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_tensor
+from .arguments import check, check_tensor, check_writable
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -433,6 +433,7 @@ class EPBuffer(BufferBase):
             if cumulative_local_expert_recv_stats is not None:
                 check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
                              shape=(num_experts // R,) if isinstance(num_experts, int) else None)
+                check_writable(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
             return n
 
         def payload(n, k_weights):

@@ -10,6 +10,7 @@ the time it is recorded.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -133,6 +134,11 @@ class EventOverlap:
             self.current_stream_wait(release_handle=release)
 
 
+def _in_inference_mode(fn, *args):
+    with torch.inference_mode():
+        return fn(*args)
+
+
 class Worker:
     """A FIFO single-thread executor: the Buffer's "communication stream".
 
@@ -146,6 +152,10 @@ class Worker:
         self._last: Future | None = None
 
     def submit(self, fn, *args) -> Future:
+        """Queue ``fn(*args)``. It runs in the submitting thread's ``torch.inference_mode`` (a per-thread mode): a
+        call made under it made its outputs as inference tensors, which only that mode may write in place."""
+        if torch.is_inference_mode_enabled():
+            fn = functools.partial(_in_inference_mode, fn)
         self._last = self._pool.submit(fn, *args)
         return self._last
 

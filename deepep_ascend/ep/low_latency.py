@@ -359,8 +359,8 @@ class LowLatencyEngine:
         # The last received dispatch: stamps of (topk_idx, mask) at its route, of its handle's
         # tensors after its receive, its (M, H, E) and route; see dispatched_route.
         self._dispatched = None
-        # The last dispatches' selections per expert, by their handle's src_info; see sent_counts.
-        self._sent_counts = collections.OrderedDict()
+        # The last dispatches' topk_idx (copies), by their handle's src_info; see dispatched_topk_idx.
+        self._dispatched_idx = collections.OrderedDict()
 
     # -- helpers -----------------------------------------------------------------------
     def _peers(self) -> tuple:
@@ -624,10 +624,9 @@ class LowLatencyEngine:
         base = h * self.half
         flags = (F_FP8 if use_fp8 else 0) | (F_UE8M0 if use_ue8m0 else 0)
         scale_words = (H // 512 if use_ue8m0 else lay.S) if use_fp8 else 0  # per token
-        sent = route.counts if route is not None else selection_counts(topk_idx, E)
         if route is not None and route.m == M and lay.native_ok and self.native_path():
             return self._remember(self._dispatch_native(x, topk_idx, lay, seq, h, flags, scale_words, use_fp8,
-                                                        round_scale, use_ue8m0, cum_stats, wait_stats, route), sent)
+                                                        round_scale, use_ue8m0, cum_stats, wait_stats, route), topk_idx)
         if _PH.on:
             _PH.switch("pack")
         messages = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
@@ -662,25 +661,25 @@ class LowLatencyEngine:
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs),
-                              sent)
+                              topk_idx)
 
-    _SENT_KEPT = 16  # dispatches whose selections a combine can check (handles held at once, microbatches)
+    _KEPT = 16  # dispatches whose topk_idx a combine can be checked against (handles held at once, microbatches)
 
-    def _remember(self, pending: Pending, counts: torch.Tensor) -> Pending:
-        """Keep a dispatch's selections per expert (``[E]`` int32) by its handle's ``src_info``, for
-        :meth:`sent_counts`; returns ``pending``."""
+    def _remember(self, pending: Pending, topk_idx: torch.Tensor) -> Pending:
+        """Keep a copy of a dispatch's ``topk_idx`` by its handle's ``src_info``, for :meth:`dispatched_topk_idx`
+        (a few KB at a decode step's sizes); returns ``pending``."""
         src_info = pending.outputs[2].src_info
-        self._sent_counts[id(src_info)] = (weakref.ref(src_info), counts)
-        if len(self._sent_counts) > self._SENT_KEPT:
-            self._sent_counts.popitem(last=False)
+        self._dispatched_idx[id(src_info)] = (weakref.ref(src_info), topk_idx.clone())
+        if len(self._dispatched_idx) > self._KEPT:
+            self._dispatched_idx.popitem(last=False)
         return pending
 
-    def sent_counts(self, handle) -> torch.Tensor | None:
-        """``[E]`` int32: how many rows of each expert the dispatch that made ``handle`` sent (its ``topk_idx``'s
-        selections, masks aside), when it is one of this engine's last :attr:`_SENT_KEPT` dispatches; else None.
-        A combine whose ``topk_idx`` selects otherwise cannot match the rows its peers return."""
+    def dispatched_topk_idx(self, handle) -> torch.Tensor | None:
+        """The ``topk_idx`` (a copy) of the dispatch that made ``handle``, when it is one of this engine's last
+        :attr:`_KEPT` dispatches (the handle it returned, not a copy); else None. A combine of that handle must pass
+        the same values (DeepEP), or the rows its peers return do not belong to its tokens."""
         src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        ent = self._sent_counts.get(id(src_info))
+        ent = self._dispatched_idx.get(id(src_info))
         return ent[1] if ent is not None and ent[0]() is src_info else None
 
     def _dispatch_native(self, x, topk_idx, lay: Layout, seq, h, flags, scale_words, use_fp8, round_scale, use_ue8m0,
@@ -1324,13 +1323,6 @@ class LowLatencyEngine:
         for dst in peers:
             self.tp.signal(self.ctl, dst, SLOT_CLEAN, add=self._raise_to(SLOT_CLEAN, dst, self.cleans))
         self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
-
-
-def selection_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[E]`` int32: how often ``topk_idx`` (``[N, K]`` int64, values in ``[-1, E)``) selects each expert, as
-    :func:`deepep_ascend.native.ll_route` counts them."""
-    flat = topk_idx.reshape(-1)
-    return torch.bincount(flat[flat >= 0], minlength=num_experts).to(torch.int32)
 
 
 def _bytes_copy(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from .. import native
 from . import low_latency as ll
-from .arguments import check, check_tensor, check_topk_idx
+from .arguments import check, check_tensor, check_topk_idx, check_writable
 from .handles import LowLatencyHandle
 from .phases import RECORDER as _PH
 
@@ -174,8 +174,10 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
     if cumulative_local_expert_recv_stats is not None:
         check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
                      shape=(num_local,))
+        check_writable(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
     if dispatch_wait_recv_cost_stats is not None:
         check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, shape=(r,))
+        check_writable(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
     return low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
                               op="low_latency_dispatch"), route
 
@@ -183,7 +185,7 @@ def check_low_latency_dispatch_args(x, topk_idx, m, num_experts, cumulative_loca
 def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt: bool, zero_copy: bool, out,
                                    combine_wait_recv_cost_stats, stale_zero_copy: str | None, *, num_ranks: int,
                                    num_rdma_bytes: int, qp_depth: int, trusted: bool = False,
-                                   sent_counts: torch.Tensor | None = None
+                                   dispatched_topk_idx: torch.Tensor | None = None
                                    ) -> tuple[LowLatencyHandle, ll.Layout, ll.NativeRoute | None]:
     """Arguments of ``Buffer.low_latency_combine`` (see there).
 
@@ -192,9 +194,9 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
             (:meth:`LowLatencyEngine.stale_zero_copy`), else None.
         trusted: ``topk_idx`` and ``handle`` are the last dispatch's own, unchanged since
             (:meth:`LowLatencyEngine.dispatched_route`): only their types and shapes are checked.
-        sent_counts: ``[E]`` int32 rows of each expert the dispatch that made ``handle`` sent
-            (:meth:`LowLatencyEngine.sent_counts`), or None (not known): ``topk_idx`` must select each expert
-            as often, or the rows the peers return cannot match it.
+        dispatched_topk_idx: the ``topk_idx`` of the dispatch that made ``handle``
+            (:meth:`LowLatencyEngine.dispatched_topk_idx`), or None (not known): ``topk_idx`` must hold the same
+            values (DeepEP), or the rows the peers return do not belong to its tokens.
     Returns:
         ``(handle as a LowLatencyHandle, the call's window layout, its native route or None)`` (the route as
         :func:`check_low_latency_routing` returns it; None when ``trusted``).
@@ -209,14 +211,15 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     route = check_low_latency_routing(topk_idx, num_experts, m, "topk_idx", topk_idx.size(0), num_ranks=r,
                                       qp_depth=qp_depth, trusted=trusted)
     check_tensor(topk_weights, "topk_weights", torch.float32, shape=tuple(topk_idx.shape))
-    if sent_counts is not None and not trusted:
-        counts = route.counts if route is not None else ll.selection_counts(topk_idx, num_experts)
-        if not torch.equal(counts, sent_counts):
-            g = int(torch.nonzero(counts != sent_counts)[0])
-            check(False, ValueError,
-                  f"`topk_idx` selects expert {g} {int(counts[g])} times, but the dispatch that made `handle` sent "
-                  f"{int(sent_counts[g])} rows of it; combine needs that dispatch's topk_idx (all of its tokens: "
-                  f"DeepEP's num_combined_tokens equals the number of dispatched tokens)")
+    if dispatched_topk_idx is not None and not trusted and not torch.equal(topk_idx, dispatched_topk_idx):
+        if topk_idx.shape != dispatched_topk_idx.shape:
+            why = f"has shape {tuple(topk_idx.shape)}, the dispatch's {tuple(dispatched_topk_idx.shape)}"
+        else:
+            t, j = (int(v) for v in torch.nonzero(topk_idx != dispatched_topk_idx)[0])
+            why = f"holds {int(topk_idx[t, j])} at [{t}, {j}], the dispatch's {int(dispatched_topk_idx[t, j])}"
+        check(False, ValueError,
+              f"`topk_idx` is not the topk_idx of the dispatch that made `handle`: it {why}; combine needs that "
+              f"dispatch's topk_idx (DeepEP: num_combined_tokens equals the number of dispatched tokens)")
     check(not (zero_copy and use_logfmt), RuntimeError,
           "zero_copy and use_logfmt are incompatible (docs/semantics/deepep-api.md §6.3)")
     if use_logfmt and hidden % 128:
@@ -226,8 +229,10 @@ def check_low_latency_combine_args(x, topk_idx, topk_weights, handle, use_logfmt
     if out is not None:
         check_tensor(out, "out", torch.bfloat16, shape=(topk_idx.size(0), hidden))
         check(out.is_contiguous(), ValueError, "`out` must be contiguous")
+        check_writable(out, "out")
     if combine_wait_recv_cost_stats is not None:
         check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, shape=(r,))
+        check_writable(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
     layout = low_latency_layout(m, hidden, num_experts, num_ranks=r, num_rdma_bytes=num_rdma_bytes,
                                 op="low_latency_combine")
     return handle, layout, route

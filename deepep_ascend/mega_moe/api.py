@@ -61,6 +61,9 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, sha
         if tuple(stats.shape) != (sb.num_local_experts,):
             raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be [{sb.num_local_experts}], got "
                              f"{tuple(stats.shape)}")
+        if stats.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{op}: cumulative_local_expert_recv_stats is an inference tensor (made under "
+                               f"torch.inference_mode()): outside that mode the call cannot write it in place")
     s = sb.num_shared_experts
     if s == 0 and (shared_l1 is not None or shared_l2 is not None):
         raise ValueError(f"{op}: shared expert weights given but the buffer has num_shared_experts=0")

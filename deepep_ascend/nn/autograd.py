@@ -118,14 +118,17 @@ class _NotTwice(torch.autograd.Function):
 
 def first_order_only(backward):
     """Decorate an ``autograd.Function.backward``: run it without autograd, and when it runs with
-    ``create_graph=True`` tie each float result to the gradients it was given through an identity whose backward
-    raises ``RuntimeError``. A second-order gradient that reaches it then raises, while one that does not (or a
+    ``create_graph=True`` tie each float result to the gradients it was given and to the saved tensors that require
+    grad (a combine's backward depends on its weights and rows) through an identity whose backward raises
+    ``RuntimeError``. A second-order gradient that reaches it then raises, while one that does not (or a
     plain first-order backward) is unaffected. (``torch.autograd.function.once_differentiable`` ties them to
     copies of the results instead, so ``torch.autograd.grad(g, x)`` silently skips this path.)"""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        anchors = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
-        differentiable = torch.is_grad_enabled() and anchors
+        anchors = []
+        if torch.is_grad_enabled():  # create_graph: the results may depend on the gradients and the saved inputs
+            anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        differentiable = bool(anchors)
         with torch.no_grad():
             out = backward(ctx, *grads)
         if not differentiable:

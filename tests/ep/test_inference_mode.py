@@ -29,6 +29,11 @@ def _buffer_calls(buf, x, idx, weights, num_experts, num_local):
     rx, _, rw, counts, handle, _ = buf.dispatch(x, None, nt, nr, itr, nte, idx, weights)
     out["normal"] = buf.combine(rx, handle, rw)[0]
     out["normal cached"] = buf.dispatch(x, handle=handle)[0]
+    rx, _, rw, _, handle, event = buf.dispatch(x, None, nt, nr, itr, nte, idx, weights, async_finish=True)
+    event.current_stream_wait()  # the worker writes outputs made in the caller's mode
+    combined, _, event = buf.combine(rx, handle, rw, async_finish=True)
+    event.current_stream_wait()
+    out["normal async"] = combined
     recv_x, recv_count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
     out["ll"] = buf.low_latency_combine(recv_x, idx, weights, ll_handle)[0]
     stats = torch.zeros(num_local, dtype=torch.int32)
@@ -37,9 +42,12 @@ def _buffer_calls(buf, x, idx, weights, num_experts, num_local):
                                                             return_recv_hook=True)
     hook()
     out["ll fp8"], out["ll fp8 scales"], out["ll stats"] = fp8.view(torch.uint8), scales, stats
+    stats = torch.zeros(num_local, dtype=torch.int32)
     recv_x, _, ll_handle, event, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False,
+                                                              cumulative_local_expert_recv_stats=stats,
                                                               async_finish=True)
     event.current_stream_wait()
+    out["ll async stats"] = stats
     zc = buf.get_next_low_latency_combine_buffer(ll_handle)
     zc.copy_(recv_x)
     del zc
@@ -54,6 +62,12 @@ def _ep_calls(buf, x, idx, weights, num_experts):
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=num_experts,
                                            do_expand=True, expert_alignment=4, do_cpu_sync=False)
     out["ep expanded"] = buf.combine(recv_x, handle)[0]
+    recv_x, _, _, handle, event = buf.dispatch(x, topk_idx=idx, topk_weights=weights, num_experts=num_experts,
+                                               do_cpu_sync=False, async_with_compute_stream=True)
+    event.current_stream_wait()
+    combined, _, event = buf.combine(recv_x, handle, async_with_compute_stream=True)
+    event.current_stream_wait()
+    out["ep async"] = combined
     return out
 
 
@@ -110,3 +124,65 @@ def test_ep_buffer_calls_under_inference_mode(comm):
         return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True)
 
     _check(comm, build, lambda buf, *t: _ep_calls(buf, *t, num_experts), (x, idx, weights))
+
+
+def test_inference_tensors_written_outside_inference_mode_refused(comm):
+    """A stats tensor made under ``torch.inference_mode()`` and passed in outside it (torch would refuse the
+    in-place update once the rows had moved): refused on every rank before anything moves (``RuntimeError``
+    on rank 0, ``ConsensusError`` on the others), and the Buffer stays usable."""
+    from deepep_ascend import ConsensusError
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    num_experts = 4 * R
+    x, idx, _ = _inputs(r, num_experts)
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, num_experts), low_latency_mode=True,
+                 comm=comm, explicitly_destroy=True)
+    with torch.inference_mode():
+        frozen = torch.zeros(num_experts // R, dtype=torch.int32)
+    stats = frozen if r == 0 else torch.zeros(num_experts // R, dtype=torch.int32)
+    _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False,
+                                                      cumulative_local_expert_recv_stats=stats))
+    want = RuntimeError if r == 0 else ConsensusError
+    errors = [] if isinstance(exc, want) else [f"inference stats outside inference mode: {exc!r}"]
+    _, exc = capture(lambda: buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False))
+    if exc is not None:
+        errors.append(f"the next dispatch: {exc!r}")
+    buf.destroy()
+    all_ranks_ok(comm, not errors, "; ".join(errors))
+
+
+def test_engram_writes_inside_then_outside_inference_mode(comm):
+    """``EngramBuffer.write`` first under ``torch.inference_mode()``, then outside it: both land (the storage
+    views it keeps across calls are made outside that mode), and the fetch after them equals the one on a
+    buffer that saw the same writes outside it."""
+    from deepep_ascend import EngramBuffer
+
+    r = comm.Get_rank()
+    entries, hidden, T, P = [100, 150], 128, 8, 4
+    storage_bytes = EngramBuffer.get_storage_size_hint(comm, entries, hidden, T, P)
+    config = EngramBuffer.get_theoretical_config(comm, len(entries), T, P)
+    ind = torch.arange(len(entries) * T * P, dtype=torch.int32).view(len(entries), T, P) % min(entries)
+
+    def shards(v):
+        return [torch.full((n, hidden), float(v + r), dtype=torch.bfloat16) for n in entries]
+
+    def run(first_in_inference_mode):
+        en = EngramBuffer(comm, *storage_bytes, True, *config, explicitly_destroy=True)
+        en.set_config(entries, hidden, T, P)
+        if first_in_inference_mode:
+            with torch.inference_mode():
+                _, exc_in = capture(lambda: en.write(shards(1.0)))
+        else:
+            _, exc_in = capture(lambda: en.write(shards(1.0)))
+        _, exc_out = capture(lambda: en.write(shards(5.0)))
+        got, exc = capture(lambda: en.fetch(ind)[0]().clone())
+        en.destroy()
+        return got, [f"{what}: {e!r}" for what, e in (("first write", exc_in), ("second write", exc_out),
+                                                       ("fetch", exc)) if e is not None]
+
+    want, errors = run(False)
+    got, errors_in = run(True)
+    errors += errors_in
+    if not errors and not torch.equal(got, want):
+        errors.append("the fetch after the writes differs from the one without inference mode")
+    all_ranks_ok(comm, not errors, "; ".join(errors))

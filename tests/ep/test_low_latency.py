@@ -771,10 +771,10 @@ def test_zero_copy_and_out_in_both_halves(buffers, comm):
 @pytest.mark.parametrize("cfg", _configs())
 def test_combine_with_another_topk_idx_refused_everywhere(buffers, comm, cfg):
     """A combine whose ``topk_idx`` is not its dispatch's (rank 0 passes its first tokens only, as DeepEP forbids:
-    num_combined_tokens equals the dispatched count) is refused before any row moves, on every rank: rank 0
-    raises ``ValueError``, the others ``ConsensusError``; the Buffer stays usable. A copy of the dispatch's own
-    ``topk_idx`` (not the same tensor, so checked again) combines as the reference, also through a handle two
-    dispatches old."""
+    num_combined_tokens equals the dispatched count; or its rows in another order) is refused before any row
+    moves, on every rank: rank 0 raises ``ValueError``, the others ``ConsensusError``; the Buffer stays usable.
+    A copy of the dispatch's own ``topk_idx`` (not the same tensor, so checked again) combines as the reference,
+    also through a handle two dispatches old."""
     buf = _buf(buffers, cfg)
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K = 2 * R, 16, 256, 3
@@ -786,6 +786,10 @@ def test_combine_with_another_topk_idx_refused_everywhere(buffers, comm, cfg):
     _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx[:n], w[:n], handle))
     want = ValueError if r == 0 else ConsensusError
     chk.check(isinstance(exc, want) and "dispatch that made `handle`" in str(exc), f"shorter topk_idx: {exc!r}")
+    # The same selections per expert, other tokens: rows in another order on rank 0 (refused too).
+    perm = idx[torch.arange(10).roll(1)].contiguous() if r == 0 else idx.clone()
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, perm, w, handle))
+    chk.check(isinstance(exc, want) and "dispatch that made `handle`" in str(exc), f"permuted topk_idx: {exc!r}")
     x2, idx2 = make_inputs(96, r, R, 10, H, E, K)
     recv_x2, _, handle2, _, _ = coll(lambda: buf.low_latency_dispatch(x2, idx2, M, E, use_fp8=False),
                                      what="second dispatch")

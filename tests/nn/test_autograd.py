@@ -425,3 +425,24 @@ def test_second_order_gradients_raise(buf, ll_buf, comm, mode):
     _, exc = capture(lambda: torch.autograd.grad(g.sum(), x))
     ok = torch.equal(g.detach(), plain) and isinstance(exc, RuntimeError) and "first-order" in str(exc)
     all_ranks_ok(comm, ok, f"rank {r}: equal first-order {torch.equal(g.detach(), plain)}, second order: {exc!r}")
+
+
+def test_ll_second_order_through_the_saved_inputs_raises(ll_buf, comm):
+    """The LL combine's backward depends on its saved rows and weights, so a loss linear in its output still
+    has second-order terms there: ``grad(grad(out.sum(), w, create_graph=True).sum(), x)`` raises
+    ``RuntimeError`` on every rank instead of returning a gradient without them."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    gen = torch.Generator().manual_seed(67 + r)
+    n = 6
+    idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+    x = torch.randn(n, H, generator=gen).requires_grad_(True)
+    w = torch.rand(n, K, generator=gen).requires_grad_(True)
+
+    def first():
+        recv_x, _, handle = ag.low_latency_dispatch(ll_buf, x.to(BF16), idx, LL_M, E, use_fp8=False)
+        out = ag.low_latency_combine(ll_buf, recv_x, idx, w, handle)
+        return torch.autograd.grad(out.float().sum(), w, create_graph=True)[0]
+
+    gw = coll(first, what="first-order weight gradient, create_graph=True")
+    _, exc = capture(lambda: torch.autograd.grad(gw.sum(), x))
+    all_ranks_ok(comm, isinstance(exc, RuntimeError) and "first-order" in str(exc), f"rank {r}: {exc!r}")
