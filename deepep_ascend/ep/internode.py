@@ -55,6 +55,7 @@ from .handles import InternodeHandle
 from .layout import recv_channel_prefix, send_layout, to_local_experts
 from .phases import RECORDER as _PH
 from .protocol import (
+    CONSENSUS_WORDS,
     MAGIC,
     MSG_BYTES,
     MSG_WORD,
@@ -87,6 +88,7 @@ from .protocol import (
 )
 from .reduce import CombineScratch, accumulate_rows
 
+_CONSENSUS = list(CONSENSUS_WORDS)
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
 N_READY = 0  # slot of the UBMEM window
 NUM_URMA_SLOTS, NUM_UBMEM_SLOTS = 2, 1
@@ -784,6 +786,8 @@ class InternodeEngine:
             if head[W_STATUS] and c not in elsewhere:
                 msg = self._box(self.rank, c, self.box - MSG_BYTES, MSG_BYTES).numpy().tobytes()
                 bad.append(msg.rstrip(b"\0").decode("utf-8", "replace"))
+        if not bad:  # every node agreed within itself: now the nodes against each other (one rank of each)
+            bad = consensus_problems(np.stack(heads), OP_COMBINE, call_id, self.rails)
         return list(dict.fromkeys(bad)), max(int(head[W_AUX]) for head in heads)
 
     def _combine_rounds(self, *, call_id, words, n, per_round, error, stage, forward, reduce) -> Generator:
@@ -807,11 +811,13 @@ class InternodeEngine:
             problems, node_max = [], 0
             if _PH.on:
                 _PH.switch("control")
+            mine = None
             if rnd == 0:
                 node_ranks = list(range(self.node_base, self.node_base + self.P))
                 headers = np.stack([self._stage(p, 0, STAGE_HDR, torch.int64).numpy().copy() for p in node_ranks])
                 problems = consensus_problems(headers, OP_COMBINE, call_id, node_ranks)
                 node_max = int(headers[:, W_NTOK].max())
+                mine = headers[self.rank - self.node_base, _CONSENSUS]  # the node's, once it agreed
             self._credit_wait(phase)
             message = "; ".join(problems) if problems else None
             for a in [*range(self.node + 1, self.G), *range(self.node + 1)]:
@@ -826,6 +832,8 @@ class InternodeEngine:
                 words_out[W_MAGIC], words_out[W_CALL], words_out[W_OP], words_out[W_AUX] = (MAGIC, call_id, OP_COMBINE,
                                                                                            node_max)
                 words_out[W_OP_CALL], words_out[W_STATUS] = op_call, int(message is not None)
+                if mine is not None:  # round 0: the words every node must agree on, for the rail peers' verdict
+                    words_out[_CONSENSUS] = mine
                 self._send(a, blk, message)
             self._await_rails(phase)
             if _PH.on:

@@ -244,6 +244,42 @@ def test_bad_input_on_one_rank_raises_everywhere_and_buffer_stays_usable(buffers
     assert not errors, f"rank {r}: " + "; ".join(errors)
 
 
+def test_nodes_disagreeing_in_combine_refused_everywhere(buffers, comm):
+    """Each node agrees within itself, the nodes not with each other: the first node combines dispatch A's
+    handle while the second combines B's (same row counts), then hidden sizes, then weights given or not.
+    Every rank raises a ``ConsensusError`` before any row moves, and round trips work afterwards."""
+    from deepep_ascend import ConsensusError
+    from tests.support.buffer_helpers import capture, roundtrip_ok
+
+    rpn = _two_nodes(comm)
+    buf = _buffer(buffers, rpn)
+    r, R = comm.Get_rank(), comm.Get_size()
+    first = r < rpn
+    E, n, hidden = 2 * R, 4, 128
+    x = (torch.arange(n, dtype=torch.float32).view(n, 1) + 10 * r + 1).expand(n, hidden).to(BF16).contiguous()
+    w = torch.full((n, 1), 0.5)
+
+    def dispatch(shift):  # token t -> rank (t + shift) % R: the same counts for every shift
+        idx = torch.tensor([[((t + shift) % R) * (E // R)] for t in range(n)])
+        lay = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                            num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
+
+    a, b = coll(lambda: dispatch(0), what="dispatch A"), coll(lambda: dispatch(1), what="dispatch B")
+    cases = {
+        "handles": lambda: buf.combine(*((a[0], a[4]) if first else (b[0], b[4]))),
+        "hidden": lambda: buf.combine(torch.cat([a[0], a[0]], 1) if first else a[0], a[4]),
+        "weights given or not": lambda: buf.combine(a[0], a[4], topk_weights=a[2] if first else None),
+    }
+    errors = []
+    for what, call in cases.items():
+        _, exc = capture(call)
+        if not isinstance(exc, ConsensusError) or "disagree" not in str(exc):
+            errors.append(f"{what}: expected a ConsensusError, got {exc!r}")
+    errors += roundtrip_ok(buf, comm, seed=r)
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
+
+
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_rank_on_another_node_missing_times_out_naming_it(comm, op):
     """The last rank (last node) skips the call: every other rank raises a TimeoutError whose
