@@ -24,6 +24,7 @@ them or not, so that a script can pass them to any command. The link-model optio
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -127,6 +128,25 @@ def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps
         if key in helps:
             text += f"; {helps[key]}"
         group.add_argument(flag, help=text, **kw)
+
+
+def check_job(p: argparse.ArgumentParser, a: argparse.Namespace, num_ranks: int | None) -> None:
+    """The shared options against each other and against the job of ``num_ranks`` ranks (None: one process),
+    before anything runs: ``p.error`` (usage, exit 2) on a value the library would refuse only once the
+    benchmark runs, and on a ``--json`` file that could not be written at its end."""
+    e, k = getattr(a, "num_experts", None), getattr(a, "num_topk", None)
+    if e is not None and k is not None and k > e:
+        p.error(f"--num-topk {k} must be at most --num-experts {e}")
+    if num_ranks and e is not None and e % num_ranks:
+        p.error(f"--num-experts {e} must be a multiple of the number of ranks ({num_ranks})")
+    rpn = getattr(a, "ranks_per_node", None)
+    if num_ranks and rpn is not None and num_ranks % rpn:
+        p.error(f"--ranks-per-node {rpn} must divide the number of ranks ({num_ranks})")
+    path = getattr(a, "json", None)
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--json {path}: directory {folder} does not exist or is not writable")
 
 
 def shared_flags() -> list[str]:

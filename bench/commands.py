@@ -80,14 +80,25 @@ def parser(name: str) -> argparse.ArgumentParser:
 
 
 def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv[2:]``) for command ``name`` and run its checks;
-    ``args._argv`` keeps the arguments. argparse's usage error (exit 2) on bad values."""
+    """Parse ``argv`` (default ``sys.argv[2:]``) for command ``name`` and run its checks, the shared ones
+    against the job's ranks (:func:`bench.cli.check_job`) included; ``args._argv`` keeps the arguments.
+    argparse's usage error (exit 2) on bad values, printed by rank 0 of a collective command only."""
+    from bench.cli import check_job
+
     argv = list(sys.argv[2:] if argv is None else argv)
     p = parser(name)
+    num_ranks = None
+    if COMMANDS[name].collective:
+        from mpi4py import MPI
+
+        num_ranks = MPI.COMM_WORLD.Get_size()
+        if MPI.COMM_WORLD.Get_rank():  # every rank parses alike: one usage message, not one per rank
+            p.error = lambda message: sys.exit(2)
     args = p.parse_args(argv)
     check = getattr(_module(name), "check_args", None)
     if check is not None:
         check(p, args)
+    check_job(p, args, num_ranks)
     args._argv = argv
     return args
 

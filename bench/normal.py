@@ -145,6 +145,11 @@ def check_args(p, a) -> None:
     """Checks and derived values after parsing (``p.error`` on bad values): the link profile and
     emulator, the system list."""
     a.profile, a.emulator = link_setup(p, a)
+    if a.fp8 and a.hidden % 128:
+        p.error(f"--fp8 needs --hidden a multiple of 128 (one scale per 128 channels), got {a.hidden}")
+    for flag, value in (("--nvl-bytes", a.nvl_bytes), ("--rdma-bytes", a.rdma_bytes)):
+        if value is not None and (value < 0 or value % 128):
+            p.error(f"{flag} must be a non-negative multiple of 128, got {value}")
     systems = cli.system_list(p, a.systems, SYSTEMS)
     if a.baselines_only:
         systems = [s for s in systems if s != "deepep_ascend"]

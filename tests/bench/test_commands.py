@@ -340,6 +340,40 @@ def test_ep_refuses_bad_options(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err, argv
 
 
+@ONE_RANK
+@pytest.mark.parametrize("command, argv, needle", [
+    ("normal", ["--num-topk", "300", "--num-experts", "256"], "at most --num-experts"),
+    ("normal", ["--hidden", "100", "--fp8"], "--fp8 needs --hidden a multiple of 128"),
+    ("normal", ["--nvl-bytes", "100"], "multiple of 128"),
+    ("low-latency", ["--hidden", "200"], "FP8 dispatch (the default"),
+    ("overhead", ["--json", "/nonexistent/dir/out.json"], "does not exist or is not writable"),
+])
+def test_option_combinations_are_usage_errors(command, argv, needle, capsys):
+    """Values the library would refuse only mid-run (and a --json file that could not be written at the end)
+    are usage errors before anything runs: exit 2, the reason on stderr."""
+    from bench import commands
+
+    with pytest.raises(SystemExit) as e:
+        commands.parse(command, argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err, argv
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(300)
+@ONE_RANK
+def test_rank_count_mismatches_are_one_usage_error():
+    """Under ``mpiexec -n 2``: --num-experts not a multiple of the ranks, --ranks-per-node not dividing them:
+    exit 2 with the reason printed once (by rank 0), no traceback, no MPI_Abort."""
+    from bench.internals import mpiexec_path
+
+    for argv, needle in ((["--num-experts", "7"], "multiple of the number of ranks (2)"),
+                         (["--ranks-per-node", "3"], "must divide the number of ranks (2)")):
+        rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "normal",
+                                     "--num-tokens", "8", "--no-progress", *argv], REPO_ROOT,
+                                    child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 200)
+        assert rc == 2 and out.count(needle) == 1 and "Traceback" not in out and "Abort" not in out, out[-3000:]
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
