@@ -9,6 +9,7 @@
 #                                (a plain PyPI `torch` is the multi-GB CUDA build)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON
+usage_if_help "$@"
 
 # 1. torch (CPU build), before the package so its `torch>=2.1` is already satisfied.
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then

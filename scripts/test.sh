@@ -7,6 +7,7 @@
 # suite's default of 20 s; UCX_LOG_LEVEL is exported (default error; see below).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
+usage_if_help "$@"
 
 [[ "${DEEPEP_ASCEND_SKIP_SETUP:-0}" == 1 ]] || bash "$REPO_ROOT/scripts/setup.sh"
 use_wheel_mpiexec

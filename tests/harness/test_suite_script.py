@@ -117,3 +117,4 @@ def test_a_failure_then_a_hang_is_not_run_again(tmp_path):
     assert rc != 0 and "[watchdog] rank 1: test" in out, out[-3000:]
     assert "HUNG" not in out and out.count("=== pytest at 2 rank(s) ===") == 1, out[-3000:]
     assert "=== 2 rank(s): FAILED" in out, out[-3000:]
+
