@@ -327,7 +327,9 @@ def run(args) -> int:
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine"
               f"{' (zero-copy)' if args.zero_copy else ''}, "
-              f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, num_rdma_bytes {fmt_bytes(nbytes)}, "
+              + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
+                 else "no same-node peers (one rank per node), ")
+              + f"num_rdma_bytes {fmt_bytes(nbytes)}, "
               f"fingerprint {c['fingerprint']}")
         print(f"[check]  combined vs x*sum(w): calc_diff {diff:.2e} (bound {out['check']['bound']:g}) "
               f"{'ok' if out['check']['ok'] else 'MISMATCH'}")
