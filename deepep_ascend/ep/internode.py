@@ -280,6 +280,7 @@ class InternodeEngine:
     def _stage(self, p, off, nbytes, dtype=torch.uint8):
         return self.tp.peer_view(self.nwin, p, (self.seq % 2) * self.n_half + off, nbytes, dtype)
 
+    @memory.outside_inference_mode  # kept across calls, and written by every dispatch whatever its mode
     def _pack_buffer(self, nbytes):
         if self._pack.numel() < nbytes:
             self._pack = memory.empty((max(nbytes, 2 * self._pack.numel()),), torch.uint8)

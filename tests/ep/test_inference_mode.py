@@ -9,6 +9,7 @@ import torch
 
 from deepep_ascend import Buffer, EPBuffer
 from tests.support.buffer_helpers import all_ranks_ok, capture
+from tests.support.mpi_utils import world
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 
@@ -102,26 +103,35 @@ def _check(comm, build, calls, inputs):
     all_ranks_ok(comm, not errors, "; ".join(errors[:6]))
 
 
-def test_buffer_calls_under_inference_mode(comm):
+def _nodes():
+    R = world().Get_size()
+    return [pytest.param(None, id="1node")] + ([pytest.param(R // 2, id="2nodes")] if R >= 2 and R % 2 == 0 else [])
+
+
+@pytest.mark.parametrize("rpn", _nodes())
+def test_buffer_calls_under_inference_mode(comm, rpn):
     r, R = comm.Get_rank(), comm.Get_size()
     num_experts = 4 * R
     x, idx, weights = _inputs(r, num_experts)
 
     def build():
-        return Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, num_experts),
-                      Buffer.get_low_latency_rdma_size_hint(N, H, R, num_experts), low_latency_mode=True,
-                      comm=comm, explicitly_destroy=True)
+        rdma = max(Buffer.get_low_latency_rdma_size_hint(N, H, R, num_experts),
+                   Buffer.get_normal_rdma_buffer_size_hint(N, H, R, rpn, K, num_experts) if rpn else 0)
+        return Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, num_experts, ranks_per_node=rpn), rdma,
+                      low_latency_mode=True, comm=comm, explicitly_destroy=True, ranks_per_node=rpn)
 
     _check(comm, build, lambda buf, *t: _buffer_calls(buf, *t, num_experts, num_experts // R), (x, idx, weights))
 
 
-def test_ep_buffer_calls_under_inference_mode(comm):
+@pytest.mark.parametrize("rpn", _nodes())
+def test_ep_buffer_calls_under_inference_mode(comm, rpn):
     r, R = comm.Get_rank(), comm.Get_size()
     num_experts = 4 * R
     x, idx, weights = _inputs(r, num_experts)
 
     def build():
-        return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True)
+        return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True,
+                        ranks_per_node=rpn)
 
     _check(comm, build, lambda buf, *t: _ep_calls(buf, *t, num_experts), (x, idx, weights))
 
