@@ -463,13 +463,13 @@ class LowLatencyEngine:
                 f"get_next_low_latency_combine_buffer was handed out for call #{self.zero_copy_for + 1} (another LL "
                 f"call ran in between, so that data is in the other half); get the buffer right before the combine")
 
-    def _header(self, seq, op, status, lay, flags, message=None):
+    def _header(self, seq, op, status, lay, flags, message=None, handle_id=0):
         """The call's header as uint8 bytes (built in Python: the same for every destination, no torch op).
         Without a message, the engine's one header buffer, rewritten by the next call (every put of it
-        completes before the call returns)."""
+        completes before the call returns). ``handle_id``: a combine's :meth:`handle_id` (0: not known)."""
         words = ((seq << 16) | (flags << 8) | (op << 4) | status,
                  ((lay.M & 0xFFFF) | ((lay.E & 0xFFFF) << 16) | (lay.H << 32)) if lay is not None else 0,
-                 self.op_calls[op])  # word 2: errors name each rank's call by it
+                 self.op_calls[op] | (handle_id << 32))  # word 2: errors name each rank's call by its low half
         if not message:
             self._hdr_words[:] = words
             return self._hdr_bytes
@@ -582,6 +582,8 @@ class LowLatencyEngine:
         hdr = self._header_rows(h)
         ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
         agreed = native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore)
+        if agreed and op == OP_COMBINE and self._handles_problem(hdr.numpy()):
+            agreed = 0  # the same call, another dispatch's handle somewhere: said below
         if agreed:  # one pass; else say why below (3: a source set an ignored flag)
             return self._pulled_sources(h) if agreed == 3 else []
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)
@@ -604,10 +606,26 @@ class LowLatencyEngine:
                     problems.append("ranks disagree on (M, H, E, use_fp8, use_ue8m0, use_logfmt): " + ", ".join(
                         f"rank {p}: {_describe(words[p])}" for p in live))
                     break
+        if not problems and op == OP_COMBINE:
+            handles = self._handles_problem(words)
+            if handles:
+                problems.append(handles)
         if problems:
             raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq + 1} refused on every rank: "
                                     + "; ".join(problems))
         return self._pulled_sources(h) if op == OP_COMBINE else []
+
+    def _handles_problem(self, words) -> str | None:
+        """Why the live sources of a combine (header words ``[R, >= 3]`` int64) cannot go on together: their handles
+        come from different dispatches (word 2's high half, :meth:`handle_id`; 0, not known, is not compared).
+        None if they can."""
+        live = self.live_peers()
+        ids = {int(words[s, 2]) >> 32 for s in live} - {0}
+        if len(ids) < 2:
+            return None
+        return ("ranks combine the handles of different dispatches: " + ", ".join(
+            f"rank {s}: " + (f"LL call #{int(words[s, 2]) >> 32}" if int(words[s, 2]) >> 32 else "not known")
+            for s in live))
 
     # -- dispatch ----------------------------------------------------------------------
     def dispatch(self, x, topk_idx, lay: Layout, use_fp8, round_scale, use_ue8m0, cum_stats, wait_stats,
@@ -669,18 +687,29 @@ class LowLatencyEngine:
         """Keep a copy of a dispatch's ``topk_idx`` by its handle's ``src_info``, for :meth:`dispatched_topk_idx`
         (a few KB at a decode step's sizes); returns ``pending``."""
         src_info = pending.outputs[2].src_info
-        self._dispatched_idx[id(src_info)] = (weakref.ref(src_info), topk_idx.clone())
+        self._dispatched_idx[id(src_info)] = (weakref.ref(src_info), topk_idx.clone(), self.calls)
         if len(self._dispatched_idx) > self._KEPT:
             self._dispatched_idx.popitem(last=False)
         return pending
+
+    def _dispatch_of(self, handle) -> tuple | None:
+        src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+        ent = self._dispatched_idx.get(id(src_info))
+        return ent if ent is not None and ent[0]() is src_info else None
 
     def dispatched_topk_idx(self, handle) -> torch.Tensor | None:
         """The ``topk_idx`` (a copy) of the dispatch that made ``handle``, when it is one of this engine's last
         :attr:`_KEPT` dispatches (the handle it returned, not a copy); else None. A combine of that handle must pass
         the same values (DeepEP), or the rows its peers return do not belong to its tokens."""
-        src_info = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        ent = self._dispatched_idx.get(id(src_info))
-        return ent[1] if ent is not None and ent[0]() is src_info else None
+        ent = self._dispatch_of(handle)
+        return None if ent is None else ent[1]
+
+    def handle_id(self, handle) -> int:
+        """The LL call number (1, 2, ...) of the dispatch that made ``handle``, as :meth:`dispatched_topk_idx` knows
+        it, else 0. Ranks count LL calls alike, so the ranks of one combine must name the same dispatch: the
+        combine's header carries it, and ranks naming different ones are refused (:meth:`_check_headers`)."""
+        ent = self._dispatch_of(handle)
+        return 0 if ent is None else ent[2]
 
     def _dispatch_native(self, x, topk_idx, lay: Layout, seq, h, flags, scale_words, use_fp8, round_scale, use_ue8m0,
                          cum_stats, wait_stats, route: NativeRoute) -> Pending:
@@ -953,6 +982,7 @@ class LowLatencyEngine:
         where they lie in ``x`` instead of being copied into its window first (the same bits)."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
+        handle_id = self.handle_id(handle)
         seq, h = self.begin(OP_COMBINE)
         self.zero_copy_for = None
         base = h * self.half
@@ -963,7 +993,7 @@ class LowLatencyEngine:
             if not isinstance(route, NativeRoute) or route.m != M:
                 route = self.native_route(topk_idx, lay)
             return self._combine_native(src, topk_idx, topk_weights, layout_range, lay, seq, h, out, wait_stats, route,
-                                        keep_own, pull=zero_copy and lay.can_pull)
+                                        keep_own, pull=zero_copy and lay.can_pull, handle_id=handle_id)
         if isinstance(route, NativeRoute):  # the torch path routes with its own structure
             route = None
         cnt_all = (layout_range & 0xFFFFFFFF).to(torch.int32)  # [L, R]
@@ -971,7 +1001,7 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("pack")
         enc = self._encode_logfmt(src, cnt_all, beg_all, lay) if use_logfmt else None
-        hdr = self._header(seq, OP_COMBINE, 0, lay, flags)
+        hdr = self._header(seq, OP_COMBINE, 0, lay, flags, handle_id=handle_id)
         dsts = self.order()
         plan = (self._row_plan(layout_range, lay)
                 if enc is None and src.is_contiguous() and any(self.direct[d] for d in dsts) else None)
@@ -1000,7 +1030,7 @@ class LowLatencyEngine:
         return NativeRoute(counts, slots, lay.M)
 
     def _combine_native(self, src, topk_idx, topk_weights, layout_range, lay: Layout, seq, h, out, wait_stats,
-                        route: NativeRoute, keep_own: bool, pull: bool = False) -> Pending:
+                        route: NativeRoute, keep_own: bool, pull: bool = False, handle_id: int = 0) -> Pending:
         """:meth:`combine` on the native path (BF16 rows): one kernel stores every returned row and the counts into
         every destination's window (with ``keep_own``, this rank's own rows stay in ``src`` for its receive),
         then one header and signal per destination. The bytes of the torch path. With ``pull`` (a zero-copy
@@ -1017,7 +1047,7 @@ class LowLatencyEngine:
         native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
                                base + lay.recv_off, base + self.rank * L * 4, self._sent_rows,
                                keep="all" if pull else "own" if keep_own else "none")
-        hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0)
+        hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0, handle_id=handle_id)
         sent = self._sent_rows.tolist()
         for dst in self.order():
             if sent[dst]:
@@ -1338,7 +1368,7 @@ def call_name(op: int, seq: int) -> str:
 
 def _call_name(w) -> str:
     """A header's call as errors name it: ``"low_latency_dispatch call #4 (its 3rd low_latency_dispatch)"``."""
-    op, n = (int(w[0]) >> 4) & 0xF, int(w[2])
+    op, n = (int(w[0]) >> 4) & 0xF, int(w[2]) & 0xFFFFFFFF
     name = _OP_NAMES.get(op, f"operation code {op}")
     return f"{name} call #{(int(w[0]) >> 16) + 1}" + (f" (its {ordinal(n)} {name})" if n > 0 else "")
 

@@ -798,6 +798,22 @@ def test_combine_with_another_topk_idx_refused_everywhere(buffers, comm, cfg):
                      what="combine of the older handle with a copy of its topk_idx")
     chk.same_bits(got, exp, "combine through the older handle")
     del recv_x2, handle2
+    # Each rank consistent with itself, the ranks not with each other: rank 0 combines dispatch C's handle, the
+    # others D's (D is C with every rank's tokens rotated: the same rows per source and expert). Refused on
+    # every rank by the combine's header, which names the dispatch of each rank's handle.
+    rot = torch.arange(10).roll(1)
+    xc, idxc, wc = x, idx, w
+    xd, idxd, wd = x[rot].contiguous(), idx[rot].contiguous(), w[rot].contiguous()
+    rc, _, hc, _, _ = coll(lambda: buf.low_latency_dispatch(xc, idxc, M, E, use_fp8=False), what="dispatch C")
+    rd, _, hd, _, _ = coll(lambda: buf.low_latency_dispatch(xd, idxd, M, E, use_fp8=False), what="dispatch D")
+    mine = (rc, idxc, wc, hc) if r == 0 else (rd, idxd, wd, hd)
+    _, exc = capture(lambda: buf.low_latency_combine(*mine))
+    chk.check(R == 1 or (isinstance(exc, ConsensusError) and "handles of different dispatches" in str(exc)),
+              f"handles of different dispatches: {exc!r}")
+    got, _, _ = coll(lambda: buf.low_latency_combine(expert_outputs(rd, r, E // R, False), idxd, wd, hd),
+                     what="combine after the refusal")
+    chk.same_bits(got, ref_ll_combine(lambda t, g: ref_expert_row(xd[t], g, False, False, False), idxd, wd, E, R, H),
+                  "combine after the refusal")
     chk.finish("another topk_idx")
 
 
