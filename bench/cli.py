@@ -142,11 +142,10 @@ def check_job(p: argparse.ArgumentParser, a: argparse.Namespace, num_ranks: int 
     rpn = getattr(a, "ranks_per_node", None)
     if num_ranks and rpn is not None and num_ranks % rpn:
         p.error(f"--ranks-per-node {rpn} must divide the number of ranks ({num_ranks})")
-    path = getattr(a, "json", None)
-    if path:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            p.error(f"--json {path}: directory {folder} does not exist or is not writable")
+    for flag, path in (("--json", getattr(a, "json", None)), ("--save-routing", getattr(a, "save_routing", None))):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            p.error(f"{flag} {path}: directory {folder} does not exist or is not writable")
 
 
 def shared_flags() -> list[str]:

@@ -99,6 +99,9 @@ def check_args(p, a) -> None:
     a.profile, a.emulator = link_setup(p, a)
     if a.zero_copy and a.logfmt:
         p.error("--zero-copy does not go with --logfmt (DeepEP's low_latency_combine refuses the pair)")
+    if a.num_tokens >= 65536:
+        p.error(f"--num-tokens {a.num_tokens} must be below 65536 (num_max_dispatch_tokens_per_rank, the "
+                f"low-latency header's 16 bits)")
     if not a.bf16 and a.hidden % 128:
         p.error(f"FP8 dispatch (the default; --bf16 for BF16) needs --hidden a multiple of 128, got {a.hidden}")
     if a.logfmt and a.hidden % 128:

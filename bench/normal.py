@@ -150,9 +150,15 @@ def check_args(p, a) -> None:
     for flag, value in (("--nvl-bytes", a.nvl_bytes), ("--rdma-bytes", a.rdma_bytes)):
         if value is not None and (value < 0 or value % 128):
             p.error(f"{flag} must be a non-negative multiple of 128, got {value}")
+    if a.routing and not os.access(a.routing, os.R_OK):
+        p.error(f"--routing {a.routing}: no such readable file")
+    if a.routing_step and not a.routing:
+        p.error("--routing-step needs --routing (the trace it picks a step of)")
     systems = cli.system_list(p, a.systems, SYSTEMS)
     if a.baselines_only:
         systems = [s for s in systems if s != "deepep_ascend"]
+        if not systems:
+            p.error("--baselines-only leaves no system of --systems to run")
     a.systems = systems
 
 

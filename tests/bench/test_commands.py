@@ -347,6 +347,11 @@ def test_ep_refuses_bad_options(argv, needle, capsys):
     ("normal", ["--nvl-bytes", "100"], "multiple of 128"),
     ("low-latency", ["--hidden", "200"], "FP8 dispatch (the default"),
     ("overhead", ["--json", "/nonexistent/dir/out.json"], "does not exist or is not writable"),
+    ("normal", ["--save-routing", "/nonexistent/dir/r.npz"], "does not exist or is not writable"),
+    ("normal", ["--routing", "/nonexistent/r.npz"], "no such readable file"),
+    ("normal", ["--routing-step", "5"], "--routing-step needs --routing"),
+    ("normal", ["--baselines-only", "--systems", "deepep_ascend"], "leaves no system"),
+    ("low-latency", ["--num-tokens", "70000"], "must be below 65536"),
 ])
 def test_option_combinations_are_usage_errors(command, argv, needle, capsys):
     """Values the library would refuse only mid-run (and a --json file that could not be written at the end)
