@@ -56,12 +56,15 @@ use_wheel_mpiexec() {
     echo "mpiexec: $(command -v mpiexec || echo 'NOT FOUND')" >&2
 }
 
-# `-h` / `--help` as the first argument of a script: print the script's header comment and exit 0, before any
-# set-up runs (call as `usage_if_help "$@"` right after sourcing this file).
+# `-h` / `--help` among a script's arguments: print the script's header comment and exit 0, before any set-up
+# runs (call as `usage_if_help "$@"` right after sourcing this file).
 usage_if_help() {
-    case "${1:-}" in
-        -h|--help)
-            sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "${BASH_SOURCE[1]}"
-            exit 0 ;;
-    esac
+    local arg
+    for arg in "$@"; do
+        case "$arg" in
+            -h|--help)
+                sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "${BASH_SOURCE[1]}"
+                exit 0 ;;
+        esac
+    done
 }
