@@ -109,31 +109,28 @@ def _nodes():
 
 
 @pytest.mark.parametrize("rpn", _nodes())
-def test_buffer_calls_under_inference_mode(comm, rpn):
+@pytest.mark.parametrize("kind", ["Buffer", "EPBuffer"])
+def test_calls_under_inference_mode(comm, kind, rpn):
+    """Every kind of call of a ``Buffer`` (normal and low-latency) or an ``EPBuffer``, on one node and on two."""
     r, R = comm.Get_rank(), comm.Get_size()
     num_experts = 4 * R
     x, idx, weights = _inputs(r, num_experts)
 
     def build():
+        if kind == "EPBuffer":
+            return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True,
+                            ranks_per_node=rpn)
         rdma = max(Buffer.get_low_latency_rdma_size_hint(N, H, R, num_experts),
                    Buffer.get_normal_rdma_buffer_size_hint(N, H, R, rpn, K, num_experts) if rpn else 0)
         return Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, num_experts, ranks_per_node=rpn), rdma,
                       low_latency_mode=True, comm=comm, explicitly_destroy=True, ranks_per_node=rpn)
 
-    _check(comm, build, lambda buf, *t: _buffer_calls(buf, *t, num_experts, num_experts // R), (x, idx, weights))
+    def calls(buf, *inputs):
+        if kind == "EPBuffer":
+            return _ep_calls(buf, *inputs, num_experts)
+        return _buffer_calls(buf, *inputs, num_experts, num_experts // R)
 
-
-@pytest.mark.parametrize("rpn", _nodes())
-def test_ep_buffer_calls_under_inference_mode(comm, rpn):
-    r, R = comm.Get_rank(), comm.Get_size()
-    num_experts = 4 * R
-    x, idx, weights = _inputs(r, num_experts)
-
-    def build():
-        return EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True,
-                        ranks_per_node=rpn)
-
-    _check(comm, build, lambda buf, *t: _ep_calls(buf, *t, num_experts), (x, idx, weights))
+    _check(comm, build, calls, (x, idx, weights))
 
 
 def test_inference_tensors_written_outside_inference_mode_refused(comm):
