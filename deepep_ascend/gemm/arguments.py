@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_storage
+from ..native.operands import overlap
 
 __all__ = ["FLOAT_DTYPES", "check_float_rows", "check_gran", "check_operand", "check_out", "check_pair",
            "check_tensor", "int_list"]
@@ -101,3 +102,54 @@ def check_out(d, shape, dtypes=(torch.bfloat16,)) -> None:
     check_operand("d", d, dtypes)
     if tuple(d.shape) != tuple(shape):
         raise ValueError(f"d must have shape {tuple(shape)}, got {tuple(d.shape)}")
+
+
+def check_apart(d, *inputs) -> None:
+    """``d`` may be written while ``inputs`` (tensors, or None) are read: no two of its elements share memory (an
+    expanded tensor), and it overlaps no input unless it is that very input (same memory, shape, strides and
+    dtype: each row read before it is written). The GEMMs write group by group, so a ``d`` over part of an input
+    would overwrite rows a later group still reads.
+
+    Raises:
+        ValueError: naming ``d`` and the input it overlaps.
+    """
+    if any(st == 0 and sz > 1 for st, sz in zip(d.stride(), d.shape)):
+        raise ValueError(f"d has elements sharing memory (strides {tuple(d.stride())} for shape {tuple(d.shape)}): "
+                         f"the GEMM's writes would collide")
+    for name, t in inputs:
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        same = (t.data_ptr() == d.data_ptr() and t.shape == d.shape and t.stride() == d.stride()
+                and t.dtype == d.dtype)
+        if not same and overlap(d, t) and _rows_meet(d, t):
+            raise ValueError(f"d overlaps {name} without being it: rows of {name} would be overwritten before they "
+                             f"are read (give d memory of its own)")
+
+
+def _row_spans(t: torch.Tensor):
+    """Sorted byte ranges ``(starts, ends)`` of ``t``'s rows (numpy), or None unless its last dimension has unit
+    stride (a row is then one range)."""
+    if t.dim() == 0 or (t.stride(-1) != 1 and t.size(-1) > 1):
+        return None
+    import numpy as np
+
+    lead = t.shape[:-1]
+    starts = np.zeros(1, dtype=np.int64)
+    for size, stride in zip(lead, t.stride()[:-1]):
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
+    starts = np.sort(starts * t.element_size() + t.data_ptr())
+    return starts, starts + t.size(-1) * t.element_size()
+
+
+def _rows_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a row of ``a`` and a row of ``b`` share a byte (their extents already overlap); True where the rows
+    are not ranges (the conservative answer)."""
+    sa, sb = _row_spans(a), _row_spans(b)
+    if sa is None or sb is None:
+        return True
+    import numpy as np
+
+    (a0, a1), (b0, b1) = sa, sb
+    k = np.searchsorted(b1, a0, side="right")  # per row of a: the first row of b ending past its start
+    hit = k < b0.size
+    return bool(np.any(b0[np.minimum(k, b0.size - 1)][hit] < a1[hit]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .arguments import check_operand, check_out, check_pair
+from .arguments import check_apart, check_operand, check_out, check_pair
 from .dequant import dequantize_operand, dequantize_weights, to_exact_bf16
 from .operands import k_of, resolve_grans
 from .packing import matmul_bf16_out
@@ -38,6 +38,7 @@ FP8 = torch.float8_e4m3fn
 def _dense_out(x, w_t, d, c):
     m, n = x.size(0), w_t.size(1)
     check_out(d, (m, n), (BF16, FP32))
+    check_apart(d, ("a", x), ("b", w_t))
     if c is not None:
         check_operand("c", c, (FP32,))
         if tuple(c.shape) != (m, n):

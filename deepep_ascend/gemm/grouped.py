@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .arguments import check_operand, check_out, check_pair, int_list
+from .arguments import check_apart, check_operand, check_out, check_pair, int_list
 from .operands import GroupedOperands
 from .packing import amx_runs
 from .scales import align, ceil_div
@@ -145,6 +145,7 @@ def _m_grouped_contiguous(
     if ops.a_t.dim() != 2:
         raise ValueError(f"a must be 2-D [M, K], got shape {tuple(ops.a_t.shape)}")
     check_out(d, (m, ops.n))
+    check_apart(d, ("a", ops.a_t), ("b", ops.b_t))
     if use_psum_layout:
         layout = int_list("grouped_layout", grouped_layout, ops.g)
     else:
@@ -290,6 +291,7 @@ def _m_grouped_masked(ops: GroupedOperands, d, masked_m, expected_m):
         )
     mmax = ops.a_t.size(1)
     check_out(d, (ops.g, mmax, ops.n))
+    check_apart(d, ("a", ops.a_t), ("b", ops.b_t))
     counts = int_list("masked_m", masked_m, ops.g)
     if any(c < 0 or c > mmax for c in counts):
         raise ValueError(f"masked_m entries must be in [0, {mmax}], got {counts}")
@@ -415,11 +417,12 @@ def _k_grouped(a_t, b_t, d, c, segs, gran_k=None):
         check_operand("c", c, (FP32,))
         if tuple(c.shape) != (g, m, n):
             raise ValueError(f"c must have shape {(g, m, n)}, got {tuple(c.shape)}")
-    for i, (s, e) in enumerate(segs):
+    for i, (s, e) in enumerate(segs):  # every group checked before any d[i] is written
         if gran_k is not None and (s % gran_k or (e - s) % gran_k):
             raise ValueError(
                 f"group {i}'s K segment [{s}, {e}) is not a multiple of gran_k={gran_k}"
             )
+    for i, (s, e) in enumerate(segs):
         acc = torch.matmul(a_t[s:e].t().float(), b_t[s:e].float())
         d[i] = acc if c is None else c[i] + acc
 

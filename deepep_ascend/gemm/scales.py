@@ -144,12 +144,14 @@ def _pack_bytes(b: torch.Tensor, per_word: int) -> torch.Tensor:
     little-endian, padded with byte 127; contiguous row-major."""
     g = b.size(-1)
     padded_g = align(g, per_word)
+    dtype = torch.int32 if per_word == 4 else torch.int16
+    if not padded_g:  # K = 0: no scale at all (an empty row's strides refuse the dtype view)
+        return torch.empty((*b.shape[:-1], 0), dtype=dtype)
     if padded_g != g:
         pad = torch.full(
             (*b.shape[:-1], padded_g - g), _UE8M0_PAD_BYTE, dtype=torch.uint8
         )
         b = torch.cat([b, pad], dim=-1)
-    dtype = torch.int32 if per_word == 4 else torch.int16
     return row_major(b).view(dtype)
 
 
@@ -262,7 +264,7 @@ def pack_ue8m0_pairs_mn_major(sf: torch.Tensor) -> torch.Tensor:
     if sf.dtype == torch.float32:
         b = ue8m0_bytes(sf)
     elif sf.dtype == torch.int32:
-        b = sf.contiguous().view(torch.uint8)
+        b = row_major(sf).view(torch.uint8)
     else:
         b = sf
     return mn_major(_pack_bytes(b, 2), 2)

@@ -478,3 +478,46 @@ def test_grouped_gemm_benchmark_checks_products(capsys):
 
     if native.amx_bf16():  # the kernel on the plain matmul's own operands is checked too
         assert "one group, AMX" in out.split("[check]")[1]
+
+
+def test_k_grouped_fp8_refusal_writes_nothing():
+    """A later group's K segment off the gran_k grid is refused before any d[g] is written."""
+    torch.manual_seed(3)
+    m, n = 16, 24
+    a = dg.per_channel_cast_to_fp8(torch.randn(256, m))
+    b = dg.per_channel_cast_to_fp8(torch.randn(256, n))
+    d = torch.full((2, m, n), 7.0)
+    with pytest.raises(ValueError, match="gran_k"):
+        dg.k_grouped_fp8_gemm_tn_contiguous(a, b, d, [128, 64], torch.tensor([128, 64], dtype=torch.int32))
+    assert bool((d == 7).all())
+
+
+def test_d_over_part_of_an_input_is_refused_and_apart_is_taken():
+    """``d`` over part of ``a`` (rows a later group still reads) or with elements sharing memory: ValueError
+    naming d. Column halves of one buffer (disjoint rows of bytes whose extents overlap) and ``d`` being ``a``
+    itself: computed as the reference."""
+    torch.manual_seed(4)
+    k = n = 64
+    b = torch.randn(2, n, k).to(BF16)
+    layout = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32)
+
+    def ref(a0):
+        return torch.cat([a0[:128].float() @ b[0].float().T, a0[128:].float() @ b[1].float().T])
+
+    buf = torch.randn(384, k).to(BF16)
+    with pytest.raises(ValueError, match="d overlaps a"):
+        dg.m_grouped_bf16_gemm_nt_contiguous(buf[:256], b, buf[128:], layout)
+    buf = torch.randn(3, 8, k).to(BF16)
+    with pytest.raises(ValueError, match="d overlaps a"):
+        dg.m_grouped_bf16_gemm_nt_masked(buf[:2], b, buf[1:], torch.tensor([8, 8], dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="sharing memory"):
+        dg.bf16_gemm_nt(torch.randn(4, k).to(BF16), b[0], torch.zeros(1, n, dtype=BF16).expand(4, n))
+    wide = torch.randn(256, 2 * k).to(BF16)
+    a, d = wide[:, :k], wide[:, k:]
+    a0 = a.clone()
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout)
+    assert torch.equal(d, ref(a0).to(BF16))
+    a = torch.randn(256, k).to(BF16)
+    a0 = a.clone()
+    dg.m_grouped_bf16_gemm_nt_contiguous(a, b, a, layout)
+    assert torch.equal(a, ref(a0).to(BF16))

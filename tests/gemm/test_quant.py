@@ -837,3 +837,18 @@ def test_cast_back_takes_scales_with_any_strides():
     for s0 in (torch.from_numpy(np.zeros((0, 4), np.uint8)),
                torch.from_numpy(np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), (0, 1), (0, 0)))):
         assert dg.per_token_cast_back(x0, s0, 32).shape == (0, 128)
+
+
+def test_pair_packing_of_mn_major_words_and_empty_k():
+    """``pack_ue8m0_pairs_mn_major`` takes the MN-major int32 words ``get_mn_major_tma_aligned_packed_ue8m0_tensor``
+    returns for at most 4 K-groups (one word per row, a size-1 dim with a wide stride), the same as their row-major
+    copy; K = 0 casts with packed UE8M0 scales give empty scales, as unpacked ones do."""
+    sf = torch.tensor([[0.125, 1.0, 4.0]] * 5)
+    words = dg.get_mn_major_tma_aligned_packed_ue8m0_tensor(sf)
+    row_major = torch.empty(tuple(words.shape), dtype=words.dtype).copy_(words)
+    assert torch.equal(dg.pack_ue8m0_pairs_mn_major(words), dg.pack_ue8m0_pairs_mn_major(row_major))
+    for cast in (lambda: dg.per_token_cast_to_fp8(torch.randn(3, 0), True, 128, True),
+                 lambda: dg.per_token_cast_to_fp4(torch.randn(3, 0), True, 32, True)):
+        data, scales = cast()
+        assert data.shape[0] == 3 and scales.shape == (3, 0)
+    assert dg.pack_ue8m0_to_int(torch.ones(3, 0)).shape == (3, 0)
