@@ -582,8 +582,6 @@ class LowLatencyEngine:
         hdr = self._header_rows(h)
         ignore = F_PULL if op == OP_COMBINE else 0  # a combine source's own choice (zero_copy), see the module doc
         agreed = native.ll_headers_agree(hdr, self.rank, self._mask_arg(), seq, op, ignore)
-        if agreed and op == OP_COMBINE and self._handles_problem(hdr.numpy()):
-            agreed = 0  # the same call, another dispatch's handle somewhere: said below
         if agreed:  # one pass; else say why below (3: a source set an ignored flag)
             return self._pulled_sources(h) if agreed == 3 else []
         view = self.tp.local_view(self.ctl, h * self.R * HDR_BYTES, self.R * HDR_BYTES).view(self.R, HDR_BYTES)

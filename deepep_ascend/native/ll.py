@@ -361,10 +361,11 @@ def _expert_rows_ok(t, num_local: int, rm: int, hidden: int | None = None) -> bo
 def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq: int, op_code: int,
                      ignore_flags: int = 0) -> int | None:
     """Whether every unmasked source's call header (``hdr`` ``[R, W]`` contiguous int64, word 0 = ``seq << 16 |
-    flags << 8 | op << 4 | status``, word 1 = ``M, E, H``) reads call ``seq`` of ``op_code`` with status 0 and
-    the flags (but the bits of ``ignore_flags``, a per-source choice) and word 1 of this rank's (row ``me``):
-    0 when not; else 1, or 3 when an unmasked source's header sets a bit of ``ignore_flags``. None where the
-    kernel is not loaded.
+    flags << 8 | op << 4 | status``, word 1 = ``M, E, H``, word 2's high half = the dispatch a combine's handle
+    came from, 0 if not known) reads call ``seq`` of ``op_code`` with status 0 and the flags (but the bits of
+    ``ignore_flags``, a per-source choice) and word 1 of this rank's (row ``me``), the nonzero dispatch numbers
+    all one: 0 when not; else 1, or 3 when an unmasked source's header sets a bit of ``ignore_flags``. None
+    where the kernel is not loaded.
 
     Raises:
         ValueError: ``hdr`` not such a tensor, ``me`` outside its rows.

@@ -357,6 +357,12 @@ def test_headers_agree():
         bad[2, col] += change
         assert not native.ll_headers_agree(bad, 1, None, seq, op)
         assert native.ll_headers_agree(bad, 1, torch.tensor([0, 0, 1], dtype=torch.int32), seq, op)  # masked
+    handles = hdr.clone()  # word 2's high half: the dispatch of each source's handle (0: not known)
+    handles[:, 2] = torch.tensor([7, 0, 7]) << 32 | 3  # low half: the op's call count, not compared
+    assert native.ll_headers_agree(handles, 1, None, seq, op)
+    handles[2, 2] = 8 << 32 | 3
+    assert not native.ll_headers_agree(handles, 1, None, seq, op)
+    assert native.ll_headers_agree(handles, 1, torch.tensor([0, 0, 1], dtype=torch.int32), seq, op)  # masked
     pulled = hdr.clone()  # a flag a source chooses alone (a combine's F_PULL) is ignored when asked
     pulled[0, 0] |= 8 << 8
     assert not native.ll_headers_agree(pulled, 1, None, seq, op)

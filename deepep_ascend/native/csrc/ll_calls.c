@@ -301,21 +301,27 @@ int64_t deepep_ll_combine_recv(int64_t n, int64_t k, int64_t hidden, int64_t m, 
 }
 
 /* The call headers (int64 words, one header every hdr_words words; word 0 = seq << 16 | flags << 8 | op << 4
- * | status, word 1 = M, E, H) of every source s with mask[s] == 0 (mask NULL: all): 1 when each reads
- * call seq of op with status 0 and the flags (but the bits of ignore_flags, a per-source choice) and word 1
- * of this rank's own header (source me), plus 2 when one of them sets a bit of ignore_flags; else 0. */
+ * | status, word 1 = M, E, H, word 2's high half = the dispatch a combine's handle came from, 0 if not known)
+ * of every source s with mask[s] == 0 (mask NULL: all): 1 when each reads call seq of op with status 0 and
+ * the flags (but the bits of ignore_flags, a per-source choice) and word 1 of this rank's own header (source
+ * me), and the nonzero dispatch numbers are all one, plus 2 when one of them sets a bit of ignore_flags;
+ * else 0. */
 int64_t deepep_ll_headers_agree(int64_t num_ranks, int64_t me, const int64_t *hdr, int64_t hdr_words,
                                 const int32_t *mask, int64_t seq, int64_t op, int64_t ignore_flags)
 {
     const int64_t flags = 0xFF00 & ~(ignore_flags << 8);
     const int64_t mine0 = hdr[me * hdr_words] & flags, mine1 = hdr[me * hdr_words + 1];
-    int64_t ignored = 0;
+    int64_t ignored = 0, dispatch = 0;
     for (int64_t s = 0; s < num_ranks; s++) {
         if (mask && mask[s])
             continue;
         const int64_t w0 = hdr[s * hdr_words], w1 = hdr[s * hdr_words + 1];
         if ((w0 >> 16) != seq || ((w0 >> 4) & 0xF) != op || (w0 & 0xF) != 0 || (w0 & flags) != mine0 || w1 != mine1)
             return 0;
+        const int64_t d = hdr_words > 2 ? hdr[s * hdr_words + 2] >> 32 : 0;
+        if (d && dispatch && d != dispatch)
+            return 0;
+        dispatch = d ? d : dispatch;
         ignored |= (w0 >> 8) & ignore_flags;
     }
     return ignored ? 3 : 1;
