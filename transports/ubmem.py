@@ -19,6 +19,7 @@ for "≥ expected" and nothing is ever cleaned.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import itertools
 import reprlib
@@ -649,10 +650,8 @@ class Transport:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: peer_view(win='{win.name}', peer {peer}): offset {offset} and "
                 f"nbytes {nbytes} must be multiples of {dtype}'s size {itemsize}")
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
-                return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
-        return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            return win.typed(int(peer), dtype)[offset // itemsize:(offset + nbytes) // itemsize]
 
     def local_view(self, win: SymmetricWindow, offset: int, nbytes: int,
                    dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -6,6 +6,7 @@ Storage (a dense CPU tensor) is :func:`deepep_ascend.checks.check_storage`, the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..checks import check_storage
@@ -131,8 +132,6 @@ def _row_spans(t: torch.Tensor):
     stride (a row is then one range)."""
     if t.dim() == 0 or (t.stride(-1) != 1 and t.size(-1) > 1):
         return None
-    import numpy as np
-
     lead = t.shape[:-1]
     starts = np.zeros(1, dtype=np.int64)
     for size, stride in zip(lead, t.stride()[:-1]):
@@ -147,8 +146,6 @@ def _rows_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
     sa, sb = _row_spans(a), _row_spans(b)
     if sa is None or sb is None:
         return True
-    import numpy as np
-
     (a0, a1), (b0, b1) = sa, sb
     k = np.searchsorted(b1, a0, side="right")  # per row of a: the first row of b ending past its start
     hit = k < b0.size
