@@ -894,6 +894,38 @@ class Transport:
         self.stats.record_signal(kind, int(dst))
         return value
 
+    def signal_address(self, win: SymmetricWindow, dst: int, slot: int) -> int:
+        """Byte address of this rank's word of ``slot`` in load/store peer ``dst``'s window (SELF or UBMEM).
+
+        For a caller that publishes signals by its own stores (native code: a release fence, then the new
+        value in one 8-byte store, as :meth:`signal` does). That caller is then the word's only writer: it
+        never also signals the word with :meth:`signal` or :meth:`put_with_signal` (their running value
+        would not know its stores), and counts each store with :meth:`record_signal`. Valid until the window
+        is freed.
+        Raises:
+            TransportUnsupported: ``dst`` reached over URMA. TransportArgumentError: bad peer or slot.
+        """
+        self._check_open("signal_address")
+        self._peer("signal_address", win, dst, views=True)
+        self._slot("signal_address", win, slot)
+        return win._ctl[int(dst)].ctypes.data + win.slot_disp(slot, self.topology.rank)
+
+    def signal_words_address(self, win: SymmetricWindow, slot: int) -> int:
+        """Byte address of this rank's own signal words of ``slot``, ``[world]`` int64 (word ``src`` written by
+        ``src`` alone), for a caller polling them with loads. URMA signals land there only while this rank
+        drives MPI progress, and a peer's abort is not seen there: a caller that finds a word short waits with
+        :meth:`wait_until`, and one that does not calls :meth:`check_abort` first.
+        Raises:
+            TransportArgumentError: bad slot.
+        """
+        self._check_open("signal_words_address")
+        self._slot("signal_words_address", win, slot)
+        return win._ctl[self.topology.rank].ctypes.data + win.slot_disp(slot, 0)
+
+    def record_signal(self, peer: int) -> None:
+        """Count one signal stored at :meth:`signal_address` of ``peer``."""
+        self.stats.record_signal(self.topology.kind(self.topology.rank, peer), peer)
+
     def put_with_signal(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor,
                         slot: int, add: int = 1) -> int:
         """:meth:`put` then an ordered :meth:`signal`: an observer of the increment sees the data.

@@ -106,6 +106,8 @@ _OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combi
 SLOT_CLEAN = 2
 NUM_CTL_SLOTS = 3
 HDR_BYTES = 256
+#: Polls of the short wait (native.ll_await, a pause each: about 0.1 ms) before the long one (transports' wait_until).
+_AWAIT_POLLS = 2000
 _HDR_WORDS = 3  # int64 words of a header without a message: call/op/flags/status, M/E/H, the op's count
 # Bytes [24, 32) of a rank's own header slot of half h in its own ll_ctl: its send-region stamp (see begin).
 _STAMP_OFF = 24
@@ -337,7 +339,7 @@ class LowLatencyEngine:
         self.op_calls = {OP_DISPATCH: 0, OP_COMBINE: 0}  # this rank's calls of each (header word 2)
         self.cleans = 0  # clean_low_latency_buffer calls; same on every rank
         self._sent = {}  # (ctl slot, dst) -> the signal value last published to dst
-        self._peer_cache = None  # (mask version, masked bools, order, live peers, any masked), see _peers
+        self._peer_cache = None  # (mask version, masked bools, order, live peers, any masked, order array), _peers
         # The native path (every live peer mapped, kernels loaded): each rank's window data region by address
         # (0: not mapped), window views kept across calls (released by release()), rows sent per destination.
         self._bases = torch.tensor([tp.peer_view(self.win, p, 0, nbytes).data_ptr() if self.direct[p] else 0
@@ -348,6 +350,17 @@ class LowLatencyEngine:
         self._stamps = [torch.tensor([b + (h * self.R + p) * HDR_BYTES + _STAMP_OFF if b else 0
                                       for p, b in enumerate(ctl_bases)], dtype=torch.int64) for h in (0, 1)]
         self._all_direct = all(self.direct)
+        # Signals by stores where every rank is mapped and the kernels are loaded (native.ll_publish, ll_await):
+        # per half, each destination's header slot and signal word by address, and this rank's own signal words.
+        # Decided once, so that this engine stays the only writer of those words (transports' signal_address).
+        self._store_signals = None
+        if self._all_direct and native.signals_available():
+            self._store_signals = tuple(
+                (torch.tensor([b + (h * self.R + self.rank) * HDR_BYTES for b in ctl_bases], dtype=torch.int64),
+                 torch.tensor([tp.signal_address(self.ctl, p, h) for p in range(self.R)], dtype=torch.int64),
+                 tp.signal_words_address(self.ctl, h)) for h in (0, 1))
+            # polls of a short wait before the long one (none where ranks outnumber cores: never spin there)
+            self._await_polls = 0 if tp.wait_policy.oversubscribed else _AWAIT_POLLS
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
         self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
@@ -372,7 +385,7 @@ class LowLatencyEngine:
             masked = [bool(v) for v in self.mask.tolist()]
             order = [p for p in ((self.rank + i) % self.R for i in range(1, self.R + 1)) if not masked[p]]
             cached = self._peer_cache = (self.mask._version, masked, order, [p for p in range(self.R) if not masked[p]],
-                                         any(masked))
+                                         any(masked), torch.tensor(order, dtype=torch.int64))
         return cached
 
     def live_peers(self) -> list[int]:
@@ -486,9 +499,34 @@ class LowLatencyEngine:
         self._sent[(slot, dst)] = value
         return add
 
+    def _publish(self, h, hdr, seq, dsts) -> None:
+        """Publish call ``seq`` to every rank of ``dsts`` (a list; all of :meth:`order` when it is that list): as
+        :meth:`_signal` to each, with signals by stores in one native call (header stores, one fence, signal
+        stores) where the engine has them."""
+        stores = self._store_signals
+        if stores is None:
+            for dst in dsts:
+                self._signal(dst, h, hdr, seq)
+            return
+        if _PH.on:
+            _PH.switch("signal")
+        peers = self._peers()
+        order = peers[5] if dsts is peers[2] else torch.tensor(dsts, dtype=torch.int64)
+        hdr_addrs, sig_addrs, _ = stores[h]
+        if not native.ll_publish(order, hdr, hdr_addrs, sig_addrs, seq + 1):
+            raise RuntimeError(f"rank {self.rank}: the native kernel ll_publish is no longer loaded (it was when "
+                               f"this Buffer was made, and its signals need it)")
+        tp, nbytes = self.tp, hdr.numel()
+        for dst in dsts:
+            tp.record_put(dst, nbytes)
+            tp.record_signal(dst)
+
     def _signal(self, dst, h, hdr, seq):
         """Publish call ``seq`` to ``dst``: everything written to it before, then the header, then the
         signal, which then reads ``seq + 1`` (see :meth:`_wait_sources`)."""
+        if self._store_signals is not None:
+            self._publish(h, hdr, seq, [dst])
+            return
         if _PH.on:
             _PH.switch("signal")
         if self.direct[dst] and hdr is self._hdr_bytes:  # a store into the mapped header, then the signal
@@ -530,8 +568,7 @@ class LowLatencyEngine:
         (the caller raises; the peers' :meth:`_check_headers` raise ``LowLatencyRefused`` naming this rank)."""
         seq, h = self.begin(op)
         hdr = self._header(seq, op, 1, None, 0, message)
-        for dst in self.order():
-            self._signal(dst, h, hdr, seq)
+        self._publish(h, hdr, seq, self.order())
         # Wait for the others' signals too (their data is discarded): the double-buffer rule
         # needs this rank's next call to follow its receive of this one.
         self._wait_sources(h, seq + 1, f"{_OP_NAMES[op]} call #{seq + 1} (refused here)", None)
@@ -573,6 +610,25 @@ class LowLatencyEngine:
                     cost[arrived] += time.monotonic_ns() - t0
             pending = still
             slice_s = min(2 * slice_s, 1e-3)
+
+    def _await_call(self, h, seq, op, lay, flags, phase, cost) -> list[int]:
+        """Wait for every live source's signal of call ``seq`` (half ``h``), then :meth:`_check_headers` (its
+        return value). With signals by stores, and neither ``cost`` nor shrink mode, one native call first polls
+        the signal words a short while and checks the headers (the wait while the peers are on time); a source
+        still short then gets the long wait, with its deadline and abort checks (:meth:`_wait_sources`)."""
+        stores = self._store_signals
+        if stores is not None and cost is None and not self.shrink:
+            if _PH.on:
+                _PH.switch("wait: signals")
+            self.tp.check_abort(phase)  # a short wait sees no abort words: a late rank must hear of one first
+            agreed = native.ll_await(stores[h][2], self.R, self._mask_arg(), seq + 1, self._await_polls,
+                                     self._header_rows(h), self.rank, seq, op, F_PULL if op == OP_COMBINE else 0)
+            if agreed is not None and agreed > 0:
+                return self._pulled_sources(h) if agreed == 3 else []
+            if agreed == 0:  # arrived, and the headers disagree: say why
+                return self._check_headers(h, seq, op, lay, flags)
+        self._wait_sources(h, seq + 1, phase, cost)
+        return self._check_headers(h, seq, op, lay, flags)
 
     def _check_headers(self, h, seq, op, lay, flags) -> list[int]:
         """Every live source's header against ours; refusals and disagreements raise on every rank. Returns the
@@ -734,13 +790,14 @@ class LowLatencyEngine:
                                 base + self.rank * L * 4, route.counts, self._sent_rows)
         hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
         sent = self._sent_rows.tolist()
-        for dst in self.order():
+        dsts = self.order()
+        for dst in dsts:
             # The rows the receiver loads from here (its count of this traffic is the sender's, as for a push),
             # their index words and the counts.
             if sent[dst]:
                 self.tp.record_put(dst, sent[dst] * (mb + 4))
             self.tp.record_put(dst, 4 * L)
-            self._signal(dst, h, hdr, seq)
+        self._publish(h, hdr, seq, dsts)
         if _PH.on:
             _PH.switch("outputs")
         # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
@@ -766,8 +823,7 @@ class LowLatencyEngine:
         phase = f"low_latency_dispatch call #{call.seq + 1}"
         if _PH.on:
             _PH.switch("wait: signals")
-        self._wait_sources(call.half, call.need, phase, wait_stats)
-        self._check_headers(call.half, call.seq, OP_DISPATCH, call.lay, call.flags)
+        self._await_call(call.half, call.seq, OP_DISPATCH, call.lay, call.flags, phase, wait_stats)
         return call.half * self.half, phase
 
     def _receive_dispatch_native(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
@@ -1047,11 +1103,12 @@ class LowLatencyEngine:
                                keep="all" if pull else "own" if keep_own else "none")
         hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0, handle_id=handle_id)
         sent = self._sent_rows.tolist()
-        for dst in self.order():
+        dsts = self.order()
+        for dst in dsts:
             if sent[dst]:
                 self.tp.record_put(dst, sent[dst] * 2 * H)
             self.tp.record_put(dst, 4 * L)
-            self._signal(dst, h, hdr, seq)
+        self._publish(h, hdr, seq, dsts)
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
@@ -1076,8 +1133,7 @@ class LowLatencyEngine:
         phase = f"low_latency_combine call #{seq + 1}"
         if _PH.on:
             _PH.switch("wait: signals")
-        self._wait_sources(h, seq + 1, phase, wait_stats)
-        pulled = [d for d in self._check_headers(h, seq, OP_COMBINE, lay, 0) if d != self.rank]
+        pulled = [d for d in self._await_call(h, seq, OP_COMBINE, lay, 0, phase, wait_stats) if d != self.rank]
         if _PH.on:
             _PH.switch("reduce")
         sig = self._counts_view(base, L)
@@ -1215,8 +1271,7 @@ class LowLatencyEngine:
         phase = f"low_latency_combine call #{seq + 1}"
         if _PH.on:
             _PH.switch("wait: signals")
-        self._wait_sources(h, need, phase, wait_stats)
-        pulled = self._check_headers(h, seq, OP_COMBINE, lay, flags)
+        pulled = self._await_call(h, seq, OP_COMBINE, lay, flags, phase, wait_stats)
         if pulled:  # rows left in place: only the native path reads them
             raise LowLatencyRefused(
                 f"rank {me}: {phase}: rank(s) {pulled} left their rows in place for the native receive (a zero-copy "

@@ -33,7 +33,8 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
 ``signal``                     flags raised at peers (low-latency: with the URMA flush that orders them)
 ``wait: <what>``               waiting for peers (flag polling): ``ready``, ``staging half free``,
                                ``x rows``, ``x read in place`` (intranode), ``rail blocks``, ``rail boxes
-                               free``, ``node peers`` (internode), ``signals`` (low-latency)
+                               free``, ``node peers`` (internode), ``signals`` (low-latency; with
+                               its signals by stores, the headers' check too: one native call)
 ``control``                    the control exchange's reading: headers, consensus, count vectors, prefix sums
 ``outputs``                    output tensors allocated, the handle built
 ``copy``                       received rows copied into the outputs (gathers, scatters, direct stores)

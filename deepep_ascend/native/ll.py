@@ -15,6 +15,8 @@ steps in one pass and writes the same bytes as that torch path:
   source's send region -> ``recv_x`` / scales / ``src_info``, then the sources' stamps (a seqlock);
 * :func:`ll_combine_recv`: the counts against the route's, then the weighted sum of the returned rows;
 * :func:`ll_headers_agree`: the call headers' consensus in one pass (the caller explains a disagreement);
+* :func:`ll_publish`: a call's header into every destination, one fence, every destination's signal word;
+* :func:`ll_await`: the receive's wait while the peers are on time (bounded polling), then the headers;
 * :func:`zero_row_prefix`: the first rows of each expert's block zeroed.
 
 No DeepEP call of their own: the steps inside DeepEP's low-latency kernels. Each returns None / False where
@@ -35,8 +37,8 @@ from .loader import kernels
 from .operands import mark_written, require_dense
 from .rows import _NAN_BITS
 
-__all__ = ["ll_available", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send",
-           "ll_headers_agree", "ll_route", "zero_row_prefix"]
+__all__ = ["ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
+           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "signals_available", "zero_row_prefix"]
 
 
 def ll_available() -> bool:
@@ -45,6 +47,11 @@ def ll_available() -> bool:
     return not (k.ll_route is None or k.ll_dispatch_send is None or k.ll_dispatch_recv is None
                 or k.ll_combine_send is None or k.ll_combine_recv is None or k.ll_headers_agree is None
                 or k.zero_row_prefix is None)
+
+
+def signals_available() -> bool:
+    """Whether :func:`ll_publish` and :func:`ll_await` have their kernels loaded."""
+    return kernels.ll_publish is not None and kernels.ll_await is not None
 
 
 def _mask(op: str, mask, num_ranks: int):
@@ -411,3 +418,64 @@ def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool 
         raise ValueError(f"deepep_ascend.native.{op}: counts must lie in [0, {plane // max(unit, 1)}]")
     mark_written(t)
     return True
+
+
+def ll_publish(order: torch.Tensor, hdr: torch.Tensor, hdr_addrs: torch.Tensor, sig_addrs: torch.Tensor,
+               value: int) -> bool:
+    """Publish a call to the destinations ``order`` by stores (transports' ``signal()`` made of plain stores):
+    the header ``hdr`` into each one's header slot ``hdr_addrs[d]``, one full fence, then ``value`` into each
+    one's signal word ``sig_addrs[d]`` (the word of this rank, its only writer: ``Transport.signal_address``).
+
+    Args:
+        order: ``[n]`` contiguous int64 destination ranks. hdr: a contiguous tensor of ``8·W`` bytes (the
+            header's int64 words). hdr_addrs, sig_addrs: ``[R]`` contiguous int64 byte addresses, nonzero
+            (mapped) at every rank of ``order``. value: the signals' new value.
+    Returns:
+        True when done; False (nothing written) where the kernel is not loaded.
+    Raises:
+        ValueError: operands of another dtype or layout, a destination outside ``[0, R)`` or not mapped
+            (nothing written).
+    """
+    fn = kernels.ll_publish
+    if fn is None:
+        return False
+    op = "ll_publish"
+    require_dense(op, "order", order, torch.int64, ndim=1)
+    require_dense(op, "hdr_addrs", hdr_addrs, torch.int64, ndim=1)
+    num_ranks = hdr_addrs.numel()
+    require_dense(op, "sig_addrs", sig_addrs, torch.int64, num_ranks)
+    nbytes = hdr.numel() * hdr.element_size() if isinstance(hdr, torch.Tensor) else -1
+    if nbytes <= 0 or nbytes % 8 or not hdr.is_contiguous():
+        raise ValueError(f"deepep_ascend.native.{op}: hdr must be a contiguous tensor of whole int64 words, got "
+                         f"{type(hdr).__name__} of {nbytes} bytes")
+    if fn(order.numel(), order.data_ptr(), num_ranks, hdr.data_ptr(), nbytes // 8, hdr_addrs.data_ptr(),
+          sig_addrs.data_ptr(), int(value)):
+        raise ValueError(f"deepep_ascend.native.{op}: every rank of order {order.tolist()} must lie in "
+                         f"[0, {num_ranks}) with a mapped header slot and signal word")
+    return True
+
+
+def ll_await(sig_addr: int, num_ranks: int, mask: torch.Tensor | None, need: int, polls: int, hdr: torch.Tensor,
+             me: int, seq: int, op_code: int, ignore_flags: int = 0) -> int | None:
+    """The receive's wait while the peers are on time: this rank's signal words ``[R]`` int64 at ``sig_addr``
+    (``Transport.signal_words_address``) polled up to ``polls`` rounds until every unmasked source's reads
+    ``need``; then (acquire) :func:`ll_headers_agree` of ``hdr``.
+
+    Returns:
+        None where the kernel is not loaded; -1 when a source is still short after ``polls`` rounds (the caller
+        waits the long way: ``Transport.wait_until``, its deadline, its abort checks); else
+        :func:`ll_headers_agree`'s answer.
+    Raises:
+        ValueError: ``hdr`` not ``[R, W >= 2]`` contiguous int64, ``me`` outside it, a zero ``sig_addr``.
+    """
+    fn = kernels.ll_await
+    if fn is None:
+        return None
+    op = "ll_await"
+    require_dense(op, "hdr", hdr, torch.int64, ndim=2)
+    rows, words = hdr.shape
+    if rows != num_ranks or not 0 <= me < rows or words < 2 or not sig_addr:
+        raise ValueError(f"deepep_ascend.native.{op}: hdr must hold {num_ranks} headers of >= 2 words with rank {me} "
+                         f"among them, and the signal words an address; got {tuple(hdr.shape)}, {sig_addr:#x}")
+    return int(fn(rows, me, sig_addr, _mask(op, mask, rows), need, max(int(polls), 0), hdr.data_ptr(), words, seq,
+                  op_code, ignore_flags))

@@ -421,6 +421,41 @@ def test_hook_returns_before_peers_send_and_overlaps_compute(buffers, comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_peer_late_past_the_short_wait_is_waited_for_the_long_way(buffers, comm):
+    """With signals by stores, the receive first polls a short while (``native.ll_await``); a peer later than that
+    (rank 1 sleeps 50 ms before each call) is waited for through ``wait_until`` and the results are the
+    reference's, in both a dispatch and a combine."""
+    buf = _buf(buffers, "ubmem")
+    eng = buf._ll
+    if eng._store_signals is None:
+        pytest.skip("needs signals by stores (native kernels, one node)")
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 2 * R, 16, 256, 2
+    xs = [make_inputs(83, s, R, 12, H, E, K) for s in range(R)]
+    x, idx = xs[r]
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    long_waits = []
+    real = eng._wait_sources
+    eng._wait_sources = lambda *a, **k: (long_waits.append(a[2]), real(*a, **k))[1]
+    try:
+        if r == 1:
+            time.sleep(0.05)
+        recv_x, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        if r == 1:
+            time.sleep(0.05)
+        combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    finally:
+        eng.__dict__.pop("_wait_sources", None)
+    ref = ref_ll_dispatch([i[0] for i in xs], [i[1] for i in xs], r, E, M)
+    exp = ref_ll_combine(lambda t, g: x[t], idx, w, E, R, H)
+    ok = (torch.equal(bits(recv_x), bits(ref.recv_x)) and torch.equal(cnt, ref.recv_count)
+          and torch.equal(bits(combined), bits(exp)))
+    # the ranks that waited for rank 1 took the long way twice (rank 1 itself may not have waited at all)
+    waited = r == 1 or len(long_waits) == 2
+    all_ranks_ok(comm, ok and waited, f"rank {r}: results ok {ok}; long waits {long_waits}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
     """On one node a receiver loads its rows from the sources' send regions. Rank 0 breaks the two-calls rule
     (white-box: it drops its pending-hook guard) and issues calls #2 and #3 while the others load call #1's rows
@@ -670,7 +705,7 @@ def test_zero_copy_combine_refuses_a_rewritten_source(comm, torn_layout):
     recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
     buf.get_next_low_latency_combine_buffer(handle).copy_(expert_outputs(recv_x, r, E // R, False))
     if r == 1:
-        real = eng._signal
+        real = eng._publish
         lay = Layout(M, H, E, R)
 
         def rewrite(h, seq):
@@ -678,9 +713,9 @@ def test_zero_copy_combine_refuses_a_rewritten_source(comm, torn_layout):
             if torn_layout:  # call #8's bytes: begins far past the rows
                 eng.tp.local_view(eng.win, h * eng.half + lay.pull_off, 8 * E, torch.int64).fill_(1 << 40)
 
-        eng._signal = lambda dst, h, hdr, seq: (rewrite(h, seq), real(dst, h, hdr, seq))
+        eng._publish = lambda h, hdr, seq, dsts: (rewrite(h, seq), real(h, hdr, seq, dsts))
     _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle, zero_copy=True))
-    eng.__dict__.pop("_signal", None)
+    eng.__dict__.pop("_publish", None)
     ok = r == 1 or not native_path or (isinstance(exc, RuntimeError) and "source rank 1 began rewriting its send "
                                        "region for LL call #8 while this rank read call #2's rows" in str(exc))
     _, dexc = capture(buf.destroy)

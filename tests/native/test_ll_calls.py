@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -372,6 +373,58 @@ def test_headers_agree():
     assert not native.ll_headers_agree(pulled, 1, None, seq, op, ignore_flags=4)
     with pytest.raises(ValueError, match="rank 3 outside"):
         native.ll_headers_agree(hdr, 3, None, seq, op)
+
+
+def test_publish_stores_each_header_then_each_signal():
+    """``ll_publish`` on tensors standing for three ranks' header slots and signal words: the destinations of
+    ``order`` get the header and the value, the others nothing; bad operands are refused before any store."""
+    R, words = 3, 4
+    slots = torch.zeros(R, words, dtype=torch.int64)
+    sig = torch.zeros(R, dtype=torch.int64)
+    hdr_addrs = torch.tensor([slots[d].data_ptr() for d in range(R)])
+    sig_addrs = torch.tensor([sig[d:].data_ptr() for d in range(R)])
+    hdr = torch.tensor([11, -2, 1 << 40, 7])
+    assert native.ll_publish(torch.tensor([2, 0]), hdr, hdr_addrs, sig_addrs, 9)
+    assert slots[0].tolist() == slots[2].tolist() == hdr.tolist() and not slots[1].any()
+    assert sig.tolist() == [9, 0, 9]
+    assert native.ll_publish(torch.tensor([1]), hdr[:3].view(torch.uint8), hdr_addrs, sig_addrs, 10)  # 3 words, bytes
+    assert slots[1].tolist() == hdr[:3].tolist() + [0] and sig.tolist() == [9, 10, 9]
+    before = (slots.clone(), sig.clone())
+    unmapped = hdr_addrs.clone()
+    unmapped[1] = 0
+    for args in ((torch.tensor([3]), hdr, hdr_addrs, sig_addrs),                  # a rank outside [0, R)
+                 (torch.tensor([1]), hdr, unmapped, sig_addrs),                   # not mapped
+                 (torch.tensor([1], dtype=torch.int32), hdr, hdr_addrs, sig_addrs),  # another dtype
+                 (torch.tensor([1]), hdr, hdr_addrs, sig_addrs[:2]),             # another length
+                 (torch.tensor([1]), hdr.view(torch.uint8)[:12], hdr_addrs, sig_addrs)):  # not whole words
+        with pytest.raises(ValueError, match="ll_publish"):
+            native.ll_publish(*args, 11)
+    assert torch.equal(slots, before[0]) and torch.equal(sig, before[1])
+
+
+def test_await_polls_the_sources_then_checks_the_headers():
+    """``ll_await``: -1 while an unmasked source's word is short (after its polls), else ``ll_headers_agree``'s
+    answer on the headers."""
+    R, seq, op = 3, 5, 2
+    hdr = torch.zeros(R, 32, dtype=torch.int64)
+    hdr[:, 0] = (seq << 16) | (op << 4)
+    hdr[:, 1] = 99
+    sig = np.array([seq + 1, seq, seq + 2], dtype=np.int64)  # source 1 is short of seq + 1
+    addr = sig.ctypes.data
+    assert native.ll_await(addr, R, None, seq + 1, 50, hdr, 0, seq, op) == -1
+    masked = torch.tensor([0, 1, 0], dtype=torch.int32)
+    assert native.ll_await(addr, R, masked, seq + 1, 0, hdr, 0, seq, op) == 1  # a masked source is not waited for
+    sig[1] = seq + 1
+    assert native.ll_await(addr, R, None, seq + 1, 0, hdr, 0, seq, op) == 1
+    hdr[2, 1] = 98  # another (M, E, H)
+    assert native.ll_await(addr, R, None, seq + 1, 0, hdr, 0, seq, op) == 0
+    hdr[2, 1] = 99
+    hdr[1, 0] |= 8 << 8  # a flag the source chooses alone, ignored when asked
+    assert native.ll_await(addr, R, None, seq + 1, 0, hdr, 0, seq, op, 8) == 3
+    with pytest.raises(ValueError, match="ll_await"):
+        native.ll_await(addr, R + 1, None, seq + 1, 0, hdr, 0, seq, op)
+    with pytest.raises(ValueError, match="ll_await"):
+        native.ll_await(0, R, None, seq + 1, 0, hdr, 0, seq, op)
 
 
 @pytest.mark.parametrize("channels_first", [False, True])

@@ -7,18 +7,23 @@ hanging.
 
 from __future__ import annotations
 
+import ctypes
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from deepep_ascend.transports import (
+    ChannelKind,
     State,
     Team,
     TransportAborted,
+    TransportArgumentError,
     TransportError,
     TransportPoisoned,
     TransportTimeout,
+    TransportUnsupported,
 )
 from tests.transports.helpers import pattern
 
@@ -51,6 +56,39 @@ def test_signal_counts_and_reuse_without_reset(shared_tp):
         tp.barrier()  # nobody starts the next round before everyone checked exact values
     for other in (0, 1, 3):  # slots nobody signalled stay zero
         assert [tp.read_signal(win, other, s) for s in range(n)] == [0] * n
+
+
+@pytest.mark.mpi(min_size=1)
+def test_signals_by_stores_at_their_addresses(shared_tp):
+    """A rank storing its running value at ``signal_address`` of each node peer signals as ``signal()`` does:
+    ``wait_until`` sees it, ``signal_words_address`` loads the same words as ``signals()``, and the counters count
+    what ``record_signal`` records. A URMA peer has no address."""
+    tp = shared_tp
+    me, n = tp.topology.rank, tp.topology.world_size
+    win = tp.create_window("stores", 0, 2)
+    direct = [p for p in range(n) if tp.channel_kind(win, p) is not ChannelKind.URMA]
+    before = tp.stats.snapshot()["signals"].copy()
+    for value in (3, 8):
+        tp.fence()
+        for p in direct:
+            ctypes.c_int64.from_address(tp.signal_address(win, p, 1)).value = value
+            tp.record_signal(p)
+        assert tp.wait_until(win, 1, direct, value, phase="stored signals") == []
+        words = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(tp.signal_words_address(win, 1)))
+        assert words.tolist() == win.signals(1).tolist()
+        assert [int(words[p]) for p in direct] == [value] * len(direct)
+        tp.barrier()
+    counted = tp.stats.snapshot()["signals"] - before
+    assert counted.sum() == 2 * len(direct) and all(counted[:, p].sum() == 2 for p in direct)
+    assert win.signals(0).tolist() == [0] * n  # another slot: untouched
+    for p in set(range(n)) - set(direct):
+        with pytest.raises(TransportUnsupported):
+            tp.signal_address(win, p, 1)
+    with pytest.raises(TransportArgumentError):
+        tp.signal_address(win, me, 2)
+    with pytest.raises(TransportArgumentError):
+        tp.signal_words_address(win, -1)
+    tp.barrier()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -337,6 +375,9 @@ def test_allgather_object_has_a_deadline(tp):
     msg = str(ei.value)
     for part in (f"rank {me}:", "allgather_object", "gather-phase", "does not say which"):
         assert part in msg, (part, msg)
+    # a wait on a request (no signal words) lists no observed values: no empty parentheses either
+    bare = str(TransportTimeout("allgather_object", me, [], 1.0, phase="p", expected=[], observed=[]))
+    assert "missing)." in bare and "()" not in bare, bare
     assert tp.state is State.POISONED
     with pytest.raises(TransportPoisoned):
         tp.allgather_object(me)

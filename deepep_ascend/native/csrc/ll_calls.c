@@ -12,6 +12,10 @@
  *                            the counts
  *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
  *   deepep_ll_headers_agree  every live source's call header against this rank's
+ *   deepep_ll_publish        a call's header into every destination's header slot, one fence, then every
+ *                            destination's signal word (the signals of transports' signal(), by stores)
+ *   deepep_ll_await          every live source's signal polled for a bounded number of rounds, then the
+ *                            headers (deepep_ll_headers_agree): the receive's wait when the peers are on time
  *   deepep_zero_row_prefix   the first count[e] rows of each expert's block zeroed (OutputPool's reuse)
  *
  * Window memory is addressed by plain byte addresses (the caller's mapped segments, one per rank, 0 where
@@ -325,6 +329,50 @@ int64_t deepep_ll_headers_agree(int64_t num_ranks, int64_t me, const int64_t *hd
         ignored |= (w0 >> 8) & ignore_flags;
     }
     return ignored ? 3 : 1;
+}
+
+/* Publish a call to the n destinations order[0..n): this rank's header (hdr_words, `words` int64) stored at
+ * hdr_addrs[d] of each, then one full fence (every store before, rows, counts and headers, is visible before
+ * any signal: the release of transports' signal()), then `value` stored at sig_addrs[d], the destination's
+ * signal word this rank alone writes (one 8-byte store: a poller reads the old value or the new one).
+ * Returns 1 (nothing written) when a destination lies outside [0, num_ranks) or has a zero address. */
+int64_t deepep_ll_publish(int64_t n, const int64_t *order, int64_t num_ranks, const int64_t *hdr_words,
+                          int64_t words, const int64_t *hdr_addrs, const int64_t *sig_addrs, int64_t value)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (order[i] < 0 || order[i] >= num_ranks || !hdr_addrs[order[i]] || !sig_addrs[order[i]])
+            return 1;
+    for (int64_t i = 0; i < n; i++)
+        memcpy((void *)(intptr_t)hdr_addrs[order[i]], hdr_words, (size_t)words * sizeof *hdr_words);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int64_t i = 0; i < n; i++)
+        __atomic_store_n((int64_t *)(intptr_t)sig_addrs[order[i]], value, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* The receive's wait while the peers are on time: polls this rank's signal words sig[0..num_ranks) (source s
+ * writes sig[s]) up to `polls` rounds until every source with mask[s] == 0 (mask NULL: all) reads at least
+ * need; returns -1 if one still does not (nothing else read: the caller waits the long way, with its deadline
+ * and abort checks). Else, after an acquire fence (the headers and data the signals released), returns
+ * deepep_ll_headers_agree(num_ranks, me, hdr, hdr_words, mask, seq, op, ignore_flags). */
+int64_t deepep_ll_await(int64_t num_ranks, int64_t me, const int64_t *sig, const int32_t *mask, int64_t need,
+                        int64_t polls, const int64_t *hdr, int64_t hdr_words, int64_t seq, int64_t op,
+                        int64_t ignore_flags)
+{
+    int64_t s = 0;
+    for (int64_t round = 0; s < num_ranks; round++) {
+        if ((mask && mask[s]) || __atomic_load_n(sig + s, __ATOMIC_RELAXED) >= need) {
+            s++;
+            continue;
+        }
+        if (round >= polls)
+            return -1;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return deepep_ll_headers_agree(num_ranks, me, hdr, hdr_words, mask, seq, op, ignore_flags);
 }
 
 /* Zero, for each block e < num_blocks and each of its `inner` planes, the first counts[e] units of the plane
