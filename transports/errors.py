@@ -51,7 +51,7 @@ class TransportTimeout(TransportError, TimeoutError):
         where = f" in phase '{phase}'" if phase else ""
         slot_txt = f", slot {slot}" if slot is not None else ""
         detail = ""
-        if expected is not None and observed is not None:
+        if expected and observed:
             detail = " (" + ", ".join(
                 f"rank {p}: have {o}, need {e}" for p, e, o in zip(self.waited_for, expected, observed)) + ")"
         chain = ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..checks import storage_problem
@@ -22,8 +23,8 @@ from .handles import InternodeHandle, IntranodeHandle, origin_of
 from .layout import dispatch_layout, tokens_per_node, topk_idx_t
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
-           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_stream_args",
-           "check_tensor", "check_topk_idx", "check_x"]
+           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_sl_idx",
+           "check_stream_args", "check_tensor", "check_topk_idx", "check_x", "is_int"]
 
 
 class Rejected(Exception):
@@ -62,6 +63,22 @@ def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | Non
     if shape is not None:
         check(tuple(t.shape) == tuple(shape), ValueError,
               lambda: f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def is_int(v) -> bool:
+    """Whether ``v`` is an integer as DeepEP's bindings take one (a Python or numpy integer, not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_sl_idx(owner: str, sl_idx) -> None:
+    """``sl_idx`` as DeepEP's binding takes it (``Optional[int]``), though it has no meaning on CPU ranks.
+
+    Raises:
+        TypeError: anything else, naming ``owner``.
+    """
+    if sl_idx is not None and not is_int(sl_idx):
+        raise TypeError(f"{owner}: sl_idx must be None or an int (DeepEP's RDMA service level), got "
+                        f"{type(sl_idx).__name__}")
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:

@@ -20,6 +20,7 @@ import torch
 from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
+from .arguments import check_sl_idx
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode
@@ -38,13 +39,35 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def _pack_tensors(*items):
+def _pack_tensors(op: str, names: tuple, *items):
     """DeepEP's batching: a tensor or a sequence of tensors (``None``: an empty list). Returns ``(is_packed,
-    *lists)``, ``is_packed`` when the first item is a single tensor (the result is then one tensor too)."""
+    *lists)``, ``is_packed`` when the first item is a single tensor (the result is then one tensor too).
+
+    Raises:
+        TypeError: an item (named by ``names``) neither a tensor, a sequence nor None.
+    """
     is_packed = isinstance(items[0], torch.Tensor)
-    lists = tuple([] if item is None else [item] if isinstance(item, torch.Tensor) else list(item)
-                  for item in items)
+    lists = []
+    for name, item in zip(names, items):
+        if item is None or isinstance(item, torch.Tensor):
+            lists.append([] if item is None else [item])
+        elif isinstance(item, (list, tuple)):
+            lists.append(list(item))
+        else:
+            raise TypeError(f"BucketBuffer.{op}: {name} must be a tensor or a list or tuple of tensors, got "
+                            f"{type(item).__name__}")
     return is_packed, *lists
+
+
+def _check_apart(op: str, what: str, spans) -> None:
+    """Refuse byte ranges ``(i, begin, end)`` of the storage that overlap: a batched call whose tensors share
+    bytes would read what it already wrote (DeepEP does not check; the sums would be silently wrong)."""
+    spans = sorted((b, e, i) for i, b, e in spans if e > b)
+    for (b0, e0, i0), (b1, _, i1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            first, second = sorted((i0, i1))
+            raise ValueError(f"BucketBuffer.{op}: {what}[{first}] and {what}[{second}] share bytes of the storage "
+                             f"([{b0}, {e0}) and [{b1}, ...)); each tensor of a batched call needs its own bytes")
 
 
 class BucketSession:
@@ -88,9 +111,12 @@ class BucketSession:
         return method
 
     def _allocate(self, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        self.buffer._check_alive("session allocate")
+        if num_bytes <= 0:
+            raise ValueError(f"BucketBuffer session: allocate needs a positive size, got {num_bytes} bytes")
         offset = self.num_allocated_bytes
         end = offset + _align(num_bytes, self.alignment)
-        if num_bytes <= 0 or end > self.buffer.num_bytes:
+        if end > self.buffer.num_bytes:
             raise RuntimeError(f"BucketBuffer session: out of storage: {num_bytes} more bytes requested at offset "
                                f"{offset}, the storage has {self.buffer.num_bytes}")
         self.num_allocated_bytes = end
@@ -112,7 +138,8 @@ class BucketSession:
         Returns:
             the tensor(s), views of the storage (uninitialised).
         Raises:
-            RuntimeError: the storage is exhausted. ValueError: another group than the session's.
+            RuntimeError: the storage is exhausted, or the buffer was destroyed. ValueError: another group than
+                the session's, or an empty shape.
         """
         self._check_group(group)
         batched = isinstance(shapes[0], (tuple, list, torch.Size))
@@ -129,7 +156,7 @@ class BucketSession:
             ctx = self._check_group(bound.get("group"))
             n, r = len(buffer._contexts[ctx]), buffer._contexts[ctx].index(buffer.rank_idx)
             shards = {"all_gather": (n, 1), "reduce_scatter": (1, n), "all_reduce": (1, 1)}[name]
-            is_packed, srcs, dsts = _pack_tensors(bound.pop("srcs"), bound.pop("dsts", None))
+            is_packed, srcs, dsts = _pack_tensors(name, ("srcs", "dsts"), bound.pop("srcs"), bound.pop("dsts", None))
             has_dsts = bool(dsts)
             if not has_dsts:
                 dsts = srcs
@@ -144,6 +171,9 @@ class BucketSession:
                     raise ValueError(f"BucketBuffer.{name}: dst must be contiguous, of src's dtype and hold "
                                      f"{shards[0]}x src's bytes, got src {src.dtype} {tuple(src.shape)}, dst "
                                      f"{dst.dtype} {tuple(dst.shape)} (contiguous={dst.is_contiguous()})")
+                if src.numel() % shards[1]:
+                    raise ValueError(f"BucketBuffer.{name}: src has {src.numel()} elements, not a multiple of the "
+                                     f"group's {shards[1]} ranks")
                 src_off = buffer._offset_of(src)
                 dst_off = buffer._offset_of(dst) if has_dsts else None
                 nbytes = src.nbytes * shards[0]
@@ -243,7 +273,13 @@ class BucketBuffer(BufferBase):
         plan = allocation_plan_or_num_bytes if isinstance(allocation_plan_or_num_bytes, BufferAllocator) else None
         num_bytes = plan.num_bytes if plan is not None else allocation_plan_or_num_bytes
         error = None
-        if plan is not None and plan.materialized:
+        try:
+            check_sl_idx("BucketBuffer", sl_idx)
+        except TypeError as exc:
+            error = exc
+        if error is not None:
+            pass
+        elif plan is not None and plan.materialized:
             error = ValueError("BucketBuffer: allocation_plan_or_num_bytes is a BufferAllocator already materialized")
         elif isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes <= 0:
             error = ValueError(f"BucketBuffer: allocation_plan_or_num_bytes must be a BufferAllocator or a positive "
@@ -504,9 +540,14 @@ class BucketBuffer(BufferBase):
                 or count, ranks disagreeing on offsets, sizes or dtypes, a bad ``num_sms`` or group.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
         """
-        is_packed, srcs, dsts = _pack_tensors(srcs, dsts)
+        try:
+            is_packed, srcs, dsts, unpacked = *_pack_tensors("all_gather", ("srcs", "dsts"), srcs, dsts), None
+        except TypeError as exc:  # refused in check, on every rank
+            is_packed, srcs, dsts, unpacked = False, [], [], exc
 
         def check(ctx):
+            if unpacked is not None:
+                raise unpacked
             members = self._contexts[ctx]
             n, r = len(members), members.index(self.rank_idx)
             if not srcs or (dsts and len(dsts) != len(srcs)):
@@ -530,8 +571,13 @@ class BucketBuffer(BufferBase):
                 if src.dtype.itemsize and base % src.dtype.itemsize:
                     raise ValueError(f"BucketBuffer.all_gather: the gathered tensor's offset {base} is not a "
                                      f"multiple of {src.dtype}'s size")
+                if dsts and dsts[i].dtype != src.dtype:
+                    raise ValueError(f"BucketBuffer.all_gather: dsts[{i}] must have srcs[{i}]'s dtype {src.dtype}, got "
+                                     f"{dsts[i].dtype}")
                 plan.append((src, base, src.nbytes))
                 signature.append((base, src.nbytes, str(src.dtype)))
+            _check_apart("all_gather", "dsts" if dsts else "srcs",
+                         [(i, base, base + n * nbytes) for i, (_, base, nbytes) in enumerate(plan)])
             return plan, (bool(dsts), tuple(signature))
 
         ctx, plan = self._validate("all_gather", group, num_sms, check)
@@ -573,6 +619,7 @@ class BucketBuffer(BufferBase):
                                  f"group's {n} ranks")
             plan.append((src, off))
             signature.append((off, src.numel()))
+        _check_apart(op, "srcs", [(i, off, off + src.nbytes) for i, (src, off) in enumerate(plan)])
         return plan, tuple(signature)
 
     def reduce_scatter(self, srcs, comm_precision: str = "fp32", scale: float = 1.0, group=None,
@@ -602,9 +649,14 @@ class BucketBuffer(BufferBase):
                 ranks disagreeing on any of them.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
         """
-        is_packed, srcs = _pack_tensors(srcs)
+        try:
+            is_packed, srcs, unpacked = *_pack_tensors("reduce_scatter", ("srcs",), srcs), None
+        except TypeError as exc:  # refused in check, on every rank
+            is_packed, srcs, unpacked = False, [], exc
 
         def check(ctx):
+            if unpacked is not None:
+                raise unpacked
             if comm_precision not in _PRECISIONS:
                 raise ValueError(f"BucketBuffer.reduce_scatter: comm_precision must be one of {_PRECISIONS}, "
                                  f"got {comm_precision!r}")
@@ -654,9 +706,14 @@ class BucketBuffer(BufferBase):
         Raises:
             as :meth:`reduce_scatter` (any element count is accepted).
         """
-        is_packed, srcs = _pack_tensors(srcs)
+        try:
+            is_packed, srcs, unpacked = *_pack_tensors("all_reduce", ("srcs",), srcs), None
+        except TypeError as exc:  # refused in check, on every rank
+            is_packed, srcs, unpacked = False, [], exc
 
         def check(ctx):
+            if unpacked is not None:
+                raise unpacked
             plan, signature = self._reduce_checks("all_reduce", srcs, scale, ctx, shard=False)
             return plan, (_scale_key(scale), signature)
 

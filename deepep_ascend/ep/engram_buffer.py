@@ -19,6 +19,7 @@ import torch
 from .. import settings
 from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
+from .arguments import check_sl_idx, is_int
 from .event import Worker
 from .group import check_agreed, mpi_comm_of
 from .memory import outside_inference_mode
@@ -50,8 +51,21 @@ def _digest(tables) -> str | None:
     return h.hexdigest()
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+def _config_problem(op: str, num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token, dtype,
+                    num_sf_packs) -> Exception | None:
+    """What is wrong with a configuration's values (``set_config``'s, ``get_storage_size_hint``'s), or None."""
+    entries = list(num_entries_per_layer) if isinstance(num_entries_per_layer, (list, tuple)) else None
+    if not entries or not all(is_int(n) and n > 0 for n in entries):
+        return ValueError(f"EngramBuffer.{op}: num_entries_per_layer must be a non-empty list of positive ints, got "
+                          f"{num_entries_per_layer!r}")
+    if not all(is_int(v) and v > 0 for v in (hidden, num_max_tokens, num_entries_per_token)):
+        return ValueError(f"EngramBuffer.{op}: hidden, num_max_tokens and num_entries_per_token must be positive "
+                          f"ints, got {hidden!r}, {num_max_tokens!r}, {num_entries_per_token!r}")
+    if dtype not in _DTYPES:
+        return TypeError(f"EngramBuffer.{op}: dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {dtype!r}")
+    if not is_int(num_sf_packs) or num_sf_packs < 0:
+        return ValueError(f"EngramBuffer.{op}: num_sf_packs must be a non-negative int, got {num_sf_packs!r}")
+    return None
 
 
 def _accept_legacy_storage_size(init):
@@ -141,14 +155,18 @@ class EngramBuffer(BufferBase):
         self.restrict_rd_atomic, self.sl_idx, self.qp_depth = bool(restrict_rd_atomic), sl_idx, qp_depth
         self.num_allocated_qps = num_allocated_qps
         error = None
+        try:
+            check_sl_idx("EngramBuffer", sl_idx)
+        except TypeError as exc:
+            error = exc
         for name, value in (("num_gpu_bytes", num_gpu_bytes), ("num_rdma_storage_bytes", num_rdma_storage_bytes)):
-            if error is None and (not _is_int(value) or value < 0):
+            if error is None and (not is_int(value) or value < 0):
                 error = ValueError(f"EngramBuffer: {name} must be a non-negative int (bytes), got {value!r}")
-        if error is None and not (_is_int(num_allocated_qps) and num_allocated_qps > 0 and _is_int(qp_depth)
+        if error is None and not (is_int(num_allocated_qps) and num_allocated_qps > 0 and is_int(qp_depth)
                                   and qp_depth > 0):
             error = AssertionError("pass `num_allocated_qps` and `qp_depth` from `get_theoretical_config` "
                                    f"(got {num_allocated_qps!r}, {qp_depth!r})")
-        if error is None and not ((_is_int(num_gpu_timeout_secs) or isinstance(num_gpu_timeout_secs, float))
+        if error is None and not ((is_int(num_gpu_timeout_secs) or isinstance(num_gpu_timeout_secs, float))
                                   and num_gpu_timeout_secs > 0):
             error = ValueError(f"EngramBuffer: num_gpu_timeout_secs must be a positive number of seconds, "
                                f"got {num_gpu_timeout_secs!r}")
@@ -195,13 +213,20 @@ class EngramBuffer(BufferBase):
         nodes, per_node = self.get_physical_domain_size()
         return (nodes, per_node) if self.allow_hybrid_mode else (1, nodes * per_node)
 
-    def barrier(self) -> None:
-        """Collective: returns once every rank called it and every fetch this rank issued finished.
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+                context_idx: int | None = None) -> None:
+        """Collective: returns once every rank called it and every fetch this rank issued finished; mirrors
+        ``deep_ep.EngramBuffer.barrier`` (DeepEP's ``comm.barrier``). ``wait_comm_stream``, ``with_cpu_sync`` and
+        ``sequential`` are accepted (the barrier always waits for the fetches, on the CPU); ``context_idx`` is
+        None or 0 (the buffer's one group).
 
         Raises:
-            RuntimeError: the buffer was destroyed. TimeoutError: a rank did not arrive in time.
+            RuntimeError: the buffer was destroyed. ValueError: another ``context_idx``. TimeoutError: a rank
+                did not arrive in time.
         """
         self._usable("barrier")
+        if context_idx is not None and (not is_int(context_idx) or context_idx != 0):
+            raise ValueError(f"EngramBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
         self._worker.drain()
         self.runtime.barrier(Team.WORLD, phase="EngramBuffer.barrier")
 
@@ -274,6 +299,10 @@ class EngramBuffer(BufferBase):
                 :meth:`set_config`. Default as the constructor's (``$DEEPEP_ASCEND_RANKS_PER_NODE``, else the
                 shared-memory domain).
         """
+        error = _config_problem("get_storage_size_hint", num_entries_per_layer, hidden, num_max_tokens,
+                                num_entries_per_token, dtype, num_sf_packs)
+        if error is not None:
+            raise error
         comm = mpi_comm_of(group, None)
         nodes = Topology.from_comm(comm, ranks_per_node).num_nodes
         recv, sf, storage = _layout_bytes(list(num_entries_per_layer), hidden, dtype.itemsize, num_max_tokens,
@@ -327,21 +356,10 @@ class EngramBuffer(BufferBase):
         """
         self._usable("set_config")
         self._worker.drain()
-        error = None
         entries = list(num_entries_per_layer) if isinstance(num_entries_per_layer, (list, tuple)) else None
-        if not entries or not all(_is_int(n) and n > 0 for n in entries):
-            error = ValueError(f"EngramBuffer.set_config: num_entries_per_layer must be a non-empty list of positive "
-                               f"ints, got {num_entries_per_layer!r}")
-        elif not all(_is_int(v) and v > 0 for v in (hidden, num_max_tokens, num_entries_per_token)):
-            error = ValueError(f"EngramBuffer.set_config: hidden, num_max_tokens and num_entries_per_token must be "
-                               f"positive ints, got {hidden!r}, {num_max_tokens!r}, {num_entries_per_token!r}")
-        elif dtype not in _DTYPES:
-            error = TypeError(f"EngramBuffer.set_config: dtype must be torch.bfloat16 or torch.float8_e4m3fn, "
-                              f"got {dtype!r}")
-        elif not _is_int(num_sf_packs) or num_sf_packs < 0:
-            error = ValueError(f"EngramBuffer.set_config: num_sf_packs must be a non-negative int, "
-                               f"got {num_sf_packs!r}")
-        else:
+        error = _config_problem("set_config", num_entries_per_layer, hidden, num_max_tokens, num_entries_per_token,
+                                dtype, num_sf_packs)
+        if error is None:
             recv, sf, storage = _layout_bytes(entries, hidden, dtype.itemsize, num_max_tokens, num_entries_per_token,
                                               num_sf_packs, self._topo.num_nodes)
             sf = _align(sf, get_num_allocation_alignment()) if num_sf_packs else 0
@@ -443,6 +461,9 @@ class EngramBuffer(BufferBase):
             raise RuntimeError("EngramBuffer.fetch: call set_config and write first")
         if cfg.num_sf_packs and self._sf_dtype is None:
             raise RuntimeError("EngramBuffer.fetch: num_sf_packs > 0 but no scales were written (write(storages, sfs))")
+        if not is_int(num_qps) or num_qps < 0:
+            raise ValueError(f"EngramBuffer.fetch: num_qps must be a non-negative int (0: all allocated), got "
+                             f"{num_qps!r}")
         num_qps = self.num_allocated_qps if num_qps == 0 else num_qps
         assert num_qps <= self.num_allocated_qps, "Allocated QPs are not enough"
         L = len(cfg.num_entries_per_layer)
@@ -562,6 +583,11 @@ class EngramBuffer(BufferBase):
 
     def get_traffic(self) -> dict[str, int]:
         """Bytes this rank's fetches read per channel kind (``SELF``, ``UBMEM``, ``URMA``) since construction
-        (not in DeepEP; the benchmark reports it)."""
+        (not in DeepEP; the benchmark reports it).
+
+        Raises:
+            RuntimeError: the buffer was destroyed.
+        """
+        self._usable("get_traffic")
         fetched = self.runtime.stats.bytes_fetched
         return {kind.name: int(fetched[int(kind)].sum()) for kind in ChannelKind}

@@ -18,7 +18,7 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_tensor, check_writable
+from .arguments import check, check_sl_idx, check_tensor, check_writable
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -161,6 +161,11 @@ class EPBuffer(BufferBase):
                                f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
         elif plan is not None and plan.materialized:
             error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
+        if error is None:
+            try:
+                check_sl_idx(type(self).__name__, sl_idx)
+            except TypeError as exc:
+                error = exc
         error = self._constructor_problem() or error  # a subclass's own argument first
         if num_cpu_timeout_secs is not None:
             timeout = float(num_cpu_timeout_secs)

@@ -18,6 +18,7 @@ import torch
 
 from ..transports import ChannelKind, create_transport
 from .allocator import BufferBase
+from .arguments import check_sl_idx, is_int
 from .event import EventHandle, EventOverlap, Worker
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode
@@ -80,8 +81,14 @@ class PPBuffer(BufferBase):
         error = None
         for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
                             ("num_max_inflight_tensors", num_max_inflight_tensors)):
-            if error is None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if error is None and (not is_int(value) or value <= 0):
                 error = ValueError(f"PPBuffer: {name} must be a positive int, got {value!r}")
+        try:
+            check_sl_idx("PPBuffer", sl_idx)
+        except TypeError as exc:
+            error = error or exc
+        num_max_tensor_bytes, num_max_inflight_tensors = (int(v) if is_int(v) else v for v in (
+            num_max_tensor_bytes, num_max_inflight_tensors))
         deadline, deadline_error = resolve_deadline("PPBuffer", timeout_s, num_gpu_timeout_secs)
         error = error or deadline_error
         # agreed before the window exists: ranks asking for windows of different sizes would wait for each other
@@ -158,16 +165,19 @@ class PPBuffer(BufferBase):
             raise RuntimeError(f"PPBuffer.{op}: the buffer was destroyed")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"PPBuffer.{op}: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_conj() or x.is_neg():
+            raise ValueError(f"PPBuffer.{op}: x is a lazily conjugated or negated view ({x.dtype} {tuple(x.shape)}); "
+                             f"pass x.resolve_conj().resolve_neg() (its bytes are sent as they lie)")
         if x.device.type != "cpu" or not x.is_contiguous() or x.nbytes == 0:
             raise ValueError(f"PPBuffer.{op}: x must be a non-empty contiguous CPU tensor, got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device} (contiguous={x.is_contiguous()})")
         if x.nbytes > self.num_max_tensor_bytes:
             raise ValueError(f"PPBuffer.{op}: x has {x.nbytes} bytes ({x.dtype} {tuple(x.shape)}), more than "
                              f"num_max_tensor_bytes={self.num_max_tensor_bytes}")
-        if isinstance(peer, bool) or not isinstance(peer, int) or peer not in (self._next, self._prev):
+        if not is_int(peer) or int(peer) not in (self._next, self._prev):
             raise ValueError(f"PPBuffer.{op}: {peer_name} must be an adjacent rank in the ring of {self.num_ranks} "
                              f"(rank {self.rank_idx}: {self._prev} or {self._next}), got {peer!r}")
-        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0):
+        if num_sms is not None and (not is_int(num_sms) or num_sms <= 0):
             raise ValueError(f"PPBuffer.{op}: num_sms must be None or a positive int, got {num_sms!r}")
         return x.detach().reshape(-1).view(torch.uint8)
 

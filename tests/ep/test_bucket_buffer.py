@@ -324,6 +324,25 @@ def test_bad_input_raises_on_every_rank(buf):
         _expect_everywhere(lambda: buf.session().__enter__(), RuntimeError, "nest", "nested session")
         _expect_everywhere(lambda: buf.all_gather(torch.zeros(4), dsts=torch.zeros(4 * R + 1)), ValueError,
                            "dst must", "session dst size")
+    # srcs neither a tensor nor a sequence on one rank: a clear error there, every other rank refused too
+    for op, call in (("all_reduce", lambda v: buf.all_reduce(v)), ("reduce_scatter", lambda v: buf.reduce_scatter(v)),
+                     ("all_gather", lambda v: buf.all_gather(x[:64], dsts=v))):
+        _expect_everywhere(lambda: call(5 if r == 0 else x), TypeError if r == 0 else ValueError,
+                           "must be a tensor or a list" if r == 0 else "rank 0 refused", f"{op} of an int")
+    # tensors of one batched call sharing bytes: refused (each would read the other's partial sums)
+    _expect_everywhere(lambda: buf.all_reduce([x, x]), ValueError, "srcs[0] and srcs[1] share bytes", "aliased srcs")
+    _expect_everywhere(lambda: buf.reduce_scatter([x[:R * 32], x[R * 16:R * 48]]), ValueError, "share bytes",
+                       "overlapping srcs")
+    _expect_everywhere(lambda: buf.all_gather([torch.zeros(4), torch.zeros(4)], dsts=[x[:4 * R], x[2:2 + 4 * R]]),
+                       ValueError, "dsts[0] and dsts[1] share bytes", "overlapping dsts")
+    _expect_everywhere(lambda: buf.all_gather(torch.zeros(4, dtype=torch.float16),
+                                              dsts=x[:2 * R].view(torch.bfloat16)), ValueError, "dtype",
+                       "all_gather dsts of another dtype")
+    with buf.session() as session:
+        _expect_everywhere(lambda: session.allocate((0,)), ValueError, "positive size", "session allocate of 0")
+        if R > 1:
+            _expect_everywhere(lambda: buf.reduce_scatter(torch.ones(2 * R + 1)), ValueError, "not a multiple",
+                               "session reduce_scatter indivisible")
     x.copy_(torch.full((R * 64,), float(r)))
     out = coll(lambda: buf.all_reduce(x).wait(), what="all_reduce after the errors")
     all_ranks_ok(comm, torch.equal(out, torch.full((R * 64,), float(R * (R - 1) // 2))), "buffer after errors")

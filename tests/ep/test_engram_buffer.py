@@ -245,6 +245,11 @@ def test_size_hints_and_config_by_hand():
         ok &= EngramBuffer.get_theoretical_config(world(), 2, 524288, 24, ranks_per_node=R // nodes) == \
             (int(-(-big // (32768 * nodes)) * 1.05), 32768, True)
         all_ranks_ok(world(), ok, f"size hints and theoretical config ({nodes} node(s))")
+    for args, kind in (((ENTRIES, -1, MAX_TOKENS, PER_TOKEN), ValueError),
+                       ((ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, "bf16"), TypeError),
+                       (([], HIDDEN, MAX_TOKENS, PER_TOKEN), ValueError)):
+        _, exc = capture(lambda: EngramBuffer.get_storage_size_hint(world(), *args))
+        all_ranks_ok(world(), isinstance(exc, kind) and "get_storage_size_hint" in str(exc), f"hint {args}: {exc!r}")
 
 
 def test_size_hint_for_another_node_count_is_refused(two_nodes):
@@ -342,6 +347,8 @@ def test_constructor_and_lifetime():
                            ValueError, "num_gpu_bytes", "ranks disagreeing on num_gpu_bytes")
     _raises_everywhere(lambda: EngramBuffer(world(), -1, storage, True, 4, 1024), ValueError, "num_gpu_bytes",
                        "negative num_gpu_bytes")
+    _raises_everywhere(lambda: EngramBuffer(world(), gpu, storage, True, 4, 1024, sl_idx="x" if last else None),
+                       (TypeError, ValueError), "sl_idx", "a string sl_idx on one rank")
     # DeepEP's legacy keyword for the storage size
     buf = coll(lambda: EngramBuffer(world(), gpu, num_rdma_storage_size=storage, use_cpu_rdma_storage=True,
                                     num_allocated_qps=4, qp_depth=1024, explicitly_destroy=True), what="alias")
@@ -354,9 +361,18 @@ def test_constructor_and_lifetime():
     shards, _, tables = _tables(False, seed=71)
     coll(buf.write, shards, what="write")
     indices = _indices(72, MAX_TOKENS, PER_TOKEN)
+    for num_qps in ("2", -1):
+        _, exc = capture(lambda: buf.fetch(indices, num_qps=num_qps))
+        ok &= isinstance(exc, ValueError) and "num_qps" in str(exc)
+    _, exc = capture(lambda: buf.barrier(context_idx=1))
+    ok &= isinstance(exc, ValueError) and "context_idx" in str(exc)
     hooks = buf.fetch(indices)
-    coll(buf.barrier, what="barrier")  # waits for this rank's fetches too
+    # DeepEP's barrier arguments (comm.barrier): accepted; it waits for this rank's fetches too
+    coll(lambda: buf.barrier(wait_comm_stream=True, with_cpu_sync=True, sequential=False, context_idx=0),
+         what="barrier")
     coll(buf.destroy, what="destroy")
+    _, exc = capture(buf.get_traffic)
+    ok &= isinstance(exc, RuntimeError) and "destroyed" in str(exc)
     data, _ = _expected(tables, None, indices, False)
     got = hooks[0]()  # fetched tensors outlive the buffer
     ok &= torch.equal(got.view(torch.uint8), data[0].view(MAX_TOKENS, -1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,6 +230,7 @@ def test_bad_arguments_raise_before_anything_moves(pp, comm):
          "num_max_tensor_bytes"),
         ("recv", lambda: pp.recv(good, R + 3), ValueError, "src_rank_idx"),
         ("recv", lambda: pp.recv(torch.zeros(4, 4).t(), prev, async_finish=True), ValueError, "contiguous"),
+        ("send", lambda: pp.send(torch.zeros(2, dtype=torch.complex64).conj(), nxt), ValueError, "conjugated"),
     ]
     if R >= 4:  # a rank of the ring that is no neighbour
         cases.append(("send", lambda: pp.send(good, (r + 2) % R), ValueError, "dst_rank_idx"))
@@ -241,7 +243,8 @@ def test_bad_arguments_raise_before_anything_moves(pp, comm):
     all_ranks_ok(comm, not problems, f"bad arguments: wrong or missing errors {problems}")
     x = torch.full((8,), float(r))
     out = torch.empty(8)
-    coll(lambda: (pp.send(x, nxt), pp.recv(out, prev)), what="send/recv after the errors")
+    coll(lambda: (pp.send(x, np.int64(nxt)), pp.recv(out, np.int32(prev))), what="send/recv after the errors "
+         "(ranks as numpy integers, as DeepEP's bindings take them)")
     all_ranks_ok(comm, torch.equal(out, torch.full((8,), float(prev))), "an exchange after bad arguments differs")
 
 
@@ -254,6 +257,7 @@ def test_constructor_errors_on_every_rank(comm):
         (dict(num_max_tensor_bytes=64.0, num_max_inflight_tensors=2), "num_max_tensor_bytes"),
         (dict(num_max_tensor_bytes=64, num_max_inflight_tensors=True), "num_max_inflight_tensors"),
         (dict(num_max_tensor_bytes=64, num_max_inflight_tensors=2, timeout_s=-1.0), "timeout_s"),
+        (dict(num_max_tensor_bytes=64, num_max_inflight_tensors=2, sl_idx="x" if r == 0 else None), "sl_idx"),
     ]
     if R > 1:
         cases.append((dict(num_max_tensor_bytes=64, num_max_inflight_tensors=2 + (r == R - 1)),
@@ -263,7 +267,7 @@ def test_constructor_errors_on_every_rank(comm):
     problems = []
     for i, (kwargs, needle) in enumerate(cases):
         _, err = capture(lambda: PPBuffer(comm, **kwargs))
-        if not isinstance(err, ValueError) or needle not in str(err):
+        if not isinstance(err, (TypeError if r == 0 and "sl_idx" in kwargs else ValueError)) or needle not in str(err):
             problems.append((i, repr(err)))
     all_ranks_ok(comm, not problems, f"constructor: wrong or missing errors {problems}")
 
