@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from .. import native as _native
 from ..checks import check_storage
 from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
+from ..native.operands import write_refusal
 from ..settings import DG_COMM_KERNEL_DEBUG, MEGA_MOE_EXPERTS_PER_WAVE
 from .consensus import check_agreement, consensus
 from .experts import Experts, check_clamp, gemm_engine, swiglu_params
@@ -23,7 +25,8 @@ from .waves import experts_per_wave, wave_override, waves_buffer, waves_shm
 from .weights import check_weights, shared_bf16, untransformed
 
 
-def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, shared_l1, shared_l2, recipe, op):
+def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, fast_math, shared_l1, shared_l2,
+              recipe, op):
     """This rank's checks of a call, before anything moves: returns ``(T, shared, oai)`` with ``T = y.size(0)``,
     ``shared`` the shared experts' bf16 ``(w1, w2)`` (:func:`~.weights.shared_bf16`) or None and ``oai`` the
     activation's parameters (:func:`~.experts.swiglu_params`). Raises TypeError / ValueError naming the
@@ -36,8 +39,11 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, sha
     if sb.mma_type != want_mma:
         raise ValueError(f"{op} needs a buffer built with mma_type={want_mma!r}, this one has {sb.mma_type!r}")
     oai = swiglu_params(activation, alpha, up_bias, op)
-    if recipe is not None and tuple(recipe) != (1, 1, 32):
-        raise ValueError(f"{op}: recipe must be (1, 1, 32), got {tuple(recipe)}")
+    if kind != "bf16" and not (isinstance(recipe, (tuple, list)) and tuple(recipe) == (1, 1, 32)):
+        raise ValueError(f"{op}: recipe must be (1, 1, 32), got {recipe!r}")
+    # what DeepGEMM's binding converts to a bool (a number's truth, None as False); a string is refused there too
+    if not (fast_math is None or isinstance(fast_math, (bool, int, float, np.bool_, np.number))):
+        raise TypeError(f"{op}: fast_math must be a bool, got {type(fast_math).__name__}")
     check_clamp(clamp, op)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{op}: `y` must be a torch.Tensor, got {type(y).__name__}")
@@ -48,6 +54,9 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, sha
         raise ValueError(f"{op}: `y` must be [num_tokens, {sb.hidden}], got {tuple(y.shape)}")
     if not y.is_contiguous():
         raise ValueError(f"{op}: `y` must be contiguous")
+    why = write_refusal("`y`", y)  # what torch would refuse to write in place, found only after the data moved
+    if why:
+        raise RuntimeError(f"{op}: {why}")
     t = y.size(0)
     if t > sb.num_max_tokens_per_rank:
         raise ValueError(f"{op}: num_tokens = y.size(0) = {t} exceeds num_max_tokens_per_rank "
@@ -58,9 +67,9 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, sha
             raise TypeError(f"{op}: cumulative_local_expert_recv_stats must be an int32 tensor, got "
                             f"{getattr(stats, 'dtype', type(stats).__name__)}")
         check_storage(f"{op}: cumulative_local_expert_recv_stats", stats)
-        if tuple(stats.shape) != (sb.num_local_experts,):
-            raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be [{sb.num_local_experts}], got "
-                             f"{tuple(stats.shape)}")
+        if tuple(stats.shape) != (sb.num_local_experts,) or not stats.is_contiguous():
+            raise ValueError(f"{op}: cumulative_local_expert_recv_stats must be a contiguous [{sb.num_local_experts}] "
+                             f"tensor (DeepGEMM's check), got {tuple(stats.shape)} with strides {stats.stride()}")
         if stats.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{op}: cumulative_local_expert_recv_stats is an inference tensor (made under "
                                f"torch.inference_mode()): outside that mode the call cannot write it in place")
@@ -92,7 +101,7 @@ def _run(kind, y, l1_weights, l2_weights, sym_buffer, stats, activation, activat
     err, counts, t, shared, override, settings, oai = None, None, 0, None, None, None, None
     try:
         t, shared, oai = _validate(kind, y, l1_weights, l2_weights, sb, stats, activation, activation_alpha,
-                                   activation_up_bias, activation_clamp, shared_l1, shared_l2, recipe, op)
+                                   activation_up_bias, activation_clamp, fast_math, shared_l1, shared_l2, recipe, op)
         idx = sb.topk_idx[:t]
         valid = idx >= 0
         counts = torch.bincount(idx[valid], minlength=sb.num_experts).to(torch.int64)

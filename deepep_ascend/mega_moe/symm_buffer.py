@@ -46,8 +46,19 @@ class SymmBuffer:
         topk_idx: ``[Tmax, K]`` int64 global expert ids, -1 = masked slot.
         topk_weights: ``[Tmax, K]`` float32 (ignored where ``topk_idx`` is -1).
         l1_acts, l1_acts_sf, l2_acts, l2_acts_sf: scratch for parity (contents unspecified).
+        The views above are filled in place; assigning another tensor to one raises ``AttributeError`` (the call
+        reads the symmetric memory, not the attribute).
         last_trace: :class:`~.trace.MegaMoETrace` of the last call (``None`` before the first).
     """
+
+    #: The views over the symmetric memory: filled in place by the caller, never rebound (the call reads the memory).
+    _VIEWS = ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf")
+
+    def __setattr__(self, name, value):
+        if name in SymmBuffer._VIEWS and self.__dict__.get("_sealed"):
+            raise AttributeError(f"SymmBuffer.{name} is a view of the symmetric memory the MegaMoE call reads: fill it "
+                                 f"in place (buf.{name}[:n].copy_(t)) instead of assigning another tensor")
+        object.__setattr__(self, name, value)
 
     @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
@@ -131,6 +142,7 @@ class SymmBuffer:
         self.last_trace = None
         self._reduce_scratch = CombineScratch()  # the final sum's float32 blocks without the native kernel
         self._destroyed = False
+        self._sealed = True  # the views are fixed from now on (__setattr__)
 
     def _views(self, flat, specs, offsets, with_out=False) -> dict:
         """Name -> view of ``flat`` (bytes of one rank's views, then, shm backend, its ``out`` area ``[rows, H]``)."""
@@ -158,8 +170,8 @@ class SymmBuffer:
             self._segment.release()
             self._segment, self._peer_views = None, None
         self.buffer = torch.empty(0, dtype=torch.int8)
-        for name in ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"):
-            setattr(self, name, None)
+        for name in SymmBuffer._VIEWS:
+            object.__setattr__(self, name, None)
 
     def __repr__(self) -> str:
         return (f"SymmBuffer(rank {self.rank}/{self.num_ranks}, {self.mma_type}, E={self.num_experts}, "

@@ -80,6 +80,25 @@ def test_errors_on_every_rank(env, comm, backend):
                                                           fbuf), last, ValueError, "meta fp4 data on the last rank")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(el + 1, dtype=torch.int32)), None, ValueError,
                        "stats shape")
+    # tensors the call would write but torch would refuse to after the data moved (found by a helper: the bad rank
+    # failed after the others had agreed, which broke the buffer): refused before, on the last rank only
+    _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(1, dtype=torch.int32).expand(el)
+                                          if rank == last and el > 1 else torch.zeros(el, dtype=torch.int64)
+                                          if rank == last else None), last, (ValueError, TypeError),
+                       "expanded (or int64) stats on the last rank")
+    grad_y = torch.empty(t, h, dtype=BF16, requires_grad=True) if rank == last else y
+    _expect_everywhere(comm, lambda: call(grad_y, l1, l2, buf), last, RuntimeError, "y requiring grad on the last rank")
+    with torch.inference_mode():
+        inf_y = torch.empty(t, h, dtype=BF16)
+    _expect_everywhere(comm, lambda: call(inf_y if rank == last else y, l1, l2, buf), last, RuntimeError,
+                       "an inference-mode y on the last rank")
+    _expect_everywhere(comm, lambda: call(y, l1, l2, buf, fast_math="no" if rank == last else True), last, TypeError,
+                       "a string fast_math on the last rank")
+    _expect_everywhere(comm, lambda: dea.fp8_fp4_mega_moe(fy, f1, f2, fbuf, recipe=32), None, ValueError,
+                       "an int recipe")
+    _, exc = capture(lambda: setattr(buf, "topk_idx", buf.topk_idx.clone()))
+    all_ranks_ok(comm, isinstance(exc, AttributeError) and "fill it in place" in str(exc),
+                 f"rebinding a view: {exc!r}")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, shared_l1_weights=l1[0]), None, ValueError,
                        "shared weights without shared experts")
     # wave sizes: a bad one on the last rank, then ranks asking for different ones (every rank: ValueError)
