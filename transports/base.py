@@ -55,7 +55,7 @@ def _cpu_count() -> int:
 QUIET_BARRIER_TAG = 32_701  # point-to-point tag of quiet_barrier over a subset of ranks (MPI guarantees tags <= 32767)
 
 
-def quiet_barrier(comm, ranks=None) -> None:
+def quiet_barrier(comm, ranks=None, timeout_s: float | None = None, phase: str = "") -> None:
     """Wait until every rank of ``comm`` (or only ``ranks``, ranks of ``comm``) arrives, polling
     non-blocking MPI and sleeping as :class:`WaitPolicy` does, instead of entering a blocking
     collective at once.
@@ -70,43 +70,69 @@ def quiet_barrier(comm, ranks=None) -> None:
     test once ran past its 180 s watchdog with three ranks in ``MPI_Comm_create_group`` and the
     fourth still making its data). Called before the first collective of a construction, where
     ranks arrive furthest apart; the blocking collectives after it then find everyone there.
-    Like those collectives it has no deadline (a rank may legitimately spend minutes loading
-    data first).
+    The wait has the deadline ``timeout_s`` (:func:`resolve_timeout`: else ``$DEEPEP_ASCEND_TIMEOUT_S``);
+    a rank that spends longer loading data before a constructor needs a larger one.
+
+    Raises:
+        TransportTimeout: a rank did not arrive by the deadline (``phase`` names the step; the root of a
+            subset names the ranks that did not arrive, a whole-communicator barrier cannot).
     """
     import numpy as np
 
     n = comm.Get_size()
+    timeout = resolve_timeout(timeout_s)
     if ranks is None:
-        quiet_wait([comm.Ibarrier()], n)
+        quiet_wait([comm.Ibarrier()], n, timeout, phase, comm.Get_rank())
         return
     ranks, me, empty = list(ranks), comm.Get_rank(), np.empty(0, dtype=np.uint8)
     root, others = ranks[0], ranks[1:]
     if me == root:
-        quiet_wait([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others], n)
-        quiet_wait([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others], n)
+        quiet_wait([comm.Irecv(empty, source=r, tag=QUIET_BARRIER_TAG) for r in others], n, timeout, phase, me,
+                   others)
+        quiet_wait([comm.Isend(empty, dest=r, tag=QUIET_BARRIER_TAG) for r in others], n, timeout, phase, me, others)
     else:
-        quiet_wait([comm.Isend(empty, dest=root, tag=QUIET_BARRIER_TAG)], n)
-        quiet_wait([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)], n)
+        quiet_wait([comm.Isend(empty, dest=root, tag=QUIET_BARRIER_TAG)], n, timeout, phase, me, [root])
+        quiet_wait([comm.Irecv(empty, source=root, tag=QUIET_BARRIER_TAG)], n, timeout, phase, me, [root])
 
 
-def quiet_wait(requests, local_ranks: int) -> None:
+def quiet_wait(requests, local_ranks: int, timeout_s: float | None = None, phase: str = "", rank: int = -1,
+               peers=None) -> None:
     """Complete the MPI ``requests`` by polling ``MPI_Testall`` and pausing between polls as
     :class:`WaitPolicy` does for ``local_ranks`` ranks on this host (sleeping when they outnumber the
-    cores), instead of a blocking wait that spins in ``sched_yield``. No deadline."""
+    cores), instead of a blocking wait that spins in ``sched_yield``.
+
+    Args:
+        timeout_s: the deadline in seconds (None: none; the library's callers pass one). phase, rank: named in
+            the error. peers: the ranks request ``i`` waits for (``peers[i]``), or None (a collective).
+    Raises:
+        TransportTimeout: a request is incomplete at the deadline (the pending ranks named where ``peers``
+            says which).
+    """
     from mpi4py import MPI
 
+    from .errors import TransportTimeout
+
     pauses = WaitPolicy(local_ranks=local_ranks).pauses()
+    start = time.monotonic()
     while not MPI.Request.Testall(requests):
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            pending = [] if peers is None else [p for p, r in zip(peers, requests) if not r.Test()]
+            raise TransportTimeout("collective", rank, pending, time.monotonic() - start, phase=phase)
         pause = next(pauses)
         if pause:
             time.sleep(pause)
 
 
-def quiet_allgather_object(comm, obj) -> list:
+def quiet_allgather_object(comm, obj, timeout_s: float | None = None, phase: str = "") -> list:
     """Every rank's picklable ``obj`` in rank order (:func:`allgather_object`), waiting with :func:`quiet_wait`:
-    for collective constructors, before any transport (and its deadline) exists. No deadline, like
-    :func:`quiet_barrier`."""
-    return allgather_object(comm, obj, lambda req: quiet_wait([req], comm.Get_size()))
+    for collective constructors, before any transport exists, with the deadline ``timeout_s``
+    (:func:`resolve_timeout`).
+
+    Raises:
+        TransportTimeout: a rank did not take part by the deadline (``phase`` names the step).
+    """
+    timeout, me = resolve_timeout(timeout_s), comm.Get_rank()
+    return allgather_object(comm, obj, lambda req: quiet_wait([req], comm.Get_size(), timeout, phase, me))
 
 
 def allgatherv_bytes(comm, data, counts: list, wait) -> list:

@@ -290,7 +290,8 @@ class Transport:
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
         self.timeout_s = resolve_timeout(timeout_s)
         emulator = emulator_from_env()  # None unless $DEEPEP_ASCEND_LINK_EMULATION asks (checked before any MPI call)
-        quiet_barrier(comm)  # ranks arrive unevenly; the blocking collectives below would spin meanwhile
+        # ranks arrive unevenly; the blocking collectives below would spin meanwhile
+        quiet_barrier(comm, timeout_s=self.timeout_s, phase="creating a transport (every rank of the group)")
         self.comm = comm.Dup()
         try:
             self.topology = Topology.from_comm(self.comm, ranks_per_node)
@@ -404,6 +405,7 @@ class Transport:
             as :meth:`destroy`.
         """
         departed = self.exit_departed() if self.exit_departed is not None else None
+        self._at_exit = True  # a timeout's abort then says the program ended, not that destroy() was called
         self.destroy(force=True, timeout_s=5.0, departed=departed)
 
     def destroy(self, force: bool = False, timeout_s: float | None = None, departed=None) -> None:
@@ -461,12 +463,18 @@ class Transport:
                     self._abandon()
                     return
                 # A peer that comes later must not free collectively against our abandoned request.
-                self.abort("gave up waiting for the peers in destroy()")
+                at_exit = getattr(self, "_at_exit", False)
+                self.abort("its program ended without destroying this transport, and the peers did not reach the "
+                           "teardown at exit (a rank raised or exited while others were in a call?)" if at_exit else
+                           "gave up waiting for the peers in destroy()")
                 self.state = State.CLOSED
                 _LIVE.discard(self)
-                raise TransportTimeout("destroy", self.topology.rank, ["(unknown: a peer never called destroy)"],
+                others = [p for p in range(self.topology.world_size) if p != self.topology.rank]
+                raise TransportTimeout("destroy", self.topology.rank, others,
                                        time.monotonic() - deadline
-                                       + (self.timeout_s if timeout_s is None else timeout_s))
+                                       + (self.timeout_s if timeout_s is None else timeout_s),
+                                       phase="one of these ranks never called destroy() (an MPI collective does not "
+                                             "say which)" + (", at exit" if at_exit else ""))
             time.sleep(next(pauses))
         if total[0] > 0:
             self._restore_views()
@@ -658,8 +666,21 @@ class Transport:
         """Zero-copy view of this rank's own data region (see :meth:`peer_view`)."""
         return self.peer_view(win, self.topology.rank, offset, nbytes, dtype)
 
+    def _stats_peer(self, op: str, peer) -> int:
+        """``peer`` as a rank of the world, for the traffic counters (:meth:`record_put` and its kin)."""
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) \
+                or not 0 <= peer < self.topology.world_size:
+            raise TransportArgumentError(f"rank {self.topology.rank}: {op}: peer rank {peer!r} outside "
+                                         f"[0, {self.topology.world_size})")
+        return int(peer)
+
     def record_put(self, peer: int, nbytes: int) -> None:
-        """Count ``nbytes`` stored through a view into ``peer``'s window."""
+        """Count ``nbytes`` stored through a view into ``peer``'s window.
+
+        Raises:
+            TransportArgumentError: ``peer`` not a rank of the world.
+        """
+        peer = self._stats_peer("record_put", peer)
         self.stats.record_put(self.topology.kind(self.topology.rank, peer), peer, nbytes)
 
     def set_link_emulator(self, emulator: LinkEmulator | None) -> None:
@@ -672,7 +693,12 @@ class Transport:
         self.stats.emulator = emulator
 
     def record_fetch(self, peer: int, nbytes: int) -> None:
-        """Count ``nbytes`` loaded through a view from ``peer``'s window (data moved peer → us)."""
+        """Count ``nbytes`` loaded through a view from ``peer``'s window (data moved peer → us).
+
+        Raises:
+            TransportArgumentError: ``peer`` not a rank of the world.
+        """
+        peer = self._stats_peer("record_fetch", peer)
         self.stats.record_fetch(self.topology.kind(self.topology.rank, peer), peer, nbytes)
 
     def _urma(self, fn, *args):
@@ -923,7 +949,13 @@ class Transport:
         return win._ctl[self.topology.rank].ctypes.data + win.slot_disp(slot, 0)
 
     def record_signal(self, peer: int) -> None:
-        """Count one signal stored at :meth:`signal_address` of ``peer``."""
+        """Count one signal stored at :meth:`signal_address` of ``peer``.
+
+        Raises:
+            TransportClosed: the transport was destroyed. TransportArgumentError: ``peer`` not a rank of the world.
+        """
+        self._check_open("record_signal")
+        peer = self._stats_peer("record_signal", peer)
         self.stats.record_signal(self.topology.kind(self.topology.rank, peer), peer)
 
     def put_with_signal(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor,

@@ -15,12 +15,13 @@ import inspect
 import math
 import time
 
+import numpy as np
 import torch
 
 from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check_sl_idx
+from .arguments import check_sl_idx, is_int
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode
@@ -289,7 +290,7 @@ class BucketBuffer(BufferBase):
         # agreed before the window exists: ranks asking for windows of different sizes would wait for each other
         check_agreed(comm, "BucketBuffer", {
             "num_groups": len(groups), "num_bytes": num_bytes, "explicitly_destroy": bool(explicitly_destroy),
-            "deadline": deadline}, error)
+            "deadline": deadline}, error, None if deadline_error else deadline)
         # every further group: its members as ranks of the first group's (each must be one of them)
         self._contexts, self._comms, error = [list(range(self.num_ranks))], [None], None
         try:
@@ -471,7 +472,7 @@ class BucketBuffer(BufferBase):
         try:
             self._check_alive(op)
             ctx = self.get_context_idx(group)
-            if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0):
+            if num_sms is not None and (not is_int(num_sms) or num_sms < 0):
                 raise ValueError(f"BucketBuffer.{op}: num_sms must be None or a non-negative int, got {num_sms!r}")
             if op == "all_gather" and num_sms not in (None, 0):
                 raise ValueError(f"BucketBuffer.all_gather: num_sms must be 0 or None (copy-engine driven), "
@@ -578,6 +579,16 @@ class BucketBuffer(BufferBase):
                 signature.append((base, src.nbytes, str(src.dtype)))
             _check_apart("all_gather", "dsts" if dsts else "srcs",
                          [(i, base, base + n * nbytes) for i, (_, base, nbytes) in enumerate(plan)])
+            if dsts:  # a src is its own shard of its dst, or apart from every dst (else a copy overwrites it first)
+                for i, (src, _, nbytes) in enumerate(plan):
+                    lo = src.data_ptr() - self._ptr
+                    own = plan[i][1] + r * nbytes
+                    for j, (_, base, size) in enumerate(plan):
+                        if lo == own and j == i or not (lo < base + n * size and base < lo + nbytes):
+                            continue
+                        raise ValueError(f"BucketBuffer.all_gather: srcs[{i}] shares bytes of the storage with "
+                                         f"dsts[{j}] without being its own shard {r} there; a src is that shard, or "
+                                         f"apart from every dst")
             return plan, (bool(dsts), tuple(signature))
 
         ctx, plan = self._validate("all_gather", group, num_sms, check)
@@ -606,7 +617,7 @@ class BucketBuffer(BufferBase):
         n = len(members)
         if not srcs:
             raise ValueError(f"BucketBuffer.{op}: need at least one src")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
             raise TypeError(f"BucketBuffer.{op}: scale must be a float, got {type(scale).__name__}")
         plan, signature = [], []
         for i, src in enumerate(srcs):
@@ -685,7 +696,7 @@ class BucketBuffer(BufferBase):
                 p = (r - i) % n
                 self._add_from(out, members[p], off + r * shard_bytes, dtype)
             if scale != 1.0:
-                out.mul_(scale)
+                out.mul_(float(scale))
         self._finish(ctx, "reduce_scatter", peers)
         return self._handle(outputs, is_packed, self.get_theoretical_num_sms("reduce_scatter", self.groups[ctx])
                             if num_sms is None else num_sms)
@@ -731,7 +742,7 @@ class BucketBuffer(BufferBase):
                 if hi > lo:
                     self._add_from(out, members[(r - i) % n], off + lo * 4, torch.float32)
             if scale != 1.0:
-                out.mul_(scale)
+                out.mul_(float(scale))
         self._announce(ctx, _SLOT_REDUCED, peers)
         self._await(ctx, _SLOT_REDUCED, peers, "BucketBuffer.all_reduce (peers' chunks reduced)")
         for src, off in plan:

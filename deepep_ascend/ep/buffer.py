@@ -200,7 +200,9 @@ class Buffer:
             "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
             "low_latency_mode": bool(low_latency_mode), "explicitly_destroy": bool(explicitly_destroy),
             "allow_nvlink_for_low_latency_mode": bool(allow_nvlink_for_low_latency_mode),
-            "enable_shrink": bool(enable_shrink)}, error)
+            "enable_shrink": bool(enable_shrink)}, error,
+            timeout_s if isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0
+            else None)
         self.rank = mpi_comm.Get_rank()
         self.group_size = mpi_comm.Get_size()
         self.group = group if group is not None else mpi_comm

@@ -68,6 +68,11 @@ def _config_problem(op: str, num_entries_per_layer, hidden, num_max_tokens, num_
     return None
 
 
+def _deadline(num_gpu_timeout_secs) -> float | None:
+    """The waits' deadline: DeepEP's default (100) yields to the library-wide setting; an explicit value wins."""
+    return None if num_gpu_timeout_secs == 100 and settings.TIMEOUT_S.is_set() else float(num_gpu_timeout_secs)
+
+
 def _accept_legacy_storage_size(init):
     """DeepEP's keyword alias ``num_rdma_storage_size`` of ``num_rdma_storage_bytes``."""
 
@@ -173,9 +178,8 @@ class EngramBuffer(BufferBase):
         check_agreed(comm, "EngramBuffer", {
             "num_gpu_bytes": num_gpu_bytes, "num_rdma_storage_bytes": num_rdma_storage_bytes,
             "allow_hybrid_mode": self.allow_hybrid_mode, "explicitly_destroy": bool(explicitly_destroy),
-            "num_gpu_timeout_secs": num_gpu_timeout_secs}, error)
-        # DeepEP's default deadline yields to the library-wide setting; an explicit value wins
-        timeout = None if num_gpu_timeout_secs == 100 and settings.TIMEOUT_S.is_set() else float(num_gpu_timeout_secs)
+            "num_gpu_timeout_secs": num_gpu_timeout_secs}, error, None if error else _deadline(num_gpu_timeout_secs))
+        timeout = _deadline(num_gpu_timeout_secs)
         self.runtime = create_transport(comm, ranks_per_node=ranks_per_node, timeout_s=timeout)
         tp = self.runtime
         try:
@@ -221,14 +225,15 @@ class EngramBuffer(BufferBase):
         None or 0 (the buffer's one group).
 
         Raises:
-            RuntimeError: the buffer was destroyed. ValueError: another ``context_idx``. TimeoutError: a rank
-                did not arrive in time.
+            RuntimeError: the buffer was destroyed. ValueError: another ``context_idx`` (after this rank took part
+                in the barrier, so that later barriers stay paired). TimeoutError: a rank did not arrive in time.
         """
         self._usable("barrier")
-        if context_idx is not None and (not is_int(context_idx) or context_idx != 0):
-            raise ValueError(f"EngramBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
+        bad = context_idx is not None and (not is_int(context_idx) or context_idx != 0)
         self._worker.drain()
         self.runtime.barrier(Team.WORLD, phase="EngramBuffer.barrier")
+        if bad:  # raised after taking part, so that the ranks' barriers stay paired
+            raise ValueError(f"EngramBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
 
     def get_comm_stream(self) -> Worker:
         """The worker fetches run on (the CPU analogue of DeepEP's communication stream)."""

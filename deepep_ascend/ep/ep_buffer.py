@@ -18,7 +18,7 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_sl_idx, check_tensor, check_writable
+from .arguments import check, check_sl_idx, check_tensor, check_writable, is_int
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -176,7 +176,8 @@ class EPBuffer(BufferBase):
             "num_bytes": num_bytes, "num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden,
             "num_topk": num_topk, "use_fp8_dispatch": bool(use_fp8_dispatch), "lb bytes": num_lb_bytes,
             "allow_hybrid_mode": bool(allow_hybrid_mode), "allow_multiple_reduction": bool(allow_multiple_reduction),
-            "explicitly_destroy": bool(explicitly_destroy), "num_cpu_timeout_secs": num_cpu_timeout_secs}, error)
+            "explicitly_destroy": bool(explicitly_destroy), "num_cpu_timeout_secs": num_cpu_timeout_secs}, error,
+            timeout if error is None and (timeout is None or timeout > 0) else None)
         if num_bytes is None:
             num_bytes = EPBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
                                                       use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
@@ -283,10 +284,25 @@ class EPBuffer(BufferBase):
         if self._lb_tp is not None:
             self._lb_tp.destroy()
 
-    def barrier(self) -> None:
-        """Block until every rank of the group reached it (MPI ``Barrier`` on the buffer's communicator)."""
+    def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
+                context_idx: int | None = None) -> None:
+        """Block until every rank of the group reached it; mirrors ``deep_ep.EPBuffer.barrier`` (DeepEP's
+        ``comm.barrier``). ``wait_comm_stream``, ``with_cpu_sync`` and ``sequential`` are accepted (the barrier
+        always waits for this rank's queued calls, on the CPU); ``context_idx`` is None or 0 (one group).
+
+        Raises:
+            RuntimeError: the buffer was destroyed. ValueError: another ``context_idx`` (after this rank took part
+                in the barrier, so that later barriers stay paired).
+            transports.TransportTimeout: a rank did not arrive within the deadline (naming it; the peers are
+                aborted, so a rank waiting in another call fails at once).
+        """
         self._usable("barrier")
-        self.runtime.comm.Barrier()
+        bad = context_idx is not None and (not is_int(context_idx) or context_idx != 0)
+        legacy = self._legacy
+        legacy._worker.drain()
+        legacy._guard(lambda: self.runtime.barrier(phase="EPBuffer.barrier"))
+        if bad:  # raised after taking part, so that the ranks' barriers stay paired
+            raise ValueError(f"EPBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
 
     def get_traffic(self, lifetime: bool = False) -> dict[str, int]:
         """Bytes this rank moved per channel kind (``SELF``, ``UBMEM``, ``URMA``) in its last call, or
@@ -815,7 +831,7 @@ class EPBuffer(BufferBase):
                 _PH.switch("compact")
             compact_x, compact_w = self._compact(x, topk_weights, handle)
             if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
-                meta = handle.recv_src_metadata
+                meta = handle._own_metadata()
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
             # The order of a token's rows matters only with three or more terms: a float32 sum of at most two
@@ -884,7 +900,7 @@ class EPBuffer(BufferBase):
                 state["w"] = self._compact_weights(topk_weights, handle)
                 if not per_slot:
                     state["x"] = self._compact(x, None, handle)[0]
-            meta = handle.recv_src_metadata
+            meta = handle._own_metadata()
             rows = meta.size(0)
             xj = torch.zeros(rows, x.size(1), dtype=torch.bfloat16)
             # each row straight to its place (native); torch's index_copy_ moves rows element by element

@@ -100,27 +100,53 @@ class EPHandle:
                     fill()
         return self
 
+    # DeepEP's handle has plain attributes, which its tests reassign (``handle.recv_src_metadata =
+    # handle.recv_src_metadata[:n]``): these fields read what was assigned, and the buffer's calls keep reading
+    # the dispatch's own (``_own_metadata``).
+
     @property
     def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
-        """See the class doc."""
-        return self._source_fields()._psum_per_scaleup_rank
+        """See the class doc (assignable, as DeepEP's attribute)."""
+        return self.__dict__.get("_set_psum_per_scaleup_rank", self._source_fields()._psum_per_scaleup_rank)
+
+    @psum_num_recv_tokens_per_scaleup_rank.setter
+    def psum_num_recv_tokens_per_scaleup_rank(self, value) -> None:
+        self._set_psum_per_scaleup_rank = value
 
     @property
     def psum_num_recv_tokens_per_rank(self) -> torch.Tensor:
-        """See the class doc."""
-        return self._source_fields()._psum_per_rank
+        """See the class doc (assignable, as DeepEP's attribute)."""
+        return self.__dict__.get("_set_psum_per_rank", self._source_fields()._psum_per_rank)
+
+    @psum_num_recv_tokens_per_rank.setter
+    def psum_num_recv_tokens_per_rank(self, value) -> None:
+        self._set_psum_per_rank = value
 
     @property
     def recv_src_metadata(self) -> torch.Tensor:
-        """See the class doc."""
+        """See the class doc (assignable, as DeepEP's attribute; the buffer's calls read the dispatch's own)."""
+        return self.__dict__.get("_set_recv_src_metadata", self._own_metadata())
+
+    @recv_src_metadata.setter
+    def recv_src_metadata(self, value) -> None:
+        self._set_recv_src_metadata = value
+
+    def _own_metadata(self) -> torch.Tensor:
+        """The dispatch's ``recv_src_metadata`` (what combine reads, whatever the caller assigned)."""
         return self._source_fields()._recv_src_metadata
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
-        """See the class doc (computed when first read: most callers never read it)."""
+        """See the class doc (computed when first read: most callers never read it; assignable)."""
+        if "_set_dst_buffer_slot_idx" in self.__dict__:
+            return self._set_dst_buffer_slot_idx
         if callable(self._dst_buffer_slot_idx):
             self._dst_buffer_slot_idx = self._dst_buffer_slot_idx()
         return self._dst_buffer_slot_idx
+
+    @dst_buffer_slot_idx.setter
+    def dst_buffer_slot_idx(self, value) -> None:
+        self._set_dst_buffer_slot_idx = value
 
     @property
     def _combine_order(self) -> torch.Tensor:

@@ -67,7 +67,7 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
         sub = _GROUP_COMMS.get(ranks)
         if sub is None:
             # MPI_Comm_create_group would spin while a late member is still working
-            quiet_barrier(world, ranks)
+            quiet_barrier(world, ranks, phase=f"the communicator of process group ranks {list(ranks)}")
             sub = world.Create_group(world.Get_group().Incl(list(ranks)))
             _GROUP_COMMS[ranks] = sub
         if sub.Get_rank() != group.rank():
@@ -81,7 +81,8 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
                      f"got {type(group).__name__}")
 
 
-def check_agreed(comm, owner: str, arguments: dict, error: Exception | None = None) -> None:
+def check_agreed(comm, owner: str, arguments: dict, error: Exception | None = None,
+                 timeout_s: float | None = None) -> None:
     """Collective: every rank of ``comm`` passed the same ``arguments`` (name -> value) to ``owner``'s
     constructor and none refused its own (``error``), before anything shared is allocated (ranks that
     disagree would otherwise build windows of different sizes and wait for each other).
@@ -89,9 +90,12 @@ def check_agreed(comm, owner: str, arguments: dict, error: Exception | None = No
     Raises:
         ValueError: on every rank: this rank's ``error`` itself (re-raised), or one naming each rank that
             refused its arguments and each argument the ranks disagree on, with every rank's value.
+        transports.TransportTimeout: a rank did not reach the constructor within ``timeout_s`` (None: the
+            library's deadline, ``$DEEPEP_ASCEND_TIMEOUT_S``).
     """
     values = quiet_allgather_object(comm, (None if error is None else f"{type(error).__name__}: {error}",
-                                           tuple(arguments.items())))
+                                           tuple(arguments.items())), timeout_s,
+                                    f"{owner}(): ranks agreeing on the constructor's arguments")
     if error is not None:
         raise error
     refused = [f"rank {r} refused its arguments ({v[0]})" for r, v in enumerate(values) if v[0] is not None]

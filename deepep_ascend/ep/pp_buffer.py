@@ -94,7 +94,8 @@ class PPBuffer(BufferBase):
         # agreed before the window exists: ranks asking for windows of different sizes would wait for each other
         check_agreed(comm, "PPBuffer", {
             "num_max_tensor_bytes": num_max_tensor_bytes, "num_max_inflight_tensors": num_max_inflight_tensors,
-            "explicitly_destroy": bool(explicitly_destroy), "deadline": deadline}, error)
+            "explicitly_destroy": bool(explicitly_destroy), "deadline": deadline}, error,
+            None if deadline_error else deadline)
         self.num_max_tensor_bytes = num_max_tensor_bytes
         self.num_max_inflight_tensors = num_max_inflight_tensors
         self.num_slot_bytes = _align(num_max_tensor_bytes, _SLOT_ALIGNMENT)

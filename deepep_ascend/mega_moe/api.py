@@ -25,6 +25,17 @@ from .waves import experts_per_wave, wave_override, waves_buffer, waves_shm
 from .weights import check_weights, shared_bf16, untransformed
 
 
+def _as_triple(recipe) -> tuple | None:
+    """``recipe`` as a tuple of three ints (any sequence of integers: tuple, list, numpy array, torch.Size), or None."""
+    try:
+        values = tuple(recipe)
+    except TypeError:
+        return None
+    ok = len(values) == 3 and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+                                  for v in values)
+    return tuple(int(v) for v in values) if ok else None
+
+
 def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, fast_math, shared_l1, shared_l2,
               recipe, op):
     """This rank's checks of a call, before anything moves: returns ``(T, shared, oai)`` with ``T = y.size(0)``,
@@ -39,7 +50,7 @@ def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, fas
     if sb.mma_type != want_mma:
         raise ValueError(f"{op} needs a buffer built with mma_type={want_mma!r}, this one has {sb.mma_type!r}")
     oai = swiglu_params(activation, alpha, up_bias, op)
-    if kind != "bf16" and not (isinstance(recipe, (tuple, list)) and tuple(recipe) == (1, 1, 32)):
+    if kind != "bf16" and _as_triple(recipe) != (1, 1, 32):
         raise ValueError(f"{op}: recipe must be (1, 1, 32), got {recipe!r}")
     # what DeepGEMM's binding converts to a bool (a number's truth, None as False); a string is refused there too
     if not (fast_math is None or isinstance(fast_math, (bool, int, float, np.bool_, np.number))):

@@ -55,10 +55,17 @@ class SymmBuffer:
     _VIEWS = ("x", "x_sf", "topk_idx", "topk_weights", "l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf")
 
     def __setattr__(self, name, value):
-        if name in SymmBuffer._VIEWS and self.__dict__.get("_sealed"):
+        # (the same view again is what an in-place augmented assignment, buf.x *= 2, stores)
+        if name in SymmBuffer._VIEWS and self.__dict__.get("_sealed") and value is not self.__dict__.get(name):
             raise AttributeError(f"SymmBuffer.{name} is a view of the symmetric memory the MegaMoE call reads: fill it "
                                  f"in place (buf.{name}[:n].copy_(t)) instead of assigning another tensor")
         object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if name in SymmBuffer._VIEWS and self.__dict__.get("_sealed"):
+            raise AttributeError(f"SymmBuffer.{name} is a view of the symmetric memory the MegaMoE call reads; it "
+                                 f"cannot be deleted")
+        object.__delattr__(self, name)
 
     @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
     def __init__(self, group, comm, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
@@ -262,7 +269,8 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     mine = None if err is not None else {k: v if v is None or isinstance(v, str) else int(v) for k, v in args.items()}
     if mine is not None:
         mine["num_max_tokens_per_rank"] = align(max(1, num_max_tokens_per_rank), _TOKEN_ALIGN)
-    gathered = quiet_allgather_object(comm, (None if err is None else str(err), mine))
+    gathered = quiet_allgather_object(comm, (None if err is None else str(err), mine), timeout_s,
+                                      "get_symm_buffer_for_mega_moe: ranks agreeing on its arguments")
     if err is not None:
         raise err
     check_agreement(comm.Get_rank(), "get_symm_buffer_for_mega_moe", gathered)

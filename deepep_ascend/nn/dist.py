@@ -68,7 +68,8 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 600.0, comm=None,
             raise RuntimeError(f"init_distributed: torch.distributed is initialised with rank/size "
                                f"{tdist.get_rank()}/{tdist.get_world_size()}, MPI has {rank}/{size}")
         return rank, size
-    quiet_barrier(comm)  # the first collective: ranks that arrive early must not spin (transports.quiet_barrier)
+    # the first collective: ranks that arrive early must not spin (transports.quiet_barrier)
+    quiet_barrier(comm, phase="init_distributed (every rank)")
     hosts = comm.allgather(socket.gethostname())
     one_host = len(set(hosts)) == 1 and master_addr is None
     port = None

@@ -11,6 +11,7 @@ Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_bucket_buffer.p
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,7 +327,7 @@ def test_bad_input_raises_on_every_rank(buf):
                            "dst must", "session dst size")
     # srcs neither a tensor nor a sequence on one rank: a clear error there, every other rank refused too
     for op, call in (("all_reduce", lambda v: buf.all_reduce(v)), ("reduce_scatter", lambda v: buf.reduce_scatter(v)),
-                     ("all_gather", lambda v: buf.all_gather(x[:64], dsts=v))):
+                     ("all_gather", lambda v: buf.all_gather(torch.zeros(64), dsts=v))):
         _expect_everywhere(lambda: call(5 if r == 0 else x), TypeError if r == 0 else ValueError,
                            "must be a tensor or a list" if r == 0 else "rank 0 refused", f"{op} of an int")
     # tensors of one batched call sharing bytes: refused (each would read the other's partial sums)
@@ -338,6 +339,18 @@ def test_bad_input_raises_on_every_rank(buf):
     _expect_everywhere(lambda: buf.all_gather(torch.zeros(4, dtype=torch.float16),
                                               dsts=x[:2 * R].view(torch.bfloat16)), ValueError, "dtype",
                        "all_gather dsts of another dtype")
+    # a src inside another src's dst (it would be overwritten before it is read), or over part of its own dst
+    d0, d1 = x[:2 * R], x[2 * R:4 * R]
+    _expect_everywhere(lambda: buf.all_gather([torch.zeros(2), d0[2 * r:2 * r + 2]], dsts=[d0, d1]), ValueError,
+                       "srcs[1] shares bytes of the storage with dsts[0]", "a src inside another src's dst")
+    if R > 1:
+        _expect_everywhere(lambda: buf.all_gather(d0[1:3] if r == 0 else torch.zeros(2), dsts=d0),
+                           ValueError, "shares bytes" if r == 0 else "refused", "a src over part of its own dst")
+    own = d0[2 * r:2 * r + 2]  # a src that is its own shard of its dst: accepted, gathered in place
+    own.fill_(float(r))
+    got = coll(lambda: buf.all_gather(own, dsts=d0).wait(), what="all_gather of a src that is its own shard")
+    all_ranks_ok(comm, torch.equal(got, torch.arange(R).float().repeat_interleave(2)), "own shard in place")
+    coll(lambda: buf.all_reduce(x, scale=np.float32(0.5), num_sms=np.int64(0)).wait(), what="numpy scale, num_sms")
     with buf.session() as session:
         _expect_everywhere(lambda: session.allocate((0,)), ValueError, "positive size", "session allocate of 0")
         if R > 1:

@@ -20,7 +20,7 @@ from deepep_ascend import (
     get_physical_domain_size,
 )
 from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
-from tests.support.buffer_helpers import all_ranks_ok, buffer_on_nodes, capture, coll, same_bits_nan
+from tests.support.buffer_helpers import all_ranks_ok, bits, buffer_on_nodes, capture, coll, same_bits_nan
 from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots
 from tests.support.mpi_utils import gather_all, world
 
@@ -450,6 +450,28 @@ def test_handle_topk_idx_must_not_change(ep, comm):
     topk_idx.add_(0)  # an in-place change, even of no value
     with pytest.raises(AssertionError, match="must not be modified"):
         _ = handle.topk_idx
+
+
+def test_handle_fields_assignable_and_barrier_as_deepep(ep, comm):
+    """DeepEP's tests reassign handle fields (``handle.recv_src_metadata = handle.recv_src_metadata[:n]``): the
+    field reads what was assigned and a combine of the handle is unchanged. ``barrier`` takes DeepEP's arguments;
+    a bad ``context_idx`` raises after taking part, so the next barriers stay paired."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(BF16)
+    topk_idx = torch.rand(6, 4 * R, generator=torch.Generator().manual_seed(rank + 9)).topk(2, dim=1).indices
+    recv_x, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=4 * R, do_expand=True))
+    want, _, _ = coll(lambda: ep.combine(recv_x, handle))
+    full = handle.recv_src_metadata
+    handle.recv_src_metadata = full[:1]
+    handle.psum_num_recv_tokens_per_rank = None
+    got, _, _ = coll(lambda: ep.combine(recv_x, handle))
+    ok = handle.recv_src_metadata.size(0) == min(1, full.size(0)) and handle.psum_num_recv_tokens_per_rank is None
+    ok &= torch.equal(bits(got), bits(want))
+    coll(lambda: ep.barrier(wait_comm_stream=False, with_cpu_sync=True, sequential=False, context_idx=0))
+    _, exc = capture(lambda: ep.barrier(context_idx=1 if rank == 0 else None))
+    ok &= (isinstance(exc, ValueError) and "context_idx" in str(exc)) if rank == 0 else exc is None
+    coll(ep.barrier)  # still paired
+    all_ranks_ok(comm, ok, "handle fields assigned, barrier arguments")
 
 
 def test_combine_weights_masked_unless_the_dispatchs_own(ep, comm):

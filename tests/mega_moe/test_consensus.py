@@ -99,6 +99,12 @@ def test_errors_on_every_rank(env, comm, backend):
     _, exc = capture(lambda: setattr(buf, "topk_idx", buf.topk_idx.clone()))
     all_ranks_ok(comm, isinstance(exc, AttributeError) and "fill it in place" in str(exc),
                  f"rebinding a view: {exc!r}")
+    _, exc = capture(lambda: delattr(buf, "x"))
+    all_ranks_ok(comm, isinstance(exc, AttributeError) and "cannot be deleted" in str(exc), f"deleting a view: {exc!r}")
+    saved_w = buf.topk_weights.clone()
+    buf.topk_weights *= 0.5  # in place: the same view stored back
+    all_ranks_ok(comm, torch.equal(buf.topk_weights, saved_w * 0.5), "augmented assignment of a view")
+    buf.topk_weights.copy_(saved_w)
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, shared_l1_weights=l1[0]), None, ValueError,
                        "shared weights without shared experts")
     # wave sizes: a bad one on the last rank, then ranks asking for different ones (every rank: ValueError)

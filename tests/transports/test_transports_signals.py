@@ -88,7 +88,38 @@ def test_signals_by_stores_at_their_addresses(shared_tp):
         tp.signal_address(win, me, 2)
     with pytest.raises(TransportArgumentError):
         tp.signal_words_address(win, -1)
+    for bad in (-1, n, "a", True):  # the counters' peer: a rank of the world
+        for record in (tp.record_signal, lambda p: tp.record_put(p, 8), lambda p: tp.record_fetch(p, 8)):
+            with pytest.raises(TransportArgumentError):
+                record(bad)
     tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_quiet_waits_have_a_deadline(comm):
+    """The waits of collective constructors (``quiet_wait``, under ``quiet_barrier`` and ``quiet_allgather_object``)
+    have a deadline: rank 0 waits for a message rank 1 sends only after it, and gets a ``TransportTimeout`` naming
+    rank 1 and the phase; the message then completes the request."""
+    from mpi4py import MPI
+
+    from deepep_ascend.transports.base import quiet_wait
+    me = comm.Get_rank()
+    box = np.zeros(1, dtype=np.int64)
+    if me == 0:
+        req = comm.Irecv(box, source=1, tag=77)
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout) as ei:
+            quiet_wait([req], comm.Get_size(), 0.3, "a test's wait", me, [1])
+        waited = time.monotonic() - t0
+        msg = str(ei.value)
+        comm.send(None, dest=1, tag=78)  # now rank 1 may send
+        req.Wait()
+        assert 0.3 <= waited <= 0.3 + SLACK_S and box[0] == 42
+        assert "rank(s) [1]" in msg and "a test's wait" in msg, msg
+    elif me == 1:
+        comm.recv(source=0, tag=78)
+        comm.Send(np.array([42], dtype=np.int64), dest=0, tag=77)
+    MPI.COMM_WORLD.Barrier()
 
 
 @pytest.mark.mpi(min_size=1)

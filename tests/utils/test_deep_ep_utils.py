@@ -4,12 +4,25 @@ formula, and the domain sizes of the world."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import deepep_ascend
 from deepep_ascend.utils import EventHandle, EventOverlap
 from deepep_ascend.utils.envs import get_logical_domain_size, get_physical_domain_size
-from deepep_ascend.utils.math import align, calc_diff, ceil_div, per_token_cast_back, per_token_cast_to_fp8
+from deepep_ascend.utils.math import (
+    align,
+    calc_diff,
+    ceil_div,
+    count_bytes,
+    create_grouped_scores,
+    hash_tensor,
+    hash_tensors,
+    inplace_unique,
+    per_token_cast_back,
+    per_token_cast_to_fp8,
+    safe_div,
+)
 from tests.support.mpi_utils import world
 
 
@@ -50,3 +63,40 @@ def test_domain_sizes_of_the_world():
     nodes, per_node = get_physical_domain_size(comm)
     assert nodes * per_node == R
     assert get_logical_domain_size(comm, allow_hybrid_mode=False) == (1, R)
+
+
+def test_deepeps_test_helpers():
+    """The helpers DeepEP's tests import from ``deep_ep.utils.math``, against their definitions written out here."""
+    assert (safe_div(0, 0), safe_div(3, 2), safe_div(0.0, 4)) == (0, 1.5, 0.0)
+    with pytest.raises(ZeroDivisionError):
+        safe_div(1, 0)
+    t = [torch.zeros(3, 4), (torch.zeros(5, dtype=torch.int8), None)]
+    assert count_bytes(*t) == 3 * 4 * 4 + 5 and count_bytes() == 0
+    f = torch.tensor([1.0, -2.0])  # 4-byte elements: their int32 words summed
+    assert hash_tensor(f) == int(f.view(torch.int32).sum())
+    i8 = torch.tensor([[1, -1], [2, 3]], dtype=torch.int8).t()  # not contiguous, 1-byte: its bytes summed
+    assert hash_tensor(i8) == 1 + 255 + 2 + 3
+    assert hash_tensors(f, [i8, None], "x") == hash_tensor(f) ^ hash_tensor(i8)
+    x = torch.tensor([[3, 1, 3, -1], [-1, -1, -1, -1], [0, 5, 2, 5], [4, 4, 4, 4]])
+    inplace_unique(x, 6)  # each row's distinct ids in [0, 6), descending, then -1
+    assert x.tolist() == [[3, 1, -1, -1], [-1, -1, -1, -1], [5, 2, 0, -1], [4, -1, -1, -1]]
+    y = torch.tensor([[0, 1, 0, 1, -1]])
+    inplace_unique(y, 2)  # at most num_slots columns keep values
+    assert y.tolist() == [[1, 0, -1, -1, -1]]
+    scores = torch.arange(1.0, 9.0).view(1, 8)
+    assert create_grouped_scores(scores, torch.tensor([[1, 3]]), 4).tolist() == [[0, 0, 3, 4, 0, 0, 7, 8]]
+
+
+def test_cast_back_takes_the_scales_by_element_count():
+    """DeepEP's ``per_token_cast_back`` reshapes the scales by element count: a low-latency receive's UE8M0 words
+    viewed ``[-1, hidden // 128]`` (DeepEP's legacy test) decode as the same ``[M, hidden // 128]`` bytes."""
+    g = torch.Generator().manual_seed(5)
+    m, hidden = 8, 1024
+    data = (torch.randn(m, hidden, generator=g) * 4).to(torch.float8_e4m3fn)
+    exps = torch.randint(120, 130, (m, hidden // 128), generator=g, dtype=torch.uint8)
+    packed = exps.view(torch.int32)  # [m, hidden / 512]: four exponent bytes per word
+    want = per_token_cast_back(data, exps.view(m, -1).float().sub(127).exp2())
+    assert torch.equal(per_token_cast_back(data, packed.reshape(-1, hidden // 128)), want)
+    assert torch.equal(per_token_cast_back(data, packed), want)
+    with pytest.raises(ValueError, match="rows"):
+        per_token_cast_back(data, torch.ones(m * 8 + 1))
