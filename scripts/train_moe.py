@@ -119,15 +119,42 @@ def parse_args(argv=None):
     a("--resume", metavar="DIR", help="continue from a checkpoint: a step directory, or --save-dir (its latest)")
     a("--stop-at", type=int, default=None, help="stop after this step (as if interrupted; schedule still --steps)")
     a("--no-progress", action="store_true", help="no tqdm bar")
+    if ep_dist.world_comm().Get_rank():  # every rank parses alike: one usage message, not one per rank
+        p.error = lambda message: sys.exit(2)
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
         p.error("--steps, --batch >= 1 and --seq >= 2")
+    for problem in model_problems(args):
+        p.error(problem)
+    if args.save_every and not args.save_dir:
+        p.error("--save-every needs --save-dir (where the checkpoints go)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        p.error(f"--stop-at {args.stop_at} must lie in [1, --steps={args.steps}]")
+    if args.ep is not None and args.ep < 1:
+        p.error(f"--ep {args.ep} must be a positive EP group size")
     if args.resume:
         try:
             checkpoint_dir(args.resume)
         except ValueError as e:
             p.error(str(e))
     return args
+
+
+def model_problems(args) -> list[str]:
+    """What is wrong with the model's options (the gate's and attention's constraints, checked before any rank
+    builds anything), as usage messages."""
+    problems = []
+    if args.experts < 1 or not 1 <= args.topk <= args.experts:
+        problems.append(f"--topk {args.topk} must lie in [1, --experts={args.experts}]")
+    if args.n_group < 1 or args.experts % args.n_group or not 1 <= args.topk_group <= args.n_group:
+        problems.append(f"--n-group {args.n_group} must divide --experts {args.experts}, and --topk-group "
+                        f"{args.topk_group} lie in [1, --n-group]")
+    elif args.n_group > 1 and args.topk > args.topk_group * (args.experts // args.n_group):
+        problems.append(f"--topk {args.topk} exceeds the {args.topk_group * (args.experts // args.n_group)} experts "
+                        f"of --topk-group {args.topk_group} groups")
+    if args.heads < 1 or args.d_model % args.heads:
+        problems.append(f"--heads {args.heads} must divide --d-model {args.d_model}")
+    return problems
 
 
 def checkpoint_dir(path: str) -> str:
@@ -343,7 +370,10 @@ class Trainer:
         self.args = args
         self.comm = comm or ep_dist.world_comm()
         self.rank, self.world = ep_dist.init_distributed(comm=self.comm)
-        self.groups = ep_dist.build_groups(args.ep)
+        try:
+            self.groups = ep_dist.build_groups(args.ep)
+        except ValueError as exc:  # on every rank (build_groups agrees first): a usage error
+            raise SystemExit(f"--ep: {exc}") from None
         if args.experts % self.groups.ep_size:
             raise SystemExit(f"--experts {args.experts} must be a multiple of the EP size {self.groups.ep_size}")
         tokens = args.batch * args.seq

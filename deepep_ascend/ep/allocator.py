@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BufferAllocator", "BufferBase", "get_num_allocation_alignment"]
+__all__ = ["BufferAllocator", "BufferBase", "SharedOnCopy", "get_num_allocation_alignment"]
 
 _ALLOCATION_ALIGNMENT = 128  # bytes: the windows' row alignment (docs/design/transports.md)
 
@@ -79,7 +79,16 @@ class BufferAllocator:
         self.materialized = True
 
 
-class BufferBase:
+class SharedOnCopy:
+    """A buffer is this rank's handle to collective communication windows, not data: ``copy.deepcopy`` of an object
+    holding one (a model made expert-parallel, an EMA copy of it) shares the buffer instead of failing on its
+    MPI communicator."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class BufferBase(SharedOnCopy):
     """The lifetime common to DeepEP V2.5's buffers (``deep_ep.BufferBase``): ``destroy`` needs
     ``explicitly_destroy=True``; :meth:`print_memory_usage` prints what this rank holds.
 

@@ -28,6 +28,7 @@ from ..transports import (
     create_transport,
 )
 from . import low_latency as ll_mod
+from .allocator import SharedOnCopy
 from .arguments import (
     Rejected,
     check,
@@ -109,7 +110,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
 
 
-class Buffer:
+class Buffer(SharedOnCopy):
     """Expert-parallel communication buffer; mirrors ``deep_ep.Buffer`` (DeepEP 2.1.0, V1 API).
 
     Normal (high-throughput) mode: ``get_dispatch_layout``, ``dispatch`` (BF16 or FP8, with/without

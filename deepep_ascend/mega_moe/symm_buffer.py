@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from ..ep.allocator import SharedOnCopy
 from ..ep.buffer import Buffer
 from ..ep.group import mpi_comm_of
 from ..ep.memory import outside_inference_mode
@@ -24,7 +25,7 @@ _MAX_OUT_BYTES = 256 << 20  # cap of the shm backend's L2 output area per rank (
 _BACKENDS = ("shm", "buffer")
 
 
-class SymmBuffer:
+class SymmBuffer(SharedOnCopy):
     """The symmetric buffer of one rank (``deep_gemm.get_symm_buffer_for_mega_moe``'s result).
 
     Attributes:

@@ -180,6 +180,14 @@ def _refused_everywhere(buffer, op: str, *checks) -> None:
         refuse(op, exc)
 
 
+def _rows_problem(op: str, x, topk_idx) -> None:
+    """``topk_idx`` has one row per token of ``x`` (the layout the wrapper computes from it would name its own
+    ``is_token_in_rank`` instead)."""
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() >= 1 and topk_idx.size(0) != x.size(0):
+        raise ValueError(f"deepep_ascend.nn.autograd.{op}: `topk_idx` has {topk_idx.size(0)} rows, `x` has "
+                         f"{x.size(0)} tokens")
+
+
 def _cached_problem(op: str, topk_idx, topk_weights) -> None:
     if topk_idx is not None or topk_weights is not None:
         raise ValueError(f"deepep_ascend.nn.autograd.{op}: a cached dispatch (handle=...) takes "
@@ -297,7 +305,8 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weight
     _refused_everywhere(buffer, "cached_dispatch" if cached else "dispatch",
                         lambda: _check_kwargs(dispatch_kwargs, _DISPATCH_KWARGS, "dispatch"),
                         lambda: _check_bf16(x, "dispatch"),
-                        lambda: cached and _cached_problem("dispatch", topk_idx, topk_weights))
+                        lambda: cached and _cached_problem("dispatch", topk_idx, topk_weights),
+                        lambda: _rows_problem("dispatch", x, topk_idx))
     out = {}
     recv_x, recv_w = _Dispatch.apply(x, topk_weights, buffer, topk_idx, num_experts,
                                      tuple(dispatch_kwargs.items()), out)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
+from ..ep.group import check_agreed
 from ..ep.group import mpi_comm_of as _resolve
 from ..transports import quiet_barrier
 
@@ -110,13 +111,23 @@ def build_groups(ep_size: int | None = None) -> ParallelGroups:
     ``ep_size`` defaults to the world size (pure EP; the expert-DP groups then have one rank).
 
     Raises:
-        ValueError: ``ep_size`` does not divide the world size.
+        ValueError: on every rank: ``ep_size`` does not divide the world size, or the ranks passed different
+            values (each rank's is named; groups built from different sizes would leave ranks waiting in
+            ``new_group``).
     """
+    from mpi4py import MPI
+
     world = tdist.get_world_size()
     rank = tdist.get_rank()
-    ep_size = world if ep_size is None else int(ep_size)
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"build_groups: ep_size={ep_size} must divide the world size {world}")
+    error = None
+    try:
+        ep_size = world if ep_size is None else int(ep_size)
+        if ep_size < 1 or world % ep_size:
+            raise ValueError(f"build_groups: ep_size={ep_size} must divide the world size {world}")
+    except (TypeError, ValueError) as exc:
+        error = exc if isinstance(exc, ValueError) else ValueError(f"build_groups: ep_size must be an int, got "
+                                                                   f"{ep_size!r}")
+    check_agreed(MPI.COMM_WORLD, "build_groups", {"ep_size": None if error else ep_size}, error)
     dp = world // ep_size
     ep_group = dp_group_e = None
     ep_ranks = edp_ranks = ()

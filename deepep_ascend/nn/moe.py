@@ -102,8 +102,8 @@ class SwiGLU(nn.Module):
 class MoEGate(nn.Module):
     """Top-k router (DeepSeek ``MoEGate``). ``forward(x [N, H])`` → ``(topk_idx [N, K] int64,
     topk_weights [N, K] float32)``; ``topk_weights`` is differentiable w.r.t. ``x`` and ``weight``.
-    Logits, scores and weights are computed in float32 (DeepSeek's choice), or in float64 when
-    ``x`` or ``weight`` is float64 (then ``topk_weights`` is float64 too: for ``gradcheck``).
+    Logits, scores and weights are computed in float32 (DeepSeek's choice), under ``torch.autocast`` too, or in
+    float64 when ``x`` or ``weight`` is float64 (then ``topk_weights`` is float64 too: for ``gradcheck``).
 
     Args:
         hidden, num_experts, top_k: sizes.
@@ -144,7 +144,8 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.size(0)
         dt = torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
-        logits = F.linear(x.to(dt), self.weight.to(dt))
+        with torch.autocast(x.device.type, enabled=False):  # float32 logits under autocast too (the docstring's)
+            logits = F.linear(x.to(dt), self.weight.to(dt))
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores.detach()
         if self.e_score_correction_bias is not None:
@@ -450,7 +451,9 @@ class MoE(nn.Module):
     Raises:
         ValueError: ``num_experts`` not a multiple of the EP size; on the low-latency path a Buffer
             without ``low_latency_mode``, a missing or bad ``M``, or ``num_rdma_bytes`` below the hint;
-            ``"expanded"`` without an EPBuffer, or another mode with one.
+            ``"expanded"`` without an EPBuffer, or another mode with one. ``forward``: ``TypeError`` /
+            ``ValueError`` for an ``x`` that is not a floating tensor ``[..., hidden]`` (the peers' calls then
+            raise a ``ConsensusError`` naming this rank).
 
     Example (low-latency path, every rank)::
 
@@ -540,6 +543,9 @@ class MoE(nn.Module):
         return self.gate.aux_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        problem = self._input_problem(x)
+        if problem is not None:  # refused in the first collective call, so that the peers raise too (naming this rank)
+            self.buffer.refuse_call("low_latency_dispatch" if self._mode == "low_latency" else "dispatch", problem)
         shape = x.shape
         h = x.reshape(-1, self.hidden)
         topk_idx, topk_weights = self.gate(h)
@@ -555,6 +561,16 @@ class MoE(nn.Module):
         if self.shared_experts is not None:  # in its weights' dtype, as the gate and the routed experts cast
             out = out + self.shared_experts(h.to(self.shared_experts.w1.weight.dtype)).to(x.dtype)
         return out.view(shape)
+
+    def _input_problem(self, x) -> Exception | None:
+        """Why ``forward`` cannot take ``x`` (a floating tensor ``[..., hidden]``), or None."""
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"MoE: x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            return TypeError(f"MoE: x must be a floating tensor, got {x.dtype}")
+        if x.dim() < 1 or x.size(-1) != self.hidden:
+            return ValueError(f"MoE: x must be [..., hidden={self.hidden}], got shape {tuple(x.shape)}")
+        return None
 
     def _routed_normal(self, h, topk_idx, topk_weights):
         recv_x, recv_idx, recv_w, _, handle = ep_autograd.dispatch(self.buffer, h.to(_BF16), topk_idx, topk_weights,

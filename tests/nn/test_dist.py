@@ -16,7 +16,7 @@ from deepep_ascend import Buffer
 from deepep_ascend.ep.group import mpi_comm_of as resolve_group
 from deepep_ascend.nn import autograd as ag
 from deepep_ascend.nn import dist as ep_dist
-from tests.support.buffer_helpers import BF16, Checker, all_ranks_ok, coll
+from tests.support.buffer_helpers import BF16, Checker, all_ranks_ok, capture, coll
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 
@@ -61,6 +61,10 @@ def test_groups_and_their_mpi_communicators(comm):
             chk.check(ep_dist.mpi_comm_of(grp) is mc, "mpi_comm_of is cached per group")
     with pytest.raises(ValueError, match="must divide"):
         ep_dist.build_groups(W + 1)
+    if W > 1:  # ranks passing different sizes: refused on every rank, before any new_group (found by a helper: a hang)
+        _, exc = capture(lambda: ep_dist.build_groups(1 if r == 0 else W))
+        chk.check(isinstance(exc, ValueError) and "disagree" in str(exc) and "ep_size" in str(exc),
+                  f"disagreeing ep_size: {exc!r}")
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
 
 

@@ -251,6 +251,37 @@ def test_moe_layer_takes_bf16_inputs_on_float32_weights(buf, ll_buf, comm, mode)
     all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_layer_refuses_bad_x_on_every_rank_and_copies(buf, ll_buf, comm, mode):
+    """An ``x`` whose last dimension is not ``hidden`` (or not floating) on one rank: that rank raises naming ``x``,
+    its peers a ``ConsensusError`` naming it, at once (found by a helper: the peers waited out the deadline), and
+    the layer works afterwards. ``copy.deepcopy`` of the layer shares its Buffer and computes the same output; the
+    gate's logits stay float32 under autocast."""
+    import copy
+
+    from deepep_ascend import ConsensusError
+    r, R = comm.Get_rank(), comm.Get_size()
+    layer = make_layer(buf, ll_buf, mode, CASES["softmax"])
+    bad = torch.randn(4, 2 * H) if r == R - 1 else torch.randn(4, H)
+    _, exc = capture(lambda: layer(bad))
+    if r == R - 1:
+        ok = isinstance(exc, ValueError) and f"hidden={H}" in str(exc)
+    else:
+        ok = isinstance(exc, ConsensusError) and f"rank {R - 1}" in str(exc)
+    _, exc = capture(lambda: layer(torch.ones(4, H, dtype=torch.int64)))  # every rank
+    ok &= isinstance(exc, TypeError) and "floating" in str(exc)
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(r))
+    with torch.no_grad():
+        want = coll(lambda: layer(x), what="forward after the refusals")
+        twin = copy.deepcopy(layer)
+        ok &= twin.buffer is layer.buffer and twin.gate.weight is not layer.gate.weight
+        ok &= torch.equal(coll(lambda: twin(x), what="the copy's forward"), want)
+        with torch.autocast("cpu", dtype=BF16):
+            idx, w = layer.gate(x)
+        ok &= w.dtype == torch.float32 and torch.equal(idx, layer.gate(x)[0])
+    all_ranks_ok(comm, ok, f"rank {r}: bad x refused everywhere, deepcopy, autocast gate")
+
+
 def test_low_latency_layer_refusals_and_too_many_tokens(buf, ll_buf, comm):
     """Constructor checks (local); a batch above num_max_dispatch_tokens_per_rank on the last rank fails the
     forward on every rank, with a ValueError naming the limit there, and the layer works afterwards."""
