@@ -7,10 +7,16 @@ implemented once for every command and the sweep.
 * :func:`low_latency_bytes`: DeepEP's low-latency formula, per valid ``topk_idx`` selection;
 * :func:`mega_moe_pair_bytes`: MegaMoE's per-(token, expert)-pair convention;
 * :func:`count_bytes`: DeepEP V2's byte count of the tensors a call returns (its ``tests/ep/test_ep.py``
-  divides it by the received rows: bytes per dispatch or combine token);
+  divides it by the received rows: bytes per dispatch or combine token), the library's
+  ``deepep_ascend.utils.math.count_bytes``;
 * :func:`gbps` and :func:`fmt_bytes` to print them.
 """
 from __future__ import annotations
+
+from deepep_ascend.utils.math import count_bytes
+
+__all__ = ["FP8_BLOCK", "GB", "bottleneck_bytes", "bytes_per_token", "count_bytes", "fmt_bytes", "gbps",
+           "logical_bytes", "low_latency_bytes", "mega_moe_pair_bytes", "topk_bytes_per_token"]
 
 GB = 1e9  #: docs/semantics/deepep-api.md §11: 1 GB = 10^9 bytes
 FP8_BLOCK = 128  #: channels per FP8 scale (DeepEP's per-token, per-128-channel recipe)
@@ -99,18 +105,6 @@ def low_latency_bytes(num_selections: int, hidden: int, fp8: bool = True, phase:
     return int(num_selections) * per
 
 
-def count_bytes(*tensors) -> int:
-    """Bytes of ``tensors``: ``numel * element_size`` each, tuples and lists counted recursively,
-    ``None`` as 0 (DeepEP V2's ``deep_ep.utils.math.count_bytes``). With the dispatch's outputs,
-    ``count_bytes(recv_x, recv_topk_idx, recv_topk_weights) / recv_topk_idx.size(0)`` is V2's bytes
-    per dispatch token (FP8: e4m3 row + scales + int64 ids + float32 weights)."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, (tuple, list)):
-            total += count_bytes(*t)
-        elif t is not None:
-            total += t.numel() * t.element_size()
-    return total
 
 
 def gbps(nbytes: float, seconds: float) -> float:
