@@ -159,6 +159,8 @@ def test_refuses_non_bf16_and_async(buf):
         ag.dispatch(buf, x.to(BF16), idx, torch.ones(2, K), E, async_finish=True)
     with pytest.raises(TypeError, match="bfloat16"):
         ag.combine(buf, x, None)
+    with pytest.raises(ValueError, match="`topk_idx` has 1 rows, `x` has 2 tokens"):  # not the internal layout
+        ag.dispatch(buf, x.to(BF16), idx[:1], torch.ones(1, K), E)
 
 
 # ----------------------------------------------------------------------------------------------

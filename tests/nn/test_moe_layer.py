@@ -360,6 +360,21 @@ def test_training_smoke_checkpoint_and_trace(comm, mode):
     all_ranks_ok(comm, not chk.errors, f"rank {r}: " + "; ".join(chk.errors[:6]))
 
 
+def test_training_script_usage_errors():
+    """scripts/train_moe.py refuses model options the gate or the attention cannot take, and checkpoint options that
+    would do nothing, as usage errors (exit 2) before any rank builds anything (found by a helper: tracebacks
+    and MPI_Abort)."""
+    tm = _train_module()
+    base = ["--experts", "8", "--d-model", "32", "--heads", "2"]
+    for bad in (["--topk", "9"], ["--topk", "0"], ["--n-group", "3"], ["--n-group", "2", "--topk-group", "1",
+                "--topk", "5"], ["--heads", "3"], ["--save-every", "2"], ["--steps", "3", "--stop-at", "5"],
+                ["--ep", "0"]):
+        with pytest.raises(SystemExit) as ei:
+            tm.parse_args(base + bad)
+        assert ei.value.code == 2, bad
+    assert tm.parse_args(base + ["--n-group", "2", "--topk-group", "1", "--topk", "4"]).topk == 4
+
+
 def test_stdlib_corpus_loads():
     """The real-text corpus of scripts/train_moe.py: stdlib .py files, no site-packages, bytes of Python."""
     tm = _train_module()
