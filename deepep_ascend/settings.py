@@ -125,7 +125,8 @@ def _declare(*settings: Setting) -> dict[str, Setting]:
 
 TIMEOUT_S = Setting(
     "DEEPEP_ASCEND_TIMEOUT_S", "float", 100.0,
-    "Deadline in seconds of every wait of the library (signals, barriers, a peer's window); a timeout names "
+    "Deadline in seconds of every wait of the library (signals, barriers, a peer's window, the ranks meeting in "
+    "a constructor); a timeout names "
     "the phase and the ranks waited for. An explicit `timeout_s=` argument wins; `EPBuffer` takes "
     "`num_cpu_timeout_secs`, else this variable, else DeepEP's 300.",
     minimum=0, exclusive=True)
