@@ -266,7 +266,7 @@ class BucketBuffer(BufferBase):
         groups = list(group) if isinstance(group, (list, tuple)) else [group]
         if not groups:
             raise ValueError("BucketBuffer: group must be a group or a non-empty sequence of groups, got []")
-        comm = mpi_comm_of(groups[0], None)
+        comm = mpi_comm_of(groups[0], None, "BucketBuffer")
         self.groups = groups
         self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.sl_idx = sl_idx

@@ -151,7 +151,7 @@ class EngramBuffer(BufferBase):
                  allow_hybrid_mode: bool = True, sl_idx: int | None = None, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
         super().__init__(explicitly_destroy)
-        comm = mpi_comm_of(group, None)
+        comm = mpi_comm_of(group, None, "EngramBuffer")
         self.group = group
         self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.num_gpu_bytes, self.num_rdma_storage_bytes = num_gpu_bytes, num_rdma_storage_bytes

@@ -135,7 +135,7 @@ class EPBuffer(BufferBase):
                  num_cpu_timeout_secs: int | None = None, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
         super().__init__(explicitly_destroy)
-        comm = mpi_comm_of(group, None)
+        comm = mpi_comm_of(group, None, type(self).__name__)
         self.group = group
         self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.deterministic = deterministic

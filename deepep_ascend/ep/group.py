@@ -19,7 +19,7 @@ __all__ = ["check_agreed", "get_logical_domain_size", "get_physical_domain_size"
 _GROUP_COMMS: dict = {}  # a ProcessGroup's ranks, in its order -> the mpi4py communicator made for them
 
 
-def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
+def mpi_comm_of(group, comm=None, owner: str = "Buffer") -> MPI.Intracomm:
     """Resolve DeepEP's ``group`` / ``comm`` pair to an mpi4py intracommunicator (collective over the group
     the first time a ProcessGroup other than the world is seen).
 
@@ -38,7 +38,7 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
 
     Raises:
         ValueError: neither a ProcessGroup nor a communicator; torch and MPI ranks differ; this rank is
-            not a member of ``group``.
+            not a member of ``group`` (each message begins with ``owner``, the caller's name).
     """
     from mpi4py import MPI
 
@@ -46,10 +46,10 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
         return group
     if group is None:
         if comm is None:
-            raise ValueError("Buffer: pass a torch.distributed ProcessGroup or an mpi4py communicator as `group`, "
+            raise ValueError(f"{owner}: pass a torch.distributed ProcessGroup or an mpi4py communicator as `group`, "
                              "or group=None with comm=<mpi4py communicator>")
         if not isinstance(comm, MPI.Intracomm):
-            raise ValueError(f"Buffer: `comm` must be an mpi4py intracommunicator, got {type(comm).__name__}")
+            raise ValueError(f"{owner}: `comm` must be an mpi4py intracommunicator, got {type(comm).__name__}")
         return comm
     import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
         world = MPI.COMM_WORLD
         if dist.get_rank() != world.Get_rank() or dist.get_world_size() != world.Get_size():
             raise ValueError(
-                f"Buffer: torch.distributed rank/size ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI "
+                f"{owner}: torch.distributed rank/size ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI "
                 f"COMM_WORLD's ({world.Get_rank()}/{world.Get_size()}); initialise torch.distributed with the MPI "
                 f"rank and size, or pass comm=")
         ranks = tuple(dist.get_process_group_ranks(group))
@@ -71,13 +71,13 @@ def mpi_comm_of(group, comm=None) -> MPI.Intracomm:
             sub = world.Create_group(world.Get_group().Incl(list(ranks)))
             _GROUP_COMMS[ranks] = sub
         if sub.Get_rank() != group.rank():
-            raise ValueError("Buffer: the ProcessGroup's rank order does not map onto MPI ranks")
+            raise ValueError(f"{owner}: the ProcessGroup's rank order does not map onto MPI ranks")
         return sub
     if isinstance(group, int) and not isinstance(group, bool) and group == getattr(
             getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object()):
-        raise ValueError("Buffer: this rank is not a member of `group` (torch.distributed.new_group returned "
-                         "GroupMember.NON_GROUP_MEMBER here); only the group's ranks construct its Buffer")
-    raise ValueError(f"Buffer: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
+        raise ValueError(f"{owner}: this rank is not a member of `group` (torch.distributed.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here); only the group's ranks take part")
+    raise ValueError(f"{owner}: `group` must be a torch ProcessGroup, an mpi4py communicator or None, "
                      f"got {type(group).__name__}")
 
 

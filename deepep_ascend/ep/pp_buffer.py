@@ -73,7 +73,7 @@ class PPBuffer(BufferBase):
                  num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
                  ranks_per_node: int | None = None, timeout_s: float | None = None):
         super().__init__(explicitly_destroy)
-        comm = mpi_comm_of(group, None)
+        comm = mpi_comm_of(group, None, "PPBuffer")
         self.group = group
         self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.sl_idx = sl_idx

@@ -248,7 +248,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
             argument and every rank's value.
         ValueError: bad ``group``; ``backend='shm'`` on ranks that span several nodes (every rank).
     """
-    comm = mpi_comm_of(group)
+    comm = mpi_comm_of(group, owner="get_symm_buffer_for_mega_moe")
     if backend is None:
         try:
             backend = MEGA_MOE_BACKEND.get()

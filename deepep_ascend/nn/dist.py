@@ -159,4 +159,4 @@ def mpi_comm_of(group) -> MPI.Intracomm:
     """
     from mpi4py import MPI
 
-    return _resolve(MPI.COMM_WORLD if group is None else group)
+    return _resolve(MPI.COMM_WORLD if group is None else group, owner="nn.dist.mpi_comm_of")

@@ -121,8 +121,10 @@ def test_buffers_on_groups_destroyed_and_made_again(comm):
         buf = coll(lambda: Buffer(mine, 1 << 20, explicitly_destroy=True), what=f"Buffer on new groups, round {i}")
         comms.append(resolve_group(mine, None))
         coll(buf.destroy, what="destroy")
-        with pytest.raises(ValueError, match="not a member of `group`"):
+        with pytest.raises(ValueError, match="^Buffer: this rank is not a member of `group`"):
             Buffer(other, 1 << 20)
+        with pytest.raises(ValueError, match="^nn.dist.mpi_comm_of: this rank is not a member"):
+            ep_dist.mpi_comm_of(other)  # (found by a helper: the message named a Buffer)
         tdist.destroy_process_group(a_)
         tdist.destroy_process_group(b_)
     all_ranks_ok(comm, all(c is comms[0] for c in comms), f"rank {r}: a new communicator per round of groups")
