@@ -289,6 +289,7 @@ class Transport:
 
     def __init__(self, comm, ranks_per_node: int | None = None, timeout_s: float | None = None):
         self.timeout_s = resolve_timeout(timeout_s)
+        self._at_exit = False  # destroy_at_exit sets it: a timeout's abort then says the program ended
         emulator = emulator_from_env()  # None unless $DEEPEP_ASCEND_LINK_EMULATION asks (checked before any MPI call)
         # ranks arrive unevenly; the blocking collectives below would spin meanwhile
         quiet_barrier(comm, timeout_s=self.timeout_s, phase="creating a transport (every rank of the group)")
@@ -405,7 +406,7 @@ class Transport:
             as :meth:`destroy`.
         """
         departed = self.exit_departed() if self.exit_departed is not None else None
-        self._at_exit = True  # a timeout's abort then says the program ended, not that destroy() was called
+        self._at_exit = True
         self.destroy(force=True, timeout_s=5.0, departed=departed)
 
     def destroy(self, force: bool = False, timeout_s: float | None = None, departed=None) -> None:
@@ -463,7 +464,7 @@ class Transport:
                     self._abandon()
                     return
                 # A peer that comes later must not free collectively against our abandoned request.
-                at_exit = getattr(self, "_at_exit", False)
+                at_exit = self._at_exit
                 self.abort("its program ended without destroying this transport, and the peers did not reach the "
                            "teardown at exit (a rank raised or exited while others were in a call?)" if at_exit else
                            "gave up waiting for the peers in destroy()")

@@ -23,8 +23,8 @@ from .handles import InternodeHandle, IntranodeHandle, origin_of
 from .layout import dispatch_layout, tokens_per_node, topk_idx_t
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
-           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_sl_idx",
-           "check_stream_args", "check_tensor", "check_topk_idx", "check_x", "is_int"]
+           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_stream_args",
+           "check_tensor", "check_topk_idx", "check_x", "context_idx_problem", "is_int", "sl_idx_problem"]
 
 
 class Rejected(Exception):
@@ -70,15 +70,21 @@ def is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def check_sl_idx(owner: str, sl_idx) -> None:
-    """``sl_idx`` as DeepEP's binding takes it (``Optional[int]``), though it has no meaning on CPU ranks.
+def sl_idx_problem(owner: str, sl_idx) -> TypeError | None:
+    """Why ``sl_idx`` is not what DeepEP's binding takes (``Optional[int]``; no meaning on CPU ranks), naming
+    ``owner``, or None: a constructor refuses it on every rank (``check_agreed``)."""
+    if sl_idx is None or is_int(sl_idx):
+        return None
+    return TypeError(f"{owner}: sl_idx must be None or an int (DeepEP's RDMA service level), got "
+                     f"{type(sl_idx).__name__}")
 
-    Raises:
-        TypeError: anything else, naming ``owner``.
-    """
-    if sl_idx is not None and not is_int(sl_idx):
-        raise TypeError(f"{owner}: sl_idx must be None or an int (DeepEP's RDMA service level), got "
-                        f"{type(sl_idx).__name__}")
+
+def context_idx_problem(owner: str, context_idx) -> ValueError | None:
+    """Why a one-group buffer's ``barrier(context_idx=)`` cannot take ``context_idx`` (None or 0), or None. The
+    barrier raises it after taking part, so that the ranks' barriers stay paired."""
+    if context_idx is None or (is_int(context_idx) and context_idx == 0):
+        return None
+    return ValueError(f"{owner}.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
 
 
 def check_writable(t: torch.Tensor, name: str) -> None:

@@ -21,7 +21,7 @@ import torch
 from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check_sl_idx, is_int
+from .arguments import is_int, sl_idx_problem
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode
@@ -42,22 +42,20 @@ def _align(n: int, a: int) -> int:
 
 def _pack_tensors(op: str, names: tuple, *items):
     """DeepEP's batching: a tensor or a sequence of tensors (``None``: an empty list). Returns ``(is_packed,
-    *lists)``, ``is_packed`` when the first item is a single tensor (the result is then one tensor too).
-
-    Raises:
-        TypeError: an item (named by ``names``) neither a tensor, a sequence nor None.
-    """
-    is_packed = isinstance(items[0], torch.Tensor)
-    lists = []
+    *lists, error)``, ``is_packed`` when the first item is a single tensor (the result is then one tensor too);
+    ``error`` a ``TypeError`` naming an item (by ``names``) that is neither a tensor, a list or tuple nor None
+    (its list then empty), for the call's checks to refuse on every rank, else None."""
+    is_packed, lists, error = isinstance(items[0], torch.Tensor), [], None
     for name, item in zip(names, items):
         if item is None or isinstance(item, torch.Tensor):
             lists.append([] if item is None else [item])
         elif isinstance(item, (list, tuple)):
             lists.append(list(item))
         else:
-            raise TypeError(f"BucketBuffer.{op}: {name} must be a tensor or a list or tuple of tensors, got "
-                            f"{type(item).__name__}")
-    return is_packed, *lists
+            lists.append([])
+            error = error or TypeError(f"BucketBuffer.{op}: {name} must be a tensor or a list or tuple of tensors, "
+                                       f"got {type(item).__name__}")
+    return is_packed, *lists, error
 
 
 def _check_apart(op: str, what: str, spans) -> None:
@@ -157,7 +155,10 @@ class BucketSession:
             ctx = self._check_group(bound.get("group"))
             n, r = len(buffer._contexts[ctx]), buffer._contexts[ctx].index(buffer.rank_idx)
             shards = {"all_gather": (n, 1), "reduce_scatter": (1, n), "all_reduce": (1, 1)}[name]
-            is_packed, srcs, dsts = _pack_tensors(name, ("srcs", "dsts"), bound.pop("srcs"), bound.pop("dsts", None))
+            is_packed, srcs, dsts, error = _pack_tensors(name, ("srcs", "dsts"), bound.pop("srcs"),
+                                                         bound.pop("dsts", None))
+            if error is not None:
+                raise error
             has_dsts = bool(dsts)
             if not has_dsts:
                 dsts = srcs
@@ -273,11 +274,7 @@ class BucketBuffer(BufferBase):
         self.num_gpu_timeout_secs = num_gpu_timeout_secs
         plan = allocation_plan_or_num_bytes if isinstance(allocation_plan_or_num_bytes, BufferAllocator) else None
         num_bytes = plan.num_bytes if plan is not None else allocation_plan_or_num_bytes
-        error = None
-        try:
-            check_sl_idx("BucketBuffer", sl_idx)
-        except TypeError as exc:
-            error = exc
+        error = sl_idx_problem("BucketBuffer", sl_idx)
         if error is not None:
             pass
         elif plan is not None and plan.materialized:
@@ -466,12 +463,15 @@ class BucketBuffer(BufferBase):
                 time.sleep(next(pauses))
         return allgather_object(self._comms[ctx], obj, wait)
 
-    def _validate(self, op: str, group, num_sms, fn):
-        """Run the local checks ``fn(ctx) -> (plan, signature)`` on this rank, then agree with the group."""
+    def _validate(self, op: str, group, num_sms, fn, unpacked: Exception | None = None):
+        """Run the local checks ``fn(ctx) -> (plan, signature)`` on this rank, then agree with the group;
+        ``unpacked``: the batching's error (:func:`_pack_tensors`), refused first."""
         error, plan, signature, ctx = None, None, None, 0
         try:
             self._check_alive(op)
             ctx = self.get_context_idx(group)
+            if unpacked is not None:
+                raise unpacked
             if num_sms is not None and (not is_int(num_sms) or num_sms < 0):
                 raise ValueError(f"BucketBuffer.{op}: num_sms must be None or a non-negative int, got {num_sms!r}")
             if op == "all_gather" and num_sms not in (None, 0):
@@ -541,14 +541,9 @@ class BucketBuffer(BufferBase):
                 or count, ranks disagreeing on offsets, sizes or dtypes, a bad ``num_sms`` or group.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
         """
-        try:
-            is_packed, srcs, dsts, unpacked = *_pack_tensors("all_gather", ("srcs", "dsts"), srcs, dsts), None
-        except TypeError as exc:  # refused in check, on every rank
-            is_packed, srcs, dsts, unpacked = False, [], [], exc
+        is_packed, srcs, dsts, unpacked = _pack_tensors("all_gather", ("srcs", "dsts"), srcs, dsts)
 
         def check(ctx):
-            if unpacked is not None:
-                raise unpacked
             members = self._contexts[ctx]
             n, r = len(members), members.index(self.rank_idx)
             if not srcs or (dsts and len(dsts) != len(srcs)):
@@ -591,7 +586,7 @@ class BucketBuffer(BufferBase):
                                          f"apart from every dst")
             return plan, (bool(dsts), tuple(signature))
 
-        ctx, plan = self._validate("all_gather", group, num_sms, check)
+        ctx, plan = self._validate("all_gather", group, num_sms, check, unpacked)
         members = self._contexts[ctx]
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]
@@ -660,21 +655,16 @@ class BucketBuffer(BufferBase):
                 ranks disagreeing on any of them.
             transports.TransportTimeout: a peer did not take part within the deadline (naming it).
         """
-        try:
-            is_packed, srcs, unpacked = *_pack_tensors("reduce_scatter", ("srcs",), srcs), None
-        except TypeError as exc:  # refused in check, on every rank
-            is_packed, srcs, unpacked = False, [], exc
+        is_packed, srcs, unpacked = _pack_tensors("reduce_scatter", ("srcs",), srcs)
 
         def check(ctx):
-            if unpacked is not None:
-                raise unpacked
             if comm_precision not in _PRECISIONS:
                 raise ValueError(f"BucketBuffer.reduce_scatter: comm_precision must be one of {_PRECISIONS}, "
                                  f"got {comm_precision!r}")
             plan, signature = self._reduce_checks("reduce_scatter", srcs, scale, ctx, shard=True)
             return plan, (comm_precision, _scale_key(scale), signature)
 
-        ctx, plan = self._validate("reduce_scatter", group, num_sms, check)
+        ctx, plan = self._validate("reduce_scatter", group, num_sms, check, unpacked)
         members = self._contexts[ctx]
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]
@@ -717,18 +707,13 @@ class BucketBuffer(BufferBase):
         Raises:
             as :meth:`reduce_scatter` (any element count is accepted).
         """
-        try:
-            is_packed, srcs, unpacked = *_pack_tensors("all_reduce", ("srcs",), srcs), None
-        except TypeError as exc:  # refused in check, on every rank
-            is_packed, srcs, unpacked = False, [], exc
+        is_packed, srcs, unpacked = _pack_tensors("all_reduce", ("srcs",), srcs)
 
         def check(ctx):
-            if unpacked is not None:
-                raise unpacked
             plan, signature = self._reduce_checks("all_reduce", srcs, scale, ctx, shard=False)
             return plan, (_scale_key(scale), signature)
 
-        ctx, plan = self._validate("all_reduce", group, num_sms, check)
+        ctx, plan = self._validate("all_reduce", group, num_sms, check, unpacked)
         members = self._contexts[ctx]
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]

@@ -19,7 +19,7 @@ import torch
 from .. import settings
 from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
-from .arguments import check_sl_idx, is_int
+from .arguments import context_idx_problem, is_int, sl_idx_problem
 from .event import Worker
 from .group import check_agreed, mpi_comm_of
 from .memory import outside_inference_mode
@@ -159,11 +159,7 @@ class EngramBuffer(BufferBase):
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.restrict_rd_atomic, self.sl_idx, self.qp_depth = bool(restrict_rd_atomic), sl_idx, qp_depth
         self.num_allocated_qps = num_allocated_qps
-        error = None
-        try:
-            check_sl_idx("EngramBuffer", sl_idx)
-        except TypeError as exc:
-            error = exc
+        error = sl_idx_problem("EngramBuffer", sl_idx)
         for name, value in (("num_gpu_bytes", num_gpu_bytes), ("num_rdma_storage_bytes", num_rdma_storage_bytes)):
             if error is None and (not is_int(value) or value < 0):
                 error = ValueError(f"EngramBuffer: {name} must be a non-negative int (bytes), got {value!r}")
@@ -229,11 +225,11 @@ class EngramBuffer(BufferBase):
                 in the barrier, so that later barriers stay paired). TimeoutError: a rank did not arrive in time.
         """
         self._usable("barrier")
-        bad = context_idx is not None and (not is_int(context_idx) or context_idx != 0)
+        bad = context_idx_problem("EngramBuffer", context_idx)
         self._worker.drain()
         self.runtime.barrier(Team.WORLD, phase="EngramBuffer.barrier")
         if bad:  # raised after taking part, so that the ranks' barriers stay paired
-            raise ValueError(f"EngramBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
+            raise bad
 
     def get_comm_stream(self) -> Worker:
         """The worker fetches run on (the CPU analogue of DeepEP's communication stream)."""

@@ -18,7 +18,7 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_sl_idx, check_tensor, check_writable, is_int
+from .arguments import check, check_tensor, check_writable, context_idx_problem, is_int, sl_idx_problem
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -66,10 +66,6 @@ def _align(n: int, a: int) -> int:
 def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Byte rows ``[n, m * itemsize]`` viewed as ``[n, m]`` of ``like``'s dtype (no copy)."""
     return rows.view(like.dtype).view(rows.size(0), like.size(1))
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_expanded_capacity(topk_idx: torch.Tensor, L: int, R: int) -> None:
@@ -161,11 +157,7 @@ class EPBuffer(BufferBase):
                                f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
         elif plan is not None and plan.materialized:
             error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
-        if error is None:
-            try:
-                check_sl_idx(type(self).__name__, sl_idx)
-            except TypeError as exc:
-                error = exc
+        error = error or sl_idx_problem(type(self).__name__, sl_idx)
         error = self._constructor_problem() or error  # a subclass's own argument first
         if num_cpu_timeout_secs is not None:
             timeout = float(num_cpu_timeout_secs)
@@ -297,12 +289,12 @@ class EPBuffer(BufferBase):
                 aborted, so a rank waiting in another call fails at once).
         """
         self._usable("barrier")
-        bad = context_idx is not None and (not is_int(context_idx) or context_idx != 0)
+        bad = context_idx_problem("EPBuffer", context_idx)
         legacy = self._legacy
         legacy._worker.drain()
         legacy._guard(lambda: self.runtime.barrier(phase="EPBuffer.barrier"))
         if bad:  # raised after taking part, so that the ranks' barriers stay paired
-            raise ValueError(f"EPBuffer.barrier: context_idx must be None or 0 (one group), got {context_idx!r}")
+            raise bad
 
     def get_traffic(self, lifetime: bool = False) -> dict[str, int]:
         """Bytes this rank moved per channel kind (``SELF``, ``UBMEM``, ``URMA``) in its last call, or
@@ -432,10 +424,10 @@ class EPBuffer(BufferBase):
         def check_common():
             check(flag_problem is None, AssertionError, flag_problem)
             check(x_problem is None, TypeError, x_problem)
-            check(_is_int(max_tokens) and max_tokens > 0, ValueError,
+            check(is_int(max_tokens) and max_tokens > 0, ValueError,
                   lambda: f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got "
                           f"{max_tokens!r}")
-            check(_is_int(alignment) and alignment >= 1, ValueError,
+            check(is_int(alignment) and alignment >= 1, ValueError,
                   lambda: f"`expert_alignment` must be an int >= 1, got {alignment!r}")
             check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
             check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
@@ -482,7 +474,7 @@ class EPBuffer(BufferBase):
                 check(topk_idx is not None, ValueError, "`topk_idx` is required without a handle")
                 check_tensor(topk_idx, "topk_idx", torch.int64, ndim=2)
                 n = check_common()
-                check(_is_int(num_experts) and num_experts > 0 and num_experts % R == 0, ValueError,
+                check(is_int(num_experts) and num_experts > 0 and num_experts % R == 0, ValueError,
                       lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check(topk_idx.size(0) == n, ValueError,
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")

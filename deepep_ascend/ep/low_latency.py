@@ -618,8 +618,6 @@ class LowLatencyEngine:
         still short then gets the long wait, with its deadline and abort checks (:meth:`_wait_sources`)."""
         stores = self._store_signals
         if stores is not None and cost is None and not self.shrink:
-            if _PH.on:
-                _PH.switch("wait: signals")
             self.tp.check_abort(phase)  # a short wait sees no abort words: a late rank must hear of one first
             agreed = native.ll_await(stores[h][2], self.R, self._mask_arg(), seq + 1, self._await_polls,
                                      self._header_rows(h), self.rank, seq, op, F_PULL if op == OP_COMBINE else 0)

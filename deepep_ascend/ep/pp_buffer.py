@@ -18,7 +18,7 @@ import torch
 
 from ..transports import ChannelKind, create_transport
 from .allocator import BufferBase
-from .arguments import check_sl_idx, is_int
+from .arguments import is_int, sl_idx_problem
 from .event import EventHandle, EventOverlap, Worker
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode
@@ -83,10 +83,7 @@ class PPBuffer(BufferBase):
                             ("num_max_inflight_tensors", num_max_inflight_tensors)):
             if error is None and (not is_int(value) or value <= 0):
                 error = ValueError(f"PPBuffer: {name} must be a positive int, got {value!r}")
-        try:
-            check_sl_idx("PPBuffer", sl_idx)
-        except TypeError as exc:
-            error = error or exc
+        error = error or sl_idx_problem("PPBuffer", sl_idx)
         num_max_tensor_bytes, num_max_inflight_tensors = (int(v) if is_int(v) else v for v in (
             num_max_tensor_bytes, num_max_inflight_tensors))
         deadline, deadline_error = resolve_deadline("PPBuffer", timeout_s, num_gpu_timeout_secs)

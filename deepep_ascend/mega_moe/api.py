@@ -12,6 +12,7 @@ import torch
 
 from .. import native as _native
 from ..checks import check_storage
+from ..ep.arguments import is_int
 from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
 from ..native.operands import write_refusal
@@ -31,9 +32,7 @@ def _as_triple(recipe) -> tuple | None:
         values = tuple(recipe)
     except TypeError:
         return None
-    ok = len(values) == 3 and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-                                  for v in values)
-    return tuple(int(v) for v in values) if ok else None
+    return tuple(int(v) for v in values) if len(values) == 3 and all(is_int(v) for v in values) else None
 
 
 def _validate(kind, y, l1, l2, sb, stats, activation, alpha, up_bias, clamp, fast_math, shared_l1, shared_l2,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
+from ..ep.arguments import is_int
 from ..ep.group import check_agreed
 from ..ep.group import mpi_comm_of as _resolve
 from ..transports import quiet_barrier
@@ -119,15 +120,12 @@ def build_groups(ep_size: int | None = None) -> ParallelGroups:
 
     world = tdist.get_world_size()
     rank = tdist.get_rank()
+    ep_size = world if ep_size is None else ep_size
     error = None
-    try:
-        ep_size = world if ep_size is None else int(ep_size)
-        if ep_size < 1 or world % ep_size:
-            raise ValueError(f"build_groups: ep_size={ep_size} must divide the world size {world}")
-    except (TypeError, ValueError) as exc:
-        error = exc if isinstance(exc, ValueError) else ValueError(f"build_groups: ep_size must be an int, got "
-                                                                   f"{ep_size!r}")
-    check_agreed(MPI.COMM_WORLD, "build_groups", {"ep_size": None if error else ep_size}, error)
+    if not is_int(ep_size) or ep_size < 1 or world % ep_size:
+        error = ValueError(f"build_groups: ep_size={ep_size!r} must divide the world size {world} (a positive int)")
+    check_agreed(MPI.COMM_WORLD, "build_groups", {"ep_size": None if error else int(ep_size)}, error)
+    ep_size = int(ep_size)
     dp = world // ep_size
     ep_group = dp_group_e = None
     ep_ranks = edp_ranks = ()

@@ -442,8 +442,8 @@ def test_timeout_argument_wins_over_the_environment(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 def test_barrier_against_another_call_times_out_on_every_rank(comm):
-    """Rank 0 calls ``barrier`` while the others dispatch (found by a helper: a blocking ``MPI_Barrier`` hung):
-    every rank raises within about the deadline, the barrier's timeout naming the ranks it waited for."""
+    """Rank 0 calls ``barrier`` while the others dispatch: every rank raises within about the deadline, the
+    barrier's timeout naming the ranks it waited for."""
     import time
 
     from deepep_ascend.transports import TransportError

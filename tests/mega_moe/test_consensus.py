@@ -80,8 +80,8 @@ def test_errors_on_every_rank(env, comm, backend):
                                                           fbuf), last, ValueError, "meta fp4 data on the last rank")
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(el + 1, dtype=torch.int32)), None, ValueError,
                        "stats shape")
-    # tensors the call would write but torch would refuse to after the data moved (found by a helper: the bad rank
-    # failed after the others had agreed, which broke the buffer): refused before, on the last rank only
+    # tensors the call would write but torch would refuse to after the data moved: refused before the ranks agree
+    # (a rank failing after that would leave the buffer aborted), on the last rank only
     _expect_everywhere(comm, lambda: call(y, l1, l2, buf, torch.zeros(1, dtype=torch.int32).expand(el)
                                           if rank == last and el > 1 else torch.zeros(el, dtype=torch.int64)
                                           if rank == last else None), last, (ValueError, TypeError),

@@ -61,7 +61,7 @@ def test_groups_and_their_mpi_communicators(comm):
             chk.check(ep_dist.mpi_comm_of(grp) is mc, "mpi_comm_of is cached per group")
     with pytest.raises(ValueError, match="must divide"):
         ep_dist.build_groups(W + 1)
-    if W > 1:  # ranks passing different sizes: refused on every rank, before any new_group (found by a helper: a hang)
+    if W > 1:  # ranks passing different sizes: refused on every rank, before any new_group (which would wait)
         _, exc = capture(lambda: ep_dist.build_groups(1 if r == 0 else W))
         chk.check(isinstance(exc, ValueError) and "disagree" in str(exc) and "ep_size" in str(exc),
                   f"disagreeing ep_size: {exc!r}")
@@ -124,7 +124,7 @@ def test_buffers_on_groups_destroyed_and_made_again(comm):
         with pytest.raises(ValueError, match="^Buffer: this rank is not a member of `group`"):
             Buffer(other, 1 << 20)
         with pytest.raises(ValueError, match="^nn.dist.mpi_comm_of: this rank is not a member"):
-            ep_dist.mpi_comm_of(other)  # (found by a helper: the message named a Buffer)
+            ep_dist.mpi_comm_of(other)  # the message names the caller, not a Buffer
         tdist.destroy_process_group(a_)
         tdist.destroy_process_group(b_)
     all_ranks_ok(comm, all(c is comms[0] for c in comms), f"rank {r}: a new communicator per round of groups")

@@ -254,7 +254,7 @@ def test_moe_layer_takes_bf16_inputs_on_float32_weights(buf, ll_buf, comm, mode)
 @pytest.mark.parametrize("mode", MODES)
 def test_moe_layer_refuses_bad_x_on_every_rank_and_copies(buf, ll_buf, comm, mode):
     """An ``x`` whose last dimension is not ``hidden`` (or not floating) on one rank: that rank raises naming ``x``,
-    its peers a ``ConsensusError`` naming it, at once (found by a helper: the peers waited out the deadline), and
+    its peers a ``ConsensusError`` naming it, at once (not at the deadline), and
     the layer works afterwards. ``copy.deepcopy`` of the layer shares its Buffer and computes the same output; the
     gate's logits stay float32 under autocast."""
     import copy
@@ -362,8 +362,7 @@ def test_training_smoke_checkpoint_and_trace(comm, mode):
 
 def test_training_script_usage_errors():
     """scripts/train_moe.py refuses model options the gate or the attention cannot take, and checkpoint options that
-    would do nothing, as usage errors (exit 2) before any rank builds anything (found by a helper: tracebacks
-    and MPI_Abort)."""
+    would do nothing, as usage errors (exit 2) before any rank builds anything, not tracebacks and MPI_Abort."""
     tm = _train_module()
     base = ["--experts", "8", "--d-model", "32", "--heads", "2"]
     for bad in (["--topk", "9"], ["--topk", "0"], ["--n-group", "3"], ["--n-group", "2", "--topk-group", "1",
