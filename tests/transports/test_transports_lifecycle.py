@@ -76,12 +76,22 @@ def test_transport_timeout_from_environment(monkeypatch):
         destroy_quietly(tp)
 
 
-def test_wait_policy_pauses():
+def test_wait_policy_pauses(monkeypatch):
+    import deepep_ascend.transports.base as base
+
+    yields = []
+    monkeypatch.setattr(base.os, "sched_yield", lambda: yields.append(time.monotonic()))
     over = WaitPolicy(local_ranks=10 ** 6)
     assert over.oversubscribed
     it = over.pauses()
-    first = [next(it) for _ in range(10)]
-    assert first[0] == 50e-6 and all(p > 0 for p in first) and max(first) == 1e-3  # never spins
+    t0 = time.monotonic()
+    zeros = 0
+    while (p := next(it)) == 0.0:  # never spins: each immediate poll follows a yield, for at most 200 µs
+        zeros += 1
+        assert len(yields) == zeros
+    assert zeros >= 1 and yields[-1] - t0 < 200e-6 + 0.05  # (slack for a descheduled test process)
+    sleeps = [p] + [next(it) for _ in range(9)]
+    assert sleeps[0] == 50e-6 and all(p > 0 for p in sleeps) and max(sleeps) == 1e-3 and len(yields) == zeros
     calm = WaitPolicy(local_ranks=1)
     if not calm.oversubscribed:
         it = calm.pauses()
