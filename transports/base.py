@@ -98,8 +98,8 @@ def quiet_barrier(comm, ranks=None, timeout_s: float | None = None, phase: str =
 def quiet_wait(requests, local_ranks: int, timeout_s: float | None = None, phase: str = "", rank: int = -1,
                peers=None) -> None:
     """Complete the MPI ``requests`` by polling ``MPI_Testall`` and pausing between polls as
-    :class:`WaitPolicy` does for ``local_ranks`` ranks on this host (sleeping when they outnumber the
-    cores), instead of a blocking wait that spins in ``sched_yield``.
+    :class:`WaitPolicy` does for ``local_ranks`` ranks on this host (a short yield phase, then sleeps, when they
+    outnumber the cores), instead of a blocking wait that spins in ``sched_yield`` until it completes.
 
     Args:
         timeout_s: the deadline in seconds (None: none; the library's callers pass one). phase, rank: named in
