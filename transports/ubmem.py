@@ -949,6 +949,22 @@ class Transport:
         self._slot("signal_words_address", win, slot)
         return win._ctl[self.topology.rank].ctypes.data + win.slot_disp(slot, 0)
 
+    def traffic_counter_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The byte addresses of this rank's int64 traffic counters of each peer, ``(bytes put, puts, signals)``,
+        each ``[world_size]`` int64: for native code that stores into peers' windows and counts its stores itself
+        (what :meth:`record_put` and :meth:`record_signal` add, without the call per peer). Valid while the
+        transport lives (the counters are never reallocated). A caller must not count this way while a link
+        emulator is set (``stats.emulator``): the emulator charges only what the ``record_*`` calls count.
+
+        Raises:
+            TransportClosed: the transport was destroyed.
+        """
+        self._check_open("traffic_counter_addresses")
+        me, n = self.topology.rank, self.topology.world_size
+        cells = np.array([int(self.topology.kind(me, p)) * n + p for p in range(n)], dtype=np.int64)
+        return tuple(field.ctypes.data + 8 * cells for field in (self.stats.bytes_put, self.stats.puts,
+                                                                 self.stats.signals))
+
     def record_signal(self, peer: int) -> None:
         """Count one signal stored at :meth:`signal_address` of ``peer``.
 

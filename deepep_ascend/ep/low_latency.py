@@ -93,6 +93,7 @@ from ..gemm.logfmt import (
     logfmt10_group_mask,
 )
 from ..gemm.scales import pack_ue8m0_to_int
+from ..native.operands import mark_written
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
@@ -292,6 +293,7 @@ class _DispatchCall(NamedTuple):
     written: tuple  # OutputPool entries of recv_x, recv_scales (or None), src_info
     route: _Route  # the sends' route, for the combine of this dispatch's handle
     route_stamp: tuple  # stamps.stamp of (topk_idx, mask) when the route was computed
+    plan: native.LLPlan | None = None  # the fused path's plan (_fused_plan), None on the step-by-step path
 
 
 class LowLatencyRefused(ConsensusError):
@@ -361,6 +363,9 @@ class LowLatencyEngine:
                  tp.signal_words_address(self.ctl, h)) for h in (0, 1))
             # polls of a short wait before the long one (none where ranks outnumber cores: never spin there)
             self._await_polls = 0 if tp.wait_policy.oversubscribed else _AWAIT_POLLS
+        # The fused path (native.LLPlan): each call's steps in two native calls, issue and finish; plans by (M, H, E)
+        self._fusable = self._store_signals is not None and native.fused_available()
+        self._plans = {}
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
         self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
@@ -414,8 +419,30 @@ class LowLatencyEngine:
                           lambda: self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L))
 
     def release(self) -> None:
-        """Drop the window views kept across calls (before the windows are freed)."""
+        """Drop the window views and plans kept across calls (before the windows are freed)."""
         self._views.clear()
+        self._plans.clear()
+
+    def _fused_plan(self, lay: Layout, cost) -> native.LLPlan | None:
+        """The plan of calls of ``lay``'s shape when this call may take the fused path (native.LLPlan: signals by
+        stores, no rank masked, no shrink mode, no wait-time statistics ``cost``, no link emulation), else None.
+        Built on first use and kept (a few per buffer: shapes that keep changing start the cache over)."""
+        if (not self._fusable or cost is not None or self.shrink or self._peers()[4]
+                or self.tp.stats.emulator is not None):
+            return None
+        key = (lay.M, lay.H, lay.E)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 8:
+                self._plans.clear()
+            stores = self._store_signals
+            plan = self._plans[key] = native.LLPlan(
+                num_ranks=self.R, num_local=lay.L, m=lay.M, hidden=lay.H, me=self.rank, bases=self._bases.tolist(),
+                order=self.order(), recv_off=lay.recv_off, send_off=lay.send_off, pull_off=lay.pull_off,
+                hdr_words=HDR_BYTES // 8, counters=self.tp.traffic_counter_addresses(),
+                halves=[(h * self.half, self._stamps[h].tolist(), stores[h][0].tolist(), stores[h][1].tolist(),
+                         stores[h][2], self._header_rows(h).data_ptr()) for h in (0, 1)])
+        return plan
 
     def native_path(self) -> bool:
         """Whether calls take the native path: the kernels are loaded and every rank is mapped (one node with
@@ -628,6 +655,15 @@ class LowLatencyEngine:
         self._wait_sources(h, seq + 1, phase, cost)
         return self._check_headers(h, seq, op, lay, flags)
 
+    def _await_late(self, h, seq, op, lay, flags, phase, status) -> None:
+        """After a fused finish returned ``status`` -1 (a source is late): the long wait, with its deadline and abort
+        checks, then the headers; -2 (the headers disagree): :meth:`_check_headers`, which raises saying why."""
+        if status == -1:
+            if _PH.on:
+                _PH.switch("wait: signals")
+            self._wait_sources(h, seq + 1, phase, None)
+        self._check_headers(h, seq, op, lay, flags)
+
     def _check_headers(self, h, seq, op, lay, flags) -> list[int]:
         """Every live source's header against ours; refusals and disagreements raise on every rank. Returns the
         live sources whose header says ``F_PULL`` (a combine's rows left in their send regions; empty otherwise)."""
@@ -773,29 +809,40 @@ class LowLatencyEngine:
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         flags |= F_PULL
-        if _PH.on:
-            _PH.switch("pack")
-        if use_fp8:
-            mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
-        else:  # the payloads only: receivers take the token index from the index table, not a message header
-            n, mb = x.size(0), MSG_HEADER + 2 * H
-            self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
-                self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
-        if _PH.on:
-            _PH.switch("send")
-        self._dispatched = None
-        native.ll_dispatch_send(route.slots, M, L, self.rank, self._bases, self._mask_arg(), base + lay.recv_off,
-                                base + self.rank * L * 4, route.counts, self._sent_rows)
-        hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
-        sent = self._sent_rows.tolist()
-        dsts = self.order()
-        for dst in dsts:
-            # The rows the receiver loads from here (its count of this traffic is the sender's, as for a push),
-            # their index words and the counts.
-            if sent[dst]:
-                self.tp.record_put(dst, sent[dst] * (mb + 4))
-            self.tp.record_put(dst, 4 * L)
-        self._publish(h, hdr, seq, dsts)
+        plan = self._fused_plan(lay, wait_stats)
+        if plan is not None:  # stage, send, publish and count in one native call
+            if _PH.on:
+                _PH.switch("send")
+            self._dispatched = None
+            mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)
+            if plan.dispatch_issue(h, route.slots, route.counts, self._sent_rows, 2 if use_fp8 else 1, x, round_scale,
+                                   use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1):
+                raise RuntimeError(f"rank {self.rank}: low_latency_dispatch call #{seq + 1}: the fused send refused "
+                                   f"its route or its x (changed after the argument checks?)")
+        else:
+            if _PH.on:
+                _PH.switch("pack")
+            if use_fp8:
+                mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
+            else:  # the payloads only: receivers take the token index from the index table, not a message header
+                n, mb = x.size(0), MSG_HEADER + 2 * H
+                self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
+                    self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
+            if _PH.on:
+                _PH.switch("send")
+            self._dispatched = None
+            native.ll_dispatch_send(route.slots, M, L, self.rank, self._bases, self._mask_arg(), base + lay.recv_off,
+                                    base + self.rank * L * 4, route.counts, self._sent_rows)
+            hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
+            sent = self._sent_rows.tolist()
+            dsts = self.order()
+            for dst in dsts:
+                # The rows the receiver loads from here (its count of this traffic is the sender's, as for a push),
+                # their index words and the counts.
+                if sent[dst]:
+                    self.tp.record_put(dst, sent[dst] * (mb + 4))
+                self.tp.record_put(dst, 4 * L)
+            self._publish(h, hdr, seq, dsts)
         if _PH.on:
             _PH.switch("outputs")
         # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
@@ -809,7 +856,7 @@ class LowLatencyEngine:
         src_info, written_i, stale_i = pool.get_deferred((L, R * M), torch.int32)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
                              torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
-                             (written_x, written_s, written_i), route, stamp(topk_idx, self.mask))
+                             (written_x, written_s, written_i), route, stamp(topk_idx, self.mask), plan)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
@@ -839,18 +886,38 @@ class LowLatencyEngine:
         """
         R, lay = self.R, call.lay
         L, M, mb = lay.L, lay.M, call.message_bytes
-        base, phase = self._await_dispatch(call, wait_stats)
-        if _PH.on:
-            _PH.switch("copy")
-        sig = self._counts_view(base, L)
-        index = self._view(("dindex", base, lay.recv_off, L * R * M),
-                           lambda: self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32))
-        status, bad = native.ll_dispatch_recv(sig, self._mask_arg(), index, self._bases, base + lay.send_off,
-                                              self._stamps[call.half], call.seq + 1, M, mb,
-                                              call.recv_x.view(torch.uint8), call.recv_scales, call.src_info,
-                                              call.recv_count, call.layout_range, stale)
+        plan = call.plan
+        if plan is not None:  # the bounded wait, the headers and the loads in one native call
+            phase = f"low_latency_dispatch call #{call.seq + 1}"
+            if _PH.on:
+                _PH.switch("copy")
+            self.tp.check_abort(phase)  # the bounded wait sees no abort words: a late rank must hear of one first
+            args = (mb, call.recv_x.view(torch.uint8), call.recv_scales, call.src_info, call.recv_count,
+                    call.layout_range, stale)
+            status = plan.dispatch_finish(call.half, call.seq, self._await_polls, *args)
+            if status < 0:  # a source is late (the long wait), or the headers disagree (they say why, and raise)
+                self._await_late(call.half, call.seq, OP_DISPATCH, lay, call.flags, phase, status)
+                status = plan.dispatch_finish(call.half, call.seq, 0, *args)
+            bad = plan.bad
+            if status in (0, 3):
+                mark_written(*(t for t in (call.recv_x, call.src_info, call.recv_count, call.layout_range,
+                                           call.recv_scales) if t is not None))
+        else:
+            base, phase = self._await_dispatch(call, wait_stats)
+            if _PH.on:
+                _PH.switch("copy")
+            sig = self._counts_view(base, L)
+            index = self._view(("dindex", base, lay.recv_off, L * R * M),
+                               lambda: self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32))
+            status, bad = native.ll_dispatch_recv(sig, self._mask_arg(), index, self._bases, base + lay.send_off,
+                                                  self._stamps[call.half], call.seq + 1, M, mb,
+                                                  call.recv_x.view(torch.uint8), call.recv_scales, call.src_info,
+                                                  call.recv_count, call.layout_range, stale)
         if status == 1:
             raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
+        if status == 2:  # the pool's counts are this engine's own: not reached
+            raise RuntimeError(f"rank {self.rank}: {phase}: a reused output's stale row counts lie outside "
+                               f"[0, {R * M}]")
         if status == 4:
             what = ("is not mapped here" if bad[2] < 0 else
                     f"listed a token index outside [0, {M}) as its row {bad[2]} for local expert {bad[1]}")
@@ -1093,29 +1160,36 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
-        if pull:
-            self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
-                self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
-        native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
-                               base + lay.recv_off, base + self.rank * L * 4, self._sent_rows,
-                               keep="all" if pull else "own" if keep_own else "none")
         hdr = self._header(seq, OP_COMBINE, 0, lay, F_PULL if pull else 0, handle_id=handle_id)
-        sent = self._sent_rows.tolist()
-        dsts = self.order()
-        for dst in dsts:
-            if sent[dst]:
-                self.tp.record_put(dst, sent[dst] * 2 * H)
-            self.tp.record_put(dst, 4 * L)
-        self._publish(h, hdr, seq, dsts)
+        plan = self._fused_plan(lay, wait_stats)
+        if plan is not None:  # rows (or the published layout), counts, publish and count in one native call
+            if plan.combine_issue(h, layout_range, src, 2 if pull else 1 if keep_own else 0, pull, self._sent_rows,
+                                  hdr, seq + 1):
+                raise ValueError(f"rank {self.rank}: low_latency_combine call #{seq + 1}: the handle's layout_range "
+                                 f"holds a count above M={lay.M} or a run outside [0, {self.R * lay.M})")
+        else:
+            if pull:
+                self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
+                    self.win, base + lay.pull_off, 8 * L * self.R, torch.int64).view(L, self.R)).copy_(layout_range)
+            native.ll_combine_send(layout_range, src, lay.M, self.rank, self._bases, self._mask_arg(),
+                                   base + lay.recv_off, base + self.rank * L * 4, self._sent_rows,
+                                   keep="all" if pull else "own" if keep_own else "none")
+            sent = self._sent_rows.tolist()
+            dsts = self.order()
+            for dst in dsts:
+                if sent[dst]:
+                    self.tp.record_put(dst, sent[dst] * 2 * H)
+                self.tp.record_put(dst, 4 * L)
+            self._publish(h, hdr, seq, dsts)
         if _PH.on:
             _PH.switch("outputs")
         combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
         own = (src, layout_range) if keep_own or pull else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
-                                         route, own), (combined,))
+                                         route, own, plan), (combined,))
 
     def _receive_combine_native(self, seq, h, lay: Layout, topk_weights, combined, wait_stats,
-                                route: NativeRoute, own: tuple | None) -> None:
+                                route: NativeRoute, own: tuple | None, plan: native.LLPlan | None = None) -> None:
         """:meth:`_receive_combine` on the native path: one kernel checks the counts returned against the route's
         and sums every token's returned rows (docs/semantics/deepep-api.md §6.3), each where it lies: a pushed
         source's in this rank's window, this rank's own in ``own`` (``(src, layout_range)``, or None), a
@@ -1129,6 +1203,9 @@ class LowLatencyEngine:
         L, M, H, E = lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         phase = f"low_latency_combine call #{seq + 1}"
+        if plan is not None:
+            self._receive_combine_fused(plan, seq, h, lay, topk_weights, combined, route, own, phase)
+            return
         if _PH.on:
             _PH.switch("wait: signals")
         pulled = [d for d in self._await_call(h, seq, OP_COMBINE, lay, 0, phase, wait_stats) if d != self.rank]
@@ -1162,11 +1239,33 @@ class LowLatencyEngine:
         if error is not None:
             raise error
         if bad:
-            g, got, want = bad
-            raise LowLatencyRefused(
-                f"rank {self.rank}: {phase}: rank {g // L} returned {got} rows of expert {g}, but this rank's "
-                f"topk_idx selects it {want} times; combine needs the topk_idx of the dispatch that "
-                f"made the handle, on every rank")
+            raise _count_refusal(self.rank, phase, L, *bad)
+
+    def _receive_combine_fused(self, plan: native.LLPlan, seq, h, lay: Layout, topk_weights, combined,
+                               route: NativeRoute, own: tuple | None, phase: str) -> None:
+        """:meth:`_receive_combine_native` in one native call (:meth:`native.LLPlan.combine_finish`): the bounded wait,
+        the headers, the sum of every row where it lies, the pulled sources' stamps; the same bits and errors."""
+        if _PH.on:
+            _PH.switch("reduce")
+        self.tp.check_abort(phase)  # the bounded wait sees no abort words: a late rank must hear of one first
+        own_src, own_begin = (None, None) if own is None else (own[0], own[1].numpy()[:, self.rank] >> 32)
+        args = (route.slots, topk_weights, route.counts, combined, own_src, own_begin)
+        status = plan.combine_finish(h, seq, self._await_polls, *args)
+        if status < 0:  # a source is late (the long wait), or the headers disagree (they say why, and raise)
+            self._await_late(h, seq, OP_COMBINE, lay, 0, phase, status)
+            status = plan.combine_finish(h, seq, 0, *args)
+        if status == 0:
+            mark_written(combined)
+            return
+        bad = plan.bad
+        if status == 3:
+            mark_written(combined)
+            raise _torn_sum(self.rank, phase, bad[0], bad[1], seq)
+        if status == 2:
+            raise _count_refusal(self.rank, phase, lay.L, *bad)
+        if status == 4:
+            raise MemoryError(f"rank {self.rank}: {phase}: no memory for the sum's source table")
+        raise ValueError(f"rank {self.rank}: {phase}: the route's slots or a source's rows lie outside its counts")
 
     def _check_pulled_stamps(self, h: int, seq: int, pulled: list[int], phase: str) -> None:
         """After every load of call ``seq``'s rows from the ``pulled`` sources' send regions of half ``h`` (x86 keeps
@@ -1179,11 +1278,7 @@ class LowLatencyEngine:
         for d in pulled:
             now = ctypes.c_int64.from_address(addrs[d]).value
             if now != seq + 1:
-                raise RuntimeError(
-                    f"rank {self.rank}: {phase}: source rank {d} began rewriting its send region for LL call "
-                    f"#{now} while this rank read call #{seq + 1}'s rows from it (the sum may mix both); at "
-                    f"most two LL calls may be in flight: receive call k before issuing call k+2 "
-                    f"(docs/semantics/deepep-api.md §6.6)")
+                raise _torn_sum(self.rank, phase, d, now, seq)
 
     def _header_rows(self, h: int) -> torch.Tensor:
         """int64 ``[R, HDR_BYTES / 8]`` view of the sources' call headers of half ``h`` in this rank's ``ll_ctl``."""
@@ -1404,6 +1499,21 @@ class LowLatencyEngine:
         for dst in peers:
             self.tp.signal(self.ctl, dst, SLOT_CLEAN, add=self._raise_to(SLOT_CLEAN, dst, self.cleans))
         self._wait_sources(SLOT_CLEAN, self.cleans, "clean_low_latency_buffer", None, peers=peers)
+
+
+def _torn_sum(rank: int, phase: str, src: int, now: int, seq: int) -> RuntimeError:
+    """The error of a combine that read zero-copy source ``src``'s rows while its stamp moved to ``now``."""
+    return RuntimeError(
+        f"rank {rank}: {phase}: source rank {src} began rewriting its send region for LL call #{now} while this rank "
+        f"read call #{seq + 1}'s rows from it (the sum may mix both); at most two LL calls may be in flight: "
+        f"receive call k before issuing call k+2 (docs/semantics/deepep-api.md §6.6)")
+
+
+def _count_refusal(rank: int, phase: str, num_local: int, g: int, got: int, want: int) -> LowLatencyRefused:
+    """The refusal of a combine whose rows of expert ``g`` came back ``got`` times where its route expects ``want``."""
+    return LowLatencyRefused(
+        f"rank {rank}: {phase}: rank {g // num_local} returned {got} rows of expert {g}, but this rank's topk_idx "
+        f"selects it {want} times; combine needs the topk_idx of the dispatch that made the handle, on every rank")
 
 
 def _bytes_copy(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
 ``compact``                    ``EPBuffer.combine``: the rows combine sends (expanded layout: each
                                token's slots summed first)
 ``send``                       rows written into peers' windows (stores, ``put``; internode: with the
-                               block's signal), counts and headers
+                               block's signal), counts and headers (low-latency fused path, one node:
+                               with the pack and the signals, one native call)
 ``signal``                     flags raised at peers (low-latency: with the URMA flush that orders them)
 ``wait: <what>``               waiting for peers (flag polling): ``ready``, ``staging half free``,
                                ``x rows``, ``x read in place`` (intranode), ``rail blocks``, ``rail boxes
@@ -37,8 +38,10 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
                                its signals by stores, the headers' check too: one native call)
 ``control``                    the control exchange's reading: headers, consensus, count vectors, prefix sums
 ``outputs``                    output tensors allocated, the handle built
-``copy``                       received rows copied into the outputs (gathers, scatters, direct stores)
-``reduce``                     combine's sums (low-latency: the weighted sum)
+``copy``                       received rows copied into the outputs (gathers, scatters, direct stores;
+                               low-latency fused path: with the wait for on-time peers and the headers'
+                               check, one native call; a late peer's wait is ``wait: signals``)
+``reduce``                     combine's sums (low-latency: the weighted sum; fused path: as ``copy``)
 ``epilogue``                   after the data: handle fields, local expert ids, ``EPBuffer``'s ``fill``
 ``counters``                   the traffic counters' snapshots (``Buffer.get_traffic``)
 ``other``                      the rest of the call (Python glue, anything no mark names)

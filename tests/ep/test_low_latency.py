@@ -468,6 +468,7 @@ def test_rows_torn_by_a_third_call_in_flight_are_refused(comm):
     x, idx = make_inputs(61, r, R, 6, H, E, 2)
     ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, M)
     eng = buf._ll
+    eng._fusable = False  # the step-by-step path, whose wait and loads are two steps (the fused ones: test_ll_fused)
     native_path = eng.native_path()
     if r != 0 and native_path:  # load only once rank 0 restamped (after this rank's header check)
         await_dispatch = eng._await_dispatch
@@ -700,6 +701,7 @@ def test_zero_copy_combine_refuses_a_rewritten_source(comm, torn_layout):
     buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
                  explicitly_destroy=True)
     eng = buf._ll
+    eng._fusable = False  # the step-by-step path, which signals in _publish (the fused one: test_ll_fused)
     native_path = eng.native_path()
     x, idx = make_inputs(81, r, R, n, H, E, K)
     recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
@@ -1329,3 +1331,48 @@ def test_outputs_recycled_only_once_dropped(comm):
     del kept, again, data, scales
     coll(buf.destroy, what="destroy")
     chk.finish("output pool")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm):
+    """On one node with the kernels loaded a call takes the fused path (two native calls, ``native.LLPlan``) unless
+    it records wait times; the same calls on the step-by-step path (white-box: ``_fusable`` off on every rank) give
+    the same bits, the same per-peer traffic counters and the same handles: BF16 and FP8 dispatch, a synchronous
+    combine (own rows summed in place), a hook combine (own rows copied) and a zero-copy one (rows pulled)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K, n = 4 * R, 16, 256, 3, 12
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True)
+    eng = buf._ll
+    if not eng._fusable:
+        buf.destroy()
+        pytest.skip("no fused path here (kernels not built, or ranks not all mapped)")
+    x, idx = make_inputs(91, r, R, n, H, E, K)
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+
+    def run():
+        got = []
+        for fp8 in (False, True):
+            recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+            got += [t.clone() for t in (recv_x if fp8 else (recv_x,))] + [count.clone(), handle.src_info.clone(),
+                                                                          handle.layout_range.clone()]
+            got.append(buf.get_link_stats()["bytes_put"].copy())
+        y = expert_outputs(recv_x, r, E // R, True)
+        got.append(buf.low_latency_combine(y, idx, w, handle)[0].clone())
+        got.append(buf.get_link_stats()["puts"].copy())
+        combined, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+        hook()
+        got += [combined.clone(), buf.get_link_stats()["bytes_put"].copy()]
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        got.append(buf.low_latency_combine(y, idx, w, handle, zero_copy=True)[0].clone())
+        got.append(buf.get_link_stats()["signals"].copy())
+        return got
+
+    fused = coll(run, what="fused path")
+    eng._fusable = False
+    steps = coll(run, what="step-by-step path")
+    same = [torch.equal(bits(a), bits(b)) if isinstance(a, torch.Tensor) else bool((a == b).all())
+            for a, b in zip(fused, steps)]
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, all(same) and len(fused) == len(steps) and dexc is None,
+                 f"rank {r}: differing outputs {[i for i, s in enumerate(same) if not s]}; destroy {dexc!r}")

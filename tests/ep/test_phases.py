@@ -178,18 +178,23 @@ def test_low_latency_calls_tile_and_change_no_bit(buffers, comm, hook):
     for rec in records:
         _check_tiles(rec, wall)
     by = {r.op: set(r.phases) for r in records}
-    send = {"checks", "pack", "route", "send", "signal", "outputs"}
-    # With signals by stores the headers are checked inside the wait's native call (no "control" of its own).
+    # The fused path (one node, signals by stores) packs, sends and signals in one native call ("send") and waits
+    # while the peers are on time inside its receive's ("copy" / "reduce"); the step-by-step path marks each step,
+    # and checks the headers in the wait's native call with signals by stores (no "control" of its own).
+    fused = buf._ll._fusable
     control = set() if buf._ll._store_signals is not None else {"control"}
-    receive = {"wait: signals", "copy", "counters"} | control
+    steps = set() if fused else {"pack", "signal"}
+    waits = set() if fused else {"wait: signals"} | control
+    send = {"checks", "route", "send", "outputs"} | steps
+    receive = {"copy", "counters"} | waits
     if hook:
         assert send <= by["low_latency_dispatch"] and receive <= by["low_latency_dispatch hook"], by
-        assert "wait: signals" not in by["low_latency_dispatch"]  # the call returns once the sends are issued
-        assert {"send", "signal"} <= by["low_latency_combine"]
-        assert {"wait: signals", "reduce"} | control <= by["low_latency_combine hook"], by
+        assert not {"wait: signals", "copy"} & set(by["low_latency_dispatch"])  # returns once the sends are issued
+        assert {"send"} | steps <= by["low_latency_combine"]
+        assert {"reduce"} | waits <= by["low_latency_combine hook"], by
     else:
         assert send | receive <= by["low_latency_dispatch"], by
-        assert {"checks", "send", "signal", "wait: signals", "reduce"} | control <= by["low_latency_combine"], by
+        assert {"checks", "send", "reduce"} | steps | waits <= by["low_latency_combine"], by
 
 
 @pytest.mark.mpi(min_size=1)

@@ -134,7 +134,8 @@ def test_closed_transport_refuses_every_op(tp):
     tp.destroy()
     failures = []
     for name, op in [("read_signal", lambda: tp.read_signal(win, 0, 0)),
-                     ("check_abort", tp.check_abort), ("fence", tp.fence)]:
+                     ("check_abort", tp.check_abort), ("fence", tp.fence),
+                     ("traffic_counter_addresses", tp.traffic_counter_addresses)]:
         try:
             op()
             failures.append(f"{name}: no error")

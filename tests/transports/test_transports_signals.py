@@ -95,6 +95,30 @@ def test_signals_by_stores_at_their_addresses(shared_tp):
     tp.barrier()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_counting_at_the_counter_addresses_is_recording(shared_tp):
+    """Adding at ``traffic_counter_addresses()`` changes the counters exactly as ``record_put`` / ``record_signal``
+    of the same peers do: the cell of each peer's channel kind, in the same snapshot fields."""
+    tp = shared_tp
+    n = tp.topology.world_size
+    bytes_put, puts, signals = tp.traffic_counter_addresses()
+    assert bytes_put.shape == puts.shape == signals.shape == (n,) and bytes_put.dtype == np.int64
+    start = tp.stats.snapshot()
+    for p in range(n):
+        tp.record_put(p, 100 + p)
+        tp.record_signal(p)
+    recorded = tp.stats.diff(tp.stats.snapshot(), start)
+    start = tp.stats.snapshot()
+    for p in range(n):
+        ctypes.c_int64.from_address(int(bytes_put[p])).value += 100 + p
+        ctypes.c_int64.from_address(int(puts[p])).value += 1
+        ctypes.c_int64.from_address(int(signals[p])).value += 1
+    stored = tp.stats.diff(tp.stats.snapshot(), start)
+    for field in ("bytes_put", "puts", "signals", "bytes_fetched", "gets"):
+        assert np.array_equal(recorded[field], stored[field]), field
+    assert int(recorded["bytes_put"].sum()) == sum(100 + p for p in range(n))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_quiet_waits_have_a_deadline(comm):
     """The waits of collective constructors (``quiet_wait``, under ``quiet_barrier`` and ``quiet_allgather_object``)
