@@ -655,14 +655,27 @@ class LowLatencyEngine:
         self._wait_sources(h, seq + 1, phase, cost)
         return self._check_headers(h, seq, op, lay, flags)
 
-    def _await_late(self, h, seq, op, lay, flags, phase, status) -> None:
-        """After a fused finish returned ``status`` -1 (a source is late): the long wait, with its deadline and abort
-        checks, then the headers; -2 (the headers disagree): :meth:`_check_headers`, which raises saying why."""
-        if status == -1:
-            if _PH.on:
-                _PH.switch("wait: signals")
-            self._wait_sources(h, seq + 1, phase, None)
-        self._check_headers(h, seq, op, lay, flags)
+    def _finish(self, plan: native.LLPlan, finish, h, seq, op, lay, flags, phase, work: str) -> int:
+        """A fused finish, ``finish(polls, timed)`` (:class:`native.LLPlan`), and its status. It returns -1 when a
+        source is late: then the long wait, with its deadline and abort checks, and the headers, and the finish
+        again without polling; -2 when the headers disagree: :meth:`_check_headers` raises saying why. Recording
+        phases, the finish's bounded wait counts as ``wait: signals``, the rest as ``work``."""
+        on = _PH.on
+        status = finish(self._await_polls, on)
+        if on:
+            _PH.carve("wait: signals", plan.ns[0])
+        if status < 0:
+            if status == -1:
+                if on:
+                    _PH.switch("wait: signals")
+                self._wait_sources(h, seq + 1, phase, None)
+            self._check_headers(h, seq, op, lay, flags)
+            if on:
+                _PH.switch(work)
+            status = finish(0, on)
+            if on:
+                _PH.carve("wait: signals", plan.ns[0])
+        return status
 
     def _check_headers(self, h, seq, op, lay, flags) -> list[int]:
         """Every live source's header against ours; refusals and disagreements raise on every rank. Returns the
@@ -816,9 +829,13 @@ class LowLatencyEngine:
             self._dispatched = None
             mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)
             if plan.dispatch_issue(h, route.slots, route.counts, self._sent_rows, 2 if use_fp8 else 1, x, round_scale,
-                                   use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1):
+                                   use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1, _PH.on):
                 raise RuntimeError(f"rank {self.rank}: low_latency_dispatch call #{seq + 1}: the fused send refused "
                                    f"its route or its x (changed after the argument checks?)")
+            if _PH.on:
+                ns = plan.ns
+                _PH.carve("pack", ns[0])
+                _PH.carve("signal", ns[1])
         else:
             if _PH.on:
                 _PH.switch("pack")
@@ -894,10 +911,9 @@ class LowLatencyEngine:
             self.tp.check_abort(phase)  # the bounded wait sees no abort words: a late rank must hear of one first
             args = (mb, call.recv_x.view(torch.uint8), call.recv_scales, call.src_info, call.recv_count,
                     call.layout_range, stale)
-            status = plan.dispatch_finish(call.half, call.seq, self._await_polls, *args)
-            if status < 0:  # a source is late (the long wait), or the headers disagree (they say why, and raise)
-                self._await_late(call.half, call.seq, OP_DISPATCH, lay, call.flags, phase, status)
-                status = plan.dispatch_finish(call.half, call.seq, 0, *args)
+            status = self._finish(plan, lambda polls, timed: plan.dispatch_finish(call.half, call.seq, polls, *args,
+                                                                                  timed=timed),
+                                  call.half, call.seq, OP_DISPATCH, lay, call.flags, phase, "copy")
             bad = plan.bad
             if status in (0, 3):
                 mark_written(*(t for t in (call.recv_x, call.src_info, call.recv_count, call.layout_range,
@@ -1164,9 +1180,11 @@ class LowLatencyEngine:
         plan = self._fused_plan(lay, wait_stats)
         if plan is not None:  # rows (or the published layout), counts, publish and count in one native call
             if plan.combine_issue(h, layout_range, src, 2 if pull else 1 if keep_own else 0, pull, self._sent_rows,
-                                  hdr, seq + 1):
+                                  hdr, seq + 1, _PH.on):
                 raise ValueError(f"rank {self.rank}: low_latency_combine call #{seq + 1}: the handle's layout_range "
                                  f"holds a count above M={lay.M} or a run outside [0, {self.R * lay.M})")
+            if _PH.on:
+                _PH.carve("signal", plan.ns[1])
         else:
             if pull:
                 self._view(("lr_out", base + lay.pull_off, L), lambda: self.tp.local_view(  # keyed by M, H's offset
@@ -1250,10 +1268,8 @@ class LowLatencyEngine:
         self.tp.check_abort(phase)  # the bounded wait sees no abort words: a late rank must hear of one first
         own_src, own_begin = (None, None) if own is None else (own[0], own[1].numpy()[:, self.rank] >> 32)
         args = (route.slots, topk_weights, route.counts, combined, own_src, own_begin)
-        status = plan.combine_finish(h, seq, self._await_polls, *args)
-        if status < 0:  # a source is late (the long wait), or the headers disagree (they say why, and raise)
-            self._await_late(h, seq, OP_COMBINE, lay, 0, phase, status)
-            status = plan.combine_finish(h, seq, 0, *args)
+        status = self._finish(plan, lambda polls, timed: plan.combine_finish(h, seq, polls, *args, timed=timed),
+                              h, seq, OP_COMBINE, lay, 0, phase, "reduce")
         if status == 0:
             mark_written(combined)
             return

@@ -29,8 +29,7 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
 ``compact``                    ``EPBuffer.combine``: the rows combine sends (expanded layout: each
                                token's slots summed first)
 ``send``                       rows written into peers' windows (stores, ``put``; internode: with the
-                               block's signal), counts and headers (low-latency fused path, one node:
-                               with the pack and the signals, one native call)
+                               block's signal), counts and headers
 ``signal``                     flags raised at peers (low-latency: with the URMA flush that orders them)
 ``wait: <what>``               waiting for peers (flag polling): ``ready``, ``staging half free``,
                                ``x rows``, ``x read in place`` (intranode), ``rail blocks``, ``rail boxes
@@ -38,10 +37,8 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
                                its signals by stores, the headers' check too: one native call)
 ``control``                    the control exchange's reading: headers, consensus, count vectors, prefix sums
 ``outputs``                    output tensors allocated, the handle built
-``copy``                       received rows copied into the outputs (gathers, scatters, direct stores;
-                               low-latency fused path: with the wait for on-time peers and the headers'
-                               check, one native call; a late peer's wait is ``wait: signals``)
-``reduce``                     combine's sums (low-latency: the weighted sum; fused path: as ``copy``)
+``copy``                       received rows copied into the outputs (gathers, scatters, direct stores)
+``reduce``                     combine's sums (low-latency: the weighted sum)
 ``epilogue``                   after the data: handle fields, local expert ids, ``EPBuffer``'s ``fill``
 ``counters``                   the traffic counters' snapshots (``Buffer.get_traffic``)
 ``other``                      the rest of the call (Python glue, anything no mark names)
@@ -50,7 +47,9 @@ Phase names (a phase may appear in any op; names are stable, ``docs/benchmarks.m
 Cost when off: every phase boundary is one ``if RECORDER.on:`` (an attribute read); a recorded
 entry point adds one Python call frame. When on, a boundary costs one ``time.perf_counter_ns()`` and
 a dictionary update, which the phases include (a recorded call runs a little longer than an
-unrecorded one). Records are per thread: the part of an ``async_finish`` call that runs on the
+unrecorded one). A native call that runs several steps (the low-latency fused path's) times them itself
+while recording, and each step's time is moved to its phase (:meth:`PhaseRecorder.carve`). Records are
+per thread: the part of an ``async_finish`` call that runs on the
 Buffer's worker after the call returned is not in the call's record.
 """
 
@@ -131,6 +130,15 @@ class PhaseRecorder:
         acc[prev] = acc.get(prev, 0) + t - call.t
         call.current, call.t = phase or OTHER, t
         return prev
+
+    def carve(self, phase: str, ns: int) -> None:
+        """Count ``ns`` nanoseconds of the running phase as ``phase`` instead: a step timed inside a native call
+        that runs several (its wait, its pack). Nothing without an open call in this thread."""
+        call = getattr(self._local, "call", None)
+        if call is None or ns <= 0:
+            return
+        call.acc[phase] = call.acc.get(phase, 0) + ns
+        call.t += ns  # the running phase has ns less
 
     def end(self) -> CallRecord | None:
         """Close this thread's open call and keep its record (also returned)."""

@@ -98,6 +98,7 @@ class LLPlan:
         self.address = self.words.ctypes.data
         self.num_ranks, self.num_local, self.m, self.hidden = R, num_local, m, hidden
         self._bad = (ctypes.c_int64 * 3)()
+        self._ns = (ctypes.c_int64 * 2)()
         self._stale = (ctypes.c_void_p * 3)()
         self._own_ld = np.zeros(2, dtype=np.int64)
 
@@ -106,21 +107,29 @@ class LLPlan:
         """The ``bad`` words of the last finish that reported a problem."""
         return list(self._bad)
 
+    @property
+    def ns(self) -> list[int]:
+        """Nanoseconds of the last ``timed`` call's timed steps: an issue's ``[staging, publishing]`` (a combine
+        stages nothing: 0), a finish's ``[wait, 0]`` (its bounded wait and the headers' check)."""
+        return list(self._ns)
+
     def dispatch_issue(self, h: int, route_slots: torch.Tensor, counts: torch.Tensor, sent: torch.Tensor, stage: int,
                        x: torch.Tensor | None, round_scale: bool, ue8m0: bool, mb: int, hdr: torch.Tensor,
-                       value: int) -> int:
+                       value: int, timed: bool = False) -> int:
         """``deepep_ll_dispatch_issue``: stage ``x`` (1: BF16 payload copy, 2: FP8 messages), the route's index
         words and counts, the header ``hdr`` (bytes) and signal ``value``, the traffic. ``route_slots`` ``[n, k]``
-        int64 and ``counts`` ``[E]`` int32 from :func:`~deepep_ascend.native.ll_route`; ``sent`` ``[R]`` int64."""
+        int64 and ``counts`` ``[E]`` int32 from :func:`~deepep_ascend.native.ll_route`; ``sent`` ``[R]`` int64.
+        ``timed``: time the steps (:attr:`ns`)."""
         n, k = route_slots.shape
         return kernels.ll_dispatch_issue(self.address, h, n, k, route_slots.data_ptr(), counts.data_ptr(),
                                          sent.data_ptr(), stage, 0 if x is None else x.data_ptr(),
                                          0 if x is None else x.stride(0), int(round_scale), int(ue8m0), mb,
-                                         hdr.data_ptr(), hdr.numel() * hdr.element_size() // 8, value)
+                                         hdr.data_ptr(), hdr.numel() * hdr.element_size() // 8, value,
+                                         self._ns if timed else None)
 
     def dispatch_finish(self, h: int, seq: int, polls: int, mb: int, recv_x: torch.Tensor,
                         scales: torch.Tensor | None, src_info: torch.Tensor, recv_count: torch.Tensor,
-                        layout_range: torch.Tensor, stale: tuple) -> int:
+                        layout_range: torch.Tensor, stale: tuple, timed: bool = False) -> int:
         """``deepep_ll_dispatch_finish``: -1 a source is late, -2 the headers disagree (nothing written); else
         :func:`~deepep_ascend.native.ll_dispatch_recv`'s status (its ``bad`` in :attr:`bad`). ``recv_x`` is the
         ``[L, R·M, H]`` output (its bytes), ``stale`` as that function takes it."""
@@ -131,10 +140,11 @@ class LLPlan:
         return kernels.ll_dispatch_finish(self.address, h, seq, polls, mb, xb,
                                           0 if scales is None else scales.size(2), recv_x.data_ptr(),
                                           0 if scales is None else scales.data_ptr(), src_info.data_ptr(),
-                                          recv_count.data_ptr(), layout_range.data_ptr(), st, self._bad)
+                                          recv_count.data_ptr(), layout_range.data_ptr(), st, self._bad,
+                                          self._ns if timed else None)
 
     def combine_issue(self, h: int, layout_range: torch.Tensor, src: torch.Tensor, keep: int, pull: bool,
-                      sent: torch.Tensor, hdr: torch.Tensor, value: int) -> int:
+                      sent: torch.Tensor, hdr: torch.Tensor, value: int, timed: bool = False) -> int:
         """``deepep_ll_combine_issue``: ``src`` ``[L, R·M, H]`` bf16 rows (unit last stride), ``layout_range``
         ``[L, R]`` contiguous int64, ``keep`` 0 / 1 / 2 (:func:`~deepep_ascend.native.ll_combine_send`'s
         ``"none"`` / ``"own"`` / ``"all"``); ``pull`` publishes ``layout_range`` for the receivers."""
@@ -142,11 +152,11 @@ class LLPlan:
         s0, s1 = src.stride()[:2]
         return kernels.ll_combine_issue(self.address, h, layout_range.data_ptr(), src.data_ptr(), s0 * e, s1 * e,
                                         src.size(2) * e, keep, int(pull), sent.data_ptr(), hdr.data_ptr(),
-                                        hdr.numel() * hdr.element_size() // 8, value)
+                                        hdr.numel() * hdr.element_size() // 8, value, self._ns if timed else None)
 
     def combine_finish(self, h: int, seq: int, polls: int, slots: torch.Tensor, weights: torch.Tensor,
                        expected: torch.Tensor, out: torch.Tensor, own: torch.Tensor | None,
-                       own_begin: np.ndarray | None) -> int:
+                       own_begin: np.ndarray | None, timed: bool = False) -> int:
         """``deepep_ll_combine_finish``: -1 a source is late, -2 the headers disagree (nothing written); else 0
         done, 1 a slot or run out of range, 2 a count differs, 3 a pulled source's stamp moved, 4 no memory
         (:attr:`bad` as the C comment says). ``own`` ``[L, R·M, H]`` bf16 with ``own_begin`` ``[L]`` int64 (this
@@ -159,4 +169,4 @@ class LLPlan:
             own_p, ld_p, begin_p = own.data_ptr(), self._own_ld.ctypes.data, own_begin.ctypes.data
         return kernels.ll_combine_finish(self.address, h, seq, polls, n, k, slots.data_ptr(), weights.data_ptr(),
                                          expected.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, own_p, ld_p,
-                                         begin_p, self._bad)
+                                         begin_p, self._bad, self._ns if timed else None)

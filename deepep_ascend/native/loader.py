@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 18
+ABI = 19
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -45,10 +45,11 @@ _SIGNATURES = {
     "ll_publish": (_I64, [_I64, _P, _I64, _P, _I64, _P, _P, _I64]),
     "ll_await": (_I64, [_I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64]),
     "zero_row_prefix": (_I64, [_P, _I64, _I64, _I64, _I64, _P]),
-    "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64]),
-    "ll_dispatch_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P]),
-    "ll_combine_issue": (_I64, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64]),
-    "ll_combine_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _U16, _P, _P, _P, _P]),
+    "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64,
+                                 _P]),
+    "ll_dispatch_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "ll_combine_issue": (_I64, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P]),
+    "ll_combine_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _U16, _P, _P, _P, _P, _P]),
     "ll_cast_messages": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _P, _I64]),
     "amx_bf16_available": (_I64, []),
     "amx_packed_elems": (_I64, [_I64, _I64]),

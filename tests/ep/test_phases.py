@@ -71,6 +71,22 @@ def test_recorder_is_off_by_default_and_tiles_a_call():
             pass
 
 
+def test_carve_moves_a_timed_step_out_of_the_running_phase():
+    rec = phases.RECORDER
+    rec.carve("pack", 10**6)  # no open call: a no-op
+    with phases.recording():
+        rec.begin("op", "low-latency")
+        rec.switch("send")
+        time.sleep(0.004)
+        rec.carve("pack", 1_000_000)  # 1 ms of the 4 ms "send" was a native call's staging
+        rec.carve("signal", 0)  # nothing timed: nothing moved
+        rec.switch(None)
+        got = rec.end()
+    assert got.phases["pack"] == 1_000_000 and "signal" not in got.phases
+    assert got.phases["send"] >= 3_000_000
+    assert sum(got.phases.values()) == got.total_ns  # the phases still tile the call
+
+
 def test_timed_records_one_call_and_passes_errors_through():
     @phases.timed("outer", "low-latency")
     def outer(fail=False):
@@ -178,23 +194,20 @@ def test_low_latency_calls_tile_and_change_no_bit(buffers, comm, hook):
     for rec in records:
         _check_tiles(rec, wall)
     by = {r.op: set(r.phases) for r in records}
-    # The fused path (one node, signals by stores) packs, sends and signals in one native call ("send") and waits
-    # while the peers are on time inside its receive's ("copy" / "reduce"); the step-by-step path marks each step,
-    # and checks the headers in the wait's native call with signals by stores (no "control" of its own).
-    fused = buf._ll._fusable
+    # The fused path (one node, signals by stores) times its pack, signals and bounded wait inside its native
+    # calls and reports them as these phases too; with signals by stores the headers are checked inside the wait's
+    # native call (no "control" of its own).
+    send = {"checks", "pack", "route", "send", "signal", "outputs"}
     control = set() if buf._ll._store_signals is not None else {"control"}
-    steps = set() if fused else {"pack", "signal"}
-    waits = set() if fused else {"wait: signals"} | control
-    send = {"checks", "route", "send", "outputs"} | steps
-    receive = {"copy", "counters"} | waits
+    receive = {"wait: signals", "copy", "counters"} | control
     if hook:
         assert send <= by["low_latency_dispatch"] and receive <= by["low_latency_dispatch hook"], by
-        assert not {"wait: signals", "copy"} & set(by["low_latency_dispatch"])  # returns once the sends are issued
-        assert {"send"} | steps <= by["low_latency_combine"]
-        assert {"reduce"} | waits <= by["low_latency_combine hook"], by
+        assert not {"wait: signals", "copy"} & by["low_latency_dispatch"]  # the call returns once the sends are issued
+        assert {"send", "signal"} <= by["low_latency_combine"]
+        assert {"wait: signals", "reduce"} | control <= by["low_latency_combine hook"], by
     else:
         assert send | receive <= by["low_latency_dispatch"], by
-        assert {"checks", "send", "reduce"} | steps | waits <= by["low_latency_combine"], by
+        assert {"checks", "send", "signal", "wait: signals", "reduce"} | control <= by["low_latency_combine"], by
 
 
 @pytest.mark.mpi(min_size=1)

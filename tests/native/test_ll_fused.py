@@ -129,11 +129,14 @@ def test_dispatch_issue_and_finish_are_the_steps(fp8, R, h, strided):
     steps = fused.clone()
     hdr = header(seq, OP_DISPATCH, F_PULL)
     base = h * fused.half
-    for me in range(R):  # issue, fused
+    for me in range(R):  # issue, fused (timed on one rank: the same bytes)
         sent = torch.zeros(R, dtype=torch.int64)
         counts, slots = routes[me]
-        assert fused.plan(me).dispatch_issue(h, slots, counts, sent, 2 if fp8 else 1, xs[me], False, False, mb,
-                                             hdr.view(torch.uint8), seq + 1) == 0
+        plan = fused.plan(me)
+        assert plan.dispatch_issue(h, slots, counts, sent, 2 if fp8 else 1, xs[me], False, False, mb,
+                                   hdr.view(torch.uint8), seq + 1, timed=me == 0) == 0
+        if me == 0:
+            assert all(0 < t < 10**9 for t in plan.ns), plan.ns
     for me in range(R):  # issue, step by step (the engine's calls before the fused path)
         counts, slots = routes[me]
         send = steps.win[me][base + lay.send_off:base + lay.send_off + n * mb].view(n, mb)
@@ -151,7 +154,8 @@ def test_dispatch_issue_and_finish_are_the_steps(fp8, R, h, strided):
     for me in range(R):  # finish, both ways
         out_f, out_s = outputs(lay, R, sw), outputs(lay, R, sw)
         plan = fused.plan(me)
-        assert plan.dispatch_finish(h, seq, 10, mb, *out_f, (None, None, None)) == 0
+        assert plan.dispatch_finish(h, seq, 10, mb, *out_f, (None, None, None), timed=True) == 0
+        assert 0 < plan.ns[0] < 10**9, plan.ns
         assert native.ll_await(steps.sig[me][h].data_ptr(), R, None, seq + 1, 10, steps.hdr_in(me, h), me, seq,
                                OP_DISPATCH) == 1
         own = steps.win[me][base:]

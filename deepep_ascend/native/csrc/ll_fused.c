@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* the steps, from ll_calls.c and ll_cast.c */
 int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int64_t m, int64_t num_local,
@@ -76,6 +77,14 @@ enum {
 #define OP_COMBINE 2
 #define F_PULL 8
 
+/* Nanoseconds of CLOCK_MONOTONIC: the steps a caller times (its phase breakdown) when it passes `ns`. */
+static inline int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static inline const int64_t *arr(const int64_t *plan, int64_t word) { return (const int64_t *)(intptr_t)plan[word]; }
 static inline const int64_t *half(const int64_t *plan, int64_t h) { return plan + PLAN_HALF + h * PLAN_HALF_WORDS; }
 
@@ -114,12 +123,13 @@ static int64_t publish(const int64_t *plan, int64_t h, const int64_t *hdr, int64
  * the region as it is. Then deepep_ll_dispatch_send (slots [n, k], counts [L*R], sent [R]) into every rank,
  * then the header `hdr` (`words` int64) and signal `value` to every destination, and the traffic (each
  * routed row counted as mb + 4 bytes: the message its receiver loads and its index word).
+ * ns (NULL: not timed): ns[0] = the staging's nanoseconds, ns[1] = the publishing's.
  * Returns 0; 1 (nothing sent) when a slot lies outside [-1, L*R*M) or the cast refuses its shape; 2 when a
  * destination has no header slot or signal word (the plan's fault: rows and counts are written). */
 int64_t deepep_ll_dispatch_issue(const int64_t *plan, int64_t h, int64_t n, int64_t k, const int64_t *slots,
                                  const int32_t *counts, int64_t *sent, int64_t stage, const uint16_t *x,
                                  int64_t x_ld, int64_t round_scale, int64_t ue8m0, int64_t mb, const int64_t *hdr,
-                                 int64_t words, int64_t value)
+                                 int64_t words, int64_t value, int64_t *ns)
 {
     const int64_t R = plan[PLAN_R], L = plan[PLAN_L], M = plan[PLAN_M], H = plan[PLAN_H], me = plan[PLAN_ME];
     const int64_t *bases = arr(plan, PLAN_BASES);
@@ -128,38 +138,48 @@ int64_t deepep_ll_dispatch_issue(const int64_t *plan, int64_t h, int64_t n, int6
     for (int64_t i = 0; i < n * k; i++)
         if (slots[i] < -1 || slots[i] >= L * R * M)
             return 1;
+    const int64_t t0 = ns ? now_ns() : 0;
     if (stage == 2 && deepep_ll_cast_messages(n, H, x, x_ld, round_scale, ue8m0, send, mb))
         return 1;
     if (stage == 1)
         for (int64_t t = 0; t < n; t++)
             memcpy(send + t * mb + 16, x + t * x_ld, (size_t)(2 * H));
+    const int64_t t1 = ns ? now_ns() : 0;
     if (deepep_ll_dispatch_send(n, k, slots, M, L, R, me, bases, NULL, base + plan[PLAN_RECV_OFF], base + me * L * 4,
                                 counts, sent))
         return 1;
-    return publish(plan, h, hdr, words, value, sent, mb + 4);
+    const int64_t t2 = ns ? now_ns() : 0;
+    const int64_t rc = publish(plan, h, hdr, words, value, sent, mb + 4);
+    if (ns)
+        ns[0] = t1 - t0, ns[1] = now_ns() - t2;
+    return rc;
 }
 
 /* The bounded wait of a call `seq` of op in half h (deepep_ll_await with `polls` rounds and ignore_flags),
  * as deepep_ll_dispatch_finish and deepep_ll_combine_finish begin: -1 when a source is late (nothing read),
  * -2 when the headers disagree, else the headers' answer (1, or 3: a source set an ignored flag). */
-static int64_t await_call(const int64_t *plan, int64_t h, int64_t seq, int64_t op, int64_t polls, int64_t ignore)
+static int64_t await_call(const int64_t *plan, int64_t h, int64_t seq, int64_t op, int64_t polls, int64_t ignore,
+                          int64_t *ns)
 {
     const int64_t *hp = half(plan, h);
+    const int64_t t0 = ns ? now_ns() : 0;
     const int64_t rc = deepep_ll_await(plan[PLAN_R], plan[PLAN_ME], (const int64_t *)(intptr_t)hp[HALF_SIG_IN], NULL,
                                        seq + 1, polls, (const int64_t *)(intptr_t)hp[HALF_HDR_IN],
                                        plan[PLAN_HDR_WORDS], seq, op, ignore);
+    if (ns)
+        ns[0] = now_ns() - t0, ns[1] = 0;
     return rc == 0 ? -2 : rc;
 }
 
 /* A dispatch's receive of call seq in half h: the bounded wait (await_call: -1 late, -2 headers disagree,
  * nothing written), then deepep_ll_dispatch_recv into recv_x [L, R*M, xb] bytes, scales (channels-first,
  * sw words, or NULL), src_info, recv_count, layout_range, with stale[3] and bad[3] as it takes them; its
- * status (0 done, 1, 2, 3, 4) is returned. */
+ * status (0 done, 1, 2, 3, 4) is returned. ns (NULL: not timed): ns = {the wait's nanoseconds, 0}. */
 int64_t deepep_ll_dispatch_finish(const int64_t *plan, int64_t h, int64_t seq, int64_t polls, int64_t mb, int64_t xb,
                                   int64_t sw, uint8_t *recv_x, int32_t *scales, int32_t *src_info, int32_t *recv_count,
-                                  int64_t *layout_range, const int32_t *const *stale, int64_t *bad)
+                                  int64_t *layout_range, const int32_t *const *stale, int64_t *bad, int64_t *ns)
 {
-    const int64_t rc = await_call(plan, h, seq, OP_DISPATCH, polls, 0);
+    const int64_t rc = await_call(plan, h, seq, OP_DISPATCH, polls, 0, ns);
     if (rc < 0)
         return rc;
     const int64_t R = plan[PLAN_R], L = plan[PLAN_L], M = plan[PLAN_M], me = plan[PLAN_ME];
@@ -175,10 +195,11 @@ int64_t deepep_ll_dispatch_finish(const int64_t *plan, int64_t h, int64_t seq, i
  * the half's pull offset of this rank's window (a zero-copy combine: src is the send region, keep 2); then
  * deepep_ll_combine_send (src rows of row_bytes, stride_e / stride_r bytes apart; keep 0, 1 or 2; sent [R]),
  * then the header and signal to every destination and the traffic (rows counted as row_bytes each).
+ * ns (NULL: not timed): ns[0] = 0 (nothing is staged), ns[1] = the publishing's nanoseconds.
  * Returns 0; 1 (nothing sent) for a count above M or a run outside [0, R*M); 2 as deepep_ll_dispatch_issue. */
 int64_t deepep_ll_combine_issue(const int64_t *plan, int64_t h, const int64_t *layout_range, const uint8_t *src,
                                 int64_t stride_e, int64_t stride_r, int64_t row_bytes, int64_t keep, int64_t pull,
-                                int64_t *sent, const int64_t *hdr, int64_t words, int64_t value)
+                                int64_t *sent, const int64_t *hdr, int64_t words, int64_t value, int64_t *ns)
 {
     const int64_t R = plan[PLAN_R], L = plan[PLAN_L], M = plan[PLAN_M], me = plan[PLAN_ME];
     const int64_t *bases = arr(plan, PLAN_BASES);
@@ -193,7 +214,11 @@ int64_t deepep_ll_combine_issue(const int64_t *plan, int64_t h, const int64_t *l
     if (deepep_ll_combine_send(L, R, M, row_bytes, me, layout_range, src, stride_e, stride_r, bases, NULL,
                                base + plan[PLAN_RECV_OFF], base + me * L * 4, keep, sent))
         return 1;
-    return publish(plan, h, hdr, words, value, sent, row_bytes);
+    const int64_t t0 = ns ? now_ns() : 0;
+    const int64_t rc = publish(plan, h, hdr, words, value, sent, row_bytes);
+    if (ns)
+        ns[0] = 0, ns[1] = now_ns() - t0;
+    return rc;
 }
 
 /* A combine's receive of call seq in half h: the bounded wait (await_call, F_PULL a source's own choice: -1
@@ -204,13 +229,13 @@ int64_t deepep_ll_combine_issue(const int64_t *plan, int64_t h, const int64_t *l
  * says F_PULL from its send region through the layout_range it published. Then every such source's stamp
  * must still read seq + 1. Returns 0 done; 1 a slot or a source's run out of range (nothing written); 2 a
  * count differs (bad = {expert, got, want}; nothing written); 3 a pulled source's stamp moved (bad = {source,
- * stamp}; out written); 4 out of memory (nothing written). */
+ * stamp}; out written); 4 out of memory (nothing written). ns as deepep_ll_dispatch_finish's. */
 int64_t deepep_ll_combine_finish(const int64_t *plan, int64_t h, int64_t seq, int64_t polls, int64_t n, int64_t k,
                                  const int64_t *slots, const float *weights, const int32_t *expected, uint16_t *out,
                                  int64_t out_ld, uint16_t nan_bits, const uint16_t *own, const int64_t *own_ld,
-                                 const int64_t *own_begin, int64_t *bad)
+                                 const int64_t *own_begin, int64_t *bad, int64_t *ns)
 {
-    const int64_t rc = await_call(plan, h, seq, OP_COMBINE, polls, F_PULL);
+    const int64_t rc = await_call(plan, h, seq, OP_COMBINE, polls, F_PULL, ns);
     if (rc < 0)
         return rc;
     const int64_t R = plan[PLAN_R], L = plan[PLAN_L], M = plan[PLAN_M], H = plan[PLAN_H], me = plan[PLAN_ME];
