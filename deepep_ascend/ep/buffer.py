@@ -1237,7 +1237,7 @@ class Buffer(SharedOnCopy):
         ll = self._ll_usable("low_latency_combine")
 
         def validate():
-            stale = ll.stale_zero_copy() if zero_copy else None
+            stale = ll.stale_zero_copy(handle) if zero_copy else None
             # This Buffer's last dispatch's own topk_idx and handle: checked then, routed then.
             route = ll.dispatched_route(topk_idx, handle)
             checked, lay, routed = check_low_latency_combine_args(

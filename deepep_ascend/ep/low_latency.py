@@ -372,6 +372,7 @@ class LowLatencyEngine:
         self._hdr_bytes = torch.from_numpy(self._hdr_words).view(torch.uint8)
         self.pending_hook = None  # call number awaiting its hook
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
+        self.zero_copy_shape = None  # and the (M, H, E) it was laid out for
         self.pool = OutputPool()
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
         # The last received dispatch: stamps of (topk_idx, mask) at its route, of its handle's
@@ -487,14 +488,22 @@ class LowLatencyEngine:
             self._wait_sources(seq % 2, seq + 1, f"get_next_low_latency_combine_buffer: peers issuing LL call "
                                f"#{seq + 1} (their loads from this half are done then)", None)
         self.zero_copy_for = self.calls
+        self.zero_copy_shape = (lay.M, lay.H, lay.E)
         self._stamp(h, self.calls + 1)
         return self.tp.local_view(self.win, h * self.half + lay.send_off, lay.L * self.R * lay.M * 2 * lay.H,
                                   torch.bfloat16).view(lay.L, self.R * lay.M, lay.H)
 
-    def stale_zero_copy(self) -> str | None:
-        """Why a zero-copy combine issued now would not find the caller's data (None: it would)."""
+    def stale_zero_copy(self, handle=None) -> str | None:
+        """Why a zero-copy combine of ``handle`` issued now would not find the caller's data (None: it would): no
+        buffer handed out for this call, or one laid out for another handle's ``(M, H, E)`` (its rows then lie
+        elsewhere in the send region)."""
         if self.zero_copy_for == self.calls:
-            return None
+            shape = tuple(handle[2:5]) if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
+            if shape is None or shape == self.zero_copy_shape:
+                return None
+            return (f"low_latency_combine(zero_copy=True): the buffer from get_next_low_latency_combine_buffer was "
+                    f"laid out for a handle of (M, H, E) = {self.zero_copy_shape}, but this combine's handle has "
+                    f"{shape}; get the buffer with the handle the combine passes")
         if self.zero_copy_for is None:
             return (f"low_latency_combine(zero_copy=True) is LL call #{self.calls + 1}, but no buffer was handed out "
                     f"for it: call get_next_low_latency_combine_buffer(handle) and write the experts' outputs into it "
@@ -960,6 +969,8 @@ class LowLatencyEngine:
         rows = self._view(("msgs", off, n, mb), lambda: self.tp.local_view(self.win, off, n * mb).view(n, mb))
         if use_fp8 and x.stride()[1] == 1 and native.ll_cast_messages(x, rows, round_scale, use_ue8m0):
             return rows
+        if not n:  # no message (the empty scales below could not be viewed as bytes)
+            return rows
         rows[:, :MSG_HEADER].zero_()
         rows[:, :4].copy_(torch.arange(n, dtype=torch.int32).view(torch.uint8).view(n, 4))
         if use_fp8:
@@ -1053,7 +1064,7 @@ class LowLatencyEngine:
                 w = common_width(mb, MSG_HEADER, xb, sb)
                 rx.view(INT_OF_WIDTH[w]).index_copy_(
                     0, dst_rows, msgs.view(INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
-            if mb % 4 == 0:  # the small fields are gathered column-wise, straight from the slots
+            if mb % 4 == 0 and blocks.storage_offset() % 4 == 0:  # the small fields gathered column-wise, in place
                 info = blocks.view(torch.int32)[:, 0].index_select(0, f)
             else:
                 msgs = wide(blocks).index_select(0, f).view(torch.uint8) if msgs is None else msgs

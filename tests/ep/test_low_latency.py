@@ -642,7 +642,10 @@ def test_odd_sizes_whose_recv_region_is_unaligned_take_the_torch_path(comm, m, h
     chk = Checker(r)
     try:
         for rnd, zero_copy in enumerate((False, True)):
-            x, idx = make_inputs(140 + rnd, r, R, n, hidden, E, K)
+            x, _ = make_inputs(140 + rnd, r, R, n, hidden, E, K)
+            # every slot routed (make_inputs drops 10 slots to -1: at these sizes, all of them), distinct per row
+            idx = (torch.arange(n).unsqueeze(1) + torch.arange(K) + rnd + r) % E
+            chk.check(int((idx >= 0).sum()) == n * K, "inputs")
             recv_x, _, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False),
                                            what="dispatch")
             ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, m)
@@ -801,6 +804,16 @@ def test_zero_copy_and_out_in_both_halves(buffers, comm):
     chk.check(isinstance(exc, want) and (r != 0 or "no buffer was handed out" in str(exc)),
               f"zero-copy without a buffer: {exc!r}")
     combined, _, _ = coll(lambda: buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle),
+                          what="combine after the refusal")
+    # A buffer laid out for another handle's (M, H, E): its rows lie elsewhere; refused on every rank.
+    recv_a, _, handle_a, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False), what="dispatch")
+    recv_b, _, handle_b, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, 2 * M, E, use_fp8=False),
+                                     what="dispatch of another M")
+    buf.get_next_low_latency_combine_buffer(handle_a).copy_(expert_outputs(recv_a, r, E // R, False))
+    _, exc = capture(lambda: buf.low_latency_combine(recv_b, idx, torch.rand(idx.shape), handle_b, zero_copy=True))
+    chk.check(isinstance(exc, RuntimeError) and f"(M, H, E) = {(M, H, E)}" in str(exc)
+              and f"{(2 * M, H, E)}" in str(exc), f"zero-copy buffer of another shape: {exc!r}")
+    combined, _, _ = coll(lambda: buf.low_latency_combine(recv_b, idx, torch.ones(idx.shape), handle_b),
                           what="combine after the refusal")
     chk.finish("zero-copy / out=")
 
@@ -1376,3 +1389,44 @@ def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm):
     _, dexc = capture(buf.destroy)
     all_ranks_ok(comm, all(same) and len(fused) == len(steps) and dexc is None,
                  f"rank {r}: differing outputs {[i for i, s in enumerate(same) if not s]}; destroy {dexc!r}")
+
+
+_NO_TOKEN_CHILD = """
+import sys, torch
+from mpi4py import MPI
+from deepep_ascend import Buffer, native
+from tests.support.mpi_utils import gather_all
+from tests.support.reference import ref_ll_dispatch
+assert not native.available()  # DEEPEP_ASCEND_NATIVE=0: every step on its torch path
+comm = MPI.COMM_WORLD
+r, R, ue8m0 = comm.Get_rank(), comm.Get_size(), sys.argv[1] == "1"
+E, M, H = 2 * R, 4, 512 if ue8m0 else 128  # (one float scale a token: its empty tensor has stride 0)
+buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+             explicitly_destroy=True)
+n = 0 if r == 0 else 3
+x = (torch.randn(n, H, generator=torch.Generator().manual_seed(r)) * 4).to(torch.bfloat16)
+idx = (torch.arange(n).unsqueeze(1) + torch.arange(2) + r) % E
+(data, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True, round_scale=ue8m0,
+                                                          use_ue8m0=ue8m0)
+ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, M, use_fp8=True, round_scale=ue8m0, use_ue8m0=ue8m0)
+ok = (torch.equal(data.view(torch.uint8), ref.recv_x.view(torch.uint8)) and torch.equal(count, ref.recv_count)
+      and torch.equal(scales, ref.recv_scales))  # (finite scales: equal values are equal bits)
+buf.destroy()
+print(f"RANK {r} {'OK' if ok else 'DIFFERS'} {count.tolist()}", flush=True)
+"""
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_dispatch_of_no_token_on_the_torch_paths(ue8m0):
+    """An FP8 dispatch where rank 0 has no token, with ``DEEPEP_ASCEND_NATIVE=0`` (every step on its torch path, as
+    without a C compiler): the reference's bits on both ranks, rank 0 included (a 2-rank child job)."""
+    import sys
+
+    from tests.support import REPO_ROOT
+    from tests.support.mpi_utils import run_child_job
+
+    rc, out = run_child_job(2, [sys.executable, "-c", _NO_TOKEN_CHILD, str(int(ue8m0))], REPO_ROOT, timeout_s=120,
+                            DEEPEP_ASCEND_NATIVE="0", UCX_LOG_LEVEL="error")
+    assert rc == 0 and out.count(" OK ") == 2, out[-3000:]

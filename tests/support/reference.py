@@ -665,7 +665,7 @@ def ref_ll_cast_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool 
     data = torch.from_numpy(_e4m3_codes_satfinite(scaled).reshape(n, h)).view(torch.float8_e4m3fn)
     if use_ue8m0:
         exp_bytes = (scale_inv.view(np.uint32) >> 23).astype(np.uint8)
-        return data, torch.from_numpy(np.ascontiguousarray(exp_bytes)).view(torch.int32)
+        return data, torch.from_numpy(np.ascontiguousarray(exp_bytes).view(np.int32).reshape(n, s // 4))
     return data, torch.from_numpy(np.ascontiguousarray(scale_inv))
 
 
