@@ -110,6 +110,15 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
 
 
+def _issue_and_receive(issue: Callable[..., ll_mod.Pending], args: tuple) -> ll_mod.Pending:
+    """A synchronous low-latency call's sends, then its receive: :meth:`Buffer._ll_run`'s one guarded step."""
+    pending = issue(*args)
+    if _PH.on:
+        _PH.switch(None)
+    pending.receive()
+    return pending
+
+
 class Buffer(SharedOnCopy):
     """Expert-parallel communication buffer; mirrors ``deep_ep.Buffer`` (DeepEP 2.1.0, V1 API).
 
@@ -1091,6 +1100,14 @@ class Buffer(SharedOnCopy):
         before = self.runtime.stats.snapshot()
         if _PH.on:
             _PH.switch(None)
+        if not (async_finish or return_recv_hook):  # issue and receive now: one guarded step
+            pending = self._guard(lambda: _issue_and_receive(issue, args))
+            if _PH.on:
+                _PH.switch("counters")
+            self._last_traffic = (self.runtime.stats.snapshot(), before)
+            if _PH.on:
+                _PH.switch(None)
+            return pending.outputs, EventOverlap(), None
         pending = self._guard(lambda: issue(*args))
         seq = ll.calls - 1
         guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, seq)}", inputs or {})
@@ -1123,13 +1140,10 @@ class Buffer(SharedOnCopy):
                 timed_call(_HOOK_OPS[op], receive)
 
             return pending.outputs, EventOverlap(), hook
-        if async_finish:
-            fut = self._worker.submit(receive)
-            on_wait = functools.partial(self._at_wait, guard, f"{ll_mod.call_name(op, seq)}: the event's wait")
-            event = EventOverlap(EventHandle(fut, on_wait), keep + tuple(_flatten(pending.outputs)))
-            return pending.outputs, event, None
-        receive()
-        return pending.outputs, EventOverlap(), None
+        fut = self._worker.submit(receive)  # async_finish
+        on_wait = functools.partial(self._at_wait, guard, f"{ll_mod.call_name(op, seq)}: the event's wait")
+        event = EventOverlap(EventHandle(fut, on_wait), keep + tuple(_flatten(pending.outputs)))
+        return pending.outputs, event, None
 
     @timed("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,

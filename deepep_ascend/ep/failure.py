@@ -47,6 +47,8 @@ def run_step(runtime: Transport | None, rank: int, fn: Callable[[], T]) -> T:
     keeping the exception would otherwise keep them alive and make ``destroy()`` refuse (``TransportBusy``).
     """
     try:
+        if not torch.is_grad_enabled():  # (entering no_grad costs as much as a small step)
+            return fn()
         with torch.no_grad():
             return fn()
     except BaseException as exc:
