@@ -1277,8 +1277,8 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("reduce")
         self.tp.check_abort(phase)  # the bounded wait sees no abort words: a late rank must hear of one first
-        own_src, own_begin = (None, None) if own is None else (own[0], own[1].numpy()[:, self.rank] >> 32)
-        args = (route.slots, topk_weights, route.counts, combined, own_src, own_begin)
+        own_src, own_lr = (None, None) if own is None else own
+        args = (route.slots, topk_weights, route.counts, combined, own_src, own_lr)
         status = self._finish(plan, lambda polls, timed: plan.combine_finish(h, seq, polls, *args, timed=timed),
                               h, seq, OP_COMBINE, lay, 0, phase, "reduce")
         if status == 0:

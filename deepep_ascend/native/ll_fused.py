@@ -101,6 +101,7 @@ class LLPlan:
         self._ns = (ctypes.c_int64 * 2)()
         self._stale = (ctypes.c_void_p * 3)()
         self._own_ld = np.zeros(2, dtype=np.int64)
+        self._own_ld_p = self._own_ld.ctypes.data  # (each .ctypes access builds an object: about 1 µs)
 
     @property
     def bad(self) -> list[int]:
@@ -156,17 +157,18 @@ class LLPlan:
 
     def combine_finish(self, h: int, seq: int, polls: int, slots: torch.Tensor, weights: torch.Tensor,
                        expected: torch.Tensor, out: torch.Tensor, own: torch.Tensor | None,
-                       own_begin: np.ndarray | None, timed: bool = False) -> int:
+                       own_layout_range: torch.Tensor | None, timed: bool = False) -> int:
         """``deepep_ll_combine_finish``: -1 a source is late, -2 the headers disagree (nothing written); else 0
         done, 1 a slot or run out of range, 2 a count differs, 3 a pulled source's stamp moved, 4 no memory
-        (:attr:`bad` as the C comment says). ``own`` ``[L, R·M, H]`` bf16 with ``own_begin`` ``[L]`` int64 (this
-        rank's rows where they lie) or None; ``out`` ``[n, H]`` bf16 with unit column stride."""
+        (:attr:`bad` as the C comment says). ``own`` ``[L, R·M, H]`` bf16 with ``own_layout_range`` ``[L, R]``
+        contiguous int64 (this rank's rows where they lie, and the layout that places them) or None; ``out``
+        ``[n, H]`` bf16 with unit column stride."""
         n, k = slots.shape
         if own is None:
             own_p = ld_p = begin_p = 0
         else:
             self._own_ld[0], self._own_ld[1] = own.stride()[:2]
-            own_p, ld_p, begin_p = own.data_ptr(), self._own_ld.ctypes.data, own_begin.ctypes.data
+            own_p, ld_p, begin_p = own.data_ptr(), self._own_ld_p, own_layout_range.data_ptr()
         return kernels.ll_combine_finish(self.address, h, seq, polls, n, k, slots.data_ptr(), weights.data_ptr(),
                                          expected.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, own_p, ld_p,
                                          begin_p, self._bad, self._ns if timed else None)

@@ -257,10 +257,11 @@ def test_combine_issue_and_finish_are_the_steps(mode, R):
         slots[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
         slots = slots.view(n, k)
         w = torch.rand(n, k, generator=g)
-        own, begin = (None, None) if mode == "none" else (srcs[me], ranges[me].numpy()[:, me] >> 32)
+        own, own_lr = (None, None) if mode == "none" else (srcs[me], ranges[me])
+        begin = ranges[me].numpy()[:, me] >> 32  # the step-by-step kernel takes the begins themselves
         own_s = None if mode == "none" else steps_srcs[me]
         out_f, out_s = torch.zeros(n, H, dtype=torch.bfloat16), torch.zeros(n, H, dtype=torch.bfloat16)
-        assert fused.plan(me).combine_finish(h, seq, 10, slots, w, expected, out_f, own, begin) == 0
+        assert fused.plan(me).combine_finish(h, seq, 10, slots, w, expected, out_f, own, own_lr) == 0
         sources = None
         if mode != "none":
             sources = [None] * R
@@ -302,21 +303,20 @@ def test_combine_statuses():
     w = torch.ones(1, lay.E)
     expected = torch.ones(lay.E, dtype=torch.int32)
     out = torch.zeros(1, H, dtype=torch.bfloat16)
-    own_begin = lr.numpy()[:, 0] >> 32
     wrong = expected.clone()
     wrong[3] = 2
-    assert plans[0].combine_finish(h, seq, 10, slots, w, wrong, out, srcs[0], own_begin) == 2
+    assert plans[0].combine_finish(h, seq, 10, slots, w, wrong, out, srcs[0], lr) == 2
     assert plans[0].bad == [3, 1, 2] and not out.view(torch.int16).any()
     ranks.ctl[1][(h * R + 1) * W + 3] = 77  # rank 1's stamp moved while rank 0 read its rows
-    assert plans[0].combine_finish(h, seq, 10, slots, w, expected, out, srcs[0], own_begin) == 3
+    assert plans[0].combine_finish(h, seq, 10, slots, w, expected, out, srcs[0], lr) == 3
     assert plans[0].bad[:2] == [1, 77]
     ranks.ctl[1][(h * R + 1) * W + 3] = seq + 1
     out.zero_()
-    assert plans[0].combine_finish(h, seq, 10, slots, w, expected, out, srcs[0], own_begin) == 0
+    assert plans[0].combine_finish(h, seq, 10, slots, w, expected, out, srcs[0], lr) == 0
     want = sum(srcs[g // L][g % L, int(lr[g % L, 0] >> 32)].float() for g in range(lay.E)).to(torch.bfloat16)
     assert torch.equal(out[0], want)
     ranks.sig[1][h][0] = 0  # rank 0's signal at rank 1 not there yet: late
-    assert plans[1].combine_finish(h, seq, 10, slots, w, expected, out, srcs[1], lr.numpy()[:, 1] >> 32) == -1
+    assert plans[1].combine_finish(h, seq, 10, slots, w, expected, out, srcs[1], lr) == -1
 
 
 def test_plan_refuses_bad_words():

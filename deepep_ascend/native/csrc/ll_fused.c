@@ -225,7 +225,8 @@ int64_t deepep_ll_combine_issue(const int64_t *plan, int64_t h, const int64_t *l
  * late, -2 headers disagree, nothing written); then the weighted sum (deepep_ll_combine_recv) of n tokens'
  * k rows (slots [n, k], weights [n, k] float32, expected [E] int32) into out (bf16, out_ld elements apart):
  * a pushed source's rows from this rank's receive region, this rank's own rows from own (when not NULL: own
- * [L, R*M, H] bf16, own_ld[0..1] elements apart, rows of expert e from own_begin[e]), a source whose header
+ * [L, R*M, H] bf16, own_ld[0..1] elements apart, rows of expert e from the begin in own_lr[e*R + me] >> 32,
+ * own_lr this rank's layout_range [L, R] int64), a source whose header
  * says F_PULL from its send region through the layout_range it published. Then every such source's stamp
  * must still read seq + 1. Returns 0 done; 1 a slot or a source's run out of range (nothing written); 2 a
  * count differs (bad = {expert, got, want}; nothing written); 3 a pulled source's stamp moved (bad = {source,
@@ -233,7 +234,7 @@ int64_t deepep_ll_combine_issue(const int64_t *plan, int64_t h, const int64_t *l
 int64_t deepep_ll_combine_finish(const int64_t *plan, int64_t h, int64_t seq, int64_t polls, int64_t n, int64_t k,
                                  const int64_t *slots, const float *weights, const int32_t *expected, uint16_t *out,
                                  int64_t out_ld, uint16_t nan_bits, const uint16_t *own, const int64_t *own_ld,
-                                 const int64_t *own_begin, int64_t *bad, int64_t *ns)
+                                 const int64_t *own_lr, int64_t *bad, int64_t *ns)
 {
     const int64_t rc = await_call(plan, h, seq, OP_COMBINE, polls, F_PULL, ns);
     if (rc < 0)
@@ -254,7 +255,8 @@ int64_t deepep_ll_combine_finish(const int64_t *plan, int64_t h, int64_t seq, in
         if (own) {
             addr[me] = (int64_t)(intptr_t)own;
             ld[2 * me] = own_ld[0], ld[2 * me + 1] = own_ld[1];
-            memcpy(begins + me * L, own_begin, (size_t)L * sizeof *begins);
+            for (int64_t e = 0; e < L; e++)
+                begins[me * L + e] = own_lr[e * R + me] >> 32;
         }
         for (int64_t d = 0; pulled_any && d < R; d++) {
             if (d == me || !((hdr[d * W] >> 8) & F_PULL))
