@@ -111,6 +111,8 @@ class SharedSegment:
                 f"outside its {size} B" + ("" if peer in self.sizes else " (not a rank of this node)"))
         if not nbytes:
             return torch.empty(0, dtype=torch.uint8)
+        if not torch.is_inference_mode_enabled():  # (entering the mode's context costs twice the view)
+            return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
         with torch.inference_mode(False):  # a normal tensor even under it: callers keep views across calls
             return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
 
