@@ -466,6 +466,15 @@ class Buffer(SharedOnCopy):
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
         return {k: v.copy() for k, v in last.items()}
 
+    def _keep_traffic(self, before: dict) -> None:
+        """Keep a finished call's counters: ``before`` (a snapshot taken before it) and one taken now, differenced
+        when first read (:meth:`_last_call_traffic`)."""
+        if _PH.on:
+            _PH.switch("counters")
+        self._last_traffic = (self.runtime.stats.snapshot(), before)
+        if _PH.on:
+            _PH.switch(None)
+
     def _last_call_traffic(self) -> dict | None:
         """The last call's counters: a normal-mode call keeps ``(after, before)`` snapshots, differenced here
         when first read (most calls' never are)."""
@@ -663,11 +672,7 @@ class Buffer(SharedOnCopy):
             self._guard(lambda: [None for _ in gen])
             if guard:
                 self._guard(guard.check)
-            if _PH.on:
-                _PH.switch("counters")
-            self._last_traffic = (self.runtime.stats.snapshot(), before)  # the difference taken when read
-            if _PH.on:
-                _PH.switch(None)
+            self._keep_traffic(before)
             if after is not None:
                 after(outputs)
 
@@ -1102,16 +1107,11 @@ class Buffer(SharedOnCopy):
             _PH.switch(None)
         if not (async_finish or return_recv_hook):  # issue and receive now: one guarded step
             pending = self._guard(lambda: _issue_and_receive(issue, args))
-            if _PH.on:
-                _PH.switch("counters")
-            self._last_traffic = (self.runtime.stats.snapshot(), before)
-            if _PH.on:
-                _PH.switch(None)
+            self._keep_traffic(before)
             return pending.outputs, EventOverlap(), None
         pending = self._guard(lambda: issue(*args))
         seq = ll.calls - 1
-        guard = (InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, seq)}", inputs or {})
-                 if async_finish or return_recv_hook else None)
+        guard = InputGuard(f"rank {self.rank}: {ll_mod.call_name(op, seq)}", inputs or {})
 
         def receive():
             if _PH.on:
@@ -1119,13 +1119,9 @@ class Buffer(SharedOnCopy):
             self._guard(pending.receive)
             if return_recv_hook:  # the hook is this call's wait
                 self._at_wait(guard, f"{ll_mod.call_name(op, seq)}: its receive hook")
-            elif guard:
+            else:
                 self._guard(guard.check)
-            if _PH.on:
-                _PH.switch("counters")
-            self._last_traffic = (self.runtime.stats.snapshot(), before)
-            if _PH.on:
-                _PH.switch(None)
+            self._keep_traffic(before)
 
         if return_recv_hook:
             ll.pending_hook = ll.calls - 1

@@ -661,7 +661,13 @@ class LowLatencyEngine:
                 return self._pulled_sources(h) if agreed == 3 else []
             if agreed == 0:  # arrived, and the headers disagree: say why
                 return self._check_headers(h, seq, op, lay, flags)
-        self._wait_sources(h, seq + 1, phase, cost)
+        return self._wait_long(h, seq, op, lay, flags, phase, cost)
+
+    def _wait_long(self, h, seq, op, lay, flags, phase, cost, late: bool = True) -> list[int]:
+        """The wait past the bounded poll: every live source's signal with its deadline and abort checks (when
+        ``late``), then :meth:`_check_headers` (its return value; it raises on a disagreement, saying why)."""
+        if late:
+            self._wait_sources(h, seq + 1, phase, cost)
         return self._check_headers(h, seq, op, lay, flags)
 
     def _finish(self, plan: native.LLPlan, finish, h, seq, op, lay, flags, phase, work: str) -> int:
@@ -674,11 +680,9 @@ class LowLatencyEngine:
         if on:
             _PH.carve("wait: signals", plan.ns[0])
         if status < 0:
-            if status == -1:
-                if on:
-                    _PH.switch("wait: signals")
-                self._wait_sources(h, seq + 1, phase, None)
-            self._check_headers(h, seq, op, lay, flags)
+            if on and status == -1:
+                _PH.switch("wait: signals")
+            self._wait_long(h, seq, op, lay, flags, phase, None, late=status == -1)
             if on:
                 _PH.switch(work)
             status = finish(0, on)
@@ -831,11 +835,11 @@ class LowLatencyEngine:
         R, L, M, H, E = self.R, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         flags |= F_PULL
+        self._dispatched = None  # its route is no longer the last received one
         plan = self._fused_plan(lay, wait_stats)
         if plan is not None:  # stage, send, publish and count in one native call
             if _PH.on:
                 _PH.switch("send")
-            self._dispatched = None
             mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)
             if plan.dispatch_issue(h, route.slots, route.counts, self._sent_rows, 2 if use_fp8 else 1, x, round_scale,
                                    use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1, _PH.on):
@@ -856,7 +860,6 @@ class LowLatencyEngine:
                     self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
             if _PH.on:
                 _PH.switch("send")
-            self._dispatched = None
             native.ll_dispatch_send(route.slots, M, L, self.rank, self._bases, self._mask_arg(), base + lay.recv_off,
                                     base + self.rank * L * 4, route.counts, self._sent_rows)
             hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
