@@ -162,6 +162,11 @@ NATIVE = Setting(
     "DEEPEP_ASCEND_NATIVE", "bool", True,
     "Use the native C kernels where they were built; off, every path uses its torch fallback (same bits, "
     "the grouped GEMMs to bf16 rounding). Read once, when deepep_ascend is imported.")
+LL_FUSED = Setting(
+    "DEEPEP_ASCEND_LL_FUSED", "bool", True,
+    "Low-latency calls on one node take the fused path (two native calls per call from a plan of their fixed "
+    "operands); off, the step-by-step path (the same bits and counters; for comparing the two). Read when a "
+    "Buffer is built.")
 WEIGHT_CACHE_BYTES = Setting(
     "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", "int", None,
     "Initial budget in bytes of the caches of dequantized and packed weights (the grouped GEMMs' and "
@@ -243,7 +248,7 @@ TORCH_INDEX = Setting(
 
 SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
-    WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG,
+    LL_FUSED, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG,
     TEST_WATCHDOG_S, TEST_LOG_DIR, TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT,
     TEST_RANKS, TEST_HANG_RETRIES, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
 

@@ -82,7 +82,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .. import native
+from .. import native, settings
 from ..gemm.fp8 import low_latency_cast_to_fp8_
 from ..gemm.logfmt import (
     LOGFMT_BODY_BYTES,
@@ -364,7 +364,7 @@ class LowLatencyEngine:
             # polls of a short wait before the long one (none where ranks outnumber cores: never spin there)
             self._await_polls = 0 if tp.wait_policy.oversubscribed else _AWAIT_POLLS
         # The fused path (native.LLPlan): each call's steps in two native calls, issue and finish; plans by (M, H, E)
-        self._fusable = self._store_signals is not None and native.fused_available()
+        self._fusable = self._store_signals is not None and native.fused_available() and settings.LL_FUSED.get()
         self._plans = {}
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)

@@ -1347,23 +1347,26 @@ def test_outputs_recycled_only_once_dropped(comm):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm):
+def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm, monkeypatch):
     """On one node with the kernels loaded a call takes the fused path (two native calls, ``native.LLPlan``) unless
-    it records wait times; the same calls on the step-by-step path (white-box: ``_fusable`` off on every rank) give
-    the same bits, the same per-peer traffic counters and the same handles: BF16 and FP8 dispatch, a synchronous
-    combine (own rows summed in place), a hook combine (own rows copied) and a zero-copy one (rows pulled)."""
+    it records wait times; the same calls on a Buffer built with ``DEEPEP_ASCEND_LL_FUSED=0`` (the step-by-step
+    path) give the same bits, the same per-peer traffic counters and the same handles: BF16 and FP8 dispatch, a
+    synchronous combine (own rows summed in place), a hook combine (own rows copied) and a zero-copy one (rows
+    pulled)."""
     r, R = comm.Get_rank(), comm.Get_size()
     E, M, H, K, n = 4 * R, 16, 256, 3, 12
-    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
-                 explicitly_destroy=True)
-    eng = buf._ll
-    if not eng._fusable:
+
+    def make():
+        return Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                      explicitly_destroy=True)
+    buf = make()
+    if not buf._ll._fusable:
         buf.destroy()
         pytest.skip("no fused path here (kernels not built, or ranks not all mapped)")
     x, idx = make_inputs(91, r, R, n, H, E, K)
     w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
 
-    def run():
+    def run(buf):
         got = []
         for fp8 in (False, True):
             recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
@@ -1381,14 +1384,18 @@ def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm):
         got.append(buf.get_link_stats()["signals"].copy())
         return got
 
-    fused = coll(run, what="fused path")
-    eng._fusable = False
-    steps = coll(run, what="step-by-step path")
+    fused = coll(lambda: run(buf), what="fused path")
+    _, dexc = capture(buf.destroy)
+    monkeypatch.setenv("DEEPEP_ASCEND_LL_FUSED", "0")
+    buf = coll(make, what="Buffer() with DEEPEP_ASCEND_LL_FUSED=0")
+    off = not buf._ll._fusable
+    steps = coll(lambda: run(buf), what="step-by-step path")
     same = [torch.equal(bits(a), bits(b)) if isinstance(a, torch.Tensor) else bool((a == b).all())
             for a, b in zip(fused, steps)]
-    _, dexc = capture(buf.destroy)
-    all_ranks_ok(comm, all(same) and len(fused) == len(steps) and dexc is None,
-                 f"rank {r}: differing outputs {[i for i, s in enumerate(same) if not s]}; destroy {dexc!r}")
+    _, dexc2 = capture(buf.destroy)
+    all_ranks_ok(comm, off and all(same) and len(fused) == len(steps) and dexc is None and dexc2 is None,
+                 f"rank {r}: setting off {off}; differing outputs {[i for i, s in enumerate(same) if not s]}; "
+                 f"destroy {dexc!r} {dexc2!r}")
 
 
 _NO_TOKEN_CHILD = """
