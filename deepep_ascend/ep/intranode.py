@@ -12,7 +12,10 @@ Protocol (one rank's view; every rank runs the same steps for every call):
   staged) and ``CONSUMED`` (receiver → sender: done reading it). Before staging into a half,
   a sender waits until every peer consumed the chunk that half held before; that chunk is
   normally long consumed, so a call costs one real synchronisation (the first ``READY``).
-  Nothing is ever cleaned: every rank counts the chunks of every rank, identically.
+  Nothing is ever cleaned: every rank counts the chunks of every rank, identically. Where every
+  rank is mapped and the kernels are built, the signals are stores and bounded polls from C, and
+  chunk 0's exchange one C call (:class:`~deepep_ascend.native.ControlPlan`; the transport's
+  ``wait_until`` takes over a wait that outlasts the poll); else the transport's calls.
 * Chunk 0 of every call carries a header (operation, shapes, dtypes, handle id, a status
   word and an error message) and small per-rank vectors (counts). Every rank checks every
   header after the first ``READY``: a rank whose arguments were rejected stages only its
@@ -61,6 +64,8 @@ import numpy as np
 import torch
 
 from .. import native as _native
+from .. import settings
+from ..transports import TransportUnsupported
 from . import memory
 from .handles import IntranodeHandle
 from .layout import (
@@ -80,6 +85,7 @@ from .protocol import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_NAMES,
+    SHARED_WORDS,
     W_CALL,
     W_CHANNELS,
     W_HANDLE,
@@ -111,6 +117,7 @@ from .reduce import CombineScratch, accumulate_rows
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
 _ALIGN = 128
+_POLLS = 2000  # polls of a native wait (a pause each: about 0.1 ms) before the transport's wait_until
 _VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
 
 
@@ -234,6 +241,26 @@ class IntranodeEngine:
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
         self._views = memory.ViewCache(_VIEW_CACHE_ENTRIES)  # window slices: see _view, _rows
+        self._ctl = self._control_plan()  # signals and chunk-0 exchange by native loads and stores, or None
+        self._polls = 0 if tp.wait_policy.oversubscribed else _POLLS  # never spin where ranks outnumber cores
+        self._signal_counters = tp.traffic_counter_addresses()[2] if self._ctl is not None else None
+
+    def _control_plan(self):
+        """The :class:`~deepep_ascend.native.ControlPlan` of this engine's window when every rank's window and
+        signal words are mapped (one node, kernels loaded, ``DEEPEP_ASCEND_NATIVE_CONTROL`` on), else None.
+        Decided once: the plan's signal words are then written through it alone (transports' signal_address)."""
+        if not (_native.control_available() and settings.NATIVE_CONTROL.get() and self.half_bytes >= HEADER_BYTES):
+            return None  # (a window too small for a header is refused by the Buffer)
+        tp, win, me, nr = self.tp, self.win, self.rank, self.num_ranks
+        try:
+            slots = {slot: ([tp.signal_address(win, p, slot) if p != me else 0 for p in range(nr)],
+                            tp.signal_words_address(win, slot)) for slot in (READY, CONSUMED, XDATA)}
+            bases = [win.typed(p, torch.uint8).data_ptr() for p in range(nr)]
+        except TransportUnsupported:  # a rank reached by one-sided writes only: the transport's calls
+            return None
+        return _native.ControlPlan(num_ranks=nr, me=me, bases=bases, half_bytes=self.half_bytes,
+                                   header_words=HEADER_BYTES // 8, vec_offset=HEADER_BYTES, slots=slots, ready=READY,
+                                   out_words=MSG_WORD, cols=SHARED_WORDS)
 
     def release(self) -> None:
         """Drop the window views kept across calls (before the window is freed; later calls make them again)."""
@@ -283,39 +310,86 @@ class IntranodeEngine:
         seq = self.staged[self.rank]
         if seq >= 2 and self.peers:
             prev = _PH.switch("wait: staging half free") if _PH.on else None
-            self.tp.wait_until(self.win, CONSUMED, self.peers, seq - 1, phase=f"{phase}: reuse of staging half")
+            self._wait(CONSUMED, None, seq - 1, f"{phase}: reuse of staging half")
             if _PH.on:
                 _PH.switch(prev)
+
+    def _signal(self, slot, dsts: list | None):
+        """Raise ``slot`` at every rank of ``dsts`` (peers; None: all of them), after one release fence."""
+        ctl = self._ctl
+        if ctl is None:
+            for i, p in enumerate(self.peers if dsts is None else dsts):
+                self.tp.signal(self.win, p, slot, ordered=i == 0)
+            return
+        # counted in C at the transport's counters, but through record_signal where a link emulator charges them
+        counters = self._signal_counters if self.tp.stats.emulator is None else None
+        ctl.signal(slot, None if dsts is None else np.array(dsts, dtype=np.int64),
+                   0 if counters is None else counters.ctypes.data)
+        if counters is None:
+            for p in self.peers if dsts is None else dsts:
+                self.tp.record_signal(p)
+
+    def _wait(self, slot, srcs: list | None, value, phase, need_staged: bool = False):
+        """Wait until every rank of ``srcs`` (peers; None: all of them) raised ``slot`` to ``value`` (plus its
+        staged count with ``need_staged``): a bounded poll first where the engine has native control words,
+        then the transport's wait_until (deadline, abort checks)."""
+        ctl = self._ctl
+        if ctl is not None:
+            self.tp.check_abort(phase)  # a poll sees no abort words: a rank must hear of a peer's abort first
+            if ctl.poll(slot, None if srcs is None else np.array(srcs, dtype=np.int64), value, self._polls,
+                        need_staged):
+                return
+        srcs = self.peers if srcs is None else srcs
+        need = [self.staged[s] + value for s in srcs] if need_staged else value
+        self.tp.wait_until(self.win, slot, srcs, need, phase=phase)
 
     def _publish(self):
         if _PH.on:
             _PH.switch("signal")
-        for p in self.peers:
-            self.tp.signal(self.win, p, READY, ordered=True)
+        self._signal(READY, None)
 
     def _await(self, sources, phase):
         peers = [s for s in sources if s != self.rank]
         if peers:
             prev = _PH.switch("wait: ready") if _PH.on else None
-            self.tp.wait_until(self.win, READY, peers, [self.staged[s] + 1 for s in peers], phase=phase)
+            self._wait(READY, None if len(peers) == len(self.peers) else peers, 1, phase, need_staged=True)
             if _PH.on:
                 _PH.switch(prev)
 
     def _consume(self, sources):
         if _PH.on:
             _PH.switch("signal")
+        if len(sources) == self.num_ranks:
+            self._signal(CONSUMED, None)
+        else:
+            peers = [s for s in sources if s != self.rank]
+            if peers:
+                self._signal(CONSUMED, peers)
         for s in sources:
-            if s != self.rank:
-                self.tp.signal(self.win, s, CONSUMED, ordered=True)
             self.staged[s] += 1
+        if self._ctl is not None:
+            self._ctl.staged[:] = self.staged
 
     def _write_header(self, words: dict, message: str = ""):
         hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64, as_numpy=True)
-        hdr[:MSG_WORD] = 0
-        hdr[W_MAGIC] = MAGIC
-        hdr[list(words)] = list(words.values())
+        if self._fill_header(hdr, words, message) < hdr.size:
+            hdr[MSG_WORD:] = 0
+
+    @staticmethod
+    def _fill_header(hdr: np.ndarray, words: dict, message: str) -> int:
+        """The header of ``words`` (and ``message``) into ``hdr`` (int64 ``[HEADER_BYTES / 8]``). Returns the words
+        written: the first :data:`~.protocol.MSG_WORD` without a message (the rest of ``hdr`` left as it was),
+        all with one."""
+        row = [0] * MSG_WORD
+        row[W_MAGIC] = MAGIC
+        for w, v in words.items():
+            row[w] = v
+        hdr[:MSG_WORD] = row
+        if not message:
+            return MSG_WORD
         text = message.encode("utf-8")[:MSG_BYTES].ljust(MSG_BYTES, b"\0")
         hdr[MSG_WORD:] = np.frombuffer(text, dtype=np.int64)
+        return hdr.size
 
     def _read_headers(self):
         if _PH.on:
@@ -325,22 +399,41 @@ class IntranodeEngine:
     def _round0(self, op, call_id, words, vec: torch.Tensor | None, stage_rows, error: str | None, phase):
         """Stage chunk 0 (header, vector, rows), exchange READY, check the consensus.
 
-        Returns the stacked headers ``[R, 128]`` int64. On a consensus failure, consumes chunk 0
-        of every rank (so counters stay aligned) and raises :class:`ConsensusError`.
+        Returns the headers ``[R, W]`` int64 (``W``: at least :data:`~.protocol.MSG_WORD` words). On a consensus
+        failure, consumes chunk 0 of every rank (so counters stay aligned) and raises :class:`ConsensusError`.
         """
         self._begin_stage(phase)
         if _PH.on:
             _PH.switch("pack")
         words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
                  W_STATUS: int(error is not None)}
-        if error is None and vec is not None and vec.numel():
-            self._view(self.rank, HEADER_BYTES, 4 * vec.numel(), torch.int32).copy_(vec)
-        if error is None:
-            stage_rows()
-        self._write_header(words, error or "")
-        self._publish()
-        self._await(range(self.num_ranks), phase)
-        headers = self._read_headers()
+        vec = vec if error is None and vec is not None and vec.numel() else None
+        ctl = self._ctl
+        if ctl is None or _PH.on:  # step by step (with phases: each step timed on its own)
+            if vec is not None:
+                self._view(self.rank, HEADER_BYTES, 4 * vec.numel(), torch.int32).copy_(vec)
+            if error is None:
+                stage_rows()
+            self._write_header(words, error or "")
+            self._publish()
+            self._await(range(self.num_ranks), phase)
+            headers = self._read_headers()
+        else:
+            if error is None:
+                stage_rows()
+            nwords = self._fill_header(ctl.header, words, error or "")
+            # counted in C at the transport's counters, but through record_signal where a link emulator charges them
+            counters = self._signal_counters if self.tp.stats.emulator is None else None
+            self.tp.check_abort(phase)  # as _wait
+            status, headers = ctl.exchange(nwords, vec, 0 if counters is None else counters.ctypes.data, self._polls)
+            if counters is None:
+                for p in self.peers:
+                    self.tp.record_signal(p)
+            if status == 0 and error is None:
+                return headers  # every rank in this call, its arguments accepted, agreeing on every shared word
+            if status < 0:  # a peer is late: the long wait, then the headers
+                self._await(range(self.num_ranks), phase)
+            headers = self._read_headers()
         try:
             check_consensus(headers, op, call_id)
         except ConsensusError:
@@ -452,8 +545,7 @@ class IntranodeEngine:
         """``XDATA`` at every peer, after one release fence for all of them."""
         if _PH.on:
             _PH.switch("signal")
-        for i, p in enumerate(self.peers):
-            self.tp.signal(self.win, p, XDATA, ordered=i == 0)
+        self._signal(XDATA, None)
 
     def _send_x(self, headers, prefix: list, one_round: bool, predicted: bool, x, is_token_in_rank,
                 stage_x0, phase) -> bool:
@@ -481,7 +573,7 @@ class IntranodeEngine:
         self._xdata_calls += 1
         if self.peers:
             prev = _PH.switch("wait: x rows") if _PH.on else None
-            self.tp.wait_until(self.win, XDATA, self.peers, self._xdata_calls, phase=f"{phase}: x rows")
+            self._wait(XDATA, None, self._xdata_calls, f"{phase}: x rows")
             if _PH.on:
                 _PH.switch(prev)
 
@@ -862,7 +954,7 @@ class IntranodeEngine:
         if xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]:
             if _PH.on:
                 _PH.switch("wait: x read in place")
-            self.tp.wait_until(self.win, CONSUMED, self.peers, self.staged[me], phase=f"{phase}: x read in place")
+            self._wait(CONSUMED, None, self.staged[me], f"{phase}: x read in place")
 
     def _stage_combine_chunk(self, regions: _Regions, per_round: int, returned: _Returned, rnd: int) -> None:
         """Stage, for every other origin, this rank's rows of that origin's tokens [rnd·per_round, (rnd+1)·per_round).

@@ -30,7 +30,7 @@ EP_MODE_EXPAND, EP_MODE_CPU_SYNC, EP_MODE_ZERO_PADDING, EP_MODE_WEIGHTS = 1, 2, 
 MAGIC = 0xDEE9A5
 CONSENSUS_WORDS = (W_OP, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE, W_CHANNELS, W_WCOLS,
                     W_PREFIX, W_EP_MAX_TOKENS, W_EP_ALIGNMENT, W_EP_MODE)
-_FAST_COLS = [W_MAGIC, W_CALL, W_OP, W_STATUS, *CONSENSUS_WORDS]  # what an agreeing call's headers share
+SHARED_WORDS = (W_MAGIC, W_CALL, W_OP, W_STATUS, *CONSENSUS_WORDS)  # what an agreeing call's headers share
 WORD_NAMES = {W_OP: "operation", W_XBYTES: "bytes per row of x (hidden * itemsize)", W_XDTYPE: "x dtype",
                W_SBYTES: "bytes per row of the FP8 scales", W_SDTYPE: "scales dtype",
                W_TOPK: "num_topk (-1 = no top-k)", W_NEXP: "num_experts",
@@ -123,7 +123,7 @@ def consensus_problems(headers, op, call_id, ranks=None) -> list:
     are not compared (they describe different calls).
     """
     if len(headers):  # the usual verdict in one whole-array comparison; the problems are spelled out below
-        words = headers[:, _FAST_COLS]
+        words = headers[:, list(SHARED_WORDS)]
         expected = words[0].copy()
         expected[:4] = (MAGIC, call_id, op, 0)
         if (words == expected).all():

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 20
+ABI = 21
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -44,6 +44,9 @@ _SIGNATURES = {
     "ll_headers_agree": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _I64, _I64]),
     "ll_publish": (_I64, [_I64, _P, _I64, _P, _I64, _P, _P, _I64]),
     "ll_await": (_I64, [_I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64]),
+    "ctl_signal": (_I64, [_I64, _P, _I64, _P, _P, _P]),
+    "ctl_poll": (_I64, [_P, _I64, _P, _P, _I64, _I64]),
+    "ctl_exchange": (_I64, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
     "zero_row_prefix": (_I64, [_P, _I64, _I64, _I64, _I64, _P]),
     "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64,
                                  _P]),

@@ -280,6 +280,42 @@ def test_size_hint_buffer_and_much_smaller_streaming_buffer(comm):
     chk.finish("hint and small buffers")
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["one_round", "streaming"])
+def test_native_control_words_give_the_transport_calls_bits_and_traffic(comm, streaming, monkeypatch):
+    """On one node with the kernels loaded the engine raises, polls and exchanges its control words by native loads
+    and stores (``native.ControlPlan``); a Buffer built with ``DEEPEP_ASCEND_NATIVE_CONTROL=0`` does it through
+    the transport's ``signal()`` and ``wait_until()``. The same calls (every kind of dispatch and combine, and
+    with ``streaming`` a buffer just above the minimum, so that calls run in many rounds) pass the reference on
+    both, and count the same bytes, puts and signals per peer."""
+    from tests.support.buffer_helpers import all_ranks_ok, capture
+
+    R = comm.Get_size()
+    nbytes = _just_above_minimum(R, 16, 256, 4) if streaming else _hint(R, STREAM_CASES + CASES[:6])
+    cases = STREAM_CASES + ([] if streaming else CASES[:6])
+
+    def run(what):
+        b = coll(lambda: Buffer(None, nbytes, comm=comm, explicitly_destroy=True), what=f"Buffer() {what}")
+        stats = b.runtime.stats
+        before = [stats.bytes_put.copy(), stats.puts.copy(), stats.signals.copy()]
+        chk = Checker(comm.Get_rank())
+        for i, case in enumerate(cases):
+            run_case(b, comm, case, seed=700 + i, chk=chk)
+        chk.finish(what)
+        counted = [now - then for now, then in zip((stats.bytes_put, stats.puts, stats.signals), before)]
+        native_control = b._engine._ctl is not None
+        _, exc = capture(b.destroy)
+        return native_control, counted, exc
+
+    on, by_stores, exc = run("native control words")
+    if not on:
+        pytest.skip("no native control words here (kernels not built, or ranks not all mapped)")
+    monkeypatch.setenv("DEEPEP_ASCEND_NATIVE_CONTROL", "0")
+    off, by_calls, exc2 = run("transport calls")
+    same = [bool((a == b).all()) for a, b in zip(by_stores, by_calls)]
+    all_ranks_ok(comm, not off and all(same) and exc is None and exc2 is None and (R == 1 or by_stores[2].any()),
+                 f"setting off: still native {off}; bytes/puts/signals equal {same}; destroy {exc!r} {exc2!r}")
+
+
 @pytest.mark.parametrize("nbytes", [2048, 128], ids=["header_only_2048B", "below_header_128B"])
 def test_buffer_too_small_raises_everywhere(comm, nbytes):
     """A window with room for the header but no row, or not even the header: ValueError on every

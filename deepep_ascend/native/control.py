@@ -1,0 +1,158 @@
+"""The normal-mode engine's control words by loads and stores, on one node (``csrc/control.c``).
+
+:class:`deepep_ascend.ep.intranode.IntranodeEngine` synchronises with three signal slots (``READY``,
+``CONSUMED``, ``XDATA``) and exchanges a header per rank in chunk 0 of every call. Through the transport
+each signal is a Python call per peer and each wait a polling loop in Python; the header is written and
+read with numpy and compared with a few numpy ops. A :class:`ControlPlan` does the same with plain loads
+and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-latency path:
+
+* :meth:`ControlPlan.signal`: one release fence, then each destination's running value plus one stored into
+  the word this rank alone writes there (what transports' ``signal()`` stores);
+* :meth:`ControlPlan.poll`: this rank's signal words polled for a bounded number of rounds, then an acquire
+  fence (transports' ``wait_until`` while the peers are on time);
+* :meth:`ControlPlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
+  peer, every peer's ``READY`` polled, the header words gathered and compared.
+
+A poll that runs out returns False (or ``-1``) having read nothing: the engine then waits with the
+transport's ``wait_until``, which has the deadline and the abort checks. The plan is checked once, when it
+is built (every address nonzero, the header inside a half); its methods pass raw addresses and check only
+what a call brings. A plan's signal words must be written through it alone (transports'
+``signal_address`` rule): the engine decides once, when it is made, whether it has one. None of this is a
+DeepEP call: it is the inside of DeepEP's notify kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .loader import kernels
+
+__all__ = ["ControlPlan", "control_available"]
+
+# Plan words (csrc/control.c: CTL_*)
+(_R, _ME, _HALF, _HDR_WORDS, _VEC_OFF, _BASES, _STAGED, _PEERS, _READY_SENT, _READY_ADDR, _READY_OWN,
+ _WORDS) = range(12)
+
+
+def control_available() -> bool:
+    """Whether the three functions of ``csrc/control.c`` are loaded."""
+    k = kernels
+    return not (k.ctl_signal is None or k.ctl_poll is None or k.ctl_exchange is None)
+
+
+class ControlPlan:
+    """One engine's control words by address (``csrc/control.c``'s plan words).
+
+    Args:
+        num_ranks, me: ``R`` and this rank.
+        bases: each rank's window data-region address (``[R]``, all nonzero).
+        half_bytes: bytes of one half of a data region (a rank stages into half ``staged[rank] & 1``).
+        header_words: int64 words of a header, at the start of a half.
+        vec_offset: byte offset of the count vector in a half (at or after the header).
+        slots: ``{slot: (addresses, own)}`` for each signal slot: ``addresses[d]`` the address of this rank's
+            word of the slot at rank ``d`` (transports' ``signal_address``; 0 for ``me``), ``own`` the address of
+            this rank's own words of the slot, ``[R]`` int64 (``signal_words_address``).
+        ready: which slot of ``slots`` :meth:`exchange` signals and polls.
+        out_words: the words of each rank's header :meth:`exchange` returns (the first ones).
+        cols: the header words (each below ``out_words``) every rank's header must share with this rank's.
+
+    Attributes:
+        staged: ``[R]`` int64, chunks staged so far by each rank: the caller keeps it equal to its own count.
+        sent: ``{slot: [R] int64}``, the value last stored at each rank (what transports' ``signal()`` keeps).
+        header: ``[header_words]`` int64, the header :meth:`exchange` stores (the caller fills it).
+    Raises:
+        ValueError: ``R < 1``, ``me`` out of range, an address of zero, a header that does not fit a half, a
+            column outside ``out_words``.
+    """
+
+    def __init__(self, *, num_ranks: int, me: int, bases, half_bytes: int, header_words: int, vec_offset: int,
+                 slots: dict, ready: int, out_words: int, cols):
+        R = num_ranks
+        bases = np.asarray(bases, dtype=np.int64)
+        cols = np.array(cols, dtype=np.int64)
+        if not (R >= 1 and 0 <= me < R and bases.shape == (R,) and bases.all() and header_words >= 1
+                and 8 * header_words <= vec_offset <= half_bytes and ready in slots
+                and 0 < out_words <= header_words and all(0 <= c < out_words for c in cols.tolist())):
+            raise ValueError(f"deepep_ascend.native.ControlPlan: R={R}, me={me}, bases {bases.tolist()}, "
+                             f"half_bytes={half_bytes}, header_words={header_words}, vec_offset={vec_offset}, "
+                             f"ready slot {ready} of {sorted(slots)}, out_words={out_words}, columns "
+                             f"{cols.tolist()}: out of range or not mapped")
+        self.num_ranks, self.me, self.half_bytes, self.vec_offset = R, me, half_bytes, vec_offset
+        self.addrs, self.own, self.sent = {}, {}, {}
+        for slot, (addresses, own) in slots.items():
+            a = np.asarray(addresses, dtype=np.int64)
+            if a.shape != (R,) or not own or not all(a[d] for d in range(R) if d != me):
+                raise ValueError(f"deepep_ascend.native.ControlPlan: slot {slot} needs a nonzero word at every "
+                                 f"other rank and its own words, got {addresses!r}, {own!r}")
+            self.addrs[slot], self.own[slot] = a, int(own)
+            self.sent[slot] = np.zeros(R, dtype=np.int64)
+        self.bases, self.out_words, self.cols = bases, out_words, cols
+        self.staged = np.zeros(R, dtype=np.int64)
+        self.peers = np.array([p for p in range(R) if p != me], dtype=np.int64)
+        self.header = np.zeros(header_words, dtype=np.int64)
+        self._plan = np.zeros(_WORDS, dtype=np.int64)
+        self._plan[:_BASES] = (R, me, half_bytes, header_words, vec_offset)
+        self._plan[_BASES:] = (bases.ctypes.data, self.staged.ctypes.data, self.peers.ctypes.data,
+                               self.sent[ready].ctypes.data, self.addrs[ready].ctypes.data, self.own[ready])
+        # the addresses each call passes, read once (numpy's .ctypes costs about a microsecond a read)
+        self._address = self._plan.ctypes.data
+        self._header_address = self.header.ctypes.data
+        self._staged_address = self.staged.ctypes.data
+        self._peers_address = self.peers.ctypes.data
+        self._cols_address = cols.ctypes.data
+        self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
+                                for slot in slots}
+
+    def signal(self, slot: int, dsts: np.ndarray | None = None, counters: int = 0) -> None:
+        """Raise ``slot`` at every rank of ``dsts`` (``[n]`` int64, ranks other than this one; None: every peer),
+        after one release fence. ``counters``: the address of this rank's ``[R]`` int64 signal counters to add
+        one to per destination (``Transport.traffic_counter_addresses()[2]``), or 0.
+
+        Raises:
+            ValueError: a destination out of range or this rank itself (nothing stored).
+        """
+        sent, addrs, _ = self._slot_addresses[slot]
+        if dsts is None:
+            n, ptr = self.num_ranks - 1, self._peers_address
+        else:
+            n, ptr = dsts.size, dsts.ctypes.data
+        if kernels.ctl_signal(n, ptr, self.num_ranks, sent, addrs, counters or None):
+            raise ValueError(f"deepep_ascend.native.ControlPlan.signal: destinations {dsts!r} must be ranks in "
+                             f"[0, {self.num_ranks}) other than {self.me}")
+
+    def poll(self, slot: int, srcs: np.ndarray | None, add: int, polls: int, need_staged: bool = False) -> bool:
+        """Whether every rank of ``srcs`` (``[n]`` int64; None: every peer) raised ``slot`` to at least ``add``
+        (plus its ``staged`` count with ``need_staged``) within ``polls`` rounds; after True, the data those
+        signals released may be read (acquire)."""
+        if srcs is None:
+            n, ptr = self.num_ranks - 1, self._peers_address
+        else:
+            n, ptr = srcs.size, srcs.ctypes.data
+        return not kernels.ctl_poll(self._slot_addresses[slot][2], n, ptr,
+                                    self._staged_address if need_staged else None, add, polls)
+
+    def exchange(self, nwords: int, vec: torch.Tensor | None, counters: int, polls: int) -> tuple[int, np.ndarray]:
+        """Chunk 0 of a call (``csrc/control.c``'s ``deepep_ctl_exchange``): ``vec`` (contiguous; None: none) at
+        ``vec_offset`` of this rank's half and the first ``nwords`` words of :attr:`header` (zeros after), the
+        ready slot raised at every peer (``counters`` as in :meth:`signal`), every peer's polled up to ``polls``
+        rounds until it reads its ``staged + 1``.
+
+        Returns:
+            ``(status, headers)``: status -1 if a peer is still short (nothing read; ``headers`` unset); else 0 when
+            every rank's header agrees with this rank's at ``cols``, 1 when not. ``headers``: ``[R, out_words]``
+            int64, the first words of every rank's header.
+        Raises:
+            ValueError: ``nwords`` outside the header, ``vec`` past the half or not contiguous (nothing written).
+        """
+        vec_bytes = 0 if vec is None else vec.numel() * vec.element_size()
+        if (not 0 < nwords <= self.header.size or self.vec_offset + vec_bytes > self.half_bytes
+                or (vec is not None and not vec.is_contiguous())):
+            raise ValueError(f"deepep_ascend.native.ControlPlan.exchange: {nwords} header words or {vec_bytes} "
+                             f"vector bytes (contiguous) do not fit a header of {self.header.size} words and a half of "
+                             f"{self.half_bytes} bytes")
+        out = np.empty((self.num_ranks, self.out_words), dtype=np.int64)
+        status = kernels.ctl_exchange(self._address, self._header_address, nwords,
+                                      None if vec is None else vec.data_ptr(), vec_bytes, counters or None, polls,
+                                      out.ctypes.data, self.out_words, self._cols_address, self.cols.size)
+        return status, out

@@ -1,0 +1,167 @@
+"""The normal-mode engine's control words by loads and stores (``native.ControlPlan``, ``csrc/control.c``): R
+simulated ranks whose windows and signal words are plain arrays in this process, each with its own plan. What a
+rank's calls store and read is checked against numpy doing the same by hand: signal values and counters, the
+polls' answers, the exchange's vector, header and zeroed tail in the right half, the headers it gathers and its
+verdict on the shared words; and every refusal (nothing written)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepep_ascend import native
+
+pytestmark = pytest.mark.skipif(not native.control_available(), reason="native kernels not built")
+
+HALF, HW, VEC_OFF, OUT_WORDS = 2048, 32, 256, 8
+SLOTS = (0, 1, 2)  # READY, CONSUMED, XDATA as the engine numbers them
+COLS = (0, 1, 2, 5)
+
+
+class Ranks:
+    """R ranks: a window of two halves (random bytes), signal words ``[slot, src]`` and signal counters per rank,
+    and one plan each."""
+
+    def __init__(self, R, seed=0):
+        g = np.random.default_rng(seed)
+        self.R = R
+        self.win = [g.integers(0, 256, 2 * HALF, dtype=np.uint8) for _ in range(R)]
+        self.sig = [np.zeros((len(SLOTS), R), dtype=np.int64) for _ in range(R)]
+        self.cnt = [np.zeros(R, dtype=np.int64) for _ in range(R)]
+        self.cnt_addr = [np.array([c.ctypes.data + 8 * d for d in range(R)], dtype=np.int64) for c in self.cnt]
+        self.plans = [self.plan(me) for me in range(R)]
+
+    def plan(self, me, **over):  # (me may name a rank outside R: the plan must refuse it)
+        R = self.R
+        slots = {slot: ([self.sig[d].ctypes.data + 8 * (slot * R + me % R) if d != me else 0 for d in range(R)],
+                        self.sig[me % R].ctypes.data + 8 * slot * R) for slot in SLOTS}
+        kw = dict(num_ranks=R, me=me, bases=[w.ctypes.data for w in self.win], half_bytes=HALF, header_words=HW,
+                  vec_offset=VEC_OFF, slots=slots, ready=0, out_words=OUT_WORDS, cols=COLS)
+        kw.update(over)
+        return native.ControlPlan(**kw)
+
+    def half(self, p, staged):
+        lo = (staged & 1) * HALF
+        return self.win[p][lo:lo + HALF]
+
+    def header(self, p, staged):
+        return self.half(p, staged)[:8 * HW].view(np.int64)
+
+
+def test_signal_stores_running_values_and_counts():
+    R = 4
+    ranks = Ranks(R)
+    p1 = ranks.plans[1]
+    p1.signal(1, None, ranks.cnt_addr[1].ctypes.data)  # every peer
+    p1.signal(1, np.array([3, 0], dtype=np.int64), 0)  # two of them, not counted
+    p1.signal(2, np.array([2], dtype=np.int64), ranks.cnt_addr[1].ctypes.data)
+    expect = {(1, 0): 2, (1, 2): 1, (1, 3): 2, (2, 2): 1}
+    got = {(slot, d): int(ranks.sig[d][slot, 1]) for slot in SLOTS for d in range(R) if ranks.sig[d][slot, 1]}
+    assert got == expect
+    assert ranks.cnt[1].tolist() == [1, 0, 2, 1]
+    assert p1.sent[1].tolist() == [2, 0, 1, 2] and p1.sent[2].tolist() == [0, 0, 1, 0]
+    before = [s.copy() for s in ranks.sig]
+    for bad in ([1], [0, 4], [-1]):  # itself (no word there), out of range: nothing stored, not even to rank 0
+        with pytest.raises(ValueError, match="destinations"):
+            p1.signal(1, np.array(bad, dtype=np.int64), 0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, ranks.sig)) and p1.sent[1].tolist() == [2, 0, 1, 2]
+
+
+def test_poll_answers_as_the_words_say():
+    R = 3
+    ranks = Ranks(R)
+    p0 = ranks.plans[0]
+    assert p0.poll(1, None, 0, 0)  # nothing needed
+    assert not p0.poll(1, None, 1, 50)
+    ranks.plans[2].signal(1, np.array([0], dtype=np.int64))
+    assert p0.poll(1, np.array([2], dtype=np.int64), 1, 0) and not p0.poll(1, None, 1, 10)
+    ranks.plans[1].signal(1, np.array([0], dtype=np.int64))
+    assert p0.poll(1, None, 1, 0) and not p0.poll(1, None, 2, 10)
+    p0.staged[:] = [5, 0, 1]  # need staged[s] + add: 1 from rank 1, 2 from rank 2
+    assert not p0.poll(1, None, 1, 10, need_staged=True)
+    ranks.plans[2].signal(1, np.array([0], dtype=np.int64))
+    assert p0.poll(1, None, 1, 0, need_staged=True)
+
+
+def _words(rng, call):
+    w = rng.integers(-1000, 1000, HW).astype(np.int64)
+    w[list(COLS)] = (7, call, 3, 11)
+    return w
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_exchange_stores_publishes_gathers_and_agrees(R):
+    rng = np.random.default_rng(R)
+    ranks = Ranks(R, seed=R)
+    staged = [int(s) for s in rng.integers(0, 5, R)]
+    for p, plan in enumerate(ranks.plans):  # as after staged[p] chunks: each rank's READY words read them
+        plan.staged[:] = staged
+        plan.sent[0][:] = staged[p]
+        for d in range(R):
+            ranks.sig[d][0, p] = staged[p]
+    vecs = [torch.randint(-9, 9, (3 + p,), dtype=torch.int32) for p in range(R)]
+    headers = [_words(rng, 4) for _ in range(R)]
+    headers[-1][3] = 99  # a word outside the shared columns: still agreeing
+    results = []
+    for p in range(R):
+        plan = ranks.plans[p]
+        plan.header[:] = headers[p]
+        nwords = HW if p % 2 else 20  # with a message, or the first words only (zeros after)
+        results.append(plan.exchange(nwords, vecs[p], ranks.cnt_addr[p].ctypes.data, 0))
+        if nwords < HW:
+            headers[p][nwords:] = 0
+    # every rank but the last published before the last did: they ran out of polls; the last saw everyone
+    assert [status for status, _ in results] == [-1] * (R - 1) + [0]
+    for p in range(R):
+        assert np.array_equal(ranks.header(p, staged[p]), headers[p])
+        got_vec = ranks.half(p, staged[p])[VEC_OFF:VEC_OFF + 4 * vecs[p].numel()].view(np.int32)
+        assert np.array_equal(got_vec, vecs[p].numpy())
+        assert [int(ranks.sig[d][0, p]) for d in range(R) if d != p] == [staged[p] + 1] * (R - 1)
+        assert ranks.cnt[p].tolist() == [int(d != p) for d in range(R)]
+    expect = np.stack([h[:OUT_WORDS] for h in headers])
+    assert np.array_equal(results[-1][1], expect)
+    # the late ranks now find every READY: their exchange state is the poll's (staged + 1)
+    assert all(ranks.plans[p].poll(0, None, 1, 0, need_staged=True) for p in range(R))
+
+
+def test_exchange_says_when_a_shared_word_differs():
+    R = 2
+    ranks = Ranks(R, seed=5)
+    rng = np.random.default_rng(5)
+    h0, h1 = _words(rng, 9), _words(rng, 9)
+    h1[5] += 1  # a shared column
+    ranks.plans[1].header[:] = h1
+    assert ranks.plans[1].exchange(HW, None, 0, 0)[0] == -1
+    ranks.plans[0].header[:] = h0
+    status, got = ranks.plans[0].exchange(HW, None, 0, 0)
+    assert status == 1 and np.array_equal(got, np.stack([h0[:OUT_WORDS], h1[:OUT_WORDS]]))
+    assert ranks.cnt[0].tolist() == [0, 0]  # no counters given
+
+
+def test_exchange_refuses_what_does_not_fit_and_writes_nothing():
+    ranks = Ranks(2)
+    plan = ranks.plans[0]
+    before = [w.copy() for w in ranks.win]
+    for nwords, vec in ((0, None), (HW + 1, None), (4, torch.zeros((HALF - VEC_OFF) // 4 + 1, dtype=torch.int32)),
+                        (4, torch.zeros(4, 2, dtype=torch.int32).t())):
+        with pytest.raises(ValueError, match="do not fit"):
+            plan.exchange(nwords, vec, 0, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, ranks.win)) and not ranks.sig[1].any()
+
+
+@pytest.mark.parametrize("over", [dict(bases=[0, 1]), dict(me=2), dict(header_words=HALF // 8 + 1),
+                                  dict(vec_offset=8 * HW - 8), dict(vec_offset=HALF + 8), dict(cols=(0, OUT_WORDS)),
+                                  dict(out_words=HW + 1), dict(ready=5)])
+def test_plan_refuses_bad_operands(over):
+    ranks = Ranks(2)
+    with pytest.raises(ValueError, match="ControlPlan"):
+        ranks.plan(**{"me": 0, **over})
+
+
+def test_plan_refuses_a_slot_without_a_word_at_a_peer():
+    ranks = Ranks(3)
+    slots = {0: ([0, 0, 8], 8)}  # nothing at rank 1
+    with pytest.raises(ValueError, match="slot 0"):
+        native.ControlPlan(num_ranks=3, me=0, bases=[w.ctypes.data for w in ranks.win], half_bytes=HALF,
+                           header_words=HW, vec_offset=VEC_OFF, slots=slots, ready=0, out_words=OUT_WORDS, cols=COLS)
