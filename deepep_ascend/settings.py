@@ -167,8 +167,8 @@ LL_FUSED = Setting(
     "Low-latency calls on one node take the fused path (two native calls per call from a plan of their fixed "
     "operands); off, the step-by-step path (the same bits and counters; for comparing the two). Read when a "
     "Buffer is built.")
-NATIVE_CONTROL = Setting(
-    "DEEPEP_ASCEND_NATIVE_CONTROL", "bool", True,
+NORMAL_NATIVE = Setting(
+    "DEEPEP_ASCEND_NORMAL_NATIVE", "bool", True,
     "Normal-mode calls on one node raise, poll and exchange their control words (signals, chunk-0 headers) by "
     "native loads and stores; off, through the transport's signal() and wait_until() (the same bits and "
     "counters; for comparing the two). Read when a Buffer is built.")
@@ -253,7 +253,7 @@ TORCH_INDEX = Setting(
 
 SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
-    LL_FUSED, NATIVE_CONTROL, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM,
+    LL_FUSED, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM,
     DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR, TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR,
     NESTED_REPORT, TEST_RANKS, TEST_HANG_RETRIES, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
 

@@ -14,7 +14,7 @@ Protocol (one rank's view; every rank runs the same steps for every call):
   normally long consumed, so a call costs one real synchronisation (the first ``READY``).
   Nothing is ever cleaned: every rank counts the chunks of every rank, identically. Where every
   rank is mapped and the kernels are built, the signals are stores and bounded polls from C, and
-  chunk 0's exchange one C call (:class:`~deepep_ascend.native.ControlPlan`; the transport's
+  chunk 0's exchange one C call (:class:`~deepep_ascend.native.IntranodePlan`; the transport's
   ``wait_until`` takes over a wait that outlasts the poll); else the transport's calls.
 * Chunk 0 of every call carries a header (operation, shapes, dtypes, handle id, a status
   word and an error message) and small per-rank vectors (counts). Every rank checks every
@@ -246,10 +246,10 @@ class IntranodeEngine:
         self._signal_counters = tp.traffic_counter_addresses()[2] if self._ctl is not None else None
 
     def _control_plan(self):
-        """The :class:`~deepep_ascend.native.ControlPlan` of this engine's window when every rank's window and
-        signal words are mapped (one node, kernels loaded, ``DEEPEP_ASCEND_NATIVE_CONTROL`` on), else None.
+        """The :class:`~deepep_ascend.native.IntranodePlan` of this engine's window when every rank's window and
+        signal words are mapped (one node, kernels loaded, ``DEEPEP_ASCEND_NORMAL_NATIVE`` on), else None.
         Decided once: the plan's signal words are then written through it alone (transports' signal_address)."""
-        if not (_native.control_available() and settings.NATIVE_CONTROL.get() and self.half_bytes >= HEADER_BYTES):
+        if not (_native.intranode_available() and settings.NORMAL_NATIVE.get() and self.half_bytes >= HEADER_BYTES):
             return None  # (a window too small for a header is refused by the Buffer)
         tp, win, me, nr = self.tp, self.win, self.rank, self.num_ranks
         try:
@@ -258,7 +258,7 @@ class IntranodeEngine:
             bases = [win.typed(p, torch.uint8).data_ptr() for p in range(nr)]
         except TransportUnsupported:  # a rank reached by one-sided writes only: the transport's calls
             return None
-        return _native.ControlPlan(num_ranks=nr, me=me, bases=bases, half_bytes=self.half_bytes,
+        return _native.IntranodePlan(num_ranks=nr, me=me, bases=bases, half_bytes=self.half_bytes,
                                    header_words=HEADER_BYTES // 8, vec_offset=HEADER_BYTES, slots=slots, ready=READY,
                                    out_words=MSG_WORD, cols=SHARED_WORDS)
 
@@ -678,6 +678,9 @@ class IntranodeEngine:
                               lambda: stage(0, only_x=True), phase)
         cursor = [rows_before(prefix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
+            if self._ctl is not None:  # every source's rows in one native pass
+                self._gather_native(active, ntok, per_round, rnd, regions, out, cursor, direct)
+                continue
             for s in active:
                 rows = min(per_round, ntok[s] - rnd * per_round)
                 if rows > 0:
@@ -785,6 +788,25 @@ class IntranodeEngine:
         torch.add(idx, first_token, out=out.src_idx[at:at + got])
         self._record(s, got * (xb + sb + 12 * num_topk))  # counted by the receiver, however the rows came
         return at + got
+
+    def _gather_native(self, active, ntok: list, per_round: int, rnd: int, regions: _Regions, out: _Received,
+                       cursor: list, direct: bool) -> None:
+        """:meth:`_gather_dispatch_chunk` of every active source of round ``rnd`` in one native call
+        (:meth:`~deepep_ascend.native.IntranodePlan.gather`); advances ``cursor``."""
+        if _PH.on:
+            _PH.switch("copy")
+        nr, lo = self.num_ranks, rnd * per_round
+        rows = [0] * nr
+        for s in active:
+            rows[s] = max(0, min(per_round, ntok[s] - lo))
+        got = self._ctl.gather(regions.field_offs, rows, [lo] * nr, cursor, None if direct else out.x, out.scales,
+                               out.topk_idx, out.topk_weights, out.src_idx)
+        row_bytes = out.x.size(1) + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
+            out.topk_idx.size(1) if out.topk_idx is not None else 0)
+        for s in range(nr):
+            if got[s]:
+                cursor[s] += got[s]
+                self._record(s, got[s] * row_bytes)  # counted by the receiver, however the rows came
 
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: IntranodeHandle, num_channels, handle_id, xdtype,

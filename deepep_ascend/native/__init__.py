@@ -17,8 +17,8 @@ Modules:
   :func:`ll_cast_messages`, :func:`ll_cast_message_bytes`;
 * :mod:`.ll_fused`  a low-latency call on one node in two native calls, issue and finish, from a checked plan of
   its fixed operands (``csrc/ll_fused.c``): :class:`LLPlan`, :func:`fused_available`;
-* :mod:`.control`   the normal-mode engine's signals and chunk-0 exchange by loads and stores
-  (``csrc/control.c``): :class:`ControlPlan`, :func:`control_available`;
+* :mod:`.intranode` the normal-mode engine's signals and chunk-0 exchange by loads and stores
+  (``csrc/intranode.c``): :class:`IntranodePlan`, :func:`intranode_available`;
 * :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`;
 * :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
   :func:`send_layout`, :func:`recv_channel_prefix`, :func:`local_experts`.
@@ -60,7 +60,7 @@ from .amx import (
     amx_packed_nbytes,
     gemm_bf16_amx,
 )
-from .control import ControlPlan, control_available
+from .intranode import IntranodePlan, intranode_available
 from .layout import dispatch_layout, local_experts, recv_channel_prefix, send_layout
 from .ll import (
     ll_available,
@@ -80,8 +80,8 @@ from .ll_fused import LLPlan, fused_available
 from .loader import available, library_path
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
 
-__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "ControlPlan", "LLPlan", "amx_bf16",
-           "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "control_available", "copy_rows",
+__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "amx_bf16",
+           "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "intranode_available", "copy_rows",
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "local_experts",

@@ -283,7 +283,7 @@ def test_size_hint_buffer_and_much_smaller_streaming_buffer(comm):
 @pytest.mark.parametrize("streaming", [False, True], ids=["one_round", "streaming"])
 def test_native_control_words_give_the_transport_calls_bits_and_traffic(comm, streaming, monkeypatch):
     """On one node with the kernels loaded the engine raises, polls and exchanges its control words by native loads
-    and stores (``native.ControlPlan``); a Buffer built with ``DEEPEP_ASCEND_NATIVE_CONTROL=0`` does it through
+    and stores (``native.IntranodePlan``); a Buffer built with ``DEEPEP_ASCEND_NORMAL_NATIVE=0`` does it through
     the transport's ``signal()`` and ``wait_until()``. The same calls (every kind of dispatch and combine, and
     with ``streaming`` a buffer just above the minimum, so that calls run in many rounds) pass the reference on
     both, and count the same bytes, puts and signals per peer."""
@@ -309,7 +309,7 @@ def test_native_control_words_give_the_transport_calls_bits_and_traffic(comm, st
     on, by_stores, exc = run("native control words")
     if not on:
         pytest.skip("no native control words here (kernels not built, or ranks not all mapped)")
-    monkeypatch.setenv("DEEPEP_ASCEND_NATIVE_CONTROL", "0")
+    monkeypatch.setenv("DEEPEP_ASCEND_NORMAL_NATIVE", "0")
     off, by_calls, exc2 = run("transport calls")
     same = [bool((a == b).all()) for a, b in zip(by_stores, by_calls)]
     all_ranks_ok(comm, not off and all(same) and exc is None and exc2 is None and (R == 1 or by_stores[2].any()),

@@ -1,4 +1,4 @@
-"""The normal-mode engine's control words by loads and stores (``native.ControlPlan``, ``csrc/control.c``): R
+"""The normal-mode engine's control words by loads and stores (``native.IntranodePlan``, ``csrc/intranode.c``): R
 simulated ranks whose windows and signal words are plain arrays in this process, each with its own plan. What a
 rank's calls store and read is checked against numpy doing the same by hand: signal values and counters, the
 polls' answers, the exchange's vector, header and zeroed tail in the right half, the headers it gathers and its
@@ -12,7 +12,7 @@ import torch
 
 from deepep_ascend import native
 
-pytestmark = pytest.mark.skipif(not native.control_available(), reason="native kernels not built")
+pytestmark = pytest.mark.skipif(not native.intranode_available(), reason="native kernels not built")
 
 HALF, HW, VEC_OFF, OUT_WORDS = 2048, 32, 256, 8
 SLOTS = (0, 1, 2)  # READY, CONSUMED, XDATA as the engine numbers them
@@ -39,7 +39,7 @@ class Ranks:
         kw = dict(num_ranks=R, me=me, bases=[w.ctypes.data for w in self.win], half_bytes=HALF, header_words=HW,
                   vec_offset=VEC_OFF, slots=slots, ready=0, out_words=OUT_WORDS, cols=COLS)
         kw.update(over)
-        return native.ControlPlan(**kw)
+        return native.IntranodePlan(**kw)
 
     def half(self, p, staged):
         lo = (staged & 1) * HALF
@@ -155,7 +155,7 @@ def test_exchange_refuses_what_does_not_fit_and_writes_nothing():
                                   dict(out_words=HW + 1), dict(ready=5)])
 def test_plan_refuses_bad_operands(over):
     ranks = Ranks(2)
-    with pytest.raises(ValueError, match="ControlPlan"):
+    with pytest.raises(ValueError, match="IntranodePlan"):
         ranks.plan(**{"me": 0, **over})
 
 
@@ -163,5 +163,74 @@ def test_plan_refuses_a_slot_without_a_word_at_a_peer():
     ranks = Ranks(3)
     slots = {0: ([0, 0, 8], 8)}  # nothing at rank 1
     with pytest.raises(ValueError, match="slot 0"):
-        native.ControlPlan(num_ranks=3, me=0, bases=[w.ctypes.data for w in ranks.win], half_bytes=HALF,
+        native.IntranodePlan(num_ranks=3, me=0, bases=[w.ctypes.data for w in ranks.win], half_bytes=HALF,
                            header_words=HW, vec_offset=VEC_OFF, slots=slots, ready=0, out_words=OUT_WORDS, cols=COLS)
+
+
+def _stage_chunks(ranks, rng, rows, xb, sb, k, offs):
+    """Random staged chunks in each rank's current half (half 0): rows, scales, ids, weights and a random mask."""
+    R = ranks.R
+    chunks = []
+    for p in range(R):
+        half = ranks.half(p, 0)
+        c = dict(x=rng.integers(0, 256, (rows[p], xb), dtype=np.uint8),
+                 s=rng.integers(0, 256, (rows[p], sb), dtype=np.uint8),
+                 idx=rng.integers(-1, 50, (rows[p], k)).astype(np.int64),
+                 w=rng.standard_normal((rows[p], k)).astype(np.float32),
+                 mask=rng.random((rows[p], R)) < 0.6)
+        for f, o in zip(("x", "s", "idx", "w", "mask"), offs):
+            b = c[f].astype(np.uint8) if f == "mask" else c[f]
+            half[o:o + b.nbytes] = b.reshape(-1).view(np.uint8)
+        chunks.append(c)
+    return chunks
+
+
+@pytest.mark.parametrize("with_x,k,sb", [(True, 3, 5), (False, 3, 0), (True, 0, 0)])
+def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb):
+    R, xb = 3, 24
+    rng = np.random.default_rng(11 + k + sb)
+    ranks = Ranks(R, seed=3)
+    offs = [VEC_OFF + 64, VEC_OFF + 64 + 16 * 24, VEC_OFF + 800, VEC_OFF + 1100, VEC_OFF + 1300]
+    rows, first = [6, 0, 9], [4, 0, 2]
+    chunks = _stage_chunks(ranks, rng, rows, xb, sb, k, offs)
+    me = 1
+    picked = [np.flatnonzero(c["mask"][:, me]) for c in chunks]
+    total = sum(p.size for p in picked)
+    n = total + 2
+    at = [2, 2 + picked[0].size, 2 + picked[0].size]  # row 0, 1 left as they were
+    x = torch.full((n, xb), 7, dtype=torch.uint8)
+    s = torch.full((n, sb), 7, dtype=torch.uint8) if sb else None
+    idx = torch.full((n, k), 7, dtype=torch.int64) if k else None
+    w = torch.full((n, k), 7.0) if k else None
+    src = torch.full((n,), 7, dtype=torch.int32)
+    got = ranks.plans[me].gather(offs, rows, first, at, x if with_x else None, s, idx, w, src)
+    assert got == [p.size for p in picked]
+    order = [(q, t) for q in range(R) for t in picked[q]]
+    want_x = np.concatenate([np.full((2, xb), 7, np.uint8)] + [chunks[q]["x"][t][None] for q, t in order])
+    assert np.array_equal(x.numpy(), want_x if with_x else np.full((n, xb), 7, np.uint8))
+    if sb:
+        assert np.array_equal(s.numpy()[2:], np.stack([chunks[q]["s"][t] for q, t in order]))
+    if k:
+        assert np.array_equal(idx.numpy()[2:], np.stack([chunks[q]["idx"][t] for q, t in order]))
+        want_w = np.stack([chunks[q]["w"][t] for q, t in order])
+        assert np.array_equal(w.numpy()[2:].view(np.int32), want_w.view(np.int32))
+    assert src.tolist() == [7, 7] + [first[q] + int(t) for q, t in order]
+
+
+def test_gather_refuses_rows_past_the_outputs_and_writes_nothing():
+    R, xb = 2, 8
+    rng = np.random.default_rng(4)
+    ranks = Ranks(R, seed=4)
+    offs = [VEC_OFF + 64, VEC_OFF + 400, VEC_OFF + 500, VEC_OFF + 700, VEC_OFF + 900]
+    chunks = _stage_chunks(ranks, rng, [10, 10], xb, 0, 0, offs)
+    routed = sum(int(c["mask"][:, 0].sum()) for c in chunks)
+    x, src = torch.zeros(routed, xb, dtype=torch.uint8), torch.zeros(routed, dtype=torch.int32)
+    for at in ([1, routed - int(chunks[1]["mask"][:, 0].sum()) + 1], [-1, 0]):
+        with pytest.raises(ValueError, match="do not fit"):
+            ranks.plans[0].gather(offs, [10, 10], [0, 0], at, x, None, None, None, src)
+    assert not x.any() and not src.any()
+    with pytest.raises(ValueError, match="contiguous tensors"):  # a bf16 x, ids without weights
+        ranks.plans[0].gather(offs, [10, 10], [0, 0], [0, 0], x.view(torch.bfloat16), None, None, None, src)
+    with pytest.raises(ValueError, match="contiguous tensors"):
+        ranks.plans[0].gather(offs, [10, 10], [0, 0], [0, 0], x, None, torch.zeros(routed, 2, dtype=torch.int64),
+                              None, src)

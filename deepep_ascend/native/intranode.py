@@ -1,17 +1,19 @@
-"""The normal-mode engine's control words by loads and stores, on one node (``csrc/control.c``).
+"""The normal-mode engine's control words by loads and stores, on one node (``csrc/intranode.c``).
 
 :class:`deepep_ascend.ep.intranode.IntranodeEngine` synchronises with three signal slots (``READY``,
 ``CONSUMED``, ``XDATA``) and exchanges a header per rank in chunk 0 of every call. Through the transport
 each signal is a Python call per peer and each wait a polling loop in Python; the header is written and
-read with numpy and compared with a few numpy ops. A :class:`ControlPlan` does the same with plain loads
+read with numpy and compared with a few numpy ops. A :class:`IntranodePlan` does the same with plain loads
 and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-latency path:
 
-* :meth:`ControlPlan.signal`: one release fence, then each destination's running value plus one stored into
+* :meth:`IntranodePlan.signal`: one release fence, then each destination's running value plus one stored into
   the word this rank alone writes there (what transports' ``signal()`` stores);
-* :meth:`ControlPlan.poll`: this rank's signal words polled for a bounded number of rounds, then an acquire
+* :meth:`IntranodePlan.poll`: this rank's signal words polled for a bounded number of rounds, then an acquire
   fence (transports' ``wait_until`` while the peers are on time);
-* :meth:`ControlPlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
-  peer, every peer's ``READY`` polled, the header words gathered and compared.
+* :meth:`IntranodePlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
+  peer, every peer's ``READY`` polled, the header words gathered and compared;
+* :meth:`IntranodePlan.gather`: a dispatch chunk's receive: every source's rows for this rank (``x``, scales,
+  top-k ids and weights, source token) from its staged chunk into the outputs, in one pass.
 
 A poll that runs out returns False (or ``-1``) having read nothing: the engine then waits with the
 transport's ``wait_until``, which has the deadline and the abort checks. The plan is checked once, when it
@@ -28,21 +30,22 @@ import torch
 
 from .loader import kernels
 
-__all__ = ["ControlPlan", "control_available"]
+__all__ = ["IntranodePlan", "intranode_available"]
 
-# Plan words (csrc/control.c: CTL_*)
+# Plan words (csrc/intranode.c: CTL_*)
+_GATHER_DTYPES = (torch.uint8, torch.uint8, torch.int64, torch.float32, torch.int32)  # gather's x .. src_idx
 (_R, _ME, _HALF, _HDR_WORDS, _VEC_OFF, _BASES, _STAGED, _PEERS, _READY_SENT, _READY_ADDR, _READY_OWN,
  _WORDS) = range(12)
 
 
-def control_available() -> bool:
-    """Whether the three functions of ``csrc/control.c`` are loaded."""
+def intranode_available() -> bool:
+    """Whether the four functions of ``csrc/intranode.c`` are loaded."""
     k = kernels
-    return not (k.ctl_signal is None or k.ctl_poll is None or k.ctl_exchange is None)
+    return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None)
 
 
-class ControlPlan:
-    """One engine's control words by address (``csrc/control.c``'s plan words).
+class IntranodePlan:
+    """One engine's control words by address (``csrc/intranode.c``'s plan words).
 
     Args:
         num_ranks, me: ``R`` and this rank.
@@ -74,7 +77,7 @@ class ControlPlan:
         if not (R >= 1 and 0 <= me < R and bases.shape == (R,) and bases.all() and header_words >= 1
                 and 8 * header_words <= vec_offset <= half_bytes and ready in slots
                 and 0 < out_words <= header_words and all(0 <= c < out_words for c in cols.tolist())):
-            raise ValueError(f"deepep_ascend.native.ControlPlan: R={R}, me={me}, bases {bases.tolist()}, "
+            raise ValueError(f"deepep_ascend.native.IntranodePlan: R={R}, me={me}, bases {bases.tolist()}, "
                              f"half_bytes={half_bytes}, header_words={header_words}, vec_offset={vec_offset}, "
                              f"ready slot {ready} of {sorted(slots)}, out_words={out_words}, columns "
                              f"{cols.tolist()}: out of range or not mapped")
@@ -83,7 +86,7 @@ class ControlPlan:
         for slot, (addresses, own) in slots.items():
             a = np.asarray(addresses, dtype=np.int64)
             if a.shape != (R,) or not own or not all(a[d] for d in range(R) if d != me):
-                raise ValueError(f"deepep_ascend.native.ControlPlan: slot {slot} needs a nonzero word at every "
+                raise ValueError(f"deepep_ascend.native.IntranodePlan: slot {slot} needs a nonzero word at every "
                                  f"other rank and its own words, got {addresses!r}, {own!r}")
             self.addrs[slot], self.own[slot] = a, int(own)
             self.sent[slot] = np.zeros(R, dtype=np.int64)
@@ -101,6 +104,9 @@ class ControlPlan:
         self._staged_address = self.staged.ctypes.data
         self._peers_address = self.peers.ctypes.data
         self._cols_address = cols.ctypes.data
+        # gather's per-source operands: field offsets [5], rows, first token, first output row, rows received [R]
+        self._gather = np.zeros((5, max(R, 5)), dtype=np.int64)
+        self._gather_addresses = [row.ctypes.data for row in self._gather]
         self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
                                 for slot in slots}
 
@@ -117,8 +123,8 @@ class ControlPlan:
             n, ptr = self.num_ranks - 1, self._peers_address
         else:
             n, ptr = dsts.size, dsts.ctypes.data
-        if kernels.ctl_signal(n, ptr, self.num_ranks, sent, addrs, counters or None):
-            raise ValueError(f"deepep_ascend.native.ControlPlan.signal: destinations {dsts!r} must be ranks in "
+        if kernels.in_signal(n, ptr, self.num_ranks, sent, addrs, counters or None):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.signal: destinations {dsts!r} must be ranks in "
                              f"[0, {self.num_ranks}) other than {self.me}")
 
     def poll(self, slot: int, srcs: np.ndarray | None, add: int, polls: int, need_staged: bool = False) -> bool:
@@ -129,11 +135,11 @@ class ControlPlan:
             n, ptr = self.num_ranks - 1, self._peers_address
         else:
             n, ptr = srcs.size, srcs.ctypes.data
-        return not kernels.ctl_poll(self._slot_addresses[slot][2], n, ptr,
+        return not kernels.in_poll(self._slot_addresses[slot][2], n, ptr,
                                     self._staged_address if need_staged else None, add, polls)
 
     def exchange(self, nwords: int, vec: torch.Tensor | None, counters: int, polls: int) -> tuple[int, np.ndarray]:
-        """Chunk 0 of a call (``csrc/control.c``'s ``deepep_ctl_exchange``): ``vec`` (contiguous; None: none) at
+        """Chunk 0 of a call (``csrc/intranode.c``'s ``deepep_in_exchange``): ``vec`` (contiguous; None: none) at
         ``vec_offset`` of this rank's half and the first ``nwords`` words of :attr:`header` (zeros after), the
         ready slot raised at every peer (``counters`` as in :meth:`signal`), every peer's polled up to ``polls``
         rounds until it reads its ``staged + 1``.
@@ -148,11 +154,57 @@ class ControlPlan:
         vec_bytes = 0 if vec is None else vec.numel() * vec.element_size()
         if (not 0 < nwords <= self.header.size or self.vec_offset + vec_bytes > self.half_bytes
                 or (vec is not None and not vec.is_contiguous())):
-            raise ValueError(f"deepep_ascend.native.ControlPlan.exchange: {nwords} header words or {vec_bytes} "
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.exchange: {nwords} header words or {vec_bytes} "
                              f"vector bytes (contiguous) do not fit a header of {self.header.size} words and a half of "
                              f"{self.half_bytes} bytes")
         out = np.empty((self.num_ranks, self.out_words), dtype=np.int64)
-        status = kernels.ctl_exchange(self._address, self._header_address, nwords,
+        status = kernels.in_exchange(self._address, self._header_address, nwords,
                                       None if vec is None else vec.data_ptr(), vec_bytes, counters or None, polls,
                                       out.ctypes.data, self.out_words, self._cols_address, self.cols.size)
         return status, out
+
+    def gather(self, offsets, rows: list, first: list, at: list, x: torch.Tensor | None, scales: torch.Tensor | None,
+               topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, src_idx: torch.Tensor) -> list:
+        """A dispatch chunk's receive (``csrc/intranode.c``'s ``deepep_in_gather``): for each source ``s`` with
+        ``rows[s] > 0`` staged tokens (from token ``first[s]``), its tokens routed to this rank (its staged mask's
+        column) in ascending order, from output row ``at[s]`` on: the token's ``x`` row (None: not gathered),
+        scales, top-k ids and weights into those outputs, and its index ``first[s] + t`` into ``src_idx``.
+
+        Args:
+            offsets: the byte offsets in a half of the staged ``x``, scales, ids, weights and ``[rows, R]`` bool
+                mask (the dispatch regions' ``field_offs``).
+            rows, first, at: ``R`` ints each.
+            x, scales: ``[N, xb]`` / ``[N, sb]`` uint8 (xb, sb: the staged row bytes), contiguous, or None.
+            topk_idx, topk_weights: ``[N, k]`` int64 / float32, contiguous, both or neither.
+            src_idx: ``[N]`` int32, contiguous.
+        Returns:
+            The rows received from each source (``R`` ints).
+        Raises:
+            ValueError: an output of another dtype, not contiguous or not of ``N`` rows, or a source's rows that
+                would pass row ``N`` (nothing written).
+        """
+        n = src_idx.size(0)
+        outs = (x, scales, topk_idx, topk_weights, src_idx)
+        if not all(t is None or (t.dtype == dtype and t.size(0) == n and t.is_contiguous())
+                   for t, dtype in zip(outs, _GATHER_DTYPES)) or (topk_idx is None) != (topk_weights is None) \
+                or (topk_idx is not None and topk_idx.shape != topk_weights.shape):
+            got = [None if t is None else (t.dtype, tuple(t.shape), t.is_contiguous()) for t in outs]
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: outputs must be contiguous tensors of "
+                             f"{n} rows of dtypes {_GATHER_DTYPES}, top-k ids and weights both or neither and of "
+                             f"one shape, got {got}")
+        g, R = self._gather, self.num_ranks
+        g[0, :5] = offsets
+        g[1, :R] = rows
+        g[2, :R] = first
+        g[3, :R] = at
+        a = self._gather_addresses
+        k = 0 if topk_idx is None else topk_idx.size(1)
+        if kernels.in_gather(self._address, a[0], a[1], a[2], 0 if x is None else x.size(1),
+                             0 if scales is None else scales.size(1), k, None if x is None else x.data_ptr(),
+                             None if scales is None else scales.data_ptr(),
+                             None if topk_idx is None else topk_idx.data_ptr(),
+                             None if topk_weights is None else topk_weights.data_ptr(), src_idx.data_ptr(), a[3], n,
+                             a[4]):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: the rows routed here from the sources "
+                             f"(starting at rows {at}) do not fit {n} output rows")
+        return g[4, :R].tolist()
