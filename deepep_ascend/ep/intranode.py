@@ -65,6 +65,7 @@ import torch
 
 from .. import native as _native
 from .. import settings
+from ..native.operands import matrix_ok
 from ..transports import TransportUnsupported
 from . import memory
 from .handles import IntranodeHandle
@@ -951,10 +952,15 @@ class IntranodeEngine:
         num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
+        native = self._ctl is not None and order is None and self._native_combine_ok(x, topk_weights, bias, handle)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
             lo_t, hi_t = rnd * per_round, min(n, (rnd + 1) * per_round)
+            if native:  # every source found, checked and summed in one native call
+                self._combine_native(headers, regions, returned, handle, prefix, lo_t, hi_t, combined, combined_w,
+                                     bias, read, phase)
+                continue
             sources = self._combine_sources(headers, regions, returned, handle, prefix, lo_t, hi_t,
                                             combined_w is not None, read, phase)
             if combined_w is not None:  # weights are small: one pass per source, ascending rank
@@ -977,6 +983,52 @@ class IntranodeEngine:
             if _PH.on:
                 _PH.switch("wait: x read in place")
             self._wait(CONSUMED, None, self.staged[me], f"{phase}: x read in place")
+
+    @staticmethod
+    def _native_combine_ok(x, topk_weights, bias, handle: IntranodeHandle) -> bool:
+        """Whether :meth:`_combine_native` takes these operands (else the torch glue does the receive)."""
+        return (matrix_ok(x, torch.bfloat16) and (topk_weights is None or matrix_ok(
+            topk_weights, torch.float32)) and (bias is None or all(b is None or matrix_ok(
+                b, torch.bfloat16, x.size(1)) for b in bias)) and handle.is_token_in_rank.is_contiguous())
+
+    def _combine_native(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, prefix: list,
+                        lo_t: int, hi_t: int, combined, combined_w, bias, read: list, phase: str) -> None:
+        """:meth:`_combine_sources` and its sum (rows and weights) for this rank's tokens ``[lo_t, hi_t)`` in one
+        native call (:meth:`~deepep_ascend.native.IntranodePlan.combine`), the same bits."""
+        me, nr = self.rank, self.num_ranks
+        x, weights = returned.x, returned.topk_weights
+        hidden = x.size(1)
+        xb = 2 * hidden
+        wcols = weights.size(1) if weights is not None else -1
+        rows_at, ld, w_at, w_ld = [0] * nr, [0] * nr, [0] * nr, [0] * nr
+        begin = returned.own_span[0]
+        rows_at[me], ld[me] = x.data_ptr() + 2 * begin * x.stride(0), x.stride(0)
+        if combined_w is not None and wcols > 0:
+            w_at[me], w_ld[me] = weights.data_ptr() + 4 * begin * weights.stride(0), weights.stride(0)
+        for j in self.peers:
+            xseg = int(headers[j, W_XSEG_OFF])
+            if xseg >= 0:  # j's x in its landing segment: the rows left for this rank (the view checks the range)
+                row0 = rows_before(prefix, me, j) + read[j]
+                left = prefix[me][j] - row0
+                if left > 0:
+                    rows_at[j], ld[j] = self.segment.view(j, xseg + row0 * xb, left * xb).data_ptr(), hidden
+        lo_t = min(lo_t, hi_t)  # (a round past this origin's last token: no rows, the sources' counts still checked)
+        b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
+        status, got, want = self._ctl.combine(
+            regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, w_at, w_ld, b0, b1, combined[lo_t:hi_t],
+            None if combined_w is None else combined_w[lo_t:hi_t])
+        if status > 0:
+            j = status - 1
+            raise RuntimeError(
+                f"rank {me}: {phase}: rank {j} returned {want[j]} rows for tokens [{lo_t}, {hi_t}) of this rank, "
+                f"but the handle routed {got[j]} there; the handles passed on different ranks do not match")
+        if status < 0:
+            raise MemoryError(f"rank {me}: {phase}: the native row sum ran out of memory")
+        for j in range(nr):
+            if got[j]:
+                if rows_at[j] and j != me:
+                    read[j] += got[j]
+                self._record(j, got[j] * (xb + 4 * max(wcols, 0)))
 
     def _stage_combine_chunk(self, regions: _Regions, per_round: int, returned: _Returned, rnd: int) -> None:
         """Stage, for every other origin, this rank's rows of that origin's tokens [rnd·per_round, (rnd+1)·per_round).

@@ -13,7 +13,10 @@ and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-l
 * :meth:`IntranodePlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
   peer, every peer's ``READY`` polled, the header words gathered and compared;
 * :meth:`IntranodePlan.gather`: a dispatch chunk's receive: every source's rows for this rank (``x``, scales,
-  top-k ids and weights, source token) from its staged chunk into the outputs, in one pass.
+  top-k ids and weights, source token) from its staged chunk into the outputs, in one pass;
+* :meth:`IntranodePlan.combine`: a combine round's receive: every source's rows for this origin's tokens,
+  checked against the counts the sources sent, summed in float32 with the bias in ascending source order
+  and rounded once (:func:`~deepep_ascend.native.sum_rows`'s kernel), and the top-k weights summed.
 
 A poll that runs out returns False (or ``-1``) having read nothing: the engine then waits with the
 transport's ``wait_until``, which has the deadline and the abort checks. The plan is checked once, when it
@@ -29,6 +32,8 @@ import numpy as np
 import torch
 
 from .loader import kernels
+from .operands import mark_written, matrix_ok
+from .rows import _NAN_BITS
 
 __all__ = ["IntranodePlan", "intranode_available"]
 
@@ -39,9 +44,10 @@ _GATHER_DTYPES = (torch.uint8, torch.uint8, torch.int64, torch.float32, torch.in
 
 
 def intranode_available() -> bool:
-    """Whether the four functions of ``csrc/intranode.c`` are loaded."""
+    """Whether the five functions of ``csrc/intranode.c`` are loaded."""
     k = kernels
-    return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None)
+    return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None
+                or k.in_combine is None)
 
 
 class IntranodePlan:
@@ -104,9 +110,12 @@ class IntranodePlan:
         self._staged_address = self.staged.ctypes.data
         self._peers_address = self.peers.ctypes.data
         self._cols_address = cols.ctypes.data
-        # gather's per-source operands: field offsets [5], rows, first token, first output row, rows received [R]
-        self._gather = np.zeros((5, max(R, 5)), dtype=np.int64)
-        self._gather_addresses = [row.ctypes.data for row in self._gather]
+        # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, first
+        # token, first output row, rows received; combine's row and weight addresses and strides, rows promised
+        self._ops = np.zeros((10, max(R, 5)), dtype=np.int64)
+        self._ops_addresses = [row.ctypes.data for row in self._ops]
+        self._tokens = np.zeros(0, dtype=np.int64)  # combine's scratch: each source's tokens
+        self._tokens_address = self._tokens.ctypes.data
         self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
                                 for slot in slots}
 
@@ -192,12 +201,12 @@ class IntranodePlan:
             raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: outputs must be contiguous tensors of "
                              f"{n} rows of dtypes {_GATHER_DTYPES}, top-k ids and weights both or neither and of "
                              f"one shape, got {got}")
-        g, R = self._gather, self.num_ranks
+        g, R = self._ops, self.num_ranks
         g[0, :5] = offsets
         g[1, :R] = rows
         g[2, :R] = first
         g[3, :R] = at
-        a = self._gather_addresses
+        a = self._ops_addresses
         k = 0 if topk_idx is None else topk_idx.size(1)
         if kernels.in_gather(self._address, a[0], a[1], a[2], 0 if x is None else x.size(1),
                              0 if scales is None else scales.size(1), k, None if x is None else x.data_ptr(),
@@ -208,3 +217,61 @@ class IntranodePlan:
             raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: the rows routed here from the sources "
                              f"(starting at rows {at}) do not fit {n} output rows")
         return g[4, :R].tolist()
+
+    def combine(self, offsets, lo: int, mask: torch.Tensor, rows_at: list, ld: list, w_at: list, w_ld: list,
+                bias0: torch.Tensor | None, bias1: torch.Tensor | None, out: torch.Tensor,
+                w_out: torch.Tensor | None) -> tuple[int, list, list]:
+        """A combine round's receive for this origin's tokens ``[lo, lo + m)`` (``csrc/intranode.c``'s
+        ``deepep_in_combine``). Source ``j`` returned the rows of the tokens whose ``mask[t, j]`` is set, in
+        ascending order; its count vector (in its current half) must say as many. Its rows are at address
+        ``rows_at[j]`` (row stride ``ld[j]`` elements) if nonzero, else staged in its half at ``offsets[0]``
+        after the rows it staged for lower origins; its weight rows likewise (``w_at``, ``w_ld``, ``offsets[1]``).
+
+        ``out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + Σ_j f32(row))`` in ascending ``j`` (a bias None: +0.0),
+        one rounding, DeepEP's combine sum; with ``w_out``, ``w_out[t] = +0.0 + Σ_j w`` likewise.
+
+        Args:
+            offsets: the combine regions' ``field_offs`` (staged rows, staged weights).
+            mask: ``[N, R]`` bool, contiguous, ``N >= lo + m`` (the handle's ``is_token_in_rank``).
+            rows_at, ld, w_at, w_ld: ``R`` ints each (this rank's own rows must be given: they are not staged).
+            bias0, bias1: ``[>= m, H]`` bf16 matrices (rows ``lo..`` of the caller's bias), or None.
+            out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None.
+        Returns:
+            ``(status, got, want)``: status 0 when done (``got``: the rows of each source); ``j + 1`` when source
+            ``j`` returned ``want[j]`` rows but the mask routes ``got[j]`` (nothing written); -1 when the row sum
+            ran out of memory.
+        Raises:
+            ValueError: an operand of another dtype or shape (nothing written).
+        """
+        R = self.num_ranks
+        m, hidden = out.shape if out.dim() == 2 else (-1, -1)
+        wcols = 0 if w_out is None else w_out.size(1)
+        if not (matrix_ok(out, torch.bfloat16) and mask.dtype == torch.bool and mask.is_contiguous()
+                and mask.dim() == 2 and mask.size(1) == R and 0 <= lo and lo + m <= mask.size(0)
+                and all(b is None or (matrix_ok(b, torch.bfloat16, hidden) and b.size(0) >= m) for b in (bias0, bias1))
+                and (w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous() and w_out.dim() == 2
+                                       and w_out.size(0) == m))):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.combine: out [m, H] bf16, mask [N >= {lo} + m, {R}] "
+                             f"bool, biases [>= m, H] bf16, w_out [m, wcols] float32 expected, got out "
+                             f"{out.dtype}{list(out.shape)}, mask {mask.dtype}{list(mask.shape)}, biases "
+                             f"{[None if b is None else (b.dtype, tuple(b.shape)) for b in (bias0, bias1)]}, w_out "
+                             f"{None if w_out is None else (w_out.dtype, tuple(w_out.shape))}")
+        if bias0 is None:  # f32(b1) + 0.0 == 0.0 + f32(b1): the one given bias goes first
+            bias0, bias1 = bias1, None
+        if self._tokens.size < R * m:
+            self._tokens = np.zeros(max(R * m, 2 * self._tokens.size), dtype=np.int64)
+            self._tokens_address = self._tokens.ctypes.data
+        g, a = self._ops, self._ops_addresses
+        g[0, :len(offsets)] = offsets
+        g[5, :R] = rows_at
+        g[6, :R] = ld
+        g[7, :R] = w_at
+        g[8, :R] = w_ld
+        b0, b1 = ((None, 0) if b is None else (b.data_ptr(), b.stride(0)) for b in (bias0, bias1))
+        status = kernels.in_combine(self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], wcols, a[7], a[8],
+                                    *b0, *b1, out.data_ptr(), out.stride(0),
+                                    None if w_out is None else w_out.data_ptr(),
+                                    self._tokens_address, a[4], a[9], _NAN_BITS)
+        if status == 0:
+            mark_written(out)
+        return status, g[4, :R].tolist(), g[9, :R].tolist()

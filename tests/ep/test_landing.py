@@ -297,19 +297,22 @@ def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, ze
         coll(buf.destroy, what="destroy")
 
 
+def _delayed(fn, seconds):
+    def delayed(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+    return delayed
+
+
 @pytest.mark.mpi(min_size=2)
 def test_x_read_in_place_is_the_callers_again_once_combine_returns(comm, monkeypatch):
     """A rank's combine returns only after every peer has read its rows of ``x``: here the last rank
     starts summing 0.3 s late, and every rank overwrites its ``x`` the moment combine returns. The
     last rank must still get the sum of the rows as they were."""
     r, R = comm.Get_rank(), comm.Get_size()
-    if r == R - 1:
-        slow = intranode_mod.accumulate_rows
-
-        def late(*args, **kwargs):
-            time.sleep(0.3)
-            return slow(*args, **kwargs)
-        monkeypatch.setattr(intranode_mod, "accumulate_rows", late)
+    if r == R - 1:  # on the torch glue or the native receive, whichever runs
+        for owner, name in ((intranode_mod, "accumulate_rows"), (intranode_mod.IntranodeEngine, "_combine_native")):
+            monkeypatch.setattr(owner, name, _delayed(getattr(owner, name), 0.3))
     buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True)
     try:
         x, idx, w, E = _inputs(comm, 41)
@@ -336,13 +339,9 @@ def test_a_reader_of_x_in_place_raises_when_its_owner_fails(comm, monkeypatch):
     raises or returns the reference. Then the Buffer is destroyed."""
     r, R = comm.Get_rank(), comm.Get_size()
     late = R - 1
-    if r == late:
-        slow = intranode_mod.accumulate_rows
-
-        def delayed(*args, **kwargs):
-            time.sleep(3.5)
-            return slow(*args, **kwargs)
-        monkeypatch.setattr(intranode_mod, "accumulate_rows", delayed)
+    if r == late:  # the sum is late, on the torch glue or the native receive, whichever runs
+        for owner, name in ((intranode_mod, "accumulate_rows"), (intranode_mod.IntranodeEngine, "_combine_native")):
+            monkeypatch.setattr(owner, name, _delayed(getattr(owner, name), 3.5))
     buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True, timeout_s=2)
     x, idx, w, E = _inputs(comm, 42)
     recv_x, handle, itr = _dispatch(buf, x, idx, w, E)

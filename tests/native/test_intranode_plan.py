@@ -234,3 +234,77 @@ def test_gather_refuses_rows_past_the_outputs_and_writes_nothing():
     with pytest.raises(ValueError, match="contiguous tensors"):
         ranks.plans[0].gather(offs, [10, 10], [0, 0], [0, 0], x, None, torch.zeros(routed, 2, dtype=torch.int64),
                               None, src)
+
+
+def _bf16(g, shape):
+    t = torch.randn(*shape, generator=g).bfloat16()
+    t.view(-1)[::7] = -0.0  # signed zeros: the sum starts from +0.0, as DeepEP's
+    return t
+
+
+@pytest.mark.parametrize("bias_kind,wcols", [("none", 3), ("one", 0), ("pair", 2)])
+def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wcols):
+    R, me, H, N, lo, m = 3, 1, 16, 10, 3, 6
+    g = torch.Generator().manual_seed(len(bias_kind) + wcols)
+    ranks = Ranks(R, seed=9)
+    offs = [VEC_OFF + 64, VEC_OFF + 1024]
+    mask = torch.rand(N, R, generator=g) < 0.6
+    tokens = [[t for t in range(m) if mask[lo + t, j]] for j in range(R)]
+    rows = [_bf16(g, (len(tokens[j]), H)) for j in range(R)]
+    weights = [torch.randn(len(tokens[j]), max(wcols, 1), generator=g)[:, :wcols] for j in range(R)]
+    rows_at, ld, w_at, w_ld = [0] * R, [0] * R, [0] * R, [0] * R
+    own_x = torch.cat([_bf16(g, (2, H)), rows[me]])  # own rows after two others: given by address
+    own_w = torch.cat([torch.randn(2, wcols, generator=g), weights[me]])
+    rows_at[me], ld[me] = own_x.data_ptr() + 2 * 2 * H, H
+    w_at[me], w_ld[me] = own_w.data_ptr() + 2 * 4 * wcols, wcols
+    in_place = rows[2].clone()  # source 2's rows read in place; source 0's staged
+    rows_at[2], ld[2] = in_place.data_ptr(), H
+    for j in range(R):  # count vectors; the staged layout: the rows for the other origins, ascending, ours among them
+        sizes = [len(tokens[j]) if s == me else (0 if s == j else 2 + s) for s in range(R)]
+        half = ranks.half(j, 0)
+        half[VEC_OFF:VEC_OFF + 4 * R] = np.array(sizes, dtype=np.int32).view(np.uint8)
+        if j == me:
+            continue
+        staged = torch.cat([rows[j] if s == me else _bf16(g, (sizes[s], H)) for s in range(R) if s != j])
+        w_staged = torch.cat([weights[j] if s == me else torch.randn(sizes[s], wcols, generator=g)
+                              for s in range(R) if s != j])
+        half[offs[0]:offs[0] + staged.numel() * 2] = staged.view(torch.uint8).reshape(-1).numpy()
+        half[offs[1]:offs[1] + w_staged.numel() * 4] = w_staged.view(torch.uint8).reshape(-1).numpy()
+    biases = [_bf16(g, (N, H)) for _ in range(2)]
+    b0, b1 = {"none": (None, None), "one": (None, biases[1]), "pair": tuple(biases)}[bias_kind]
+    out = torch.full((N, H), 3.0, dtype=torch.bfloat16)
+    w_out = torch.full((N, wcols), 3.0) if wcols else None
+    status, got, want = ranks.plans[me].combine(
+        offs, lo, mask, rows_at, ld, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
+        None if b1 is None else b1[lo:lo + m], out[lo:lo + m], None if w_out is None else w_out[lo:lo + m])
+    assert (status, got, want) == (0, [len(t) for t in tokens], [len(t) for t in tokens])
+    expect, expect_w = out.clone(), None if w_out is None else w_out.clone()
+    for t in range(m):
+        given = [b[lo + t].float() for b in (b0, b1) if b is not None]  # f32(b0) + f32(b1), a missing one +0.0
+        acc = given[0] + given[1] if len(given) == 2 else (given[0] + 0.0 if given else torch.zeros(H))
+        wacc = torch.zeros(wcols)
+        for j in range(R):
+            if t in tokens[j]:
+                acc = acc + rows[j][tokens[j].index(t)].float()
+                wacc = wacc + weights[j][tokens[j].index(t)]
+        expect[lo + t] = acc.bfloat16()
+        if w_out is not None:
+            expect_w[lo + t] = wacc
+    assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+    assert w_out is None or torch.equal(w_out.view(torch.int32), expect_w.view(torch.int32))
+
+
+def test_combine_refuses_counts_the_mask_does_not_route_and_writes_nothing():
+    R, me, H, N = 2, 0, 8, 4
+    ranks = Ranks(R, seed=2)
+    mask = torch.tensor([[1, 1], [0, 1], [1, 0], [0, 1]], dtype=torch.bool)
+    for j, count in ((0, 2), (1, 2)):  # rank 1 says 2 rows for this origin; its mask column routes 3
+        ranks.half(j, 0)[VEC_OFF:VEC_OFF + 4 * R] = np.array([count, 0], dtype=np.int32).view(np.uint8)
+    own = torch.ones(2, H, dtype=torch.bfloat16)
+    out = torch.full((N, H), 5.0, dtype=torch.bfloat16)
+    status, got, want = ranks.plans[me].combine([VEC_OFF + 64, VEC_OFF + 512], 0, mask, [own.data_ptr(), 0],
+                                                [H, 0], [0, 0], [0, 0], None, None, out, None)
+    assert (status, got[1], want[1]) == (2, 3, 2) and bool((out == 5.0).all())
+    with pytest.raises(ValueError, match="IntranodePlan.combine"):  # a mask of another rank count
+        ranks.plans[me].combine([0, 0], 0, mask[:, :1].contiguous(), [0, 0], [0, 0], [0, 0], [0, 0], None, None,
+                                out, None)

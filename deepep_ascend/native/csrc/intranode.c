@@ -1,6 +1,6 @@
 /* The normal-mode engine's fixed work on one node, by loads and stores (deepep_ascend/ep/intranode.py,
  * docs/design/data-path.md): the signals of transports' signal() and wait_until(), a call's chunk-0
- * exchange and a dispatch chunk's receive, each in one C call where the Python steps made several per peer.
+ * exchange and a dispatch or combine chunk's receive, each in one C call where the Python steps made several per peer.
  *
  *   deepep_in_signal    one full fence, then each destination's running signal value, plus one, stored
  *                        into the word this rank alone writes there
@@ -10,6 +10,9 @@
  *                        current half, READY to every peer (deepep_in_signal), every source's READY
  *                        polled (deepep_in_poll), then every rank's header words gathered and compared
  *   deepep_in_gather    every source's rows for this rank out of its staged dispatch chunk, into the outputs
+ *   deepep_in_combine   a combine round's receive: every source's rows for this origin's tokens found,
+ *                        checked against the counts the sources sent, summed (deepep_sum_rows_bf16) with
+ *                        the bias, and the top-k weights summed
  *
  * A poll that runs out returns -1 having read nothing after the signals: the caller then waits the long
  * way (transports' wait_until, with its deadline and abort checks). Addresses are the caller's mapped
@@ -161,6 +164,77 @@ int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t
             row++;
         }
         at[s] = row;
+    }
+    return 0;
+}
+
+int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources, const int64_t *const *tokens,
+                             const int64_t *counts, const uint16_t *const *rows, const int64_t *row_ld,
+                             const int64_t *const *row_index, const int64_t *const *row_key, const uint16_t *bias0,
+                             int64_t bias0_ld, const uint16_t *bias1, int64_t bias1_ld, uint16_t *out,
+                             int64_t out_ld, uint16_t nan_bits);
+
+/* A combine round's receive, every source at once, for this origin's tokens [lo, lo + m): source j's tokens are
+ * the t whose routing-mask byte mask[t * R + j] is nonzero (ascending); j's count vector (int32 [R] at
+ * CTL_VEC_OFF of its current half) must say it returned that many rows here, else returns j + 1 with got[j] =
+ * the routed count and want[j] = the returned one (nothing written). j's rows are at rows_at[j] (row stride
+ * ld[j] elements) when nonzero, else staged in its half at offs[0] after the rows it returned to lower origins
+ * (row stride hidden); its top-k weight rows (wcols > 0) likewise at w_at[j] (stride w_ld[j]) or at offs[1].
+ * Then out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + the rows, sources ascending) (deepep_sum_rows_bf16; a
+ * bias NULL: +0.0) and, with w_out, w_out[t] = +0.0 + each source's weight row in ascending j. tokens: scratch of
+ * R * m int64. got[j] = rows of j. Returns -1 if the row sum ran out of memory. */
+int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, int64_t m, int64_t hidden,
+                          const uint8_t *mask, const int64_t *rows_at, const int64_t *ld, int64_t wcols,
+                          const int64_t *w_at, const int64_t *w_ld, const uint16_t *bias0, int64_t bias0_ld,
+                          const uint16_t *bias1, int64_t bias1_ld, uint16_t *out, int64_t out_ld, float *w_out,
+                          int64_t *tokens, int64_t *got, int64_t *want, uint16_t nan_bits)
+{
+    const int64_t R = plan[CTL_RANKS], me = plan[CTL_ME], half = plan[CTL_HALF], vec_off = plan[CTL_VEC_OFF];
+    const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
+    for (int64_t j = 0; j < R; j++)
+        got[j] = 0;
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t j = 0; j < R; j++)
+            if (mask[(lo + t) * R + j])
+                tokens[j * m + got[j]++] = t;
+    for (int64_t j = 0; j < R; j++) {
+        const int32_t *sizes = (const int32_t *)((const uint8_t *)(intptr_t)bases[j] + (staged[j] & 1) * half + vec_off);
+        want[j] = sizes[me];
+        if (want[j] != got[j])
+            return j + 1;
+    }
+    const int64_t *tok[R > 0 ? R : 1];
+    const uint16_t *row[R > 0 ? R : 1];
+    int64_t cnt[R > 0 ? R : 1], row_ld[R > 0 ? R : 1], n = 0;
+    const float *wrow[R > 0 ? R : 1];
+    int64_t wld[R > 0 ? R : 1];
+    for (int64_t j = 0; j < R; j++) {
+        if (!got[j])
+            continue;
+        const uint8_t *half_base = (const uint8_t *)(intptr_t)bases[j] + (staged[j] & 1) * half;
+        const int32_t *sizes = (const int32_t *)(half_base + vec_off);
+        int64_t before = 0; /* rows j staged for lower origins than this one (its own are not staged) */
+        for (int64_t s = 0; s < me; s++)
+            before += s == j ? 0 : sizes[s];
+        tok[n] = tokens + j * m;
+        cnt[n] = got[j];
+        row[n] = rows_at[j] ? (const uint16_t *)(intptr_t)rows_at[j]
+                            : (const uint16_t *)(half_base + offs[0]) + before * hidden;
+        row_ld[n] = rows_at[j] ? ld[j] : hidden;
+        wrow[n] = w_at[j] ? (const float *)(intptr_t)w_at[j] : (const float *)(half_base + offs[1]) + before * wcols;
+        wld[n] = w_at[j] ? w_ld[j] : wcols;
+        n++;
+    }
+    const int64_t status = deepep_sum_rows_bf16(m, hidden, n, tok, cnt, row, row_ld, NULL, NULL, bias0, bias0_ld,
+                                                bias1, bias1_ld, out, out_ld, nan_bits);
+    if (status)
+        return -1;
+    if (w_out && wcols > 0) {
+        memset(w_out, 0, (size_t)(m * wcols) * sizeof *w_out);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < cnt[i]; r++)
+                for (int64_t c = 0; c < wcols; c++)
+                    w_out[tok[i][r] * wcols + c] += wrow[i][r * wld[i] + c];
     }
     return 0;
 }
