@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..native import dispatch_layout as native_dispatch_layout
 from ..settings import SettingError
 from ..transports import (
     ChannelKind,
@@ -511,7 +512,8 @@ class Buffer(SharedOnCopy):
             _PH.switch("checks")
         try:
             check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-            check_topk_idx(topk_idx, num_experts, self.group_size)
+            # the ids' range: checked by the native layout's own pass where it runs (synchronous calls)
+            check_topk_idx(topk_idx, num_experts, self.group_size, values=async_finish)
         except Rejected as rej:
             raise rej.exc from None
         if _PH.on:
@@ -519,7 +521,14 @@ class Buffer(SharedOnCopy):
         if not async_finish:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
-            ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
+            counts = native_dispatch_layout(topk_idx, num_experts, self.group_size)
+            if counts is None:  # no kernel, another layout, or an id out of range: the checked path
+                try:
+                    check_topk_idx(topk_idx, num_experts, self.group_size)
+                except Rejected as rej:
+                    raise rej.exc from None
+                counts = dispatch_layout(topk_idx, num_experts, self.group_size)
+            ntpr, ntpe, itr = counts
             ntpn = self._tokens_per_node(itr)
             self._layout_stamp = stamp(topk_idx, ntpr, ntpn, ntpe, itr)
             return ntpr, ntpn, ntpe, itr, EventOverlap()
