@@ -520,6 +520,18 @@ class IntranodeEngine:
         n, xb = x.shape
         if _PH.on:
             _PH.switch("copy")
+        if self._ctl is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():  # one native call
+            want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
+            dst = [self.segment.view(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb).data_ptr()
+                   if want[j] else 0 for j in range(nr)]
+            status, got = self._ctl.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
+            if status:
+                j = status - 1
+                raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {got[j]} tokens to rank {j}, but "
+                                   f"the counts exchanged for this call say {want[j]} (was it changed before the "
+                                   f"call finished?)")
+            self._raise_xdata()
+            return
         # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens
         # ascending), in numpy: a small bool array, where it costs a few torch calls less
         routed, tokens = _tokens_by_rank(is_token_in_rank.numpy(), nr)
@@ -713,6 +725,17 @@ class IntranodeEngine:
             return
         me, offs = self.rank, regions.field_offs
         xb = sent.x.size(1)
+        if self._ctl is not None:  # every field in one native call, but those that are no matrix of rows
+            fields = [(sent.x, offs[0])] if with_x else []
+            if not only_x:
+                fields += [(t, off) for t, off in zip(sent[1:], offs[1:]) if t is not None]
+            native, other = [], []
+            for field in fields:
+                (native if matrix_ok(field[0]) else other).append(field)
+            self._ctl.stage(native, lo, rows)
+            for t, off in other:
+                self._rows(me, off, rows, t.size(1), t.dtype).copy_(t[lo:hi])
+            return
         if with_x:
             self._rows(me, offs[0], rows, xb).copy_(sent.x[lo:hi])
         if only_x:

@@ -12,6 +12,8 @@ and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-l
   fence (transports' ``wait_until`` while the peers are on time);
 * :meth:`IntranodePlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
   peer, every peer's ``READY`` polled, the header words gathered and compared;
+* :meth:`IntranodePlan.stage`: rows of a call's fields copied into this rank's current half;
+* :meth:`IntranodePlan.store`: dispatch's direct stores, each receiver's rows of ``x`` into its ``recv_x``;
 * :meth:`IntranodePlan.gather`: a dispatch chunk's receive: every source's rows for this rank (``x``, scales,
   top-k ids and weights, source token) from its staged chunk into the outputs, in one pass;
 * :meth:`IntranodePlan.combine`: a combine round's receive: every source's rows for this origin's tokens,
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from .loader import kernels
-from .operands import mark_written, matrix_ok
+from .operands import matrix_ok
 from .rows import _NAN_BITS
 
 __all__ = ["IntranodePlan", "intranode_available"]
@@ -44,10 +46,10 @@ _GATHER_DTYPES = (torch.uint8, torch.uint8, torch.int64, torch.float32, torch.in
 
 
 def intranode_available() -> bool:
-    """Whether the five functions of ``csrc/intranode.c`` are loaded."""
+    """Whether the seven functions of ``csrc/intranode.c`` are loaded."""
     k = kernels
     return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None
-                or k.in_combine is None)
+                or k.in_combine is None or k.in_stage is None or k.in_store is None)
 
 
 class IntranodePlan:
@@ -114,6 +116,8 @@ class IntranodePlan:
         # token, first output row, rows received; combine's row and weight addresses and strides, rows promised
         self._ops = np.zeros((10, max(R, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
+        self._fields = np.zeros((4, 8), dtype=np.int64)  # stage's fields: source, its row stride, row bytes, offset
+        self._fields_addresses = [row.ctypes.data for row in self._fields]
         self._tokens = np.zeros(0, dtype=np.int64)  # combine's scratch: each source's tokens
         self._tokens_address = self._tokens.ctypes.data
         self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
@@ -235,7 +239,8 @@ class IntranodePlan:
             mask: ``[N, R]`` bool, contiguous, ``N >= lo + m`` (the handle's ``is_token_in_rank``).
             rows_at, ld, w_at, w_ld: ``R`` ints each (this rank's own rows must be given: they are not staged).
             bias0, bias1: ``[>= m, H]`` bf16 matrices (rows ``lo..`` of the caller's bias), or None.
-            out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None.
+            out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None. Both are written
+                without bumping their version counters: the engine's own new outputs, which nothing has read.
         Returns:
             ``(status, got, want)``: status 0 when done (``got``: the rows of each source); ``j + 1`` when source
             ``j`` returned ``want[j]`` rows but the mask routes ``got[j]`` (nothing written); -1 when the row sum
@@ -272,6 +277,56 @@ class IntranodePlan:
                                     *b0, *b1, out.data_ptr(), out.stride(0),
                                     None if w_out is None else w_out.data_ptr(),
                                     self._tokens_address, a[4], a[9], _NAN_BITS)
-        if status == 0:
-            mark_written(out)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
+
+    def stage(self, fields, lo: int, rows: int) -> None:
+        """Rows ``[lo, lo + rows)`` of each ``(tensor, offset)`` of ``fields`` (at most 8) into this rank's
+        current half from byte ``offset`` on, one row after the other (``csrc/intranode.c``'s ``deepep_in_stage``).
+        Each tensor must be a 2-D CPU matrix with unit column stride (:func:`~.operands.matrix_ok`; any dtype, any
+        row stride) of at least ``lo + rows`` rows: the caller checks (the engine asks ``matrix_ok`` of its
+        operands and stages the others with torch), this method reads them as such.
+
+        Raises:
+            ValueError: more than 8 fields, a negative ``lo`` or ``rows``, or a field past the half (nothing
+                written).
+        """
+        f, n = self._fields, len(fields)
+        if n > f.shape[1] or lo < 0 or rows < 0:
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: at most {f.shape[1]} fields and rows "
+                             f"[{lo}, {lo} + {rows}) with lo, rows >= 0 expected, got {n} fields")
+        sizes = [t.element_size() for t, _ in fields]
+        f[0, :n] = [t.data_ptr() for t, _ in fields]
+        f[1, :n] = [size * t.stride(0) for size, (t, _) in zip(sizes, fields)]
+        f[2, :n] = [size * t.size(1) for size, (t, _) in zip(sizes, fields)]
+        f[3, :n] = [offset for _, offset in fields]
+        a = self._fields_addresses
+        if kernels.in_stage(self._address, n, a[0], a[1], a[2], a[3], lo, rows):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: {rows} rows of the fields at offsets "
+                             f"{[offset for _, offset in fields]} pass the half of {self.half_bytes} bytes")
+
+    def store(self, x: torch.Tensor, mask: torch.Tensor, order: list, dst: list, want: list) -> tuple[int, list]:
+        """Dispatch's direct stores (``csrc/intranode.c``'s ``deepep_in_store``): for each rank ``j`` of ``order``
+        with ``dst[j]`` nonzero, the rows of ``x`` whose ``mask[t, j]`` is set, ascending, from address ``dst[j]``
+        on (the caller checked that the receiver's range holds ``want[j]`` rows).
+
+        Args:
+            x: ``[n, xb]`` uint8 matrix (unit column stride). mask: ``[n, R]`` bool, contiguous.
+            order, dst, want: ``R`` ints each.
+        Returns:
+            ``(status, got)``: 0 when stored; ``j + 1`` when ``mask`` routes ``got[j]`` rows to ``j``, not ``want[j]``
+            (nothing stored).
+        Raises:
+            ValueError: ``x`` or ``mask`` of another kind or shape (nothing stored).
+        """
+        R = self.num_ranks
+        if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
+                and tuple(mask.shape) == (x.size(0), R)):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.store: x [n, xb] uint8 and mask [n, {R}] bool "
+                             f"expected, got {x.dtype}{list(x.shape)} and {mask.dtype}{list(mask.shape)}")
+        g, a = self._ops, self._ops_addresses
+        g[5, :R] = order
+        g[6, :R] = dst
+        g[7, :R] = want
+        status = kernels.in_store(x.size(0), R, x.data_ptr(), x.stride(0), x.size(1), mask.data_ptr(), a[5], a[6],
+                                  a[7], a[4])
+        return status, g[4, :R].tolist()

@@ -308,3 +308,48 @@ def test_combine_refuses_counts_the_mask_does_not_route_and_writes_nothing():
     with pytest.raises(ValueError, match="IntranodePlan.combine"):  # a mask of another rank count
         ranks.plans[me].combine([0, 0], 0, mask[:, :1].contiguous(), [0, 0], [0, 0], [0, 0], [0, 0], None, None,
                                 out, None)
+
+
+def test_stage_copies_each_fields_rows_into_the_current_half():
+    R, me = 2, 1
+    ranks = Ranks(R, seed=6)
+    plan = ranks.plans[me]
+    plan.staged[me] = 3  # half 1
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 256, (9, 40), generator=g, dtype=torch.uint8)[:, :24]  # rows 40 bytes apart
+    idx = torch.randint(-1, 9, (9, 3), generator=g)
+    mask = torch.rand(9, R, generator=g) < 0.5
+    before0 = ranks.half(me, 0).copy()
+    plan.stage([(x, VEC_OFF), (idx, VEC_OFF + 200), (mask, VEC_OFF + 400)], 2, 5)
+    half = ranks.half(me, 1)
+    assert np.array_equal(half[VEC_OFF:VEC_OFF + 5 * 24], x[2:7].contiguous().numpy().reshape(-1))
+    assert np.array_equal(half[VEC_OFF + 200:VEC_OFF + 200 + 5 * 24].view(np.int64), idx[2:7].numpy().reshape(-1))
+    assert np.array_equal(half[VEC_OFF + 400:VEC_OFF + 410].view(np.bool_), mask[2:7].numpy().reshape(-1))
+    assert np.array_equal(ranks.half(me, 0), before0)  # the other half untouched
+    snapshot = half.copy()
+    with pytest.raises(ValueError, match="pass the half"):
+        plan.stage([(x, VEC_OFF), (idx, HALF - 8)], 0, 2)  # the second field passes the half: nothing written
+    assert np.array_equal(ranks.half(me, 1), snapshot)
+
+
+def test_store_puts_each_receivers_rows_at_its_address_in_order():
+    R, n, xb = 3, 7, 16
+    ranks = Ranks(R, seed=8)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(0, 256, (n, xb), generator=g, dtype=torch.uint8)
+    mask = torch.rand(n, R, generator=g) < 0.5
+    mask[0, 2] = True  # rank 2 gets at least one row; rank 1 none
+    mask[:, 1] = False
+    want = mask.sum(0).tolist()
+    outs = [torch.zeros(max(w, 1) + 1, xb, dtype=torch.uint8) for w in want]
+    dst = [o.data_ptr() if w else 0 for o, w in zip(outs, want)]
+    status, got = ranks.plans[0].store(x, mask, [1, 2, 0], dst, want)
+    assert (status, got) == (0, want)
+    for j in range(R):
+        assert torch.equal(outs[j][:want[j]], x[mask[:, j]]) and not outs[j][want[j]:].any()
+    fresh = [torch.zeros_like(o) for o in outs]
+    wrong = [want[0], want[1], want[2] + 1]
+    status, got = ranks.plans[0].store(x, mask, [1, 2, 0], [o.data_ptr() for o in fresh], wrong)
+    assert (status, got[2]) == (3, want[2]) and not any(o.any() for o in fresh)
+    with pytest.raises(ValueError, match="IntranodePlan.store"):
+        ranks.plans[0].store(x.view(torch.int16), mask, [1, 2, 0], dst, want)

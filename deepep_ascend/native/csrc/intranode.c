@@ -10,6 +10,8 @@
  *                        current half, READY to every peer (deepep_in_signal), every source's READY
  *                        polled (deepep_in_poll), then every rank's header words gathered and compared
  *   deepep_in_gather    every source's rows for this rank out of its staged dispatch chunk, into the outputs
+ *   deepep_in_stage     rows of a call's fields copied into this rank's current half
+ *   deepep_in_store     dispatch's direct stores: each receiver's rows of x into its recv_x
  *   deepep_in_combine   a combine round's receive: every source's rows for this origin's tokens found,
  *                        checked against the counts the sources sent, summed (deepep_sum_rows_bf16) with
  *                        the bias, and the top-k weights summed
@@ -235,6 +237,60 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
             for (int64_t r = 0; r < cnt[i]; r++)
                 for (int64_t c = 0; c < wcols; c++)
                     w_out[tok[i][r] * wcols + c] += wrow[i][r * wld[i] + c];
+    }
+    return 0;
+}
+
+/* Rows [lo, lo + rows) of n fields staged into this rank's current half: field f's row r (row_bytes[f] bytes at
+ * src[f] + r * src_ld[f], bytes) to offs[f] + (r - lo) * row_bytes[f]. Returns 1, writing nothing, when a field
+ * would pass the half. */
+int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, const int64_t *src_ld,
+                        const int64_t *row_bytes, const int64_t *offs, int64_t lo, int64_t rows)
+{
+    const int64_t me = plan[CTL_ME], half = plan[CTL_HALF];
+    const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
+    for (int64_t f = 0; f < n; f++)
+        if (offs[f] < 0 || row_bytes[f] < 0 || offs[f] + rows * row_bytes[f] > half)
+            return 1;
+    uint8_t *own = (uint8_t *)(intptr_t)bases[me] + (staged[me] & 1) * half;
+    for (int64_t f = 0; f < n; f++) {
+        const uint8_t *s = (const uint8_t *)(intptr_t)src[f] + lo * src_ld[f];
+        uint8_t *d = own + offs[f];
+        if (src_ld[f] == row_bytes[f]) {
+            memcpy(d, s, (size_t)(rows * row_bytes[f]));
+            continue;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
+    }
+    return 0;
+}
+
+/* Dispatch's direct stores: the n rows of x (xb bytes each, row stride x_ld bytes) routed to rank j (mask[t * R
+ * + j] nonzero), ascending, stored from address dst[j] on, for each j in order[0..R) with dst[j] nonzero.
+ * Returns j + 1, storing nothing, when the rows routed to some rank j are not want[j] (got[j]: how many are). */
+int64_t deepep_in_store(int64_t n, int64_t num_ranks, const uint8_t *x, int64_t x_ld, int64_t xb,
+                        const uint8_t *mask, const int64_t *order, const int64_t *dst, const int64_t *want,
+                        int64_t *got)
+{
+    for (int64_t j = 0; j < num_ranks; j++)
+        got[j] = 0;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t j = 0; j < num_ranks; j++)
+            got[j] += mask[t * num_ranks + j] != 0;
+    for (int64_t j = 0; j < num_ranks; j++)
+        if (got[j] != want[j])
+            return j + 1;
+    for (int64_t i = 0; i < num_ranks; i++) {
+        const int64_t j = order[i];
+        if (j < 0 || j >= num_ranks || !dst[j])
+            continue;
+        uint8_t *d = (uint8_t *)(intptr_t)dst[j];
+        for (int64_t t = 0; t < n; t++)
+            if (mask[t * num_ranks + j]) {
+                memcpy(d, x + t * x_ld, (size_t)xb);
+                d += xb;
+            }
     }
     return 0;
 }
