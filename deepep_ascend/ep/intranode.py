@@ -691,8 +691,9 @@ class IntranodeEngine:
                               lambda: stage(0, only_x=True), phase)
         cursor = [rows_before(prefix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
-            if self._ctl is not None:  # every source's rows in one native pass
-                self._gather_native(active, ntok, per_round, rnd, regions, out, cursor, direct)
+            if self._ctl is not None:  # every source's rows in one native pass, the ids made local on the way
+                self._gather_native(active, ntok, per_round, rnd, regions, out, cursor, direct,
+                                    (me * (num_experts // nr), num_experts // nr))
                 continue
             for s in active:
                 rows = min(per_round, ntok[s] - rnd * per_round)
@@ -709,7 +710,7 @@ class IntranodeEngine:
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
         starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         recv_channel_prefix_matrix.copy_(recv_channel_prefix(out.src_idx, starts, ntok, num_channels))
-        if out.topk_idx is not None and num_recv:
+        if out.topk_idx is not None and num_recv and self._ctl is None:  # (the native gather did it)
             to_local_experts(out.topk_idx[:num_recv], out.topk_weights[:num_recv], me, num_experts // nr)
 
     def _stage_dispatch_chunk(self, regions: _Regions, per_round: int, sent: _SentRows, rnd: int, with_x: bool = True,
@@ -814,9 +815,10 @@ class IntranodeEngine:
         return at + got
 
     def _gather_native(self, active, ntok: list, per_round: int, rnd: int, regions: _Regions, out: _Received,
-                       cursor: list, direct: bool) -> None:
+                       cursor: list, direct: bool, local_experts: tuple[int, int]) -> None:
         """:meth:`_gather_dispatch_chunk` of every active source of round ``rnd`` in one native call
-        (:meth:`~deepep_ascend.native.IntranodePlan.gather`); advances ``cursor``."""
+        (:meth:`~deepep_ascend.native.IntranodePlan.gather`), the ids made local on the way (``local_experts``:
+        ``(first, L)``, the epilogue's :func:`to_local_experts`); advances ``cursor``."""
         if _PH.on:
             _PH.switch("copy")
         nr, lo = self.num_ranks, rnd * per_round
@@ -824,7 +826,7 @@ class IntranodeEngine:
         for s in active:
             rows[s] = max(0, min(per_round, ntok[s] - lo))
         got = self._ctl.gather(regions.field_offs, rows, [lo] * nr, cursor, None if direct else out.x, out.scales,
-                               out.topk_idx, out.topk_weights, out.src_idx)
+                               out.topk_idx, out.topk_weights, out.src_idx, local_experts)
         row_bytes = out.x.size(1) + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
             out.topk_idx.size(1) if out.topk_idx is not None else 0)
         for s in range(nr):

@@ -177,7 +177,8 @@ class IntranodePlan:
         return status, out
 
     def gather(self, offsets, rows: list, first: list, at: list, x: torch.Tensor | None, scales: torch.Tensor | None,
-               topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, src_idx: torch.Tensor) -> list:
+               topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, src_idx: torch.Tensor,
+               local_experts: tuple[int, int] = (0, 0)) -> list:
         """A dispatch chunk's receive (``csrc/intranode.c``'s ``deepep_in_gather``): for each source ``s`` with
         ``rows[s] > 0`` staged tokens (from token ``first[s]``), its tokens routed to this rank (its staged mask's
         column) in ascending order, from output row ``at[s]`` on: the token's ``x`` row (None: not gathered),
@@ -190,6 +191,9 @@ class IntranodePlan:
             x, scales: ``[N, xb]`` / ``[N, sb]`` uint8 (xb, sb: the staged row bytes), contiguous, or None.
             topk_idx, topk_weights: ``[N, k]`` int64 / float32, contiguous, both or neither.
             src_idx: ``[N]`` int32, contiguous.
+            local_experts: ``(first, L)``: the ids land as this rank's local ones, ``id - first`` where that lies
+                in ``[0, L)``, else -1 with weight 0 (:func:`~deepep_ascend.native.local_experts`); ``L = 0``: as
+                staged.
         Returns:
             The rows received from each source (``R`` ints).
         Raises:
@@ -217,7 +221,7 @@ class IntranodePlan:
                              None if scales is None else scales.data_ptr(),
                              None if topk_idx is None else topk_idx.data_ptr(),
                              None if topk_weights is None else topk_weights.data_ptr(), src_idx.data_ptr(), a[3], n,
-                             a[4]):
+                             a[4], *local_experts):
             raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: the rows routed here from the sources "
                              f"(starting at rows {at}) do not fit {n} output rows")
         return g[4, :R].tolist()

@@ -185,8 +185,8 @@ def _stage_chunks(ranks, rng, rows, xb, sb, k, offs):
     return chunks
 
 
-@pytest.mark.parametrize("with_x,k,sb", [(True, 3, 5), (False, 3, 0), (True, 0, 0)])
-def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb):
+@pytest.mark.parametrize("with_x,k,sb,local", [(True, 3, 5, 0), (False, 3, 0, 0), (True, 0, 0, 0), (True, 4, 0, 16)])
+def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb, local):
     R, xb = 3, 24
     rng = np.random.default_rng(11 + k + sb)
     ranks = Ranks(R, seed=3)
@@ -203,7 +203,7 @@ def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb):
     idx = torch.full((n, k), 7, dtype=torch.int64) if k else None
     w = torch.full((n, k), 7.0) if k else None
     src = torch.full((n,), 7, dtype=torch.int32)
-    got = ranks.plans[me].gather(offs, rows, first, at, x if with_x else None, s, idx, w, src)
+    got = ranks.plans[me].gather(offs, rows, first, at, x if with_x else None, s, idx, w, src, (20, local))
     assert got == [p.size for p in picked]
     order = [(q, t) for q in range(R) for t in picked[q]]
     want_x = np.concatenate([np.full((2, xb), 7, np.uint8)] + [chunks[q]["x"][t][None] for q, t in order])
@@ -211,8 +211,14 @@ def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb):
     if sb:
         assert np.array_equal(s.numpy()[2:], np.stack([chunks[q]["s"][t] for q, t in order]))
     if k:
-        assert np.array_equal(idx.numpy()[2:], np.stack([chunks[q]["idx"][t] for q, t in order]))
+        want_idx = np.stack([chunks[q]["idx"][t] for q, t in order])
         want_w = np.stack([chunks[q]["w"][t] for q, t in order])
+        if local:  # ids [20, 36) become local ones, the others -1 with weight 0
+            foreign = (want_idx < 20) | (want_idx >= 20 + local)
+            want_idx = np.where(foreign, -1, want_idx - 20)
+            want_w = np.where(foreign, np.float32(0), want_w)
+            assert foreign.any() and not foreign.all()
+        assert np.array_equal(idx.numpy()[2:], want_idx)
         assert np.array_equal(w.numpy()[2:].view(np.int32), want_w.view(np.int32))
     assert src.tolist() == [7, 7] + [first[q] + int(t) for q, t in order]
 

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+void deepep_local_experts(int64_t *idx, float *weights, int64_t count, int64_t first, int64_t local);
+
 /* The plan: int64 words, written once by deepep_ascend.native.intranode.IntranodePlan. */
 enum {
     CTL_RANKS,      /* R */
@@ -127,11 +129,13 @@ int64_t deepep_in_exchange(const int64_t *plan, const int64_t *hdr, int64_t nwor
  * ascending t, land at rows at[s], at[s] + 1, ... of the outputs: xb bytes of the token's row at offs[0] into
  * x_out (row stride xb; xb == 0: x not gathered), sb bytes at offs[1] into s_out, k int64 top-k ids at offs[2]
  * into idx_out, k float32 weights at offs[3] into w_out (k == 0: neither), and first[s] + t into src_out.
- * got[s] = the rows of s; at[s] += got[s]. Returns 1, writing nothing, when a source's rows would pass
- * out_rows or start before 0. */
+ * With num_local > 0 the ids become this rank's local ones on the way: id - first_expert where that lies in
+ * [0, num_local), else -1 with weight 0 (deepep_local_experts). got[s] = the rows of s; at[s] += got[s].
+ * Returns 1, writing nothing, when a source's rows would pass out_rows or start before 0. */
 int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t *rows, const int64_t *first,
                          int64_t xb, int64_t sb, int64_t k, uint8_t *x_out, uint8_t *s_out, int64_t *idx_out,
-                         float *w_out, int32_t *src_out, int64_t *at, int64_t out_rows, int64_t *got)
+                         float *w_out, int32_t *src_out, int64_t *at, int64_t out_rows, int64_t *got,
+                         int64_t first_expert, int64_t num_local)
 {
     const int64_t R = plan[CTL_RANKS], me = plan[CTL_ME], half = plan[CTL_HALF];
     const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
@@ -161,6 +165,8 @@ int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t
             if (k) {
                 memcpy(idx_out + row * k, half_base + offs[2] + t * k * 8, (size_t)k * 8);
                 memcpy(w_out + row * k, half_base + offs[3] + t * k * 4, (size_t)k * 4);
+                if (num_local > 0)
+                    deepep_local_experts(idx_out + row * k, w_out + row * k, k, first_expert, num_local);
             }
             src_out[row] = (int32_t)(first[s] + t);
             row++;

@@ -113,13 +113,10 @@ int64_t deepep_recv_channel_prefix(const int32_t *src, const int64_t *starts, co
 /* In place over count (token, slot) entries: global expert ids -> this rank's local ids (first .. first +
  * local - 1 -> 0 .. local - 1), -1 and weight +0.0 for every other id (-1 included). */
 void deepep_local_experts(int64_t *idx, float *weights, int64_t count, int64_t first, int64_t local) {
-    for (int64_t i = 0; i < count; ++i) {
+    for (int64_t i = 0; i < count; ++i) {  /* without branches: foreign ids are as likely as local ones */
         const int64_t e = idx[i] - first;
-        if (e < 0 || e >= local) {
-            idx[i] = -1;
-            weights[i] = 0.0f;
-        } else {
-            idx[i] = e;
-        }
+        const int keep = (uint64_t)e < (uint64_t)local;
+        idx[i] = keep ? e : -1;
+        weights[i] = keep ? weights[i] : 0.0f;
     }
 }
