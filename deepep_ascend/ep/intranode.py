@@ -977,14 +977,14 @@ class IntranodeEngine:
         num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
-        native = self._ctl is not None and order is None and self._native_combine_ok(x, topk_weights, bias, handle)
+        native = self._ctl is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
             lo_t, hi_t = rnd * per_round, min(n, (rnd + 1) * per_round)
             if native:  # every source found, checked and summed in one native call
                 self._combine_native(headers, regions, returned, handle, prefix, lo_t, hi_t, combined, combined_w,
-                                     bias, read, phase)
+                                     bias, read, phase, order)
                 continue
             sources = self._combine_sources(headers, regions, returned, handle, prefix, lo_t, hi_t,
                                             combined_w is not None, read, phase)
@@ -1010,14 +1010,15 @@ class IntranodeEngine:
             self._wait(CONSUMED, None, self.staged[me], f"{phase}: x read in place")
 
     @staticmethod
-    def _native_combine_ok(x, topk_weights, bias, handle: IntranodeHandle) -> bool:
+    def _native_combine_ok(x, topk_weights, bias, handle: IntranodeHandle, order) -> bool:
         """Whether :meth:`_combine_native` takes these operands (else the torch glue does the receive)."""
         return (matrix_ok(x, torch.bfloat16) and (topk_weights is None or matrix_ok(
             topk_weights, torch.float32)) and (bias is None or all(b is None or matrix_ok(
-                b, torch.bfloat16, x.size(1)) for b in bias)) and handle.is_token_in_rank.is_contiguous())
+                b, torch.bfloat16, x.size(1)) for b in bias)) and handle.is_token_in_rank.is_contiguous()
+            and (order is None or (order.dtype == torch.int64 and order.is_contiguous())))
 
     def _combine_native(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, prefix: list,
-                        lo_t: int, hi_t: int, combined, combined_w, bias, read: list, phase: str) -> None:
+                        lo_t: int, hi_t: int, combined, combined_w, bias, read: list, phase: str, order=None) -> None:
         """:meth:`_combine_sources` and its sum (rows and weights) for this rank's tokens ``[lo_t, hi_t)`` in one
         native call (:meth:`~deepep_ascend.native.IntranodePlan.combine`), the same bits."""
         me, nr = self.rank, self.num_ranks
@@ -1041,7 +1042,7 @@ class IntranodeEngine:
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
         status, got, want = self._ctl.combine(
             regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, w_at, w_ld, b0, b1, combined[lo_t:hi_t],
-            None if combined_w is None else combined_w[lo_t:hi_t])
+            None if combined_w is None else combined_w[lo_t:hi_t], order)
         if status > 0:
             j = status - 1
             raise RuntimeError(

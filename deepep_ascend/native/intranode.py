@@ -118,7 +118,7 @@ class IntranodePlan:
         self._ops_addresses = [row.ctypes.data for row in self._ops]
         self._fields = np.zeros((4, 8), dtype=np.int64)  # stage's fields: source, its row stride, row bytes, offset
         self._fields_addresses = [row.ctypes.data for row in self._fields]
-        self._tokens = np.zeros(0, dtype=np.int64)  # combine's scratch: each source's tokens
+        self._tokens = np.zeros(0, dtype=np.int64)  # combine's scratch: each source's tokens, then their keys
         self._tokens_address = self._tokens.ctypes.data
         self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
                                 for slot in slots}
@@ -228,7 +228,7 @@ class IntranodePlan:
 
     def combine(self, offsets, lo: int, mask: torch.Tensor, rows_at: list, ld: list, w_at: list, w_ld: list,
                 bias0: torch.Tensor | None, bias1: torch.Tensor | None, out: torch.Tensor,
-                w_out: torch.Tensor | None) -> tuple[int, list, list]:
+                w_out: torch.Tensor | None, order: torch.Tensor | None = None) -> tuple[int, list, list]:
         """A combine round's receive for this origin's tokens ``[lo, lo + m)`` (``csrc/intranode.c``'s
         ``deepep_in_combine``). Source ``j`` returned the rows of the tokens whose ``mask[t, j]`` is set, in
         ascending order; its count vector (in its current half) must say as many. Its rows are at address
@@ -236,13 +236,16 @@ class IntranodePlan:
         after the rows it staged for lower origins; its weight rows likewise (``w_at``, ``w_ld``, ``offsets[1]``).
 
         ``out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + Σ_j f32(row))`` in ascending ``j`` (a bias None: +0.0),
-        one rounding, DeepEP's combine sum; with ``w_out``, ``w_out[t] = +0.0 + Σ_j w`` likewise.
+        one rounding, DeepEP's combine sum; with ``order`` the rows of a token add in ascending
+        ``order[lo + t, j]`` instead, ties in ``j`` (``EPBuffer``'s order, :func:`~.rows.sum_rows`'s keys); with
+        ``w_out``, ``w_out[t] = +0.0 + Σ_j w`` in ascending ``j``.
 
         Args:
             offsets: the combine regions' ``field_offs`` (staged rows, staged weights).
             mask: ``[N, R]`` bool, contiguous, ``N >= lo + m`` (the handle's ``is_token_in_rank``).
             rows_at, ld, w_at, w_ld: ``R`` ints each (this rank's own rows must be given: they are not staged).
             bias0, bias1: ``[>= m, H]`` bf16 matrices (rows ``lo..`` of the caller's bias), or None.
+            order: ``[N, R]`` int64, contiguous, or None.
             out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None. Both are written
                 without bumping their version counters: the engine's own new outputs, which nothing has read.
         Returns:
@@ -259,16 +262,19 @@ class IntranodePlan:
                 and mask.dim() == 2 and mask.size(1) == R and 0 <= lo and lo + m <= mask.size(0)
                 and all(b is None or (matrix_ok(b, torch.bfloat16, hidden) and b.size(0) >= m) for b in (bias0, bias1))
                 and (w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous() and w_out.dim() == 2
-                                       and w_out.size(0) == m))):
+                                       and w_out.size(0) == m))
+                and (order is None or (order.dtype == torch.int64 and order.is_contiguous()
+                                       and order.shape == mask.shape))):
             raise ValueError(f"deepep_ascend.native.IntranodePlan.combine: out [m, H] bf16, mask [N >= {lo} + m, {R}] "
                              f"bool, biases [>= m, H] bf16, w_out [m, wcols] float32 expected, got out "
                              f"{out.dtype}{list(out.shape)}, mask {mask.dtype}{list(mask.shape)}, biases "
                              f"{[None if b is None else (b.dtype, tuple(b.shape)) for b in (bias0, bias1)]}, w_out "
-                             f"{None if w_out is None else (w_out.dtype, tuple(w_out.shape))}")
+                             f"{None if w_out is None else (w_out.dtype, tuple(w_out.shape))}, order "
+                             f"{None if order is None else (order.dtype, tuple(order.shape))}")
         if bias0 is None:  # f32(b1) + 0.0 == 0.0 + f32(b1): the one given bias goes first
             bias0, bias1 = bias1, None
-        if self._tokens.size < R * m:
-            self._tokens = np.zeros(max(R * m, 2 * self._tokens.size), dtype=np.int64)
+        if self._tokens.size < 2 * R * m:
+            self._tokens = np.zeros(max(2 * R * m, 2 * self._tokens.size), dtype=np.int64)
             self._tokens_address = self._tokens.ctypes.data
         g, a = self._ops, self._ops_addresses
         g[0, :len(offsets)] = offsets
@@ -280,7 +286,8 @@ class IntranodePlan:
         status = kernels.in_combine(self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], wcols, a[7], a[8],
                                     *b0, *b1, out.data_ptr(), out.stride(0),
                                     None if w_out is None else w_out.data_ptr(),
-                                    self._tokens_address, a[4], a[9], _NAN_BITS)
+                                    None if order is None else order.data_ptr(), self._tokens_address, a[4], a[9],
+                                    _NAN_BITS)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
 
     def stage(self, fields, lo: int, rows: int) -> None:

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "in_stage": (_I64, [_P, _I64, _P, _P, _P, _P, _I64, _I64]),
     "in_store": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P]),
     "in_combine": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _P,
-                          _P, _U16]),
+                          _P, _P, _U16]),
     "zero_row_prefix": (_I64, [_P, _I64, _I64, _I64, _I64, _P]),
     "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64,
                                  _P]),

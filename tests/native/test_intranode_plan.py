@@ -248,8 +248,10 @@ def _bf16(g, shape):
     return t
 
 
-@pytest.mark.parametrize("bias_kind,wcols", [("none", 3), ("one", 0), ("pair", 2)])
-def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wcols):
+@pytest.mark.parametrize("bias_kind,wcols,ordered", [("none", 3, False), ("one", 0, False), ("pair", 2, False),
+                                                     ("none", 2, True), ("pair", 0, True)])
+def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wcols, ordered):
+    """Rank order, or with ``order`` each token's rows in ascending key (ties in rank order)."""
     R, me, H, N, lo, m = 3, 1, 16, 10, 3, 6
     g = torch.Generator().manual_seed(len(bias_kind) + wcols)
     ranks = Ranks(R, seed=9)
@@ -257,6 +259,9 @@ def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wco
     mask = torch.rand(N, R, generator=g) < 0.6
     tokens = [[t for t in range(m) if mask[lo + t, j]] for j in range(R)]
     rows = [_bf16(g, (len(tokens[j]), H)) for j in range(R)]
+    if ordered:  # values whose float32 sum depends on the order: 2^25 + 1 - 2^25 is 0 one way, 1 the other
+        values = torch.tensor([2.0 ** 25, -2.0 ** 25, 1.0, 3.0])
+        rows = [values[torch.randint(0, 4, r.shape, generator=g)].bfloat16() for r in rows]
     weights = [torch.randn(len(tokens[j]), max(wcols, 1), generator=g)[:, :wcols] for j in range(R)]
     rows_at, ld, w_at, w_ld = [0] * R, [0] * R, [0] * R, [0] * R
     own_x = torch.cat([_bf16(g, (2, H)), rows[me]])  # own rows after two others: given by address
@@ -280,24 +285,33 @@ def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wco
     b0, b1 = {"none": (None, None), "one": (None, biases[1]), "pair": tuple(biases)}[bias_kind]
     out = torch.full((N, H), 3.0, dtype=torch.bfloat16)
     w_out = torch.full((N, wcols), 3.0) if wcols else None
+    order = torch.rand(N, R, generator=g).argsort(1).contiguous() if ordered else None
+    if ordered:
+        order[lo, :2] = 0  # a tie: rank order between those two
     status, got, want = ranks.plans[me].combine(
         offs, lo, mask, rows_at, ld, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
-        None if b1 is None else b1[lo:lo + m], out[lo:lo + m], None if w_out is None else w_out[lo:lo + m])
+        None if b1 is None else b1[lo:lo + m], out[lo:lo + m], None if w_out is None else w_out[lo:lo + m], order)
     assert (status, got, want) == (0, [len(t) for t in tokens], [len(t) for t in tokens])
     expect, expect_w = out.clone(), None if w_out is None else w_out.clone()
     for t in range(m):
         given = [b[lo + t].float() for b in (b0, b1) if b is not None]  # f32(b0) + f32(b1), a missing one +0.0
         acc = given[0] + given[1] if len(given) == 2 else (given[0] + 0.0 if given else torch.zeros(H))
         wacc = torch.zeros(wcols)
-        for j in range(R):
-            if t in tokens[j]:
-                acc = acc + rows[j][tokens[j].index(t)].float()
-                wacc = wacc + weights[j][tokens[j].index(t)]
+        sources = [j for j in range(R) if t in tokens[j]]
+        for j in sorted(sources, key=lambda j: (int(order[lo + t, j]), j)) if ordered else sources:
+            acc = acc + rows[j][tokens[j].index(t)].float()
+        for j in sources:
+            wacc = wacc + weights[j][tokens[j].index(t)]
         expect[lo + t] = acc.bfloat16()
         if w_out is not None:
             expect_w[lo + t] = wacc
     assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
     assert w_out is None or torch.equal(w_out.view(torch.int32), expect_w.view(torch.int32))
+    if ordered:  # the order mattered for some token: the rank-order sum differs
+        plain = torch.full((N, H), 3.0, dtype=torch.bfloat16)
+        ranks.plans[me].combine(offs, lo, mask, rows_at, ld, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
+                                None if b1 is None else b1[lo:lo + m], plain[lo:lo + m], None)
+        assert not torch.equal(plain.view(torch.int16), out.view(torch.int16))
 
 
 def test_combine_refuses_counts_the_mask_does_not_route_and_writes_nothing():

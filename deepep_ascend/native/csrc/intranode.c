@@ -188,14 +188,15 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources, con
  * the routed count and want[j] = the returned one (nothing written). j's rows are at rows_at[j] (row stride
  * ld[j] elements) when nonzero, else staged in its half at offs[0] after the rows it returned to lower origins
  * (row stride hidden); its top-k weight rows (wcols > 0) likewise at w_at[j] (stride w_ld[j]) or at offs[1].
- * Then out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + the rows, sources ascending) (deepep_sum_rows_bf16; a
- * bias NULL: +0.0) and, with w_out, w_out[t] = +0.0 + each source's weight row in ascending j. tokens: scratch of
- * R * m int64. got[j] = rows of j. Returns -1 if the row sum ran out of memory. */
+ * Then out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + the rows) (deepep_sum_rows_bf16; a bias NULL: +0.0), the
+ * rows in ascending j, or with order ([>= lo + m, R] int64) in ascending order[lo + t, j], ties in j; and, with
+ * w_out, w_out[t] = +0.0 + each source's weight row in ascending j. tokens: scratch of 2 * R * m int64. got[j] =
+ * rows of j. Returns -1 if the row sum ran out of memory. */
 int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, int64_t m, int64_t hidden,
                           const uint8_t *mask, const int64_t *rows_at, const int64_t *ld, int64_t wcols,
                           const int64_t *w_at, const int64_t *w_ld, const uint16_t *bias0, int64_t bias0_ld,
                           const uint16_t *bias1, int64_t bias1_ld, uint16_t *out, int64_t out_ld, float *w_out,
-                          int64_t *tokens, int64_t *got, int64_t *want, uint16_t nan_bits)
+                          const int64_t *order, int64_t *tokens, int64_t *got, int64_t *want, uint16_t nan_bits)
 {
     const int64_t R = plan[CTL_RANKS], me = plan[CTL_ME], half = plan[CTL_HALF], vec_off = plan[CTL_VEC_OFF];
     const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
@@ -211,7 +212,7 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
         if (want[j] != got[j])
             return j + 1;
     }
-    const int64_t *tok[R > 0 ? R : 1];
+    const int64_t *tok[R > 0 ? R : 1], *key[R > 0 ? R : 1];
     const uint16_t *row[R > 0 ? R : 1];
     int64_t cnt[R > 0 ? R : 1], row_ld[R > 0 ? R : 1], n = 0;
     const float *wrow[R > 0 ? R : 1];
@@ -226,6 +227,12 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
             before += s == j ? 0 : sizes[s];
         tok[n] = tokens + j * m;
         cnt[n] = got[j];
+        if (order) {
+            int64_t *k = tokens + (R + j) * m;
+            for (int64_t r = 0; r < got[j]; r++)
+                k[r] = order[(lo + tok[n][r]) * R + j];
+            key[n] = k;
+        }
         row[n] = rows_at[j] ? (const uint16_t *)(intptr_t)rows_at[j]
                             : (const uint16_t *)(half_base + offs[0]) + before * hidden;
         row_ld[n] = rows_at[j] ? ld[j] : hidden;
@@ -233,8 +240,8 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
         wld[n] = w_at[j] ? w_ld[j] : wcols;
         n++;
     }
-    const int64_t status = deepep_sum_rows_bf16(m, hidden, n, tok, cnt, row, row_ld, NULL, NULL, bias0, bias0_ld,
-                                                bias1, bias1_ld, out, out_ld, nan_bits);
+    const int64_t status = deepep_sum_rows_bf16(m, hidden, n, tok, cnt, row, row_ld, NULL, order ? key : NULL, bias0,
+                                                bias0_ld, bias1, bias1_ld, out, out_ld, nan_bits);
     if (status)
         return -1;
     if (w_out && wcols > 0) {
