@@ -1026,9 +1026,9 @@ class IntranodeEngine:
         hidden = x.size(1)
         xb = 2 * hidden
         wcols = weights.size(1) if weights is not None else -1
-        rows_at, ld, w_at, w_ld = [0] * nr, [0] * nr, [0] * nr, [0] * nr
-        begin = returned.own_span[0]
-        rows_at[me], ld[me] = x.data_ptr() + 2 * begin * x.stride(0), x.stride(0)
+        rows_at, ld, cap, w_at, w_ld = [0] * nr, [0] * nr, [0] * nr, [0] * nr, [0] * nr
+        begin, end = returned.own_span
+        rows_at[me], ld[me], cap[me] = x.data_ptr() + 2 * begin * x.stride(0), x.stride(0), end - begin
         if combined_w is not None and wcols > 0:
             w_at[me], w_ld[me] = weights.data_ptr() + 4 * begin * weights.stride(0), weights.stride(0)
         for j in self.peers:
@@ -1038,16 +1038,21 @@ class IntranodeEngine:
                 left = prefix[me][j] - row0
                 if left > 0:
                     rows_at[j], ld[j] = self.segment.view(j, xseg + row0 * xb, left * xb).data_ptr(), hidden
+                    cap[j] = left
         lo_t = min(lo_t, hi_t)  # (a round past this origin's last token: no rows, the sources' counts still checked)
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
         status, got, want = self._ctl.combine(
-            regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, w_at, w_ld, b0, b1, combined[lo_t:hi_t],
-            None if combined_w is None else combined_w[lo_t:hi_t], order)
+            regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, cap, w_at, w_ld, b0, b1,
+            combined[lo_t:hi_t], None if combined_w is None else combined_w[lo_t:hi_t], order)
         if status > 0:
             j = status - 1
             raise RuntimeError(
                 f"rank {me}: {phase}: rank {j} returned {want[j]} rows for tokens [{lo_t}, {hi_t}) of this rank, "
                 f"but the handle routed {got[j]} there; the handles passed on different ranks do not match")
+        if status < -1:
+            j = -2 - status
+            raise RuntimeError(f"rank {me}: {phase}: rank {j}'s rows for tokens [{lo_t}, {hi_t}) of this rank lie "
+                               f"outside what it staged or exposes; the handles passed on different ranks do not match")
         if status < 0:
             raise MemoryError(f"rank {me}: {phase}: the native row sum ran out of memory")
         for j in range(nr):

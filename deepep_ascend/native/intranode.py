@@ -113,8 +113,9 @@ class IntranodePlan:
         self._peers_address = self.peers.ctypes.data
         self._cols_address = cols.ctypes.data
         # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, first
-        # token, first output row, rows received; combine's row and weight addresses and strides, rows promised
-        self._ops = np.zeros((10, max(R, 5)), dtype=np.int64)
+        # token, first output row, rows received; combine's row and weight addresses and strides, rows promised,
+        # rows readable at those addresses
+        self._ops = np.zeros((11, max(R, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
         self._fields = np.zeros((4, 8), dtype=np.int64)  # stage's fields: source, its row stride, row bytes, offset
         self._fields_addresses = [row.ctypes.data for row in self._fields]
@@ -226,14 +227,15 @@ class IntranodePlan:
                              f"(starting at rows {at}) do not fit {n} output rows")
         return g[4, :R].tolist()
 
-    def combine(self, offsets, lo: int, mask: torch.Tensor, rows_at: list, ld: list, w_at: list, w_ld: list,
+    def combine(self, offsets, lo: int, mask: torch.Tensor, rows_at: list, ld: list, cap: list, w_at: list, w_ld: list,
                 bias0: torch.Tensor | None, bias1: torch.Tensor | None, out: torch.Tensor,
                 w_out: torch.Tensor | None, order: torch.Tensor | None = None) -> tuple[int, list, list]:
         """A combine round's receive for this origin's tokens ``[lo, lo + m)`` (``csrc/intranode.c``'s
         ``deepep_in_combine``). Source ``j`` returned the rows of the tokens whose ``mask[t, j]`` is set, in
         ascending order; its count vector (in its current half) must say as many. Its rows are at address
-        ``rows_at[j]`` (row stride ``ld[j]`` elements) if nonzero, else staged in its half at ``offsets[0]``
-        after the rows it staged for lower origins; its weight rows likewise (``w_at``, ``w_ld``, ``offsets[1]``).
+        ``rows_at[j]`` (row stride ``ld[j]`` elements, ``cap[j]`` rows readable there) if nonzero, else staged in
+        its half at ``offsets[0]`` after the rows it staged for lower origins; its weight rows likewise (``w_at``,
+        ``w_ld``, ``cap``, ``offsets[1]``).
 
         ``out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + Σ_j f32(row))`` in ascending ``j`` (a bias None: +0.0),
         one rounding, DeepEP's combine sum; with ``order`` the rows of a token add in ascending
@@ -243,15 +245,17 @@ class IntranodePlan:
         Args:
             offsets: the combine regions' ``field_offs`` (staged rows, staged weights).
             mask: ``[N, R]`` bool, contiguous, ``N >= lo + m`` (the handle's ``is_token_in_rank``).
-            rows_at, ld, w_at, w_ld: ``R`` ints each (this rank's own rows must be given: they are not staged).
+            rows_at, ld, cap, w_at, w_ld: ``R`` ints each (this rank's own rows must be given: they are not
+                staged).
             bias0, bias1: ``[>= m, H]`` bf16 matrices (rows ``lo..`` of the caller's bias), or None.
             order: ``[N, R]`` int64, contiguous, or None.
             out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None. Both are written
                 without bumping their version counters: the engine's own new outputs, which nothing has read.
         Returns:
             ``(status, got, want)``: status 0 when done (``got``: the rows of each source); ``j + 1`` when source
-            ``j`` returned ``want[j]`` rows but the mask routes ``got[j]`` (nothing written); -1 when the row sum
-            ran out of memory.
+            ``j`` returned ``want[j]`` rows but the mask routes ``got[j]``; ``-2 - j`` when source ``j``'s rows would
+            lie past ``cap[j]`` or its half (its count vector does not fit this origin's); -1 when the row sum ran
+            out of memory. Nothing is written unless the status is 0.
         Raises:
             ValueError: an operand of another dtype or shape (nothing written).
         """
@@ -282,8 +286,10 @@ class IntranodePlan:
         g[6, :R] = ld
         g[7, :R] = w_at
         g[8, :R] = w_ld
+        g[10, :R] = cap
         b0, b1 = ((None, 0) if b is None else (b.data_ptr(), b.stride(0)) for b in (bias0, bias1))
-        status = kernels.in_combine(self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], wcols, a[7], a[8],
+        status = kernels.in_combine(self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], a[10], wcols, a[7],
+                                    a[8],
                                     *b0, *b1, out.data_ptr(), out.stride(0),
                                     None if w_out is None else w_out.data_ptr(),
                                     None if order is None else order.data_ptr(), self._tokens_address, a[4], a[9],

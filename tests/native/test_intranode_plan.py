@@ -263,13 +263,13 @@ def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wco
         values = torch.tensor([2.0 ** 25, -2.0 ** 25, 1.0, 3.0])
         rows = [values[torch.randint(0, 4, r.shape, generator=g)].bfloat16() for r in rows]
     weights = [torch.randn(len(tokens[j]), max(wcols, 1), generator=g)[:, :wcols] for j in range(R)]
-    rows_at, ld, w_at, w_ld = [0] * R, [0] * R, [0] * R, [0] * R
+    rows_at, ld, cap, w_at, w_ld = [0] * R, [0] * R, [0] * R, [0] * R, [0] * R
     own_x = torch.cat([_bf16(g, (2, H)), rows[me]])  # own rows after two others: given by address
     own_w = torch.cat([torch.randn(2, wcols, generator=g), weights[me]])
-    rows_at[me], ld[me] = own_x.data_ptr() + 2 * 2 * H, H
+    rows_at[me], ld[me], cap[me] = own_x.data_ptr() + 2 * 2 * H, H, len(tokens[me])
     w_at[me], w_ld[me] = own_w.data_ptr() + 2 * 4 * wcols, wcols
     in_place = rows[2].clone()  # source 2's rows read in place; source 0's staged
-    rows_at[2], ld[2] = in_place.data_ptr(), H
+    rows_at[2], ld[2], cap[2] = in_place.data_ptr(), H, len(tokens[2])
     for j in range(R):  # count vectors; the staged layout: the rows for the other origins, ascending, ours among them
         sizes = [len(tokens[j]) if s == me else (0 if s == j else 2 + s) for s in range(R)]
         half = ranks.half(j, 0)
@@ -289,7 +289,7 @@ def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wco
     if ordered:
         order[lo, :2] = 0  # a tie: rank order between those two
     status, got, want = ranks.plans[me].combine(
-        offs, lo, mask, rows_at, ld, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
+        offs, lo, mask, rows_at, ld, cap, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
         None if b1 is None else b1[lo:lo + m], out[lo:lo + m], None if w_out is None else w_out[lo:lo + m], order)
     assert (status, got, want) == (0, [len(t) for t in tokens], [len(t) for t in tokens])
     expect, expect_w = out.clone(), None if w_out is None else w_out.clone()
@@ -309,7 +309,7 @@ def test_combine_sums_every_sources_rows_as_float32_in_rank_order(bias_kind, wco
     assert w_out is None or torch.equal(w_out.view(torch.int32), expect_w.view(torch.int32))
     if ordered:  # the order mattered for some token: the rank-order sum differs
         plain = torch.full((N, H), 3.0, dtype=torch.bfloat16)
-        ranks.plans[me].combine(offs, lo, mask, rows_at, ld, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
+        ranks.plans[me].combine(offs, lo, mask, rows_at, ld, cap, w_at, w_ld, None if b0 is None else b0[lo:lo + m],
                                 None if b1 is None else b1[lo:lo + m], plain[lo:lo + m], None)
         assert not torch.equal(plain.view(torch.int16), out.view(torch.int16))
 
@@ -323,11 +323,29 @@ def test_combine_refuses_counts_the_mask_does_not_route_and_writes_nothing():
     own = torch.ones(2, H, dtype=torch.bfloat16)
     out = torch.full((N, H), 5.0, dtype=torch.bfloat16)
     status, got, want = ranks.plans[me].combine([VEC_OFF + 64, VEC_OFF + 512], 0, mask, [own.data_ptr(), 0],
-                                                [H, 0], [0, 0], [0, 0], None, None, out, None)
+                                                [H, 0], [2, 0], [0, 0], [0, 0], None, None, out, None)
     assert (status, got[1], want[1]) == (2, 3, 2) and bool((out == 5.0).all())
+    # counts that agree, but rank 1 claims more rows for lower origins than its half holds: refused
+    R3, me3 = 3, 2
+    ranks3 = Ranks(R3, seed=3)
+    mask3 = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    own3 = torch.ones(1, H, dtype=torch.bfloat16)
+    for j, sizes in ((0, [0, 0, 1]), (1, [HALF, 0, 2]), (2, [0, 0, 1])):
+        ranks3.half(j, 0)[VEC_OFF:VEC_OFF + 4 * R3] = np.array(sizes, dtype=np.int32).view(np.uint8)
+    out3 = torch.full((2, H), 5.0, dtype=torch.bfloat16)
+    status, _, _ = ranks3.plans[me3].combine([VEC_OFF + 64, VEC_OFF + 512], 0, mask3, [0, 0, own3.data_ptr()],
+                                             [0, 0, H], [0, 0, 1], [0, 0, 0], [0, 0, 0], None, None, out3, None)
+    assert status == -2 - 1 and bool((out3 == 5.0).all())
+    # rank 0's rows read in place, with fewer rows readable there than it returned: refused
+    ranks3.half(1, 0)[VEC_OFF:VEC_OFF + 4 * R3] = np.array([0, 0, 2], dtype=np.int32).view(np.uint8)
+    theirs = torch.ones(1, H, dtype=torch.bfloat16)
+    status, _, _ = ranks3.plans[me3].combine([VEC_OFF + 64, VEC_OFF + 512], 0, mask3,
+                                             [theirs.data_ptr(), 0, own3.data_ptr()], [H, 0, H], [0, 0, 1],
+                                             [0, 0, 0], [0, 0, 0], None, None, out3, None)
+    assert status == -2 - 0 and bool((out3 == 5.0).all())
     with pytest.raises(ValueError, match="IntranodePlan.combine"):  # a mask of another rank count
-        ranks.plans[me].combine([0, 0], 0, mask[:, :1].contiguous(), [0, 0], [0, 0], [0, 0], [0, 0], None, None,
-                                out, None)
+        ranks.plans[me].combine([0, 0], 0, mask[:, :1].contiguous(), [0, 0], [0, 0], [0, 0], [0, 0], [0, 0], None,
+                                None, out, None)
 
 
 def test_stage_copies_each_fields_rows_into_the_current_half():

@@ -191,9 +191,10 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources, con
  * Then out[t] = bf16(f32(bias0[t]) + f32(bias1[t]) + the rows) (deepep_sum_rows_bf16; a bias NULL: +0.0), the
  * rows in ascending j, or with order ([>= lo + m, R] int64) in ascending order[lo + t, j], ties in j; and, with
  * w_out, w_out[t] = +0.0 + each source's weight row in ascending j. tokens: scratch of 2 * R * m int64. got[j] =
- * rows of j. Returns -1 if the row sum ran out of memory. */
+ * rows of j. Returns -2 - j, writing nothing, when source j's rows would lie outside what can be read: past
+ * cap[j] rows at rows_at[j] (and w_at[j]), or past its half; -1 if the row sum ran out of memory. */
 int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, int64_t m, int64_t hidden,
-                          const uint8_t *mask, const int64_t *rows_at, const int64_t *ld, int64_t wcols,
+                          const uint8_t *mask, const int64_t *rows_at, const int64_t *ld, const int64_t *cap, int64_t wcols,
                           const int64_t *w_at, const int64_t *w_ld, const uint16_t *bias0, int64_t bias0_ld,
                           const uint16_t *bias1, int64_t bias1_ld, uint16_t *out, int64_t out_ld, float *w_out,
                           const int64_t *order, int64_t *tokens, int64_t *got, int64_t *want, uint16_t nan_bits)
@@ -211,6 +212,19 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
         want[j] = sizes[me];
         if (want[j] != got[j])
             return j + 1;
+    }
+    for (int64_t j = 0; j < R; j++) {  /* every row read lies where it may be read */
+        if (!got[j])
+            continue;
+        const int32_t *sizes = (const int32_t *)((const uint8_t *)(intptr_t)bases[j] + (staged[j] & 1) * half + vec_off);
+        int64_t before = 0;
+        for (int64_t s = 0; s < me; s++)
+            before += s == j ? 0 : sizes[s] < 0 ? half : sizes[s];
+        const int64_t staged_end = before + got[j];
+        if ((rows_at[j] && got[j] > cap[j]) || (w_at[j] && got[j] > cap[j])
+            || (!rows_at[j] && offs[0] + staged_end * 2 * hidden > half)
+            || (wcols > 0 && !w_at[j] && offs[1] + staged_end * 4 * wcols > half))
+            return -2 - j;
     }
     const int64_t *tok[R > 0 ? R : 1], *key[R > 0 ? R : 1];
     const uint16_t *row[R > 0 ? R : 1];
