@@ -35,7 +35,7 @@ import torch
 
 from .loader import kernels
 from .operands import matrix_ok
-from .rows import _NAN_BITS
+from .rows import NAN_BITS
 
 __all__ = ["IntranodePlan", "intranode_available"]
 
@@ -293,7 +293,7 @@ class IntranodePlan:
                                     *b0, *b1, out.data_ptr(), out.stride(0),
                                     None if w_out is None else w_out.data_ptr(),
                                     None if order is None else order.data_ptr(), self._tokens_address, a[4], a[9],
-                                    _NAN_BITS)
+                                    NAN_BITS)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
 
     def stage(self, fields, lo: int, rows: int) -> None:

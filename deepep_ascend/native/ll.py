@@ -35,7 +35,7 @@ import torch
 
 from .loader import kernels
 from .operands import mark_written, require_dense
-from .rows import _NAN_BITS
+from .rows import NAN_BITS
 
 __all__ = ["ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
            "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "signals_available", "zero_row_prefix"]
@@ -336,7 +336,7 @@ def ll_combine_recv(out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
     (num_rows, hidden), row_ld = rows.shape, rows.stride(0)
     status = fn(n, k, hidden, m, num_local, num_ranks, sig.data_ptr(), _mask(op, mask, num_ranks),
                 expected.data_ptr(), rows.data_ptr(), row_ld, num_rows, slots.data_ptr(),
-                weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, addr_p, ld_p, begins_p, num_ranks * m,
+                weights.data_ptr(), out.data_ptr(), out.stride(0), NAN_BITS, addr_p, ld_p, begins_p, num_ranks * m,
                 bad)
     if status == 2:
         return tuple(bad)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .loader import kernels
-from .rows import _NAN_BITS
+from .rows import NAN_BITS
 
 __all__ = ["LLPlan", "fused_available"]
 
@@ -170,5 +170,5 @@ class LLPlan:
             self._own_ld[0], self._own_ld[1] = own.stride()[:2]
             own_p, ld_p, begin_p = own.data_ptr(), self._own_ld_p, own_layout_range.data_ptr()
         return kernels.ll_combine_finish(self.address, h, seq, polls, n, k, slots.data_ptr(), weights.data_ptr(),
-                                         expected.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS, own_p, ld_p,
+                                         expected.data_ptr(), out.data_ptr(), out.stride(0), NAN_BITS, own_p, ld_p,
                                          begin_p, self._bad, self._ns if timed else None)

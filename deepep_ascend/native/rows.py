@@ -15,11 +15,11 @@ import torch
 from .loader import kernels
 from .operands import mark_written, matrix_ok, require_matrix, require_rows_apart
 
-__all__ = ["copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows"]
+__all__ = ["NAN_BITS", "copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows"]
 
-# The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
-# write another, and copies keep a NaN's payload): the kernel writes this one for every NaN sum.
-_NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+#: The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
+#: write another, and copies keep a NaN's payload): the kernels write this one for every NaN sum.
+NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
 def _row_numbers(name: str, rows: torch.Tensor) -> int:
@@ -123,7 +123,7 @@ def weighted_sum_rows(out: torch.Tensor, rows: torch.Tensor, index: torch.Tensor
                          f"{tuple(weights.shape)} differ")
     if n and hidden:
         if fn(n, hidden, index.size(1), rows.data_ptr(), rows.stride(0), rows.size(0), index.data_ptr(),
-              weights.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS):
+              weights.data_ptr(), out.data_ptr(), out.stride(0), NAN_BITS):
             raise _out_of_range("weighted_sum_rows", "index", index, -1, rows.size(0))
         mark_written(out)
     elif (err := _out_of_range("weighted_sum_rows", "index", index, -1, rows.size(0))) is not None:
@@ -223,7 +223,7 @@ def sum_rows(out: torch.Tensor, sources, bias=None, bias_offset: int = 0, keys=N
                                    index_ptr if any_index else None, key_ptr if any_key else None,
                                    None if b0 is None else b0.data_ptr(), 0 if b0 is None else b0.stride(0),
                                    None if b1 is None else b1.data_ptr(), 0 if b1 is None else b1.stride(0),
-                                   out.data_ptr(), out.stride(0), _NAN_BITS)
+                                   out.data_ptr(), out.stride(0), NAN_BITS)
     if status == -1:
         raise MemoryError("deepep_ascend.native.sum_rows: the kernel ran out of memory for its row lists")
     if status:
@@ -298,7 +298,7 @@ def dequant_rows_e4m3(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     e4m3, sf = _decode_tables()
     kernels.dequant_rows_e4m3_bf16(n, hidden, gran, codes.data_ptr(), codes.stride(0), scales.data_ptr(),
                                    scales.stride(0), None if index is None else index.data_ptr(), e4m3.data_ptr(),
-                                   sf.data_ptr(), out.data_ptr(), out.stride(0), _NAN_BITS)
+                                   sf.data_ptr(), out.data_ptr(), out.stride(0), NAN_BITS)
     mark_written(out)
     return True
 
@@ -380,7 +380,7 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
         if kernel(b, inter, hb.data_ptr(), hb.stride(0), tb.data_ptr(),
                   None if weights is None else weights[r0:].data_ptr(), has_clamp, c, int(bool(fast_math)),
                   up_bias is not None, 0.0 if up_bias is None else float(up_bias), gran, ob.data_ptr(),
-                  ob.stride(0), _NAN_BITS):
+                  ob.stride(0), NAN_BITS):
             mark_written(out)
             return False
     mark_written(out)
