@@ -1036,9 +1036,9 @@ class IntranodeEngine:
             if xseg >= 0:  # j's x in its landing segment: the rows left for this rank (the view checks the range)
                 row0 = rows_before(prefix, me, j) + read[j]
                 left = prefix[me][j] - row0
-                if left > 0:
-                    rows_at[j], ld[j] = self.segment.view(j, xseg + row0 * xb, left * xb).data_ptr(), hidden
-                    cap[j] = left
+                # (none left: an address never read, so that a row j still claims is refused, not looked for staged)
+                rows_at[j] = self.segment.view(j, xseg + row0 * xb, left * xb).data_ptr() if left > 0 else 1
+                ld[j], cap[j] = hidden, max(left, 0)
         lo_t = min(lo_t, hi_t)  # (a round past this origin's last token: no rows, the sources' counts still checked)
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
         status, got, want = self._ctl.combine(
