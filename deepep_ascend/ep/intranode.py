@@ -759,9 +759,14 @@ class IntranodeEngine:
         (numpy: a few small arrays, cheaper there than as torch ops)."""
         me, nr = self.rank, self.num_ranks
         local = num_experts // nr
-        vecs = np.stack([self._view(p, HEADER_BYTES, 4 * (nr + num_experts), torch.int32, as_numpy=True)
-                         for p in range(nr)])
+        vecs = self._count_vectors(nr + num_experts)
         return vecs[:, :nr], vecs[:, nr + me * local: nr + (me + 1) * local].sum(0, dtype=np.int64)
+
+    def _count_vectors(self, n: int) -> np.ndarray:
+        """Every rank's chunk-0 count vector, ``[R, n]`` int32 (one native gather where the engine has a plan)."""
+        if self._ctl is not None:
+            return self._ctl.vectors(n)
+        return np.stack([self._view(p, HEADER_BYTES, 4 * n, torch.int32, as_numpy=True) for p in range(self.num_ranks)])
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
                           with_scales: bool, with_topk: bool) -> _Received:
@@ -921,7 +926,7 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("control")
         nr = self.num_ranks
-        sent = np.stack([self._view(p, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True) for p in range(nr)])
+        sent = self._count_vectors(nr)
         expected = _rows_from_prefix(prefix, nr)
         if not np.array_equal(sent, expected):
             self._consume(range(nr))

@@ -12,6 +12,7 @@ and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-l
   fence (transports' ``wait_until`` while the peers are on time);
 * :meth:`IntranodePlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
   peer, every peer's ``READY`` polled, the header words gathered and compared;
+* :meth:`IntranodePlan.vectors`: every rank's count vector of chunk 0, gathered;
 * :meth:`IntranodePlan.stage`: rows of a call's fields copied into this rank's current half;
 * :meth:`IntranodePlan.store`: dispatch's direct stores, each receiver's rows of ``x`` into its ``recv_x``;
 * :meth:`IntranodePlan.gather`: a dispatch chunk's receive: every source's rows for this rank (``x``, scales,
@@ -46,10 +47,10 @@ _GATHER_DTYPES = (torch.uint8, torch.uint8, torch.int64, torch.float32, torch.in
 
 
 def intranode_available() -> bool:
-    """Whether the seven functions of ``csrc/intranode.c`` are loaded."""
+    """Whether the eight functions of ``csrc/intranode.c`` are loaded."""
     k = kernels
     return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None
-                or k.in_combine is None or k.in_stage is None or k.in_store is None)
+                or k.in_combine is None or k.in_stage is None or k.in_store is None or k.in_vectors is None)
 
 
 class IntranodePlan:
@@ -176,6 +177,19 @@ class IntranodePlan:
                                       None if vec is None else vec.data_ptr(), vec_bytes, counters or None, polls,
                                       out.ctypes.data, self.out_words, self._cols_address, self.cols.size)
         return status, out
+
+    def vectors(self, n: int) -> np.ndarray:
+        """Every rank's count vector in its current half (``n`` int32 at ``vec_offset``), as ``[R, n]`` int32
+        (``csrc/intranode.c``'s ``deepep_in_vectors``). Read after the exchange that released them.
+
+        Raises:
+            ValueError: ``n`` ints pass the half.
+        """
+        out = np.empty((self.num_ranks, n), dtype=np.int32)
+        if kernels.in_vectors(self._address, n, out.ctypes.data):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.vectors: {n} ints at byte {self.vec_offset} pass "
+                             f"the half of {self.half_bytes} bytes")
+        return out
 
     def gather(self, offsets, rows: list, first: list, at: list, x: torch.Tensor | None, scales: torch.Tensor | None,
                topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, src_idx: torch.Tensor,

@@ -391,3 +391,16 @@ def test_store_puts_each_receivers_rows_at_its_address_in_order():
     assert (status, got[2]) == (3, want[2]) and not any(o.any() for o in fresh)
     with pytest.raises(ValueError, match="IntranodePlan.store"):
         ranks.plans[0].store(x.view(torch.int16), mask, [1, 2, 0], dst, want)
+
+
+def test_vectors_gathers_every_ranks_count_vector_from_its_current_half():
+    R = 3
+    ranks = Ranks(R, seed=12)
+    staged = [0, 1, 3]
+    ranks.plans[0].staged[:] = staged
+    want = np.arange(R * 5, dtype=np.int32).reshape(R, 5) - 4
+    for p in range(R):
+        ranks.half(p, staged[p])[VEC_OFF:VEC_OFF + 20] = want[p].view(np.uint8)
+    assert np.array_equal(ranks.plans[0].vectors(5), want)
+    with pytest.raises(ValueError, match="pass the half"):
+        ranks.plans[0].vectors((HALF - VEC_OFF) // 4 + 1)

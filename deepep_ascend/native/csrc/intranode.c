@@ -10,6 +10,7 @@
  *                        current half, READY to every peer (deepep_in_signal), every source's READY
  *                        polled (deepep_in_poll), then every rank's header words gathered and compared
  *   deepep_in_gather    every source's rows for this rank out of its staged dispatch chunk, into the outputs
+ *   deepep_in_vectors   every rank's count vector, gathered
  *   deepep_in_stage     rows of a call's fields copied into this rank's current half
  *   deepep_in_store     dispatch's direct stores: each receiver's rows of x into its recv_x
  *   deepep_in_combine   a combine round's receive: every source's rows for this origin's tokens found,
@@ -319,5 +320,18 @@ int64_t deepep_in_store(int64_t n, int64_t num_ranks, const uint8_t *x, int64_t 
                 d += xb;
             }
     }
+    return 0;
+}
+
+/* Every rank's count vector (n int32 at CTL_VEC_OFF of its current half) into out[R, n]. Returns 1, copying
+ * nothing, when n ints pass the half. */
+int64_t deepep_in_vectors(const int64_t *plan, int64_t n, int32_t *out)
+{
+    const int64_t R = plan[CTL_RANKS], half = plan[CTL_HALF], vec_off = plan[CTL_VEC_OFF];
+    const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
+    if (n < 0 || vec_off + n * 4 > half)
+        return 1;
+    for (int64_t p = 0; p < R; p++)
+        memcpy(out + p * n, (const uint8_t *)(intptr_t)bases[p] + (staged[p] & 1) * half + vec_off, (size_t)n * 4);
     return 0;
 }
