@@ -733,7 +733,7 @@ class IntranodeEngine:
             native, other = [], []
             for field in fields:
                 (native if matrix_ok(field[0]) else other).append(field)
-            self._ctl.stage(native, lo, rows)
+            self._ctl.stage(native, [(lo, hi)])
             for t, off in other:
                 self._rows(me, off, rows, t.size(1), t.dtype).copy_(t[lo:hi])
             return
@@ -1087,20 +1087,27 @@ class IntranodeEngine:
                 spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
         sizes = [end - begin for begin, end in spans]
-        self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         total = sum(sizes) - sizes[me]
         weights = returned.topk_weights
         wcols = weights.size(1) if weights is not None else -1
+        pieces = [span for s, span in enumerate(spans) if s != me]
+        if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
+            # Adjacent spans (always so in a single round): two copies, around the own rows.
+            pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
+        if (self._ctl is not None and not returned.clean and matrix_ok(returned.x)
+                and (weights is None or matrix_ok(weights))):  # the vector and every piece in one native call
+            fields = [] if returned.in_place else [(returned.x, regions.field_offs[0])]
+            if wcols > 0:
+                fields.append((weights, regions.field_offs[1]))
+            self._ctl.stage(fields if total else [], pieces, vec=np.array(sizes, dtype=np.int32))
+            return
+        self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         if not total or (returned.in_place and wcols <= 0):
             return
         xb = returned.x.size(1) * 2
         xdst = self._rows(me, regions.field_offs[0], total, xb) if not returned.in_place else None
         wdst = (self._rows(me, regions.field_offs[1], total, wcols, torch.float32)
                 if wcols > 0 else None)
-        pieces = [span for s, span in enumerate(spans) if s != me]
-        if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
-            # Adjacent spans (always so in a single round): two copies, around the own rows.
-            pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
         pos = 0
         for begin, end in pieces:
             if end <= begin:

@@ -13,7 +13,8 @@ and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-l
 * :meth:`IntranodePlan.exchange`: chunk 0 of a call: the count vector and header stored, ``READY`` to every
   peer, every peer's ``READY`` polled, the header words gathered and compared;
 * :meth:`IntranodePlan.vectors`: every rank's count vector of chunk 0, gathered;
-* :meth:`IntranodePlan.stage`: rows of a call's fields copied into this rank's current half;
+* :meth:`IntranodePlan.stage`: pieces of rows of a call's fields, and its count vector, copied into this rank's
+  current half;
 * :meth:`IntranodePlan.store`: dispatch's direct stores, each receiver's rows of ``x`` into its ``recv_x``;
 * :meth:`IntranodePlan.gather`: a dispatch chunk's receive: every source's rows for this rank (``x``, scales,
   top-k ids and weights, source token) from its staged chunk into the outputs, in one pass;
@@ -118,7 +119,8 @@ class IntranodePlan:
         # rows readable at those addresses
         self._ops = np.zeros((11, max(R, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
-        self._fields = np.zeros((4, 8), dtype=np.int64)  # stage's fields: source, its row stride, row bytes, offset
+        # stage's fields (source, its row stride, row bytes, offset) and pieces (first row, end), one row each
+        self._fields = np.zeros((6, max(8, R)), dtype=np.int64)
         self._fields_addresses = [row.ctypes.data for row in self._fields]
         self._tokens = np.zeros(0, dtype=np.int64)  # combine's scratch: each source's tokens, then their keys
         self._tokens_address = self._tokens.ctypes.data
@@ -310,30 +312,38 @@ class IntranodePlan:
                                     NAN_BITS)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
 
-    def stage(self, fields, lo: int, rows: int) -> None:
-        """Rows ``[lo, lo + rows)`` of each ``(tensor, offset)`` of ``fields`` (at most 8) into this rank's
-        current half from byte ``offset`` on, one row after the other (``csrc/intranode.c``'s ``deepep_in_stage``).
-        Each tensor must be a 2-D CPU matrix with unit column stride (:func:`~.operands.matrix_ok`; any dtype, any
-        row stride) of at least ``lo + rows`` rows: the caller checks (the engine asks ``matrix_ok`` of its
-        operands and stages the others with torch), this method reads them as such.
+    def stage(self, fields, pieces, vec: np.ndarray | None = None) -> None:
+        """Rows of each ``(tensor, offset)`` of ``fields`` into this rank's current half from byte ``offset`` on:
+        the rows of each ``(lo, hi)`` of ``pieces``, one piece after the other (at most ``max(8, R)`` fields and
+        pieces); then
+        ``vec`` (int32, contiguous) at ``vec_offset`` (``csrc/intranode.c``'s ``deepep_in_stage``). Each tensor
+        must be a 2-D CPU matrix with unit column stride (:func:`~.operands.matrix_ok`; any dtype, any row stride)
+        holding every row of the pieces: the caller checks (the engine asks ``matrix_ok`` of its operands and
+        stages the others with torch), this method reads them as such.
 
         Raises:
-            ValueError: more than 8 fields, a negative ``lo`` or ``rows``, or a field past the half (nothing
+            ValueError: too many fields or pieces, a reversed piece, or a field or ``vec`` past the half (nothing
                 written).
         """
-        f, n = self._fields, len(fields)
-        if n > f.shape[1] or lo < 0 or rows < 0:
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: at most {f.shape[1]} fields and rows "
-                             f"[{lo}, {lo} + {rows}) with lo, rows >= 0 expected, got {n} fields")
+        f, n, k = self._fields, len(fields), len(pieces)
+        if n > f.shape[1] or k > f.shape[1] or (vec is not None and not (vec.dtype == np.int32
+                                                                         and vec.flags.c_contiguous)):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: at most {f.shape[1]} fields and pieces, and "
+                             f"a contiguous int32 vector expected, got {n} fields, {k} pieces, vector "
+                             f"{None if vec is None else (vec.dtype, vec.shape)}")
         sizes = [t.element_size() for t, _ in fields]
         f[0, :n] = [t.data_ptr() for t, _ in fields]
         f[1, :n] = [size * t.stride(0) for size, (t, _) in zip(sizes, fields)]
         f[2, :n] = [size * t.size(1) for size, (t, _) in zip(sizes, fields)]
         f[3, :n] = [offset for _, offset in fields]
+        f[4, :k] = [lo for lo, _ in pieces]
+        f[5, :k] = [hi for _, hi in pieces]
         a = self._fields_addresses
-        if kernels.in_stage(self._address, n, a[0], a[1], a[2], a[3], lo, rows):
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: {rows} rows of the fields at offsets "
-                             f"{[offset for _, offset in fields]} pass the half of {self.half_bytes} bytes")
+        if kernels.in_stage(self._address, n, a[0], a[1], a[2], a[3], k, a[4], a[5],
+                            None if vec is None else vec.ctypes.data, 0 if vec is None else vec.size):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: the pieces {list(pieces)} of the fields at "
+                             f"offsets {[offset for _, offset in fields]} or the vector pass the half of "
+                             f"{self.half_bytes} bytes")
 
     def store(self, x: torch.Tensor, mask: torch.Tensor, order: list, dst: list, want: list) -> tuple[int, list]:
         """Dispatch's direct stores (``csrc/intranode.c``'s ``deepep_in_store``): for each rank ``j`` of ``order``

@@ -358,15 +358,22 @@ def test_stage_copies_each_fields_rows_into_the_current_half():
     idx = torch.randint(-1, 9, (9, 3), generator=g)
     mask = torch.rand(9, R, generator=g) < 0.5
     before0 = ranks.half(me, 0).copy()
-    plan.stage([(x, VEC_OFF), (idx, VEC_OFF + 200), (mask, VEC_OFF + 400)], 2, 5)
+    vec = np.array([7, -1], dtype=np.int32)
+    plan.stage([(x, VEC_OFF + 64), (idx, VEC_OFF + 264), (mask, VEC_OFF + 464)], [(2, 4), (4, 4), (6, 9)], vec)
+    rows = [2, 3, 6, 7, 8]  # the pieces' rows, one after the other (an empty piece adds none)
     half = ranks.half(me, 1)
-    assert np.array_equal(half[VEC_OFF:VEC_OFF + 5 * 24], x[2:7].contiguous().numpy().reshape(-1))
-    assert np.array_equal(half[VEC_OFF + 200:VEC_OFF + 200 + 5 * 24].view(np.int64), idx[2:7].numpy().reshape(-1))
-    assert np.array_equal(half[VEC_OFF + 400:VEC_OFF + 410].view(np.bool_), mask[2:7].numpy().reshape(-1))
+    assert np.array_equal(half[VEC_OFF:VEC_OFF + 8].view(np.int32), vec)
+    assert np.array_equal(half[VEC_OFF + 64:VEC_OFF + 64 + 5 * 24], x[rows].contiguous().numpy().reshape(-1))
+    assert np.array_equal(half[VEC_OFF + 264:VEC_OFF + 264 + 5 * 24].view(np.int64), idx[rows].numpy().reshape(-1))
+    assert np.array_equal(half[VEC_OFF + 464:VEC_OFF + 474].view(np.bool_), mask[rows].numpy().reshape(-1))
     assert np.array_equal(ranks.half(me, 0), before0)  # the other half untouched
     snapshot = half.copy()
-    with pytest.raises(ValueError, match="pass the half"):
-        plan.stage([(x, VEC_OFF), (idx, HALF - 8)], 0, 2)  # the second field passes the half: nothing written
+    for fields, pieces in (([(x, VEC_OFF), (idx, HALF - 8)], [(0, 2)]),  # the second field passes the half
+                           ([(x, VEC_OFF)], [(3, 2)])):  # a reversed piece
+        with pytest.raises(ValueError, match="pass the half"):
+            plan.stage(fields, pieces, vec)
+    with pytest.raises(ValueError, match="int32"):
+        plan.stage([(x, VEC_OFF)], [(0, 1)], vec.astype(np.int64))
     assert np.array_equal(ranks.half(me, 1), snapshot)
 
 

@@ -269,28 +269,44 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
     return 0;
 }
 
-/* Rows [lo, lo + rows) of n fields staged into this rank's current half: field f's row r (row_bytes[f] bytes at
- * src[f] + r * src_ld[f], bytes) to offs[f] + (r - lo) * row_bytes[f]. Returns 1, writing nothing, when a field
- * would pass the half. */
+/* Rows of n fields staged into this rank's current half, the pieces [lo[i], hi[i]) one after the other: field
+ * f's row r (row_bytes[f] bytes at src[f] + r * src_ld[f], bytes) to offs[f] + (its place among the pieces' rows)
+ * * row_bytes[f]; then, with vec, vec_ints int32 of it at CTL_VEC_OFF. Returns 1, writing nothing, when a piece
+ * is reversed or a field or the vector would pass the half. */
 int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, const int64_t *src_ld,
-                        const int64_t *row_bytes, const int64_t *offs, int64_t lo, int64_t rows)
+                        const int64_t *row_bytes, const int64_t *offs, int64_t npieces, const int64_t *lo,
+                        const int64_t *hi, const int32_t *vec, int64_t vec_ints)
 {
-    const int64_t me = plan[CTL_ME], half = plan[CTL_HALF];
+    const int64_t me = plan[CTL_ME], half = plan[CTL_HALF], vec_off = plan[CTL_VEC_OFF];
     const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
+    int64_t rows = 0;
+    for (int64_t i = 0; i < npieces; i++) {
+        if (lo[i] < 0 || hi[i] < lo[i])
+            return 1;
+        rows += hi[i] - lo[i];
+    }
     for (int64_t f = 0; f < n; f++)
         if (offs[f] < 0 || row_bytes[f] < 0 || offs[f] + rows * row_bytes[f] > half)
             return 1;
+    if (vec && (vec_ints < 0 || vec_off + vec_ints * 4 > half))
+        return 1;
     uint8_t *own = (uint8_t *)(intptr_t)bases[me] + (staged[me] & 1) * half;
     for (int64_t f = 0; f < n; f++) {
-        const uint8_t *s = (const uint8_t *)(intptr_t)src[f] + lo * src_ld[f];
         uint8_t *d = own + offs[f];
-        if (src_ld[f] == row_bytes[f]) {
-            memcpy(d, s, (size_t)(rows * row_bytes[f]));
-            continue;
+        for (int64_t i = 0; i < npieces; i++) {
+            const uint8_t *s = (const uint8_t *)(intptr_t)src[f] + lo[i] * src_ld[f];
+            const int64_t k = hi[i] - lo[i];
+            if (src_ld[f] == row_bytes[f]) {
+                memcpy(d, s, (size_t)(k * row_bytes[f]));
+            } else {
+                for (int64_t r = 0; r < k; r++)
+                    memcpy(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
+            }
+            d += k * row_bytes[f];
         }
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
     }
+    if (vec)
+        memcpy(own + vec_off, vec, (size_t)vec_ints * 4);
     return 0;
 }
 
