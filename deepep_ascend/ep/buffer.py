@@ -675,7 +675,9 @@ class Buffer(SharedOnCopy):
         if _PH.on:
             _PH.switch(None)
 
-        def finish(before=before):
+        # (the generator and the outputs are arguments, not closure cells: a failed task's traceback, which its
+        # future keeps, then holds them in frames the worker clears, not in this function's closure)
+        def finish(gen, outputs, before=before):
             if not comm_before_outputs:
                 before = self.runtime.stats.snapshot()
             self._guard(lambda: [None for _ in gen])
@@ -686,12 +688,12 @@ class Buffer(SharedOnCopy):
                 after(outputs)
 
         if async_finish:
-            fut = self._worker.submit(finish)
+            fut = self._worker.submit(finish, gen, outputs)
             if op == OP_DISPATCH and not comm_before_outputs:
                 self._filling = fut
             on_wait = functools.partial(self._at_wait, guard, f"{OP_NAMES[op]} call #{call_id}: the event's wait")
             return outputs, EventOverlap(EventHandle(fut, on_wait), extra + tuple(t for t in _flatten(outputs)))
-        finish()
+        finish(gen, outputs)
         return outputs, EventOverlap()
 
     def _guard(self, fn):

@@ -11,6 +11,7 @@ the time it is recorded.
 from __future__ import annotations
 
 import functools
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -45,7 +46,11 @@ class EventHandle:
         """Block the caller until the event completed; re-raises the task's exception, if any, or the error of
         an input written in place before the wait (docs/semantics/deepep-api.md §3.3)."""
         if self._future is not None:
-            self._future.result()
+            try:
+                self._future.result()
+            except BaseException:
+                self = None  # the exception keeps this frame, which must not keep this handle (a cycle via its future)
+                raise
         if self._check is not None:
             check, self._check = self._check, None
             check()
@@ -93,7 +98,14 @@ class EventOverlap:
             Exception: whatever the asynchronous call raised on the worker.
         """
         assert self.event is not None, "EventOverlap.current_stream_wait: no event to wait for"
-        self.event.current_stream_wait()
+        try:
+            self.event.current_stream_wait()
+        except BaseException:
+            # The call failed: its tensors are the caller's alone now, and the exception, which keeps this frame,
+            # must not keep this overlap (its outputs, or a landing range, would outlive the caller's references).
+            self.extra_tensors = None
+            self = None
+            raise
         self.extra_tensors = None
         result = None
         if self._hook is not None:
@@ -139,6 +151,20 @@ def _in_inference_mode(fn, *args):
         return fn(*args)
 
 
+def _frames_cleared(fn, *args):
+    """``fn(*args)``; an exception it raises keeps no locals of the frames it passed through. The future holds the
+    exception until the event's wait (and the Buffer the future, until a later call): the task's locals, which
+    hold the call's outputs (a ``recv_x`` in the landing segment among them), must not outlive the call."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__.tb_next)  # (this frame still runs; the task's frames ended)
+        del exc
+        fn = args = None  # this frame stays in the traceback too
+        raise
+
+
 class Worker:
     """A FIFO single-thread executor: the Buffer's "communication stream".
 
@@ -156,7 +182,7 @@ class Worker:
         call made under it made its outputs as inference tensors, which only that mode may write in place."""
         if torch.is_inference_mode_enabled():
             fn = functools.partial(_in_inference_mode, fn)
-        self._last = self._pool.submit(fn, *args)
+        self._last = self._pool.submit(_frames_cleared, fn, *args)
         return self._last
 
     def drain(self) -> None:

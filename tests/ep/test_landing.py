@@ -365,3 +365,34 @@ def test_a_reader_of_x_in_place_raises_when_its_owner_fails(comm, monkeypatch):
     comm.Barrier()  # everyone reaches destroy together
     _, dexc = capture(buf.destroy)
     all_ranks_ok(comm, ok and dexc is None, f"{detail}; destroy: {dexc!r}")
+
+
+def test_a_failed_async_worst_token_dispatch_frees_its_landing_range_once_dropped(comm):
+    """An async dispatch whose ``num_worst_tokens`` is below what a rank receives raises at that rank's wait. Once the
+    caller drops the outputs and the event, their landing range is free again at once (nothing else keeps them: not
+    the error's traceback, nor the Buffer's record of the call), without Python's cycle collector, so later
+    dispatches find the room they had."""
+    from tests.support.buffer_helpers import capture
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    buf = Buffer(None, _hint(R), comm=comm, explicitly_destroy=True)
+    try:
+        landing = buf._engine.landing
+        x, idx, w, E = _inputs(comm, 43)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        free_before = landing.largest_free() if landing is not None else None
+        gc.disable()
+        try:
+            out = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                               topk_idx=idx, topk_weights=w, num_worst_tokens=1, async_finish=True)
+            held = out[0].numel() > 0 and landing is not None and landing.largest_free() != free_before
+            _, exc = capture(out[-1].current_stream_wait)
+            raised, said = isinstance(exc, RuntimeError) and "num_worst_tokens" in str(exc), repr(exc)
+            del out, exc  # (the error's traceback holds the wait's frames, the event among them)
+            free_after = landing.largest_free() if landing is not None else None
+        finally:
+            gc.enable()
+        all_ranks_ok(comm, raised and (landing is None or (held and free_after == free_before)),
+                     f"rank {r}: wait raised {said}; landing free before {free_before}, after {free_after}")
+    finally:
+        coll(buf.destroy, what="destroy")
