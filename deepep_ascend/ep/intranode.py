@@ -242,11 +242,13 @@ class IntranodeEngine:
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
         self._views = memory.ViewCache(_VIEW_CACHE_ENTRIES)  # window slices: see _view, _rows
-        self._ctl = self._control_plan()  # signals and chunk-0 exchange by native loads and stores, or None
+        self._plan = self._make_plan()  # the native plan of the fixed work (module doc), or None
         self._polls = 0 if tp.wait_policy.oversubscribed else _POLLS  # never spin where ranks outnumber cores
-        self._signal_counters = tp.traffic_counter_addresses()[2] if self._ctl is not None else None
+        # this rank's per-peer signal counters (their address array kept alive here), for the plan to count at
+        self._signal_counter_cells = tp.traffic_counter_addresses()[2] if self._plan is not None else None
+        self._signal_counters = 0 if self._plan is None else int(self._signal_counter_cells.ctypes.data)
 
-    def _control_plan(self):
+    def _make_plan(self):
         """The :class:`~deepep_ascend.native.IntranodePlan` of this engine's window when every rank's window and
         signal words are mapped (one node, kernels loaded, ``DEEPEP_ASCEND_NORMAL_NATIVE`` on), else None.
         Decided once: the plan's signal words are then written through it alone (transports' signal_address)."""
@@ -317,27 +319,33 @@ class IntranodeEngine:
 
     def _signal(self, slot, dsts: list | None):
         """Raise ``slot`` at every rank of ``dsts`` (peers; None: all of them), after one release fence."""
-        ctl = self._ctl
-        if ctl is None:
+        plan = self._plan
+        if plan is None:
             for i, p in enumerate(self.peers if dsts is None else dsts):
                 self.tp.signal(self.win, p, slot, ordered=i == 0)
             return
-        # counted in C at the transport's counters, but through record_signal where a link emulator charges them
-        counters = self._signal_counters if self.tp.stats.emulator is None else None
-        ctl.signal(slot, None if dsts is None else np.array(dsts, dtype=np.int64),
-                   0 if counters is None else counters.ctypes.data)
-        if counters is None:
-            for p in self.peers if dsts is None else dsts:
-                self.tp.record_signal(p)
+        counters = self._counters()
+        plan.signal(slot, None if dsts is None else np.array(dsts, dtype=np.int64), counters)
+        if not counters:
+            self._record_signals(dsts)
+
+    def _counters(self) -> int:
+        """Where the plan counts its signals: the transport's counters, or 0 while a link emulator is set (it
+        charges only what ``record_signal`` counts: :meth:`_record_signals` then)."""
+        return self._signal_counters if self.tp.stats.emulator is None else 0
+
+    def _record_signals(self, dsts: list | None) -> None:
+        for p in self.peers if dsts is None else dsts:
+            self.tp.record_signal(p)
 
     def _wait(self, slot, srcs: list | None, value, phase, need_staged: bool = False):
         """Wait until every rank of ``srcs`` (peers; None: all of them) raised ``slot`` to ``value`` (plus its
-        staged count with ``need_staged``): a bounded poll first where the engine has native control words,
+        staged count with ``need_staged``): a bounded poll first where the engine has its native plan,
         then the transport's wait_until (deadline, abort checks)."""
-        ctl = self._ctl
-        if ctl is not None:
+        plan = self._plan
+        if plan is not None:
             self.tp.check_abort(phase)  # a poll sees no abort words: a rank must hear of a peer's abort first
-            if ctl.poll(slot, None if srcs is None else np.array(srcs, dtype=np.int64), value, self._polls,
+            if plan.poll(slot, None if srcs is None else np.array(srcs, dtype=np.int64), value, self._polls,
                         need_staged):
                 return
         srcs = self.peers if srcs is None else srcs
@@ -368,8 +376,8 @@ class IntranodeEngine:
                 self._signal(CONSUMED, peers)
         for s in sources:
             self.staged[s] += 1
-        if self._ctl is not None:
-            self._ctl.staged[:] = self.staged
+        if self._plan is not None:
+            self._plan.staged[:] = self.staged
 
     def _write_header(self, words: dict, message: str = ""):
         hdr = self._view(self.rank, 0, HEADER_BYTES, torch.int64, as_numpy=True)
@@ -409,8 +417,8 @@ class IntranodeEngine:
         words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: self.op_calls.next(op),
                  W_STATUS: int(error is not None)}
         vec = vec if error is None and vec is not None and vec.numel() else None
-        ctl = self._ctl
-        if ctl is None or _PH.on:  # step by step (with phases: each step timed on its own)
+        plan = self._plan
+        if plan is None or _PH.on:  # step by step (with phases: each step timed on its own)
             if vec is not None:
                 self._view(self.rank, HEADER_BYTES, 4 * vec.numel(), torch.int32).copy_(vec)
             if error is None:
@@ -422,14 +430,12 @@ class IntranodeEngine:
         else:
             if error is None:
                 stage_rows()
-            nwords = self._fill_header(ctl.header, words, error or "")
-            # counted in C at the transport's counters, but through record_signal where a link emulator charges them
-            counters = self._signal_counters if self.tp.stats.emulator is None else None
+            nwords = self._fill_header(plan.header, words, error or "")
+            counters = self._counters()
             self.tp.check_abort(phase)  # as _wait
-            status, headers = ctl.exchange(nwords, vec, 0 if counters is None else counters.ctypes.data, self._polls)
-            if counters is None:
-                for p in self.peers:
-                    self.tp.record_signal(p)
+            status, headers = plan.exchange(nwords, vec, counters, self._polls)
+            if not counters:
+                self._record_signals(None)
             if status == 0 and error is None:
                 return headers  # every rank in this call, its arguments accepted, agreeing on every shared word
             if status < 0:  # a peer is late: the long wait, then the headers
@@ -520,11 +526,11 @@ class IntranodeEngine:
         n, xb = x.shape
         if _PH.on:
             _PH.switch("copy")
-        if self._ctl is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():  # one native call
+        if self._plan is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():  # one native call
             want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
             dst = [self.segment.view(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb).data_ptr()
                    if want[j] else 0 for j in range(nr)]
-            status, got = self._ctl.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
+            status, got = self._plan.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
             if status:
                 j = status - 1
                 raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {got[j]} tokens to rank {j}, but "
@@ -691,7 +697,7 @@ class IntranodeEngine:
                               lambda: stage(0, only_x=True), phase)
         cursor = [rows_before(prefix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
-            if self._ctl is not None:  # every source's rows in one native pass, the ids made local on the way
+            if self._plan is not None:  # every source's rows in one native pass, the ids made local on the way
                 self._gather_native(active, ntok, per_round, rnd, regions, out, cursor, direct,
                                     (me * (num_experts // nr), num_experts // nr))
                 continue
@@ -710,7 +716,7 @@ class IntranodeEngine:
                                    f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
         starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         recv_channel_prefix_matrix.copy_(recv_channel_prefix(out.src_idx, starts, ntok, num_channels))
-        if out.topk_idx is not None and num_recv and self._ctl is None:  # (the native gather did it)
+        if out.topk_idx is not None and num_recv and self._plan is None:  # (the native gather did it)
             to_local_experts(out.topk_idx[:num_recv], out.topk_weights[:num_recv], me, num_experts // nr)
 
     def _stage_dispatch_chunk(self, regions: _Regions, per_round: int, sent: _SentRows, rnd: int, with_x: bool = True,
@@ -726,14 +732,14 @@ class IntranodeEngine:
             return
         me, offs = self.rank, regions.field_offs
         xb = sent.x.size(1)
-        if self._ctl is not None:  # every field in one native call, but those that are no matrix of rows
+        if self._plan is not None:  # every field in one native call, but those that are no matrix of rows
             fields = [(sent.x, offs[0])] if with_x else []
             if not only_x:
                 fields += [(t, off) for t, off in zip(sent[1:], offs[1:]) if t is not None]
             native, other = [], []
             for field in fields:
                 (native if matrix_ok(field[0]) else other).append(field)
-            self._ctl.stage(native, [(lo, hi)])
+            self._plan.stage(native, [(lo, hi)])
             for t, off in other:
                 self._rows(me, off, rows, t.size(1), t.dtype).copy_(t[lo:hi])
             return
@@ -764,8 +770,8 @@ class IntranodeEngine:
 
     def _count_vectors(self, n: int) -> np.ndarray:
         """Every rank's chunk-0 count vector, ``[R, n]`` int32 (one native gather where the engine has a plan)."""
-        if self._ctl is not None:
-            return self._ctl.vectors(n)
+        if self._plan is not None:
+            return self._plan.vectors(n)
         return np.stack([self._view(p, HEADER_BYTES, 4 * n, torch.int32, as_numpy=True) for p in range(self.num_ranks)])
 
     def _dispatch_outputs(self, advertised, num_recv: int, rows: int, xb: int, sb: int, num_topk: int,
@@ -830,7 +836,7 @@ class IntranodeEngine:
         rows = [0] * nr
         for s in active:
             rows[s] = max(0, min(per_round, ntok[s] - lo))
-        got = self._ctl.gather(regions.field_offs, rows, [lo] * nr, cursor, None if direct else out.x, out.scales,
+        got = self._plan.gather(regions.field_offs, rows, lo, cursor, None if direct else out.x, out.scales,
                                out.topk_idx, out.topk_weights, out.src_idx, local_experts)
         row_bytes = out.x.size(1) + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
             out.topk_idx.size(1) if out.topk_idx is not None else 0)
@@ -982,7 +988,7 @@ class IntranodeEngine:
         num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
-        native = self._ctl is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
+        native = self._plan is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
@@ -1046,7 +1052,7 @@ class IntranodeEngine:
                 ld[j], cap[j] = hidden, max(left, 0)
         lo_t = min(lo_t, hi_t)  # (a round past this origin's last token: no rows, the sources' counts still checked)
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
-        status, got, want = self._ctl.combine(
+        status, got, want = self._plan.combine(
             regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, cap, w_at, w_ld, b0, b1,
             combined[lo_t:hi_t], None if combined_w is None else combined_w[lo_t:hi_t], order)
         if status > 0:
@@ -1094,12 +1100,12 @@ class IntranodeEngine:
         if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
             # Adjacent spans (always so in a single round): two copies, around the own rows.
             pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
-        if (self._ctl is not None and not returned.clean and matrix_ok(returned.x)
+        if (self._plan is not None and not returned.clean and matrix_ok(returned.x)
                 and (weights is None or matrix_ok(weights))):  # the vector and every piece in one native call
             fields = [] if returned.in_place else [(returned.x, regions.field_offs[0])]
             if wcols > 0:
                 fields.append((weights, regions.field_offs[1]))
-            self._ctl.stage(fields if total else [], pieces, vec=np.array(sizes, dtype=np.int32))
+            self._plan.stage(fields if total else [], pieces, vec=np.array(sizes, dtype=np.int32))
             return
         self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         if not total or (returned.in_place and wcols <= 0):

@@ -114,8 +114,8 @@ class IntranodePlan:
         self._staged_address = self.staged.ctypes.data
         self._peers_address = self.peers.ctypes.data
         self._cols_address = cols.ctypes.data
-        # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, first
-        # token, first output row, rows received; combine's row and weight addresses and strides, rows promised,
+        # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, (unused),
+        # first output row, rows received; combine's row and weight addresses and strides, rows promised,
         # rows readable at those addresses
         self._ops = np.zeros((11, max(R, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
@@ -193,18 +193,19 @@ class IntranodePlan:
                              f"the half of {self.half_bytes} bytes")
         return out
 
-    def gather(self, offsets, rows: list, first: list, at: list, x: torch.Tensor | None, scales: torch.Tensor | None,
+    def gather(self, offsets, rows: list, first: int, at: list, x: torch.Tensor | None, scales: torch.Tensor | None,
                topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, src_idx: torch.Tensor,
                local_experts: tuple[int, int] = (0, 0)) -> list:
         """A dispatch chunk's receive (``csrc/intranode.c``'s ``deepep_in_gather``): for each source ``s`` with
-        ``rows[s] > 0`` staged tokens (from token ``first[s]``), its tokens routed to this rank (its staged mask's
-        column) in ascending order, from output row ``at[s]`` on: the token's ``x`` row (None: not gathered),
-        scales, top-k ids and weights into those outputs, and its index ``first[s] + t`` into ``src_idx``.
+        ``rows[s] > 0`` staged tokens (from token ``first``, the round's first), its tokens routed to this rank
+        (its staged mask's column) in ascending order, from output row ``at[s]`` on: the token's ``x`` row (None:
+        not gathered), scales, top-k ids and weights into those outputs, and its index ``first + t`` into
+        ``src_idx``.
 
         Args:
             offsets: the byte offsets in a half of the staged ``x``, scales, ids, weights and ``[rows, R]`` bool
                 mask (the dispatch regions' ``field_offs``).
-            rows, first, at: ``R`` ints each.
+            rows, at: ``R`` ints each. first: the chunk's first token (alike for every source).
             x, scales: ``[N, xb]`` / ``[N, sb]`` uint8 (xb, sb: the staged row bytes), contiguous, or None.
             topk_idx, topk_weights: ``[N, k]`` int64 / float32, contiguous, both or neither.
             src_idx: ``[N]`` int32, contiguous.
@@ -229,11 +230,10 @@ class IntranodePlan:
         g, R = self._ops, self.num_ranks
         g[0, :5] = offsets
         g[1, :R] = rows
-        g[2, :R] = first
         g[3, :R] = at
         a = self._ops_addresses
         k = 0 if topk_idx is None else topk_idx.size(1)
-        if kernels.in_gather(self._address, a[0], a[1], a[2], 0 if x is None else x.size(1),
+        if kernels.in_gather(self._address, a[0], a[1], first, 0 if x is None else x.size(1),
                              0 if scales is None else scales.size(1), k, None if x is None else x.data_ptr(),
                              None if scales is None else scales.data_ptr(),
                              None if topk_idx is None else topk_idx.data_ptr(),

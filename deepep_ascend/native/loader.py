@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 21
+ABI = 22
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -47,7 +47,7 @@ _SIGNATURES = {
     "in_signal": (_I64, [_I64, _P, _I64, _P, _P, _P]),
     "in_poll": (_I64, [_P, _I64, _P, _P, _I64, _I64]),
     "in_exchange": (_I64, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
-    "in_gather": (_I64, [_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64]),
+    "in_gather": (_I64, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64]),
     "in_vectors": (_I64, [_P, _I64, _P]),
     "in_stage": (_I64, [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]),
     "in_store": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P]),

@@ -281,12 +281,13 @@ def test_size_hint_buffer_and_much_smaller_streaming_buffer(comm):
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["one_round", "streaming"])
-def test_native_control_words_give_the_transport_calls_bits_and_traffic(comm, streaming, monkeypatch):
-    """On one node with the kernels loaded the engine raises, polls and exchanges its control words by native loads
-    and stores (``native.IntranodePlan``); a Buffer built with ``DEEPEP_ASCEND_NORMAL_NATIVE=0`` does it through
-    the transport's ``signal()`` and ``wait_until()``. The same calls (every kind of dispatch and combine, and
-    with ``streaming`` a buffer just above the minimum, so that calls run in many rounds) pass the reference on
-    both, and count the same bytes, puts and signals per peer."""
+def test_native_plan_gives_the_step_by_step_bits_and_traffic(comm, streaming, monkeypatch):
+    """On one node with the kernels loaded the engine runs its fixed work from a native plan
+    (``native.IntranodePlan``: signals, waits, chunk-0 exchange, staging, stores, receives); a Buffer built with
+    ``DEEPEP_ASCEND_NORMAL_NATIVE=0`` takes the transport's ``signal()`` / ``wait_until()`` and the torch steps.
+    The same calls (every kind of dispatch and combine, and with ``streaming`` a buffer just above the minimum,
+    so that calls run in many rounds) pass the reference on both, and count the same bytes, puts and signals
+    per peer."""
     from tests.support.buffer_helpers import all_ranks_ok, capture
 
     R = comm.Get_size()
@@ -302,17 +303,17 @@ def test_native_control_words_give_the_transport_calls_bits_and_traffic(comm, st
             run_case(b, comm, case, seed=700 + i, chk=chk)
         chk.finish(what)
         counted = [now - then for now, then in zip((stats.bytes_put, stats.puts, stats.signals), before)]
-        native_control = b._engine._ctl is not None
+        native_plan = b._engine._plan is not None
         _, exc = capture(b.destroy)
-        return native_control, counted, exc
+        return native_plan, counted, exc
 
-    on, by_stores, exc = run("native control words")
+    on, by_plan, exc = run("native plan")
     if not on:
-        pytest.skip("no native control words here (kernels not built, or ranks not all mapped)")
+        pytest.skip("no native plan here (kernels not built, or ranks not all mapped)")
     monkeypatch.setenv("DEEPEP_ASCEND_NORMAL_NATIVE", "0")
-    off, by_calls, exc2 = run("transport calls")
-    same = [bool((a == b).all()) for a, b in zip(by_stores, by_calls)]
-    all_ranks_ok(comm, not off and all(same) and exc is None and exc2 is None and (R == 1 or by_stores[2].any()),
+    off, by_steps, exc2 = run("step by step")
+    same = [bool((a == b).all()) for a, b in zip(by_plan, by_steps)]
+    all_ranks_ok(comm, not off and all(same) and exc is None and exc2 is None and (R == 1 or by_plan[2].any()),
                  f"setting off: still native {off}; bytes/puts/signals equal {same}; destroy {exc!r} {exc2!r}")
 
 

@@ -1,8 +1,9 @@
-"""The normal-mode engine's control words by loads and stores (``native.IntranodePlan``, ``csrc/intranode.c``): R
-simulated ranks whose windows and signal words are plain arrays in this process, each with its own plan. What a
-rank's calls store and read is checked against numpy doing the same by hand: signal values and counters, the
-polls' answers, the exchange's vector, header and zeroed tail in the right half, the headers it gathers and its
-verdict on the shared words; and every refusal (nothing written)."""
+"""The normal-mode engine's native plan (``native.IntranodePlan``, ``csrc/intranode.c``): R simulated ranks whose
+windows and signal words are plain arrays in this process, each with its own plan. What a rank's calls store and
+read is checked against numpy doing the same by hand: signal values and counters, the polls' answers, the
+exchange's vector, header and zeroed tail in the right half, the headers it gathers and its verdict on the shared
+words, the staged pieces, the direct stores, the gathered rows and the combine's sums; and every refusal
+(nothing written)."""
 
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb, lo
     rng = np.random.default_rng(11 + k + sb)
     ranks = Ranks(R, seed=3)
     offs = [VEC_OFF + 64, VEC_OFF + 64 + 16 * 24, VEC_OFF + 800, VEC_OFF + 1100, VEC_OFF + 1300]
-    rows, first = [6, 0, 9], [4, 0, 2]
+    rows, first = [6, 0, 9], 4
     chunks = _stage_chunks(ranks, rng, rows, xb, sb, k, offs)
     me = 1
     picked = [np.flatnonzero(c["mask"][:, me]) for c in chunks]
@@ -220,7 +221,7 @@ def test_gather_lands_every_sources_rows_as_numpy_selects_them(with_x, k, sb, lo
             assert foreign.any() and not foreign.all()
         assert np.array_equal(idx.numpy()[2:], want_idx)
         assert np.array_equal(w.numpy()[2:].view(np.int32), want_w.view(np.int32))
-    assert src.tolist() == [7, 7] + [first[q] + int(t) for q, t in order]
+    assert src.tolist() == [7, 7] + [first + int(t) for q, t in order]
 
 
 def test_gather_refuses_rows_past_the_outputs_and_writes_nothing():
@@ -233,12 +234,12 @@ def test_gather_refuses_rows_past_the_outputs_and_writes_nothing():
     x, src = torch.zeros(routed, xb, dtype=torch.uint8), torch.zeros(routed, dtype=torch.int32)
     for at in ([1, routed - int(chunks[1]["mask"][:, 0].sum()) + 1], [-1, 0]):
         with pytest.raises(ValueError, match="do not fit"):
-            ranks.plans[0].gather(offs, [10, 10], [0, 0], at, x, None, None, None, src)
+            ranks.plans[0].gather(offs, [10, 10], 0, at, x, None, None, None, src)
     assert not x.any() and not src.any()
     with pytest.raises(ValueError, match="contiguous tensors"):  # a bf16 x, ids without weights
-        ranks.plans[0].gather(offs, [10, 10], [0, 0], [0, 0], x.view(torch.bfloat16), None, None, None, src)
+        ranks.plans[0].gather(offs, [10, 10], 0, [0, 0], x.view(torch.bfloat16), None, None, None, src)
     with pytest.raises(ValueError, match="contiguous tensors"):
-        ranks.plans[0].gather(offs, [10, 10], [0, 0], [0, 0], x, None, torch.zeros(routed, 2, dtype=torch.int64),
+        ranks.plans[0].gather(offs, [10, 10], 0, [0, 0], x, None, torch.zeros(routed, 2, dtype=torch.int64),
                               None, src)
 
 

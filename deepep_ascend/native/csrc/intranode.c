@@ -129,11 +129,11 @@ int64_t deepep_in_exchange(const int64_t *plan, const int64_t *hdr, int64_t nwor
  * chunk (in its current half) whose routing-mask byte (row t, column me of R, at offs[4]) is nonzero, in
  * ascending t, land at rows at[s], at[s] + 1, ... of the outputs: xb bytes of the token's row at offs[0] into
  * x_out (row stride xb; xb == 0: x not gathered), sb bytes at offs[1] into s_out, k int64 top-k ids at offs[2]
- * into idx_out, k float32 weights at offs[3] into w_out (k == 0: neither), and first[s] + t into src_out.
+ * into idx_out, k float32 weights at offs[3] into w_out (k == 0: neither), and first + t into src_out (first: the round's first token, alike for every source).
  * With num_local > 0 the ids become this rank's local ones on the way: id - first_expert where that lies in
  * [0, num_local), else -1 with weight 0 (deepep_local_experts). got[s] = the rows of s; at[s] += got[s].
  * Returns 1, writing nothing, when a source's rows would pass out_rows or start before 0. */
-int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t *rows, const int64_t *first,
+int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t *rows, int64_t first,
                          int64_t xb, int64_t sb, int64_t k, uint8_t *x_out, uint8_t *s_out, int64_t *idx_out,
                          float *w_out, int32_t *src_out, int64_t *at, int64_t out_rows, int64_t *got,
                          int64_t first_expert, int64_t num_local)
@@ -169,7 +169,7 @@ int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t
                 if (num_local > 0)
                     deepep_local_experts(idx_out + row * k, w_out + row * k, k, first_expert, num_local);
             }
-            src_out[row] = (int32_t)(first[s] + t);
+            src_out[row] = (int32_t)(first + t);
             row++;
         }
         at[s] = row;
@@ -214,32 +214,23 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
         if (want[j] != got[j])
             return j + 1;
     }
-    for (int64_t j = 0; j < R; j++) {  /* every row read lies where it may be read */
-        if (!got[j])
-            continue;
-        const int32_t *sizes = (const int32_t *)((const uint8_t *)(intptr_t)bases[j] + (staged[j] & 1) * half + vec_off);
-        int64_t before = 0;
-        for (int64_t s = 0; s < me; s++)
-            before += s == j ? 0 : sizes[s] < 0 ? half : sizes[s];
-        const int64_t staged_end = before + got[j];
-        if ((rows_at[j] && got[j] > cap[j]) || (w_at[j] && got[j] > cap[j])
-            || (!rows_at[j] && offs[0] + staged_end * 2 * hidden > half)
-            || (wcols > 0 && !w_at[j] && offs[1] + staged_end * 4 * wcols > half))
-            return -2 - j;
-    }
     const int64_t *tok[R > 0 ? R : 1], *key[R > 0 ? R : 1];
     const uint16_t *row[R > 0 ? R : 1];
     int64_t cnt[R > 0 ? R : 1], row_ld[R > 0 ? R : 1], n = 0;
     const float *wrow[R > 0 ? R : 1];
     int64_t wld[R > 0 ? R : 1];
-    for (int64_t j = 0; j < R; j++) {
+    for (int64_t j = 0; j < R; j++) {  /* each source's rows, every one checked to lie where it may be read */
         if (!got[j])
             continue;
         const uint8_t *half_base = (const uint8_t *)(intptr_t)bases[j] + (staged[j] & 1) * half;
         const int32_t *sizes = (const int32_t *)(half_base + vec_off);
         int64_t before = 0; /* rows j staged for lower origins than this one (its own are not staged) */
         for (int64_t s = 0; s < me; s++)
-            before += s == j ? 0 : sizes[s];
+            before += s == j ? 0 : sizes[s] < 0 ? half : sizes[s];
+        if ((rows_at[j] && got[j] > cap[j]) || (w_at[j] && got[j] > cap[j])
+            || (!rows_at[j] && offs[0] + (before + got[j]) * 2 * hidden > half)
+            || (wcols > 0 && !w_at[j] && offs[1] + (before + got[j]) * 4 * wcols > half))
+            return -2 - j;
         tok[n] = tokens + j * m;
         cnt[n] = got[j];
         if (order) {
