@@ -72,6 +72,16 @@ class LinkStats:
         """A copy of every counter, ``{field: array}``."""
         return dict(zip(_FIELDS, self._all.copy()))
 
+    def copy_counters(self) -> np.ndarray:
+        """A copy of every counter as one array ``[field, kind, world]`` (fields in :meth:`snapshot`'s order):
+        the snapshot of a caller that differences two of them, rarely read (:meth:`diff_counters`)."""
+        return self._all.copy()
+
+    @staticmethod
+    def diff_counters(after: np.ndarray, before: np.ndarray) -> dict:
+        """:meth:`diff` of two :meth:`copy_counters` arrays, as ``{field: array}``."""
+        return dict(zip(_FIELDS, after - before))
+
     def reset(self) -> None:
         for name in _FIELDS:
             getattr(self, name)[...] = 0

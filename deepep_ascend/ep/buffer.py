@@ -467,12 +467,12 @@ class Buffer(SharedOnCopy):
             return {k: np.zeros_like(v) for k, v in self.runtime.stats.snapshot().items()}
         return {k: v.copy() for k, v in last.items()}
 
-    def _keep_traffic(self, before: dict) -> None:
-        """Keep a finished call's counters: ``before`` (a snapshot taken before it) and one taken now, differenced
-        when first read (:meth:`_last_call_traffic`)."""
+    def _keep_traffic(self, before: np.ndarray) -> None:
+        """Keep a finished call's counters: ``before`` (``copy_counters()`` before it) and a copy taken now,
+        differenced when first read (:meth:`_last_call_traffic`)."""
         if _PH.on:
             _PH.switch("counters")
-        self._last_traffic = (self.runtime.stats.snapshot(), before)
+        self._last_traffic = (self.runtime.stats.copy_counters(), before)
         if _PH.on:
             _PH.switch(None)
 
@@ -480,7 +480,7 @@ class Buffer(SharedOnCopy):
         """The last call's counters: a normal-mode call keeps ``(after, before)`` snapshots, differenced here
         when first read (most calls' never are)."""
         if isinstance(self._last_traffic, tuple):
-            self._last_traffic = LinkStats.diff(*self._last_traffic)
+            self._last_traffic = LinkStats.diff_counters(*self._last_traffic)
         return self._last_traffic
 
     # -- layout ----------------------------------------------------------------------
@@ -567,7 +567,15 @@ class Buffer(SharedOnCopy):
         return check_config(config, default)
 
     def _check_handle(self, handle, config: Config, op: str) -> tuple[NormalHandle, int]:
-        """``(handle converted to its named type, id of the dispatch that made it)``; raises ``Rejected``."""
+        """``(handle converted to its named type, id of the dispatch that made it)``; raises ``Rejected``.
+
+        A handle this Buffer's synchronous dispatch returned, its entries the very tensors it made and none
+        written since (its origin's seal), with the config's channels, is valid as made: only that is read."""
+        origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
+        if (origin is not None and origin.sealed and origin.buffer_id == self._uid
+                and origin.num_channels == config.num_channels
+                and isinstance(handle, InternodeHandle) == self._internode and stamp_matches(origin.sealed, *handle)):
+            return handle, origin.dispatch_id
         if self._internode:
             return check_internode_handle(handle, config, op, num_ranks=self.group_size, num_nodes=self.num_nodes,
                                           buffer_id=self._uid)
@@ -666,7 +674,7 @@ class Buffer(SharedOnCopy):
             self._worker.drain()
         if _PH.on:
             _PH.switch("counters")
-        before = self.runtime.stats.snapshot()
+        before = self.runtime.stats.copy_counters()
         if _PH.on:
             _PH.switch(None)
         outputs = self._guard(lambda: next(gen))
@@ -679,7 +687,7 @@ class Buffer(SharedOnCopy):
         # future keeps, then holds them in frames the worker clears, not in this function's closure)
         def finish(gen, outputs, before=before):
             if not comm_before_outputs:
-                before = self.runtime.stats.snapshot()
+                before = self.runtime.stats.copy_counters()
             self._guard(lambda: [None for _ in gen])
             if guard:
                 self._guard(guard.check)
@@ -859,7 +867,9 @@ class Buffer(SharedOnCopy):
                                         inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
                                                 "is_token_in_rank": is_token_in_rank}, after=check_worst)
         recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, _, _ = outputs
-        record_origin(handle, HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
+        # sealed once complete (synchronous): an async dispatch still fills the handle on the worker
+        record_origin(handle, HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels,
+                                           stamp(*handle) if event.event is None else ()))
         return _typed_rows(recv_x, recv_scales, ctx["data"], ctx["scales"]), recv_topk, recv_w, recv_list, handle, event
 
     def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
@@ -1113,7 +1123,7 @@ class Buffer(SharedOnCopy):
             raise exc from None
         if _PH.on:
             _PH.switch("counters")
-        before = self.runtime.stats.snapshot()
+        before = self.runtime.stats.copy_counters()
         if _PH.on:
             _PH.switch(None)
         if not (async_finish or return_recv_hook):  # issue and receive now: one guarded step

@@ -136,11 +136,14 @@ NormalHandle = IntranodeHandle | InternodeHandle
 
 
 class HandleOrigin(NamedTuple):
-    """Which dispatch made a handle: the Buffer's serial number, the call number within it, its channels."""
+    """Which dispatch made a handle: the Buffer's serial number, the call number within it, its channels, and
+    ``sealed``: a :func:`~deepep_ascend.ep.stamps.stamp` of the handle's entries taken once the dispatch completed
+    (``()``: none), so that a later call handed those very tensors, none written since, may skip re-checking them."""
 
     buffer_id: int
     dispatch_id: int
     num_channels: int
+    sealed: tuple = ()
 
 
 _ORIGINS: dict[int, HandleOrigin] = {}  # id(identity tensor) -> origin; the entry dies with the tensor

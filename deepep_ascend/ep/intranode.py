@@ -118,6 +118,7 @@ from .reduce import CombineScratch, accumulate_rows
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
 _ALIGN = 128
+_INT32_MAX = (1 << 31) - 1  # above any token index (recv_src_idx is int32)
 _POLLS = 2000  # polls of a native wait (a pause each: about 0.1 ms) before the transport's wait_until
 _VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
 
@@ -136,6 +137,12 @@ def _rows_from_prefix(prefix: list, nr: int) -> np.ndarray:
     counts = inclusive.copy()
     counts[1:] -= inclusive[:-1]
     return counts
+
+
+def _rows_before_me(prefix: np.ndarray, me: int) -> torch.Tensor:
+    """``[R]`` int64: the rows each rank received from the ranks below ``me`` (where ``me``'s rows start in each
+    rank's ``recv_x``), from the rank prefix matrix ``[R, R]`` int32."""
+    return torch.from_numpy(prefix[me - 1].astype(np.int64)) if me else torch.zeros(prefix.shape[1], dtype=torch.int64)
 
 
 def rows_before(prefix: list, s: int, j: int) -> int:
@@ -170,7 +177,7 @@ class _Returned(NamedTuple):
 
     x: torch.Tensor  # [>= N_recv, H] bf16
     topk_weights: torch.Tensor | None  # [>= N_recv, K'] float32
-    src: torch.Tensor  # [N_recv] int64: each row's token at its origin (ascending within an origin's block)
+    src: torch.Tensor  # [N_recv] int32: each row's token at its origin (ascending within an origin's block)
     starts: list  # R + 1 ints: origin s's rows are [starts[s], starts[s + 1])
     in_place: bool  # x lies in this rank's landing segment: peers read its rows there, nothing staged
     clean: bool  # staged rows get -0.0 turned into +0.0 (see combine)
@@ -236,6 +243,7 @@ class IntranodeEngine:
         self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
         self.last_combine_in_place = None  # did the peers read the last combine's x in place (module doc)?
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
+        self._regions = {}  # (kind, row shape) -> _Regions of the half
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
@@ -271,11 +279,26 @@ class IntranodeEngine:
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
-        fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
-        return _Regions(self.half_bytes, self.num_ranks + num_experts, fields)
+        key = ("dispatch", xb, sb, k, num_experts, cached)
+        regions = self._regions.get(key)
+        if regions is None:
+            fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
+            regions = self._keep_regions(key, _Regions(self.half_bytes, self.num_ranks + num_experts, fields))
+        return regions
 
     def combine_regions(self, xb, wcols) -> _Regions:
-        return _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)])
+        key = ("combine", xb, wcols)
+        regions = self._regions.get(key)
+        if regions is None:
+            regions = self._keep_regions(key, _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)]))
+        return regions
+
+    def _keep_regions(self, key, regions: _Regions) -> _Regions:
+        # the layouts of the shapes a model calls with (each call asks twice: the Buffer's room check, then here)
+        if len(self._regions) >= 64:
+            self._regions.clear()
+        self._regions[key] = regions
+        return regions
 
     @staticmethod
     def size_hint(num_tokens, xb, sb, k, num_experts, num_ranks, combine_xb, wcols) -> int:
@@ -634,7 +657,9 @@ class IntranodeEngine:
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: num_topk if topk_idx is not None else -1, W_NEXP: num_experts, W_HANDLE: handle_id,
                  W_CHANNELS: num_channels, W_WCOLS: -1, W_LAND_ROWS: num_worst_tokens, **(extra_words or {})}
-        vec = torch.cat([num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32)])
+        # two small int32 vectors (the Buffers checked their dtype): one numpy concatenation, where torch.cat
+        # costs several times as much
+        vec = torch.from_numpy(np.concatenate((num_tokens_per_rank.numpy(), num_tokens_per_expert.numpy())))
         stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
                                   _SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank))
         phase = f"dispatch call #{call_id}"
@@ -667,13 +692,13 @@ class IntranodeEngine:
         ntok = headers[:, W_NTOK].tolist()
         rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
         counts, per_expert = self._read_count_vectors(num_experts)  # counts[s][j]: tokens s sends to j
-        prefix_np = np.cumsum(counts, axis=0, dtype=np.int32)
+        prefix_np = counts.cumsum(0, dtype=np.int32)
         prefix = prefix_np.tolist()  # the rank prefix matrix as lists: read entry by entry below
         num_recv = prefix[nr - 1][me]
         num_recv_t.fill_(num_recv)
         if early:
             rank_prefix_matrix.copy_(torch.from_numpy(prefix_np))
-            dst_offsets.copy_(torch.from_numpy(counts[:me].sum(0, dtype=np.int64)))
+            dst_offsets.copy_(_rows_before_me(prefix_np, me))
             if _PH.on:
                 _PH.switch("outputs")
             if num_recv > num_worst_tokens:  # the caller raises; the rows still arrive, into scratch outputs
@@ -690,7 +715,7 @@ class IntranodeEngine:
                                          topk_idx is not None)
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
-            dst_offsets = torch.from_numpy(counts[:me].sum(0, dtype=np.int64))  # [R] rows each rank got before mine
+            dst_offsets = _rows_before_me(prefix_np, me)
             yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets
 
         direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, is_token_in_rank,
@@ -966,8 +991,11 @@ class IntranodeEngine:
 
         if _PH.on:
             _PH.switch("control")
-        counts = _rows_from_prefix(prefix, nr)
-        per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
+        if max(prefix[nr - 1]) <= regions.capacity:  # every rank's returned rows fit at once: one round
+            per_round = ALL_TOKENS
+        else:
+            counts = _rows_from_prefix(prefix, nr)
+            per_round = combine_round_tokens(counts, regions.capacity, max(1, int(counts.max())))
         # x read in place (module doc): it lies in this rank's landing segment, which every peer maps.
         xseg = self.segment.offset_of(me, x) if self.landing is not None else None
         self.last_combine_in_place = xseg is not None
@@ -978,7 +1006,7 @@ class IntranodeEngine:
         # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
         # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
         # three plain copies.
-        returned = _Returned(x, topk_weights, handle.recv_src_idx[:num_recv].to(torch.int64),
+        returned = _Returned(x, topk_weights, handle.recv_src_idx[:num_recv],
                              [rows_before(prefix, s, me) for s in range(nr)] + [num_recv],
                              in_place=xseg is not None, clean=nr == 2 and not _native.available(), own_span=[0, 0])
         stage = functools.partial(self._stage_combine_chunk, regions, per_round, returned)
@@ -1089,7 +1117,8 @@ class IntranodeEngine:
             spans = []
             for s in range(nr):
                 block = returned.src[starts[s]:starts[s + 1]]
-                lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t])).tolist()
+                bounds = torch.tensor([min(lo_t, _INT32_MAX), min(hi_t, _INT32_MAX)], dtype=torch.int32)  # as block
+                lo, hi = torch.searchsorted(block, bounds).tolist()
                 spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
         sizes = [end - begin for begin, end in spans]

@@ -58,6 +58,8 @@ def _dtype_name(code: int, scale: bool = False) -> str:
 def prefix_checksum(rank_prefix_matrix: torch.Tensor) -> int:
     """CRC-32 of a handle's ``[R, R]`` rank prefix matrix: a header word every rank must agree on,
     so that handles that differ between ranks are refused on every rank, not on some."""
+    if rank_prefix_matrix.dtype == torch.int32 and rank_prefix_matrix.is_contiguous():  # (a checked handle's)
+        return zlib.crc32(rank_prefix_matrix.numpy())
     return zlib.crc32(rank_prefix_matrix.to(torch.int32).contiguous().numpy().tobytes())
 
 

@@ -132,6 +132,57 @@ def test_a_plain_tuple_of_another_buffers_handle_is_still_refused(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monkeypatch):
+    """A synchronous dispatch seals its handle: handed back unchanged it skips the full check (the engine's
+    own tensors, valid as made). A write into any of its tensors, a handle rebuilt with another tensor, or
+    one from an ``async_finish`` dispatch (filled on the worker) gets the full check, which refuses bad
+    values on every rank."""
+    import deepep_ascend.ep.buffer as buffer_mod
+
+    R, r = comm.Get_size(), comm.Get_rank()
+    E = E_PER_RANK * R
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, E), comm=comm, explicitly_destroy=True)
+    full_checks = []
+    real = buffer_mod.check_intranode_handle
+    monkeypatch.setattr(buffer_mod, "check_intranode_handle",
+                        lambda *a, **kw: (full_checks.append(1), real(*a, **kw))[1])
+    try:
+        x, idx, w = _inputs(comm, 11)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+
+        def dispatch(**kw):
+            return buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                topk_idx=idx, topk_weights=w, **kw)
+
+        recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch")
+        reference = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine")
+        cached = coll(lambda: buf.dispatch(x, handle=handle)[0], what="cached dispatch")
+        all_ranks_ok(comm, not full_checks and torch.equal(bits(cached), bits(recv_x)),
+                     f"an unchanged sealed handle: {len(full_checks)} full checks")
+
+        # rebuilt with a copy of one tensor: the copy is not the dispatch's, so everything is checked (and passes)
+        rebuilt = handle._replace(send_head=handle.send_head.clone())
+        again = coll(lambda: buf.combine(recv_x, rebuilt, topk_weights=recv_w)[:2], what="combine, rebuilt handle")
+        all_ranks_ok(comm, len(full_checks) == 1 and all(torch.equal(bits(a), bits(b))
+                                                         for a, b in zip(again, reference)),
+                     f"a rebuilt handle: {len(full_checks)} full checks, or other results")
+
+        # an async dispatch's handle is never sealed
+        recv_a, _, recv_wa, _, handle_a, event = coll(lambda: dispatch(async_finish=True), what="async dispatch")
+        event.current_stream_wait()
+        coll(lambda: buf.combine(recv_a, handle_a, topk_weights=recv_wa), what="combine, async dispatch's handle")
+        all_ranks_ok(comm, len(full_checks) == 2, f"an async dispatch's handle: {len(full_checks)} full checks")
+
+        # written in place, promising more rows than recv_src_idx holds: refused again, on every rank
+        handle.rank_prefix_matrix[-1] += 10 ** 6
+        _, exc = capture(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+        all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
+                     f"rank {r}: combine with a handle written in place: {exc!r}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_low_latency_handle_is_named_and_plain_tuples_work(comm):
     """``low_latency_combine`` (and its autograd form, forward and backward) take ``tuple(handle)`` as the handle."""
     r, R = comm.Get_rank(), comm.Get_size()
