@@ -37,6 +37,7 @@ class SharedSegment:
         topo = tp.topology
         self.name, self.rank = name, topo.rank
         self.sizes, self._maps = {}, {}
+        self._bases = {}  # peer -> address of its mapping (address(), offset_of()), while mapped
         path, error, fd, created = None, None, -1, False
         bad_arg = not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0
         if bad_arg:
@@ -116,15 +117,35 @@ class SharedSegment:
         with torch.inference_mode(False):  # a normal tensor even under it: callers keep views across calls
             return torch.frombuffer(self._maps[peer], dtype=torch.uint8, count=nbytes, offset=offset)
 
+    def address(self, peer: int, offset: int, nbytes: int) -> int:
+        """The address in this process of byte ``offset`` of ``peer``'s segment, for native code that reads or
+        writes ``[offset, offset + nbytes)`` (checked as :meth:`view` checks it) while this object keeps its
+        mappings: :meth:`view`'s bytes without a tensor.
+
+        Raises:
+            TransportArgumentError: as :meth:`view`.
+        """
+        base = self._bases.get(peer)
+        if base is None or offset < 0 or nbytes < 0 or offset + nbytes > self.sizes[peer]:
+            self.view(peer, offset, nbytes)  # raises, naming the range
+            base = self._base(peer)
+        return base + offset
+
+    def _base(self, peer: int) -> int:
+        base = self._bases[peer] = self.view(peer, 0, 1).data_ptr()
+        return base
+
     def offset_of(self, peer: int, tensor: torch.Tensor) -> int | None:
         """Byte offset in ``peer``'s segment where ``tensor``'s bytes start, if all of them
         (``tensor`` contiguous, non-empty) lie in this process's mapping of it; else None."""
         if peer not in self._maps or not tensor.numel() or not tensor.is_contiguous():
             return None
-        off = tensor.data_ptr() - self.view(peer, 0, 1).data_ptr()
+        base = self._bases.get(peer)
+        off = tensor.data_ptr() - (self._base(peer) if base is None else base)
         nbytes = tensor.numel() * tensor.element_size()
         return off if 0 <= off and off + nbytes <= self.sizes[peer] else None
 
     def release(self) -> None:
         """Drop this object's mappings; tensors made by :meth:`view` keep theirs until they go."""
         self._maps.clear()
+        self._bases.clear()

@@ -992,8 +992,10 @@ class Buffer(SharedOnCopy):
         round (a rejection raises on every rank, as :meth:`dispatch`'s checks do).
 
         ``precheck()`` returns ``(data [N, xb] uint8, scales [N, sb] uint8 | None, xdtype, topk_idx,
-        topk_weights, num_experts)``; the layout is computed here. Returns the engine's outputs
-        ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv, dst_offsets)``
+        topk_weights, num_experts, layout)``: ``layout`` the routing counts ``(num_tokens_per_rank,
+        num_tokens_per_expert, is_token_in_rank)`` if it made them, else None (computed here). Returns the
+        engine's outputs ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv,
+        dst_offsets)``
         (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in
         each rank's ``recv_x``; with ``num_worst_tokens > 0`` and ``async_finish`` both, the handle's prefix
         sums and the padding are filled by the worker, before the event completes),
@@ -1004,14 +1006,16 @@ class Buffer(SharedOnCopy):
         ctx = {}
 
         def build(call_id):
-            data, scales, xdtype, topk_idx, topk_weights, num_experts = precheck()
+            data, scales, xdtype, topk_idx, topk_weights, num_experts, layout = precheck()
             cfg = Config(Buffer.num_sms)
             k = topk_idx.size(1)
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), k, num_experts,
                                       cached=False)
             if _PH.on:
                 _PH.switch("layout")
-            ntpr, ntpe, itr = dispatch_layout(topk_idx, num_experts, self.group_size)
+            if layout is None:
+                layout = dispatch_layout(topk_idx, num_experts, self.group_size)
+            ntpr, ntpe, itr = layout
             ctx.update(itr=itr, call_id=call_id, cfg=cfg)
             path_args = {"num_tokens_per_rdma_rank": self._tokens_per_node(itr)} if self._internode else {}
             return self._engine.dispatch(**path_args,

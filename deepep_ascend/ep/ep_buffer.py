@@ -478,15 +478,18 @@ class EPBuffer(BufferBase):
                       lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check(topk_idx.size(0) == n, ValueError,
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
-                if topk_idx.numel():
+                # the routing counts in one native pass, which refuses an id out of range (None: then, or without
+                # the kernel, the range is checked here and the engine's caller counts)
+                layout = _native.dispatch_layout(topk_idx, num_experts, R)
+                if layout is None and topk_idx.numel():
                     lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
                     check(lo >= -1 and hi < num_experts, ValueError,
                           lambda: f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
-                    if do_expand and not do_cpu_sync and topk_idx.size(1) > num_experts // R:
-                        _check_expanded_capacity(topk_idx, num_experts // R, R)
+                if do_expand and not do_cpu_sync and topk_idx.numel() and topk_idx.size(1) > num_experts // R:
+                    _check_expanded_capacity(topk_idx, num_experts // R, R)
                 xb, sb = payload(n, None)
                 weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
-                return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts
+                return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts, layout
 
             outputs, itr, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
@@ -587,7 +590,8 @@ class EPBuffer(BufferBase):
             # a list of L small ints: numpy, then one tensor sharing its memory
             counts_np = np.asarray(recv_list, dtype=np.int64) if do_cpu_sync else None
             counts_known = None if counts_np is None else torch.from_numpy(counts_np)
-            aligned = None if counts_np is None else (counts_np + alignment - 1) // alignment * alignment
+            aligned = counts_np if counts_np is None or alignment == 1 else \
+                (counts_np + alignment - 1) // alignment * alignment
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
@@ -598,7 +602,8 @@ class EPBuffer(BufferBase):
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
                 num_recv_tokens=rows, num_valid_tokens=0, num_expanded_tokens=expanded,  # set by fill()
-                num_recv_tokens_per_expert_list=aligned.tolist() if do_cpu_sync else [],
+                num_recv_tokens_per_expert_list=([] if not do_cpu_sync else recv_list if alignment == 1
+                                                 else aligned.tolist()),
                 psum_num_recv_tokens_per_scaleup_rank=torch.empty(self.num_scaleup_ranks, dtype=torch.int32),
                 psum_num_recv_tokens_per_rank=torch.empty(R, dtype=torch.int32),
                 psum_num_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),

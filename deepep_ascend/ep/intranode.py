@@ -177,7 +177,7 @@ class _Returned(NamedTuple):
 
     x: torch.Tensor  # [>= N_recv, H] bf16
     topk_weights: torch.Tensor | None  # [>= N_recv, K'] float32
-    src: torch.Tensor  # [N_recv] int32: each row's token at its origin (ascending within an origin's block)
+    src: torch.Tensor  # [>= N_recv] int32: each row's token at its origin (ascending within an origin's block)
     starts: list  # R + 1 ints: origin s's rows are [starts[s], starts[s + 1])
     in_place: bool  # x lies in this rank's landing segment: peers read its rows there, nothing staged
     clean: bool  # staged rows get -0.0 turned into +0.0 (see combine)
@@ -551,7 +551,7 @@ class IntranodeEngine:
             _PH.switch("copy")
         if self._plan is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():  # one native call
             want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
-            dst = [self.segment.view(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb).data_ptr()
+            dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb)
                    if want[j] else 0 for j in range(nr)]
             status, got = self._plan.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
             if status:
@@ -708,7 +708,8 @@ class IntranodeEngine:
                 self._pad_outputs(out, num_recv)
         else:
             rank_prefix_matrix = torch.from_numpy(prefix_np)
-            recv_list = ((per_expert + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+            recv_list = (per_expert.tolist() if expert_alignment == 1 else
+                         ((per_expert + expert_alignment - 1) // expert_alignment * expert_alignment).tolist())
             if _PH.on:
                 _PH.switch("outputs")
             out = self._dispatch_outputs(advertised, num_recv, num_recv, xb, sb, num_topk, scales is not None,
@@ -1006,7 +1007,7 @@ class IntranodeEngine:
         # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
         # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
         # three plain copies.
-        returned = _Returned(x, topk_weights, handle.recv_src_idx[:num_recv],
+        returned = _Returned(x, topk_weights, handle.recv_src_idx,
                              [rows_before(prefix, s, me) for s in range(nr)] + [num_recv],
                              in_place=xseg is not None, clean=nr == 2 and not _native.available(), own_span=[0, 0])
         stage = functools.partial(self._stage_combine_chunk, regions, per_round, returned)
@@ -1072,11 +1073,11 @@ class IntranodeEngine:
             w_at[me], w_ld[me] = weights.data_ptr() + 4 * begin * weights.stride(0), weights.stride(0)
         for j in self.peers:
             xseg = int(headers[j, W_XSEG_OFF])
-            if xseg >= 0:  # j's x in its landing segment: the rows left for this rank (the view checks the range)
+            if xseg >= 0:  # j's x in its landing segment: the rows left for this rank (address() checks the range)
                 row0 = rows_before(prefix, me, j) + read[j]
                 left = prefix[me][j] - row0
                 # (none left: an address never read, so that a row j still claims is refused, not looked for staged)
-                rows_at[j] = self.segment.view(j, xseg + row0 * xb, left * xb).data_ptr() if left > 0 else 1
+                rows_at[j] = self.segment.address(j, xseg + row0 * xb, left * xb) if left > 0 else 1
                 ld[j], cap[j] = hidden, max(left, 0)
         lo_t = min(lo_t, hi_t)  # (a round past this origin's last token: no rows, the sources' counts still checked)
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)

@@ -34,7 +34,25 @@ def test_segment_stores_reach_the_owner_and_sizes_may_differ(shared_tp):
             seg.view(p, 4096 * (p + 1) - 1, 2)
     with pytest.raises(TransportArgumentError, match="not a rank of this node"):
         seg.view(n, 0, 1)
+    # address(): view()'s first byte, range checked alike; offset_of() maps a view back to its offset
+    for p in range(n):
+        size = 4096 * (p + 1)
+        for off, nbytes in ((0, 1), (8 * me, 8), (size - 3, 3), (size, 0)):
+            v = seg.view(p, off, max(nbytes, 1) if off < size else 0)
+            assert nbytes == 0 or seg.address(p, off, nbytes) == v.data_ptr()
+            assert seg.address(p, off, nbytes) == seg.address(p, 0, 1) + off
+            if v.numel():
+                assert seg.offset_of(p, v) == off
+        for off, nbytes in ((size - 1, 2), (-1, 1), (0, -1)):
+            with pytest.raises(TransportArgumentError, match=f"rank {p}: byte range"):
+                seg.address(p, off, nbytes)
+    with pytest.raises(TransportArgumentError, match="not a rank of this node"):
+        seg.address(n, 0, 1)
+    assert seg.offset_of(me, torch.zeros(4)) is None  # private memory
     tp.barrier()
+    seg.release()
+    with pytest.raises(TransportArgumentError, match="after release"):
+        seg.address(me, 0, 1)
 
 
 @pytest.mark.mpi(min_size=1)
