@@ -36,8 +36,8 @@ COMMANDS = {
                            "against the same peers and roofline", True),
     "ep": Command("bench.ep", "EPBuffer (DeepEP V2.5) dispatch + combine at a scaled-down DeepEP-Ascend shape, "
                   "against the V1 Buffer path and the same peers on the same work", True),
-    "overhead": Command("bench.overhead", "per-call overhead: low-latency and normal round trips of 1 and 8 "
-                        "tokens per rank against MPI moving the same rows", True),
+    "overhead": Command("bench.overhead", "per-call overhead: low-latency, normal and EPBuffer round trips of 1 "
+                        "and 8 tokens per rank against MPI moving the same rows", True),
     "soak": Command("bench.soak", "many round trips of mixed normal / cached / low-latency / EPBuffer calls with "
                     "changing shapes, reporting memory (stability, not speed)", True),
     "mega-moe": Command("bench.mega_moe", "MegaMoE's fused call against the unfused stage sequence and plain "

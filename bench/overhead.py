@@ -13,6 +13,12 @@ identity experts):
 * ``low_latency``: ``Buffer(low_latency_mode=True)`` with ``num_max_dispatch_tokens_per_rank = T``,
   ``low_latency_dispatch`` + ``low_latency_combine`` (the received rows combined back);
 * ``normal``: ``Buffer`` normal mode, ``get_dispatch_layout`` + ``dispatch`` + ``combine``;
+* ``ep``: ``EPBuffer.dispatch`` (compact layout, ``do_cpu_sync=True``) + ``combine`` of the received rows
+  with the received weights;
+* ``ep_decode``: the same with ``do_cpu_sync=False``, a decode step's call (outputs of static shapes,
+  sized by ``num_max_tokens_per_rank = T``; the routing still changes every step);
+* ``ep_cached``: ``EPBuffer.dispatch(x, handle=..., topk_weights=...)`` through the handle of one
+  earlier dispatch (no count exchange; ``do_cpu_sync`` is False there) + ``combine``;
 * ``mpi_alltoall``: MPI moving exactly the rows the normal path moves, with the counts already
   known (one ``Alltoallv`` each way on pre-packed rows, no count exchange, no packing): the floor of
   an MPI program with static routing, the figure the per-call target compares against;
@@ -20,11 +26,11 @@ identity experts):
   counts, pack, ``Alltoallv``, unpack, and back), verified like the normal path.
 
 Each time is the max over ranks per iteration, median of ``--iters``. Reported, never asserted:
-the issue's target is that the low-latency and normal round trips are no slower than
+the issue's target is that the low-latency, normal and ``EPBuffer`` round trips are no slower than
 ``mpi_alltoall`` at 1 and 8 tokens per rank (``met`` / ``missed`` per line).
-Checks: the low-latency round trip against ``x · Σ w`` (BF16), the normal and MPI pipelines
-against the plain-torch reference (``bench.roundtrip.verify_round_trip``), ``mpi_alltoall``'s rows
-returned bit for bit. A system that fails its check is left out of every ratio and verdict.
+Checks: the low-latency round trip against ``x · Σ w`` (BF16), the normal, ``EPBuffer`` and MPI
+pipelines against the plain-torch reference (``bench.roundtrip.verify_round_trip``), ``mpi_alltoall``'s
+rows returned bit for bit. A system that fails its check is left out of every ratio and verdict.
 """
 from __future__ import annotations
 
@@ -33,11 +39,20 @@ import torch
 
 from bench import cli, schema
 from bench.baselines import mpi_alltoallv_roundtrip
-from bench.roundtrip import BufferSystem, normal_buffer_bytes, run_round_trip, verification_failure, verify_round_trip
+from bench.roundtrip import (
+    BufferSystem,
+    RoundTripResult,
+    normal_buffer_bytes,
+    run_round_trip,
+    verification_failure,
+    verify_round_trip,
+)
 from bench.timing import Timing, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, reference_layout
 
-SYSTEMS = ("low_latency", "normal", "mpi_alltoall", "mpi_alltoallv")
+SYSTEMS = ("low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv")
+EP_SYSTEMS = ("ep", "ep_decode", "ep_cached")  # EPBuffer's calls (ep_trip)
+LIBRARY = ("low_latency", "normal") + EP_SYSTEMS  # the systems the per-call target is for
 TARGET = "mpi_alltoall"  # the per-call target: no slower than MPI moving the same rows with known counts
 LL_BOUND = 1e-5  # BF16 dispatch, identity experts: combined = bf16(x · Σ w) up to the rounding of the sum
 
@@ -91,6 +106,39 @@ def normal_trip(wl, comm, args):
         return run_round_trip(BufferSystem(buf), wl, comm, args.iters, args.warmup)
     finally:
         buf.destroy()
+
+
+def ep_trip(wl, comm, args, system: str) -> tuple[Timing, dict]:
+    """``(round-trip timing, verify_round_trip's verdict)`` of an ``EPBuffer`` call pair (``system``: one of
+    :data:`EP_SYSTEMS`, module doc) sized by ``num_max_tokens_per_rank = T``; the combine returns the received
+    rows (identity experts) with the received weights."""
+    from deepep_ascend import EPBuffer
+
+    T, E = wl.x.size(0), args.num_experts
+    buf = EPBuffer(comm, num_max_tokens_per_rank=T, hidden=args.hidden, num_topk=args.num_topk,
+                   explicitly_destroy=True)
+    kw = dict(topk_weights=wl.topk_weights, num_experts=E)
+    st = {}
+    if system == "ep_cached":  # the handle the timed dispatches go through
+        st["handle"] = buf.dispatch(wl.x, topk_idx=wl.topk_idx, **kw)[3]
+
+    def dispatch():
+        if system == "ep_cached":
+            st["d"] = buf.dispatch(wl.x, handle=st["handle"], **kw)
+        else:
+            st["d"] = buf.dispatch(wl.x, topk_idx=wl.topk_idx, do_cpu_sync=system == "ep", **kw)
+
+    def combine():
+        recv_x, _, recv_w, handle, _ = st["d"]
+        st["c"] = buf.combine(recv_x, handle, topk_weights=recv_w)
+
+    try:
+        t = time_phases([("dispatch", dispatch), ("combine", combine)], comm, args.iters, args.warmup)
+        res = RoundTripResult(system, {}, 0, {}, st["c"][0], st["c"][1], {}, "")
+        verdict = verify_round_trip(res, wl, E, comm)
+    finally:
+        buf.destroy()
+    return t["dispatch"] + t["combine"], verdict
 
 
 def mpi_alltoall_trip(wl, comm, args) -> tuple[Timing, bool]:
@@ -150,6 +198,11 @@ def run(args) -> int:
                 trips[name] = res.timings["dispatch"] + res.timings["combine"]
                 if (why := verification_failure(verify_round_trip(res, wl, E, comm))) is not None:
                     bad[name] = why
+        for name in EP_SYSTEMS:
+            if name in args.systems:
+                trips[name], verdict = ep_trip(wl, comm, args, name)
+                if (why := verification_failure(verdict)) is not None:
+                    bad[name] = why
         if "mpi_alltoall" in args.systems:
             trips["mpi_alltoall"], same = mpi_alltoall_trip(wl, comm, args)
             if not comm.allreduce(same, op=MPI.LAND):
@@ -162,7 +215,7 @@ def run(args) -> int:
         failed.update({f"{s}": why for s, why in bad.items()})
         floor = trips.get(TARGET) if TARGET not in bad else None
         row = [T] + [trips[s].median * 1e3 if s in trips else None for s in SYSTEMS]
-        for s in ("low_latency", "normal"):
+        for s in LIBRARY:
             if s in trips and s not in bad and floor is not None:
                 ratio = trips[s].median / floor.median
                 summary[f"{s}_over_{TARGET}_t{T}"] = ratio

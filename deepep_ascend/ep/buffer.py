@@ -866,7 +866,7 @@ class Buffer(SharedOnCopy):
                                         (x, topk_idx, topk_weights), comm_before_outputs=not static,
                                         inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
                                                 "is_token_in_rank": is_token_in_rank}, after=check_worst)
-        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle, _, _ = outputs
+        recv_x, recv_scales, recv_topk, recv_w, recv_list, handle = outputs[:6]
         # sealed once complete (synchronous): an async dispatch still fills the handle on the worker
         record_origin(handle, HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels,
                                            stamp(*handle) if event.event is None else ()))
@@ -995,10 +995,10 @@ class Buffer(SharedOnCopy):
         topk_weights, num_experts, layout)``: ``layout`` the routing counts ``(num_tokens_per_rank,
         num_tokens_per_expert, is_token_in_rank)`` if it made them, else None (computed here). Returns the
         engine's outputs ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv,
-        dst_offsets)``
-        (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in
-        each rank's ``recv_x``; with ``num_worst_tokens > 0`` and ``async_finish`` both, the handle's prefix
-        sums and the padding are filled by the worker, before the event completes),
+        dst_offsets, recv_counts)`` (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first
+        row of this rank's tokens in each rank's ``recv_x``; ``recv_counts`` ``[E / R]`` int64: the (token, slot)
+        pairs received per local expert; with ``num_worst_tokens > 0`` and ``async_finish`` both, these, the
+        handle's prefix sums and the padding are filled by the worker, before the event completes),
         ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``). ``inputs``:
         the caller's tensors by name, guarded as in :meth:`_protocol`.
         """

@@ -495,12 +495,12 @@ class EPBuffer(BufferBase):
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words,
                 inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
-            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets = outputs
+            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets, recv_counts = outputs
             recv_sf = None if sf is None else recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
                 recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
-                recv_list=recv_list, itr=itr, dst_offsets=dst_offsets,
+                recv_list=recv_list, recv_counts=recv_counts, itr=itr, dst_offsets=dst_offsets,
                 topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
                 num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
                 col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None)
@@ -535,7 +535,8 @@ class EPBuffer(BufferBase):
             recv_w = recv_extra[:, _align(sf_bytes, 4):]
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
-            recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, itr=None,
+            recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, recv_counts=None,
+            itr=None,
             dst_offsets=None,
             topk_idx=handle.topk_idx,
             num_experts=handle.num_experts, alignment=handle.expert_alignment,
@@ -574,22 +575,20 @@ class EPBuffer(BufferBase):
             return event
         return (*outputs, event)
 
-    def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, itr, dst_offsets,
-                  topk_idx,
-                  num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand, do_zero_padding, col_major_sf,
-                  stats, handle):
+    def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, recv_counts,
+                  itr, dst_offsets, topk_idx, num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand,
+                  do_zero_padding, col_major_sf, stats, handle):
         """The outputs ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with their final shapes, and the
-        epilogue that fills them from the engines' compact rows (docs/semantics/deepep-api.md §13.2)."""
+        epilogue that fills them from the engines' compact rows (docs/semantics/deepep-api.md §13.2).
+        ``recv_counts``: the engine's ``[L]`` int64 (token, slot) pairs per local expert (filled once the counts
+        arrived: with ``do_cpu_sync`` now, else by the time the epilogue runs), or None (cached dispatch)."""
         R = self.num_ranks
         L = num_experts // R
         k = topk_idx.size(1)
         rows = recv_x.size(0)
         fresh = handle is None
-        counts_known = None
         if fresh:
-            # a list of L small ints: numpy, then one tensor sharing its memory
-            counts_np = np.asarray(recv_list, dtype=np.int64) if do_cpu_sync else None
-            counts_known = None if counts_np is None else torch.from_numpy(counts_np)
+            counts_np = recv_counts.numpy() if do_cpu_sync else None
             aligned = counts_np if counts_np is None or alignment == 1 else \
                 (counts_np + alignment - 1) // alignment * alignment
             if not do_expand:
@@ -637,9 +636,9 @@ class EPBuffer(BufferBase):
             valid = int(num_recv)
             weights_in = recv_w if recv_w is None or in_place_w else recv_w.contiguous().view(torch.float32)
             valid_topk = recv_topk[:valid]
-            if counts_known is not None:  # the engines' per-expert counts (alignment 1): the same numbers
-                counts = counts_known
-            elif stats is not None or fresh:
+            if recv_counts is not None:  # the engines' per-expert counts: the numbers the routing gives
+                counts = recv_counts
+            elif stats is not None:
                 counts = torch.bincount(valid_topk.reshape(-1) + 1, minlength=L + 1)[1:]  # -1 lands in bin 0
             if stats is not None:
                 stats.add_(counts.to(torch.int32))

@@ -146,6 +146,7 @@ class _DispatchCall:
     gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
     num_recv: int = 0
     num_recv_t: torch.Tensor | None = None  # 0-dim int64: num_recv, as yielded (set once the counts arrived)
+    recv_counts: torch.Tensor | None = None  # [E / R] int64: (token, slot) pairs per local expert, likewise
     fwd_prefix: torch.Tensor | None = None  # [G] int32 inclusive prefix of fwd_counts (the handle's)
     recv_list: list | None = None
     fwd_counts: torch.Tensor | None = None  # [G] int64 tokens this rank forwards, per source node
@@ -483,8 +484,9 @@ class InternodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``num_recv``: 0-dim int64 tensor;
-        ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's received rows) with
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets, recv_counts)`` (``num_recv``: 0-dim int64
+        tensor; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's received rows;
+        ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local expert) with
         ``handle`` an :class:`InternodeHandle` whose receive-side entries are filled when the generator ends.
         As :meth:`.intranode.IntranodeEngine.dispatch`: after round 0, or with ``num_worst_tokens > 0``
         before any communication (the count-dependent entries, ``send_nvl_head`` resized to the tokens this
@@ -506,6 +508,7 @@ class InternodeEngine:
                              num_channels=num_channels)
         # The handle's fixed-shape receive entries, filled in place by _open_dispatch / _close_dispatch.
         call.num_recv_t = torch.zeros((), dtype=torch.int64)
+        call.recv_counts = torch.zeros(num_experts // self.num_ranks, dtype=torch.int64)
         call.dst_offsets = torch.zeros(self.num_ranks, dtype=torch.int64)
         call.gbl_prefix = torch.zeros(self.num_ranks, dtype=torch.int32)
         call.fwd_prefix = torch.zeros(self.G, dtype=torch.int32)
@@ -534,7 +537,7 @@ class InternodeEngine:
                                  call.fwd_prefix, call.recv_gbl_channel_prefix_matrix,
                                  call.gbl_prefix, out.src_meta, send_rdma_head, call.send_nvl_head)
         yield (out.x, out.scales, out.topk_idx, out.topk_weights, [] if early else call.recv_list, handle,
-               call.num_recv_t, call.dst_offsets)
+               call.num_recv_t, call.dst_offsets, call.recv_counts)
 
         for _ in rounds_gen:
             pass
@@ -591,6 +594,7 @@ class InternodeEngine:
         call.num_recv_t.fill_(num_recv)
         local = call.num_experts // num_ranks
         per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
+        call.recv_counts.copy_(per_expert)
         alignment = call.expert_alignment
         call.recv_list = [] if call.num_worst_tokens else [-(-c // alignment) * alignment for c in per_expert.tolist()]
         if _PH.on:

@@ -633,15 +633,16 @@ class IntranodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets)`` (``num_recv``: 0-dim int64 tensor,
-        the rows received; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's
-        received rows) with ``handle`` an :class:`IntranodeHandle` whose ``recv_channel_prefix_matrix`` is
+        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets, recv_counts)`` (``num_recv``: 0-dim int64
+        tensor, the rows received; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's
+        received rows; ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local expert,
+        unaligned) with ``handle`` an :class:`IntranodeHandle` whose ``recv_channel_prefix_matrix`` is
         filled when the generator ends. ``recv_x_bytes`` has ``max(N_recv, num_worst_tokens)`` rows.
 
         Without ``num_worst_tokens`` the outputs' shapes depend on the counts, so the yield comes after
         round 0 (the count exchange). With ``num_worst_tokens > 0`` every shape is known in advance
         (``num_worst_tokens`` rows) and the yield comes before any communication: ``num_recv``,
-        ``dst_offsets``, the handle's ``rank_prefix_matrix`` and the padding rows are filled in place
+        ``dst_offsets``, ``recv_counts``, the handle's ``rank_prefix_matrix`` and the padding rows are filled in place
         later, before the generator ends (docs/semantics/deepep-api.md §3.4). If more than
         ``num_worst_tokens`` rows arrive, the call still runs in step with its peers (the rows land in
         scratch outputs, the caller's stay padding) and ``num_recv`` tells the caller to raise.
@@ -666,6 +667,7 @@ class IntranodeEngine:
         channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
         recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
         num_recv_t = torch.zeros((), dtype=torch.int64)
+        recv_counts = torch.zeros(num_experts // nr, dtype=torch.int64)  # filled once the counts arrived
         early = num_worst_tokens > 0
         if early:
             # Static shapes: outputs, handle and offsets exist before the counts (filled in place below).
@@ -680,7 +682,7 @@ class IntranodeEngine:
             dst_offsets = torch.zeros(nr, dtype=torch.int64)
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
-            yield out.x, out.scales, out.topk_idx, out.topk_weights, [], handle, num_recv_t, dst_offsets
+            yield out.x, out.scales, out.topk_idx, out.topk_weights, [], handle, num_recv_t, dst_offsets, recv_counts
         else:
             land_words, advertised = self._advertise()
         words.update(land_words)
@@ -696,6 +698,7 @@ class IntranodeEngine:
         prefix = prefix_np.tolist()  # the rank prefix matrix as lists: read entry by entry below
         num_recv = prefix[nr - 1][me]
         num_recv_t.fill_(num_recv)
+        recv_counts.numpy()[:] = per_expert
         if early:
             rank_prefix_matrix.copy_(torch.from_numpy(prefix_np))
             dst_offsets.copy_(_rows_before_me(prefix_np, me))
@@ -717,7 +720,8 @@ class IntranodeEngine:
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
             dst_offsets = _rows_before_me(prefix_np, me)
-            yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets
+            yield (out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets,
+                   recv_counts)
 
         direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, is_token_in_rank,
                               lambda: stage(0, only_x=True), phase)

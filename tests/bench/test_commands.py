@@ -189,9 +189,9 @@ def _check_details(command: str, doc: dict) -> None:
         assert det["tokens"] == [1, 3]
         for t in (1, 3):
             assert {r["system"] for r in doc["results"] if r["tokens_per_rank"] == t} == {
-                "low_latency", "normal", "mpi_alltoall", "mpi_alltoallv"}
+                "low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv"}
             floor = by[f"mpi_alltoall/round_trip_t{t}"]["seconds"]
-            for s in ("low_latency", "normal"):
+            for s in ("low_latency", "normal", "ep", "ep_decode", "ep_cached"):
                 assert math.isclose(doc["summary"][f"{s}_over_mpi_alltoall_t{t}"],
                                     by[f"{s}/round_trip_t{t}"]["seconds"] / floor)
     elif command == "low-latency":
