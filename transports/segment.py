@@ -123,8 +123,15 @@ class SharedSegment:
         mappings: :meth:`view`'s bytes without a tensor.
 
         Raises:
-            TransportArgumentError: as :meth:`view`.
+            TransportArgumentError: as :meth:`view`; also ``offset`` or ``nbytes`` not an integer (a bool or a
+                float: an address must not be computed from them).
         """
+        if type(offset) is not int or type(nbytes) is not int:  # (numpy integers pass as ints)
+            if isinstance(offset, (bool, np.bool_)) or isinstance(nbytes, (bool, np.bool_)) or not (
+                    isinstance(offset, (int, np.integer)) and isinstance(nbytes, (int, np.integer))):
+                raise TransportArgumentError(f"rank {self.rank}: segment '{self.name}': address offset and nbytes "
+                                             f"must be integers, got {offset!r} and {nbytes!r}")
+            offset, nbytes = int(offset), int(nbytes)
         base = self._bases.get(peer)
         if base is None or offset < 0 or nbytes < 0 or offset + nbytes > self.sizes[peer]:
             self.view(peer, offset, nbytes)  # raises, naming the range

@@ -23,7 +23,8 @@ from .handles import InternodeHandle, IntranodeHandle, origin_of
 from .layout import dispatch_layout, tokens_per_node, topk_idx_t
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
-           "check_dispatch_options", "check_internode_handle", "check_intranode_handle", "check_stream_args",
+           "check_dispatch_options", "check_handle_rows", "check_internode_handle", "check_intranode_handle",
+           "check_stream_args",
            "check_tensor", "check_topk_idx", "check_x", "context_idx_problem", "is_int", "sl_idx_problem"]
 
 
@@ -302,9 +303,25 @@ def check_intranode_handle(handle, config: Config, op: str, *, rank: int, num_ra
                             (torch.int32, (handle.recv_src_idx.numel(),)), (torch.bool, (n, r)), (torch.int32, (n, r))),
                    f"{r} ranks")
     dispatch_id = _check_origin(handle, config, c, op, buffer_id)
-    check(int(handle.rank_prefix_matrix[-1, rank]) <= handle.recv_src_idx.numel(), ValueError,
-          "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
+    check_handle_rows(handle, rank)
     return handle, dispatch_id
+
+
+def check_handle_rows(handle, rank: int) -> None:
+    """The value of a well-formed handle (entries of the right dtypes and shapes) that a combine or cached
+    dispatch could read past its rows by: the rows its prefix sums promise this rank must lie within
+    ``recv_src_idx`` (intranode) or ``recv_src_meta`` (internode). Also checked for a sealed handle
+    (``Buffer._check_handle``): writes through ``.numpy()``, ``.data`` or a raw pointer leave no version mark.
+
+    Raises:
+        Rejected: ``ValueError`` naming the two entries.
+    """
+    if isinstance(handle, IntranodeHandle):
+        check(int(handle.rank_prefix_matrix[-1, rank]) <= handle.recv_src_idx.numel(), ValueError,
+              "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
+    else:
+        check(int(handle.recv_gbl_rank_prefix_sum[-1]) <= handle.recv_src_meta.size(0), ValueError,
+              "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
 
 
 def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, num_nodes: int,
@@ -335,8 +352,7 @@ def check_internode_handle(handle, config: Config, op: str, *, num_ranks: int, n
                             (torch.int32, (n, g)), (torch.int32, (num_forwarded, p))),
                    f"{r} ranks in {g} nodes")
     dispatch_id = _check_origin(handle, config, c, op, buffer_id)
-    check(int(handle.recv_gbl_rank_prefix_sum[-1]) <= rows, ValueError,
-          "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
+    check_handle_rows(handle, -1)
     return handle, dispatch_id
 
 

@@ -37,6 +37,7 @@ from .arguments import (
     check_config,
     check_dispatch_layout_args,
     check_dispatch_options,
+    check_handle_rows,
     check_internode_handle,
     check_intranode_handle,
     check_stream_args,
@@ -570,11 +571,14 @@ class Buffer(SharedOnCopy):
         """``(handle converted to its named type, id of the dispatch that made it)``; raises ``Rejected``.
 
         A handle this Buffer's synchronous dispatch returned, its entries the very tensors it made and none
-        written since (its origin's seal), with the config's channels, is valid as made: only that is read."""
+        written since through torch (its origin's seal), with the config's channels, keeps its dtypes and
+        shapes: of the full check only the rows it promises are read again (:func:`check_handle_rows`, which a
+        write through ``.numpy()`` could have changed unseen)."""
         origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
         if (origin is not None and origin.sealed and origin.buffer_id == self._uid
                 and origin.num_channels == config.num_channels
                 and isinstance(handle, InternodeHandle) == self._internode and stamp_matches(origin.sealed, *handle)):
+            check_handle_rows(handle, self.rank)
             return handle, origin.dispatch_id
         if self._internode:
             return check_internode_handle(handle, config, op, num_ranks=self.group_size, num_nodes=self.num_nodes,

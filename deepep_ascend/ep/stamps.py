@@ -1,11 +1,18 @@
 """Stamps: telling that a call is handed exactly the tensors an earlier call made or took, unchanged since.
 
-A stamp holds weak references to the tensors and their version counters (every in-place write,
-through any view, bumps ``_version``). The Buffers use them to skip recomputing and re-validating
+A stamp holds weak references to the tensors and their version counters (every in-place write torch
+makes, through any view, bumps ``_version``). The Buffers use them to skip recomputing and re-validating
 what they produced themselves: ``Buffer.dispatch`` trusts its own ``get_dispatch_layout`` outputs,
+``combine`` and a cached dispatch the handle a synchronous dispatch returned (its seal),
 ``low_latency_combine`` its dispatch's routing and handle. A dead reference, another tensor or a
 write since the stamp never matches, so a stale stamp only costs the full path. Nor does an inference
 tensor (made under ``torch.inference_mode()``), which keeps no version counter: its writes cannot be seen.
+
+Writes around torch (through ``.numpy()``, ``.data``, DLPack or a raw pointer) bump no counter, so a stamp
+cannot see them. What such a write could turn into a read outside memory is checked again on every call
+(a sealed handle's promised rows, ``arguments.check_handle_rows``); the rest is checked where it is used
+(a dispatch whose routing mask disagrees with the counts raises ``RuntimeError``), and a low-latency
+combine whose ``topk_idx`` was so written sums by its dispatch's routing.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monk
     """A synchronous dispatch seals its handle: handed back unchanged it skips the full check (the engine's
     own tensors, valid as made). A write into any of its tensors, a handle rebuilt with another tensor, or
     one from an ``async_finish`` dispatch (filled on the worker) gets the full check, which refuses bad
-    values on every rank."""
+    values on every rank. A write through ``.numpy()`` leaves no version mark: the rows the handle promises
+    are read again all the same, so such a handle is refused too and the Buffer stays usable."""
     import deepep_ascend.ep.buffer as buffer_mod
 
     R, r = comm.Get_size(), comm.Get_rank()
@@ -173,11 +174,24 @@ def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monk
         coll(lambda: buf.combine(recv_a, handle_a, topk_weights=recv_wa), what="combine, async dispatch's handle")
         all_ranks_ok(comm, len(full_checks) == 2, f"an async dispatch's handle: {len(full_checks)} full checks")
 
-        # written in place, promising more rows than recv_src_idx holds: refused again, on every rank
-        handle.rank_prefix_matrix[-1] += 10 ** 6
-        _, exc = capture(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
-        all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
-                     f"rank {r}: combine with a handle written in place: {exc!r}")
+        # written in place, promising more rows than recv_src_idx holds: refused again, on every rank; the same
+        # written through numpy, which bumps no version counter (the seal still matches)
+        for write in (lambda h: h.rank_prefix_matrix.__setitem__(-1, h.rank_prefix_matrix[-1] + 10 ** 6),
+                      lambda h: h.rank_prefix_matrix.numpy().__setitem__(-1, h.rank_prefix_matrix.numpy()[-1] + 1)):
+            recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch")
+            write(handle)
+            checks_before = len(full_checks)
+            _, exc = capture(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+            all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
+                         f"rank {r}: combine with a handle written in place: {exc!r}")
+            _, exc = capture(lambda: buf.dispatch(x, handle=handle))
+            all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
+                         f"rank {r}: cached dispatch with a handle written in place: {exc!r}")
+            full_checks[checks_before:] = []
+        recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch after the refusals")
+        again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine after them")
+        all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
+                     "the Buffer after refusing written handles gave other results")
     finally:
         coll(buf.destroy, what="destroy")
 

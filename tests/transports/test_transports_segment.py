@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,10 @@ def test_segment_stores_reach_the_owner_and_sizes_may_differ(shared_tp):
                 seg.address(p, off, nbytes)
     with pytest.raises(TransportArgumentError, match="not a rank of this node"):
         seg.address(n, 0, 1)
+    assert seg.address(me, np.int64(8), np.int32(8)) == seg.address(me, 8, 8)  # numpy integers are integers
+    for off, nbytes in ((1.5, 1), (0, True), (np.float64(8.0), 8), (8, "8")):  # no address from a non-integer
+        with pytest.raises(TransportArgumentError, match="must be integers"):
+            seg.address(me, off, nbytes)
     assert seg.offset_of(me, torch.zeros(4)) is None  # private memory
     tp.barrier()
     seg.release()
