@@ -316,11 +316,12 @@ def check_handle_rows(handle, rank: int) -> None:
     Raises:
         Rejected: ``ValueError`` naming the two entries.
     """
+    # (int32 CPU entries, checked or made so: one element read through numpy, not a 0-dim tensor)
     if isinstance(handle, IntranodeHandle):
-        check(int(handle.rank_prefix_matrix[-1, rank]) <= handle.recv_src_idx.numel(), ValueError,
+        check(int(handle.rank_prefix_matrix.numpy()[-1, rank]) <= handle.recv_src_idx.numel(), ValueError,
               "`handle.rank_prefix_matrix` promises more rows than `handle.recv_src_idx` holds")
     else:
-        check(int(handle.recv_gbl_rank_prefix_sum[-1]) <= handle.recv_src_meta.size(0), ValueError,
+        check(int(handle.recv_gbl_rank_prefix_sum.numpy()[-1]) <= handle.recv_src_meta.size(0), ValueError,
               "`handle.recv_gbl_rank_prefix_sum` promises more rows than `handle.recv_src_meta` holds")
 
 
