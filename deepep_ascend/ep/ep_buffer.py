@@ -10,6 +10,8 @@ each rank's row is added at the position of that rank's last top-k slot in the t
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -208,6 +210,7 @@ class EPBuffer(BufferBase):
 
     # -- sizes ------------------------------------------------------------------------------
     @staticmethod
+    @functools.lru_cache(maxsize=256)  # a function of a few ints, asked by every dispatch
     def _window_needs(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int,
                       num_topk: int, hidden: int) -> tuple[int, int]:
         """``(UBMEM, URMA)`` window bytes a call of this shape needs in one round (the engines' worst case,
@@ -461,9 +464,9 @@ class EPBuffer(BufferBase):
             k = (handle.topk_idx if handle is not None else topk_idx).size(1)
             G = self._legacy.num_nodes
             needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden)
-            need = EPBuffer._bytes_for(needs, R, G)
             check(_covers(self._windows, needs), ValueError,
-                  lambda: f"num_bytes={self.num_bytes} is below the {need} bytes a call of num_max_tokens_per_rank="
+                  lambda: f"num_bytes={self.num_bytes} is below the {EPBuffer._bytes_for(needs, R, G)} bytes a call "
+                  f"of num_max_tokens_per_rank="
                   f"{max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} {data.dtype}; +{sf_bytes} B of "
                   f"scales) needs; "
                   f"see EPBuffer.get_buffer_size_hint")
