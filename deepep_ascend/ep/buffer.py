@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from .. import settings
-from ..native import dispatch_layout as native_dispatch_layout
 from ..settings import SettingError
 from ..transports import (
     ChannelKind,
@@ -43,6 +42,7 @@ from .arguments import (
     check_stream_args,
     check_topk_idx,
     check_x,
+    checked_dispatch_layout,
 )
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
@@ -522,14 +522,10 @@ class Buffer(SharedOnCopy):
         if not async_finish:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
-            counts = native_dispatch_layout(topk_idx, num_experts, self.group_size)
-            if counts is None:  # no kernel, another layout, or an id out of range: the checked path
-                try:
-                    check_topk_idx(topk_idx, num_experts, self.group_size)
-                except Rejected as rej:
-                    raise rej.exc from None
-                counts = dispatch_layout(topk_idx, num_experts, self.group_size)
-            ntpr, ntpe, itr = counts
+            try:
+                ntpr, ntpe, itr = checked_dispatch_layout(topk_idx, num_experts, self.group_size)
+            except Rejected as rej:
+                raise rej.exc from None
             ntpn = self._tokens_per_node(itr)
             self._layout_stamp = stamp(topk_idx, ntpr, ntpn, ntpe, itr)
             return ntpr, ntpn, ntpe, itr, EventOverlap()
@@ -574,10 +570,8 @@ class Buffer(SharedOnCopy):
         written since through torch (its origin's seal), with the config's channels, keeps its dtypes and
         shapes: of the full check only the rows it promises are read again (:func:`check_handle_rows`, which a
         write through ``.numpy()`` could have changed unseen)."""
-        origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
-        if (origin is not None and origin.sealed and origin.buffer_id == self._uid
-                and origin.num_channels == config.num_channels
-                and isinstance(handle, InternodeHandle) == self._internode and stamp_matches(origin.sealed, *handle)):
+        origin = self._made_here(handle, config)
+        if origin is not None and origin.sealed and stamp_matches(origin.sealed, *handle):
             check_handle_rows(handle, self.rank)
             return handle, origin.dispatch_id
         if self._internode:
@@ -590,11 +584,19 @@ class Buffer(SharedOnCopy):
         """:meth:`_check_handle` for the engine handle an ``EPHandle`` of this Buffer holds: made by this
         Buffer's dispatch (its origin says so) and never handed to the caller, it was valid when made, so
         only its origin is read (validated once). Any other handle gets the full check."""
+        origin = self._made_here(handle, config)
+        if origin is not None:
+            return handle, origin.dispatch_id
+        return self._check_handle(handle, config, op)
+
+    def _made_here(self, handle, config: Config) -> HandleOrigin | None:
+        """The origin of ``handle`` when this Buffer's dispatch made it, with ``config``'s channels and this
+        Buffer's kind of handle; else None."""
         origin = origin_of(handle) if isinstance(handle, (IntranodeHandle, InternodeHandle)) else None
         if (origin is not None and origin.buffer_id == self._uid and origin.num_channels == config.num_channels
                 and isinstance(handle, InternodeHandle) == self._internode):
-            return handle, origin.dispatch_id
-        return self._check_handle(handle, config, op)
+            return origin
+        return None
 
     def _combine_input(self, rows: int, hidden: int) -> torch.Tensor:
         """An uninitialised ``[rows, hidden]`` bf16 tensor for a combine's ``x`` that ``EPBuffer`` computes
@@ -997,7 +999,7 @@ class Buffer(SharedOnCopy):
 
         ``precheck()`` returns ``(data [N, xb] uint8, scales [N, sb] uint8 | None, xdtype, topk_idx,
         topk_weights, num_experts, layout)``: ``layout`` the routing counts ``(num_tokens_per_rank,
-        num_tokens_per_expert, is_token_in_rank)`` if it made them, else None (computed here). Returns the
+        num_tokens_per_expert, is_token_in_rank)`` (:func:`~.arguments.checked_dispatch_layout`). Returns the
         engine's outputs ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv,
         dst_offsets, recv_counts)`` (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first
         row of this rank's tokens in each rank's ``recv_x``; ``recv_counts`` ``[E / R]`` int64: the (token, slot)
@@ -1015,10 +1017,6 @@ class Buffer(SharedOnCopy):
             k = topk_idx.size(1)
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), k, num_experts,
                                       cached=False)
-            if _PH.on:
-                _PH.switch("layout")
-            if layout is None:
-                layout = dispatch_layout(topk_idx, num_experts, self.group_size)
             ntpr, ntpe, itr = layout
             ctx.update(itr=itr, call_id=call_id, cfg=cfg)
             path_args = {"num_tokens_per_rdma_rank": self._tokens_per_node(itr)} if self._internode else {}

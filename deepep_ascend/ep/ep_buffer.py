@@ -20,7 +20,15 @@ from .. import settings
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import check, check_tensor, check_writable, context_idx_problem, is_int, sl_idx_problem
+from .arguments import (
+    check,
+    check_tensor,
+    check_writable,
+    checked_dispatch_layout,
+    context_idx_problem,
+    is_int,
+    sl_idx_problem,
+)
 from .buffer import Buffer
 from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
@@ -481,13 +489,11 @@ class EPBuffer(BufferBase):
                       lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check(topk_idx.size(0) == n, ValueError,
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
-                # the routing counts in one native pass, which refuses an id out of range (None: then, or without
-                # the kernel, the range is checked here and the engine's caller counts)
-                layout = _native.dispatch_layout(topk_idx, num_experts, R)
-                if layout is None and topk_idx.numel():
-                    lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one pass
-                    check(lo >= -1 and hi < num_experts, ValueError,
-                          lambda: f"`topk_idx` values must be in [-1, {num_experts}), got [{lo}, {hi}]")
+                if _PH.on:
+                    _PH.switch("layout")
+                layout = checked_dispatch_layout(topk_idx, num_experts, R)  # the ids' range checked on the way
+                if _PH.on:
+                    _PH.switch("checks")
                 if do_expand and not do_cpu_sync and topk_idx.numel() and topk_idx.size(1) > num_experts // R:
                     _check_expanded_capacity(topk_idx, num_experts // R, R)
                 xb, sb = payload(n, None)

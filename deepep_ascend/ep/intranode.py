@@ -118,7 +118,6 @@ from .reduce import CombineScratch, accumulate_rows
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
 _ALIGN = 128
-_INT32_MAX = (1 << 31) - 1  # above any token index (recv_src_idx is int32)
 _POLLS = 2000  # polls of a native wait (a pause each: about 0.1 ms) before the transport's wait_until
 _VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
 
@@ -143,6 +142,18 @@ def _rows_before_me(prefix: np.ndarray, me: int) -> torch.Tensor:
     """``[R]`` int64: the rows each rank received from the ranks below ``me`` (where ``me``'s rows start in each
     rank's ``recv_x``), from the rank prefix matrix ``[R, R]`` int32."""
     return torch.from_numpy(prefix[me - 1].astype(np.int64)) if me else torch.zeros(prefix.shape[1], dtype=torch.int64)
+
+
+def _routed_elsewhere(me: int, j: int, routed: int, exchanged: int) -> RuntimeError:
+    """A dispatch's routing mask that disagrees with the counts exchanged for it (changed during the call)."""
+    return RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {routed} tokens to rank {j}, but the counts "
+                        f"exchanged for this call say {exchanged} (was it changed before the call finished?)")
+
+
+def _returned_elsewhere(me: int, phase: str, j: int, returned: int, routed: int, lo: int, hi: int) -> RuntimeError:
+    """A combine source whose returned rows disagree with this origin's handle (the ranks' handles differ)."""
+    return RuntimeError(f"rank {me}: {phase}: rank {j} returned {returned} rows for tokens [{lo}, {hi}) of this rank, "
+                        f"but the handle routed {routed} there; the handles passed on different ranks do not match")
 
 
 def rows_before(prefix: list, s: int, j: int) -> int:
@@ -556,9 +567,7 @@ class IntranodeEngine:
             status, got = self._plan.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
             if status:
                 j = status - 1
-                raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {got[j]} tokens to rank {j}, but "
-                                   f"the counts exchanged for this call say {want[j]} (was it changed before the "
-                                   f"call finished?)")
+                raise _routed_elsewhere(me, j, got[j], want[j])
             self._raise_xdata()
             return
         # every receiver's token list from one nonzero over the transposed mask (receiver-major, tokens
@@ -571,9 +580,7 @@ class IntranodeEngine:
             cnt = routed[j]
             start = rows_before(prefix, me, j)
             if cnt != prefix[me][j] - start:  # never store outside j's rows for this rank
-                raise RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {cnt} tokens to rank {j}, but the "
-                                   f"counts exchanged for this call say {prefix[me][j] - start} "
-                                   f"(was it changed before the call finished?)")
+                raise _routed_elsewhere(me, j, cnt, prefix[me][j] - start)
             if not cnt:
                 continue
             dst = self.segment.view(j, plan[j] + start * xb, cnt * xb).view(cnt, xb)
@@ -1090,9 +1097,7 @@ class IntranodeEngine:
             combined[lo_t:hi_t], None if combined_w is None else combined_w[lo_t:hi_t], order)
         if status > 0:
             j = status - 1
-            raise RuntimeError(
-                f"rank {me}: {phase}: rank {j} returned {want[j]} rows for tokens [{lo_t}, {hi_t}) of this rank, "
-                f"but the handle routed {got[j]} there; the handles passed on different ranks do not match")
+            raise _returned_elsewhere(me, phase, j, want[j], got[j], lo_t, hi_t)
         if status < -1:
             j = -2 - status
             raise RuntimeError(f"rank {me}: {phase}: rank {j}'s rows for tokens [{lo_t}, {hi_t}) of this rank lie "
@@ -1122,8 +1127,7 @@ class IntranodeEngine:
             spans = []
             for s in range(nr):
                 block = returned.src[starts[s]:starts[s + 1]]
-                bounds = torch.tensor([min(lo_t, _INT32_MAX), min(hi_t, _INT32_MAX)], dtype=torch.int32)  # as block
-                lo, hi = torch.searchsorted(block, bounds).tolist()
+                lo, hi = torch.searchsorted(block, torch.tensor([lo_t, hi_t], dtype=block.dtype)).tolist()
                 spans.append((starts[s] + lo, starts[s] + hi))
         returned.own_span[:] = spans[me]
         sizes = [end - begin for begin, end in spans]
@@ -1184,9 +1188,7 @@ class IntranodeEngine:
             sizes = self._view(j, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True).tolist()
             cnt = sizes[me]
             if routed[j] != cnt:
-                raise RuntimeError(
-                    f"rank {me}: {phase}: rank {j} returned {cnt} rows for tokens [{lo_t}, {hi_t}) of this rank, "
-                    f"but the handle routed {routed[j]} there; the handles passed on different ranks do not match")
+                raise _returned_elsewhere(me, phase, j, cnt, routed[j], lo_t, hi_t)
             tokens = routed_tokens[first:first + cnt] if cnt else None
             first += cnt
             if not cnt:
