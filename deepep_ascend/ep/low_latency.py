@@ -374,6 +374,7 @@ class LowLatencyEngine:
         self.zero_copy_for = None  # call number the last combine_buffer() view belongs to
         self.zero_copy_shape = None  # and the (M, H, E) it was laid out for
         self.pool = OutputPool()
+        self.combined_pool = memory.OutputPool()  # combined_x: its storage reused once the caller drops it
         self._scratch_bufs = {}  # name -> flat tensor, see _scratch
         # The last received dispatch: stamps of (topk_idx, mask) at its route, of its handle's
         # tensors after its receive, its (M, H, E) and route; see dispatched_route.
@@ -777,23 +778,25 @@ class LowLatencyEngine:
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
             self._signal(dst, h, hdr, seq)
 
-        # Outputs (allocated now, filled by the receive).
+        # Outputs (allocated now, filled by the receive; reused ones come unzeroed, the receive zeroes the rows
+        # an earlier user left past its own).
         if _PH.on:
             _PH.switch("outputs")
-        recv_x, written_x = self.pool.get((L, R * M, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales, written_s = None, None
+        recv_x, written_x, stale_x = self.pool.get_deferred((L, R * M, H),
+                                                            torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales, written_s, stale_s = None, None, None
         if use_fp8:  # DeepEP: scales column-major in the last two dims
-            recv_scales, written_s = self.pool.get((L, R * M, scale_words),
-                                                   torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
-        src_info, written_i = self.pool.get((L, R * M), torch.int32)
+            recv_scales, written_s, stale_s = self.pool.get_deferred(
+                (L, R * M, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
+        src_info, written_i, stale_i = self.pool.get_deferred((L, R * M), torch.int32)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
                              torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i), route,
                              route_stamp)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
-        return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats), outputs),
-                              topk_idx)
+        return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats,
+                                                        (stale_x, stale_s, stale_i)), outputs), topk_idx)
 
     _KEPT = 16  # dispatches whose topk_idx a combine can be checked against (handles held at once, microbatches)
 
@@ -1028,9 +1031,11 @@ class LowLatencyEngine:
         self.tp.put_blocks(self.win, dst, messages, tokens * mb, slot_rows[lo:hi] * mb + (base + lay.recv_off),
                            torch.full((hi - lo,), mb, dtype=torch.int64))
 
-    def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats) -> None:
+    def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
-        expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot."""
+        expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot; then zero the rows
+        an earlier user of a reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts
+        of recv_x, scales, src_info)."""
         me, R, lay = self.rank, self.R, call.lay
         L, M, H = lay.L, lay.M, lay.H
         base, phase = self._await_dispatch(call, wait_stats)
@@ -1046,9 +1051,7 @@ class LowLatencyEngine:
         total = int(call.recv_count.sum())
         if _PH.on:
             _PH.switch("copy")
-        if not total:
-            self._finish_dispatch(call, cum_stats, _NO_ROWS)
-        else:
+        if total:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
             blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
@@ -1081,7 +1084,8 @@ class LowLatencyEngine:
                         + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
                 recv_scales.transpose(1, 2).view(-1).index_copy_(
                     0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-            self._finish_dispatch(call, cum_stats, dst_rows)
+        _zero_stale_rows((call.recv_x, call.recv_scales, call.src_info), stale, call.recv_count)
+        self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
 
     def _finish_dispatch(self, call: _DispatchCall, cum_stats, written) -> None:
         """A received dispatch's epilogue: ``written`` (the rows this call wrote, in the form its path's reuse
@@ -1166,7 +1170,7 @@ class LowLatencyEngine:
         need = seq + 1
         if _PH.on:
             _PH.switch("outputs")
-        combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
                                          combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
 
@@ -1215,7 +1219,7 @@ class LowLatencyEngine:
             self._publish(h, hdr, seq, dsts)
         if _PH.on:
             _PH.switch("outputs")
-        combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         own = (src, layout_range) if keep_own or pull else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
                                          route, own, plan), (combined,))
@@ -1551,7 +1555,21 @@ def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=torch.uint8).copy_(t)
 
 
-_NO_ROWS = torch.zeros(0, dtype=torch.int64)  # OutputPool: nothing written
+def _zero_stale_rows(outputs, stale, count: torch.Tensor) -> None:
+    """Zero rows ``[count[e], stale[e])`` of every expert ``e`` of each output ``[L, rows, ...]`` (``count``,
+    ``stale``: ``[L]`` int32; a ``None`` stale or output is skipped): what a reused output's earlier user wrote
+    past this call's rows (:meth:`OutputPool.get_deferred`)."""
+    for t, old in zip(outputs, stale):
+        if t is None or old is None:
+            continue
+        rows = torch.arange(t.size(1))
+        e, r = torch.nonzero((rows >= count.unsqueeze(1)) & (rows < old.unsqueeze(1)), as_tuple=True)
+        if not e.numel():
+            continue
+        if t.dim() == 3 and t.stride(2) == 1:  # rows of bytes: one copy from a zero row each
+            zero_rows(t.view(torch.uint8).view(t.size(0) * t.size(1), -1), e * t.size(1) + r)
+        else:  # src_info, or the channels-first scales: every element of those rows
+            t[e, r] = 0
 def call_name(op: int, seq: int) -> str:
     """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
     return f"{_OP_NAMES[op]} call #{seq + 1}"

@@ -28,6 +28,10 @@ import torch
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MIN_BYTES = 2 * HUGE_PAGE  # below this a huge page would be mostly slack
+# Below this malloc serves a request from its heap, whose pages stay mapped between calls; above it a freed
+# output's pages may go back to the kernel (an mmap'd chunk, or a trimmed heap top) and fault in again.
+_POOL_MIN_BYTES = 256 << 10
+_SMALL_GRAIN = 64 << 10  # pooled blocks below _MIN_BYTES are rounded to this, not to a huge page
 
 
 def _load_madvise():
@@ -127,15 +131,19 @@ class OutputPool:
     cheap on a GPU: here a fresh tensor costs a zero-filled page per fault on first touch (+9 ms
     for a 117 MB ``recv_x`` on the development VM, over a 14 ms copy). A block is handed out
     again only when no tensor (the returned one, or any view of it) still uses its storage, so
-    results a caller keeps are never overwritten. Keeps at most ``max_blocks`` blocks (least
-    recently used dropped first); best fit, each block ~12.5% larger than the request that made
-    it, so varying token counts reuse it. Small requests and a torch without storage use counts
-    get plain allocations. Thread-safe (the Buffer's worker allocates for async calls).
+    results a caller keeps are never overwritten. Best fit, each block ~12.5% larger than the request
+    that made it, so varying token counts reuse it. Outputs from 256 KiB up are pooled (above malloc's
+    heap a freed output's pages go back to the kernel and fault in again); blocks of 4 MiB and more
+    (huge pages) and smaller ones (64 KiB grain) are kept apart, so that a small output never takes a
+    large block, at most ``max_blocks`` of each kind (least recently used dropped first). Smaller
+    requests and a torch without storage use counts get plain allocations. Thread-safe (the Buffer's
+    worker allocates for async calls).
     """
 
     def __init__(self, max_blocks: int = 4):
         self.max_blocks = max_blocks
-        self._blocks: list[torch.Tensor] = []
+        # huge-page blocks, and blocks below _MIN_BYTES (kept apart: a small output never takes a large block)
+        self._blocks: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         self._lock = threading.Lock()
 
     @outside_inference_mode
@@ -143,19 +151,23 @@ class OutputPool:
         """An uninitialised contiguous ``shape`` tensor of ``dtype`` (contents stale), not a view."""
         shape = torch.Size(shape)
         nbytes = shape.numel() * dtype.itemsize
-        if nbytes < _MIN_BYTES:
+        if nbytes < _POOL_MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
+        want = nbytes + nbytes // 8
+        small = want < _MIN_BYTES
         with self._lock:
-            free = [i for i, b in enumerate(self._blocks) if b.numel() >= nbytes and storage_users(b) == 1]
+            blocks = self._blocks[small]
+            free = [i for i, b in enumerate(blocks) if b.numel() >= nbytes and storage_users(b) == 1]
             if free:  # by index: list.remove would compare tensors with ==
-                blk = self._blocks.pop(min(free, key=lambda i: self._blocks[i].numel()))
+                blk = blocks.pop(min(free, key=lambda i: blocks[i].numel()))
             else:
-                blk = _block(-(-(nbytes + nbytes // 8) // HUGE_PAGE) * HUGE_PAGE)
+                grain = _SMALL_GRAIN if small else HUGE_PAGE
+                blk = _block(-(-want // grain) * grain)
                 if storage_users(blk) != 1:
                     return blk[:nbytes].view(dtype).view(shape)
-                if len(self._blocks) >= self.max_blocks:
-                    self._blocks.pop(0)
-            self._blocks.append(blk)
+                if len(blocks) >= self.max_blocks:
+                    blocks.pop(0)
+            blocks.append(blk)
             return _alias(blk, dtype, shape)
 
 

@@ -1308,15 +1308,19 @@ def test_missing_rank_without_shrink_times_out_naming_it(comm):
     all_ranks_ok(comm, ok and dexc is None, f"missing rank {missing}: {detail}; destroy {dexc!r}")
 
 
-def test_outputs_recycled_only_once_dropped(comm):
-    """Dispatch outputs (``[L, R·M, H]`` and the FP8 scales) come from a pool: a result the caller
-    keeps is never written by later calls, a dropped one is reused (same storage; large outputs
+@pytest.mark.parametrize("nodes", [False, True], ids=["1node", "nodes"])
+def test_outputs_recycled_only_once_dropped(comm, nodes):
+    """Dispatch outputs (``[L, R·M, H]``, the FP8 scales and ``src_info``) come from a pool: a result the
+    caller keeps is never written by later calls, a dropped one is reused (same storage; large outputs
     once never were) and its rows beyond ``recv_count`` read as zero again after a call that
-    wrote more rows. FP8 recv_x is 512 KiB x R: a torch tensor at 1 rank, a zero mapping above."""
+    wrote more rows. FP8 recv_x is 512 KiB x R: a torch tensor at 1 rank, a zero mapping above. On one
+    node the native receive zeroes those rows, across nodes (``nodes``) the torch path's."""
     r, R = comm.Get_rank(), comm.Get_size()
+    if nodes and R < 2:
+        pytest.skip("two simulated nodes need 2 ranks")
     E, M, H = 2 * R, 64, 4096
     buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
-                 explicitly_destroy=True)
+                 explicitly_destroy=True, **({"ranks_per_node": R // 2} if nodes else {}))
     x_big, idx_big = make_inputs(71, r, R, M, H, E, 2)
     x_small, idx_small = make_inputs(72, r, R, 3, H, E, 2)
 
@@ -1337,7 +1341,7 @@ def test_outputs_recycled_only_once_dropped(comm):
     pooled = {ent[0].data_ptr() for ents in buf._ll.pool._entries.values() for ent in ents}
     chk.check(data.data_ptr() == ptr and ptr in pooled, "the dropped result's storage was not reused")
     pad = torch.arange(R * M).unsqueeze(0) >= count.unsqueeze(1)  # [L, R*M] rows past recv_count
-    chk.check(not data.view(torch.uint8)[pad].any() and not scales[pad].any(),
+    chk.check(not data.view(torch.uint8)[pad].any() and not scales[pad].any() and not again[2][0][pad].any(),
               "recycled output: rows past recv_count are not zero")
     ref = ref_ll_dispatch(gather_all(x_small), gather_all(idx_small), r, E, M, True)
     chk.check(torch.equal(count, ref.recv_count), "recv_count")

@@ -73,3 +73,28 @@ def test_output_pool_best_fit_among_blocks_of_different_sizes():
     t.fill_(1)
     u.fill_(2)
     assert int(t.sum()) == 6 * MB and int(u[-1]) == 2
+
+
+def test_output_pool_reuses_mid_size_outputs_apart_from_large_blocks():
+    """Outputs from 256 KiB to 4 MiB (a low-latency combine's ``combined_x``) are pooled too, in their own
+    blocks: a large free block is never handed to one, nor a small block to a large request."""
+    if host.storage_users(torch.empty(1)) is None:
+        return
+    pool = host.OutputPool(max_blocks=2)
+    tiny = pool.empty((64, 1024), torch.uint8)  # 64 KiB: a plain tensor, never pooled
+    del tiny
+    assert not pool._blocks[False] and not pool._blocks[True]
+    big = pool.empty((16 * MB,), torch.uint8)
+    ptr_big = _ptr(big)
+    del big  # a free large block
+    mid = pool.empty((128, 7168), torch.bfloat16)  # 1.75 MiB
+    assert _ptr(mid) != ptr_big and mid.shape == (128, 7168) and mid._base is None
+    mid.fill_(3.0)
+    ptr_mid = _ptr(mid)
+    other = pool.empty((128, 7168), torch.bfloat16)  # mid is alive: another block
+    assert _ptr(other) not in (ptr_mid, ptr_big)
+    assert (mid == 3.0).all()
+    del mid
+    again = pool.empty((120, 7168), torch.bfloat16)  # mid's block, free again
+    assert _ptr(again) == ptr_mid
+    assert _ptr(pool.empty((8 * MB,), torch.uint8)) == ptr_big  # the large block waited for a large request
