@@ -1131,8 +1131,9 @@ class LowLatencyEngine:
         rows travel LogFMT-10 encoded (:meth:`_send_logfmt`) and are decoded to float32 before the
         weighted sum. ``route``: :meth:`dispatched_route` of ``(topk_idx, handle)`` when not None (the
         receive then reuses it instead of routing ``topk_idx`` again). ``keep_own``: the receive runs before
-        the caller gets ``x`` back (a synchronous call), so on the native path this rank's own rows are summed
-        where they lie in ``x`` instead of being copied into its window first (the same bits)."""
+        the caller gets ``x`` back (a synchronous call), so this rank's own rows are summed where they lie in
+        ``x`` instead of being copied into its window first (the same bits; the torch path too, BF16 rows with
+        the native kernels loaded)."""
         R, L, M, H = self.R, lay.L, lay.M, lay.H
         layout_range = handle.layout_range
         handle_id = self.handle_id(handle)
@@ -1158,11 +1159,15 @@ class LowLatencyEngine:
         dsts = self.order()
         plan = (self._row_plan(layout_range, lay)
                 if enc is None and src.is_contiguous() and any(self.direct[d] for d in dsts) else None)
+        # A synchronous call's own rows stay where they lie in src: its receive sums them there (ll_combine_recv).
+        own = (src, layout_range) if keep_own and enc is None and src.stride(2) == 1 and native.ll_available() else None
         for dst in dsts:
             if _PH.on:
                 _PH.switch("send")
             if enc is not None:
                 self._send_logfmt(dst, enc, lay, base)
+            elif own is not None and dst == self.rank:
+                pass  # only the counts below
             elif plan is None or not self.direct[dst] or not self._store_rows(dst, src, plan, lay, base):
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
@@ -1172,7 +1177,7 @@ class LowLatencyEngine:
             _PH.switch("outputs")
         combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         return Pending(functools.partial(self._receive_combine, seq, h, need, lay, flags, topk_idx, topk_weights,
-                                         combined, wait_stats, use_logfmt, route, stamp(self.mask)), (combined,))
+                                         combined, wait_stats, use_logfmt, route, stamp(self.mask), own), (combined,))
 
     def native_route(self, topk_idx: torch.Tensor, lay: Layout) -> NativeRoute:
         """:func:`deepep_ascend.native.ll_route` of a ``topk_idx`` the argument checks passed (values in ``[-1, E)``,
@@ -1388,10 +1393,11 @@ class LowLatencyEngine:
                 self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
 
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
-                         use_logfmt, route, mask_stamp) -> None:
+                         use_logfmt, route, mask_stamp, own=None) -> None:
         """Wait for every live source, check the headers and the counts against ``topk_idx``, then reduce
         (docs/semantics/deepep-api.md §6.3): per token, slots in order into one float32 accumulator,
-        one rounding into ``combined``."""
+        one rounding into ``combined``. ``own``: ``(src, layout_range)`` when this rank's own rows were left in
+        ``src`` (the sum reads them there), else None."""
         me, L, M, H, E = self.rank, lay.L, lay.M, lay.H, lay.E
         base = h * self.half
         n, k = topk_idx.shape
@@ -1429,6 +1435,14 @@ class LowLatencyEngine:
             rows = self.tp.local_view(self.win, base + lay.recv_off, E * M * 2 * H, torch.bfloat16).view(E * M, H)
             index = torch.full((n * k,), -1, dtype=torch.int64)  # each (token, slot)'s returned row
             index[route.flat] = route.experts * M + route.rank
+            if own is not None:  # own rows where they lie, the others in the window; the counts checked above
+                sources = [None] * self.R
+                sources[me] = (own[0], own[1].numpy()[:, me] >> 32)
+                bad = native.ll_combine_recv(combined, rows, index.view(n, k), topk_weights.contiguous(),
+                                             self._counts_view(base, L), route.counts32, self._mask_arg(), M, sources)
+                if bad:
+                    raise _count_refusal(me, phase, L, *bad)
+                return
             if native.weighted_sum_rows(combined, rows, index.view(n, k), topk_weights.contiguous()):
                 return  # one pass over the returned rows, the arithmetic of the loop below
         # The pairs in (token, slot) order: row_of[i] is pos[i]'s place in the route (and row of `decoded`).
