@@ -199,9 +199,18 @@ class OutputPool:
     MAX_PER_KEY = 4
 
     def __init__(self):
-        # (shape, dtype) -> list of [base tensor, rows written]; rows written: None (any: zero it all) or
-        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call.
+        # (shape, dtype) -> list of [base tensor, rows written, version]; rows written: None (any: zero it all),
+        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call, or [L] int32
+        # counts; version: the base's version counter when its writer reported (see written()).
         self._entries = {}
+
+    @staticmethod
+    def written(ent: list, rows) -> None:
+        """Record on ``ent`` the rows its writer wrote (see :meth:`get`), once it has written them: a later write
+        by the caller through any view of the output (DeepEP's outputs are the caller's to overwrite) moves the
+        version counter, and the output is then not handed out again."""
+        ent[1] = rows
+        ent[2] = ent[0]._version
 
     def _zero_flat(self, base: torch.Tensor, shape, channels_first: bool, written: torch.Tensor) -> None:
         """Zero the flat rows ``written`` (int64 ``e·rows + r``) of the entry ``base`` of ``shape``."""
@@ -228,9 +237,12 @@ class OutputPool:
         key = (store, dtype)
         entries = self._entries.setdefault(key, [])
         stale = None
+        # The caller wrote into a dropped output since its writer reported (any rows): not handed out again. Zeroing
+        # it whole would touch every page of a mostly untouched mapping; a new one costs nothing until written.
+        entries[:] = [e for e in entries if e[1] is None or e[0]._version == e[2] or memory.storage_users(e[0]) != 1]
         for ent in entries:
             if memory.storage_users(ent[0]) == 1:
-                base, written = ent
+                base, written, _ = ent
                 if written is None:
                     base.zero_()
                 elif written.dtype == torch.int32 and defer:
@@ -244,7 +256,7 @@ class OutputPool:
                     self._zero_flat(base, shape, channels_first, written)
                 break
         else:
-            ent = [zeros(store, dtype), None]
+            ent = [zeros(store, dtype), None, 0]
             if memory.storage_users(ent[0]) == 1:
                 entries.append(ent)
                 if len(entries) > self.MAX_PER_KEY:
@@ -1093,7 +1105,7 @@ class LowLatencyEngine:
         the route a combine of its handle may reuse."""
         for ent in call.written:
             if ent is not None:
-                ent[1] = written
+                OutputPool.written(ent, written)
         if cum_stats is not None:
             cum_stats.add_(call.recv_count)
         lay = call.lay

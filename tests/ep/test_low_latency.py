@@ -1350,6 +1350,40 @@ def test_outputs_recycled_only_once_dropped(comm, nodes):
     chk.finish("output pool")
 
 
+@pytest.mark.parametrize("nodes", [False, True], ids=["1node", "nodes"])
+def test_outputs_the_caller_wrote_into_are_not_handed_out_again(comm, nodes):
+    """A caller may overwrite a dispatch's outputs in place (DeepEP's are its own tensors) and drop them: a later
+    dispatch must still return exactly the reference, zeros past ``recv_count`` included (the pool knows only the
+    rows its own receive wrote, so a written output is left out of it)."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    if nodes and R < 2:
+        pytest.skip("two simulated nodes need 2 ranks")
+    E, M, H = 2 * R, 32, 256
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 explicitly_destroy=True, **({"ranks_per_node": R // 2} if nodes else {}))
+    chk = Checker(r)
+    for fp8 in (False, True):
+        x_big, idx_big = make_inputs(81, r, R, M, H, E, 2)
+        x_small, idx_small = make_inputs(82, r, R, 5, H, E, 2)
+        out = coll(lambda: buf.low_latency_dispatch(x_big, idx_big, M, E, use_fp8=fp8), what="dispatch to overwrite")
+        data, scales = out[0] if fp8 else (out[0], None)
+        data.view(torch.uint8).fill_(0x3C)  # every row, padding included, through views of the outputs
+        out[2][0].fill_(99)  # the handle's src_info
+        if scales is not None:
+            scales.fill_(5.0)
+        del out, data, scales
+        again = coll(lambda: buf.low_latency_dispatch(x_small, idx_small, M, E, use_fp8=fp8), what="dispatch after")
+        ref = ref_ll_dispatch(gather_all(x_small), gather_all(idx_small), r, E, M, fp8)
+        got_x = again[0][0] if fp8 else again[0]
+        chk.check(torch.equal(got_x.view(torch.uint8), ref.recv_x.view(torch.uint8)), f"fp8={fp8}: recv_x")
+        chk.check(torch.equal(again[2][0], ref.src_info), f"fp8={fp8}: src_info")
+        if fp8:
+            chk.check(torch.equal(again[0][1], ref.recv_scales), f"fp8={fp8}: scales")
+        del again, got_x
+    coll(buf.destroy, what="destroy")
+    chk.finish("outputs written by the caller")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_fused_path_gives_the_step_by_step_bits_and_traffic(comm, monkeypatch):
     """On one node with the kernels loaded a call takes the fused path (two native calls, ``native.LLPlan``) unless
