@@ -1308,6 +1308,16 @@ def test_missing_rank_without_shrink_times_out_naming_it(comm):
     all_ranks_ok(comm, ok and dexc is None, f"missing rank {missing}: {detail}; destroy {dexc!r}")
 
 
+def _pool_test_buffer(comm, nodes: bool, M: int, H: int, E: int) -> Buffer:
+    """A low-latency Buffer of its own (destroyed by the test) on one node, or (``nodes``) on two simulated
+    nodes, whose receives take the torch path; skips with fewer than 2 ranks for two nodes."""
+    R = comm.Get_size()
+    if nodes and R < 2:
+        pytest.skip("two simulated nodes need 2 ranks")
+    return Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                  explicitly_destroy=True, **({"ranks_per_node": R // 2} if nodes else {}))
+
+
 @pytest.mark.parametrize("nodes", [False, True], ids=["1node", "nodes"])
 def test_outputs_recycled_only_once_dropped(comm, nodes):
     """Dispatch outputs (``[L, R·M, H]``, the FP8 scales and ``src_info``) come from a pool: a result the
@@ -1316,11 +1326,8 @@ def test_outputs_recycled_only_once_dropped(comm, nodes):
     wrote more rows. FP8 recv_x is 512 KiB x R: a torch tensor at 1 rank, a zero mapping above. On one
     node the native receive zeroes those rows, across nodes (``nodes``) the torch path's."""
     r, R = comm.Get_rank(), comm.Get_size()
-    if nodes and R < 2:
-        pytest.skip("two simulated nodes need 2 ranks")
     E, M, H = 2 * R, 64, 4096
-    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
-                 explicitly_destroy=True, **({"ranks_per_node": R // 2} if nodes else {}))
+    buf = _pool_test_buffer(comm, nodes, M, H, E)
     x_big, idx_big = make_inputs(71, r, R, M, H, E, 2)
     x_small, idx_small = make_inputs(72, r, R, 3, H, E, 2)
 
@@ -1356,11 +1363,8 @@ def test_outputs_the_caller_wrote_into_are_not_handed_out_again(comm, nodes):
     dispatch must still return exactly the reference, zeros past ``recv_count`` included (the pool knows only the
     rows its own receive wrote, so a written output is left out of it)."""
     r, R = comm.Get_rank(), comm.Get_size()
-    if nodes and R < 2:
-        pytest.skip("two simulated nodes need 2 ranks")
     E, M, H = 2 * R, 32, 256
-    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
-                 explicitly_destroy=True, **({"ranks_per_node": R // 2} if nodes else {}))
+    buf = _pool_test_buffer(comm, nodes, M, H, E)
     chk = Checker(r)
     for fp8 in (False, True):
         x_big, idx_big = make_inputs(81, r, R, M, H, E, 2)
