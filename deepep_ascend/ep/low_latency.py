@@ -191,77 +191,51 @@ class OutputPool:
     CUDA caching allocator, which makes DeepEP's fresh ``[L, R·M, H]`` outputs free on a GPU.
 
     Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
-    never touched); a recycled one only needs the rows its last user saw zeroed again. An
-    entry is reused only when no tensor (the returned view or any view of it) still shares its
-    storage, so results a caller keeps are never overwritten.
+    never touched); a recycled one is handed out unzeroed, with the rows its last user wrote, for its
+    writer to zero those it does not write again. An entry is reused only when no tensor (the returned
+    view or any view of it) still shares its storage, so results a caller keeps are never overwritten,
+    and only when its writer reported its rows (:meth:`written`) and nothing wrote into it since.
     """
 
     MAX_PER_KEY = 4
 
     def __init__(self):
-        # (shape, dtype) -> list of [base tensor, rows written, version]; rows written: None (any: zero it all),
-        # a 1-D int64 tensor of the flat rows e·rows + r of [L, rows] written, zeroed by one call, or [L] int32
-        # counts; version: the base's version counter when its writer reported (see written()).
+        # (shape, dtype) -> list of [base tensor, rows written, version]; rows written: None (not reported) or
+        # [L] int32 counts, rows [0, count[e]) of each block e; version: the base's version counter when reported
         self._entries = {}
 
     @staticmethod
-    def written(ent: list, rows) -> None:
-        """Record on ``ent`` the rows its writer wrote (see :meth:`get`), once it has written them: a later write
-        by the caller through any view of the output (DeepEP's outputs are the caller's to overwrite) moves the
-        version counter, and the output is then not handed out again."""
-        ent[1] = rows
+    def written(ent: list, counts: torch.Tensor) -> None:
+        """Record on ``ent`` (an entry :meth:`get` returned) that its writer wrote rows ``[0, counts[e])`` of each
+        block ``e`` (``[L]`` int32, kept: not to be changed afterwards). A later write by the caller through any
+        view of the output (DeepEP's outputs are the caller's to overwrite) moves the version counter, and the
+        output is then not handed out again."""
+        ent[1] = counts
         ent[2] = ent[0]._version
 
-    def _zero_flat(self, base: torch.Tensor, shape, channels_first: bool, written: torch.Tensor) -> None:
-        """Zero the flat rows ``written`` (int64 ``e·rows + r``) of the entry ``base`` of ``shape``."""
-        if channels_first:  # storage [L, S, rows]: element (e, s, r) for every s of each row
-            base.transpose(1, 2)[written // shape[1], written % shape[1]] = 0
-        else:  # as bytes: zero bytes are the zero of every dtype (FP8 included)
-            zero_rows(base.view(torch.uint8).view(shape[0] * shape[1], -1), written)
-
-    def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list]:
-        """``(view, entry)``: a zero tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
-        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``); set ``entry[1]`` to the rows written so
-        that the next user gets them zeroed: the flat rows ``e·rows + r`` (int64 tensor), or ``[L]`` int32
-        counts for rows ``[0, count[e])`` of each ``e``. The entry keeps that tensor (its writer must not
-        change it afterwards)."""
-        view, ent, _ = self.get_deferred(shape, dtype, channels_first, defer=False)
-        return view, ent
-
     @memory.outside_inference_mode
-    def get_deferred(self, shape, dtype, channels_first=False, defer=True) -> tuple[torch.Tensor, list, object]:
-        """:meth:`get`, except that (``defer``) a reused tensor whose last user reported ``[L]`` int32 counts is
-        handed out unzeroed, with those counts as the third item (else None): its writer must zero rows
-        ``[0, count[e])`` of each ``e`` that it does not write (the native dispatch receive does, in its pass)."""
+    def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+        """``(view, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
+        ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``), zero but for rows ``[0, stale[e])`` of
+        each block ``e`` when ``stale`` (``[L]`` int32) is not None: a reused output, whose writer must zero
+        the rows of them it does not write (the native dispatch receive does, in its pass; the torch path's
+        after it, :func:`_zero_stale_rows`), then report its own rows with :meth:`written`."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
-        key = (store, dtype)
-        entries = self._entries.setdefault(key, [])
-        stale = None
-        # The caller wrote into a dropped output since its writer reported (any rows): not handed out again. Zeroing
-        # it whole would touch every page of a mostly untouched mapping; a new one costs nothing until written.
-        entries[:] = [e for e in entries if e[1] is None or e[0]._version == e[2] or memory.storage_users(e[0]) != 1]
-        for ent in entries:
-            if memory.storage_users(ent[0]) == 1:
-                base, written, _ = ent
-                if written is None:
-                    base.zero_()
-                elif written.dtype == torch.int32 and defer:
-                    stale = written
-                elif written.dtype == torch.int32:  # rows [0, written[e]) of each block e
-                    if not native.zero_row_prefix(base, written, channels_first):
-                        rows = torch.arange(shape[1])
-                        self._zero_flat(base, shape, channels_first,
-                                        torch.nonzero((rows < written.unsqueeze(1)).view(-1)).squeeze(1))
-                elif written.numel():
-                    self._zero_flat(base, shape, channels_first, written)
-                break
-        else:
+        entries = self._entries.setdefault((store, dtype), [])
+        # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote into it
+        # since (any rows): not handed out again. Zeroing it whole would touch every page of a mostly untouched
+        # mapping; a new one costs nothing until written.
+        entries[:] = [e for e in entries
+                      if memory.storage_users(e[0]) != 1 or (e[1] is not None and e[0]._version == e[2])]
+        ent = next((e for e in entries if memory.storage_users(e[0]) == 1), None)
+        stale = None if ent is None else ent[1]
+        if ent is None:
             ent = [zeros(store, dtype), None, 0]
             if memory.storage_users(ent[0]) == 1:
                 entries.append(ent)
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
-        ent[1] = None  # until the writer reports its rows: all of it
+        ent[1] = None  # until the writer reports its rows
         view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
         return view, ent, stale
 
@@ -794,21 +768,25 @@ class LowLatencyEngine:
         # an earlier user left past its own).
         if _PH.on:
             _PH.switch("outputs")
-        recv_x, written_x, stale_x = self.pool.get_deferred((L, R * M, H),
-                                                            torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales, written_s, stale_s = None, None, None
-        if use_fp8:  # DeepEP: scales column-major in the last two dims
-            recv_scales, written_s, stale_s = self.pool.get_deferred(
-                (L, R * M, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
-        src_info, written_i, stale_i = self.pool.get_deferred((L, R * M), torch.int32)
+        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
-                             torch.zeros(L, R, dtype=torch.int64), (written_x, written_s, written_i), route,
-                             route_stamp)
+                             torch.zeros(L, R, dtype=torch.int64), entries, route, route_stamp)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
-        return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats,
-                                                        (stale_x, stale_s, stale_i)), outputs), topk_idx)
+        return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats, stale),
+                                      outputs), topk_idx)
+
+    def _dispatch_outputs(self, lay: Layout, use_fp8: bool, use_ue8m0: bool, scale_words: int) -> tuple:
+        """A dispatch's outputs from the pool: ``((recv_x [L, R·M, H], recv_scales [L, R·M, S'] or None, src_info
+        [L, R·M] int32), their pool entries, their stale counts)`` (:meth:`OutputPool.get`; the scales
+        channels-first, as DeepEP lays them out)."""
+        L, RM, H = lay.L, self.R * lay.M, lay.H
+        got = [self.pool.get((L, RM, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
+               self.pool.get((L, RM, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
+               if use_fp8 else (None, None, None),
+               self.pool.get((L, RM), torch.int32)]
+        return tuple(zip(*got))
 
     _KEPT = 16  # dispatches whose topk_idx a combine can be checked against (handles held at once, microbatches)
 
@@ -890,21 +868,14 @@ class LowLatencyEngine:
         if _PH.on:
             _PH.switch("outputs")
         # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
-        pool = self.pool
-        recv_x, written_x, stale_x = pool.get_deferred((L, R * M, H),
-                                                       torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales, written_s, stale_s = None, None, None
-        if use_fp8:  # DeepEP: scales column-major in the last two dims
-            recv_scales, written_s, stale_s = pool.get_deferred(
-                (L, R * M, scale_words), torch.int32 if use_ue8m0 else torch.float32, channels_first=True)
-        src_info, written_i, stale_i = pool.get_deferred((L, R * M), torch.int32)
+        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
                              torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
-                             (written_x, written_s, written_i), route, stamp(topk_idx, self.mask), plan)
+                             entries, route, stamp(topk_idx, self.mask), plan)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
-                                         (stale_x, stale_s, stale_i)), outputs)
+                                         stale), outputs)
 
     def _await_dispatch(self, call: _DispatchCall, wait_stats) -> tuple[int, str]:
         """Wait for every live source's signal of the dispatch ``call`` and check their headers; returns the
@@ -919,7 +890,7 @@ class LowLatencyEngine:
         """:meth:`_receive_dispatch` on the native path: one kernel turns the counts into ``recv_count`` /
         ``layout_range``, loads every row routed here from its source's send region (found through the index
         table the sources wrote here) into ``recv_x`` / scales / ``src_info``, zeroes the rows an earlier user
-        of a reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts per output), and
+        of a reused output left past them (``stale``: :meth:`OutputPool.get`'s counts per output), and
         then checks that no source began rewriting its send region meanwhile (its stamp, see :meth:`begin`).
 
         Raises:
@@ -966,7 +937,7 @@ class LowLatencyEngine:
                     f"listed a token index outside [0, {M}) as its row {bad[2]} for local expert {bad[1]}")
             raise RuntimeError(f"rank {self.rank}: {phase}: source rank {bad[0]} {what}")
         if status == 3:
-            # The outputs' pool entries still read "all rows written" (OutputPool.get): zeroed whole on reuse.
+            # The outputs' pool entries were never reported written (OutputPool.written): not reused.
             raise RuntimeError(
                 f"rank {self.rank}: {phase}: source rank {bad[0]} began rewriting its send region for LL call "
                 f"#{bad[1]} while this rank loaded call #{call.seq + 1}'s rows from it (rows may be torn); at most "
@@ -1046,7 +1017,7 @@ class LowLatencyEngine:
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
         expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot; then zero the rows
-        an earlier user of a reused output left past them (``stale``: :meth:`OutputPool.get_deferred`'s counts
+        an earlier user of a reused output left past them (``stale``: :meth:`OutputPool.get`'s counts
         of recv_x, scales, src_info)."""
         me, R, lay = self.rank, self.R, call.lay
         L, M, H = lay.L, lay.M, lay.H
@@ -1584,18 +1555,27 @@ def _bytes_copy(t: torch.Tensor) -> torch.Tensor:
 def _zero_stale_rows(outputs, stale, count: torch.Tensor) -> None:
     """Zero rows ``[count[e], stale[e])`` of every expert ``e`` of each output ``[L, rows, ...]`` (``count``,
     ``stale``: ``[L]`` int32; a ``None`` stale or output is skipped): what a reused output's earlier user wrote
-    past this call's rows (:meth:`OutputPool.get_deferred`)."""
+    past this call's rows (:meth:`OutputPool.get`)."""
     for t, old in zip(outputs, stale):
-        if t is None or old is None:
-            continue
-        rows = torch.arange(t.size(1))
-        e, r = torch.nonzero((rows >= count.unsqueeze(1)) & (rows < old.unsqueeze(1)), as_tuple=True)
-        if not e.numel():
-            continue
-        if t.dim() == 3 and t.stride(2) == 1:  # rows of bytes: one copy from a zero row each
-            zero_rows(t.view(torch.uint8).view(t.size(0) * t.size(1), -1), e * t.size(1) + r)
-        else:  # src_info, or the channels-first scales: every element of those rows
-            t[e, r] = 0
+        if t is not None and old is not None:
+            r = torch.arange(t.size(1))
+            past = (r >= count.unsqueeze(1)) & (r < old.unsqueeze(1))  # [L, rows]
+            _zero_output_rows(t, torch.nonzero(past.view(-1)).squeeze(1))
+
+
+def _zero_output_rows(t: torch.Tensor, flat: torch.Tensor) -> None:
+    """Zero the flat rows ``flat`` (int64 ``e·rows + r``) of an output ``t`` ``[L, rows, ...]``: a contiguous one
+    as rows of bytes, one copy from a zero row each (zero bytes are the zero of every dtype, FP8 included); the
+    channels-first scales (stored ``[L, S, rows]``) element by element."""
+    if not flat.numel():
+        return
+    rows = t.size(1)
+    if t.is_contiguous() and t.stride(-1) == 1:  # (a size-1 last dim is "contiguous" at any stride)
+        zero_rows(t.view(torch.uint8).view(t.size(0) * rows, -1), flat)
+    else:
+        t[flat // rows, flat % rows] = 0
+
+
 def call_name(op: int, seq: int) -> str:
     """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
     return f"{_OP_NAMES[op]} call #{seq + 1}"

@@ -16,7 +16,7 @@
  *                            destination's signal word (the signals of transports' signal(), by stores)
  *   deepep_ll_await          every live source's signal polled for a bounded number of rounds, then the
  *                            headers (deepep_ll_headers_agree): the receive's wait when the peers are on time
- *   deepep_zero_row_prefix   the first count[e] rows of each expert's block zeroed (OutputPool's reuse)
+ *   deepep_zero_row_prefix   the first count[e] rows of each expert's block zeroed
  *
  * Window memory is addressed by plain byte addresses (the caller's mapped segments, one per rank, 0 where
  * a rank is not mapped); the caller derives every offset from the layout it checked against the window's
