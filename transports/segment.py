@@ -25,6 +25,11 @@ _SHM_DIR = "/dev/shm"
 _SERIALS = itertools.count()
 
 
+def _is_integer(v) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 class SharedSegment:
     """This rank's and its node peers' segments (build with :meth:`Transport.create_segment`).
 
@@ -39,7 +44,7 @@ class SharedSegment:
         self.sizes, self._maps = {}, {}
         self._bases = {}  # peer -> address of its mapping (address(), offset_of()), while mapped
         path, error, fd, created = None, None, -1, False
-        bad_arg = not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < 0
+        bad_arg = not _is_integer(nbytes) or nbytes < 0
         if bad_arg:
             error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
         nbytes = int(nbytes)
@@ -126,9 +131,8 @@ class SharedSegment:
             TransportArgumentError: as :meth:`view`; also ``offset`` or ``nbytes`` not an integer (a bool or a
                 float: an address must not be computed from them).
         """
-        if type(offset) is not int or type(nbytes) is not int:  # (numpy integers pass as ints)
-            if isinstance(offset, (bool, np.bool_)) or isinstance(nbytes, (bool, np.bool_)) or not (
-                    isinstance(offset, (int, np.integer)) and isinstance(nbytes, (int, np.integer))):
+        if type(offset) is not int or type(nbytes) is not int:  # (the common case first: plain ints)
+            if not (_is_integer(offset) and _is_integer(nbytes)):
                 raise TransportArgumentError(f"rank {self.rank}: segment '{self.name}': address offset and nbytes "
                                              f"must be integers, got {offset!r} and {nbytes!r}")
             offset, nbytes = int(offset), int(nbytes)

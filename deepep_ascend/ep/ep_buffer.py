@@ -474,10 +474,8 @@ class EPBuffer(BufferBase):
             needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden)
             check(_covers(self._windows, needs), ValueError,
                   lambda: f"num_bytes={self.num_bytes} is below the {EPBuffer._bytes_for(needs, R, G)} bytes a call "
-                  f"of num_max_tokens_per_rank="
-                  f"{max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} {data.dtype}; +{sf_bytes} B of "
-                  f"scales) needs; "
-                  f"see EPBuffer.get_buffer_size_hint")
+                  f"of num_max_tokens_per_rank={max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} "
+                  f"{data.dtype}; +{sf_bytes} B of scales) needs; see EPBuffer.get_buffer_size_hint")
             return xb, sb
 
         if handle is None:
@@ -545,9 +543,7 @@ class EPBuffer(BufferBase):
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, recv_counts=None,
-            itr=None,
-            dst_offsets=None,
-            topk_idx=handle.topk_idx,
+            itr=None, dst_offsets=None, topk_idx=handle.topk_idx,
             num_experts=handle.num_experts, alignment=handle.expert_alignment,
             max_tokens=handle.num_max_tokens_per_rank,
             num_sms=num_sms, do_cpu_sync=False, do_expand=do_expand, do_zero_padding=do_zero_padding,

@@ -254,7 +254,7 @@ class IntranodeEngine:
         self.last_x_path = None  # how the last dispatch moved x: "direct", "staged" or "late" (module doc)
         self.last_combine_in_place = None  # did the peers read the last combine's x in place (module doc)?
         self.half_bytes = (win.nbytes // 2) // _ALIGN * _ALIGN
-        self._regions = {}  # (kind, row shape) -> _Regions of the half
+        self._regions = {}  # (count words, row fields) -> _Regions of the half
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
@@ -290,25 +290,21 @@ class IntranodeEngine:
 
     # -- sizing ------------------------------------------------------------------
     def dispatch_regions(self, xb, sb, k, num_experts, cached) -> _Regions:
-        key = ("dispatch", xb, sb, k, num_experts, cached)
-        regions = self._regions.get(key)
-        if regions is None:
-            fields = [xb, sb] if cached else [xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks]
-            regions = self._keep_regions(key, _Regions(self.half_bytes, self.num_ranks + num_experts, fields))
-        return regions
+        fields = (xb, sb) if cached else (xb, sb, 8 * max(k, 0), 4 * max(k, 0), self.num_ranks)
+        return self._half_regions(self.num_ranks + num_experts, fields)
 
     def combine_regions(self, xb, wcols) -> _Regions:
-        key = ("combine", xb, wcols)
+        return self._half_regions(self.num_ranks, (xb, 4 * max(wcols, 0)))
+
+    def _half_regions(self, count_words: int, fields: tuple) -> _Regions:
+        """The half's layout for ``count_words`` count words and rows of ``fields``, kept per shape: the shapes a
+        model calls with (each call asks twice: the Buffer's room check, then here)."""
+        key = (count_words, fields)
         regions = self._regions.get(key)
         if regions is None:
-            regions = self._keep_regions(key, _Regions(self.half_bytes, self.num_ranks, [xb, 4 * max(wcols, 0)]))
-        return regions
-
-    def _keep_regions(self, key, regions: _Regions) -> _Regions:
-        # the layouts of the shapes a model calls with (each call asks twice: the Buffer's room check, then here)
-        if len(self._regions) >= 64:
-            self._regions.clear()
-        self._regions[key] = regions
+            if len(self._regions) >= 64:
+                self._regions.clear()
+            regions = self._regions[key] = _Regions(self.half_bytes, count_words, list(fields))
         return regions
 
     @staticmethod
