@@ -7,7 +7,8 @@ rail peers ``(c, l)`` and a *receiver*. Two windows per rank:
 * the **URMA window** (``num_rdma_bytes``): two halves, each split into one *box* per node.
   Box ``a`` of rank ``(b, l)`` receives what rail peer ``(a, l)`` sends it (``a = b``: the
   rank itself). Node peers read the boxes through UBMEM views (the window is node-shared).
-* the **UBMEM window** (``num_nvl_bytes``): two halves, combine's staging of received rows.
+* the **UBMEM window** (``num_nvl_bytes``): two halves, combine's staging of received rows for the
+  node peers.
 
 Dispatch, one round (tokens ``[k·q, (k+1)·q)`` of every sender):
 
@@ -20,8 +21,9 @@ Dispatch, one round (tokens ``[k·q, (k+1)·q)`` of every sender):
    order, the rows with bit ``j`` from box ``node(s)`` of forwarder ``(b, local(s))`` straight
    into its outputs (DeepEP's order: by global source rank, then token index).
 
-Combine reverses it, with DeepEP's two roundings (docs/semantics/deepep-api.md §5): every receiver stages its rows of
-the round in its UBMEM window; each forwarder sums, per token it forwarded, the rows of its node
+Combine reverses it, with DeepEP's two roundings (docs/semantics/deepep-api.md §5): every receiver stages in its
+UBMEM window its rows of the round that a node peer forwards (the rows it forwards itself it reads in
+its ``x``); each forwarder sums, per token it forwarded, the rows of its node
 peers in float32 from ``+0.0`` in ascending local rank and rounds to bf16; it writes those
 partials into box ``b`` of the origin ``(a, l)``; the origin adds ``f32(bias0) + f32(bias1)``
 and the partials in ascending node order, and rounds once more.
@@ -178,6 +180,7 @@ class _CombineCall:
     combined_w: torch.Tensor | None  # [N, K'] float32
     forwarded_done: list  # per origin node: forwarded tokens already returned as partials
     staged_done: np.ndarray  # [P, R] int64: rows each node peer staged so far, per origin
+    spans: list = field(default_factory=list)  # this round: rows [begin, end) of x returned to each origin
     keyed: bool = False  # EPBuffer's order: the last weight column is each row's sort key
     node_order: torch.Tensor | None = None  # [N, G] int64: the origin's key of each node's partial
 
@@ -899,17 +902,21 @@ class InternodeEngine:
             pass
 
     def _stage_returned_rows(self, call: _CombineCall, rnd: int) -> None:
-        """Stage in this rank's UBMEM half its rows (and weights) of every origin's tokens of round ``rnd``,
-        ascending origin, with the count per origin; the forwarders of the node read them there."""
-        me, num_ranks = self.rank, self.num_ranks
+        """Stage in this rank's UBMEM half its rows (and weights) of round ``rnd``'s tokens of every origin
+        that a node peer forwards, ascending origin, with the count per origin (all origins); the forwarders
+        of the node read them there. The rows of the origins this rank forwards itself (those of its local
+        index) stay where they are: :meth:`_sum_node_rows` reads them in ``x``."""
+        me, num_ranks, per_node = self.rank, self.num_ranks, self.P
         lo_t, hi_t = rnd * call.per_round, (rnd + 1) * call.per_round
         spans = []
         for s in range(num_ranks):
             begin, end = torch.searchsorted(call.src[call.starts[s]:call.starts[s + 1]],
                                             torch.tensor([lo_t, hi_t])).tolist()
             spans.append((call.starts[s] + begin, call.starts[s] + end))
+        call.spans = spans
         sizes = torch.tensor([end - begin for begin, end in spans], dtype=torch.int32)
-        total = int(sizes.sum())
+        staged = [span for s, span in enumerate(spans) if s % per_node != self.local and span[1] > span[0]]
+        total = sum(end - begin for begin, end in staged)
         self._stage(me, STAGE_HDR, 4 * num_ranks, torch.int32).copy_(sizes)
         self._stage(me, 0, HDR, torch.int64)[W_ROWS] = total
         if not total:
@@ -919,12 +926,8 @@ class InternodeEngine:
         xdst = self._stage(me, offs[1], total * xb).view(total, xb)
         wdst = self._stage(me, offs[0], total * 4 * weight_cols, torch.float32).view(total, weight_cols) \
             if weight_cols else None
-        if spans[-1][1] - spans[0][0] == total:  # adjacent spans (always so in a single round): one copy
-            pieces = [(spans[0][0], spans[-1][1])]
-        else:
-            pieces = [span for span in spans if span[1] > span[0]]
         pos = 0
-        for begin, end in pieces:
+        for begin, end in staged:
             xdst[pos:pos + end - begin].copy_(call.rows[begin:end])
             if wdst is not None:
                 wdst[pos:pos + end - begin].copy_(call.topk_weights[begin:end])
@@ -939,9 +942,15 @@ class InternodeEngine:
         node_peers = [self.node_base + p for p in range(per_node)]
         counts, begins = [], []  # rows of origin's tokens each node peer staged, and where they start there
         for peer in node_peers:
-            sizes = self._stage(peer, STAGE_HDR, 4 * self.num_ranks, torch.int32)
+            if peer == self.rank:  # its own rows, in x (not staged)
+                begin, end = call.spans[origin]
+                counts.append(end - begin)
+                begins.append(begin)
+                continue
+            sizes = self._stage(peer, STAGE_HDR, 4 * self.num_ranks, torch.int32).numpy()
             counts.append(int(sizes[origin]))
-            begins.append(int(sizes[:origin].sum()))
+            # the peer staged the rows of every origin but those of its own local index, in origin order
+            begins.append(int(sizes[:origin].sum()) - int(sizes[peer - self.node_base:origin:per_node].sum()))
         first = call.forwarded_done[origin_node]
         last = self._forwarded_until(heads, first, call.staged_done[:, origin], counts)
         rows = last - first
@@ -987,6 +996,12 @@ class InternodeEngine:
                     f"on different ranks do not match")
             if not count:
                 continue
+            self._record(peer, count * (xb + 4 * weight_cols))
+            if peer == self.rank:  # this rank's own rows: read where they lie in x (and topk_weights)
+                sources.append((call.rows[begin:begin + count].view(torch.bfloat16), pos))
+                if weight_cols:
+                    weight_sources.append((call.topk_weights[begin:begin + count], pos))
+                continue
             total = int(self._stage(peer, 0, HDR, torch.int64)[W_ROWS])
             peer_offs, _ = _offsets(self.stage_rows_off, total, call.row_fields)
             sources.append((self._stage(peer, peer_offs[1] + begin * xb, count * xb).view(count, xb)
@@ -995,7 +1010,6 @@ class InternodeEngine:
                 weight_sources.append((self._stage(peer, peer_offs[0] + begin * 4 * weight_cols,
                                                    count * 4 * weight_cols, torch.float32).view(count, weight_cols),
                                        pos))
-            self._record(peer, count * (xb + 4 * weight_cols))
         # Node partial: float32 from +0.0 in ascending local rank (EPBuffer: ascending key), rounded to bf16.
         acc, tmp = self._scratch.get(hidden)
         keys = [weights[:, -1].to(torch.int64) for weights, _ in weight_sources] if call.keyed else None
