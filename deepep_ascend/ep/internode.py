@@ -15,7 +15,8 @@ Dispatch, one round (tokens ``[k·q, (k+1)·q)`` of every sender):
 1. *Hop 1, URMA*: a sender packs, for each node ``c``, the tokens of the round with at least one
    expert on ``c`` — once per node, whatever the number of target ranks there — with their
    target bitmask inside ``c``, and writes that block into box ``b`` of its rail peer ``(c, l)``
-   (one ``put_with_signal``; its own node's block it writes into its own window).
+   (one ``put_with_signal``; its own node's block it writes into its own window, with the tokens a node
+   peer receives: its rows to itself it copies in hop 2 from its own tensors).
 2. The forwarder waits for its rail peers' blocks, then tells its node peers (UBMEM signal).
 3. *Hop 2, UBMEM*: every receiver ``(b, j)`` gathers, for each source rank ``s`` in ascending
    order, the rows with bit ``j`` from box ``node(s)`` of forwarder ``(b, local(s))`` straight
@@ -125,6 +126,17 @@ class _Received(NamedTuple):
     topk_idx: torch.Tensor | None  # [rows, K] int64
     topk_weights: torch.Tensor | None  # [rows, K] float32
     src_meta: torch.Tensor  # [rows, 8] uint8: int32 source token, int32 source node
+
+
+class _SentRows(NamedTuple):
+    """A dispatch's own tensors, which its rows to itself are read from (``scales``, ``topk_*``: None if absent)."""
+
+    x: torch.Tensor  # [N, xb] uint8
+    scales: torch.Tensor | None  # [N, sb] uint8
+    topk_idx: torch.Tensor | None  # [N, K] int64
+    topk_weights: torch.Tensor | None  # [N, K] float32
+    itr_nodes: torch.Tensor  # [N, G, P] bool: is_token_in_rank by node and local rank
+    in_node: torch.Tensor  # [N, G] bool: the token has a target rank on node c
 
 
 @dataclass
@@ -409,11 +421,12 @@ class InternodeEngine:
                          in_node=None) -> Generator:
         """The round driver of dispatch and cached dispatch (hop 1, node exchange, hop 2 by ``receive``).
 
-        ``in_node [N, G]`` bool: token has an expert on node ``c``. ``pack(rnd, c, blk, offs, idx)``
-        fills the row fields of the tokens ``idx`` (of round ``rnd``) bound for node ``c``;
-        ``on_headers(headers, vecs, per_round)`` runs once after round 0 and returns the number of
-        rounds; ``receive(rnd, vec_bytes)`` gathers this rank's rows. Yields once, after round
-        0's headers are known (the caller yields its outputs then).
+        ``in_node [N, G]`` bool: the token goes into the block for node ``c`` (:meth:`_block_rows`).
+        ``pack(c, blk, offs, idx)`` fills the row fields of the tokens ``idx`` (of this round) bound for
+        node ``c``; ``on_headers(headers, vecs, per_round)`` runs once after round 0 and returns the number
+        of rounds; ``receive(vec_bytes, lo, hi)`` gathers this rank's rows of the round (this rank's own
+        tokens ``[lo, hi)`` among them). Yields once, after round 0's headers are known (the caller yields
+        its outputs then).
         """
         phase = f"{OP_NAMES[op]} call #{call_id}"
         vec_bytes = 0 if vec is None else _a8(4 * vec.numel())
@@ -449,9 +462,23 @@ class InternodeEngine:
                     raise consensus_error(op, self._settle(op, call_id, op_call, error, problems, phase))
                 rounds = on_headers(headers, vecs, per_round)
                 yield
-            receive(vec_bytes if with_vec else 0)
+            receive(vec_bytes if with_vec else 0, lo, hi)
             self._end_round()
             rnd += 1
+
+    def _block_rows(self, itr_nodes: torch.Tensor) -> torch.Tensor:
+        """``[N, G]`` bool: token ``t`` goes into this rank's block for node ``c``: it has a target rank there,
+        other than this rank itself on its own node (the rows this rank receives from itself it takes from
+        its own tensors, :meth:`_own_rows`; with one rank per node its own node's block carries no row)."""
+        blocks = itr_nodes.any(2)
+        mine = itr_nodes[:, self.node, :]
+        blocks[:, self.node] = (torch.cat([mine[:, :self.local], mine[:, self.local + 1:]], 1).any(1)
+                                if self.P > 1 else False)
+        return blocks
+
+    def _own_rows(self, itr_nodes: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """This rank's tokens of ``[lo, hi)`` it sends to itself, ascending (int64)."""
+        return torch.nonzero(itr_nodes[lo:hi, self.node, self.local]).squeeze(1) + lo
 
     def _source_blocks(self, rows_off, fields) -> Iterator[tuple[int, int, int, int, list, torch.Tensor]]:
         """This round's non-empty dispatch blocks, by ascending source rank ``s = (a, l)``: each is
@@ -522,7 +549,9 @@ class InternodeEngine:
             op=OP_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
             pack=functools.partial(self._pack_dispatch_block, x, scales, topk_idx, topk_weights, itr_nodes), vec=vec,
             error=None, on_headers=functools.partial(self._open_dispatch, call),
-            receive=functools.partial(self._receive_dispatch_blocks, call, fields), in_node=in_node)
+            receive=functools.partial(self._receive_dispatch_blocks, call, fields,
+                                      _SentRows(x, scales, topk_idx, topk_weights, itr_nodes, in_node)),
+            in_node=self._block_rows(itr_nodes))
         early = num_worst_tokens > 0  # static shapes: yield before the count exchange
         if early:
             call.out = self._dispatch_outputs(call, num_worst_tokens)
@@ -618,21 +647,41 @@ class InternodeEngine:
         call.fwd_mask = [[] for _ in range(num_nodes)]
         return max(1, max(_ceil_div(int(t), per_round) for t in call.ntok))
 
-    def _receive_dispatch_blocks(self, call: _DispatchCall, fields, vec_bytes) -> None:
-        """Hop 2 of a round: this rank's rows from every source's block, ascending source rank; as a
-        forwarder, also keep the source indices and masks of what it forwards (for the handle)."""
+    def _receive_dispatch_blocks(self, call: _DispatchCall, fields, sent: _SentRows, vec_bytes, lo, hi) -> None:
+        """Hop 2 of a round: this rank's rows from every source, ascending source rank (its own from its own
+        tensors, the others' from their blocks); as a forwarder, also keep the source indices and masks of
+        what it forwards (for the handle)."""
         if _PH.on:
             _PH.switch("copy")
         me, num_topk, xb, sb, p = self.rank, call.num_topk, call.xb, call.sb, self.P
         out = call.out
         meta32 = out.src_meta.view(torch.int32)
-        for s, a, f, m, offs, blk in self._source_blocks(HDR + vec_bytes, fields):
-            mask = blk[offs[5]:offs[5] + p * m].view(torch.bool).view(m, p)
-            src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
-            if f == me:  # as forwarder: what we forward from node a, for the handle
-                call.fwd_src[a].append(src.clone())
-                call.fwd_mask[a].append(mask.clone())
-            idx = torch.nonzero(mask[:, self.local]).squeeze(1)
+        blocks = {s: rest for s, *rest in self._source_blocks(HDR + vec_bytes, fields)}
+        for s in range(self.num_ranks):
+            if s == me:
+                # as forwarder of its own tokens on its own node (for the handle), then its rows to itself
+                fwd = torch.nonzero(sent.in_node[lo:hi, self.node]).squeeze(1) + lo
+                call.fwd_src[self.node].append(fwd.to(torch.int32))
+                call.fwd_mask[self.node].append(sent.itr_nodes[fwd, self.node, :])
+                tok = self._own_rows(sent.itr_nodes, lo, hi)
+                srcs = (sent.x, sent.scales, sent.topk_idx, sent.topk_weights, tok.to(torch.int32))
+                a, f, idx = self.node, me, tok
+            elif s in blocks:
+                a, f, m, offs, blk = blocks[s]
+                mask = blk[offs[5]:offs[5] + p * m].view(torch.bool).view(m, p)
+                src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
+                if f == me:  # as forwarder: what we forward from node a, for the handle
+                    call.fwd_src[a].append(src.clone())
+                    call.fwd_mask[a].append(mask.clone())
+                idx = torch.nonzero(mask[:, self.local]).squeeze(1)
+                srcs = (blk[offs[4]:offs[4] + xb * m].view(m, xb),
+                        blk[offs[2]:offs[2] + sb * m].view(m, sb) if sb else None,
+                        blk[offs[0]:offs[0] + 8 * num_topk * m].view(torch.int64).view(m, num_topk) if num_topk
+                        else None,
+                        blk[offs[1]:offs[1] + 4 * num_topk * m].view(torch.float32).view(m, num_topk) if num_topk
+                        else None, src)
+            else:
+                continue
             got = idx.numel()
             if not got:
                 continue
@@ -640,15 +689,17 @@ class InternodeEngine:
             if at + got > int(call.gbl_prefix[s]):
                 raise RuntimeError(f"rank {me}: dispatch call #{call.call_id}: rank {s} sent more tokens than its "
                                    f"num_tokens_per_rank promised ({int(call.counts_to_me[s])})")
-            torch.index_select(blk[offs[4]:offs[4] + xb * m].view(m, xb), 0, idx, out=out.x[at:at + got])
+            rows_x, rows_s, rows_i, rows_w, rows_src = srcs
+            torch.index_select(rows_x, 0, idx, out=out.x[at:at + got])
             if sb:
-                torch.index_select(blk[offs[2]:offs[2] + sb * m].view(m, sb), 0, idx, out=out.scales[at:at + got])
+                torch.index_select(rows_s, 0, idx, out=out.scales[at:at + got])
             if num_topk:
-                torch.index_select(blk[offs[0]:offs[0] + 8 * num_topk * m].view(torch.int64).view(m, num_topk), 0, idx,
-                                   out=out.topk_idx[at:at + got])
-                torch.index_select(blk[offs[1]:offs[1] + 4 * num_topk * m].view(torch.float32).view(m, num_topk), 0,
-                                   idx, out=out.topk_weights[at:at + got])
-            torch.index_select(src, 0, idx, out=meta32[at:at + got, 0])
+                torch.index_select(rows_i, 0, idx, out=out.topk_idx[at:at + got])
+                torch.index_select(rows_w, 0, idx, out=out.topk_weights[at:at + got])
+            if s == me:
+                meta32[at:at + got, 0] = rows_src
+            else:
+                torch.index_select(rows_src, 0, idx, out=meta32[at:at + got, 0])
             meta32[at:at + got, 1] = a
             call.cursor[s] = at + got
             self._record(f, got * sum(fields))
@@ -707,7 +758,6 @@ class InternodeEngine:
         num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
         fields = self.dispatch_fields(xb, sb, 0, cached=True)
         itr_nodes = handle.is_token_in_rank.view(n, self.G, self.P)
-        in_node = itr_nodes.any(2)
         words = {W_NTOK: n, W_XBYTES: xb, W_XDTYPE: xdtype, W_SBYTES: sb, W_SDTYPE: sdtype,
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: -1,
                  **(extra_words or {})}
@@ -728,9 +778,9 @@ class InternodeEngine:
         for _ in self._dispatch_rounds(
                 op=OP_CACHED_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
                 pack=functools.partial(self._pack_cached_block, x, scales, itr_nodes), vec=None, error=None,
-                on_headers=rounds_of, in_node=in_node,
+                on_headers=rounds_of, in_node=self._block_rows(itr_nodes),
                 receive=functools.partial(self._receive_cached_blocks, call_id, fields, starts, cursor, recv_x,
-                                          recv_scales)):
+                                          recv_scales, x, scales, itr_nodes)):
             pass
         if cursor != starts[1:]:
             raise RuntimeError(f"rank {self.rank}: cached dispatch call #{call_id}: received "
@@ -747,24 +797,34 @@ class InternodeEngine:
         torch.index_select(x, 0, tok, out=blk[offs[1]:offs[1] + xb * m].view(m, xb))
         torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p))
 
-    def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, vec_bytes) -> None:
-        """Hop 2 of a cached dispatch's round: this rank's rows of every source's block, ascending source."""
+    def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, x, scales, itr_nodes,
+                               vec_bytes, lo, hi) -> None:
+        """Hop 2 of a cached dispatch's round: this rank's rows of every source, ascending source (its own
+        from ``x`` and ``scales``, the others' from their blocks)."""
         if _PH.on:
             _PH.switch("copy")
         xb, p = recv_x.size(1), self.P
         sb = recv_scales.size(1) if recv_scales is not None else 0
-        for s, _, f, m, offs, blk in self._source_blocks(HDR, fields):
-            idx = torch.nonzero(blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p)[:, self.local]).squeeze(1)
+        blocks = {s: rest for s, *rest in self._source_blocks(HDR, fields)}
+        for s in range(self.num_ranks):
+            if s == self.rank:
+                f, idx, rows_x, rows_s = s, self._own_rows(itr_nodes, lo, hi), x, scales
+            elif s in blocks:
+                _, f, m, offs, blk = blocks[s]
+                idx = torch.nonzero(blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p)[:, self.local]).squeeze(1)
+                rows_x = blk[offs[1]:offs[1] + xb * m].view(m, xb)
+                rows_s = blk[offs[0]:offs[0] + sb * m].view(m, sb) if sb else None
+            else:
+                continue
             got, at = idx.numel(), cursor[s]
             if at + got > starts[s + 1]:
                 raise RuntimeError(f"rank {self.rank}: cached dispatch call #{call_id}: rank {s} sends more tokens "
                                    f"than this rank's handle expects ({starts[s + 1] - starts[s]}); the handles "
                                    f"passed on different ranks do not describe the same dispatch")
             if got:
-                torch.index_select(blk[offs[1]:offs[1] + xb * m].view(m, xb), 0, idx, out=recv_x[at:at + got])
+                torch.index_select(rows_x, 0, idx, out=recv_x[at:at + got])
                 if sb:
-                    torch.index_select(blk[offs[0]:offs[0] + sb * m].view(m, sb), 0, idx,
-                                       out=recv_scales[at:at + got])
+                    torch.index_select(rows_s, 0, idx, out=recv_scales[at:at + got])
                 cursor[s] = at + got
                 self._record(f, got * sum(fields))
 
