@@ -39,8 +39,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     paths against each other). ``disjoint``: :func:`_copy_disjoint` where no token has two rows
     (False: never; the tests force each path this way). ``native``: the one-pass C kernel
     :func:`deepep_ascend.native.sum_rows` (the float32 chain itself, each row read once) first,
-    where it was built, for bias or two or more sources with rows (one source is a copy, which
-    :func:`_copy_disjoint` does as fast); False: only the torch paths below, as
+    where it was built, for bias or any source with rows (one source too: the kernel's one pass beats
+    :func:`_copy_disjoint`'s scatter and sign-of-zero pass); False: only the torch paths below, as
     ``bench.combine_sum`` and the tests compare them.
     ``keys``: None (every token's rows add in source order), or per source ``[cnt]`` int64 sort
     keys, one row per token per source: each token's rows then add in ascending key, ties in source
@@ -65,8 +65,8 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
             _sum_by_keys(out, sources, keys, acc, bias, bias_offset)
         return
     clean = [False] * len(sources) if clean is None else list(clean)
-    several = sum(1 for _, tokens in sources if tokens.numel()) >= 2
-    if native and (several or bias is not None) and _native.sum_rows(out, sources, bias, bias_offset):
+    live = any(tokens.numel() for _, tokens in sources)
+    if native and (live or bias is not None) and _native.sum_rows(out, sources, bias, bias_offset):
         return
     if bias is None and _sum_two_by_runs(out, sources, clean, max_runs):
         return
