@@ -237,9 +237,12 @@ class InternodeEngine:
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
+        # the halves of the node's windows and the box headers: see _half, _box_words
+        self._views = memory.ViewCache(4 * self.P + 2 * self.P * self.G + 8)
 
     def release(self) -> None:
-        """Nothing to drop: this engine keeps no window views across calls (the Buffer's destroy asks every engine)."""
+        """Drop the window views kept across calls (before the windows are freed; later calls make them again)."""
+        self._views.clear()
 
     # -- sizing ----------------------------------------------------------------------
     def windows_hold_headers(self) -> bool:
@@ -289,12 +292,27 @@ class InternodeEngine:
     def _box_off(self, seq, a):
         return (seq % 2) * self.u_half + a * self.box
 
+    def _half(self, urma: bool, p: int) -> torch.Tensor:
+        """This round's half of node peer ``p``'s URMA (boxes) or UBMEM (staging) window, uint8, kept across
+        calls (:class:`~.memory.ViewCache`: the transport's checked view once per half, a slice per use)."""
+        half = self.seq % 2
+        win, size = (self.uwin, self.u_half) if urma else (self.nwin, self.n_half)
+        return self._views.get((urma, p, half), lambda: self.tp.peer_view(win, p, half * size, size))
+
     def _box(self, f, a, off, nbytes, dtype=torch.uint8):
         """View of forwarder ``f``'s box ``a`` (this round's half), ``nbytes`` from byte ``off``."""
-        return self.tp.peer_view(self.uwin, f, self._box_off(self.seq, a) + off, nbytes, dtype)
+        lo = a * self.box + off
+        v = self._half(True, f)[lo:lo + nbytes]
+        return v if dtype is torch.uint8 else v.view(dtype)
+
+    def _box_words(self, f, a) -> np.ndarray:
+        """The header words of forwarder ``f``'s box ``a`` (this round's half): int64 numpy, kept across calls."""
+        half = self.seq % 2
+        return self._views.get(("words", f, a, half), lambda: self._box(f, a, 0, HDR, torch.int64).numpy())
 
     def _stage(self, p, off, nbytes, dtype=torch.uint8):
-        return self.tp.peer_view(self.nwin, p, (self.seq % 2) * self.n_half + off, nbytes, dtype)
+        v = self._half(False, p)[off:off + nbytes]
+        return v if dtype is torch.uint8 else v.view(dtype)
 
     @memory.outside_inference_mode  # kept across calls, and written by every dispatch whatever its mode
     def _pack_buffer(self, nbytes):
@@ -486,7 +504,7 @@ class InternodeEngine:
         for s in range(self.num_ranks):
             a, ls = divmod(s, self.P)
             f = self.node_base + ls
-            m = int(self._box(f, a, 0, HDR, torch.int64)[W_ROWS])
+            m = int(self._box_words(f, a)[W_ROWS])
             if m:
                 offs, end = _offsets(rows_off, m, fields)
                 yield s, a, f, m, offs, self._box(f, a, 0, end)
@@ -500,7 +518,7 @@ class InternodeEngine:
         for s in range(self.num_ranks):
             a, ls = divmod(s, self.P)
             f = self.node_base + ls
-            hw = self._box(f, a, 0, HDR, torch.int64).numpy()
+            hw = self._box_words(f, a)
             headers[s] = self._full_header(hw, lambda f=f, a=a: self._box(f, a, self.box - MSG_BYTES, MSG_BYTES))
             if vec is not None and not headers[s, W_STATUS] and headers[s, W_OP] == OP_DISPATCH:
                 vecs.append(self._box(f, a, HDR, 4 * vec.numel(), torch.int32).clone())
@@ -844,7 +862,7 @@ class InternodeEngine:
     def _rail_verdict(self, call_id, op_call) -> tuple[list[str], int]:
         """Round 0 of a combine, after the rail exchange: why the nodes cannot run it together (empty: they
         can), and the most tokens a rank of any node has (which fixes the number of rounds)."""
-        heads = [self._box(self.rank, c, 0, HDR, torch.int64).numpy().copy() for c in range(self.G)]
+        heads = [self._box_words(self.rank, c).copy() for c in range(self.G)]
         bad = []
         elsewhere = [c for c, head in enumerate(heads) if head[W_CALL] != call_id or head[W_OP] != OP_COMBINE]
         if elsewhere:
@@ -1093,7 +1111,7 @@ class InternodeEngine:
         wacc = call.combined_w[lo_t:hi_t].zero_() if call.combined_w is not None else None
         for c in range(self.G):
             tokens = torch.nonzero(call.handle.send_rdma_head[lo_t:hi_t, c] >= 0).squeeze(1)
-            rows = int(self._box(me, c, 0, HDR, torch.int64)[W_ROWS])
+            rows = int(self._box_words(me, c)[W_ROWS])
             if rows != tokens.numel():
                 raise RuntimeError(f"rank {me}: combine call #{call.call_id}: node {c} returned {rows} partial rows "
                                    f"for tokens [{lo_t}, {hi_t}), the handle sent {tokens.numel()} there; the handles "
