@@ -110,9 +110,12 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
                     for (int64_t h = 0; h < w; h++)
                         o[h0 + h] = 0;
                 } else if (n == 1) {
+                    /* bf16(+0.0 + f32(a)) is a itself but for -0.0 (+0.0) and NaN (nan_bits): integer lanes */
                     const uint16_t *a = row[0] + h0;
-                    for (int64_t h = 0; h < w; h++)
-                        o[h0 + h] = f32_to_bf16(0.0f + bf16_to_f32(a[h]), nan_bits);
+                    for (int64_t h = 0; h < w; h++) {
+                        const uint16_t v = a[h];
+                        o[h0 + h] = (uint16_t)((v & 0x7fffu) > 0x7f80u ? nan_bits : v == 0x8000u ? 0u : v);
+                    }
                 } else {
                     const uint16_t *a = row[0] + h0, *b = row[1] + h0;
                     for (int64_t h = 0; h < w; h++)
