@@ -831,20 +831,23 @@ class EPBuffer(BufferBase):
             if _PH.on:
                 _PH.switch("compact")
             compact_x, compact_w = self._compact(x, topk_weights, handle)
-            if self._legacy.num_nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
+            if keyed and nodes > 1:  # each row's key as a weight column (docs/semantics/deepep-api.md §13.5)
                 meta = handle._own_metadata()
                 lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), 0).to(torch.float32)[:, None]
                 compact_w = lane if compact_w is None else torch.cat([compact_w, lane], dim=1)
-            # The order of a token's rows matters only with three or more terms: a float32 sum of at most two
-            # rows from +0.0 is commutative (signed zeros included; docs/design/data-path.md), so two ranks
-            # without bias skip the keys and their computation.
-            keyed = self._legacy.num_nodes > 1 or self.num_ranks > 2 or biases is not None
             return compact_x, compact_w, biases, handle._legacy, handle._combine_order if keyed else None
 
+        # The order of a token's rows matters only in a sum of three or more terms (a bias counting as one): a
+        # float32 sum of at most two from +0.0 is commutative (signed zeros included; docs/design/data-path.md).
+        # One node sums up to R rows; across nodes a forwarder sums up to P rows of its node, the origin the G
+        # node partials after the bias. Where no sum can have three terms the keys are neither made nor sent.
+        nodes = self._legacy.num_nodes
+        terms = (self.num_ranks,) if nodes == 1 else (self.num_ranks // nodes, nodes)
+        keyed = max(terms) > 2 or not (bias is None or isinstance(bias, tuple) and all(b is None for b in bias))
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,
             inputs={"x": x, "topk_weights": topk_weights, "bias": bias})
-        if self._legacy.num_nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
+        if keyed and nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
             combined_w = combined_w[:, :-1] if topk_weights is not None else None
         return self._combine_result(combined, combined_w, event, defer_epilogue)
 
