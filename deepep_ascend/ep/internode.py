@@ -155,7 +155,7 @@ class _DispatchCall:
     num_worst_tokens: int
     num_channels: int
     ntok: np.ndarray | None = None  # [R] tokens of every rank
-    counts_to_me: torch.Tensor | None = None  # [R] int64 tokens each rank sends here
+    counts_to_me: np.ndarray | None = None  # [R] int64 tokens each rank sends here
     dst_offsets: torch.Tensor | None = None  # [R] int64 rows each rank received from ranks before this one
     gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
     num_recv: int = 0
@@ -163,14 +163,14 @@ class _DispatchCall:
     recv_counts: torch.Tensor | None = None  # [E / R] int64: (token, slot) pairs per local expert, likewise
     fwd_prefix: torch.Tensor | None = None  # [G] int32 inclusive prefix of fwd_counts (the handle's)
     recv_list: list | None = None
-    fwd_counts: torch.Tensor | None = None  # [G] int64 tokens this rank forwards, per source node
+    fwd_counts: np.ndarray | None = None  # [G] int64 tokens this rank forwards, per source node
     out: _Received | None = None
     send_nvl_head: torch.Tensor | None = None
     recv_rdma_channel_prefix_matrix: torch.Tensor | None = None
     recv_gbl_channel_prefix_matrix: torch.Tensor | None = None
     cursor: list = field(default_factory=list)  # next row of each source's block
-    fwd_src: list = field(default_factory=list)  # per source node: source token indices forwarded, per round
-    fwd_mask: list = field(default_factory=list)  # per source node: their [rows, P] receiver masks, per round
+    fwd_src: list = field(default_factory=list)  # per source node: source token indices forwarded, per round (numpy)
+    fwd_mask: list = field(default_factory=list)  # per source node: their [rows, P] receiver masks, per round (numpy)
 
 
 @dataclass
@@ -193,6 +193,7 @@ class _CombineCall:
     forwarded_done: list  # per origin node: forwarded tokens already returned as partials
     staged_done: np.ndarray  # [P, R] int64: rows each node peer staged so far, per origin
     spans: list = field(default_factory=list)  # this round: rows [begin, end) of x returned to each origin
+    src_max: int = -1  # the largest token index among the returned rows (-1: none)
     keyed: bool = False  # EPBuffer's order: the last weight column is each row's sort key
     node_order: torch.Tensor | None = None  # [N, G] int64: the origin's key of each node's partial
 
@@ -521,7 +522,7 @@ class InternodeEngine:
             hw = self._box_words(f, a)
             headers[s] = self._full_header(hw, lambda f=f, a=a: self._box(f, a, self.box - MSG_BYTES, MSG_BYTES))
             if vec is not None and not headers[s, W_STATUS] and headers[s, W_OP] == OP_DISPATCH:
-                vecs.append(self._box(f, a, HDR, 4 * vec.numel(), torch.int32).clone())
+                vecs.append(self._box(f, a, HDR, 4 * vec.numel(), torch.int32).numpy().copy())
         return headers, vecs
 
     def dispatch(self, *, call_id, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
@@ -635,24 +636,25 @@ class InternodeEngine:
         Returns the number of rounds."""
         me, num_ranks, num_nodes, per_node = self.rank, self.num_ranks, self.G, self.P
         call.ntok = headers[:, W_NTOK].astype(np.int64)
-        vectors = torch.stack(vecs)  # [R, R + E + G]
-        counts = vectors[:, :num_ranks]
-        call.counts_to_me = counts[:, me].to(torch.int64)
-        call.dst_offsets.copy_(counts[:me].sum(0, dtype=torch.int64))
-        call.gbl_prefix.copy_(counts[:, me].cumsum(0, dtype=torch.int32))
-        call.num_recv = num_recv = int(call.gbl_prefix[-1])
+        # a few small integer vectors: numpy, where each torch operator call costs several times as much
+        vectors = np.stack(vecs).astype(np.int64)  # [R, R + E + G]
+        call.counts_to_me = to_me = vectors[:, me]
+        call.dst_offsets.numpy()[:] = vectors[:me, :num_ranks].sum(0)
+        gbl = np.cumsum(to_me)
+        call.gbl_prefix.numpy()[:] = gbl
+        call.num_recv = num_recv = int(gbl[-1])
         call.num_recv_t.fill_(num_recv)
         local = call.num_experts // num_ranks
-        per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0, dtype=torch.int64)
-        call.recv_counts.copy_(per_expert)
+        per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0)
+        call.recv_counts.numpy()[:] = per_expert
         alignment = call.expert_alignment
         call.recv_list = [] if call.num_worst_tokens else [-(-c // alignment) * alignment for c in per_expert.tolist()]
         if _PH.on:
             _PH.switch("outputs")
         # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.
         call.fwd_counts = vectors[[a * per_node + self.local for a in range(num_nodes)],
-                                  num_ranks + call.num_experts + self.node].to(torch.int64)
-        call.fwd_prefix.copy_(call.fwd_counts.cumsum(0))
+                                  num_ranks + call.num_experts + self.node]
+        call.fwd_prefix.numpy()[:] = np.cumsum(call.fwd_counts)
         call.send_nvl_head.resize_(int(call.fwd_counts.sum()), per_node).fill_(-1)
         if call.out is None or num_recv > call.out.x.size(0):
             # counts first, or (worst-token mode) more rows than num_worst_tokens: the caller raises, and the
@@ -660,7 +662,7 @@ class InternodeEngine:
             call.out = self._dispatch_outputs(call, num_recv)
         else:
             self._pad_outputs(call.out, num_recv)
-        call.cursor = [int(call.gbl_prefix[s - 1]) if s else 0 for s in range(num_ranks)]
+        call.cursor = [0] + gbl[:-1].tolist()
         call.fwd_src = [[] for _ in range(num_nodes)]
         call.fwd_mask = [[] for _ in range(num_nodes)]
         return max(1, max(_ceil_div(int(t), per_round) for t in call.ntok))
@@ -679,8 +681,8 @@ class InternodeEngine:
             if s == me:
                 # as forwarder of its own tokens on its own node (for the handle), then its rows to itself
                 fwd = torch.nonzero(sent.in_node[lo:hi, self.node]).squeeze(1) + lo
-                call.fwd_src[self.node].append(fwd.to(torch.int32))
-                call.fwd_mask[self.node].append(sent.itr_nodes[fwd, self.node, :])
+                call.fwd_src[self.node].append(fwd.numpy())
+                call.fwd_mask[self.node].append(sent.itr_nodes[fwd, self.node, :].numpy())
                 tok = self._own_rows(sent.itr_nodes, lo, hi)
                 srcs = (sent.x, sent.scales, sent.topk_idx, sent.topk_weights, tok.to(torch.int32))
                 a, f, idx = self.node, me, tok
@@ -689,8 +691,8 @@ class InternodeEngine:
                 mask = blk[offs[5]:offs[5] + p * m].view(torch.bool).view(m, p)
                 src = blk[offs[3]:offs[3] + 4 * m].view(torch.int32)
                 if f == me:  # as forwarder: what we forward from node a, for the handle
-                    call.fwd_src[a].append(src.clone())
-                    call.fwd_mask[a].append(mask.clone())
+                    call.fwd_src[a].append(src.numpy().copy())
+                    call.fwd_mask[a].append(mask.numpy().copy())
                 idx = torch.nonzero(mask[:, self.local]).squeeze(1)
                 srcs = (blk[offs[4]:offs[4] + xb * m].view(m, xb),
                         blk[offs[2]:offs[2] + sb * m].view(m, sb) if sb else None,
@@ -745,24 +747,24 @@ class InternodeEngine:
         """``send_nvl_head`` and ``recv_rdma_channel_prefix_matrix`` from what this rank forwarded."""
         per_node, num_channels = self.P, call.num_channels
         pos = 0
-        for a in range(self.G):
+        for a in range(self.G):  # (numpy: small arrays)
             if call.fwd_mask[a]:
-                mask = torch.cat(call.fwd_mask[a])
-                src = torch.cat(call.fwd_src[a]).to(torch.int64)
+                mask = np.concatenate(call.fwd_mask[a])
+                src = np.concatenate(call.fwd_src[a]).astype(np.int64)
             else:
-                mask = torch.zeros(0, per_node, dtype=torch.bool)
-                src = torch.zeros(0, dtype=torch.int64)
-            m = mask.size(0)
+                mask = np.zeros((0, per_node), dtype=bool)
+                src = np.zeros(0, dtype=np.int64)
+            m = mask.shape[0]
             if m != int(call.fwd_counts[a]):
                 raise RuntimeError(f"rank {self.rank}: dispatch: forwarded {m} tokens of rank "
                                    f"{a * per_node + self.local}, its num_tokens_per_rdma_rank promised "
                                    f"{int(call.fwd_counts[a])}")
             # Row of each forwarded token inside receiver j's block of this source (-1: not for j).
-            call.send_nvl_head[pos:pos + m] = torch.where(mask, mask.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
-                                                          torch.full_like(mask, -1, dtype=torch.int32))
+            call.send_nvl_head[pos:pos + m] = torch.from_numpy(
+                np.where(mask, np.cumsum(mask, 0, dtype=np.int32) - 1, -1).astype(np.int32))
             per_channel_tokens = max(1, _ceil_div(int(call.ntok[a * per_node + self.local]), num_channels))
-            per_channel = torch.bincount(src // per_channel_tokens, minlength=num_channels)[:num_channels]
-            call.recv_rdma_channel_prefix_matrix[a] = per_channel.cumsum(0).to(torch.int32)
+            per_channel = np.bincount(src // per_channel_tokens, minlength=num_channels)[:num_channels]
+            call.recv_rdma_channel_prefix_matrix[a] = torch.from_numpy(np.cumsum(per_channel).astype(np.int32))
             pos += m
 
     # -- cached dispatch ---------------------------------------------------------------
@@ -969,6 +971,7 @@ class InternodeEngine:
             forward_starts=[0] + [int(v) for v in handle.recv_rdma_rank_prefix_sum],
             combined=combined, combined_w=combined_w, forwarded_done=[0] * self.G,
             staged_done=np.zeros((self.P, self.num_ranks), dtype=np.int64))
+        call.src_max = int(call.src.max()) if num_recv else -1
         call.node_order = None if order is None else order.view(n, self.G, self.P).amax(2)
         call.keyed = order is not None
         words = {W_XBYTES: 2 * hidden, W_XDTYPE: dtype_code(torch.bfloat16), W_HANDLE: handle_id,
@@ -986,11 +989,14 @@ class InternodeEngine:
         index) stay where they are: :meth:`_sum_node_rows` reads them in ``x``."""
         me, num_ranks, per_node = self.rank, self.num_ranks, self.P
         lo_t, hi_t = rnd * call.per_round, (rnd + 1) * call.per_round
-        spans = []
-        for s in range(num_ranks):
-            begin, end = torch.searchsorted(call.src[call.starts[s]:call.starts[s + 1]],
-                                            torch.tensor([lo_t, hi_t])).tolist()
-            spans.append((call.starts[s] + begin, call.starts[s] + end))
+        if lo_t == 0 and hi_t > call.src_max:  # every returned row in this round (always so in a single round)
+            spans = list(zip(call.starts[:-1], call.starts[1:]))
+        else:
+            spans = []
+            for s in range(num_ranks):
+                begin, end = torch.searchsorted(call.src[call.starts[s]:call.starts[s + 1]],
+                                                torch.tensor([lo_t, hi_t])).tolist()
+                spans.append((call.starts[s] + begin, call.starts[s] + end))
         call.spans = spans
         sizes = torch.tensor([end - begin for begin, end in spans], dtype=torch.int32)
         staged = [span for s, span in enumerate(spans) if s % per_node != self.local and span[1] > span[0]]
