@@ -622,8 +622,9 @@ class Buffer(SharedOnCopy):
         if self._internode:
             check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
                   lambda: f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
-                  f"combine needs room for {self.group_size} staged rows of {2 * hidden + 4 * max(wcols, 0)} B "
-                  f"per UBMEM half-window and one partial row per node box; see Buffer.get_normal_buffer_size_hint")
+                  f"combine needs room for {self.group_size - self.num_nodes} staged rows of "
+                  f"{2 * hidden + 4 * max(wcols, 0)} B per UBMEM half-window and one partial row per node box; see "
+                  f"Buffer.get_normal_buffer_size_hint")
             return
         regions = self._engine.combine_regions(2 * hidden, wcols)
         check(regions.capacity >= self.group_size, ValueError,

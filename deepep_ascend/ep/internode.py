@@ -270,10 +270,14 @@ class InternodeEngine:
         return max(0, (self.box - MSG_BYTES - rows_off) // sum(self.dispatch_fields(xb, sb, k, cached)))
 
     def combine_capacity(self, hidden, wcols) -> int:
-        """Tokens per origin per round: its box takes them all, a staging half takes them from every origin."""
+        """Tokens per origin per round: its box takes them all, a staging half takes them from every origin a
+        node peer forwards (the ``R - G`` of another local index than this rank's; none with one rank per node)."""
         row = 2 * hidden + 4 * max(wcols, 0)
         box_rows = (self.box - MSG_BYTES - HDR) // row
-        stage_rows = (self.n_half - STAGE_HDR - _a8(8 * self.num_ranks)) // row // self.num_ranks
+        staged = self.num_ranks - self.G
+        if not staged:
+            return max(0, box_rows)
+        stage_rows = (self.n_half - STAGE_HDR - _a8(8 * self.num_ranks)) // row // staged
         return max(0, min(box_rows, stage_rows))
 
     @staticmethod
@@ -285,7 +289,7 @@ class InternodeEngine:
         comb_row = combine_xb + 4 * wcols
         comb_box = HDR + num_tokens * comb_row + MSG_BYTES
         box = -(-max(disp_box, comb_box) // _ALIGN) * _ALIGN
-        stage = STAGE_HDR + _a8(8 * num_ranks) + num_ranks * num_tokens * comb_row
+        stage = STAGE_HDR + _a8(8 * num_ranks) + (num_ranks - num_nodes) * num_tokens * comb_row
         stage = -(-stage // _ALIGN) * _ALIGN
         return 2 * stage + 2 * _ALIGN, 2 * num_nodes * box + 2 * _ALIGN
 
