@@ -90,6 +90,7 @@ from .protocol import (
     sequence_problem,
 )
 from .reduce import CombineScratch, accumulate_rows
+from .rows import SentRows
 
 _CONSENSUS = list(CONSENSUS_WORDS)
 U_READY, U_CREDIT = 0, 1  # slots of the URMA window
@@ -126,17 +127,6 @@ class _Received(NamedTuple):
     topk_idx: torch.Tensor | None  # [rows, K] int64
     topk_weights: torch.Tensor | None  # [rows, K] float32
     src_meta: torch.Tensor  # [rows, 8] uint8: int32 source token, int32 source node
-
-
-class _SentRows(NamedTuple):
-    """A dispatch's own tensors, which its rows to itself are read from (``scales``, ``topk_*``: None if absent)."""
-
-    x: torch.Tensor  # [N, xb] uint8
-    scales: torch.Tensor | None  # [N, sb] uint8
-    topk_idx: torch.Tensor | None  # [N, K] int64
-    topk_weights: torch.Tensor | None  # [N, K] float32
-    itr_nodes: torch.Tensor  # [N, G, P] bool: is_token_in_rank by node and local rank
-    in_node: torch.Tensor  # [N, G] bool: the token has a target rank on node c
 
 
 @dataclass
@@ -491,17 +481,12 @@ class InternodeEngine:
 
     def _block_rows(self, itr_nodes: torch.Tensor) -> torch.Tensor:
         """``[N, G]`` bool: token ``t`` goes into this rank's block for node ``c``: it has a target rank there,
-        other than this rank itself on its own node (the rows this rank receives from itself it takes from
-        its own tensors, :meth:`_own_rows`; with one rank per node its own node's block carries no row)."""
+        other than this rank itself on its own node (the rows this rank receives from itself it copies from
+        its own tensors in hop 2; with one rank per node its own node's block carries no row)."""
         blocks = itr_nodes.any(2)
-        mine = itr_nodes[:, self.node, :]
-        blocks[:, self.node] = (torch.cat([mine[:, :self.local], mine[:, self.local + 1:]], 1).any(1)
-                                if self.P > 1 else False)
+        mine = itr_nodes[:, self.node]
+        blocks[:, self.node] = mine.sum(1, dtype=torch.int32) > mine[:, self.local]  # a target besides itself
         return blocks
-
-    def _own_rows(self, itr_nodes: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """This rank's tokens of ``[lo, hi)`` it sends to itself, ascending (int64)."""
-        return torch.nonzero(itr_nodes[lo:hi, self.node, self.local]).squeeze(1) + lo
 
     def _source_blocks(self, rows_off, fields) -> Iterator[tuple[int, int, int, int, list, torch.Tensor]]:
         """This round's non-empty dispatch blocks, by ascending source rank ``s = (a, l)``: each is
@@ -573,7 +558,7 @@ class InternodeEngine:
             pack=functools.partial(self._pack_dispatch_block, x, scales, topk_idx, topk_weights, itr_nodes), vec=vec,
             error=None, on_headers=functools.partial(self._open_dispatch, call),
             receive=functools.partial(self._receive_dispatch_blocks, call, fields,
-                                      _SentRows(x, scales, topk_idx, topk_weights, itr_nodes, in_node)),
+                                      SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank)),
             in_node=self._block_rows(itr_nodes))
         early = num_worst_tokens > 0  # static shapes: yield before the count exchange
         if early:
@@ -671,7 +656,7 @@ class InternodeEngine:
         call.fwd_mask = [[] for _ in range(num_nodes)]
         return max(1, max(_ceil_div(int(t), per_round) for t in call.ntok))
 
-    def _receive_dispatch_blocks(self, call: _DispatchCall, fields, sent: _SentRows, vec_bytes, lo, hi) -> None:
+    def _receive_dispatch_blocks(self, call: _DispatchCall, fields, sent: SentRows, vec_bytes, lo, hi) -> None:
         """Hop 2 of a round: this rank's rows from every source, ascending source rank (its own from its own
         tensors, the others' from their blocks); as a forwarder, also keep the source indices and masks of
         what it forwards (for the handle)."""
@@ -684,10 +669,11 @@ class InternodeEngine:
         for s in range(self.num_ranks):
             if s == me:
                 # as forwarder of its own tokens on its own node (for the handle), then its rows to itself
-                fwd = torch.nonzero(sent.in_node[lo:hi, self.node]).squeeze(1) + lo
+                mine = sent.is_token_in_rank.view(-1, self.G, self.P)[:, self.node]  # [N, P]
+                fwd = torch.nonzero(mine[lo:hi].any(1)).squeeze(1) + lo
                 call.fwd_src[self.node].append(fwd.numpy())
-                call.fwd_mask[self.node].append(sent.itr_nodes[fwd, self.node, :].numpy())
-                tok = self._own_rows(sent.itr_nodes, lo, hi)
+                call.fwd_mask[self.node].append(mine[fwd].numpy())
+                tok = torch.nonzero(mine[lo:hi, self.local]).squeeze(1) + lo
                 srcs = (sent.x, sent.scales, sent.topk_idx, sent.topk_weights, tok.to(torch.int32))
                 a, f, idx = self.node, me, tok
             elif s in blocks:
@@ -804,7 +790,7 @@ class InternodeEngine:
                 pack=functools.partial(self._pack_cached_block, x, scales, itr_nodes), vec=None, error=None,
                 on_headers=rounds_of, in_node=self._block_rows(itr_nodes),
                 receive=functools.partial(self._receive_cached_blocks, call_id, fields, starts, cursor, recv_x,
-                                          recv_scales, x, scales, itr_nodes)):
+                                          recv_scales, SentRows(x, scales, None, None, handle.is_token_in_rank))):
             pass
         if cursor != starts[1:]:
             raise RuntimeError(f"rank {self.rank}: cached dispatch call #{call_id}: received "
@@ -821,7 +807,7 @@ class InternodeEngine:
         torch.index_select(x, 0, tok, out=blk[offs[1]:offs[1] + xb * m].view(m, xb))
         torch.index_select(itr_nodes[:, c, :], 0, tok, out=blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p))
 
-    def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, x, scales, itr_nodes,
+    def _receive_cached_blocks(self, call_id, fields, starts, cursor, recv_x, recv_scales, sent: SentRows,
                                vec_bytes, lo, hi) -> None:
         """Hop 2 of a cached dispatch's round: this rank's rows of every source, ascending source (its own
         from ``x`` and ``scales``, the others' from their blocks)."""
@@ -832,7 +818,8 @@ class InternodeEngine:
         blocks = {s: rest for s, *rest in self._source_blocks(HDR, fields)}
         for s in range(self.num_ranks):
             if s == self.rank:
-                f, idx, rows_x, rows_s = s, self._own_rows(itr_nodes, lo, hi), x, scales
+                own = sent.is_token_in_rank[lo:hi, s]
+                f, idx, rows_x, rows_s = s, torch.nonzero(own).squeeze(1) + lo, sent.x, sent.scales
             elif s in blocks:
                 _, f, m, offs, blk = blocks[s]
                 idx = torch.nonzero(blk[offs[2]:offs[2] + p * m].view(torch.bool).view(m, p)[:, self.local]).squeeze(1)

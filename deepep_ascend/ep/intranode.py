@@ -114,6 +114,7 @@ from .protocol import (
     prefix_checksum,
 )
 from .reduce import CombineScratch, accumulate_rows
+from .rows import SentRows
 
 READY, CONSUMED, XDATA = 0, 1, 2
 NUM_SLOTS = 3
@@ -161,16 +162,6 @@ def rows_before(prefix: list, s: int, j: int) -> int:
     ``prefix``: the rank prefix matrix as nested lists (``rank_prefix_matrix.tolist()``), read without a
     torch op per entry."""
     return prefix[s - 1][j] if s else 0
-
-
-class _SentRows(NamedTuple):
-    """What a dispatch stages of this rank's tokens (``None``: a field the call does not move)."""
-
-    x: torch.Tensor  # [N, xb] uint8
-    scales: torch.Tensor | None  # [N, sb] uint8
-    topk_idx: torch.Tensor | None  # [N, K] int64
-    topk_weights: torch.Tensor | None  # [N, K] float32
-    is_token_in_rank: torch.Tensor | None  # [N, R] bool (the routing mask receivers select by)
 
 
 class _Received(NamedTuple):
@@ -665,7 +656,7 @@ class IntranodeEngine:
         # costs several times as much
         vec = torch.from_numpy(np.concatenate((num_tokens_per_rank.numpy(), num_tokens_per_expert.numpy())))
         stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
-                                  _SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank))
+                                  SentRows(x, scales, topk_idx, topk_weights, is_token_in_rank))
         phase = f"dispatch call #{call_id}"
         channel_prefix_matrix, send_head = send_layout(is_token_in_rank, num_channels)
         recv_channel_prefix_matrix = torch.zeros(nr, num_channels, dtype=torch.int32)  # filled after the data
@@ -752,7 +743,7 @@ class IntranodeEngine:
         if out.topk_idx is not None and num_recv and self._plan is None:  # (the native gather did it)
             to_local_experts(out.topk_idx[:num_recv], out.topk_weights[:num_recv], me, num_experts // nr)
 
-    def _stage_dispatch_chunk(self, regions: _Regions, per_round: int, sent: _SentRows, rnd: int, with_x: bool = True,
+    def _stage_dispatch_chunk(self, regions: _Regions, per_round: int, sent: SentRows, rnd: int, with_x: bool = True,
                               only_x: bool = False) -> None:
         """Stage this rank's tokens ``[rnd·per_round, (rnd+1)·per_round)`` into its current half: ``x`` rows
         (unless ``with_x`` is False), then (unless ``only_x``) scales, top-k ids and weights, routing mask."""
@@ -911,7 +902,7 @@ class IntranodeEngine:
         # earlier calls may still run on the worker (which updates the prediction in call order).
         predicted = self._predict_direct
         stage = functools.partial(self._stage_dispatch_chunk, regions, per_round,
-                                  _SentRows(x, scales, None, None, None))
+                                  SentRows(x, scales, None, None, None))
         phase = f"cached dispatch call #{call_id}"
         headers = self._round0(OP_CACHED_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None,
                                phase)

@@ -8,11 +8,24 @@ beats any per-element fill (a dispatch of ``python -m bench ep --expand --zero-p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import native
 
 INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class SentRows(NamedTuple):
+    """A normal-mode dispatch's own tokens, as both engines move them (``None``: a field the call does not
+    move): what the intranode engine stages, and what the internode engine copies its rows to itself from."""
+
+    x: torch.Tensor  # [N, xb] uint8
+    scales: torch.Tensor | None  # [N, sb] uint8
+    topk_idx: torch.Tensor | None  # [N, K] int64
+    topk_weights: torch.Tensor | None  # [N, K] float32
+    is_token_in_rank: torch.Tensor | None  # [N, R] bool (the routing mask receivers select by)
 
 _zero = torch.zeros(0, dtype=torch.uint8)  # a zero row, grown to the longest row seen
 
