@@ -11,7 +11,7 @@ Modules:
   :func:`swiglu`;
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
   :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_combine_send`,
-  :func:`ll_combine_recv`, :func:`ll_headers_agree`, :func:`zero_row_prefix`; its signals by stores
+  :func:`ll_combine_recv`, :func:`ll_headers_agree`; its signals by stores
   (:func:`signals_available`, :func:`ll_publish`, :func:`ll_await`);
 * :mod:`.ll_cast`   the low-latency dispatch's FP8 messages from the BF16 rows in one pass (``csrc/ll_cast.c``):
   :func:`ll_cast_messages`, :func:`ll_cast_message_bytes`;
@@ -74,7 +74,6 @@ from .ll import (
     ll_publish,
     ll_route,
     signals_available,
-    zero_row_prefix,
 )
 from .ll_cast import ll_cast_message_bytes, ll_cast_messages
 from .ll_fused import LLPlan, fused_available
@@ -86,5 +85,4 @@ __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "L
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "local_experts",
-           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "weighted_sum_rows",
-           "zero_row_prefix"]
+           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "weighted_sum_rows"]

@@ -16,8 +16,7 @@ steps in one pass and writes the same bytes as that torch path:
 * :func:`ll_combine_recv`: the counts against the route's, then the weighted sum of the returned rows;
 * :func:`ll_headers_agree`: the call headers' consensus in one pass (the caller explains a disagreement);
 * :func:`ll_publish`: a call's header into every destination, one fence, every destination's signal word;
-* :func:`ll_await`: the receive's wait while the peers are on time (bounded polling), then the headers;
-* :func:`zero_row_prefix`: the first rows of each expert's block zeroed.
+* :func:`ll_await`: the receive's wait while the peers are on time (bounded polling), then the headers.
 
 No DeepEP call of their own: the steps inside DeepEP's low-latency kernels. Each returns None / False where
 the library is not loaded (the caller then takes its torch path). Window memory is passed as byte
@@ -38,15 +37,14 @@ from .operands import mark_written, require_dense
 from .rows import NAN_BITS
 
 __all__ = ["ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
-           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "signals_available", "zero_row_prefix"]
+           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "signals_available"]
 
 
 def ll_available() -> bool:
     """Whether every function of this module has its kernel loaded (else each returns None / False)."""
     k = kernels
     return not (k.ll_route is None or k.ll_dispatch_send is None or k.ll_dispatch_recv is None
-                or k.ll_combine_send is None or k.ll_combine_recv is None or k.ll_headers_agree is None
-                or k.zero_row_prefix is None)
+                or k.ll_combine_send is None or k.ll_combine_recv is None or k.ll_headers_agree is None)
 
 
 def signals_available() -> bool:
@@ -387,37 +385,6 @@ def ll_headers_agree(hdr: torch.Tensor, me: int, mask: torch.Tensor | None, seq:
         raise ValueError(f"deepep_ascend.native.{op}: rank {me} outside the {rows} headers of {words} words (>= 2 "
                          f"needed)")
     return int(fn(rows, me, hdr.data_ptr(), words, _mask(op, mask, rows), seq, op_code, ignore_flags))
-
-
-def zero_row_prefix(t: torch.Tensor, counts: torch.Tensor, channels_first: bool = False) -> bool:
-    """Zero rows ``0..counts[e]-1`` of every block ``t[e]`` of the contiguous ``[L, rows, ...]`` tensor ``t``
-    (``channels_first``: ``t`` is stored ``[L, S, rows]``, a row is one element of each of the ``S`` planes).
-
-    Args:
-        t: contiguous tensor of >= 2 dims. counts: ``[L]`` contiguous int32 in ``[0, rows]``.
-    Returns:
-        True when done; False where the kernel is not loaded.
-    Raises:
-        ValueError: operands of another layout, or a count outside ``[0, rows]`` (nothing written).
-    """
-    fn = kernels.zero_row_prefix
-    if fn is None:
-        return False
-    op = "zero_row_prefix"
-    if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.is_contiguous() and t.device.type == "cpu"):
-        raise ValueError(f"deepep_ascend.native.{op}: t must be a contiguous CPU tensor of >= 2 dims, got "
-                         f"{tuple(getattr(t, 'shape', ()))}")
-    require_dense(op, "counts", counts, torch.int32, t.size(0))
-    e, blocks = t.element_size(), t.size(0)
-    per_block = t.numel() // blocks if blocks else 0
-    if channels_first:  # [L, S, rows]: S planes of one element per row
-        inner, plane, unit = per_block // max(t.size(-1), 1), t.size(-1) * e, e
-    else:  # [L, rows, ...]: one plane of rows
-        inner, plane, unit = 1, per_block * e, per_block // max(t.size(1), 1) * e
-    if t.numel() and fn(t.data_ptr(), t.size(0), inner, plane, unit, counts.data_ptr()):
-        raise ValueError(f"deepep_ascend.native.{op}: counts must lie in [0, {plane // max(unit, 1)}]")
-    mark_written(t)
-    return True
 
 
 def ll_publish(order: torch.Tensor, hdr: torch.Tensor, hdr_addrs: torch.Tensor, sig_addrs: torch.Tensor,

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 22
+ABI = 23
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -53,7 +53,6 @@ _SIGNATURES = {
     "in_store": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P]),
     "in_combine": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P,
                           _P, _P, _P, _U16]),
-    "zero_row_prefix": (_I64, [_P, _I64, _I64, _I64, _I64, _P]),
     "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64,
                                  _P]),
     "ll_dispatch_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P]),

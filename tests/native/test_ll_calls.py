@@ -427,24 +427,6 @@ def test_await_polls_the_sources_then_checks_the_headers():
         native.ll_await(0, R, None, seq + 1, 0, hdr, 0, seq, op)
 
 
-@pytest.mark.parametrize("channels_first", [False, True])
-def test_zero_row_prefix(channels_first):
-    L, rows, S = 3, 5, 4
-    base = torch.arange(1, L * rows * S + 1, dtype=torch.float32).view(L, S, rows) if channels_first else \
-        torch.arange(1, L * rows * S + 1, dtype=torch.float32).view(L, rows, S)
-    counts = torch.tensor([2, 0, 5], dtype=torch.int32)
-    want = base.clone()
-    view = want.transpose(1, 2) if channels_first else want
-    for e, c in enumerate(counts.tolist()):
-        view[e, :c] = 0
-    assert native.zero_row_prefix(base, counts, channels_first)
-    assert torch.equal(base, want)
-    with pytest.raises(ValueError, match=r"counts must lie in \[0, 5\]"):
-        native.zero_row_prefix(base, torch.tensor([0, 6, 0], dtype=torch.int32), channels_first)
-    with pytest.raises(ValueError, match="t must be a contiguous"):
-        native.zero_row_prefix(base.transpose(0, 1), counts, channels_first)
-
-
 def _write_messages(x, round_scale, use_ue8m0, fill=0xA5):
     """``LowLatencyEngine._write_messages`` of ``x`` (FP8) into a plain tensor standing for the send region: the
     native cast where its kernel is loaded, else the torch path."""

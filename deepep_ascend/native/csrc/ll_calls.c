@@ -16,7 +16,6 @@
  *                            destination's signal word (the signals of transports' signal(), by stores)
  *   deepep_ll_await          every live source's signal polled for a bounded number of rounds, then the
  *                            headers (deepep_ll_headers_agree): the receive's wait when the peers are on time
- *   deepep_zero_row_prefix   the first count[e] rows of each expert's block zeroed
  *
  * Window memory is addressed by plain byte addresses (the caller's mapped segments, one per rank, 0 where
  * a rank is not mapped); the caller derives every offset from the layout it checked against the window's
@@ -373,19 +372,4 @@ int64_t deepep_ll_await(int64_t num_ranks, int64_t me, const int64_t *sig, const
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     return deepep_ll_headers_agree(num_ranks, me, hdr, hdr_words, mask, seq, op, ignore_flags);
-}
-
-/* Zero, for each block e < num_blocks and each of its `inner` planes, the first counts[e] units of the plane
- * (plane p of block e at base + (e*inner + p) * plane_bytes, unit_bytes per unit). Returns 1 (nothing
- * written) when a count lies outside [0, plane_bytes / unit_bytes]. */
-int64_t deepep_zero_row_prefix(uint8_t *base, int64_t num_blocks, int64_t inner, int64_t plane_bytes,
-                               int64_t unit_bytes, const int32_t *counts)
-{
-    for (int64_t e = 0; e < num_blocks; e++)
-        if (counts[e] < 0 || counts[e] * unit_bytes > plane_bytes)
-            return 1;
-    for (int64_t e = 0; e < num_blocks; e++)
-        for (int64_t p = 0; p < inner; p++)
-            memset(base + (e * inner + p) * plane_bytes, 0, (size_t)(counts[e] * unit_bytes));
-    return 0;
 }
