@@ -280,7 +280,7 @@ class _DispatchCall(NamedTuple):
     route: _Route  # the sends' route, for the combine of this dispatch's handle
     route_stamp: tuple  # stamps.stamp of (topk_idx, mask) when the route was computed
     plan: native.LLPlan | None = None  # the fused path's plan (_fused_plan), None on the step-by-step path
-    messages: torch.Tensor | None = None  # torch path: this rank's messages [N, mb], its rows to itself read there
+    messages: torch.Tensor | None = None  # this rank's messages [N, mb] (torch path), its rows to itself read there
 
 
 class LowLatencyRefused(ConsensusError):
@@ -1082,7 +1082,7 @@ class LowLatencyEngine:
             # its messages (slot j of local expert e is pair j of its route's run of expert (me, e))
             parts = [(blocks, f, dst_rows)]
             own = (f // M) % R == me
-            if call.messages is not None and bool(own.any()):
+            if bool(own.any()):
                 f_own, keep = f[own], ~own
                 tokens = call.route.tokens[call.route.starts[me * L + f_own // (R * M)] + f_own % M]
                 parts = [(blocks, f[keep], dst_rows[keep]), (call.messages, tokens, dst_rows[own])]
