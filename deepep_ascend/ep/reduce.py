@@ -39,8 +39,9 @@ def accumulate_rows(out, sources, acc, tmp, bias=None, bias_offset: int = 0, edg
     paths against each other). ``disjoint``: :func:`_copy_disjoint` where no token has two rows
     (False: never; the tests force each path this way). ``native``: the one-pass C kernel
     :func:`deepep_ascend.native.sum_rows` (the float32 chain itself, each row read once) first,
-    where it was built, for bias or any source with rows (one source too: the kernel's one pass beats
-    :func:`_copy_disjoint`'s scatter and sign-of-zero pass); False: only the torch paths below, as
+    where it was built, for bias or any source with rows (one source too: one pass, where
+    :func:`_copy_disjoint` scatters the rows, then fixes signed zeros in a second pass); False: only the torch
+    paths below, as
     ``bench.combine_sum`` and the tests compare them.
     ``keys``: None (every token's rows add in source order), or per source ``[cnt]`` int64 sort
     keys, one row per token per source: each token's rows then add in ascending key, ties in source
