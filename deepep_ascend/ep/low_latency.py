@@ -280,7 +280,6 @@ class _DispatchCall(NamedTuple):
     route: _Route  # the sends' route, for the combine of this dispatch's handle
     route_stamp: tuple  # stamps.stamp of (topk_idx, mask) when the route was computed
     plan: native.LLPlan | None = None  # the fused path's plan (_fused_plan), None on the step-by-step path
-    messages: torch.Tensor | None = None  # this rank's messages [N, mb] (torch path), its rows to itself read there
 
 
 class LowLatencyRefused(ConsensusError):
@@ -761,12 +760,7 @@ class LowLatencyEngine:
         # Each pair's slot row at its destination: row j of local expert e's run -> slot (e, me).
         slot_rows = ((route.experts % L) * R + self.rank) * M + route.rank
         for dst in dsts:
-            lo, hi = ends[dst - 1] if dst else 0, ends[dst]
-            if dst == self.rank:  # its rows to itself stay in its messages: the receive copies them from there
-                if hi > lo:
-                    self.tp.record_put(dst, (hi - lo) * messages.size(1))
-            else:
-                self._send_messages(dst, messages, route, lay, base, lo, hi, slot_rows)
+            self._send_messages(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
             self._signal(dst, h, hdr, seq)
 
@@ -777,7 +771,7 @@ class LowLatencyEngine:
         (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
         call = _DispatchCall(seq, h, seq + 1, lay, flags, messages.size(1), 4 * scale_words, recv_x,
                              recv_scales, src_info, torch.zeros(L, dtype=torch.int32),
-                             torch.zeros(L, R, dtype=torch.int64), entries, route, route_stamp, messages=messages)
+                             torch.zeros(L, R, dtype=torch.int64), entries, route, route_stamp)
         outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
                    LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return self._remember(Pending(functools.partial(self._receive_dispatch, call, cum_stats, wait_stats, stale),
@@ -951,35 +945,6 @@ class LowLatencyEngine:
                 f"(docs/semantics/deepep-api.md §6.6)")
         self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
 
-    @staticmethod
-    def _unpack_messages(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, rx: torch.Tensor, xb: int, mb: int,
-                         sb: int, src_info: torch.Tensor, recv_scales: torch.Tensor | None, rm: int) -> None:
-        """Messages ``src[rows]`` (``[*, mb]`` uint8) into rows ``dst`` of the outputs (flat over ``[L, R·M]``):
-        payload into ``rx`` (``[L·R·M, xb]`` bytes), token index into ``src_info``, FP8 scales into the
-        channels-first ``recv_scales`` (``rm`` = R·M)."""
-        msgs = None
-        if not native.copy_rows(rx, dst, src[:, MSG_HEADER:MSG_HEADER + xb], rows):  # message -> row, one pass
-            msgs = wide(src).index_select(0, rows).view(torch.uint8)  # [n, mb]
-            # One scatter in the widest element type dividing every field: torch copies column
-            # slices element by element (byte-wise copies were ~95 % of the receive).
-            w = common_width(mb, MSG_HEADER, xb, sb)
-            rx.view(INT_OF_WIDTH[w]).index_copy_(
-                0, dst, msgs.view(INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
-        if mb % 4 == 0 and src.storage_offset() % 4 == 0:  # the small fields gathered column-wise, in place
-            info = src.view(torch.int32)[:, 0].index_select(0, rows)
-        else:
-            msgs = wide(src).index_select(0, rows).view(torch.uint8) if msgs is None else msgs
-            info = _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1)
-        src_info.view(-1).index_copy_(0, dst, info)
-        if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
-            sc = src.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4].index_select(0, rows)
-            # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
-            sw = sc.size(1)
-            e_of, row_of = dst // rm, dst % rm
-            flat = ((e_of * (sw * rm) + row_of).unsqueeze(0) + (torch.arange(sw) * rm).unsqueeze(1)).view(-1)
-            recv_scales.transpose(1, 2).view(-1).index_copy_(
-                0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
-
     def _write_messages(self, x, lay: Layout, base: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                         scale_words: int) -> torch.Tensor:
         """This rank's messages ``[N, mb]`` uint8 in the send region: ``[int32 token | 12 B | payload]``, the
@@ -1078,19 +1043,30 @@ class LowLatencyEngine:
             e_of = f // (R * M)
             row_of = torch.arange(total) - (torch.cumsum(call.recv_count, 0) - call.recv_count).to(torch.int64)[e_of]
             dst_rows = e_of * (R * M) + row_of
-            # (messages, their rows, where they land): the slots of the sources, and this rank's own rows, read in
-            # its messages (slot j of local expert e is pair j of its route's run of expert (me, e))
-            parts = [(blocks, f, dst_rows)]
-            own = (f // M) % R == me
-            if bool(own.any()):
-                f_own, keep = f[own], ~own
-                tokens = call.route.tokens[call.route.starts[me * L + f_own // (R * M)] + f_own % M]
-                parts = [(blocks, f[keep], dst_rows[keep]), (call.messages, tokens, dst_rows[own])]
             xb = H * recv_x.element_size()
             rx = recv_x.view(torch.uint8).view(L * R * M, xb)
-            for src, rows, dst in parts:
-                if rows.numel():
-                    self._unpack_messages(src, rows, dst, rx, xb, mb, sb, call.src_info, recv_scales, R * M)
+            msgs = None
+            if not native.copy_rows(rx, dst_rows, blocks[:, MSG_HEADER:MSG_HEADER + xb], f):  # slot -> row, one pass
+                msgs = wide(blocks).index_select(0, f).view(torch.uint8)  # [total, mb]
+                # One scatter in the widest element type dividing every field: torch copies column
+                # slices element by element (byte-wise copies were ~95 % of the receive).
+                w = common_width(mb, MSG_HEADER, xb, sb)
+                rx.view(INT_OF_WIDTH[w]).index_copy_(
+                    0, dst_rows, msgs.view(INT_OF_WIDTH[w])[:, MSG_HEADER // w:(MSG_HEADER + xb) // w])
+            if mb % 4 == 0 and blocks.storage_offset() % 4 == 0:  # the small fields gathered column-wise, in place
+                info = blocks.view(torch.int32)[:, 0].index_select(0, f)
+            else:
+                msgs = wide(blocks).index_select(0, f).view(torch.uint8) if msgs is None else msgs
+                info = _bytes_copy(msgs[:, :4]).view(torch.int32).view(-1)
+            call.src_info.view(-1).index_copy_(0, dst_rows, info)
+            if recv_scales is not None:  # FP8: every field is a multiple of 4 bytes (H % 128 == 0)
+                sc = blocks.view(torch.int32)[:, (MSG_HEADER + xb) // 4:(MSG_HEADER + xb + sb) // 4].index_select(0, f)
+                # recv_scales is channels-first: its storage is [L, S', R*M]; scatter flat, s-major.
+                sw = sc.size(1)
+                flat = ((e_of * (sw * R * M) + row_of).unsqueeze(0)
+                        + (torch.arange(sw) * (R * M)).unsqueeze(1)).view(-1)
+                recv_scales.transpose(1, 2).view(-1).index_copy_(
+                    0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
         _zero_stale_rows((call.recv_x, call.recv_scales, call.src_info), stale, call.recv_count)
         self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
 
