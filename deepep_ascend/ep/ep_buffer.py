@@ -74,8 +74,9 @@ def _align(n: int, a: int) -> int:
 
 
 def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Byte rows ``[n, m * itemsize]`` viewed as ``[n, m]`` of ``like``'s dtype (no copy)."""
-    return rows.view(like.dtype).view(rows.size(0), like.size(1))
+    """Byte rows ``[n, m * itemsize]`` (unit stride along a row) viewed as ``[n, m]`` of ``like``'s dtype (no
+    copy)."""
+    return rows.view(like.dtype)
 
 
 def _check_expanded_capacity(topk_idx: torch.Tensor, L: int, R: int) -> None:
@@ -503,7 +504,8 @@ class EPBuffer(BufferBase):
                 async_finish=async_with_compute_stream, extra_words=words,
                 inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
             recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets, recv_counts = outputs
-            recv_sf = None if sf is None else recv_sf[:, :sf.size(1) * sf.element_size()]
+            if sf is not None and recv_sf.size(1) != sf.size(1) * sf.element_size():  # the engines' padding
+                recv_sf = recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
                 recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
@@ -593,26 +595,20 @@ class EPBuffer(BufferBase):
         rows = recv_x.size(0)
         fresh = handle is None
         if fresh:
-            counts_np = recv_counts.numpy() if do_cpu_sync else None
-            aligned = counts_np if counts_np is None or alignment == 1 else \
-                (counts_np + alignment - 1) // alignment * alignment
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
-                expanded = int(aligned.sum())
+                expanded = sum(_align(c, alignment) for c in recv_list)
             else:
                 expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
+            # the per-source and per-expert fields are set by fill() (expanded layout) or when first read
             handle = EPHandle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
                 expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
-                num_recv_tokens=rows, num_valid_tokens=0, num_expanded_tokens=expanded,  # set by fill()
-                num_recv_tokens_per_expert_list=([] if not do_cpu_sync else recv_list if alignment == 1
-                                                 else aligned.tolist()),
-                psum_num_recv_tokens_per_scaleup_rank=torch.empty(self.num_scaleup_ranks, dtype=torch.int32),
-                psum_num_recv_tokens_per_rank=torch.empty(R, dtype=torch.int32),
-                psum_num_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
-                num_unaligned_recv_tokens_per_expert=torch.empty(L, dtype=torch.int32),
-                # the compact layout's metadata is made with the per-source fields, when first read
+                num_recv_tokens=rows, num_valid_tokens=0, num_expanded_tokens=expanded,
+                num_recv_tokens_per_expert_list=None, psum_num_recv_tokens_per_scaleup_rank=None,
+                psum_num_recv_tokens_per_rank=None, psum_num_recv_tokens_per_expert=None,
+                num_unaligned_recv_tokens_per_expert=None,
                 recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32) if do_expand else None,
                 dst_buffer_slot_idx=None, recv_topk_idx=recv_topk, combine_order=None)
         # weights: the engines' float32 rows, or (cached dispatch) byte columns beside the scales
@@ -649,7 +645,7 @@ class EPBuffer(BufferBase):
                 stats.add_(counts.to(torch.int32))
             if fresh:
                 handle._num_valid = valid
-                self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets)
+                self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets, do_cpu_sync)
             if not do_expand:
                 # weights from the engines are 0 already where the expert is not local (to_local_experts) and
                 # on padding rows; a cached dispatch's come as bytes, masked here
@@ -699,19 +695,22 @@ class EPBuffer(BufferBase):
         return outputs, fill
 
     def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor, itr,
-                     dst_offsets: torch.Tensor) -> None:
-        """The handle's tensors from the routing that arrived (counts, prefix sums, metadata, order)."""
+                     dst_offsets: torch.Tensor, listed: bool) -> None:
+        """The handle's fields from the routing that arrived (counts, prefix sums, metadata, order): those the
+        expanded layout's epilogue needs now, the rest as functions run when first read. ``counts``: ``[L]`` int64
+        (token, slot) pairs per local expert; ``listed``: whether ``num_recv_tokens_per_expert_list`` is filled
+        (``do_cpu_sync``)."""
         R, me, k = self.num_ranks, self.rank_idx, valid_topk.size(1)
-        L, num_recv = counts.numel(), valid_topk.size(0)
+        L, P, num_recv = counts.numel(), self.num_scaleup_ranks, valid_topk.size(0)
         alignment, max_tokens = handle.expert_alignment, handle.num_max_tokens_per_rank
         internode = isinstance(legacy, InternodeHandle)
 
-        def per_source() -> None:  # read by few callers: filled in place when first read (EPHandle)
+        def per_source() -> None:
             column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
             column = column.to(torch.int64)
             per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
-            handle._psum_per_rank.copy_(column)
-            handle._psum_per_scaleup_rank.copy_(torch.cumsum(per_rank.view(-1, self.num_scaleup_ranks).sum(0), 0))
+            handle._psum_per_rank = column.to(torch.int32)
+            handle._psum_per_scaleup_rank = torch.cumsum(per_rank.view(-1, P).sum(0), 0, dtype=torch.int32)
             src_rank = torch.repeat_interleave(torch.arange(R), per_rank)
             src_token = (legacy.recv_src_meta[:num_recv].view(torch.int32)[:, 0] if internode
                          else legacy.recv_src_idx[:num_recv]).to(torch.int64)
@@ -723,18 +722,21 @@ class EPBuffer(BufferBase):
                     else torch.zeros(num_recv, dtype=torch.int64))
             meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
 
+        def per_expert() -> None:  # L small ints: numpy; int32 counts of int32 rows cannot overflow
+            c = counts.numpy()
+            aligned = c if alignment == 1 else (c + alignment - 1) // alignment * alignment
+            handle._unaligned_per_expert = torch.from_numpy(c.astype(np.int32))
+            handle._per_expert_list = aligned.tolist() if listed else []
+            if handle.do_expand:  # each expert's rows end past its aligned start
+                handle._psum_per_expert = torch.from_numpy((np.cumsum(aligned) - aligned + c).astype(np.int32))
+            else:
+                handle._psum_per_expert = torch.from_numpy(np.cumsum(aligned, dtype=np.int32))
+
         handle._per_source = per_source
+        handle._per_expert = per_expert
         if handle.do_expand:
             aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
-            handle.num_unaligned_recv_tokens_per_expert.copy_(counts)
-            starts = torch.cumsum(aligned, 0) - aligned
-            handle.psum_num_recv_tokens_per_expert.copy_(starts + counts)
-            self._expanded_slots(handle, valid_topk, counts, starts)
-        else:  # L small ints: numpy, a few torch operator calls spared; int32 counts of int32 rows cannot overflow
-            c = counts.numpy()
-            handle.num_unaligned_recv_tokens_per_expert.numpy()[:] = c
-            np.cumsum(c if alignment == 1 else (c + alignment - 1) // alignment * alignment, dtype=np.int32,
-                      out=handle.psum_num_recv_tokens_per_expert.numpy())
+            self._expanded_slots(handle, valid_topk, counts, torch.cumsum(aligned, 0) - aligned)
 
         def combine_order() -> torch.Tensor:
             topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch

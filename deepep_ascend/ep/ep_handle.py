@@ -56,9 +56,11 @@ class EPHandle:
     def __init__(self, *, buffer_uid: int, legacy: IntranodeHandle | InternodeHandle, do_expand: bool, num_experts: int,
                  expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int, topk_idx: torch.Tensor,
                  num_recv_tokens: int, num_valid_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 num_recv_tokens_per_expert_list: list | None,
+                 psum_num_recv_tokens_per_scaleup_rank: torch.Tensor | None,
+                 psum_num_recv_tokens_per_rank: torch.Tensor | None,
+                 psum_num_recv_tokens_per_expert: torch.Tensor | None,
+                 num_unaligned_recv_tokens_per_expert: torch.Tensor | None,
                  recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, recv_topk_idx: torch.Tensor,
                  combine_order: torch.Tensor):
         self.do_expand = do_expand
@@ -68,15 +70,17 @@ class EPHandle:
         self.num_sms = num_sms
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self._per_expert_list = num_recv_tokens_per_expert_list
         self._psum_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
         self._psum_per_rank = psum_num_recv_tokens_per_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self._psum_per_expert = psum_num_recv_tokens_per_expert
+        self._unaligned_per_expert = num_unaligned_recv_tokens_per_expert
         self._recv_src_metadata = recv_src_metadata
-        # fills the per-source fields above in place when first read (most steps never read them)
+        # functions that set the per-source and the per-expert fields above when one of them is first read (most
+        # steps read none), or None once they are set (_filled)
         self._per_source = None
-        self._per_source_lock = threading.Lock()
+        self._per_expert = None
+        self._fill_lock = threading.Lock()
         self._dst_buffer_slot_idx = dst_buffer_slot_idx  # or a function computing it on first read
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
@@ -92,13 +96,19 @@ class EPHandle:
         # id is -1 (compact layout), or None: a combine handed them unchanged skips masking them again
         self._masked_weights = None
 
-    def _source_fields(self):
-        if self._per_source is not None:
-            with self._per_source_lock:
-                fill, self._per_source = self._per_source, None
+    def _filled(self, which: str) -> EPHandle:
+        """The handle with its fields of ``which`` (``"_per_source"``, ``"_per_expert"``) set: the pending function
+        runs once, under a lock (a deferred epilogue's worker and the caller may read at once)."""
+        if getattr(self, which) is not None:
+            with self._fill_lock:
+                fill = getattr(self, which)
                 if fill is not None:
                     fill()
+                    setattr(self, which, None)
         return self
+
+    def _source_fields(self) -> EPHandle:
+        return self._filled("_per_source")
 
     # DeepEP's handle has plain attributes, which its tests reassign (``handle.recv_src_metadata =
     # handle.recv_src_metadata[:n]``): these fields read what was assigned, and the buffer's calls keep reading
@@ -121,6 +131,33 @@ class EPHandle:
     @psum_num_recv_tokens_per_rank.setter
     def psum_num_recv_tokens_per_rank(self, value) -> None:
         self._set_psum_per_rank = value
+
+    @property
+    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
+        """See the class doc (assignable, as DeepEP's attribute)."""
+        return self.__dict__.get("_set_psum_per_expert", self._filled("_per_expert")._psum_per_expert)
+
+    @psum_num_recv_tokens_per_expert.setter
+    def psum_num_recv_tokens_per_expert(self, value) -> None:
+        self._set_psum_per_expert = value
+
+    @property
+    def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
+        """See the class doc (assignable, as DeepEP's attribute)."""
+        return self.__dict__.get("_set_unaligned_per_expert", self._filled("_per_expert")._unaligned_per_expert)
+
+    @num_unaligned_recv_tokens_per_expert.setter
+    def num_unaligned_recv_tokens_per_expert(self, value) -> None:
+        self._set_unaligned_per_expert = value
+
+    @property
+    def num_recv_tokens_per_expert_list(self) -> list:
+        """See the class doc (assignable, as DeepEP's attribute)."""
+        return self.__dict__.get("_set_per_expert_list", self._filled("_per_expert")._per_expert_list)
+
+    @num_recv_tokens_per_expert_list.setter
+    def num_recv_tokens_per_expert_list(self, value) -> None:
+        self._set_per_expert_list = value
 
     @property
     def recv_src_metadata(self) -> torch.Tensor:
