@@ -705,7 +705,7 @@ class EPBuffer(BufferBase):
         alignment, max_tokens = handle.expert_alignment, handle.num_max_tokens_per_rank
         internode = isinstance(legacy, InternodeHandle)
 
-        def per_source() -> None:
+        def per_source(handle: EPHandle) -> None:
             column = legacy.recv_gbl_rank_prefix_sum if internode else legacy.rank_prefix_matrix[:, me]
             column = column.to(torch.int64)
             per_rank = torch.diff(column, prepend=torch.zeros(1, dtype=torch.int64))
@@ -722,7 +722,7 @@ class EPBuffer(BufferBase):
                     else torch.zeros(num_recv, dtype=torch.int64))
             meta[:num_recv, 1] = (src_rank * k + last).to(torch.int32)
 
-        def per_expert() -> None:  # L small ints: numpy; int32 counts of int32 rows cannot overflow
+        def per_expert(handle: EPHandle) -> None:  # L small ints: numpy; int32 counts of int32 rows cannot overflow
             c = counts.numpy()
             aligned = c if alignment == 1 else (c + alignment - 1) // alignment * alignment
             handle._unaligned_per_expert = torch.from_numpy(c.astype(np.int32))
@@ -738,7 +738,7 @@ class EPBuffer(BufferBase):
             aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
             self._expanded_slots(handle, valid_topk, counts, torch.cumsum(aligned, 0) - aligned)
 
-        def combine_order() -> torch.Tensor:
+        def combine_order(handle: EPHandle) -> torch.Tensor:
             topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch
             order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
             if k and topk_idx.numel():

@@ -76,8 +76,9 @@ class EPHandle:
         self._psum_per_expert = psum_num_recv_tokens_per_expert
         self._unaligned_per_expert = num_unaligned_recv_tokens_per_expert
         self._recv_src_metadata = recv_src_metadata
-        # functions that set the per-source and the per-expert fields above when one of them is first read (most
-        # steps read none), or None once they are set (_filled)
+        # functions of the handle that set the per-source and the per-expert fields above when one of them is first
+        # read (most steps read none), or None once they are set (_filled); taking the handle as an argument, they
+        # hold no reference to it: no cycle, so a dropped handle frees its tensors at once, not at a garbage collection
         self._per_source = None
         self._per_expert = None
         self._fill_lock = threading.Lock()
@@ -91,7 +92,8 @@ class EPHandle:
         self._legacy = legacy  # the engines' handle (docs/semantics/deepep-api.md §4.3)
         self._num_valid = num_valid_tokens
         self._recv_topk_idx = recv_topk_idx  # [n, K] int64 local expert ids, -1 elsewhere
-        self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function
+        self._order = combine_order  # [N, R] int64 (the last top-k slot of each token on each rank), or a function of
+        # the handle computing it
         # stamps.stamp of (recv_topk_weights, recv_topk_idx) as this dispatch returned them, weights 0 wherever the
         # id is -1 (compact layout), or None: a combine handed them unchanged skips masking them again
         self._masked_weights = None
@@ -103,7 +105,7 @@ class EPHandle:
             with self._fill_lock:
                 fill = getattr(self, which)
                 if fill is not None:
-                    fill()
+                    fill(self)
                     setattr(self, which, None)
         return self
 
@@ -190,7 +192,7 @@ class EPHandle:
         """``[N, R]`` int64: each token's last top-k slot on each rank (-1: none), combine's key (computed at the
         first combine)."""
         if callable(self._order):
-            self._order = self._order()
+            self._order = self._order(self)
         return self._order
 
     @property

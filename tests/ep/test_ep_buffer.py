@@ -496,6 +496,54 @@ def test_handle_fields_assignable_and_barrier_as_deepep(ep, comm):
     all_ranks_ok(comm, ok, "handle fields assigned, barrier arguments")
 
 
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one_node", "two_nodes"])
+def test_dropped_outputs_and_handle_freed_without_garbage_collection(ep, ep_two_nodes, comm, nodes):
+    """A dispatch's outputs and handle, dropped after a combine, are freed at once by reference counting, whether
+    the handle's lazily computed fields were read or not: no reference cycle keeps them (and the tensors they hold)
+    alive until Python's cycle collector runs, which would also cost every call a share of its collections.
+    Checked with the collector off, in both layouts, synchronous and deferred."""
+    import gc
+    import weakref
+
+    if nodes == 2 and ep_two_nodes is None:
+        pytest.skip("two nodes need two ranks")
+    buf = ep if nodes == 1 else ep_two_nodes
+    R, rank = comm.Get_size(), comm.Get_rank()
+    x, _, topk_idx, w = _inputs(rank, R, 11, 8 * R, False)
+    refs = []
+
+    def one_round(read_fields: bool, **kw):
+        if kw.get("defer_epilogue"):
+            event = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=w, num_experts=8 * R,
+                                              async_with_compute_stream=True, **kw))
+            recv_x, _, recv_w, handle = event.current_stream_wait()
+        else:
+            recv_x, _, recv_w, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=w,
+                                                                     num_experts=8 * R, **kw))
+        fields = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_rank",
+                  "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
+                  "num_recv_tokens_per_expert_list", "recv_src_metadata", "dst_buffer_slot_idx")
+        for field in fields if read_fields else ():
+            getattr(handle, field)
+        combined, _, _ = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+        refs.extend(weakref.ref(t) for t in (handle, recv_x, recv_w, combined, handle._combine_order))
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for read_fields in (False, True):
+            one_round(read_fields)
+            one_round(read_fields, do_expand=True, expert_alignment=4)
+            one_round(read_fields, defer_epilogue=True)
+        alive = [i for i, r in enumerate(refs) if r() is not None]
+    finally:
+        if was_enabled:
+            gc.enable()
+    all_ranks_ok(comm, not alive, f"rank {rank}: objects {alive} (handle, recv_x, recv_topk_weights, combined_x, "
+                                  f"combine order of each round) outlive their last reference")
+
+
 def test_combine_weights_masked_unless_the_dispatchs_own(ep, comm):
     """The compact combine masks the weights of slots that are not on this rank, except for the dispatch's own
     ``recv_topk_weights`` handed back unchanged (0 there already): the same bits either way, and a write since the
