@@ -21,7 +21,7 @@ from ..native import dispatch_layout as native_dispatch_layout
 from .config import Config
 from .event import EventOverlap
 from .handles import InternodeHandle, IntranodeHandle, origin_of
-from .layout import dispatch_layout, tokens_per_node, topk_idx_t
+from .layout import dispatch_layout, last_slot_per_rank, tokens_per_node, topk_idx_t
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
            "check_dispatch_options", "check_handle_rows", "check_internode_handle", "check_intranode_handle",
@@ -132,22 +132,25 @@ def check_topk_idx(topk_idx, num_experts, num_ranks: int, values: bool = True) -
               lambda: f"`topk_idx` values must lie in [-1, {num_experts}), got min {lo}, max {hi}")
 
 
-def checked_dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
-                            num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def checked_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                            last_slot: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`~.layout.dispatch_layout` of a ``topk_idx`` whose dims and dtype, and ``num_experts``, are checked
     already (:func:`check_topk_idx` with ``values=False``), its ids' range checked on the way: the native
     layout's one pass refuses an id outside ``[-1, num_experts)``, and then (or without the kernel)
     :func:`check_topk_idx` reads the values before the torch layout counts them.
 
     Returns:
-        ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``.
+        ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``, and with
+        ``last_slot`` a fourth, :func:`~.layout.last_slot_per_rank` (in the same native pass where built).
     Raises:
         Rejected: ``ValueError`` naming the range and the ids' min and max.
     """
-    counts = native_dispatch_layout(topk_idx, num_experts, num_ranks)
+    counts = native_dispatch_layout(topk_idx, num_experts, num_ranks, last_slot)
     if counts is None:
         check_topk_idx(topk_idx, num_experts, num_ranks)
         counts = dispatch_layout(topk_idx, num_experts, num_ranks)
+        if last_slot:
+            counts = (*counts, last_slot_per_rank(topk_idx, num_experts, num_ranks))
     return counts
 
 

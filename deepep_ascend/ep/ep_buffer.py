@@ -36,6 +36,7 @@ from .group import check_agreed, mpi_comm_of
 from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
+from .layout import last_slot_per_rank
 from .load_balance import LoadBalanceRegion
 from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
@@ -490,7 +491,10 @@ class EPBuffer(BufferBase):
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
                 if _PH.on:
                     _PH.switch("layout")
-                layout = checked_dispatch_layout(topk_idx, num_experts, R)  # the ids' range checked on the way
+                # the ids' range checked on the way; the combine's keys in the same pass where every combine needs them
+                layout = checked_dispatch_layout(topk_idx, num_experts, R, last_slot=keys_always)
+                if keys_always:
+                    *layout, made["order"] = layout
                 if _PH.on:
                     _PH.switch("checks")
                 if do_expand and not do_cpu_sync and topk_idx.numel() and topk_idx.size(1) > num_experts // R:
@@ -499,6 +503,7 @@ class EPBuffer(BufferBase):
                 weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts, layout
 
+            keys_always, made = self._keys_always(), {}
             outputs, itr, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words,
@@ -512,7 +517,8 @@ class EPBuffer(BufferBase):
                 recv_list=recv_list, recv_counts=recv_counts, itr=itr, dst_offsets=dst_offsets,
                 topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
                 num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
-                col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None)
+                col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None,
+                order=made.get("order"))
 
         def precheck_cached():
             check(topk_idx is None, ValueError, "`topk_idx` must be None with a cached handle (it is the handle's)")
@@ -584,7 +590,7 @@ class EPBuffer(BufferBase):
 
     def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, recv_counts,
                   itr, dst_offsets, topk_idx, num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand,
-                  do_zero_padding, col_major_sf, stats, handle):
+                  do_zero_padding, col_major_sf, stats, handle, order=None):
         """The outputs ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with their final shapes, and the
         epilogue that fills them from the engines' compact rows (docs/semantics/deepep-api.md §13.2).
         ``recv_counts``: the engine's ``[L]`` int64 (token, slot) pairs per local expert (filled once the counts
@@ -610,7 +616,7 @@ class EPBuffer(BufferBase):
                 psum_num_recv_tokens_per_rank=None, psum_num_recv_tokens_per_expert=None,
                 num_unaligned_recv_tokens_per_expert=None,
                 recv_src_metadata=torch.full((rows, 2 + k), -1, dtype=torch.int32) if do_expand else None,
-                dst_buffer_slot_idx=None, recv_topk_idx=recv_topk, combine_order=None)
+                dst_buffer_slot_idx=None, recv_topk_idx=recv_topk, combine_order=order)
         # weights: the engines' float32 rows, or (cached dispatch) byte columns beside the scales
         in_place_w = recv_w is not None and recv_w.dtype == torch.float32
         if not do_expand:
@@ -701,7 +707,7 @@ class EPBuffer(BufferBase):
         (token, slot) pairs per local expert; ``listed``: whether ``num_recv_tokens_per_expert_list`` is filled
         (``do_cpu_sync``)."""
         R, me, k = self.num_ranks, self.rank_idx, valid_topk.size(1)
-        L, P, num_recv = counts.numel(), self.num_scaleup_ranks, valid_topk.size(0)
+        P, num_recv = self.num_scaleup_ranks, valid_topk.size(0)
         alignment, max_tokens = handle.expert_alignment, handle.num_max_tokens_per_rank
         internode = isinstance(legacy, InternodeHandle)
 
@@ -738,14 +744,8 @@ class EPBuffer(BufferBase):
             aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
             self._expanded_slots(handle, valid_topk, counts, torch.cumsum(aligned, 0) - aligned)
 
-        def combine_order(handle: EPHandle) -> torch.Tensor:
-            topk_idx = handle.topk_idx  # raises if the caller changed it since the dispatch
-            order = torch.full((topk_idx.size(0), R), -1, dtype=torch.int64)
-            if k and topk_idx.numel():
-                dest = torch.div(topk_idx, L, rounding_mode="floor").clamp(min=0)
-                lanes = torch.where(topk_idx >= 0, torch.arange(k), -1)
-                order.scatter_reduce_(1, dest, lanes, reduce="amax")
-            return order
+        def combine_order(handle: EPHandle) -> torch.Tensor:  # (raises if the caller changed topk_idx since)
+            return last_slot_per_rank(handle.topk_idx, handle.num_experts, R)
 
         def dst_buffer_slot_idx() -> torch.Tensor:
             # token t's row at rank j: the rows j received from ranks before this one, then t's place
@@ -753,7 +753,8 @@ class EPBuffer(BufferBase):
             pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + dst_offsets
             return torch.where(itr, pos, -1).to(torch.int32)
 
-        handle._order = combine_order  # both read rarely or later: computed on first read
+        if handle._order is None:  # made with the layout where every combine needs it, else when a combine does
+            handle._order = combine_order
         handle._dst_buffer_slot_idx = dst_buffer_slot_idx
 
     @staticmethod
@@ -841,17 +842,22 @@ class EPBuffer(BufferBase):
 
         # The order of a token's rows matters only in a sum of three or more terms (a bias counting as one): a
         # float32 sum of at most two from +0.0 is commutative (signed zeros included; docs/design/data-path.md).
-        # One node sums up to R rows; across nodes a forwarder sums up to P rows of its node, the origin the G
-        # node partials after the bias. Where no sum can have three terms the keys are neither made nor sent.
+        # Where no sum can have three terms (_keys_always) and no bias is given the keys are neither made nor sent.
         nodes = self._legacy.num_nodes
-        terms = (self.num_ranks,) if nodes == 1 else (self.num_ranks // nodes, nodes)
-        keyed = max(terms) > 2 or not (bias is None or isinstance(bias, tuple) and all(b is None for b in bias))
+        keyed = self._keys_always() or not (bias is None or isinstance(bias, tuple) and all(b is None for b in bias))
         (combined, combined_w), event = self._legacy._run_combine(
             precheck=precheck, previous_event=prev, async_finish=async_with_compute_stream, extra_words=words,
             inputs={"x": x, "topk_weights": topk_weights, "bias": bias})
         if keyed and nodes > 1 and combined_w is not None:  # the keys' column is not the caller's
             combined_w = combined_w[:, :-1] if topk_weights is not None else None
         return self._combine_result(combined, combined_w, event, defer_epilogue)
+
+    def _keys_always(self) -> bool:
+        """Whether a combine's sums can have three terms without a bias, so that every combine adds a token's rows
+        in key order: one node sums up to ``R`` rows; across nodes a forwarder up to ``P`` rows of its node and the
+        origin the ``G`` node partials."""
+        nodes = self._legacy.num_nodes
+        return max((self.num_ranks,) if nodes == 1 else (self.num_ranks // nodes, nodes)) > 2
 
     @staticmethod
     def _combine_result(combined, combined_w, event: EventOverlap, defer_epilogue: bool):

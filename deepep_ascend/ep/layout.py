@@ -49,6 +49,23 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
             torch.from_numpy(is_token_in_rank))
 
 
+def last_slot_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[N, R]`` int64: each token's last top-k slot ``j`` with an expert on each rank, -1 where it has none
+    (``EPBuffer``'s combine key, docs/semantics/deepep-api.md §13.5); the torch path of
+    :func:`deepep_ascend.native.dispatch_layout`'s ``last_slot``.
+
+    Args:
+        topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
+    """
+    n, k = topk_idx.shape
+    order = torch.full((n, num_ranks), -1, dtype=torch.int64)
+    if k and n:
+        dest = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor").clamp(min=0)
+        lanes = torch.where(topk_idx >= 0, torch.arange(k), -1)
+        order.scatter_reduce_(1, dest, lanes, reduce="amax")
+    return order
+
+
 def tokens_per_node(is_token_in_rank: torch.Tensor, num_nodes: int, ranks_per_node: int) -> torch.Tensor:
     """``num_tokens_per_rdma_rank [G]`` int32: tokens with an expert on each node
     (``is_token_in_rank [N, G·P]`` bool)."""

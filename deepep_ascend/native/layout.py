@@ -17,16 +17,18 @@ from .operands import dense_ok, mark_written
 __all__ = ["dispatch_layout", "local_experts", "recv_channel_prefix", "send_layout"]
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
-                    num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    last_slot: bool = False) -> tuple[torch.Tensor, ...] | None:
     """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)`` of a
-    routing, in one pass (``deep_ep.Buffer.get_dispatch_layout``'s counts; docs/semantics/deepep-api.md §4.1).
+    routing, in one pass (``deep_ep.Buffer.get_dispatch_layout``'s counts; docs/semantics/deepep-api.md §4.1),
+    and with ``last_slot`` a fourth, ``[N, R]`` int64: each token's last top-k slot on each rank, -1 where it has
+    none (:func:`deepep_ascend.ep.layout.last_slot_per_rank`, ``EPBuffer``'s combine key).
 
     Args:
         topk_idx: ``[N, K]`` contiguous int64, ids in ``[-1, num_experts)`` (-1: none).
         num_experts: ``E``, a positive multiple of ``num_ranks``.
     Returns:
-        The three tensors, or None: kernel not loaded, operands not as above, or an id out of range
+        The tensors, or None: kernel not loaded, operands not as above, or an id out of range
         (nothing computed; the caller's path raises or handles it).
     """
     fn = kernels.dispatch_layout
@@ -36,10 +38,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
     per_rank = torch.empty(num_ranks, dtype=torch.int32)
     per_expert = torch.empty(num_experts, dtype=torch.int32)
     in_rank = torch.empty(n, num_ranks, dtype=torch.bool)
+    last = torch.empty(n, num_ranks, dtype=torch.int64) if last_slot else None
     if fn(topk_idx.data_ptr(), n, k, num_experts, num_ranks, per_rank.data_ptr(), per_expert.data_ptr(),
-          in_rank.data_ptr()):
+          in_rank.data_ptr(), None if last is None else last.data_ptr()):
         return None
-    return per_rank, per_expert, in_rank
+    return (per_rank, per_expert, in_rank) if last is None else (per_rank, per_expert, in_rank, last)
 
 
 def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torch.Tensor, torch.Tensor] | None:

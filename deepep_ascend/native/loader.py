@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 23
+ABI = 24
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -65,7 +65,7 @@ _SIGNATURES = {
     "amx_gemm_bf16": (_I64, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64]),
     "amx_fp4_packed_bytes": (_I64, [_I64, _I64]),
     "amx_pack_fp4": (None, [_P, _P, _I64, _P, _I64, _I64, _I64]),
-    "dispatch_layout": (_I64, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
+    "dispatch_layout": (_I64, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P]),
     "send_layout": (None, [_P, _I64, _I64, _I64, _P, _P, _P]),
     "recv_channel_prefix": (_I64, [_P, _P, _P, _I64, _I64, _P]),
     "local_experts": (None, [_P, _P, _I64, _I64, _I64]),

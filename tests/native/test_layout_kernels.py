@@ -1,4 +1,5 @@
-"""The normal path's routing counts in C (``native.dispatch_layout``, ``send_layout``, ``recv_channel_prefix``)
+"""The normal path's routing counts in C (``native.dispatch_layout`` with ``EPBuffer``'s last slot per rank,
+``send_layout``, ``recv_channel_prefix``)
 against per-token Python loops (the definitions, docs/semantics/deepep-api.md §4.1, §4.3) and the numpy paths
 of ``deepep_ascend.ep.layout`` that run where the library is not built: same values, dtypes and shapes;
 empty routings; ids out of range and operands the kernels do not take."""
@@ -27,6 +28,16 @@ def _loop_dispatch_layout(topk, num_experts, num_ranks):
                 in_rank[t, e // local] = True
     per_rank += in_rank.sum(0, dtype=torch.int32)
     return per_rank, per_expert, in_rank
+
+
+def _loop_last_slot(topk, num_experts, num_ranks):
+    local = num_experts // num_ranks
+    last = torch.full((topk.size(0), num_ranks), -1, dtype=torch.int64)
+    for t, row in enumerate(topk.tolist()):
+        for j, e in enumerate(row):
+            if e >= 0:
+                last[t, e // local] = max(int(last[t, e // local]), j)
+    return last
 
 
 def _loop_send_layout(in_rank, num_channels):
@@ -90,6 +101,9 @@ def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, 
     got = native.dispatch_layout(topk, num_experts, num_ranks)
     _same(got, _loop_dispatch_layout(topk, num_experts, num_ranks),
           _numpy_path(layout.dispatch_layout, topk, num_experts, num_ranks, monkeypatch=monkeypatch))
+    with_last = native.dispatch_layout(topk, num_experts, num_ranks, last_slot=True)  # EPBuffer's combine keys too
+    _same(with_last, (*got, _loop_last_slot(topk, num_experts, num_ranks)))
+    _same(with_last[3], layout.last_slot_per_rank(topk, num_experts, num_ranks))
     in_rank = got[2]
     _same(native.send_layout(in_rank, num_channels), _loop_send_layout(in_rank, num_channels),
           _numpy_path(layout.send_layout, in_rank, num_channels, monkeypatch=monkeypatch))
@@ -132,6 +146,7 @@ def test_local_experts_matches_the_torch_path(rank, local):
 
 def test_refuses_what_it_does_not_take():
     assert native.dispatch_layout(torch.tensor([[0, 4]]), 4, 2) is None  # id past the experts
+    assert native.dispatch_layout(torch.tensor([[0, 4]]), 4, 2, last_slot=True) is None
     assert native.dispatch_layout(torch.tensor([[-2, 1]]), 4, 2) is None  # below -1
     assert native.dispatch_layout(torch.tensor([[0, 1]], dtype=torch.int32), 4, 2) is None  # not int64
     assert native.dispatch_layout(torch.zeros(4, 3, dtype=torch.int64)[:, ::2], 4, 2) is None  # strided

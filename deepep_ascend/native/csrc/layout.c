@@ -14,10 +14,12 @@
 
 /* topk [n, k] int64 expert ids in [-1, num_experts) (-1: none); num_experts a positive multiple of
  * num_ranks. Writes per_rank [num_ranks] int32 (tokens with an expert on each rank, once per token),
- * per_expert [num_experts] int32 ((token, slot) pairs per expert), in_rank [n, num_ranks] bool (uint8 0/1).
+ * per_expert [num_experts] int32 ((token, slot) pairs per expert), in_rank [n, num_ranks] bool (uint8 0/1),
+ * and, unless last_slot is NULL, last_slot [n, num_ranks] int64: the token's last top-k slot j on each rank,
+ * -1 where it has none (EPBuffer's combine key, docs/semantics/deepep-api.md §13.5).
  * Returns 0, or 1 (nothing written) when an id is out of range. */
 int64_t deepep_dispatch_layout(const int64_t *topk, int64_t n, int64_t k, int64_t num_experts, int64_t num_ranks,
-                               int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank) {
+                               int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank, int64_t *last_slot) {
     for (int64_t i = 0; i < n * k; ++i)
         if (topk[i] < -1 || topk[i] >= num_experts)
             return 1;
@@ -25,14 +27,20 @@ int64_t deepep_dispatch_layout(const int64_t *topk, int64_t n, int64_t k, int64_
     memset(per_rank, 0, (size_t)num_ranks * sizeof(int32_t));
     memset(per_expert, 0, (size_t)num_experts * sizeof(int32_t));
     memset(in_rank, 0, (size_t)(n * num_ranks));
+    if (last_slot)
+        for (int64_t i = 0; i < n * num_ranks; ++i)
+            last_slot[i] = -1;
     for (int64_t t = 0; t < n; ++t) {
         uint8_t *row = in_rank + t * num_ranks;
+        int64_t *last = last_slot ? last_slot + t * num_ranks : NULL;
         for (int64_t j = 0; j < k; ++j) {
             const int64_t e = topk[t * k + j];
             if (e < 0)
                 continue;
             per_expert[e] += 1;
             row[e / local] = 1;
+            if (last)
+                last[e / local] = j;  /* slots ascend: the last store is the largest */
         }
         for (int64_t r = 0; r < num_ranks; ++r)
             per_rank[r] += row[r];
