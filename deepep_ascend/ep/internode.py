@@ -186,6 +186,8 @@ class _CombineCall:
     src_max: int = -1  # the largest token index among the returned rows (-1: none)
     keyed: bool = False  # EPBuffer's order: the last weight column is each row's sort key
     node_order: torch.Tensor | None = None  # [N, G] int64: the origin's key of each node's partial
+    # one rank per node: a node partial is this rank's returned rows as they lie in x (_returns_in_place)
+    in_place: bool = False
 
     @property
     def weight_cols(self) -> int:
@@ -321,8 +323,9 @@ class InternodeEngine:
             return self._box(self.rank, self.node, 0, nbytes)
         return self._pack_buffer(nbytes)
 
-    def _send(self, c, blk, message: str | None):
-        """Deliver a block built by :meth:`_block` to the rail peer on node ``c`` and raise its ``U_READY``."""
+    def _send(self, c, blk, message: str | None, rows_put: tuple | None = None):
+        """Deliver a block built by :meth:`_block` to the rail peer on node ``c`` and raise its ``U_READY``;
+        ``rows_put``: ``(offset, rows)``, bytes the block leaves out, put first at that offset of the box."""
         if _PH.on:
             _PH.switch("send")
         if c == self.node:
@@ -336,6 +339,8 @@ class InternodeEngine:
             msg = self._pack_buffer(blk.numel() + MSG_BYTES)[blk.numel():]
             self._write_message(msg, message)
             self.tp.put(self.uwin, dst, base + self.box - MSG_BYTES, msg)
+        if rows_put is not None:  # completed with the block's put below (its flush), before the signal
+            self.tp.put(self.uwin, dst, base + rows_put[0], rows_put[1])
         self.tp.put_with_signal(self.uwin, dst, base, blk, U_READY)
 
     @staticmethod
@@ -902,8 +907,9 @@ class InternodeEngine:
             for a in [*range(self.node + 1, self.G), *range(self.node + 1)]:
                 if _PH.on:
                     _PH.switch("reduce")
+                rows_put = None
                 if message is None and forward is not None:
-                    blk = forward(rnd, a)
+                    blk, rows_put = forward(rnd, a)
                 else:
                     blk = self._block(a, HDR)
                     self._write_header(blk, {})
@@ -913,7 +919,7 @@ class InternodeEngine:
                 words_out[W_OP_CALL], words_out[W_STATUS] = op_call, int(message is not None)
                 if mine is not None:  # round 0: the words every node must agree on, for the rail peers' verdict
                     words_out[_CONSENSUS] = mine
-                self._send(a, blk, message)
+                self._send(a, blk, message, rows_put)
             self._await_rails(phase)
             if _PH.on:
                 _PH.switch("control")
@@ -965,6 +971,7 @@ class InternodeEngine:
         call.src_max = int(call.src.max()) if num_recv else -1
         call.node_order = None if order is None else order.view(n, self.G, self.P).amax(2)
         call.keyed = order is not None
+        call.in_place = self._returns_in_place(x, bias)
         words = {W_XBYTES: 2 * hidden, W_XDTYPE: dtype_code(torch.bfloat16), W_HANDLE: handle_id,
                  W_CHANNELS: num_channels, W_WCOLS: wcols, W_TOPK: -1, **(extra_words or {})}
         for _ in self._combine_rounds(call_id=call_id, words=words, n=n, per_round=call.per_round, error=None,
@@ -972,6 +979,17 @@ class InternodeEngine:
                                       forward=functools.partial(self._forward_partials, call),
                                       reduce=functools.partial(self._reduce_partials, call)):
             pass
+
+    def _returns_in_place(self, x: torch.Tensor, bias) -> bool:
+        """Whether a combine's node partials may be this rank's returned rows as they lie in ``x``: one rank per
+        node (a partial sums one row) and ``x``'s rows contiguous. The partial of one row is the row rounded from
+        ``+0.0 + row``, which differs from the row only at ``-0.0`` (``+0.0``) and in NaN payloads; the origin's
+        sum starts from ``+0.0``, or from ``f32(bias0) + 0.0``, and a float32 sum that starts from ``+0.0`` never
+        sees the sign of a zero it adds (nor does the final rounding the payload of a NaN): the same bits.
+        Two biases can start the sum at ``-0.0`` (``-0.0 + -0.0``): the rows are rounded at the forwarder then.
+        docs/design/data-path.md, "Normal mode across nodes"."""
+        two_biases = bias is not None and all(b is not None for b in bias)
+        return self.P == 1 and not two_biases and (x.size(0) < 2 or x.stride(0) == x.size(1)) and x.stride(1) == 1
 
     def _stage_returned_rows(self, call: _CombineCall, rnd: int) -> None:
         """Stage in this rank's UBMEM half its rows (and weights) of round ``rnd``'s tokens of every origin
@@ -1008,9 +1026,10 @@ class InternodeEngine:
                 wdst[pos:pos + end - begin].copy_(call.topk_weights[begin:end])
             pos += end - begin
 
-    def _forward_partials(self, call: _CombineCall, rnd: int, origin_node: int) -> torch.Tensor:
+    def _forward_partials(self, call: _CombineCall, rnd: int, origin_node: int) -> tuple[torch.Tensor, tuple | None]:
         """The block of partials for origin ``(origin_node, l)``: this round's tokens of it that this rank
-        forwarded, each summed over the node peers that returned a row of it. Returns the block to send."""
+        forwarded, each summed over the node peers that returned a row of it. Returns the block to send and
+        ``(offset, rows)``, the rows it leaves out for :meth:`_send` to put from where they lie (or None)."""
         per_node = self.P
         origin = origin_node * per_node + self.local
         heads = call.handle.send_nvl_head[call.forward_starts[origin_node]:call.forward_starts[origin_node + 1]]
@@ -1030,10 +1049,16 @@ class InternodeEngine:
         last = self._forwarded_until(heads, first, call.staged_done[:, origin], counts)
         rows = last - first
         offs, blk_end = _offsets(HDR, rows, call.row_fields)
-        blk = self._block(origin_node, blk_end)
+        # in place: the rows are this rank's own in x (one rank per node), put from there (the origin's own node:
+        # read there by _reduce_partials), and the block holds the header and the weights
+        blk = self._block(origin_node, offs[1] if call.in_place else blk_end)
         self._write_header(blk, {W_ROWS: rows})
+        rows_put = None
         if rows:
             self._sum_node_rows(call, blk, offs, heads[first:last] >= 0, node_peers, counts, begins, origin)
+            if call.in_place and origin_node != self.node:
+                begin = call.spans[origin][0]
+                rows_put = (offs[1], call.rows[begin:begin + rows])
         else:
             for peer, count in zip(node_peers, counts):
                 if count:
@@ -1042,7 +1067,7 @@ class InternodeEngine:
                                        f"there; the handles passed on different ranks do not match")
         call.staged_done[:, origin] += counts
         call.forwarded_done[origin_node] = last
-        return blk
+        return blk, rows_put
 
     @staticmethod
     def _forwarded_until(heads, first: int, staged_before, counts) -> int:
@@ -1085,11 +1110,13 @@ class InternodeEngine:
                 weight_sources.append((self._stage(peer, peer_offs[0] + begin * 4 * weight_cols,
                                                    count * 4 * weight_cols, torch.float32).view(count, weight_cols),
                                        pos))
-        # Node partial: float32 from +0.0 in ascending local rank (EPBuffer: ascending key), rounded to bf16.
-        acc, tmp = self._scratch.get(hidden)
-        keys = [weights[:, -1].to(torch.int64) for weights, _ in weight_sources] if call.keyed else None
-        accumulate_rows(blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), sources, acc, tmp,
-                        keys=keys)
+        # Node partial: float32 from +0.0 in ascending local rank (EPBuffer: ascending key), rounded to bf16 (in
+        # place: the rows themselves, _returns_in_place)
+        if not call.in_place:
+            acc, tmp = self._scratch.get(hidden)
+            keys = [weights[:, -1].to(torch.int64) for weights, _ in weight_sources] if call.keyed else None
+            accumulate_rows(blk[offs[1]:offs[1] + rows * xb].view(torch.bfloat16).view(rows, hidden), sources, acc,
+                            tmp, keys=keys)
         if weight_cols:
             wout = blk[offs[0]:offs[0] + rows * 4 * weight_cols].view(torch.float32).view(rows, weight_cols)
             wout.zero_()
@@ -1117,7 +1144,12 @@ class InternodeEngine:
                 continue
             offs, end = _offsets(HDR, rows, call.row_fields)
             blk = self._box(me, c, 0, end)
-            sources.append((blk[offs[1]:offs[1] + rows * 2 * hidden].view(torch.bfloat16).view(rows, hidden), tokens))
+            if call.in_place and c == self.node:  # this rank's own returned rows, where they lie in x
+                begin = call.spans[me][0]
+                sources.append((call.rows[begin:begin + rows].view(torch.bfloat16).view(rows, hidden), tokens))
+            else:
+                sources.append((blk[offs[1]:offs[1] + rows * 2 * hidden].view(torch.bfloat16).view(rows, hidden),
+                                tokens))
             if call.node_order is not None:
                 keys.append(call.node_order[lo_t + tokens, c])
             if wacc is not None and weight_cols:

@@ -24,8 +24,10 @@ from tests.support.buffer_helpers import (
     make_topk_idx,
     many_round_trips,
     run_case,
+    same_bits_nan,
 )
-from tests.support.mpi_utils import world
+from tests.support.mpi_utils import gather_all, world
+from tests.support.reference import ref_combine
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.watchdog(240)]
 
@@ -75,6 +77,45 @@ def test_internode_dispatch_combine_vs_reference(buffers, comm, rpn, case):
     assert buf.num_nodes == comm.Get_size() // rpn
     chk = run_case(buf, comm, case, seed=CASES.index(case) + 100 * rpn)
     chk.finish(f"{case.name} at {buf.num_nodes}x{rpn}")
+
+
+@pytest.mark.parametrize("bias", ["none", "one", "pair"])
+def test_combine_signed_zeros_nans_and_infinities_bit_exact(buffers, comm, bias):
+    """Combine's node partials, read where they lie with one rank per node or summed at the forwarder with
+    more, give the reference's bits where the returned rows hold -0.0, NaN and infinities, the weights -0.0 and
+    the biases -0.0: two -0.0 biases start the origin's sum at -0.0, where an unrounded -0.0 row would keep the
+    sign (docs/design/data-path.md, "Normal mode across nodes"). NaN compared by position."""
+    R, r = comm.Get_size(), comm.Get_rank()
+    for rpn in _node_sizes(R):
+        buf = _buffer(buffers, rpn)
+        gen = torch.Generator().manual_seed(31 + r)
+        n, H, E, K = 16 - r % 3, 128, 4 * R, 3
+        idx = make_topk_idx("uniform", n, E, K, r, R, gen)
+        x = torch.randn(n, H, generator=gen).to(BF16)
+        w = torch.rand(n, K, generator=gen)
+        ntpr, ntprdma, ntpe, itr, _ = coll(lambda: buf.get_dispatch_layout(idx, E))
+        recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
+            x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprdma, is_token_in_rank=itr,
+            num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w))
+        y = (recv_x.float() * (1 + r)).to(BF16)
+        y[:, 0] = -0.0  # every row: -0.0 sums, started from -0.0 by two -0.0 biases
+        y[:, 1] = -0.0
+        y[::2, 2] = float("nan")
+        y[::3, 3] = float("inf")
+        y[1::3, 3] = float("-inf")  # inf + -inf where a token meets both
+        y[:, 4] = float("inf") if r % 2 else 1.0
+        weights = recv_w.clone()
+        weights[:, 0] = -0.0
+        biases = None
+        if bias != "none":
+            b0 = torch.randn(n, H, generator=gen).to(BF16)
+            b0[:, :2] = -0.0
+            biases = b0 if bias == "one" else (b0, b0.clone())
+        combined, combined_w, _ = coll(lambda: buf.combine(y, handle, topk_weights=weights, bias=biases))
+        want_x, want_w = ref_combine(gather_all(y), gather_all(itr), r, bias=biases,
+                                     topk_weights=gather_all(weights), ranks_per_node=rpn)
+        ok = same_bits_nan(combined, want_x) and same_bits_nan(combined_w, want_w)
+        all_ranks_ok(comm, ok, f"rank {r}: combine at {R // rpn}x{rpn}, bias {bias}: bits differ from the reference")
 
 
 def _two_nodes(comm):
