@@ -104,7 +104,7 @@ from bench.roundtrip import (
     verification_failure,
     verify_round_trip,
 )
-from bench.timing import Timing, progress_bar, time_phases
+from bench.timing import Timing, progress_bar, time_loops, time_phases
 from bench.workload import Workload, calc_diff, comm_fingerprint, make_workload, num_recv_tokens_of, tensor_digest
 
 SYSTEMS = ("ep", "v1", "mpi", "gloo", "roofline")
@@ -134,6 +134,11 @@ def add_arguments(p) -> None:
     p.add_argument("--expert-alignment", type=cli.int_at_least(1), default=128, metavar="A",
                    help="EPBuffer's expert_alignment: each expert's rows start at a multiple of A in the expanded "
                         "layout; the compact layout's per-expert counts are rounded up to it (default 128)")
+    p.add_argument("--loop", type=cli.int_at_least(1), default=None, metavar="N",
+                   help="also time EPBuffer's and V1's round trips back to back, as a training loop runs them: "
+                        "5 segments of N round trips each, the two alternating, no barrier between the calls, "
+                        "Python's garbage collector on (the barrier-timed loop pauses it); identity experts "
+                        "computed once")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all); ep = EPBuffer, v1 = Buffer, "
                         "mpi / gloo = the peer pipelines, roofline = the memcpy roofline")
@@ -302,6 +307,40 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
     return phases, finish
 
 
+LOOP_SEGMENTS = 5  # --loop: segments per system
+
+
+def loop_steps(buf, v1, wl: Workload, args) -> dict:
+    """``--loop``'s steps: one round trip each of EPBuffer (``epbuffer``) and V1 (``buffer_v1``: layout, dispatch,
+    combine), whichever exists, on the workload's inputs; the combine returns the same BF16 rows every time
+    (the identity experts of a first dispatch, made here), so that only the library runs in the loop."""
+    kw = dict(topk_idx=wl.topk_idx, topk_weights=wl.topk_weights, num_experts=args.num_experts,
+              expert_alignment=args.expert_alignment, do_expand=args.expand, do_zero_padding=args.zero_padding)
+    x, steps = wl.dispatch_x, {}
+    if buf is not None:
+        d = buf.dispatch(x, **kw)
+        y_ep = identity_experts(d[0])
+        del d
+
+        def ep_step():
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, **kw)
+            buf.combine(y_ep, handle, topk_weights=recv_w)
+
+        steps["epbuffer"] = ep_step
+    if v1 is not None:
+        system = BufferSystem(v1, "buffer_v1")
+        d = system.dispatch(x, system.layout(wl.topk_idx, args.num_experts), wl.topk_idx, wl.topk_weights)
+        y_v1 = identity_experts(d[0])
+        del d
+
+        def v1_step():
+            out = system.dispatch(x, system.layout(wl.topk_idx, args.num_experts), wl.topk_idx, wl.topk_weights)
+            system.combine(y_v1, out[4], out[2])
+
+        steps["buffer_v1"] = v1_step
+    return steps
+
+
 def agree(flags: dict, comm) -> dict:
     """``flags`` (booleans and floats) combined over ranks: booleans ANDed, floats the maximum (collective)."""
     from mpi4py import MPI
@@ -441,6 +480,18 @@ def summarize(trips: dict, R: int, failed: dict | None = None) -> dict:
     return out
 
 
+def loop_lines(loop: dict, per_segment: int, summary: dict) -> list:
+    """``--loop``'s lines (and ``summary["loop_epbuffer_over_buffer_v1"]``): the time per round trip of each
+    system run back to back."""
+    line = (f"[loop]     back to back, GC on, per round trip (median of {LOOP_SEGMENTS} segments of {per_segment}): "
+            + " | ".join(f"{n} {t.median * 1e3:.3f} ms" for n, t in loop.items()))
+    if "epbuffer" in loop and "buffer_v1" in loop:
+        r = loop["epbuffer"].median / loop["buffer_v1"].median
+        summary["loop_epbuffer_over_buffer_v1"] = r
+        line += f" | epbuffer / buffer_v1 {r:.2f}x"
+    return [line]
+
+
 def result_records(ep: EPResult | None, ep_rep: dict | None, others: dict, reports: dict, trips: dict,
                    roof: dict | None, roof_bytes: list | None) -> tuple[list, list]:
     """``(results, baselines)`` of the document (module docstring). ``others``: V1 and the peers'
@@ -546,6 +597,10 @@ def run(args) -> int:
             others["buffer_v1"] = finish_v1(t)
         if args.phases:  # after the timed loop: the headline numbers are measured with the recorder off
             extra["phases"] = gather_breakdown(record_steps(phases, comm, args.iters), comm)
+        if args.loop:
+            loops = loop_steps(buf, v1, wl, args)
+            extra["loop"] = {n: t for n, t in time_loops(loops, comm, LOOP_SEGMENTS, args.loop,
+                                                         args.warmup).items()}
         extra["memory_after_buffers"] = comm.gather(memory_snapshot(), root=0)
     for b in (buf, v1):  # windows freed before the peers run
         if b is not None:
@@ -643,6 +698,8 @@ def run(args) -> int:
         if extra.get("phases"):
             print("\n".join(breakdown_lines(extra["phases"])))
         summary = summarize(trips, R, failed)
+        if "loop" in extra:
+            summary["lines"] += loop_lines(extra["loop"], args.loop, summary)
         for line in summary["lines"]:
             print(line)
         peak = [m["peak_rss"] for m in mem]
@@ -658,8 +715,10 @@ def run(args) -> int:
                                            expert_alignment=args.expert_alignment),
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,
-                             buffers={k: v for k, v in extra.items() if not k.startswith("memory") and k != "phases"},
+                             buffers={k: v for k, v in extra.items()
+                                      if not k.startswith("memory") and k not in ("phases", "loop")},
                              phases=extra.get("phases"),
+                             loop={n: t.as_dict() for n, t in extra.get("loop", {}).items()} or None,
                              memory=dict(per_rank_end=mem, **{k: v for k, v in extra.items()
                                                              if k.startswith("memory")}))))
             print(f"[json]     wrote {args.json}")

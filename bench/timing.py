@@ -3,6 +3,8 @@
 * :func:`time_phases` / :func:`time_collective` — barrier before each timed op, ``time.perf_counter``
   around it, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max
   over iterations (:class:`Timing`); Python's garbage collector paused throughout (:func:`gc_paused`);
+* :func:`time_loops` — several calls back to back as an application's loop runs them (no barrier between
+  them, the garbage collector as the caller has it), systems alternating segment by segment;
 * :func:`interleaved_medians_ms` — one process: the median of each of several functions timed in
   alternation, so that the host's drift hits every function alike;
 * :func:`progress_bar` — a tqdm bar over the iterations on rank 0 (``--no-progress`` turns it off).
@@ -113,6 +115,32 @@ def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return {n: Timing(glob[i].tolist()) for i, n in enumerate(names)}
+
+
+def time_loops(loops: dict[str, Callable[[], Any]], comm, segments: int, per_segment: int,
+               warmup: int) -> dict[str, Timing]:
+    """Time each of ``loops`` (name -> one collective step, e.g. a round trip) as a training or decode loop
+    runs it: ``per_segment`` steps back to back, no barrier between them, Python's garbage collector left as
+    the caller has it (on by default: what a cycle per step costs shows). Systems alternate segment by
+    segment (a barrier before each segment) so that the host's drift hits all alike; ``warmup`` steps of
+    each first, untimed. Returns, per name, a :class:`Timing` over segments of the time per step: each
+    segment's elapsed time divided by ``per_segment``, the max over ranks. Collective."""
+    from mpi4py import MPI
+
+    for fn in loops.values():
+        for _ in range(warmup):
+            fn()
+    local = np.zeros((len(loops), segments), dtype=np.float64)
+    for k in range(segments):
+        for i, fn in enumerate(loops.values()):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(per_segment):
+                fn()
+            local[i, k] = (time.perf_counter() - t0) / per_segment
+    glob = np.empty_like(local)
+    comm.Allreduce(local, glob, op=MPI.MAX)
+    return {name: Timing(glob[i].tolist()) for i, name in enumerate(loops)}
 
 
 def time_collective(fn: Callable[[], Any], comm, iters: int, warmup: int) -> Timing:

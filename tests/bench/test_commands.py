@@ -287,14 +287,21 @@ def _tiny_expanded_ep(out_dir, name: str, *extra: str) -> tuple[dict, str]:
 @ONE_RANK
 def test_ep_expanded_across_two_nodes(out_dir):
     """``ep --expand --zero-padding`` across two simulated nodes (one rank each): the expanded layout, scale-out
-    bytes and the two-rounding reference, checked and written like the default run."""
+    bytes and the two-rounding reference, checked and written like the default run; ``--loop`` times both
+    systems back to back too."""
     doc, out = _tiny_expanded_ep(out_dir, "ep_expand.json", "--zero-padding", "--ranks-per-node", "1",
-                                 "--systems", "ep,v1")
+                                 "--systems", "ep,v1", "--loop", "2")
     _check_doc(doc, "ep", 2)
     _check_ep_details(doc, {r["name"]: r for r in doc["results"]})
     assert doc["details"]["nodes"] == 2 and max(doc["details"]["epbuffer"]["per_rank"]["scaleout_tokens"]) > 0
     assert "layout expanded, expert_alignment 4, zero padding" in out and "each node's partial rounded to BF16" in out
     assert doc["details"]["workload"]["zero_padding"] is True
+    # --loop: both systems back to back, five segments each, and their ratio
+    loop = doc["details"]["loop"]
+    assert set(loop) == {"epbuffer", "buffer_v1"} and all(len(t["times_s"]) == 5 for t in loop.values())
+    assert all(0 < v < 10 for t in loop.values() for v in t["times_s"])
+    ratio = loop["epbuffer"]["median_s"] / loop["buffer_v1"]["median_s"]
+    assert abs(doc["summary"]["loop_epbuffer_over_buffer_v1"] - ratio) < 1e-9 and "[loop]" in out
 
 
 @pytest.mark.mpi(min_size=1)
