@@ -17,6 +17,30 @@ from .handles import InternodeHandle, IntranodeHandle
 __all__ = ["EPHandle"]
 
 
+class _Assignable:
+    """An ``EPHandle`` field as DeepEP has it, a plain attribute its tests reassign (``handle.recv_src_metadata =
+    handle.recv_src_metadata[:n]``): it reads what was assigned, else the dispatch's own value, the private
+    attribute ``field``, set by the pending function ``fill`` (``"_per_source"``, ``"_per_expert"``) when first
+    read (:meth:`EPHandle._filled`). The buffer's calls read the private attributes, never the assigned ones."""
+
+    def __init__(self, field: str, fill: str):
+        self.field, self.fill = field, fill
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.assigned = f"_set_{name}"
+        self.__doc__ = f"``{name}``: see the class doc (assignable, as DeepEP's attribute)."
+
+    def __get__(self, handle, owner=None):
+        if handle is None:
+            return self
+        if self.assigned in handle.__dict__:
+            return handle.__dict__[self.assigned]
+        return getattr(handle._filled(self.fill), self.field)
+
+    def __set__(self, handle, value) -> None:
+        handle.__dict__[self.assigned] = value
+
+
 class EPHandle:
     """The routing of one ``EPBuffer.dispatch``; mirrors ``deep_ep.EPHandle`` (DeepEP V2.5).
 
@@ -109,70 +133,16 @@ class EPHandle:
                     setattr(self, which, None)
         return self
 
-    def _source_fields(self) -> EPHandle:
-        return self._filled("_per_source")
-
-    # DeepEP's handle has plain attributes, which its tests reassign (``handle.recv_src_metadata =
-    # handle.recv_src_metadata[:n]``): these fields read what was assigned, and the buffer's calls keep reading
-    # the dispatch's own (``_own_metadata``).
-
-    @property
-    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
-        """See the class doc (assignable, as DeepEP's attribute)."""
-        return self.__dict__.get("_set_psum_per_scaleup_rank", self._source_fields()._psum_per_scaleup_rank)
-
-    @psum_num_recv_tokens_per_scaleup_rank.setter
-    def psum_num_recv_tokens_per_scaleup_rank(self, value) -> None:
-        self._set_psum_per_scaleup_rank = value
-
-    @property
-    def psum_num_recv_tokens_per_rank(self) -> torch.Tensor:
-        """See the class doc (assignable, as DeepEP's attribute)."""
-        return self.__dict__.get("_set_psum_per_rank", self._source_fields()._psum_per_rank)
-
-    @psum_num_recv_tokens_per_rank.setter
-    def psum_num_recv_tokens_per_rank(self, value) -> None:
-        self._set_psum_per_rank = value
-
-    @property
-    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
-        """See the class doc (assignable, as DeepEP's attribute)."""
-        return self.__dict__.get("_set_psum_per_expert", self._filled("_per_expert")._psum_per_expert)
-
-    @psum_num_recv_tokens_per_expert.setter
-    def psum_num_recv_tokens_per_expert(self, value) -> None:
-        self._set_psum_per_expert = value
-
-    @property
-    def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
-        """See the class doc (assignable, as DeepEP's attribute)."""
-        return self.__dict__.get("_set_unaligned_per_expert", self._filled("_per_expert")._unaligned_per_expert)
-
-    @num_unaligned_recv_tokens_per_expert.setter
-    def num_unaligned_recv_tokens_per_expert(self, value) -> None:
-        self._set_unaligned_per_expert = value
-
-    @property
-    def num_recv_tokens_per_expert_list(self) -> list:
-        """See the class doc (assignable, as DeepEP's attribute)."""
-        return self.__dict__.get("_set_per_expert_list", self._filled("_per_expert")._per_expert_list)
-
-    @num_recv_tokens_per_expert_list.setter
-    def num_recv_tokens_per_expert_list(self, value) -> None:
-        self._set_per_expert_list = value
-
-    @property
-    def recv_src_metadata(self) -> torch.Tensor:
-        """See the class doc (assignable, as DeepEP's attribute; the buffer's calls read the dispatch's own)."""
-        return self.__dict__.get("_set_recv_src_metadata", self._own_metadata())
-
-    @recv_src_metadata.setter
-    def recv_src_metadata(self, value) -> None:
-        self._set_recv_src_metadata = value
+    psum_num_recv_tokens_per_scaleup_rank = _Assignable("_psum_per_scaleup_rank", "_per_source")
+    psum_num_recv_tokens_per_rank = _Assignable("_psum_per_rank", "_per_source")
+    psum_num_recv_tokens_per_expert = _Assignable("_psum_per_expert", "_per_expert")
+    num_unaligned_recv_tokens_per_expert = _Assignable("_unaligned_per_expert", "_per_expert")
+    num_recv_tokens_per_expert_list = _Assignable("_per_expert_list", "_per_expert")
+    recv_src_metadata = _Assignable("_recv_src_metadata", "_per_source")  # the buffer's calls: _own_metadata()
 
     def _own_metadata(self) -> torch.Tensor:
         """The dispatch's ``recv_src_metadata`` (what combine reads, whatever the caller assigned)."""
-        return self._source_fields()._recv_src_metadata
+        return self._filled("_per_source")._recv_src_metadata
 
     @property
     def dst_buffer_slot_idx(self) -> torch.Tensor:
