@@ -5,7 +5,8 @@
 
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
 ``--missing`` random tokens of ``--num-tokens``; rows are random BF16, the second marked clean (no
-``-0.0``) as combine marks the rows a peer staged. For each case it times
+``-0.0``: ``accumulate_rows``' ``clean``, which spares the run-wise path its sign-of-zero pass). For each case
+it times
 combine's ``accumulate_rows`` (``deepep_ascend.ep.reduce``) on the same inputs, alternating: the run-wise path forced on
 (``max_runs=tokens``) and forced off (``max_runs=0, bags=False, native=False``, the float32
 chain), and :func:`deepep_ascend.native.sum_rows` (where it was built), checks that all give the
@@ -92,7 +93,7 @@ def run(args) -> int:
             tokens = torch.nonzero(keep).squeeze(1)
             sources.append((torch.randn(tokens.numel(), h, generator=g).to(torch.bfloat16), tokens))
         runs = I.source_runs(m, [tokens for _, tokens in sources])[1].numel() + 1
-        kw = dict(clean=[False, True])  # as in combine: own rows as given, the peer's staged with + 0.0
+        kw = dict(clean=[False, True])  # the second source known free of -0.0
         t_runs, t_chain, t_nat = timed(
             [lambda: I.accumulate_rows(out_runs, sources, acc, tmp, max_runs=m, native=False, **kw),
              lambda: I.accumulate_rows(out_chain, sources, acc, tmp, max_runs=0, bags=False, native=False, **kw)])

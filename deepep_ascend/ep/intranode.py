@@ -182,7 +182,6 @@ class _Returned(NamedTuple):
     src: torch.Tensor  # [>= N_recv] int32: each row's token at its origin (ascending within an origin's block)
     starts: list  # R + 1 ints: origin s's rows are [starts[s], starts[s + 1])
     in_place: bool  # x lies in this rank's landing segment: peers read its rows there, nothing staged
-    clean: bool  # staged rows get -0.0 turned into +0.0 (see combine)
     own_span: list  # [begin, end): this round's rows for this rank itself (set when the round is staged)
 
 
@@ -192,7 +191,6 @@ class _Source(NamedTuple):
     rows: torch.Tensor  # [cnt, H] bf16
     weights: torch.Tensor | None  # [cnt, K'] float32
     tokens: torch.Tensor  # [cnt] int64, ascending, relative to the round's first token
-    clean: bool  # no -0.0 in rows
     rank: int  # the rank that returned these rows
 
 
@@ -1002,12 +1000,11 @@ class IntranodeEngine:
                  W_TOPK: -1, W_NEXP: 0, W_HANDLE: handle_id, W_CHANNELS: num_channels, W_WCOLS: wcols,
                  W_PREFIX: prefix_checksum(rank_prefix_matrix),
                  W_XSEG_OFF: -1 if xseg is None else xseg, **(extra_words or {})}
-        # Only a two-rank origin sums two sources by runs, where clean rows pay off, and only without
-        # the native kernel (indifferent to -0.0, as the bags are); the cleaning add costs nearly
-        # three plain copies.
+        # Staged rows are copied as they are: turning -0.0 into +0.0 on the way would spare a torch-path origin of
+        # two ranks a sign-of-zero pass, but two -0.0 biases start its sum at -0.0, where that sign shows.
         returned = _Returned(x, topk_weights, handle.recv_src_idx,
                              [rows_before(prefix, s, me) for s in range(nr)] + [num_recv],
-                             in_place=xseg is not None, clean=nr == 2 and not _native.available(), own_span=[0, 0])
+                             in_place=xseg is not None, own_span=[0, 0])
         stage = functools.partial(self._stage_combine_chunk, regions, per_round, returned)
         phase = f"combine call #{call_id}"
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
@@ -1036,7 +1033,7 @@ class IntranodeEngine:
             # the block edges and bounds of the torch routes are left to accumulate_rows, which makes them
             # only when a route needs them (the native kernel does not)
             accumulate_rows(combined[lo_t:hi_t], [(source.rows, source.tokens) for source in sources], acc, tmp,
-                            bias, lo_t, clean=[source.clean for source in sources], keys=keys)
+                            bias, lo_t, keys=keys)
         if any(read):
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
@@ -1125,7 +1122,7 @@ class IntranodeEngine:
         if all(spans[s][1] == spans[s + 1][0] for s in range(nr - 1)):
             # Adjacent spans (always so in a single round): two copies, around the own rows.
             pieces = [(spans[0][0], spans[me][0]), (spans[me][1], spans[-1][1])]
-        if (self._plan is not None and not returned.clean and matrix_ok(returned.x)
+        if (self._plan is not None and matrix_ok(returned.x)
                 and (weights is None or matrix_ok(weights))):  # the vector and every piece in one native call
             fields = [] if returned.in_place else [(returned.x, regions.field_offs[0])]
             if wcols > 0:
@@ -1144,13 +1141,7 @@ class IntranodeEngine:
             if end <= begin:
                 continue
             if xdst is not None:  # else peers read these rows of x in place
-                dst = xdst[pos:pos + end - begin].view(torch.bfloat16)
-                if returned.clean:
-                    # + 0.0 (exact) turns -0.0 into +0.0 on the way: staged rows are "clean", which
-                    # spares the origin a sign-of-zero pass over a two-source sum (accumulate_rows).
-                    torch.add(returned.x[begin:end], 0.0, out=dst)
-                else:
-                    dst.copy_(returned.x[begin:end])
+                xdst[pos:pos + end - begin].view(torch.bfloat16).copy_(returned.x[begin:end])
             if wdst is not None:
                 wdst[pos:pos + end - begin].copy_(weights[begin:end])
             pos += end - begin
@@ -1196,6 +1187,6 @@ class IntranodeEngine:
                     rows = rows.view(torch.bfloat16).view(cnt, xb // 2)
                 else:
                     rows = self._rows(j, regions.field_offs[0] + off * xb, cnt, xb // 2, torch.bfloat16)
-            sources.append(_Source(rows, wrows, tokens, staged_x and returned.clean, j))
+            sources.append(_Source(rows, wrows, tokens, j))
             self._record(j, cnt * (xb + 4 * max(wcols, 0)))
         return sources

@@ -340,11 +340,12 @@ def test_buffer_too_small_raises_everywhere(comm, nbytes):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("bias_kind", ["none", "one", "pair"])
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch_paths"])
-def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias, use_native, monkeypatch):
-    """Combine sums from +0.0 (or the bias) in float32: -0.0 rows give +0.0, as in DeepEP and the
-    reference, with the native kernel and on the torch paths (whole-block and indexed accumulation)."""
+def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, bias_kind, use_native, monkeypatch):
+    """Combine sums from +0.0 (or the biases) in float32: -0.0 rows give +0.0, as in DeepEP and the
+    reference, with the native kernel and on the torch paths (whole-block and indexed accumulation), but
+    two -0.0 biases start the sum at -0.0, and -0.0 rows then keep it (no path may clean the rows' zeros)."""
     from deepep_ascend.native.loader import kernels
 
     if not use_native:
@@ -359,13 +360,15 @@ def test_combine_signed_zeros_match_the_sum_from_zero(buf, comm, with_bias, use_
     w = torch.rand(n, 2, generator=gen)
     x = torch.full((n, H), -0.0, dtype=torch.bfloat16)
     x[::5] = torch.randn(len(range(0, n, 5)), H, generator=gen).bfloat16()
-    bias = torch.full((n, H), -0.0, dtype=torch.bfloat16) if with_bias else None
+    bias = None if bias_kind == "none" else torch.full((n, H), -0.0, dtype=torch.bfloat16)
+    bias = (bias, bias.clone()) if bias_kind == "pair" else bias
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
                                              num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w)
-    combined, _, _ = buf.combine(recv_x, handle, bias=bias)
     expected = ref_combine(gather_all(recv_x), gather_all(itr), r, bias, None)[0]
-    assert torch.equal(combined.view(torch.int16), expected.view(torch.int16))  # bitwise, sign of zero included
+    for y in (recv_x, recv_x.clone()):  # read where the dispatch left it, and staged (another tensor)
+        combined, _, _ = buf.combine(y, handle, bias=bias)
+        assert torch.equal(combined.view(torch.int16), expected.view(torch.int16))  # bitwise, signed zeros too
 
 
 @pytest.mark.mpi(min_size=1)
