@@ -739,10 +739,11 @@ class EPBuffer(BufferBase):
                 handle._psum_per_expert = torch.from_numpy(np.cumsum(aligned, dtype=np.int32))
 
         handle._per_source = per_source
-        handle._per_expert = per_expert
-        if handle.do_expand:
-            aligned = counts if alignment == 1 else (counts + alignment - 1) // alignment * alignment
-            self._expanded_slots(handle, valid_topk, counts, torch.cumsum(aligned, 0) - aligned)
+        if handle.do_expand:  # the expanded epilogue places rows by the per-expert fields: set now
+            per_expert(handle)
+            self._expanded_slots(handle, valid_topk, counts, handle._psum_per_expert.to(torch.int64) - counts)
+        else:
+            handle._per_expert = per_expert
 
         def combine_order(handle: EPHandle) -> torch.Tensor:  # (raises if the caller changed topk_idx since)
             return last_slot_per_rank(handle.topk_idx, handle.num_experts, R)
