@@ -36,7 +36,9 @@ while V1's and the peers' round trips are layout + dispatch + combine: the same 
 EPBuffer more work than the others (the expansion and each rank's local sum of a token's slots).
 
 Timing (:func:`bench.timing.time_phases`): a barrier before each timed call, ``time.perf_counter`` around it,
-the max over ranks per iteration, the median (min, max) over ``--iters`` after ``--warmup``.
+the max over ranks per iteration, the median (min, max) over ``--iters`` after ``--warmup``; Python's garbage
+collector paused. ``--loop N`` also times EPBuffer's and V1's round trips back to back, collector on
+(:func:`bench.timing.time_loops`, :func:`loop_steps`).
 
 Bytes (DeepEP V2's ``tests/ep/test_ep.py``; 1 GB = 1e9 B): per dispatch token ``count_bytes(recv_x,
 recv_topk_idx, recv_topk_weights) / rows`` (:func:`bench.formulas.count_bytes`; with ``--expand`` the compact
@@ -231,6 +233,12 @@ class EPResult:
     combined_x: torch.Tensor
 
 
+def ep_dispatch_kwargs(wl: Workload, args) -> dict:
+    """``EPBuffer.dispatch``'s keyword arguments for the workload and the command's layout options."""
+    return dict(topk_idx=wl.topk_idx, topk_weights=wl.topk_weights, num_experts=args.num_experts,
+                expert_alignment=args.expert_alignment, do_expand=args.expand, do_zero_padding=args.zero_padding)
+
+
 def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str = "epbuffer."):
     """EPBuffer's round trip (collective): one checked round trip now (untimed: link counters, the V2
     bytes, the reference check), then ``(phases, finish)`` for :func:`bench.timing.time_phases`, timed
@@ -242,9 +250,7 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
 
     rank, R = comm.Get_rank(), comm.Get_size()
     rpn = R // num_nodes
-    kw = dict(topk_idx=wl.topk_idx, topk_weights=wl.topk_weights, num_experts=args.num_experts,
-              expert_alignment=args.expert_alignment, do_expand=args.expand,
-              do_zero_padding=args.zero_padding)
+    kw = ep_dispatch_kwargs(wl, args)
     x = wl.dispatch_x
     stats = buf.runtime.stats
     s0 = stats.snapshot()
@@ -314,8 +320,7 @@ def loop_steps(buf, v1, wl: Workload, args) -> dict:
     """``--loop``'s steps: one round trip each of EPBuffer (``epbuffer``) and V1 (``buffer_v1``: layout, dispatch,
     combine), whichever exists, on the workload's inputs; the combine returns the same BF16 rows every time
     (the identity experts of a first dispatch, made here), so that only the library runs in the loop."""
-    kw = dict(topk_idx=wl.topk_idx, topk_weights=wl.topk_weights, num_experts=args.num_experts,
-              expert_alignment=args.expert_alignment, do_expand=args.expand, do_zero_padding=args.zero_padding)
+    kw = ep_dispatch_kwargs(wl, args)
     x, steps = wl.dispatch_x, {}
     if buf is not None:
         d = buf.dispatch(x, **kw)
@@ -606,8 +611,7 @@ def run(args) -> int:
             extra["phases"] = gather_breakdown(record_steps(phases, comm, args.iters), comm)
         if args.loop:
             loops = loop_steps(buf, v1, wl, args)
-            extra["loop"] = {n: t for n, t in time_loops(loops, comm, LOOP_SEGMENTS, args.loop,
-                                                         args.warmup).items()}
+            extra["loop"] = time_loops(loops, comm, LOOP_SEGMENTS, args.loop, args.warmup)
         extra["memory_after_buffers"] = comm.gather(memory_snapshot(), root=0)
     for b in (buf, v1):  # windows freed before the peers run
         if b is not None:
