@@ -985,8 +985,9 @@ class InternodeEngine:
         node (a partial sums one row) and ``x``'s rows contiguous. The partial of one row is the row rounded from
         ``+0.0 + row``, which differs from the row only at ``-0.0`` (``+0.0``) and in NaN payloads; the origin's
         sum starts from ``+0.0``, or from ``f32(bias0) + 0.0``, and a float32 sum that starts from ``+0.0`` never
-        sees the sign of a zero it adds (nor does the final rounding the payload of a NaN): the same bits.
-        Two biases can start the sum at ``-0.0`` (``-0.0 + -0.0``): the rows are rounded at the forwarder then.
+        sees the sign of a zero it adds: the same bits (a NaN stays a NaN; its payload, which combine leaves
+        unspecified, may differ on the torch path). Two biases can start the sum at ``-0.0`` (``-0.0 + -0.0``):
+        the rows are rounded at the forwarder then.
         docs/design/data-path.md, "Normal mode across nodes"."""
         two_biases = bias is not None and all(b is not None for b in bias)
         return self.P == 1 and not two_biases and (x.size(0) < 2 or x.stride(0) == x.size(1)) and x.stride(1) == 1
