@@ -18,8 +18,13 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
   - *send*: dispatch: this rank's messages ``[N, d]`` (the FP8 cast done once per token);
     combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
     (:meth:`LowLatencyEngine.combine_buffer`);
-  - *recv*: dispatch: a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
-    ``((e·R + s)·M)·m``, ``m`` = this call's message size (``<= d``); combine: a fixed slot of ``M`` bf16 rows per
+  - *recv*: dispatch (pushed rows, the torch path; ``Layout.indexed_ok``, flag ``F_INDEXED``): an int32 index
+    table ``[L, R, M]``, then from ``index_bytes = align_up(4·E·M, 64)`` a region of ``M`` messages per source
+    ``s`` at ``index_bytes + s·M·m``, ``m`` = this call's message size (``<= d``): ``s`` writes each token it
+    sends here once, ascending, and for the ``i``-th pair of local expert ``e`` its message number at
+    ``(e·R + s)·M + i`` of the table (fits when ``E > R``; with ``E == R`` a token meets each rank's single
+    expert once anyway, and a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
+    ``((e·R + s)·M)·m`` serves instead); the native path's index table only (below); combine: a fixed slot of ``M`` bf16 rows per
     global expert ``g`` at ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
     with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.logfmt.logfmt10_encode`'s wire
     format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
@@ -114,7 +119,7 @@ _HDR_WORDS = 3  # int64 words of a header without a message: call/op/flags/statu
 _STAMP_OFF = 24
 _MSG_OFF = 32
 MSG_HEADER = 16  # bytes before the payload in a dispatch message
-F_FP8, F_UE8M0, F_LOGFMT, F_PULL = 1, 2, 4, 8
+F_FP8, F_UE8M0, F_LOGFMT, F_PULL, F_INDEXED = 1, 2, 4, 8, 16
 #: Largest ``num_max_dispatch_tokens_per_rank`` (DeepEP: ``nvshmem_qp_depth / 2 - 1``,
 #: docs/semantics/deepep-api.md §6.7).
 QP_DEPTH = 1024
@@ -163,6 +168,12 @@ class Layout:
         # The native kernels view the recv region as int32 (the dispatch's index table): odd sizes (tiny or odd H,
         # when M·d outgrows E·M·c) leave it off a 4-byte boundary, and such calls take the torch path.
         self.native_ok = self.recv_off % 4 == 0
+        # The torch path's indexed dispatch: the index table, then M messages per source (each token once per
+        # destination rank, whatever number of its experts live there). It fits unless E == R (one expert per rank,
+        # where a token goes to a rank once anyway and the slots serve).
+        self.index_bytes = align_up(4 * num_experts * m, 64)
+        self.indexed_ok = (self.native_ok
+                           and self.index_bytes + num_ranks * m * self.d <= num_experts * m * max(self.d, self.c))
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.
         self.lf_meta, self.lf_body, self.lf_tail = (LOGFMT_META_BYTES * self.S, LOGFMT_BODY_BYTES * self.S,
                                                     LOGFMT_TAIL_BYTES * self.S)  # per row
@@ -754,13 +765,16 @@ class LowLatencyEngine:
         route = self._route(topk_idx, L, E)
         route_stamp = stamp(topk_idx, self.mask)
         self._dispatched = None
+        if lay.indexed_ok:
+            flags |= F_INDEXED
         hdr = self._header(seq, OP_DISPATCH, 0, lay, flags)
         dsts = self.order()
         ends = torch.cumsum(route.counts.view(R, L).sum(1), 0).tolist()  # the route's last pair + 1 of each rank
         # Each pair's slot row at its destination: row j of local expert e's run -> slot (e, me).
         slot_rows = ((route.experts % L) * R + self.rank) * M + route.rank
+        send = self._send_indexed if lay.indexed_ok else self._send_messages
         for dst in dsts:
-            self._send_messages(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
+            send(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
             self._signal(dst, h, hdr, seq)
 
@@ -1014,6 +1028,45 @@ class LowLatencyEngine:
         self.tp.put_blocks(self.win, dst, messages, tokens * mb, slot_rows[lo:hi] * mb + (base + lay.recv_off),
                            torch.full((hi - lo,), mb, dtype=torch.int64))
 
+    def _send_indexed(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
+                      hi: int, slot_rows: torch.Tensor) -> None:
+        """Write ``dst``'s part of an indexed dispatch (``F_INDEXED``, ``Layout.indexed_ok``): each token the route's
+        pairs ``[lo, hi)`` send there once, ascending, as messages ``0, 1, ...`` of this rank's region in ``dst``'s
+        *recv* (``index_bytes + me·M·mb``), and for every pair its message number into its slot of ``dst``'s index
+        table (int32 ``[L, R, M]`` at the start of *recv*; ``slot_rows`` as for :meth:`_send_messages`). A token
+        bound for several of ``dst``'s experts crosses once: a top-k dispatch moves up to ``min(K, L)`` times fewer
+        bytes to each rank than one message per slot. Mapped: one row copy and one index scatter into its window;
+        else one put of the messages, read where they lie, and one of the index runs (one per local expert)."""
+        if _PH.on:
+            _PH.switch("send")
+        if hi <= lo:
+            return
+        L, R, M, mb = lay.L, self.R, lay.M, messages.size(1)
+        tokens = route.tokens[lo:hi]  # by local expert, then token/slot
+        present = torch.zeros(messages.size(0), dtype=torch.bool)
+        present[tokens] = True
+        uniq = torch.nonzero(present).squeeze(1)  # message j of this rank at dst = its j-th token
+        number = (torch.cumsum(present, 0, dtype=torch.int32) - 1).index_select(0, tokens)
+        msg_off = base + lay.recv_off + lay.index_bytes + self.rank * M * mb
+        idx_off = base + lay.recv_off
+        n = uniq.numel()
+        if self.direct[dst]:
+            recv = self.tp.peer_view(self.win, dst, msg_off, n * mb).view(n, mb)
+            if not native.copy_rows(recv, None, messages, uniq):
+                wide(recv).copy_(wide(messages).index_select(0, uniq))
+            self.tp.peer_view(self.win, dst, idx_off, 4 * L * R * M, torch.int32).index_copy_(0, slot_rows[lo:hi],
+                                                                                              number)
+            self.tp.record_put(dst, n * mb + 4 * (hi - lo))
+            return
+        self.tp.put_blocks(self.win, dst, messages, uniq * mb, msg_off + torch.arange(n) * mb,
+                           torch.full((n,), mb, dtype=torch.int64))
+        # The pairs of each local expert fill its slot's first rows: one block per expert with pairs.
+        counts = route.counts[dst * L:(dst + 1) * L]
+        live = torch.nonzero(counts).squeeze(1)
+        firsts = (torch.cumsum(counts, 0) - counts).index_select(0, live)
+        self.tp.put_blocks(self.win, dst, number, 4 * firsts, idx_off + 4 * (live * R + self.rank) * M,
+                           4 * counts.index_select(0, live))
+
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
         expert ``e``'s rows packed from row 0 of ``recv_x[e]``, by source, then token/slot; then zero the rows
@@ -1037,12 +1090,24 @@ class LowLatencyEngine:
         if total:
             mb, sb = call.message_bytes, call.scale_bytes
             recv_x, recv_scales = call.recv_x, call.recv_scales
-            blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             f = torch.nonzero((torch.arange(M) < cnt.unsqueeze(2)).view(-1)).squeeze(1)  # by expert, source, row
             # Where each message lands: expert e's rows are packed from row 0 of recv_x[e].
             e_of = f // (R * M)
             row_of = torch.arange(total) - (torch.cumsum(call.recv_count, 0) - call.recv_count).to(torch.int64)[e_of]
             dst_rows = e_of * (R * M) + row_of
+            if call.flags & F_INDEXED:  # slot -> its source's message number (_send_indexed)
+                index = self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32)
+                number = index.index_select(0, f).to(torch.int64)
+                lo, hi = (int(v) for v in torch.aminmax(number))
+                if lo < 0 or hi >= M:
+                    i = int(torch.nonzero((number < 0) | (number >= M))[0])
+                    raise RuntimeError(f"rank {me}: {phase}: source rank {int(f[i]) // M % R} listed a message number "
+                                       f"outside [0, {M}) for local expert {int(e_of[i])}")
+                blocks = self.tp.local_view(self.win, base + lay.recv_off + lay.index_bytes,
+                                            R * M * mb).view(R * M, mb)
+                f = (f // M % R) * M + number
+            else:
+                blocks = self.tp.local_view(self.win, base + lay.recv_off, L * R * M * mb).view(L * R * M, mb)
             xb = H * recv_x.element_size()
             rx = recv_x.view(torch.uint8).view(L * R * M, xb)
             msgs = None

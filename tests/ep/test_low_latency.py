@@ -962,6 +962,36 @@ def test_logfmt_combine_traffic_is_the_spec_formula(buffers, comm, cfg):
                  f"for {rows} rows of H={H}")
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cfg", [c for c in _configs() if c.values[0] != "ubmem"])
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_pushed_dispatch_sends_each_token_once_per_rank(buffers, comm, cfg, use_fp8):
+    """Where rows are pushed (peers over URMA: several ranks, without ``allow_nvlink`` or on several nodes; one
+    rank alone loads its rows, the native path), a dispatch writes each token once per destination
+    rank however many of its experts live there, plus one int32 index per (token, expert) pair, ``4L`` count
+    bytes and the 24-byte header (docs/design/data-path.md, "Low-latency mode"). ``dup`` routing lists an expert
+    twice in some tokens: two pairs, one message. The outputs are checked against the reference elsewhere; here
+    the bytes of ``get_traffic()``."""
+    buf = _buf(buffers, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, L, M, H, K = 4 * R, 4, 16, 256, 4
+    x, idx = make_inputs(9, r, R, 12, H, E, K, routing="dup")
+    mb = 16 + (H + 4 * (H // 128) if use_fp8 else 2 * H)
+    dst = torch.where(idx >= 0, idx // L, -1)
+    messages = sum(int((dst == d).any(1).sum()) for d in range(R))
+    pairs = int((idx >= 0).sum())
+    want = messages * mb + 4 * pairs + R * (4 * L + 24)
+
+    def go():
+        _, _, _, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=use_fp8, return_recv_hook=True)
+        hook()
+        return sum(buf.get_traffic().values())
+
+    got = coll(go, what=f"{cfg} dispatch traffic")
+    all_ranks_ok(comm, got == want and (R == 1 or messages < pairs),
+                 f"{cfg}: dispatch bytes {got} != {want} ({messages} messages of {mb} B, {pairs} pairs)")
+
+
 def test_odd_hidden_with_one_row_per_expert(comm):
     """hidden 129 (messages not a multiple of 4 bytes) and one row per expert: the received row,
     its source info and the combine are exact (a [1, n] byte slice of odd stride once could not
