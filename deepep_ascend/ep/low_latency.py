@@ -19,12 +19,12 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
     combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
     (:meth:`LowLatencyEngine.combine_buffer`);
   - *recv*: dispatch (pushed rows, the torch path; ``Layout.indexed_ok``, flag ``F_INDEXED``): an int32 index
-    table ``[L, R, M]``, then from ``index_bytes = align_up(4·E·M, 64)`` a region of ``M`` messages per source
-    ``s`` at ``index_bytes + s·M·m``, ``m`` = this call's message size (``<= d``): ``s`` writes each token it
-    sends here once, ascending, and for the ``i``-th pair of local expert ``e`` its message number at
-    ``(e·R + s)·M + i`` of the table (fits when ``E > R``; with ``E == R`` a token meets each rank's single
-    expert once anyway, and a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
-    ``((e·R + s)·M)·m`` serves instead); the native path's index table only (below); combine: a fixed slot of ``M`` bf16 rows per
+    table ``[L, R, M]``, then from ``index_bytes = align_up(4·E·M, 64)`` a slot per (source ``s``, token ``t``)
+    at ``index_bytes + (s·M + t)·m``, ``m`` = this call's message size (``<= d``): ``s`` writes each token it
+    sends here once, and for the ``i``-th pair of local expert ``e`` the token at ``(e·R + s)·M + i`` of the
+    table (fits when ``E > R``; with ``E == R`` a token meets each rank's single expert once anyway, and a fixed
+    slot of ``M`` messages per (local expert ``e``, source ``s``) at ``((e·R + s)·M)·m`` serves instead); the
+    native path's index table only (below); combine: a fixed slot of ``M`` bf16 rows per
     global expert ``g`` at ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
     with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.logfmt.logfmt10_encode`'s wire
     format): three regions ``[meta: E·M·4S | body: E·M·160S | tail: E·M·S·96]`` holding the
@@ -365,6 +365,7 @@ class LowLatencyEngine:
         self._plans = {}
         self._views = memory.ViewCache(64 + 2 * self.R)
         self._sent_rows = torch.zeros(self.R, dtype=torch.int64)
+        self._no_stamps = torch.zeros(self.R, dtype=torch.int64)  # pushed rows: no source's stamp to check
         self._hdr_words = np.zeros(_HDR_WORDS, dtype=np.int64)  # see _header
         self._hdr_bytes = torch.from_numpy(self._hdr_words).view(torch.uint8)
         self.pending_hook = None  # call number awaiting its hook
@@ -1030,13 +1031,14 @@ class LowLatencyEngine:
 
     def _send_indexed(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
                       hi: int, slot_rows: torch.Tensor) -> None:
-        """Write ``dst``'s part of an indexed dispatch (``F_INDEXED``, ``Layout.indexed_ok``): each token the route's
-        pairs ``[lo, hi)`` send there once, ascending, as messages ``0, 1, ...`` of this rank's region in ``dst``'s
-        *recv* (``index_bytes + me·M·mb``), and for every pair its message number into its slot of ``dst``'s index
-        table (int32 ``[L, R, M]`` at the start of *recv*; ``slot_rows`` as for :meth:`_send_messages`). A token
-        bound for several of ``dst``'s experts crosses once: a top-k dispatch moves up to ``min(K, L)`` times fewer
-        bytes to each rank than one message per slot. Mapped: one row copy and one index scatter into its window;
-        else one put of the messages, read where they lie, and one of the index runs (one per local expert)."""
+        """Write ``dst``'s part of an indexed dispatch (``F_INDEXED``, ``Layout.indexed_ok``): each token ``t`` the
+        route's pairs ``[lo, hi)`` send there, once, into its slot of this rank's region in ``dst``'s *recv*
+        (``index_bytes + (me·M + t)·mb``), and for every pair its token into its entry of ``dst``'s index table
+        (int32 ``[L, R, M]`` at the start of *recv*; ``slot_rows`` as for :meth:`_send_messages`), the table the
+        native path's receive reads too. A token bound for several of ``dst``'s experts crosses once: a top-k
+        dispatch moves up to ``min(K, L)`` times fewer bytes to each rank than one message per pair. Mapped: one
+        row copy and one index scatter into its window; else one put of the messages, read where they lie, and
+        one of the index runs (one per local expert)."""
         if _PH.on:
             _PH.switch("send")
         if hi <= lo:
@@ -1045,20 +1047,20 @@ class LowLatencyEngine:
         tokens = route.tokens[lo:hi]  # by local expert, then token/slot
         present = torch.zeros(messages.size(0), dtype=torch.bool)
         present[tokens] = True
-        uniq = torch.nonzero(present).squeeze(1)  # message j of this rank at dst = its j-th token
-        number = (torch.cumsum(present, 0, dtype=torch.int32) - 1).index_select(0, tokens)
+        uniq = torch.nonzero(present).squeeze(1)
+        number = tokens.to(torch.int32)
         msg_off = base + lay.recv_off + lay.index_bytes + self.rank * M * mb
         idx_off = base + lay.recv_off
         n = uniq.numel()
         if self.direct[dst]:
-            recv = self.tp.peer_view(self.win, dst, msg_off, n * mb).view(n, mb)
-            if not native.copy_rows(recv, None, messages, uniq):
-                wide(recv).copy_(wide(messages).index_select(0, uniq))
+            recv = self.tp.peer_view(self.win, dst, msg_off, messages.size(0) * mb).view(-1, mb)
+            if not native.copy_rows(recv, uniq, messages, uniq):
+                wide(recv).index_copy_(0, uniq, wide(messages).index_select(0, uniq))
             self.tp.peer_view(self.win, dst, idx_off, 4 * L * R * M, torch.int32).index_copy_(0, slot_rows[lo:hi],
                                                                                               number)
             self.tp.record_put(dst, n * mb + 4 * (hi - lo))
             return
-        self.tp.put_blocks(self.win, dst, messages, uniq * mb, msg_off + torch.arange(n) * mb,
+        self.tp.put_blocks(self.win, dst, messages, uniq * mb, msg_off + uniq * mb,
                            torch.full((n,), mb, dtype=torch.int64))
         # The pairs of each local expert fill its slot's first rows: one block per expert with pairs.
         counts = route.counts[dst * L:(dst + 1) * L]
@@ -1075,6 +1077,9 @@ class LowLatencyEngine:
         me, R, lay = self.rank, self.R, call.lay
         L, M, H = lay.L, lay.M, lay.H
         base, phase = self._await_dispatch(call, wait_stats)
+        if call.flags & F_INDEXED and self._unpack_indexed_native(call, base, phase, stale):
+            self._finish_dispatch(call, cum_stats, call.recv_count.clone())
+            return
         cnt = self._read_counts(base, L).t().contiguous()  # [L, R]
         if any(self.masked()):
             cnt[:, self.mask.bool()] = 0
@@ -1095,13 +1100,13 @@ class LowLatencyEngine:
             e_of = f // (R * M)
             row_of = torch.arange(total) - (torch.cumsum(call.recv_count, 0) - call.recv_count).to(torch.int64)[e_of]
             dst_rows = e_of * (R * M) + row_of
-            if call.flags & F_INDEXED:  # slot -> its source's message number (_send_indexed)
+            if call.flags & F_INDEXED:  # slot -> its source's token (_send_indexed)
                 index = self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32)
                 number = index.index_select(0, f).to(torch.int64)
                 lo, hi = (int(v) for v in torch.aminmax(number))
                 if lo < 0 or hi >= M:
                     i = int(torch.nonzero((number < 0) | (number >= M))[0])
-                    raise RuntimeError(f"rank {me}: {phase}: source rank {int(f[i]) // M % R} listed a message number "
+                    raise RuntimeError(f"rank {me}: {phase}: source rank {int(f[i]) // M % R} listed a token index "
                                        f"outside [0, {M}) for local expert {int(e_of[i])}")
                 blocks = self.tp.local_view(self.win, base + lay.recv_off + lay.index_bytes,
                                             R * M * mb).view(R * M, mb)
@@ -1134,6 +1139,39 @@ class LowLatencyEngine:
                     0, flat, sc.t().contiguous().view(recv_scales.dtype).view(-1))
         _zero_stale_rows((call.recv_x, call.recv_scales, call.src_info), stale, call.recv_count)
         self._finish_dispatch(call, cum_stats, call.recv_count.clone())  # rows [0, recv_count[e]) of expert e
+
+    def _unpack_indexed_native(self, call: _DispatchCall, base: int, phase: str, stale) -> bool:
+        """The receive of an indexed dispatch (:meth:`_send_indexed`) in one native pass, where the kernels are
+        loaded: :func:`native.ll_dispatch_recv` reads the index table as the native path does, each source's
+        messages in its region of this rank's *recv* (pushed here, so no stamps to check), and writes ``recv_x``,
+        the scales, ``src_info``, ``recv_count`` and ``layout_range`` and zeroes the stale rows, the bytes of the
+        torch code below it. Returns False (nothing written) without the kernels.
+
+        Raises:
+            RuntimeError: a source announced more than ``M`` tokens for one expert, or listed a token index outside
+                ``[0, M)``.
+        """
+        lay, R = call.lay, self.R
+        L, M, mb = lay.L, lay.M, call.message_bytes
+        if not native.ll_available():
+            return False
+        if _PH.on:
+            _PH.switch("copy")
+        key = ("pushed", base, L, M, mb)
+        index, regions = self._view(key, lambda: (
+            self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32),
+            torch.tensor([int(self._bases[self.rank]) + base + lay.recv_off + lay.index_bytes + s * M * mb
+                          for s in range(R)], dtype=torch.int64)))
+        status, bad = native.ll_dispatch_recv(self._counts_view(base, L), self._mask_arg(), index, regions, 0,
+                                              self._no_stamps, 0, M, mb, call.recv_x.view(torch.uint8),
+                                              call.recv_scales, call.src_info, call.recv_count, call.layout_range,
+                                              stale)
+        if status == 1:
+            raise RuntimeError(f"rank {self.rank}: {phase}: a source announced more than M={M} tokens for one expert")
+        if status == 4:
+            raise RuntimeError(f"rank {self.rank}: {phase}: source rank {bad[0]} listed a token index outside "
+                               f"[0, {M}) for local expert {bad[1]}")
+        return True
 
     def _finish_dispatch(self, call: _DispatchCall, cum_stats, written) -> None:
         """A received dispatch's epilogue: ``written`` (the rows this call wrote, in the form its path's reuse
