@@ -710,13 +710,17 @@ class Transport:
             self._poison(str(exc))
             raise
 
-    def put(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor) -> None:
+    def put(self, win: SymmetricWindow, dst: int, offset: int, src: torch.Tensor, *,
+            local_completion: bool = True) -> None:
         """Copy the contiguous tensor ``src`` (any dtype/shape; its bytes)
         into ``dst``'s data region at byte ``offset``.
 
         Returns when ``src`` may be reused; visible to ``dst`` after :meth:`flush` or a later
         ordered signal. Zero-byte puts are counted no-ops. SELF/UBMEM: a copy into the peer's
-        segment; URMA: ``MPI_Put`` + ``Flush_local``.
+        segment; URMA: ``MPI_Put`` + ``Flush_local``. ``local_completion=False`` (URMA): no ``Flush_local``:
+        the put may still read ``src`` until this rank's next :meth:`flush` to ``dst`` (or to all) or ordered
+        signal to it, so the caller leaves ``src`` unchanged until then (the transport keeps it alive); a call
+        that puts to several ranks then waits once, in that flush, instead of once per put.
         Raises:
             TransportArgumentError: before any byte is written, for a bad peer, range or source (SELF/UBMEM:
                 also a source overlapping the destination range).
@@ -728,20 +732,22 @@ class Transport:
         self._range("put", win, dst, offset, data.numel())
         if data.numel():
             if kind is ChannelKind.URMA:
-                self._urma(win._rma.put, int(dst), win.control_bytes + offset, data.detach().numpy())
+                self._urma(win._rma.put, int(dst), win.control_bytes + offset, data.detach().numpy(), None, 0,
+                           local_completion)
             else:
                 self._apart("put", win, dst, data, (offset,), (data.numel(),))
                 win._data[int(dst)][offset:offset + data.numel()].copy_(data)
         self.stats.record_put(kind, int(dst), data.numel())
 
-    def put_blocks(self, win: SymmetricWindow, dst: int, src: torch.Tensor, src_offsets, offsets, nbytes) -> None:
+    def put_blocks(self, win: SymmetricWindow, dst: int, src: torch.Tensor, src_offsets, offsets, nbytes, *,
+                   local_completion: bool = True) -> None:
         """Copy byte blocks of the contiguous tensor ``src`` into ``dst``'s data region: block ``i``, the
         ``nbytes[i]`` bytes at byte ``src_offsets[i]`` of ``src``, to byte ``offsets[i]``.
 
         What one :meth:`put` per block does (completion, visibility, the traffic counters: one put of the
         blocks' total), as one operation: URMA one ``MPI_Put`` whose origin and target are hindexed byte
         types (one rendezvous, where a put per block pays one each); SELF/UBMEM one row gather-scatter when
-        the blocks are rows of one size, else one copy per block.
+        the blocks are rows of one size, else one copy per block. ``local_completion``: as for :meth:`put`.
         Args:
             src_offsets, offsets, nbytes: 1-D sequences, numpy arrays or CPU tensors of ints (bytes), of one length;
                 destination blocks must not overlap.
@@ -773,7 +779,7 @@ class Transport:
         if n.size:
             if kind is ChannelKind.URMA:
                 self._urma(win._rma.put_blocks, int(dst), data.detach().numpy(), src_off.tolist(),
-                           (dst_off + win.control_bytes).tolist(), n.tolist())
+                           (dst_off + win.control_bytes).tolist(), n.tolist(), local_completion)
             else:
                 self._apart(op, win, dst, data, dst_off, n)
                 _copy_blocks(win._data[int(dst)], data, src_off, dst_off, n)
@@ -1001,6 +1007,47 @@ class Transport:
                    win.slot_disp(slot, self.topology.rank), int(add))
         self._shadow[key] = value
         return value
+
+    def put_with_signal_many(self, win: SymmetricWindow, dsts, offsets, src: torch.Tensor, slot: int,
+                             adds) -> list[int]:
+        """:meth:`put_with_signal` of ``src`` to each rank of ``dsts`` (at byte ``offsets[i]`` of ``dsts[i]``'s data
+        region, adding ``adds[i]`` to its word of ``slot``); returns the new signal values. The ranks reached over
+        URMA together take four MPI steps whatever their number (``Put`` to each → ``Flush_all`` →
+        ``Accumulate`` to each → ``Flush_all``) where one call each takes four apiece; the others are served
+        one by one. Like :meth:`put_with_signal`, this orders only this window's earlier puts before the
+        signals: :meth:`flush` first to order another window's.
+        Raises: as :meth:`put_with_signal`, for any of them, before anything is written.
+        """
+        dsts, offsets, adds = list(dsts), list(offsets), list(adds)
+        if not len(dsts) == len(offsets) == len(adds):
+            raise TransportArgumentError(f"rank {self.topology.rank}: put_with_signal_many(win='{win.name}'): dsts, "
+                                         f"offsets and adds must be of one length, got {len(dsts)}, {len(offsets)}, "
+                                         f"{len(adds)}")
+        self._check_open("put")
+        data = self._as_bytes("put", self.topology.rank, src, "src")
+        self._slot("put_with_signal", win, slot)
+        remote, local = [], []
+        for dst, offset, add in zip(dsts, offsets, adds):
+            kind = self._peer("put_with_signal", win, dst)
+            self._add("put_with_signal", win, add)
+            self._range("put", win, dst, offset, data.numel())
+            (remote if kind is ChannelKind.URMA else local).append((int(dst), int(offset), int(add)))
+        values = {}
+        for dst, offset, add in local:
+            values[dst] = self.put_with_signal(win, dst, offset, src, slot, add)
+        if remote:
+            me = self.topology.rank
+            for dst, _, add in remote:
+                key = (id(win), slot, dst)
+                values[dst] = self._shadow.get(key, 0) + add
+                self.stats.record_put(ChannelKind.URMA, dst, data.numel())
+                self.stats.record_signal(ChannelKind.URMA, dst)
+            self._urma(win._rma.put_with_signal_many, [d for d, _, _ in remote],
+                       [win.control_bytes + o for _, o, _ in remote], data.detach().numpy(),
+                       [win.slot_disp(slot, me) for _ in remote], [a for _, _, a in remote])
+            for dst, _, _ in remote:
+                self._shadow[(id(win), slot, dst)] = values[dst]
+        return [values[int(d)] for d in dsts]
 
     def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
         """Current value of ``slot[slot][src]`` in this rank's window (no waiting; int)."""

@@ -10,10 +10,12 @@ and with RMA accumulates otherwise.
 Operations (all on a passive-target epoch opened by ``Lock_all(MODE_NOCHECK)`` for the window's
 life; displacements are byte offsets into the segment, ``disp_unit`` 1):
 
-- put = ``Put`` → ``Flush_local`` (source reusable; remote completion at the next flush);
+- put = ``Put`` → ``Flush_local`` (source reusable; remote completion at the next flush), or, deferred,
+  ``Put`` alone (the source held until the next flush to that rank: each ``Flush_local`` waits on its own);
 - put with signal = ``Put`` → ``Flush`` → ``Accumulate(SUM)`` → ``Flush``: MPI orders
   accumulates among themselves but not a put against an accumulate, hence the middle flush;
 - signal = [``Flush`` if the window has unflushed puts to ``dst``] → ``Accumulate`` → ``Flush``;
+- put with signal to several ranks = ``Put`` to each → ``Flush_all`` → ``Accumulate`` to each → ``Flush_all``;
 - get = ``Get`` → ``Flush``.
 
 Signals use ``MPI_INT64_T`` on both sides (MPICH rejects numpy's default ``MPI_LONG`` against an
@@ -129,6 +131,7 @@ class RmaWindow:
 
         self.name, self.rank = name, rank
         self.dirty = set()  # ranks with puts not yet flushed to remote completion
+        self._held = {}  # rank -> sources of its deferred puts, alive until a flush completes them
         self._one = np.zeros(1, dtype=np.int64)  # origin buffer of accumulates (flushed before reuse)
         self._MPI = MPI
         if win is not None:
@@ -156,10 +159,26 @@ class RmaWindow:
         return TransportRuntimeError(f"rank {self.rank}: {op}(win='{self.name}', peer {peer}) over URMA failed: "
                                      f"{exc.Get_error_string()}")
 
-    def put(self, dst: int, disp: int, src: np.ndarray, signal_disp: int | None = None, add: int = 0) -> None:
+    def _deferred(self, dst: int, src) -> None:
+        """``dst`` dirty, ``src`` (the origin buffer of a put not completed locally) held until it is flushed."""
+        self.dirty.add(dst)
+        self._held.setdefault(dst, []).append(src)
+
+    def _flushed(self, dst: int | None) -> None:
+        """Puts to ``dst`` (None: to every rank) completed remotely: not dirty, their sources let go."""
+        if dst is None:
+            self.dirty.clear()
+            self._held.clear()
+        else:
+            self.dirty.discard(dst)
+            self._held.pop(dst, None)
+
+    def put(self, dst: int, disp: int, src: np.ndarray, signal_disp: int | None = None, add: int = 0,
+            local: bool = True) -> None:
         """``Put`` the uint8 array ``src`` at byte ``disp`` of ``dst``; with ``signal_disp``, add ``add`` there after.
 
-        Without a signal: ``Flush_local`` (``src`` reusable, ``dst`` marked dirty). With one:
+        Without a signal: ``Flush_local`` (``src`` reusable, ``dst`` marked dirty), or with ``local=False`` none:
+        ``src`` is held (and must stay unchanged) until the next flush to ``dst``. With one:
         ``Flush(dst)`` → ``Accumulate`` → ``Flush(dst)`` (remote completion of both).
         """
         MPI = self._MPI
@@ -168,29 +187,37 @@ class RmaWindow:
                 self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
             if signal_disp is None:
                 if src.size:
-                    self.win.Flush_local(dst)
-                    self.dirty.add(dst)
+                    if local:
+                        self.win.Flush_local(dst)
+                        self.dirty.add(dst)
+                    else:
+                        self._deferred(dst, src)
                 return
             self.win.Flush(dst)
-            self.dirty.discard(dst)
+            self._flushed(dst)
             self._accumulate(dst, signal_disp, add)
         except MPI.Exception as exc:
             raise self._fail("put_with_signal" if signal_disp is not None else "put", dst, exc) from None
 
-    def put_blocks(self, dst: int, src: np.ndarray, src_disps, disps, lengths) -> None:
+    def put_blocks(self, dst: int, src: np.ndarray, src_disps, disps, lengths, local: bool = True) -> None:
         """One ``Put`` of several byte blocks: block ``i``, the ``lengths[i]`` bytes at byte ``src_disps[i]`` of the
-        uint8 array ``src``, to byte ``disps[i]`` of ``dst``; then ``Flush_local`` (``src`` reusable, ``dst`` dirty).
+        uint8 array ``src``, to byte ``disps[i]`` of ``dst``; then ``Flush_local`` (``src`` reusable, ``dst`` dirty),
+        or with ``local=False`` none (``src`` held, unchanged, until the next flush to ``dst``).
 
         Both sides are ``MPI_Type_create_hindexed`` types of bytes, so MPI moves every block in one operation
-        (one rendezvous where a put of each block would pay one apiece)."""
+        (one rendezvous where a put of each block would pay one apiece); freeing them at once is allowed while
+        the put is pending."""
         MPI = self._MPI
         origin = target = None
         try:
             origin = MPI.BYTE.Create_hindexed(list(lengths), list(src_disps)).Commit()
             target = MPI.BYTE.Create_hindexed(list(lengths), list(disps)).Commit()
             self.win.Put([src, 1, origin], dst, target=[0, 1, target])
-            self.win.Flush_local(dst)
-            self.dirty.add(dst)
+            if local:
+                self.win.Flush_local(dst)
+                self.dirty.add(dst)
+            else:
+                self._deferred(dst, src)
         except MPI.Exception as exc:
             raise self._fail("put_blocks", dst, exc) from None
         finally:
@@ -207,7 +234,7 @@ class RmaWindow:
         try:
             if ordered and dst in self.dirty:
                 self.win.Flush(dst)
-                self.dirty.discard(dst)
+                self._flushed(dst)
             self._accumulate(dst, disp, add)
         except MPI.Exception as exc:
             raise self._fail("signal", dst, exc) from None
@@ -223,8 +250,29 @@ class RmaWindow:
             for dst in dsts:
                 self.win.Accumulate([self._one, MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
             self.win.Flush_all()
+            self._flushed(None)
         except MPI.Exception as exc:
             raise self._fail("barrier", list(dsts), exc) from None
+
+    def put_with_signal_many(self, dsts, disps, src: np.ndarray, signal_disps, adds) -> None:
+        """:meth:`put` with a signal to each rank of ``dsts`` in four MPI steps whatever their number: ``src`` (uint8)
+        at byte ``disps[i]`` of ``dsts[i]``, then, once every one of them (and every earlier put of this window)
+        is complete there, ``adds[i]`` added to the int64 word at byte ``signal_disps[i]``: ``Put`` to each →
+        ``Flush_all`` → ``Accumulate`` to each → ``Flush_all``."""
+        MPI = self._MPI
+        try:
+            if src.size:
+                for dst, disp in zip(dsts, disps):
+                    self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
+            for dst in dsts:
+                self.win.Flush(dst)
+            self._flushed(None)
+            add = np.asarray(adds, dtype=np.int64)  # each accumulate's origin word, read until the flush
+            for i, (dst, disp) in enumerate(zip(dsts, signal_disps)):
+                self.win.Accumulate([add[i:i + 1], MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
+            self.win.Flush_all()
+        except MPI.Exception as exc:
+            raise self._fail("put_with_signal", list(dsts), exc) from None
 
     def _accumulate(self, dst: int, disp: int, add: int) -> None:
         MPI = self._MPI
@@ -266,10 +314,10 @@ class RmaWindow:
             if dst is None:
                 if self.dirty:
                     self.win.Flush_all()
-                    self.dirty.clear()
+                    self._flushed(None)
             elif dst in self.dirty:
                 self.win.Flush(dst)
-                self.dirty.discard(dst)
+                self._flushed(dst)
         except MPI.Exception as exc:
             raise self._fail("flush", "all" if dst is None else dst, exc) from None
 
@@ -280,6 +328,7 @@ class RmaWindow:
     def free(self) -> None:
         """Collective: end the epoch and free the RMA window (before the segment's shared window)."""
         self.win.Unlock_all()
+        self._flushed(None)
         self.win.Free()
 
 

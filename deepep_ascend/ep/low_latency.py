@@ -540,8 +540,19 @@ class LowLatencyEngine:
         stores) where the engine has them."""
         stores = self._store_signals
         if stores is None:
+            remote = []
             for dst in dsts:
-                self._signal(dst, h, hdr, seq)
+                if self.kinds[dst] is ChannelKind.URMA:
+                    remote.append(dst)
+                else:
+                    self._signal(dst, h, hdr, seq)
+            if remote:  # every rank over URMA in one flush and one batch of signals (each waits on its own)
+                if _PH.on:
+                    _PH.switch("signal")
+                self.tp.flush()
+                off = (h * self.R + self.rank) * HDR_BYTES
+                self.tp.put_with_signal_many(self.ctl, remote, [off] * len(remote), hdr, h,
+                                             [self._raise_to(h, dst, seq + 1) for dst in remote])
             return
         if _PH.on:
             _PH.switch("signal")
@@ -777,7 +788,7 @@ class LowLatencyEngine:
         for dst in dsts:
             send(dst, messages, route, lay, base, ends[dst - 1] if dst else 0, ends[dst], slot_rows)
             self._put_counts(dst, base, route.counts32[dst * L:(dst + 1) * L], L)
-            self._signal(dst, h, hdr, seq)
+        self._publish(h, hdr, seq, dsts)
 
         # Outputs (allocated now, filled by the receive; reused ones come unzeroed, the receive zeroes the rows
         # an earlier user left past its own).
@@ -1027,7 +1038,7 @@ class LowLatencyEngine:
             return
         # one block per pair, from the token's message to the pair's slot: MPI moves them all in one put
         self.tp.put_blocks(self.win, dst, messages, tokens * mb, slot_rows[lo:hi] * mb + (base + lay.recv_off),
-                           torch.full((hi - lo,), mb, dtype=torch.int64))
+                           torch.full((hi - lo,), mb, dtype=torch.int64), local_completion=False)
 
     def _send_indexed(self, dst: int, messages: torch.Tensor, route: _Route, lay: Layout, base: int, lo: int,
                       hi: int, slot_rows: torch.Tensor) -> None:
@@ -1061,13 +1072,13 @@ class LowLatencyEngine:
             self.tp.record_put(dst, n * mb + 4 * (hi - lo))
             return
         self.tp.put_blocks(self.win, dst, messages, uniq * mb, msg_off + uniq * mb,
-                           torch.full((n,), mb, dtype=torch.int64))
+                           torch.full((n,), mb, dtype=torch.int64), local_completion=False)
         # The pairs of each local expert fill its slot's first rows: one block per expert with pairs.
         counts = route.counts[dst * L:(dst + 1) * L]
         live = torch.nonzero(counts).squeeze(1)
         firsts = (torch.cumsum(counts, 0) - counts).index_select(0, live)
         self.tp.put_blocks(self.win, dst, number, 4 * firsts, idx_off + 4 * (live * R + self.rank) * M,
-                           4 * counts.index_select(0, live))
+                           4 * counts.index_select(0, live), local_completion=False)
 
     def _receive_dispatch(self, call: _DispatchCall, cum_stats, wait_stats, stale) -> None:
         """Wait for every live source, check the headers, then unpack the received messages into the outputs:
@@ -1202,7 +1213,7 @@ class LowLatencyEngine:
             self.tp.peer_view(self.win, dst, off, 4 * L, torch.int32).copy_(cnt)
             self.tp.record_put(dst, 4 * L)
         else:
-            self.tp.put(self.win, dst, off, cnt.contiguous())
+            self.tp.put(self.win, dst, off, cnt.contiguous(), local_completion=False)
 
     def _read_counts(self, base, L) -> torch.Tensor:
         return self.tp.local_view(self.win, base, 4 * L * self.R, torch.int32).view(self.R, L).clone()
@@ -1257,7 +1268,7 @@ class LowLatencyEngine:
             elif plan is None or not self.direct[dst] or not self._store_rows(dst, src, plan, lay, base):
                 self._send_rows(dst, src, beg_all[:, dst], cnt_all[:, dst].to(torch.int64), lay, base)
             self._put_counts(dst, base, cnt_all[:, dst].contiguous(), L)
-            self._signal(dst, h, hdr, seq)
+        self._publish(h, hdr, seq, dsts)
         need = seq + 1
         if _PH.on:
             _PH.switch("outputs")
@@ -1473,10 +1484,11 @@ class LowLatencyEngine:
             per_expert = src.size(1) * 2 * H
             self.tp.put_blocks(self.win, dst, src, [e * per_expert + b * 2 * H for e, b, _ in runs],
                                [base + lay.recv_off + (me * L + e) * M * 2 * H for e, _, _ in runs],
-                               [c * 2 * H for _, _, c in runs])
+                               [c * 2 * H for _, _, c in runs], local_completion=False)
         else:
             for e, b, c in runs:
-                self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c])
+                self.tp.put(self.win, dst, base + lay.recv_off + (me * L + e) * M * 2 * H, src[e, b:b + c].contiguous(),
+                            local_completion=False)
 
     def _receive_combine(self, seq, h, need, lay: Layout, flags, topk_idx, topk_weights, combined, wait_stats,
                          use_logfmt, route, mask_stamp, own=None) -> None:
@@ -1601,7 +1613,7 @@ class LowLatencyEngine:
                 if peer is not None:
                     peer[off // 4:(off + size) // 4].copy_(part.reshape(-1))
                 else:
-                    self.tp.put(self.win, dst, region + off, part)
+                    self.tp.put(self.win, dst, region + off, part, local_completion=False)
                 nbytes += size
         if peer is not None and nbytes:
             self.tp.record_put(dst, nbytes)

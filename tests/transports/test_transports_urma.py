@@ -330,6 +330,66 @@ def test_put_with_signal_rounds_across_nodes(mtp):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("force_urma", [False, True], ids=["kinds", "all_urma"])
+def test_deferred_puts_then_batched_signals_to_every_rank(mtp, force_urma):
+    """Puts without local completion to every rank (SELF, UBMEM, URMA), one ``flush()``, then one
+    ``put_with_signal_many``: an observer of each signal sees that round's payload, blocks and header, and the
+    returned values are the running sums of the uneven adds. A deferred put over URMA holds its source until
+    the flush (the source's storage has one more user until then), and a bad argument anywhere in the batch is
+    refused before any signal moves. ``all_urma``: node peers too over URMA (``force_urma``), as the low-latency
+    engine's windows without UBMEM stores."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    size, blocks = 3000 + 17, [(0, 40, 100), (300, 700, 64)]  # (src, dst, bytes) of put_blocks, after the payload
+    stride = size + 1024
+    win = tp.create_window(f"urma_defer{int(force_urma)}", n * 2 * stride + 2 * n * 64, 2, force_urma=force_urma)
+    hdr_base = n * 2 * stride
+    DATA, ACK = 0, 1
+    sums = [0] * n
+    for i in range(1, 7):
+        b = i % 2
+        if i > 2:
+            tp.wait_until(win, ACK, list(range(n)), i - 2, phase=f"ack {i - 2}")
+        for p in range(n):
+            payload = pattern(size, me * 7919 + p * 31 + i)  # a fresh tensor, dropped once the put returns
+            at = (me * 2 + b) * stride
+            users = torch._C._storage_Use_Count(payload.untyped_storage()._cdata)
+            tp.put(win, p, at, payload, local_completion=False)
+            held = torch._C._storage_Use_Count(payload.untyped_storage()._cdata) - users
+            assert held == (tp.channel_kind(win, p) is ChannelKind.URMA), f"round {i}: peer {p}: held {held}"
+            tp.put_blocks(win, p, payload, [s for s, _, _ in blocks], [at + size + d for _, d, _ in blocks],
+                          [k for _, _, k in blocks], local_completion=False)
+        tp.flush()
+        adds = [1 + (p + i) % 3 for p in range(n)]
+        header = pattern(16, me * 13 + i)
+        values = tp.put_with_signal_many(win, list(range(n)), [hdr_base + (b * n + me) * 64] * n, header, DATA, adds)
+        sums = [s + a for s, a in zip(sums, adds)]
+        assert values == sums, f"round {i}: signal values {values} != {sums}"
+        for s in range(n):  # source s added 1 + (me + k) % 3 in each round k so far
+            want = sum(1 + (me + k) % 3 for k in range(1, i + 1))
+            assert tp.wait_until(win, DATA, [s], want, phase=f"data {i} from {s}") == []
+        for s in range(n):
+            got = tp.local_view(win, (s * 2 + b) * stride, size + 1024)
+            sent = pattern(size, s * 7919 + me * 31 + i)
+            _assert_bytes(got[:size], sent, f"round {i}: payload from rank {s}")
+            for so, d, k in blocks:
+                _assert_bytes(got[size + d:size + d + k], sent[so:so + k], f"round {i}: block from rank {s}")
+            _assert_bytes(tp.local_view(win, hdr_base + (b * n + s) * 64, 16), pattern(16, s * 13 + i),
+                          f"round {i}: header from rank {s}")
+        for s in range(n):
+            tp.signal(win, s, ACK)
+    before = [tp.read_signal(win, DATA, s) for s in range(n)]
+    tp.barrier()
+    with pytest.raises(TransportArgumentError, match="one length"):
+        tp.put_with_signal_many(win, list(range(n)), [hdr_base] * n, pattern(16, 0), DATA, [1] * (n + 1))
+    with pytest.raises(TransportArgumentError, match="add=-1"):
+        tp.put_with_signal_many(win, list(range(n)), [hdr_base] * n, pattern(16, 0), DATA, [1] * (n - 1) + [-1])
+    tp.barrier()
+    assert [tp.read_signal(win, DATA, s) for s in range(n)] == before
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_signal_counts_every_kind(mtp):
     tp = mtp
     n = tp.topology.world_size
