@@ -927,6 +927,37 @@ class Transport:
         self.stats.record_signal(kind, int(dst))
         return value
 
+    def signal_many(self, win: SymmetricWindow, dsts, slot: int, adds, ordered: bool = True) -> list[int]:
+        """:meth:`signal` to each rank of ``dsts`` (adding ``adds[i]`` to its word of ``slot``); returns the new
+        values. The ranks reached over URMA together take at most three MPI steps whatever their number (a
+        ``Flush_all`` of this window's unflushed puts when ``ordered``, an ``Accumulate`` to each, a
+        ``Flush_all``) where one call each takes two or three apiece; the others are signalled one by one.
+        Raises: as :meth:`signal`, for any of them, before anything is signalled.
+        """
+        dsts, adds = list(dsts), list(adds)
+        if len(dsts) != len(adds):
+            raise TransportArgumentError(f"rank {self.topology.rank}: signal_many(win='{win.name}'): dsts and adds "
+                                         f"must be of one length, got {len(dsts)} and {len(adds)}")
+        self._check_open("signal")
+        self._slot("signal", win, slot)
+        remote, local = [], []
+        for dst, add in zip(dsts, adds):
+            kind = self._peer("signal", win, dst)
+            self._add("signal", win, add)
+            (remote if kind is ChannelKind.URMA else local).append((int(dst), int(add)))
+        values = {}
+        for dst, add in local:
+            values[dst] = self.signal(win, dst, slot, add, ordered)
+        if remote:
+            me = self.topology.rank
+            self._urma(win._rma.accumulate_many, [d for d, _ in remote], [win.slot_disp(slot, me)] * len(remote),
+                       [a for _, a in remote], ordered)
+            for dst, add in remote:
+                key = (id(win), slot, dst)
+                values[dst] = self._shadow[key] = self._shadow.get(key, 0) + add
+                self.stats.record_signal(ChannelKind.URMA, dst)
+        return [values[int(d)] for d in dsts]
+
     def signal_address(self, win: SymmetricWindow, dst: int, slot: int) -> int:
         """Byte address of this rank's word of ``slot`` in load/store peer ``dst``'s window (SELF or UBMEM).
 

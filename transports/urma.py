@@ -254,6 +254,22 @@ class RmaWindow:
         except MPI.Exception as exc:
             raise self._fail("barrier", list(dsts), exc) from None
 
+    def accumulate_many(self, dsts, disps, adds, ordered: bool) -> None:
+        """Add ``adds[i]`` to the int64 word at byte ``disps[i]`` of ``dsts[i]``, each remotely complete on return,
+        in at most three MPI steps whatever their number: [``Flush_all`` if ``ordered`` and this window has
+        unflushed puts] → ``Accumulate`` to each → ``Flush_all``."""
+        MPI = self._MPI
+        try:
+            if ordered and self.dirty:
+                self.win.Flush_all()
+                self._flushed(None)
+            add = np.asarray(adds, dtype=np.int64)  # each accumulate's origin word, read until the flush
+            for i, (dst, disp) in enumerate(zip(dsts, disps)):
+                self.win.Accumulate([add[i:i + 1], MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
+            self.win.Flush_all()
+        except MPI.Exception as exc:
+            raise self._fail("signal", list(dsts), exc) from None
+
     def put_with_signal_many(self, dsts, disps, src: np.ndarray, signal_disps, adds) -> None:
         """:meth:`put` with a signal to each rank of ``dsts`` in four MPI steps whatever their number: ``src`` (uint8)
         at byte ``disps[i]`` of ``dsts[i]``, then, once every one of them (and every earlier put of this window)

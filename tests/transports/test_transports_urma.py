@@ -390,6 +390,47 @@ def test_deferred_puts_then_batched_signals_to_every_rank(mtp, force_urma):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_signal_many_orders_deferred_puts_and_counts(mtp):
+    """``signal_many`` (ordered) after deferred puts to every rank: an observer of each signal sees the payload
+    put before it; the values are the running sums of the uneven adds; the traffic counters count one signal
+    per rank; bad arguments are refused before any signal moves."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    size = 5000 + 3
+    win = tp.create_window("urma_sigmany", n * 2 * size, 2)
+    DATA, ACK = 0, 1
+    sums = [0] * n
+    before = tp.stats.snapshot()
+    for i in range(1, 6):
+        b = i % 2
+        if i > 2:
+            tp.wait_until(win, ACK, list(range(n)), i - 2, phase=f"ack {i - 2}")
+        for p in range(n):
+            tp.put(win, p, (me * 2 + b) * size, pattern(size, me * 7919 + p * 31 + i), local_completion=False)
+        adds = [1 + (p * i) % 4 for p in range(n)]
+        sums = [s + a for s, a in zip(sums, adds)]
+        assert tp.signal_many(win, list(range(n)), DATA, adds) == sums
+        for s in range(n):
+            assert tp.wait_until(win, DATA, [s], sum(1 + (me * k) % 4 for k in range(1, i + 1)),
+                                 phase=f"data {i} from {s}") == []
+            _assert_bytes(tp.local_view(win, (s * 2 + b) * size, size), pattern(size, s * 7919 + me * 31 + i),
+                          f"round {i}: payload from rank {s}")
+        tp.signal_many(win, list(range(n)), ACK, [1] * n)
+    d = LinkStats.diff(tp.stats.snapshot(), before)
+    assert all(int(d["signals"][:, p].sum()) == 2 * 5 for p in range(n)), d["signals"]
+    tp.barrier()
+    at = [tp.read_signal(win, DATA, s) for s in range(n)]
+    tp.barrier()
+    with pytest.raises(TransportArgumentError, match="one length"):
+        tp.signal_many(win, list(range(n)), DATA, [1] * (n + 1))
+    with pytest.raises(TransportArgumentError, match="add=-2"):
+        tp.signal_many(win, list(range(n)), DATA, [1] * (n - 1) + [-2])
+    tp.barrier()
+    assert [tp.read_signal(win, DATA, s) for s in range(n)] == at
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_signal_counts_every_kind(mtp):
     tp = mtp
     n = tp.topology.world_size
