@@ -1168,7 +1168,7 @@ class LowLatencyEngine:
             return False
         if _PH.on:
             _PH.switch("copy")
-        key = ("pushed", base, L, M, mb)
+        key = ("pushed", base + lay.recv_off, L, M, mb)  # the table and regions: where recv lies, their shape
         index, regions = self._view(key, lambda: (
             self.tp.local_view(self.win, base + lay.recv_off, 4 * L * R * M, torch.int32),
             torch.tensor([int(self._bases[self.rank]) + base + lay.recv_off + lay.index_bytes + s * M * mb

@@ -992,6 +992,34 @@ def test_pushed_dispatch_sends_each_token_once_per_rank(buffers, comm, cfg, use_
                  f"{cfg}: dispatch bytes {got} != {want} ({messages} messages of {mb} B, {pairs} pairs)")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_pushed_dispatches_of_one_message_size_in_other_layouts(comm):
+    """A BF16 dispatch of hidden 4224 and an FP8 one of hidden 8192 have messages of one size (8464 bytes) but
+    their *recv* regions start at other offsets: each matches the reference when it follows the other in the
+    same window half (calls alternate halves; the receive's views of the pushed regions follow the layout, not
+    only the message size). Peers over URMA (``allow_nvlink_for_low_latency_mode=False``): the pushed path."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    M, E, K = 16, 2 * R, 2  # 16 tokens x 2 slots: make_inputs drops 10 of the 32 selections
+    shapes = [(4224, False), (8192, True)]
+    assert 16 + 2 * 4224 == 16 + 8192 + 4 * (8192 // 128)
+    nbytes = max(Buffer.get_low_latency_rdma_size_hint(M, h, R, E) for h, _ in shapes)
+    b = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
+               allow_nvlink_for_low_latency_mode=False)
+    problems = []
+    try:
+        for i, (H, fp8) in enumerate([shapes[0], shapes[0], shapes[1], shapes[1], shapes[0]]):
+            ins = [make_inputs(40 + i, s, R, M, H, E, K) for s in range(R)]
+            ref = ref_ll_dispatch([x for x, _ in ins], [t for _, t in ins], r, E, M, use_fp8=fp8)
+            out = coll(lambda: b.low_latency_dispatch(ins[r][0], ins[r][1], M, E, use_fp8=fp8), what=f"call {i}")
+            got = out[0][0] if fp8 else out[0]
+            if not (int(ref.recv_count.sum()) > 0 and torch.equal(got.view(torch.uint8), ref.recv_x.view(torch.uint8))
+                    and torch.equal(out[1], ref.recv_count) and torch.equal(out[2][0], ref.src_info)):
+                problems.append(f"call {i} (hidden {H}, fp8={fp8})")
+    finally:
+        coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, not problems, f"dispatches unlike the reference: {problems}")
+
+
 def test_odd_hidden_with_one_row_per_expert(comm):
     """hidden 129 (messages not a multiple of 4 bytes) and one row per expert: the received row,
     its source info and the combine are exact (a [1, n] byte slice of odd stride once could not
