@@ -615,6 +615,11 @@ class Transport:
             raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): add={add!r} must "
                                          f"be a non-negative int below 2**62 (signals only grow)")
 
+    def _distinct(self, op: str, win: SymmetricWindow, dsts: list) -> None:
+        if len(set(dsts)) != len(dsts):
+            raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): a rank may appear once "
+                                         f"in dsts (its adds summed into one), got {sorted(dsts)}")
+
     def _apart(self, op: str, win: SymmetricWindow, dst: int, data: torch.Tensor, offsets, nbytes) -> None:
         """Refuse a load/store copy whose source bytes overlap a destination range ``[offsets, offsets + nbytes)``
         of ``dst``'s data region (torch refuses such a copy with its own error, or copies garbage)."""
@@ -945,6 +950,7 @@ class Transport:
             kind = self._peer("signal", win, dst)
             self._add("signal", win, add)
             (remote if kind is ChannelKind.URMA else local).append((int(dst), int(add)))
+        self._distinct("signal_many", win, [d for d, _ in local + remote])
         values = {}
         for dst, add in local:
             values[dst] = self.signal(win, dst, slot, add, ordered)
@@ -1062,7 +1068,10 @@ class Transport:
             kind = self._peer("put_with_signal", win, dst)
             self._add("put_with_signal", win, add)
             self._range("put", win, dst, offset, data.numel())
+            if kind is not ChannelKind.URMA:
+                self._apart("put", win, dst, data, (offset,), (data.numel(),))
             (remote if kind is ChannelKind.URMA else local).append((int(dst), int(offset), int(add)))
+        self._distinct("put_with_signal_many", win, [d for d, _, _ in local + remote])
         values = {}
         for dst, offset, add in local:
             values[dst] = self.put_with_signal(win, dst, offset, src, slot, add)

@@ -280,8 +280,7 @@ class RmaWindow:
             if src.size:
                 for dst, disp in zip(dsts, disps):
                     self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
-            for dst in dsts:
-                self.win.Flush(dst)
+            self.win.Flush_all()
             self._flushed(None)
             add = np.asarray(adds, dtype=np.int64)  # each accumulate's origin word, read until the flush
             for i, (dst, disp) in enumerate(zip(dsts, signal_disps)):

@@ -22,8 +22,9 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
     table ``[L, R, M]``, then from ``index_bytes = align_up(4·E·M, 64)`` a slot per (source ``s``, token ``t``)
     at ``index_bytes + (s·M + t)·m``, ``m`` = this call's message size (``<= d``): ``s`` writes each token it
     sends here once, and for the ``i``-th pair of local expert ``e`` the token at ``(e·R + s)·M + i`` of the
-    table (fits when ``E > R``; with ``E == R`` a token meets each rank's single expert once anyway, and a fixed
-    slot of ``M`` messages per (local expert ``e``, source ``s``) at ``((e·R + s)·M)·m`` serves instead); the
+    table (fits when ``E > R`` but for tiny calls; where it does not, as with ``E == R``, whose tokens meet each
+    rank's single expert once anyway, a fixed slot of ``M`` messages per (local expert ``e``, source ``s``) at
+    ``((e·R + s)·M)·m`` serves instead); the
     native path's index table only (below); combine: a fixed slot of ``M`` bf16 rows per
     global expert ``g`` at ``g·M·2H`` (rows in the order the receiver sent them: tokens, then top-k slots); combine
     with ``use_logfmt`` (``H % 128 == 0``, :func:`~deepep_ascend.gemm.logfmt.logfmt10_encode`'s wire
@@ -169,8 +170,8 @@ class Layout:
         # when M·d outgrows E·M·c) leave it off a 4-byte boundary, and such calls take the torch path.
         self.native_ok = self.recv_off % 4 == 0
         # The torch path's indexed dispatch: the index table, then M messages per source (each token once per
-        # destination rank, whatever number of its experts live there). It fits unless E == R (one expert per rank,
-        # where a token goes to a rank once anyway and the slots serve).
+        # destination rank, whatever number of its experts live there). It fits but where E == R (one expert per
+        # rank: a token goes to a rank once anyway) or the call is tiny; the fixed slots serve those.
         self.index_bytes = align_up(4 * num_experts * m, 64)
         self.indexed_ok = (self.native_ok
                            and self.index_bytes + num_ranks * m * self.d <= num_experts * m * max(self.d, self.c))

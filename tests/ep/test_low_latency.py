@@ -13,6 +13,7 @@ codec's error bound of the BF16 combine.
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from dataclasses import dataclass
@@ -990,6 +991,54 @@ def test_pushed_dispatch_sends_each_token_once_per_rank(buffers, comm, cfg, use_
     got = coll(go, what=f"{cfg} dispatch traffic")
     all_ranks_ok(comm, got == want and (R == 1 or messages < pairs),
                  f"{cfg}: dispatch bytes {got} != {want} ({messages} messages of {mb} B, {pairs} pairs)")
+
+
+class _FlushSpy:
+    """An MPI window counting its completion calls (``Flush``, ``Flush_all``, ``Flush_local``) into ``counts``."""
+
+    def __init__(self, real, counts):
+        self._real, self._counts = real, counts
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if not name.startswith("Flush"):
+            return value
+
+        def call(*args):
+            self._counts[name] += 1
+            return value(*args)
+        return call
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pushed_calls_wait_on_mpi_three_times_whatever_the_destinations(comm):
+    """docs/design/data-path.md, "Ordering": over URMA (one rank per simulated node) a dispatch and a combine each
+    complete their puts and signals with three ``Flush_all`` (the flush, then the two of
+    ``put_with_signal_many``) and no per-destination ``Flush`` or ``Flush_local``, at any number of ranks."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 4 * R, 16, 256, 4
+    b = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+               explicitly_destroy=True, ranks_per_node=1)
+    counts = collections.Counter()
+    rmas = [w._rma for w in b.runtime._windows if w._rma is not None]
+    for rma in rmas:
+        rma.win = _FlushSpy(rma.win, counts)
+    x, idx = make_inputs(7, r, R, 12, H, E, K)
+    seen = []
+    try:
+        for _ in range(2):
+            counts.clear()
+            recv_x, _, handle, _, _ = coll(lambda: b.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+                                           what="dispatch")
+            seen.append(dict(counts))
+            counts.clear()
+            coll(lambda: b.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle), what="combine")
+            seen.append(dict(counts))
+    finally:
+        for rma in rmas:
+            rma.win = rma.win._real
+        coll(b.destroy, what="destroy")
+    all_ranks_ok(comm, all(c == {"Flush_all": 3} for c in seen), f"MPI completion calls per call: {seen}")
 
 
 @pytest.mark.mpi(min_size=2)

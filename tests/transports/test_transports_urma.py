@@ -384,6 +384,12 @@ def test_deferred_puts_then_batched_signals_to_every_rank(mtp, force_urma):
         tp.put_with_signal_many(win, list(range(n)), [hdr_base] * n, pattern(16, 0), DATA, [1] * (n + 1))
     with pytest.raises(TransportArgumentError, match="add=-1"):
         tp.put_with_signal_many(win, list(range(n)), [hdr_base] * n, pattern(16, 0), DATA, [1] * (n - 1) + [-1])
+    with pytest.raises(TransportArgumentError, match="appear once"):
+        tp.put_with_signal_many(win, [n - 1, 0, n - 1], [hdr_base] * 3, pattern(16, 0), DATA, [1] * 3)
+    # the source overlapping this rank's own destination bytes, listed last: refused before any rank is written
+    mine = tp.local_view(win, hdr_base, 16)
+    with pytest.raises(TransportArgumentError, match="overlaps"):
+        tp.put_with_signal_many(win, [p for p in range(n) if p != me] + [me], [hdr_base] * n, mine, DATA, [1] * n)
     tp.barrier()
     assert [tp.read_signal(win, DATA, s) for s in range(n)] == before
     tp.barrier()
@@ -425,6 +431,8 @@ def test_signal_many_orders_deferred_puts_and_counts(mtp):
         tp.signal_many(win, list(range(n)), DATA, [1] * (n + 1))
     with pytest.raises(TransportArgumentError, match="add=-2"):
         tp.signal_many(win, list(range(n)), DATA, [1] * (n - 1) + [-2])
+    with pytest.raises(TransportArgumentError, match="appear once"):
+        tp.signal_many(win, [0, n - 1, 0], DATA, [1] * 3)
     tp.barrier()
     assert [tp.read_signal(win, DATA, s) for s in range(n)] == at
     tp.barrier()
