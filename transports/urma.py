@@ -280,14 +280,10 @@ class RmaWindow:
             if src.size:
                 for dst, disp in zip(dsts, disps):
                     self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
-            self.win.Flush_all()
-            self._flushed(None)
-            add = np.asarray(adds, dtype=np.int64)  # each accumulate's origin word, read until the flush
-            for i, (dst, disp) in enumerate(zip(dsts, signal_disps)):
-                self.win.Accumulate([add[i:i + 1], MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
-            self.win.Flush_all()
+                self.dirty.update(dsts)
         except MPI.Exception as exc:
             raise self._fail("put_with_signal", list(dsts), exc) from None
+        self.accumulate_many(dsts, signal_disps, adds, ordered=True)
 
     def _accumulate(self, dst: int, disp: int, add: int) -> None:
         MPI = self._MPI

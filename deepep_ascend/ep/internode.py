@@ -15,9 +15,8 @@ Dispatch, one round (tokens ``[k·q, (k+1)·q)`` of every sender):
 1. *Hop 1, URMA*: a sender packs, for each node ``c``, the tokens of the round with at least one
    expert on ``c`` — once per node, whatever the number of target ranks there — with their
    target bitmask inside ``c``, and writes that block into box ``b`` of its rail peer ``(c, l)``
-   (every node's block put, then one flush and one ``signal_many`` for them all; its own node's block it
-   writes into its own window, with the tokens a node peer receives: its rows to itself it copies in hop 2
-   from its own tensors).
+   (one ``put_with_signal``; its own node's block it writes into its own window, with the tokens a node
+   peer receives: its rows to itself it copies in hop 2 from its own tensors).
 2. The forwarder waits for its rail peers' blocks, then tells its node peers (UBMEM signal).
 3. *Hop 2, UBMEM*: every receiver ``(b, j)`` gathers, for each source rank ``s`` in ascending
    order, the rows with bit ``j`` from box ``node(s)`` of forwarder ``(b, local(s))`` straight
@@ -228,8 +227,7 @@ class InternodeEngine:
         self.stage_rows_off = STAGE_HDR + _a8(8 * self.num_ranks)  # combine's staged rows, after the count vector
         self.seq = 0  # rounds run so far; identical on every rank
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
-        self._packs = {}  # node -> staging of the blocks bound for it (one each: a round's puts complete together)
-        self._unpublished = []  # rail peers whose block of this round is put, its U_READY not yet raised
+        self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
         # the halves of the node's windows and the box headers: see _half, _box_words
@@ -314,25 +312,20 @@ class InternodeEngine:
         return v if dtype is torch.uint8 else v.view(dtype)
 
     @memory.outside_inference_mode  # kept across calls, and written by every dispatch whatever its mode
-    def _pack_buffer(self, nbytes, c):
-        """Staging of ``nbytes`` for the block bound for node ``c``: its puts complete only at the round's flush
-        (:meth:`_publish_rails`), so each node has its own."""
-        pack = self._packs.get(c)
-        if pack is None or pack.numel() < nbytes:
-            pack = self._packs[c] = memory.empty((max(nbytes, 0 if pack is None else 2 * pack.numel()),), torch.uint8)
-        return pack[:nbytes]
+    def _pack_buffer(self, nbytes):
+        if self._pack.numel() < nbytes:
+            self._pack = memory.empty((max(nbytes, 2 * self._pack.numel()),), torch.uint8)
+        return self._pack[:nbytes]
 
     def _block(self, c, nbytes):
         """Where to build the block bound for node ``c``: our own box ``node`` if ``c`` is our node."""
         if c == self.node:
             return self._box(self.rank, self.node, 0, nbytes)
-        return self._pack_buffer(nbytes, c)
+        return self._pack_buffer(nbytes)
 
     def _send(self, c, blk, message: str | None, rows_put: tuple | None = None):
-        """Deliver a block built by :meth:`_block` to the rail peer on node ``c`` (its ``U_READY`` raised by the
-        round's :meth:`_publish_rails`); ``rows_put``: ``(offset, rows)``, bytes the block leaves out, put at that
-        offset of the box. The puts skip their local completion: the block, the message and the rows stay
-        unchanged until that flush, which the round reaches before it waits or returns."""
+        """Deliver a block built by :meth:`_block` to the rail peer on node ``c`` and raise its ``U_READY``;
+        ``rows_put``: ``(offset, rows)``, bytes the block leaves out, put first at that offset of the box."""
         if _PH.on:
             _PH.switch("send")
         if c == self.node:
@@ -343,23 +336,12 @@ class InternodeEngine:
         dst = self.rails[c]
         base = self._box_off(self.seq, self.node)
         if message is not None:
-            msg = self._pack_buffer(blk.numel() + MSG_BYTES, c)[blk.numel():]
+            msg = self._pack_buffer(blk.numel() + MSG_BYTES)[blk.numel():]
             self._write_message(msg, message)
-            self.tp.put(self.uwin, dst, base + self.box - MSG_BYTES, msg, local_completion=False)
-        if rows_put is not None:
-            self.tp.put(self.uwin, dst, base + rows_put[0], rows_put[1], local_completion=False)
-        self.tp.put(self.uwin, dst, base, blk, local_completion=False)
-        self._unpublished.append(dst)
-
-    def _publish_rails(self):
-        """Raise ``U_READY`` at every rail peer :meth:`_send` put a block to this round, after one flush of all of
-        them (an observer of the signal sees the block): three MPI waits whatever the number of nodes."""
-        if self._unpublished:
-            if _PH.on:
-                _PH.switch("signal")
-            self.tp.flush()
-            self.tp.signal_many(self.uwin, self._unpublished, U_READY, [1] * len(self._unpublished))
-            self._unpublished = []
+            self.tp.put(self.uwin, dst, base + self.box - MSG_BYTES, msg)
+        if rows_put is not None:  # completed with the block's put below (its flush), before the signal
+            self.tp.put(self.uwin, dst, base + rows_put[0], rows_put[1])
+        self.tp.put_with_signal(self.uwin, dst, base, blk, U_READY)
 
     @staticmethod
     def _write_message(view, message):
@@ -413,8 +395,8 @@ class InternodeEngine:
     def _end_round(self):
         if _PH.on:
             _PH.switch("signal")
-        if self.remote_rails:
-            self.tp.signal_many(self.uwin, self.remote_rails, U_CREDIT, [1] * len(self.remote_rails))
+        for r in self.remote_rails:
+            self.tp.signal(self.uwin, r, U_CREDIT, ordered=True)
         self.seq += 1
 
     def _record(self, peer, nbytes):
@@ -472,7 +454,6 @@ class InternodeEngine:
         rounds, rnd = 1, 0
         while rnd < rounds:
             self._credit_wait(phase)
-            self._unpublished = []  # none left by a round that failed before its publish
             lo, hi = rnd * per_round, min(n, (rnd + 1) * per_round)
             sub = in_node[lo:hi] if (error is None and hi > lo) else None
             with_vec = rnd == 0 and vec is not None  # count vectors travel in round 0 only
@@ -489,7 +470,6 @@ class InternodeEngine:
                 if rows:
                     pack(c, blk, offs, idx + lo)
                 self._send(c, blk, error)
-            self._publish_rails()
             self._await_rails(phase)
             self._node_exchange(phase)
             if rnd == 0:
@@ -923,7 +903,6 @@ class InternodeEngine:
                 node_max = int(headers[:, W_NTOK].max())
                 mine = headers[self.rank - self.node_base, _CONSENSUS]  # the node's, once it agreed
             self._credit_wait(phase)
-            self._unpublished = []  # none left by a round that failed before its publish
             message = "; ".join(problems) if problems else None
             for a in [*range(self.node + 1, self.G), *range(self.node + 1)]:
                 if _PH.on:
@@ -941,7 +920,6 @@ class InternodeEngine:
                 if mine is not None:  # round 0: the words every node must agree on, for the rail peers' verdict
                     words_out[_CONSENSUS] = mine
                 self._send(a, blk, message, rows_put)
-            self._publish_rails()
             self._await_rails(phase)
             if _PH.on:
                 _PH.switch("control")
