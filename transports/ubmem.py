@@ -586,10 +586,11 @@ class Transport:
 
     def _peer(self, op: str, win: SymmetricWindow, peer: int, views: bool = False) -> ChannelKind:
         """Validate ``peer``; its channel kind. ``views``: load/store access needed (no URMA)."""
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.topology.world_size:
+        if (not isinstance(peer, (int, np.integer)) or isinstance(peer, bool)
+                or not 0 <= peer < self.topology.world_size):
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): peer rank {peer!r} outside "
-                f"[0, {self.topology.world_size})")
+                f"[0, {self.topology.world_size}) or not an int")
         kind = self.channel_kind(win, int(peer))
         if views and kind is ChannelKind.URMA:
             where = "is reached over URMA only (force_urma window)" if win.force_urma else "is on another node (URMA)"
@@ -599,21 +600,31 @@ class Transport:
         return kind
 
     def _range(self, op: str, win: SymmetricWindow, peer: int, offset: int, nbytes: int) -> None:
-        if not isinstance(offset, (int, np.integer)) or offset < 0 or nbytes < 0 or offset + nbytes > win.nbytes:
+        if (not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or offset < 0 or nbytes < 0
+                or offset + nbytes > win.nbytes):
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}', peer {peer}): byte range "
                 f"[{offset}, {offset}+{nbytes}) outside the data region of {win.nbytes} B")
 
     def _slot(self, op: str, win: SymmetricWindow, slot: int) -> None:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < win.num_slots:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < win.num_slots:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: {op}(win='{win.name}'): signal slot {slot!r} outside "
-                f"[0, {win.num_slots})")
+                f"[0, {win.num_slots}) or not an int")
 
     def _add(self, op: str, win: SymmetricWindow, add) -> None:
         if not isinstance(add, (int, np.integer)) or isinstance(add, bool) or add < 0 or add >= 2 ** 62:
             raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): add={add!r} must "
                                          f"be a non-negative int below 2**62 (signals only grow)")
+
+    def _grown(self, op: str, win: SymmetricWindow, slot: int, dst: int, add: int) -> int:
+        """The value this rank's word of ``slot`` at ``dst`` reads after adding ``add`` (checked by :meth:`_add`),
+        refused past int64 before anything moves (a word that wrapped would read smaller: signals only grow)."""
+        value = self._shadow.get((id(win), slot, int(dst)), 0) + int(add)
+        if value >= 2 ** 63:
+            raise TransportArgumentError(f"rank {self.topology.rank}: {op}(win='{win.name}'): rank {int(dst)}'s word "
+                                         f"of slot {slot} would pass int64 ({value}): signals only grow")
+        return value
 
     def _distinct(self, op: str, win: SymmetricWindow, dsts: list) -> None:
         if len(set(dsts)) != len(dsts):
@@ -921,7 +932,7 @@ class Transport:
         self._slot("signal", win, slot)
         self._add("signal", win, add)
         key = (id(win), slot, int(dst))
-        value = self._shadow.get(key, 0) + int(add)
+        value = self._grown("signal", win, slot, dst, add)
         if kind is ChannelKind.URMA:
             self._urma(win._rma.signal, int(dst), win.slot_disp(slot, self.topology.rank), int(add), ordered)
         else:
@@ -939,16 +950,17 @@ class Transport:
         ``Flush_all``) where one call each takes two or three apiece; the others are signalled one by one.
         Raises: as :meth:`signal`, for any of them, before anything is signalled.
         """
+        self._check_open("signal")
         dsts, adds = list(dsts), list(adds)
         if len(dsts) != len(adds):
             raise TransportArgumentError(f"rank {self.topology.rank}: signal_many(win='{win.name}'): dsts and adds "
                                          f"must be of one length, got {len(dsts)} and {len(adds)}")
-        self._check_open("signal")
         self._slot("signal", win, slot)
         remote, local = [], []
         for dst, add in zip(dsts, adds):
             kind = self._peer("signal", win, dst)
             self._add("signal", win, add)
+            self._grown("signal", win, slot, dst, add)
             (remote if kind is ChannelKind.URMA else local).append((int(dst), int(add)))
         self._distinct("signal_many", win, [d for d, _ in local + remote])
         values = {}
@@ -1028,6 +1040,7 @@ class Transport:
         kind = self._peer("put_with_signal", win, dst)
         self._slot("put_with_signal", win, slot)
         self._add("put_with_signal", win, add)
+        self._grown("put_with_signal", win, slot, dst, add)
         if kind is not ChannelKind.URMA:
             self.put(win, dst, offset, src)
             return self.signal(win, dst, slot, add, ordered=True)
@@ -1036,7 +1049,7 @@ class Transport:
         self._range("put", win, dst, offset, data.numel())
         dst = int(dst)
         key = (id(win), slot, dst)
-        value = self._shadow.get(key, 0) + int(add)
+        value = self._grown("put_with_signal", win, slot, dst, add)
         # Counted (and, under link emulation, delayed) before the signal lands, as a slow link would.
         self.stats.record_put(kind, dst, data.numel())
         self.stats.record_signal(kind, dst)
@@ -1055,18 +1068,19 @@ class Transport:
         signals: :meth:`flush` first to order another window's.
         Raises: as :meth:`put_with_signal`, for any of them, before anything is written.
         """
+        self._check_open("put")
         dsts, offsets, adds = list(dsts), list(offsets), list(adds)
         if not len(dsts) == len(offsets) == len(adds):
             raise TransportArgumentError(f"rank {self.topology.rank}: put_with_signal_many(win='{win.name}'): dsts, "
                                          f"offsets and adds must be of one length, got {len(dsts)}, {len(offsets)}, "
                                          f"{len(adds)}")
-        self._check_open("put")
         data = self._as_bytes("put", self.topology.rank, src, "src")
         self._slot("put_with_signal", win, slot)
         remote, local = [], []
         for dst, offset, add in zip(dsts, offsets, adds):
             kind = self._peer("put_with_signal", win, dst)
             self._add("put_with_signal", win, add)
+            self._grown("put_with_signal", win, slot, dst, add)
             self._range("put", win, dst, offset, data.numel())
             if kind is not ChannelKind.URMA:
                 self._apart("put", win, dst, data, (offset,), (data.numel(),))
@@ -1328,8 +1342,7 @@ class Transport:
         self.fence()
 
     def _flush_rma(self, dst: int | None) -> None:
-        if dst is not None and self.topology.kind(self.topology.rank, dst) is not ChannelKind.URMA:
-            return
+        # every window with unflushed puts to dst: a force_urma window reaches node peers over URMA too
         for win in self._windows:
             if win._rma is not None and win._rma.dirty:
                 self._urma(win._rma.flush, dst)

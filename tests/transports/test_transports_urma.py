@@ -439,6 +439,57 @@ def test_signal_many_orders_deferred_puts_and_counts(mtp):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("force_urma", [False, True], ids=["kinds", "all_urma"])
+def test_flush_of_one_rank_completes_its_deferred_puts(mtp, force_urma):
+    """``flush(dst)`` completes the deferred puts to ``dst`` on every window that reaches it over URMA, a
+    ``force_urma`` window's node peers included: the transport lets their sources go then."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    win = tp.create_window(f"urma_flush1_{int(force_urma)}", 4096, 1, force_urma=force_urma)
+    for p in range(n):
+        src = pattern(4096, me * 31 + p)
+        users = torch._C._storage_Use_Count(src.untyped_storage()._cdata)
+        tp.put(win, p, 0, src, local_completion=False)
+        urma = tp.channel_kind(win, p) is ChannelKind.URMA
+        assert torch._C._storage_Use_Count(src.untyped_storage()._cdata) - users == urma
+        tp.flush(p)
+        assert torch._C._storage_Use_Count(src.untyped_storage()._cdata) == users, f"peer {p}: source still held"
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_signals_refuse_bool_arguments_and_a_word_past_int64(mtp):
+    """A ``bool`` is not a rank, slot or offset (``True`` would silently mean 1); a signal whose running value
+    would pass int64 is refused before it moves (the word would wrap and read smaller), by every signal call."""
+    tp = mtp
+    me, n = tp.topology.rank, tp.topology.world_size
+    peer = (me + 1) % n
+    win = tp.create_window("urma_sigargs", 64, 2)
+    data = pattern(8, me)
+    for call in (lambda: tp.put(win, True, 0, data), lambda: tp.put(win, peer, True, data),
+                 lambda: tp.signal(win, True, 0), lambda: tp.signal(win, peer, True),
+                 lambda: tp.signal_many(win, [True], 0, [1]), lambda: tp.signal_many(win, [peer], True, [1]),
+                 lambda: tp.put_with_signal_many(win, [True], [0], data, 0, [1]),
+                 lambda: tp.put_with_signal_many(win, [peer], [True], data, 0, [1])):
+        with pytest.raises(TransportArgumentError):
+            call()
+    big = 2 ** 62 - 1
+    assert tp.signal_many(win, [peer], 1, [big]) == [big]
+    assert tp.signal(win, peer, 1, add=big) == 2 * big
+    for call in (lambda: tp.signal(win, peer, 1, add=big), lambda: tp.signal_many(win, [peer], 1, [big]),
+                 lambda: tp.put_with_signal(win, peer, 0, data, 1, add=big),
+                 lambda: tp.put_with_signal_many(win, [peer], [0], data, 1, [big])):
+        with pytest.raises(TransportArgumentError, match="would pass int64"):
+            call()
+    src = (me - 1) % n
+    assert tp.wait_until(win, 1, [src], 2 * big, phase="the two signals") == []
+    assert tp.read_signal(win, 1, src) == 2 * big  # the refused calls moved nothing
+    tp.barrier()
+    assert tp.signal(win, peer, 1, add=1) == 2 * big + 1  # the largest value left
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_signal_counts_every_kind(mtp):
     tp = mtp
     n = tp.topology.world_size
