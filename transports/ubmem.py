@@ -530,7 +530,8 @@ class Transport:
         win.sync()
         for p in remote:  # one by one: the word on each may hold a different value
             try:
-                win._rma.signal_many([p], 8 * (win._leave_off + me), value - self._leave_sent.get(p, 0))
+                win._rma.accumulate_many([p], [8 * (win._leave_off + me)], [value - self._leave_sent.get(p, 0)],
+                                         ordered=False)
                 self._leave_sent[p] = value
             except Exception:  # noqa: BLE001 - never raises: that peer abandons at its own deadline
                 pass
@@ -1063,9 +1064,9 @@ class Transport:
         """:meth:`put_with_signal` of ``src`` to each rank of ``dsts`` (at byte ``offsets[i]`` of ``dsts[i]``'s data
         region, adding ``adds[i]`` to its word of ``slot``); returns the new signal values. The ranks reached over
         URMA together take four MPI steps whatever their number (``Put`` to each → ``Flush_all`` →
-        ``Accumulate`` to each → ``Flush_all``) where one call each takes four apiece; the others are served
-        one by one. Like :meth:`put_with_signal`, this orders only this window's earlier puts before the
-        signals: :meth:`flush` first to order another window's.
+        ``Accumulate`` to each → ``Flush_all``) where one call each takes four apiece: a :meth:`put` to each
+        without local completion, then :meth:`signal_many`. Like :meth:`put_with_signal`, this orders only
+        this window's earlier puts before the signals: :meth:`flush` first to order another window's.
         Raises: as :meth:`put_with_signal`, for any of them, before anything is written.
         """
         self._check_open("put")
@@ -1076,32 +1077,17 @@ class Transport:
                                          f"{len(adds)}")
         data = self._as_bytes("put", self.topology.rank, src, "src")
         self._slot("put_with_signal", win, slot)
-        remote, local = [], []
-        for dst, offset, add in zip(dsts, offsets, adds):
+        for dst, offset, add in zip(dsts, offsets, adds):  # every argument checked before the first put
             kind = self._peer("put_with_signal", win, dst)
             self._add("put_with_signal", win, add)
             self._grown("put_with_signal", win, slot, dst, add)
             self._range("put", win, dst, offset, data.numel())
             if kind is not ChannelKind.URMA:
                 self._apart("put", win, dst, data, (offset,), (data.numel(),))
-            (remote if kind is ChannelKind.URMA else local).append((int(dst), int(offset), int(add)))
-        self._distinct("put_with_signal_many", win, [d for d, _, _ in local + remote])
-        values = {}
-        for dst, offset, add in local:
-            values[dst] = self.put_with_signal(win, dst, offset, src, slot, add)
-        if remote:
-            me = self.topology.rank
-            for dst, _, add in remote:
-                key = (id(win), slot, dst)
-                values[dst] = self._shadow.get(key, 0) + add
-                self.stats.record_put(ChannelKind.URMA, dst, data.numel())
-                self.stats.record_signal(ChannelKind.URMA, dst)
-            self._urma(win._rma.put_with_signal_many, [d for d, _, _ in remote],
-                       [win.control_bytes + o for _, o, _ in remote], data.detach().numpy(),
-                       [win.slot_disp(slot, me) for _ in remote], [a for _, _, a in remote])
-            for dst, _, _ in remote:
-                self._shadow[(id(win), slot, dst)] = values[dst]
-        return [values[int(d)] for d in dsts]
+        self._distinct("put_with_signal_many", win, [int(d) for d in dsts])
+        for dst, offset in zip(dsts, offsets):
+            self.put(win, dst, offset, src, local_completion=False)
+        return self.signal_many(win, dsts, slot, adds, ordered=True)
 
     def read_signal(self, win: SymmetricWindow, slot: int, src: int) -> int:
         """Current value of ``slot[slot][src]`` in this rank's window (no waiting; int)."""
@@ -1398,7 +1384,7 @@ class Transport:
             else:
                 ctl[row + me] = gen
         if remote:  # +1 per generation: the word then equals gen, as the stores above
-            self._urma(win._rma.signal_many, remote, 8 * (row + me), 1)
+            self._urma(win._rma.accumulate_many, remote, [8 * (row + me)] * len(remote), [1] * len(remote), False)
         words = win._ctl[me][row:row + win._world]
         idx = np.asarray(members, dtype=np.int64)
 

@@ -15,7 +15,8 @@ life; displacements are byte offsets into the segment, ``disp_unit`` 1):
 - put with signal = ``Put`` → ``Flush`` → ``Accumulate(SUM)`` → ``Flush``: MPI orders
   accumulates among themselves but not a put against an accumulate, hence the middle flush;
 - signal = [``Flush`` if the window has unflushed puts to ``dst``] → ``Accumulate`` → ``Flush``;
-- put with signal to several ranks = ``Put`` to each → ``Flush_all`` → ``Accumulate`` to each → ``Flush_all``;
+- signals to several ranks (:meth:`RmaWindow.accumulate_many`) = [``Flush_all`` if ordered and there are unflushed
+  puts] → ``Accumulate`` to each → ``Flush_all``; after deferred puts to each, a put with signal to several ranks;
 - get = ``Get`` → ``Flush``.
 
 Signals use ``MPI_INT64_T`` on both sides (MPICH rejects numpy's default ``MPI_LONG`` against an
@@ -239,25 +240,11 @@ class RmaWindow:
         except MPI.Exception as exc:
             raise self._fail("signal", dst, exc) from None
 
-    def signal_many(self, dsts, disp: int, add: int) -> None:
-        """Add ``add`` to the word at byte ``disp`` of every rank in ``dsts``, then one ``Flush_all``.
-
-        Unordered with respect to earlier puts: flush them first (the barrier does).
-        """
-        MPI = self._MPI
-        try:
-            self._one[0] = add  # every accumulate reads the same origin word until the flush
-            for dst in dsts:
-                self.win.Accumulate([self._one, MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
-            self.win.Flush_all()
-            self._flushed(None)
-        except MPI.Exception as exc:
-            raise self._fail("barrier", list(dsts), exc) from None
-
     def accumulate_many(self, dsts, disps, adds, ordered: bool) -> None:
         """Add ``adds[i]`` to the int64 word at byte ``disps[i]`` of ``dsts[i]``, each remotely complete on return,
         in at most three MPI steps whatever their number: [``Flush_all`` if ``ordered`` and this window has
-        unflushed puts] → ``Accumulate`` to each → ``Flush_all``."""
+        unflushed puts] → ``Accumulate`` to each → ``Flush_all``. Unordered, earlier puts are not waited for
+        first (the barrier flushes them itself)."""
         MPI = self._MPI
         try:
             if ordered and self.dirty:
@@ -267,23 +254,9 @@ class RmaWindow:
             for i, (dst, disp) in enumerate(zip(dsts, disps)):
                 self.win.Accumulate([add[i:i + 1], MPI.INT64_T], dst, target=[disp, 1, MPI.INT64_T], op=MPI.SUM)
             self.win.Flush_all()
+            self._flushed(None)  # every earlier put of the window completed too
         except MPI.Exception as exc:
             raise self._fail("signal", list(dsts), exc) from None
-
-    def put_with_signal_many(self, dsts, disps, src: np.ndarray, signal_disps, adds) -> None:
-        """:meth:`put` with a signal to each rank of ``dsts`` in four MPI steps whatever their number: ``src`` (uint8)
-        at byte ``disps[i]`` of ``dsts[i]``, then, once every one of them (and every earlier put of this window)
-        is complete there, ``adds[i]`` added to the int64 word at byte ``signal_disps[i]``: ``Put`` to each →
-        ``Flush_all`` → ``Accumulate`` to each → ``Flush_all``."""
-        MPI = self._MPI
-        try:
-            if src.size:
-                for dst, disp in zip(dsts, disps):
-                    self.win.Put([src, MPI.BYTE], dst, target=[disp, src.size, MPI.BYTE])
-                self.dirty.update(dsts)
-        except MPI.Exception as exc:
-            raise self._fail("put_with_signal", list(dsts), exc) from None
-        self.accumulate_many(dsts, signal_disps, adds, ordered=True)
 
     def _accumulate(self, dst: int, disp: int, add: int) -> None:
         MPI = self._MPI
