@@ -171,8 +171,9 @@ NORMAL_NATIVE = Setting(
     "DEEPEP_ASCEND_NORMAL_NATIVE", "bool", True,
     "Normal-mode calls on one node run their fixed work from a native plan of the engine's operands "
     "(native.IntranodePlan): signals, waits and the chunk-0 exchange by loads and stores, staging, direct stores, "
-    "and each chunk's receive in one C call each; off, the transport's signal() / wait_until() and the torch "
-    "steps (the same bits and counters; for comparing the two). Read when a Buffer is built.")
+    "and each chunk's receive in one C call each, the rest of a one-round call in one; off, the transport's "
+    "signal() / wait_until() and the torch steps (the same bits and counters; for comparing the two). Read when "
+    "a Buffer is built.")
 WEIGHT_CACHE_BYTES = Setting(
     "DEEPEP_ASCEND_WEIGHT_CACHE_BYTES", "int", None,
     "Initial budget in bytes of the caches of dequantized and packed weights (the grouped GEMMs' and "

@@ -581,27 +581,82 @@ class IntranodeEngine:
             _PH.switch("signal")
         self._signal(XDATA, None)
 
-    def _send_x(self, headers, prefix: list, one_round: bool, predicted: bool, x, is_token_in_rank,
-                stage_x0, phase) -> bool:
-        """After the headers of a dispatch: choose how ``x`` moves (module doc), alike on every rank,
-        and send it. Direct: store into the receivers' ``recv_x`` (returns True). Late (chunk 0 went
-        without ``x`` on a wrong guess): ``stage_x0()`` now, raise ``XDATA``, wait for the peers'.
-        Staged: nothing more to do here. Updates the prediction for the next dispatch. ``prefix``: the
-        rank prefix matrix as nested lists."""
+    def _x_path(self, headers, prefix: list, one_round: bool, predicted: bool, xb: int) -> list | None:
+        """After the headers of a dispatch: how ``x`` moves (module doc), alike on every rank. Returns the direct
+        plan (:meth:`_direct_plan`) when this call stores directly, else None; updates the prediction for the next
+        dispatch. ``prefix``: the rank prefix matrix as nested lists."""
         nr = self.num_ranks
         land_rows = headers[:, W_LAND_ROWS].tolist()
         rows = [max(prefix[nr - 1][j], land_rows[j]) for j in range(nr)]
-        plan = self._direct_plan(headers, rows, x.shape[1], one_round)
+        plan = self._direct_plan(headers, rows, xb, one_round)
         self._predict_direct = plan is not None
         direct = predicted and plan is not None
         self.last_x_path = "direct" if direct else "late" if predicted else "staged"
-        if direct:
+        return plan if direct else None
+
+    def _send_x(self, plan: list | None, prefix: list, predicted: bool, x, is_token_in_rank, stage_x0, phase) -> bool:
+        """Send ``x`` the way :meth:`_x_path` chose: direct (``plan``), store into the receivers' ``recv_x``
+        (returns True); late (chunk 0 went without ``x`` on a wrong guess): ``stage_x0()`` now, raise ``XDATA``,
+        wait for the peers'; staged: nothing more to do here."""
+        if plan is not None:
             self._store_direct(x, is_token_in_rank, prefix, plan)
         elif predicted:
             stage_x0()  # into the half chunk 0 is in: this rank's staged count has not moved on yet
             self._raise_xdata()
             self._await_xdata(phase)
-        return direct
+        return plan is not None
+
+    def _direct_tail(self, plan: list, prefix: list, ntok: list, x, is_token_in_rank, regions: _Regions,
+                     out: _Received, num_experts: int, rcp: torch.Tensor, phase: str) -> None:
+        """The rest of a one-round dispatch on the direct path, in one native call
+        (:meth:`~deepep_ascend.native.IntranodePlan.dispatch_tail`): :meth:`_store_direct`, the gather of every
+        source's chunk 0 (:meth:`_gather_native`), its consumption, the receive's channel prefix into ``rcp`` and
+        :meth:`_await_xdata`, the same steps in the same order, checked as they are. ``prefix``: the rank prefix
+        matrix as nested lists."""
+        me, nr, xb = self.rank, self.num_ranks, x.size(1)
+        at = [rows_before(prefix, s, me) for s in range(nr)]
+        want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
+        dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb) if want[j] else 0
+               for j in range(nr)]
+        self._xdata_calls += 1
+        counters = self._counters()
+        self.tp.check_abort(phase)  # the poll sees no abort words: a rank must hear of a peer's abort first
+        local = num_experts // nr
+        if _PH.on:
+            _PH.switch("copy")
+        status, got, routed = self._plan.dispatch_tail(
+            x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want, regions.field_offs, ntok, at,
+            out.scales, out.topk_idx, out.topk_weights, out.src_idx, (me * local, local), at + [prefix[nr - 1][me]],
+            rcp, XDATA, CONSUMED, self._xdata_calls, counters, self._polls, _PH.on)
+        if _PH.on and status <= 0:
+            ns = self._plan.ns
+            _PH.carve("signal", ns[1])
+            _PH.carve("epilogue", ns[2])
+            _PH.carve("wait: x rows", ns[3])
+        if 0 < status <= nr:
+            raise _routed_elsewhere(me, status - 1, routed[status - 1], want[status - 1])
+        if not counters:
+            self._record_signals(None)
+        if status == nr + 1:
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: the rows routed here from the "
+                             f"sources (starting at rows {at}) do not fit {out.src_idx.size(0)} output rows")
+        if not counters:
+            self._record_signals(None)
+        for s in range(nr):
+            self.staged[s] += 1
+        row_bytes = xb + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
+            out.topk_idx.size(1) if out.topk_idx is not None else 0)
+        for s in range(nr):
+            if got[s]:
+                self._record(s, got[s] * row_bytes)  # counted by the receiver, however the rows came
+        if status == nr + 2:  # (not reached: the gather writes no negative token)
+            rcp.copy_(recv_channel_prefix(out.src_idx, at + [prefix[nr - 1][me]], ntok, rcp.size(1)))
+        elif status < 0 and self.peers:  # a peer's x rows not yet stored: the long wait
+            self._wait(XDATA, None, self._xdata_calls, f"{phase}: x rows")
+        for s in range(nr):
+            if at[s] + got[s] != prefix[s][me]:
+                raise RuntimeError(f"rank {me}: {phase}: received {got[s]} tokens from rank {s}, its "
+                                   f"num_tokens_per_rank promised {prefix[s][me] - at[s]}")
 
     def _await_xdata(self, phase):
         self._xdata_calls += 1
@@ -715,8 +770,13 @@ class IntranodeEngine:
             yield (out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets,
                    recv_counts)
 
-        direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, is_token_in_rank,
-                              lambda: stage(0, only_x=True), phase)
+        plan = self._x_path(headers, prefix, max(rounds) == 1, predicted, x.shape[1])
+        if plan is not None and self._plan is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():
+            # every remaining step in one native call
+            self._direct_tail(plan, prefix, ntok, x, is_token_in_rank, regions, out, num_experts,
+                              recv_channel_prefix_matrix, phase)
+            return
+        direct = self._send_x(plan, prefix, predicted, x, is_token_in_rank, lambda: stage(0, only_x=True), phase)
         cursor = [rows_before(prefix, s, me) for s in range(nr)]
         for rnd, active in self._rounds(rounds, stage, phase):
             if self._plan is not None:  # every source's rows in one native pass, the ids made local on the way
@@ -907,8 +967,8 @@ class IntranodeEngine:
         self._check_counts(prefix, phase)
         ntok = headers[:, W_NTOK].tolist()
         rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
-        direct = self._send_x(headers, prefix, max(rounds) == 1, predicted, x, handle.is_token_in_rank,
-                              lambda: stage(0, only_x=True), phase)
+        direct = self._send_x(self._x_path(headers, prefix, max(rounds) == 1, predicted, x.shape[1]), prefix,
+                              predicted, x, handle.is_token_in_rank, lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
         starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         for rnd, active in self._rounds(rounds, stage, phase):
@@ -1013,6 +1073,29 @@ class IntranodeEngine:
         acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         native = self._plan is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
+        # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
+        in_place_wait = xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]
+        if native and num_rounds == 1:  # the receive, its consumption and that wait in one call
+            self.tp.check_abort(phase)  # the poll sees no abort words: a rank must hear of a peer's abort first
+            counters = self._counters()
+            need = self.staged[me] + 1 if in_place_wait else 0
+            if _PH.on:
+                _PH.switch("reduce")
+            short = self._combine_native(headers, regions, returned, handle, prefix, 0, min(n, per_round), combined,
+                                         combined_w, bias, read, phase, order, (CONSUMED, need, counters, self._polls))
+            if _PH.on:
+                ns = self._plan.ns
+                _PH.carve("signal", ns[1])
+                _PH.carve("wait: x read in place", ns[2])
+            if not counters:
+                self._record_signals(None)
+            for s in range(nr):
+                self.staged[s] += 1
+            if any(read):
+                self.tp.check_abort()  # as below
+            if short:
+                self._wait(CONSUMED, None, need, f"{phase}: x read in place")
+            return
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
@@ -1038,8 +1121,7 @@ class IntranodeEngine:
             # A sender whose call failed aborted before its caller could reuse its x: if rows read
             # from it in place may have changed meanwhile, this rank raises too instead of returning them.
             self.tp.check_abort()
-        # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
-        if xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]:
+        if in_place_wait:
             if _PH.on:
                 _PH.switch("wait: x read in place")
             self._wait(CONSUMED, None, self.staged[me], f"{phase}: x read in place")
@@ -1053,9 +1135,12 @@ class IntranodeEngine:
             and (order is None or (order.dtype == torch.int64 and order.is_contiguous())))
 
     def _combine_native(self, headers, regions: _Regions, returned: _Returned, handle: IntranodeHandle, prefix: list,
-                        lo_t: int, hi_t: int, combined, combined_w, bias, read: list, phase: str, order=None) -> None:
+                        lo_t: int, hi_t: int, combined, combined_w, bias, read: list, phase: str, order=None,
+                        tail: tuple | None = None) -> bool:
         """:meth:`_combine_sources` and its sum (rows and weights) for this rank's tokens ``[lo_t, hi_t)`` in one
-        native call (:meth:`~deepep_ascend.native.IntranodePlan.combine`), the same bits."""
+        native call (:meth:`~deepep_ascend.native.IntranodePlan.combine`), the same bits; with ``tail`` (the last
+        round's ``(slot, need, counters, polls)``, as there) also its consumption (the caller then counts every
+        rank's chunk consumed) and the in-place wait's poll. Returns whether that poll ran out."""
         me, nr = self.rank, self.num_ranks
         x, weights = returned.x, returned.topk_weights
         hidden = x.size(1)
@@ -1078,8 +1163,9 @@ class IntranodeEngine:
         b0, b1 = (None, None) if bias is None else (None if b is None else b[lo_t:hi_t] for b in bias)
         status, got, want = self._plan.combine(
             regions.field_offs, lo_t, handle.is_token_in_rank, rows_at, ld, cap, w_at, w_ld, b0, b1,
-            combined[lo_t:hi_t], None if combined_w is None else combined_w[lo_t:hi_t], order)
-        if status > 0:
+            combined[lo_t:hi_t], None if combined_w is None else combined_w[lo_t:hi_t], order, tail, _PH.on)
+        short = tail is not None and status == nr + 1
+        if status > 0 and not short:
             j = status - 1
             raise _returned_elsewhere(me, phase, j, want[j], got[j], lo_t, hi_t)
         if status < -1:
@@ -1093,6 +1179,7 @@ class IntranodeEngine:
                 if rows_at[j] and j != me:
                     read[j] += got[j]
                 self._record(j, got[j] * (xb + 4 * max(wcols, 0)))
+        return short
 
     def _stage_combine_chunk(self, regions: _Regions, per_round: int, returned: _Returned, rnd: int) -> None:
         """Stage, for every other origin, this rank's rows of that origin's tokens [rnd·per_round, (rnd+1)·per_round).

@@ -48,10 +48,11 @@ _GATHER_DTYPES = (torch.uint8, torch.uint8, torch.int64, torch.float32, torch.in
 
 
 def intranode_available() -> bool:
-    """Whether the eight functions of ``csrc/intranode.c`` are loaded."""
+    """Whether the ten functions of ``csrc/intranode.c`` are loaded."""
     k = kernels
     return not (k.in_signal is None or k.in_poll is None or k.in_exchange is None or k.in_gather is None
-                or k.in_combine is None or k.in_stage is None or k.in_store is None or k.in_vectors is None)
+                or k.in_combine is None or k.in_stage is None or k.in_store is None or k.in_vectors is None
+                or k.in_dispatch_tail is None or k.in_combine_tail is None)
 
 
 class IntranodePlan:
@@ -116,9 +117,14 @@ class IntranodePlan:
         self._cols_address = cols.ctypes.data
         # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, (unused),
         # first output row, rows received; combine's row and weight addresses and strides, rows promised,
-        # rows readable at those addresses
-        self._ops = np.zeros((11, max(R, 5)), dtype=np.int64)
+        # rows readable at those addresses; the stores' order, addresses, rows wanted and routed (rows 5-8, as
+        # dispatch_tail reads them, with the channel prefix's block starts [R + 1] and token counts in rows 9-10)
+        self._ops = np.zeros((11, max(R + 1, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
+        self._ops_table = np.array(self._ops_addresses, dtype=np.int64)  # the rows' addresses, for dispatch_tail
+        self._ops_table_address = self._ops_table.ctypes.data
+        self._ns = np.zeros(4, dtype=np.int64)  # a timed call's steps (:attr:`ns`)
+        self._ns_address = self._ns.ctypes.data
         # stage's fields (source, its row stride, row bytes, offset) and pieces (first row, end), one row each
         self._fields = np.zeros((6, max(8, R)), dtype=np.int64)
         self._fields_addresses = [row.ctypes.data for row in self._fields]
@@ -126,6 +132,12 @@ class IntranodePlan:
         self._tokens_address = self._tokens.ctypes.data
         self._slot_addresses = {slot: (self.sent[slot].ctypes.data, self.addrs[slot].ctypes.data, self.own[slot])
                                 for slot in slots}
+
+    @property
+    def ns(self) -> list[int]:
+        """Nanoseconds of the last ``timed`` call's steps: :meth:`dispatch_tail`'s ``[stores + gather, signals,
+        channel prefix, poll]``; :meth:`combine`'s with ``tail``, in the first three, ``[receive, signal, poll]``."""
+        return self._ns.tolist()
 
     def signal(self, slot: int, dsts: np.ndarray | None = None, counters: int = 0) -> None:
         """Raise ``slot`` at every rank of ``dsts`` (``[n]`` int64, ranks other than this one; None: every peer),
@@ -243,9 +255,68 @@ class IntranodePlan:
                              f"(starting at rows {at}) do not fit {n} output rows")
         return g[4, :R].tolist()
 
+    def dispatch_tail(self, x: torch.Tensor, mask: torch.Tensor, order: list, dst: list, want: list, offsets,
+                      ntok: list, at: list, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                      topk_weights: torch.Tensor | None, src_idx: torch.Tensor, local_experts: tuple[int, int],
+                      starts: list, rcp: torch.Tensor, xdata: int, consumed: int, xdata_need: int, counters: int,
+                      polls: int, timed: bool = False) -> tuple[int, list, list]:
+        """The rest of a one-round dispatch on the direct path once every rank's counts are exchanged, in one native
+        call (``csrc/intranode.c``'s ``deepep_in_dispatch_tail``): :meth:`store` of ``x`` (``order``, ``dst``,
+        ``want`` as there), the ``xdata`` slot raised at every peer, :meth:`gather` of every source's chunk 0 without
+        ``x`` (``offsets``; ``ntok[s]`` staged tokens each, from output row ``at[s]``), the ``consumed`` slot raised at
+        every peer and :attr:`staged` + 1 for every rank, the received rows' channel prefix into ``rcp``
+        (:func:`~deepep_ascend.native.recv_channel_prefix` of ``src_idx`` with ``starts``, ``R + 1`` block starts,
+        and ``ntok``), then every peer's ``xdata`` word polled up to ``polls`` rounds for ``xdata_need``.
+        ``counters``: as in :meth:`signal`, for both slots. ``timed``: time the steps (:attr:`ns`).
+
+        Returns:
+            ``(status, got, routed)``: ``got`` the rows gathered from each source, ``routed`` the rows ``mask`` routes
+            to each rank; status 0 when done, -1 when a peer's ``xdata`` is still short (the rest done), ``1 + j``
+            when ``mask`` routes ``routed[j]`` rows to rank ``j``, not ``want[j]`` (nothing written), ``R + 1`` when
+            a source's rows pass the outputs (stored and ``xdata`` raised), ``R + 2`` when the channel prefix was
+            refused (all but it and the poll done).
+        Raises:
+            ValueError: an operand of another kind or shape (nothing written).
+        """
+        R = self.num_ranks
+        n = src_idx.size(0)
+        outs = (None, scales, topk_idx, topk_weights, src_idx)
+        if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
+                and tuple(mask.shape) == (x.size(0), R) and len(starts) == R + 1 and len(ntok) == R
+                and rcp.dtype == torch.int32 and rcp.is_contiguous() and rcp.dim() == 2 and rcp.size(0) == R
+                and rcp.size(1) >= 1 and all(t is None or (t.dtype == dtype and t.size(0) == n and t.is_contiguous())
+                                             for t, dtype in zip(outs, _GATHER_DTYPES))
+                and (topk_idx is None) == (topk_weights is None)
+                and (topk_idx is None or topk_idx.shape == topk_weights.shape)):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: x [n, xb] uint8, mask [n, {R}] "
+                             f"bool, rcp [{R}, C] int32, outputs contiguous of {n} rows and dtypes {_GATHER_DTYPES[1:]}"
+                             f", got x {x.dtype}{list(x.shape)}, mask {mask.dtype}{list(mask.shape)}, rcp "
+                             f"{rcp.dtype}{list(rcp.shape)}, outputs "
+                             f"{[None if t is None else (t.dtype, tuple(t.shape)) for t in outs[1:]]}")
+        g = self._ops
+        g[0, :5] = offsets
+        g[1, :R] = ntok
+        g[3, :R] = at
+        g[5, :R] = order
+        g[6, :R] = dst
+        g[7, :R] = want
+        g[9, :R + 1] = starts
+        g[10, :R] = ntok
+        xd_sent, xd_addrs, xd_own = self._slot_addresses[xdata]
+        cs_sent, cs_addrs, _ = self._slot_addresses[consumed]
+        status = kernels.in_dispatch_tail(
+            self._address, x.size(0), x.data_ptr(), x.stride(0), x.size(1), mask.data_ptr(), self._ops_table_address,
+            xd_sent, xd_addrs, xd_own, xdata_need, cs_sent, cs_addrs, counters or None,
+            0 if scales is None else scales.size(1), 0 if topk_idx is None else topk_idx.size(1),
+            None if scales is None else scales.data_ptr(), None if topk_idx is None else topk_idx.data_ptr(),
+            None if topk_weights is None else topk_weights.data_ptr(), src_idx.data_ptr(), n, *local_experts,
+            rcp.size(1), rcp.data_ptr(), polls, self._ns_address if timed else None)
+        return status, g[4, :R].tolist(), g[8, :R].tolist()
+
     def combine(self, offsets, lo: int, mask: torch.Tensor, rows_at: list, ld: list, cap: list, w_at: list, w_ld: list,
                 bias0: torch.Tensor | None, bias1: torch.Tensor | None, out: torch.Tensor,
-                w_out: torch.Tensor | None, order: torch.Tensor | None = None) -> tuple[int, list, list]:
+                w_out: torch.Tensor | None, order: torch.Tensor | None = None,
+                tail: tuple[int, int, int, int] | None = None, timed: bool = False) -> tuple[int, list, list]:
         """A combine round's receive for this origin's tokens ``[lo, lo + m)`` (``csrc/intranode.c``'s
         ``deepep_in_combine``). Source ``j`` returned the rows of the tokens whose ``mask[t, j]`` is set, in
         ascending order; its count vector (in its current half) must say as many. Its rows are at address
@@ -267,11 +338,16 @@ class IntranodePlan:
             order: ``[N, R]`` int64, contiguous, or None.
             out: ``[m, H]`` bf16 matrix. w_out: ``[m, wcols]`` float32, contiguous, or None. Both are written
                 without bumping their version counters: the engine's own new outputs, which nothing has read.
+            tail: ``(slot, need, counters, polls)`` for a call's last round (``deepep_in_combine_tail``): once summed,
+                ``slot`` raised at every peer (``counters`` as in :meth:`signal`) and :attr:`staged` + 1 for every
+                rank, then with ``need > 0`` every peer's ``slot`` word polled up to ``polls`` rounds for ``need``.
+            timed: with ``tail``, time the steps (:attr:`ns`).
         Returns:
             ``(status, got, want)``: status 0 when done (``got``: the rows of each source); ``j + 1`` when source
             ``j`` returned ``want[j]`` rows but the mask routes ``got[j]``; ``-2 - j`` when source ``j``'s rows would
             lie past ``cap[j]`` or its half (its count vector does not fit this origin's); -1 when the row sum ran
-            out of memory. Nothing is written unless the status is 0.
+            out of memory. Nothing is written unless the status is 0; with ``tail``, ``R + 1`` when a peer's word is
+            still short after the polls (the rest done).
         Raises:
             ValueError: an operand of another dtype or shape (nothing written).
         """
@@ -304,12 +380,16 @@ class IntranodePlan:
         g[8, :R] = w_ld
         g[10, :R] = cap
         b0, b1 = ((None, 0) if b is None else (b.data_ptr(), b.stride(0)) for b in (bias0, bias1))
-        status = kernels.in_combine(self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], a[10], wcols, a[7],
-                                    a[8],
-                                    *b0, *b1, out.data_ptr(), out.stride(0),
-                                    None if w_out is None else w_out.data_ptr(),
-                                    None if order is None else order.data_ptr(), self._tokens_address, a[4], a[9],
-                                    NAN_BITS)
+        args = (self._address, a[0], lo, m, hidden, mask.data_ptr(), a[5], a[6], a[10], wcols, a[7], a[8], *b0, *b1,
+                out.data_ptr(), out.stride(0), None if w_out is None else w_out.data_ptr(),
+                None if order is None else order.data_ptr(), self._tokens_address, a[4], a[9], NAN_BITS)
+        if tail is None:
+            status = kernels.in_combine(*args)
+        else:
+            slot, need, counters, polls = tail
+            sent, addrs, own = self._slot_addresses[slot]
+            status = kernels.in_combine_tail(*args, sent, addrs, counters or None, own, need, polls,
+                                             self._ns_address if timed else None)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
 
     def stage(self, fields, pieces, vec: np.ndarray | None = None) -> None:

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 24
+ABI = 25
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -51,6 +51,10 @@ _SIGNATURES = {
     "in_vectors": (_I64, [_P, _I64, _P]),
     "in_stage": (_I64, [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]),
     "in_store": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P]),
+    "in_dispatch_tail": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P,
+                                _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P]),
+    "in_combine_tail": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P,
+                               _P, _P, _P, _P, _U16, _P, _P, _P, _P, _I64, _I64, _P]),
     "in_combine": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64, _P, _P,
                           _P, _P, _P, _U16]),
     "ll_dispatch_issue": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64,

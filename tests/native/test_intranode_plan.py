@@ -412,3 +412,124 @@ def test_vectors_gathers_every_ranks_count_vector_from_its_current_half():
     assert np.array_equal(ranks.plans[0].vectors(5), want)
     with pytest.raises(ValueError, match="pass the half"):
         ranks.plans[0].vectors((HALF - VEC_OFF) // 4 + 1)
+
+
+def _tail_operands(seed, R=3, me=1, n=8, xb=16, k=3, sb=4):
+    """Ranks with staged chunks (half 0) and this rank's x and mask, the operands of a dispatch tail."""
+    rng = np.random.default_rng(seed)
+    ranks = Ranks(R, seed=seed)
+    offs = [VEC_OFF + 64, VEC_OFF + 200, VEC_OFF + 300, VEC_OFF + 600, VEC_OFF + 900]
+    ntok = [5, 0, 7][:R] + [3] * max(0, R - 3)
+    chunks = _stage_chunks(ranks, rng, ntok, xb, sb, k, offs)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, xb), generator=g, dtype=torch.uint8)
+    mask = torch.rand(n, R, generator=g) < 0.5
+    want = mask.sum(0).tolist()
+    picked = [int(c["mask"][:, me].sum()) for c in chunks]
+    rows = sum(picked) + 1  # one row left past the received ones
+    at = [1 + sum(picked[:s]) for s in range(R)]  # row 0 left as it was
+    return ranks, offs, ntok, x, mask, want, rows, at, picked
+
+
+def _tail_outputs(rows, xb, k, sb, R, C, want):
+    return dict(dst=[torch.zeros(max(w, 1), xb, dtype=torch.uint8) for w in want],
+                s=torch.full((rows, sb), 7, dtype=torch.uint8), idx=torch.full((rows, k), 7, dtype=torch.int64),
+                w=torch.full((rows, k), 7.0), src=torch.full((rows,), 7, dtype=torch.int32),
+                rcp=torch.full((R, C), 7, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_dispatch_tail_is_the_steps_in_order(ready):
+    """``dispatch_tail`` = store, XDATA, gather, CONSUMED, staged + 1, the channel prefix, the XDATA poll: the same
+    bytes, signals, counters and staged counts as those steps one by one; -1 when a peer's XDATA is short."""
+    R, me, xb, k, sb, C = 3, 1, 16, 3, 4, 2
+    XD, CS = 2, 1
+    results = []
+    for fused in (False, True):
+        ranks, offs, ntok, x, mask, want, rows, at, picked = _tail_operands(21)
+        plan = ranks.plans[me]
+        o = _tail_outputs(rows, xb, k, sb, R, C, want)
+        dst = [o["dst"][j].data_ptr() if want[j] else 0 for j in range(R)]
+        order = [(me + 1 + i) % R for i in range(R)]
+        for p in range(R):  # every peer raised its XDATA for this call (or one is late)
+            if p != me and (ready or p != 2):
+                ranks.plans[p].signal(XD, np.array([me], dtype=np.int64))
+        starts = at + [at[-1] + picked[-1]]
+        cnt = ranks.cnt_addr[me].ctypes.data
+        if fused:
+            status, got, routed = plan.dispatch_tail(x, mask, order, dst, want, offs, ntok, list(at), o["s"], o["idx"],
+                                                     o["w"], o["src"], (20, 16), starts, o["rcp"], XD, CS, 1, cnt, 0)
+        else:
+            status, routed = plan.store(x, mask, order, dst, want)
+            plan.signal(XD, None, cnt)
+            got = plan.gather(offs, ntok, 0, list(at), None, o["s"], o["idx"], o["w"], o["src"], (20, 16))
+            plan.signal(CS, None, cnt)
+            plan.staged += 1
+            o["rcp"].copy_(native.recv_channel_prefix(o["src"], starts, ntok, C))
+            status = 0 if plan.poll(XD, None, 1, 0) else -1
+        assert (status, got, routed) == (0 if ready else -1, picked, want)
+        results.append((o, [s.copy() for s in ranks.sig], ranks.cnt[me].copy(), plan.staged.copy()))
+    (a, sig_a, cnt_a, staged_a), (b, sig_b, cnt_b, staged_b) = results
+    for key in ("s", "idx", "w", "src", "rcp"):
+        assert torch.equal(a[key], b[key]), key
+    assert all(torch.equal(u, v) for u, v in zip(a["dst"], b["dst"]))
+    assert all(np.array_equal(u, v) for u, v in zip(sig_a, sig_b)) and np.array_equal(cnt_a, cnt_b)
+    assert staged_a.tolist() == staged_b.tolist() == [1] * R
+    assert bool((b["src"][1:-1] >= 0).all()) and b["rcp"].ne(7).all()  # written, not left as they were
+
+
+def test_dispatch_tail_refuses_before_anything_moves():
+    R, me, xb, k, sb, C = 3, 1, 16, 3, 4, 2
+    ranks, offs, ntok, x, mask, want, rows, at, picked = _tail_operands(22)
+    plan = ranks.plans[me]
+    o = _tail_outputs(rows, xb, k, sb, R, C, want)
+    dst = [d.data_ptr() for d in o["dst"]]
+    starts = at + [at[-1] + picked[-1]]
+    sig = [s.copy() for s in ranks.sig]
+    wrong = [want[0], want[1] + 1, want[2]]  # the mask routes another count to rank 1: nothing stored or raised
+    status, _, routed = plan.dispatch_tail(x, mask, [2, 0, 1], dst, wrong, offs, ntok, list(at), o["s"], o["idx"],
+                                           o["w"], o["src"], (0, 0), starts, o["rcp"], 2, 1, 1, 0, 0)
+    assert (status, routed[1]) == (2, want[1])
+    assert all(np.array_equal(u, v) for u, v in zip(sig, ranks.sig)) and not any(d.any() for d in o["dst"])
+    assert bool((o["src"] == 7).all()) and plan.staged.tolist() == [0] * R
+    short = [a - 1 if a > 1 else a for a in at]  # the last source's rows would pass the outputs: the gather refuses
+    short[-1] = rows - picked[-1] + 1
+    status, _, _ = plan.dispatch_tail(x, mask, [2, 0, 1], dst, want, offs, ntok, short, o["s"], o["idx"], o["w"],
+                                      o["src"], (0, 0), starts, o["rcp"], 2, 1, 1, 0, 0)
+    assert status == R + 1 and bool((o["src"] == 7).all()) and plan.staged.tolist() == [0] * R
+    assert int(ranks.sig[0][2, me]) == 1 and int(ranks.sig[0][1, me]) == 0  # XDATA raised, CONSUMED not
+    with pytest.raises(ValueError, match="dispatch_tail"):  # an rcp of another rank count
+        plan.dispatch_tail(x, mask, [2, 0, 1], dst, want, offs, ntok, list(at), o["s"], o["idx"], o["w"], o["src"],
+                           (0, 0), starts, o["rcp"][:2], 2, 1, 1, 0, 0)
+    with pytest.raises(ValueError, match="dispatch_tail"):  # ids without weights
+        plan.dispatch_tail(x, mask, [2, 0, 1], dst, want, offs, ntok, list(at), o["s"], o["idx"], None, o["src"],
+                           (0, 0), starts, o["rcp"], 2, 1, 1, 0, 0)
+
+
+@pytest.mark.parametrize("need", [0, 1, 2])
+def test_combine_tail_sums_then_consumes_then_polls(need):
+    """``combine(..., tail=)`` = the combine, CONSUMED at every peer, staged + 1, then (``need > 0``) the peers'
+    CONSUMED polled: R + 1 when short (one peer raised it once here)."""
+    R, me, H, N = 2, 0, 8, 3
+    ranks = Ranks(R, seed=5)
+    mask = torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool)
+    theirs = torch.randn(2, H).bfloat16()
+    ranks.half(1, 0)[VEC_OFF:VEC_OFF + 4 * R] = np.array([2, 0], dtype=np.int32).view(np.uint8)
+    ranks.half(1, 0)[VEC_OFF + 64:VEC_OFF + 64 + theirs.numel() * 2] = theirs.view(torch.uint8).reshape(-1).numpy()
+    ranks.half(0, 0)[VEC_OFF:VEC_OFF + 4 * R] = np.array([2, 0], dtype=np.int32).view(np.uint8)
+    own = torch.randn(2, H).bfloat16()
+    ranks.plans[1].signal(1, np.array([0], dtype=np.int64))  # the peer consumed once
+    args = ([VEC_OFF + 64, VEC_OFF + 1024], 0, mask, [own.data_ptr(), 0], [H, 0], [2, 0], [0, 0], [0, 0], None, None)
+    plain = torch.zeros(N, H, dtype=torch.bfloat16)
+    assert ranks.plans[me].combine(*args, plain, None)[0] == 0
+    out = torch.zeros(N, H, dtype=torch.bfloat16)
+    status, got, _ = ranks.plans[me].combine(*args, out, None, None, (1, need, ranks.cnt_addr[me].ctypes.data, 0),
+                                             timed=True)
+    assert (status, got) == (R + 1 if need > 1 else 0, [2, 2]) and torch.equal(out, plain)
+    assert int(ranks.sig[1][1, me]) == 1 and ranks.cnt[me].tolist() == [0, 1]  # CONSUMED raised at the peer, counted
+    assert ranks.plans[me].staged.tolist() == [1, 1] and min(ranks.plans[me].ns[:3]) >= 0
+    refused = torch.zeros(N, H, dtype=torch.bfloat16)  # counts the mask does not route: nothing signalled
+    ranks.half(1, 0)[VEC_OFF:VEC_OFF + 4 * R] = np.array([1, 0], dtype=np.int32).view(np.uint8)
+    ranks.plans[me].staged[:] = 0
+    status, _, _ = ranks.plans[me].combine(*args, refused, None, None, (1, need, 0, 0))
+    assert status == 2 and int(ranks.sig[1][1, me]) == 1 and ranks.plans[me].staged.tolist() == [0, 0]

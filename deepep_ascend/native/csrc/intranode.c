@@ -16,6 +16,10 @@
  *   deepep_in_combine   a combine round's receive: every source's rows for this origin's tokens found,
  *                        checked against the counts the sources sent, summed (deepep_sum_rows_bf16) with
  *                        the bias, and the top-k weights summed
+ *   deepep_in_dispatch_tail  a one-round dispatch on the direct path after its counts: the stores, XDATA,
+ *                        the gather, CONSUMED, the receive's channel prefix and the XDATA poll in one call
+ *   deepep_in_combine_tail   a one-round combine after its headers: the receive (deepep_in_combine), CONSUMED
+ *                        and, when the peers read x in place, their CONSUMED polled, in one call
  *
  * A poll that runs out returns -1 having read nothing after the signals: the caller then waits the long
  * way (transports' wait_until, with its deadline and abort checks). Addresses are the caller's mapped
@@ -23,8 +27,11 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 void deepep_local_experts(int64_t *idx, float *weights, int64_t count, int64_t first, int64_t local);
+int64_t deepep_recv_channel_prefix(const int32_t *src, const int64_t *starts, const int64_t *num_tokens, int64_t r,
+                                   int64_t num_channels, int32_t *out);
 
 /* The plan: int64 words, written once by deepep_ascend.native.intranode.IntranodePlan. */
 enum {
@@ -43,6 +50,14 @@ enum {
 };
 
 #define PTR(plan, field, type) ((type)(intptr_t)(plan)[field])
+
+/* Nanoseconds of CLOCK_MONOTONIC: the steps of a fused call that a caller times (its phase breakdown). */
+static inline int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static inline void pause_once(void)
 {
@@ -341,4 +356,101 @@ int64_t deepep_in_vectors(const int64_t *plan, int64_t n, int32_t *out)
     for (int64_t p = 0; p < R; p++)
         memcpy(out + p * n, (const uint8_t *)(intptr_t)bases[p] + (staged[p] & 1) * half + vec_off, (size_t)n * 4);
     return 0;
+}
+
+/* A one-round dispatch's tail on the direct path, once every rank's counts are exchanged, in the order the engine's
+ * steps take (deepep_ascend.ep.intranode, IntranodeEngine.dispatch):
+ *   1. deepep_in_store of the n rows of x (xb bytes, row stride x_ld) by mask into every receiver's recv_x
+ *      (ops[5] order, ops[6] dst, ops[7] want; ops[8] gets the rows routed to each rank);
+ *   2. XDATA raised at every peer (xd_sent, xd_addrs: its slot's words, as deepep_in_signal);
+ *   3. deepep_in_gather of every source's chunk 0 (ops[0] field offsets, ops[1] rows, ops[3] first output row of
+ *      each source, ops[4] gets the rows of each; x is not gathered: it was stored);
+ *   4. CONSUMED raised at every peer (cs_sent, cs_addrs) and every rank's staged count + 1 (chunk 0 is read);
+ *   5. deepep_recv_channel_prefix of src_out (ops[9]: the R + 1 first rows of each source's block, ops[10]: each
+ *      source's token count) into rcp [R, num_channels];
+ *   6. every peer's XDATA polled (xd_own) up to `polls` rounds until it reads xd_need (deepep_in_poll).
+ * counters: as deepep_in_signal's, for both signals. ns (NULL: not timed): the nanoseconds of steps 1 + 3, 2 + 4,
+ * 5 and 6. Returns 0 when done; -1 when a peer's XDATA is still short (steps 1-5 done: the caller waits the long
+ * way); 1 + j when the mask routes ops[8][j] rows to rank j, not ops[7][j] (nothing written); R + 1 when the
+ * gather refused (a source's rows pass out_rows; steps 1-2 done); R + 2 when the channel prefix refused (steps 1-4
+ * done, rcp unwritten). */
+int64_t deepep_in_dispatch_tail(const int64_t *plan, int64_t n, const uint8_t *x, int64_t x_ld, int64_t xb,
+                                const uint8_t *mask, int64_t *const *ops, int64_t *xd_sent, const int64_t *xd_addrs,
+                                const int64_t *xd_own, int64_t xd_need, int64_t *cs_sent, const int64_t *cs_addrs,
+                                const int64_t *counters, int64_t sb, int64_t k, uint8_t *s_out, int64_t *idx_out,
+                                float *w_out, int32_t *src_out, int64_t out_rows, int64_t first_expert,
+                                int64_t num_local, int64_t num_channels, int32_t *rcp, int64_t polls, int64_t *ns)
+{
+    const int64_t R = plan[CTL_RANKS];
+    int64_t *staged = PTR(plan, CTL_STAGED, int64_t *);
+    const int64_t *peers = PTR(plan, CTL_PEERS, const int64_t *);
+    int64_t t[7] = {0};
+    if (ns)
+        t[0] = now_ns();
+    const int64_t status = deepep_in_store(n, R, x, x_ld, xb, mask, ops[5], ops[6], ops[7], ops[8]);
+    if (status)
+        return status;
+    if (ns)
+        t[1] = now_ns();
+    deepep_in_signal(R - 1, peers, R, xd_sent, xd_addrs, counters);
+    if (ns)
+        t[2] = now_ns();
+    if (deepep_in_gather(plan, ops[0], ops[1], 0, 0, sb, k, NULL, s_out, idx_out, w_out, src_out, ops[3], out_rows,
+                         ops[4], first_expert, num_local))
+        return R + 1;
+    if (ns)
+        t[3] = now_ns();
+    deepep_in_signal(R - 1, peers, R, cs_sent, cs_addrs, counters);
+    for (int64_t p = 0; p < R; p++)
+        staged[p] += 1;
+    if (ns)
+        t[4] = now_ns();
+    if (deepep_recv_channel_prefix(src_out, ops[9], ops[10], R, num_channels, rcp))
+        return R + 2;
+    if (ns)
+        t[5] = now_ns();
+    const int64_t rc = deepep_in_poll(xd_own, R - 1, peers, NULL, xd_need, polls);
+    if (ns) {
+        t[6] = now_ns();
+        ns[0] = (t[1] - t[0]) + (t[3] - t[2]);
+        ns[1] = (t[2] - t[1]) + (t[4] - t[3]);
+        ns[2] = t[5] - t[4];
+        ns[3] = t[6] - t[5];
+    }
+    return rc;
+}
+
+/* A one-round combine's tail once every rank's headers are read: deepep_in_combine (its operands as there), then
+ * CONSUMED raised at every peer (cs_sent, cs_addrs, counters: as deepep_in_signal's) and every rank's staged count
+ * + 1, then, with cs_need > 0, every peer's CONSUMED word (cs_own) polled up to `polls` rounds until it reads
+ * cs_need (the peers that read this rank's x in place are done with it). ns (NULL: not timed): the nanoseconds of
+ * the receive, the signals and the poll. Returns deepep_in_combine's status when it is not 0 (nothing signalled),
+ * R + 1 when a peer's CONSUMED is still short (the rest done), else 0. */
+int64_t deepep_in_combine_tail(const int64_t *plan, const int64_t *offs, int64_t lo, int64_t m, int64_t hidden,
+                               const uint8_t *mask, const int64_t *rows_at, const int64_t *ld, const int64_t *cap,
+                               int64_t wcols, const int64_t *w_at, const int64_t *w_ld, const uint16_t *bias0,
+                               int64_t bias0_ld, const uint16_t *bias1, int64_t bias1_ld, uint16_t *out,
+                               int64_t out_ld, float *w_out, const int64_t *order, int64_t *tokens, int64_t *got,
+                               int64_t *want, uint16_t nan_bits, int64_t *cs_sent, const int64_t *cs_addrs,
+                               const int64_t *counters, const int64_t *cs_own, int64_t cs_need, int64_t polls,
+                               int64_t *ns)
+{
+    const int64_t R = plan[CTL_RANKS];
+    int64_t *staged = PTR(plan, CTL_STAGED, int64_t *);
+    const int64_t *peers = PTR(plan, CTL_PEERS, const int64_t *);
+    const int64_t t0 = ns ? now_ns() : 0;
+    const int64_t status = deepep_in_combine(plan, offs, lo, m, hidden, mask, rows_at, ld, cap, wcols, w_at, w_ld,
+                                             bias0, bias0_ld, bias1, bias1_ld, out, out_ld, w_out, order, tokens, got,
+                                             want, nan_bits);
+    if (status)
+        return status;
+    const int64_t t1 = ns ? now_ns() : 0;
+    deepep_in_signal(R - 1, peers, R, cs_sent, cs_addrs, counters);
+    for (int64_t p = 0; p < R; p++)
+        staged[p] += 1;
+    const int64_t t2 = ns ? now_ns() : 0;
+    const int64_t short_ = cs_need > 0 && deepep_in_poll(cs_own, R - 1, peers, NULL, cs_need, polls);
+    if (ns)
+        ns[0] = t1 - t0, ns[1] = t2 - t1, ns[2] = now_ns() - t2;
+    return short_ ? R + 1 : 0;
 }
