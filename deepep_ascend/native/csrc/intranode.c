@@ -181,12 +181,12 @@ int64_t deepep_in_gather(const int64_t *plan, const int64_t *offs, const int64_t
             if (k) {
                 memcpy(idx_out + row * k, half_base + offs[2] + t * k * 8, (size_t)k * 8);
                 memcpy(w_out + row * k, half_base + offs[3] + t * k * 4, (size_t)k * 4);
-                if (num_local > 0)
-                    deepep_local_experts(idx_out + row * k, w_out + row * k, k, first_expert, num_local);
             }
             src_out[row] = (int32_t)(first + t);
             row++;
         }
+        if (k && num_local > 0)  /* the source's rows at once: the kernel's vector loop, not k ids at a time */
+            deepep_local_experts(idx_out + at[s] * k, w_out + at[s] * k, (row - at[s]) * k, first_expert, num_local);
         at[s] = row;
     }
     return 0;

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* topk [n, k] int64 expert ids in [-1, num_experts) (-1: none); num_experts a positive multiple of
  * num_ranks. Writes per_rank [num_ranks] int32 (tokens with an expert on each rank, once per token),
  * per_expert [num_experts] int32 ((token, slot) pairs per expert), in_rank [n, num_ranks] bool (uint8 0/1),
@@ -119,8 +121,11 @@ int64_t deepep_recv_channel_prefix(const int32_t *src, const int64_t *starts, co
 }
 
 /* In place over count (token, slot) entries: global expert ids -> this rank's local ids (first .. first +
- * local - 1 -> 0 .. local - 1), -1 and weight +0.0 for every other id (-1 included). */
-void deepep_local_experts(int64_t *idx, float *weights, int64_t count, int64_t first, int64_t local) {
+ * local - 1 -> 0 .. local - 1), -1 and weight +0.0 for every other id (-1 included). The two arrays do not
+ * overlap (restrict): with the AVX-512 clone the loop runs 8 ids per instruction, ~10x the scalar loop. */
+MULTIVERSION
+void deepep_local_experts(int64_t *restrict idx, float *restrict weights, int64_t count, int64_t first,
+                          int64_t local) {
     for (int64_t i = 0; i < count; ++i) {  /* without branches: foreign ids are as likely as local ones */
         const int64_t e = idx[i] - first;
         const int keep = (uint64_t)e < (uint64_t)local;
