@@ -353,6 +353,12 @@ class IntranodeEngine:
         charges only what ``record_signal`` counts: :meth:`_record_signals` then)."""
         return self._signal_counters if self.tp.stats.emulator is None else 0
 
+    def _tails_ok(self) -> bool:
+        """Whether the rest of a one-round call may run in one native call (:meth:`_direct_tail`, the combine's
+        tail): a plan, and no link emulator (which charges each receive's emulated time before the signals that
+        release the peers, so its calls take the steps one by one)."""
+        return self._plan is not None and self.tp.stats.emulator is None
+
     def _record_signals(self, dsts: list | None) -> None:
         for p in self.peers if dsts is None else dsts:
             self.tp.record_signal(p)
@@ -619,7 +625,6 @@ class IntranodeEngine:
         dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb) if want[j] else 0
                for j in range(nr)]
         self._xdata_calls += 1
-        counters = self._counters()
         self.tp.check_abort(phase)  # the poll sees no abort words: a rank must hear of a peer's abort first
         local = num_experts // nr
         if _PH.on:
@@ -627,7 +632,7 @@ class IntranodeEngine:
         status, got, routed = self._plan.dispatch_tail(
             x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want, regions.field_offs, ntok, at,
             out.scales, out.topk_idx, out.topk_weights, out.src_idx, (me * local, local), at + [prefix[nr - 1][me]],
-            rcp, XDATA, CONSUMED, self._xdata_calls, counters, self._polls, _PH.on)
+            rcp, XDATA, CONSUMED, self._xdata_calls, self._signal_counters, self._polls, _PH.on)
         if _PH.on and status <= 0:
             ns = self._plan.ns
             _PH.carve("signal", ns[1])
@@ -635,13 +640,9 @@ class IntranodeEngine:
             _PH.carve("wait: x rows", ns[3])
         if 0 < status <= nr:
             raise _routed_elsewhere(me, status - 1, routed[status - 1], want[status - 1])
-        if not counters:
-            self._record_signals(None)
         if status == nr + 1:
             raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: the rows routed here from the "
                              f"sources (starting at rows {at}) do not fit {out.src_idx.size(0)} output rows")
-        if not counters:
-            self._record_signals(None)
         for s in range(nr):
             self.staged[s] += 1
         row_bytes = xb + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
@@ -652,6 +653,8 @@ class IntranodeEngine:
         if status == nr + 2:  # (not reached: the gather writes no negative token)
             rcp.copy_(recv_channel_prefix(out.src_idx, at + [prefix[nr - 1][me]], ntok, rcp.size(1)))
         elif status < 0 and self.peers:  # a peer's x rows not yet stored: the long wait
+            if _PH.on:
+                _PH.switch("wait: x rows")
             self._wait(XDATA, None, self._xdata_calls, f"{phase}: x rows")
         for s in range(nr):
             if at[s] + got[s] != prefix[s][me]:
@@ -771,7 +774,7 @@ class IntranodeEngine:
                    recv_counts)
 
         plan = self._x_path(headers, prefix, max(rounds) == 1, predicted, x.shape[1])
-        if plan is not None and self._plan is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():
+        if plan is not None and self._tails_ok() and matrix_ok(x) and is_token_in_rank.is_contiguous():
             # every remaining step in one native call
             self._direct_tail(plan, prefix, ntok, x, is_token_in_rank, regions, out, num_experts,
                               recv_channel_prefix_matrix, phase)
@@ -1075,25 +1078,25 @@ class IntranodeEngine:
         native = self._plan is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
         # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
         in_place_wait = xseg is not None and num_recv > returned.starts[me + 1] - returned.starts[me]
-        if native and num_rounds == 1:  # the receive, its consumption and that wait in one call
+        if native and num_rounds == 1 and self._tails_ok():  # the receive, its consumption and that wait in one call
             self.tp.check_abort(phase)  # the poll sees no abort words: a rank must hear of a peer's abort first
-            counters = self._counters()
             need = self.staged[me] + 1 if in_place_wait else 0
             if _PH.on:
                 _PH.switch("reduce")
             short = self._combine_native(headers, regions, returned, handle, prefix, 0, min(n, per_round), combined,
-                                         combined_w, bias, read, phase, order, (CONSUMED, need, counters, self._polls))
+                                         combined_w, bias, read, phase, order,
+                                         (CONSUMED, need, self._signal_counters, self._polls))
             if _PH.on:
                 ns = self._plan.ns
                 _PH.carve("signal", ns[1])
                 _PH.carve("wait: x read in place", ns[2])
-            if not counters:
-                self._record_signals(None)
             for s in range(nr):
                 self.staged[s] += 1
             if any(read):
                 self.tp.check_abort()  # as below
             if short:
+                if _PH.on:
+                    _PH.switch("wait: x read in place")
                 self._wait(CONSUMED, None, need, f"{phase}: x read in place")
             return
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):

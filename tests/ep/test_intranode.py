@@ -95,6 +95,42 @@ def test_dispatch_combine_without_the_native_kernel(buf, comm, case, monkeypatch
     chk.finish(case.name + " (torch paths)")
 
 
+def test_a_link_emulator_takes_the_steps_one_by_one(buf, comm, monkeypatch):
+    """The fused tails (``IntranodePlan.dispatch_tail``, ``IntranodePlan.combine(..., tail=)``) raise ``XDATA`` and
+    ``CONSUMED`` inside C, before Python charges a link emulator the emulated time of the rows received; with an
+    emulator set the engine takes the steps one by one, each receive charged before the signal that releases the
+    peers. The same results either way (the reference checks)."""
+    from deepep_ascend import native
+    from deepep_ascend.transports import LinkEmulator
+
+    if buf._engine._plan is None:
+        pytest.skip("no native plan here (kernels not built, or ranks not all mapped)")
+    fused = []
+    tail, combine = native.IntranodePlan.dispatch_tail, native.IntranodePlan.combine
+
+    def spy_tail(self, *args, **kwargs):
+        fused.append("dispatch")
+        return tail(self, *args, **kwargs)
+
+    def spy_combine(self, *args, **kwargs):
+        if kwargs.get("tail", args[13] if len(args) > 13 else None) is not None:
+            fused.append("combine")
+        return combine(self, *args, **kwargs)
+
+    monkeypatch.setattr(native.IntranodePlan, "dispatch_tail", spy_tail)
+    monkeypatch.setattr(native.IntranodePlan, "combine", spy_combine)
+    case = CASES[0]
+    run_case(buf, comm, case, seed=90).finish(case.name)
+    assert sorted(set(fused)) == ["combine", "dispatch"]
+    fused.clear()
+    buf.runtime.set_link_emulator(LinkEmulator("UBMEM=1000:0"))
+    try:
+        run_case(buf, comm, case, seed=91).finish(case.name + " (link emulator)")
+    finally:
+        buf.runtime.set_link_emulator(None)
+    assert fused == []
+
+
 def test_get_dispatch_layout_outputs(buf, comm):
     """Layout alone: exact values, int32/bool dtypes, None for the RDMA count, sync and async."""
     from tests.support.reference import ref_dispatch_layout

@@ -163,6 +163,38 @@ def test_normal_calls_tile_and_change_no_bit(buffers, comm, nodes):
     assert {"checks", "control", "outputs", "copy"} <= set(records[2].phases)  # the cached dispatch
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_late_peer_is_booked_as_the_wait_it_causes(buffers, comm, monkeypatch):
+    """One node: the last rank sleeps after the count exchange of a dispatch (before it stores into the others'
+    ``recv_x``) and before the receive of a combine (the others' ``x`` read in place). Rank 0's fused tails run out
+    of polls and wait the long way: those waits are booked as ``wait: x rows`` and ``wait: x read in place``."""
+    from deepep_ascend.ep import intranode
+
+    R, rank = comm.Get_size(), comm.Get_rank()
+    num_experts, late = 4 * R, 0.2
+    buf = buffers(Buffer.get_normal_buffer_size_hint(TOKENS, HIDDEN, R, TOPK, num_experts), key="normal")
+    x, topk_idx, w = _inputs(rank, num_experts)
+    for name in ("_x_path", "_combine_native"):
+        step = getattr(intranode.IntranodeEngine, name)
+
+        def slow(self, *args, _step=step, **kwargs):
+            if rank == R - 1:
+                time.sleep(late)
+            return _step(self, *args, **kwargs)
+        monkeypatch.setattr(intranode.IntranodeEngine, name, slow)
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    comm.Barrier()
+    with phases.recording() as records:
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                       num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=w)
+        buf.combine(recv_x, handle, topk_weights=recv_w)  # recv_x lies in the landing segment: read in place
+    if rank == 0:
+        dispatch, combine = records
+        assert dispatch.phases.get("wait: x rows", 0) > 0.5 * late * 1e9, dispatch.phases
+        assert combine.phases.get("wait: x read in place", 0) > 0.5 * late * 1e9, combine.phases
+        assert dispatch.phases.get("copy", 0) < 0.5 * late * 1e9 and combine.phases.get("reduce", 0) < 0.5 * late * 1e9
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("hook", [False, True], ids=["inline", "hook"])
 def test_low_latency_calls_tile_and_change_no_bit(buffers, comm, hook):
