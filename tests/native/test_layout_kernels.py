@@ -90,7 +90,8 @@ def _same(got, *wants):
 
 
 @pytest.mark.parametrize("num_ranks,local,num_tokens,k,num_channels", [
-    (1, 3, 5, 2, 4), (2, 4, 0, 3, 2), (4, 2, 17, 4, 3), (8, 1, 33, 3, 20), (3, 5, 9, 0, 1), (2, 8, 64, 8, 12)])
+    (1, 3, 5, 2, 4), (2, 4, 0, 3, 2), (4, 2, 17, 4, 3), (8, 1, 33, 3, 20), (3, 5, 9, 0, 1), (2, 8, 64, 8, 12),
+    (4, 300, 33, 4, 3)])  # (the last: more experts than the kernel's rank table on the stack)
 def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, num_channels, monkeypatch):
     g = torch.Generator().manual_seed(num_ranks * 100 + num_tokens)
     num_experts = num_ranks * local
@@ -118,6 +119,9 @@ def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, 
     _same(native.recv_channel_prefix(src, starts, ntok, num_channels),
           _loop_recv_channel_prefix(src, starts, ntok, num_channels),
           _numpy_path(layout.recv_channel_prefix, src, starts, ntok, num_channels, monkeypatch=monkeypatch))
+    shuffled = torch.cat([b[torch.randperm(b.numel(), generator=g)] for b in blocks]).to(torch.int32)
+    _same(native.recv_channel_prefix(shuffled, starts, ntok, num_channels),  # tokens in any order: the same counts
+          _loop_recv_channel_prefix(shuffled, starts, ntok, num_channels))
 
 
 @pytest.mark.parametrize("rank,local", [(0, 3), (2, 4), (1, 1)])

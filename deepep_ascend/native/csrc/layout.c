@@ -10,6 +10,7 @@
  * shapes and contiguity; the kernels check values and write nothing when one is out of range.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -19,13 +20,20 @@
  * per_expert [num_experts] int32 ((token, slot) pairs per expert), in_rank [n, num_ranks] bool (uint8 0/1),
  * and, unless last_slot is NULL, last_slot [n, num_ranks] int64: the token's last top-k slot j on each rank,
  * -1 where it has none (EPBuffer's combine key, docs/semantics/deepep-api.md §13.5).
- * Returns 0, or 1 (nothing written) when an id is out of range. */
+ * Returns 0, 1 (nothing written) when an id is out of range, or 2 (nothing written) when out of memory. */
 int64_t deepep_dispatch_layout(const int64_t *topk, int64_t n, int64_t k, int64_t num_experts, int64_t num_ranks,
                                int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank, int64_t *last_slot) {
     for (int64_t i = 0; i < n * k; ++i)
         if (topk[i] < -1 || topk[i] >= num_experts)
             return 1;
     const int64_t local = num_experts / num_ranks;
+    /* each expert's rank from a table: an integer division per (token, slot) costs more than the rest of the
+     * pass (tens of cycles each) */
+    int32_t small[1024], *rank_of = num_experts <= 1024 ? small : malloc((size_t)num_experts * sizeof(int32_t));
+    if (!rank_of)
+        return 2;
+    for (int64_t e = 0; e < num_experts; ++e)
+        rank_of[e] = (int32_t)(e / local);
     memset(per_rank, 0, (size_t)num_ranks * sizeof(int32_t));
     memset(per_expert, 0, (size_t)num_experts * sizeof(int32_t));
     memset(in_rank, 0, (size_t)(n * num_ranks));
@@ -40,13 +48,15 @@ int64_t deepep_dispatch_layout(const int64_t *topk, int64_t n, int64_t k, int64_
             if (e < 0)
                 continue;
             per_expert[e] += 1;
-            row[e / local] = 1;
+            row[rank_of[e]] = 1;
             if (last)
-                last[e / local] = j;  /* slots ascend: the last store is the largest */
+                last[rank_of[e]] = j;  /* slots ascend: the last store is the largest */
         }
         for (int64_t r = 0; r < num_ranks; ++r)
             per_rank[r] += row[r];
     }
+    if (rank_of != small)
+        free(rank_of);
     return 0;
 }
 
@@ -105,8 +115,16 @@ int64_t deepep_recv_channel_prefix(const int32_t *src, const int64_t *starts, co
             q = 1;
         int32_t *row = out + s * num_channels;
         memset(row, 0, (size_t)num_channels * sizeof(int32_t));
+        /* a block's tokens ascend (the engines' order): its channel advances by comparisons, a division only
+         * where a token is below the one before it */
+        int64_t ch = 0, lo = 0, hi = q;  /* channel ch owns tokens [lo, hi) */
         for (int64_t i = starts[s]; i < starts[s + 1]; ++i) {
-            const int64_t ch = src[i] / q;
+            const int64_t t = src[i];
+            if (t < lo) {
+                ch = t / q, lo = ch * q, hi = lo + q;
+            }
+            while (t >= hi && ch < num_channels)
+                ++ch, lo = hi, hi += q;
             if (ch < num_channels)
                 row[ch] += 1;
         }
