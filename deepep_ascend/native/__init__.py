@@ -18,8 +18,8 @@ Modules:
 * :mod:`.ll_fused`  a low-latency call on one node in two native calls, issue and finish, from a checked plan of
   its fixed operands (``csrc/ll_fused.c``): :class:`LLPlan`, :func:`fused_available`;
 * :mod:`.intranode` the normal-mode engine's fixed work on one node from a checked plan: signals, the chunk-0
-  exchange, staging, direct stores and each chunk's receive (``csrc/intranode.c``): :class:`IntranodePlan`,
-  :func:`intranode_available`;
+  exchange, staging, direct stores, each chunk's receive and a one-round call's rest (``csrc/intranode.c``):
+  :class:`IntranodePlan`, :func:`intranode_available`;
 * :mod:`.amx`       :class:`AmxWeight`, :class:`AmxFp4Weight`, :func:`gemm_bf16_amx`, :func:`amx_bf16`;
 * :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
   :func:`send_layout`, :func:`recv_channel_prefix`, :func:`local_experts`.

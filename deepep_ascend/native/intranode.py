@@ -20,7 +20,10 @@ and stores from C, as :func:`deepep_ascend.native.ll_publish` does for the low-l
   top-k ids and weights, source token) from its staged chunk into the outputs, in one pass;
 * :meth:`IntranodePlan.combine`: a combine round's receive: every source's rows for this origin's tokens,
   checked against the counts the sources sent, summed in float32 with the bias in ascending source order
-  and rounded once (:func:`~deepep_ascend.native.sum_rows`'s kernel), and the top-k weights summed.
+  and rounded once (:func:`~deepep_ascend.native.sum_rows`'s kernel), and the top-k weights summed; with
+  ``tail``, a one-round combine's rest too (``CONSUMED`` to every peer, the peers' ``CONSUMED`` polled);
+* :meth:`IntranodePlan.dispatch_tail`: a one-round dispatch's rest on the direct path in one call: the stores,
+  ``XDATA``, the receive, ``CONSUMED``, the received rows' channel prefix, the ``XDATA`` poll.
 
 A poll that runs out returns False (or ``-1``) having read nothing: the engine then waits with the
 transport's ``wait_until``, which has the deadline and the abort checks. The plan is checked once, when it
