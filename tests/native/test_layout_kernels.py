@@ -124,6 +124,34 @@ def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, 
           _loop_recv_channel_prefix(shuffled, starts, ntok, num_channels))
 
 
+
+def test_random_routings_match_the_loops():
+    """200 random routings and receives: 1-64 ranks, up to 19,200 experts (past the kernel's rank table on the
+    stack), received blocks ascending or shuffled (the channel walk's fallback), channels more than tokens."""
+    g = torch.Generator().manual_seed(23)
+
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=g))]
+
+    for _ in range(200):
+        num_ranks, local = pick([1, 2, 3, 4, 8, 16, 64]), pick([1, 2, 5, 16, 100, 300])
+        num_experts, n, k = num_ranks * local, pick([0, 1, 3, 17, 200]), pick([0, 1, 2, 6, 8])
+        topk = torch.randint(-1, num_experts, (n, k), generator=g)
+        _same(native.dispatch_layout(topk, num_experts, num_ranks, last_slot=True),
+              (*_loop_dispatch_layout(topk, num_experts, num_ranks), _loop_last_slot(topk, num_experts, num_ranks)))
+        num_channels = pick([1, 2, 3, 10, 24, 100])
+        ntok = [pick([0, 1, 5, 64, 300]) for _ in range(num_ranks)]
+        blocks = []
+        for t in ntok:
+            b = torch.sort(torch.randperm(t, generator=g)[:int(torch.randint(0, t + 1, (1,), generator=g))]).values
+            blocks.append(b[torch.randperm(b.numel(), generator=g)] if float(torch.rand(1, generator=g)) < 0.3 else b)
+        src = torch.cat(blocks + [torch.zeros(2, dtype=torch.int64)]).to(torch.int32)
+        starts = [0]
+        for b in blocks:
+            starts.append(starts[-1] + b.numel())
+        _same(native.recv_channel_prefix(src, starts, ntok, num_channels),
+              _loop_recv_channel_prefix(src, starts, ntok, num_channels))
+
 @pytest.mark.parametrize("rank,local", [(0, 3), (2, 4), (1, 1)])
 def test_local_experts_matches_the_torch_path(rank, local):
     g = torch.Generator().manual_seed(rank * 10 + local)
