@@ -58,6 +58,29 @@ def intranode_available() -> bool:
                 or k.in_dispatch_tail is None or k.in_combine_tail is None)
 
 
+
+def _store_operands(op: str, x: torch.Tensor, mask: torch.Tensor, num_ranks: int) -> None:
+    """Refuse (``ValueError`` naming ``op``) what the direct stores do not take: ``x`` an ``[n, xb]`` uint8 matrix,
+    ``mask`` ``[n, R]`` contiguous bool."""
+    if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
+            and tuple(mask.shape) == (x.size(0), num_ranks)):
+        raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: x [n, xb] uint8 and mask [n, {num_ranks}] bool "
+                         f"expected, got {x.dtype}{list(x.shape)} and {mask.dtype}{list(mask.shape)}")
+
+
+def _gather_outputs(op: str, outs: tuple) -> None:
+    """Refuse (``ValueError`` naming ``op``) receive outputs ``(x, scales, topk_idx, topk_weights, src_idx)`` the
+    gather does not take: each None or contiguous, of ``src_idx``'s rows and of :data:`_GATHER_DTYPES`, the top-k
+    ids and weights both or neither and of one shape."""
+    n, topk_idx, topk_weights = outs[4].size(0), outs[2], outs[3]
+    if not all(t is None or (t.dtype == dtype and t.size(0) == n and t.is_contiguous())
+               for t, dtype in zip(outs, _GATHER_DTYPES)) or (topk_idx is None) != (topk_weights is None) \
+            or (topk_idx is not None and topk_idx.shape != topk_weights.shape):
+        got = [None if t is None else (t.dtype, tuple(t.shape), t.is_contiguous()) for t in outs]
+        raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: outputs must be contiguous tensors of {n} rows "
+                         f"of dtypes {_GATHER_DTYPES}, top-k ids and weights both or neither and of one shape, "
+                         f"got {got}")
+
 class IntranodePlan:
     """One engine's control words by address (``csrc/intranode.c``'s plan words).
 
@@ -234,14 +257,7 @@ class IntranodePlan:
                 would pass row ``N`` (nothing written).
         """
         n = src_idx.size(0)
-        outs = (x, scales, topk_idx, topk_weights, src_idx)
-        if not all(t is None or (t.dtype == dtype and t.size(0) == n and t.is_contiguous())
-                   for t, dtype in zip(outs, _GATHER_DTYPES)) or (topk_idx is None) != (topk_weights is None) \
-                or (topk_idx is not None and topk_idx.shape != topk_weights.shape):
-            got = [None if t is None else (t.dtype, tuple(t.shape), t.is_contiguous()) for t in outs]
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.gather: outputs must be contiguous tensors of "
-                             f"{n} rows of dtypes {_GATHER_DTYPES}, top-k ids and weights both or neither and of "
-                             f"one shape, got {got}")
+        _gather_outputs("gather", (x, scales, topk_idx, topk_weights, src_idx))
         g, R = self._ops, self.num_ranks
         g[0, :5] = offsets
         g[1, :R] = rows
@@ -279,23 +295,18 @@ class IntranodePlan:
             a source's rows pass the outputs (stored and ``xdata`` raised), ``R + 2`` when the channel prefix was
             refused (all but it and the poll done).
         Raises:
-            ValueError: an operand of another kind or shape (nothing written).
+            ValueError: ``x``, ``mask`` or the outputs as :meth:`store` and :meth:`gather` refuse them, ``starts``,
+                ``ntok`` or ``rcp`` of another length or kind (nothing written).
         """
         R = self.num_ranks
         n = src_idx.size(0)
-        outs = (None, scales, topk_idx, topk_weights, src_idx)
-        if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
-                and tuple(mask.shape) == (x.size(0), R) and len(starts) == R + 1 and len(ntok) == R
-                and rcp.dtype == torch.int32 and rcp.is_contiguous() and rcp.dim() == 2 and rcp.size(0) == R
-                and rcp.size(1) >= 1 and all(t is None or (t.dtype == dtype and t.size(0) == n and t.is_contiguous())
-                                             for t, dtype in zip(outs, _GATHER_DTYPES))
-                and (topk_idx is None) == (topk_weights is None)
-                and (topk_idx is None or topk_idx.shape == topk_weights.shape)):
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: x [n, xb] uint8, mask [n, {R}] "
-                             f"bool, rcp [{R}, C] int32, outputs contiguous of {n} rows and dtypes {_GATHER_DTYPES[1:]}"
-                             f", got x {x.dtype}{list(x.shape)}, mask {mask.dtype}{list(mask.shape)}, rcp "
-                             f"{rcp.dtype}{list(rcp.shape)}, outputs "
-                             f"{[None if t is None else (t.dtype, tuple(t.shape)) for t in outs[1:]]}")
+        _store_operands("dispatch_tail", x, mask, R)
+        _gather_outputs("dispatch_tail", (None, scales, topk_idx, topk_weights, src_idx))
+        if not (len(starts) == R + 1 and len(ntok) == R and rcp.dtype == torch.int32 and rcp.is_contiguous()
+                and rcp.dim() == 2 and rcp.size(0) == R and rcp.size(1) >= 1):
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: {R + 1} block starts, {R} token "
+                             f"counts and rcp [{R}, C >= 1] contiguous int32 expected, got {len(starts)}, "
+                             f"{len(ntok)} and {rcp.dtype}{list(rcp.shape)}")
         g = self._ops
         g[0, :5] = offsets
         g[1, :R] = ntok
@@ -443,10 +454,7 @@ class IntranodePlan:
             ValueError: ``x`` or ``mask`` of another kind or shape (nothing stored).
         """
         R = self.num_ranks
-        if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
-                and tuple(mask.shape) == (x.size(0), R)):
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.store: x [n, xb] uint8 and mask [n, {R}] bool "
-                             f"expected, got {x.dtype}{list(x.shape)} and {mask.dtype}{list(mask.shape)}")
+        _store_operands("store", x, mask, R)
         g, a = self._ops, self._ops_addresses
         g[5, :R] = order
         g[6, :R] = dst
