@@ -173,6 +173,12 @@ class _Received(NamedTuple):
     topk_weights: torch.Tensor | None  # [rows, K] float32
     src_idx: torch.Tensor  # [rows] int32
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a received row moves, as the traffic counters count it: x, scales, ids and weights."""
+        return self.x.size(1) + (self.scales.size(1) if self.scales is not None else 0) + 12 * (
+            self.topk_idx.size(1) if self.topk_idx is not None else 0)
+
 
 class _Returned(NamedTuple):
     """What a combine returns from this rank: its rows of ``x`` and their origins."""
@@ -358,6 +364,10 @@ class IntranodeEngine:
         tail): a plan, and no link emulator (which charges each receive's emulated time before the signals that
         release the peers, so its calls take the steps one by one)."""
         return self._plan is not None and self.tp.stats.emulator is None
+
+    def _consumed_by_plan(self) -> None:
+        """After a native call that consumed every rank's chunk (the plan counted it): the same count here."""
+        self.staged[:] = self._plan.staged.tolist()
 
     def _record_signals(self, dsts: list | None) -> None:
         for p in self.peers if dsts is None else dsts:
@@ -643,16 +653,13 @@ class IntranodeEngine:
         if status == nr + 1:
             raise ValueError(f"deepep_ascend.native.IntranodePlan.dispatch_tail: the rows routed here from the "
                              f"sources (starting at rows {at}) do not fit {out.src_idx.size(0)} output rows")
-        for s in range(nr):
-            self.staged[s] += 1
-        row_bytes = xb + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
-            out.topk_idx.size(1) if out.topk_idx is not None else 0)
+        if status == nr + 2:  # the received tokens and block starts are the engine's own: not reached
+            raise RuntimeError(f"rank {me}: {phase}: the received rows' channel prefix was refused")
+        self._consumed_by_plan()
         for s in range(nr):
             if got[s]:
-                self._record(s, got[s] * row_bytes)  # counted by the receiver, however the rows came
-        if status == nr + 2:  # (not reached: the gather writes no negative token)
-            rcp.copy_(recv_channel_prefix(out.src_idx, at + [prefix[nr - 1][me]], ntok, rcp.size(1)))
-        elif status < 0 and self.peers:  # a peer's x rows not yet stored: the long wait
+                self._record(s, got[s] * out.row_bytes)  # counted by the receiver, however the rows came
+        if status < 0 and self.peers:  # a peer's x rows not yet stored: the long wait
             if _PH.on:
                 _PH.switch("wait: x rows")
             self._wait(XDATA, None, self._xdata_calls, f"{phase}: x rows")
@@ -923,12 +930,10 @@ class IntranodeEngine:
             rows[s] = max(0, min(per_round, ntok[s] - lo))
         got = self._plan.gather(regions.field_offs, rows, lo, cursor, None if direct else out.x, out.scales,
                                out.topk_idx, out.topk_weights, out.src_idx, local_experts)
-        row_bytes = out.x.size(1) + (out.scales.size(1) if out.scales is not None else 0) + 12 * (
-            out.topk_idx.size(1) if out.topk_idx is not None else 0)
         for s in range(nr):
             if got[s]:
                 cursor[s] += got[s]
-                self._record(s, got[s] * row_bytes)  # counted by the receiver, however the rows came
+                self._record(s, got[s] * out.row_bytes)  # counted by the receiver, however the rows came
 
     # -- cached dispatch ---------------------------------------------------------------
     def cached_dispatch(self, *, call_id, x, scales, handle: IntranodeHandle, num_channels, handle_id, xdtype,
@@ -1073,7 +1078,6 @@ class IntranodeEngine:
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
         num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
-        acc, tmp = self._scratch.get(hidden)
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         native = self._plan is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
         # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)
@@ -1090,8 +1094,7 @@ class IntranodeEngine:
                 ns = self._plan.ns
                 _PH.carve("signal", ns[1])
                 _PH.carve("wait: x read in place", ns[2])
-            for s in range(nr):
-                self.staged[s] += 1
+            self._consumed_by_plan()
             if any(read):
                 self.tp.check_abort()  # as below
             if short:
@@ -1099,6 +1102,7 @@ class IntranodeEngine:
                     _PH.switch("wait: x read in place")
                 self._wait(CONSUMED, None, need, f"{phase}: x read in place")
             return
+        acc, tmp = self._scratch.get(hidden)
         for rnd, _ in self._rounds([num_rounds] * nr, stage, phase):
             if _PH.on:
                 _PH.switch("reduce")
