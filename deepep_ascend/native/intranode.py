@@ -59,13 +59,17 @@ def intranode_available() -> bool:
 
 
 
-def _store_operands(op: str, x: torch.Tensor, mask: torch.Tensor, num_ranks: int) -> None:
+def _store_operands(op: str, x: torch.Tensor, mask: torch.Tensor, num_ranks: int, order: list) -> None:
     """Refuse (``ValueError`` naming ``op``) what the direct stores do not take: ``x`` an ``[n, xb]`` uint8 matrix,
-    ``mask`` ``[n, R]`` contiguous bool."""
+    ``mask`` ``[n, R]`` contiguous bool, ``order`` a permutation of the ``R`` ranks (the kernel stores each row at
+    every rank of ``order`` in turn: a rank listed twice would get its rows twice)."""
     if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
             and tuple(mask.shape) == (x.size(0), num_ranks)):
         raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: x [n, xb] uint8 and mask [n, {num_ranks}] bool "
                          f"expected, got {x.dtype}{list(x.shape)} and {mask.dtype}{list(mask.shape)}")
+    if sorted(order) != list(range(num_ranks)):
+        raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: order must list each of the {num_ranks} ranks "
+                         f"once, got {list(order)}")
 
 
 def _gather_outputs(op: str, outs: tuple) -> None:
@@ -300,7 +304,7 @@ class IntranodePlan:
         """
         R = self.num_ranks
         n = src_idx.size(0)
-        _store_operands("dispatch_tail", x, mask, R)
+        _store_operands("dispatch_tail", x, mask, R, order)
         _gather_outputs("dispatch_tail", (None, scales, topk_idx, topk_weights, src_idx))
         if not (len(starts) == R + 1 and len(ntok) == R and rcp.dtype == torch.int32 and rcp.is_contiguous()
                 and rcp.dim() == 2 and rcp.size(0) == R and rcp.size(1) >= 1):
@@ -440,21 +444,22 @@ class IntranodePlan:
                              f"{self.half_bytes} bytes")
 
     def store(self, x: torch.Tensor, mask: torch.Tensor, order: list, dst: list, want: list) -> tuple[int, list]:
-        """Dispatch's direct stores (``csrc/intranode.c``'s ``deepep_in_store``): for each rank ``j`` of ``order``
-        with ``dst[j]`` nonzero, the rows of ``x`` whose ``mask[t, j]`` is set, ascending, from address ``dst[j]``
-        on (the caller checked that the receiver's range holds ``want[j]`` rows).
+        """Dispatch's direct stores (``csrc/intranode.c``'s ``deepep_in_store``): for each rank ``j`` with ``dst[j]``
+        nonzero, the rows of ``x`` whose ``mask[t, j]`` is set, ascending, from address ``dst[j]`` on (the caller
+        checked that the receiver's range holds ``want[j]`` rows); token by token, each row to its receivers in the
+        order of ``order`` (a permutation of the ranks), so that ``x`` is read once.
 
         Args:
             x: ``[n, xb]`` uint8 matrix (unit column stride). mask: ``[n, R]`` bool, contiguous.
-            order, dst, want: ``R`` ints each.
+            order, dst, want: ``R`` ints each (``order`` each rank once).
         Returns:
             ``(status, got)``: 0 when stored; ``j + 1`` when ``mask`` routes ``got[j]`` rows to ``j``, not ``want[j]``
             (nothing stored).
         Raises:
-            ValueError: ``x`` or ``mask`` of another kind or shape (nothing stored).
+            ValueError: ``x`` or ``mask`` of another kind or shape, ``order`` not a permutation (nothing stored).
         """
         R = self.num_ranks
-        _store_operands("store", x, mask, R)
+        _store_operands("store", x, mask, R, order)
         g, a = self._ops, self._ops_addresses
         g[5, :R] = order
         g[6, :R] = dst

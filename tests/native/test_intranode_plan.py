@@ -399,6 +399,26 @@ def test_store_puts_each_receivers_rows_at_its_address_in_order():
     assert (status, got[2]) == (3, want[2]) and not any(o.any() for o in fresh)
     with pytest.raises(ValueError, match="IntranodePlan.store"):
         ranks.plans[0].store(x.view(torch.int16), mask, [1, 2, 0], dst, want)
+    for order in ([2, 2, 0], [1, 2], [0, 1, 3]):  # each rank once, or a rank would get its rows twice
+        with pytest.raises(ValueError, match="each of the 3 ranks once"):
+            ranks.plans[0].store(x, mask, order, [o.data_ptr() for o in fresh], want)
+    assert not any(o.any() for o in fresh)
+
+
+def test_store_reads_rows_of_a_strided_x_and_sends_each_to_all_its_receivers():
+    R, n, xb = 4, 33, 24
+    ranks = Ranks(R, seed=9)
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randint(0, 256, (n, xb + 8), generator=g, dtype=torch.uint8)
+    x = wide[:, 3:3 + xb]  # row stride xb + 8
+    mask = torch.rand(n, R, generator=g) < 0.6
+    mask[5] = True  # a token for every rank
+    want = mask.sum(0).tolist()
+    outs = [torch.zeros(w + 1, xb, dtype=torch.uint8) for w in want]
+    status, got = ranks.plans[2].store(x, mask, [3, 0, 1, 2], [o.data_ptr() for o in outs], want)
+    assert (status, got) == (0, want)
+    for j in range(R):
+        assert torch.equal(outs[j][:want[j]], x[mask[:, j]]) and not outs[j][want[j]:].any()
 
 
 def test_vectors_gathers_every_ranks_count_vector_from_its_current_half():
