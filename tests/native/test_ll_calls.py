@@ -115,7 +115,7 @@ def test_dispatch_send_writes_each_routed_token_into_its_slot(masked):
         native.ll_dispatch_send(slots.t(), m, L, me, bases, mask, index_off, counts_off, counts, sent)
 
 
-def _pull_setup(R, L, m, k, mb, g):
+def _pull_setup(R, L, m, k, mb, g, repeated=False):
     """R sources' windows ``[counts R·L·4 | index L·R·m·4 | send m·mb]``, each source's route and counts sent
     to every rank by :func:`native.ll_dispatch_send`, its messages (random bytes) in its send region; plus the
     sources' stamp words (reading 7). Returns (wins, bases, stamps, send_off, routes, messages)."""
@@ -125,10 +125,13 @@ def _pull_setup(R, L, m, k, mb, g):
     stamps = torch.full((R,), 7, dtype=torch.int64)
     routes, messages = [], []
     for s in range(R):
-        n = int(torch.randint(0, m + 1, (), generator=g))  # each source its own token count, 0 included
+        # each source its own token count, 0 included (repeated: below m, so that no expert passes m slots)
+        n = int(torch.randint(0, m + (0 if repeated else 1), (), generator=g))
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k,
                                                                                                        dtype=torch.int64)
         idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        if repeated and n:  # a row naming one expert in two slots: two of its rows from one message
+            idx[0, 1] = idx[0, 0]
         status, _, counts, slots = native.ll_route(idx, E, m)
         assert status == 0
         assert native.ll_dispatch_send(slots, m, L, s, bases, None, index_off, 4 * s * L, counts,
@@ -144,13 +147,15 @@ def _pull_setup(R, L, m, k, mb, g):
 @pytest.mark.parametrize("scale_words", [0, 2])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reused", [False, True])
-def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused):
+@pytest.mark.parametrize("repeated", [False, True])
+def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused, repeated):
     """Every source's route sent by the native send, then the receive loads each row from its source's send
-    region: the rows of the torch path (by source, then the source's route order), byte for byte."""
+    region: the rows of the torch path (by source, then the source's route order), byte for byte; a token
+    routed to several local experts (or to one expert twice) lands in each of its rows."""
     R, L, m, k, xb, me = 3, 2, 4, 3, 16, 1
     mb = 16 + xb + 4 * scale_words
-    g = torch.Generator().manual_seed(5 + scale_words + 10 * masked + 100 * reused)
-    wins, bases, stamp_words, stamps, send_off, routes, messages = _pull_setup(R, L, m, k, mb, g)
+    g = torch.Generator().manual_seed(5 + scale_words + 10 * masked + 100 * reused + 1 * repeated)
+    wins, bases, stamp_words, stamps, send_off, routes, messages = _pull_setup(R, L, m, k, mb, g, repeated)
     sig = wins[me][:4 * R * L].view(torch.int32).view(R, L)
     index = wins[me][4 * R * L:send_off].view(torch.int32)
     mask = torch.tensor([0, 0, 1], dtype=torch.int32) if masked else None
