@@ -61,8 +61,8 @@ def intranode_available() -> bool:
 
 def _store_operands(op: str, x: torch.Tensor, mask: torch.Tensor, num_ranks: int, order: list) -> None:
     """Refuse (``ValueError`` naming ``op``) what the direct stores do not take: ``x`` an ``[n, xb]`` uint8 matrix,
-    ``mask`` ``[n, R]`` contiguous bool, ``order`` a permutation of the ``R`` ranks (the kernel stores each row at
-    every rank of ``order`` in turn: a rank listed twice would get its rows twice)."""
+    ``mask`` ``[n, R]`` contiguous bool, ``order`` a permutation of the ``R`` ranks (the receivers' order; the
+    kernel skips a rank listed again, but a list that is not a permutation is a caller's mistake)."""
     if not (matrix_ok(x, torch.uint8) and mask.dtype == torch.bool and mask.is_contiguous()
             and tuple(mask.shape) == (x.size(0), num_ranks)):
         raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: x [n, xb] uint8 and mask [n, {num_ranks}] bool "

@@ -405,8 +405,28 @@ def test_store_puts_each_receivers_rows_at_its_address_in_order():
     assert not any(o.any() for o in fresh)
 
 
-def test_store_reads_rows_of_a_strided_x_and_sends_each_to_all_its_receivers():
-    R, n, xb = 4, 33, 24
+def test_store_kernel_stores_a_rank_listed_twice_once():
+    """The C kernel itself (below the wrappers' permutation check): a rank repeated in ``order``, or one outside
+    ``[0, R)``, is skipped, so a receiver's range gets its rows once and nothing past it."""
+    from deepep_ascend.native.loader import kernels
+
+    R, n, xb = 3, 5, 8
+    g = torch.Generator().manual_seed(10)
+    x = torch.randint(0, 256, (n, xb), generator=g, dtype=torch.uint8)
+    mask = torch.ones(n, R, dtype=torch.bool)
+    mask[1, 2] = False
+    want = mask.sum(0).tolist()
+    outs = [torch.zeros(w + n + 1, xb, dtype=torch.uint8) for w in want]  # room for rows stored twice: seen here
+    ints = [np.array(v, dtype=np.int64) for v in ([0, 0, 7], [o.data_ptr() for o in outs], want, [0] * R)]
+    assert kernels.in_store(n, R, x.data_ptr(), xb, xb, mask.data_ptr(), *(a.ctypes.data for a in ints)) == 0
+    assert ints[3].tolist() == want
+    assert torch.equal(outs[0][:want[0]], x[mask[:, 0]]) and not outs[0][want[0]:].any()
+    assert not outs[1].any() and not outs[2].any()  # not listed: nothing stored
+
+
+@pytest.mark.parametrize("R", [4, 70])  # 70: more ranks than the kernel's list on the stack
+def test_store_reads_rows_of_a_strided_x_and_sends_each_to_all_its_receivers(R):
+    n, xb = 33, 24
     ranks = Ranks(R, seed=9)
     g = torch.Generator().manual_seed(9)
     wide = torch.randint(0, 256, (n, xb + 8), generator=g, dtype=torch.uint8)
@@ -415,7 +435,8 @@ def test_store_reads_rows_of_a_strided_x_and_sends_each_to_all_its_receivers():
     mask[5] = True  # a token for every rank
     want = mask.sum(0).tolist()
     outs = [torch.zeros(w + 1, xb, dtype=torch.uint8) for w in want]
-    status, got = ranks.plans[2].store(x, mask, [3, 0, 1, 2], [o.data_ptr() for o in outs], want)
+    order = [(2 + 1 + i) % R for i in range(R)]
+    status, got = ranks.plans[2].store(x, mask, order, [o.data_ptr() for o in outs], want)
     assert (status, got) == (0, want)
     for j in range(R):
         assert torch.equal(outs[j][:want[j]], x[mask[:, j]]) and not outs[j][want[j]:].any()

@@ -26,6 +26,7 @@
  * window memory; the Python side (deepep_ascend.native.intranode) checks them once, when it builds a plan.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -317,9 +318,9 @@ int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, cons
 }
 
 /* Dispatch's direct stores: the n rows of x (xb bytes each, row stride x_ld bytes) routed to rank j (mask[t * R
- * + j] nonzero), ascending, stored from address dst[j] on, for each j with dst[j] nonzero; token by token, each
- * row to its receivers in the order of order[0..R), a permutation of the ranks (the caller checks it). got[j]: the
- * rows routed to j. Returns j + 1, storing nothing, when the rows routed to some rank j are not want[j]. */
+ * + j] nonzero), ascending, stored from address dst[j] on, for each rank j of order[0..R) with dst[j] nonzero
+ * (entries outside [0, R) and repeats skipped); token by token, each row to its receivers in that order. got[j]:
+ * the rows routed to j. Returns j + 1, storing nothing, when the rows routed to some rank j are not want[j]. */
 int64_t deepep_in_store(int64_t n, int64_t num_ranks, const uint8_t *x, int64_t x_ld, int64_t xb,
                         const uint8_t *mask, const int64_t *order, const int64_t *dst, const int64_t *want,
                         int64_t *got)
@@ -332,22 +333,44 @@ int64_t deepep_in_store(int64_t n, int64_t num_ranks, const uint8_t *x, int64_t 
     for (int64_t j = 0; j < num_ranks; j++)
         if (got[j] != want[j])
             return j + 1;
-    /* Each row to all its receivers while it is in cache: x is read once, not once per receiver. got[j] counts
-     * the rows stored at j again (a rank not stored at keeps its count). */
-    for (int64_t i = 0; i < num_ranks; i++) {
-        const int64_t j = order[i];
-        if (j >= 0 && j < num_ranks && dst[j])
-            got[j] = 0;
-    }
-    for (int64_t t = 0; t < n; t++) {
-        const uint8_t *row = x + t * x_ld, *m = mask + t * num_ranks;
+    /* The receivers stored at, each once in the order of order[] (a rank listed again is skipped: its rows are
+     * stored once), marked in got[] meanwhile. */
+    int64_t small[64], *to = num_ranks <= 64 ? small : malloc((size_t)num_ranks * sizeof *to), k = 0;
+    if (!to) {  /* receiver by receiver: x read once per receiver, the same bytes */
         for (int64_t i = 0; i < num_ranks; i++) {
             const int64_t j = order[i];
-            if (j < 0 || j >= num_ranks || !dst[j] || !m[j])
+            if (j < 0 || j >= num_ranks || !dst[j])
                 continue;
-            memcpy((uint8_t *)(intptr_t)dst[j] + got[j]++ * xb, row, (size_t)xb);
+            uint8_t *d = (uint8_t *)(intptr_t)dst[j];
+            for (int64_t t = 0; t < n; t++)
+                if (mask[t * num_ranks + j]) {
+                    memcpy(d, x + t * x_ld, (size_t)xb);
+                    d += xb;
+                }
+        }
+        return 0;
+    }
+    for (int64_t i = 0; i < num_ranks; i++) {
+        const int64_t j = order[i];
+        if (j >= 0 && j < num_ranks && dst[j] && got[j] >= 0) {
+            to[k++] = j;
+            got[j] = -1;
         }
     }
+    for (int64_t i = 0; i < k; i++)
+        got[to[i]] = 0;
+    /* Each row to all its receivers while it is in cache: x is read once, not once per receiver. got[j] counts
+     * the rows stored at j again (a rank not stored at keeps its count). */
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *row = x + t * x_ld, *m = mask + t * num_ranks;
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t j = to[i];
+            if (m[j])
+                memcpy((uint8_t *)(intptr_t)dst[j] + got[j]++ * xb, row, (size_t)xb);
+        }
+    }
+    if (to != small)
+        free(to);
     return 0;
 }
 
