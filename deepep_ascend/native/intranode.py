@@ -58,7 +58,6 @@ def intranode_available() -> bool:
                 or k.in_dispatch_tail is None or k.in_combine_tail is None)
 
 
-
 def _store_operands(op: str, x: torch.Tensor, mask: torch.Tensor, num_ranks: int, order: list) -> None:
     """Refuse (``ValueError`` naming ``op``) what the direct stores do not take: ``x`` an ``[n, xb]`` uint8 matrix,
     ``mask`` ``[n, R]`` contiguous bool, ``order`` a permutation of the ``R`` ranks (the receivers' order; the
@@ -84,6 +83,7 @@ def _gather_outputs(op: str, outs: tuple) -> None:
         raise ValueError(f"deepep_ascend.native.IntranodePlan.{op}: outputs must be contiguous tensors of {n} rows "
                          f"of dtypes {_GATHER_DTYPES}, top-k ids and weights both or neither and of one shape, "
                          f"got {got}")
+
 
 class IntranodePlan:
     """One engine's control words by address (``csrc/intranode.c``'s plan words).
@@ -148,7 +148,7 @@ class IntranodePlan:
         # the receives' per-source operands, one row each: field offsets [5], then [R] each: gather's rows, (unused),
         # first output row, rows received; combine's row and weight addresses and strides, rows promised,
         # rows readable at those addresses; the stores' order, addresses, rows wanted and routed (rows 5-8, as
-        # dispatch_tail reads them, with the channel prefix's block starts [R + 1] and token counts in rows 9-10)
+        # dispatch_tail reads them, with the channel prefix's block starts [R + 1] in row 9)
         self._ops = np.zeros((11, max(R + 1, 5)), dtype=np.int64)
         self._ops_addresses = [row.ctypes.data for row in self._ops]
         self._ops_table = np.array(self._ops_addresses, dtype=np.int64)  # the rows' addresses, for dispatch_tail
@@ -319,7 +319,6 @@ class IntranodePlan:
         g[6, :R] = dst
         g[7, :R] = want
         g[9, :R + 1] = starts
-        g[10, :R] = ntok
         xd_sent, xd_addrs, xd_own = self._slot_addresses[xdata]
         cs_sent, cs_addrs, _ = self._slot_addresses[consumed]
         status = kernels.in_dispatch_tail(

@@ -424,7 +424,7 @@ def test_store_kernel_stores_a_rank_listed_twice_once():
     assert not outs[1].any() and not outs[2].any()  # not listed: nothing stored
 
 
-@pytest.mark.parametrize("R", [4, 70])  # 70: more ranks than the kernel's list on the stack
+@pytest.mark.parametrize("R", [4, 70])  # 70: a node larger than any benchmark's
 def test_store_reads_rows_of_a_strided_x_and_sends_each_to_all_its_receivers(R):
     n, xb = 33, 24
     ranks = Ranks(R, seed=9)

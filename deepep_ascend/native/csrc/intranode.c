@@ -26,7 +26,6 @@
  * window memory; the Python side (deepep_ascend.native.intranode) checks them once, when it builds a plan.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -333,44 +332,23 @@ int64_t deepep_in_store(int64_t n, int64_t num_ranks, const uint8_t *x, int64_t 
     for (int64_t j = 0; j < num_ranks; j++)
         if (got[j] != want[j])
             return j + 1;
-    /* The receivers stored at, each once in the order of order[] (a rank listed again is skipped: its rows are
-     * stored once), marked in got[] meanwhile. */
-    int64_t small[64], *to = num_ranks <= 64 ? small : malloc((size_t)num_ranks * sizeof *to), k = 0;
-    if (!to) {  /* receiver by receiver: x read once per receiver, the same bytes */
-        for (int64_t i = 0; i < num_ranks; i++) {
-            const int64_t j = order[i];
-            if (j < 0 || j >= num_ranks || !dst[j])
-                continue;
-            uint8_t *d = (uint8_t *)(intptr_t)dst[j];
-            for (int64_t t = 0; t < n; t++)
-                if (mask[t * num_ranks + j]) {
-                    memcpy(d, x + t * x_ld, (size_t)xb);
-                    d += xb;
-                }
-        }
-        return 0;
-    }
-    for (int64_t i = 0; i < num_ranks; i++) {
-        const int64_t j = order[i];
-        if (j >= 0 && j < num_ranks && dst[j] && got[j] >= 0) {
-            to[k++] = j;
-            got[j] = -1;
-        }
-    }
-    for (int64_t i = 0; i < k; i++)
-        got[to[i]] = 0;
-    /* Each row to all its receivers while it is in cache: x is read once, not once per receiver. got[j] counts
-     * the rows stored at j again (a rank not stored at keeps its count). */
+    /* got[j] holds (the first i with order[i] == j) << 32 | the rows stored at j so far: a rank listed again is
+     * skipped, its rows stored once, without memory of the kernel's own. */
+    for (int64_t i = num_ranks - 1; i >= 0; i--)
+        if (order[i] >= 0 && order[i] < num_ranks)
+            got[order[i]] = i << 32;
+    /* Each row to all its receivers while it is in cache: x is read once, not once per receiver. */
     for (int64_t t = 0; t < n; t++) {
         const uint8_t *row = x + t * x_ld, *m = mask + t * num_ranks;
-        for (int64_t i = 0; i < k; i++) {
-            const int64_t j = to[i];
-            if (m[j])
-                memcpy((uint8_t *)(intptr_t)dst[j] + got[j]++ * xb, row, (size_t)xb);
+        for (int64_t i = 0; i < num_ranks; i++) {
+            const int64_t j = order[i];
+            if (j < 0 || j >= num_ranks || !dst[j] || !m[j] || got[j] >> 32 != i)
+                continue;
+            memcpy((uint8_t *)(intptr_t)dst[j] + (got[j]++ & 0xffffffff) * xb, row, (size_t)xb);
         }
     }
-    if (to != small)
-        free(to);
+    for (int64_t j = 0; j < num_ranks; j++)  /* the rows routed to each rank, as checked above */
+        got[j] = want[j];
     return 0;
 }
 
@@ -395,8 +373,8 @@ int64_t deepep_in_vectors(const int64_t *plan, int64_t n, int32_t *out)
  *   3. deepep_in_gather of every source's chunk 0 (ops[0] field offsets, ops[1] rows, ops[3] first output row of
  *      each source, ops[4] gets the rows of each; x is not gathered: it was stored);
  *   4. CONSUMED raised at every peer (cs_sent, cs_addrs) and every rank's staged count + 1 (chunk 0 is read);
- *   5. deepep_recv_channel_prefix of src_out (ops[9]: the R + 1 first rows of each source's block, ops[10]: each
- *      source's token count) into rcp [R, num_channels];
+ *   5. deepep_recv_channel_prefix of src_out (ops[9]: the R + 1 first rows of each source's block; ops[1], each
+ *      source's staged tokens, its token count) into rcp [R, num_channels];
  *   6. every peer's XDATA polled (xd_own) up to `polls` rounds until it reads xd_need (deepep_in_poll).
  * counters: as deepep_in_signal's, for both signals. ns (NULL: not timed): the nanoseconds of steps 1 + 3, 2 + 4,
  * 5 and 6. Returns 0 when done; -1 when a peer's XDATA is still short (steps 1-5 done: the caller waits the long
@@ -434,7 +412,7 @@ int64_t deepep_in_dispatch_tail(const int64_t *plan, int64_t n, const uint8_t *x
         staged[p] += 1;
     if (ns)
         t[4] = now_ns();
-    if (deepep_recv_channel_prefix(src_out, ops[9], ops[10], R, num_channels, rcp))
+    if (deepep_recv_channel_prefix(src_out, ops[9], ops[1], R, num_channels, rcp))
         return R + 2;
     if (ns)
         t[5] = now_ns();
