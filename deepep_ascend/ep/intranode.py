@@ -252,6 +252,8 @@ class IntranodeEngine:
         self._regions = {}  # (count words, row fields) -> _Regions of the half
         self.staged = [0] * self.num_ranks  # chunks staged so far by every rank, identical everywhere
         self.peers = [p for p in range(self.num_ranks) if p != self.rank]
+        # dispatch's direct stores: peers first, own rows last, each rank starting at the one after it
+        self._store_order = [(self.rank + 1 + i) % self.num_ranks for i in range(self.num_ranks)]
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._scratch = CombineScratch()
         self.outputs = memory.OutputPool()  # recv_x, combined_x: storage reused once the caller drops them
@@ -562,10 +564,8 @@ class IntranodeEngine:
         if _PH.on:
             _PH.switch("copy")
         if self._plan is not None and matrix_ok(x) and is_token_in_rank.is_contiguous():  # one native call
-            want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
-            dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb)
-                   if want[j] else 0 for j in range(nr)]
-            status, got = self._plan.store(x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want)
+            dst, want = self._store_targets(prefix, plan, xb)
+            status, got = self._plan.store(x, is_token_in_rank, self._store_order, dst, want)
             if status:
                 j = status - 1
                 raise _routed_elsewhere(me, j, got[j], want[j])
@@ -577,7 +577,7 @@ class IntranodeEngine:
         first = [0] * (nr + 1)
         for j in range(nr):
             first[j + 1] = first[j] + routed[j]
-        for j in [(me + 1 + i) % nr for i in range(nr)]:  # peers first, own rows last; receivers staggered
+        for j in self._store_order:
             cnt = routed[j]
             start = rows_before(prefix, me, j)
             if cnt != prefix[me][j] - start:  # never store outside j's rows for this rank
@@ -590,6 +590,25 @@ class IntranodeEngine:
             else:
                 torch.index_select(x, 0, tokens[first[j]:first[j + 1]], out=dst)
         self._raise_xdata()
+
+    def _store_targets(self, prefix: list, plan: list, xb: int) -> tuple[list, list]:
+        """The native stores' operands: each receiver ``j``'s address for this rank's rows in its ``recv_x`` (0 where
+        it gets none) and their count, from the rank prefix matrix ``prefix`` (nested lists) and the direct plan."""
+        me, nr = self.rank, self.num_ranks
+        want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
+        dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb) if want[j] else 0
+               for j in range(nr)]
+        return dst, want
+
+    def _check_received(self, ends: list, prefix: list, phase: str) -> None:
+        """Raise ``RuntimeError`` unless every source ``s``'s rows end at ``prefix[s][me]`` in ``recv_x`` (``ends[s]``:
+        where they end), the count its ``num_tokens_per_rank`` promised."""
+        me = self.rank
+        for s, end in enumerate(ends):
+            if end != prefix[s][me]:
+                start = rows_before(prefix, s, me)
+                raise RuntimeError(f"rank {me}: {phase}: received {end - start} tokens from rank {s}, its "
+                                   f"num_tokens_per_rank promised {prefix[s][me] - start}")
 
     def _raise_xdata(self):
         """``XDATA`` at every peer, after one release fence for all of them."""
@@ -629,18 +648,16 @@ class IntranodeEngine:
         source's chunk 0 (:meth:`_gather_native`), its consumption, the receive's channel prefix into ``rcp`` and
         :meth:`_await_xdata`, the same steps in the same order, checked as they are. ``prefix``: the rank prefix
         matrix as nested lists."""
-        me, nr, xb = self.rank, self.num_ranks, x.size(1)
+        me, nr = self.rank, self.num_ranks
         at = [rows_before(prefix, s, me) for s in range(nr)]
-        want = [prefix[me][j] - rows_before(prefix, me, j) for j in range(nr)]
-        dst = [self.segment.address(j, plan[j] + rows_before(prefix, me, j) * xb, want[j] * xb) if want[j] else 0
-               for j in range(nr)]
+        dst, want = self._store_targets(prefix, plan, x.size(1))
         self._xdata_calls += 1
         self.tp.check_abort(phase)  # the poll sees no abort words: a rank must hear of a peer's abort first
         local = num_experts // nr
         if _PH.on:
             _PH.switch("copy")
         status, got, routed = self._plan.dispatch_tail(
-            x, is_token_in_rank, [(me + 1 + i) % nr for i in range(nr)], dst, want, regions.field_offs, ntok, at,
+            x, is_token_in_rank, self._store_order, dst, want, regions.field_offs, ntok, at,
             out.scales, out.topk_idx, out.topk_weights, out.src_idx, (me * local, local), at + [prefix[nr - 1][me]],
             rcp, XDATA, CONSUMED, self._xdata_calls, self._signal_counters, self._polls, _PH.on)
         if _PH.on and status <= 0:
@@ -663,10 +680,7 @@ class IntranodeEngine:
             if _PH.on:
                 _PH.switch("wait: x rows")
             self._wait(XDATA, None, self._xdata_calls, f"{phase}: x rows")
-        for s in range(nr):
-            if at[s] + got[s] != prefix[s][me]:
-                raise RuntimeError(f"rank {me}: {phase}: received {got[s]} tokens from rank {s}, its "
-                                   f"num_tokens_per_rank promised {prefix[s][me] - at[s]}")
+        self._check_received([a + g for a, g in zip(at, got)], prefix, phase)
 
     def _await_xdata(self, phase):
         self._xdata_calls += 1
@@ -801,11 +815,7 @@ class IntranodeEngine:
             self._await_xdata(phase)
         if _PH.on:
             _PH.switch("epilogue")
-        for s in range(nr):
-            if cursor[s] != prefix[s][me]:
-                start = prefix[s][me] - int(counts[s, me])
-                raise RuntimeError(f"rank {me}: dispatch call #{call_id}: received {cursor[s] - start} tokens from "
-                                   f"rank {s}, its num_tokens_per_rank promised {int(counts[s, me])}")
+        self._check_received(cursor, prefix, phase)
         starts = [rows_before(prefix, s, me) for s in range(nr)] + [num_recv]
         recv_channel_prefix_matrix.copy_(recv_channel_prefix(out.src_idx, starts, ntok, num_channels))
         if out.topk_idx is not None and num_recv and self._plan is None:  # (the native gather did it)
