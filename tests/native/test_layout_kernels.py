@@ -124,7 +124,6 @@ def test_matches_the_loops_and_the_numpy_paths(num_ranks, local, num_tokens, k, 
           _loop_recv_channel_prefix(shuffled, starts, ntok, num_channels))
 
 
-
 def test_random_routings_match_the_loops():
     """200 random routings and receives: 1-64 ranks, up to 19,200 experts (past the kernel's rank table on the
     stack), received blocks ascending or shuffled (the channel walk's fallback), channels more than tokens."""
@@ -151,6 +150,7 @@ def test_random_routings_match_the_loops():
             starts.append(starts[-1] + b.numel())
         _same(native.recv_channel_prefix(src, starts, ntok, num_channels),
               _loop_recv_channel_prefix(src, starts, ntok, num_channels))
+
 
 @pytest.mark.parametrize("rank,local", [(0, 3), (2, 4), (1, 1)])
 def test_local_experts_matches_the_torch_path(rank, local):
