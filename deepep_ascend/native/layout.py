@@ -28,8 +28,9 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
         topk_idx: ``[N, K]`` contiguous int64, ids in ``[-1, num_experts)`` (-1: none).
         num_experts: ``E``, a positive multiple of ``num_ranks``.
     Returns:
-        The tensors, or None: kernel not loaded, operands not as above, or an id out of range
-        (nothing computed; the caller's path raises or handles it).
+        The tensors, or None: kernel not loaded, operands not as above, an id out of range, or no memory for
+        the kernel's table of each expert's rank past 1,024 experts (nothing computed; the caller's path raises
+        or handles it).
     """
     fn = kernels.dispatch_layout
     if fn is None or not dense_ok(topk_idx, torch.int64, ndim=2) or num_ranks <= 0 or num_experts % num_ranks:
