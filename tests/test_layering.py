@@ -15,13 +15,14 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-# Room -> the rooms it may import. ``settings`` (environment variables) and ``checks`` (argument checks
-# shared by every room) are leaves every room may read; the package's face (``deepep_ascend/__init__.py``)
-# may import every room.
-LEAVES = {"settings", "checks"}
+# Room -> the rooms it may import. ``settings`` (environment variables), ``checks`` (argument checks
+# shared by every room) and ``ordering`` (stable orders of small integer keys) are leaves every room may
+# read; the package's face (``deepep_ascend/__init__.py``) may import every room.
+LEAVES = {"settings", "checks", "ordering"}
 ALLOWED = {
     "settings": set(),
     "checks": set(),
+    "ordering": set(),
     "transports": {"settings"},
     "native": LEAVES,
     "gemm": {"native"} | LEAVES,

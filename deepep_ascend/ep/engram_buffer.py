@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..ordering import stable_argsort
 from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
 from .arguments import context_idx_problem, is_int, sl_idx_problem
@@ -574,7 +575,7 @@ class EngramBuffer(BufferBase):
         """For each owner ``o`` with entries: read its ``rows`` (in ``win`` from byte ``offset``) into the rows of
         ``out`` (flattened leading dims) at those entries' positions. One read per owner, never per entry."""
         counts = torch.bincount(owner, minlength=num_owners).tolist()
-        order = torch.argsort(owner, stable=True)
+        order = stable_argsort(owner, 0, num_owners)
         start = 0
         for o, count in enumerate(counts):
             if count:

@@ -17,6 +17,7 @@ import torch
 
 from .. import native as _native
 from .. import settings
+from ..ordering import stable_argsort
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
@@ -604,7 +605,7 @@ class EPBuffer(BufferBase):
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
-                expanded = sum(_align(c, alignment) for c in recv_list)
+                expanded = int((-(-np.asarray(recv_list, dtype=np.int64) // alignment)).sum()) * alignment
             else:
                 expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
             # the per-source and per-expert fields are set by fill() (expanded layout) or when first read
@@ -676,7 +677,7 @@ class EPBuffer(BufferBase):
             elif used:  # mostly padding (large alignments): gather the real rows, then one block per expert
                 rows = recv_x.index_select(0, src_rows)  # grouped by expert already (slot order)
                 sf_rows_all = None if sf_exp is None else recv_sf.index_select(0, src_rows)
-                for lo, hi, at in handle._expand_blocks:
+                for lo, hi, at in _expand_blocks(handle):
                     x_exp[at:at + hi - lo].copy_(rows[lo:hi])
                     if sf_exp is not None:
                         sf_exp[at:at + hi - lo].copy_(sf_rows_all[lo:hi])
@@ -689,7 +690,7 @@ class EPBuffer(BufferBase):
                 if w_out is not None:
                     w_out[used:].zero_()
             if do_zero_padding:  # a row copy from a zero row each: torch fills uint8 rows byte by byte
-                gaps = handle._padding_rows
+                gaps = _padding_rows(handle)
                 zero_rows(x_exp, gaps)
                 if sf_exp is not None:
                     zero_rows(sf_exp, gaps)
@@ -761,27 +762,23 @@ class EPBuffer(BufferBase):
     @staticmethod
     def _expanded_slots(handle: EPHandle, valid_topk: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor):
         """Each received (row, slot) with a local expert gets its expanded row: experts in order, each
-        expert's rows in received order (ascending source token), then slot order."""
-        n, k = valid_topk.shape
-        rows_idx, lanes = torch.nonzero(valid_topk >= 0, as_tuple=True)
-        experts = valid_topk[rows_idx, lanes]
-        order = torch.sort(experts * max(1, n * k) + rows_idx * k + lanes).indices  # by expert, row, slot
-        rows_idx, lanes, experts = rows_idx[order], lanes[order], experts[order]
+        expert's rows in received order (ascending source token), then slot order. ``valid_topk``: ``[n, K]``
+        int64 local ids in ``[-1, L)``; ``counts``, ``starts``: ``[L]`` int64 pairs and first row per expert."""
+        k = valid_topk.size(1)
+        flat = valid_topk.reshape(-1)
+        pairs = torch.nonzero(flat >= 0).squeeze(1)  # (row, slot) order
+        experts = flat[pairs]
+        order = stable_argsort(experts, 0, counts.numel())  # by expert, then row and slot
+        pairs, experts = pairs[order], experts[order]
+        rows_idx, lanes = pairs // k, pairs % k
         first = torch.cumsum(counts, 0) - counts
-        slots = starts[experts] + torch.arange(experts.numel()) - first[experts]
+        slots = (starts - first)[experts] + torch.arange(experts.numel())
         handle._recv_src_metadata[rows_idx, 2 + lanes] = slots.to(torch.int32)  # the eager columns
         handle._expand = (rows_idx, slots, lanes)
-        ends = torch.cumsum(counts, 0)
-        handle._expand_blocks = [(lo, hi, at) for lo, hi, at in zip(first.tolist(), ends.tolist(), starts.tolist())
-                                 if hi > lo]  # (first, end) in slot order -> expanded row of each expert
+        handle._expand_geometry = (counts, starts)  # for the few callers of the blocks and the padding rows
+        handle._padding = None  # made when a zero-padding dispatch first asks, then kept for the cached ones
         align = handle.expert_alignment
         handle._expanded_used = int(starts[-1]) + _align(int(counts[-1]), align) if counts.numel() else 0
-        gap_start = starts + counts  # each expert's padding: [start + count, align(start + count))
-        gaps = (counts + align - 1) // align * align - counts
-        total = int(gaps.sum())
-        first_gap = torch.cumsum(gaps, 0) - gaps
-        handle._padding_rows = (torch.repeat_interleave(gap_start - first_gap, gaps) + torch.arange(total)
-                                if total else torch.zeros(0, dtype=torch.int64))
 
     # -- combine ----------------------------------------------------------------------------
     @timed("ep_combine", engine_of)
@@ -1153,6 +1150,28 @@ def _slots_by_lane(handle: EPHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
             cached.append((rows_j, meta[rows_j, 2 + j].to(torch.int64)))
         handle._lane_slots = cached
     return cached
+
+
+def _expand_blocks(handle: EPHandle) -> list[tuple[int, int, int]]:
+    """``(first, end, at)`` per expert with rows: its pairs ``[first, end)`` in ``handle._expand``'s order go to
+    expanded rows from ``at``."""
+    counts, starts = handle._expand_geometry
+    ends = torch.cumsum(counts, 0)
+    return [(hi - c, hi, at) for c, hi, at in zip(counts.tolist(), ends.tolist(), starts.tolist()) if c]
+
+
+def _padding_rows(handle: EPHandle) -> torch.Tensor:
+    """``[rows]`` int64: the expanded rows between each expert's last row and its aligned end (kept on the
+    handle)."""
+    if handle._padding is None:
+        counts, starts = handle._expand_geometry
+        align = handle.expert_alignment
+        gaps = (counts + align - 1) // align * align - counts
+        total = int(gaps.sum())
+        first_gap = torch.cumsum(gaps, 0) - gaps
+        handle._padding = (torch.repeat_interleave(starts + counts - first_gap, gaps) + torch.arange(total) if total
+                           else torch.zeros(0, dtype=torch.int64))
+    return handle._padding
 
 
 def _padded_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,7 @@ from ..gemm.logfmt import (
 )
 from ..gemm.scales import pack_ue8m0_to_int
 from ..native.operands import mark_written
+from ..ordering import stable_argsort
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
@@ -1009,7 +1010,7 @@ class LowLatencyEngine:
             valid &= self.mask[(flat.clamp(min=0) // num_local)] == 0
         pos = torch.nonzero(valid).squeeze(1)
         experts = flat[pos]
-        order = torch.argsort(experts, stable=True)
+        order = stable_argsort(experts, 0, num_experts)
         experts = experts[order]
         pos = pos[order]
         counts = torch.bincount(experts, minlength=num_experts)

@@ -15,6 +15,7 @@ from ..gemm import scales as _scales
 from ..gemm.fp8 import FP8_E4M3_MAX, cast_to_e4m3, e4m3_to_float, e4m3_ue8m0_round_trip_, per_token_cast_back_torch
 from ..gemm.packing import amx_runs, mm_group, native_bf16
 from ..native.operands import matrix_ok
+from ..ordering import stable_argsort
 from ..settings import MEGA_MOE_GEMM
 from .formats import ACTIVATIONS, BF16, SF_GRAN
 
@@ -205,7 +206,7 @@ class Experts:
         n = local.numel()
         e0 = w * epw
         ne = min(epw, el - e0)
-        order = torch.argsort(local, stable=True)
+        order = stable_argsort(local, 0, ne)
         bounds = [0] + (torch.bincount(local, minlength=ne).cumsum(0).tolist() if n else [0] * ne)
         if self.kind == "bf16":
             xs = data.index_select(0, order).to(self.op_dtype)

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..ordering import stable_argsort
 from ..settings import MEGA_MOE_EXPERTS_PER_WAVE, SettingError
 from ..transports import TransportPoisoned
 from .experts import shared_terms
@@ -117,7 +118,7 @@ def _shm_terms(sb, cmat, start, idx, pair):
     tp = sb.ep_buffer.runtime
     e_of = idx.index_select(0, pair)
     n = e_of.numel()
-    by_expert = torch.argsort(e_of, stable=True)
+    by_expert = stable_argsort(e_of, 0, el * nr)
     mine = cmat[me]
     within = torch.arange(n) - (mine.cumsum(0) - mine).index_select(0, e_of.index_select(0, by_expert))
     rank_in = torch.empty_like(within)
@@ -125,7 +126,7 @@ def _shm_terms(sb, cmat, start, idx, pair):
     pos = start.index_select(0, e_of) + cmat[:me].sum(0).index_select(0, e_of) + rank_in
     owner = torch.div(e_of, el, rounding_mode="floor")
     key = torch.remainder(pair, k) * nr + owner  # terms in ascending k, then owner rank
-    by_key = torch.argsort(key, stable=True)
+    by_key = stable_argsort(key, 0, k * nr)
     counts = torch.bincount(key, minlength=k * nr).tolist()
     tok = torch.div(pair, k, rounding_mode="floor").index_select(0, by_key)
     pos = pos.index_select(0, by_key)

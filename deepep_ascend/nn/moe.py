@@ -64,6 +64,7 @@ from torch import nn
 
 from ..ep.buffer import Buffer
 from ..ep.ep_buffer import EPBuffer
+from ..ordering import stable_argsort
 from . import autograd as ep_autograd
 
 try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped), when present
@@ -288,7 +289,7 @@ class LocalExperts(nn.Module):
         flat = recv_topk_idx.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=self.num_local).tolist()
         # Slots sorted by local expert (stable: then by row, slot); the -1 slots sort first.
-        order = torch.argsort(flat, stable=True)[flat.numel() - sum(counts):]
+        order = stable_argsort(flat, -1, self.num_local)[flat.numel() - sum(counts):]
         rows = torch.div(order, k, rounding_mode="floor")
         ws = recv_topk_weights.reshape(-1).index_select(0, order)
         if self.impl == "grouped":

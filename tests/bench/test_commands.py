@@ -50,6 +50,7 @@ ONE_PROCESS = {
     "combine-sum": ["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1", "--sources", "3"],
     "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3"],
     "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1"],
+    "sort": ["--sizes", "5,300,70000", "--num-experts", "40000", "--iters", "1", "--warmup", "0"],
     "alloc": ["--mbytes", "1", "--iters", "1"],
 }
 
