@@ -684,12 +684,12 @@ class EPBuffer(BufferBase):
             if w_out is not None and slots.numel():
                 w_out.index_copy_(0, slots, weights_in[src_rows, lane])
             if used < x_exp.size(0):  # capacity rows past the real ones (do_cpu_sync=False): zeros
-                x_exp[used:].zero_()
+                zero_rows(x_exp[used:])
                 if sf_exp is not None:
                     sf_exp[used:].zero_()
                 if w_out is not None:
                     w_out[used:].zero_()
-            if do_zero_padding:  # a row copy from a zero row each: torch fills uint8 rows byte by byte
+            if do_zero_padding:  # streaming stores: torch fills uint8 rows byte by byte, through the cache
                 gaps = _padding_rows(handle)
                 zero_rows(x_exp, gaps)
                 if sf_exp is not None:

@@ -7,8 +7,8 @@ Modules:
 
 * :mod:`.loader`    the library: its path, its ABI check, ``DEEPEP_ASCEND_NATIVE``, :func:`available`;
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
-* :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`weighted_sum_rows`, :func:`dequant_rows_e4m3`,
-  :func:`swiglu`;
+* :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`zero_rows`, :func:`weighted_sum_rows`,
+  :func:`dequant_rows_e4m3`, :func:`swiglu`;
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
   :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_combine_send`,
   :func:`ll_combine_recv`, :func:`ll_headers_agree`; its signals by stores
@@ -78,11 +78,12 @@ from .ll import (
 from .ll_cast import ll_cast_message_bytes, ll_cast_messages
 from .ll_fused import LLPlan, fused_available
 from .loader import available, library_path
-from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows
+from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows, zero_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "amx_bf16",
            "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "intranode_available", "copy_rows",
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "local_experts",
-           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "weighted_sum_rows"]
+           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "weighted_sum_rows",
+           "zero_rows"]

@@ -19,7 +19,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 25
+ABI = 26
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -33,6 +33,7 @@ _SIGNATURES = {
     "swiglu_gate_bf16": (None, [_I64, _I64, _P, _I64, _I64, _F32, _F32, _P]),
     "swiglu_bf16": (_I64, [_I64, _I64, _P, _I64, _P, _P, _I64, _F32, _I64, _I64, _F32, _I64, _P, _I64, _U16]),
     "copy_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
+    "zero_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64]),
     "weighted_sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _U16]),
     "ll_route": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P]),
     "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P]),

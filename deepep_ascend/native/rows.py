@@ -15,18 +15,18 @@ import torch
 from .loader import kernels
 from .operands import mark_written, matrix_ok, require_matrix, require_rows_apart
 
-__all__ = ["NAN_BITS", "copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows"]
+__all__ = ["NAN_BITS", "copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows", "zero_rows"]
 
 #: The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 #: write another, and copies keep a NaN's payload): the kernels write this one for every NaN sum.
 NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
-def _row_numbers(name: str, rows: torch.Tensor) -> int:
+def _row_numbers(name: str, rows: torch.Tensor, op: str = "copy_rows") -> int:
     """Check ``rows``, a 1-D contiguous int64 tensor (the kernel checks its values); returns its length."""
     if not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype == torch.int64
             and rows.device.type == "cpu" and (rows.stride(0) == 1 or rows.numel() <= 1)):
-        raise ValueError(f"deepep_ascend.native.copy_rows: {name}_rows must be a contiguous 1-D int64 CPU tensor, "
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be a contiguous 1-D int64 CPU tensor, "
                          f"got {getattr(rows, 'dtype', type(rows).__name__)} of shape "
                          f"{tuple(getattr(rows, 'shape', ()))}")
     return rows.numel()
@@ -69,8 +69,8 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tenso
     if dst_rows is None and src_rows is None:
         raise ValueError("deepep_ascend.native.copy_rows: dst_rows and src_rows cannot both be None")
     require_rows_apart("dst", dst, "copy_rows")
-    n_dst = None if dst_rows is None else _row_numbers("dst", dst_rows)
-    n_src = None if src_rows is None else _row_numbers("src", src_rows)
+    n_dst = None if dst_rows is None else _row_numbers("dst_rows", dst_rows)
+    n_src = None if src_rows is None else _row_numbers("src_rows", src_rows)
     n = n_dst if n_dst is not None else n_src
     if (n_src if n_src is not None else n) != n:
         raise ValueError(f"deepep_ascend.native.copy_rows: dst_rows has {n_dst} entries, src_rows {n_src}")
@@ -84,6 +84,37 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor | None, src: torch.Tenso
                              src.stride(0) * e, None if src_rows is None else src_rows.data_ptr(), src.size(0)):
             raise next(err for name, rows, t in (("dst_rows", dst_rows, dst), ("src_rows", src_rows, src))
                        if rows is not None and (err := _out_of_range("copy_rows", name, rows, 0, t.size(0))))
+        mark_written(dst)
+    return True
+
+
+def zero_rows(dst: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """``dst[rows[i]] = 0`` for every ``i`` (``rows`` None: every row of ``dst``), rows of 1 KiB and more by
+    streaming stores (whole cache lines written to memory without being read first; adjacent rows as one
+    run), shorter ones by ``memset``.
+
+    What ``dst.index_fill_(0, rows, 0)`` computes (the callers' torch path; the same bytes), at about half
+    the memory traffic for rows the caller does not read back at once (an expanded layout's padding). No
+    DeepEP call of its own: ``do_zero_padding``'s zeroing.
+
+    Args:
+        dst: 2-D CPU tensor, unit column stride (any row stride, any dtype); rows apart.
+        rows: 1-D contiguous int64 row numbers in ``[0, dst.size(0))`` (repeats allowed), or None.
+    Returns:
+        True when done; False (nothing written) if the kernel is unavailable or ``dst`` is not such a matrix.
+    Raises:
+        ValueError: row numbers of another dtype or shape, or outside ``dst``; ``dst``'s rows overlapping
+            (nothing written).
+    """
+    if kernels.zero_rows is None or not matrix_ok(dst):
+        return False
+    require_rows_apart("dst", dst, "zero_rows")
+    n = dst.size(0) if rows is None else _row_numbers("rows", rows, "zero_rows")
+    if n:
+        e = dst.element_size()
+        if kernels.zero_rows(n, dst.size(1) * e, dst.data_ptr(), dst.stride(0) * e,
+                             None if rows is None else rows.data_ptr(), dst.size(0)):
+            raise _out_of_range("zero_rows", "rows", rows, 0, dst.size(0))
         mark_written(dst)
     return True
 
