@@ -32,3 +32,10 @@ def test_stable_argsort_takes_other_integer_dtypes_and_strides(dtype):
     base = torch.randint(0, hi, (2, 3000), generator=g).to(dtype)
     keys = base[:, ::2].reshape(-1) if dtype == torch.bool else base[1, ::3]
     assert torch.equal(stable_argsort(keys, 0, hi), torch.argsort(keys, stable=True))
+
+
+def test_stable_argsort_bounds_wider_than_the_keys_dtype():
+    """Bounds outside the keys' own dtype (int16 keys, ``lo = -32769``): no overflow, the same permutation."""
+    keys = torch.full((300,), -32768, dtype=torch.int16)
+    keys[::3] = 32766
+    assert torch.equal(stable_argsort(keys, -32769, 32767), torch.argsort(keys, stable=True))
