@@ -93,6 +93,7 @@ import functools
 import torch
 
 from ..ep.config import Config
+from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
 
 __all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
@@ -129,8 +130,18 @@ def first_order_only(backward):
         if torch.is_grad_enabled():  # create_graph: the results may depend on the gradients and the saved inputs
             anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
         differentiable = bool(anchors)
-        with torch.no_grad():
-            out = backward(ctx, *grads)
+        try:
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+        except BaseException as exc:
+            # A backward makes several collective calls with work of its own between them: if that work fails
+            # here, the peers are already in (or on their way to) the next call, so abort the buffer now, as a
+            # failed call does, rather than let them wait out the deadline (nothing for a Buffer's own
+            # failures, which aborted already, or for a refusal every rank raised).
+            runtime = getattr(getattr(ctx, "buffer", None), "runtime", None)
+            if runtime is not None:
+                abort_peers(runtime, runtime.topology.rank, exc)
+            raise
         if not differentiable:
             return out
         return tuple(_NotTwice.apply(o, *anchors) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
@@ -447,7 +458,9 @@ class _LLCombine(torch.autograd.Function):
         # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
         idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
         cols = _ll_narrow_cols(k)  # 3K rounded up to a multiple of 4 (8-byte rows)
-        meta = torch.cat([w.to(torch.float32).contiguous().view(torch.int16).view(n, 2 * k), idx16,
+        # a fresh float32 copy: an empty w may carry any strides (contiguous() keeps them), which no view takes
+        w32 = torch.empty((n, k), dtype=torch.float32).copy_(w)
+        meta = torch.cat([w32.view(torch.int16).view(n, 2 * k), idx16,
                           torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
         recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
                                                               use_fp8=False)

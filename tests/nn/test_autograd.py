@@ -448,3 +448,42 @@ def test_ll_second_order_through_the_saved_inputs_raises(ll_buf, comm):
     gw = coll(first, what="first-order weight gradient, create_graph=True")
     _, exc = capture(lambda: torch.autograd.grad(gw.sum(), x))
     all_ranks_ok(comm, isinstance(exc, RuntimeError) and "first-order" in str(exc), f"rank {r}: {exc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_backward_failing_between_its_calls_fails_the_peers_at_once(comm, monkeypatch):
+    """The LL combine's backward makes three collective calls with work of its own between them. If that
+    work raises on one rank (here: injected into its slot check after the first call), the peers are already
+    in the next call: the rank aborts the Buffer, so they raise ``TransportAborted`` naming it and its reason
+    within seconds, not after the 30 s deadline, and every rank can still destroy the Buffer."""
+    import time
+
+    from deepep_ascend.transports import TransportAborted
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    last = R - 1
+    buf = coll(lambda: Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(LL_M, H, R, E), low_latency_mode=True,
+                              comm=world(), explicitly_destroy=True, timeout_s=30.0), what="LL Buffer")
+    try:
+        gen = torch.Generator().manual_seed(71 + r)
+        idx = make_topk_idx("uniform", 4, E, K, r, R, gen)
+        x = _ints((4, H), -4, 5, gen, BF16).requires_grad_(True)
+        w = (_ints((4, K), 1, 5, gen) / 4).requires_grad_(True)
+        recv_x, _, handle = coll(lambda: ag.low_latency_dispatch(buf, x, idx, LL_M, E, use_fp8=False),
+                                 what="LL dispatch")
+        out = coll(lambda: ag.low_latency_combine(buf, recv_x, idx, w, handle), what="LL combine")
+        if r == last:
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected backward failure")
+            monkeypatch.setattr(ag, "_ll_same_slots", broken)
+        t0 = time.perf_counter()
+        _, exc = capture(lambda: out.sum().backward())
+        took = time.perf_counter() - t0
+        if r == last:
+            ok = isinstance(exc, RuntimeError) and "injected backward failure" in str(exc)
+        else:
+            ok = (isinstance(exc, TransportAborted) and f"rank {last}" in str(exc)
+                  and "injected backward failure" in str(exc) and took < 10.0)
+        all_ranks_ok(comm, ok, f"rank {r}: {exc!r} after {took:.1f} s")
+    finally:
+        coll(buf.destroy, what="destroy after the failure")
