@@ -265,14 +265,24 @@ def check_dispatch_layout_args(num_tokens: int, num_tokens_per_rank, num_tokens_
     return num_experts
 
 
+#: The largest ``expert_alignment``: a 32-bit int, as DeepEP's kernels take it (larger values would overflow the
+#: aligned counts' int32 and int64 arithmetic on one rank instead of being refused on all).
+MAX_EXPERT_ALIGNMENT = 2**31 - 1
+
+
+def expert_alignment_ok(value) -> bool:
+    """Whether ``value`` is an int in ``[1, MAX_EXPERT_ALIGNMENT]``."""
+    return is_int(value) and 1 <= value <= MAX_EXPERT_ALIGNMENT
+
+
 def check_dispatch_options(expert_alignment, num_worst_tokens, has_topk: bool) -> None:
-    """``expert_alignment >= 1``; ``num_worst_tokens >= 0``, and > 0 only with top-k.
+    """``expert_alignment`` in ``[1, MAX_EXPERT_ALIGNMENT]``; ``num_worst_tokens >= 0``, and > 0 only with top-k.
 
     Raises:
         Rejected: ``ValueError`` naming the option.
     """
-    check(isinstance(expert_alignment, int) and expert_alignment >= 1, ValueError,
-          lambda: f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+    check(isinstance(expert_alignment, int) and expert_alignment_ok(expert_alignment), ValueError,
+          lambda: f"expert_alignment must be an int in [1, {MAX_EXPERT_ALIGNMENT}], got {expert_alignment!r}")
     check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
           lambda: f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
     check(num_worst_tokens == 0 or has_topk, ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights")

@@ -22,11 +22,13 @@ from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import (
+    MAX_EXPERT_ALIGNMENT,
     check,
     check_tensor,
     check_writable,
     checked_dispatch_layout,
     context_idx_problem,
+    expert_alignment_ok,
     is_int,
     sl_idx_problem,
 )
@@ -441,8 +443,8 @@ class EPBuffer(BufferBase):
             check(is_int(max_tokens) and max_tokens > 0, ValueError,
                   lambda: f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got "
                           f"{max_tokens!r}")
-            check(is_int(alignment) and alignment >= 1, ValueError,
-                  lambda: f"`expert_alignment` must be an int >= 1, got {alignment!r}")
+            check(expert_alignment_ok(alignment), ValueError,
+                  lambda: f"`expert_alignment` must be an int in [1, {MAX_EXPERT_ALIGNMENT}], got {alignment!r}")
             check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
             check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
             n = data.size(0)

@@ -585,6 +585,10 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
         "x a 3-tuple": dict(topk_idx=topk_idx, x=(x, x, x) if rank == bad_rank else x),
         "topk_idx a list": dict(topk_idx=topk_idx.tolist() if rank == bad_rank else topk_idx),
         "expert_alignment a bool": dict(topk_idx=topk_idx, expert_alignment=True if rank == bad_rank else 1),
+        # past a 32-bit int (DeepEP's kernels' type): refused, not an overflow or a huge allocation on one rank
+        "expert_alignment 2**31": dict(topk_idx=topk_idx, expert_alignment=2**31 if rank == bad_rank else 1,
+                                       do_expand=True),
+        "expert_alignment 2**64": dict(topk_idx=topk_idx, expert_alignment=2**64 if rank == bad_rank else 1),
         # K = 9 > L = 8 slots of one token on one rank: more than the capacity without CPU sync has room for
         "an expert repeated past the capacity": dict(
             topk_idx=torch.zeros(topk_idx.size(0), 9, dtype=torch.int64) if rank == bad_rank
@@ -592,7 +596,8 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
             do_expand=True, do_cpu_sync=False),
     }
     needles = {"x a 3-tuple": "(x, sf) pair", "topk_idx a list": "`topk_idx` must be a torch.Tensor",
-               "expert_alignment a bool": "expert_alignment",
+               "expert_alignment a bool": "expert_alignment", "expert_alignment 2**31": "[1, 2147483647]",
+               "expert_alignment 2**64": "[1, 2147483647]",
                "an expert repeated past the capacity": "do_cpu_sync=True"}
     if R == 1:
         del cases["ranks disagree on expert_alignment"]

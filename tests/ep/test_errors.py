@@ -213,6 +213,8 @@ BAD_INPUTS = [
         dispatch_bad(lambda c: ((c.x, torch.ones(c.n, 1)), {})), match="FP8"),
     Bad("expert_alignment_zero", "dispatch", ValueError,
         dispatch_bad(lambda c: (c.x, dict(expert_alignment=0))), match="expert_alignment"),
+    Bad("expert_alignment_past_int32", "dispatch", ValueError,
+        dispatch_bad(lambda c: (c.x, dict(expert_alignment=2**63))), match="[1, 2147483647]"),
     Bad("num_worst_tokens_negative", "dispatch", ValueError,
         dispatch_bad(lambda c: (c.x, dict(num_worst_tokens=-1))), match="num_worst_tokens"),
     Bad("num_worst_tokens_without_topk", "dispatch", ValueError,
