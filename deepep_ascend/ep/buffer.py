@@ -795,7 +795,8 @@ class Buffer(SharedOnCopy):
             num_tokens_per_expert: ``[E]`` int32.
             topk_idx: ``[N, K]`` int64 with -1 for none (an expert may repeat in a row: each slot counts,
                 docs/semantics/deepep-api.md §0); with ``topk_weights`` ``[N, K]`` float32, or neither.
-            expert_alignment: each count of ``num_recv_tokens_per_expert_list`` is rounded up to it.
+            expert_alignment: each count of ``num_recv_tokens_per_expert_list`` is rounded up to it (an int in
+                ``[1, 2**31 - 1]``, DeepEP's 32-bit type).
             num_worst_tokens: if > 0 (needs top-k), outputs have exactly this many rows
                 (zero rows, expert id -1 after the real ones) and the list is ``[]``.
             config: a :class:`Config` (default :meth:`get_dispatch_config`); ``num_sms // 2`` channels.

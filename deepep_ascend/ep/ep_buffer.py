@@ -379,7 +379,8 @@ class EPBuffer(BufferBase):
             cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by this call's per-expert counts.
             num_experts: ``E``, a multiple of the ranks (from ``handle`` if given).
             num_max_tokens_per_rank: at least ``N`` on every rank (default: the constructor's).
-            expert_alignment: expanded layout: each expert's rows start at a multiple of it (default 1).
+            expert_alignment: expanded layout: each expert's rows start at a multiple of it (default 1; an int in
+                ``[1, 2**31 - 1]``, DeepEP's 32-bit type).
             num_sms, num_qps, allocate_on_comm_stream, use_tma_aligned_col_major_sf (scales returned
                 column-major when True): accepted as in DeepEP.
             previous_event: an event (``capture()``) to wait for before the call.
