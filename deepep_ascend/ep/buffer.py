@@ -79,6 +79,7 @@ from .protocol import (
     ConsensusError,
     dtype_code,
 )
+from .rows import dense
 from .stamps import stamp, stamp_matches
 
 #: A dispatch's ``x`` or ``recv_x``: one ``[N, H]`` tensor, or the FP8 pair ``(data, scales)``.
@@ -104,12 +105,6 @@ def _masked_ranks(ref: weakref.ref) -> list[int]:
     buf = ref()
     ll = None if buf is None else buf._ll
     return [] if ll is None else torch.nonzero(ll.mask).view(-1).tolist()
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with standard strides. torch calls any zero-element tensor contiguous, so
-    ``contiguous()`` keeps e.g. the stride 0 of an expanded gradient, which byte views refuse."""
-    return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
 
 
 def _issue_and_receive(issue: Callable[..., ll_mod.Pending], args: tuple) -> ll_mod.Pending:
@@ -1223,7 +1218,7 @@ class Buffer(SharedOnCopy):
                 num_rdma_bytes=self.num_rdma_bytes, qp_depth=self.nvshmem_qp_depth)
 
         def issue(lay, route):
-            return ll.dispatch(_dense(x), _dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
+            return ll.dispatch(dense(x), dense(topk_idx), lay, bool(use_fp8), bool(round_scale),
                                bool(use_ue8m0), cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                route)
 
@@ -1288,8 +1283,8 @@ class Buffer(SharedOnCopy):
 
         def issue(checked, lay, route):
             # A synchronous call sums this rank's own rows where they lie (x cannot change before it returns).
-            return ll.combine(None if zero_copy else _dense(x), _dense(topk_idx),
-                              _dense(topk_weights), checked, lay, bool(zero_copy), out,
+            return ll.combine(None if zero_copy else dense(x), dense(topk_idx),
+                              dense(topk_weights), checked, lay, bool(zero_copy), out,
                               combine_wait_recv_cost_stats, bool(use_logfmt), route,
                               keep_own=not (async_finish or return_recv_hook))
 

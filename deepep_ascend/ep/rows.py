@@ -36,6 +36,13 @@ def common_width(*sizes: int) -> int:
     return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in sizes))
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with standard strides (any shape and dtype; ``t`` itself when it already is). torch
+    calls any zero-element tensor contiguous, so ``contiguous()`` keeps e.g. the stride 0 of an expanded
+    gradient, which byte views (``view(dtype)`` of another size) refuse."""
+    return t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+
+
 def wide(rows: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` uint8 rows (contiguous rows) viewed with the widest integer type that divides
     them: torch's row gathers and copies run per element, so 8-byte elements are ~3x faster."""

@@ -95,6 +95,7 @@ import torch
 from ..ep.config import Config
 from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
+from ..ep.rows import dense
 
 __all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
            "low_latency_dispatch"]
@@ -458,9 +459,7 @@ class _LLCombine(torch.autograd.Function):
         # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
         idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
         cols = _ll_narrow_cols(k)  # 3K rounded up to a multiple of 4 (8-byte rows)
-        # a fresh float32 copy: an empty w may carry any strides (contiguous() keeps them), which no view takes
-        w32 = torch.empty((n, k), dtype=torch.float32).copy_(w)
-        meta = torch.cat([w32.view(torch.int16).view(n, 2 * k), idx16,
+        meta = torch.cat([dense(w.to(torch.float32)).view(torch.int16).view(n, 2 * k), idx16,
                           torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
         recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
                                                               use_fp8=False)
