@@ -73,7 +73,8 @@ def handle_made_by(handle: EPHandle, buffer: EPBuffer) -> bool:
     return handle._buffer_uid == buffer._legacy._uid
 
 
-def _align(n: int, a: int) -> int:
+def _align(n, a: int):
+    """``n`` (an int or an integer array) rounded up to a multiple of ``a``."""
     return -(-n // a) * a
 
 
@@ -608,7 +609,7 @@ class EPBuffer(BufferBase):
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
-                expanded = int((-(-np.asarray(recv_list, dtype=np.int64) // alignment)).sum()) * alignment
+                expanded = int(_align(np.asarray(recv_list, dtype=np.int64), alignment).sum())
             else:
                 expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
             # the per-source and per-expert fields are set by fill() (expanded layout) or when first read
@@ -1169,7 +1170,7 @@ def _padding_rows(handle: EPHandle) -> torch.Tensor:
     if handle._padding is None:
         counts, starts = handle._expand_geometry
         align = handle.expert_alignment
-        gaps = (counts + align - 1) // align * align - counts
+        gaps = _align(counts, align) - counts
         total = int(gaps.sum())
         first_gap = torch.cumsum(gaps, 0) - gaps
         handle._padding = (torch.repeat_interleave(starts + counts - first_gap, gaps) + torch.arange(total) if total
