@@ -3,10 +3,10 @@
 A leaf (it imports only numpy and torch), shared by the EP room, MegaMoE and the training glue.
 
 torch's stable ``argsort`` on CPU is a comparison sort whatever the keys. Keys that fit 16 bits take
-numpy's radix sort instead (``kind="stable"`` on a 16-bit array: one counting pass per byte), several
-times faster from about a thousand keys up, as ``python -m bench sort`` measures (the (token, slot)
-pairs of a 1,000-row dispatch are about 6,000 keys). A stable sort's result is unique, so both give
-the same permutation.
+numpy's radix sort instead (``kind="stable"`` on a 16-bit array: one counting pass per byte): two to six
+times faster from about a thousand keys up, as fast below, as ``python -m bench sort`` measures (the (token,
+slot) pairs of a 1,000-row dispatch are about 6,000 keys). A stable sort's result is unique, so both give the
+same permutation.
 """
 
 from __future__ import annotations
