@@ -822,6 +822,9 @@ class LowLatencyEngine:
         """Keep a copy of a dispatch's ``topk_idx`` by its handle's ``src_info``, for :meth:`dispatched_topk_idx`
         (a few KB at a decode step's sizes); returns ``pending``."""
         src_info = pending.outputs[2].src_info
+        # A key already there (an id reused after its tensor died) moves to the end, as the newest entry: kept in
+        # its old place, a live handle's entry would be evicted first and its combine go unchecked.
+        self._dispatched_idx.pop(id(src_info), None)
         self._dispatched_idx[id(src_info)] = (weakref.ref(src_info), topk_idx.clone(), self.calls)
         if len(self._dispatched_idx) > self._KEPT:
             self._dispatched_idx.popitem(last=False)

@@ -868,6 +868,37 @@ def test_combine_with_another_topk_idx_refused_everywhere(buffers, comm, cfg):
     chk.finish("another topk_idx")
 
 
+def test_a_remembered_dispatch_whose_key_comes_back_is_the_newest(buffers):
+    """The engine remembers its last dispatches by the ``id`` of their handle's ``src_info``; an id can come back
+    (its tensor freed, a new one at the same address) while the old entry is still listed. The entry must then
+    count as the newest: kept in the old one's place it would be evicted first, and a combine of that live
+    handle would go unchecked (neither its ``topk_idx`` nor the ranks' agreement on its dispatch)."""
+    from types import SimpleNamespace
+
+    engine = _buf(buffers, "ubmem")._ll
+    saved = engine._dispatched_idx.copy()  # the module's Buffer: its real entries back afterwards
+    engine._dispatched_idx.clear()
+    idx = torch.zeros(1, 1, dtype=torch.int64)
+
+    def remember(src_info):
+        engine._remember(SimpleNamespace(outputs=(None, None, SimpleNamespace(src_info=src_info))), idx)
+
+    try:
+        first = torch.zeros(1)
+        others = [torch.zeros(1) for _ in range(engine._KEPT)]
+        remember(first)
+        for t in others[:-1]:
+            remember(t)
+        remember(first)  # its key again, as an id reused by a later dispatch
+        remember(others[-1])  # one entry too many: the oldest goes
+        assert engine.dispatched_topk_idx((first,)) is not None
+        assert engine.dispatched_topk_idx((others[0],)) is None
+        assert len(engine._dispatched_idx) == engine._KEPT
+    finally:
+        engine._dispatched_idx.clear()
+        engine._dispatched_idx.update(saved)
+
+
 def test_stats_accumulate(buffers, comm):
     """cumulative_local_expert_recv_stats adds recv_count per call; the wait-cost stats (ns) are
     non-negative and grow only for live sources."""
