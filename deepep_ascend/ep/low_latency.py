@@ -80,6 +80,7 @@ import functools
 import math
 import mmap
 import struct
+import sys
 import time
 import warnings
 import weakref
@@ -205,9 +206,14 @@ class OutputPool:
 
     Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
     never touched); a recycled one is handed out unzeroed, with the rows its last user wrote, for its
-    writer to zero those it does not write again. An entry is reused only when no tensor (the returned
-    view or any view of it) still shares its storage, so results a caller keeps are never overwritten,
-    and only when its writer reported its rows (:meth:`written`) and nothing wrote into it since.
+    writer to zero those it does not write again. An entry is reused only when nobody holds it: no
+    reference to the tensor handed out but the pool's own, and no view of it (its storage has no other
+    user), so results a caller keeps are never overwritten; and only when its writer reported its rows
+    (:meth:`written`) and nothing wrote into it since.
+
+    The tensor handed out is the pool's own (a view only for the channels-first scales): each torch op
+    a call makes costs several times its warm price after the call's rows went through the caches, and
+    a reused output then costs one reference count and one storage check.
     """
 
     MAX_PER_KEY = 4
@@ -226,21 +232,37 @@ class OutputPool:
         ent[1] = counts
         ent[2] = ent[0]._version
 
+    @staticmethod
+    def _free(ent: list) -> bool:
+        """Whether nobody but the pool holds ``ent``'s tensor: no reference to it, no view of it."""
+        return _pool_refs(ent) == _POOL_ONLY_REFS and memory.storage_users(ent[0]) == 1
+
     @memory.outside_inference_mode
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list, torch.Tensor | None]:
-        """``(view, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
+        """``(tensor, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
         ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``), zero but for rows ``[0, stale[e])`` of
         each block ``e`` when ``stale`` (``[L]`` int32) is not None: a reused output, whose writer must zero
         the rows of them it does not write (the native dispatch receive does, in its pass; the torch path's
         after it, :func:`_zero_stale_rows`), then report its own rows with :meth:`written`."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
-        entries = self._entries.setdefault((store, dtype), [])
-        # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote into it
-        # since (any rows): not handed out again. Zeroing it whole would touch every page of a mostly untouched
-        # mapping; a new one costs nothing until written.
-        entries[:] = [e for e in entries
-                      if memory.storage_users(e[0]) != 1 or (e[1] is not None and e[0]._version == e[2])]
-        ent = next((e for e in entries if memory.storage_users(e[0]) == 1), None)
+        key = (store, dtype)
+        entries = self._entries.get(key)
+        if entries is None:
+            entries = self._entries[key] = []
+        ent = None
+        i = 0
+        while i < len(entries):  # the oldest free entry
+            e = entries[i]
+            if not self._free(e):
+                i += 1
+            elif e[1] is not None and e[0]._version == e[2]:
+                ent = e
+                break
+            else:
+                # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote
+                # into it since (any rows): not handed out again. Zeroing it whole would touch every page of a
+                # mostly untouched mapping; a new one costs nothing until written.
+                del entries[i]  # (by index: list.remove would compare tensors with ==)
         stale = None if ent is None else ent[1]
         if ent is None:
             ent = [zeros(store, dtype), None, 0]
@@ -249,8 +271,16 @@ class OutputPool:
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
         ent[1] = None  # until the writer reports its rows
-        view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
-        return view, ent, stale
+        return (ent[0].transpose(1, 2) if channels_first else ent[0]), ent, stale
+
+
+def _pool_refs(ent: list) -> int:
+    """References to the tensor of pool entry ``ent`` (its own slot and this call's argument included)."""
+    return sys.getrefcount(ent[0])
+
+
+# _pool_refs of an entry whose tensor nobody else holds
+_POOL_ONLY_REFS = _pool_refs([torch.empty(0)])
 
 
 class _Route(NamedTuple):

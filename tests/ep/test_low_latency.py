@@ -1495,6 +1495,48 @@ def test_outputs_recycled_only_once_dropped(comm, nodes):
     chk.finish("output pool")
 
 
+@pytest.mark.parametrize("hold", ["tensor", "view", "alias", "scales", "handle", "src_info", "tuple"])
+def test_an_output_held_any_way_is_not_handed_out_again(comm, hold):
+    """The pool hands out its own tensors: whatever of a dispatch's outputs the caller still holds (the tensor
+    itself, only a view of it, another tensor on its storage, the scales, the handle or its ``src_info`` alone,
+    the whole result) keeps its bytes through later dispatches of the same shape, while the outputs it dropped
+    are reused."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 16, 512
+    buf = _pool_test_buffer(comm, False, M, H, E)
+    chk = Checker(r)
+
+    def call(seed):
+        x, idx = make_inputs(seed, r, R, M, H, E, 2)
+        return coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=True), what=f"dispatch {seed}")
+
+    out = call(101)
+    picks = {"tensor": lambda o: o[0][0], "view": lambda o: o[0][0][:, 1:],
+             "alias": lambda o: torch.empty(0, dtype=torch.uint8).set_(o[0][0].untyped_storage()),
+             "scales": lambda o: o[0][1],
+             "handle": lambda o: o[2], "src_info": lambda o: o[2][0], "tuple": lambda o: o}
+    held = picks[hold](out)
+    as_bytes = {"tensor": lambda t: [t.view(torch.uint8)], "view": lambda t: [t.view(torch.uint8)],
+                "alias": lambda t: [t],
+                "scales": lambda t: [t], "handle": lambda t: [t[0], t[1]], "src_info": lambda t: [t],
+                "tuple": lambda t: [t[0][0].view(torch.uint8), t[0][1], t[1], t[2][0], t[2][1]]}[hold]
+    before = [t.clone() for t in as_bytes(held)]
+    ptrs = {t.data_ptr() for t in (out[0][0], out[0][1], out[2][0])}
+    del out
+    reused = set()
+    for seed in (102, 103, 104):  # other routing, so that any reuse of the held storage would show
+        again = call(seed)
+        reused |= {t.data_ptr() for t in (again[0][0], again[0][1], again[2][0])} & ptrs
+        del again
+    chk.check(all(torch.equal(a, b) for a, b in zip(as_bytes(held), before)),
+              f"an output held as {hold!r} was overwritten by a later dispatch")
+    if hold != "tuple":  # the outputs not held are the pool's again
+        chk.check(bool(reused), f"holding only {hold!r}, none of the dropped outputs was reused")
+    del held
+    coll(buf.destroy, what="destroy")
+    chk.finish(f"pool, held as {hold}")
+
+
 @pytest.mark.parametrize("nodes", [False, True], ids=["1node", "nodes"])
 def test_outputs_the_caller_wrote_into_are_not_handed_out_again(comm, nodes):
     """A caller may overwrite a dispatch's outputs in place (DeepEP's are its own tensors) and drop them: a later
