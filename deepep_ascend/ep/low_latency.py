@@ -891,10 +891,21 @@ class LowLatencyEngine:
         flags |= F_PULL
         self._dispatched = None  # its route is no longer the last received one
         plan = self._fused_plan(lay, wait_stats)
+        mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)  # the staged message (FP8: _write_messages')
+        # The outputs and the call's record first: these Python steps then run before the sends move x through the
+        # caches, at their warm price (reused outputs come unzeroed: the receive's pass zeroes the rows it does not
+        # write).
+        if _PH.on:
+            _PH.switch("outputs")
+        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
+        call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
+                             torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
+                             entries, route, stamp(topk_idx, self.mask), plan)
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
+                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
         if plan is not None:  # stage, send, publish and count in one native call
             if _PH.on:
                 _PH.switch("send")
-            mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)
             if plan.dispatch_issue(h, route.slots, route.counts, self._sent_rows, 2 if use_fp8 else 1, x, round_scale,
                                    use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1, _PH.on):
                 raise RuntimeError(f"rank {self.rank}: low_latency_dispatch call #{seq + 1}: the fused send refused "
@@ -907,9 +918,9 @@ class LowLatencyEngine:
             if _PH.on:
                 _PH.switch("pack")
             if use_fp8:
-                mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
+                self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
             else:  # the payloads only: receivers take the token index from the index table, not a message header
-                n, mb = x.size(0), MSG_HEADER + 2 * H
+                n = x.size(0)
                 self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
                     self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
             if _PH.on:
@@ -926,15 +937,6 @@ class LowLatencyEngine:
                     self.tp.record_put(dst, sent[dst] * (mb + 4))
                 self.tp.record_put(dst, 4 * L)
             self._publish(h, hdr, seq, dsts)
-        if _PH.on:
-            _PH.switch("outputs")
-        # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
-        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
-        call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
-                             torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
-                             entries, route, stamp(topk_idx, self.mask), plan)
-        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
-                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
                                          stale), outputs)
 
@@ -1328,6 +1330,10 @@ class LowLatencyEngine:
         rows, the kernel writes the counts only, and the header says ``F_PULL`` (the receivers read the rows)."""
         L, H = lay.L, lay.H
         base = h * self.half
+        # The output first: its Python steps then run before the sends move the rows through the caches.
+        if _PH.on:
+            _PH.switch("outputs")
+        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         if _PH.on:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
@@ -1354,9 +1360,6 @@ class LowLatencyEngine:
                     self.tp.record_put(dst, sent[dst] * 2 * H)
                 self.tp.record_put(dst, 4 * L)
             self._publish(h, hdr, seq, dsts)
-        if _PH.on:
-            _PH.switch("outputs")
-        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         own = (src, layout_range) if keep_own or pull else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
                                          route, own, plan), (combined,))
