@@ -18,6 +18,8 @@ them or not, so that a script can pass them to any command. The link-model optio
 ``--ranks-per-node N`` simulated node size (fewer than the ranks: URMA between simulated nodes)
 ``--no-progress``      no tqdm progress bar on rank 0 (a no-op in a command without one)
 ``--phases``           after the timed loop, each call's per-phase breakdown (:mod:`bench.phases`)
+``--native-split``     after the timed loop, each call's time in the native kernels and outside them
+                       (:mod:`bench.native_split`)
 ``--link-*``           link model: ``--link-profile``, ``--link-emulation``, ``--link-scale``
 =====================  ==========================================================================
 """
@@ -87,6 +89,9 @@ SHARED = {
     "phases": ("--phases", dict(action="store_true"),
                "after the timed loop, run it again with deepep_ascend.ep.phases recording and print each call's "
                "per-phase breakdown (details.phases in --json; docs/benchmarks.md)"),
+    "native_split": ("--native-split", dict(action="store_true"),
+                     "after the timed loop, run it again with every native call timed and print each call's time "
+                     "in the native kernels and outside them (details.native_split in --json; docs/benchmarks.md)"),
 }
 #: Shared options every command takes (:func:`add_shared` adds those a command does not name), with
 #: their defaults: a sweep or a script passes them to any command.

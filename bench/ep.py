@@ -86,6 +86,7 @@ from bench import cli, schema
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import count_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import cpu_model, memory_snapshot
+from bench.native_split import gather_split, record_split, split_lines
 from bench.phases import breakdown_lines, gather_breakdown, record_steps
 from bench.roofline import memcpy_roofline, roofline_after_experts
 from bench.roundtrip import (
@@ -120,7 +121,7 @@ IDX_BYTES, WEIGHT_BYTES = 8, 4  #: int64 top-k ids, float32 weights: what the co
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=512, hidden=7168, num_topk=6, num_experts=256, iters=10, warmup=2, seed=0,
-                   json=None, ranks_per_node=None, no_progress=False, phases=False,
+                   json=None, ranks_per_node=None, no_progress=False, phases=False, native_split=False,
                    helps=dict(seed="per rank: seed*65536+rank",
                               ranks_per_node="EPBuffer then runs DeepEP's two hops (hybrid mode)"))
     p.add_argument("--bf16", action="store_true",
@@ -609,6 +610,8 @@ def run(args) -> int:
             others["buffer_v1"] = finish_v1(t)
         if args.phases:  # after the timed loop: the headline numbers are measured with the recorder off
             extra["phases"] = gather_breakdown(record_steps(phases, comm, args.iters), comm)
+        if args.native_split:  # the same, with the native calls timed
+            extra["native_split"] = gather_split(record_split(phases, comm, args.iters), comm)
         if args.loop:
             loops = loop_steps(buf, v1, wl, args)
             extra["loop"] = time_loops(loops, comm, LOOP_SEGMENTS, args.loop, args.warmup)
@@ -708,6 +711,8 @@ def run(args) -> int:
                 print(fmt_check(ref_name, key.split("_vs_")[0], chk))
         if extra.get("phases"):
             print("\n".join(breakdown_lines(extra["phases"])))
+        if extra.get("native_split"):
+            print("\n".join(split_lines(extra["native_split"])))
         summary = summarize(trips, R, failed, args.expand)
         if "loop" in extra:
             summary["lines"] += loop_lines(extra["loop"], args.loop, summary, args.expand)
@@ -727,8 +732,8 @@ def run(args) -> int:
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,
                              buffers={k: v for k, v in extra.items()
-                                      if not k.startswith("memory") and k not in ("phases", "loop")},
-                             phases=extra.get("phases"),
+                                      if not k.startswith("memory") and k not in ("phases", "loop", "native_split")},
+                             phases=extra.get("phases"), native_split=extra.get("native_split"),
                              loop={n: t.as_dict() for n, t in extra.get("loop", {}).items()} or None,
                              memory=dict(per_rank_end=mem, **{k: v for k, v in extra.items()
                                                              if k.startswith("memory")}))))

@@ -59,6 +59,7 @@ from bench import cli, schema
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import fmt_bytes, gbps, low_latency_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.native_split import gather_split, record_split, split_lines
 from bench.phases import breakdown_lines, gather_breakdown, record_steps
 from bench.roofline import memcpy_roofline, roofline_after_experts
 from bench.roundtrip import fmt_verification, verification_failure, verify_round_trip
@@ -79,7 +80,7 @@ PEER_TARGETS = {2: 1.0, 4: 2.0}
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=128, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0,
-                   json=None, ranks_per_node=None, phases=False,
+                   json=None, ranks_per_node=None, phases=False, native_split=False,
                    helps=dict(num_tokens="= num_max_dispatch_tokens_per_rank"))
     p.add_argument("--bf16", action="store_true", help="BF16 dispatch (default FP8)")
     p.add_argument("--no-ubmem", action="store_true",
@@ -228,11 +229,12 @@ def run(args) -> int:
 
     th = time_phases([("d_send", d_send), ("d_recv", d_recv), (None, make_y), ("c_send", c_send),
                         ("c_recv", c_recv)], comm, args.iters, args.warmup)
+    recorded = [("dispatch", dispatch), (None, make_y), ("combine", combine), ("dispatch send", d_send),
+                ("dispatch hook", d_recv), (None, make_y), ("combine send", c_send), ("combine hook", c_recv)]
     if args.phases:  # after the timed loops: the headline numbers are measured with the recorder off
-        out["phases"] = gather_breakdown(record_steps(
-            [("dispatch", dispatch), (None, make_y), ("combine", combine), ("dispatch send", d_send),
-             ("dispatch hook", d_recv), (None, make_y), ("combine send", c_send), ("combine hook", c_recv)],
-            comm, args.iters), comm)
+        out["phases"] = gather_breakdown(record_steps(recorded, comm, args.iters), comm)
+    if args.native_split:  # the same, with the native calls timed
+        out["native_split"] = gather_split(record_split(recorded, comm, args.iters), comm)
 
     # Overlap: a compute as long as one call's communication between its send and its hook.
     # Calibrated on warm matmuls, every rank at once (as they will run): the first matmuls pay one-time
@@ -386,6 +388,8 @@ def run(args) -> int:
         lines += schema.excluded_lines(failed, "[summary] ")
         if out.get("phases"):
             lines += breakdown_lines(out["phases"])
+        if out.get("native_split"):
+            lines += split_lines(out["native_split"])
         print("\n".join(lines), flush=True)
         if args.json:
             schema.write(args.json, schema.document(

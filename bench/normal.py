@@ -83,6 +83,7 @@ from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, 
 from bench.formulas import bottleneck_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import MemorySampler, cpu_model, memory_snapshot
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
+from bench.native_split import gather_split, record_split, split_lines
 from bench.phases import breakdown_lines, gather_breakdown, record_steps
 from bench.roofline import memcpy_roofline
 from bench.roundtrip import (
@@ -116,7 +117,7 @@ KINDS = ("SELF", "UBMEM", "URMA")
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=None, hidden=7168, num_topk=None, num_experts=None, iters=10, warmup=2, seed=0,
-                   json=None, ranks_per_node=None, no_progress=False, phases=False,
+                   json=None, ranks_per_node=None, no_progress=False, phases=False, native_split=False,
                    helps=dict(num_tokens="default 4096, or from --routing", num_topk="default 8, or from --routing",
                               num_experts="default 256, or from --routing", seed="per rank: seed*65536+rank"))
     p.add_argument("--routing", metavar="FILE", help="replay a topk_idx trace (.npz/.pt, see bench/routing.py)")
@@ -284,9 +285,12 @@ def run(args) -> int:
                   flush=True)
         results["deepep_ascend"] = run_round_trip(BufferSystem(buf), wl, comm, args.iters, args.warmup,
                                                     experts=experts, progress=progress)
-        if args.phases:  # after the timed loop: the headline numbers are measured with the recorder off
+        if args.phases or args.native_split:  # after the timed loop: the headline numbers are measured without them
             steps, _ = round_trip_phases(BufferSystem(buf), wl, experts, prefix="deepep_ascend.")
-            extra["phases"] = gather_breakdown(record_steps(steps, comm, args.iters), comm)
+            if args.phases:
+                extra["phases"] = gather_breakdown(record_steps(steps, comm, args.iters), comm)
+            if args.native_split:
+                extra["native_split"] = gather_split(record_split(steps, comm, args.iters), comm)
         extra["two_hop"] = two_hop_report(wl, args, comm, results["deepep_ascend"].traffic)
         extra["buffer_memory"] = comm.gather(memory_snapshot(), root=0)
         destroy_buffer(buf, root)  # free its windows before the baselines run: peak memory = max, not sum
@@ -373,6 +377,8 @@ def run(args) -> int:
             print(fmt_check(ref_name, name, chk))
         if extra.get("phases"):
             print("\n".join(breakdown_lines(extra["phases"])))
+        if extra.get("native_split"):
+            print("\n".join(split_lines(extra["native_split"])))
         summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None, failed=failed)
         for line in summary["lines"]:
             print(line)
@@ -394,7 +400,8 @@ def run(args) -> int:
                              buffer=dict(num_nvl_bytes=extra.get("num_nvl_bytes"),
                                          num_rdma_bytes=extra.get("num_rdma_bytes"),
                                          ranks_per_node=args.ranks_per_node, source=extra.get("num_nvl_bytes_source")),
-                             two_hop=extra.get("two_hop"), phases=extra.get("phases"))))
+                             two_hop=extra.get("two_hop"), phases=extra.get("phases"),
+                             native_split=extra.get("native_split"))))
             print(f"[json]     wrote {args.json}")
     return 0 if ok else 1
 

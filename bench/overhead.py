@@ -39,11 +39,12 @@ import torch
 
 from bench import cli, schema
 from bench.baselines import mpi_alltoallv_roundtrip
+from bench.native_split import gather_split, record_split, split_lines
 from bench.roundtrip import (
     BufferSystem,
     RoundTripResult,
     normal_buffer_bytes,
-    run_round_trip,
+    round_trip_phases,
     verification_failure,
     verify_round_trip,
 )
@@ -59,7 +60,8 @@ LL_BOUND = 1e-5  # BF16 dispatch, identity experts: combined = bf16(x · Σ w) u
 
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
-    cli.add_shared(p, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0, json=None)
+    cli.add_shared(p, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0, json=None,
+                   native_split=False)
     p.add_argument("--num-tokens-list", type=cli.int_list(1), default=[1, 8], metavar="T[,T...]",
                    help="tokens per rank, one line each (default 1,8)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
@@ -72,8 +74,18 @@ def check_args(p, a) -> None:
         p.error("--num-tokens-list is empty")
 
 
-def low_latency_trip(wl, comm, args) -> tuple[Timing, float]:
-    """``(round-trip timing, calc_diff against x · Σ w)`` of a low-latency Buffer sized for ``wl``."""
+def _split(steps, comm, args, splits: dict | None, label: str) -> None:
+    """With ``--native-split``: ``steps`` run again with the native calls timed, into ``splits`` under
+    ``label + step`` (:mod:`bench.native_split`; rank 0 keeps the table). Collective."""
+    if splits is not None:
+        table = gather_split(record_split(steps, comm, args.iters), comm)
+        if table is not None:
+            splits.update({f"{label}{k}": v for k, v in table.items()})
+
+
+def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing, float]:
+    """``(round-trip timing, calc_diff against x · Σ w)`` of a low-latency Buffer sized for ``wl``; ``splits``:
+    :func:`_split`'s table."""
     from deepep_ascend import Buffer
 
     T, E, R = wl.x.size(0), args.num_experts, comm.Get_size()
@@ -88,30 +100,36 @@ def low_latency_trip(wl, comm, args) -> tuple[Timing, float]:
         st["c"] = buf.low_latency_combine(st["d"][0], wl.topk_idx, wl.topk_weights, st["d"][2])
 
     try:
-        t = time_phases([("dispatch", dispatch), ("combine", combine)], comm, args.iters, args.warmup)
+        steps = [("dispatch", dispatch), ("combine", combine)]
+        t = time_phases(steps, comm, args.iters, args.warmup)
         diff = calc_diff(st["c"][0].float(), wl.x.float() * wl.topk_weights.sum(1, keepdim=True))
+        _split(steps, comm, args, splits, f"low_latency T={T} ")
     finally:
         buf.destroy()
     return t["dispatch"] + t["combine"], diff
 
 
-def normal_trip(wl, comm, args):
-    """The normal-mode round trip (``bench.roundtrip.RoundTripResult``) of a Buffer that never chunks ``wl``."""
+def normal_trip(wl, comm, args, splits: dict | None = None):
+    """The normal-mode round trip (``bench.roundtrip.RoundTripResult``) of a Buffer that never chunks ``wl``;
+    ``splits``: :func:`_split`'s table."""
     from deepep_ascend import Buffer
 
     nvl, _ = normal_buffer_bytes(Buffer, wl.x.size(0), args.hidden, comm.Get_size(), None, args.num_topk,
                                  args.num_experts, False)
     buf = Buffer(group=None, num_nvl_bytes=nvl, comm=comm, explicitly_destroy=True)
     try:
-        return run_round_trip(BufferSystem(buf), wl, comm, args.iters, args.warmup)
+        steps, finish = round_trip_phases(BufferSystem(buf), wl)
+        res = finish(time_phases(steps, comm, args.iters, args.warmup))
+        _split(steps, comm, args, splits, f"normal T={wl.x.size(0)} ")
+        return res
     finally:
         buf.destroy()
 
 
-def ep_trip(wl, comm, args, system: str) -> tuple[Timing, dict]:
+def ep_trip(wl, comm, args, system: str, splits: dict | None = None) -> tuple[Timing, dict]:
     """``(round-trip timing, verify_round_trip's verdict)`` of an ``EPBuffer`` call pair (``system``: one of
     :data:`EP_SYSTEMS`, module doc) sized by ``num_max_tokens_per_rank = T``; the combine returns the received
-    rows (identity experts) with the received weights."""
+    rows (identity experts) with the received weights. ``splits``: :func:`_split`'s table."""
     from deepep_ascend import EPBuffer
 
     T, E = wl.x.size(0), args.num_experts
@@ -133,9 +151,11 @@ def ep_trip(wl, comm, args, system: str) -> tuple[Timing, dict]:
         st["c"] = buf.combine(recv_x, handle, topk_weights=recv_w)
 
     try:
-        t = time_phases([("dispatch", dispatch), ("combine", combine)], comm, args.iters, args.warmup)
+        steps = [("dispatch", dispatch), ("combine", combine)]
+        t = time_phases(steps, comm, args.iters, args.warmup)
         res = RoundTripResult(system, {}, 0, {}, st["c"][0], st["c"][1], {}, "")
         verdict = verify_round_trip(res, wl, E, comm)
+        _split(steps, comm, args, splits, f"{system} T={T} ")
     finally:
         buf.destroy()
     return t["dispatch"] + t["combine"], verdict
@@ -183,24 +203,25 @@ def run(args) -> int:
     H, K, E = args.hidden, args.num_topk, args.num_experts
     results, failed, lines, rows = [], {}, [], []
     summary = {}
+    splits = {} if args.native_split else None
     for T in args.num_tokens_list:
         wl = make_workload(T, H, K, E, rank, R, seed=args.seed, fp8=False)
         trips: dict[str, Timing] = {}
         bad: dict[str, str] = {}
         if "low_latency" in args.systems:
-            trips["low_latency"], diff = low_latency_trip(wl, comm, args)
+            trips["low_latency"], diff = low_latency_trip(wl, comm, args, splits)
             diff = comm.allreduce(diff, op=MPI.MAX)
             if not diff < LL_BOUND:
                 bad["low_latency"] = f"combined vs x*sum(w): calc_diff {diff:.2e} is not below {LL_BOUND:g}"
         for name, fn in (("normal", normal_trip), ("mpi_alltoallv", mpi_alltoallv_roundtrip)):
             if name in args.systems:
-                res = fn(wl, comm, args) if name == "normal" else fn(wl, comm, args.iters, args.warmup)
+                res = fn(wl, comm, args, splits) if name == "normal" else fn(wl, comm, args.iters, args.warmup)
                 trips[name] = res.timings["dispatch"] + res.timings["combine"]
                 if (why := verification_failure(verify_round_trip(res, wl, E, comm))) is not None:
                     bad[name] = why
         for name in EP_SYSTEMS:
             if name in args.systems:
-                trips[name], verdict = ep_trip(wl, comm, args, name)
+                trips[name], verdict = ep_trip(wl, comm, args, name, splits)
                 if (why := verification_failure(verdict)) is not None:
                     bad[name] = why
         if "mpi_alltoall" in args.systems:
@@ -235,12 +256,15 @@ def run(args) -> int:
             print(line)
         for line in schema.excluded_lines(failed):
             print(line)
+        if splits:
+            print("\n".join(split_lines(splits)))
         if args.json:
             schema.write(args.json, schema.document(
                 "overhead", argv=args._argv, params=cli.params_of(args, R), results=results,
                 baselines=[r["name"] for r in results if r["system"].startswith("mpi")],
                 checks=dict(ok=ok), summary=summary, failed=failed, fingerprint=fingerprint,
-                details=dict(tokens=list(args.num_tokens_list), target=f"<= 1x {TARGET} at each token count")))
+                details=dict(tokens=list(args.num_tokens_list), target=f"<= 1x {TARGET} at each token count",
+                             native_split=splits)))
     return 0 if ok else 1
 
 

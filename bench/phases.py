@@ -18,47 +18,67 @@ records into the table :func:`breakdown_lines` prints and the document keeps und
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from bench.timing import gc_paused
 
 
-def record_steps(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> list[dict]:
-    """Run ``steps`` (``(name or None, fn)``, as :func:`bench.timing.time_phases` takes them) ``warmup``
-    times unrecorded, then ``iters`` times with the phase recorder on; a barrier before each named
-    step, the garbage collector paused. Collective. Returns this rank's iterations:
-    ``[{step name: {"ops": [...], "engine": str, "total_ns": int, "phases": {name: ns}}}]`` (a named
-    step in which no recorded call ran is left out)."""
-    from deepep_ascend.ep import phases
-
+def each_step(steps: Sequence[tuple], comm, iters: int, warmup: int, measure: Callable) -> list[dict]:
+    """Run ``steps`` (``(name or None, fn)``, as :func:`bench.timing.time_phases` takes them) ``warmup + iters``
+    times, the garbage collector paused, a barrier before each named step, which runs as ``measure(fn)``: its
+    record (None: nothing to keep). Collective. Returns the last ``iters`` iterations' ``{step name: record}``."""
     out = []
     with gc_paused():
         for it in range(warmup + iters):
             row = {}
-            with phases.recording() as records:
-                for name, fn in steps:
-                    if name is None:
-                        fn()
-                        continue
-                    comm.Barrier()
-                    first = len(records)
+            for name, fn in steps:
+                if name is None:
                     fn()
-                    mine = records[first:]
-                    if mine:
-                        merged: dict = {}
-                        for rec in mine:
-                            for ph, ns in rec.phases.items():
-                                merged[ph] = merged.get(ph, 0) + ns
-                        row[name] = {"ops": [r.op for r in mine], "engine": mine[0].engine,
-                                     "total_ns": sum(r.total_ns for r in mine), "phases": merged}
+                    continue
+                comm.Barrier()
+                rec = measure(fn)
+                if rec is not None:
+                    row[name] = rec
             if it >= warmup:
                 out.append(row)
     return out
 
 
-def _median_call(calls: list[dict]) -> dict:
-    """The call whose total is the median (the lower middle of an even count)."""
-    return sorted(calls, key=lambda c: c["total_ns"])[(len(calls) - 1) // 2]
+def ops_of(per_rank: list[list[dict]]) -> Iterator[tuple[str, list[list[dict]]]]:
+    """Each op any rank recorded (first seen first) with its records per rank, ranks without any left out."""
+    for name in dict.fromkeys(n for rows in per_rank for row in rows for n in row):
+        per = [p for p in ([row[name] for row in rows if name in row] for rows in per_rank) if p]
+        if per:
+            yield name, per
+
+
+def median_call(calls: list[dict], key: str) -> dict:
+    """The call whose ``key`` is the median (the lower middle of an even count)."""
+    return sorted(calls, key=lambda c: c[key])[(len(calls) - 1) // 2]
+
+
+def record_steps(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> list[dict]:
+    """Run ``steps`` (:func:`each_step`) ``warmup + iters`` times with the phase recorder on, keeping the last
+    ``iters``. Collective. Returns this rank's iterations:
+    ``[{step name: {"ops": [...], "engine": str, "total_ns": int, "phases": {name: ns}}}]`` (a named
+    step in which no recorded call ran is left out)."""
+    from deepep_ascend.ep import phases
+
+    def measure(fn):
+        first = len(records)
+        fn()
+        mine = records[first:]
+        if not mine:
+            return None
+        merged: dict = {}
+        for rec in mine:
+            for ph, ns in rec.phases.items():
+                merged[ph] = merged.get(ph, 0) + ns
+        return {"ops": [r.op for r in mine], "engine": mine[0].engine, "total_ns": sum(r.total_ns for r in mine),
+                "phases": merged}
+
+    with phases.recording() as records:
+        return each_step(steps, comm, iters, warmup, measure)
 
 
 def breakdown(per_rank: list[list[dict]]) -> dict:
@@ -67,14 +87,9 @@ def breakdown(per_rank: list[list[dict]]) -> dict:
     "mean_us", "median_us"}, "phases": [{"phase", "busiest_us", "mean_us", "share", "median_us"}, ...]
     (largest mean first)}}``."""
     out = {}
-    names = list(dict.fromkeys(n for rows in per_rank for row in rows for n in row))
-    for name in names:
-        per = [[row[name] for row in rows if name in row] for rows in per_rank]
-        per = [p for p in per if p]
-        if not per:
-            continue
+    for name, per in ops_of(per_rank):
         phase_names = list(dict.fromkeys(ph for p in per for it in p for ph in it["phases"]))
-        mids = [_median_call(p) for p in per]
+        mids = [median_call(p, "total_ns") for p in per]
         busiest = max(range(len(per)), key=lambda r: mids[r]["total_ns"])
         call_mean = statistics.fmean(m["total_ns"] for m in mids) / 1e3
         rows = []

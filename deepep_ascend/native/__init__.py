@@ -5,7 +5,8 @@ of an m-grouped BF16 GEMM on Intel AMX tiles (``csrc/amx_gemm.c``).
 
 Modules:
 
-* :mod:`.loader`    the library: its path, its ABI check, ``DEEPEP_ASCEND_NATIVE``, :func:`available`;
+* :mod:`.loader`    the library: its path, its ABI check, ``DEEPEP_ASCEND_NATIVE``, :func:`available`,
+  :func:`timing` (every native call of a block timed);
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`zero_rows`, :func:`weighted_sum_rows`,
   :func:`dequant_rows_e4m3`, :func:`swiglu`;
@@ -77,7 +78,7 @@ from .ll import (
 )
 from .ll_cast import ll_cast_message_bytes, ll_cast_messages
 from .ll_fused import LLPlan, fused_available
-from .loader import available, library_path
+from .loader import available, library_path, timing
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows, zero_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "amx_bf16",
@@ -85,5 +86,5 @@ __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "L
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "local_experts",
-           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "weighted_sum_rows",
-           "zero_rows"]
+           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "timing",
+           "weighted_sum_rows", "zero_rows"]

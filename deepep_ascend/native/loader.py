@@ -3,19 +3,24 @@ number), whether ``DEEPEP_ASCEND_NATIVE`` lets it be used, and the table of its 
 
 The library loads once, when this module is imported; :data:`kernels` then holds its functions (or None
 each, where it is not built, is stale or is switched off) and the wrappers in :mod:`.rows` and :mod:`.amx`
-read them at every call.
+read them at every call. :func:`timing` times every call made through :data:`kernels` inside a block
+(``python -m bench ... --native-split``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
 import os
+import threading
+import time
 import warnings
+from collections.abc import Iterator
 
 from .. import settings
 
-__all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load"]
+__all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load", "timing"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
@@ -141,3 +146,50 @@ kernels = load() or Kernels()
 def available() -> bool:
     """Whether the native kernels are loaded (built, and not disabled by ``DEEPEP_ASCEND_NATIVE=0``)."""
     return kernels.sum_rows_bf16 is not None
+
+
+_timing_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def timing() -> Iterator[dict[str, list[int]]]:
+    """Time every call of a native function (through :data:`kernels`) that any thread of this process makes
+    inside the block.
+
+    Yields a dict, filled as calls return: C function name (without its ``deepep_`` prefix) -> ``[calls,
+    nanoseconds]`` (``time.perf_counter_ns`` around the ctypes call: the C function, its argument conversion
+    and any polling it does for peers). Each function is replaced in :data:`kernels` by a timing wrapper for
+    the duration (about half a microsecond per call) and restored on exit; functions not loaded stay None,
+    so with no library the dict stays empty.
+
+    Raises:
+        RuntimeError: a ``timing()`` block is already open (not reentrant).
+    """
+    if not _timing_lock.acquire(blocking=False):
+        raise RuntimeError("deepep_ascend.native.timing() is already active")
+    totals: dict[str, list[int]] = {}
+    count = threading.Lock()  # the worker thread of an asynchronous call adds to the same entries
+    saved = {name: getattr(kernels, name) for name in Kernels.__slots__}
+
+    def timed(name: str, fn):
+        def call(*args):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                with count:
+                    entry = totals.setdefault(name, [0, 0])
+                    entry[0] += 1
+                    entry[1] += dt
+        return call
+
+    try:
+        for name, fn in saved.items():
+            if fn is not None:
+                setattr(kernels, name, timed(name, fn))
+        yield totals
+    finally:
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
+        _timing_lock.release()

@@ -115,7 +115,7 @@ def test_each_command_takes_exactly_the_shared_options_its_help_lists():
     from bench import cli, commands
 
     value = {"--json": ["out.json"], "--link-profile": ["none"], "--link-emulation": ["none"],
-             "--link-scale": ["0.5"], "--no-progress": [], "--phases": []}
+             "--link-scale": ["0.5"], "--no-progress": [], "--phases": [], "--native-split": []}
     vocabulary = cli.shared_flags()
     assert len(vocabulary) == len(cli.SHARED) + 3
     for name in commands.COMMANDS:
@@ -455,9 +455,11 @@ def test_schema_rejects_what_it_must():
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
-def test_phases_flag_prints_and_writes_the_breakdown(out_dir):
+def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
     """``--phases`` at 2 ranks: per op a table whose phases tile the call (shares near 1, each share in [0, 1]),
-    the ops each command makes named, the same table in the document's ``details.phases``."""
+    the ops each command makes named, the same table in the document's ``details.phases``. ``--native-split`` in
+    the same runs (and ``overhead``'s): per op the median call split into time in native calls and outside them
+    (the two add up to the call, the native functions' times to the native time), in ``details.native_split``."""
     from bench.internals import mpiexec_path
 
     mpiexec = mpiexec_path() or "mpiexec"
@@ -473,7 +475,7 @@ def test_phases_flag_prints_and_writes_the_breakdown(out_dir):
     }
     for command, ops in expect.items():
         path = os.path.join(out_dir, f"{command}-phases.json")
-        argv = COLLECTIVE[command] + ["--phases", "--json", path]
+        argv = COLLECTIVE[command] + ["--phases", "--native-split", "--json", path]
         if command == "low-latency":
             argv += ["--no-baselines", "--zero-copy"]  # (the commands job runs the default experts)
         rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
@@ -497,3 +499,40 @@ def test_phases_flag_prints_and_writes_the_breakdown(out_dir):
             assert f"[phases] {step}: {op} (" in out, (step, out[-3000:])
         waits = [r["phase"] for e in table.values() for r in e["phases"] if r["phase"].startswith("wait: ")]
         assert waits, table  # waits for peers are their own phases
+        assert doc["params"]["native_split"] is True
+        _check_native_split(doc["details"]["native_split"], list(ops), doc["params"]["iters"], out)
+    path = os.path.join(out_dir, "overhead-split.json")
+    argv = ["--num-tokens-list", "1", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+            "--warmup", "1", "--systems", "low_latency,normal,ep", "--native-split", "--json", path]
+    rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", "overhead", *argv], REPO_ROOT,
+                                env, 300)
+    assert rc == 0, f"overhead exited {rc}:\n{out[-3000:]}"
+    with open(path) as f:
+        doc = json.load(f)
+    from bench import schema
+
+    schema.validate(doc)
+    assert doc["checks"]["ok"] is True, doc["checks"]
+    _check_native_split(doc["details"]["native_split"], [f"{s} T=1 {c}" for s in ("low_latency", "ep")
+                                                         for c in ("dispatch", "combine")]
+                        + [f"normal T=1 {c}" for c in ("layout", "dispatch", "combine")], 2, out)
+
+
+def _check_native_split(table: dict, ops: list, iters: int, out: str) -> None:
+    """A ``--native-split`` table (``bench.native_split.split_table``) has ``ops`` (and maybe more), each
+    consistent."""
+    from deepep_ascend.native.loader import Kernels, available
+
+    assert set(ops) <= set(table), (sorted(table), ops)
+    for name, op in table.items():
+        assert op["ranks"] == 2 and op["iterations"] == iters, op
+        assert op["call_us"] > 0 and 0 <= op["native_us"] <= op["call_us"], op
+        assert math.isclose(op["native_us"] + op["outside_us"], op["call_us"], rel_tol=1e-9), op
+        assert math.isclose(op["outside_share"], op["outside_us"] / op["call_us"], rel_tol=1e-9), op
+        assert op["call_us"] <= op["busiest"]["call_us"] + 1e-9, op  # the mean over ranks of each rank's median
+        assert math.isclose(op["busiest"]["native_us"] + op["busiest"]["outside_us"], op["busiest"]["call_us"])
+        assert {k["kernel"] for k in op["kernels"]} <= set(Kernels.__slots__), op
+        assert math.isclose(sum(k["us"] for k in op["kernels"]), op["native_us"], rel_tol=1e-9, abs_tol=1e-9), op
+        assert f"[native] {name}: call " in out, (name, out[-3000:])
+    if available():  # every command's calls run native code where it is built
+        assert all(op["native_us"] > 0 for n, op in table.items() if "dispatch" in n), table
