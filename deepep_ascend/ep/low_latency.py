@@ -80,7 +80,6 @@ import functools
 import math
 import mmap
 import struct
-import sys
 import time
 import warnings
 import weakref
@@ -206,14 +205,14 @@ class OutputPool:
 
     Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
     never touched); a recycled one is handed out unzeroed, with the rows its last user wrote, for its
-    writer to zero those it does not write again. An entry is reused only when nobody holds it: no
-    reference to the tensor handed out but the pool's own, and no view of it (its storage has no other
-    user), so results a caller keeps are never overwritten; and only when its writer reported its rows
-    (:meth:`written`) and nothing wrote into it since.
-
-    The tensor handed out is the pool's own (a view only for the channels-first scales): each torch op
-    a call makes costs several times its warm price after the call's rows went through the caches, and
-    a reused output then costs one reference count and one storage check.
+    writer to zero those it does not write again. Each call gets a tensor object of its own on the
+    entry's storage (``detach()`` of the pool's tensor, sharing its version counter; the scales a
+    transposed view), so what a caller sets on the object (``requires_grad``, ``.grad``, attributes,
+    ``.data``) never reaches a later call. An entry is reused only when no tensor but the pool's uses
+    its storage, so results a caller keeps are never overwritten, and only when its writer reported its
+    rows (:meth:`written`) and its version counter has not moved since: a write torch does not count
+    (through ``.numpy()``, ``.data``, or a dtype view made under ``torch.inference_mode()``) is not seen
+    (docs/semantics/deepep-api.md §6.2).
     """
 
     MAX_PER_KEY = 4
@@ -232,11 +231,6 @@ class OutputPool:
         ent[1] = counts
         ent[2] = ent[0]._version
 
-    @staticmethod
-    def _free(ent: list) -> bool:
-        """Whether nobody but the pool holds ``ent``'s tensor: no reference to it, no view of it."""
-        return _pool_refs(ent) == _POOL_ONLY_REFS and memory.storage_users(ent[0]) == 1
-
     @memory.outside_inference_mode
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list, torch.Tensor | None]:
         """``(tensor, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
@@ -253,7 +247,7 @@ class OutputPool:
         i = 0
         while i < len(entries):  # the oldest free entry
             e = entries[i]
-            if not self._free(e):
+            if memory.storage_users(e[0]) != 1:  # a tensor handed out, or a view of it, is alive
                 i += 1
             elif e[1] is not None and e[0]._version == e[2]:
                 ent = e
@@ -271,16 +265,7 @@ class OutputPool:
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
         ent[1] = None  # until the writer reports its rows
-        return (ent[0].transpose(1, 2) if channels_first else ent[0]), ent, stale
-
-
-def _pool_refs(ent: list) -> int:
-    """References to the tensor of pool entry ``ent`` (its own slot and this call's argument included)."""
-    return sys.getrefcount(ent[0])
-
-
-# _pool_refs of an entry whose tensor nobody else holds
-_POOL_ONLY_REFS = _pool_refs([torch.empty(0)])
+        return (ent[0].transpose(1, 2) if channels_first else ent[0].detach()), ent, stale
 
 
 class _Route(NamedTuple):

@@ -1537,6 +1537,43 @@ def test_an_output_held_any_way_is_not_handed_out_again(comm, hold):
     chk.finish(f"pool, held as {hold}")
 
 
+@pytest.mark.parametrize("what", ["requires_grad", "grad", "attribute", "data_same_shape", "data_other_shape"])
+def test_what_a_caller_sets_on_a_dropped_output_never_reaches_a_later_one(comm, what):
+    """Each dispatch returns tensor objects of its own: ``requires_grad``, ``.grad``, an attribute or a ``.data``
+    swap set on a dropped ``recv_x`` / ``src_info`` does not show on the next dispatch's outputs, which equal the
+    reference (zeros past ``recv_count`` included) and take in-place writes."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 16, 256
+    buf = _pool_test_buffer(comm, False, M, H, E)
+    chk = Checker(r)
+    set_state = {
+        "requires_grad": lambda t: t.requires_grad_(True),
+        "grad": lambda t: setattr(t, "grad", torch.ones_like(t)),
+        "attribute": lambda t: setattr(t, "tag", "an earlier call's"),
+        "data_same_shape": lambda t: setattr(t, "data", torch.full_like(t, 3)),
+        "data_other_shape": lambda t: setattr(t, "data", torch.zeros(1, dtype=t.dtype)),
+    }[what]
+    x, idx = make_inputs(111, r, R, M, H, E, 2)
+    for round_ in range(3):  # the entries of the first round are the ones the later rounds reuse
+        recv_x, count, handle, _, _ = coll(lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=False),
+                                           what=f"dispatch {round_}")
+        if round_:
+            ref = ref_ll_dispatch(gather_all(x), gather_all(idx), r, E, M, False)
+            for t, name in ((recv_x, "recv_x"), (handle[0], "src_info")):
+                chk.check(not t.requires_grad and t.grad is None and not hasattr(t, "tag"),
+                          f"round {round_}: {name} carries state an earlier caller set ({what})")
+            chk.check(torch.equal(recv_x.view(torch.int16), ref.recv_x.view(torch.int16))
+                      and torch.equal(handle[0], ref.src_info) and torch.equal(count, ref.recv_count),
+                      f"round {round_}: outputs differ from the reference after {what}")
+            recv_x.add_(0)  # the caller's to write in place
+        set_state(recv_x)
+        if what not in ("requires_grad", "grad"):  # (an int32 tensor takes neither)
+            set_state(handle[0])
+        del recv_x, count, handle
+    coll(buf.destroy, what="destroy")
+    chk.finish(f"state on dropped outputs: {what}")
+
+
 @pytest.mark.parametrize("nodes", [False, True], ids=["1node", "nodes"])
 def test_outputs_the_caller_wrote_into_are_not_handed_out_again(comm, nodes):
     """A caller may overwrite a dispatch's outputs in place (DeepEP's are its own tensors) and drop them: a later
