@@ -711,8 +711,8 @@ def run(args) -> int:
                 print(fmt_check(ref_name, key.split("_vs_")[0], chk))
         if extra.get("phases"):
             print("\n".join(breakdown_lines(extra["phases"])))
-        if extra.get("native_split"):
-            print("\n".join(split_lines(extra["native_split"])))
+        if args.native_split:
+            print("\n".join(split_lines(extra.get("native_split") or {})))
         summary = summarize(trips, R, failed, args.expand)
         if "loop" in extra:
             summary["lines"] += loop_lines(extra["loop"], args.loop, summary, args.expand)

@@ -388,8 +388,8 @@ def run(args) -> int:
         lines += schema.excluded_lines(failed, "[summary] ")
         if out.get("phases"):
             lines += breakdown_lines(out["phases"])
-        if out.get("native_split"):
-            lines += split_lines(out["native_split"])
+        if args.native_split:
+            lines += split_lines(out.get("native_split") or {})
         print("\n".join(lines), flush=True)
         if args.json:
             schema.write(args.json, schema.document(

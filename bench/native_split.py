@@ -80,9 +80,14 @@ def gather_split(local: list[dict], comm) -> dict | None:
 def split_lines(table: dict, tag: str = "[native]", top: int = 4) -> list[str]:
     """The printed table: per op one line (medians, mean over ranks; the busiest rank's call) and its ``top``
     native functions."""
-    lines = []
+    from deepep_ascend import native
+
+    lines = [] if native.available() else [
+        f"{tag} the native kernels are not loaded (DEEPEP_ASCEND_NATIVE=0, or not built): every call is outside"]
+    if not table:
+        lines.append(f"{tag} no library call ran (--systems): nothing to split")
     for name, op in table.items():
-        share = f"{100 * op['outside_share']:.0f}%" if op["outside_share"] is not None else "-"
+        share = f"{100 * op['outside_share']:.1f}%" if op["outside_share"] is not None else "-"
         kern = ", ".join(f"{r['kernel']} {r['us']:.1f}" for r in op["kernels"][:top]) or "none"
         lines.append(f"{tag} {name}: call {op['call_us']:.1f} us (busiest rank {op['busiest_rank']}: "
                      f"{op['busiest']['call_us']:.1f}) = native {op['native_us']:.1f} + outside {op['outside_us']:.1f} "

@@ -377,8 +377,8 @@ def run(args) -> int:
             print(fmt_check(ref_name, name, chk))
         if extra.get("phases"):
             print("\n".join(breakdown_lines(extra["phases"])))
-        if extra.get("native_split"):
-            print("\n".join(split_lines(extra["native_split"])))
+        if args.native_split:
+            print("\n".join(split_lines(extra.get("native_split") or {})))
         summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None, failed=failed)
         for line in summary["lines"]:
             print(line)

@@ -256,7 +256,7 @@ def run(args) -> int:
             print(line)
         for line in schema.excluded_lines(failed):
             print(line)
-        if splits:
+        if splits is not None:
             print("\n".join(split_lines(splits)))
         if args.json:
             schema.write(args.json, schema.document(
@@ -264,7 +264,7 @@ def run(args) -> int:
                 baselines=[r["name"] for r in results if r["system"].startswith("mpi")],
                 checks=dict(ok=ok), summary=summary, failed=failed, fingerprint=fingerprint,
                 details=dict(tokens=list(args.num_tokens_list), target=f"<= 1x {TARGET} at each token count",
-                             native_split=splits)))
+                             native_split=splits or None)))
     return 0 if ok else 1
 
 

@@ -154,16 +154,19 @@ _timing_lock = threading.Lock()
 @contextlib.contextmanager
 def timing() -> Iterator[dict[str, list[int]]]:
     """Time every call of a native function (through :data:`kernels`) that any thread of this process makes
-    inside the block.
+    while the block is open.
 
     Yields a dict, filled as calls return: C function name (without its ``deepep_`` prefix) -> ``[calls,
     nanoseconds]`` (``time.perf_counter_ns`` around the ctypes call: the C function, its argument conversion
     and any polling it does for peers). Each function is replaced in :data:`kernels` by a timing wrapper for
     the duration (about half a microsecond per call) and restored on exit; functions not loaded stay None,
-    so with no library the dict stays empty.
+    so with no library (``DEEPEP_ASCEND_NATIVE=0``, or not built) the dict stays empty. The table is the
+    process's: calls of every thread count, and one block may be open at a time in the process. Work an
+    asynchronous call or a receive hook does after the block closed is not counted (a call running across
+    the exit may still add to the dict): wait on the events inside the block.
 
     Raises:
-        RuntimeError: a ``timing()`` block is already open (not reentrant).
+        RuntimeError: a ``timing()`` block is already open in this process (any thread).
     """
     if not _timing_lock.acquire(blocking=False):
         raise RuntimeError("deepep_ascend.native.timing() is already active")

@@ -536,3 +536,21 @@ def _check_native_split(table: dict, ops: list, iters: int, out: str) -> None:
         assert f"[native] {name}: call " in out, (name, out[-3000:])
     if available():  # every command's calls run native code where it is built
         assert all(op["native_us"] > 0 for n, op in table.items() if "dispatch" in n), table
+
+
+def test_native_split_lines_say_when_there_is_nothing_native(monkeypatch):
+    """``--native-split``'s printed lines: a table entry as ``call = native + outside (share)``, a line when no
+    library call ran, and a first line when the native kernels are not loaded."""
+    from bench.native_split import split_lines, split_table
+    from deepep_ascend import native
+
+    per_rank = [[{"op": {"call_ns": 3000, "native_ns": 1000, "kernels": {"ll_route": 1000}}}] for _ in range(2)]
+    table = split_table(per_rank)
+    assert table["op"]["outside_us"] == 2.0 and table["op"]["outside_share"] == 2 / 3
+    monkeypatch.setattr(native, "available", lambda: True)
+    lines = split_lines(table)
+    assert len(lines) == 1 and "call 3.0 us" in lines[0] and "native 1.0 + outside 2.0 (66.7% outside)" in lines[0]
+    assert lines[0].endswith("native us: ll_route 1.0")
+    assert split_lines({}) == ["[native] no library call ran (--systems): nothing to split"]
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert split_lines(table)[0].startswith("[native] the native kernels are not loaded")
