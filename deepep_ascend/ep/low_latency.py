@@ -1315,10 +1315,6 @@ class LowLatencyEngine:
         rows, the kernel writes the counts only, and the header says ``F_PULL`` (the receivers read the rows)."""
         L, H = lay.L, lay.H
         base = h * self.half
-        # The output first: its Python steps then run before the sends move the rows through the caches.
-        if _PH.on:
-            _PH.switch("outputs")
-        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         if _PH.on:
             _PH.switch("send")
         layout_range = layout_range.contiguous()
@@ -1345,6 +1341,9 @@ class LowLatencyEngine:
                     self.tp.record_put(dst, sent[dst] * 2 * H)
                 self.tp.record_put(dst, 4 * L)
             self._publish(h, hdr, seq, dsts)
+        if _PH.on:
+            _PH.switch("outputs")
+        combined = out if out is not None else self.combined_pool.empty((topk_idx.size(0), H), torch.bfloat16)
         own = (src, layout_range) if keep_own or pull else None
         return Pending(functools.partial(self._receive_combine_native, seq, h, lay, topk_weights, combined, wait_stats,
                                          route, own, plan), (combined,))
