@@ -205,14 +205,11 @@ class OutputPool:
 
     Here a fresh output costs a page fault per 4 KiB it touches (the zero-filled padding is
     never touched); a recycled one is handed out unzeroed, with the rows its last user wrote, for its
-    writer to zero those it does not write again. Each call gets a tensor object of its own on the
-    entry's storage (``detach()`` of the pool's tensor, sharing its version counter; the scales a
-    transposed view), so what a caller sets on the object (``requires_grad``, ``.grad``, attributes,
-    ``.data``) never reaches a later call. An entry is reused only when no tensor but the pool's uses
-    its storage, so results a caller keeps are never overwritten, and only when its writer reported its
-    rows (:meth:`written`) and its version counter has not moved since: a write torch does not count
-    (through ``.numpy()``, ``.data``, or a dtype view made under ``torch.inference_mode()``) is not seen
-    (docs/semantics/deepep-api.md §6.2).
+    writer to zero those it does not write again. An entry is reused only when no tensor (the returned
+    view or any view of it) still shares its storage, so results a caller keeps are never overwritten,
+    and only when its writer reported its rows (:meth:`written`) and nothing wrote into it since, as its
+    version counter says: a write torch does not count (through ``.numpy()``, ``.data``, or a dtype view
+    made under ``torch.inference_mode()``) is not seen (docs/semantics/deepep-api.md §6.2).
     """
 
     MAX_PER_KEY = 4
@@ -233,30 +230,19 @@ class OutputPool:
 
     @memory.outside_inference_mode
     def get(self, shape, dtype, channels_first=False) -> tuple[torch.Tensor, list, torch.Tensor | None]:
-        """``(tensor, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
+        """``(view, entry, stale)``: a tensor of ``shape`` ``[L, rows, ...]`` (``channels_first``: stored as
         ``[L, S, rows]`` and returned transposed to ``[L, rows, S]``), zero but for rows ``[0, stale[e])`` of
         each block ``e`` when ``stale`` (``[L]`` int32) is not None: a reused output, whose writer must zero
         the rows of them it does not write (the native dispatch receive does, in its pass; the torch path's
         after it, :func:`_zero_stale_rows`), then report its own rows with :meth:`written`."""
         store = (shape[0], shape[2], shape[1]) if channels_first else tuple(shape)
-        key = (store, dtype)
-        entries = self._entries.get(key)
-        if entries is None:
-            entries = self._entries[key] = []
-        ent = None
-        i = 0
-        while i < len(entries):  # the oldest free entry
-            e = entries[i]
-            if memory.storage_users(e[0]) != 1:  # a tensor handed out, or a view of it, is alive
-                i += 1
-            elif e[1] is not None and e[0]._version == e[2]:
-                ent = e
-                break
-            else:
-                # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote
-                # into it since (any rows): not handed out again. Zeroing it whole would touch every page of a
-                # mostly untouched mapping; a new one costs nothing until written.
-                del entries[i]  # (by index: list.remove would compare tensors with ==)
+        entries = self._entries.setdefault((store, dtype), [])
+        # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote into it
+        # since (any rows): not handed out again. Zeroing it whole would touch every page of a mostly untouched
+        # mapping; a new one costs nothing until written.
+        entries[:] = [e for e in entries
+                      if memory.storage_users(e[0]) != 1 or (e[1] is not None and e[0]._version == e[2])]
+        ent = next((e for e in entries if memory.storage_users(e[0]) == 1), None)
         stale = None if ent is None else ent[1]
         if ent is None:
             ent = [zeros(store, dtype), None, 0]
@@ -265,7 +251,8 @@ class OutputPool:
                 if len(entries) > self.MAX_PER_KEY:
                     entries.pop(0)
         ent[1] = None  # until the writer reports its rows
-        return (ent[0].transpose(1, 2) if channels_first else ent[0].detach()), ent, stale
+        view = ent[0].transpose(1, 2) if channels_first else ent[0][:]
+        return view, ent, stale
 
 
 class _Route(NamedTuple):
@@ -876,21 +863,10 @@ class LowLatencyEngine:
         flags |= F_PULL
         self._dispatched = None  # its route is no longer the last received one
         plan = self._fused_plan(lay, wait_stats)
-        mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)  # the staged message (FP8: _write_messages')
-        # The outputs and the call's record first: these Python steps then run before the sends move x through the
-        # caches, at their warm price (reused outputs come unzeroed: the receive's pass zeroes the rows it does not
-        # write).
-        if _PH.on:
-            _PH.switch("outputs")
-        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
-        call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
-                             torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
-                             entries, route, stamp(topk_idx, self.mask), plan)
-        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
-                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
         if plan is not None:  # stage, send, publish and count in one native call
             if _PH.on:
                 _PH.switch("send")
+            mb = MSG_HEADER + (H + 4 * scale_words if use_fp8 else 2 * H)
             if plan.dispatch_issue(h, route.slots, route.counts, self._sent_rows, 2 if use_fp8 else 1, x, round_scale,
                                    use_ue8m0, mb, self._header(seq, OP_DISPATCH, 0, lay, flags), seq + 1, _PH.on):
                 raise RuntimeError(f"rank {self.rank}: low_latency_dispatch call #{seq + 1}: the fused send refused "
@@ -903,9 +879,9 @@ class LowLatencyEngine:
             if _PH.on:
                 _PH.switch("pack")
             if use_fp8:
-                self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words)
+                mb = self._write_messages(x, lay, base, use_fp8, round_scale, use_ue8m0, scale_words).size(1)
             else:  # the payloads only: receivers take the token index from the index table, not a message header
-                n = x.size(0)
+                n, mb = x.size(0), MSG_HEADER + 2 * H
                 self._view(("dstage", base + lay.send_off, n, mb), lambda: self.tp.local_view(
                     self.win, base + lay.send_off, n * mb).view(n, mb)[:, MSG_HEADER:]).copy_(x.view(torch.uint8))
             if _PH.on:
@@ -922,6 +898,15 @@ class LowLatencyEngine:
                     self.tp.record_put(dst, sent[dst] * (mb + 4))
                 self.tp.record_put(dst, 4 * L)
             self._publish(h, hdr, seq, dsts)
+        if _PH.on:
+            _PH.switch("outputs")
+        # Reused outputs come unzeroed where the receive's pass zeroes them (the rows it does not write).
+        (recv_x, recv_scales, src_info), entries, stale = self._dispatch_outputs(lay, use_fp8, use_ue8m0, scale_words)
+        call = _DispatchCall(seq, h, seq + 1, lay, flags, mb, 4 * scale_words, recv_x, recv_scales, src_info,
+                             torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64),
+                             entries, route, stamp(topk_idx, self.mask), plan)
+        outputs = ((recv_x, recv_scales) if use_fp8 else recv_x, call.recv_count,
+                   LowLatencyHandle(src_info, call.layout_range, M, H, E))
         return Pending(functools.partial(self._receive_dispatch_native, call, cum_stats, wait_stats,
                                          stale), outputs)
 

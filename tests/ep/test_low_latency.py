@@ -1497,7 +1497,7 @@ def test_outputs_recycled_only_once_dropped(comm, nodes):
 
 @pytest.mark.parametrize("hold", ["tensor", "view", "alias", "scales", "handle", "src_info", "tuple"])
 def test_an_output_held_any_way_is_not_handed_out_again(comm, hold):
-    """The pool hands out its own tensors: whatever of a dispatch's outputs the caller still holds (the tensor
+    """Dispatch outputs come from a pool: whatever of a dispatch's outputs the caller still holds (the tensor
     itself, only a view of it, another tensor on its storage, the scales, the handle or its ``src_info`` alone,
     the whole result) keeps its bytes through later dispatches of the same shape, while the outputs it dropped
     are reused."""
