@@ -37,7 +37,7 @@ def stable_argsort(keys: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     if _I16[0] <= lo and hi <= _I16[1]:
         small = keys.numpy().astype(np.int16)
     elif hi - lo <= _U16:
-        small = (keys.numpy().astype(np.int64, copy=False) - lo).astype(np.uint16)  # (lo may not fit keys' dtype)
+        small = np.subtract(keys.numpy(), lo, dtype=np.int64).astype(np.uint16)  # (lo may not fit keys' dtype)
     else:
         return torch.argsort(keys, stable=True)
     return torch.from_numpy(np.argsort(small, kind="stable").astype(np.int64, copy=False))
