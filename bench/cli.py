@@ -13,6 +13,7 @@ them or not, so that a script can pass them to any command. The link-model optio
 ``--num-experts E``    experts in total, over all ranks
 ``--iters N``          timed iterations
 ``--warmup N``         untimed iterations first
+``--warmup-s SECONDS`` and untimed for at least this long (taken with ``--warmup``; :data:`bench.timing.MIN_WARMUP_S`)
 ``--seed S``           input seed (per rank: ``seed * 65536 + rank`` where inputs differ per rank)
 ``--json FILE``        write the results as a ``deepep_ascend.bench/1`` document (:mod:`bench.schema`)
 ``--ranks-per-node N`` simulated node size (fewer than the ranks: URMA between simulated nodes)
@@ -44,6 +45,22 @@ def int_at_least(lo: int):
         return value
 
     parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def float_at_least(lo: float):
+    """argparse ``type=``: a finite float >= ``lo``, else argparse's usage error (exit 2) on every rank."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not lo <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {text}")
+        return value
+
+    parse.__name__ = f"float >= {lo}"
     return parse
 
 
@@ -79,6 +96,8 @@ SHARED = {
     "num_experts": ("--num-experts", dict(metavar="E"), "experts in total, over all ranks"),
     "iters": ("--iters", dict(metavar="N"), "timed iterations"),
     "warmup": ("--warmup", dict(metavar="N"), "untimed iterations first"),
+    "warmup_s": ("--warmup-s", dict(type=float_at_least(0.0), metavar="SECONDS"),
+                 "and untimed for at least this long (each system; docs/benchmarks.md, \"Warm-up\")"),
     "seed": ("--seed", dict(type=int, metavar="S"), "input seed"),
     "json": ("--json", dict(metavar="FILE"), "write the results as JSON (schema deepep_ascend.bench/1, "
                                              "bench/schema.py; rank 0)"),
@@ -117,6 +136,10 @@ def add_shared(p: argparse.ArgumentParser, *, minimum: dict | None = None, helps
     if "no_progress" not in defaults:
         helps = {**helps, "no_progress": "this command shows no bar (accepted by every command)"}
     defaults = {**EVERY_COMMAND, **defaults}
+    if "warmup" in defaults and "warmup_s" not in defaults:  # the two say together how long a system warms up
+        from bench.timing import DEFAULT_WARMUP_S
+
+        defaults["warmup_s"] = DEFAULT_WARMUP_S
     group = p.add_argument_group("shared options (python -m bench --help)")
     for key in SHARED:
         if key not in defaults:

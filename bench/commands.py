@@ -83,7 +83,8 @@ def parser(name: str) -> argparse.ArgumentParser:
 
 def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default ``sys.argv[2:]``) for command ``name`` and run its checks, the shared ones
-    against the job's ranks (:func:`bench.cli.check_job`) included; ``args._argv`` keeps the arguments.
+    against the job's ranks (:func:`bench.cli.check_job`) included; ``args._argv`` keeps the arguments and
+    ``--warmup-s`` becomes :data:`bench.timing.MIN_WARMUP_S`.
     argparse's usage error (exit 2) on bad values, printed by rank 0 of a collective command only."""
     from bench.cli import check_job
 
@@ -101,6 +102,10 @@ def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     if check is not None:
         check(p, args)
     check_job(p, args, num_ranks)
+    if hasattr(args, "warmup_s"):
+        from bench import timing
+
+        timing.MIN_WARMUP_S = args.warmup_s
     args._argv = argv
     return args
 

@@ -3,6 +3,8 @@
 * :func:`time_phases` / :func:`time_collective` — barrier before each timed op, ``time.perf_counter``
   around it, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max
   over iterations (:class:`Timing`); Python's garbage collector paused throughout (:func:`gc_paused`);
+  untimed iterations first, at least ``warmup`` of them and for at least :data:`MIN_WARMUP_S` seconds
+  (:func:`warm_up`);
 * :func:`time_loops` — several calls back to back as an application's loop runs them (no barrier between
   them, the garbage collector as the caller has it), systems alternating segment by segment;
 * :func:`interleaved_medians_ms` — one process: the median of each of several functions timed in
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -55,6 +58,36 @@ class Timing:
 
 Phase = tuple  # (name or None, fn): None = untimed step (no barrier), e.g. bookkeeping
 
+#: ``--warmup-s``'s default: the least wall time, in seconds, that :func:`time_phases` and :func:`time_loops` run
+#: a system untimed before timing it, beyond their ``warmup`` iterations. On the host measured, a system's calls
+#: run slower for their first tens of milliseconds of activity (after start-up or a pause), the longer the less
+#: steadily they keep memory busy; a count of iterations alone leaves a fast system inside that ramp while a slow
+#: one is past it (docs/benchmarks.md, "Warm-up").
+DEFAULT_WARMUP_S = 0.25
+#: The value in force: a command's ``--warmup-s`` (:func:`bench.commands.parse` sets it).
+MIN_WARMUP_S = DEFAULT_WARMUP_S
+
+
+def warm_up(step: Callable[[], Any], comm, warmup: int, min_seconds: float | None = None) -> int:
+    """Run ``step()`` (one collective iteration) ``warmup`` times, then again until ``min_seconds`` (default
+    :data:`MIN_WARMUP_S`) have passed on the slowest rank since the ranks met to begin; returns the iterations run.
+    Collective: the ranks agree on every further iteration through an ``allreduce(MAX)`` of their elapsed time."""
+    min_seconds = MIN_WARMUP_S if min_seconds is None else min_seconds
+    if min_seconds > 0:
+        comm.Barrier()  # the clock starts with every rank here (not with one waiting for the others)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    runs = warmup
+    if min_seconds <= 0:
+        return runs
+    from mpi4py import MPI
+
+    while comm.allreduce(time.perf_counter() - start, op=MPI.MAX) < min_seconds:
+        step()
+        runs += 1
+    return runs
+
 
 @contextlib.contextmanager
 def gc_paused():
@@ -84,34 +117,42 @@ def full_gc_seconds() -> tuple[float, int]:
 
 def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
                 progress: Callable[[int], None] | None = None) -> dict[str, Timing]:
-    """Run ``phases`` in order ``warmup + iters`` times; time the named ones.
+    """Run ``phases`` in order untimed (:func:`warm_up`: ``warmup`` times, and on for :data:`MIN_WARMUP_S`
+    seconds), then ``iters`` times timing the named ones.
 
     Each named phase: ``comm.Barrier()``, then ``fn()`` between two ``time.perf_counter()`` calls.
     Unnamed phases (name ``None``) run untimed, without a barrier. After the loop one
     ``Allreduce(MAX)`` turns each rank's times into the per-iteration maximum over ranks, so the
     slowest rank defines every iteration. Collective: all ranks must pass the same phase list.
-    The Python GC is paused during the loop. ``progress(i)`` is called after each iteration.
+    The Python GC is paused during the loop. ``progress(i)`` is called after each of the first ``warmup``
+    and of the timed iterations (the bar's ``warmup + iters``).
     """
     from mpi4py import MPI
 
     names = [p[0] for p in phases if p[0] is not None]
     local = np.zeros((len(names), iters), dtype=np.float64)
-    with gc_paused():
-        for it in range(warmup + iters):
-            j = 0
-            for name, fn in phases:
-                if name is None:
-                    fn()
-                    continue
-                comm.Barrier()
-                t0 = time.perf_counter()
+
+    def iteration(it: int, times: np.ndarray | None) -> None:
+        j = 0
+        for name, fn in phases:
+            if name is None:
                 fn()
-                t1 = time.perf_counter()
-                if it >= warmup:
-                    local[j, it - warmup] = t1 - t0
-                j += 1
-            if progress is not None:
-                progress(it)
+                continue
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if times is not None:
+                times[j, it] = t1 - t0
+            j += 1
+        if progress is not None and (times is not None or it < warmup):
+            progress(it if times is None else warmup + it)
+
+    with gc_paused():
+        counter = itertools.count()
+        warm_up(lambda: iteration(next(counter), None), comm, warmup)
+        for it in range(iters):
+            iteration(it, local)
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return {n: Timing(glob[i].tolist()) for i, n in enumerate(names)}
@@ -122,14 +163,14 @@ def time_loops(loops: dict[str, Callable[[], Any]], comm, segments: int, per_seg
     """Time each of ``loops`` (name -> one collective step, e.g. a round trip) as a training or decode loop
     runs it: ``per_segment`` steps back to back, no barrier between them, Python's garbage collector left as
     the caller has it (on by default: what a cycle per step costs shows). Systems alternate segment by
-    segment (a barrier before each segment) so that the host's drift hits all alike; ``warmup`` steps of
-    each first, untimed. Returns, per name, a :class:`Timing` over segments of the time per step: each
-    segment's elapsed time divided by ``per_segment``, the max over ranks. Collective."""
+    segment (a barrier before each segment) so that the host's drift hits all alike; each warmed up first,
+    untimed (:func:`warm_up`: ``warmup`` steps, and on for :data:`MIN_WARMUP_S` seconds). Returns, per name, a
+    :class:`Timing` over segments of the time per step: each segment's elapsed time divided by
+    ``per_segment``, the max over ranks. Collective."""
     from mpi4py import MPI
 
     for fn in loops.values():
-        for _ in range(warmup):
-            fn()
+        warm_up(fn, comm, warmup)
     local = np.zeros((len(loops), segments), dtype=np.float64)
     for k in range(segments):
         for i, fn in enumerate(loops.values()):

@@ -24,24 +24,26 @@ from tests.support.mpi_utils import child_env, run_child_command, world
 
 ONE_RANK = pytest.mark.skipif(world().Get_size() != 1, reason="launches its own jobs; runs in the 1-rank job only")
 
-# tiny sizes, few iterations: seconds each on 2 cores
+# tiny sizes, few iterations, no timed warm-up (bench.timing.warm_up has its own test): seconds each on 2 cores
 COLLECTIVE = {
     "normal": ["--num-tokens", "64", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-               "--warmup", "1", "--no-progress"],
+               "--warmup", "1", "--warmup-s", "0", "--no-progress"],
     "ep": ["--num-tokens", "32", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-           "--warmup", "1", "--no-progress"],
+           "--warmup", "1", "--warmup-s", "0", "--no-progress"],
     "low-latency": ["--num-tokens", "16", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-                    "--warmup", "1"],
-    "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--threads", "1"],
+                    "--warmup", "1", "--warmup-s", "0"],
+    "mega-moe": ["--preset", "tiny", "--num-tokens", "32", "--iters", "1", "--warmup", "1", "--warmup-s", "0",
+                 "--threads", "1"],
     "urma-put": ["--bytes", "65536", "--iters", "2"],
     "engram": ["--num-entries-per-layer", "300,301", "--num-tokens", "16", "--num-entries-per-token", "4",
-               "--use-fp8", "--iters", "2", "--warmup", "1"],
-    "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1"],
-    "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1"],
+               "--use-fp8", "--iters", "2", "--warmup", "1", "--warmup-s", "0"],
+    "pp": ["--num-tokens", "16", "--hidden", "256", "--num-max-inflight-tensors", "2", "--iters", "2", "--warmup", "1",
+           "--warmup-s", "0"],
+    "bucket": ["--num-bytes", "65536", "--iters", "2", "--warmup", "1", "--warmup-s", "0"],
     "lb": ["--hidden", "64", "--inter", "32", "--num-local-experts", "2", "--num-redundant-experts", "3", "--iters",
-           "2", "--warmup", "1"],
+           "2", "--warmup", "1", "--warmup-s", "0"],
     "overhead": ["--num-tokens-list", "1,3", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-                 "--warmup", "1"],
+                 "--warmup", "1", "--warmup-s", "0"],
     "soak": ["--num-tokens", "16", "--hidden", "512", "--num-experts", "8", "--num-topk", "2", "--iters", "24",
              "--report-every", "8", "--no-progress"],
 }
