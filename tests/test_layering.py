@@ -16,13 +16,14 @@ import pytest
 from tests.support import REPO_ROOT
 
 # Room -> the rooms it may import. ``settings`` (environment variables), ``checks`` (argument checks
-# shared by every room) and ``ordering`` (stable orders of small integer keys) are leaves every room may
-# read; the package's face (``deepep_ascend/__init__.py``) may import every room.
-LEAVES = {"settings", "checks", "ordering"}
+# shared by every room), ``ordering`` (stable orders of small integer keys) and ``rounding`` (ceil_div, align)
+# are leaves every room may read; the package's face (``deepep_ascend/__init__.py``) may import every room.
+LEAVES = {"settings", "checks", "ordering", "rounding"}
 ALLOWED = {
     "settings": set(),
     "checks": set(),
     "ordering": set(),
+    "rounding": set(),
     "transports": {"settings"},
     "native": LEAVES,
     "gemm": {"native"} | LEAVES,

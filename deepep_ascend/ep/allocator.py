@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rounding import align
+
 __all__ = ["BufferAllocator", "BufferBase", "SharedOnCopy", "get_num_allocation_alignment"]
 
 _ALLOCATION_ALIGNMENT = 128  # bytes: the windows' row alignment (docs/design/transports.md)
@@ -20,10 +22,6 @@ _ALLOCATION_ALIGNMENT = 128  # bytes: the windows' row alignment (docs/design/tr
 def get_num_allocation_alignment() -> int:
     """Bytes every buffer size and planned offset is a multiple of (``deep_ep.get_num_allocation_alignment``)."""
     return _ALLOCATION_ALIGNMENT
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 class BufferAllocator:
@@ -52,9 +50,9 @@ class BufferAllocator:
         if self.materialized:
             raise RuntimeError("BufferAllocator.allocate: a materialized allocation plan cannot be changed")
         tensor = torch.empty(shape, dtype=dtype, device="meta")
-        offset = _align(self.num_bytes, self.alignment)
+        offset = align(self.num_bytes, self.alignment)
         self.allocations.append((tensor, offset))
-        self.num_bytes = _align(offset + tensor.nbytes, self.alignment)
+        self.num_bytes = align(offset + tensor.nbytes, self.alignment)
         return tensor
 
     def materialize(self, storage: torch.Tensor) -> None:

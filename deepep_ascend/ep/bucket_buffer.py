@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from ..rounding import align
 from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
@@ -34,10 +35,6 @@ _SLOT_DONE = 2  # a rank finished reading its peers' windows for this call
 _SLOT_BARRIER = 3  # barrier() of a group other than the first
 _SLOTS_PER_GROUP = 4  # each group counts its own signals: calls on different groups never share a counter
 _PRECISIONS = ("fp32", "bf16")
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def _pack_tensors(op: str, names: tuple, *items):
@@ -114,7 +111,7 @@ class BucketSession:
         if num_bytes <= 0:
             raise ValueError(f"BucketBuffer session: allocate needs a positive size, got {num_bytes} bytes")
         offset = self.num_allocated_bytes
-        end = offset + _align(num_bytes, self.alignment)
+        end = offset + align(num_bytes, self.alignment)
         if end > self.buffer.num_bytes:
             raise RuntimeError(f"BucketBuffer session: out of storage: {num_bytes} more bytes requested at offset "
                                f"{offset}, the storage has {self.buffer.num_bytes}")

@@ -1092,7 +1092,7 @@ class Buffer(SharedOnCopy):
         """``num_rdma_bytes`` an LL Buffer needs for calls of ``(M, H, E)`` — exactly what they use
         (docs/semantics/deepep-api.md §6.8).
 
-        Both halves of ``[signals align_up(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
+        Both halves of ``[signals align(4E, 128) | send max(M·d, E·M·c) | recv E·M·max(d, c)]``
         with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
         (DeepEP's rounding). A Buffer with fewer bytes refuses such calls (``ValueError``).
         """

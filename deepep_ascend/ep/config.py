@@ -11,6 +11,8 @@ rounds sized by the Buffer's UBMEM window (see :mod:`deepep_ascend.ep.intranode`
 
 from __future__ import annotations
 
+from ..rounding import align
+
 _NVL_TABLE = {  # num_ranks: (dispatch (send, recv), combine (send, recv)) for the NVL ring,
     # docs/semantics/deepep-api.md §3.1
     2: ((24, 256), (10, 256)), 4: ((6, 256), (9, 256)), 8: ((6, 256), (4, 256)),
@@ -24,10 +26,6 @@ _RDMA_TABLE = {  # num_ranks: (dispatch (send, recv), combine (send, recv)) for 
     48: ((8, 128), (8, 128)), 64: ((8, 128), (8, 128)), 96: ((12, 128), (8, 128)),
     128: ((12, 128), (8, 128)), 144: ((12, 128), (8, 128)), 160: ((12, 128), (8, 128)),
 }
-
-
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 class Config:
@@ -61,7 +59,7 @@ class Config:
             raise RuntimeError(
                 f"Config: RDMA chunk sizes must be > 0, got send {num_max_rdma_chunked_send_tokens}, "
                 f"recv {num_max_rdma_chunked_recv_tokens}")
-        num_max_rdma_chunked_recv_tokens = _align_up(num_max_rdma_chunked_recv_tokens,
+        num_max_rdma_chunked_recv_tokens = align(num_max_rdma_chunked_recv_tokens,
                                                      num_max_rdma_chunked_send_tokens)
         if not (num_max_rdma_chunked_send_tokens < num_max_rdma_chunked_recv_tokens
                 and num_max_rdma_chunked_send_tokens <= num_max_rdma_chunked_recv_tokens // 2):
@@ -97,7 +95,7 @@ class Config:
         assert num_ranks <= 8 or self.num_sms % 2 == 0, "num_sms must be even with more than 8 ranks"
         c, rn, rr = self.num_channels, min(num_ranks, 8), max(num_ranks // 8, 1)
         size = c * rn * (2 * rr + 3) * 4 + c * rn * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 2056)
-        return _align_up(size, 128)
+        return align(size, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer hint in bytes: 0 up to 8 ranks, else
@@ -106,7 +104,7 @@ class Config:
             return 0
         c, rr = self.num_channels, max(num_ranks // 8, 1)
         size = c * rr * 144 + 2 * c * rr * self.num_max_rdma_chunked_recv_tokens * (hidden_bytes + 2072)
-        return _align_up(size, 128)
+        return align(size, 128)
 
 
 def _table_config(num_sms: int, num_ranks: int, which: int) -> Config:

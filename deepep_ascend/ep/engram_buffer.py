@@ -18,6 +18,7 @@ import torch
 
 from .. import settings
 from ..ordering import stable_argsort
+from ..rounding import align
 from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
 from .arguments import context_idx_problem, is_int, sl_idx_problem
@@ -35,10 +36,6 @@ NUM_ALIGNED_SF_PACKS = 4
 #: round trip: the inputs of ``get_theoretical_config``'s queue-pair count.
 NIC_READ_MPPS, READ_RTT_S = 45.0, 10e-6
 _DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def _digest(tables) -> str | None:
@@ -112,7 +109,7 @@ class _Config:
         recv, sf, _ = _layout_bytes(self.num_entries_per_layer, hidden, dtype.itemsize, num_max_tokens,
                                     num_entries_per_token, num_sf_packs, num_nodes)
         self.num_recv_bytes = recv
-        self.num_sf_shard_bytes = _align(sf, get_num_allocation_alignment()) if num_sf_packs else 0
+        self.num_sf_shard_bytes = align(sf, get_num_allocation_alignment()) if num_sf_packs else 0
         self.sf_offset = num_gpu_bytes - self.num_sf_shard_bytes  # the shard sits at the buffer's tail
 
 
@@ -310,7 +307,7 @@ class EngramBuffer(BufferBase):
         recv, sf, storage = _layout_bytes(list(num_entries_per_layer), hidden, dtype.itemsize, num_max_tokens,
                                           num_entries_per_token, num_sf_packs, nodes)
         a = get_num_allocation_alignment()
-        return _align(recv, a) + (_align(sf, a) if num_sf_packs else 0), _align(storage, a)
+        return align(recv, a) + (align(sf, a) if num_sf_packs else 0), align(storage, a)
 
     @staticmethod
     def get_theoretical_config(group, num_layers: int, num_max_tokens: int, num_entries_per_token: int,
@@ -364,7 +361,7 @@ class EngramBuffer(BufferBase):
         if error is None:
             recv, sf, storage = _layout_bytes(entries, hidden, dtype.itemsize, num_max_tokens, num_entries_per_token,
                                               num_sf_packs, self._topo.num_nodes)
-            sf = _align(sf, get_num_allocation_alignment()) if num_sf_packs else 0
+            sf = align(sf, get_num_allocation_alignment()) if num_sf_packs else 0
             if storage > self.num_rdma_storage_bytes:
                 error = ValueError(f"EngramBuffer.set_config: the tables need {storage} B of storage per rank, the "
                                    f"buffer has num_rdma_storage_bytes={self.num_rdma_storage_bytes} (see "
@@ -524,7 +521,7 @@ class EngramBuffer(BufferBase):
         if fp8:
             P = cfg.num_sf_packs
             if use_tma_aligned_col_major_sf:
-                token_stride, col_stride = 1, _align(num_tokens, NUM_ALIGNED_SF_PACKS)
+                token_stride, col_stride = 1, align(num_tokens, NUM_ALIGNED_SF_PACKS)
                 layer_stride = per_token * P * col_stride
             else:
                 token_stride, col_stride = per_token * P, 1

@@ -18,6 +18,7 @@ import torch
 from .. import native as _native
 from .. import settings
 from ..ordering import stable_argsort
+from ..rounding import align
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
@@ -71,11 +72,6 @@ def handle_made_by(handle: EPHandle, buffer: EPBuffer) -> bool:
     """Whether ``handle`` came from a dispatch of ``buffer`` (what a cached dispatch, combine and MegaMoE's
     :func:`~deepep_ascend.mega_moe.mega_moe_experts` check)."""
     return handle._buffer_uid == buffer._legacy._uid
-
-
-def _align(n, a: int):
-    """``n`` (an int or an integer array) rounded up to a multiple of ``a``."""
-    return -(-n // a) * a
 
 
 def _typed(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -242,9 +238,9 @@ class EPBuffer(BufferBase):
         unit = get_num_allocation_alignment()
         nvl, rdma = needs
         if num_nodes == 1:
-            return _align(nvl, unit)
+            return align(nvl, unit)
         total = num_ranks + num_nodes
-        n = _align(max(nvl + rdma, -(-nvl * total // num_ranks), -(-rdma * total // num_nodes)), unit)
+        n = align(max(nvl + rdma, -(-nvl * total // num_ranks), -(-rdma * total // num_nodes)), unit)
         while n > unit and _covers(_split(n - unit, num_ranks, num_nodes), needs):
             n -= unit
         while not _covers(_split(n, num_ranks, num_nodes), needs):
@@ -552,7 +548,7 @@ class EPBuffer(BufferBase):
         recv_sf = None if sf is None else recv_extra[:, :sf_bytes]
         recv_w = None
         if topk_weights is not None:
-            recv_w = recv_extra[:, _align(sf_bytes, 4):]
+            recv_w = recv_extra[:, align(sf_bytes, 4):]
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, recv_counts=None,
@@ -609,9 +605,9 @@ class EPBuffer(BufferBase):
             if not do_expand:
                 expanded = 0
             elif do_cpu_sync:
-                expanded = int(_align(np.asarray(recv_list, dtype=np.int64), alignment).sum())
+                expanded = int(align(np.asarray(recv_list, dtype=np.int64), alignment).sum())
             else:
-                expanded = _align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
+                expanded = align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
             # the per-source and per-expert fields are set by fill() (expanded layout) or when first read
             handle = EPHandle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
@@ -781,8 +777,8 @@ class EPBuffer(BufferBase):
         handle._expand = (rows_idx, slots, lanes)
         handle._expand_geometry = (counts, starts)  # for the few callers of the blocks and the padding rows
         handle._padding = None  # made when a zero-padding dispatch first asks, then kept for the cached ones
-        align = handle.expert_alignment
-        handle._expanded_used = int(starts[-1]) + _align(int(counts[-1]), align) if counts.numel() else 0
+        alignment = handle.expert_alignment
+        handle._expanded_used = int(starts[-1]) + align(int(counts[-1]), alignment) if counts.numel() else 0
 
     # -- combine ----------------------------------------------------------------------------
     @timed("ep_combine", engine_of)
@@ -948,7 +944,7 @@ class EPBuffer(BufferBase):
     def lb_get_theoretical_num_sms(self) -> int:
         """DeepEP's bandwidth-based SM count for the LB exchanges has no CPU meaning: returns
         :attr:`Buffer.num_sms` (even), accepted for porting (``deep_ep.EPBuffer.lb_get_theoretical_num_sms``)."""
-        return _align(Buffer.num_sms, 2)
+        return align(Buffer.num_sms, 2)
 
     def _lb_call(self, op: str, num_sms, previous_event, check):
         """Run ``check()`` (the local checks) on this rank, agree with the group, return its result."""
@@ -1169,8 +1165,7 @@ def _padding_rows(handle: EPHandle) -> torch.Tensor:
     handle)."""
     if handle._padding is None:
         counts, starts = handle._expand_geometry
-        align = handle.expert_alignment
-        gaps = _align(counts, align) - counts
+        gaps = align(counts, handle.expert_alignment) - counts
         total = int(gaps.sum())
         first_gap = torch.cumsum(gaps, 0) - gaps
         handle._padding = (torch.repeat_interleave(starts + counts - first_gap, gaps) + torch.arange(total) if total
@@ -1185,7 +1180,7 @@ def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
     width = rows.size(1)
     if width % 4 == 0:
         return rows
-    out = torch.zeros(rows.size(0), _align(width, 4), dtype=torch.uint8)
+    out = torch.zeros(rows.size(0), align(width, 4), dtype=torch.uint8)
     out[:, :width] = rows
     return out
 

@@ -53,6 +53,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from ..rounding import ceil_div
 from . import memory
 from .handles import InternodeHandle
 from .layout import recv_channel_prefix, send_layout, to_local_experts
@@ -104,10 +105,6 @@ _ALIGN = 128
 
 def _a8(x: int) -> int:
     return -(-x // 8) * 8
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _offsets(base: int, rows: int, row_fields) -> tuple[list, int]:
@@ -659,7 +656,7 @@ class InternodeEngine:
         call.cursor = [0] + gbl[:-1].tolist()
         call.fwd_src = [[] for _ in range(num_nodes)]
         call.fwd_mask = [[] for _ in range(num_nodes)]
-        return max(1, max(_ceil_div(int(t), per_round) for t in call.ntok))
+        return max(1, max(ceil_div(int(t), per_round) for t in call.ntok))
 
     def _receive_dispatch_blocks(self, call: _DispatchCall, fields, sent: SentRows, vec_bytes, lo, hi) -> None:
         """Hop 2 of a round: this rank's rows from every source, ascending source rank (its own from its own
@@ -757,7 +754,7 @@ class InternodeEngine:
             # Row of each forwarded token inside receiver j's block of this source (-1: not for j).
             call.send_nvl_head[pos:pos + m] = torch.from_numpy(
                 np.where(mask, np.cumsum(mask, 0, dtype=np.int32) - 1, -1).astype(np.int32))
-            per_channel_tokens = max(1, _ceil_div(int(call.ntok[a * per_node + self.local]), num_channels))
+            per_channel_tokens = max(1, ceil_div(int(call.ntok[a * per_node + self.local]), num_channels))
             per_channel = np.bincount(src // per_channel_tokens, minlength=num_channels)[:num_channels]
             call.recv_rdma_channel_prefix_matrix[a] = torch.from_numpy(np.cumsum(per_channel).astype(np.int32))
             pos += m
@@ -788,7 +785,7 @@ class InternodeEngine:
         cursor = starts[:self.num_ranks]
 
         def rounds_of(headers, vecs, per_round):
-            return max(1, max(_ceil_div(int(t), per_round) for t in headers[:, W_NTOK]))
+            return max(1, max(ceil_div(int(t), per_round) for t in headers[:, W_NTOK]))
 
         for _ in self._dispatch_rounds(
                 op=OP_CACHED_DISPATCH, call_id=call_id, words=words, n=n, fields=fields,
@@ -928,7 +925,7 @@ class InternodeEngine:
                 if bad:
                     self._end_round()
                     raise consensus_error(OP_COMBINE, self._settle(OP_COMBINE, call_id, op_call, error, bad, phase))
-                rounds = max(1, _ceil_div(largest, per_round))
+                rounds = max(1, ceil_div(largest, per_round))
                 yield
             if _PH.on:
                 _PH.switch("reduce")

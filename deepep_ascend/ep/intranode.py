@@ -66,6 +66,7 @@ import torch
 from .. import native as _native
 from .. import settings
 from ..native.operands import matrix_ok
+from ..rounding import align, ceil_div
 from ..transports import TransportUnsupported
 from . import memory
 from .handles import IntranodeHandle
@@ -121,14 +122,6 @@ NUM_SLOTS = 3
 _ALIGN = 128
 _POLLS = 2000  # polls of a native wait (a pause each: about 0.1 ms) before the transport's wait_until
 _VIEW_CACHE_ENTRIES = 256  # window slices an engine keeps (IntranodeEngine._view)
-
-
-def _align(x: int) -> int:
-    return -(-x // _ALIGN) * _ALIGN
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rows_from_prefix(prefix: list, nr: int) -> np.ndarray:
@@ -205,17 +198,17 @@ class _Regions:
 
     def __init__(self, half_bytes: int, vec_ints: int, row_fields):
         self.vec_off = HEADER_BYTES
-        self.rows_off = HEADER_BYTES + _align(4 * vec_ints)
+        self.rows_off = HEADER_BYTES + align(4 * vec_ints, _ALIGN)
         self.row_bytes = sum(row_fields)
         self.capacity = max(0, (half_bytes - self.rows_off - _ALIGN * len(row_fields)) // max(1, self.row_bytes))
         self.field_offs, off = [], self.rows_off
         for nbytes in row_fields:
             self.field_offs.append(off)
-            off += _align(self.capacity * nbytes)
+            off += align(self.capacity * nbytes, _ALIGN)
 
     @staticmethod
     def min_half_bytes(vec_ints: int, row_fields, rows: int) -> int:
-        return HEADER_BYTES + _align(4 * vec_ints) + sum(_align(rows * b) for b in row_fields)
+        return HEADER_BYTES + align(4 * vec_ints, _ALIGN) + sum(align(rows * b, _ALIGN) for b in row_fields)
 
 
 def _tokens_by_rank(mask: np.ndarray, nr: int) -> tuple[list[int], torch.Tensor]:
@@ -763,7 +756,7 @@ class IntranodeEngine:
         headers = self._round0(OP_DISPATCH, call_id, words, vec, lambda: stage(0, with_x=not predicted), None, phase)
 
         ntok = headers[:, W_NTOK].tolist()
-        rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
+        rounds = [max(1, ceil_div(t, per_round)) for t in ntok]
         counts, per_expert = self._read_count_vectors(num_experts)  # counts[s][j]: tokens s sends to j
         prefix_np = counts.cumsum(0, dtype=np.int32)
         prefix = prefix_np.tolist()  # the rank prefix matrix as lists: read entry by entry below
@@ -984,7 +977,7 @@ class IntranodeEngine:
                                phase)
         self._check_counts(prefix, phase)
         ntok = headers[:, W_NTOK].tolist()
-        rounds = [max(1, _ceil_div(t, per_round)) for t in ntok]
+        rounds = [max(1, ceil_div(t, per_round)) for t in ntok]
         direct = self._send_x(self._x_path(headers, prefix, max(rounds) == 1, predicted, x.shape[1]), prefix,
                               predicted, x, handle.is_token_in_rank, lambda: stage(0, only_x=True), phase)
         src = recv_src_idx[:num_recv].to(torch.int64)
@@ -1087,7 +1080,7 @@ class IntranodeEngine:
         phase = f"combine call #{call_id}"
         # stage() writes the per-origin row counts; each origin checks its count against its handle.
         headers = self._round0(OP_COMBINE, call_id, words, None, lambda: stage(0), None, phase)
-        num_rounds = max(1, max(_ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
+        num_rounds = max(1, max(ceil_div(t, per_round) for t in headers[:, W_NTOK].tolist()))
         read = [0] * nr  # rows of each rank's x read so far by this origin (x read in place)
         native = self._plan is not None and self._native_combine_ok(x, topk_weights, bias, handle, order)
         # x is the caller's again once no peer reads it (peers have rows of it unless all are this rank's own)

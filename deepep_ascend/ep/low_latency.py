@@ -12,14 +12,14 @@ Windows (each rank's segment is node-shared, and world-exposed for RMA with seve
   ``(M, H, E)`` lays a half out exactly as docs/semantics/deepep-api.md §6.8 sizes it, with ``S = ceil(H/128)``,
   ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``:
 
-  ``[sig: align_up(4E, 128) | send: max(M·d, E·M·c) | recv: E·M·max(d, c)]``
+  ``[sig: align(4E, 128) | send: max(M·d, E·M·c) | recv: E·M·max(d, c)]``
 
   - *sig*: int32 counts ``[R sources][L local experts]``, each row written by its source;
   - *send*: dispatch: this rank's messages ``[N, d]`` (the FP8 cast done once per token);
     combine: the zero-copy buffer, bf16 ``[L, R·M, H]`` contiguous
     (:meth:`LowLatencyEngine.combine_buffer`);
   - *recv*: dispatch (pushed rows, the torch path; ``Layout.indexed_ok``, flag ``F_INDEXED``): an int32 index
-    table ``[L, R, M]``, then from ``index_bytes = align_up(4·E·M, 64)`` a slot per (source ``s``, token ``t``)
+    table ``[L, R, M]``, then from ``index_bytes = align(4·E·M, 64)`` a slot per (source ``s``, token ``t``)
     at ``index_bytes + (s·M + t)·m``, ``m`` = this call's message size (``<= d``): ``s`` writes each token it
     sends here once, and for the ``i``-th pair of local expert ``e`` the token at ``(e·R + s)·M + i`` of the
     table (fits when ``E > R`` but for tiny calls; where it does not, as with ``E == R``, whose tokens meet each
@@ -101,6 +101,7 @@ from ..gemm.logfmt import (
 from ..gemm.scales import pack_ue8m0_to_int
 from ..native.operands import mark_written
 from ..ordering import stable_argsort
+from ..rounding import align
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
@@ -127,24 +128,20 @@ F_FP8, F_UE8M0, F_LOGFMT, F_PULL, F_INDEXED = 1, 2, 4, 8, 16
 QP_DEPTH = 1024
 
 
-def align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
 def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """docs/semantics/deepep-api.md §6.8, exactly:
     bytes of ``num_rdma_bytes`` a call with ``(M, H, E)`` needs (``R`` unused).
 
     ``S = ceil(H/128)`` (= ``H/128`` for DeepEP's sizes), ``d = 16 + max(2H, H + 4S)``,
     ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
-    ``sig = align_up(4E, 128)``; ``total = 2(send + recv + sig)``; ``(total // 128 + 1)·128``.
+    ``sig = align(4E, 128)``; ``total = 2(send + recv + sig)``; ``(total // 128 + 1)·128``.
     """
     s = -(-hidden // 128)
     d = 16 + max(2 * hidden, hidden + 4 * s)
     c = 4 * s + 2 * hidden
     send = max(m * d, num_experts * m * c)
     recv = num_experts * m * max(d, c)
-    sig = align_up(4 * num_experts, 128)
+    sig = align(4 * num_experts, 128)
     total = 2 * (send + recv + sig)
     return (total // 128 + 1) * 128
 
@@ -158,14 +155,14 @@ class Layout:
         self.S = -(-hidden // 128)
         self.d = MSG_HEADER + max(2 * hidden, hidden + 4 * self.S)
         self.c = 4 * self.S + 2 * hidden
-        self.sig = align_up(4 * num_experts, 128)
+        self.sig = align(4 * num_experts, 128)
         self.send_off = self.sig
         self.recv_off = self.sig + max(m * self.d, num_experts * m * self.c)
         self.end = self.recv_off + num_experts * m * max(self.d, self.c)
         # A zero-copy combine's published layout_range, after the [L, R·M, H] rows in the send region (whose
         # E·M·c bytes leave E·M·4S past them): room for 8E bytes when M·S >= 2, but int64 words need an 8-byte
         # boundary, which odd sizes push past the region when M·S == 2 (E·M·H % 4 != 0).
-        self.pull_off = self.send_off + align_up(num_experts * m * 2 * hidden, 8)
+        self.pull_off = self.send_off + align(num_experts * m * 2 * hidden, 8)
         self.can_pull = m * self.S >= 2 and self.pull_off + 8 * num_experts <= self.recv_off
         # The native kernels view the recv region as int32 (the dispatch's index table): odd sizes (tiny or odd H,
         # when M·d outgrows E·M·c) leave it off a 4-byte boundary, and such calls take the torch path.
@@ -173,7 +170,7 @@ class Layout:
         # The torch path's indexed dispatch: the index table, then M messages per source (each token once per
         # destination rank, whatever number of its experts live there). It fits but where E == R (one expert per
         # rank: a token goes to a rank once anyway) or the call is tiny; the fixed slots serve those.
-        self.index_bytes = align_up(4 * num_experts * m, 64)
+        self.index_bytes = align(4 * num_experts * m, 64)
         self.indexed_ok = (self.native_ok
                            and self.index_bytes + num_ranks * m * self.d <= num_experts * m * max(self.d, self.c))
         # LogFMT combine (H % 128 == 0): [meta E·M·4S | body E·M·160S | tail E·M·S·96] = E·M·c bytes.

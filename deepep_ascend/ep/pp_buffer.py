@@ -16,6 +16,7 @@ import itertools
 
 import torch
 
+from ..rounding import align
 from ..transports import ChannelKind, create_transport
 from .allocator import BufferBase
 from .arguments import is_int, sl_idx_problem
@@ -30,10 +31,6 @@ _SLOT_ARRIVAL = 0  # signal slot on the receiver: tensors a source has written i
 _SLOT_RELEASE = 1  # signal slot on the sender: tensors the receiver has copied out (slots free again)
 _HEADER_WORDS = 2  # int64 per receive slot: payload bytes, sequence number (1-based) of the tensor
 _IDS = itertools.count()
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 class PPBuffer(BufferBase):
@@ -95,10 +92,10 @@ class PPBuffer(BufferBase):
             None if deadline_error else deadline)
         self.num_max_tensor_bytes = num_max_tensor_bytes
         self.num_max_inflight_tensors = num_max_inflight_tensors
-        self.num_slot_bytes = _align(num_max_tensor_bytes, _SLOT_ALIGNMENT)
+        self.num_slot_bytes = align(num_max_tensor_bytes, _SLOT_ALIGNMENT)
         num_slots = 2 * num_max_inflight_tensors
         self._payload_bytes = num_slots * self.num_slot_bytes
-        self._header_bytes = _align(num_slots * _HEADER_WORDS * 8, _SLOT_ALIGNMENT)
+        self._header_bytes = align(num_slots * _HEADER_WORDS * 8, _SLOT_ALIGNMENT)
         self.runtime = create_transport(comm, ranks_per_node=ranks_per_node, timeout_s=deadline)
         try:
             self._win = self.runtime.create_window("pp", self._payload_bytes + self._header_bytes, 2)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..rounding import align, ceil_div
 from .arguments import FLOAT_DTYPES, check_gran, check_tensor
 
 __all__ = [
@@ -56,16 +57,6 @@ AMAX_FLOOR = 1e-4
 _UE8M0_PAD_BYTE = 127  # upstream pads packed groups with 1.0
 #: dtypes of packed UE8M0 scales: int32 (four bytes per word), int16 (pairs) and uint8 (one byte each).
 UE8M0_INT_DTYPES = (torch.int32, torch.int16, torch.uint8)
-
-
-def ceil_div(x: int, y: int) -> int:
-    """``ceil(x / y)`` for non-negative ints."""
-    return (x + y - 1) // y
-
-
-def align(x: int, y: int) -> int:
-    """Smallest multiple of ``y`` that is ``>= x``."""
-    return ceil_div(x, y) * y
 
 
 def get_tma_aligned_size(mn: int, element_size: int) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..gemm import fp8 as _fp8
-from ..gemm.scales import UE8M0_INT_DTYPES, align, ceil_div
+from ..gemm.scales import UE8M0_INT_DTYPES
+from ..rounding import align, ceil_div
 
 __all__ = ["align", "calc_diff", "ceil_div", "count_bytes", "create_grouped_scores", "hash_tensor", "hash_tensors",
            "inplace_unique", "per_token_cast_back", "per_token_cast_to_fp8", "safe_div"]

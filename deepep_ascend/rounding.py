@@ -1,0 +1,21 @@
+"""Integer rounding: how many blocks of a size hold a count, and a count rounded up to a multiple of a size.
+
+A leaf (it imports nothing), shared by every room that sizes windows, regions, segments and padded layouts:
+the EP room's buffers and engines, DeepGEMM's scale layouts, ``deep_ep.utils.math``'s ``align`` / ``ceil_div``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["align", "ceil_div"]
+
+
+def ceil_div(x, y: int):
+    """``ceil(x / y)`` for an int ``x`` (or an integer tensor or array, elementwise) and an int ``y >= 1``:
+    DeepEP's and DeepGEMM's ``ceil_div``. Exact for every integer ``x``, negative ones too."""
+    return -(-x // y)
+
+
+def align(x, y: int):
+    """The smallest multiple of ``y`` that is ``>= x`` (``ceil_div(x, y) * y``): DeepEP's and DeepGEMM's
+    ``align``; ``x`` an int or an integer tensor or array (elementwise), ``y`` an int ``>= 1``."""
+    return -(-x // y) * y

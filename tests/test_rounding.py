@@ -1,0 +1,36 @@
+"""``deepep_ascend.rounding``: ``ceil_div`` and ``align`` against exact rational arithmetic, on ints (negative
+ones too) and elementwise on integer tensors and arrays; the names DeepEP's and DeepGEMM's APIs export are these."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from deepep_ascend.rounding import align, ceil_div
+
+
+def test_ceil_div_and_align_are_exact_for_every_int():
+    for y in (1, 2, 3, 7, 64, 128, 4096):
+        for x in [*range(-300, 301), 2**62 + 1, -(2**62) - 1, 10**30 + 7]:
+            q = math.ceil(Fraction(x, y))
+            assert ceil_div(x, y) == q, (x, y)
+            assert align(x, y) == q * y and align(x, y) >= x > align(x, y) - y, (x, y)
+
+
+def test_elementwise_on_integer_tensors_and_arrays():
+    x = torch.arange(-1000, 1000, dtype=torch.int64)
+    for y in (1, 5, 128):
+        want = torch.tensor([math.ceil(Fraction(int(v), y)) for v in x])
+        assert torch.equal(ceil_div(x, y), want) and torch.equal(align(x, y), want * y)
+        assert np.array_equal(align(x.numpy(), y), (want * y).numpy())
+
+
+def test_the_exported_helpers_are_these():
+    from deepep_ascend.gemm import scales
+    from deepep_ascend.utils import math as ep_math
+
+    assert scales.ceil_div is ep_math.ceil_div is ceil_div
+    assert scales.align is ep_math.align is align
