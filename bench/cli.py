@@ -32,36 +32,32 @@ import sys
 from collections.abc import Callable
 
 
-def int_at_least(lo: int):
-    """argparse ``type=``: an int >= ``lo``, else argparse's usage error (exit 2) on every rank."""
+def _at_least(kind: type, lo):
+    """argparse ``type=``: a finite ``kind`` (int or float) >= ``lo``, else argparse's usage error (exit 2) on
+    every rank."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not lo <= value < float("inf"):  # (a NaN fails the first comparison)
+            finite = " and finite" if kind is float else ""
+            raise argparse.ArgumentTypeError(f"must be >= {lo}{finite}, got {text}")
         return value
 
-    parse.__name__ = f"int >= {lo}"
+    parse.__name__ = f"{kind.__name__} >= {lo}"
     return parse
+
+
+def int_at_least(lo: int):
+    """argparse ``type=``: an int >= ``lo``, else argparse's usage error (exit 2) on every rank."""
+    return _at_least(int, lo)
 
 
 def float_at_least(lo: float):
     """argparse ``type=``: a finite float >= ``lo``, else argparse's usage error (exit 2) on every rank."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-        if not lo <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {text}")
-        return value
-
-    parse.__name__ = f"float >= {lo}"
-    return parse
+    return _at_least(float, lo)
 
 
 def int_list(lo: int):
