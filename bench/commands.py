@@ -102,10 +102,9 @@ def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     if check is not None:
         check(p, args)
     check_job(p, args, num_ranks)
-    if hasattr(args, "warmup_s"):
-        from bench import timing
+    from bench import timing
 
-        timing.MIN_WARMUP_S = args.warmup_s
+    timing.MIN_WARMUP_S = getattr(args, "warmup_s", timing.DEFAULT_WARMUP_S)  # never the last command's
     args._argv = argv
     return args
 

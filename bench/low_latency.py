@@ -173,7 +173,7 @@ def run(args) -> int:
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
                           fingerprint=comm_fingerprint(wl, comm))}
-    st = {}
+    st = {"dispatches": 0}
 
     def experts(recv_x, recv_count, handle):
         """Identity experts; FP8 rows cast back to BF16 (only the valid rows: the rest is padding). With
@@ -192,6 +192,7 @@ def run(args) -> int:
 
     def dispatch():
         st["d"] = buf.low_latency_dispatch(wl.x, wl.topk_idx, N, E, use_fp8=fp8)
+        st["dispatches"] += 1
 
     def make_y():
         st["y"] = experts(st["d"][0], st["d"][1], st["d"][2])
@@ -207,10 +208,10 @@ def run(args) -> int:
     bound = (9e-4 if fp8 else 1e-5) + (LOGFMT_CALC_DIFF if args.logfmt else 0.0)
     out["check"] = dict(calc_diff=diff, bound=bound, ok=diff < bound)
 
-    before = buf.runtime.stats.snapshot()
+    before, st["dispatches"] = buf.runtime.stats.snapshot(), 0  # the calls the traffic below comes from
     t = time_phases([("dispatch", dispatch), (None, make_y), ("combine", combine)], comm, args.iters, args.warmup)
     moved = LinkStats.bytes_by_kind(LinkStats.diff(buf.runtime.stats.snapshot(), before))
-    calls = args.iters + args.warmup
+    calls = st["dispatches"]  # round trips counted, the warm-up's included (it runs for --warmup-s too)
     t["round_trip"] = t["dispatch"] + t["combine"]
 
     # Hook mode: the send / receive split.

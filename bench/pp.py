@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench import cli, schema
-from bench.timing import Timing, gc_paused
+from bench.timing import Timing, gc_paused, warm_up
 
 SYSTEMS = ("pp", "mpi", "gloo")
 
@@ -107,23 +107,29 @@ def _gloo_step(nxt, prv) -> _Step:
 
 
 def _time_step(step: _Step, comm, sends, outs, hide: bool, iters: int, warmup: int) -> tuple[Timing, Timing]:
-    """Per-call send and recv times (max over ranks per iteration) of ``warmup + iters`` ring steps."""
+    """Per-call send and recv times (max over ranks per iteration) of ``iters`` ring steps, after the warm-up's
+    (:func:`bench.timing.warm_up`: ``warmup`` steps, and on for ``--warmup-s`` seconds)."""
     from mpi4py import MPI
 
     local = np.zeros((2, iters))
-    with gc_paused():
-        for it in range(warmup + iters):
+
+    def ring_step(it: int | None) -> None:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        step.send(sends)
+        t1 = time.perf_counter()
+        if hide:  # every transfer landed before the receives start (DeepEP sleeps instead)
             comm.Barrier()
-            t0 = time.perf_counter()
-            step.send(sends)
-            t1 = time.perf_counter()
-            if hide:  # every transfer landed before the receives start (DeepEP sleeps instead)
-                comm.Barrier()
-            t2 = time.perf_counter()
-            step.recv(outs)
-            t3 = time.perf_counter()
-            if it >= warmup:
-                local[:, it - warmup] = ((t1 - t0) / len(sends), (t3 - t2) / len(sends))
+        t2 = time.perf_counter()
+        step.recv(outs)
+        t3 = time.perf_counter()
+        if it is not None:
+            local[:, it] = ((t1 - t0) / len(sends), (t3 - t2) / len(sends))
+
+    with gc_paused():
+        warm_up(lambda: ring_step(None), comm, warmup)
+        for it in range(iters):
+            ring_step(it)
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return Timing(glob[0].tolist()), Timing(glob[1].tolist())

@@ -51,7 +51,7 @@ MEGA_MOE_COLUMNS = ["fused_s", "fused_bytes", "fused_gbps", "fused_cross_rank_by
 
 CONFIG_FIELDS = ["mode", "ranks", "ranks_per_node", "nodes", "tokens", "hidden", "inter", "num_topk", "num_experts",
                  "dtype",
-                 "iters", "warmup", "seed", "peers", "link_profile", "link_emulation", "link_scale"]
+                 "iters", "warmup", "warmup_s", "seed", "peers", "link_profile", "link_emulation", "link_scale"]
 COLUMNS = (
     ["config_key"] + CONFIG_FIELDS
     + ["status", "error", "returncode", "wall_s", "fingerprint", "version", "git_commit", "hostname", "timestamp",

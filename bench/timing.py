@@ -189,13 +189,17 @@ def time_collective(fn: Callable[[], Any], comm, iters: int, warmup: int) -> Tim
     return time_phases([("op", fn)], comm, iters, warmup)["op"]
 
 
-def interleaved_medians_ms(fns: Sequence[Callable[[], Any]], iters: int, warmup: int = 1) -> list:
-    """Median milliseconds of each of ``fns`` over ``iters`` calls, timed in alternation after
-    ``warmup`` untimed calls each (one process, no barrier), so that the host's drift during the
-    run hits every function alike."""
-    for _ in range(warmup):
+def interleaved_medians_ms(fns: Sequence[Callable[[], Any]], iters: int, warmup: int = 1,
+                           min_seconds: float | None = None) -> list:
+    """Median milliseconds of each of ``fns`` over ``iters`` calls, timed in alternation after untimed
+    rounds of all of them (at least ``warmup``, and on for ``min_seconds``, default :data:`MIN_WARMUP_S`; one
+    process, no barrier), so that the host's drift during the run hits every function alike."""
+    min_seconds = MIN_WARMUP_S if min_seconds is None else min_seconds
+    start, rounds = time.perf_counter(), 0
+    while rounds < warmup or (time.perf_counter() - start < min_seconds and fns):
         for fn in fns:
             fn()
+        rounds += 1
     times = [[] for _ in fns]
     for _ in range(iters):
         for fn, ts in zip(fns, times):

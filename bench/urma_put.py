@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench import cli, schema
-from bench.timing import Timing
+from bench.timing import Timing, warm_up
 
 
 def add_arguments(p) -> None:
@@ -44,20 +44,26 @@ def run(args) -> int:
     exposure = URMA_EXPOSURE.get()  # as the transport reads it
     r = comm.Get_rank()
     tp = create_transport(comm, ranks_per_node=1)
-    win = tp.create_window("bench", args.bytes, 1)
+    held = {"win": tp.create_window("bench", args.bytes, 1)}  # dropped before tp.destroy()
     src = torch.ones(args.bytes, dtype=torch.uint8)
-    times = []
-    for i in range(args.iters + args.warmup):
+    times, puts = [], [0]
+
+    def put() -> None:
         comm.Barrier()
+        puts[0] += 1
         if r == 0:
             t = time.perf_counter()
-            tp.put_with_signal(win, 1, 0, src, 0)
+            tp.put_with_signal(held["win"], 1, 0, src, 0)
             times.append(time.perf_counter() - t)
         else:
-            tp.wait_until(win, 0, [0], i + 1, phase="bench")
+            tp.wait_until(held["win"], 0, [0], puts[0], phase="bench")
+
+    warm_up(put, comm, args.warmup)  # --warmup puts, and on for --warmup-s seconds
+    del times[:]
+    for _ in range(args.iters):
+        put()
     comm.Barrier()
     if r == 0:
-        times = times[args.warmup:]
         med = statistics.median(times)
         print(f"[urma_put] exposure {exposure} | "
               f"{args.bytes} B x {args.iters} | median {med * 1e3:.3f} ms (min {min(times) * 1e3:.3f}) | "
@@ -68,7 +74,7 @@ def run(args) -> int:
                 results=[schema.result("urma/put_with_signal", None, timing=Timing(times), nbytes=args.bytes,
                                        formula="payload of one put")],
                 checks=dict(ok=True), details=dict(exposure=exposure, timed_on="rank 0 (the origin)")))
-    del win
+    held.clear()
     tp.destroy()
     return 0
 

@@ -101,6 +101,7 @@ from bench.sweep_records import (  # noqa: E402,F401  (the record I/O, used here
     write_record,
     write_results,
 )
+from bench.timing import DEFAULT_WARMUP_S  # noqa: E402
 
 # mode -> python -m bench <command>
 COMMANDS = {"normal": "normal", "low_latency": "low-latency", "mega_moe": "mega-moe"}
@@ -185,6 +186,7 @@ class Config:
     iters: int
     warmup: int
     seed: int = 0
+    warmup_s: float = DEFAULT_WARMUP_S
     peers: bool = True
     link_profile: str | None = DEFAULT_LINK_PROFILE
     link_emulation: str | None = None
@@ -202,7 +204,7 @@ class Config:
         mm = self.mode == "mega_moe"
         k = (f"{self.mode}-R{self.ranks}-{topo}-T{self.tokens}-H{self.hidden}" + (f"-I{self.inter}" if mm else "")
              + f"-K{self.num_topk}-E{self.num_experts}-{MMA.get(self.dtype, self.dtype) if mm else self.dtype}"
-             f"-it{self.iters}w{self.warmup}-s{self.seed}")
+             f"-it{self.iters}w{self.warmup}ws{self.warmup_s:g}-s{self.seed}")
         if not self.peers and not mm:  # mega_moe has no peers to skip
             k += "-nopeers"
         k += f"-proj_{self.link_profile or 'none'}"
@@ -248,7 +250,8 @@ class Config:
         """The benchmark's command-line options (``supported``: the options its ``--help`` lists), in the
         benchmarks' one vocabulary (``bench.cli``)."""
         a = ["--json", json_path, "--num-tokens", self.tokens, "--hidden", self.hidden, "--num-topk", self.num_topk,
-             "--num-experts", self.num_experts, "--iters", self.iters, "--warmup", self.warmup, "--seed", self.seed]
+             "--num-experts", self.num_experts, "--iters", self.iters, "--warmup", self.warmup, "--warmup-s",
+             self.warmup_s, "--seed", self.seed]
         if self.mode == "mega_moe":
             a += ["--inter", self.inter, "--mma", self.dtype]
         if self.ranks_per_node:
@@ -509,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="same as --dtype bf16")
     p.add_argument("--iters", type=int, help="timed iterations per run (default: the preset's)")
     p.add_argument("--warmup", type=int, help="untimed iterations first (default: the preset's)")
+    p.add_argument("--warmup-s", type=cli.float_at_least(0.0), default=DEFAULT_WARMUP_S,
+                   help=f"and untimed for at least this many seconds (default {DEFAULT_WARMUP_S}; the benchmarks' "
+                        f"--warmup-s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--no-peers", action="store_true",
                    help="skip the MPI / gloo peer pipelines (faster; mega_moe has none)")
@@ -595,7 +601,7 @@ def parse_args(argv=None):
             d = dict(zip(AXES, vals))
             if d["ranks_per_node"] is not None and d["ranks_per_node"] == d["ranks"]:
                 d["ranks_per_node"] = None  # a node of all ranks is the one-node case
-            cfg = Config(mode=m, iters=a.iters, warmup=a.warmup, seed=a.seed,
+            cfg = Config(mode=m, iters=a.iters, warmup=a.warmup, warmup_s=a.warmup_s, seed=a.seed,
                          peers=not a.no_peers and m != "mega_moe",
                          link_profile=a.link_profile,
                          link_emulation=None if a.link_emulation == "none" else a.link_emulation,

@@ -1,5 +1,6 @@
 """``deepep_ascend.rounding``: ``ceil_div`` and ``align`` against exact rational arithmetic, on ints (negative
-ones too) and elementwise on integer tensors and arrays; the names DeepEP's and DeepGEMM's APIs export are these."""
+ones too) and elementwise on signed and unsigned integer tensors and arrays; the names DeepEP's and DeepGEMM's APIs
+export are these."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def test_elementwise_on_integer_tensors_and_arrays():
         want = torch.tensor([math.ceil(Fraction(int(v), y)) for v in x])
         assert torch.equal(ceil_div(x, y), want) and torch.equal(align(x, y), want * y)
         assert np.array_equal(align(x.numpy(), y), (want * y).numpy())
+
+
+def test_unsigned_dtypes_where_x_plus_y_minus_1_fits():
+    for y in (1, 8, 64):
+        values = [v for v in range(256) if v + y - 1 < 256]
+        want = [math.ceil(Fraction(v, y)) for v in values]
+        got = ceil_div(torch.tensor(values, dtype=torch.uint8), y)
+        assert got.dtype == torch.uint8 and got.tolist() == want
+        for dt in (np.uint8, np.uint32, np.uint64):
+            arr = np.array(values, dtype=dt)
+            assert ceil_div(arr, dt(y)).tolist() == want and align(arr, dt(y)).tolist() == [w * y for w in want]
 
 
 def test_the_exported_helpers_are_these():

@@ -556,3 +556,38 @@ def test_native_split_lines_say_when_there_is_nothing_native(monkeypatch):
     assert split_lines({}) == ["[native] no library call ran (--systems): nothing to split"]
     monkeypatch.setattr(native, "available", lambda: False)
     assert split_lines(table)[0].startswith("[native] the native kernels are not loaded")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(300)
+@ONE_RANK
+def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(out_dir):
+    """``low-latency`` and ``engram`` report the bytes one call moves (traffic counted over the whole loop, divided
+    by the calls): the same workload gives the same bytes per call whether the warm-up ran its ``--warmup`` calls
+    alone or on for ``--warmup-s`` seconds, many more calls."""
+    from bench.internals import mpiexec_path
+
+    mpiexec = mpiexec_path() or "mpiexec"
+    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
+    per_call = {}
+    for command, key in (("low-latency", "moved_by_kind_per_rank"), ("engram", "moved_per_fetch")):
+        for seconds in ("0", "0.4"):
+            path = os.path.join(out_dir, f"{command}-warm{seconds}.json")
+            argv = [a for a in COLLECTIVE[command] if a not in ("--warmup-s", "0")] + ["--warmup-s", seconds,
+                                                                                     "--json", path]
+            if command == "low-latency":
+                argv += ["--no-baselines"]
+            rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
+                                        REPO_ROOT, env, 240)
+            assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
+            with open(path) as f:
+                det = json.load(f)["details"]
+            if command == "low-latency":
+                b = det["bytes"]
+                assert (b["calls"] == 3) == (seconds == "0"), b["calls"]  # --iters 2 --warmup 1, or more calls
+                per_call[command, seconds] = [{k: v / b["calls"] for k, v in r.items()} for r in b[key]]
+            else:
+                per_call[command, seconds] = det[key]
+        assert per_call[command, "0"] == per_call[command, "0.4"], (command, per_call)
+        assert any(v for r in (per_call[command, "0"] if command == "low-latency" else [per_call[command, "0"]])
+                   for v in r.values()), per_call  # something moved

@@ -170,7 +170,7 @@ def test_keys_resume_and_result_files(out_tmp):
     again, _ = sw.parse_args(["--preset", "smoke", "--out", str(tmp_path)])
     assert [c.key for c in again.configs] == [c.key for c in a.configs]  # stable across invocations
     c0, c1 = a.configs
-    assert c0.key == "normal-R2-1node-T64-H256-K2-E8-bf16-it3w1-s0-proj_ascend950"
+    assert c0.key == "normal-R2-1node-T64-H256-K2-E8-bf16-it3w1ws0.25-s0-proj_ascend950"
     prov = dict(version="0.1.0", git_commit="abc", hostname="h")
 
     ok = sw.make_row(c0, _fake_normal_doc(), 0, "", 1.0, prov)
@@ -382,7 +382,7 @@ def test_mega_moe_row_from_recorded_json():
     sw = _module()
     doc = MEGA_MOE_DOC
     cfg = _mega_moe_config(sw)
-    assert cfg.key == "mega_moe-R2-1node-T128-H256-I128-K4-E16-fp8xfp4-it2w1-s0-proj_ascend950"
+    assert cfg.key == "mega_moe-R2-1node-T128-H256-I128-K4-E16-fp8xfp4-it2w1ws0.25-s0-proj_ascend950"
     row = sw.make_row(cfg, doc, 0, "", 1.0, PROV)
     assert row["status"] == "ok" and row["error"] is None, row
     assert row["mode"] == "mega_moe" and row["inter"] == 128 and row["dtype"] == "fp8" and row["peers"] is False
