@@ -93,7 +93,7 @@ SHARED = {
     "iters": ("--iters", dict(metavar="N"), "timed iterations"),
     "warmup": ("--warmup", dict(metavar="N"), "untimed iterations first"),
     "warmup_s": ("--warmup-s", dict(type=float_at_least(0.0), metavar="SECONDS"),
-                 "and untimed for at least this long (each system; docs/benchmarks.md, \"Warm-up\")"),
+                 "and untimed for at least this long (each system; docs/benchmarks.md, \"How timing works\")"),
     "seed": ("--seed", dict(type=int, metavar="S"), "input seed"),
     "json": ("--json", dict(metavar="FILE"), "write the results as JSON (schema deepep_ascend.bench/1, "
                                              "bench/schema.py; rank 0)"),

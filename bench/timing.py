@@ -60,9 +60,8 @@ Phase = tuple  # (name or None, fn): None = untimed step (no barrier), e.g. book
 
 #: ``--warmup-s``'s default: the least wall time, in seconds, that :func:`time_phases` and :func:`time_loops` run
 #: a system untimed before timing it, beyond their ``warmup`` iterations. On the host measured, a system's calls
-#: run slower for their first tens of milliseconds of activity (after start-up or a pause), the longer the less
-#: steadily they keep memory busy; a count of iterations alone leaves a fast system inside that ramp while a slow
-#: one is past it (docs/benchmarks.md, "Warm-up").
+#: run slower for their first tens of milliseconds of activity (after start-up or a pause); a count of iterations
+#: alone leaves a fast system inside that ramp while a slow one is past it (docs/benchmarks.md, "How timing works").
 DEFAULT_WARMUP_S = 0.25
 #: The value in force: a command's ``--warmup-s`` (:func:`bench.commands.parse` sets it).
 MIN_WARMUP_S = DEFAULT_WARMUP_S
