@@ -24,7 +24,7 @@ from tests.support.mpi_utils import child_env, run_child_command, world
 
 ONE_RANK = pytest.mark.skipif(world().Get_size() != 1, reason="launches its own jobs; runs in the 1-rank job only")
 
-# tiny sizes, few iterations, no timed warm-up (bench.timing.warm_up has its own test): seconds each on 2 cores
+# tiny sizes, few iterations, no timed warm-up (bench.timing.warm_up has its own tests): seconds each on 2 cores
 COLLECTIVE = {
     "normal": ["--num-tokens", "64", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
                "--warmup", "1", "--warmup-s", "0", "--no-progress"],
@@ -48,12 +48,14 @@ COLLECTIVE = {
              "--report-every", "8", "--no-progress"],
 }
 ONE_PROCESS = {
-    "grouped-gemm": ["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3"],
-    "combine-sum": ["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1", "--sources", "3"],
-    "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3"],
-    "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1"],
-    "sort": ["--sizes", "5,300,70000", "--num-experts", "40000", "--iters", "1", "--warmup", "0"],
-    "alloc": ["--mbytes", "1", "--iters", "1"],
+    "grouped-gemm": ["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3", "--warmup-s", "0"],
+    "combine-sum": ["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1", "--sources", "3",
+                    "--warmup-s", "0"],
+    "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3", "--warmup-s", "0"],
+    "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1", "--warmup-s", "0"],
+    "sort": ["--sizes", "5,300,70000", "--num-experts", "40000", "--iters", "1", "--warmup", "0", "--warmup-s",
+             "0"],
+    "alloc": ["--mbytes", "1", "--iters", "1", "--warmup-s", "0"],
 }
 
 
@@ -277,7 +279,8 @@ def _tiny_expanded_ep(out_dir, name: str, *extra: str) -> tuple[dict, str]:
 
     path = os.path.join(out_dir, name)
     argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
-            "--warmup", "1", "--no-progress", "--expand", "--expert-alignment", "4", *extra, "--json", path]
+            "--warmup", "1", "--warmup-s", "0", "--no-progress", "--expand", "--expert-alignment", "4", *extra,
+            "--json", path]
     rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
                                 REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
     assert rc == 0, out[-3000:]
@@ -505,7 +508,7 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
         _check_native_split(doc["details"]["native_split"], list(ops), doc["params"]["iters"], out)
     path = os.path.join(out_dir, "overhead-split.json")
     argv = ["--num-tokens-list", "1", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-            "--warmup", "1", "--systems", "low_latency,normal,ep", "--native-split", "--json", path]
+            "--warmup", "1", "--warmup-s", "0", "--systems", "low_latency,normal,ep", "--native-split", "--json", path]
     rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", "overhead", *argv], REPO_ROOT,
                                 env, 300)
     assert rc == 0, f"overhead exited {rc}:\n{out[-3000:]}"

@@ -20,7 +20,7 @@ from tests.support.mpi_utils import world
 
 ONE_RANK = pytest.mark.skipif(world().Get_size() != 1, reason="runs the benchmark in this process, at 1 rank")
 ARGV = ["--num-tokens", "32", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-        "--warmup", "1", "--no-progress"]
+        "--warmup", "1", "--warmup-s", "0", "--no-progress"]
 
 
 def _broken(run):
@@ -168,7 +168,7 @@ def test_peer_returning_zeros_is_left_out(command, argv, breaker, out_dir, monke
     # the full collection before each timed block (0.2 s in a pytest process) is beside the point here
     monkeypatch.setattr(bench.timing.gc, "collect", lambda *a, **k: 0)
     path = os.path.join(out_dir, f"{command}.json")
-    rc = module.main(argv + ["--iters", "1", "--warmup", "0", "--json", path])
+    rc = module.main(argv + ["--iters", "1", "--warmup", "0", "--warmup-s", "0", "--json", path])
     out = capsys.readouterr().out
     assert rc == 1, out
     with open(path) as f:

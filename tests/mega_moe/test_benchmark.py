@@ -21,7 +21,8 @@ def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
     from bench import mega_moe as bench
 
     path = comm.bcast(str(tmp_path / "mega_moe.json"), root=0)
-    rc = coll(bench.main, ["--preset", "tiny", "--iters", "1", "--warmup", "1", "--threads", "1", "--json", path],
+    rc = coll(bench.main, ["--preset", "tiny", "--iters", "1", "--warmup", "1", "--warmup-s", "0", "--threads", "1",
+                          "--json", path],
               what="bench mega-moe")
     ok = rc == 0
     if comm.rank == 0:
