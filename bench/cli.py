@@ -172,6 +172,11 @@ def check_job(p: argparse.ArgumentParser, a: argparse.Namespace, num_ranks: int 
             p.error(f"{flag} {path}: directory {folder} does not exist or is not writable")
 
 
+def warmup_text(args: argparse.Namespace) -> str:
+    """How a command's systems warmed up, for its ``[config]`` line: ``"+N warmup, >= S s"``."""
+    return f"+{args.warmup} warmup, >= {args.warmup_s:g} s"
+
+
 def shared_flags() -> list[str]:
     """Every shared flag, in :data:`SHARED`'s order, then the link-model flags."""
     return [flag for flag, _, _ in SHARED.values()] + list(LINK_FLAGS)

@@ -86,8 +86,10 @@ def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     against the job's ranks (:func:`bench.cli.check_job`) included; ``args._argv`` keeps the arguments and
     ``--warmup-s`` becomes :data:`bench.timing.MIN_WARMUP_S`.
     argparse's usage error (exit 2) on bad values, printed by rank 0 of a collective command only."""
+    from bench import timing
     from bench.cli import check_job
 
+    timing.MIN_WARMUP_S = timing.DEFAULT_WARMUP_S  # never the last command's, even when this parse fails
     argv = list(sys.argv[2:] if argv is None else argv)
     p = parser(name)
     num_ranks = None
@@ -102,9 +104,7 @@ def parse(name: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     if check is not None:
         check(p, args)
     check_job(p, args, num_ranks)
-    from bench import timing
-
-    timing.MIN_WARMUP_S = getattr(args, "warmup_s", timing.DEFAULT_WARMUP_S)  # never the last command's
+    timing.MIN_WARMUP_S = getattr(args, "warmup_s", timing.DEFAULT_WARMUP_S)
     args._argv = argv
     return args
 

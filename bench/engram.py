@@ -225,7 +225,7 @@ def run(args) -> int:
         print(f"[config]   ranks {R} ({R // rpn} node(s) x {rpn}) | entries/rank per layer {entries} | hidden {hidden} "
               f"{'FP8 + float32 scales' if args.use_fp8 else 'BF16'} | fetch {T} tokens x {E} entries x {L} layers | "
               f"storage/rank {sum(entries) * hidden * dtype.itemsize / 2 ** 20:.1f} MiB | num_gpu_bytes {gpu} | "
-              f"QPs {qps} depth {depth} | hybrid {not args.no_hybrid} | iters {args.iters} (+{args.warmup} warmup)",
+              f"QPs {qps} depth {depth} | hybrid {not args.no_hybrid} | iters {args.iters} ({cli.warmup_text(args)})",
               flush=True)
 
     buf = EngramBuffer(comm, gpu, storage, True, qps, depth, restrict, allow_hybrid_mode=not args.no_hybrid,

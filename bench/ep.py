@@ -580,7 +580,7 @@ def run(args) -> int:
         print(f"[config]   ranks {R} ({where}) | tokens/rank {args.num_tokens} | hidden {args.hidden} | "
               f"top-{args.num_topk} of {args.num_experts} experts | dispatch "
               f"{'FP8 (e4m3 + float32 scale per 128 channels)' if fp8 else 'BF16'}, combine BF16 | layout {layout}"
-              f"{size} | iters {args.iters} (+{args.warmup} warmup) | fingerprint {fp} | cpu {cpu_model()}",
+              f"{size} | iters {args.iters} ({cli.warmup_text(args)}) | fingerprint {fp} | cpu {cpu_model()}",
               flush=True)
 
     loops = int("ep" in args.systems or "v1" in args.systems) + sum(s in args.systems for s in ("mpi", "gloo"))

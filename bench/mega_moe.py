@@ -359,7 +359,7 @@ def run(args) -> int:
                   if args.activation != "swiglu" else "")
                + f", clamp {clamp}, waves {waves[0]} x {waves[1]} experts, "
                f"GEMM engine {M.gemm_engine()}, backend {buf_backend} (the fused call's rows: {path_text}), "
-               f"iters {args.iters} (+{args.warmup} warm-up)")
+               f"iters {args.iters} ({cli.warmup_text(args)})")
     gc_ms = sum(r["gc_full_s"] for r in allr) / R * 1e3
     out.append(f"[gc] the collector is paused during the iterations (as in the normal command); one full collection "
                f"took {gc_ms:.1f} ms here (mean over ranks; {allr[0]['gc_objects']} tracked objects on rank 0): "

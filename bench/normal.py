@@ -263,7 +263,7 @@ def run(args) -> int:
         print(f"[config]   ranks {R}{nodes} | tokens/rank {args.num_tokens} | hidden {args.hidden} | "
               f"top-k {args.num_topk} | experts {args.num_experts} | "
               f"dispatch {'FP8' if args.fp8 else 'BF16'}, combine BF16 | "
-              f"iters {args.iters} (+{args.warmup} warmup) | routing {routing_label} | experts {args.expert_fn} | "
+              f"iters {args.iters} ({cli.warmup_text(args)}) | routing {routing_label} | experts {args.expert_fn} | "
               f"fingerprint {fp} | cpu {cpu_model()}", flush=True)
 
     n_sys = sum(s in args.systems for s in ("deepep_ascend", "mpi", "gloo"))

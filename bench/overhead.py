@@ -247,7 +247,7 @@ def run(args) -> int:
     fingerprint = comm_fingerprint(wl, comm)  # collective
     if rank == 0:
         print(f"[overhead] {R} ranks, hidden {H}, top-{K} of {E} experts, BF16 both ways, identity experts; "
-              f"round trip per call, max over ranks, median of {args.iters} (+{args.warmup} warmup) ms; "
+              f"round trip per call, max over ranks, median of {args.iters} ({cli.warmup_text(args)}) ms; "
               f"fingerprint of the T={args.num_tokens_list[-1]} workload {fingerprint}")
         print(f"{'tokens':>8s} " + " ".join(f"{s:>14s}" for s in SYSTEMS))
         for row in rows:

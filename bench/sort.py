@@ -31,7 +31,8 @@ def run(args) -> int:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(args.seed)
     E = args.num_experts
-    print(f"[config] keys uniform in [-1, {E}), 1 thread, median of {args.iters} (+{args.warmup} warmup), interleaved")
+    print(f"[config] keys uniform in [-1, {E}), 1 thread, median of {args.iters} ({cli.warmup_text(args)}), "
+          f"interleaved")
     records, ok = [], True
     for n in args.sizes:
         keys = torch.randint(-1, E, (n,), generator=g)

@@ -11,12 +11,12 @@ __all__ = ["align", "ceil_div"]
 
 def ceil_div(x, y: int):
     """``ceil(x / y)`` for an int ``y >= 1``: DeepEP's and DeepGEMM's ``ceil_div``, ``(x + y - 1) // y``. Exact for
-    every Python int ``x`` (negative ones too); on an integer tensor or array, elementwise, wherever ``x + y - 1``
-    stays inside its dtype (unsigned ones included)."""
-    return (x + y - 1) // y
+    every Python int ``x`` (negative ones too); on an integer tensor, array or numpy scalar, elementwise, wherever
+    ``x + y - 1`` stays inside its dtype (unsigned ones included)."""
+    return (x + (y - 1)) // y
 
 
 def align(x, y: int):
     """The smallest multiple of ``y`` that is ``>= x`` (``ceil_div(x, y) * y``): DeepEP's and DeepGEMM's
     ``align``; ``x`` as for :func:`ceil_div`, ``y`` an int ``>= 1``."""
-    return (x + y - 1) // y * y
+    return (x + (y - 1)) // y * y

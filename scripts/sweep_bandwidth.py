@@ -204,7 +204,7 @@ class Config:
         mm = self.mode == "mega_moe"
         k = (f"{self.mode}-R{self.ranks}-{topo}-T{self.tokens}-H{self.hidden}" + (f"-I{self.inter}" if mm else "")
              + f"-K{self.num_topk}-E{self.num_experts}-{MMA.get(self.dtype, self.dtype) if mm else self.dtype}"
-             f"-it{self.iters}w{self.warmup}ws{self.warmup_s:g}-s{self.seed}")
+             f"-it{self.iters}w{self.warmup}ws{self.warmup_s!r}-s{self.seed}")
         if not self.peers and not mm:  # mega_moe has no peers to skip
             k += "-nopeers"
         k += f"-proj_{self.link_profile or 'none'}"

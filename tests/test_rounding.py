@@ -40,6 +40,12 @@ def test_unsigned_dtypes_where_x_plus_y_minus_1_fits():
             assert ceil_div(arr, dt(y)).tolist() == want and align(arr, dt(y)).tolist() == [w * y for w in want]
 
 
+def test_numpy_scalars_at_the_top_of_their_dtype_do_not_overflow():
+    with np.errstate(over="raise"):
+        assert ceil_div(np.uint8(255), 1) == 255 and ceil_div(np.uint8(250), 6) == 42
+        assert align(np.uint8(250), 5) == 250
+
+
 def test_the_exported_helpers_are_these():
     from deepep_ascend.gemm import scales
     from deepep_ascend.utils import math as ep_math

@@ -76,5 +76,8 @@ def test_warmup_s_is_parsed_checked_and_put_in_force():
         for bad in ("-1", "nan", "inf", "x"):
             with pytest.raises(Exception, match="float|finite"):
                 cli.float_at_least(0.0)(bad)
+        with pytest.raises(SystemExit):  # a command that fails to parse leaves the default in force, not 0.5
+            commands.parse("sort", ["--warmup-s", "-1"])
+        assert timing.MIN_WARMUP_S == timing.DEFAULT_WARMUP_S
     finally:
         timing.MIN_WARMUP_S = monkey
