@@ -44,7 +44,7 @@ Systems, interleaved in every iteration on the same inputs:
   kernel decodes itself, where it runs) and the same rows sorted by expert, against the plain matmul.
 
 Timing: barrier, ``time.perf_counter``; untimed rounds (``--warmup`` of them, default 2, and on for ``--warmup-s``
-seconds: :func:`bench.timing.warm_up`) then ``--iters`` (default 5), with Python's
+seconds) then ``--iters`` (default 5), in :func:`bench.timing.each_step`, with Python's
 garbage collector paused (:func:`bench.timing.gc_paused`; the ``[gc]`` line times one full collection,
 which a loop with the collector on pays inside some call); per rank
 the median and min over iterations; printed as mean over ranks and max over ranks (upstream
@@ -75,7 +75,7 @@ from bench import internals as M
 from bench.formulas import fmt_bytes, gbps, mega_moe_pair_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
 from bench.moe_stages import Unfused
-from bench.timing import full_gc_seconds, gc_paused, warm_up
+from bench.timing import each_step, full_gc_seconds
 from bench.workload import calc_diff, fingerprint, tensor_digest
 from deepep_ascend import native
 
@@ -248,50 +248,49 @@ def run(args) -> int:
     weight_bytes = sum(w.numel() * w.element_size() for w in (unf.w1, unf.w2))
     plain_weight_bytes = (mm_b1.numel() + mm_b2.numel()) * mm_b1.element_size()
 
-    def timed(name, fn):
+    def timed(fn) -> float:
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
-        return dt
+        return time.perf_counter() - t0
 
     state = {"waves_bitwise": True}  # every --compare-waves run gives the fused call's y bit for bit
     gc_full_s, gc_objects = full_gc_seconds()
 
-    def iteration(keep: bool) -> None:
+    def one_round() -> tuple[dict, dict, dict]:
+        """Every system once: ``(seconds per system, the fused call's overlap, the serial call's stage times)``."""
         rec = {}
-        rec["fused"] = timed("fused", lambda: op(y_fused, l1, l2, buf, **kw))
+        rec["fused"] = timed(lambda: op(y_fused, l1, l2, buf, **kw))
         tr = buf.last_trace
         ov = tr.overlap()
         state["waves"], state["path"] = (tr.num_waves, tr.experts_per_wave), tr.backend
-        rec["serial"] = timed("serial", lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
+        rec["serial"] = timed(lambda: op(y_serial, l1, l2, buf, overlap=False, **kw))
         serial_trace = buf.last_trace.stage_times()
         for label, epw in wave_runs.items():
             rec[label] = timed(
-                label, lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
+                lambda epw=epw: op(y_waves, l1, l2, buf, **dict(kw, num_experts_per_wave=epw)))
             state["waves_bitwise"] = state["waves_bitwise"] and bool(torch.equal(y_waves.view(torch.int16),
                                                                                  y_fused.view(torch.int16)))
-        rec["unfused"] = timed("unfused", unf.run)
+        rec["unfused"] = timed(unf.run)
         for name, fn in unf.stage_fns().items():
-            rec[name] = timed(name, fn)
-        rec["act_library"] = timed("act_library", unf.act_library)
+            rec[name] = timed(fn)
+        rec["act_library"] = timed(unf.act_library)
         for name, fn in {**unf.gemm_fns(), **unf.fused_gemm_fns(cached)}.items():
-            rec[name] = timed(name, fn)
-        rec["mm_l1"] = timed("mm_l1", lambda: mm_a1 @ mm_b1)
-        rec["mm_l2"] = timed("mm_l2", lambda: mm_a2 @ mm_b2)
-        rec["weights_copy"] = timed("weights_copy", lambda: (w_dst[0].copy_(unf.w1), w_dst[1].copy_(unf.w2)))
-        if keep:
-            for k, v in rec.items():
-                times[k].append(v)
-            fractions.append(ov["fraction"])
-            serial_stages.append(serial_trace)
-            hidden_s.append(ov["hidden"])
-            busy_s.append(ov["worker_busy"])
+            rec[name] = timed(fn)
+        rec["mm_l1"] = timed(lambda: mm_a1 @ mm_b1)
+        rec["mm_l2"] = timed(lambda: mm_a2 @ mm_b2)
+        rec["weights_copy"] = timed(lambda: (w_dst[0].copy_(unf.w1), w_dst[1].copy_(unf.w2)))
+        return rec, ov, serial_trace
 
-    with gc_paused():  # as bench.timing.time_phases: no collection inside a timed call
-        warm_up(lambda: iteration(False), comm, args.warmup)  # --warmup calls, and --warmup-s seconds
-        for _ in range(args.iters):
-            iteration(True)
+    # the garbage collector paused, --warmup rounds and --warmup-s seconds first (bench.timing.each_step)
+    for row in each_step([("round", one_round)], comm, args.iters, args.warmup, lambda fn: fn()):
+        rec, ov, serial_trace = row["round"]
+        for k, v in rec.items():
+            times[k].append(v)
+        fractions.append(ov["fraction"])
+        serial_stages.append(serial_trace)
+        hidden_s.append(ov["hidden"])
+        busy_s.append(ov["worker_busy"])
     waves_bitwise, waves, path = state["waves_bitwise"], state.get("waves"), state.get("path")
 
     # correctness

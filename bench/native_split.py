@@ -25,12 +25,14 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from bench.phases import each_step, median_call, ops_of
+from bench.phases import median_call, ops_of
+from bench.timing import each_step
 
 
 def record_split(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> list[dict]:
-    """Run ``steps`` (:func:`bench.phases.each_step`) ``warmup + iters`` times with the native calls timed, keeping
-    the last ``iters``. Collective. Returns this rank's iterations: ``[{step name: {"call_ns": int, "native_ns": int,
+    """Run ``steps`` (:func:`bench.timing.each_step`; after the timed loop, so ``warmup`` iterations and no timed
+    warm-up) with the native calls timed, keeping the ``iters`` measured iterations. Collective. Returns this
+    rank's iterations: ``[{step name: {"call_ns": int, "native_ns": int,
     "kernels": {function: ns}}}]``."""
     from deepep_ascend import native
 
@@ -44,7 +46,7 @@ def record_split(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> l
         return {"call_ns": call_ns, "native_ns": sum(kernels.values()), "kernels": kernels}
 
     with native.timing() as totals:
-        return each_step(steps, comm, iters, warmup, measure)
+        return each_step(steps, comm, iters, warmup, measure, min_seconds=0)
 
 
 def split_table(per_rank: list[list[dict]]) -> dict:

@@ -18,30 +18,9 @@ records into the table :func:`breakdown_lines` prints and the document keeps und
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-from bench.timing import gc_paused
-
-
-def each_step(steps: Sequence[tuple], comm, iters: int, warmup: int, measure: Callable) -> list[dict]:
-    """Run ``steps`` (``(name or None, fn)``, as :func:`bench.timing.time_phases` takes them) ``warmup + iters``
-    times, the garbage collector paused, a barrier before each named step, which runs as ``measure(fn)``: its
-    record (None: nothing to keep). Collective. Returns the last ``iters`` iterations' ``{step name: record}``."""
-    out = []
-    with gc_paused():
-        for it in range(warmup + iters):
-            row = {}
-            for name, fn in steps:
-                if name is None:
-                    fn()
-                    continue
-                comm.Barrier()
-                rec = measure(fn)
-                if rec is not None:
-                    row[name] = rec
-            if it >= warmup:
-                out.append(row)
-    return out
+from bench.timing import each_step
 
 
 def ops_of(per_rank: list[list[dict]]) -> Iterator[tuple[str, list[list[dict]]]]:
@@ -58,9 +37,9 @@ def median_call(calls: list[dict], key: str) -> dict:
 
 
 def record_steps(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> list[dict]:
-    """Run ``steps`` (:func:`each_step`) ``warmup + iters`` times with the phase recorder on, keeping the last
-    ``iters``. Collective. Returns this rank's iterations:
-    ``[{step name: {"ops": [...], "engine": str, "total_ns": int, "phases": {name: ns}}}]`` (a named
+    """Run ``steps`` (:func:`bench.timing.each_step`; after the timed loop, so ``warmup`` iterations and no timed
+    warm-up) with the phase recorder on, keeping the ``iters`` measured iterations. Collective. Returns this rank's
+    iterations: ``[{step name: {"ops": [...], "engine": str, "total_ns": int, "phases": {name: ns}}}]`` (a named
     step in which no recorded call ran is left out)."""
     from deepep_ascend.ep import phases
 
@@ -78,7 +57,7 @@ def record_steps(steps: Sequence[tuple], comm, iters: int, warmup: int = 1) -> l
                 "phases": merged}
 
     with phases.recording() as records:
-        return each_step(steps, comm, iters, warmup, measure)
+        return each_step(steps, comm, iters, warmup, measure, min_seconds=0)
 
 
 def breakdown(per_rank: list[list[dict]]) -> dict:

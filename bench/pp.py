@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench import cli, schema
-from bench.timing import Timing, gc_paused, warm_up
+from bench.timing import Timing, each_step
 
 SYSTEMS = ("pp", "mpi", "gloo")
 
@@ -107,14 +107,11 @@ def _gloo_step(nxt, prv) -> _Step:
 
 
 def _time_step(step: _Step, comm, sends, outs, hide: bool, iters: int, warmup: int) -> tuple[Timing, Timing]:
-    """Per-call send and recv times (max over ranks per iteration) of ``iters`` ring steps, after the warm-up's
-    (:func:`bench.timing.warm_up`: ``warmup`` steps, and on for ``--warmup-s`` seconds)."""
+    """Per-call send and recv times (max over ranks per iteration) of ``iters`` ring steps
+    (:func:`bench.timing.each_step`, after its warm-up)."""
     from mpi4py import MPI
 
-    local = np.zeros((2, iters))
-
-    def ring_step(it: int | None) -> None:
-        comm.Barrier()
+    def ring_step() -> tuple[float, float]:
         t0 = time.perf_counter()
         step.send(sends)
         t1 = time.perf_counter()
@@ -123,13 +120,10 @@ def _time_step(step: _Step, comm, sends, outs, hide: bool, iters: int, warmup: i
         t2 = time.perf_counter()
         step.recv(outs)
         t3 = time.perf_counter()
-        if it is not None:
-            local[:, it] = ((t1 - t0) / len(sends), (t3 - t2) / len(sends))
+        return (t1 - t0) / len(sends), (t3 - t2) / len(sends)
 
-    with gc_paused():
-        warm_up(lambda: ring_step(None), comm, warmup)
-        for it in range(iters):
-            ring_step(it)
+    rows = each_step([("ring", ring_step)], comm, iters, warmup, lambda fn: fn())
+    local = np.array([row["ring"] for row in rows], dtype=np.float64).reshape(iters, 2).T.copy()
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return Timing(glob[0].tolist()), Timing(glob[1].tolist())

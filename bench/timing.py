@@ -1,10 +1,11 @@
 """Timing: barrier-synchronised phases, the max over ranks per iteration, and one-process medians.
 
-* :func:`time_phases` / :func:`time_collective` — barrier before each timed op, ``time.perf_counter``
-  around it, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max
-  over iterations (:class:`Timing`); Python's garbage collector paused throughout (:func:`gc_paused`);
-  untimed iterations first, at least ``warmup`` of them and for at least :data:`MIN_WARMUP_S` seconds
-  (:func:`warm_up`);
+* :func:`each_step` — the loop every barrier-synchronised measurement runs: untimed iterations first (at least
+  ``warmup`` of them and for at least :data:`MIN_WARMUP_S` seconds, :func:`warm_up`), then each named step
+  measured after a barrier, Python's garbage collector paused throughout (:func:`gc_paused`);
+* :func:`time_phases` / :func:`time_collective` — :func:`each_step` with ``time.perf_counter`` around each
+  step, the max over ranks per iteration (one ``Allreduce(MAX)`` at the end), median/min/max over
+  iterations (:class:`Timing`);
 * :func:`time_loops` — several calls back to back as an application's loop runs them (no barrier between
   them, the garbage collector as the caller has it), systems alternating segment by segment;
 * :func:`interleaved_medians_ms` — one process: the median of each of several functions timed in
@@ -114,44 +115,58 @@ def full_gc_seconds() -> tuple[float, int]:
     return time.perf_counter() - t0, objects
 
 
-def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
-                progress: Callable[[int], None] | None = None) -> dict[str, Timing]:
-    """Run ``phases`` in order untimed (:func:`warm_up`: ``warmup`` times, and on for :data:`MIN_WARMUP_S`
-    seconds), then ``iters`` times timing the named ones.
+def each_step(steps: Sequence[Phase], comm, iters: int, warmup: int, measure: Callable[[Callable[[], Any]], Any],
+              progress: Callable[[int], None] | None = None, min_seconds: float | None = None) -> list[dict]:
+    """The benchmarks' one loop: run ``steps`` (``(name or None, fn)``) in order untimed (:func:`warm_up`: ``warmup``
+    times, and on for ``min_seconds``, default :data:`MIN_WARMUP_S`), then ``iters`` times with each named step run
+    as ``measure(fn)`` after a ``comm.Barrier()``; unnamed steps run plainly, without a barrier. The garbage
+    collector is paused throughout. ``progress(i)`` is called after each of the first ``warmup`` and of the
+    measured iterations (a bar of ``warmup + iters``). Collective: all ranks must pass the same steps. Returns this
+    rank's measured iterations, ``[{step name: measure's record}]`` (a record of None is left out)."""
+    out: list[dict] = []
+    warm = itertools.count()
 
-    Each named phase: ``comm.Barrier()``, then ``fn()`` between two ``time.perf_counter()`` calls.
-    Unnamed phases (name ``None``) run untimed, without a barrier. After the loop one
-    ``Allreduce(MAX)`` turns each rank's times into the per-iteration maximum over ranks, so the
-    slowest rank defines every iteration. Collective: all ranks must pass the same phase list.
-    The Python GC is paused during the loop. ``progress(i)`` is called after each of the first ``warmup``
-    and of the timed iterations (the bar's ``warmup + iters``).
-    """
-    from mpi4py import MPI
-
-    names = [p[0] for p in phases if p[0] is not None]
-    local = np.zeros((len(names), iters), dtype=np.float64)
-
-    def iteration(it: int, times: np.ndarray | None) -> None:
-        j = 0
-        for name, fn in phases:
+    def iteration(keep: bool) -> None:
+        row = {}
+        for name, fn in steps:
             if name is None:
                 fn()
                 continue
             comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            if times is not None:
-                times[j, it] = t1 - t0
-            j += 1
-        if progress is not None and (times is not None or it < warmup):
-            progress(it if times is None else warmup + it)
+            if not keep:
+                fn()
+            elif (rec := measure(fn)) is not None:
+                row[name] = rec
+        if keep:
+            out.append(row)
+        if progress is not None:
+            i = warmup + len(out) - 1 if keep else next(warm)
+            if keep or i < warmup:
+                progress(i)
 
     with gc_paused():
-        counter = itertools.count()
-        warm_up(lambda: iteration(next(counter), None), comm, warmup)
-        for it in range(iters):
-            iteration(it, local)
+        warm_up(lambda: iteration(False), comm, warmup, min_seconds)
+        for _ in range(iters):
+            iteration(True)
+    return out
+
+
+def _elapsed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_phases(phases: Sequence[Phase], comm, iters: int, warmup: int,
+                progress: Callable[[int], None] | None = None) -> dict[str, Timing]:
+    """Time the named ones of ``phases`` over ``iters`` iterations of :func:`each_step` (after its warm-up):
+    ``time.perf_counter()`` around each, after its barrier. One ``Allreduce(MAX)`` then turns each rank's times
+    into the per-iteration maximum over ranks, so the slowest rank defines every iteration. Collective."""
+    from mpi4py import MPI
+
+    names = [p[0] for p in phases if p[0] is not None]
+    rows = each_step(phases, comm, iters, warmup, _elapsed, progress)
+    local = np.array([[row[n] for row in rows] for n in names], dtype=np.float64).reshape(len(names), iters)
     glob = np.empty_like(local)
     comm.Allreduce(local, glob, op=MPI.MAX)
     return {n: Timing(glob[i].tolist()) for i, n in enumerate(names)}

@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench import cli, schema
-from bench.timing import Timing, warm_up
+from bench.timing import Timing, each_step
 
 
 def add_arguments(p) -> None:
@@ -46,22 +46,20 @@ def run(args) -> int:
     tp = create_transport(comm, ranks_per_node=1)
     held = {"win": tp.create_window("bench", args.bytes, 1)}  # dropped before tp.destroy()
     src = torch.ones(args.bytes, dtype=torch.uint8)
-    times, puts = [], [0]
+    puts = [0]
 
-    def put() -> None:
-        comm.Barrier()
+    def put() -> float | None:
+        """One put and its signal; rank 0 returns its seconds (the origin's), rank 1 waits for the signal."""
         puts[0] += 1
         if r == 0:
             t = time.perf_counter()
             tp.put_with_signal(held["win"], 1, 0, src, 0)
-            times.append(time.perf_counter() - t)
-        else:
-            tp.wait_until(held["win"], 0, [0], puts[0], phase="bench")
+            return time.perf_counter() - t
+        tp.wait_until(held["win"], 0, [0], puts[0], phase="bench")
+        return None
 
-    warm_up(put, comm, args.warmup)  # --warmup puts, and on for --warmup-s seconds
-    del times[:]
-    for _ in range(args.iters):
-        put()
+    rows = each_step([("put", put)], comm, args.iters, args.warmup, lambda fn: fn())  # a barrier before each put
+    times = [row["put"] for row in rows if "put" in row]  # rank 0's
     comm.Barrier()
     if r == 0:
         med = statistics.median(times)
