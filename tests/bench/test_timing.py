@@ -64,20 +64,17 @@ def test_time_phases_times_iters_after_the_warm_up_and_the_default_comes_from_wa
     assert len(calls) == 5
 
 
-def test_warmup_s_is_parsed_checked_and_put_in_force():
+def test_warmup_s_is_parsed_checked_and_put_in_force(monkeypatch):
     from bench import cli, commands
 
-    monkey = timing.MIN_WARMUP_S
-    try:
-        p = commands.parser("sort")
-        assert p.parse_args([]).warmup_s == timing.DEFAULT_WARMUP_S
-        args = commands.parse("sort", ["--warmup-s", "0.5"])
-        assert args.warmup_s == 0.5 and timing.MIN_WARMUP_S == 0.5
-        for bad in ("-1", "nan", "inf", "x"):
-            with pytest.raises(Exception, match="float|finite"):
-                cli.float_at_least(0.0)(bad)
-        with pytest.raises(SystemExit):  # a command that fails to parse leaves the default in force, not 0.5
-            commands.parse("sort", ["--warmup-s", "-1"])
-        assert timing.MIN_WARMUP_S == timing.DEFAULT_WARMUP_S
-    finally:
-        timing.MIN_WARMUP_S = monkey
+    monkeypatch.setattr(timing, "MIN_WARMUP_S", timing.MIN_WARMUP_S)  # restored after the test
+    p = commands.parser("sort")
+    assert p.parse_args([]).warmup_s == timing.DEFAULT_WARMUP_S
+    args = commands.parse("sort", ["--warmup-s", "0.5"])
+    assert args.warmup_s == 0.5 and timing.MIN_WARMUP_S == 0.5
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(Exception, match="float|finite"):
+            cli.float_at_least(0.0)(bad)
+    with pytest.raises(SystemExit):  # a command that fails to parse leaves the default in force, not 0.5
+        commands.parse("sort", ["--warmup-s", "-1"])
+    assert timing.MIN_WARMUP_S == timing.DEFAULT_WARMUP_S
