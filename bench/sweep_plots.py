@@ -16,23 +16,42 @@ from bench.sweep_records import KINDS, MMA, MODES, PHASES, emulated, number
 EMULATED_TAG = " EMULATED"  # plot labels of rows measured with emulated links
 
 
-def _group_label(r: dict) -> str:
+# How a row was measured, beside what it measured: rows differing in one of these are separate series
+# (labelled by the differing settings only), never points of one line. The link scale counts for
+# emulated rows only (it slows nothing otherwise).
+SETTINGS = ("iters", "warmup", "warmup_s", "seed", "link_scale")
+
+
+def _setting(r: dict, field: str):
+    return None if field == "link_scale" and not emulated(r) else r.get(field)
+
+
+def varying_settings(rows: list) -> tuple:
+    """The :data:`SETTINGS` taking more than one value among ``rows`` (the link scale: among the emulated
+    ones), in that order."""
+    return tuple(f for f in SETTINGS
+                 if len({repr(_setting(r, f)) for r in rows if f != "link_scale" or emulated(r)}) > 1)
+
+
+def _group_label(r: dict, varying: tuple = ()) -> str:
     topo = f"{r['nodes']}x{r['ranks_per_node']}" if r.get("ranks_per_node") else "1 node"
     emu = EMULATED_TAG if emulated(r) else ""
+    how = "".join(f", {f} {_setting(r, f)}" for f in varying if _setting(r, f) is not None)
     if r.get("mode") == "mega_moe":
         return (f"R{r['ranks']} {topo}, H{r['hidden']} I{r.get('inter')}, top-{r['num_topk']}/{r['num_experts']}, "
-                f"{MMA.get(str(r['dtype']), str(r['dtype'])).upper()}{emu}")
+                f"{MMA.get(str(r['dtype']), str(r['dtype'])).upper()}{how}{emu}")
     return (f"R{r['ranks']} {topo}, H{r['hidden']}, top-{r['num_topk']}/{r['num_experts']}, "
-            f"{str(r['dtype']).upper()}{emu}")
+            f"{str(r['dtype']).upper()}{how}{emu}")
 
 
-def _series(rows: list, field: str) -> dict:
-    """``{group label: (tokens[], values[])}`` sorted by tokens, rows without the field left out."""
+def _series(rows: list, field: str, varying: tuple = ()) -> dict:
+    """``{group label: (tokens[], values[])}`` sorted by tokens, rows without the field left out; ``varying``:
+    the settings that split groups (:func:`varying_settings` of every row plotted)."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: r["tokens"]):
         v = number(r.get(field))
         if v is not None and v > 0:
-            xs, ys = out.setdefault(_group_label(r), ([], []))
+            xs, ys = out.setdefault(_group_label(r, varying), ([], []))
             xs.append(r["tokens"])
             ys.append(v)
     return out
@@ -88,6 +107,7 @@ def make_plots(out_dir: str, rows: list) -> list:
     ok = [r for r in rows if r.get("status") == "ok"]
     modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or ["normal"]
     by_mode = {m: [r for r in ok if r["mode"] == m] for m in modes}
+    varying_in = {m: varying_settings(by_mode[m]) for m in modes}  # one mode's rows share its panels
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     paths = []
 
@@ -105,7 +125,7 @@ def make_plots(out_dir: str, rows: list) -> list:
         cols = formula_panels + [(f"rt_{k}_gbps", f"{k} bytes moved / {per_call}") for k in KINDS]
         for j, (field, what) in enumerate(cols):
             ax = axes[i][j]
-            for label, (xs, ys) in _series(by_mode[m], field).items():
+            for label, (xs, ys) in _series(by_mode[m], field, varying_in[m]).items():
                 ax.plot(xs, ys, marker="o", color=color_of(label), label=label)
             sub = formula if j < 2 else "busiest rank"
             _finish_axes(ax, f"{m}: {what}\n({sub})", "GB/s (1 GB = 1e9 B)", "none moved" if j >= 2 else "no data")
@@ -129,7 +149,7 @@ def make_plots(out_dir: str, rows: list) -> list:
                     field = "round_trip_s" if system == "deepep_ascend" else f"{system}_round_trip_s"
                 else:
                     field = f"{what}_gbps" if system == "deepep_ascend" else f"{system}_{what}_gbps"
-                for label, (xs, ys) in _series(by_mode[m], field).items():
+                for label, (xs, ys) in _series(by_mode[m], field, varying_in[m]).items():
                     if what == "round_trip":
                         ys = [y * 1e3 for y in ys]
                     # only deepep_ascend's links are emulated: a peer measured in an emulated run is not
@@ -161,12 +181,12 @@ def make_plots(out_dir: str, rows: list) -> list:
                 ax.axis("off")  # mega_moe: one phase, the fused call
                 continue
             field, p = _PROJ_PANELS[m][j]
-            for label, (xs, ys) in _series(by_mode[m], field).items():
+            for label, (xs, ys) in _series(by_mode[m], field, varying_in[m]).items():
                 tag = "measured, EMULATED links" if "EMULATED" in label else "measured"
                 ax.plot(xs, ys, "-", marker="o", color=color_of(label), label=f"{tag}: {label}")
             for prof in profiles:
                 rows_p = [r for r in by_mode[m] if str(r.get("proj_profile")) == prof]
-                for label, (xs, ys) in _series(rows_p, f"proj_{p}_gbps").items():
+                for label, (xs, ys) in _series(rows_p, f"proj_{p}_gbps", varying_in[m]).items():
                     ax.plot(xs, ys, "--", marker="^", color=color_of(label),
                             label=f"projected on {prof} (model): {label}")
             same = ("same per-pair formula; measured: mean over ranks,\nprojected: busiest rank" if m == "mega_moe"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -498,6 +499,36 @@ def test_cli_mega_moe_mode():
     for name in sw.PRESETS:  # every preset has a runnable mega_moe grid, nothing in it impossible
         a, _ = sw.parse_args(["--preset", name, "--dry-run", "--mode", "mega_moe"])
         assert a.configs and not a.invalid and all(c.inter for c in a.configs), name
+
+
+def test_plot_series_split_by_how_rows_were_measured():
+    """Rows of one workload measured with another warm-up, iteration count, seed or emulated link scale are
+    separate lines, each labelled by the settings that differ; rows measured alike stay one line."""
+    from bench.sweep_plots import _series, varying_settings
+
+    sw = _module()
+
+    def row(tokens, t_d, **how):
+        cfg = dataclasses.replace(sw.Config("normal", 2, None, tokens, 256, 2, 8, "bf16", 3, 1), **how)
+        return sw.make_row(cfg, _fake_normal_doc(t_d=t_d), 0, "", 1.0, PROV)
+
+    alike = [row(64, 0.002), row(128, 0.003)]
+    assert varying_settings(alike) == ()
+    assert list(_series(alike, "dispatch_s", ()).values()) == [([64, 128], [0.002, 0.003])]
+    for how in ({"warmup_s": 0.0}, {"iters": 7}, {"warmup": 0}, {"seed": 5}):
+        rows = alike + [row(64, 0.005, **how), row(128, 0.007, **how)]
+        (field, value), = how.items()
+        assert varying_settings(rows) == (field,)
+        series = _series(rows, "dispatch_s", varying_settings(rows))
+        assert len(series) == 2, series
+        assert series[f"R2 1 node, H256, top-2/8, BF16, {field} {value}"] == ([64, 128], [0.005, 0.007])
+    # the link scale slows emulated rows only: it splits those, not the rows measured on real links
+    emu = [dict(r, link_emulation="delay", link_scale=scale) for r, scale in zip(alike, (1e-3, 1e-2))]
+    assert varying_settings(alike + [dict(r, link_scale=9.0) for r in alike]) == ()
+    assert varying_settings(alike + emu) == ("link_scale",)
+    labels = sorted(_series(alike + emu, "dispatch_s", ("link_scale",)))
+    assert labels == ["R2 1 node, H256, top-2/8, BF16", "R2 1 node, H256, top-2/8, BF16, link_scale 0.001 EMULATED",
+                      "R2 1 node, H256, top-2/8, BF16, link_scale 0.01 EMULATED"], labels
 
 
 @pytest.mark.skipif(world().Get_size() != 1, reason="plotting costs ~10 s; the 1-rank job covers it")
