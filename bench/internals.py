@@ -26,6 +26,9 @@ name here                      library internal (what a command does with it)
 ``dense_nt``, ``untransformed``,
 ``dequant_x``, ``activation``,   weights (mega-moe, grouped-gemm, moe-act)
 ``swiglu_params``
+``logfmt_encode``,             ``deepep_ascend.gemm.logfmt.encode`` / ``decode``: LogFMT-10 on either
+``logfmt_decode``,               path (``native=``), ``logfmt10_group_mask`` (logfmt)
+``logfmt_group_mask``
 =============================  ===============================================================
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 from deepep_ascend.ep import low_latency as _low_latency
 from deepep_ascend.ep import memory as _memory
 from deepep_ascend.ep import reduce as _reduce
+from deepep_ascend.gemm import logfmt as _logfmt
 from deepep_ascend.gemm import packing as _packing
 from deepep_ascend.mega_moe.experts import (
     activation,
@@ -53,6 +57,10 @@ accumulate_rows = _reduce.accumulate_rows
 source_runs = _reduce.source_runs
 two_source_run_limit = _reduce.two_source_run_limit
 CombineScratch = _reduce.CombineScratch
+
+logfmt_encode = _logfmt.encode
+logfmt_decode = _logfmt.decode
+logfmt_group_mask = _logfmt.logfmt10_group_mask
 
 pack_groups = _packing.pack_groups
 pack_fp4_groups = _packing.pack_fp4_groups

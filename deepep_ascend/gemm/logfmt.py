@@ -3,14 +3,17 @@ per 128 channels a sign and a 9-bit code on a log scale between the group's smal
 plus 4 bytes of metadata; groups the format cannot take travel as BF16, exactly.
 
 :func:`logfmt10_encode` and :func:`logfmt10_decode` give the wire format (body, metadata, tail);
-:func:`logfmt10_group_mask` and :func:`logfmt10_wire_bytes` read what a row's metadata implies. Every
-function is vectorized torch on CPU; none loops over elements.
+:func:`logfmt10_group_mask` and :func:`logfmt10_wire_bytes` read what a row's metadata implies. The
+per-group parameters are vectorized torch; the passes over the elements run in C where the native library is
+loaded (:mod:`deepep_ascend.native.logfmt`, one pass each where torch makes about twenty), else in torch, with
+the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import native as _native
 from .arguments import check_tensor
 
 __all__ = [
@@ -88,6 +91,14 @@ def _logfmt_luts():
     return _logfmt_lut
 
 
+def _logfmt_use(amax_bits: torch.Tensor, amin_bits: torch.Tensor):
+    """Per group: ``(use, la, lb)`` of :func:`_logfmt_params`, without the parameters only a coder needs."""
+    table = _bf16_log2_table()
+    la = table[amax_bits.long()]
+    lb = torch.maximum(table[amin_bits.long()], la - _LOGFMT_CLIP)
+    return (la < 0) & (lb < la), la, lb
+
+
 def _logfmt_params(amax_bits: torch.Tensor, amin_bits: torch.Tensor):
     """Per group, from the metadata's bf16 magnitude bits (int16): ``(use, lb, step, rho, em1)``.
 
@@ -97,10 +108,7 @@ def _logfmt_params(amax_bits: torch.Tensor, amin_bits: torch.Tensor):
     BF16 get ``lb = 0, step = 1`` (unused). Encoder and decoder both call this on the same
     bits, so they agree on every parameter bit for bit.
     """
-    table = _bf16_log2_table()
-    la = table[amax_bits.long()]
-    lb = torch.maximum(table[amin_bits.long()], la - _LOGFMT_CLIP)
-    use = (la < 0) & (lb < la)
+    use, la, lb = _logfmt_use(amax_bits, amin_bits)
     step = torch.where(use, (la - lb) / _LOGFMT_LEVELS, 1.0)
     lb = torch.where(use, lb, 0.0)
     s = step.double()
@@ -111,6 +119,18 @@ def _logfmt_params(amax_bits: torch.Tensor, amin_bits: torch.Tensor):
     atanh = z * (1.0 + z2 * (1.0 / 3 + z2 * (1.0 / 5 + z2 * (1.0 / 7 + z2 / 9))))
     rho = (2.0 - (2.0 * atanh / _LN2) / s).float()
     return use, lb, step, rho, em1
+
+
+def _native_params(bits: torch.Tensor):
+    """:func:`_logfmt_params` of contiguous int16 ``[G, 2]`` metadata bits in one native call, with the decoder's
+    ``2**step`` and ``2**lb`` (float64) and the count of BF16 groups: ``(use, lb, step, rho, p, two_lb, nfb)``;
+    None where the kernel is not loaded."""
+    g = bits.size(0)
+    use = torch.empty(g, dtype=torch.bool)
+    lb, step, rho = (torch.empty(g) for _ in range(3))
+    p, two_lb = (torch.empty(g, dtype=torch.float64) for _ in range(2))
+    nfb = _native.logfmt_params(bits, _bf16_log2_table(), use, lb, step, rho, p, two_lb)
+    return None if nfb is None else (use, lb, step, rho, p, two_lb, nfb)
 
 
 def _logfmt_rows(name: str, x: torch.Tensor) -> int:
@@ -130,7 +150,7 @@ def logfmt10_group_mask(meta: torch.Tensor) -> torch.Tensor:
     if meta.dim() < 2 or meta.size(-1) != 2:
         raise ValueError(f"meta must be [..., S, 2], got shape {tuple(meta.shape)}")
     bits = meta.contiguous().view(torch.int16)
-    return _logfmt_params(bits[..., 0], bits[..., 1])[0]
+    return _logfmt_use(bits[..., 0], bits[..., 1])[0]
 
 
 def logfmt10_wire_bytes(meta: torch.Tensor) -> torch.Tensor:
@@ -183,10 +203,23 @@ def logfmt10_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     Raises:
         TypeError: ``x`` is not a bfloat16 tensor. ValueError: ``H % 128 != 0``.
     """
+    return encode(x, native=True)
+
+
+def encode(x: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`logfmt10_encode`, through the native kernels where ``native`` and they are loaded, else the torch
+    path (``python -m bench logfmt`` times both)."""
     check_tensor("x", x, (torch.bfloat16,))
     g = _logfmt_rows("x", x)
     lead, s = x.shape[:-1], x.size(-1) // LOGFMT_GROUP
-    xb = x.reshape(g, LOGFMT_GROUP).view(torch.int16)
+    xb = x.reshape(g, LOGFMT_GROUP).view(torch.int16).contiguous()  # (a strided x's groups may be views)
+    bits = torch.empty(g, 2, dtype=torch.int16)
+    if g and native and _native.logfmt_meta(xb, bits):
+        use, lb, step, rho, _, _, nfb = _native_params(bits)
+        body = torch.empty(g, LOGFMT_BODY_BYTES, dtype=torch.uint8)
+        tail = torch.empty(nfb, LOGFMT_TAIL_BYTES, dtype=torch.uint8)
+        _native.logfmt_encode(xb, use, lb, step, rho, _bf16_log2_table(), body, tail)  # loaded: meta was written
+        return body.view(*lead, s, LOGFMT_BODY_BYTES), bits.view(torch.bfloat16).view(*lead, s, 2), tail
     mag = xb & 0x7FFF  # bf16 magnitudes order like their bits (NaN above inf)
     if g:
         amax = mag.amax(1)
@@ -235,6 +268,11 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
     ``ValueError`` for mismatched shapes or a ``tail`` whose row count is not the number of
     BF16 groups.
     """
+    return decode(body, meta, tail, native=True)
+
+
+def decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor, native: bool) -> torch.Tensor:
+    """:func:`logfmt10_decode`, through the native kernel where ``native`` and it is loaded, else the torch path."""
     check_tensor("body", body, (torch.uint8,))
     check_tensor("meta", meta, (torch.bfloat16,))
     check_tensor("tail", tail, (torch.uint8,))
@@ -246,15 +284,23 @@ def logfmt10_decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor) 
     lead = body.shape[:-2]
     g = body.numel() // LOGFMT_BODY_BYTES
     bits = meta.reshape(g, 2).view(torch.int16)
-    use, lb, step, _, em1 = _logfmt_params(bits[:, 0], bits[:, 1])
-    fb = ~use
-    nfb = int(fb.sum())
+    prm = _native_params(bits.contiguous()) if g and native and _native.available() else None
+    if prm is not None:
+        use, nfb = prm[0], prm[-1]
+    else:
+        use, lb, step, _, em1 = _logfmt_params(bits[:, 0], bits[:, 1])
+        nfb = int((~use).sum())
     if tail.dim() != 2 or tail.shape != (nfb, LOGFMT_TAIL_BYTES):
         raise ValueError(
             f"tail must be [{nfb}, {LOGFMT_TAIL_BYTES}] (one row per BF16 group), got "
             f"{tuple(tail.shape)}"
         )
     flat = body.reshape(g, LOGFMT_BODY_BYTES)
+    if prm is not None:
+        out = torch.empty(g, LOGFMT_GROUP, dtype=torch.float32)
+        _native.logfmt_decode(flat.contiguous(), tail.contiguous(), use, prm[4], prm[5], out)  # loaded: prm says so
+        return out.view(*lead, body.size(-2) * LOGFMT_GROUP)
+    fb = ~use
     sel = torch.nonzero(use).squeeze(1)
     every = g > 0 and sel.numel() == g
     out = None if every else torch.empty(g, LOGFMT_GROUP, dtype=torch.float32)

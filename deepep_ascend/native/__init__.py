@@ -16,6 +16,8 @@ Modules:
   (:func:`signals_available`, :func:`ll_publish`, :func:`ll_await`);
 * :mod:`.ll_cast`   the low-latency dispatch's FP8 messages from the BF16 rows in one pass (``csrc/ll_cast.c``):
   :func:`ll_cast_messages`, :func:`ll_cast_message_bytes`;
+* :mod:`.logfmt`    LogFMT-10's passes over the elements (``csrc/logfmt.c``): :func:`logfmt_meta`,
+  :func:`logfmt_params`, :func:`logfmt_encode`, :func:`logfmt_decode`, :func:`logfmt_avx512`;
 * :mod:`.ll_fused`  a low-latency call on one node in two native calls, issue and finish, from a checked plan of
   its fixed operands (``csrc/ll_fused.c``): :class:`LLPlan`, :func:`fused_available`;
 * :mod:`.intranode` the normal-mode engine's fixed work on one node from a checked plan: signals, the chunk-0
@@ -79,6 +81,7 @@ from .ll import (
 from .ll_cast import ll_cast_message_bytes, ll_cast_messages
 from .ll_fused import LLPlan, fused_available
 from .loader import available, library_path, timing
+from .logfmt import logfmt_avx512, logfmt_decode, logfmt_encode, logfmt_meta, logfmt_params
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows, zero_rows
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "amx_bf16",
@@ -86,5 +89,6 @@ __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "L
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "local_experts",
+           "logfmt_avx512", "logfmt_decode", "logfmt_encode", "logfmt_meta", "logfmt_params",
            "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "timing",
            "weighted_sum_rows", "zero_rows"]

@@ -24,7 +24,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load", "ti
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 26
+ABI = 27
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -69,6 +69,11 @@ _SIGNATURES = {
     "ll_combine_issue": (_I64, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P]),
     "ll_combine_finish": (_I64, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _U16, _P, _P, _P, _P, _P]),
     "ll_cast_messages": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _P, _I64]),
+    "logfmt_meta": (None, [_I64, _P, _P]),
+    "logfmt_params": (_I64, [_I64, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "logfmt_encode": (_I64, [_I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64]),
+    "logfmt_decode": (_I64, [_I64, _P, _P, _I64, _P, _P, _P, _P]),
+    "logfmt_avx512": (_I64, [_I64]),
     "amx_bf16_available": (_I64, []),
     "amx_packed_elems": (_I64, [_I64, _I64]),
     "amx_pack_bf16": (None, [_P, _P, _I64, _I64, _I64]),

@@ -53,6 +53,7 @@ ONE_PROCESS = {
                     "--warmup-s", "0"],
     "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3", "--warmup-s", "0"],
     "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1", "--warmup-s", "0"],
+    "logfmt": ["--rows-list", "1,3", "--hidden", "256", "--iters", "1", "--warmup", "0", "--warmup-s", "0"],
     "sort": ["--sizes", "5,300,70000", "--num-experts", "40000", "--iters", "1", "--warmup", "0", "--warmup-s",
              "0"],
     "alloc": ["--mbytes", "1", "--iters", "1", "--warmup-s", "0"],
