@@ -155,6 +155,17 @@ def check_args(p, a) -> None:
         p.error(f"--routing {a.routing}: no such readable file")
     if a.routing_step and not a.routing:
         p.error("--routing-step needs --routing (the trace it picks a step of)")
+    if a.routing:  # a trace that cannot serve this job is a usage error, before anything runs
+        from mpi4py import MPI
+
+        try:
+            meta = load_routing(a.routing, 0, MPI.COMM_WORLD.Get_size(), a.routing_step, a.num_experts)[2]
+        except (ValueError, OSError) as e:
+            p.error(f"--routing: {e}")
+        for flag, given, traced in (("--num-tokens", a.num_tokens, meta["tokens_per_rank"]),
+                                    ("--num-topk", a.num_topk, meta["num_topk"])):
+            if given is not None and given != traced:
+                p.error(f"{flag} {given} disagrees with the trace ({traced})")
     systems = cli.system_list(p, a.systems, SYSTEMS)
     if a.baselines_only:
         systems = [s for s in systems if s != "deepep_ascend"]

@@ -354,6 +354,9 @@ def test_ep_refuses_bad_options(argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err, argv
 
 
+TRACE = os.path.join(REPO_ROOT, "bench", "traces", "stdlib_moe_4r.npz")  # 26 rows of 4096 tokens, top-8
+
+
 @ONE_RANK
 @pytest.mark.parametrize("command, argv, needle", [
     ("normal", ["--num-topk", "300", "--num-experts", "256"], "at most --num-experts"),
@@ -364,6 +367,8 @@ def test_ep_refuses_bad_options(argv, needle, capsys):
     ("normal", ["--save-routing", "/nonexistent/dir/r.npz"], "does not exist or is not writable"),
     ("normal", ["--routing", "/nonexistent/r.npz"], "no such readable file"),
     ("normal", ["--routing-step", "5"], "--routing-step needs --routing"),
+    ("normal", ["--routing", TRACE, "--routing-step", "999"], "outside [0, 26)"),
+    ("normal", ["--routing", TRACE, "--num-tokens", "5"], "disagrees with the trace"),
     ("normal", ["--baselines-only", "--systems", "deepep_ascend"], "leaves no system"),
     ("low-latency", ["--num-tokens", "70000"], "must be below 65536"),
 ])
