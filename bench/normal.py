@@ -485,6 +485,8 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
             sp = peers[fastest] / rt["deepep_ascend"]
             out["speedup_over_faster_peer"] = sp
             tgt = target.get("speedup")
+            if tgt is not None:
+                out["speedup_target"], out["speedup_target_met"] = tgt, bool(sp >= tgt)
             verdict = "" if tgt is None else f" (target >= {tgt:g}x at {R} ranks: {'met' if sp >= tgt else 'MISSED'})"
             out["lines"].append(f"[summary]  deepep_ascend speedup over the faster peer ({fastest}): "
                                 f"{sp:.2f}x{verdict}")
@@ -498,6 +500,7 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
         for n, v in rr.items():
             verdict = ""
             if n == "deepep_ascend" and tgt is not None:
+                out["roofline_target"], out["roofline_target_met"] = tgt, bool(v <= tgt)
                 verdict = f" (target <= {tgt:g}x: {'met' if v <= tgt else 'MISSED'})"
             parts.append(f"{n} {v:.2f}x{verdict}")
         out["lines"].append("[summary]  round trip / memcpy roofline: " + " | ".join(parts))

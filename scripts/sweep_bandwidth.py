@@ -616,6 +616,7 @@ def parse_args(argv=None):
                 + " (check --num-tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/"
                   "--dtype/--mode)")
     a.configs, a.invalid = configs, skipped
+    a.overridden = ["--num-tokens" if k == "tokens" else "--" + k.replace("_", "-") for k in override]
     return a, p
 
 
@@ -673,7 +674,8 @@ def main(argv=None) -> int:
     done = done_keys(prev) if args.resume else set()
     todo = [c for c in args.configs if c.key not in done]
     n_skip = len(args.configs) - len(todo)
-    print(f"[sweep] preset {args.preset}: {len(args.configs)} configurations; {n_skip} already ok in "
+    given = f" with {', '.join(args.overridden)} given" if args.overridden else ""
+    print(f"[sweep] preset {args.preset}{given}: {len(args.configs)} configurations; {n_skip} already ok in "
           f"{os.path.join(args.out, 'results.json') if args.out else '-'} (skipped), {len(todo)} to run; "
           f"timeout {args.timeout:g} s per run", flush=True)
 

@@ -174,6 +174,13 @@ def _check_details(command: str, doc: dict) -> None:
         peers = min(by[f"{p}/round_trip"]["seconds"] for p in ("mpi_alltoallv", "gloo_all_to_all"))
         assert math.isclose(doc["summary"]["speedup_over_faster_peer"],
                             peers / by["deepep_ascend/round_trip"]["seconds"])
+        s = doc["summary"]  # the printed verdicts, as data: the target of the job's rank count and whether it was met
+        want = {2: (5.0, 2.5), 4: (3.0, None), 8: (3.0, None)}.get(doc["params"]["num_ranks"], (None, None))
+        assert (s.get("speedup_target"), s.get("roofline_target")) == want, s
+        if want[0] is not None:
+            assert s["speedup_target_met"] == (s["speedup_over_faster_peer"] >= want[0])
+        if want[1] is not None:
+            assert s["roofline_target_met"] == (s["round_trip_over_roofline"]["deepep_ascend"] <= want[1])
     elif command == "ep":
         _check_ep_details(doc, by)
     elif command == "soak":  # every kind of call ran, every report is there, the verdict follows from them

@@ -219,6 +219,8 @@ def test_cli_axes_override_and_errors(capsys):
     # tokens 1024 > 511 is not a low-latency size; rpn 4 does not fit 2 ranks and is one node at 4
     assert all(c.mode == "low_latency" and c.tokens == 64 and c.dtype == "fp8" for c in a.configs)
     assert len(keys) == 3 and {(c.ranks, c.ranks_per_node) for c in a.configs} == {(2, None), (4, None), (4, 2)}
+    assert a.overridden == ["--num-tokens", "--hidden", "--ranks", "--ranks-per-node", "--dtype"]  # (--fp8 sets it)
+    assert sw.parse_args(["--preset", "small", "--out", "d"])[0].overridden == []
     ll = next(c for c in a.configs if c.ranks_per_node == 2)
     argv = ll.bench_args("f.json", {"--no-progress", "--link-profile"})
     assert "--bf16" not in argv and argv[argv.index("--ranks-per-node") + 1] == "2"
@@ -268,7 +270,10 @@ def test_main_console_lines_and_exit_status(out_tmp, monkeypatch, capsys):
     assert len(ok) == 2 and all(": EMULATED links (ascend950 x 0.001) | dispatch" in ln for ln in ok), ok
     monkeypatch.setattr(sw, "run_config", lambda cfg, *a: (None, 2, "exit 2, no JSON result", 1.0))
     assert sw.main(["--preset", "smoke", "--out", str(out_tmp / "failed")]) == 1
-    assert "ran 2 (ok 0, failed 2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ran 2 (ok 0, failed 2)" in out and "[sweep] preset smoke: 2 configurations" in out
+    assert sw.main(["--preset", "smoke", "--out", str(out_tmp / "given"), "--num-tokens", "64"]) == 1
+    assert "[sweep] preset smoke with --num-tokens given: 1 configurations" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------
