@@ -21,7 +21,7 @@ import torch
 
 from .errors import TransportArgumentError, TransportRuntimeError
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # where MPICH maps its shared windows too
 _SERIALS = itertools.count()
 
 
@@ -50,7 +50,7 @@ class SharedSegment:
         nbytes = int(nbytes)
         try:
             if nbytes:
-                path = os.path.join(_SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
+                path = os.path.join(SHM_DIR, f"deepep_ascend.{os.getpid()}.{next(_SERIALS)}.{name}")
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     created = True

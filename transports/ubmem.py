@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import gc
 import itertools
+import os
 import reprlib
 import sys
 import time
@@ -45,7 +46,7 @@ from .errors import (
     TransportUnsupported,
 )
 from .link_model import LinkEmulator, LinkStats, emulator_from_env
-from .segment import SharedSegment
+from .segment import SHM_DIR, SharedSegment
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared, gather_types
 
@@ -111,13 +112,8 @@ class SymmetricWindow:
         self.force_urma = bool(force_urma)
         world = tp.topology.world_size
         self._world = world
-        self._abort_off = 0
-        self._reason_off = world
-        self._barrier_off = self._reason_off + world * (_REASON_BYTES // 8)
-        self._waitfor_off = self._barrier_off + len(Team) * world  # [world]: 1 = this rank waits for it
-        self._leave_off = self._waitfor_off + world  # [world]: teardown words, see Transport.destroy
-        self._slot_off = self._leave_off + world
-        ctl_words = self._slot_off + self.num_slots * world
+        (self._abort_off, self._reason_off, self._barrier_off, self._waitfor_off, self._leave_off, self._slot_off,
+         ctl_words) = self._control_layout(world, self.num_slots)
         self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
         topo = tp.topology
         total = self.control_bytes + self.nbytes
@@ -159,6 +155,24 @@ class SymmetricWindow:
         self._baseline_refs = self._buffer_refs()
         self._make_data_views()
         self.sync()
+
+    @staticmethod
+    def _control_layout(world: int, num_slots: int) -> tuple:
+        """Word offsets of the control region's parts (abort flags, reasons, barrier slots, waiting-for flags
+        (1 = this rank waits for it), teardown words (see Transport.destroy), signal slots) and its words."""
+        reason = world
+        barrier = reason + world * (_REASON_BYTES // 8)
+        waitfor = barrier + len(Team) * world
+        leave = waitfor + world
+        slot = leave + world
+        return 0, reason, barrier, waitfor, leave, slot, slot + num_slots * world
+
+    @staticmethod
+    def total_bytes(nbytes: int, num_slots: int, world: int) -> int:
+        """Bytes of one rank's segment of a window of ``nbytes`` data bytes and ``num_slots`` slots over ``world``
+        ranks: its control region, padded, then the data."""
+        words = SymmetricWindow._control_layout(world, num_slots)[-1]
+        return -(-words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN + int(nbytes)
 
     def _create_shared(self, tp, name: str, total: int) -> None:
         """The node-shared segment of every rank: ``MPI_Win_allocate_shared`` over the node."""
@@ -370,6 +384,7 @@ class Transport:
                 f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots, force_urma) must be the same "
                 f"non-negative ints on every rank; got (rank i at index i) "
                 f"{[v if v is not None else 'invalid' for v in everyone]}")
+        self._check_shared_memory(name, SymmetricWindow.total_bytes(nbytes, num_slots, self.topology.world_size))
         win = SymmetricWindow(self, name, nbytes, num_slots, force_urma=force_urma)
         if win.force_urma:
             self._forced_urma = True  # waits drive MPI progress from now on
@@ -378,6 +393,36 @@ class Transport:
         # Every control region is zeroed before anyone signals; URMA peers signal from other nodes.
         (self.comm if win._rma is not None else self.node_comm).Barrier()
         return win
+
+    def _check_shared_memory(self, name: str, total: int) -> None:
+        """Refuse (``TransportRuntimeError`` on every rank, before anything is allocated) a window whose segments
+        on one host, ``total`` bytes per rank, add up to more than the free space of ``/dev/shm`` there: MPI maps
+        them from files there, sparsely, so the allocation would succeed and a store past the free space would
+        kill the process with SIGBUS (docs/design/transports.md §2). Hosts are told apart by
+        ``MPI_Get_processor_name`` (simulated nodes share theirs); hosts without ``/dev/shm`` are not checked."""
+        from mpi4py import MPI
+
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = None
+        seen = self.comm.allgather((MPI.Get_processor_name(), free))
+        hosts: dict = {}
+        for host, host_free in seen:
+            count, least = hosts.get(host, (0, None))
+            if host_free is not None:
+                least = host_free if least is None else min(least, host_free)
+            hosts[host] = (count + 1, least)
+        over = [(h, n, f) for h, (n, f) in hosts.items() if f is not None and n * total > f]
+        if over:
+            h, n, f = over[0]
+            raise TransportRuntimeError(
+                f"rank {self.topology.rank}: create_window('{name}'): {n} ranks on host {h} would map {n} x {total} B "
+                f"= {n * total / 1e9:.2f} GB of shared memory, more than the {f / 1e9:.2f} GB free in {SHM_DIR} "
+                f"there (a store past it would kill the process with SIGBUS); ask for fewer bytes (e.g. a smaller "
+                f"num_max_dispatch_tokens_per_rank / num_max_tokens_per_rank, num_nvl_bytes or num_rdma_bytes), "
+                f"use fewer ranks per host, or enlarge {SHM_DIR}")
 
     def create_segment(self, name: str, nbytes: int) -> SharedSegment:
         """Collectively (over the node) map a :class:`~transports.segment.SharedSegment` of ``nbytes``

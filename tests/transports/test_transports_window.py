@@ -28,6 +28,36 @@ def test_window_sizes_must_be_equal(shared_tp):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_window_larger_than_the_hosts_free_shared_memory_is_refused(shared_tp):
+    """A window whose segments on one host add up to more than /dev/shm's free space is refused on every rank
+    before anything is mapped (MPI would map it sparsely and a store past the free space would raise SIGBUS);
+    each segment alone fits, so only the sum over the host's ranks decides. The transport stays usable."""
+    import os
+
+    from mpi4py import MPI
+
+    from deepep_ascend.transports import SymmetricWindow, TransportRuntimeError
+
+    tp = shared_tp
+    st = os.statvfs("/dev/shm")
+    free = tp.comm.allreduce(st.f_bavail * st.f_frsize, op=MPI.MIN)
+    local = tp.comm.allreduce(1 if MPI.Get_processor_name() == tp.comm.bcast(MPI.Get_processor_name()) else 0)
+    n = tp.topology.world_size
+    if local != n:
+        pytest.skip("ranks on more than one host")
+    nbytes = free // n + (64 << 20)  # the host's sum is over the free space by n x 64 MiB; one segment is not
+    assert SymmetricWindow.total_bytes(nbytes, 1, n) * n > free and (n == 1 or nbytes < free)
+    with pytest.raises(TransportRuntimeError) as ei:
+        tp.create_window("too_big", nbytes, 1)
+    msg = str(ei.value)
+    assert f"rank {tp.topology.rank}: create_window('too_big'): {n} ranks on host" in msg and "/dev/shm" in msg
+    fits = max(0, free // n - (64 << 20))  # and the sum just under it is taken (its pages never touched here)
+    win = tp.create_window("fits", fits, 1)
+    assert win.nbytes == fits
+    tp.barrier()
+
+
+@pytest.mark.mpi(min_size=1)
 def test_window_negative_sizes_rejected(shared_tp):
     tp = shared_tp
     with pytest.raises(TransportArgumentError):
