@@ -23,6 +23,25 @@ def _shape(op: str, name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"deepep_ascend.native.{op}: {name} must be {list(shape)}, got {list(t.shape)}")
 
 
+def _groups(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, cols: int) -> int:
+    """Check ``t``, a contiguous ``[G, cols]`` ``dtype`` tensor; returns ``G``."""
+    require_dense(op, name, t, dtype, ndim=2)
+    if t.size(1) != cols:
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be [G, {cols}], got {tuple(t.shape)}")
+    return t.size(0)
+
+
+def _tail_rows(op: str, tail: torch.Tensor, use: torch.Tensor, g: int) -> int:
+    """Check ``use`` (bool ``[G]``) and ``tail`` (uint8 ``[F, 96]``, ``F`` the groups without use); returns ``F``."""
+    require_dense(op, "use", use, torch.bool, numel=g, ndim=1)
+    require_dense(op, "tail", tail, torch.uint8, ndim=2)
+    num_tail = g - int(use.sum()) if g else 0
+    if tuple(tail.shape) != (num_tail, _TAIL):
+        raise ValueError(f"deepep_ascend.native.{op}: tail must be [{num_tail}, {_TAIL}] (one row per group without "
+                         f"use), got {tuple(tail.shape)}")
+    return num_tail
+
+
 def _outputs(op: str, inputs: dict, outputs: dict) -> None:
     """Refuse outputs torch would not write in place, or that overlap an input or each other (every operand
     dense: its bytes are ``[data_ptr, data_ptr + nbytes)``)."""
@@ -66,10 +85,7 @@ def logfmt_meta(x: torch.Tensor, meta: torch.Tensor) -> bool:
     if fn is None:
         return False
     op = "logfmt_meta"
-    require_dense(op, "x", x, torch.int16, ndim=2)
-    if x.size(1) != _GROUP:
-        raise ValueError(f"deepep_ascend.native.{op}: x must be [G, {_GROUP}], got {tuple(x.shape)}")
-    g = x.size(0)
+    g = _groups(op, "x", x, torch.int16, _GROUP)
     require_dense(op, "meta", meta, torch.int16, ndim=2)
     _shape(op, "meta", meta, (g, 2))
     _outputs(op, {"x": x}, {"meta": meta})
@@ -136,21 +152,13 @@ def logfmt_encode(x: torch.Tensor, use: torch.Tensor, lb: torch.Tensor, step: to
     if fn is None:
         return False
     op = "logfmt_encode"
-    require_dense(op, "x", x, torch.int16, ndim=2)
-    if x.size(1) != _GROUP:
-        raise ValueError(f"deepep_ascend.native.{op}: x must be [G, {_GROUP}], got {tuple(x.shape)}")
-    g = x.size(0)
-    require_dense(op, "use", use, torch.bool, numel=g, ndim=1)
+    g = _groups(op, "x", x, torch.int16, _GROUP)
     for name, t in (("lb", lb), ("step", step), ("rho", rho)):
         require_dense(op, name, t, torch.float32, numel=g, ndim=1)
     require_dense(op, "log2_of", log2_of, torch.float32, numel=1 << 15, ndim=1)
     require_dense(op, "body", body, torch.uint8, ndim=2)
     _shape(op, "body", body, (g, _BODY))
-    require_dense(op, "tail", tail, torch.uint8, ndim=2)
-    num_tail = g - int(use.sum()) if g else 0
-    if tuple(tail.shape) != (num_tail, _TAIL):
-        raise ValueError(f"deepep_ascend.native.{op}: tail must be [{num_tail}, {_TAIL}] (one row per group without "
-                         f"use), got {tuple(tail.shape)}")
+    num_tail = _tail_rows(op, tail, use, g)
     _outputs(op, {"x": x, "use": use, "lb": lb, "step": step, "rho": rho, "log2_of": log2_of},
              {"body": body, "tail": tail})
     fn(g, x.data_ptr(), use.data_ptr(), lb.data_ptr(), step.data_ptr(), rho.data_ptr(), log2_of.data_ptr(),
@@ -179,16 +187,8 @@ def logfmt_decode(body: torch.Tensor, tail: torch.Tensor, use: torch.Tensor, p: 
     if fn is None:
         return False
     op = "logfmt_decode"
-    require_dense(op, "body", body, torch.uint8, ndim=2)
-    if body.size(1) != _BODY:
-        raise ValueError(f"deepep_ascend.native.{op}: body must be [G, {_BODY}], got {tuple(body.shape)}")
-    g = body.size(0)
-    require_dense(op, "use", use, torch.bool, numel=g, ndim=1)
-    require_dense(op, "tail", tail, torch.uint8, ndim=2)
-    num_tail = g - int(use.sum()) if g else 0
-    if tuple(tail.shape) != (num_tail, _TAIL):
-        raise ValueError(f"deepep_ascend.native.{op}: tail must be [{num_tail}, {_TAIL}] (one row per group without "
-                         f"use), got {tuple(tail.shape)}")
+    g = _groups(op, "body", body, torch.uint8, _BODY)
+    num_tail = _tail_rows(op, tail, use, g)
     for name, t in (("p", p), ("two_lb", two_lb)):
         require_dense(op, name, t, torch.float64, numel=g, ndim=1)
     require_dense(op, "out", out, torch.float32, ndim=2)
