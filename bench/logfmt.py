@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
                         "128 tokens of top-8)")
     p.add_argument("--scale", type=cli.float_at_least(0.0), default=2.0 ** -6,
                    help="the rows are randn times this (default 2^-6, as bench low-latency --logfmt)")
-    cli.add_shared(p, hidden=7168, iters=10, warmup=1, seed=0, json=None, minimum=dict(hidden=128))
+    cli.add_shared(p, hidden=7168, iters=10, warmup=1, seed=0, json=None)
 
 
 def check_args(p, args) -> None:
