@@ -167,6 +167,8 @@ def check_job(p: argparse.ArgumentParser, a: argparse.Namespace, num_ranks: int 
     if num_ranks and rpn is not None and num_ranks % rpn:
         p.error(f"--ranks-per-node {rpn} must divide the number of ranks ({num_ranks})")
     for flag, path in (("--json", getattr(a, "json", None)), ("--save-routing", getattr(a, "save_routing", None))):
+        if path is not None and (not path.strip() or os.path.isdir(path)):
+            p.error(f"{flag} {path!r}: needs a file name" + (" (that is a directory)" if path.strip() else ""))
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
             p.error(f"{flag} {path}: directory {folder} does not exist or is not writable")

@@ -551,6 +551,10 @@ def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
     preset = PRESETS[a.preset]
+    # what the command line set beside the grid's axes (named on the [sweep] line with them)
+    given = [f"--{d.replace('_', '-')}" for d in ("mode", "iters", "warmup", "warmup_s", "seed", "no_peers",
+                                                 "link_profile", "link_emulation", "link_scale")
+             if getattr(a, d) != p.get_default(d)]
     if not a.out and not a.dry_run:
         p.error("--out DIR is required (unless --dry-run)")
     a.iters = preset["iters"] if a.iters is None else a.iters
@@ -616,7 +620,7 @@ def parse_args(argv=None):
                 + " (check --num-tokens/--hidden/--inter/--num-topk/--num-experts/--ranks/--ranks-per-node/"
                   "--dtype/--mode)")
     a.configs, a.invalid = configs, skipped
-    a.overridden = ["--num-tokens" if k == "tokens" else "--" + k.replace("_", "-") for k in override]
+    a.overridden = ["--num-tokens" if k == "tokens" else "--" + k.replace("_", "-") for k in override] + given
     return a, p
 
 

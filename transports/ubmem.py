@@ -116,7 +116,7 @@ class SymmetricWindow:
          ctl_words) = self._control_layout(world, self.num_slots)
         self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
         topo = tp.topology
-        total = self.control_bytes + self.nbytes
+        total = self.mapped_bytes = self.control_bytes + self.nbytes
         self._rma = None
         self._rma_is_win = False  # the RMA window is self._win itself (MPI_Win_allocate exposure)
         # World rank -> mpi4py buffer of its whole segment (node peers only).
@@ -243,6 +243,14 @@ class SymmetricWindow:
 
 
 _MAX_BYTE = 2 ** 62  # byte offsets and counts stay below it: their sums fit an int64
+
+
+def _amount(nbytes: int) -> str:
+    """``nbytes`` exactly and in the unit that reads best: ``"29,825,152 B (29.8 MB)"``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes:,} B ({nbytes / scale:.1f} {unit})"
+    return f"{nbytes:,} B"
 
 
 def _byte_counts(where: str, name: str, values) -> np.ndarray:
@@ -384,7 +392,8 @@ class Transport:
                 f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots, force_urma) must be the same "
                 f"non-negative ints on every rank; got (rank i at index i) "
                 f"{[v if v is not None else 'invalid' for v in everyone]}")
-        self._check_shared_memory(name, SymmetricWindow.total_bytes(nbytes, num_slots, self.topology.world_size))
+        self._check_shared_memory(f"create_window('{name}')",
+                                  SymmetricWindow.total_bytes(nbytes, num_slots, self.topology.world_size), self.comm)
         win = SymmetricWindow(self, name, nbytes, num_slots, force_urma=force_urma)
         if win.force_urma:
             self._forced_urma = True  # waits drive MPI progress from now on
@@ -394,12 +403,19 @@ class Transport:
         (self.comm if win._rma is not None else self.node_comm).Barrier()
         return win
 
-    def _check_shared_memory(self, name: str, total: int) -> None:
-        """Refuse (``TransportRuntimeError`` on every rank, before anything is allocated) a window whose segments
-        on one host, ``total`` bytes per rank, add up to more than the free space of ``/dev/shm`` there: MPI maps
-        them from files there, sparsely, so the allocation would succeed and a store past the free space would
-        kill the process with SIGBUS (docs/design/transports.md §2). Hosts are told apart by
-        ``MPI_Get_processor_name`` (simulated nodes share theirs); hosts without ``/dev/shm`` are not checked."""
+    def _check_shared_memory(self, what: str, nbytes: int, comm, reserved: bool = False) -> None:
+        """Refuse, with ``TransportRuntimeError`` on every rank of ``comm`` and before anything is allocated, a new
+        window segment or shared segment of ``nbytes`` on this rank (``what`` names the call) when, summed over the
+        ranks of each host, it and the windows this process has mapped exceed the free space of ``/dev/shm`` there.
+
+        MPI maps window segments from files there without reserving their pages: the allocation succeeds and the
+        first store past the free space kills the process with SIGBUS. Shared segments reserve theirs, so a
+        segment that takes the space a window's pages still need is that same SIGBUS later. Every mapped window
+        counts whole, touched or not (docs/design/transports.md §3.5). Hosts are told apart by
+        ``MPI_Get_processor_name`` (the simulated nodes of a host share it); one without ``/dev/shm`` is not
+        checked. ``comm``: the collective of the call (the world for a window, the node for a segment);
+        ``reserved``: the new memory reserves its pages (a segment), so when it alone exceeds the free space its own
+        reservation fails, with its own message, and only the windows' share is checked here."""
         from mpi4py import MPI
 
         try:
@@ -407,22 +423,21 @@ class Transport:
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = None
-        seen = self.comm.allgather((MPI.Get_processor_name(), free))
+        mapped = sum(w.mapped_bytes for tp in list(_LIVE) for w in tp._windows)
         hosts: dict = {}
-        for host, host_free in seen:
-            count, least = hosts.get(host, (0, None))
+        for host, host_free, new, old in comm.allgather((MPI.Get_processor_name(), free, nbytes, mapped)):
+            ranks, least, news, olds = hosts.get(host, (0, None, 0, 0))
             if host_free is not None:
                 least = host_free if least is None else min(least, host_free)
-            hosts[host] = (count + 1, least)
-        over = [(h, n, f) for h, (n, f) in hosts.items() if f is not None and n * total > f]
-        if over:
-            h, n, f = over[0]
-            raise TransportRuntimeError(
-                f"rank {self.topology.rank}: create_window('{name}'): {n} ranks on host {h} would map {n} x {total} B "
-                f"= {n * total / 1e9:.2f} GB of shared memory, more than the {f / 1e9:.2f} GB free in {SHM_DIR} "
-                f"there (a store past it would kill the process with SIGBUS); ask for fewer bytes (e.g. a smaller "
-                f"num_max_dispatch_tokens_per_rank / num_max_tokens_per_rank, num_nvl_bytes or num_rdma_bytes), "
-                f"use fewer ranks per host, or enlarge {SHM_DIR}")
+            hosts[host] = (ranks + 1, least, news + new, olds + old)
+        for host, (ranks, least, news, olds) in hosts.items():
+            if least is not None and news + olds > least and not (reserved and news > least):
+                raise TransportRuntimeError(
+                    f"rank {self.topology.rank}: {what}: its {ranks} ranks on host {host} would map {_amount(news)} "
+                    f"of shared memory beside the {_amount(olds)} of windows mapped there already, more than the "
+                    f"{_amount(least)} free in {SHM_DIR} (a store past it would kill the process with SIGBUS); ask "
+                    f"for fewer bytes (e.g. a smaller num_max_dispatch_tokens_per_rank / num_max_tokens_per_rank, "
+                    f"num_nvl_bytes or num_rdma_bytes), use fewer ranks per host, or enlarge {SHM_DIR}")
 
     def create_segment(self, name: str, nbytes: int) -> SharedSegment:
         """Collectively (over the node) map a :class:`~transports.segment.SharedSegment` of ``nbytes``
@@ -439,6 +454,8 @@ class Transport:
                 between creating and unlinking it.
         """
         self._check_open("create_segment")
+        valid = isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, (bool, np.bool_)) and nbytes > 0
+        self._check_shared_memory(f"create_segment('{name}')", int(nbytes) if valid else 0, self.node_comm, True)
         return SharedSegment(self, name, nbytes)
 
     def destroy_at_exit(self) -> None:

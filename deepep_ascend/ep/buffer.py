@@ -235,6 +235,8 @@ class Buffer(SharedOnCopy):
             raise RuntimeError(f"Buffer: num_rdma_bytes > 0 needs more than one node (here one node of "
                                f"{self.ranks_per_node} ranks) unless low_latency_mode=True; pass num_rdma_bytes=0")
         try:
+            # the landing segments reserve their pages: made first, the windows' check counts them as taken
+            self._landing = self._landing_build() if num_nvl_bytes and not self._internode else None
             self._win = self.runtime.create_window("ubmem", num_nvl_bytes, NUM_SLOTS) if num_nvl_bytes else None
             # across nodes the normal path has its own window of num_rdma_bytes beside the LL one: DeepEP
             # shares one region between modes used at different times; two regions need no such care
@@ -242,7 +244,13 @@ class Buffer(SharedOnCopy):
             self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
                               if num_rdma_bytes and self._internode else None)
             self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
-            self._landing = self._landing_build() if self._win is not None and not self._internode else None
+        except TransportRuntimeError as exc:
+            self.runtime.destroy(force=True)
+            if getattr(self, "_landing", None) is None or "/dev/shm" not in str(exc):
+                raise
+            raise TransportRuntimeError(f"{exc}; the recv_x landing segments already reserve "
+                                        f"{self._landing.sizes.get(topo.rank, 0):,} B per rank of that space "
+                                        f"(${settings.LANDING_BYTES.name}=0 makes none)") from None
         except Exception:
             self.runtime.destroy(force=True)
             raise

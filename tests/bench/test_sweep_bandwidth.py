@@ -219,7 +219,10 @@ def test_cli_axes_override_and_errors(capsys):
     # tokens 1024 > 511 is not a low-latency size; rpn 4 does not fit 2 ranks and is one node at 4
     assert all(c.mode == "low_latency" and c.tokens == 64 and c.dtype == "fp8" for c in a.configs)
     assert len(keys) == 3 and {(c.ranks, c.ranks_per_node) for c in a.configs} == {(2, None), (4, None), (4, 2)}
-    assert a.overridden == ["--num-tokens", "--hidden", "--ranks", "--ranks-per-node", "--dtype"]  # (--fp8 sets it)
+    assert a.overridden == ["--num-tokens", "--hidden", "--ranks", "--ranks-per-node", "--dtype", "--mode"]  # (--fp8)
+    settings = sw.parse_args(["--preset", "small", "--dry-run", "--iters", "3", "--warmup", "0", "--seed", "5",
+                              "--no-peers", "--warmup-s", "0.5"])[0]
+    assert settings.overridden == ["--iters", "--warmup", "--warmup-s", "--seed", "--no-peers"]
     assert sw.parse_args(["--preset", "small", "--out", "d"])[0].overridden == []
     ll = next(c for c in a.configs if c.ranks_per_node == 2)
     argv = ll.bench_args("f.json", {"--no-progress", "--link-profile"})

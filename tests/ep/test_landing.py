@@ -235,6 +235,50 @@ def test_bad_landing_size_is_a_clear_error_on_every_rank(comm, monkeypatch):
                  f"bad ${LANDING_BYTES.name}: got {exc!r}")
 
 
+def test_landing_segments_count_against_the_windows_shared_memory(comm, monkeypatch):
+    """The landing segments reserve their pages and the ubmem window maps its own sparsely: with shared memory for
+    the segments but not for the window's pages beside them, the Buffer is refused on every rank before anything is
+    used, naming the segments and $DEEPEP_ASCEND_LANDING_BYTES (not built, to die of SIGBUS at a later store); with
+    that variable at 0 the same Buffer builds and runs. /dev/shm's free space is shown shifted down to a budget
+    (what the segments' reservation takes still counts, for real)."""
+    import os as os_mod
+
+    from mpi4py import MPI
+
+    from deepep_ascend.transports import TransportRuntimeError
+
+    nvl = _hint(comm.Get_size())
+    n = comm.Get_size()  # one host
+    real = os_mod.statvfs
+
+    def shifted(budget):
+        start = real("/dev/shm")
+        offset = comm.allreduce(start.f_bavail * start.f_frsize, op=MPI.MIN) - budget
+
+        def statvfs(path, *a):
+            st = real(path, *a)
+            if str(path) != "/dev/shm":
+                return st
+            free = max(0, st.f_bavail * st.f_frsize - offset) // st.f_frsize
+            return os_mod.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, free, free, st.f_files, st.f_ffree,
+                                          st.f_favail, st.f_flag, st.f_namemax))
+        return statvfs
+
+    monkeypatch.setattr(os_mod, "statvfs", shifted(n * nvl + n * nvl // 2))  # the segments, half the window
+    _, exc = capture(lambda: Buffer(None, nvl, comm=comm, explicitly_destroy=True))
+    all_ranks_ok(comm, isinstance(exc, TransportRuntimeError) and "create_window('ubmem')" in str(exc)
+                 and f"recv_x landing segments already reserve {nvl:,} B per rank" in str(exc)
+                 and LANDING_BYTES.name in str(exc), f"refused Buffer: got {exc!r}")
+    monkeypatch.setattr(os_mod, "statvfs", shifted(n * nvl + n * nvl // 2))  # (the refused segments are gone)
+    monkeypatch.setenv(LANDING_BYTES.name, "0")
+    buf = Buffer(None, nvl, comm=comm, explicitly_destroy=True)
+    try:
+        paths, ok = _dispatches(buf, comm, [705])
+        all_ranks_ok(comm, ok and paths == ["staged"], f"without landing segments: paths {paths}")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
 def _combine(buf, x, handle, recv_w, use_async=False):
     """``buf.combine`` on every rank; ``(combined_x, combined_topk_weights, read in place?)``."""
     def call():

@@ -28,33 +28,50 @@ def test_window_sizes_must_be_equal(shared_tp):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_window_larger_than_the_hosts_free_shared_memory_is_refused(shared_tp):
-    """A window whose segments on one host add up to more than /dev/shm's free space is refused on every rank
-    before anything is mapped (MPI would map it sparsely and a store past the free space would raise SIGBUS);
-    each segment alone fits, so only the sum over the host's ranks decides. The transport stays usable."""
+def test_window_larger_than_the_hosts_free_shared_memory_is_refused():
+    """A window whose segments on one host, with the windows mapped there already, add up to more than /dev/shm's
+    free space is refused on every rank before anything is mapped (MPI would map it sparsely and a store past the
+    free space would raise SIGBUS); each segment alone fits, so only the sum over the host's ranks decides. So is a
+    shared segment (which reserves its pages) that fits only by taking the pages those windows still need. The
+    transport stays usable."""
     import os
 
     from mpi4py import MPI
 
     from deepep_ascend.transports import SymmetricWindow, TransportRuntimeError
 
-    tp = shared_tp
-    st = os.statvfs("/dev/shm")
-    free = tp.comm.allreduce(st.f_bavail * st.f_frsize, op=MPI.MIN)
-    local = tp.comm.allreduce(1 if MPI.Get_processor_name() == tp.comm.bcast(MPI.Get_processor_name()) else 0)
-    n = tp.topology.world_size
-    if local != n:
-        pytest.skip("ranks on more than one host")
-    nbytes = free // n + (64 << 20)  # the host's sum is over the free space by n x 64 MiB; one segment is not
-    assert SymmetricWindow.total_bytes(nbytes, 1, n) * n > free and (n == 1 or nbytes < free)
-    with pytest.raises(TransportRuntimeError) as ei:
-        tp.create_window("too_big", nbytes, 1)
-    msg = str(ei.value)
-    assert f"rank {tp.topology.rank}: create_window('too_big'): {n} ranks on host" in msg and "/dev/shm" in msg
-    fits = max(0, free // n - (64 << 20))  # and the sum just under it is taken (its pages never touched here)
-    win = tp.create_window("fits", fits, 1)
-    assert win.nbytes == fits
-    tp.barrier()
+    from .helpers import destroy_quietly, make_transport
+
+    tp = make_transport()  # its own: the large window below must not outlive the test
+    try:
+        st = os.statvfs("/dev/shm")
+        free = tp.comm.allreduce(st.f_bavail * st.f_frsize, op=MPI.MIN)
+        local = tp.comm.allreduce(1 if MPI.Get_processor_name() == tp.comm.bcast(MPI.Get_processor_name()) else 0)
+        n = tp.topology.world_size
+        if local != n:
+            pytest.skip("ranks on more than one host")
+        margin = 64 << 20
+        nbytes = free // n + margin  # the host's sum is over the free space by n x 64 MiB; one segment is not
+        assert SymmetricWindow.total_bytes(nbytes, 1, n) * n > free and (n == 1 or nbytes < free)
+        with pytest.raises(TransportRuntimeError) as ei:
+            tp.create_window("too_big", nbytes, 1)
+        msg = str(ei.value)
+        assert f"rank {tp.topology.rank}: create_window('too_big'): its {n} ranks on host" in msg, msg
+        assert f"would map {n * SymmetricWindow.total_bytes(nbytes, 1, n):,} B" in msg and "/dev/shm" in msg, msg
+        fits = max(0, (free - 2 * n * margin) // n)  # a sum under the free space is taken (its pages never touched)
+        win = tp.create_window("fits", fits, 1)
+        assert win.nbytes == fits
+        # a segment of 2 x 64 MiB per rank fits the free space alone, not beside that window's pages
+        with pytest.raises(TransportRuntimeError, match=r"create_segment\('landing'\): its \d+ ranks on host .* "
+                                                        r"beside the .* of windows mapped there already"):
+            tp.create_segment("landing", 2 * margin + (4 << 20))
+        small = tp.create_window("small", 4096, 1)  # still usable
+        me = tp.topology.rank
+        tp.put(small, me, 0, torch.full((8,), 7, dtype=torch.uint8))
+        assert tp.local_view(small, 0, 8).eq(7).all()
+        tp.barrier()
+    finally:
+        destroy_quietly(tp)
 
 
 @pytest.mark.mpi(min_size=1)
