@@ -19,6 +19,7 @@ routing a run used, and ``scripts/train_moe.py --save-trace`` a trained gate's.
 from __future__ import annotations
 
 import hashlib
+import zipfile
 
 import numpy as np
 import torch
@@ -26,8 +27,11 @@ import torch
 
 def _load_trace_dict(path: str) -> dict:
     if path.endswith(".npz"):
-        with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                return {k: f[k] for k in f.files}
+        except (ValueError, OSError, zipfile.BadZipFile) as e:  # not an archive of arrays (numpy says "pickled")
+            raise ValueError(f"routing trace {path!r}: not a readable .npz archive of arrays ({e})") from None
     if path.endswith(".pt"):
         obj = torch.load(path, map_location="cpu", weights_only=True)
         obj = obj if isinstance(obj, dict) else {"topk_idx": obj}

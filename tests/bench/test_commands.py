@@ -392,6 +392,18 @@ def test_option_combinations_are_usage_errors(command, argv, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err, argv
 
 
+@ONE_RANK
+def test_a_routing_file_that_is_no_trace_is_a_usage_error(out_dir, capsys):
+    from bench import commands
+
+    path = os.path.join(out_dir, "garbage.npz")
+    with open(path, "w") as f:
+        f.write("not an archive\n")
+    with pytest.raises(SystemExit) as e:
+        commands.parse("normal", ["--routing", path])
+    assert e.value.code == 2 and "not a readable .npz archive of arrays" in capsys.readouterr().err
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(300)
 @ONE_RANK
