@@ -1,7 +1,9 @@
 """Integer rounding: how many blocks of a size hold a count, and a count rounded up to a multiple of a size.
 
 A leaf (it imports nothing), shared by every room that sizes windows, regions, segments and padded layouts:
-the EP room's buffers and engines, DeepGEMM's scale layouts, ``deep_ep.utils.math``'s ``align`` / ``ceil_div``.
+the EP room's buffers and engines, DeepGEMM's scale layouts, MegaMoE's waves and layouts, the training glue,
+``deep_ep.utils.math``'s ``align`` / ``ceil_div``. (The transports read no module of the library but its
+settings, so they round on their own.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ SHM_DIR = "/dev/shm"  # where MPICH maps its shared windows too
 _SERIALS = itertools.count()
 
 
-def _is_integer(v) -> bool:
+def is_integer(v) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -44,7 +44,7 @@ class SharedSegment:
         self.sizes, self._maps = {}, {}
         self._bases = {}  # peer -> address of its mapping (address(), offset_of()), while mapped
         path, error, fd, created = None, None, -1, False
-        bad_arg = not _is_integer(nbytes) or nbytes < 0
+        bad_arg = not is_integer(nbytes) or nbytes < 0
         if bad_arg:
             error, nbytes = f"rank {self.rank}: nbytes must be a non-negative int, got {nbytes!r}", 0
         nbytes = int(nbytes)
@@ -132,7 +132,7 @@ class SharedSegment:
                 float: an address must not be computed from them).
         """
         if type(offset) is not int or type(nbytes) is not int:  # (the common case first: plain ints)
-            if not (_is_integer(offset) and _is_integer(nbytes)):
+            if not (is_integer(offset) and is_integer(nbytes)):
                 raise TransportArgumentError(f"rank {self.rank}: segment '{self.name}': address offset and nbytes "
                                              f"must be integers, got {offset!r} and {nbytes!r}")
             offset, nbytes = int(offset), int(nbytes)

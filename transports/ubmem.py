@@ -46,7 +46,7 @@ from .errors import (
     TransportUnsupported,
 )
 from .link_model import LinkEmulator, LinkStats, emulator_from_env
-from .segment import SHM_DIR, SharedSegment
+from .segment import SHM_DIR, SharedSegment, is_integer
 from .topology import ChannelKind, Topology
 from .urma import Progress, RmaWindow, allocate_node_shared, gather_types
 
@@ -114,7 +114,7 @@ class SymmetricWindow:
         self._world = world
         (self._abort_off, self._reason_off, self._barrier_off, self._waitfor_off, self._leave_off, self._slot_off,
          ctl_words) = self._control_layout(world, self.num_slots)
-        self.control_bytes = -(-ctl_words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
+        self.control_bytes = self._padded_control(ctl_words)
         topo = tp.topology
         total = self.mapped_bytes = self.control_bytes + self.nbytes
         self._rma = None
@@ -171,8 +171,13 @@ class SymmetricWindow:
     def total_bytes(nbytes: int, num_slots: int, world: int) -> int:
         """Bytes of one rank's segment of a window of ``nbytes`` data bytes and ``num_slots`` slots over ``world``
         ranks: its control region, padded, then the data."""
-        words = SymmetricWindow._control_layout(world, num_slots)[-1]
-        return -(-words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN + int(nbytes)
+        return SymmetricWindow._padded_control(SymmetricWindow._control_layout(world, num_slots)[-1]) + int(nbytes)
+
+    @staticmethod
+    def _padded_control(words: int) -> int:
+        """Bytes of a control region of ``words`` int64 words, padded to :data:`_CONTROL_ALIGN` (the transports read
+        no module of the library but its settings, deepep_ascend.rounding included)."""
+        return -(-words * 8 // _CONTROL_ALIGN) * _CONTROL_ALIGN
 
     def _create_shared(self, tp, name: str, total: int) -> None:
         """The node-shared segment of every rank: ``MPI_Win_allocate_shared`` over the node."""
@@ -243,6 +248,20 @@ class SymmetricWindow:
 
 
 _MAX_BYTE = 2 ** 62  # byte offsets and counts stay below it: their sums fit an int64
+
+
+def _shared_memory_state() -> tuple:
+    """``(host, free bytes of /dev/shm or None, bytes of every window this process has mapped)``: what a rank tells
+    its peers before shared memory is added (``Transport._refuse_past_free``). Hosts are told apart by
+    ``MPI_Get_processor_name`` (the simulated nodes of a host share it); one without ``/dev/shm`` is not checked."""
+    from mpi4py import MPI
+
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return MPI.Get_processor_name(), free, sum(w.mapped_bytes for tp in list(_LIVE) for w in tp._windows)
 
 
 def _amount(nbytes: int) -> str:
@@ -384,16 +403,18 @@ class Transport:
             TransportArgumentError: sizes negative or different between ranks (on every rank).
         """
         self._check_open("create_window")
-        ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (nbytes, num_slots))
+        ok = all(is_integer(v) and v >= 0 for v in (nbytes, num_slots))
         mine = (int(nbytes), int(num_slots), bool(force_urma)) if ok else None
-        everyone = self.comm.allgather(mine)  # decided together: a bad value on one rank fails all
+        # decided together, in one collective: a bad value on one rank fails all, and so does a host without room
+        gathered = self.comm.allgather((mine, _shared_memory_state()))
+        everyone = [args for args, _ in gathered]
         if any(v is None for v in everyone) or len(set(everyone)) != 1:
             raise TransportArgumentError(
                 f"rank {self.topology.rank}: create_window('{name}'): (nbytes, num_slots, force_urma) must be the same "
                 f"non-negative ints on every rank; got (rank i at index i) "
                 f"{[v if v is not None else 'invalid' for v in everyone]}")
-        self._check_shared_memory(f"create_window('{name}')",
-                                  SymmetricWindow.total_bytes(nbytes, num_slots, self.topology.world_size), self.comm)
+        total = SymmetricWindow.total_bytes(nbytes, num_slots, self.topology.world_size)
+        self._refuse_past_free(f"create_window('{name}')", [(total, state) for _, state in gathered])
         win = SymmetricWindow(self, name, nbytes, num_slots, force_urma=force_urma)
         if win.force_urma:
             self._forced_urma = True  # waits drive MPI progress from now on
@@ -403,33 +424,24 @@ class Transport:
         (self.comm if win._rma is not None else self.node_comm).Barrier()
         return win
 
-    def _check_shared_memory(self, what: str, nbytes: int, comm, reserved: bool = False) -> None:
-        """Refuse, with ``TransportRuntimeError`` on every rank of ``comm`` and before anything is allocated, a new
-        window segment or shared segment of ``nbytes`` on this rank (``what`` names the call) when, summed over the
-        ranks of each host, it and the windows this process has mapped exceed the free space of ``/dev/shm`` there.
+    def _refuse_past_free(self, what: str, gathered: list, reserved: bool = False) -> None:
+        """Raise ``TransportRuntimeError`` (every rank of the collective that gathered ``gathered``, before anything
+        is allocated) when, summed over the ranks of a host, the new memory and the windows mapped there already
+        exceed the free space of its ``/dev/shm``. ``gathered``: per rank, ``(new bytes, _shared_memory_state())``;
+        ``what`` names the call.
 
         MPI maps window segments from files there without reserving their pages: the allocation succeeds and the
         first store past the free space kills the process with SIGBUS. Shared segments reserve theirs, so a
         segment that takes the space a window's pages still need is that same SIGBUS later. Every mapped window
-        counts whole, touched or not (docs/design/transports.md §3.5). Hosts are told apart by
-        ``MPI_Get_processor_name`` (the simulated nodes of a host share it); one without ``/dev/shm`` is not
-        checked. ``comm``: the collective of the call (the world for a window, the node for a segment);
-        ``reserved``: the new memory reserves its pages (a segment), so when it alone exceeds the free space its own
-        reservation fails, with its own message, and only the windows' share is checked here."""
-        from mpi4py import MPI
-
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = None
-        mapped = sum(w.mapped_bytes for tp in list(_LIVE) for w in tp._windows)
+        counts whole, touched or not (docs/design/transports.md §3.5). ``reserved``: the new memory reserves its
+        pages (a segment), so when it alone exceeds the free space its own reservation fails, with its own
+        message, and only the windows' share is checked here."""
         hosts: dict = {}
-        for host, host_free, new, old in comm.allgather((MPI.Get_processor_name(), free, nbytes, mapped)):
+        for new, (host, free, mapped) in gathered:
             ranks, least, news, olds = hosts.get(host, (0, None, 0, 0))
-            if host_free is not None:
-                least = host_free if least is None else min(least, host_free)
-            hosts[host] = (ranks + 1, least, news + new, olds + old)
+            if free is not None:
+                least = free if least is None else min(least, free)
+            hosts[host] = (ranks + 1, least, news + new, olds + mapped)
         for host, (ranks, least, news, olds) in hosts.items():
             if least is not None and news + olds > least and not (reserved and news > least):
                 raise TransportRuntimeError(
@@ -454,8 +466,9 @@ class Transport:
                 between creating and unlinking it.
         """
         self._check_open("create_segment")
-        valid = isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, (bool, np.bool_)) and nbytes > 0
-        self._check_shared_memory(f"create_segment('{name}')", int(nbytes) if valid else 0, self.node_comm, True)
+        new = int(nbytes) if is_integer(nbytes) and nbytes > 0 else 0  # (a bad nbytes: SharedSegment refuses it)
+        self._refuse_past_free(f"create_segment('{name}')", self.node_comm.allgather((new, _shared_memory_state())),
+                               reserved=True)
         return SharedSegment(self, name, nbytes)
 
     def destroy_at_exit(self) -> None:
@@ -1184,7 +1197,7 @@ class Transport:
         if on_timeout not in ("raise", "return"):
             raise TransportArgumentError(f"rank {self.topology.rank}: wait_until: on_timeout must be 'raise' or "
                                          f"'return', got {on_timeout!r}")
-        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in srcs):
+        if not all(is_integer(s) for s in srcs):
             raise TransportArgumentError(f"rank {self.topology.rank}: wait_until(win='{win.name}'): source ranks "
                                          f"must be ints, got {list(srcs)!r}")
         srcs = [int(s) for s in srcs]

@@ -18,6 +18,7 @@ import torch
 
 from ..checks import storage_problem
 from ..native import dispatch_layout as native_dispatch_layout
+from ..rounding import ceil_div
 from .config import Config
 from .event import EventOverlap
 from .handles import InternodeHandle, IntranodeHandle, origin_of
@@ -175,7 +176,7 @@ def check_x(x) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_tensor(scales, "x[1] (scales)", ndim=2)
         check(scales.dtype in (torch.float32, torch.int32), TypeError,
               lambda: f"`x[1]` (scales) must be float32 (or int32 packed UE8M0), got {scales.dtype}")
-        want = hidden // 128 if scales.dtype == torch.float32 else -(-hidden // 512)
+        want = hidden // 128 if scales.dtype == torch.float32 else ceil_div(hidden, 512)
         check(tuple(scales.shape) == (data.size(0), want), ValueError,
               lambda: f"`x[1]` (scales) must have shape {(data.size(0), want)} for hidden={hidden} and "
               f"{scales.dtype}, got {tuple(scales.shape)}")

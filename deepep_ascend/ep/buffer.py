@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..rounding import align
 from ..settings import SettingError
 from ..transports import (
     ChannelKind,
@@ -392,7 +393,7 @@ class Buffer(SharedOnCopy):
                                               2 * hidden, num_topk)[0]
         size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
                                          num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
-        return -(-size // 128) * 128
+        return align(size, 128)
 
     @staticmethod
     def get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,

@@ -59,8 +59,7 @@ class Config:
             raise RuntimeError(
                 f"Config: RDMA chunk sizes must be > 0, got send {num_max_rdma_chunked_send_tokens}, "
                 f"recv {num_max_rdma_chunked_recv_tokens}")
-        num_max_rdma_chunked_recv_tokens = align(num_max_rdma_chunked_recv_tokens,
-                                                     num_max_rdma_chunked_send_tokens)
+        num_max_rdma_chunked_recv_tokens = align(num_max_rdma_chunked_recv_tokens, num_max_rdma_chunked_send_tokens)
         if not (num_max_rdma_chunked_send_tokens < num_max_rdma_chunked_recv_tokens
                 and num_max_rdma_chunked_send_tokens <= num_max_rdma_chunked_recv_tokens // 2):
             raise RuntimeError(

@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..ordering import stable_argsort
-from ..rounding import align
+from ..rounding import align, ceil_div
 from ..transports import ChannelKind, Team, Topology, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
 from .arguments import context_idx_problem, is_int, sl_idx_problem
@@ -331,9 +331,9 @@ class EngramBuffer(BufferBase):
         rate = f32(NIC_READ_MPPS) * f32(1e6) * f32(READ_RTT_S) / f32(num_max_read_requests_per_qp) / f32(peers)
         num_qps = max(int(np.ceil(rate)), 1)
         num_requests = num_layers * num_max_tokens * num_entries_per_token
-        slots = -(-num_requests // (num_qps * peers))
+        slots = ceil_div(num_requests, num_qps * peers)
         if slots > MAX_QP_DEPTH:
-            return int(-(-num_requests // (MAX_QP_DEPTH * peers)) * 1.05), MAX_QP_DEPTH, True
+            return int(ceil_div(num_requests, MAX_QP_DEPTH * peers) * 1.05), MAX_QP_DEPTH, True
         depth = DEFAULT_QP_DEPTH
         while depth < slots and depth < MAX_QP_DEPTH:
             depth *= 2

@@ -18,7 +18,7 @@ import torch
 from .. import native as _native
 from .. import settings
 from ..ordering import stable_argsort
-from ..rounding import align
+from ..rounding import align, ceil_div
 from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
@@ -240,7 +240,7 @@ class EPBuffer(BufferBase):
         if num_nodes == 1:
             return align(nvl, unit)
         total = num_ranks + num_nodes
-        n = align(max(nvl + rdma, -(-nvl * total // num_ranks), -(-rdma * total // num_nodes)), unit)
+        n = align(max(nvl + rdma, ceil_div(nvl * total, num_ranks), ceil_div(rdma * total, num_nodes)), unit)
         while n > unit and _covers(_split(n - unit, num_ranks, num_nodes), needs):
             n -= unit
         while not _covers(_split(n, num_ranks, num_nodes), needs):
@@ -265,7 +265,7 @@ class EPBuffer(BufferBase):
         if num_nodes > 1 and not allow_hybrid_mode:  # direct mode: one rank per node for the engines
             num_nodes = num_ranks
         k = num_topk if num_topk > 0 else NUM_MAX_TOPK
-        x_bytes, sf_bytes = (hidden, 4 * -(-hidden // 128)) if use_fp8_dispatch else (2 * hidden, 0)
+        x_bytes, sf_bytes = (hidden, 4 * ceil_div(hidden, 128)) if use_fp8_dispatch else (2 * hidden, 0)
         needs = EPBuffer._window_needs(num_ranks, num_nodes, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
         return EPBuffer._bytes_for(needs, num_ranks, num_nodes)
 

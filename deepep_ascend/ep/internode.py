@@ -53,7 +53,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from ..rounding import ceil_div
+from ..rounding import align, ceil_div
 from . import memory
 from .handles import InternodeHandle
 from .layout import recv_channel_prefix, send_layout, to_local_experts
@@ -101,10 +101,6 @@ HDR = 256  # header bytes sent with every block (32 int64 words: the protocol's 
 W_ROWS, W_AUX = 30, 31  # rows in this block; combine: largest token count of the sender's node
 STAGE_HDR = 1024  # combine staging header: the 16 words, then the message at word 32
 _ALIGN = 128
-
-
-def _a8(x: int) -> int:
-    return -(-x // 8) * 8
 
 
 def _offsets(base: int, rows: int, row_fields) -> tuple[list, int]:
@@ -221,7 +217,7 @@ class InternodeEngine:
         self.u_half = (urma_win.nbytes // 2) // _ALIGN * _ALIGN
         self.box = (self.u_half // self.G) // _ALIGN * _ALIGN
         self.n_half = (ubmem_win.nbytes // 2) // _ALIGN * _ALIGN
-        self.stage_rows_off = STAGE_HDR + _a8(8 * self.num_ranks)  # combine's staged rows, after the count vector
+        self.stage_rows_off = STAGE_HDR + align(8 * self.num_ranks, 8)  # combine's staged rows, after the count vector
         self.seq = 0  # rounds run so far; identical on every rank
         self.op_calls = CallCounter()  # this rank's dispatches and combines (header word W_OP_CALL)
         self._pack = torch.empty(0, dtype=torch.uint8)  # staging of blocks bound for other nodes
@@ -237,12 +233,12 @@ class InternodeEngine:
     # -- sizing ----------------------------------------------------------------------
     def windows_hold_headers(self) -> bool:
         """Each node box holds a header and an error message, each staging half its header (no rows yet)."""
-        return self.box >= HDR + MSG_BYTES and self.n_half >= STAGE_HDR + _a8(8 * self.num_ranks)
+        return self.box >= HDR + MSG_BYTES and self.n_half >= STAGE_HDR + align(8 * self.num_ranks, 8)
 
     def min_window_bytes(self) -> str:
         """The smallest window sizes for which :meth:`windows_hold_headers` holds, as text."""
-        box = -(-(HDR + MSG_BYTES) // _ALIGN) * _ALIGN
-        stage = -(-(STAGE_HDR + _a8(8 * self.num_ranks)) // _ALIGN) * _ALIGN
+        box = align(HDR + MSG_BYTES, _ALIGN)
+        stage = align(STAGE_HDR + align(8 * self.num_ranks, 8), _ALIGN)
         return f"at least num_nvl_bytes={2 * stage} and num_rdma_bytes={2 * self.G * box}, plus rows"
     def _dispatch_vec_ints(self, num_experts: int) -> int:
         return self.num_ranks + num_experts + self.G
@@ -255,7 +251,7 @@ class InternodeEngine:
 
     def dispatch_capacity(self, xb, sb, k, num_experts, cached) -> int:
         """Tokens per sender per round (every one of them may need every node)."""
-        rows_off = HDR + (0 if cached else _a8(4 * self._dispatch_vec_ints(num_experts)))
+        rows_off = HDR + (0 if cached else align(4 * self._dispatch_vec_ints(num_experts), 8))
         return max(0, (self.box - MSG_BYTES - rows_off) // sum(self.dispatch_fields(xb, sb, k, cached)))
 
     def combine_capacity(self, hidden, wcols) -> int:
@@ -266,7 +262,7 @@ class InternodeEngine:
         staged = self.num_ranks - self.G
         if not staged:
             return max(0, box_rows)
-        stage_rows = (self.n_half - STAGE_HDR - _a8(8 * self.num_ranks)) // row // staged
+        stage_rows = (self.n_half - STAGE_HDR - align(8 * self.num_ranks, 8)) // row // staged
         return max(0, min(box_rows, stage_rows))
 
     @staticmethod
@@ -274,12 +270,12 @@ class InternodeEngine:
         """``(num_nvl_bytes, num_rdma_bytes)`` for which calls of ``num_tokens`` tokens per rank never chunk."""
         rpn = num_ranks // num_nodes
         disp_row = 8 * k + 4 * k + sb + 4 + xb + rpn
-        disp_box = HDR + _a8(4 * (num_ranks + num_experts + num_nodes)) + num_tokens * disp_row + MSG_BYTES
+        disp_box = HDR + align(4 * (num_ranks + num_experts + num_nodes), 8) + num_tokens * disp_row + MSG_BYTES
         comb_row = combine_xb + 4 * wcols
         comb_box = HDR + num_tokens * comb_row + MSG_BYTES
-        box = -(-max(disp_box, comb_box) // _ALIGN) * _ALIGN
-        stage = STAGE_HDR + _a8(8 * num_ranks) + (num_ranks - num_nodes) * num_tokens * comb_row
-        stage = -(-stage // _ALIGN) * _ALIGN
+        box = align(max(disp_box, comb_box), _ALIGN)
+        stage = STAGE_HDR + align(8 * num_ranks, 8) + (num_ranks - num_nodes) * num_tokens * comb_row
+        stage = align(stage, _ALIGN)
         return 2 * stage + 2 * _ALIGN, 2 * num_nodes * box + 2 * _ALIGN
 
     # -- primitives ----------------------------------------------------------------------
@@ -444,7 +440,7 @@ class InternodeEngine:
         its outputs then).
         """
         phase = f"{OP_NAMES[op]} call #{call_id}"
-        vec_bytes = 0 if vec is None else _a8(4 * vec.numel())
+        vec_bytes = 0 if vec is None else align(4 * vec.numel(), 8)
         per_round = max(1, (self.box - MSG_BYTES - HDR - vec_bytes) // max(1, sum(fields)))
         op_call = self.op_calls.next(op)
         words = {**words, W_CALL: call_id, W_OP: op, W_OP_CALL: op_call, W_STATUS: int(error is not None)}
@@ -639,7 +635,7 @@ class InternodeEngine:
         per_expert = vectors[:, num_ranks + me * local:num_ranks + (me + 1) * local].sum(0)
         call.recv_counts.numpy()[:] = per_expert
         alignment = call.expert_alignment
-        call.recv_list = [] if call.num_worst_tokens else [-(-c // alignment) * alignment for c in per_expert.tolist()]
+        call.recv_list = [] if call.num_worst_tokens else [align(c, alignment) for c in per_expert.tolist()]
         if _PH.on:
             _PH.switch("outputs")
         # Tokens this rank forwards, per source node a: rail peer (a, l)'s count for our node.

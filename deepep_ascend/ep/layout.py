@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import native as _native
+from ..rounding import ceil_div
 
 topk_idx_t = torch.int64
 
@@ -90,7 +91,7 @@ def to_local_experts(recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tenso
 
 def channel_quota(num_tokens: int, num_channels: int) -> int:
     """Tokens per channel ``q = ceil(N/C)`` (at least 1): channel ``c`` owns tokens ``[c·q, min((c+1)·q, N))``."""
-    return max(1, -(-num_tokens // num_channels))
+    return max(1, ceil_div(num_tokens, num_channels))
 
 
 def send_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,7 @@ from ..gemm.logfmt import (
 from ..gemm.scales import pack_ue8m0_to_int
 from ..native.operands import mark_written
 from ..ordering import stable_argsort
-from ..rounding import align
+from ..rounding import align, ceil_div
 from ..transports import ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
@@ -136,7 +136,7 @@ def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     ``c = 4S + 2H``; ``send = max(M·d, E·M·c)``, ``recv = E·M·max(d, c)``,
     ``sig = align(4E, 128)``; ``total = 2(send + recv + sig)``; ``(total // 128 + 1)·128``.
     """
-    s = -(-hidden // 128)
+    s = ceil_div(hidden, 128)
     d = 16 + max(2 * hidden, hidden + 4 * s)
     c = 4 * s + 2 * hidden
     send = max(m * d, num_experts * m * c)
@@ -152,7 +152,7 @@ class Layout:
     def __init__(self, m, hidden, num_experts, num_ranks):
         self.M, self.H, self.E, self.R = m, hidden, num_experts, num_ranks
         self.L = num_experts // num_ranks
-        self.S = -(-hidden // 128)
+        self.S = ceil_div(hidden, 128)
         self.d = MSG_HEADER + max(2 * hidden, hidden + 4 * self.S)
         self.c = 4 * self.S + 2 * hidden
         self.sig = align(4 * num_experts, 128)

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from ..rounding import align
+
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MIN_BYTES = 2 * HUGE_PAGE  # below this a huge page would be mostly slack
@@ -162,7 +164,7 @@ class OutputPool:
                 blk = blocks.pop(min(free, key=lambda i: blocks[i].numel()))
             else:
                 grain = _SMALL_GRAIN if small else HUGE_PAGE
-                blk = _block(-(-want // grain) * grain)
+                blk = _block(align(want, grain))
                 if storage_users(blk) != 1:
                     return blk[:nbytes].view(dtype).view(shape)
                 if len(blocks) >= self.max_blocks:
@@ -202,7 +204,7 @@ class SegmentPool:
             for start, end in sorted((o, o + n) for o, n, _ in self._live) + [(self.nbytes, self.nbytes)]:
                 if start - pos > best[1]:
                     best = (pos, start - pos)
-                pos = max(pos, -(-end // self.ALIGN) * self.ALIGN)
+                pos = max(pos, align(end, self.ALIGN))
             return best
 
     @outside_inference_mode

@@ -16,6 +16,7 @@ from ..ep.arguments import is_int
 from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
 from ..native.operands import write_refusal
+from ..rounding import ceil_div
 from ..settings import DG_COMM_KERNEL_DEBUG, MEGA_MOE_EXPERTS_PER_WAVE
 from .consensus import check_agreement, consensus
 from .experts import Experts, check_clamp, gemm_engine, swiglu_params
@@ -151,7 +152,7 @@ def _fused(kind, y, l1_weights, l2_weights, sb, stats, activation_clamp, fast_ma
     ``tokens``: each rank's token count; ``oai``: the activation's parameters (:class:`~.experts.Experts`)."""
     el = sb.num_local_experts
     epw = experts_per_wave(sb, cmat, override)
-    num_waves = -(-el // epw)
+    num_waves = ceil_div(el, epw)
     trace = MegaMoETrace(overlap, num_waves, epw, start=time.perf_counter())
     engine = gemm_engine()
     w1, w2 = untransformed(kind, l1_weights, l2_weights, engine)

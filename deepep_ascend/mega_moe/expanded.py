@@ -10,9 +10,10 @@ import torch
 from ..checks import check_storage
 from ..ep.ep_buffer import EPBuffer, handle_made_by
 from ..ep.ep_handle import EPHandle
+from ..rounding import align
 from .experts import activation as swiglu_rows
 from .experts import check_clamp, dequant_x, expert_gemm, gemm_engine, operand_dtype, swiglu_params
-from .formats import BF16, FP8, align
+from .formats import BF16, FP8
 from .weights import check_weights, untransformed
 
 _OP = "mega_moe_experts"

@@ -12,11 +12,6 @@ SF_GRAN = 32  # channels per UE8M0 scale of activations and FP4 weights (recipe 
 ACTIVATIONS = ("swiglu", "swigluoai")
 
 
-def align(x: int, a: int) -> int:
-    """``x`` rounded up to a multiple of ``a`` (both positive ints)."""
-    return -(-x // a) * a
-
-
 def dispatch_row_bytes(hidden: int, is_fp8: bool) -> int:
     """Bytes of one dispatched pair row: e4m3 data then one UE8M0 byte per 32 channels, or bf16."""
     return hidden + hidden // SF_GRAN if is_fp8 else 2 * hidden

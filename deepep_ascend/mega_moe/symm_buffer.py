@@ -13,10 +13,11 @@ from ..ep.buffer import Buffer
 from ..ep.group import mpi_comm_of
 from ..ep.memory import outside_inference_mode
 from ..ep.reduce import CombineScratch
+from ..rounding import align
 from ..settings import MEGA_MOE_BACKEND, SettingError
 from ..transports import Topology, quiet_allgather_object
 from .consensus import VERDICT_MSG, check_agreement
-from .formats import ACTIVATIONS, BF16, FP8, INTERLEAVE, align, dispatch_row_bytes
+from .formats import ACTIVATIONS, BF16, FP8, INTERLEAVE, dispatch_row_bytes
 
 _TOKEN_ALIGN = 384  # LCM of upstream's block-M candidates (docs/semantics/mega-moe.md §1.1)
 _VIEW_ALIGN = 64

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..ordering import stable_argsort
+from ..rounding import ceil_div
 from ..settings import MEGA_MOE_EXPERTS_PER_WAVE, SettingError
 from ..transports import TransportPoisoned
 from .experts import shared_terms
@@ -45,7 +46,7 @@ def experts_per_wave(sb, counts, override):
     rows = int(counts.sum()) / sb.num_ranks  # rows each rank receives, on average
     row_bytes = dispatch_row_bytes(sb.hidden, sb.is_fp8) + 2 * sb.hidden  # + the bf16 row combined back
     waves = max(1, min(_MAX_WAVES, el, round(rows * row_bytes / _WAVE_BYTES)))
-    return -(-el // waves)
+    return ceil_div(el, waves)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ from ..ep.config import Config
 from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
 from ..ep.rows import dense
+from ..rounding import align
 
 __all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
            "low_latency_dispatch"]
@@ -396,7 +397,7 @@ def _ll_repeat_rank(handle: LowLatencyHandle, valid: torch.Tensor) -> torch.Tens
 def _ll_narrow_cols(k: int) -> int:
     """bf16 columns of the backward's weight/index dispatch and dot-product combine: ``3K`` rounded
     up to a multiple of 4, so rows are whole 8-byte words (the LL engine views message bytes as int32)."""
-    return -(-3 * k // 4) * 4
+    return align(3 * k, 4)
 
 
 def _split3(v: torch.Tensor):

@@ -65,6 +65,7 @@ from torch import nn
 from ..ep.buffer import Buffer
 from ..ep.ep_buffer import EPBuffer
 from ..ordering import stable_argsort
+from ..rounding import align as align_up
 from . import autograd as ep_autograd
 
 try:  # DeepGEMM-aligned m-/k-grouped GEMMs (deepep_ascend.gemm.grouped), when present
@@ -362,7 +363,7 @@ class LocalExperts(nn.Module):
         else:
             xs = recv_x.to(self._loop_dtype(recv_x))
             ends = psum.tolist()
-            starts = [0] + [-(-end // expert_alignment) * expert_alignment for end in ends[:-1]]
+            starts = [0] + [align_up(end, expert_alignment) for end in ends[:-1]]
             pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]) if ends else \
                 torch.empty(0, dtype=torch.int64)
             # every expert, even with 0 rows: zero gradients, not None
@@ -375,7 +376,7 @@ class LocalExperts(nn.Module):
         align = _gg.get_mk_alignment_for_contiguous_layout()
         starts, ends, end = [], [], 0
         for c in counts:
-            start = -(-end // align) * align
+            start = align_up(end, align)
             starts.append(start)
             end = start + c
             ends.append(end)
