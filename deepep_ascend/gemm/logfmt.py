@@ -3,10 +3,9 @@ per 128 channels a sign and a 9-bit code on a log scale between the group's smal
 plus 4 bytes of metadata; groups the format cannot take travel as BF16, exactly.
 
 :func:`logfmt10_encode` and :func:`logfmt10_decode` give the wire format (body, metadata, tail);
-:func:`logfmt10_group_mask` and :func:`logfmt10_wire_bytes` read what a row's metadata implies. The
-per-group parameters are vectorized torch; the passes over the elements run in C where the native library is
-loaded (:mod:`deepep_ascend.native.logfmt`, one pass each where torch makes about twenty), else in torch, with
-the same bits.
+:func:`logfmt10_group_mask` and :func:`logfmt10_wire_bytes` read what a row's metadata implies. Where
+the native library is loaded the coder runs in C (:mod:`deepep_ascend.native.logfmt`: one pass per step where torch
+makes about twenty), else as vectorized torch; both give the same bits.
 """
 
 from __future__ import annotations
@@ -286,7 +285,7 @@ def decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor, native: b
     bits = meta.reshape(g, 2).view(torch.int16)
     prm = _native_params(bits.contiguous()) if g and native and _native.available() else None
     if prm is not None:
-        use, nfb = prm[0], prm[-1]
+        use, _, _, _, p, two_lb, nfb = prm
     else:
         use, lb, step, _, em1 = _logfmt_params(bits[:, 0], bits[:, 1])
         nfb = int((~use).sum())
@@ -298,7 +297,7 @@ def decode(body: torch.Tensor, meta: torch.Tensor, tail: torch.Tensor, native: b
     flat = body.reshape(g, LOGFMT_BODY_BYTES)
     if prm is not None:
         out = torch.empty(g, LOGFMT_GROUP, dtype=torch.float32)
-        _native.logfmt_decode(flat.contiguous(), tail.contiguous(), use, prm[4], prm[5], out)  # loaded: prm says so
+        _native.logfmt_decode(flat.contiguous(), tail.contiguous(), use, p, two_lb, out)  # loaded: prm says so
         return out.view(*lead, body.size(-2) * LOGFMT_GROUP)
     fb = ~use
     sel = torch.nonzero(use).squeeze(1)

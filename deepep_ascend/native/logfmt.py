@@ -1,6 +1,6 @@
-"""LogFMT-10's element passes in C (``csrc/logfmt.c``): the metadata of each group of 128 channels, the encoded
-body and tail, and the decoded values, from the per-group parameters :mod:`deepep_ascend.gemm.logfmt` computes
-in torch. Each gives the bits of that module's torch path (docs/semantics/deepep-api.md §6.3).
+"""LogFMT-10 in C (``csrc/logfmt.c``): the metadata of each group of 128 channels, the groups' parameters, the
+encoded body and tail, and the decoded values. Each gives the bits of :mod:`deepep_ascend.gemm.logfmt`'s torch path
+(docs/semantics/deepep-api.md §6.3).
 
 Each wrapper checks its operands (contiguous CPU tensors of the dtypes and shapes named; ``ValueError``
 otherwise, nothing written), returns False where the library is not loaded, and otherwise writes its outputs.

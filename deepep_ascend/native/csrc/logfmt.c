@@ -2,18 +2,18 @@
  * BF16 channels, one pass per step where torch makes about twenty over int64 and float64 temporaries.
  *
  *   deepep_logfmt_meta    each group's (amax, amin) magnitude bits: the format's metadata
+ *   deepep_logfmt_params  each group's parameters from them (lb, step, rho; the decoder's 2**step and 2**lb)
  *   deepep_logfmt_encode  each group's 160-byte body (ten-bit codes, or a BF16 group's first 160 bytes) and
  *                         the BF16 groups' last 96 bytes, in group order
  *   deepep_logfmt_decode  float32 values from body, tail and the groups' parameters
+ *   deepep_logfmt_avx512  whether the AVX-512 paths run (tests switch them off to check the portable ones)
  *
- * The per-group parameters (lb, step, rho; 2**step and 2**lb) stay in torch (deepep_ascend.gemm.logfmt, a few
- * operations per group); the kernels take them and repeat the torch path's element arithmetic operation by
- * operation in the same precision (float32 for the codes, float64 for the decode tables, no contraction:
+ * Each repeats the torch path's arithmetic (deepep_ascend.gemm.logfmt) operation by operation in the same
+ * precision (float32 for the codes, float64 for the parameters' series and the decode tables, no contraction:
  * -ffp-contract=off), so both paths give the same bits (tests/native/test_logfmt.py).
  *
  * Plain C, no Python headers, loaded with ctypes; built for any x86-64, the widest vector unit picked at run time
- * (bf16.h). The callers (deepep_ascend.native.logfmt) check shapes,
- * dtypes and contiguity.
+ * (bf16.h). The callers (deepep_ascend.native.logfmt) check shapes, dtypes and contiguity.
  */
 #include <stdint.h>
 #include <string.h>
@@ -154,8 +154,9 @@ int64_t deepep_logfmt_params(int64_t g, const int16_t *meta, const float *log2_o
  * byte 128 + j/4 bits 8-9 of value j at bit 2·(j % 4)); the others their BF16 bytes 0..159 into body and
  * 160..255 into the next row of tail. Returns 0, or 1 (body written, tail partly) when the groups without
  * use are not exactly num_tail. */
-MULTIVERSION int64_t deepep_logfmt_encode(int64_t g, const uint16_t *x, const uint8_t *use, const float *lb, const float *step,
-                             const float *rho, const float *log2_of, uint8_t *body, uint8_t *tail, int64_t num_tail) {
+MULTIVERSION int64_t deepep_logfmt_encode(int64_t g, const uint16_t *x, const uint8_t *use, const float *lb,
+                                          const float *step, const float *rho, const float *log2_of, uint8_t *body,
+                                          uint8_t *tail, int64_t num_tail) {
     int64_t f = 0;
     for (int64_t i = 0; i < g; ++i) {
         const uint16_t *v = x + i * GROUP;
@@ -204,7 +205,7 @@ MULTIVERSION int64_t deepep_logfmt_encode(int64_t g, const uint16_t *x, const ui
  * their BF16 bytes (body's 160, then their tail row's 96) widened exactly. Returns 0, or 1 (groups after the
  * last tail row left unwritten) when the groups without use outnumber num_tail. */
 MULTIVERSION int64_t deepep_logfmt_decode(int64_t g, const uint8_t *body, const uint8_t *tail, int64_t num_tail,
-                             const uint8_t *use, const double *p, const double *two_lb, float *out) {
+                                          const uint8_t *use, const double *p, const double *two_lb, float *out) {
     int64_t f = 0;
     for (int64_t i = 0; i < g; ++i) {
         const uint8_t *b = body + i * BODY;
