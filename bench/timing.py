@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import itertools
 import statistics
 import sys
 import time
@@ -124,9 +123,9 @@ def each_step(steps: Sequence[Phase], comm, iters: int, warmup: int, measure: Ca
     measured iterations (a bar of ``warmup + iters``). Collective: all ranks must pass the same steps. Returns this
     rank's measured iterations, ``[{step name: measure's record}]`` (a record of None is left out)."""
     out: list[dict] = []
-    warm = itertools.count()
+    warmed = 0
 
-    def iteration(keep: bool) -> None:
+    def iteration(keep: bool) -> dict:
         row = {}
         for name, fn in steps:
             if name is None:
@@ -137,17 +136,21 @@ def each_step(steps: Sequence[Phase], comm, iters: int, warmup: int, measure: Ca
                 fn()
             elif (rec := measure(fn)) is not None:
                 row[name] = rec
-        if keep:
-            out.append(row)
-        if progress is not None:
-            i = warmup + len(out) - 1 if keep else next(warm)
-            if keep or i < warmup:
-                progress(i)
+        return row
+
+    def warm_iteration() -> None:
+        nonlocal warmed
+        iteration(False)
+        if progress is not None and warmed < warmup:  # the bar counts the required warm-up, not the timed one
+            progress(warmed)
+        warmed += 1
 
     with gc_paused():
-        warm_up(lambda: iteration(False), comm, warmup, min_seconds)
-        for _ in range(iters):
-            iteration(True)
+        warm_up(warm_iteration, comm, warmup, min_seconds)
+        for it in range(iters):
+            out.append(iteration(True))
+            if progress is not None:
+                progress(warmup + it)
     return out
 
 
