@@ -155,13 +155,16 @@ def check_args(p, a) -> None:
         p.error(f"--routing {a.routing}: no such readable file")
     if a.routing_step and not a.routing:
         p.error("--routing-step needs --routing (the trace it picks a step of)")
-    if a.routing:  # a trace that cannot serve this job is a usage error, before anything runs
+    a.trace = None  # (topk_idx, topk_weights, meta) of this rank, loaded here: a trace that cannot serve this job
+    if a.routing:  # is a usage error, before anything runs
         from mpi4py import MPI
 
+        world = MPI.COMM_WORLD
         try:
-            meta = load_routing(a.routing, 0, MPI.COMM_WORLD.Get_size(), a.routing_step, a.num_experts)[2]
+            a.trace = load_routing(a.routing, world.Get_rank(), world.Get_size(), a.routing_step, a.num_experts)
         except (ValueError, OSError) as e:
             p.error(f"--routing: {e}")
+        meta = a.trace[2]
         for flag, given, traced in (("--num-tokens", a.num_tokens, meta["tokens_per_rank"]),
                                     ("--num-topk", a.num_topk, meta["num_topk"])):
             if given is not None and given != traced:
@@ -224,13 +227,9 @@ def build_workload(args, comm):
     rank, R = comm.Get_rank(), comm.Get_size()
     routing = weights = None
     source, label = "random", f"random (seed {args.seed})"
-    if args.routing:
-        routing, weights, meta = load_routing(args.routing, rank, R, args.routing_step, args.num_experts)
-        for name, val in (("num_tokens", meta["tokens_per_rank"]), ("num_topk", meta["num_topk"])):
-            given = getattr(args, name)
-            if given is not None and given != val:
-                raise SystemExit(f"--{name.replace('_', '-')} {given} disagrees with the trace ({val})")
-            setattr(args, name, val)
+    if args.trace is not None:  # loaded and checked against the options by check_args
+        routing, weights, meta = args.trace
+        args.num_tokens, args.num_topk = meta["tokens_per_rank"], meta["num_topk"]
         args.num_experts = meta["num_experts"]
         source = f"trace:{meta['digest']}"  # content, not file name, enters the fingerprint
         label = f"trace {os.path.basename(args.routing)} step {meta['step']}/{meta['num_steps']} [{meta['digest']}]"

@@ -393,6 +393,25 @@ def test_option_combinations_are_usage_errors(command, argv, needle, capsys):
 
 
 @ONE_RANK
+def test_a_routing_trace_is_read_once_and_replayed():
+    """``--routing``: the options' check reads this rank's rows of the trace; the workload replays those rows and
+    takes the trace's shape."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from bench import commands
+    from bench.normal import build_workload
+
+    args = commands.parse("normal", ["--routing", TRACE, "--routing-step", "3", "--hidden", "64"])
+    rows = np.load(TRACE)["topk_idx"][3]
+    assert np.array_equal(args.trace[0].numpy(), rows)  # one rank: every row
+    wl, label = build_workload(args, MPI.COMM_WORLD)
+    assert torch.equal(wl.topk_idx, args.trace[0]) and "step 3/26" in label
+    assert (args.num_tokens, args.num_topk, args.num_experts) == (rows.shape[0], rows.shape[1], 16)
+
+
+@ONE_RANK
 def test_a_routing_file_that_is_no_trace_is_a_usage_error(out_dir, capsys):
     from bench import commands
 
