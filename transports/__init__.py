@@ -6,6 +6,7 @@ docs/design/transports.md describes the contract this package implements.
 
 from .base import State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier, quiet_wait, resolve_timeout
 from .errors import (
+    SharedMemoryExhausted,
     TransportAborted,
     TransportArgumentError,
     TransportBusy,
@@ -58,5 +59,5 @@ __all__ = [
     "quiet_wait", "resolve_timeout",
     "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed",
-    "TransportBusy", "TransportRuntimeError",
+    "TransportBusy", "TransportRuntimeError", "SharedMemoryExhausted",
 ]

@@ -105,3 +105,8 @@ class TransportBusy(TransportError):
 
 class TransportRuntimeError(TransportError):
     """An MPI call failed; the message carries the MPI error string."""
+
+
+class SharedMemoryExhausted(TransportRuntimeError):
+    """A window or segment would take more shared memory than ``/dev/shm`` has free on a host (raised on every rank
+    before anything is mapped; docs/design/transports.md §3.5)."""

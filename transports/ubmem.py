@@ -35,6 +35,7 @@ import torch
 from ..settings import LINK_EMULATION, URMA_EXPOSURE
 from .base import State, Team, WaitPolicy, allgather_object, quiet_barrier, resolve_timeout
 from .errors import (
+    SharedMemoryExhausted,
     TransportAborted,
     TransportArgumentError,
     TransportBusy,
@@ -425,10 +426,10 @@ class Transport:
         return win
 
     def _refuse_past_free(self, what: str, gathered: list, reserved: bool = False) -> None:
-        """Raise ``TransportRuntimeError`` (every rank of the collective that gathered ``gathered``, before anything
-        is allocated) when, summed over the ranks of a host, the new memory and the windows mapped there already
-        exceed the free space of its ``/dev/shm``. ``gathered``: per rank, ``(new bytes, _shared_memory_state())``;
-        ``what`` names the call.
+        """Raise :class:`SharedMemoryExhausted` (every rank of the collective that gathered ``gathered``, before
+        anything is allocated) when, summed over the ranks of a host, the new memory and the windows mapped there
+        already exceed the free space of its ``/dev/shm``. ``gathered``: per rank, ``(new bytes,
+        _shared_memory_state())``; ``what`` names the call.
 
         MPI maps window segments from files there without reserving their pages: the allocation succeeds and the
         first store past the free space kills the process with SIGBUS. Shared segments reserve theirs, so a
@@ -444,7 +445,7 @@ class Transport:
             hosts[host] = (ranks + 1, least, news + new, olds + mapped)
         for host, (ranks, least, news, olds) in hosts.items():
             if least is not None and news + olds > least and not (reserved and news > least):
-                raise TransportRuntimeError(
+                raise SharedMemoryExhausted(
                     f"rank {self.topology.rank}: {what}: its {ranks} ranks on host {host} would map {_amount(news)} "
                     f"of shared memory beside the {_amount(olds)} of windows mapped there already, more than the "
                     f"{_amount(least)} free in {SHM_DIR} (a store past it would kill the process with SIGBUS); ask "

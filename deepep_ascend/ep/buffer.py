@@ -24,6 +24,7 @@ from ..settings import SettingError
 from ..transports import (
     ChannelKind,
     LinkStats,
+    SharedMemoryExhausted,
     TransportArgumentError,
     TransportRuntimeError,
     create_transport,
@@ -245,11 +246,11 @@ class Buffer(SharedOnCopy):
             self._urma_win = (self.runtime.create_window("urma", num_rdma_bytes, NUM_URMA_SLOTS)
                               if num_rdma_bytes and self._internode else None)
             self._ll = self._ll_build(num_rdma_bytes, allow_nvlink_for_low_latency_mode) if low_latency_mode else None
-        except TransportRuntimeError as exc:
+        except SharedMemoryExhausted as exc:
             self.runtime.destroy(force=True)
-            if getattr(self, "_landing", None) is None or "/dev/shm" not in str(exc):
+            if getattr(self, "_landing", None) is None:
                 raise
-            raise TransportRuntimeError(f"{exc}; the recv_x landing segments already reserve "
+            raise SharedMemoryExhausted(f"{exc}; the recv_x landing segments already reserve "
                                         f"{self._landing.sizes.get(topo.rank, 0):,} B per rank of that space "
                                         f"(${settings.LANDING_BYTES.name}=0 makes none)") from None
         except Exception:

@@ -245,7 +245,7 @@ def test_landing_segments_count_against_the_windows_shared_memory(comm, monkeypa
 
     from mpi4py import MPI
 
-    from deepep_ascend.transports import TransportRuntimeError
+    from deepep_ascend.transports import SharedMemoryExhausted
 
     nvl = _hint(comm.Get_size())
     n = comm.Get_size()  # one host
@@ -266,7 +266,7 @@ def test_landing_segments_count_against_the_windows_shared_memory(comm, monkeypa
 
     monkeypatch.setattr(os_mod, "statvfs", shifted(n * nvl + n * nvl // 2))  # the segments, half the window
     _, exc = capture(lambda: Buffer(None, nvl, comm=comm, explicitly_destroy=True))
-    all_ranks_ok(comm, isinstance(exc, TransportRuntimeError) and "create_window('ubmem')" in str(exc)
+    all_ranks_ok(comm, isinstance(exc, SharedMemoryExhausted) and "create_window('ubmem')" in str(exc)
                  and f"recv_x landing segments already reserve {nvl:,} B per rank" in str(exc)
                  and LANDING_BYTES.name in str(exc), f"refused Buffer: got {exc!r}")
     monkeypatch.setattr(os_mod, "statvfs", shifted(n * nvl + n * nvl // 2))  # (the refused segments are gone)

@@ -38,7 +38,7 @@ def test_window_larger_than_the_hosts_free_shared_memory_is_refused():
 
     from mpi4py import MPI
 
-    from deepep_ascend.transports import SymmetricWindow, TransportRuntimeError
+    from deepep_ascend.transports import SharedMemoryExhausted, SymmetricWindow
 
     from .helpers import destroy_quietly, make_transport
 
@@ -53,7 +53,7 @@ def test_window_larger_than_the_hosts_free_shared_memory_is_refused():
         margin = 64 << 20
         nbytes = free // n + margin  # the host's sum is over the free space by n x 64 MiB; one segment is not
         assert SymmetricWindow.total_bytes(nbytes, 1, n) * n > free and (n == 1 or nbytes < free)
-        with pytest.raises(TransportRuntimeError) as ei:
+        with pytest.raises(SharedMemoryExhausted) as ei:
             tp.create_window("too_big", nbytes, 1)
         msg = str(ei.value)
         assert f"rank {tp.topology.rank}: create_window('too_big'): its {n} ranks on host" in msg, msg
@@ -62,7 +62,7 @@ def test_window_larger_than_the_hosts_free_shared_memory_is_refused():
         win = tp.create_window("fits", fits, 1)
         assert win.nbytes == fits
         # a segment of 2 x 64 MiB per rank fits the free space alone, not beside that window's pages
-        with pytest.raises(TransportRuntimeError, match=r"create_segment\('landing'\): its \d+ ranks on host .* "
+        with pytest.raises(SharedMemoryExhausted, match=r"create_segment\('landing'\): its \d+ ranks on host .* "
                                                         r"beside the .* of windows mapped there already"):
             tp.create_segment("landing", 2 * margin + (4 << 20))
         small = tp.create_window("small", 4096, 1)  # still usable
