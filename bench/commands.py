@@ -61,6 +61,8 @@ COMMANDS = {
                           "deepep_ascend.e4m3_to_float (1 process)", False),
     "logfmt": Command("bench.logfmt", "LogFMT-10 encode and decode (the low-latency combine's lossy format): "
                       "native kernels against the torch path (1 process)", False),
+    "ll-receive": Command("bench.ll_receive", "the low-latency dispatch's receive with and without streaming stores, "
+                          "and the experts' first read of its rows, cache warm and cold (1 process)", False),
     "sort": Command("bench.sort", "stable orders of small integer keys: torch's argsort against "
                     "deepep_ascend.ordering.stable_argsort (1 process)", False),
     "alloc": Command("bench.alloc", "cost of writing an output into fresh host memory, with and without huge "

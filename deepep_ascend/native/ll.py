@@ -13,6 +13,7 @@ steps in one pass and writes the same bytes as that torch path:
   per-expert counts;
 * :func:`ll_dispatch_recv`: counts -> ``recv_count`` / ``layout_range``, every routed row loaded from its
   source's send region -> ``recv_x`` / scales / ``src_info``, then the sources' stamps (a seqlock);
+  :func:`ll_stream_rows` says when it stores those rows by streaming stores;
 * :func:`ll_combine_recv`: the counts against the route's, then the weighted sum of the returned rows;
 * :func:`ll_headers_agree`: the call headers' consensus in one pass (the caller explains a disagreement);
 * :func:`ll_publish`: a call's header into every destination, one fence, every destination's signal word;
@@ -37,7 +38,10 @@ from .operands import mark_written, require_dense
 from .rows import NAN_BITS
 
 __all__ = ["ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
-           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "signals_available"]
+           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "ll_stream_rows", "signals_available"]
+
+#: :func:`ll_stream_rows`' modes, in the kernel's numbering.
+STREAM_MODES = ("never", "large", "always")
 
 
 def ll_available() -> bool:
@@ -124,6 +128,30 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, bases
           index_off, counts_off, counts.data_ptr(), sent.data_ptr()):
         raise ValueError(f"deepep_ascend.native.{op}: slots must lie in [-1, {num_local * num_ranks * m})")
     return True
+
+
+def ll_stream_rows(mode: str | None = None) -> str | None:
+    """When :func:`ll_dispatch_recv` (and so every low-latency dispatch's receive on one node) copies its rows into
+    ``recv_x`` by streaming (non-temporal) stores, which write memory without first reading each destination line:
+    ``"never"`` (the default), ``"large"`` (when the call's rows take more bytes than this core's L2 cache) or
+    ``"always"``. The bytes written are the same; the receive is faster into cold lines, and the experts' read of
+    the rows after it slower where they would have been cached (docs/design/data-path.md, "Streaming stores into
+    ``recv_x``", measures both; ``python -m bench ll-receive``).
+
+    Args:
+        mode: one of :data:`STREAM_MODES` to set it for this process, or None to leave it.
+    Returns:
+        The mode in force after the call; None where the library is not loaded.
+    Raises:
+        ValueError: ``mode`` is not None nor one of :data:`STREAM_MODES`.
+    """
+    if mode is not None and mode not in STREAM_MODES:
+        raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(STREAM_MODES)} "
+                         f"or None, got {mode!r}")
+    fn = kernels.ll_stream_rows
+    if fn is None:
+        return None
+    return STREAM_MODES[int(fn(-1 if mode is None else STREAM_MODES.index(mode)))]
 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,

@@ -217,6 +217,51 @@ def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused, r
         native.ll_dispatch_recv(sig, mask, index[:-1], *args[3:])
 
 
+@pytest.fixture
+def stream_mode():
+    """Restores :func:`native.ll_stream_rows`' mode after a test that sets it."""
+    before = native.ll_stream_rows()
+    yield
+    native.ll_stream_rows(before)
+
+
+@pytest.mark.parametrize("xb, offset", [(16, 0), (1000, 0), (1000, 3), (4104, 8), (256, 1)])
+def test_dispatch_recv_streaming_stores_write_the_same_bytes(xb, offset, stream_mode):
+    """The receive with every row stored by streaming stores against the same receive by memcpy, byte for byte:
+    row sizes below the streaming threshold (16), with a 16-byte misaligned head and an 8-byte tail (1000: rows
+    q·1000 alternate between aligned and not), whole lines plus a tail (4104), and recv_x starting off any
+    alignment (offset); stale rows of a reused output zeroed either way. "large" streams only when the call's rows
+    pass this core's L2 cache: here, a few KB, it copies as "never" does."""
+    R, L, m, k, me, sw = 3, 2, 6, 3, 1, 2
+    mb = 16 + xb + 4 * sw
+    g = torch.Generator().manual_seed(xb + offset)
+    wins, bases, stamp_words, stamps, send_off, _, _ = _pull_setup(R, L, m, k, mb, g)  # (the words kept alive)
+    sig = wins[me][:4 * R * L].view(torch.int32).view(R, L)
+    index = wins[me][4 * R * L:send_off].view(torch.int32)
+    assert int(sig.sum()) > 0
+
+    def receive(mode):
+        assert native.ll_stream_rows(mode) == mode
+        recv_x = torch.full((L * R * m * xb + offset,), 77, dtype=torch.uint8)[offset:].view(L, R * m, xb)
+        scales = torch.full((L, sw, R * m), 77.0).transpose(1, 2)
+        src_info = torch.full((L, R * m), 77, dtype=torch.int32)
+        out = (recv_x, scales, src_info, torch.zeros(L, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64))
+        stale = torch.full((L,), R * m, dtype=torch.int32)
+        assert native.ll_dispatch_recv(sig, None, index, bases, send_off, stamps, 7, m, mb, *out,
+                                       (stale, stale, stale)) == (0, [0, 0, 0])
+        return out
+
+    plain = receive("never")
+    for mode in ("always", "large"):
+        for a, b in zip(receive(mode), plain):
+            assert torch.equal(a, b), mode
+    assert plain[0].any()  # rows were loaded, and the stale ones zeroed
+    assert not plain[0][0, int(plain[3][0]):].any()
+    with pytest.raises(ValueError, match="mode must be one of never, large, always or None, got 'on'"):
+        native.ll_stream_rows("on")
+    assert native.ll_stream_rows() == "large"
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_combine_send_stores_each_run_in_its_slot(masked):
     R, L, m, H, me = 2, 3, 4, 8, 0

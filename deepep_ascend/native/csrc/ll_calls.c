@@ -8,6 +8,7 @@
  *                            table, and the per-expert counts into the destinations' count words
  *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; every routed row loaded from its source's
  *                            send region -> recv_x, scales, src_info; then the sources' stamps (seqlock)
+ *   deepep_ll_stream_rows    whether deepep_ll_dispatch_recv stores its rows by streaming stores (stream.h)
  *   deepep_ll_combine_send   every returned row of every mapped destination straight into its slot, and
  *                            the counts
  *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
@@ -25,8 +26,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bf16.h"
+#include "stream.h"
 
 /* topk_idx [n, k] (row-major, int64) in one pass: stats = {min, max} of all values (0, 0 when n*k == 0);
  * returns 1 (nothing else written) when a value lies outside [-1, num_experts). Else stats[2] / stats[3]
@@ -107,6 +110,34 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
     return 0;
 }
 
+/* When deepep_ll_dispatch_recv copies its rows with streaming stores (stream.h): STREAM_NEVER (the default: the
+ * experts read the rows next, and find them cached after plain stores); STREAM_LARGE, when the call's rows take
+ * more bytes than this core's L2 cache holds; STREAM_ALWAYS. */
+enum { STREAM_NEVER, STREAM_LARGE, STREAM_ALWAYS };
+static int64_t stream_rows = STREAM_NEVER;
+
+/* Set the mode (0, 1, 2 as above; another value leaves it); returns the mode in force. */
+int64_t deepep_ll_stream_rows(int64_t mode)
+{
+    if (mode >= STREAM_NEVER && mode <= STREAM_ALWAYS)
+        stream_rows = mode;
+    return stream_rows;
+}
+
+/* The L2 size STREAM_LARGE compares with: this core's, else 2 MiB. */
+static int64_t l2_bytes(void)
+{
+    static int64_t bytes = 0;
+    if (!bytes) {
+        long got = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        got = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        bytes = got > 0 ? got : 2 << 20;
+    }
+    return bytes;
+}
+
 /* A dispatch's receive, loading every row from its source's window. sig: int32 [R][L], source s's count of
  * local expert e at sig[s*L + e] (masked sources count 0); index: int32 [L][R][m], the token of message i of
  * (e, s) at index[(e*R + s)*m + i] (written by deepep_ll_dispatch_send). Source s's message of token t lies
@@ -158,6 +189,11 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             }
         }
     }
+    int64_t rows = 0;
+    for (int64_t s = 0; s < R; s++)
+        for (int64_t e = 0; !(mask && mask[s]) && e < L; e++)
+            rows += sig[s * L + e];
+    const int stream = stream_rows == STREAM_ALWAYS || (stream_rows == STREAM_LARGE && rows * xb > l2_bytes());
     for (int64_t e = 0; e < L; e++) {
         int64_t begin = 0;
         for (int64_t s = 0; s < R; s++) {
@@ -168,7 +204,10 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             for (int64_t i = 0; i < c; i++) {
                 const int64_t q = e * rm + begin + i;
                 const uint8_t *msg = src + tok[i] * mb;
-                memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
+                if (stream)
+                    copy_streaming(recv_x + q * xb, msg + 16, (size_t)xb);
+                else
+                    memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
                 src_info[q] = tok[i];
                 for (int64_t w = 0; w < sw; w++)
                     memcpy(scales + (e * sw + w) * rm + begin + i, msg + 16 + xb + 4 * w, 4);
@@ -184,6 +223,8 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
         if (stale[2] && stale[2][e] > begin)
             memset(src_info + e * rm + begin, 0, (size_t)(stale[2][e] - begin) * 4);
     }
+    if (stream)
+        stream_fence();
     /* every load above before the stamps' (a source stamps before it rewrites: an unchanged stamp read after
      * the loads proves none of them saw a later call's bytes) */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
