@@ -6,7 +6,7 @@
  * move every (token, expert) row this way (senders into the receivers' slots, receivers into
  * recv_x). Here each row is one memcpy straight into its final place.
  *
- * Zeroing rows (an expanded layout's padding) streams whole cache lines to memory (deepep_zero_rows).
+ * Zeroing rows (an expanded layout's padding) streams whole cache lines to memory (deepep_zero_rows, stream.h).
  *
  * Plain C, no Python headers: loaded with ctypes (which releases the GIL). The caller
  * (deepep_ascend.native.copy_rows, zero_rows) checks shapes; the kernels check the row numbers against the
@@ -15,11 +15,9 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "bf16.h"
+#include "stream.h"
 
 /* Whether every one of the n row numbers lies in [lo, hi). */
 static int rows_in(const int64_t *rows, int64_t n, int64_t lo, int64_t hi) {
@@ -46,35 +44,6 @@ int64_t deepep_copy_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t dst_st
     return 0;
 }
 
-/* Rows from this many bytes on are zeroed with streaming stores. */
-#define ZERO_STREAM_BYTES 1024
-
-/* Zero nbytes at p. Long runs by streaming (non-temporal) stores of whole 64-byte lines, which write
- * memory without reading each line into the cache first: zeroing an expanded layout's padding (tens of
- * MB no one reads before the experts' GEMMs, python -m bench ep --expand --zero-padding) moves half the
- * bytes a memset moves and leaves the cache to the rows around it. The partial lines at either end, and
- * short runs, by memset. The caller fences once after its last run. */
-static void zero_run(uint8_t *p, int64_t nbytes) {
-#if defined(__SSE2__)
-    if (nbytes >= ZERO_STREAM_BYTES) {
-        const int64_t head = (int64_t)((64 - ((uintptr_t)p & 63)) & 63);
-        memset(p, 0, (size_t)head);
-        uint8_t *q = p + head;
-        const int64_t body = (nbytes - head) & ~(int64_t)63;
-        const __m128i z = _mm_setzero_si128();
-        for (int64_t i = 0; i < body; i += 64) {
-            _mm_stream_si128((__m128i *)(q + i), z);
-            _mm_stream_si128((__m128i *)(q + i + 16), z);
-            _mm_stream_si128((__m128i *)(q + i + 32), z);
-            _mm_stream_si128((__m128i *)(q + i + 48), z);
-        }
-        memset(q + body, 0, (size_t)(nbytes - head - body));
-        return;
-    }
-#endif
-    memset(p, 0, (size_t)nbytes);
-}
-
 /* n rows of nbytes zeroed; row r at dst + r * stride (bytes); rows: int64 row numbers in [0, limit), or
  * NULL for 0..n-1 (the caller checks n against the limit then). Returns 0, or 1 (nothing written) when a
  * row number is out of range. Rows adjacent in memory (consecutive numbers of a dense matrix) are zeroed
@@ -90,12 +59,10 @@ int64_t deepep_zero_rows(int64_t n, int64_t nbytes, uint8_t *dst, int64_t stride
         if (stride == nbytes)
             while (i + m < n && (rows ? rows[i + m] : i + m) == r + m)
                 ++m;
-        zero_run(dst + r * stride, m * nbytes);
+        zero_streaming(dst + r * stride, m * nbytes);
         i += m;
     }
-#if defined(__SSE2__)
-    _mm_sfence();
-#endif
+    stream_fence();
     return 0;
 }
 

@@ -1,10 +1,11 @@
-/* Streaming (non-temporal) stores: copies into memory that is not cached and will not be read back soon. */
+/* Streaming (non-temporal) stores: copies and zeroing into memory that is not cached and will not be read back
+ * soon. */
 #ifndef DEEPEP_ASCEND_STREAM_H
 #define DEEPEP_ASCEND_STREAM_H
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__)
+#if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
@@ -17,7 +18,7 @@
  * before it publishes them (this core's own loads see them in program order). */
 static inline void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
 {
-#if defined(__x86_64__)
+#if defined(__SSE2__)
     const size_t head = (size_t)(-(uintptr_t)dst & 15);
     if (n < 256) {
         memcpy(dst, src, n);
@@ -41,10 +42,39 @@ static inline void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
 #endif
 }
 
+/* Rows from this many bytes on are zeroed with streaming stores. */
+#define ZERO_STREAM_BYTES 1024
+
+/* Zero nbytes at p. Long runs by streaming stores of whole 64-byte lines: zeroing an expanded layout's padding
+ * (tens of MB no one reads before the experts' GEMMs, python -m bench ep --expand --zero-padding) moves half the
+ * bytes a memset moves and leaves the cache to the rows around it. The partial lines at either end, and short
+ * runs, by memset. The caller fences (stream_fence) once after its last run. */
+static inline void zero_streaming(uint8_t *p, int64_t nbytes)
+{
+#if defined(__SSE2__)
+    if (nbytes >= ZERO_STREAM_BYTES) {
+        const int64_t head = (int64_t)((64 - ((uintptr_t)p & 63)) & 63);
+        memset(p, 0, (size_t)head);
+        uint8_t *q = p + head;
+        const int64_t body = (nbytes - head) & ~(int64_t)63;
+        const __m128i z = _mm_setzero_si128();
+        for (int64_t i = 0; i < body; i += 64) {
+            _mm_stream_si128((__m128i *)(q + i), z);
+            _mm_stream_si128((__m128i *)(q + i + 16), z);
+            _mm_stream_si128((__m128i *)(q + i + 32), z);
+            _mm_stream_si128((__m128i *)(q + i + 48), z);
+        }
+        memset(q + body, 0, (size_t)(nbytes - head - body));
+        return;
+    }
+#endif
+    memset(p, 0, (size_t)nbytes);
+}
+
 /* Order every earlier streaming store before the stores that follow. */
 static inline void stream_fence(void)
 {
-#if defined(__x86_64__)
+#if defined(__SSE2__)
     _mm_sfence();
 #endif
 }
