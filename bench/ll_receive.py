@@ -7,7 +7,8 @@ One process, one thread, standing for rank 0 of ``--sources`` ranks: each rank's
 (:func:`deepep_ascend.native.ll_cast_messages` of ``bench.workload``'s ``x``) lie in its send region, its routed
 token indices and counts in rank 0's index table (:func:`deepep_ascend.native.ll_route`,
 :func:`deepep_ascend.native.ll_dispatch_send`), as a low-latency dispatch on one node leaves them. Timed, in turn for
-each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, ``always`` and the default ``large``):
+each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, the library's default, ``always`` and
+``large``):
 
 * ``receive``: :func:`deepep_ascend.native.ll_dispatch_recv`, every row routed to rank 0 loaded into ``recv_x``
   ``[L, R·M, H]`` e4m3 with its scales and ``src_info`` (the receive of ``Buffer.low_latency_dispatch``);
@@ -18,9 +19,11 @@ each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, ``alw
 in two regimes: ``warm``, each mode's calls back to back (the call before left ``recv_x``'s rows, reused as the
 pool reuses them, cached or, streamed, not), and ``cold``, with ``--evict-mb`` MB written once before each call,
 untimed (a model's other layers between two dispatches leave the cache to their own data). The modes take turns in
-blocks of 5 calls after 2 untimed ones, until ``--iters`` calls of each are timed; medians. Every mode's outputs
-checked equal to ``never``'s, bit for bit (exit code 1 if not). ``--json FILE``: results
-``<mode>/<regime>/{receive,read,total}``, the ``never`` ones the baselines.
+blocks of up to 5 calls after 2 untimed ones, until ``--iters`` calls of each are timed; medians. Then, for each
+mode, the outputs are filled with a byte pattern, received once more and compared with ``never``'s, bit for bit
+(exit code 1 if they differ). Rows below 256 bytes (``--hidden`` under 256) are copied by ``memcpy`` in every mode,
+so the modes then time the same code. ``--json FILE``: results ``<mode>/<regime>/{receive,read,total}``, the
+``never`` ones the baselines (none, with ``checks.native`` false, where the kernels are not loaded).
 
 ``never`` is the library's default: docs/design/data-path.md, "Streaming stores into ``recv_x``", says why.
 """
@@ -121,6 +124,10 @@ def run(args) -> int:
     torch.set_num_threads(1)
     if not N.ll_available():
         print("[ll-receive] native kernels not available: nothing to time")
+        if args.json:
+            schema.write(args.json, schema.document(
+                "ll-receive", argv=args._argv, params=cli.params_of(args, 1), results=[], baselines=[],
+                checks=dict(ok=True, native=False), summary={}, mpi=False))
         return 0
     rc = _Receive(args)
     evict = torch.zeros(args.evict_mb << 18, dtype=torch.int32)
@@ -129,15 +136,15 @@ def run(args) -> int:
     print(f"[config] rank 0 of {args.sources}: {args.num_tokens} tokens per rank, hidden {args.hidden}, top-"
           f"{args.num_topk} of {args.num_experts} experts, FP8; {rc.rows} rows received ({xb / 1e6:.2f} MB of codes); "
           f"read: {args.read}; cold: {args.evict_mb} MB written before each call; 1 thread, median of {args.iters}, "
-          f"modes in turn, {BLOCK} calls each after {BLOCK_WARMUP} untimed")
+          f"modes in turn, up to {BLOCK} calls each after {BLOCK_WARMUP} untimed")
     times = {(m, r, p): [] for m in MODES for r in REGIMES for p in PARTS}
     got = {}
     try:
         for regime in REGIMES:
-            while len(times["never", regime, "total"]) < args.iters:
+            while (left := args.iters - len(times["never", regime, "total"])) > 0:
                 for mode in MODES:
                     N.ll_stream_rows(mode)
-                    for it in range(BLOCK_WARMUP + BLOCK):
+                    for it in range(BLOCK_WARMUP + min(BLOCK, left)):
                         if regime == "cold":
                             evict.add_(1)
                         t0 = time.perf_counter()
@@ -148,7 +155,12 @@ def run(args) -> int:
                         if it >= BLOCK_WARMUP:
                             for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t2 - t0)):
                                 times[mode, regime, part].append(dt)
-                    got[mode] = [t.clone() for t in rc.out]
+        for mode in MODES:  # each mode's outputs from a receive into a pattern none of them leaves
+            N.ll_stream_rows(mode)
+            for t in rc.out:  # (the scales are a transposed view of a dense tensor)
+                (t if t.is_contiguous() else t.transpose(1, 2)).view(torch.uint8).fill_(0xA5)
+            rc.receive()
+            got[mode] = [t.clone() for t in rc.out]
     finally:
         N.ll_stream_rows(before)
     same = all(torch.equal(a, b) for mode in MODES for a, b in zip(got[mode], got["never"]))

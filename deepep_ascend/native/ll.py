@@ -134,16 +134,17 @@ def ll_stream_rows(mode: str | None = None) -> str | None:
     """When :func:`ll_dispatch_recv` (and so every low-latency dispatch's receive on one node) copies its rows into
     ``recv_x`` by streaming (non-temporal) stores, which write memory without first reading each destination line:
     ``"never"`` (the default), ``"large"`` (when the call's rows take more bytes than this core's L2 cache) or
-    ``"always"``. The bytes written are the same; the receive is faster into cold lines, and the experts' read of
-    the rows after it slower where they would have been cached (docs/design/data-path.md, "Streaming stores into
-    ``recv_x``", measures both; ``python -m bench ll-receive``).
+    ``"always"``; rows under 256 bytes are copied plainly in every mode. The bytes written are the same; the
+    receive is faster into cold lines, and the experts' read of the rows after it slower where they would have
+    been cached (docs/design/data-path.md, "Streaming stores into ``recv_x``", measures both; ``python -m bench
+    ll-receive``). The mode is this process's: each rank sets its own.
 
     Args:
-        mode: one of :data:`STREAM_MODES` to set it for this process, or None to leave it.
+        mode: ``"never"``, ``"large"`` or ``"always"`` to set it, or None to leave it.
     Returns:
         The mode in force after the call; None where the library is not loaded.
     Raises:
-        ValueError: ``mode`` is not None nor one of :data:`STREAM_MODES`.
+        ValueError: ``mode`` is not None nor one of the three.
     """
     if mode is not None and mode not in STREAM_MODES:
         raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(STREAM_MODES)} "

@@ -19,6 +19,7 @@ import tempfile
 import pytest
 
 from bench.ep import TARGET_SPEEDUP
+from deepep_ascend import native
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import child_env, run_child_command, world
 
@@ -470,6 +471,33 @@ def test_collective_commands_write_valid_documents(out_dir):
     assert rc == 0, out[-3000:]
     with open(path) as f:
         _check_doc(json.load(f), "urma-put", 2)
+
+
+@ONE_RANK
+@pytest.mark.skipif(not native.ll_available(), reason="native kernels not built")
+@pytest.mark.parametrize("broken", ["nothing written", "one byte"])
+def test_ll_receive_check_fails_when_a_mode_writes_other_bytes(broken, monkeypatch, capsys):
+    """bench ll-receive's check compares each mode's outputs with never's from a receive into a fresh pattern: a
+    streaming mode that wrote nothing, or one wrong byte, fails it (exit 1)."""
+    from bench import commands
+
+    real = native.ll_dispatch_recv
+
+    def receive(*args):
+        if native.ll_stream_rows() == "never":
+            return real(*args)
+        if broken == "nothing written":
+            return 0, [0, 0, 0]
+        out = real(*args)
+        args[9].view(-1)[0] ^= 1  # recv_x
+        return out
+
+    monkeypatch.setattr(native, "ll_dispatch_recv", receive)
+    argv = ONE_PROCESS["ll-receive"]
+    assert commands.call("ll-receive", argv) == 1
+    assert "equal never's: False" in capsys.readouterr().out
+    monkeypatch.setattr(native, "ll_dispatch_recv", real)
+    assert commands.call("ll-receive", argv) == 0
 
 
 @ONE_RANK

@@ -27,6 +27,7 @@ from deepep_ascend import (
     logfmt10_decode,
     logfmt10_encode,
     logfmt10_wire_bytes,
+    native,
 )
 from deepep_ascend.ep.low_latency import Layout
 from tests.support.buffer_helpers import (
@@ -308,6 +309,22 @@ def test_low_latency_dispatch_combine_vs_reference(buffers, comm, cfg, case):
     chk = Checker(comm.Get_rank())
     run_ll_case(buf, comm, case, seed=CASES.index(case) + 31, chk=chk)
     chk.finish(f"{case.name} on {cfg}")
+
+
+@pytest.mark.skipif(not native.ll_available(), reason="native kernels not built")
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("bf16_pattern_invariants", "fp8_f32_scales_async",
+                                                                  "fp8_ue8m0_duplicate_experts_hook")], ids=str)
+def test_dispatch_receive_by_streaming_stores_vs_reference(buffers, comm, case):
+    """Reference cases with the receive storing its rows by streaming stores on every rank
+    (``native.ll_stream_rows("always")``; rows of 256 bytes or more stream): the reference's bits."""
+    mode = "always"
+    before = native.ll_stream_rows(mode)
+    try:
+        chk = Checker(comm.Get_rank())
+        run_ll_case(_buf(buffers, "ubmem"), comm, case, seed=CASES.index(case) + 31, chk=chk)
+        chk.finish(f"{case.name} with ll_stream_rows({mode!r})")
+    finally:
+        native.ll_stream_rows(before)
 
 
 @pytest.mark.parametrize("m,tokens", [(1024, 600), (2304, 2304)])
