@@ -7,6 +7,7 @@ Run one process per rank::
     mpiexec -n 2 python -m bench low-latency --bf16 --num-tokens 64 --no-ubmem --json out.json
     mpiexec -n 4 python -m bench low-latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
     mpiexec -n 2 python -m bench low-latency --zero-copy         # experts write into the zero-copy buffer
+    mpiexec -n 2 python -m bench low-latency --stream-rows always # the receive stores recv_x by streaming stores
 
 Workload: DeepEP's LL decode shape (docs/semantics/deepep-api.md §11: 128 tokens per rank, hidden 7168, top-8 of 256
 experts; FP8 dispatch, BF16 combine), ``bench.workload.make_workload`` (``x = randn``, routing =
@@ -91,6 +92,10 @@ def add_arguments(p) -> None:
     p.add_argument("--zero-copy", action="store_true",
                    help="the experts write into get_next_low_latency_combine_buffer and the combine runs with "
                         "zero_copy=True (on one node the receivers then read the rows where the experts left them)")
+    p.add_argument("--stream-rows", choices=("never", "large", "always"), default="never",
+                   help="deepep_ascend.native.ll_stream_rows on every rank (default never, the library's): the "
+                        "dispatch's receive stores recv_x by streaming stores; the experts step after it, untimed "
+                        "here, then reads the rows from memory (python -m bench ll-receive times both)")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
     cli.add_link_args(p)
 
@@ -155,7 +160,7 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from bench.internals import ll_zeros
-    from deepep_ascend import Buffer
+    from deepep_ascend import Buffer, native
     from deepep_ascend.transports import LinkStats
 
     comm = MPI.COMM_WORLD
@@ -168,8 +173,10 @@ def run(args) -> int:
     buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
     emulator = use_link_emulator(buf.runtime, args.emulator)
+    stream_before = native.ll_stream_rows()  # restored at the end (the tests run commands in one process)
+    stream_rows = native.ll_stream_rows(args.stream_rows)  # None without the kernels (the torch path streams nothing)
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
-                          zero_copy=args.zero_copy,
+                          zero_copy=args.zero_copy, stream_rows=stream_rows,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
                           fingerprint=comm_fingerprint(wl, comm))}
@@ -333,6 +340,7 @@ def run(args) -> int:
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine"
               f"{' (zero-copy)' if args.zero_copy else ''}, "
+              + (f"recv_x by streaming stores ({stream_rows}), " if stream_rows not in (None, "never") else "")
               + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
                  else "no same-node peers (one rank per node), ")
               + f"num_rdma_bytes {fmt_bytes(nbytes)}, "
@@ -404,6 +412,8 @@ def run(args) -> int:
     st.clear()
     wl = None
     buf.destroy()
+    if stream_before is not None:
+        native.ll_stream_rows(stream_before)
     if base:
         import torch.distributed as dist
         dist.destroy_process_group()

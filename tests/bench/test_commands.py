@@ -560,14 +560,16 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
     for command, ops in expect.items():
         path = os.path.join(out_dir, f"{command}-phases.json")
         argv = COLLECTIVE[command] + ["--phases", "--native-split", "--json", path]
-        if command == "low-latency":
-            argv += ["--no-baselines", "--zero-copy"]  # (the commands job runs the default experts)
+        if command == "low-latency":  # (the commands job runs the default experts and stores)
+            argv += ["--no-baselines", "--zero-copy", "--stream-rows", "always"]
         rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
                                     REPO_ROOT, env, 300)
         assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
         with open(path) as f:
             doc = json.load(f)
         _check_doc(doc, command, 2)
+        if command == "low-latency" and native.ll_available():
+            assert doc["details"]["config"]["stream_rows"] == "always" and "streaming stores (always)" in out
         table = doc["details"]["phases"]
         assert doc["params"]["phases"] is True
         for step, op in ops.items():
