@@ -209,8 +209,12 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
                 else
                     memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
                 src_info[q] = tok[i];
-                for (int64_t w = 0; w < sw; w++)
-                    memcpy(scales + (e * sw + w) * rm + begin + i, msg + 16 + xb + 4 * w, 4);
+            }
+            /* the scales word-major: each of the run's sw destination lines written in one go */
+            for (int64_t w = 0; scales && w < sw; w++) {
+                int32_t *dst = scales + (e * sw + w) * rm + begin;
+                for (int64_t i = 0; i < c; i++)
+                    memcpy(dst + i, src + tok[i] * mb + 16 + xb + 4 * w, 4);
             }
             begin += c;
         }
