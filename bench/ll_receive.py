@@ -7,8 +7,8 @@ One process, one thread, standing for rank 0 of ``--sources`` ranks: each rank's
 (:func:`deepep_ascend.native.ll_cast_messages` of ``bench.workload``'s ``x``) lie in its send region, its routed
 token indices and counts in rank 0's index table (:func:`deepep_ascend.native.ll_route`,
 :func:`deepep_ascend.native.ll_dispatch_send`), as a low-latency dispatch on one node leaves them. Timed, in turn for
-each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, the library's default, ``always`` and
-``large``):
+each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, the library's default, ``large`` and
+``always``):
 
 * ``receive``: :func:`deepep_ascend.native.ll_dispatch_recv`, every row routed to rank 0 loaded into ``recv_x``
   ``[L, R·M, H]`` e4m3 with its scales and ``src_info`` (the receive of ``Buffer.low_latency_dispatch``);
@@ -39,7 +39,7 @@ from bench import cli, schema
 from bench.workload import make_workload
 from deepep_ascend import native as N
 
-MODES = ("never", "always", "large")
+MODES = N.LL_STREAM_MODES  # never (the baseline of the ratios), large, always
 REGIMES = ("warm", "cold")
 PARTS = ("receive", "read", "total")
 BLOCK, BLOCK_WARMUP = 5, 2  # timed calls of one mode in a row, after untimed ones
@@ -74,7 +74,7 @@ class _Receive:
         R, M, H, E = args.sources, args.num_tokens, args.hidden, args.num_experts
         L, sw = E // R, H // 128
         self.R, self.L, self.M, self.H, self.sw = R, L, M, H, sw
-        self.mb = 16 + H + 4 * sw
+        self.mb = N.ll_cast_message_bytes(H, False)
         index_off = 4 * R * L
         self.send_off = index_off + 4 * L * R * M
         self.wins = [torch.zeros(self.send_off + M * self.mb, dtype=torch.uint8) for _ in range(R)]

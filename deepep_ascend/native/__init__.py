@@ -11,7 +11,8 @@ Modules:
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`zero_rows`, :func:`weighted_sum_rows`,
   :func:`dequant_rows_e4m3`, :func:`swiglu`;
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
-  :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_stream_rows`,
+  :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_stream_rows` (its modes
+  :data:`LL_STREAM_MODES`),
   :func:`ll_combine_send`, :func:`ll_combine_recv`, :func:`ll_headers_agree`; its signals by stores
   (:func:`signals_available`, :func:`ll_publish`, :func:`ll_await`);
 * :mod:`.ll_cast`   the low-latency dispatch's FP8 messages from the BF16 rows in one pass (``csrc/ll_cast.c``):
@@ -67,6 +68,7 @@ from .amx import (
 from .intranode import IntranodePlan, intranode_available
 from .layout import dispatch_layout, local_experts, recv_channel_prefix, send_layout
 from .ll import (
+    LL_STREAM_MODES,
     ll_available,
     ll_await,
     ll_combine_recv,
@@ -85,7 +87,7 @@ from .loader import available, library_path, timing
 from .logfmt import logfmt_avx512, logfmt_decode, logfmt_encode, logfmt_meta, logfmt_params
 from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows, zero_rows
 
-__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "amx_bf16",
+__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "LL_STREAM_MODES", "amx_bf16",
            "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "intranode_available", "copy_rows",
            "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
            "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",

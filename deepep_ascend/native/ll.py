@@ -37,11 +37,11 @@ from .loader import kernels
 from .operands import mark_written, require_dense
 from .rows import NAN_BITS
 
-__all__ = ["ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
+__all__ = ["LL_STREAM_MODES", "ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
            "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "ll_stream_rows", "signals_available"]
 
 #: :func:`ll_stream_rows`' modes, in the kernel's numbering.
-STREAM_MODES = ("never", "large", "always")
+LL_STREAM_MODES = ("never", "large", "always")
 
 
 def ll_available() -> bool:
@@ -146,13 +146,13 @@ def ll_stream_rows(mode: str | None = None) -> str | None:
     Raises:
         ValueError: ``mode`` is not None nor one of the three.
     """
-    if mode is not None and mode not in STREAM_MODES:
-        raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(STREAM_MODES)} "
+    if mode is not None and mode not in LL_STREAM_MODES:
+        raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(LL_STREAM_MODES)} "
                          f"or None, got {mode!r}")
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
-    return STREAM_MODES[int(fn(-1 if mode is None else STREAM_MODES.index(mode)))]
+    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode)))]
 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .loader import kernels
-from .operands import mark_written, require_dense, write_refusal
+from .operands import mark_written, overlap, require_dense, write_refusal
 
 __all__ = ["logfmt_avx512", "logfmt_decode", "logfmt_encode", "logfmt_meta", "logfmt_params"]
 
@@ -43,19 +43,14 @@ def _tail_rows(op: str, tail: torch.Tensor, use: torch.Tensor, g: int) -> int:
 
 
 def _outputs(op: str, inputs: dict, outputs: dict) -> None:
-    """Refuse outputs torch would not write in place, or that overlap an input or each other (every operand
-    dense: its bytes are ``[data_ptr, data_ptr + nbytes)``)."""
-    spans = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-             for name, t in (*inputs.items(), *outputs.items()) if t.numel()}
+    """Refuse outputs torch would not write in place, or that overlap an input or each other."""
+    operands = {**inputs, **outputs}
     for name, t in outputs.items():
         why = write_refusal(name, t if t.dim() == 2 else t.view(1, -1))  # (dense: one row, nothing to overlap)
         if why:
             raise ValueError(f"deepep_ascend.native.{op}: {why}")
-        if name not in spans:
-            continue
-        lo, hi = spans[name]
-        for other, (a, b) in spans.items():
-            if other != name and lo < b and a < hi:
+        for other, u in operands.items():
+            if other != name and overlap(t, u):
                 raise ValueError(f"deepep_ascend.native.{op}: {name} overlaps {other}")
 
 
