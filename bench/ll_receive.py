@@ -7,8 +7,9 @@ One process, one thread, standing for rank 0 of ``--sources`` ranks: each rank's
 (:func:`deepep_ascend.native.ll_cast_messages` of ``bench.workload``'s ``x``) lie in its send region, its routed
 token indices and counts in rank 0's index table (:func:`deepep_ascend.native.ll_route`,
 :func:`deepep_ascend.native.ll_dispatch_send`), as a low-latency dispatch on one node leaves them. Timed, in turn for
-each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, the library's default, ``large`` and
-``always``):
+each store mode of :func:`deepep_ascend.native.ll_stream_rows` (``never``, the baseline of the ratios; ``large``, the
+library's default, which streams when the received rows take at least :func:`deepep_ascend.native.ll_stream_min_bytes`,
+the threshold in force (``DEEPEP_ASCEND_LL_STREAM_MIN_BYTES``, 16 MiB unless set); and ``always``):
 
 * ``receive``: :func:`deepep_ascend.native.ll_dispatch_recv`, every row routed to rank 0 loaded into ``recv_x``
   ``[L, R·M, H]`` e4m3 with its scales and ``src_info`` (the receive of ``Buffer.low_latency_dispatch``);
@@ -25,7 +26,8 @@ mode, the outputs are filled with a byte pattern, received once more and compare
 so the modes then time the same code. ``--json FILE``: results ``<mode>/<regime>/{receive,read,total}``, the
 ``never`` ones the baselines (none, with ``checks.native`` false, where the kernels are not loaded).
 
-``never`` is the library's default: docs/design/data-path.md, "Streaming stores into ``recv_x``", says why.
+docs/design/data-path.md, "Streaming stores into ``recv_x``", reads these times and says why ``large`` is the
+default.
 """
 
 from __future__ import annotations
@@ -132,11 +134,12 @@ def run(args) -> int:
     rc = _Receive(args)
     evict = torch.zeros(args.evict_mb << 18, dtype=torch.int32)
     before = N.ll_stream_rows()
-    xb = rc.rows * args.hidden
+    xb, threshold = rc.rows * args.hidden, N.ll_stream_min_bytes()
     print(f"[config] rank 0 of {args.sources}: {args.num_tokens} tokens per rank, hidden {args.hidden}, top-"
-          f"{args.num_topk} of {args.num_experts} experts, FP8; {rc.rows} rows received ({xb / 1e6:.2f} MB of codes); "
-          f"read: {args.read}; cold: {args.evict_mb} MB written before each call; 1 thread, median of {args.iters}, "
-          f"modes in turn, up to {BLOCK} calls each after {BLOCK_WARMUP} untimed")
+          f"{args.num_topk} of {args.num_experts} experts, FP8; {rc.rows} rows received ({xb / 1e6:.2f} MB of codes; "
+          f"'large' streams from {threshold / 1e6:.2f} MB); read: {args.read}; cold: {args.evict_mb} MB written "
+          f"before each call; 1 thread, median of {args.iters}, modes in turn, up to {BLOCK} calls each after "
+          f"{BLOCK_WARMUP} untimed")
     times = {(m, r, p): [] for m in MODES for r in REGIMES for p in PARTS}
     got = {}
     try:
@@ -179,7 +182,8 @@ def run(args) -> int:
     print(f"[check]  every mode's recv_x, scales, src_info, recv_count and layout_range equal never's: {same}")
     if args.json:
         schema.write(args.json, schema.document(
-            "ll-receive", argv=args._argv, params=cli.params_of(args, 1), results=records,
+            "ll-receive", argv=args._argv, params=dict(cli.params_of(args, 1), stream_min_bytes=threshold),
+            results=records,
             baselines=[f"never/{r}/{p}" for r in REGIMES for p in PARTS], checks=dict(ok=bool(same)), summary={},
             mpi=False))
     return 0 if same else 1

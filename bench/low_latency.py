@@ -92,10 +92,11 @@ def add_arguments(p) -> None:
     p.add_argument("--zero-copy", action="store_true",
                    help="the experts write into get_next_low_latency_combine_buffer and the combine runs with "
                         "zero_copy=True (on one node the receivers then read the rows where the experts left them)")
-    p.add_argument("--stream-rows", choices=("never", "large", "always"), default="never",
-                   help="deepep_ascend.native.ll_stream_rows on every rank (default never, the library's): the "
-                        "dispatch's receive stores recv_x by streaming stores; the experts step after it, untimed "
-                        "here, then reads the rows from memory (python -m bench ll-receive times both)")
+    p.add_argument("--stream-rows", choices=("never", "large", "always"), default=None,
+                   help="deepep_ascend.native.ll_stream_rows on every rank (default: the library's, "
+                        "DEEPEP_ASCEND_LL_STREAM_ROWS, 'large' unless set): when the dispatch's receive stores "
+                        "recv_x by streaming stores; the experts step after it, untimed here, then reads the rows "
+                        "from memory (python -m bench ll-receive times both)")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
     cli.add_link_args(p)
 
@@ -175,8 +176,9 @@ def run(args) -> int:
     emulator = use_link_emulator(buf.runtime, args.emulator)
     stream_before = native.ll_stream_rows()  # restored at the end (the tests run commands in one process)
     stream_rows = native.ll_stream_rows(args.stream_rows)  # None without the kernels (the torch path streams nothing)
+    stream_min = native.ll_stream_min_bytes()
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
-                          zero_copy=args.zero_copy, stream_rows=stream_rows,
+                          zero_copy=args.zero_copy, stream_rows=stream_rows, stream_min_bytes=stream_min,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
                           fingerprint=comm_fingerprint(wl, comm))}
@@ -340,7 +342,8 @@ def run(args) -> int:
         print(f"[config] {R} ranks ({c['nodes']} node(s) x {c['ranks_per_node']}), tokens {N}, hidden {H}, top-{K}, "
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine"
               f"{' (zero-copy)' if args.zero_copy else ''}, "
-              + (f"recv_x by streaming stores ({stream_rows}), " if stream_rows not in (None, "never") else "")
+              + {None: "", "never": "recv_x by plain stores, ", "always": "recv_x by streaming stores, ",
+                 "large": f"recv_x by streaming stores from {fmt_bytes(stream_min or 0)} of rows, "}[stream_rows]
               + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
                  else "no same-node peers (one rank per node), ")
               + f"num_rdma_bytes {fmt_bytes(nbytes)}, "

@@ -167,6 +167,17 @@ LL_FUSED = Setting(
     "Low-latency calls on one node take the fused path (two native calls per call from a plan of their fixed "
     "operands); off, the step-by-step path (the same bits and counters; for comparing the two). Read when a "
     "Buffer is built.")
+LL_STREAM_ROWS = Setting(
+    "DEEPEP_ASCEND_LL_STREAM_ROWS", "choice", "large",
+    "When a low-latency dispatch's receive stores its rows into `recv_x` by streaming (non-temporal) stores: "
+    "`large` when the call's rows take at least DEEPEP_ASCEND_LL_STREAM_MIN_BYTES, `never` or `always` (the same "
+    "bytes; native.ll_stream_rows). Read once, when deepep_ascend is imported.",
+    choices=("never", "large", "always"))
+LL_STREAM_MIN_BYTES = Setting(
+    "DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", "int", 16 << 20,
+    "The size in bytes of a low-latency dispatch's received rows from which `large` streams them "
+    "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
+    minimum=0)
 NORMAL_NATIVE = Setting(
     "DEEPEP_ASCEND_NORMAL_NATIVE", "bool", True,
     "Normal-mode calls on one node run their fixed work from a native plan of the engine's operands "
@@ -255,9 +266,10 @@ TORCH_INDEX = Setting(
 
 SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
-    LL_FUSED, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM,
-    DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR, TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR,
-    NESTED_REPORT, TEST_RANKS, TEST_HANG_RETRIES, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
+    LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND,
+    MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR,
+    TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_RANKS, TEST_HANG_RETRIES,
+    SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
 
 
 def _default(s: Setting) -> str:

@@ -33,12 +33,14 @@ import ctypes
 import numpy as np
 import torch
 
+from .. import settings
 from .loader import kernels
 from .operands import mark_written, require_dense
 from .rows import NAN_BITS
 
 __all__ = ["LL_STREAM_MODES", "ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
-           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "ll_stream_rows", "signals_available"]
+           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "ll_stream_min_bytes", "ll_stream_rows",
+           "ll_streams", "signals_available"]
 
 #: :func:`ll_stream_rows`' modes, in the kernel's numbering.
 LL_STREAM_MODES = ("never", "large", "always")
@@ -130,29 +132,69 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, bases
     return True
 
 
-def ll_stream_rows(mode: str | None = None) -> str | None:
+def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None) -> str | None:
     """When :func:`ll_dispatch_recv` (and so every low-latency dispatch's receive on one node) copies its rows into
     ``recv_x`` by streaming (non-temporal) stores, which write memory without first reading each destination line:
-    ``"never"`` (the default), ``"large"`` (when the call's rows take more bytes than this core's L2 cache) or
+    ``"large"`` (the default) when the call's rows take at least ``min_bytes`` (16 MiB by default), ``"never"`` or
     ``"always"``; rows under 256 bytes are copied plainly in every mode. The bytes written are the same; the
     receive is faster into cold lines, and the experts' read of the rows after it slower where they would have
-    been cached (docs/design/data-path.md, "Streaming stores into ``recv_x``", measures both; ``python -m bench
-    ll-receive``). The mode is this process's: each rank sets its own.
+    been cached, which only a call's rows that fit in the cache can be (docs/design/data-path.md, "Streaming stores
+    into ``recv_x``", measures both; ``python -m bench ll-receive``). The mode and the threshold are this process's
+    (each rank sets its own), set from ``DEEPEP_ASCEND_LL_STREAM_ROWS`` and ``DEEPEP_ASCEND_LL_STREAM_MIN_BYTES``
+    when the library loads.
 
     Args:
         mode: ``"never"``, ``"large"`` or ``"always"`` to set it, or None to leave it.
+        min_bytes: ``"large"``'s threshold in bytes of the call's received rows (an int >= 0) to set it, or None to
+            leave it (:func:`ll_stream_min_bytes` reads it).
     Returns:
         The mode in force after the call; None where the library is not loaded.
     Raises:
-        ValueError: ``mode`` is not None nor one of the three.
+        ValueError: ``mode`` is not None nor one of the three, or ``min_bytes`` not None nor an int >= 0 (nothing
+            set).
     """
     if mode is not None and mode not in LL_STREAM_MODES:
         raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(LL_STREAM_MODES)} "
                          f"or None, got {mode!r}")
+    if min_bytes is not None and (not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0):
+        raise ValueError(f"deepep_ascend.native.ll_stream_rows: min_bytes must be an int >= 0 or None, got "
+                         f"{min_bytes!r}")
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
-    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode)))]
+    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode),
+                                  -1 if min_bytes is None else min_bytes, None))]
+
+
+def ll_stream_min_bytes() -> int | None:
+    """:func:`ll_stream_rows`' threshold in force: ``"large"`` streams a call's rows from this many bytes on; None
+    where the library is not loaded."""
+    fn = kernels.ll_stream_rows
+    if fn is None:
+        return None
+    out = ctypes.c_int64()
+    fn(-1, -1, ctypes.byref(out))
+    return out.value
+
+
+def ll_streams(rows_bytes: int) -> bool | None:
+    """Whether a low-latency dispatch's receive of ``rows_bytes`` bytes of rows (rows times the bytes of one row's
+    ``recv_x`` payload) stores them by streaming stores under the mode and threshold in force (the decision the
+    receive itself takes); None where the library is not loaded."""
+    fn = kernels.ll_streams
+    if fn is None:
+        return None
+    return bool(fn(int(rows_bytes)))
+
+
+def _stream_from_settings() -> None:
+    """The receive's store mode and threshold from the settings, once, when this module loads.
+
+    Raises:
+        deepep_ascend.settings.SettingError: either variable holds a bad value.
+    """
+    mode, min_bytes = settings.LL_STREAM_ROWS.get(), settings.LL_STREAM_MIN_BYTES.get()
+    ll_stream_rows(mode, min_bytes)
 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,
@@ -475,3 +517,6 @@ def ll_await(sig_addr: int, num_ranks: int, mask: torch.Tensor | None, need: int
                          f"among them, and the signal words an address; got {tuple(hdr.shape)}, {sig_addr:#x}")
     return int(fn(rows, me, sig_addr, _mask(op, mask, rows), need, max(int(polls), 0), hdr.data_ptr(), words, seq,
                   op_code, ignore_flags))
+
+
+_stream_from_settings()

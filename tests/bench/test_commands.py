@@ -569,7 +569,7 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
             doc = json.load(f)
         _check_doc(doc, command, 2)
         if command == "low-latency" and native.ll_available():
-            assert doc["details"]["config"]["stream_rows"] == "always" and "streaming stores (always)" in out
+            assert doc["details"]["config"]["stream_rows"] == "always" and "recv_x by streaming stores, " in out
         table = doc["details"]["phases"]
         assert doc["params"]["phases"] is True
         for step, op in ops.items():

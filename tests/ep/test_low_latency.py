@@ -318,13 +318,14 @@ def test_dispatch_receive_by_streaming_stores_vs_reference(buffers, comm, case):
     """Reference cases with the receive storing its rows by streaming stores on every rank
     (``native.ll_stream_rows("always")``; rows of 256 bytes or more stream): the reference's bits."""
     mode = "always"
-    before = native.ll_stream_rows(mode)
+    before = native.ll_stream_rows(), native.ll_stream_min_bytes()
+    native.ll_stream_rows(mode)
     try:
         chk = Checker(comm.Get_rank())
         run_ll_case(_buf(buffers, "ubmem"), comm, case, seed=CASES.index(case) + 31, chk=chk)
         chk.finish(f"{case.name} with ll_stream_rows({mode!r})")
     finally:
-        native.ll_stream_rows(before)
+        native.ll_stream_rows(*before)
 
 
 @pytest.mark.parametrize("m,tokens", [(1024, 600), (2304, 2304)])

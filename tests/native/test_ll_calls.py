@@ -5,6 +5,9 @@ values in the weighted sum; strided and bad operands refused before anything is 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -219,10 +222,10 @@ def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused, r
 
 @pytest.fixture
 def stream_mode():
-    """Restores :func:`native.ll_stream_rows`' mode after a test that sets it."""
-    before = native.ll_stream_rows()
+    """Restores :func:`native.ll_stream_rows`' mode and threshold after a test that sets them."""
+    before = native.ll_stream_rows(), native.ll_stream_min_bytes()
     yield
-    native.ll_stream_rows(before)
+    native.ll_stream_rows(*before)
 
 
 @pytest.mark.parametrize("xb, offset", [(16, 0), (1000, 0), (1000, 3), (4104, 8), (256, 1)])
@@ -230,8 +233,9 @@ def test_dispatch_recv_streaming_stores_write_the_same_bytes(xb, offset, stream_
     """The receive with every row stored by streaming stores against the same receive by memcpy, byte for byte:
     row sizes below the streaming threshold (16), with a 16-byte misaligned head and an 8-byte tail (1000: rows
     q·1000 alternate between aligned and not), whole lines plus a tail (4104), and recv_x starting off any
-    alignment (offset); stale rows of a reused output zeroed either way. "large" streams only when the call's rows
-    pass this core's L2 cache: here, a few KB, it copies as "never" does."""
+    alignment (offset); stale rows of a reused output zeroed either way. "large" streams when the call's rows take
+    at least its threshold: here a few KB, so it is tried with the threshold at their size (streams) and one byte
+    above (copies as "never" does)."""
     R, L, m, k, me, sw = 3, 2, 6, 3, 1, 2
     mb = 16 + xb + 4 * sw
     g = torch.Generator().manual_seed(xb + offset)
@@ -240,8 +244,8 @@ def test_dispatch_recv_streaming_stores_write_the_same_bytes(xb, offset, stream_
     index = wins[me][4 * R * L:send_off].view(torch.int32)
     assert int(sig.sum()) > 0
 
-    def receive(mode):
-        assert native.ll_stream_rows(mode) == mode
+    def receive(mode, min_bytes=None):
+        assert native.ll_stream_rows(mode, min_bytes) == mode
         recv_x = torch.full((L * R * m * xb + offset,), 77, dtype=torch.uint8)[offset:].view(L, R * m, xb)
         scales = torch.full((L, sw, R * m), 77.0).transpose(1, 2)
         src_info = torch.full((L, R * m), 77, dtype=torch.int32)
@@ -252,14 +256,59 @@ def test_dispatch_recv_streaming_stores_write_the_same_bytes(xb, offset, stream_
         return out
 
     plain = receive("never")
-    for mode in ("always", "large"):
-        for a, b in zip(receive(mode), plain):
-            assert torch.equal(a, b), mode
+    rows_bytes = int(plain[3].sum()) * xb
+    for mode, min_bytes in (("always", None), ("large", rows_bytes), ("large", rows_bytes + 1), ("large", 0)):
+        for a, b in zip(receive(mode, min_bytes), plain):
+            assert torch.equal(a, b), (mode, min_bytes)
     assert plain[0].any()  # rows were loaded, and the stale ones zeroed
     assert not plain[0][0, int(plain[3][0]):].any()
+
+
+def test_stream_mode_and_threshold_are_set_read_and_checked(stream_mode):
+    """:func:`native.ll_stream_rows` sets the mode and the threshold each alone, :func:`native.ll_stream_min_bytes`
+    reads the threshold, :func:`native.ll_streams` gives the receive's decision under them ("large": from the
+    threshold on), and bad values are refused with nothing set."""
+    assert native.ll_stream_rows("always", 12345) == "always"
+    assert native.ll_stream_min_bytes() == 12345
+    assert [native.ll_streams(n) for n in (0, 12344, 12345)] == [True, True, True]
+    assert native.ll_stream_rows("large") == "large" and native.ll_stream_min_bytes() == 12345
+    assert [native.ll_streams(n) for n in (0, 12344, 12345, 1 << 40)] == [False, False, True, True]
+    assert native.ll_stream_rows("never") == "never" and native.ll_stream_min_bytes() == 12345
+    assert [native.ll_streams(n) for n in (0, 12345, 1 << 40)] == [False, False, False]
+    assert native.ll_stream_rows(None, 0) == "never" and native.ll_stream_min_bytes() == 0
+    assert native.ll_stream_rows() == "never"
     with pytest.raises(ValueError, match="mode must be one of never, large, always or None, got 'on'"):
-        native.ll_stream_rows("on")
-    assert native.ll_stream_rows() == "large"
+        native.ll_stream_rows("on", 7)
+    for bad in (-1, 1.5, True, "16"):
+        with pytest.raises(ValueError, match=f"min_bytes must be an int >= 0 or None, got {bad!r}"):
+            native.ll_stream_rows("large", bad)
+    assert native.ll_stream_rows() == "never" and native.ll_stream_min_bytes() == 0
+
+
+def test_stream_mode_and_threshold_come_from_the_settings(stream_mode, monkeypatch):
+    """The library loads with the mode and threshold of ``DEEPEP_ASCEND_LL_STREAM_ROWS`` and
+    ``DEEPEP_ASCEND_LL_STREAM_MIN_BYTES`` ("large" from 16 MiB when unset); a bad value is refused naming the
+    variable (at import, as every setting)."""
+    from deepep_ascend import settings
+    from deepep_ascend.native import ll
+
+    names = ("DEEPEP_ASCEND_LL_STREAM_ROWS", "DEEPEP_ASCEND_LL_STREAM_MIN_BYTES")
+    base = {k: v for k, v in os.environ.items() if k not in names}
+    code = "from deepep_ascend import native; print(native.ll_stream_rows(), native.ll_stream_min_bytes())"
+    env = dict(base, DEEPEP_ASCEND_LL_STREAM_ROWS="always", DEEPEP_ASCEND_LL_STREAM_MIN_BYTES="4096")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split("\n")[-2] == "always 4096"
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    native.ll_stream_rows("never", 1)
+    ll._stream_from_settings()
+    assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("large", 16 << 20)
+    assert not native.ll_streams((16 << 20) - 1) and native.ll_streams(16 << 20)
+    monkeypatch.setenv("DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", "-5")
+    with pytest.raises(settings.SettingError, match=r"\$DEEPEP_ASCEND_LL_STREAM_MIN_BYTES must be an integer >= 0, "
+                                                    r"got '-5'"):
+        ll._stream_from_settings()
+    assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("large", 16 << 20)
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -9,6 +9,7 @@
  *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; every routed row loaded from its source's
  *                            send region -> recv_x, scales, src_info; then the sources' stamps (seqlock)
  *   deepep_ll_stream_rows    whether deepep_ll_dispatch_recv stores its rows by streaming stores (stream.h)
+ *   deepep_ll_streams        whether a receive of so many bytes of rows does, under the mode in force
  *   deepep_ll_combine_send   every returned row of every mapped destination straight into its slot, and
  *                            the counts
  *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
@@ -26,7 +27,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "bf16.h"
 #include "stream.h"
@@ -110,32 +110,31 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
     return 0;
 }
 
-/* When deepep_ll_dispatch_recv copies its rows with streaming stores (stream.h): STREAM_NEVER (the default: the
- * experts read the rows next, and find them cached after plain stores); STREAM_LARGE, when the call's rows take
- * more bytes than this core's L2 cache holds; STREAM_ALWAYS. */
+/* When deepep_ll_dispatch_recv copies its rows with streaming stores (stream.h): STREAM_NEVER; STREAM_LARGE (the
+ * default), when the call's rows take at least stream_min_bytes: past a size the cache cannot keep them for the
+ * experts anyway, and streaming then wins both ways (docs/design/data-path.md, "Streaming stores into `recv_x`");
+ * STREAM_ALWAYS. The library sets both from its settings when it loads. */
 enum { STREAM_NEVER, STREAM_LARGE, STREAM_ALWAYS };
-static int64_t stream_rows = STREAM_NEVER;
+static int64_t stream_rows = STREAM_LARGE;
+static int64_t stream_min_bytes = (int64_t)16 << 20;
 
-/* Set the mode (0, 1, 2 as above; another value leaves it); returns the mode in force. */
-int64_t deepep_ll_stream_rows(int64_t mode)
+/* Set the mode (0, 1, 2 as above; another value leaves it) and, when min_bytes >= 0, STREAM_LARGE's threshold;
+ * returns the mode in force, and the threshold in force in *min_bytes_out (when not NULL). */
+int64_t deepep_ll_stream_rows(int64_t mode, int64_t min_bytes, int64_t *min_bytes_out)
 {
     if (mode >= STREAM_NEVER && mode <= STREAM_ALWAYS)
         stream_rows = mode;
+    if (min_bytes >= 0)
+        stream_min_bytes = min_bytes;
+    if (min_bytes_out)
+        *min_bytes_out = stream_min_bytes;
     return stream_rows;
 }
 
-/* The L2 size STREAM_LARGE compares with: this core's, else 2 MiB. */
-static int64_t l2_bytes(void)
+/* Whether a receive of rows_bytes bytes of rows stores them by streaming stores, under the mode in force. */
+int64_t deepep_ll_streams(int64_t rows_bytes)
 {
-    static int64_t bytes = 0;
-    if (!bytes) {
-        long got = 0;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-        got = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-        bytes = got > 0 ? got : 2 << 20;
-    }
-    return bytes;
+    return stream_rows == STREAM_ALWAYS || (stream_rows == STREAM_LARGE && rows_bytes >= stream_min_bytes);
 }
 
 /* A dispatch's receive, loading every row from its source's window. sig: int32 [R][L], source s's count of
@@ -193,7 +192,7 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
     for (int64_t s = 0; s < R; s++)
         for (int64_t e = 0; !(mask && mask[s]) && e < L; e++)
             rows += sig[s * L + e];
-    const int stream = stream_rows == STREAM_ALWAYS || (stream_rows == STREAM_LARGE && rows * xb > l2_bytes());
+    const int stream = (int)deepep_ll_streams(rows * xb);
     for (int64_t e = 0; e < L; e++) {
         int64_t begin = 0;
         for (int64_t s = 0; s < R; s++) {
