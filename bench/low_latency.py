@@ -177,6 +177,7 @@ def run(args) -> int:
     stream_before = native.ll_stream_rows()  # restored at the end (the tests run commands in one process)
     stream_rows = native.ll_stream_rows(args.stream_rows)  # None without the kernels (the torch path streams nothing)
     stream_min = native.ll_stream_min_bytes()
+    args.stream_rows = stream_rows  # the mode in force, in the document's params too (None: no kernels)
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
                           zero_copy=args.zero_copy, stream_rows=stream_rows, stream_min_bytes=stream_min,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,

@@ -29,6 +29,7 @@ is written.
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import numpy as np
 import torch
@@ -145,25 +146,22 @@ def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None) -> str
 
     Args:
         mode: ``"never"``, ``"large"`` or ``"always"`` to set it, or None to leave it.
-        min_bytes: ``"large"``'s threshold in bytes of the call's received rows (an int >= 0) to set it, or None to
-            leave it (:func:`ll_stream_min_bytes` reads it).
+        min_bytes: ``"large"``'s threshold in bytes of the call's received rows (an int in ``[0, 2**63)``) to set
+            it, or None to leave it (:func:`ll_stream_min_bytes` reads it).
     Returns:
         The mode in force after the call; None where the library is not loaded.
     Raises:
-        ValueError: ``mode`` is not None nor one of the three, or ``min_bytes`` not None nor an int >= 0 (nothing
+        ValueError: ``mode`` is not None nor one of the three, or ``min_bytes`` not None nor such an int (nothing
             set).
     """
     if mode is not None and mode not in LL_STREAM_MODES:
         raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(LL_STREAM_MODES)} "
                          f"or None, got {mode!r}")
-    if min_bytes is not None and (not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0):
-        raise ValueError(f"deepep_ascend.native.ll_stream_rows: min_bytes must be an int >= 0 or None, got "
-                         f"{min_bytes!r}")
+    nbytes = -1 if min_bytes is None else _byte_count("ll_stream_rows", "min_bytes", min_bytes, none_ok=True)
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
-    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode),
-                                  -1 if min_bytes is None else min_bytes, None))]
+    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode), nbytes, None))]
 
 
 def ll_stream_min_bytes() -> int | None:
@@ -179,12 +177,30 @@ def ll_stream_min_bytes() -> int | None:
 
 def ll_streams(rows_bytes: int) -> bool | None:
     """Whether a low-latency dispatch's receive of ``rows_bytes`` bytes of rows (rows times the bytes of one row's
-    ``recv_x`` payload) stores them by streaming stores under the mode and threshold in force (the decision the
-    receive itself takes); None where the library is not loaded."""
+    ``recv_x`` payload; an int in ``[0, 2**63)``) stores them by streaming stores under the mode and threshold in
+    force (the decision the receive itself takes); None where the library is not loaded.
+
+    Raises:
+        ValueError: ``rows_bytes`` is not such an int.
+    """
+    nbytes = _byte_count("ll_streams", "rows_bytes", rows_bytes)
     fn = kernels.ll_streams
     if fn is None:
         return None
-    return bool(fn(int(rows_bytes)))
+    return bool(fn(nbytes))
+
+
+def _byte_count(op: str, name: str, value, none_ok: bool = False) -> int:
+    """``value`` as an int in ``[0, 2**63)`` (any integer, numpy's too; not a bool), else ``ValueError`` naming
+    ``op`` and ``name``."""
+    try:
+        n = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = -1
+    if not 0 <= n < 1 << 63:
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be an int in [0, 2**63)"
+                         f"{' or None' if none_ok else ''}, got {value!r}")
+    return n
 
 
 def _stream_from_settings() -> None:
@@ -194,6 +210,9 @@ def _stream_from_settings() -> None:
         deepep_ascend.settings.SettingError: either variable holds a bad value.
     """
     mode, min_bytes = settings.LL_STREAM_ROWS.get(), settings.LL_STREAM_MIN_BYTES.get()
+    if min_bytes >= 1 << 63:
+        raise settings.SettingError(f"${settings.LL_STREAM_MIN_BYTES.name} must be below 2**63, got "
+                                    f"{settings.LL_STREAM_MIN_BYTES.raw()!r}")
     ll_stream_rows(mode, min_bytes)
 
 

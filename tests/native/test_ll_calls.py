@@ -6,6 +6,7 @@ values in the weighted sum; strided and bad operands refused before anything is 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -279,9 +280,17 @@ def test_stream_mode_and_threshold_are_set_read_and_checked(stream_mode):
     assert native.ll_stream_rows() == "never"
     with pytest.raises(ValueError, match="mode must be one of never, large, always or None, got 'on'"):
         native.ll_stream_rows("on", 7)
-    for bad in (-1, 1.5, True, "16"):
-        with pytest.raises(ValueError, match=f"min_bytes must be an int >= 0 or None, got {bad!r}"):
+    for bad in (-1, 1.5, True, "16", 1 << 63):
+        with pytest.raises(ValueError, match=re.escape(f"min_bytes must be an int in [0, 2**63) or None, got {bad!r}")):
             native.ll_stream_rows("large", bad)
+    assert native.ll_stream_rows() == "never" and native.ll_stream_min_bytes() == 0
+    assert native.ll_stream_rows("never", np.int64(7)) == "never" and native.ll_stream_min_bytes() == 7
+    assert native.ll_stream_rows("large", (1 << 63) - 1) == "large" and native.ll_stream_min_bytes() == (1 << 63) - 1
+    assert not native.ll_streams(np.int64(1 << 62)) and native.ll_streams((1 << 63) - 1)
+    for bad in (-1, 1.5, True, "17", None, 1 << 63):
+        with pytest.raises(ValueError, match=re.escape(f"rows_bytes must be an int in [0, 2**63), got {bad!r}")):
+            native.ll_streams(bad)
+    native.ll_stream_rows("never", 0)
     assert native.ll_stream_rows() == "never" and native.ll_stream_min_bytes() == 0
 
 
@@ -307,6 +316,10 @@ def test_stream_mode_and_threshold_come_from_the_settings(stream_mode, monkeypat
     monkeypatch.setenv("DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", "-5")
     with pytest.raises(settings.SettingError, match=r"\$DEEPEP_ASCEND_LL_STREAM_MIN_BYTES must be an integer >= 0, "
                                                     r"got '-5'"):
+        ll._stream_from_settings()
+    monkeypatch.setenv("DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", str(1 << 63))
+    with pytest.raises(settings.SettingError, match=r"\$DEEPEP_ASCEND_LL_STREAM_MIN_BYTES must be below 2\*\*63, "
+                                                    r"got '9223372036854775808'"):
         ll._stream_from_settings()
     assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("large", 16 << 20)
 
