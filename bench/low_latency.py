@@ -213,6 +213,10 @@ def run(args) -> int:
 
     # Correctness once: identity experts, so combined ≈ x · Σ w (docs/semantics/deepep-api.md §9 invariant 12).
     dispatch(), make_y(), combine()
+    # What the receive streamed: every call of the run receives these rows (the routing does not change).
+    rows_bytes = int(st["d"][1].sum()) * H * (1 if fp8 else 2)
+    got = comm.allgather((rows_bytes, bool(native.ll_streams(rows_bytes)) if stream_rows is not None else False))
+    out["config"].update(recv_rows_bytes_max=max(b for b, _ in got), streamed_ranks=sum(f for _, f in got))
     approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True) * (LOGFMT_SCALE if args.logfmt else 1.0)
     diff = comm.allreduce(calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
     bound = (9e-4 if fp8 else 1e-5) + (LOGFMT_CALC_DIFF if args.logfmt else 0.0)
@@ -344,7 +348,9 @@ def run(args) -> int:
               f"{E} experts, {'FP8' if fp8 else 'BF16'} dispatch, {'LogFMT-10' if args.logfmt else 'BF16'} combine"
               f"{' (zero-copy)' if args.zero_copy else ''}, "
               + {None: "", "never": "recv_x by plain stores, ", "always": "recv_x by streaming stores, ",
-                 "large": f"recv_x by streaming stores from {fmt_bytes(stream_min or 0)} of rows, "}[stream_rows]
+                 "large": f"recv_x by streaming stores from {fmt_bytes(stream_min or 0)} of rows (this run: "
+                          f"up to {fmt_bytes(c['recv_rows_bytes_max'])} per receive, {c['streamed_ranks']} of {R} "
+                          f"ranks streamed), "}[stream_rows]
               + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
                  else "no same-node peers (one rank per node), ")
               + f"num_rdma_bytes {fmt_bytes(nbytes)}, "

@@ -211,6 +211,10 @@ def _check_details(command: str, doc: dict) -> None:
                 assert math.isclose(doc["summary"][f"{s}_over_mpi_alltoall_t{t}"],
                                     by[f"{s}/round_trip_t{t}"]["seconds"] / floor)
     elif command == "low-latency":
+        cfg = det["config"]  # the commands' small shape: every rank's receive under the default threshold
+        ranks = doc["params"]["num_ranks"]
+        assert cfg["recv_rows_bytes_max"] > 0
+        assert cfg["streamed_ranks"] == (ranks if cfg["stream_rows"] == "always" else 0), cfg
         b = det["bytes"]
         for p in ("dispatch", "combine"):
             assert by[f"deepep_ascend/{p}"]["bytes"] == max(b[f"{p}_per_rank"])
