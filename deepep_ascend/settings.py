@@ -39,9 +39,10 @@ class Setting:
     """One environment variable.
 
     ``kind`` is how its value parses: ``"float"`` and ``"int"`` (at least ``minimum``, or above it when
-    ``exclusive``), ``"bool"`` (``1/true/yes/on`` or ``0/false/no/off``, any case), ``"choice"`` (one of
-    ``choices``, spelled exactly, as the keyword arguments they stand for) or ``"text"`` (as given). ``default`` is what
-    :meth:`get` returns when the variable is unset; ``None`` means the caller derives it (``default_text`` says how).
+    ``exclusive``; below ``limit``, when given), ``"bool"`` (``1/true/yes/on`` or ``0/false/no/off``, any case),
+    ``"choice"`` (one of ``choices``, spelled exactly, as the keyword arguments they stand for) or ``"text"`` (as
+    given). ``default`` is what :meth:`get` returns when the variable is unset; ``None`` means the caller derives it
+    (``default_text`` says how).
     ``scope`` says who reads it: ``library``, ``tests`` or ``scripts``.
     """
 
@@ -53,6 +54,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     minimum: float | None = None
     exclusive: bool = False
+    limit: int | None = None
     default_text: str | None = None
 
     def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
@@ -100,6 +102,8 @@ class Setting:
             raise self._error(raw)
         if self.minimum is not None and (value <= self.minimum if self.exclusive else value < self.minimum):
             raise self._error(raw)
+        if self.limit is not None and value >= self.limit:
+            raise self._error(raw)
         return value
 
     def accepts(self) -> str:
@@ -113,6 +117,8 @@ class Setting:
         what = "an integer" if self.kind == "int" else "a number"
         if self.minimum is not None:
             what += f" {'>' if self.exclusive else '>='} {self.minimum:g}"
+        if self.limit is not None:
+            what += f"{' and' if self.minimum is not None else ''} below {self.limit}"
         return what
 
     def _error(self, raw: str) -> SettingError:
@@ -177,7 +183,7 @@ LL_STREAM_MIN_BYTES = Setting(
     "DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", "int", 16 << 20,
     "The size in bytes of a low-latency dispatch's received rows from which `large` streams them "
     "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
-    minimum=0)
+    minimum=0, limit=1 << 63)
 NORMAL_NATIVE = Setting(
     "DEEPEP_ASCEND_NORMAL_NATIVE", "bool", True,
     "Normal-mode calls on one node run their fixed work from a native plan of the engine's operands "

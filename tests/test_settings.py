@@ -41,6 +41,9 @@ def test_each_setting_parses_one_way(name):
         bad.remove("")
     if s.minimum is not None:
         bad.append(str(int(s.minimum) - 1 if not s.exclusive else int(s.minimum)))
+    if s.limit is not None:  # the last value below the limit is taken, the limit is not
+        assert s.get({name: str(s.limit - 1)}) == s.limit - 1
+        bad.append(str(s.limit))
     for b in bad:
         with pytest.raises(SettingError) as info:
             s.get({name: b})

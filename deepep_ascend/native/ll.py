@@ -209,11 +209,7 @@ def _stream_from_settings() -> None:
     Raises:
         deepep_ascend.settings.SettingError: either variable holds a bad value.
     """
-    mode, min_bytes = settings.LL_STREAM_ROWS.get(), settings.LL_STREAM_MIN_BYTES.get()
-    if min_bytes >= 1 << 63:
-        raise settings.SettingError(f"${settings.LL_STREAM_MIN_BYTES.name} must be below 2**63, got "
-                                    f"{settings.LL_STREAM_MIN_BYTES.raw()!r}")
-    ll_stream_rows(mode, min_bytes)
+    ll_stream_rows(settings.LL_STREAM_ROWS.get(), settings.LL_STREAM_MIN_BYTES.get())
 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,
