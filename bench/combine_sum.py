@@ -1,7 +1,7 @@
 """Combine's row sum: the run-wise BF16 path, the float32 chain, ``embedding_bag`` and the native kernel.
 
     python -m bench combine-sum [--num-tokens 4096] [--hidden 7168] [--missing 16,64,256,1024] [--iters 5]
-                                [--sources 3,4,8] [--num-topk 8]
+                                [--sources 3,4,8] [--num-topk 8] [--ll-tokens 128] [--evict-mb 256]
 
 One process, one thread. Two sources (what every token of a 2-rank combine has), each missing
 ``--missing`` random tokens of ``--num-tokens``; rows are random BF16, the second marked clean (no
@@ -27,9 +27,18 @@ whose runs are too many, while a block holds ``_BAG_MIN_TOKENS`` tokens) and the
 medians and the tokens per block. ``--json FILE``: one result per path and case, named
 ``<path>/missing <n>`` and ``<path>/<S> sources`` (paths ``run-wise``, ``float32 chain``,
 ``embedding_bag``, ``native``), with ``ratio_to`` the float32 chain (the baseline).
+
+Last, where the native kernel runs its AVX2 loop (``native.row_sums_avx2``), the kernel's two loops on the same
+inputs, alternating: each ``--sources`` case, again with a bias pair, and the low-latency combine's weighted sum
+(``native.weighted_sum_rows``) of ``--ll-tokens`` tokens of ``--num-topk`` distinct rows each, warm and cold
+(``--evict-mb`` MB written before each call, untimed); ``[loops]`` lines, records ``avx2/<case>`` and
+``portable/<case>`` (``ratio_to`` the portable loop), their bits checked equal.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -48,6 +57,12 @@ def add_arguments(p) -> None:
                    help="comma-separated tokens each source misses (default 16,64,256,1024)")
     p.add_argument("--sources", type=cli.int_list(1), default=[3, 4, 8],
                    help="comma-separated source counts for the many-source cases (default 3,4,8; empty: none)")
+    p.add_argument("--ll-tokens", type=cli.int_at_least(0), default=128,
+                   help="tokens of the low-latency weighted sum timed with both native loops (default 128, a decode "
+                        "step's; 0: none)")
+    p.add_argument("--evict-mb", type=cli.int_at_least(1), default=256,
+                   help="MB written before each call of the loops' cold regime, untimed (default 256: past this "
+                        "host's caches)")
 
 
 def run(args) -> int:
@@ -133,15 +148,76 @@ def run(args) -> int:
               f"{acc.size(0) // num} tokens per block): "
               f"float32 chain {t_chain:8.2f} ms | embedding_bag {t_bags:8.2f} ms | native {t_nat:8.2f} ms | "
               f"chain / bags {t_chain / t_bags:5.2f}x | bags / native {t_bags / t_nat:5.2f}x | same bits {ok}")
+    if nat:
+        same &= _loops(args, g, records)
     print(f"[check]  all paths give the same bits in every case: {same}")
     if args.json:
         schema.write(args.json, schema.document(
             "combine-sum", argv=args._argv, params=cli.params_of(args, 1), results=records,
-            baselines=[r["name"] for r in records if r["system"] == "float32 chain"],
+            baselines=[r["name"] for r in records if r["system"] in ("float32 chain", "portable")],
             checks=dict(ok=bool(same), same_bits=bool(same)), mpi=False,
             details=dict(two_source_run_limit=limit, native=nat,
                          runs={f"missing {k}": p[0] for k, p in zip(missing, points)})))
     return 0 if same else 1
+
+
+def _loops(args, g, records: list) -> bool:
+    """The native kernel's two loops (``native.row_sums_avx2``: each output row's sum in AVX2 registers, or a float32
+    row in memory) on the same inputs, alternating: every ``--sources`` case, again with a bias pair (which the
+    kernel sums with the accumulator even at two sources), and the low-latency combine's weighted sum of
+    ``--ll-tokens`` tokens of ``--num-topk`` distinct rows each, warm and cold (``--evict-mb`` MB written before each
+    call). Prints one line per case, records ``avx2/<case>`` and ``portable/<case>``; returns whether the loops gave
+    the same bits everywhere (True where the AVX2 loop does not run: nothing to compare)."""
+    before = N.row_sums_avx2()
+    if not N.row_sums_avx2(True):
+        print("[loops]  the row sums' AVX2 loop does not run on this CPU: only the portable loop")
+        N.row_sums_avx2(before)
+        return True
+    m, h = args.num_tokens, args.hidden
+    evict = torch.zeros(args.evict_mb << 18, dtype=torch.int32)
+    cases = []
+    for num in args.sources:
+        present = 1.0 - (1.0 - 1.0 / num) ** args.num_topk
+        sources = [(torch.randn(int(t.numel()), h, generator=g).to(torch.bfloat16), t) for t in
+                   (torch.nonzero(torch.rand(m, generator=g) < present).squeeze(1) for _ in range(num))]
+        bias = (torch.randn(m, h, generator=g).to(torch.bfloat16), torch.randn(m, h, generator=g).to(torch.bfloat16))
+        for label, b in ((f"{num} sources", None), (f"{num} sources + bias pair", bias)):
+            cases.append((label, torch.empty(m, h, dtype=torch.bfloat16),
+                          lambda out, s=sources, b=b: N.sum_rows(out, s, b), False))
+    if args.ll_tokens:
+        t, k = args.ll_tokens, args.num_topk
+        rows = torch.randn(t * k, h, generator=g).to(torch.bfloat16)
+        index = torch.randperm(t * k, generator=g).view(t, k)
+        weights = torch.rand(t, k, generator=g)
+        for regime in ("warm", "cold"):
+            cases.append((f"low-latency weighted sum, {t} tokens x top-{k}, {regime}",
+                          torch.empty(t, h, dtype=torch.bfloat16),
+                          lambda out: N.weighted_sum_rows(out, rows, index, weights), regime == "cold"))
+    same = True
+    try:
+        for label, out, fn, cold in cases:
+            outs = {"avx2": out, "portable": torch.empty_like(out)}
+            times = {loop: [] for loop in outs}
+            for i in range(args.warmup + args.iters):
+                for loop, o in outs.items():
+                    N.row_sums_avx2(loop)
+                    if cold:
+                        evict.add_(1)
+                    t0 = time.perf_counter()
+                    fn(o)
+                    if i >= args.warmup:
+                        times[loop].append(time.perf_counter() - t0)
+            ok = torch.equal(outs["avx2"].view(torch.int16), outs["portable"].view(torch.int16))
+            same &= ok
+            ms = {loop: statistics.median(ts) * 1e3 for loop, ts in times.items()}
+            for loop, t in ms.items():
+                records.append(schema.result(f"{loop}/{label}", t / 1e3, phase=label))
+            schema.add_ratios(records, f"avx2/{label}", [f"portable/{label}"])
+            print(f"[loops]  {label}: avx2 {ms['avx2']:8.3f} ms | portable {ms['portable']:8.3f} ms | "
+                  f"portable / avx2 {ms['portable'] / ms['avx2']:5.2f}x | same bits {ok}")
+    finally:
+        N.row_sums_avx2(before)
+    return same
 
 
 def main(argv=None) -> int:

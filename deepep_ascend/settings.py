@@ -184,6 +184,13 @@ LL_STREAM_MIN_BYTES = Setting(
     "The size in bytes of a low-latency dispatch's received rows from which `large` streams them "
     "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
     minimum=0, limit=1 << 63)
+ROW_SUMS = Setting(
+    "DEEPEP_ASCEND_ROW_SUMS", "choice", "auto",
+    "Which loop the native combines' row sums run: `avx2` (each output row's float32 sum in AVX2 registers, 64 "
+    "columns at a time), `portable` (a float32 row in memory, vectorised by the compiler) or `auto` (`avx2` where "
+    "the CPU has AVX2 but not AVX-512BW). The same bits (native.row_sums_avx2). Read once, when deepep_ascend is "
+    "imported.",
+    choices=("auto", "avx2", "portable"))
 NORMAL_NATIVE = Setting(
     "DEEPEP_ASCEND_NORMAL_NATIVE", "bool", True,
     "Normal-mode calls on one node run their fixed work from a native plan of the engine's operands "
@@ -272,7 +279,7 @@ TORCH_INDEX = Setting(
 
 SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
-    LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND,
+    LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, ROW_SUMS, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND,
     MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR,
     TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_RANKS, TEST_HANG_RETRIES,
     SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)

@@ -9,7 +9,8 @@ Modules:
   :func:`timing` (every native call of a block timed);
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`zero_rows`, :func:`weighted_sum_rows`,
-  :func:`dequant_rows_e4m3`, :func:`swiglu`;
+  :func:`dequant_rows_e4m3`, :func:`swiglu`; :func:`row_sums_avx2` (which loop the row sums run, its modes
+  :data:`ROW_SUMS_MODES`);
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
   :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_stream_rows` (its modes
   :data:`LL_STREAM_MODES`; its threshold :func:`ll_stream_min_bytes`; its decision :func:`ll_streams`),
@@ -87,7 +88,16 @@ from .ll_cast import ll_cast_message_bytes, ll_cast_messages
 from .ll_fused import LLPlan, fused_available
 from .loader import available, library_path, timing
 from .logfmt import logfmt_avx512, logfmt_decode, logfmt_encode, logfmt_meta, logfmt_params
-from .rows import copy_rows, dequant_rows_e4m3, sum_rows, swiglu, weighted_sum_rows, zero_rows
+from .rows import (
+    ROW_SUMS_MODES,
+    copy_rows,
+    dequant_rows_e4m3,
+    row_sums_avx2,
+    sum_rows,
+    swiglu,
+    weighted_sum_rows,
+    zero_rows,
+)
 
 __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "LL_STREAM_MODES", "amx_bf16",
            "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "intranode_available", "copy_rows",
@@ -96,5 +106,6 @@ __all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "L
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route",
            "ll_stream_min_bytes", "ll_stream_rows", "ll_streams",
            "local_experts", "logfmt_avx512", "logfmt_decode", "logfmt_encode", "logfmt_meta", "logfmt_params",
-           "recv_channel_prefix", "send_layout", "signals_available", "sum_rows", "swiglu", "timing",
+           "recv_channel_prefix", "ROW_SUMS_MODES", "row_sums_avx2", "send_layout", "signals_available", "sum_rows",
+           "swiglu", "timing",
            "weighted_sum_rows", "zero_rows"]

@@ -24,7 +24,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load", "ti
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 29
+ABI = 30
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -40,6 +40,7 @@ _SIGNATURES = {
     "copy_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
     "zero_rows": (_I64, [_I64, _I64, _P, _I64, _P, _I64]),
     "weighted_sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _U16]),
+    "row_sums_avx2": (_I64, [_I64]),
     "ll_route": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P]),
     "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P]),
     "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P,

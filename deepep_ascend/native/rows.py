@@ -12,14 +12,48 @@ import math
 import numpy as np
 import torch
 
+from .. import settings
 from .loader import kernels
 from .operands import mark_written, matrix_ok, require_matrix, require_rows_apart
 
-__all__ = ["NAN_BITS", "copy_rows", "dequant_rows_e4m3", "sum_rows", "swiglu", "weighted_sum_rows", "zero_rows"]
+__all__ = ["NAN_BITS", "ROW_SUMS_MODES", "copy_rows", "dequant_rows_e4m3", "row_sums_avx2", "sum_rows", "swiglu",
+           "weighted_sum_rows", "zero_rows"]
 
 #: The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 #: write another, and copies keep a NaN's payload): the kernels write this one for every NaN sum.
 NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+#: :func:`row_sums_avx2`'s modes, in the kernel's numbering (``DEEPEP_ASCEND_ROW_SUMS`` spells them).
+ROW_SUMS_MODES = {"portable": 0, "avx2": 1, "auto": 2}
+
+
+def row_sums_avx2(mode: bool | str | None = None) -> bool:
+    """Whether the row sums of :func:`sum_rows`, :func:`weighted_sum_rows` and the low-latency combine's receive run
+    the register-blocked AVX2 loop (``csrc/sum_rows.c``: each output row's float32 sum in eight AVX2 registers, 64
+    columns at a time) instead of the portable one (a float32 row in memory that every input row reads and writes
+    again, vectorised by the compiler). Both give the same bits.
+
+    Args:
+        mode: None leaves it; ``"portable"`` or False turns the AVX2 loop off; ``"avx2"`` or True on where the CPU
+            has AVX2; ``"auto"`` back to the default: on where the CPU has AVX2 but not AVX-512BW (those hosts keep
+            the compiler's AVX-512 clone of the portable loop, which the AVX2 loop was not measured against).
+    Returns:
+        Whether the AVX2 loop runs after the call; False where the library is not loaded.
+    Raises:
+        ValueError: another ``mode`` (nothing changed).
+    """
+    if mode is None:
+        code = -1
+    elif isinstance(mode, bool):
+        code = int(mode)
+    elif isinstance(mode, str) and mode in ROW_SUMS_MODES:
+        code = ROW_SUMS_MODES[mode]
+    else:
+        raise ValueError(f"deepep_ascend.native.row_sums_avx2: mode must be None, a bool or one of "
+                         f"{', '.join(ROW_SUMS_MODES)}, got {mode!r}")
+    fn = kernels.row_sums_avx2
+    return False if fn is None else bool(fn(code))
 
 
 def _row_numbers(name: str, rows: torch.Tensor, op: str = "copy_rows") -> int:
@@ -416,3 +450,15 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
             return False
     mark_written(out)
     return True
+
+
+def _row_sums_from_settings() -> None:
+    """The row sums' loop from ``DEEPEP_ASCEND_ROW_SUMS``, once, when this module loads.
+
+    Raises:
+        deepep_ascend.settings.SettingError: the variable holds a bad value.
+    """
+    row_sums_avx2(settings.ROW_SUMS.get())
+
+
+_row_sums_from_settings()

@@ -51,7 +51,7 @@ COLLECTIVE = {
 ONE_PROCESS = {
     "grouped-gemm": ["--groups", "3", "--rows", "40", "--k", "64", "--n", "32", "--iters", "3", "--warmup-s", "0"],
     "combine-sum": ["--num-tokens", "96", "--hidden", "64", "--missing", "2,30", "--iters", "1", "--sources", "3",
-                    "--warmup-s", "0"],
+                    "--warmup-s", "0", "--ll-tokens", "3", "--evict-mb", "1"],
     "moe-act": ["--rows", "64", "--hidden", "64", "--inter", "64", "--iters", "3", "--warmup-s", "0"],
     "fp8-decode": ["--rows", "4", "--hidden", "96", "--iters", "1", "--warmup-s", "0"],
     "logfmt": ["--rows-list", "1,3", "--hidden", "256", "--iters", "1", "--warmup", "0", "--warmup-s", "0"],
@@ -518,6 +518,12 @@ def test_one_process_commands_write_valid_documents(command, out_dir, capsys):
     assert doc["host"]["mpi"] is None and doc["fingerprint"] is None
     if command != "moe-act" or doc["checks"]["native"]:
         assert doc["results"] and set(doc["baselines"]) < {r["name"] for r in doc["results"]}
+    if command == "combine-sum":  # the native loops: 3 sources with and without a bias, the weighted sum warm and cold
+        loops = {r["phase"]: r for r in doc["results"] if r["system"] == "avx2"}
+        assert not loops or sorted(loops) == ["3 sources", "3 sources + bias pair",
+                                              "low-latency weighted sum, 3 tokens x top-8, cold",
+                                              "low-latency weighted sum, 3 tokens x top-8, warm"], sorted(loops)
+        assert all(set(r["ratio_to"]) == {f"portable/{case}"} for case, r in loops.items())
 
 
 def test_schema_rejects_what_it_must():

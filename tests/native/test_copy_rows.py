@@ -4,11 +4,17 @@ byte: dtypes, strided rows, missing index lists, empty moves, bad operands."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from deepep_ascend import native
 from deepep_ascend.native.loader import kernels
+from tests.support.buffer_helpers import same_bits_nan
 
 pytestmark = pytest.mark.skipif(kernels.copy_rows is None, reason="native kernels not built")
 
@@ -102,9 +108,8 @@ def _special_rows(g, count, hidden):
 
 
 @pytest.mark.parametrize("hidden", [7, 1024, 2500])  # below, at and across the kernel's 1024-float chunks
+@pytest.mark.usefixtures("row_sum_loop")
 def test_weighted_sum_matches_the_definition_and_the_low_latency_torch_path(hidden):
-    from tests.support.buffer_helpers import same_bits_nan
-
     g = torch.Generator().manual_seed(hidden)
     rows = _special_rows(g, 30, hidden)
     n, k = 12, 5
@@ -132,3 +137,71 @@ def test_weighted_sum_bad_operands():
         native.weighted_sum_rows(out, rows, torch.zeros(2, 3, dtype=torch.int64), w.double())
     with pytest.raises(ValueError, match="index must be a contiguous"):
         native.weighted_sum_rows(out, rows, torch.zeros(3, 2, dtype=torch.int64).t(), w)
+
+
+@pytest.mark.usefixtures("row_sum_loop")
+def test_weighted_sum_with_more_slots_than_the_avx2_loop_takes():
+    """A token of more than 64 slots (``ROW_SUM_SLOTS``) takes the portable loop whatever the mode; 64 the AVX2 one
+    where it runs: both the definition's bits, the slots of every kind (-1, repeated rows) included."""
+    g = torch.Generator().manual_seed(65)
+    rows = _special_rows(g, 20, 130)
+    for k in (64, 65, 80):
+        index = torch.randint(-1, 20, (3, k), generator=g)
+        weights = torch.randn(3, k, generator=g)
+        out = torch.full((3, 130), 7.0, dtype=torch.bfloat16)
+        assert native.weighted_sum_rows(out, rows, index, weights)
+        assert same_bits_nan(out, _weighted_reference(rows, index, weights)), k
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (the first processor's)."""
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_row_sums_mode_is_set_read_and_checked():
+    """``row_sums_avx2``: None reads the loop in force, False / "portable" turn the AVX2 loop off, True / "avx2" on
+    where the CPU has AVX2, "auto" back to the default (AVX2 without AVX-512BW); anything else is refused with
+    nothing changed."""
+    before = native.row_sums_avx2()
+    flags = _cpu_flags()
+    avx2 = "avx2" in flags
+    try:
+        assert native.row_sums_avx2(False) is False and native.row_sums_avx2() is False
+        assert native.row_sums_avx2("avx2") is avx2 and native.row_sums_avx2() is avx2
+        assert native.row_sums_avx2("portable") is False
+        assert native.row_sums_avx2(True) is avx2
+        for bad in ("on", 1, 2.0, "AVX2"):
+            with pytest.raises(ValueError, match=re.escape(f"mode must be None, a bool or one of portable, avx2, auto, "
+                                                           f"got {bad!r}")):
+                native.row_sums_avx2(bad)
+            assert native.row_sums_avx2() is avx2
+        auto = native.row_sums_avx2("auto")
+        assert auto is (avx2 and "avx512bw" not in flags)
+    finally:
+        native.row_sums_avx2(before)
+
+
+def test_row_sums_mode_comes_from_the_setting(monkeypatch):
+    """The library loads with ``DEEPEP_ASCEND_ROW_SUMS`` ("auto" when unset); a bad value is refused naming the
+    variable."""
+    from deepep_ascend import settings
+    from deepep_ascend.native import rows as native_rows
+
+    base = {k: v for k, v in os.environ.items() if k != "DEEPEP_ASCEND_ROW_SUMS"}
+    code = "from deepep_ascend import native; print(native.row_sums_avx2())"
+    for value, want in (("portable", "False"), ("auto", str(native_rows.row_sums_avx2("auto")))):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env=dict(base, DEEPEP_ASCEND_ROW_SUMS=value))
+        assert out.stdout.split("\n")[-2] == want, (value, out.stdout)
+    before = native.row_sums_avx2()
+    try:
+        monkeypatch.setenv("DEEPEP_ASCEND_ROW_SUMS", "fast")
+        with pytest.raises(settings.SettingError, match=r"\$DEEPEP_ASCEND_ROW_SUMS must be one of 'auto', "
+                                                        r"'avx2', 'portable', got 'fast'"):
+            native_rows._row_sums_from_settings()
+        monkeypatch.setenv("DEEPEP_ASCEND_ROW_SUMS", "portable")
+        native_rows._row_sums_from_settings()
+        assert native.row_sums_avx2() is False
+    finally:
+        native.row_sums_avx2(before)

@@ -386,9 +386,11 @@ def test_combine_send_stores_each_run_in_its_slot(masked):
     assert all(torch.equal(a, b) for a, b in zip(wins, before))
 
 
+@pytest.mark.parametrize("H", [40, 200])  # below and across the AVX2 loop's 64 columns
 @pytest.mark.parametrize("masked", [False, True])
-def test_combine_recv_is_the_torch_paths_weighted_sum(masked):
-    R, L, m, H, n, k = 2, 4, 6, 40, 6, 4
+@pytest.mark.usefixtures("row_sum_loop")
+def test_combine_recv_is_the_torch_paths_weighted_sum(masked, H):
+    R, L, m, n, k = 2, 4, 6, 6, 4
     E = R * L
     g, idx, counts, slots = _random_route(11, n, k, E, m)
     rows = _rows(g, E * m, H)

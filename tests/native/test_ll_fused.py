@@ -207,6 +207,7 @@ def test_dispatch_statuses():
 
 @pytest.mark.parametrize("mode", ["none", "own", "pull"])
 @pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.usefixtures("row_sum_loop")
 def test_combine_issue_and_finish_are_the_steps(mode, R):
     lay = Layout(8, 256, 4 * R, R)
     L, M, H, h, seq, k = lay.L, lay.M, lay.H, 0, 8, 3

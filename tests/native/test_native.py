@@ -60,6 +60,7 @@ def test_a_bad_environment_value_fails_the_import_naming_the_variable():
 @pytest.mark.parametrize("num_sources,hidden,bias_kind,repeats", [
     (0, 40, None, False), (1, 40, "one", False), (2, 1, None, True), (3, 1024, "pair", False),
     (5, 2500, None, True), (8, 40, "pair", True), (3, 2049, "one", False)])
+@pytest.mark.usefixtures("row_sum_loop")
 def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):
     """Any number of sources, hidden below, at and across the kernel's 1024-float chunks, tokens no
     source has, a token with several rows in one source (``repeats``), rows and output with a row
@@ -89,6 +90,7 @@ def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):
 
 @needs_native
 @pytest.mark.parametrize("num_sources,hidden", [(1, 40), (4, 1100), (9, 24)])
+@pytest.mark.usefixtures("row_sum_loop")
 def test_sum_rows_gathers_rows_by_index(num_sources, hidden):
     """A source given as ``(rows, tokens, index)`` adds ``rows[index[i]]`` for ``tokens[i]``: the same
     bits as the gathered rows passed as a plain source (MegaMoE reads each wave's slot-j rows this way)."""
@@ -108,6 +110,7 @@ def test_sum_rows_gathers_rows_by_index(num_sources, hidden):
 
 
 @needs_native
+@pytest.mark.usefixtures("row_sum_loop")
 def test_sum_rows_takes_any_iterable_of_sources_and_a_second_bias_alone():
     """Sources may be a generator (it is read once); bias ``(None, b1)`` starts from ``f32(b1)``,
     as ``(b1, None)`` does (``0.0 + x == x + 0.0``)."""
@@ -122,6 +125,7 @@ def test_sum_rows_takes_any_iterable_of_sources_and_a_second_bias_alone():
 
 
 @needs_native
+@pytest.mark.usefixtures("row_sum_loop")
 def test_sum_rows_adds_in_source_order_and_rounds_once():
     """1 + 2^-8 + 2^-24 + 2^-24 in float32 loses both 2^-24 and rounds to BF16 1.0 (a tie, to
     even); 2^-24 + 2^-24 + 2^-8 + 1 keeps them and rounds up to 1 + 2^-7. Token 0 has its sources

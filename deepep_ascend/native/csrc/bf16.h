@@ -46,6 +46,17 @@ static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits)
 /* Floats of one output row accumulated at a time (the accumulator stays in L1). */
 #define WEIGHTED_CHUNK 1024
 
+/* One output row's sum with its accumulator in AVX2 registers (sum_rows.c), where deepep_row_sums_avx2_on()
+ * says so: o[h] = bf16(start[h] + the rows in order), start = f32(b0) + f32(b1), f32(b0) + 0.0, or +0.0 (b0, b1
+ * NULL), each row's term f32(row[j][h]) or, with w, f32(row[j][h]) * w[j] rounded to float32 before its add:
+ * the bits of the portable loops below and in sum_rows.c, 64 columns at a time instead of a float32 row
+ * in memory that every input row reads and writes again. Tokens with more than ROW_SUM_SLOTS weighted rows
+ * take the portable loop. */
+#define ROW_SUM_SLOTS 64
+int deepep_row_sums_avx2_on(void);
+void deepep_row_sum_avx2(int64_t hidden, int64_t n, const uint16_t *const *row, const float *w, const uint16_t *b0,
+                         const uint16_t *b1, uint16_t *o, uint16_t nan_bits);
+
 /* Where the rows of some ranks live when not in `rows`: index s of rank d = s / (m * num_local) with
  * addr[d] != 0 is row begin[d * num_local + le] + r (le = (s / m) % num_local, r = s % m) of block le at
  * addr[d] + le * ld[2d] + (begin[...] + r) * ld[2d + 1] (elements). The low-latency combine reads a rank's
@@ -83,10 +94,26 @@ static inline __attribute__((always_inline)) void weighted_sum_rows_into(
     const struct row_redirect *alt)
 {
     float acc[WEIGHTED_CHUNK];
+    const int vector = k <= ROW_SUM_SLOTS && deepep_row_sums_avx2_on();
     for (int64_t t = 0; t < n; t++) {
         const int64_t *ti = idx + t * k;
         const float *tw = w + t * k;
         uint16_t *o = out + t * out_ld;
+        if (vector) {
+            const uint16_t *src[ROW_SUM_SLOTS];
+            float wt[ROW_SUM_SLOTS];
+            int64_t c = 0;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t s = ti[j];
+                if (s < 0 || (mask && mask[s / rows_per_rank]))
+                    continue;
+                const uint16_t *a = alt ? redirected_row(alt, s) : NULL;
+                src[c] = a ? a : rows + s * row_ld;
+                wt[c++] = tw[j];
+            }
+            deepep_row_sum_avx2(hidden, c, src, wt, NULL, NULL, o, nan_bits);
+            continue;
+        }
         for (int64_t h0 = 0; h0 < hidden; h0 += WEIGHTED_CHUNK) {
             const int64_t width = hidden - h0 < WEIGHTED_CHUNK ? hidden - h0 : WEIGHTED_CHUNK;
             for (int64_t h = 0; h < width; h++)

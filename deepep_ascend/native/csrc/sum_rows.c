@@ -14,11 +14,136 @@
 /* Bumped whenever an exported signature changes: native.py refuses a library built from an older
  * source (an editable install whose extension was not rebuilt) instead of calling it wrongly. It
  * covers moe_act.c, amx_gemm.c, ll_rows.c, ll_calls.c, ll_cast.c and layout.c too (one library). */
-int64_t deepep_native_abi(void) { return 29; }
+int64_t deepep_native_abi(void) { return 30; }
 
 /* Floats of one output row summed at a time: the accumulator (4 KiB) stays in L1 while every
  * input row's slice streams past it. */
 #define CHUNK 1024
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* -1: not asked yet; then whether deepep_row_sum_avx2 runs. By default where the CPU has AVX2 but not
+ * AVX-512BW: the AVX-512 hosts keep the x86-64-v4 clones of the portable loops, which this kernel was not
+ * measured against (python -m bench combine-sum times both where it runs). */
+static int avx2_on = -1;
+
+int deepep_row_sums_avx2_on(void)
+{
+    if (avx2_on < 0)
+        avx2_on = __builtin_cpu_supports("avx2") && !__builtin_cpu_supports("avx512bw");
+    return avx2_on;
+}
+
+/* Whether the register-blocked AVX2 row sums run (mode -1: unchanged), for tests and benchmarks of both paths:
+ * mode 0 turns them off (the portable loops, the same bits), 1 on where the CPU has AVX2, 2 back to the
+ * default. Returns the state after the call. */
+int64_t deepep_row_sums_avx2(int64_t mode)
+{
+    if (mode == 0)
+        avx2_on = 0;
+    else if (mode == 1)
+        avx2_on = __builtin_cpu_supports("avx2") ? 1 : 0;
+    else if (mode == 2)
+        avx2_on = -1;
+    return deepep_row_sums_avx2_on();
+}
+
+/* 8 BF16 values widened to float32 (exact: the bits shifted into the high half). */
+__attribute__((target("avx2"))) static inline __m256 bf16x8(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* f32_to_bf16 on 8 lanes, as 32-bit lanes holding the 16-bit results. */
+__attribute__((target("avx2"))) static inline __m256i bf16_round8(__m256 f, __m256i nan)
+{
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                              _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, nan, is_nan);
+}
+
+/* 16 rounded lanes (two vectors of 8) stored as 16 BF16 values in order. */
+__attribute__((target("avx2"))) static inline void store16(uint16_t *o, __m256 lo, __m256 hi, __m256i nan)
+{
+    const __m256i packed = _mm256_packus_epi32(bf16_round8(lo, nan), bf16_round8(hi, nan)); /* lanes interleaved */
+    _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+#define ROW_SUM_8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+/* bf16.h's contract. 64 columns at a time in eight registers; the columns past the last multiple of 64 by the
+ * scalar arithmetic of the portable loops. No FMA: a product is rounded before its add, as there. */
+__attribute__((target("avx2"))) void deepep_row_sum_avx2(int64_t hidden, int64_t n, const uint16_t *const *row,
+                                                          const float *w, const uint16_t *b0, const uint16_t *b1,
+                                                          uint16_t *o, uint16_t nan_bits)
+{
+    const __m256i nan = _mm256_set1_epi32(nan_bits);
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t h = 0;
+    for (; h + 64 <= hidden; h += 64) {
+#define DECL(i) __m256 a##i;
+        ROW_SUM_8(DECL)
+        if (b0 && b1) {
+#define START2(i) a##i = _mm256_add_ps(bf16x8(b0 + h + 8 * i), bf16x8(b1 + h + 8 * i));
+            ROW_SUM_8(START2)
+        } else if (b0) {
+#define START1(i) a##i = _mm256_add_ps(bf16x8(b0 + h + 8 * i), zero);
+            ROW_SUM_8(START1)
+        } else {
+#define START0(i) a##i = zero;
+            ROW_SUM_8(START0)
+        }
+        if (w) {
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t *p = row[j] + h;
+                const __m256 wj = _mm256_set1_ps(w[j]);
+#define ADDW(i) a##i = _mm256_add_ps(a##i, _mm256_mul_ps(bf16x8(p + 8 * i), wj));
+                ROW_SUM_8(ADDW)
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t *p = row[j] + h;
+#define ADD(i) a##i = _mm256_add_ps(a##i, bf16x8(p + 8 * i));
+                ROW_SUM_8(ADD)
+            }
+        }
+        store16(o + h, a0, a1, nan);
+        store16(o + h + 16, a2, a3, nan);
+        store16(o + h + 32, a4, a5, nan);
+        store16(o + h + 48, a6, a7, nan);
+#undef DECL
+#undef START2
+#undef START1
+#undef START0
+#undef ADDW
+#undef ADD
+    }
+    for (; h < hidden; h++) {
+        float acc = b0 && b1 ? bf16_to_f32(b0[h]) + bf16_to_f32(b1[h]) : b0 ? bf16_to_f32(b0[h]) + 0.0f : 0.0f;
+        for (int64_t j = 0; j < n; j++)
+            acc += w ? bf16_to_f32(row[j][h]) * w[j] : bf16_to_f32(row[j][h]);
+        o[h] = f32_to_bf16(acc, nan_bits);
+    }
+}
+#else
+int deepep_row_sums_avx2_on(void) { return 0; }
+
+int64_t deepep_row_sums_avx2(int64_t mode)
+{
+    (void)mode;
+    return 0;
+}
+
+void deepep_row_sum_avx2(int64_t hidden, int64_t n, const uint16_t *const *row, const float *w, const uint16_t *b0,
+                         const uint16_t *b1, uint16_t *o, uint16_t nan_bits)
+{
+    (void)hidden, (void)n, (void)row, (void)w, (void)b0, (void)b1, (void)o, (void)nan_bits;
+}
+#endif
 
 
 /* out[t] = bf16(start(t) + sum over sources j, in order, of the rows i of j with tokens[j][i] == t)
@@ -102,6 +227,10 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
         uint16_t *o = out + t * out_ld;
         const uint16_t *b0 = bias0 ? bias0 + t * bias0_ld : NULL;
         const uint16_t *b1 = bias1 ? bias1 + t * bias1_ld : NULL;
+        if ((b0 || n > 2) && deepep_row_sums_avx2_on()) {
+            deepep_row_sum_avx2(hidden, n, row, NULL, b0, b1, o, nan_bits);
+            continue;
+        }
         for (int64_t h0 = 0; h0 < hidden; h0 += CHUNK) {
             const int64_t w = hidden - h0 < CHUNK ? hidden - h0 : CHUNK;
             if (!b0 && n <= 2) {
