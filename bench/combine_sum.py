@@ -29,10 +29,10 @@ medians and the tokens per block. ``--json FILE``: one result per path and case,
 ``embedding_bag``, ``native``), with ``ratio_to`` the float32 chain (the baseline).
 
 Last, where the native kernel runs its AVX2 loop (``native.row_sums_avx2``), the kernel's two loops on the same
-inputs, alternating: each ``--sources`` case, again with a bias pair, and the low-latency combine's weighted sum
-(``native.weighted_sum_rows``) of ``--ll-tokens`` tokens of ``--num-topk`` distinct rows each, warm and cold
-(``--evict-mb`` MB written before each call, untimed); ``[loops]`` lines, records ``avx2/<case>`` and
-``portable/<case>`` (``ratio_to`` the portable loop), their bits checked equal.
+inputs, alternating: two sources and each ``--sources`` case, each again with a bias pair, and the low-latency
+combine's weighted sum (``native.weighted_sum_rows``) of ``--ll-tokens`` tokens of ``--num-topk`` distinct rows
+each, warm and cold (``--evict-mb`` MB written before each call, untimed); ``[loops]`` lines, records
+``avx2/<case>`` and ``portable/<case>`` (``ratio_to`` the portable loop), their bits checked equal.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def run(args) -> int:
 
 def _loops(args, g, records: list) -> bool:
     """The native kernel's two loops (``native.row_sums_avx2``: each output row's sum in AVX2 registers, or a float32
-    row in memory) on the same inputs, alternating: every ``--sources`` case, again with a bias pair (which the
-    kernel sums with the accumulator even at two sources), and the low-latency combine's weighted sum of
+    row in memory) on the same inputs, alternating: two sources and every ``--sources`` case, each again with a bias
+    pair, and the low-latency combine's weighted sum of
     ``--ll-tokens`` tokens of ``--num-topk`` distinct rows each, warm and cold (``--evict-mb`` MB written before each
     call). Prints one line per case, records ``avx2/<case>`` and ``portable/<case>``; returns whether the loops gave
     the same bits everywhere (True where the AVX2 loop does not run: nothing to compare)."""
@@ -176,7 +176,7 @@ def _loops(args, g, records: list) -> bool:
     m, h = args.num_tokens, args.hidden
     evict = torch.zeros(args.evict_mb << 18, dtype=torch.int32)
     cases = []
-    for num in args.sources:
+    for num in sorted({2, *args.sources}):  # two sources: what every token of a 2-rank combine has
         present = 1.0 - (1.0 - 1.0 / num) ** args.num_topk
         sources = [(torch.randn(int(t.numel()), h, generator=g).to(torch.bfloat16), t) for t in
                    (torch.nonzero(torch.rand(m, generator=g) < present).squeeze(1) for _ in range(num))]

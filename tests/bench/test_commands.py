@@ -518,9 +518,10 @@ def test_one_process_commands_write_valid_documents(command, out_dir, capsys):
     assert doc["host"]["mpi"] is None and doc["fingerprint"] is None
     if command != "moe-act" or doc["checks"]["native"]:
         assert doc["results"] and set(doc["baselines"]) < {r["name"] for r in doc["results"]}
-    if command == "combine-sum":  # the native loops: 3 sources with and without a bias, the weighted sum warm and cold
+    if command == "combine-sum":  # the native loops: 2 and 3 sources, without and with a bias; the weighted sum
         loops = {r["phase"]: r for r in doc["results"] if r["system"] == "avx2"}
-        assert not loops or sorted(loops) == ["3 sources", "3 sources + bias pair",
+        assert not loops or sorted(loops) == ["2 sources", "2 sources + bias pair", "3 sources",
+                                              "3 sources + bias pair",
                                               "low-latency weighted sum, 3 tokens x top-8, cold",
                                               "low-latency weighted sum, 3 tokens x top-8, warm"], sorted(loops)
         assert all(set(r["ratio_to"]) == {f"portable/{case}"} for case, r in loops.items())

@@ -58,7 +58,7 @@ def test_a_bad_environment_value_fails_the_import_naming_the_variable():
 
 @needs_native
 @pytest.mark.parametrize("num_sources,hidden,bias_kind,repeats", [
-    (0, 40, None, False), (1, 40, "one", False), (2, 1, None, True), (3, 1024, "pair", False),
+    (0, 40, None, False), (1, 40, "one", False), (2, 1, None, True), (2, 200, None, False), (3, 1024, "pair", False),
     (5, 2500, None, True), (8, 40, "pair", True), (3, 2049, "one", False)])
 @pytest.mark.usefixtures("row_sum_loop")
 def test_sum_rows_bitwise(num_sources, hidden, bias_kind, repeats):

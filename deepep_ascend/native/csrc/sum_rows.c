@@ -227,7 +227,7 @@ int64_t deepep_sum_rows_bf16(int64_t m, int64_t hidden, int64_t num_sources,
         uint16_t *o = out + t * out_ld;
         const uint16_t *b0 = bias0 ? bias0 + t * bias0_ld : NULL;
         const uint16_t *b1 = bias1 ? bias1 + t * bias1_ld : NULL;
-        if ((b0 || n > 2) && deepep_row_sums_avx2_on()) {
+        if ((b0 || n >= 2) && deepep_row_sums_avx2_on()) { /* one row alone: the integer lanes below are faster */
             deepep_row_sum_avx2(hidden, n, row, NULL, b0, b1, o, nan_bits);
             continue;
         }
