@@ -1,4 +1,5 @@
-"""Fixtures of the native kernels' tests."""
+"""Fixtures of the native kernels' tests: a test run once on each of a kernel's loops, the vector one and the
+portable one (the same bits)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,27 @@ import pytest
 from deepep_ascend import native
 
 
+def _each_loop(request, switch, why: str):
+    """Yield ``request.param`` with ``switch`` (a ``native`` function: None reads, False turns the vector loop off,
+    True on where the CPU has it) set for it: the portable loop for ``"portable"``, else the vector loop, skipped
+    (``why``) where it does not run. The state before is restored."""
+    before = switch()
+    if request.param != "portable" and not switch(True):
+        pytest.skip(why)
+    if request.param == "portable":
+        switch(False)
+    yield request.param
+    switch(before)
+
+
 @pytest.fixture(params=["avx2", "portable"])
 def row_sum_loop(request):
-    """Run the test with the row sums' AVX2 loop, then with the portable one (``native.row_sums_avx2``); the AVX2
-    run is skipped where the CPU has no AVX2 or the library is not loaded. The loop in force before is restored."""
-    before = native.row_sums_avx2()
-    if request.param == "avx2" and not native.row_sums_avx2(True):
-        pytest.skip("the row sums' AVX2 loop does not run here (no AVX2, or no native library)")
-    if request.param == "portable":
-        native.row_sums_avx2(False)
-    yield request.param
-    native.row_sums_avx2(before)
+    """The row sums' AVX2 loop, then the portable one (``native.row_sums_avx2``)."""
+    yield from _each_loop(request, native.row_sums_avx2, "the row sums' AVX2 loop does not run here (no AVX2, or no "
+                                                         "native library)")
+
+
+@pytest.fixture(params=["avx512", "portable"])
+def vector_path(request):
+    """LogFMT's AVX-512 paths, then the portable ones (``native.logfmt_avx512``)."""
+    yield from _each_loop(request, native.logfmt_avx512, "no AVX-512F on this CPU")

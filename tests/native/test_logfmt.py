@@ -17,18 +17,6 @@ pytestmark = pytest.mark.skipif(kernels.logfmt_encode is None, reason="native ke
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(params=["avx512", "portable"])
-def vector_path(request):
-    """Run the test on one of the kernels' paths (skipped where the CPU has no AVX-512F)."""
-    before = native.logfmt_avx512()
-    if request.param == "avx512" and not native.logfmt_avx512(True):
-        pytest.skip("no AVX-512F on this CPU")
-    if request.param == "portable":
-        native.logfmt_avx512(False)
-    yield request.param
-    native.logfmt_avx512(before)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
