@@ -31,7 +31,7 @@ from tests.support.buffer_helpers import (
     make_x,
     roundtrip_ok,
 )
-from tests.support.mpi_utils import world
+from tests.support.mpi_utils import up_to_four_ranks, world
 from tests.support.reference import per_token_cast_to_fp8
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
@@ -317,6 +317,7 @@ def ctx(buf, other_buf):
 
 
 @pytest.mark.parametrize("bad,who", _params())
+@up_to_four_ranks()
 def test_bad_input_raises_on_every_rank_and_buffer_stays_usable(buf, other_buf, ctx, comm, bad, who):
     r = comm.Get_rank()
     c = ctx
@@ -365,6 +366,7 @@ def _small_inputs(r, R, n=8):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
+@up_to_four_ranks()
 def test_rank_missing_mid_call_times_out_naming_it(comm, op):
     """The last rank skips the call: every other rank raises TimeoutError naming it (timeout_s=2);
     that Buffer is then poisoned (further calls raise RuntimeError at once) and is destroyed."""
@@ -485,6 +487,7 @@ def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipp
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("api", ["low_latency", "ep_buffer"])
+@up_to_four_ranks()
 def test_rank_missing_times_out_naming_phase_peer_and_call(comm, api):
     """The last rank skips the 2nd dispatch (a normal-mode Buffer: ``test_rank_missing_mid_call_times_out_naming_it``):
     every other rank raises TimeoutError naming the phase with its own call number and the missing rank."""

@@ -26,7 +26,7 @@ from tests.support.buffer_helpers import (
     run_case,
     same_bits_nan,
 )
-from tests.support.mpi_utils import gather_all, world
+from tests.support.mpi_utils import gather_all, up_to_four_ranks, world
 from tests.support.reference import ref_combine
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.watchdog(240)]
@@ -124,6 +124,7 @@ def _two_nodes(comm):
     return R // 2 if R >= 2 and R % 2 == 0 else None
 
 
+@up_to_four_ranks()
 def test_internode_many_round_trips_without_cleaning(buffers, comm):
     """200 round trips through the two-node split, nothing cleaned (``many_round_trips``)."""
     rpn = _two_nodes(comm)
@@ -134,6 +135,7 @@ def test_internode_many_round_trips_without_cleaning(buffers, comm):
 # payloads larger than the windows: many rounds
 
 
+@up_to_four_ranks()
 def test_small_windows_stream_in_rounds_with_identical_results(comm):
     """Windows a few rows big (far below the hints) give the reference results bit for bit, while
     taking many rounds (the signal count shows it); at every node split."""
@@ -323,6 +325,7 @@ def test_nodes_disagreeing_in_combine_refused_everywhere(buffers, comm):
 
 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
+@up_to_four_ranks()
 def test_rank_on_another_node_missing_times_out_naming_it(comm, op):
     """The last rank (last node) skips the call: every other rank raises a TimeoutError whose
     ``pending_peers`` is exactly ``[it]`` — on its node, across the URMA link, and on ranks that

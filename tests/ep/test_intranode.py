@@ -30,7 +30,7 @@ from tests.support.buffer_helpers import (
     many_round_trips,
     run_case,
 )
-from tests.support.mpi_utils import gather_all, world
+from tests.support.mpi_utils import gather_all, up_to_four_ranks, world
 from tests.support.reference import ref_combine, ref_dispatch
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
@@ -317,6 +317,7 @@ def test_size_hint_buffer_and_much_smaller_streaming_buffer(comm):
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["one_round", "streaming"])
+@up_to_four_ranks()
 def test_native_plan_gives_the_step_by_step_bits_and_traffic(comm, streaming, monkeypatch):
     """On one node with the kernels loaded the engine runs its fixed work from a native plan
     (``native.IntranodePlan``: signals, waits, chunk-0 exchange, staging, stores, receives); a Buffer built with

@@ -28,7 +28,7 @@ from tests.support.buffer_helpers import (
     make_topk_idx,
     same_bits_nan,
 )
-from tests.support.mpi_utils import allgather_object, gather_all
+from tests.support.mpi_utils import allgather_object, gather_all, up_to_four_ranks
 from tests.support.reference import ref_combine
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
@@ -294,6 +294,7 @@ def _combine(buf, x, handle, recv_w, use_async=False):
 @pytest.mark.parametrize("zeros", ["none", "signed", "nan"])
 @pytest.mark.parametrize("window", ["one_round", "streaming"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@up_to_four_ranks()
 def test_combine_reads_x_in_place_from_the_landing_segment(comm, monkeypatch, zeros, window, use_async):
     """``combine(recv_x)`` (DeepEP's benchmark pattern, or expert outputs written into ``recv_x``):
     peers read the rows where they lie instead of a staged copy. The result is the reference's, bit

@@ -38,7 +38,7 @@ from tests.support.buffer_helpers import (
     capture,
     coll,
 )
-from tests.support.mpi_utils import gather_all, world
+from tests.support.mpi_utils import gather_all, up_to_four_ranks, world
 from tests.support.reference import (
     calc_diff,
     per_token_cast_back,
@@ -1286,6 +1286,7 @@ SHRINK_TIMEOUT_S = 1.5 if world().Get_size() <= 4 else 2.0  # deadline of the mi
 
 
 @pytest.mark.mpi(min_size=2)
+@up_to_four_ranks()
 def test_shrink_masks_ranks_dead_at_dispatch_combine_and_clean(comm):
     """As DeepEP's shrink test: one rank stops at its first dispatch, one at its first combine, one at
     clean (2 ranks: only the first), and goes straight to ``destroy()`` (the first one leaves as its

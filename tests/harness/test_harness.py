@@ -13,6 +13,7 @@ from tests.support.mpi_utils import (
     run_collectively,
     skip_unless_size,
     sync_outcome,
+    up_to_four_ranks,
 )
 
 
@@ -53,6 +54,7 @@ def test_sync_outcome_lists_every_failing_rank(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@up_to_four_ranks()
 def test_collective_hooks_end_to_end(comm, pytester):
     """Through pytest's own reporting: an inner session, run in-process on every rank with the
     harness's CollectiveOutcomePlugin (as conftest.py registers it), fails a test that fails on

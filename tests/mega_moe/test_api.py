@@ -32,6 +32,7 @@ from tests.support.mega_moe import (
     local_weights,
     shared_weights,
 )
+from tests.support.mpi_utils import up_to_four_ranks
 from tests.support.reference import mega_calc_diff, ref_mega_moe
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
@@ -97,6 +98,7 @@ OAI_CASES = [  # (kind, shared experts, clamp, alpha, up_bias, experts per wave)
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
 @pytest.mark.parametrize("kind,shared,clamp,alpha,up_bias,epw", OAI_CASES,
                          ids=[f"{k}-shared{s}-clamp{c}-alpha{a}-bias{b}" for k, s, c, a, b, _ in OAI_CASES])
+@up_to_four_ranks()
 def test_swigluoai_matches_reference(env, comm, kind, shared, clamp, alpha, up_bias, epw, backend):
     """``activation='swigluoai'`` (DeepGEMM PR #445: ``g·sigmoid(alpha·g)·(u + up_bias)`` after the clamp) on
     the routed and the shared experts, against the reference written from that formula; the result is not

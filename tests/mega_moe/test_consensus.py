@@ -13,7 +13,7 @@ import deepep_ascend as dea
 from deepep_ascend import ConsensusError
 from tests.support.buffer_helpers import all_ranks_ok, capture, coll
 from tests.support.mega_moe import BF16, H_FP8, I_FP8, expert_weights, fill, gathered_inputs, local_weights
-from tests.support.mpi_utils import allgather_object
+from tests.support.mpi_utils import allgather_object, up_to_four_ranks
 from tests.support.reference import mega_calc_diff, ref_mega_moe
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
@@ -178,6 +178,7 @@ def test_errors_on_every_rank(env, comm, backend):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
+@up_to_four_ranks()
 def test_a_rank_that_skips_a_call_is_named_not_waited_for(comm, backend):
     """The call's consensus has the buffer's deadline: the ranks that called raise ``TimeoutError`` naming the
     rank that did not, and that rank's late call fails at once (the Buffer was aborted), instead of a hang."""

@@ -46,7 +46,7 @@ from tests.support.buffer_helpers import (
     capture,
     coll,
 )
-from tests.support.mpi_utils import gather_all, only_sizes, world
+from tests.support.mpi_utils import gather_all, only_sizes, up_to_four_ranks, world
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(180)]
 
@@ -325,6 +325,7 @@ def _train_module():
 
 
 @pytest.mark.parametrize("mode", MODES)
+@up_to_four_ranks()
 def test_training_smoke_checkpoint_and_trace(comm, mode):
     """scripts/train_moe.py for 6 tiny steps on synthetic text (``--moe-mode``: normal or low-latency
     dispatch/combine): the loss falls; a run resumed from the step-3 checkpoint reproduces steps 4-6 bit

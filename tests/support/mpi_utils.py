@@ -119,6 +119,18 @@ def only_sizes(*sizes: int, reason: str | None = None):
     )
 
 
+#: Why an :func:`up_to_four_ranks` test is not in the 8-rank job.
+SCALE_FREE = ("what it checks does not change past 4 ranks (the 2- and 4-rank jobs run it); the 8-rank job, four "
+              "processes per core, keeps the suite's time for the tests of scale")
+
+
+def up_to_four_ranks():
+    """Marker: run at 1, 2 and 4 ranks, not in the 8-rank job (:data:`SCALE_FREE`): for tests whose checks (bad
+    input, deadlines, lifecycles, variants of one path) do not depend on the rank count past 4. The data paths'
+    reference tests run at 8 ranks too (docs/testing.md)."""
+    return only_sizes(1, 2, 4, reason=SCALE_FREE)
+
+
 # ----------------------------------------------------------------------------------------------
 # gathering
 

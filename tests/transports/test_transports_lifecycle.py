@@ -32,7 +32,7 @@ from deepep_ascend.transports import (
 )
 from deepep_ascend.transports import ubmem as ubmem_mod
 from tests.support import REPO_ROOT
-from tests.support.mpi_utils import run_child_job, world
+from tests.support.mpi_utils import run_child_job, up_to_four_ranks, world
 from tests.transports.helpers import (
     destroy_quietly,
     make_transport,
@@ -227,6 +227,7 @@ def _undeleted(maps) -> set:
 
 
 @pytest.mark.mpi(min_size=1)
+@up_to_four_ranks()
 def test_create_destroy_cycles_leave_nothing():
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()

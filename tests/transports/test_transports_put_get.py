@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deepep_ascend.transports import ChannelKind
+from tests.support.mpi_utils import up_to_four_ranks
 from tests.transports.helpers import MIB, pattern, ramp
 
 SIZES = [0, 1, 7, 4096, MIB, 8 * MIB]
@@ -155,6 +156,7 @@ HEADER = 7
 
 
 @pytest.mark.mpi(min_size=1)
+@up_to_four_ranks()
 def test_put_with_signal_rounds(shared_tp):
     """Ring, 200 rounds, double-buffered with a 'consumed' ack: the receiver checks every payload byte.
 

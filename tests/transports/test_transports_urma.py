@@ -38,7 +38,7 @@ from deepep_ascend.transports import (
     TransportUnsupported,
 )
 from tests.support import REPO_ROOT
-from tests.support.mpi_utils import run_child_job
+from tests.support.mpi_utils import run_child_job, up_to_four_ranks
 from tests.transports.helpers import (
     MIB,
     destroy_quietly,
@@ -686,6 +686,7 @@ def test_target_in_ubmem_wait_receives_urma(rpn):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("rpn", HALF, ids=lambda d: f"rpn{d}")
 @pytest.mark.parametrize("op", ["wait_until", "barrier"])
+@up_to_four_ranks()
 def test_timeout_names_peer_on_another_node(rpn, op):
     """The last rank (last node) never signals / never arrives: node-0 ranks time out naming it.
 
