@@ -22,7 +22,7 @@ from deepep_ascend import (
 from deepep_ascend.ep.allocator import BufferAllocator, get_num_allocation_alignment
 from tests.support.buffer_helpers import all_ranks_ok, bits, buffer_on_nodes, capture, coll, same_bits_nan
 from tests.support.ep_reference import pre_combine_data, ref_combine, ref_dispatch, ref_dst_slots
-from tests.support.mpi_utils import gather_all, world
+from tests.support.mpi_utils import gather_all, up_to_four_ranks, world
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(300)]
 
@@ -441,6 +441,7 @@ def test_timeout_argument_wins_over_the_environment(comm, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
+@up_to_four_ranks()
 def test_barrier_against_another_call_times_out_on_every_rank(comm):
     """Rank 0 calls ``barrier`` while the others dispatch: every rank raises within about the deadline, the
     barrier's timeout naming the ranks it waited for."""

@@ -455,6 +455,7 @@ class _Calls:
 @pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])
 @pytest.mark.parametrize("skipped", ["dispatch", "combine"])
 @pytest.mark.parametrize("api", ["normal", "low_latency", "ep_buffer"])
+@up_to_four_ranks()
 def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipped, nodes):
     """Rank 1 skips one call (as a rank with no tokens skipping a chunk would) and makes the next one: every
     rank raises ConsensusError naming, for every rank, the call number, how many calls of that kind it has

@@ -9,7 +9,7 @@ import torch
 
 from deepep_ascend import Buffer, EPBuffer
 from tests.support.buffer_helpers import all_ranks_ok, capture
-from tests.support.mpi_utils import world
+from tests.support.mpi_utils import up_to_four_ranks, world
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 
@@ -110,6 +110,7 @@ def _nodes():
 
 @pytest.mark.parametrize("rpn", _nodes())
 @pytest.mark.parametrize("kind", ["Buffer", "EPBuffer"])
+@up_to_four_ranks()
 def test_calls_under_inference_mode(comm, kind, rpn):
     """Every kind of call of a ``Buffer`` (normal and low-latency) or an ``EPBuffer``, on one node and on two."""
     r, R = comm.Get_rank(), comm.Get_size()

@@ -154,6 +154,7 @@ def test_get_dispatch_layout_outputs(buf, comm):
     chk.finish("layout")
 
 
+@up_to_four_ranks()
 def test_many_round_trips_without_cleaning(buf, comm):
     """200 consecutive round trips, nothing cleaned (see ``buffer_helpers.many_round_trips``)."""
     many_round_trips(buf, comm).finish("200 round trips")

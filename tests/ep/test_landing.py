@@ -377,6 +377,7 @@ def test_x_read_in_place_is_the_callers_again_once_combine_returns(comm, monkeyp
 
 
 @pytest.mark.mpi(min_size=2)
+@up_to_four_ranks()
 def test_a_reader_of_x_in_place_raises_when_its_owner_fails(comm, monkeypatch):
     """Rank 0's ``x`` is read in place, every other rank's is private; the last rank sums 3.5 s late, so
     rank 0 times out (timeout_s=2) waiting for it and overwrites its ``x`` the moment combine raises.

@@ -328,6 +328,7 @@ def test_final_sum_in_small_token_blocks_is_the_same(env, comm, monkeypatch):
 @pytest.mark.parametrize("kind,clamp,engine,oai", [("fp8", 10.0, None, None), ("fp8", None, None, None),
                                                    ("bf16", 10.0, None, None), ("fp8", 10.0, "fp32", None),
                                                    ("fp8", 7.0, None, (1.702, 1.0)), ("bf16", 1.5, None, (0.5, -1.0))])
+@up_to_four_ranks()
 def test_native_kernels_give_the_torch_paths_bits(env, comm, monkeypatch, kind, clamp, engine, oai):
     """The native kernels (FP8 row decode, SwiGLU with its FP8 round trip, the final sum) against the
     torch paths with all three switched off: ``y`` bit for bit, several waves and the shared expert,

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 
 from tests.support.buffer_helpers import all_ranks_ok, coll
+from tests.support.mpi_utils import up_to_four_ranks
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(240)]
 
 
+@up_to_four_ranks()
 def test_benchmark_reports_fused_serial_and_unfused_stages(comm, tmp_path):
     """``python -m bench mega-moe`` (the README's MegaMoE figures) on the ``tiny`` preset: the fused call
     equals the serial one and matches the unfused sequence (exit code 0), and the JSON holds the unfused

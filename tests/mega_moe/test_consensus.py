@@ -31,6 +31,7 @@ def _expect_everywhere(comm, fn, bad_rank, exc_type, what):
 
 
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
+@up_to_four_ranks()
 def test_errors_on_every_rank(env, comm, backend):
     rank, size = comm.Get_rank(), comm.Get_size()
     last = size - 1
@@ -260,6 +261,7 @@ def test_a_failure_after_the_ranks_agreed_fails_the_peers_at_once(comm, monkeypa
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["shm", "buffer"])
+@up_to_four_ranks()
 def test_a_peer_timing_out_as_the_others_arrive_strands_no_rank(comm, monkeypatch, backend):
     """Rank 0 times out in the consensus barrier just before the last rank arrives and is slow to tell the
     others (its abort delayed 0.3 s, as if descheduled); the last rank passes the barrier meanwhile. It must then
