@@ -32,7 +32,8 @@ Last, where the native kernel runs its AVX2 loop (``native.row_sums_avx2``), the
 inputs, alternating: two sources and each ``--sources`` case, each again with a bias pair, and the low-latency
 combine's weighted sum (``native.weighted_sum_rows``) of ``--ll-tokens`` tokens of ``--num-topk`` distinct rows
 each, warm and cold (``--evict-mb`` MB written before each call, untimed); ``[loops]`` lines, records
-``avx2/<case>`` and ``portable/<case>`` (``ratio_to`` the portable loop), their bits checked equal.
+``avx2/<case>`` and ``portable/<case>`` (``ratio_to`` the portable loop), their bits checked equal (the rows carry
+a few special values: -0.0, infinities, NaN, a near-overflow and a subnormal).
 """
 
 from __future__ import annotations
@@ -175,18 +176,27 @@ def _loops(args, g, records: list) -> bool:
         return True
     m, h = args.num_tokens, args.hidden
     evict = torch.zeros(args.evict_mb << 18, dtype=torch.int32)
+    specials = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan"), 3.0e38, 1e-40], dtype=torch.bfloat16)
+
+    def rows_of(n: int) -> torch.Tensor:
+        """``n`` random BF16 rows with a few special values (the loops' bits are compared on them too)."""
+        x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+        if x.numel():
+            x.view(-1)[torch.randint(0, x.numel(), (len(specials),), generator=g)] = specials
+        return x
+
     cases = []
     for num in sorted({2, *args.sources}):  # two sources: what every token of a 2-rank combine has
         present = 1.0 - (1.0 - 1.0 / num) ** args.num_topk
-        sources = [(torch.randn(int(t.numel()), h, generator=g).to(torch.bfloat16), t) for t in
+        sources = [(rows_of(int(t.numel())), t) for t in
                    (torch.nonzero(torch.rand(m, generator=g) < present).squeeze(1) for _ in range(num))]
-        bias = (torch.randn(m, h, generator=g).to(torch.bfloat16), torch.randn(m, h, generator=g).to(torch.bfloat16))
+        bias = (rows_of(m), rows_of(m))
         for label, b in ((f"{num} sources", None), (f"{num} sources + bias pair", bias)):
             cases.append((label, torch.empty(m, h, dtype=torch.bfloat16),
                           lambda out, s=sources, b=b: N.sum_rows(out, s, b), False))
     if args.ll_tokens:
         t, k = args.ll_tokens, args.num_topk
-        rows = torch.randn(t * k, h, generator=g).to(torch.bfloat16)
+        rows = rows_of(t * k)
         index = torch.randperm(t * k, generator=g).view(t, k)
         weights = torch.rand(t, k, generator=g)
         for regime in ("warm", "cold"):

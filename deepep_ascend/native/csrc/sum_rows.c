@@ -75,7 +75,7 @@ __attribute__((target("avx2"))) static inline void store16(uint16_t *o, __m256 l
 
 #define ROW_SUM_8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 
-/* bf16.h's contract. 64 columns at a time in eight registers; the columns past the last multiple of 64 by the
+/* bf16.h's contract. 64 columns at a time in eight registers, then 8 at a time in one, the last few by the
  * scalar arithmetic of the portable loops. No FMA: a product is rounded before its add, as there. */
 __attribute__((target("avx2"))) void deepep_row_sum_avx2(int64_t hidden, int64_t n, const uint16_t *const *row,
                                                           const float *w, const uint16_t *b0, const uint16_t *b1,
@@ -121,6 +121,16 @@ __attribute__((target("avx2"))) void deepep_row_sum_avx2(int64_t hidden, int64_t
 #undef START0
 #undef ADDW
 #undef ADD
+    }
+    for (; h + 8 <= hidden; h += 8) { /* the last columns 8 at a time, in one register */
+        __m256 a = b0 && b1 ? _mm256_add_ps(bf16x8(b0 + h), bf16x8(b1 + h))
+                   : b0     ? _mm256_add_ps(bf16x8(b0 + h), zero)
+                            : zero;
+        for (int64_t j = 0; j < n; j++)
+            a = _mm256_add_ps(a, w ? _mm256_mul_ps(bf16x8(row[j] + h), _mm256_set1_ps(w[j])) : bf16x8(row[j] + h));
+        _mm_storeu_si128((__m128i *)(o + h),
+                         _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+                             _mm256_packus_epi32(bf16_round8(a, nan), _mm256_setzero_si256()), 0xD8)));
     }
     for (; h < hidden; h++) {
         float acc = b0 && b1 ? bf16_to_f32(b0[h]) + bf16_to_f32(b1[h]) : b0 ? bf16_to_f32(b0[h]) + 0.0f : 0.0f;
