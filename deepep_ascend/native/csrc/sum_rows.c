@@ -66,14 +66,38 @@ __attribute__((target("avx2"))) static inline __m256i bf16_round8(__m256 f, __m2
     return _mm256_blendv_epi8(r, nan, is_nan);
 }
 
-/* 16 rounded lanes (two vectors of 8) stored as 16 BF16 values in order. */
-__attribute__((target("avx2"))) static inline void store16(uint16_t *o, __m256 lo, __m256 hi, __m256i nan)
+/* 8 rounded lanes stored as 8 BF16 values. */
+__attribute__((target("avx2"))) static inline void store8(uint16_t *o, __m256 f, __m256i nan)
 {
-    const __m256i packed = _mm256_packus_epi32(bf16_round8(lo, nan), bf16_round8(hi, nan)); /* lanes interleaved */
-    _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(packed, 0xD8));
+    const __m256i packed = _mm256_packus_epi32(bf16_round8(f, nan), _mm256_setzero_si256()); /* per 128-bit lane */
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8)));
 }
 
-#define ROW_SUM_8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+/* Columns [h, h + 8 * nv) of the output row, their sums in nv registers while every row is added. Inlined with
+ * nv a constant (8, then 1), so that the compiler keeps the array in registers. */
+__attribute__((target("avx2"), always_inline)) static inline void sum_columns(
+    int64_t h, int nv, int64_t n, const uint16_t *const *row, const float *w, const uint16_t *b0, const uint16_t *b1,
+    uint16_t *o, __m256i nan)
+{
+    __m256 a[8];
+    for (int i = 0; i < nv; i++)
+        a[i] = b0 && b1 ? _mm256_add_ps(bf16x8(b0 + h + 8 * i), bf16x8(b1 + h + 8 * i))
+               : b0     ? _mm256_add_ps(bf16x8(b0 + h + 8 * i), _mm256_setzero_ps())
+                        : _mm256_setzero_ps();
+    if (w) {
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 wj = _mm256_set1_ps(w[j]);
+            for (int i = 0; i < nv; i++)
+                a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(bf16x8(row[j] + h + 8 * i), wj));
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            for (int i = 0; i < nv; i++)
+                a[i] = _mm256_add_ps(a[i], bf16x8(row[j] + h + 8 * i));
+    }
+    for (int i = 0; i < nv; i++)
+        store8(o + h + 8 * i, a[i], nan);
+}
 
 /* bf16.h's contract. 64 columns at a time in eight registers, then 8 at a time in one, the last few by the
  * scalar arithmetic of the portable loops. No FMA: a product is rounded before its add, as there. */
@@ -82,56 +106,11 @@ __attribute__((target("avx2"))) void deepep_row_sum_avx2(int64_t hidden, int64_t
                                                           uint16_t *o, uint16_t nan_bits)
 {
     const __m256i nan = _mm256_set1_epi32(nan_bits);
-    const __m256 zero = _mm256_setzero_ps();
     int64_t h = 0;
-    for (; h + 64 <= hidden; h += 64) {
-#define DECL(i) __m256 a##i;
-        ROW_SUM_8(DECL)
-        if (b0 && b1) {
-#define START2(i) a##i = _mm256_add_ps(bf16x8(b0 + h + 8 * i), bf16x8(b1 + h + 8 * i));
-            ROW_SUM_8(START2)
-        } else if (b0) {
-#define START1(i) a##i = _mm256_add_ps(bf16x8(b0 + h + 8 * i), zero);
-            ROW_SUM_8(START1)
-        } else {
-#define START0(i) a##i = zero;
-            ROW_SUM_8(START0)
-        }
-        if (w) {
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *p = row[j] + h;
-                const __m256 wj = _mm256_set1_ps(w[j]);
-#define ADDW(i) a##i = _mm256_add_ps(a##i, _mm256_mul_ps(bf16x8(p + 8 * i), wj));
-                ROW_SUM_8(ADDW)
-            }
-        } else {
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *p = row[j] + h;
-#define ADD(i) a##i = _mm256_add_ps(a##i, bf16x8(p + 8 * i));
-                ROW_SUM_8(ADD)
-            }
-        }
-        store16(o + h, a0, a1, nan);
-        store16(o + h + 16, a2, a3, nan);
-        store16(o + h + 32, a4, a5, nan);
-        store16(o + h + 48, a6, a7, nan);
-#undef DECL
-#undef START2
-#undef START1
-#undef START0
-#undef ADDW
-#undef ADD
-    }
-    for (; h + 8 <= hidden; h += 8) { /* the last columns 8 at a time, in one register */
-        __m256 a = b0 && b1 ? _mm256_add_ps(bf16x8(b0 + h), bf16x8(b1 + h))
-                   : b0     ? _mm256_add_ps(bf16x8(b0 + h), zero)
-                            : zero;
-        for (int64_t j = 0; j < n; j++)
-            a = _mm256_add_ps(a, w ? _mm256_mul_ps(bf16x8(row[j] + h), _mm256_set1_ps(w[j])) : bf16x8(row[j] + h));
-        _mm_storeu_si128((__m128i *)(o + h),
-                         _mm256_castsi256_si128(_mm256_permute4x64_epi64(
-                             _mm256_packus_epi32(bf16_round8(a, nan), _mm256_setzero_si256()), 0xD8)));
-    }
+    for (; h + 64 <= hidden; h += 64)
+        sum_columns(h, 8, n, row, w, b0, b1, o, nan);
+    for (; h + 8 <= hidden; h += 8)
+        sum_columns(h, 1, n, row, w, b0, b1, o, nan);
     for (; h < hidden; h++) {
         float acc = b0 && b1 ? bf16_to_f32(b0[h]) + bf16_to_f32(b1[h]) : b0 ? bf16_to_f32(b0[h]) + 0.0f : 0.0f;
         for (int64_t j = 0; j < n; j++)
