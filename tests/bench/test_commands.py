@@ -9,9 +9,11 @@ busiest rank's bytes per channel kind, the ratios), and the schema rejects what 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -61,6 +63,71 @@ ONE_PROCESS = {
              "0"],
     "alloc": ["--mbytes", "1", "--iters", "1", "--warmup-s", "0"],
 }
+
+
+#: The runs of the collective commands the tests below check, ``label: (command, argv)``; all go through one 2-rank
+#: job (the ``commands_job`` fixture): one interpreter and MPI start instead of one per run.
+PHASES = ("normal", "low-latency", "ep")
+OVERHEAD_SPLIT = ["--num-tokens-list", "1", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
+                  "--warmup", "1", "--warmup-s", "0", "--systems", "low_latency,normal,ep", "--native-split"]
+WARM_UPS = ("0", "0.4")
+TINY_EXPANDED_EP = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
+                    "--warmup", "1", "--warmup-s", "0", "--no-progress", "--expand", "--expert-alignment", "4"]
+
+
+def _job_runs() -> dict:
+    runs = {command: (command, argv) for command, argv in COLLECTIVE.items()}
+    for command in PHASES:
+        argv = COLLECTIVE[command] + ["--phases", "--native-split"]
+        if command == "low-latency":  # (the plain run has the default experts and stores)
+            argv += ["--no-baselines", "--zero-copy", "--stream-rows", "always"]
+        runs[f"{command} --phases"] = (command, argv)
+    runs["overhead --native-split"] = ("overhead", OVERHEAD_SPLIT)
+    runs["ep --expand across two nodes"] = ("ep", TINY_EXPANDED_EP + ["--zero-padding", "--ranks-per-node", "1",
+                                                                     "--systems", "ep,v1", "--loop", "2"])
+    runs["ep --expand, one rounding"] = ("ep", TINY_EXPANDED_EP + ["--no-multiple-reduction", "--systems", "ep"])
+    for command in ("low-latency", "engram"):
+        for seconds in WARM_UPS:
+            argv = [a for a in COLLECTIVE[command] if a not in ("--warmup-s", "0")] + ["--warmup-s", seconds]
+            runs[f"{command} --warmup-s {seconds}"] = (command, argv + (["--no-baselines"] if command == "low-latency"
+                                                                       else []))
+    return runs
+
+
+@dataclasses.dataclass
+class JobRun:
+    """One run of the shared job: its document and the lines the job printed while it ran."""
+
+    path: str
+    out: str
+
+    def doc(self) -> dict:
+        with open(self.path) as f:
+            return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def commands_job():
+    """Runs :func:`_job_runs` in one ``mpiexec -n 2 python -m tests.bench.commands_job`` (as a user runs each
+    command, but in one pair of processes) and returns ``{label: JobRun}``; fails every test using it if the job
+    fails."""
+    from bench.internals import mpiexec_path
+
+    d = tempfile.mkdtemp(prefix="bench_commands_job_")
+    runs = _job_runs()
+    paths = {label: os.path.join(d, f"run{i}.json") for i, label in enumerate(runs)}
+    spec = json.dumps([[label, command, [*argv, "--json", paths[label]]] for label, (command, argv) in runs.items()])
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m",
+                                 "tests.bench.commands_job", spec], REPO_ROOT,
+                                child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 900)
+    try:
+        assert rc == 0, f"the commands' job exited {rc}:\n{out[-3000:]}"
+        pieces = re.split(r"^=== run: (.+)$", out, flags=re.MULTILINE)  # [before, label, text, label, text, ...]
+        printed = dict(zip(pieces[1::2], pieces[2::2]))
+        assert list(printed) == list(runs), (list(printed), out[-3000:])
+        yield {label: JobRun(paths[label], printed[label]) for label in runs}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -287,31 +354,15 @@ def _check_ep_details(doc: dict, by: dict) -> None:
         assert checks["epbuffer_vs_buffer_v1"]["combined_x_bitwise"] is True
 
 
-def _tiny_expanded_ep(out_dir, name: str, *extra: str) -> tuple[dict, str]:
-    """``bench ep --expand`` at a tiny shape on 2 ranks with ``extra`` flags: ``(JSON document, output)``; the run
-    must exit 0 (every check passed)."""
-    from bench.internals import mpiexec_path
-
-    path = os.path.join(out_dir, name)
-    argv = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
-            "--warmup", "1", "--warmup-s", "0", "--no-progress", "--expand", "--expert-alignment", "4", *extra,
-            "--json", path]
-    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "ep", *argv],
-                                REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 300)
-    assert rc == 0, out[-3000:]
-    with open(path) as f:
-        return json.load(f), out
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
-def test_ep_expanded_across_two_nodes(out_dir):
+def test_ep_expanded_across_two_nodes(commands_job):
     """``ep --expand --zero-padding`` across two simulated nodes (one rank each): the expanded layout, scale-out
     bytes and the two-rounding reference, checked and written like the default run; ``--loop`` times both
     systems back to back too."""
-    doc, out = _tiny_expanded_ep(out_dir, "ep_expand.json", "--zero-padding", "--ranks-per-node", "1",
-                                 "--systems", "ep,v1", "--loop", "2")
+    run = commands_job["ep --expand across two nodes"]
+    doc, out = run.doc(), run.out
     _check_doc(doc, "ep", 2)
     _check_ep_details(doc, {r["name"]: r for r in doc["results"]})
     assert doc["details"]["nodes"] == 2 and max(doc["details"]["epbuffer"]["per_rank"]["scaleout_tokens"]) > 0
@@ -326,14 +377,15 @@ def test_ep_expanded_across_two_nodes(out_dir):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.watchdog(300)
+@pytest.mark.watchdog(600)
 @ONE_RANK
-def test_ep_one_rounding(out_dir):
+def test_ep_one_rounding(commands_job):
     """``ep --expand --no-multiple-reduction`` on one node: ``EPBuffer(allow_multiple_reduction=False)`` runs (one
     combine pass per top-k slot) and passes the benchmark's check against the one-rounding reference. (With the
     identity experts that reference and the default's mostly give the same bits; the arithmetic itself is
     tested in tests/ep/test_ep_buffer.py ``test_one_rounding_modes``.)"""
-    doc, out = _tiny_expanded_ep(out_dir, "ep_one_rounding.json", "--no-multiple-reduction", "--systems", "ep")
+    run = commands_job["ep --expand, one rounding"]
+    doc, out = run.doc(), run.out
     assert doc["checks"]["results"]["epbuffer_vs_reference"]["combined_x_equal"] is True
     assert doc["details"]["workload"]["multiple_reduction"] is False
     assert "allow_multiple_reduction=False" in out and "every slot's row summed, one rounding" in out
@@ -451,23 +503,17 @@ def test_rank_count_mismatches_are_one_usage_error():
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
-def test_collective_commands_write_valid_documents(out_dir):
+def test_collective_commands_write_valid_documents(commands_job, out_dir):
     from bench.internals import mpiexec_path
 
-    mpiexec = mpiexec_path() or "mpiexec"
-    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
-    # every command in one 2-rank job (tests/bench/commands_job.py): one interpreter and MPI start for all
-    paths = {command: os.path.join(out_dir, f"{command}.json") for command in COLLECTIVE}
-    spec = json.dumps([[command, [*argv, "--json", paths[command]]] for command, argv in COLLECTIVE.items()])
-    rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "tests.bench.commands_job", spec],
-                                REPO_ROOT, env, 600)
-    assert rc == 0, f"the commands' job exited {rc}:\n{out[-3000:]}"
-    for command, path in paths.items():
-        with open(path) as f:
-            doc = json.load(f)
+    for command in COLLECTIVE:
+        run = commands_job[command]
+        doc = run.doc()
         _check_doc(doc, command, 2)
         _check_details(command, doc)
-        assert doc["host"]["mpi"] and doc["argv"][-2:] == ["--json", path], doc["argv"]
+        assert doc["host"]["mpi"] and doc["argv"][-2:] == ["--json", run.path], doc["argv"]
+    mpiexec = mpiexec_path() or "mpiexec"
+    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
     # the thin alias runs the same command
     path = os.path.join(out_dir, "alias.json")
     rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench.urma_put", "--bytes", "4096",
@@ -550,15 +596,11 @@ def test_schema_rejects_what_it_must():
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
-def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
+def test_phases_and_native_split_flags_print_and_write_their_tables(commands_job):
     """``--phases`` at 2 ranks: per op a table whose phases tile the call (shares near 1, each share in [0, 1]),
     the ops each command makes named, the same table in the document's ``details.phases``. ``--native-split`` in
     the same runs (and ``overhead``'s): per op the median call split into time in native calls and outside them
     (the two add up to the call, the native functions' times to the native time), in ``details.native_split``."""
-    from bench.internals import mpiexec_path
-
-    mpiexec = mpiexec_path() or "mpiexec"
-    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
     expect = {
         "normal": {"deepep_ascend.layout": "get_dispatch_layout", "deepep_ascend.dispatch": "dispatch",
                    "deepep_ascend.combine": "combine"},
@@ -569,15 +611,8 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
                "buffer_v1.dispatch": "dispatch", "buffer_v1.combine": "combine"},
     }
     for command, ops in expect.items():
-        path = os.path.join(out_dir, f"{command}-phases.json")
-        argv = COLLECTIVE[command] + ["--phases", "--native-split", "--json", path]
-        if command == "low-latency":  # (the commands job runs the default experts and stores)
-            argv += ["--no-baselines", "--zero-copy", "--stream-rows", "always"]
-        rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
-                                    REPO_ROOT, env, 300)
-        assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
-        with open(path) as f:
-            doc = json.load(f)
+        run = commands_job[f"{command} --phases"]
+        doc, out = run.doc(), run.out
         _check_doc(doc, command, 2)
         if command == "low-latency" and native.ll_available():
             assert doc["details"]["config"]["stream_rows"] == "always" and "recv_x by streaming stores, " in out
@@ -598,14 +633,8 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(out_dir):
         assert waits, table  # waits for peers are their own phases
         assert doc["params"]["native_split"] is True
         _check_native_split(doc["details"]["native_split"], list(ops), doc["params"]["iters"], out)
-    path = os.path.join(out_dir, "overhead-split.json")
-    argv = ["--num-tokens-list", "1", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-            "--warmup", "1", "--warmup-s", "0", "--systems", "low_latency,normal,ep", "--native-split", "--json", path]
-    rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", "overhead", *argv], REPO_ROOT,
-                                env, 300)
-    assert rc == 0, f"overhead exited {rc}:\n{out[-3000:]}"
-    with open(path) as f:
-        doc = json.load(f)
+    run = commands_job["overhead --native-split"]
+    doc, out = run.doc(), run.out
     from bench import schema
 
     schema.validate(doc)
@@ -654,35 +683,22 @@ def test_native_split_lines_say_when_there_is_nothing_native(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.watchdog(300)
+@pytest.mark.watchdog(600)
 @ONE_RANK
-def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(out_dir):
+def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(commands_job):
     """``low-latency`` and ``engram`` report the bytes one call moves (traffic counted over the whole loop, divided
     by the calls): the same workload gives the same bytes per call whether the warm-up ran its ``--warmup`` calls
     alone or on for ``--warmup-s`` seconds, many more calls."""
-    from bench.internals import mpiexec_path
-
-    mpiexec = mpiexec_path() or "mpiexec"
-    env = child_env(REPO_ROOT, OMP_NUM_THREADS="1")
     per_call = {}
     for command, key in (("low-latency", "moved_by_kind_per_rank"), ("engram", "moved_per_fetch")):
-        for seconds in ("0", "0.4"):
-            path = os.path.join(out_dir, f"{command}-warm{seconds}.json")
-            argv = [a for a in COLLECTIVE[command] if a not in ("--warmup-s", "0")] + ["--warmup-s", seconds,
-                                                                                     "--json", path]
-            if command == "low-latency":
-                argv += ["--no-baselines"]
-            rc, out = run_child_command([mpiexec, "-n", "2", sys.executable, "-m", "bench", command, *argv],
-                                        REPO_ROOT, env, 240)
-            assert rc == 0, f"{command} exited {rc}:\n{out[-3000:]}"
-            with open(path) as f:
-                det = json.load(f)["details"]
+        for seconds in WARM_UPS:
+            det = commands_job[f"{command} --warmup-s {seconds}"].doc()["details"]
             if command == "low-latency":
                 b = det["bytes"]
                 assert (b["calls"] == 3) == (seconds == "0"), b["calls"]  # --iters 2 --warmup 1, or more calls
                 per_call[command, seconds] = [{k: v / b["calls"] for k, v in r.items()} for r in b[key]]
             else:
                 per_call[command, seconds] = det[key]
-        assert per_call[command, "0"] == per_call[command, "0.4"], (command, per_call)
+        assert per_call[command, WARM_UPS[0]] == per_call[command, WARM_UPS[1]], (command, per_call)
         assert any(v for r in (per_call[command, "0"] if command == "low-latency" else [per_call[command, "0"]])
                    for v in r.values()), per_call  # something moved
