@@ -167,7 +167,8 @@ class WaitPolicy:
     Measured on 2 cores: spinning collapses to milliseconds per hand-off once ranks
     outnumber cores (the spinners starve the rank that must signal), while short sleeps give
     a steady ~50 µs. So an oversubscribed rank never spins: it yields (``sched_yield``, which hands
-    its core to a runnable peer at once) for up to 200 µs, then sleeps from 50 µs doubling to 1 ms.
+    its core to a runnable peer at once) for up to 1 ms, then sleeps from 50 µs doubling to 200 µs
+    (a longer sleep is latency added to every hand-off that ends during it, with the cores idle).
     Otherwise it spins ~200 polls, yields for up to 50 µs, then sleeps from 2 µs doubling to 200 µs.
 
     Args:
@@ -183,13 +184,13 @@ class WaitPolicy:
         if self.oversubscribed:
             # a sleep lasts its length plus the timer slack; a yield lets the rank being waited for run now
             start = time.monotonic()
-            while time.monotonic() - start < 200e-6:
+            while time.monotonic() - start < 1e-3:
                 os.sched_yield()
                 yield 0.0
             sleep = 50e-6
             while True:
                 yield sleep
-                sleep = min(sleep * 2, 1e-3)
+                sleep = min(sleep * 2, 200e-6)
         for _ in range(200):
             yield 0.0
         start = time.monotonic()
