@@ -113,7 +113,7 @@ def loss_of(model, seqs: torch.Tensor, num_tokens_global: int):
 
 
 @only_sizes(2, reason="the EP wrapping does not depend on the rank count (22 s at 4 ranks on 2 cores); "
-                      "test_hf_across_simulated_nodes runs a model at 4 ranks")
+                      "the data paths under it run at 4 and 8 ranks in tests/ep")
 def test_hf_models_expert_parallel(comm, buffers, monkeypatch):
     transformers = pytest.importorskip("transformers", minversion="5.18")
     from deepep_ascend.nn import hf
@@ -251,15 +251,12 @@ def test_hf_models_expert_parallel(comm, buffers, monkeypatch):
     all_ranks_ok(world(), not errors, "; ".join(errors[:6]))
 
 
-@pytest.mark.mpi(min_size=4)
+@only_sizes(2, reason="two simulated nodes of one rank take the internode path the 2x2 and 2x4 reference tests "
+                     "cover (tests/ep/test_internode.py); at 4 ranks on 2 cores it took 17-20 s")
 def test_hf_across_simulated_nodes(comm, buffers):
     """Two simulated nodes: expert_parallel refuses a Buffer without the URMA window the internode path needs,
     naming it, before any change; with both windows sized by buffer_sizes, logits and the gradients of the
     experts equal the one-process model's."""
-    if comm.Get_size() % 2:
-        pytest.skip("two equal simulated nodes need an even rank count")
-    if comm.Get_size() > 4:  # every rank's one-process reference runs the whole batch: R x the work per rank
-        pytest.skip("the 2x2 job covers the path; at 8 ranks this test alone takes 40 s on 2 cores")
     transformers = pytest.importorskip("transformers", minversion="5.18")
     from deepep_ascend.nn import hf
     from deepep_ascend.nn.hf import ExpertParallelExperts
