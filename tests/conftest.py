@@ -383,7 +383,7 @@ def _redirect_nonzero_rank_output(config, world_comm) -> None:
         cache.set = lambda key, value: None
 
 
-#: Run last in every job (their modules keep their order): the 4-rank job's stalls began after them
+#: Run last in every job (their modules keep their order): the 4-rank job's stalls follow them
 #: (docs/testing.md, "Stalls of the 4-rank job").
 LAST = ("tests/nn/",)
 

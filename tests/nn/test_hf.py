@@ -252,7 +252,7 @@ def test_hf_models_expert_parallel(comm, buffers, monkeypatch):
 
 
 @only_sizes(2, reason="two simulated nodes of one rank take the internode path the 2x2 and 2x4 reference tests "
-                     "cover (tests/ep/test_internode.py); at 4 ranks on 2 cores it took 17-20 s")
+                     "cover (tests/ep/test_internode.py)")
 def test_hf_across_simulated_nodes(comm, buffers):
     """Two simulated nodes: expert_parallel refuses a Buffer without the URMA window the internode path needs,
     naming it, before any change; with both windows sized by buffer_sizes, logits and the gradients of the
