@@ -272,11 +272,18 @@ def _check_details(command: str, doc: dict) -> None:
         assert det["tokens"] == [1, 3]
         for t in (1, 3):
             assert {r["system"] for r in doc["results"] if r["tokens_per_rank"] == t} == {
-                "low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv"}
+                "low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv", "memcpy_ll",
+                "memcpy_rows"}
             floor = by[f"mpi_alltoall/round_trip_t{t}"]["seconds"]
             for s in ("low_latency", "normal", "ep", "ep_decode", "ep_cached"):
                 assert math.isclose(doc["summary"][f"{s}_over_mpi_alltoall_t{t}"],
                                     by[f"{s}/round_trip_t{t}"]["seconds"] / floor)
+            ll_bytes, row_bytes = _overhead_layout_bytes(t, doc["params"]["num_ranks"])
+            assert by[f"memcpy_ll/round_trip_t{t}"]["bytes"] == ll_bytes
+            assert by[f"memcpy_rows/round_trip_t{t}"]["bytes"] == row_bytes
+            for roof in ("memcpy_ll", "memcpy_rows"):
+                assert math.isclose(doc["summary"][f"{roof}_over_mpi_alltoall_t{t}"],
+                                    by[f"{roof}/round_trip_t{t}"]["seconds"] / floor)
     elif command == "low-latency":
         cfg = det["config"]  # the commands' small shape: every rank's receive under the default threshold
         ranks = doc["params"]["num_ranks"]
@@ -309,6 +316,24 @@ def _check_details(command: str, doc: dict) -> None:
         for k, v in fused["by_kind"].items():
             assert v == max(r[k] for r in det["traffic_by_kind"])
         assert by["unfused/sum_stages"]["seconds"] == det["times_s"]["sum_stages"]
+
+
+def _overhead_layout_bytes(tokens: int, num_ranks: int, hidden: int = 256, num_experts: int = 8,
+                           num_topk: int = 2) -> tuple[int, int]:
+    """The busiest rank's bytes, both ways, of ``overhead``'s two rooflines at COLLECTIVE's shape, counted here
+    from each rank's routing: DeepEP's LL formula in BF16 (``2H + 16`` per valid selection out, ``2H`` back) and
+    ``2H`` per distinct (token, destination rank) each way."""
+    from bench.workload import make_workload
+
+    per_rank = num_experts // num_ranks
+    ll, rows = [], []
+    for r in range(num_ranks):
+        idx = make_workload(tokens, hidden, num_topk, num_experts, r, num_ranks).topk_idx.tolist()
+        sel = sum(e >= 0 for row in idx for e in row)
+        pairs = sum(len({e // per_rank for e in row if e >= 0}) for row in idx)
+        ll.append(sel * (2 * hidden + 16) + sel * 2 * hidden)
+        rows.append(2 * pairs * 2 * hidden)
+    return max(ll), max(rows)
 
 
 def _check_ep_details(doc: dict, by: dict) -> None:
