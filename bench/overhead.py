@@ -5,7 +5,8 @@ Run one process per rank::
     mpiexec -n 2 python -m bench overhead                   # 1 and 8 tokens per rank, hidden 7168, top-8 of 256
     mpiexec -n 4 python -m bench overhead --num-tokens-list 1,8,32 --json out.json
 
-At such sizes a call moves a few hundred KB at most, so its time is the fixed cost of the call:
+At such sizes a call moves a few hundred KB (the low-latency layout, a row per (token, expert), up to about 2 MB
+per rank at 8 tokens), so its time is mostly the fixed cost of the call:
 argument checks, control exchanges, signalling, waits and epilogues. For each ``--num-tokens-list`` value T
 (tokens per rank), on the same workload (``bench.workload.make_workload``, BF16 both ways,
 identity experts):
@@ -34,7 +35,7 @@ identity experts):
 Each time is the max over ranks per iteration, median of ``--iters``. Reported, never asserted:
 the issue's target is that the low-latency, normal and ``EPBuffer`` round trips are no slower than
 ``mpi_alltoall`` at 1 and 8 tokens per rank (``met`` / ``missed`` per line, each with its layout's
-roofline over ``mpi_alltoall``).
+roofline over ``mpi_alltoall`` when that roofline is among ``--systems``).
 Checks: the low-latency round trip against ``x · Σ w`` (BF16), the normal, ``EPBuffer`` and MPI
 pipelines against the plain-torch reference (``bench.roundtrip.verify_round_trip``), ``mpi_alltoall``'s
 rows returned bit for bit. A system that fails its check is left out of every ratio and verdict.
