@@ -29,6 +29,8 @@ name here                      library internal (what a command does with it)
 ``logfmt_encode``,             ``deepep_ascend.gemm.logfmt.encode`` / ``decode``: LogFMT-10 on either
 ``logfmt_decode``,               path (``native=``), ``logfmt10_group_mask`` (logfmt)
 ``logfmt_group_mask``
+``ll_floor_trip``              ``deepep_ascend.ep.low_latency.LowLatencyEngine``'s fused plan: a low-latency
+                                 round trip of its native calls alone (overhead)
 =============================  ===============================================================
 """
 from __future__ import annotations
@@ -66,6 +68,68 @@ pack_groups = _packing.pack_groups
 pack_fp4_groups = _packing.pack_fp4_groups
 
 
+def ll_floor_trip(buf, x, topk_idx, topk_weights, num_max_dispatch_tokens_per_rank: int, num_experts: int):
+    """A callable running one low-latency round trip (BF16 dispatch, then the combine of the received rows) of
+    ``buf`` through its engine's fused plan and nothing else: the call numbers, the headers and the four native
+    calls (issue and finish of each), on outputs allocated once here and the route computed once here. No argument
+    checks, pooled outputs, handle, stamps, traffic counters or abort checks: the floor a DeepEP call on this data
+    path pays before its own Python. The callable returns ``combined_x`` ``[N, H]`` bf16 (the same tensor each
+    time), or None where the fused path does not run (``buf`` spans nodes, masks ranks, or the kernels are not
+    built). Collective, as the calls it makes; every rank must call it alike, as the public calls."""
+    import torch
+
+    from deepep_ascend.ep.low_latency_arguments import check_low_latency_dispatch_args
+
+    ll = buf._ll
+    m, e = num_max_dispatch_tokens_per_rank, num_experts
+    lay, route = check_low_latency_dispatch_args(
+        x, topk_idx, m, e, None, None, False, False, False, num_ranks=buf.group_size,
+        num_rdma_bytes=buf.num_rdma_bytes, qp_depth=buf.nvshmem_qp_depth)
+    plan = ll._fused_plan(lay, None) if route is not None and ll.native_path() else None
+    if plan is None:
+        return None
+    n, h_ = x.shape
+    num_local, rows = lay.L, buf.group_size * m
+    recv_x = torch.zeros(num_local, rows, h_, dtype=torch.bfloat16)
+    src_info = torch.zeros(num_local, rows, dtype=torch.int32)
+    recv_count = torch.zeros(num_local, dtype=torch.int32)
+    layout_range = torch.zeros(num_local, buf.group_size, dtype=torch.int64)
+    combined = torch.empty(n, h_, dtype=torch.bfloat16)
+    mb = _low_latency.MSG_HEADER + 2 * h_
+    polls = ll._await_polls
+
+    def finish(call, half, seq, op, flags):  # the bounded poll, then (a peer late) the engine's own long wait
+        st = call(polls)
+        if st < 0:
+            ll._wait_long(half, seq, op, lay, flags, "ll_floor_trip", None, late=st == -1)
+            st = call(0)
+        return st
+
+    def trip():
+        seq, half = ll.begin(_low_latency.OP_DISPATCH)
+        hdr = ll._header(seq, _low_latency.OP_DISPATCH, 0, lay, _low_latency.F_PULL)
+        if plan.dispatch_issue(half, route.slots, route.counts, ll._sent_rows, 1, x, False, False, mb, hdr, seq + 1):
+            raise RuntimeError("ll_floor_trip: the dispatch's issue refused its operands")
+        stale = recv_count.clone()  # the rows the last trip wrote, which this one's receive zeroes past its own
+        st = finish(lambda p: plan.dispatch_finish(half, seq, p, mb, recv_x.view(torch.uint8), None, src_info,
+                                                   recv_count, layout_range, (stale, None, stale)),
+                    half, seq, _low_latency.OP_DISPATCH, _low_latency.F_PULL)
+        if st:
+            raise RuntimeError(f"ll_floor_trip: the dispatch's finish returned status {st}")
+        dispatch = seq + 1
+        seq, half = ll.begin(_low_latency.OP_COMBINE)
+        hdr = ll._header(seq, _low_latency.OP_COMBINE, 0, lay, 0, handle_id=dispatch)
+        if plan.combine_issue(half, layout_range, recv_x, 1, False, ll._sent_rows, hdr, seq + 1):
+            raise RuntimeError("ll_floor_trip: the combine's issue refused its operands")
+        st = finish(lambda p: plan.combine_finish(half, seq, p, route.slots, topk_weights, route.counts, combined,
+                                                  recv_x, layout_range), half, seq, _low_latency.OP_COMBINE, 0)
+        if st:
+            raise RuntimeError(f"ll_floor_trip: the combine's finish returned status {st}")
+        return combined
+
+    return trip
+
+
 def onednn_available() -> bool:
     """Whether the grouped GEMMs can pack weights for oneDNN's inner product on this host."""
     return bool(_packing.ONEDNN)
@@ -77,6 +141,6 @@ def grouped_gemm_packer():
 
 
 __all__ = ["CombineScratch", "abort_job", "accumulate_rows", "activation", "dense_nt", "dequant_x", "exit_job",
-           "expert_gemm", "gemm_engine", "grouped_gemm_packer", "host_empty", "ll_zeros", "mpiexec_path",
-           "onednn_available", "operand_dtype", "pack_fp4_groups", "pack_groups", "source_runs", "swiglu_params",
-           "two_source_run_limit", "untransformed"]
+           "expert_gemm", "gemm_engine", "grouped_gemm_packer", "host_empty", "ll_floor_trip", "ll_zeros",
+           "mpiexec_path", "onednn_available", "operand_dtype", "pack_fp4_groups", "pack_groups", "source_runs",
+           "swiglu_params", "two_source_run_limit", "untransformed"]

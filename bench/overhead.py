@@ -25,6 +25,10 @@ identity experts):
   an MPI program with static routing, the figure the per-call target compares against;
 * ``mpi_alltoallv``: the full MPI pipeline a user writes (``bench.baselines``: ``Alltoall`` of the
   counts, pack, ``Alltoallv``, unpack, and back), verified like the normal path;
+* ``ll_floor`` (beside ``low_latency``): the same Buffer's round trip through the four native calls of its fused
+  path alone (``bench.internals.ll_floor_trip``: the call numbers, headers, issue and finish of each call, on
+  outputs and a route made once; no argument checks, pooled outputs, handle, stamps or counters), checked bit for
+  bit against the public calls' result: the floor of the low-latency calls before their Python;
 * ``memcpy_ll`` and ``memcpy_rows``: single-copy memory rooflines (``bench.roofline.memcpy_roofline``, every
   rank at once) of the bytes each layout must move each way: ``memcpy_ll`` the low-latency layout's (DeepEP's
   LL formula, BF16: ``2H + 16`` B per valid selection there, ``2H`` back: a row per (token, expert)),
@@ -62,7 +66,7 @@ from bench.timing import Timing, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, reference_layout
 
 SYSTEMS = ("low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv", "memcpy_ll",
-           "memcpy_rows")
+           "memcpy_rows", "ll_floor")
 EP_SYSTEMS = ("ep", "ep_decode", "ep_cached")  # EPBuffer's calls (ep_trip)
 LIBRARY = ("low_latency", "normal") + EP_SYSTEMS  # the systems the per-call target is for
 TARGET = "mpi_alltoall"  # the per-call target: no slower than MPI moving the same rows with known counts
@@ -83,6 +87,8 @@ def add_arguments(p) -> None:
 def check_args(p, a) -> None:
     """The system list and the token counts (``p.error`` on bad values)."""
     a.systems = cli.system_list(p, a.systems, SYSTEMS)
+    if "ll_floor" in a.systems and "low_latency" not in a.systems:
+        p.error("--systems: ll_floor times the low_latency system's Buffer; list low_latency too")
     if not a.num_tokens_list:
         p.error("--num-tokens-list is empty")
 
@@ -96,9 +102,12 @@ def _split(steps, comm, args, splits: dict | None, label: str) -> None:
             splits.update({f"{label}{k}": v for k, v in table.items()})
 
 
-def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing, float]:
-    """``(round-trip timing, calc_diff against x · Σ w)`` of a low-latency Buffer sized for ``wl``; ``splits``:
-    :func:`_split`'s table."""
+def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing, float, Timing | None, str | None]:
+    """``(round-trip timing, calc_diff against x · Σ w, ll_floor's timing, why ll_floor is missing or wrong)`` of a
+    low-latency Buffer sized for ``wl`` (``ll_floor`` only when listed in ``--systems``: the same Buffer's fused
+    native calls alone, ``bench.internals.ll_floor_trip``, checked bit for bit against the public calls' result);
+    ``splits``: :func:`_split`'s table."""
+    from bench.internals import ll_floor_trip
     from deepep_ascend import Buffer
 
     T, E, R = wl.x.size(0), args.num_experts, comm.Get_size()
@@ -117,9 +126,18 @@ def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing
         t = time_phases(steps, comm, args.iters, args.warmup)
         diff = calc_diff(st["c"][0].float(), wl.x.float() * wl.topk_weights.sum(1, keepdim=True))
         _split(steps, comm, args, splits, f"low_latency T={T} ")
+        floor, why = None, None
+        if "ll_floor" in args.systems:
+            trip = ll_floor_trip(buf, wl.x, wl.topk_idx, wl.topk_weights, T, E)
+            if trip is None:
+                why = "the fused low-latency path does not run here"
+            else:
+                same = bool(torch.equal(trip(), st["c"][0]))
+                floor = time_phases([("round_trip", trip)], comm, args.iters, args.warmup)["round_trip"]
+                why = None if same else "its combined_x differs from the public calls'"
     finally:
         buf.destroy()
-    return t["dispatch"] + t["combine"], diff
+    return t["dispatch"] + t["combine"], diff, floor, why
 
 
 def normal_trip(wl, comm, args, splits: dict | None = None):
@@ -233,10 +251,14 @@ def run(args) -> int:
         trips: dict[str, Timing] = {}
         bad: dict[str, str] = {}
         if "low_latency" in args.systems:
-            trips["low_latency"], diff = low_latency_trip(wl, comm, args, splits)
+            trips["low_latency"], diff, floor, why = low_latency_trip(wl, comm, args, splits)
             diff = comm.allreduce(diff, op=MPI.MAX)
             if not diff < LL_BOUND:
                 bad["low_latency"] = f"combined vs x*sum(w): calc_diff {diff:.2e} is not below {LL_BOUND:g}"
+            if floor is not None:
+                trips["ll_floor"] = floor
+            if "ll_floor" in args.systems and not comm.allreduce(why is None, op=MPI.LAND):
+                bad["ll_floor"] = why or "wrong on another rank"
         for name, fn in (("normal", normal_trip), ("mpi_alltoallv", mpi_alltoallv_roundtrip)):
             if name in args.systems:
                 res = fn(wl, comm, args, splits) if name == "normal" else fn(wl, comm, args.iters, args.warmup)
@@ -278,6 +300,9 @@ def run(args) -> int:
                     summary[f"{ROOFLINE_OF[s]}_over_{TARGET}_t{T}"] = roof.median / floor.median
                     bound = (f"; one copy of its layout's bytes ({ROOFLINE_OF[s]}) {roof.median / floor.median:.2f}x"
                              + (": the target is less time than that copy" if roof.median > floor.median else ""))
+                if s == "low_latency" and "ll_floor" in trips and "ll_floor" not in bad:
+                    summary[f"ll_floor_over_{TARGET}_t{T}"] = trips["ll_floor"].median / floor.median
+                    bound += f"; its native calls alone (ll_floor) {trips['ll_floor'].median / floor.median:.2f}x"
                 lines.append(f"[target] T={T:<4d} {s:<12s} {ratio:5.2f}x {TARGET} "
                              f"({'met' if ratio <= 1.0 else 'missed'}: target <= 1x){bound}")
         rows.append(row)

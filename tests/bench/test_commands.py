@@ -273,7 +273,7 @@ def _check_details(command: str, doc: dict) -> None:
         for t in (1, 3):
             assert {r["system"] for r in doc["results"] if r["tokens_per_rank"] == t} == {
                 "low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv", "memcpy_ll",
-                "memcpy_rows"}
+                "memcpy_rows", "ll_floor"}
             floor = by[f"mpi_alltoall/round_trip_t{t}"]["seconds"]
             for s in ("low_latency", "normal", "ep", "ep_decode", "ep_cached"):
                 assert math.isclose(doc["summary"][f"{s}_over_mpi_alltoall_t{t}"],
@@ -281,7 +281,7 @@ def _check_details(command: str, doc: dict) -> None:
             ll_bytes, row_bytes = _overhead_layout_bytes(t, doc["params"]["num_ranks"])
             assert by[f"memcpy_ll/round_trip_t{t}"]["bytes"] == ll_bytes
             assert by[f"memcpy_rows/round_trip_t{t}"]["bytes"] == row_bytes
-            for roof in ("memcpy_ll", "memcpy_rows"):
+            for roof in ("memcpy_ll", "memcpy_rows", "ll_floor"):  # ll_floor: present, so checked bit for bit
                 assert math.isclose(doc["summary"][f"{roof}_over_mpi_alltoall_t{t}"],
                                     by[f"{roof}/round_trip_t{t}"]["seconds"] / floor)
     elif command == "low-latency":
@@ -467,6 +467,7 @@ TRACE = os.path.join(REPO_ROOT, "bench", "traces", "stdlib_moe_4r.npz")  # 26 ro
     ("normal", ["--routing", TRACE, "--num-tokens", "5"], "disagrees with the trace"),
     ("normal", ["--baselines-only", "--systems", "deepep_ascend"], "leaves no system"),
     ("low-latency", ["--num-tokens", "70000"], "must be below 65536"),
+    ("overhead", ["--systems", "ll_floor,mpi_alltoall"], "list low_latency too"),
 ])
 def test_option_combinations_are_usage_errors(command, argv, needle, capsys):
     """Values the library would refuse only mid-run (and a --json file that could not be written at the end)
