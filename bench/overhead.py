@@ -102,11 +102,13 @@ def _split(steps, comm, args, splits: dict | None, label: str) -> None:
             splits.update({f"{label}{k}": v for k, v in table.items()})
 
 
-def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing, float, Timing | None, str | None]:
-    """``(round-trip timing, calc_diff against x · Σ w, ll_floor's timing, why ll_floor is missing or wrong)`` of a
+def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing, float, Timing | None, tuple | None]:
+    """``(round-trip timing, calc_diff against x · Σ w, ll_floor's timing, None or ("skip" | "fail", why))`` of a
     low-latency Buffer sized for ``wl`` (``ll_floor`` only when listed in ``--systems``: the same Buffer's fused
     native calls alone, ``bench.internals.ll_floor_trip``, checked bit for bit against the public calls' result);
     ``splits``: :func:`_split`'s table."""
+    from mpi4py import MPI
+
     from bench.internals import ll_floor_trip
     from deepep_ascend import Buffer
 
@@ -129,12 +131,13 @@ def low_latency_trip(wl, comm, args, splits: dict | None = None) -> tuple[Timing
         floor, why = None, None
         if "ll_floor" in args.systems:
             trip = ll_floor_trip(buf, wl.x, wl.topk_idx, wl.topk_weights, T, E)
-            if trip is None:
-                why = "the fused low-latency path does not run here"
+            if not comm.allreduce(trip is not None, op=MPI.LAND):  # timed on every rank or on none
+                why = ("skip", "the fused low-latency path does not run here (several nodes, a masked rank, "
+                               "DEEPEP_ASCEND_LL_FUSED=0 or no native kernels)")
             else:
                 same = bool(torch.equal(trip(), st["c"][0]))
                 floor = time_phases([("round_trip", trip)], comm, args.iters, args.warmup)["round_trip"]
-                why = None if same else "its combined_x differs from the public calls'"
+                why = None if same else ("fail", "its combined_x differs from the public calls'")
     finally:
         buf.destroy()
     return t["dispatch"] + t["combine"], diff, floor, why
@@ -243,7 +246,7 @@ def run(args) -> int:
     rank, R = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     H, K, E = args.hidden, args.num_topk, args.num_experts
-    results, failed, lines, rows = [], {}, [], []
+    results, failed, lines, rows, skipped = [], {}, [], [], {}
     summary = {}
     splits = {} if args.native_split else None
     for T in args.num_tokens_list:
@@ -257,8 +260,10 @@ def run(args) -> int:
                 bad["low_latency"] = f"combined vs x*sum(w): calc_diff {diff:.2e} is not below {LL_BOUND:g}"
             if floor is not None:
                 trips["ll_floor"] = floor
-            if "ll_floor" in args.systems and not comm.allreduce(why is None, op=MPI.LAND):
-                bad["ll_floor"] = why or "wrong on another rank"
+            if why is not None and why[0] == "skip":  # (decided on every rank alike)
+                skipped["ll_floor"] = why[1]
+            elif "ll_floor" in args.systems and not comm.allreduce(why is None, op=MPI.LAND):
+                bad["ll_floor"] = why[1] if why is not None else "wrong on another rank"
         for name, fn in (("normal", normal_trip), ("mpi_alltoallv", mpi_alltoallv_roundtrip)):
             if name in args.systems:
                 res = fn(wl, comm, args, splits) if name == "normal" else fn(wl, comm, args.iters, args.warmup)
@@ -319,6 +324,8 @@ def run(args) -> int:
             print(line)
         for line in schema.excluded_lines(failed):
             print(line)
+        for name, why in skipped.items():
+            print(f"[skip]     {name}: not run: {why}")
         if splits is not None:
             print("\n".join(split_lines(splits)))
         if args.json:
@@ -327,6 +334,7 @@ def run(args) -> int:
                 baselines=[r["name"] for r in results if r["system"].startswith("mpi")],
                 checks=dict(ok=ok), summary=summary, failed=failed, fingerprint=fingerprint,
                 details=dict(tokens=list(args.num_tokens_list), target=f"<= 1x {TARGET} at each token count",
+                             skipped=skipped,
                              native_split=splits or None)))
     return 0 if ok else 1
 
