@@ -95,22 +95,18 @@ def ll_floor_trip(buf, x, topk_idx, topk_weights, num_max_dispatch_tokens_per_ra
     recv_count = torch.zeros(num_local, dtype=torch.int32)
     layout_range = torch.zeros(num_local, buf.group_size, dtype=torch.int64)
     combined = torch.empty(n, h_, dtype=torch.bfloat16)
+    stale = torch.empty_like(recv_count)  # the rows the last trip wrote, which a receive zeroes past its own
     mb = _low_latency.MSG_HEADER + 2 * h_
-    polls = ll._await_polls
 
-    def finish(call, half, seq, op, flags):  # the bounded poll, then (a peer late) the engine's own long wait
-        st = call(polls)
-        if st < 0:
-            ll._wait_long(half, seq, op, lay, flags, "ll_floor_trip", None, late=st == -1)
-            st = call(0)
-        return st
+    def finish(call, half, seq, op, flags):  # the engine's: the bounded poll, then (a peer late) its long wait
+        return ll._finish(plan, lambda polls, timed: call(polls), half, seq, op, lay, flags, "ll_floor_trip", "copy")
 
     def trip():
         seq, half = ll.begin(_low_latency.OP_DISPATCH)
         hdr = ll._header(seq, _low_latency.OP_DISPATCH, 0, lay, _low_latency.F_PULL)
         if plan.dispatch_issue(half, route.slots, route.counts, ll._sent_rows, 1, x, False, False, mb, hdr, seq + 1):
             raise RuntimeError("ll_floor_trip: the dispatch's issue refused its operands")
-        stale = recv_count.clone()  # the rows the last trip wrote, which this one's receive zeroes past its own
+        stale.copy_(recv_count)
         st = finish(lambda p: plan.dispatch_finish(half, seq, p, mb, recv_x.view(torch.uint8), None, src_info,
                                                    recv_count, layout_range, (stale, None, stale)),
                     half, seq, _low_latency.OP_DISPATCH, _low_latency.F_PULL)
