@@ -250,6 +250,11 @@ NESTED_REPORT = Setting(
     "DEEPEP_ASCEND_NESTED_REPORT", "text", None,
     "Set by the tests that launch a child MPI job: the directory where its ranks write their reports.",
     scope="tests", default_text="unset outside those child jobs")
+TEST_SHARD = Setting(
+    "DEEPEP_ASCEND_TEST_SHARD", "text", None,
+    "Set by scripts/test.sh as `i/n` on each process of the 1-rank job it splits: run only the test files at "
+    "positions i, i + n, i + 2n, ... of the collection (counted from 0).",
+    scope="tests", default_text="unset: every file")
 TEST_RANKS = Setting(
     "DEEPEP_ASCEND_TEST_RANKS", "text", "1 2 4 8",
     "Rank counts scripts/test.sh runs the suite at, in order.",
@@ -259,6 +264,11 @@ TEST_HANG_RETRIES = Setting(
     "How many times scripts/test.sh runs a rank count again after its watchdog ended a job in which no "
     "test had failed.",
     scope="scripts", minimum=0)
+TEST_SHARDS = Setting(
+    "DEEPEP_ASCEND_TEST_SHARDS", "int", 2,
+    "How many concurrent jobs scripts/test.sh splits its 1-rank job into (each runs every n-th test file); "
+    "`1` runs it as one job.",
+    scope="scripts", minimum=1)
 SUITE_TIMEOUT_S = Setting(
     "DEEPEP_ASCEND_SUITE_TIMEOUT_S", "int", 1200,
     "Wall-clock limit in seconds of one mpiexec run of scripts/test.sh.",
@@ -281,8 +291,8 @@ SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
     LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, ROW_SUMS, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND,
     MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR,
-    TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_RANKS, TEST_HANG_RETRIES,
-    SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
+    TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_SHARD, TEST_RANKS, TEST_HANG_RETRIES,
+    TEST_SHARDS, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
 
 
 def _default(s: Setting) -> str:

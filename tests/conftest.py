@@ -10,6 +10,10 @@ What this file adds to pytest + pytest-mpi:
   ``@pytest.mark.mpi(...)`` are deselected (they use no communicator, so every rank would repeat
   the same work; at 8 ranks on 2 cores the copies took most of that job's time).
   ``DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK=1`` runs them on every rank anyway.
+* **Shards**: ``DEEPEP_ASCEND_TEST_SHARD=i/n`` keeps the test files at positions i, i + n, ... of the
+  collection (whole files, so a module's fixtures are made once); ``scripts/test.sh`` splits its 1-rank
+  job into concurrent jobs this way (``DEEPEP_ASCEND_TEST_SHARDS``). The variable is removed from the
+  environment at start, so the jobs the tests launch collect every file.
 * **Collective pass/fail** for tests marked ``@pytest.mark.mpi(...)``: after each phase (setup,
   call, teardown) every rank all-gathers its outcome; if any rank failed, the phase fails on every
   rank and the message lists each failing rank and its error. Rank 0's output therefore shows
@@ -62,6 +66,7 @@ from deepep_ascend import settings
 from tests.support import REPO_ROOT as _REPO
 from tests.support import mpi_utils
 from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
+from tests.support.shards import parse_shard, shard_files
 
 torch.set_num_threads(1)
 
@@ -293,6 +298,8 @@ class _State:
     watchdog: _Watchdog | None = None
     log_path: str | None = None
     local_deselected = 0  # tests not marked mpi, deselected at more than one rank
+    shard: tuple[int, int] | None = None  # (i, n) of DEEPEP_ASCEND_TEST_SHARD
+    shard_counts = (0, 0)  # (files this shard runs, files collected)
     exit_status: int | None = (
         None  # set in pytest_unconfigure; used by the atexit exit path
     )
@@ -316,6 +323,7 @@ def pytest_configure(config):
     ):  # nested in-process runs (pytester) do not load this conftest, but be safe
         return
     _S.configured = True
+    _S.shard = _shard_setting()
     MPI = _mpi()
     _S.rank = MPI.COMM_WORLD.Get_rank()
     _S.size = MPI.COMM_WORLD.Get_size()
@@ -388,16 +396,38 @@ def _redirect_nonzero_rank_output(config, world_comm) -> None:
 LAST = ("tests/nn/",)
 
 
+def _shard_setting() -> tuple[int, int] | None:
+    """``(i, n)`` from ``DEEPEP_ASCEND_TEST_SHARD``, removed from the environment so that the jobs the tests
+    launch collect every file of their own."""
+    raw = settings.TEST_SHARD.raw()
+    os.environ.pop(settings.TEST_SHARD.name, None)
+    try:
+        return parse_shard(raw)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def _test_file(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
     items[:] = ([item for item in items if not item.nodeid.startswith(LAST)]
                 + [item for item in items if item.nodeid.startswith(LAST)])
-    if _S.size <= 1 or settings.TEST_LOCAL_EVERY_RANK.get():
-        return
-    local = [item for item in items if item.get_closest_marker("mpi") is None]
-    if local:
-        items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
-        config.hook.pytest_deselected(items=local)
-        _S.local_deselected = len(local)
+    if _S.size > 1 and not settings.TEST_LOCAL_EVERY_RANK.get():
+        local = [item for item in items if item.get_closest_marker("mpi") is None]
+        if local:
+            items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
+            config.hook.pytest_deselected(items=local)
+            _S.local_deselected = len(local)
+    if _S.shard is not None:
+        files = [_test_file(item) for item in items]
+        mine = set(shard_files(files, *_S.shard))
+        other = [item for item in items if _test_file(item) not in mine]
+        if other:
+            items[:] = [item for item in items if _test_file(item) in mine]
+            config.hook.pytest_deselected(items=other)
+        _S.shard_counts = (len(mine), len(set(files)))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -460,6 +490,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"deepep_ascend: {_S.local_deselected} test(s) not marked @pytest.mark.mpi deselected at {_S.size} ranks: "
             f"they run in the 1-rank job (DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK=1 runs them on every rank)")
+    if _S.shard is not None and _S.rank == 0:
+        terminalreporter.write_line(
+            f"deepep_ascend: {_S.shard_counts[0]} of {_S.shard_counts[1]} test files run here "
+            f"({settings.TEST_SHARD.name}={_S.shard[0]}/{_S.shard[1]}: the files at positions {_S.shard[0]}, "
+            f"{_S.shard[0]} + {_S.shard[1]}, ... of the collection)")
     gathered = config.stash.get(_GATHERED_KEY, None)
     if not gathered or _S.rank != 0:
         return

@@ -80,7 +80,8 @@ def test_collective_hooks_end_to_end(comm, pytester):
             """
         )
     )
-    result = pytester.runpytest_inprocess("--with-mpi", "-p", "no:cacheprovider", "-q")
+    # pytest-mpi named: scripts/test.sh disables plugin autoloading
+    result = pytester.runpytest_inprocess("-p", "pytest_mpi", "--with-mpi", "-p", "no:cacheprovider", "-q")
     result.assert_outcomes(failed=1, passed=1)
     out = result.stdout.str()
     if comm.rank != 1:

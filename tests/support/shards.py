@@ -1,0 +1,28 @@
+"""Which test files one process of a split job runs (``DEEPEP_ASCEND_TEST_SHARD``, read by
+``tests/conftest.py``; ``scripts/test.sh`` splits its 1-rank job this way)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from deepep_ascend import settings
+
+
+def parse_shard(raw: str | None) -> tuple[int, int] | None:
+    """``(i, n)`` from ``"i/n"`` (``0 <= i < n``), ``None`` for ``None``.
+
+    Raises:
+        ValueError: ``raw`` is not of that form, naming the variable and the value.
+    """
+    if raw is None:
+        return None
+    i, _, n = raw.strip().partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise ValueError(f"{settings.TEST_SHARD.name}: expected i/n with 0 <= i < n, got {raw!r}")
+    return int(i), int(n)
+
+
+def shard_files(files: Iterable[str], i: int, n: int) -> list[str]:
+    """The files at positions ``i, i + n, i + 2n, ...`` of ``files`` in first-seen order (repeats count
+    once): whole files, so that a module's fixtures (a launched job, a built Buffer) are made once."""
+    return list(dict.fromkeys(files))[i::n]
