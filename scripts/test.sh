@@ -83,11 +83,16 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
     rc=0
     if [[ $n -eq 1 && $shards -gt 1 ]]; then
         # One rank leaves a core idle for much of the job (its tests run in one process, some launch small
-        # jobs of their own): its test files are split among concurrent jobs, whose output follows job by job.
+        # jobs of their own): its test files are split among concurrent jobs. The first prints as it runs,
+        # the others' output follows once all are done, job by job.
         start=$SECONDS
         pids=()
         for ((i = 0; i < shards; i++)); do
-            run_job 1 "$i/$shards" "$@" > "$work/out$i" 2>&1 &
+            if [[ $i -eq 0 ]]; then
+                run_job 1 "$i/$shards" "$@" &
+            else
+                run_job 1 "$i/$shards" "$@" > "$work/out$i" 2>&1 &
+            fi
             pids+=("$!")
         done
         statuses=()
@@ -96,7 +101,7 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
             wait "$pid" || s=$?
             statuses+=("$s")
         done
-        for ((i = 0; i < shards; i++)); do cat "$work/out$i"; done
+        for ((i = 1; i < shards; i++)); do cat "$work/out$i"; done
         rc=5  # every job had nothing to run, unless one passed or failed
         for s in "${statuses[@]}"; do
             if [[ $s -ne 0 && $s -ne 5 ]]; then rc=$s; break; fi
