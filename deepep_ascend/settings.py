@@ -268,7 +268,7 @@ TEST_SHARDS = Setting(
     "DEEPEP_ASCEND_TEST_SHARDS", "int", 2,
     "How many concurrent jobs scripts/test.sh splits its 1-rank job into (each runs every n-th test file); "
     "`1` runs it as one job.",
-    scope="scripts", minimum=1)
+    scope="scripts", minimum=1, limit=9)
 SUITE_TIMEOUT_S = Setting(
     "DEEPEP_ASCEND_SUITE_TIMEOUT_S", "int", 1200,
     "Wall-clock limit in seconds of one mpiexec run of scripts/test.sh.",
@@ -326,10 +326,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m deepep_ascend set
     """The settings command: print :func:`markdown_table` (``table``, the default), or ``check`` the environment
     and exit 1 naming every declared variable set to a value it does not accept."""
     parser = argparse.ArgumentParser(prog=prog, description="The environment variables of deepep_ascend.")
-    parser.add_argument("action", nargs="?", choices=["table", "check"], default="table",
+    parser.add_argument("action", nargs="?", choices=["table", "check", "get"], default="table",
                         help="table (default): print docs/configuration.md's table; check: exit 1 naming every "
-                             "declared variable set to a value it does not accept")
-    if parser.parse_args(argv).action == "check":
+                             "declared variable set to a value it does not accept; get NAME: print the variable's "
+                             "value as parsed (its default when unset; 1/0 for a boolean), or exit 1 naming it")
+    parser.add_argument("name", nargs="?", help="with get: the variable")
+    args = parser.parse_args(argv)
+    if (args.action == "get") != (args.name is not None):
+        parser.error("a variable's name goes with get, and only with it")
+    if args.action == "get":
+        if args.name not in SETTINGS:
+            parser.error(f"{args.name!r} is not a declared variable ({prog} table lists them)")
+        try:
+            value = SETTINGS[args.name].get()
+        except SettingError as exc:
+            print(f"deepep_ascend: {exc}", file=sys.stderr)
+            return 1
+        print("" if value is None else int(value) if isinstance(value, bool) else value)
+        return 0
+    if args.action == "check":
         problems = check()
         for problem in problems:
             print(f"deepep_ascend: {problem}", file=sys.stderr)

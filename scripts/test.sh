@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Run the whole test suite at 1, 2, 4 and 8 ranks; stop at the first failing rank count.
+# Run the whole test suite at 1, 2, 4 and 8 ranks; stop at the first failing rank count. The 1-rank job runs
+# as concurrent jobs of alternate test files ("shards"; docs/testing.md).
 #   scripts/test.sh [pytest args...]     (default args: tests)
 # Environment (declared in deepep_ascend/settings.py, table in docs/configuration.md; every one set is
 # validated first): DEEPEP_ASCEND_TEST_RANKS, DEEPEP_ASCEND_SUITE_TIMEOUT_S, DEEPEP_ASCEND_TEST_HANG_RETRIES,
-# DEEPEP_ASCEND_TEST_SHARDS, DEEPEP_ASCEND_SKIP_SETUP, DEEPEP_ASCEND_TEST_WATCHDOG_S; DEEPEP_ASCEND_TIMEOUT_S is exported with the
-# suite's default of 20 s; UCX_LOG_LEVEL is exported (default error; see below).
+# DEEPEP_ASCEND_TEST_SHARDS, DEEPEP_ASCEND_SKIP_SETUP, DEEPEP_ASCEND_TEST_WATCHDOG_S; DEEPEP_ASCEND_TIMEOUT_S is
+# exported with the suite's default of 20 s; UCX_LOG_LEVEL is exported (default error; see below).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # cd "$REPO_ROOT", PYTHON, PYTHON_BIN
 usage_if_help "$@"
@@ -18,7 +19,9 @@ export DEEPEP_ASCEND_TIMEOUT_S="${DEEPEP_ASCEND_TIMEOUT_S:-20}"
 # window cannot be freed collectively); at MPI_Finalize UCX then warns once per registration
 # (~1,900 lines per suite). Errors still print.
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
-T="$(echo "${DEEPEP_ASCEND_SUITE_TIMEOUT_S:-1200}" | xargs)"
+# The script's own variables as parsed there (bash would read "010" as octal, or fail on "2_0").
+setting() { "$PYTHON_BIN" "$REPO_ROOT/deepep_ascend/settings.py" get "$1"; }
+T="$(setting DEEPEP_ASCEND_SUITE_TIMEOUT_S)"
 if [[ $# -eq 0 ]]; then set -- tests; fi
 
 # A job that the harness's watchdog ended (a test hung) runs once more, saying so, if no test had
@@ -27,15 +30,26 @@ if [[ $# -eq 0 ]]; then set -- tests; fi
 # and turns into an error, so a watchdog hang is outside its data plane; the ones seen before were
 # tests slowed 100x by ranks spinning in MPICH's blocking collectives (docs/testing.md),
 # which the harness no longer does. A failing or crashing test is never re-run.
-retries="$(echo "${DEEPEP_ASCEND_TEST_HANG_RETRIES:-1}" | xargs)"
-shards="$(echo "${DEEPEP_ASCEND_TEST_SHARDS:-2}" | xargs)"
+retries="$(setting DEEPEP_ASCEND_TEST_HANG_RETRIES)"
+shards="$(setting DEEPEP_ASCEND_TEST_SHARDS)"
 # The host, for the failure lines below (CI shows only part of a log; its tail survives).
 host_flags="$( (grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile' | xargs) 2>/dev/null || true)"
 quota="$(cat /sys/fs/cgroup/cpu.max 2>/dev/null || true)"
 host="$(nproc) cores${quota:+ (cgroup cpu.max $quota)}, $( (grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) 2>/dev/null || true), ${host_flags:-no avx2}, kernel $(uname -r)"
 echo "=== host: $host ===" >&2
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+# On the way out (an interrupt included) stop every job still running: timeout, which starts mpiexec in a
+# process group of its own, passes the TERM on to it, and mpiexec to its ranks.
+cleanup() {
+    local kids
+    kids="$(pgrep -P $$ || true)"
+    for kid in $kids; do pkill -TERM -P "$kid" 2>/dev/null || true; done   # a concurrent job's timeout
+    [[ -z "$kids" ]] || kill -TERM $kids 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # Every rank of every job imports and collects the same modules: Python keeps their compiled code (and
 # pytest its rewritten test modules) in __pycache__ beside the sources (ignored by git) even where
 # PYTHONDONTWRITEBYTECODE is set; without it each process compiles them all again.
@@ -50,7 +64,7 @@ export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 run_job() {
     local n=$1 shard=$2
     shift 2
-    local what="$n rank(s)${shard:+ (test files $shard)}" dir="$work/hang-$n-${shard/\//-}"
+    local what="$n rank(s)${shard:+ (shard $shard)}" dir="$work/hang-$n-${shard/\//-}"
     local attempt=0 rc start markers again=""
     mkdir -p "$dir"
     while :; do
@@ -78,6 +92,15 @@ run_job() {
     esac
     return "$rc"
 }
+
+# --lf and --sw choose what to collect from pytest's cache, which concurrent jobs would rewrite under each other
+for arg in "$@"; do
+    case $arg in
+        --lf|--last-failed|--sw|--stepwise|--sw-skip|--stepwise-skip)
+            [[ $shards -gt 1 ]] && echo "=== $arg: the 1-rank job runs as one job ===" >&2
+            shards=1 ;;
+    esac
+done
 
 for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
     rc=0
@@ -113,7 +136,8 @@ for n in ${DEEPEP_ASCEND_TEST_RANKS:-1 2 4 8}; do
             *) echo "=== 1 rank(s): FAILED (exit statuses of its $shards concurrent jobs: ${statuses[*]}; host: $host) ===" >&2 ;;
         esac
     else
-        run_job "$n" "" "$@" || rc=$?
+        run_job "$n" "" "$@" &   # waited for in the background, so that an interrupt is handled at once
+        wait "$!" || rc=$?
     fi
     case $rc in
         0|5) ;;

@@ -300,6 +300,7 @@ class _State:
     local_deselected = 0  # tests not marked mpi, deselected at more than one rank
     shard: tuple[int, int] | None = None  # (i, n) of DEEPEP_ASCEND_TEST_SHARD
     shard_counts = (0, 0)  # (files this shard runs, files collected)
+    shard_file_set: set[str] = set()  # the test files this shard runs
     exit_status: int | None = (
         None  # set in pytest_unconfigure; used by the atexit exit path
     )
@@ -324,6 +325,8 @@ def pytest_configure(config):
         return
     _S.configured = True
     _S.shard = _shard_setting()
+    if _S.shard is not None and getattr(config, "cache", None) is not None:
+        _merge_lastfailed(config.cache)
     MPI = _mpi()
     _S.rank = MPI.COMM_WORLD.Get_rank()
     _S.size = MPI.COMM_WORLD.Get_size()
@@ -411,6 +414,27 @@ def _test_file(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _merge_lastfailed(cache) -> None:
+    """Make this shard's write of pytest's ``cache/lastfailed`` (what ``--lf`` re-runs) a merge: its own files'
+    entries from this run, every other file's from the file as it is now (another shard of the job may have
+    written it meanwhile), under a lock. Without it the last shard to finish would drop the others' failures."""
+    import fcntl
+
+    plain_set = cache.set
+
+    def merging_set(key, value):
+        if key != "cache/lastfailed":
+            return plain_set(key, value)
+        with open(cache.mkdir("deepep_ascend") / "lastfailed.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            mine = _S.shard_file_set
+            merged = {k: v for k, v in cache.get(key, {}).items() if k.split("::", 1)[0] not in mine}
+            merged.update((k, v) for k, v in value.items() if k.split("::", 1)[0] in mine)
+            plain_set(key, merged)
+
+    cache.set = merging_set
+
+
 def pytest_collection_modifyitems(config, items):
     items[:] = ([item for item in items if not item.nodeid.startswith(LAST)]
                 + [item for item in items if item.nodeid.startswith(LAST)])
@@ -422,7 +446,7 @@ def pytest_collection_modifyitems(config, items):
             _S.local_deselected = len(local)
     if _S.shard is not None:
         files = [_test_file(item) for item in items]
-        mine = set(shard_files(files, *_S.shard))
+        mine = _S.shard_file_set = set(shard_files(files, *_S.shard))
         other = [item for item in items if _test_file(item) not in mine]
         if other:
             items[:] = [item for item in items if _test_file(item) in mine]

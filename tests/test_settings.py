@@ -116,3 +116,29 @@ def test_check_command_names_every_bad_variable():
                            text=True, timeout=120, env={k: v for k, v in os.environ.items() if k not in SETTINGS})
     assert table.returncode == 0 and table.stdout == settings.markdown_table()
     assert all(f"`{name}`" in table.stdout for name in SETTINGS)
+
+
+def test_get_command_prints_the_parsed_value_for_the_scripts(monkeypatch, capsys):
+    # scripts/test.sh reads its numbers this way: "010" is ten there, not eight (bash reads it as octal)
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    cases = [("DEEPEP_ASCEND_TEST_SHARDS", None, "2"), ("DEEPEP_ASCEND_TEST_SHARDS", "08", "8"),
+             ("DEEPEP_ASCEND_TEST_SHARDS", "2_0", None), ("DEEPEP_ASCEND_TEST_SHARDS", "8", "8"),
+             ("DEEPEP_ASCEND_TEST_SHARDS", "9", None), ("DEEPEP_ASCEND_TEST_HANG_RETRIES", " 010 ", "10"),
+             ("DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK", "yes", "1"), ("DEEPEP_ASCEND_TEST_LOG_DIR", None, "")]
+    for name, raw, printed in cases:
+        if raw is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, raw)
+        status = settings.main(["get", name])
+        out, err = capsys.readouterr()
+        if printed is None:
+            assert status == 1 and out == "" and f"${name} must be" in err and repr(raw) in err, (name, raw, err)
+        else:
+            assert status == 0 and out == printed + "\n" and err == "", (name, raw, out, err)
+    for argv, needle in ((["get"], "goes with get"), (["check", "X"], "goes with get"),
+                         (["get", "NOT_A_SETTING"], "'NOT_A_SETTING' is not a declared variable")):
+        with pytest.raises(SystemExit) as exit_info:
+            settings.main(argv)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err, argv
