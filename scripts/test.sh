@@ -38,16 +38,18 @@ quota="$(cat /sys/fs/cgroup/cpu.max 2>/dev/null || true)"
 host="$(nproc) cores${quota:+ (cgroup cpu.max $quota)}, $( (grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) 2>/dev/null || true), ${host_flags:-no avx2}, kernel $(uname -r)"
 echo "=== host: $host ===" >&2
 work="$(mktemp -d)"
-# On the way out (an interrupt included) stop every job still running: timeout, which starts mpiexec in a
-# process group of its own, passes the TERM on to it, and mpiexec to its ranks.
+# On the way out (a signal included) stop every job still running. Each job's timeout leads a process group
+# of its own (mpiexec, its proxies and ranks in it), which a signal to the script's group does not reach:
+# run_job records it as $work/job-<pid> while it runs.
 cleanup() {
-    local kids
-    kids="$(pgrep -P $$ || true)"
-    for kid in $kids; do pkill -TERM -P "$kid" 2>/dev/null || true; done   # a concurrent job's timeout
-    [[ -z "$kids" ]] || kill -TERM $kids 2>/dev/null || true
+    local job
+    for job in "$work"/job-*; do
+        [[ -e "$job" ]] && kill -TERM -- "-${job##*/job-}" 2>/dev/null || true
+    done
     rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 129' HUP
 trap 'exit 130' INT
 trap 'exit 143' TERM
 # Every rank of every job imports and collects the same modules: Python keeps their compiled code (and
@@ -73,7 +75,11 @@ run_job() {
         rm -f "$dir"/rank*
         rc=0
         DEEPEP_ASCEND_TEST_SHARD="$shard" DEEPEP_ASCEND_TEST_HANG_DIR="$dir" timeout -k 10 "$T" \
-            mpiexec -n "$n" "$PYTHON_BIN" -m pytest -p pytest_mpi --with-mpi -q "$@" || rc=$?
+            mpiexec -n "$n" "$PYTHON_BIN" -m pytest -p pytest_mpi --with-mpi -q "$@" &
+        local job="$work/job-$!"
+        touch "$job"
+        wait "$!" || rc=$?
+        rm -f "$job"
         markers=("$dir"/rank*)
         if [[ $rc -ne 0 && $attempt -lt $retries && -e "${markers[0]}" ]] && ! grep -qx failed "${markers[@]}"; then
             attempt=$((attempt + 1))
@@ -93,10 +99,11 @@ run_job() {
     return "$rc"
 }
 
-# --lf and --sw choose what to collect from pytest's cache, which concurrent jobs would rewrite under each other
-for arg in "$@"; do
+# --lf and --sw choose what to collect from pytest's cache, which concurrent jobs would rewrite under each
+# other, and --cache-clear empties it while the other job may be writing
+for arg in "$@" ${PYTEST_ADDOPTS:-}; do
     case $arg in
-        --lf|--last-failed|--sw|--stepwise|--sw-skip|--stepwise-skip)
+        --lf|--last-failed|--sw|--stepwise|--sw-skip|--stepwise-skip|--cache-clear)
             [[ $shards -gt 1 ]] && echo "=== $arg: the 1-rank job runs as one job ===" >&2
             shards=1 ;;
     esac

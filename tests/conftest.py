@@ -66,7 +66,7 @@ from deepep_ascend import settings
 from tests.support import REPO_ROOT as _REPO
 from tests.support import mpi_utils
 from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
-from tests.support.shards import parse_shard, shard_files
+from tests.support.shards import merge_lastfailed, parse_shard, shard_files
 
 torch.set_num_threads(1)
 
@@ -301,6 +301,7 @@ class _State:
     shard: tuple[int, int] | None = None  # (i, n) of DEEPEP_ASCEND_TEST_SHARD
     shard_counts = (0, 0)  # (files this shard runs, files collected)
     shard_file_set: set[str] = set()  # the test files this shard runs
+    shard_collected: set[str] = set()  # the test files with items in the collection, every shard's
     exit_status: int | None = (
         None  # set in pytest_unconfigure; used by the atexit exit path
     )
@@ -415,9 +416,9 @@ def _test_file(item) -> str:
 
 
 def _merge_lastfailed(cache) -> None:
-    """Make this shard's write of pytest's ``cache/lastfailed`` (what ``--lf`` re-runs) a merge: its own files'
-    entries from this run, every other file's from the file as it is now (another shard of the job may have
-    written it meanwhile), under a lock. Without it the last shard to finish would drop the others' failures."""
+    """Make this shard's write of pytest's ``cache/lastfailed`` (what ``--lf`` re-runs) a merge with the record as
+    it is now, under a lock (:func:`~tests.support.shards.merge_lastfailed`): without it the last shard to finish
+    would drop the others' failures."""
     import fcntl
 
     plain_set = cache.set
@@ -427,10 +428,7 @@ def _merge_lastfailed(cache) -> None:
             return plain_set(key, value)
         with open(cache.mkdir("deepep_ascend") / "lastfailed.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            mine = _S.shard_file_set
-            merged = {k: v for k, v in cache.get(key, {}).items() if k.split("::", 1)[0] not in mine}
-            merged.update((k, v) for k, v in value.items() if k.split("::", 1)[0] in mine)
-            plain_set(key, merged)
+            plain_set(key, merge_lastfailed(cache.get(key, {}), value, _S.shard_file_set, _S.shard_collected))
 
     cache.set = merging_set
 
@@ -447,6 +445,7 @@ def pytest_collection_modifyitems(config, items):
     if _S.shard is not None:
         files = [_test_file(item) for item in items]
         mine = _S.shard_file_set = set(shard_files(files, *_S.shard))
+        _S.shard_collected = set(files)
         other = [item for item in items if _test_file(item) not in mine]
         if other:
             items[:] = [item for item in items if _test_file(item) in mine]

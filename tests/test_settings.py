@@ -119,7 +119,8 @@ def test_check_command_names_every_bad_variable():
 
 
 def test_get_command_prints_the_parsed_value_for_the_scripts(monkeypatch, capsys):
-    # scripts/test.sh reads its numbers this way: "010" is ten there, not eight (bash reads it as octal)
+    # scripts/test.sh reads its numbers this way: "010" is ten there, not eight (bash reads it as octal), and
+    # "2_0" twenty (Python's integer syntax), above the limit of DEEPEP_ASCEND_TEST_SHARDS
     for name in SETTINGS:
         monkeypatch.delenv(name, raising=False)
     cases = [("DEEPEP_ASCEND_TEST_SHARDS", None, "2"), ("DEEPEP_ASCEND_TEST_SHARDS", "08", "8"),

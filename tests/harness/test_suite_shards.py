@@ -19,7 +19,7 @@ import pytest
 
 from tests.support import REPO_ROOT
 from tests.support.mpi_utils import child_env, run_child_command, world
-from tests.support.shards import parse_shard, shard_files
+from tests.support.shards import merge_lastfailed, parse_shard, shard_files
 
 CHILD = """
 import os
@@ -51,6 +51,17 @@ def test_shard_files_take_alternate_whole_files_and_cover_each_once():
     for n in (1, 2, 3, 7):
         parts = [shard_files(files, i, n) for i in range(n)]
         assert sorted(sum(parts, [])) == sorted(set(files)), n
+
+
+def test_merge_lastfailed_keeps_the_other_shards_files_and_what_no_shard_runs():
+    collected = {"t/a.py", "t/b.py", "t/c.py"}
+    mine = {"t/a.py", "t/c.py"}
+    on_disk = {"t/a.py::old": True, "t/b.py::x": True, "t/broken.py": True, "t/elsewhere.py::y": True}
+    this_run = {"t/a.py::new": True, "t/b.py::stale": True, "t/broken2.py": True, "t/elsewhere.py::y": True}
+    # a.py: this run's (old passed, new failed); b.py: the file's (the other shard wrote it); broken.py fixed and
+    # broken2.py broken this run (no shard has items of theirs); elsewhere.py: outside this run, kept
+    assert merge_lastfailed(on_disk, this_run, mine, collected) == {
+        "t/a.py::new": True, "t/b.py::x": True, "t/broken2.py": True, "t/elsewhere.py::y": True}
 
 
 def _script(tmp_path, fail: str, *args: str, sleep_s: float = 0) -> tuple[list, dict]:
@@ -102,8 +113,10 @@ def test_the_one_rank_job_runs_each_file_once_in_concurrent_jobs_and_keeps_every
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.skipif(world().Get_size() != 1, reason="runs scripts/test.sh; in the 1-rank job only")
-def test_an_interrupt_stops_every_job(tmp_path):
-    # Ctrl-C reaches the script's process group; each job's mpiexec runs in a group of its own (timeout's)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_scripts_process_group_stops_every_job(tmp_path, sig):
+    # Ctrl-C, a closed terminal or `timeout N bash scripts/test.sh` signal the script's process group; each
+    # job's mpiexec runs in a group of its own (its timeout's), which that signal does not reach
     command, env = _script(tmp_path, "", sleep_s=120)
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -113,9 +126,9 @@ def test_an_interrupt_stops_every_job(tmp_path):
             time.sleep(0.2)
         assert len(list(record.iterdir())) == 2, proc.communicate(timeout=60)
         pids = {int(pid) for f in record.iterdir() for pid in f.read_text().split()}  # the tests' parents: pytest
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 130, out[-3000:]
+        assert proc.returncode == 128 + sig, out[-3000:]
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -26,3 +26,14 @@ def shard_files(files: Iterable[str], i: int, n: int) -> list[str]:
     """The files at positions ``i, i + n, i + 2n, ...`` of ``files`` in first-seen order (repeats count
     once): whole files, so that a module's fixtures (a launched job, a built Buffer) are made once."""
     return list(dict.fromkeys(files))[i::n]
+
+
+def merge_lastfailed(on_disk: dict, this_run: dict, mine: set[str], collected: set[str]) -> dict:
+    """pytest's ``cache/lastfailed`` (``{node id: True}``, what ``--lf`` runs again) after one shard of a split job:
+    ``this_run``'s entries for the shard's own files (``mine``) and for every file no shard runs (one with a
+    collection error, one outside this run: every shard saw those alike), ``on_disk``'s for the files the other
+    shards run (``collected - mine``: they may have written theirs meanwhile)."""
+    theirs = collected - mine
+    merged = {k: v for k, v in on_disk.items() if k.split("::", 1)[0] in theirs}
+    merged.update((k, v) for k, v in this_run.items() if k.split("::", 1)[0] not in theirs)
+    return merged
