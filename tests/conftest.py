@@ -299,7 +299,6 @@ class _State:
     log_path: str | None = None
     local_deselected = 0  # tests not marked mpi, deselected at more than one rank
     shard: tuple[int, int] | None = None  # (i, n) of DEEPEP_ASCEND_TEST_SHARD
-    shard_counts = (0, 0)  # (files this shard runs, files collected)
     shard_file_set: set[str] = set()  # the test files this shard runs
     shard_collected: set[str] = set()  # the test files with items in the collection, every shard's
     exit_status: int | None = (
@@ -450,7 +449,6 @@ def pytest_collection_modifyitems(config, items):
         if other:
             items[:] = [item for item in items if _test_file(item) in mine]
             config.hook.pytest_deselected(items=other)
-        _S.shard_counts = (len(mine), len(set(files)))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -515,7 +513,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"they run in the 1-rank job (DEEPEP_ASCEND_TEST_LOCAL_EVERY_RANK=1 runs them on every rank)")
     if _S.shard is not None and _S.rank == 0:
         terminalreporter.write_line(
-            f"deepep_ascend: {_S.shard_counts[0]} of {_S.shard_counts[1]} test files run here "
+            f"deepep_ascend: {len(_S.shard_file_set)} of {len(_S.shard_collected)} test files run here "
             f"({settings.TEST_SHARD.name}={_S.shard[0]}/{_S.shard[1]}: the files at positions {_S.shard[0]}, "
             f"{_S.shard[0]} + {_S.shard[1]}, ... of the collection)")
     gathered = config.stash.get(_GATHERED_KEY, None)
