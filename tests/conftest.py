@@ -66,7 +66,7 @@ from deepep_ascend import settings
 from tests.support import REPO_ROOT as _REPO
 from tests.support import mpi_utils
 from tests.support.mpi_utils import comm, rank, world_size  # noqa: F401  (fixtures for all tests)
-from tests.support.shards import merge_lastfailed, parse_shard, shard_files
+from tests.support.shards import file_of, merge_lastfailed, parse_shard, shard_files
 
 torch.set_num_threads(1)
 
@@ -410,10 +410,6 @@ def _shard_setting() -> tuple[int, int] | None:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _test_file(item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
 def _merge_lastfailed(cache) -> None:
     """Make this shard's write of pytest's ``cache/lastfailed`` (what ``--lf`` re-runs) a merge with the record as
     it is now, under a lock (:func:`~tests.support.shards.merge_lastfailed`): without it the last shard to finish
@@ -442,12 +438,12 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=local)
             _S.local_deselected = len(local)
     if _S.shard is not None:
-        files = [_test_file(item) for item in items]
+        files = [file_of(item.nodeid) for item in items]
         mine = _S.shard_file_set = set(shard_files(files, *_S.shard))
         _S.shard_collected = set(files)
-        other = [item for item in items if _test_file(item) not in mine]
+        other = [item for item in items if file_of(item.nodeid) not in mine]
         if other:
-            items[:] = [item for item in items if _test_file(item) in mine]
+            items[:] = [item for item in items if file_of(item.nodeid) in mine]
             config.hook.pytest_deselected(items=other)
 
 

@@ -22,6 +22,11 @@ def parse_shard(raw: str | None) -> tuple[int, int] | None:
     return int(i), int(n)
 
 
+def file_of(nodeid: str) -> str:
+    """The test file of a pytest node id (``"tests/x.py::test_y[z]"`` -> ``"tests/x.py"``; a file's own id as is)."""
+    return nodeid.split("::", 1)[0]
+
+
 def shard_files(files: Iterable[str], i: int, n: int) -> list[str]:
     """The files at positions ``i, i + n, i + 2n, ...`` of ``files`` in first-seen order (repeats count
     once): whole files, so that a module's fixtures (a launched job, a built Buffer) are made once."""
@@ -34,6 +39,6 @@ def merge_lastfailed(on_disk: dict, this_run: dict, mine: set[str], collected: s
     collection error, one outside this run: every shard saw those alike), ``on_disk``'s for the files the other
     shards run (``collected - mine``: they may have written theirs meanwhile)."""
     theirs = collected - mine
-    merged = {k: v for k, v in on_disk.items() if k.split("::", 1)[0] in theirs}
-    merged.update((k, v) for k, v in this_run.items() if k.split("::", 1)[0] not in theirs)
+    merged = {k: v for k, v in on_disk.items() if file_of(k) in theirs}
+    merged.update((k, v) for k, v in this_run.items() if file_of(k) not in theirs)
     return merged
