@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mpi4py import MPI
 
 from bench.internals import ll_floor_trip
 from bench.workload import make_workload
@@ -29,7 +30,7 @@ def test_the_floor_sums_what_the_public_calls_sum():
     buf = _buffer(comm, tokens, hidden, experts)
     try:
         trip = ll_floor_trip(buf, wl.x, wl.topk_idx, wl.topk_weights, tokens, experts)
-        assert comm.allreduce(trip is not None, op=_land()), "the fused path runs on one node"
+        assert comm.allreduce(trip is not None, op=MPI.LAND), "the fused path runs on one node"
         for _ in range(3):  # both window halves, and the reused outputs' stale rows
             recv_x, _, handle, _, _ = buf.low_latency_dispatch(wl.x, wl.topk_idx, tokens, experts, use_fp8=False)
             want = buf.low_latency_combine(recv_x, wl.topk_idx, wl.topk_weights, handle)[0].clone()
@@ -53,9 +54,3 @@ def test_no_floor_where_the_fused_path_does_not_run(monkeypatch):
         assert ll_floor_trip(buf, wl.x, wl.topk_idx, wl.topk_weights, tokens, experts) is None
     finally:
         buf.destroy()
-
-
-def _land():
-    from mpi4py import MPI
-
-    return MPI.LAND
