@@ -323,8 +323,11 @@ def check(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m deepep_ascend settings") -> int:
-    """The settings command: print :func:`markdown_table` (``table``, the default), or ``check`` the environment
-    and exit 1 naming every declared variable set to a value it does not accept."""
+    """The settings command: print :func:`markdown_table` (``table``, the default), ``check`` the environment and
+    exit 1 naming every declared variable set to a value it does not accept, or ``get NAME``: print that variable's
+    value as parsed (its default when unset, ``1`` / ``0`` for a boolean, nothing for an unset one without a
+    default), exit 1 naming it when set to a value it does not accept. Returns the exit status; argparse exits 2 on
+    a usage error (an undeclared name, a name without ``get``)."""
     parser = argparse.ArgumentParser(prog=prog, description="The environment variables of deepep_ascend.")
     parser.add_argument("action", nargs="?", choices=["table", "check", "get"], default="table",
                         help="table (default): print docs/configuration.md's table; check: exit 1 naming every "
