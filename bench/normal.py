@@ -109,8 +109,18 @@ from bench.workload import comm_fingerprint, make_workload, num_recv_tokens_of, 
 
 SYSTEMS = ("deepep_ascend", "mpi", "gloo", "roofline")
 SYSTEM_NAMES = {"deepep_ascend": "deepep_ascend", "mpi": "mpi_alltoallv", "gloo": "gloo_all_to_all"}
-# the project's targets; 8 ranks also as 2 nodes x 4
+# the project's targets by rank count (8 ranks also as 2 nodes x 4): the main job's, and the medium call's
+# (MEDIUM_CALL: tokens per rank, hidden, top-k, experts), which asks 5x at every rank count
 TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=3.0), 8: dict(speedup=3.0)}
+MEDIUM_CALL = (1024, 2048, 8, 64)
+MEDIUM_CALL_TARGETS = {2: dict(speedup=5.0, roofline=2.5), 4: dict(speedup=5.0), 8: dict(speedup=5.0)}
+
+
+def targets_for(R: int, shape: tuple | None) -> dict:
+    """The targets of a run of ``R`` ranks on a workload of ``shape`` ``(tokens per rank, hidden, top-k, experts)``:
+    the medium call's (:data:`MEDIUM_CALL_TARGETS`) at :data:`MEDIUM_CALL`, else the main job's (:data:`TARGETS`);
+    ``{}`` when none applies."""
+    return (MEDIUM_CALL_TARGETS if shape == MEDIUM_CALL else TARGETS).get(R, {})
 KINDS = ("SELF", "UBMEM", "URMA")
 
 
@@ -389,7 +399,8 @@ def run(args) -> int:
             print("\n".join(breakdown_lines(extra["phases"])))
         if args.native_split:
             print("\n".join(split_lines(extra.get("native_split") or {})))
-        summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None, failed=failed)
+        summary = summarize(results, roof, R, roof_fresh, emulated=emulator is not None, failed=failed,
+                            shape=(args.num_tokens, args.hidden, args.num_topk, args.num_experts))
         for line in summary["lines"]:
             print(line)
         peak_rss = [m["peak_rss"] for m in mem]
@@ -458,8 +469,10 @@ def n_recv_for(results, wl, args, comm) -> int:
     return num_recv_tokens_of(wl.topk_idx, args.num_experts, comm)
 
 
-def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False, failed: dict | None = None) -> dict:
-    """Ratios on the median round trip (dispatch + combine), with the targets for this R.
+def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = False, failed: dict | None = None,
+              shape: tuple | None = None) -> dict:
+    """Ratios on the median round trip (dispatch + combine), with the targets for this R and workload ``shape``
+    (:func:`targets_for`).
 
     ``emulated``: deepep_ascend ran on emulated links; every line says so and no target verdict
     is given (the peers are not slowed, so the ratios measure the emulation). ``failed``: ``{system: why}``
@@ -476,7 +489,7 @@ def summarize(results: dict, roof, R: int, roof_fresh=None, emulated: bool = Fal
         f"{n} {v * 1e3:.3f} ms" + (" (EXCLUDED)" if n in failed else "")
         for n, v in out["round_trip_median_s"].items()))
     peers = {n: v for n, v in rt.items() if n != "deepep_ascend"}
-    target = {} if emulated else TARGETS.get(R, {})
+    target = {} if emulated else targets_for(R, shape)
     if peers:
         fastest = min(peers, key=peers.get)
         out["faster_peer"] = fastest
