@@ -40,7 +40,7 @@ from .group import check_agreed, mpi_comm_of
 from .handles import InternodeHandle
 from .internode import InternodeEngine
 from .intranode import IntranodeEngine
-from .layout import last_slot_per_rank
+from .layout import dst_buffer_slots, last_slot_per_rank
 from .load_balance import LoadBalanceRegion
 from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
@@ -327,6 +327,17 @@ class EPBuffer(BufferBase):
         """DeepEP's SM estimate has no CPU meaning: returns :attr:`Buffer.num_sms` (accepted for porting)."""
         return Buffer.num_sms
 
+    def _handle_num_sms(self, num_sms, num_experts: int, num_topk: int):
+        """The ``num_sms`` a new handle keeps, resolved as DeepEP V2.5's dispatch does: 0 (automatic) becomes
+        :meth:`get_theoretical_num_sms`, a positive int is rounded up to even, anything else is kept as passed."""
+        if num_sms == 0:
+            return self.get_theoretical_num_sms(num_experts, num_topk)
+        return align(num_sms, 2) if is_int(num_sms) and num_sms > 0 else num_sms
+
+    def _make_handle(self, **fields) -> EPHandle:
+        """A new dispatch's handle (:class:`EPHandle`'s keyword arguments)."""
+        return EPHandle(**fields)
+
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """DeepEP's QP estimate (no CPU meaning, kept for porting): ``min(num_sms, 9)`` in direct mode,
         ``16 * num_sms + 1`` in hybrid mode, capped at ``num_allocated_qps``."""
@@ -505,17 +516,17 @@ class EPBuffer(BufferBase):
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts, layout
 
             keys_always, made = self._keys_always(), {}
-            outputs, itr, event = self._legacy._run_dispatch(
+            outputs, _, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words,
                 inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
-            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, dst_offsets, recv_counts = outputs
+            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, _, recv_counts = outputs
             if sf is not None and recv_sf.size(1) != sf.size(1) * sf.element_size():  # the engines' padding
                 recv_sf = recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(
                 event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=recv_topk,
                 recv_w=recv_w if topk_weights is not None else None, legacy=legacy, num_recv=num_recv,
-                recv_list=recv_list, recv_counts=recv_counts, itr=itr, dst_offsets=dst_offsets,
+                recv_list=recv_list, recv_counts=recv_counts,
                 topk_idx=topk_idx, num_experts=num_experts, alignment=alignment, max_tokens=max_tokens,
                 num_sms=num_sms, do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
                 col_major_sf=use_tma_aligned_col_major_sf, stats=cumulative_local_expert_recv_stats, handle=None,
@@ -552,7 +563,7 @@ class EPBuffer(BufferBase):
         return self._finish_dispatch(
             event, defer_epilogue, data=data, sf=sf, recv_x=recv_x, recv_sf=recv_sf, recv_topk=handle._recv_topk_idx,
             recv_w=recv_w, legacy=handle._legacy, num_recv=handle._num_valid, recv_list=None, recv_counts=None,
-            itr=None, dst_offsets=None, topk_idx=handle.topk_idx,
+            topk_idx=handle.topk_idx,
             num_experts=handle.num_experts, alignment=handle.expert_alignment,
             max_tokens=handle.num_max_tokens_per_rank,
             num_sms=num_sms, do_cpu_sync=False, do_expand=do_expand, do_zero_padding=do_zero_padding,
@@ -590,7 +601,7 @@ class EPBuffer(BufferBase):
         return (*outputs, event)
 
     def _allocate(self, *, data, sf, recv_x, recv_sf, recv_topk, recv_w, legacy, num_recv, recv_list, recv_counts,
-                  itr, dst_offsets, topk_idx, num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand,
+                  topk_idx, num_experts, alignment, max_tokens, num_sms, do_cpu_sync, do_expand,
                   do_zero_padding, col_major_sf, stats, handle, order=None):
         """The outputs ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with their final shapes, and the
         epilogue that fills them from the engines' compact rows (docs/semantics/deepep-api.md §13.2).
@@ -609,9 +620,10 @@ class EPBuffer(BufferBase):
             else:
                 expanded = align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
             # the per-source and per-expert fields are set by fill() (expanded layout) or when first read
-            handle = EPHandle(
+            handle = self._make_handle(
                 buffer_uid=self._legacy._uid, legacy=legacy, do_expand=do_expand, num_experts=num_experts,
-                expert_alignment=alignment, num_max_tokens_per_rank=max_tokens, num_sms=num_sms, topk_idx=topk_idx,
+                expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
+                num_sms=self._handle_num_sms(num_sms, num_experts, k), topk_idx=topk_idx,
                 num_recv_tokens=rows, num_valid_tokens=0, num_expanded_tokens=expanded,
                 num_recv_tokens_per_expert_list=None, psum_num_recv_tokens_per_scaleup_rank=None,
                 psum_num_recv_tokens_per_rank=None, psum_num_recv_tokens_per_expert=None,
@@ -652,7 +664,7 @@ class EPBuffer(BufferBase):
                 stats.add_(counts.to(torch.int32))
             if fresh:
                 handle._num_valid = valid
-                self._fill_handle(handle, legacy, valid_topk, counts, itr, dst_offsets, do_cpu_sync)
+                self._fill_handle(handle, legacy, valid_topk, counts, do_cpu_sync)
             if not do_expand:
                 # weights from the engines are 0 already where the expert is not local (to_local_experts) and
                 # on padding rows; a cached dispatch's come as bytes, masked here
@@ -701,8 +713,8 @@ class EPBuffer(BufferBase):
 
         return outputs, fill
 
-    def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor, itr,
-                     dst_offsets: torch.Tensor, listed: bool) -> None:
+    def _fill_handle(self, handle: EPHandle, legacy, valid_topk: torch.Tensor, counts: torch.Tensor,
+                     listed: bool) -> None:
         """The handle's fields from the routing that arrived (counts, prefix sums, metadata, order): those the
         expanded layout's epilogue needs now, the rest as functions run when first read. ``counts``: ``[L]`` int64
         (token, slot) pairs per local expert; ``listed``: whether ``num_recv_tokens_per_expert_list`` is filled
@@ -749,11 +761,8 @@ class EPBuffer(BufferBase):
         def combine_order(handle: EPHandle) -> torch.Tensor:  # (raises if the caller changed topk_idx since)
             return last_slot_per_rank(handle.topk_idx, handle.num_experts, R)
 
-        def dst_buffer_slot_idx() -> torch.Tensor:
-            # token t's row at rank j: the rows j received from ranks before this one, then t's place
-            # among this rank's tokens for j (the engines keep source order, docs/semantics/deepep-api.md §13.3)
-            pos = torch.cumsum(itr.to(torch.int64), 0) - 1 + dst_offsets
-            return torch.where(itr, pos, -1).to(torch.int32)
+        def dst_buffer_slot_idx(handle: EPHandle) -> torch.Tensor:  # (raises if the caller changed topk_idx since)
+            return dst_buffer_slots(handle.topk_idx, handle.num_experts, R)
 
         if handle._order is None:  # made with the layout where every combine needs it, else when a combine does
             handle._order = combine_order
@@ -1080,7 +1089,7 @@ class ElasticBuffer(EPBuffer):
     (accepted; every byte is host memory here) and no load-balance region, ``sl_idx`` defaults to 3;
     ``dispatch`` defaults to ``do_handle_copy=True`` (the handle keeps a copy of ``topk_idx``, so that the
     caller may change it), and ``dispatch`` / ``combine`` take ``previous_event_before_epilogue`` (waited
-    for before the call) instead of ``defer_epilogue``.
+    for before the call) instead of ``defer_epilogue``; a handle keeps a positive ``num_sms`` unrounded.
     """
 
     @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
@@ -1095,6 +1104,10 @@ class ElasticBuffer(EPBuffer):
                          deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
                          sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy,
                          ranks_per_node=ranks_per_node)
+
+    def _handle_num_sms(self, num_sms, num_experts: int, num_topk: int):
+        """As :meth:`EPBuffer._handle_num_sms`, a positive count kept as passed (V2 does not round it)."""
+        return self.get_theoretical_num_sms(num_experts, num_topk) if num_sms == 0 else num_sms
 
     def _constructor_problem(self) -> Exception | None:
         if not isinstance(self.num_cpu_bytes, int) or self.num_cpu_bytes < 0:

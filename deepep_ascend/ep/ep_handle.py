@@ -14,7 +14,7 @@ import torch
 
 from .handles import InternodeHandle, IntranodeHandle
 
-__all__ = ["EPHandle"]
+__all__ = ["EPHandle", "ascend_column_order"]
 
 
 class _Assignable:
@@ -51,7 +51,9 @@ class EPHandle:
     Attributes:
         do_expand: whether the dispatch used the expanded layout (one row per (token, local expert)).
         num_experts, expert_alignment, num_max_tokens_per_rank: the dispatch's arguments.
-        num_sms: the ``num_sms`` passed (no meaning on CPU ranks; kept for DeepEP's ``combine`` default).
+        num_sms: the dispatch's ``num_sms`` as DeepEP resolves it: ``get_theoretical_num_sms()`` for 0, else
+            rounded up to even (``ElasticBuffer``: as passed); a cached dispatch leaves it unchanged (no meaning
+            on CPU ranks; kept for DeepEP's ``combine`` default and for code that reads it).
         topk_idx: the dispatch's ``[N, K]`` ``topk_idx`` (by reference; must not be modified while the
             handle is in use: reading it after an in-place change raises ``AssertionError``).
         num_recv_tokens: ``n`` (see above): ``recv_x``'s rows in the compact layout.
@@ -72,8 +74,9 @@ class EPHandle:
             j`` with ``j`` the token's last top-k slot on this rank; columns ``2 + j`` the expanded row of
             slot ``j`` (-1: not on this rank, or the compact layout). DeepEP-Ascend orders the columns
             differently: see :attr:`ascend_recv_src_metadata`.
-        dst_buffer_slot_idx: ``[N, R]``: the row of each of this rank's tokens in each rank's
-            compact ``recv_x`` (-1: not sent there), on one node and across nodes.
+        dst_buffer_slot_idx: ``[N, K]``: at each token's first top-k slot on a rank, the token's place among this
+            rank's tokens sent to that rank, in token order (its row in that rank's partition of rows from this
+            rank); -1 at every other slot (a later slot of the same rank, no expert). On one node and across nodes.
         token_metadata_at_forward, channel_linked_list: ``None`` (DeepEP's hybrid-mode kernel state).
     """
 
@@ -106,7 +109,7 @@ class EPHandle:
         self._per_source = None
         self._per_expert = None
         self._fill_lock = threading.Lock()
-        self._dst_buffer_slot_idx = dst_buffer_slot_idx  # or a function computing it on first read
+        self._dst_buffer_slot_idx = dst_buffer_slot_idx  # or a function of the handle computing it on first read
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self._topk_idx = topk_idx
@@ -149,8 +152,8 @@ class EPHandle:
         """See the class doc (computed when first read: most callers never read it; assignable)."""
         if "_set_dst_buffer_slot_idx" in self.__dict__:
             return self._set_dst_buffer_slot_idx
-        if callable(self._dst_buffer_slot_idx):
-            self._dst_buffer_slot_idx = self._dst_buffer_slot_idx()
+        if callable(self._dst_buffer_slot_idx):  # a function of the handle (holding no reference to it)
+            self._dst_buffer_slot_idx = self._dst_buffer_slot_idx(self)
         return self._dst_buffer_slot_idx
 
     @dst_buffer_slot_idx.setter
@@ -178,7 +181,12 @@ class EPHandle:
         expanded row of slot ``j`` (-1: none), column ``K`` ``src_token_global_idx``, column ``K + 1`` the
         token's last top-k slot ``j`` on this rank (DeepEP-Ascend stores ``j`` alone where DeepEP stores
         ``src_rank * K + j``; -1 on rows past the real count)."""
-        meta = self.recv_src_metadata
-        k = meta.size(1) - 2
-        lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), meta[:, 1])
-        return torch.cat([meta[:, 2:], meta[:, :1], lane[:, None]], dim=1)
+        return ascend_column_order(self.recv_src_metadata)
+
+
+def ascend_column_order(meta: torch.Tensor) -> torch.Tensor:
+    """``recv_src_metadata`` ``[n, 2 + K]`` in DeepEP V2.5's column order -> DeepEP-Ascend's ``[n, K + 2]`` (the
+    expanded rows of the K slots, ``src_token_global_idx``, the last local slot ``j``; -1 stays -1)."""
+    k = meta.size(1) - 2
+    lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), meta[:, 1])
+    return torch.cat([meta[:, 2:], meta[:, :1], lane[:, None]], dim=1)

@@ -67,6 +67,36 @@ def last_slot_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
     return order
 
 
+def first_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dest [N, K] int64, first [N, K] bool)``: each top-k slot's rank (0 for a slot without an expert) and
+    whether it is the token's first slot with an expert on that rank (the one that carries the token there).
+
+    Args:
+        topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
+    """
+    n, k = topk_idx.shape
+    valid = topk_idx >= 0
+    dest = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor").clamp(min=0)
+    lanes = torch.where(valid, torch.arange(k), k)  # a slot without an expert is never first
+    first_lane = torch.full((n, num_ranks), k, dtype=torch.int64).scatter_reduce_(1, dest, lanes, reduce="amin")
+    return dest, valid & (first_lane.gather(1, dest) == torch.arange(k))
+
+
+def dst_buffer_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[N, K]`` int32, ``EPHandle.dst_buffer_slot_idx`` (docs/semantics/deepep-api.md §13.3): at each token's first
+    slot on a rank (:func:`first_slots`) its place among the tokens sent to that rank, in token order (its row in
+    that rank's partition of rows from this rank); -1 at every other slot.
+
+    Args:
+        topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
+    """
+    dest, first = first_slots(topk_idx, num_experts, num_ranks)
+    sent = torch.zeros(topk_idx.size(0), num_ranks, dtype=torch.int32).scatter_reduce_(1, dest, first.to(torch.int32),
+                                                                                      reduce="amax")
+    place = sent.cumsum(0, dtype=torch.int32) - 1
+    return torch.where(first, place.gather(1, dest), -1).to(torch.int32)
+
+
 def tokens_per_node(is_token_in_rank: torch.Tensor, num_nodes: int, ranks_per_node: int) -> torch.Tensor:
     """``num_tokens_per_rdma_rank [G]`` int32: tokens with an expert on each node
     (``is_token_in_rank [N, G·P]`` bool)."""

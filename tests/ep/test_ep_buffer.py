@@ -181,7 +181,7 @@ def check_mode(ep, comm, mode, nodes):
     ok &= torch.equal(handle.psum_num_recv_tokens_per_expert, torch.tensor(aligned).cumsum(0).int())
     ok &= torch.equal(handle.num_unaligned_recv_tokens_per_expert, torch.tensor(ref.counts, dtype=torch.int32))
     ok &= torch.equal(stats, 5 + torch.tensor(ref.counts, dtype=torch.int32))
-    ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(ids, rank, E))
+    ok &= torch.equal(handle.dst_buffer_slot_idx, ref_dst_slots(topk_idx, E, R, rank)[0])
     ok &= handle.topk_idx is topk_idx and c_handle is handle
     # Cached: the same rows, ids and weights.
     c_data = c_x[0] if fp8 else c_x

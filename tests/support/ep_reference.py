@@ -45,17 +45,29 @@ def ref_dispatch(xs, sfs, topk_idxs, weights, rank: int, num_experts: int, max_t
                  torch.cat(ws) if weights is not None else None, per_rank, counts)
 
 
-def ref_dst_slots(topk_idxs, rank: int, num_experts: int) -> torch.Tensor:
-    """``[N, R]``: the row of each of ``rank``'s tokens in each rank's received rows (-1: not sent)."""
-    R = len(topk_idxs)
-    L = num_experts // R
-    n = topk_idxs[rank].size(0)
-    out = torch.full((n, R), -1, dtype=torch.int32)
-    for r in range(R):
-        before = sum(int(((t >= r * L) & (t < (r + 1) * L)).any(dim=1).sum()) for t in topk_idxs[:rank])
-        mine = ((topk_idxs[rank] >= r * L) & (topk_idxs[rank] < (r + 1) * L)).any(dim=1)
-        out[mine, r] = torch.arange(before, before + int(mine.sum()), dtype=torch.int32)
-    return out
+def ref_dst_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                  rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dst_buffer_slot_idx, dst_gsge_idx)`` ``[N, K]`` int32 of ``rank``'s ``topk_idx``, token by token, slot by
+    slot: at a token's first slot on each rank its place among the tokens sent there, and, for another rank, the
+    index of that write among ``rank``'s writes to other ranks; -1 at every other slot."""
+    n, k = topk_idx.shape
+    L = num_experts // num_ranks
+    slots, writes = torch.full((n, k), -1, dtype=torch.int32), torch.full((n, k), -1, dtype=torch.int32)
+    sent_to, remote_writes = [0] * num_ranks, 0
+    for t in range(n):
+        seen = set()
+        for j in range(k):
+            e = int(topk_idx[t, j])
+            if e < 0 or e // L in seen:
+                continue
+            r = e // L
+            seen.add(r)
+            slots[t, j] = sent_to[r]
+            sent_to[r] += 1
+            if r != rank:
+                writes[t, j] = remote_writes
+                remote_writes += 1
+    return slots, writes
 
 
 def ref_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bias,

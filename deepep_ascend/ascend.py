@@ -1,0 +1,44 @@
+"""DeepEP-Ascend 1.0's namespace: ``import deepep_ascend.ascend as deep_ep`` ports code written for DeepEP-Ascend.
+
+Every name of :mod:`deepep_ascend`'s top level, with ``EPBuffer`` and ``EPHandle`` as DeepEP-Ascend lays out the
+handle (``recv_src_metadata`` in its column order, ``dst_buffer_slot_idx`` per top-k slot, ``dst_gsge_idx``;
+:class:`~deepep_ascend.ep.ascend.AscendEPHandle`), and ``_C``, the switches of DeepEP-Ascend's native module that
+its tests call (docs/porting.md). Code written for DeepEP V2.5 imports :mod:`deepep_ascend` instead: the two
+upstreams give those fields the same names and different layouts.
+"""
+
+from __future__ import annotations
+
+import deepep_ascend as _top
+from deepep_ascend import *  # noqa: F403
+
+from .ep.allocator import get_num_allocation_alignment as _alignment
+from .ep.ascend import AscendEPBuffer as EPBuffer  # noqa: F401 - exported: __all__ names the top level's
+from .ep.ascend import AscendEPHandle as EPHandle  # noqa: F401
+
+__all__ = [*_top.__all__, "_C"]
+
+
+class _C:
+    """What DeepEP-Ascend's tests call on ``deep_ep._C`` (its native module), with the meaning it has on CPU ranks."""
+
+    _barrier_in_prologue = False
+
+    @staticmethod
+    def set_barrier_in_prologue(enabled: bool) -> bool:
+        """DeepEP-Ascend's profiling switch (a barrier in the kernels' prologue, else in their epilogue, so that a
+        profiler times one part alone). Returns the previous setting. No effect here: a CPU call has no kernels to
+        time apart; its phases are timed by ``python -m bench ep --phases``.
+
+        Raises:
+            TypeError: ``enabled`` is not a bool.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_barrier_in_prologue: `enabled` must be a bool, got {type(enabled).__name__}")
+        previous, _C._barrier_in_prologue = _C._barrier_in_prologue, enabled
+        return previous
+
+    @staticmethod
+    def get_num_allocation_alignment() -> int:
+        """:func:`deepep_ascend.get_num_allocation_alignment` (``num_bytes`` must be a multiple of it)."""
+        return _alignment()
