@@ -1089,7 +1089,9 @@ class ElasticBuffer(EPBuffer):
     (accepted; every byte is host memory here) and no load-balance region, ``sl_idx`` defaults to 3;
     ``dispatch`` defaults to ``do_handle_copy=True`` (the handle keeps a copy of ``topk_idx``, so that the
     caller may change it), and ``dispatch`` / ``combine`` take ``previous_event_before_epilogue`` (waited
-    for before the call) instead of ``defer_epilogue``; a handle keeps a positive ``num_sms`` unrounded.
+    for before the call) instead of ``defer_epilogue``; a handle keeps a positive ``num_sms`` unrounded;
+    ``barrier(use_comm_stream, with_cpu_sync)``. V2's other methods (``engram_*``, ``pp_*``, ``agrs_*``,
+    ``all_gather``) are DeepEP V2.5's separate buffers here: ``EngramBuffer``, ``PPBuffer``, ``BucketBuffer``.
     """
 
     @outside_inference_mode  # its own tensors are kept across calls: normal tensors in either mode
@@ -1104,6 +1106,10 @@ class ElasticBuffer(EPBuffer):
                          deterministic, allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
                          sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy,
                          ranks_per_node=ranks_per_node)
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False) -> None:
+        """``deep_ep.ElasticBuffer.barrier`` (V2's arguments, both accepted): :meth:`EPBuffer.barrier`."""
+        super().barrier(use_comm_stream, with_cpu_sync)
 
     def _handle_num_sms(self, num_sms, num_experts: int, num_topk: int):
         """As :meth:`EPBuffer._handle_num_sms`, a positive count kept as passed (V2 does not round it)."""

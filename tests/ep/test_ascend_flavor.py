@@ -1,7 +1,8 @@
 """DeepEP-Ascend 1.0's namespace (``import deepep_ascend.ascend as deep_ep``, docs/semantics/deepep-api.md §13.10):
 its handle's ``recv_src_metadata``, ``dst_buffer_slot_idx`` and ``dst_gsge_idx`` against references built token
 by token from every rank's routing, the metadata checked the way DeepEP-Ascend's own test reads it; the
-handle's resolved ``num_sms`` (DeepEP V2.5, V2, DeepEP-Ascend); ``_C``. Every test is collective.
+handle's resolved ``num_sms`` (DeepEP V2.5, V2, DeepEP-Ascend); ``_C``; V2's ``ElasticBuffer.barrier``. Every test is
+collective.
 
 Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_ascend_flavor.py`` (N = 1, 2, 4).
 """
@@ -120,3 +121,14 @@ def test_native_module_switches():
     assert deep_ep._C.get_num_allocation_alignment() == deepep_ascend.get_num_allocation_alignment()
     assert deep_ep.Buffer is deepep_ascend.Buffer and deep_ep.EPBuffer is not deepep_ascend.EPBuffer
     assert set(deepep_ascend.__all__) < set(deep_ep.__all__)
+
+
+def test_elastic_buffer_barrier_takes_v2s_arguments(comm):
+    """DeepEP 2.1's ``ElasticBuffer.barrier(use_comm_stream, with_cpu_sync)``, by keyword and by position."""
+    buf = coll(lambda: deepep_ascend.ElasticBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                                   num_topk=TOPK, explicitly_destroy=True), what="ElasticBuffer()")
+    try:
+        coll(lambda: buf.barrier(use_comm_stream=True, with_cpu_sync=True), what="barrier")
+        coll(lambda: buf.barrier(False, False), what="barrier")
+    finally:
+        coll(buf.destroy)
