@@ -1,10 +1,10 @@
 """DeepEP-Ascend 1.0's namespace: ``import deepep_ascend.ascend as deep_ep`` ports code written for DeepEP-Ascend.
 
 Every name of :mod:`deepep_ascend`'s top level, with ``EPBuffer`` and ``EPHandle`` as DeepEP-Ascend lays out the
-handle (``recv_src_metadata`` in its column order, ``dst_buffer_slot_idx`` per top-k slot, ``dst_gsge_idx``;
-:class:`~deepep_ascend.ep.ascend.AscendEPHandle`), and ``_C``, the switches of DeepEP-Ascend's native module that
-its tests call (docs/porting.md). Code written for DeepEP V2.5 imports :mod:`deepep_ascend` instead: the two
-upstreams give those fields the same names and different layouts.
+handle (``recv_src_metadata`` in its column order, ``dst_gsge_idx``; :class:`~deepep_ascend.ep.ascend.AscendEPHandle`),
+and ``_C``, the switches of DeepEP-Ascend's native module that its tests call (docs/semantics/deepep-api.md §13.10).
+Code written for DeepEP V2.5 imports :mod:`deepep_ascend` instead: the two upstreams give ``recv_src_metadata`` the
+same name and shape in different column orders.
 """
 
 from __future__ import annotations
