@@ -1000,7 +1000,7 @@ class Buffer(SharedOnCopy):
     # -- the entry points of EPBuffer (deepep_ascend.ep.ep_buffer), on the same engines ----------------
     def _run_dispatch(self, *, precheck: Callable[[], tuple], num_worst_tokens: int, previous_event,
                       async_finish: bool, extra_words: dict,
-                      inputs: dict | None = None) -> tuple[tuple, torch.Tensor, EventOverlap]:
+                      inputs: dict | None = None) -> tuple[tuple, EventOverlap]:
         """A non-cached normal dispatch whose arguments ``precheck()`` validates inside the call's first
         round (a rejection raises on every rank, as :meth:`dispatch`'s checks do).
 
@@ -1008,11 +1008,10 @@ class Buffer(SharedOnCopy):
         topk_weights, num_experts, layout)``: ``layout`` the routing counts ``(num_tokens_per_rank,
         num_tokens_per_expert, is_token_in_rank)`` (:func:`~.arguments.checked_dispatch_layout`). Returns the
         engine's outputs ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, handle, num_recv,
-        dst_offsets, recv_counts)`` (``num_recv`` a 0-dim int64 tensor; ``dst_offsets`` ``[R]`` int64: the first
-        row of this rank's tokens in each rank's ``recv_x``; ``recv_counts`` ``[E / R]`` int64: the (token, slot)
+        recv_counts)`` (``num_recv`` a 0-dim int64 tensor; ``recv_counts`` ``[E / R]`` int64: the (token, slot)
         pairs received per local expert; with ``num_worst_tokens > 0`` and ``async_finish`` both, these, the
-        handle's prefix sums and the padding are filled by the worker, before the event completes),
-        ``is_token_in_rank`` and the event (data movement on the worker with ``async_finish``). ``inputs``:
+        handle's prefix sums and the padding are filled by the worker, before the event completes), and the event
+        (data movement on the worker with ``async_finish``). ``inputs``:
         the caller's tensors by name, guarded as in :meth:`_protocol`.
         """
         self._check_usable("dispatch")
@@ -1025,7 +1024,7 @@ class Buffer(SharedOnCopy):
             self._check_dispatch_room(data.size(1), 0 if scales is None else scales.size(1), k, num_experts,
                                       cached=False)
             ntpr, ntpe, itr = layout
-            ctx.update(itr=itr, call_id=call_id, cfg=cfg)
+            ctx.update(call_id=call_id, cfg=cfg)
             path_args = {"num_tokens_per_rdma_rank": self._tokens_per_node(itr)} if self._internode else {}
             return self._engine.dispatch(**path_args,
                 call_id=call_id, x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -1037,7 +1036,7 @@ class Buffer(SharedOnCopy):
         outputs, event = self._protocol(OP_DISPATCH, build, async_finish, previous_event, False, (),
                                         comm_before_outputs=not num_worst_tokens, inputs=inputs)
         record_origin(outputs[5], HandleOrigin(self._uid, ctx["call_id"], ctx["cfg"].num_channels))
-        return outputs, ctx["itr"], event
+        return outputs, event
 
     def _run_cached_dispatch(self, *, precheck: Callable[[], tuple], previous_event, async_finish: bool,
                              extra_words: dict, inputs: dict | None = None) -> tuple[tuple, EventOverlap]:

@@ -516,11 +516,11 @@ class EPBuffer(BufferBase):
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts, layout
 
             keys_always, made = self._keys_always(), {}
-            outputs, _, event = self._legacy._run_dispatch(
+            outputs, event = self._legacy._run_dispatch(
                 precheck=precheck, num_worst_tokens=0 if do_cpu_sync else R * max_tokens, previous_event=prev,
                 async_finish=async_with_compute_stream, extra_words=words,
                 inputs={"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
-            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, _, recv_counts = outputs
+            recv_x, recv_sf, recv_topk, recv_w, recv_list, legacy, num_recv, recv_counts = outputs
             if sf is not None and recv_sf.size(1) != sf.size(1) * sf.element_size():  # the engines' padding
                 recv_sf = recv_sf[:, :sf.size(1) * sf.element_size()]
             return self._finish_dispatch(

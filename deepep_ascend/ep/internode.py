@@ -139,7 +139,6 @@ class _DispatchCall:
     num_channels: int
     ntok: np.ndarray | None = None  # [R] tokens of every rank
     counts_to_me: np.ndarray | None = None  # [R] int64 tokens each rank sends here
-    dst_offsets: torch.Tensor | None = None  # [R] int64 rows each rank received from ranks before this one
     gbl_prefix: torch.Tensor | None = None  # [R] int32 inclusive prefix of counts_to_me
     num_recv: int = 0
     num_recv_t: torch.Tensor | None = None  # 0-dim int64: num_recv, as yielded (set once the counts arrived)
@@ -520,9 +519,8 @@ class InternodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets, recv_counts)`` (``num_recv``: 0-dim int64
-        tensor; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's received rows;
-        ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local expert) with
+        num_recv_tokens_per_expert_list, handle, num_recv, recv_counts)`` (``num_recv``: 0-dim int64
+        tensor; ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local expert) with
         ``handle`` an :class:`InternodeHandle` whose receive-side entries are filled when the generator ends.
         As :meth:`.intranode.IntranodeEngine.dispatch`: after round 0, or with ``num_worst_tokens > 0``
         before any communication (the count-dependent entries, ``send_nvl_head`` resized to the tokens this
@@ -545,7 +543,6 @@ class InternodeEngine:
         # The handle's fixed-shape receive entries, filled in place by _open_dispatch / _close_dispatch.
         call.num_recv_t = torch.zeros((), dtype=torch.int64)
         call.recv_counts = torch.zeros(num_experts // self.num_ranks, dtype=torch.int64)
-        call.dst_offsets = torch.zeros(self.num_ranks, dtype=torch.int64)
         call.gbl_prefix = torch.zeros(self.num_ranks, dtype=torch.int32)
         call.fwd_prefix = torch.zeros(self.G, dtype=torch.int32)
         call.send_nvl_head = torch.empty(0, self.P, dtype=torch.int32)
@@ -575,7 +572,7 @@ class InternodeEngine:
                                  call.fwd_prefix, call.recv_gbl_channel_prefix_matrix,
                                  call.gbl_prefix, out.src_meta, send_rdma_head, call.send_nvl_head)
         yield (out.x, out.scales, out.topk_idx, out.topk_weights, [] if early else call.recv_list, handle,
-               call.num_recv_t, call.dst_offsets, call.recv_counts)
+               call.num_recv_t, call.recv_counts)
 
         for _ in rounds_gen:
             pass
@@ -626,7 +623,6 @@ class InternodeEngine:
         # a few small integer vectors: numpy, where each torch operator call costs several times as much
         vectors = np.stack(vecs).astype(np.int64)  # [R, R + E + G]
         call.counts_to_me = to_me = vectors[:, me]
-        call.dst_offsets.numpy()[:] = vectors[:me, :num_ranks].sum(0)
         gbl = np.cumsum(to_me)
         call.gbl_prefix.numpy()[:] = gbl
         call.num_recv = num_recv = int(gbl[-1])

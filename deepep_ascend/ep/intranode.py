@@ -132,12 +132,6 @@ def _rows_from_prefix(prefix: list, nr: int) -> np.ndarray:
     return counts
 
 
-def _rows_before_me(prefix: np.ndarray, me: int) -> torch.Tensor:
-    """``[R]`` int64: the rows each rank received from the ranks below ``me`` (where ``me``'s rows start in each
-    rank's ``recv_x``), from the rank prefix matrix ``[R, R]`` int32."""
-    return torch.from_numpy(prefix[me - 1].astype(np.int64)) if me else torch.zeros(prefix.shape[1], dtype=torch.int64)
-
-
 def _routed_elsewhere(me: int, j: int, routed: int, exchanged: int) -> RuntimeError:
     """A dispatch's routing mask that disagrees with the counts exchanged for it (changed during the call)."""
     return RuntimeError(f"rank {me}: dispatch: is_token_in_rank routes {routed} tokens to rank {j}, but the counts "
@@ -697,16 +691,15 @@ class IntranodeEngine:
         ``x`` is ``[N, xb]`` uint8, ``scales`` ``[N, sb]`` uint8 or None.
 
         Yields once ``(recv_x_bytes, recv_scales_bytes, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle, num_recv, dst_offsets, recv_counts)`` (``num_recv``: 0-dim int64
-        tensor, the rows received; ``dst_offsets`` ``[R]`` int64: the first row of this rank's tokens in each rank's
-        received rows; ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local expert,
-        unaligned) with ``handle`` an :class:`IntranodeHandle` whose ``recv_channel_prefix_matrix`` is
+        num_recv_tokens_per_expert_list, handle, num_recv, recv_counts)`` (``num_recv``: 0-dim int64
+        tensor, the rows received; ``recv_counts`` ``[E / R]`` int64: the (token, slot) pairs received per local
+        expert, unaligned) with ``handle`` an :class:`IntranodeHandle` whose ``recv_channel_prefix_matrix`` is
         filled when the generator ends. ``recv_x_bytes`` has ``max(N_recv, num_worst_tokens)`` rows.
 
         Without ``num_worst_tokens`` the outputs' shapes depend on the counts, so the yield comes after
         round 0 (the count exchange). With ``num_worst_tokens > 0`` every shape is known in advance
         (``num_worst_tokens`` rows) and the yield comes before any communication: ``num_recv``,
-        ``dst_offsets``, ``recv_counts``, the handle's ``rank_prefix_matrix`` and the padding rows are filled in place
+        ``recv_counts``, the handle's ``rank_prefix_matrix`` and the padding rows are filled in place
         later, before the generator ends (docs/semantics/deepep-api.md §3.4). If more than
         ``num_worst_tokens`` rows arrive, the call still runs in step with its peers (the rows land in
         scratch outputs, the caller's stay padding) and ``num_recv`` tells the caller to raise.
@@ -743,10 +736,9 @@ class IntranodeEngine:
             out = self._dispatch_outputs(advertised, num_worst_tokens, num_worst_tokens, xb, sb, num_topk,
                                          scales is not None, topk_idx is not None)
             rank_prefix_matrix = torch.zeros(nr, nr, dtype=torch.int32)
-            dst_offsets = torch.zeros(nr, dtype=torch.int64)
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
-            yield out.x, out.scales, out.topk_idx, out.topk_weights, [], handle, num_recv_t, dst_offsets, recv_counts
+            yield out.x, out.scales, out.topk_idx, out.topk_weights, [], handle, num_recv_t, recv_counts
         else:
             land_words, advertised = self._advertise()
         words.update(land_words)
@@ -765,7 +757,6 @@ class IntranodeEngine:
         recv_counts.numpy()[:] = per_expert
         if early:
             rank_prefix_matrix.copy_(torch.from_numpy(prefix_np))
-            dst_offsets.copy_(_rows_before_me(prefix_np, me))
             if _PH.on:
                 _PH.switch("outputs")
             if num_recv > num_worst_tokens:  # the caller raises; the rows still arrive, into scratch outputs
@@ -783,9 +774,7 @@ class IntranodeEngine:
                                          topk_idx is not None)
             handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      out.src_idx, is_token_in_rank, send_head)
-            dst_offsets = _rows_before_me(prefix_np, me)
-            yield (out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, dst_offsets,
-                   recv_counts)
+            yield out.x, out.scales, out.topk_idx, out.topk_weights, recv_list, handle, num_recv_t, recv_counts
 
         plan = self._x_path(headers, prefix, max(rounds) == 1, predicted, x.shape[1])
         if plan is not None and self._tails_ok() and matrix_ok(x) and is_token_in_rank.is_contiguous():
