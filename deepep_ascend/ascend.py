@@ -1,10 +1,11 @@
 """DeepEP-Ascend 1.0's namespace: ``import deepep_ascend.ascend as deep_ep`` ports code written for DeepEP-Ascend.
 
 Every name of :mod:`deepep_ascend`'s top level, with ``EPBuffer`` and ``EPHandle`` as DeepEP-Ascend lays out the
-handle (``recv_src_metadata`` in its column order, ``dst_gsge_idx``; :class:`~deepep_ascend.ep.ascend.AscendEPHandle`),
-and ``_C``, the switches of DeepEP-Ascend's native module that its tests call (docs/semantics/deepep-api.md §13.10).
-Code written for DeepEP V2.5 imports :mod:`deepep_ascend` instead: the two upstreams give ``recv_src_metadata`` the
-same name and shape in different column orders.
+handle (``recv_src_metadata`` in its column order, ``dst_gsge_idx``;
+:class:`~deepep_ascend.ep.ep_handle.AscendEPHandle`), and ``_C``, the switches of DeepEP-Ascend's native module
+that its tests call (docs/semantics/deepep-api.md §13.10). Code written for DeepEP V2.5 imports
+:mod:`deepep_ascend` instead: the two upstreams give ``recv_src_metadata`` the same name and shape in different
+column orders.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from deepep_ascend import *  # noqa: F403
 
 from .ep.allocator import get_num_allocation_alignment as _alignment
 from .ep.ascend import AscendEPBuffer as EPBuffer  # noqa: F401 - exported: __all__ names the top level's
-from .ep.ascend import AscendEPHandle as EPHandle  # noqa: F401
+from .ep.ep_handle import AscendEPHandle as EPHandle  # noqa: F401
 
 __all__ = [*_top.__all__, "_C"]
 

@@ -3,8 +3,8 @@
 Walking down this room (docs/design/architecture.md):
 
 * :mod:`.ep_buffer`   ``EPBuffer`` / ``ElasticBuffer`` (DeepEP V2.5's API): the handle, layouts and epilogues
-  over the normal-mode engines that ``Buffer`` runs (:mod:`.ep_handle`: ``EPHandle``; :mod:`.ascend`: the same
-  buffer with DeepEP-Ascend's handle layout);
+  over the normal-mode engines that ``Buffer`` runs (:mod:`.ep_handle`: ``EPHandle`` and DeepEP-Ascend's
+  ``AscendEPHandle``; :mod:`.ascend`: the same buffer returning the latter);
 * :mod:`.allocator`   ``BufferAllocator`` (planned symmetric tensors) and ``BufferBase`` (the common lifetime);
 * :mod:`.buffer`      ``Buffer`` (DeepEP V1's API): the choice of engine, its windows, worker and consensus round;
 * :mod:`.handles`     the handles dispatch returns (named tuples of DeepEP's entries) and who made them;

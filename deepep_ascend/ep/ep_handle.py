@@ -1,5 +1,6 @@
 """``EPHandle``: what an ``EPBuffer.dispatch`` learned about the routing, reused by a cached dispatch and
-consumed by ``combine`` (DeepEP V2.5's ``deep_ep.EPHandle``; docs/semantics/deepep-api.md §13.3).
+consumed by ``combine`` (DeepEP V2.5's ``deep_ep.EPHandle``; docs/semantics/deepep-api.md §13.3), and
+``AscendEPHandle``, the same with DeepEP-Ascend's layout of two fields (§13.10).
 
 Rows received by a rank are ordered by ``src_token_global_idx = src_rank * num_max_tokens_per_rank +
 src_token_idx`` (DeepEP's deterministic order, on every call), so every field below is a pure function of
@@ -13,8 +14,9 @@ import threading
 import torch
 
 from .handles import InternodeHandle, IntranodeHandle
+from .layout import first_slots
 
-__all__ = ["EPHandle", "ascend_column_order"]
+__all__ = ["AscendEPHandle", "EPHandle", "ascend_column_order"]
 
 
 class _Assignable:
@@ -35,10 +37,14 @@ class _Assignable:
             return self
         if self.assigned in handle.__dict__:
             return handle.__dict__[self.assigned]
-        return getattr(handle._filled(self.fill), self.field)
+        return self._value(handle)
 
     def __set__(self, handle, value) -> None:
         handle.__dict__[self.assigned] = value
+
+    def _value(self, handle):
+        """The field's value when nothing was assigned."""
+        return getattr(handle._filled(self.fill), self.field)
 
 
 class EPHandle:
@@ -190,3 +196,66 @@ def ascend_column_order(meta: torch.Tensor) -> torch.Tensor:
     k = meta.size(1) - 2
     lane = torch.where(meta[:, 1] >= 0, meta[:, 1] % max(k, 1), meta[:, 1])
     return torch.cat([meta[:, 2:], meta[:, :1], lane[:, None]], dim=1)
+
+
+class _AscendField(_Assignable):
+    """A field of :class:`AscendEPHandle` computed from the V2.5 handle on first read (``compute(handle)``, once,
+    under a lock of its own) and assignable, as DeepEP-Ascend's plain attributes are."""
+
+    def __init__(self, compute):
+        self.compute = compute
+
+    def __set_name__(self, owner, name: str) -> None:
+        super().__set_name__(owner, name)
+        self.cached = f"_ascend_{name}"
+
+    def _value(self, handle):
+        d = handle.__dict__
+        if self.cached not in d:
+            with handle._ascend_lock:  # not the fill lock: computing reads fields that take it
+                if self.cached not in d:
+                    d[self.cached] = self.compute(handle)
+        return d[self.cached]
+
+
+def _metadata(handle: AscendEPHandle) -> torch.Tensor:
+    """``recv_src_metadata`` in DeepEP-Ascend's column order (class doc) from the dispatch's own."""
+    return ascend_column_order(handle._own_metadata())
+
+
+def _writes(handle: AscendEPHandle) -> torch.Tensor:
+    """``dst_gsge_idx`` ``[N, K]`` (class doc)."""
+    dest, first, _ = first_slots(handle.topk_idx, handle.num_experts, handle._num_ranks)
+    remote = first & (dest != handle._rank)
+    index = remote.reshape(-1).cumsum(0, dtype=torch.int32).view_as(remote) - 1
+    return torch.where(remote, index, -1).to(torch.int32)
+
+
+class AscendEPHandle(EPHandle):
+    """:class:`EPHandle` with DeepEP-Ascend's metadata column order and its ``dst_gsge_idx`` (every other field as
+    there). ``N`` this rank's tokens, ``K`` top-k slots, ``n`` rows received; ``torch.int32``:
+
+    Attributes:
+        recv_src_metadata: ``[n, K + 2]``: columns ``j < K`` the expanded row of slot ``j`` (-1: not on this rank,
+            or the compact layout), column ``K`` ``src_token_global_idx``, column ``K + 1`` the token's last slot
+            ``j`` on this rank (-1 on rows past the real count).
+        dst_gsge_idx: ``[N, K]``: at the token's first slot on each other rank, the index of that write among this
+            rank's writes to other ranks, token by token and slot by slot (the CPU counterpart of DeepEP-Ascend's
+            per-core scatter-gather entry); -1 on slots of this rank, later slots of a rank and slots without an
+            expert.
+    Both are computed from the dispatch on first read and assignable; :attr:`ascend_recv_src_metadata` equals
+    :attr:`recv_src_metadata` here. The buffer's own calls read the V2.5 fields, whatever is assigned.
+    """
+
+    def __init__(self, *, rank: int, num_ranks: int, **fields):
+        super().__init__(**fields)
+        self._rank, self._num_ranks = rank, num_ranks
+        self._ascend_lock = threading.Lock()
+
+    recv_src_metadata = _AscendField(_metadata)
+    dst_gsge_idx = _AscendField(_writes)
+
+    @property
+    def ascend_recv_src_metadata(self) -> torch.Tensor:
+        """:attr:`recv_src_metadata` (already in DeepEP-Ascend's order)."""
+        return self.recv_src_metadata

@@ -58,28 +58,31 @@ def last_slot_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
     Args:
         topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
     """
+    return _slot_per_rank(topk_idx, num_experts, num_ranks, "amax", -1)[1]
+
+
+def _slot_per_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, reduce: str,
+                   none: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dest [N, K], slot [N, R])`` int64: each top-k slot's rank (0 for a slot without an expert), and per rank
+    the ``reduce`` (``"amax"``, ``"amin"``) of the token's slots with an expert there, ``none`` where it has none."""
     n, k = topk_idx.shape
-    order = torch.full((n, num_ranks), -1, dtype=torch.int64)
-    if k and n:
-        dest = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor").clamp(min=0)
-        lanes = torch.where(topk_idx >= 0, torch.arange(k), -1)
-        order.scatter_reduce_(1, dest, lanes, reduce="amax")
-    return order
+    dest = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor").clamp(min=0)
+    lanes = torch.where(topk_idx >= 0, torch.arange(k), none)
+    return dest, torch.full((n, num_ranks), none, dtype=torch.int64).scatter_reduce_(1, dest, lanes, reduce=reduce)
 
 
-def first_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dest [N, K] int64, first [N, K] bool)``: each top-k slot's rank (0 for a slot without an expert) and
-    whether it is the token's first slot with an expert on that rank (the one that carries the token there).
+def first_slots(topk_idx: torch.Tensor, num_experts: int,
+                num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dest [N, K] int64, first [N, K] bool, sent [N, R] bool)``: each top-k slot's rank (0 for a slot without an
+    expert), whether it is the token's first slot with an expert on that rank (the one that carries the token
+    there), and whether the token goes to each rank.
 
     Args:
         topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
     """
-    n, k = topk_idx.shape
-    valid = topk_idx >= 0
-    dest = torch.div(topk_idx, num_experts // num_ranks, rounding_mode="floor").clamp(min=0)
-    lanes = torch.where(valid, torch.arange(k), k)  # a slot without an expert is never first
-    first_lane = torch.full((n, num_ranks), k, dtype=torch.int64).scatter_reduce_(1, dest, lanes, reduce="amin")
-    return dest, valid & (first_lane.gather(1, dest) == torch.arange(k))
+    k = topk_idx.size(1)
+    dest, first_slot = _slot_per_rank(topk_idx, num_experts, num_ranks, "amin", k)  # k: no slot there
+    return dest, (topk_idx >= 0) & (first_slot.gather(1, dest) == torch.arange(k)), first_slot < k
 
 
 def dst_buffer_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
@@ -90,9 +93,7 @@ def dst_buffer_slots(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -
     Args:
         topk_idx: ``[N, K]`` int64, values in ``[-1, num_experts)`` (-1 = no expert).
     """
-    dest, first = first_slots(topk_idx, num_experts, num_ranks)
-    sent = torch.zeros(topk_idx.size(0), num_ranks, dtype=torch.int32).scatter_reduce_(1, dest, first.to(torch.int32),
-                                                                                      reduce="amax")
+    dest, first, sent = first_slots(topk_idx, num_experts, num_ranks)
     place = sent.cumsum(0, dtype=torch.int32) - 1
     return torch.where(first, place.gather(1, dest), -1).to(torch.int32)
 
