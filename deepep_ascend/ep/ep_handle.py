@@ -1,6 +1,6 @@
 """``EPHandle``: what an ``EPBuffer.dispatch`` learned about the routing, reused by a cached dispatch and
 consumed by ``combine`` (DeepEP V2.5's ``deep_ep.EPHandle``; docs/semantics/deepep-api.md §13.3), and
-``AscendEPHandle``, the same with DeepEP-Ascend's layout of two fields (§13.10).
+``AscendEPHandle``, the same with DeepEP-Ascend's layout of two fields (docs/semantics/deepep-api.md §13.10).
 
 Rows received by a rank are ordered by ``src_token_global_idx = src_rank * num_max_tokens_per_rank +
 src_token_idx`` (DeepEP's deterministic order, on every call), so every field below is a pure function of
