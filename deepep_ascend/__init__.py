@@ -32,6 +32,8 @@ from .ep import (
     EventOverlap,
     get_logical_domain_size,
     get_num_allocation_alignment,
+    get_num_rdma_alignment,
+    get_num_tma_alignment,
     get_physical_domain_size,
     topk_idx_t,
 )
@@ -43,7 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
            "EPHandle", "EventHandle", "EventOverlap", "get_logical_domain_size", "get_num_allocation_alignment",
-           "get_physical_domain_size", "topk_idx_t", "__version__"]
+           "get_num_rdma_alignment", "get_num_tma_alignment", "get_physical_domain_size", "topk_idx_t", "__version__"]
 __all__ += ["EngramBuffer"]
 __all__ += ["PPBuffer"]
 __all__ += ["BucketBuffer", "BucketSession"]

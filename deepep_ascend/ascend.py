@@ -2,10 +2,10 @@
 
 Every name of :mod:`deepep_ascend`'s top level, with ``EPBuffer`` and ``EPHandle`` as DeepEP-Ascend lays out the
 handle (``recv_src_metadata`` in its column order, ``dst_gsge_idx``;
-:class:`~deepep_ascend.ep.ep_handle.AscendEPHandle`), and ``_C``, the switches of DeepEP-Ascend's native module
-that its tests call (docs/semantics/deepep-api.md §13.10). Code written for DeepEP V2.5 imports
-:mod:`deepep_ascend` instead: the two upstreams give ``recv_src_metadata`` the same name and shape in different
-column orders.
+:class:`~deepep_ascend.ep.ep_handle.AscendEPHandle`), its ``get_num_rdma_alignment``, and ``_C``, the switches of
+DeepEP-Ascend's native module that its tests call (docs/semantics/deepep-api.md §13.10). Code written for DeepEP
+V2.5 imports :mod:`deepep_ascend` instead: the two upstreams give ``recv_src_metadata`` the same name and shape in
+different column orders.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from .ep.ascend import AscendEPBuffer as EPBuffer  # noqa: F401 - exported: __al
 from .ep.ep_handle import AscendEPHandle as EPHandle  # noqa: F401
 
 __all__ = [*_top.__all__, "_C"]
+
+
+def get_num_rdma_alignment() -> int:
+    """DeepEP-Ascend's RDMA alignment in bytes, 32 (DeepEP's is 64); reported only, as
+    :func:`deepep_ascend.get_num_rdma_alignment` is (docs/semantics/deepep-api.md §13.10)."""
+    return 32
 
 
 class _C:

@@ -23,7 +23,13 @@ Walking down this room (docs/design/architecture.md):
 * :mod:`.rows`        byte-row matrices: their widest integer view, and chosen rows zeroed.
 """
 
-from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
+from .allocator import (
+    BufferAllocator,
+    BufferBase,
+    get_num_allocation_alignment,
+    get_num_rdma_alignment,
+    get_num_tma_alignment,
+)
 from .bucket_buffer import BucketBuffer, BucketSession
 from .buffer import Buffer
 from .config import Config
@@ -39,8 +45,8 @@ from .protocol import ConsensusError
 
 __all__ = ["Buffer", "BufferAllocator", "BufferBase", "Config", "ConsensusError", "ElasticBuffer", "EPBuffer",
            "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle",
-           "get_logical_domain_size", "get_num_allocation_alignment", "get_physical_domain_size", "mpi_comm_of",
-           "topk_idx_t"]
+           "get_logical_domain_size", "get_num_allocation_alignment", "get_num_rdma_alignment",
+           "get_num_tma_alignment", "get_physical_domain_size", "mpi_comm_of", "topk_idx_t"]
 __all__ += ["EngramBuffer"]
 __all__ += ["PPBuffer"]
 __all__ += ["BucketBuffer", "BucketSession"]

@@ -14,14 +14,34 @@ import torch
 
 from ..rounding import align
 
-__all__ = ["BufferAllocator", "BufferBase", "SharedOnCopy", "get_num_allocation_alignment"]
+__all__ = ["BufferAllocator", "BufferBase", "SharedOnCopy", "get_num_allocation_alignment", "get_num_rdma_alignment",
+           "get_num_tma_alignment"]
 
 _ALLOCATION_ALIGNMENT = 128  # bytes: the windows' row alignment (docs/design/transports.md)
+
+
+# DeepEP's kNumTMAAlignmentBytes / kNumRDMAAlignmentBytes: sizes its callers keep aligned (bytes per expert of
+# lb_prefetch_weights, row bytes); every size a CPU rank copies works, so these are only reported
+_TMA_ALIGNMENT = 32
+_RDMA_ALIGNMENT = 64
 
 
 def get_num_allocation_alignment() -> int:
     """Bytes every buffer size and planned offset is a multiple of (``deep_ep.get_num_allocation_alignment``)."""
     return _ALLOCATION_ALIGNMENT
+
+
+def get_num_tma_alignment() -> int:
+    """DeepEP's TMA alignment in bytes, 32 (``deep_ep.get_num_tma_alignment``): code written for DeepEP keeps its
+    sizes (an expert's bytes in ``lb_prefetch_weights``) multiples of it; here any size works
+    (docs/semantics/deepep-api.md §13.8)."""
+    return _TMA_ALIGNMENT
+
+
+def get_num_rdma_alignment() -> int:
+    """DeepEP's RDMA alignment in bytes, 64 (``deep_ep.get_num_rdma_alignment``); reported as
+    :func:`get_num_tma_alignment` is (docs/semantics/deepep-api.md §13.8)."""
+    return _RDMA_ALIGNMENT
 
 
 class BufferAllocator:

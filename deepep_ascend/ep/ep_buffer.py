@@ -24,6 +24,7 @@ from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import (
     MAX_EXPERT_ALIGNMENT,
+    Rejected,
     check,
     check_tensor,
     check_writable,
@@ -338,6 +339,16 @@ class EPBuffer(BufferBase):
         """A new dispatch's handle (:class:`EPHandle`'s keyword arguments)."""
         return EPHandle(**fields)
 
+    def _qps_problem(self, num_qps) -> AssertionError | None:
+        """DeepEP's check that a call's ``num_qps`` is at most ``num_allocated_qps``, or None. 0 (automatic:
+        :meth:`get_theoretical_num_qps`, capped at the allocated count) always fits; no meaning on CPU ranks."""
+        if not is_int(num_qps) or num_qps == 0 or not is_int(self.num_allocated_qps):
+            return None
+        if num_qps > self.num_allocated_qps:
+            return AssertionError(f"Allocated QPs are not enough: num_qps={num_qps}, num_allocated_qps="
+                                  f"{self.num_allocated_qps}")
+        return None
+
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """DeepEP's QP estimate (no CPU meaning, kept for porting): ``min(num_sms, 9)`` in direct mode,
         ``16 * num_sms + 1`` in hybrid mode, capped at ``num_allocated_qps``."""
@@ -391,7 +402,8 @@ class EPBuffer(BufferBase):
                 ``[1, 2**31 - 1]``, DeepEP's 32-bit type).
             num_sms, num_qps, allocate_on_comm_stream, use_tma_aligned_col_major_sf (scales returned
                 column-major when True): accepted as in DeepEP.
-            previous_event: an event (``capture()``) to wait for before the call.
+            previous_event: an event (``capture()``) to wait for before the call (needs
+                ``allocate_on_comm_stream=True``, as in DeepEP).
             async_with_compute_stream: the data movement runs on the buffer's worker; wait on the event.
                 Until it completes the worker reads ``x``, ``topk_idx`` and ``topk_weights``: leave them
                 untouched (DeepEP's rule); one written in place makes the wait raise ``RuntimeError`` naming
@@ -417,14 +429,20 @@ class EPBuffer(BufferBase):
                 ``num_max_tokens_per_rank``, ``expert_alignment``, the layout flags or dtypes: every rank
                 raises (``ConsensusError`` naming the ranks).
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
-                ``defer_epilogue`` without ``async_with_compute_stream``).
+                ``defer_epilogue`` without ``async_with_compute_stream``, ``num_qps`` above
+                ``num_allocated_qps``), on the failing rank (``ConsensusError`` on the others).
+            RuntimeError: ``previous_event`` without ``allocate_on_comm_stream=True`` (DeepEP's check), likewise.
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
         """
         self._usable("dispatch")
         # DeepEP's flag assertions, raised inside the call's first round so that every rank raises
-        flag_problem = ("`do_handle_copy` must be False (DeepEP V2.5 copies no handle)" if do_handle_copy else
+        flag_problem = (AssertionError("`do_handle_copy` must be False (DeepEP V2.5 copies no handle)")
+                        if do_handle_copy else
                         _defer_problem(defer_epilogue, async_with_compute_stream) or
-                        ("Cannot do CPU sync with cached handle" if handle is not None and do_cpu_sync else None))
+                        (AssertionError("Cannot do CPU sync with cached handle")
+                         if handle is not None and do_cpu_sync else None) or
+                        _stream_problem(previous_event, allocate_on_comm_stream) or
+                        self._qps_problem(num_qps))
         if handle is not None:
             do_cpu_sync = False
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
@@ -447,7 +465,8 @@ class EPBuffer(BufferBase):
         R = self.num_ranks
 
         def check_common():
-            check(flag_problem is None, AssertionError, flag_problem)
+            if flag_problem is not None:
+                raise Rejected(flag_problem)
             check(x_problem is None, TypeError, x_problem)
             check(is_int(max_tokens) and max_tokens > 0, ValueError,
                   lambda: f"`num_max_tokens_per_rank` must be a positive int (here or at construction), got "
@@ -613,9 +632,8 @@ class EPBuffer(BufferBase):
         rows = recv_x.size(0)
         fresh = handle is None
         if fresh:
-            if not do_expand:
-                expanded = 0
-            elif do_cpu_sync:
+            # filled in both layouts, as DeepEP does (the rows an expanded dispatch of this routing would have)
+            if do_cpu_sync:
                 expanded = int(align(np.asarray(recv_list, dtype=np.int64), alignment).sum())
             else:
                 expanded = align(R * max_tokens * min(k, L) + L * (alignment - 1), alignment)
@@ -816,10 +834,15 @@ class EPBuffer(BufferBase):
             ``defer_epilogue`` the event whose wait returns the pair.
         Raises:
             TypeError / ValueError: bad arguments or a handle from another buffer, on every rank.
+            AssertionError / RuntimeError: DeepEP's flag checks, as in :meth:`dispatch` (``defer_epilogue``,
+                ``num_qps``; ``previous_event`` without ``allocate_on_comm_stream``).
             TimeoutError / transports.TransportAborted: as ``Buffer.combine``.
         """
         self._usable("combine")
-        flag_problem = _defer_problem(defer_epilogue, async_with_compute_stream)  # raised in the first round
+        # raised in the first round, on every rank
+        flag_problem = (_defer_problem(defer_epilogue, async_with_compute_stream) or
+                        _stream_problem(previous_event, allocate_on_comm_stream) or
+                        self._qps_problem(num_qps))
         prev = None if previous_event is None else EventOverlap(previous_event)
         words = {}
         if isinstance(handle, EPHandle):
@@ -877,9 +900,11 @@ class EPBuffer(BufferBase):
             return out
         return combined, combined_w, event
 
-    def _check_combine(self, x, handle, topk_weights, bias, flag_problem: str | None = None):
-        """``combine``'s argument checks (raise ``Rejected``); returns ``(biases | None, num_topk)``."""
-        check(flag_problem is None, AssertionError, flag_problem)
+    def _check_combine(self, x, handle, topk_weights, bias, flag_problem: Exception | None = None):
+        """``combine``'s argument checks (raise ``Rejected``; ``flag_problem`` first); returns ``(biases | None,
+        num_topk)``."""
+        if flag_problem is not None:
+            raise Rejected(flag_problem)
         check(isinstance(handle, EPHandle), TypeError, lambda: f"`handle` must be an EPHandle, got "
                                                                f"{type(handle).__name__}")
         check(handle_made_by(handle, self), ValueError, "`handle` comes from another buffer")
@@ -902,7 +927,7 @@ class EPBuffer(BufferBase):
         return (None if biases[0] is None else biases), k
 
     def _combine_by_slots(self, x, handle: EPHandle, topk_weights, bias, prev, words, defer_epilogue: bool,
-                          flag_problem: str | None):
+                          flag_problem: Exception | None):
         """Combine with one rounding at the origin over separate rows (docs/semantics/deepep-api.md §13.5):
         the expanded layout with ``allow_multiple_reduction=False`` (every slot's row) or hybrid mode across
         nodes without multiple reductions (every rank's row). Runs ``K`` combines through the engines, pass
@@ -1149,10 +1174,18 @@ class ElasticBuffer(EPBuffer):
                                async_with_compute_stream, allocate_on_comm_stream)
 
 
-def _defer_problem(defer_epilogue: bool, async_with_compute_stream: bool) -> str | None:
-    """DeepEP's assertion on ``defer_epilogue`` (it needs ``async_with_compute_stream``), as a message or None."""
+def _defer_problem(defer_epilogue: bool, async_with_compute_stream: bool) -> AssertionError | None:
+    """DeepEP's assertion on ``defer_epilogue`` (it needs ``async_with_compute_stream``), or None."""
     if defer_epilogue and not async_with_compute_stream:
-        return "`defer_epilogue` requires async_with_compute_stream"
+        return AssertionError("`defer_epilogue` requires async_with_compute_stream")
+    return None
+
+
+def _stream_problem(previous_event, allocate_on_comm_stream: bool) -> RuntimeError | None:
+    """DeepEP's check of a ``previous_event`` (its dispatch and combine then allocate on the communication stream,
+    so they require ``allocate_on_comm_stream=True``; docs/semantics/deepep-api.md §13.2), or None."""
+    if previous_event is not None and not allocate_on_comm_stream:
+        return RuntimeError("`previous_event` requires allocate_on_comm_stream=True")
     return None
 
 

@@ -64,7 +64,7 @@ class EPHandle:
             handle is in use: reading it after an in-place change raises ``AssertionError``).
         num_recv_tokens: ``n`` (see above): ``recv_x``'s rows in the compact layout.
         num_expanded_tokens: rows of the expanded ``recv_x`` (``sum(align(count_e))`` with
-            ``do_cpu_sync``, else the capacity); 0 in the compact layout.
+            ``do_cpu_sync``, else the capacity), in the compact layout too (DeepEP fills it in both).
         num_recv_tokens_per_expert_list: per local expert, the received (token, expert) count aligned
             up to ``expert_alignment`` (a Python list; empty without ``do_cpu_sync``).
         psum_num_recv_tokens_per_scaleup_rank: ``[P]`` (``P`` ranks per node) inclusive prefix sum, over

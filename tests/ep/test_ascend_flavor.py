@@ -121,6 +121,9 @@ def test_native_module_switches():
     assert deep_ep._C.get_num_allocation_alignment() == deepep_ascend.get_num_allocation_alignment()
     assert deep_ep.Buffer is deepep_ascend.Buffer and deep_ep.EPBuffer is not deepep_ascend.EPBuffer
     assert set(deepep_ascend.__all__) < set(deep_ep.__all__)
+    # the alignments each upstream reports: DeepEP TMA 32 and RDMA 64 bytes, DeepEP-Ascend 32 and 32
+    assert (deepep_ascend.get_num_tma_alignment(), deepep_ascend.get_num_rdma_alignment()) == (32, 64)
+    assert (deep_ep.get_num_tma_alignment(), deep_ep.get_num_rdma_alignment()) == (32, 32)
 
 
 def test_elastic_buffer_barrier_takes_v2s_arguments(comm):

@@ -196,9 +196,11 @@ def check_mode(ep, comm, mode, nodes):
     ok &= exp_ids is None and eh.do_expand
     ok &= torch.equal(eh.psum_num_recv_tokens_per_expert, torch.tensor([st + c for st, c in zip(starts, ref.counts)],
                                                                         dtype=torch.int32))
-    exp_rows = s if cpu_sync else eh.num_expanded_tokens
+    # DeepEP's worst case without CPU sync; the compact handle carries the same count (DeepEP sets it in both)
+    exp_rows = s if cpu_sync else _align(R * MAX_TOKENS * min(TOPK, L) + L * (alignment - 1), alignment)
     exp_data = exp_x[0] if fp8 else exp_x
     ok &= exp_data.size(0) == exp_rows and eh.num_expanded_tokens == exp_rows
+    ok &= handle.num_expanded_tokens == exp_rows
     # capacity rows past the last expert's aligned end are zeros (do_cpu_sync=False)
     ok &= bool((exp_data[s:].view(torch.uint8) == 0).all())
     if with_weights:
@@ -633,7 +635,8 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
 
 def test_flag_assertions_on_one_rank_raise_on_every_rank(ep, comm):
     """DeepEP's flag assertions (``do_handle_copy``, ``do_cpu_sync`` with a cached handle, ``defer_epilogue``
-    without ``async_with_compute_stream``) passed by one rank only: that rank raises ``AssertionError``, the
+    without ``async_with_compute_stream``, ``num_qps`` past ``num_allocated_qps``; ``previous_event`` without
+    ``allocate_on_comm_stream``, a ``RuntimeError``) passed by one rank only: that rank raises its error, the
     others ``ConsensusError`` naming it, in the same call (no rank left waiting), and the buffer stays usable;
     ``ElasticBuffer``'s ``num_cpu_bytes`` refused on one rank is refused at construction on every rank."""
     R, rank = comm.Get_size(), comm.Get_rank()
@@ -642,16 +645,23 @@ def test_flag_assertions_on_one_rank_raise_on_every_rank(ep, comm):
     bad = rank == R - 1
     _, _, _, handle, _ = coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))
     y, _, _, _, _ = coll(lambda: ep.dispatch(x, handle=handle))
+    qps = ep.num_allocated_qps + 1 if bad else ep.num_allocated_qps  # the allocated count itself fits
+    event = ep.capture() if bad else None
     cases = {
         "do_handle_copy": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, do_handle_copy=bad),
         "do_cpu_sync with a handle": lambda: ep.dispatch(x, handle=handle, do_cpu_sync=True if bad else None),
         "dispatch defer_epilogue": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, defer_epilogue=bad,
                                                        async_with_compute_stream=False),
         "combine defer_epilogue": lambda: ep.combine(y, handle, defer_epilogue=bad),
+        "dispatch num_qps": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, num_qps=qps),
+        "cached dispatch num_qps": lambda: ep.dispatch(x, handle=handle, num_qps=qps),
+        "combine num_qps": lambda: ep.combine(y, handle, num_qps=qps),
+        "dispatch previous_event": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, previous_event=event),
+        "combine previous_event": lambda: ep.combine(y, handle, previous_event=event),
     }
     for what, call in cases.items():
         _, err = capture(call)
-        want = AssertionError if bad else ConsensusError
+        want = (RuntimeError if "previous_event" in what else AssertionError) if bad else ConsensusError
         all_ranks_ok(comm, isinstance(err, want) and (bad or f"rank {R - 1}" in str(err)), f"{what}: {err!r}")
         coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))  # still usable
     _, err = capture(lambda: ElasticBuffer(comm, num_cpu_bytes=-1 if bad else 0, num_max_tokens_per_rank=MAX_TOKENS,
