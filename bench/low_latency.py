@@ -8,6 +8,7 @@ Run one process per rank::
     mpiexec -n 4 python -m bench low-latency --logfmt            # LogFMT-10 combine (rows scaled by 2^-6)
     mpiexec -n 2 python -m bench low-latency --zero-copy         # experts write into the zero-copy buffer
     mpiexec -n 2 python -m bench low-latency --stream-rows always # the receive stores recv_x by streaming stores
+    mpiexec -n 4 python -m bench low-latency --stream-sends never # the combine returns its rows by plain stores
 
 Workload: DeepEP's LL decode shape (docs/semantics/deepep-api.md §11: 128 tokens per rank, hidden 7168, top-8 of 256
 experts; FP8 dispatch, BF16 combine), ``bench.workload.make_workload`` (``x = randn``, routing =
@@ -97,6 +98,14 @@ def add_arguments(p) -> None:
                         "DEEPEP_ASCEND_LL_STREAM_ROWS, 'large' unless set): when the dispatch's receive stores "
                         "recv_x by streaming stores; the experts step after it, untimed here, then reads the rows "
                         "from memory (python -m bench ll-receive times both)")
+    p.add_argument("--stream-sends", choices=("never", "large", "always"), default=None,
+                   help="deepep_ascend.native.ll_stream_rows(side='send') on every rank (default: the library's, "
+                        "DEEPEP_ASCEND_LL_STREAM_SENDS, 'large' unless set): when the combine stores the rows it "
+                        "returns into the other ranks' windows by streaming stores")
+    p.add_argument("--compare-sends", action="store_true",
+                   help="after the timed loop, time dispatch + combine again with the combine's returned rows "
+                        "stored by plain and by streaming stores in turn, both in every iteration (the same run, "
+                        "rows and routing): a [sends] line with both combines' medians")
     p.add_argument("--no-baselines", action="store_true", help="skip the MPI / gloo pipelines")
     cli.add_link_args(p)
 
@@ -174,12 +183,16 @@ def run(args) -> int:
     buf = Buffer(None, 0, nbytes, low_latency_mode=True, comm=comm, explicitly_destroy=True,
                  ranks_per_node=args.ranks_per_node, allow_nvlink_for_low_latency_mode=not args.no_ubmem)
     emulator = use_link_emulator(buf.runtime, args.emulator)
-    stream_before = native.ll_stream_rows()  # restored at the end (the tests run commands in one process)
+    # restored at the end (the tests run commands in one process)
+    stream_before = native.ll_stream_rows(), native.ll_stream_rows(side="send")
     stream_rows = native.ll_stream_rows(args.stream_rows)  # None without the kernels (the torch path streams nothing)
     stream_min = native.ll_stream_min_bytes()
-    args.stream_rows = stream_rows  # the mode in force, in the document's params too (None: no kernels)
+    stream_sends = native.ll_stream_rows(args.stream_sends, side="send")
+    stream_send_min = native.ll_stream_min_bytes(side="send")
+    args.stream_rows, args.stream_sends = stream_rows, stream_sends  # the modes in force, in the document's params
     out = {"config": dict(ranks=R, tokens=N, hidden=H, topk=K, experts=E, fp8_dispatch=fp8, logfmt_combine=args.logfmt,
                           zero_copy=args.zero_copy, stream_rows=stream_rows, stream_min_bytes=stream_min,
+                          stream_sends=stream_sends, stream_send_min_bytes=stream_send_min,
                           ranks_per_node=buf.ranks_per_node, nodes=buf.num_nodes, ubmem=not args.no_ubmem,
                           num_rdma_bytes=nbytes, iters=args.iters, warmup=args.warmup,
                           fingerprint=comm_fingerprint(wl, comm))}
@@ -217,6 +230,13 @@ def run(args) -> int:
     rows_bytes = int(st["d"][1].sum()) * H * (1 if fp8 else 2)
     got = comm.allgather((rows_bytes, bool(native.ll_streams(rows_bytes)) if stream_rows is not None else False))
     out["config"].update(recv_rows_bytes_max=max(b for b, _ in got), streamed_ranks=sum(f for _, f in got))
+    # What the combine streams: the rows it returns to other ranks (its own stay where they lie; none move with
+    # --zero-copy), per source the count of the handle's layout_range
+    counts = st["d"][2].layout_range & 0xFFFFFFFF
+    send_bytes = 0 if args.zero_copy else (int(counts.sum()) - int(counts[:, rank].sum())) * 2 * H
+    got = comm.allgather((send_bytes, bool(native.ll_streams(send_bytes, side="send"))
+                          if stream_sends is not None else False))
+    out["config"].update(send_rows_bytes_max=max(b for b, _ in got), streamed_send_ranks=sum(f for _, f in got))
     approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True) * (LOGFMT_SCALE if args.logfmt else 1.0)
     diff = comm.allreduce(calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
     bound = (9e-4 if fp8 else 1e-5) + (LOGFMT_CALC_DIFF if args.logfmt else 0.0)
@@ -227,6 +247,17 @@ def run(args) -> int:
     moved = LinkStats.bytes_by_kind(LinkStats.diff(buf.runtime.stats.snapshot(), before))
     calls = st["dispatches"]  # round trips counted, the warm-up's included (it runs for --warmup-s too)
     t["round_trip"] = t["dispatch"] + t["combine"]
+
+    if args.compare_sends and stream_sends is not None:
+        # The two send modes in turn inside every iteration, so that the host's drift hits both alike.
+        def sends(mode):
+            return lambda: native.ll_stream_rows(mode, side="send")
+
+        ts = time_phases([(None, sends("never")), ("dispatch never", dispatch), (None, make_y),
+                          ("combine never", combine), (None, sends("always")), ("dispatch always", dispatch),
+                          (None, make_y), ("combine always", combine)], comm, args.iters, args.warmup)
+        native.ll_stream_rows(stream_sends, side="send")
+        out["compare_sends"] = {k: v.as_dict() for k, v in ts.items()}
 
     # Hook mode: the send / receive split.
     def d_send():
@@ -351,6 +382,10 @@ def run(args) -> int:
                  "large": f"recv_x by streaming stores from {fmt_bytes(stream_min or 0)} of rows (this run: "
                           f"up to {fmt_bytes(c['recv_rows_bytes_max'])} per receive, {c['streamed_ranks']} of {R} "
                           f"ranks streamed), "}[stream_rows]
+              + {None: "", "never": "returned rows by plain stores, ", "always": "returned rows by streaming stores, ",
+                 "large": f"returned rows by streaming stores from {fmt_bytes(stream_send_min or 0)} (this run: up "
+                          f"to {fmt_bytes(c['send_rows_bytes_max'])} per combine, {c['streamed_send_ranks']} of {R} "
+                          f"ranks streamed), "}[stream_sends]
               + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
                  else "no same-node peers (one rank per node), ")
               + f"num_rdma_bytes {fmt_bytes(nbytes)}, "
@@ -370,6 +405,13 @@ def run(args) -> int:
         lines += projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
                                                         "combine": (t["combine"].median, bw["combine"])},
                                     "LL formula", emulator)
+        if "compare_sends" in out:
+            cs = {k: v["median_s"] * 1e3 for k, v in out["compare_sends"].items()}
+            lines.append(f"[sends]  the combine's returned rows (up to {fmt_bytes(c['send_rows_bytes_max'])} per "
+                         f"rank) by plain / streaming stores, in turn each iteration, median ms: combine "
+                         f"{cs['combine never']:.3f} / {cs['combine always']:.3f} "
+                         f"({cs['combine always'] / cs['combine never']:.3f}x); the dispatch before each (after "
+                         f"the other mode's combine) {cs['dispatch never']:.3f} / {cs['dispatch always']:.3f}{emu}")
         o = out["overlap"]
         lines += [f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}{emu}",
                   f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}{emu}",
@@ -422,8 +464,9 @@ def run(args) -> int:
     st.clear()
     wl = None
     buf.destroy()
-    if stream_before is not None:
-        native.ll_stream_rows(stream_before)
+    if stream_before[0] is not None:
+        native.ll_stream_rows(stream_before[0])
+        native.ll_stream_rows(stream_before[1], side="send")
     if base:
         import torch.distributed as dist
         dist.destroy_process_group()

@@ -184,6 +184,18 @@ LL_STREAM_MIN_BYTES = Setting(
     "The size in bytes of a low-latency dispatch's received rows from which `large` streams them "
     "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
     minimum=0, limit=1 << 63)
+LL_STREAM_SENDS = Setting(
+    "DEEPEP_ASCEND_LL_STREAM_SENDS", "choice", "large",
+    "When a low-latency combine stores the rows it returns into the other ranks' windows by streaming "
+    "(non-temporal) stores: `large` when the rows it copies take at least DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES, "
+    "`never` or `always` (the same bytes; native.ll_stream_rows(side='send')). Read once, when deepep_ascend is "
+    "imported.",
+    choices=("never", "large", "always"))
+LL_STREAM_SEND_MIN_BYTES = Setting(
+    "DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES", "int", 2 << 20,
+    "The size in bytes of the rows a low-latency combine copies to other ranks from which `large` streams them "
+    "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
+    minimum=0, limit=1 << 63)
 ROW_SUMS = Setting(
     "DEEPEP_ASCEND_ROW_SUMS", "choice", "auto",
     "Which loop the native combines' row sums run: `avx2` (each output row's float32 sum in AVX2 registers, 64 "
@@ -289,10 +301,10 @@ TORCH_INDEX = Setting(
 
 SETTINGS: dict[str, Setting] = _declare(
     TIMEOUT_S, RANKS_PER_NODE, URMA_EXPOSURE, LINK_EMULATION, LINK_PROFILE, LINK_SCALE, LANDING_BYTES, NATIVE,
-    LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, ROW_SUMS, NORMAL_NATIVE, WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND,
-    MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG, TEST_WATCHDOG_S, TEST_LOG_DIR,
-    TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_SHARD, TEST_RANKS, TEST_HANG_RETRIES,
-    TEST_SHARDS, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
+    LL_FUSED, LL_STREAM_ROWS, LL_STREAM_MIN_BYTES, LL_STREAM_SENDS, LL_STREAM_SEND_MIN_BYTES, ROW_SUMS, NORMAL_NATIVE,
+    WEIGHT_CACHE_BYTES, MEGA_MOE_BACKEND, MEGA_MOE_EXPERTS_PER_WAVE, MEGA_MOE_GEMM, DG_COMM_KERNEL_DEBUG,
+    TEST_WATCHDOG_S, TEST_LOG_DIR, TEST_LOCAL_EVERY_RANK, TEST_EXIT_MODE, TEST_HANG_DIR, NESTED_REPORT, TEST_SHARD,
+    TEST_RANKS, TEST_HANG_RETRIES, TEST_SHARDS, SUITE_TIMEOUT_S, SKIP_SETUP, TORCH_VERSION, TORCH_INDEX)
 
 
 def _default(s: Setting) -> str:

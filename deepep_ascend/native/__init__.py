@@ -13,7 +13,8 @@ Modules:
   :data:`ROW_SUMS_MODES`);
 * :mod:`.ll`        the low-latency calls' steps, one call each (``csrc/ll_calls.c``): :func:`ll_available`,
   :func:`ll_route`, :func:`ll_dispatch_send`, :func:`ll_dispatch_recv`, :func:`ll_stream_rows` (its modes
-  :data:`LL_STREAM_MODES`; its threshold :func:`ll_stream_min_bytes`; its decision :func:`ll_streams`),
+  :data:`LL_STREAM_MODES` and sides :data:`LL_STREAM_SIDES`; its thresholds :func:`ll_stream_min_bytes`; its
+  decisions :func:`ll_streams`),
   :func:`ll_combine_send`, :func:`ll_combine_recv`, :func:`ll_headers_agree`; its signals by stores
   (:func:`signals_available`, :func:`ll_publish`, :func:`ll_await`);
 * :mod:`.ll_cast`   the low-latency dispatch's FP8 messages from the BF16 rows in one pass (``csrc/ll_cast.c``):
@@ -70,6 +71,7 @@ from .intranode import IntranodePlan, intranode_available
 from .layout import dispatch_layout, local_experts, recv_channel_prefix, send_layout
 from .ll import (
     LL_STREAM_MODES,
+    LL_STREAM_SIDES,
     ll_available,
     ll_await,
     ll_combine_recv,
@@ -99,13 +101,12 @@ from .rows import (
     zero_rows,
 )
 
-__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "LL_STREAM_MODES", "amx_bf16",
-           "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available", "intranode_available", "copy_rows",
-           "dequant_rows_e4m3", "dispatch_layout", "fused_available", "gemm_bf16_amx", "library_path", "ll_available",
-           "ll_await", "ll_cast_message_bytes", "ll_cast_messages", "ll_combine_recv", "ll_combine_send",
-           "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route",
-           "ll_stream_min_bytes", "ll_stream_rows", "ll_streams",
-           "local_experts", "logfmt_avx512", "logfmt_decode", "logfmt_encode", "logfmt_meta", "logfmt_params",
-           "recv_channel_prefix", "ROW_SUMS_MODES", "row_sums_avx2", "send_layout", "signals_available", "sum_rows",
-           "swiglu", "timing",
+__all__ = ["AMX_FP4_EXPONENTS", "AmxFp4Weight", "AmxWeight", "IntranodePlan", "LLPlan", "LL_STREAM_MODES",
+           "LL_STREAM_SIDES", "amx_bf16", "amx_fp4_packed_nbytes", "amx_packed_nbytes", "available",
+           "intranode_available", "copy_rows", "dequant_rows_e4m3", "dispatch_layout", "fused_available",
+           "gemm_bf16_amx", "library_path", "ll_available", "ll_await", "ll_cast_message_bytes", "ll_cast_messages",
+           "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree",
+           "ll_publish", "ll_route", "ll_stream_min_bytes", "ll_stream_rows", "ll_streams", "local_experts",
+           "logfmt_avx512", "logfmt_decode", "logfmt_encode", "logfmt_meta", "logfmt_params", "recv_channel_prefix",
+           "ROW_SUMS_MODES", "row_sums_avx2", "send_layout", "signals_available", "sum_rows", "swiglu", "timing",
            "weighted_sum_rows", "zero_rows"]

@@ -39,12 +39,14 @@ from .loader import kernels
 from .operands import mark_written, require_dense
 from .rows import NAN_BITS
 
-__all__ = ["LL_STREAM_MODES", "ll_available", "ll_await", "ll_combine_recv", "ll_combine_send", "ll_dispatch_recv",
-           "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route", "ll_stream_min_bytes", "ll_stream_rows",
-           "ll_streams", "signals_available"]
+__all__ = ["LL_STREAM_MODES", "LL_STREAM_SIDES", "ll_available", "ll_await", "ll_combine_recv", "ll_combine_send",
+           "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route",
+           "ll_stream_min_bytes", "ll_stream_rows", "ll_streams", "signals_available"]
 
 #: :func:`ll_stream_rows`' modes, in the kernel's numbering.
 LL_STREAM_MODES = ("never", "large", "always")
+#: :func:`ll_stream_rows`' sides, in the kernel's numbering: a dispatch's received rows, a combine's sent rows.
+LL_STREAM_SIDES = ("receive", "send")
 
 
 def ll_available() -> bool:
@@ -133,27 +135,32 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, bases
     return True
 
 
-def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None) -> str | None:
-    """When :func:`ll_dispatch_recv` (and so every low-latency dispatch's receive on one node) copies its rows into
-    ``recv_x`` by streaming (non-temporal) stores, which write memory without first reading each destination line:
-    ``"large"`` (the default) when the call's rows take at least ``min_bytes`` (16 MiB by default), ``"never"`` or
-    ``"always"``; rows under 256 bytes are copied plainly in every mode. The bytes written are the same; the
-    receive is faster into cold lines, and the experts' read of the rows after it slower where they would have
-    been cached, which only a call's rows that fit in the cache can be (docs/design/data-path.md, "Streaming stores
-    into ``recv_x``", measures both; ``python -m bench ll-receive``). The mode and the threshold are this process's
-    (each rank sets its own), set from ``DEEPEP_ASCEND_LL_STREAM_ROWS`` and ``DEEPEP_ASCEND_LL_STREAM_MIN_BYTES``
-    when the library loads.
+def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None, *, side: str = "receive") -> str | None:
+    """When the low-latency calls store their rows by streaming (non-temporal) stores, which write memory without
+    first reading each destination line, per ``side``: ``"receive"``, :func:`ll_dispatch_recv`'s rows into
+    ``recv_x`` (every low-latency dispatch's receive on one node); ``"send"``, :func:`ll_combine_send`'s rows into
+    the destinations' windows (every low-latency combine's sends on one node, zero-copy excepted). Each side's
+    mode: ``"large"`` (the default) when the call's rows take at least its ``min_bytes`` (16 MiB received, 2 MiB
+    sent by default), ``"never"`` or ``"always"``; rows under 256 bytes are copied plainly in every mode. The
+    bytes written are the same; the stores are faster into cold lines, and the rows' next read (the experts', the
+    combine's sum) slower where they would have been cached, which only a call's rows that fit in the cache can
+    be (docs/design/data-path.md, "Streaming stores", measures both; ``python -m bench ll-receive``,
+    ``python -m bench low-latency --stream-rows / --stream-sends``). Modes and thresholds are this process's (each
+    rank sets its own), set from ``DEEPEP_ASCEND_LL_STREAM_ROWS`` / ``_MIN_BYTES`` and
+    ``DEEPEP_ASCEND_LL_STREAM_SENDS`` / ``_SEND_MIN_BYTES`` when the library loads.
 
     Args:
         mode: ``"never"``, ``"large"`` or ``"always"`` to set it, or None to leave it.
-        min_bytes: ``"large"``'s threshold in bytes of the call's received rows (an int in ``[0, 2**63)``) to set
-            it, or None to leave it (:func:`ll_stream_min_bytes` reads it).
+        min_bytes: ``"large"``'s threshold in bytes of the call's rows (received, or sent to other ranks) (an int
+            in ``[0, 2**63)``) to set it, or None to leave it (:func:`ll_stream_min_bytes` reads it).
+        side: ``"receive"`` or ``"send"``.
     Returns:
-        The mode in force after the call; None where the library is not loaded.
+        The side's mode in force after the call; None where the library is not loaded.
     Raises:
-        ValueError: ``mode`` is not None nor one of the three, or ``min_bytes`` not None nor such an int (nothing
-            set).
+        ValueError: ``mode`` is not None nor one of the three, ``min_bytes`` not None nor such an int, or ``side``
+            not one of the two (nothing set).
     """
+    code = _stream_side("ll_stream_rows", side)
     if mode is not None and mode not in LL_STREAM_MODES:
         raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(LL_STREAM_MODES)} "
                          f"or None, got {mode!r}")
@@ -161,33 +168,47 @@ def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None) -> str
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
-    return LL_STREAM_MODES[int(fn(-1 if mode is None else LL_STREAM_MODES.index(mode), nbytes, None))]
+    return LL_STREAM_MODES[int(fn(code, -1 if mode is None else LL_STREAM_MODES.index(mode), nbytes, None))]
 
 
-def ll_stream_min_bytes() -> int | None:
-    """:func:`ll_stream_rows`' threshold in force: ``"large"`` streams a call's rows from this many bytes on; None
-    where the library is not loaded."""
+def ll_stream_min_bytes(*, side: str = "receive") -> int | None:
+    """:func:`ll_stream_rows`' threshold in force for ``side`` (``"receive"`` or ``"send"``): ``"large"`` streams a
+    call's rows from this many bytes on; None where the library is not loaded.
+
+    Raises:
+        ValueError: ``side`` is not one of the two.
+    """
+    code = _stream_side("ll_stream_min_bytes", side)
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
     out = ctypes.c_int64()
-    fn(-1, -1, ctypes.byref(out))
+    fn(code, -1, -1, ctypes.byref(out))
     return out.value
 
 
-def ll_streams(rows_bytes: int) -> bool | None:
-    """Whether a low-latency dispatch's receive of ``rows_bytes`` bytes of rows (rows times the bytes of one row's
-    ``recv_x`` payload; an int in ``[0, 2**63)``) stores them by streaming stores under the mode and threshold in
-    force (the decision the receive itself takes); None where the library is not loaded.
+def ll_streams(rows_bytes: int, *, side: str = "receive") -> bool | None:
+    """Whether a low-latency call's ``rows_bytes`` bytes of rows on ``side`` (``"receive"``: rows times the bytes of
+    one row's ``recv_x`` payload; ``"send"``: the rows a combine copies to other ranks times ``2 * hidden``; an int
+    in ``[0, 2**63)``) are stored by streaming stores under the side's mode and threshold in force (the decision the
+    kernel itself takes); None where the library is not loaded.
 
     Raises:
-        ValueError: ``rows_bytes`` is not such an int.
+        ValueError: ``rows_bytes`` is not such an int, or ``side`` not one of the two.
     """
+    code = _stream_side("ll_streams", side)
     nbytes = _byte_count("ll_streams", "rows_bytes", rows_bytes)
     fn = kernels.ll_streams
     if fn is None:
         return None
-    return bool(fn(nbytes))
+    return bool(fn(code, nbytes))
+
+
+def _stream_side(op: str, side) -> int:
+    """``side``'s number in the kernel (``LL_STREAM_SIDES``' index), else ``ValueError`` naming ``op``."""
+    if side not in LL_STREAM_SIDES:
+        raise ValueError(f"deepep_ascend.native.{op}: side must be one of {', '.join(LL_STREAM_SIDES)}, got {side!r}")
+    return LL_STREAM_SIDES.index(side)
 
 
 def _byte_count(op: str, name: str, value, none_ok: bool = False) -> int:
@@ -204,12 +225,13 @@ def _byte_count(op: str, name: str, value, none_ok: bool = False) -> int:
 
 
 def _stream_from_settings() -> None:
-    """The receive's store mode and threshold from the settings, once, when this module loads.
+    """Both sides' store modes and thresholds from the settings, once, when this module loads.
 
     Raises:
         deepep_ascend.settings.SettingError: either variable holds a bad value.
     """
     ll_stream_rows(settings.LL_STREAM_ROWS.get(), settings.LL_STREAM_MIN_BYTES.get())
+    ll_stream_rows(settings.LL_STREAM_SENDS.get(), settings.LL_STREAM_SEND_MIN_BYTES.get(), side="send")
 
 
 def ll_dispatch_recv(sig: torch.Tensor, mask: torch.Tensor | None, index: torch.Tensor, bases: torch.Tensor,

@@ -24,7 +24,7 @@ __all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load", "ti
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
-ABI = 30
+ABI = 31
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -45,8 +45,8 @@ _SIGNATURES = {
     "ll_dispatch_send": (_I64, [_I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P]),
     "ll_dispatch_recv": (_I64, [_I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P,
                                 _P, _P]),
-    "ll_stream_rows": (_I64, [_I64, _I64, _P]),
-    "ll_streams": (_I64, [_I64]),
+    "ll_stream_rows": (_I64, [_I64, _I64, _I64, _P]),
+    "ll_streams": (_I64, [_I64, _I64]),
     "ll_combine_send": (_I64, [_I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P]),
     "ll_combine_recv": (_I64, [_I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64,
                                _U16, _P, _P, _P, _I64, _P]),

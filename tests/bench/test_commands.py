@@ -89,8 +89,10 @@ def _job_runs() -> dict:
     for command in ("low-latency", "engram"):
         for seconds in WARM_UPS:
             argv = [a for a in COLLECTIVE[command] if a not in ("--warmup-s", "0")] + ["--warmup-s", seconds]
-            runs[f"{command} --warmup-s {seconds}"] = (command, argv + (["--no-baselines"] if command == "low-latency"
-                                                                       else []))
+            # (the low-latency one at 0 s also compares the combine's send modes: timed after the traffic counted)
+            extra = ["--no-baselines"] + (["--compare-sends"] if seconds == "0" else []) if command == "low-latency" \
+                else []
+            runs[f"{command} --warmup-s {seconds}"] = (command, argv + extra)
     return runs
 
 
@@ -289,6 +291,8 @@ def _check_details(command: str, doc: dict) -> None:
         ranks = doc["params"]["num_ranks"]
         assert cfg["recv_rows_bytes_max"] > 0
         assert cfg["streamed_ranks"] == (ranks if cfg["stream_rows"] == "always" else 0), cfg
+        assert cfg["send_rows_bytes_max"] > 0 or cfg["zero_copy"]  # (zero-copy: the receivers read the rows)
+        assert cfg["streamed_send_ranks"] == 0, cfg  # the small shape: under the send side's default threshold
         b = det["bytes"]
         for p in ("dispatch", "combine"):
             assert by[f"deepep_ascend/{p}"]["bytes"] == max(b[f"{p}_per_rank"])
@@ -711,6 +715,21 @@ def test_native_split_lines_say_when_there_is_nothing_native(monkeypatch):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
+def test_low_latency_compares_the_combines_send_modes(commands_job):
+    """``--compare-sends`` times both send modes in every iteration (the JSON's ``compare_sends``: each mode's
+    dispatch and combine, ``--iters`` times each) and prints their medians on one ``[sends]`` line; the mode in
+    force afterwards is the run's own."""
+    run = commands_job["low-latency --warmup-s 0"]
+    det = run.doc()["details"]
+    modes = ("never", "always")
+    assert set(det["compare_sends"]) == {f"{p} {m}" for p in ("dispatch", "combine") for m in modes}
+    assert all(len(v["times_s"]) == 2 for v in det["compare_sends"].values())  # --iters 2
+    cs = {k: v["median_s"] * 1e3 for k, v in det["compare_sends"].items()}
+    line = next(ln for ln in run.out.splitlines() if ln.startswith("[sends]"))
+    assert f"combine {cs['combine never']:.3f} / {cs['combine always']:.3f}" in line, line
+    assert "[sends]" not in commands_job["low-latency --warmup-s 0.4"].out
+
+
 def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(commands_job):
     """``low-latency`` and ``engram`` report the bytes one call moves (traffic counted over the whole loop, divided
     by the calls): the same workload gives the same bytes per call whether the warm-up ran its ``--warmup`` calls

@@ -314,18 +314,22 @@ def test_low_latency_dispatch_combine_vs_reference(buffers, comm, cfg, case):
 @pytest.mark.skipif(not native.ll_available(), reason="native kernels not built")
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in ("bf16_pattern_invariants", "fp8_f32_scales_async",
                                                                   "fp8_ue8m0_duplicate_experts_hook")], ids=str)
-def test_dispatch_receive_by_streaming_stores_vs_reference(buffers, comm, case):
-    """Reference cases with the receive storing its rows by streaming stores on every rank
-    (``native.ll_stream_rows("always")``; rows of 256 bytes or more stream): the reference's bits."""
+def test_rows_by_streaming_stores_vs_reference(buffers, comm, case):
+    """Reference cases with the dispatch's receive and the combine's sends storing their rows by streaming stores
+    on every rank (``native.ll_stream_rows("always")`` on both sides; rows of 256 bytes or more stream): the
+    reference's bits."""
     mode = "always"
-    before = native.ll_stream_rows(), native.ll_stream_min_bytes()
-    native.ll_stream_rows(mode)
+    before = {side: (native.ll_stream_rows(side=side), native.ll_stream_min_bytes(side=side))
+              for side in native.LL_STREAM_SIDES}
+    for side in native.LL_STREAM_SIDES:
+        native.ll_stream_rows(mode, side=side)
     try:
         chk = Checker(comm.Get_rank())
         run_ll_case(_buf(buffers, "ubmem"), comm, case, seed=CASES.index(case) + 31, chk=chk)
-        chk.finish(f"{case.name} with ll_stream_rows({mode!r})")
+        chk.finish(f"{case.name} with ll_stream_rows({mode!r}) on both sides")
     finally:
-        native.ll_stream_rows(*before)
+        for side, (m, b) in before.items():
+            native.ll_stream_rows(m, b, side=side)
 
 
 @pytest.mark.parametrize("m,tokens", [(1024, 600), (2304, 2304)])

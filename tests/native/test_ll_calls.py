@@ -223,10 +223,12 @@ def test_dispatch_recv_loads_the_torch_paths_rows(scale_words, masked, reused, r
 
 @pytest.fixture
 def stream_mode():
-    """Restores :func:`native.ll_stream_rows`' mode and threshold after a test that sets them."""
-    before = native.ll_stream_rows(), native.ll_stream_min_bytes()
+    """Restores :func:`native.ll_stream_rows`' modes and thresholds (both sides) after a test that sets them."""
+    before = {side: (native.ll_stream_rows(side=side), native.ll_stream_min_bytes(side=side))
+              for side in native.LL_STREAM_SIDES}
     yield
-    native.ll_stream_rows(*before)
+    for side, (mode, min_bytes) in before.items():
+        native.ll_stream_rows(mode, min_bytes, side=side)
 
 
 @pytest.mark.parametrize("xb, offset", [(16, 0), (1000, 0), (1000, 3), (4104, 8), (256, 1)])
@@ -294,6 +296,58 @@ def test_stream_mode_and_threshold_are_set_read_and_checked(stream_mode):
     assert native.ll_stream_rows() == "never" and native.ll_stream_min_bytes() == 0
 
 
+def test_stream_sides_are_set_apart(stream_mode):
+    """The send side (a combine's returned rows) has its own mode and threshold: setting one side leaves the other,
+    each side's decision reads its own; a side other than the two is refused with nothing set."""
+    assert native.LL_STREAM_SIDES == ("receive", "send")
+    assert native.ll_stream_rows("never", 100) == "never"
+    assert native.ll_stream_rows("large", 200, side="send") == "large"
+    assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("never", 100)
+    assert (native.ll_stream_rows(side="send"), native.ll_stream_min_bytes(side="send")) == ("large", 200)
+    assert [native.ll_streams(n, side="send") for n in (199, 200)] == [False, True]
+    assert [native.ll_streams(n) for n in (199, 200)] == [False, False]
+    assert native.ll_stream_rows("always", side="send") == "always" and native.ll_streams(0, side="send")
+    assert native.ll_stream_rows() == "never" and native.ll_stream_min_bytes(side="send") == 200
+    for fn, args in ((native.ll_stream_rows, ("always", 5)), (native.ll_stream_min_bytes, ()),
+                     (native.ll_streams, (5,))):
+        with pytest.raises(ValueError, match="side must be one of receive, send, got 'recv'"):
+            fn(*args, side="recv")
+    assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("never", 100)
+
+
+@pytest.mark.parametrize("H, recv_off", [(8, 32), (500, 32), (500, 40), (2052, 8), (128, 33)])
+def test_combine_send_streaming_stores_write_the_same_bytes(H, recv_off, stream_mode):
+    """The combine's sends with every row stored by streaming stores against the same sends by memcpy, byte for
+    byte, counts and ``sent`` included: rows below the streaming threshold (16 bytes), rows of 1000 bytes starting
+    16-byte aligned and not (slot rows alternate), whole lines plus a tail (4104), and a window offset off any
+    alignment (33), with strided source rows, each of ``keep`` ``"none"`` / ``"own"``. "large" streams when the rows
+    the call copies take at least the send side's threshold: tried at their size (streams) and one byte above."""
+    R, L, m, me = 3, 2, 5, 1
+    g = torch.Generator().manual_seed(H + recv_off)
+    cnt = torch.randint(0, m + 1, (L, R), generator=g)
+    cnt[0, 0] = m  # a full slot
+    begin = torch.cumsum(cnt, 1) - cnt
+    layout_range = (begin << 32) | cnt
+    src = _rows(g, L * R * m, H + 5).view(L, R * m, H + 5)[:, :, 3:3 + H]  # strided rows, 6-byte offset
+    nbytes = recv_off + R * L * m * 2 * H
+    for keep in ("none", "own"):
+        copied = int(cnt.sum()) - (int(cnt[:, me].sum()) if keep == "own" else 0)
+
+        def send(mode, min_bytes=None):
+            assert native.ll_stream_rows(mode, min_bytes, side="send") == mode
+            wins, bases = _windows(R, nbytes)
+            sent = torch.full((R,), -1, dtype=torch.int64)
+            assert native.ll_combine_send(layout_range, src, m, me, bases, None, recv_off, 4, sent, keep=keep)
+            return wins + [sent]
+
+        plain = send("never")
+        assert any(not torch.equal(w, torch.full_like(w, 0xA5)) for w in plain[:R])
+        for mode, min_bytes in (("always", None), ("large", copied * 2 * H), ("large", copied * 2 * H + 1)):
+            got = send(mode, min_bytes)
+            assert all(torch.equal(a, b) for a, b in zip(got, plain)), (keep, mode, min_bytes)
+        assert native.ll_streams(copied * 2 * H, side="send") is False  # (the last "large": one byte short)
+
+
 def test_stream_mode_and_threshold_come_from_the_settings(stream_mode, monkeypatch):
     """The library loads with the mode and threshold of ``DEEPEP_ASCEND_LL_STREAM_ROWS`` and
     ``DEEPEP_ASCEND_LL_STREAM_MIN_BYTES`` ("large" from 16 MiB when unset); a bad value is refused naming the
@@ -322,6 +376,32 @@ def test_stream_mode_and_threshold_come_from_the_settings(stream_mode, monkeypat
                                                     r"below 9223372036854775808, got '9223372036854775808'"):
         ll._stream_from_settings()
     assert (native.ll_stream_rows(), native.ll_stream_min_bytes()) == ("large", 16 << 20)
+
+
+def test_send_stream_mode_and_threshold_come_from_the_settings(stream_mode, monkeypatch):
+    """The send side's mode and threshold from ``DEEPEP_ASCEND_LL_STREAM_SENDS`` and
+    ``DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES`` ("large" from 2 MiB when unset), the receive side's left to its own
+    variables; a bad value is refused naming the variable."""
+    from deepep_ascend import settings
+    from deepep_ascend.native import ll
+
+    names = ("DEEPEP_ASCEND_LL_STREAM_ROWS", "DEEPEP_ASCEND_LL_STREAM_MIN_BYTES", "DEEPEP_ASCEND_LL_STREAM_SENDS",
+             "DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES")
+    base = {k: v for k, v in os.environ.items() if k not in names}
+    code = ("from deepep_ascend import native; print(native.ll_stream_rows(side='send'), "
+            "native.ll_stream_min_bytes(side='send'), native.ll_stream_rows(), native.ll_stream_min_bytes())")
+    env = dict(base, DEEPEP_ASCEND_LL_STREAM_SENDS="never", DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES="512")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split("\n")[-2] == f"never 512 large {16 << 20}"
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    native.ll_stream_rows("always", 1, side="send")
+    ll._stream_from_settings()
+    assert (native.ll_stream_rows(side="send"), native.ll_stream_min_bytes(side="send")) == ("large", 2 << 20)
+    assert not native.ll_streams((2 << 20) - 1, side="send") and native.ll_streams(2 << 20, side="send")
+    monkeypatch.setenv("DEEPEP_ASCEND_LL_STREAM_SENDS", "sometimes")
+    with pytest.raises(settings.SettingError, match=r"\$DEEPEP_ASCEND_LL_STREAM_SENDS"):
+        ll._stream_from_settings()
 
 
 @pytest.mark.parametrize("masked", [False, True])

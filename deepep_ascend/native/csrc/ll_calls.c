@@ -8,8 +8,9 @@
  *                            table, and the per-expert counts into the destinations' count words
  *   deepep_ll_dispatch_recv  counts -> recv_count, layout_range; every routed row loaded from its source's
  *                            send region -> recv_x, scales, src_info; then the sources' stamps (seqlock)
- *   deepep_ll_stream_rows    whether deepep_ll_dispatch_recv stores its rows by streaming stores (stream.h)
- *   deepep_ll_streams        whether a receive of so many bytes of rows does, under the mode in force
+ *   deepep_ll_stream_rows    whether deepep_ll_dispatch_recv (one side) and deepep_ll_combine_send (the other)
+ *                            store their rows by streaming stores (stream.h)
+ *   deepep_ll_streams        whether one side's call of so many bytes of rows does, under its mode in force
  *   deepep_ll_combine_send   every returned row of every mapped destination straight into its slot, and
  *                            the counts
  *   deepep_ll_combine_recv   the counts against the route's, then the weighted sum of the returned rows
@@ -110,31 +111,41 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
     return 0;
 }
 
-/* When deepep_ll_dispatch_recv copies its rows with streaming stores (stream.h): STREAM_NEVER; STREAM_LARGE (the
- * default), when the call's rows take at least stream_min_bytes: past a size the cache cannot keep them for the
- * experts anyway, and streaming then wins both ways (docs/design/data-path.md, "Streaming stores into `recv_x`");
- * STREAM_ALWAYS. The library sets both from its settings when it loads. */
+/* When the low-latency calls store their rows with streaming stores (stream.h), per side: STREAM_SIDE_RECEIVE,
+ * deepep_ll_dispatch_recv's rows into recv_x; STREAM_SIDE_SEND, deepep_ll_combine_send's rows into the
+ * destinations' windows. Each side has its mode, STREAM_NEVER, STREAM_LARGE (the default: when the call's rows
+ * take at least the side's threshold, past a size the cache cannot keep them for their reader anyway and
+ * streaming then wins both ways; docs/design/data-path.md, "Streaming stores") or STREAM_ALWAYS, and its
+ * threshold. The library sets them from its settings when it loads. */
 enum { STREAM_NEVER, STREAM_LARGE, STREAM_ALWAYS };
-static int64_t stream_rows = STREAM_LARGE;
-static int64_t stream_min_bytes = (int64_t)16 << 20;
+enum { STREAM_SIDE_RECEIVE, STREAM_SIDE_SEND, STREAM_SIDES };
+static int64_t stream_rows[STREAM_SIDES] = {STREAM_LARGE, STREAM_LARGE};
+static int64_t stream_min_bytes[STREAM_SIDES] = {(int64_t)16 << 20, (int64_t)2 << 20};
 
-/* Set the mode (0, 1, 2 as above; another value leaves it) and, when min_bytes >= 0, STREAM_LARGE's threshold;
- * returns the mode in force, and the threshold in force in *min_bytes_out (when not NULL). */
-int64_t deepep_ll_stream_rows(int64_t mode, int64_t min_bytes, int64_t *min_bytes_out)
+/* Set side's mode (0, 1, 2 as above; another value leaves it) and, when min_bytes >= 0, its STREAM_LARGE
+ * threshold; returns the side's mode in force (-1 for a side out of range, nothing set), and its threshold in
+ * *min_bytes_out (when not NULL). */
+int64_t deepep_ll_stream_rows(int64_t side, int64_t mode, int64_t min_bytes, int64_t *min_bytes_out)
 {
+    if (side < 0 || side >= STREAM_SIDES)
+        return -1;
     if (mode >= STREAM_NEVER && mode <= STREAM_ALWAYS)
-        stream_rows = mode;
+        stream_rows[side] = mode;
     if (min_bytes >= 0)
-        stream_min_bytes = min_bytes;
+        stream_min_bytes[side] = min_bytes;
     if (min_bytes_out)
-        *min_bytes_out = stream_min_bytes;
-    return stream_rows;
+        *min_bytes_out = stream_min_bytes[side];
+    return stream_rows[side];
 }
 
-/* Whether a receive of rows_bytes bytes of rows stores them by streaming stores, under the mode in force. */
-int64_t deepep_ll_streams(int64_t rows_bytes)
+/* Whether side's stores of a call's rows_bytes bytes of rows are streaming stores, under its mode in force (0 for
+ * a side out of range). */
+int64_t deepep_ll_streams(int64_t side, int64_t rows_bytes)
 {
-    return stream_rows == STREAM_ALWAYS || (stream_rows == STREAM_LARGE && rows_bytes >= stream_min_bytes);
+    if (side < 0 || side >= STREAM_SIDES)
+        return 0;
+    return stream_rows[side] == STREAM_ALWAYS ||
+           (stream_rows[side] == STREAM_LARGE && rows_bytes >= stream_min_bytes[side]);
 }
 
 /* A dispatch's receive, loading every row from its source's window. sig: int32 [R][L], source s's count of
@@ -192,7 +203,7 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
     for (int64_t s = 0; s < R; s++)
         for (int64_t e = 0; !(mask && mask[s]) && e < L; e++)
             rows += sig[s * L + e];
-    const int stream = (int)deepep_ll_streams(rows * xb);
+    const int stream = (int)deepep_ll_streams(STREAM_SIDE_RECEIVE, rows * xb);
     for (int64_t e = 0; e < L; e++) {
         int64_t begin = 0;
         for (int64_t s = 0; s < R; s++) {
@@ -250,14 +261,16 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
  * keep: 0 copies every row; 1 leaves this rank's own rows in src (its receive reads them there, through
  * deepep_ll_combine_recv's sources) and writes only their counts, sent[me] = 0; 2 leaves every row in src
  * (a zero-copy combine whose receivers read them from this rank's send region) and writes only the counts,
- * sent[d] = the rows d reads from here (sent[me] = 0). Returns 1 (nothing written) when a reached
- * destination's count exceeds m or its run leaves [0, R*m). */
+ * sent[d] = the rows d reads from here (sent[me] = 0). The rows go by streaming stores when the send side's mode
+ * says so for the bytes this call copies (deepep_ll_streams), fenced before the return. Returns 1 (nothing
+ * written) when a reached destination's count exceeds m or its run leaves [0, R*m). */
 int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, int64_t row_bytes, int64_t me,
                                const int64_t *layout_range, const uint8_t *src, int64_t stride_e, int64_t stride_r,
                                const int64_t *bases, const int32_t *mask, int64_t recv_off, int64_t counts_off,
                                int64_t keep, int64_t *sent)
 {
     const int64_t L = num_local, R = num_ranks;
+    int64_t copied = 0; /* rows this call copies */
     for (int64_t d = 0; d < R; d++) {
         if (!reached(bases, mask, d))
             continue;
@@ -265,8 +278,10 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
             const int64_t c = layout_range[e * R + d] & 0xFFFFFFFF, b = layout_range[e * R + d] >> 32;
             if (c > m || b < 0 || b + c > R * m)
                 return 1;
+            copied += (d == me && keep) || keep == 2 ? 0 : c;
         }
     }
+    const int stream = (int)deepep_ll_streams(STREAM_SIDE_SEND, copied * row_bytes);
     for (int64_t d = 0; d < R; d++) {
         sent[d] = 0;
         if (!reached(bases, mask, d))
@@ -283,11 +298,18 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
                 sent[d] += c;
                 continue;
             }
-            for (int64_t i = 0; i < c; i++)
-                memcpy(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes);
+            const uint8_t *rows = src + e * stride_e + b * stride_r;
+            if (stream)
+                for (int64_t i = 0; i < c; i++)
+                    copy_streaming(slot + i * row_bytes, rows + i * stride_r, (size_t)row_bytes);
+            else
+                for (int64_t i = 0; i < c; i++)
+                    memcpy(slot + i * row_bytes, rows + i * stride_r, (size_t)row_bytes);
             sent[d] += c;
         }
     }
+    if (stream) /* the rows before the caller's signal (its publish) */
+        stream_fence();
     return 0;
 }
 

@@ -14,7 +14,7 @@
 /* Bumped whenever an exported signature changes: native.py refuses a library built from an older
  * source (an editable install whose extension was not rebuilt) instead of calling it wrongly. It
  * covers moe_act.c, amx_gemm.c, ll_rows.c, ll_calls.c, ll_cast.c and layout.c too (one library). */
-int64_t deepep_native_abi(void) { return 30; }
+int64_t deepep_native_abi(void) { return 31; }
 
 /* Floats of one output row summed at a time: the accumulator (4 KiB) stays in L1 while every
  * input row's slice streams past it. */
