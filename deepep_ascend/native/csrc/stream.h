@@ -13,9 +13,10 @@
  * line from memory (read for ownership) and later writes it back; a streaming store writes whole lines without
  * reading them, and leaves the cache to other data. So a copy into cold destination lines moves about two
  * thirds of the bytes a memcpy moves; a destination read back soon is then read from memory rather than from
- * the cache (docs/design/data-path.md, "Streaming stores into `recv_x`", measures both sides). The aligned body
- * by 16-byte streaming stores, the ends and copies under 256 bytes by memcpy. The stores are weakly ordered: the
- * caller issues stream_fence() before it publishes them (this core's own loads see them in program order). */
+ * the cache (docs/design/data-path.md, "Streaming stores into `recv_x`" and "Streaming stores of the combine's
+ * returned rows", measure both sides). The aligned body by 16-byte streaming stores, the ends and copies under
+ * 256 bytes by memcpy. The stores are weakly ordered: the caller issues stream_fence() before it publishes them
+ * (this core's own loads see them in program order). */
 static inline void copy_streaming(uint8_t *dst, const uint8_t *src, size_t n)
 {
 #if defined(__SSE2__)
