@@ -186,14 +186,14 @@ LL_STREAM_MIN_BYTES = Setting(
     minimum=0, limit=1 << 63)
 LL_STREAM_SENDS = Setting(
     "DEEPEP_ASCEND_LL_STREAM_SENDS", "choice", "large",
-    "When a low-latency combine stores the rows it returns into the other ranks' windows by streaming "
-    "(non-temporal) stores: `large` when the rows it copies take at least DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES, "
-    "`never` or `always` (the same bytes; native.ll_stream_rows(side='send')). Read once, when deepep_ascend is "
-    "imported.",
+    "When a combine stores the rows it returns by streaming (non-temporal) stores, a low-latency one into the "
+    "other ranks' windows, a normal-mode one on one node into its own staging: `large` when the rows it copies take "
+    "at least DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES, `never` or `always` (the same bytes; "
+    "native.ll_stream_rows(side='send')). Read once, when deepep_ascend is imported.",
     choices=("never", "large", "always"))
 LL_STREAM_SEND_MIN_BYTES = Setting(
     "DEEPEP_ASCEND_LL_STREAM_SEND_MIN_BYTES", "int", 2 << 20,
-    "The size in bytes of the rows a low-latency combine copies to other ranks from which `large` streams them "
+    "The size in bytes of the rows a combine copies for other ranks from which `large` streams them "
     "(docs/design/data-path.md measures the trade-off). Read once, when deepep_ascend is imported.",
     minimum=0, limit=1 << 63)
 ROW_SUMS = Setting(

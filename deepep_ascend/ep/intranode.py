@@ -1213,7 +1213,7 @@ class IntranodeEngine:
             fields = [] if returned.in_place else [(returned.x, regions.field_offs[0])]
             if wcols > 0:
                 fields.append((weights, regions.field_offs[1]))
-            self._plan.stage(fields if total else [], pieces, vec=np.array(sizes, dtype=np.int32))
+            self._plan.stage(fields if total else [], pieces, vec=np.array(sizes, dtype=np.int32), stream_side="send")
             return
         self._view(me, HEADER_BYTES, 4 * nr, torch.int32, as_numpy=True)[:] = sizes
         if not total or (returned.in_place and wcols <= 0):

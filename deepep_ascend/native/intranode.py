@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .ll import LL_STREAM_SIDES
 from .loader import kernels
 from .operands import matrix_ok
 from .rows import NAN_BITS
@@ -409,19 +410,25 @@ class IntranodePlan:
                                              self._ns_address if timed else None)
         return status, g[4, :R].tolist(), g[9, :R].tolist()
 
-    def stage(self, fields, pieces, vec: np.ndarray | None = None) -> None:
+    def stage(self, fields, pieces, vec: np.ndarray | None = None, stream_side: str | None = None) -> None:
         """Rows of each ``(tensor, offset)`` of ``fields`` into this rank's current half from byte ``offset`` on:
         the rows of each ``(lo, hi)`` of ``pieces``, one piece after the other (at most ``max(8, R)`` fields and
         pieces); then
         ``vec`` (int32, contiguous) at ``vec_offset`` (``csrc/intranode.c``'s ``deepep_in_stage``). Each tensor
         must be a 2-D CPU matrix with unit column stride (:func:`~.operands.matrix_ok`; any dtype, any row stride)
         holding every row of the pieces: the caller checks (the engine asks ``matrix_ok`` of its operands and
-        stages the others with torch), this method reads them as such.
+        stages the others with torch), this method reads them as such. ``stream_side``: a side of
+        :func:`~.ll.ll_stream_rows` (``"send"`` for a combine's returned rows) whose mode decides whether the rows
+        go by streaming stores (the same bytes), or None (plain stores).
 
         Raises:
             ValueError: too many fields or pieces, a reversed piece, or a field or ``vec`` past the half (nothing
-                written).
+                written); a ``stream_side`` that is not a side.
         """
+        if stream_side is not None and stream_side not in LL_STREAM_SIDES:
+            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: stream_side must be None or one of "
+                             f"{', '.join(LL_STREAM_SIDES)}, got {stream_side!r}")
+        side = -1 if stream_side is None else LL_STREAM_SIDES.index(stream_side)
         f, n, k = self._fields, len(fields), len(pieces)
         if n > f.shape[1] or k > f.shape[1] or (vec is not None and not (vec.dtype == np.int32
                                                                          and vec.flags.c_contiguous)):
@@ -437,7 +444,7 @@ class IntranodePlan:
         f[5, :k] = [hi for _, hi in pieces]
         a = self._fields_addresses
         if kernels.in_stage(self._address, n, a[0], a[1], a[2], a[3], k, a[4], a[5],
-                            None if vec is None else vec.ctypes.data, 0 if vec is None else vec.size):
+                            None if vec is None else vec.ctypes.data, 0 if vec is None else vec.size, side):
             raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: the pieces {list(pieces)} of the fields at "
                              f"offsets {[offset for _, offset in fields]} or the vector pass the half of "
                              f"{self.half_bytes} bytes")

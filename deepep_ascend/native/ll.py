@@ -138,8 +138,10 @@ def ll_dispatch_send(slots: torch.Tensor, m: int, num_local: int, me: int, bases
 def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None, *, side: str = "receive") -> str | None:
     """When the low-latency calls store their rows by streaming (non-temporal) stores, which write memory without
     first reading each destination line, per ``side``: ``"receive"``, :func:`ll_dispatch_recv`'s rows into
-    ``recv_x`` (every low-latency dispatch's receive on one node); ``"send"``, :func:`ll_combine_send`'s rows into
-    the destinations' windows (every low-latency combine's sends on one node, zero-copy excepted). Each side's
+    ``recv_x`` (every low-latency dispatch's receive on one node); ``"send"``, the rows a combine returns: those
+    :func:`ll_combine_send` stores into the destinations' windows (every low-latency combine's sends on one node,
+    zero-copy excepted) and those a normal-mode combine on one node stages in its window for the origins to read
+    (:meth:`IntranodePlan.stage <deepep_ascend.native.IntranodePlan.stage>`). Each side's
     mode: ``"large"`` (the default) when the call's rows take at least its ``min_bytes`` (16 MiB received, 2 MiB
     sent by default), ``"never"`` or ``"always"``; rows under 256 bytes are copied plainly in every mode. The
     bytes written are the same; the stores are faster into cold lines, and the rows' next read (the experts', the

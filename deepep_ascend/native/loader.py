@@ -58,7 +58,7 @@ _SIGNATURES = {
     "in_exchange": (_I64, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64]),
     "in_gather": (_I64, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64]),
     "in_vectors": (_I64, [_P, _I64, _P]),
-    "in_stage": (_I64, [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64]),
+    "in_stage": (_I64, [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64]),
     "in_store": (_I64, [_I64, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P]),
     "in_dispatch_tail": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P,
                                 _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P]),

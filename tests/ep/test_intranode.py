@@ -95,6 +95,22 @@ def test_dispatch_combine_without_the_native_kernel(buf, comm, case, monkeypatch
     chk.finish(case.name + " (torch paths)")
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in (
+    "uniform_h128_e16_k4", "h7168_e256_k8_few_tokens", "bias_pair", "async_previous_event")], ids=str)
+def test_combine_staging_by_streaming_stores_vs_reference(buf, comm, case):
+    """The combine staging its returned rows by streaming stores on every rank (``native.ll_stream_rows("always",
+    side="send")``; rows of 256 bytes or more stream): the reference's bits."""
+    from deepep_ascend import native
+
+    before = native.ll_stream_rows(side="send"), native.ll_stream_min_bytes(side="send")
+    native.ll_stream_rows("always", side="send")
+    try:
+        chk = run_case(buf, comm, case, seed=CASES.index(case))
+        chk.finish(case.name + " (combine staged by streaming stores)")
+    finally:
+        native.ll_stream_rows(*before, side="send")
+
+
 def test_a_link_emulator_takes_the_steps_one_by_one(buf, comm, monkeypatch):
     """The fused tails (``IntranodePlan.dispatch_tail``, ``IntranodePlan.combine(..., tail=)``) raise ``XDATA`` and
     ``CONSUMED`` inside C, before Python charges a link emulator the emulated time of the rows received; with an

@@ -378,6 +378,40 @@ def test_stage_copies_each_fields_rows_into_the_current_half():
     assert np.array_equal(ranks.half(me, 1), snapshot)
 
 
+@pytest.mark.parametrize("offset", [64, 67])  # the staged rows 16-byte aligned or not
+def test_stage_by_streaming_stores_writes_the_same_bytes(offset):
+    """A combine's staging (``stream_side="send"``) with its rows stored by streaming stores against the same staging
+    by memcpy, byte for byte: rows of 300 bytes (strided source, past the 256 bytes from which rows stream) and a
+    field of 8-byte rows, with "always", and "large" at the rows' bytes (streams) and one byte above (plain); with
+    ``stream_side=None`` the rows go plainly whatever the mode. A side that is not one is refused."""
+    before = native.ll_stream_rows(side="send"), native.ll_stream_min_bytes(side="send")
+    g = torch.Generator().manual_seed(offset)
+    x = torch.randint(0, 256, (6, 312), generator=g, dtype=torch.uint8)[:, 5:305]
+    w = torch.randint(0, 256, (6, 8), generator=g, dtype=torch.uint8)
+    pieces = [(0, 2), (3, 6)]
+    nbytes = 5 * (300 + 8)
+    fields = [(x, VEC_OFF + offset), (w, VEC_OFF + offset + 5 * 300 + 1)]
+
+    def stage(mode, min_bytes=None, side="send"):
+        ranks = Ranks(2, seed=9)
+        native.ll_stream_rows(mode, min_bytes, side="send")
+        ranks.plans[1].stage(fields, pieces, np.array([5, 0], dtype=np.int32), stream_side=side)
+        return ranks.win[1].copy()
+
+    try:
+        plain = stage("never")
+        rows = [0, 1, 3, 4, 5]
+        half = plain[:HALF]
+        assert np.array_equal(half[VEC_OFF + offset:VEC_OFF + offset + 1500], x[rows].contiguous().numpy().reshape(-1))
+        for mode, min_bytes, side in (("always", None, "send"), ("large", nbytes, "send"),
+                                      ("large", nbytes + 1, "send"), ("always", None, None)):
+            assert np.array_equal(stage(mode, min_bytes, side), plain), (mode, min_bytes, side)
+        with pytest.raises(ValueError, match="stream_side must be None or one of receive, send, got 'sends'"):
+            stage("always", side="sends")
+    finally:
+        native.ll_stream_rows(*before, side="send")
+
+
 def test_store_puts_each_receivers_rows_at_its_address_in_order():
     R, n, xb = 3, 7, 16
     ranks = Ranks(R, seed=8)

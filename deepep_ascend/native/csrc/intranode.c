@@ -29,6 +29,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "stream.h"
+
 void deepep_local_experts(int64_t *idx, float *weights, int64_t count, int64_t first, int64_t local);
 int64_t deepep_recv_channel_prefix(const int32_t *src, const int64_t *starts, const int64_t *num_tokens, int64_t r,
                                    int64_t num_channels, int32_t *out);
@@ -277,11 +279,13 @@ int64_t deepep_in_combine(const int64_t *plan, const int64_t *offs, int64_t lo, 
 
 /* Rows of n fields staged into this rank's current half, the pieces [lo[i], hi[i]) one after the other: field
  * f's row r (row_bytes[f] bytes at src[f] + r * src_ld[f], bytes) to offs[f] + (its place among the pieces' rows)
- * * row_bytes[f]; then, with vec, vec_ints int32 of it at CTL_VEC_OFF. Returns 1, writing nothing, when a piece
- * is reversed or a field or the vector would pass the half. */
+ * * row_bytes[f]; then, with vec, vec_ints int32 of it at CTL_VEC_OFF. With stream_side >= 0 the rows go by
+ * streaming stores when that side's mode says so for their bytes (deepep_ll_streams; a combine's returned rows),
+ * fenced before the return. Returns 1, writing nothing, when a piece is reversed or a field or the vector would
+ * pass the half. */
 int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, const int64_t *src_ld,
                         const int64_t *row_bytes, const int64_t *offs, int64_t npieces, const int64_t *lo,
-                        const int64_t *hi, const int32_t *vec, int64_t vec_ints)
+                        const int64_t *hi, const int32_t *vec, int64_t vec_ints, int64_t stream_side)
 {
     const int64_t me = plan[CTL_ME], half = plan[CTL_HALF], vec_off = plan[CTL_VEC_OFF];
     const int64_t *bases = PTR(plan, CTL_BASES, const int64_t *), *staged = PTR(plan, CTL_STAGED, const int64_t *);
@@ -297,12 +301,19 @@ int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, cons
     if (vec && (vec_ints < 0 || vec_off + vec_ints * 4 > half))
         return 1;
     uint8_t *own = (uint8_t *)(intptr_t)bases[me] + (staged[me] & 1) * half;
+    int64_t total = 0;
+    for (int64_t f = 0; f < n; f++)
+        total += rows * row_bytes[f];
+    const int stream = stream_side >= 0 && deepep_ll_streams(stream_side, total);
     for (int64_t f = 0; f < n; f++) {
         uint8_t *d = own + offs[f];
         for (int64_t i = 0; i < npieces; i++) {
             const uint8_t *s = (const uint8_t *)(intptr_t)src[f] + lo[i] * src_ld[f];
             const int64_t k = hi[i] - lo[i];
-            if (src_ld[f] == row_bytes[f]) {
+            if (stream) {
+                for (int64_t r = 0; r < k; r++)
+                    copy_streaming(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
+            } else if (src_ld[f] == row_bytes[f]) {
                 memcpy(d, s, (size_t)(k * row_bytes[f]));
             } else {
                 for (int64_t r = 0; r < k; r++)
@@ -311,6 +322,8 @@ int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, cons
             d += k * row_bytes[f];
         }
     }
+    if (stream)
+        stream_fence();
     if (vec)
         memcpy(own + vec_off, vec, (size_t)vec_ints * 4);
     return 0;

@@ -72,6 +72,10 @@ static inline void zero_streaming(uint8_t *p, int64_t nbytes)
     memset(p, 0, (size_t)nbytes);
 }
 
+/* Whether side's stores of a call's rows_bytes bytes of rows are streaming stores, under the mode in force: sides
+ * and modes in ll_calls.c (deepep_ll_stream_rows), which keeps them. */
+int64_t deepep_ll_streams(int64_t side, int64_t rows_bytes);
+
 /* Order every earlier streaming store before the stores that follow. */
 static inline void stream_fence(void)
 {
