@@ -142,6 +142,10 @@ def add_arguments(p) -> None:
                         "5 segments of N round trips each, the two alternating, no barrier between the calls, "
                         "Python's garbage collector on (the barrier-timed loop pauses it); identity experts "
                         "computed once")
+    p.add_argument("--compare-sends", action="store_true",
+                   help="after the timed loop, time EPBuffer's dispatch + combine again with the combine's staged "
+                        "rows stored by plain and by streaming stores in turn, both in every iteration (the same "
+                        "run and rows; deepep_ascend.native.ll_stream_rows(side='send')): a [sends] line")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all); ep = EPBuffer, v1 = Buffer, "
                         "mpi / gloo = the peer pipelines, roofline = the memcpy roofline")
@@ -158,6 +162,8 @@ def check_args(p, a) -> None:
         p.error(f"--num-topk {a.num_topk} exceeds --num-experts {a.num_experts}")
     if a.zero_padding and not a.expand:
         p.error("--zero-padding needs --expand (the padding rows are the expanded layout's)")
+    if a.compare_sends and "ep" not in a.systems:
+        p.error("--compare-sends times EPBuffer: --systems must include ep")
 
 
 def shape_problem(args, num_ranks: int) -> str | None:
@@ -312,6 +318,41 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
         return EPResult(t, nbytes, moved, check, digests, combined)
 
     return phases, finish
+
+
+SEND_MODES = ("never", "always")  # --compare-sends: plain, then streaming stores of the combine's staged rows
+
+
+def compare_sends(ep_phases, comm, args) -> dict | None:
+    """``--compare-sends``: EPBuffer's round trip (``ep_phases``, :func:`epbuffer_phases`) twice in every iteration,
+    first with the send side of :func:`deepep_ascend.native.ll_stream_rows` at ``"never"``, then at ``"always"``
+    (restored afterwards); ``{"<dispatch|combine> <mode>": Timing.as_dict()}``, or None without the native
+    kernels. Collective."""
+    from deepep_ascend import native
+
+    before = native.ll_stream_rows(side="send")
+    if before is None:
+        return None
+    steps = []
+    for mode in SEND_MODES:
+        steps.append((None, lambda mode=mode: native.ll_stream_rows(mode, side="send")))
+        steps += [(None if name is None else f"{name.rsplit('.', 1)[-1]} {mode}", fn) for name, fn in ep_phases]
+    try:
+        t = time_phases(steps, comm, args.iters, args.warmup)
+    finally:
+        native.ll_stream_rows(before, side="send")
+    return {k: v.as_dict() for k, v in t.items()}
+
+
+def sends_line(cs: dict) -> str:
+    """The ``[sends]`` line of :func:`compare_sends`' medians."""
+    ms = {k: v["median_s"] * 1e3 for k, v in cs.items()}
+    rt = {m: ms[f"dispatch {m}"] + ms[f"combine {m}"] for m in SEND_MODES}
+    return (f"[sends]    epbuffer with the combine's staged rows by plain / streaming stores, in turn each iteration, "
+            f"median ms: combine {ms['combine never']:.3f} / {ms['combine always']:.3f} "
+            f"({ms['combine always'] / ms['combine never']:.3f}x); the dispatch before each (after the other mode's "
+            f"combine) {ms['dispatch never']:.3f} / {ms['dispatch always']:.3f}; round trip {rt['never']:.3f} / "
+            f"{rt['always']:.3f} ({rt['always'] / rt['never']:.3f}x)")
 
 
 LOOP_SEGMENTS = 5  # --loop: segments per system
@@ -612,6 +653,8 @@ def run(args) -> int:
             extra["phases"] = gather_breakdown(record_steps(phases, comm, args.iters), comm)
         if args.native_split:  # the same, with the native calls timed
             extra["native_split"] = gather_split(record_split(phases, comm, args.iters), comm)
+        if args.compare_sends and buf is not None:
+            extra["compare_sends"] = compare_sends(ep_phases, comm, args)
         if args.loop:
             loops = loop_steps(buf, v1, wl, args)
             extra["loop"] = time_loops(loops, comm, LOOP_SEGMENTS, args.loop, args.warmup)
@@ -718,6 +761,8 @@ def run(args) -> int:
             summary["lines"] += loop_lines(extra["loop"], args.loop, summary, args.expand)
         for line in summary["lines"]:
             print(line)
+        if extra.get("compare_sends"):
+            print(sends_line(extra["compare_sends"]))
         peak = [m["peak_rss"] for m in mem]
         print(f"[memory]   peak RSS/rank max {fmt_bytes(max(peak))} (incl. touched shared windows)", flush=True)
         if args.json:
@@ -732,9 +777,11 @@ def run(args) -> int:
                              epbuffer=ep_rep, systems=reports, roofline_bytes_per_rank=roof_bytes,
                              nodes=nodes, ranks_per_node=rpn,
                              buffers={k: v for k, v in extra.items()
-                                      if not k.startswith("memory") and k not in ("phases", "loop", "native_split")},
+                                      if not k.startswith("memory")
+                                      and k not in ("phases", "loop", "native_split", "compare_sends")},
                              phases=extra.get("phases"), native_split=extra.get("native_split"),
                              loop={n: t.as_dict() for n, t in extra.get("loop", {}).items()} or None,
+                             compare_sends=extra.get("compare_sends"),
                              memory=dict(per_rank_end=mem, **{k: v for k, v in extra.items()
                                                              if k.startswith("memory")}))))
             print(f"[json]     wrote {args.json}")

@@ -85,7 +85,8 @@ def _job_runs() -> dict:
     runs["overhead --native-split"] = ("overhead", OVERHEAD_SPLIT)
     runs["ep --expand across two nodes"] = ("ep", TINY_EXPANDED_EP + ["--zero-padding", "--ranks-per-node", "1",
                                                                      "--systems", "ep,v1", "--loop", "2"])
-    runs["ep --expand, one rounding"] = ("ep", TINY_EXPANDED_EP + ["--no-multiple-reduction", "--systems", "ep"])
+    runs["ep --expand, one rounding"] = ("ep", TINY_EXPANDED_EP + ["--no-multiple-reduction", "--systems", "ep",
+                                                                   "--compare-sends"])
     for command in ("low-latency", "engram"):
         for seconds in WARM_UPS:
             argv = [a for a in COLLECTIVE[command] if a not in ("--warmup-s", "0")] + ["--warmup-s", seconds]
@@ -464,6 +465,7 @@ TRACE = os.path.join(REPO_ROOT, "bench", "traces", "stdlib_moe_4r.npz")  # 26 ro
     ("logfmt", ["--rows-list", ""], "--rows-list needs at least one row count"),
     ("ll-receive", ["--num-experts", "10", "--sources", "4"], "must be a multiple of --sources"),
     ("ll-receive", ["--hidden", "200"], "multiple of 128"),
+    ("ep", ["--compare-sends", "--systems", "v1,mpi"], "--systems must include ep"),
     ("normal", ["--save-routing", "/nonexistent/dir/r.npz"], "does not exist or is not writable"),
     ("normal", ["--routing", "/nonexistent/r.npz"], "no such readable file"),
     ("normal", ["--routing-step", "5"], "--routing-step needs --routing"),
@@ -728,6 +730,19 @@ def test_low_latency_compares_the_combines_send_modes(commands_job):
     line = next(ln for ln in run.out.splitlines() if ln.startswith("[sends]"))
     assert f"combine {cs['combine never']:.3f} / {cs['combine always']:.3f}" in line, line
     assert "[sends]" not in commands_job["low-latency --warmup-s 0.4"].out
+
+
+def test_ep_compares_the_combines_send_modes(commands_job):
+    """``ep --compare-sends`` times EPBuffer's round trip with both send modes in every iteration (``compare_sends``
+    in the document, ``--iters`` times each) and prints the medians on one ``[sends]`` line."""
+    run = commands_job["ep --expand, one rounding"]
+    cs = run.doc()["details"]["compare_sends"]
+    assert set(cs) == {f"{p} {m}" for p in ("dispatch", "combine") for m in ("never", "always")}
+    assert all(len(v["times_s"]) == 1 for v in cs.values())  # --iters 1
+    ms = {k: v["median_s"] * 1e3 for k, v in cs.items()}
+    line = next(ln for ln in run.out.splitlines() if ln.startswith("[sends]"))
+    assert f"combine {ms['combine never']:.3f} / {ms['combine always']:.3f}" in line, line
+    assert commands_job["ep"].doc()["details"]["compare_sends"] is None
 
 
 def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(commands_job):
