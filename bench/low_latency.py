@@ -79,6 +79,20 @@ ROOFLINE_TARGET = 2.0
 PEER_TARGETS = {2: 1.0, 4: 2.0}
 
 
+def send_stream_problem(args, buf, stream_sends) -> str | None:
+    """Why no combine of this run can store its rows by streaming stores (a sentence), or None: they go through
+    the native sends on one node only (``native.ll_stream_rows(side="send")``)."""
+    if stream_sends is None:
+        return "the native kernels are not loaded (the torch path stores plainly)"
+    if args.zero_copy:
+        return "with --zero-copy the combine copies no row (the receivers read them where they lie)"
+    if args.logfmt:
+        return "LogFMT rows take the torch path"
+    if args.no_ubmem or buf.num_nodes > 1:
+        return "rows to other nodes, or without UBMEM, go by put (the torch path)"
+    return None
+
+
 def add_arguments(p) -> None:
     """The command's options: the shared ones (``bench.cli``) and its own."""
     cli.add_shared(p, num_tokens=128, hidden=7168, num_topk=8, num_experts=256, iters=30, warmup=3, seed=0,
@@ -228,15 +242,20 @@ def run(args) -> int:
     dispatch(), make_y(), combine()
     # What the receive streamed: every call of the run receives these rows (the routing does not change).
     rows_bytes = int(st["d"][1].sum()) * H * (1 if fp8 else 2)
-    got = comm.allgather((rows_bytes, bool(native.ll_streams(rows_bytes)) if stream_rows is not None else False))
+    # (the native receive runs on one node with UBMEM only: elsewhere the torch path stores plainly)
+    recv_native = stream_rows is not None and buf.num_nodes == 1 and not args.no_ubmem
+    got = comm.allgather((rows_bytes, bool(native.ll_streams(rows_bytes)) if recv_native else False))
     out["config"].update(recv_rows_bytes_max=max(b for b, _ in got), streamed_ranks=sum(f for _, f in got))
     # What the combine streams: the rows it returns to other ranks (its own stay where they lie; none move with
-    # --zero-copy), per source the count of the handle's layout_range
+    # --zero-copy), per source the count of the handle's layout_range; only the native sends on one node stream
+    # (LogFMT rows, puts between nodes or without UBMEM take the torch path)
     counts = st["d"][2].layout_range & 0xFFFFFFFF
     send_bytes = 0 if args.zero_copy else (int(counts.sum()) - int(counts[:, rank].sum())) * 2 * H
+    no_streaming = send_stream_problem(args, buf, stream_sends)
     got = comm.allgather((send_bytes, bool(native.ll_streams(send_bytes, side="send"))
-                          if stream_sends is not None else False))
-    out["config"].update(send_rows_bytes_max=max(b for b, _ in got), streamed_send_ranks=sum(f for _, f in got))
+                          if no_streaming is None else False))
+    out["config"].update(send_rows_bytes_max=max(b for b, _ in got), streamed_send_ranks=sum(f for _, f in got),
+                         sends_plain_because=no_streaming)
     approx = wl.x.float() * wl.topk_weights.sum(1, keepdim=True) * (LOGFMT_SCALE if args.logfmt else 1.0)
     diff = comm.allreduce(calc_diff(st["c"][0].float(), approx), op=MPI.MAX)
     bound = (9e-4 if fp8 else 1e-5) + (LOGFMT_CALC_DIFF if args.logfmt else 0.0)
@@ -248,7 +267,9 @@ def run(args) -> int:
     calls = st["dispatches"]  # round trips counted, the warm-up's included (it runs for --warmup-s too)
     t["round_trip"] = t["dispatch"] + t["combine"]
 
-    if args.compare_sends and stream_sends is not None:
+    if args.compare_sends and no_streaming is not None:
+        out["compare_sends"] = {"not_compared": no_streaming}
+    elif args.compare_sends:
         # The two send modes in turn inside every iteration, so that the host's drift hits both alike.
         def sends(mode):
             return lambda: native.ll_stream_rows(mode, side="send")
@@ -382,10 +403,12 @@ def run(args) -> int:
                  "large": f"recv_x by streaming stores from {fmt_bytes(stream_min or 0)} of rows (this run: "
                           f"up to {fmt_bytes(c['recv_rows_bytes_max'])} per receive, {c['streamed_ranks']} of {R} "
                           f"ranks streamed), "}[stream_rows]
-              + {None: "", "never": "returned rows by plain stores, ", "always": "returned rows by streaming stores, ",
-                 "large": f"returned rows by streaming stores from {fmt_bytes(stream_send_min or 0)} (this run: up "
-                          f"to {fmt_bytes(c['send_rows_bytes_max'])} per combine, {c['streamed_send_ranks']} of {R} "
-                          f"ranks streamed), "}[stream_sends]
+              + (f"returned rows by plain stores ({c['sends_plain_because']}), "
+                 if c["sends_plain_because"] and stream_sends is not None else
+                 {None: "", "never": "returned rows by plain stores, ", "always": "returned rows by streaming stores, ",
+                  "large": f"returned rows by streaming stores from {fmt_bytes(stream_send_min or 0)} (this run: up "
+                           f"to {fmt_bytes(c['send_rows_bytes_max'])} per combine, {c['streamed_send_ranks']} of {R} "
+                           f"ranks streamed), "}[stream_sends])
               + (f"same-node peers by {'UBMEM stores' if c['ubmem'] else 'put'}, " if c['ranks_per_node'] > 1
                  else "no same-node peers (one rank per node), ")
               + f"num_rdma_bytes {fmt_bytes(nbytes)}, "
@@ -405,7 +428,9 @@ def run(args) -> int:
         lines += projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
                                                         "combine": (t["combine"].median, bw["combine"])},
                                     "LL formula", emulator)
-        if "compare_sends" in out:
+        if "not_compared" in out.get("compare_sends", {}):
+            lines.append(f"[sends]  not compared: {out['compare_sends']['not_compared']}")
+        elif "compare_sends" in out:
             cs = {k: v["median_s"] * 1e3 for k, v in out["compare_sends"].items()}
             lines.append(f"[sends]  the combine's returned rows (up to {fmt_bytes(c['send_rows_bytes_max'])} per "
                          f"rank) by plain / streaming stores, in turn each iteration, median ms: combine "

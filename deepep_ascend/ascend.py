@@ -49,3 +49,13 @@ class _C:
     def get_num_allocation_alignment() -> int:
         """:func:`deepep_ascend.get_num_allocation_alignment` (``num_bytes`` must be a multiple of it)."""
         return _alignment()
+
+    @staticmethod
+    def get_num_tma_alignment() -> int:
+        """:func:`get_num_tma_alignment` (DeepEP-Ascend exports it from ``_C`` too)."""
+        return _top.get_num_tma_alignment()
+
+    @staticmethod
+    def get_num_rdma_alignment() -> int:
+        """:func:`get_num_rdma_alignment`, DeepEP-Ascend's 32 (DeepEP-Ascend exports it from ``_C`` too)."""
+        return get_num_rdma_alignment()

@@ -431,7 +431,8 @@ class EPBuffer(BufferBase):
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
                 ``defer_epilogue`` without ``async_with_compute_stream``, ``num_qps`` above
                 ``num_allocated_qps``), on the failing rank (``ConsensusError`` on the others).
-            RuntimeError: ``previous_event`` without ``allocate_on_comm_stream=True`` (DeepEP's check), likewise.
+            RuntimeError / TypeError: ``previous_event`` without ``allocate_on_comm_stream=True`` (DeepEP's check),
+                or not an event, likewise.
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.
         """
         self._usable("dispatch")
@@ -461,7 +462,7 @@ class EPBuffer(BufferBase):
             (EP_MODE_ZERO_PADDING if do_zero_padding else 0) | (EP_MODE_WEIGHTS if topk_weights is not None else 0)
         words = {W_EP_MAX_TOKENS: int(max_tokens) if isinstance(max_tokens, int) else -1,
                  W_EP_ALIGNMENT: int(alignment) if isinstance(alignment, int) else -1, W_EP_MODE: mode}
-        prev = None if previous_event is None else EventOverlap(previous_event)
+        prev = _previous(previous_event)
         R = self.num_ranks
 
         def check_common():
@@ -843,7 +844,7 @@ class EPBuffer(BufferBase):
         flag_problem = (_defer_problem(defer_epilogue, async_with_compute_stream) or
                         _stream_problem(previous_event, allocate_on_comm_stream) or
                         self._qps_problem(num_qps))
-        prev = None if previous_event is None else EventOverlap(previous_event)
+        prev = _previous(previous_event)
         words = {}
         if isinstance(handle, EPHandle):
             mode = (EP_MODE_EXPAND if handle.do_expand else 0) | (EP_MODE_WEIGHTS if topk_weights is not None else 0)
@@ -1181,12 +1182,24 @@ def _defer_problem(defer_epilogue: bool, async_with_compute_stream: bool) -> Ass
     return None
 
 
-def _stream_problem(previous_event, allocate_on_comm_stream: bool) -> RuntimeError | None:
-    """DeepEP's check of a ``previous_event`` (its dispatch and combine then allocate on the communication stream,
-    so they require ``allocate_on_comm_stream=True``; docs/semantics/deepep-api.md §13.2), or None."""
-    if previous_event is not None and not allocate_on_comm_stream:
+def _stream_problem(previous_event, allocate_on_comm_stream: bool) -> Exception | None:
+    """DeepEP's checks of a ``previous_event``: an event (``TypeError`` else), and with it
+    ``allocate_on_comm_stream=True`` (its dispatch and combine then allocate on the communication stream;
+    ``RuntimeError``; docs/semantics/deepep-api.md §13.2), or None."""
+    if previous_event is None:
+        return None
+    if not isinstance(previous_event, (EventHandle, EventOverlap)):
+        return TypeError(f"`previous_event` must be an EventHandle (capture()) or None, got "
+                         f"{type(previous_event).__name__}")
+    if not allocate_on_comm_stream:
         return RuntimeError("`previous_event` requires allocate_on_comm_stream=True")
     return None
+
+
+def _previous(previous_event) -> EventOverlap | None:
+    """The event a call waits for before its first round: ``previous_event`` when it is one (a bad one is refused
+    in that round, on every rank, by :func:`_stream_problem`), else None."""
+    return EventOverlap(previous_event) if isinstance(previous_event, (EventHandle, EventOverlap)) else None
 
 
 def _slots_by_lane(handle: EPHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -153,7 +153,7 @@ def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None, *, sid
 
     Args:
         mode: ``"never"``, ``"large"`` or ``"always"`` to set it, or None to leave it.
-        min_bytes: ``"large"``'s threshold in bytes of the call's rows (received, or sent to other ranks) (an int
+        min_bytes: ``"large"``'s threshold in bytes of the call's rows (received, or copied by a combine) (an int
             in ``[0, 2**63)``) to set it, or None to leave it (:func:`ll_stream_min_bytes` reads it).
         side: ``"receive"`` or ``"send"``.
     Returns:
@@ -191,7 +191,8 @@ def ll_stream_min_bytes(*, side: str = "receive") -> int | None:
 
 def ll_streams(rows_bytes: int, *, side: str = "receive") -> bool | None:
     """Whether a low-latency call's ``rows_bytes`` bytes of rows on ``side`` (``"receive"``: rows times the bytes of
-    one row's ``recv_x`` payload; ``"send"``: the rows a combine copies to other ranks times ``2 * hidden``; an int
+    one row's ``recv_x`` payload; ``"send"``: the rows a combine copies times their bytes, its own rows too where it
+    copies them (a low-latency combine with a hook or ``async_finish``, which cannot sum them where they lie); an int
     in ``[0, 2**63)``) are stored by streaming stores under the side's mode and threshold in force (the decision the
     kernel itself takes); None where the library is not loaded.
 

@@ -80,11 +80,12 @@ def _job_runs() -> dict:
     for command in PHASES:
         argv = COLLECTIVE[command] + ["--phases", "--native-split"]
         if command == "low-latency":  # (the plain run has the default experts and stores)
-            argv += ["--no-baselines", "--zero-copy", "--stream-rows", "always"]
+            argv += ["--no-baselines", "--zero-copy", "--stream-rows", "always", "--compare-sends"]
         runs[f"{command} --phases"] = (command, argv)
     runs["overhead --native-split"] = ("overhead", OVERHEAD_SPLIT)
     runs["ep --expand across two nodes"] = ("ep", TINY_EXPANDED_EP + ["--zero-padding", "--ranks-per-node", "1",
-                                                                     "--systems", "ep,v1", "--loop", "2"])
+                                                                     "--systems", "ep,v1", "--loop", "2",
+                                                                     "--compare-sends"])
     runs["ep --expand, one rounding"] = ("ep", TINY_EXPANDED_EP + ["--no-multiple-reduction", "--systems", "ep",
                                                                    "--compare-sends"])
     for command in ("low-latency", "engram"):
@@ -730,6 +731,12 @@ def test_low_latency_compares_the_combines_send_modes(commands_job):
     line = next(ln for ln in run.out.splitlines() if ln.startswith("[sends]"))
     assert f"combine {cs['combine never']:.3f} / {cs['combine always']:.3f}" in line, line
     assert "[sends]" not in commands_job["low-latency --warmup-s 0.4"].out
+    # with --zero-copy no row is copied: nothing to compare, said so (and no streamed rank claimed)
+    zc = commands_job["low-latency --phases"]
+    assert zc.doc()["details"]["compare_sends"] == {"not_compared": "with --zero-copy the combine copies no row (the "
+                                                                     "receivers read them where they lie)"}
+    assert "[sends]  not compared: with --zero-copy" in zc.out
+    assert zc.doc()["details"]["config"]["streamed_send_ranks"] == 0
 
 
 def test_ep_compares_the_combines_send_modes(commands_job):
@@ -743,6 +750,10 @@ def test_ep_compares_the_combines_send_modes(commands_job):
     line = next(ln for ln in run.out.splitlines() if ln.startswith("[sends]"))
     assert f"combine {ms['combine never']:.3f} / {ms['combine always']:.3f}" in line, line
     assert commands_job["ep"].doc()["details"]["compare_sends"] is None
+    across = commands_job["ep --expand across two nodes"]  # (one rank per node: nothing staged on one node)
+    assert across.doc()["details"]["compare_sends"] == {
+        "not_compared": "across nodes the combine stages no rows on the native one-node path"}
+    assert "[sends]    not compared: across nodes" in across.out
 
 
 def test_traffic_per_call_does_not_depend_on_how_long_the_warm_up_ran(commands_job):

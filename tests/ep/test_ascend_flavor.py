@@ -124,6 +124,7 @@ def test_native_module_switches():
     # the alignments each upstream reports: DeepEP TMA 32 and RDMA 64 bytes, DeepEP-Ascend 32 and 32
     assert (deepep_ascend.get_num_tma_alignment(), deepep_ascend.get_num_rdma_alignment()) == (32, 64)
     assert (deep_ep.get_num_tma_alignment(), deep_ep.get_num_rdma_alignment()) == (32, 32)
+    assert (deep_ep._C.get_num_tma_alignment(), deep_ep._C.get_num_rdma_alignment()) == (32, 32)
 
 
 def test_elastic_buffer_barrier_takes_v2s_arguments(comm):

@@ -658,10 +658,16 @@ def test_flag_assertions_on_one_rank_raise_on_every_rank(ep, comm):
         "combine num_qps": lambda: ep.combine(y, handle, num_qps=qps),
         "dispatch previous_event": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E, previous_event=event),
         "combine previous_event": lambda: ep.combine(y, handle, previous_event=event),
+        # not an event at all, with the flag set: refused in the first round too (no local wait on it)
+        "dispatch previous_event not an event": lambda: ep.dispatch(
+            x, topk_idx=topk_idx, num_experts=E, previous_event=5 if bad else None, allocate_on_comm_stream=bad),
+        "combine previous_event not an event": lambda: ep.combine(y, handle, previous_event=5 if bad else None,
+                                                                  allocate_on_comm_stream=bad),
     }
     for what, call in cases.items():
         _, err = capture(call)
-        want = (RuntimeError if "previous_event" in what else AssertionError) if bad else ConsensusError
+        want = ((TypeError if "not an event" in what else RuntimeError if "previous_event" in what
+                 else AssertionError) if bad else ConsensusError)
         all_ranks_ok(comm, isinstance(err, want) and (bad or f"rank {R - 1}" in str(err)), f"{what}: {err!r}")
         coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))  # still usable
     _, err = capture(lambda: ElasticBuffer(comm, num_cpu_bytes=-1 if bad else 0, num_max_tokens_per_rank=MAX_TOKENS,
