@@ -339,10 +339,13 @@ class EPBuffer(BufferBase):
         """A new dispatch's handle (:class:`EPHandle`'s keyword arguments)."""
         return EPHandle(**fields)
 
-    def _qps_problem(self, num_qps) -> AssertionError | None:
-        """DeepEP's check that a call's ``num_qps`` is at most ``num_allocated_qps``, or None. 0 (automatic:
+    def _qps_problem(self, num_qps) -> Exception | None:
+        """Why a call's ``num_qps`` is refused, or None: not a non-negative int (``ValueError``, as
+        ``EngramBuffer.fetch``), or above ``num_allocated_qps`` (DeepEP's ``AssertionError``). 0 (automatic:
         :meth:`get_theoretical_num_qps`, capped at the allocated count) always fits; no meaning on CPU ranks."""
-        if not is_int(num_qps) or num_qps == 0 or not is_int(self.num_allocated_qps):
+        if not is_int(num_qps) or num_qps < 0:
+            return ValueError(f"`num_qps` must be a non-negative int (0: automatic), got {num_qps!r}")
+        if num_qps == 0 or not is_int(self.num_allocated_qps):
             return None
         if num_qps > self.num_allocated_qps:
             return AssertionError(f"Allocated QPs are not enough: num_qps={num_qps}, num_allocated_qps="
@@ -430,7 +433,8 @@ class EPBuffer(BufferBase):
                 raises (``ConsensusError`` naming the ranks).
             AssertionError: DeepEP's flag checks (``do_handle_copy``, ``do_cpu_sync`` with ``handle``,
                 ``defer_epilogue`` without ``async_with_compute_stream``, ``num_qps`` above
-                ``num_allocated_qps``), on the failing rank (``ConsensusError`` on the others).
+                ``num_allocated_qps``; ``ValueError`` for a ``num_qps`` that is not a non-negative int), on the
+                failing rank (``ConsensusError`` on the others).
             RuntimeError / TypeError: ``previous_event`` without ``allocate_on_comm_stream=True`` (DeepEP's check),
                 or not an event, likewise.
             TimeoutError / transports.TransportAborted: as ``Buffer.dispatch``.

@@ -663,11 +663,15 @@ def test_flag_assertions_on_one_rank_raise_on_every_rank(ep, comm):
             x, topk_idx=topk_idx, num_experts=E, previous_event=5 if bad else None, allocate_on_comm_stream=bad),
         "combine previous_event not an event": lambda: ep.combine(y, handle, previous_event=5 if bad else None,
                                                                   allocate_on_comm_stream=bad),
+        "dispatch num_qps negative": lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E,
+                                                         num_qps=-1 if bad else 0),
+        "combine num_qps not an int": lambda: ep.combine(y, handle, num_qps="2" if bad else 0),
     }
     for what, call in cases.items():
         _, err = capture(call)
         want = ((TypeError if "not an event" in what else RuntimeError if "previous_event" in what
-                 else AssertionError) if bad else ConsensusError)
+                 else ValueError if "negative" in what or "not an int" in what else AssertionError)
+                if bad else ConsensusError)
         all_ranks_ok(comm, isinstance(err, want) and (bad or f"rank {R - 1}" in str(err)), f"{what}: {err!r}")
         coll(lambda: ep.dispatch(x, topk_idx=topk_idx, num_experts=E))  # still usable
     _, err = capture(lambda: ElasticBuffer(comm, num_cpu_bytes=-1 if bad else 0, num_max_tokens_per_rank=MAX_TOKENS,
