@@ -310,14 +310,11 @@ int64_t deepep_in_stage(const int64_t *plan, int64_t n, const int64_t *src, cons
         for (int64_t i = 0; i < npieces; i++) {
             const uint8_t *s = (const uint8_t *)(intptr_t)src[f] + lo[i] * src_ld[f];
             const int64_t k = hi[i] - lo[i];
-            if (stream) {
-                for (int64_t r = 0; r < k; r++)
-                    copy_streaming(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
-            } else if (src_ld[f] == row_bytes[f]) {
-                memcpy(d, s, (size_t)(k * row_bytes[f]));
+            if (src_ld[f] == row_bytes[f]) {
+                copy_maybe_streaming(d, s, (size_t)(k * row_bytes[f]), stream);
             } else {
                 for (int64_t r = 0; r < k; r++)
-                    memcpy(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f]);
+                    copy_maybe_streaming(d + r * row_bytes[f], s + r * src_ld[f], (size_t)row_bytes[f], stream);
             }
             d += k * row_bytes[f];
         }

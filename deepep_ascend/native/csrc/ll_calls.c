@@ -112,8 +112,9 @@ int64_t deepep_ll_dispatch_send(int64_t n, int64_t k, const int64_t *slots, int6
 }
 
 /* When the low-latency calls store their rows with streaming stores (stream.h), per side: STREAM_SIDE_RECEIVE,
- * deepep_ll_dispatch_recv's rows into recv_x; STREAM_SIDE_SEND, deepep_ll_combine_send's rows into the
- * destinations' windows. Each side has its mode, STREAM_NEVER, STREAM_LARGE (the default: when the call's rows
+ * deepep_ll_dispatch_recv's rows into recv_x; STREAM_SIDE_SEND, a combine's returned rows (deepep_ll_combine_send's
+ * into the destinations' windows, and those intranode.c's deepep_in_stage stages for a normal-mode combine). Each
+ * side has its mode, STREAM_NEVER, STREAM_LARGE (the default: when the call's rows
  * take at least the side's threshold, past a size the cache cannot keep them for their reader anyway and
  * streaming then wins both ways; docs/design/data-path.md, "Streaming stores") or STREAM_ALWAYS, and its
  * threshold. The library sets them from its settings when it loads. */
@@ -214,10 +215,7 @@ int64_t deepep_ll_dispatch_recv(int64_t num_local, int64_t num_ranks, int64_t m,
             for (int64_t i = 0; i < c; i++) {
                 const int64_t q = e * rm + begin + i;
                 const uint8_t *msg = src + tok[i] * mb;
-                if (stream)
-                    copy_streaming(recv_x + q * xb, msg + 16, (size_t)xb);
-                else
-                    memcpy(recv_x + q * xb, msg + 16, (size_t)xb);
+                copy_maybe_streaming(recv_x + q * xb, msg + 16, (size_t)xb, stream);
                 src_info[q] = tok[i];
             }
             /* the scales word-major: each of the run's sw destination lines written in one go */
@@ -298,13 +296,9 @@ int64_t deepep_ll_combine_send(int64_t num_local, int64_t num_ranks, int64_t m, 
                 sent[d] += c;
                 continue;
             }
-            const uint8_t *rows = src + e * stride_e + b * stride_r;
-            if (stream)
-                for (int64_t i = 0; i < c; i++)
-                    copy_streaming(slot + i * row_bytes, rows + i * stride_r, (size_t)row_bytes);
-            else
-                for (int64_t i = 0; i < c; i++)
-                    memcpy(slot + i * row_bytes, rows + i * stride_r, (size_t)row_bytes);
+            for (int64_t i = 0; i < c; i++)
+                copy_maybe_streaming(slot + i * row_bytes, src + e * stride_e + (b + i) * stride_r, (size_t)row_bytes,
+                                     stream);
             sent[d] += c;
         }
     }

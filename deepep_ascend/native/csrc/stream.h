@@ -72,6 +72,16 @@ static inline void zero_streaming(uint8_t *p, int64_t nbytes)
     memset(p, 0, (size_t)nbytes);
 }
 
+/* Copy n bytes by streaming stores (copy_streaming) when stream is nonzero, else by memcpy: a call decides once
+ * (deepep_ll_streams) and copies each of its rows with this. */
+static inline void copy_maybe_streaming(uint8_t *dst, const uint8_t *src, size_t n, int stream)
+{
+    if (stream)
+        copy_streaming(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
 /* Whether side's stores of a call's rows_bytes bytes of rows are streaming stores, under the mode in force: sides
  * and modes in ll_calls.c (deepep_ll_stream_rows), which keeps them. */
 int64_t deepep_ll_streams(int64_t side, int64_t rows_bytes);
