@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ll import LL_STREAM_SIDES
+from .ll import stream_side_number
 from .loader import kernels
 from .operands import matrix_ok
 from .rows import NAN_BITS
@@ -425,10 +425,7 @@ class IntranodePlan:
             ValueError: too many fields or pieces, a reversed piece, or a field or ``vec`` past the half (nothing
                 written); a ``stream_side`` that is not a side.
         """
-        if stream_side is not None and stream_side not in LL_STREAM_SIDES:
-            raise ValueError(f"deepep_ascend.native.IntranodePlan.stage: stream_side must be None or one of "
-                             f"{', '.join(LL_STREAM_SIDES)}, got {stream_side!r}")
-        side = -1 if stream_side is None else LL_STREAM_SIDES.index(stream_side)
+        side = stream_side_number("IntranodePlan.stage", stream_side, "stream_side", none_ok=True)
         f, n, k = self._fields, len(fields), len(pieces)
         if n > f.shape[1] or k > f.shape[1] or (vec is not None and not (vec.dtype == np.int32
                                                                          and vec.flags.c_contiguous)):

@@ -41,7 +41,7 @@ from .rows import NAN_BITS
 
 __all__ = ["LL_STREAM_MODES", "LL_STREAM_SIDES", "ll_available", "ll_await", "ll_combine_recv", "ll_combine_send",
            "ll_dispatch_recv", "ll_dispatch_send", "ll_headers_agree", "ll_publish", "ll_route",
-           "ll_stream_min_bytes", "ll_stream_rows", "ll_streams", "signals_available"]
+           "ll_stream_min_bytes", "ll_stream_rows", "ll_streams", "signals_available", "stream_side_number"]
 
 #: :func:`ll_stream_rows`' modes, in the kernel's numbering.
 LL_STREAM_MODES = ("never", "large", "always")
@@ -162,7 +162,7 @@ def ll_stream_rows(mode: str | None = None, min_bytes: int | None = None, *, sid
         ValueError: ``mode`` is not None nor one of the three, ``min_bytes`` not None nor such an int, or ``side``
             not one of the two (nothing set).
     """
-    code = _stream_side("ll_stream_rows", side)
+    code = stream_side_number("ll_stream_rows", side)
     if mode is not None and mode not in LL_STREAM_MODES:
         raise ValueError(f"deepep_ascend.native.ll_stream_rows: mode must be one of {', '.join(LL_STREAM_MODES)} "
                          f"or None, got {mode!r}")
@@ -180,7 +180,7 @@ def ll_stream_min_bytes(*, side: str = "receive") -> int | None:
     Raises:
         ValueError: ``side`` is not one of the two.
     """
-    code = _stream_side("ll_stream_min_bytes", side)
+    code = stream_side_number("ll_stream_min_bytes", side)
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
@@ -199,7 +199,7 @@ def ll_streams(rows_bytes: int, *, side: str = "receive") -> bool | None:
     Raises:
         ValueError: ``rows_bytes`` is not such an int, or ``side`` not one of the two.
     """
-    code = _stream_side("ll_streams", side)
+    code = stream_side_number("ll_streams", side)
     nbytes = _byte_count("ll_streams", "rows_bytes", rows_bytes)
     fn = kernels.ll_streams
     if fn is None:
@@ -207,10 +207,19 @@ def ll_streams(rows_bytes: int, *, side: str = "receive") -> bool | None:
     return bool(fn(code, nbytes))
 
 
-def _stream_side(op: str, side) -> int:
-    """``side``'s number in the kernel (``LL_STREAM_SIDES``' index), else ``ValueError`` naming ``op``."""
+def stream_side_number(op: str, side, name: str = "side", none_ok: bool = False) -> int:
+    """``side``'s number in the kernels (its index in :data:`LL_STREAM_SIDES`; -1 for None where ``none_ok``: no
+    side, plain stores), for the callers of :func:`ll_stream_rows` and of the kernels that take a side
+    (:meth:`IntranodePlan.stage <deepep_ascend.native.IntranodePlan.stage>`).
+
+    Raises:
+        ValueError: ``side`` is not one of the sides (nor None with ``none_ok``), naming ``op`` and ``name``.
+    """
+    if none_ok and side is None:
+        return -1
     if side not in LL_STREAM_SIDES:
-        raise ValueError(f"deepep_ascend.native.{op}: side must be one of {', '.join(LL_STREAM_SIDES)}, got {side!r}")
+        raise ValueError(f"deepep_ascend.native.{op}: {name} must be {'None or ' if none_ok else ''}one of "
+                         f"{', '.join(LL_STREAM_SIDES)}, got {side!r}")
     return LL_STREAM_SIDES.index(side)
 
 
