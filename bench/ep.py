@@ -82,7 +82,7 @@ import sys
 import numpy as np
 import torch
 
-from bench import cli, schema
+from bench import cli, schema, send_modes
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import count_bytes, fmt_bytes, gbps, logical_bytes
 from bench.hostinfo import cpu_model, memory_snapshot
@@ -320,45 +320,17 @@ def epbuffer_phases(buf, wl: Workload, args, comm, num_nodes: int, prefix: str =
     return phases, finish
 
 
-SEND_MODES = ("never", "always")  # --compare-sends: plain, then streaming stores of the combine's staged rows
-
-
 def compare_sends(ep_phases, comm, args, num_nodes: int) -> dict:
-    """``--compare-sends``: EPBuffer's round trip (``ep_phases``, :func:`epbuffer_phases`) twice in every iteration,
-    first with the send side of :func:`deepep_ascend.native.ll_stream_rows` at ``"never"``, then at ``"always"``
-    (restored afterwards); ``{"<dispatch|combine> <mode>": Timing.as_dict()}``, or ``{"not_compared": why}``
-    where no combine stages its rows through the native one-node path (no kernels, or more than one node).
-    Collective."""
+    """``--compare-sends``: :func:`bench.send_modes.compare` of EPBuffer's round trip (``ep_phases``,
+    :func:`epbuffer_phases`), or ``{"not_compared": why}`` where no combine stages its rows through the native
+    one-node path (no kernels, or more than one node). Collective."""
     from deepep_ascend import native
 
-    before = native.ll_stream_rows(side="send")
-    if before is None:
+    if native.ll_stream_rows(side="send") is None:
         return {"not_compared": "the native kernels are not loaded (the torch path stores plainly)"}
     if num_nodes > 1:
         return {"not_compared": "across nodes the combine stages no rows on the native one-node path"}
-    steps = []
-    for mode in SEND_MODES:
-        steps.append((None, lambda mode=mode: native.ll_stream_rows(mode, side="send")))
-        steps += [(None if name is None else f"{name.rsplit('.', 1)[-1]} {mode}", fn) for name, fn in ep_phases]
-    try:
-        t = time_phases(steps, comm, args.iters, args.warmup)
-    finally:
-        native.ll_stream_rows(before, side="send")
-    return {k: v.as_dict() for k, v in t.items()}
-
-
-def sends_line(cs: dict) -> str:
-    """The ``[sends]`` line of :func:`compare_sends`' medians (or why there are none)."""
-    if "not_compared" in cs:
-        return f"[sends]    not compared: {cs['not_compared']}"
-    ms = {k: v["median_s"] * 1e3 for k, v in cs.items()}
-    rt = {m: ms[f"dispatch {m}"] + ms[f"combine {m}"] for m in SEND_MODES}
-    return (f"[sends]    epbuffer with the combine's staged rows by plain / streaming stores, in turn each iteration, "
-            f"median ms: combine {ms['combine never']:.3f} / {ms['combine always']:.3f} "
-            f"({ms['combine always'] / ms['combine never']:.3f}x); the dispatch before each (after the other mode's "
-            f"combine) {ms['dispatch never']:.3f} / {ms['dispatch always']:.3f}; round trip {rt['never']:.3f} / "
-            f"{rt['always']:.3f} ({rt['always'] / rt['never']:.3f}x); rows the combine reads in place are not staged "
-            f"(--bf16's identity experts hand recv_x back): then both modes time the same code")
+    return send_modes.compare(ep_phases, comm, args.iters, args.warmup)
 
 
 LOOP_SEGMENTS = 5  # --loop: segments per system
@@ -768,7 +740,9 @@ def run(args) -> int:
         for line in summary["lines"]:
             print(line)
         if extra.get("compare_sends"):
-            print(sends_line(extra["compare_sends"]))
+            print(send_modes.line("[sends]    ", "epbuffer with the combine's staged rows", extra["compare_sends"],
+                                  "; rows the combine reads in place are not staged (--bf16's identity experts hand "
+                                  "recv_x back): then both modes time the same code"))
         peak = [m["peak_rss"] for m in mem]
         print(f"[memory]   peak RSS/rank max {fmt_bytes(max(peak))} (incl. touched shared windows)", flush=True)
         if args.json:

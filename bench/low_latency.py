@@ -57,7 +57,7 @@ import time
 import numpy as np
 import torch
 
-from bench import cli, schema
+from bench import cli, schema, send_modes
 from bench.baselines import gloo_all_to_all_roundtrip, mpi_alltoallv_roundtrip, start_gloo
 from bench.formulas import fmt_bytes, gbps, low_latency_bytes
 from bench.linkmodel import link_model_doc, link_setup, project_phases, projection_lines, use_link_emulator
@@ -270,15 +270,8 @@ def run(args) -> int:
     if args.compare_sends and no_streaming is not None:
         out["compare_sends"] = {"not_compared": no_streaming}
     elif args.compare_sends:
-        # The two send modes in turn inside every iteration, so that the host's drift hits both alike.
-        def sends(mode):
-            return lambda: native.ll_stream_rows(mode, side="send")
-
-        ts = time_phases([(None, sends("never")), ("dispatch never", dispatch), (None, make_y),
-                          ("combine never", combine), (None, sends("always")), ("dispatch always", dispatch),
-                          (None, make_y), ("combine always", combine)], comm, args.iters, args.warmup)
-        native.ll_stream_rows(stream_sends, side="send")
-        out["compare_sends"] = {k: v.as_dict() for k, v in ts.items()}
+        out["compare_sends"] = send_modes.compare([("dispatch", dispatch), (None, make_y), ("combine", combine)],
+                                                  comm, args.iters, args.warmup)
 
     # Hook mode: the send / receive split.
     def d_send():
@@ -428,15 +421,10 @@ def run(args) -> int:
         lines += projection_lines(out["projection"], {"dispatch": (t["dispatch"].median, bw["dispatch"]),
                                                         "combine": (t["combine"].median, bw["combine"])},
                                     "LL formula", emulator)
-        if "not_compared" in out.get("compare_sends", {}):
-            lines.append(f"[sends]  not compared: {out['compare_sends']['not_compared']}")
-        elif "compare_sends" in out:
-            cs = {k: v["median_s"] * 1e3 for k, v in out["compare_sends"].items()}
-            lines.append(f"[sends]  the combine's returned rows (up to {fmt_bytes(c['send_rows_bytes_max'])} per "
-                         f"rank) by plain / streaming stores, in turn each iteration, median ms: combine "
-                         f"{cs['combine never']:.3f} / {cs['combine always']:.3f} "
-                         f"({cs['combine always'] / cs['combine never']:.3f}x); the dispatch before each (after "
-                         f"the other mode's combine) {cs['dispatch never']:.3f} / {cs['dispatch always']:.3f}{emu}")
+        if "compare_sends" in out:
+            lines.append(send_modes.line("[sends]  ", f"the combine's returned rows (up to "
+                                         f"{fmt_bytes(c['send_rows_bytes_max'])} per rank)", out["compare_sends"],
+                                         emu))
         o = out["overlap"]
         lines += [f"[hook]   dispatch send {us(th['d_send'])} | recv {us(th['d_recv'])}{emu}",
                   f"[hook]   combine  send {us(th['c_send'])} | recv {us(th['c_recv'])}{emu}",
