@@ -59,6 +59,45 @@ def test_read_at_use_not_at_import(monkeypatch):
     assert settings.TIMEOUT_S.get() == 4.0
 
 
+def _bad_value(s: Setting) -> str:
+    return "nope" if s.kind == "choice" else BAD[s.kind][0] if s.kind in BAD else str(int(s.minimum) - 1)
+
+
+_RECORD_IMPORT_READS = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("deepep_ascend.settings", sys.argv[1])
+settings = importlib.util.module_from_spec(spec)
+sys.modules["deepep_ascend.settings"] = settings
+spec.loader.exec_module(settings)
+read, get = [], settings.Setting.get
+settings.Setting.get = lambda self, *a, **k: (read.append(self.name), get(self, *a, **k))[1]
+import deepep_ascend
+print(" ".join(sorted(set(read))))
+"""
+
+
+def test_only_the_variables_said_read_at_import_are_read_there():
+    """docs/configuration.md: a library variable is read where it is used, except the native kernels' switches, which
+    the table says are read "when deepep_ascend is imported" (a bad value of one of them stops the import). Importing
+    the package reads exactly those, and bad values of all the others together let it import."""
+    at_import = sorted(n for n, s in SETTINGS.items()
+                       if s.scope == "library" and "when deepep_ascend is imported" in s.meaning)
+    assert settings.NATIVE.name in at_import and len(at_import) == 6, at_import
+    others = {n: _bad_value(s) for n, s in SETTINGS.items() if s.scope == "library" and n not in at_import
+              and (s.kind in BAD or s.kind == "choice" or s.minimum is not None)}
+    assert settings.TIMEOUT_S.name in others and settings.LL_FUSED.name in others, others
+    env = {**{k: v for k, v in os.environ.items() if k not in SETTINGS}, **others}
+    proc = subprocess.run([sys.executable, "-c", _RECORD_IMPORT_READS, settings.__file__], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == at_import, proc.stdout
+    env[settings.LL_STREAM_SENDS.name] = "sometimes"  # one of them bad: the import stops, naming it
+    proc = subprocess.run([sys.executable, "-c", "import deepep_ascend"], cwd="/", env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"deepep_ascend.settings.SettingError: ${settings.LL_STREAM_SENDS.name} must be"), proc.stderr
+
+
 def _files(*folders, suffixes=(".py", ".sh", ".md", ".toml", "")):
     for folder in folders:
         root = os.path.join(REPO_ROOT, folder)
