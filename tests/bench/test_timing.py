@@ -58,10 +58,13 @@ def test_time_phases_times_iters_after_the_warm_up_and_the_default_comes_from_wa
     t = timing.time_phases([("op", step)], comm, iters=3, warmup=2, progress=progress.append)["op"]
     assert len(t.times) == 3
     warm = len(calls) - 3
-    # The warm-up ran on past its 2 iterations, for the seconds on the slowest rank (counted in time, not in
-    # steps: oversubscribed ranks make a step slower than its pause).
-    assert warm > 2
+    # The warm-up ran for the seconds on the slowest rank (counted in time, not in steps: oversubscribed ranks
+    # make a step slower than its pause), so on past its 2 iterations unless those alone took the seconds (a host
+    # loaded many times over).
+    assert warm >= 2
     assert max(comm.allgather(calls[warm - 1] - before)) >= 0.05 - 0.005
+    if max(comm.allgather(calls[1] - before)) < 0.05 - 0.005:
+        assert warm > 2
     assert progress == [0, 1, 2, 3, 4]  # the bar's warmup + iters steps, once each
     calls.clear()
     monkeypatch.setattr(timing, "MIN_WARMUP_S", 0.0)
