@@ -449,8 +449,7 @@ class Transport:
                     f"rank {self.topology.rank}: {what}: its {ranks} ranks on host {host} would map {_amount(news)} "
                     f"of shared memory beside the {_amount(olds)} of windows mapped there already, more than the "
                     f"{_amount(least)} free in {SHM_DIR} (a store past it would kill the process with SIGBUS); ask "
-                    f"for fewer bytes (e.g. a smaller num_max_dispatch_tokens_per_rank / num_max_tokens_per_rank, "
-                    f"num_nvl_bytes or num_rdma_bytes), use fewer ranks per host, or enlarge {SHM_DIR}")
+                    f"for fewer bytes (the buffer's size arguments), use fewer ranks per host, or enlarge {SHM_DIR}")
 
     def create_segment(self, name: str, nbytes: int) -> SharedSegment:
         """Collectively (over the node) map a :class:`~transports.segment.SharedSegment` of ``nbytes``

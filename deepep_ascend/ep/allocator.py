@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..rounding import align
+from .failure import run_step
 
 __all__ = ["BufferAllocator", "BufferBase", "SharedOnCopy", "get_num_allocation_alignment", "get_num_rdma_alignment",
            "get_num_tma_alignment"]
@@ -116,6 +117,13 @@ class BufferBase(SharedOnCopy):
     def __init__(self, explicitly_destroy: bool = False):
         self.explicitly_destroy = explicitly_destroy
         self.runtime = None
+
+    def _step(self, fn):
+        """``fn()``, a step that waits for peers or moves their bytes, as every buffer runs one
+        (:func:`~deepep_ascend.ep.failure.run_step`): if it fails here (a deadline passed, a transfer failed), the
+        peers are aborted, so that those waiting for this rank fail at once, naming it, instead of at their own
+        deadline."""
+        return run_step(self.runtime, self.rank_idx, fn)
 
     def _memory_usage(self) -> dict[str, int]:  # pragma: no cover - abstract
         raise NotImplementedError

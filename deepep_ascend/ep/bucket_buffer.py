@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..rounding import align
-from ..transports import ChannelKind, TransportBusy, WaitPolicy, create_transport
+from ..transports import ChannelKind, State, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import is_int, sl_idx_problem
@@ -87,6 +87,7 @@ class BucketSession:
         self.context_idx: int | None = None
 
     def __enter__(self) -> BucketSession:
+        self.buffer._check_alive("session")
         if any(name in self.buffer.__dict__ for name in self._METHODS):
             raise RuntimeError("BucketBuffer.session: sessions do not nest (a session is already open on this buffer)")
         self.num_allocated_bytes = 0
@@ -135,11 +136,18 @@ class BucketSession:
             the tensor(s), views of the storage (uninitialised).
         Raises:
             RuntimeError: the storage is exhausted, or the buffer was destroyed. ValueError: another group than
-                the session's, or an empty shape.
+                the session's, a shape with no elements or not a tuple of non-negative ints (``()`` is a 0-d
+                shape: one element). TypeError: ``shapes`` neither a shape nor a sequence of shapes.
         """
         self._check_group(group)
-        batched = isinstance(shapes[0], (tuple, list, torch.Size))
+        if not isinstance(shapes, (tuple, list, torch.Size)):
+            raise TypeError(f"BucketSession.allocate: shapes must be a shape (a tuple of ints) or a sequence of them, "
+                            f"got {type(shapes).__name__}")
+        batched = bool(shapes) and isinstance(shapes[0], (tuple, list, torch.Size))  # () is one 0-d shape
         shapes = shapes if batched else (shapes,)
+        for shape in shapes:
+            if not isinstance(shape, (tuple, list, torch.Size)) or not all(is_int(d) and d >= 0 for d in shape):
+                raise ValueError(f"BucketSession.allocate: a shape must be a tuple of non-negative ints, got {shape!r}")
         tensors = [self._allocate(math.prod(shape) * dtype.itemsize, dtype).view(shape) for shape in shapes]
         return tuple(tensors) if batched else tensors[0]
 
@@ -324,8 +332,9 @@ class BucketBuffer(BufferBase):
         self.storage = None  # a view of the window: freed with it
         try:
             self.runtime.destroy()
-        except TransportBusy:  # refused on every rank: the buffer stays as it was
-            self.storage = self.runtime.local_view(self._win, 0, self.num_bytes)
+        except TransportBusy:  # refused on every rank: the buffer stays as it was (failed: its storage stays None)
+            if self.runtime.state is State.OPEN:
+                self.storage = self.runtime.local_view(self._win, 0, self.num_bytes)
             raise
         self._win = None
         for sub in self._comms[1:]:
@@ -384,7 +393,12 @@ class BucketBuffer(BufferBase):
                          f"'all_reduce', got {op!r}")
 
     def session(self) -> BucketSession:
-        """A :class:`BucketSession`, in which the collectives accept tensors outside the storage."""
+        """A :class:`BucketSession`, in which the collectives accept tensors outside the storage.
+
+        Raises:
+            RuntimeError: the buffer was destroyed (also when a session made before is entered after).
+        """
+        self._check_alive("session")
         return BucketSession(self)
 
     def barrier(self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True,
@@ -398,7 +412,7 @@ class BucketBuffer(BufferBase):
         self._check_alive("barrier")
         ctx = self.get_context_idx(group)
         if ctx == 0:
-            self.runtime.barrier(phase="BucketBuffer.barrier")
+            self._step(lambda: self.runtime.barrier(phase="BucketBuffer.barrier"))
             return
         peers = [p for p in self._contexts[ctx] if p != self.rank_idx]
         self._announce(ctx, _SLOT_BARRIER, peers)
@@ -448,17 +462,18 @@ class BucketBuffer(BufferBase):
         """Every rank's ``obj`` in group ``ctx``'s rank order, with the deadline (the first group: the transport's
         own gather; another: the group's duplicated communicator, polled)."""
         if ctx == 0:
-            return self.runtime.allgather_object(obj, phase=phase)
+            return self._step(lambda: self.runtime.allgather_object(obj, phase=phase))
         deadline = time.monotonic() + self.runtime.timeout_s
         pauses = WaitPolicy(local_ranks=self.runtime.topology.ranks_per_node).pauses()
 
         def wait(req):
             while not req.Test():
+                self.runtime.check_abort(phase)  # a member that failed aborted its peers: fail now, naming it
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.rank_idx}: {phase}: not every rank of group {ctx} (ranks "
                                        f"{self._contexts[ctx]}) entered the call within {self.runtime.timeout_s} s")
                 time.sleep(next(pauses))
-        return allgather_object(self._comms[ctx], obj, wait)
+        return self._step(lambda: allgather_object(self._comms[ctx], obj, wait))
 
     def _validate(self, op: str, group, num_sms, fn, unpacked: Exception | None = None):
         """Run the local checks ``fn(ctx) -> (plan, signature)`` on this rank, then agree with the group;
@@ -495,13 +510,17 @@ class BucketBuffer(BufferBase):
         need = self._expected[slot]
         for p in peers:
             need[p] += 1
-        self.runtime.wait_until(self._win, slot, peers, [need[p] for p in peers],
-                                phase=f"{phase}: rank {self.rank_idx} waits for ranks {peers}")
+        self._step(lambda: self.runtime.wait_until(self._win, slot, peers, [need[p] for p in peers],
+                                                   phase=f"{phase}: rank {self.rank_idx} waits for ranks {peers}"))
 
     def _finish(self, ctx: int, op: str, peers: list[int]) -> None:
         """Tell the peers this rank read their windows, then wait until they all read ours."""
         self._announce(ctx, _SLOT_DONE, peers)
         self._await(ctx, _SLOT_DONE, peers, f"BucketBuffer.{op} (peers finishing their reads of this rank's storage)")
+
+    def _get(self, peer: int, offset: int, out: torch.Tensor) -> None:
+        """``out`` from ``peer``'s storage at byte ``offset`` (one copy; a remote node's by a one-sided read)."""
+        self._step(lambda: self.runtime.get(self._win, peer, offset, out))
 
     def _add_from(self, acc: torch.Tensor, peer: int, offset: int, dtype: torch.dtype) -> None:
         """``acc += peer's elements at byte offset`` (``acc.numel()`` of them, stored as ``dtype``): a node
@@ -510,7 +529,7 @@ class BucketBuffer(BufferBase):
         nbytes = acc.numel() * dtype.itemsize
         if tp.channel_kind(win, peer) is ChannelKind.URMA:
             part = torch.empty(acc.numel(), dtype=dtype)
-            tp.get(win, peer, offset, part)
+            self._get(peer, offset, part)
         else:
             part = tp.peer_view(win, peer, offset, nbytes, dtype)
             tp.record_fetch(peer, nbytes)
@@ -587,7 +606,6 @@ class BucketBuffer(BufferBase):
         members = self._contexts[ctx]
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]
-        tp, win = self.runtime, self._win
         outputs = []
         for src, base, nbytes in plan:
             own = self.storage.narrow(0, base + r * nbytes, nbytes)
@@ -600,7 +618,7 @@ class BucketBuffer(BufferBase):
             for q in range(1, n):  # shards in ring order from the next rank: spreads the reads over peers
                 p = (r + q) % n
                 if nbytes:
-                    tp.get(win, members[p], base + p * nbytes, self.storage.narrow(0, base + p * nbytes, nbytes))
+                    self._get(members[p], base + p * nbytes, self.storage.narrow(0, base + p * nbytes, nbytes))
         self._finish(ctx, "all_gather", peers)
         return self._handle(outputs, is_packed, 0 if num_sms is None else num_sms)
 
@@ -714,7 +732,6 @@ class BucketBuffer(BufferBase):
         members = self._contexts[ctx]
         n, r = len(members), members.index(self.rank_idx)
         peers = [p for p in members if p != self.rank_idx]
-        tp, win = self.runtime, self._win
         self._announce(ctx, _SLOT_READY, peers)
         self._await(ctx, _SLOT_READY, peers, "BucketBuffer.all_reduce (peers' sources ready)")
         for src, off in plan:
@@ -733,7 +750,7 @@ class BucketBuffer(BufferBase):
                 p = (r + q) % n
                 lo, hi = p * src.numel() // n, (p + 1) * src.numel() // n
                 if hi > lo:
-                    tp.get(win, members[p], off + lo * 4, flat[lo:hi])
+                    self._get(members[p], off + lo * 4, flat[lo:hi])
         self._finish(ctx, "all_reduce", peers)
         return self._handle(list(srcs), is_packed, self.get_theoretical_num_sms("all_reduce", self.groups[ctx])
                             if num_sms is None else num_sms)

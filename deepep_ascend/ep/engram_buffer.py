@@ -19,7 +19,7 @@ import torch
 from .. import settings
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import ChannelKind, Team, Topology, create_transport
+from ..transports import ChannelKind, Team, Topology, TransportBusy, create_transport
 from .allocator import BufferBase, get_num_allocation_alignment
 from .arguments import context_idx_problem, is_int, sl_idx_problem
 from .event import Worker
@@ -225,7 +225,7 @@ class EngramBuffer(BufferBase):
         self._usable("barrier")
         bad = context_idx_problem("EngramBuffer", context_idx)
         self._worker.drain()
-        self.runtime.barrier(Team.WORLD, phase="EngramBuffer.barrier")
+        self._step(lambda: self.runtime.barrier(Team.WORLD, phase="EngramBuffer.barrier"))
         if bad:  # raised after taking part, so that the ranks' barriers stay paired
             raise bad
 
@@ -234,8 +234,12 @@ class EngramBuffer(BufferBase):
         return self._worker
 
     def _usable(self, op: str) -> None:
+        """Raise unless the buffer can run ``op``: ``RuntimeError`` once destroyed; the transport's
+        ``TransportPoisoned`` after a failure of this rank, ``TransportAborted`` after a peer's (a fetch then
+        would read windows their owners may have left)."""
         if self.runtime is None:
             raise RuntimeError(f"EngramBuffer.{op}: the buffer was destroyed")
+        self.runtime.check_abort(f"EngramBuffer.{op}")
 
     def _memory_usage(self) -> dict[str, int]:
         return {"storage window": self.num_rdma_storage_bytes, "buffer window": self.num_gpu_bytes,
@@ -243,17 +247,25 @@ class EngramBuffer(BufferBase):
 
     def _destroy(self) -> None:
         self._worker.drain()
-        self.runtime.barrier(Team.WORLD, phase="EngramBuffer.destroy")
-        self._worker.shutdown()
+        windows = self._storage, self._buffer
         self._storage = self._buffer = None
-        self.runtime.destroy()
+        try:  # every rank meets there before any frees (a peer may still read this rank's storage until then)
+            self.runtime.destroy()
+        except TransportBusy:  # refused on every rank: the buffer stays as it was
+            self._storage, self._buffer = windows
+            raise
+        self._worker.shutdown()
 
     def destroy(self) -> None:
         """Collectively free the windows and the worker. Requires ``explicitly_destroy=True``; tensors
         returned by fetches stay valid.
 
+        Also after a failure (a timeout here, a peer's abort): the windows are then left to the process's exit
+        (docs/design/transports.md §2.4) and the buffer is destroyed all the same.
+
         Raises:
             RuntimeError: built without ``explicitly_destroy=True``.
+            transports.TransportTimeout: a rank did not call ``destroy()`` within the deadline.
         """
         super().destroy()
 
@@ -261,8 +273,8 @@ class EngramBuffer(BufferBase):
         """Collective (with the deadline): raise on every rank if any rank refused its arguments (``error``)
         or the ranks disagree on ``arguments``; this rank's own error is raised as itself."""
         items = tuple((arguments or {}).items())
-        values = self.runtime.allgather_object(
-            (None if error is None else f"{type(error).__name__}: {error}", items), phase=f"EngramBuffer.{op}")
+        values = self._step(lambda: self.runtime.allgather_object(
+            (None if error is None else f"{type(error).__name__}: {error}", items), phase=f"EngramBuffer.{op}"))
         if error is not None:
             raise error
         refused = [f"rank {r} refused its arguments ({v[0]})" for r, v in enumerate(values) if v[0] is not None]
@@ -324,8 +336,12 @@ class EngramBuffer(BufferBase):
         Raises:
             AssertionError: a count not positive (as DeepEP).
         """
-        assert num_layers > 0 and num_max_tokens > 0 and num_entries_per_token > 0 and \
-            num_max_read_requests_per_qp > 0, "the counts must be positive"
+        counts = {"num_layers": num_layers, "num_max_tokens": num_max_tokens,
+                  "num_entries_per_token": num_entries_per_token,
+                  "num_max_read_requests_per_qp": num_max_read_requests_per_qp}
+        bad = {k: v for k, v in counts.items() if not (is_int(v) and v > 0)}
+        assert not bad, "EngramBuffer.get_theoretical_config: the counts must be positive ints, got " + ", ".join(
+            f"{k}={v!r}" for k, v in bad.items())
         peers = Topology.from_comm(mpi_comm_of(group, None), ranks_per_node).num_nodes
         f32 = np.float32
         rate = f32(NIC_READ_MPPS) * f32(1e6) * f32(READ_RTT_S) / f32(num_max_read_requests_per_qp) / f32(peers)
@@ -450,7 +466,7 @@ class EngramBuffer(BufferBase):
                 tp.local_view(self._buffer, offset, nbytes).copy_(sf[first:first + rows].reshape(-1).view(torch.uint8))
                 offset += nbytes
             self._sf_dtype = sfs[0].dtype
-        tp.barrier(Team.WORLD, phase="EngramBuffer.write")  # the stores are visible to every reader
+        self._step(lambda: tp.barrier(Team.WORLD, phase="EngramBuffer.write"))  # the stores are visible to every reader
         self._written = True
 
     # -- fetch -------------------------------------------------------------------------------
@@ -530,9 +546,9 @@ class EngramBuffer(BufferBase):
             fetched_sf = [backing[i].as_strided((num_tokens, per_token * P), (token_stride, col_stride))
                           for i in range(num_layers)]
         idx = indices.reshape(num_layers, -1).long()  # read here: the caller may reuse `indices` at once
-        futures = [self._worker.submit(self._fetch_layer, layer, idx[layer], fetched[layer],
-                                       fetched_sf[layer] if fp8 else None, per_token)
-                   for layer in range(num_layers)]
+        futures = [self._worker.submit(self._step, functools.partial(
+            self._fetch_layer, layer, idx[layer], fetched[layer], fetched_sf[layer] if fp8 else None, per_token))
+            for layer in range(num_layers)]
 
         def hook(layer):
             def wait():
@@ -587,6 +603,7 @@ class EngramBuffer(BufferBase):
         Raises:
             RuntimeError: the buffer was destroyed.
         """
-        self._usable("get_traffic")
+        if self.runtime is None:
+            raise RuntimeError("EngramBuffer.get_traffic: the buffer was destroyed")
         fetched = self.runtime.stats.bytes_fetched
         return {kind.name: int(fetched[int(kind)].sum()) for kind in ChannelKind}

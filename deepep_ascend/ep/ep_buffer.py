@@ -160,10 +160,10 @@ class EPBuffer(BufferBase):
         num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
         error = None
         if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
-            error = ValueError(f"EPBuffer: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); got "
-                               f"num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
+            error = ValueError(f"{type(self).__name__}: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); "
+                               f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
         elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
-            error = ValueError(f"EPBuffer: num_bytes must be a positive multiple of {alignment} "
+            error = ValueError(f"{type(self).__name__}: num_bytes must be a positive multiple of {alignment} "
                                f"(get_num_allocation_alignment()), got {num_bytes!r}")
         elif not isinstance(num_lb_bytes, int) or num_lb_bytes < 0 or num_lb_bytes % alignment:
             error = ValueError(f"EPBuffer: lb_allocation_plan_or_num_bytes must be a BufferAllocator or a "
@@ -303,10 +303,10 @@ class EPBuffer(BufferBase):
                 aborted, so a rank waiting in another call fails at once).
         """
         self._usable("barrier")
-        bad = context_idx_problem("EPBuffer", context_idx)
+        bad = context_idx_problem(type(self).__name__, context_idx)
         legacy = self._legacy
         legacy._worker.drain()
-        legacy._guard(lambda: self.runtime.barrier(phase="EPBuffer.barrier"))
+        legacy._guard(lambda: self.runtime.barrier(phase=f"{type(self).__name__}.barrier"))
         if bad:  # raised after taking part, so that the ranks' barriers stay paired
             raise bad
 
@@ -360,7 +360,7 @@ class EPBuffer(BufferBase):
 
     def _usable(self, op: str) -> None:
         if self.runtime is None:
-            raise RuntimeError(f"EPBuffer.{op}: the buffer was destroyed")
+            raise RuntimeError(f"{type(self).__name__}.{op}: the buffer was destroyed")
 
     def refuse_call(self, op: str, error: Exception) -> None:
         """Take this rank's part in the collective ``dispatch`` or ``combine`` as a rejection of its arguments,

@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from ..rounding import align
-from ..transports import ChannelKind, create_transport
+from ..transports import ChannelKind, SharedMemoryExhausted, create_transport
 from .allocator import BufferBase
 from .arguments import is_int, sl_idx_problem
 from .event import EventHandle, EventOverlap, Worker
@@ -99,6 +99,11 @@ class PPBuffer(BufferBase):
         self.runtime = create_transport(comm, ranks_per_node=ranks_per_node, timeout_s=deadline)
         try:
             self._win = self.runtime.create_window("pp", self._payload_bytes + self._header_bytes, 2)
+        except SharedMemoryExhausted as exc:
+            self.runtime.destroy(force=True)
+            raise SharedMemoryExhausted(f"PPBuffer: num_max_tensor_bytes={num_max_tensor_bytes} x "
+                                        f"num_max_inflight_tensors={num_max_inflight_tensors} x 2 directions of "
+                                        f"receive slots per rank: {exc}") from None
         except BaseException:
             self.runtime.destroy(force=True)
             raise
@@ -163,6 +168,8 @@ class PPBuffer(BufferBase):
         if x.is_conj() or x.is_neg():
             raise ValueError(f"PPBuffer.{op}: x is a lazily conjugated or negated view ({x.dtype} {tuple(x.shape)}); "
                              f"pass x.resolve_conj().resolve_neg() (its bytes are sent as they lie)")
+        if x.layout != torch.strided:
+            raise ValueError(f"PPBuffer.{op}: x must be a dense (strided) tensor, got layout {x.layout}")
         if x.device.type != "cpu" or not x.is_contiguous() or x.nbytes == 0:
             raise ValueError(f"PPBuffer.{op}: x must be a non-empty contiguous CPU tensor, got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device} (contiguous={x.is_contiguous()})")
@@ -206,10 +213,13 @@ class PPBuffer(BufferBase):
                 neighbour; bad ``num_sms``.
             RuntimeError: the buffer was destroyed.
             TimeoutError: the receiver did not free a slot within the deadline (naming it; the buffer
-                is then unusable). With ``async_finish``, raised by the event's wait.
+                is then unusable, and the peers waiting for this rank fail at once). With ``async_finish``,
+                raised by the event's wait.
+            transports.TransportAborted: a peer failed meanwhile (naming it; ``TransportPeerTimeout``, also a
+                ``TimeoutError``, where it timed out).
         """
         data = self._check("send", x, dst_rank_idx, "dst_rank_idx", num_sms)
-        return self._run(lambda: self._send(data, dst_rank_idx), x, async_finish)
+        return self._run(lambda: self._step(lambda: self._send(data, dst_rank_idx)), x, async_finish)
 
     def recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int | None = None, *,
              async_finish: bool = False) -> EventOverlap | None:
@@ -229,7 +239,8 @@ class PPBuffer(BufferBase):
             ValueError: ``x.nbytes`` differs from the bytes sent; the tensor stays in its slot, so a
                 ``recv`` with the right size still receives it.
             RuntimeError: the buffer was destroyed.
-            TimeoutError: nothing arrived from ``src_rank_idx`` within the deadline (naming it).
+            TimeoutError: nothing arrived from ``src_rank_idx`` within the deadline (naming it; as :meth:`send`).
+            transports.TransportAborted: as :meth:`send`.
         """
         data = self._check("recv", x, src_rank_idx, "src_rank_idx", num_sms)
         return self._run(lambda: self._recv(data, src_rank_idx), x, async_finish)
@@ -257,8 +268,9 @@ class PPBuffer(BufferBase):
 
     def _recv(self, data: torch.Tensor, src: int) -> None:
         tp, win, n = self.runtime, self._win, self._num_received[src]
-        tp.wait_until(win, _SLOT_ARRIVAL, [src], n + 1,
-                      phase=f"PPBuffer.recv: rank {self.rank_idx} waits for tensor {n + 1} from rank {src}")
+        # (only the wait aborts the peers on failure: a size mismatch below leaves the buffer usable)
+        self._step(lambda: tp.wait_until(win, _SLOT_ARRIVAL, [src], n + 1, phase=f"PPBuffer.recv: rank {self.rank_idx} "
+                                         f"waits for tensor {n + 1} from rank {src}"))
         direction, slot = self._direction(src, self.rank_idx), n % self.num_max_inflight_tensors
         nbytes, seq = (int(v) for v in self._header_table[direction, slot])
         if seq != n + 1:  # the protocol's own invariant: a violation is a bug, never the caller's data

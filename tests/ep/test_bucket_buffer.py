@@ -282,6 +282,14 @@ def test_session(buf, gloo):
     got_ag, got_rs, got_ar, ar = coll(in_place, what="session (in place)")
     ok = ok and torch.equal(got_ag, ag_ref.view(-1)) and torch.equal(got_rs, rs_ref) and torch.equal(got_ar, ar_ref)
     ok = ok and got_ar.data_ptr() == ar.data_ptr()
+    with buf.session() as session:  # () is one 0-d shape; shapes of no element or not of ints are refused
+        scalar = session.allocate(())
+        ok = ok and scalar.shape == () and scalar.dtype == torch.float32
+        for bad, kind, needle in (((0, 4), ValueError, "positive size"), ((-1, 4), ValueError, "(-1, 4)"),
+                                  (("a",), ValueError, "('a',)"), ("a", TypeError, "got str")):
+            _, err = capture(lambda: session.allocate(bad))
+            ok = ok and isinstance(err, kind) and needle in str(err)
+        scalar = None
     all_ranks_ok(comm, ok, "session")
 
 
@@ -409,7 +417,9 @@ def test_destroyed():
     buf = coll(lambda: BucketBuffer(world(), 4096, explicitly_destroy=True), what="BucketBuffer()")
     coll(buf.destroy, what="destroy")
     _, err = capture(lambda: buf.all_gather(torch.zeros(4)))
-    all_ranks_ok(world(), isinstance(err, RuntimeError) and "destroyed" in str(err), f"after destroy: {err!r}")
+    _, err2 = capture(buf.session)
+    all_ranks_ok(world(), all(isinstance(e, RuntimeError) and "destroyed" in str(e) for e in (err, err2)),
+                 f"after destroy: {err!r}, session(): {err2!r}")
 
 
 def test_deadline_names_the_call():
@@ -565,4 +575,41 @@ def test_refused_destroy_leaves_the_buffer_usable():
     _, err = capture(buf.destroy)
     if err is not None:
         errors.append(f"destroy() after dropping the tensor: {err!r}")
+    all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
+
+
+def test_a_timeout_aborts_the_peers_and_a_refused_destroy_says_why():
+    """Rank 0 all-reduces alone and times out, aborting the others: their next collective fails at once with the
+    ``TransportPeerTimeout`` naming rank 0. With a tensor of the storage alive on every rank, ``destroy()`` raises
+    ``TransportBusy`` on every rank, and leaves ``storage`` None (every rank's transport failed: the buffer is
+    unusable); once the tensors are dropped it succeeds everywhere."""
+    import time
+
+    from deepep_ascend.transports import TransportBusy, TransportPeerTimeout, TransportTimeout
+
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    if R == 1:
+        pytest.skip("needs a peer that stays away")
+    buf = coll(lambda: BucketBuffer(world(), 4096, explicitly_destroy=True, timeout_s=1.0), what="BucketBuffer()")
+    held = buf.storage[:256].view(torch.float32)
+    errors = []
+    if r == 0:
+        _, err = capture(lambda: buf.all_reduce(held))
+        if not isinstance(err, TransportTimeout) or "BucketBuffer.all_reduce" not in str(err):
+            errors.append(f"the lone all_reduce raised {err!r}")
+    comm.Barrier()
+    if r:
+        start = time.monotonic()
+        _, err = capture(lambda: buf.all_reduce(held))
+        if not isinstance(err, TransportPeerTimeout) or err.peer != 0 or time.monotonic() - start > 0.5:
+            errors.append(f"an all_reduce after rank 0's timeout raised {err!r} after {time.monotonic() - start:.1f} s")
+    err = None  # its traceback holds the call's views of the storage
+    _, err = capture(buf.destroy)
+    if not isinstance(err, TransportBusy) or buf.runtime is None or buf.storage is not None:
+        errors.append(f"destroy() with a live tensor: {err!r}, storage {'None' if buf.storage is None else 'kept'}")
+    held = err = None
+    _, err = capture(buf.destroy)
+    if err is not None or buf.runtime is not None:
+        errors.append(f"destroy() once the tensors are dropped: {err!r}")
     all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))

@@ -250,6 +250,9 @@ def test_size_hints_and_config_by_hand():
                        (([], HIDDEN, MAX_TOKENS, PER_TOKEN), ValueError)):
         _, exc = capture(lambda: EngramBuffer.get_storage_size_hint(world(), *args))
         all_ranks_ok(world(), isinstance(exc, kind) and "get_storage_size_hint" in str(exc), f"hint {args}: {exc!r}")
+    _, exc = capture(lambda: EngramBuffer.get_theoretical_config(world(), 0, MAX_TOKENS, 2.5))  # DeepEP's assertion
+    all_ranks_ok(world(), isinstance(exc, AssertionError) and "num_layers=0, num_entries_per_token=2.5" in str(exc),
+                 f"theoretical config of no layers: {exc!r}")
 
 
 def test_size_hint_for_another_node_count_is_refused(two_nodes):
@@ -383,3 +386,40 @@ def test_constructor_and_lifetime():
     ok &= isinstance(exc, RuntimeError) and "explicitly_destroy" in str(exc)
     all_ranks_ok(world(), ok, "constructor alias, lifetime")
     coll(implicit.runtime.destroy, what="free the implicit buffer's transport")
+
+
+def test_a_timeout_aborts_the_peers_and_destroy_still_works():
+    """A barrier rank 0 enters alone times out (naming the others) and aborts them: their next call fails at once
+    with the ``TransportPeerTimeout`` naming rank 0; rank 0's own fetch is refused (``TransportPoisoned``) instead
+    of reading windows whose owners may have left; then ``destroy()`` works on every rank, twice."""
+    import time
+
+    from deepep_ascend.transports import TransportPeerTimeout, TransportPoisoned, TransportTimeout
+
+    R, rank = world().Get_size(), world().Get_rank()
+    if R == 1:
+        pytest.skip("needs a peer that stays away")
+    buf = _build(num_gpu_timeout_secs=1)
+    coll(buf.set_config, ENTRIES, HIDDEN, MAX_TOKENS, PER_TOKEN, what="set_config")
+    coll(buf.write, _tables(False, seed=81)[0], what="write")
+    errors = []
+    if rank == 0:
+        _, exc = capture(buf.barrier)
+        if not isinstance(exc, TransportTimeout) or "EngramBuffer.barrier" not in str(exc):
+            errors.append(f"the lone barrier raised {exc!r}")
+    world().Barrier()
+    start = time.monotonic()
+    if rank == 0:
+        _, exc = capture(lambda: buf.fetch(_indices(82, 2, 2)))
+        if not isinstance(exc, TransportPoisoned):
+            errors.append(f"a fetch after the timeout raised {exc!r}")
+    else:
+        _, exc = capture(buf.barrier)
+        if not isinstance(exc, TransportPeerTimeout) or exc.peer != 0 or time.monotonic() - start > 0.5:
+            errors.append(f"a barrier after rank 0's timeout raised {exc!r} after {time.monotonic() - start:.1f} s")
+    exc = None
+    for attempt in range(2):
+        _, exc = capture(buf.destroy)
+        if exc is not None or buf.runtime is not None:
+            errors.append(f"destroy() #{attempt + 1}: {exc!r}")
+    all_ranks_ok(world(), not errors, f"rank {rank}: " + "; ".join(errors))

@@ -717,6 +717,9 @@ def test_event_overlap_hooks_and_allocator(comm):
         all_ranks_ok(comm, ok, "ElasticBuffer's V2 signatures")
     finally:
         coll(buf.destroy)
+    _, err = capture(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=2 * R))  # errors say which class
+    all_ranks_ok(comm, isinstance(err, RuntimeError) and "ElasticBuffer.dispatch: the buffer was destroyed" in str(err),
+                 f"ElasticBuffer.dispatch after destroy: {err!r}")
 
 
 def test_consensus_error_names_ranks(ep, comm):

@@ -231,6 +231,7 @@ def test_bad_arguments_raise_before_anything_moves(pp, comm):
         ("recv", lambda: pp.recv(good, R + 3), ValueError, "src_rank_idx"),
         ("recv", lambda: pp.recv(torch.zeros(4, 4).t(), prev, async_finish=True), ValueError, "contiguous"),
         ("send", lambda: pp.send(torch.zeros(2, dtype=torch.complex64).conj(), nxt), ValueError, "conjugated"),
+        ("send", lambda: pp.send(torch.zeros(4).to_sparse(), nxt), ValueError, "layout torch.sparse_coo"),
     ]
     if R >= 4:  # a rank of the ring that is no neighbour
         cases.append(("send", lambda: pp.send(good, (r + 2) % R), ValueError, "dst_rank_idx"))
@@ -269,6 +270,12 @@ def test_constructor_errors_on_every_rank(comm):
         _, err = capture(lambda: PPBuffer(comm, **kwargs))
         if not isinstance(err, (TypeError if r == 0 and "sl_idx" in kwargs else ValueError)) or needle not in str(err):
             problems.append((i, repr(err)))
+    # more slots than the host's shared memory: refused before mapping anything, naming the sizes that ask for it
+    from deepep_ascend.transports import SharedMemoryExhausted
+    _, err = capture(lambda: PPBuffer(comm, 1 << 40, 2))
+    if not isinstance(err, SharedMemoryExhausted) or "num_max_tensor_bytes=1099511627776 x " \
+            "num_max_inflight_tensors=2" not in str(err):
+        problems.append(("1 TiB slots", repr(err)))
     all_ranks_ok(comm, not problems, f"constructor: wrong or missing errors {problems}")
 
 
@@ -311,6 +318,30 @@ def test_deadline_names_the_peer(comm, op):
     coll(buf.destroy, what="destroy after a timeout")
     all_ranks_ok(comm, ok, f"{op}: expected a TimeoutError within the deadline, got {err!r} after {elapsed:.1f} s")
     assert any(world().allgather(own)), f"no rank's timeout named the peer it waited for: {err!r}"
+
+
+def test_a_timeout_fails_the_ranks_waiting_for_it_at_once(comm):
+    """docs/semantics/deepep-api.md §14.2 item 5: rank 0's ``recv`` times out; every other rank, waiting in the
+    ring since a second later (its own deadline a second after rank 0's), fails at once with the
+    ``TransportPeerTimeout`` rank 0's abort sends (a ``TimeoutError`` naming rank 0), not with a timeout of its
+    own. Then ``destroy()`` works on every rank."""
+    from deepep_ascend.transports import TransportPeerTimeout, TransportTimeout
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    if R == 1:
+        pytest.skip("needs a peer waiting for the rank that times out")
+    buf = coll(lambda: PPBuffer(comm, 64, 1, explicitly_destroy=True, timeout_s=2.0), what="PPBuffer()")
+    if r:
+        time.sleep(1.0)
+    _, err = capture(lambda: buf.recv(torch.zeros(16), (r - 1) % R))
+    if r == 0:
+        ok = isinstance(err, TransportTimeout) and f"from rank {R - 1}" in str(err)
+    else:
+        ok = isinstance(err, TransportPeerTimeout) and err.peer == 0 and err.pending_peers == [R - 1]
+    what, err = repr(err), None
+    _, err = capture(buf.destroy)
+    ok &= err is None and buf.runtime is None and buf.storage is None
+    all_ranks_ok(comm, ok, f"rank {r}: the timeout gave {what}, then destroy() {err!r}")
 
 
 def test_process_groups_against_gloo(comm):
