@@ -223,14 +223,15 @@ class EPBuffer(BufferBase):
     @staticmethod
     @functools.lru_cache(maxsize=256)  # a function of a few ints, asked by every dispatch
     def _window_needs(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int,
-                      num_topk: int, hidden: int) -> tuple[int, int]:
+                      num_topk: int, hidden: int, num_experts: int = NUM_MAX_EXPERTS) -> tuple[int, int]:
         """``(UBMEM, URMA)`` window bytes a call of this shape needs in one round (the engines' worst case,
-        with room for :data:`NUM_MAX_EXPERTS` experts' counts)."""
+        with room for ``num_experts`` experts' counts; on one node the counts of more experts than the window
+        holds at once go in further rounds, across nodes they must fit one node box)."""
         if num_nodes == 1:
-            return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
+            return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, num_experts,
                                              num_ranks, 2 * hidden, num_topk), 0
         # combine's rows carry each row's sort key across nodes (docs/semantics/deepep-api.md §13.5)
-        return InternodeEngine.size_hints(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, NUM_MAX_EXPERTS,
+        return InternodeEngine.size_hints(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, num_experts,
                                           num_ranks, num_nodes, 2 * hidden, num_topk + 1)
 
     @staticmethod
@@ -509,11 +510,15 @@ class EPBuffer(BufferBase):
             sf_bytes = 0 if sf is None else extra[0].size(1)  # dispatched weights count as the top-k slots
             k = (handle.topk_idx if handle is not None else topk_idx).size(1)
             G = self._legacy.num_nodes
-            needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden)
+            # across nodes every expert's count must fit a node box: past the hint's experts, the call's own count
+            E = max(NUM_MAX_EXPERTS, (handle.num_experts if handle is not None else num_experts) if G > 1 else 0)
+            needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden, E)
             check(_covers(self._windows, needs), ValueError,
                   lambda: f"num_bytes={self.num_bytes} is below the {EPBuffer._bytes_for(needs, R, G)} bytes a call "
                   f"of num_max_tokens_per_rank={max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} "
-                  f"{data.dtype}; +{sf_bytes} B of scales) needs; see EPBuffer.get_buffer_size_hint")
+                  f"{data.dtype}; +{sf_bytes} B of scales), {k} top-k slots"
+                  + (f" and num_experts={E} across {G} nodes" if E > NUM_MAX_EXPERTS else "")
+                  + f" needs; see EPBuffer.get_buffer_size_hint (room for {NUM_MAX_EXPERTS} experts' counts)")
             return xb, sb
 
         if handle is None:

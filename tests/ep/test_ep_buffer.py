@@ -371,6 +371,40 @@ def test_size_hint_is_exact(comm, nodes, hybrid, capsys):
     assert isinstance(err, ValueError) and "multiple of" in str(err)
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "direct"])
+def test_more_experts_than_the_hint_across_nodes_name_the_bytes_they_need(comm, hybrid):
+    """The hint leaves room for 1,024 experts' counts; across nodes every count must fit a node box, so a call of
+    4,096 experts on a hint-sized buffer is refused on every rank, naming num_experts and the bytes it needs; a
+    buffer of those bytes takes it (each token's rows, x on every rank, combined back to x times its ranks)."""
+    import re
+
+    R, rank = comm.Get_size(), comm.Get_rank()
+    if R < 2 or R % 2:
+        pytest.skip("two simulated nodes need an even number of ranks")
+    E, M, H = 4096, 16, 256
+    x = torch.randint(-8, 8, (M, H), generator=torch.Generator().manual_seed(rank)).to(BF16)
+    topk_idx = torch.rand(M, E, generator=torch.Generator().manual_seed(rank)).topk(4, dim=1).indices
+    kwargs = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=4, allow_hybrid_mode=hybrid, explicitly_destroy=True,
+                  ranks_per_node=R // 2)
+    buf = coll(lambda: EPBuffer(comm, **kwargs))
+    try:
+        _, err = capture(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E))
+        need = re.search(r"below the (\d+) bytes", str(err))
+        all_ranks_ok(comm, isinstance(err, ValueError) and need is not None and f"num_experts={E}" in str(err),
+                     f"{E} experts on a hint-sized buffer: {err!r}")
+    finally:
+        coll(buf.destroy)
+    buf = coll(lambda: EPBuffer(comm, num_bytes=int(need.group(1)), **kwargs))
+    try:
+        recv_x, _, _, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E))
+        combined, _, _ = coll(lambda: buf.combine(recv_x, handle))
+        ranks_per_token = (topk_idx // (E // R)).sort(dim=1).values.diff(dim=1).ne(0).sum(1) + 1
+        all_ranks_ok(comm, torch.equal(combined, (x.float() * ranks_per_token[:, None]).to(BF16)),
+                     f"{E} experts on a buffer of the bytes named")
+    finally:
+        coll(buf.destroy)
+
+
 def test_constructor_arguments_agreed_on_every_rank(comm):
     """Ranks passing different collective arguments, or one rank a bad one, raise on every rank before
     anything is allocated (never a hang), naming the argument and each rank's value."""
