@@ -79,16 +79,19 @@ def _check(buffer, recv_x, recv_topk_weights, handle, l1_weights, l2_weights, ou
     if sf is not None and tuple(sf.shape) != (n, h // 128):
         raise ValueError(f"{_OP}: `recv_x[1]` must be [{n}, {h // 128}], got {tuple(sf.shape)}")
     w = recv_topk_weights
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or tuple(w.shape) != (n,):
-        raise TypeError(f"{_OP}: `recv_topk_weights` must be float32 [{n}] (the expanded dispatch's 1-D weights), "
-                        f"got {getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+        raise TypeError(f"{_OP}: `recv_topk_weights` must be a float32 tensor (the expanded dispatch's 1-D weights), "
+                        f"got {getattr(w, 'dtype', type(w).__name__)}")
+    if tuple(w.shape) != (n,):
+        raise ValueError(f"{_OP}: `recv_topk_weights` must be [{n}] (the handle's rows), got {tuple(w.shape)}")
     check_storage(f"{_OP}: `recv_topk_weights`", w)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != BF16:
             raise TypeError(f"{_OP}: `out` must be a bfloat16 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
         check_storage(f"{_OP}: `out`", out)
         if tuple(out.shape) != (n, h) or not out.is_contiguous():
-            raise ValueError(f"{_OP}: `out` must be contiguous [{n}, {h}], got {tuple(out.shape)}")
+            raise ValueError(f"{_OP}: `out` must be contiguous [{n}, {h}], got {tuple(out.shape)}"
+                             + ("" if out.is_contiguous() else f" with strides {out.stride()} (not contiguous)"))
     ends = psum.tolist()
     if ends and (any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] > n):
         raise ValueError(f"{_OP}: the handle's psum_num_recv_tokens_per_expert {ends} is not a layout of {n} rows")

@@ -204,8 +204,9 @@ def _check_symm_args(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, 
             f"MegaMoE: use_fp8_dispatch={use_fp8_dispatch} disagrees with mma_type={mma_type!r}")
     for name, v in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
                     ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
-        assert isinstance(v, int) and v >= (0 if name == "num_max_tokens_per_rank" else 1), (
-            f"MegaMoE: {name} must be a positive int, got {v!r}")
+        least = 0 if name == "num_max_tokens_per_rank" else 1  # 0 tokens: one block of 384, as any count up to it
+        assert isinstance(v, int) and v >= least, (
+            f"MegaMoE: {name} must be an int >= {least}, got {v!r}")
     assert num_topk <= 32, f"MegaMoE: num_topk must be <= 32, got {num_topk}"
     assert isinstance(num_shared_experts, int) and 0 <= num_shared_experts <= 2, (
         f"MegaMoE: num_shared_experts must be 0, 1 or 2, got {num_shared_experts!r}")
@@ -231,7 +232,7 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         group: an mpi4py communicator or a ``torch.distributed`` ProcessGroup (as
             :class:`~deepep_ascend.Buffer`); every rank passes the same other arguments.
         num_experts: ``E``, a multiple of the group size; num_topk: ``K <= 32``.
-        num_max_tokens_per_rank: capacity per rank, rounded up to a multiple of 384.
+        num_max_tokens_per_rank: capacity per rank (>= 0), rounded up to a multiple of 384 (0 and 1 give 384).
         hidden, intermediate_hidden: ``H``, ``I``. ``fp8xfp4`` needs ``H % 128 == 0`` and
             ``I % 128 == 0``; ``bf16xbf16`` needs ``I % 8 == 0`` (the L1 interleave).
         use_fp8_dispatch: deprecated alias of ``mma_type == 'fp8xfp4'`` (warns; must agree).

@@ -95,6 +95,7 @@ import torch
 from ..ep.config import Config
 from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
+from ..ep.protocol import ConsensusError
 from ..ep.rows import dense
 from ..rounding import align
 
@@ -452,6 +453,14 @@ class _LLCombine(torch.autograd.Function):
         m, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         n, k = topk_idx.shape
         L = y.size(0)
+        # Each expert reads its sources' weight rows (step 2) by its own K: the plain calls take a top-k per rank,
+        # this backward one top-k on every rank (one small gather of it, with the deadline).
+        ks = buffer.runtime.allgather_object(k, phase="deepep_ascend.nn.autograd.low_latency_combine backward")
+        if len(set(ks)) > 1:
+            raise ConsensusError(f"rank {buffer.rank}: deepep_ascend.nn.autograd.low_latency_combine backward: the "
+                                 f"ranks' top-k differ (topk_idx.size(1): " + ", ".join(
+                                     f"rank {r}: {v}" for r, v in enumerate(ks)) + "); the low-latency autograd "
+                                 "pair needs one top-k on every rank")
         # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
         g = grad_combined.to(_BF16).contiguous()
         recv_g, _, h_g, _, _ = buffer.low_latency_dispatch(g, topk_idx, m, num_experts, use_fp8=False)
@@ -560,6 +569,8 @@ def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_we
         TypeError: non-bf16 ``x``; an unsupported keyword. Otherwise as ``Buffer.low_latency_combine``
             (forward) and ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (backward).
             RuntimeError (backward): the gradient's dispatch did not land in the handle's slots.
+            ConsensusError (a ``ValueError``; backward, on every rank): the ranks' ``topk_idx`` have
+            different top-k (the forward, like the plain calls, takes them).
             ValueError (backward): the Buffer's ``num_rdma_bytes`` is too small for calls with
             ``hidden = 3K`` rounded up to a multiple of 4 (only if that exceeds ``H``).
     """

@@ -373,6 +373,28 @@ def test_ll_one_rank_refusal_raises_on_every_rank(ll_buf, comm):
     all_ranks_ok(comm, not problems, f"rank {r}: " + "; ".join(problems))
 
 
+def test_ll_backward_refuses_ranks_of_different_top_k(ll_buf, comm):
+    """The plain low-latency calls take a top-k per rank, and so does the autograd forward; the backward reads every
+    source's weight rows by one top-k, so ranks of K=3 and K=4 (whose rows are equally wide: silently wrong weights
+    otherwise) raise a ConsensusError on every rank naming each rank's top-k. The buffer stays usable."""
+    from deepep_ascend import ConsensusError
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    if R == 1:
+        pytest.skip("needs two ranks")
+    k = 3 if r == 0 else 4
+    gen = torch.Generator().manual_seed(67 + r)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(4)])
+    x = torch.randn(4, H, generator=gen).to(BF16).requires_grad_(True)
+    w = torch.rand(4, k, generator=gen, requires_grad=True)
+    recv_x, _, handle = coll(lambda: ag.low_latency_dispatch(ll_buf, x, idx, LL_M, E, use_fp8=False))
+    out = coll(lambda: ag.low_latency_combine(ll_buf, recv_x, idx, w, handle))
+    _, exc = capture(lambda: out.float().sum().backward())
+    ok = isinstance(exc, ConsensusError) and "rank 0: 3, rank 1: 4" in str(exc)
+    _, count, _ = coll(lambda: ag.low_latency_dispatch(ll_buf, x.detach(), idx, LL_M, E, use_fp8=False))
+    all_ranks_ok(comm, ok and int(count.sum()) >= 0, f"rank {r}: the backward raised {exc!r}")
+
+
 def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):
     """``combined.sum().backward()``: autograd hands the LL combine's backward an expanded
     (stride-0) gradient, which on the rank with no tokens is a zero-row tensor that ``contiguous()``
