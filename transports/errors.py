@@ -65,7 +65,8 @@ class TransportTimeout(TransportError, TimeoutError):
         super().__init__(
             f"rank {rank}: {op}{win}{where}{slot_txt} timed out after {elapsed:.1f} s waiting for "
             f"{whom}{detail}{chain}. A peer is slow, crashed, or did not enter the "
-            f"same collective call; raise DEEPEP_ASCEND_TIMEOUT_S if it is only slow.")
+            f"same collective call; if it is only slow, raise the deadline (the buffer's timeout argument where one "
+            f"was passed, else DEEPEP_ASCEND_TIMEOUT_S).")
 
 
 class TransportAborted(TransportError):

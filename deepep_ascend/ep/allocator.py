@@ -114,9 +114,18 @@ class BufferBase(SharedOnCopy):
     Subclasses set ``runtime`` (their transport) and implement :meth:`_memory_usage` and :meth:`_destroy`.
     """
 
+    #: The class name this buffer's messages give, where it differs from the Python class's (a subclass that is
+    #: another library's class of the same name, such as DeepEP-Ascend's ``EPBuffer``).
+    API_NAME: str | None = None
+
     def __init__(self, explicitly_destroy: bool = False):
         self.explicitly_destroy = explicitly_destroy
         self.runtime = None
+
+    @property
+    def api_name(self) -> str:
+        """The class name the user knows this buffer by (``EPBuffer``, ``ElasticBuffer``, ...), as messages give it."""
+        return self.API_NAME or type(self).__name__
 
     def _step(self, fn):
         """``fn()``, a step that waits for peers or moves their bytes, as every buffer runs one
@@ -138,10 +147,10 @@ class BufferBase(SharedOnCopy):
             RuntimeError: the buffer was destroyed.
         """
         if self.runtime is None:
-            raise RuntimeError(f"{type(self).__name__}.print_memory_usage: the buffer was destroyed")
+            raise RuntimeError(f"{self.api_name}.print_memory_usage: the buffer was destroyed")
         parts = ", ".join(f"{name} {nbytes} B ({nbytes / 2 ** 20:.2f} MiB)"
                           for name, nbytes in self._memory_usage().items())
-        print(f"{type(self).__name__} rank {self.rank_idx}/{self.num_ranks}: {parts}", flush=True)
+        print(f"{self.api_name} rank {self.rank_idx}/{self.num_ranks}: {parts}", flush=True)
 
     def destroy(self) -> None:
         """Collectively free the buffer (every rank calls it). Requires ``explicitly_destroy=True``.
@@ -150,7 +159,7 @@ class BufferBase(SharedOnCopy):
             RuntimeError: built without ``explicitly_destroy=True``.
         """
         if not self.explicitly_destroy:
-            raise RuntimeError(f"{type(self).__name__}.destroy: construct with explicitly_destroy=True to destroy "
+            raise RuntimeError(f"{self.api_name}.destroy: construct with explicitly_destroy=True to destroy "
                                f"explicitly (otherwise the buffer is freed when collected)")
         if self.runtime is not None:
             self._destroy()

@@ -18,5 +18,7 @@ class AscendEPBuffer(EPBuffer):
     """DeepEP-Ascend 1.0's ``deep_ep.EPBuffer``: :class:`EPBuffer` (same arguments, calls and results) whose
     dispatches return :class:`AscendEPHandle`."""
 
+    API_NAME = "EPBuffer"  # DeepEP-Ascend's name: its users' messages say EPBuffer
+
     def _make_handle(self, **fields) -> AscendEPHandle:
         return AscendEPHandle(rank=self.rank_idx, num_ranks=self.num_ranks, **fields)

@@ -614,13 +614,13 @@ class Buffer(SharedOnCopy):
         """The windows hold one token of ``xb`` + ``sb`` bytes with ``k`` top-k slots per round; raises ``Rejected``."""
         if self._internode:
             check(self._engine.dispatch_capacity(xb, sb, k, num_experts, cached=cached) >= 1, ValueError,
-                  lambda: f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; see "
-                  f"Buffer.get_normal_rdma_buffer_size_hint")
+                  lambda: f"num_rdma_bytes={self.num_rdma_bytes} is too small for one token per node box; "
+                  + self._size_advice("get_normal_rdma_buffer_size_hint"))
             return
         regions = self._engine.dispatch_regions(xb, sb, k, num_experts, cached=cached)
         check(regions.capacity >= 1, ValueError,
               lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small for one token of {regions.row_bytes} B per "
-              f"half-window; see Buffer.get_normal_buffer_size_hint")
+              f"half-window; " + self._size_advice("get_normal_buffer_size_hint"))
 
     def _check_combine_room(self, hidden: int, wcols: int) -> None:
         """The windows hold a combine round of ``hidden`` bf16 columns and ``wcols`` weights; raises ``Rejected``."""
@@ -628,13 +628,22 @@ class Buffer(SharedOnCopy):
             check(self._engine.combine_capacity(hidden, wcols) >= 1, ValueError,
                   lambda: f"num_nvl_bytes={self.num_nvl_bytes} / num_rdma_bytes={self.num_rdma_bytes} are too small: "
                   f"combine needs room for {self.group_size - self.num_nodes} staged rows of "
-                  f"{2 * hidden + 4 * max(wcols, 0)} B per UBMEM half-window and one partial row per node box; see "
-                  f"Buffer.get_normal_buffer_size_hint")
+                  f"{2 * hidden + 4 * max(wcols, 0)} B per UBMEM half-window and one partial row per node box; "
+                  + self._size_advice("get_normal_buffer_size_hint"))
             return
         regions = self._engine.combine_regions(2 * hidden, wcols)
         check(regions.capacity >= self.group_size, ValueError,
               lambda: f"num_nvl_bytes={self.num_nvl_bytes} is too small: combine needs room for {self.group_size} "
-              f"rows of {regions.row_bytes} B per half-window; see Buffer.get_normal_buffer_size_hint")
+              f"rows of {regions.row_bytes} B per half-window; " + self._size_advice("get_normal_buffer_size_hint"))
+
+    def _size_advice(self, v1_hint: str) -> str:
+        """Where a room error sends the user: V1's hint, or, for the windows an ``EPBuffer`` split its
+        ``num_bytes`` into (sized for the constructor's shape), that class's hint."""
+        if self.api_name == "Buffer":
+            return f"see Buffer.{v1_hint}"
+        return (f"these are the windows {self.api_name}'s num_bytes was split into (sized for the constructor's "
+                f"num_max_tokens_per_rank, hidden and num_topk): pass a larger num_bytes, see "
+                f"{self.api_name}.get_buffer_size_hint")
 
     # -- execution -----------------------------------------------------------------------
     def _protocol(self, op: int, build: Callable[[int], Generator], async_finish: bool, previous_event,

@@ -144,7 +144,7 @@ class EPBuffer(BufferBase):
                  num_cpu_timeout_secs: int | None = None, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, ranks_per_node: int | None = None):
         super().__init__(explicitly_destroy)
-        comm = mpi_comm_of(group, None, type(self).__name__)
+        comm = mpi_comm_of(group, None, self.api_name)
         self.group = group
         self.rank_idx, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.deterministic = deterministic
@@ -160,24 +160,24 @@ class EPBuffer(BufferBase):
         num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
         error = None
         if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
-            error = ValueError(f"{type(self).__name__}: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); "
+            error = ValueError(f"{self.api_name}: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); "
                                f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
         elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
-            error = ValueError(f"{type(self).__name__}: num_bytes must be a positive multiple of {alignment} "
+            error = ValueError(f"{self.api_name}: num_bytes must be a positive multiple of {alignment} "
                                f"(get_num_allocation_alignment()), got {num_bytes!r}")
         elif not isinstance(num_lb_bytes, int) or num_lb_bytes < 0 or num_lb_bytes % alignment:
             error = ValueError(f"EPBuffer: lb_allocation_plan_or_num_bytes must be a BufferAllocator or a "
                                f"non-negative multiple of {alignment} bytes, got {lb_allocation_plan_or_num_bytes!r}")
         elif plan is not None and plan.materialized:
             error = ValueError("EPBuffer: the lb_allocation_plan was already materialized")
-        error = error or sl_idx_problem(type(self).__name__, sl_idx)
+        error = error or sl_idx_problem(self.api_name, sl_idx)
         error = self._constructor_problem() or error  # a subclass's own argument first
         if num_cpu_timeout_secs is not None:
             timeout = float(num_cpu_timeout_secs)
         else:  # DeepEP's default, unless the environment sets one
             timeout = None if settings.TIMEOUT_S.is_set() else 300.0
         # agreed before any collective that sizes or allocates (a rank that refused would leave the others waiting)
-        check_agreed(comm, type(self).__name__, {
+        check_agreed(comm, self.api_name, {
             "num_bytes": num_bytes, "num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden,
             "num_topk": num_topk, "use_fp8_dispatch": bool(use_fp8_dispatch), "lb bytes": num_lb_bytes,
             "allow_hybrid_mode": bool(allow_hybrid_mode), "allow_multiple_reduction": bool(allow_multiple_reduction),
@@ -197,7 +197,7 @@ class EPBuffer(BufferBase):
         self._windows = _split(num_bytes, self.num_ranks, data_nodes)
         self._legacy = Buffer(group, num_nvl_bytes=self._windows[0], num_rdma_bytes=self._windows[1],
                               explicitly_destroy=explicitly_destroy, ranks_per_node=data_rpn, timeout_s=timeout)
-        self._legacy.api_name = type(self).__name__
+        self._legacy.api_name = self.api_name
         self.runtime = self._legacy.runtime
         # the LB region is shared inside a physical node (DeepEP's NVLink domain); in direct mode the engines'
         # transport sees one rank per node, so the region gets a transport of the physical nodes
@@ -304,10 +304,10 @@ class EPBuffer(BufferBase):
                 aborted, so a rank waiting in another call fails at once).
         """
         self._usable("barrier")
-        bad = context_idx_problem(type(self).__name__, context_idx)
+        bad = context_idx_problem(self.api_name, context_idx)
         legacy = self._legacy
         legacy._worker.drain()
-        legacy._guard(lambda: self.runtime.barrier(phase=f"{type(self).__name__}.barrier"))
+        legacy._guard(lambda: self.runtime.barrier(phase=f"{self.api_name}.barrier"))
         if bad:  # raised after taking part, so that the ranks' barriers stay paired
             raise bad
 
@@ -361,7 +361,7 @@ class EPBuffer(BufferBase):
 
     def _usable(self, op: str) -> None:
         if self.runtime is None:
-            raise RuntimeError(f"{type(self).__name__}.{op}: the buffer was destroyed")
+            raise RuntimeError(f"{self.api_name}.{op}: the buffer was destroyed")
 
     def refuse_call(self, op: str, error: Exception) -> None:
         """Take this rank's part in the collective ``dispatch`` or ``combine`` as a rejection of its arguments,

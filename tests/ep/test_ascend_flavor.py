@@ -136,3 +136,28 @@ def test_elastic_buffer_barrier_takes_v2s_arguments(comm):
         coll(lambda: buf.barrier(False, False), what="barrier")
     finally:
         coll(buf.destroy)
+
+
+def test_errors_name_the_class_the_user_built(comm):
+    """Messages give the name the caller knows: ``EPBuffer`` for DeepEP-Ascend's (whose Python class has another
+    name here), ``ElasticBuffer`` for V2's; a combine whose rows are wider than the buffer was built for names that
+    class's size hint and ``num_bytes``, not V1's window arguments."""
+    from tests.support.buffer_helpers import capture
+
+    R = comm.Get_size()
+    for cls, name in ((deep_ep.EPBuffer, "EPBuffer"), (deepep_ascend.ElasticBuffer, "ElasticBuffer")):
+        buf = coll(lambda cls=cls: cls(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                       explicitly_destroy=True))
+        try:
+            x, topk_idx = _routing(comm.Get_rank(), 4 * R)
+            recv_x, _, _, handle, _ = coll(lambda buf=buf: buf.dispatch(x, topk_idx=topk_idx, num_experts=4 * R))
+            wide = torch.zeros(recv_x.size(0), 64 * HIDDEN, dtype=BF16)
+            _, err = capture(lambda buf=buf: buf.combine(wide, handle))
+            ok = isinstance(err, ValueError) and f"see {name}.get_buffer_size_hint" in str(err) \
+                and "Buffer.get_normal" not in str(err)
+            all_ranks_ok(comm, ok, f"{name}: a combine of wider rows raised {err!r}")
+        finally:
+            coll(buf.destroy)
+        _, err = capture(lambda buf=buf: buf.dispatch(x, topk_idx=topk_idx, num_experts=4 * R))
+        all_ranks_ok(comm, isinstance(err, RuntimeError) and f"{name}.dispatch: the buffer was destroyed" in str(err),
+                     f"{name}.dispatch after destroy: {err!r}")
