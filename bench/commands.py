@@ -160,5 +160,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("command", choices=list(COMMANDS), metavar="<command>", help="one of the commands below")
     top.add_argument("args", nargs=argparse.REMAINDER, metavar="[options]", help="the command's options")
+
+    def error_once(message: str):  # under mpiexec every rank parses alike: one usage message, not one per rank
+        if "MPI" in sys.modules or _launched_by_mpiexec():
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_rank():
+                sys.exit(2)
+        argparse.ArgumentParser.error(top, message)
+
+    top.error = error_once
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        top.error("a command is required (python -m bench --help lists them)")
     ns = top.parse_args(argv)
     return execute(ns.command, ns.args)
+
+
+def _launched_by_mpiexec() -> bool:
+    """Whether this process is one rank of an ``mpiexec`` job (MPICH's Hydra or Open MPI set these)."""
+    import os
+
+    return any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))

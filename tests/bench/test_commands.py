@@ -531,6 +531,11 @@ def test_rank_count_mismatches_are_one_usage_error():
                                      "--num-tokens", "8", "--no-progress", *argv], REPO_ROOT,
                                     child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 200)
         assert rc == 2 and out.count(needle) == 1 and "Traceback" not in out and "Abort" not in out, out[-3000:]
+    # the command itself missing or unknown: the same, before any command parses
+    for argv, needle in (([], "a command is required"), (["bogus"], "invalid choice: 'bogus'")):
+        rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", *argv],
+                                    REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 200)
+        assert rc == 2 and out.count(needle) == 1 and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.mpi(min_size=1)
