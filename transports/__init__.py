@@ -10,6 +10,7 @@ from .errors import (
     TransportAborted,
     TransportArgumentError,
     TransportBusy,
+    TransportCallMismatch,
     TransportClosed,
     TransportConfigError,
     TransportError,
@@ -57,7 +58,7 @@ __all__ = [
     "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport",
     "UbmemTransport", "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier",
     "quiet_wait", "resolve_timeout",
-    "TransportError", "TransportArgumentError", "TransportConfigError", "TransportUnsupported",
+    "TransportError", "TransportArgumentError", "TransportCallMismatch", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed",
     "TransportBusy", "TransportRuntimeError", "SharedMemoryExhausted",
 ]

@@ -92,6 +92,24 @@ class TransportPeerTimeout(TransportAborted, TimeoutError):
                      f"{reason}",)
 
 
+class TransportCallMismatch(TransportError):
+    """A node peer is in another kind of collective call at the same place in its sequence of calls (see
+    ``Transport.set_call_tag``): the ranks made different calls, so neither wait can end. ``peer`` is that rank,
+    ``seq`` the shared call number, ``mine`` / ``theirs`` the two ``(kind, op)`` pairs the callers tagged, named in
+    the message by ``names`` (``{(kind, op): name}``, the transport's ``call_names``). The transport is poisoned
+    (the callers' protocols are out of step)."""
+
+    def __init__(self, rank, peer, seq, mine, theirs, op="", names=None):
+        self.rank, self.peer, self.seq, self.mine, self.theirs, self.op = rank, peer, seq, mine, theirs, op
+        names = names or {}
+
+        def name(tag):
+            return names.get(tag, f"a call of kind {tag[0]}, op {tag[1]}")
+
+        super().__init__(f"rank {rank}: {op + ': ' if op else ''}ranks made different calls: this rank is in "
+                         f"{name(mine)}, rank {peer} in {name(theirs)}, both call #{seq} of their sequences of calls")
+
+
 class TransportPoisoned(TransportError):
     """The transport failed earlier (timeout, abort, MPI error) and refuses further operations."""
 

@@ -39,6 +39,7 @@ from .errors import (
     TransportAborted,
     TransportArgumentError,
     TransportBusy,
+    TransportCallMismatch,
     TransportClosed,
     TransportPeerTimeout,
     TransportPoisoned,
@@ -57,6 +58,9 @@ _REASON_BYTES = 256
 #: indexed MPI read: measured on 2 ranks, 12,288 rows of 8 B take 2.4 ms that way against 13.5 ms, the two
 #: are even near 64 B, and at 512 B the MPI read takes half the time (python -m bench engram's shapes).
 SMALL_ROW_BYTES = 128
+#: Seconds of waiting between two reads of the call tags of the ranks waited for (Transport.set_call_tag): also how
+#: soon a wait finds ranks in different calls.
+CALL_CHECK_S = 0.01
 _ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
 # Teardown words (destroy(departed=...)): a rank's word on every peer, raised only, never cleared.
 _LEAVE_ARRIVED, _LEAVE_ABANDON = 1, 2
@@ -113,8 +117,8 @@ class SymmetricWindow:
         self.force_urma = bool(force_urma)
         world = tp.topology.world_size
         self._world = world
-        (self._abort_off, self._reason_off, self._barrier_off, self._waitfor_off, self._leave_off, self._slot_off,
-         ctl_words) = self._control_layout(world, self.num_slots)
+        (self._abort_off, self._reason_off, self._barrier_off, self._waitfor_off, self._leave_off, self._call_off,
+         self._slot_off, ctl_words) = self._control_layout(world, self.num_slots)
         self.control_bytes = self._padded_control(ctl_words)
         topo = tp.topology
         total = self.mapped_bytes = self.control_bytes + self.nbytes
@@ -160,13 +164,15 @@ class SymmetricWindow:
     @staticmethod
     def _control_layout(world: int, num_slots: int) -> tuple:
         """Word offsets of the control region's parts (abort flags, reasons, barrier slots, waiting-for flags
-        (1 = this rank waits for it), teardown words (see Transport.destroy), signal slots) and its words."""
+        (1 = this rank waits for it), teardown words (see Transport.destroy), this rank's call tag (see
+        Transport.set_call_tag), signal slots) and its words."""
         reason = world
         barrier = reason + world * (_REASON_BYTES // 8)
         waitfor = barrier + len(Team) * world
         leave = waitfor + world
-        slot = leave + world
-        return 0, reason, barrier, waitfor, leave, slot, slot + num_slots * world
+        call = leave + world
+        slot = call + 1
+        return 0, reason, barrier, waitfor, leave, call, slot, slot + num_slots * world
 
     @staticmethod
     def total_bytes(nbytes: int, num_slots: int, world: int) -> int:
@@ -368,6 +374,7 @@ class Transport:
         # transport nobody destroyed (see destroy(departed=...)); set by owners that mask lost ranks.
         self.exit_departed = None
         self._leave_sent = {}  # peer -> teardown word last written there
+        self.call_names = {}  # (kind, op) -> name, for the message of a TransportCallMismatch (set_call_tag)
         try:
             self._internal = self.create_window("barrier", 0, 0)
         except BaseException:  # e.g. no unified memory model: free what was built, on every rank
@@ -1237,6 +1244,41 @@ class Transport:
         self._publish_waitfor([])
         return pending
 
+    def set_call_tag(self, seq: int, kind: int, op: int) -> None:
+        """Tag the collective call this rank is in: its number ``seq`` (1, 2, ... in the caller's one sequence of
+        calls, every kind counted), its ``kind`` and ``op`` (the caller's codes, 1 to 255). Node peers read the tag
+        while they wait: a wait that has lasted :data:`CALL_CHECK_S` (or finds that a peer aborted) and finds a
+        rank of its node at the same ``seq`` in a call of another ``kind`` raises
+        :class:`~transports.errors.TransportCallMismatch` and poisons the transport, instead of waiting out the
+        deadline: the ranks made different calls, and neither wait could end (docs/design/transports.md §2.3).
+        Ranks of other nodes are not read (they hear of it through the abort of the rank that found it). Its
+        message names the calls by :attr:`call_names` (``{(kind, op): name}``, the caller's to fill).
+
+        Raises:
+            TransportArgumentError: ``seq`` outside ``[1, 2**47)`` or ``kind`` / ``op`` outside ``[1, 255]``.
+        """
+        self._check_open("set_call_tag")
+        if not ((type(seq) is int or is_integer(seq)) and (type(kind) is int or is_integer(kind))
+                and (type(op) is int or is_integer(op)) and 0 < seq < 2 ** 47 and 0 < kind < 256 and 0 < op < 256):
+            raise TransportArgumentError(f"rank {self.topology.rank}: set_call_tag: expected seq in [1, 2**47) and "
+                                         f"kind, op in [1, 255], got seq={seq!r}, kind={kind!r}, op={op!r}")
+        self._internal._ctl_mv[self._internal._call_off] = (int(seq) << 16) | (int(kind) << 8) | int(op)
+
+    def _check_call_tags(self, where: str) -> None:
+        """Raise :class:`~transports.errors.TransportCallMismatch` (and poison) if a node peer is tagged with this
+        rank's call number and another kind (:meth:`set_call_tag`; the lowest such rank is named)."""
+        internal, me = self._internal, self.topology.rank
+        mine = internal._ctl_mv[internal._call_off]
+        if not mine:
+            return
+        for p, ctl in sorted(internal._ctl.items()):
+            theirs = int(ctl[internal._call_off])
+            if p != me and theirs >> 16 == mine >> 16 and (theirs >> 8) & 0xFF != (mine >> 8) & 0xFF:
+                exc = TransportCallMismatch(me, p, mine >> 16, ((mine >> 8) & 0xFF, mine & 0xFF),
+                                            ((theirs >> 8) & 0xFF, theirs & 0xFF), op=where, names=self.call_names)
+                self._poison(str(exc))
+                raise exc
+
     def _publish_waitfor(self, ranks) -> None:
         """Show node peers which ranks this rank is blocked on (all zero: not waiting)."""
         words = self._internal._ctl[self.topology.rank]
@@ -1290,6 +1332,7 @@ class Transport:
         polls = 0
         # URMA traffic to this rank lands only while it is inside MPI (active messages over TCP).
         poke = self._progress.poke if (self._urma_peers or self._forced_urma) else None
+        next_tag_check = CALL_CHECK_S
         for pause in self.wait_policy.pauses():
             if done():
                 return []
@@ -1299,6 +1342,10 @@ class Transport:
                     poke()
                     if done():
                         return []
+                elapsed = time.monotonic() - start
+                if elapsed >= next_tag_check and win is not None:  # ranks in different calls: fail now
+                    next_tag_check = elapsed + CALL_CHECK_S
+                    self._check_call_tags(f"{op}({phase})" if phase else op)
                 self._check_abort(op, phase)
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:
@@ -1325,6 +1372,7 @@ class Transport:
             off = self._internal._reason_off + peer * (_REASON_BYTES // 8)
             reason = ctl[off:off + _REASON_BYTES // 8].tobytes().rstrip(b"\0").decode("utf-8", "replace")
             where = f"{op}({phase})" if phase else op
+            self._check_call_tags(where)  # (a peer that aborted on finding the ranks in different calls)
             if flags[peer] == _ABORT_TIMEOUT:
                 pending, _, reason = reason.partition(";")
                 exc = TransportPeerTimeout(self.topology.rank, peer, reason,

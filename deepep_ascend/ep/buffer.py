@@ -26,6 +26,7 @@ from ..transports import (
     LinkStats,
     SharedMemoryExhausted,
     TransportArgumentError,
+    TransportCallMismatch,
     TransportRuntimeError,
     create_transport,
 )
@@ -73,6 +74,8 @@ from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed, timed_call
 from .protocol import (
+    CALL_LOW_LATENCY,
+    CALL_NORMAL,
     HEADER_BYTES,
     OP_CACHED_DISPATCH,
     OP_COMBINE,
@@ -80,6 +83,7 @@ from .protocol import (
     OP_NAMES,
     ConsensusError,
     dtype_code,
+    ordinal,
 )
 from .rows import dense
 from .stamps import stamp, stamp_matches
@@ -225,10 +229,12 @@ class Buffer(SharedOnCopy):
         self.enable_shrink = enable_shrink
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
+        self._tagged = 0  # collective calls of either mode so far: the transport's call tag (_tag_call)
         self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see stamps.stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
+        self.runtime.call_names = self._CALL_NAMES
         topo = self.runtime.topology
         self.num_nodes, self.ranks_per_node = topo.num_nodes, topo.ranks_per_node
         self._internode = self.num_nodes > 1
@@ -667,6 +673,7 @@ class Buffer(SharedOnCopy):
         """
         self._calls += 1
         call_id = self._calls
+        self._tag_call(CALL_NORMAL, op)
         if op != OP_DISPATCH and self._filling is not None:
             # this call's checks read a handle by value: one from an async worst-token dispatch is complete only
             # once that dispatch's worker task is (docs/semantics/deepep-api.md §3.4)
@@ -685,7 +692,7 @@ class Buffer(SharedOnCopy):
             exc = err.exc if isinstance(err, Rejected) else err
             self._worker.drain()
             try:
-                self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+                self._guard(lambda: self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}"))
             except ConsensusError:
                 pass
             raise exc from None
@@ -726,8 +733,37 @@ class Buffer(SharedOnCopy):
         return outputs, EventOverlap()
 
     def _guard(self, fn):
-        """Run a protocol step with :func:`~deepep_ascend.ep.failure.run_step` (abort the peers on failure)."""
-        return run_step(self.runtime, self.rank, fn)
+        """Run a protocol step with :func:`~deepep_ascend.ep.failure.run_step` (abort the peers on failure).
+
+        Raises:
+            ConsensusError: a peer is in a call of the other mode at this one's place in the sequence of calls
+                (the transport's ``TransportCallMismatch``, :meth:`_tag_call`); the Buffer is failed then.
+        """
+        try:
+            return run_step(self.runtime, self.rank, fn)
+        except TransportCallMismatch as exc:
+            raise ConsensusError(self._call_mismatch(exc)) from None
+
+    #: ``(kind, op)`` of a tagged call (:meth:`_tag_call`) -> its name in messages
+    _CALL_NAMES = {**{(CALL_NORMAL, op): f"{name} (normal mode)" for op, name in OP_NAMES.items()},
+                   **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()}}
+
+    def _tag_call(self, kind: int, op: int) -> None:
+        """Count a collective call of ``kind`` (``CALL_NORMAL`` or ``CALL_LOW_LATENCY``) and its mode's ``op`` code,
+        and tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank of its node at the same
+        call number in a call of the other mode raises at once instead of at the deadline. Every rank counts the
+        same calls in the same order, so the two modes never meet at one number unless the ranks' calls differ
+        (docs/semantics/deepep-api.md §8)."""
+        self._tagged += 1
+        self.runtime.set_call_tag(self._tagged, kind, op)
+
+    def _call_mismatch(self, exc: TransportCallMismatch) -> str:
+        """The message of the ``ConsensusError`` raised for ``exc``: both calls by name (``_CALL_NAMES``)."""
+        names = self._CALL_NAMES
+        return (f"rank {self.rank}: ranks made different calls: this rank is in {names[exc.mine]}, rank {exc.peer} in "
+                f"{names[exc.theirs]}, both the {ordinal(exc.seq)} collective call on this {self.api_name} (both modes "
+                f"counted); every rank must make the same calls in the same order (docs/semantics/deepep-api.md §8). "
+                f"The {self.api_name} is failed: destroy it and build a new one")
 
     def _at_wait(self, guard: InputGuard | None, phase: str) -> None:
         """What the wait of an asynchronous call checks once its data movement completed: this rank's inputs
@@ -763,6 +799,8 @@ class Buffer(SharedOnCopy):
         code = self._REFUSABLE[op]
         if op.startswith("low_latency"):
             ll = self._ll_usable(op)
+            if ll.pending_hook is None:  # (else the engine refuses the call here, before any round)
+                self._tag_call(CALL_LOW_LATENCY, code)
             self._worker.drain()
 
             def refuse():
@@ -771,11 +809,13 @@ class Buffer(SharedOnCopy):
             if self.runtime is None:
                 raise RuntimeError(f"Buffer.{op}: the Buffer was destroyed")
             self._calls += 1
+            self._tag_call(CALL_NORMAL, code)
             self._worker.drain()
             self._filling = None
 
             def refuse():
-                self._engine.reject(code, self._calls, f"rank {self.rank}: {type(error).__name__}: {error}")
+                self._guard(lambda: self._engine.reject(code, self._calls,
+                                                        f"rank {self.rank}: {type(error).__name__}: {error}"))
         try:
             refuse()
         except ConsensusError:
@@ -1128,6 +1168,7 @@ class Buffer(SharedOnCopy):
                 f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
+        self._tag_call(CALL_LOW_LATENCY, op)
         self._worker.drain()
         if _PH.on:
             _PH.switch("checks")

@@ -111,7 +111,7 @@ from .rows import INT_OF_WIDTH, common_width, wide, zero_rows
 from .stamps import stamp, stamp_matches
 
 OP_DISPATCH, OP_COMBINE = 1, 2
-_OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
+OP_NAMES = {OP_DISPATCH: "low_latency_dispatch", OP_COMBINE: "low_latency_combine"}
 SLOT_CLEAN = 2
 NUM_CTL_SLOTS = 3
 HDR_BYTES = 256
@@ -618,7 +618,7 @@ class LowLatencyEngine:
         self._publish(h, hdr, seq, self.order())
         # Wait for the others' signals too (their data is discarded): the double-buffer rule
         # needs this rank's next call to follow its receive of this one.
-        self._wait_sources(h, seq + 1, f"{_OP_NAMES[op]} call #{seq + 1} (refused here)", None)
+        self._wait_sources(h, seq + 1, f"{OP_NAMES[op]} call #{seq + 1} (refused here)", None)
 
     # -- waiting -----------------------------------------------------------------------
     def _wait_sources(self, slot, need, phase, cost, peers=None):
@@ -736,7 +736,7 @@ class LowLatencyEngine:
             if handles:
                 problems.append(handles)
         if problems:
-            raise LowLatencyRefused(f"rank {self.rank}: {_OP_NAMES[op]} call #{seq + 1} refused on every rank: "
+            raise LowLatencyRefused(f"rank {self.rank}: {OP_NAMES[op]} call #{seq + 1} refused on every rank: "
                                     + "; ".join(problems))
         return self._pulled_sources(h) if op == OP_COMBINE else []
 
@@ -1697,13 +1697,13 @@ def _zero_output_rows(t: torch.Tensor, flat: torch.Tensor) -> None:
 
 def call_name(op: int, seq: int) -> str:
     """How messages name LL call ``seq`` (0 for the first) of ``op``: ``"low_latency_combine call #4"``."""
-    return f"{_OP_NAMES[op]} call #{seq + 1}"
+    return f"{OP_NAMES[op]} call #{seq + 1}"
 
 
 def _call_name(w) -> str:
     """A header's call as errors name it: ``"low_latency_dispatch call #4 (its 3rd low_latency_dispatch)"``."""
     op, n = (int(w[0]) >> 4) & 0xF, int(w[2]) & 0xFFFFFFFF
-    name = _OP_NAMES.get(op, f"operation code {op}")
+    name = OP_NAMES.get(op, f"operation code {op}")
     return f"{name} call #{(int(w[0]) >> 16) + 1}" + (f" (its {ordinal(n)} {name})" if n > 0 else "")
 
 

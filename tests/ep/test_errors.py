@@ -486,6 +486,105 @@ def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipp
     coll(calls.buf.destroy, what="destroy")
 
 
+def _both_modes(comm, timeout_s, ranks_per_node=None):
+    """A low-latency Buffer that also makes normal-mode calls (its URMA window sized for both paths across nodes),
+    and ``trip(mode)``: one round trip of ``"normal"`` or ``"low_latency"`` mode on this rank's small inputs."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    rpn = ranks_per_node or R
+    rdma = max(Buffer.get_low_latency_rdma_size_hint(8, H, R, E),
+               Buffer.get_normal_rdma_buffer_size_hint(8, H, R, rpn, 2, E) if rpn < R else 0)
+    b = Buffer(None, Buffer.get_normal_buffer_size_hint(8, H, R, 2, E, ranks_per_node=rpn), rdma,
+               low_latency_mode=True, comm=comm, explicitly_destroy=True, timeout_s=timeout_s,
+               ranks_per_node=ranks_per_node)
+    idx, w, x = _small_inputs(r, R)
+
+    def trip(mode):
+        if mode == "low_latency":
+            recv_x, _, handle, _, _ = b.low_latency_dispatch(x, idx, 8, E, use_fp8=False)
+            return b.low_latency_combine(recv_x, idx, w, handle)[0]
+        ntpr, ntpn, ntpe, itr, _ = b.get_dispatch_layout(idx, E)
+        recv_x, _, recv_w, _, handle, _ = b.dispatch(x, None, ntpr, ntpn, itr, ntpe, idx, w)
+        return b.combine(recv_x, handle, recv_w)[0]
+
+    return b, trip, (x, idx, w)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])
+@pytest.mark.parametrize("case", ["rank1_low_latency", "rank1_normal_others_hook"])
+@up_to_four_ranks()
+def test_ranks_in_calls_of_different_modes_raise_at_once(comm, case, nodes):
+    """After round trips of both modes, rank 1 makes a call of the other mode than its peers (a low-latency
+    dispatch against normal dispatches; a normal dispatch against low-latency dispatches received through their
+    hooks): instead of waiting out the 30 s deadline, the ranks of rank 1's node raise ConsensusError within
+    seconds naming both calls (docs/semantics/deepep-api.md §8), the ranks of another node hear of it through
+    the abort (ConsensusError or TransportAborted, the same words); destroy() then succeeds on every rank."""
+    import time
+    r, R = comm.Get_rank(), comm.Get_size()
+    if nodes == "two_nodes" and R != 4:
+        pytest.skip("two simulated nodes of two ranks: the node peers of rank 1 read its call")
+    rpn = 2 if nodes == "two_nodes" else None
+    b, trip, (x, idx, w) = coll(lambda: _both_modes(comm, 30, rpn), what="buffer")
+    coll(lambda: (trip("normal"), trip("low_latency")), what="round trips of both modes")
+    rank1_ll = case == "rank1_low_latency"
+    mine_ll = rank1_ll == (r == 1)
+    comm.Barrier()
+    t0 = time.monotonic()
+    if mine_ll:
+        hook_mode = not rank1_ll
+
+        def call():
+            out = b.low_latency_dispatch(x, idx, 8, E, use_fp8=False, return_recv_hook=hook_mode)
+            if hook_mode:
+                out[4]()
+    else:
+        def call():
+            ntpr, ntpn, ntpe, itr, _ = b.get_dispatch_layout(idx, E)
+            b.dispatch(x, None, ntpr, ntpn, itr, ntpe, idx, w)
+    _, exc = capture(call)
+    elapsed = time.monotonic() - t0
+    ll, normal = "low_latency_dispatch (low-latency mode)", "dispatch (normal mode)"
+    other = 0 if r == 1 else 1  # the rank named: rank 1, or (on rank 1) the lowest rank of its node
+    expected = f"this rank is in {ll if mine_ll else normal}, rank {other} in {normal if mine_ll else ll}"
+    text = str(exc)
+    same_node = rpn is None or r // rpn == 1 // rpn
+    ok = elapsed < 10 and "ranks made different calls" in text and (
+        isinstance(exc, ConsensusError) and expected in text and "the 5th collective call" in text if same_node
+        else isinstance(exc, (ConsensusError, TransportAborted)))
+    exc = None
+    comm.Barrier()
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, ok and dexc is None,
+                 f"{case}, {nodes}: rank {r} after {elapsed:.1f} s: {text!r} (expected {expected!r}); "
+                 f"destroy: {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@up_to_four_ranks()
+def test_late_rank_in_mixed_modes_is_no_different_call(comm):
+    """Normal-mode and low-latency round trips in turn, rank 1 entering each call 50 ms late (past the waits'
+    reads of the call tags): no rank mistakes the late rank's previous call for a different one, and every round
+    trip gives the same bits as the same round trip without delays."""
+    import time
+    r = comm.Get_rank()
+    b, trip, _ = coll(lambda: _both_modes(comm, 30), what="buffer")
+    modes = ["normal", "low_latency", "low_latency", "normal", "low_latency"]
+    want = coll(lambda: [trip(m) for m in modes], what="round trips without delays")
+    got, exc = [], None
+    for m in modes:
+        if r == 1:
+            time.sleep(0.05)
+        out, exc = capture(lambda m=m: trip(m))
+        if exc is not None:
+            break
+        got.append(out)
+    ok = exc is None and all(torch.equal(a, c) for a, c in zip(got, want))
+    exc = None
+    comm.Barrier()
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"rank {r}: {exc!r}, {len(got)} trips; destroy: {dexc!r}")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("api", ["low_latency", "ep_buffer"])
 @up_to_four_ranks()

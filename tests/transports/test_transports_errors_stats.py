@@ -78,6 +78,14 @@ def _bad_calls(tp, win):
         ("peer_view", lambda: tp.peer_view(win, peer, 0, 12, torch.int64)),  # not a whole number of items
         ("peer_view", lambda: tp.local_view(win, 0, NBYTES + 1)),
         ("read_signal", lambda: tp.read_signal(win, SLOTS, peer)),
+        # call tags: a number from 1 below 2**47, kind and op from 1 to 255
+        ("set_call_tag", lambda: tp.set_call_tag(0, 1, 1)),
+        ("set_call_tag", lambda: tp.set_call_tag(2 ** 47, 1, 1)),
+        ("set_call_tag", lambda: tp.set_call_tag(1.0, 1, 1)),
+        ("set_call_tag", lambda: tp.set_call_tag(1, 0, 1)),
+        ("set_call_tag", lambda: tp.set_call_tag(1, 256, 1)),
+        ("set_call_tag", lambda: tp.set_call_tag(1, 1, 0)),
+        ("set_call_tag", lambda: tp.set_call_tag(1, 1, None)),
     ]
 
 
