@@ -229,7 +229,8 @@ def finish(comm, code: int = 0) -> None:
 def run_main(main: Callable[[], int]) -> None:
     """Run a collective command under ``mpiexec``: ``main()``, then leave by :func:`finish`.
 
-    A ``SystemExit`` becomes the exit code; any other exception prints its traceback and aborts
+    A ``SystemExit`` becomes the exit code; any other exception prints its traceback (a
+    ``deepep_ascend.settings.SettingError``, a bad environment variable: its message alone) and aborts
     the job (``MPI_Abort``), so a rank that dies never leaves its peers hanging in a collective.
     """
     from mpi4py import MPI
@@ -240,8 +241,12 @@ def run_main(main: Callable[[], int]) -> None:
         code = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
     except BaseException as e:
         import traceback
-        # One write (the first peer's Abort may kill this rank mid-print), the error line first.
-        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+        from deepep_ascend.settings import SettingError
+        # One write (the first peer's Abort may kill this rank mid-print), the error line first; a bad environment
+        # variable's message says all there is (no traceback).
+        trace = "" if isinstance(e, SettingError) else traceback.format_exc()
+        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] {type(e).__name__}: {e}\n{trace}")
         from bench.internals import abort_job
 
         abort_job(MPI.COMM_WORLD, 1)  # never falls through to finish()

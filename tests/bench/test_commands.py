@@ -539,6 +539,21 @@ def test_rank_count_mismatches_are_one_usage_error():
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.watchdog(300)
+@ONE_RANK
+def test_bad_environment_variable_is_its_message_without_traceback():
+    """A collective command under ``mpiexec -n 2`` with ``DEEPEP_ASCEND_TIMEOUT_S=abc``: the job fails (nonzero exit)
+    with the setting's message on a line of its own, no traceback."""
+    from bench.internals import mpiexec_path
+
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", "normal",
+                                 "--num-tokens", "8", "--hidden", "256", "--no-progress"], REPO_ROOT,
+                                child_env(REPO_ROOT, OMP_NUM_THREADS="1", DEEPEP_ASCEND_TIMEOUT_S="abc"), 200)
+    assert rc != 0 and "SettingError: $DEEPEP_ASCEND_TIMEOUT_S must be a number > 0, got 'abc'\n" in out \
+        and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.watchdog(600)
 @ONE_RANK
 def test_collective_commands_write_valid_documents(commands_job, out_dir):
