@@ -30,6 +30,14 @@ def add_arguments(p) -> None:
     cli.add_shared(p, iters=10, warmup=1, json=None, helps=dict(warmup="the first puts also map the target's pages"))
 
 
+def check_args(p, a) -> None:
+    """The job's size: exactly 2 ranks (``p.error``, argparse's usage error, printed by rank 0 alone)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() != 2:
+        p.error(f"runs on exactly 2 ranks (mpiexec -n 2), got {MPI.COMM_WORLD.Get_size()}")
+
+
 def run(args) -> int:
     """Run the put loop (collective over exactly 2 ranks); rank 0 prints the result line. Returns 0."""
     torch.set_num_threads(1)
@@ -39,8 +47,6 @@ def run(args) -> int:
     from deepep_ascend.transports import create_transport
 
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != 2:
-        raise SystemExit("run with exactly 2 ranks (mpiexec -n 2)")
     exposure = URMA_EXPOSURE.get()  # as the transport reads it
     r = comm.Get_rank()
     tp = create_transport(comm, ranks_per_node=1)

@@ -521,8 +521,9 @@ def test_a_routing_file_that_is_no_trace_is_a_usage_error(out_dir, capsys):
 @pytest.mark.watchdog(300)
 @ONE_RANK
 def test_rank_count_mismatches_are_one_usage_error():
-    """Under ``mpiexec -n 2``: --num-experts not a multiple of the ranks, --ranks-per-node not dividing them:
-    exit 2 with the reason printed once (by rank 0), no traceback, no MPI_Abort."""
+    """Under ``mpiexec -n 2``: --num-experts not a multiple of the ranks, --ranks-per-node not dividing them (and
+    ``urma-put``, a 2-rank command, under ``mpiexec -n 3``): exit 2 with the reason printed once (by rank 0), no
+    traceback, no MPI_Abort."""
     from bench.internals import mpiexec_path
 
     for argv, needle in ((["--num-experts", "7"], "multiple of the number of ranks (2)"),
@@ -531,6 +532,12 @@ def test_rank_count_mismatches_are_one_usage_error():
                                      "--num-tokens", "8", "--no-progress", *argv], REPO_ROOT,
                                     child_env(REPO_ROOT, OMP_NUM_THREADS="1"), 200)
         assert rc == 2 and out.count(needle) == 1 and "Traceback" not in out and "Abort" not in out, out[-3000:]
+    # a command for exactly 2 ranks, run on 3
+    rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "3", sys.executable, "-m", "bench", "urma-put",
+                                 "--iters", "1", "--no-progress"], REPO_ROOT, child_env(REPO_ROOT, OMP_NUM_THREADS="1"),
+                                200)
+    needle = "runs on exactly 2 ranks (mpiexec -n 2), got 3"
+    assert rc == 2 and out.count(needle) == 1 and "Traceback" not in out, out[-3000:]
     # the command itself missing or unknown: the same, before any command parses
     for argv, needle in (([], "a command is required"), (["bogus"], "invalid choice: 'bogus'")):
         rc, out = run_child_command([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "bench", *argv],
