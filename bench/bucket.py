@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     cli.add_shared(p, iters=10, warmup=2, seed=0, json=None, ranks_per_node=None,
                    helps=dict(seed="per rank: seed*65536+rank"))
     p.add_argument("--num-bytes", type=cli.int_at_least(1), default=4 << 20, metavar="B",
-                   help="bytes of the FP32 tensor each collective moves per rank (default 4 MiB)")
+                   help="bytes of the FP32 tensor each collective moves per rank, rounded down to a multiple of "
+                        "8 x ranks elements (default 4 MiB)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)} (default: all); bucket = BucketBuffer, "
                         "mpi = MPI's collectives, gloo = torch.distributed gloo")

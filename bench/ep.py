@@ -764,7 +764,6 @@ def run(args) -> int:
                              compare_sends=extra.get("compare_sends"),
                              memory=dict(per_rank_end=mem, **{k: v for k, v in extra.items()
                                                              if k.startswith("memory")}))))
-            print(f"[json]     wrote {args.json}")
     return 0 if ok else 1
 
 

@@ -423,7 +423,6 @@ def run(args) -> int:
                                          ranks_per_node=args.ranks_per_node, source=extra.get("num_nvl_bytes_source")),
                              two_hop=extra.get("two_hop"), phases=extra.get("phases"),
                              native_split=extra.get("native_split"))))
-            print(f"[json]     wrote {args.json}")
     return 0 if ok else 1
 
 

@@ -238,11 +238,13 @@ def validate(doc: dict) -> dict:
 
 
 def write(path: str, doc: dict) -> dict:
-    """Validate ``doc`` (non-finite numbers as ``null``) and write it to ``path``; returns what was written."""
+    """Validate ``doc`` (non-finite numbers as ``null``), write it to ``path`` and say so (``[json] wrote PATH``);
+    returns what was written."""
     doc = validate(json.loads(json.dumps(finite(doc), default=str)))
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, allow_nan=False)
         f.write("\n")
+    print(f"[json]     wrote {path}")
     return doc
 
 
