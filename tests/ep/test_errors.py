@@ -620,7 +620,8 @@ def test_async_input_written_in_place_raises(comm, case):
     share was complete returned its outputs and learned of it only at its next call)."""
     r = comm.Get_rank()
     api = "ep_buffer" if case.startswith("ep_") else "low_latency" if case.startswith("ll_") else "normal"
-    calls = coll(lambda: _Calls(api, comm, timeout_s=10), what=f"{api} buffer")
+    # (no wait here may reach the deadline: 30 s keeps the 8-rank job on a loaded host clear of it)
+    calls = coll(lambda: _Calls(api, comm, timeout_s=30), what=f"{api} buffer")
     b, x, idx, w = calls.buf, calls.x, calls.idx, calls.w
     recv_x, handle = coll(calls.dispatch, what="a good dispatch first")
     name = "topk_weights" if case.startswith("ll_") else "x"
