@@ -47,10 +47,14 @@ def run_step(runtime: Transport | None, rank: int, fn: Callable[[], T]) -> T:
     keeping the exception would otherwise keep them alive and make ``destroy()`` refuse (``TransportBusy``).
     """
     try:
-        if not torch.is_grad_enabled():  # (entering no_grad costs as much as a small step)
+        if not torch.is_grad_enabled():
             return fn()
-        with torch.no_grad():
+        # torch.no_grad() without its Python context manager (a quarter of the cost, a few us per step)
+        torch._C._set_grad_enabled(False)
+        try:
             return fn()
+        finally:
+            torch._C._set_grad_enabled(True)
     except BaseException as exc:
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__.tb_next)

@@ -24,12 +24,17 @@ __all__ = ["stamp", "stamp_matches"]
 
 def stamp(*tensors) -> tuple:
     """Weak references to ``tensors`` (None kept) and their version counters (-1 for an inference tensor)."""
-    return tuple(None if t is None else (weakref.ref(t), -1 if t.is_inference() else t._version) for t in tensors)
+    return tuple([None if t is None else (weakref.ref(t), -1 if t.is_inference() else t._version) for t in tensors])
 
 
 def stamp_matches(stamped: tuple, *tensors) -> bool:
     """Whether ``tensors`` are the stamped ones, in order, none written since (never for an inference tensor)."""
-    return len(stamped) == len(tensors) and all(
-        (s is None and t is None) or (s is not None and t is not None and s[0]() is t and s[1] >= 0
-                                      and t._version == s[1])
-        for s, t in zip(stamped, tensors))
+    if len(stamped) != len(tensors):
+        return False
+    for s, t in zip(stamped, tensors):  # (a loop: a generator costs more than the checks, on every call)
+        if s is None:
+            if t is not None:
+                return False
+        elif t is None or s[0]() is not t or s[1] < 0 or t._version != s[1]:
+            return False
+    return True
