@@ -230,6 +230,7 @@ class Buffer(SharedOnCopy):
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
         self._tagged = 0  # collective calls of either mode so far: the transport's call tag (_tag_call)
+        self._default_configs = {}  # Buffer.get_dispatch_config / get_combine_config -> its Config, see _config
         self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see stamps.stamp
         self._last_traffic = None
@@ -566,12 +567,18 @@ class Buffer(SharedOnCopy):
 
     # -- what the checks need of this Buffer ------------------------------------------------
     def _config(self, config, which: Callable[[int], Config]) -> Config:
-        """``config`` checked, or DeepEP's recommended one for this rank count (``which``), else DeepEP's defaults."""
+        """``config`` checked, or DeepEP's recommended one for this rank count (``which``), else DeepEP's defaults
+        (made once per Buffer: the engines only read it)."""
+        if config is None and which in self._default_configs:
+            return self._default_configs[which]
+
         def default() -> Config:
             try:
-                return which(self.group_size)
+                made = which(self.group_size)
             except AssertionError:  # rank counts outside DeepEP's table
-                return Config(Buffer.num_sms)
+                made = Config(Buffer.num_sms)
+            self._default_configs[which] = made
+            return made
         return check_config(config, default)
 
     def _check_handle(self, handle, config: Config, op: str) -> tuple[NormalHandle, int]:
