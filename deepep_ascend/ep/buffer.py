@@ -74,6 +74,8 @@ from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed, timed_call
 from .protocol import (
+    CALL_BARRIER,
+    CALL_CLEAN,
     CALL_LOW_LATENCY,
     CALL_NORMAL,
     HEADER_BYTES,
@@ -753,11 +755,12 @@ class Buffer(SharedOnCopy):
 
     #: ``(kind, op)`` of a tagged call (:meth:`_tag_call`) -> its name in messages
     _CALL_NAMES = {**{(CALL_NORMAL, op): f"{name} (normal mode)" for op, name in OP_NAMES.items()},
-                   **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()}}
+                   **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()},
+                   (CALL_BARRIER, 1): "barrier", (CALL_CLEAN, 1): "clean_low_latency_buffer"}
 
     def _tag_call(self, kind: int, op: int) -> None:
-        """Count a collective call of ``kind`` (``CALL_NORMAL`` or ``CALL_LOW_LATENCY``) and its mode's ``op`` code,
-        and tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank of its node at the same
+        """Count a collective call of ``kind`` (``protocol.CALL_*``: where the call waits) and its ``op`` code, and
+        tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank of its node at the same
         call number in a call of the other mode raises at once instead of at the deadline. Every rank counts the
         same calls in the same order, so the two modes never meet at one number unless the ranks' calls differ
         (docs/semantics/deepep-api.md §8)."""
@@ -1400,6 +1403,7 @@ class Buffer(SharedOnCopy):
                 raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
         if ll.pending_hook is not None:
             raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook + 1} still awaits its hook")
+        self._tag_call(CALL_CLEAN, 1)
         self._worker.drain()
         self._guard(ll.clean)
 

@@ -47,6 +47,7 @@ from .memory import outside_inference_mode
 from .phases import RECORDER as _PH
 from .phases import engine_of, timed
 from .protocol import (
+    CALL_BARRIER,
     EP_MODE_CPU_SYNC,
     EP_MODE_EXPAND,
     EP_MODE_WEIGHTS,
@@ -302,10 +303,13 @@ class EPBuffer(BufferBase):
                 in the barrier, so that later barriers stay paired).
             transports.TransportTimeout: a rank did not arrive within the deadline (naming it; the peers are
                 aborted, so a rank waiting in another call fails at once).
+            ConsensusError: a rank of this node is in a ``dispatch`` or ``combine`` at this barrier's place in the
+                sequence of calls (the ranks' calls differ; the buffer is failed, docs/semantics/deepep-api.md §8).
         """
         self._usable("barrier")
         bad = context_idx_problem(self.api_name, context_idx)
         legacy = self._legacy
+        legacy._tag_call(CALL_BARRIER, 1)  # (a rank in a dispatch or combine meanwhile: ConsensusError, not a timeout)
         legacy._worker.drain()
         legacy._guard(lambda: self.runtime.barrier(phase=f"{self.api_name}.barrier"))
         if bad:  # raised after taking part, so that the ranks' barriers stay paired

@@ -560,6 +560,40 @@ def test_ranks_in_calls_of_different_modes_raise_at_once(comm, case, nodes):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["ep_barrier", "ll_clean"])
+@up_to_four_ranks()
+def test_barrier_or_clean_against_another_call_raises_at_once(comm, case):
+    """Rank 1 calls ``EPBuffer.barrier()`` while its peers dispatch, or ``clean_low_latency_buffer()`` while they
+    make a low-latency dispatch (after one good round trip): every rank raises ConsensusError within seconds
+    naming both calls, the 3rd collective call, instead of waiting out the 30 s deadline; destroy() succeeds."""
+    import time
+    r = comm.Get_rank()
+    if case == "ep_barrier":
+        calls = coll(lambda: _Calls("ep_buffer", comm, timeout_s=30), what="EPBuffer")
+        mine, other = "barrier", "dispatch (normal mode)"
+        odd = calls.buf.barrier
+    else:
+        calls = coll(lambda: _Calls("low_latency", comm, timeout_s=30), what="low-latency Buffer")
+        mine, other = "clean_low_latency_buffer", "low_latency_dispatch (low-latency mode)"
+        odd = lambda: calls.buf.clean_low_latency_buffer(8, H, E)  # noqa: E731
+    recv_x, handle = coll(calls.dispatch, what="dispatch #1")
+    coll(lambda: calls.combine(recv_x, handle), what="combine #1")
+    comm.Barrier()
+    t0 = time.monotonic()
+    _, exc = capture(odd if r == 1 else calls.dispatch)
+    elapsed = time.monotonic() - t0
+    expected = (f"this rank is in {mine}, rank 0 in {other}" if r == 1 else
+                f"this rank is in {other}, rank 1 in {mine}")
+    text = str(exc)
+    ok = isinstance(exc, ConsensusError) and elapsed < 10 and expected in text and "the 3rd collective call" in text
+    exc = None
+    comm.Barrier()
+    _, dexc = capture(calls.buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None,
+                 f"{case}: rank {r} after {elapsed:.1f} s: {text!r} (expected {expected!r}); destroy: {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
 @up_to_four_ranks()
 def test_late_rank_in_mixed_modes_is_no_different_call(comm):
     """Normal-mode and low-latency round trips in turn, rank 1 entering each call 50 ms late (past the waits'
