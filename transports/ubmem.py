@@ -25,6 +25,7 @@ import itertools
 import os
 import reprlib
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -375,6 +376,8 @@ class Transport:
         self.exit_departed = None
         self._leave_sent = {}  # peer -> teardown word last written there
         self.call_names = {}  # (kind, op) -> name, for the message of a TransportCallMismatch (set_call_tag)
+        self._thread_tag = threading.local()  # .word: the call tag this thread's waits belong to (adopt_call_tag)
+        self._tag_reads = {}  # other node's rank -> (Rget request, int64[1]): its call tag being read
         try:
             self._internal = self.create_window("barrier", 0, 0)
         except BaseException:  # e.g. no unified memory model: free what was built, on every rank
@@ -519,6 +522,9 @@ class Transport:
             except TransportRuntimeError as exc:
                 self._poison(str(exc))
                 poisoned = True
+        if not poisoned and not self._finish_tag_reads(self.timeout_s if timeout_s is None else timeout_s):
+            self._poison("a read of a peer's call tag did not complete before destroy()")
+            poisoned = True
         for win in self._windows:
             win._release_views()
         tolerant = departed is not None
@@ -1248,11 +1254,11 @@ class Transport:
         """Tag the collective call this rank is in: its number ``seq`` (1, 2, ... in the caller's one sequence of
         calls, every kind counted), its ``kind`` and ``op`` (the caller's codes, 1 to 255). Node peers read the tag
         while they wait: a wait that has lasted :data:`CALL_CHECK_S` (or finds that a peer aborted) and finds a
-        rank of its node at the same ``seq`` in a call of another ``kind`` raises
+        rank at the ``seq`` of the call it belongs to (:meth:`call_tag`) in a call of another ``kind`` raises
         :class:`~transports.errors.TransportCallMismatch` and poisons the transport, instead of waiting out the
         deadline: the ranks made different calls, and neither wait could end (docs/design/transports.md §2.3).
-        Ranks of other nodes are not read (they hear of it through the abort of the rank that found it). Its
-        message names the calls by :attr:`call_names` (``{(kind, op): name}``, the caller's to fill).
+        Ranks of other nodes are read by ``MPI_Rget``, one in flight per rank. The message names the calls by
+        :attr:`call_names` (``{(kind, op): name}``, the caller's to fill).
 
         Raises:
             TransportArgumentError: ``seq`` outside ``[1, 2**47)`` or ``kind`` / ``op`` outside ``[1, 255]``.
@@ -1262,22 +1268,71 @@ class Transport:
                 and (type(op) is int or is_integer(op)) and 0 < seq < 2 ** 47 and 0 < kind < 256 and 0 < op < 256):
             raise TransportArgumentError(f"rank {self.topology.rank}: set_call_tag: expected seq in [1, 2**47) and "
                                          f"kind, op in [1, 255], got seq={seq!r}, kind={kind!r}, op={op!r}")
-        self._internal._ctl_mv[self._internal._call_off] = (int(seq) << 16) | (int(kind) << 8) | int(op)
+        word = (int(seq) << 16) | (int(kind) << 8) | int(op)
+        self._internal._ctl_mv[self._internal._call_off] = word
+        self._thread_tag.word = word
+
+    def adopt_call_tag(self, word: int) -> int:
+        """Make the waits of the calling thread belong to the call tagged ``word`` (a value :meth:`call_tag` returned
+        when that call was tagged): a worker finishing an earlier call while the caller went on. Returns the
+        thread's tag before, for the caller to restore. The peers still see this rank's latest tag."""
+        before = self.call_tag()
+        self._thread_tag.word = int(word)
+        return before
+
+    def call_tag(self) -> int:
+        """The tag the calling thread's waits belong to (:meth:`adopt_call_tag`), else the latest :meth:`set_call_tag`
+        of this rank (0: none)."""
+        word = getattr(self._thread_tag, "word", None)
+        return int(self._internal._ctl_mv[self._internal._call_off]) if word is None else word
 
     def _check_call_tags(self, where: str) -> None:
-        """Raise :class:`~transports.errors.TransportCallMismatch` (and poison) if a node peer is tagged with this
-        rank's call number and another kind (:meth:`set_call_tag`; the lowest such rank is named)."""
+        """Raise :class:`~transports.errors.TransportCallMismatch` (and poison) if a peer is tagged with the number of
+        the call this thread waits in (:meth:`call_tag`) and another kind (:meth:`set_call_tag`): node peers by loads
+        (the lowest such rank is named), other nodes by an ``Rget`` per peer at a time, compared once it completed
+        (a later check), so that the wait never blocks on one."""
         internal, me = self._internal, self.topology.rank
-        mine = internal._ctl_mv[internal._call_off]
+        mine = self.call_tag()
         if not mine:
             return
+        off = internal._call_off
         for p, ctl in sorted(internal._ctl.items()):
-            theirs = int(ctl[internal._call_off])
-            if p != me and theirs >> 16 == mine >> 16 and (theirs >> 8) & 0xFF != (mine >> 8) & 0xFF:
-                exc = TransportCallMismatch(me, p, mine >> 16, ((mine >> 8) & 0xFF, mine & 0xFF),
-                                            ((theirs >> 8) & 0xFF, theirs & 0xFF), op=where, names=self.call_names)
-                self._poison(str(exc))
-                raise exc
+            if p != me:
+                self._compare_call_tags(where, mine, p, int(ctl[off]))
+        rma = internal._rma
+        if rma is None:
+            return
+        for p in self._urma_peers:
+            read = self._tag_reads.pop(p, None)
+            if read is None:
+                out = np.zeros(1, dtype=np.int64)
+                self._tag_reads[p] = (self._urma(rma.rget, p, 8 * off, out), out)
+            elif not read[0].Test():
+                self._tag_reads[p] = read
+            else:
+                self._compare_call_tags(where, mine, p, int(read[1][0]))
+
+    def _compare_call_tags(self, where: str, mine: int, p: int, theirs: int) -> None:
+        if theirs >> 16 == mine >> 16 and (theirs >> 8) & 0xFF != (mine >> 8) & 0xFF:
+            exc = TransportCallMismatch(self.topology.rank, p, mine >> 16, ((mine >> 8) & 0xFF, mine & 0xFF),
+                                        ((theirs >> 8) & 0xFF, theirs & 0xFF), op=where, names=self.call_names)
+            self._poison(str(exc))
+            raise exc
+
+    def _finish_tag_reads(self, timeout_s: float) -> bool:
+        """Complete the call-tag reads still in flight (before the windows are freed); False if one did not complete
+        in ``timeout_s`` (its peer is gone or stuck: the windows must then be abandoned, not freed)."""
+        deadline = time.monotonic() + timeout_s
+        while self._tag_reads:
+            for p, (req, _) in list(self._tag_reads.items()):
+                if req.Test():
+                    del self._tag_reads[p]
+            if self._tag_reads:
+                if time.monotonic() > deadline:
+                    return False
+                self._progress.poke(force=True)
+                time.sleep(1e-4)
+        return True
 
     def _publish_waitfor(self, ranks) -> None:
         """Show node peers which ranks this rank is blocked on (all zero: not waiting)."""

@@ -273,6 +273,15 @@ class RmaWindow:
         except MPI.Exception as exc:
             raise self._fail("get", src, exc) from None
 
+    def rget(self, src: int, disp: int, out: np.ndarray):
+        """Start an ``Rget`` of ``out.nbytes`` bytes at byte ``disp`` of ``src`` into ``out``; returns its request (test
+        it; it must complete before the window is freed)."""
+        MPI = self._MPI
+        try:
+            return self.win.Rget([out.view(np.uint8), MPI.BYTE], src, target=[disp, out.nbytes, MPI.BYTE])
+        except MPI.Exception as exc:
+            raise self._fail("rget", src, exc) from None
+
     def try_get(self, src: int, disp: int, out: np.ndarray, timeout_s: float) -> bool:
         """``Rget`` of ``out.size`` bytes, polled until ``timeout_s``; False if it did not complete.
 

@@ -25,6 +25,7 @@ from ..transports import (
     ChannelKind,
     LinkStats,
     SharedMemoryExhausted,
+    State,
     TransportArgumentError,
     TransportCallMismatch,
     TransportRuntimeError,
@@ -83,6 +84,7 @@ from .protocol import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_NAMES,
+    CallMismatch,
     ConsensusError,
     dtype_code,
     ordinal,
@@ -682,7 +684,7 @@ class Buffer(SharedOnCopy):
         """
         self._calls += 1
         call_id = self._calls
-        self._tag_call(CALL_NORMAL, op)
+        tag = self._tag_call(CALL_NORMAL, op)
         if op != OP_DISPATCH and self._filling is not None:
             # this call's checks read a handle by value: one from an async worst-token dispatch is complete only
             # once that dispatch's worker task is (docs/semantics/deepep-api.md §3.4)
@@ -702,6 +704,8 @@ class Buffer(SharedOnCopy):
             self._worker.drain()
             try:
                 self._guard(lambda: self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}"))
+            except CallMismatch:
+                raise  # the peers are in another kind of call: that, not this rank's refusal, is what failed
             except ConsensusError:
                 pass
             raise exc from None
@@ -723,6 +727,8 @@ class Buffer(SharedOnCopy):
         # (the generator and the outputs are arguments, not closure cells: a failed task's traceback, which its
         # future keeps, then holds them in frames the worker clears, not in this function's closure)
         def finish(gen, outputs, before=before):
+            if self.runtime is not None:  # (on the worker: its waits belong to this call, not the caller's next)
+                self.runtime.adopt_call_tag(tag)
             if not comm_before_outputs:
                 before = self.runtime.stats.copy_counters()
             self._guard(lambda: [None for _ in gen])
@@ -745,27 +751,29 @@ class Buffer(SharedOnCopy):
         """Run a protocol step with :func:`~deepep_ascend.ep.failure.run_step` (abort the peers on failure).
 
         Raises:
-            ConsensusError: a peer is in a call of the other mode at this one's place in the sequence of calls
-                (the transport's ``TransportCallMismatch``, :meth:`_tag_call`); the Buffer is failed then.
+            CallMismatch: a peer is in a call of another kind at this one's place in the sequence of calls (the
+                transport's ``TransportCallMismatch``, :meth:`_tag_call`); the Buffer is failed then.
         """
         try:
             return run_step(self.runtime, self.rank, fn)
         except TransportCallMismatch as exc:
-            raise ConsensusError(self._call_mismatch(exc)) from None
+            raise CallMismatch(self._call_mismatch(exc)) from None
 
     #: ``(kind, op)`` of a tagged call (:meth:`_tag_call`) -> its name in messages
     _CALL_NAMES = {**{(CALL_NORMAL, op): f"{name} (normal mode)" for op, name in OP_NAMES.items()},
                    **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()},
                    (CALL_BARRIER, 1): "barrier", (CALL_CLEAN, 1): "clean_low_latency_buffer"}
 
-    def _tag_call(self, kind: int, op: int) -> None:
+    def _tag_call(self, kind: int, op: int) -> int:
         """Count a collective call of ``kind`` (``protocol.CALL_*``: where the call waits) and its ``op`` code, and
         tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank of its node at the same
         call number in a call of the other mode raises at once instead of at the deadline. Every rank counts the
         same calls in the same order, so the two modes never meet at one number unless the ranks' calls differ
-        (docs/semantics/deepep-api.md §8)."""
+        (docs/semantics/deepep-api.md §8). Returns the tag, for a worker or hook finishing the call later to adopt
+        (``Transport.adopt_call_tag``)."""
         self._tagged += 1
         self.runtime.set_call_tag(self._tagged, kind, op)
+        return self.runtime.call_tag()
 
     def _call_mismatch(self, exc: TransportCallMismatch) -> str:
         """The message of the ``ConsensusError`` raised for ``exc``: both calls by name (``_CALL_NAMES``)."""
@@ -828,6 +836,8 @@ class Buffer(SharedOnCopy):
                                                         f"rank {self.rank}: {type(error).__name__}: {error}"))
         try:
             refuse()
+        except CallMismatch:
+            raise  # the peers are in another kind of call: that, not this refusal, is what failed
         except ConsensusError:
             pass  # a normal engine's refusal ends in the error every rank raises; this rank raises its own
         except Exception as exc:  # the round itself failed (a peer missing): this rank's error, and why
@@ -1178,7 +1188,7 @@ class Buffer(SharedOnCopy):
                 f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
                 f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
                 f"docs/semantics/deepep-api.md §6.6)")
-        self._tag_call(CALL_LOW_LATENCY, op)
+        tag = self._tag_call(CALL_LOW_LATENCY, op)
         self._worker.drain()
         if _PH.on:
             _PH.switch("checks")
@@ -1190,6 +1200,8 @@ class Buffer(SharedOnCopy):
             exc = rej.exc
             try:  # tell the peers, who then raise too (the Buffer stays usable)
                 self._guard(lambda: ll.reject(op, f"{type(exc).__name__}: {exc}"))
+            except CallMismatch:
+                raise  # the peers are in another kind of call: that, not this rank's refusal, is what failed
             except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
                 pass
             raise exc from None
@@ -1209,7 +1221,13 @@ class Buffer(SharedOnCopy):
         def receive():
             if _PH.on:
                 _PH.switch(None)
-            self._guard(pending.receive)
+            runtime = self.runtime
+            before_tag = runtime.adopt_call_tag(tag) if runtime is not None else 0  # (these waits are this call's)
+            try:
+                self._guard(pending.receive)
+            finally:
+                if runtime is not None and runtime.state is not State.CLOSED:
+                    runtime.adopt_call_tag(before_tag)
             if return_recv_hook:  # the hook is this call's wait
                 self._at_wait(guard, f"{ll_mod.call_name(op, seq)}: its receive hook")
             else:

@@ -72,6 +72,13 @@ class ConsensusError(ValueError):
     """Every rank raises this when any rank's arguments were rejected or ranks disagree."""
 
 
+class CallMismatch(ConsensusError):
+    """Ranks made calls no first round can compare (calls that wait in different places: the two modes, a barrier,
+    a clean; the ``CALL_*`` kinds): raised on the ranks that find it, the buffer failed
+    (docs/semantics/deepep-api.md §8). A rank that was refusing its own arguments in that call raises this rather
+    than its refusal."""
+
+
 def _kind(op: int) -> str:
     return "combine" if op == OP_COMBINE else "dispatch"
 

@@ -560,6 +560,62 @@ def test_ranks_in_calls_of_different_modes_raise_at_once(comm, case, nodes):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["split_by_node", "async_call_in_flight", "refusing_rank"])
+@up_to_four_ranks()
+def test_calls_of_different_modes_found_across_nodes_in_flight_and_refused(comm, case):
+    """The harder places of a mode mismatch, each found within seconds instead of at the 30 s deadline:
+
+    * ``split_by_node``: one simulated node per half of the ranks, the first half in ``dispatch``, the second in
+      ``low_latency_dispatch`` (no node holds both: the ranks read the other node's calls by RMA); every rank
+      raises ConsensusError naming both calls.
+    * ``async_call_in_flight``: rank 0 issues an asynchronous ``combine``, then a ``low_latency_dispatch`` before
+      waiting; the other ranks skipped the combine. The combine's wait (on the worker) compares the peers with its
+      own call, not rank 0's newer one; every rank raises an error saying the ranks made different calls.
+    * ``refusing_rank``: rank 0 refuses its own ``dispatch`` (an expert id out of range) while the others are in
+      ``low_latency_dispatch``: rank 0 too raises the mismatch (its buffer is failed), not only its refusal."""
+    import time
+    r, R = comm.Get_rank(), comm.Get_size()
+    if case == "split_by_node" and R % 2:
+        pytest.skip("two simulated nodes of R / 2 ranks")
+    b, trip, (x, idx, w) = coll(lambda: _both_modes(comm, 30, R // 2 if case == "split_by_node" else None),
+                                what="buffer")
+    coll(lambda: (trip("normal"), trip("low_latency")), what="round trips of both modes")
+    ntpr, ntpn, ntpe, itr, _ = b.get_dispatch_layout(idx, E)
+    recv_x, _, recv_w, _, handle, _ = coll(lambda: b.dispatch(x, None, ntpr, ntpn, itr, ntpe, idx, w),
+                                           what="a good dispatch")
+    comm.Barrier()
+    t0 = time.monotonic()
+    ll = lambda: b.low_latency_dispatch(x, idx, 8, E, use_fp8=False)  # noqa: E731
+    if case == "split_by_node":
+        odd = (lambda: b.dispatch(x, None, ntpr, ntpn, itr, ntpe, idx, w)) if r < R // 2 else ll
+    elif case == "async_call_in_flight":
+        def odd():
+            if r == 0:
+                event = b.combine(recv_x, handle, recv_w, async_finish=True)[2]
+                try:
+                    ll()
+                finally:
+                    event.current_stream_wait()
+            else:
+                ll()
+    else:
+        bad = idx.clone()
+        bad[0, 0] = E  # out of range: rank 0 refuses its dispatch
+        odd = (lambda: b.dispatch(x, None, ntpr, ntpn, itr, ntpe, bad, w)) if r == 0 else ll
+    _, exc = capture(odd)
+    elapsed = time.monotonic() - t0
+    text = f"{type(exc).__name__}: {exc}"
+    ok = elapsed < 10 and "ranks made different calls" in text
+    if case != "async_call_in_flight":
+        ok = ok and isinstance(exc, ConsensusError) and "dispatch (normal mode)" in text \
+            and "low_latency_dispatch (low-latency mode)" in text
+    exc = None
+    comm.Barrier()
+    _, dexc = capture(b.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{case}: rank {r} after {elapsed:.1f} s: {text}; destroy: {dexc!r}")
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("case", ["ep_barrier", "ll_clean"])
 @up_to_four_ranks()
 def test_barrier_or_clean_against_another_call_raises_at_once(comm, case):
