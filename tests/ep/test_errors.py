@@ -486,6 +486,15 @@ def test_ranks_in_different_calls_named_with_their_call_numbers(comm, api, skipp
     coll(calls.buf.destroy, what="destroy")
 
 
+def _destroy_then_check(comm, buf, ok: bool, detail: str) -> None:
+    """Every rank destroys ``buf`` once all are done with it, then asserts every rank's ``ok`` and a clean destroy
+    together (``detail``: this rank's account). The caller drops the exception of its call first: its traceback
+    holds views of window memory, which would make destroy() refuse."""
+    comm.Barrier()
+    _, dexc = capture(buf.destroy)
+    all_ranks_ok(comm, ok and dexc is None, f"{detail}; destroy: {dexc!r}")
+
+
 def _both_modes(comm, timeout_s, ranks_per_node=None):
     """A low-latency Buffer that also makes normal-mode calls (its URMA window sized for both paths across nodes),
     and ``trip(mode)``: one round trip of ``"normal"`` or ``"low_latency"`` mode on this rank's small inputs."""
@@ -552,11 +561,8 @@ def test_ranks_in_calls_of_different_modes_raise_at_once(comm, case, nodes):
         isinstance(exc, ConsensusError) and expected in text and "the 5th collective call" in text if same_node
         else isinstance(exc, (ConsensusError, TransportAborted)))
     exc = None
-    comm.Barrier()
-    _, dexc = capture(b.destroy)
-    all_ranks_ok(comm, ok and dexc is None,
-                 f"{case}, {nodes}: rank {r} after {elapsed:.1f} s: {text!r} (expected {expected!r}); "
-                 f"destroy: {dexc!r}")
+    _destroy_then_check(comm, b, ok, f"{case}, {nodes}: rank {r} after {elapsed:.1f} s: {text!r} (expected "
+                        f"{expected!r})")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -569,8 +575,9 @@ def test_calls_of_different_modes_found_across_nodes_in_flight_and_refused(comm,
       ``low_latency_dispatch`` (no node holds both: the ranks read the other node's calls by RMA); every rank
       raises ConsensusError naming both calls.
     * ``async_call_in_flight``: rank 0 issues an asynchronous ``combine``, then a ``low_latency_dispatch`` before
-      waiting; the other ranks skipped the combine. The combine's wait (on the worker) compares the peers with its
-      own call, not rank 0's newer one; every rank raises an error saying the ranks made different calls.
+      waiting; the other ranks skipped the combine (their dispatch may meet rank 0's; they go on to the combine).
+      The combine's wait (on the worker) compares the peers with its own call, not rank 0's newer one; every rank
+      raises an error saying the ranks made different calls.
     * ``refusing_rank``: rank 0 refuses its own ``dispatch`` (an expert id out of range) while the others are in
       ``low_latency_dispatch``: rank 0 too raises the mismatch (its buffer is failed), not only its refusal."""
     import time
@@ -596,8 +603,9 @@ def test_calls_of_different_modes_found_across_nodes_in_flight_and_refused(comm,
                     ll()
                 finally:
                     event.current_stream_wait()
-            else:
-                ll()
+            else:  # (this dispatch may meet rank 0's and return: the next call then hears of rank 0's failure)
+                recv, _, ll_handle, _, _ = ll()
+                b.low_latency_combine(recv, idx, w, ll_handle)
     else:
         bad = idx.clone()
         bad[0, 0] = E  # out of range: rank 0 refuses its dispatch
@@ -610,9 +618,7 @@ def test_calls_of_different_modes_found_across_nodes_in_flight_and_refused(comm,
         ok = ok and isinstance(exc, ConsensusError) and "dispatch (normal mode)" in text \
             and "low_latency_dispatch (low-latency mode)" in text
     exc = None
-    comm.Barrier()
-    _, dexc = capture(b.destroy)
-    all_ranks_ok(comm, ok and dexc is None, f"{case}: rank {r} after {elapsed:.1f} s: {text}; destroy: {dexc!r}")
+    _destroy_then_check(comm, b, ok, f"{case}: rank {r} after {elapsed:.1f} s: {text}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -643,10 +649,8 @@ def test_barrier_or_clean_against_another_call_raises_at_once(comm, case):
     text = str(exc)
     ok = isinstance(exc, ConsensusError) and elapsed < 10 and expected in text and "the 3rd collective call" in text
     exc = None
-    comm.Barrier()
-    _, dexc = capture(calls.buf.destroy)
-    all_ranks_ok(comm, ok and dexc is None,
-                 f"{case}: rank {r} after {elapsed:.1f} s: {text!r} (expected {expected!r}); destroy: {dexc!r}")
+    _destroy_then_check(comm, calls.buf, ok,
+                        f"{case}: rank {r} after {elapsed:.1f} s: {text!r} (expected {expected!r})")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -669,10 +673,9 @@ def test_late_rank_in_mixed_modes_is_no_different_call(comm):
             break
         got.append(out)
     ok = exc is None and all(torch.equal(a, c) for a, c in zip(got, want))
+    detail = f"rank {r}: {exc!r}, {len(got)} trips"
     exc = None
-    comm.Barrier()
-    _, dexc = capture(b.destroy)
-    all_ranks_ok(comm, ok and dexc is None, f"rank {r}: {exc!r}, {len(got)} trips; destroy: {dexc!r}")
+    _destroy_then_check(comm, b, ok, detail)
 
 
 @pytest.mark.mpi(min_size=2)
