@@ -46,11 +46,12 @@ Low-latency mode has its pair too (docs/semantics/deepep-api.md §6):
   listed twice in a row, its first row takes the first such ``j``, its second row the second);
   ``grad_y[slot] = bf16(w[t, j] * g[t])``, padding rows 0. (3) Only if ``topk_weights`` requires
   grad: each slot's ``dot(g[t], y[slot])`` (float32) is split exactly into three bf16 parts
-  ``hi + mid + lo`` and returned with an LL combine of ``3K``-column rows (part ``p`` of slot ``j``
+  ``hi + mid + lo`` and returned with an LL combine of ``4K``-column rows (part ``p`` of slot ``j``
   in column ``p·K + j``, unit weights, so every column sums one value: exact), then
   ``grad_w[t, j] = hi + mid + lo``, the float32 dot product itself (exact for ``|dot| > 2^-100``).
   So the backward is two LL calls, three with weight gradients; calls (2) and (3) have
-  ``hidden = 3K`` rounded up to a multiple of 4, which a Buffer sized for an ``H`` at least that fits.
+  ``hidden = 4K`` (one width per top-k: ranks of different top-k meet there with different hidden
+  sizes, which the LL header refuses on every rank), which a Buffer sized for an ``H`` at least that fits.
 
 ``use_fp8=True`` (``Buffer.low_latency_dispatch``'s default, kept here) is refused with a
 ``TypeError`` when ``x`` requires grad: FP8 rows are not differentiable; pass ``use_fp8=False``.
@@ -97,7 +98,6 @@ from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
 from ..ep.protocol import ConsensusError
 from ..ep.rows import dense
-from ..rounding import align
 
 __all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
            "low_latency_dispatch"]
@@ -396,9 +396,10 @@ def _ll_repeat_rank(handle: LowLatencyHandle, valid: torch.Tensor) -> torch.Tens
 
 
 def _ll_narrow_cols(k: int) -> int:
-    """bf16 columns of the backward's weight/index dispatch and dot-product combine: ``3K`` rounded
-    up to a multiple of 4, so rows are whole 8-byte words (the LL engine views message bytes as int32)."""
-    return align(3 * k, 4)
+    """bf16 columns of the backward's weight/index dispatch and dot-product combine: ``4K`` (``3K`` used), so rows
+    are whole 8-byte words (the LL engine views message bytes as int32) and their width tells the top-k: ranks of
+    different top-k meet in that dispatch with different hidden sizes, which its header refuses on every rank."""
+    return 4 * k
 
 
 def _split3(v: torch.Tensor):
@@ -453,14 +454,6 @@ class _LLCombine(torch.autograd.Function):
         m, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         n, k = topk_idx.shape
         L = y.size(0)
-        # Each expert reads its sources' weight rows (step 2) by its own K: the plain calls take a top-k per rank,
-        # this backward one top-k on every rank (one small gather of it, with the deadline).
-        ks = buffer.runtime.allgather_object(k, phase="deepep_ascend.nn.autograd.low_latency_combine backward")
-        if len(set(ks)) > 1:
-            raise ConsensusError(f"rank {buffer.rank}: deepep_ascend.nn.autograd.low_latency_combine backward: the "
-                                 f"ranks' top-k differ (topk_idx.size(1): " + ", ".join(
-                                     f"rank {r}: {v}" for r, v in enumerate(ks)) + "); the low-latency autograd "
-                                 "pair needs one top-k on every rank")
         # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
         g = grad_combined.to(_BF16).contiguous()
         recv_g, _, h_g, _, _ = buffer.low_latency_dispatch(g, topk_idx, m, num_experts, use_fp8=False)
@@ -468,13 +461,21 @@ class _LLCombine(torch.autograd.Function):
         _ll_same_slots(handle, h_g, valid)
         # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
         idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
-        cols = _ll_narrow_cols(k)  # 3K rounded up to a multiple of 4 (8-byte rows)
+        cols = _ll_narrow_cols(k)  # 4K: 8-byte rows, one width per top-k
         meta = torch.cat([dense(w.to(torch.float32)).view(torch.int16).view(n, 2 * k), idx16,
                           torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
-        recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
-                                                              use_fp8=False)
+        # Each expert reads its sources' weight rows by its own K: the plain calls take a top-k per rank, this
+        # backward one top-k on every rank, which this dispatch's header checks (its width is 4K) at no cost.
+        try:
+            recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
+                                                                  use_fp8=False)
+        except ConsensusError as exc:
+            raise ConsensusError(
+                f"rank {buffer.rank}: deepep_ascend.nn.autograd.low_latency_combine backward: the ranks' top-k differ "
+                f"(topk_idx.size(1)); the low-latency autograd pair needs one top-k on every rank. Its dispatch of "
+                f"weight rows, 4 x top-k columns wide (H below), was refused: {exc}") from None
         _ll_same_slots(handle, h_m, valid)
-        recv_meta = recv_meta.view(torch.int16)  # [L, R·M, 3K]
+        recv_meta = recv_meta.view(torch.int16)  # [L, R·M, 4K]
         slot_w = recv_meta[..., :2 * k].contiguous().view(torch.float32)  # [L, R·M, K]
         slot_e = recv_meta[..., 2 * k:3 * k].to(torch.int32) & 0xFFFF
         experts = (buffer.rank * L + torch.arange(L, dtype=torch.int32)).view(L, 1, 1)
@@ -570,9 +571,10 @@ def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_we
             (forward) and ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (backward).
             RuntimeError (backward): the gradient's dispatch did not land in the handle's slots.
             ConsensusError (a ``ValueError``; backward, on every rank): the ranks' ``topk_idx`` have
-            different top-k (the forward, like the plain calls, takes them).
+            different top-k (the forward, like the plain calls, takes them); the message gives each rank's
+            ``H = 4K`` of the refused weight-row dispatch. The Buffer stays usable.
             ValueError (backward): the Buffer's ``num_rdma_bytes`` is too small for calls with
-            ``hidden = 3K`` rounded up to a multiple of 4 (only if that exceeds ``H``).
+            ``hidden = 4K`` (only if that exceeds ``H``).
     """
     _refused_everywhere(buffer, "low_latency_combine",
                         lambda: _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine"),

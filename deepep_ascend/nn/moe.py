@@ -533,9 +533,9 @@ class MoE(nn.Module):
                                        num_experts: int, top_k: int) -> int:
         """``num_rdma_bytes`` a low-latency Buffer needs for this layer (forward and backward).
 
-        ``Buffer.get_low_latency_rdma_size_hint(M, max(H, H'), R, E)`` with ``H' = 3K`` rounded up to
-        a multiple of 4: the backward's narrow LL calls (weights and indices; exact weight gradients)
-        carry ``3K`` bf16 columns. For every real model (``3K <= H``) it is the Buffer's own hint.
+        ``Buffer.get_low_latency_rdma_size_hint(M, max(H, H'), R, E)`` with ``H' = 4K``: the backward's
+        narrow LL calls (weights and indices; exact weight gradients) carry ``4K`` bf16 columns. For every
+        real model (``4K <= H``) it is the Buffer's own hint.
         """
         hidden = max(hidden, ep_autograd._ll_narrow_cols(top_k))
         return Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
