@@ -378,6 +378,7 @@ class Transport:
         self.call_names = {}  # (kind, op) -> name, for the message of a TransportCallMismatch (set_call_tag)
         self._thread_tag = threading.local()  # .word: the call tag this thread's waits belong to (adopt_call_tag)
         self._tag_reads = {}  # other node's rank -> (Rget request, int64[1]): its call tag being read
+        self._tag_lock = threading.Lock()  # _tag_reads: the caller's and a worker's waits may both read
         try:
             self._internal = self.create_window("barrier", 0, 0)
         except BaseException:  # e.g. no unified memory model: free what was built, on every rank
@@ -1302,15 +1303,19 @@ class Transport:
         rma = internal._rma
         if rma is None:
             return
-        for p in self._urma_peers:
-            read = self._tag_reads.pop(p, None)
-            if read is None:
-                out = np.zeros(1, dtype=np.int64)
-                self._tag_reads[p] = (self._urma(rma.rget, p, 8 * off, out), out)
-            elif not read[0].Test():
-                self._tag_reads[p] = read
-            else:
-                self._compare_call_tags(where, mine, p, int(read[1][0]))
+        done = []
+        with self._tag_lock:
+            for p in self._urma_peers:
+                read = self._tag_reads.pop(p, None)
+                if read is None:
+                    out = np.zeros(1, dtype=np.int64)
+                    self._tag_reads[p] = (self._urma(rma.rget, p, 8 * off, out), out)
+                elif not read[0].Test():
+                    self._tag_reads[p] = read
+                else:
+                    done.append((p, int(read[1][0])))
+        for p, theirs in done:
+            self._compare_call_tags(where, mine, p, theirs)
 
     def _compare_call_tags(self, where: str, mine: int, p: int, theirs: int) -> None:
         if theirs >> 16 == mine >> 16 and (theirs >> 8) & 0xFF != (mine >> 8) & 0xFF:
@@ -1323,16 +1328,17 @@ class Transport:
         """Complete the call-tag reads still in flight (before the windows are freed); False if one did not complete
         in ``timeout_s`` (its peer is gone or stuck: the windows must then be abandoned, not freed)."""
         deadline = time.monotonic() + timeout_s
-        while self._tag_reads:
-            for p, (req, _) in list(self._tag_reads.items()):
-                if req.Test():
-                    del self._tag_reads[p]
-            if self._tag_reads:
-                if time.monotonic() > deadline:
-                    return False
-                self._progress.poke(force=True)
-                time.sleep(1e-4)
-        return True
+        while True:
+            with self._tag_lock:
+                for p, (req, _) in list(self._tag_reads.items()):
+                    if req.Test():
+                        del self._tag_reads[p]
+                if not self._tag_reads:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            self._progress.poke(force=True)
+            time.sleep(1e-4)
 
     def _publish_waitfor(self, ranks) -> None:
         """Show node peers which ranks this rank is blocked on (all zero: not waiting)."""
