@@ -32,7 +32,7 @@ from .link_model import (
     project,
 )
 from .topology import ChannelKind, Topology
-from .ubmem import SymmetricWindow, Transport, UbmemTransport
+from .ubmem import CALL_CHECK_S, SymmetricWindow, Transport, UbmemTransport
 
 
 def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
@@ -54,7 +54,7 @@ def create_transport(comm, ranks_per_node=None, timeout_s=None) -> Transport:
 
 
 __all__ = [
-    "ChannelKind", "Topology", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
+    "CALL_CHECK_S", "ChannelKind", "Topology", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
     "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport",
     "UbmemTransport", "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier",
     "quiet_wait", "resolve_timeout",

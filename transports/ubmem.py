@@ -1287,6 +1287,14 @@ class Transport:
         word = getattr(self._thread_tag, "word", None)
         return int(self._internal._ctl_mv[self._internal._call_off]) if word is None else word
 
+    def check_call_tags(self, phase: str = "") -> None:
+        """What a wait does every :data:`CALL_CHECK_S` (:meth:`set_call_tag`), for callers that wait in short slices
+        of ``wait_until(..., on_timeout="return")``, each too short to reach it: raise
+        :class:`~transports.errors.TransportCallMismatch` (and poison) if a rank is tagged with the number of the
+        call this thread waits in and another kind (``phase``: named in the message)."""
+        self._check_open("check_call_tags")
+        self._check_call_tags(f"check_call_tags({phase})" if phase else "check_call_tags")
+
     def _check_call_tags(self, where: str) -> None:
         """Raise :class:`~transports.errors.TransportCallMismatch` (and poison) if a peer is tagged with the number of
         the call this thread waits in (:meth:`call_tag`) and another kind (:meth:`set_call_tag`): node peers by loads

@@ -77,6 +77,7 @@ from .phases import engine_of, timed, timed_call
 from .protocol import (
     CALL_BARRIER,
     CALL_CLEAN,
+    CALL_LOAD_BALANCE,
     CALL_LOW_LATENCY,
     CALL_NORMAL,
     HEADER_BYTES,
@@ -762,7 +763,8 @@ class Buffer(SharedOnCopy):
     #: ``(kind, op)`` of a tagged call (:meth:`_tag_call`) -> its name in messages
     _CALL_NAMES = {**{(CALL_NORMAL, op): f"{name} (normal mode)" for op, name in OP_NAMES.items()},
                    **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()},
-                   (CALL_BARRIER, 1): "barrier", (CALL_CLEAN, 1): "clean_low_latency_buffer"}
+                   (CALL_BARRIER, 1): "barrier", (CALL_CLEAN, 1): "clean_low_latency_buffer",
+                   (CALL_LOAD_BALANCE, 1): "lb_prefetch_weights", (CALL_LOAD_BALANCE, 2): "lb_reduce_grads"}
 
     def _tag_call(self, kind: int, op: int) -> int:
         """Count a collective call of ``kind`` (``protocol.CALL_*``: where the call waits) and its ``op`` code, and
@@ -779,9 +781,9 @@ class Buffer(SharedOnCopy):
         """The message of the ``ConsensusError`` raised for ``exc``: both calls by name (``_CALL_NAMES``)."""
         names = self._CALL_NAMES
         return (f"rank {self.rank}: ranks made different calls: this rank is in {names[exc.mine]}, rank {exc.peer} in "
-                f"{names[exc.theirs]}, both the {ordinal(exc.seq)} collective call on this {self.api_name} (both modes "
-                f"counted); every rank must make the same calls in the same order (docs/semantics/deepep-api.md §8). "
-                f"The {self.api_name} is failed: destroy it and build a new one")
+                f"{names[exc.theirs]}, both the {ordinal(exc.seq)} collective call on this {self.api_name} (calls of "
+                f"every kind counted); every rank must make the same calls in the same order "
+                f"(docs/semantics/deepep-api.md §8). The {self.api_name} is failed: destroy it and build a new one")
 
     def _at_wait(self, guard: InputGuard | None, phase: str) -> None:
         """What the wait of an asynchronous call checks once its data movement completed: this rank's inputs

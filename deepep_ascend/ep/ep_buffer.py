@@ -19,7 +19,7 @@ from .. import native as _native
 from .. import settings
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import Topology, create_transport
+from ..transports import Topology, TransportCallMismatch, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import (
@@ -48,6 +48,7 @@ from .phases import RECORDER as _PH
 from .phases import engine_of, timed
 from .protocol import (
     CALL_BARRIER,
+    CALL_LOAD_BALANCE,
     EP_MODE_CPU_SYNC,
     EP_MODE_EXPAND,
     EP_MODE_WEIGHTS,
@@ -55,6 +56,7 @@ from .protocol import (
     W_EP_ALIGNMENT,
     W_EP_MAX_TOKENS,
     W_EP_MODE,
+    CallMismatch,
     dtype_code,
 )
 from .reduce import CombineScratch, accumulate_rows
@@ -303,8 +305,8 @@ class EPBuffer(BufferBase):
                 in the barrier, so that later barriers stay paired).
             transports.TransportTimeout: a rank did not arrive within the deadline (naming it; the peers are
                 aborted, so a rank waiting in another call fails at once).
-            ConsensusError: a rank of this node is in a ``dispatch`` or ``combine`` at this barrier's place in the
-                sequence of calls (the ranks' calls differ; the buffer is failed, docs/semantics/deepep-api.md §8).
+            ConsensusError: a rank is in a ``dispatch``, ``combine`` or load-balance call at this barrier's place in
+                the sequence of calls (the ranks' calls differ; the buffer is failed, docs/semantics/deepep-api.md §8).
         """
         self._usable("barrier")
         bad = context_idx_problem(self.api_name, context_idx)
@@ -1008,10 +1010,15 @@ class EPBuffer(BufferBase):
             error = exc
         if self.runtime is None:
             raise error
+        # (a rank in another call meanwhile: ConsensusError naming both, not a timeout)
+        self._legacy._tag_call(CALL_LOAD_BALANCE, 1 if op == "lb_prefetch_weights" else 2)
         if previous_event is not None and error is None:
             previous_event.current_stream_wait()
         self._legacy._worker.drain()  # no queued dispatch or combine shares the transport with the exchange
-        self._lb.agree(op, error, signature)
+        try:
+            self._lb.agree(op, error, signature)
+        except TransportCallMismatch as exc:
+            raise CallMismatch(self._legacy._call_mismatch(exc)) from None
         return result
 
     def lb_prefetch_weights(self, redundant_expert_weights, expert_weights, redundancy_mapping: torch.Tensor,

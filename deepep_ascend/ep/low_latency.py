@@ -102,7 +102,7 @@ from ..gemm.scales import pack_ue8m0_to_int
 from ..native.operands import mark_written
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import ChannelKind, TransportTimeout
+from ..transports import CALL_CHECK_S, ChannelKind, TransportTimeout
 from . import memory
 from .handles import LowLatencyHandle
 from .phases import RECORDER as _PH
@@ -637,7 +637,12 @@ class LowLatencyEngine:
         t0 = time.monotonic_ns()
         timeout = self.tp.timeout_s
         slice_s = 2e-4
+        next_tag_check = CALL_CHECK_S
         while pending:
+            waited = (time.monotonic_ns() - t0) / 1e9
+            if waited >= next_tag_check:  # (each slice is too short for the wait's own look at the ranks' calls)
+                next_tag_check = waited + CALL_CHECK_S
+                self.tp.check_call_tags(phase)
             left = timeout - (time.monotonic_ns() - t0) / 1e9
             if left <= 0:
                 if self.shrink:

@@ -409,18 +409,20 @@ class _Calls:
     handle)``; ``names`` are the operations as errors name them. ``ranks_per_node``: None for the host's
     node (one node here), ``R // 2`` for two simulated nodes (normal mode then takes the two-hop engine)."""
 
-    def __init__(self, api, comm, timeout_s, ranks_per_node=None):
+    def __init__(self, api, comm, timeout_s, ranks_per_node=None, lb_plan=0, shrink=False):
         r, R = comm.Get_rank(), comm.Get_size()
         self.idx, self.w, self.x = _small_inputs(r, R)
         self.api = api
         rpn = ranks_per_node
         if api == "ep_buffer":
             self.buf = EPBuffer(comm, num_max_tokens_per_rank=8, hidden=H, num_topk=2, explicitly_destroy=True,
-                                num_cpu_timeout_secs=timeout_s, ranks_per_node=rpn)
+                                num_cpu_timeout_secs=timeout_s, ranks_per_node=rpn,
+                                lb_allocation_plan_or_num_bytes=lb_plan)
             self.names = ("dispatch", "combine")
         elif api == "low_latency":
             self.buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(8, H, R, E), low_latency_mode=True,
-                              comm=comm, explicitly_destroy=True, timeout_s=timeout_s, ranks_per_node=rpn)
+                              comm=comm, explicitly_destroy=True, timeout_s=timeout_s, ranks_per_node=rpn,
+                              enable_shrink=shrink)
             self.names = ("low_latency_dispatch", "low_latency_combine")
         else:
             nvl, rdma = 1 << 16, 0
@@ -623,21 +625,43 @@ def test_calls_of_different_modes_found_across_nodes_in_flight_and_refused(comm,
     _destroy_then_check(comm, b, ok, f"{case}: rank {r} after {elapsed:.1f} s: {text}")
 
 
+def _lb_buffer(comm, timeout_s):
+    """An ``EPBuffer`` with a load-balance region of two 16-float slots per rank, and ``prefetch()``: one
+    ``lb_prefetch_weights`` (each node rank's slots hold the next node rank's experts)."""
+    from deepep_ascend.ep.allocator import BufferAllocator
+    r, R = comm.Get_rank(), comm.Get_size()
+    plan = BufferAllocator()
+    slots = plan.allocate((2, 16), torch.float32)
+    calls = _Calls("ep_buffer", comm, timeout_s, lb_plan=plan)
+    mapping = torch.full((R, 2), -1, dtype=torch.int32)
+    if R > 1:
+        mapping = torch.tensor([[((n + 1) % R) * (E // R) + c % (E // R) for c in range(2)] for n in range(R)],
+                               dtype=torch.int32)
+    weights = torch.randn(E // R, 16, generator=torch.Generator().manual_seed(r))
+    return calls, lambda: calls.buf.lb_prefetch_weights(slots, weights, mapping).wait()
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", ["ep_barrier", "ll_clean"])
+@pytest.mark.parametrize("case", ["ep_barrier", "ep_load_balance", "ll_clean", "ll_clean_shrink"])
 @up_to_four_ranks()
 def test_barrier_or_clean_against_another_call_raises_at_once(comm, case):
-    """Rank 1 calls ``EPBuffer.barrier()`` while its peers dispatch, or ``clean_low_latency_buffer()`` while they
-    make a low-latency dispatch (after one good round trip): every rank raises ConsensusError within seconds
-    naming both calls, the 3rd collective call, instead of waiting out the 30 s deadline; destroy() succeeds."""
+    """Rank 1 calls ``EPBuffer.barrier()`` or ``EPBuffer.lb_prefetch_weights`` while its peers dispatch, or
+    ``clean_low_latency_buffer()`` while they make a low-latency dispatch (also with ``enable_shrink``, whose waits
+    come in slices too short for a wait's own look at the ranks' calls), after one good round trip: every rank
+    raises ConsensusError within seconds naming both calls, the 3rd collective call, instead of waiting out the
+    30 s deadline (or, in shrink mode, masking the other ranks); destroy() succeeds."""
     import time
     r = comm.Get_rank()
     if case == "ep_barrier":
         calls = coll(lambda: _Calls("ep_buffer", comm, timeout_s=30), what="EPBuffer")
         mine, other = "barrier", "dispatch (normal mode)"
         odd = calls.buf.barrier
+    elif case == "ep_load_balance":
+        calls, odd = coll(lambda: _lb_buffer(comm, 30), what="EPBuffer with a load-balance region")
+        mine, other = "lb_prefetch_weights", "dispatch (normal mode)"
     else:
-        calls = coll(lambda: _Calls("low_latency", comm, timeout_s=30), what="low-latency Buffer")
+        calls = coll(lambda: _Calls("low_latency", comm, timeout_s=30, shrink=case.endswith("shrink")),
+                     what="low-latency Buffer")
         mine, other = "clean_low_latency_buffer", "low_latency_dispatch (low-latency mode)"
         odd = lambda: calls.buf.clean_low_latency_buffer(8, H, E)  # noqa: E731
     recv_x, handle = coll(calls.dispatch, what="dispatch #1")
