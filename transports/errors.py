@@ -93,7 +93,7 @@ class TransportPeerTimeout(TransportAborted, TimeoutError):
 
 
 class TransportCallMismatch(TransportError):
-    """A node peer is in another kind of collective call at the same place in its sequence of calls (see
+    """A peer is in another kind of collective call at the same place in its sequence of calls (see
     ``Transport.set_call_tag``): the ranks made different calls, so neither wait can end. ``peer`` is that rank,
     ``seq`` the shared call number, ``mine`` / ``theirs`` the two ``(kind, op)`` pairs the callers tagged, named in
     the message by ``names`` (``{(kind, op): name}``, the transport's ``call_names``). The transport is poisoned

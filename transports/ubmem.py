@@ -1253,8 +1253,8 @@ class Transport:
 
     def set_call_tag(self, seq: int, kind: int, op: int) -> None:
         """Tag the collective call this rank is in: its number ``seq`` (1, 2, ... in the caller's one sequence of
-        calls, every kind counted), its ``kind`` and ``op`` (the caller's codes, 1 to 255). Node peers read the tag
-        while they wait: a wait that has lasted :data:`CALL_CHECK_S` (or finds that a peer aborted) and finds a
+        calls, every kind counted), its ``kind`` and ``op`` (the caller's codes, 1 to 255). The other ranks read
+        the tag while they wait: a wait that has lasted :data:`CALL_CHECK_S` (or finds that a peer aborted) and finds a
         rank at the ``seq`` of the call it belongs to (:meth:`call_tag`) in a call of another ``kind`` raises
         :class:`~transports.errors.TransportCallMismatch` and poisons the transport, instead of waiting out the
         deadline: the ranks made different calls, and neither wait could end (docs/design/transports.md §2.3).
@@ -1273,13 +1273,17 @@ class Transport:
         self._internal._ctl_mv[self._internal._call_off] = word
         self._thread_tag.word = word
 
-    def adopt_call_tag(self, word: int) -> int:
-        """Make the waits of the calling thread belong to the call tagged ``word`` (a value :meth:`call_tag` returned
-        when that call was tagged): a worker finishing an earlier call while the caller went on. Returns the
-        thread's tag before, for the caller to restore. The peers still see this rank's latest tag."""
-        before = self.call_tag()
+    @contextlib.contextmanager
+    def adopt_call_tag(self, word: int):
+        """Inside the block, the waits of the calling thread belong to the call tagged ``word`` (a value
+        :meth:`call_tag` returned when that call was tagged): a worker or a receive hook finishing an earlier call
+        while the caller went on. The peers still see this rank's latest tag."""
+        before = getattr(self._thread_tag, "word", None)
         self._thread_tag.word = int(word)
-        return before
+        try:
+            yield
+        finally:
+            self._thread_tag.word = before
 
     def call_tag(self) -> int:
         """The tag the calling thread's waits belong to (:meth:`adopt_call_tag`), else the latest :meth:`set_call_tag`

@@ -9,6 +9,7 @@ engines (:mod:`.intranode`, :mod:`.internode`, :mod:`.low_latency`), the handles
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import warnings
@@ -25,7 +26,6 @@ from ..transports import (
     ChannelKind,
     LinkStats,
     SharedMemoryExhausted,
-    State,
     TransportArgumentError,
     TransportCallMismatch,
     TransportRuntimeError,
@@ -234,7 +234,7 @@ class Buffer(SharedOnCopy):
         self.enable_shrink = enable_shrink
         self._uid = next(_BUFFER_IDS)
         self._calls = 0
-        self._tagged = 0  # collective calls of either mode so far: the transport's call tag (_tag_call)
+        self._tagged = 0  # collective calls of every kind so far: the transport's call tag (_tag_call)
         self._default_configs = {}  # Buffer.get_dispatch_config / get_combine_config -> its Config, see _config
         self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see stamps.stamp
@@ -728,11 +728,10 @@ class Buffer(SharedOnCopy):
         # (the generator and the outputs are arguments, not closure cells: a failed task's traceback, which its
         # future keeps, then holds them in frames the worker clears, not in this function's closure)
         def finish(gen, outputs, before=before):
-            if self.runtime is not None:  # (on the worker: its waits belong to this call, not the caller's next)
-                self.runtime.adopt_call_tag(tag)
             if not comm_before_outputs:
                 before = self.runtime.stats.copy_counters()
-            self._guard(lambda: [None for _ in gen])
+            with self._waits_of(tag):
+                self._guard(lambda: [None for _ in gen])
             if guard:
                 self._guard(guard.check)
             self._keep_traffic(before)
@@ -755,8 +754,12 @@ class Buffer(SharedOnCopy):
             CallMismatch: a peer is in a call of another kind at this one's place in the sequence of calls (the
                 transport's ``TransportCallMismatch``, :meth:`_tag_call`); the Buffer is failed then.
         """
+        return self._named_mismatch(lambda: run_step(self.runtime, self.rank, fn))
+
+    def _named_mismatch(self, fn):
+        """``fn()``, its ``TransportCallMismatch`` raised as a :class:`CallMismatch` naming both calls."""
         try:
-            return run_step(self.runtime, self.rank, fn)
+            return fn()
         except TransportCallMismatch as exc:
             raise CallMismatch(self._call_mismatch(exc)) from None
 
@@ -768,14 +771,19 @@ class Buffer(SharedOnCopy):
 
     def _tag_call(self, kind: int, op: int) -> int:
         """Count a collective call of ``kind`` (``protocol.CALL_*``: where the call waits) and its ``op`` code, and
-        tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank of its node at the same
-        call number in a call of the other mode raises at once instead of at the deadline. Every rank counts the
-        same calls in the same order, so the two modes never meet at one number unless the ranks' calls differ
+        tag the transport with it (``Transport.set_call_tag``): a wait that finds a rank at the same call number in
+        a call of another kind raises at once instead of at the deadline. Every rank counts the same calls in the
+        same order, so two kinds never meet at one number unless the ranks' calls differ
         (docs/semantics/deepep-api.md §8). Returns the tag, for a worker or hook finishing the call later to adopt
         (``Transport.adopt_call_tag``)."""
         self._tagged += 1
         self.runtime.set_call_tag(self._tagged, kind, op)
         return self.runtime.call_tag()
+
+    def _waits_of(self, tag: int):
+        """A block whose waits belong to the call tagged ``tag`` (``Transport.adopt_call_tag``; on the worker or in a
+        hook, finishing a call the caller has gone on from), not to this rank's latest call."""
+        return contextlib.nullcontext() if self.runtime is None else self.runtime.adopt_call_tag(tag)
 
     def _call_mismatch(self, exc: TransportCallMismatch) -> str:
         """The message of the ``ConsensusError`` raised for ``exc``: both calls by name (``_CALL_NAMES``)."""
@@ -1223,13 +1231,8 @@ class Buffer(SharedOnCopy):
         def receive():
             if _PH.on:
                 _PH.switch(None)
-            runtime = self.runtime
-            before_tag = runtime.adopt_call_tag(tag) if runtime is not None else 0  # (these waits are this call's)
-            try:
+            with self._waits_of(tag):
                 self._guard(pending.receive)
-            finally:
-                if runtime is not None and runtime.state is not State.CLOSED:
-                    runtime.adopt_call_tag(before_tag)
             if return_recv_hook:  # the hook is this call's wait
                 self._at_wait(guard, f"{ll_mod.call_name(op, seq)}: its receive hook")
             else:

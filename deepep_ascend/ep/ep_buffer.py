@@ -19,7 +19,7 @@ from .. import native as _native
 from .. import settings
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import Topology, TransportCallMismatch, create_transport
+from ..transports import Topology, create_transport
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import (
@@ -56,7 +56,6 @@ from .protocol import (
     W_EP_ALIGNMENT,
     W_EP_MAX_TOKENS,
     W_EP_MODE,
-    CallMismatch,
     dtype_code,
 )
 from .reduce import CombineScratch, accumulate_rows
@@ -1015,10 +1014,7 @@ class EPBuffer(BufferBase):
         if previous_event is not None and error is None:
             previous_event.current_stream_wait()
         self._legacy._worker.drain()  # no queued dispatch or combine shares the transport with the exchange
-        try:
-            self._lb.agree(op, error, signature)
-        except TransportCallMismatch as exc:
-            raise CallMismatch(self._legacy._call_mismatch(exc)) from None
+        self._legacy._named_mismatch(lambda: self._lb.agree(op, error, signature))
         return result
 
     def lb_prefetch_weights(self, redundant_expert_weights, expert_weights, redundancy_mapping: torch.Tensor,

@@ -643,7 +643,7 @@ class LowLatencyEngine:
             if waited >= next_tag_check:  # (each slice is too short for the wait's own look at the ranks' calls)
                 next_tag_check = waited + CALL_CHECK_S
                 self.tp.check_call_tags(phase)
-            left = timeout - (time.monotonic_ns() - t0) / 1e9
+            left = timeout - waited
             if left <= 0:
                 if self.shrink:
                     warnings.warn(f"rank {self.rank}: {phase}: rank(s) {pending} missed the {timeout:g} s deadline; "

@@ -96,7 +96,7 @@ import torch
 from ..ep.config import Config
 from ..ep.failure import abort_peers
 from ..ep.handles import LowLatencyHandle, NormalHandle
-from ..ep.protocol import ConsensusError
+from ..ep.protocol import CallMismatch, ConsensusError
 from ..ep.rows import dense
 
 __all__ = ["combine", "dispatch", "ep_combine", "ep_dispatch", "first_order_only", "low_latency_combine",
@@ -469,6 +469,8 @@ class _LLCombine(torch.autograd.Function):
         try:
             recv_meta, _, h_m, _, _ = buffer.low_latency_dispatch(meta.view(_BF16), topk_idx, m, num_experts,
                                                                   use_fp8=False)
+        except CallMismatch:
+            raise  # the ranks are in different kinds of calls: not this dispatch's width
         except ConsensusError as exc:
             raise ConsensusError(
                 f"rank {buffer.rank}: deepep_ascend.nn.autograd.low_latency_combine backward: the ranks' top-k differ "
