@@ -50,7 +50,7 @@ from .arguments import (
 )
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap, Worker
-from .failure import raise_if_a_peer_aborted, run_step
+from .failure import raise_if_a_peer_aborted, refused_on_every_rank, run_step
 from .group import check_agreed, mpi_comm_of
 from .handles import (
     HandleOrigin,
@@ -707,8 +707,8 @@ class Buffer(SharedOnCopy):
                 self._guard(lambda: self._engine.reject(op, call_id, f"rank {self.rank}: {type(exc).__name__}: {exc}"))
             except CallMismatch:
                 raise  # the peers are in another kind of call: that, not this rank's refusal, is what failed
-            except ConsensusError:
-                pass
+            except ConsensusError:  # the round's end on every rank: each raises, this rank its own error
+                raise refused_on_every_rank(exc) from None
             raise exc from None
         if _PH.on:
             _PH.switch(None)
@@ -852,7 +852,7 @@ class Buffer(SharedOnCopy):
             pass  # a normal engine's refusal ends in the error every rank raises; this rank raises its own
         except Exception as exc:  # the round itself failed (a peer missing): this rank's error, and why
             raise error from exc
-        raise error
+        raise refused_on_every_rank(error)
 
     # -- dispatch ------------------------------------------------------------------------
     @timed("dispatch", engine_of)
@@ -1214,6 +1214,8 @@ class Buffer(SharedOnCopy):
                 raise  # the peers are in another kind of call: that, not this rank's refusal, is what failed
             except Exception:  # noqa: BLE001, S110 - the peers' failure is reported by their own calls
                 pass
+            else:
+                refused_on_every_rank(exc)
             raise exc from None
         if _PH.on:
             _PH.switch("counters")

@@ -16,19 +16,31 @@ import torch
 from ..transports import State, Transport, TransportAborted, TransportPoisoned, TransportTimeout
 from .protocol import ConsensusError
 
-__all__ = ["abort_peers", "raise_if_a_peer_aborted", "run_step"]
+__all__ = ["abort_peers", "raise_if_a_peer_aborted", "refused_on_every_rank", "run_step"]
 
 T = TypeVar("T")
+
+_REFUSED = "_deepep_ascend_refused_on_every_rank"  # the attribute refused_on_every_rank sets
+
+
+def refused_on_every_rank(exc: BaseException) -> BaseException:
+    """``exc``, marked as the error of a call this rank refused in the call's first round, which every peer took
+    part in (they raise a ``ConsensusError`` naming this rank; the Buffer stays usable): :func:`abort_peers`
+    leaves it alone. Returns ``exc``."""
+    setattr(exc, _REFUSED, True)
+    return exc
 
 
 def abort_peers(runtime: Transport | None, rank: int, exc: BaseException) -> None:
     """Abort ``runtime``'s peers for an unexpected failure ``exc`` of this ``rank``.
 
-    Not for a consensus error (every rank raised it already), a peer's abort, or a call refused because
-    this transport failed earlier (the peers heard of that failure then, and a second abort would hide its
-    reason). A ``TransportTimeout`` reaches the peers as a timeout naming the same pending ranks.
+    Not for a consensus error (every rank raised it already), a rank's own refusal that its peers heard
+    (:func:`refused_on_every_rank`), a peer's abort, or a call refused because this transport failed earlier
+    (the peers heard of that failure then, and a second abort would hide its reason). A ``TransportTimeout``
+    reaches the peers as a timeout naming the same pending ranks.
     """
-    if runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned)):
+    if (runtime is None or isinstance(exc, (ConsensusError, TransportAborted, TransportPoisoned))
+            or getattr(exc, _REFUSED, False)):
         return
     text = str(exc)
     if not text.startswith(f"rank {rank}:"):

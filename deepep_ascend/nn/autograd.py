@@ -454,6 +454,15 @@ class _LLCombine(torch.autograd.Function):
         m, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.num_experts
         n, k = topk_idx.shape
         L = y.size(0)
+        cols = _ll_narrow_cols(k)  # 4K: 8-byte rows, one width per top-k
+        need = type(buffer).get_low_latency_rdma_size_hint(m, cols, buffer.group_size, num_experts)
+        if buffer.num_rdma_bytes < need:  # refused in this backward's first call, so that every peer raises too
+            buffer.refuse_call("low_latency_dispatch", ValueError(
+                f"rank {buffer.rank}: deepep_ascend.nn.autograd.low_latency_combine backward: its weight-row dispatch "
+                f"carries 4 x top-k = {cols} bf16 columns (H={cols}), and num_rdma_bytes={buffer.num_rdma_bytes} is "
+                f"below get_low_latency_rdma_size_hint(M={m}, H={cols}, R={buffer.group_size}, E={num_experts}) = "
+                f"{need}; size a Buffer for the autograd pair with deepep_ascend.nn.MoE."
+                f"get_low_latency_rdma_size_hint(M, H, R, E, top_k), which takes max(H, 4 x top-k)"))
         # (1) g[t] into every slot of token t: the forward's slots (same routing), checked.
         g = grad_combined.to(_BF16).contiguous()
         recv_g, _, h_g, _, _ = buffer.low_latency_dispatch(g, topk_idx, m, num_experts, use_fp8=False)
@@ -461,7 +470,6 @@ class _LLCombine(torch.autograd.Function):
         _ll_same_slots(handle, h_g, valid)
         # (2) each token's weights (float32 bits) and experts (low 16 bits) to its slots, verbatim.
         idx16 = (topk_idx & 0xFFFF).to(torch.int32).to(torch.int16)  # -1 -> 0xFFFF, no expert (E < 65536)
-        cols = _ll_narrow_cols(k)  # 4K: 8-byte rows, one width per top-k
         meta = torch.cat([dense(w.to(torch.float32)).view(torch.int16).view(n, 2 * k), idx16,
                           torch.zeros(n, cols - 3 * k, dtype=torch.int16)], dim=1)
         # Each expert reads its sources' weight rows by its own K: the plain calls take a top-k per rank, this
@@ -575,8 +583,9 @@ def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_we
             ConsensusError (a ``ValueError``; backward, on every rank): the ranks' ``topk_idx`` have
             different top-k (the forward, like the plain calls, takes them); the message gives each rank's
             ``H = 4K`` of the refused weight-row dispatch. The Buffer stays usable.
-            ValueError (backward): the Buffer's ``num_rdma_bytes`` is too small for calls with
-            ``hidden = 4K`` (only if that exceeds ``H``).
+            ValueError (backward, on every rank, in its first call): the Buffer's ``num_rdma_bytes`` is
+            below the hint for calls of ``hidden = 4K`` (only if that exceeds ``H``; the message names
+            ``MoE.get_low_latency_rdma_size_hint``, which sizes for both). The Buffer stays usable.
     """
     _refused_everywhere(buffer, "low_latency_combine",
                         lambda: _check_kwargs(kwargs, _LL_COMBINE_KWARGS, "low_latency_combine"),

@@ -397,6 +397,36 @@ def test_ll_backward_refuses_ranks_of_different_top_k(ll_buf, comm):
     all_ranks_ok(comm, ok and int(count.sum()) >= 0, f"rank {r}: the backward raised {exc!r}")
 
 
+def test_ll_backward_on_a_buffer_too_small_for_its_narrow_calls(buffers, comm):
+    """A low-latency Buffer sized by its own hint for H=8, and top-8 routing: the forward fits, the backward's
+    weight-row dispatch (4K = 32 columns) does not. Every rank raises a ValueError in the backward's first call that
+    names the size and MoE.get_low_latency_rdma_size_hint, and the Buffer stays usable: a round trip after it
+    returns x · Σw."""
+    r = comm.Get_rank()
+    h, k, m = 8, 8, 4
+    small = buffers.low_latency(m, h, E)
+    gen = torch.Generator().manual_seed(71 + r)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(3)])
+    x = _ints((3, h), -4, 5, gen, BF16).requires_grad_(True)
+    w = (_ints((3, k), 1, 5, gen) / 4).requires_grad_(True)
+    recv_x, _, handle = coll(lambda: ag.low_latency_dispatch(small, x, idx, m, E, use_fp8=False))
+    out = coll(lambda: ag.low_latency_combine(small, recv_x, idx, w, handle))
+    _, exc = capture(lambda: out.float().sum().backward())
+    text = str(exc)
+    problems = []
+    if not (type(exc) is ValueError and f"rank {r}:" in text and "H=32" in text
+            and "MoE.get_low_latency_rdma_size_hint" in text):
+        problems.append(f"the backward raised {exc!r}")
+    with torch.no_grad():
+        recv_x, _, handle = coll(lambda: ag.low_latency_dispatch(small, x.detach(), idx, m, E, use_fp8=False),
+                                 what="LL dispatch after the refused backward")
+        combined = coll(lambda: ag.low_latency_combine(small, recv_x, idx, w.detach(), handle))
+    want = (x.detach().float() * w.detach().sum(1, keepdim=True)).to(BF16)
+    if not torch.equal(combined, want):
+        problems.append(f"round trip after the refusal: {calc_diff(combined, want)}")
+    all_ranks_ok(comm, not problems, f"rank {r}: " + "; ".join(problems))
+
+
 def test_ll_plain_sum_loss_with_a_rank_without_tokens(ll_buf, comm):
     """``combined.sum().backward()``: autograd hands the LL combine's backward an expanded
     (stride-0) gradient, which on the rank with no tokens is a zero-row tensor that ``contiguous()``
