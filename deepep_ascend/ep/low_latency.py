@@ -237,9 +237,14 @@ class OutputPool:
         # Dropped by the caller, and either its writer never reported (a failed call) or the caller wrote into it
         # since (any rows): not handed out again. Zeroing it whole would touch every page of a mostly untouched
         # mapping; a new one costs nothing until written.
-        entries[:] = [e for e in entries
-                      if memory.storage_users(e[0]) != 1 or (e[1] is not None and e[0]._version == e[2])]
-        ent = next((e for e in entries if memory.storage_users(e[0]) == 1), None)
+        kept, ent = [], None  # (one pass, one use count per entry: this runs on every call)
+        for e in entries:
+            if memory.storage_users(e[0]) != 1:
+                kept.append(e)
+            elif e[1] is not None and e[0]._version == e[2]:
+                kept.append(e)
+                ent = ent or e
+        entries[:] = kept
         stale = None if ent is None else ent[1]
         if ent is None:
             ent = [zeros(store, dtype), None, 0]

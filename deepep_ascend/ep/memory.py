@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import threading
 
 import torch
@@ -151,8 +152,7 @@ class OutputPool:
     @outside_inference_mode
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous ``shape`` tensor of ``dtype`` (contents stale), not a view."""
-        shape = torch.Size(shape)
-        nbytes = shape.numel() * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # (a tuple: making a torch.Size costs more than the empty)
         if nbytes < _POOL_MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         want = nbytes + nbytes // 8
