@@ -1420,17 +1420,27 @@ class Buffer(SharedOnCopy):
 
         Accepted for DeepEP compatibility and harmless anywhere between LL calls. With
         ``enable_shrink`` a rank missing the deadline is masked.
+
+        Raises:
+            ValueError: ``M``, ``H`` or ``E`` is not a positive int; RuntimeError: a receive hook of this rank is
+                pending. Either after this rank took part in the barrier (which is all the call does), so that
+                the peers' calls complete rather than wait for it; they do not raise.
         """
         ll = self._ll_usable("clean_low_latency_buffer")
+        problem = None
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                         ("num_experts", num_experts)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"clean_low_latency_buffer: {name} must be a positive int, got {v!r}")
-        if ll.pending_hook is not None:
-            raise RuntimeError(f"clean_low_latency_buffer: LL call #{ll.pending_hook + 1} still awaits its hook")
+            if problem is None and (not isinstance(v, int) or v < 1):
+                problem = ValueError(f"rank {self.rank}: clean_low_latency_buffer: {name} must be a positive int, "
+                                     f"got {v!r} (this rank took part in the barrier)")
+        if problem is None and ll.pending_hook is not None:
+            problem = RuntimeError(f"rank {self.rank}: clean_low_latency_buffer: LL call #{ll.pending_hook + 1} still "
+                                   f"awaits its receive hook (this rank took part in the barrier)")
         self._tag_call(CALL_CLEAN, 1)
         self._worker.drain()
         self._guard(ll.clean)
+        if problem is not None:
+            raise problem
 
     def _ll_shrink(self, op: str) -> ll_mod.LowLatencyEngine:
         ll = self._ll_usable(op)

@@ -1283,6 +1283,45 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(buffers, comm):
     all_ranks_ok(comm, not errors, f"bad inputs: {errors}")
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cfg", ["ubmem", "nodes"])
+def test_clean_refused_on_one_rank_leaves_no_peer_waiting(comm, cfg):
+    """``clean_low_latency_buffer`` with ``hidden=0`` on rank 0, then (rank 0 only) while a receive hook is
+    pending: rank 0 raises (ValueError, RuntimeError) after taking part in the barrier, the others return at once
+    (a 10 s deadline, far from reached), and the round trips after each run on every rank, rank 0's hook too."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H = 2 * R, 8, 128
+    kw = dict(ranks_per_node=R // 2) if cfg == "nodes" else {}
+    buf = Buffer(None, 0, _hint(R), low_latency_mode=True, comm=comm, explicitly_destroy=True, timeout_s=10, **kw)
+    errors = []
+    try:
+        t0 = time.monotonic()
+        _, exc = capture(lambda: buf.clean_low_latency_buffer(M, 0 if r == 0 else H, E))
+        want = ValueError if r == 0 else type(None)
+        if type(exc) is not want or (r == 0 and "hidden" not in str(exc)):
+            errors.append(f"bad hidden on rank 0: {exc!r}")
+        if not _roundtrip_ok(buf, comm, seed=21):
+            errors.append("round trip after the refused clean")
+        x, idx = make_inputs(22, r, R, 6, H, E, 2)
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+        if r:
+            hook()
+        _, exc = capture(lambda: buf.clean_low_latency_buffer(M, H, E))
+        want = RuntimeError if r == 0 else type(None)
+        if type(exc) is not want or (r == 0 and "receive hook" not in str(exc)):
+            errors.append(f"clean with a pending hook on rank 0: {exc!r}")
+        if r == 0:
+            hook()
+        combined, _, _ = buf.low_latency_combine(recv_x, idx, torch.ones(idx.shape), handle)
+        if not torch.equal(combined, (x.float() * (idx >= 0).sum(1, keepdim=True)).to(BF16)):
+            errors.append("the hooked round trip around the refused clean")
+        if time.monotonic() - t0 > 8:
+            errors.append(f"took {time.monotonic() - t0:.1f} s: a rank waited for a deadline")
+    finally:
+        coll(buf.destroy, what="destroy")
+    all_ranks_ok(comm, not errors, f"rank {r}: {errors}")
+
+
 # ----------------------------------------------------------------------------------------------
 # shrink mode and missing ranks
 
