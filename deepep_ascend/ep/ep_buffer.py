@@ -546,7 +546,7 @@ class EPBuffer(BufferBase):
                 if do_expand and not do_cpu_sync and topk_idx.numel() and topk_idx.size(1) > num_experts // R:
                     _check_expanded_capacity(topk_idx, num_experts // R, R)
                 xb, sb = payload(n, None)
-                weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
+                weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32)
                 return xb, sb, dtype_code(data.dtype), topk_idx, weights, num_experts, layout
 
             keys_always, made = self._keys_always(), {}
@@ -669,7 +669,7 @@ class EPBuffer(BufferBase):
             out_x = _typed(recv_x, data)
             sf_rows = None if sf is None else _typed(recv_sf, sf)
             out_sf = sf_rows if sf is None or not col_major_sf else _col_major(sf_rows.shape, sf.dtype)
-            w_out = recv_w if in_place_w else (None if recv_w is None else torch.empty(rows, k))
+            w_out = recv_w if in_place_w else (None if recv_w is None else torch.empty(rows, k, dtype=torch.float32))
             x_exp = sf_exp = None
             outputs = ((out_x if sf is None else (out_x, out_sf)), recv_topk, w_out, handle)
         else:

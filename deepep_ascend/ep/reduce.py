@@ -308,5 +308,5 @@ class CombineScratch:
     def get(self, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bufs is None or self._bufs[0].size(1) != hidden:
             block = self._rows or max(32, _COMBINE_BLOCK_BYTES // max(1, 4 * hidden))
-            self._bufs = (torch.empty(block, hidden), torch.empty(block, hidden))
+            self._bufs = tuple(torch.empty(block, hidden, dtype=torch.float32) for _ in range(2))
         return self._bufs

@@ -126,7 +126,7 @@ def _native_params(bits: torch.Tensor):
     None where the kernel is not loaded."""
     g = bits.size(0)
     use = torch.empty(g, dtype=torch.bool)
-    lb, step, rho = (torch.empty(g) for _ in range(3))
+    lb, step, rho = (torch.empty(g, dtype=torch.float32) for _ in range(3))
     p, two_lb = (torch.empty(g, dtype=torch.float64) for _ in range(2))
     nfb = _native.logfmt_params(bits, _bf16_log2_table(), use, lb, step, rho, p, two_lb)
     return None if nfb is None else (use, lb, step, rho, p, two_lb, nfb)

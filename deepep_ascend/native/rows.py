@@ -21,7 +21,7 @@ __all__ = ["NAN_BITS", "ROW_SUMS_MODES", "copy_rows", "dequant_rows_e4m3", "row_
 
 #: The NaN that torch's vectorized float32 -> bfloat16 cast writes (its scalar cast of a 0-d tensor may
 #: write another, and copies keep a NaN's payload): the kernels write this one for every NaN sum.
-NAN_BITS = int(torch.full((64,), float("nan")).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+NAN_BITS = int(torch.full((64,), float("nan"), dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
 #: :func:`row_sums_avx2`'s modes, in the kernel's numbering (``DEEPEP_ASCEND_ROW_SUMS`` spells them).
@@ -435,7 +435,7 @@ def swiglu(out: torch.Tensor, h: torch.Tensor, weights: torch.Tensor | None = No
     c = float(clamp) if has_clamp else 0.0
     gate, kernel = kernels.swiglu_gate_bf16, kernels.swiglu_bf16
     block = min(n, max(1, _SWIGLU_BLOCK_FLOATS // inter))
-    t = torch.empty(block, inter)
+    t = torch.empty(block, inter, dtype=torch.float32)
     for r0 in range(0, n, block):
         b = min(block, n - r0)
         tb, hb = t[:b], h[r0:r0 + b]
