@@ -1,6 +1,7 @@
 """Results do not depend on torch's default dtype: DeepEP's own tests set ``torch.set_default_dtype(torch.bfloat16)``
-(their ``init_dist``), so the calls below run under a float32 and a bfloat16 default, with the native kernels
-and without (every kernel unset: the torch paths), and must give the same bits and dtypes. A float tensor the
+(their ``init_dist``), so the calls below (normal mode, low-latency mode and ``EPBuffer``, on one node and on two
+simulated nodes) run under a float32 and a bfloat16 default, with the native kernels and without (every kernel
+unset: the torch paths), and must give the same bits and dtypes. A float tensor the
 library makes without a dtype would be bfloat16 under the second default: its sums would round differently, and
 a native kernel writing float32 into it would write past its end.
 
@@ -47,10 +48,19 @@ def _experts(recv_x):
     return (recv_x.float() * 1.375).to(BF16)
 
 
-def _normal(comm, inputs):
+def _nodes(comm, nodes: int) -> dict:
+    """``ranks_per_node`` keywords of ``nodes`` simulated nodes (none for one)."""
+    return {} if nodes == 1 else {"ranks_per_node": comm.Get_size() // nodes}
+
+
+def _normal(comm, inputs, nodes=1):
     x, idx, w = inputs
     R, E = comm.Get_size(), E_PER_RANK * comm.Get_size()
-    buf = Buffer(comm, Buffer.get_normal_buffer_size_hint(N, H, R, K, E), 0, explicitly_destroy=True)
+    kw = _nodes(comm, nodes)
+    rdma = 0 if nodes == 1 else Buffer.get_normal_rdma_buffer_size_hint(N, H, R, R // nodes, num_topk=K,
+                                                                           num_experts=E)
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, E, **kw), rdma, comm=comm,
+                 explicitly_destroy=True, **kw)
     try:
         ntpr, ntprr, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
@@ -64,11 +74,11 @@ def _normal(comm, inputs):
         coll(buf.destroy, what="destroy")
 
 
-def _low_latency(comm, inputs):
+def _low_latency(comm, inputs, nodes=1):
     x, idx, w = inputs
     R, E = comm.Get_size(), E_PER_RANK * comm.Get_size()
-    buf = Buffer(comm, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True,
-                 num_qps_per_rank=E_PER_RANK, explicitly_destroy=True)
+    buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True, comm=comm,
+                 num_qps_per_rank=E_PER_RANK, explicitly_destroy=True, **_nodes(comm, nodes))
     try:
         (fp8, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
         out = [fp8.clone(), scales.clone(), count.clone()]
@@ -81,10 +91,11 @@ def _low_latency(comm, inputs):
         coll(buf.destroy, what="destroy")
 
 
-def _ep(comm, inputs):
+def _ep(comm, inputs, nodes=1):
     x, idx, w = inputs
     E = E_PER_RANK * comm.Get_size()
-    buf = EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True)
+    buf = EPBuffer(comm, num_max_tokens_per_rank=N, hidden=H, num_topk=K, explicitly_destroy=True,
+                   **_nodes(comm, nodes))
     try:
         out = []
         for do_expand in (False, True):
@@ -112,7 +123,10 @@ def _swiglu(comm, inputs):
     return [out] if ran else []
 
 
-CALLS = {"normal": _normal, "low_latency": _low_latency, "ep_buffer": _ep, "swiglu": _swiglu}
+CALLS = {"normal": _normal, "low_latency": _low_latency, "ep_buffer": _ep, "swiglu": _swiglu,
+         "normal_2_nodes": lambda comm, inputs: _normal(comm, inputs, 2),
+         "low_latency_2_nodes": lambda comm, inputs: _low_latency(comm, inputs, 2),
+         "ep_buffer_2_nodes": lambda comm, inputs: _ep(comm, inputs, 2)}
 
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["native", "torch"])
@@ -125,6 +139,8 @@ def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monk
             monkeypatch.setattr(kernels, name, None)
     elif not native.available():
         pytest.skip("the native kernels are not built")
+    if call.endswith("2_nodes") and comm.Get_size() % 2:
+        pytest.skip("two simulated nodes need an even number of ranks")
     run = CALLS[call]
     with _default_dtype(torch.float32):
         inputs = _inputs(comm)
