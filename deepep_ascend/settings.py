@@ -18,6 +18,7 @@ This module imports nothing of the library: every room, the transports included,
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -98,7 +99,7 @@ class Setting:
             value = int(text) if self.kind == "int" else float(text)
         except ValueError:
             raise self._error(raw) from None
-        if self.kind == "float" and value != value:  # NaN passes no range check
+        if self.kind == "float" and not math.isfinite(value):  # NaN passes no range check, inf every minimum
             raise self._error(raw)
         if self.minimum is not None and (value <= self.minimum if self.exclusive else value < self.minimum):
             raise self._error(raw)
@@ -114,7 +115,7 @@ class Setting:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.kind == "text":
             return "text"
-        what = "an integer" if self.kind == "int" else "a number"
+        what = "an integer" if self.kind == "int" else "a finite number"
         if self.minimum is not None:
             what += f" {'>' if self.exclusive else '>='} {self.minimum:g}"
         if self.limit is not None:

@@ -15,7 +15,7 @@ from tests.support import REPO_ROOT
 
 # A good and a bad raw value per kind, and what the good one parses to.
 GOOD = {"float": (" 2.5 ", 2.5), "int": ("7", 7), "bool": ("Yes", True), "text": (" a b ", "a b")}
-BAD = {"float": ["abc", "nan", "1e"], "int": ["2.5", "x", "0x10"], "bool": ["2", "maybe"]}
+BAD = {"float": ["abc", "nan", "inf", "-inf", "1e"], "int": ["2.5", "x", "0x10"], "bool": ["2", "maybe"]}
 
 
 def _good(s: Setting):
@@ -142,7 +142,7 @@ def test_check_command_names_every_bad_variable():
     proc = subprocess.run([sys.executable, "-m", "deepep_ascend", "settings", "check"], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc
-    assert "$DEEPEP_ASCEND_TIMEOUT_S must be a number > 0, got 'soon'" in proc.stderr, proc.stderr
+    assert "$DEEPEP_ASCEND_TIMEOUT_S must be a finite number > 0, got 'soon'" in proc.stderr, proc.stderr
     assert "DEEPEP_ASCEND_TEST_EXIT_MODE" in proc.stderr and "RANKS_PER_NODE" not in proc.stderr, proc.stderr
     # By path, without importing the package: a bad DEEPEP_ASCEND_NATIVE (read when the package loads) is named
     # with the others instead of stopping the check.
@@ -150,7 +150,7 @@ def test_check_command_names_every_bad_variable():
     script = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "deepep_ascend", "settings.py"), "check"],
                             env=env, cwd="/", capture_output=True, text=True, timeout=120)
     assert script.returncode == 1 and "$DEEPEP_ASCEND_NATIVE must be a boolean" in script.stderr, script
-    assert "$DEEPEP_ASCEND_TIMEOUT_S must be a number > 0, got 'soon'" in script.stderr, script.stderr
+    assert "$DEEPEP_ASCEND_TIMEOUT_S must be a finite number > 0, got 'soon'" in script.stderr, script.stderr
     table = subprocess.run([sys.executable, "-m", "deepep_ascend", "settings"], cwd=REPO_ROOT, capture_output=True,
                            text=True, timeout=120, env={k: v for k, v in os.environ.items() if k not in SETTINGS})
     assert table.returncode == 0 and table.stdout == settings.markdown_table()

@@ -4,7 +4,16 @@
 docs/design/transports.md describes the contract this package implements.
 """
 
-from .base import State, Team, WaitPolicy, quiet_allgather_object, quiet_barrier, quiet_wait, resolve_timeout
+from .base import (
+    State,
+    Team,
+    WaitPolicy,
+    quiet_allgather_object,
+    quiet_barrier,
+    quiet_wait,
+    resolve_timeout,
+    timeout_problem,
+)
 from .errors import (
     SharedMemoryExhausted,
     TransportAborted,
@@ -57,7 +66,7 @@ __all__ = [
     "CALL_CHECK_S", "ChannelKind", "Topology", "LinkStats", "LinkSpec", "LinkProfile", "LinkEmulator",
     "PROFILES", "get_profile", "project", "gather_link_stats", "emulator_from_env", "SymmetricWindow", "Transport",
     "UbmemTransport", "create_transport", "State", "Team", "WaitPolicy", "quiet_allgather_object", "quiet_barrier",
-    "quiet_wait", "resolve_timeout",
+    "quiet_wait", "resolve_timeout", "timeout_problem",
     "TransportError", "TransportArgumentError", "TransportCallMismatch", "TransportConfigError", "TransportUnsupported",
     "TransportTimeout", "TransportAborted", "TransportPeerTimeout", "TransportPoisoned", "TransportClosed",
     "TransportBusy", "TransportRuntimeError", "SharedMemoryExhausted",

@@ -9,6 +9,7 @@ windows. It knows ranks, byte ranges and counters, never tokens. Backends: UBMEM
 from __future__ import annotations
 
 import enum
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -21,14 +22,23 @@ def resolve_timeout(timeout_s: float | None) -> float:
     DeepEP's host-side wait).
 
     Raises:
-        ValueError: the argument is not a positive number; ``SettingError`` (a ValueError naming the
-            variable): the variable is not.
+        ValueError: the argument is not a positive, finite number (:func:`timeout_problem`); ``SettingError``
+            (a ValueError naming the variable): the variable is not.
     """
     if timeout_s is None:
         return float(TIMEOUT_S.get())
-    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    problem = timeout_problem("timeout_s", timeout_s)
+    if problem is not None:
+        raise ValueError(problem)
     return float(timeout_s)
+
+
+def timeout_problem(name: str, timeout_s) -> str | None:
+    """Why ``timeout_s`` (argument ``name``) is no deadline, or None: a deadline is a positive, finite number of
+    seconds (an infinite one would let a wait hang, and NaN compares unequal to itself on every rank)."""
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+        return f"{name} must be a positive, finite number of seconds, got {timeout_s!r}"
+    return None
 
 
 class State(enum.Enum):

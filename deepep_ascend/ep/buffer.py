@@ -30,6 +30,7 @@ from ..transports import (
     TransportCallMismatch,
     TransportRuntimeError,
     create_transport,
+    timeout_problem,
 )
 from . import low_latency as ll_mod
 from .allocator import SharedOnCopy
@@ -212,15 +213,15 @@ class Buffer(SharedOnCopy):
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if error is None and (not isinstance(value, int) or value < 0 or value % 128):
                 error = RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+        bad_timeout = None if timeout_s is None else timeout_problem("timeout_s", timeout_s)
+        error = error or (ValueError(f"Buffer: {bad_timeout}") if bad_timeout else None)
         # agreed before the transport and its windows exist: a rank that refused, or ranks asking for
         # windows of different sizes, would otherwise leave the others waiting in the collectives
         check_agreed(mpi_comm, self.api_name, {
             "num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
             "low_latency_mode": bool(low_latency_mode), "explicitly_destroy": bool(explicitly_destroy),
             "allow_nvlink_for_low_latency_mode": bool(allow_nvlink_for_low_latency_mode),
-            "enable_shrink": bool(enable_shrink)}, error,
-            timeout_s if isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0
-            else None)
+            "enable_shrink": bool(enable_shrink)}, error, None if bad_timeout else timeout_s)
         self.rank = mpi_comm.Get_rank()
         self.group_size = mpi_comm.Get_size()
         self.group = group if group is not None else mpi_comm

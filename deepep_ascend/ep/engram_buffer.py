@@ -19,7 +19,7 @@ import torch
 from .. import settings
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import ChannelKind, Team, Topology, TransportBusy, create_transport
+from ..transports import ChannelKind, Team, Topology, TransportBusy, create_transport, timeout_problem
 from .allocator import BufferBase, get_num_allocation_alignment
 from .arguments import context_idx_problem, is_int, sl_idx_problem
 from .event import Worker
@@ -165,10 +165,10 @@ class EngramBuffer(BufferBase):
                                   and qp_depth > 0):
             error = AssertionError("pass `num_allocated_qps` and `qp_depth` from `get_theoretical_config` "
                                    f"(got {num_allocated_qps!r}, {qp_depth!r})")
-        if error is None and not ((is_int(num_gpu_timeout_secs) or isinstance(num_gpu_timeout_secs, float))
-                                  and num_gpu_timeout_secs > 0):
-            error = ValueError(f"EngramBuffer: num_gpu_timeout_secs must be a positive number of seconds, "
-                               f"got {num_gpu_timeout_secs!r}")
+        bad_timeout = timeout_problem("num_gpu_timeout_secs", int(num_gpu_timeout_secs)
+                                      if is_int(num_gpu_timeout_secs) else num_gpu_timeout_secs)
+        if error is None and bad_timeout:
+            error = ValueError(f"EngramBuffer: {bad_timeout}")
         check_agreed(comm, "EngramBuffer", {
             "num_gpu_bytes": num_gpu_bytes, "num_rdma_storage_bytes": num_rdma_storage_bytes,
             "allow_hybrid_mode": self.allow_hybrid_mode, "explicitly_destroy": bool(explicitly_destroy),

@@ -19,7 +19,7 @@ from .. import native as _native
 from .. import settings
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
-from ..transports import Topology, create_transport
+from ..transports import Topology, create_transport, timeout_problem
 from . import memory
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
 from .arguments import (
@@ -175,7 +175,9 @@ class EPBuffer(BufferBase):
         error = error or sl_idx_problem(self.api_name, sl_idx)
         error = self._constructor_problem() or error  # a subclass's own argument first
         if num_cpu_timeout_secs is not None:
-            timeout = float(num_cpu_timeout_secs)
+            bad_timeout = timeout_problem("num_cpu_timeout_secs", num_cpu_timeout_secs)
+            error = error or (ValueError(f"{self.api_name}: {bad_timeout}") if bad_timeout else None)
+            timeout = None if bad_timeout else float(num_cpu_timeout_secs)
         else:  # DeepEP's default, unless the environment sets one
             timeout = None if settings.TIMEOUT_S.is_set() else 300.0
         # agreed before any collective that sizes or allocates (a rank that refused would leave the others waiting)

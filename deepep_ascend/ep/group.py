@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import settings
-from ..transports import Topology, quiet_allgather_object, quiet_barrier
+from ..transports import Topology, quiet_allgather_object, quiet_barrier, timeout_problem
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -136,13 +136,14 @@ def get_logical_domain_size(group, allow_hybrid_mode: bool = True, *,
 def resolve_deadline(owner: str, timeout_s, num_gpu_timeout_secs) -> tuple[float | None, Exception | None]:
     """The deadline in seconds of a V2.5 buffer's waits: ``timeout_s`` if given, else None where
     ``$DEEPEP_ASCEND_TIMEOUT_S`` is set (the transports read it), else DeepEP's ``num_gpu_timeout_secs``.
-    Returns ``(deadline, error)``: ``error`` a ``ValueError`` naming the argument if it is not a positive
-    number, to be refused on every rank through :func:`check_agreed`."""
+    Returns ``(deadline, error)``: ``error`` a ``ValueError`` naming the argument if it is not a positive,
+    finite number (``transports.timeout_problem``; ``deadline`` None then), to be refused on every rank
+    through :func:`check_agreed`."""
     deadline = timeout_s
     if deadline is None:
         deadline = None if settings.TIMEOUT_S.is_set() else num_gpu_timeout_secs
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                 or not deadline > 0):
-        what = "timeout_s" if timeout_s is not None else "num_gpu_timeout_secs"
-        return deadline, ValueError(f"{owner}: {what} must be a positive number of seconds, got {deadline!r}")
+    problem = None if deadline is None else timeout_problem(
+        "timeout_s" if timeout_s is not None else "num_gpu_timeout_secs", deadline)
+    if problem is not None:
+        return None, ValueError(f"{owner}: {problem}")
     return deadline, None

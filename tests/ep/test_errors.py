@@ -15,6 +15,8 @@ destroyed Buffer.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -952,6 +954,42 @@ def test_constructor_arguments_agreed_on_every_rank(comm):
     ok = isinstance(exc, RuntimeError) if r == R - 1 else (isinstance(exc, ValueError) and
                                                           f"rank {R - 1} refused" in str(exc))
     all_ranks_ok(comm, ok, f"one rank's bad num_nvl_bytes: rank {r} got {exc!r}")
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0, -1.0, "5"], ids=["inf", "nan", "0", "negative", "text"])
+def test_deadlines_must_be_positive_and_finite(comm, bad):
+    """Every buffer's deadline argument (``Buffer``'s ``timeout_s``, ``EPBuffer``'s ``num_cpu_timeout_secs``,
+    ``PPBuffer``'s ``timeout_s``, ``EngramBuffer``'s ``num_gpu_timeout_secs``) refuses an infinite one, which would
+    let a wait hang, and NaN, zero, negative and non-numbers, on every rank, naming the argument; given on one rank
+    only, its peers raise naming that rank. Nothing is built, nothing waits."""
+    from deepep_ascend import EngramBuffer, PPBuffer
+
+    r, R = comm.Get_rank(), comm.Get_size()
+    makers = [("Buffer", "timeout_s", lambda v: Buffer(None, 1 << 14, comm=comm, explicitly_destroy=True,
+                                                     timeout_s=v)),
+              ("EPBuffer", "num_cpu_timeout_secs", lambda v: EPBuffer(comm, num_bytes=1 << 20, explicitly_destroy=True,
+                                                                      num_cpu_timeout_secs=v)),
+              ("PPBuffer", "timeout_s", lambda v: PPBuffer(comm, num_max_tensor_bytes=64, num_max_inflight_tensors=2,
+                                                           timeout_s=v, explicitly_destroy=True)),
+              ("EngramBuffer", "num_gpu_timeout_secs", lambda v: EngramBuffer(
+                  comm, 1 << 12, 1 << 12, True, 4, 1024, num_gpu_timeout_secs=v, explicitly_destroy=True))]
+    problems = []
+    for owner, name, make in makers:
+        for everywhere in (True, False):
+            if not everywhere and R == 1:
+                continue
+            t0 = time.monotonic()
+            mine = everywhere or r == 0
+            buf, exc = capture(lambda: make(bad if mine else 30))
+            if buf is not None:
+                coll(buf.destroy, what=f"destroy {owner}")
+            text = str(exc)
+            ok = (type(exc) is ValueError and name in text and "positive, finite" in text) if mine else (
+                isinstance(exc, ValueError) and "rank 0" in text)
+            if not ok or time.monotonic() - t0 > 10:
+                problems.append(f"{owner}({name}={bad!r}{'' if everywhere else ' on rank 0'}): {exc!r} after "
+                                f"{time.monotonic() - t0:.1f} s")
+    all_ranks_ok(comm, not problems, f"rank {r}: {problems}")
 
 
 def test_deepep_2_1_api_gaps(comm):
