@@ -952,7 +952,7 @@ class EPBuffer(BufferBase):
         row exactly), then sums the passes in slot order from the bias, in float32, rounding once.
         Synchronous."""
         ys, state = [], {}
-        k = handle.topk_idx.size(1)
+        k = handle._topk_idx.size(1)  # (its shape: the first round refuses one written since, on every rank)
         per_slot = handle.do_expand and not self.allow_multiple_reduction
 
         def precheck(j):

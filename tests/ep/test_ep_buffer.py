@@ -8,6 +8,8 @@ Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_ep_buffer.py`` 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -486,6 +488,40 @@ def test_handle_topk_idx_must_not_change(ep, comm):
     topk_idx.add_(0)  # an in-place change, even of no value
     with pytest.raises(AssertionError, match="must not be modified"):
         _ = handle.topk_idx
+
+
+@pytest.mark.parametrize("multiple_reduction", [True, False], ids=["multiple_reduction", "one_rounding"])
+def test_combine_of_a_handle_whose_topk_idx_changed_is_refused_on_every_rank(comm, multiple_reduction):
+    """The expanded layout, ``topk_idx`` changed in place on the last rank between dispatch and combine: that rank's
+    combine raises ``AssertionError``, every other rank's a ``ConsensusError`` naming it, in the same call, with
+    ``allow_multiple_reduction`` on and off (off, the combine runs one pass per top-k slot, which must refuse in its
+    first round like any combine); the next round trip gives ``3 x`` (three slots, each a row of ``x``)."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 4 * R
+    buf = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=8, hidden=HIDDEN, num_topk=3, explicitly_destroy=True,
+                                allow_multiple_reduction=multiple_reduction, num_cpu_timeout_secs=30))
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randint(-4, 5, (8, HIDDEN), generator=gen).to(BF16)
+        topk_idx = torch.rand(8, E, generator=gen).topk(3, dim=1).indices
+        w = torch.randint(1, 5, (8, 3), generator=gen).float() / 4
+        recv_x, _, recv_w, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=w, num_experts=E,
+                                                                 do_expand=True))
+        if rank == R - 1:
+            topk_idx.add_(0)
+        t0 = time.monotonic()
+        _, err = capture(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+        ok = (isinstance(err, AssertionError) and "must not be modified" in str(err) if rank == R - 1
+              else isinstance(err, ConsensusError) and f"rank {R - 1}" in str(err))
+        ok &= time.monotonic() - t0 < 10
+        topk_idx = topk_idx.clone()
+        recv_x, _, recv_w, handle, _ = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, topk_weights=w, num_experts=E,
+                                                                 do_expand=True))
+        combined, _, _ = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+        ok &= torch.equal(combined, (x.float() * 3).to(BF16))  # a row per (token, slot), summed unweighted
+        all_ranks_ok(comm, ok, f"rank {rank}: the refused combine raised {err!r}")
+    finally:
+        coll(buf.destroy, what="destroy")
 
 
 def test_handle_fields_assignable_and_barrier_as_deepep(ep, comm):
