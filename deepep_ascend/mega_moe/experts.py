@@ -236,7 +236,8 @@ def _shared_expert(kind, sb, t, shared, clamp, fast_math, engine, oai):
     else:
         x = dequant_x(kind, sb.x[:t], sb.x_sf[:t].contiguous().view(torch.uint8), operand_dtype(engine))
     h = dense_nt(engine, x, w1s)
-    a = activation(kind, h, si, torch.ones(t), clamp, fast_math, operand_dtype(engine), oai=oai)
+    # float32 weights, whatever torch's default dtype: the native SwiGLU takes only those
+    a = activation(kind, h, si, torch.ones(t, dtype=torch.float32), clamp, fast_math, operand_dtype(engine), oai=oai)
     return dense_nt(engine, a, w2s)
 
 
