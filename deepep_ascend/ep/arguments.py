@@ -11,6 +11,7 @@ Every message names the argument at fault (`` `x` ``, `` `handle.recv_src_idx` `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -26,8 +27,8 @@ from .layout import dispatch_layout, last_slot_per_rank, tokens_per_node, topk_i
 
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
            "check_dispatch_options", "check_handle_rows", "check_internode_handle", "check_intranode_handle",
-           "check_stream_args", "check_tensor", "check_topk_idx", "check_x", "checked_dispatch_layout",
-           "context_idx_problem", "is_int", "sl_idx_problem"]
+           "check_stream_args", "check_tensor", "check_topk_idx", "check_worst_tokens_fit", "check_x",
+           "checked_dispatch_layout", "context_idx_problem", "host_memory_bytes", "is_int", "sl_idx_problem"]
 
 
 class Rejected(Exception):
@@ -287,6 +288,28 @@ def check_dispatch_options(expert_alignment, num_worst_tokens, has_topk: bool) -
     check(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0, ValueError,
           lambda: f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
     check(num_worst_tokens == 0 or has_topk, ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights")
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_worst_tokens_fit(num_worst_tokens: int, row_bytes: int) -> None:
+    """``num_worst_tokens`` outputs of ``row_bytes`` each (rows, scales, top-k ids and weights, source index) fit
+    this host's memory: a dispatch allocates them before any count is known, so a size no host could hold is
+    refused here, on every rank, instead of failing the allocation on one rank inside the call.
+
+    Raises:
+        Rejected: ``ValueError`` naming ``num_worst_tokens``, the bytes asked for and the host's.
+    """
+    need, have = num_worst_tokens * row_bytes, host_memory_bytes()
+    if have is not None and need > have:
+        check(False, ValueError, f"num_worst_tokens={num_worst_tokens} asks for outputs of {need / 2**30:.3g} GiB "
+              f"({row_bytes} B per row), more than this host's {have / 2**30:.3g} GiB of memory")
 
 
 # -- handles ----------------------------------------------------------------------------------------------

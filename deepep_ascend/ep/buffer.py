@@ -46,6 +46,7 @@ from .arguments import (
     check_intranode_handle,
     check_stream_args,
     check_topk_idx,
+    check_worst_tokens_fit,
     check_x,
     checked_dispatch_layout,
 )
@@ -937,7 +938,10 @@ class Buffer(SharedOnCopy):
                                            num_tokens_per_expert, is_token_in_rank))
             check_dispatch_options(expert_alignment, num_worst_tokens, topk_idx is not None)
             k = topk_idx.size(1) if topk_idx is not None else 0
-            self._check_dispatch_room(*_row_bytes(data, scales), k, num_experts, cached=False)
+            xb, sb = _row_bytes(data, scales)
+            self._check_dispatch_room(xb, sb, k, num_experts, cached=False)
+            if static:  # (rows, scales, top-k ids and weights, source index)
+                check_worst_tokens_fit(num_worst_tokens, xb + sb + 12 * k + 4)
             ctx.update(cfg=cfg, data=data, scales=scales, call_id=call_id)
             path_args = {"num_tokens_per_rdma_rank": num_tokens_per_rdma_rank} if self._internode else {}
             return self._engine.dispatch(

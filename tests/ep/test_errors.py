@@ -219,6 +219,9 @@ BAD_INPUTS = [
         dispatch_bad(lambda c: (c.x, dict(expert_alignment=2**63))), match="[1, 2147483647]"),
     Bad("num_worst_tokens_negative", "dispatch", ValueError,
         dispatch_bad(lambda c: (c.x, dict(num_worst_tokens=-1))), match="num_worst_tokens"),
+    # outputs no host could hold: refused before the call (it allocates them first), not an allocation failure
+    Bad("num_worst_tokens_past_the_host", "dispatch", ValueError,
+        dispatch_bad(lambda c: (c.x, dict(num_worst_tokens=2**40))), match="more than this host's"),
     Bad("num_worst_tokens_without_topk", "dispatch", ValueError,
         dispatch_bad(lambda c: (c.x, dict(topk_idx=None, topk_weights=None, num_worst_tokens=512))),
         match="num_worst_tokens"),
