@@ -26,6 +26,7 @@ from ..transports import (
     ChannelKind,
     LinkStats,
     SharedMemoryExhausted,
+    State,
     TransportArgumentError,
     TransportCallMismatch,
     TransportRuntimeError,
@@ -79,6 +80,7 @@ from .phases import engine_of, timed, timed_call
 from .protocol import (
     CALL_BARRIER,
     CALL_CLEAN,
+    CALL_DESTROY,
     CALL_LOAD_BALANCE,
     CALL_LOW_LATENCY,
     CALL_NORMAL,
@@ -324,6 +326,9 @@ class Buffer(SharedOnCopy):
         if self.runtime is None:
             return
         self._worker.drain()
+        if not self.enable_shrink and self.runtime.state is State.OPEN:
+            # peers still in a call find this rank in destroy at once (a rank leaving is shrink mode's masking)
+            self._tag_call(CALL_DESTROY, 1)
         departed = _masked_ranks(weakref.ref(self)) if self.enable_shrink else None
         for engine in (self._ll, self._engine):  # their cached window views, remade on use if destroy is refused
             if engine is not None:
@@ -769,7 +774,8 @@ class Buffer(SharedOnCopy):
     _CALL_NAMES = {**{(CALL_NORMAL, op): f"{name} (normal mode)" for op, name in OP_NAMES.items()},
                    **{(CALL_LOW_LATENCY, op): f"{name} (low-latency mode)" for op, name in ll_mod.OP_NAMES.items()},
                    (CALL_BARRIER, 1): "barrier", (CALL_CLEAN, 1): "clean_low_latency_buffer",
-                   (CALL_LOAD_BALANCE, 1): "lb_prefetch_weights", (CALL_LOAD_BALANCE, 2): "lb_reduce_grads"}
+                   (CALL_LOAD_BALANCE, 1): "lb_prefetch_weights", (CALL_LOAD_BALANCE, 2): "lb_reduce_grads",
+                   (CALL_DESTROY, 1): "destroy"}
 
     def _tag_call(self, kind: int, op: int) -> int:
         """Count a collective call of ``kind`` (``protocol.CALL_*``: where the call waits) and its ``op`` code, and
@@ -778,6 +784,9 @@ class Buffer(SharedOnCopy):
         same order, so two kinds never meet at one number unless the ranks' calls differ
         (docs/semantics/deepep-api.md §8). Returns the tag, for a worker or hook finishing the call later to adopt
         (``Transport.adopt_call_tag``)."""
+        if self.runtime.state is State.CLOSED:  # (a destroy() that raised: the transport is gone all the same)
+            raise RuntimeError(f"{self.api_name}.{self._CALL_NAMES.get((kind, op), 'call')}: the {self.api_name} "
+                               f"was destroyed")
         self._tagged += 1
         self.runtime.set_call_tag(self._tagged, kind, op)
         return self.runtime.call_tag()

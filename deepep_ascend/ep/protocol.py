@@ -21,9 +21,10 @@ OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
 OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch", OP_COMBINE: "combine"}
 # The kinds a Buffer tags its transport's calls with (Transport.set_call_tag, with the call's op code of its
 # mode): one per place a call waits (the normal-mode windows, the low-latency window's call signals, the
-# transport's barrier, the low-latency clean slot, the load-balance exchange). Ranks found at the same call number
-# in calls of different kinds made different calls; calls of one kind that differ are found by their first round.
-CALL_NORMAL, CALL_LOW_LATENCY, CALL_BARRIER, CALL_CLEAN, CALL_LOAD_BALANCE = 1, 2, 3, 4, 5
+# transport's barrier, the low-latency clean slot, the load-balance exchange, the teardown of destroy()). Ranks
+# found at the same call number in calls of different kinds made different calls; calls of one kind that differ
+# are found by their first round.
+CALL_NORMAL, CALL_LOW_LATENCY, CALL_BARRIER, CALL_CLEAN, CALL_LOAD_BALANCE, CALL_DESTROY = 1, 2, 3, 4, 5, 6
 # Header words (int64).
 (W_MAGIC, W_CALL, W_OP, W_STATUS, W_NTOK, W_XBYTES, W_XDTYPE, W_SBYTES, W_SDTYPE, W_TOPK, W_NEXP, W_HANDLE,
  W_CHANNELS, W_WCOLS, W_LAND_OFF, W_LAND_BYTES, W_LAND_ROWS, W_PREFIX, W_XSEG_OFF,

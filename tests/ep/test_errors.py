@@ -685,6 +685,38 @@ def test_barrier_or_clean_against_another_call_raises_at_once(comm, case):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("api", ["normal", "low_latency", "ep_buffer"])
+@up_to_four_ranks()
+def test_destroy_against_a_call_raises_at_once(comm, api):
+    """Rank 1 calls ``destroy()`` while its peers dispatch, after one good round trip: every peer raises
+    ConsensusError within seconds naming destroy, instead of waiting out the 30 s deadline; once the peers destroy
+    too, every destroy() returns, and rank 1's next call says the buffer was destroyed."""
+    import time
+    r = comm.Get_rank()
+    calls = coll(lambda: _Calls(api, comm, timeout_s=30), what=api)
+    recv_x, handle = coll(calls.dispatch, what="dispatch #1")
+    coll(lambda: calls.combine(recv_x, handle), what="combine #1")
+    recv_x = handle = None
+    comm.Barrier()
+    t0 = time.monotonic()
+    _, exc = capture(calls.buf.destroy if r == 1 else calls.dispatch)
+    elapsed = time.monotonic() - t0
+    text = str(exc)
+    if r == 1:
+        ok = exc is None
+        _, later = capture(calls.dispatch)
+        ok &= isinstance(later, RuntimeError) and "was destroyed" in str(later)
+        text += f"; the next call: {later!r}"
+    else:
+        ok = isinstance(exc, ConsensusError) and elapsed < 10 and "rank 1 in destroy" in text
+        exc = None
+        _, dexc = capture(calls.buf.destroy)
+        ok &= dexc is None
+        text += f"; destroy: {dexc!r}"
+    all_ranks_ok(comm, ok, f"{api}: rank {r} after {elapsed:.1f} s: {text}")
+
+
+@pytest.mark.mpi(min_size=2)
 @up_to_four_ranks()
 def test_late_rank_in_mixed_modes_is_no_different_call(comm):
     """Normal-mode and low-latency round trips in turn, rank 1 entering each call 50 ms late (past the waits'
