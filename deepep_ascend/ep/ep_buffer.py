@@ -273,7 +273,7 @@ class EPBuffer(BufferBase):
         k = num_topk if num_topk > 0 else NUM_MAX_TOPK
         x_bytes, sf_bytes = (hidden, 4 * ceil_div(hidden, 128)) if use_fp8_dispatch else (2 * hidden, 0)
         needs = EPBuffer._window_needs(num_ranks, num_nodes, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
-        return EPBuffer._bytes_for(needs, num_ranks, num_nodes)
+        return int(EPBuffer._bytes_for(needs, num_ranks, num_nodes))  # (a Python int for numpy integer arguments too)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(num_rdma_ranks, num_nvlink_ranks)``: nodes and ranks per node (URMA and UBMEM domains)."""
@@ -472,8 +472,9 @@ class EPBuffer(BufferBase):
         alignment = 1 if expert_alignment is None else expert_alignment
         mode = (EP_MODE_EXPAND if do_expand else 0) | (EP_MODE_CPU_SYNC if do_cpu_sync else 0) | \
             (EP_MODE_ZERO_PADDING if do_zero_padding else 0) | (EP_MODE_WEIGHTS if topk_weights is not None else 0)
-        words = {W_EP_MAX_TOKENS: int(max_tokens) if isinstance(max_tokens, int) else -1,
-                 W_EP_ALIGNMENT: int(alignment) if isinstance(alignment, int) else -1, W_EP_MODE: mode}
+        # (numpy integers are the same values as ints: ranks passing either agree; anything else is refused below)
+        words = {W_EP_MAX_TOKENS: int(max_tokens) if is_int(max_tokens) else -1,
+                 W_EP_ALIGNMENT: int(alignment) if is_int(alignment) else -1, W_EP_MODE: mode}
         prev = _previous(previous_event)
         R = self.num_ranks
 

@@ -524,6 +524,31 @@ def test_combine_of_a_handle_whose_topk_idx_changed_is_refused_on_every_rank(com
         coll(buf.destroy, what="destroy")
 
 
+def test_numpy_integers_are_the_ints_they_hold(comm):
+    """``num_max_tokens_per_rank`` a ``numpy.int64`` in the constructor (its size hint then a numpy value inside),
+    and ``expert_alignment`` / ``num_max_tokens_per_rank`` of a dispatch as ``numpy.int64`` on the last rank and
+    ``int`` on the others (DeepEP's bindings take either): the same values, so the same call, and the same bits as
+    with ints everywhere."""
+    import numpy as np
+
+    R, rank = comm.Get_size(), comm.Get_rank()
+    E = 4 * R
+    buf = coll(lambda: EPBuffer(comm, num_max_tokens_per_rank=np.int64(8), hidden=HIDDEN, num_topk=2,
+                                explicitly_destroy=True))
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(8, HIDDEN, generator=gen).to(BF16)
+        topk_idx = torch.rand(8, E, generator=gen).topk(2, dim=1).indices
+        num = np.int64 if rank == R - 1 else int
+        got = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E, do_expand=True, do_zero_padding=True,
+                                        expert_alignment=num(4), num_max_tokens_per_rank=num(8))[0].clone())
+        want = coll(lambda: buf.dispatch(x, topk_idx=topk_idx, num_experts=E, do_expand=True, do_zero_padding=True,
+                                         expert_alignment=4, num_max_tokens_per_rank=8)[0])
+        all_ranks_ok(comm, torch.equal(bits(got), bits(want)), f"rank {rank}: numpy integers changed the rows")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
 def test_handle_fields_assignable_and_barrier_as_deepep(ep, comm):
     """DeepEP's tests reassign handle fields (``handle.recv_src_metadata = handle.recv_src_metadata[:n]``): the
     field reads what was assigned and a combine of the handle is unchanged. ``barrier`` takes DeepEP's arguments;
