@@ -229,8 +229,8 @@ class EPBuffer(BufferBase):
     def _window_needs(num_ranks: int, num_nodes: int, num_max_tokens_per_rank: int, x_bytes: int, sf_bytes: int,
                       num_topk: int, hidden: int, num_experts: int = NUM_MAX_EXPERTS) -> tuple[int, int]:
         """``(UBMEM, URMA)`` window bytes a call of this shape needs in one round (the engines' worst case,
-        with room for ``num_experts`` experts' counts; on one node the counts of more experts than the window
-        holds at once go in further rounds, across nodes they must fit one node box)."""
+        with room for ``num_experts`` experts' counts, which the first round carries: across nodes they must fit
+        one node box)."""
         if num_nodes == 1:
             return IntranodeEngine.size_hint(num_max_tokens_per_rank, x_bytes, sf_bytes, num_topk, num_experts,
                                              num_ranks, 2 * hidden, num_topk), 0
@@ -489,6 +489,7 @@ class EPBuffer(BufferBase):
                   lambda: f"`expert_alignment` must be an int in [1, {MAX_EXPERT_ALIGNMENT}], got {alignment!r}")
             check(not do_zero_padding or do_expand, ValueError, "`do_zero_padding` needs do_expand=True")
             check_tensor(data, "x[0]" if sf is not None else "x", ndim=2)
+            check(data.size(1) >= 1, ValueError, lambda: f"`x` must have hidden >= 1, got shape {tuple(data.shape)}")
             n = data.size(0)
             check(n <= max_tokens, ValueError, lambda: f"`x` has {n} tokens, more than "
                                                        f"num_max_tokens_per_rank={max_tokens}")
@@ -518,14 +519,14 @@ class EPBuffer(BufferBase):
             sf_bytes = 0 if sf is None else extra[0].size(1)  # dispatched weights count as the top-k slots
             k = (handle.topk_idx if handle is not None else topk_idx).size(1)
             G = self._legacy.num_nodes
-            # across nodes every expert's count must fit a node box: past the hint's experts, the call's own count
-            E = max(NUM_MAX_EXPERTS, (handle.num_experts if handle is not None else num_experts) if G > 1 else 0)
+            # every expert's count must fit one round (a node box across nodes): past the hint's experts, the call's
+            E = max(NUM_MAX_EXPERTS, handle.num_experts if handle is not None else num_experts)
             needs = EPBuffer._window_needs(R, G, max_tokens, xb.size(1), sf_bytes, k, hidden, E)
             check(_covers(self._windows, needs), ValueError,
                   lambda: f"num_bytes={self.num_bytes} is below the {EPBuffer._bytes_for(needs, R, G)} bytes a call "
                   f"of num_max_tokens_per_rank={max_tokens} with rows of {xb.size(1)} B (`x` {tuple(data.shape)} "
                   f"{data.dtype}; +{sf_bytes} B of scales), {k} top-k slots"
-                  + (f" and num_experts={E} across {G} nodes" if E > NUM_MAX_EXPERTS else "")
+                  + (f" and num_experts={E}" + (f" across {G} nodes" if G > 1 else "") if E > NUM_MAX_EXPERTS else "")
                   + f" needs; see EPBuffer.get_buffer_size_hint (room for {NUM_MAX_EXPERTS} experts' counts)")
             return xb, sb
 
@@ -538,6 +539,10 @@ class EPBuffer(BufferBase):
                       lambda: f"`num_experts` must be a positive multiple of the {R} ranks, got {num_experts!r}")
                 check(topk_idx.size(0) == n, ValueError,
                       lambda: f"`topk_idx` must have {n} rows (one per token of x), got {topk_idx.size(0)}")
+                # every expert's count lies in the window: a num_experts no window holds is refused before the
+                # layout, whose tensors have num_experts entries (payload() below checks this call's bytes)
+                check(4 * num_experts <= self.num_bytes, ValueError,
+                      lambda: f"num_experts={num_experts}: its counts (4 B each) cannot fit num_bytes={self.num_bytes}")
                 if _PH.on:
                     _PH.switch("layout")
                 # the ids' range checked on the way; the combine's keys in the same pass where every combine needs them

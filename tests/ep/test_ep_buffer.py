@@ -664,6 +664,10 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
         "expert_alignment 2**31": dict(topk_idx=topk_idx, expert_alignment=2**31 if rank == bad_rank else 1,
                                        do_expand=True),
         "expert_alignment 2**64": dict(topk_idx=topk_idx, expert_alignment=2**64 if rank == bad_rank else 1),
+        # hidden 0; more experts' counts than the window holds, or than any host (refused before the layout)
+        "x of hidden 0": dict(topk_idx=topk_idx, x=x[:, :0] if rank == bad_rank else x),
+        "num_experts past the window": dict(topk_idx=topk_idx, num_experts=4096 * R if rank == bad_rank else E),
+        "num_experts 2**40": dict(topk_idx=topk_idx, num_experts=2**40 * R if rank == bad_rank else E),
         # K = 9 > L = 8 slots of one token on one rank: more than the capacity without CPU sync has room for
         "an expert repeated past the capacity": dict(
             topk_idx=torch.zeros(topk_idx.size(0), 9, dtype=torch.int64) if rank == bad_rank
@@ -673,7 +677,8 @@ def test_bad_inputs_raise_on_every_rank(ep, comm):
     needles = {"x a 3-tuple": "(x, sf) pair", "topk_idx a list": "`topk_idx` must be a torch.Tensor",
                "expert_alignment a bool": "expert_alignment", "expert_alignment 2**31": "[1, 2147483647]",
                "expert_alignment 2**64": "[1, 2147483647]",
-               "an expert repeated past the capacity": "do_cpu_sync=True"}
+               "an expert repeated past the capacity": "do_cpu_sync=True", "x of hidden 0": "hidden >= 1",
+               "num_experts past the window": "num_experts=", "num_experts 2**40": "num_experts="}
     if R == 1:
         del cases["ranks disagree on expert_alignment"]
     for what, kw in cases.items():
