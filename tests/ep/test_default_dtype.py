@@ -1,4 +1,4 @@
-"""Results do not depend on torch's default dtype: DeepEP's own tests set ``torch.set_default_dtype(torch.bfloat16)``
+"""Results do not depend on torch's default dtype: DeepEP's own tests set ``torch.setdefault_dtype(torch.bfloat16)``
 (their ``init_dist``), so the calls below (normal mode, low-latency mode and ``EPBuffer``, on one node and on two
 simulated nodes) run under a float32 and a bfloat16 default, with the native kernels and without (every kernel
 unset: the torch paths), and must give the same bits and dtypes. A float tensor the
@@ -10,28 +10,16 @@ Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/ep/test_default_dtype.p
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from deepep_ascend import Buffer, EPBuffer, native
 from deepep_ascend.native.loader import Kernels, kernels
-from tests.support.buffer_helpers import BF16, all_ranks_ok, bits, coll, make_topk_idx
+from tests.support.buffer_helpers import BF16, all_ranks_ok, bits, coll, default_dtype, make_topk_idx
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 
 N, H, K, E_PER_RANK, M = 12, 256, 4, 4, 16
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _inputs(comm):
@@ -131,7 +119,7 @@ CALLS = {"normal": _normal, "low_latency": _low_latency, "ep_buffer": _ep, "swig
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("call", list(CALLS))
-def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monkeypatch):
+def test_results_do_not_depend_on_thedefault_dtype(comm, call, kernels_on, monkeypatch):
     """Each call's outputs under a bfloat16 default dtype equal, bit for bit and dtype for dtype, its outputs
     under float32 (and are not empty: the call ran)."""
     if not kernels_on:
@@ -142,10 +130,10 @@ def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monk
     if call.endswith("2_nodes") and comm.Get_size() % 2:
         pytest.skip("two simulated nodes need an even number of ranks")
     run = CALLS[call]
-    with _default_dtype(torch.float32):
+    with default_dtype(torch.float32):
         inputs = _inputs(comm)
         want = run(comm, inputs)
-    with _default_dtype(torch.bfloat16):
+    with default_dtype(torch.bfloat16):
         got = run(comm, inputs)
     problems = []
     if call != "swiglu" or kernels_on:

@@ -1,5 +1,5 @@
 """MegaMoE's results do not depend on torch's default dtype: DeepGEMM's own tests set
-``torch.set_default_dtype(torch.bfloat16)``, so the calls below run under a float32 and a bfloat16 default,
+``torch.setdefault_dtype(torch.bfloat16)``, so the calls below run under a float32 and a bfloat16 default,
 with the native kernels and without (every kernel unset: the torch paths), and must give the same bits and
 dtypes, with the same native compute kernels run as often. A float tensor the library makes without a dtype
 would be bfloat16 under the second default: its sums would round differently, or a kernel would refuse it
@@ -10,15 +10,13 @@ Run: ``mpiexec -n N python -m pytest --with-mpi -q tests/mega_moe/test_default_d
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import deepep_ascend as dea
 from deepep_ascend import native
 from deepep_ascend.native.loader import Kernels, kernels
-from tests.support.buffer_helpers import all_ranks_ok, bits, coll
+from tests.support.buffer_helpers import all_ranks_ok, bits, coll, default_dtype
 from tests.support.mega_moe import (
     BF16,
     E_PER_RANK,
@@ -40,16 +38,6 @@ pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.watchdog(120)]
 COUNTED = ("swiglu_bf16", "swiglu_gate_bf16", "dequant_rows_e4m3_bf16", "sum_rows_bf16")
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _weights(kind, comm, shared):
     """This rank's untransformed expert weights and the shared experts' (made under one default dtype for both
     runs: the helpers' random draws follow it)."""
@@ -69,7 +57,7 @@ def _fused(kind, comm, weights, activation):
                what="get_symm_buffer_for_mega_moe")
     try:
         l1, l2 = dea.transform_weights_for_mega_moe(l1, l2, activation=activation)
-        with _default_dtype(torch.float32):
+        with default_dtype(torch.float32):
             t = fill(kind, buf, seed=3, rank=comm.Get_rank(), size=comm.Get_size())
         y = torch.full((t, h), float("nan"), dtype=BF16)
         stats = torch.zeros(E_PER_RANK, dtype=torch.int32)
@@ -86,7 +74,7 @@ def _expanded(comm, weights):
     """``mega_moe_experts`` (FP8 rows, FP4 weights) between an EPBuffer's expanded dispatch and its combine."""
     (l1, l2), _ = weights
     rank, E = comm.Get_rank(), E_PER_RANK * comm.Get_size()
-    with _default_dtype(torch.float32):
+    with default_dtype(torch.float32):
         gen = torch.Generator().manual_seed(43 + rank)
         t = 0 if comm.Get_size() > 1 and rank == comm.Get_size() - 1 else 19
         idx = torch.rand(t, E, generator=gen, dtype=torch.float32).topk(K, dim=1).indices
@@ -122,7 +110,7 @@ CALLS = {
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("call", list(CALLS))
-def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monkeypatch):
+def test_results_do_not_depend_on_thedefault_dtype(comm, call, kernels_on, monkeypatch):
     """Each call's outputs under a bfloat16 default dtype equal, bit for bit and dtype for dtype, its outputs
     under float32 (and are not empty: the call ran); with the kernels, the compute kernels ran as often."""
     calls = {}
@@ -135,15 +123,15 @@ def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monk
         for name in COUNTED:
             monkeypatch.setattr(kernels, name, _counting(name, getattr(kernels, name), calls))
     run, kind = CALLS[call]
-    with _default_dtype(torch.float32):
+    with default_dtype(torch.float32):
         weights = _weights(kind, comm, shared=1)
     dea.clear_dequantized_weight_cache()  # each run dequantizes the weights again, under its default
-    with _default_dtype(torch.float32):
+    with default_dtype(torch.float32):
         want = run(comm, weights)
     want_calls = dict(calls)
     calls.clear()
     dea.clear_dequantized_weight_cache()
-    with _default_dtype(torch.bfloat16):
+    with default_dtype(torch.bfloat16):
         got = run(comm, weights)
     problems = [] if want else ["no outputs"]
     for i, (a, b) in enumerate(zip(want, got)):

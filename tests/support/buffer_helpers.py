@@ -14,6 +14,7 @@ independently of ``deepep_ascend.ep.layout``. Channel ``c`` of a rank with ``N``
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -654,3 +655,14 @@ def buffer_on_nodes(build, nodes: int):
     buf = build(nodes)
     yield buf
     coll(buf.destroy, what="destroy")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """A block run with torch's default dtype ``dtype`` (DeepEP's test harness sets bfloat16), restored after."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
