@@ -838,7 +838,8 @@ class Buffer(SharedOnCopy):
         code = self._REFUSABLE[op]
         if op.startswith("low_latency"):
             ll = self._ll_usable(op)
-            self._tag_call(CALL_LOW_LATENCY, code)
+            if ll.pending_hook is None:  # (else the engine refuses the call here, before any round)
+                self._tag_call(CALL_LOW_LATENCY, code)
             self._worker.drain()
 
             def refuse():
@@ -1206,17 +1207,16 @@ class Buffer(SharedOnCopy):
         worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``. ``inputs``:
         the caller's tensors the receive reads, guarded as in :meth:`_protocol`."""
         ll = self._ll
+        if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
+            raise RuntimeError(
+                f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
+                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
+                f"docs/semantics/deepep-api.md §6.6)")
         tag = self._tag_call(CALL_LOW_LATENCY, op)
         self._worker.drain()
         if _PH.on:
             _PH.switch("checks")
         try:
-            # refused in the call's first round, as any refusal (its half is not the pending call's, whose rows stay
-            # where they are for its hook), so that the peers raise too instead of waiting for this rank
-            check(ll.pending_hook is None, RuntimeError, lambda: (
-                f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook "
-                f"before issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
-                f"docs/semantics/deepep-api.md §6.6)"))
             check(not (async_finish and return_recv_hook), RuntimeError,
                   "async_finish and return_recv_hook cannot both be set (docs/semantics/deepep-api.md §6.5)")
             args = validate()

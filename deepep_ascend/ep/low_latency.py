@@ -594,10 +594,9 @@ class LowLatencyEngine:
         self.tp.put_with_signal(self.ctl, dst, (h * self.R + self.rank) * HDR_BYTES, hdr, h,
                                 add=self._raise_to(h, dst, seq + 1))
 
-    def begin(self, op: int, refusal: bool = False) -> tuple[int, int]:
-        """Number and half of a new call of ``op`` (checks the hook rule first, but for a ``refusal``: it moves no
-        rows, and its half is not the pending call's, whose rows stay where they are for its hook)."""
-        if self.pending_hook is not None and not refusal:
+    def begin(self, op: int) -> tuple[int, int]:
+        """Number and half of a new call of ``op`` (checks the hook rule first)."""
+        if self.pending_hook is not None:
             raise RuntimeError(
                 f"rank {self.rank}: LL call #{self.pending_hook + 1} still awaits its receive hook; call the hook "
                 f"before issuing another low-latency call (only two LL buffers: receive k, then issue k+1, "
@@ -619,7 +618,7 @@ class LowLatencyEngine:
     def reject(self, op, message) -> None:
         """Refuse a call on every rank: headers with an error status to every live peer, then wait for theirs
         (the caller raises; the peers' :meth:`_check_headers` raise ``LowLatencyRefused`` naming this rank)."""
-        seq, h = self.begin(op, refusal=True)
+        seq, h = self.begin(op)
         hdr = self._header(seq, op, 1, None, 0, message)
         self._publish(h, hdr, seq, self.order())
         # Wait for the others' signals too (their data is discarded): the double-buffer rule
