@@ -241,6 +241,7 @@ class Buffer(SharedOnCopy):
         self._tagged = 0  # collective calls of every kind so far: the transport's call tag (_tag_call)
         self._default_configs = {}  # Buffer.get_dispatch_config / get_combine_config -> its Config, see _config
         self._filling = None  # the worker's task of the last dispatch that yields its handle before the counts
+        self._hook_receive = None  # the receive of the LL call whose hook is pending, and its hook's state (_ll_run)
         self._layout_stamp = ()  # what the last get_dispatch_layout returned, see stamps.stamp
         self._last_traffic = None
         self.runtime = create_transport(mpi_comm, ranks_per_node=ranks_per_node, timeout_s=timeout_s)
@@ -325,6 +326,7 @@ class Buffer(SharedOnCopy):
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         if self.runtime is None:
             return
+        self._hook_receive = None  # (a hook never called: its receive's tensors are the caller's to keep, not ours)
         self._worker.drain()
         if not self.enable_shrink and self.runtime.state is State.OPEN:
             # peers still in a call find this rank in destroy at once (a rank leaving is shrink mode's masking)
@@ -865,6 +867,19 @@ class Buffer(SharedOnCopy):
             raise error from exc
         raise refused_on_every_rank(error)
 
+    def _receive_for_hook(self) -> None:
+        """The receive of the low-latency call whose hook is pending, run by this rank's next low-latency call (which
+        is refused); the hook then returns at once, or raises this receive's error, which is raised here too."""
+        state, op, receive = self._hook_receive
+        self._hook_receive = None
+        self._ll.pending_hook = None
+        try:
+            timed_call(_HOOK_OPS[op], receive)
+        except BaseException as exc:
+            state["received"] = exc
+            raise
+        state["received"] = True
+
     # -- dispatch ------------------------------------------------------------------------
     @timed("dispatch", engine_of)
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -1207,16 +1222,21 @@ class Buffer(SharedOnCopy):
         worker (``async_finish``) or in the returned hook. Returns ``(outputs, event, hook)``. ``inputs``:
         the caller's tensors the receive reads, guarded as in :meth:`_protocol`."""
         ll = self._ll
-        if ll.pending_hook is not None:  # refused locally: nothing is sent, the pending call is intact
-            raise RuntimeError(
-                f"rank {self.rank}: LL call #{ll.pending_hook + 1} still awaits its receive hook; call the hook before "
-                f"issuing another low-latency call (two LL buffers: receive k, then issue k+1, "
-                f"docs/semantics/deepep-api.md §6.6)")
+        # A call while a hook is pending is refused on every rank, in its first round; but first this rank receives
+        # the pending call, as its hook would (which then returns at once): a peer reuses that call's half only once
+        # every rank signalled the next call, which must mean every rank received this one.
+        unheard = None if ll.pending_hook is None else ll.pending_hook + 1
+        if unheard is not None:
+            self._receive_for_hook()
         tag = self._tag_call(CALL_LOW_LATENCY, op)
         self._worker.drain()
         if _PH.on:
             _PH.switch("checks")
         try:
+            check(unheard is None, RuntimeError, lambda: (
+                f"rank {self.rank}: LL call #{unheard} was still awaiting its receive hook (received now: the hook "
+                f"returns at once); call the hook before issuing another low-latency call (two LL buffers: receive k, "
+                f"then issue k+1, docs/semantics/deepep-api.md §6.6)"))
             check(not (async_finish and return_recv_hook), RuntimeError,
                   "async_finish and return_recv_hook cannot both be set (docs/semantics/deepep-api.md §6.5)")
             args = validate()
@@ -1257,15 +1277,20 @@ class Buffer(SharedOnCopy):
 
         if return_recv_hook:
             ll.pending_hook = ll.calls - 1
-            state = {"called": False}
+            state = {"called": False, "received": None}  # received: True, or the error, once _receive_for_hook ran
+            self._hook_receive = (state, op, receive)
 
             def hook():
                 if state["called"]:
                     raise RuntimeError(f"rank {self.rank}: this low-latency receive hook was already called "
                                        f"(call it exactly once, docs/semantics/deepep-api.md §6.5)")
                 state["called"] = True
-                ll.pending_hook = None
-                timed_call(_HOOK_OPS[op], receive)
+                if state["received"] is None:
+                    self._hook_receive = None
+                    ll.pending_hook = None
+                    timed_call(_HOOK_OPS[op], receive)
+                elif state["received"] is not True:  # the receive this rank's next call ran failed
+                    raise state["received"]
 
             return pending.outputs, EventOverlap(), hook
         fut = self._worker.submit(receive)  # async_finish

@@ -1285,6 +1285,46 @@ def test_bad_inputs_raise_on_every_rank_and_buffer_stays_usable(buffers, comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("cfg", ["ubmem", "nodes"])
+def test_call_while_a_hook_is_pending_on_one_rank_is_refused_on_every_rank(buffers, comm, cfg):
+    """Every rank makes a hooked dispatch; the last rank forgets its hook and goes on to the combine: it raises
+    RuntimeError, every other rank ``LowLatencyRefused`` naming it, at once (in the call's first round). That rank
+    received the pending dispatch first, so the peers may go on at once: its hook returns at once with the
+    reference's rows, and the combine after it gives x · Σw on every rank."""
+    from deepep_ascend.ep.low_latency import LowLatencyRefused
+
+    buf = _buf(buffers, cfg)
+    r, R = comm.Get_rank(), comm.Get_size()
+    E, M, H, K = 2 * R, 16, 256, 2
+    xs = [make_inputs(91, s, R, 12, H, E, K) for s in range(R)]
+    x, idx = xs[r]
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(r))
+    errors = []
+    recv_x, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True)
+    if r != R - 1:
+        hook()
+    t0 = time.monotonic()
+    _, exc = capture(lambda: buf.low_latency_combine(recv_x, idx, w, handle))
+    elapsed = time.monotonic() - t0
+    if r == R - 1:
+        if not (type(exc) is RuntimeError and "receive hook" in str(exc) and "received now" in str(exc)):
+            errors.append(f"the rank with the hook pending: {exc!r}")
+        time.sleep(0.2)  # the peers are in their next call by now, rewriting the half of the pending call's rows
+        hook()
+    elif not (isinstance(exc, LowLatencyRefused) and f"rank {R - 1}" in str(exc)):
+        errors.append(f"a peer: {exc!r}")
+    if elapsed > 10:
+        errors.append(f"the refusal took {elapsed:.1f} s")
+    ref = ref_ll_dispatch([i[0] for i in xs], [i[1] for i in xs], r, E, M)
+    if not torch.equal(bits(recv_x), bits(ref.recv_x)) or not torch.equal(cnt, ref.recv_count):
+        errors.append("the hooked dispatch differs from the reference")
+    combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    if not torch.equal(bits(combined), bits(ref_ll_combine(lambda t, g: x[t], idx, w, E, R, H))):
+        errors.append("the combine after the refusal differs from the reference")
+    all_ranks_ok(comm, not errors, f"rank {r}: {errors}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cfg", ["ubmem", "nodes"])
 def test_clean_refused_on_one_rank_leaves_no_peer_waiting(comm, cfg):
     """``clean_low_latency_buffer`` with ``hidden=0`` on rank 0, then (rank 0 only) while a receive hook is
     pending: rank 0 raises (ValueError, RuntimeError) after taking part in the barrier, the others return at once
