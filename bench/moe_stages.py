@@ -147,7 +147,7 @@ class Unfused:
         st["a2"] = a2
         o = _grouped_nt(self.engine, a2, self.w2, st["ends"], st["ends_t"])
         o = o.index_select(0, st["pos"]) if st["padded"] else o
-        part = torch.zeros(st["rx"].size(0), self.h).index_add_(0, st["rows"], o.float())
+        part = torch.zeros(st["rx"].size(0), self.h, dtype=torch.float32).index_add_(0, st["rows"], o.float())
         st["part"] = part.to(BF16)
 
     def combine(self):
