@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import os
 import time
 from collections.abc import Iterator
@@ -34,9 +35,10 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 
 def timeout_problem(name: str, timeout_s) -> str | None:
-    """Why ``timeout_s`` (argument ``name``) is no deadline, or None: a deadline is a positive, finite number of
-    seconds (an infinite one would let a wait hang, and NaN compares unequal to itself on every rank)."""
-    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+    """Why ``timeout_s`` (argument ``name``) is no deadline, or None: a deadline is a positive, finite real number
+    of seconds (numpy's included, not a bool; an infinite one would let a wait hang, and NaN compares unequal to
+    itself on every rank)."""
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
         return f"{name} must be a positive, finite number of seconds, got {timeout_s!r}"
     return None
 

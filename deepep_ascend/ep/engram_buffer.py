@@ -165,8 +165,7 @@ class EngramBuffer(BufferBase):
                                   and qp_depth > 0):
             error = AssertionError("pass `num_allocated_qps` and `qp_depth` from `get_theoretical_config` "
                                    f"(got {num_allocated_qps!r}, {qp_depth!r})")
-        bad_timeout = timeout_problem("num_gpu_timeout_secs", int(num_gpu_timeout_secs)
-                                      if is_int(num_gpu_timeout_secs) else num_gpu_timeout_secs)
+        bad_timeout = timeout_problem("num_gpu_timeout_secs", num_gpu_timeout_secs)
         if error is None and bad_timeout:
             error = ValueError(f"EngramBuffer: {bad_timeout}")
         check_agreed(comm, "EngramBuffer", {

@@ -12,12 +12,14 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -56,8 +58,9 @@ def test_resolve_timeout(monkeypatch):
     monkeypatch.setenv(TIMEOUT_S.name, "7.5")
     assert resolve_timeout(None) == 7.5
     assert resolve_timeout(3) == 3.0  # the argument wins
-    for bad in (0, -1.0, "5"):
-        with pytest.raises(ValueError):
+    assert resolve_timeout(np.int64(4)) == 4.0 and resolve_timeout(np.float32(0.5)) == 0.5  # numpy's reals too
+    for bad in (0, -1.0, "5", True, math.inf, math.nan):
+        with pytest.raises(ValueError, match="positive, finite"):
             resolve_timeout(bad)
     monkeypatch.setenv(TIMEOUT_S.name, "soon")
     with pytest.raises(ValueError, match=TIMEOUT_S.name):
