@@ -867,10 +867,10 @@ class Buffer(SharedOnCopy):
             raise error from exc
         raise refused_on_every_rank(error)
 
-    def _receive_for_hook(self) -> None:
-        """The receive of the low-latency call whose hook is pending, run by this rank's next low-latency call (which
-        is refused); the hook then returns at once, or raises this receive's error, which is raised here too."""
-        state, op, receive = self._hook_receive
+    def _receive_for_hook(self, state: dict, op: int, receive: Callable[[], None]) -> None:
+        """The receive of the low-latency call whose hook is pending (``self._hook_receive``), run by the hook or by
+        this rank's next low-latency call (which is refused; the hook then returns at once, or raises this
+        receive's error, which is raised here too). ``state["received"]`` records which."""
         self._hook_receive = None
         self._ll.pending_hook = None
         try:
@@ -1227,7 +1227,7 @@ class Buffer(SharedOnCopy):
         # every rank signalled the next call, which must mean every rank received this one.
         unheard = None if ll.pending_hook is None else ll.pending_hook + 1
         if unheard is not None:
-            self._receive_for_hook()
+            self._receive_for_hook(*self._hook_receive)
         tag = self._tag_call(CALL_LOW_LATENCY, op)
         self._worker.drain()
         if _PH.on:
@@ -1286,9 +1286,7 @@ class Buffer(SharedOnCopy):
                                        f"(call it exactly once, docs/semantics/deepep-api.md §6.5)")
                 state["called"] = True
                 if state["received"] is None:
-                    self._hook_receive = None
-                    ll.pending_hook = None
-                    timed_call(_HOOK_OPS[op], receive)
+                    self._receive_for_hook(state, op, receive)
                 elif state["received"] is not True:  # the receive this rank's next call ran failed
                     raise state["received"]
 
