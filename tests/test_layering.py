@@ -16,14 +16,16 @@ import pytest
 from tests.support import REPO_ROOT
 
 # Room -> the rooms it may import. ``settings`` (environment variables), ``checks`` (argument checks
-# shared by every room), ``ordering`` (stable orders of small integer keys) and ``rounding`` (ceil_div, align)
-# are leaves every room may read; the package's face (``deepep_ascend/__init__.py``) may import every room.
-LEAVES = {"settings", "checks", "ordering", "rounding"}
+# shared by every room), ``ordering`` (stable orders of small integer keys), ``rounding`` (ceil_div, align) and
+# ``host`` (the host's memory) are leaves every room may read; the package's face (``deepep_ascend/__init__.py``)
+# may import every room.
+LEAVES = {"settings", "checks", "ordering", "rounding", "host"}
 ALLOWED = {
     "settings": set(),
     "checks": set(),
     "ordering": set(),
     "rounding": set(),
+    "host": set(),
     "transports": {"settings"},
     "native": LEAVES,
     "gemm": {"native"} | LEAVES,

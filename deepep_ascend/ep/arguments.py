@@ -11,13 +11,13 @@ Every message names the argument at fault (`` `x` ``, `` `handle.recv_src_idx` `
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..checks import storage_problem
+from ..host import physical_memory_bytes
 from ..native import dispatch_layout as native_dispatch_layout
 from ..rounding import ceil_div
 from .config import Config
@@ -28,7 +28,7 @@ from .layout import dispatch_layout, last_slot_per_rank, tokens_per_node, topk_i
 __all__ = ["Rejected", "check", "check_combine_args", "check_config", "check_dispatch_layout_args",
            "check_dispatch_options", "check_handle_rows", "check_internode_handle", "check_intranode_handle",
            "check_stream_args", "check_tensor", "check_topk_idx", "check_worst_tokens_fit", "check_x",
-           "checked_dispatch_layout", "context_idx_problem", "host_memory_bytes", "is_int", "sl_idx_problem"]
+           "checked_dispatch_layout", "context_idx_problem", "is_int", "sl_idx_problem"]
 
 
 class Rejected(Exception):
@@ -290,14 +290,6 @@ def check_dispatch_options(expert_alignment, num_worst_tokens, has_topk: bool) -
     check(num_worst_tokens == 0 or has_topk, ValueError, "num_worst_tokens > 0 needs topk_idx and topk_weights")
 
 
-def host_memory_bytes() -> int | None:
-    """This host's physical memory in bytes, or None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_worst_tokens_fit(num_worst_tokens: int, row_bytes: int) -> None:
     """``num_worst_tokens`` outputs of ``row_bytes`` each (rows, scales, top-k ids and weights, source index) fit
     this host's memory: a dispatch allocates them before any count is known, so a size no host could hold is
@@ -306,7 +298,7 @@ def check_worst_tokens_fit(num_worst_tokens: int, row_bytes: int) -> None:
     Raises:
         Rejected: ``ValueError`` naming ``num_worst_tokens``, the bytes asked for and the host's.
     """
-    need, have = num_worst_tokens * row_bytes, host_memory_bytes()
+    need, have = num_worst_tokens * row_bytes, physical_memory_bytes()
     if have is not None and need > have:
         check(False, ValueError, f"num_worst_tokens={num_worst_tokens} asks for outputs of {need / 2**30:.3g} GiB "
               f"({row_bytes} B per row), more than this host's {have / 2**30:.3g} GiB of memory")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..host import physical_memory_bytes
 
 __all__ = [
     "WeightCacheInfo",
@@ -80,10 +81,8 @@ def _max_bytes() -> int:
     if _cache_max_bytes is None:
         value = settings.WEIGHT_CACHE_BYTES.get()
         if value is None:
-            try:
-                value = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-            except (AttributeError, ValueError, OSError):
-                value = 8 << 30
+            memory = physical_memory_bytes()
+            value = 8 << 30 if memory is None else memory // 4
         _cache_max_bytes = value
     return _cache_max_bytes
 
