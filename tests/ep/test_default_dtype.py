@@ -1,4 +1,4 @@
-"""Results do not depend on torch's default dtype: DeepEP's own tests set ``torch.setdefault_dtype(torch.bfloat16)``
+"""Results do not depend on torch's default dtype: DeepEP's own tests set ``torch.set_default_dtype(torch.bfloat16)``
 (their ``init_dist``), so the calls below (normal mode, low-latency mode and ``EPBuffer``, on one node and on two
 simulated nodes) run under a float32 and a bfloat16 default, with the native kernels and without (every kernel
 unset: the torch paths), and must give the same bits and dtypes. A float tensor the
@@ -119,7 +119,7 @@ CALLS = {"normal": _normal, "low_latency": _low_latency, "ep_buffer": _ep, "swig
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("call", list(CALLS))
-def test_results_do_not_depend_on_thedefault_dtype(comm, call, kernels_on, monkeypatch):
+def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monkeypatch):
     """Each call's outputs under a bfloat16 default dtype equal, bit for bit and dtype for dtype, its outputs
     under float32 (and are not empty: the call ran)."""
     if not kernels_on:

@@ -1,5 +1,5 @@
 """MegaMoE's results do not depend on torch's default dtype: DeepGEMM's own tests set
-``torch.setdefault_dtype(torch.bfloat16)``, so the calls below run under a float32 and a bfloat16 default,
+``torch.set_default_dtype(torch.bfloat16)``, so the calls below run under a float32 and a bfloat16 default,
 with the native kernels and without (every kernel unset: the torch paths), and must give the same bits and
 dtypes, with the same native compute kernels run as often. A float tensor the library makes without a dtype
 would be bfloat16 under the second default: its sums would round differently, or a kernel would refuse it
@@ -110,7 +110,7 @@ CALLS = {
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("call", list(CALLS))
-def test_results_do_not_depend_on_thedefault_dtype(comm, call, kernels_on, monkeypatch):
+def test_results_do_not_depend_on_the_default_dtype(comm, call, kernels_on, monkeypatch):
     """Each call's outputs under a bfloat16 default dtype equal, bit for bit and dtype for dtype, its outputs
     under float32 (and are not empty: the call ran); with the kernels, the compute kernels ran as often."""
     calls = {}
