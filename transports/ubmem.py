@@ -86,6 +86,30 @@ def _destroy_forgotten_transports():
             pass
 
 
+def _abort_at_uncaught_exception(exc_type, exc, tb) -> None:
+    """``sys.excepthook`` in front of the one it replaced (:func:`_install_excepthook`): a program ending with an
+    uncaught exception aborts its healthy transports at once, naming the exception, so that peers waiting in a call
+    raise ``TransportAborted`` now instead of at the exit teardown's deadline. Not in an interactive session (the
+    hook runs there for every failed statement, and the program goes on), and not for a transport whose owner masks
+    lost ranks (``exit_departed``: its exit teardown lets the rank leave without aborting anyone)."""
+    if not (hasattr(sys, "ps1") or sys.flags.interactive):
+        for tp in sorted(_LIVE, key=lambda t: t._serial):
+            if tp.state is State.OPEN and tp.exit_departed is None:
+                tp.abort(f"rank {tp.topology.rank}: the program ended with an uncaught {exc_type.__name__}: {exc}")
+    _previous_excepthook[0](exc_type, exc, tb)
+
+
+_previous_excepthook = [sys.__excepthook__]  # the hook _abort_at_uncaught_exception hands the exception on to
+
+
+def _install_excepthook() -> None:
+    """Put :func:`_abort_at_uncaught_exception` in front of the current ``sys.excepthook`` (once: at the first
+    transport's creation, so a hook the program set before is kept and still runs)."""
+    if sys.excepthook is not _abort_at_uncaught_exception:
+        _previous_excepthook[0] = sys.excepthook
+        sys.excepthook = _abort_at_uncaught_exception
+
+
 class SymmetricWindow:
     """A window of the same size on every rank: ``[control | data]`` per rank.
 
@@ -391,6 +415,7 @@ class Transport:
         self._urma_peers = [p for p in range(topo.world_size) if topo.kind(topo.rank, p) is ChannelKind.URMA]
         self._serial = next(_SERIALS)
         _LIVE.add(self)
+        _install_excepthook()
 
     # -- lifetime --------------------------------------------------------------
     def _check_open(self, op: str) -> None:

@@ -1094,3 +1094,37 @@ def test_refused_destroy_leaves_both_modes_working(comm):
     if exc is not None or b.runtime is not None:
         errors.append(f"destroy() after dropping the view: {exc!r}")
     all_ranks_ok(comm, not errors, f"rank {r}: " + "; ".join(errors))
+
+
+def _uncaught_exception_job(mode: str) -> str:
+    """Rank 0's report from ``tests/ep/uncaught_exception_job.py MODE`` (asserting the job ran to its end)."""
+    import re
+    import sys
+
+    from tests.support import REPO_ROOT
+    from tests.support.mpi_utils import run_child_job
+
+    rc, out = run_child_job(2, [sys.executable, "-m", "tests.ep.uncaught_exception_job", mode], REPO_ROOT,
+                            timeout_s=90.0)
+    assert rc != 0 and "ValueError: a bug in rank 1's own code" in out, f"exit {rc}; output:\n{out[-3000:]}"
+    assert "JOB DONE 0" in out, f"rank 0 did not finish; output:\n{out[-3000:]}"
+    report = re.search(r"PEER-SAW (\S+) [\d.]+: (.*)", out)
+    assert report is not None, out[-3000:]
+    return f"{report.group(1)}: {report.group(2)}" + "".join(re.findall(r"\n(MASK \[.*\])", out))
+
+
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_uncaught_exception_aborts_the_peers_naming_it():
+    """A rank whose program ends with an uncaught exception aborts its transports before the interpreter exits
+    (docs/semantics/deepep-api.md §8): its peer, in a dispatch with a 120 s deadline, raises ``TransportAborted``
+    naming that exception, not the exit teardown's anonymous abort 5 s later."""
+    got = _uncaught_exception_job("normal")
+    assert got.startswith("TransportAborted: ") and "peer rank 1 aborted" in got, got
+    assert "the program ended with an uncaught ValueError: a bug in rank 1's own code" in got, got
+
+
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_uncaught_exception_in_shrink_mode_is_masked_not_an_abort():
+    """In shrink mode the survivors mask a lost rank (docs/api/low-latency.md): a rank whose program ends with an
+    uncaught exception aborts nobody, and its peer's call completes at the deadline with that rank masked."""
+    assert _uncaught_exception_job("shrink") == "none: -MASK [0, 1]"
