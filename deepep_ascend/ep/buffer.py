@@ -95,7 +95,7 @@ from .protocol import (
     ordinal,
 )
 from .rows import dense
-from .stamps import stamp, stamp_matches
+from .stamps import stamp, stamp_matches, written_since
 
 #: A dispatch's ``x`` or ``recv_x``: one ``[N, H]`` tensor, or the FP8 pair ``(data, scales)``.
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -603,9 +603,16 @@ class Buffer(SharedOnCopy):
         shapes: of the full check only the rows it promises are read again (:func:`check_handle_rows`, which a
         write through ``.numpy()`` could have changed unseen)."""
         origin = self._made_here(handle, config)
-        if origin is not None and origin.sealed and stamp_matches(origin.sealed, *handle):
-            check_handle_rows(handle, self.rank)
-            return handle, origin.dispatch_id
+        if origin is not None and origin.sealed:
+            if stamp_matches(origin.sealed, *handle):
+                check_handle_rows(handle, self.rank)
+                return handle, origin.dispatch_id
+            # An entry edited in place still passes the full check when its counts are kept (two entries of
+            # is_token_in_rank swapped), and this rank would then sum other rows than the dispatch routed.
+            k = written_since(origin.sealed, *handle)
+            check(k < 0, ValueError, lambda: (
+                f"`handle.{handle._fields[k]}` was written in place after the dispatch that made the handle (call "
+                f"#{origin.dispatch_id}); a handle is read-only: pass it as the dispatch returned it"))
         if self._internode:
             return check_internode_handle(handle, config, op, num_ranks=self.group_size, num_nodes=self.num_nodes,
                                           buffer_id=self._uid)

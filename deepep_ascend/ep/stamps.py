@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["stamp", "stamp_matches"]
+__all__ = ["stamp", "stamp_matches", "written_since"]
 
 
 def stamp(*tensors) -> tuple:
@@ -38,3 +38,12 @@ def stamp_matches(stamped: tuple, *tensors) -> bool:
         elif t is None or s[0]() is not t or s[1] < 0 or t._version != s[1]:
             return False
     return True
+
+
+def written_since(stamped: tuple, *tensors) -> int:
+    """The position of the first of ``tensors`` that is the stamped tensor at that position but was written in place
+    since the stamp (through torch); -1 if none is."""
+    for i, (s, t) in enumerate(zip(stamped, tensors)):
+        if s is not None and t is not None and s[0]() is t and s[1] >= 0 and t._version != s[1]:
+            return i
+    return -1

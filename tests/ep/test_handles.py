@@ -134,10 +134,11 @@ def test_a_plain_tuple_of_another_buffers_handle_is_still_refused(comm):
 @pytest.mark.mpi(min_size=1)
 def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monkeypatch):
     """A synchronous dispatch seals its handle: handed back unchanged it skips the full check (the engine's
-    own tensors, valid as made). A write into any of its tensors, a handle rebuilt with another tensor, or
-    one from an ``async_finish`` dispatch (filled on the worker) gets the full check, which refuses bad
-    values on every rank. A write through ``.numpy()`` leaves no version mark: the rows the handle promises
-    are read again all the same, so such a handle is refused too and the Buffer stays usable."""
+    own tensors, valid as made). A handle rebuilt with another tensor, or one from an ``async_finish`` dispatch
+    (filled on the worker), gets the full check, which refuses bad values on every rank. A write into one of its
+    tensors through torch is refused naming the entry. A write through ``.numpy()`` leaves no version mark: the
+    rows the handle promises are read again all the same, so such a handle is refused too and the Buffer stays
+    usable."""
     import deepep_ascend.ep.buffer as buffer_mod
 
     R, r = comm.Get_size(), comm.Get_rank()
@@ -176,22 +177,69 @@ def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monk
 
         # written in place, promising more rows than recv_src_idx holds: refused again, on every rank; the same
         # written through numpy, which bumps no version counter (the seal still matches)
-        for write in (lambda h: h.rank_prefix_matrix.__setitem__(-1, h.rank_prefix_matrix[-1] + 10 ** 6),
-                      lambda h: h.rank_prefix_matrix.numpy().__setitem__(-1, h.rank_prefix_matrix.numpy()[-1] + 1)):
+        for write, says in ((lambda h: h.rank_prefix_matrix.__setitem__(-1, h.rank_prefix_matrix[-1] + 10 ** 6),
+                             "`handle.rank_prefix_matrix` was written in place"),
+                            (lambda h: h.rank_prefix_matrix.numpy().__setitem__(-1, h.rank_prefix_matrix.numpy()[-1]
+                                                                               + 1), "promises more rows")):
             recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch")
             write(handle)
             checks_before = len(full_checks)
             _, exc = capture(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
-            all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
+            all_ranks_ok(comm, isinstance(exc, ValueError) and says in str(exc),
                          f"rank {r}: combine with a handle written in place: {exc!r}")
             _, exc = capture(lambda: buf.dispatch(x, handle=handle))
-            all_ranks_ok(comm, isinstance(exc, ValueError) and "promises more rows" in str(exc),
+            all_ranks_ok(comm, isinstance(exc, ValueError) and says in str(exc),
                          f"rank {r}: cached dispatch with a handle written in place: {exc!r}")
             full_checks[checks_before:] = []
         recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch after the refusals")
         again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine after them")
         all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
                      "the Buffer after refusing written handles gave other results")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_handle_edited_in_place_with_its_counts_kept_is_refused_on_every_rank(comm):
+    """Two entries of one rank's ``is_token_in_rank`` column swapped after the dispatch keep every count the full
+    check compares, yet the combine would sum other rows than the dispatch routed (DeepEP's combine never reads
+    that entry). The rank that edited its handle raises ``ValueError`` naming the entry, the others
+    ``ConsensusError`` naming that rank, for the combine and the cached dispatch; the Buffer stays usable."""
+    from deepep_ascend import ConsensusError
+
+    R, r = comm.Get_size(), comm.Get_rank()
+    E, bad = E_PER_RANK * R, R - 1
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, E), comm=comm, explicitly_destroy=True)
+    try:
+        x, idx, w = _inputs(comm, 13)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
+            x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
+            topk_weights=w), what="dispatch")
+        reference = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine")
+        column = handle.is_token_in_rank[:, (r + 1) % R]
+        ones, zeros = torch.nonzero(column).view(-1), torch.nonzero(~column).view(-1)
+        if r == bad:
+            if len(ones) and len(zeros):  # the counts stay as they were
+                column[ones[0]], column[zeros[0]] = False, True
+            else:  # (one rank: every token goes to it) a write that changes no value is a write all the same
+                handle.send_head.add_(0)
+        for what, call in (("combine", lambda: buf.combine(recv_x, handle, topk_weights=recv_w)),
+                           ("cached dispatch", lambda: buf.dispatch(x, handle=handle))):
+            _, exc = capture(call)
+            if r == bad:
+                ok = isinstance(exc, ValueError) and "was written in place" in str(exc) and (
+                    "`handle.is_token_in_rank`" in str(exc) or "`handle.send_head`" in str(exc))
+            else:
+                ok = isinstance(exc, ConsensusError) and f"rank {bad}" in str(exc)
+            all_ranks_ok(comm, ok, f"rank {r}: {what} with a handle edited on rank {bad}: {exc!r}")
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)  # (the handle holds the layout's own mask)
+        recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
+            x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
+            topk_weights=w), what="dispatch after the refusals")
+        again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine after them")
+        all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
+                     "the Buffer after refusing an edited handle gave other results")
     finally:
         coll(buf.destroy, what="destroy")
 
