@@ -1,14 +1,16 @@
-"""Whether a tensor is memory the CPU code can read: the one check every room makes on its inputs.
+"""The checks every room makes on its inputs: whether a tensor is memory the CPU code can read, and whether a value
+is an integer as DeepEP's bindings take one.
 
-A leaf (it imports only torch), so that the EP room, the kernel rooms and MegaMoE reject the same tensors
-with the same words.
+A leaf (it imports only numpy and torch), so that the EP room, the kernel rooms and MegaMoE accept and reject the same
+arguments with the same words.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["check_storage", "storage_problem"]
+__all__ = ["as_int", "check_storage", "is_int", "storage_problem"]
 
 
 def storage_problem(t: torch.Tensor) -> str | None:
@@ -34,3 +36,15 @@ def check_storage(name: str, t: torch.Tensor) -> torch.Tensor:
     if problem is not None:
         raise ValueError(f"{name} {problem}")
     return t
+
+
+def is_int(v) -> bool:
+    """Whether ``v`` is an integer as DeepEP's bindings take one (a Python or numpy integer, not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def as_int(v):
+    """``v`` as a Python int when it is an integer as DeepEP's bindings take one (:func:`is_int`: a numpy integer
+    too), else ``v`` unchanged, for the checks to refuse. Public integer arguments pass through it first: a numpy
+    integer then is the int it holds, in every check, header word and size."""
+    return int(v) if type(v) is not int and is_int(v) else v

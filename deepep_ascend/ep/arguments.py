@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from ..checks import storage_problem
+from ..checks import is_int, storage_problem
 from ..host import physical_memory_bytes
 from ..native import dispatch_layout as native_dispatch_layout
 from ..rounding import ceil_div
@@ -67,11 +66,6 @@ def check_tensor(t, name: str, dtype: torch.dtype | None = None, ndim: int | Non
     if shape is not None:
         check(tuple(t.shape) == tuple(shape), ValueError,
               lambda: f"`{name}` must have shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
-def is_int(v) -> bool:
-    """Whether ``v`` is an integer as DeepEP's bindings take one (a Python or numpy integer, not a bool)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def sl_idx_problem(owner: str, sl_idx) -> TypeError | None:

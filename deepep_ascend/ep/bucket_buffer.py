@@ -18,11 +18,12 @@ import time
 import numpy as np
 import torch
 
+from ..checks import is_int
 from ..rounding import align
 from ..transports import ChannelKind, State, TransportBusy, WaitPolicy, create_transport
 from ..transports.base import allgather_object
 from .allocator import BufferAllocator, BufferBase, get_num_allocation_alignment
-from .arguments import is_int, sl_idx_problem
+from .arguments import sl_idx_problem
 from .event import EventHandle, EventOverlap
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..checks import as_int
 from ..rounding import align
 from ..settings import SettingError
 from ..transports import (
@@ -212,6 +213,7 @@ class Buffer(SharedOnCopy):
         if allow_ubmem_for_low_latency_mode is not None:  # Ascend alias of allow_nvlink_for_low_latency_mode
             allow_nvlink_for_low_latency_mode = bool(allow_ubmem_for_low_latency_mode)
         mpi_comm = mpi_comm_of(group, comm)
+        num_nvl_bytes, num_rdma_bytes, num_qps_per_rank = map(as_int, (num_nvl_bytes, num_rdma_bytes, num_qps_per_rank))
         error = None
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if error is None and (not isinstance(value, int) or value < 0 or value % 128):
@@ -410,12 +412,12 @@ class Buffer(SharedOnCopy):
         :meth:`get_normal_rdma_buffer_size_hint`). Returns bytes, a multiple of 128.
         """
         if ranks_per_node is not None and ranks_per_node < num_ranks:
-            return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
-                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
-                                              2 * hidden, num_topk)[0]
+            return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                                  num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                                  2 * hidden, num_topk)[0])
         size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
                                          num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
-        return align(size, 128)
+        return int(align(size, 128))  # (a Python int for numpy integer arguments too)
 
     @staticmethod
     def get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -430,9 +432,9 @@ class Buffer(SharedOnCopy):
         """
         if ranks_per_node >= num_ranks:
             return 0
-        return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
-                                          num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
-                                          2 * hidden, num_topk)[1]
+        return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                              2 * hidden, num_topk)[1])
 
     def get_comm_stream(self) -> Worker:
         """The Buffer's worker, the CPU analogue of DeepEP's communication stream, with ``torch.Stream``'s
@@ -533,6 +535,7 @@ class Buffer(SharedOnCopy):
             RuntimeError: ``allocate_on_comm_stream`` without ``previous_event`` and ``async_finish``;
                 the Buffer was destroyed.
         """
+        num_experts = as_int(num_experts)
         if self.runtime is None:
             raise RuntimeError("Buffer.get_dispatch_layout: the Buffer was destroyed")
         if _PH.on:
@@ -948,6 +951,7 @@ class Buffer(SharedOnCopy):
                 call: also a peer that aborted after this rank's share completed, e.g. one that wrote its
                 inputs in place); ``TransportPoisoned``: this Buffer failed earlier.
         """
+        expert_alignment, num_worst_tokens = as_int(expert_alignment), as_int(num_worst_tokens)
         self._check_usable("dispatch")
         if handle is not None:
             return self._cached_dispatch(x, handle, topk_idx, topk_weights, config, previous_event, async_finish,
@@ -1347,6 +1351,8 @@ class Buffer(SharedOnCopy):
             RuntimeError: no LL window, a pending hook, or (the Buffer stays usable) all of the above.
             TimeoutError: a source missed the deadline (without ``enable_shrink``; names the rank).
         """
+        if type(num_max_dispatch_tokens_per_rank) is not int or type(num_experts) is not int:  # (numpy integers)
+            num_max_dispatch_tokens_per_rank, num_experts = map(as_int, (num_max_dispatch_tokens_per_rank, num_experts))
         ll = self._ll_usable("low_latency_dispatch")
 
         def validate():
@@ -1470,6 +1476,8 @@ class Buffer(SharedOnCopy):
                 pending. Either after this rank took part in the barrier (which is all the call does), so that
                 the peers' calls complete rather than wait for it; they do not raise.
         """
+        num_max_dispatch_tokens_per_rank, hidden, num_experts = map(as_int, (num_max_dispatch_tokens_per_rank, hidden,
+                                                                             num_experts))
         ll = self._ll_usable("clean_low_latency_buffer")
         problem = None
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
@@ -1495,6 +1503,7 @@ class Buffer(SharedOnCopy):
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask peer ``rank_to_mask`` in this rank's view
         (docs/semantics/deepep-api.md §7)."""
+        rank_to_mask = as_int(rank_to_mask)
         ll = self._ll_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size or rank_to_mask == self.rank:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be a peer rank in "

@@ -11,6 +11,7 @@ rounds sized by the Buffer's UBMEM window (see :mod:`deepep_ascend.ep.intranode`
 
 from __future__ import annotations
 
+from ..checks import as_int
 from ..rounding import align
 
 _NVL_TABLE = {  # num_ranks: (dispatch (send, recv), combine (send, recv)) for the NVL ring,
@@ -45,9 +46,11 @@ class Config:
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256):
-        vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
-                num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
-        if not all(isinstance(v, int) for v in vals):
+        vals = tuple(map(as_int, (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                                  num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)))
+        (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens,
+         num_max_rdma_chunked_recv_tokens) = vals
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
             raise RuntimeError(f"Config: every field must be an int, got {vals}")
         if num_sms < 0:
             raise RuntimeError(f"Config: num_sms must be >= 0, got {num_sms}")

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from .. import settings
+from ..checks import is_int
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
 from ..transports import ChannelKind, Team, Topology, TransportBusy, create_transport, timeout_problem
 from .allocator import BufferBase, get_num_allocation_alignment
-from .arguments import context_idx_problem, is_int, sl_idx_problem
+from .arguments import context_idx_problem, sl_idx_problem
 from .event import Worker
 from .group import check_agreed, mpi_comm_of
 from .memory import outside_inference_mode

@@ -17,6 +17,7 @@ import torch
 
 from .. import native as _native
 from .. import settings
+from ..checks import as_int, is_int
 from ..ordering import stable_argsort
 from ..rounding import align, ceil_div
 from ..transports import Topology, create_transport, timeout_problem
@@ -31,7 +32,6 @@ from .arguments import (
     checked_dispatch_layout,
     context_idx_problem,
     expert_alignment_ok,
-    is_int,
     sl_idx_problem,
 )
 from .buffer import Buffer
@@ -159,7 +159,8 @@ class EPBuffer(BufferBase):
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         alignment = get_num_allocation_alignment()
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
-        num_lb_bytes = plan.num_bytes if plan is not None else lb_allocation_plan_or_num_bytes
+        num_lb_bytes = plan.num_bytes if plan is not None else as_int(lb_allocation_plan_or_num_bytes)
+        num_bytes = as_int(num_bytes)
         error = None
         if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
             error = ValueError(f"{self.api_name}: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); "
@@ -463,6 +464,7 @@ class EPBuffer(BufferBase):
         x_problem = (f"`x` must be a tensor or an (x, sf) pair, got a tuple of {len(x)}"
                      if isinstance(x, tuple) and len(x) != 2 else None)
         data, sf = (x if isinstance(x, tuple) else (x, None)) if x_problem is None else (None, None)
+        num_experts = as_int(num_experts)
         if isinstance(handle, EPHandle):
             num_experts = handle.num_experts if num_experts is None else num_experts
             expert_alignment = handle.expert_alignment if expert_alignment is None else expert_alignment

@@ -16,10 +16,11 @@ import itertools
 
 import torch
 
+from ..checks import is_int
 from ..rounding import align
 from ..transports import ChannelKind, SharedMemoryExhausted, create_transport
 from .allocator import BufferBase
-from .arguments import is_int, sl_idx_problem
+from .arguments import sl_idx_problem
 from .event import EventHandle, EventOverlap, Worker
 from .group import check_agreed, mpi_comm_of, resolve_deadline
 from .memory import outside_inference_mode

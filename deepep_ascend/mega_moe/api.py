@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from .. import native as _native
-from ..checks import check_storage
-from ..ep.arguments import is_int
+from ..checks import check_storage, is_int
 from ..ep.failure import abort_peers
 from ..ep.reduce import accumulate_rows
 from ..native.operands import write_refusal

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as tdist
 
-from ..ep.arguments import is_int
+from ..checks import is_int
 from ..ep.group import check_agreed
 from ..ep.group import mpi_comm_of as _resolve
 from ..transports import quiet_barrier
