@@ -46,6 +46,8 @@ rows returned bit for bit. A system that fails its check is left out of every ra
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -62,7 +64,7 @@ from bench.roundtrip import (
     verification_failure,
     verify_round_trip,
 )
-from bench.timing import Timing, time_phases
+from bench.timing import Timing, time_loops, time_phases
 from bench.workload import calc_diff, comm_fingerprint, make_workload, reference_layout
 
 SYSTEMS = ("low_latency", "normal", "ep", "ep_decode", "ep_cached", "mpi_alltoall", "mpi_alltoallv", "memcpy_ll",
@@ -83,6 +85,10 @@ def add_arguments(p) -> None:
     p.add_argument("--num-tokens-list", type=cli.int_list(1), default=[1, 8], metavar="T[,T...]",
                    help="tokens per rank, one line each (default 1,8)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--bindings", action="store_true",
+                   help="also time the low_latency and normal round trips (those listed) with the native kernels "
+                        "called through ctypes and through their METH_FASTCALL bindings, alternating segment by "
+                        "segment ([bindings] lines)")
 
 
 def check_args(p, a) -> None:
@@ -196,6 +202,59 @@ def ep_trip(wl, comm, args, system: str, splits: dict | None = None) -> tuple[Ti
     return t["dispatch"] + t["combine"], verdict
 
 
+def bindings_trips(wl, comm, args) -> dict[str, dict[str, Timing]] | str:
+    """``--bindings``: per library system (``low_latency``, ``normal``, those in ``--systems``), the round trip's
+    :class:`Timing` per way of calling the native kernels, ``{"fastcall": ..., "ctypes": ...}``
+    (``deepep_ascend.native.loader.bindings``), from :func:`bench.timing.time_loops` alternating the two segment by
+    segment (5 round trips a segment, ``--iters`` segments each); or why not (the bindings are not loaded on every
+    rank). The kernel table is switched once per segment and restored after. Collective."""
+    from mpi4py import MPI
+
+    from deepep_ascend import Buffer
+    from deepep_ascend.native import loader
+
+    if not comm.allreduce(loader.bindings() == "fastcall", op=MPI.LAND):
+        return "the METH_FASTCALL bindings are not loaded on every rank (not built, or no native kernels)"
+    tables = {"fastcall": {n: getattr(loader.kernels, n) for n in loader.SIGNATURES},
+              "ctypes": {n: getattr(loader.ctypes_kernels(), n) for n in loader.SIGNATURES}}
+    current = {"table": tables["fastcall"]}
+    T, E, R, H = wl.x.size(0), args.num_experts, comm.Get_size(), args.hidden
+    ll = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(T, H, R, E), low_latency_mode=True, comm=comm,
+                explicitly_destroy=True)
+    nvl, _ = normal_buffer_bytes(Buffer, T, H, R, None, args.num_topk, E, False)
+    normal = Buffer(None, nvl, comm=comm, explicitly_destroy=True)
+
+    def ll_trip():
+        recv_x, _, handle, _, _ = ll.low_latency_dispatch(wl.x, wl.topk_idx, T, E, use_fp8=False)
+        ll.low_latency_combine(recv_x, wl.topk_idx, wl.topk_weights, handle)
+
+    def normal_trip():
+        ntpr, _, ntpe, itr, _ = normal.get_dispatch_layout(wl.topk_idx, E)
+        recv_x, _, recv_w, _, handle, _ = normal.dispatch(wl.x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                          num_tokens_per_expert=ntpe, topk_idx=wl.topk_idx,
+                                                          topk_weights=wl.topk_weights)
+        normal.combine(recv_x, handle, topk_weights=recv_w)
+
+    def through(table: dict, trip) -> None:
+        if current["table"] is not table:
+            for name, fn in table.items():
+                setattr(loader.kernels, name, fn)
+            current["table"] = table
+        trip()
+
+    out = {}
+    try:
+        for name, trip in (("low_latency", ll_trip), ("normal", normal_trip)):
+            if name in args.systems:
+                loops = {how: functools.partial(through, table, trip) for how, table in tables.items()}
+                out[name] = time_loops(loops, comm, args.iters, 5, args.warmup)
+    finally:
+        through(tables["fastcall"], lambda: None)
+        ll.destroy()
+        normal.destroy()
+    return out
+
+
 def mpi_alltoall_trip(wl, comm, args) -> tuple[Timing, bool]:
     """``(round-trip timing, rows back bit for bit)`` of MPI moving the normal path's rows with known counts.
 
@@ -247,7 +306,7 @@ def run(args) -> int:
     rank, R = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     H, K, E = args.hidden, args.num_topk, args.num_experts
-    results, failed, lines, rows, skipped = [], {}, [], [], {}
+    results, failed, lines, rows, skipped, binding_lines = [], {}, [], [], {}, []
     summary = {}
     splits = {} if args.native_split else None
     for T in args.num_tokens_list:
@@ -276,6 +335,17 @@ def run(args) -> int:
                 trips[name], verdict = ep_trip(wl, comm, args, name, splits)
                 if (why := verification_failure(verdict)) is not None:
                     bad[name] = why
+        if args.bindings:
+            ab = bindings_trips(wl, comm, args)
+            if isinstance(ab, str):
+                skipped["bindings"] = ab
+            for s, by in ({} if isinstance(ab, str) else ab).items():
+                fast, slow = by["fastcall"].median, by["ctypes"].median
+                summary[f"{s}_bindings_saving_t{T}"] = slow - fast
+                binding_lines.append(f"[bindings] T={T:<4d} {s:<12s} through the METH_FASTCALL bindings "
+                                     f"{fast * 1e3:.3f} ms, through ctypes {slow * 1e3:.3f} ms: "
+                                     f"{(slow - fast) * 1e6:.1f} us ({(slow - fast) / slow * 100:.1f}%) less a round "
+                                     f"trip (median of {args.iters} segments of 5, alternating)")
         if "mpi_alltoall" in args.systems:
             trips["mpi_alltoall"], same = mpi_alltoall_trip(wl, comm, args)
             if not comm.allreduce(same, op=MPI.LAND):
@@ -318,7 +388,7 @@ def run(args) -> int:
         print(f"{'tokens':>8s} " + " ".join(f"{s:>14s}" for s in SYSTEMS))
         for row in rows:
             print(f"{row[0]:>8d} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>14s}" for v in row[1:]))
-        for line in lines:
+        for line in lines + binding_lines:
             print(line)
         for line in schema.excluded_lines(failed):
             print(line)

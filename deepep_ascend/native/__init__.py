@@ -6,7 +6,9 @@ of an m-grouped BF16 GEMM on Intel AMX tiles (``csrc/amx_gemm.c``).
 Modules:
 
 * :mod:`.loader`    the library: its path, its ABI check, ``DEEPEP_ASCEND_NATIVE``, :func:`available`,
-  :func:`timing` (every native call of a block timed);
+  :func:`timing` (every native call of a block timed), the signature table and :func:`bindings` (how the calls
+  are made);
+* :mod:`.bindings`  the C source of the calls' ``METH_FASTCALL`` bindings, generated from that table;
 * :mod:`.operands`  which tensors the kernels take and may write (the predicates callers ask first);
 * :mod:`.rows`      :func:`sum_rows`, :func:`copy_rows`, :func:`zero_rows`, :func:`weighted_sum_rows`,
   :func:`dequant_rows_e4m3`, :func:`swiglu`; :func:`row_sums_avx2` (which loop the row sums run, its modes
@@ -30,9 +32,11 @@ Modules:
 * :mod:`.layout`    the normal path's routing counts (``csrc/layout.c``): :func:`dispatch_layout`,
   :func:`send_layout`, :func:`recv_channel_prefix`, :func:`local_experts`.
 
-Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``) and
-loaded with :mod:`ctypes` (no Python headers needed; a ctypes call releases the GIL, so the
-Buffer's worker sums while the caller computes). Where it was not built (no C compiler) or
+Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``; plain C, no
+Python headers needed) and loaded with :mod:`ctypes`; its functions are called through the ``METH_FASTCALL``
+bindings ``deepep_ascend.native._fastcall`` (a second optional extension, which needs Python's headers; without
+it, through ctypes, about half a microsecond more per argument). Either way a call releases the GIL, so the
+Buffer's worker sums while the caller computes. Where it was not built (no C compiler) or
 ``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False, every function here returns False,
 and the callers (:func:`deepep_ascend.ep.reduce.accumulate_rows`, :mod:`deepep_ascend.mega_moe`) use
 their torch paths, which give the same bits (NaN payloads aside) -- except the grouped GEMMs, whose

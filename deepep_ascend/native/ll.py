@@ -184,9 +184,9 @@ def ll_stream_min_bytes(*, side: str = "receive") -> int | None:
     fn = kernels.ll_stream_rows
     if fn is None:
         return None
-    out = ctypes.c_int64()
-    fn(code, -1, -1, ctypes.byref(out))
-    return out.value
+    out = (ctypes.c_int64 * 1)()  # (an array, which both ways of calling take as a pointer)
+    fn(code, -1, -1, out)
+    return out[0]
 
 
 def ll_streams(rows_bytes: int, *, side: str = "receive") -> bool | None:

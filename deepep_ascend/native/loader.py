@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 from .. import settings
 
-__all__ = ["ABI", "Kernels", "available", "kernels", "library_path", "load", "timing"]
+__all__ = ["ABI", "SIGNATURES", "Kernels", "available", "bindings", "ctypes_kernels", "kernels", "library_path", "load",
+           "signature_codes", "timing"]
 
 #: ``deepep_native_abi()`` of a library built from the sources next to this module (``csrc/sum_rows.c``):
 #: the signatures below. A library that reports another number is refused.
@@ -31,8 +32,9 @@ _I64 = ctypes.c_int64
 _U16 = ctypes.c_uint16
 _F32 = ctypes.c_float
 
-# C function (name without its ``deepep_`` prefix) -> (return type, argument types).
-_SIGNATURES = {
+# C function (name without its ``deepep_`` prefix) -> (return type, argument types): the ctypes calls' types, and
+# the source of the METH_FASTCALL bindings (deepep_ascend/native/bindings.py generates csrc/bindings.c from it).
+SIGNATURES = {
     "sum_rows_bf16": (_I64, [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _U16]),
     "dequant_rows_e4m3_bf16": (None, [_I64, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _U16]),
     "swiglu_gate_bf16": (None, [_I64, _I64, _P, _I64, _I64, _F32, _F32, _P]),
@@ -90,12 +92,21 @@ _SIGNATURES = {
 }
 
 
+_CODES = {_P: "p", _I64: "q", _U16: "H", _F32: "f", None: "v"}
+
+
+def signature_codes() -> dict[str, str]:
+    """:data:`SIGNATURES` as ``name -> "<return code>:<argument codes>"`` (``p`` pointer, ``q`` int64, ``H``
+    uint16, ``f`` float; ``v`` no value), the form ``_fastcall.names()`` reports."""
+    return {name: _CODES[ret] + ":" + "".join(_CODES[a] for a in args) for name, (ret, args) in SIGNATURES.items()}
+
+
 class Kernels:
     """The library's C functions as ctypes callables, one attribute per function (``deepep_sum_rows_bf16``
     is ``sum_rows_bf16``), every one None when no library is loaded. The wrappers look them up at each
     call, so setting one to None sends its wrapper to the torch path (what tests of those paths do)."""
 
-    __slots__ = tuple(_SIGNATURES)
+    __slots__ = tuple(SIGNATURES)
 
     def __init__(self, lib: ctypes.CDLL | None = None):
         for name in self.__slots__:
@@ -141,10 +152,52 @@ def load() -> Kernels | None:
         warnings.warn(f"deepep_ascend: the native kernel {path} {why}; using the torch paths. Rebuild it with "
                       f"`bash scripts/setup.sh` (or `pip install -e .`).", RuntimeWarning, stacklevel=2)
         return None
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(table, name)
         fn.restype, fn.argtypes = restype, argtypes
+    global _ctypes_table, _bindings
+    _ctypes_table, _bindings = Kernels(lib), "ctypes"  # (a CDLL keeps the functions it typed: the same objects)
+    fast = _fastcall_module(path)
+    if fast is not None:
+        fast.bind([ctypes.cast(getattr(table, name), ctypes.c_void_p).value for name in SIGNATURES])
+        for name in SIGNATURES:
+            setattr(table, name, getattr(fast, name))
+        _bindings = "fastcall"
     return table
+
+
+_ctypes_table: Kernels | None = None  # the library's functions as ctypes calls, once load() found it
+_bindings = "none"  # how load()'s table calls them
+
+
+def _fastcall_module(library: str):
+    """``deepep_ascend.native._fastcall`` when it was built from :data:`SIGNATURES` (its ``names()`` agree), else
+    None: not built (the install found no Python headers), or built from another table (a warning: rebuild)."""
+    try:
+        from . import _fastcall
+    except ImportError:
+        return None
+    if dict(_fastcall.names()) != signature_codes():
+        warnings.warn(f"deepep_ascend: the native bindings next to {library} were built from another signature "
+                      f"table; using ctypes calls. Rebuild them with `bash scripts/setup.sh` (or `pip install -e .`).",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return _fastcall
+
+
+def bindings() -> str:
+    """How :data:`kernels` calls the C functions: ``"fastcall"`` (``deepep_ascend.native._fastcall``'s
+    ``METH_FASTCALL`` bindings, about a Python call's cost whatever the arguments), ``"ctypes"`` (its argument
+    conversion, about half a microsecond an argument: the bindings were not built) or ``"none"`` (no library)."""
+    return _bindings
+
+
+def ctypes_kernels() -> Kernels | None:
+    """The library's functions as ctypes calls (the same C functions :data:`kernels` binds), or None where no
+    library loaded: what :data:`kernels` holds where the bindings were not built. Tests run the data paths
+    through it to check that both ways of calling give the same bits; ``python -m bench overhead --bindings``
+    times a call through each."""
+    return _ctypes_table
 
 
 #: The loaded functions (all None where :func:`load` found no usable library); read once, at import.
