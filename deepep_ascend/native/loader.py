@@ -1,5 +1,6 @@
 """Loading the native kernel library: where the built extension lies, whether it matches this code (its ABI
-number), whether ``DEEPEP_ASCEND_NATIVE`` lets it be used, and the table of its C functions.
+number), whether ``DEEPEP_ASCEND_NATIVE`` lets it be used, and the table of its C functions, called through the
+``METH_FASTCALL`` bindings ``_fastcall`` where they were built (:func:`bindings`), else through ctypes.
 
 The library loads once, when this module is imported; :data:`kernels` then holds its functions (or None
 each, where it is not built, is stale or is switched off) and the wrappers in :mod:`.rows` and :mod:`.amx`
@@ -102,9 +103,10 @@ def signature_codes() -> dict[str, str]:
 
 
 class Kernels:
-    """The library's C functions as ctypes callables, one attribute per function (``deepep_sum_rows_bf16``
-    is ``sum_rows_bf16``), every one None when no library is loaded. The wrappers look them up at each
-    call, so setting one to None sends its wrapper to the torch path (what tests of those paths do)."""
+    """The library's C functions as callables (their bindings, or ctypes calls), one attribute per function
+    (``deepep_sum_rows_bf16`` is ``sum_rows_bf16``), every one None when no library is loaded. The wrappers look
+    them up at each call, so setting one to None sends its wrapper to the torch path (what tests of those paths
+    do)."""
 
     __slots__ = tuple(SIGNATURES)
 
@@ -218,7 +220,7 @@ def timing() -> Iterator[dict[str, list[int]]]:
     while the block is open.
 
     Yields a dict, filled as calls return: C function name (without its ``deepep_`` prefix) -> ``[calls,
-    nanoseconds]`` (``time.perf_counter_ns`` around the ctypes call: the C function, its argument conversion
+    nanoseconds]`` (``time.perf_counter_ns`` around the call: the C function, its argument conversion
     and any polling it does for peers). Each function is replaced in :data:`kernels` by a timing wrapper for
     the duration (about half a microsecond per call) and restored on exit; functions not loaded stay None,
     so with no library (``DEEPEP_ASCEND_NATIVE=0``, or not built) the dict stays empty. The table is the
