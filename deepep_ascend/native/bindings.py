@@ -12,7 +12,8 @@ The bindings hold no kernel code: the loader loads the kernel library with ctype
 and hands ``_fastcall.bind`` the address of each function; where ``_fastcall`` was not built (no Python headers)
 or was built from another table, the ctypes calls stay (docs/design/native.md).
 
-Regenerate after editing the table: ``python -m deepep_ascend.native.bindings`` writes ``csrc/bindings.c``
+The argument conversions and the module's ``bind()`` / ``names()`` are hand-written C in ``csrc/fastcall.h``; only
+the per-function part is generated. Regenerate after editing the table: ``python -m deepep_ascend.native.bindings`` writes ``csrc/bindings.c``
 (``--check`` exits 1 if the file differs; ``tests/native/test_bindings.py`` checks it too).
 """
 
@@ -42,86 +43,7 @@ _PRELUDE = r'''/*
  * buffer such as a ctypes array for a pointer, a number for a float), refuses a wrong count or type with
  * TypeError naming the function and the argument, and calls the function with the GIL released.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-
-static int arg_i64(PyObject *o, int64_t *out, const char *fn, int i) {
-    long long v;
-    if (PyLong_CheckExact(o)) {
-        v = PyLong_AsLongLong(o);
-    } else {
-        PyObject *index = PyNumber_Index(o);
-        if (index == NULL) {
-            PyErr_Format(PyExc_TypeError, "deepep_%s: argument %d must be an integer, got %.80s", fn, i,
-                         Py_TYPE(o)->tp_name);
-            return -1;
-        }
-        v = PyLong_AsLongLong(index);
-        Py_DECREF(index);
-    }
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    *out = (int64_t)v;
-    return 0;
-}
-
-static int arg_u16(PyObject *o, uint16_t *out, const char *fn, int i) {
-    int64_t v;
-    if (arg_i64(o, &v, fn, i) < 0)
-        return -1;
-    if (v < 0 || v > 0xFFFF) {
-        PyErr_Format(PyExc_OverflowError, "deepep_%s: argument %d must be in [0, 65535], got %lld", fn, i,
-                     (long long)v);
-        return -1;
-    }
-    *out = (uint16_t)v;
-    return 0;
-}
-
-static int arg_f32(PyObject *o, float *out, const char *fn, int i) {
-    double v = PyFloat_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_TypeError, "deepep_%s: argument %d must be a number, got %.80s", fn, i,
-                     Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    *out = (float)v;
-    return 0;
-}
-
-/* The memory of a buffer stays where it is while the object lives, and the caller holds it for the call. */
-static int arg_ptr(PyObject *o, void **out, const char *fn, int i) {
-    if (o == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    if (PyLong_Check(o)) {
-        *out = PyLong_AsVoidPtr(o);
-        return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-    }
-    if (PyObject_CheckBuffer(o)) {
-        Py_buffer view;
-        if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) < 0)
-            return -1;
-        *out = view.buf;
-        PyBuffer_Release(&view);
-        return 0;
-    }
-    PyErr_Format(PyExc_TypeError, "deepep_%s: argument %d must be an address (int), None or a buffer, got %.80s",
-                 fn, i, Py_TYPE(o)->tp_name);
-    return -1;
-}
-
-static PyObject *wrong_count(const char *fn, Py_ssize_t want, Py_ssize_t got) {
-    PyErr_Format(PyExc_TypeError, "deepep_%s takes %zd arguments, got %zd", fn, want, got);
-    return NULL;
-}
-
-static PyObject *unbound(const char *fn) {
-    PyErr_Format(PyExc_RuntimeError, "deepep_%s: _fastcall.bind() has not been given its address", fn);
-    return NULL;
-}
+#include "fastcall.h"
 '''
 
 
@@ -155,7 +77,7 @@ def bindings_source() -> str:
     codes = signature_codes()
     n = len(codes)
     parts = [_PRELUDE, f"#define NUM_FUNCTIONS {n}", "",
-             "typedef void (*any_fn)(void);", "static any_fn fns[NUM_FUNCTIONS];",
+             "static any_fn fns[NUM_FUNCTIONS];",
              "static const char *const names[NUM_FUNCTIONS] = {"]
     parts += [f'    "{name}",' for name in codes] + ["};", "/* return code : argument codes (p pointer, q int64, "
                                                            "H uint16, f float; v no value) */",
@@ -164,51 +86,10 @@ def bindings_source() -> str:
     for i, (name, code) in enumerate(codes.items()):
         ret, args = code.split(":")
         parts.append(_binding(i, name, ret, args))
-    parts.append(r'''static PyObject *py_bind(PyObject *self, PyObject *addresses) {
-    PyObject *seq = PySequence_Fast(addresses, "bind() takes a sequence of function addresses");
-    any_fn got[NUM_FUNCTIONS];
-    (void)self;
-    if (seq == NULL)
-        return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != NUM_FUNCTIONS) {
-        PyErr_Format(PyExc_ValueError, "bind() takes %d addresses, got %zd", NUM_FUNCTIONS,
-                     PySequence_Fast_GET_SIZE(seq));
-        Py_DECREF(seq);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < NUM_FUNCTIONS; i++) {
-        void *p = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
-        if (p == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "bind(): the address of deepep_%s is 0", names[i]);
-            Py_DECREF(seq);
-            return NULL;
-        }
-        got[i] = (any_fn)(uintptr_t)p;
-    }
-    Py_DECREF(seq);
-    for (Py_ssize_t i = 0; i < NUM_FUNCTIONS; i++)
-        fns[i] = got[i];
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_names(PyObject *self, PyObject *unused) {
-    PyObject *out = PyTuple_New(NUM_FUNCTIONS);
-    (void)self;
-    (void)unused;
-    if (out == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < NUM_FUNCTIONS; i++) {
-        PyObject *pair = Py_BuildValue("(ss)", names[i], codes[i]);
-        if (pair == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(out, i, pair);
-    }
-    return out;
-}
-''')
+    parts.append("static PyObject *py_bind(PyObject *self, PyObject *addresses) {\n    (void)self;\n"
+                 "    return bind_table(addresses, fns, names, NUM_FUNCTIONS);\n}\n\n"
+                 "static PyObject *py_names(PyObject *self, PyObject *unused) {\n    (void)self;\n    (void)unused;\n"
+                 "    return names_table(names, codes, NUM_FUNCTIONS);\n}\n")
     methods = ['    {"bind", (PyCFunction)py_bind, METH_O, "bind(addresses): addresses in names() order"},',
                '    {"names", (PyCFunction)py_names, METH_NOARGS, "names(): ((name, codes), ...), bind() order"},']
     methods += [f'    {{"{name}", (PyCFunction)(void (*)(void))py_{name}, METH_FASTCALL, "deepep_{name}"}},'
