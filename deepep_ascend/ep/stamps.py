@@ -41,9 +41,10 @@ def stamp_matches(stamped: tuple, *tensors) -> bool:
 
 
 def written_since(stamped: tuple, *tensors) -> int:
-    """The position of the first of ``tensors`` that is the stamped tensor at that position but was written in place
-    since the stamp (through torch); -1 if none is."""
+    """The position of the first of ``tensors`` that is the stamped tensor at that position and was written in place
+    since the stamp (through torch); -1 if none is. A view of another tensor never counts: it shares its base's
+    version counter, which a write anywhere in the base moves (the other half of a double buffer, say)."""
     for i, (s, t) in enumerate(zip(stamped, tensors)):
-        if s is not None and t is not None and s[0]() is t and s[1] >= 0 and t._version != s[1]:
+        if s is not None and t is not None and s[0]() is t and s[1] >= 0 and t._version != s[1] and t._base is None:
             return i
     return -1

@@ -245,6 +245,36 @@ def test_a_handle_edited_in_place_with_its_counts_kept_is_refused_on_every_rank(
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_handle_whose_mask_is_half_of_a_double_buffer_survives_writes_to_the_other_half(comm):
+    """``is_token_in_rank`` passed to ``dispatch`` as one half of a ``[2, N, R]`` double buffer (a view, whose version
+    counter is its base's): filling the other half for the next micro-batch is no write to the handle, and its
+    combine gives the same bits as with a mask of its own."""
+    R, r = comm.Get_size(), comm.Get_rank()
+    E = E_PER_RANK * R
+    buf = Buffer(None, Buffer.get_normal_buffer_size_hint(N, H, R, K, E), comm=comm, explicitly_destroy=True)
+    try:
+        x, idx, w = _inputs(comm, 17)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)
+        store = torch.zeros(2, *itr.shape, dtype=torch.bool)
+        store[0].copy_(itr)
+
+        def round_trip(mask, between=None):
+            recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
+                x, num_tokens_per_rank=ntpr, is_token_in_rank=mask, num_tokens_per_expert=ntpe, topk_idx=idx,
+                topk_weights=w), what="dispatch")
+            if between is not None:
+                between()
+            return coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine")
+
+        want = round_trip(itr)
+        got = round_trip(store[0], between=lambda: store[1].copy_(itr))  # the next micro-batch's mask
+        all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want)),
+                     f"rank {r}: the double-buffered mask's combine differs")
+    finally:
+        coll(buf.destroy, what="destroy")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_low_latency_handle_is_named_and_plain_tuples_work(comm):
     """``low_latency_combine`` (and its autograd form, forward and backward) take ``tuple(handle)`` as the handle."""
     r, R = comm.Get_rank(), comm.Get_size()
