@@ -10,11 +10,13 @@ call does. ``python -m bench overhead --bindings`` times one call through each.
 
 The bindings hold no kernel code: the loader loads the kernel library with ctypes (which needs no Python headers)
 and hands ``_fastcall.bind`` the address of each function; where ``_fastcall`` was not built (no Python headers)
-or was built from another table, the ctypes calls stay (docs/design/native.md).
+or was built from another table, the ctypes calls stay (docs/install.md, "The native kernels"; docs/design/data-path.md,
+"Native calls at a Python call's cost").
 
 The argument conversions and the module's ``bind()`` / ``names()`` are hand-written C in ``csrc/fastcall.h``; only
-the per-function part is generated. Regenerate after editing the table: ``python -m deepep_ascend.native.bindings`` writes ``csrc/bindings.c``
-(``--check`` exits 1 if the file differs; ``tests/native/test_bindings.py`` checks it too).
+the per-function part is generated. Regenerate after editing the table: ``python -m deepep_ascend.native.bindings``
+writes ``csrc/bindings.c`` (``--check`` exits 1 if the file differs; ``tests/native/test_bindings.py`` checks it
+too).
 """
 
 from __future__ import annotations
