@@ -93,20 +93,27 @@ def _abort_at_uncaught_exception(exc_type, exc, tb) -> None:
     hook runs there for every failed statement, and the program goes on), and not for a transport whose owner masks
     lost ranks (``exit_departed``: its exit teardown lets the rank leave without aborting anyone)."""
     if not (hasattr(sys, "ps1") or sys.flags.interactive):
+        try:
+            text = f"{exc_type.__name__}: {exc}"
+        except Exception:  # noqa: BLE001 - an exception whose __str__ fails: its class still names it
+            text = f"{exc_type.__name__} (its message could not be formatted)"
         for tp in sorted(_LIVE, key=lambda t: t._serial):
             if tp.state is State.OPEN and tp.exit_departed is None:
-                tp.abort(f"rank {tp.topology.rank}: the program ended with an uncaught {exc_type.__name__}: {exc}")
-    _previous_excepthook[0](exc_type, exc, tb)
+                tp.abort(f"rank {tp.topology.rank}: the program ended with an uncaught {text}")
+    _excepthook["previous"](exc_type, exc, tb)
 
 
-_previous_excepthook = [sys.__excepthook__]  # the hook _abort_at_uncaught_exception hands the exception on to
+# the hook _abort_at_uncaught_exception hands the exception on to, and whether it was installed
+_excepthook = {"previous": sys.__excepthook__, "installed": False}
 
 
 def _install_excepthook() -> None:
-    """Put :func:`_abort_at_uncaught_exception` in front of the current ``sys.excepthook`` (once: at the first
-    transport's creation, so a hook the program set before is kept and still runs)."""
-    if sys.excepthook is not _abort_at_uncaught_exception:
-        _previous_excepthook[0] = sys.excepthook
+    """Put :func:`_abort_at_uncaught_exception` in front of the current ``sys.excepthook``, once per process (at the
+    first transport's creation): a hook the program set before is kept and still runs, and one it sets later
+    that calls the hook it replaced (the usual chaining) still reaches this one, which a second installation would
+    make call itself."""
+    if not _excepthook["installed"]:
+        _excepthook["previous"], _excepthook["installed"] = sys.excepthook, True
         sys.excepthook = _abort_at_uncaught_exception
 
 

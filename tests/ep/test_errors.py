@@ -1106,7 +1106,10 @@ def _uncaught_exception_job(mode: str) -> str:
 
     rc, out = run_child_job(2, [sys.executable, "-m", "tests.ep.uncaught_exception_job", mode], REPO_ROOT,
                             timeout_s=90.0)
-    assert rc != 0 and "ValueError: a bug in rank 1's own code" in out, f"exit {rc}; output:\n{out[-3000:]}"
+    raised = "Unprintable" if mode == "badstr" else "ValueError: a bug in rank 1's own code"
+    assert rc != 0 and raised in out, f"exit {rc}; output:\n{out[-3000:]}"
+    assert "Error in sys.excepthook" not in out and "RecursionError" not in out, out[-3000:]
+    assert out.count("USER-HOOK 1") == (mode == "chained"), out[-3000:]
     assert "JOB DONE 0" in out, f"rank 0 did not finish; output:\n{out[-3000:]}"
     report = re.search(r"PEER-SAW (\S+) [\d.]+: (.*)", out)
     assert report is not None, out[-3000:]
@@ -1121,6 +1124,17 @@ def test_uncaught_exception_aborts_the_peers_naming_it():
     got = _uncaught_exception_job("normal")
     assert got.startswith("TransportAborted: ") and "peer rank 1 aborted" in got, got
     assert "the program ended with an uncaught ValueError: a bug in rank 1's own code" in got, got
+
+
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_uncaught_exception_with_a_chained_user_hook_and_an_unprintable_message():
+    """The program's own ``sys.excepthook``, set after the first Buffer and calling the hook it replaced, runs once
+    (a second Buffer does not chain the library's hook again, which made it call itself); an exception whose
+    ``__str__`` raises still aborts the peers at once, named by its class."""
+    got = _uncaught_exception_job("chained")
+    assert "the program ended with an uncaught ValueError: a bug in rank 1's own code" in got, got
+    got = _uncaught_exception_job("badstr")
+    assert "the program ended with an uncaught Unprintable (its message could not be formatted)" in got, got
 
 
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")

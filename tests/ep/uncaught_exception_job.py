@@ -10,6 +10,9 @@ Modes:
            raise ``TransportAborted`` naming the uncaught exception, long before the deadline;
   shrink   a low-latency ``Buffer(enable_shrink=True, timeout_s=1.5)``: rank 0 is in ``low_latency_dispatch``, and
            must mask rank 1 at the deadline and complete the call (no abort: the owner masks lost ranks).
+  chained  as ``normal``, but the program installs its own ``sys.excepthook`` after the first Buffer, calling the
+           hook it replaced (it prints ``USER-HOOK`` once), then builds a second Buffer;
+  badstr   as ``normal``, with an exception whose ``__str__`` raises.
 """
 
 from __future__ import annotations
@@ -28,8 +31,17 @@ MODE = sys.argv[1]
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 E, H, K, M = 8, 128, 2, 4
-if MODE == "normal":
+if MODE != "shrink":
     buf = Buffer(None, 1 << 22, 0, comm=comm, timeout_s=120.0)
+    if MODE == "chained":
+        previous = sys.excepthook
+
+        def user_hook(exc_type, exc, tb):
+            print(f"USER-HOOK {rank}", flush=True)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = user_hook
+        second = Buffer(None, 1 << 20, 0, comm=comm, timeout_s=120.0)
 else:
     buf = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(M, H, 2, E), low_latency_mode=True, comm=comm,
                  enable_shrink=True, timeout_s=1.5)
@@ -37,12 +49,18 @@ topk_idx = torch.arange(K).repeat(M, 1) + 4 * (1 - rank)  # every token to the o
 comm.Barrier()
 if rank == 1:
     time.sleep(0.5)  # rank 0 is in its call by now
+    if MODE == "badstr":
+        class Unprintable(ValueError):
+            def __str__(self):
+                raise RuntimeError("no message")
+
+        raise Unprintable()
     raise ValueError("a bug in rank 1's own code")
 start = time.monotonic()
 try:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        if MODE == "normal":
+        if MODE != "shrink":
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
             buf.dispatch(torch.ones(M, H, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
                          is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
