@@ -218,6 +218,10 @@ class Buffer(SharedOnCopy):
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if error is None and (not isinstance(value, int) or value < 0 or value % 128):
                 error = RuntimeError(f"Buffer: {name} must be a non-negative multiple of 128 bytes, got {value!r}")
+        if error is None and (low_latency_mode or num_rdma_bytes > 0) and not (
+                isinstance(num_qps_per_rank, int) and num_qps_per_rank > 0):  # (DeepEP's assertion, where QPs exist)
+            error = AssertionError(f"Buffer: num_qps_per_rank must be a positive int with low_latency_mode or "
+                                   f"num_rdma_bytes, got {num_qps_per_rank!r}")
         bad_timeout = None if timeout_s is None else timeout_problem("timeout_s", timeout_s)
         error = error or (ValueError(f"Buffer: {bad_timeout}") if bad_timeout else None)
         # agreed before the transport and its windows exist: a rank that refused, or ranks asking for
@@ -411,6 +415,9 @@ class Buffer(SharedOnCopy):
         ``num_ranks`` sizes the internode path (then also see
         :meth:`get_normal_rdma_buffer_size_hint`). Returns bytes, a multiple of 128.
         """
+        (num_max_tokens_per_rank, hidden, num_ranks, num_topk, num_experts, x_itemsize, num_scale_cols,
+         ranks_per_node) = map(as_int, (num_max_tokens_per_rank, hidden, num_ranks, num_topk, num_experts, x_itemsize,
+                                        num_scale_cols, ranks_per_node))  # (numpy values would overflow below)
         if ranks_per_node is not None and ranks_per_node < num_ranks:
             return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
                                                   num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
@@ -430,6 +437,9 @@ class Buffer(SharedOnCopy):
         one node. Bytes, a multiple of 128; arguments as :meth:`get_normal_buffer_size_hint`.
         Plays the part of DeepEP's ``Config.get_rdma_buffer_size_hint`` (whose layout differs).
         """
+        (num_max_tokens_per_rank, hidden, num_ranks, ranks_per_node, num_topk, num_experts, x_itemsize,
+         num_scale_cols) = map(as_int, (num_max_tokens_per_rank, hidden, num_ranks, ranks_per_node, num_topk,
+                                        num_experts, x_itemsize, num_scale_cols))
         if ranks_per_node >= num_ranks:
             return 0
         return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
@@ -1224,7 +1234,7 @@ class Buffer(SharedOnCopy):
         with ``S = ceil(H/128)``, ``d = 16 + max(2H, H + 4S)``, ``c = 4S + 2H``, plus 1-128 bytes
         (DeepEP's rounding). A Buffer with fewer bytes refuses such calls (``ValueError``).
         """
-        return ll_mod.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        return ll_mod.size_hint(*map(as_int, (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)))
 
     def _ll_run(self, op: int, validate: Callable[[], tuple], issue: Callable[..., ll_mod.Pending], async_finish: bool,
                 return_recv_hook: bool, keep: tuple,

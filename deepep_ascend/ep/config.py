@@ -93,6 +93,7 @@ class Config:
         Raises:
             AssertionError: ``num_ranks >= 8`` and not a multiple of 8, or odd ``num_sms`` with > 8 ranks.
         """
+        hidden_bytes, num_ranks = as_int(hidden_bytes), as_int(num_ranks)
         assert num_ranks < 8 or num_ranks % 8 == 0, f"num_ranks={num_ranks}: need < 8 or a multiple of 8"
         assert num_ranks <= 8 or self.num_sms % 2 == 0, "num_sms must be even with more than 8 ranks"
         c, rn, rr = self.num_channels, min(num_ranks, 8), max(num_ranks // 8, 1)
@@ -102,6 +103,7 @@ class Config:
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's RDMA buffer hint in bytes: 0 up to 8 ranks, else
         ``C·Rr·144 + 2·C·Rr·T_rdma·(hidden_bytes + 2072)`` rounded up to 128."""
+        hidden_bytes, num_ranks = as_int(hidden_bytes), as_int(num_ranks)
         if num_ranks <= 8:
             return 0
         c, rr = self.num_channels, max(num_ranks // 8, 1)

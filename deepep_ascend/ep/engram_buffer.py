@@ -316,8 +316,9 @@ class EngramBuffer(BufferBase):
             raise error
         comm = mpi_comm_of(group, None)
         nodes = Topology.from_comm(comm, ranks_per_node).num_nodes
-        recv, sf, storage = _layout_bytes(list(num_entries_per_layer), hidden, dtype.itemsize, num_max_tokens,
-                                          num_entries_per_token, num_sf_packs, nodes)
+        # (Python ints: numpy integers would overflow in the products below)
+        recv, sf, storage = _layout_bytes([int(e) for e in num_entries_per_layer], int(hidden), dtype.itemsize,
+                                          int(num_max_tokens), int(num_entries_per_token), int(num_sf_packs), nodes)
         a = get_num_allocation_alignment()
         return align(recv, a) + (align(sf, a) if num_sf_packs else 0), align(storage, a)
 

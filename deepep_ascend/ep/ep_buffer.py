@@ -156,13 +156,20 @@ class EPBuffer(BufferBase):
         # DeepEP's automatic count (hybrid mode takes more queue pairs); no queue pairs exist here
         self.sl_idx = sl_idx
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
+        num_max_tokens_per_rank, hidden, num_topk = map(as_int, (num_max_tokens_per_rank, hidden, num_topk))
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         alignment = get_num_allocation_alignment()
         plan = lb_allocation_plan_or_num_bytes if isinstance(lb_allocation_plan_or_num_bytes, BufferAllocator) else None
         num_lb_bytes = plan.num_bytes if plan is not None else as_int(lb_allocation_plan_or_num_bytes)
         num_bytes = as_int(num_bytes)
+        shape_error = next((ValueError(f"{self.api_name}: {name} must be an int >= 0, got {value!r}")
+                            for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                                                ("hidden", hidden), ("num_topk", num_topk))
+                            if not is_int(value) or value < 0), None)
         error = None
-        if num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
+        if shape_error is not None:
+            error = shape_error
+        elif num_bytes is None and (num_max_tokens_per_rank <= 0 or hidden <= 0):
             error = ValueError(f"{self.api_name}: pass num_bytes, or num_max_tokens_per_rank and hidden (> 0); "
                                f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}")
         elif num_bytes is not None and (not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % alignment):
@@ -267,6 +274,8 @@ class EPBuffer(BufferBase):
         :data:`NUM_MAX_TOPK`); one alignment unit less is refused by such a call (``ValueError``).
         Returns a multiple of :func:`get_num_allocation_alignment`.
         """
+        num_max_tokens_per_rank, hidden, num_topk, ranks_per_node = map(as_int, (num_max_tokens_per_rank, hidden,
+                                                                                num_topk, ranks_per_node))
         comm = mpi_comm_of(group, None)
         num_ranks, num_nodes = comm.Get_size(), Topology.from_comm(comm, ranks_per_node).num_nodes
         if num_nodes > 1 and not allow_hybrid_mode:  # direct mode: one rank per node for the engines

@@ -421,6 +421,16 @@ def test_constructor_arguments_agreed_on_every_rank(comm):
     _, err = capture(lambda: EPBuffer(comm, num_max_tokens_per_rank=0 if rank == 0 else 8, hidden=64,
                                       explicitly_destroy=True))
     all_ranks_ok(comm, isinstance(err, ValueError), f"{err!r}")
+    # the MoE shape's types: a float, a bool or a negative count is named, not built on (or failed at dispatch)
+    for name, bad in (("num_max_tokens_per_rank", 24.0), ("hidden", -64), ("num_topk", True), ("num_topk", -1)):
+        kw = dict(num_max_tokens_per_rank=24, hidden=64, num_topk=2)
+        kw[name] = bad if rank == R - 1 else kw[name]
+        buf, err = capture(lambda: EPBuffer(comm, explicitly_destroy=True, **kw))
+        if buf is not None:
+            coll(buf.destroy)
+        ok = (type(err) is ValueError and f"{name} must be an int >= 0, got {bad!r}" in str(err)) if rank == R - 1 \
+            else (isinstance(err, ValueError) and f"rank {R - 1} refused" in str(err))
+        all_ranks_ok(comm, ok, f"rank {rank}: {name}={bad!r} on rank {R - 1}: {err!r}")
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

@@ -991,6 +991,24 @@ def test_constructor_arguments_agreed_on_every_rank(comm):
     all_ranks_ok(comm, ok, f"one rank's bad num_nvl_bytes: rank {r} got {exc!r}")
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.0], ids=["zero", "negative", "float"])
+def test_num_qps_per_rank_checked_where_deepep_checks_it(comm, bad):
+    """``num_qps_per_rank`` must be a positive int where DeepEP asserts so (low-latency mode, or RDMA bytes): the
+    rank passing a bad one raises ``AssertionError`` naming it, its peers a ``ValueError`` naming that rank; a
+    normal-mode Buffer without RDMA bytes takes any value, as DeepEP's does."""
+    r, R = comm.Get_rank(), comm.Get_size()
+    hint = Buffer.get_low_latency_rdma_size_hint(8, 128, R, 2 * R)
+    buf, exc = capture(lambda: Buffer(None, 0, hint, low_latency_mode=True, num_qps_per_rank=bad if r == R - 1 else 2,
+                                      comm=comm, explicitly_destroy=True))
+    if buf is not None:
+        coll(buf.destroy)
+    ok = (isinstance(exc, AssertionError) and "num_qps_per_rank" in str(exc)) if r == R - 1 else (
+        isinstance(exc, ValueError) and f"rank {R - 1} refused" in str(exc))
+    all_ranks_ok(comm, ok, f"rank {r}: num_qps_per_rank={bad!r} on rank {R - 1}: {exc!r}")
+    buf = coll(lambda: Buffer(None, 1 << 14, comm=comm, num_qps_per_rank=bad, explicitly_destroy=True))
+    coll(buf.destroy)
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan, 0, -1.0, "5"], ids=["inf", "nan", "0", "negative", "text"])
 def test_deadlines_must_be_positive_and_finite(comm, bad):
     """Every buffer's deadline argument (``Buffer``'s ``timeout_s``, ``EPBuffer``'s ``num_cpu_timeout_secs``,

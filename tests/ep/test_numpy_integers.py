@@ -41,6 +41,30 @@ def test_size_hints_and_config_take_numpy_integers_and_give_ints(comm):
     all_ranks_ok(comm, ok, f"hints {hints}, config {config}")
 
 
+def test_size_hints_of_narrow_numpy_integers_do_not_overflow(comm):
+    """DeepSeek-V3-sized hints from ``numpy.int32`` / ``numpy.uint16`` arguments: numpy arithmetic on them wraps
+    around silently (a negative or far too small size); the hints compute in Python ints, so they equal the ints'
+    hints exactly."""
+    from deepep_ascend import EngramBuffer
+
+    cases = [(Buffer.get_low_latency_rdma_size_hint, (1024, 7168, 8, 256)),
+             (Buffer.get_normal_buffer_size_hint, (4096, 7168, 64, 8, 256)),
+             (Buffer.get_normal_rdma_buffer_size_hint, (4096, 7168, 64, 8, 8, 256)),
+             (lambda *a: EPBuffer.get_buffer_size_hint(comm, *a), (8192, 7168, 8)),
+             (Config().get_nvl_buffer_size_hint, (14336, 8)),
+             (lambda e, *a: EngramBuffer.get_storage_size_hint(comm, [e], *a), (1000000, 7168, 40960, 8))]
+    bad = []
+    for fn, args in cases:
+        want = fn(*args)
+        for kind in (np.int32, np.uint16):
+            if all(v <= np.iinfo(kind).max for v in args):
+                got = fn(*map(kind, args))
+                if got != want or type(got) is not type(want) or (isinstance(got, tuple)
+                                                                     and any(type(v) is not int for v in got)):
+                    bad.append((args, kind.__name__, got, want))
+    all_ranks_ok(comm, not bad, f"hints from narrow numpy integers: {bad}")
+
+
 def test_normal_mode_numpy_integers_are_the_ints_they_hold(comm):
     """``Buffer(num_nvl_bytes=numpy.int64)``, ``get_dispatch_layout(num_experts=numpy.int64)`` and ``dispatch``'s
     ``expert_alignment`` / ``num_worst_tokens`` as numpy integers on the last rank only: the same call on every rank,
