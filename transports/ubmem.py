@@ -63,6 +63,9 @@ SMALL_ROW_BYTES = 128
 #: soon a wait finds ranks in different calls.
 CALL_CHECK_S = 0.01
 _ABORT_TIMEOUT = 2  # abort-word value of a rank that gave up waiting (its reason lists the ranks)
+#: destroy()'s collective frees run only if every rank arrived at least this long (or half the deadline, if shorter)
+#: before the earliest rank's deadline; otherwise every rank abandons the windows (see destroy()).
+_LATE_MARGIN_S = 1.0
 # Teardown words (destroy(departed=...)): a rank's word on every peer, raised only, never cleared.
 _LEAVE_ARRIVED, _LEAVE_ABANDON = 1, 2
 _LIVE = weakref.WeakSet()
@@ -533,7 +536,10 @@ class Transport:
         Args:
             force: skip the live-view check (views then dangle; use only at exit).
             timeout_s: deadline of the closing barrier; if a peer never arrives, collective
-                frees are skipped (the mappings die with the process) and the timeout is raised.
+                frees are skipped (the mappings die with the process) and the timeout is raised. If the last
+                rank arrives within 1 s (or half the deadline) of the earliest rank's deadline, every rank skips
+                them too (``abandoned``; nothing raised): a rank may have given up meanwhile
+                (docs/design/transports.md §2.4).
             departed: ``None``: the teardown above. A sequence of ranks (possibly empty): the
                 teardown that tolerates lost ranks (docs/design/transports.md §2.4). The windows are
                 freed only if every rank reaches destroy, none lists a departed rank, and all meet
@@ -569,15 +575,20 @@ class Transport:
             if busy:  # reference cycles may hold views that are already unreachable
                 gc.collect()
                 busy = sum(w._live_view_count() for w in self._windows)
-        # One collective decision: refuse if any rank has live views; skip collective frees if
-        # any rank is poisoned (a peer may be gone, and a partial Free would hang the others).
-        flags = np.array([busy, int(poisoned)], dtype=np.int64)
-        total = np.zeros(2, dtype=np.int64)
-        deadline = time.monotonic() + (resolve_timeout(timeout_s) if timeout_s is not None else self.timeout_s)
+        # One collective decision: refuse if any rank has live views; skip collective frees if any rank is poisoned
+        # (a peer may be gone, and a partial Free would hang the others), or if the last rank to arrive came within
+        # _LATE_MARGIN_S of another's deadline: that rank may have given up meanwhile, and a rank that gave up leaves
+        # its contribution behind, which a late peer's reduction still completes with. Every rank that completes
+        # decides from the same reduced words (the ranks' wall-clock arrival times and deadlines, microseconds).
+        limit = resolve_timeout(timeout_s) if timeout_s is not None else self.timeout_s
+        arrived = time.time()
+        flags = np.array([busy, int(poisoned), int(arrived * 1e6), -int((arrived + limit) * 1e6)], dtype=np.int64)
+        total = np.zeros(4, dtype=np.int64)
+        deadline = time.monotonic() + limit
         req = self.comm.Iallreduce(flags, total, op=MPI.MAX)
         pauses = self.wait_policy.pauses()
         while not req.Test():  # Test drives MPI progress, so peers' URMA traffic keeps landing
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not req.Test():
                 if tolerant:  # every rank met in _meet_for_teardown: one stalled since; leave it be
                     warnings.warn(f"rank {self.topology.rank}: destroy(): a peer stalled after every rank had "
                                   f"arrived; the windows are abandoned", RuntimeWarning, stacklevel=2)
@@ -604,8 +615,9 @@ class Transport:
                 f"rank {self.topology.rank}: destroy refused: tensor views of window memory are still alive "
                 f"({busy} on this rank; windows {[w.name for w in self._windows]}); drop them (e.g. results of "
                 f"get_local_buffer_tensor) and call destroy() again, or pass force=True at exit")
-        if total[1] or self._internal._ctl[self.topology.rank][:self.topology.world_size].any():
-            # Some rank is poisoned or gave up: a collective free could wait for a dead peer.
+        late = total[2] > -total[3] - 1e6 * min(_LATE_MARGIN_S, limit / 2)
+        if total[1] or late or self._internal._ctl[self.topology.rank][:self.topology.world_size].any():
+            # Some rank is poisoned, gave up or may have: a collective free could wait for a peer that is gone.
             self._abandon()
             return
         for win in reversed(self._windows):

@@ -366,6 +366,28 @@ def test_late_destroy_does_not_hang():
     assert late, "the late rank never returned from destroy():\n" + out[-3000:]
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("lateness", [0.1, 0.7], ids=["early", "near_the_deadline"])
+def test_destroy_frees_only_when_every_rank_arrived_well_before_the_deadline(lateness):
+    """``destroy(timeout_s=2)`` with the last rank arriving ``lateness`` of the deadline after the others: early, every
+    rank frees the windows; within a second of the deadline, every rank abandons them (no collective free, nothing
+    raised). A rank that gave up meanwhile would have left its contribution to the reduction behind, and a peer
+    completing against it must not enter a collective free that rank never joins (that hung jobs at exit)."""
+    comm = world()
+    r, R = comm.Get_rank(), comm.Get_size()
+    tp = make_transport()
+    tp.create_window("w", 4096, 1)
+    comm.Barrier()
+    if r == R - 1:
+        time.sleep(2.0 * lateness)
+    t0 = time.monotonic()
+    tp.destroy(timeout_s=2.0)
+    took = time.monotonic() - t0
+    states = comm.allgather((tp.state.name, tp.abandoned))
+    want = ("CLOSED", lateness > 0.5)
+    assert all(s == want for s in states) and took < 2.0, (states, took)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_exit_hook_destroys_forgotten_transports_in_the_same_order_everywhere(monkeypatch):
     """The atexit hook frees forgotten transports newest first by creation serial, identical on
