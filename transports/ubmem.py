@@ -76,13 +76,27 @@ _SERIALS = itertools.count()
 #: fallback for MPIs that cannot share ``MPI_Win_allocate`` memory). Read at window creation.
 
 
+def _exit_reason(waiting: int) -> str:
+    return (f"its program ended (no uncaught exception: the end of the script, or sys.exit) while rank {waiting} "
+            f"waited for it in a call")
+
+
 @atexit.register
 def _destroy_forgotten_transports():
     # atexit runs before mpi4py finalizes MPI, so collective frees are still legal here. Newest
     # first, in creation order, which is the same on every rank (creation is collective): a
     # WeakSet's iteration order differs between processes, and mismatched collective frees of two
     # transports hung the job at exit.
-    for tp in sorted(_LIVE, key=lambda t: t._serial, reverse=True):
+    forgotten = sorted(_LIVE, key=lambda t: t._serial, reverse=True)
+    # A node peer waiting for this rank in a call on any of them will never see it again: every transport whose
+    # owner does not mask lost ranks aborts now, before the teardowns (each of which would wait for it first).
+    waiting = next((p for tp in forgotten if tp.state is State.OPEN and tp.exit_departed is None
+                    and (p := tp._node_peer_waiting_for_this_rank()) is not None), None)
+    if waiting is not None:
+        for tp in forgotten:
+            if tp.state is State.OPEN and tp.exit_departed is None:
+                tp.abort(_exit_reason(waiting))
+    for tp in forgotten:
         try:
             tp.destroy_at_exit()
         except Exception:
@@ -587,7 +601,15 @@ class Transport:
         deadline = time.monotonic() + limit
         req = self.comm.Iallreduce(flags, total, op=MPI.MAX)
         pauses = self.wait_policy.pauses()
+        next_look = 0.0
         while not req.Test():  # Test drives MPI progress, so peers' URMA traffic keeps landing
+            if self._at_exit and not tolerant and time.monotonic() >= next_look:
+                next_look = time.monotonic() + CALL_CHECK_S
+                waiting = self._node_peer_waiting_for_this_rank()
+                if waiting is not None:  # that peer is in a call this rank will never make: tell it now
+                    self.abort(_exit_reason(waiting))
+                    self._abandon()
+                    return
             if time.monotonic() > deadline and not req.Test():
                 if tolerant:  # every rank met in _meet_for_teardown: one stalled since; leave it be
                     warnings.warn(f"rank {self.topology.rank}: destroy(): a peer stalled after every rank had "
@@ -637,6 +659,14 @@ class Transport:
         self.comm.Free()
         self.state = State.CLOSED
         _LIVE.discard(self)
+
+    def _node_peer_waiting_for_this_rank(self) -> int | None:
+        """A rank of this node whose published waiting-for flags (:meth:`_publish_waitfor`) include this rank: it
+        waits for this rank in a call, or did when it timed out; None if none does. (Ranks of other nodes are not
+        read: an RMA read of a rank that may be gone could block.)"""
+        internal, me = self._internal, self.topology.rank
+        off = internal._waitfor_off + me
+        return next((p for p, ctl in sorted(internal._ctl.items()) if p != me and ctl[off]), None)
 
     def _abandon(self) -> None:
         """Close without collective frees: windows and communicators stay allocated (peers' views of

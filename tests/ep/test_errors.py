@@ -1124,7 +1124,7 @@ def _uncaught_exception_job(mode: str) -> str:
 
     rc, out = run_child_job(2, [sys.executable, "-m", "tests.ep.uncaught_exception_job", mode], REPO_ROOT,
                             timeout_s=90.0)
-    raised = "Unprintable" if mode == "badstr" else "ValueError: a bug in rank 1's own code"
+    raised = {"badstr": "Unprintable", "exit": ""}.get(mode, "ValueError: a bug in rank 1's own code")
     assert rc != 0 and raised in out, f"exit {rc}; output:\n{out[-3000:]}"
     assert "Error in sys.excepthook" not in out and "RecursionError" not in out, out[-3000:]
     assert out.count("USER-HOOK 1") == (mode == "chained"), out[-3000:]
@@ -1153,6 +1153,16 @@ def test_uncaught_exception_with_a_chained_user_hook_and_an_unprintable_message(
     assert "the program ended with an uncaught ValueError: a bug in rank 1's own code" in got, got
     got = _uncaught_exception_job("badstr")
     assert "the program ended with an uncaught Unprintable (its message could not be formatted)" in got, got
+
+
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_a_rank_leaving_while_a_peer_waits_for_it_aborts_at_once():
+    """A rank whose program ends without an exception (``sys.exit(3)``) while a node peer waits for it in a call: its
+    exit teardown reads that peer's waiting-for flags and aborts at once (docs/design/transports.md §2.4), so the
+    peer raises ``TransportAborted`` saying so, not at the teardown's 5 s deadline with no reason."""
+    got = _uncaught_exception_job("exit")
+    assert got.startswith("TransportAborted: ") and "peer rank 1 aborted: its program ended (no uncaught exception" \
+        in got and "while rank 0 waited for it in a call" in got, got
 
 
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")

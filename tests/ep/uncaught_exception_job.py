@@ -12,7 +12,9 @@ Modes:
            must mask rank 1 at the deadline and complete the call (no abort: the owner masks lost ranks).
   chained  as ``normal``, but the program installs its own ``sys.excepthook`` after the first Buffer, calling the
            hook it replaced (it prints ``USER-HOOK`` once), then builds a second Buffer;
-  badstr   as ``normal``, with an exception whose ``__str__`` raises.
+  badstr   as ``normal``, with an exception whose ``__str__`` raises;
+  exit     as ``normal``, but rank 1 leaves with ``sys.exit(3)`` (no exception reaches the hook): its exit teardown
+           finds rank 0 waiting for it and aborts at once.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ topk_idx = torch.arange(K).repeat(M, 1) + 4 * (1 - rank)  # every token to the o
 comm.Barrier()
 if rank == 1:
     time.sleep(0.5)  # rank 0 is in its call by now
+    if MODE == "exit":
+        sys.exit(3)
     if MODE == "badstr":
         class Unprintable(ValueError):
             def __str__(self):
