@@ -76,6 +76,20 @@ _SERIALS = itertools.count()
 #: fallback for MPIs that cannot share ``MPI_Win_allocate`` memory). Read at window creation.
 
 
+#: How long a node peer must go on waiting for a rank whose program has ended before that rank's exit aborts it: a peer
+#: that is only late to see the rank's last signals (descheduled on a busy host) stops waiting within this time.
+_EXIT_GRACE_S = 1.0
+
+
+def _still_waiting_for_this_rank(transports) -> list:
+    """``[(transport, peer)]``: the ``transports`` on which a node peer waits for this rank now and still after
+    :data:`_EXIT_GRACE_S` (at once ``[]`` if none waits now)."""
+    if not any(tp._node_peer_waiting_for_this_rank() is not None for tp in transports):
+        return []
+    time.sleep(_EXIT_GRACE_S)
+    return [(tp, p) for tp in transports if (p := tp._node_peer_waiting_for_this_rank()) is not None]
+
+
 def _exit_reason(waiting: int) -> str:
     return (f"its program ended (no uncaught exception: the end of the script, or sys.exit) while rank {waiting} "
             f"waited for it in a call")
@@ -88,14 +102,11 @@ def _destroy_forgotten_transports():
     # WeakSet's iteration order differs between processes, and mismatched collective frees of two
     # transports hung the job at exit.
     forgotten = sorted(_LIVE, key=lambda t: t._serial, reverse=True)
-    # A node peer waiting for this rank in a call on any of them will never see it again: every transport whose
-    # owner does not mask lost ranks aborts now, before the teardowns (each of which would wait for it first).
-    waiting = next((p for tp in forgotten if tp.state is State.OPEN and tp.exit_departed is None
-                    and (p := tp._node_peer_waiting_for_this_rank()) is not None), None)
-    if waiting is not None:
-        for tp in forgotten:
-            if tp.state is State.OPEN and tp.exit_departed is None:
-                tp.abort(_exit_reason(waiting))
+    # A node peer still waiting for this rank in a call will never see it again: each transport it waits on (whose
+    # owner does not mask lost ranks) aborts now, before the teardowns, each of which would first wait for it.
+    for tp, waiting in _still_waiting_for_this_rank(
+            [tp for tp in forgotten if tp.state is State.OPEN and tp.exit_departed is None]):
+        tp.abort(_exit_reason(waiting))
     for tp in forgotten:
         try:
             tp.destroy_at_exit()
@@ -601,12 +612,14 @@ class Transport:
         deadline = time.monotonic() + limit
         req = self.comm.Iallreduce(flags, total, op=MPI.MAX)
         pauses = self.wait_policy.pauses()
-        next_look = 0.0
+        next_look, waited_since = 0.0, None
         while not req.Test():  # Test drives MPI progress, so peers' URMA traffic keeps landing
             if self._at_exit and not tolerant and time.monotonic() >= next_look:
                 next_look = time.monotonic() + CALL_CHECK_S
                 waiting = self._node_peer_waiting_for_this_rank()
-                if waiting is not None:  # that peer is in a call this rank will never make: tell it now
+                waited_since = None if waiting is None else waited_since or time.monotonic()
+                if waiting is not None and time.monotonic() - waited_since >= _EXIT_GRACE_S:
+                    # that peer is in a call this rank will never make (not merely late to see its last signals)
                     self.abort(_exit_reason(waiting))
                     self._abandon()
                     return

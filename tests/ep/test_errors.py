@@ -1158,11 +1158,26 @@ def test_uncaught_exception_with_a_chained_user_hook_and_an_unprintable_message(
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
 def test_a_rank_leaving_while_a_peer_waits_for_it_aborts_at_once():
     """A rank whose program ends without an exception (``sys.exit(3)``) while a node peer waits for it in a call: its
-    exit teardown reads that peer's waiting-for flags and aborts at once (docs/design/transports.md §2.4), so the
-    peer raises ``TransportAborted`` saying so, not at the teardown's 5 s deadline with no reason."""
+    exit teardown reads that peer's waiting-for flags and, the peer still waiting after a 1 s grace, aborts
+    (docs/design/transports.md §2.4), so the peer raises ``TransportAborted`` saying so, not at the teardown's 5 s
+    deadline with no reason."""
     got = _uncaught_exception_job("exit")
     assert got.startswith("TransportAborted: ") and "peer rank 1 aborted: its program ended (no uncaught exception" \
         in got and "while rank 0 waited for it in a call" in got, got
+
+
+@pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
+def test_ranks_ending_at_different_times_abort_nobody():
+    """The exit teardown aborts only a peer that waits for the leaving rank: after a call both made, rank 1's script
+    ends while rank 0 computes for 2 s; both end cleanly and the job exits 0."""
+    import sys
+
+    from tests.support import REPO_ROOT
+    from tests.support.mpi_utils import run_child_job
+
+    rc, out = run_child_job(2, [sys.executable, "-m", "tests.ep.uncaught_exception_job", "done"], REPO_ROOT,
+                            timeout_s=90.0)
+    assert rc == 0 and "JOB DONE 0" in out and "JOB DONE 1" in out and "abort" not in out.lower(), out[-3000:]
 
 
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")

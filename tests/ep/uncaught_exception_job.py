@@ -14,7 +14,9 @@ Modes:
            hook it replaced (it prints ``USER-HOOK`` once), then builds a second Buffer;
   badstr   as ``normal``, with an exception whose ``__str__`` raises;
   exit     as ``normal``, but rank 1 leaves with ``sys.exit(3)`` (no exception reaches the hook): its exit teardown
-           finds rank 0 waiting for it and aborts at once.
+           finds rank 0 waiting for it and aborts, after a 1 s grace;
+  done     no failure: both ranks make the dispatch, then rank 1's script ends while rank 0 computes for 2 s before
+           its own end (not waiting for rank 1: nobody is aborted, the job exits 0).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ else:
                  enable_shrink=True, timeout_s=1.5)
 topk_idx = torch.arange(K).repeat(M, 1) + 4 * (1 - rank)  # every token to the other rank's experts
 comm.Barrier()
+if MODE == "done":
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    buf.dispatch(torch.ones(M, H, dtype=torch.bfloat16), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                 num_tokens_per_expert=per_expert)
+    if rank == 0:
+        time.sleep(2.0)
+    print(f"JOB DONE {rank}", flush=True)
+    sys.exit(0)
 if rank == 1:
     time.sleep(0.5)  # rank 0 is in its call by now
     if MODE == "exit":
