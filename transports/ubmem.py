@@ -1506,6 +1506,8 @@ class Transport:
                 if elapsed >= next_tag_check and win is not None:  # ranks in different calls: fail now
                     next_tag_check = elapsed + CALL_CHECK_S
                     self._check_call_tags(f"{op}({phase})" if phase else op)
+                    # the ranks still waited for, as their signals come (a peer's exit reads them)
+                    self._publish_waitfor([p for p, _, _ in pending_fn()])
                 self._check_abort(op, phase)
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:

@@ -110,7 +110,7 @@ _UNDESTROYED = weakref.WeakSet()
 @atexit.register
 def _warn_undestroyed():
     for buf in list(_UNDESTROYED):
-        if buf.runtime is not None:
+        if buf.runtime is not None and buf.runtime.state is not State.CLOSED:  # (a destroy() that timed out ran)
             warnings.warn(f"deepep_ascend.{buf.api_name}(rank {buf.rank}) was built with explicitly_destroy=True but "
                           f"never destroyed; call buffer.destroy() on every rank before exit", RuntimeWarning,
                           stacklevel=2)

@@ -1185,3 +1185,27 @@ def test_uncaught_exception_in_shrink_mode_is_masked_not_an_abort():
     """In shrink mode the survivors mask a lost rank (docs/api/low-latency.md): a rank whose program ends with an
     uncaught exception aborts nobody, and its peer's call completes at the deadline with that rank masked."""
     assert _uncaught_exception_job("shrink") == "none: -MASK [0, 1]"
+
+
+def test_exit_warning_only_for_buffers_never_destroyed(comm, monkeypatch):
+    """The exit's warning for an ``explicitly_destroy=True`` buffer names only one whose ``destroy()`` never ran: a
+    buffer whose transport destroy() closed (here directly; a destroy() that timed out closes it too) is not
+    named."""
+    import warnings
+    import weakref
+
+    import deepep_ascend.ep.buffer as buffer_mod
+
+    closed = coll(lambda: Buffer(None, 1 << 14, comm=comm, explicitly_destroy=True))
+    live = coll(lambda: Buffer(None, 1 << 14, comm=comm, explicitly_destroy=True))
+    try:
+        coll(closed.runtime.destroy, what="the first buffer's transport destroyed underneath it")
+        monkeypatch.setattr(buffer_mod, "_UNDESTROYED", weakref.WeakSet([closed, live]))  # (not other tests')
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            buffer_mod._warn_undestroyed()
+        named = [str(w.message) for w in seen if "never destroyed" in str(w.message)]
+        all_ranks_ok(comm, len(named) == 1 and f"rank {comm.Get_rank()}" in named[0], f"warnings: {named}")
+    finally:
+        coll(live.destroy)
+        coll(closed.destroy)
