@@ -204,7 +204,8 @@ def ep_trip(wl, comm, args, system: str, splits: dict | None = None) -> tuple[Ti
 
 def bindings_trips(wl, comm, args) -> dict[str, dict[str, Timing]] | str:
     """``--bindings``: per library system (``low_latency``, ``normal``, those in ``--systems``), the round trip's
-    :class:`Timing` per way of calling the native kernels, ``{"fastcall": ..., "ctypes": ...}``
+    :class:`Timing` per way of calling the native kernels, ``{"fastcall": ..., "ctypes": ..., "calls": (native
+    calls, arguments passed to them) of one round trip on this rank}``
     (``deepep_ascend.native.loader.bindings``), from :func:`bench.timing.time_loops` alternating the two segment by
     segment (5 round trips a segment, ``--iters`` segments each); or why not (the bindings are not loaded on every
     rank). The kernel table is switched once per segment and restored after. Collective."""
@@ -242,12 +243,26 @@ def bindings_trips(wl, comm, args) -> dict[str, dict[str, Timing]] | str:
             current["table"] = table
         trip()
 
+    def counted(trip) -> tuple[int, int]:
+        """(native calls, arguments passed to them) of one more round trip, through counting wrappers."""
+        seen = [0, 0]
+
+        def wrap(fn):
+            def call(*a):
+                seen[0], seen[1] = seen[0] + 1, seen[1] + len(a)
+                return fn(*a)
+            return call
+
+        through({name: wrap(fn) for name, fn in tables["fastcall"].items()}, trip)
+        return seen[0], seen[1]
+
     out = {}
     try:
         for name, trip in (("low_latency", ll_trip), ("normal", normal_trip)):
             if name in args.systems:
                 loops = {how: functools.partial(through, table, trip) for how, table in tables.items()}
                 out[name] = time_loops(loops, comm, args.iters, 5, args.warmup)
+                out[name]["calls"] = counted(trip)
     finally:
         through(tables["fastcall"], lambda: None)
         ll.destroy()
@@ -342,10 +357,13 @@ def run(args) -> int:
             for s, by in ({} if isinstance(ab, str) else ab).items():
                 fast, slow = by["fastcall"].median, by["ctypes"].median
                 summary[f"{s}_bindings_saving_t{T}"] = slow - fast
+                calls, nargs = by["calls"]
+                summary[f"{s}_native_calls_t{T}"], summary[f"{s}_native_args_t{T}"] = calls, nargs
                 binding_lines.append(f"[bindings] T={T:<4d} {s:<12s} through the METH_FASTCALL bindings "
                                      f"{fast * 1e3:.3f} ms, through ctypes {slow * 1e3:.3f} ms: "
                                      f"{(slow - fast) * 1e6:.1f} us ({(slow - fast) / slow * 100:.1f}%) less a round "
-                                     f"trip (median of {args.iters} segments of 5, alternating)")
+                                     f"trip (median of {args.iters} segments of 5, alternating); {calls} native calls "
+                                     f"of {nargs} arguments in all a round trip on rank 0")
         if "mpi_alltoall" in args.systems:
             trips["mpi_alltoall"], same = mpi_alltoall_trip(wl, comm, args)
             if not comm.allreduce(same, op=MPI.LAND):

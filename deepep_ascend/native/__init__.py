@@ -35,8 +35,8 @@ Modules:
 Built at install time as the optional extension ``deepep_ascend.native._native`` (``pyproject.toml``; plain C, no
 Python headers needed) and loaded with :mod:`ctypes`; its functions are called through the ``METH_FASTCALL``
 bindings ``deepep_ascend.native._fastcall`` (a second optional extension, which needs Python's headers; without
-it, through ctypes, about half a microsecond more per argument). Either way a call releases the GIL, so the
-Buffer's worker sums while the caller computes. Where it was not built (no C compiler) or
+it, through ctypes, whose per-argument conversion ``python -m bench overhead --bindings`` times). Either way a
+call releases the GIL, so the Buffer's worker sums while the caller computes. Where it was not built (no C compiler) or
 ``DEEPEP_ASCEND_NATIVE=0`` is set, :func:`available` is False, every function here returns False,
 and the callers (:func:`deepep_ascend.ep.reduce.accumulate_rows`, :mod:`deepep_ascend.mega_moe`) use
 their torch paths, which give the same bits (NaN payloads aside) -- except the grouped GEMMs, whose

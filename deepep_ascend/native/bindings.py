@@ -2,11 +2,10 @@
 library, made from :data:`~deepep_ascend.native.loader.SIGNATURES`, so that the table the loader types its ctypes
 calls with and the bindings cannot differ.
 
-Why: ctypes converts every argument through its ``argtypes`` object, about half a microsecond each; a low-latency
-round trip passes 71 arguments to five native calls and a normal one 123 to nine (their fixed operands are in
-plans already), so argument conversion alone cost tens of microseconds per round trip. A ``METH_FASTCALL``
-function reads its arguments straight from the caller's stack: a 17-argument call costs about what one Python
-call does. ``python -m bench overhead --bindings`` times one call through each.
+Why: ctypes converts every argument through its ``argtypes`` object, and a round trip passes many (the fixed operands
+of its native calls are in plans already, the rest are up to 31 a call); a ``METH_FASTCALL`` function reads its
+arguments straight from the caller's stack. ``python -m bench overhead --bindings`` times the round trips both ways
+and counts their native calls and arguments.
 
 The bindings hold no kernel code: the loader loads the kernel library with ctypes (which needs no Python headers)
 and hands ``_fastcall.bind`` the address of each function; where ``_fastcall`` was not built (no Python headers)

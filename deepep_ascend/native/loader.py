@@ -189,8 +189,8 @@ def _fastcall_module(library: str):
 
 def bindings() -> str:
     """How :data:`kernels` calls the C functions: ``"fastcall"`` (``deepep_ascend.native._fastcall``'s
-    ``METH_FASTCALL`` bindings, about a Python call's cost whatever the arguments), ``"ctypes"`` (its argument
-    conversion, about half a microsecond an argument: the bindings were not built) or ``"none"`` (no library)."""
+    ``METH_FASTCALL`` bindings, about a Python call's cost whatever the arguments), ``"ctypes"`` (its per-argument
+    conversion: the bindings were not built) or ``"none"`` (no library)."""
     return _bindings
 
 

@@ -67,7 +67,8 @@ ONE_PROCESS = {
 
 PHASES = ("normal", "low-latency", "ep")
 OVERHEAD_SPLIT = ["--num-tokens-list", "1", "--hidden", "256", "--num-experts", "8", "--num-topk", "2", "--iters", "2",
-                  "--warmup", "1", "--warmup-s", "0", "--systems", "low_latency,normal,ep", "--native-split"]
+                  "--warmup", "1", "--warmup-s", "0", "--systems", "low_latency,normal,ep", "--native-split",
+                  "--bindings"]
 WARM_UPS = ("0", "0.4")
 TINY_EXPANDED_EP = ["--num-tokens", "24", "--hidden", "256", "--num-experts", "8", "--num-topk", "3", "--iters", "1",
                     "--warmup", "1", "--warmup-s", "0", "--no-progress", "--expand", "--expert-alignment", "4"]
@@ -702,6 +703,17 @@ def test_phases_and_native_split_flags_print_and_write_their_tables(commands_job
     _check_native_split(doc["details"]["native_split"], [f"{s} T=1 {c}" for s in ("low_latency", "ep")
                                                          for c in ("dispatch", "combine")]
                         + [f"normal T=1 {c}" for c in ("layout", "dispatch", "combine")], 2, out)
+    # --bindings: both ways timed per library system, with the native calls and arguments of a round trip
+    from deepep_ascend.native.loader import bindings
+
+    if bindings() == "fastcall":
+        for s in ("low_latency", "normal"):
+            calls, nargs = doc["summary"][f"{s}_native_calls_t1"], doc["summary"][f"{s}_native_args_t1"]
+            assert 0 < calls <= nargs and isinstance(doc["summary"][f"{s}_bindings_saving_t1"], float), doc["summary"]
+            assert re.search(rf"\[bindings\] T=1 +{s} +through the METH_FASTCALL bindings [\d.]+ ms, through ctypes "
+                             rf"[\d.]+ ms: .*; {calls} native calls of {nargs} arguments", out), out[-3000:]
+    else:
+        assert "[skip]     bindings: not run: the METH_FASTCALL bindings are not loaded" in out, out[-3000:]
 
 
 def _check_native_split(table: dict, ops: list, iters: int, out: str) -> None:
