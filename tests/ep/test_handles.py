@@ -131,6 +131,15 @@ def test_a_plain_tuple_of_another_buffers_handle_is_still_refused(comm):
             coll(b.destroy, what="destroy")
 
 
+def _still_gives(buf, comm, dispatch, reference, what: str) -> None:
+    """On every rank: a dispatch (``dispatch()``) and the combine of its rows give ``reference`` (combined_x and
+    weights) bit for bit; ``what`` says when, in the messages."""
+    recv_x, _, recv_w, _, handle, _ = coll(dispatch, what=f"dispatch {what}")
+    again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what=f"combine {what}")
+    all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
+                 f"the Buffer {what} gave other results")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monkeypatch):
     """A synchronous dispatch seals its handle: handed back unchanged it skips the full check (the engine's
@@ -191,10 +200,7 @@ def test_a_handle_written_since_its_dispatch_is_checked_in_full_again(comm, monk
             all_ranks_ok(comm, isinstance(exc, ValueError) and says in str(exc),
                          f"rank {r}: cached dispatch with a handle written in place: {exc!r}")
             full_checks[checks_before:] = []
-        recv_x, _, recv_w, _, handle, _ = coll(dispatch, what="dispatch after the refusals")
-        again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine after them")
-        all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
-                     "the Buffer after refusing written handles gave other results")
+        _still_gives(buf, comm, dispatch, reference, "after refusing written handles")
     finally:
         coll(buf.destroy, what="destroy")
 
@@ -234,12 +240,9 @@ def test_a_handle_edited_in_place_with_its_counts_kept_is_refused_on_every_rank(
                 ok = isinstance(exc, ConsensusError) and f"rank {bad}" in str(exc)
             all_ranks_ok(comm, ok, f"rank {r}: {what} with a handle edited on rank {bad}: {exc!r}")
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(idx, E)  # (the handle holds the layout's own mask)
-        recv_x, _, recv_w, _, handle, _ = coll(lambda: buf.dispatch(
-            x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=idx,
-            topk_weights=w), what="dispatch after the refusals")
-        again = coll(lambda: buf.combine(recv_x, handle, topk_weights=recv_w)[:2], what="combine after them")
-        all_ranks_ok(comm, all(torch.equal(bits(a), bits(b)) for a, b in zip(again, reference)),
-                     "the Buffer after refusing an edited handle gave other results")
+        _still_gives(buf, comm, lambda: buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                     num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w),
+                     reference, "after refusing an edited handle")
     finally:
         coll(buf.destroy, what="destroy")
 
