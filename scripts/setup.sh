@@ -63,8 +63,10 @@ PY
     )
 }
 # The native kernel (an optional extension the install builds; without it the library uses its torch
-# paths). `native_kernel check` exits 0 if it needs a build: missing or older than its sources, a C
-# compiler on PATH, and not already failed for these sources with this compiler here. `native_kernel
+# paths) and its calls' bindings (a second one, which needs Python's headers; without it the kernels are
+# called through ctypes). `native_kernel check` exits 0 if they need a build: one missing or older than the
+# sources (the bindings only where Python's headers are installed), a C compiler on PATH, and not already
+# failed for these sources with this compiler here. `native_kernel
 # record` after an install says when the build was skipped and remembers that it failed (no reinstall on
 # every run); a later source or another compiler (`CC`) tries again.
 native_kernel() {
@@ -76,8 +78,16 @@ srcs = [os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith((".c", ".h
 if not srcs:
     sys.exit(1)
 newest = max(os.path.getmtime(p) for p in srcs)
-fresh = any(os.path.isfile(p) and os.path.getmtime(p) >= newest
-            for p in (os.path.join(pkg, "_native" + s) for s in importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def built(name):
+    return any(os.path.isfile(p) and os.path.getmtime(p) >= newest
+               for p in (os.path.join(pkg, name + s) for s in importlib.machinery.EXTENSION_SUFFIXES))
+
+
+headers = os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+kernels = built("_native")
+fresh = kernels and (built("_fastcall") or not headers)
 cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
 stamp = f"{newest!r} {shutil.which(cc) or cc}"  # these sources with this compiler: another one tries again
 if sys.argv[2] == "check":
@@ -88,13 +98,21 @@ if sys.argv[2] == "check":
 elif fresh:
     if os.path.isfile(failed):
         os.remove(failed)
+    if not headers:
+        print("setup: no Python headers (Python.h): the native kernels are called through ctypes, same results, "
+              "slower calls (docs/install.md)", file=sys.stderr)
 else:
     with open(failed, "w") as f:
         f.write(stamp)
-    print("setup: the native kernels (deepep_ascend/native/csrc/) were not built (no working C compiler?): "
-          "combine and MegaMoE use their torch paths, same results (the grouped GEMMs to bf16 rounding), "
-          "slower (docs/install.md)",
-          file=sys.stderr)
+    if kernels:
+        print("setup: the native kernels' METH_FASTCALL bindings (deepep_ascend/native/csrc/bindings.c) were not "
+              "built: the kernels are called through ctypes, same results, slower calls (docs/install.md)",
+              file=sys.stderr)
+    else:
+        print("setup: the native kernels (deepep_ascend/native/csrc/) were not built (no working C compiler?): "
+              "combine and MegaMoE use their torch paths, same results (the grouped GEMMs to bf16 rounding), "
+              "slower (docs/install.md)",
+              file=sys.stderr)
 PY
 }
 if needs_install || native_kernel check; then
