@@ -419,12 +419,12 @@ class Buffer(SharedOnCopy):
          ranks_per_node) = map(as_int, (num_max_tokens_per_rank, hidden, num_ranks, num_topk, num_experts, x_itemsize,
                                         num_scale_cols, ranks_per_node))  # (numpy values would overflow below)
         if ranks_per_node is not None and ranks_per_node < num_ranks:
-            return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
-                                                  num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
-                                                  2 * hidden, num_topk)[0])
+            return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                              2 * hidden, num_topk)[0]
         size = IntranodeEngine.size_hint(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
                                          num_topk, num_experts, num_ranks, 2 * hidden, num_topk)
-        return int(align(size, 128))  # (a Python int for numpy integer arguments too)
+        return align(size, 128)
 
     @staticmethod
     def get_normal_rdma_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -442,9 +442,9 @@ class Buffer(SharedOnCopy):
                                         num_experts, x_itemsize, num_scale_cols))
         if ranks_per_node >= num_ranks:
             return 0
-        return int(InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
-                                              num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
-                                              2 * hidden, num_topk)[1])
+        return InternodeEngine.size_hints(num_max_tokens_per_rank, hidden * x_itemsize, 4 * num_scale_cols,
+                                          num_topk, num_experts, num_ranks, num_ranks // ranks_per_node,
+                                          2 * hidden, num_topk)[1]
 
     def get_comm_stream(self) -> Worker:
         """The Buffer's worker, the CPU analogue of DeepEP's communication stream, with ``torch.Stream``'s
@@ -1361,8 +1361,7 @@ class Buffer(SharedOnCopy):
             RuntimeError: no LL window, a pending hook, or (the Buffer stays usable) all of the above.
             TimeoutError: a source missed the deadline (without ``enable_shrink``; names the rank).
         """
-        if type(num_max_dispatch_tokens_per_rank) is not int or type(num_experts) is not int:  # (numpy integers)
-            num_max_dispatch_tokens_per_rank, num_experts = map(as_int, (num_max_dispatch_tokens_per_rank, num_experts))
+        num_max_dispatch_tokens_per_rank, num_experts = as_int(num_max_dispatch_tokens_per_rank), as_int(num_experts)
         ll = self._ll_usable("low_latency_dispatch")
 
         def validate():

@@ -283,7 +283,7 @@ class EPBuffer(BufferBase):
         k = num_topk if num_topk > 0 else NUM_MAX_TOPK
         x_bytes, sf_bytes = (hidden, 4 * ceil_div(hidden, 128)) if use_fp8_dispatch else (2 * hidden, 0)
         needs = EPBuffer._window_needs(num_ranks, num_nodes, num_max_tokens_per_rank, x_bytes, sf_bytes, k, hidden)
-        return int(EPBuffer._bytes_for(needs, num_ranks, num_nodes))  # (a Python int for numpy integer arguments too)
+        return EPBuffer._bytes_for(needs, num_ranks, num_nodes)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(num_rdma_ranks, num_nvlink_ranks)``: nodes and ranks per node (URMA and UBMEM domains)."""

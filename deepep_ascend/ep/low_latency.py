@@ -143,7 +143,7 @@ def size_hint(m: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     recv = num_experts * m * max(d, c)
     sig = align(4 * num_experts, 128)
     total = 2 * (send + recv + sig)
-    return int((total // 128 + 1) * 128)  # (a Python int for numpy integer arguments too)
+    return (total // 128 + 1) * 128
 
 
 class Layout:
