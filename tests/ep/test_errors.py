@@ -1147,7 +1147,7 @@ def test_uncaught_exception_aborts_the_peers_naming_it():
 @pytest.mark.skipif(world().Get_size() != 1, reason="launches its own mpiexec; runs in the 1-rank job only")
 def test_uncaught_exception_with_a_chained_user_hook_and_an_unprintable_message():
     """The program's own ``sys.excepthook``, set after the first Buffer and calling the hook it replaced, runs once
-    (a second Buffer does not chain the library's hook again, which made it call itself); an exception whose
+    (a second Buffer does not chain the library's hook again, which would make it call itself); an exception whose
     ``__str__`` raises still aborts the peers at once, named by its class."""
     got = _uncaught_exception_job("chained")
     assert "the program ended with an uncaught ValueError: a bug in rank 1's own code" in got, got

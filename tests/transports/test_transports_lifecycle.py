@@ -372,7 +372,7 @@ def test_destroy_frees_only_when_every_rank_arrived_well_before_the_deadline(lat
     """``destroy(timeout_s=2)`` with the last rank arriving ``lateness`` of the deadline after the others: early, every
     rank frees the windows; within a second of the deadline, every rank abandons them (no collective free, nothing
     raised). A rank that gave up meanwhile would have left its contribution to the reduction behind, and a peer
-    completing against it must not enter a collective free that rank never joins (that hung jobs at exit)."""
+    completing against it must not enter a collective free that rank never joins (the job would hang at exit)."""
     comm = world()
     r, R = comm.Get_rank(), comm.Get_size()
     tp = make_transport()
